@@ -1,0 +1,172 @@
+"""Float64 numpy references for QSA decode and the three sparse prefill variants.
+
+Exactly the semantics of ``qsa-contract.md`` §2-3:
+  * an index entry is valid iff ``0 <= idx < len`` (len per variant); invalid entries anywhere in a
+    row are never dereferenced and never contribute; a position that appears twice counts twice;
+  * a row (or decode sequence) with no valid key gives exact zeros;
+  * FP8 K/V: ``k_scale`` multiplies the scores, ``v_scale`` the P·V output.
+
+Inputs are numpy arrays of any float dtype (convert bf16/fp8 framework tensors to float32 first;
+the FP8 values are then the dequantised-by-cast values the kernels see). All math is float64.
+The reference reads *all* W index columns; kernels may stop early at the visible count, which is
+equivalent for inputs in the valid-first layout (``contract.validate_prefill_metadata``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "attend",
+    "decode_reference",
+    "prefill_reference",
+    "prefill_chunk_reference",
+    "prefill_paged_reference",
+    "rel_l2",
+]
+
+
+def rel_l2(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 (0 when both are zero)."""
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    num = np.linalg.norm(out - ref)
+    den = np.linalg.norm(ref)
+    return float(num / den) if den > 0 else float(num)
+
+
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, k_scale: float = 1.0,
+           v_scale: float = 1.0) -> np.ndarray:
+    """softmax(scale·k_scale·q·kᵀ)·v·v_scale for one KV head.
+
+    Args:
+      q: [G, D] query heads sharing the KV head; k, v: [N, D] selected rows (N may be 0).
+
+    Returns:
+      [G, D] float64; zeros when N == 0.
+    """
+    q = np.asarray(q, np.float64)
+    if k.shape[0] == 0:
+        return np.zeros_like(q)
+    s = (q @ np.asarray(k, np.float64).T) * (scale * k_scale)
+    s -= s.max(axis=-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return (p @ np.asarray(v, np.float64)) * v_scale
+
+
+def _scale(softmax_scale, d):
+    return float(d) ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+
+def decode_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None) -> np.ndarray:
+    """Packed varlen decode (``qsa-contract.md`` §2).
+
+    Args:
+      q: [B, Hq, D]; k, v: [C, Hkv, D]; cu_seqlens_q, cu_seqlens_k: int [B + 1].
+      softmax_scale: float or None for D ** -0.5.
+
+    Returns:
+      [B, Hq, D] float64: out[s, h] attends q[cu_seqlens_q[s], h] over k/v rows
+      [cu_seqlens_k[s], cu_seqlens_k[s + 1]) of KV head h // G; zeros for empty rows.
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    cq, ck = np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64)
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    scale = _scale(softmax_scale, d)
+    out = np.zeros((b, hq, d), np.float64)
+    for s in range(b):
+        lo, hi = ck[s], ck[s + 1]
+        for h in range(hkv):
+            out[s, h * g:(h + 1) * g] = attend(q[cq[s], h * g:(h + 1) * g], k[lo:hi, h], v[lo:hi, h], scale)
+    return out
+
+
+def _prefill_core(q, indices, cu_seqlens_q, lens, gather_k, gather_v, scale, k_scale, v_scale):
+    """Shared loop: gather(b, positions, head) -> [N, D] rows for valid positions."""
+    q = np.asarray(q, np.float64)
+    t, hq, d = q.shape
+    idx = np.asarray(indices, np.int64)
+    if idx.ndim == 2:
+        idx = idx[:, None, :]
+    cq = np.asarray(cu_seqlens_q, np.int64)
+    hkv_idx = idx.shape[1]
+    out = np.zeros((t, hq, d), np.float64)
+    for b in range(len(cq) - 1):
+        for row in range(cq[b], cq[b + 1]):
+            for h in range(_hkv_of(gather_k)):
+                sel = idx[row, h if hkv_idx > 1 else 0]
+                sel = sel[(sel >= 0) & (sel < lens[b])]
+                g = hq // _hkv_of(gather_k)
+                out[row, h * g:(h + 1) * g] = attend(
+                    q[row, h * g:(h + 1) * g], gather_k(b, sel, h), gather_v(b, sel, h),
+                    scale, k_scale, v_scale)
+    return out
+
+
+def _hkv_of(gather):
+    return gather.hkv
+
+
+class _Gather:
+    def __init__(self, kv: np.ndarray, row_of):
+        self.kv = np.asarray(kv, np.float64)
+        self.hkv = self.kv.shape[1]
+        self.row_of = row_of
+
+    def __call__(self, b, sel, h):
+        return self.kv[self.row_of(b, sel), h]
+
+
+def prefill_reference(q, k, v, indices, cu_seqlens, softmax_scale=None) -> np.ndarray:
+    """Ordinary sparse prefill: K/V are this forward's rows, packed like q.
+
+    Args:
+      q: [T, Hq, D]; k, v: [T, Hkv, D]; indices: int [T, W] or [T, Hkv, W] request-relative;
+      cu_seqlens: int [B + 1].
+
+    Returns:
+      [T, Hq, D] float64; entry valid iff 0 <= idx < request length.
+    """
+    cu = np.asarray(cu_seqlens, np.int64)
+    lens = np.diff(cu)
+    row_of = lambda b, sel: cu[b] + sel  # noqa: E731
+    return _prefill_core(q, indices, cu, lens, _Gather(k, row_of), _Gather(v, row_of),
+                         _scale(softmax_scale, np.shape(q)[2]), 1.0, 1.0)
+
+
+def prefill_chunk_reference(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, softmax_scale=None,
+                            k_scale=1.0, v_scale=1.0) -> np.ndarray:
+    """Chunk sparse prefill: K/V hold each request's full context at rows cu_seqlens_k[b]...
+
+    Args:
+      q: [T, Hq, D]; k, v: [Ck, Hkv, D] (float values; FP8 already cast to float);
+      indices: int [T, W] or [T, Hkv, W]; cu_seqlens_q, cu_seqlens_k: [B + 1]; kv_lens: [B].
+
+    Returns:
+      [T, Hq, D] float64; entry valid iff 0 <= idx < kv_lens[b].
+    """
+    ck = np.asarray(cu_seqlens_k, np.int64)
+    row_of = lambda b, sel: ck[b] + sel  # noqa: E731
+    return _prefill_core(q, indices, cu_seqlens_q, np.asarray(kv_lens, np.int64), _Gather(k, row_of),
+                         _Gather(v, row_of), _scale(softmax_scale, np.shape(q)[2]), k_scale, v_scale)
+
+
+def prefill_paged_reference(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
+                            softmax_scale=None, k_scale=1.0, v_scale=1.0) -> np.ndarray:
+    """Paged sparse prefill: K/V read in place from the pool through ``slot_table[b, idx]``.
+
+    Args:
+      q: [T, Hq, D]; k_cache, v_cache: [slots, Hkv, D]; slot_table: int [B, max_context];
+      indices: int [T, W] or [T, Hkv, W]; cu_seqlens_q: [B + 1]; kv_lens: [B].
+
+    Returns:
+      [T, Hq, D] float64; entry valid iff 0 <= idx < kv_lens[b].
+    """
+    st = np.asarray(slot_table, np.int64)
+    row_of = lambda b, sel: st[b, sel]  # noqa: E731
+    return _prefill_core(q, indices, cu_seqlens_q, np.asarray(kv_lens, np.int64),
+                         _Gather(k_cache, row_of), _Gather(v_cache, row_of),
+                         _scale(softmax_scale, np.shape(q)[2]), k_scale, v_scale)
