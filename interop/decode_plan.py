@@ -1,0 +1,83 @@
+"""Static launch plan for split-KV packed decode, shared by the Triton and the Pallas kernels.
+
+Only static facts go in (batch, heads, head dim, ``max_seqlen_k``, the device's SM count): the
+plan fixes the *grid* (B x Hkv x max_splits programs) and the tile sizes. How many of the
+``max_splits`` programs of a (sequence, KV head) actually work is decided **on the device** from
+that row's length (``cu_seqlens_k[s+1] - cu_seqlens_k[s]``), so the same compiled launch (CUDA
+graph, jitted function) stays correct when the lengths change:
+
+    blocks      = cdiv(len, BLOCK_N)
+    n_active    = clamp(cdiv(blocks, min_blocks_per_split), 1, max_splits)
+    blocks/split = cdiv(blocks, n_active); split j covers blocks [j*bps, (j+1)*bps) ∩ [0, blocks)
+
+A row longer than ``max_seqlen_k`` is still covered completely (the split size grows with the
+device length); ``max_seqlen_k`` only bounds the useful grid. Splits past ``n_active`` write an
+empty partial (LSE = -inf) that the merge weighs 0.
+
+Sizing rule (why): at small batch upstream runs B x Hkv x <= 8 programs on 132 SMs and is far from
+the memory floor (anchors.md: B = 1 at 7.5% of HBM); we want about 2 waves of programs, but each
+split must stream enough rows (min_blocks_per_split x BLOCK_N) to amortise its Q load and the merge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+__all__ = ["DecodePlan", "plan_decode", "next_pow2"]
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= x (x >= 1)."""
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """Static decode launch plan.
+
+    Attributes:
+      head_tile: query heads per program, G padded to a power of two (>= 16 for tensor-core dots).
+      block_n: key rows per inner-loop step (BLOCK_N).
+      max_splits: programs per (sequence, KV head) along the row (grid dimension; power of two).
+      min_blocks_per_split: a split is only activated when it gets at least this many BLOCK_N blocks.
+      num_warps, num_stages: Triton launch parameters (the Pallas kernel uses num_warps/num_stages
+        through its compiler params as well).
+    """
+
+    head_tile: int
+    block_n: int
+    max_splits: int
+    min_blocks_per_split: int
+    num_warps: int
+    num_stages: int
+
+
+def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
+                sm_count: int = 132, *, max_splits: int | None = None,
+                block_n: int | None = None) -> DecodePlan:
+    """Plan a split-KV decode launch from static shapes.
+
+    Args:
+      batch: B sequences; num_kv_heads: Hkv; group: G = Hq / Hkv; head_dim: D (power of two).
+      max_seqlen_k: static upper bound of a row's key count (host int).
+      sm_count: streaming multiprocessors of the target GPU (132 on the H200).
+      max_splits, block_n: overrides (tests, sweeps).
+
+    Returns:
+      DecodePlan. Source: this module's docstring (sizing rule); constants to be replaced by the
+      H200 sweep recorded in bench/NOTES.md.
+    """
+    head_tile = max(16, next_pow2(group))
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    blocks = max(1, math.ceil(max_seqlen_k / block_n))
+    min_blocks = 4
+    if max_splits is None:
+        programs = batch * num_kv_heads
+        want = max(1, math.ceil(2 * sm_count / programs))  # about two waves of programs
+        max_splits = min(next_pow2(want), 32, next_pow2(math.ceil(blocks / min_blocks)))
+    max_splits = max(1, int(max_splits))
+    num_warps = 4
+    num_stages = 2
+    return DecodePlan(head_tile, block_n, max_splits, min_blocks, num_warps, num_stages)
