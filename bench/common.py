@@ -1,0 +1,247 @@
+"""Shared GPU timing helpers for the benchmarks (decode, prefill).
+
+Why this way (``docs/anchors.md``): the decode kernels take 4-150 µs. Plain ``do_bench`` on the
+H200 was bimodal for them (the same kernel measured up to 2x apart from one case to the next), so
+we time the way serving runs them: a CUDA graph holding back-to-back calls, replayed; the
+providers of one comparison alternate round-robin inside one process on one set of inputs, so slow
+drifts of clocks / neighbours hit every provider alike; the reported number is the median over
+rounds of CUDA-event timings of whole replays divided by the calls per replay. A provider compared
+with itself (``self_check=True``) must come out at ~1.00: if not, the measurement is noise.
+
+Everything here imports torch lazily so ``bench.common`` can be imported (e.g. for
+``write_json``) on a machine without CUDA.
+
+Public:
+  copy_bandwidth_bytes_per_s(device) -> float
+  time_interleaved(providers, *, use_cuda_graph=True, reps=None, rounds=15, ...) -> dict
+  write_json(path, obj)
+  gpu_name(device=None) -> str
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = [
+    "copy_bandwidth_bytes_per_s",
+    "time_interleaved",
+    "write_json",
+    "gpu_name",
+    "out_dir",
+    "SELF_SUFFIX",
+]
+
+#: key suffix of the self-vs-self sanity entry added by ``time_interleaved(self_check=True)``
+SELF_SUFFIX = "@self"
+
+
+def _torch():
+    import torch  # noqa: PLC0415
+
+    return torch
+
+
+def gpu_name(device=None) -> str:
+    """Marketing name of the CUDA device (``"NVIDIA H200"``), or ``"cpu"`` without CUDA."""
+    torch = _torch()
+    if not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name(device)
+
+
+def out_dir(default: str = "out") -> Path:
+    """Results folder: ``$OUT`` when set (the device runner's output folder), else ``./out``.
+    Created if missing."""
+    p = Path(os.environ.get("OUT") or default)
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)  # JSON has no NaN/Inf
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
+        try:
+            return _jsonable(obj.item())
+        except Exception:  # noqa: BLE001
+            pass
+    return str(obj)
+
+
+def write_json(path, obj) -> Path:
+    """Write ``obj`` as indented JSON (dataclasses, tuples, numpy/torch scalars converted; NaN/Inf
+    as strings). Parent folders are created. Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def copy_bandwidth_bytes_per_s(device=None, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Measured device-to-device copy bandwidth of ``device``, in bytes (read + written) per second.
+
+    Copies a ``nbytes`` buffer (default 1 GiB, far beyond the 60 MB L2 of an H200) ``reps`` times,
+    each timed with CUDA events; returns ``2 * nbytes / median_time``. Source of the method:
+    ``docs/anchors.md`` (4.25 TB/s on the H200 measured this way). Halves ``nbytes`` on OOM.
+
+    Raises:
+      RuntimeError: CUDA is not available.
+    """
+    torch = _torch()
+    if not torch.cuda.is_available():
+        raise RuntimeError("copy_bandwidth_bytes_per_s needs a CUDA device")
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    while True:
+        try:
+            src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+            dst = torch.empty_like(src)
+            break
+        except torch.cuda.OutOfMemoryError:
+            nbytes //= 2
+            if nbytes < (1 << 24):
+                raise
+    src.fill_(1.0)
+    with torch.cuda.device(device):
+        for _ in range(3):
+            dst.copy_(src)
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e-3)
+    moved = 2 * src.numel() * src.element_size()
+    del src, dst
+    return moved / statistics.median(times)
+
+
+class _Timed:
+    """One provider prepared for timing: a replayable CUDA graph (or an eager loop) of ``reps``
+    back-to-back calls."""
+
+    def __init__(self, fn: Callable[[], Any], reps: int, use_cuda_graph: bool, stream):
+        torch = _torch()
+        self.fn, self.reps, self.graph = fn, reps, None
+        if use_cuda_graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=stream):
+                for _ in range(reps):
+                    fn()
+            self.graph = g
+
+    def run(self):
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            for _ in range(self.reps):
+                self.fn()
+
+
+def _estimate_us(fn, torch) -> float:
+    """Eager per-call time estimate (µs), after two warm-up calls (also compiles kernels)."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(5):
+        fn()
+    b.record()
+    b.synchronize()
+    return max(a.elapsed_time(b) * 1e3 / 5, 0.5)
+
+
+def time_interleaved(
+    providers: dict[str, Callable[[], Any]],
+    *,
+    use_cuda_graph: bool = True,
+    reps: int | None = None,
+    rounds: int = 15,
+    target_replay_us: float = 2000.0,
+    max_reps: int = 200,
+    self_check: bool = False,
+) -> dict[str, dict[str, float]]:
+    """Time several providers of the same computation, interleaved, under CUDA graphs.
+
+    Each provider (a zero-argument callable that launches the work on the current stream, e.g. a
+    closure over pre-built inputs) is warmed up eagerly (compiling its kernels), then captured into
+    one CUDA graph of ``reps`` back-to-back calls. Then ``rounds`` rounds replay every provider's
+    graph once, in round-robin order that rotates each round (so no provider is always first after
+    an idle gap); each replay is timed with CUDA events. Per-call time = replay time / reps.
+
+    Args:
+      providers: name -> callable. Each is called many times; it must not sync the host (graph
+        capture forbids it) and must have its inputs ready.
+      use_cuda_graph: False times eager loops of ``reps`` calls instead (includes launch overhead).
+      reps: calls per replay; default: chosen per provider so one replay lasts about
+        ``target_replay_us`` (clamped to [1, ``max_reps``]).
+      rounds: timed replays per provider (the median is over these).
+      self_check: also time the first provider a second time under the name
+        ``name + SELF_SUFFIX`` (its own graph), as a noise check: its median should be within a few
+        percent of the first provider's.
+
+    Returns:
+      ``{name: {"median_us", "p10_us", "p90_us", "min_us", "reps", "rounds"}}`` in µs per call.
+
+    Raises:
+      RuntimeError: CUDA is not available.
+    """
+    torch = _torch()
+    if not torch.cuda.is_available():
+        raise RuntimeError("time_interleaved needs a CUDA device")
+    items = list(providers.items())
+    if self_check and items:
+        items.append((items[0][0] + SELF_SUFFIX, items[0][1]))
+    stream = torch.cuda.Stream()
+    timed: dict[str, _Timed] = {}
+    for name, fn in items:
+        n = reps
+        if n is None:
+            n = int(min(max_reps, max(1, round(target_replay_us / _estimate_us(fn, torch)))))
+        else:
+            fn()
+            fn()
+        torch.cuda.synchronize()
+        timed[name] = _Timed(fn, n, use_cuda_graph, stream)
+        torch.cuda.synchronize()
+    names = [n for n, _ in items]
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    # one untimed warm replay each
+    for n in names:
+        timed[n].run()
+    torch.cuda.synchronize()
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            timed[n].run()
+            b.record()
+            b.synchronize()
+            samples[n].append(a.elapsed_time(b) * 1e3 / timed[n].reps)
+    out = {}
+    for n in names:
+        s = sorted(samples[n])
+        q = statistics.quantiles(s, n=10) if len(s) >= 2 else [s[0]] * 9
+        out[n] = {"median_us": statistics.median(s), "p10_us": q[0], "p90_us": q[-1],
+                  "min_us": s[0], "reps": timed[n].reps, "rounds": rounds}
+    del timed
+    return out
