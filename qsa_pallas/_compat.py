@@ -1,0 +1,298 @@
+"""Pallas (Triton lowering) API shims across jax 0.10.2 (CPU CI) and 0.11.2 (the H200 machine).
+
+Shared by every ``qsa_pallas`` kernel module (decode, prefill). Keep this API stable; add, don't
+rename. What differs between the versions (checked against both installed sources):
+
+* Triton compiler params: ``jax.experimental.pallas.triton.CompilerParams`` in 0.10 and 0.11;
+  older jax named it ``TritonCompilerParams`` (accepted as a fallback).
+* ``plgpu.load / plgpu.store`` take ``(ref, *, mask, other)`` (the indexer goes in ``ref.at[...]``);
+  ``pl.load(ref, idx, ...)`` is the older spelling (fallback). ``dot`` moved from ``pl`` to ``plgpu``.
+* ``jax.shard_map(..., check_vma=False)`` (0.10+) vs ``jax.experimental.shard_map.shard_map(...,
+  check_rep=False)`` (older). ``pallas_call`` inside ``shard_map`` needs the check off.
+* Lowering without a GPU: 0.10.2's Triton lowering rule falls back to compute capability 9.0 when no
+  GPU is present and ignores the abstract device kind; 0.11.2 reads the kind of the abstract mesh's
+  ``AbstractDevice`` (``gpu_info.get_device_kind``) and maps it to sm_90 / sm_120 / sm_121. In both,
+  the rule turns the kernel jaxpr into a Triton MLIR module (TTIR) in Python and embeds it, as
+  bytecode, in a ``__gpu$xla.gpu.triton`` custom call: no jaxlib CUDA plugin is needed, so
+  ``lower_for_device_kind`` works on a CPU-only machine. (0.10.2 on a *GPU* machine compiles to PTX
+  already at lowering; not our case.) ``triton_modules`` pulls the embedded TTIR back out.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.experimental import pallas as pl
+
+try:  # the Triton-lowering namespace (deprecated in 0.11, still the only one with gathers)
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover - very old jax
+    from jax.experimental.pallas import gpu as plgpu  # type: ignore[no-redef]
+
+__all__ = [
+    "JAX_VERSION",
+    "pl",
+    "plgpu",
+    "CompilerParams",
+    "compiler_params",
+    "triton_call",
+    "load",
+    "store",
+    "dot",
+    "shard_map",
+    "default_interpret",
+    "resolve_interpret",
+    "abstract_mesh",
+    "lower_for_device_kind",
+    "TritonModule",
+    "triton_modules",
+    "compile_ttir",
+    "DEVICE_KINDS",
+    "CAPABILITY",
+    "SM12X_SMEM_LIMIT",
+]
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+#: Device kinds our CPU CI lowers for (architecture.md): sm_90, sm_120, sm_121.
+DEVICE_KINDS = (
+    "NVIDIA H200",
+    "NVIDIA RTX PRO 6000 Blackwell Workstation Edition",
+    "NVIDIA GB10",
+)
+
+# ---------------------------------------------------------------------------------------------
+# Compiler params / pallas_call
+CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+
+
+def compiler_params(num_warps: int | None = None, num_stages: int | None = None):
+    """Triton-lowering compiler params (selects the Triton backend of ``pallas_call`` on GPU)."""
+    return CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def triton_call(kernel: Callable, *, out_shape, grid, in_specs=None, out_specs=None,
+                num_warps: int | None = None, num_stages: int | None = None,
+                interpret: bool = False, name: str | None = None,
+                input_output_aliases: dict[int, int] | None = None, debug: bool = False):
+    """``pl.pallas_call`` pinned to the Triton lowering (``compiler_params`` set explicitly).
+
+    Returns the callable ``pallas_call`` returns. ``interpret=True`` runs the kernel on CPU.
+    """
+    kwargs: dict[str, Any] = dict(out_shape=out_shape, grid=grid, interpret=interpret,
+                                  compiler_params=compiler_params(num_warps, num_stages),
+                                  debug=debug)
+    if in_specs is not None:
+        kwargs["in_specs"] = in_specs
+    if out_specs is not None:
+        kwargs["out_specs"] = out_specs
+    if name is not None:
+        kwargs["name"] = name
+    if input_output_aliases:
+        kwargs["input_output_aliases"] = dict(input_output_aliases)
+    return pl.pallas_call(kernel, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# In-kernel primitives
+def load(ref, *, mask=None, other=None, eviction_policy: str | None = None):
+    """Masked load of ``ref`` (index with ``ref.at[...]`` first). Masked-off lanes read ``other``
+    and are never dereferenced on the GPU."""
+    if hasattr(plgpu, "load"):
+        kw = {} if eviction_policy is None else {"eviction_policy": eviction_policy}
+        return plgpu.load(ref, mask=mask, other=other, **kw)
+    return pl.load(ref, (), mask=mask, other=other)  # pragma: no cover - old jax
+
+
+def store(ref, val, *, mask=None):
+    """Masked store into ``ref`` (index with ``ref.at[...]`` first)."""
+    if hasattr(plgpu, "store"):
+        return plgpu.store(ref, val, mask=mask)
+    return pl.store(ref, (), val, mask=mask)  # pragma: no cover - old jax
+
+
+def dot(a, b, *, trans_b: bool = False):
+    """2-D matmul with FP32 accumulation (lowers to ``tt.dot``; inputs bf16/fp16 stay 16-bit)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    if trans_b:
+        b = b.T
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# shard_map
+def shard_map(f: Callable, *, mesh, in_specs, out_specs, check: bool = False) -> Callable:
+    """``jax.shard_map`` with the replication/VMA check switched (off by default: a ``pallas_call``
+    inside ``shard_map`` fails the VMA check in jax 0.10+)."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
+    from jax.experimental.shard_map import shard_map as _sm  # noqa: PLC0415  # pragma: no cover
+
+    return _sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
+
+
+# ---------------------------------------------------------------------------------------------
+# Interpret-mode selection
+def default_interpret() -> bool:
+    """True when jax's default backend is the CPU (Pallas then runs in interpret mode)."""
+    return jax.default_backend() == "cpu"
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """``None`` -> interpret on CPU, compiled Triton kernel on GPU; a bool is taken as given."""
+    return default_interpret() if interpret is None else bool(interpret)
+
+
+# ---------------------------------------------------------------------------------------------
+# Abstract-device lowering (CPU CI lowers every kernel for CUDA without a GPU)
+def abstract_mesh(device_kind: str, axis_sizes: Sequence[int] = (1,),
+                  axis_names: Sequence[str] = ("x",), platform: str = "cuda"):
+    """A ``jax.sharding.AbstractMesh`` whose ``AbstractDevice`` has the given device kind."""
+    from jax.sharding import AbstractDevice, AbstractMesh  # noqa: PLC0415
+
+    dev = AbstractDevice(device_kind=device_kind, num_cores=None, platform=platform)
+    return AbstractMesh(tuple(axis_sizes), tuple(axis_names), abstract_device=dev)
+
+
+def lower_for_device_kind(fn: Callable, args: Sequence[Any], device_kind: str, *,
+                          platform: str = "cuda", static_argnames: Sequence[str] | None = None,
+                          kwargs: dict[str, Any] | None = None):
+    """Trace and lower ``fn(*args, **kwargs)`` for CUDA under an abstract device of ``device_kind``.
+
+    Args:
+      fn: a Python function (jitted here) or an already jitted one.
+      args: ``jax.ShapeDtypeStruct`` or arrays.
+      device_kind: e.g. "NVIDIA H200", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition",
+        "NVIDIA GB10".
+      static_argnames: forwarded to ``jax.jit`` when ``fn`` is not jitted yet.
+      kwargs: keyword arguments (static ones must be named in static_argnames).
+
+    Returns:
+      ``jax.stages.Lowered`` (``.as_text()`` is StableHLO with the Triton custom calls).
+
+    Raises:
+      whatever the Pallas Triton lowering raises (e.g. non-power-of-two tile shapes).
+    """
+    kwargs = kwargs or {}
+    jitted = fn if hasattr(fn, "trace") else jax.jit(fn, static_argnames=static_argnames)
+    mesh = abstract_mesh(device_kind, platform=platform)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = jitted.trace(*args, **kwargs)
+        return traced.lower(lowering_platforms=(platform,))
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonModule:
+    """One Pallas kernel as embedded in a lowered module.
+
+    Attributes:
+      name: kernel name; ttir: Triton MLIR bytecode; num_warps, num_stages; grid: (x, y, z).
+    """
+
+    name: str
+    ttir: bytes
+    num_warps: int
+    num_stages: int
+    grid: tuple[int, int, int]
+
+    def text(self) -> str:
+        """The TTIR as text (parsed with jaxlib's Triton dialect)."""
+        return _ttir_text(self.ttir)
+
+
+def triton_modules(lowered) -> list[TritonModule]:
+    """The Triton kernels embedded in a lowered jax computation (``__gpu$xla.gpu.triton`` calls)."""
+    module = lowered.compiler_ir("stablehlo")
+    found: list[TritonModule] = []
+
+    def visit(op):
+        o = op.operation if hasattr(op, "operation") else op
+        if o.name == "stablehlo.custom_call":
+            target = str(o.attributes["call_target_name"]).strip('"')
+            if "triton" in target and "mhlo.backend_config" in o.attributes:
+                cfg = o.attributes["mhlo.backend_config"]
+                get = lambda k: cfg[k]  # noqa: E731
+                ir_attr = get("ir")
+                raw = ir_attr.value_bytes if hasattr(ir_attr, "value_bytes") else bytes(str(ir_attr), "latin1")
+                found.append(TritonModule(
+                    str(get("name")).strip('"'), raw, _int_attr(get("num_warps")),
+                    _int_attr(get("num_stages")),
+                    (_int_attr(get("grid_x")), _int_attr(get("grid_y")), _int_attr(get("grid_z")))))
+        for region in o.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    visit(inner)
+
+    visit(module.operation)
+    return found
+
+
+def _int_attr(a) -> int:
+    try:
+        return int(a.value)
+    except AttributeError:
+        return int(str(a).split(":")[0].strip())
+
+
+@functools.lru_cache(maxsize=64)
+def _ttir_text(raw: bytes) -> str:
+    from jax._src.lib.mlir import ir  # noqa: PLC0415
+    from jax._src.pallas.triton import lowering as tl  # noqa: PLC0415
+
+    ctx_factory = getattr(tl, "_new_ir_context", None)
+    cm = ctx_factory() if ctx_factory is not None else contextlib.nullcontext()
+    with cm as ctx:
+        ctx = ctx if ctx is not None else ir.Context()
+        return str(ir.Module.parse(raw, context=ctx))
+
+
+def compile_ttir(module: TritonModule, capability: int, *, num_warps: int | None = None,
+                 num_stages: int | None = None) -> dict[str, Any]:
+    """Compile one embedded kernel's TTIR to a CUDA binary for ``capability`` (90, 120, 121...)
+    with the *installed* ``triton`` package, on a machine without a GPU.
+
+    jax's Pallas lowering stops at TTIR; this runs the rest of Triton's pipeline (TTGIR, LLVM,
+    PTX, ptxas), which is what rejects e.g. a configuration too big for the target. Triton does not
+    check the 101,376-byte shared-memory limit of sm_120/sm_121 at compile time: compare
+    ``result["shared"]`` yourself.
+
+    Returns:
+      dict(name, shared (bytes of shared memory per program), num_warps, num_stages, capability).
+
+    Raises:
+      ImportError: triton not installed; any Triton compile error.
+    """
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's notice
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+
+    nw = module.num_warps if num_warps is None else num_warps
+    ns = module.num_stages if num_stages is None else num_stages
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"{module.name}.ttir")
+        with open(path, "w") as fh:
+            fh.write(module.text())
+        compiled = triton.compile(path, target=GPUTarget("cuda", int(capability), 32),
+                                  options=dict(num_warps=nw, num_stages=ns))
+    return dict(name=compiled.metadata.name, shared=int(compiled.metadata.shared), num_warps=nw,
+                num_stages=ns, capability=int(capability))
+
+
+#: Compute capability per device kind in DEVICE_KINDS (as jax 0.11's gpu_info maps them).
+CAPABILITY = {
+    "NVIDIA H200": 90,
+    "NVIDIA RTX PRO 6000 Blackwell Workstation Edition": 120,
+    "NVIDIA GB10": 121,
+}
+#: Shared memory per block on sm_120/sm_121 (qsa-contract.md §5).
+SM12X_SMEM_LIMIT = 101_376
