@@ -1,0 +1,231 @@
+"""The ``qsa`` command.
+
+Subcommands (each a small function taking parsed args and returning an exit status):
+  qsa contract [--arch sm_121] [--strict]     the qualified envelope and the routing per arch
+  qsa check    [--quick|--full] [--ops ...]   cross-check Pallas vs Triton vs FP64 reference
+  qsa compile  [--arch sm_90,sm_120,sm_121]   AOT-compile every shipped kernel configuration
+  qsa bench    decode|prefill [args...]       benchmarks (bench/decode.py, bench/prefill.py)
+  qsa replay   FILE...                        re-run captured kernel calls (interop.capture)
+
+Output uses ``rich`` tables when rich is installed and plain text otherwise. torch / jax / triton
+are imported lazily by the subcommands that need them, so ``qsa contract`` works on a
+numpy-only install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Sequence
+
+__all__ = ["main", "build_parser", "print_table"]
+
+
+# --------------------------------------------------------------------------------------------
+# Output helpers.
+def _console():
+    try:
+        from rich.console import Console  # noqa: PLC0415
+
+        return Console(highlight=False, soft_wrap=False, width=max(100, _term_width()))
+    except ImportError:
+        return None
+
+
+def _term_width() -> int:
+    import shutil  # noqa: PLC0415
+
+    return shutil.get_terminal_size((120, 24)).columns
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]],
+                *, file=None) -> None:
+    """Print one table (rich when available, aligned plain text otherwise)."""
+    rows = [[str(c) for c in r] for r in rows]
+    console = _console() if file is None else None
+    if console is not None:
+        from rich.table import Table  # noqa: PLC0415
+
+        table = Table(title=title, title_justify="left")
+        for c in columns:
+            table.add_column(str(c))
+        for r in rows:
+            table.add_row(*r)
+        console.print(table)
+        return
+    out = file or sys.stdout
+    widths = [max([len(str(c))] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+    print(title, file=out)
+    print("  ".join(str(c).ljust(w) for c, w in zip(columns, widths)), file=out)
+    print("  ".join("-" * w for w in widths), file=out)
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)), file=out)
+    print(file=out)
+
+
+def _split_list(text: str | None) -> list[str]:
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
+
+
+# --------------------------------------------------------------------------------------------
+# qsa contract
+def _cmd_contract(args) -> int:
+    from .arch import KNOWN_ARCHS, DeviceFacts, parse_arch, arch_name  # noqa: PLC0415
+    from .contract import QUALIFIED, envelope_text, route  # noqa: PLC0415
+
+    if args.arch:
+        names = []
+        for a in _split_list(args.arch):
+            try:
+                n = arch_name(parse_arch(a))
+            except ValueError as e:
+                print(f"qsa contract: {e}", file=sys.stderr)
+                return 2
+            if n not in KNOWN_ARCHS:
+                print(f"qsa contract: unknown arch {a!r}; known: {', '.join(KNOWN_ARCHS)}",
+                      file=sys.stderr)
+                return 2
+            names.append(n)
+    else:
+        names = list(KNOWN_ARCHS)
+
+    pairs = ", ".join(f"({a},{b})" for a, b in QUALIFIED["head_pairs"])
+    ppairs = ", ".join(f"({a},{b})" for a, b in QUALIFIED["prefill_head_pairs"])
+    env_rows = [
+        ("decode", "sparse_decode", envelope_text("sparse_decode")),
+        ("prefill", "sparse_prefill / _chunk / _paged", envelope_text("sparse_prefill")),
+    ]
+    print_table("Qualified envelope (qsa-contract.md §2-3)", ("op", "entry points", "envelope"),
+                env_rows)
+    mode_rows = [
+        ("dtype", "bf16 | fp16 (chunk/paged K/V also fp8 e4m3)", "same"),
+        ("head dim D", "power of two 32..256", f"D = {QUALIFIED['head_dim']}"),
+        ("(Hq, Hkv)", "Hkv divides Hq, group <= 16",
+         f"decode {{{pairs}}}; prefill {{{ppairs}}}"),
+        ("batch B (decode)", "B >= 1", f"{QUALIFIED['batch'][0]} <= B <= {QUALIFIED['batch'][1]}"),
+        ("max_seqlen_k (decode)", ">= 1", f"1 .. {QUALIFIED['max_seqlen_k']}"),
+        ("max_seqlen_q (decode)", "= 1", "= 1"),
+        ("metadata", "int32, 1-D, length B+1 (kv_lens B), on q's device, contiguous", "same"),
+        ("indices", "int32 [T, W] or [T, Hkv, W], W >= 1", f"W = {QUALIFIED['index_width']} in production"),
+    ]
+    print_table("Checks: default mode vs --strict (interop.contract.check_*)",
+                ("item", "default mode (correctness)", "strict mode (qualified)"), mode_rows)
+
+    route_rows = []
+    for n in names:
+        info = KNOWN_ARCHS[n]
+        for part in info.example_parts:
+            facts = DeviceFacts.for_arch(n, name=part)
+            d = route(facts, "decode")
+            prefill = {op: route(facts, op) for op in ("prefill", "prefill_chunk", "prefill_paged")}
+            geos = sorted({r.geometry for r in prefill.values()})
+            route_rows.append((n, f"{part.removeprefix('NVIDIA ')} ({facts.sm_count} SM)",
+                               f"{d.kernel} ({'exact contract' if d.exact_contract else 'default checks'})",
+                               " / ".join(geos), prefill["prefill"].reason))
+    print_table("Routing per arch (interop.contract.route)",
+                ("arch", "part", "decode", "prefill geometry", "why (prefill)"), route_rows)
+    arch_rows = [(n, f"{i.cc[0]}.{i.cc[1]}", i.tensor_cores, f"{i.smem_per_block:,} B")
+                 for n, i in KNOWN_ARCHS.items() if n in names]
+    print_table("Arch facts (interop.arch.KNOWN_ARCHS)",
+                ("arch", "cc", "tensor cores", "max smem / block"), arch_rows)
+    if args.strict:
+        return _contract_self_test()
+    return 0
+
+
+def _contract_self_test() -> int:
+    """--strict: run the strict checks on the envelope's corners (all must pass) and just
+    outside them (all must be refused); print the outcome; 1 on any surprise."""
+    from .contract import (QUALIFIED, ContractError, TensorSpec, check_decode,  # noqa: PLC0415
+                           check_prefill_chunk)
+
+    def dec(b, hq, hkv, msk, d=256, msq=1):
+        return check_decode(TensorSpec((b, hq, d), "bfloat16"), TensorSpec((4096, hkv, d), "bfloat16"),
+                            TensorSpec((4096, hkv, d), "bfloat16"), TensorSpec((b + 1,), "int32"),
+                            TensorSpec((b + 1,), "int32"), msk, max_seqlen_q=msq, strict=True)
+
+    def pre(hq, hkv, kv="bfloat16", d=256):
+        t = 64
+        return check_prefill_chunk(TensorSpec((t, hq, d), "bfloat16"), TensorSpec((512, hkv, d), kv),
+                                   TensorSpec((512, hkv, d), kv), TensorSpec((t, 2051), "int32"),
+                                   TensorSpec((2,), "int32"), TensorSpec((2,), "int32"),
+                                   TensorSpec((1,), "int32"), t, strict=True)
+
+    cases: list[tuple[str, Callable[[], object], bool]] = []
+    lo, hi = QUALIFIED["batch"]
+    for hq, hkv in QUALIFIED["head_pairs"]:
+        cases += [(f"decode ({hq},{hkv}) B={lo} max_seqlen_k={QUALIFIED['max_seqlen_k']}",
+                   lambda hq=hq, hkv=hkv: dec(lo, hq, hkv, QUALIFIED["max_seqlen_k"]), True),
+                  (f"decode ({hq},{hkv}) B={hi}", lambda hq=hq, hkv=hkv: dec(hi, hq, hkv, 2051), True)]
+    for hq, hkv in QUALIFIED["prefill_head_pairs"]:
+        cases.append((f"prefill_chunk ({hq},{hkv}) fp8 K/V",
+                      lambda hq=hq, hkv=hkv: pre(hq, hkv, "float8_e4m3fn"), True))
+    cases += [
+        ("decode B=0", lambda: dec(0, 24, 2, 2051), False),
+        (f"decode B={hi + 1}", lambda: dec(hi + 1, 24, 2, 2051), False),
+        ("decode (16,2)", lambda: dec(1, 16, 2, 2051), False),
+        ("decode max_seqlen_k=0", lambda: dec(1, 24, 2, 0), False),
+        (f"decode max_seqlen_k={QUALIFIED['max_seqlen_k'] + 1}",
+         lambda: dec(1, 24, 2, QUALIFIED["max_seqlen_k"] + 1), False),
+        ("decode max_seqlen_q=2", lambda: dec(1, 24, 2, 2051, msq=2), False),
+        ("decode D=128", lambda: dec(1, 24, 2, 2051, d=128), False),
+        ("prefill (24,4)", lambda: pre(24, 4), False),
+    ]
+    rows, bad = [], 0
+    for name, fn, should_pass in cases:
+        try:
+            fn()
+            ok, got = should_pass, "accepted"
+        except ContractError as e:
+            ok, got = not should_pass, f"refused ({e.arg})"
+        bad += not ok
+        rows.append((name, "accept" if should_pass else "refuse", got, "ok" if ok else "FAIL"))
+    print_table("Strict-mode self test", ("case", "expected", "got", "result"), rows)
+    return 1 if bad else 0
+
+
+# --------------------------------------------------------------------------------------------
+# Phase-2 subcommands live in their own modules; the parser wires them when importable.
+def _add_contract(sub) -> None:
+    p = sub.add_parser("contract", help="print the qualified envelope and the routing per arch",
+                       description="Print the qualified contract (qsa-contract.md §2-3), the "
+                       "default-vs-strict checks, and which kernel family / geometry source each "
+                       "arch routes to.")
+    p.add_argument("--arch", help="comma-separated archs (sm_90, sm_100, sm_120, sm_121); "
+                   "default: all known")
+    p.add_argument("--strict", action="store_true",
+                   help="also run the strict checks on the envelope's corners and just outside "
+                   "(exit 1 if any is accepted/refused wrongly)")
+    p.set_defaults(func=_cmd_contract)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser with every available subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="qsa", description="QSA sparse attention: contract, cross-check, compile, bench, replay")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    _add_contract(sub)
+    for adder in _extra_adders():
+        adder(sub)
+    return parser
+
+
+def _extra_adders():
+    adders = []
+    for name in ("_add_check", "_add_compile", "_add_bench", "_add_replay"):
+        fn = globals().get(name)
+        if fn is not None:
+            adders.append(fn)
+    return adders
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``qsa`` console script. Returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,509 @@
+"""Index helpers (``qsa-contract.md`` §4): block expansion, valid counts / ``cu_seqlens_k``,
+compaction, and seeded realistic index generators for tests and benchmarks.
+
+numpy only. Everything is vectorised over rows: generating 8192 prefill rows x 2051 columns takes
+a fraction of a second.
+
+Terms:
+  * ``ratio`` (compress ratio, 4): tokens per indexer block; ``block_topk`` (512) blocks per row;
+    ``token_topk`` (2048) columns kept after expansion; width = token_topk + ratio - 1 = 2051.
+  * visible(row) = tokens a query row may attend (causal): ordinary r + 1, chunk/paged
+    r + kv_len - q_len + 1 (bottom-right causal); both are ``r + kv_len - q_len + 1`` with
+    kv_len = q_len for ordinary prefill.
+  * len (validity bound) = request length (ordinary) or kv_lens[b] (chunk/paged). An entry is
+    valid iff 0 <= idx < len; padding must be invalid (negative or >= len).
+
+Source of the algorithm: the contract's §4 (the QSA indexer selects up to 512 compressed blocks
+of 4 tokens per row; the expansion appends the 0-3 token causal tail and moves valid entries to
+the front, which the FA2-style packing path and the kernels' early stop rely on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Sequence
+
+import numpy as np
+
+__all__ = [
+    "RATIO",
+    "BLOCK_TOPK",
+    "TOKEN_TOPK",
+    "WIDTH",
+    "JUNK_MODES",
+    "DECODE_PATTERNS",
+    "expected_valid_count",
+    "expand_block_indices",
+    "valid_first",
+    "valid_mask",
+    "valid_counts",
+    "cu_seqlens_from_counts",
+    "compact_kv",
+    "row_layout",
+    "select_blocks",
+    "prefill_indices",
+    "PrefillLayout",
+    "prefill_layout",
+    "decode_lengths",
+    "DecodeCase",
+    "decode_case",
+]
+
+RATIO = 4
+BLOCK_TOPK = 512
+TOKEN_TOPK = 2048
+WIDTH = TOKEN_TOPK + RATIO - 1  # 2051
+
+JUNK_MODES = ("-1", "-7", "len", "len+19", "mixed")
+DECODE_PATTERNS = ("short", "medium", "saturated", "mixed")
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+
+
+def _geometry(width: int, ratio: int) -> tuple[int, int]:
+    """(token_topk, block_topk) for an index width (2051 -> (2048, 512))."""
+    if ratio < 1 or width < ratio:
+        raise ValueError(f"index width must be >= ratio={ratio}, got width={width}")
+    token_topk = width - ratio + 1
+    return token_topk, -(-token_topk // ratio)
+
+
+def expected_valid_count(visible, *, width: int = WIDTH, ratio: int = RATIO) -> np.ndarray:
+    """Valid entries of an expanded row whose indexer picked every complete block it may.
+
+    ``ratio * min(floor(L / ratio), block_topk)`` (capped at token_topk) ``+ L mod ratio``;
+    with the production geometry: ``4 * min(floor(L/4), 512) + L mod 4``.
+
+    Args:
+      visible: int array-like, L = visible tokens (position + 1), >= 0.
+
+    Returns:
+      int64 array of the same shape.
+    """
+    token_topk, block_topk = _geometry(width, ratio)
+    L = np.asarray(visible, np.int64)
+    return np.minimum(ratio * np.minimum(L // ratio, block_topk), token_topk) + L % ratio
+
+
+def valid_first(indices: np.ndarray, lens) -> np.ndarray:
+    """Stably move the valid entries (0 <= idx < len) of every row to the front.
+
+    Args:
+      indices: int [..., W]; lens: validity bound broadcastable to ``indices.shape[:-1]``.
+
+    Returns:
+      Array like ``indices`` (same dtype) with the valid entries first, in their original order,
+      then the invalid ones in their original order. O(rows x W), no sort.
+    """
+    idx = np.asarray(indices)
+    lens = np.asarray(lens, np.int64)[..., None]
+    valid = (idx >= 0) & (idx < lens)
+    # destination column: valid -> (#valid before it); invalid -> n_valid + (#invalid before it)
+    before = np.cumsum(valid, -1, dtype=np.int32)
+    n_valid = before[..., -1:]
+    col = np.arange(idx.shape[-1], dtype=np.int32)
+    pos = np.where(valid, before - 1, n_valid + col - before)
+    out = np.empty_like(idx)
+    np.put_along_axis(out, pos, idx, axis=-1)
+    return out
+
+
+def expand_block_indices(block_ids, positions, seq_lens, *, ratio: int = RATIO,
+                         token_topk: int = TOKEN_TOPK) -> np.ndarray:
+    """Expand the indexer's block ids to token indices (``qsa-contract.md`` §4).
+
+    Per row at position p (L = p + 1 visible tokens): every block id g >= 0 expands to tokens
+    ``ratio*g .. ratio*g + ratio - 1`` (tokens >= seq_len become -1, block ids < 0 become -1 x
+    ratio), the result is truncated to ``token_topk`` columns, the causal tail
+    ``[floor(L/ratio)*ratio, p]`` (0..ratio-1 tokens, each < seq_len) is appended in ``ratio - 1``
+    columns (-1 where absent), and the valid entries are stably moved to the front.
+
+    Args:
+      block_ids: int [M, block_topk], row-relative block ids, valid first, -1 after.
+      positions: int [M], the row's position p (request-relative).
+      seq_lens: int [M], the validity bound of each row.
+      ratio: tokens per block (4). token_topk: columns kept after expansion (2048).
+
+    Returns:
+      int32 [M, token_topk + ratio - 1] (2051), valid entries first, -1 after.
+
+    Raises:
+      ValueError: shapes disagree.
+    """
+    blocks = np.asarray(block_ids, np.int64)
+    if blocks.ndim != 2:
+        raise ValueError(f"block_ids must be [M, block_topk], got shape {blocks.shape}")
+    m = blocks.shape[0]
+    pos = np.asarray(positions, np.int64).reshape(-1)
+    sl = np.asarray(seq_lens, np.int64).reshape(-1)
+    if pos.shape[0] != m or sl.shape[0] != m:
+        raise ValueError(f"positions ({pos.shape[0]}) and seq_lens ({sl.shape[0]}) must have "
+                         f"one entry per row ({m})")
+    offs = np.arange(ratio, dtype=np.int64)
+    tok = (blocks[:, :, None] * ratio + offs).reshape(m, -1)
+    tok = np.where(np.repeat(blocks >= 0, ratio, axis=1), tok, -1)
+    tok = tok[:, :token_topk]
+    if tok.shape[1] < token_topk:  # fewer blocks than token_topk / ratio: pad
+        tok = np.concatenate([tok, np.full((m, token_topk - tok.shape[1]), -1, np.int64)], 1)
+    tok = np.where(tok < sl[:, None], tok, -1)
+    visible = pos + 1
+    start = (visible // ratio) * ratio
+    toffs = np.arange(ratio - 1, dtype=np.int64)
+    tail = start[:, None] + toffs
+    tail = np.where((toffs < (visible - start)[:, None]) & (tail < sl[:, None]), tail, -1)
+    out = np.concatenate([tok, tail], axis=1)
+    # every invalid entry is -1 here, so "valid" is simply >= 0
+    return valid_first(out, np.iinfo(np.int64).max).astype(np.int32)
+
+
+def valid_mask(indices, lens) -> np.ndarray:
+    """Boolean mask ``0 <= idx < len`` (lens broadcast over the last axis)."""
+    idx = np.asarray(indices)
+    return (idx >= 0) & (idx < np.asarray(lens, np.int64)[..., None])
+
+
+def valid_counts(indices, seq_lens) -> np.ndarray:
+    """Valid entries per row: ``#{j : 0 <= indices[r, j] < seq_lens[r]}`` (§4), wherever they stand.
+
+    Args:
+      indices: int [B, W] (or [..., W]); seq_lens: int broadcastable to ``indices.shape[:-1]``.
+
+    Returns:
+      int32 array of shape ``indices.shape[:-1]``.
+    """
+    return valid_mask(indices, seq_lens).sum(-1).astype(np.int32)
+
+
+def cu_seqlens_from_counts(counts) -> np.ndarray:
+    """Exclusive prefix sum: int32 [B + 1] with cu[0] = 0 (the decode ``cu_seqlens_k``).
+
+    Raises:
+      ValueError: a negative count, or a total that overflows int32.
+    """
+    c = np.asarray(counts, np.int64).reshape(-1)
+    if (c < 0).any():
+        raise ValueError("counts must be >= 0")
+    cu = np.zeros(c.shape[0] + 1, np.int64)
+    np.cumsum(c, out=cu[1:])
+    if cu[-1] > _I32_MAX:
+        raise ValueError(f"total count {cu[-1]} overflows int32 cu_seqlens")
+    return cu.astype(np.int32)
+
+
+def compact_kv(k_pool, v_pool, indices, seq_lens, slot_table=None, *, out_dtype=None,
+               capacity: int | None = None):
+    """Gather the K/V rows of every valid entry into a packed buffer (decode compaction, §4).
+
+    Row b's valid entries (0 <= idx < seq_lens[b], in column order, wherever they stand) are
+    mapped to pool slots through ``slot_table[b, idx]`` (or used directly when slot_table is None)
+    and copied to ``k[cu_k[b] : cu_k[b+1]]``. FP8 pools are converted to ``out_dtype`` while
+    copying (numpy/ml_dtypes cast; the kernels see the same values).
+
+    Args:
+      k_pool, v_pool: [slots, Hkv, D] any dtype.
+      indices: int [B, W]; seq_lens: int [B].
+      slot_table: int [B, max_context] or None.
+      out_dtype: dtype of the packed buffers (default: the pool's).
+      capacity: rows of the packed buffers (default cu_k[B]; extra rows are zero).
+
+    Returns:
+      (k_packed [C, Hkv, D], v_packed [C, Hkv, D], cu_seqlens_k int32 [B + 1]).
+
+    Raises:
+      ValueError: capacity smaller than the number of valid entries.
+    """
+    idx = np.asarray(indices, np.int64)
+    mask = valid_mask(idx, seq_lens)
+    cu = cu_seqlens_from_counts(mask.sum(-1))
+    rows, cols = np.nonzero(mask)  # row-major: per row, in column order
+    pos = idx[rows, cols]
+    slots = pos if slot_table is None else np.asarray(slot_table, np.int64)[rows, pos]
+    total = int(cu[-1])
+    cap = total if capacity is None else int(capacity)
+    if cap < total:
+        raise ValueError(f"capacity {cap} < {total} valid entries")
+    outs = []
+    for pool in (k_pool, v_pool):
+        pool = np.asarray(pool)
+        dt = pool.dtype if out_dtype is None else np.dtype(out_dtype)
+        buf = np.zeros((cap,) + pool.shape[1:], dt)
+        buf[:total] = pool[slots].astype(dt)
+        outs.append(buf)
+    return outs[0], outs[1], cu
+
+
+# --------------------------------------------------------------------------------------------
+# Realistic prefill indices.
+def row_layout(q_lens, kv_lens=None):
+    """Per-row request id, row position within the request, visible count and validity bound.
+
+    Args:
+      q_lens: int [B] query rows per request; kv_lens: int [B] context length (None: ordinary,
+        kv_lens = q_lens).
+
+    Returns:
+      (req [T], r [T], visible [T], bound [T]) int64 arrays; visible = r + kv_len - q_len + 1.
+
+    Raises:
+      ValueError: kv_lens[b] < q_lens[b].
+    """
+    ql = np.asarray(q_lens, np.int64).reshape(-1)
+    kl = ql if kv_lens is None else np.asarray(kv_lens, np.int64).reshape(-1)
+    if kl.shape != ql.shape:
+        raise ValueError(f"kv_lens has {kl.shape[0]} entries, q_lens {ql.shape[0]}")
+    if (kl < ql).any():
+        raise ValueError(f"kv_lens must be >= q_lens per request, got {kl.tolist()} < {ql.tolist()}")
+    req = np.repeat(np.arange(ql.shape[0]), ql)
+    starts = np.concatenate([[0], np.cumsum(ql)[:-1]]) if ql.size else ql
+    r = np.arange(req.shape[0]) - starts[req] if req.size else req
+    visible = r + kl[req] - ql[req] + 1
+    return req, r, visible, kl[req]
+
+
+def select_blocks(visible, req, *, block_topk: int = BLOCK_TOPK, ratio: int = RATIO,
+                  overlap: float = 0.9, seed: int = 0) -> np.ndarray:
+    """Indexer-like block selection: per row up to ``block_topk`` distinct complete blocks.
+
+    A row with ``nb = floor(visible / ratio)`` complete blocks selects all of them when
+    nb <= block_topk; otherwise one block from each of ``block_topk`` equal strata of [0, nb)
+    (distinct by construction). The offset inside a stratum is drawn once per (request, stratum)
+    with probability ``overlap`` and per row otherwise, so adjacent rows share about ``overlap``
+    of their blocks, as the real indexer's do (anchors.md). Ids are emitted in a per-request
+    "score" order (one random permutation of the strata per request), valid first, -1 after.
+
+    Args:
+      visible: int [T] visible tokens per row; req: int [T] request id per row.
+      overlap: in [0, 1]; seed: RNG seed.
+
+    Returns:
+      int64 [T, block_topk] block ids (-1 padding).
+
+    Raises:
+      ValueError: overlap outside [0, 1].
+    """
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap must be in [0, 1], got {overlap}")
+    rng = np.random.default_rng(seed)
+    vis = np.asarray(visible, np.int64)
+    req = np.asarray(req, np.int64)
+    t = vis.shape[0]
+    n_req = int(req.max()) + 1 if t else 0
+    nb = vis // ratio
+    s = np.arange(block_topk, dtype=np.int64)
+    shared_u = rng.random((n_req, block_topk))
+    row_u = rng.random((t, block_topk))
+    use_shared = rng.random((t, block_topk)) < overlap
+    u = np.where(use_shared, shared_u[req], row_u)
+    # integer strata edges e_s = floor(s * nb / block_topk), strictly increasing when
+    # nb > block_topk, so one block per stratum gives distinct ids
+    edges = (np.arange(block_topk + 1, dtype=np.int64) * nb[:, None]) // block_topk
+    lo, width_s = edges[:, :-1], np.diff(edges, axis=1)
+    strat = lo + np.minimum((u * width_s).astype(np.int64), np.maximum(width_s - 1, 0))
+    dense = np.where(s < nb[:, None], s, -1)
+    blocks = np.where((nb > block_topk)[:, None], strat, dense)
+    # per-request score order (same permutation for every row of a request)
+    perm = np.argsort(rng.random((n_req, block_topk)), axis=1)
+    blocks = np.take_along_axis(blocks, perm[req], axis=1)
+    return valid_first(blocks, np.iinfo(np.int64).max)
+
+
+def _junk(shape, bound, mode: str, rng) -> np.ndarray:
+    """Invalid padding values for rows with validity bound ``bound`` [T] (broadcast on the last axis)."""
+    b = np.asarray(bound, np.int64)[:, None]
+    if mode == "-1":
+        return np.full(shape, -1, np.int64)
+    if mode == "-7":
+        return np.full(shape, -7, np.int64)
+    if mode == "len":
+        return np.broadcast_to(b, shape).copy()
+    if mode == "len+19":
+        return np.broadcast_to(b + 19, shape).copy()
+    if mode == "mixed":
+        # per-row table of junk values, then one random pick per entry
+        table = np.concatenate([np.broadcast_to(np.int64(v), b.shape) for v in (-1, -7)]
+                               + [b, b + 19]
+                               + [np.broadcast_to(np.int64(v), b.shape)
+                                  for v in (_I32_MAX, _I32_MIN, -2**20)], axis=1)
+        pick = rng.integers(0, table.shape[1], size=shape)
+        return np.take_along_axis(table, pick, axis=1)
+    raise ValueError(f"junk mode must be one of {JUNK_MODES}, got {mode!r}")
+
+
+def prefill_indices(q_lens, kv_lens=None, *, width: int = WIDTH, ratio: int = RATIO,
+                    overlap: float = 0.9, junk: str = "-1", empty_rows: float | Sequence[int] = 0.0,
+                    num_kv_heads: int | None = None, seed: int = 0) -> np.ndarray:
+    """Seeded realistic prefill indices (block-structured like the QSA indexer's output).
+
+    Rows are laid out request after request (``row_layout``). Each row selects blocks with
+    ``select_blocks`` and is expanded with ``expand_block_indices`` (seq_len = visible, so every
+    selected token is causal); padding after the valid prefix is replaced by ``junk``.
+
+    Args:
+      q_lens: int [B] query rows per request.
+      kv_lens: int [B] context length per request (chunk/paged: the validity bound); None for
+        ordinary prefill (bound = request length = q_len).
+      width: W index columns (2051 in production; smaller for CPU tests, >= ratio).
+      overlap: [0, 1], how much adjacent rows share blocks.
+      junk: padding values, one of ``JUNK_MODES``: "-1", "-7", "len" (the row's bound),
+        "len+19", "mixed" (all of those plus int32 extremes, per entry).
+      empty_rows: fraction of rows (float) or explicit row numbers made entirely of junk (no valid
+        entry; the kernels must output 0).
+      num_kv_heads: None -> indices [T, W] shared by the KV heads; an int -> [T, Hkv, W] with a
+        different selection per head.
+      seed: RNG seed.
+
+    Returns:
+      int32 [T, W] or [T, Hkv, W], valid entries first.
+
+    Raises:
+      ValueError: unknown junk mode, bad overlap, kv_lens < q_lens, width < ratio.
+    """
+    if junk not in JUNK_MODES:
+        raise ValueError(f"junk mode must be one of {JUNK_MODES}, got {junk!r}")
+    token_topk, block_topk = _geometry(width, ratio)
+    req, _r, visible, bound = row_layout(q_lens, kv_lens)
+    t = req.shape[0]
+    rng = np.random.default_rng(seed)
+    heads = []
+    for h in range(num_kv_heads or 1):
+        blocks = select_blocks(visible, req, block_topk=block_topk, ratio=ratio, overlap=overlap,
+                               seed=int(rng.integers(2**31)))
+        heads.append(expand_block_indices(blocks, visible - 1, visible, ratio=ratio,
+                                          token_topk=token_topk).astype(np.int64))
+    idx = np.stack(heads, 1)  # [T, H, W]
+    if isinstance(empty_rows, (int, float, np.integer, np.floating)) and not isinstance(empty_rows, bool):
+        empty_rows = float(empty_rows)
+        if not 0.0 <= empty_rows <= 1.0:
+            raise ValueError(f"empty_rows fraction must be in [0, 1], got {empty_rows}")
+        empty = np.nonzero(rng.random(t) < empty_rows)[0] if empty_rows > 0 else np.zeros(0, np.int64)
+    else:
+        empty = np.asarray(list(empty_rows), np.int64)
+    if empty.size:
+        idx[empty] = -1
+    if junk != "-1":
+        pad = idx < 0
+        flat = _junk((t, idx.shape[1] * width), bound, junk, rng).reshape(idx.shape)
+        idx = np.where(pad, flat, idx)
+    idx = idx.astype(np.int32)
+    return idx if num_kv_heads is not None else idx[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillLayout:
+    """Host metadata of one prefill batch (numpy; int32 device metadata ready to upload).
+
+    Attributes:
+      kind: "ordinary" | "chunk" | "paged".
+      q_lens, kv_lens: int32 [B] (ordinary: kv_lens = q_lens).
+      cu_seqlens_q: int32 [B + 1]; cu_seqlens_k: int32 [B + 1] (chunk: packed context rows).
+      max_seqlen_q: host int.
+      slot_table: int32 [B, max_kv] (paged; a seeded permutation of pool slots) or None.
+      pool_slots: slots in the pool (paged), or the packed context rows (chunk/ordinary).
+    """
+
+    kind: str
+    q_lens: np.ndarray
+    kv_lens: np.ndarray
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+    max_seqlen_q: int
+    slot_table: np.ndarray | None
+    pool_slots: int
+
+
+def prefill_layout(kind: Literal["ordinary", "chunk", "paged"], q_lens, kv_lens=None, *,
+                   pool_slack: int = 0, seed: int = 0) -> PrefillLayout:
+    """Metadata for a prefill batch; paged pools get a scattered slot table (seeded).
+
+    Args:
+      kind: variant; q_lens: int [B]; kv_lens: int [B] (ignored for ordinary).
+      pool_slack: extra unused pool slots (paged), so slots are not simply 0..sum-1.
+
+    Raises:
+      ValueError: unknown kind, kv_lens < q_lens.
+    """
+    if kind not in ("ordinary", "chunk", "paged"):
+        raise ValueError(f"kind must be ordinary|chunk|paged, got {kind!r}")
+    ql = np.asarray(q_lens, np.int64).reshape(-1)
+    kl = ql if kind == "ordinary" or kv_lens is None else np.asarray(kv_lens, np.int64).reshape(-1)
+    row_layout(ql, kl)  # validates
+    cu_q = cu_seqlens_from_counts(ql)
+    cu_k = cu_seqlens_from_counts(kl)
+    st, slots = None, int(cu_k[-1])
+    if kind == "paged":
+        rng = np.random.default_rng(seed)
+        slots = int(kl.sum()) + int(pool_slack)
+        perm = rng.permutation(slots)
+        width = max(1, int(kl.max()) if kl.size else 1)
+        st = np.zeros((ql.shape[0], width), np.int64)
+        for b in range(ql.shape[0]):
+            st[b, : kl[b]] = perm[cu_k[b]: cu_k[b + 1]]
+        st = st.astype(np.int32)
+    return PrefillLayout(kind, ql.astype(np.int32), kl.astype(np.int32), cu_q, cu_k,
+                         int(ql.max()) if ql.size else 1, st, slots)
+
+
+# --------------------------------------------------------------------------------------------
+# Decode cases.
+def decode_lengths(batch: int, pattern: str, *, max_len: int = WIDTH, seed: int = 0,
+                   zero_rows: int = 0) -> np.ndarray:
+    """Per-sequence key counts for a decode batch.
+
+    Patterns (max_len = 2051 in production): "short" uniform in [1, max(1, max_len // 32)]
+    (1..64), "medium" in [max_len // 8, max_len // 2] (256..1025), "saturated" all max_len,
+    "mixed" in [min(17, max_len), max_len] (anchors.md's "mixed 17..2051").
+
+    Args:
+      batch: B >= 1. zero_rows: how many sequences (seeded positions) get 0 keys.
+
+    Returns:
+      int32 [B].
+
+    Raises:
+      ValueError: unknown pattern, B < 1, max_len < 1.
+    """
+    if pattern not in DECODE_PATTERNS:
+        raise ValueError(f"decode pattern must be one of {DECODE_PATTERNS}, got {pattern!r}")
+    if batch < 1 or max_len < 1:
+        raise ValueError(f"need batch >= 1 and max_len >= 1, got {batch}, {max_len}")
+    rng = np.random.default_rng(seed)
+    lo, hi = {
+        "short": (1, max(1, max_len // 32)),
+        "medium": (max(1, max_len // 8), max(1, max_len // 2)),
+        "saturated": (max_len, max_len),
+        "mixed": (min(17, max_len), max_len),
+    }[pattern]
+    lens = rng.integers(lo, hi + 1, size=batch)
+    if zero_rows:
+        lens[rng.choice(batch, size=min(zero_rows, batch), replace=False)] = 0
+    return lens.astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    """Metadata of one packed varlen decode batch (numpy int32).
+
+    Attributes:
+      lengths: [B] keys per sequence; cu_seqlens_q: [B + 1] = 0..B (one query row each);
+      cu_seqlens_k: [B + 1] exclusive prefix sum of lengths; max_seqlen_k: host int bound;
+      capacity: rows of the packed K/V buffers (>= cu_seqlens_k[B]; the slack rows are junk a
+      correct kernel never reads).
+    """
+
+    lengths: np.ndarray
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+    max_seqlen_k: int
+    capacity: int
+
+
+def decode_case(batch: int, pattern: str, *, max_len: int = WIDTH, seed: int = 0,
+                zero_rows: int = 0, capacity_slack: int = 0) -> DecodeCase:
+    """A decode batch: ``decode_lengths`` -> cu_seqlens_k (exclusive prefix sum).
+
+    ``max_seqlen_k`` is ``max_len`` (the static capacity per row, as serving passes it), not the
+    actual maximum.
+    """
+    lens = decode_lengths(batch, pattern, max_len=max_len, seed=seed, zero_rows=zero_rows)
+    cu_k = cu_seqlens_from_counts(lens)
+    return DecodeCase(lens, np.arange(batch + 1, dtype=np.int32), cu_k, int(max_len),
+                      int(cu_k[-1]) + int(capacity_slack))
