@@ -5,4 +5,6 @@ Never imports torch. Every entry point runs ``interop.contract`` checks before a
 
 from interop.contract import ContractError  # noqa: F401
 
-__all__ = ["ContractError"]
+from .decode import sparse_decode  # noqa: F401
+
+__all__ = ["ContractError", "sparse_decode"]

@@ -1,0 +1,233 @@
+"""Packed varlen sparse decode for JAX: a Pallas kernel on the Triton lowering, split-KV + merge.
+
+Semantics: ``qsa-contract.md`` §2 (flash-attn varlen convention, one query row per sequence).
+Design (mirrors ``qsa_triton.decode`` through the shared static plan ``interop.decode_plan``):
+
+* one program per (sequence s, KV head h, split j) covering the G query heads of h, padded to a
+  power-of-two head tile (>= 16 so the dots map to tensor-core MMAs) and masked;
+* the split's key range is derived *in the kernel* from ``cu_seqlens_k`` (an int32 input: the
+  Triton lowering has no scalar prefetch), with the number of active splits decided on the device
+  from the row length exactly as ``interop/decode_plan.py`` describes; a row longer than
+  ``max_seqlen_k`` is still covered completely (the split size grows with the device length);
+* bf16/fp16 dots with FP32 scores (the scale is applied to the FP32 scores), FP32 online softmax;
+  every K/V row index is clamped into the buffer *and* masked, so nothing outside
+  ``[cu_k[s], cu_k[s+1])`` is read (interpret mode clamps out-of-range gathers instead of faulting,
+  so only explicit masks make the CPU tests meaningful);
+* each split writes its normalised partial output and its LSE (``-inf`` when empty); the merge in
+  plain JAX weighs split j by ``exp(lse_j - max lse)``, empty splits by exactly 0, and an all-empty
+  row (zero keys) gives exact zeros, never NaN. No atomics at all.
+
+64-bit offsets: the Pallas Triton lowering switches its pointer offsets to i64 by itself when an
+operand exceeds 2**32 bytes (``_compute_offsets_from_indices``); the row numbers the kernel computes
+(``row * Hkv + h`` < C * Hkv rows) stay far below 2**31.
+
+Algorithm sources: FlashAttention-2 online softmax / flash-decoding split-KV with an LSE merge (Dao
+et al.); the split sizing rule is ``interop/decode_plan.py``'s.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from interop.contract import check_decode
+from interop.decode_plan import DecodePlan, plan_decode
+
+from . import _compat as C
+
+__all__ = ["sparse_decode", "decode_plan_for", "decode_partials"]
+
+
+def _sm_count() -> int:
+    """SMs of jax's default GPU (``core_count``), 132 (the H200's) elsewhere."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:  # pragma: no cover
+        return 132
+    if dev.platform != "gpu":
+        return 132
+    return int(getattr(dev, "core_count", None) or 132)
+
+
+def decode_plan_for(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                    max_seqlen_k: int, **overrides) -> DecodePlan:
+    """The shared static split-KV plan (``interop.decode_plan.plan_decode``) for these shapes on
+    jax's default device (its SM count). ``overrides`` go to ``plan_decode`` (``max_splits``,
+    ``block_n``, ``sm_count``)."""
+    sm = overrides.pop("sm_count", None) or _sm_count()
+    return plan_decode(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim, max_seqlen_k,
+                       sm, **overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# The split kernel
+def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, group: int,
+                  head_tile: int, block_n: int, num_q_heads: int, num_kv_heads: int,
+                  batch: int, capacity: int, max_splits: int, min_blocks: int, scale: float):
+    """One (sequence, KV head, split) program.
+
+    Refs: cuq/cuk int32 [B + 1]; q [B * Hq, D]; k, v [C * Hkv, D] (row r, head h at r * Hkv + h);
+    o_ref [HT, D] f32 block of [B, Hkv, S, HT, D]; lse_ref [HT] f32 block of [B, Hkv, S, HT].
+    """
+    s, h, j = pl_program_ids()
+    start = cuk_ref[s]
+    end = cuk_ref[s + 1]
+    length = jnp.maximum(end - start, 0)
+    # Device-side split decision (interop/decode_plan.py): blocks, active splits, blocks per split.
+    blocks = (length + (block_n - 1)) // block_n
+    n_active = jnp.clip((blocks + (min_blocks - 1)) // min_blocks, 1, max_splits)
+    per_split = (blocks + n_active - 1) // n_active
+    blk_lo = jnp.minimum(j * per_split, blocks)
+    blk_hi = jnp.minimum(blk_lo + per_split, blocks)
+
+    heads = lax.iota(jnp.int32, head_tile)
+    head_ok = heads < group
+    q_row = jnp.clip(cuq_ref[s], 0, batch - 1)
+    q_idx = q_row * num_q_heads + h * group + jnp.minimum(heads, group - 1)
+    dcol = lax.iota(jnp.int32, q_ref.shape[-1])[None, :]
+    q = C.load(q_ref.at[q_idx[:, None], dcol], mask=head_ok[:, None], other=0)  # [HT, D] bf16/fp16
+
+    cols = lax.iota(jnp.int32, block_n)
+
+    def body(b, carry):
+        acc, m_prev, l_prev = carry
+        rows = start + b * block_n + cols
+        row_ok = rows < end  # rows >= start by construction
+        kv_idx = jnp.clip(rows, 0, capacity - 1) * num_kv_heads + h
+        kt = C.load(k_ref.at[kv_idx[:, None], dcol], mask=row_ok[:, None], other=0)  # [BN, D]
+        scores = C.dot(q, kt, trans_b=True) * scale  # FP32 [HT, BN]
+        scores = jnp.where(row_ok[None, :], scores, -jnp.inf)
+        # Every executed block has >= 1 in-row column, so m_new is finite and alpha well defined.
+        m_new = jnp.maximum(m_prev, scores.max(axis=1))
+        alpha = jnp.exp(m_prev - m_new)
+        p = jnp.exp(scores - m_new[:, None])
+        l_new = l_prev * alpha + p.sum(axis=1)
+        vt = C.load(v_ref.at[kv_idx[:, None], dcol], mask=row_ok[:, None], other=0)  # [BN, D]
+        acc = acc * alpha[:, None] + C.dot(p.astype(vt.dtype), vt)
+        return acc, m_new, l_new
+
+    d = q.shape[-1]
+    init = (jnp.zeros((head_tile, d), jnp.float32),
+            jnp.full((head_tile,), -jnp.inf, jnp.float32),
+            jnp.zeros((head_tile,), jnp.float32))
+    acc, m_i, l_i = lax.fori_loop(blk_lo, blk_hi, body, init)
+    has = l_i > 0
+    out = acc / jnp.where(has, l_i, 1.0)[:, None]
+    lse = jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)), -jnp.inf)
+    # Padded head rows are never stored (never read by the merge either).
+    C.store(o_ref, out, mask=head_ok[:, None])
+    C.store(lse_ref, lse, mask=head_ok)
+
+
+def pl_program_ids():
+    return C.pl.program_id(0), C.pl.program_id(1), C.pl.program_id(2)
+
+
+def decode_partials(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_scale: float,
+                    interpret: bool):
+    """Run only the split kernel (no checks): per-split normalised outputs and LSEs.
+
+    Args:
+      q: [B, Hq, D]; k, v: [C, Hkv, D] (C >= 1); cu_seqlens_q/k: int32 [B + 1].
+
+    Returns:
+      (o [B, Hkv, S, HT, D] float32, lse [B, Hkv, S, HT] float32), S = plan.max_splits,
+      HT = plan.head_tile. Rows >= G of the head tile are unwritten (garbage); an empty split has
+      o = 0 and lse = -inf.
+    """
+    b, hq, d = q.shape
+    cap, hkv, _ = k.shape
+    group = hq // hkv
+    ht, s_max = plan.head_tile, plan.max_splits
+    kernel = functools.partial(
+        _split_kernel, group=group, head_tile=ht, block_n=plan.block_n, num_q_heads=hq,
+        num_kv_heads=hkv, batch=b, capacity=cap, max_splits=s_max,
+        min_blocks=plan.min_blocks_per_split, scale=float(softmax_scale))
+    whole = C.pl.no_block_spec
+    call = C.triton_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((b, hkv, s_max, ht, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, s_max, ht), jnp.float32)),
+        grid=(b, hkv, s_max),
+        in_specs=[whole] * 5,
+        out_specs=(C.pl.BlockSpec((None, None, None, ht, d), lambda i, h, j: (i, h, j, 0, 0)),
+                   C.pl.BlockSpec((None, None, None, ht), lambda i, h, j: (i, h, j, 0))),
+        num_warps=plan.num_warps, num_stages=plan.num_stages, interpret=interpret,
+        name="qsa_decode_split")
+    return call(cu_seqlens_q, cu_seqlens_k, q.reshape(b * hq, d), k.reshape(cap * hkv, d),
+                v.reshape(cap * hkv, d))
+
+
+def _merge(o, lse, group: int):
+    """Stable LSE merge over splits: o [B, Hkv, S, HT, D], lse [B, Hkv, S, HT] -> [B, Hkv, G, D].
+
+    M = max_j lse_j (0 when every split is empty), w_j = exp(lse_j - M) (exactly 0 for empty
+    splits), out = sum_j w_j o_j / sum_j w_j (0 / 1 = 0 for a row with no keys). Never NaN.
+    """
+    o = o[:, :, :, :group]
+    lse = lse[:, :, :, :group]
+    if o.shape[2] == 1:
+        return o[:, :, 0]
+    m = lse.max(axis=2, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m)  # exp(-inf) = 0 for empty splits
+    den = w.sum(axis=2)
+    num = (w[..., None] * o).sum(axis=2)
+    return num / jnp.where(den > 0, den, 1.0)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "softmax_scale", "interpret"))
+def _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_scale: float,
+            interpret: bool):
+    b, hq, d = q.shape
+    cap, hkv, _ = k.shape
+    if cap == 0:  # no keys anywhere: every row is empty (contract: exact zeros)
+        return jnp.zeros_like(q)
+    o, lse = decode_partials(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
+                             softmax_scale=softmax_scale, interpret=interpret)
+    out = _merge(o, lse, hq // hkv)
+    return out.reshape(b, hq, d).astype(q.dtype)
+
+
+def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
+                  interpret: bool | None = None, plan: DecodePlan | None = None):
+    """Packed varlen sparse decode (``qsa-contract.md`` §2), Pallas on the Triton lowering.
+
+    Same argument order and meaning as ``qsa_triton.sparse_decode``.
+
+    Args:
+      q: [B, Hq, D] bfloat16|float16 jax array; sequence s's query is row ``cu_seqlens_q[s]``.
+      k, v: [C, Hkv, D], q's dtype: packed selected keys/values; sequence s owns rows
+        ``[cu_seqlens_k[s], cu_seqlens_k[s + 1])``. C (capacity) is any size >= cu_seqlens_k[B].
+      cu_seqlens_q, cu_seqlens_k: int32 [B + 1] device arrays (may be traced; never read on the
+        host).
+      max_seqlen_k: host int >= 1, static upper bound of a row's key count; it only sizes the
+        split grid (a longer row is still attended completely).
+      softmax_scale: host float > 0 (applied to FP32 scores), default D ** -0.5.
+      interpret: None -> Pallas interpret mode when jax's default backend is the CPU, the compiled
+        Triton kernel on a GPU; True/False forces it.
+      plan: optional ``interop.decode_plan.DecodePlan`` overriding the shared plan (tests, sweeps).
+
+    Returns:
+      [B, Hq, D] in q's dtype; ``out[s, h] = softmax(scale * q[cu_q[s], h] . K^T) . V`` over the
+      row's keys of KV head ``h // G``; exact zeros for a row with no keys.
+
+    Raises:
+      ContractError: from ``interop.contract.check_decode`` (same message as the torch path),
+        before anything is traced or launched.
+
+    Works under ``jax.jit`` (``max_seqlen_k`` static, lengths traced), ``lax.scan`` and
+    ``shard_map`` (see ``_compat.shard_map``: the VMA check must be off).
+    """
+    prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
+                        fn="sparse_decode")
+    if plan is None:
+        plan = decode_plan_for(prob.batch, prob.num_q_heads, prob.num_kv_heads, prob.head_dim,
+                               prob.max_seqlen_k)
+    return _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
+                   softmax_scale=float(prob.softmax_scale),
+                   interpret=C.resolve_interpret(interpret))
+
