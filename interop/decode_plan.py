@@ -8,11 +8,15 @@ graph, jitted function) stays correct when the lengths change:
 
     blocks      = cdiv(len, BLOCK_N)
     n_active    = clamp(cdiv(blocks, min_blocks_per_split), 1, max_splits)
-    blocks/split = cdiv(blocks, n_active); split j covers blocks [j*bps, (j+1)*bps) ∩ [0, blocks)
+    split j < n_active covers blocks [j*blocks // n_active, (j+1)*blocks // n_active)
+                  (balanced: every active split of a non-empty row gets >= 1 block, since
+                   n_active <= blocks; the counts differ by at most one block)
 
 A row longer than ``max_seqlen_k`` is still covered completely (the split size grows with the
 device length); ``max_seqlen_k`` only bounds the useful grid. Splits past ``n_active`` write an
-empty partial (LSE = -inf) that the merge weighs 0.
+empty partial (LSE = -inf) that the merge weighs 0 (or write nothing, when the merge recomputes
+n_active from the same device length and masks those splits itself). A zero-length row has
+n_active = 1 and its one split writes exact zeros.
 
 Sizing rule (why): at small batch upstream runs B x Hkv x <= 8 programs on 132 SMs and is far from
 the memory floor (anchors.md: B = 1 at 7.5% of HBM); we want about 2 waves of programs, but each
@@ -72,12 +76,15 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
     blocks = max(1, math.ceil(max_seqlen_k / block_n))
-    min_blocks = 4
     if max_splits is None:
         programs = batch * num_kv_heads
         want = max(1, math.ceil(2 * sm_count / programs))  # about two waves of programs
-        max_splits = min(next_pow2(want), 32, next_pow2(math.ceil(blocks / min_blocks)))
+        max_splits = min(next_pow2(want), 64, next_pow2(blocks))
     max_splits = max(1, int(max_splits))
+    # A row as long as max_seqlen_k should use every split (small batches fill the GPU), but a
+    # split should stream at least a few blocks when there are enough of them (amortises the Q
+    # load and the merge): 1..4 blocks per split.
+    min_blocks = max(1, min(4, blocks // max_splits))
     num_warps = 4
     num_stages = 2
     return DecodePlan(head_tile, block_n, max_splits, min_blocks, num_warps, num_stages)

@@ -5,4 +5,6 @@ Never imports jax. Every entry point runs ``interop.contract`` checks before any
 
 from interop.contract import ContractError  # noqa: F401
 
-__all__ = ["ContractError"]
+from .decode import flash_attn_varlen_func, sparse_decode  # noqa: F401
+
+__all__ = ["ContractError", "sparse_decode", "flash_attn_varlen_func"]

@@ -1,0 +1,530 @@
+"""Packed varlen sparse decode (``qsa-contract.md`` §2) as Triton kernels for PyTorch.
+
+Public:
+  sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None) -> out
+  flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
+  prepare(device, ...)          persistent split-KV scratch, before CUDA-graph capture
+  decode_with_plan(...)         same computation with an explicit DecodePlan (sweeps, tests)
+  plan_override(**fields)       context manager: force plan fields (tests, sweeps)
+  torch.ops.qsa.sparse_decode   the registered custom op (fake impl for torch.compile)
+
+Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decoding one):
+  * Kernel 1 (``_decode_split_kernel``): one program per (sequence s, KV head h, split j). It loads
+    the G query heads of KV head h from row ``cu_seqlens_q[s]`` as one [head tile, D] tile (head tile
+    = G padded to a power of two >= 16, padded rows masked to 0), then streams its share of the
+    row's keys ``[cu_seqlens_k[s], cu_seqlens_k[s+1])`` in BLOCK_N chunks: tensor-core Q·Kᵀ in the
+    input dtype, FP32 scores scaled by ``softmax_scale·log2(e)`` (the scale is applied to FP32
+    scores, never to q in bf16), FP32 online softmax with exp2, P cast to the value dtype for the
+    tensor-core P·V, FP32 accumulator.
+  * Split-KV decided on the device (``interop/decode_plan.py``): the grid is static
+    (B x Hkv x max_splits); each program computes from the row's device length
+    ``n_active = clamp(cdiv(cdiv(len, BLOCK_N), min_blocks), 1, max_splits)`` and the balanced
+    block range ``[j·blocks // n_active, (j+1)·blocks // n_active)``; programs with j >= n_active
+    exit at once. No host read of any length: CUDA-graph replay with new lengths stays correct,
+    and a row longer than ``max_seqlen_k`` is still covered entirely (splits just get longer).
+  * A row whose n_active is 1 (short rows, large batches, empty rows) is finished by its one
+    program (acc / l, exact zeros for an empty row). Otherwise every active split writes its
+    normalised partial output (FP32 [D]) and its log2-domain LSE per query head to scratch, and
+    * ``merge="kernel"`` (default): kernel 2 (``_decode_merge_kernel``), one program per
+      (sequence, query head), recomputes n_active from the same device length, takes
+      M = max_j lse_j, weights 2^(lse_j - M) (splits j >= n_active are masked to weight 0), and
+      writes sum_j w_j o_j / sum_j w_j;
+    * ``merge="inline"``: the last split to arrive (an int32 acq_rel counter per (s, h)) merges in
+      the same launch and resets its counter to 0 before exiting.
+  * Offsets into K/V, q, out and the scratch are 64-bit.
+
+Scratch: one set per device (LSE, partial outputs, counters), sized at first use for the largest
+qualified shape (B = 128, every qualified head pair, D = 256, max_seqlen_k = 2055, through
+``plan_decode``) or for the call if that is larger; ``prepare(device)`` creates it explicitly
+(call it before CUDA-graph capture if no eager call happened first). A call that needs more than
+exists is never silently wrong: outside capture the scratch is enlarged (old buffers are kept
+alive, since captured graphs may still point at them); during capture a ``ContractError`` is
+raised before any launch. Calls on one device share the scratch, so they must be stream-ordered
+(serving runs decode on one stream, as upstream's kernel assumes too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import threading
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from interop.contract import QUALIFIED, ContractError, check_decode
+from interop.decode_plan import DecodePlan, next_pow2, plan_decode
+
+__all__ = [
+    "sparse_decode",
+    "flash_attn_varlen_func",
+    "prepare",
+    "decode_with_plan",
+    "plan_override",
+    "plan_for",
+    "scratch_info",
+    "MERGE_MODE",
+]
+
+#: default merge of split partials: "kernel" (second small kernel) or "inline" (last-arriving
+#: split merges, counters reset in the same launch). Source: issue 3; the H200 sweep decides.
+MERGE_MODE = "kernel"
+_LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+@triton.jit
+def _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, n_mask, scale_log2, MASKED: tl.constexpr):
+    """One BLOCK_N step of the online softmax for a [HT, D] head tile (FP32 state)."""
+    if MASKED:
+        kt = tl.load(k_ptrs, mask=n_mask[:, None], other=0.0)
+        vt = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+    else:
+        kt = tl.load(k_ptrs)
+        vt = tl.load(v_ptrs)
+    s = tl.dot(q, tl.trans(kt)) * scale_log2  # FP32 [HT, BLOCK_N], log2 domain
+    if MASKED:
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)  # 0 on the first block (m_i = -inf, m_new finite)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _active_splits(cu_k_ptr, s, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                   MIN_BLOCKS: tl.constexpr):
+    """(row start, row length, blocks, n_active) of sequence s, from device data only."""
+    k_lo = tl.load(cu_k_ptr + s)
+    k_hi = tl.load(cu_k_ptr + s + 1)
+    n = tl.maximum(k_hi - k_lo, 0)
+    blocks = tl.cdiv(n, BLOCK_N)
+    n_act = tl.minimum(tl.maximum(tl.cdiv(blocks, MIN_BLOCKS), 1), MAX_SPLITS)
+    return k_lo, n, blocks, n_act
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, cnt_ptr, cu_q_ptr, cu_k_ptr,
+    scale_log2,
+    stride_qb, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh, stride_ob, stride_oh,
+    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr,
+    BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr,
+    MERGE_INLINE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    j = pid % MAX_SPLITS  # splits of one (s, h) are adjacent program ids: they run together
+    sh = pid // MAX_SPLITS
+    s = sh // HKV
+    h = sh % HKV
+    k_lo, n, blocks, n_act = _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS)
+    if j >= n_act:
+        return
+    start = ((blocks * j) // n_act) * BLOCK_N
+    stop = tl.minimum(((blocks * (j + 1)) // n_act) * BLOCK_N, n)
+    full_stop = start + ((stop - start) // BLOCK_N) * BLOCK_N
+
+    offs_m = tl.arange(0, HT)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_ok = offs_m < G
+    q_row = tl.load(cu_q_ptr + s).to(tl.int64)
+    heads = h * G + offs_m  # global query head of each tile row
+    q = tl.load(q_ptr + q_row * stride_qb + heads.to(tl.int64)[:, None] * stride_qh + offs_d[None, :],
+                mask=m_ok[:, None], other=0.0)
+
+    row0 = k_lo.to(tl.int64) + start  # 64-bit row index into the packed K/V
+    k_ptrs = (k_ptr + h.to(tl.int64) * stride_kh + (row0 + offs_n)[:, None] * stride_kc
+              + offs_d[None, :])
+    v_ptrs = (v_ptr + h.to(tl.int64) * stride_vh + (row0 + offs_n)[:, None] * stride_vc
+              + offs_d[None, :])
+    m_i = tl.full([HT], float("-inf"), tl.float32)
+    l_i = tl.zeros([HT], tl.float32)
+    acc = tl.zeros([HT, D], tl.float32)
+    # interior blocks: no masks, so the loads vectorise and pipeline
+    for _ in range(start, full_stop, BLOCK_N):
+        m_i, l_i, acc = _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, offs_n < BLOCK_N,
+                                      scale_log2, False)
+        k_ptrs += BLOCK_N * stride_kc
+        v_ptrs += BLOCK_N * stride_vc
+    if full_stop < stop:  # the row's last, partial block (only in the last split)
+        m_i, l_i, acc = _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc,
+                                      (full_stop + offs_n) < stop, scale_log2, True)
+
+    o_rows = s.to(tl.int64) * stride_ob + heads.to(tl.int64) * stride_oh
+    if n_act == 1:
+        # whole row in this program; an empty row has acc = 0, l = 0 -> exact zeros
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None])
+    else:
+        # non-empty split (n_act <= blocks): l_i > 0 for the real heads
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        part_row = (s.to(tl.int64) * HQ + heads) * MAX_SPLITS + j  # [HT] int64
+        tl.store(lse_ptr + part_row, m_i + tl.log2(l_safe), mask=m_ok)
+        tl.store(part_ptr + part_row[:, None] * D + offs_d[None, :], acc / l_safe[:, None],
+                 mask=m_ok[:, None])
+        if MERGE_INLINE:
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            arrived = tl.atomic_add(cnt_ptr + sh, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_act - 1:
+                base = (s.to(tl.int64) * HQ + heads) * MAX_SPLITS  # [HT]
+                mx = tl.full([HT], float("-inf"), tl.float32)
+                for jj in range(0, n_act):
+                    mx = tl.maximum(mx, tl.load(lse_ptr + base + jj, mask=m_ok, other=0.0,
+                                                cache_modifier=".cg"))
+                wsum = tl.zeros([HT], tl.float32)
+                o = tl.zeros([HT, D], tl.float32)
+                for jj in range(0, n_act):
+                    w = tl.exp2(tl.load(lse_ptr + base + jj, mask=m_ok, other=0.0,
+                                        cache_modifier=".cg") - mx)
+                    pj = tl.load(part_ptr + (base + jj)[:, None] * D + offs_d[None, :],
+                                 mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
+                    wsum += w
+                    o += w[:, None] * pj
+                o = o / tl.where(wsum > 0.0, wsum, 1.0)[:, None]
+                tl.store(out_ptr + o_rows[:, None] + offs_d[None, :],
+                         o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+                tl.atomic_xchg(cnt_ptr + sh, 0, sem="release", scope="gpu")
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr, lse_ptr, part_ptr, cu_k_ptr, stride_ob, stride_oh,
+    HQ: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    MIN_BLOCKS: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+):
+    pid = tl.program_id(0)  # s * HQ + query head
+    s = pid // HQ
+    hq = pid % HQ
+    _, n, blocks, n_act = _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS)
+    if n_act > 1:  # n_act == 1 rows were written by the split kernel
+        base = pid.to(tl.int64) * MAX_SPLITS
+        offs_j = tl.arange(0, SPLITS_P2)
+        lse = tl.load(lse_ptr + base + offs_j, mask=offs_j < n_act, other=float("-inf"))
+        mx = tl.max(lse, 0)  # finite: split 0 of a row with n_act > 1 is never empty
+        wsum = tl.sum(tl.exp2(lse - mx), 0)  # splits j >= n_act weigh exp2(-inf) = 0
+        offs_c = tl.arange(0, SPLIT_CHUNK)
+        offs_d = tl.arange(0, D)
+        o = tl.zeros([D], tl.float32)
+        for c in range(0, n_act, SPLIT_CHUNK):
+            jm = (c + offs_c) < n_act
+            w = tl.exp2(tl.load(lse_ptr + base + c + offs_c, mask=jm, other=float("-inf")) - mx)
+            pj = tl.load(part_ptr + (base + c + offs_c)[:, None] * D + offs_d[None, :],
+                         mask=jm[:, None], other=0.0)
+            o += tl.sum(w[:, None] * pj, 0)
+        o = o / wsum
+        tl.store(out_ptr + s.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh + offs_d,
+                 o.to(out_ptr.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan (static geometry) and overrides
+_override = threading.local()
+
+
+@contextlib.contextmanager
+def plan_override(**fields):
+    """Force DecodePlan fields (``block_n``, ``max_splits``, ``min_blocks_per_split``,
+    ``num_warps``, ``num_stages``) and/or ``merge`` ("kernel" | "inline") for calls made inside the
+    ``with`` block on this thread (tests: force splits > 1; sweeps). The plan is read when the
+    kernel is launched, so a CUDA graph captured inside the block keeps that geometry.
+
+    Raises:
+      ValueError: unknown field.
+    """
+    allowed = {f.name for f in dataclasses.fields(DecodePlan)} | {"merge"}
+    bad = set(fields) - allowed
+    if bad:
+        raise ValueError(f"plan_override: unknown fields {sorted(bad)}; allowed {sorted(allowed)}")
+    prev = getattr(_override, "fields", None)
+    _override.fields = {**(prev or {}), **fields}
+    try:
+        yield
+    finally:
+        _override.fields = prev
+
+
+_SM_COUNT: dict[tuple[str, int | None], int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    key = (device.type, device.index)
+    if key not in _SM_COUNT:
+        if device.type == "cuda":
+            idx = device.index if device.index is not None else torch.cuda.current_device()
+            _SM_COUNT[key] = torch.cuda.get_device_properties(idx).multi_processor_count
+        else:
+            _SM_COUNT[key] = 132  # the H200 (anchors.md); only shapes the interpreter's grid
+    return _SM_COUNT[key]
+
+
+def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
+             device: torch.device | str = "cuda") -> tuple[DecodePlan, str]:
+    """The (DecodePlan, merge mode) a call with these static shapes uses, overrides included."""
+    device = torch.device(device)
+    fields = dict(getattr(_override, "fields", None) or {})
+    merge = fields.pop("merge", MERGE_MODE)
+    if merge not in ("kernel", "inline"):
+        raise ValueError(f"merge must be 'kernel' or 'inline', got {merge!r}")
+    plan = plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k, _sm_count(device),
+                       max_splits=fields.pop("max_splits", None), block_n=fields.pop("block_n", None))
+    if fields:
+        plan = dataclasses.replace(plan, **fields)
+    return plan, merge
+
+
+# ---------------------------------------------------------------------------------------------
+# Persistent scratch
+@dataclasses.dataclass
+class _Scratch:
+    lse: torch.Tensor  # fp32 [rows]          rows = B * Hq * max_splits
+    part: torch.Tensor  # fp32 [rows * D]
+    counters: torch.Tensor  # int32 [B * Hkv], zero between launches
+
+    def fits(self, rows: int, elems: int, slots: int) -> bool:
+        return (rows <= self.lse.numel() and elems <= self.part.numel()
+                and slots <= self.counters.numel())
+
+
+_scratch: dict[tuple[str, int | None], _Scratch] = {}
+_retired: list[_Scratch] = []  # enlarged-away buffers stay alive: captured graphs may use them
+_lock = threading.Lock()
+
+
+def _dev_key(device: torch.device) -> tuple[str, int | None]:
+    if device.type == "cuda" and device.index is None:
+        return ("cuda", torch.cuda.current_device())
+    return (device.type, device.index)
+
+
+def _qualified_need() -> tuple[int, int, int]:
+    """(rows, elems, slots) of the largest qualified decode shape under ``plan_decode``."""
+    rows = elems = slots = 1
+    d = QUALIFIED["head_dim"]
+    lo, hi = QUALIFIED["batch"]
+    for hq, hkv in QUALIFIED["head_pairs"]:
+        for b in range(lo, hi + 1):
+            p = plan_decode(b, hkv, hq // hkv, d, QUALIFIED["max_seqlen_k"])
+            r = b * hq * p.max_splits
+            rows, elems, slots = max(rows, r), max(elems, r * d), max(slots, b * hkv)
+    return rows, elems, slots
+
+
+def prepare(device: torch.device | str | None = None, *, rows: int = 0, elems: int = 0,
+            slots: int = 0) -> None:
+    """Create (or enlarge) the persistent split-KV scratch of ``device`` now.
+
+    Sized for the largest qualified decode shape (B = 128, (24,2)/(12,1)/(6,1), D = 256,
+    max_seqlen_k = 2055 under ``interop.decode_plan.plan_decode``: a few MB) or for the given
+    minimums (``rows`` LSE entries, ``elems`` partial-output floats, ``slots`` counters),
+    whichever is larger. Call it before capturing a CUDA graph that contains ``sparse_decode`` if
+    no eager call ran first on that device. Idempotent.
+
+    Args:
+      device: torch device (default: the current CUDA device, or cpu without CUDA).
+    """
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    device = torch.device(device)
+    _get_scratch(device, rows, elems, slots)
+
+
+def _get_scratch(device: torch.device, rows: int, elems: int, slots: int) -> _Scratch:
+    key = _dev_key(device)
+    cur = _scratch.get(key)
+    if cur is not None and cur.fits(rows, elems, slots):
+        return cur
+    with _lock:
+        cur = _scratch.get(key)
+        if cur is not None and cur.fits(rows, elems, slots):
+            return cur
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ContractError(
+                "sparse_decode", "q",
+                "a shape whose split-KV scratch exists before CUDA-graph capture "
+                "(call qsa_triton.decode.prepare(device, rows=..., elems=..., slots=...) or run "
+                "the shape eagerly once before capturing)",
+                f"needs rows={rows}, elems={elems}, slots={slots}; have "
+                + ("none" if cur is None else
+                   f"rows={cur.lse.numel()}, elems={cur.part.numel()}, slots={cur.counters.numel()}"))
+        qr, qe, qs = _qualified_need()
+        if cur is not None:
+            qr, qe, qs = max(qr, cur.lse.numel()), max(qe, cur.part.numel()), max(qs, cur.counters.numel())
+            _retired.append(cur)
+        dev = torch.device(*key) if key[1] is not None else torch.device(key[0])
+        new = _Scratch(
+            lse=torch.empty(max(rows, qr), dtype=torch.float32, device=dev),
+            part=torch.empty(max(elems, qe), dtype=torch.float32, device=dev),
+            counters=torch.zeros(max(slots, qs), dtype=torch.int32, device=dev),
+        )
+        _scratch[key] = new
+        return new
+
+
+def scratch_info(device: torch.device | str) -> dict[str, Any] | None:
+    """Sizes of ``device``'s scratch (None if not created) and a copy of its counters (tests)."""
+    cur = _scratch.get(_dev_key(torch.device(device)))
+    if cur is None:
+        return None
+    return {"rows": cur.lse.numel(), "elems": cur.part.numel(), "slots": cur.counters.numel(),
+            "counters": cur.counters.detach().clone(), "retired": len(_retired)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch
+def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scale: float,
+            plan: DecodePlan, merge: str) -> torch.Tensor:
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    splits = int(plan.max_splits)
+    rows = b * hq * splits if splits > 1 else 1
+    sc = _get_scratch(q.device, rows, rows * d, b * hkv)
+    ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
+    with ctx:
+        _decode_split_kernel[(b * hkv * splits,)](
+            q, k, v, out, sc.lse, sc.part, sc.counters, cu_seqlens_q, cu_seqlens_k,
+            float(softmax_scale) * _LOG2E,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1),
+            HQ=hq, HKV=hkv, G=g, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n,
+            MAX_SPLITS=splits, MIN_BLOCKS=plan.min_blocks_per_split,
+            MERGE_INLINE=(merge == "inline"),
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )
+        if splits > 1 and merge == "kernel":
+            p2 = next_pow2(splits)
+            _decode_merge_kernel[(b * hq,)](
+                out, sc.lse, sc.part, cu_seqlens_k, out.stride(0), out.stride(1),
+                HQ=hq, D=d, BLOCK_N=plan.block_n, MAX_SPLITS=splits,
+                MIN_BLOCKS=plan.min_blocks_per_split, SPLITS_P2=p2, SPLIT_CHUNK=min(p2, 8),
+                num_warps=4 if d >= 128 else 2, num_stages=2,
+            )
+    return out
+
+
+def decode_with_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
+                     plan: DecodePlan, merge: str = MERGE_MODE) -> torch.Tensor:
+    """``sparse_decode`` with an explicit plan (benchmarks, sweeps); checks the contract first.
+
+    Raises:
+      ContractError: as ``sparse_decode``; also when ``plan.head_tile`` cannot hold the group.
+    """
+    prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale)
+    if plan.head_tile < max(16, prob.group) or plan.head_tile & (plan.head_tile - 1):
+        raise ContractError("decode_with_plan", "plan", "head_tile a power of two >= max(16, G)",
+                            plan.head_tile)
+    return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, prob.max_seqlen_k, prob.softmax_scale,
+                   plan, merge)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library registration
+@torch.library.custom_op("qsa::sparse_decode", mutates_args=())
+def _sparse_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                      max_seqlen_k: int, softmax_scale: float) -> torch.Tensor:
+    """Registered op: contract already checked by the caller (``sparse_decode``)."""
+    b, hq, d = q.shape
+    plan, merge = plan_for(b, k.shape[1], hq // k.shape[1], d, max_seqlen_k, q.device)
+    return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, plan, merge)
+
+
+@_sparse_decode_op.register_fake
+def _sparse_decode_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale):
+    # shapes/dtypes are checked again at trace time (FakeTensors carry shape/dtype/device/stride)
+    check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale)
+    return q.new_empty(q.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  cu_seqlens_k: torch.Tensor, max_seqlen_k: int, softmax_scale: float | None = None,
+                  *, strict: bool = False) -> torch.Tensor:
+    """Packed varlen sparse decode (``qsa-contract.md`` §2): one query row per sequence.
+
+    Args:
+      q: [B, Hq, D] bf16|fp16, last dim contiguous. Sequence s reads query row ``cu_seqlens_q[s]``.
+      k, v: [C, Hkv, D] in q's dtype: the packed selected keys/values; sequence s owns rows
+        ``[cu_seqlens_k[s], cu_seqlens_k[s+1])`` (nothing else is read). Hq = G·Hkv, G <= 16,
+        D a power of two in 32..256.
+      cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on q's device (never read by the host).
+      max_seqlen_k: host int >= 1, static bound of a row's key count: sizes the split-KV grid
+        only; a longer row is still computed completely (its splits get longer).
+      softmax_scale: host float, default D ** -0.5 (applied to FP32 scores).
+      strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
+
+    Returns:
+      [B, Hq, D] in q's dtype: out[s, h] = softmax(scale · q[cu_q[s], h] · Kᵀ) · V over the row's
+      keys with KV head h // G; exact zeros for a row with no keys.
+
+    Raises:
+      ContractError: before any launch, for a call outside the contract (see ``check_decode``);
+        during CUDA-graph capture, for a shape whose scratch was not created before capture.
+
+    Graph/compile safety: no host sync; use inside ``torch.compile(fullgraph=True)`` (custom op
+    ``torch.ops.qsa.sparse_decode`` with a fake impl) and CUDA-graph capture (scratch exists after
+    one eager call or ``prepare``).
+    """
+    prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
+                        strict=strict)
+    return torch.ops.qsa.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, prob.max_seqlen_k,
+                                       prob.softmax_scale)
+
+
+_FA_FN = "flash_attn_varlen_func"
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale=None, causal=True, *, window_size=(-1, -1),
+                           alibi_slopes=None, dropout_p=0.0, softcap=0.0, return_attn_probs=False,
+                           deterministic=False, block_table=None, **kwargs):
+    """Drop-in for flash-attn's ``flash_attn_varlen_func`` in a QSA decode backend.
+
+    Same argument order and meaning as flash-attn 2 (q [total_q, Hq, D], k/v [total_k, Hkv, D],
+    int32 cu_seqlens, host max_seqlen_q/k); decode only: ``max_seqlen_q`` must be 1, so
+    total_q = B and output row s is sequence s. With one query row, bottom-right causal masking
+    (flash-attn >= 2.1) keeps every key, so ``causal`` True or False give the same result.
+    ``deterministic`` is accepted (this kernel is deterministic).
+
+    Returns:
+      [B, Hq, D] in q's dtype (see ``sparse_decode``).
+
+    Raises:
+      ContractError: for unsupported features (sliding window, ALiBi, dropout, softcap,
+        returning attention probabilities, paged ``block_table``, unknown keyword arguments) and
+        for anything ``sparse_decode`` rejects, including ``max_seqlen_q != 1``.
+    """
+    ws = tuple(window_size) if window_size is not None else (-1, -1)
+    if ws != (-1, -1):
+        raise ContractError(_FA_FN, "window_size", "(-1, -1) (no sliding window)", window_size)
+    if alibi_slopes is not None:
+        raise ContractError(_FA_FN, "alibi_slopes", "None (no ALiBi)", type(alibi_slopes).__name__)
+    if dropout_p != 0.0:
+        raise ContractError(_FA_FN, "dropout_p", "0.0 (no dropout)", dropout_p)
+    if softcap != 0.0:
+        raise ContractError(_FA_FN, "softcap", "0.0 (no logit softcap)", softcap)
+    if return_attn_probs:
+        raise ContractError(_FA_FN, "return_attn_probs", "False", return_attn_probs)
+    if block_table is not None:
+        raise ContractError(_FA_FN, "block_table", "None (packed K/V, not a paged cache)",
+                            type(block_table).__name__)
+    if kwargs:
+        raise ContractError(_FA_FN, next(iter(kwargs)), "no such argument in this decode kernel",
+                            sorted(kwargs))
+    if not isinstance(causal, bool):
+        raise ContractError(_FA_FN, "causal", "a bool", type(causal).__name__)
+    prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
+                        max_seqlen_q=max_seqlen_q, fn=_FA_FN)
+    return torch.ops.qsa.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, prob.max_seqlen_k,
+                                       prob.softmax_scale)
