@@ -553,6 +553,9 @@ def route(facts: DeviceFacts, op: str) -> Route:
                else f"{facts.arch}: generic split-KV decode, default checks")
         return Route(op, "qsa.decode.splitkv", "decode-heuristic", exact, why)
     kernel = "qsa.prefill"
+    # H20 is sm_90 too: name check first, or upstream's H20 table is unreachable.
+    if "H20" in facts.name and "H200" not in facts.name:
+        return Route(op, kernel, "h20-table", False, "H20: upstream's H20 table")
     if cc == (9, 0):
         return Route(op, kernel, "sm90-table", False, "sm_90: table from our H200 sweep")
     if cc == (12, 0):

@@ -1,0 +1,288 @@
+"""Launch-geometry selector for the sparse prefill kernels, shared by both implementations.
+
+One function, :func:`select_prefill`, maps (device facts, kernel kind, workload) to a
+:class:`Geometry` ``(block_m, block_n, num_warps, num_stages, source)``. The Triton entry points
+(``qsa_triton.prefill``) and the Pallas ones call it with the same arguments, so a given device and
+workload launches the same tile shapes in both.
+
+Everything that decides a geometry is *data* in this module:
+  * ``TABLES``: per device family, a list of ``(max_total_q, (BLOCK_N, num_warps, num_stages))``
+    rows, first row whose bound is >= total_q wins (``None`` = no bound). The H20 and L20 tables
+    are upstream SGLang 0.5.23's (``sglang/srt/layers/attention/qsa/sparse_attn.py``, restated in
+    ``qsa-contract.md`` §3); the SM90 table starts as a copy of L20 (see ``SM90_TABLE_STATUS``) and
+    is replaced by the H200 sweep of ``bench/prefill.py --sweep-geometry``.
+  * ``TUNED_SM120``: upstream's SM120 tuned family and its gates (``qsa-contract.md`` §3): used only
+    on the 188-SM sm_120 part, Triton >= 3.7, D = 256, W = 2051, G in {6, 12}; ordinary prefill at
+    >= 8192 rows, chunk/paged prefill at >= 512 rows per request (mean) with
+    ``max_q * requests <= 2 * total_q`` (not too ragged).
+  * ``BLOCK_M`` of the tables is the head tile ``max(16, next_pow2(G))`` (upstream's rule: the
+    smallest tensor-core M tile); the tuned family carries its own BLOCK_M.
+
+Which table applies comes from :func:`interop.contract.route` (the one routing decision).
+The environment variable ``QSA_PREFILL_GEOMETRY`` (read on every call, so tests and benchmarks can
+flip it without re-importing) chooses:
+  * ``auto`` (default, also when unset or empty): the tuned family where the route and all its
+    gates allow it, else the route's table;
+  * ``table``: the route's table, always;
+  * ``tuned``: the tuned family whenever it has an entry for the group G (6 or 12), skipping the
+    device, Triton-version and workload gates (an experiment switch: geometry never changes the
+    result, only the speed); other groups fall back to the table.
+Anything else raises ``ContractError`` naming the allowed values.
+
+This module imports numpy-free stdlib only (plus ``interop.arch`` / ``interop.contract``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Iterable
+
+from .arch import DeviceFacts, KNOWN_ARCHS
+from .contract import ContractError, route
+
+__all__ = [
+    "Geometry",
+    "ENV_VAR",
+    "ALLOWED_MODES",
+    "TABLES",
+    "TUNED_SM120",
+    "SM90_TABLE_STATUS",
+    "KINDS",
+    "select_prefill",
+    "table_for",
+    "head_tile",
+    "all_configs",
+    "geometry_mode",
+]
+
+ENV_VAR = "QSA_PREFILL_GEOMETRY"
+ALLOWED_MODES = ("auto", "table", "tuned")
+KINDS = ("ordinary", "chunk", "paged")
+BACKENDS = ("triton", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """One launch configuration of a sparse prefill kernel.
+
+    Attributes:
+      block_m: head tile (rows of the Q tile: the G query heads of one KV head, padded).
+      block_n: index columns (gathered K/V rows) per inner-loop step (BLOCK_N).
+      num_warps: warps per program.
+      num_stages: software-pipelining depth of the inner loop.
+      source: where it came from, e.g. ``"l20-table[total_q<=512]"`` or ``"sm120-tuned[G=12]"``.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    source: str = ""
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        """(block_m, block_n, num_warps, num_stages), without the source label."""
+        return (self.block_m, self.block_n, self.num_warps, self.num_stages)
+
+
+# (max_total_q inclusive or None = unbounded, (BLOCK_N, num_warps, num_stages)).
+# Source: upstream SGLang 0.5.23 sparse_attn.py, restated in qsa-contract.md §3.
+_H20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (1024, (32, 4, 2)), (None, (16, 1, 2)))
+_L20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (128, (64, 4, 2)), (512, (32, 4, 2)), (None, (16, 1, 2)))
+
+#: Status of the SM90 table: the lead replaces ``_SM90`` with the H200 sweep's winners
+#: (``bench/prefill.py --sweep-geometry`` writes ``prefill_geometry_sweep.json``).
+SM90_TABLE_STATUS = "provisional, awaiting H200 sweep (copy of upstream's L20 table)"
+_SM90 = _L20
+
+TABLES: dict[str, tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
+    "h20-table": _H20,
+    "l20-table": _L20,
+    "sm90-table": _SM90,
+}
+
+# Upstream's SM120 tuned family (qsa-contract.md §3). Geometry per group: (BLOCK_M, BLOCK_N,
+# num_warps, num_stages).
+TUNED_SM120 = {
+    "cc": (12, 0),
+    "sm_count": 188,
+    "min_triton": (3, 7),
+    "head_dim": 256,
+    "width": 2051,
+    "by_group": {6: (8, 16, 4, 3), 12: (16, 16, 2, 3)},
+    "ordinary_min_total_q": 8192,
+    "chunk_min_rows_per_request": 512,
+    "chunk_max_ragged_factor": 2,  # max_q * requests <= factor * total_q
+}
+
+# Route geometry source -> table name (the SM120 188-SM route falls back to L20).
+_ROUTE_TABLE = {
+    "sm90-table": "sm90-table",
+    "l20-table": "l20-table",
+    "h20-table": "h20-table",
+    "sm120-tuned-or-table": "l20-table",
+}
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def head_tile(group: int) -> int:
+    """Table head tile BLOCK_M = max(16, next_pow2(G)) (upstream's rule; 16 = smallest mma M)."""
+    return max(16, _next_pow2(group))
+
+
+def geometry_mode() -> str:
+    """The ``QSA_PREFILL_GEOMETRY`` value now (``auto`` when unset/empty).
+
+    Raises:
+      ContractError: a value outside ``ALLOWED_MODES``.
+    """
+    raw = os.environ.get(ENV_VAR, "")
+    mode = raw.strip().lower() or "auto"
+    if mode not in ALLOWED_MODES:
+        raise ContractError("select_prefill", f"${ENV_VAR}",
+                            f"one of {', '.join(ALLOWED_MODES)} (or unset = auto)", repr(raw))
+    return mode
+
+
+def table_for(name: str, total_q: int) -> tuple[tuple[int, int, int], str]:
+    """Row of table ``name`` for ``total_q`` rows: ((BLOCK_N, warps, stages), label)."""
+    for bound, cfg in TABLES[name]:
+        if bound is None or total_q <= bound:
+            label = f"{name}[total_q{'<=' + str(bound) if bound is not None else '>' + str(_last_bound(name))}]"
+            return cfg, label
+    raise AssertionError("tables end with an unbounded row")  # pragma: no cover
+
+
+def _last_bound(name: str) -> int:
+    return max(b for b, _ in TABLES[name] if b is not None)
+
+
+def _tuned_gates(facts: DeviceFacts, kind: str, total_q: int, requests: int, max_q: int,
+                 group: int, head_dim: int, width: int) -> list[str]:
+    """Names of the tuned-family gates that fail (empty list = tuned applies)."""
+    t = TUNED_SM120
+    failed = []
+    if facts.cc != t["cc"]:
+        failed.append(f"arch {facts.arch} != sm_120")
+    if facts.sm_count != t["sm_count"]:
+        failed.append(f"{facts.sm_count} SMs != {t['sm_count']}")
+    if facts.triton_tuple < t["min_triton"]:
+        failed.append(f"Triton {facts.triton_version} < {'.'.join(map(str, t['min_triton']))}")
+    if head_dim != t["head_dim"]:
+        failed.append(f"D={head_dim} != {t['head_dim']}")
+    if width != t["width"]:
+        failed.append(f"W={width} != {t['width']}")
+    if group not in t["by_group"]:
+        failed.append(f"G={group} not in {sorted(t['by_group'])}")
+    if kind == "ordinary":
+        if total_q < t["ordinary_min_total_q"]:
+            failed.append(f"ordinary total_q={total_q} < {t['ordinary_min_total_q']}")
+    else:
+        if total_q < t["chunk_min_rows_per_request"] * requests:
+            failed.append(f"{kind}: {total_q} rows over {requests} requests < "
+                          f"{t['chunk_min_rows_per_request']} rows per request")
+        if max_q * requests > t["chunk_max_ragged_factor"] * total_q:
+            failed.append(f"{kind}: max_q*requests={max_q * requests} > "
+                          f"{t['chunk_max_ragged_factor']}*total_q")
+    return failed
+
+
+def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int, max_q: int,
+                   group: int, num_kv_heads: int, head_dim: int, width: int,
+                   backend: str = "triton") -> Geometry:
+    """Launch geometry of one sparse prefill call.
+
+    Args:
+      facts: the device that will run the kernel (``DeviceFacts.from_torch()`` / ``from_jax()``,
+        or hand-built for tests / ahead-of-time compiles).
+      kind: ``"ordinary"``, ``"chunk"`` or ``"paged"`` (paged is gated like chunk: it runs the
+        same loop over pool slots).
+      total_q: query rows T of the call (all requests).
+      requests: number of requests B.
+      max_q: the longest request's query rows (``max_seqlen_q``).
+      group: GQA group G = Hq / Hkv.
+      num_kv_heads: Hkv (recorded for future tables; no table is keyed on it yet).
+      head_dim: D.
+      width: index columns W per row.
+      backend: ``"triton"`` or ``"pallas"`` (both get the same geometry; recorded in ``source``).
+
+    Returns:
+      Geometry with a ``source`` naming the table row or tuned entry and the env mode.
+
+    Raises:
+      ContractError: ``QSA_PREFILL_GEOMETRY`` holds a value other than auto/table/tuned.
+      ValueError: unknown ``kind`` or ``backend``, or non-positive sizes.
+
+    Source of the data: upstream SGLang 0.5.23 (H20/L20 tables, SM120 tuned family, restated in
+    ``qsa-contract.md`` §3); the SM90 table: our H200 sweep (``SM90_TABLE_STATUS``).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"select_prefill: kind must be one of {KINDS}, got {kind!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"select_prefill: backend must be one of {BACKENDS}, got {backend!r}")
+    for name, val in (("total_q", total_q), ("requests", requests), ("max_q", max_q),
+                      ("group", group), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                      ("width", width)):
+        if int(val) < 1:
+            raise ValueError(f"select_prefill: {name} must be >= 1, got {val}")
+    mode = geometry_mode()
+    op = {"ordinary": "prefill", "chunk": "prefill_chunk", "paged": "prefill_paged"}[kind]
+    r = route(facts, op)
+    table = _ROUTE_TABLE.get(r.geometry, "l20-table")
+    tuned_entry = TUNED_SM120["by_group"].get(group)
+    use_tuned = False
+    if mode == "tuned":
+        use_tuned = tuned_entry is not None
+    elif mode == "auto" and r.geometry == "sm120-tuned-or-table":
+        use_tuned = not _tuned_gates(facts, kind, total_q, requests, max_q, group, head_dim, width)
+    if use_tuned:
+        bm, bn, nw, ns = tuned_entry
+        return Geometry(bm, bn, nw, ns, f"sm120-tuned[G={group}] mode={mode} backend={backend}")
+    (bn, nw, ns), label = table_for(table, total_q)
+    return Geometry(head_tile(group), bn, nw, ns, f"{label} mode={mode} backend={backend}")
+
+
+def _facts_for(arch: str) -> Iterable[DeviceFacts]:
+    """Representative devices of an arch: every route the selector can take there."""
+    info = KNOWN_ARCHS[arch]
+    if arch == "sm_120":
+        yield DeviceFacts.for_arch(arch, sm_count=188, triton_version="3.9.0")
+        yield DeviceFacts.for_arch(arch, name="NVIDIA GeForce RTX 5090", sm_count=170,
+                                   triton_version="3.9.0")
+    elif arch == "sm_90":
+        yield DeviceFacts.for_arch(arch, triton_version="3.9.0")
+        yield DeviceFacts("NVIDIA H20", (9, 0), 78, info.smem_per_block, "3.9.0")
+    else:
+        yield DeviceFacts.for_arch(arch, triton_version="3.9.0")
+
+
+def all_configs(arch: str) -> list[Geometry]:
+    """Every geometry the selector can return on ``arch`` (any workload, any env mode, any group
+    G in 1..16), deduplicated by (block_m, block_n, num_warps, num_stages), for compile checks.
+
+    Includes the tuned family on every arch, because ``QSA_PREFILL_GEOMETRY=tuned`` forces it.
+
+    Raises:
+      ValueError: ``arch`` is not in ``interop.arch.KNOWN_ARCHS``.
+    """
+    if arch not in KNOWN_ARCHS:
+        raise ValueError(f"all_configs: unknown arch {arch!r}; known: {sorted(KNOWN_ARCHS)}")
+    seen: dict[tuple[int, int, int, int], Geometry] = {}
+    tables = set()
+    for facts in _facts_for(arch):
+        for op in ("prefill", "prefill_chunk", "prefill_paged"):
+            tables.add(_ROUTE_TABLE.get(route(facts, op).geometry, "l20-table"))
+    block_ms = sorted({head_tile(g) for g in range(1, 17)})
+    for name in sorted(tables):
+        for bound, (bn, nw, ns) in TABLES[name]:
+            for bm in block_ms:
+                g = Geometry(bm, bn, nw, ns, f"{name}[{bound}]")
+                seen.setdefault(g.key, g)
+    for grp, (bm, bn, nw, ns) in sorted(TUNED_SM120["by_group"].items()):
+        g = Geometry(bm, bn, nw, ns, f"sm120-tuned[G={grp}]")
+        seen.setdefault(g.key, g)
+    return list(seen.values())

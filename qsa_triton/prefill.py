@@ -1,0 +1,472 @@
+"""Sparse prefill (``qsa-contract.md`` §3) as Triton kernels behind PyTorch custom ops.
+
+Three entry points, one kernel body:
+  * ``sparse_prefill``        ordinary: K/V are this forward's rows, packed like q;
+  * ``sparse_prefill_chunk``  chunk: K/V hold each request's full context at rows cu_seqlens_k[b]..;
+  * ``sparse_prefill_paged``  paged: K/V are the pool, position p of request b is slot
+    ``slot_table[b, p]`` (resolved by a small pre-pass into a slot matrix, or inline).
+
+Algorithm (per program = one query row x one KV head, covering that KV head's G query heads as a
+head tile of BLOCK_M rows, FP32 accumulator [BLOCK_M, D]): walk the row's index columns in BLOCK_N
+steps up to ``min(W, visible)``; gather the named K rows, S = Q·Kᵀ in FP32, scale S by
+``softmax_scale * k_scale * log2(e)`` (scale applied to FP32 scores, not to a BF16 q), online
+softmax in base 2, gather the V rows, acc += P·V with P cast to q's dtype; finally
+``out = acc * v_scale / l``. This is the flash-attention forward (Dao et al., 2022) over gathered
+rows, the same decomposition upstream SGLang's sparse prefill uses (``qsa-contract.md`` §3).
+
+Masking (the contract): an entry is valid iff ``0 <= idx < len``. Invalid entries are masked in the
+K/V loads (never dereferenced) and in the scores (never contribute); a step with no valid entry
+leaves the state untouched (the running max stays -inf and is replaced by 0 before it is
+subtracted, so no ``-inf - -inf``); a row with no valid entry stores exact zeros (l == 0 guarded).
+Columns at or past ``min(W, visible)`` are masked too, so the result does not depend on BLOCK_N.
+Offsets into K/V and the pool are 64-bit.
+
+FP8 (chunk, paged): K/V in float8_e4m3fn are converted to q's dtype for the dots; ``k_scale``
+multiplies the scores, ``v_scale`` the output.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from interop import contract
+from interop.arch import DeviceFacts
+from interop.geometry import Geometry, all_configs, select_prefill
+
+__all__ = [
+    "sparse_prefill",
+    "sparse_prefill_chunk",
+    "sparse_prefill_paged",
+    "compile_configs",
+    "prefill_geometry",
+    "MODE_ORDINARY",
+    "MODE_CHUNK",
+    "MODE_SLOTS",
+    "MODE_PAGED_INLINE",
+]
+
+LOG2E = 1.4426950408889634
+
+#: kernel modes (a constexpr): how an index entry becomes a K/V row and when it is valid
+MODE_ORDINARY = 0  # row = cu_seqlens[b] + idx, valid iff 0 <= idx < q_len_b
+MODE_CHUNK = 1  # row = cu_seqlens_k[b] + idx, valid iff 0 <= idx < kv_lens[b]
+MODE_SLOTS = 2  # entries are pool slots resolved by the pre-pass; valid iff slot >= 0
+MODE_PAGED_INLINE = 3  # row = slot_table[b, idx], looked up inside the loop
+
+
+@triton.jit
+def _qsa_sparse_prefill_fwd(
+    q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr,
+    cu_q_ptr, cu_k_ptr, kv_lens_ptr, table_ptr,
+    qk_scale, v_scale, W,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_ot, stride_oh, stride_it, stride_ih, stride_tb,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+):
+    r = tl.program_id(0)  # query row inside its request
+    bh = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    if r < q_len:
+        row = (q_start + r).to(tl.int64)
+        if MODE == 0:
+            kv_len = q_len
+            visible = r + 1
+        else:
+            kv_len = tl.load(kv_lens_ptr + b)
+            visible = r + kv_len - q_len + 1  # bottom-right causal
+        if MODE == 0:
+            kv_base = q_start.to(tl.int64)
+        elif MODE == 1:
+            kv_base = tl.load(cu_k_ptr + b).to(tl.int64)
+        else:
+            kv_base = tl.zeros([], tl.int64)
+        n_cols = tl.minimum(tl.maximum(visible, 0), W)
+
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D)
+        head_ok = offs_m < G
+        heads = (h * G + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=head_ok[:, None], other=0.0)
+        idx_row = idx_ptr + row * stride_it + h * stride_ih
+        k_head = k_ptr + h * stride_kh
+        v_head = v_ptr + h * stride_vh
+        table_row = table_ptr + b.to(tl.int64) * stride_tb
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + offs_n
+            in_row = cols < n_cols
+            ent = tl.load(idx_row + cols, mask=in_row, other=-1)
+            if MODE == 2:
+                valid = in_row & (ent >= 0)
+                kv_row = ent.to(tl.int64)
+            elif MODE == 3:
+                valid = in_row & (ent >= 0) & (ent < kv_len)
+                kv_row = tl.load(table_row + ent, mask=valid, other=0).to(tl.int64)
+            else:
+                valid = in_row & (ent >= 0) & (ent < kv_len)
+                kv_row = kv_base + ent.to(tl.int64)
+            k = tl.load(k_head + kv_row[:, None] * stride_kn + offs_d[None, :],
+                        mask=valid[:, None], other=0.0).to(q.dtype)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # all-masked so far: keep the reference point finite (no -inf - -inf = NaN)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_ref)
+            p = tl.math.exp2(s - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_head + kv_row[:, None] * stride_vn + offs_d[None, :],
+                        mask=valid[:, None], other=0.0).to(q.dtype)
+            acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+        has = l_i > 0.0
+        inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
+        out = acc * inv[:, None]
+        tl.store(o_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+@triton.jit
+def _qsa_resolve_pool_slots(
+    idx_ptr, slots_ptr, cu_q_ptr, kv_lens_ptr, table_ptr, W,
+    stride_it, stride_ih, stride_st, stride_sh, stride_tb,
+    HIDX: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """slots[row, h, c] = slot_table[b, idx] for valid entries (0 <= idx < kv_lens[b], c < visible),
+    else -1. Grid: (max_q, B * HIDX, cdiv(W, BLOCK))."""
+    r = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HIDX
+    h = bh % HIDX
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    if r < q_len:
+        row = (q_start + r).to(tl.int64)
+        kv_len = tl.load(kv_lens_ptr + b)
+        n_cols = tl.minimum(tl.maximum(r + kv_len - q_len + 1, 0), W)
+        cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        ent = tl.load(idx_ptr + row * stride_it + h * stride_ih + cols, mask=cols < n_cols, other=-1)
+        valid = (cols < n_cols) & (ent >= 0) & (ent < kv_len)
+        slot = tl.load(table_ptr + b.to(tl.int64) * stride_tb + ent, mask=valid, other=-1)
+        tl.store(slots_ptr + row * stride_st + h * stride_sh + cols, tl.where(valid, slot, -1),
+                 mask=cols < W)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device facts and geometry
+_INTERPRETER_FACTS = DeviceFacts.for_arch("sm_90", name="Triton interpreter (CPU)",
+                                          triton_version=triton.__version__)
+
+
+@functools.lru_cache(maxsize=16)
+def _facts_of(device_type: str, index: int | None) -> DeviceFacts:
+    if device_type != "cuda":
+        return _INTERPRETER_FACTS
+    return DeviceFacts.from_torch(torch.device("cuda", index if index is not None else
+                                               torch.cuda.current_device()))
+
+
+def prefill_geometry(kind: str, q: torch.Tensor, *, requests: int, max_q: int, num_kv_heads: int,
+                     width: int) -> Geometry:
+    """Geometry the entry points use for this call (``interop.geometry.select_prefill`` on the
+    facts of q's device; CPU tensors use sm_90 facts: the interpreter ignores warps/stages)."""
+    t, hq, d = q.shape
+    return select_prefill(_facts_of(q.device.type, q.device.index), kind, total_q=max(t, 1),
+                          requests=requests, max_q=max_q, group=hq // num_kv_heads,
+                          num_kv_heads=num_kv_heads, head_dim=d, width=width)
+
+
+def _geometry_from(forced, kind, q, **kw) -> Geometry:
+    if forced is None:
+        return prefill_geometry(kind, q, **kw)
+    if isinstance(forced, Geometry):
+        return forced
+    hq, hkv = q.shape[1], kw["num_kv_heads"]
+    bn, nw, ns = forced[-3:]
+    bm = forced[0] if len(forced) == 4 else max(16, triton.next_power_of_2(hq // hkv))
+    return Geometry(int(bm), int(bn), int(nw), int(ns), "forced")
+
+
+def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, table, geo: Geometry, *, requests,
+            max_q, scale, k_scale, v_scale):
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if t == 0:
+        return out
+    stride_ih = idx.stride(1) if idx.dim() == 3 else 0
+    grid = (max_q, requests * hkv)
+    _qsa_sparse_prefill_fwd[grid](
+        q, k, v, out, idx, cu_q, cu_k, kv_lens, table,
+        float(scale) * float(k_scale) * LOG2E, float(v_scale), idx.shape[-1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), idx.stride(0), stride_ih,
+        table.stride(0) if table.dim() == 2 else 0,
+        HKV=hkv, G=hq // hkv, D=d, BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, MODE=mode,
+        num_warps=geo.num_warps, num_stages=geo.num_stages,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementations (called by the custom ops; no contract check here: the public entry points do
+# it first). ``geometry`` = None selects from the shared selector; benchmarks may force one.
+def _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, geometry=None):
+    out = torch.empty_like(q)
+    requests = cu_seqlens.shape[0] - 1
+    geo = _geometry_from(geometry, "ordinary", q, requests=requests, max_q=max_seqlen_q,
+                         num_kv_heads=k.shape[1], width=indices.shape[-1])
+    return _launch(MODE_ORDINARY, q, k, v, out, indices, cu_seqlens, cu_seqlens, cu_seqlens,
+                   cu_seqlens, geo, requests=requests, max_q=max_seqlen_q, scale=softmax_scale,
+                   k_scale=1.0, v_scale=1.0)
+
+
+def _chunk_impl(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
+                softmax_scale, k_scale, v_scale, geometry=None):
+    out = torch.empty_like(q)
+    requests = cu_seqlens_q.shape[0] - 1
+    geo = _geometry_from(geometry, "chunk", q, requests=requests, max_q=max_seqlen_q,
+                         num_kv_heads=k.shape[1], width=indices.shape[-1])
+    return _launch(MODE_CHUNK, q, k, v, out, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
+                   kv_lens, geo, requests=requests, max_q=max_seqlen_q, scale=softmax_scale,
+                   k_scale=k_scale, v_scale=v_scale)
+
+
+def resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, max_seqlen_q) -> torch.Tensor:
+    """Pre-pass of the paged variant: int32 slots shaped like ``indices`` ([T, W] or [T, Hkv, W]),
+    ``slot_table[b, idx]`` where the entry is valid (0 <= idx < kv_lens[b], column < visible) and
+    -1 elsewhere. Invalid entries never read the slot table. Costs one read of the indices and one
+    write of the same size (67 MB at T = 8192, W = 2051)."""
+    slots = torch.empty(indices.shape, dtype=torch.int32, device=indices.device)
+    t, w = indices.shape[0], indices.shape[-1]
+    if t == 0:
+        return slots
+    hidx = indices.shape[1] if indices.dim() == 3 else 1
+    requests = cu_seqlens_q.shape[0] - 1
+    block = min(1024, triton.next_power_of_2(w))
+    grid = (max_seqlen_q, requests * hidx, triton.cdiv(w, block))
+    _qsa_resolve_pool_slots[grid](
+        indices, slots, cu_seqlens_q, kv_lens, slot_table, w,
+        indices.stride(0), indices.stride(1) if indices.dim() == 3 else 0,
+        slots.stride(0), slots.stride(1) if slots.dim() == 3 else 0, slot_table.stride(0),
+        HIDX=hidx, BLOCK=block, num_warps=4,
+    )
+    return slots
+
+
+def _paged_impl(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens, max_seqlen_q,
+                softmax_scale, k_scale, v_scale, geometry=None, inline_slots=None):
+    out = torch.empty_like(q)
+    requests = cu_seqlens_q.shape[0] - 1
+    geo = _geometry_from(geometry, "paged", q, requests=requests, max_q=max_seqlen_q,
+                         num_kv_heads=k_cache.shape[1], width=indices.shape[-1])
+    if inline_slots is None:
+        inline_slots = os.environ.get("QSA_PAGED_SLOTS", "prepass").strip().lower() == "inline"
+    if inline_slots:
+        return _launch(MODE_PAGED_INLINE, q, k_cache, v_cache, out, indices, cu_seqlens_q,
+                       cu_seqlens_q, kv_lens, slot_table, geo, requests=requests,
+                       max_q=max_seqlen_q, scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
+    slots = resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, max_seqlen_q)
+    return _launch(MODE_SLOTS, q, k_cache, v_cache, out, slots, cu_seqlens_q, cu_seqlens_q,
+                   kv_lens, slot_table, geo, requests=requests, max_q=max_seqlen_q,
+                   scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library custom ops (opaque to torch.compile; fake impls give the output metadata)
+@torch.library.custom_op("qsa::sparse_prefill", mutates_args=())
+def _op_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
+                cu_seqlens: torch.Tensor, max_seqlen_q: int, softmax_scale: float) -> torch.Tensor:
+    return _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale)
+
+
+@_op_prefill.register_fake
+def _(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("qsa::sparse_prefill_chunk", mutates_args=())
+def _op_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
+              cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, kv_lens: torch.Tensor,
+              max_seqlen_q: int, softmax_scale: float, k_scale: float,
+              v_scale: float) -> torch.Tensor:
+    return _chunk_impl(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
+                       softmax_scale, k_scale, v_scale)
+
+
+@_op_chunk.register_fake
+def _(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q, softmax_scale, k_scale,
+      v_scale):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("qsa::sparse_prefill_paged", mutates_args=())
+def _op_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_table: torch.Tensor, indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
+              kv_lens: torch.Tensor, max_seqlen_q: int, softmax_scale: float, k_scale: float,
+              v_scale: float) -> torch.Tensor:
+    return _paged_impl(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
+                       max_seqlen_q, softmax_scale, k_scale, v_scale)
+
+
+@_op_paged.register_fake
+def _(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens, max_seqlen_q,
+      softmax_scale, k_scale, v_scale):
+    return torch.empty_like(q)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None):
+    """Ordinary sparse prefill: each query row attends to the selected rows of this forward's K/V.
+
+    Args:
+      q: [T, Hq, D] bf16|fp16, rows of all requests packed.
+      k, v: [T, Hkv, D], q's dtype, packed like q (request b's rows start at cu_seqlens[b]).
+      indices: int32 [T, W] (shared by the KV heads) or [T, Hkv, W]; request-relative positions,
+        selected entries first; an entry is valid iff 0 <= idx < request length.
+      cu_seqlens: int32 [B + 1] on q's device.
+      max_seqlen_q: host int, the longest request (grid bound; longer requests would be cut).
+      softmax_scale: host float or None (D ** -0.5).
+
+    Returns:
+      [T, Hq, D] in q's dtype; row r of request b attends (causally, bottom-right) over at most
+      min(W, r + 1) columns; a row with no valid entry is zero.
+
+    Raises:
+      ContractError: from ``interop.contract.check_prefill`` (before any allocation), or a bad
+        ``QSA_PREFILL_GEOMETRY``.
+    """
+    p = contract.check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale)
+    return torch.ops.qsa.sparse_prefill(q, k, v, indices, cu_seqlens, p.max_seqlen_q,
+                                        p.softmax_scale)
+
+
+def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
+                         softmax_scale=None, k_scale=1.0, v_scale=1.0):
+    """Chunk sparse prefill: new query rows attend to selected rows of each request's full
+    context (prefix + this chunk), packed at rows ``cu_seqlens_k[b]`` of k/v.
+
+    Args:
+      q: [T, Hq, D] bf16|fp16.
+      k, v: [Ck, Hkv, D], q's dtype or float8_e4m3fn.
+      indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b].
+      cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B] (context length per request,
+        >= its query rows); all on q's device.
+      max_seqlen_q: host int, the longest request's query rows.
+      softmax_scale: host float or None (D ** -0.5); k_scale (on scores), v_scale (on the output):
+        host floats, 1.0 unless K/V are FP8.
+
+    Returns:
+      [T, Hq, D] in q's dtype; row r of request b reads at most
+      min(W, r + kv_lens[b] - q_len_b + 1) columns.
+
+    Raises:
+      ContractError: from ``interop.contract.check_prefill_chunk`` (before any allocation).
+    """
+    p = contract.check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
+                                     max_seqlen_q, softmax_scale, k_scale, v_scale)
+    return torch.ops.qsa.sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k,
+                                              kv_lens, p.max_seqlen_q, p.softmax_scale,
+                                              p.k_scale, p.v_scale)
+
+
+def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
+                         max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0):
+    """Paged sparse prefill: K/V read in place from the KV pool through the slot table.
+
+    Args:
+      q: [T, Hq, D] bf16|fp16.
+      k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or float8_e4m3fn.
+      slot_table: int32 [B, max_context]; position p of request b is pool slot slot_table[b, p]
+        (read only for valid entries).
+      indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b].
+      cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
+      max_seqlen_q, softmax_scale, k_scale, v_scale: as ``sparse_prefill_chunk``.
+
+    Returns:
+      [T, Hq, D] in q's dtype.
+
+    Raises:
+      ContractError: from ``interop.contract.check_prefill_paged`` (before any allocation).
+
+    Slots are resolved by a pre-pass (``resolve_pool_slots``) by default: a slot-table lookup in
+    the attention loop puts a second dependent load before every K/V gather (upstream measured it
+    1.5x slower). ``QSA_PAGED_SLOTS=inline`` selects the inline lookup for measurement.
+    """
+    p = contract.check_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
+                                     kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale)
+    return torch.ops.qsa.sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices,
+                                              cu_seqlens_q, kv_lens, p.max_seqlen_q,
+                                              p.softmax_scale, p.k_scale, p.v_scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compile list (for ``qsa compile`` and tests/test_sm12x_compile.py)
+_TORCH_TO_TT = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8e4nv"}
+
+
+def kernel_signature(q_dtype: str = "bfloat16", kv_dtype: str | None = None) -> dict[str, str]:
+    """Triton signature (argument name -> type) of the prefill kernel for the given dtypes, as
+    ``triton.compiler.ASTSource`` wants it (constexpr arguments marked ``"constexpr"``)."""
+    qt = _TORCH_TO_TT[q_dtype]
+    kt = _TORCH_TO_TT[kv_dtype or q_dtype]
+    sig = {"q_ptr": f"*{qt}", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "o_ptr": f"*{qt}",
+           "idx_ptr": "*i32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "kv_lens_ptr": "*i32",
+           "table_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32", "W": "i32"}
+    for name in ("stride_qt", "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
+                 "stride_ot", "stride_oh", "stride_it", "stride_ih", "stride_tb"):
+        sig[name] = "i32"
+    for name in ("HKV", "G", "D", "BLOCK_M", "BLOCK_N", "MODE"):
+        sig[name] = "constexpr"
+    return sig
+
+
+def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12)) -> list[dict]:
+    """Every (kernel, constexprs, num_warps, num_stages) the selector can launch on ``arch``.
+
+    One entry per distinct (geometry, mode, K/V dtype): ordinary bf16, chunk bf16, chunk FP8,
+    paged-slots bf16 and FP8 (pool reads through pre-resolved slots). ``head_dim`` 256 is the
+    largest (shared-memory worst case). Groups: the head tile G only changes masks, so one G per
+    BLOCK_M is compiled (the tuned entries keep their own G).
+
+    Returns:
+      list of dicts: ``kernel`` (the JITFunction), ``name``, ``signature`` (for ASTSource),
+      ``constexprs`` (name -> value), ``num_warps``, ``num_stages``, ``geometry``.
+    """
+    out = []
+    variants = ((MODE_ORDINARY, "bfloat16", None), (MODE_CHUNK, "bfloat16", None),
+                (MODE_CHUNK, "bfloat16", "float8_e4m3fn"), (MODE_SLOTS, "bfloat16", None),
+                (MODE_SLOTS, "bfloat16", "float8_e4m3fn"))
+    for geo in all_configs(arch):
+        grp = next((g for g in groups if max(16, triton.next_power_of_2(g)) == geo.block_m
+                    or triton.next_power_of_2(g) == geo.block_m), geo.block_m)
+        if geo.source.startswith("sm120-tuned[G="):
+            grp = int(geo.source.split("G=")[1].rstrip("]"))
+        for mode, qd, kd in variants:
+            out.append({
+                "kernel": _qsa_sparse_prefill_fwd,
+                "name": f"qsa_prefill_mode{mode}_{qd}_{kd or qd}_bm{geo.block_m}_bn{geo.block_n}"
+                        f"_w{geo.num_warps}_s{geo.num_stages}",
+                "signature": kernel_signature(qd, kd),
+                "constexprs": {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": geo.block_m,
+                               "BLOCK_N": geo.block_n, "MODE": mode},
+                "num_warps": geo.num_warps,
+                "num_stages": geo.num_stages,
+                "geometry": geo,
+            })
+    return out
+
