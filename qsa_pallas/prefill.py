@@ -1,0 +1,475 @@
+"""QSA sparse prefill as Pallas (Triton lowering) kernels: ordinary, chunk and paged.
+
+Semantics: ``qsa-contract.md`` §3; oracle: ``interop.reference.prefill*_reference``.
+
+Decomposition (the contract's): one program per (query row, KV head). The program covers the G
+query heads of its KV head as a head tile padded to a power of two (>= 16, masked), keeps an FP32
+accumulator [head tile, D] and an FP32 online-softmax state, and walks the row's index columns in
+BLOCK_N chunks. Each chunk gathers the named key/value rows with a vector-index load
+(``_compat.load(ref.at[rows[:, None], h, d[None, :]], mask=..., other=0)``), so an invalid entry is
+never dereferenced: its gather index is clamped into range *and* masked (interpret mode clamps
+out-of-range gathers instead of faulting; a GPU would fault), and its score is -inf.
+
+The loop stops after ``min(W, visible)`` columns rounded up to BLOCK_N, ``visible`` being computed
+in the kernel from ``cu_seqlens``/``kv_lens`` (device data), so a jitted caller can change lengths
+and indices without a retrace. The bound is a traced ``lax.fori_loop`` upper bound, which the
+Pallas Triton lowering pattern-matches into an ``scf.for`` with a dynamic bound.
+
+The request of a row is found in the kernel by counting ``cu_seqlens_q[1:] <= row`` over a
+power-of-two padded vector (B is static), so no pre-pass runs in XLA.
+
+Paged: the pool slot of each selected position is resolved in the kernel
+(``slot_table[b, idx]``, a second vector gather), so the pool is read in place. A slot outside the
+pool is treated as an invalid entry (memory safety; the debug validator reports it).
+
+FP8 e4m3 K/V (chunk and paged): gathered rows are converted to q's dtype in registers; ``k_scale``
+is folded into the FP32 score scale and ``v_scale`` multiplies the normalised output.
+
+64-bit offsets: the Pallas Triton lowering (jax 0.10.2 and 0.11.2, ``_compute_offsets_from_indices``)
+computes a ref's element offsets in int64 exactly when the ref is larger than 2**32 *bytes*, and in
+int32 otherwise. For 2-byte K/V that is exactly when an element offset can pass 2**31 - 1; for
+1-byte FP8 pools between 2**31 and 2**32 elements the offsets would wrap, so the entry points
+reject those (``ContractError``) instead of overflowing silently. No jax x64 mode is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from interop import contract
+from interop.contract import ContractError, PrefillProblem, spec_of
+
+from . import _compat
+from ._compat import pl
+
+__all__ = [
+    "sparse_prefill",
+    "sparse_prefill_chunk",
+    "sparse_prefill_paged",
+    "PallasPrefillGeometry",
+    "select_geometry",
+    "shared_memory_estimate",
+    "fit_shared_memory",
+]
+
+_LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the cheaper PTX path
+_INT32_MAX = 2**31 - 1
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, int(x)))))
+
+
+# --------------------------------------------------------------------------------------------
+# Geometry
+@dataclasses.dataclass(frozen=True)
+class PallasPrefillGeometry:
+    """Launch geometry of one Pallas prefill call.
+
+    Attributes:
+      head_tile: query heads per program, G padded to a power of two, >= 16 (tensor-core dots).
+      block_n: index columns (gathered K/V rows) per inner-loop step (BLOCK_N), power of two >= 16.
+      num_warps, num_stages: Triton compiler parameters passed through ``plgpu.CompilerParams``.
+      source: where the numbers came from (selector table name, "interpret-fixed", "explicit").
+    """
+
+    head_tile: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    source: str
+
+
+# CPU interpret mode: one small fixed geometry (speed of the interpreter, not of a GPU, matters).
+_INTERPRET_GEOMETRY = (16, 4, 2)  # (BLOCK_N, num_warps, num_stages)
+
+
+def select_geometry(problem: PrefillProblem, *, interpret: bool, device=None,
+                    facts=None) -> PallasPrefillGeometry:
+    """Geometry for a checked prefill problem.
+
+    On a GPU the shared selector ``interop.geometry.select_prefill(..., backend="pallas")`` decides
+    (keyed by device family and workload, qsa-contract.md §3); in interpret mode (CPU) a fixed
+    small geometry is used. The head tile is always ``max(16, next_pow2(G))`` (the Pallas Triton
+    lowering needs dot operands of at least 16 rows), or the selector's BLOCK_M if larger.
+
+    Args:
+      problem: the ``PrefillProblem`` returned by the contract check.
+      interpret: whether the kernel runs in interpret mode.
+      device: a jax device to read ``DeviceFacts`` from (default: the first jax device).
+      facts: explicit ``interop.arch.DeviceFacts`` (abstract-device lowering, tests).
+
+    Returns:
+      PallasPrefillGeometry.
+    """
+    g = problem.group
+    head_tile = max(16, _next_pow2(g))
+    if interpret and facts is None:
+        bn, nw, ns = _INTERPRET_GEOMETRY
+        return PallasPrefillGeometry(head_tile, bn, nw, ns, "interpret-fixed")
+    try:
+        from interop import geometry as _geo  # noqa: PLC0415 - written in parallel; optional
+    except ImportError:
+        _geo = None
+    if facts is None:
+        facts = _device_facts(device)
+    if _geo is not None and hasattr(_geo, "select_prefill"):
+        geo = _geo.select_prefill(
+            facts, problem.kind, total_q=problem.total_q, requests=problem.requests,
+            max_q=problem.max_seqlen_q, group=g, num_kv_heads=problem.num_kv_heads,
+            head_dim=problem.head_dim, width=problem.width, backend="pallas")
+        bn = max(16, _next_pow2(geo.block_n))
+        head_tile = max(head_tile, _next_pow2(geo.block_m))
+        nw, ns, source = int(geo.num_warps), int(geo.num_stages), f"selector:{geo.source}"
+    else:
+        # Fallback while no shared selector is importable: upstream's L20 table at large T.
+        bn, nw, ns, source = 16, 1, 2, "fallback"
+    return fit_shared_memory(
+        PallasPrefillGeometry(head_tile, bn, nw, ns, source), head_dim=problem.head_dim,
+        kv_bytes=1 if problem.kv_dtype == "float8_e4m3fn" else 2,
+        limit=int(facts.smem_per_block))
+
+
+def shared_memory_estimate(geo: PallasPrefillGeometry, *, head_dim: int, kv_bytes: int) -> int:
+    """Bytes of shared memory one program of this kernel needs (upper estimate).
+
+    Model fitted to Triton 3.9 compiles of the lowered kernel (``_compat.compile_ttir``, sm_120,
+    D = 256, every BLOCK_N in {16, 32, 64} x warps {2, 4, 8} x stages {1, 2, 3}, bf16 and FP8 K/V;
+    exact for >= 4 warps, an over-estimate below): the 16-bit dot operands (head tile of q, the
+    K and V tiles) staged once, plus one asynchronously copied K and V tile per extra pipeline
+    stage in the K/V storage dtype.
+    """
+    operands = (2 * geo.block_n + geo.head_tile) * head_dim * 2
+    per_stage = 2 * geo.block_n * head_dim * kv_bytes + 512
+    return operands + max(0, geo.num_stages - 1) * per_stage
+
+
+def fit_shared_memory(geo: PallasPrefillGeometry, *, head_dim: int, kv_bytes: int,
+                      limit: int | None) -> PallasPrefillGeometry:
+    """Shrink a geometry until ``shared_memory_estimate`` fits ``limit`` bytes (None: as is).
+
+    First fewer pipeline stages, then a smaller BLOCK_N (>= 16). A table row tuned for sm_90's
+    227 KB would otherwise fail to launch on sm_120/sm_121 (101,376 B, qsa-contract.md §5).
+    """
+    if limit is None:
+        return geo
+    bn, ns, changed = geo.block_n, geo.num_stages, False
+    while shared_memory_estimate(dataclasses.replace(geo, block_n=bn, num_stages=ns),
+                                 head_dim=head_dim, kv_bytes=kv_bytes) > limit:
+        if ns > 1:
+            ns -= 1
+        elif bn > 16:
+            bn //= 2
+        else:
+            break
+        changed = True
+    if not changed:
+        return geo
+    return dataclasses.replace(geo, block_n=bn, num_stages=ns,
+                               source=f"{geo.source} fit<={limit}B")
+
+
+def _device_facts(device=None):
+    """DeviceFacts of the target: the abstract device of an enclosing
+    ``jax.sharding.use_abstract_mesh`` (ahead-of-time lowering without a GPU), else the jax GPU
+    device, else an H200 (what jax 0.10.2's lowering assumes without a GPU)."""
+    from interop.arch import DeviceFacts  # noqa: PLC0415
+
+    try:
+        abstract = jax.sharding.get_abstract_mesh().abstract_device
+    except Exception:  # noqa: BLE001 - older jax without abstract meshes
+        abstract = None
+    if abstract is not None and getattr(abstract, "device_kind", None):
+        try:
+            return DeviceFacts.from_device_kind(abstract.device_kind, _triton_version())
+        except (ValueError, KeyError):
+            pass
+    try:
+        return DeviceFacts.from_jax(device)
+    except Exception:  # noqa: BLE001 - no GPU visible
+        return DeviceFacts.for_arch("sm_90", triton_version=_triton_version())
+
+
+def _triton_version():
+    try:
+        from importlib.metadata import version  # noqa: PLC0415
+
+        return version("triton")
+    except Exception:  # noqa: BLE001 - JAX-only install: jax's bundled Triton is unversioned here
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the kernel specialises on (hashable: the compile cache key)."""
+
+    kind: str  # "ordinary" | "chunk" | "paged"
+    requests: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    width: int
+    per_head: bool
+    head_tile: int
+    block_n: int
+    score_scale: float  # softmax_scale * k_scale * log2(e)
+    v_scale: float
+    kv_rows: int  # rows of k/v (slots of the pool)
+    max_context: int  # paged: slot_table columns
+    num_warps: int
+    num_stages: int
+    interpret: bool
+
+
+def _find_request(cu_ref, row, requests: int):
+    """b such that cu[b] <= row < cu[b + 1]: count of cu[1:B+1] <= row (B static, padded)."""
+    bp = _next_pow2(requests)
+    j = lax.broadcasted_iota(jnp.int32, (bp,), 0)
+    live = j < requests
+    ends = _compat.load(cu_ref.at[pl.ds(1, bp)], mask=live, other=_INT32_MAX)
+    ends = jnp.where(live, ends, _INT32_MAX)  # interpret mode pads with int-min: re-mask
+    return jnp.sum((ends <= row).astype(jnp.int32))
+
+
+def _prefill_kernel(*refs, st: _Static):
+    if st.kind == "ordinary":
+        q_ref, k_ref, v_ref, idx_ref, cu_ref, o_ref = refs
+    elif st.kind == "chunk":
+        q_ref, k_ref, v_ref, idx_ref, cu_ref, cuk_ref, kvl_ref, o_ref = refs
+    else:
+        q_ref, k_ref, v_ref, slot_ref, idx_ref, cu_ref, kvl_ref, o_ref = refs
+
+    row = pl.program_id(0)
+    h = pl.program_id(1)
+    g, ht, d, bn, w = st.group, st.head_tile, st.head_dim, st.block_n, st.width
+
+    b = _find_request(cu_ref, row, st.requests)
+    q_start = cu_ref[b]
+    q_len = cu_ref[b + 1] - q_start
+    r = row - q_start
+    if st.kind == "ordinary":
+        length = q_len  # validity bound: the request length
+        visible = r + 1
+        base = q_start  # k/v packed like q
+    else:
+        length = kvl_ref[b]
+        visible = r + length - q_len + 1  # bottom-right causal alignment
+        base = cuk_ref[b] if st.kind == "chunk" else 0
+    n_cols = jnp.clip(jnp.minimum(visible, w), 0, w)
+    n_blocks = (n_cols + (bn - 1)) // bn
+
+    # Query head tile [ht, d]: heads h*G .. h*G+G-1, padded heads masked to 0.
+    hid = lax.broadcasted_iota(jnp.int32, (ht, 1), 0)
+    head_ok = hid < g
+    d_row = lax.broadcasted_iota(jnp.int32, (1, d), 1)
+    q = _compat.load(q_ref.at[row, pl.ds(h * g, ht), :],
+                   mask=jnp.broadcast_to(head_ok, (ht, d)), other=0)
+    q = jnp.where(head_ok, q, jnp.zeros_like(q))  # interpret pads with NaN: re-mask
+
+    cols0 = lax.broadcasted_iota(jnp.int32, (bn,), 0)
+    compute_dtype = q.dtype
+
+    def body(j, carry):
+        acc, m_i, l_i = carry
+        cols = j * bn + cols0
+        col_ok = cols < w
+        if st.per_head:
+            ids = _compat.load(idx_ref.at[row, h, pl.ds(j * bn, bn)], mask=col_ok, other=-1)
+        else:
+            ids = _compat.load(idx_ref.at[row, pl.ds(j * bn, bn)], mask=col_ok, other=-1)
+        valid = col_ok & (ids >= 0) & (ids < length)
+        safe = jnp.where(valid, ids, 0)  # clamp into range before any dereference
+        if st.kind == "paged":
+            valid = valid & (ids < st.max_context)
+            safe = jnp.where(valid, ids, 0)
+            slots = _compat.load(slot_ref.at[b, safe], mask=valid, other=0)
+            valid = valid & (slots >= 0) & (slots < st.kv_rows)
+            kv_rows = jnp.where(valid, slots, 0)
+        else:
+            kv_rows = jnp.where(valid, base + safe, 0)
+        kv_rows = jnp.clip(kv_rows, 0, st.kv_rows - 1)
+        gmask = jnp.broadcast_to(valid[:, None], (bn, d))
+        # No `other`: the lowering cannot build an FP8 fill constant. Masked lanes are never
+        # dereferenced on the GPU; interpret mode gathers the clamped row 0 there. Either way
+        # the select below zeroes them, so a non-finite never-selected row cannot reach a dot.
+        k = _compat.load(k_ref.at[kv_rows[:, None], h, d_row], mask=gmask)
+        v = _compat.load(v_ref.at[kv_rows[:, None], h, d_row], mask=gmask)
+        k = jnp.where(gmask, k.astype(compute_dtype), jnp.zeros((), compute_dtype))
+        v = jnp.where(gmask, v.astype(compute_dtype), jnp.zeros((), compute_dtype))
+
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * st.score_scale  # [ht, bn]
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        # Fully masked so far: keep the shift finite so exp2 gives 0, never NaN.
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        pv = jnp.dot(p.astype(compute_dtype), v, preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + pv
+        return acc, m_new, l_new
+
+    acc0 = jnp.zeros((ht, d), jnp.float32)
+    m0 = jnp.full((ht,), -jnp.inf, jnp.float32)
+    l0 = jnp.zeros((ht,), jnp.float32)
+    acc, _, l_i = lax.fori_loop(0, n_blocks, body, (acc0, m0, l0))
+
+    # Rows with no valid entry: l = 0 -> exact zeros.
+    inv = jnp.where(l_i > 0, st.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+    out = (acc * inv[:, None]).astype(o_ref.dtype)
+    _compat.store(o_ref.at[row, pl.ds(h * g, ht), :], out,
+                mask=jnp.broadcast_to(head_ok, (ht, d)))
+
+
+@functools.partial(jax.jit, static_argnames=("st",))
+def _launch(q, k, v, *meta, st: _Static):
+    t, hq, d = q.shape
+    kernel = functools.partial(_prefill_kernel, st=st)
+    return _compat.triton_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((t, hq, d), q.dtype),
+        grid=(t, st.num_kv_heads),
+        num_warps=st.num_warps, num_stages=st.num_stages,
+        interpret=st.interpret,
+        name=f"qsa_sparse_prefill_{st.kind}",
+    )(q, k, v, *meta)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+def _resolve_interpret(interpret, q) -> bool:
+    if interpret is not None:
+        return bool(interpret)
+    return spec_of(q).device == "cpu"
+
+
+def _check_offsets(fn: str, **arrays):
+    """Reject arrays whose element offsets need 64 bits while the lowering would use int32.
+
+    The lowering switches to int64 offsets only when a ref exceeds 2**32 bytes (see module doc).
+    """
+    for name, a in arrays.items():
+        numel = math.prod(a.shape)
+        nbytes = numel * np.dtype(a.dtype).itemsize
+        if numel - 1 > _INT32_MAX and nbytes <= 2**32:
+            raise ContractError(
+                fn, name,
+                "fewer than 2**31 elements, or more than 2**32 bytes (the Pallas Triton lowering "
+                "uses int32 offsets below 2**32 bytes)", f"{numel} elements of {a.dtype}")
+
+
+def _run(problem: PrefillProblem, q, k, v, meta, *, max_context: int, interpret, geometry, fn):
+    interp = _resolve_interpret(interpret, q)
+    geo = geometry if geometry is not None else select_geometry(problem, interpret=interp)
+    st = _Static(
+        kind=problem.kind, requests=problem.requests, num_kv_heads=problem.num_kv_heads,
+        group=problem.group, head_dim=problem.head_dim, width=problem.width,
+        per_head=problem.per_head_indices, head_tile=geo.head_tile, block_n=geo.block_n,
+        score_scale=problem.softmax_scale * problem.k_scale * _LOG2E, v_scale=problem.v_scale,
+        kv_rows=int(k.shape[0]), max_context=max_context, num_warps=geo.num_warps,
+        num_stages=geo.num_stages, interpret=interp)
+    return _launch(q, k, v, *meta, st=st)
+
+
+def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
+                   interpret=None, geometry: PallasPrefillGeometry | None = None):
+    """Ordinary sparse prefill (qsa-contract.md §3): K/V are this forward's rows, packed like q.
+
+    Args:
+      q: [T, Hq, D] bfloat16|float16 query rows of B requests packed back to back.
+      k, v: [T, Hkv, D], q's dtype.
+      indices: int32 [T, W] (shared by the KV heads) or [T, Hkv, W]; request-relative token
+        positions, valid iff 0 <= idx < request length; selected entries first, then padding.
+      cu_seqlens: int32 [B + 1], request b owns rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1.
+      max_seqlen_q: host int >= 1 (static; part of the contract, not needed by this grid).
+      softmax_scale: host float > 0, or None for D ** -0.5.
+      interpret: None -> interpret mode when q lives on the CPU; True/False to force.
+      geometry: explicit ``PallasPrefillGeometry`` (benchmarks); None -> ``select_geometry``.
+
+    Returns:
+      [T, Hq, D] in q's dtype: out[t, h] = softmax(scale · q[t,h] · Kᵀ) · V over the valid
+      entries of row t (KV head h // G); exact zeros for a row with no valid entry.
+
+    Raises:
+      ContractError: from ``interop.contract.check_prefill`` (before any launch), or an array
+        whose offsets would overflow the lowering's int32 offsets.
+    """
+    fn = "qsa_pallas.sparse_prefill"
+    p = contract.check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, fn=fn)
+    _check_offsets(fn, q=q, k=k, v=v, indices=indices)
+    return _run(p, q, k, v, (indices, cu_seqlens), max_context=0, interpret=interpret,
+                geometry=geometry, fn=fn)
+
+
+def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
+                         softmax_scale=None, k_scale=1.0, v_scale=1.0, *, interpret=None,
+                         geometry: PallasPrefillGeometry | None = None):
+    """Chunk sparse prefill (qsa-contract.md §3): K/V hold each request's full context, packed.
+
+    Args:
+      q: [T, Hq, D] bfloat16|float16.
+      k, v: [Ck, Hkv, D] q's dtype or float8_e4m3fn; request b's context is rows
+        cu_seqlens_k[b] .. cu_seqlens_k[b] + kv_lens[b] - 1.
+      indices: int32 [T, W] or [T, Hkv, W]; positions in the request's context, valid iff
+        0 <= idx < kv_lens[b].
+      cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B].
+      max_seqlen_q: host int >= 1.
+      softmax_scale: host float > 0 or None (D ** -0.5); k_scale, v_scale: host floats > 0
+        (FP8 dequantisation: k_scale multiplies the scores, v_scale the P·V output; must be 1.0
+        for non-FP8 K/V).
+      interpret, geometry: as ``sparse_prefill``.
+
+    Returns:
+      [T, Hq, D] in q's dtype; the visible count of row r of request b is
+      r + kv_lens[b] - q_len_b + 1 (bottom-right causal); zeros for rows with no valid entry.
+
+    Raises:
+      ContractError: from ``interop.contract.check_prefill_chunk`` or the offset check.
+    """
+    fn = "qsa_pallas.sparse_prefill_chunk"
+    p = contract.check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
+                                     max_seqlen_q, softmax_scale, k_scale, v_scale, fn=fn)
+    _check_offsets(fn, q=q, k=k, v=v, indices=indices)
+    return _run(p, q, k, v, (indices, cu_seqlens_q, cu_seqlens_k, kv_lens), max_context=0,
+                interpret=interpret, geometry=geometry, fn=fn)
+
+
+def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
+                         max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
+                         interpret=None, geometry: PallasPrefillGeometry | None = None):
+    """Paged sparse prefill (qsa-contract.md §3): K/V read in place from the pool.
+
+    Args:
+      q: [T, Hq, D] bfloat16|float16.
+      k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or float8_e4m3fn.
+      slot_table: int32 [B, max_context]; position p of request b lives in slot slot_table[b, p]
+        (resolved inside the kernel, per gathered column).
+      indices: int32 [T, W] or [T, Hkv, W]; positions, valid iff 0 <= idx < kv_lens[b] (and,
+        for memory safety, idx < max_context and the slot inside the pool).
+      cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
+      max_seqlen_q, softmax_scale, k_scale, v_scale, interpret, geometry: as the chunk variant.
+
+    Returns:
+      [T, Hq, D] in q's dtype.
+
+    Raises:
+      ContractError: from ``interop.contract.check_prefill_paged`` or the offset check (FP8
+        pools of 2**31..2**32 elements).
+    """
+    fn = "qsa_pallas.sparse_prefill_paged"
+    p = contract.check_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
+                                     kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale, fn=fn)
+    _check_offsets(fn, q=q, k_cache=k_cache, v_cache=v_cache, indices=indices,
+                   slot_table=slot_table)
+    return _run(p, q, k_cache, v_cache, (slot_table, indices, cu_seqlens_q, kv_lens),
+                max_context=int(slot_table.shape[1]), interpret=interpret, geometry=geometry,
+                fn=fn)
