@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from interop.arch import DeviceFacts
 from interop.contract import check_decode
 from interop.decode_plan import DecodePlan, plan_decode
 
@@ -42,7 +43,18 @@ __all__ = ["sparse_decode", "decode_plan_for", "decode_partials"]
 
 
 def _sm_count() -> int:
-    """SMs of jax's default GPU (``core_count``), 132 (the H200's) elsewhere."""
+    """SMs of the target GPU: the abstract device's kind when lowering ahead of time under an
+    ``AbstractMesh`` (``interop.arch`` table), else jax's default GPU (``core_count``), else 132
+    (the H200's; CPU interpret mode)."""
+    try:
+        abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    except Exception:  # noqa: BLE001 - older jax without abstract meshes
+        abstract = None
+    if abstract is not None and abstract.platform in ("cuda", "gpu"):
+        try:
+            return DeviceFacts.from_device_kind(abstract.device_kind).sm_count
+        except (ValueError, KeyError):
+            return 132
     try:
         dev = jax.devices()[0]
     except RuntimeError:  # pragma: no cover

@@ -1,0 +1,108 @@
+"""The Pallas decode kernel lowers (and compiles) for CUDA on a machine without a GPU.
+
+Interpret mode accepts things the GPU rejects (non-power-of-two tiles, out-of-range gathers), so
+CPU CI also lowers each kernel for CUDA under abstract devices (architecture.md):
+``jax.sharding.AbstractMesh`` whose ``AbstractDevice`` has device_kind "NVIDIA H200", "NVIDIA RTX
+PRO 6000 Blackwell Workstation Edition" or "NVIDIA GB10", then
+``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`` (``_compat.lower_for_device_kind``).
+
+What that checks, per jax version (see ``qsa_pallas/_compat.py``): the Pallas Triton lowering rule
+builds the kernel's Triton MLIR (TTIR) in Python -- power-of-two tile shapes, supported
+primitives, dtypes -- and embeds it in a ``__gpu$xla.gpu.triton`` custom call; no jaxlib CUDA
+plugin is involved. jax 0.10.2 lowers every kind as sm_90 (its fallback without a GPU); jax 0.11
+maps the kind to sm_90 / sm_120 / sm_121. We then take the embedded TTIR and run the rest of
+Triton's pipeline with the installed ``triton`` package for the kind's compute capability
+(``_compat.compile_ttir``): TTGIR, LLVM, PTX and ptxas, and check the shared memory per program
+against the sm_120/sm_121 limit of 101,376 B (Triton does not check it at compile time).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from interop.arch import DeviceFacts  # noqa: E402
+from interop.decode_plan import DecodePlan  # noqa: E402
+from qsa_pallas import _compat as C  # noqa: E402
+from qsa_pallas.decode import decode_plan_for, sparse_decode  # noqa: E402
+
+SDS = jax.ShapeDtypeStruct
+
+
+def _args(b, hq, hkv, d, cap, dtype=jnp.bfloat16):
+    return (SDS((b, hq, d), dtype), SDS((cap, hkv, d), dtype), SDS((cap, hkv, d), dtype),
+            SDS((b + 1,), jnp.int32), SDS((b + 1,), jnp.int32))
+
+
+def _lower(kind, b, hq, hkv, d, msk, plan=None, dtype=jnp.bfloat16):
+    cap = b * msk + 16
+    fn = lambda q, k, v, cq, ck: sparse_decode(q, k, v, cq, ck, msk, interpret=False,  # noqa: E731
+                                              plan=plan)
+    return C.lower_for_device_kind(fn, _args(b, hq, hkv, d, cap, dtype), kind)
+
+
+def _triton_or_skip():
+    try:
+        import triton  # noqa: F401, PLC0415
+        from triton.backends.compiler import GPUTarget  # noqa: F401, PLC0415
+    except ImportError:
+        pytest.skip("triton not installed: TTIR is checked, the binary compile is not")
+
+
+SHAPES = [  # (B, Hq, Hkv, D, max_seqlen_k)
+    (1, 24, 2, 256, 2051),     # TP1, many splits
+    (64, 12, 1, 256, 2051),    # TP2
+    (128, 6, 1, 256, 2051),    # TP4
+    (4, 3, 1, 256, 100),       # TP8 (optional rank shape)
+    (5, 24, 2, 64, 300),       # small D
+]
+
+
+@pytest.mark.parametrize("kind", C.DEVICE_KINDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-{}x{}-D{}-msk{}".format(*s))
+def test_decode_lowers_and_compiles_for_cuda(kind, shape):
+    b, hq, hkv, d, msk = shape
+    lowered = _lower(kind, b, hq, hkv, d, msk)
+    text = lowered.as_text()
+    assert "__gpu$xla.gpu.triton" in text
+    mods = C.triton_modules(lowered)
+    assert [m.name for m in mods] == ["qsa_decode_split"]
+    mod = mods[0]
+    facts = DeviceFacts.from_device_kind(kind)
+    plan = decode_plan_for(b, hq, hkv, d, msk, sm_count=facts.sm_count)
+    assert mod.grid == (b, hkv, plan.max_splits)
+    assert (mod.num_warps, mod.num_stages) == (plan.num_warps, plan.num_stages)
+    ttir = mod.text()
+    assert "tt.dot" in ttir, "the QK and PV products must lower to tensor-core dots"
+    assert "atomic" not in ttir, "no atomics (int32 vector atomics are a no-op on the H200)"
+    _triton_or_skip()
+    cap = C.CAPABILITY[kind]
+    res = C.compile_ttir(mod, cap)
+    limit = C.SM12X_SMEM_LIMIT if cap >= 120 else facts.smem_per_block
+    assert 0 <= res["shared"] <= limit, f"{res['shared']} B shared memory > {limit} B on sm_{cap}"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_decode_lowers_both_dtypes(dtype):
+    mods = C.triton_modules(_lower("NVIDIA GB10", 2, 12, 1, 256, 64, dtype=dtype))
+    assert len(mods) == 1 and "tt.dot" in mods[0].text()
+
+
+def test_interpret_mode_accepts_what_the_gpu_lowering_rejects():
+    """A non-power-of-two head tile runs in interpret mode but fails the CUDA lowering: the reason
+    these lowering tests exist."""
+    import numpy as np  # noqa: PLC0415
+
+    bad = DecodePlan(head_tile=12, block_n=16, max_splits=2, min_blocks_per_split=1, num_warps=4,
+                     num_stages=2)
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 12, 64)), jnp.float16)
+    k = jnp.asarray(rng.standard_normal((40, 1, 64)), jnp.float16)
+    cq = jnp.arange(3, dtype=jnp.int32)
+    ck = jnp.asarray([0, 17, 40], jnp.int32)
+    out = sparse_decode(q, k, k, cq, ck, 32, interpret=True, plan=bad)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    with pytest.raises(Exception, match="power of 2"):
+        _lower("NVIDIA H200", 2, 12, 1, 64, 32, plan=bad)
