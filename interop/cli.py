@@ -44,13 +44,14 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[obje
     rows = [[str(c) for c in r] for r in rows]
     console = _console() if file is None else None
     if console is not None:
+        from rich.markup import escape  # noqa: PLC0415 - cells like "[exact]" are not markup
         from rich.table import Table  # noqa: PLC0415
 
-        table = Table(title=title, title_justify="left")
+        table = Table(title=escape(title), title_justify="left")
         for c in columns:
-            table.add_column(str(c))
+            table.add_column(escape(str(c)))
         for r in rows:
-            table.add_row(*r)
+            table.add_row(*(escape(c) for c in r))
         console.print(table)
         return
     out = file or sys.stdout
@@ -120,10 +121,10 @@ def _cmd_contract(args) -> int:
             prefill = {op: route(facts, op) for op in ("prefill", "prefill_chunk", "prefill_paged")}
             geos = sorted({r.geometry for r in prefill.values()})
             route_rows.append((n, f"{part.removeprefix('NVIDIA ')} ({facts.sm_count} SM)",
-                               f"{d.kernel} ({'exact contract' if d.exact_contract else 'default checks'})",
+                               f"{d.kernel} [{'exact' if d.exact_contract else 'default'}]",
                                " / ".join(geos), prefill["prefill"].reason))
     print_table("Routing per arch (interop.contract.route)",
-                ("arch", "part", "decode", "prefill geometry", "why (prefill)"), route_rows)
+                ("arch", "part", "decode [checks]", "prefill geometry", "why (prefill)"), route_rows)
     arch_rows = [(n, f"{i.cc[0]}.{i.cc[1]}", i.tensor_cores, f"{i.smem_per_block:,} B")
                  for n, i in KNOWN_ARCHS.items() if n in names]
     print_table("Arch facts (interop.arch.KNOWN_ARCHS)",

@@ -83,7 +83,7 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None):
 
     Raises:
       DLPackLayoutError: non-compact strides (a slice with gaps, an expanded/broadcast view) or
-        int64 while jax x64 is off, and ``copy`` is False.
+        int64 while jax x64 is off (always), non-compact strides when ``copy`` is False.
       TypeError: not a torch tensor.
     """
     import jax  # noqa: PLC0415 - lazy: only the bridge touches both frameworks
@@ -92,13 +92,17 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None):
     if not type(tensor).__module__.startswith("torch"):
         raise TypeError(f"to_jax: expected a torch.Tensor, got {type(tensor).__name__}")
     name = _torch_dtype_name(tensor)
-    if not is_compact(tensor.shape, tensor.stride()):
-        if not copy:
-            raise DLPackLayoutError(
-                "to_jax", "tensor", "a compact layout (contiguous or a transposition of a dense "
-                "buffer) that DLPack can share", f"shape {list(tensor.shape)} with strides "
-                f"{list(tensor.stride())}", "Pass copy=True or call .contiguous() first.")
-        tensor = tensor.contiguous()
+    if not copy and not is_compact(tensor.shape, tensor.stride()):
+        raise DLPackLayoutError(
+            "to_jax", "tensor", "a compact layout (contiguous or a transposition of a dense "
+            "buffer) that DLPack can share", f"shape {list(tensor.shape)} with strides "
+            f"{list(tensor.stride())}", "Pass copy=True or call .contiguous() first.")
+    if copy:
+        # copy on the torch side (on the current stream), then share the private copy: jax 0.10's
+        # from_dlpack(copy=True) still aliases CPU buffers
+        import torch  # noqa: PLC0415
+
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
     if name == "int64" and not jax.config.jax_enable_x64:
         raise DLPackLayoutError("to_jax", "tensor", "int32 metadata (jax x64 mode is off, "
                                 "int64 would be narrowed silently)", "int64",
@@ -106,7 +110,7 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None):
     if name in _FP8:
         if fp8_via_uint8 is not True:
             try:
-                arr = jax.dlpack.from_dlpack(tensor, copy=True) if copy else jax.dlpack.from_dlpack(tensor)
+                arr = jax.dlpack.from_dlpack(tensor)
                 if str(arr.dtype) == name:
                     return arr
             except (TypeError, ValueError, BufferError, RuntimeError):  # no fp8 DLPack code here
@@ -114,10 +118,8 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None):
         import torch  # noqa: PLC0415
 
         raw = tensor.view(torch.uint8)
-        arr = jax.dlpack.from_dlpack(raw, copy=True) if copy else jax.dlpack.from_dlpack(raw)
+        arr = jax.dlpack.from_dlpack(raw)
         return jax.lax.bitcast_convert_type(arr, getattr(jnp, name))
-    if copy:
-        return jax.dlpack.from_dlpack(tensor, copy=True)
     return jax.dlpack.from_dlpack(tensor)
 
 

@@ -264,11 +264,17 @@ def select_blocks(visible, req, *, block_topk: int = BLOCK_TOPK, ratio: int = RA
     """Indexer-like block selection: per row up to ``block_topk`` distinct complete blocks.
 
     A row with ``nb = floor(visible / ratio)`` complete blocks selects all of them when
-    nb <= block_topk; otherwise one block from each of ``block_topk`` equal strata of [0, nb)
-    (distinct by construction). The offset inside a stratum is drawn once per (request, stratum)
-    with probability ``overlap`` and per row otherwise, so adjacent rows share about ``overlap``
-    of their blocks, as the real indexer's do (anchors.md). Ids are emitted in a per-request
-    "score" order (one random permutation of the strata per request), valid first, -1 after.
+    nb <= block_topk. Otherwise it selects a local window of the ``n_recent = block_topk // 32``
+    (16) most recent blocks ``[nb - n_recent, nb)`` plus one block from each of
+    ``block_topk - n_recent`` equal strata of the older region ``[0, G)``, where G is
+    ``nb - n_recent`` rounded down to a multiple of ``block_topk // 8`` (64) blocks — so the strata
+    stay put while a request's rows advance and adjacent rows can share their picks (the blocks
+    between G and the window are skipped; when rounding would leave too few blocks, G is not
+    rounded). The offset inside a stratum is drawn once per (request, stratum) with probability
+    ``sqrt(overlap)`` and per row otherwise: adjacent rows share about ``overlap`` of their older blocks
+    plus all but one of their local blocks, like the real indexer's (anchors.md). Ids are emitted
+    in a per-request "score" order (one random permutation of the slots per request), valid first,
+    -1 after. All picks are distinct by construction.
 
     Args:
       visible: int [T] visible tokens per row; req: int [T] request id per row.
@@ -288,18 +294,27 @@ def select_blocks(visible, req, *, block_topk: int = BLOCK_TOPK, ratio: int = RA
     t = vis.shape[0]
     n_req = int(req.max()) + 1 if t else 0
     nb = vis // ratio
-    s = np.arange(block_topk, dtype=np.int64)
-    shared_u = rng.random((n_req, block_topk))
-    row_u = rng.random((t, block_topk))
-    use_shared = rng.random((t, block_topk)) < overlap
+    n_recent = max(1, block_topk // 32) if block_topk > 1 else 0
+    n_strata = block_topk - n_recent
+    quant = max(1, block_topk // 8)
+    older = nb - n_recent
+    grid = (older // quant) * quant
+    grid = np.where(grid >= n_strata, grid, older)[:, None]  # >= n_strata whenever nb > block_topk
+    s = np.arange(n_strata, dtype=np.int64)
+    shared_u = rng.random((n_req, n_strata))
+    row_u = rng.random((t, n_strata))
+    # both rows of an adjacent pair keep the shared pick with probability sqrt(o)^2 = o
+    use_shared = rng.random((t, n_strata)) < np.sqrt(overlap)
     u = np.where(use_shared, shared_u[req], row_u)
-    # integer strata edges e_s = floor(s * nb / block_topk), strictly increasing when
-    # nb > block_topk, so one block per stratum gives distinct ids
-    edges = (np.arange(block_topk + 1, dtype=np.int64) * nb[:, None]) // block_topk
+    # integer strata edges e_s = floor(s * G / n_strata), strictly increasing when G >= n_strata,
+    # so one block per stratum gives distinct ids
+    edges = (np.arange(n_strata + 1, dtype=np.int64) * grid) // max(n_strata, 1)
     lo, width_s = edges[:, :-1], np.diff(edges, axis=1)
     strat = lo + np.minimum((u * width_s).astype(np.int64), np.maximum(width_s - 1, 0))
-    dense = np.where(s < nb[:, None], s, -1)
-    blocks = np.where((nb > block_topk)[:, None], strat, dense)
+    recent = nb[:, None] - 1 - np.arange(n_recent, dtype=np.int64)
+    sparse = np.concatenate([recent, strat], axis=1)
+    dense = np.where(np.arange(block_topk) < nb[:, None], np.arange(block_topk), -1)
+    blocks = np.where((nb > block_topk)[:, None], sparse, dense)
     # per-request score order (same permutation for every row of a request)
     perm = np.argsort(rng.random((n_req, block_topk)), axis=1)
     blocks = np.take_along_axis(blocks, perm[req], axis=1)

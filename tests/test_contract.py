@@ -1,0 +1,315 @@
+"""Every rejection path of every ``interop.contract.check_*`` raises ContractError naming the
+argument, and the same bad call made with torch tensors and with jax arrays gives the same
+message. Also: the debug validators (``validate_*``) and the accepted calls."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from interop.contract import (ContractError, TensorSpec, check_decode, check_prefill,
+                              check_prefill_chunk, check_prefill_paged, spec_of,
+                              validate_decode_metadata, validate_prefill_metadata)
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+CHECKS = {
+    "decode": check_decode,
+    "prefill": check_prefill,
+    "chunk": check_prefill_chunk,
+    "paged": check_prefill_paged,
+}
+
+
+def T(shape, dtype="bfloat16"):
+    """A tensor placeholder realised per framework."""
+    return ("tensor", tuple(shape), dtype)
+
+
+class Strided:
+    """A torch-only non-contiguous tensor (jax arrays have no strides)."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+CUDA_SPEC = lambda shape, dtype="int32": TensorSpec(tuple(shape), dtype, "cuda", 0)  # noqa: E731
+
+# (Hq, Hkv, D) of the base calls: the qualified TP2 shape so strict calls pass the base case.
+HQ, HKV, D = 12, 1, 256
+
+
+def base(op: str, b: int = 2, t: int = 8, w: int = 16) -> tuple[list, dict]:
+    """Arguments of a call that passes in strict mode."""
+    if op == "decode":
+        return [T((b, HQ, D)), T((32, HKV, D)), T((32, HKV, D)), T((b + 1,), "int32"),
+                T((b + 1,), "int32"), 2051], {}
+    if op == "prefill":
+        return [T((t, HQ, D)), T((t, HKV, D)), T((t, HKV, D)), T((t, w), "int32"),
+                T((3,), "int32"), 4], {}
+    if op == "chunk":
+        return [T((t, HQ, D)), T((40, HKV, D)), T((40, HKV, D)), T((t, w), "int32"),
+                T((3,), "int32"), T((3,), "int32"), T((2,), "int32"), 4], {}
+    if op == "paged":
+        return [T((t, HQ, D)), T((64, HKV, D)), T((64, HKV, D)), T((2, 30), "int32"),
+                T((t, w), "int32"), T((3,), "int32"), T((2,), "int32"), 4], {}
+    raise AssertionError(op)
+
+
+ARGPOS = {
+    "decode": ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_k", "softmax_scale"],
+    "prefill": ["q", "k", "v", "indices", "cu_seqlens", "max_seqlen_q", "softmax_scale"],
+    "chunk": ["q", "k", "v", "indices", "cu_seqlens_q", "cu_seqlens_k", "kv_lens", "max_seqlen_q",
+              "softmax_scale", "k_scale", "v_scale"],
+    "paged": ["q", "k_cache", "v_cache", "slot_table", "indices", "cu_seqlens_q", "kv_lens",
+              "max_seqlen_q", "softmax_scale", "k_scale", "v_scale"],
+}
+
+
+def call_args(op, overrides: dict, **base_kw):
+    args, kw = base(op, **base_kw)
+    names = ARGPOS[op]
+    for name, value in overrides.items():
+        if name in names[:len(args)]:
+            args[names.index(name)] = value
+        else:
+            kw[name] = value
+    return args, kw
+
+
+def realise(x, fw: str):
+    if isinstance(x, Strided):
+        full = torch.zeros(x.shape[:-1] + (x.shape[-1] * 2,), dtype=getattr(torch, x.dtype))
+        return full[..., ::2]
+    if not (isinstance(x, tuple) and len(x) == 3 and x[0] == "tensor"):
+        return x
+    _, shape, dtype = x
+    if fw == "torch":
+        return torch.zeros(shape, dtype=getattr(torch, dtype))
+    return jnp.zeros(shape, dtype=getattr(jnp, dtype))
+
+
+@contextlib.contextmanager
+def jax_x64():
+    old = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", old)
+
+
+def run(op, overrides, fw, strict=False, **base_kw):
+    args, kw = call_args(op, overrides, **base_kw)
+    args = [realise(a, fw) for a in args]
+    kw = {k: realise(v, fw) for k, v in kw.items()}
+    return CHECKS[op](*args, strict=strict, **kw)
+
+
+# (op, overrides, strict, argument named, base kwargs)
+REJECT = [
+    # ---- decode
+    ("decode", {"q": T((0, HQ, D))}, False, "q", {"b": 0}),
+    ("decode", {"q": T((129, HQ, D))}, True, "q", {"b": 129}),
+    ("decode", {"q": T((2, 16, D)), "k": T((32, 2, D)), "v": T((32, 2, D))}, True, "q", {}),
+    ("decode", {"q": T((2, 12, D)), "k": T((32, 5, D)), "v": T((32, 5, D))}, False, "k", {}),
+    ("decode", {"q": T((2, 34, D)), "k": T((32, 2, D)), "v": T((32, 2, D))}, False, "q", {}),
+    ("decode", {"max_seqlen_k": 0}, False, "max_seqlen_k", {}),
+    ("decode", {"max_seqlen_k": 2056}, True, "max_seqlen_k", {}),
+    ("decode", {"max_seqlen_k": 5.0}, False, "max_seqlen_k", {}),
+    ("decode", {"max_seqlen_q": 2}, False, "max_seqlen_q", {}),
+    ("decode", {"cu_seqlens_q": T((3,), "int64")}, False, "cu_seqlens_q", {}),
+    ("decode", {"cu_seqlens_k": T((3,), "int64")}, False, "cu_seqlens_k", {}),
+    ("decode", {"cu_seqlens_k": T((4,), "int32")}, False, "cu_seqlens_k", {}),
+    ("decode", {"cu_seqlens_q": T((2,), "int32")}, False, "cu_seqlens_q", {}),
+    ("decode", {"cu_seqlens_k": T((3, 1), "int32")}, False, "cu_seqlens_k", {}),
+    ("decode", {"cu_seqlens_k": CUDA_SPEC((3,))}, False, "cu_seqlens_k", {}),
+    ("decode", {"k": CUDA_SPEC((32, HKV, D), "bfloat16")}, False, "k", {}),
+    ("decode", {"v": T((31, HKV, D))}, False, "v", {}),
+    ("decode", {"k": T((32, HKV, 128)), "v": T((32, HKV, 128))}, False, "k", {}),
+    ("decode", {"k": T((32, HKV, D), "float16")}, False, "k", {}),
+    ("decode", {"v": T((32, HKV, D), "float16")}, False, "v", {}),
+    ("decode", {"q": T((2, HQ, D), "float32")}, False, "q", {}),
+    ("decode", {"q": T((2, HQ))}, False, "q", {}),
+    ("decode", {"q": T((2, HQ, 48)), "k": T((32, HKV, 48)), "v": T((32, HKV, 48))}, False, "q", {}),
+    ("decode", {"q": T((2, HQ, 128)), "k": T((32, HKV, 128)), "v": T((32, HKV, 128))}, True, "q", {}),
+    ("decode", {"softmax_scale": -1.0}, False, "softmax_scale", {}),
+    ("decode", {"softmax_scale": float("nan")}, False, "softmax_scale", {}),
+    ("decode", {"softmax_scale": "0.06"}, False, "softmax_scale", {}),
+    ("decode", {"q": [1, 2]}, False, "q", {}),
+    # ---- ordinary prefill
+    ("prefill", {"k": T((7, HKV, D)), "v": T((7, HKV, D))}, False, "k", {}),
+    ("prefill", {"indices": T((8, 16), "float32")}, False, "indices", {}),
+    ("prefill", {"indices": T((8, 16), "int64")}, False, "indices", {}),
+    ("prefill", {"indices": T((8,), "int32")}, False, "indices", {}),
+    ("prefill", {"indices": T((7, 16), "int32")}, False, "indices", {}),
+    ("prefill", {"indices": T((8, 3, 16), "int32")}, False, "indices", {}),
+    ("prefill", {"indices": T((8, 0), "int32")}, False, "indices", {}),
+    ("prefill", {"indices": CUDA_SPEC((8, 16))}, False, "indices", {}),
+    ("prefill", {"cu_seqlens": T((1,), "int32")}, False, "cu_seqlens", {}),
+    ("prefill", {"cu_seqlens": T((3,), "int64")}, False, "cu_seqlens", {}),
+    ("prefill", {"cu_seqlens": CUDA_SPEC((3,))}, False, "cu_seqlens", {}),
+    ("prefill", {"max_seqlen_q": 0}, False, "max_seqlen_q", {}),
+    ("prefill", {"k": T((8, HKV, D), "float8_e4m3fn"), "v": T((8, HKV, D), "float8_e4m3fn")},
+     False, "k", {}),
+    ("prefill", {"q": T((8, 24, D)), "k": T((8, 4, D)), "v": T((8, 4, D))}, True, "q", {}),
+    ("prefill", {"q": T((8, 12, D)), "k": T((8, 5, D)), "v": T((8, 5, D))}, False, "k", {}),
+    # ---- chunk prefill
+    ("chunk", {"cu_seqlens_k": T((4,), "int32")}, False, "cu_seqlens_k", {}),
+    ("chunk", {"kv_lens": T((3,), "int32")}, False, "kv_lens", {}),
+    ("chunk", {"kv_lens": T((2,), "int64")}, False, "kv_lens", {}),
+    ("chunk", {"kv_lens": CUDA_SPEC((2,))}, False, "kv_lens", {}),
+    ("chunk", {"cu_seqlens_q": T((3,), "int64")}, False, "cu_seqlens_q", {}),
+    ("chunk", {"k_scale": 2.0}, False, "k_scale", {}),
+    ("chunk", {"k": T((40, HKV, D), "float8_e4m3fn"), "v": T((40, HKV, D), "float8_e4m3fn"),
+               "k_scale": 0.0}, False, "k_scale", {}),
+    ("chunk", {"k": T((40, HKV, D), "float8_e4m3fn"), "v": T((40, HKV, D), "float8_e4m3fn"),
+               "v_scale": float("inf")}, False, "v_scale", {}),
+    ("chunk", {"k": T((40, HKV, D), "float8_e4m3fn")}, False, "v", {}),
+    ("chunk", {"v": T((41, HKV, D))}, False, "v", {}),
+    ("chunk", {"indices": T((8, 16), "int16")}, False, "indices", {}),
+    ("chunk", {"max_seqlen_q": -3}, False, "max_seqlen_q", {}),
+    # ---- paged prefill
+    ("paged", {"slot_table": T((2,), "int32")}, False, "slot_table", {}),
+    ("paged", {"slot_table": T((2, 30), "int64")}, False, "slot_table", {}),
+    ("paged", {"slot_table": T((3, 30), "int32")}, False, "slot_table", {}),
+    ("paged", {"slot_table": CUDA_SPEC((2, 30))}, False, "slot_table", {}),
+    ("paged", {"kv_lens": T((1,), "int32")}, False, "kv_lens", {}),
+    ("paged", {"v_cache": T((63, HKV, D))}, False, "v_cache", {}),
+    ("paged", {"k_cache": T((64, HKV, D), "float32"), "v_cache": T((64, HKV, D), "float32")},
+     False, "k_cache", {}),
+    ("paged", {"indices": T((8, 2, 16), "int32")}, False, "indices", {}),
+    ("paged", {"cu_seqlens_q": T((1,), "int32")}, False, "cu_seqlens_q", {}),
+]
+
+
+def _id(case):
+    op, over, strict, arg, _ = case
+    desc = ",".join(f"{k}={v[1:] if isinstance(v, tuple) else v}" for k, v in over.items())
+    return f"{op}-{arg}-{'strict' if strict else 'default'}-{desc}"[:90]
+
+
+@pytest.mark.parametrize("case", REJECT, ids=[_id(c) for c in REJECT])
+def test_rejected_same_message_torch_and_jax(case):
+    op, over, strict, arg, bkw = case
+    needs_x64 = any(isinstance(v, tuple) and len(v) == 3 and v[2] == "int64" for v in over.values())
+    messages = []
+    for fw in ("torch", "jax"):
+        ctx = jax_x64() if (fw == "jax" and needs_x64) else contextlib.nullcontext()
+        with ctx, pytest.raises(ContractError) as info:
+            run(op, over, fw, strict=strict, **bkw)
+        err = info.value
+        assert isinstance(err, ValueError)
+        assert err.arg == arg, f"{fw}: named {err.arg!r}, expected {arg!r}: {err}"
+        msg = str(err)
+        assert f"'{arg}'" in msg and "expected" in msg and "got" in msg and "Qualified envelope" in msg
+        messages.append(msg)
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("op", list(CHECKS))
+@pytest.mark.parametrize("fw", ["torch", "jax"])
+def test_base_calls_pass_strict(op, fw):
+    prob = run(op, {}, fw, strict=True)
+    assert prob.num_q_heads == HQ and prob.num_kv_heads == HKV and prob.head_dim == D
+    assert prob.softmax_scale == pytest.approx(D ** -0.5)
+
+
+def test_strict_only_limits_pass_in_default_mode():
+    # the qualified envelope is not a correctness limit: default mode accepts these
+    run("decode", {"q": T((129, HQ, D))}, "torch", b=129)
+    run("decode", {"max_seqlen_k": 5000}, "torch")
+    run("decode", {"q": T((2, 16, 64)), "k": T((32, 2, 64)), "v": T((32, 2, 64))}, "torch")
+    run("prefill", {"q": T((8, 24, D)), "k": T((8, 4, D)), "v": T((8, 4, D))}, "torch")
+    prob = run("chunk", {"k": T((40, HKV, D), "float8_e4m3fn"), "v": T((40, HKV, D), "float8_e4m3fn"),
+                         "k_scale": 0.5, "v_scale": 2.0}, "jax")
+    assert (prob.k_scale, prob.v_scale, prob.kv_dtype) == (0.5, 2.0, "float8_e4m3fn")
+
+
+def test_decode_strict_b128_and_max_seqlen_2055_pass():
+    prob = run("decode", {"q": T((128, HQ, D)), "max_seqlen_k": 2055}, "jax", strict=True, b=128)
+    assert prob.batch == 128 and prob.max_seqlen_k == 2055
+
+
+def test_torch_only_stride_rejections():
+    # last dimension not unit-stride (only torch exposes strides)
+    with pytest.raises(ContractError) as info:
+        run("decode", {"q": Strided((2, HQ, D), "bfloat16")}, "torch")
+    assert info.value.arg == "q" and "unit stride" in str(info.value)
+    with pytest.raises(ContractError) as info:
+        run("decode", {"cu_seqlens_k": Strided((3,), "int32")}, "torch")
+    assert info.value.arg == "cu_seqlens_k" and "contiguous" in str(info.value)
+
+
+def test_per_head_indices_and_spec_of():
+    prob = run("chunk", {"indices": T((8, HKV, 16), "int32")}, "torch")
+    assert prob.per_head_indices and prob.width == 16
+    s = spec_of(np.zeros((3, 4), np.int32))
+    assert s.dtype == "int32" and s.strides == (4, 1) and s.device == "cpu"
+    assert spec_of(torch.zeros(3, 4, dtype=torch.bfloat16)).dtype == spec_of(
+        jnp.zeros((3, 4), jnp.bfloat16)).dtype == "bfloat16"
+    with pytest.raises(TypeError):
+        spec_of([1, 2])
+
+
+# --------------------------------------------------------------------------------------------
+# Debug validators.
+def test_validate_decode_metadata():
+    validate_decode_metadata(np.arange(4), np.array([0, 3, 3, 9]), capacity=9, max_seqlen_k=6, batch=3)
+    bad = [
+        (dict(cu_seqlens_q=np.arange(4) + 1, cu_seqlens_k=np.array([0, 3, 3, 9])), "cu_seqlens_q"),
+        (dict(cu_seqlens_q=np.arange(4), cu_seqlens_k=np.array([0, 3, 2, 9])), "cu_seqlens_k"),
+        (dict(cu_seqlens_q=np.arange(4), cu_seqlens_k=np.array([0, 3, 3, 10])), "cu_seqlens_k"),
+    ]
+    for kw, arg in bad:
+        with pytest.raises(ContractError) as info:
+            validate_decode_metadata(capacity=9, max_seqlen_k=7, **kw)
+        assert info.value.arg == arg
+    with pytest.raises(ContractError, match="max_seqlen_k=5"):  # row of 6 keys > max 5
+        validate_decode_metadata(np.arange(4), np.array([0, 3, 3, 9]), capacity=9, max_seqlen_k=5)
+    with pytest.raises(ContractError) as info:  # query row 3 out of a batch of 3
+        validate_decode_metadata(np.array([0, 1, 3, 3]), np.array([0, 3, 3, 9]), capacity=9,
+                                 max_seqlen_k=9, batch=3)
+    assert info.value.arg == "cu_seqlens_q"
+    # torch inputs are read too
+    validate_decode_metadata(torch.arange(4, dtype=torch.int32), torch.tensor([0, 1, 2, 3]), 3, 1)
+
+
+def test_validate_prefill_metadata():
+    cu = np.array([0, 3, 5])
+    idx = np.array([[0, -1, -1], [1, 0, -1], [2, 1, 0], [0, 9, -1], [1, 0, 44]])
+    out = validate_prefill_metadata(idx, cu, None, "ordinary")
+    assert out == {"rows": 5, "valid": 9, "duplicates": 0}
+    # chunk: bound = kv_lens, visible = r + kv - q + 1
+    validate_prefill_metadata(idx, cu, np.array([3, 10]), "chunk")
+    with pytest.raises(ContractError, match="after padding"):
+        validate_prefill_metadata(np.array([[-1, 0, -1]] + [[0, -1, -1]] * 2), np.array([0, 3]),
+                                  None, "ordinary")
+    with pytest.raises(ContractError, match="visible"):  # row 0 may see 1 token, has 2
+        validate_prefill_metadata(np.array([[0, 1, -1], [0, -1, -1]]), np.array([0, 2]), None,
+                                  "ordinary")
+    with pytest.raises(ContractError) as info:
+        validate_prefill_metadata(idx, cu, np.array([2, 10]), "chunk")
+    assert info.value.arg == "kv_lens"
+    with pytest.raises(ContractError) as info:
+        validate_prefill_metadata(idx, np.array([0, 3, 2]), None, "ordinary")
+    assert info.value.arg == "cu_seqlens_q"
+    dup = validate_prefill_metadata(np.array([[0, 0, -1]]), np.array([0, 1]), np.array([2]),
+                                    "chunk", flag_duplicates=True)
+    assert dup["duplicates"] == 1
+    # paged: slot table columns and pool range
+    st = np.array([[5, 6, 7], [1, 2, 3]])
+    validate_prefill_metadata(idx[:3], np.array([0, 3]), np.array([3]), "paged", slot_table=st[:1],
+                              pool_slots=8)
+    with pytest.raises(ContractError) as info:
+        validate_prefill_metadata(idx[:3], np.array([0, 3]), np.array([3]), "paged",
+                                  slot_table=st[:1], pool_slots=7)
+    assert info.value.arg == "slot_table"
+    with pytest.raises(ContractError) as info:
+        validate_prefill_metadata(idx[:3], np.array([0, 3]), np.array([3]), "paged",
+                                  slot_table=st[:1, :2])
+    assert info.value.arg == "slot_table"
