@@ -88,12 +88,14 @@ def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, grou
     start = cuk_ref[s]
     end = cuk_ref[s + 1]
     length = jnp.maximum(end - start, 0)
-    # Device-side split decision (interop/decode_plan.py): blocks, active splits, blocks per split.
+    # Device-side split decision (interop/decode_plan.py): blocks, active splits, and the
+    # balanced block range [j*blocks // n_active, (j+1)*blocks // n_active) of split j; for
+    # j >= n_active both ends clamp to `blocks` (an empty split).
     blocks = (length + (block_n - 1)) // block_n
     n_active = jnp.clip((blocks + (min_blocks - 1)) // min_blocks, 1, max_splits)
-    per_split = (blocks + n_active - 1) // n_active
-    blk_lo = jnp.minimum(j * per_split, blocks)
-    blk_hi = jnp.minimum(blk_lo + per_split, blocks)
+    blk_lo = jnp.minimum((blocks * j) // n_active, blocks)
+    blk_hi = jnp.minimum((blocks * (j + 1)) // n_active, blocks)
+    full = length // block_n  # blocks [0, full) lie entirely inside the row
 
     heads = lax.iota(jnp.int32, head_tile)
     head_ok = heads < group
@@ -104,20 +106,25 @@ def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, grou
 
     cols = lax.iota(jnp.int32, block_n)
 
-    def body(b, carry):
+    def step(b, carry, masked: bool):
         acc, m_prev, l_prev = carry
         rows = start + b * block_n + cols
-        row_ok = rows < end  # rows >= start by construction
+        # Clamp into the buffer *and* (in the row's last, partial block) mask: nothing outside
+        # [start, end) is dereferenced, whatever the capacity.
         kv_idx = jnp.clip(rows, 0, capacity - 1) * num_kv_heads + h
-        kt = C.load(k_ref.at[kv_idx[:, None], dcol], mask=row_ok[:, None], other=0)  # [BN, D]
-        scores = C.dot(q, kt, trans_b=True) * scale  # FP32 [HT, BN]
-        scores = jnp.where(row_ok[None, :], scores, -jnp.inf)
+        row_ok = rows < end if masked else None  # rows >= start by construction
+        mask = row_ok[:, None] if masked else None
+        other = 0 if masked else None
+        kt = C.load(k_ref.at[kv_idx[:, None], dcol], mask=mask, other=other)  # [BN, D]
+        scores = C.dot(q, kt, trans_b=True) * scale  # FP32 [HT, BN], scale on FP32 scores
+        if masked:
+            scores = jnp.where(row_ok[None, :], scores, -jnp.inf)
         # Every executed block has >= 1 in-row column, so m_new is finite and alpha well defined.
         m_new = jnp.maximum(m_prev, scores.max(axis=1))
         alpha = jnp.exp(m_prev - m_new)
         p = jnp.exp(scores - m_new[:, None])
         l_new = l_prev * alpha + p.sum(axis=1)
-        vt = C.load(v_ref.at[kv_idx[:, None], dcol], mask=row_ok[:, None], other=0)  # [BN, D]
+        vt = C.load(v_ref.at[kv_idx[:, None], dcol], mask=mask, other=other)  # [BN, D]
         acc = acc * alpha[:, None] + C.dot(p.astype(vt.dtype), vt)
         return acc, m_new, l_new
 
@@ -125,7 +132,12 @@ def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, grou
     init = (jnp.zeros((head_tile, d), jnp.float32),
             jnp.full((head_tile,), -jnp.inf, jnp.float32),
             jnp.zeros((head_tile,), jnp.float32))
-    acc, m_i, l_i = lax.fori_loop(blk_lo, blk_hi, body, init)
+    # Interior blocks unmasked (loads vectorise and pipeline), then the row's partial last block
+    # (0 or 1 iterations, only in the split that owns it) with masks.
+    carry = lax.fori_loop(blk_lo, jnp.minimum(blk_hi, full),
+                          functools.partial(step, masked=False), init)
+    acc, m_i, l_i = lax.fori_loop(jnp.maximum(blk_lo, full), blk_hi,
+                                  functools.partial(step, masked=True), carry)
     has = l_i > 0
     out = acc / jnp.where(has, l_i, 1.0)[:, None]
     lse = jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)), -jnp.inf)
