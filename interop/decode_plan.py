@@ -30,6 +30,11 @@ import math
 
 __all__ = ["DecodePlan", "plan_decode", "next_pow2"]
 
+# Tunables (the H200 sweep, bench/decode.py --sweep, decides; recorded in bench/NOTES.md).
+PROGRAMS_PER_SM = 2  # split-KV target: about this many programs per SM for long rows
+MAX_SPLITS_CAP = 64  # most splits of one (sequence, KV head); the merge reads one tile of them
+MIN_BLOCKS_CAP = 4  # a split streams up to this many BLOCK_N blocks before another is activated
+
 
 def next_pow2(x: int) -> int:
     """Smallest power of two >= x (x >= 1)."""
@@ -78,13 +83,16 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
     blocks = max(1, math.ceil(max_seqlen_k / block_n))
     if max_splits is None:
         programs = batch * num_kv_heads
-        want = max(1, math.ceil(2 * sm_count / programs))  # about two waves of programs
-        max_splits = min(next_pow2(want), 64, next_pow2(blocks))
+        want = max(1, math.ceil(PROGRAMS_PER_SM * sm_count / programs))  # ~2 waves of programs
+        max_splits = min(next_pow2(want), MAX_SPLITS_CAP, next_pow2(blocks))
     max_splits = max(1, int(max_splits))
     # A row as long as max_seqlen_k should use every split (small batches fill the GPU), but a
     # split should stream at least a few blocks when there are enough of them (amortises the Q
-    # load and the merge): 1..4 blocks per split.
-    min_blocks = max(1, min(4, blocks // max_splits))
+    # load and the merge): 1..MIN_BLOCKS_CAP blocks per split.
+    min_blocks = max(1, min(MIN_BLOCKS_CAP, blocks // max_splits))
     num_warps = 4
-    num_stages = 2
+    # 3 stages keep two K/V tiles in flight per program; D = 256, BLOCK_N = 32: 75 KB of shared
+    # memory, inside SM12x's 101,376 B (qsa-contract.md §5). Implementations still clamp stages
+    # to their device's shared memory.
+    num_stages = 3
     return DecodePlan(head_tile, block_n, max_splits, min_blocks, num_warps, num_stages)

@@ -26,7 +26,7 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
     program (acc / l, exact zeros for an empty row). Otherwise every active split writes its
     normalised partial output (FP32 [D]) and its log2-domain LSE per query head to scratch, and
     * ``merge="kernel"`` (default): kernel 2 (``_decode_merge_kernel``), one program per
-      (sequence, query head), recomputes n_active from the same device length, takes
+      (sequence, query head, slice of D), recomputes n_active from the same device length, takes
       M = max_j lse_j, weights 2^(lse_j - M) (splits j >= n_active are masked to weight 0), and
       writes sum_j w_j o_j / sum_j w_j;
     * ``merge="inline"``: the last split to arrive (an int32 acq_rel counter per (s, h)) merges in
@@ -66,6 +66,8 @@ __all__ = [
     "plan_override",
     "plan_for",
     "scratch_info",
+    "smem_bytes",
+    "fit_shared_memory",
     "MERGE_MODE",
 ]
 
@@ -98,8 +100,7 @@ def _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, n_mask, scale_log2, MASKED: 
 
 
 @triton.jit
-def _active_splits(cu_k_ptr, s, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                   MIN_BLOCKS: tl.constexpr):
+def _active_splits(cu_k_ptr, s, BLOCK_N: tl.constexpr, MAX_SPLITS, MIN_BLOCKS):
     """(row start, row length, blocks, n_active) of sequence s, from device data only."""
     k_lo = tl.load(cu_k_ptr + s)
     k_hi = tl.load(cu_k_ptr + s + 1)
@@ -114,8 +115,8 @@ def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, cnt_ptr, cu_q_ptr, cu_k_ptr,
     scale_log2,
     stride_qb, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh, stride_ob, stride_oh,
-    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr,
-    BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr,
+    HQ, HKV, MAX_SPLITS, MIN_BLOCKS,
+    G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
     MERGE_INLINE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -196,23 +197,29 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    out_ptr, lse_ptr, part_ptr, cu_k_ptr, stride_ob, stride_oh,
-    HQ: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    MIN_BLOCKS: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    out_ptr, lse_ptr, part_ptr, cu_k_ptr, stride_ob, stride_oh, HQ, MAX_SPLITS, MIN_BLOCKS,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    D_CHUNK: tl.constexpr,
 ):
-    pid = tl.program_id(0)  # s * HQ + query head
-    s = pid // HQ
-    hq = pid % HQ
+    # one program per (sequence, query head, D_CHUNK columns): one round of independent loads
+    # ([SPLIT_CHUNK, D_CHUNK] tile; one loop iteration unless splits > SPLIT_CHUNK), so the merge
+    # costs about one memory latency even with 64 splits
+    pid = tl.program_id(0)
+    n_dc: tl.constexpr = D // D_CHUNK
+    row = pid // n_dc  # s * HQ + query head
+    dc = pid % n_dc
+    s = row // HQ
+    hq = row % HQ
     _, n, blocks, n_act = _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS)
     if n_act > 1:  # n_act == 1 rows were written by the split kernel
-        base = pid.to(tl.int64) * MAX_SPLITS
+        base = row.to(tl.int64) * MAX_SPLITS
         offs_j = tl.arange(0, SPLITS_P2)
         lse = tl.load(lse_ptr + base + offs_j, mask=offs_j < n_act, other=float("-inf"))
         mx = tl.max(lse, 0)  # finite: split 0 of a row with n_act > 1 is never empty
         wsum = tl.sum(tl.exp2(lse - mx), 0)  # splits j >= n_act weigh exp2(-inf) = 0
         offs_c = tl.arange(0, SPLIT_CHUNK)
-        offs_d = tl.arange(0, D)
-        o = tl.zeros([D], tl.float32)
+        offs_d = dc * D_CHUNK + tl.arange(0, D_CHUNK)
+        o = tl.zeros([D_CHUNK], tl.float32)
         for c in range(0, n_act, SPLIT_CHUNK):
             jm = (c + offs_c) < n_act
             w = tl.exp2(tl.load(lse_ptr + base + c + offs_c, mask=jm, other=float("-inf")) - mx)
@@ -277,7 +284,45 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
                        max_splits=fields.pop("max_splits", None), block_n=fields.pop("block_n", None))
     if fields:
         plan = dataclasses.replace(plan, **fields)
-    return plan, merge
+    return fit_shared_memory(plan, head_dim, 2, _smem_limit(device)), merge
+
+
+def smem_bytes(plan: DecodePlan, head_dim: int, elem_bytes: int = 2) -> int:
+    """Shared memory (bytes) the split kernel needs with ``plan``: (stages - 1) pipelined K+V
+    tiles, the Q tile and the P tile. Matches ``compiled.metadata.shared`` of Triton 3.9 for
+    stages >= 2 (measured for sm_90/sm_120, D = 256, BLOCK_N 16/32/64); over-estimates stage 1."""
+    kv = 2 * plan.block_n * head_dim * elem_bytes
+    return (max(plan.num_stages - 1, 1) * kv + plan.head_tile * head_dim * elem_bytes
+            + plan.head_tile * plan.block_n * elem_bytes)
+
+
+def fit_shared_memory(plan: DecodePlan, head_dim: int, elem_bytes: int, limit: int | None) -> DecodePlan:
+    """Lower ``num_stages`` (then ``block_n``, down to 16) until ``smem_bytes`` fits ``limit``
+    (bytes per block; None = no limit). SM12x allows 101,376 B (qsa-contract.md §5), so a plan
+    tuned on the H200 (227 KB) never fails to launch there."""
+    if limit is None:
+        return plan
+    while smem_bytes(plan, head_dim, elem_bytes) > limit and plan.num_stages > 1:
+        plan = dataclasses.replace(plan, num_stages=plan.num_stages - 1)
+    while smem_bytes(plan, head_dim, elem_bytes) > limit and plan.block_n > 16:
+        plan = dataclasses.replace(plan, block_n=plan.block_n // 2)
+    return plan
+
+
+_SMEM: dict[tuple[str, int | None], int | None] = {}
+
+
+def _smem_limit(device: torch.device) -> int | None:
+    """Opt-in shared memory per block of a CUDA device (None on CPU)."""
+    key = (device.type, device.index)
+    if key not in _SMEM:
+        if device.type != "cuda":
+            _SMEM[key] = None
+        else:
+            idx = device.index if device.index is not None else torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(idx)
+            _SMEM[key] = int(getattr(props, "shared_memory_per_block_optin", 0) or 101_376)
+    return _SMEM[key]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,18 +441,20 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             float(softmax_scale) * _LOG2E,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1),
-            HQ=hq, HKV=hkv, G=g, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n,
-            MAX_SPLITS=splits, MIN_BLOCKS=plan.min_blocks_per_split,
+            hq, hkv, splits, plan.min_blocks_per_split,
+            G=g, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n,
             MERGE_INLINE=(merge == "inline"),
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )
         if splits > 1 and merge == "kernel":
-            p2 = next_pow2(splits)
-            _decode_merge_kernel[(b * hq,)](
+            p2 = max(2, next_pow2(splits))
+            chunk = min(p2, 64)
+            d_chunk = max(16, min(d, 4096 // chunk))  # tile <= 4096 floats: 32 per thread
+            _decode_merge_kernel[(b * hq * (d // d_chunk),)](
                 out, sc.lse, sc.part, cu_seqlens_k, out.stride(0), out.stride(1),
-                HQ=hq, D=d, BLOCK_N=plan.block_n, MAX_SPLITS=splits,
-                MIN_BLOCKS=plan.min_blocks_per_split, SPLITS_P2=p2, SPLIT_CHUNK=min(p2, 8),
-                num_warps=4 if d >= 128 else 2, num_stages=2,
+                hq, splits, plan.min_blocks_per_split,
+                D=d, BLOCK_N=plan.block_n, SPLITS_P2=p2, SPLIT_CHUNK=chunk, D_CHUNK=d_chunk,
+                num_warps=4, num_stages=1,
             )
     return out
 
