@@ -234,8 +234,9 @@ def _find_request(cu_ref, row, requests: int):
     bp = _next_pow2(requests)
     j = lax.broadcasted_iota(jnp.int32, (bp,), 0)
     live = j < requests
-    ends = _compat.load(cu_ref.at[pl.ds(1, bp)], mask=live, other=_INT32_MAX)
-    ends = jnp.where(live, ends, _INT32_MAX)  # interpret mode pads with int-min: re-mask
+    # vector gather with clamped indices (a static pl.ds would be rejected as out of bounds)
+    ends = _compat.load(cu_ref.at[jnp.minimum(j + 1, requests)], mask=live, other=_INT32_MAX)
+    ends = jnp.where(live, ends, _INT32_MAX)
     return jnp.sum((ends <= row).astype(jnp.int32))
 
 
