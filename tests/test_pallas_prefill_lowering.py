@@ -1,0 +1,148 @@
+"""CPU, no GPU: every Pallas prefill kernel lowers for CUDA under the abstract devices of the three
+target archs, and the lowered Triton IR compiles (installed ``triton``, ptxas included) within the
+target's shared-memory limit.
+
+Why: interpret mode accepts things the GPU rejects (non-power-of-two tiles, out-of-range gathers),
+and Triton does not check sm_120/sm_121's 101,376-byte shared-memory limit at compile time
+(architecture.md). Lowering: ``qsa_pallas._compat.lower_for_device_kind`` (AbstractMesh with an
+AbstractDevice of the given kind; jax 0.11 maps the kind to the compute capability, 0.10 assumes
+sm_90). Compile: ``_compat.compile_ttir`` runs Triton's pipeline on the embedded TTIR.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from interop.arch import DeviceFacts
+from interop.contract import PrefillProblem
+from qsa_pallas import _compat
+from qsa_pallas import prefill as P
+
+S = jax.ShapeDtypeStruct
+FP8 = jnp.float8_e4m3fn
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _args(kind, *, t=256, hq=12, hkv=1, d=256, w=2051, b=2, rows=4096, kv_dtype=jnp.bfloat16,
+          per_head=False, max_context=2048):
+    idx = S((t, hkv, w) if per_head else (t, w), jnp.int32)
+    q = S((t, hq, d), jnp.float16 if kv_dtype == jnp.float16 else jnp.bfloat16)
+    kv = S((rows, hkv, d), kv_dtype)
+    cu = S((b + 1,), jnp.int32)
+    if kind == "ordinary":
+        kv = S((t, hkv, d), kv_dtype)
+        return (q, kv, kv, idx, cu)
+    if kind == "chunk":
+        return (q, kv, kv, idx, cu, cu, S((b,), jnp.int32))
+    return (q, kv, kv, S((b, max_context), jnp.int32), idx, cu, S((b,), jnp.int32))
+
+
+def _fn(kind, max_q=256, geometry=None, scales=(1.0, 1.0)):
+    kw = dict(interpret=False, geometry=geometry)
+    if kind == "ordinary":
+        return lambda *a: P.sparse_prefill(*a, max_q, **kw)
+    if kind == "chunk":
+        return lambda *a: P.sparse_prefill_chunk(*a, max_q, None, *scales, **kw)
+    return lambda *a: P.sparse_prefill_paged(*a, max_q, None, *scales, **kw)
+
+
+CASES = [  # (kind, kv dtype, per-head indices, (Hq, Hkv))
+    ("ordinary", jnp.bfloat16, False, (12, 1)),
+    ("ordinary", jnp.float16, True, (24, 2)),
+    ("chunk", jnp.bfloat16, False, (6, 1)),
+    ("chunk", FP8, True, (24, 2)),
+    ("paged", jnp.bfloat16, True, (12, 2)),
+    ("paged", FP8, False, (12, 1)),
+]
+
+
+@pytest.mark.parametrize("device_kind", _compat.DEVICE_KINDS)
+@pytest.mark.parametrize("kind,kv_dtype,per_head,heads", CASES,
+                         ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-{'ph' if c[2] else 'sh'}-{c[3][0]}x{c[3][1]}"
+                              for c in CASES])
+def test_lowers_and_compiles_for_cuda(device_kind, kind, kv_dtype, per_head, heads):
+    hq, hkv = heads
+    fp8 = kv_dtype == FP8
+    args = _args(kind, hq=hq, hkv=hkv, kv_dtype=kv_dtype, per_head=per_head)
+    lowered = _compat.lower_for_device_kind(_fn(kind, scales=(0.5, 2.0) if fp8 else (1.0, 1.0)),
+                                            args, device_kind)
+    mods = [m for m in _compat.triton_modules(lowered) if m.name == f"qsa_sparse_prefill_{kind}"]
+    assert len(mods) == 1, [m.name for m in _compat.triton_modules(lowered)]
+    mod = mods[0]
+    assert mod.grid[:2] == (args[0].shape[0], hkv)  # one program per (query row, KV head)
+    # the geometry the entry point picked for this device
+    facts = DeviceFacts.from_device_kind(device_kind)
+    prob = PrefillProblem(kind, 256, 2, hq, hkv, hq // hkv, 256, 2051, per_head, 256, 0.0625,
+                          1.0, 1.0, "bfloat16", jnp.dtype(kv_dtype).name)
+    geo = P.select_geometry(prob, interpret=False, facts=facts)
+    assert (mod.num_warps, mod.num_stages) == (geo.num_warps, geo.num_stages)
+    if not HAS_TRITON:
+        pytest.skip("triton not installed: lowered only, Triton compile not checked")
+    cap = _compat.CAPABILITY[device_kind]
+    res = _compat.compile_ttir(mod, cap)
+    assert res["shared"] <= facts.smem_per_block, (device_kind, geo, res)
+    assert res["shared"] <= P.shared_memory_estimate(geo, head_dim=256, kv_bytes=1 if fp8 else 2)
+
+
+def _configs():
+    from interop import geometry  # noqa: PLC0415
+
+    # sm_121 has sm_120's limit and table (its kernels are compiled in the per-kind test); FP8
+    # tiles are smaller than bf16 ones, so sm_90's 227 KB only needs the bf16 sweep.
+    out = []
+    for dk, arch, dtypes in (("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "sm_120",
+                              (jnp.bfloat16, FP8)), ("NVIDIA H200", "sm_90", (jnp.bfloat16,))):
+        for g in geometry.all_configs(arch):
+            for kv in dtypes:
+                out.append((dk, g, kv))
+    return out
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed: cannot compile TTIR on CPU")
+@pytest.mark.parametrize("device_kind,geo,kv_dtype", _configs(),
+                         ids=lambda x: getattr(x, "key", None) and "x".join(map(str, x.key))
+                         or (jnp.dtype(x).name if not isinstance(x, str) else x.split()[-1]))
+def test_every_selector_geometry_fits_the_device(device_kind, geo, kv_dtype):
+    """Every geometry the shared selector can return, after ``fit_shared_memory`` for the device,
+    compiles and fits its shared memory; the estimate used for fitting is an upper bound."""
+    facts = DeviceFacts.from_device_kind(device_kind)
+    kv_bytes = 1 if kv_dtype == FP8 else 2
+    pg = P.fit_shared_memory(
+        P.PallasPrefillGeometry(max(16, geo.block_m), max(16, geo.block_n), geo.num_warps,
+                                geo.num_stages, geo.source),
+        head_dim=256, kv_bytes=kv_bytes, limit=facts.smem_per_block)
+    lowered = _compat.lower_for_device_kind(
+        _fn("chunk", geometry=pg), _args("chunk", kv_dtype=kv_dtype), device_kind)
+    (mod,) = _compat.triton_modules(lowered)
+    res = _compat.compile_ttir(mod, _compat.CAPABILITY[device_kind])
+    assert res["shared"] <= facts.smem_per_block, (pg, res)
+    assert res["shared"] <= P.shared_memory_estimate(pg, head_dim=256, kv_bytes=kv_bytes), (pg, res)
+
+
+def test_sm12x_fit_shrinks_a_227kb_geometry():
+    big = P.PallasPrefillGeometry(16, 64, 4, 3, "x")
+    assert P.shared_memory_estimate(big, head_dim=256, kv_bytes=2) > _compat.SM12X_SMEM_LIMIT
+    fit = P.fit_shared_memory(big, head_dim=256, kv_bytes=2, limit=_compat.SM12X_SMEM_LIMIT)
+    assert P.shared_memory_estimate(fit, head_dim=256, kv_bytes=2) <= _compat.SM12X_SMEM_LIMIT
+    assert (fit.block_n, fit.num_stages) != (64, 3) and "fit<=" in fit.source
+    same = P.fit_shared_memory(big, head_dim=256, kv_bytes=2, limit=232_448)
+    assert same == big
+
+
+def test_64bit_offsets_exactly_for_pools_past_4gib():
+    """The lowering switches a ref's offsets to int64 when it exceeds 2**32 bytes: a 16-bit pool
+    of > 2**31 elements gets i64 gather offsets; a small one stays i32."""
+
+    def ttir(slots):
+        args = _args("paged", hkv=2, rows=slots, t=64)
+        lowered = _compat.lower_for_device_kind(_fn("paged"), args, "NVIDIA H200")
+        (mod,) = _compat.triton_modules(lowered)
+        return mod.text()
+
+    big = 2**32 // (2 * 256 * 2) + 1  # 4.2M slots: slot * Hkv * D passes 2**31
+    assert "x256xi64>" in ttir(big)
+    assert "x256xi64>" not in ttir(4096)
