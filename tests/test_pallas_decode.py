@@ -47,9 +47,9 @@ def make_case(rng, lens, hq, hkv, d, dtype=np.float16, *, extra_rows=7, poison=N
     b = len(lens)
     ck = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     cap = int(ck[-1]) + extra_rows
-    q = rng.standard_normal((b, hq, d)).astype(dtype)
-    k = rng.standard_normal((cap, hkv, d)).astype(dtype)
-    v = rng.standard_normal((cap, hkv, d)).astype(dtype)
+    q = rng.standard_normal((b, hq, d), np.float32).astype(dtype)
+    k = rng.standard_normal((cap, hkv, d), np.float32).astype(dtype)
+    v = rng.standard_normal((cap, hkv, d), np.float32).astype(dtype)
     rows = rng.permutation(b) if permute_q else np.arange(b)
     cq = np.concatenate([rows, [b]]).astype(np.int32)
     if poison is not None:

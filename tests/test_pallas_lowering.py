@@ -79,7 +79,12 @@ def test_decode_lowers_and_compiles_for_cuda(kind, shape):
     assert "atomic" not in ttir, "no atomics (int32 vector atomics are a no-op on the H200)"
     _triton_or_skip()
     cap = C.CAPABILITY[kind]
-    res = C.compile_ttir(mod, cap)
+    try:
+        res = C.compile_ttir(mod, cap)
+    except Exception as e:  # noqa: BLE001
+        if "parse" in str(e).lower():  # jaxlib's Triton dialect newer than the installed triton
+            pytest.skip(f"installed triton cannot parse this jaxlib's TTIR: {str(e)[:200]}")
+        raise
     limit = C.SM12X_SMEM_LIMIT if cap >= 120 else facts.smem_per_block
     assert 0 <= res["shared"] <= limit, f"{res['shared']} B shared memory > {limit} B on sm_{cap}"
 

@@ -1,0 +1,397 @@
+"""Pallas decode as a benchmark provider (torch buffers in, torch tensor out), JAX context peers,
+and a Pallas-only timing run.
+
+Imported by ``bench/decode.py`` (the Triton-vs-Pallas comparison, same process, same GPU buffers):
+
+  make_provider(q, k, v, cu_q, cu_k, max_seqlen_k, scale, *, inner_reps=1) -> callable
+  make_context_providers(q, k, v, cu_q, cu_k, max_seqlen_k, scale, *, inner_reps=1) -> dict
+
+Inputs are torch CUDA tensors; they are shared with jax zero-copy through ``interop.dlpack.to_jax``
+(call these while the stream that produced the tensors is current). Each returned callable takes no
+argument, runs one jitted jax function and returns a torch tensor (``interop.dlpack.to_torch``,
+which makes torch's current stream wait for jax's work, so CUDA events recorded on torch's stream
+around the call bracket the jax work).
+
+Timing JAX work (docs/anchors.md: "time many calls inside one jitted function"):
+  * jax launches on its own streams, so a torch CUDA graph cannot capture these callables: each
+    has ``cuda_graph_capturable = False``; time them with ``time_interleaved(...,
+    use_cuda_graph=False)``, or with the Pallas-only runner below.
+  * ``inner_reps = n`` makes one call run n decodes back to back inside the one jitted function
+    (unrolled: no device->host round trip per iteration, as a ``while`` loop would need), each
+    call's q being the previous call's output (a data dependency, so XLA can neither merge nor
+    hoist the calls). Per-decode time = measured time / ``fn.inner_reps``. ``inner_reps = 1``
+    returns exactly ``sparse_decode``'s output (use it for the correctness check).
+
+Context peers (not our contract; timing context only, on K/V gathered per row once at set-up,
+outside the timed region; rows padded to the longest row and masked by length):
+  * ``jax_pallas_gqa``: ``jax.experimental.pallas.ops.gpu.decode_attention.gqa`` (deprecated,
+    dense split-K GQA decode, Pallas Triton lowering);
+  * ``jax_dpa_xla`` / ``jax_dpa_cudnn``: ``jax.nn.dot_product_attention`` with
+    ``key_value_seq_lengths`` (cudnn dropped when it refuses the shape).
+
+Pallas-only run (what ``bench/gpu_pallas_decode.sh`` calls; no torch needed, uses it for the copy
+bandwidth when present): ``python -m bench.pallas_decode_provider --json $OUT/pallas_decode.json``
+times TP1/TP2/TP4 x B in {1, 4, 16, 32, 64, 128} x {saturated, mixed} rows: Pallas and the JAX
+context peers, per-decode µs and % of the measured copy bandwidth (bytes = K + V rows read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+__all__ = ["make_provider", "make_context_providers", "gather_rows", "run_pallas_only", "main"]
+
+TP = {"TP1": (24, 2), "TP2": (12, 1), "TP4": (6, 1)}
+BATCHES = (1, 4, 16, 32, 64, 128)
+D = 256
+MSK = 2051
+
+
+def _jax():
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    return jax, jnp
+
+
+def _wrap(fn: Callable[[], Any], inner_reps: int, name: str, to_torch: bool = True) -> Callable[[], Any]:
+    """Attach the attributes the benchmark reads; convert the result to torch."""
+    if to_torch:
+        from interop.dlpack import to_torch as _tt  # noqa: PLC0415
+
+        def call():
+            return _tt(fn())
+    else:
+        call = fn
+    call.inner_reps = int(inner_reps)
+    call.cuda_graph_capturable = False
+    call.provider = name
+    return call
+
+
+def _chain(step: Callable, inner_reps: int) -> Callable:
+    """x -> step(step(...step(x))) unrolled ``inner_reps`` times (each decode reads the previous
+    output as its q, so the calls are serial and cannot be merged or hoisted)."""
+
+    def run(x, *rest):
+        for _ in range(inner_reps):
+            x = step(x, *rest)
+        return x
+
+    return run
+
+
+def make_provider(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float | None = None, *,
+                  inner_reps: int = 1, interpret: bool | None = None, plan=None):
+    """Zero-arg callable running ``qsa_pallas.sparse_decode`` on torch CUDA buffers.
+
+    Args:
+      q: torch [B, Hq, D] bf16|fp16; k, v: torch [C, Hkv, D]; cu_q, cu_k: torch int32 [B + 1];
+        all on one CUDA device (CPU tensors work too: interpret mode).
+      max_seqlen_k: host int; scale: softmax scale (None -> D ** -0.5).
+      inner_reps: decodes per call (see module docstring); plan: optional DecodePlan override.
+
+    Returns:
+      callable() -> torch [B, Hq, D] (q's dtype) with attributes ``inner_reps``,
+      ``cuda_graph_capturable = False``, ``provider = "pallas"``.
+
+    Raises:
+      ContractError: the shared contract check (run once here, before anything is compiled).
+      DLPackLayoutError: a buffer DLPack cannot share.
+    """
+    jax, _ = _jax()
+    import qsa_pallas  # noqa: PLC0415
+    from interop.dlpack import to_jax  # noqa: PLC0415
+
+    jq, jk, jv, jcq, jck = (to_jax(t) for t in (q, k, v, cu_q, cu_k))
+    qsa_pallas.sparse_decode(jq, jk, jv, jcq, jck, max_seqlen_k, scale, interpret=interpret,
+                             plan=plan)  # contract check + compile now
+    step = functools.partial(_pallas_step, max_seqlen_k=max_seqlen_k, scale=scale,
+                             interpret=interpret, plan=plan)
+    f = jax.jit(_chain(step, inner_reps))
+    return _wrap(lambda: f(jq, jk, jv, jcq, jck), inner_reps, "pallas")
+
+
+def _pallas_step(q, k, v, cq, ck, *, max_seqlen_k, scale, interpret, plan):
+    import qsa_pallas  # noqa: PLC0415
+
+    return qsa_pallas.sparse_decode(q, k, v, cq, ck, max_seqlen_k, scale, interpret=interpret,
+                                    plan=plan)
+
+
+# ---------------------------------------------------------------------------------------------
+# Context peers on gathered K/V
+def gather_rows(k, v, cu_k_host, width: int):
+    """Per-row K/V materialised densely: [B, width, Hkv, D] (rows padded with zeros), lengths [B].
+
+    jax arrays in (packed [C, Hkv, D]), jax arrays out. ``cu_k_host``: numpy int [B + 1]."""
+    jax, jnp = _jax()
+    import numpy as np  # noqa: PLC0415
+
+    ck = np.asarray(cu_k_host, np.int64)
+    lens = np.diff(ck)
+    pos = np.arange(width)[None, :]
+    src = np.minimum(ck[:-1, None] + pos, max(k.shape[0] - 1, 0))
+    valid = pos < lens[:, None]
+    src_j = jnp.asarray(src.astype(np.int32))
+    keep = jnp.asarray(valid)[..., None, None]
+    kg = jnp.where(keep, k[src_j], 0).astype(k.dtype)
+    vg = jnp.where(keep, v[src_j], 0).astype(v.dtype)
+    return kg, vg, jnp.asarray(lens.astype(np.int32))
+
+
+def _gqa_split(width: int, block_k: int, max_splits: int = 16) -> tuple[int, int]:
+    """(padded width, k_splits) for jax's Pallas gqa: width % (k_splits * block_k) == 0."""
+    width = block_k * math.ceil(width / block_k)
+    nb = width // block_k
+    splits = max(s for s in range(1, max_splits + 1) if nb % s == 0)
+    return width, splits
+
+
+def make_context_providers(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float | None = None, *,
+                           inner_reps: int = 1, include=("jax_pallas_gqa", "jax_dpa_xla",
+                                                         "jax_dpa_cudnn")) -> dict[str, Callable]:
+    """JAX's own decode options on the same (torch CUDA) buffers, K/V gathered per row at set-up.
+
+    Reads cu_seqlens_k on the host (set-up only). Rows are padded to the longest row (rounded up
+    for gqa's split constraints); lengths mask the padding. q row s is ``q[cu_q[s]]``.
+
+    Returns:
+      {name: callable() -> torch [B, Hq, D]} (same attributes as ``make_provider``); a peer that
+      fails to compile for the shape is left out (its error is printed to stderr).
+    """
+    jax, jnp = _jax()
+    import numpy as np  # noqa: PLC0415
+    from interop.dlpack import to_jax  # noqa: PLC0415
+
+    jq, jk, jv = (to_jax(t) for t in (q, k, v))
+    cq = np.asarray(cu_q.detach().cpu().numpy(), np.int64)
+    ck = np.asarray(cu_k.detach().cpu().numpy(), np.int64)
+    d = jq.shape[-1]
+    sc = float(scale) if scale is not None else d ** -0.5
+    qrows = jq[jnp.asarray(cq[:-1].astype(np.int32))]
+    width = max(16, int(np.diff(ck).max(initial=1)))
+    out: dict[str, Callable] = {}
+
+    if "jax_pallas_gqa" in include:
+        try:
+            import warnings  # noqa: PLC0415
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                from jax.experimental.pallas.ops.gpu import decode_attention as da  # noqa: PLC0415
+            w, splits = _gqa_split(width, 64)
+            kg, vg, lens = gather_rows(jk, jv, ck, w)
+
+            interp = jax.default_backend() == "cpu"
+
+            def gqa_step(x, kg, vg, lens):
+                return da.gqa(x, kg, vg, kv_seq_len=lens, sm_scale=sc, block_k=64,
+                              k_splits=splits, interpret=interp).astype(x.dtype)
+
+            f = jax.jit(_chain(gqa_step, inner_reps))
+            f(qrows, kg, vg, lens).block_until_ready()
+            out["jax_pallas_gqa"] = _wrap(functools.partial(f, qrows, kg, vg, lens), inner_reps,
+                                          "jax_pallas_gqa")
+        except Exception as e:  # noqa: BLE001 - a context peer may not support the shape
+            print(f"[context] jax_pallas_gqa unavailable: {type(e).__name__}: {e}", file=sys.stderr)
+
+    kg, vg, lens = gather_rows(jk, jv, ck, width)
+    for impl in ("xla", "cudnn"):
+        name = f"jax_dpa_{impl}"
+        if name not in include:
+            continue
+        try:
+            def dpa_step(x, kg, vg, lens, impl=impl):
+                o = jax.nn.dot_product_attention(
+                    x[:, None], kg, vg, scale=sc, key_value_seq_lengths=lens, implementation=impl)
+                return o[:, 0].astype(x.dtype)
+
+            f = jax.jit(_chain(dpa_step, inner_reps))
+            f(qrows, kg, vg, lens).block_until_ready()
+            out[name] = _wrap(functools.partial(f, qrows, kg, vg, lens), inner_reps, name)
+        except Exception as e:  # noqa: BLE001
+            print(f"[context] {name} unavailable: {type(e).__name__}: {str(e)[:300]}",
+                  file=sys.stderr)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Pallas-only timing (pure JAX; torch only for the copy bandwidth when available)
+def _time_jax(f, args, *, rounds: int = 15, target_s: float = 2e-3) -> dict[str, float]:
+    """Median wall time of ``f(*args)`` (one jitted call) after warm-up, host-synchronised."""
+    jax, _ = _jax()
+    jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    one = time.perf_counter() - t0
+    calls = max(1, min(50, int(target_s / max(one, 1e-6))))
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            r = f(*args)
+        jax.block_until_ready(r)
+        samples.append((time.perf_counter() - t0) / calls)
+    return {"median_s": statistics.median(samples), "min_s": min(samples)}
+
+
+def _copy_bandwidth() -> tuple[float, str]:
+    try:
+        import torch  # noqa: PLC0415
+
+        if torch.cuda.is_available():
+            from bench.common import copy_bandwidth_bytes_per_s  # noqa: PLC0415
+
+            return copy_bandwidth_bytes_per_s(), "torch copy_ (bench.common)"
+    except ImportError:
+        pass
+    jax, jnp = _jax()
+    n = 1 << 28  # 256 Mi bf16 = 512 MiB each way
+    x = jnp.ones((n,), jnp.bfloat16)
+    f = jax.jit(lambda x: x + jnp.bfloat16(1))
+    t = _time_jax(f, (x,), rounds=10)["median_s"]
+    return 2 * n * 2 / t, "jax x+1 over 512 MiB"
+
+
+def run_pallas_only(*, batches=BATCHES, tps=tuple(TP), inner_reps: int = 16,
+                    context: bool = True, seed: int = 0, head_dim: int = D,
+                    max_seqlen_k: int = MSK) -> dict:
+    """Time Pallas (and the JAX context peers) on the benchmark matrix; check each against the
+    float64 reference first (rtol = atol = 2e-2, rel L2 <= 5e-3) on a single decode."""
+    jax, jnp = _jax()
+    import numpy as np  # noqa: PLC0415
+
+    import qsa_pallas  # noqa: PLC0415
+    from interop.reference import decode_reference, rel_l2  # noqa: PLC0415
+    from qsa_pallas.decode import decode_plan_for  # noqa: PLC0415
+
+    bw, bw_src = _copy_bandwidth()
+    dev = jax.devices()[0]
+    res: dict[str, Any] = {"device": dev.device_kind, "jax": jax.__version__,
+                           "copy_bandwidth_Bps": bw, "copy_bandwidth_source": bw_src,
+                           "inner_reps": inner_reps, "method": "jitted unrolled chain of "
+                           f"{inner_reps} decodes, host wall clock / {inner_reps}, median of 15",
+                           "cases": []}
+    rng = np.random.default_rng(seed)
+    d, msk = head_dim, max_seqlen_k
+    for tp in tps:
+        hq, hkv = TP[tp]
+        for b in batches:
+            for rows in ("saturated", "mixed"):
+                lens = np.full(b, msk) if rows == "saturated" else rng.integers(17, msk + 1, b)
+                ck = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+                cap = int(ck[-1])
+                kq = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))), 3)
+                q = jax.random.normal(kq[0], (b, hq, d), jnp.bfloat16)
+                k = jax.random.normal(kq[1], (cap, hkv, d), jnp.bfloat16)
+                v = jax.random.normal(kq[2], (cap, hkv, d), jnp.bfloat16)
+                cq = jnp.arange(b + 1, dtype=jnp.int32)
+                ckj = jnp.asarray(ck)
+                case = {"tp": tp, "B": b, "rows": rows, "Hq": hq, "Hkv": hkv, "D": d,
+                        "keys": int(cap), "bytes": int(cap * hkv * d * 2 * 2),
+                        "plan": str(decode_plan_for(b, hq, hkv, d, msk))}
+                out = qsa_pallas.sparse_decode(q, k, v, cq, ckj, msk)
+                f32 = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
+                ref = decode_reference(f32(q), f32(k), f32(v), np.asarray(cq), ck)
+                o = f32(out)
+                case["rel_l2"] = rel_l2(o, ref)
+                case["max_abs"] = float(np.abs(o - ref).max())
+                case["ok"] = bool(np.isfinite(o).all() and case["rel_l2"] <= 5e-3
+                                  and np.allclose(o, ref, rtol=2e-2, atol=2e-2))
+                step = functools.partial(_pallas_step, max_seqlen_k=msk, scale=None,
+                                         interpret=None, plan=None)
+                f = jax.jit(_chain(step, inner_reps))
+                t = _time_jax(f, (q, k, v, cq, ckj))
+                us = t["median_s"] / inner_reps * 1e6
+                case["pallas_us"] = us
+                case["pallas_pct_copy_bw"] = 100 * case["bytes"] / (us * 1e-6) / bw
+                if context:
+                    case.update(_time_context(q, k, v, ck, inner_reps, bw, case["bytes"]))
+                res["cases"].append(case)
+                print(f"{tp} B={b:3d} {rows:9s} pallas {us:8.1f} us "
+                      f"{case['pallas_pct_copy_bw']:5.1f}% copy-bw  relL2 {case['rel_l2']:.1e}"
+                      + "".join(f"  {n} {case[n]:.1f}us" for n in case if n.endswith("_ctx_us")),
+                      flush=True)
+                del q, k, v
+    return res
+
+
+def _time_context(q, k, v, ck, inner_reps, bw, nbytes) -> dict:
+    jax, jnp = _jax()
+    import numpy as np  # noqa: PLC0415
+
+    b, hq, d = q.shape
+    sc = d ** -0.5
+    width = int(np.diff(ck).max())
+    out = {}
+    try:
+        import warnings  # noqa: PLC0415
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from jax.experimental.pallas.ops.gpu import decode_attention as da  # noqa: PLC0415
+        w, splits = _gqa_split(width, 64)
+        kg, vg, lens = gather_rows(k, v, ck, w)
+
+        interp = jax.default_backend() == "cpu"
+
+        def gqa_step(x, kg, vg, lens):
+            return da.gqa(x, kg, vg, kv_seq_len=lens, sm_scale=sc, block_k=64,
+                          k_splits=splits, interpret=interp).astype(x.dtype)
+
+        t = _time_jax(jax.jit(_chain(gqa_step, inner_reps)), (q, kg, vg, lens))
+        out["jax_pallas_gqa_ctx_us"] = t["median_s"] / inner_reps * 1e6
+        del kg, vg
+    except Exception as e:  # noqa: BLE001
+        out["jax_pallas_gqa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    kg, vg, lens = gather_rows(k, v, ck, width)
+    for impl in ("xla", "cudnn"):
+        try:
+            def dpa_step(x, kg, vg, lens, impl=impl):
+                o = jax.nn.dot_product_attention(x[:, None], kg, vg, scale=sc,
+                                                 key_value_seq_lengths=lens, implementation=impl)
+                return o[:, 0].astype(x.dtype)
+
+            t = _time_jax(jax.jit(_chain(dpa_step, inner_reps)), (q, kg, vg, lens))
+            out[f"jax_dpa_{impl}_ctx_us"] = t["median_s"] / inner_reps * 1e6
+        except Exception as e:  # noqa: BLE001
+            out[f"jax_dpa_{impl}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for key in [k_ for k_ in out if k_.endswith("_ctx_us")]:
+        out[key.replace("_ctx_us", "_ctx_pct_copy_bw")] = 100 * nbytes / (out[key] * 1e-6) / bw
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None, help="output JSON (default $OUT/pallas_decode.json)")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--tp", default=",".join(TP))
+    ap.add_argument("--inner-reps", type=int, default=16)
+    ap.add_argument("--no-context", action="store_true")
+    ap.add_argument("--head-dim", type=int, default=D)
+    ap.add_argument("--max-seqlen-k", type=int, default=MSK)
+    args = ap.parse_args(argv)
+    from bench.common import out_dir, write_json  # noqa: PLC0415
+
+    res = run_pallas_only(batches=[int(x) for x in args.batches.split(",")],
+                          tps=tuple(args.tp.split(",")), inner_reps=args.inner_reps,
+                          context=not args.no_context, head_dim=args.head_dim,
+                          max_seqlen_k=args.max_seqlen_k)
+    path = args.json or str(out_dir() / "pallas_decode.json")
+    write_json(path, res)
+    sat = [c["pallas_pct_copy_bw"] for c in res["cases"] if c["B"] >= 64 and c["rows"] == "saturated"]
+    print(f"wrote {path}; B>=64 saturated: {min(sat, default=float('nan')):.1f}..."
+          f"{max(sat, default=float('nan')):.1f}% of copy bandwidth; all correct: "
+          f"{all(c['ok'] for c in res['cases'])}")
+    return 0 if all(c["ok"] for c in res["cases"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
