@@ -435,11 +435,31 @@ def kernel_signature(q_dtype: str = "bfloat16", kv_dtype: str | None = None) -> 
     return sig
 
 
-def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12)) -> list[dict]:
+_ALIGNED_ARGS = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "idx_ptr", "cu_q_ptr", "cu_k_ptr",
+                 "kv_lens_ptr", "table_ptr", "stride_qt", "stride_qh", "stride_kn", "stride_kh",
+                 "stride_vn", "stride_vh", "stride_ot", "stride_oh")
+
+
+def kernel_attrs() -> dict:
+    """``ASTSource`` attrs matching what a real launch specialises: every pointer 16-byte aligned
+    and the q/k/v/out strides divisible by 16 (D is a multiple of 16); the index and slot-table
+    row strides (W = 2051) are left unspecialised."""
+    names = _qsa_sparse_prefill_fwd.arg_names
+    return {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED_ARGS}
+
+
+#: (mode, q dtype, K/V dtype or None = q's): every kernel variant the entry points launch
+VARIANTS = ((MODE_ORDINARY, "bfloat16", None), (MODE_CHUNK, "bfloat16", None),
+            (MODE_CHUNK, "bfloat16", "float8_e4m3fn"), (MODE_SLOTS, "bfloat16", None),
+            (MODE_SLOTS, "bfloat16", "float8_e4m3fn"), (MODE_PAGED_INLINE, "bfloat16", None))
+
+
+def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
+                    variants=VARIANTS) -> list[dict]:
     """Every (kernel, constexprs, num_warps, num_stages) the selector can launch on ``arch``.
 
-    One entry per distinct (geometry, mode, K/V dtype): ordinary bf16, chunk bf16, chunk FP8,
-    paged-slots bf16 and FP8 (pool reads through pre-resolved slots). ``head_dim`` 256 is the
+    One entry per distinct (geometry, variant); ``VARIANTS``: ordinary bf16, chunk bf16 and FP8,
+    paged through pre-resolved slots bf16 and FP8, paged with the inline slot lookup. ``head_dim`` 256 is the
     largest (shared-memory worst case). Groups: the head tile G only changes masks, so one G per
     BLOCK_M is compiled (the tuned entries keep their own G).
 
@@ -448,9 +468,6 @@ def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12)) -> list[d
       ``constexprs`` (name -> value), ``num_warps``, ``num_stages``, ``geometry``.
     """
     out = []
-    variants = ((MODE_ORDINARY, "bfloat16", None), (MODE_CHUNK, "bfloat16", None),
-                (MODE_CHUNK, "bfloat16", "float8_e4m3fn"), (MODE_SLOTS, "bfloat16", None),
-                (MODE_SLOTS, "bfloat16", "float8_e4m3fn"))
     for geo in all_configs(arch):
         grp = next((g for g in groups if max(16, triton.next_power_of_2(g)) == geo.block_m
                     or triton.next_power_of_2(g) == geo.block_m), geo.block_m)
@@ -470,3 +487,47 @@ def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12)) -> list[d
             })
     return out
 
+
+
+def compile_check(arch: str, *, limit: int | None = None, variants=VARIANTS) -> list[dict]:
+    """Compile every ``compile_configs(arch)`` entry ahead of time (no GPU needed) and report its
+    shared memory: ``[{name, shared, limit, fits, num_warps, num_stages, constexprs}]``.
+
+    Uses ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``. Must run in a
+    process where ``TRITON_INTERPRET`` is off (the interpreter replaces the JIT functions);
+    ``tests/test_sm12x_compile.py`` runs it in a subprocess. ``limit`` defaults to the arch's
+    opt-in shared memory per block (101,376 B on sm_120/sm_121).
+    """
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    from interop.arch import KNOWN_ARCHS, parse_arch  # noqa: PLC0415
+
+    cc = parse_arch(arch)
+    name = f"sm_{cc[0]}{cc[1]}"
+    limit = KNOWN_ARCHS[name].smem_per_block if limit is None else limit
+    target = GPUTarget("cuda", cc[0] * 10 + cc[1], 32)
+    rows = []
+    for c in compile_configs(name, variants=variants):
+        src = ASTSource(fn=c["kernel"], signature=c["signature"], constexprs=c["constexprs"],
+                        attrs=kernel_attrs())
+        comp = triton.compile(src, target=target,
+                              options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
+        shared = int(comp.metadata.shared)
+        rows.append({"name": c["name"], "shared": shared, "limit": limit, "fits": shared <= limit,
+                     "num_warps": c["num_warps"], "num_stages": c["num_stages"],
+                     "constexprs": c["constexprs"]})
+    return rows
+
+
+if __name__ == "__main__":  # python -m qsa_triton.prefill sm_120 [sm_121 ...]: AOT compile check
+    import json
+    import sys
+
+    args = sys.argv[1:]
+    quick = "--quick" in args  # the variants with the most shared memory and the FP8 path only
+    archs = [a for a in args if not a.startswith("--")] or ["sm_120", "sm_121"]
+    sel = tuple(v for v in VARIANTS if v[0] in (MODE_CHUNK, MODE_PAGED_INLINE)) if quick else VARIANTS
+    report = {a: compile_check(a, variants=sel) for a in archs}
+    print(json.dumps(report))
+    sys.exit(0 if all(r["fits"] for rows in report.values() for r in rows) else 1)
