@@ -140,7 +140,10 @@ class _Timed:
     def __init__(self, fn: Callable[[], Any], reps: int, use_cuda_graph: bool, stream):
         torch = _torch()
         self.fn, self.reps, self.graph = fn, reps, None
-        if use_cuda_graph:
+        # work items per call: a provider may run several decodes per call (``fn.inner_reps``)
+        self.per_call = max(1, int(getattr(fn, "inner_reps", 1) or 1))
+        self.graphed = use_cuda_graph and getattr(fn, "cuda_graph_capturable", True)
+        if self.graphed:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, stream=stream):
                 for _ in range(reps):
@@ -183,7 +186,11 @@ def time_interleaved(
 
     Each provider (a zero-argument callable that launches the work on the current stream, e.g. a
     closure over pre-built inputs) is warmed up eagerly (compiling its kernels), then captured into
-    one CUDA graph of ``reps`` back-to-back calls. Then ``rounds`` rounds replay every provider's
+    one CUDA graph of ``reps`` back-to-back calls. A provider with the attribute
+    ``cuda_graph_capturable = False`` (e.g. a JAX call, which launches on JAX's own streams) is
+    timed as an eager loop instead (CUDA events on torch's current stream, which the provider
+    must make wait for its work), and one with ``inner_reps = n`` counts as n calls per call;
+    the result records both (``cuda_graph``, ``inner_reps``). Then ``rounds`` rounds replay every provider's
     graph once, in round-robin order that rotates each round (so no provider is always first after
     an idle gap); each replay is timed with CUDA events. Per-call time = replay time / reps.
 
@@ -199,7 +206,8 @@ def time_interleaved(
         percent of the first provider's.
 
     Returns:
-      ``{name: {"median_us", "p10_us", "p90_us", "min_us", "reps", "rounds"}}`` in µs per call.
+      ``{name: {"median_us", "p10_us", "p90_us", "min_us", "reps", "rounds", "cuda_graph",
+      "inner_reps"}}``, times in µs per call (per inner rep).
 
     Raises:
       RuntimeError: CUDA is not available.
@@ -216,6 +224,8 @@ def time_interleaved(
         n = reps
         if n is None:
             n = int(min(max_reps, max(1, round(target_replay_us / _estimate_us(fn, torch)))))
+            if not getattr(fn, "cuda_graph_capturable", True):
+                n = max(1, min(n, 20))  # eager host loop: keep it short
         else:
             fn()
             fn()
@@ -236,12 +246,13 @@ def time_interleaved(
             timed[n].run()
             b.record()
             b.synchronize()
-            samples[n].append(a.elapsed_time(b) * 1e3 / timed[n].reps)
+            samples[n].append(a.elapsed_time(b) * 1e3 / (timed[n].reps * timed[n].per_call))
     out = {}
     for n in names:
         s = sorted(samples[n])
         q = statistics.quantiles(s, n=10) if len(s) >= 2 else [s[0]] * 9
         out[n] = {"median_us": statistics.median(s), "p10_us": q[0], "p90_us": q[-1],
-                  "min_us": s[0], "reps": timed[n].reps, "rounds": rounds}
+                  "min_us": s[0], "reps": timed[n].reps, "rounds": rounds,
+                  "cuda_graph": timed[n].graphed, "inner_reps": timed[n].per_call}
     del timed
     return out

@@ -100,7 +100,7 @@ def _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, n_mask, scale_log2, MASKED: 
 
 
 @triton.jit
-def _active_splits(cu_k_ptr, s, BLOCK_N: tl.constexpr, MAX_SPLITS, MIN_BLOCKS):
+def _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS):
     """(row start, row length, blocks, n_active) of sequence s, from device data only."""
     k_lo = tl.load(cu_k_ptr + s)
     k_hi = tl.load(cu_k_ptr + s + 1)
@@ -110,7 +110,9 @@ def _active_splits(cu_k_ptr, s, BLOCK_N: tl.constexpr, MAX_SPLITS, MIN_BLOCKS):
     return k_lo, n, blocks, n_act
 
 
-@triton.jit
+# Shape ints stay runtime values and are not specialised (Triton would otherwise compile a
+# variant for every value == 1 / multiple of 16): one compiled kernel serves every B and split count.
+@triton.jit(do_not_specialize=["HQ", "HKV", "MAX_SPLITS", "MIN_BLOCKS"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, cnt_ptr, cu_q_ptr, cu_k_ptr,
     scale_log2,
@@ -195,10 +197,10 @@ def _decode_split_kernel(
                 tl.atomic_xchg(cnt_ptr + sh, 0, sem="release", scope="gpu")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["HQ", "MAX_SPLITS", "MIN_BLOCKS", "BLOCK_N"])
 def _decode_merge_kernel(
-    out_ptr, lse_ptr, part_ptr, cu_k_ptr, stride_ob, stride_oh, HQ, MAX_SPLITS, MIN_BLOCKS,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    out_ptr, lse_ptr, part_ptr, cu_k_ptr, stride_ob, stride_oh, HQ, MAX_SPLITS, MIN_BLOCKS, BLOCK_N,
+    D: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     D_CHUNK: tl.constexpr,
 ):
     # one program per (sequence, query head, D_CHUNK columns): one round of independent loads
@@ -452,8 +454,8 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             d_chunk = max(16, min(d, 4096 // chunk))  # tile <= 4096 floats: 32 per thread
             _decode_merge_kernel[(b * hq * (d // d_chunk),)](
                 out, sc.lse, sc.part, cu_seqlens_k, out.stride(0), out.stride(1),
-                hq, splits, plan.min_blocks_per_split,
-                D=d, BLOCK_N=plan.block_n, SPLITS_P2=p2, SPLIT_CHUNK=chunk, D_CHUNK=d_chunk,
+                hq, splits, plan.min_blocks_per_split, plan.block_n,
+                D=d, SPLITS_P2=p2, SPLIT_CHUNK=chunk, D_CHUNK=d_chunk,
                 num_warps=4, num_stages=1,
             )
     return out

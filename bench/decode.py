@@ -1,0 +1,507 @@
+"""Decode benchmark: qsa_triton vs upstream SGLang 0.5.23 peers (and Pallas when available).
+
+  python bench/decode.py [--json PATH] [--quick]         the comparison table (issue 3 item 4)
+  python bench/decode.py --sweep [--json PATH]           geometry/split sweep of our kernel
+
+Providers, interleaved in one process on one set of inputs (``bench.common.time_interleaved``:
+CUDA-graph replay of back-to-back calls, round-robin, median of CUDA-event timings; see
+``docs/anchors.md`` for why):
+  * ``ours``     ``qsa_triton.sparse_decode`` (plan from ``interop.decode_plan``), and ``ours@self``,
+                 the same provider timed again as a noise check (ratio should be ~1.00);
+  * ``sm121``    upstream's packed decode kernel (``interop.peer.load_sm121_decode``); it supports
+                 only (24,2) and (12,1) and B <= 128: other shapes skip it;
+  * ``generic``  upstream's ``sparse_gqa_packed_decode_triton`` (its chunk-prefill kernel with one
+                 query row; identity indices per row padded with -1, kv_lens = row lengths);
+  * ``pallas``   ``bench.pallas_decode_provider.make_provider`` when that module imports (JAX; not
+                 graph-capturable: timed as an eager loop of jitted chains, see its docstring).
+Every provider's output is checked against an FP32 torch reference on every case (rtol = atol =
+2e-2 and relative L2 <= 5e-3, ``qsa-contract.md`` §6): the script exits non-zero if any fails.
+Bytes = K + V rows actually read (sum of row lengths x Hkv x D x 2 bytes x 2); % copy = those
+bytes per second over the device-to-device copy bandwidth measured in the same run.
+
+Shape grid: TP1 (24,2) / TP2 (12,1) / TP4 (6,1) x B in {1, 4, 16, 32, 64, 128} x {saturated (2051
+keys per row), mixed (uniform 17..2051, fixed seed)}, D = 256, bf16, max_seqlen_k = 2051.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # if jax is loaded (pallas)
+
+__all__ = ["torch_reference", "make_inputs", "run_compare", "run_sweep", "main", "TP", "BATCHES"]
+
+TP = {"TP1": (24, 2), "TP2": (12, 1), "TP4": (6, 1)}
+BATCHES = (1, 4, 16, 32, 64, 128)
+ROWS = ("saturated", "mixed")
+D = 256
+MSK = 2051
+RTOL = ATOL = 2e-2
+REL_L2 = 5e-3
+
+
+def torch_reference(q, k, v, cq, ck, scale=None):
+    """FP32 reference of packed varlen decode on q's device (``qsa-contract.md`` §2).
+
+    Args:
+      q: [B, Hq, D]; k, v: [C, Hkv, D]; cq, ck: int32 [B + 1] (same device).
+    Returns:
+      float32 [B, Hq, D]; zeros for empty rows. Rows are padded to the longest row and masked,
+      so memory is B x max_len x Hkv x D floats (fine on the H200 for the qualified shapes).
+    Validated against ``interop.reference.decode_reference`` (float64) by
+    ``tests/test_triton_decode.py::test_gpu_torch_reference_matches_fp64_reference``.
+    """
+    import torch  # noqa: PLC0415
+
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    scale = d ** -0.5 if scale is None else scale
+    lens = (ck[1:] - ck[:-1]).long()
+    lmax = max(int(lens.max()), 1)
+    pos = torch.arange(lmax, device=q.device)
+    valid = pos[None, :] < lens[:, None]
+    rows = (ck[:-1].long()[:, None] + pos[None, :]).clamp(0, max(k.shape[0] - 1, 0))
+    out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
+    step = max(1, (1 << 27) // (lmax * hkv * d))  # bound the gathered fp32 K/V per chunk
+    for s0 in range(0, b, step):
+        sl = slice(s0, min(b, s0 + step))
+        kk = k[rows[sl]].float()  # [b', L, Hkv, D]
+        vv = v[rows[sl]].float()
+        qq = q[cq[:-1].long()[sl]].float().view(-1, hkv, g, d)
+        sc = torch.einsum("bhgd,blhd->bhgl", qq, kk) * scale
+        sc = sc.masked_fill(~valid[sl][:, None, None, :], float("-inf"))
+        p = torch.softmax(sc, -1).nan_to_num(0.0)
+        out[sl] = torch.einsum("bhgl,blhd->bhgd", p, vv).reshape(-1, hq, d)
+    return out
+
+
+def make_inputs(tp: str, b: int, rows: str, *, seed: int = 0, device="cuda", slack: int = 0,
+                dtype=None):
+    """Inputs for one case (bf16 unless ``dtype``): (q, k, v, cu_q, cu_k, lens list)."""
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    hq, hkv = TP[tp]
+    rng = np.random.default_rng([seed, b, hq, ROWS.index(rows)])
+    lens = np.full(b, MSK) if rows == "saturated" else rng.integers(17, MSK + 1, b)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cap = int(cu[-1]) + slack
+    g = torch.Generator(device=device).manual_seed(int(seed * 1000 + b))
+    dtype = torch.bfloat16 if dtype is None else dtype
+    q = torch.randn(b, hq, D, generator=g, device=device, dtype=torch.float32).to(dtype)
+    k = torch.randn(cap, hkv, D, generator=g, device=device, dtype=torch.float32).to(dtype)
+    v = torch.randn(cap, hkv, D, generator=g, device=device, dtype=torch.float32).to(dtype)
+    cq = torch.arange(b + 1, dtype=torch.int32, device=device)
+    ck = torch.from_numpy(cu).to(device)
+    return q, k, v, cq, ck, lens.tolist()
+
+
+def _check(out, ref) -> dict[str, Any]:
+    import torch  # noqa: PLC0415
+
+    o = out.float()
+    finite = bool(torch.isfinite(o).all())
+    err = (o - ref).abs()
+    within = bool((err <= ATOL + RTOL * ref.abs()).all())
+    den = float(ref.norm())
+    rl = float((o - ref).norm()) / den if den > 0 else float(o.norm())
+    return {"rel_l2": rl, "max_abs": float(err.max()), "ok": finite and within and rl <= REL_L2}
+
+
+# ---------------------------------------------------------------------------------------------
+# providers
+def _peer_providers(q, k, v, cq, ck, lens, scale, skip: set[str]) -> tuple[dict, dict]:
+    """{name: callable} for the upstream peers usable on this shape, and {name: reason} skipped."""
+    import torch  # noqa: PLC0415
+
+    provs: dict[str, Callable] = {}
+    skipped: dict[str, str] = {}
+    b, hq, _ = q.shape
+    hkv = k.shape[1]
+    if "sm121" not in skip:
+        if (hq, hkv) in ((24, 2), (12, 1)) and b <= 128:
+            try:
+                from interop.peer import load_sm121_decode  # noqa: PLC0415
+
+                sm121 = load_sm121_decode()
+                provs["sm121"] = lambda: sm121.qwen38_qsa_sm121(q, k, v, cq, ck, scale)
+            except Exception as e:  # noqa: BLE001 - optional peer
+                skipped["sm121"] = f"{type(e).__name__}: {e}"
+        else:
+            skipped["sm121"] = f"upstream supports (24,2)/(12,1), B<=128 only; got ({hq},{hkv}) B={b}"
+    if "generic" not in skip:
+        try:
+            from interop.peer import load_sparse_attn  # noqa: PLC0415
+
+            generic = load_sparse_attn()
+            width = max(max(lens), 1)
+            kv_lens = (ck[1:] - ck[:-1]).contiguous()
+            # identity indices per row, -1 padding past the row's length: upstream's kernel treats
+            # every index >= 0 as valid (it trusts the indexer's -1 padding)
+            pos = torch.arange(width, dtype=torch.int32, device=q.device)
+            idx = torch.where(pos[None, :] < kv_lens[:, None], pos[None, :], -1).to(torch.int32)
+            idx = idx.contiguous()
+            provs["generic"] = lambda: generic.sparse_gqa_packed_decode_triton(
+                q, k, v, idx, cq, ck, kv_lens, scale)
+        except Exception as e:  # noqa: BLE001
+            skipped["generic"] = f"{type(e).__name__}: {e}"
+    if "pallas" not in skip:
+        try:
+            import importlib  # noqa: PLC0415
+
+            pmod = importlib.import_module("bench.pallas_decode_provider")
+            provs["pallas"] = pmod.make_provider(q, k, v, cq, ck, MSK, scale, inner_reps=8)
+        except ModuleNotFoundError as e:
+            skipped["pallas"] = f"not available: {e}"
+        except Exception as e:  # noqa: BLE001
+            skipped["pallas"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return provs, skipped
+
+
+def _timers(dev):
+    """(time_interleaved, copy bandwidth) for the device; on CPU (``--smoke-cpu``: the
+    interpreter, to exercise this script's code paths without a GPU) a wall-clock stand-in."""
+    from bench.common import copy_bandwidth_bytes_per_s, time_interleaved  # noqa: PLC0415
+
+    if dev.type == "cuda":
+        return time_interleaved, copy_bandwidth_bytes_per_s(dev)
+
+    def cpu_timer(providers, *, rounds=1, self_check=False, **_):
+        items = list(providers.items())
+        if self_check and items:
+            items.append((items[0][0] + "@self", items[0][1]))
+        out = {}
+        for name, fn in items:
+            t0 = time.perf_counter()
+            fn()
+            us = (time.perf_counter() - t0) * 1e6
+            out[name] = {"median_us": us, "p10_us": us, "p90_us": us, "min_us": us, "reps": 1,
+                         "rounds": 1, "cuda_graph": False, "inner_reps": 1}
+        return out
+
+    return cpu_timer, 1e12
+
+
+def run_compare(*, tps=tuple(TP), batches=BATCHES, rows=ROWS, rounds: int = 15,
+                skip: set[str] = frozenset(), seed: int = 0, device: str = "cuda") -> dict:
+    """The comparison table over the shape grid. Returns a JSON-able dict (see module doc)."""
+    import torch  # noqa: PLC0415
+
+    import qsa_triton  # noqa: PLC0415
+    from bench.common import SELF_SUFFIX, gpu_name  # noqa: PLC0415
+    from qsa_triton import decode as dec  # noqa: PLC0415
+
+    dev = torch.device(device)
+    dec.prepare(dev)
+    time_interleaved, bw = _timers(dev)
+    res: dict[str, Any] = {
+        "gpu": gpu_name(), "torch": torch.__version__, "triton": _triton_version(),
+        "copy_bandwidth_Bps": bw, "method": "CUDA-graph replay of back-to-back calls, providers "
+        "interleaved round-robin, median of CUDA-event timings per replay / calls",
+        "merge_mode": dec.MERGE_MODE, "rounds": rounds, "cases": [], "failures": [],
+    }
+    print(f"{gpu_name()}: copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
+    hdr = (f"{'case':24s} {'provider':10s} {'us':>8s} {'p10':>7s} {'p90':>7s} {'GB/s':>7s} "
+           f"{'%copy':>6s} {'x sm121':>8s} {'relL2':>8s}")
+    print(hdr)
+    for tp in tps:
+        for b in batches:
+            for r in rows:
+                # CPU smoke: fp16, since the interpreter computes bf16 elementwise math on raw bits
+                # (upstream's generic kernel pre-scales q in bf16)
+                q, k, v, cq, ck, lens = make_inputs(
+                    tp, b, r, seed=seed, device=dev,
+                    dtype=torch.float16 if dev.type == "cpu" else torch.bfloat16)
+                scale = D ** -0.5
+                hq, hkv = TP[tp]
+                nbytes = sum(lens) * hkv * D * 2 * 2
+                plan, merge = dec.plan_for(b, hkv, hq // hkv, D, MSK, dev)
+                provs = {"ours": lambda q=q, k=k, v=v, cq=cq, ck=ck:
+                         qsa_triton.sparse_decode(q, k, v, cq, ck, MSK, scale)}
+                peers, skipped = _peer_providers(q, k, v, cq, ck, lens, scale, skip)
+                provs.update(peers)
+                ref = torch_reference(q, k, v, cq, ck, scale)
+                checks = {}
+                for name, fn in list(provs.items()):
+                    try:
+                        out = fn()
+                        if dev.type == "cuda":
+                            torch.cuda.synchronize()
+                        if getattr(fn, "inner_reps", 1) != 1:
+                            # chained provider: check a single decode through its maker
+                            out = _pallas_single(q, k, v, cq, ck, scale)
+                        checks[name] = _check(out, ref)
+                    except Exception as e:  # noqa: BLE001 - a peer failing must not stop the run
+                        checks[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                        provs.pop(name)
+                del ref
+                timing = time_interleaved(provs, rounds=rounds, self_check=True)
+                case = {"tp": tp, "Hq": hq, "Hkv": hkv, "B": b, "rows": r, "keys": int(sum(lens)),
+                        "bytes": int(nbytes), "plan": plan.__dict__, "merge": merge,
+                        "skipped": skipped, "providers": {}}
+                base = timing.get("sm121", {}).get("median_us")
+                for name, t in timing.items():
+                    us = t["median_us"]
+                    entry = {**t, "GBps": nbytes / (us * 1e-6) / 1e9,
+                             "pct_copy_bw": 100 * nbytes / (us * 1e-6) / bw,
+                             **checks.get(name.removesuffix(SELF_SUFFIX), {})}
+                    if base:
+                        entry["speedup_vs_sm121"] = base / us
+                    case["providers"][name] = entry
+                    label = f"{tp} B={b:<3d} {r}"
+                    sp = f"{base / us:8.2f}" if base else f"{'-':>8s}"
+                    rl = entry.get("rel_l2")
+                    print(f"{label:24s} {name:10s} {us:8.2f} {t['p10_us']:7.2f} {t['p90_us']:7.2f} "
+                          f"{entry['GBps']:7.0f} {entry['pct_copy_bw']:6.1f} {sp} "
+                          f"{'' if rl is None else f'{rl:8.1e}'}"
+                          + ("" if entry.get("ok", True) else "  FAIL"))
+                for name, c in checks.items():
+                    if not c.get("ok"):
+                        res["failures"].append({"tp": tp, "B": b, "rows": r, "provider": name, **c})
+                        print(f"  !! {name} failed the check: {c}")
+                res["cases"].append(case)
+                del q, k, v
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+    res["summary"] = _summary(res)
+    return res
+
+
+def _pallas_single(q, k, v, cq, ck, scale):
+    import importlib  # noqa: PLC0415
+
+    pmod = importlib.import_module("bench.pallas_decode_provider")
+    return pmod.make_provider(q, k, v, cq, ck, MSK, scale, inner_reps=1)()
+
+
+def _triton_version() -> str:
+    import triton  # noqa: PLC0415
+
+    return triton.__version__
+
+
+def _geomean(xs):
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def _summary(res: dict) -> dict:
+    """Issue 3 targets: geomean >= 1.3x sm121, no case < 0.95x, B=1 saturated <= 0.5x sm121's
+    time, B >= 64 saturated >= 85% of the copy bandwidth; plus the self-vs-self noise check."""
+    sp, worst, b1, big, selfr = [], None, [], [], []
+    for c in res["cases"]:
+        p = c["providers"]
+        if "ours" in p and "ours@self" in p:
+            selfr.append(p["ours@self"]["median_us"] / p["ours"]["median_us"])
+        if "ours" in p and "speedup_vs_sm121" in p["ours"]:
+            s = p["ours"]["speedup_vs_sm121"]
+            sp.append(s)
+            if worst is None or s < worst[0]:
+                worst = (s, f"{c['tp']} B={c['B']} {c['rows']}")
+            if c["B"] == 1 and c["rows"] == "saturated":
+                b1.append(1 / s)
+        if "ours" in p and c["B"] >= 64 and c["rows"] == "saturated":
+            big.append(p["ours"]["pct_copy_bw"])
+    out = {
+        "geomean_speedup_vs_sm121": _geomean(sp),
+        "min_speedup_vs_sm121": worst[0] if worst else None,
+        "min_speedup_case": worst[1] if worst else None,
+        "b1_saturated_time_ratio_vs_sm121": b1,
+        "b_ge_64_saturated_pct_copy_bw_min": min(big) if big else None,
+        "self_vs_self_ratio_range": [min(selfr), max(selfr)] if selfr else None,
+        "all_correct": not res["failures"],
+    }
+    out["targets_met"] = {
+        "geomean>=1.3": out["geomean_speedup_vs_sm121"] >= 1.3 if sp else None,
+        "min>=0.95": (worst[0] >= 0.95) if worst else None,
+        "b1_sat<=0.5": all(x <= 0.5 for x in b1) if b1 else None,
+        "b>=64_sat>=85%": (min(big) >= 85.0) if big else None,
+    }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# sweep
+SWEEP_SHAPES = [("TP1", 1, "saturated"), ("TP1", 4, "saturated"), ("TP1", 16, "saturated"),
+                ("TP1", 16, "mixed"), ("TP1", 64, "saturated"), ("TP1", 128, "saturated"),
+                ("TP2", 1, "saturated"), ("TP2", 32, "saturated"), ("TP4", 128, "saturated")]
+# (block_n, num_warps, num_stages): shared memory on D = 256 in brackets (SM12x limit 101,376 B)
+SWEEP_GEOMETRY = [(32, 4, 3),  # plan default [75 KB]
+                  (32, 4, 2), (32, 4, 4), (32, 8, 3), (32, 2, 3),
+                  (16, 4, 3), (16, 4, 4),
+                  (64, 4, 2), (64, 8, 2), (64, 4, 3)]  # 64/3: H200 only [141 KB]
+
+
+def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, seed: int = 0,
+              device: str = "cuda") -> dict:
+    """Two passes per shape, all interleaved within a pass:
+      A: every (block_n, num_warps, num_stages) with the plan's split policy;
+      B: the best geometry of pass A with other split policies (max_splits x min_blocks) and
+         both merge modes.
+    Each configuration is checked against the FP32 reference. Returns a JSON-able dict with
+    per-shape medians, the best configuration per shape and each configuration's geomean time
+    relative to the plan default over all shapes (what a single global choice would give)."""
+    import dataclasses  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from bench.common import gpu_name  # noqa: PLC0415
+    from interop.decode_plan import plan_decode  # noqa: PLC0415
+    from qsa_triton import decode as dec  # noqa: PLC0415
+
+    dev = torch.device(device)
+    time_interleaved, bw = _timers(dev)
+    res: dict[str, Any] = {"gpu": gpu_name(), "copy_bandwidth_Bps": bw, "shapes": [],
+                           "failures": []}
+    rel_by_cfg: dict[str, list[float]] = {}
+    for tp, b, r in shapes:
+        t0 = time.time()
+        q, k, v, cq, ck, lens = make_inputs(tp, b, r, seed=seed, device=dev)
+        hq, hkv = TP[tp]
+        nbytes = sum(lens) * hkv * D * 2 * 2
+        ref = torch_reference(q, k, v, cq, ck)
+        base_plan = plan_decode(b, hkv, hq // hkv, D, MSK, dec._sm_count(dev))
+
+        def provider(plan, merge):
+            return lambda: dec.decode_with_plan(q, k, v, cq, ck, MSK, plan=plan, merge=merge)
+
+        def measure(cands: dict[str, tuple]) -> dict[str, dict]:
+            provs, meta = {}, {}
+            for name, (plan, merge) in cands.items():
+                fn = provider(plan, merge)
+                try:
+                    chk = _check(fn(), ref)
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                    chk = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                meta[name] = {"plan": plan.__dict__, "merge": merge, **chk}
+                if chk.get("ok"):
+                    provs[name] = fn
+                else:
+                    res["failures"].append({"tp": tp, "B": b, "rows": r, "config": name, **chk})
+            timing = time_interleaved(provs, rounds=rounds, target_replay_us=1000.0) if provs else {}
+            for name, t in timing.items():
+                meta[name].update(t, pct_copy_bw=100 * nbytes / (t["median_us"] * 1e-6) / bw)
+            return meta
+
+        cands_a = {}
+        for bn, w, st in geometry:
+            p = dataclasses.replace(plan_decode(b, hkv, hq // hkv, D, MSK, dec._sm_count(dev),
+                                                block_n=bn), num_warps=w, num_stages=st)
+            cands_a[f"bn{bn}_w{w}_s{st}"] = (p, "kernel")
+        meta_a = measure(cands_a)
+        timed_a = {n: m for n, m in meta_a.items() if "median_us" in m}
+        default_name = "bn{}_w{}_s{}".format(*geometry[0])
+        best_a = min(timed_a, key=lambda n: timed_a[n]["median_us"])
+        best_plan = cands_a[best_a][0]
+        cands_b = {}
+        splits_opts = sorted({1, 2, 4, 8, 16, 32, 64, base_plan.max_splits})
+        for ms in splits_opts:
+            for mb in (1, 2, 4):
+                p = dataclasses.replace(best_plan, max_splits=ms, min_blocks_per_split=mb)
+                if ms == 1 and mb != 1:
+                    continue
+                cands_b[f"{best_a}_ms{ms}_mb{mb}"] = (p, "kernel")
+                if 1 < ms <= 8 and mb == best_plan.min_blocks_per_split:
+                    cands_b[f"{best_a}_ms{ms}_mb{mb}_inline"] = (p, "inline")
+        meta_b = measure(cands_b)
+        timed_b = {n: m for n, m in meta_b.items() if "median_us" in m}
+        all_timed = {**{f"A:{n}": m for n, m in timed_a.items()}, **{f"B:{n}": m for n, m in timed_b.items()}}
+        best = min(all_timed, key=lambda n: all_timed[n]["median_us"])
+        dflt = timed_a.get(default_name, {}).get("median_us")
+        if dflt:
+            for n, m in timed_a.items():
+                rel_by_cfg.setdefault(n, []).append(m["median_us"] / dflt)
+        shape = {"tp": tp, "B": b, "rows": r, "bytes": int(nbytes), "plan_default": base_plan.__dict__,
+                 "default_us": dflt, "best": best, "best_us": all_timed[best]["median_us"],
+                 "best_pct_copy_bw": all_timed[best]["pct_copy_bw"], "pass_a": meta_a,
+                 "pass_b": meta_b}
+        res["shapes"].append(shape)
+        print(f"[sweep] {tp} B={b:<3d} {r:9s} default {dflt or float('nan'):8.2f} us | best A "
+              f"{best_a} {timed_a[best_a]['median_us']:8.2f} us | best {best} "
+              f"{all_timed[best]['median_us']:8.2f} us ({all_timed[best]['pct_copy_bw']:.0f}% copy)"
+              f"  [{time.time() - t0:.0f}s]")
+        top = sorted(timed_b, key=lambda n: timed_b[n]["median_us"])[:5]
+        print("         top split policies: " + ", ".join(
+            f"{n.removeprefix(best_a + '_')} {timed_b[n]['median_us']:.2f}" for n in top))
+        del q, k, v, ref
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    res["geometry_geomean_vs_default"] = {n: _geomean(v) for n, v in rel_by_cfg.items()}
+    print("[sweep] geometry, geomean time vs default over shapes (lower is better):")
+    for n, g in sorted(res["geometry_geomean_vs_default"].items(), key=lambda kv: kv[1]):
+        print(f"         {n:16s} {g:6.3f}")
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="qsa_triton decode benchmark (see module docstring)")
+    ap.add_argument("--json", default=None, help="output JSON (default $OUT/decode[_sweep].json)")
+    ap.add_argument("--sweep", action="store_true", help="sweep our kernel's geometry and splits")
+    ap.add_argument("--quick", action="store_true", help="TP1 and TP2 at B in {1, 16, 128} only")
+    ap.add_argument("--skip", default="", help="comma list of providers to skip (sm121,generic,pallas)")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--smoke-cpu", action="store_true",
+                    help="exercise the script on CPU (Triton interpreter, B=1 only, no timing value)")
+    args = ap.parse_args(argv)
+    if args.smoke_cpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before qsa_triton / the peers define kernels
+        try:
+            from tests import triton_interp_patch  # noqa: F401, PLC0415 - bf16 dot on CPU
+        except ImportError:
+            pass
+
+    import torch  # noqa: PLC0415
+
+    from bench.common import out_dir, write_json  # noqa: PLC0415
+
+    device = "cpu" if args.smoke_cpu else "cuda"
+    if not args.smoke_cpu and not torch.cuda.is_available():
+        print("bench/decode.py needs a CUDA GPU (or --smoke-cpu)", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    if args.sweep:
+        kw = {"device": device, **({"rounds": args.rounds} if args.rounds else {})}
+        if args.smoke_cpu:
+            kw.update(shapes=[("TP2", 1, "mixed")], geometry=SWEEP_GEOMETRY[:2])
+        res = run_sweep(**kw)
+        path = args.json or str(out_dir() / "decode_sweep.json")
+        write_json(path, res)
+        print(f"wrote {path} in {time.time() - t0:.0f}s; failures: {len(res['failures'])}")
+        return 0 if not res["failures"] else 1
+    kw = {"skip": set(filter(None, args.skip.split(","))), "device": device}
+    if args.smoke_cpu:
+        kw.update(tps=("TP1", "TP4"), batches=(1,), rows=("mixed",))
+        # the peers ask torch.cuda for a device index / name even for CPU tensors: answer for them
+        torch.cuda.current_device = lambda: 0
+        torch.cuda.get_device_name = lambda *a, **k: "cpu (smoke)"
+    elif args.quick:
+        kw.update(tps=("TP1", "TP2"), batches=(1, 16, 128))
+    if args.rounds:
+        kw["rounds"] = args.rounds
+    res = run_compare(**kw)
+    path = args.json or str(out_dir() / "decode.json")
+    res["wall_s"] = time.time() - t0
+    write_json(path, res)
+    s = res["summary"]
+    print(f"\nsummary: {s}")
+    print(f"wrote {path} in {res['wall_s']:.0f}s")
+    if res["failures"]:
+        print(f"FAILED correctness checks: {[(f['tp'], f['B'], f['rows'], f['provider']) for f in res['failures']]}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
