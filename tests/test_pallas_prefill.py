@@ -437,3 +437,142 @@ def test_fp8_pool_in_int32_offset_gap_is_rejected():
     out = jax.eval_shape(lambda *x: sparse_prefill_paged(*x, 4, interpret=True),
                          *args(2 * gap + 16, FP8))  # > 2**32 bytes: int64 offsets
     assert out.shape == (t, hq, d)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (H200, run by the lead: pytest -m gpu). The issue's 8192-row cases.
+GPU_T = 8192
+GPU_CASES = [  # (kind, kv length, Hq, Hkv, kv dtype name)
+    ("ordinary", 8192, 6, 1, "bfloat16"), ("ordinary", 8192, 12, 1, "bfloat16"),
+    ("chunk", 8192, 6, 1, "bfloat16"), ("chunk", 8192, 12, 1, "bfloat16"),
+    ("chunk", 32768, 6, 1, "bfloat16"), ("chunk", 32768, 12, 1, "bfloat16"),
+    ("chunk", 131072, 6, 1, "bfloat16"), ("chunk", 131072, 12, 1, "bfloat16"),
+    # beyond the issue's matrix: FP8 on the GPU's conversion path, the paged pool, TP1 heads
+    ("chunk", 32768, 12, 1, "float8_e4m3fn"), ("paged", 32768, 12, 1, "bfloat16"),
+    ("paged", 32768, 24, 2, "float8_e4m3fn"),
+]
+
+
+def gpu_case(kind, kv_len, hq, hkv, kv_dtype="bfloat16", *, t=GPU_T, d=256, width=2051,
+             junk="mixed", seed=0):
+    """(argument dict of jax arrays on the default device, max_seqlen_q, k_scale, v_scale):
+    one request of ``t`` query rows over ``kv_len`` context tokens, realistic indices."""
+    q_lens = np.array([t])
+    kv_lens = np.array([kv_len])
+    lay = qidx.prefill_layout(kind, q_lens, kv_lens, pool_slack=1000, seed=seed)
+    idx = qidx.prefill_indices(q_lens, None if kind == "ordinary" else kv_lens, width=width,
+                               junk=junk, empty_rows=[0, 5, t - 1], seed=seed + 1)
+    rows = {"ordinary": t, "chunk": kv_len, "paged": lay.pool_slots}[kind]
+    key = jax.random.split(jax.random.PRNGKey(seed), 3)
+    kvd = jnp.dtype(kv_dtype)
+    fp8 = kvd == jnp.dtype(FP8)
+    k_scale, v_scale = (0.5, 1.5) if fp8 else (1.0, 1.0)
+    q = jax.random.normal(key[0], (t, hq, d), jnp.float32).astype(jnp.bfloat16)
+    k = (jax.random.normal(key[1], (rows, hkv, d), jnp.float32) / k_scale).astype(kvd)
+    v = (jax.random.normal(key[2], (rows, hkv, d), jnp.float32) / v_scale).astype(kvd)
+    a = dict(q=q, indices=jnp.asarray(idx), kv_lens=jnp.asarray(lay.kv_lens))
+    if kind == "ordinary":
+        a.update(k=k, v=v, cu_seqlens=jnp.asarray(lay.cu_seqlens_q))
+    elif kind == "chunk":
+        a.update(k=k, v=v, cu_seqlens_q=jnp.asarray(lay.cu_seqlens_q),
+                 cu_seqlens_k=jnp.asarray(lay.cu_seqlens_k))
+    else:
+        a.update(k_cache=k, v_cache=v, slot_table=jnp.asarray(lay.slot_table),
+                 cu_seqlens_q=jnp.asarray(lay.cu_seqlens_q))
+    return a, int(lay.max_seqlen_q), k_scale, v_scale
+
+
+def jax_reference_f32(kind, a, k_scale=1.0, v_scale=1.0, softmax_scale=None, *, chunk=128):
+    """float32 JAX version of ``interop.reference`` (reads all W columns, gathers only valid
+    entries, zeros for rows without one), chunked over rows so 8192 x 2051 fits on a GPU.
+    Dots at HIGHEST precision (no TF32)."""
+    q = a["q"]
+    t, hq, d = q.shape
+    k = a["k"] if kind != "paged" else a["k_cache"]
+    v = a["v"] if kind != "paged" else a["v_cache"]
+    hkv = k.shape[1]
+    g = hq // hkv
+    cu = a["cu_seqlens"] if kind == "ordinary" else a["cu_seqlens_q"]
+    rows = jnp.arange(t, dtype=jnp.int32)
+    req = jnp.searchsorted(cu[1:], rows, side="right").astype(jnp.int32)
+    bound = (cu[1:] - cu[:-1])[req] if kind == "ordinary" else a["kv_lens"][req]
+    base = {"ordinary": lambda: cu[req], "chunk": lambda: a["cu_seqlens_k"][req],
+            "paged": lambda: jnp.zeros_like(req)}[kind]()
+    idx = a["indices"]
+    idx = idx if idx.ndim == 3 else jnp.broadcast_to(idx[:, None, :], (t, hkv, idx.shape[-1]))
+    scale = (d ** -0.5 if softmax_scale is None else softmax_scale) * k_scale
+    st = a.get("slot_table")
+    heads = jnp.arange(hkv)[None, :, None]
+    hi = jax.lax.Precision.HIGHEST
+
+    @jax.jit
+    def part(qc, ic, bc, basec, reqc):
+        ok = (ic >= 0) & (ic < bc[:, None, None])
+        pos = jnp.where(ok, ic, 0)
+        phys = st[reqc[:, None, None], pos] if kind == "paged" else basec[:, None, None] + pos
+        phys = jnp.where(ok, phys, 0)
+        kk = jnp.where(ok[..., None], k[phys, heads].astype(jnp.float32), 0.0)
+        vv = jnp.where(ok[..., None], v[phys, heads].astype(jnp.float32), 0.0)
+        qq = qc.astype(jnp.float32).reshape(qc.shape[0], hkv, g, d)
+        sc = jnp.einsum("nhgd,nhwd->nhgw", qq, kk, precision=hi) * scale
+        sc = jnp.where(ok[:, :, None, :], sc, -jnp.inf)
+        m = jnp.max(sc, -1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.exp(sc - m)
+        l_ = jnp.sum(p, -1, keepdims=True)
+        p = p / jnp.where(l_ > 0, l_, 1.0)
+        o = jnp.einsum("nhgw,nhwd->nhgd", p, vv, precision=hi) * v_scale
+        return o.reshape(qc.shape[0], hq, d)
+
+    outs = [part(q[s:s + chunk], idx[s:s + chunk], bound[s:s + chunk], base[s:s + chunk],
+                 req[s:s + chunk]) for s in range(0, t, chunk)]
+    return jnp.concatenate(outs, 0)
+
+
+def _gpu_or_skip():
+    if jax.default_backend() != "gpu":
+        pytest.skip(f"needs a CUDA GPU for jax (backend: {jax.default_backend()})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,kv_len,hq,hkv,kv_dtype", GPU_CASES,
+                         ids=[f"{c[0]}-kv{c[1] // 1024}k-{c[2]}x{c[3]}-{c[4]}" for c in GPU_CASES])
+def test_gpu_8192_rows_finite_deterministic_and_correct(kind, kv_len, hq, hkv, kv_dtype):
+    _gpu_or_skip()
+    a, max_q, ks, vs = gpu_case(kind, kv_len, hq, hkv, kv_dtype)
+    out1 = run_pallas(kind, a, max_q, None, ks, vs).block_until_ready()
+    out2 = run_pallas(kind, a, max_q, None, ks, vs).block_until_ready()
+    assert bool(jnp.isfinite(out1.astype(jnp.float32)).all()), "non-finite output"
+    assert bool(jnp.array_equal(out1, out2)), "second run not bitwise equal"
+    ref = np.asarray(jax_reference_f32(kind, a, ks, vs))
+    assert_matches(np.asarray(out1.astype(jnp.float32)), ref,
+                   what=f"{kind} kv={kv_len} {hq}/{hkv} {kv_dtype}")
+    assert (np.asarray(out1.astype(jnp.float32))[[0, 5, GPU_T - 1]] == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_jit_new_lengths_no_retrace():
+    """On the GPU: one jitted chunk call, lengths/indices changed between calls (same shapes)."""
+    _gpu_or_skip()
+    traces = []
+
+    @jax.jit
+    def f(q, k, v, idx, cu_q, cu_k, kv_lens):
+        traces.append(1)
+        return sparse_prefill_chunk(q, k, v, idx, cu_q, cu_k, kv_lens, 2048)
+
+    for q_lens, kv_lens in (([2048, 2048], [4096, 8192]), ([1024, 3072], [9000, 3272])):
+        ql, kl = np.array(q_lens), np.array(kv_lens)
+        lay = qidx.prefill_layout("chunk", ql, kl)
+        idx = qidx.prefill_indices(ql, kl, width=2051, junk="mixed", seed=3)
+        key = jax.random.split(jax.random.PRNGKey(1), 3)
+        q = jax.random.normal(key[0], (4096, 12, 256), jnp.bfloat16)
+        k = jax.random.normal(key[1], (12288, 1, 256), jnp.bfloat16)
+        v = jax.random.normal(key[2], (12288, 1, 256), jnp.bfloat16)
+        a = dict(q=q, k=k, v=v, indices=jnp.asarray(idx), cu_seqlens_q=jnp.asarray(lay.cu_seqlens_q),
+                 cu_seqlens_k=jnp.asarray(lay.cu_seqlens_k), kv_lens=jnp.asarray(lay.kv_lens))
+        out = f(a["q"], a["k"], a["v"], a["indices"], a["cu_seqlens_q"], a["cu_seqlens_k"],
+                a["kv_lens"])
+        assert_matches(np.asarray(out.astype(jnp.float32)),
+                       np.asarray(jax_reference_f32("chunk", a)), what=f"jit {q_lens} {kv_lens}")
+    assert len(traces) == 1
