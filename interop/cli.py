@@ -49,7 +49,7 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[obje
 
         table = Table(title=escape(title), title_justify="left")
         for c in columns:
-            table.add_column(escape(str(c)))
+            table.add_column(escape(str(c)), overflow="fold")
         for r in rows:
             table.add_row(*(escape(c) for c in r))
         console.print(table)
@@ -183,6 +183,168 @@ def _contract_self_test() -> int:
         rows.append((name, "accept" if should_pass else "refuse", got, "ok" if ok else "FAIL"))
     print_table("Strict-mode self test", ("case", "expected", "got", "result"), rows)
     return 1 if bad else 0
+
+
+# --------------------------------------------------------------------------------------------
+# qsa check
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    out = {"python": sys.version.split()[0]}
+    for pkg in ("numpy", "torch", "triton", "jax", "jaxlib"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _fmt(x, spec=".2e") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _cmd_check(args) -> int:
+    import json  # noqa: PLC0415
+
+    from . import crosscheck as X  # noqa: PLC0415
+
+    try:
+        ops = X.select_ops(args.ops)
+    except ValueError as e:
+        print(f"qsa check: {e}", file=sys.stderr)
+        return 2
+    interpret = X.prepare_backends(True if args.interpret else None)
+    full = args.full or (not args.quick and not interpret)
+    specs = X.full_matrix(ops) if full else X.quick_matrix(ops)
+    if args.filter:
+        specs = [s for s in specs if any(f in s.name for f in _split_list(args.filter))]
+        if not specs:
+            print(f"qsa check: --filter {args.filter!r} matches no case", file=sys.stderr)
+            return 2
+    impls = load_check_implementations(interpret)
+    device = "cpu" if interpret else "cuda"
+    if args.peer:
+        try:
+            impls.append(X.load_peer(args.peer, device))
+        except ValueError as e:
+            print(f"qsa check: {e}", file=sys.stderr)
+            return 2
+        except Exception as e:  # noqa: BLE001 - peer absent or broken: skip it, say so
+            print(f"qsa check: peer {args.peer!r} unavailable, skipped ({e})", file=sys.stderr)
+    names = [i.name for i in impls]
+    mode = "full" if full else "quick"
+    print(f"qsa check: {mode} matrix, {len(specs)} cases, ops {','.join(ops)}, "
+          f"{'interpret mode (CPU)' if interpret else 'compiled kernels (' + device + ')'}, "
+          f"implementations {', '.join(names)}", flush=True)
+
+    results = _run_with_progress(X, specs, impls, device, args.reference)
+    summary = X.summarize(results, names)
+    for op, s in summary.items():
+        cols = ["cases", "passed"] + [f"rel L2 {n}" for n in names] + ["|Pallas-Triton|",
+                                                                      "worst case"]
+        row = [s["cases"], s["passed"]] + [_fmt(s[f"max_rel_l2[{n}]"]) for n in names] + [
+            _fmt(s["max_pallas_triton"], ".3g"), s["worst_case"]]
+        print_table(f"{op}: {s['passed']}/{s['cases']} passed (max over cases; rtol=atol="
+                    f"{X.RTOL:g}, rel L2 <= {X.REL_L2:g})", cols, [row])
+        skipped = {n: s[f"skipped[{n}]"] for n in names if s[f"skipped[{n}]"]}
+        if skipped:
+            print(f"  skipped: " + ", ".join(f"{n} {c} case(s)" for n, c in skipped.items()))
+    failed = [r for r in results if not r.passed]
+    if failed:
+        print_table(f"FAILED: {len(failed)} case(s)", ("case", "why"),
+                    [(r.name, " | ".join(r.failures)) for r in failed])
+    if args.json:
+        from pathlib import Path  # noqa: PLC0415
+
+        doc = {"command": "qsa check", "matrix": mode, "ops": list(ops), "interpret": interpret,
+               "device": _device_name(device), "versions": _versions(),
+               "tolerance": {"rtol": X.RTOL, "atol": X.ATOL, "rel_l2": X.REL_L2},
+               "implementations": names, "summary": summary, "passed": not failed,
+               "cases": [r.as_dict() for r in results]}
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1, default=str))
+        print(f"wrote {path}")
+    print("qsa check: " + ("all cases passed" if not failed else f"{len(failed)} case(s) FAILED: "
+                           + ", ".join(r.name for r in failed[:10])
+                           + (" ..." if len(failed) > 10 else "")))
+    return 1 if failed else 0
+
+
+def load_check_implementations(interpret: bool):
+    """The implementations ``qsa check`` compares (a seam: tests inject fakes here)."""
+    from . import crosscheck as X  # noqa: PLC0415
+
+    return X.load_implementations(interpret)
+
+
+def _device_name(device: str) -> str:
+    if device == "cpu":
+        import platform  # noqa: PLC0415
+
+        return f"CPU ({platform.machine()}), interpreters"
+    try:
+        import torch  # noqa: PLC0415
+
+        return torch.cuda.get_device_name()
+    except Exception:  # noqa: BLE001
+        return device
+
+
+def _run_with_progress(X, specs, impls, device, reference):
+    """Run the matrix with a rich progress bar on a terminal, one line per case otherwise."""
+    results = []
+    use_rich = sys.stderr.isatty()
+    try:
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress,  # noqa: PLC0415
+                                   TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+    except ImportError:
+        use_rich = False
+    if use_rich:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), TimeRemainingColumn(), transient=True) as prog:
+            task = prog.add_task("cases", total=len(specs))
+            for spec in specs:
+                prog.update(task, description=spec.name)
+                r = X.run_case(spec, impls, device=device, reference=reference)
+                results.append(r)
+                if not r.passed:
+                    prog.console.print(f"FAIL {r.name}: {' | '.join(r.failures)}", markup=False)
+                prog.advance(task)
+        return results
+    n = len(specs)
+    for i, spec in enumerate(specs, 1):
+        r = X.run_case(spec, impls, device=device, reference=reference)
+        results.append(r)
+        if not r.passed or n <= 200 or i % 10 == 0 or i == n:
+            status = "ok  " if r.passed else "FAIL"
+            print(f"[{i}/{n}] {status} {r.name} ({r.seconds:.1f}s)"
+                  + ("" if r.passed else ": " + " | ".join(r.failures)), flush=True)
+    return results
+
+
+def _add_check(sub) -> None:
+    p = sub.add_parser("check", help="cross-check Pallas vs Triton vs the FP64 reference",
+                       description="Feed identical inputs to qsa_pallas and qsa_triton (zero-copy "
+                       "through DLPack), compare each with the FP64 reference and with each other "
+                       "(and with upstream SGLang with --peer). Exit status 1 if any case fails.")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="the reduced matrix (default on a CPU machine: interpret mode)")
+    size.add_argument("--full", action="store_true",
+                      help="the full matrix (default on a GPU machine: compiled kernels)")
+    p.add_argument("--ops", default=None, help="comma-separated: decode,prefill (default: both)")
+    p.add_argument("--json", metavar="FILE", help="write every case's result as JSON")
+    p.add_argument("--peer", metavar="NAME", choices=None,
+                   help="also compare with upstream's kernels: 'sglang' (skipped if absent)")
+    p.add_argument("--filter", metavar="TEXT", help="only cases whose name contains TEXT "
+                   "(comma-separated alternatives)")
+    p.add_argument("--interpret", action="store_true",
+                   help="force interpret mode (CPU tensors) even where a GPU exists")
+    p.add_argument("--reference", choices=("auto", "numpy", "torch"), default="auto",
+                   help="FP64 reference: numpy (interop.reference), torch (float64, batched; "
+                   "for large cases) or auto (default)")
+    p.set_defaults(func=_cmd_check)
 
 
 # --------------------------------------------------------------------------------------------

@@ -323,13 +323,17 @@ def load_implementations(interpret: bool) -> list[Implementation]:
             Implementation("pallas", "jax", pallas_fns, {"interpret": bool(interpret)})]
 
 
-def load_peer(name: str = "sglang") -> Implementation:
+def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
     """Upstream SGLang 0.5.23's kernels as a peer implementation (``interop.peer``).
 
     Decode uses the SM121 packed kernel (exact contract only: other shapes are skipped); prefill
     uses upstream's public interfaces. FP8 K/V are dequantised to q's dtype first (upstream
     packs FP8 pools to the query dtype before its kernels), with k_scale folded into the softmax
     scale and v_scale applied to the output.
+
+    Args:
+      device: where the cases' tensors live; upstream's kernels run on "cuda" only (on a CPU
+        every case is reported as skipped).
 
     Raises:
       ValueError: unknown peer name. interop.peer.PeerUnavailable: files absent.
@@ -339,11 +343,13 @@ def load_peer(name: str = "sglang") -> Implementation:
     from . import peer  # noqa: PLC0415
     from .contract import ContractError, check_decode  # noqa: PLC0415
 
-    sa = peer.load_sparse_attn()
+    # SM121 decode first: load_sparse_attn() registers stub 'sglang' modules without __spec__,
+    # after which peer.sglang_root()'s importlib.util.find_spec("sglang") raises ValueError
     try:
         sm121 = peer.load_sm121_decode()
     except peer.PeerUnavailable:
         sm121 = None
+    sa = peer.load_sparse_attn()
 
     def _scale(q, s):
         return q.shape[-1] ** -0.5 if s is None else s
@@ -375,6 +381,8 @@ def load_peer(name: str = "sglang") -> Implementation:
         return out if v_scale == 1.0 else (out.float() * v_scale).to(q.dtype)
 
     def supports(spec: Spec) -> str | None:
+        if device != "cuda":
+            return "upstream's kernels need a CUDA device (torch.cuda calls)"
         if isinstance(spec, DecodeSpec):
             if sm121 is None:
                 return "upstream SM121 decode kernel absent"
