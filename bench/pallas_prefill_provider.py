@@ -4,6 +4,7 @@ Pallas-vs-Triton timing run of issue 6.
 Imported by ``bench/prefill.py`` (the Triton helper's benchmark, same process, same GPU buffers):
 
   make_provider(kind, torch_inputs, geometry=None, *, inner_reps=1, interpret=None) -> callable
+  make_provider(case)  # a bench.prefill_cases.Case: kind and inputs from the case
 
 ``torch_inputs`` is a dict (or any object with those attributes, e.g. ``bench.prefill_cases.Case``)
 of torch tensors named like ``Case`` or like the entry points' arguments:
@@ -70,12 +71,13 @@ def _wrap(fn: Callable[[], Any], inner_reps: int, name: str) -> Callable[[], Any
     return call
 
 
-def make_provider(kind: str, torch_inputs, geometry=None, *, inner_reps: int = 1,
+def make_provider(kind, torch_inputs=None, geometry=None, *, inner_reps: int = 1,
                   interpret: bool | None = None) -> Callable[[], Any]:
     """Zero-arg callable running the Pallas sparse prefill of ``kind`` on torch buffers.
 
     Args:
-      kind: "ordinary" | "chunk" | "paged".
+      kind: "ordinary" | "chunk" | "paged"; or a ``bench.prefill_cases.Case`` (then
+        ``torch_inputs`` is omitted and the kind is the case's: ``make_provider(case)``).
       torch_inputs: dict or object of torch tensors (CUDA; CPU works too, in interpret mode) and
         host values, named as in the module docstring.
       geometry: None (the shared selector via ``qsa_pallas.prefill.select_geometry``), a
@@ -98,6 +100,8 @@ def make_provider(kind: str, torch_inputs, geometry=None, *, inner_reps: int = 1
     from interop.dlpack import to_jax  # noqa: PLC0415
     from qsa_pallas import prefill as P  # noqa: PLC0415
 
+    if not isinstance(kind, str) and torch_inputs is None:  # make_provider(case)
+        kind, torch_inputs = kind.kind, kind
     if kind not in ("ordinary", "chunk", "paged"):
         raise ValueError(f"make_provider: kind must be ordinary|chunk|paged, got {kind!r}")
     geo = _as_geometry(geometry, P)
