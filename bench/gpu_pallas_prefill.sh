@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The one command the lead runs on the H200 for the Pallas sparse prefill (issue 6):
+#   OUT=/path/to/results bash bench/gpu_pallas_prefill.sh
+# 1. GPU tests (-m gpu): tests/test_pallas_prefill.py (8192 rows: ordinary KV 8k, chunk KV
+#    8k/32k/128k, G 6 and 12, + FP8 chunk, paged bf16/FP8; finite, second run bitwise equal,
+#    within rtol=atol=2e-2 and rel L2 <= 5e-3 of a float32 JAX reference, empty rows exactly 0;
+#    jit with new lengths and no retrace) and tests/test_cross_prefill.py (the same cases, Pallas
+#    and qsa_triton on the same torch buffers via interop.dlpack, vs each other and the float32
+#    torch reference).                          -> $OUT/pallas_prefill_gpu_tests.{xml,log}
+# 2. The CPU-suite tests compiled for the GPU (tiny shapes, real Triton kernels instead of
+#    interpret mode) + the abstract-device lowering tests under jax 0.11.2 (which maps
+#    "NVIDIA H200" / RTX PRO 6000 / GB10 to sm_90 / sm_120 / sm_121).
+#                                               -> $OUT/pallas_prefill_cpu_suite_on_gpu.{xml,log}
+# 3. Timing, Pallas vs Triton, same process and buffers (bench/pallas_prefill_provider.py): the
+#    issue's 8 cases, Triton under CUDA graphs, Pallas as a jitted chain of 4; ratio
+#    Triton time / Pallas time and its geomean (target >= 0.8).
+#                                               -> $OUT/pallas_prefill.json, pallas_prefill_timing.log
+# Budget: < 5 minutes. Exit status non-zero if any step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-out}"
+mkdir -p "$OUT"
+export OUT
+export XLA_PYTHON_CLIENT_PREALLOCATE=false   # jax shares the GPU with torch
+export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-1}"
+rc=0
+
+python3 - <<'PY' 2>&1 | tee "$OUT/pallas_prefill_env.log"
+import jax, sys
+print("python", sys.version.split()[0], "| jax", jax.__version__, "| backend", jax.default_backend(),
+      "|", [d.device_kind for d in jax.devices()])
+try:
+    import torch, triton
+    print("torch", torch.__version__, "| triton", triton.__version__, "| cuda", torch.cuda.is_available())
+except ImportError as e:
+    print("torch/triton missing:", e)
+PY
+
+timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_pallas_prefill.py tests/test_cross_prefill.py \
+    --junitxml="$OUT/pallas_prefill_gpu_tests.xml" 2>&1 | tee "$OUT/pallas_prefill_gpu_tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU tests FAILED"; rc=1; }
+
+timeout 90 python3 -m pytest -q -m "not gpu" -p no:cacheprovider \
+    tests/test_pallas_prefill.py tests/test_pallas_prefill_lowering.py \
+    --junitxml="$OUT/pallas_prefill_cpu_suite_on_gpu.xml" 2>&1 | tee "$OUT/pallas_prefill_cpu_suite_on_gpu.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "CPU suite on the GPU / lowering FAILED"; rc=1; }
+
+timeout 120 python3 -m bench.pallas_prefill_provider --json "$OUT/pallas_prefill.json" 2>&1 \
+    | tee "$OUT/pallas_prefill_timing.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "timing FAILED (crash or a wrong Pallas output)"; rc=1; }
+
+echo "gpu_pallas_prefill.sh exit $rc" | tee -a "$OUT/pallas_prefill_timing.log"
+exit $rc
