@@ -13,9 +13,12 @@ Design (mirrors ``qsa_triton.decode`` through the shared static plan ``interop.d
   every K/V row index is clamped into the buffer *and* masked, so nothing outside
   ``[cu_k[s], cu_k[s+1])`` is read (interpret mode clamps out-of-range gathers instead of faulting,
   so only explicit masks make the CPU tests meaningful);
-* each split writes its normalised partial output and its LSE (``-inf`` when empty); the merge in
-  plain JAX weighs split j by ``exp(lse_j - max lse)``, empty splits by exactly 0, and an all-empty
-  row (zero keys) gives exact zeros, never NaN. No atomics at all.
+* each active split writes its normalised partial output and its LSE (FP32, ``-inf`` for the one
+  split of a zero-length row); a second Pallas kernel (one program per sequence, query head and
+  D chunk) recomputes the row's n_active from the same device length, weighs split j by
+  ``exp(lse_j - max lse)`` (inactive / empty splits by exactly 0) and writes ``[B, Hq, D]`` in q's
+  dtype: exact zeros for a row with no keys, never NaN. Two launches, no XLA glue kernels, no
+  atomics at all.
 
 64-bit offsets: the Pallas Triton lowering switches its pointer offsets to i64 by itself when an
 operand exceeds 2**32 bytes (``_compute_offsets_from_indices``); the row numbers the kernel computes
@@ -35,11 +38,11 @@ from jax import lax
 
 from interop.arch import DeviceFacts
 from interop.contract import check_decode
-from interop.decode_plan import DecodePlan, plan_decode
+from interop.decode_plan import DecodePlan, next_pow2, plan_decode
 
 from . import _compat as C
 
-__all__ = ["sparse_decode", "decode_plan_for", "decode_partials"]
+__all__ = ["sparse_decode", "decode_plan_for", "decode_partials", "merge_partials"]
 
 
 def _sm_count() -> int:
@@ -76,6 +79,18 @@ def decode_plan_for(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: i
 
 # ---------------------------------------------------------------------------------------------
 # The split kernel
+def _active_splits(cuk_ref, s, block_n: int, min_blocks: int, max_splits: int):
+    """Row s's (start, end, length, blocks, n_active) from device data only
+    (``interop/decode_plan.py``): blocks = cdiv(len, BLOCK_N), n_active = clamp(cdiv(blocks,
+    min_blocks), 1, max_splits). A zero-length row has n_active = 1 (its split writes zeros)."""
+    start = cuk_ref[s]
+    end = cuk_ref[s + 1]
+    length = jnp.maximum(end - start, 0)
+    blocks = (length + (block_n - 1)) // block_n
+    n_active = jnp.clip((blocks + (min_blocks - 1)) // min_blocks, 1, max_splits)
+    return start, end, length, blocks, n_active
+
+
 def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, group: int,
                   head_tile: int, block_n: int, num_q_heads: int, num_kv_heads: int,
                   batch: int, capacity: int, max_splits: int, min_blocks: int, scale: float):
@@ -85,14 +100,10 @@ def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, grou
     o_ref [HT, D] f32 block of [B, Hkv, S, HT, D]; lse_ref [HT] f32 block of [B, Hkv, S, HT].
     """
     s, h, j = pl_program_ids()
-    start = cuk_ref[s]
-    end = cuk_ref[s + 1]
-    length = jnp.maximum(end - start, 0)
-    # Device-side split decision (interop/decode_plan.py): blocks, active splits, and the
-    # balanced block range [j*blocks // n_active, (j+1)*blocks // n_active) of split j; for
-    # j >= n_active both ends clamp to `blocks` (an empty split).
-    blocks = (length + (block_n - 1)) // block_n
-    n_active = jnp.clip((blocks + (min_blocks - 1)) // min_blocks, 1, max_splits)
+    start, end, length, blocks, n_active = _active_splits(cuk_ref, s, block_n, min_blocks,
+                                                          max_splits)
+    # Balanced block range [j*blocks // n_active, (j+1)*blocks // n_active) of split j; for
+    # j >= n_active both ends clamp to `blocks` (an empty split, never stored nor read).
     blk_lo = jnp.minimum((blocks * j) // n_active, blocks)
     blk_hi = jnp.minimum((blocks * (j + 1)) // n_active, blocks)
     full = length // block_n  # blocks [0, full) lie entirely inside the row
@@ -141,9 +152,40 @@ def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, grou
     has = l_i > 0
     out = acc / jnp.where(has, l_i, 1.0)[:, None]
     lse = jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)), -jnp.inf)
-    # Padded head rows are never stored (never read by the merge either).
-    C.store(o_ref, out, mask=head_ok[:, None])
-    C.store(lse_ref, lse, mask=head_ok)
+    # Padded head rows and inactive splits are never stored (nor read by the merge).
+    keep = head_ok & (j < n_active)
+    C.store(o_ref, out, mask=keep[:, None])
+    C.store(lse_ref, lse, mask=keep)
+
+
+def _merge_kernel(cuk_ref, o_ref, lse_ref, out_ref, *, group: int, head_tile: int, block_n: int,
+                  num_kv_heads: int, max_splits: int, splits_p2: int, min_blocks: int,
+                  d_chunk: int):
+    """One (sequence s, query head h, D chunk c) program: the stable LSE merge of the row's
+    active splits.
+
+    Refs: cuk int32 [B + 1]; o [B * Hkv * S * HT, D] f32 and lse [B * Hkv * S * HT] f32 (the split
+    kernel's outputs, flattened); out_ref: [d_chunk] block of out [B, Hq, D] (q's dtype).
+    M = max_j lse_j over active splits (0 when the row is empty), w_j = exp(lse_j - M) (0 for
+    lse = -inf and for masked splits j >= n_active), out = sum_j w_j o_j / sum_j w_j, with 0 / 1
+    for an empty row: exact zeros, never NaN.
+    """
+    s, h, c = pl_program_ids()
+    *_, n_active = _active_splits(cuk_ref, s, block_n, min_blocks, max_splits)
+    kvh = h // group
+    g = h - kvh * group
+    jj = lax.iota(jnp.int32, splits_p2)
+    ok = jj < n_active  # n_active <= max_splits <= splits_p2
+    rows = ((s * num_kv_heads + kvh) * max_splits + jnp.minimum(jj, max_splits - 1)) * head_tile + g
+    lse = C.load(lse_ref.at[rows], mask=ok, other=-jnp.inf)  # [S_p2]
+    m = lse.max()
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    w = jnp.exp(lse - m)
+    den = w.sum()
+    cols = c * d_chunk + lax.iota(jnp.int32, d_chunk)
+    o = C.load(o_ref.at[rows[:, None], cols[None, :]], mask=ok[:, None], other=0.0)  # [S_p2, Dc]
+    out = (w[:, None] * o).sum(axis=0) / jnp.where(den > 0, den, 1.0)
+    out_ref[...] = out.astype(out_ref.dtype)
 
 
 def pl_program_ids():
@@ -159,8 +201,8 @@ def decode_partials(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, so
 
     Returns:
       (o [B, Hkv, S, HT, D] float32, lse [B, Hkv, S, HT] float32), S = plan.max_splits,
-      HT = plan.head_tile. Rows >= G of the head tile are unwritten (garbage); an empty split has
-      o = 0 and lse = -inf.
+      HT = plan.head_tile. Written: head rows < G of splits j < n_active(row); the rest is
+      unwritten (garbage). A zero-length row's split 0 has o = 0 and lse = -inf.
     """
     b, hq, d = q.shape
     cap, hkv, _ = k.shape
@@ -185,22 +227,30 @@ def decode_partials(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, so
                 v.reshape(cap * hkv, d))
 
 
-def _merge(o, lse, group: int):
-    """Stable LSE merge over splits: o [B, Hkv, S, HT, D], lse [B, Hkv, S, HT] -> [B, Hkv, G, D].
+def merge_partials(o, lse, cu_seqlens_k, *, num_q_heads: int, plan: DecodePlan, out_dtype,
+                   interpret: bool):
+    """The merge kernel: (o [B, Hkv, S, HT, D] f32, lse [B, Hkv, S, HT] f32) -> [B, Hq, D].
 
-    M = max_j lse_j (0 when every split is empty), w_j = exp(lse_j - M) (exactly 0 for empty
-    splits), out = sum_j w_j o_j / sum_j w_j (0 / 1 = 0 for a row with no keys). Never NaN.
+    One program per (sequence, query head, D chunk); the D chunk keeps the [S_p2, D_chunk] FP32
+    tile at <= 4096 elements (32 per thread with 4 warps). Reads only the row's active splits.
     """
-    o = o[:, :, :, :group]
-    lse = lse[:, :, :, :group]
-    if o.shape[2] == 1:
-        return o[:, :, 0]
-    m = lse.max(axis=2, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lse - m)  # exp(-inf) = 0 for empty splits
-    den = w.sum(axis=2)
-    num = (w[..., None] * o).sum(axis=2)
-    return num / jnp.where(den > 0, den, 1.0)[..., None]
+    b, hkv, s_max, ht, d = o.shape
+    group = num_q_heads // hkv
+    splits_p2 = max(2, next_pow2(s_max))
+    d_chunk = max(16, min(d, 4096 // splits_p2))
+    kernel = functools.partial(
+        _merge_kernel, group=group, head_tile=ht, block_n=plan.block_n, num_kv_heads=hkv,
+        max_splits=s_max, splits_p2=splits_p2, min_blocks=plan.min_blocks_per_split,
+        d_chunk=d_chunk)
+    whole = C.pl.no_block_spec
+    call = C.triton_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((b, num_q_heads, d), out_dtype),
+        grid=(b, num_q_heads, d // d_chunk),
+        in_specs=[whole] * 3,
+        out_specs=C.pl.BlockSpec((None, None, d_chunk), lambda i, h, c: (i, h, c)),
+        num_warps=4, num_stages=1, interpret=interpret, name="qsa_decode_merge")
+    return call(cu_seqlens_k, o.reshape(b * hkv * s_max * ht, d), lse.reshape(-1))
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "softmax_scale", "interpret"))
@@ -212,8 +262,8 @@ def _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_sc
         return jnp.zeros_like(q)
     o, lse = decode_partials(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
                              softmax_scale=softmax_scale, interpret=interpret)
-    out = _merge(o, lse, hq // hkv)
-    return out.reshape(b, hq, d).astype(q.dtype)
+    return merge_partials(o, lse, cu_seqlens_k, num_q_heads=hq, plan=plan, out_dtype=q.dtype,
+                          interpret=interpret)
 
 
 def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,

@@ -68,31 +68,34 @@ def test_decode_lowers_and_compiles_for_cuda(kind, shape):
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text
     mods = C.triton_modules(lowered)
-    assert [m.name for m in mods] == ["qsa_decode_split"]
-    mod = mods[0]
+    assert [m.name for m in mods] == ["qsa_decode_split", "qsa_decode_merge"]
+    split, merge = mods
     facts = DeviceFacts.from_device_kind(kind)
     plan = decode_plan_for(b, hq, hkv, d, msk, sm_count=facts.sm_count)
-    assert mod.grid == (b, hkv, plan.max_splits)
-    assert (mod.num_warps, mod.num_stages) == (plan.num_warps, plan.num_stages)
-    ttir = mod.text()
-    assert "tt.dot" in ttir, "the QK and PV products must lower to tensor-core dots"
-    assert "atomic" not in ttir, "no atomics (int32 vector atomics are a no-op on the H200)"
+    assert split.grid == (b, hkv, plan.max_splits)
+    assert (split.num_warps, split.num_stages) == (plan.num_warps, plan.num_stages)
+    assert merge.grid[:2] == (b, hq) and d % merge.grid[2] == 0
+    assert "tt.dot" in split.text(), "the QK and PV products must lower to tensor-core dots"
+    for mod in mods:
+        assert "atomic" not in mod.text(), "no atomics (int32 vector atomics: no-op on the H200)"
     _triton_or_skip()
     cap = C.CAPABILITY[kind]
-    try:
-        res = C.compile_ttir(mod, cap)
-    except Exception as e:  # noqa: BLE001
-        if "parse" in str(e).lower():  # jaxlib's Triton dialect newer than the installed triton
-            pytest.skip(f"installed triton cannot parse this jaxlib's TTIR: {str(e)[:200]}")
-        raise
     limit = C.SM12X_SMEM_LIMIT if cap >= 120 else facts.smem_per_block
-    assert 0 <= res["shared"] <= limit, f"{res['shared']} B shared memory > {limit} B on sm_{cap}"
+    for mod in mods:
+        try:
+            res = C.compile_ttir(mod, cap)
+        except Exception as e:  # noqa: BLE001
+            if "parse" in str(e).lower():  # jaxlib's Triton dialect newer than the installed one
+                pytest.skip(f"installed triton cannot parse this jaxlib's TTIR: {str(e)[:200]}")
+            raise
+        assert 0 <= res["shared"] <= limit, \
+            f"{mod.name}: {res['shared']} B shared memory > {limit} B on sm_{cap}"
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_decode_lowers_both_dtypes(dtype):
     mods = C.triton_modules(_lower("NVIDIA GB10", 2, 12, 1, 256, 64, dtype=dtype))
-    assert len(mods) == 1 and "tt.dot" in mods[0].text()
+    assert len(mods) == 2 and "tt.dot" in mods[0].text()
 
 
 def test_interpret_mode_accepts_what_the_gpu_lowering_rejects():
