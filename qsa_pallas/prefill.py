@@ -281,7 +281,9 @@ def _prefill_kernel(*refs, st: _Static):
     def body(j, carry):
         acc, m_i, l_i = carry
         cols = j * bn + cols0
-        col_ok = cols < w
+        # Columns at or past min(W, visible) are masked too (not only past W), so the result
+        # never depends on BLOCK_N (same rule as qsa_triton's kernel).
+        col_ok = cols < n_cols
         if st.per_head:
             ids = _compat.load(idx_ref.at[row, h, pl.ds(j * bn, bn)], mask=col_ok, other=-1)
         else:

@@ -226,6 +226,28 @@ def test_chunk_shorter_context_than_rows_visible_clipped():
     assert_matches(case.call(), case.ref, what="W=37")
 
 
+def test_entries_past_the_visible_count_are_ignored_for_any_block_n():
+    """The early stop masks columns >= min(W, visible) exactly (not at a BLOCK_N boundary): a
+    stale in-range entry past the visible count (a layout the debug validator rejects) is not
+    attended, whatever BLOCK_N, so results never depend on the geometry."""
+    from qsa_pallas.prefill import PallasPrefillGeometry  # noqa: PLC0415
+
+    case = make_case("chunk", 12, 1, q_lens=[6], prefix=[2], width=40, junk="-1", seed=59)
+    a = case.jax_args()
+    idx = np.asarray(case.np_args["indices"]).copy()
+    visible = np.arange(6) + 2 + 1
+    stale = idx.copy()
+    for r in range(6):
+        stale[r, visible[r]] = 0  # in range (< kv_len = 8), but past the row's visible count
+    a["indices"] = jnp.asarray(stale)
+    outs = []
+    for bn in (16, 32, 64):
+        geo = PallasPrefillGeometry(16, bn, 4, 2, "test")
+        outs.append(_f32(run_pallas("chunk", a, case.max_seqlen_q, geometry=geo)))
+        assert_matches(outs[-1], case.ref, what=f"BLOCK_N={bn}")
+    np.testing.assert_allclose(outs[0], outs[2], rtol=1e-2, atol=1e-2)
+
+
 def test_d256_chunk_fp8():
     case = make_case("chunk", 12, 1, q_lens=[3, 2], prefix=[6, 11], d=256, width=16,
                      dtype=jnp.bfloat16, kv_dtype=FP8, k_scale=1.3, v_scale=0.6, seed=23)
