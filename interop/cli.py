@@ -348,6 +348,88 @@ def _add_check(sub) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# qsa compile
+def _cmd_compile(args) -> int:
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    from . import compile_check as CC  # noqa: PLC0415
+
+    try:
+        archs = CC.parse_archs(args.arch)
+    except ValueError as e:
+        print(f"qsa compile: {e}", file=sys.stderr)
+        return 2
+    families = _split_list(args.family) or ["triton", "pallas"]
+    bad = [f for f in families if f not in ("triton", "pallas")]
+    if bad:
+        print(f"qsa compile: --family: unknown {bad}; allowed: triton, pallas", file=sys.stderr)
+        return 2
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        # the interpreter replaces @triton.jit functions: compile in a clean interpreter
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        proc = subprocess.run([sys.executable, "-m", "interop.cli", "compile", *args._argv[1:]],
+                              env=env)
+        return proc.returncode
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # lowering needs no GPU
+    reports = CC.run(archs, families, progress=lambda m: print(f"compiling {m} ...", flush=True))
+    rows = CC.summary_rows(reports)
+    if args.verbose:
+        print_table("Every configuration", ("family", "arch", "config", "warps/stages",
+                                           "shared B / limit", "regs", "spill B", "verdict"), rows)
+    groups = {}
+    for r in reports:
+        groups.setdefault((r.family, r.arch), []).append(r)
+    sum_rows = []
+    for (fam, arch), rs in groups.items():
+        real = [r for r in rs if not r.note]
+        shared = [r.shared for r in real if r.shared is not None]
+        regs = [r.regs for r in real if r.regs is not None]
+        spills = sum(1 for r in real if r.spill_bytes)
+        notes = [r.note for r in rs if r.note]
+        sum_rows.append([fam, arch, len(real), sum(r.fits for r in real),
+                         f"{max(shared):,}" if shared else "-",
+                         f"{CC.KNOWN_ARCHS[arch].smem_per_block:,}",
+                         max(regs) if regs else "-", spills,
+                         "; ".join(notes) if notes else ""])
+    print_table("qsa compile: configurations per family and arch",
+                ("family", "arch", "configs", "fit", "max shared B", "limit B", "max regs",
+                 "with spills", "notes"), sum_rows)
+    failed = [r for r in reports if not r.fits]
+    if failed:
+        print_table(f"FAILED: {len(failed)} configuration(s) do not fit",
+                    ("family", "arch", "config", "warps/stages", "shared B / limit", "regs",
+                     "spill B", "verdict"), CC.summary_rows(failed))
+    if args.json:
+        from pathlib import Path  # noqa: PLC0415
+
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"command": "qsa compile", "archs": archs, "families": families,
+                                    "versions": _versions(), "passed": not failed,
+                                    "configs": [r.as_dict() for r in reports]}, indent=1))
+        print(f"wrote {path}")
+    print("qsa compile: " + ("every configuration fits" if not failed
+                             else f"{len(failed)} configuration(s) do NOT fit"))
+    return 1 if failed else 0
+
+
+def _add_compile(sub) -> None:
+    p = sub.add_parser("compile", help="AOT-compile every shipped kernel configuration per arch",
+                       description="Compile every Triton kernel configuration the selectors can "
+                       "choose, and lower + compile every Pallas kernel for the arch's abstract "
+                       "device, without a GPU; report shared memory, registers and spills against "
+                       "the arch's limits. Exit status 1 if any configuration does not fit.")
+    p.add_argument("--arch", help="comma-separated: sm_90,sm_120,sm_121 (default: all three)")
+    p.add_argument("--family", help="comma-separated: triton,pallas (default: both)")
+    p.add_argument("--json", metavar="FILE", help="write every configuration's report as JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every configuration")
+    p.set_defaults(func=_cmd_compile)
+
+
+# --------------------------------------------------------------------------------------------
 # Phase-2 subcommands live in their own modules; the parser wires them when importable.
 def _add_contract(sub) -> None:
     p = sub.add_parser("contract", help="print the qualified envelope and the routing per arch",
@@ -386,7 +468,9 @@ def _extra_adders():
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``qsa`` console script. Returns the exit status."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args._argv = argv
     return int(args.func(args) or 0)
 
 

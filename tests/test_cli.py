@@ -51,3 +51,109 @@ def test_console_script_runs():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "sm90-table" in proc.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# qsa compile (run in a subprocess: TRITON_INTERPRET must be off to compile for a GPU target)
+FAKE_TRITON = '''
+import triton, triton.language as tl
+
+@triton.jit
+def fake_dot(a_ptr, b_ptr, c_ptr, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rm = tl.arange(0, BM); rn = tl.arange(0, BN); rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k in range(0, K, BK):
+        a = tl.load(a_ptr + rm[:, None] * K + (k + rk)[None, :])
+        b = tl.load(b_ptr + (k + rk)[:, None] * BN + rn[None, :])
+        acc += tl.dot(a, b)
+    tl.store(c_ptr + rm[:, None] * BN + rn[None, :], acc)
+
+SIG = {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp32", "K": "i32",
+       "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}
+
+def compile_configs(arch):
+    small = dict(kernel=fake_dot, name="small_fits", signature=SIG,
+                 constexprs={"BM": 16, "BN": 16, "BK": 32}, num_warps=4, num_stages=2)
+    huge = dict(kernel=fake_dot, name="huge_tiles_too_big_for_sm12x", signature=SIG,
+                constexprs={"BM": 128, "BN": 256, "BK": 256}, num_warps=8, num_stages=2)
+    return [small, huge] if arch in ("sm_120", "sm_121") else [small]
+'''
+
+FAKE_PALLAS = '''
+import jax, jax.numpy as jnp
+from qsa_pallas.decode import decode_plan_for, sparse_decode
+
+def lowering_cases(device_kind):
+    sds = jax.ShapeDtypeStruct
+    plan = decode_plan_for(2, 12, 1, 64, 64, sm_count=48)
+    args = (sds((2, 12, 64), jnp.float16), sds((128, 1, 64), jnp.float16),
+            sds((128, 1, 64), jnp.float16), sds((3,), jnp.int32), sds((3,), jnp.int32))
+    fn = lambda q, k, v, cq, ck: sparse_decode(q, k, v, cq, ck, 64, interpret=False, plan=plan)
+    return [("tiny_decode", fn, args)]
+'''
+
+
+def _compile_cli(tmp_path, *argv, triton_mods="qsa_fake_triton_kernels",
+                 pallas_mods="qsa_fake_pallas_cases"):
+    import json as _json
+    import os
+
+    (tmp_path / "qsa_fake_triton_kernels.py").write_text(FAKE_TRITON)
+    (tmp_path / "qsa_fake_pallas_cases.py").write_text(FAKE_PALLAS)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}",
+               QSA_COMPILE_TRITON_MODULES=triton_mods, QSA_COMPILE_PALLAS_MODULES=pallas_mods,
+               JAX_PLATFORMS="cpu", TRITON_CACHE_DIR=str(tmp_path / "triton-cache"),
+               COLUMNS="250")
+    out = tmp_path / "compile.json"
+    proc = subprocess.run([sys.executable, "-m", "interop.cli", "compile", *argv, "--json",
+                           str(out)], capture_output=True, text=True, timeout=600, env=env)
+    doc = _json.loads(out.read_text()) if out.exists() else None
+    return proc, doc
+
+
+def test_compile_flags_a_config_that_does_not_fit_sm12x(tmp_path):
+    pytest.importorskip("triton")
+    proc, doc = _compile_cli(tmp_path, "--arch", "sm_121", "--family", "triton")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "huge_tiles_too_big_for_sm12x" in proc.stdout and "do NOT fit" in proc.stdout
+    rows = {c["name"]: c for c in doc["configs"]}
+    assert rows["small_fits"]["fits"] and rows["small_fits"]["shared"] <= 101_376
+    huge = rows["huge_tiles_too_big_for_sm12x"]
+    assert not huge["fits"] and huge["shared"] > 101_376 == huge["smem_limit"]
+    assert any("shared memory" in p for p in huge["problems"])
+
+
+def test_compile_passes_when_everything_fits(tmp_path):
+    pytest.importorskip("triton")
+    pytest.importorskip("jax")
+    proc, doc = _compile_cli(tmp_path, "--arch", "sm_90")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert doc["passed"] and "every configuration fits" in proc.stdout
+    fams = {(c["family"], c["name"]) for c in doc["configs"]}
+    assert ("triton", "small_fits") in fams and ("pallas", "tiny_decode:qsa_decode_split") in fams
+    assert all(c["shared"] is not None for c in doc["configs"])
+
+
+def test_compile_module_without_configs_is_a_note(tmp_path):
+    pytest.importorskip("triton")
+    proc, doc = _compile_cli(tmp_path, "--arch", "sm_120", "--family", "triton",
+                             triton_mods="json")  # a module with no compile_configs
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no compile_configs" in doc["configs"][0]["note"]
+
+
+def test_compile_bad_arguments(capsys):
+    assert cli.main(["compile", "--arch", "sm_75"]) == 2
+    assert "unknown arch" in capsys.readouterr().err
+    assert cli.main(["compile", "--family", "cuda"]) == 2
+    assert "allowed: triton, pallas" in capsys.readouterr().err
+
+
+def test_parse_archs():
+    from interop.compile_check import parse_archs
+
+    assert parse_archs(None) == ["sm_90", "sm_120", "sm_121"]
+    assert parse_archs("121, sm_90,sm_121") == ["sm_121", "sm_90"]
+    with pytest.raises(ValueError, match="known"):
+        parse_archs("sm_80")
