@@ -30,6 +30,7 @@ et al.); the split sizing rule is ``interop/decode_plan.py``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -37,44 +38,75 @@ import jax.numpy as jnp
 from jax import lax
 
 from interop.arch import DeviceFacts
-from interop.contract import check_decode
+from interop.contract import ContractError, check_decode
 from interop.decode_plan import DecodePlan, next_pow2, plan_decode
 
 from . import _compat as C
 
-__all__ = ["sparse_decode", "decode_plan_for", "decode_partials", "merge_partials"]
+__all__ = [
+    "sparse_decode", "decode_plan_for", "decode_partials", "merge_partials", "fit_shared_memory",
+    "split_kernel_smem_bytes",
+]
 
 
-def _sm_count() -> int:
-    """SMs of the target GPU: the abstract device's kind when lowering ahead of time under an
-    ``AbstractMesh`` (``interop.arch`` table), else jax's default GPU (``core_count``), else 132
-    (the H200's; CPU interpret mode)."""
+def _target() -> tuple[int, int | None]:
+    """(SM count, shared memory per block in bytes or None) of the GPU the kernel is built for:
+    the abstract device's kind when lowering ahead of time under an ``AbstractMesh``
+    (``interop.arch`` tables), else jax's default GPU, else (132, None) (the H200's SM count; CPU
+    interpret mode has no shared-memory limit)."""
     try:
         abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     except Exception:  # noqa: BLE001 - older jax without abstract meshes
         abstract = None
     if abstract is not None and abstract.platform in ("cuda", "gpu"):
         try:
-            return DeviceFacts.from_device_kind(abstract.device_kind).sm_count
+            f = DeviceFacts.from_device_kind(abstract.device_kind)
+            return f.sm_count, f.smem_per_block
         except (ValueError, KeyError):
-            return 132
+            return 132, None
     try:
         dev = jax.devices()[0]
     except RuntimeError:  # pragma: no cover
-        return 132
+        return 132, None
     if dev.platform != "gpu":
-        return 132
-    return int(getattr(dev, "core_count", None) or 132)
+        return 132, None
+    try:
+        f = DeviceFacts.from_jax(dev)
+        return f.sm_count, f.smem_per_block
+    except Exception:  # noqa: BLE001 - unknown part: SM count from jax, no smem clamp
+        return int(getattr(dev, "core_count", None) or 132), None
+
+
+def split_kernel_smem_bytes(plan: DecodePlan, head_dim: int, elem_bytes: int = 2) -> int:
+    """Estimated shared memory of the split kernel: (num_stages - 1) K+V tiles in flight, the q
+    tile and ~2 KB of reduction scratch. Fitted to Triton's own count for D = 256, BLOCK_N = 32,
+    HT = 16: 41,984 B at 2 stages, 74,752 B at 3 (``tests/test_pallas_lowering.py`` compiles the
+    real kernel and checks the real number against the limit)."""
+    tiles = max(1, plan.num_stages - 1) * 2 * plan.block_n * head_dim * elem_bytes
+    return tiles + plan.head_tile * head_dim * elem_bytes + 2048
+
+
+def fit_shared_memory(plan: DecodePlan, head_dim: int, limit: int | None,
+                      elem_bytes: int = 2) -> DecodePlan:
+    """Lower ``num_stages`` (not below 1) until the estimate fits ``limit`` (101,376 B on
+    sm_120/sm_121: a configuration that fits the H200 can fail to launch there)."""
+    if limit is None:
+        return plan
+    while plan.num_stages > 1 and split_kernel_smem_bytes(plan, head_dim, elem_bytes) > limit:
+        plan = dataclasses.replace(plan, num_stages=plan.num_stages - 1)
+    return plan
 
 
 def decode_plan_for(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                    max_seqlen_k: int, **overrides) -> DecodePlan:
+                    max_seqlen_k: int, *, elem_bytes: int = 2, **overrides) -> DecodePlan:
     """The shared static split-KV plan (``interop.decode_plan.plan_decode``) for these shapes on
-    jax's default device (its SM count). ``overrides`` go to ``plan_decode`` (``max_splits``,
-    ``block_n``, ``sm_count``)."""
-    sm = overrides.pop("sm_count", None) or _sm_count()
-    return plan_decode(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim, max_seqlen_k,
+    the target GPU (its SM count), with ``num_stages`` clamped to its shared memory.
+    ``overrides`` go to ``plan_decode`` (``max_splits``, ``block_n``, ``sm_count``)."""
+    sm, smem = _target()
+    sm = overrides.pop("sm_count", None) or sm
+    plan = plan_decode(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim, max_seqlen_k,
                        sm, **overrides)
+    return fit_shared_memory(plan, head_dim, smem, elem_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +333,9 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
     if plan is None:
         plan = decode_plan_for(prob.batch, prob.num_q_heads, prob.num_kv_heads, prob.head_dim,
                                prob.max_seqlen_k)
+    elif plan.head_tile < max(16, prob.group) or plan.head_tile & (plan.head_tile - 1):
+        raise ContractError("sparse_decode", "plan", "head_tile a power of two >= max(16, G)",
+                            plan.head_tile)
     return _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
                    softmax_scale=float(prob.softmax_scale),
                    interpret=C.resolve_interpret(interpret))

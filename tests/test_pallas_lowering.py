@@ -100,8 +100,12 @@ def test_decode_lowers_both_dtypes(dtype):
 
 def test_interpret_mode_accepts_what_the_gpu_lowering_rejects():
     """A non-power-of-two head tile runs in interpret mode but fails the CUDA lowering: the reason
-    these lowering tests exist."""
+    these lowering tests exist. (The raw split kernel is used: ``sparse_decode`` itself refuses
+    such a plan with a ContractError.)"""
     import numpy as np  # noqa: PLC0415
+
+    from interop.contract import ContractError  # noqa: PLC0415
+    from qsa_pallas.decode import decode_partials  # noqa: PLC0415
 
     bad = DecodePlan(head_tile=12, block_n=16, max_splits=2, min_blocks_per_split=1, num_warps=4,
                      num_stages=2)
@@ -110,7 +114,27 @@ def test_interpret_mode_accepts_what_the_gpu_lowering_rejects():
     k = jnp.asarray(rng.standard_normal((40, 1, 64)), jnp.float16)
     cq = jnp.arange(3, dtype=jnp.int32)
     ck = jnp.asarray([0, 17, 40], jnp.int32)
-    out = sparse_decode(q, k, k, cq, ck, 32, interpret=True, plan=bad)
-    assert np.isfinite(np.asarray(out, np.float32)).all()
+    o, lse = decode_partials(q, k, k, cq, ck, plan=bad, softmax_scale=0.125, interpret=True)
+    assert np.isfinite(np.asarray(lse)).all()
+    raw = lambda q, k, v, cq, ck: decode_partials(q, k, v, cq, ck, plan=bad,  # noqa: E731
+                                                  softmax_scale=0.125, interpret=False)
     with pytest.raises(Exception, match="power of 2"):
-        _lower("NVIDIA H200", 2, 12, 1, 64, 32, plan=bad)
+        C.lower_for_device_kind(raw, _args(2, 12, 1, 64, 40, jnp.float16), "NVIDIA H200")
+    with pytest.raises(ContractError, match="head_tile"):
+        sparse_decode(q, k, k, cq, ck, 32, interpret=True, plan=bad)
+
+
+def test_oversized_plan_is_clamped_to_sm12x_shared_memory():
+    """BLOCK_N = 128 with 3 stages (~260 KB) would not launch on sm_120/sm_121 (101,376 B):
+    ``decode_plan_for`` lowers num_stages under those device kinds; the compiled kernel fits."""
+    from qsa_pallas.decode import decode_plan_for as plan_for  # noqa: PLC0415
+
+    for kind in C.DEVICE_KINDS[1:]:
+        with jax.sharding.use_abstract_mesh(C.abstract_mesh(kind)):
+            plan = plan_for(8, 12, 1, 256, 2051, block_n=128)
+        assert plan.num_stages < 3
+        lowered = _lower(kind, 8, 12, 1, 256, 2051, plan=plan)
+        _triton_or_skip()
+        split = C.triton_modules(lowered)[0]
+        res = C.compile_ttir(split, C.CAPABILITY[kind])
+        assert res["shared"] <= C.SM12X_SMEM_LIMIT, res
