@@ -15,7 +15,10 @@ rename. What differs between the versions (checked against both installed source
   the rule turns the kernel jaxpr into a Triton MLIR module (TTIR) in Python and embeds it, as
   bytecode, in a ``__gpu$xla.gpu.triton`` custom call: no jaxlib CUDA plugin is needed, so
   ``lower_for_device_kind`` works on a CPU-only machine. (0.10.2 on a *GPU* machine compiles to PTX
-  already at lowering; not our case.) ``triton_modules`` pulls the embedded TTIR back out.
+  already at lowering; not our case.) ``triton_modules`` pulls the embedded TTIR back out, and
+  ``compile_ttir`` runs the rest of Triton's pipeline (TTGIR -> PTX -> cubin) with the installed
+  ``triton`` for sm_90 / sm_120 / sm_121, still without a GPU. Checked on CPU with jax 0.10.2 +
+  Triton 3.9.0 (Python 3.11) and jax 0.11.2 + Triton 3.6.0 (Python 3.12, the GPU machine's pair).
 
 Nothing here imports torch.
 """

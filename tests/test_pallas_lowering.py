@@ -138,3 +138,17 @@ def test_oversized_plan_is_clamped_to_sm12x_shared_memory():
         split = C.triton_modules(lowered)[0]
         res = C.compile_ttir(split, C.CAPABILITY[kind])
         assert res["shared"] <= C.SM12X_SMEM_LIMIT, res
+
+
+def test_kv_buffers_past_4_gib_use_64_bit_offsets():
+    """K/V buffers over 2**32 bytes (C x Hkv x D x 2 bytes): the Triton lowering must address
+    them with 64-bit offsets (it switches per operand by size); smaller buffers keep 32-bit."""
+    b, hq, hkv, d = 2, 12, 1, 256
+    big = (1 << 32) // (hkv * d * 2) + 64  # rows: just past 4 GiB per buffer
+    fn = lambda q, k, v, cq, ck: sparse_decode(q, k, v, cq, ck, 2051, interpret=False)  # noqa: E731
+    split_big = C.triton_modules(
+        C.lower_for_device_kind(fn, _args(b, hq, hkv, d, big), "NVIDIA H200"))[0].text()
+    split_small = C.triton_modules(
+        C.lower_for_device_kind(fn, _args(b, hq, hkv, d, 4096), "NVIDIA H200"))[0].text()
+    assert "xi64>" in split_big, "no 64-bit offsets for a > 4 GiB K/V buffer"
+    assert "xi64>" not in split_small
