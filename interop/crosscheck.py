@@ -41,7 +41,8 @@ __all__ = [
     "RTOL", "ATOL", "REL_L2", "OPS", "DecodeSpec", "PrefillSpec", "quick_matrix", "full_matrix",
     "select_ops", "Implementation", "load_implementations", "load_peer", "prepare_backends",
     "has_cuda", "Inputs", "build_inputs", "torch_reference", "CaseResult", "run_case", "run_matrix",
-    "summarize", "TP_SHAPES", "DECODE_BATCHES",
+    "summarize", "TP_SHAPES", "DECODE_BATCHES", "evaluate", "empty_mask", "numpy_reference",
+    "ENTRY", "PARAMS",
 ]
 
 RTOL = ATOL = 2e-2
@@ -298,6 +299,16 @@ class Implementation:
 
 ENTRY = {"decode": "sparse_decode", "ordinary": "sparse_prefill", "chunk": "sparse_prefill_chunk",
          "paged": "sparse_prefill_paged"}
+#: positional parameters of each entry point (qsa-contract.md), then its keyword parameters
+PARAMS = {
+    "sparse_decode": (("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_k"),
+                      ("softmax_scale",)),
+    "sparse_prefill": (("q", "k", "v", "indices", "cu_seqlens", "max_seqlen_q"), ("softmax_scale",)),
+    "sparse_prefill_chunk": (("q", "k", "v", "indices", "cu_seqlens_q", "cu_seqlens_k", "kv_lens",
+                              "max_seqlen_q"), ("softmax_scale", "k_scale", "v_scale")),
+    "sparse_prefill_paged": (("q", "k_cache", "v_cache", "slot_table", "indices", "cu_seqlens_q",
+                              "kv_lens", "max_seqlen_q"), ("softmax_scale", "k_scale", "v_scale")),
+}
 
 
 def _entry_points(module_names: Sequence[str]) -> dict[str, Callable]:
@@ -494,28 +505,33 @@ def _np64(t) -> np.ndarray:
     return t.detach().float().cpu().numpy().astype(np.float64)
 
 
-def numpy_reference(spec: Spec, inp: Inputs) -> np.ndarray:
-    """``interop.reference`` (float64 numpy) on the case's inputs."""
+def numpy_reference(spec: Spec | None, inp: Inputs) -> np.ndarray:
+    """``interop.reference`` (float64 numpy) on the inputs (dispatch on ``inp.entry``; ``spec``
+    is unused, kept for symmetry)."""
     a = inp.args
     kw = inp.kwargs
-    if isinstance(spec, DecodeSpec):
-        return R.decode_reference(_np64(a[0]), _np64(a[1]), _np64(a[2]), a[3].cpu().numpy(),
-                                  a[4].cpu().numpy(), kw.get("softmax_scale"))
-    if spec.kind == "ordinary":
-        return R.prefill_reference(_np64(a[0]), _np64(a[1]), _np64(a[2]), a[3].cpu().numpy(),
-                                   a[4].cpu().numpy(), kw.get("softmax_scale"))
-    if spec.kind == "chunk":
-        return R.prefill_chunk_reference(_np64(a[0]), _np64(a[1]), _np64(a[2]), a[3].cpu().numpy(),
-                                         a[4].cpu().numpy(), a[5].cpu().numpy(), a[6].cpu().numpy(),
-                                         kw.get("softmax_scale"), kw["k_scale"], kw["v_scale"])
-    return R.prefill_paged_reference(_np64(a[0]), _np64(a[1]), _np64(a[2]), a[3].cpu().numpy(),
-                                     a[4].cpu().numpy(), a[5].cpu().numpy(), a[6].cpu().numpy(),
-                                     kw.get("softmax_scale"), kw["k_scale"], kw["v_scale"])
+    host = [x.cpu().numpy() if hasattr(x, "cpu") and not x.is_floating_point() else x for x in a]
+    if inp.entry == "sparse_decode":
+        return R.decode_reference(_np64(a[0]), _np64(a[1]), _np64(a[2]), host[3], host[4],
+                                  kw.get("softmax_scale"))
+    if inp.entry == "sparse_prefill":
+        return R.prefill_reference(_np64(a[0]), _np64(a[1]), _np64(a[2]), host[3], host[4],
+                                   kw.get("softmax_scale"))
+    if inp.entry == "sparse_prefill_chunk":
+        return R.prefill_chunk_reference(_np64(a[0]), _np64(a[1]), _np64(a[2]), host[3], host[4],
+                                         host[5], host[6], kw.get("softmax_scale"),
+                                         kw.get("k_scale", 1.0), kw.get("v_scale", 1.0))
+    if inp.entry == "sparse_prefill_paged":
+        return R.prefill_paged_reference(_np64(a[0]), _np64(a[1]), _np64(a[2]), host[3], host[4],
+                                         host[5], host[6], kw.get("softmax_scale"),
+                                         kw.get("k_scale", 1.0), kw.get("v_scale", 1.0))
+    raise ValueError(f"unknown entry point {inp.entry!r}")
 
 
-def torch_reference(spec: Spec, inp: Inputs, *, budget_bytes: int = 1 << 30):
+def torch_reference(spec: Spec | None, inp: Inputs, *, budget_bytes: int = 1 << 30):
     """The same semantics as ``interop.reference`` in float64 torch, batched over rows (for the
-    full matrix on the GPU, where the per-row numpy loop is too slow).
+    full matrix on the GPU, where the per-row numpy loop is too slow). Dispatches on
+    ``inp.entry``; ``spec`` is unused.
 
     Per row: entry valid iff 0 <= idx < bound (request length or kv_lens[b]); invalid entries are
     clamped to a safe position for the gather and masked to -inf; a row with no valid entry is 0.
@@ -526,21 +542,23 @@ def torch_reference(spec: Spec, inp: Inputs, *, budget_bytes: int = 1 << 30):
     import torch  # noqa: PLC0415
 
     a, kw = inp.args, inp.kwargs
-    if isinstance(spec, DecodeSpec):
+    if inp.entry == "sparse_decode":
         return torch.as_tensor(numpy_reference(spec, inp), device=a[0].device)
+    kind = {"sparse_prefill": "ordinary", "sparse_prefill_chunk": "chunk",
+            "sparse_prefill_paged": "paged"}[inp.entry]
+    hkv = a[1].shape[1]
     q = a[0]
     dev = q.device
     t, hq, d = q.shape
-    hkv = spec.hkv
     g = hq // hkv
     scale = (d ** -0.5 if kw.get("softmax_scale") is None else kw["softmax_scale"])
     k_scale, v_scale = kw.get("k_scale", 1.0), kw.get("v_scale", 1.0)
-    if spec.kind == "ordinary":
+    if kind == "ordinary":
         k, v, idx, cu_q = a[1], a[2], a[3], a[4]
         lens = cu_q[1:] - cu_q[:-1]
         base = cu_q[:-1]
         table = None
-    elif spec.kind == "chunk":
+    elif kind == "chunk":
         k, v, idx, cu_q, cu_k, lens = a[1], a[2], a[3], a[4], a[5], a[6]
         base, table = cu_k[:-1], None
     else:
@@ -623,7 +641,8 @@ def _call(impl: Implementation, inp: Inputs):
     return out_t
 
 
-def _compare(out: np.ndarray, ref: np.ndarray, empty: np.ndarray) -> dict:
+def _compare(out: np.ndarray, ref: np.ndarray, empty: np.ndarray,
+             rel_l2_limit: float = REL_L2) -> dict:
     finite = bool(np.isfinite(out).all())
     diff = np.abs(out - ref)
     max_abs = float(np.nanmax(diff)) if diff.size else 0.0
@@ -632,42 +651,73 @@ def _compare(out: np.ndarray, ref: np.ndarray, empty: np.ndarray) -> dict:
     zeros_ok = bool(np.all(out[empty] == 0.0)) if empty.any() else True
     return {"rel_l2": rel, "max_abs": max_abs if finite else float("inf"), "allclose": allclose,
             "finite": finite, "zeros_ok": zeros_ok,
-            "passed": finite and allclose and rel <= REL_L2 and zeros_ok}
+            "passed": finite and allclose and rel <= rel_l2_limit and zeros_ok}
 
 
-def run_case(spec: Spec, impls: Sequence[Implementation], *, device: str = "cpu",
-             reference: str = "auto") -> CaseResult:
-    """Build the inputs, run every implementation, compare with the reference and each other.
+def empty_mask(inp: Inputs) -> np.ndarray:
+    """bool [rows, Hq]: output rows that must be exactly 0 (a decode sequence with no key, a
+    prefill row/KV head with no valid index entry), computed from the inputs on the host."""
+    a = inp.args
+    hq = a[0].shape[1]
+    host = lambda x: x.cpu().numpy().astype(np.int64)  # noqa: E731
+    if inp.entry == "sparse_decode":
+        return np.repeat((np.diff(host(a[4])) == 0)[:, None], hq, axis=1)
+    hkv = a[1].shape[1]
+    if inp.entry == "sparse_prefill":
+        idx, cu_q = host(a[3]), host(a[4])
+        lens = np.diff(cu_q)
+    elif inp.entry == "sparse_prefill_chunk":
+        idx, cu_q, lens = host(a[3]), host(a[4]), host(a[6])
+    else:
+        idx, cu_q, lens = host(a[4]), host(a[5]), host(a[6])
+    req = np.searchsorted(cu_q[1:], np.arange(idx.shape[0]), side="right")
+    idx3 = idx if idx.ndim == 3 else idx[:, None, :]
+    valid = I.valid_mask(idx3, lens[req][:, None]).any(-1)  # [rows, 1 or Hkv]
+    return np.repeat(np.broadcast_to(valid, (idx.shape[0], hkv)), hq // hkv, axis=1) == 0
 
-    Args:
-      reference: "numpy" (``interop.reference``), "torch" (``torch_reference``, float64) or
-        "auto" (numpy for small cases, torch otherwise).
+
+def _reference(inp: Inputs, method: str, size: int) -> tuple[np.ndarray, str]:
+    if method == "auto":
+        method = "numpy" if size <= 2_000_000 or inp.entry == "sparse_decode" else "torch"
+    if method == "numpy":
+        return numpy_reference(None, inp), method
+    if method == "torch":
+        return torch_reference(None, inp).cpu().numpy(), method
+    raise ValueError(f"reference must be auto|numpy|torch, got {method!r}")
+
+
+def evaluate(name: str, op: str, inp: Inputs, impls: Sequence[Implementation], ref: np.ndarray,
+             *, spec: Spec | None = None, reference: str = "numpy",
+             expected: np.ndarray | None = None, rel_l2_limit: float = REL_L2,
+             t0: float | None = None) -> CaseResult:
+    """Run every implementation on ``inp`` and judge it against ``ref`` (and Pallas vs Triton).
+
+    ``expected`` (replay: the stored output) adds ``rel_l2_vs_expected`` per implementation
+    (reported, not judged). ``spec`` is passed to ``Implementation.supports``.
     """
-    t0 = time.perf_counter()
-    inp = build_inputs(spec, device)
-    if reference == "auto":
-        reference = "numpy" if spec.size <= 2_000_000 or isinstance(spec, DecodeSpec) else "torch"
-    ref = numpy_reference(spec, inp) if reference == "numpy" else \
-        torch_reference(spec, inp).cpu().numpy()
+    t0 = time.perf_counter() if t0 is None else t0
+    empty = empty_mask(inp)
     results: dict[str, dict] = {}
     outs: dict[str, np.ndarray] = {}
     failures: list[str] = []
     for impl in impls:
-        reason = impl.supports(spec) if impl.supports else None
+        reason = impl.supports(spec) if (impl.supports and spec is not None) else None
         if reason:
             results[impl.name] = {"skipped": reason, "passed": True}
             continue
         t1 = time.perf_counter()
         try:
             out_t = _call(impl, inp)
-            if hasattr(out_t, "cpu") and getattr(out_t, "is_cuda", False):
+            if getattr(out_t, "is_cuda", False):
                 import torch  # noqa: PLC0415
 
                 torch.cuda.synchronize()
             out = _np64(out_t)
             if out.shape != ref.shape:
                 raise ValueError(f"output shape {list(out.shape)}, expected {list(ref.shape)}")
-            r = _compare(out, ref, inp.empty)
+            r = _compare(out, ref, empty, rel_l2_limit)
+            if expected is not None:
+                r["rel_l2_vs_expected"] = R.rel_l2(out, expected) if r["finite"] else float("inf")
             outs[impl.name] = out
         except Exception as e:  # noqa: BLE001 - a crash is a failed case, reported by name
             r = {"passed": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300],
@@ -679,7 +729,8 @@ def run_case(spec: Spec, impls: Sequence[Implementation], *, device: str = "cpu"
                 failures.append(f"{impl.name}: {r['error']}")
             else:
                 why = [w for w, ok in (("non-finite output", r["finite"]),
-                                       (f"rel L2 {r['rel_l2']:.2e} > {REL_L2:g}", r["rel_l2"] <= REL_L2),
+                                       (f"rel L2 {r['rel_l2']:.2e} > {rel_l2_limit:g}",
+                                        r["rel_l2"] <= rel_l2_limit),
                                        (f"max |err| {r['max_abs']:.3g} beyond rtol=atol={RTOL:g}",
                                         r["allclose"]),
                                        ("rows without valid keys not exactly 0", r["zeros_ok"]))
@@ -693,8 +744,22 @@ def run_case(spec: Spec, impls: Sequence[Implementation], *, device: str = "cpu"
         if not pair_ok:
             failures.append(f"pallas vs triton: max |diff| {pair_max:.3g} beyond rtol=atol={RTOL:g}")
     passed = not failures and all(r.get("passed") for r in results.values())
-    return CaseResult(spec.name, spec.op, passed, results, pair_max, pair_ok, failures, reference,
+    return CaseResult(name, op, passed, results, pair_max, pair_ok, failures, reference,
                       time.perf_counter() - t0)
+
+
+def run_case(spec: Spec, impls: Sequence[Implementation], *, device: str = "cpu",
+             reference: str = "auto") -> CaseResult:
+    """Build the inputs, run every implementation, compare with the reference and each other.
+
+    Args:
+      reference: "numpy" (``interop.reference``), "torch" (``torch_reference``, float64) or
+        "auto" (numpy for small cases, torch otherwise).
+    """
+    t0 = time.perf_counter()
+    inp = build_inputs(spec, device)
+    ref, method = _reference(inp, reference, spec.size)
+    return evaluate(spec.name, spec.op, inp, impls, ref, spec=spec, reference=method, t0=t0)
 
 
 def run_matrix(specs: Sequence[Spec], impls: Sequence[Implementation], *, device: str = "cpu",

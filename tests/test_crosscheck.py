@@ -114,6 +114,8 @@ def test_torch_reference_matches_numpy_reference(spec):
     got = X.torch_reference(spec, inp, budget_bytes=200_000).numpy()  # several row chunks
     np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
     assert np.all(ref[inp.empty] == 0) and np.isfinite(ref).all()
+    # the empty-row mask recomputed from the device metadata matches the generator's
+    np.testing.assert_array_equal(X.empty_mask(inp), inp.empty)
 
 
 def test_build_inputs_shapes_and_poison():
@@ -126,6 +128,7 @@ def test_build_inputs_shapes_and_poison():
     assert int(ck[-1]) == 18 and k.shape[0] == 22
     assert torch.isnan(k[18:]).all() and not torch.isnan(k[:18]).any()
     assert inp.empty.sum() == 12  # one empty sequence x 12 heads
+    np.testing.assert_array_equal(X.empty_mask(inp), inp.empty)
     # seeded: the same spec gives the same inputs
     assert torch.equal(X.build_inputs(s).args[0], q)
     p = X.PrefillSpec("p", "paged", 12, 2, 32, (3, 2), (30, 8), width=11, dtype="float16",
