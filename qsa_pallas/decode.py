@@ -68,6 +68,12 @@ def _target() -> tuple[int, int | None]:
         dev = jax.devices()[0]
     except RuntimeError:  # pragma: no cover
         return 132, None
+    return _device_target(dev)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_target(dev) -> tuple[int, int | None]:
+    """Cached: reading the facts of a concrete device looks up package metadata (slow per call)."""
     if dev.platform != "gpu":
         return 132, None
     try:
