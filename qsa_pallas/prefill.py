@@ -18,9 +18,15 @@ Pallas Triton lowering pattern-matches into an ``scf.for`` with a dynamic bound.
 The request of a row is found in the kernel by counting ``cu_seqlens_q[1:] <= row`` over a
 power-of-two padded vector (B is static), so no pre-pass runs in XLA.
 
-Paged: the pool slot of each selected position is resolved in the kernel
-(``slot_table[b, idx]``, a second vector gather), so the pool is read in place. A slot outside the
-pool is treated as an invalid entry (memory safety; the debug validator reports it).
+Paged: the pool is read in place. By default a plain-JAX pre-pass (``resolve_pool_slots``) maps
+every index entry to its pool slot (``slot_table[b, idx]``, -1 when invalid) and the kernel
+gathers by slot, as ``qsa_triton`` does (an in-loop lookup puts a dependent load before every K/V
+gather; upstream measured it 1.5x slower); ``slots="inline"`` (or ``QSA_PAGED_SLOTS=inline``)
+resolves in the kernel instead. A slot outside the pool is treated as an invalid entry (memory
+safety; the debug validator reports it).
+
+Rows past ``cu_seqlens[B]`` (a batch padded to a static T under jit) belong to no request and
+give zeros.
 
 FP8 e4m3 K/V (chunk and paged): gathered rows are converted to q's dtype in registers; ``k_scale``
 is folded into the FP32 score scale and ``v_scale`` multiplies the normalised output.
@@ -37,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +63,7 @@ __all__ = [
     "select_geometry",
     "shared_memory_estimate",
     "fit_shared_memory",
+    "resolve_pool_slots",
 ]
 
 _LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the cheaper PTX path
@@ -224,6 +232,7 @@ class _Static:
     v_scale: float
     kv_rows: int  # rows of k/v (slots of the pool)
     max_context: int  # paged: slot_table columns
+    slots_mode: str  # paged: "prepass" (indices already resolved to pool slots) | "inline"
     num_warps: int
     num_stages: int
     interpret: bool
@@ -245,17 +254,22 @@ def _prefill_kernel(*refs, st: _Static):
         q_ref, k_ref, v_ref, idx_ref, cu_ref, o_ref = refs
     elif st.kind == "chunk":
         q_ref, k_ref, v_ref, idx_ref, cu_ref, cuk_ref, kvl_ref, o_ref = refs
-    else:
+    elif st.slots_mode == "inline":
         q_ref, k_ref, v_ref, slot_ref, idx_ref, cu_ref, kvl_ref, o_ref = refs
+    else:  # paged, pre-pass: idx_ref holds pool slots (-1 = invalid) instead of positions
+        q_ref, k_ref, v_ref, idx_ref, cu_ref, kvl_ref, o_ref = refs
 
     row = pl.program_id(0)
     h = pl.program_id(1)
     g, ht, d, bn, w = st.group, st.head_tile, st.head_dim, st.block_n, st.width
 
-    b = _find_request(cu_ref, row, st.requests)
+    # Rows past cu_seqlens[B] (a batch padded to a static T) belong to no request: b is clamped
+    # so every scalar read stays in bounds, and the row gets no column (exact zeros).
+    b = jnp.minimum(_find_request(cu_ref, row, st.requests), st.requests - 1)
     q_start = cu_ref[b]
     q_len = cu_ref[b + 1] - q_start
     r = row - q_start
+    in_request = (r >= 0) & (r < q_len)
     if st.kind == "ordinary":
         length = q_len  # validity bound: the request length
         visible = r + 1
@@ -264,7 +278,7 @@ def _prefill_kernel(*refs, st: _Static):
         length = kvl_ref[b]
         visible = r + length - q_len + 1  # bottom-right causal alignment
         base = cuk_ref[b] if st.kind == "chunk" else 0
-    n_cols = jnp.clip(jnp.minimum(visible, w), 0, w)
+    n_cols = jnp.where(in_request, jnp.clip(jnp.minimum(visible, w), 0, w), 0)
     n_blocks = (n_cols + (bn - 1)) // bn
 
     # Query head tile [ht, d]: heads h*G .. h*G+G-1, padded heads masked to 0.
@@ -288,16 +302,19 @@ def _prefill_kernel(*refs, st: _Static):
             ids = _compat.load(idx_ref.at[row, h, pl.ds(j * bn, bn)], mask=col_ok, other=-1)
         else:
             ids = _compat.load(idx_ref.at[row, pl.ds(j * bn, bn)], mask=col_ok, other=-1)
-        valid = col_ok & (ids >= 0) & (ids < length)
-        safe = jnp.where(valid, ids, 0)  # clamp into range before any dereference
-        if st.kind == "paged":
-            valid = valid & (ids < st.max_context)
+        if st.kind == "paged" and st.slots_mode == "prepass":
+            # entries are pool slots already (resolve_pool_slots): valid iff inside the pool
+            valid = col_ok & (ids >= 0) & (ids < st.kv_rows)
+            kv_rows = jnp.where(valid, ids, 0)
+        elif st.kind == "paged":
+            valid = col_ok & (ids >= 0) & (ids < length) & (ids < st.max_context)
             safe = jnp.where(valid, ids, 0)
             slots = _compat.load(slot_ref.at[b, safe], mask=valid, other=0)
             valid = valid & (slots >= 0) & (slots < st.kv_rows)
             kv_rows = jnp.where(valid, slots, 0)
         else:
-            kv_rows = jnp.where(valid, base + safe, 0)
+            valid = col_ok & (ids >= 0) & (ids < length)
+            kv_rows = jnp.where(valid, base + ids, 0)  # clamped before any dereference
         kv_rows = jnp.clip(kv_rows, 0, st.kv_rows - 1)
         gmask = jnp.broadcast_to(valid[:, None], (bn, d))
         # No `other`: the lowering cannot build an FP8 fill constant. Masked lanes are never
@@ -370,7 +387,8 @@ def _check_offsets(fn: str, **arrays):
                 "uses int32 offsets below 2**32 bytes)", f"{numel} elements of {a.dtype}")
 
 
-def _run(problem: PrefillProblem, q, k, v, meta, *, max_context: int, interpret, geometry, fn):
+def _run(problem: PrefillProblem, q, k, v, meta, *, max_context: int, interpret, geometry, fn,
+         slots_mode: str = "prepass"):
     interp = _resolve_interpret(interpret, q)
     geo = geometry if geometry is not None else select_geometry(problem, interpret=interp)
     st = _Static(
@@ -378,7 +396,8 @@ def _run(problem: PrefillProblem, q, k, v, meta, *, max_context: int, interpret,
         group=problem.group, head_dim=problem.head_dim, width=problem.width,
         per_head=problem.per_head_indices, head_tile=geo.head_tile, block_n=geo.block_n,
         score_scale=problem.softmax_scale * problem.k_scale * _LOG2E, v_scale=problem.v_scale,
-        kv_rows=int(k.shape[0]), max_context=max_context, num_warps=geo.num_warps,
+        kv_rows=int(k.shape[0]), max_context=max_context, slots_mode=slots_mode,
+        num_warps=geo.num_warps,
         num_stages=geo.num_stages, interpret=interp)
     return _launch(q, k, v, *meta, st=st)
 
@@ -448,18 +467,24 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
 
 def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
                          max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
-                         interpret=None, geometry: PallasPrefillGeometry | None = None):
+                         interpret=None, geometry: PallasPrefillGeometry | None = None,
+                         slots: str | None = None):
     """Paged sparse prefill (qsa-contract.md §3): K/V read in place from the pool.
 
     Args:
       q: [T, Hq, D] bfloat16|float16.
       k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or float8_e4m3fn.
-      slot_table: int32 [B, max_context]; position p of request b lives in slot slot_table[b, p]
-        (resolved inside the kernel, per gathered column).
+      slot_table: int32 [B, max_context]; position p of request b lives in slot
+        slot_table[b, p].
       indices: int32 [T, W] or [T, Hkv, W]; positions, valid iff 0 <= idx < kv_lens[b] (and,
         for memory safety, idx < max_context and the slot inside the pool).
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
       max_seqlen_q, softmax_scale, k_scale, v_scale, interpret, geometry: as the chunk variant.
+      slots: how positions become pool slots: "prepass" (default) resolves every entry once in
+        plain JAX (``resolve_pool_slots``: [T, (Hkv,) W] int32 slots, -1 = invalid) and the
+        kernel gathers K/V by slot; "inline" looks ``slot_table[b, idx]`` up inside the kernel
+        loop (no extra buffer, but a dependent load before every K/V gather: upstream measured
+        that 1.5x slower). None -> ``$QSA_PAGED_SLOTS`` (prepass|inline, as in qsa_triton).
 
     Returns:
       [T, Hq, D] in q's dtype.
@@ -473,6 +498,55 @@ def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
                                      kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale, fn=fn)
     _check_offsets(fn, q=q, k_cache=k_cache, v_cache=v_cache, indices=indices,
                    slot_table=slot_table)
-    return _run(p, q, k_cache, v_cache, (slot_table, indices, cu_seqlens_q, kv_lens),
-                max_context=int(slot_table.shape[1]), interpret=interpret, geometry=geometry,
-                fn=fn)
+    mode = _slots_mode(fn, slots)
+    if mode == "inline":
+        meta = (slot_table, indices, cu_seqlens_q, kv_lens)
+    else:
+        meta = (resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens,
+                                   int(k_cache.shape[0])), cu_seqlens_q, kv_lens)
+    return _run(p, q, k_cache, v_cache, meta, max_context=int(slot_table.shape[1]),
+                interpret=interpret, geometry=geometry, fn=fn, slots_mode=mode)
+
+
+_SLOTS_MODES = ("prepass", "inline")
+
+
+def _slots_mode(fn: str, slots: str | None) -> str:
+    raw = os.environ.get("QSA_PAGED_SLOTS", "") if slots is None else slots
+    mode = raw.strip().lower() or "prepass"
+    if mode not in _SLOTS_MODES:
+        raise ContractError(fn, "slots" if slots is not None else "$QSA_PAGED_SLOTS",
+                            f"one of {', '.join(_SLOTS_MODES)}", repr(raw))
+    return mode
+
+
+@jax.jit
+def _resolve(indices, slot_table, cu_seqlens_q, kv_lens, pool_slots):
+    t = indices.shape[0]
+    n_req = kv_lens.shape[0]
+    rows = jnp.arange(t, dtype=jnp.int32)
+    req = jnp.sum((cu_seqlens_q[None, 1:] <= rows[:, None]).astype(jnp.int32), axis=1)
+    in_request = (req < n_req) & (rows >= cu_seqlens_q[0])
+    req = jnp.minimum(req, n_req - 1)
+    lead = (slice(None),) + (None,) * (indices.ndim - 1)
+    bound = jnp.minimum(kv_lens[req], slot_table.shape[1])[lead]
+    valid = in_request[lead] & (indices >= 0) & (indices < bound)
+    slot = slot_table[req[lead], jnp.where(valid, indices, 0)]
+    valid = valid & (slot >= 0) & (slot < pool_slots)
+    return jnp.where(valid, slot, -1).astype(jnp.int32)
+
+
+def resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, pool_slots: int):
+    """Pool slot of every index entry, -1 where the entry is invalid (plain JAX, jit-friendly).
+
+    Args:
+      indices: int32 [T, W] or [T, Hkv, W] request-relative positions.
+      slot_table: int32 [B, max_context]; cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
+      pool_slots: host int, slots in the pool (slots outside [0, pool_slots) become -1).
+
+    Returns:
+      int32, indices' shape: ``slot_table[b, idx]`` where 0 <= idx < min(kv_lens[b],
+      max_context) for the request b owning the row, else -1 (also for rows past
+      cu_seqlens_q[B]).
+    """
+    return _resolve(indices, slot_table, cu_seqlens_q, kv_lens, jnp.int32(pool_slots))

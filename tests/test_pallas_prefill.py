@@ -44,7 +44,7 @@ class Case:
     def jax_args(self) -> dict:
         return {k: jnp.asarray(v) for k, v in self.np_args.items()}
 
-    def call(self, fn=None, **kw):
+    def call(self, **kw):
         a = self.jax_args()
         return run_pallas(self.kind, a, self.max_seqlen_q, self.softmax_scale, self.k_scale,
                           self.v_scale, **kw)
@@ -171,13 +171,55 @@ def test_chunk_ragged_prefixes(hq, hkv, per_head, junk):
     assert_matches(case.call(), case.ref, what=f"chunk {hq}/{hkv} {junk}")
 
 
+@pytest.mark.parametrize("slots", ["prepass", "inline"])
 @pytest.mark.parametrize("hq,hkv,per_head,junk", [
     (12, 2, True, "mixed"), (12, 1, False, "len"), (6, 1, False, "-1"),
 ])
-def test_paged_ragged_prefixes(hq, hkv, per_head, junk):
+def test_paged_ragged_prefixes(hq, hkv, per_head, junk, slots):
     case = make_case("paged", hq, hkv, q_lens=[4, 6], prefix=[13, 2], per_head=per_head,
                      junk=junk, pool_slack=9, seed=5)
-    assert_matches(case.call(), case.ref, what=f"paged {hq}/{hkv} {junk}")
+    assert_matches(case.call(slots=slots), case.ref, what=f"paged {hq}/{hkv} {junk} {slots}")
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_resolve_pool_slots_matches_numpy(per_head):
+    from qsa_pallas.prefill import resolve_pool_slots  # noqa: PLC0415
+
+    case = make_case("paged", 12, 2, q_lens=[3, 5], prefix=[4, 9], per_head=per_head,
+                     junk="mixed", pool_slack=4, seed=61)
+    a = case.np_args
+    st = a["slot_table"].copy()
+    st[1, 2] = 10**6  # a slot past the pool: invalid, never gathered
+    pool = a["k_cache"].shape[0]
+    got = np.asarray(resolve_pool_slots(jnp.asarray(a["indices"]), jnp.asarray(st),
+                                        jnp.asarray(a["cu_seqlens_q"]), jnp.asarray(a["kv_lens"]),
+                                        pool))
+    req, _r, _vis, bound = qidx.row_layout([3, 5], a["kv_lens"])
+    idx = a["indices"].astype(np.int64)
+    lead = (slice(None),) + (None,) * (idx.ndim - 1)
+    valid = (idx >= 0) & (idx < bound[lead])
+    want = np.where(valid, st[req[lead], np.where(valid, idx, 0)], -1)
+    want = np.where((want >= 0) & (want < pool), want, -1)
+    np.testing.assert_array_equal(got, want)
+    assert (got == -1).any() and (got >= 0).any()
+
+
+@pytest.mark.parametrize("kind,kw", [("ordinary", {}), ("chunk", {}), ("paged", {}),
+                                     ("paged", {"slots": "inline"})])
+def test_rows_past_the_last_request_give_zeros(kind, kw):
+    """A batch padded to a static T (rows past cu_seqlens[B]) is accepted: those rows are 0."""
+    case = make_case(kind, 6, 1, q_lens=[4, 3], prefix=[2, 5], seed=67)
+    a = case.jax_args()
+    pad = 5
+    a["q"] = jnp.concatenate([a["q"], jnp.ones((pad,) + a["q"].shape[1:], a["q"].dtype)])
+    idx = a["indices"]
+    a["indices"] = jnp.concatenate([idx, jnp.zeros((pad,) + idx.shape[1:], idx.dtype)])
+    if kind == "ordinary":
+        a["k"] = jnp.concatenate([a["k"], jnp.ones((pad,) + a["k"].shape[1:], a["k"].dtype)])
+        a["v"] = jnp.concatenate([a["v"], jnp.ones((pad,) + a["v"].shape[1:], a["v"].dtype)])
+    out = _f32(run_pallas(kind, a, case.max_seqlen_q, **kw))
+    assert_matches(out[:-pad], case.ref, what=f"padded {kind} {kw}")
+    assert (out[-pad:] == 0).all()
 
 
 @pytest.mark.parametrize("kind,hq,hkv,per_head", [
@@ -438,6 +480,9 @@ def test_bad_calls_raise_contract_error_before_launch():
     with pytest.raises(ContractError):  # slot table rows != requests
         sparse_prefill_paged(a["q"], a["k"], a["v"], jnp.zeros((3, 8), jnp.int32), a["indices"],
                              a["cu_seqlens_q"], a["kv_lens"], 3)
+    with pytest.raises(ContractError, match="prepass"):  # unknown slot-resolution mode
+        sparse_prefill_paged(a["q"], a["k"], a["v"], jnp.zeros((2, 8), jnp.int32), a["indices"],
+                             a["cu_seqlens_q"], a["kv_lens"], 3, slots="sometimes")
     with pytest.raises(ContractError):  # ordinary: k not packed like q
         sparse_prefill(a["q"], a["k"], a["v"], a["indices"], a["cu_seqlens_q"], 3)
 

@@ -41,22 +41,22 @@ def _args(kind, *, t=256, hq=12, hkv=1, d=256, w=2051, b=2, rows=4096, kv_dtype=
     return (q, kv, kv, S((b, max_context), jnp.int32), idx, cu, S((b,), jnp.int32))
 
 
-def _fn(kind, max_q=256, geometry=None, scales=(1.0, 1.0)):
+def _fn(kind, max_q=256, geometry=None, scales=(1.0, 1.0), slots=None):
     kw = dict(interpret=False, geometry=geometry)
     if kind == "ordinary":
         return lambda *a: P.sparse_prefill(*a, max_q, **kw)
     if kind == "chunk":
         return lambda *a: P.sparse_prefill_chunk(*a, max_q, None, *scales, **kw)
-    return lambda *a: P.sparse_prefill_paged(*a, max_q, None, *scales, **kw)
+    return lambda *a: P.sparse_prefill_paged(*a, max_q, None, *scales, slots=slots, **kw)
 
 
-CASES = [  # (kind, kv dtype, per-head indices, (Hq, Hkv))
+CASES = [  # (kind, kv dtype, per-head indices, (Hq, Hkv)); paged: slots pre-pass | inline
     ("ordinary", jnp.bfloat16, False, (12, 1)),
     ("ordinary", jnp.float16, True, (24, 2)),
     ("chunk", jnp.bfloat16, False, (6, 1)),
     ("chunk", FP8, True, (24, 2)),
     ("paged", jnp.bfloat16, True, (12, 2)),
-    ("paged", FP8, False, (12, 1)),
+    ("paged-inline", FP8, False, (12, 1)),
 ]
 
 
@@ -67,9 +67,11 @@ CASES = [  # (kind, kv dtype, per-head indices, (Hq, Hkv))
 def test_lowers_and_compiles_for_cuda(device_kind, kind, kv_dtype, per_head, heads):
     hq, hkv = heads
     fp8 = kv_dtype == FP8
+    kind, _, slots = kind.partition("-")
     args = _args(kind, hq=hq, hkv=hkv, kv_dtype=kv_dtype, per_head=per_head)
-    lowered = _compat.lower_for_device_kind(_fn(kind, scales=(0.5, 2.0) if fp8 else (1.0, 1.0)),
-                                            args, device_kind)
+    lowered = _compat.lower_for_device_kind(
+        _fn(kind, scales=(0.5, 2.0) if fp8 else (1.0, 1.0), slots=slots or None), args,
+        device_kind)
     mods = [m for m in _compat.triton_modules(lowered) if m.name == f"qsa_sparse_prefill_{kind}"]
     assert len(mods) == 1, [m.name for m in _compat.triton_modules(lowered)]
     mod = mods[0]
@@ -139,7 +141,7 @@ def test_64bit_offsets_exactly_for_pools_past_4gib():
 
     def ttir(slots):
         args = _args("paged", hkv=2, rows=slots, t=64)
-        lowered = _compat.lower_for_device_kind(_fn("paged"), args, "NVIDIA H200")
+        lowered = _compat.lower_for_device_kind(_fn("paged", slots="inline"), args, "NVIDIA H200")
         (mod,) = _compat.triton_modules(lowered)
         return mod.text()
 
