@@ -430,6 +430,157 @@ def _add_compile(sub) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# qsa bench
+def _cmd_bench(args) -> int:
+    import importlib  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parent.parent
+    if (root / "bench" / f"{args.which}.py").is_file() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))  # bench/ lives in the repository, next to interop/
+    try:
+        mod = importlib.import_module(f"bench.{args.which}")
+    except ImportError as e:
+        print(f"qsa bench: bench/{args.which}.py is not available ({e}); run from a checkout of "
+              "the repository", file=sys.stderr)
+        return 2
+    rest = list(args.rest)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    return int(mod.main(rest) or 0)
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: decode | prefill (bench/decode.py, bench/prefill.py)",
+                       description="Run bench/decode.py or bench/prefill.py with the remaining "
+                       "arguments (see `qsa bench decode --help`).", add_help=True)
+    p.add_argument("which", choices=("decode", "prefill"))
+    p.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="arguments for the benchmark script (e.g. --json FILE)")
+    p.set_defaults(func=_cmd_bench)
+
+
+# --------------------------------------------------------------------------------------------
+# qsa replay / qsa capture
+def _cmd_replay(args) -> int:
+    import json  # noqa: PLC0415
+
+    from . import capture as CAP  # noqa: PLC0415
+    from . import crosscheck as X  # noqa: PLC0415
+
+    interpret = X.prepare_backends(True if args.interpret else None)
+    device = "cpu" if interpret else "cuda"
+    impls = load_check_implementations(interpret)
+    if args.peer:
+        try:
+            impls.append(X.load_peer(args.peer, device))
+        except ValueError as e:
+            print(f"qsa replay: {e}", file=sys.stderr)
+            return 2
+        except Exception as e:  # noqa: BLE001
+            print(f"qsa replay: peer {args.peer!r} unavailable, skipped ({e})", file=sys.stderr)
+    try:
+        results = CAP.replay(args.files, impls, device=device, reference=args.reference,
+                             rel_l2_limit=args.rel_l2)
+    except (OSError, ValueError) as e:
+        print(f"qsa replay: {e}", file=sys.stderr)
+        return 2
+    limit = X.REL_L2 if args.rel_l2 is None else args.rel_l2
+    for cap, res, stored in results:
+        m = cap.metadata
+        rows = []
+        if stored is not None:
+            rows.append([f"stored ({m.get('producer') or '?'})", _fmt(stored["rel_l2_vs_reference"]),
+                         "-", "ok" if stored["within_tolerance"] else "outside tolerance (reported)"])
+        for name, r in res.impl.items():
+            if r.get("skipped"):
+                rows.append([name, "-", "-", f"skipped: {r['skipped']}"])
+                continue
+            rows.append([name, _fmt(r.get("rel_l2")), _fmt(r.get("rel_l2_vs_expected")),
+                         "ok" if r["passed"] else "FAIL " + (r.get("error") or "")])
+        print_table(f"{res.name}: {cap.entry} {m.get('rank_shape', '')}, captured on "
+                    f"{m.get('arch', '?')} ({m.get('device', '?')}), model {m.get('model_revision') or '-'}",
+                    ("output", "rel L2 vs FP64 reference", "rel L2 vs stored", "verdict"), rows)
+    print(f"(judged against the FP64 reference: rtol=atol={X.RTOL:g}, rel L2 <= {limit:g})")
+    failed = [res for _, res, _ in results if not res.passed]
+    for res in failed:
+        print(f"FAIL {res.name}: {' | '.join(res.failures)}")
+    if args.json:
+        from pathlib import Path  # noqa: PLC0415
+
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"command": "qsa replay", "device": device,
+                                    "versions": _versions(), "passed": not failed,
+                                    "files": [{"file": res.name, "metadata": cap.metadata,
+                                               "stored": stored, "result": res.as_dict()}
+                                              for cap, res, stored in results]},
+                                   indent=1, default=str))
+        print(f"wrote {path}")
+    print("qsa replay: " + ("all files passed" if not failed else f"{len(failed)} file(s) FAILED"))
+    return 1 if failed else 0
+
+
+def _add_replay(sub) -> None:
+    p = sub.add_parser("replay", help="re-run captured kernel calls (interop.capture format)",
+                       description="Run qsa_triton and qsa_pallas (and the peer) on each captured "
+                       "call and report relative L2 against the FP64 reference and against the "
+                       "stored output. Exit status 1 if an implementation is outside tolerance.")
+    p.add_argument("files", nargs="+", metavar="FILE", help="qsa-capture/1 safetensors files")
+    p.add_argument("--peer", metavar="NAME", help="also run upstream's kernels: 'sglang'")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--reference", choices=("auto", "numpy", "torch"), default="auto")
+    p.add_argument("--rel-l2", type=float, default=None,
+                   help="relative L2 limit vs the reference (default 5e-3; upstream uses 2e-3 on "
+                   "real captured tensors)")
+    p.add_argument("--interpret", action="store_true", help="force interpret mode (CPU)")
+    p.set_defaults(func=_cmd_replay)
+
+
+def _cmd_capture(args) -> int:
+    from . import capture as CAP  # noqa: PLC0415
+    from . import crosscheck as X  # noqa: PLC0415
+
+    interpret = X.prepare_backends(True if args.interpret else None)
+    device = "cpu" if interpret else "cuda"
+    specs = {s.name: s for s in X.quick_matrix() + X.full_matrix()}
+    if interpret:  # the quick cases win on a CPU (their dtype runs in the interpreter)
+        specs.update({s.name: s for s in X.quick_matrix()})
+    spec = specs.get(args.case)
+    if spec is None:
+        close = [n for n in specs if args.case in n][:8]
+        print(f"qsa capture: unknown case {args.case!r}" + (f"; did you mean: {', '.join(close)}"
+                                                           if close else ""), file=sys.stderr)
+        return 2
+    impls = {i.name: i for i in load_check_implementations(interpret)}
+    impl = impls.get(args.impl)
+    if impl is None:
+        print(f"qsa capture: --impl must be one of {', '.join(impls)}", file=sys.stderr)
+        return 2
+    inp = X.build_inputs(spec, device)
+    out = X._call(impl, inp)
+    pos, kws = X.PARAMS[inp.entry]
+    values = dict(zip(pos, inp.args))
+    values.update(inp.kwargs)
+    path = CAP.save_capture(args.out, inp.entry, values, expected=out,
+                            model_revision=args.model_revision or "synthetic (qsa check case)",
+                            producer=f"{impl.name}.{inp.entry}", note=f"qsa check case {spec.name}")
+    print(f"wrote {path} ({inp.entry}, case {spec.name}, output of {impl.name} on {device})")
+    return 0
+
+
+def _add_capture(sub) -> None:
+    p = sub.add_parser("capture", help="save one `qsa check` case and an implementation's output "
+                       "as a capture file (for qsa replay)")
+    p.add_argument("--case", required=True, help="a case name from the quick or full matrix")
+    p.add_argument("--impl", default="triton", help="implementation producing the stored output")
+    p.add_argument("--out", required=True, metavar="FILE", help="destination .safetensors")
+    p.add_argument("--model-revision", default="", help="free text recorded in the metadata")
+    p.add_argument("--interpret", action="store_true", help="force interpret mode (CPU)")
+    p.set_defaults(func=_cmd_capture)
+
+
+# --------------------------------------------------------------------------------------------
 # Phase-2 subcommands live in their own modules; the parser wires them when importable.
 def _add_contract(sub) -> None:
     p = sub.add_parser("contract", help="print the qualified envelope and the routing per arch",
@@ -458,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_adders():
     adders = []
-    for name in ("_add_check", "_add_compile", "_add_bench", "_add_replay"):
+    for name in ("_add_check", "_add_compile", "_add_bench", "_add_replay", "_add_capture"):
         fn = globals().get(name)
         if fn is not None:
             adders.append(fn)
