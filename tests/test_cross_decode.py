@@ -9,10 +9,15 @@ D = 256, TP1/TP2/TP4, saturated and mixed rows.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+# torch shares the GPU in the same process: jax must not preallocate 75% of it (read when jax's
+# GPU backend initialises, i.e. on first use, after this line)
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 jax = pytest.importorskip("jax")
 try:
     from interop.dlpack import to_jax, to_torch  # noqa: F401

@@ -16,9 +16,14 @@ Acceptance (qsa-contract.md §6): rtol = atol = 2e-2 elementwise and relative L2
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
+# torch shares the GPU in the same process: jax must not preallocate 75% of it (read when jax's
+# GPU backend initialises, i.e. on first use, after this line)
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -202,7 +207,8 @@ def _bad_args(lib, *, qdt="float16", kdt=None, hq=12, hkv=1, d=64, cuk_len=0, cu
     if lib == "torch":
         import torch  # noqa: PLC0415
 
-        t = torch.from_numpy
+        dev = "cuda" if ON_GPU and torch.cuda.is_available() else "cpu"  # jax arrays' device
+        t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
         return (t(q), t(k), t(v), t(cq), t(ck), msk, scale)
     return (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(cq), jnp.asarray(ck), msk,
             scale)
