@@ -87,6 +87,31 @@ def forced_provider(c: Case, geo) -> callable:
                                  c.max_q, sc, c.k_scale, c.v_scale, geometry=geo)
 
 
+def pairs_providers(c: Case, geometries=((32, 4, 2), (64, 4, 2), (16, 2, 2))) -> dict:
+    """The experimental pair kernels (``qsa_triton/prefill_pairs.py``) at a few geometries, and
+    their union pre-pass alone (to see its share)."""
+    from qsa_triton import prefill_pairs as PP  # noqa: PLC0415
+
+    if c.indices.shape[-1] > PP.MAX_PAIR_WIDTH:
+        return {}
+    sc = _scale(c)
+    kw = dict(cu_seqlens_k=c.cu_k if c.kind == "chunk" else None,
+              kv_lens=None if c.kind == "ordinary" else c.kv_lens, slot_table=c.slot_table,
+              max_seqlen_q=c.max_q, softmax_scale=sc, k_scale=c.k_scale, v_scale=c.v_scale)
+    provs = {}
+    for i, geo in enumerate(geometries):
+        name = "ours-pairs" if i == 0 else f"ours-pairs{list(geo)}"
+        provs[name] = (lambda geo=geo: PP.pairs_forward(c.kind, c.q, c.k, c.v, c.indices, c.cu_q,
+                                                        geometry=geo, **kw))
+    mode = {"ordinary": 0, "chunk": 1, "paged": 2}[c.kind]
+    base = c.cu_k if c.kind == "chunk" else c.cu_q
+    lens = c.kv_lens if c.kind != "ordinary" else c.cu_q
+    table = c.slot_table if c.slot_table is not None else c.cu_q
+    provs["pairs-union-only"] = lambda: PP.pair_union(mode, c.indices, c.cu_q, base, lens, table,
+                                                      c.max_q)
+    return provs
+
+
 def gather_dense_provider(c: Case, rows_per_step: int = 256) -> callable:
     """Context: materialise each row's selected K/V (torch gather) and run SDPA with a key mask
     (``qsa-contract.md`` calls this the "synthetic" column upstream reports)."""
@@ -165,7 +190,7 @@ def measure(c: Case, providers: dict, *, rounds: int = 15, ref=None, check: bool
             res[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             providers.pop(name)
             continue
-        if check:
+        if check and not name.endswith("-only"):
             err = errors(out.float(), ref)
             res[name] = {"check": err, "ok": within_tolerance(err)}
             if not res[name]["ok"]:
@@ -231,6 +256,8 @@ def run_matrix(args, up) -> tuple[list, list]:
                 base = "upstream-chunk"
             provs = {"ours": _ours(c)}
             provs.update(upstream_providers(up, c))
+            if args.pairs:
+                provs.update(pairs_providers(c))
             for geo in args.geometry:
                 provs[f"ours{list(geo)}"] = forced_provider(c, geo)
             pal = pallas_provider(c) if args.pallas else None
@@ -260,6 +287,8 @@ def run_query_sweep(args, up) -> tuple[list, list]:
             c = make_case("chunk", hq, hkv, 256, [t], [32768], seed=t + hq, device="cuda")
             provs = {"ours": _ours(c)}
             provs.update(upstream_providers(up, c))
+            if args.pairs:
+                provs.update(pairs_providers(c, geometries=((32, 4, 2),)))
             res, b = measure(c, provs, rounds=args.rounds)
             bad += [f"sweep {hq}/{hkv} rows={t} {n}" for n in b]
             _print_row(f"sweep {hq}/{hkv} rows={t} kv=32768", res, "upstream-chunk")
@@ -371,6 +400,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-dense", dest="dense", action="store_false",
                     help="skip the gather + SDPA context provider")
     ap.add_argument("--no-pallas", dest="pallas", action="store_false")
+    ap.add_argument("--no-pairs", dest="pairs", action="store_false",
+                    help="skip the experimental pair kernels (qsa_triton/prefill_pairs.py)")
     ap.add_argument("--sweep-rows", type=lambda s: [int(x) for x in s.split(",")],
                     default=[32, 64, 128, 256, 512, 1024, 2048, 4096, 8192])
     ap.add_argument("--sweep-geometry", action="store_true",
@@ -410,6 +441,11 @@ def main(argv=None) -> int:
     speeds = [r["speedup_vs_upstream"] for r in matrix if r["speedup_vs_upstream"]]
     geo = math.exp(statistics.fmean(math.log(s) for s in speeds)) if speeds else None
     report = {"meta": meta, "matrix": matrix, "geomean_speedup_vs_upstream_8192": geo}
+    ps = [r["results"][r["baseline"]]["ms"] / r["results"]["ours-pairs"]["ms"] for r in matrix
+          if "ms" in r["results"].get("ours-pairs", {}) and "ms" in r["results"].get(r["baseline"], {})]
+    report["pairs_geomean_speedup_vs_upstream_8192"] = (
+        math.exp(statistics.fmean(math.log(x) for x in ps)) if ps else None)
+    print(f"[prefill] pairs geomean vs upstream: {report['pairs_geomean_speedup_vs_upstream_8192']}")
     if not args.matrix_only:
         report["query_sweep"], b2 = run_query_sweep(args, up)
         report["paged"], b3 = run_paged(args)

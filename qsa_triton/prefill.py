@@ -201,6 +201,34 @@ def _geometry_from(forced, kind, q, **kw) -> Geometry:
     return Geometry(int(bm), int(bn), int(nw), int(ns), "forced")
 
 
+ALGO_ENV = "QSA_PREFILL_ALGO"
+ALGOS = ("rows", "pairs")
+
+
+def prefill_algo(width: int) -> str:
+    """``QSA_PREFILL_ALGO`` (read on every call): ``rows`` (default; one program per query row and
+    KV head) or ``pairs`` (``prefill_pairs.py``: two adjacent rows share one gathered union tile;
+    experimental, used only when W <= 8192).
+
+    Raises:
+      ContractError: any other value.
+    """
+    from .prefill_pairs import MAX_PAIR_WIDTH  # noqa: PLC0415
+
+    raw = os.environ.get(ALGO_ENV, "")
+    algo = raw.strip().lower() or "rows"
+    if algo not in ALGOS:
+        raise contract.ContractError("sparse_prefill", f"${ALGO_ENV}",
+                                     f"one of {', '.join(ALGOS)} (or unset = rows)", repr(raw))
+    return "pairs" if algo == "pairs" and width <= MAX_PAIR_WIDTH else "rows"
+
+
+def _pairs(kind, q, k, v, indices, cu_q, **kw):
+    from .prefill_pairs import pairs_forward  # noqa: PLC0415
+
+    return pairs_forward(kind, q, k, v, indices, cu_q, **kw)
+
+
 def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, table, geo: Geometry, *, requests,
             max_q, scale, k_scale, v_scale):
     t, hq, d = q.shape
@@ -225,6 +253,9 @@ def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, table, geo: Geometry, 
 # Implementations (called by the custom ops; no contract check here: the public entry points do
 # it first). ``geometry`` = None selects from the shared selector; benchmarks may force one.
 def _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, geometry=None):
+    if geometry is None and prefill_algo(indices.shape[-1]) == "pairs":
+        return _pairs("ordinary", q, k, v, indices, cu_seqlens, max_seqlen_q=max_seqlen_q,
+                      softmax_scale=softmax_scale)
     out = torch.empty_like(q)
     requests = cu_seqlens.shape[0] - 1
     geo = _geometry_from(geometry, "ordinary", q, requests=requests, max_q=max_seqlen_q,
@@ -236,6 +267,10 @@ def _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, geo
 
 def _chunk_impl(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
                 softmax_scale, k_scale, v_scale, geometry=None):
+    if geometry is None and prefill_algo(indices.shape[-1]) == "pairs":
+        return _pairs("chunk", q, k, v, indices, cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      kv_lens=kv_lens, max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
+                      k_scale=k_scale, v_scale=v_scale)
     out = torch.empty_like(q)
     requests = cu_seqlens_q.shape[0] - 1
     geo = _geometry_from(geometry, "chunk", q, requests=requests, max_q=max_seqlen_q,
@@ -269,6 +304,10 @@ def resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, max_seqlen_q)
 
 def _paged_impl(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens, max_seqlen_q,
                 softmax_scale, k_scale, v_scale, geometry=None, inline_slots=None):
+    if geometry is None and inline_slots is None and prefill_algo(indices.shape[-1]) == "pairs":
+        return _pairs("paged", q, k_cache, v_cache, indices, cu_seqlens_q, kv_lens=kv_lens,
+                      slot_table=slot_table, max_seqlen_q=max_seqlen_q,
+                      softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
     out = torch.empty_like(q)
     requests = cu_seqlens_q.shape[0] - 1
     geo = _geometry_from(geometry, "paged", q, requests=requests, max_q=max_seqlen_q,
