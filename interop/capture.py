@@ -199,11 +199,16 @@ def load_capture(path) -> Capture:
     import torch  # noqa: PLC0415
     from safetensors import safe_open  # noqa: PLC0415
 
-    with safe_open(str(path), framework="pt") as fh:
-        meta = dict(fh.metadata() or {})
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a {FORMAT} file (format={meta.get('format')!r})")
-        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = dict(fh.metadata() or {})
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()} if meta.get("format") == FORMAT else {}
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - SafetensorError is not a ValueError
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} file (format={meta.get('format')!r})")
     for name, dtype in json.loads(meta.get("fp8_tensors", "[]")):
         tensors[name] = tensors[name].view(getattr(torch, dtype))
     expected = tensors.pop("expected_out", None)
