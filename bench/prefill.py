@@ -239,6 +239,17 @@ def _print_row(label: str, res: dict, base: str | None):
 
 
 # ------------------------------------------------------------------------------------ runs
+_PARTIAL: dict = {}
+
+
+def _save_partial(section: str, rows: list):
+    """Rewrite the partial report after every case, so a timed-out run still leaves its data."""
+    if not _PARTIAL:
+        return
+    _PARTIAL["report"][section] = rows
+    write_json(_PARTIAL["path"], _PARTIAL["report"])
+
+
 def run_matrix(args, up) -> tuple[list, list]:
     """8192 rows, (Hq, Hkv) in PAIRS, KV in KVS: ordinary at 8k (no prefix), chunk at 32k/128k
     (8192 new rows after a prefix); ours vs upstream's matching kernel with its geometry."""
@@ -257,13 +268,13 @@ def run_matrix(args, up) -> tuple[list, list]:
             provs = {"ours": _ours(c)}
             provs.update(upstream_providers(up, c))
             if args.pairs:
-                provs.update(pairs_providers(c))
+                provs.update(pairs_providers(c, geometries=((32, 4, 2), (64, 4, 2))))
             for geo in args.geometry:
                 provs[f"ours{list(geo)}"] = forced_provider(c, geo)
             pal = pallas_provider(c) if args.pallas else None
             if pal is not None:
                 provs["pallas"] = pal
-            if args.dense:
+            if args.dense and kv == 32768:  # context only: its cost does not depend on KV length
                 provs["gather-dense"] = gather_dense_provider(c)
             res, b = measure(c, provs, rounds=args.rounds)
             bad += [f"{hq}/{hkv} kv={kv} {n}" for n in b]
@@ -273,6 +284,7 @@ def run_matrix(args, up) -> tuple[list, list]:
                 and "ms" in res["ours"] else None
             rows.append({"case": _describe(c), "results": res, "baseline": base,
                          "speedup_vs_upstream": speed, "setup_s": time.time() - t0})
+            _save_partial("matrix", rows)
             del c
             torch.cuda.empty_cache()
     return rows, bad
@@ -295,6 +307,7 @@ def run_query_sweep(args, up) -> tuple[list, list]:
             speed = (res["upstream-chunk"]["ms"] / res["ours"]["ms"]) if "ms" in res.get(
                 "upstream-chunk", {}) and "ms" in res["ours"] else None
             rows.append({"case": _describe(c), "results": res, "speedup_vs_upstream": speed})
+            _save_partial("query_sweep", rows)
     return rows, bad
 
 
@@ -361,6 +374,7 @@ def run_geometry_sweep(args) -> dict:
                   f" current table {tg} {timed.get(tg, float('nan')):.4f} ms", flush=True)
             points.append({"group": hq, "total_q": t, "ms": timed, "best": best,
                            "current_table": tg, "failed_check": bad})
+            _save_partial("points", points)
             del c
     rec = []
     for t in args.sweep_total_q:
@@ -393,7 +407,7 @@ def _geo_arg(text: str):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=8192)
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--geometry", type=_geo_arg, action="append", default=[],
                     help="forced geometry BM,BN,W,S (or BN,W,S); repeatable")
     ap.add_argument("--matrix-only", action="store_true")
@@ -407,15 +421,15 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-geometry", action="store_true",
                     help="only the BLOCK_N x warps x stages sweep (SM90 table data)")
     ap.add_argument("--sweep-block-n", type=lambda s: [int(x) for x in s.split(",")],
-                    default=[16, 32, 64, 128])
+                    default=[16, 32, 64])
     ap.add_argument("--sweep-warps", type=lambda s: [int(x) for x in s.split(",")],
                     default=[1, 2, 4, 8])
     ap.add_argument("--sweep-stages", type=lambda s: [int(x) for x in s.split(",")],
                     default=[2, 3])
     ap.add_argument("--sweep-groups", type=lambda s: [int(x) for x in s.split(",")],
-                    default=[6, 12])
+                    default=[12])
     ap.add_argument("--sweep-total-q", type=lambda s: [int(x) for x in s.split(",")],
-                    default=[32, 64, 128, 512, 1024, 2048, 8192])
+                    default=[32, 64, 128, 256, 512, 1024, 2048, 8192])
     ap.add_argument("--sweep-rounds", type=int, default=7)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -429,6 +443,9 @@ def main(argv=None) -> int:
             "sm90_table_status": SM90_TABLE_STATUS}
     out = out_dir()
     t0 = time.time()
+    _PARTIAL.update(report={"meta": meta, "partial": True},
+                    path=out / ("prefill_geometry_sweep.json" if args.sweep_geometry
+                                else "prefill_bench.json"))
     if args.sweep_geometry:
         sweep = run_geometry_sweep(args)
         path = write_json(out / "prefill_geometry_sweep.json", {"meta": meta, **sweep,
