@@ -76,8 +76,9 @@ def torch_reference(q, k, v, cq, ck, scale=None):
     step = max(1, (1 << 27) // (lmax * hkv * d))  # bound the gathered fp32 K/V per chunk
     for s0 in range(0, b, step):
         sl = slice(s0, min(b, s0 + step))
-        kk = k[rows[sl]].float()  # [b', L, Hkv, D]
-        vv = v[rows[sl]].float()
+        pad = ~valid[sl][:, :, None, None]  # padding positions: zeroed (may hold NaN/Inf garbage)
+        kk = k[rows[sl]].float().masked_fill(pad, 0.0)  # [b', L, Hkv, D]
+        vv = v[rows[sl]].float().masked_fill(pad, 0.0)
         qq = q[cq[:-1].long()[sl]].float().view(-1, hkv, g, d)
         sc = torch.einsum("bhgd,blhd->bhgl", qq, kk) * scale
         sc = sc.masked_fill(~valid[sl][:, None, None, :], float("-inf"))

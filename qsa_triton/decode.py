@@ -432,10 +432,10 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
     b, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     splits = int(plan.max_splits)
     rows = b * hq * splits if splits > 1 else 1
-    sc = _get_scratch(q.device, rows, rows * d, b * hkv)
+    sc = _get_scratch(q.device, rows, rows * d, b * hkv)  # may raise: before any allocation
+    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
     with ctx:
         _decode_split_kernel[(b * hkv * splits,)](

@@ -392,29 +392,23 @@ def lengths_for(kind: str, b: int, rng: np.random.Generator) -> list[int]:
 
 
 def torch_reference(q, k, v, cq, ck, scale=None):
-    """FP32 torch reference on the device (vectorised over rows by padding to the longest row)."""
-    b, hq, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    scale = d ** -0.5 if scale is None else scale
-    lens = (ck[1:] - ck[:-1]).long()
-    lmax = max(int(lens.max()), 1)
-    pos = torch.arange(lmax, device=q.device)
-    valid = pos[None, :] < lens[:, None]  # [B, L]
-    rows = (ck[:-1].long()[:, None] + pos[None, :]).clamp(max=k.shape[0] - 1)
-    kk = k[rows].float()  # [B, L, Hkv, D]
-    vv = v[rows].float()
-    qq = q[cq[:-1].long()].float().view(b, hkv, g, d)
-    s = torch.einsum("bhgd,blhd->bhgl", qq, kk) * scale
-    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)  # empty rows: all -inf -> NaN -> 0
-    o = torch.einsum("bhgl,blhd->bhgd", p, vv)
-    return o.reshape(b, hq, d)
+    """FP32 torch reference on the device (``bench.decode.torch_reference``)."""
+    from bench.decode import torch_reference as ref  # noqa: PLC0415
+
+    return ref(q, k, v, cq, ck, scale)
 
 
 def gpu_case(lens, hq, hkv, d=256, dtype=torch.bfloat16, slack=64, seed=0):
-    q, k, v, cq, ck = make_case(lens, hq, hkv, d, dtype=dtype, slack=slack, seed=seed)
-    return tuple(t.to(CUDA) for t in (q, k, v, cq, ck))
+    """Like ``make_case`` but generated on the GPU (host randn of 10^8 values is too slow)."""
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    b = len(lens)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cap = int(cu[-1]) + slack
+    q = torch.randn(b, hq, d, generator=g, device=CUDA).to(dtype)
+    k = torch.randn(cap, hkv, d, generator=g, device=CUDA).to(dtype)
+    v = torch.randn(cap, hkv, d, generator=g, device=CUDA).to(dtype)
+    cq = torch.arange(b + 1, dtype=torch.int32, device=CUDA)
+    return q, k, v, cq, torch.from_numpy(cu).to(CUDA)
 
 
 def assert_close_gpu(out, ref, what=""):
@@ -471,14 +465,17 @@ def test_gpu_merge_modes_and_forced_splits(merge):
 
 
 @gpu
-def test_gpu_generic_d_and_g():
-    for d in (32, 64, 128, 256):
-        for hq, hkv in ((16, 1), (8, 2), (3, 1), (1, 1), (32, 4)):
-            for dtype in (torch.float16, torch.bfloat16):
-                lens = [0, 1, 77, 513, 1500]
-                case = gpu_case(lens, hq, hkv, d=d, dtype=dtype, seed=d + hq)
-                out = qsa_triton.sparse_decode(*case, 1500)
-                assert_close_gpu(out, torch_reference(*case), f"D={d} {hq}/{hkv} {dtype}")
+@pytest.mark.parametrize("d,hq,hkv,dtype", [
+    (32, 16, 1, torch.float16), (64, 3, 1, torch.bfloat16), (128, 1, 1, torch.float16),
+    (128, 8, 2, torch.bfloat16), (256, 16, 1, torch.bfloat16), (256, 32, 4, torch.float16),
+])
+def test_gpu_generic_d_and_g(d, hq, hkv, dtype):
+    lens = [0, 1, 77, 513, 1500]
+    case = gpu_case(lens, hq, hkv, d=d, dtype=dtype, seed=d + hq)
+    for ms in (None, 16):
+        with dec.plan_override(**({} if ms is None else {"max_splits": ms})):
+            out = qsa_triton.sparse_decode(*case, 1500)
+        assert_close_gpu(out, torch_reference(*case), f"D={d} {hq}/{hkv} {dtype} ms={ms}")
 
 
 @gpu
@@ -532,7 +529,7 @@ def test_gpu_cuda_graph_replay_with_new_lengths(merge):
 
 @gpu
 def test_gpu_capture_refuses_missing_scratch():
-    case = gpu_case([300, 5], 12, 1)
+    case = gpu_case([300] * 64, 12, 1)  # 64 x 12 x 4096 partial rows: more than any scratch
     with dec.plan_override(max_splits=4096, block_n=16, min_blocks_per_split=1):
         graph = torch.cuda.CUDAGraph()
         with pytest.raises(ContractError):
