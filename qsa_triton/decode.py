@@ -279,6 +279,11 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
     """The (DecodePlan, merge mode) a call with these static shapes uses, overrides included."""
     device = torch.device(device)
     fields = dict(getattr(_override, "fields", None) or {})
+    key = (batch, num_kv_heads, group, head_dim, max_seqlen_k, device.type, device.index,
+           MERGE_MODE, tuple(sorted(fields.items())))
+    hit = _PLANS.get(key)
+    if hit is not None:
+        return hit
     merge = fields.pop("merge", MERGE_MODE)
     if merge not in ("kernel", "inline"):
         raise ValueError(f"merge must be 'kernel' or 'inline', got {merge!r}")
@@ -286,7 +291,13 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
                        max_splits=fields.pop("max_splits", None), block_n=fields.pop("block_n", None))
     if fields:
         plan = dataclasses.replace(plan, **fields)
-    return fit_shared_memory(plan, head_dim, 2, _smem_limit(device)), merge
+    hit = (fit_shared_memory(plan, head_dim, 2, _smem_limit(device)), merge)
+    if len(_PLANS) < 4096:
+        _PLANS[key] = hit
+    return hit
+
+
+_PLANS: dict[tuple, tuple[DecodePlan, str]] = {}  # host-side cache: plan_for runs on every call
 
 
 def smem_bytes(plan: DecodePlan, head_dim: int, elem_bytes: int = 2) -> int:
