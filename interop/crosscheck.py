@@ -66,6 +66,8 @@ class DecodeSpec:
       dtype: "bfloat16" | "float16". zero_rows: sequences with no key.
       slack: extra K/V rows after the last sequence; ``poison`` fills them with NaN (a kernel that
         reads outside its rows then produces NaN and fails).
+      pad_capacity: K/V capacity = batch x max_len + slack whatever the lengths (as a serving
+        buffer is), so the patterns of one (rank shape, B) share shapes and jitted kernels.
     """
 
     name: str
@@ -80,6 +82,7 @@ class DecodeSpec:
     slack: int = 0
     poison: bool = False
     seed: int = 0
+    pad_capacity: bool = True
     op: str = "decode"
 
     @property
@@ -273,6 +276,9 @@ def prepare_backends(interpret: bool | None = None) -> bool:
     if interpret:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    else:
+        # torch and jax share the GPU in one process: no 75% up-front grab by XLA
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     return interpret
 
 
@@ -472,6 +478,8 @@ def build_inputs(spec: Spec, device: str = "cpu") -> Inputs:
     if isinstance(spec, DecodeSpec):
         c = I.decode_case(spec.batch, spec.pattern, max_len=spec.max_len, seed=spec.seed,
                           zero_rows=spec.zero_rows, capacity_slack=spec.slack)
+        if spec.pad_capacity:
+            c = dataclasses.replace(c, capacity=spec.batch * spec.max_len + spec.slack)
         q = _randn(torch, (spec.batch, spec.hq, spec.d), dt, device, gen)
         k = _randn(torch, (c.capacity, spec.hkv, spec.d), dt, device, gen)
         v = _randn(torch, (c.capacity, spec.hkv, spec.d), dt, device, gen)
@@ -527,8 +535,9 @@ def numpy_reference(spec: Spec | None, inp: Inputs) -> np.ndarray:
     kw = inp.kwargs
     host = [x.cpu().numpy() if hasattr(x, "cpu") and not x.is_floating_point() else x for x in a]
     if inp.entry == "sparse_decode":
-        return R.decode_reference(_np64(a[0]), _np64(a[1]), _np64(a[2]), host[3], host[4],
-                                  kw.get("softmax_scale"))
+        used = int(host[4][-1]) if len(host[4]) else 0  # rows past cu_seqlens_k[B] are never read
+        return R.decode_reference(_np64(a[0]), _np64(a[1][:used]), _np64(a[2][:used]), host[3],
+                                  host[4], kw.get("softmax_scale"))
     if inp.entry == "sparse_prefill":
         return R.prefill_reference(_np64(a[0]), _np64(a[1]), _np64(a[2]), host[3], host[4],
                                    kw.get("softmax_scale"))

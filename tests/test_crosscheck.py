@@ -125,7 +125,7 @@ def test_build_inputs_shapes_and_poison():
     q, k, v, cq, ck, msk = inp.args
     assert q.shape == (3, 12, 32) and q.dtype == torch.float16
     assert cq.dtype == ck.dtype == torch.int32 and msk == 9
-    assert int(ck[-1]) == 18 and k.shape[0] == 22
+    assert int(ck[-1]) == 18 and k.shape[0] == 3 * 9 + 4  # padded capacity: B x max_len + slack
     assert torch.isnan(k[18:]).all() and not torch.isnan(k[:18]).any()
     assert inp.empty.sum() == 12  # one empty sequence x 12 heads
     np.testing.assert_array_equal(X.empty_mask(inp), inp.empty)
