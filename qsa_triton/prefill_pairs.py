@@ -56,6 +56,15 @@ def _lower_bound(sorted_vals, x, WP: tl.constexpr, LOG_WP: tl.constexpr):
 
 
 @triton.jit
+def _has_duplicates(sorted_vals, WP: tl.constexpr):
+    """1 if two neighbours of the sorted tile are equal valid entries (sentinels excluded)."""
+    i = tl.arange(0, WP)
+    nxt = tl.gather(sorted_vals, tl.minimum(i + 1, WP - 1), 0)
+    dup = (i < WP - 1) & (nxt == sorted_vals) & (sorted_vals != _BIG)
+    return tl.max(dup.to(tl.int32), 0)
+
+
+@triton.jit
 def _qsa_pair_union(
     idx_ptr, cu_q_ptr, base_ptr, kv_lens_ptr, table_ptr, urow_ptr, uw_ptr, ulen_ptr, W,
     stride_it, stride_ih, stride_tb, stride_ut, stride_uh, stride_lt,
@@ -96,14 +105,22 @@ def _qsa_pair_union(
         t1 = tl.where(v1, e1, _BIG)
         s0 = tl.sort(t0)
         s1 = tl.sort(t1)
-        # counts of each row-r token in row r+1 and in row r; presence of row-(r+1) tokens in r
+        # counts of each row-r token in row r+1 (c1) and in row r (c0); presence of the row-(r+1)
+        # tokens in row r. Without duplicates (the usual case: the indexer selects distinct
+        # blocks) a count is one lower-bound search plus one probe; the second search per count
+        # runs only when a sorted row has two equal valid neighbours.
         t0n = tl.where(v0, t0 + 1, _BIG)
-        t1n = tl.where(v1, t1 + 1, _BIG)
-        c1 = _lower_bound(s1, t0n, WP, LOG_WP) - _lower_bound(s1, t0, WP, LOG_WP)
-        c0 = _lower_bound(s0, t0n, WP, LOG_WP) - _lower_bound(s0, t0, WP, LOG_WP)
-        p1 = _lower_bound(s0, t1n, WP, LOG_WP) - _lower_bound(s0, t1, WP, LOG_WP)
+        lb1 = _lower_bound(s1, t0, WP, LOG_WP)
+        c1 = (tl.gather(s1, tl.minimum(lb1, WP - 1), 0) == t0).to(tl.int32) * (lb1 < WP).to(tl.int32)
+        if _has_duplicates(s1, WP) != 0:
+            c1 = _lower_bound(s1, t0n, WP, LOG_WP) - lb1
+        c0 = tl.full([WP], 1, tl.int32)
+        if _has_duplicates(s0, WP) != 0:
+            c0 = _lower_bound(s0, t0n, WP, LOG_WP) - _lower_bound(s0, t0, WP, LOG_WP)
+        lb0 = _lower_bound(s0, t1, WP, LOG_WP)
+        in_r = (tl.gather(s0, tl.minimum(lb0, WP - 1), 0) == t1) & (lb0 < WP)
         w1 = tl.where(v0, c1.to(tl.float32) / tl.maximum(c0, 1).to(tl.float32), 0.0)
-        extra = v1 & (p1 == 0)
+        extra = v1 & ~in_r
         slot = tl.cumsum(extra.to(tl.int32), 0) - 1
         n_x = tl.sum(extra.to(tl.int32), 0)
         if MODE == 2:
