@@ -67,7 +67,7 @@ def _torch_dtype_name(t) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None):
+def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None, stream=None):
     """A jax array sharing ``tensor``'s memory (torch -> jax).
 
     Args:
@@ -76,6 +76,8 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None):
       copy: True -> copy (always allowed, any strides); False -> zero-copy or an error.
       fp8_via_uint8: None (auto: try the DLPack fp8 code, fall back to a uint8 view), True
         (always carry fp8 as uint8 and bit-cast in jax: jax's bitcast makes a new buffer).
+      stream: the ``torch.cuda.Stream`` that produced ``tensor`` (default: torch's current
+        stream). jax's stream is made to wait for the work queued on it before reading.
 
     Returns:
       jax.Array on the matching device, same dtype and values (same pointer unless copied or
@@ -91,6 +93,11 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None):
 
     if not type(tensor).__module__.startswith("torch"):
         raise TypeError(f"to_jax: expected a torch.Tensor, got {type(tensor).__name__}")
+    if stream is not None and tensor.device.type == "cuda":
+        import torch  # noqa: PLC0415
+
+        with torch.cuda.stream(stream):  # export while the producing stream is current
+            return to_jax(tensor, copy=copy, fp8_via_uint8=fp8_via_uint8)
     name = _torch_dtype_name(tensor)
     if not copy and not is_compact(tensor.shape, tensor.stride()):
         raise DLPackLayoutError(

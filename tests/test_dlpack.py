@@ -132,6 +132,13 @@ def test_gpu_zero_copy_and_stream_order():
             big.mul_(1.0)
         a = to_jax(big)
     assert float(jnp.min(a)) == 3.0 and float(jnp.max(a)) == 3.0
+    s2 = torch.cuda.Stream()
+    with torch.cuda.stream(s2):
+        other = torch.full((4096, 4096), 5.0, device="cuda")
+        for _ in range(20):
+            other.mul_(1.0)
+    b = to_jax(other, stream=s2)  # export named explicitly, from the default stream
+    assert float(jnp.min(b)) == 5.0
     out = to_torch(jnp.full((2048, 2048), 7.0, jnp.float32) * 2)
     assert out.device.type == "cuda" and float(out.min()) == 14.0
     f8 = torch.randn(128, 256, device="cuda").to(torch.float8_e4m3fn)
