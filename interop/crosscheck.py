@@ -706,7 +706,9 @@ def _reference(inp: Inputs, method: str, size: int) -> tuple[np.ndarray, str]:
     if method == "numpy":
         return numpy_reference(None, inp), method
     if method == "torch":
-        return torch_reference(None, inp).cpu().numpy(), method
+        on_gpu = getattr(inp.args[0], "is_cuda", False)
+        return torch_reference(None, inp, budget_bytes=(4 << 30) if on_gpu else (1 << 30)
+                               ).cpu().numpy(), method
     raise ValueError(f"reference must be auto|numpy|torch, got {method!r}")
 
 
