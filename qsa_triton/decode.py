@@ -26,9 +26,11 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
     program (acc / l, exact zeros for an empty row). Otherwise every active split writes its
     normalised partial output (FP32 [D]) and its log2-domain LSE per query head to scratch, and
     * ``merge="kernel"`` (default): kernel 2 (``_decode_merge_kernel``), one program per
-      (sequence, query head, slice of D), recomputes n_active from the same device length, takes
-      M = max_j lse_j, weights 2^(lse_j - M) (splits j >= n_active are masked to weight 0), and
-      writes sum_j w_j o_j / sum_j w_j;
+      (sequence, query head, slice of D). The split kernel also writes LSE = -inf for every
+      inactive split slot (and for split 0 of a row it finished itself), so the merge needs no
+      row metadata and issues all its loads in one round trip: M = max_j lse_j (all -inf: row
+      already done, nothing to do), weights 2^(lse_j - M) (empty splits weigh 0, their stale
+      partials are masked out with a select), output sum_j w_j o_j / sum_j w_j;
     * ``merge="inline"``: the last split to arrive (an int32 acq_rel counter per (s, h)) merges in
       the same launch and resets its counter to 0 before exiting.
   * Offsets into K/V, q, out and the scratch are 64-bit.
@@ -119,7 +121,7 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh, stride_ob, stride_oh,
     HQ, HKV, MAX_SPLITS, MIN_BLOCKS,
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
-    MERGE_INLINE: tl.constexpr,
+    MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     j = pid % MAX_SPLITS  # splits of one (s, h) are adjacent program ids: they run together
@@ -127,18 +129,21 @@ def _decode_split_kernel(
     s = sh // HKV
     h = sh % HKV
     k_lo, n, blocks, n_act = _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS)
+    offs_m = tl.arange(0, HT)
+    m_ok = offs_m < G
+    heads = h * G + offs_m  # global query head of each tile row
+    part_row = (s.to(tl.int64) * HQ + heads) * MAX_SPLITS + j  # [HT] int64 scratch row
     if j >= n_act:
+        if LSE_ALL:  # tell the merge kernel this split is empty (it never reads cu_seqlens_k)
+            tl.store(lse_ptr + part_row, tl.full([HT], float("-inf"), tl.float32), mask=m_ok)
         return
     start = ((blocks * j) // n_act) * BLOCK_N
     stop = tl.minimum(((blocks * (j + 1)) // n_act) * BLOCK_N, n)
     full_stop = start + ((stop - start) // BLOCK_N) * BLOCK_N
 
-    offs_m = tl.arange(0, HT)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
-    m_ok = offs_m < G
     q_row = tl.load(cu_q_ptr + s).to(tl.int64)
-    heads = h * G + offs_m  # global query head of each tile row
     q = tl.load(q_ptr + q_row * stride_qb + heads.to(tl.int64)[:, None] * stride_qh + offs_d[None, :],
                 mask=m_ok[:, None], other=0.0)
 
@@ -166,10 +171,11 @@ def _decode_split_kernel(
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=m_ok[:, None])
+        if LSE_ALL:  # "no partials here": the merge kernel leaves this row alone
+            tl.store(lse_ptr + part_row, tl.full([HT], float("-inf"), tl.float32), mask=m_ok)
     else:
         # non-empty split (n_act <= blocks): l_i > 0 for the real heads
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        part_row = (s.to(tl.int64) * HQ + heads) * MAX_SPLITS + j  # [HT] int64
         tl.store(lse_ptr + part_row, m_i + tl.log2(l_safe), mask=m_ok)
         tl.store(part_ptr + part_row[:, None] * D + offs_d[None, :], acc / l_safe[:, None],
                  mask=m_ok[:, None])
@@ -197,37 +203,43 @@ def _decode_split_kernel(
                 tl.atomic_xchg(cnt_ptr + sh, 0, sem="release", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["HQ", "MAX_SPLITS", "MIN_BLOCKS", "BLOCK_N"])
+@triton.jit(do_not_specialize=["HQ", "MAX_SPLITS"])
 def _decode_merge_kernel(
-    out_ptr, lse_ptr, part_ptr, cu_k_ptr, stride_ob, stride_oh, HQ, MAX_SPLITS, MIN_BLOCKS, BLOCK_N,
-    D: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-    D_CHUNK: tl.constexpr,
+    out_ptr, lse_ptr, part_ptr, stride_ob, stride_oh, HQ, MAX_SPLITS,
+    D: tl.constexpr, SPLIT_CHUNK: tl.constexpr, D_CHUNK: tl.constexpr, N_DC: tl.constexpr,
 ):
-    # one program per (sequence, query head, D_CHUNK columns): one round of independent loads
-    # ([SPLIT_CHUNK, D_CHUNK] tile; one loop iteration unless splits > SPLIT_CHUNK), so the merge
-    # costs about one memory latency even with 64 splits
+    # One program per (sequence, query head, D_CHUNK columns). The split kernel wrote an LSE for
+    # every split slot (-inf: empty / inactive / row finished by its single split), so this kernel
+    # needs no row metadata: it issues the LSE and partial loads of the first SPLIT_CHUNK splits
+    # together (one memory round trip; SPLIT_CHUNK covers every split unless an override asks for
+    # more than 64) and masks by weight with tl.where, so stale partials are never used.
     pid = tl.program_id(0)
-    n_dc: tl.constexpr = D // D_CHUNK
-    row = pid // n_dc  # s * HQ + query head
-    dc = pid % n_dc
+    row = pid // N_DC  # s * HQ + query head
+    dc = pid % N_DC
     s = row // HQ
     hq = row % HQ
-    _, n, blocks, n_act = _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS)
-    if n_act > 1:  # n_act == 1 rows were written by the split kernel
-        base = row.to(tl.int64) * MAX_SPLITS
-        offs_j = tl.arange(0, SPLITS_P2)
-        lse = tl.load(lse_ptr + base + offs_j, mask=offs_j < n_act, other=float("-inf"))
-        mx = tl.max(lse, 0)  # finite: split 0 of a row with n_act > 1 is never empty
-        wsum = tl.sum(tl.exp2(lse - mx), 0)  # splits j >= n_act weigh exp2(-inf) = 0
-        offs_c = tl.arange(0, SPLIT_CHUNK)
-        offs_d = dc * D_CHUNK + tl.arange(0, D_CHUNK)
-        o = tl.zeros([D_CHUNK], tl.float32)
-        for c in range(0, n_act, SPLIT_CHUNK):
-            jm = (c + offs_c) < n_act
-            w = tl.exp2(tl.load(lse_ptr + base + c + offs_c, mask=jm, other=float("-inf")) - mx)
-            pj = tl.load(part_ptr + (base + c + offs_c)[:, None] * D + offs_d[None, :],
-                         mask=jm[:, None], other=0.0)
-            o += tl.sum(w[:, None] * pj, 0)
+    base = row.to(tl.int64) * MAX_SPLITS
+    offs_j = tl.arange(0, SPLIT_CHUNK)
+    offs_d = dc * D_CHUNK + tl.arange(0, D_CHUNK)
+    jm = offs_j < MAX_SPLITS
+    lse = tl.load(lse_ptr + base + offs_j, mask=jm, other=float("-inf"))
+    part = tl.load(part_ptr + (base + offs_j)[:, None] * D + offs_d[None, :], mask=jm[:, None],
+                   other=0.0)
+    mx = tl.max(lse, 0)
+    for c in range(SPLIT_CHUNK, MAX_SPLITS, SPLIT_CHUNK):  # only for > SPLIT_CHUNK splits
+        mx = tl.maximum(mx, tl.max(tl.load(lse_ptr + base + c + offs_j,
+                                           mask=(c + offs_j) < MAX_SPLITS, other=float("-inf")), 0))
+    if mx > float("-inf"):  # the row has partials (n_active > 1)
+        w = tl.exp2(lse - mx)  # empty splits: exp2(-inf) = 0
+        wsum = tl.sum(w, 0)
+        o = tl.sum(tl.where(w[:, None] > 0.0, w[:, None] * part, 0.0), 0)
+        for c in range(SPLIT_CHUNK, MAX_SPLITS, SPLIT_CHUNK):
+            cm = (c + offs_j) < MAX_SPLITS
+            wc = tl.exp2(tl.load(lse_ptr + base + c + offs_j, mask=cm, other=float("-inf")) - mx)
+            pc = tl.load(part_ptr + (base + c + offs_j)[:, None] * D + offs_d[None, :],
+                         mask=cm[:, None], other=0.0)
+            wsum += tl.sum(wc, 0)
+            o += tl.sum(tl.where(wc[:, None] > 0.0, wc[:, None] * pc, 0.0), 0)
         o = o / wsum
         tl.store(out_ptr + s.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh + offs_d,
                  o.to(out_ptr.dtype.element_ty))
@@ -456,17 +468,15 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             out.stride(0), out.stride(1),
             hq, hkv, splits, plan.min_blocks_per_split,
             G=g, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n,
-            MERGE_INLINE=(merge == "inline"),
+            MERGE_INLINE=(merge == "inline"), LSE_ALL=(splits > 1 and merge == "kernel"),
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )
         if splits > 1 and merge == "kernel":
-            p2 = max(2, next_pow2(splits))
-            chunk = min(p2, 64)
+            chunk = min(max(2, next_pow2(splits)), 64)
             d_chunk = max(16, min(d, 4096 // chunk))  # tile <= 4096 floats: 32 per thread
             _decode_merge_kernel[(b * hq * (d // d_chunk),)](
-                out, sc.lse, sc.part, cu_seqlens_k, out.stride(0), out.stride(1),
-                hq, splits, plan.min_blocks_per_split, plan.block_n,
-                D=d, SPLITS_P2=p2, SPLIT_CHUNK=chunk, D_CHUNK=d_chunk,
+                out, sc.lse, sc.part, out.stride(0), out.stride(1), hq, splits,
+                D=d, SPLIT_CHUNK=chunk, D_CHUNK=d_chunk, N_DC=d // d_chunk,
                 num_warps=4, num_stages=1,
             )
     return out

@@ -161,6 +161,23 @@ def test_garbage_outside_rows_never_reaches_output(bad):
         assert torch.count_nonzero(out[1]) == 0
 
 
+@pytest.mark.parametrize("stale", [float("nan"), 1e30, float("inf")])
+def test_stale_scratch_never_used(stale):
+    # the merge kernel reads every split slot's LSE: the split kernel must write all of them
+    # (-inf for inactive splits), and stale partials must be masked by a select
+    lens = [0, 5, 100, 17]
+    case = make_case(lens, 12, 1, 64, seed=15)
+    dec.prepare(CPU)
+    sc = dec._scratch[dec._dev_key(CPU)]
+    for ov in ({"block_n": 16, "max_splits": 8}, {"block_n": 16, "max_splits": 2}):
+        sc.lse.fill_(stale)
+        sc.part.fill_(stale)
+        with dec.plan_override(**ov):
+            out = qsa_triton.sparse_decode(*case, 100)
+        assert_close(out, reference(*case))
+        assert torch.count_nonzero(out[0]) == 0
+
+
 def test_two_runs_bitwise_equal():
     case = make_case([50, 7, 0, 19], 24, 2, 64, seed=4)
     with dec.plan_override(block_n=16, max_splits=4):
