@@ -6,6 +6,7 @@ Subcommands (each a small function taking parsed args and returning an exit stat
   qsa compile  [--arch sm_90,sm_120,sm_121]   AOT-compile every shipped kernel configuration
   qsa bench    decode|prefill [args...]       benchmarks (bench/decode.py, bench/prefill.py)
   qsa replay   FILE...                        re-run captured kernel calls (interop.capture)
+  qsa capture  --case NAME --out FILE         save one check case + an output as a capture file
 
 Output uses ``rich`` tables when rich is installed and plain text otherwise. torch / jax / triton
 are imported lazily by the subcommands that need them, so ``qsa contract`` works on a
@@ -581,7 +582,7 @@ def _add_capture(sub) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Phase-2 subcommands live in their own modules; the parser wires them when importable.
+# qsa contract (parser) and the top-level parser
 def _add_contract(sub) -> None:
     p = sub.add_parser("contract", help="print the qualified envelope and the routing per arch",
                        description="Print the qualified contract (qsa-contract.md §2-3), the "
@@ -596,24 +597,15 @@ def _add_contract(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser with every available subcommand."""
+    """The argparse parser with every subcommand."""
     parser = argparse.ArgumentParser(
-        prog="qsa", description="QSA sparse attention: contract, cross-check, compile, bench, replay")
+        prog="qsa", description="QSA sparse attention: contract, cross-check, compile, bench, "
+        "capture/replay")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    _add_contract(sub)
-    for adder in _extra_adders():
-        adder(sub)
+    for add in (_add_contract, _add_check, _add_compile, _add_bench, _add_replay, _add_capture):
+        add(sub)
     return parser
-
-
-def _extra_adders():
-    adders = []
-    for name in ("_add_check", "_add_compile", "_add_bench", "_add_replay", "_add_capture"):
-        fn = globals().get(name)
-        if fn is not None:
-            adders.append(fn)
-    return adders
 
 
 def main(argv: Sequence[str] | None = None) -> int:
