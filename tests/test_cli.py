@@ -157,3 +157,17 @@ def test_parse_archs():
     assert parse_archs("121, sm_90,sm_121") == ["sm_121", "sm_90"]
     with pytest.raises(ValueError, match="known"):
         parse_archs("sm_80")
+
+
+def test_bench_dispatches_to_the_bench_scripts(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("bench.decode") is None:
+        pytest.skip("bench/decode.py not in this checkout")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "decode", "--help"])
+    assert info.value.code == 0
+    assert "--json" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "attention"])
+    assert info.value.code == 2
