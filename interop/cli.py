@@ -238,7 +238,27 @@ def _cmd_check(args) -> int:
           f"{'interpret mode (CPU)' if interpret else 'compiled kernels (' + device + ')'}, "
           f"implementations {', '.join(names)}", flush=True)
 
-    results = _run_with_progress(X, specs, impls, device, args.reference)
+    def write_json(results, complete: bool):
+        if not args.json:
+            return None
+        from pathlib import Path  # noqa: PLC0415
+
+        failed = [r for r in results if not r.passed]
+        doc = {"command": "qsa check", "matrix": mode, "ops": list(ops), "interpret": interpret,
+               "device": _device_name(device), "versions": _versions(),
+               "tolerance": {"rtol": X.RTOL, "atol": X.ATOL, "rel_l2": X.REL_L2},
+               "implementations": names, "complete": complete, "cases_planned": len(specs),
+               "summary": X.summarize(results, names), "passed": complete and not failed,
+               "cases": [r.as_dict() for r in results]}
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".part")
+        tmp.write_text(json.dumps(doc, indent=1, default=str))
+        tmp.replace(path)  # a run cut short still leaves every finished case on disk
+        return path
+
+    results = _run_with_progress(X, specs, impls, device, args.reference,
+                                 after=lambda rs: write_json(rs, False))
     summary = X.summarize(results, names)
     for op, s in summary.items():
         cols = ["cases", "passed"] + [f"rel L2 {n}" for n in names] + ["|Pallas-Triton|",
@@ -255,17 +275,7 @@ def _cmd_check(args) -> int:
         print_table(f"FAILED: {len(failed)} case(s)", ("case", "why"),
                     [(r.name, " | ".join(r.failures)) for r in failed])
     if args.json:
-        from pathlib import Path  # noqa: PLC0415
-
-        doc = {"command": "qsa check", "matrix": mode, "ops": list(ops), "interpret": interpret,
-               "device": _device_name(device), "versions": _versions(),
-               "tolerance": {"rtol": X.RTOL, "atol": X.ATOL, "rel_l2": X.REL_L2},
-               "implementations": names, "summary": summary, "passed": not failed,
-               "cases": [r.as_dict() for r in results]}
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1, default=str))
-        print(f"wrote {path}")
+        print(f"wrote {write_json(results, True)}")
     print("qsa check: " + ("all cases passed" if not failed else f"{len(failed)} case(s) FAILED: "
                            + ", ".join(r.name for r in failed[:10])
                            + (" ..." if len(failed) > 10 else "")))
@@ -292,8 +302,9 @@ def _device_name(device: str) -> str:
         return device
 
 
-def _run_with_progress(X, specs, impls, device, reference):
-    """Run the matrix with a rich progress bar on a terminal, one line per case otherwise."""
+def _run_with_progress(X, specs, impls, device, reference, after=None):
+    """Run the matrix with a rich progress bar on a terminal, one line per case otherwise;
+    ``after(results_so_far)`` after each case."""
     results = []
     use_rich = sys.stderr.isatty()
     try:
@@ -312,12 +323,16 @@ def _run_with_progress(X, specs, impls, device, reference):
                 if not r.passed:
                     prog.console.print(f"FAIL {r.name}: {' | '.join(r.failures)}", markup=False)
                 prog.advance(task)
+                if after is not None:
+                    after(results)
         return results
     n = len(specs)
     for i, spec in enumerate(specs, 1):
         r = X.run_case(spec, impls, device=device, reference=reference)
         results.append(r)
-        if not r.passed or n <= 200 or i % 10 == 0 or i == n:
+        if after is not None:
+            after(results)
+        if not r.passed or n <= 300 or i % 10 == 0 or i == n:
             status = "ok  " if r.passed else "FAIL"
             print(f"[{i}/{n}] {status} {r.name} ({r.seconds:.1f}s)"
                   + ("" if r.passed else ": " + " | ".join(r.failures)), flush=True)
@@ -483,7 +498,7 @@ def _cmd_replay(args) -> int:
     try:
         results = CAP.replay(args.files, impls, device=device, reference=args.reference,
                              rel_l2_limit=args.rel_l2)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, ImportError) as e:
         print(f"qsa replay: {e}", file=sys.stderr)
         return 2
     limit = X.REL_L2 if args.rel_l2 is None else args.rel_l2

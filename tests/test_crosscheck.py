@@ -275,7 +275,7 @@ def test_cli_check_passes_and_writes_json(monkeypatch, tmp_path, capsys):
     assert rc == 0, text
     assert "decode: 4/4 passed" in text and "all cases passed" in text
     doc = json.loads(out.read_text())
-    assert doc["passed"] and doc["matrix"] == "quick" and doc["ops"] == ["decode"]
+    assert doc["passed"] and doc["complete"] and doc["matrix"] == "quick" and doc["ops"] == ["decode"]
     assert len(doc["cases"]) == 4 and doc["summary"]["decode"]["passed"] == 4
     assert doc["cases"][0]["impl"]["triton"]["rel_l2"] < 1e-3
 
