@@ -207,7 +207,8 @@ def time_interleaved(
 
     Returns:
       ``{name: {"median_us", "p10_us", "p90_us", "min_us", "reps", "rounds", "cuda_graph",
-      "inner_reps"}}``, times in µs per call (per inner rep).
+      "inner_reps"}}``, times in µs per call (per inner rep); a provider that raised while
+      warming up or being captured gets ``{"error": "..."}`` instead (the others still run).
 
     Raises:
       RuntimeError: CUDA is not available.
@@ -220,19 +221,24 @@ def time_interleaved(
         items.append((items[0][0] + SELF_SUFFIX, items[0][1]))
     stream = torch.cuda.Stream()
     timed: dict[str, _Timed] = {}
+    errors: dict[str, str] = {}
     for name, fn in items:
-        n = reps
-        if n is None:
-            n = int(min(max_reps, max(1, round(target_replay_us / _estimate_us(fn, torch)))))
-            if not getattr(fn, "cuda_graph_capturable", True):
-                n = max(1, min(n, 20))  # eager host loop: keep it short
-        else:
-            fn()
-            fn()
-        torch.cuda.synchronize()
-        timed[name] = _Timed(fn, n, use_cuda_graph, stream)
-        torch.cuda.synchronize()
-    names = [n for n, _ in items]
+        try:
+            n = reps
+            if n is None:
+                n = int(min(max_reps, max(1, round(target_replay_us / _estimate_us(fn, torch)))))
+                if not getattr(fn, "cuda_graph_capturable", True):
+                    n = max(1, min(n, 20))  # eager host loop: keep it short
+            else:
+                fn()
+                fn()
+            torch.cuda.synchronize()
+            timed[name] = _Timed(fn, n, use_cuda_graph, stream)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - one provider failing (e.g. not capturable)
+            errors[name] = f"{type(e).__name__}: {str(e)[:300]}"  # must not stop the others
+            torch.cuda.synchronize()
+    names = [n for n, _ in items if n in timed]
     samples: dict[str, list[float]] = {n: [] for n in names}
     # one untimed warm replay each
     for n in names:
@@ -254,5 +260,7 @@ def time_interleaved(
         out[n] = {"median_us": statistics.median(s), "p10_us": q[0], "p90_us": q[-1],
                   "min_us": s[0], "reps": timed[n].reps, "rounds": rounds,
                   "cuda_graph": timed[n].graphed, "inner_reps": timed[n].per_call}
+    for n, err in errors.items():
+        out[n] = {"error": err}
     del timed
     return out

@@ -253,6 +253,12 @@ def run_compare(*, tps=tuple(TP), batches=BATCHES, rows=ROWS, rounds: int = 15,
                         "skipped": skipped, "providers": {}}
                 base = timing.get("sm121", {}).get("median_us")
                 for name, t in timing.items():
+                    if "error" in t:
+                        case["providers"][name] = {**t, **checks.get(name, {})}
+                        res["failures"].append({"tp": tp, "B": b, "rows": r, "provider": name,
+                                                "ok": False, **t})
+                        print(f"  !! {name} could not be timed: {t['error']}")
+                        continue
                     us = t["median_us"]
                     entry = {**t, "GBps": nbytes / (us * 1e-6) / 1e9,
                              "pct_copy_bw": 100 * nbytes / (us * 1e-6) / bw,
@@ -392,7 +398,11 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
                     res["failures"].append({"tp": tp, "B": b, "rows": r, "config": name, **chk})
             timing = time_interleaved(provs, rounds=rounds, target_replay_us=1000.0) if provs else {}
             for name, t in timing.items():
-                meta[name].update(t, pct_copy_bw=100 * nbytes / (t["median_us"] * 1e-6) / bw)
+                meta[name].update(t)
+                if "median_us" in t:
+                    meta[name]["pct_copy_bw"] = 100 * nbytes / (t["median_us"] * 1e-6) / bw
+                else:
+                    res["failures"].append({"tp": tp, "B": b, "rows": r, "config": name, **t})
             return meta
 
         cands_a = {}
@@ -403,6 +413,10 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
         meta_a = measure(cands_a)
         timed_a = {n: m for n, m in meta_a.items() if "median_us" in m}
         default_name = "bn{}_w{}_s{}".format(*geometry[0])
+        if not timed_a:
+            print(f"[sweep] {tp} B={b} {r}: no configuration ran: {meta_a}")
+            res["shapes"].append({"tp": tp, "B": b, "rows": r, "pass_a": meta_a})
+            continue
         best_a = min(timed_a, key=lambda n: timed_a[n]["median_us"])
         best_plan = cands_a[best_a][0]
         cands_b = {}
