@@ -343,8 +343,9 @@ def _summary(res: dict) -> dict:
 SWEEP_SHAPES = [("TP1", 1, "saturated"), ("TP1", 4, "saturated"), ("TP1", 16, "saturated"),
                 ("TP1", 16, "mixed"), ("TP1", 64, "saturated"), ("TP1", 128, "saturated"),
                 ("TP2", 1, "saturated"), ("TP2", 32, "saturated"), ("TP4", 128, "saturated")]
-# (block_n, num_warps, num_stages): shared memory on D = 256 in brackets (SM12x limit 101,376 B)
-SWEEP_GEOMETRY = [(32, 4, 3),  # plan default [75 KB]
+# (block_n, num_warps, num_stages) tried besides the plan's own ("plan"); shared memory on
+# D = 256 in brackets (SM12x limit 101,376 B)
+SWEEP_GEOMETRY = [(32, 4, 3),  # [75 KB]
                   (32, 4, 2), (32, 4, 4), (32, 8, 3), (32, 2, 3),
                   (16, 4, 3), (16, 4, 4),
                   (64, 4, 2), (64, 8, 2), (64, 4, 3)]  # 64/3: H200 only [141 KB]
@@ -405,14 +406,17 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
                     res["failures"].append({"tp": tp, "B": b, "rows": r, "config": name, **t})
             return meta
 
-        cands_a = {}
+        plan_now, _ = dec.plan_for(b, hkv, hq // hkv, D, MSK, dev)  # the shipped default
+        cands_a = {"plan": (plan_now, "kernel")}
         for bn, w, st in geometry:
+            if (bn, w, st) == (plan_now.block_n, plan_now.num_warps, plan_now.num_stages):
+                continue
             p = dataclasses.replace(plan_decode(b, hkv, hq // hkv, D, MSK, dec._sm_count(dev),
                                                 block_n=bn), num_warps=w, num_stages=st)
             cands_a[f"bn{bn}_w{w}_s{st}"] = (p, "kernel")
         meta_a = measure(cands_a)
         timed_a = {n: m for n, m in meta_a.items() if "median_us" in m}
-        default_name = "bn{}_w{}_s{}".format(*geometry[0])
+        default_name = "plan"
         if not timed_a:
             print(f"[sweep] {tp} B={b} {r}: no configuration ran: {meta_a}")
             res["shapes"].append({"tp": tp, "B": b, "rows": r, "pass_a": meta_a})
