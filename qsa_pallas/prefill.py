@@ -145,17 +145,18 @@ def select_geometry(problem: PrefillProblem, *, interpret: bool, device=None,
 
 
 def shared_memory_estimate(geo: PallasPrefillGeometry, *, head_dim: int, kv_bytes: int) -> int:
-    """Bytes of shared memory one program of this kernel needs (upper estimate).
+    """Bytes of shared memory one program of this kernel needs (an upper estimate).
 
-    Model fitted to Triton 3.9 compiles of the lowered kernel (``_compat.compile_ttir``, sm_120,
-    D = 256, every BLOCK_N in {16, 32, 64} x warps {2, 4, 8} x stages {1, 2, 3}, bf16 and FP8 K/V;
-    exact for >= 4 warps, an over-estimate below): the 16-bit dot operands (head tile of q, the
-    K and V tiles) staged once, plus one asynchronously copied K and V tile per extra pipeline
-    stage in the K/V storage dtype.
+    Fitted to Triton 3.9 compiles of the lowered kernel (``_compat.compile_ttir``, sm_120,
+    D = 256, BLOCK_N in {16, 32, 64} x warps {1, 2, 4, 8} x stages {1, 2, 3}, bf16 and FP8 K/V;
+    tests/test_pallas_prefill_lowering.py re-checks it against every selectable geometry): the
+    q head tile (16-bit) plus ``c(stages)`` gathered K/V tiles of BLOCK_N x D in the storage dtype,
+    where measured c was <= 1.07 at 1 stage, <= 2.16 at 2 and <= 4.13 at 3 (the pipeliner
+    double-buffers both operands there); modelled as 1.125, 2.25 and 2.25 x (stages - 1).
     """
-    operands = (2 * geo.block_n + geo.head_tile) * head_dim * 2
-    per_stage = 2 * geo.block_n * head_dim * kv_bytes + 512
-    return operands + max(0, geo.num_stages - 1) * per_stage
+    tile = geo.block_n * head_dim * kv_bytes
+    copies = 1.125 if geo.num_stages <= 1 else 2.25 * (geo.num_stages - 1)
+    return int(geo.head_tile * head_dim * 2 + copies * tile + 1024)
 
 
 def fit_shared_memory(geo: PallasPrefillGeometry, *, head_dim: int, kv_bytes: int,
@@ -317,13 +318,16 @@ def _prefill_kernel(*refs, st: _Static):
             kv_rows = jnp.where(valid, base + ids, 0)  # clamped before any dereference
         kv_rows = jnp.clip(kv_rows, 0, st.kv_rows - 1)
         gmask = jnp.broadcast_to(valid[:, None], (bn, d))
-        # No `other`: the lowering cannot build an FP8 fill constant. Masked lanes are never
-        # dereferenced on the GPU; interpret mode gathers the clamped row 0 there. Either way
-        # the select below zeroes them, so a non-finite never-selected row cannot reach a dot.
-        k = _compat.load(k_ref.at[kv_rows[:, None], h, d_row], mask=gmask)
-        v = _compat.load(v_ref.at[kv_rows[:, None], h, d_row], mask=gmask)
-        k = jnp.where(gmask, k.astype(compute_dtype), jnp.zeros((), compute_dtype))
-        v = jnp.where(gmask, v.astype(compute_dtype), jnp.zeros((), compute_dtype))
+        # Masked lanes are never dereferenced on the GPU and read `other` = 0 (interpret mode
+        # gathers the clamped row, then substitutes `other`), so a non-finite never-selected row
+        # cannot reach a dot. `other` must be a float literal: the lowering cannot cast an int
+        # fill value to FP8. Feeding the load straight into the dot (no select in between)
+        # keeps the gathered tile in the dot-operand path: with a select after the load the
+        # compiled kernel staged the tile twice (1.7x the shared memory, more barriers).
+        k = _compat.load(k_ref.at[kv_rows[:, None], h, d_row], mask=gmask,
+                         other=0.0).astype(compute_dtype)
+        v = _compat.load(v_ref.at[kv_rows[:, None], h, d_row], mask=gmask,
+                         other=0.0).astype(compute_dtype)
 
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * st.score_scale  # [ht, bn]
