@@ -85,9 +85,21 @@ def test_lowers_and_compiles_for_cuda(device_kind, kind, kv_dtype, per_head, hea
     if not HAS_TRITON:
         pytest.skip("triton not installed: lowered only, Triton compile not checked")
     cap = _compat.CAPABILITY[device_kind]
-    res = _compat.compile_ttir(mod, cap)
+    res = _compile(mod, cap)
     assert res["shared"] <= facts.smem_per_block, (device_kind, geo, res)
     assert res["shared"] <= P.shared_memory_estimate(geo, head_dim=256, kv_bytes=1 if fp8 else 2)
+
+
+def _compile(mod, capability):
+    """``_compat.compile_ttir``, skipping (with the reason) when the installed triton cannot parse
+    the TTIR this jax emitted (a jaxlib / triton MLIR version mismatch, not a kernel bug)."""
+    try:
+        return _compat.compile_ttir(mod, capability)
+    except Exception as e:  # noqa: BLE001
+        text = str(e)
+        if any(w in text.lower() for w in ("parse", "unregistered", "bytecode")):
+            pytest.skip(f"installed triton cannot read this jax's TTIR: {text[:200]}")
+        raise
 
 
 def _configs():
@@ -120,7 +132,7 @@ def test_every_selector_geometry_fits_the_device(device_kind, geo, kv_dtype):
     lowered = _compat.lower_for_device_kind(
         _fn("chunk", geometry=pg), _args("chunk", kv_dtype=kv_dtype), device_kind)
     (mod,) = _compat.triton_modules(lowered)
-    res = _compat.compile_ttir(mod, _compat.CAPABILITY[device_kind])
+    res = _compile(mod, _compat.CAPABILITY[device_kind])
     assert res["shared"] <= facts.smem_per_block, (pg, res)
     assert res["shared"] <= P.shared_memory_estimate(pg, head_dim=256, kv_bytes=kv_bytes), (pg, res)
 
