@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One command for the H200 (issue 3): Triton decode GPU tests, compute-sanitizer memcheck, the
 # comparison benchmark and the geometry/split sweep. Everything is written under $OUT
-# (default ./out). Budget: < 7 minutes. Exit status: non-zero if any step failed (all steps run).
+# (default ./out). Budget: < 7 minutes (per-step timeouts: 150 + 90 + 120 + 150 s, then the
+# optional Pallas step only in the time left). Exit status: non-zero if any step failed (all steps run).
 #
 #   OUT=/path/to/out bash bench/gpu_decode.sh
 #
 # Files: decode_gpu_tests.{log,xml}, decode_sanitizer.log, decode.{json,log},
-#        decode_sweep.{json,log}, decode_env.txt, decode_steps.txt (step, status, seconds).
+#        decode_sweep.{json,log}, decode_with_pallas.json + decode_pallas.log (when jax and
+#        bench/pallas_decode_provider.py import), decode_env.txt, decode_steps.txt.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"
@@ -34,21 +36,31 @@ step() {  # step NAME LOGFILE CMD...
 } > "$OUT/decode_env.txt" 2>&1
 
 step "gpu tests" decode_gpu_tests.log \
-  timeout 240 python -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_decode.py \
+  timeout 150 python -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_decode.py \
   --junitxml="$OUT/decode_gpu_tests.xml" -o junit_family=xunit2
 
 SAN="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1 || true)"
 if [ -n "$SAN" ]; then
   step "compute-sanitizer memcheck" decode_sanitizer.log \
-    env PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 "$SAN" --tool memcheck --error-exitcode 9 \
+    env PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 90 "$SAN" --tool memcheck --error-exitcode 9 \
     python bench/sanitize_decode.py
 else
   echo "== compute-sanitizer not found: memcheck skipped" | tee -a "$OUT/decode_steps.txt" "$OUT/decode_sanitizer.log"
   status=1
 fi
 
-step "benchmark" decode.log timeout 240 python bench/decode.py --json "$OUT/decode.json"
-step "sweep" decode_sweep.log timeout 200 python bench/decode.py --sweep --json "$OUT/decode_sweep.json"
+step "benchmark" decode.log timeout 120 python bench/decode.py --json "$OUT/decode.json"
+step "sweep" decode_sweep.log timeout 150 python bench/decode.py --sweep --json "$OUT/decode_sweep.json"
+# last, and optional: Triton vs Pallas vs upstream on a small grid, one process, one set of inputs
+# (only while the whole script stays under ~7 minutes)
+if [ "$SECONDS" -lt 360 ] && python -c "import jax, bench.pallas_decode_provider" >/dev/null 2>&1; then
+  step "benchmark with pallas (quick grid)" decode_pallas.log \
+    timeout $((410 - SECONDS)) python bench/decode.py --quick --pallas --skip generic \
+    --json "$OUT/decode_with_pallas.json"
+else
+  echo "== pallas comparison skipped (time used: ${SECONDS}s, or jax / provider unavailable)" \
+    | tee -a "$OUT/decode_steps.txt"
+fi
 
 echo "== done: status=$status (see $OUT/decode_steps.txt)"
 exit $status
