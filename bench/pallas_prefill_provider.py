@@ -38,9 +38,10 @@ import argparse
 import functools
 import math
 import sys
+import time
 from typing import Any, Callable
 
-__all__ = ["make_provider", "CASES", "run_comparison", "main"]
+__all__ = ["make_provider", "CASES", "SWEEP", "run_comparison", "run_sweep", "main"]
 
 #: The issue's timed cases: (kind, KV length, Hq, Hkv); 8192 query rows in one request.
 CASES = [("ordinary", 8192, 6, 1), ("ordinary", 8192, 12, 1)] + [
@@ -236,6 +237,54 @@ def run_comparison(cases=CASES, *, inner_reps: int = 4, rounds: int = 10, seed: 
     return res
 
 
+#: Pallas geometries timed by ``--sweep`` (BLOCK_N, num_warps, num_stages); head tile 16.
+SWEEP = ((16, 1, 2), (16, 2, 2), (16, 4, 2), (16, 4, 3), (32, 2, 2), (32, 4, 2), (32, 4, 3),
+         (64, 4, 2), (64, 8, 2))
+
+
+def run_sweep(cases=(("chunk", 32768, 12, 1), ("chunk", 32768, 6, 1)), *, geometries=SWEEP,
+              inner_reps: int = 4, rounds: int = 8, seed: int = 1,
+              deadline: float | None = None) -> list[dict]:
+    """Time Pallas at each geometry of ``geometries`` (and qsa_triton at its selected one) on
+    ``cases``, interleaved in one run: data for a Pallas row in ``interop.geometry``'s table if
+    the Pallas kernel measures best with other tuples than the Triton one."""
+    import torch  # noqa: PLC0415
+
+    from bench.common import time_interleaved  # noqa: PLC0415
+    from bench.prefill_cases import make_case  # noqa: PLC0415
+    from qsa_pallas import prefill as P  # noqa: PLC0415
+
+    out = []
+    for kind, kv, hq, hkv in cases:
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"[sweep] out of time budget: {kind} kv={kv} {hq}/{hkv} skipped", flush=True)
+            out.append({"kind": kind, "kv": kv, "Hq": hq, "Hkv": hkv, "skipped": "time budget"})
+            continue
+        c = make_case(kind, hq, hkv, D, [T_ROWS], [kv], junk="-1", seed=seed, device="cuda")
+        provs = {"triton": lambda c=c: c.run()}
+        for bn, nw, ns in geometries:
+            geo = P.PallasPrefillGeometry(16, bn, nw, ns, "sweep")
+            try:
+                provs[f"pallas{(bn, nw, ns)}"] = make_provider(kind, c, geo, inner_reps=inner_reps)
+            except Exception as e:  # noqa: BLE001 - a geometry that does not compile
+                print(f"[sweep] {(bn, nw, ns)}: {type(e).__name__}: {str(e)[:200]}",
+                      file=sys.stderr)
+        t = time_interleaved(provs, rounds=rounds)
+        rec = {"kind": kind, "kv": kv, "Hq": hq, "Hkv": hkv, "T": T_ROWS,
+               "selected_pallas": str(_pallas_geometry(P, kind, c)),
+               "us": {n: v["median_us"] for n, v in t.items()}}
+        best = min((n for n in rec["us"] if n.startswith("pallas")), key=rec["us"].get)
+        rec["best_pallas"] = best
+        rec["best_ratio_triton_over_pallas"] = rec["us"]["triton"] / rec["us"][best]
+        print(f"[sweep] {kind} kv={kv} {hq}/{hkv}: triton {rec['us']['triton']:.1f} us; "
+              + ", ".join(f"{n[6:]} {v:.1f}" for n, v in rec["us"].items() if n != "triton")
+              + f"; best {best}", flush=True)
+        out.append(rec)
+        del c, provs
+        torch.cuda.empty_cache()
+    return out
+
+
 def _pallas_geometry(P, kind, c):
     from interop.contract import check_prefill, check_prefill_chunk  # noqa: PLC0415
 
@@ -252,15 +301,29 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="output JSON (default $OUT/pallas_prefill.json)")
     ap.add_argument("--inner-reps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time Pallas at the SWEEP geometries on chunk 32k, G 12 and 6")
+    ap.add_argument("--budget-s", type=float, default=110.0,
+                    help="the sweep starts no new case after this many seconds of the run")
     args = ap.parse_args(argv)
     from bench.common import out_dir, write_json  # noqa: PLC0415
 
+    t0 = time.monotonic()
     res = run_comparison(inner_reps=args.inner_reps, rounds=args.rounds)
     path = args.json or str(out_dir() / "pallas_prefill.json")
-    write_json(path, res)
+    write_json(path, res)  # the main result first, in case the sweep runs out of time
     print(f"wrote {path}; geomean Triton/Pallas time ratio "
           f"{res['geomean_ratio_triton_over_pallas']:.3f} (target >= 0.8); all Pallas outputs "
-          f"correct: {res['all_correct']}")
+          f"correct: {res['all_correct']}", flush=True)
+    if args.sweep:
+        try:
+            res["sweep"] = run_sweep(inner_reps=args.inner_reps,
+                                     deadline=t0 + args.budget_s)
+        except Exception as e:  # noqa: BLE001 - the comparison above is the main result
+            res["sweep_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"[sweep] failed: {res['sweep_error']}", file=sys.stderr)
+        write_json(path, res)
+        print(f"wrote {path} (with the sweep)")
     return 0 if res["all_correct"] else 1
 
 
