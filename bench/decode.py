@@ -196,8 +196,11 @@ def _timers(dev):
 
 
 def run_compare(*, tps=tuple(TP), batches=BATCHES, rows=ROWS, rounds: int = 15,
-                skip: set[str] = frozenset(), seed: int = 0, device: str = "cuda") -> dict:
-    """The comparison table over the shape grid. Returns a JSON-able dict (see module doc)."""
+                skip: set[str] = frozenset(), seed: int = 0, device: str = "cuda",
+                progress_path=None) -> dict:
+    """The comparison table over the shape grid. Returns a JSON-able dict (see module doc).
+    With ``progress_path`` the results so far are rewritten there after every case (so a run
+    cut short by a time limit still leaves its numbers)."""
     import torch  # noqa: PLC0415
 
     import qsa_triton  # noqa: PLC0415
@@ -279,6 +282,10 @@ def run_compare(*, tps=tuple(TP), batches=BATCHES, rows=ROWS, rounds: int = 15,
                         res["failures"].append({"tp": tp, "B": b, "rows": r, "provider": name, **c})
                         print(f"  !! {name} failed the check: {c}")
                 res["cases"].append(case)
+                if progress_path:
+                    from bench.common import write_json  # noqa: PLC0415
+
+                    write_json(progress_path, {**res, "partial": True})
                 del q, k, v
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
@@ -353,7 +360,7 @@ SWEEP_GEOMETRY = [(32, 4, 3),  # [75 KB]
 
 
 def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, seed: int = 0,
-              device: str = "cuda") -> dict:
+              device: str = "cuda", progress_path=None) -> dict:
     """Two passes per shape, all interleaved within a pass:
       A: every (block_n, num_warps, num_stages) with the plan's split policy;
       B: the best geometry of pass A with other split policies (max_splits x min_blocks) and
@@ -447,6 +454,10 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
                  "best_pct_copy_bw": all_timed[best]["pct_copy_bw"], "pass_a": meta_a,
                  "pass_b": meta_b}
         res["shapes"].append(shape)
+        if progress_path:
+            from bench.common import write_json  # noqa: PLC0415
+
+            write_json(progress_path, {**res, "partial": True})
         print(f"[sweep] {tp} B={b:<3d} {r:9s} default {dflt or float('nan'):8.2f} us | best A "
               f"{best_a} {timed_a[best_a]['median_us']:8.2f} us | best {best} "
               f"{all_timed[best]['median_us']:8.2f} us ({all_timed[best]['pct_copy_bw']:.0f}% copy)"
@@ -498,8 +509,8 @@ def main(argv=None) -> int:
         kw = {"device": device, **({"rounds": args.rounds} if args.rounds else {})}
         if args.smoke_cpu:
             kw.update(shapes=[("TP2", 1, "mixed")], geometry=SWEEP_GEOMETRY[:2])
-        res = run_sweep(**kw)
         path = args.json or str(out_dir() / "decode_sweep.json")
+        res = run_sweep(progress_path=path, **kw)
         write_json(path, res)
         print(f"wrote {path} in {time.time() - t0:.0f}s; failures: {len(res['failures'])}")
         return 0 if not res["failures"] else 1
@@ -516,8 +527,8 @@ def main(argv=None) -> int:
         kw.update(tps=("TP1", "TP2"), batches=(1, 16, 128))
     if args.rounds:
         kw["rounds"] = args.rounds
-    res = run_compare(**kw)
     path = args.json or str(out_dir() / "decode.json")
+    res = run_compare(progress_path=path, **kw)
     res["wall_s"] = time.time() - t0
     write_json(path, res)
     s = res["summary"]
