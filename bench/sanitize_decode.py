@@ -6,7 +6,7 @@
 Without torch's caching allocator every tensor is its own cudaMalloc, so a read past the end of
 K/V (or q, cu_seqlens, scratch, out) is an out-of-bounds access memcheck reports. Cases:
   * K/V sized exactly to ``cu_seqlens_k[B]`` (no slack): any read past the last row faults;
-  * K/V with 4096 rows of NaN/Inf garbage after the rows: must not reach the output;
+  * K/V with 4096 rows of NaN (or +-Inf) garbage after the rows: must not reach the output;
   * empty rows, rows ending mid-block, a row longer than ``max_seqlen_k``; both merge modes and
     several forced split counts; TP1 / TP2 / TP4 shapes; D = 256 bf16 and D = 64 fp16.
 Every output is checked finite and against the FP32 reference (exit 1 on a mismatch).
@@ -37,8 +37,8 @@ def main() -> int:
         ((6, 1), 256, torch.bfloat16, [31, 2051, 64]),
         ((12, 1), 64, torch.float16, [0, 0, 129]),
     ]
-    for (hq, hkv), d, dtype, lens in cases:
-        for slack, fill in ((0, None), (4096, float("nan")), (4096, float("inf"))):
+    for ci, ((hq, hkv), d, dtype, lens) in enumerate(cases):
+        for slack, fill in ((0, None), (4096, float("nan") if ci % 2 else float("inf"))):
             g = torch.Generator(device=dev).manual_seed(len(lens) + d)
             cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
             n = int(cu[-1])
@@ -54,8 +54,7 @@ def main() -> int:
             cq = torch.arange(b + 1, dtype=torch.int32, device=dev)
             ck = torch.from_numpy(cu).to(dev)
             ref = torch_reference(q, k, v, cq, ck)
-            for ov in ({}, {"max_splits": 1}, {"max_splits": 8}, {"max_splits": 64},
-                       {"max_splits": 4, "merge": "inline"}):
+            for ov in ({}, {"max_splits": 1}, {"max_splits": 64}, {"max_splits": 4, "merge": "inline"}):
                 with dec.plan_override(**ov):
                     out = qsa_triton.sparse_decode(q, k, v, cq, ck, 2051)
                 torch.cuda.synchronize()
