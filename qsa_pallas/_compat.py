@@ -63,6 +63,29 @@ __all__ = [
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
+
+def _preload_lazy_modules() -> None:
+    """Import now the jax modules that ``pallas_call`` lowering imports lazily on first use.
+
+    Why: jax 0.11.2's ``jax._src.pallas.fuser.jaxpr_fusion`` (reached lazily from the first
+    ``pallas_call`` lowering, e.g. through the interpret-mode path) registers a config option that
+    is part of every jit *trace context*; registering it in the middle of a session changes the
+    context, so every function jitted before that (ours included) misses its cache and recompiles
+    once on its next call. Importing here, before anything is traced, keeps "new lengths never
+    recompile" true from the first call. Best effort: a module missing in some jax is skipped.
+    """
+    import importlib  # noqa: PLC0415
+
+    for name in ("jax._src.pallas.fuser.jaxpr_fusion",
+                 "jax._src.pallas.triton.pallas_call_registration"):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - absent / optional deps in other jax versions
+            pass
+
+
+_preload_lazy_modules()
+
 #: Device kinds our CPU CI lowers for (architecture.md): sm_90, sm_120, sm_121.
 DEVICE_KINDS = (
     "NVIDIA H200",

@@ -251,6 +251,32 @@ def test_jit_traced_lengths_no_recompile():
     assert len(set(sizes)) == 1, f"recompiled for new lengths: cache sizes {sizes}"
 
 
+def test_first_calls_in_a_fresh_process_do_not_recompile():
+    """In a new process the first Pallas lowering must not change jax's trace context (jax 0.11
+    registers a config lazily there; ``qsa_pallas._compat`` preloads it): call 1 and call 2 with
+    new lengths share one executable."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import textwrap  # noqa: PLC0415
+
+    code = textwrap.dedent("""
+        import numpy as np, jax, jax.numpy as jnp, qsa_pallas
+        f = jax.jit(qsa_pallas.sparse_decode, static_argnames=("max_seqlen_k",))
+        q = jnp.ones((2, 6, 64), jnp.float16); k = jnp.ones((40, 1, 64), jnp.float16)
+        cq = jnp.arange(3, dtype=jnp.int32)
+        sizes = []
+        for ck in ([0, 3, 9], [0, 20, 21], [0, 0, 40]):
+            f(q, k, k, cq, jnp.asarray(np.array(ck, np.int32)), max_seqlen_k=32).block_until_ready()
+            sizes.append(f._cache_size())
+        print(sizes)
+        assert sizes == [1, 1, 1], sizes
+    """)
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+
+
 def test_scan_over_layers():
     rng = np.random.default_rng(6)
     nl, lens, hq, hkv, d = 3, [9, 0, 70], 24, 2, 64
