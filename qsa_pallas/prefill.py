@@ -6,9 +6,9 @@ Decomposition (the contract's): one program per (query row, KV head). The progra
 query heads of its KV head as a head tile padded to a power of two (>= 16, masked), keeps an FP32
 accumulator [head tile, D] and an FP32 online-softmax state, and walks the row's index columns in
 BLOCK_N chunks. Each chunk gathers the named key/value rows with a vector-index load
-(``_compat.load(ref.at[rows[:, None], h, d[None, :]], mask=..., other=0)``), so an invalid entry is
-never dereferenced: its gather index is clamped into range *and* masked (interpret mode clamps
-out-of-range gathers instead of faulting; a GPU would fault), and its score is -inf.
+(``_compat.load(ref.at[rows[:, None], h, d[None, :]], mask=..., other=0.0)``), so an invalid
+entry is never dereferenced: its gather index is clamped into range *and* masked (interpret mode
+clamps out-of-range gathers instead of faulting; a GPU would fault), and its score is -inf.
 
 The loop stops after ``min(W, visible)`` columns rounded up to BLOCK_N, ``visible`` being computed
 in the kernel from ``cu_seqlens``/``kv_lens`` (device data), so a jitted caller can change lengths
@@ -16,7 +16,7 @@ and indices without a retrace. The bound is a traced ``lax.fori_loop`` upper bou
 Pallas Triton lowering pattern-matches into an ``scf.for`` with a dynamic bound.
 
 The request of a row is found in the kernel by counting ``cu_seqlens_q[1:] <= row`` over a
-power-of-two padded vector (B is static), so no pre-pass runs in XLA.
+power-of-two padded vector (B is static): no row-to-request table is built in XLA.
 
 Paged: the pool is read in place. By default a plain-JAX pre-pass (``resolve_pool_slots``) maps
 every index entry to its pool slot (``slot_table[b, idx]``, -1 when invalid) and the kernel
@@ -287,8 +287,7 @@ def _prefill_kernel(*refs, st: _Static):
     head_ok = hid < g
     d_row = lax.broadcasted_iota(jnp.int32, (1, d), 1)
     q = _compat.load(q_ref.at[row, pl.ds(h * g, ht), :],
-                   mask=jnp.broadcast_to(head_ok, (ht, d)), other=0)
-    q = jnp.where(head_ok, q, jnp.zeros_like(q))  # interpret pads with NaN: re-mask
+                     mask=jnp.broadcast_to(head_ok, (ht, d)), other=0.0)
 
     cols0 = lax.broadcasted_iota(jnp.int32, (bn,), 0)
     compute_dtype = q.dtype
@@ -315,8 +314,8 @@ def _prefill_kernel(*refs, st: _Static):
             kv_rows = jnp.where(valid, slots, 0)
         else:
             valid = col_ok & (ids >= 0) & (ids < length)
-            kv_rows = jnp.where(valid, base + ids, 0)  # clamped before any dereference
-        kv_rows = jnp.clip(kv_rows, 0, st.kv_rows - 1)
+            # in range even when cu_seqlens_k / kv_lens disagree with k's rows (bad metadata)
+            kv_rows = jnp.clip(jnp.where(valid, base + ids, 0), 0, st.kv_rows - 1)
         gmask = jnp.broadcast_to(valid[:, None], (bn, d))
         # Masked lanes are never dereferenced on the GPU and read `other` = 0 (interpret mode
         # gathers the clamped row, then substitutes `other`), so a non-finite never-selected row
@@ -351,7 +350,7 @@ def _prefill_kernel(*refs, st: _Static):
     inv = jnp.where(l_i > 0, st.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
     out = (acc * inv[:, None]).astype(o_ref.dtype)
     _compat.store(o_ref.at[row, pl.ds(h * g, ht), :], out,
-                mask=jnp.broadcast_to(head_ok, (ht, d)))
+                  mask=jnp.broadcast_to(head_ok, (ht, d)))
 
 
 @functools.partial(jax.jit, static_argnames=("st",))
