@@ -1,6 +1,9 @@
 """QSA sparse prefill as Pallas (Triton lowering) kernels: ordinary, chunk and paged.
 
 Semantics: ``qsa-contract.md`` §3; oracle: ``interop.reference.prefill*_reference``.
+Algorithm: the flash-attention forward (Dao et al., 2022: online softmax in FP32, base-2
+exponentials with log2(e) folded into the score scale) over gathered rows, the decomposition
+upstream SGLang's sparse prefill uses and ``qsa_triton.prefill`` mirrors.
 
 Decomposition (the contract's): one program per (query row, KV head). The program covers the G
 query heads of its KV head as a head tile padded to a power of two (>= 16, masked), keeps an FP32
