@@ -463,8 +463,13 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
               f"{all_timed[best]['median_us']:8.2f} us ({all_timed[best]['pct_copy_bw']:.0f}% copy)"
               f"  [{time.time() - t0:.0f}s]")
         top = sorted(timed_b, key=lambda n: timed_b[n]["median_us"])[:5]
-        print("         top split policies: " + ", ".join(
-            f"{n.removeprefix(best_a + '_')} {timed_b[n]['median_us']:.2f}" for n in top))
+        sms = dec._sm_count(dev)
+        # programs per SM of a configuration = B x Hkv x max_splits / SMs (PROGRAMS_PER_SM in
+        # interop/decode_plan.py is the knob that sets max_splits from it)
+        print("         top split policies (programs/SM): " + ", ".join(
+            f"{n.removeprefix(best_a + '_')} {timed_b[n]['median_us']:.2f}us "
+            f"({b * hkv * timed_b[n]['plan']['max_splits'] / sms:.2f})" for n in top))
+        shape["best_programs_per_sm"] = (b * hkv * all_timed[best]["plan"]["max_splits"] / sms)
         del q, k, v, ref
         if dev.type == "cuda":
             torch.cuda.empty_cache()
