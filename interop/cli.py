@@ -404,7 +404,7 @@ def _cmd_compile(args) -> int:
         shared = [r.shared for r in real if r.shared is not None]
         regs = [r.regs for r in real if r.regs is not None]
         spills = sum(1 for r in real if r.spill_bytes)
-        notes = [r.note for r in rs if r.note]
+        notes = [f"{r.name}: {r.note}" for r in rs if r.note]
         sum_rows.append([fam, arch, len(real), sum(r.fits for r in real),
                          f"{max(shared):,}" if shared else "-",
                          f"{CC.KNOWN_ARCHS[arch].smem_per_block:,}",
