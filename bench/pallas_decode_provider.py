@@ -31,8 +31,13 @@ outside the timed region; rows padded to the longest row and masked by length):
 
 Pallas-only run (what ``bench/gpu_pallas_decode.sh`` calls; no torch needed, uses it for the copy
 bandwidth when present): ``python -m bench.pallas_decode_provider --json $OUT/pallas_decode.json``
-times TP1/TP2/TP4 x B in {1, 4, 16, 32, 64, 128} x {saturated, mixed} rows: Pallas and the JAX
-context peers, per-decode µs and % of the measured copy bandwidth (bytes = K + V rows read).
+times TP1/TP2/TP4 x B in {1, 4, 16, 32, 64, 128} x {saturated, mixed} rows: Pallas (every case
+checked first against an FP32 reference computed on the device) and the JAX context peers
+(saturated rows, B in {1, 16, 128}), per-decode µs and % of the measured copy bandwidth (bytes =
+K + V rows read). Timing: host wall clock around many calls of one jitted chain of ``inner_reps``
+decodes, synchronised once at the end (async dispatch overlaps the host with the GPU), median over
+15 rounds. This includes XLA's launch of the two kernels per decode; the CUDA-graph numbers of
+the Triton side come from bench/decode.py.
 """
 
 from __future__ import annotations
