@@ -248,6 +248,8 @@ def _cmd_check(args) -> int:
                "device": _device_name(device), "versions": _versions(),
                "tolerance": {"rtol": X.RTOL, "atol": X.ATOL, "rel_l2": X.REL_L2},
                "implementations": names, "complete": complete, "cases_planned": len(specs),
+               # the case that was about to run (a crash, e.g. a CUDA fault, ends the run there)
+               "next_case": None if complete or len(results) >= len(specs) else specs[len(results)].name,
                "summary": X.summarize(results, names), "passed": complete and not failed,
                "cases": [r.as_dict() for r in results]}
         path = Path(args.json)
