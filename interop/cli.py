@@ -259,6 +259,7 @@ def _cmd_check(args) -> int:
         tmp.replace(path)  # a run cut short still leaves every finished case on disk
         return path
 
+    write_json([], False)
     results = _run_with_progress(X, specs, impls, device, args.reference,
                                  after=lambda rs: write_json(rs, False))
     summary = X.summarize(results, names)
