@@ -35,6 +35,10 @@ except ImportError as e:
 PY
 
 MODE="${1:-all}"
+case "$MODE" in
+  all|tests|timing) ;;
+  *) echo "usage: OUT=dir bash bench/gpu_pallas_decode.sh [all|tests|timing]" >&2; exit 2 ;;
+esac
 rc_tests=0
 rc_bench=0
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
