@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
+import os
 import threading
 from typing import Any
 
@@ -452,6 +452,9 @@ def scratch_info(device: torch.device | str) -> dict[str, Any] | None:
 # Launch
 def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scale: float,
             plan: DecodePlan, merge: str) -> torch.Tensor:
+    if q.device.type != "cuda" and not _interpreting():
+        raise ContractError("sparse_decode", "q", "a CUDA tensor (CPU tensors run only under "
+                            "Triton's interpreter, TRITON_INTERPRET=1)", str(q.device))
     b, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -480,6 +483,10 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
                 num_warps=4, num_stages=1,
             )
     return out
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 
 
 def decode_with_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,

@@ -21,7 +21,6 @@ import torch
 
 import qsa_triton
 from interop.contract import ContractError
-from interop.decode_plan import plan_decode
 from interop.reference import decode_reference, rel_l2
 from qsa_triton import decode as dec
 
@@ -250,6 +249,14 @@ def test_generic_group_10_and_d32():
     with dec.plan_override(block_n=16, max_splits=2):
         out = qsa_triton.sparse_decode(*case, 40)
     assert_close(out, reference(*case))
+
+
+def test_cpu_tensors_without_interpreter_rejected(monkeypatch):
+    args = _ok_args()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ContractError) as e:
+        qsa_triton.sparse_decode(*args)
+    assert e.value.arg == "q" and "CUDA" in str(e.value)
 
 
 def test_strict_envelope():
