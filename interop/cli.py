@@ -223,6 +223,14 @@ def _cmd_check(args) -> int:
             print(f"qsa check: --filter {args.filter!r} matches no case", file=sys.stderr)
             return 2
     impls = load_check_implementations(interpret)
+    if args.impls:
+        wanted = _split_list(args.impls)
+        unknown = [w for w in wanted if w not in {i.name for i in impls}]
+        if unknown or not wanted:
+            print(f"qsa check: --impls: unknown {unknown or [args.impls]}; allowed: "
+                  f"{', '.join(i.name for i in impls)}", file=sys.stderr)
+            return 2
+        impls = [i for i in impls if i.name in wanted]
     device = "cpu" if interpret else "cuda"
     if args.peer:
         try:
@@ -358,6 +366,8 @@ def _add_check(sub) -> None:
                    help="also compare with upstream's kernels: 'sglang' (skipped if absent)")
     p.add_argument("--filter", metavar="TEXT", help="only cases whose name contains TEXT "
                    "(comma-separated alternatives)")
+    p.add_argument("--impls", metavar="NAMES", help="implementations to run: triton,pallas "
+                   "(default both; one alone for a single-framework install)")
     p.add_argument("--interpret", action="store_true",
                    help="force interpret mode (CPU tensors) even where a GPU exists")
     p.add_argument("--reference", choices=("auto", "numpy", "torch"), default="auto",

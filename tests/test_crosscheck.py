@@ -278,6 +278,10 @@ def test_cli_check_passes_and_writes_json(monkeypatch, tmp_path, capsys):
     assert doc["passed"] and doc["complete"] and doc["matrix"] == "quick" and doc["ops"] == ["decode"]
     assert len(doc["cases"]) == 4 and doc["summary"]["decode"]["passed"] == 4
     assert doc["cases"][0]["impl"]["triton"]["rel_l2"] < 1e-3
+    # one implementation alone
+    assert cli.main(["check", "--quick", "--ops", "prefill", "--filter", "paged/G3xHkv1",
+                     "--impls", "pallas", "--interpret"]) == 0
+    assert "rel L2 pallas" in capsys.readouterr().out
 
 
 def test_cli_check_fails_and_names_the_case(monkeypatch, capsys, tmp_path):
@@ -297,6 +301,8 @@ def test_cli_check_bad_ops_and_filter(capsys):
     err = capsys.readouterr().err
     assert "--ops" in err and "attention" in err and "allowed: decode, prefill" in err
     assert cli.main(["check", "--quick", "--filter", "no-such-case", "--interpret"]) == 2
+    assert cli.main(["check", "--quick", "--impls", "cuda", "--interpret"]) == 2
+    assert "allowed: triton, pallas" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["check", "--quick", "--full"])
 
