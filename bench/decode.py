@@ -473,6 +473,24 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     res["geometry_geomean_vs_default"] = {n: _geomean(v) for n, v in rel_by_cfg.items()}
+    done = [sh for sh in res["shapes"] if "best" in sh]
+    if done and res["geometry_geomean_vs_default"]:
+        ppsm = sorted(sh["best_programs_per_sm"] for sh in done)
+        res["suggest"] = {
+            "geometry (block_n, warps, stages) with the best geomean":
+                min(res["geometry_geomean_vs_default"], key=res["geometry_geomean_vs_default"].get),
+            "best programs per SM, per shape": {f"{sh['tp']} B={sh['B']} {sh['rows']}":
+                                                round(sh["best_programs_per_sm"], 2) for sh in done},
+            "median best programs per SM (PROGRAMS_PER_SM)": ppsm[len(ppsm) // 2],
+            "shapes where the inline merge won": [f"{sh['tp']} B={sh['B']} {sh['rows']}"
+                                                  for sh in done if sh["best"].endswith("_inline")],
+            "best speedup over the shipped plan, per shape": {
+                f"{sh['tp']} B={sh['B']} {sh['rows']}": round(sh["default_us"] / sh["best_us"], 3)
+                for sh in done if sh.get("default_us")},
+        }
+        print("[sweep] suggestion:")
+        for k_, v_ in res["suggest"].items():
+            print(f"         {k_}: {v_}")
     print("[sweep] geometry, geomean time vs default over shapes (lower is better):")
     for n, g in sorted(res["geometry_geomean_vs_default"].items(), key=lambda kv: kv[1]):
         print(f"         {n:16s} {g:6.3f}")
