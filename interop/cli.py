@@ -200,6 +200,19 @@ def _versions() -> dict:
     return out
 
 
+def _finite_json(obj):
+    """Strict JSON: non-finite floats (a crashed or NaN case) become the strings "inf"/"nan"."""
+    import math  # noqa: PLC0415
+
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_json(v) for v in obj]
+    return obj
+
+
 def _fmt(x, spec=".2e") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -263,7 +276,7 @@ def _cmd_check(args) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".part")
-        tmp.write_text(json.dumps(doc, indent=1, default=str))
+        tmp.write_text(json.dumps(_finite_json(doc), indent=1, default=str, allow_nan=False))
         tmp.replace(path)  # a run cut short still leaves every finished case on disk
         return path
 
@@ -539,12 +552,12 @@ def _cmd_replay(args) -> int:
 
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"command": "qsa replay", "device": device,
-                                    "versions": _versions(), "passed": not failed,
-                                    "files": [{"file": res.name, "metadata": cap.metadata,
-                                               "stored": stored, "result": res.as_dict()}
-                                              for cap, res, stored in results]},
-                                   indent=1, default=str))
+        path.write_text(json.dumps(_finite_json(
+            {"command": "qsa replay", "device": device, "versions": _versions(),
+             "passed": not failed,
+             "files": [{"file": res.name, "metadata": cap.metadata, "stored": stored,
+                        "result": res.as_dict()} for cap, res, stored in results]}),
+            indent=1, default=str, allow_nan=False))
         print(f"wrote {path}")
     print("qsa replay: " + ("all files passed" if not failed else f"{len(failed)} file(s) FAILED"))
     return 1 if failed else 0
