@@ -165,7 +165,7 @@ def test_production_size_is_fast_and_valid():
     idx = I.prefill_indices([8192], [131072], junk="mixed", seed=0)
     elapsed = time.perf_counter() - t0
     assert idx.shape == (8192, 2051)
-    assert elapsed < 6.0, elapsed  # ~0.7 s on one core; generous for a shared 2-core machine
+    assert elapsed < 15.0, elapsed  # ~0.7 s alone; a per-row Python loop would take minutes
     _, _, vis, bound = I.row_layout([8192], [131072])
     valid = I.valid_mask(idx, bound)
     assert (valid.sum(1) >= 2048).all() and not (valid[:, 1:] & ~valid[:, :-1]).any()
