@@ -332,3 +332,12 @@ def test_gpu_full_matrix_sample(tmp_path):
     rc = cli.main(["check", "--full", "--filter", "TP1/B1/,TP2/B128/saturated,kv32k/T8k",
                    "--json", str(tmp_path / "c.json")])
     assert rc == 0
+
+
+def test_cli_check_defaults_to_quick_interpret_on_cpu(monkeypatch, capsys):
+    if X.has_cuda():
+        pytest.skip("GPU machine: the default is the full matrix")
+    monkeypatch.setattr(cli, "load_check_implementations", lambda interpret: fakes())
+    assert cli.main(["check", "--ops", "decode", "--filter", "TP2/B1/short"]) == 0
+    out = capsys.readouterr().out
+    assert "quick matrix, 1 cases" in out and "interpret mode (CPU)" in out
