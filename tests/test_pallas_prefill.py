@@ -626,7 +626,7 @@ def test_gpu_jit_new_lengths_no_retrace():
     @jax.jit
     def f(q, k, v, idx, cu_q, cu_k, kv_lens):
         traces.append(1)
-        return sparse_prefill_chunk(q, k, v, idx, cu_q, cu_k, kv_lens, 2048)
+        return sparse_prefill_chunk(q, k, v, idx, cu_q, cu_k, kv_lens, 3072)
 
     for q_lens, kv_lens in (([2048, 2048], [4096, 8192]), ([1024, 3072], [9000, 3272])):
         ql, kl = np.array(q_lens), np.array(kv_lens)
