@@ -255,7 +255,7 @@ def _cmd_check(args) -> int:
             print(f"qsa check: peer {args.peer!r} unavailable, skipped ({e})", file=sys.stderr)
     names = [i.name for i in impls]
     mode = "full" if full else "quick"
-    print(f"qsa check: {mode} matrix, {len(specs)} cases, ops {','.join(ops)}, "
+    print(f"qsa check: {mode} matrix, {len(specs)} case(s), ops {','.join(ops)}, "
           f"{'interpret mode (CPU)' if interpret else 'compiled kernels (' + device + ')'}, "
           f"implementations {', '.join(names)}", flush=True)
 

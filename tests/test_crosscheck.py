@@ -340,4 +340,4 @@ def test_cli_check_defaults_to_quick_interpret_on_cpu(monkeypatch, capsys):
     monkeypatch.setattr(cli, "load_check_implementations", lambda interpret: fakes())
     assert cli.main(["check", "--ops", "decode", "--filter", "TP2/B1/short"]) == 0
     out = capsys.readouterr().out
-    assert "quick matrix, 1 cases" in out and "interpret mode (CPU)" in out
+    assert "quick matrix, 1 case(s)" in out and "interpret mode (CPU)" in out
