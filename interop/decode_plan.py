@@ -31,7 +31,9 @@ import math
 __all__ = ["DecodePlan", "plan_decode", "next_pow2"]
 
 # Tunables (the H200 sweep, bench/decode.py --sweep, decides; recorded in bench/NOTES.md).
-PROGRAMS_PER_SM = 2  # split-KV target: about this many programs per SM for long rows
+# split-KV target: about this many programs per SM for long rows. The Triton kernel (D = 256,
+# 4 warps) needs ~200 registers per thread, so 2 programs fit on an SM at once: 2 = one full wave.
+PROGRAMS_PER_SM = 2
 MAX_SPLITS_CAP = 64  # most splits of one (sequence, KV head); the merge reads one tile of them
 MIN_BLOCKS_CAP = 4  # a split streams up to this many BLOCK_N blocks before another is activated
 
@@ -83,7 +85,7 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
     blocks = max(1, math.ceil(max_seqlen_k / block_n))
     if max_splits is None:
         programs = batch * num_kv_heads
-        want = max(1, math.ceil(PROGRAMS_PER_SM * sm_count / programs))  # ~2 waves of programs
+        want = max(1, math.ceil(PROGRAMS_PER_SM * sm_count / programs))
         max_splits = min(next_pow2(want), MAX_SPLITS_CAP, next_pow2(blocks))
     max_splits = max(1, int(max_splits))
     # A row as long as max_seqlen_k should use every split (small batches fill the GPU), but a
