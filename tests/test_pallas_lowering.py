@@ -152,3 +152,27 @@ def test_kv_buffers_past_4_gib_use_64_bit_offsets():
         C.lower_for_device_kind(fn, _args(b, hq, hkv, d, 4096), "NVIDIA H200"))[0].text()
     assert "xi64>" in split_big, "no 64-bit offsets for a > 4 GiB K/V buffer"
     assert "xi64>" not in split_small
+
+
+@pytest.mark.parametrize("kind", C.DEVICE_KINDS)
+def test_every_planned_configuration_lowers(kind):
+    """``qsa_pallas.decode.lowering_cases``: every distinct plan the shared planner picks on this
+    device for TP1/TP2/TP4 x B = 1..128 lowers (both kernels, no atomics); the smallest and the
+    largest batch are also compiled and checked against the shared-memory limit."""
+    from qsa_pallas.decode import lowering_cases  # noqa: PLC0415
+
+    cases = lowering_cases(kind)
+    assert cases
+    lowered = {}
+    for name, fn, args in cases:
+        mods = C.triton_modules(C.lower_for_device_kind(fn, args, kind))
+        assert [m.name for m in mods] == ["qsa_decode_split", "qsa_decode_merge"], name
+        assert not any("atomic" in m.text() for m in mods), name
+        lowered[name] = mods
+    _triton_or_skip()
+    cap = C.CAPABILITY[kind]
+    limit = C.SM12X_SMEM_LIMIT if cap >= 120 else DeviceFacts.from_device_kind(kind).smem_per_block
+    for name in (cases[0][0], cases[-1][0]):
+        for m in lowered[name]:
+            res = C.compile_ttir(m, cap)
+            assert res["shared"] <= limit, (name, m.name, res)
