@@ -70,6 +70,7 @@ __all__ = [
     "scratch_info",
     "smem_bytes",
     "fit_shared_memory",
+    "compile_configs",
     "MERGE_MODE",
 ]
 
@@ -351,6 +352,69 @@ def _smem_limit(device: torch.device) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Ahead-of-time compile list (``qsa compile``, ``interop/compile_check.py``)
+_SPLIT_PTRS = {"q_ptr": "*{dt}", "k_ptr": "*{dt}", "v_ptr": "*{dt}", "out_ptr": "*{dt}",
+               "lse_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "cu_q_ptr": "*i32",
+               "cu_k_ptr": "*i32", "scale_log2": "fp32"}
+_MERGE_PTRS = {"out_ptr": "*{dt}", "lse_ptr": "*fp32", "part_ptr": "*fp32"}
+
+
+def _aot(fn, ptrs: dict, consts: dict, dt: str) -> tuple[dict, dict]:
+    """(signature, attrs) for ``triton.compile(ASTSource(fn, signature, constexprs, attrs))``:
+    pointers and strides 16-divisible, as the JIT specialises them at run time (without that the
+    K/V loads are neither vectorised nor pipelined, and shared memory is under-counted)."""
+    sig = {n: (ptrs[n].format(dt=dt) if n in ptrs else "constexpr" if n in consts else "i32")
+           for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n.endswith("_ptr") or n.startswith("stride")}
+    return sig, attrs
+
+
+def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> list[dict]:
+    """Every decode kernel configuration the plan can launch on ``arch`` (a name in
+    ``interop.arch.KNOWN_ARCHS``, e.g. ``"sm_120"``) for the qualified shapes: the split kernel per
+    distinct (G, head tile, BLOCK_N, num_warps, num_stages) over B = 1..128 and the qualified head
+    pairs, fitted to the arch's shared memory as ``plan_for`` does, with both merge modes; and the
+    merge kernel per split chunk. Shape ints (B, splits) are runtime values: they add no variant.
+
+    Returns:
+      list of dicts: ``kernel`` (JITFunction), ``name``, ``signature``, ``constexprs`` (name ->
+      value), ``attrs`` (16-divisibility of pointers/strides), ``num_warps``, ``num_stages``.
+    """
+    from interop.arch import KNOWN_ARCHS  # noqa: PLC0415
+
+    limit = KNOWN_ARCHS[arch].smem_per_block
+    out, seen = [], set()
+    lo, hi = QUALIFIED["batch"]
+    for hq, hkv in QUALIFIED["head_pairs"]:
+        g = hq // hkv
+        for b in range(lo, hi + 1):
+            p = fit_shared_memory(plan_decode(b, hkv, g, head_dim, QUALIFIED["max_seqlen_k"]),
+                                  head_dim, 2, limit)
+            for inline in (False, True):
+                consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
+                          "MERGE_INLINE": inline, "LSE_ALL": not inline}
+                key = (tuple(consts.items()), p.num_warps, p.num_stages)
+                if key in seen:
+                    continue
+                seen.add(key)
+                sig, attrs = _aot(_decode_split_kernel, _SPLIT_PTRS, consts, dtype)
+                out.append({"kernel": _decode_split_kernel, "signature": sig, "constexprs": consts,
+                            "attrs": attrs, "num_warps": p.num_warps, "num_stages": p.num_stages,
+                            "name": f"decode_split_G{g}_ht{p.head_tile}_bn{p.block_n}_w{p.num_warps}"
+                                    f"_s{p.num_stages}{'_inline' if inline else ''}_{dtype}"})
+    for chunk in (2, 4, 8, 16, 32, 64):
+        d_chunk = max(16, min(head_dim, 2048 // chunk))
+        consts = {"D": head_dim, "SPLIT_CHUNK": chunk, "D_CHUNK": d_chunk,
+                  "N_DC": head_dim // d_chunk}
+        sig, attrs = _aot(_decode_merge_kernel, _MERGE_PTRS, consts, dtype)
+        out.append({"kernel": _decode_merge_kernel, "signature": sig, "constexprs": consts,
+                    "attrs": attrs, "num_warps": 4, "num_stages": 1,
+                    "name": f"decode_merge_chunk{chunk}_{dtype}"})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # Persistent scratch
 @dataclasses.dataclass
 class _Scratch:
@@ -476,7 +540,7 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
         )
         if splits > 1 and merge == "kernel":
             chunk = min(max(2, next_pow2(splits)), 64)
-            d_chunk = max(16, min(d, 4096 // chunk))  # tile <= 4096 floats: 32 per thread
+            d_chunk = max(16, min(d, 2048 // chunk))  # tile <= 2048 floats: 16 per thread
             _decode_merge_kernel[(b * hq * (d // d_chunk),)](
                 out, sc.lse, sc.part, out.stride(0), out.stride(1), hq, splits,
                 D=d, SPLIT_CHUNK=chunk, D_CHUNK=d_chunk, N_DC=d // d_chunk,
