@@ -7,6 +7,7 @@ Public:
   decode_with_plan(...)         same computation with an explicit DecodePlan (sweeps, tests)
   plan_override(**fields)       context manager: force plan fields (tests, sweeps)
   torch.ops.qsa.sparse_decode   the registered custom op (fake impl for torch.compile)
+  compile_configs(arch)         every shipped kernel configuration, for AOT compile checks
 
 Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decoding one):
   * Kernel 1 (``_decode_split_kernel``): one program per (sequence s, KV head h, split j). It loads
@@ -20,7 +21,7 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
     (B x Hkv x max_splits); each program computes from the row's device length
     ``n_active = clamp(cdiv(cdiv(len, BLOCK_N), min_blocks), 1, max_splits)`` and the balanced
     block range ``[j·blocks // n_active, (j+1)·blocks // n_active)``; programs with j >= n_active
-    exit at once. No host read of any length: CUDA-graph replay with new lengths stays correct,
+    exit at once (after marking their LSE slots empty for the merge kernel). No host read of any length: CUDA-graph replay with new lengths stays correct,
     and a row longer than ``max_seqlen_k`` is still covered entirely (splits just get longer).
   * A row whose n_active is 1 (short rows, large batches, empty rows) is finished by its one
     program (acc / l, exact zeros for an empty row). Otherwise every active split writes its
