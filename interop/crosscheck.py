@@ -783,8 +783,13 @@ def run_case(spec: Spec, impls: Sequence[Implementation], *, device: str = "cpu"
         "auto" (numpy for small cases, torch otherwise).
     """
     t0 = time.perf_counter()
-    inp = build_inputs(spec, device)
-    ref, method = _reference(inp, reference, spec.size)
+    try:
+        inp = build_inputs(spec, device)
+        ref, method = _reference(inp, reference, spec.size)
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory: fail this case, keep going
+        msg = f"inputs/reference: {type(e).__name__}: {e}".splitlines()[0][:300]
+        return CaseResult(spec.name, spec.op, False, {}, None, None, [msg], reference,
+                          time.perf_counter() - t0)
     return evaluate(spec.name, spec.op, inp, impls, ref, spec=spec, reference=method, t0=t0)
 
 

@@ -341,3 +341,10 @@ def test_cli_check_defaults_to_quick_interpret_on_cpu(monkeypatch, capsys):
     assert cli.main(["check", "--ops", "decode", "--filter", "TP2/B1/short"]) == 0
     out = capsys.readouterr().out
     assert "quick matrix, 1 case(s)" in out and "interpret mode (CPU)" in out
+
+
+def test_a_case_whose_inputs_fail_is_reported_not_raised():
+    bad = X.PrefillSpec("p/bad", "chunk", 6, 1, 64, (8,), (4,), width=35, dtype="float16")  # kv < q
+    r = X.run_case(bad, fakes())
+    assert not r.passed and r.failures[0].startswith("inputs/reference: ValueError")
+    assert X.summarize([r], ["triton", "pallas"])["prefill"]["failed"] == ["p/bad"]
