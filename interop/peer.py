@@ -32,7 +32,12 @@ def sglang_root() -> Path | None:
     """Folder of the ``sglang`` package files, or None when absent."""
     env = os.environ.get("QSA_SGLANG_PATH")
     candidates = [Path(env)] if env else []
-    spec = importlib.util.find_spec("sglang") if "sglang" in sys.modules or _dist_present() else None
+    spec = None
+    if _dist_present():
+        try:
+            spec = importlib.util.find_spec("sglang")
+        except ValueError:  # our own stub package (registered by load_sparse_attn) has no spec
+            spec = None
     if spec is not None and spec.submodule_search_locations:
         candidates.append(Path(next(iter(spec.submodule_search_locations))))
     candidates.append(Path(__file__).resolve().parent.parent / ".peer" / "sglang")
