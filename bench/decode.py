@@ -534,8 +534,12 @@ def main(argv=None) -> int:
         path = args.json or str(out_dir() / "decode_sweep.json")
         res = run_sweep(progress_path=path, **kw)
         write_json(path, res)
-        print(f"wrote {path} in {time.time() - t0:.0f}s; failures: {len(res['failures'])}")
-        return 0 if not res["failures"] else 1
+        wrong = [f for f in res["failures"] if "rel_l2" in f]  # ran, but gave wrong numbers
+        print(f"wrote {path} in {time.time() - t0:.0f}s; configurations that failed to run: "
+              f"{len(res['failures']) - len(wrong)}; wrong results: {len(wrong)}")
+        for f in res["failures"]:
+            print(f"  {f}")
+        return 0 if not wrong else 1
     skip = set(filter(None, args.skip.split(",")))
     if not args.pallas:
         skip.add("pallas")
