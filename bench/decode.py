@@ -507,6 +507,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pallas", action="store_true",
                     help="also time qsa_pallas (bench.pallas_decode_provider; JAX compiles per "
                          "shape, so use it with --quick to stay within the time budget)")
+    ap.add_argument("--tp", default=None, help="comma list of TP1,TP2,TP4 (default all)")
+    ap.add_argument("--batches", default=None, help="comma list of B (default 1,4,16,32,64,128)")
+    ap.add_argument("--rows", default=None, help="comma list of saturated,mixed (default both)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="exercise the script on CPU (Triton interpreter, B=1 only, no timing value)")
@@ -551,6 +554,12 @@ def main(argv=None) -> int:
         torch.cuda.get_device_name = lambda *a, **k: "cpu (smoke)"
     elif args.quick:
         kw.update(tps=("TP1", "TP2"), batches=(1, 16, 128))
+    if args.tp:
+        kw["tps"] = tuple(args.tp.split(","))
+    if args.batches:
+        kw["batches"] = tuple(int(x) for x in args.batches.split(","))
+    if args.rows:
+        kw["rows"] = tuple(args.rows.split(","))
     if args.rounds:
         kw["rounds"] = args.rounds
     path = args.json or str(out_dir() / "decode.json")
