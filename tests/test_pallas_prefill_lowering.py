@@ -160,3 +160,20 @@ def test_64bit_offsets_exactly_for_pools_past_4gib():
     big = 2**32 // (2 * 256 * 2) + 1  # 4.2M slots: slot * Hkv * D passes 2**31
     assert "x256xi64>" in ttir(big)
     assert "x256xi64>" not in ttir(4096)
+
+
+def test_lowering_cases_cover_every_variant_and_lower():
+    """``qsa_pallas.prefill.lowering_cases`` (what ``qsa compile`` lowers): every variant for
+    each fitted selector geometry; a sample of them lowers to exactly one prefill kernel with the
+    case's launch parameters (the full set is compiled by ``qsa compile``)."""
+    kind = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
+    cases = P.lowering_cases(kind)
+    names = [n for n, _, _ in cases]
+    assert len(names) == len(set(names))
+    for variant in ("ordinary_bf16", "chunk_bf16", "chunk_fp8", "paged_bf16", "paged_fp8",
+                    "paged_inline_bf16"):
+        assert any(f"pallas_prefill_{variant}_" in n for n in names), variant
+    for name, fn, args in cases[:: max(1, len(cases) // 4)]:
+        (mod,) = _compat.triton_modules(_compat.lower_for_device_kind(fn, args, kind))
+        warps, stages = (int(x[1:]) for x in name.split("_")[-2:])
+        assert (mod.num_warps, mod.num_stages) == (warps, stages), name
