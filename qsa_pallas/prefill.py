@@ -396,6 +396,8 @@ def _check_offsets(fn: str, **arrays):
 
 def _run(problem: PrefillProblem, q, k, v, meta, *, max_context: int, interpret, geometry, fn,
          slots_mode: str = "prepass"):
+    if problem.total_q == 0 or k.shape[0] == 0:  # nothing to gather from / no row: no launch
+        return jnp.zeros(q.shape, q.dtype)
     interp = _resolve_interpret(interpret, q)
     geo = geometry if geometry is not None else select_geometry(problem, interpret=interp)
     st = _Static(

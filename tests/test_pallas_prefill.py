@@ -487,6 +487,18 @@ def test_bad_calls_raise_contract_error_before_launch():
         sparse_prefill(a["q"], a["k"], a["v"], a["indices"], a["cu_seqlens_q"], 3)
 
 
+def test_empty_batch_and_empty_pool_give_zeros_without_launch():
+    q = jnp.ones((0, 6, 64), jnp.float16)
+    out = sparse_prefill(q, jnp.ones((0, 1, 64), jnp.float16), jnp.ones((0, 1, 64), jnp.float16),
+                         jnp.zeros((0, 8), jnp.int32), jnp.zeros((2,), jnp.int32), 1)
+    assert out.shape == (0, 6, 64)
+    q = jnp.ones((3, 6, 64), jnp.float16)
+    kv = jnp.ones((0, 1, 64), jnp.float16)  # an empty pool: every entry is invalid
+    out = sparse_prefill_paged(q, kv, kv, jnp.zeros((1, 4), jnp.int32), jnp.zeros((3, 8), jnp.int32),
+                               jnp.array([0, 3], jnp.int32), jnp.array([3], jnp.int32), 3)
+    assert out.shape == q.shape and not bool(jnp.any(out != 0))
+
+
 def test_fp8_pool_in_int32_offset_gap_is_rejected():
     """FP8 pools of 2**31 .. 2**32 elements would wrap the lowering's int32 offsets: rejected
     (abstract shapes: nothing is allocated); 16-bit pools that large get int64 offsets."""
