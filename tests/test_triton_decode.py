@@ -389,7 +389,11 @@ def test_shipped_configs_fit_sm12x_shared_memory():
 
 # =============================================================================================
 # GPU tests (H200): pytest -m gpu tests/test_triton_decode.py
-gpu = pytest.mark.gpu
+def gpu(fn):
+    """``@pytest.mark.gpu``, skipped (not run under the interpreter) when there is no CUDA GPU."""
+    return pytest.mark.gpu(pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")(fn))
+
+
 CUDA = torch.device("cuda") if ON_GPU else None
 TP = {"TP1": (24, 2), "TP2": (12, 1), "TP4": (6, 1)}
 GPU_BATCHES = list(range(1, 17)) + [17, 24, 32, 48, 64, 96, 128]
