@@ -203,12 +203,21 @@ def _device_facts(device=None):
             return DeviceFacts.from_device_kind(abstract.device_kind, _triton_version())
         except (ValueError, KeyError):
             pass
+    return _concrete_facts(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _concrete_facts(device):
+    """DeviceFacts of a real jax device (cached: eager callers pay it once)."""
+    from interop.arch import DeviceFacts  # noqa: PLC0415
+
     try:
         return DeviceFacts.from_jax(device)
     except Exception:  # noqa: BLE001 - no GPU visible
         return DeviceFacts.for_arch("sm_90", triton_version=_triton_version())
 
 
+@functools.lru_cache(maxsize=1)
 def _triton_version():
     try:
         from importlib.metadata import version  # noqa: PLC0415
