@@ -205,8 +205,13 @@ def check_triton(arch: str, modules: Sequence[str] = TRITON_MODULES) -> list[Con
                                cfg.get("num_stages"))
             t0 = time.perf_counter()
             try:
+                # attrs (16-byte divisibility) as a real launch specialises them: without them
+                # Triton neither vectorises nor pipelines, and smem/register numbers are wrong.
+                attrs = cfg.get("attrs")
+                if attrs is None and hasattr(mod, "kernel_attrs"):
+                    attrs = mod.kernel_attrs()
                 src = ASTSource(fn=cfg["kernel"], signature=cfg["signature"],
-                                constexprs=cfg.get("constexprs", {}))
+                                constexprs=cfg.get("constexprs", {}), attrs=attrs)
                 opts = {k: cfg[k] for k in ("num_warps", "num_stages") if cfg.get(k) is not None}
                 opts.update(cfg.get("options", {}))
                 compiled = triton.compile(src, target=target, options=opts)
