@@ -18,6 +18,8 @@
 #                                                   -> $OUT/prefill_geometry_sweep.json, .log
 # 4. compute-sanitizer memcheck of paged/ordinary/chunk calls with junk indices and junk slots.
 #                                                   -> $OUT/prefill_memcheck.log
+# Triton vs Pallas on the same buffers (not in this script, JAX compiles take long):
+#   python3 -m bench.prefill --matrix-only --pallas
 # Budget: expected ~6 minutes; the per-step timeouts add up to 480 s. JSON is rewritten after
 # every case, so a step cut by its timeout still leaves its partial data.
 # Exit status non-zero if any step failed.
@@ -30,6 +32,8 @@ export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
 # compiled kernels kept in the (git-ignored) build/ folder: a second run on a warm machine skips
 # most compiles
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/build/triton-cache}"
+# if jax gets imported (optional Pallas provider), it must not grab 75% of the GPU up front
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 rc=0
 
 python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name())" \
