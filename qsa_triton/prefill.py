@@ -494,7 +494,7 @@ VARIANTS = ((MODE_ORDINARY, "bfloat16", None), (MODE_CHUNK, "bfloat16", None),
 
 
 def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
-                    variants=VARIANTS) -> list[dict]:
+                    variants=VARIANTS, pairs: bool = True) -> list[dict]:
     """Every (kernel, constexprs, num_warps, num_stages) the selector can launch on ``arch``.
 
     One entry per distinct (geometry, variant); ``VARIANTS``: ordinary bf16, chunk bf16 and FP8,
@@ -504,7 +504,9 @@ def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
 
     Returns:
       list of dicts: ``kernel`` (the JITFunction), ``name``, ``signature`` (for ASTSource),
-      ``constexprs`` (name -> value), ``num_warps``, ``num_stages``, ``geometry``.
+      ``constexprs`` (name -> value), ``num_warps``, ``num_stages``, ``geometry``, and ``attrs``
+      for the pair kernels (the row kernel's are ``kernel_attrs()``). ``pairs`` adds the
+      experimental pair kernels (``prefill_pairs.py``).
     """
     out = []
     for geo in all_configs(arch):
@@ -524,11 +526,53 @@ def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
                 "num_stages": geo.num_stages,
                 "geometry": geo,
             })
+    if pairs:
+        out += _pair_compile_configs(head_dim)
     return out
 
 
+def _pair_compile_configs(head_dim: int) -> list[dict]:
+    """The experimental pair kernels (``QSA_PREFILL_ALGO=pairs``, any arch): the attention
+    kernel at its default geometry for G 6 and 12 (head tiles 16 and 32) and the union pre-pass
+    (W = 2051 -> 4096 lanes; its compile takes 20-50 s on Triton 3.9, 5 s on 3.6)."""
+    from . import prefill_pairs as PP  # noqa: PLC0415
 
-def compile_check(arch: str, *, limit: int | None = None, variants=VARIANTS) -> list[dict]:
+    def attrs(fn, names):
+        return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
+
+    out = []
+    fa = PP._qsa_pair_attn
+    sig = {n: "i32" for n in fa.arg_names}
+    sig.update({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")})
+    sig.update({n: "*i32" for n in ("cu_q_ptr", "urow_ptr", "ulen_ptr")})
+    sig.update({"uw_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32"})
+    sig.update({n: "constexpr" for n in ("HKV", "HIDX", "G", "D", "BLOCK_M", "BLOCK_N")})
+    a_attrs = attrs(fa, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "urow_ptr", "uw_ptr", "stride_qt",
+                         "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
+                         "stride_ot", "stride_oh"))
+    for g in (6, 12):
+        geo = PP.pair_geometry(g)
+        out.append({"kernel": fa, "name": f"qsa_pair_attn_G{g}_bm{geo.block_m}_bn{geo.block_n}"
+                                          f"_w{geo.num_warps}_s{geo.num_stages}",
+                    "signature": sig, "attrs": a_attrs,
+                    "constexprs": {"HKV": 1, "HIDX": 1, "G": g, "D": head_dim,
+                                   "BLOCK_M": geo.block_m, "BLOCK_N": geo.block_n},
+                    "num_warps": geo.num_warps, "num_stages": geo.num_stages, "geometry": geo})
+    fu = PP._qsa_pair_union
+    sig = {n: "i32" for n in fu.arg_names}
+    sig.update({n: "*i32" for n in ("idx_ptr", "cu_q_ptr", "base_ptr", "kv_lens_ptr", "table_ptr",
+                                     "urow_ptr", "ulen_ptr")})
+    sig.update({"uw_ptr": "*fp32"})
+    sig.update({n: "constexpr" for n in ("HIDX", "WP", "LOG_WP", "MODE")})
+    out.append({"kernel": fu, "name": "qsa_pair_union_paged_wp4096_w8", "signature": sig,
+                "attrs": attrs(fu, ("idx_ptr", "urow_ptr", "uw_ptr", "ulen_ptr")),
+                "constexprs": {"HIDX": 2, "WP": 4096, "LOG_WP": 12, "MODE": 2},
+                "num_warps": 8, "num_stages": 3, "geometry": None})
+    return out
+
+
+def compile_check(arch: str, *, limit: int | None = None, variants=VARIANTS,
+                  pairs: bool = True) -> list[dict]:
     """Compile every ``compile_configs(arch)`` entry ahead of time (no GPU needed) and report its
     shared memory: ``[{name, shared, limit, fits, num_warps, num_stages, constexprs}]``.
 
@@ -547,9 +591,9 @@ def compile_check(arch: str, *, limit: int | None = None, variants=VARIANTS) -> 
     limit = KNOWN_ARCHS[name].smem_per_block if limit is None else limit
     target = GPUTarget("cuda", cc[0] * 10 + cc[1], 32)
     rows = []
-    for c in compile_configs(name, variants=variants):
+    for c in compile_configs(name, variants=variants, pairs=pairs):
         src = ASTSource(fn=c["kernel"], signature=c["signature"], constexprs=c["constexprs"],
-                        attrs=kernel_attrs())
+                        attrs=c.get("attrs") or kernel_attrs())
         comp = triton.compile(src, target=target,
                               options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
         shared = int(comp.metadata.shared)
@@ -567,6 +611,6 @@ if __name__ == "__main__":  # python -m qsa_triton.prefill sm_120 [sm_121 ...]: 
     quick = "--quick" in args  # the variants with the most shared memory and the FP8 path only
     archs = [a for a in args if not a.startswith("--")] or ["sm_120", "sm_121"]
     sel = tuple(v for v in VARIANTS if v[0] in (MODE_CHUNK, MODE_PAGED_INLINE)) if quick else VARIANTS
-    report = {a: compile_check(a, variants=sel) for a in archs}
+    report = {a: compile_check(a, variants=sel, pairs=not quick) for a in archs}
     print(json.dumps(report))
     sys.exit(0 if all(r["fits"] for rows in report.values() for r in rows) else 1)
