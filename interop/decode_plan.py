@@ -19,8 +19,10 @@ n_active from the same device length and masks those splits itself). A zero-leng
 n_active = 1 and its one split writes exact zeros.
 
 Sizing rule (why): at small batch upstream runs B x Hkv x <= 8 programs on 132 SMs and is far from
-the memory floor (anchors.md: B = 1 at 7.5% of HBM); we want about 2 waves of programs, but each
-split must stream enough rows (min_blocks_per_split x BLOCK_N) to amortise its Q load and the merge.
+the memory floor (anchors.md: B = 1 at 7.5% of HBM). The H200 sweep (bench/NOTES.md, decode v2)
+found the best split count per shape at about ONE program per SM, rounded *down* to a power of
+two: B x Hkv x max_splits <= SMs; rounding up (a second, partial wave) cost 4-10%, and at
+B x Hkv >= SMs no split at all (max_splits = 1) was fastest (TP1 B = 128: 126 us vs 138 us).
 """
 
 from __future__ import annotations
@@ -28,14 +30,20 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["DecodePlan", "plan_decode", "next_pow2"]
+__all__ = ["DecodePlan", "plan_decode", "next_pow2", "prev_pow2"]
 
 # Tunables (the H200 sweep, bench/decode.py --sweep, decides; recorded in bench/NOTES.md).
-# split-KV target: about this many programs per SM for long rows. The Triton kernel (D = 256,
-# 4 warps) needs ~200 registers per thread, so 2 programs fit on an SM at once: 2 = one full wave.
-PROGRAMS_PER_SM = 2
+# split-KV target: at most this many programs per SM for long rows (H200 sweep, decode v2: 1 beat
+# 2 on 8 of 9 shapes even though 2 programs of ~200 registers/thread fit on an SM at once).
+PROGRAMS_PER_SM = 1
 MAX_SPLITS_CAP = 64  # most splits of one (sequence, KV head); the merge reads one tile of them
-MIN_BLOCKS_CAP = 4  # a split streams up to this many BLOCK_N blocks before another is activated
+MIN_BLOCKS_CAP = 2  # a split streams up to this many BLOCK_N blocks before another is activated
+#                     (sweep: 1, 2 and 4 within 1% on saturated rows; 2 best on mixed rows)
+
+
+def prev_pow2(x: int) -> int:
+    """Largest power of two <= x (x >= 1)."""
+    return 1 << (max(1, int(x)).bit_length() - 1)
 
 
 def next_pow2(x: int) -> int:
@@ -85,8 +93,8 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
     blocks = max(1, math.ceil(max_seqlen_k / block_n))
     if max_splits is None:
         programs = batch * num_kv_heads
-        want = max(1, math.ceil(PROGRAMS_PER_SM * sm_count / programs))
-        max_splits = min(next_pow2(want), MAX_SPLITS_CAP, next_pow2(blocks))
+        want = max(1, (PROGRAMS_PER_SM * sm_count) // programs)
+        max_splits = min(prev_pow2(want), MAX_SPLITS_CAP, next_pow2(blocks))
     max_splits = max(1, int(max_splits))
     # A row as long as max_seqlen_k should use every split (small batches fill the GPU), but a
     # split should stream at least a few blocks when there are enough of them (amortises the Q
