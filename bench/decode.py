@@ -2,6 +2,12 @@
 
   python bench/decode.py [--json PATH] [--quick] [--pallas]   the comparison table (issue 3)
   python bench/decode.py --sweep [--json PATH]           geometry/split sweep of our kernel
+  python bench/decode.py --sweep --pdl-only [--json PATH] only the PDL on/off pass of the sweep
+
+PDL (Programmatic Dependent Launch between our split and merge kernels, ``qsa_triton.decode``):
+the comparison table runs the mode QSA_DECODE_PDL / ``PDL_AUTO`` selects and prints it; the sweep
+ends each shape with pass C, the shipped plan and the best configuration each with PDL off and on
+(interleaved, same inputs), and summarises the on/off time ratio.
 
 Providers, interleaved in one process on one set of inputs (``bench.common.time_interleaved``:
 CUDA-graph replay of back-to-back calls, round-robin, median of CUDA-event timings; see
@@ -214,8 +220,12 @@ def run_compare(*, tps=tuple(TP), batches=BATCHES, rows=ROWS, rounds: int = 15,
         "copy_bandwidth_Bps": bw, "method": "CUDA-graph replay of back-to-back calls, providers "
         "interleaved round-robin, median of CUDA-event timings per replay / calls",
         "merge_mode": dec.MERGE_MODE, "rounds": rounds, "cases": [], "failures": [],
+        "pdl": dec.pdl_enabled(dev), "pdl_env": os.environ.get(dec.PDL_ENV, "auto"),
+        "pdl_supported": dec.pdl_supported(dev),
     }
     print(f"{gpu_name()}: copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
+    print(f"ours: PDL {'ON' if res['pdl'] else 'off'} ({dec.PDL_ENV}={res['pdl_env']}, "
+          f"PDL_AUTO={dec.PDL_AUTO}, supported={res['pdl_supported']})")
     hdr = (f"{'case':24s} {'provider':10s} {'us':>8s} {'p10':>7s} {'p90':>7s} {'GB/s':>7s} "
            f"{'%copy':>6s} {'x sm121':>8s} {'relL2':>8s}")
     print(hdr)
@@ -359,11 +369,15 @@ SWEEP_GEOMETRY = [(32, 4, 3),  # [75 KB]
 
 
 def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, seed: int = 0,
-              device: str = "cuda", progress_path=None) -> dict:
-    """Two passes per shape, all interleaved within a pass:
+              device: str = "cuda", progress_path=None, pdl_only: bool = False) -> dict:
+    """Three passes per shape, all interleaved within a pass:
       A: every (block_n, num_warps, num_stages) with the plan's split policy;
       B: the best geometry of pass A with other split policies (max_splits x min_blocks) and
-         both merge modes.
+         both merge modes;
+      C: Programmatic Dependent Launch off vs on for the shipped plan and for the best
+         configuration of A and B (only where ``dec.pdl_supported``). ``pdl_only``: pass C
+         alone, for the shipped plan (quick).
+    Passes A and B run the default PDL mode (``dec.pdl_enabled``).
     Each configuration is checked against the FP32 reference. Returns a JSON-able dict with
     per-shape medians, the best configuration per shape and each configuration's geomean time
     relative to the plan default over all shapes (what a single global choice would give)."""
@@ -378,7 +392,9 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
     dev = torch.device(device)
     time_interleaved, bw = _timers(dev)
     res: dict[str, Any] = {"gpu": gpu_name(), "copy_bandwidth_Bps": bw, "shapes": [],
-                           "failures": []}
+                           "failures": [], "pdl_default": dec.pdl_enabled(dev),
+                           "pdl_supported": dec.pdl_supported(dev)}
+    pdl_ratio: dict[str, list[float]] = {}  # on / off time, per configuration kind
     rel_by_cfg: dict[str, list[float]] = {}
     for tp, b, r in shapes:
         t0 = time.time()
@@ -388,18 +404,20 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
         ref = torch_reference(q, k, v, cq, ck)
         base_plan = plan_decode(b, hkv, hq // hkv, D, MSK, dec._sm_count(dev))
 
-        def provider(plan, merge):
-            return lambda: dec.decode_with_plan(q, k, v, cq, ck, MSK, plan=plan, merge=merge)
+        def provider(plan, merge, pdl=None):
+            return lambda: dec.decode_with_plan(q, k, v, cq, ck, MSK, plan=plan, merge=merge,
+                                                pdl=pdl)
 
         def measure(cands: dict[str, tuple]) -> dict[str, dict]:
             provs, meta = {}, {}
-            for name, (plan, merge) in cands.items():
-                fn = provider(plan, merge)
+            for name, (plan, merge, *pdl) in cands.items():
+                fn = provider(plan, merge, *pdl)
                 try:
                     chk = _check(fn(), ref)
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
                     chk = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
-                meta[name] = {"plan": plan.__dict__, "merge": merge, **chk}
+                meta[name] = {"plan": plan.__dict__, "merge": merge,
+                              "pdl": pdl[0] if pdl else res["pdl_default"], **chk}
                 if chk.get("ok"):
                     provs[name] = fn
                 else:
@@ -414,6 +432,34 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
             return meta
 
         plan_now, _ = dec.plan_for(b, hkv, hq // hkv, D, MSK, dev)  # the shipped default
+
+        def pass_c(configs: dict[str, tuple]) -> dict[str, dict]:
+            """PDL off vs on for each (plan, merge), interleaved; ratios into pdl_ratio."""
+            if not dec.pdl_supported(dev):
+                return {}
+            cands = {f"{n}_pdl_{'on' if on else 'off'}": (p, m, on)
+                     for n, (p, m) in configs.items() for on in (False, True)}
+            meta = measure(cands)
+            for n in configs:
+                off, on = meta[f"{n}_pdl_off"].get("median_us"), meta[f"{n}_pdl_on"].get("median_us")
+                if off and on:
+                    pdl_ratio.setdefault(n, []).append(on / off)
+                    print(f"[sweep] {tp} B={b:<3d} {r:9s} PDL {n}: off {off:8.2f} us, on {on:8.2f} us "
+                          f"(on/off {on / off:.3f})")
+            return meta
+
+        if pdl_only:
+            meta_c = pass_c({"plan": (plan_now, "kernel")})
+            res["shapes"].append({"tp": tp, "B": b, "rows": r, "bytes": int(nbytes),
+                                  "plan_default": plan_now.__dict__, "pass_c": meta_c})
+            if progress_path:
+                from bench.common import write_json  # noqa: PLC0415
+
+                write_json(progress_path, {**res, "partial": True})
+            del q, k, v, ref
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         cands_a = {"plan": (plan_now, "kernel")}
         for bn, w, st in geometry:
             if (bn, w, st) == (plan_now.block_n, plan_now.num_warps, plan_now.num_stages):
@@ -448,10 +494,16 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
         if dflt:
             for n, m in timed_a.items():
                 rel_by_cfg.setdefault(n, []).append(m["median_us"] / dflt)
+        best_cfg = {**{f"A:{n}": v for n, v in cands_a.items()},
+                    **{f"B:{n}": v for n, v in cands_b.items()}}[best]
+        pdl_cfgs = {"plan": (plan_now, "kernel")}
+        if best != "A:plan":
+            pdl_cfgs["best"] = best_cfg[:2]
+        meta_c = pass_c(pdl_cfgs)
         shape = {"tp": tp, "B": b, "rows": r, "bytes": int(nbytes), "plan_default": base_plan.__dict__,
                  "default_us": dflt, "best": best, "best_us": all_timed[best]["median_us"],
                  "best_pct_copy_bw": all_timed[best]["pct_copy_bw"], "pass_a": meta_a,
-                 "pass_b": meta_b}
+                 "pass_b": meta_b, "pass_c": meta_c}
         res["shapes"].append(shape)
         if progress_path:
             from bench.common import write_json  # noqa: PLC0415
@@ -472,6 +524,13 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
         del q, k, v, ref
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    res["pdl_on_over_off_geomean"] = {n: _geomean(v) for n, v in pdl_ratio.items()}
+    res["pdl_on_over_off"] = pdl_ratio
+    if pdl_ratio:
+        print("[sweep] PDL on/off time, geomean over shapes (< 1: PDL faster): " + ", ".join(
+            f"{n} {g:.3f}" for n, g in res["pdl_on_over_off_geomean"].items()))
+    elif not res["pdl_supported"]:
+        print("[sweep] PDL pass skipped: not supported here (needs sm_90+, not the interpreter)")
     res["geometry_geomean_vs_default"] = {n: _geomean(v) for n, v in rel_by_cfg.items()}
     done = [sh for sh in res["shapes"] if "best" in sh]
     if done and res["geometry_geomean_vs_default"]:
@@ -511,6 +570,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default=None, help="comma list of B (default 1,4,16,32,64,128)")
     ap.add_argument("--rows", default=None, help="comma list of saturated,mixed (default both)")
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--pdl-only", action="store_true",
+                    help="with --sweep: only the PDL on/off pass (shipped plan), for every shape")
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="exercise the script on CPU (Triton interpreter, B=1 only, no timing value)")
     args = ap.parse_args(argv)
@@ -535,7 +596,7 @@ def main(argv=None) -> int:
         if args.smoke_cpu:
             kw.update(shapes=[("TP2", 1, "mixed")], geometry=SWEEP_GEOMETRY[:2])
         path = args.json or str(out_dir() / "decode_sweep.json")
-        res = run_sweep(progress_path=path, **kw)
+        res = run_sweep(progress_path=path, pdl_only=args.pdl_only, **kw)
         write_json(path, res)
         wrong = [f for f in res["failures"] if "rel_l2" in f]  # ran, but gave wrong numbers
         print(f"wrote {path} in {time.time() - t0:.0f}s; configurations that failed to run: "

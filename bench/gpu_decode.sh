@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One command for the H200 (issue 3): Triton decode GPU tests, compute-sanitizer memcheck, the
-# comparison benchmark and the geometry/split sweep. Everything is written under $OUT
-# (default ./out). Budget: < 7 minutes (per-step timeouts: 180 + 90 + 120 + 150 s; expected ~5 min, then the
+# comparison benchmark, the PDL on/off comparison and the geometry/split sweep. Everything is written under $OUT
+# (default ./out). Budget: < 7 minutes (per-step timeouts: 180 + 90 + 120 + 90 + 150 s; expected ~5 min, then the
 # optional Pallas step only in the time left). Exit status: non-zero if any step failed (all steps run).
 #
 #   OUT=/path/to/out bash bench/gpu_decode.sh
 #
 # Files: decode_gpu_tests.{log,xml}, decode_sanitizer.log, decode.{json,log},
-#        decode_sweep.{json,log}, decode_with_pallas.json + decode_pallas.log (when jax and
+#        decode_pdl.{json,log}, decode_sweep.{json,log}, decode_with_pallas.json + decode_pallas.log (when jax and
 #        bench/pallas_decode_provider.py import), decode_env.txt, decode_steps.txt.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +50,9 @@ else
 fi
 
 step "benchmark" decode.log timeout 120 python bench/decode.py --json "$OUT/decode.json"
+# Programmatic Dependent Launch off vs on, shipped plan, every sweep shape (~30 s): the number
+# that decides qsa_triton.decode.PDL_AUTO
+step "pdl on/off" decode_pdl.log timeout 90 python bench/decode.py --sweep --pdl-only --json "$OUT/decode_pdl.json"
 step "sweep" decode_sweep.log timeout 150 python bench/decode.py --sweep --json "$OUT/decode_sweep.json"
 # last, and optional: Triton vs Pallas vs upstream on a small grid, one process, one set of inputs
 # (only while the whole script stays under ~7 minutes)

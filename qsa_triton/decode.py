@@ -35,6 +35,13 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
     * ``merge="inline"``: the last split to arrive (an int32 acq_rel counter per (s, h)) merges in
       the same launch and resets its counter to 0 before exiting.
   * Offsets into K/V, q, out and the scratch are 64-bit.
+  * Programmatic Dependent Launch (sm_90+, ``PDL_AUTO`` / QSA_DECODE_PDL / ``plan_override(pdl=)``):
+    both kernels are then launched with ``launch_pdl`` so each may be scheduled before its
+    predecessor on the stream has finished; each program first executes
+    ``gdc_launch_dependents`` (split kernel) / nothing, then ``gdc_wait`` (wait until the
+    predecessor grid has completed and its memory is visible) before any load or store, and the
+    merge kernel triggers its own dependents after its wait. So the merge's launch latency hides
+    behind the split kernel, and results are bitwise the same as without PDL.
 
 Scratch: one set per device (LSE, partial outputs, counters), sized at first use for the largest
 qualified shape (B = 128, every qualified head pair, D = 256, max_seqlen_k = 2055, through
@@ -73,12 +80,33 @@ __all__ = [
     "fit_shared_memory",
     "compile_configs",
     "MERGE_MODE",
+    "PDL_ENV",
+    "PDL_AUTO",
+    "pdl_supported",
+    "pdl_enabled",
 ]
 
 #: default merge of split partials: "kernel" (second small kernel) or "inline" (last-arriving
 #: split merges, counters reset in the same launch). Source: issue 3; the H200 sweep decides.
 MERGE_MODE = "kernel"
 _LOG2E = 1.4426950408889634
+
+#: Programmatic Dependent Launch (PDL) between the split and merge kernels (and between a merge
+#: kernel and the next call's split kernel). Why: at B=1 the whole decode is ~8 us of latency
+#: (split kernel + merge-kernel launch gap + merge); with PDL the merge grid is scheduled while
+#: the split kernel still runs and waits in-kernel (griddepcontrol.wait) for its results.
+#: Source: CUDA C++ Programming Guide, "Programmatic Dependent Launch and Synchronization";
+#: PTX ISA "griddepcontrol". Needs sm_90+ and Triton's ``launch_pdl`` launch option with
+#: ``tl.extra.cuda.gdc_wait`` / ``gdc_launch_dependents`` (Triton >= 3.4; 3.6 and 3.9 checked).
+#: Selected per call by the environment variable QSA_DECODE_PDL (read on every call, so a CUDA
+#: graph keeps the mode it was captured with) or ``plan_override(pdl=True|False)``:
+#:   "off": never; "on": always (ContractError where unsupported); "auto" (default): on where
+#:   supported if PDL_AUTO is True. PDL_AUTO stays False until the H200 run (bench/decode.py
+#:   --sweep prints PDL on vs off; tests/test_triton_decode.py -m gpu checks on == off bitwise,
+#:   also under CUDA-graph replay) has confirmed it: flip it then.
+PDL_ENV = "QSA_DECODE_PDL"
+PDL_MODES = ("auto", "on", "off")
+PDL_AUTO = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,8 +151,19 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh, stride_ob, stride_oh,
     HQ, HKV, MAX_SPLITS, MIN_BLOCKS,
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
-    MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr,
+    MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        # Programmatic Dependent Launch (see PDL_AUTO): this grid may start before the previous
+        # kernel on the stream has finished, so wait for it (griddepcontrol.wait: all
+        # prerequisite grids completed, their memory visible) before touching anything: q/k/v/
+        # cu_seqlens may come from it, and a previous merge kernel may still read the scratch we
+        # are about to overwrite. Every program waits (inactive ones store -inf LSEs too).
+        # Trigger first: the merge grid may then be scheduled while we run; it sits in its own
+        # gdc_wait until this grid has completed, so triggering early is always safe (all our
+        # programs are resident by the time the trigger fires: no deadlock).
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     j = pid % MAX_SPLITS  # splits of one (s, h) are adjacent program ids: they run together
     sh = pid // MAX_SPLITS
@@ -209,6 +248,7 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     out_ptr, lse_ptr, part_ptr, stride_ob, stride_oh, HQ, MAX_SPLITS,
     D: tl.constexpr, SPLIT_CHUNK: tl.constexpr, D_CHUNK: tl.constexpr, N_DC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program per (sequence, query head, D_CHUNK columns). The split kernel wrote an LSE for
     # every split slot (-inf: empty / inactive / row finished by its single split), so this kernel
@@ -224,6 +264,12 @@ def _decode_merge_kernel(
     offs_j = tl.arange(0, SPLIT_CHUNK)
     offs_d = dc * D_CHUNK + tl.arange(0, D_CHUNK)
     jm = offs_j < MAX_SPLITS
+    if USE_PDL:
+        # launched early (PDL): the split kernel's LSEs/partials are visible only after this
+        # wait. Then let the next kernel (the next decode's split kernel) get scheduled; it
+        # waits for our completion in turn before overwriting the scratch we read.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     lse = tl.load(lse_ptr + base + offs_j, mask=jm, other=float("-inf"))
     part = tl.load(part_ptr + (base + offs_j)[:, None] * D + offs_d[None, :], mask=jm[:, None],
                    other=0.0)
@@ -255,17 +301,20 @@ _override = threading.local()
 @contextlib.contextmanager
 def plan_override(**fields):
     """Force DecodePlan fields (``block_n``, ``max_splits``, ``min_blocks_per_split``,
-    ``num_warps``, ``num_stages``) and/or ``merge`` ("kernel" | "inline") for calls made inside the
+    ``num_warps``, ``num_stages``), ``merge`` ("kernel" | "inline") and/or ``pdl`` (True | False:
+    Programmatic Dependent Launch on/off, overriding QSA_DECODE_PDL) for calls made inside the
     ``with`` block on this thread (tests: force splits > 1; sweeps). The plan is read when the
     kernel is launched, so a CUDA graph captured inside the block keeps that geometry.
 
     Raises:
-      ValueError: unknown field.
+      ValueError: unknown field; ``pdl`` not a bool.
     """
-    allowed = {f.name for f in dataclasses.fields(DecodePlan)} | {"merge"}
+    allowed = {f.name for f in dataclasses.fields(DecodePlan)} | {"merge", "pdl"}
     bad = set(fields) - allowed
     if bad:
         raise ValueError(f"plan_override: unknown fields {sorted(bad)}; allowed {sorted(allowed)}")
+    if "pdl" in fields and not isinstance(fields["pdl"], bool):
+        raise ValueError(f"plan_override: pdl must be True or False, got {fields['pdl']!r}")
     prev = getattr(_override, "fields", None)
     _override.fields = {**(prev or {}), **fields}
     try:
@@ -299,6 +348,7 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
     if hit is not None:
         return hit
     merge = fields.pop("merge", MERGE_MODE)
+    fields.pop("pdl", None)  # launch mode, not geometry: resolved per call by pdl_enabled
     if merge not in ("kernel", "inline"):
         raise ValueError(f"merge must be 'kernel' or 'inline', got {merge!r}")
     plan = plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k, _sm_count(device),
@@ -377,14 +427,20 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
     distinct (G, head tile, BLOCK_N, num_warps, num_stages) over B = 1..128 and the qualified head
     pairs, fitted to the arch's shared memory as ``plan_for`` does, with both merge modes; and the
     merge kernel per split chunk. Shape ints (B, splits) are runtime values: they add no variant.
+    On sm_90+ (every known arch) also the Programmatic Dependent Launch variants of the
+    merge="kernel" path (``USE_PDL=True``, option ``launch_pdl``; names end in ``_pdl``): the
+    split kernel per geometry and the merge kernel per chunk.
 
     Returns:
       list of dicts: ``kernel`` (JITFunction), ``name``, ``signature``, ``constexprs`` (name ->
-      value), ``attrs`` (16-divisibility of pointers/strides), ``num_warps``, ``num_stages``.
+      value), ``attrs`` (16-divisibility of pointers/strides), ``num_warps``, ``num_stages``,
+      ``options`` (extra ``triton.compile`` options: ``launch_pdl`` for the PDL variants).
     """
     from interop.arch import KNOWN_ARCHS  # noqa: PLC0415
 
-    limit = KNOWN_ARCHS[arch].smem_per_block
+    info = KNOWN_ARCHS[arch]
+    limit = info.smem_per_block
+    pdl_modes = (False, True) if tuple(info.cc) >= (9, 0) and _TRITON_PDL else (False,)
     out, seen = [], set()
     lo, hi = QUALIFIED["batch"]
     for hq, hkv in QUALIFIED["head_pairs"]:
@@ -392,9 +448,9 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
         for b in range(lo, hi + 1):
             p = fit_shared_memory(plan_decode(b, hkv, g, head_dim, QUALIFIED["max_seqlen_k"]),
                                   head_dim, 2, limit)
-            for inline in (False, True):
+            for inline, pdl in ((False, False), (True, False)) + ((False, True),) * (len(pdl_modes) - 1):
                 consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
-                          "MERGE_INLINE": inline, "LSE_ALL": not inline}
+                          "MERGE_INLINE": inline, "LSE_ALL": not inline, "USE_PDL": pdl}
                 key = (tuple(consts.items()), p.num_warps, p.num_stages)
                 if key in seen:
                     continue
@@ -402,16 +458,20 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
                 sig, attrs = _aot(_decode_split_kernel, _SPLIT_PTRS, consts, dtype)
                 out.append({"kernel": _decode_split_kernel, "signature": sig, "constexprs": consts,
                             "attrs": attrs, "num_warps": p.num_warps, "num_stages": p.num_stages,
+                            "options": {"launch_pdl": True} if pdl else {},
                             "name": f"decode_split_G{g}_ht{p.head_tile}_bn{p.block_n}_w{p.num_warps}"
-                                    f"_s{p.num_stages}{'_inline' if inline else ''}_{dtype}"})
-    for chunk in (2, 4, 8, 16, 32, 64):
-        d_chunk = max(16, min(head_dim, 2048 // chunk))
-        consts = {"D": head_dim, "SPLIT_CHUNK": chunk, "D_CHUNK": d_chunk,
-                  "N_DC": head_dim // d_chunk}
-        sig, attrs = _aot(_decode_merge_kernel, _MERGE_PTRS, consts, dtype)
-        out.append({"kernel": _decode_merge_kernel, "signature": sig, "constexprs": consts,
-                    "attrs": attrs, "num_warps": 4, "num_stages": 1,
-                    "name": f"decode_merge_chunk{chunk}_{dtype}"})
+                                    f"_s{p.num_stages}{'_inline' if inline else ''}_{dtype}"
+                                    f"{'_pdl' if pdl else ''}"})
+    for pdl in pdl_modes:
+        for chunk in (2, 4, 8, 16, 32, 64):
+            d_chunk = max(16, min(head_dim, 2048 // chunk))
+            consts = {"D": head_dim, "SPLIT_CHUNK": chunk, "D_CHUNK": d_chunk,
+                      "N_DC": head_dim // d_chunk, "USE_PDL": pdl}
+            sig, attrs = _aot(_decode_merge_kernel, _MERGE_PTRS, consts, dtype)
+            out.append({"kernel": _decode_merge_kernel, "signature": sig, "constexprs": consts,
+                        "attrs": attrs, "num_warps": 4, "num_stages": 1,
+                        "options": {"launch_pdl": True} if pdl else {},
+                        "name": f"decode_merge_chunk{chunk}_{dtype}{'_pdl' if pdl else ''}"})
     return out
 
 
@@ -516,10 +576,13 @@ def scratch_info(device: torch.device | str) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------------------------------
 # Launch
 def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scale: float,
-            plan: DecodePlan, merge: str) -> torch.Tensor:
+            plan: DecodePlan, merge: str, pdl: bool | None = None) -> torch.Tensor:
     if q.device.type != "cuda" and not _interpreting():
         raise ContractError("sparse_decode", "q", "a CUDA tensor (CPU tensors run only under "
                             "Triton's interpreter, TRITON_INTERPRET=1)", str(q.device))
+    use_pdl = pdl_enabled(q.device, pdl)  # may raise: before any allocation
+    # launch_pdl=True is passed only when on: the interpreter / older Triton never see it
+    pdl_kw = {"launch_pdl": True} if use_pdl else {}
     b, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -537,7 +600,7 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             hq, hkv, splits, plan.min_blocks_per_split,
             G=g, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n,
             MERGE_INLINE=(merge == "inline"), LSE_ALL=(splits > 1 and merge == "kernel"),
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
+            USE_PDL=use_pdl, num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
         if splits > 1 and merge == "kernel":
             chunk = min(max(2, next_pow2(splits)), 64)
@@ -545,7 +608,7 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             _decode_merge_kernel[(b * hq * (d // d_chunk),)](
                 out, sc.lse, sc.part, out.stride(0), out.stride(1), hq, splits,
                 D=d, SPLIT_CHUNK=chunk, D_CHUNK=d_chunk, N_DC=d // d_chunk,
-                num_warps=4, num_stages=1,
+                USE_PDL=use_pdl, num_warps=4, num_stages=1, **pdl_kw,
             )
     return out
 
@@ -554,19 +617,76 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 
 
-def decode_with_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
-                     plan: DecodePlan, merge: str = MERGE_MODE) -> torch.Tensor:
-    """``sparse_decode`` with an explicit plan (benchmarks, sweeps); checks the contract first.
+def _triton_has_pdl() -> bool:
+    """Triton exposes the gdc ops and the ``launch_pdl`` launch option (Triton >= 3.4)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions  # noqa: PLC0415
+        cuda_ext = tl.extra.cuda
+    except (ImportError, AttributeError):
+        return False
+    return (hasattr(cuda_ext, "gdc_wait") and hasattr(cuda_ext, "gdc_launch_dependents")
+            and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}))
+
+
+_TRITON_PDL = _triton_has_pdl()
+_CC: dict[tuple[str, int | None], tuple[int, int]] = {}
+
+
+def pdl_supported(device: torch.device | str) -> bool:
+    """Whether Programmatic Dependent Launch can be used for ``device``: a CUDA device of
+    compute capability >= 9.0, a Triton with gdc ops and ``launch_pdl``, and not Triton's
+    interpreter (which has no gdc ops)."""
+    device = torch.device(device)
+    if device.type != "cuda" or _interpreting() or not _TRITON_PDL:
+        return False
+    key = _dev_key(device)
+    if key not in _CC:
+        _CC[key] = tuple(torch.cuda.get_device_capability(key[1]))
+    return _CC[key] >= (9, 0)
+
+
+def pdl_enabled(device: torch.device | str, pdl: bool | None = None) -> bool:
+    """Resolve the PDL mode of one call: ``pdl`` (explicit), else ``plan_override(pdl=...)``,
+    else the environment variable QSA_DECODE_PDL (auto | on | off, default auto; read on every
+    call). auto = ``PDL_AUTO and pdl_supported(device)``.
 
     Raises:
-      ContractError: as ``sparse_decode``; also when ``plan.head_tile`` cannot hold the group.
+      ContractError: QSA_DECODE_PDL not one of auto/on/off; PDL requested (on / True) where
+        ``pdl_supported`` is False.
+    """
+    if pdl is None:
+        pdl = (getattr(_override, "fields", None) or {}).get("pdl")
+    if pdl is None:
+        mode = os.environ.get(PDL_ENV, "auto").strip().lower() or "auto"
+        if mode not in PDL_MODES:
+            raise ContractError("sparse_decode", PDL_ENV, "one of " + ", ".join(PDL_MODES),
+                                os.environ.get(PDL_ENV))
+        if mode == "auto":
+            return PDL_AUTO and pdl_supported(device)
+        pdl = mode == "on"
+    if pdl and not pdl_supported(device):
+        raise ContractError("sparse_decode", PDL_ENV, "PDL only on a CUDA device of compute "
+                            "capability >= 9.0 with a Triton that has launch_pdl, never under "
+                            "TRITON_INTERPRET=1 (use off or auto)", f"on for {torch.device(device)}")
+    return bool(pdl)
+
+
+def decode_with_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
+                     plan: DecodePlan, merge: str = MERGE_MODE,
+                     pdl: bool | None = None) -> torch.Tensor:
+    """``sparse_decode`` with an explicit plan (benchmarks, sweeps); checks the contract first.
+    ``pdl``: Programmatic Dependent Launch on/off (None: as ``pdl_enabled`` resolves it).
+
+    Raises:
+      ContractError: as ``sparse_decode``; also when ``plan.head_tile`` cannot hold the group,
+        and as ``pdl_enabled``.
     """
     prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale)
     if plan.head_tile < max(16, prob.group) or plan.head_tile & (plan.head_tile - 1):
         raise ContractError("decode_with_plan", "plan", "head_tile a power of two >= max(16, G)",
                             plan.head_tile)
     return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, prob.max_seqlen_k, prob.softmax_scale,
-                   plan, merge)
+                   plan, merge, pdl)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -337,6 +337,50 @@ def test_plan_override_rejects_unknown():
     with pytest.raises(ValueError):
         with dec.plan_override(blok_n=3):
             pass
+    with pytest.raises(ValueError):  # pdl must be a bool
+        with dec.plan_override(pdl="on"):
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Programmatic Dependent Launch selection (QSA_DECODE_PDL / plan_override(pdl=...))
+@pytest.mark.skipif(ON_GPU, reason="interpreter-only checks")
+def test_pdl_off_under_interpreter_and_mode_validation(monkeypatch):
+    case = make_case([40, 0, 7], 6, 1, 64, seed=11)
+    ref = reference(*case)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(dec, "PDL_AUTO", True)  # even when auto means "on where supported"
+    for env in (None, "auto", "AUTO", "off"):
+        if env is None:
+            monkeypatch.delenv(dec.PDL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(dec.PDL_ENV, env)
+        assert dec.pdl_supported(cpu) is False
+        assert dec.pdl_enabled(cpu) is False
+        with dec.plan_override(block_n=16, max_splits=2):
+            assert_close(qsa_triton.sparse_decode(*case, 40), ref)
+    with dec.plan_override(block_n=16, max_splits=2, pdl=False):  # explicit off runs
+        assert_close(qsa_triton.sparse_decode(*case, 40), ref)
+    monkeypatch.setenv(dec.PDL_ENV, "on")  # explicit on where unsupported: refused
+    with pytest.raises(ContractError, match=dec.PDL_ENV):
+        qsa_triton.sparse_decode(*case, 40)
+    monkeypatch.delenv(dec.PDL_ENV)
+    with dec.plan_override(pdl=True), pytest.raises(ContractError):
+        qsa_triton.sparse_decode(*case, 40)
+    with pytest.raises(ContractError):
+        dec.decode_with_plan(*case, 40, plan=dec.plan_for(3, 1, 6, 64, 40, cpu)[0], pdl=True)
+
+
+def test_pdl_env_rejects_unknown_value(monkeypatch):
+    case = make_case([5], 6, 1, 64)
+    for bad in ("yes", "1", "true"):
+        monkeypatch.setenv(dec.PDL_ENV, bad)
+        with pytest.raises(ContractError) as ei:
+            qsa_triton.sparse_decode(*case, 5)
+        assert "auto, on, off" in str(ei.value) and bad in str(ei.value)
+    # plan_override(pdl=False) wins over the environment (no read of it)
+    with dec.plan_override(pdl=False):
+        assert dec.pdl_enabled(torch.device("cpu")) is False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,13 +400,17 @@ _SMEM_SCRIPT = textwrap.dedent("""
                 continue  # same limits as sm_120; the tiny merge kernel once is enough
             src = ASTSource(c["kernel"], c["signature"], constexprs=c["constexprs"], attrs=c["attrs"])
             comp = triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                                  options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
+                                  options={"num_warps": c["num_warps"], "num_stages": c["num_stages"],
+                                           **c.get("options", {})})
+            ptx = comp.asm["ptx"]
+            gdc = ("griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
+                   bool(comp.metadata.launch_pdl))
             est = None
             if "BLOCK_N" in c["constexprs"]:
                 k = c["constexprs"]
                 est = dec.smem_bytes(DecodePlan(k["HT"], k["BLOCK_N"], 1, 1, c["num_warps"],
                                                 c["num_stages"]), k["D"], 2)
-            res.append([c["name"], cc, comp.metadata.shared, est])
+            res.append([c["name"], cc, comp.metadata.shared, est, gdc])
     print(json.dumps(res))
 """)
 
@@ -379,7 +427,16 @@ def test_shipped_configs_fit_sm12x_shared_memory():
     rows = json.loads(r.stdout.strip().splitlines()[-1])
     assert any(name.startswith("decode_split") for name, *_ in rows)
     assert any(name.startswith("decode_merge") for name, *_ in rows)
-    for name, cc, shared, estimate in rows:
+    # Programmatic Dependent Launch variants compile for sm_12x too, with both gdc instructions
+    # and the launch option; the plain variants have neither
+    assert any(name.endswith("_pdl") and name.startswith("decode_split") for name, *_ in rows)
+    assert any(name.endswith("_pdl") and name.startswith("decode_merge") for name, *_ in rows)
+    shared_of = {(name, cc): shared for name, cc, shared, *_ in rows}
+    for name, cc, shared, estimate, gdc in rows:
+        assert tuple(gdc) == ((True,) * 3 if name.endswith("_pdl") else (False,) * 3), (name, gdc)
+        if name.endswith("_pdl"):  # PDL adds no shared memory
+            assert shared == shared_of[(name.removesuffix("_pdl"), cc)], (name, cc)
+    for name, cc, shared, estimate, _ in rows:
         assert shared <= 101_376, (name, cc, shared)
         if estimate is not None:  # the estimate plan_for clamps with must not under-count
             assert shared <= estimate, (name, cc, shared, estimate)
@@ -599,3 +656,115 @@ def test_gpu_bitwise_repeatable():
     a = qsa_triton.sparse_decode(*case, SATURATED)
     b = qsa_triton.sparse_decode(*case, SATURATED)
     assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: Programmatic Dependent Launch (sm_90+): same numbers as without it, also under CUDA graphs
+def pdl_gpu(fn):
+    return gpu(pytest.mark.skipif(not (ON_GPU and dec.pdl_supported(CUDA)),
+                                  reason="needs sm_90+ and a Triton with launch_pdl")(fn))
+
+
+@pdl_gpu
+@pytest.mark.parametrize("merge", ["kernel", "inline"])
+def test_gpu_pdl_on_off_bitwise_equal(merge, monkeypatch):
+    rng = np.random.default_rng(7)
+    monkeypatch.setenv(dec.PDL_ENV, "on")
+    assert dec.pdl_enabled(CUDA) is True
+    for tp, b, kind, ms in (("TP1", 1, "saturated", None), ("TP1", 16, "mixed", None),
+                            ("TP2", 64, "mixed", None), ("TP4", 3, "saturated", 8),
+                            ("TP1", 5, "short", 4)):
+        hq, hkv = TP[tp]
+        lens = lengths_for(kind, b, rng)
+        if b > 2:
+            lens[1] = 0
+        case = gpu_case(lens, hq, hkv, seed=b)
+        ov = {"merge": merge, **({} if ms is None else {"max_splits": ms})}
+        with dec.plan_override(pdl=False, **ov):
+            off = qsa_triton.sparse_decode(*case, SATURATED)
+        with dec.plan_override(pdl=True, **ov):
+            on = qsa_triton.sparse_decode(*case, SATURATED)
+        with dec.plan_override(**ov):  # the environment's "on"
+            on_env = qsa_triton.sparse_decode(*case, SATURATED)
+        torch.cuda.synchronize()
+        assert torch.equal(on, off), f"{tp} B={b} {kind} {merge}"
+        assert torch.equal(on_env, off), f"{tp} B={b} {kind} {merge} (env)"
+        assert_close_gpu(on, torch_reference(*case), f"pdl {tp} B={b} {kind} {merge}")
+
+
+@pdl_gpu
+@pytest.mark.parametrize("merge", ["kernel", "inline"])
+def test_gpu_pdl_cuda_graph_chain_replay_matches_eager(merge):
+    # A graph of several back-to-back decodes on different inputs (so a merge kernel and the next
+    # call's split kernel, which overwrites the shared scratch, are PDL neighbours) plus an
+    # elementwise consumer of every output; replayed with new lengths / data, compared bitwise
+    # with eager calls without PDL.
+    hq, hkv = TP["TP1"]
+    b, n_calls = 8, 4
+    cap = b * SATURATED + 64
+    rng = np.random.default_rng(8)
+    dec.prepare(CUDA)
+    qs = [torch.zeros(b, hq, 256, dtype=torch.bfloat16, device=CUDA) for _ in range(n_calls)]
+    k = torch.zeros(cap, hkv, 256, dtype=torch.bfloat16, device=CUDA)
+    v = torch.zeros_like(k)
+    cq = torch.arange(b + 1, dtype=torch.int32, device=CUDA)
+    ck = torch.zeros(b + 1, dtype=torch.int32, device=CUDA)
+
+    def load(lens, seed):
+        nq, nk, nv, _, nck = gpu_case(lens, hq, hkv, slack=cap - sum(lens), seed=seed)
+        for i, q in enumerate(qs):
+            q.copy_(torch.roll(nq, i, dims=1) * (1.0 + 0.25 * i))
+        k.copy_(nk), v.copy_(nv), ck.copy_(nck)
+
+    def chain():
+        outs = [qsa_triton.sparse_decode(q, k, v, cq, ck, SATURATED) for q in qs]
+        return outs, [o.float() * 2.0 for o in outs]  # a non-PDL consumer right after each
+
+    load(lengths_for("saturated", b, rng), 0)
+    with dec.plan_override(merge=merge, pdl=True):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            chain()  # warm-up (compile) off-graph
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs, twice = chain()
+    for i, kind in enumerate(["saturated", "mixed", "short", "medium", "mixed", "saturated"]):
+        lens = lengths_for(kind, b, rng)
+        lens[i % b] = 0
+        load(lens, i + 1)
+        graph.replay()
+        with dec.plan_override(merge=merge, pdl=False):
+            eager = [qsa_triton.sparse_decode(q, k, v, cq, ck, SATURATED) for q in qs]
+        torch.cuda.synchronize()
+        for j in range(n_calls):
+            assert torch.equal(outs[j], eager[j]), f"{kind} call {j}"
+            assert torch.equal(twice[j], eager[j].float() * 2.0), f"{kind} consumer {j}"
+        assert_close_gpu(outs[-1], torch_reference(qs[-1], k, v, cq, ck), f"pdl replay {kind}")
+
+
+@pdl_gpu
+def test_gpu_pdl_many_launches_counters_and_results():
+    hq, hkv = TP["TP1"]
+    rng = np.random.default_rng(9)
+    case = gpu_case(lengths_for("mixed", 32, rng), hq, hkv)
+    ref = torch_reference(*case)
+    for merge, ms in (("inline", 16), ("kernel", None)):
+        ov = {"merge": merge, "pdl": True, **({} if ms is None else {"max_splits": ms})}
+        with dec.plan_override(**ov):
+            first = qsa_triton.sparse_decode(*case, SATURATED)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = [qsa_triton.sparse_decode(*case, SATURATED) for _ in range(100)]
+            for _ in range(50):
+                graph.replay()
+            eager = [qsa_triton.sparse_decode(*case, SATURATED) for _ in range(200)]
+        torch.cuda.synchronize()
+        info = dec.scratch_info(CUDA)
+        assert int(info["counters"].abs().sum()) == 0, merge
+        for o in (outs[0], outs[-1], eager[-1]):
+            assert torch.equal(o, first), merge
+        assert_close_gpu(first, ref, f"pdl {merge} after many launches")
