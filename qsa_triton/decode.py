@@ -36,12 +36,13 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
       the same launch and resets its counter to 0 before exiting.
   * Offsets into K/V, q, out and the scratch are 64-bit.
   * Programmatic Dependent Launch (sm_90+, ``PDL_AUTO`` / QSA_DECODE_PDL / ``plan_override(pdl=)``):
-    both kernels are then launched with ``launch_pdl`` so each may be scheduled before its
-    predecessor on the stream has finished; each program first executes
-    ``gdc_launch_dependents`` (split kernel) / nothing, then ``gdc_wait`` (wait until the
-    predecessor grid has completed and its memory is visible) before any load or store, and the
-    merge kernel triggers its own dependents after its wait. So the merge's launch latency hides
-    behind the split kernel, and results are bitwise the same as without PDL.
+    both kernels are then launched with ``launch_pdl``, so each may be scheduled before its
+    predecessor on the stream has finished. Every program of either kernel executes ``gdc_wait``
+    (returns once the predecessor grid has completed and its memory is visible) before any load
+    or store; the split kernel triggers its dependents (``gdc_launch_dependents``) on entry, the
+    merge kernel right after its wait. So the merge's launch latency hides behind the split
+    kernel (and the next call's split launch behind the merge); results are bitwise the same as
+    without PDL.
 
 Scratch: one set per device (LSE, partial outputs, counters), sized at first use for the largest
 qualified shape (B = 128, every qualified head pair, D = 256, max_seqlen_k = 2055, through
