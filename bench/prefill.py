@@ -16,6 +16,12 @@ Indices are realistic and block-structured (``interop.indices.prefill_indices``:
 tokens plus the causal tail, adjacent rows sharing ~90% of their blocks), padding -1 (upstream's
 kernels only mask idx < 0).
 
+Providers: ``ours`` (public entry point, selector geometry), ``ours[BN, W, S]`` (forced
+geometry; (64, 4, 2) by default), ``ours-pairs*`` (the experimental pair kernels) and
+``pairs-union-only`` (their pre-pass alone), ``upstream-ordinary`` / ``upstream-chunk`` (SGLang
+0.5.23 with its own table geometry; on an H200 its ``"H20" in device_name`` test picks the H20
+table), ``gather-dense`` (torch gather + SDPA, context, KV 32k only), ``pallas`` (``--pallas``).
+
 Reported per provider: ms, gathered bytes (valid entries x D x bytes x 2 for K and V, per KV head),
 effective gather rate (TB/s, bytes / time: a rate above HBM bandwidth means L2 hits), and useful
 TFLOP/s (4 x G x D flops per valid entry per KV head).

@@ -23,6 +23,11 @@ Offsets into K/V and the pool are 64-bit.
 
 FP8 (chunk, paged): K/V in float8_e4m3fn are converted to q's dtype for the dots; ``k_scale``
 multiplies the scores, ``v_scale`` the output.
+
+Environment (read on every call): ``QSA_PREFILL_GEOMETRY`` = auto | table | tuned (the shared
+selector, ``interop/geometry.py``); ``QSA_PREFILL_ALGO`` = rows (default, this kernel) | pairs
+(``prefill_pairs.py``: two adjacent rows share one gathered union tile; experimental until the
+H200 benchmark decides); ``QSA_PAGED_SLOTS`` = prepass (default) | inline (slot lookup in the loop).
 """
 
 from __future__ import annotations
