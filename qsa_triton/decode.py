@@ -98,7 +98,8 @@ _LOG2E = 1.4426950408889634
 #: the split kernel still runs and waits in-kernel (griddepcontrol.wait) for its results.
 #: Source: CUDA C++ Programming Guide, "Programmatic Dependent Launch and Synchronization";
 #: PTX ISA "griddepcontrol". Needs sm_90+ and Triton's ``launch_pdl`` launch option with
-#: ``tl.extra.cuda.gdc_wait`` / ``gdc_launch_dependents`` (Triton >= 3.4; 3.6 and 3.9 checked).
+#: ``tl.extra.cuda.gdc_wait`` / ``gdc_launch_dependents`` (Triton >= 3.4: compiled
+#: here with 3.9; 3.6, on the H200, has the same names; ``_TRITON_PDL`` checks at import).
 #: Selected per call by the environment variable QSA_DECODE_PDL (read on every call, so a CUDA
 #: graph keeps the mode it was captured with) or ``plan_override(pdl=True|False)``:
 #:   "off": never; "on": always (ContractError where unsupported); "auto" (default): on where
@@ -449,7 +450,9 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
         for b in range(lo, hi + 1):
             p = fit_shared_memory(plan_decode(b, hkv, g, head_dim, QUALIFIED["max_seqlen_k"]),
                                   head_dim, 2, limit)
-            for inline, pdl in ((False, False), (True, False)) + ((False, True),) * (len(pdl_modes) - 1):
+            # (merge inline, PDL): PDL variants only for the default merge="kernel" path
+            variants = [(False, False), (True, False)] + ([(False, True)] if True in pdl_modes else [])
+            for inline, pdl in variants:
                 consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
                           "MERGE_INLINE": inline, "LSE_ALL": not inline, "USE_PDL": pdl}
                 key = (tuple(consts.items()), p.num_warps, p.num_stages)

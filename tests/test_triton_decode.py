@@ -672,6 +672,12 @@ def pdl_gpu(fn):
 @pytest.mark.parametrize("merge", ["kernel", "inline"])
 def test_gpu_pdl_on_off_bitwise_equal(merge, monkeypatch):
     rng = np.random.default_rng(7)
+    monkeypatch.setenv(dec.PDL_ENV, "auto")
+    assert dec.pdl_enabled(CUDA) is dec.PDL_AUTO
+    monkeypatch.setattr(dec, "PDL_AUTO", True)
+    assert dec.pdl_enabled(CUDA) is True  # auto = on here once PDL_AUTO is flipped
+    monkeypatch.setenv(dec.PDL_ENV, "off")
+    assert dec.pdl_enabled(CUDA) is False
     monkeypatch.setenv(dec.PDL_ENV, "on")
     assert dec.pdl_enabled(CUDA) is True
     for tp, b, kind, ms in (("TP1", 1, "saturated", None), ("TP1", 16, "mixed", None),
