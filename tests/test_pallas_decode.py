@@ -7,15 +7,16 @@ path; building blocks: jax.jit with traced lengths (no recompilation), lax.scan 
 shard_map over 2 host devices (TP2 12/1 from 24/2, TP4-style 6/1 with the KV head replicated), a
 jitted multi-layer decode step with donated KV buffers.
 
-GPU (``-m gpu``, the H200): the decode shape suite (every B in 1..16, 17, 24, 32, 48, 64, 96, 128 x
-short / medium / saturated rows x TP1 / TP2 / TP4, bf16, D = 256) and replay with new lengths
-without recompiling.
+GPU (``-m gpu``, the H200): the decode shape suite (B in 1, 3, 4, 16, 17, 32, 48, 64, 128 x
+short / medium / saturated rows x TP1 / TP2 / TP4, bf16, D = 256, one K/V capacity per TP so each
+(B, TP) compiles once) and replay with new lengths without recompiling.
 
 Acceptance (qsa-contract.md §6): rtol = atol = 2e-2 elementwise and relative L2 <= 5e-3.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -404,32 +405,94 @@ def test_jitted_multilayer_decode_step_donated_kv():
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU (the H200): shape suite and replay without recompiling
-SUITE_B = list(range(1, 17)) + [17, 24, 32, 48, 64, 96, 128]
+# GPU (the H200): shape suite and replay without recompiling.
+# Budget (< 120 s for this file and tests/test_cross_decode.py with -m gpu): one jit compile per
+# (B, TP) case and nothing else — q is [B, Hq, D] so B is a static shape, but K/V use ONE capacity
+# per TP (C = 128 x MSK + 64 rows, generated once on the device) and only cu_seqlens (traced)
+# change, so the three length kinds and the replays reuse the compiled executable. Every output row
+# is checked against a device FP32 reference (bench.pallas_decode_provider._f32_reference, itself
+# checked against interop.reference in tests/test_cross_decode.py) and a sample of rows against the
+# float64 interop.reference (converting all of K/V to float64 on the host for every case was the
+# slow part of the first H200 run).
+SUITE_B = [1, 3, 4, 16, 17, 32, 48, 64, 128]  # the issue's B list + plan boundaries (3, 17, 48)
 TP = {"TP1": (24, 2), "TP2": (12, 1), "TP4": (6, 1)}
 MSK = 2051
+GPU_D = 256
+SAMPLE_ROWS = 6  # sequences per case checked against the float64 reference
 
 
-def suite_lengths(rng, b, kind):
+def suite_lengths(rng, b, kind, msk=None):
+    msk = msk or MSK
     if kind == "short":
-        return rng.integers(1, 65, b)
+        return rng.integers(1, min(65, msk + 1), b)
     if kind == "medium":
-        return rng.integers(256, 1025, b)
-    return np.full(b, MSK)
+        return rng.integers(min(256, msk // 2), min(1025, msk) + 1, b)
+    return np.full(b, msk)
 
 
-def device_case(seed, b, hq, hkv, d, cap, dtype=None):
-    """Random bf16 q [B, Hq, D] and K/V [cap, Hkv, D] made on the device (fast at B = 128 x
-    2051 rows), a random q-row permutation, and float32 host copies for the reference."""
-    dtype = dtype or jnp.bfloat16
-    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
-    q = jax.random.normal(kq, (b, hq, d), dtype)
-    k = jax.random.normal(kk, (cap, hkv, d), dtype)
-    v = jax.random.normal(kv, (cap, hkv, d), dtype)
-    perm = np.random.default_rng(seed).permutation(b)
-    cq = np.concatenate([perm, [b]]).astype(np.int32)
-    host = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
-    return q, k, v, cq, host(q), host(k), host(v)
+_POOLS: dict = {}
+
+
+def device_pool(tp, d=None, msk=None, max_b=None, dtype=None):
+    """(q_all [max_B, Hq, D], k, v [C, Hkv, D]) on the device (bf16 by default), C = max_B * MSK
+    + 64, plus their host copies (numpy, same dtype), made once per (TP, D, MSK): every B of the
+    suite slices q and shares K/V (one capacity, one shape)."""
+    d, msk, max_b = d or GPU_D, msk or MSK, max_b or max(SUITE_B)
+    key = (tp, d, msk, max_b)
+    if key not in _POOLS:
+        _POOLS.clear()  # one pool alive at a time (TP1 K+V: 0.5 GB)
+        hq, hkv = TP[tp]
+        kq, kk, kv = jax.random.split(jax.random.PRNGKey(hq * 7 + hkv), 3)
+        dt = dtype or jnp.bfloat16
+        cap = max_b * msk + 64
+        dev = (jax.random.normal(kq, (max_b, hq, d), dt), jax.random.normal(kk, (cap, hkv, d), dt),
+               jax.random.normal(kv, (cap, hkv, d), dt))
+        _POOLS[key] = dev + tuple(np.asarray(a) for a in dev)
+    return _POOLS[key]
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
+def _device_reference(q, k, v, cq, ck, *, width):
+    """FP32 packed decode on the device, ``decode_reference``'s semantics (row s attends
+    q[cq[s]] over its rows, zeros for an empty row), rows padded to ``width`` (static: one compile
+    per B) and masked; HIGHEST precision (no TF32)."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    lens = ck[1:] - ck[:-1]
+    pos = jnp.arange(width)[None, :]
+    valid = pos < lens[:, None]  # [B, W]
+    src = jnp.clip(ck[:-1, None] + pos, 0, k.shape[0] - 1)
+    kg, vg = k[src].astype(jnp.float32), v[src].astype(jnp.float32)  # [B, W, Hkv, D]
+    qg = q[cq[:-1]].astype(jnp.float32).reshape(b, hkv, hq // hkv, d)
+    hi = jax.lax.Precision.HIGHEST
+    sc = jnp.einsum("bhgd,bwhd->bhgw", qg, kg, precision=hi) * d ** -0.5
+    mk = valid[:, None, None, :]
+    sc = jnp.where(mk, sc, -jnp.inf)
+    m = jnp.max(sc, axis=-1, keepdims=True)
+    p = jnp.where(mk, jnp.exp(sc - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    den = p.sum(-1, keepdims=True)
+    o = jnp.einsum("bhgw,bwhd->bhgd", p / jnp.where(den > 0, den, 1.0), vg, precision=hi)
+    return o.reshape(b, hq, d)
+
+
+def check_against_references(out, q, pool, cq, ck, rng, msk, sample=SAMPLE_ROWS):
+    """All rows vs the device FP32 reference; ``sample`` sequences (first, last, longest, random)
+    vs the float64 ``interop.reference.decode_reference`` on host copies of just their K/V rows.
+    No eager jax op: nothing compiles per call except ``_device_reference`` once per B."""
+    _, k, v, _, kh, vh = pool
+    b = q.shape[0]
+    o = np.asarray(out).astype(np.float32)
+    ref32 = np.asarray(_device_reference(q, k, v, cq, ck, width=msk))
+    assert_close(o, ref32)
+    lens = np.diff(ck)
+    pick = {0, b - 1, int(lens.argmax())} | set(rng.choice(b, min(b, sample), replace=False).tolist())
+    pick = sorted(pick)
+    qh = np.asarray(q)[cq[pick]].astype(np.float32)
+    sub_ck = np.concatenate([[0], np.cumsum(lens[pick])]).astype(np.int64)
+    rows = np.concatenate([np.arange(ck[s], ck[s + 1]) for s in pick]).astype(np.int64)
+    ref64 = decode_reference(qh, kh[rows].astype(np.float32), vh[rows].astype(np.float32),
+                             np.arange(len(pick) + 1), sub_ck)
+    assert_close(o[pick], ref64)
 
 
 @pytest.mark.gpu
@@ -438,22 +501,29 @@ def device_case(seed, b, hq, hkv, d, cap, dtype=None):
 def test_gpu_decode_suite(b, tp):
     if not ON_GPU:
         pytest.skip("needs jax on a CUDA GPU")
-    hq, hkv = TP[tp]
-    d = 256
-    rng = np.random.default_rng(1000 * b + hq)
-    cap = b * MSK + 64
-    q, k, v, cq, qf, kf, vf = device_case(1000 * b + hq, b, hq, hkv, d, cap)
+    run_suite_case(b, tp)
+
+
+def run_suite_case(b, tp, *, d=None, msk=None, max_b=None, dtype=None):
+    """One (B, TP) case: short / medium / saturated rows on the shared pool, a permuted q row
+    order, a second run bitwise equal, no recompilation for new lengths (also run by the CPU
+    dry run that counts compiles, with small d / msk)."""
+    msk = msk or MSK
+    rng = np.random.default_rng(1000 * b + TP[tp][0])
+    pool = device_pool(tp, d, msk, max_b, dtype)
+    q_all, k, v = pool[:3]
+    q = q_all[:b]
+    cq = np.concatenate([rng.permutation(b), [b]]).astype(np.int32)
     f = jax.jit(qsa_pallas.sparse_decode, static_argnames=("max_seqlen_k",))
     compiled = None
     for kind in ("short", "medium", "saturated"):
-        lens = suite_lengths(rng, b, kind)
+        lens = suite_lengths(rng, b, kind, msk)
         ck = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        out = f(q, k, v, jnp.asarray(cq), jnp.asarray(ck), max_seqlen_k=MSK)
+        out = f(q, k, v, jnp.asarray(cq), jnp.asarray(ck), max_seqlen_k=msk)
         # jit caches are shared by wrappers of one function: count entries after the first call
         compiled = f._cache_size() if compiled is None else compiled
-        n = int(ck[-1])
-        assert_close(out, decode_reference(qf, kf[:n], vf[:n], cq, ck))
-        again = f(q, k, v, jnp.asarray(cq), jnp.asarray(ck), max_seqlen_k=MSK)
+        check_against_references(out, q, pool, cq, ck, rng, msk)
+        again = f(q, k, v, jnp.asarray(cq), jnp.asarray(ck), max_seqlen_k=msk)
         assert np.array_equal(np.asarray(again), np.asarray(out)), "second run not bitwise equal"
     assert f._cache_size() == compiled, "new lengths must not recompile"
 
@@ -462,15 +532,23 @@ def test_gpu_decode_suite(b, tp):
 def test_gpu_replay_new_lengths_no_recompile():
     if not ON_GPU:
         pytest.skip("needs jax on a CUDA GPU")
+    run_replay_case()
+
+
+def run_replay_case(*, d=None, msk=None, max_b=None, dtype=None):
+    """B = 16, TP1 on the shared pool: 5 launches with new lengths (incl. 0 and MSK), one
+    compile."""
+    msk = msk or MSK
     rng = np.random.default_rng(99)
-    b, (hq, hkv), d = 16, TP["TP1"], 256
-    q, k, v, _, qf, kf, vf = device_case(99, b, hq, hkv, d, b * MSK)
+    b = 16
+    pool = device_pool("TP1", d, msk, max_b, dtype)
+    q_all, k, v = pool[:3]
+    q = q_all[:b]
     cq = np.arange(b + 1, dtype=np.int32)
-    f = jax.jit(lambda q, k, v, cq, ck: qsa_pallas.sparse_decode(q, k, v, cq, ck, MSK))
+    f = jax.jit(lambda q, k, v, cq, ck: qsa_pallas.sparse_decode(q, k, v, cq, ck, msk))
     for trial in range(5):
-        lens = rng.integers(0, MSK + 1, b) if trial else np.full(b, MSK)
+        lens = rng.integers(0, msk + 1, b) if trial else np.full(b, msk)
         ck = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         out = f(q, k, v, jnp.asarray(cq), jnp.asarray(ck))
-        n = int(ck[-1])
-        assert_close(out, decode_reference(qf, kf[:n], vf[:n], cq, ck))
+        check_against_references(out, q, pool, cq, ck, rng, msk)
     assert f._cache_size() == 1  # a fresh lambda: its own cache
