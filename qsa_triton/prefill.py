@@ -26,8 +26,8 @@ multiplies the scores, ``v_scale`` the output.
 
 Environment (read on every call): ``QSA_PREFILL_GEOMETRY`` = auto | table | tuned (the shared
 selector, ``interop/geometry.py``); ``QSA_PREFILL_ALGO`` = rows (default, this kernel) | pairs
-(``prefill_pairs.py``: two adjacent rows share one gathered union tile; experimental until the
-H200 benchmark decides); ``QSA_PAGED_SLOTS`` = prepass (default) | inline (slot lookup in the loop).
+| quads (``prefill_pairs.py`` / ``prefill_quads.py``: 2 / 4 adjacent rows share one gathered union
+tile; experimental until the H200 benchmark decides); ``QSA_PAGED_SLOTS`` = prepass (default) | inline (slot lookup in the loop).
 """
 
 from __future__ import annotations
@@ -207,13 +207,13 @@ def _geometry_from(forced, kind, q, **kw) -> Geometry:
 
 
 ALGO_ENV = "QSA_PREFILL_ALGO"
-ALGOS = ("rows", "pairs")
+ALGOS = ("rows", "pairs", "quads")
 
 
 def prefill_algo(width: int) -> str:
     """``QSA_PREFILL_ALGO`` (read on every call): ``rows`` (default; one program per query row and
-    KV head) or ``pairs`` (``prefill_pairs.py``: two adjacent rows share one gathered union tile;
-    experimental, used only when W <= 8192).
+    KV head), ``pairs`` (``prefill_pairs.py``) or ``quads`` (``prefill_quads.py``): 2 or 4 adjacent
+    rows share one gathered union tile; experimental, used only when W <= 8192 (else ``rows``).
 
     Raises:
       ContractError: any other value.
@@ -225,10 +225,15 @@ def prefill_algo(width: int) -> str:
     if algo not in ALGOS:
         raise contract.ContractError("sparse_prefill", f"${ALGO_ENV}",
                                      f"one of {', '.join(ALGOS)} (or unset = rows)", repr(raw))
-    return "pairs" if algo == "pairs" and width <= MAX_PAIR_WIDTH else "rows"
+    return algo if width <= MAX_PAIR_WIDTH else "rows"
 
 
 def _pairs(kind, q, k, v, indices, cu_q, **kw):
+    """Route to the pair or quad kernels (``QSA_PREFILL_ALGO``)."""
+    if prefill_algo(indices.shape[-1]) == "quads":
+        from .prefill_quads import quads_forward  # noqa: PLC0415
+
+        return quads_forward(kind, q, k, v, indices, cu_q, **kw)
     from .prefill_pairs import pairs_forward  # noqa: PLC0415
 
     return pairs_forward(kind, q, k, v, indices, cu_q, **kw)
@@ -258,7 +263,7 @@ def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, table, geo: Geometry, 
 # Implementations (called by the custom ops; no contract check here: the public entry points do
 # it first). ``geometry`` = None selects from the shared selector; benchmarks may force one.
 def _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, geometry=None):
-    if geometry is None and prefill_algo(indices.shape[-1]) == "pairs":
+    if geometry is None and prefill_algo(indices.shape[-1]) != "rows":
         return _pairs("ordinary", q, k, v, indices, cu_seqlens, max_seqlen_q=max_seqlen_q,
                       softmax_scale=softmax_scale)
     out = torch.empty_like(q)
@@ -272,7 +277,7 @@ def _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, geo
 
 def _chunk_impl(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
                 softmax_scale, k_scale, v_scale, geometry=None):
-    if geometry is None and prefill_algo(indices.shape[-1]) == "pairs":
+    if geometry is None and prefill_algo(indices.shape[-1]) != "rows":
         return _pairs("chunk", q, k, v, indices, cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       kv_lens=kv_lens, max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
                       k_scale=k_scale, v_scale=v_scale)
@@ -309,7 +314,7 @@ def resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, max_seqlen_q)
 
 def _paged_impl(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens, max_seqlen_q,
                 softmax_scale, k_scale, v_scale, geometry=None, inline_slots=None):
-    if geometry is None and inline_slots is None and prefill_algo(indices.shape[-1]) == "pairs":
+    if geometry is None and inline_slots is None and prefill_algo(indices.shape[-1]) != "rows":
         return _pairs("paged", q, k_cache, v_cache, indices, cu_seqlens_q, kv_lens=kv_lens,
                       slot_table=slot_table, max_seqlen_q=max_seqlen_q,
                       softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)

@@ -46,7 +46,8 @@ _BIG = tl.constexpr(2**31 - 1)  # sentinel for invalid entries (sorts last)
 def _lower_bound(sorted_vals, x, WP: tl.constexpr, LOG_WP: tl.constexpr):
     """Number of elements < x in ``sorted_vals`` ([WP], ascending), for every lane of x."""
     pos = tl.zeros(x.shape, tl.int32)
-    for k in tl.static_range(LOG_WP):
+    # a loop, not static_range: unrolled searches made the pre-pass take minutes to compile
+    for k in range(LOG_WP):
         step = WP >> (k + 1)
         probe = tl.gather(sorted_vals, pos + (step - 1), 0)
         pos = tl.where(probe < x, pos + step, pos)

@@ -286,9 +286,10 @@ def test_env_override_is_read_every_call(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ pairs
-@pytest.fixture
-def pairs(monkeypatch):
-    monkeypatch.setenv("QSA_PREFILL_ALGO", "pairs")
+@pytest.fixture(params=["pairs", "quads"])
+def pairs(monkeypatch, request):
+    monkeypatch.setenv("QSA_PREFILL_ALGO", request.param)
+    return request.param
 
 
 @pytest.mark.parametrize("kind,kv", [("ordinary", None), ("chunk", [9, 5, 14]),
@@ -312,9 +313,10 @@ def test_pairs_fp8_and_low_overlap(pairs):
 def test_pairs_duplicates_attend_twice(pairs):
     """Gather semantics: a position selected twice in a row counts twice, in row r, in row r+1,
     in both, or only in one of them."""
-    case = make_case("chunk", 6, 1, 32, [6], [12], width=10, dtype=FP16, seed=42, device=DEV)
+    case = make_case("chunk", 6, 1, 32, [8], [14], width=10, dtype=FP16, seed=42, device=DEV)
     idx = torch.full_like(case.indices, -1)
-    rows = [[3, 3, 4, 0], [3, 5, 5, 5, 0], [1, 1, 2], [2, 2, 1, 1, 9], [7], [7, 7, 0, 0, 11]]
+    rows = [[3, 3, 4, 0], [3, 5, 5, 5, 0], [1, 1, 2], [2, 2, 1, 1, 9], [7], [7, 7, 0, 0, 11],
+            [4, 4, 4], [0, 11, 11, 3]]
     for r, sel in enumerate(rows):
         idx[r, :len(sel)] = torch.tensor(sel, dtype=torch.int32)
     case.indices = idx
@@ -328,7 +330,7 @@ def test_pairs_duplicates_attend_twice(pairs):
     torch.testing.assert_close(out.float(), rows_out.float(), rtol=2e-3, atol=2e-3)
 
 
-def test_pairs_union_lengths(pairs):
+def test_pairs_union_lengths():
     """The union list of a pair is row r's visible columns plus the tokens only row r+1 selects."""
     from qsa_triton.prefill_pairs import pair_union  # noqa: PLC0415
 
@@ -347,8 +349,8 @@ def test_pairs_union_lengths(pairs):
 
 def test_bad_algo_env(monkeypatch):
     case = make_case("ordinary", 6, 1, 32, [3], width=4, dtype=FP16, device=DEV)
-    monkeypatch.setenv("QSA_PREFILL_ALGO", "quads")
-    with pytest.raises(ContractError, match="rows, pairs"):
+    monkeypatch.setenv("QSA_PREFILL_ALGO", "octets")
+    with pytest.raises(ContractError, match="rows, pairs, quads"):
         case.run()
 
 
