@@ -148,7 +148,8 @@ def count_kernel_launches(jitted: Callable, args: tuple = ()) -> int:
 
 def make_provider(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float | None = None, *,
                   inner_reps: int = 1, interpret: bool | None = None, plan=None,
-                  check_launches: bool = True):
+                  check_launches: bool = True, direct: bool | None = None,
+                  min_timing_reps: int = FAIR_INNER_REPS):
     """Zero-arg callable running ``qsa_pallas.sparse_decode`` on torch CUDA buffers.
 
     Args:
@@ -157,6 +158,11 @@ def make_provider(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float | None = 
       max_seqlen_k: host int; scale: softmax scale (None -> D ** -0.5).
       inner_reps: decodes per call, N (module docstring, "Timing JAX work"); use
         ``FAIR_INNER_REPS`` (64) for timing, 1 for correctness. plan: optional DecodePlan override.
+      direct: ``qsa_pallas.sparse_decode``'s ``direct`` (one-split plans in one launch).
+      min_timing_reps: inner_reps > 1 means "for timing": the chain is lengthened to at least
+        this many decodes (the fair method; ``fn.inner_reps`` reports the N actually used, and
+        the benchmark divides by it), so a caller asking for a short chain (bench/decode.py
+        passed 8) still gets the amortised dispatch. 0 or 1 keeps inner_reps as given.
       check_launches: on a GPU with inner_reps > 1, compile the chain once more and check its HLO
         keeps 2 N Triton launches (a mismatch is printed to stderr and recorded in
         ``timing_method``).
@@ -177,10 +183,12 @@ def make_provider(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float | None = 
 
     jq, jk, jv, jcq, jck = (to_jax(t) for t in (q, k, v, cu_q, cu_k))
     qsa_pallas.sparse_decode(jq, jk, jv, jcq, jck, max_seqlen_k, scale, interpret=interpret,
-                             plan=plan)  # contract check + compile now
+                             plan=plan, direct=direct)  # contract check + compile now
     step = functools.partial(_pallas_step, max_seqlen_k=max_seqlen_k, scale=scale,
-                             interpret=interpret, plan=plan)
+                             interpret=interpret, plan=plan, direct=direct)
     args = (jq, jk, jv, jcq, jck)
+    if inner_reps > 1:
+        inner_reps = max(int(inner_reps), int(min_timing_reps))
     if inner_reps == 1:  # the warm-up call above compiled it: no second executable
         f = jax.jit(step)  # traced, not called: only kernel_launches() / self_time() compile it
         return _wrap(lambda: step(*args), 1, "pallas", jitted=f, args=args)
@@ -196,11 +204,11 @@ def make_provider(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float | None = 
     return call
 
 
-def _pallas_step(q, k, v, cq, ck, *, max_seqlen_k, scale, interpret, plan):
+def _pallas_step(q, k, v, cq, ck, *, max_seqlen_k, scale, interpret, plan, direct=None):
     import qsa_pallas  # noqa: PLC0415
 
     return qsa_pallas.sparse_decode(q, k, v, cq, ck, max_seqlen_k, scale, interpret=interpret,
-                                    plan=plan)
+                                    plan=plan, direct=direct)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,6 +397,19 @@ def run_pallas_only(*, batches=BATCHES, tps=tuple(TP), inner_reps: int = FAIR_IN
                 f = jax.jit(_chain(step, inner_reps)).lower(q, k, v, cq, ckj).compile()
                 t = _time_jax(f, (q, k, v, cq, ckj))
                 case["kernel_launches"] = count_kernel_launches(f)
+                plan_ = decode_plan_for(b, hq, hkv, d, msk)
+                if plan_.max_splits == 1:  # the one-launch variant (qsa_pallas direct=True)
+                    o_d = qsa_pallas.sparse_decode(q, k, v, cq, ckj, msk, direct=True)
+                    o_d = np.asarray(o_d.astype(jnp.float32))
+                    case["direct_rel_l2"] = float(np.linalg.norm(o_d - ref)
+                                                  / max(np.linalg.norm(ref), 1e-30))
+                    case["ok"] = case["ok"] and case["direct_rel_l2"] <= 5e-3
+                    step_d = functools.partial(_pallas_step, max_seqlen_k=msk, scale=None,
+                                               interpret=None, plan=None, direct=True)
+                    f_d = jax.jit(_chain(step_d, inner_reps)).lower(q, k, v, cq, ckj).compile()
+                    us_d = _time_jax(f_d, (q, k, v, cq, ckj))["median_s"] / inner_reps * 1e6
+                    case["pallas_direct_us"] = us_d
+                    case["pallas_direct_pct_copy_bw"] = 100 * case["bytes"] / (us_d * 1e-6) / bw
                 us = t["median_s"] / inner_reps * 1e6
                 case["pallas_us"] = us
                 case["pallas_pct_copy_bw"] = 100 * case["bytes"] / (us * 1e-6) / bw
@@ -397,6 +418,8 @@ def run_pallas_only(*, batches=BATCHES, tps=tuple(TP), inner_reps: int = FAIR_IN
                 res["cases"].append(case)
                 print(f"{tp} B={b:3d} {rows:9s} pallas {us:8.1f} us "
                       f"{case['pallas_pct_copy_bw']:5.1f}% copy-bw  relL2 {case['rel_l2']:.1e}"
+                      + (f"  direct {case['pallas_direct_us']:.1f} us"
+                         if "pallas_direct_us" in case else "")
                       + "".join(f"  {n} {case[n]:.1f}us" for n in case if n.endswith("_ctx_us")),
                       flush=True)
                 del q, k, v

@@ -18,7 +18,11 @@ Design (mirrors ``qsa_triton.decode`` through the shared static plan ``interop.d
   D chunk) recomputes the row's n_active from the same device length, weighs split j by
   ``exp(lse_j - max lse)`` (inactive / empty splits by exactly 0) and writes ``[B, Hq, D]`` in q's
   dtype: exact zeros for a row with no keys, never NaN. Two launches, no XLA glue kernels, no
-  atomics at all.
+  atomics at all;
+* optionally (``direct=True`` / ``QSA_PALLAS_DIRECT=1``), a one-split plan (``max_splits == 1``:
+  B x Hkv >= the SM count, e.g. TP1 B >= 34, TP2/TP4 B >= 67 on the H200) launches the split kernel alone, writing the normalised output in q's dtype
+  straight into ``[B, Hq, D]`` (no FP32 partials, no merge launch), as the Triton kernel does for
+  a row with one active split.
 
 64-bit offsets: the Pallas Triton lowering switches its pointer offsets to i64 by itself when an
 operand exceeds 2**32 bytes (``_compute_offsets_from_indices``); the row numbers the kernel computes
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +49,8 @@ from interop.decode_plan import DecodePlan, next_pow2, plan_decode
 from . import _compat as C
 
 __all__ = [
-    "sparse_decode", "decode_plan_for", "decode_partials", "merge_partials", "fit_shared_memory",
+    "sparse_decode", "decode_plan_for", "decode_partials", "decode_direct", "merge_partials",
+    "fit_shared_memory",
     "split_kernel_smem_bytes", "lowering_cases",
 ]
 
@@ -129,13 +135,17 @@ def _active_splits(cuk_ref, s, block_n: int, min_blocks: int, max_splits: int):
     return start, end, length, blocks, n_active
 
 
-def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, group: int,
+def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None, *, group: int,
                   head_tile: int, block_n: int, num_q_heads: int, num_kv_heads: int,
-                  batch: int, capacity: int, max_splits: int, min_blocks: int, scale: float):
+                  batch: int, capacity: int, max_splits: int, min_blocks: int, scale: float,
+                  direct: bool = False):
     """One (sequence, KV head, split) program.
 
     Refs: cuq/cuk int32 [B + 1]; q [B * Hq, D]; k, v [C * Hkv, D] (row r, head h at r * Hkv + h);
     o_ref [HT, D] f32 block of [B, Hkv, S, HT, D]; lse_ref [HT] f32 block of [B, Hkv, S, HT].
+    direct (plan.max_splits == 1): o_ref is the whole output [B * Hq, D] in q's dtype, written at
+    rows s * Hq + h * G + g (the split is the whole row: no partials, no LSE, no merge launch,
+    as the Triton kernel does for a row with n_active == 1); lse_ref is absent.
     """
     s, h, j = pl_program_ids()
     start, end, length, blocks, n_active = _active_splits(cuk_ref, s, block_n, min_blocks,
@@ -147,7 +157,16 @@ def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, grou
     full = length // block_n  # blocks [0, full) lie entirely inside the row
 
     heads = lax.iota(jnp.int32, head_tile)
-    head_ok = heads < group
+    if direct:
+        # Padding lanes first (lane i holds head i - (HT - G)): the indexed output store below
+        # clamps the padding lanes onto head 0's row and masks them; on the GPU they store
+        # nothing, and interpret mode (a scatter of where(mask, val, old), later updates winning
+        # on XLA:CPU) then lets the real head-0 lane, which comes after them, write last.
+        heads = heads - (head_tile - group)
+        head_ok = heads >= 0
+        heads = jnp.maximum(heads, 0)
+    else:
+        head_ok = heads < group
     q_row = jnp.clip(cuq_ref[s], 0, batch - 1)
     q_idx = q_row * num_q_heads + h * group + jnp.minimum(heads, group - 1)
     dcol = lax.iota(jnp.int32, q_ref.shape[-1])[None, :]
@@ -189,6 +208,10 @@ def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, grou
                                   functools.partial(step, masked=True), carry)
     has = l_i > 0
     out = acc / jnp.where(has, l_i, 1.0)[:, None]
+    if direct:  # the whole row in this program: normalised output in q's dtype, zeros if empty
+        o_idx = s * num_q_heads + h * group + heads
+        C.store(o_ref.at[o_idx[:, None], dcol], out.astype(o_ref.dtype), mask=head_ok[:, None])
+        return
     lse = jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)), -jnp.inf)
     # Padded head rows and inactive splits are never stored (nor read by the merge).
     keep = head_ok & (j < n_active)
@@ -265,6 +288,30 @@ def decode_partials(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, so
                 v.reshape(cap * hkv, d))
 
 
+def decode_direct(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_scale: float,
+                  interpret: bool):
+    """The split kernel alone for a one-split plan (``plan.max_splits == 1``, no checks): each
+    (sequence, KV head) program attends its whole row and writes ``[B, Hq, D]`` in q's dtype
+    directly (exact zeros for an empty row). Saves the merge launch and the FP32 partial round
+    trip (B >= 34 on TP1, B >= 67 on TP2/TP4 with 132 SMs)."""
+    b, hq, d = q.shape
+    cap, hkv, _ = k.shape
+    if plan.max_splits != 1:
+        raise ValueError(f"decode_direct needs a one-split plan, got max_splits={plan.max_splits}")
+    kernel = functools.partial(
+        _split_kernel, group=hq // hkv, head_tile=plan.head_tile, block_n=plan.block_n,
+        num_q_heads=hq, num_kv_heads=hkv, batch=b, capacity=cap, max_splits=1,
+        min_blocks=plan.min_blocks_per_split, scale=float(softmax_scale), direct=True)
+    whole = C.pl.no_block_spec
+    call = C.triton_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((b * hq, d), q.dtype), grid=(b, hkv, 1),
+        in_specs=[whole] * 5, out_specs=whole, num_warps=plan.num_warps,
+        num_stages=plan.num_stages, interpret=interpret, name="qsa_decode_direct")
+    out = call(cu_seqlens_q, cu_seqlens_k, q.reshape(b * hq, d), k.reshape(cap * hkv, d),
+               v.reshape(cap * hkv, d))
+    return out.reshape(b, hq, d)
+
+
 def merge_partials(o, lse, cu_seqlens_k, *, num_q_heads: int, plan: DecodePlan, out_dtype,
                    interpret: bool):
     """The merge kernel: (o [B, Hkv, S, HT, D] f32, lse [B, Hkv, S, HT] f32) -> [B, Hq, D].
@@ -291,13 +338,22 @@ def merge_partials(o, lse, cu_seqlens_k, *, num_q_heads: int, plan: DecodePlan, 
     return call(cu_seqlens_k, o.reshape(b * hkv * s_max * ht, d), lse.reshape(-1))
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "softmax_scale", "interpret"))
+# One-split plans through ``decode_direct`` (one launch) instead of split + merge. Off by default
+# until the H200 confirms it (bench: ``python -m bench.pallas_decode_provider`` times both) and
+# tests/test_pallas_lowering.py accepts the one-module lowering; QSA_PALLAS_DIRECT=1 turns it on.
+DIRECT_ONE_SPLIT = os.environ.get("QSA_PALLAS_DIRECT", "0") not in ("", "0")
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "softmax_scale", "interpret", "direct"))
 def _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_scale: float,
-            interpret: bool):
+            interpret: bool, direct: bool = False):
     b, hq, d = q.shape
     cap, hkv, _ = k.shape
     if cap == 0:  # no keys anywhere: every row is empty (contract: exact zeros)
         return jnp.zeros_like(q)
+    if direct and plan.max_splits == 1:  # one program per (sequence, KV head): one launch
+        return decode_direct(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
+                             softmax_scale=softmax_scale, interpret=interpret)
     o, lse = decode_partials(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
                              softmax_scale=softmax_scale, interpret=interpret)
     return merge_partials(o, lse, cu_seqlens_k, num_q_heads=hq, plan=plan, out_dtype=q.dtype,
@@ -305,7 +361,8 @@ def _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_sc
 
 
 def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
-                  interpret: bool | None = None, plan: DecodePlan | None = None):
+                  interpret: bool | None = None, plan: DecodePlan | None = None,
+                  direct: bool | None = None):
     """Packed varlen sparse decode (``qsa-contract.md`` §2), Pallas on the Triton lowering.
 
     Same argument order and meaning as ``qsa_triton.sparse_decode``.
@@ -322,6 +379,9 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
       interpret: None -> Pallas interpret mode when jax's default backend is the CPU, the compiled
         Triton kernel on a GPU; True/False forces it.
       plan: optional ``interop.decode_plan.DecodePlan`` overriding the shared plan (tests, sweeps).
+      direct: a one-split plan (``max_splits == 1``) runs ``decode_direct`` (the split kernel
+        writes the output: one launch, no merge); None -> ``DIRECT_ONE_SPLIT``
+        (env ``QSA_PALLAS_DIRECT``, off by default).
 
     Returns:
       [B, Hq, D] in q's dtype; ``out[s, h] = softmax(scale * q[cu_q[s], h] . K^T) . V`` over the
@@ -344,7 +404,8 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
                             plan.head_tile)
     return _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
                    softmax_scale=float(prob.softmax_scale),
-                   interpret=C.resolve_interpret(interpret))
+                   interpret=C.resolve_interpret(interpret),
+                   direct=DIRECT_ONE_SPLIT if direct is None else bool(direct))
 
 
 

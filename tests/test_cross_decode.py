@@ -120,7 +120,8 @@ def test_provider_inner_reps_chain():
     q, k, v, cq, ck = _case(3, [20, 9, 33], 6, 1, 64, torch.float16, dev)
     # q row order must be the identity for the chain (out row s feeds q row s)
     cq = torch.arange(4, dtype=torch.int32, device=dev)
-    f = make_provider(q, k, v, cq, ck, 40, inner_reps=3)
+    assert make_provider(q, k, v, cq, ck, 40, inner_reps=2).inner_reps == 64  # the fair minimum
+    f = make_provider(q, k, v, cq, ck, 40, inner_reps=3, min_timing_reps=0)
     assert f.inner_reps == 3 and f.cuda_graph_capturable is False
     x = to_jax(q)
     for _ in range(3):

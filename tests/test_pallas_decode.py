@@ -16,6 +16,7 @@ Acceptance (qsa-contract.md §6): rtol = atol = 2e-2 elementwise and relative L2
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -132,6 +133,28 @@ def test_forced_splits_and_rows_longer_than_bound(max_splits, block_n):
     out = run(q, k, v, cq, ck, 50, plan=plan)
     assert_close(out, reference(q, k, v, cq, ck))
     assert (np.asarray(out[2]) == 0).all()
+
+
+@pytest.mark.parametrize("hq,hkv", [(24, 2), (6, 1), (3, 1)])
+def test_direct_one_split_path(hq, hkv):
+    """direct=True with a one-split plan: the split kernel writes [B, Hq, D] itself (padding
+    lanes first, masked), no merge; edge lengths incl. 0, a permuted q order, NaN past the rows."""
+    rng = np.random.default_rng(hq + 50)
+    bn = 16
+    lens = edge_lengths(rng, bn)
+    q, k, v, cq, ck = make_case(rng, lens, hq, hkv, 64, permute_q=True, poison=np.nan)
+    plan = dataclasses.replace(decode_plan_for(len(lens), hq, hkv, 64, 3 * bn + 5, block_n=bn),
+                               max_splits=1)
+    out = run(q, k, v, cq, ck, 3 * bn + 5, plan=plan, direct=True)
+    assert_close(out, reference(q, k, v, cq, ck))
+    assert (np.asarray(out)[np.asarray(lens) == 0] == 0).all()
+    sds = jax.ShapeDtypeStruct
+    args = (sds(q.shape, jnp.float16), sds(k.shape, jnp.float16), sds(v.shape, jnp.float16),
+            sds(cq.shape, jnp.int32), sds(ck.shape, jnp.int32))
+    lowered = C.lower_for_device_kind(
+        lambda *a: qsa_pallas.sparse_decode(*a, 3 * bn + 5, interpret=False, plan=plan,
+                                            direct=True), args, "NVIDIA H200")
+    assert [m.name for m in C.triton_modules(lowered)] == ["qsa_decode_direct"]
 
 
 def test_all_rows_empty_and_zero_capacity():
