@@ -93,10 +93,12 @@ def forced_provider(c: Case, geo) -> callable:
                                  c.max_q, sc, c.k_scale, c.v_scale, geometry=geo)
 
 
-def pairs_providers(c: Case, geometries=((32, 4, 2), (64, 4, 2), (16, 2, 2))) -> dict:
-    """The experimental pair kernels (``qsa_triton/prefill_pairs.py``) at a few geometries, and
-    their union pre-pass alone (to see its share)."""
+def pairs_providers(c: Case, geometries=((32, 4, 2),), algos=("pairs", "quads")) -> dict:
+    """The experimental row-group kernels (``qsa_triton/prefill_pairs.py``: 2 rows,
+    ``prefill_quads.py``: 4 rows) at the given (BLOCK_N, warps, stages), and their union
+    pre-passes alone (to see their share)."""
     from qsa_triton import prefill_pairs as PP  # noqa: PLC0415
+    from qsa_triton import prefill_quads as PQ  # noqa: PLC0415
 
     if c.indices.shape[-1] > PP.MAX_PAIR_WIDTH:
         return {}
@@ -104,17 +106,23 @@ def pairs_providers(c: Case, geometries=((32, 4, 2), (64, 4, 2), (16, 2, 2))) ->
     kw = dict(cu_seqlens_k=c.cu_k if c.kind == "chunk" else None,
               kv_lens=None if c.kind == "ordinary" else c.kv_lens, slot_table=c.slot_table,
               max_seqlen_q=c.max_q, softmax_scale=sc, k_scale=c.k_scale, v_scale=c.v_scale)
-    provs = {}
-    for i, geo in enumerate(geometries):
-        name = "ours-pairs" if i == 0 else f"ours-pairs{list(geo)}"
-        provs[name] = (lambda geo=geo: PP.pairs_forward(c.kind, c.q, c.k, c.v, c.indices, c.cu_q,
-                                                        geometry=geo, **kw))
     mode = {"ordinary": 0, "chunk": 1, "paged": 2}[c.kind]
     base = c.cu_k if c.kind == "chunk" else c.cu_q
     lens = c.kv_lens if c.kind != "ordinary" else c.cu_q
     table = c.slot_table if c.slot_table is not None else c.cu_q
-    provs["pairs-union-only"] = lambda: PP.pair_union(mode, c.indices, c.cu_q, base, lens, table,
-                                                      c.max_q)
+    provs = {}
+    for algo in algos:
+        fwd = PP.pairs_forward if algo == "pairs" else PQ.quads_forward
+        for i, geo in enumerate(geometries):
+            name = f"ours-{algo}" if i == 0 else f"ours-{algo}{list(geo)}"
+            provs[name] = (lambda geo=geo, fwd=fwd: fwd(c.kind, c.q, c.k, c.v, c.indices, c.cu_q,
+                                                        geometry=geo, **kw))
+        if algo == "pairs":
+            provs["pairs-union-only"] = lambda: PP.pair_union(mode, c.indices, c.cu_q, base, lens,
+                                                              table, c.max_q)
+        else:
+            provs["quads-union-only"] = lambda: PQ.quad_union(mode, c.indices, c.cu_q, base, lens,
+                                                              table, c.max_q)
     return provs
 
 
@@ -285,7 +293,7 @@ def run_matrix(args, up) -> tuple[list, list]:
             provs = {"ours": _ours(c)}
             provs.update(upstream_providers(up, c))
             if args.pairs:
-                provs.update(pairs_providers(c, geometries=((32, 4, 2), (64, 4, 2))))
+                provs.update(pairs_providers(c, geometries=args.group_geometry))
             for geo in args.geometry:
                 provs[f"ours{list(geo)}"] = forced_provider(c, geo)
             pal = pallas_provider(c) if args.pallas else None
@@ -317,7 +325,7 @@ def run_query_sweep(args, up) -> tuple[list, list]:
             provs = {"ours": _ours(c)}
             provs.update(upstream_providers(up, c))
             if args.pairs:
-                provs.update(pairs_providers(c, geometries=((32, 4, 2),)))
+                provs.update(pairs_providers(c))
             res, b = measure(c, provs, rounds=args.rounds)
             bad += [f"sweep {hq}/{hkv} rows={t} {n}" for n in b]
             _print_row(f"sweep {hq}/{hkv} rows={t} kv=32768", res, "upstream-chunk")
@@ -438,7 +446,11 @@ def main(argv=None) -> int:
                          "matrix; off by default (its JAX compiles do not fit the 8-minute run)")
     ap.add_argument("--no-pallas", dest="pallas", action="store_false")
     ap.add_argument("--no-pairs", dest="pairs", action="store_false",
-                    help="skip the experimental pair kernels (qsa_triton/prefill_pairs.py)")
+                    help="skip the experimental pair/quad kernels (qsa_triton/prefill_pairs.py, "
+                         "prefill_quads.py)")
+    ap.add_argument("--group-geometry", type=_geo_arg, action="append", default=[],
+                    help="BLOCK_N,warps,stages for the pair/quad kernels (repeatable; default "
+                         "32,4,2)")
     ap.add_argument("--sweep-rows", type=lambda s: [int(x) for x in s.split(",")],
                     default=[32, 128, 512, 2048, 8192])
     ap.add_argument("--sweep-geometry", action="store_true",
@@ -455,6 +467,8 @@ def main(argv=None) -> int:
                     default=[32, 64, 128, 256, 512, 1024, 2048, 8192])
     ap.add_argument("--sweep-rounds", type=int, default=7)
     args = ap.parse_args(argv)
+    if not args.group_geometry:
+        args.group_geometry = [(32, 4, 2)]
     if not args.geometry:
         # anchors.md: (64, 4, 2) beat upstream's (16, 1, 2) pick by ~6% on 12/1 at 8192 rows
         args.geometry = [(64, 4, 2)]
@@ -484,11 +498,13 @@ def main(argv=None) -> int:
     speeds = [r["speedup_vs_upstream"] for r in matrix if r["speedup_vs_upstream"]]
     geo = math.exp(statistics.fmean(math.log(s) for s in speeds)) if speeds else None
     report = {"meta": meta, "matrix": matrix, "geomean_speedup_vs_upstream_8192": geo}
-    ps = [r["results"][r["baseline"]]["ms"] / r["results"]["ours-pairs"]["ms"] for r in matrix
-          if "ms" in r["results"].get("ours-pairs", {}) and "ms" in r["results"].get(r["baseline"], {})]
-    report["pairs_geomean_speedup_vs_upstream_8192"] = (
-        math.exp(statistics.fmean(math.log(x) for x in ps)) if ps else None)
-    print(f"[prefill] pairs geomean vs upstream: {report['pairs_geomean_speedup_vs_upstream_8192']}")
+    for algo in ("pairs", "quads"):
+        ps = [r["results"][r["baseline"]]["ms"] / r["results"][f"ours-{algo}"]["ms"] for r in matrix
+              if "ms" in r["results"].get(f"ours-{algo}", {})
+              and "ms" in r["results"].get(r["baseline"], {})]
+        key = f"{algo}_geomean_speedup_vs_upstream_8192"
+        report[key] = math.exp(statistics.fmean(math.log(x) for x in ps)) if ps else None
+        print(f"[prefill] {algo} geomean vs upstream: {report[key]}")
     if not args.matrix_only:
         report["query_sweep"], b2 = run_query_sweep(args, up)
         report["paged"], b3 = run_paged(args)
