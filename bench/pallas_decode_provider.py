@@ -494,6 +494,101 @@ def _time_context(q, k, v, ck, inner_reps, bw, nbytes) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Compiled-kernel comparison (no GPU needed): Pallas kernels vs qsa_triton.decode's, for sm_90
+def _cubin_stats(cubin: bytes) -> dict:
+    """Registers / stack (``cuobjdump -res-usage``) and SASS counts of one cubin, with the
+    cuobjdump that ships with Triton."""
+    import os  # noqa: PLC0415
+    import re  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    import triton  # noqa: PLC0415
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as fh:
+            fh.write(cubin)
+        res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    ins = "\n".join(ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/\s+\S", ln))
+    return {"regs": int(re.search(r"REG:(\d+)", res).group(1)),
+            "stack": int((re.search(r"STACK:(\d+)", res) or [0, 0])[1]),
+            "sass": ins.count("\n") + 1 if ins else 0,
+            "ldg": len(re.findall(r"\bLDG\.", ins)), "ldg128": ins.count("LDG.E.128"),
+            "ldgsts": ins.count("LDGSTS"), "mma": len(re.findall(r"\b(?:HMMA|HGMMA)\b", ins)),
+            "wide64": len(re.findall(r"IMAD\.WIDE|IADD3\.X|\.X ", ins))}
+
+
+def compile_table(arch: str = "sm_90", cases=(("TP1", 1), ("TP1", 128), ("TP4", 1),
+                                                ("TP4", 128))) -> list[dict]:
+    """Compile the Pallas decode kernels (lowered for the H200 with abstract devices, TTIR ->
+    cubin with the installed Triton) and ``qsa_triton.decode.compile_configs(arch)``'s split /
+    merge kernels (no PDL, merge="kernel"), and report shared memory, registers, stack and SASS
+    counts (total, LDG, 128-bit LDG, LDGSTS (cp.async), HMMA/HGMMA, 64-bit integer ops) per
+    kernel. Needs TRITON_INTERPRET unset (run as ``python -m bench.pallas_decode_provider
+    --compile-table``)."""
+    import functools as ft  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    jax, jnp = _jax()
+    import qsa_pallas.decode as pd  # noqa: PLC0415
+    import qsa_triton.decode as td  # noqa: PLC0415
+    from interop.arch import KNOWN_ARCHS  # noqa: PLC0415
+    from qsa_pallas import _compat as C  # noqa: PLC0415
+
+    cap = int("".join(map(str, KNOWN_ARCHS[arch].cc)))
+    kind = {v: k for k, v in C.CAPABILITY.items()}[cap]
+    target = GPUTarget("cuda", cap, 32)
+    rows = []
+    for cfg in td.compile_configs(arch):
+        cons = cfg["constexprs"]
+        if cons.get("USE_PDL") or cons.get("MERGE_INLINE"):
+            continue
+        src = ASTSource(fn=cfg["kernel"], signature=cfg["signature"], constexprs=cons,
+                        attrs=cfg.get("attrs"))
+        opts = {k: cfg[k] for k in ("num_warps", "num_stages") if cfg.get(k) is not None}
+        c = triton.compile(src, target=target, options=opts)
+        tag = ",".join(f"{k}={v}" for k, v in cons.items()
+                       if k in ("G", "HT", "BLOCK_N", "SPLIT_CHUNK", "D_CHUNK"))
+        rows.append({"kernel": f"triton {cfg['kernel'].__name__.strip('_')} {tag}",
+                     "warps_stages": f"{opts.get('num_warps')}/{opts.get('num_stages')}",
+                     "smem": int(c.metadata.shared), **_cubin_stats(c.asm["cubin"])})
+    sds = jax.ShapeDtypeStruct
+    for tp, b in cases:
+        hq, hkv = TP[tp]
+        with jax.sharding.use_abstract_mesh(C.abstract_mesh(kind)):
+            plan = pd.decode_plan_for(b, hq, hkv, D, MSK)
+        n = b * MSK
+        args = (sds((b, hq, D), jnp.bfloat16), sds((n, hkv, D), jnp.bfloat16),
+                sds((n, hkv, D), jnp.bfloat16), sds((b + 1,), jnp.int32), sds((b + 1,), jnp.int32))
+        mods = C.triton_modules(C.lower_for_device_kind(
+            ft.partial(pd._lowerable, max_seqlen_k=MSK, plan=plan), args, kind))
+        if plan.max_splits == 1:
+            mods += C.triton_modules(C.lower_for_device_kind(
+                lambda *a, plan=plan: pd.sparse_decode(*a, MSK, interpret=False, plan=plan,
+                                                       direct=True), args, kind))
+        for m in mods:
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, f"{m.name}.ttir")
+                with open(path, "w") as fh:
+                    fh.write(m.text())
+                c = triton.compile(path, target=target,
+                                   options=dict(num_warps=m.num_warps, num_stages=m.num_stages))
+            rows.append({"kernel": f"pallas {m.name} {tp} B={b} S={plan.max_splits}",
+                         "warps_stages": f"{m.num_warps}/{m.num_stages}",
+                         "smem": int(c.metadata.shared), **_cubin_stats(c.asm["cubin"])})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None, help="output JSON (default $OUT/pallas_decode.json)")
@@ -503,7 +598,16 @@ def main(argv=None) -> int:
     ap.add_argument("--no-context", action="store_true")
     ap.add_argument("--head-dim", type=int, default=D)
     ap.add_argument("--max-seqlen-k", type=int, default=MSK)
+    ap.add_argument("--compile-table", action="store_true",
+                    help="print the compiled Pallas vs Triton kernel table for sm_90 and exit")
     args = ap.parse_args(argv)
+    if args.compile_table:
+        cols = ("warps_stages", "smem", "regs", "stack", "sass", "ldg", "ldg128", "ldgsts", "mma",
+                "wide64")
+        print(f"| kernel | {' | '.join(cols)} |\n|---|{'---|' * len(cols)}")
+        for r in compile_table():
+            print(f"| {r['kernel']} | {' | '.join(str(r[c]) for c in cols)} |")
+        return 0
     from bench.common import out_dir, write_json  # noqa: PLC0415
 
     res = run_pallas_only(batches=[int(x) for x in args.batches.split(",")],
