@@ -8,6 +8,7 @@
 #            equal, no recompile for new lengths), replay with new lengths, Pallas vs Triton vs
 #            reference (B in 1,16,128 x saturated/mixed) through interop.dlpack. Expected ~60-90 s.
 #            -> $OUT/pallas_decode_tests.{xml,log}
+#            (`all`: also the CPU-marked value tests of both files, compiled for the GPU.)
 # lowering : tests/test_pallas_lowering.py (CPU-style AOT lowering; jax 0.11.2 device kinds).
 # compare  : bench/decode.py --pallas --skip generic: Triton (CUDA-graph replay) vs Pallas
 #            (one jitted call of N >= 64 chained decodes, wall time / N; see
@@ -47,7 +48,11 @@ rc_bench=0
 rc_cmp=0
 if has tests; then
 SECONDS=0
-timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
+MARK=gpu; TLIM=170
+# `all` also runs the CPU-marked value tests (edge lengths 0/1/BLOCK_N+-1, poison, errors) compiled
+# for the GPU: slower (one compile each), not part of the < 120 s budget
+if [ "$MODE" = all ]; then MARK="gpu or not gpu"; TLIM=400; fi
+timeout "$TLIM" python3 -m pytest -q -m "$MARK" -p no:cacheprovider --durations=15 \
     tests/test_pallas_decode.py tests/test_cross_decode.py \
     --junitxml="$OUT/pallas_decode_tests.xml" 2>&1 | tee "$OUT/pallas_decode_tests.log"
 rc_tests=${PIPESTATUS[0]}
