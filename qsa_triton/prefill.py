@@ -542,9 +542,9 @@ def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
 
 
 def _pair_compile_configs(head_dim: int) -> list[dict]:
-    """The experimental pair kernels (``QSA_PREFILL_ALGO=pairs``, any arch): the attention
-    kernel at its default geometry for G 6 and 12 (head tiles 16 and 32) and the union pre-pass
-    (W = 2051 -> 4096 lanes; its compile takes 20-50 s on Triton 3.9, 5 s on 3.6)."""
+    """The experimental pair and quad kernels (``QSA_PREFILL_ALGO=pairs|quads``, any arch): the
+    attention kernels at their default geometry for G 6 and 12 and the union pre-passes (W = 2051
+    -> 4096 lanes; 20-50 s to compile each on Triton 3.9)."""
     from . import prefill_pairs as PP  # noqa: PLC0415
 
     def attrs(fn, names):
@@ -576,6 +576,36 @@ def _pair_compile_configs(head_dim: int) -> list[dict]:
     sig.update({n: "constexpr" for n in ("HIDX", "WP", "LOG_WP", "MODE")})
     out.append({"kernel": fu, "name": "qsa_pair_union_paged_wp4096_w8", "signature": sig,
                 "attrs": attrs(fu, ("idx_ptr", "urow_ptr", "uw_ptr", "ulen_ptr")),
+                "constexprs": {"HIDX": 2, "WP": 4096, "LOG_WP": 12, "MODE": 2},
+                "num_warps": 8, "num_stages": 3, "geometry": None})
+    # the quad kernels (prefill_quads.py): same argument lists plus one weight-row stride
+    from . import prefill_quads as PQ  # noqa: PLC0415
+
+    qa = PQ._qsa_quad_attn
+    sig = {n: "i32" for n in qa.arg_names}
+    sig.update({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")})
+    sig.update({n: "*i32" for n in ("cu_q_ptr", "urow_ptr", "ulen_ptr")})
+    sig.update({"uw_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32"})
+    sig.update({n: "constexpr" for n in ("HKV", "HIDX", "G", "D", "BLOCK_M", "BLOCK_N")})
+    q_attrs = attrs(qa, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "urow_ptr", "uw_ptr", "stride_qt",
+                         "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
+                         "stride_ot", "stride_oh"))
+    for g in (6, 12):
+        geo = PQ.quad_geometry(g)
+        out.append({"kernel": qa, "name": f"qsa_quad_attn_G{g}_bm{geo.block_m}_bn{geo.block_n}"
+                                          f"_w{geo.num_warps}_s{geo.num_stages}",
+                    "signature": sig, "attrs": q_attrs,
+                    "constexprs": {"HKV": 1, "HIDX": 1, "G": g, "D": head_dim,
+                                   "BLOCK_M": geo.block_m, "BLOCK_N": geo.block_n},
+                    "num_warps": geo.num_warps, "num_stages": geo.num_stages, "geometry": geo})
+    qu = PQ._qsa_quad_union
+    sig = {n: "i32" for n in qu.arg_names}
+    sig.update({n: "*i32" for n in ("idx_ptr", "cu_q_ptr", "base_ptr", "kv_lens_ptr", "table_ptr",
+                                     "urow_ptr", "ulen_ptr")})
+    sig.update({"uw_ptr": "*fp32"})
+    sig.update({n: "constexpr" for n in ("HIDX", "WP", "LOG_WP", "MODE")})
+    out.append({"kernel": qu, "name": "qsa_quad_union_paged_wp4096_w8", "signature": sig,
+                "attrs": attrs(qu, ("idx_ptr", "urow_ptr", "uw_ptr", "ulen_ptr")),
                 "constexprs": {"HIDX": 2, "WP": 4096, "LOG_WP": 12, "MODE": 2},
                 "num_warps": 8, "num_stages": 3, "geometry": None})
     return out
