@@ -45,23 +45,24 @@ def main() -> int:
             torch.cuda.synchronize()
             if not within_tolerance(errors(out.float(), ref)):
                 bad.append(f"public paged per_head={per_head}")
-    # the experimental pair kernels (scatter stores in their pre-pass): every variant
+    # the experimental pair/quad kernels (scatter stores in their pre-passes): every variant
     import os  # noqa: PLC0415
 
-    os.environ["QSA_PREFILL_ALGO"] = "pairs"
     try:
-        # (the variants the GPU tests and the benchmark already compiled)
-        for kind, kv, per_head in (("paged", [300, 2100], True), ("chunk", [300, 2100], False),
-                                   ("ordinary", None, False)):
-            c = make_case(kind, 12, 2, 256, [41, 25], kv, width=2051, junk="mixed",
-                          per_head=per_head, nan_unselected=True, table_junk=kind == "paged",
-                          pool_slack=64, seed=33, device="cuda")
-            out = c.run()
-            torch.cuda.synchronize()
-            err = errors(out.float(), reference_f32(c))
-            print("pairs", kind, per_head, err, flush=True)
-            if not within_tolerance(err):
-                bad.append(f"pairs {kind} per_head={per_head}")
+        # (variants bench/prefill_warm.py compiled; odd row counts leave partial groups)
+        for algo in ("pairs", "quads"):
+            os.environ["QSA_PREFILL_ALGO"] = algo
+            for kind, kv, per_head in (("paged", [300, 2100], True),
+                                       ("chunk", [300, 2100], False), ("ordinary", None, False)):
+                c = make_case(kind, 12, 2, 256, [41, 26], kv, width=2051, junk="mixed",
+                              per_head=per_head, nan_unselected=True, table_junk=kind == "paged",
+                              pool_slack=64, seed=33, device="cuda")
+                out = c.run()
+                torch.cuda.synchronize()
+                err = errors(out.float(), reference_f32(c))
+                print(algo, kind, per_head, err, flush=True)
+                if not within_tolerance(err):
+                    bad.append(f"{algo} {kind} per_head={per_head}")
     finally:
         os.environ.pop("QSA_PREFILL_ALGO", None)
     for kind, kv in (("ordinary", None), ("chunk", [300, 2100])):
