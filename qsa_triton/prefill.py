@@ -573,11 +573,19 @@ def _pair_compile_configs(head_dim: int) -> list[dict]:
     sig.update({n: "*i32" for n in ("idx_ptr", "cu_q_ptr", "base_ptr", "kv_lens_ptr", "table_ptr",
                                      "urow_ptr", "ulen_ptr")})
     sig.update({"uw_ptr": "*fp32"})
-    sig.update({n: "constexpr" for n in ("HIDX", "WP", "LOG_WP", "MODE")})
-    out.append({"kernel": fu, "name": "qsa_pair_union_paged_wp4096_w8", "signature": sig,
+    sig.update({n: "constexpr" for n in ("HIDX", "WP", "LOG_WP", "MODE", "PRESORTED")})
+    out.append({"kernel": fu, "name": "qsa_pair_union_paged_wp4096_w16", "signature": sig,
                 "attrs": attrs(fu, ("idx_ptr", "urow_ptr", "uw_ptr", "ulen_ptr")),
-                "constexprs": {"HIDX": 2, "WP": 4096, "LOG_WP": 12, "MODE": 2},
-                "num_warps": 8, "num_stages": 3, "geometry": None})
+                "constexprs": {"HIDX": 2, "WP": 4096, "LOG_WP": 12, "MODE": 2, "PRESORTED": True},
+                "num_warps": 16, "num_stages": 3, "geometry": None})
+    fm = PP._qsa_mask_keys  # masking before the torch.sort pre-sort
+    sig = {n: "i32" for n in fm.arg_names}
+    sig.update({n: "*i32" for n in ("idx_ptr", "keys_ptr", "cu_q_ptr", "kv_lens_ptr")})
+    sig.update({n: "constexpr" for n in ("HIDX", "ORDINARY", "BLOCK")})
+    out.append({"kernel": fm, "name": "qsa_mask_keys_block1024_w4", "signature": sig,
+                "attrs": attrs(fm, ("idx_ptr", "keys_ptr")),
+                "constexprs": {"HIDX": 2, "ORDINARY": False, "BLOCK": 1024},
+                "num_warps": 4, "num_stages": 3, "geometry": None})
     # the quad kernels (prefill_quads.py): same argument lists plus one weight-row stride
     from . import prefill_quads as PQ  # noqa: PLC0415
 
@@ -603,11 +611,11 @@ def _pair_compile_configs(head_dim: int) -> list[dict]:
     sig.update({n: "*i32" for n in ("idx_ptr", "cu_q_ptr", "base_ptr", "kv_lens_ptr", "table_ptr",
                                      "urow_ptr", "ulen_ptr")})
     sig.update({"uw_ptr": "*fp32"})
-    sig.update({n: "constexpr" for n in ("HIDX", "WP", "LOG_WP", "MODE")})
-    out.append({"kernel": qu, "name": "qsa_quad_union_paged_wp4096_w8", "signature": sig,
+    sig.update({n: "constexpr" for n in ("HIDX", "WP", "LOG_WP", "MODE", "PRESORTED")})
+    out.append({"kernel": qu, "name": "qsa_quad_union_paged_wp4096_w16", "signature": sig,
                 "attrs": attrs(qu, ("idx_ptr", "urow_ptr", "uw_ptr", "ulen_ptr")),
-                "constexprs": {"HIDX": 2, "WP": 4096, "LOG_WP": 12, "MODE": 2},
-                "num_warps": 8, "num_stages": 3, "geometry": None})
+                "constexprs": {"HIDX": 2, "WP": 4096, "LOG_WP": 12, "MODE": 2, "PRESORTED": True},
+                "num_warps": 16, "num_stages": 3, "geometry": None})
     return out
 
 

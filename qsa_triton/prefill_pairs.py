@@ -30,6 +30,8 @@ W is limited to 8192 columns (the sort tile); wider calls use the per-row kernel
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -70,6 +72,7 @@ def _qsa_pair_union(
     idx_ptr, cu_q_ptr, base_ptr, kv_lens_ptr, table_ptr, urow_ptr, uw_ptr, ulen_ptr, W,
     stride_it, stride_ih, stride_tb, stride_ut, stride_uh, stride_lt,
     HIDX: tl.constexpr, WP: tl.constexpr, LOG_WP: tl.constexpr, MODE: tl.constexpr,
+    PRESORTED: tl.constexpr,
 ):
     k = tl.program_id(0)  # pair within the request
     bh = tl.program_id(1)
@@ -104,8 +107,12 @@ def _qsa_pair_union(
         v1 = in1 & (e1 >= 0) & (e1 < bound)
         t0 = tl.where(v0, e0, _BIG)
         t1 = tl.where(v1, e1, _BIG)
-        s0 = tl.sort(t0)
-        s1 = tl.sort(t1)
+        if PRESORTED:  # rows already masked and sorted (sorted_keys): valid entries first
+            s0 = t0
+            s1 = t1
+        else:
+            s0 = tl.sort(t0)
+            s1 = tl.sort(t1)
         # counts of each row-r token in row r+1 (c1) and in row r (c0); presence of the row-(r+1)
         # tokens in row r. Without duplicates (the usual case: the indexer selects distinct
         # blocks) a count is one lower-bound search plus one probe; the second search per count
@@ -208,6 +215,59 @@ def _qsa_pair_attn(
                  out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
 
 
+@triton.jit
+def _qsa_mask_keys(
+    idx_ptr, keys_ptr, cu_q_ptr, kv_lens_ptr, W, stride_it, stride_ih, stride_kt, stride_kh,
+    HIDX: tl.constexpr, ORDINARY: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """keys[row, h, c] = idx where valid (0 <= idx < len, c < visible), else INT32_MAX."""
+    r = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HIDX
+    h = bh % HIDX
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    if r < q_len:
+        row = (q_start + r).to(tl.int64)
+        if ORDINARY:
+            bound = q_len
+        else:
+            bound = tl.load(kv_lens_ptr + b)
+        n_cols = tl.minimum(tl.maximum(r + bound - q_len + 1, 0), W)
+        cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        e = tl.load(idx_ptr + row * stride_it + h * stride_ih + cols, mask=cols < n_cols, other=-1)
+        ok = (cols < n_cols) & (e >= 0) & (e < bound)
+        tl.store(keys_ptr + row * stride_kt + h * stride_kh + cols, tl.where(ok, e, _BIG),
+                 mask=cols < W)
+
+
+def sorted_keys(indices, cu_seqlens_q, kv_lens, max_seqlen_q: int, ordinary: bool):
+    """Each row's index entries masked (invalid or past the visible count -> INT32_MAX) and sorted
+    ascending with ``torch.sort`` (one segmented sort over all rows: much cheaper than sorting
+    inside the union kernels, whose 4096-lane tiles leave one program per SM). Same shape as
+    ``indices``, int32."""
+    keys = torch.empty(indices.shape, dtype=torch.int32, device=indices.device)
+    t, w = indices.shape[0], indices.shape[-1]
+    if t == 0:
+        return keys
+    hidx = indices.shape[1] if indices.dim() == 3 else 1
+    requests = cu_seqlens_q.shape[0] - 1
+    block = min(1024, triton.next_power_of_2(w))
+    _qsa_mask_keys[(max_seqlen_q, requests * hidx, triton.cdiv(w, block))](
+        indices, keys, cu_seqlens_q, kv_lens, w, indices.stride(0),
+        indices.stride(1) if indices.dim() == 3 else 0, keys.stride(0),
+        keys.stride(1) if keys.dim() == 3 else 0,
+        HIDX=hidx, ORDINARY=ordinary, BLOCK=block, num_warps=4,
+    )
+    return torch.sort(keys, dim=-1).values
+
+
+def presort_enabled() -> bool:
+    """``QSA_GROUP_SORT`` (read on every call): ``torch`` (default: rows sorted by ``sorted_keys``
+    before the union pre-pass) or ``kernel`` (``tl.sort`` inside the union pre-pass)."""
+    return os.environ.get("QSA_GROUP_SORT", "torch").strip().lower() != "kernel"
+
+
 def pair_geometry(group: int, block_n: int = 32, num_warps: int = 4, num_stages: int = 2) -> Geometry:
     """Geometry of the pair kernel: head tile next_pow2(2·G) (>= 16)."""
     return Geometry(max(16, triton.next_power_of_2(2 * group)), block_n, num_warps, num_stages,
@@ -215,11 +275,12 @@ def pair_geometry(group: int, block_n: int = 32, num_warps: int = 4, num_stages:
 
 
 def pair_union(mode: int, indices, cu_seqlens_q, base, kv_lens, slot_table, max_seqlen_q,
-               num_warps: int = 8):
+               num_warps: int = 16, presort: bool | None = None):
     """Run the union pre-pass. ``mode``: 0 ordinary, 1 chunk (``base`` = cu_seqlens_k), 2 paged
     (``slot_table``). Returns (union rows int32 [T, Hidx, 2W], row-(r+1) weights float32
     [T, Hidx, 2W], lengths int32 [T, Hidx, 2] = (union length, row-r columns)), written at each
-    pair's first row."""
+    pair's first row. 16 warps: a 4096-lane tile then needs 128 registers per thread (8 warps:
+    227, ptxas on sm_90), so more warps per SM hide the search latency."""
     t, w = indices.shape[0], indices.shape[-1]
     if w > MAX_PAIR_WIDTH:
         raise ValueError(f"pair kernel: W = {w} > {MAX_PAIR_WIDTH}")
@@ -232,13 +293,17 @@ def pair_union(mode: int, indices, cu_seqlens_q, base, kv_lens, slot_table, max_
         return urow, uw, ulen
     wp = triton.next_power_of_2(w)
     requests = cu_seqlens_q.shape[0] - 1
+    presort = presort_enabled() if presort is None else presort
+    if presort:
+        indices = sorted_keys(indices, cu_seqlens_q, kv_lens, max_seqlen_q, mode == 0)
     grid = (triton.cdiv(max_seqlen_q, 2), requests * hidx)
     _qsa_pair_union[grid](
         indices, cu_seqlens_q, base, kv_lens, slot_table, urow, uw, ulen, w,
         indices.stride(0), indices.stride(1) if indices.dim() == 3 else 0,
         slot_table.stride(0) if slot_table.dim() == 2 else 0, urow.stride(0), urow.stride(1),
         ulen.stride(0),
-        HIDX=hidx, WP=wp, LOG_WP=wp.bit_length() - 1, MODE=mode, num_warps=num_warps,
+        HIDX=hidx, WP=wp, LOG_WP=wp.bit_length() - 1, MODE=mode, PRESORTED=presort,
+        num_warps=num_warps,
     )
     return urow, uw, ulen
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from interop.geometry import Geometry
 
-from .prefill_pairs import _has_duplicates, _lower_bound
+from .prefill_pairs import _has_duplicates, _lower_bound, presort_enabled, sorted_keys
 
 __all__ = ["quad_union", "quads_forward", "quad_geometry", "quad_slots", "MAX_QUAD_WIDTH"]
 
@@ -78,6 +78,7 @@ def _qsa_quad_union(
     stride_it, stride_ih, stride_tb, stride_ug, stride_uh, stride_wg, stride_wh, stride_wi,
     stride_lg,
     HIDX: tl.constexpr, WP: tl.constexpr, LOG_WP: tl.constexpr, MODE: tl.constexpr,
+    PRESORTED: tl.constexpr,
 ):
     g = tl.program_id(0)
     bh = tl.program_id(1)
@@ -104,10 +105,16 @@ def _qsa_quad_union(
         e1, v1, t1 = _load_row(irow + stride_it, 1, n_rows, vis0, W, bound, WP)
         e2, v2, t2 = _load_row(irow + 2 * stride_it, 2, n_rows, vis0, W, bound, WP)
         e3, v3, t3 = _load_row(irow + 3 * stride_it, 3, n_rows, vis0, W, bound, WP)
-        s0 = tl.sort(t0)
-        s1 = tl.sort(t1)
-        s2 = tl.sort(t2)
-        s3 = tl.sort(t3)
+        if PRESORTED:  # rows already masked and sorted (prefill_pairs.sorted_keys)
+            s0 = t0
+            s1 = t1
+            s2 = t2
+            s3 = t3
+        else:
+            s0 = tl.sort(t0)
+            s1 = tl.sort(t1)
+            s2 = tl.sort(t2)
+            s3 = tl.sort(t3)
         dup = tl.maximum(tl.maximum(_has_duplicates(s0, WP), _has_duplicates(s1, WP)),
                          tl.maximum(_has_duplicates(s2, WP), _has_duplicates(s3, WP)))
         # ownership: not selected by an earlier row of the group
@@ -237,7 +244,8 @@ def quad_slots(total_q: int, requests: int) -> int:
     return total_q // 4 + requests
 
 
-def quad_union(mode: int, indices, cu_seqlens_q, base, kv_lens, slot_table, max_seqlen_q: int):
+def quad_union(mode: int, indices, cu_seqlens_q, base, kv_lens, slot_table, max_seqlen_q: int,
+               presort: bool | None = None):
     """Union pre-pass. ``mode``: 0 ordinary, 1 chunk (``base`` = cu_seqlens_k), 2 paged. Returns
     (union rows int32 [S, Hidx, 4W], weights float32 [S, Hidx, 4, 4W], lengths int32 [S, Hidx])
     with S = quad_slots(T, B)."""
@@ -254,12 +262,16 @@ def quad_union(mode: int, indices, cu_seqlens_q, base, kv_lens, slot_table, max_
     if t == 0:
         return urow, uw, ulen
     wp = triton.next_power_of_2(w)
+    presort = presort_enabled() if presort is None else presort
+    if presort:
+        indices = sorted_keys(indices, cu_seqlens_q, kv_lens, max_seqlen_q, mode == 0)
     _qsa_quad_union[(triton.cdiv(max_seqlen_q, 4), requests * hidx)](
         indices, cu_seqlens_q, base, kv_lens, slot_table, urow, uw, ulen, w,
         indices.stride(0), indices.stride(1) if indices.dim() == 3 else 0,
         slot_table.stride(0) if slot_table.dim() == 2 else 0, urow.stride(0), urow.stride(1),
         uw.stride(0), uw.stride(1), uw.stride(2), ulen.stride(0),
-        HIDX=hidx, WP=wp, LOG_WP=wp.bit_length() - 1, MODE=mode, num_warps=8,
+        HIDX=hidx, WP=wp, LOG_WP=wp.bit_length() - 1, MODE=mode, PRESORTED=presort,
+        num_warps=16,  # 8 warps: 255 registers + spills per thread (ptxas, sm_90); 16: 128
     )
     return urow, uw, ulen
 
