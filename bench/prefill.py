@@ -93,6 +93,22 @@ def forced_provider(c: Case, geo) -> callable:
                                  c.max_q, sc, c.k_scale, c.v_scale, geometry=geo)
 
 
+def _with_env(name: str, value: str, fn):
+    """Call fn with an environment variable set (read by the kernels' host code at call time;
+    CUDA-graph capture records the kernels that call launched)."""
+    import os  # noqa: PLC0415
+
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def pairs_providers(c: Case, geometries=((32, 4, 2),), algos=("pairs", "quads")) -> dict:
     """The experimental row-group kernels (``qsa_triton/prefill_pairs.py``: 2 rows,
     ``prefill_quads.py``: 4 rows) at the given (BLOCK_N, warps, stages), and their union
@@ -117,6 +133,11 @@ def pairs_providers(c: Case, geometries=((32, 4, 2),), algos=("pairs", "quads"))
             name = f"ours-{algo}" if i == 0 else f"ours-{algo}{list(geo)}"
             provs[name] = (lambda geo=geo, fwd=fwd: fwd(c.kind, c.q, c.k, c.v, c.indices, c.cu_q,
                                                         geometry=geo, **kw))
+        # the same with tl.sort inside the union pre-pass instead of the torch.sort pre-sort
+        pre = PP if algo == "pairs" else PQ
+        provs[f"ours-{algo}-tlsort"] = (
+            lambda fwd=fwd, pre=pre: _with_env("QSA_GROUP_SORT", "kernel", lambda: fwd(
+                c.kind, c.q, c.k, c.v, c.indices, c.cu_q, geometry=geometries[0], **kw)))
         if algo == "pairs":
             provs["pairs-union-only"] = lambda: PP.pair_union(mode, c.indices, c.cu_q, base, lens,
                                                               table, c.max_q)

@@ -37,6 +37,8 @@ def jobs() -> list[tuple]:
                                   ("paged", 12, 2, False)):
             out.append((kind, hq, hkv, 1100, 1200, None, algo, ph))
         out.append(("chunk", 12, 1, 1100, 1200, "fp8", algo, False))
+        for kind in ("chunk", "ordinary"):  # the bench's tl.sort variants
+            out.append((kind, 12, 1, 1100, 1200, None, algo + "-tlsort", False))
         out.append(("paged", 12, 2, 1100, 1200, "fp8", algo, True))
     for hq, hkv in ((6, 1), (12, 1), (24, 2)):
         for kind in ("ordinary", "chunk"):
@@ -68,12 +70,15 @@ def _run(job) -> tuple[str, float, str]:
         c = make_case(kind, hq, hkv, 256, [rows], None if kind == "ordinary" else [kv],
                       kv_dtype=torch.float8_e4m3fn if kvd == "fp8" else None, per_head=per_head,
                       pool_slack=16, seed=1, device="cuda")
-        if prov in ("pairs", "quads"):
-            os.environ["QSA_PREFILL_ALGO"] = prov
+        if prov.split("-")[0] in ("pairs", "quads"):
+            os.environ["QSA_PREFILL_ALGO"] = prov.split("-")[0]
+            if prov.endswith("-tlsort"):
+                os.environ["QSA_GROUP_SORT"] = "kernel"
             try:
                 c.run()
             finally:
                 os.environ.pop("QSA_PREFILL_ALGO", None)
+                os.environ.pop("QSA_GROUP_SORT", None)
         elif prov == "ours":
             c.run()
         elif prov == "upstream":
