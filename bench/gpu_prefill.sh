@@ -6,23 +6,25 @@
 # 1. GPU tests (tests/test_triton_prefill.py -m gpu): 8192-row ordinary/chunk at KV 8k/32k/128k,
 #    (6,1) (12,1) (24,2), within rtol=atol=2e-2 and rel L2 <= 5e-3 of a float32 reference,
 #    finite, second run bitwise equal; paged FP8 on a side stream; CUDA-graph replay with changed
-#    lengths; the pair kernels.                     -> $OUT/prefill_gpu_tests.{xml,log}
-#    Then the small CPU-suite cases compiled for the GPU (junk indices, FP8, paged, pairs)
+#    lengths; the pair and quad kernels.            -> $OUT/prefill_gpu_tests.{xml,log}
+#    Then the small CPU-suite cases compiled for the GPU (junk indices, FP8, paged, pairs, quads)
 #                                                   -> $OUT/prefill_small_tests_on_gpu.log
 # 2. Benchmark (bench/prefill.py): ours vs upstream (its own geometry) vs gather+SDPA, 8192 rows x
-#    3 head pairs x 3 KV lengths (+ the experimental pair/quad kernels), query-count sweep 32..8192
-#    (12/1 and 6/1),
-#    paged pre-pass vs inline.
+#    3 head pairs x 3 KV lengths (+ the experimental pair/quad kernels, torch.sort and tl.sort
+#    pre-sorts, and their union pre-passes alone), query-count sweep 32..8192 (12/1 and 6/1),
+#    paged pre-pass vs inline. Summary keys: geomean_speedup_vs_upstream_8192 (default kernel),
+#    pairs_/quads_geomean_speedup_vs_upstream_8192, slower_than_upstream_at_ge_512_rows.
 #                                                   -> $OUT/prefill_bench.json, prefill_bench.log
 # 3. SM90 geometry sweep (BLOCK_N 16/32/64 x warps 1/2/4/8 x 2 stages, + 3 stages for BLOCK_N <= 32
 #    with 2/4 warps, at total_q 32..8192, G 12;
 #    a 'recommended_sm90_table' is computed from it).
 #                                                   -> $OUT/prefill_geometry_sweep.json, .log
-# 4. compute-sanitizer memcheck of paged/ordinary/chunk calls with junk indices and junk slots.
+# 4. compute-sanitizer memcheck of paged/ordinary/chunk calls with junk indices and junk slots,
+#    per-row kernel (pre-pass and inline slots, bf16 and FP8) and the pair/quad kernels.
 #                                                   -> $OUT/prefill_memcheck.log
 # Triton vs Pallas on the same buffers (not in this script, JAX compiles take long):
 #   python3 -m bench.prefill --matrix-only --pallas
-# Budget: expected ~6 minutes; the per-step timeouts add up to 480 s. JSON is rewritten after
+# Budget: expected ~6 minutes (not measured: written without GPU access); the per-step timeouts add up to 480 s. JSON is rewritten after
 # every case, so a step cut by its timeout still leaves its partial data.
 # Exit status non-zero if any step failed.
 set -uo pipefail
