@@ -10,8 +10,9 @@ the per-row kernel (head tile 2·G padded instead of G padded to 16, which is th
 <= 8 and twice the rows for G = 12, each row then used).
 
 Two kernels:
-  1. ``_qsa_pair_union`` (pre-pass, one program per (pair, index head)): loads both rows, masks
-     invalid entries (0 <= idx < len and column < visible), sorts each row's tokens (``tl.sort``),
+  0. ``sorted_keys``: every row's entries masked (invalid or column >= visible -> INT32_MAX) and
+     sorted by one segmented ``torch.sort`` (``QSA_GROUP_SORT=kernel``: ``tl.sort`` in step 1).
+  1. ``_qsa_pair_union`` (pre-pass, one program per (pair, index head)): loads both sorted rows,
      and with branch-free binary searches (``tl.gather`` on the sorted tiles) finds for every
      entry of row r how often row r+1 selects the same token, and which entries of row r+1 row r
      does not select. It writes the union list: row r's columns in their order (row-r weight 1,
@@ -21,10 +22,11 @@ Two kernels:
   2. ``_qsa_pair_attn``: flash-attention forward over the union list, head tile [2·G -> BLOCK_M,
      D], scores of a row with weight w get + log2(w) (w = 1: exact, unchanged), weight 0 -> -inf.
 
-Scratch: 2·W int32 rows + 2·W float32 weights per pair (T x Hidx x 2W x 8 B allocated; half of it
-written). Semantics identical to ``interop.reference`` (an entry is valid iff 0 <= idx < len,
+Scratch: the sorted keys (T x Hidx x W int32, plus torch.sort's int64 indices), and 2·W int32
+rows + 2·W float32 weights per pair (T x Hidx x 2W x 8 B allocated; about a quarter written). Semantics identical to ``interop.reference`` (an entry is valid iff 0 <= idx < len,
 invalid entries never dereferenced, rows without a valid entry give 0). Selected with
 ``QSA_PREFILL_ALGO=pairs`` (default ``rows``) until the H200 benchmark says which is faster.
+Row r's part of the union is its sorted valid entries (ascending positions), then r+1's extras.
 W is limited to 8192 columns (the sort tile); wider calls use the per-row kernel.
 """
 

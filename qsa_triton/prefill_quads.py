@@ -7,7 +7,8 @@ head tile is 4·G query heads (G = 12: 48 -> 64 rows, G = 6: 24 -> 32).
 
 Pre-pass ``_qsa_quad_union`` (one program per (row group, index head)), 1-D tiles per row (a 2-D
 [4, W] formulation took minutes to compile): each row's valid entries (0 <= idx < len, column <
-visible) are sorted; an entry of row a is *owned* by row a unless an earlier row of the group
+visible) come sorted from ``prefill_pairs.sorted_keys`` (one torch.sort; ``QSA_GROUP_SORT=kernel``
+sorts with tl.sort here instead); an entry of row a is *owned* by row a unless an earlier row of the group
 selects the same token (lower-bound search + probe in the earlier rows' sorted tiles); the union
 is the owned entries of row 0, then row 1, 2, 3 (physical K/V rows: cu_q[b] + idx, cu_k[b] + idx
 or slot_table[b, idx]); per union entry, 4 weights: 0 for rows before the owner, 1 for the owner,
