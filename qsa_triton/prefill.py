@@ -72,7 +72,7 @@ def _qsa_sparse_prefill_fwd(
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_ot, stride_oh, stride_it, stride_ih, stride_tb,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
 ):
     r = tl.program_id(0)  # query row inside its request
     bh = tl.program_id(1)
@@ -89,11 +89,11 @@ def _qsa_sparse_prefill_fwd(
             kv_len = tl.load(kv_lens_ptr + b)
             visible = r + kv_len - q_len + 1  # bottom-right causal
         if MODE == 0:
-            kv_base = q_start.to(tl.int64)
+            kv_base = q_start
         elif MODE == 1:
-            kv_base = tl.load(cu_k_ptr + b).to(tl.int64)
+            kv_base = tl.load(cu_k_ptr + b)
         else:
-            kv_base = tl.zeros([], tl.int64)
+            kv_base = 0
         n_cols = tl.minimum(tl.maximum(visible, 0), W)
 
         offs_m = tl.arange(0, BLOCK_M)
@@ -117,13 +117,18 @@ def _qsa_sparse_prefill_fwd(
             ent = tl.load(idx_row + cols, mask=in_row, other=-1)
             if MODE == 2:
                 valid = in_row & (ent >= 0)
-                kv_row = ent.to(tl.int64)
+                kv_row = ent
             elif MODE == 3:
                 valid = in_row & (ent >= 0) & (ent < kv_len)
-                kv_row = tl.load(table_row + ent, mask=valid, other=0).to(tl.int64)
+                kv_row = tl.load(table_row + ent, mask=valid, other=0)
             else:
                 valid = in_row & (ent >= 0) & (ent < kv_len)
-                kv_row = kv_base + ent.to(tl.int64)
+                kv_row = kv_base + ent  # < rows of k/v (int32 cu_seqlens): no overflow
+            if OFF64:
+                # row x stride overflows int32 once k/v hold >= 2^31 elements (pool > ~4.2M
+                # slots at Hkv x D = 512); below that every valid offset fits int32 exactly and
+                # the 32-bit math saves registers (ptxas at (16, 1, 2): 156 -> 88 B of spills)
+                kv_row = kv_row.to(tl.int64)
             k = tl.load(k_head + kv_row[:, None] * stride_kn + offs_d[None, :],
                         mask=valid[:, None], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -239,6 +244,15 @@ def _pairs(kind, q, k, v, indices, cu_q, **kw):
     return pairs_forward(kind, q, k, v, indices, cu_q, **kw)
 
 
+def needs_off64(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """64-bit K/V row offsets when k or v holds >= 2^31 elements (then row x stride can overflow
+    int32); below that every valid offset fits int32 exactly. ``QSA_PREFILL_OFF64=1`` forces the
+    64-bit path (tests)."""
+    if os.environ.get("QSA_PREFILL_OFF64", "") == "1":
+        return True
+    return max(k.numel(), v.numel()) >= 2**31
+
+
 def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, table, geo: Geometry, *, requests,
             max_q, scale, k_scale, v_scale):
     t, hq, d = q.shape
@@ -254,7 +268,7 @@ def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, table, geo: Geometry, 
         out.stride(0), out.stride(1), idx.stride(0), stride_ih,
         table.stride(0) if table.dim() == 2 else 0,
         HKV=hkv, G=hq // hkv, D=d, BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, MODE=mode,
-        num_warps=geo.num_warps, num_stages=geo.num_stages,
+        OFF64=needs_off64(k, v), num_warps=geo.num_warps, num_stages=geo.num_stages,
     )
     return out
 
@@ -479,7 +493,7 @@ def kernel_signature(q_dtype: str = "bfloat16", kv_dtype: str | None = None) -> 
     for name in ("stride_qt", "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
                  "stride_ot", "stride_oh", "stride_it", "stride_ih", "stride_tb"):
         sig[name] = "i32"
-    for name in ("HKV", "G", "D", "BLOCK_M", "BLOCK_N", "MODE"):
+    for name in ("HKV", "G", "D", "BLOCK_M", "BLOCK_N", "MODE", "OFF64"):
         sig[name] = "constexpr"
     return sig
 
@@ -531,7 +545,8 @@ def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
                         f"_w{geo.num_warps}_s{geo.num_stages}",
                 "signature": kernel_signature(qd, kd),
                 "constexprs": {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": geo.block_m,
-                               "BLOCK_N": geo.block_n, "MODE": mode},
+                               "BLOCK_N": geo.block_n, "MODE": mode,
+                               "OFF64": mode in (MODE_SLOTS, MODE_PAGED_INLINE)},
                 "num_warps": geo.num_warps,
                 "num_stages": geo.num_stages,
                 "geometry": geo,
@@ -556,7 +571,7 @@ def _pair_compile_configs(head_dim: int) -> list[dict]:
     sig.update({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")})
     sig.update({n: "*i32" for n in ("cu_q_ptr", "urow_ptr", "ulen_ptr")})
     sig.update({"uw_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32"})
-    sig.update({n: "constexpr" for n in ("HKV", "HIDX", "G", "D", "BLOCK_M", "BLOCK_N")})
+    sig.update({n: "constexpr" for n in ("HKV", "HIDX", "G", "D", "BLOCK_M", "BLOCK_N", "OFF64")})
     a_attrs = attrs(fa, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "urow_ptr", "uw_ptr", "stride_qt",
                          "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
                          "stride_ot", "stride_oh"))
@@ -566,7 +581,8 @@ def _pair_compile_configs(head_dim: int) -> list[dict]:
                                           f"_w{geo.num_warps}_s{geo.num_stages}",
                     "signature": sig, "attrs": a_attrs,
                     "constexprs": {"HKV": 1, "HIDX": 1, "G": g, "D": head_dim,
-                                   "BLOCK_M": geo.block_m, "BLOCK_N": geo.block_n},
+                                   "BLOCK_M": geo.block_m, "BLOCK_N": geo.block_n,
+                                   "OFF64": False},
                     "num_warps": geo.num_warps, "num_stages": geo.num_stages, "geometry": geo})
     fu = PP._qsa_pair_union
     sig = {n: "i32" for n in fu.arg_names}
@@ -594,7 +610,7 @@ def _pair_compile_configs(head_dim: int) -> list[dict]:
     sig.update({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")})
     sig.update({n: "*i32" for n in ("cu_q_ptr", "urow_ptr", "ulen_ptr")})
     sig.update({"uw_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32"})
-    sig.update({n: "constexpr" for n in ("HKV", "HIDX", "G", "D", "BLOCK_M", "BLOCK_N")})
+    sig.update({n: "constexpr" for n in ("HKV", "HIDX", "G", "D", "BLOCK_M", "BLOCK_N", "OFF64")})
     q_attrs = attrs(qa, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "urow_ptr", "uw_ptr", "stride_qt",
                          "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
                          "stride_ot", "stride_oh"))
@@ -604,7 +620,8 @@ def _pair_compile_configs(head_dim: int) -> list[dict]:
                                           f"_w{geo.num_warps}_s{geo.num_stages}",
                     "signature": sig, "attrs": q_attrs,
                     "constexprs": {"HKV": 1, "HIDX": 1, "G": g, "D": head_dim,
-                                   "BLOCK_M": geo.block_m, "BLOCK_N": geo.block_n},
+                                   "BLOCK_M": geo.block_m, "BLOCK_N": geo.block_n,
+                                   "OFF64": False},
                     "num_warps": geo.num_warps, "num_stages": geo.num_stages, "geometry": geo})
     qu = PQ._qsa_quad_union
     sig = {n: "i32" for n in qu.arg_names}

@@ -156,7 +156,7 @@ def _qsa_pair_attn(
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
     stride_ut, stride_uh, stride_lt,
     HKV: tl.constexpr, HIDX: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFF64: tl.constexpr,
 ):
     k = tl.program_id(0)
     bh = tl.program_id(1)
@@ -195,7 +195,10 @@ def _qsa_pair_attn(
             w1 = tl.load(uw + cols, mask=in_u, other=0.0)
             valid = in_u & (pr >= 0)
             w0 = tl.where(valid & (cols < n0), 1.0, 0.0)
-            kv_row = pr.to(tl.int64)
+            if OFF64:  # see prefill.needs_off64
+                kv_row = pr.to(tl.int64)
+            else:
+                kv_row = pr
             kt = tl.load(k_head + kv_row[:, None] * stride_kn + offs_d[None, :],
                          mask=valid[:, None], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(kt)) * qk_scale
@@ -340,6 +343,12 @@ def pairs_forward(kind: str, q, k, v, indices, cu_seqlens_q, *, cu_seqlens_k=Non
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), urow.stride(0), urow.stride(1), ulen.stride(0),
         HKV=hkv, HIDX=hidx, G=g, D=d, BLOCK_M=geo.block_m, BLOCK_N=geo.block_n,
-        num_warps=geo.num_warps, num_stages=geo.num_stages,
+        OFF64=_off64(k, v), num_warps=geo.num_warps, num_stages=geo.num_stages,
     )
     return out
+
+
+def _off64(k, v) -> bool:
+    from .prefill import needs_off64  # noqa: PLC0415 - prefill imports this module lazily
+
+    return needs_off64(k, v)

@@ -399,3 +399,22 @@ def test_gpu_pairs_paged_junk(gpu_groups):
                      kv_dtype=FP8, k_scale=0.8, v_scale=1.2, seed=51, device="cuda")
     err = errors(case.run().float(), reference_f32(case))
     assert within_tolerance(err), err
+
+
+@pytest.mark.parametrize("algo", ["rows", "pairs", "quads"])
+def test_forced_64bit_offsets_path(monkeypatch, algo):
+    """The 64-bit K/V offset path (taken when k/v hold >= 2^31 elements) on small tensors."""
+    monkeypatch.setenv("QSA_PREFILL_OFF64", "1")
+    monkeypatch.setenv("QSA_PREFILL_ALGO", algo)
+    for inline in ("prepass", "inline"):
+        monkeypatch.setenv("QSA_PAGED_SLOTS", inline)
+        case = make_case("paged", 12, 2, 32, [3, 5], [8, 11], width=10, junk="mixed",
+                         dtype=FP16, nan_unselected=True, table_junk=True, pool_slack=4, seed=60,
+                         device=DEV)
+        _check(case)
+    case = make_case("chunk", 6, 1, 32, [4, 3], [9, 5], width=10, junk="mixed", dtype=FP16,
+                     seed=61, device=DEV)
+    _check(case)
+    assert P.needs_off64(case.k, case.v)
+    monkeypatch.delenv("QSA_PREFILL_OFF64")
+    assert not P.needs_off64(case.k, case.v)
