@@ -9,8 +9,8 @@ Everything that decides a geometry is *data* in this module:
   * ``TABLES``: per device family, a list of ``(max_total_q, (BLOCK_N, num_warps, num_stages))``
     rows, first row whose bound is >= total_q wins (``None`` = no bound). The H20 and L20 tables
     are upstream SGLang 0.5.23's (``sglang/srt/layers/attention/qsa/sparse_attn.py``, restated in
-    ``qsa-contract.md`` §3); the SM90 table starts as a copy of L20 (see ``SM90_TABLE_STATUS``) and
-    is replaced by the H200 sweep of ``bench/prefill.py --sweep-geometry``.
+    ``qsa-contract.md`` §3); the SM90 table comes from our H200 sweep
+    (``bench/prefill.py --sweep-geometry``; see ``SM90_TABLE_STATUS``).
   * ``TUNED_SM120``: upstream's SM120 tuned family and its gates (``qsa-contract.md`` §3): used only
     on the 188-SM sm_120 part, Triton >= 3.7, D = 256, W = 2051, G in {6, 12}; ordinary prefill at
     >= 8192 rows, chunk/paged prefill at >= 512 rows per request (mean) with
@@ -91,10 +91,14 @@ class Geometry:
 _H20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (1024, (32, 4, 2)), (None, (16, 1, 2)))
 _L20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (128, (64, 4, 2)), (512, (32, 4, 2)), (None, (16, 1, 2)))
 
-#: Status of the SM90 table: the lead replaces ``_SM90`` with the H200 sweep's winners
-#: (``bench/prefill.py --sweep-geometry`` writes ``prefill_geometry_sweep.json``).
-SM90_TABLE_STATUS = "provisional, awaiting H200 sweep (copy of upstream's L20 table)"
-_SM90 = _L20
+#: Status of the SM90 table. Source: ``bench/results/2026-11-30-h200-run2/
+#: prefill_geometry_sweep.json`` (``bench/prefill.py --sweep-geometry`` on the H200, Triton 3.6:
+#: BLOCK_N 16/32/64 x warps 1/2/4/8 x stages 2/3, chunk prefill G = 12, 32k context, each point's
+#: configurations timed interleaved): best per total_q was (64,8,3) at 32-128 rows, (64,4,2) at
+#: 256, (32,4,2) from 512 to 8192 rows (2.49 ms vs 2.68 ms for L20's (16,1,2) at 8192). Measured
+#: on the kernel before its 32-bit offset change (b27e0f4); re-run the sweep to confirm.
+SM90_TABLE_STATUS = "from the H200 sweep of 2026-11-30 (run 2, G=12 chunk 32k); re-check after b27e0f4"
+_SM90 = ((128, (64, 8, 3)), (256, (64, 4, 2)), (None, (32, 4, 2)))
 
 TABLES: dict[str, tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
     "h20-table": _H20,

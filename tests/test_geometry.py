@@ -61,7 +61,17 @@ def test_sm90_table_is_its_own(total_q):
     assert g.source.startswith("sm90-table")
     (bn, nw, ns), _ = G.table_for("sm90-table", total_q)
     assert (g.block_n, g.num_warps, g.num_stages) == (bn, nw, ns)
-    assert "provisional" in G.SM90_TABLE_STATUS or "sweep" in G.SM90_TABLE_STATUS
+    assert "sweep" in G.SM90_TABLE_STATUS
+
+
+SM90_ROWS = [(1, (64, 8, 3)), (32, (64, 8, 3)), (128, (64, 8, 3)), (129, (64, 4, 2)),
+             (256, (64, 4, 2)), (257, (32, 4, 2)), (8192, (32, 4, 2))]
+
+
+@pytest.mark.parametrize("total_q,cfg", SM90_ROWS)
+def test_sm90_table_boundaries(total_q, cfg):
+    g = sel(H200, total_q=total_q)
+    assert (g.block_n, g.num_warps, g.num_stages) == cfg and g.block_m == 16
 
 
 @pytest.mark.parametrize("group,block_m", [(1, 16), (3, 16), (6, 16), (12, 16), (16, 16)])
@@ -89,7 +99,8 @@ def test_tuned_on_188_sm_sm120():
 def test_tuned_device_gates(facts, why):
     g = sel(facts, group=12)
     assert not g.source.startswith("sm120-tuned"), why
-    assert g.key[1:] == (16, 1, 2)
+    table = "sm90-table" if g.source.startswith("sm90-table") else g.source.split("[")[0]
+    assert g.key[1:] == G.table_for(table, 8192)[0]
 
 
 def test_tuned_triton_floor_is_3_7():
@@ -143,7 +154,7 @@ def test_env_tuned_forces_family_where_defined(monkeypatch):
     assert sel(GB10, group=12, total_q=32).key == (16, 16, 2, 3)
     assert sel(PRO6000, group=12, head_dim=64, width=9).key == (16, 16, 2, 3)
     g = sel(H200, group=3, total_q=32)  # no tuned entry for G=3: table
-    assert g.source.startswith("sm90-table") and g.key == (16, 32, 8, 2)
+    assert g.source.startswith("sm90-table") and g.key[1:] == G.table_for("sm90-table", 32)[0]
 
 
 def test_env_read_on_every_call(monkeypatch):
