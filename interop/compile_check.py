@@ -214,7 +214,12 @@ def check_triton(arch: str, modules: Sequence[str] = TRITON_MODULES) -> list[Con
                                 constexprs=cfg.get("constexprs", {}), attrs=attrs)
                 opts = {k: cfg[k] for k in ("num_warps", "num_stages") if cfg.get(k) is not None}
                 opts.update(cfg.get("options", {}))
-                compiled = triton.compile(src, target=target, options=opts)
+                try:
+                    compiled = triton.compile(src, target=target, options=opts)
+                except FileNotFoundError:
+                    # another process pruned/rewrote the same Triton cache entry mid-compile
+                    # (seen with concurrent runs sharing ~/.triton/cache): compile once more
+                    compiled = triton.compile(src, target=target, options=opts)
                 _judge(rep, compiled, limit)
             except Exception as e:  # noqa: BLE001 - a config that does not compile does not fit
                 rep.fits, rep.error = False, f"{type(e).__name__}: {str(e).strip()[:400]}"
