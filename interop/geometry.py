@@ -91,14 +91,17 @@ class Geometry:
 _H20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (1024, (32, 4, 2)), (None, (16, 1, 2)))
 _L20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (128, (64, 4, 2)), (512, (32, 4, 2)), (None, (16, 1, 2)))
 
-#: Status of the SM90 table. Source: ``bench/results/2026-11-30-h200-run2/
-#: prefill_geometry_sweep.json`` (``bench/prefill.py --sweep-geometry`` on the H200, Triton 3.6:
-#: BLOCK_N 16/32/64 x warps 1/2/4/8 x stages 2/3, chunk prefill G = 12, 32k context, each point's
-#: configurations timed interleaved): best per total_q was (64,8,3) at 32-128 rows, (64,4,2) at
-#: 256, (32,4,2) from 512 to 8192 rows (2.49 ms vs 2.68 ms for L20's (16,1,2) at 8192). Measured
-#: on the kernel before its 32-bit offset change (b27e0f4); re-run the sweep to confirm.
-SM90_TABLE_STATUS = "from the H200 sweep of 2026-11-30 (run 2, G=12 chunk 32k); re-check after b27e0f4"
-_SM90 = ((128, (64, 8, 3)), (256, (64, 4, 2)), (None, (32, 4, 2)))
+#: Status of the SM90 table. Sources, both on the H200 with Triton 3.6 (bench/NOTES.md, prefill):
+#: (1) ``bench/results/2026-11-30-h200-run2/prefill_geometry_sweep.json`` (``bench/prefill.py
+#: --sweep-geometry``: BLOCK_N 16/32/64 x warps 1/2/4/8 x stages 2/3, chunk prefill G = 12, 32k
+#: context, configurations timed interleaved): best was (64,8,3) at 32-128 rows, (64,4,2) at 256,
+#: (32,4,2) from 512 to 8192 rows — measured before the 32-bit offset change (b27e0f4);
+#: (2) ``bench/results/2026-11-30-h200-run4/prefill_bench.json`` (after b27e0f4, 8192 rows, 9
+#: cases): (64,4,2) 1.04-1.08x upstream vs (32,4,2) 0.97-1.03x, so rows > 2048 use (64,4,2).
+#: 512-2048 rows keep the pre-change sweep's pick until a post-change sweep re-checks them.
+SM90_TABLE_STATUS = ("from the H200 sweep of 2026-11-30 (run 2, G=12 chunk 32k) and the 8192-row "
+                     "matrix of run 4 (after b27e0f4); 512-2048 rows still to re-sweep")
+_SM90 = ((128, (64, 8, 3)), (256, (64, 4, 2)), (2048, (32, 4, 2)), (None, (64, 4, 2)))
 
 TABLES: dict[str, tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
     "h20-table": _H20,
