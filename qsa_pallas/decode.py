@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from interop.arch import DeviceFacts
-from interop.contract import ContractError, check_decode
+from interop.contract import ContractError, check_decode, route
 from interop.decode_plan import DecodePlan, next_pow2, plan_decode
 
 from . import _compat as C
@@ -394,8 +394,11 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
     Works under ``jax.jit`` (``max_seqlen_k`` static, lengths traced), ``lax.scan`` and
     ``shard_map`` (see ``_compat.shard_map``: the VMA check must be off).
     """
+    interp = C.resolve_interpret(interpret)
+    # SM121 routes decode to the exact qualified contract only (qsa-contract.md §5), as in
+    # qsa_triton; decided from static facts at trace time, so it costs nothing under jit.
     prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
-                        fn="sparse_decode")
+                        fn="sparse_decode", strict=not interp and _exact_contract_backend())
     if plan is None:
         plan = decode_plan_for(prob.batch, prob.num_q_heads, prob.num_kv_heads, prob.head_dim,
                                prob.max_seqlen_k)
@@ -404,9 +407,18 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
                             plan.head_tile)
     return _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
                    softmax_scale=float(prob.softmax_scale),
-                   interpret=C.resolve_interpret(interpret),
+                   interpret=interp,
                    direct=DIRECT_ONE_SPLIT if direct is None else bool(direct))
 
+
+
+@functools.cache
+def _exact_contract_backend() -> bool:
+    """True where ``interop.contract.route`` says decode runs the exact contract only (sm_121)."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return False
+    return route(DeviceFacts.from_jax(dev), "decode").exact_contract
 
 
 def lowering_cases(device_kind: str, *, head_dim: int = 256, max_seqlen_k: int = 2051,

@@ -66,7 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
-from interop.contract import QUALIFIED, ContractError, check_decode
+from interop.arch import DeviceFacts
+from interop.contract import QUALIFIED, ContractError, check_decode, route
 from interop.decode_plan import DecodePlan, next_pow2, plan_decode
 
 __all__ = [
@@ -693,6 +694,19 @@ def decode_with_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_
                    plan, merge, pdl)
 
 
+_EXACT: dict[tuple[str, int | None], bool] = {}
+
+
+def _exact_contract_device(device: torch.device) -> bool:
+    """True where ``interop.contract.route`` says decode runs the exact contract only (sm_121)."""
+    key = (device.type, device.index)
+    hit = _EXACT.get(key)
+    if hit is None:
+        hit = device.type == "cuda" and route(DeviceFacts.from_torch(device), "decode").exact_contract
+        _EXACT[key] = hit
+    return hit
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.library registration
 @torch.library.custom_op("qsa::sparse_decode", mutates_args=())
@@ -700,6 +714,12 @@ def _sparse_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       max_seqlen_k: int, softmax_scale: float) -> torch.Tensor:
     """Registered op: contract already checked by the caller (``sparse_decode``)."""
+    if _exact_contract_device(q.device):
+        # SM121 routes decode to the exact qualified contract only (qsa-contract.md §5: a family
+        # gate wider than exact (12, 1) caused silent corruption upstream). Checked here, in the
+        # op body, so it also holds under torch.compile; a dict lookup on other devices.
+        check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
+                     strict=True)
     b, hq, d = q.shape
     plan, merge = plan_for(b, k.shape[1], hq // k.shape[1], d, max_seqlen_k, q.device)
     return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, plan, merge)

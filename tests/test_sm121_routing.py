@@ -1,0 +1,51 @@
+"""SM121 decode runs the exact qualified contract only (qsa-contract.md §5), in both frameworks.
+
+No GPU here: the device facts are simulated by marking the current device as one that
+``interop.contract.route`` sends to the exact contract; the contract itself is the real one.
+"""
+
+import numpy as np
+import pytest
+
+from interop.arch import DeviceFacts
+from interop.contract import ContractError, route
+
+
+def test_route_sends_only_sm121_decode_to_the_exact_contract():
+    assert route(DeviceFacts.for_arch("sm_121"), "decode").exact_contract
+    for arch in ("sm_90", "sm_100", "sm_120"):
+        assert not route(DeviceFacts.for_arch(arch), "decode").exact_contract
+
+
+def _inputs(hq, hkv, d, lens):
+    rng = np.random.default_rng(0)
+    cu_k = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q = rng.standard_normal((len(lens), hq, d)).astype(np.float16)
+    k = rng.standard_normal((int(cu_k[-1]), hkv, d)).astype(np.float16)
+    v = rng.standard_normal((int(cu_k[-1]), hkv, d)).astype(np.float16)
+    return q, k, v, np.arange(len(lens) + 1, dtype=np.int32), cu_k
+
+
+def test_triton_exact_contract_device_rejects_outside_envelope(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import qsa_triton
+    from qsa_triton import decode as dec
+
+    q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in _inputs(4, 1, 64, [3, 5]))
+    out = qsa_triton.sparse_decode(q, k, v, cu_q, cu_k, 8)  # default device: generic contract
+    assert out.shape == q.shape
+    monkeypatch.setitem(dec._EXACT, (q.device.type, q.device.index), True)  # "this is a GB10"
+    with pytest.raises(ContractError, match="strict mode"):
+        qsa_triton.sparse_decode(q, k, v, cu_q, cu_k, 8)
+
+
+def test_pallas_exact_contract_backend_rejects_outside_envelope(monkeypatch):
+    jnp = pytest.importorskip("jax.numpy")
+    import qsa_pallas
+    from qsa_pallas import decode as dec
+
+    q, k, v, cu_q, cu_k = (jnp.asarray(x) for x in _inputs(4, 1, 64, [3, 5]))
+    monkeypatch.setattr(dec, "_exact_contract_backend", lambda: True)  # "this is a GB10"
+    # compiled path (interpret=False): the strict check runs before anything is lowered
+    with pytest.raises(ContractError, match="strict mode"):
+        qsa_pallas.sparse_decode(q, k, v, cu_q, cu_k, 8, interpret=False)
