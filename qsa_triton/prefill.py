@@ -43,6 +43,8 @@ from interop import contract
 from interop.arch import DeviceFacts
 from interop.geometry import Geometry, all_configs, select_prefill
 
+from ._interp_guard import check_interpreter_dtype
+
 __all__ = [
     "sparse_prefill",
     "sparse_prefill_chunk",
@@ -414,6 +416,7 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
         ``QSA_PREFILL_GEOMETRY``.
     """
     p = contract.check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale)
+    check_interpreter_dtype("sparse_prefill", p.dtype)
     return torch.ops.qsa.sparse_prefill(q, k, v, indices, cu_seqlens, p.max_seqlen_q,
                                         p.softmax_scale)
 
@@ -442,6 +445,7 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
     """
     p = contract.check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
                                      max_seqlen_q, softmax_scale, k_scale, v_scale)
+    check_interpreter_dtype("sparse_prefill_chunk", p.dtype)
     return torch.ops.qsa.sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k,
                                               kv_lens, p.max_seqlen_q, p.softmax_scale,
                                               p.k_scale, p.v_scale)
@@ -472,6 +476,7 @@ def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
     """
     p = contract.check_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
                                      kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale)
+    check_interpreter_dtype("sparse_prefill_paged", p.dtype)
     return torch.ops.qsa.sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices,
                                               cu_seqlens_q, kv_lens, p.max_seqlen_q,
                                               p.softmax_scale, p.k_scale, p.v_scale)

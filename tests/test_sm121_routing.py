@@ -49,3 +49,23 @@ def test_pallas_exact_contract_backend_rejects_outside_envelope(monkeypatch):
     # compiled path (interpret=False): the strict check runs before anything is lowered
     with pytest.raises(ContractError, match="strict mode"):
         qsa_pallas.sparse_decode(q, k, v, cu_q, cu_k, 8, interpret=False)
+
+
+def test_bf16_refused_under_unpatched_interpreter(monkeypatch):
+    """bf16 under Triton's CPU interpreter would be silently wrong (raw-bit dots): refused."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from triton.runtime import interpreter
+
+    import qsa_triton
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(interpreter, "_qsa_bf16_dot_patched", False, raising=False)
+    q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in _inputs(4, 1, 64, [3, 5]))
+    with pytest.raises(ContractError, match="interpreter"):
+        qsa_triton.sparse_decode(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu_q, cu_k, 8)
+    idx = torch.zeros(q.shape[0], 4, dtype=torch.int32)
+    with pytest.raises(ContractError, match="interpreter"):
+        qsa_triton.sparse_prefill(q.bfloat16(), k[:2].bfloat16(), v[:2].bfloat16(), idx,
+                                  torch.tensor([0, 2], dtype=torch.int32), 2)
+    qsa_triton.sparse_decode(q, k, v, cu_q, cu_k, 8)  # fp16 stays fine

@@ -95,3 +95,7 @@ def _apply() -> bool:
 
 
 applied = _apply()
+if applied:  # tells qsa_triton._interp_guard that bf16 dots are numeric now
+    from triton.runtime import interpreter as _interp
+
+    _interp._qsa_bf16_dot_patched = True

@@ -1,0 +1,41 @@
+"""Refuse bf16 under Triton's CPU interpreter instead of returning wrong numbers.
+
+In Triton 3.6-3.9 the interpreter (``TRITON_INTERPRET=1``) multiplies **bf16** ``tl.dot`` operands
+as their raw 16-bit integer patterns (architecture.md, "Things that bite"), so a correct bf16
+kernel returns garbage on CPU, silently. The entry points call ``check_interpreter_dtype`` after
+the contract check: under the interpreter, bf16 is refused with a ``ContractError`` unless the
+documented test patch (``tests/triton_interp_patch.py``) has fixed the interpreter's dot and set
+``triton.runtime.interpreter._qsa_bf16_dot_patched``. fp16 is unaffected. Compiled GPU runs never
+reach the check's body.
+"""
+
+from __future__ import annotations
+
+import os
+
+from interop.contract import ContractError
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+
+
+def check_interpreter_dtype(fn: str, dtype_name: str) -> None:
+    """Raise ContractError for bf16 under an unpatched Triton interpreter.
+
+    Raises:
+      ContractError: ``dtype_name == "bfloat16"`` while interpreting without the bf16 dot fix.
+    """
+    if dtype_name != "bfloat16" or not interpreting():
+        return
+    try:
+        from triton.runtime import interpreter  # noqa: PLC0415
+    except ImportError:
+        return
+    if getattr(interpreter, "_qsa_bf16_dot_patched", False):
+        return
+    raise ContractError(
+        fn, "q", "float16 under the Triton CPU interpreter (TRITON_INTERPRET=1): its bf16 tl.dot "
+        "multiplies raw bit patterns in Triton 3.6-3.9; use fp16 on CPU or a GPU for bf16",
+        "bfloat16")
