@@ -328,6 +328,25 @@ def resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, max_seqlen_q)
     return slots
 
 
+_SLOTS_MODES = ("prepass", "inline")
+
+
+def _paged_slots_mode() -> str:
+    """``QSA_PAGED_SLOTS`` (read on every call, same values as qsa_pallas): ``prepass`` (default:
+    slots resolved once before the attention kernel; a lookup inside the loop put a second
+    dependent load before every K/V gather) or ``inline``.
+
+    Raises:
+      ContractError: any other value, listing the allowed ones.
+    """
+    raw = os.environ.get("QSA_PAGED_SLOTS", "")
+    mode = raw.strip().lower() or "prepass"
+    if mode not in _SLOTS_MODES:
+        raise contract.ContractError("sparse_prefill_paged", "$QSA_PAGED_SLOTS",
+                                     f"one of {', '.join(_SLOTS_MODES)}", repr(raw))
+    return mode
+
+
 def _paged_impl(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens, max_seqlen_q,
                 softmax_scale, k_scale, v_scale, geometry=None, inline_slots=None):
     if geometry is None and inline_slots is None and prefill_algo(indices.shape[-1]) != "rows":
@@ -339,7 +358,7 @@ def _paged_impl(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
     geo = _geometry_from(geometry, "paged", q, requests=requests, max_q=max_seqlen_q,
                          num_kv_heads=k_cache.shape[1], width=indices.shape[-1])
     if inline_slots is None:
-        inline_slots = os.environ.get("QSA_PAGED_SLOTS", "prepass").strip().lower() == "inline"
+        inline_slots = _paged_slots_mode() == "inline"
     if inline_slots:
         return _launch(MODE_PAGED_INLINE, q, k_cache, v_cache, out, indices, cu_seqlens_q,
                        cu_seqlens_q, kv_lens, slot_table, geo, requests=requests,
@@ -477,6 +496,7 @@ def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
     p = contract.check_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
                                      kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale)
     check_interpreter_dtype("sparse_prefill_paged", p.dtype)
+    _paged_slots_mode()  # a bad $QSA_PAGED_SLOTS fails here, before any allocation
     return torch.ops.qsa.sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices,
                                               cu_seqlens_q, kv_lens, p.max_seqlen_q,
                                               p.softmax_scale, p.k_scale, p.v_scale)
