@@ -361,8 +361,8 @@ def _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_sc
 
 
 def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
-                  interpret: bool | None = None, plan: DecodePlan | None = None,
-                  direct: bool | None = None):
+                  strict: bool = False, interpret: bool | None = None,
+                  plan: DecodePlan | None = None, direct: bool | None = None):
     """Packed varlen sparse decode (``qsa-contract.md`` §2), Pallas on the Triton lowering.
 
     Same argument order and meaning as ``qsa_triton.sparse_decode``.
@@ -376,6 +376,9 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
       max_seqlen_k: host int >= 1, static upper bound of a row's key count; it only sizes the
         split grid (a longer row is still attended completely).
       softmax_scale: host float > 0 (applied to FP32 scores), default D ** -0.5.
+      strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``), as
+        ``qsa_triton.sparse_decode``; always on for a GPU that ``interop.contract.route`` sends to
+        the exact contract (sm_121).
       interpret: None -> Pallas interpret mode when jax's default backend is the CPU, the compiled
         Triton kernel on a GPU; True/False forces it.
       plan: optional ``interop.decode_plan.DecodePlan`` overriding the shared plan (tests, sweeps).
@@ -398,7 +401,8 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
     # SM121 routes decode to the exact qualified contract only (qsa-contract.md §5), as in
     # qsa_triton; decided from static facts at trace time, so it costs nothing under jit.
     prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
-                        fn="sparse_decode", strict=not interp and _exact_contract_backend())
+                        fn="sparse_decode",
+                        strict=strict or (not interp and _exact_contract_backend()))
     if plan is None:
         plan = decode_plan_for(prob.batch, prob.num_q_heads, prob.num_kv_heads, prob.head_dim,
                                prob.max_seqlen_k)

@@ -750,7 +750,8 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
       max_seqlen_k: host int >= 1, static bound of a row's key count: sizes the split-KV grid
         only; a longer row is still computed completely (its splits get longer).
       softmax_scale: host float, default D ** -0.5 (applied to FP32 scores).
-      strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
+      strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``); always on
+        for a GPU that ``interop.contract.route`` sends to the exact contract (sm_121).
 
     Returns:
       [B, Hq, D] in q's dtype: out[s, h] = softmax(scale · q[cu_q[s], h] · Kᵀ) · V over the row's

@@ -88,3 +88,19 @@ def test_bad_paged_slots_env_is_refused_by_both(monkeypatch):
         with pytest.raises(ContractError, match="QSA_PAGED_SLOTS"):
             mod.sparse_prefill_paged(conv(q[:2]), conv(k), conv(v), conv(st), conv(idx), conv(cu),
                                      conv(kl), 2)
+
+
+def test_strict_keyword_same_in_both():
+    """`strict=True` enforces the qualified envelope in both frameworks, with the same message."""
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    import qsa_pallas
+    import qsa_triton
+
+    arrays = _inputs(4, 1, 64, [3, 5])  # D = 64, (4, 1): outside the qualified envelope
+    msgs = []
+    for mod, conv in ((qsa_triton, torch.from_numpy), (qsa_pallas, jnp.asarray)):
+        with pytest.raises(ContractError) as e:
+            mod.sparse_decode(*(conv(x) for x in arrays), 8, strict=True)
+        msgs.append(str(e.value))
+    assert msgs[0] == msgs[1] and "strict mode" in msgs[0]
