@@ -102,12 +102,19 @@ _L20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (128, (64, 4, 2)), (512, (32, 4, 2))
 SM90_TABLE_STATUS = ("from the H200 sweep of 2026-11-30 (run 2, G=12 chunk 32k) and the 8192-row "
                      "matrix of run 4 (after b27e0f4); 512-2048 rows still to re-sweep")
 _SM90 = ((128, (64, 8, 3)), (256, (64, 4, 2)), (2048, (32, 4, 2)), (None, (64, 4, 2)))
+#: The Pallas kernel keeps (32,4,2) above 256 rows: that is where it was measured on the H200
+#: (run 4: 0.909x of the Triton kernel's speed at 8192 rows, every output within tolerance);
+#: (64,4,2) is unmeasured for Pallas, so it is not switched on by the Triton measurement.
+_SM90_PALLAS = ((128, (64, 8, 3)), (256, (64, 4, 2)), (None, (32, 4, 2)))
 
 TABLES: dict[str, tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
     "h20-table": _H20,
     "l20-table": _L20,
     "sm90-table": _SM90,
+    "sm90-table-pallas": _SM90_PALLAS,
 }
+# Per-backend table overrides, used where one backend measured best with other tuples.
+_BACKEND_TABLE = {("pallas", "sm90-table"): "sm90-table-pallas"}
 
 # Upstream's SM120 tuned family (qsa-contract.md §3). Geometry per group: (BLOCK_M, BLOCK_N,
 # num_warps, num_stages).
@@ -215,7 +222,8 @@ def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int
       num_kv_heads: Hkv (recorded for future tables; no table is keyed on it yet).
       head_dim: D.
       width: index columns W per row.
-      backend: ``"triton"`` or ``"pallas"`` (both get the same geometry; recorded in ``source``).
+      backend: ``"triton"`` or ``"pallas"`` (recorded in ``source``); the same geometry except
+        where ``_BACKEND_TABLE`` names a table measured for that backend (Pallas on sm_90).
 
     Returns:
       Geometry with a ``source`` naming the table row or tuned entry and the env mode.
@@ -240,6 +248,7 @@ def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int
     op = {"ordinary": "prefill", "chunk": "prefill_chunk", "paged": "prefill_paged"}[kind]
     r = route(facts, op)
     table = _ROUTE_TABLE.get(r.geometry, "l20-table")
+    table = _BACKEND_TABLE.get((backend, table), table)
     tuned_entry = TUNED_SM120["by_group"].get(group)
     use_tuned = False
     if mode == "tuned":
@@ -282,7 +291,8 @@ def all_configs(arch: str) -> list[Geometry]:
     tables = set()
     for facts in _facts_for(arch):
         for op in ("prefill", "prefill_chunk", "prefill_paged"):
-            tables.add(_ROUTE_TABLE.get(route(facts, op).geometry, "l20-table"))
+            name = _ROUTE_TABLE.get(route(facts, op).geometry, "l20-table")
+            tables.update({name} | {v for (_, k), v in _BACKEND_TABLE.items() if k == name})
     block_ms = sorted({head_tile(g) for g in range(1, 17)})
     for name in sorted(tables):
         for bound, (bn, nw, ns) in TABLES[name]:

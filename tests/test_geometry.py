@@ -188,9 +188,16 @@ def test_bad_arguments():
 
 
 def test_pallas_backend_gets_the_same_geometry():
-    for facts in (H200, PRO6000, GB10):
+    """Same geometry for both backends, except the documented per-backend override (_BACKEND_TABLE:
+    Pallas on sm_90 above 2048 rows keeps its measured (32,4,2))."""
+    for facts in (PRO6000, GB10):
         a, b = sel(facts), sel(facts, backend="pallas")
         assert a.key == b.key and "backend=pallas" in b.source
+    for total_q in (1, 128, 256, 2048):
+        a, b = sel(H200, total_q=total_q), sel(H200, total_q=total_q, backend="pallas")
+        assert a.key == b.key and "backend=pallas" in b.source
+    a, b = sel(H200, total_q=2049), sel(H200, total_q=2049, backend="pallas")
+    assert a.key != b.key and b.key[1:] == (32, 4, 2)
 
 
 # ------------------------------------------------------------------ all_configs
@@ -215,3 +222,16 @@ def test_all_configs_covers_every_selection(arch, monkeypatch):
 def test_all_configs_unknown_arch():
     with pytest.raises(ValueError):
         G.all_configs("sm_75")
+
+
+def test_pallas_keeps_its_measured_sm90_geometry_above_2048_rows():
+    """Pallas was measured at (32,4,2) at 8192 rows; the Triton-only (64,4,2) row does not apply."""
+    t = sel(H200, total_q=8192)
+    p = G.select_prefill(H200, "chunk", total_q=8192, requests=1, max_q=8192, group=12,
+                         num_kv_heads=1, head_dim=256, width=2051, backend="pallas")
+    assert (t.block_n, t.num_warps, t.num_stages) == (64, 4, 2)
+    assert (p.block_n, p.num_warps, p.num_stages) == (32, 4, 2)
+    assert "sm90-table-pallas" in p.source
+    small = G.select_prefill(H200, "chunk", total_q=64, requests=1, max_q=64, group=12,
+                             num_kv_heads=1, head_dim=256, width=2051, backend="pallas")
+    assert (small.block_n, small.num_warps, small.num_stages) == (64, 8, 3)
