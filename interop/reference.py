@@ -8,8 +8,11 @@ Exactly the semantics of ``qsa-contract.md`` §2-3:
 
 Inputs are numpy arrays of any float dtype (convert bf16/fp8 framework tensors to float32 first;
 the FP8 values are then the dequantised-by-cast values the kernels see). All math is float64.
-The reference reads *all* W index columns; kernels may stop early at the visible count, which is
-equivalent for inputs in the valid-first layout (``contract.validate_prefill_metadata``).
+Row r of request b reads only its first ``min(W, visible)`` index columns (``qsa-contract.md`` §3:
+a row never selects more entries than it sees, so entries past that are padding by construction):
+ordinary ``visible = r + 1``; chunk/paged ``visible = r + kv_lens[b] - q_len_b + 1`` (bottom-right
+causal). Both kernels stop exactly there too, so results do not depend on BLOCK_N, and the debug
+validator (``contract.validate_prefill_metadata``) flags valid entries past that bound.
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ def decode_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None) ->
     return out
 
 
-def _prefill_core(q, indices, cu_seqlens_q, lens, gather_k, gather_v, scale, k_scale, v_scale):
+def _prefill_core(q, indices, cu_seqlens_q, lens, gather_k, gather_v, scale, k_scale, v_scale,
+                  ordinary=False):
     """Shared loop: gather(b, positions, head) -> [N, D] rows for valid positions."""
     q = np.asarray(q, np.float64)
     t, hq, d = q.shape
@@ -94,10 +98,15 @@ def _prefill_core(q, indices, cu_seqlens_q, lens, gather_k, gather_v, scale, k_s
     cq = np.asarray(cu_seqlens_q, np.int64)
     hkv_idx = idx.shape[1]
     out = np.zeros((t, hq, d), np.float64)
+    w = idx.shape[-1]
     for b in range(len(cq) - 1):
+        q_len = cq[b + 1] - cq[b]
         for row in range(cq[b], cq[b + 1]):
+            r = row - cq[b]
+            visible = r + 1 if ordinary else r + lens[b] - q_len + 1
+            cap = int(min(w, max(visible, 0)))  # the row's first min(W, visible) columns only
             for h in range(_hkv_of(gather_k)):
-                sel = idx[row, h if hkv_idx > 1 else 0]
+                sel = idx[row, h if hkv_idx > 1 else 0, :cap]
                 sel = sel[(sel >= 0) & (sel < lens[b])]
                 g = hq // _hkv_of(gather_k)
                 out[row, h * g:(h + 1) * g] = attend(
@@ -128,13 +137,14 @@ def prefill_reference(q, k, v, indices, cu_seqlens, softmax_scale=None) -> np.nd
       cu_seqlens: int [B + 1].
 
     Returns:
-      [T, Hq, D] float64; entry valid iff 0 <= idx < request length.
+      [T, Hq, D] float64; entry valid iff 0 <= idx < request length; row r reads its first
+      min(W, r + 1) columns.
     """
     cu = np.asarray(cu_seqlens, np.int64)
     lens = np.diff(cu)
     row_of = lambda b, sel: cu[b] + sel  # noqa: E731
     return _prefill_core(q, indices, cu, lens, _Gather(k, row_of), _Gather(v, row_of),
-                         _scale(softmax_scale, np.shape(q)[2]), 1.0, 1.0)
+                         _scale(softmax_scale, np.shape(q)[2]), 1.0, 1.0, ordinary=True)
 
 
 def prefill_chunk_reference(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, softmax_scale=None,

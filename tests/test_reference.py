@@ -38,14 +38,16 @@ def junkify(rng, row_idx, bound, frac=0.4):
 
 
 def per_head_prefill(q, gather, idx, req_of_row, bound_of_req, g, scale, k_scale=1.0, v_scale=1.0,
-                     per_head=False):
+                     per_head=False, visible_of_row=None):
+    """Direct loop; ``visible_of_row[row]`` caps the columns read (the contract's early stop)."""
     t, hq, _ = q.shape
     out = np.zeros(q.shape)
     for row in range(t):
         b = req_of_row[row]
+        cap = idx.shape[-1] if visible_of_row is None else max(0, min(idx.shape[-1], visible_of_row[row]))
         for h in range(hq):
             kvh = h // g
-            cols = idx[row, kvh] if per_head else idx[row]
+            cols = (idx[row, kvh] if per_head else idx[row])[:cap]
             keys, vals = [], []
             for pos in cols:
                 if 0 <= pos < bound_of_req[b]:
@@ -54,6 +56,16 @@ def per_head_prefill(q, gather, idx, req_of_row, bound_of_req, g, scale, k_scale
                     vals.append(vv)
             out[row, h] = loop_attention(q[row, h].astype(np.float64), keys, vals, scale, k_scale, v_scale)
     return out
+
+
+def visible_rows(cu_q, kv_lens=None):
+    """Per global row: the contract's visible count (ordinary r + 1; chunk/paged bottom-right)."""
+    out = []
+    for b in range(len(cu_q) - 1):
+        q_len = cu_q[b + 1] - cu_q[b]
+        for r in range(q_len):
+            out.append(r + 1 if kv_lens is None else r + kv_lens[b] - q_len + 1)
+    return np.array(out, np.int64)
 
 
 def rand(rng, *shape, scale=1.0):
@@ -111,7 +123,8 @@ def test_prefill_ordinary_matches_loop(seed, per_head):
     idx = idx.astype(np.int32)
     ref = prefill_reference(q, k, v, idx, cu, 0.2)
     gather = lambda b, p, h: (k[cu[b] + p, h], v[cu[b] + p, h])  # noqa: E731
-    want = per_head_prefill(q, gather, idx, req, q_lens, g, 0.2, per_head=per_head)
+    want = per_head_prefill(q, gather, idx, req, q_lens, g, 0.2, per_head=per_head,
+                            visible_of_row=visible_rows(cu))
     np.testing.assert_allclose(ref, want, rtol=1e-11, atol=1e-12)
     assert np.all(ref[2] == 0.0) and np.isfinite(ref).all()
 
@@ -136,7 +149,8 @@ def test_prefill_chunk_matches_loop_with_fp8_scales(seed):
     idx[0] = junkify(rng, idx[0], kv_lens[0], frac=1.0)  # all junk
     ref = prefill_chunk_reference(q, k, v, idx, cu_q, cu_k, kv_lens, None, 0.5, 1.7)
     gather = lambda b, p, h: (k[cu_k[b] + p, h], v[cu_k[b] + p, h])  # noqa: E731
-    want = per_head_prefill(q, gather, idx, req, kv_lens, g, d ** -0.5, 0.5, 1.7)
+    want = per_head_prefill(q, gather, idx, req, kv_lens, g, d ** -0.5, 0.5, 1.7,
+                            visible_of_row=visible_rows(cu_q, kv_lens))
     np.testing.assert_allclose(ref, want, rtol=1e-11, atol=1e-12)
     assert np.all(ref[0] == 0.0) and np.isfinite(ref).all()
 
@@ -156,7 +170,8 @@ def test_prefill_paged_matches_loop_and_chunk():
                     for r in range(t)])
     ref = prefill_paged_reference(q, kc, vc, st, idx, cu_q, kv_lens, 0.25)
     gather = lambda b, p, h: (kc[st[b, p], h], vc[st[b, p], h])  # noqa: E731
-    want = per_head_prefill(q, gather, idx, req, kv_lens, g, 0.25)
+    want = per_head_prefill(q, gather, idx, req, kv_lens, g, 0.25,
+                            visible_of_row=visible_rows(cu_q, kv_lens))
     np.testing.assert_allclose(ref, want, rtol=1e-11, atol=1e-12)
     # the same call as a chunk call over the gathered context gives the same result
     cu_k = np.array([0, 6, 10])
@@ -180,3 +195,20 @@ def test_attend_and_rel_l2():
     assert np.all(attend(np.ones((2, 4)), np.zeros((0, 4)), np.zeros((0, 4)), 1.0) == 0)
     assert rel_l2(np.zeros(3), np.zeros(3)) == 0.0
     assert rel_l2([1.0, 1.0], [1.0, 0.0]) == pytest.approx(1.0)
+
+
+def test_prefill_reads_only_the_first_visible_columns():
+    """Row r reads min(W, visible) columns (qsa-contract.md §3 early stop), as both kernels do:
+    a valid entry standing past that bound is ignored, so row 0 of an ordinary request attends
+    to exactly its first column."""
+    rng = np.random.default_rng(5)
+    q, k, v = rand(rng, 2, 1, 16), rand(rng, 2, 1, 16), rand(rng, 2, 1, 16)
+    idx = np.array([[0, 1, -1, -1], [0, 1, -1, -1]], np.int32)
+    out = prefill_reference(q, k, v, idx, [0, 2], 0.3)
+    np.testing.assert_allclose(out[0, 0], v[0, 0], rtol=1e-12)  # one key: softmax weight 1
+    want1 = loop_attention(q[1, 0].astype(np.float64), [k[0, 0], k[1, 0]], [v[0, 0], v[1, 0]], 0.3)
+    np.testing.assert_allclose(out[1, 0], want1, rtol=1e-11)
+    # padding first, then a valid entry past the bound: the row has no valid entry -> zeros
+    out = prefill_reference(q, k, v, np.array([[-1, 0, -1, -1], [0, 1, -1, -1]], np.int32),
+                            [0, 2], 0.3)
+    assert np.all(out[0] == 0.0)
