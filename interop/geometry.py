@@ -148,8 +148,11 @@ def head_tile(group: int) -> int:
     return max(16, _next_pow2(group))
 
 
-def geometry_mode() -> str:
+def geometry_mode(fn: str = "select_prefill") -> str:
     """The ``QSA_PREFILL_GEOMETRY`` value now (``auto`` when unset/empty).
+
+    Args:
+      fn: the entry point named in the error message.
 
     Raises:
       ContractError: a value outside ``ALLOWED_MODES``.
@@ -157,7 +160,7 @@ def geometry_mode() -> str:
     raw = os.environ.get(ENV_VAR, "")
     mode = raw.strip().lower() or "auto"
     if mode not in ALLOWED_MODES:
-        raise ContractError("select_prefill", f"${ENV_VAR}",
+        raise ContractError(fn, f"${ENV_VAR}",
                             f"one of {', '.join(ALLOWED_MODES)} (or unset = auto)", repr(raw))
     return mode
 

@@ -54,6 +54,7 @@ import numpy as np
 from jax import lax
 from interop import contract
 from interop.contract import ContractError, PrefillProblem, spec_of
+from interop.geometry import geometry_mode
 
 from . import _compat
 from ._compat import pl
@@ -421,7 +422,8 @@ def _run(problem: PrefillProblem, q, k, v, meta, *, max_context: int, interpret,
 
 
 def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
-                   interpret=None, geometry: PallasPrefillGeometry | None = None):
+                   strict: bool = False, interpret=None,
+                   geometry: PallasPrefillGeometry | None = None):
     """Ordinary sparse prefill (qsa-contract.md §3): K/V are this forward's rows, packed like q.
 
     Args:
@@ -430,8 +432,10 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
       indices: int32 [T, W] (shared by the KV heads) or [T, Hkv, W]; request-relative token
         positions, valid iff 0 <= idx < request length; selected entries first, then padding.
       cu_seqlens: int32 [B + 1], request b owns rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1.
-      max_seqlen_q: host int >= 1 (static; part of the contract, not needed by this grid).
+      max_seqlen_q: host int >= 1 (static; part of the contract; this grid covers every row
+        whatever its value).
       softmax_scale: host float > 0, or None for D ** -0.5.
+      strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
       interpret: None -> interpret mode when q lives on the CPU; True/False to force.
       geometry: explicit ``PallasPrefillGeometry`` (benchmarks); None -> ``select_geometry``.
 
@@ -443,16 +447,18 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
       ContractError: from ``interop.contract.check_prefill`` (before any launch), or an array
         whose offsets would overflow the lowering's int32 offsets.
     """
-    fn = "qsa_pallas.sparse_prefill"
-    p = contract.check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, fn=fn)
+    fn = "sparse_prefill"
+    p = contract.check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, fn=fn,
+                               strict=strict)
+    geometry_mode(fn)  # a bad $QSA_PREFILL_GEOMETRY is an error on every backend, CPU included
     _check_offsets(fn, q=q, k=k, v=v, indices=indices)
     return _run(p, q, k, v, (indices, cu_seqlens), max_context=0, interpret=interpret,
                 geometry=geometry, fn=fn)
 
 
 def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
-                         softmax_scale=None, k_scale=1.0, v_scale=1.0, *, interpret=None,
-                         geometry: PallasPrefillGeometry | None = None):
+                         softmax_scale=None, k_scale=1.0, v_scale=1.0, *, strict: bool = False,
+                         interpret=None, geometry: PallasPrefillGeometry | None = None):
     """Chunk sparse prefill (qsa-contract.md §3): K/V hold each request's full context, packed.
 
     Args:
@@ -475,9 +481,11 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
     Raises:
       ContractError: from ``interop.contract.check_prefill_chunk`` or the offset check.
     """
-    fn = "qsa_pallas.sparse_prefill_chunk"
+    fn = "sparse_prefill_chunk"
     p = contract.check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
-                                     max_seqlen_q, softmax_scale, k_scale, v_scale, fn=fn)
+                                     max_seqlen_q, softmax_scale, k_scale, v_scale, fn=fn,
+                                     strict=strict)
+    geometry_mode(fn)
     _check_offsets(fn, q=q, k=k, v=v, indices=indices)
     return _run(p, q, k, v, (indices, cu_seqlens_q, cu_seqlens_k, kv_lens), max_context=0,
                 interpret=interpret, geometry=geometry, fn=fn)
@@ -485,8 +493,8 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
 
 def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
                          max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
-                         interpret=None, geometry: PallasPrefillGeometry | None = None,
-                         slots: str | None = None):
+                         strict: bool = False, interpret=None,
+                         geometry: PallasPrefillGeometry | None = None, slots: str | None = None):
     """Paged sparse prefill (qsa-contract.md §3): K/V read in place from the pool.
 
     Args:
@@ -511,9 +519,11 @@ def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
       ContractError: from ``interop.contract.check_prefill_paged`` or the offset check (FP8
         pools of 2**31..2**32 elements).
     """
-    fn = "qsa_pallas.sparse_prefill_paged"
+    fn = "sparse_prefill_paged"
     p = contract.check_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
-                                     kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale, fn=fn)
+                                     kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale, fn=fn,
+                                     strict=strict)
+    geometry_mode(fn)
     _check_offsets(fn, q=q, k_cache=k_cache, v_cache=v_cache, indices=indices,
                    slot_table=slot_table)
     mode = _slots_mode(fn, slots)

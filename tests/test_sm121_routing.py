@@ -104,3 +104,20 @@ def test_strict_keyword_same_in_both():
             mod.sparse_decode(*(conv(x) for x in arrays), 8, strict=True)
         msgs.append(str(e.value))
     assert msgs[0] == msgs[1] and "strict mode" in msgs[0]
+
+
+def test_pallas_prefill_strict_and_bad_geometry_env(monkeypatch):
+    """qsa_pallas prefill: strict= like qsa_triton; a bad $QSA_PREFILL_GEOMETRY is refused even on
+    the CPU (interpret mode, where no geometry is selected)."""
+    jnp = pytest.importorskip("jax.numpy")
+    import qsa_pallas
+
+    q = jnp.zeros((2, 4, 64), jnp.float16)
+    k = jnp.zeros((2, 1, 64), jnp.float16)
+    idx = jnp.zeros((2, 4), jnp.int32)
+    cu = jnp.array([0, 2], jnp.int32)
+    with pytest.raises(ContractError, match="strict mode"):
+        qsa_pallas.sparse_prefill(q, k, k, idx, cu, 2, strict=True)
+    monkeypatch.setenv("QSA_PREFILL_GEOMETRY", "fast")
+    with pytest.raises(ContractError, match="QSA_PREFILL_GEOMETRY"):
+        qsa_pallas.sparse_prefill(q, k, k, idx, cu, 2)
