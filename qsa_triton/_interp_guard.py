@@ -21,6 +21,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
 
+# Triton reads TRITON_INTERPRET when a @triton.jit function is *defined* (our kernels: when
+# qsa_triton is imported); setting it later leaves compiled-GPU kernels that crash on CPU tensors
+# deep inside Triton ("0 active drivers"). Remember the value the kernels were defined under.
+INTERPRETING_AT_IMPORT = interpreting()
+
+
+def check_device(fn: str, device_type: str) -> None:
+    """Raise ContractError for CPU tensors when the kernels were not defined for the interpreter.
+
+    Raises:
+      ContractError: ``device_type`` is not "cuda" and TRITON_INTERPRET was not set before
+        ``qsa_triton`` was imported.
+    """
+    if device_type == "cuda" or INTERPRETING_AT_IMPORT:
+        return
+    late = " (it is set now, but only after qsa_triton was imported)" if interpreting() else ""
+    raise ContractError(
+        fn, "q", "a CUDA tensor, or CPU tensors with TRITON_INTERPRET=1 set before qsa_triton is "
+        "imported (Triton reads it when the kernels are defined)", f"a {device_type} tensor{late}")
+
+
 def check_interpreter_dtype(fn: str, dtype_name: str) -> None:
     """Raise ContractError for bf16 under an unpatched Triton interpreter.
 

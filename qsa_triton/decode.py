@@ -70,7 +70,7 @@ from interop.arch import DeviceFacts
 from interop.contract import QUALIFIED, ContractError, check_decode, route
 from interop.decode_plan import DecodePlan, next_pow2, plan_decode
 
-from ._interp_guard import check_interpreter_dtype
+from ._interp_guard import check_device, check_interpreter_dtype
 
 __all__ = [
     "sparse_decode",
@@ -768,6 +768,7 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
                         strict=strict)
     check_interpreter_dtype("sparse_decode", prob.dtype)
+    check_device("sparse_decode", q.device.type)
     return torch.ops.qsa.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, prob.max_seqlen_k,
                                        prob.softmax_scale)
 

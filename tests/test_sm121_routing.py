@@ -121,3 +121,27 @@ def test_pallas_prefill_strict_and_bad_geometry_env(monkeypatch):
     monkeypatch.setenv("QSA_PREFILL_GEOMETRY", "fast")
     with pytest.raises(ContractError, match="QSA_PREFILL_GEOMETRY"):
         qsa_pallas.sparse_prefill(q, k, k, idx, cu, 2)
+
+
+def test_interpreter_set_after_import_is_a_clear_error(tmp_path):
+    """TRITON_INTERPRET must be set before qsa_triton is imported; set later, a CPU call gets a
+    ContractError that says so (not a crash inside Triton's driver lookup)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import os, torch, qsa_triton\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "q = torch.zeros(2, 4, 64, dtype=torch.float16); k = torch.zeros(3, 1, 64, dtype=torch.float16)\n"
+        "cu = torch.tensor([0, 1, 2], dtype=torch.int32); ck = torch.tensor([0, 1, 3], dtype=torch.int32)\n"
+        "try:\n"
+        "    qsa_triton.sparse_decode(q, k, k, cu, ck, 4)\n"
+        "except qsa_triton.ContractError as e:\n"
+        "    print('CONTRACT', e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert "CONTRACT" in out.stdout and "before qsa_triton is imported" in out.stdout, out.stderr[-2000:]
