@@ -21,6 +21,12 @@ subtracted, so no ``-inf - -inf``); a row with no valid entry stores exact zeros
 Columns at or past ``min(W, visible)`` are masked too, so the result does not depend on BLOCK_N.
 Offsets into K/V and the pool are 64-bit.
 
+Grid: (max_seqlen_q, B * Hkv), like upstream's, but each program loops over rows r, r +
+max_seqlen_q, r + 2 * max_seqlen_q, ... < q_len of its request (grid-stride; the slot pre-pass
+too), so the host's max_seqlen_q is only a grid-size hint: a value smaller than a request's real
+row count (the host cannot check device lengths without a sync) still computes every row exactly
+once, with fewer programs; the right value gives one iteration per program.
+
 FP8 (chunk, paged): K/V in float8_e4m3fn are converted to q's dtype for the dots; ``k_scale``
 multiplies the scores, ``v_scale`` the output.
 
@@ -76,13 +82,15 @@ def _qsa_sparse_prefill_fwd(
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
 ):
-    r = tl.program_id(0)  # query row inside its request
     bh = tl.program_id(1)
     b = bh // HKV
     h = bh % HKV
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    if r < q_len:
+    # grid-stride over the request's query rows: r = pid, pid + grid0, ... < q_len. The host's
+    # max_seqlen_q (grid0) is only a size hint: a too-small one still computes every row (one
+    # program then does several), a right one gives exactly one iteration per program.
+    for r in range(tl.program_id(0), q_len, tl.num_programs(0)):
         row = (q_start + r).to(tl.int64)
         if MODE == 0:
             kv_len = q_len
@@ -159,14 +167,14 @@ def _qsa_resolve_pool_slots(
     HIDX: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """slots[row, h, c] = slot_table[b, idx] for valid entries (0 <= idx < kv_lens[b], c < visible),
-    else -1. Grid: (max_q, B * HIDX, cdiv(W, BLOCK))."""
-    r = tl.program_id(0)
+    else -1. Grid: (max_q, B * HIDX, cdiv(W, BLOCK)); rows past max_q are reached by a grid-stride
+    loop (r, r + max_q, ...), so a too-small max_q still resolves every row."""
     bh = tl.program_id(1)
     b = bh // HIDX
     h = bh % HIDX
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    if r < q_len:
+    for r in range(tl.program_id(0), q_len, tl.num_programs(0)):  # grid-stride over rows
         row = (q_start + r).to(tl.int64)
         kv_len = tl.load(kv_lens_ptr + b)
         n_cols = tl.minimum(tl.maximum(r + kv_len - q_len + 1, 0), W)
@@ -414,7 +422,8 @@ def _(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens, max_seqle
 
 # ---------------------------------------------------------------------------------------------
 # Public entry points
-def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None):
+def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
+                   strict: bool = False):
     """Ordinary sparse prefill: each query row attends to the selected rows of this forward's K/V.
 
     Args:
@@ -423,8 +432,12 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
       indices: int32 [T, W] (shared by the KV heads) or [T, Hkv, W]; request-relative positions,
         selected entries first; an entry is valid iff 0 <= idx < request length.
       cu_seqlens: int32 [B + 1] on q's device.
-      max_seqlen_q: host int, the longest request (grid bound; longer requests would be cut).
+      max_seqlen_q: host int >= 1, the longest request's rows: a grid-size hint only (dim 0 of
+        the grid); each program loops over rows r, r + max_seqlen_q, ... of its request, so a
+        too-small value still computes every row exactly once, just with fewer programs (slower),
+        and a too-large one only launches idle programs.
       softmax_scale: host float or None (D ** -0.5).
+      strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
 
     Returns:
       [T, Hq, D] in q's dtype; row r of request b attends (causally, bottom-right) over at most
@@ -434,14 +447,15 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
       ContractError: from ``interop.contract.check_prefill`` (before any allocation), or a bad
         ``QSA_PREFILL_GEOMETRY``.
     """
-    p = contract.check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale)
+    p = contract.check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale,
+                               strict=strict)
     check_interpreter_dtype("sparse_prefill", p.dtype)
     return torch.ops.qsa.sparse_prefill(q, k, v, indices, cu_seqlens, p.max_seqlen_q,
                                         p.softmax_scale)
 
 
 def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
-                         softmax_scale=None, k_scale=1.0, v_scale=1.0):
+                         softmax_scale=None, k_scale=1.0, v_scale=1.0, *, strict: bool = False):
     """Chunk sparse prefill: new query rows attend to selected rows of each request's full
     context (prefix + this chunk), packed at rows ``cu_seqlens_k[b]`` of k/v.
 
@@ -451,9 +465,11 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
       indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b].
       cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B] (context length per request,
         >= its query rows); all on q's device.
-      max_seqlen_q: host int, the longest request's query rows.
+      max_seqlen_q: host int >= 1, the longest request's query rows: a grid-size hint, as in
+        ``sparse_prefill`` (too small: still every row, slower).
       softmax_scale: host float or None (D ** -0.5); k_scale (on scores), v_scale (on the output):
         host floats, 1.0 unless K/V are FP8.
+      strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
 
     Returns:
       [T, Hq, D] in q's dtype; row r of request b reads at most
@@ -463,7 +479,8 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
       ContractError: from ``interop.contract.check_prefill_chunk`` (before any allocation).
     """
     p = contract.check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
-                                     max_seqlen_q, softmax_scale, k_scale, v_scale)
+                                     max_seqlen_q, softmax_scale, k_scale, v_scale,
+                                     strict=strict)
     check_interpreter_dtype("sparse_prefill_chunk", p.dtype)
     return torch.ops.qsa.sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k,
                                               kv_lens, p.max_seqlen_q, p.softmax_scale,
@@ -471,7 +488,8 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
 
 
 def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
-                         max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0):
+                         max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
+                         strict: bool = False):
     """Paged sparse prefill: K/V read in place from the KV pool through the slot table.
 
     Args:
@@ -481,7 +499,8 @@ def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
         (read only for valid entries).
       indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b].
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
-      max_seqlen_q, softmax_scale, k_scale, v_scale: as ``sparse_prefill_chunk``.
+      max_seqlen_q, softmax_scale, k_scale, v_scale, strict: as ``sparse_prefill_chunk``
+        (max_seqlen_q is a grid-size hint for the slot pre-pass too).
 
     Returns:
       [T, Hq, D] in q's dtype.
@@ -494,7 +513,8 @@ def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
     1.5x slower). ``QSA_PAGED_SLOTS=inline`` selects the inline lookup for measurement.
     """
     p = contract.check_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
-                                     kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale)
+                                     kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale,
+                                     strict=strict)
     check_interpreter_dtype("sparse_prefill_paged", p.dtype)
     _paged_slots_mode()  # a bad $QSA_PAGED_SLOTS fails here, before any allocation
     return torch.ops.qsa.sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices,

@@ -28,6 +28,8 @@ invalid entries never dereferenced, rows without a valid entry give 0). Selected
 ``QSA_PREFILL_ALGO=pairs`` (default ``rows``) until the H200 benchmark says which is faster.
 Row r's part of the union is its sorted valid entries (ascending positions), then r+1's extras.
 W is limited to 8192 columns (the sort tile); wider calls use the per-row kernel.
+Like ``prefill.py``, every kernel here grid-strides over its request's rows (pairs), so the host's
+max_seqlen_q only sizes the grid: a too-small value still covers every row.
 """
 
 from __future__ import annotations
@@ -76,14 +78,14 @@ def _qsa_pair_union(
     HIDX: tl.constexpr, WP: tl.constexpr, LOG_WP: tl.constexpr, MODE: tl.constexpr,
     PRESORTED: tl.constexpr,
 ):
-    k = tl.program_id(0)  # pair within the request
     bh = tl.program_id(1)
     b = bh // HIDX
     hi = bh % HIDX
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    r0 = 2 * k
-    if r0 < q_len:
+    # grid-stride over the request's pairs (first rows 2·pid, 2·(pid + grid0), ...): a too-small
+    # max_seqlen_q still covers every pair
+    for r0 in range(2 * tl.program_id(0), q_len, 2 * tl.num_programs(0)):
         has1 = (r0 + 1) < q_len
         row0 = (q_start + r0).to(tl.int64)
         if MODE == 0:
@@ -158,15 +160,13 @@ def _qsa_pair_attn(
     HKV: tl.constexpr, HIDX: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFF64: tl.constexpr,
 ):
-    k = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
     h = bh % HKV
     hi = h % HIDX  # shared indices (HIDX = 1) -> 0, per-head -> h
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    r0 = 2 * k
-    if r0 < q_len:
+    for r0 in range(2 * tl.program_id(0), q_len, 2 * tl.num_programs(0)):  # grid-stride (pairs)
         n_rows = tl.minimum(q_len - r0, 2)  # 1 for the last row of an odd-length request
         row0 = (q_start + r0).to(tl.int64)
         n_u = tl.load(ulen_ptr + row0 * stride_lt + hi * 2)
@@ -226,13 +226,12 @@ def _qsa_mask_keys(
     HIDX: tl.constexpr, ORDINARY: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """keys[row, h, c] = idx where valid (0 <= idx < len, c < visible), else INT32_MAX."""
-    r = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HIDX
     h = bh % HIDX
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    if r < q_len:
+    for r in range(tl.program_id(0), q_len, tl.num_programs(0)):  # grid-stride over rows
         row = (q_start + r).to(tl.int64)
         if ORDINARY:
             bound = q_len

@@ -17,6 +17,8 @@ Attention ``_qsa_quad_attn``: a score gets + log2(weight), weight 0 -> -inf.
 
 Scratch: (T/4 + B) groups x Hidx x 4W int32 + 4 x 4W float32 (T = 8192, W = 2051: 67 + 269 MB
 allocated, ~1.3 W x 20 B per group written). Selected with ``QSA_PREFILL_ALGO=quads``; W <= 8192.
+Both kernels grid-stride over the request's row groups, so a too-small max_seqlen_q (a grid-size
+hint) still covers every row.
 """
 
 from __future__ import annotations
@@ -81,15 +83,15 @@ def _qsa_quad_union(
     HIDX: tl.constexpr, WP: tl.constexpr, LOG_WP: tl.constexpr, MODE: tl.constexpr,
     PRESORTED: tl.constexpr,
 ):
-    g = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HIDX
     hi = bh % HIDX
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    r0 = 4 * g
-    if r0 < q_len:
-        gid = (q_start // 4 + b + g).to(tl.int64)
+    # grid-stride over the request's row groups (first rows 4·pid, 4·(pid + grid0), ...): a
+    # too-small max_seqlen_q still covers every group
+    for r0 in range(4 * tl.program_id(0), q_len, 4 * tl.num_programs(0)):
+        gid = (q_start // 4 + b + r0 // 4).to(tl.int64)
         n_rows = tl.minimum(q_len - r0, 4)
         if MODE == 0:
             bound = q_len
@@ -172,16 +174,14 @@ def _qsa_quad_attn(
     HKV: tl.constexpr, HIDX: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFF64: tl.constexpr,
 ):
-    g = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
     h = bh % HKV
     hi = h % HIDX
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    r0 = 4 * g
-    if r0 < q_len:
-        gid = (q_start // 4 + b + g).to(tl.int64)
+    for r0 in range(4 * tl.program_id(0), q_len, 4 * tl.num_programs(0)):  # grid-stride (groups)
+        gid = (q_start // 4 + b + r0 // 4).to(tl.int64)
         n_rows = tl.minimum(q_len - r0, 4)
         n_u = tl.load(ulen_ptr + gid * stride_lg + hi)
         offs_m = tl.arange(0, BLOCK_M)

@@ -7,6 +7,7 @@ a float32 torch reference that is itself checked against the float64 oracle here
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -196,6 +197,69 @@ def test_torch_reference_matches_oracle():
         ref64 = case.numpy_reference()
         ref32 = reference_f32(case, chunk_rows=3).numpy()
         np.testing.assert_allclose(ref32, ref64, rtol=1e-4, atol=1e-4)
+
+
+
+# ------------------------------------------------------------------------------------ max_seqlen_q
+_HINT_CASES = {
+    "ordinary": dict(q_lens=[5, 1, 7], kv_lens=None),
+    "chunk": dict(q_lens=[5, 1, 7], kv_lens=[9, 4, 12]),
+    "paged": dict(q_lens=[5, 1, 7], kv_lens=[9, 4, 12]),
+}
+
+
+def _hint_case(kind, seed):
+    c = _HINT_CASES[kind]
+    return make_case(kind, 6, 1, 32, c["q_lens"], c["kv_lens"], width=9, junk="mixed",
+                     dtype=FP16, nan_unselected=True, table_junk=kind == "paged", pool_slack=2,
+                     empty_rows=[2], seed=seed, device=DEV)
+
+
+def _same_with_small_hints(case):
+    """max_seqlen_q is a grid-size hint: 1 and 2 (below the longest request, 7 rows) give the
+    bitwise result of the right value, match the oracle, and leave no row unwritten (NaN)."""
+    assert case.max_q == 7
+    good, _ = _check(case)
+    for hint in (1, 2):
+        case.max_q = hint
+        out = case.run()
+        assert not bool(torch.isnan(out).any()), f"max_seqlen_q={hint}: rows left unwritten"
+        assert torch.equal(out, good), f"max_seqlen_q={hint} differs from max_seqlen_q=7"
+        _check(case, out)
+    case.max_q = 7
+
+
+@pytest.mark.parametrize("kind,slots", [("ordinary", None), ("chunk", None),
+                                        ("paged", "prepass"), ("paged", "inline")])
+def test_small_max_seqlen_q_covers_every_row(kind, slots, monkeypatch):
+    if slots is not None:
+        monkeypatch.setenv("QSA_PAGED_SLOTS", slots)
+    _same_with_small_hints(_hint_case(kind, seed=70))
+
+
+def test_resolve_pool_slots_small_max_seqlen_q():
+    case = _hint_case("paged", seed=71)
+    args = (case.indices, case.slot_table, case.cu_q, case.kv_lens)
+    want = P.resolve_pool_slots(*args, 7)
+    for hint in (1, 2):
+        assert torch.equal(P.resolve_pool_slots(*args, hint), want)
+
+
+@pytest.mark.parametrize("kind", ["ordinary", "paged"])
+def test_pairs_small_max_seqlen_q_covers_every_row(pairs, kind):
+    _same_with_small_hints(_hint_case(kind, seed=72))
+
+
+@pytest.mark.parametrize("kind", ["ordinary", "chunk", "paged"])
+def test_strict_rejects_outside_the_envelope(kind):
+    """strict=True enforces the qualified envelope (D = 256): D = 64 is refused with a
+    ContractError naming strict mode; the same call without strict runs."""
+    case = _hint_case(kind, seed=73)
+    fn = {"ordinary": P.sparse_prefill, "chunk": P.sparse_prefill_chunk,
+          "paged": P.sparse_prefill_paged}[kind]
+    with pytest.raises(ContractError, match=r"strict mode.*D=256|head dim D = 256.*strict mode"):
+        case.run(**{f"fn_{kind}": functools.partial(fn, strict=True)})
+    _check(case, case.run(**{f"fn_{kind}": functools.partial(fn, strict=False)}))
 
 
 # ------------------------------------------------------------------------------------ GPU
