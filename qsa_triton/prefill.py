@@ -49,7 +49,7 @@ from interop import contract
 from interop.arch import DeviceFacts
 from interop.geometry import Geometry, all_configs, select_prefill
 
-from ._interp_guard import check_interpreter_dtype
+from ._interp_guard import check_device, check_interpreter_dtype
 
 __all__ = [
     "sparse_prefill",
@@ -450,6 +450,7 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
     p = contract.check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale,
                                strict=strict)
     check_interpreter_dtype("sparse_prefill", p.dtype)
+    check_device("sparse_prefill", q.device.type)
     return torch.ops.qsa.sparse_prefill(q, k, v, indices, cu_seqlens, p.max_seqlen_q,
                                         p.softmax_scale)
 
@@ -482,6 +483,7 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
                                      max_seqlen_q, softmax_scale, k_scale, v_scale,
                                      strict=strict)
     check_interpreter_dtype("sparse_prefill_chunk", p.dtype)
+    check_device("sparse_prefill_chunk", q.device.type)
     return torch.ops.qsa.sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k,
                                               kv_lens, p.max_seqlen_q, p.softmax_scale,
                                               p.k_scale, p.v_scale)
@@ -516,6 +518,7 @@ def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
                                      kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale,
                                      strict=strict)
     check_interpreter_dtype("sparse_prefill_paged", p.dtype)
+    check_device("sparse_prefill_paged", q.device.type)
     _paged_slots_mode()  # a bad $QSA_PAGED_SLOTS fails here, before any allocation
     return torch.ops.qsa.sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices,
                                               cu_seqlens_q, kv_lens, p.max_seqlen_q,
