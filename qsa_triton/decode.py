@@ -666,13 +666,13 @@ def pdl_enabled(device: torch.device | str, pdl: bool | None = None) -> bool:
     if pdl is None:
         mode = os.environ.get(PDL_ENV, "auto").strip().lower() or "auto"
         if mode not in PDL_MODES:
-            raise ContractError("sparse_decode", PDL_ENV, "one of " + ", ".join(PDL_MODES),
-                                os.environ.get(PDL_ENV))
+            raise ContractError("sparse_decode", f"${PDL_ENV}", "one of " + ", ".join(PDL_MODES),
+                                repr(os.environ.get(PDL_ENV)))
         if mode == "auto":
             return PDL_AUTO and pdl_supported(device)
         pdl = mode == "on"
     if pdl and not pdl_supported(device):
-        raise ContractError("sparse_decode", PDL_ENV, "PDL only on a CUDA device of compute "
+        raise ContractError("sparse_decode", f"${PDL_ENV}", "PDL only on a CUDA device of compute "
                             "capability >= 9.0 with a Triton that has launch_pdl, never under "
                             "TRITON_INTERPRET=1 (use off or auto)", f"on for {torch.device(device)}")
     return bool(pdl)
