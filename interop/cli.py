@@ -294,6 +294,9 @@ def _cmd_check(args) -> int:
         skipped = {n: s[f"skipped[{n}]"] for n in names if s[f"skipped[{n}]"]}
         if skipped:
             print(f"  skipped: " + ", ".join(f"{n} {c} case(s)" for n, c in skipped.items()))
+            for n in skipped:
+                for why in s.get(f"skip_reasons[{n}]", []):
+                    print(f"    {n}: {why}")
     failed = [r for r in results if not r.passed]
     if failed:
         print_table(f"FAILED: {len(failed)} case(s)", ("case", "why"),

@@ -831,6 +831,9 @@ def summarize(results: Sequence[CaseResult], impl_names: Sequence[str]) -> dict[
             vals = [v for v in vals if v is not None]
             s[f"max_rel_l2[{name}]"] = max(vals) if vals else None
             s[f"skipped[{name}]"] = sum(1 for r in rs if r.impl.get(name, {}).get("skipped"))
+            reasons = sorted({f"{r.name}: {r.impl[name]['skipped']}" for r in rs
+                              if r.impl.get(name, {}).get("skipped")})
+            s[f"skip_reasons[{name}]"] = reasons[:3]  # a few, so a user sees why
         summary[op] = s
     return summary
 
