@@ -36,7 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from .arch import KNOWN_ARCHS, arch_name, parse_arch
 
@@ -181,13 +181,6 @@ def check_triton(arch: str, modules: Sequence[str] = TRITON_MODULES) -> list[Con
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("check_triton: TRITON_INTERPRET is set; the interpreter replaces the "
                            "JIT functions (run `qsa compile`, which re-runs itself without it)")
-    import triton  # noqa: PLC0415
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-    from triton.compiler import ASTSource  # noqa: PLC0415
-
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's notice
-    limit = KNOWN_ARCHS[arch].smem_per_block
-    target = GPUTarget("cuda", _capability(arch), 32)
     out: list[ConfigReport] = []
     for mod_name in modules:
         try:
@@ -200,31 +193,57 @@ def check_triton(arch: str, modules: Sequence[str] = TRITON_MODULES) -> list[Con
             out.append(ConfigReport("triton", arch, mod_name,
                                     note="module exposes no compile_configs(arch): not checked"))
             continue
-        for cfg in fn(arch):
-            rep = ConfigReport("triton", arch, cfg["name"], cfg.get("num_warps"),
-                               cfg.get("num_stages"))
-            t0 = time.perf_counter()
+        out.extend(compile_triton_configs(arch, fn(arch), getattr(mod, "kernel_attrs", None)))
+    return out
+
+
+def compile_triton_configs(arch: str, configs: Iterable[dict],
+                           default_attrs: Callable[[], dict] | None = None) -> list[ConfigReport]:
+    """Compile ``compile_configs``-style entries for ``arch`` (no GPU) and judge each against the
+    arch's limits (shared memory, registers). The one compile loop behind ``qsa compile`` and the
+    kernel modules' own AOT checks.
+
+    Args:
+      arch: "sm_90" style name in ``KNOWN_ARCHS``.
+      configs: dicts with kernel, name, signature, constexprs, attrs (optional), num_warps,
+        num_stages, options (optional).
+      default_attrs: attrs for entries without their own (16-byte divisibility as a launch
+        specialises it: without it Triton neither vectorises nor pipelines, and the shared
+        memory and registers reported would be wrong).
+
+    Returns:
+      one ConfigReport per entry; a config that fails to compile is reported as not fitting.
+    """
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's notice
+    limit = KNOWN_ARCHS[arch].smem_per_block
+    target = GPUTarget("cuda", _capability(arch), 32)
+    out: list[ConfigReport] = []
+    for cfg in configs:
+        rep = ConfigReport("triton", arch, cfg["name"], cfg.get("num_warps"), cfg.get("num_stages"))
+        t0 = time.perf_counter()
+        try:
+            attrs = cfg.get("attrs")
+            if attrs is None and default_attrs is not None:
+                attrs = default_attrs()
+            src = ASTSource(fn=cfg["kernel"], signature=cfg["signature"],
+                            constexprs=cfg.get("constexprs", {}), attrs=attrs)
+            opts = {k: cfg[k] for k in ("num_warps", "num_stages") if cfg.get(k) is not None}
+            opts.update(cfg.get("options", {}))
             try:
-                # attrs (16-byte divisibility) as a real launch specialises them: without them
-                # Triton neither vectorises nor pipelines, and smem/register numbers are wrong.
-                attrs = cfg.get("attrs")
-                if attrs is None and hasattr(mod, "kernel_attrs"):
-                    attrs = mod.kernel_attrs()
-                src = ASTSource(fn=cfg["kernel"], signature=cfg["signature"],
-                                constexprs=cfg.get("constexprs", {}), attrs=attrs)
-                opts = {k: cfg[k] for k in ("num_warps", "num_stages") if cfg.get(k) is not None}
-                opts.update(cfg.get("options", {}))
-                try:
-                    compiled = triton.compile(src, target=target, options=opts)
-                except FileNotFoundError:
-                    # another process pruned/rewrote the same Triton cache entry mid-compile
-                    # (seen with concurrent runs sharing ~/.triton/cache): compile once more
-                    compiled = triton.compile(src, target=target, options=opts)
-                _judge(rep, compiled, limit)
-            except Exception as e:  # noqa: BLE001 - a config that does not compile does not fit
-                rep.fits, rep.error = False, f"{type(e).__name__}: {str(e).strip()[:400]}"
-            rep.seconds = time.perf_counter() - t0
-            out.append(rep)
+                compiled = triton.compile(src, target=target, options=opts)
+            except FileNotFoundError:
+                # another process pruned/rewrote the same Triton cache entry mid-compile
+                # (seen with concurrent runs sharing ~/.triton/cache): compile once more
+                compiled = triton.compile(src, target=target, options=opts)
+            _judge(rep, compiled, limit)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile does not fit
+            rep.fits, rep.error = False, f"{type(e).__name__}: {str(e).strip()[:400]}"
+        rep.seconds = time.perf_counter() - t0
+        out.append(rep)
     return out
 
 

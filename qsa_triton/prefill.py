@@ -613,35 +613,45 @@ def _pair_compile_configs(head_dim: int) -> list[dict]:
     def attrs(fn, names):
         return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
 
-    out = []
-    fa = PP._qsa_pair_attn
-    sig = {n: "i32" for n in fa.arg_names}
-    sig.update({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")})
-    sig.update({n: "*i32" for n in ("cu_q_ptr", "urow_ptr", "ulen_ptr")})
-    sig.update({"uw_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32"})
-    sig.update({n: "constexpr" for n in ("HKV", "HIDX", "G", "D", "BLOCK_M", "BLOCK_N", "OFF64")})
-    a_attrs = attrs(fa, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "urow_ptr", "uw_ptr", "stride_qt",
-                         "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
-                         "stride_ot", "stride_oh"))
-    for g in (6, 12):
-        geo = PP.pair_geometry(g)
-        out.append({"kernel": fa, "name": f"qsa_pair_attn_G{g}_bm{geo.block_m}_bn{geo.block_n}"
-                                          f"_w{geo.num_warps}_s{geo.num_stages}",
-                    "signature": sig, "attrs": a_attrs,
-                    "constexprs": {"HKV": 1, "HIDX": 1, "G": g, "D": head_dim,
-                                   "BLOCK_M": geo.block_m, "BLOCK_N": geo.block_n,
-                                   "OFF64": False},
-                    "num_warps": geo.num_warps, "num_stages": geo.num_stages, "geometry": geo})
-    fu = PP._qsa_pair_union
-    sig = {n: "i32" for n in fu.arg_names}
-    sig.update({n: "*i32" for n in ("idx_ptr", "cu_q_ptr", "base_ptr", "kv_lens_ptr", "table_ptr",
-                                     "urow_ptr", "ulen_ptr")})
-    sig.update({"uw_ptr": "*fp32"})
-    sig.update({n: "constexpr" for n in ("HIDX", "WP", "LOG_WP", "MODE", "PRESORTED")})
-    out.append({"kernel": fu, "name": "qsa_pair_union_paged_wp4096_w16", "signature": sig,
-                "attrs": attrs(fu, ("idx_ptr", "urow_ptr", "uw_ptr", "ulen_ptr")),
-                "constexprs": {"HIDX": 2, "WP": 4096, "LOG_WP": 12, "MODE": 2, "PRESORTED": True},
-                "num_warps": 16, "num_stages": 3, "geometry": None})
+    from . import prefill_quads as PQ  # noqa: PLC0415
+
+    def group_configs(tag, attn, union, geometry):
+        """The attention kernel per G and the paged union pre-pass of one row-group family
+        (pairs, quads: same argument lists)."""
+        sig = {n: "i32" for n in attn.arg_names}
+        sig.update({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")})
+        sig.update({n: "*i32" for n in ("cu_q_ptr", "urow_ptr", "ulen_ptr")})
+        sig.update({"uw_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32"})
+        sig.update({n: "constexpr" for n in ("HKV", "HIDX", "G", "D", "BLOCK_M", "BLOCK_N",
+                                              "OFF64")})
+        a_attrs = attrs(attn, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "urow_ptr", "uw_ptr",
+                               "stride_qt", "stride_qh", "stride_kn", "stride_kh", "stride_vn",
+                               "stride_vh", "stride_ot", "stride_oh"))
+        rows = []
+        for g in (6, 12):
+            geo = geometry(g)
+            rows.append({"kernel": attn, "name": f"qsa_{tag}_attn_G{g}_bm{geo.block_m}"
+                                                 f"_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}",
+                         "signature": sig, "attrs": a_attrs,
+                         "constexprs": {"HKV": 1, "HIDX": 1, "G": g, "D": head_dim,
+                                        "BLOCK_M": geo.block_m, "BLOCK_N": geo.block_n,
+                                        "OFF64": False},
+                         "num_warps": geo.num_warps, "num_stages": geo.num_stages,
+                         "geometry": geo})
+        usig = {n: "i32" for n in union.arg_names}
+        usig.update({n: "*i32" for n in ("idx_ptr", "cu_q_ptr", "base_ptr", "kv_lens_ptr",
+                                          "table_ptr", "urow_ptr", "ulen_ptr")})
+        usig.update({"uw_ptr": "*fp32"})
+        usig.update({n: "constexpr" for n in ("HIDX", "WP", "LOG_WP", "MODE", "PRESORTED")})
+        rows.append({"kernel": union, "name": f"qsa_{tag}_union_paged_wp4096_w16",
+                     "signature": usig, "attrs": attrs(union, ("idx_ptr", "urow_ptr", "uw_ptr",
+                                                               "ulen_ptr")),
+                     "constexprs": {"HIDX": 2, "WP": 4096, "LOG_WP": 12, "MODE": 2,
+                                    "PRESORTED": True},
+                     "num_warps": 16, "num_stages": 3, "geometry": None})
+        return rows
+
+    out = group_configs("pair", PP._qsa_pair_attn, PP._qsa_pair_union, PP.pair_geometry)
     fm = PP._qsa_mask_keys  # masking before the torch.sort pre-sort
     sig = {n: "i32" for n in fm.arg_names}
     sig.update({n: "*i32" for n in ("idx_ptr", "keys_ptr", "cu_q_ptr", "kv_lens_ptr")})
@@ -650,37 +660,7 @@ def _pair_compile_configs(head_dim: int) -> list[dict]:
                 "attrs": attrs(fm, ("idx_ptr", "keys_ptr")),
                 "constexprs": {"HIDX": 2, "ORDINARY": False, "BLOCK": 1024},
                 "num_warps": 4, "num_stages": 3, "geometry": None})
-    # the quad kernels (prefill_quads.py): same argument lists plus one weight-row stride
-    from . import prefill_quads as PQ  # noqa: PLC0415
-
-    qa = PQ._qsa_quad_attn
-    sig = {n: "i32" for n in qa.arg_names}
-    sig.update({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")})
-    sig.update({n: "*i32" for n in ("cu_q_ptr", "urow_ptr", "ulen_ptr")})
-    sig.update({"uw_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32"})
-    sig.update({n: "constexpr" for n in ("HKV", "HIDX", "G", "D", "BLOCK_M", "BLOCK_N", "OFF64")})
-    q_attrs = attrs(qa, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "urow_ptr", "uw_ptr", "stride_qt",
-                         "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
-                         "stride_ot", "stride_oh"))
-    for g in (6, 12):
-        geo = PQ.quad_geometry(g)
-        out.append({"kernel": qa, "name": f"qsa_quad_attn_G{g}_bm{geo.block_m}_bn{geo.block_n}"
-                                          f"_w{geo.num_warps}_s{geo.num_stages}",
-                    "signature": sig, "attrs": q_attrs,
-                    "constexprs": {"HKV": 1, "HIDX": 1, "G": g, "D": head_dim,
-                                   "BLOCK_M": geo.block_m, "BLOCK_N": geo.block_n,
-                                   "OFF64": False},
-                    "num_warps": geo.num_warps, "num_stages": geo.num_stages, "geometry": geo})
-    qu = PQ._qsa_quad_union
-    sig = {n: "i32" for n in qu.arg_names}
-    sig.update({n: "*i32" for n in ("idx_ptr", "cu_q_ptr", "base_ptr", "kv_lens_ptr", "table_ptr",
-                                     "urow_ptr", "ulen_ptr")})
-    sig.update({"uw_ptr": "*fp32"})
-    sig.update({n: "constexpr" for n in ("HIDX", "WP", "LOG_WP", "MODE", "PRESORTED")})
-    out.append({"kernel": qu, "name": "qsa_quad_union_paged_wp4096_w16", "signature": sig,
-                "attrs": attrs(qu, ("idx_ptr", "urow_ptr", "uw_ptr", "ulen_ptr")),
-                "constexprs": {"HIDX": 2, "WP": 4096, "LOG_WP": 12, "MODE": 2, "PRESORTED": True},
-                "num_warps": 16, "num_stages": 3, "geometry": None})
+    out += group_configs("quad", PQ._qsa_quad_attn, PQ._qsa_quad_union, PQ.quad_geometry)
     return out
 
 
@@ -689,30 +669,26 @@ def compile_check(arch: str, *, limit: int | None = None, variants=VARIANTS,
     """Compile every ``compile_configs(arch)`` entry ahead of time (no GPU needed) and report its
     shared memory: ``[{name, shared, limit, fits, num_warps, num_stages, constexprs}]``.
 
-    Uses ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``. Must run in a
+    Uses the shared compile loop (``interop.compile_check.compile_triton_configs``:
+    ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``). Must run in a
     process where ``TRITON_INTERPRET`` is off (the interpreter replaces the JIT functions);
     ``tests/test_sm12x_compile.py`` runs it in a subprocess. ``limit`` defaults to the arch's
     opt-in shared memory per block (101,376 B on sm_120/sm_121).
     """
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-    from triton.compiler import ASTSource  # noqa: PLC0415
+    from interop.arch import KNOWN_ARCHS, arch_name, parse_arch  # noqa: PLC0415
+    from interop.compile_check import compile_triton_configs  # noqa: PLC0415
 
-    from interop.arch import KNOWN_ARCHS, parse_arch  # noqa: PLC0415
-
-    cc = parse_arch(arch)
-    name = f"sm_{cc[0]}{cc[1]}"
+    name = arch_name(parse_arch(arch))
     limit = KNOWN_ARCHS[name].smem_per_block if limit is None else limit
-    target = GPUTarget("cuda", cc[0] * 10 + cc[1], 32)
+    cfgs = compile_configs(name, variants=variants, pairs=pairs)
+    reps = compile_triton_configs(name, cfgs, kernel_attrs)
     rows = []
-    for c in compile_configs(name, variants=variants, pairs=pairs):
-        src = ASTSource(fn=c["kernel"], signature=c["signature"], constexprs=c["constexprs"],
-                        attrs=c.get("attrs") or kernel_attrs())
-        comp = triton.compile(src, target=target,
-                              options={"num_warps": c["num_warps"], "num_stages": c["num_stages"]})
-        shared = int(comp.metadata.shared)
-        rows.append({"name": c["name"], "shared": shared, "limit": limit, "fits": shared <= limit,
-                     "num_warps": c["num_warps"], "num_stages": c["num_stages"],
-                     "constexprs": c["constexprs"]})
+    for c, rep in zip(cfgs, reps):
+        if rep.error:
+            raise RuntimeError(f"{c['name']}: {rep.error}")
+        rows.append({"name": c["name"], "shared": rep.shared, "limit": limit,
+                     "fits": rep.shared <= limit, "num_warps": c["num_warps"],
+                     "num_stages": c["num_stages"], "constexprs": c["constexprs"]})
     return rows
 
 
