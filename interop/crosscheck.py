@@ -39,7 +39,8 @@ from . import reference as R
 
 __all__ = [
     "RTOL", "ATOL", "REL_L2", "OPS", "DecodeSpec", "PrefillSpec", "quick_matrix", "full_matrix",
-    "select_ops", "Implementation", "load_implementations", "load_peer", "prepare_backends",
+    "select_ops", "Implementation", "load_implementations", "load_peer", "peer_indices",
+    "prepare_backends",
     "has_cuda", "Inputs", "build_inputs", "torch_reference", "CaseResult", "run_case", "run_matrix",
     "summarize", "TP_SHAPES", "DECODE_BATCHES", "evaluate", "empty_mask", "numpy_reference",
     "ENTRY", "PARAMS",
@@ -355,12 +356,29 @@ def _interpreter_bf16_guard(spec) -> str | None:
             "cases on a GPU")
 
 
+def peer_indices(indices, cu_q, lens):
+    """Index entries outside [0, len) replaced by upstream's padding value -1 (torch, any device).
+
+    Why: upstream masks only ``idx >= 0`` and reads any other entry (paged: through the slot
+    table, past the pool), so entries outside [0, len) are outside its contract. Same semantics under ours (invalid
+    entries never contribute), so the peer stays an independent oracle on junk cases."""
+    import torch  # noqa: PLC0415
+
+    cu_q = cu_q.long()
+    req = torch.repeat_interleave(torch.arange(len(cu_q) - 1, device=cu_q.device),
+                                  cu_q[1:] - cu_q[:-1])  # request of each query row
+    bound = lens.long()[req].view(-1, *([1] * (indices.dim() - 1)))
+    return torch.where((indices >= 0) & (indices < bound), indices,
+                       torch.full_like(indices, -1))
+
+
 def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
     """Upstream SGLang 0.5.23's kernels as a peer implementation (``interop.peer``).
 
     Decode uses the SM121 packed kernel (exact contract only: other shapes are skipped); prefill
-    uses upstream's public interfaces. FP8 K/V are dequantised to q's dtype first (upstream
-    packs FP8 pools to the query dtype before its kernels), with k_scale folded into the softmax
+    uses upstream's public interfaces, with index entries outside [0, len) passed as -1 (upstream
+    masks only negative entries; see ``peer_indices``). FP8 K/V are dequantised to q's dtype
+    first (upstream packs FP8 pools to the query dtype before its kernels), with k_scale folded into the softmax
     scale and v_scale applied to the output.
 
     Args:
@@ -393,12 +411,14 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
         return sm121.qwen38_qsa_sm121(q, k, v, cu_q, cu_k, _scale(q, softmax_scale))
 
     def prefill(q, k, v, indices, cu, max_seqlen_q, softmax_scale=None):
+        indices = peer_indices(indices, cu, cu[1:] - cu[:-1])
         return sa.sparse_gqa_fwd_interface_triton(q, k, v, max_seqlen_q, indices, cu,
                                                   _scale(q, softmax_scale))
 
     def chunk(q, k, v, indices, cu_q, cu_k, kv_lens, max_seqlen_q, softmax_scale=None,
               k_scale=1.0, v_scale=1.0):
         k, v = _deq(q, k, v)
+        indices = peer_indices(indices, cu_q, kv_lens)
         out = sa.sparse_gqa_fwd_interface_triton_ck(q, k, v, indices, cu_q, cu_k, kv_lens,
                                                     _scale(q, softmax_scale) * k_scale,
                                                     max_q=max_seqlen_q)
@@ -407,6 +427,7 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
     def paged(q, k_cache, v_cache, slot_table, indices, cu_q, kv_lens, max_seqlen_q,
               softmax_scale=None, k_scale=1.0, v_scale=1.0):
         k_cache, v_cache = _deq(q, k_cache, v_cache)
+        indices = peer_indices(indices, cu_q, kv_lens)
         out = sa.sparse_gqa_paged_prefill_triton(q, k_cache, v_cache, slot_table, indices, cu_q,
                                                  kv_lens, _scale(q, softmax_scale) * k_scale,
                                                  max_q=max_seqlen_q)

@@ -21,11 +21,13 @@ subtracted, so no ``-inf - -inf``); a row with no valid entry stores exact zeros
 Columns at or past ``min(W, visible)`` are masked too, so the result does not depend on BLOCK_N.
 Offsets into K/V and the pool are 64-bit.
 
-Grid: (max_seqlen_q, B * Hkv), like upstream's, but each program loops over rows r, r +
-max_seqlen_q, r + 2 * max_seqlen_q, ... < q_len of its request (grid-stride; the slot pre-pass
-too), so the host's max_seqlen_q is only a grid-size hint: a value smaller than a request's real
-row count (the host cannot check device lengths without a sync) still computes every row exactly
-once, with fewer programs; the right value gives one iteration per program.
+Grid: (max_seqlen_q, B * Hkv), like upstream's: program (r, b·Hkv + h) computes row r of request
+b. The host's max_seqlen_q is only a hint (a request's real row count lives on the device and is
+not read back), so a second, tail launch (``ROW_LOOP``, grid (TAIL_PROGRAMS, B * Hkv)) loops over
+rows max_seqlen_q, max_seqlen_q + TAIL_PROGRAMS, ... < q_len: a too-small hint still computes
+every row exactly once; with a right hint the tail programs exit at once. (The row loop lives in a
+separate variant: inside the main kernel it raised registers 164 -> 202 and cost ~20% on the H200.)
+The slot pre-pass grid-strides over rows itself.
 
 FP8 (chunk, paged): K/V in float8_e4m3fn are converted to q's dtype for the dots; ``k_scale``
 multiplies the scores, ``v_scale`` the output.
@@ -73,91 +75,120 @@ MODE_PAGED_INLINE = 3  # row = slot_table[b, idx], looked up inside the loop
 
 
 @triton.jit
+def _prefill_row(
+    r, b, h, q_start, q_len,
+    q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr, kv_lens_ptr, table_ptr,
+    qk_scale, v_scale, W,
+    stride_qt, stride_qh, stride_kh, stride_kn, stride_vh, stride_vn,
+    stride_ot, stride_oh, stride_it, stride_ih, stride_tb,
+    G: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
+):
+    """Query row r of request b, KV head h: the whole online-softmax walk and the store."""
+    row = (q_start + r).to(tl.int64)
+    if MODE == 0:
+        kv_len = q_len
+        visible = r + 1
+    else:
+        kv_len = tl.load(kv_lens_ptr + b)
+        visible = r + kv_len - q_len + 1  # bottom-right causal
+    if MODE == 0:
+        kv_base = q_start
+    elif MODE == 1:
+        kv_base = tl.load(cu_k_ptr + b)
+    else:
+        kv_base = 0
+    n_cols = tl.minimum(tl.maximum(visible, 0), W)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    head_ok = offs_m < G
+    heads = (h * G + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=head_ok[:, None], other=0.0)
+    idx_row = idx_ptr + row * stride_it + h * stride_ih
+    k_head = k_ptr + h * stride_kh
+    v_head = v_ptr + h * stride_vh
+    table_row = table_ptr + b.to(tl.int64) * stride_tb
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + offs_n
+        in_row = cols < n_cols
+        ent = tl.load(idx_row + cols, mask=in_row, other=-1)
+        if MODE == 2:
+            valid = in_row & (ent >= 0)
+            kv_row = ent
+        elif MODE == 3:
+            valid = in_row & (ent >= 0) & (ent < kv_len)
+            kv_row = tl.load(table_row + ent, mask=valid, other=0)
+        else:
+            valid = in_row & (ent >= 0) & (ent < kv_len)
+            kv_row = kv_base + ent  # < rows of k/v (int32 cu_seqlens): no overflow
+        if OFF64:
+            # row x stride overflows int32 once k/v hold >= 2^31 elements (pool > ~4.2M
+            # slots at Hkv x D = 512); below that every valid offset fits int32 exactly and
+            # the 32-bit math saves registers (ptxas at (16, 1, 2): 156 -> 88 B of spills)
+            kv_row = kv_row.to(tl.int64)
+        k = tl.load(k_head + kv_row[:, None] * stride_kn + offs_d[None, :],
+                    mask=valid[:, None], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # all-masked so far: keep the reference point finite (no -inf - -inf = NaN)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_ref)
+        p = tl.math.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + kv_row[:, None] * stride_vn + offs_d[None, :],
+                    mask=valid[:, None], other=0.0).to(q.dtype)
+        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    has = l_i > 0.0
+    inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
+    out = acc * inv[:, None]
+    tl.store(o_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+
+
+@triton.jit
 def _qsa_sparse_prefill_fwd(
     q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr,
     cu_q_ptr, cu_k_ptr, kv_lens_ptr, table_ptr,
-    qk_scale, v_scale, W,
+    qk_scale, v_scale, W, row_base,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_ot, stride_oh, stride_it, stride_ih, stride_tb,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
+    ROW_LOOP: tl.constexpr,
 ):
     bh = tl.program_id(1)
     b = bh // HKV
     h = bh % HKV
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    # grid-stride over the request's query rows: r = pid, pid + grid0, ... < q_len. The host's
-    # max_seqlen_q (grid0) is only a size hint: a too-small one still computes every row (one
-    # program then does several), a right one gives exactly one iteration per program.
-    for r in range(tl.program_id(0), q_len, tl.num_programs(0)):
-        row = (q_start + r).to(tl.int64)
-        if MODE == 0:
-            kv_len = q_len
-            visible = r + 1
-        else:
-            kv_len = tl.load(kv_lens_ptr + b)
-            visible = r + kv_len - q_len + 1  # bottom-right causal
-        if MODE == 0:
-            kv_base = q_start
-        elif MODE == 1:
-            kv_base = tl.load(cu_k_ptr + b)
-        else:
-            kv_base = 0
-        n_cols = tl.minimum(tl.maximum(visible, 0), W)
-
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, D)
-        head_ok = offs_m < G
-        heads = (h * G + offs_m).to(tl.int64)
-        q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=head_ok[:, None], other=0.0)
-        idx_row = idx_ptr + row * stride_it + h * stride_ih
-        k_head = k_ptr + h * stride_kh
-        v_head = v_ptr + h * stride_vh
-        table_row = table_ptr + b.to(tl.int64) * stride_tb
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for start in range(0, n_cols, BLOCK_N):
-            cols = start + offs_n
-            in_row = cols < n_cols
-            ent = tl.load(idx_row + cols, mask=in_row, other=-1)
-            if MODE == 2:
-                valid = in_row & (ent >= 0)
-                kv_row = ent
-            elif MODE == 3:
-                valid = in_row & (ent >= 0) & (ent < kv_len)
-                kv_row = tl.load(table_row + ent, mask=valid, other=0)
-            else:
-                valid = in_row & (ent >= 0) & (ent < kv_len)
-                kv_row = kv_base + ent  # < rows of k/v (int32 cu_seqlens): no overflow
-            if OFF64:
-                # row x stride overflows int32 once k/v hold >= 2^31 elements (pool > ~4.2M
-                # slots at Hkv x D = 512); below that every valid offset fits int32 exactly and
-                # the 32-bit math saves registers (ptxas at (16, 1, 2): 156 -> 88 B of spills)
-                kv_row = kv_row.to(tl.int64)
-            k = tl.load(k_head + kv_row[:, None] * stride_kn + offs_d[None, :],
-                        mask=valid[:, None], other=0.0).to(q.dtype)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # all-masked so far: keep the reference point finite (no -inf - -inf = NaN)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_ref)
-            p = tl.math.exp2(s - m_ref[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_head + kv_row[:, None] * stride_vn + offs_d[None, :],
-                        mask=valid[:, None], other=0.0).to(q.dtype)
-            acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
-            m_i = m_new
-        has = l_i > 0.0
-        inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
-        out = acc * inv[:, None]
-        tl.store(o_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=head_ok[:, None])
+    if ROW_LOOP:
+        # the tail launch: rows row_base + pid, + grid0, ... < q_len (none when the host's
+        # max_seqlen_q = row_base was right). A separate variant because a row loop around the
+        # body costs registers (ptxas sm_90, (64,4,2): 164 -> 202 regs) and the main launch
+        # ran ~20% slower with it on the H200 (bench/NOTES.md, prefill v1.2).
+        for r in range(row_base + tl.program_id(0), q_len, tl.num_programs(0)):
+            _prefill_row(r, b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr,
+                         kv_lens_ptr, table_ptr, qk_scale, v_scale, W, stride_qt, stride_qh,
+                         stride_kh, stride_kn, stride_vh, stride_vn, stride_ot, stride_oh,
+                         stride_it, stride_ih, stride_tb, G, D, BLOCK_M, BLOCK_N, MODE, OFF64)
+    else:
+        r = row_base + tl.program_id(0)
+        if r < q_len:
+            _prefill_row(r, b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr,
+                         kv_lens_ptr, table_ptr, qk_scale, v_scale, W, stride_qt, stride_qh,
+                         stride_kh, stride_kn, stride_vh, stride_vn, stride_ot, stride_oh,
+                         stride_it, stride_ih, stride_tb, G, D, BLOCK_M, BLOCK_N, MODE, OFF64)
 
 
 @triton.jit
@@ -263,6 +294,16 @@ def needs_off64(k: torch.Tensor, v: torch.Tensor) -> bool:
     return max(k.numel(), v.numel()) >= 2**31
 
 
+#: programs per (request, KV head) of the tail launch (rows past a too-small max_seqlen_q)
+TAIL_PROGRAMS = 8
+
+
+def tail_geometry(geo: Geometry) -> Geometry:
+    """The tail launch's geometry: the main launch's head tile, (BLOCK_N 32, 4 warps, 2 stages),
+    ~42 KB of shared memory at D = 256 (fits every arch); speed is irrelevant there."""
+    return Geometry(geo.block_m, 32, 4, 2, "tail")
+
+
 def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, table, geo: Geometry, *, requests,
             max_q, scale, k_scale, v_scale):
     t, hq, d = q.shape
@@ -270,16 +311,24 @@ def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, table, geo: Geometry, 
     if t == 0:
         return out
     stride_ih = idx.stride(1) if idx.dim() == 3 else 0
-    grid = (max_q, requests * hkv)
-    _qsa_sparse_prefill_fwd[grid](
-        q, k, v, out, idx, cu_q, cu_k, kv_lens, table,
-        float(scale) * float(k_scale) * LOG2E, float(v_scale), idx.shape[-1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), idx.stride(0), stride_ih,
-        table.stride(0) if table.dim() == 2 else 0,
-        HKV=hkv, G=hq // hkv, D=d, BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, MODE=mode,
-        OFF64=needs_off64(k, v), num_warps=geo.num_warps, num_stages=geo.num_stages,
-    )
+    args = (q, k, v, out, idx, cu_q, cu_k, kv_lens, table,
+            float(scale) * float(k_scale) * LOG2E, float(v_scale), idx.shape[-1])
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               out.stride(0), out.stride(1), idx.stride(0), stride_ih,
+               table.stride(0) if table.dim() == 2 else 0)
+    consts = dict(HKV=hkv, G=hq // hkv, D=d, BLOCK_M=geo.block_m, MODE=mode,
+                  OFF64=needs_off64(k, v))
+    # one program per (row < max_q, request x KV head), like upstream
+    _qsa_sparse_prefill_fwd[(max_q, requests * hkv)](
+        *args, 0, *strides, **consts, BLOCK_N=geo.block_n, ROW_LOOP=False,
+        num_warps=geo.num_warps, num_stages=geo.num_stages)
+    # Tail: rows >= max_q (the host hint is only checked against T; a request's real row count
+    # lives on the device). Nothing to do when the hint was right: its programs read cu_q and
+    # exit (one extra launch, a few us against milliseconds).
+    t_geo = tail_geometry(geo)
+    _qsa_sparse_prefill_fwd[(TAIL_PROGRAMS, requests * hkv)](
+        *args, max_q, *strides, **consts, BLOCK_N=t_geo.block_n, ROW_LOOP=True,
+        num_warps=t_geo.num_warps, num_stages=t_geo.num_stages)
     return out
 
 
@@ -537,11 +586,12 @@ def kernel_signature(q_dtype: str = "bfloat16", kv_dtype: str | None = None) -> 
     kt = _TORCH_TO_TT[kv_dtype or q_dtype]
     sig = {"q_ptr": f"*{qt}", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "o_ptr": f"*{qt}",
            "idx_ptr": "*i32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "kv_lens_ptr": "*i32",
-           "table_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32", "W": "i32"}
+           "table_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32", "W": "i32",
+           "row_base": "i32"}
     for name in ("stride_qt", "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
                  "stride_ot", "stride_oh", "stride_it", "stride_ih", "stride_tb"):
         sig[name] = "i32"
-    for name in ("HKV", "G", "D", "BLOCK_M", "BLOCK_N", "MODE", "OFF64"):
+    for name in ("HKV", "G", "D", "BLOCK_M", "BLOCK_N", "MODE", "OFF64", "ROW_LOOP"):
         sig[name] = "constexpr"
     return sig
 
@@ -580,25 +630,32 @@ def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
       for the pair kernels (the row kernel's are ``kernel_attrs()``). ``pairs`` adds the
       experimental pair kernels (``prefill_pairs.py``).
     """
-    out = []
+    out, seen = [], set()
     for geo in all_configs(arch):
         grp = next((g for g in groups if max(16, triton.next_power_of_2(g)) == geo.block_m
                     or triton.next_power_of_2(g) == geo.block_m), geo.block_m)
         if geo.source.startswith("sm120-tuned[G="):
             grp = int(geo.source.split("G=")[1].rstrip("]"))
         for mode, qd, kd in variants:
-            out.append({
-                "kernel": _qsa_sparse_prefill_fwd,
-                "name": f"qsa_prefill_mode{mode}_{qd}_{kd or qd}_bm{geo.block_m}_bn{geo.block_n}"
-                        f"_w{geo.num_warps}_s{geo.num_stages}",
-                "signature": kernel_signature(qd, kd),
-                "constexprs": {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": geo.block_m,
-                               "BLOCK_N": geo.block_n, "MODE": mode,
-                               "OFF64": mode in (MODE_SLOTS, MODE_PAGED_INLINE)},
-                "num_warps": geo.num_warps,
-                "num_stages": geo.num_stages,
-                "geometry": geo,
-            })
+            for row_loop, g in ((False, geo), (True, tail_geometry(geo))):
+                key = (mode, qd, kd, row_loop, grp, g.block_m, g.block_n, g.num_warps,
+                       g.num_stages)
+                if key in seen:  # tail geometries repeat across the main ones
+                    continue
+                seen.add(key)
+                out.append({
+                    "kernel": _qsa_sparse_prefill_fwd,
+                    "name": f"qsa_prefill_mode{mode}_{qd}_{kd or qd}_bm{g.block_m}_bn{g.block_n}"
+                            f"_w{g.num_warps}_s{g.num_stages}{'_tail' if row_loop else ''}",
+                    "signature": kernel_signature(qd, kd),
+                    "constexprs": {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": g.block_m,
+                                   "BLOCK_N": g.block_n, "MODE": mode,
+                                   "OFF64": mode in (MODE_SLOTS, MODE_PAGED_INLINE),
+                                   "ROW_LOOP": row_loop},
+                    "num_warps": g.num_warps,
+                    "num_stages": g.num_stages,
+                    "geometry": g,
+                })
     if pairs:
         out += _pair_compile_configs(head_dim)
     return out

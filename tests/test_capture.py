@@ -184,3 +184,18 @@ def test_gpu_capture_and_replay(tmp_path):
         assert cli.main(["capture", "--case", case, "--out", str(f)]) == 0
         files.append(str(f))
     assert cli.main(["replay", *files, "--peer", "sglang", "--json", str(tmp_path / "r.json")]) == 0
+
+
+def test_replay_of_a_capture_made_on_the_h200(capsys):
+    """A file captured on the H200 (`qsa capture` in bench/gpu_check_full.sh, run 6: Triton's
+    compiled paged prefill, sm_90) replays here on CPU: both implementations match the stored
+    GPU output and the FP64 reference; the metadata names the GPU."""
+    from pathlib import Path
+
+    path = Path(__file__).parent / "data" / "h200_paged_capture.safetensors"
+    cap = CAP.load_capture(path)
+    assert cap.entry == "sparse_prefill_paged" and cap.metadata["arch"] == "sm_90"
+    assert "H200" in cap.metadata["device"]
+    assert cli.main(["replay", "--interpret", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "qsa replay: all files passed" in out and "H200" in out

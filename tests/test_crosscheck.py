@@ -348,3 +348,28 @@ def test_a_case_whose_inputs_fail_is_reported_not_raised():
     r = X.run_case(bad, fakes())
     assert not r.passed and r.failures[0].startswith("inputs/reference: ValueError")
     assert X.summarize([r], ["triton", "pallas"])["prefill"]["failed"] == ["p/bad"]
+
+
+def test_peer_indices_maps_every_invalid_entry_to_minus_one():
+    """The peer adapter hands upstream only its own padding value (-1) for entries outside
+    [0, len): junk -7, len, len+19 and huge values all become -1, valid entries are untouched,
+    per request (ragged) and per KV head."""
+    import torch
+
+    from interop.crosscheck import peer_indices
+
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
+    lens = torch.tensor([4, 10], dtype=torch.int32)
+    idx = torch.tensor([[0, 3, 4, -1, 23], [1, -7, 2, 3, 2**30],  # request 0: len 4
+                        [9, 10, 29, 0, -1], [5, 6, 7, 8, 9], [-3, 11, 4, 4, 100]],
+                       dtype=torch.int32)
+    got = peer_indices(idx, cu_q, lens)
+    req = np.repeat([0, 1], [2, 3])
+    bound = lens.numpy()[req][:, None]
+    want = np.where((idx.numpy() >= 0) & (idx.numpy() < bound), idx.numpy(), -1)
+    np.testing.assert_array_equal(got.numpy(), want)
+    assert got.dtype == idx.dtype and got[0, 2] == -1 and got[2, 0] == 9 and got[2, 1] == -1
+    per_head = torch.stack([idx, idx.flip(-1)], 1)  # [T, Hkv=2, W]
+    got3 = peer_indices(per_head, cu_q, lens)
+    np.testing.assert_array_equal(got3[:, 0].numpy(), want)
+    np.testing.assert_array_equal(got3[:, 1].numpy(), np.flip(want, -1))
