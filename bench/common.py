@@ -16,6 +16,10 @@ Public:
   time_interleaved(providers, *, use_cuda_graph=True, reps=None, rounds=15, ...) -> dict
   write_json(path, obj)
   gpu_name(device=None) -> str
+  parse_providers(text, allowed, aliases=None, *, script) -> list[str]   (--providers a,b,c)
+  order_providers(providers, selection) -> dict      (keep the selected ones, in that order)
+  speedup_vs_first(times, first) -> dict             (time of ``first`` / time of each)
+  now_iso() -> str                                    (the date written into the JSON reports)
 """
 
 from __future__ import annotations
@@ -35,10 +39,94 @@ __all__ = [
     "gpu_name",
     "out_dir",
     "SELF_SUFFIX",
+    "ProviderError",
+    "parse_providers",
+    "order_providers",
+    "speedup_vs_first",
+    "now_iso",
 ]
 
 #: key suffix of the self-vs-self sanity entry added by ``time_interleaved(self_check=True)``
 SELF_SUFFIX = "@self"
+
+
+class ProviderError(ValueError):
+    """An unknown name in ``--providers`` (the scripts exit 2 with its message)."""
+
+
+def parse_providers(text: str | None, allowed, aliases: dict[str, str] | None = None, *,
+                    script: str = "bench") -> list[str] | None:
+    """The ``--providers a,b,c`` list: names in the given order, aliases resolved, duplicates
+    dropped (first occurrence kept). ``None`` or empty text gives ``None`` (the script's default
+    set and order). Spaces inside names are ignored (``ours[64, 4, 2]`` == ``ours[64,4,2]``).
+
+    Args:
+      allowed: the canonical names (an iterable; its order is the order the error lists them in),
+        compared without spaces.
+      aliases: other accepted spellings -> canonical name.
+    Raises:
+      ProviderError: an unknown name; the message lists every allowed name and alias.
+    """
+    if text is None or not text.strip():
+        return None
+    allowed = list(allowed)
+    canon = {a.replace(" ", ""): a for a in allowed}
+    alias = {k.replace(" ", ""): v for k, v in (aliases or {}).items()}
+    out: list[str] = []
+    unknown: list[str] = []
+    for raw in _split_names(text):
+        key = raw.replace(" ", "")
+        name = canon.get(key) or alias.get(key)
+        if name is None:
+            unknown.append(raw)
+        elif name not in out:
+            out.append(name)
+    if unknown:
+        names = ", ".join(allowed)
+        al = ", ".join(f"{k} (= {v})" for k, v in (aliases or {}).items())
+        raise ProviderError(f"{script}: unknown provider(s) {', '.join(map(repr, unknown))} in "
+                            f"--providers; allowed: {names}" + (f"; aliases: {al}" if al else ""))
+    return out
+
+
+def _split_names(text: str) -> list[str]:
+    """Split on commas outside brackets (``ours[64,4,2],ours`` -> two names)."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth = max(0, depth - 1)
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur.strip())
+    return [p for p in parts if p]
+
+
+def order_providers(providers: dict, selection) -> dict:
+    """``providers`` restricted to ``selection`` and in its order (``None``: unchanged)."""
+    if selection is None:
+        return dict(providers)
+    return {n: providers[n] for n in selection if n in providers}
+
+
+def speedup_vs_first(times: dict[str, float | None], first: str | None) -> dict[str, float]:
+    """``{name: times[first] / times[name]}`` for every name with a positive time (> 1: faster
+    than the first provider; the first itself gets 1.0). Empty when ``first`` has no time."""
+    base = times.get(first) if first is not None else None
+    if not base or base <= 0:
+        return {}
+    return {n: base / t for n, t in times.items() if t and t > 0}
+
+
+def now_iso() -> str:
+    """Local date and time, ISO 8601 to the second, with the UTC offset."""
+    import datetime  # noqa: PLC0415
+
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
 def _torch():

@@ -1,6 +1,9 @@
 """Decode benchmark: qsa_triton vs upstream SGLang 0.5.23 peers (and Pallas when available).
 
   python bench/decode.py [--json PATH] [--quick] [--pallas]   the comparison table (issue 3)
+  python bench/decode.py --providers sm121,ours,generic --plot decode.png
+                                    choose and order the providers; ``speedup_vs_first`` (JSON)
+                                    and "x first" (table) are against the first one listed
   python bench/decode.py --sweep [--json PATH]           geometry/split sweep of our kernel
   python bench/decode.py --sweep --pdl-only [--json PATH] only the PDL on/off pass of the sweep
 
@@ -45,7 +48,8 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # if jax is loaded (pallas)
 
-__all__ = ["torch_reference", "make_inputs", "run_compare", "run_sweep", "main", "TP", "BATCHES"]
+__all__ = ["torch_reference", "make_inputs", "run_compare", "run_sweep", "main", "TP", "BATCHES",
+           "PROVIDERS", "provider_entries", "case_record", "result_header"]
 
 TP = {"TP1": (24, 2), "TP2": (12, 1), "TP4": (6, 1)}
 BATCHES = (1, 4, 16, 32, 64, 128)
@@ -54,6 +58,10 @@ D = 256
 MSK = 2051
 RTOL = ATOL = 2e-2
 REL_L2 = 5e-3
+#: provider names (``--providers``), in the default order; ``speedup_vs_first`` compares with the
+#: first one listed
+PROVIDERS = ("ours", "sm121", "generic", "pallas")
+PROVIDER_ALIASES = {"upstream-sm121": "sm121", "upstream-generic": "generic", "triton": "ours"}
 
 
 def torch_reference(q, k, v, cq, ck, scale=None):
@@ -200,34 +208,101 @@ def _timers(dev):
     return cpu_timer, 1e12
 
 
+def provider_entries(timing: dict, checks: dict, nbytes: int, bw: float,
+                     first: str | None) -> dict:
+    """One case's ``providers`` dict from timings and reference checks (pure: the tests call it
+    with fake timings).
+
+    Args:
+      timing: ``{name: time_interleaved entry}`` (``median_us`` ..., or ``error``), in provider
+        order; ``name@self`` entries are the self-vs-self noise check.
+      checks: ``{name: _check result}``.
+      nbytes: K + V bytes the case reads; bw: copy bandwidth in bytes per second.
+      first: the first provider listed (``--providers``): ``speedup_vs_first`` = its median time /
+        this provider's (> 1: faster than the first); absent when the first was not timed.
+    Each timed entry also gets ``GBps``, ``pct_copy_bw`` and, when upstream's sm121 kernel was
+    timed, ``speedup_vs_sm121`` (issue 3 targets)."""
+    from bench.common import SELF_SUFFIX, speedup_vs_first  # noqa: PLC0415
+
+    times = {n: t.get("median_us") for n, t in timing.items() if "error" not in t}
+    vs_first = speedup_vs_first(times, first)
+    vs_sm121 = speedup_vs_first(times, "sm121")
+    out = {}
+    for name, t in timing.items():
+        chk = checks.get(name.removesuffix(SELF_SUFFIX), {})
+        if "error" in t:
+            out[name] = {**t, **chk}
+            continue
+        us = t["median_us"]
+        entry = {**t, "GBps": nbytes / (us * 1e-6) / 1e9,
+                 "pct_copy_bw": 100 * nbytes / (us * 1e-6) / bw, **chk}
+        if name in vs_sm121:
+            entry["speedup_vs_sm121"] = vs_sm121[name]
+        if name in vs_first:
+            entry["speedup_vs_first"] = vs_first[name]
+        out[name] = entry
+    return out
+
+
+def case_record(tp: str, b: int, rows: str, lens, timing: dict, checks: dict, bw: float, *,
+                first: str | None, plan=None, merge=None, skipped=None) -> dict:
+    """One entry of ``result["cases"]`` (pure; see ``provider_entries``)."""
+    hq, hkv = TP[tp]
+    nbytes = int(sum(lens)) * hkv * D * 2 * 2
+    return {"tp": tp, "Hq": hq, "Hkv": hkv, "B": b, "rows": rows, "keys": int(sum(lens)),
+            "bytes": int(nbytes), "plan": getattr(plan, "__dict__", plan), "merge": merge,
+            "skipped": dict(skipped or {}), "first_provider": first,
+            "providers": provider_entries(timing, checks, nbytes, bw, first)}
+
+
+def result_header(*, gpu: str, copy_bandwidth_Bps: float, providers: list[str], rounds: int,
+                  **meta) -> dict:
+    """The top of the comparison result (pure): ``providers`` in order, the first of them is what
+    ``speedup_vs_first`` compares with."""
+    from bench.common import now_iso  # noqa: PLC0415
+
+    return {"gpu": gpu, "date": now_iso(), **meta, "copy_bandwidth_Bps": copy_bandwidth_Bps,
+            "method": "CUDA-graph replay of back-to-back calls, providers interleaved "
+            "round-robin, median of CUDA-event timings per replay / calls; every provider checked "
+            "against an FP32 reference on every case",
+            "providers": list(providers), "first_provider": providers[0] if providers else None,
+            "rounds": rounds, "cases": [], "failures": []}
+
+
 def run_compare(*, tps=tuple(TP), batches=BATCHES, rows=ROWS, rounds: int = 15,
                 skip: set[str] = frozenset(), seed: int = 0, device: str = "cuda",
-                progress_path=None) -> dict:
+                progress_path=None, providers: list[str] | None = None) -> dict:
     """The comparison table over the shape grid. Returns a JSON-able dict (see module doc).
+    ``providers``: names from ``PROVIDERS`` in the order to time them (default: ours, then the
+    peers not in ``skip``); ratios ``speedup_vs_first`` are against the first of them.
     With ``progress_path`` the results so far are rewritten there after every case (so a run
     cut short by a time limit still leaves its numbers)."""
     import torch  # noqa: PLC0415
 
     import qsa_triton  # noqa: PLC0415
-    from bench.common import SELF_SUFFIX, gpu_name  # noqa: PLC0415
+    from bench.common import gpu_name, order_providers  # noqa: PLC0415
     from qsa_triton import decode as dec  # noqa: PLC0415
 
+    if providers is None:
+        providers = [n for n in PROVIDERS if n not in skip]
+    else:
+        providers = [n for n in providers if n not in skip]
+    skip = set(skip) | {n for n in PROVIDERS if n not in providers}
+    first = providers[0] if providers else None
     dev = torch.device(device)
     dec.prepare(dev)
     time_interleaved, bw = _timers(dev)
-    res: dict[str, Any] = {
-        "gpu": gpu_name(), "torch": torch.__version__, "triton": _triton_version(),
-        "copy_bandwidth_Bps": bw, "method": "CUDA-graph replay of back-to-back calls, providers "
-        "interleaved round-robin, median of CUDA-event timings per replay / calls",
-        "merge_mode": dec.MERGE_MODE, "rounds": rounds, "cases": [], "failures": [],
-        "pdl": dec.pdl_enabled(dev), "pdl_env": os.environ.get(dec.PDL_ENV, "auto"),
-        "pdl_supported": dec.pdl_supported(dev),
-    }
+    res = result_header(
+        gpu=gpu_name(), copy_bandwidth_Bps=bw, providers=providers, rounds=rounds,
+        torch=torch.__version__, triton=_triton_version(), merge_mode=dec.MERGE_MODE,
+        pdl=dec.pdl_enabled(dev), pdl_env=os.environ.get(dec.PDL_ENV, "auto"),
+        pdl_supported=dec.pdl_supported(dev))
     print(f"{gpu_name()}: copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
     print(f"ours: PDL {'ON' if res['pdl'] else 'off'} ({dec.PDL_ENV}={res['pdl_env']}, "
           f"PDL_AUTO={dec.PDL_AUTO}, supported={res['pdl_supported']})")
+    print(f"providers: {', '.join(providers)} (x first = time of {first} / time)")
     hdr = (f"{'case':24s} {'provider':10s} {'us':>8s} {'p10':>7s} {'p90':>7s} {'GB/s':>7s} "
-           f"{'%copy':>6s} {'x sm121':>8s} {'relL2':>8s}")
+           f"{'%copy':>6s} {'x first':>8s} {'x sm121':>8s} {'relL2':>8s}")
     print(hdr)
     for tp in tps:
         for b in batches:
@@ -239,12 +314,14 @@ def run_compare(*, tps=tuple(TP), batches=BATCHES, rows=ROWS, rounds: int = 15,
                     dtype=torch.float16 if dev.type == "cpu" else torch.bfloat16)
                 scale = D ** -0.5
                 hq, hkv = TP[tp]
-                nbytes = sum(lens) * hkv * D * 2 * 2
                 plan, merge = dec.plan_for(b, hkv, hq // hkv, D, MSK, dev)
-                provs = {"ours": lambda q=q, k=k, v=v, cq=cq, ck=ck:
-                         qsa_triton.sparse_decode(q, k, v, cq, ck, MSK, scale)}
+                provs = {}
+                if "ours" in providers:
+                    provs["ours"] = (lambda q=q, k=k, v=v, cq=cq, ck=ck:
+                                     qsa_triton.sparse_decode(q, k, v, cq, ck, MSK, scale))
                 peers, skipped = _peer_providers(q, k, v, cq, ck, lens, scale, skip)
                 provs.update(peers)
+                provs = order_providers(provs, providers)
                 ref = torch_reference(q, k, v, cq, ck, scale)
                 checks = {}
                 for name, fn in list(provs.items()):
@@ -260,30 +337,22 @@ def run_compare(*, tps=tuple(TP), batches=BATCHES, rows=ROWS, rounds: int = 15,
                         checks[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
                         provs.pop(name)
                 del ref
-                timing = time_interleaved(provs, rounds=rounds, self_check=True)
-                case = {"tp": tp, "Hq": hq, "Hkv": hkv, "B": b, "rows": r, "keys": int(sum(lens)),
-                        "bytes": int(nbytes), "plan": plan.__dict__, "merge": merge,
-                        "skipped": skipped, "providers": {}}
-                base = timing.get("sm121", {}).get("median_us")
-                for name, t in timing.items():
-                    if "error" in t:
-                        case["providers"][name] = {**t, **checks.get(name, {})}
+                timing = time_interleaved(provs, rounds=rounds, self_check=True) if provs else {}
+                case = case_record(tp, b, r, lens, timing, checks, bw, first=first, plan=plan,
+                                   merge=merge, skipped=skipped)
+                for name, entry in case["providers"].items():
+                    if "median_us" not in entry:
                         res["failures"].append({"tp": tp, "B": b, "rows": r, "provider": name,
-                                                "ok": False, **t})
-                        print(f"  !! {name} could not be timed: {t['error']}")
+                                                "ok": False, "error": entry.get("error")})
+                        print(f"  !! {name} could not be timed: {entry.get('error')}")
                         continue
-                    us = t["median_us"]
-                    entry = {**t, "GBps": nbytes / (us * 1e-6) / 1e9,
-                             "pct_copy_bw": 100 * nbytes / (us * 1e-6) / bw,
-                             **checks.get(name.removesuffix(SELF_SUFFIX), {})}
-                    if base:
-                        entry["speedup_vs_sm121"] = base / us
-                    case["providers"][name] = entry
                     label = f"{tp} B={b:<3d} {r}"
-                    sp = f"{base / us:8.2f}" if base else f"{'-':>8s}"
+                    vf, vs = entry.get("speedup_vs_first"), entry.get("speedup_vs_sm121")
                     rl = entry.get("rel_l2")
-                    print(f"{label:24s} {name:10s} {us:8.2f} {t['p10_us']:7.2f} {t['p90_us']:7.2f} "
-                          f"{entry['GBps']:7.0f} {entry['pct_copy_bw']:6.1f} {sp} "
+                    print(f"{label:24s} {name:10s} {entry['median_us']:8.2f} {entry['p10_us']:7.2f} "
+                          f"{entry['p90_us']:7.2f} {entry['GBps']:7.0f} {entry['pct_copy_bw']:6.1f} "
+                          f"{'-' if vf is None else f'{vf:.2f}':>8s} "
+                          f"{'-' if vs is None else f'{vs:.2f}':>8s} "
                           f"{'' if rl is None else f'{rl:8.1e}'}"
                           + ("" if entry.get("ok", True) else "  FAIL"))
                 for name, c in checks.items():
@@ -322,12 +391,21 @@ def _geomean(xs):
 
 def _summary(res: dict) -> dict:
     """Issue 3 targets: geomean >= 1.3x sm121, no case < 0.95x, B=1 saturated <= 0.5x sm121's
-    time, B >= 64 saturated >= 85% of the copy bandwidth; plus the self-vs-self noise check."""
+    time, B >= 64 saturated >= 85% of the copy bandwidth; plus the self-vs-self noise check (the
+    first timed provider against itself) and, per provider, the geomean of ``speedup_vs_first``
+    over the cases where both ran."""
     sp, worst, b1, big, selfr = [], None, [], [], []
+    vs_first: dict[str, list[float]] = {}
     for c in res["cases"]:
         p = c["providers"]
-        if "ours" in p and "ours@self" in p:
-            selfr.append(p["ours@self"]["median_us"] / p["ours"]["median_us"])
+        for n, e in p.items():
+            if "speedup_vs_first" in e and not n.endswith("@self"):
+                vs_first.setdefault(n, []).append(e["speedup_vs_first"])
+        selfs = [n for n in p if n.endswith("@self")]
+        if selfs:
+            n0 = selfs[0].removesuffix("@self")
+            if "median_us" in p[selfs[0]] and "median_us" in p.get(n0, {}):
+                selfr.append(p[selfs[0]]["median_us"] / p[n0]["median_us"])
         if "ours" in p and "speedup_vs_sm121" in p["ours"]:
             s = p["ours"]["speedup_vs_sm121"]
             sp.append(s)
@@ -335,9 +413,11 @@ def _summary(res: dict) -> dict:
                 worst = (s, f"{c['tp']} B={c['B']} {c['rows']}")
             if c["B"] == 1 and c["rows"] == "saturated":
                 b1.append(1 / s)
-        if "ours" in p and c["B"] >= 64 and c["rows"] == "saturated":
+        if "pct_copy_bw" in p.get("ours", {}) and c["B"] >= 64 and c["rows"] == "saturated":
             big.append(p["ours"]["pct_copy_bw"])
     out = {
+        "first_provider": res.get("first_provider"),
+        "geomean_speedup_vs_first": {n: _geomean(v) for n, v in vs_first.items()},
         "geomean_speedup_vs_sm121": _geomean(sp),
         "min_speedup_vs_sm121": worst[0] if worst else None,
         "min_speedup_case": worst[1] if worst else None,
@@ -560,6 +640,14 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="qsa_triton decode benchmark (see module docstring)")
     ap.add_argument("--json", default=None, help="output JSON (default $OUT/decode[_sweep].json)")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="also draw the comparison as a PNG (bench/plot.py: median us and %% of "
+                         "the copy bandwidth against B, per TP x rows; needs matplotlib)")
+    ap.add_argument("--providers", default=None, metavar="A,B,...",
+                    help="providers to time, in this order (default: ours,sm121,generic, plus "
+                         "pallas with --pallas); ratios 'speedup_vs_first' are against the first. "
+                         f"Names: {', '.join(PROVIDERS)} (aliases: "
+                         + ", ".join(f"{k}={v}" for k, v in PROVIDER_ALIASES.items()) + ")")
     ap.add_argument("--sweep", action="store_true", help="sweep our kernel's geometry and splits")
     ap.add_argument("--quick", action="store_true", help="TP1 and TP2 at B in {1, 16, 128} only")
     ap.add_argument("--skip", default="", help="comma list of providers to skip (sm121,generic)")
@@ -575,6 +663,41 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="exercise the script on CPU (Triton interpreter, B=1 only, no timing value)")
     args = ap.parse_args(argv)
+    # every argument is checked before torch / CUDA are touched (exit 2, like argparse)
+    from bench.common import ProviderError, parse_providers  # noqa: PLC0415
+
+    try:
+        selection = parse_providers(args.providers, PROVIDERS, PROVIDER_ALIASES,
+                                    script="bench/decode.py")
+        skip = set(filter(None, (x.strip() for x in args.skip.split(","))))
+        bad_skip = skip - set(PROVIDERS) - set(PROVIDER_ALIASES)
+        if bad_skip:
+            raise ProviderError(f"bench/decode.py: unknown provider(s) {sorted(bad_skip)} in "
+                                f"--skip; allowed: {', '.join(PROVIDERS)}")
+        skip = {PROVIDER_ALIASES.get(x, x) for x in skip}
+        for flag, text, allowed in (("--tp", args.tp, TP), ("--rows", args.rows, ROWS)):
+            bad = [x for x in (text or "").split(",") if x and x not in allowed]
+            if bad:
+                raise ProviderError(f"bench/decode.py: unknown {flag} value(s) {bad}; allowed: "
+                                    f"{', '.join(allowed)}")
+        if args.batches:
+            try:
+                bs = [int(x) for x in args.batches.split(",")]
+            except ValueError:
+                bs = [0]
+            if any(x < 1 for x in bs):
+                raise ProviderError(f"bench/decode.py: --batches wants positive integers; got "
+                                    f"{args.batches!r}")
+        if args.sweep and (selection is not None or args.plot):
+            raise ProviderError("bench/decode.py: --providers and --plot apply to the comparison "
+                                "run, not to --sweep")
+        if selection is not None:
+            selection = [n for n in selection if n not in skip]
+            if not selection:
+                raise ProviderError("bench/decode.py: --providers minus --skip leaves no provider")
+    except ProviderError as e:
+        print(e, file=sys.stderr)
+        return 2
     if args.smoke_cpu:
         os.environ["TRITON_INTERPRET"] = "1"  # before qsa_triton / the peers define kernels
         try:
@@ -604,10 +727,11 @@ def main(argv=None) -> int:
         for f in res["failures"]:
             print(f"  {f}")
         return 0 if not wrong else 1
-    skip = set(filter(None, args.skip.split(",")))
-    if not args.pallas:
-        skip.add("pallas")
-    kw = {"skip": skip, "device": device}
+    if selection is None:
+        if not args.pallas:
+            skip.add("pallas")
+        selection = [n for n in PROVIDERS if n not in skip]
+    kw = {"skip": skip, "device": device, "providers": selection}
     if args.smoke_cpu:
         kw.update(tps=("TP1", "TP4"), batches=(1,), rows=("mixed",))
         # the peers ask torch.cuda for a device index / name even for CPU tensors: answer for them
@@ -630,10 +754,20 @@ def main(argv=None) -> int:
     s = res["summary"]
     print(f"\nsummary: {s}")
     print(f"wrote {path} in {res['wall_s']:.0f}s")
+    rc = 0
+    if args.plot:
+        try:
+            from bench.plot import plot_decode  # noqa: PLC0415
+
+            print(f"wrote {plot_decode(res, args.plot)}")
+        except Exception as e:  # noqa: BLE001 - the JSON is written; say why the plot is not
+            print(f"bench/decode.py: --plot failed ({type(e).__name__}: {e}); re-plot with "
+                  f"python -m bench.plot decode {path} {args.plot}", file=sys.stderr)
+            rc = 1
     if res["failures"]:
         print(f"FAILED correctness checks: {[(f['tp'], f['B'], f['rows'], f['provider']) for f in res['failures']]}")
         return 1
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

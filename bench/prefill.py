@@ -5,6 +5,9 @@ Usage (GPU; writes JSON under $OUT, default ./out):
   python -m bench.prefill --matrix-only         # only the 8192-row matrix
   python -m bench.prefill --geometry 16,64,4,2  # add a forced-geometry provider (repeatable)
   python -m bench.prefill --sweep-geometry      # BLOCK_N x warps x stages grid for the SM90 table
+  python -m bench.prefill --providers upstream-chunk,ours,"ours[64,4,2]" --json F --plot F.png
+                                                # choose and order the providers; ratios
+                                                # (speedup_vs_first) against the first listed
 
 Method (``docs/anchors.md``, ``bench/common.py``): every provider of one case runs on the same
 inputs, interleaved round-robin in one process; each provider's calls are captured into a CUDA
@@ -22,9 +25,16 @@ geometry; (64, 4, 2) by default), ``ours-pairs*`` (the experimental pair kernels
 0.5.23 with its own table geometry; on an H200 its ``"H20" in device_name`` test picks the H20
 table), ``gather-dense`` (torch gather + SDPA, context, KV 32k only), ``pallas`` (``--pallas``).
 
+``--providers`` picks and orders them (``provider_names`` lists every name; ``ours[...]`` with a
+geometry not given by ``--geometry`` adds it). Each case records ``first_provider``, the first
+listed provider the section has (the matrix and the query sweep share names; the paged section has
+its own), and every result ``speedup_vs_first`` = that provider's ms / this one's (> 1: faster),
+only when the first provider ran on the case; ``speedup_vs_upstream`` (issue 4 targets) stays.
+
 Reported per provider: ms, gathered bytes (valid entries x D x bytes x 2 for K and V, per KV head),
 effective gather rate (TB/s, bytes / time: a rate above HBM bandwidth means L2 hits), and useful
-TFLOP/s (4 x G x D flops per valid entry per KV head).
+TFLOP/s (4 x G x D flops per valid entry per KV head), and the gather rate as a percentage of the
+device-to-device copy bandwidth measured at the start (``pct_copy_bw``; above 100 means cache hits).
 """
 
 from __future__ import annotations
@@ -38,7 +48,8 @@ import time
 
 import torch
 
-from bench.common import out_dir, time_interleaved, write_json
+from bench.common import (ProviderError, now_iso, order_providers, out_dir, parse_providers,
+                          speedup_vs_first, time_interleaved, write_json)
 from bench.prefill_cases import Case, errors, make_case, reference_f32, within_tolerance
 
 PAIRS = ((6, 1), (12, 1), (24, 2))
@@ -210,8 +221,41 @@ def case_metrics(c: Case) -> dict:
             "flops": 4 * g * d * valid}
 
 
+def add_rates(res: dict, timing: dict, metrics: dict, *, first: str | None = None,
+              copy_bw: float | None = None) -> dict:
+    """Fill ``res`` (``{provider: check dict}``, from ``measure``) with the timings (pure; the
+    tests call it with fake timings): ``ms``, ``gather_tb_s``, ``tflop_s``, ``pct_copy_bw`` (with
+    ``copy_bw`` in bytes/s) and ``speedup_vs_first`` = ms of ``first`` / ms (when ``first`` was
+    timed). A timing entry with ``error`` is merged as it is. Returns ``res``."""
+    for name, t in timing.items():
+        entry = res.setdefault(name, {})
+        if "median_us" not in t:
+            entry.update(t)
+            continue
+        ms = t["median_us"] / 1e3
+        entry.update(t, ms=ms, gather_tb_s=metrics["gathered_bytes"] / (ms * 1e-3) / 1e12,
+                     tflop_s=metrics["flops"] / (ms * 1e-3) / 1e12)
+        if copy_bw:
+            entry["pct_copy_bw"] = 100 * metrics["gathered_bytes"] / (ms * 1e-3) / copy_bw
+    vs = speedup_vs_first({n: r.get("ms") for n, r in res.items()}, first)
+    for name, x in vs.items():
+        res[name]["speedup_vs_first"] = x
+    return res
+
+
+def row_record(case: dict, res: dict, *, baseline: str | None, first: str | None,
+               **extra) -> dict:
+    """One row of ``matrix`` / ``query_sweep`` / ``paged`` (pure): the case description, the
+    results, ``first_provider`` and ``speedup_vs_upstream`` = ms of ``baseline`` / ms of ours."""
+    up = res.get(baseline, {}).get("ms") if baseline else None
+    ours = res.get("ours", {}).get("ms")
+    return {"case": case, "results": res, "baseline": baseline, "first_provider": first,
+            "speedup_vs_upstream": (up / ours) if up and ours else None, **extra}
+
+
 def measure(c: Case, providers: dict, *, rounds: int = 15, ref=None, check: bool = True,
-            use_cuda_graph: bool = True) -> tuple[dict, list[str]]:
+            use_cuda_graph: bool = True, first: str | None = None,
+            copy_bw: float | None = None) -> tuple[dict, list[str]]:
     """Check every provider against the float32 reference, then time them interleaved.
 
     Returns (results by provider, names of providers past tolerance)."""
@@ -241,11 +285,7 @@ def measure(c: Case, providers: dict, *, rounds: int = 15, ref=None, check: bool
         timing = time_interleaved(providers, use_cuda_graph=graphs, rounds=rounds)
         for t in timing.values():
             t["cuda_graph"] = graphs
-        m = case_metrics(c)
-        for name, t in timing.items():
-            ms = t["median_us"] / 1e3
-            res[name].update(t, ms=ms, gather_tb_s=m["gathered_bytes"] / (ms * 1e-3) / 1e12,
-                             tflop_s=m["flops"] / (ms * 1e-3) / 1e12)
+        add_rates(res, timing, case_metrics(c), first=first, copy_bw=copy_bw)
     return res, bad
 
 
@@ -265,19 +305,125 @@ def _describe(c: Case) -> dict:
             "geometry": geo, **case_metrics(c)}
 
 
-def _print_row(label: str, res: dict, base: str | None):
+def _print_row(label: str, res: dict, base: str | None, first: str | None = None):
+    """One line per case: each provider's ms, TB/s, TF/s, its speedup over the first provider
+    (``first``) and, when that is another one, over upstream (``base``)."""
     parts = []
     for name, r in res.items():
         if "ms" not in r:
             parts.append(f"{name}: {r.get('error', 'n/a')[:60]}")
             continue
         ratio = ""
-        if base and base in res and "ms" in res[base] and name != base:
-            ratio = f" ({res[base]['ms'] / r['ms']:.2f}x of {base})"
+        for ref in dict.fromkeys(x for x in (first, base) if x):
+            if ref in res and "ms" in res[ref] and name != ref:
+                ratio += f" ({res[ref]['ms'] / r['ms']:.2f}x of {ref})"
         flag = "" if r.get("ok", True) else " FAIL"
         parts.append(f"{name} {r['ms']:.3f} ms {r['gather_tb_s']:.1f} TB/s "
                      f"{r['tflop_s']:.0f} TF/s{ratio}{flag}")
     print(f"[prefill] {label}: " + " | ".join(parts), flush=True)
+
+
+# ------------------------------------------------------------------------------------ providers
+PAGED_PROVIDERS = ("ours-paged-prepass", "ours-paged-inline")
+PROVIDER_ALIASES = {"dense": "gather-dense", "pairs": "ours-pairs", "quads": "ours-quads",
+                    "triton": "ours"}
+
+
+def _geo_name(geo) -> str:
+    return f"ours{list(geo)}"
+
+
+def provider_names(geometries=((64, 4, 2),), group_geometries=((32, 4, 2),)) -> list[str]:
+    """Every provider name the benchmark can time, in its default order: the 8192-row matrix
+    and the query sweep (``ours``, upstream's two kernels, the pair/quad kernels and their
+    pre-passes, forced geometries, ``pallas``, ``gather-dense``), then the paged section."""
+    names = ["ours", "upstream-ordinary", "upstream-chunk"]
+    for algo in ("pairs", "quads"):
+        names.append(f"ours-{algo}")
+        names += [f"ours-{algo}{list(g)}" for g in group_geometries[1:]]
+        names += [f"ours-{algo}-tlsort", f"{algo}-union-only"]
+    names += [_geo_name(g) for g in geometries]
+    names += ["pallas", "gather-dense", *PAGED_PROVIDERS]
+    return list(dict.fromkeys(names))
+
+
+def _forced_geometries_in(text: str | None) -> list[tuple]:
+    """``ours[BM,BN,W,S]`` / ``ours[BN,W,S]`` names in a ``--providers`` text, as geometries."""
+    import re  # noqa: PLC0415
+
+    out = []
+    for m in re.finditer(r"(?:^|,)\s*ours\[\s*([0-9][0-9,\s]*)\]", text or ""):
+        geo = tuple(int(x) for x in m.group(1).replace(" ", "").split(",") if x)
+        if len(geo) in (3, 4) and geo not in out:
+            out.append(geo)
+    return out
+
+
+def select_providers(args) -> list[str] | None:
+    """Resolve ``args.providers`` (validated; ``ProviderError`` on an unknown name) and turn on
+    what the selection names (``--geometry`` for ``ours[...]``, pallas, gather-dense, the pair
+    kernels); sets ``args.selection``. Touches no GPU."""
+    for geo in _forced_geometries_in(args.providers):
+        if geo not in args.geometry:
+            args.geometry.append(geo)
+    if not args.geometry:
+        # anchors.md: (64, 4, 2) beat upstream's (16, 1, 2) pick by ~6% on 12/1 at 8192 rows
+        args.geometry = [(64, 4, 2)]
+    try:
+        sel = parse_providers(args.providers, provider_names(args.geometry, args.group_geometry),
+                              PROVIDER_ALIASES, script="bench/prefill.py")
+    except ProviderError as e:
+        raise ProviderError(f"{e}; and ours[BM,BN,W,S] / ours[BN,W,S] for any forced "
+                            "geometry") from None
+    if sel is not None:
+        args.pallas = "pallas" in sel
+        args.dense = "gather-dense" in sel
+        args.pairs = any(n.startswith(("ours-pairs", "ours-quads", "pairs-", "quads-"))
+                         for n in sel)
+    args.selection = sel
+    return sel
+
+
+def _default_names(args) -> list[str]:
+    """The providers a run without ``--providers`` times (``--pallas``, ``--no-dense``,
+    ``--no-pairs`` considered), in order."""
+    names = provider_names(args.geometry, args.group_geometry)
+    drop = set()
+    if not args.pairs:
+        drop |= {n for n in names if n.startswith(("ours-pairs", "ours-quads", "pairs-", "quads-"))}
+    if not args.pallas:
+        drop.add("pallas")
+    if not args.dense:
+        drop.add("gather-dense")
+    return [n for n in names if n not in drop]
+
+
+def _first(args, paged: bool = False) -> str:
+    """The first provider listed for a section (paged or not), default ``ours`` /
+    ``ours-paged-prepass``."""
+    sel = getattr(args, "selection", None)
+    default = PAGED_PROVIDERS[0] if paged else "ours"
+    if sel is None:
+        return default
+    return next((n for n in sel if (n in PAGED_PROVIDERS) == paged), default)
+
+
+def _wants(args, names) -> bool:
+    sel = getattr(args, "selection", None)
+    return sel is None or any(n in sel for n in names)
+
+
+def _select(args, provs: dict) -> dict:
+    return order_providers(provs, getattr(args, "selection", None))
+
+
+def _geomean_vs_first(rows: list) -> dict:
+    acc: dict[str, list[float]] = {}
+    for r in rows:
+        for n, e in r.get("results", {}).items():
+            if e.get("speedup_vs_first"):
+                acc.setdefault(n, []).append(e["speedup_vs_first"])
+    return {n: math.exp(statistics.fmean(math.log(x) for x in v)) for n, v in acc.items()}
 
 
 # ------------------------------------------------------------------------------------ runs
@@ -293,6 +439,7 @@ def _save_partial(section: str, rows: list):
         sp = [r["speedup_vs_upstream"] for r in rows if r.get("speedup_vs_upstream")]
         _PARTIAL["report"]["geomean_speedup_vs_upstream_8192"] = (
             math.exp(statistics.fmean(math.log(x) for x in sp)) if sp else None)
+        _PARTIAL["report"]["geomean_speedup_vs_first_8192"] = _geomean_vs_first(rows)
     write_json(_PARTIAL["path"], _PARTIAL["report"])
 
 
@@ -300,6 +447,8 @@ def run_matrix(args, up) -> tuple[list, list]:
     """8192 rows, (Hq, Hkv) in PAIRS, KV in KVS: ordinary at 8k (no prefix), chunk at 32k/128k
     (8192 new rows after a prefix); ours vs upstream's matching kernel with its geometry."""
     rows, bad = [], []
+    first = _first(args)
+    bw = getattr(args, "copy_bw", None)
     for hq, hkv in PAIRS:
         for kv in KVS:
             t0 = time.time()
@@ -322,14 +471,17 @@ def run_matrix(args, up) -> tuple[list, list]:
                 provs["pallas"] = pal
             if args.dense and kv == 32768:  # context only: its cost does not depend on KV length
                 provs["gather-dense"] = gather_dense_provider(c)
-            res, b = measure(c, provs, rounds=args.rounds)
-            bad += [f"{hq}/{hkv} kv={kv} {n}" for n in b]
+            provs = _select(args, provs)
             label = f"{hq}/{hkv} kv={kv} rows={args.rows}"
-            _print_row(label, res, base)
-            speed = (res[base]["ms"] / res["ours"]["ms"]) if base in res and "ms" in res.get(base, {}) \
-                and "ms" in res["ours"] else None
-            rows.append({"case": _describe(c), "results": res, "baseline": base,
-                         "speedup_vs_upstream": speed, "setup_s": time.time() - t0})
+            if not provs:
+                print(f"[prefill] {label}: none of the selected providers applies; skipped")
+                del c
+                continue
+            res, b = measure(c, provs, rounds=args.rounds, first=first, copy_bw=bw)
+            bad += [f"{hq}/{hkv} kv={kv} {n}" for n in b]
+            _print_row(label, res, base, first)
+            rows.append(row_record(_describe(c), res, baseline=base, first=first,
+                                   setup_s=time.time() - t0))
             _save_partial("matrix", rows)
             del c
             torch.cuda.empty_cache()
@@ -340,6 +492,8 @@ def run_query_sweep(args, up) -> tuple[list, list]:
     """Query-count sweep 32..8192 rows: one chunk request with a 32k context (the rows select a
     full 2051 columns each, as in chunked prefill), ours vs upstream's chunk kernel."""
     rows, bad = [], []
+    first = _first(args)
+    bw = getattr(args, "copy_bw", None)
     for hq, hkv in ((12, 1), (6, 1)):  # (24, 2) runs the (12, 1) program per KV head
         for t in args.sweep_rows:
             c = make_case("chunk", hq, hkv, 256, [t], [32768], seed=t + hq, device="cuda")
@@ -347,12 +501,16 @@ def run_query_sweep(args, up) -> tuple[list, list]:
             provs.update(upstream_providers(up, c))
             if args.pairs:
                 provs.update(pairs_providers(c))
-            res, b = measure(c, provs, rounds=args.rounds)
+            provs = _select(args, provs)
+            label = f"sweep {hq}/{hkv} rows={t} kv=32768"
+            if not provs:
+                print(f"[prefill] {label}: none of the selected providers applies; skipped")
+                del c
+                continue
+            res, b = measure(c, provs, rounds=args.rounds, first=first, copy_bw=bw)
             bad += [f"sweep {hq}/{hkv} rows={t} {n}" for n in b]
-            _print_row(f"sweep {hq}/{hkv} rows={t} kv=32768", res, "upstream-chunk")
-            speed = (res["upstream-chunk"]["ms"] / res["ours"]["ms"]) if "ms" in res.get(
-                "upstream-chunk", {}) and "ms" in res["ours"] else None
-            rows.append({"case": _describe(c), "results": res, "speedup_vs_upstream": speed})
+            _print_row(label, res, "upstream-chunk", first)
+            rows.append(row_record(_describe(c), res, baseline="upstream-chunk", first=first))
             _save_partial("query_sweep", rows)
     return rows, bad
 
@@ -361,6 +519,8 @@ def run_paged(args) -> tuple[list, list]:
     """Paged (pool read in place, scattered slot table), bf16 and FP8 pools: pre-pass slot
     resolution vs the inline slot lookup, and the chunk kernel on the same data packed."""
     rows, bad = [], []
+    first = _first(args, paged=True)
+    bw = getattr(args, "copy_bw", None)
     for kv_dtype in (None, torch.float8_e4m3fn):
         c = make_case("paged", 12, 1, 256, [args.rows], [32768], kv_dtype=kv_dtype,
                       pool_slack=4096, seed=5, device="cuda")
@@ -375,10 +535,11 @@ def run_paged(args) -> tuple[list, list]:
                                                            c.cu_q, c.kv_lens, c.max_q, sc, 1.0,
                                                            1.0, inline_slots=True),
         }
-        res, b = measure(c, provs, rounds=args.rounds)
+        provs = _select(args, provs)
+        res, b = measure(c, provs, rounds=args.rounds, first=first, copy_bw=bw)
         bad += [f"paged {n}" for n in b]
-        _print_row(f"paged 12/1 kv=32768 {c.k.dtype}", res, "ours-paged-prepass")
-        rows.append({"case": _describe(c), "results": res})
+        _print_row(f"paged 12/1 kv=32768 {c.k.dtype}", res, None, first)
+        rows.append(row_record(_describe(c), res, baseline=None, first=first))
     return rows, bad
 
 
@@ -457,6 +618,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--json", default=None, metavar="FILE",
+                    help="output JSON (default $OUT/prefill_bench.json, or "
+                         "$OUT/prefill_geometry_sweep.json with --sweep-geometry)")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="also draw the results as a PNG (bench/plot.py: ms and %% of the copy "
+                         "bandwidth against query rows, and the matrix as grouped bars; needs "
+                         "matplotlib)")
+    ap.add_argument("--providers", default=None, metavar="A,B,...",
+                    help="providers to time, in this order; ratios 'speedup_vs_first' are against "
+                         "the first listed (per section: the paged section has its own names). "
+                         "Names: " + ", ".join(provider_names()) + ", ours[BM,BN,W,S] (a forced "
+                         "geometry; added to --geometry); aliases: "
+                         + ", ".join(f"{k}={v}" for k, v in PROVIDER_ALIASES.items()))
     ap.add_argument("--geometry", type=_geo_arg, action="append", default=[],
                     help="forced geometry BM,BN,W,S (or BN,W,S); repeatable; default 64,4,2")
     ap.add_argument("--matrix-only", action="store_true")
@@ -490,9 +664,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.group_geometry:
         args.group_geometry = [(32, 4, 2)]
-    if not args.geometry:
-        # anchors.md: (64, 4, 2) beat upstream's (16, 1, 2) pick by ~6% on 12/1 at 8192 rows
-        args.geometry = [(64, 4, 2)]
+    # every argument is checked before CUDA is touched (exit 2, like argparse)
+    try:
+        if args.sweep_geometry and (args.providers or args.plot):
+            raise ProviderError("bench/prefill.py: --providers and --plot apply to the benchmark, "
+                                "not to --sweep-geometry")
+        select_providers(args)  # also fills the default --geometry
+    except ProviderError as e:
+        print(e, file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench.prefill needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -500,25 +680,44 @@ def main(argv=None) -> int:
     from interop.geometry import SM90_TABLE_STATUS  # noqa: PLC0415
     import triton  # noqa: PLC0415
 
-    meta = {"gpu": gpu_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "sm90_table_status": SM90_TABLE_STATUS}
-    out = out_dir()
+    meta = {"gpu": gpu_name(), "date": now_iso(), "torch": torch.__version__,
+            "triton": triton.__version__, "sm90_table_status": SM90_TABLE_STATUS}
+    json_path = args.json or (out_dir() / ("prefill_geometry_sweep.json" if args.sweep_geometry
+                                           else "prefill_bench.json"))
     t0 = time.time()
-    _PARTIAL.update(report={"meta": meta, "partial": True},
-                    path=out / ("prefill_geometry_sweep.json" if args.sweep_geometry
-                                else "prefill_bench.json"))
+    _PARTIAL.update(report={"meta": meta, "partial": True}, path=json_path)
     if args.sweep_geometry:
         sweep = run_geometry_sweep(args)
-        path = write_json(out / "prefill_geometry_sweep.json", {"meta": meta, **sweep,
-                                                                "wall_s": time.time() - t0})
+        path = write_json(json_path, {"meta": meta, **sweep, "wall_s": time.time() - t0})
         print(f"[sweep] recommended SM90 table: {sweep['recommended_sm90_table']}")
         print(f"[sweep] wrote {path} in {time.time() - t0:.0f} s")
         return 0
+    try:
+        from bench.common import copy_bandwidth_bytes_per_s  # noqa: PLC0415
+
+        args.copy_bw = copy_bandwidth_bytes_per_s(torch.device("cuda"))
+    except Exception as e:  # noqa: BLE001 - the percentages are extra; the timings are not
+        print(f"[prefill] copy bandwidth not measured: {e}", file=sys.stderr)
+        args.copy_bw = None
+    sel = args.selection
+    meta.update(copy_bandwidth_Bps=args.copy_bw,
+                providers=sel if sel is not None else _default_names(args),
+                first_provider=_first(args), first_provider_paged=_first(args, paged=True),
+                method="providers interleaved round-robin in one process on the same inputs, "
+                       "CUDA-graph replay, median of CUDA-event timings; every provider checked "
+                       "against a float32 reference on every run")
+    if args.copy_bw:
+        print(f"[prefill] copy bandwidth {args.copy_bw / 1e12:.2f} TB/s (read + written)")
+    print(f"[prefill] providers: {', '.join(meta['providers'])}; ratios against "
+          f"{meta['first_provider']} (paged: {meta['first_provider_paged']})")
     up = _upstream()
-    matrix, bad = run_matrix(args, up)
+    matrix_names = [n for n in provider_names(args.geometry, args.group_geometry)
+                    if n not in PAGED_PROVIDERS]
+    matrix, bad = run_matrix(args, up) if _wants(args, matrix_names) else ([], [])
     speeds = [r["speedup_vs_upstream"] for r in matrix if r["speedup_vs_upstream"]]
     geo = math.exp(statistics.fmean(math.log(s) for s in speeds)) if speeds else None
-    report = {"meta": meta, "matrix": matrix, "geomean_speedup_vs_upstream_8192": geo}
+    report = {"meta": meta, "matrix": matrix, "geomean_speedup_vs_upstream_8192": geo,
+              "geomean_speedup_vs_first_8192": _geomean_vs_first(matrix)}
     for algo in ("pairs", "quads"):
         ps = [r["results"][r["baseline"]]["ms"] / r["results"][f"ours-{algo}"]["ms"] for r in matrix
               if "ms" in r["results"].get(f"ours-{algo}", {})
@@ -527,8 +726,10 @@ def main(argv=None) -> int:
         report[key] = math.exp(statistics.fmean(math.log(x) for x in ps)) if ps else None
         print(f"[prefill] {algo} geomean vs upstream: {report[key]}")
     if not args.matrix_only:
-        report["query_sweep"], b2 = run_query_sweep(args, up)
-        report["paged"], b3 = run_paged(args)
+        report["query_sweep"], b2 = (run_query_sweep(args, up) if _wants(args, matrix_names)
+                                     else ([], []))
+        report["geomean_speedup_vs_first_sweep"] = _geomean_vs_first(report["query_sweep"])
+        report["paged"], b3 = run_paged(args) if _wants(args, PAGED_PROVIDERS) else ([], [])
         bad += b2 + b3
         slow = [(r["case"]["hq"], r["case"]["total_q"], r["speedup_vs_upstream"])
                 for r in report["query_sweep"]
@@ -537,11 +738,22 @@ def main(argv=None) -> int:
         report["slower_than_upstream_at_ge_512_rows"] = slow
     report["failed_tolerance"] = bad
     report["wall_s"] = time.time() - t0
-    path = write_json(out / "prefill_bench.json", report)
+    path = write_json(json_path, report)
     print(f"[prefill] geomean speedup vs upstream at {args.rows} rows: "
-          f"{geo if geo is None else round(geo, 3)}; failed tolerance: {bad or 'none'}; "
-          f"wrote {path} in {report['wall_s']:.0f} s")
-    return 1 if bad else 0
+          f"{geo if geo is None else round(geo, 3)}; vs {meta['first_provider']}: "
+          f"{ {n: round(x, 3) for n, x in report['geomean_speedup_vs_first_8192'].items()} }; "
+          f"failed tolerance: {bad or 'none'}; wrote {path} in {report['wall_s']:.0f} s")
+    rc = 1 if bad else 0
+    if args.plot:
+        try:
+            from bench.plot import plot_prefill  # noqa: PLC0415
+
+            print(f"[prefill] wrote {plot_prefill(report, args.plot)}")
+        except Exception as e:  # noqa: BLE001 - the JSON is written; say why the plot is not
+            print(f"bench/prefill.py: --plot failed ({type(e).__name__}: {e}); re-plot with "
+                  f"python -m bench.plot prefill {path} {args.plot}", file=sys.stderr)
+            rc = rc or 1
+    return rc
 
 
 if __name__ == "__main__":
