@@ -23,6 +23,20 @@ the memory floor (anchors.md: B = 1 at 7.5% of HBM). The H200 sweep (bench/NOTES
 found the best split count per shape at about ONE program per SM, rounded *down* to a power of
 two: B x Hkv x max_splits <= SMs; rounding up (a second, partial wave) cost 4-10%, and at
 B x Hkv >= SMs no split at all (max_splits = 1) was fastest (TP1 B = 128: 126 us vs 138 us).
+
+Device-side balance (``balance=True``, the Triton kernel's default since decode v3): the static rule
+above sizes splits for rows as long as ``max_seqlen_k``, so a mixed batch at large B left its long
+rows unsplit (one program streams 2051 keys while most SMs are done: TP2 B = 128 mixed ran at
+0.91x of upstream). With balance every program also reads the batch's total keys
+(``cu_seqlens_k[B] - cu_seqlens_k[0]``, one load) and a row gets a share of ``balance_slots``
+programs proportional to its length:
+
+    n_active = clamp(floor(len * balance_slots / (total * Hkv)), 1, max_splits),
+               and at most cdiv(blocks, min_blocks_per_split)
+
+(sum over rows and KV heads <= balance_slots + rows, so equal rows never exceed the slots: no
+partial second wave). The grid keeps at least ``BALANCE_GRID_SPLITS`` splits per row so long rows
+of a mixed batch can split; splits past ``n_active`` exit at once.
 """
 
 from __future__ import annotations
@@ -39,6 +53,11 @@ PROGRAMS_PER_SM = 1
 MAX_SPLITS_CAP = 64  # most splits of one (sequence, KV head); the merge reads one tile of them
 MIN_BLOCKS_CAP = 2  # a split streams up to this many BLOCK_N blocks before another is activated
 #                     (sweep: 1, 2 and 4 within 1% on saturated rows; 2 best on mixed rows)
+# device-side balance: programs the rows share (per SM), and the smallest grid split count (so a
+# long row of a mixed batch can split even where B x Hkv fills the GPU). Decided by the H200
+# sweep (bench/decode.py --sweep, decode v3 in bench/NOTES.md).
+BALANCE_SLOTS_PER_SM = 2
+BALANCE_GRID_SPLITS = 4
 
 
 def prev_pow2(x: int) -> int:
@@ -62,6 +81,8 @@ class DecodePlan:
       min_blocks_per_split: a split is only activated when it gets at least this many BLOCK_N blocks.
       num_warps, num_stages: Triton launch parameters (the Pallas kernel uses num_warps/num_stages
         through its compiler params as well).
+      balance_slots: 0 = the static rule (n_active from the row's blocks only); > 0 = device-side
+        balance over this many programs (module docstring; Triton kernel only).
     """
 
     head_tile: int
@@ -70,11 +91,12 @@ class DecodePlan:
     min_blocks_per_split: int
     num_warps: int
     num_stages: int
+    balance_slots: int = 0
 
 
 def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
                 sm_count: int = 132, *, max_splits: int | None = None,
-                block_n: int | None = None) -> DecodePlan:
+                block_n: int | None = None, balance: bool = False) -> DecodePlan:
     """Plan a split-KV decode launch from static shapes.
 
     Args:
@@ -82,6 +104,8 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
       max_seqlen_k: static upper bound of a row's key count (host int).
       sm_count: streaming multiprocessors of the target GPU (132 on the H200).
       max_splits, block_n: overrides (tests, sweeps).
+      balance: plan for the device-side balance (module docstring): at least
+        BALANCE_GRID_SPLITS splits in the grid, ``balance_slots = BALANCE_SLOTS_PER_SM * sm_count``.
 
     Returns:
       DecodePlan. Source: this module's docstring (sizing rule); constants to be replaced by the
@@ -95,6 +119,8 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
         programs = batch * num_kv_heads
         want = max(1, (PROGRAMS_PER_SM * sm_count) // programs)
         max_splits = min(prev_pow2(want), MAX_SPLITS_CAP, next_pow2(blocks))
+        if balance:
+            max_splits = max(max_splits, min(BALANCE_GRID_SPLITS, next_pow2(blocks)))
     max_splits = max(1, int(max_splits))
     # A row as long as max_seqlen_k should use every split (small batches fill the GPU), but a
     # split should stream at least a few blocks when there are enough of them (amortises the Q
@@ -105,4 +131,5 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
     # memory, inside SM12x's 101,376 B (qsa-contract.md §5). Implementations still clamp stages
     # to their device's shared memory.
     num_stages = 3
-    return DecodePlan(head_tile, block_n, max_splits, min_blocks, num_warps, num_stages)
+    slots = BALANCE_SLOTS_PER_SM * sm_count if balance else 0
+    return DecodePlan(head_tile, block_n, max_splits, min_blocks, num_warps, num_stages, slots)

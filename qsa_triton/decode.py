@@ -90,9 +90,14 @@ __all__ = [
     "pdl_enabled",
 ]
 
-#: default merge of split partials: "kernel" (second small kernel) or "inline" (last-arriving
-#: split merges, counters reset in the same launch). Source: issue 3; the H200 sweep decides.
-MERGE_MODE = "kernel"
+#: default merge of split partials: "kernel" (second small kernel), "inline" (last-arriving
+#: split merges, counters reset in the same launch) or "auto": inline where B x Hkv >= SMs / 2
+#: (rows get few splits, most none: no second launch), the kernel below that (many splits per
+#: row: one program merging 64 partials serially was 2-4x slower, H200 sweep run 2).
+MERGE_MODE = "auto"
+#: device-side balance of split counts over the batch's total keys (interop/decode_plan.py);
+#: plan_override(balance=False) gives the static per-row rule (decode v2).
+BALANCE = True
 _LOG2E = 1.4426950408889634
 
 #: Programmatic Dependent Launch (PDL) between the split and merge kernels (and between a merge
@@ -137,26 +142,36 @@ def _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, n_mask, scale_log2, MASKED: 
 
 
 @triton.jit
-def _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS):
-    """(row start, row length, blocks, n_active) of sequence s, from device data only."""
+def _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ, HKV, SLOTS,
+                   BALANCE: tl.constexpr):
+    """(row start, row length, blocks, n_active) of sequence s, from device data only.
+
+    BALANCE: the row's share of SLOTS programs, proportional to its length within the batch's
+    total keys (interop/decode_plan.py), capped by MAX_SPLITS and by one split per MIN_BLOCKS
+    blocks; otherwise one split per MIN_BLOCKS blocks up to MAX_SPLITS."""
     k_lo = tl.load(cu_k_ptr + s)
     k_hi = tl.load(cu_k_ptr + s + 1)
     n = tl.maximum(k_hi - k_lo, 0)
     blocks = tl.cdiv(n, BLOCK_N)
     n_act = tl.minimum(tl.maximum(tl.cdiv(blocks, MIN_BLOCKS), 1), MAX_SPLITS)
+    if BALANCE:
+        total = tl.maximum(tl.load(cu_k_ptr + NSEQ) - tl.load(cu_k_ptr), 1).to(tl.int64)
+        share = (n.to(tl.int64) * SLOTS) // (total * HKV)  # int64: n * SLOTS may pass 2^31
+        n_act = tl.minimum(n_act, tl.maximum(share, 1).to(tl.int32))
     return k_lo, n, blocks, n_act
 
 
 # Shape ints stay runtime values and are not specialised (Triton would otherwise compile a
 # variant for every value == 1 / multiple of 16): one compiled kernel serves every B and split count.
-@triton.jit(do_not_specialize=["HQ", "HKV", "MAX_SPLITS", "MIN_BLOCKS"])
+@triton.jit(do_not_specialize=["HQ", "HKV", "MAX_SPLITS", "MIN_BLOCKS", "NSEQ", "SLOTS"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, cnt_ptr, cu_q_ptr, cu_k_ptr,
     scale_log2,
     stride_qb, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh, stride_ob, stride_oh,
-    HQ, HKV, MAX_SPLITS, MIN_BLOCKS,
+    HQ, HKV, MAX_SPLITS, MIN_BLOCKS, NSEQ, SLOTS,
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
     MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr, USE_PDL: tl.constexpr,
+    BALANCE: tl.constexpr,
 ):
     if USE_PDL:
         # Programmatic Dependent Launch (see PDL_AUTO): this grid may start before the previous
@@ -174,7 +189,8 @@ def _decode_split_kernel(
     sh = pid // MAX_SPLITS
     s = sh // HKV
     h = sh % HKV
-    k_lo, n, blocks, n_act = _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS)
+    k_lo, n, blocks, n_act = _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ,
+                                            HKV, SLOTS, BALANCE)
     offs_m = tl.arange(0, HT)
     m_ok = offs_m < G
     heads = h * G + offs_m  # global query head of each tile row
@@ -306,7 +322,8 @@ _override = threading.local()
 @contextlib.contextmanager
 def plan_override(**fields):
     """Force DecodePlan fields (``block_n``, ``max_splits``, ``min_blocks_per_split``,
-    ``num_warps``, ``num_stages``), ``merge`` ("kernel" | "inline") and/or ``pdl`` (True | False:
+    ``num_warps``, ``num_stages``, ``balance_slots``), ``balance`` (True | False: plan with or
+    without the device-side balance), ``merge`` ("kernel" | "inline" | "auto") and/or ``pdl`` (True | False:
     Programmatic Dependent Launch on/off, overriding QSA_DECODE_PDL) for calls made inside the
     ``with`` block on this thread (tests: force splits > 1; sweeps). The plan is read when the
     kernel is launched, so a CUDA graph captured inside the block keeps that geometry.
@@ -314,7 +331,7 @@ def plan_override(**fields):
     Raises:
       ValueError: unknown field; ``pdl`` not a bool.
     """
-    allowed = {f.name for f in dataclasses.fields(DecodePlan)} | {"merge", "pdl"}
+    allowed = {f.name for f in dataclasses.fields(DecodePlan)} | {"merge", "pdl", "balance"}
     bad = set(fields) - allowed
     if bad:
         raise ValueError(f"plan_override: unknown fields {sorted(bad)}; allowed {sorted(allowed)}")
@@ -348,16 +365,18 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
     device = torch.device(device)
     fields = dict(getattr(_override, "fields", None) or {})
     key = (batch, num_kv_heads, group, head_dim, max_seqlen_k, device.type, device.index,
-           MERGE_MODE, tuple(sorted(fields.items())))
+           MERGE_MODE, BALANCE, tuple(sorted(fields.items())))
     hit = _PLANS.get(key)
     if hit is not None:
         return hit
     merge = fields.pop("merge", MERGE_MODE)
     fields.pop("pdl", None)  # launch mode, not geometry: resolved per call by pdl_enabled
-    if merge not in ("kernel", "inline"):
-        raise ValueError(f"merge must be 'kernel' or 'inline', got {merge!r}")
-    plan = plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k, _sm_count(device),
-                       max_splits=fields.pop("max_splits", None), block_n=fields.pop("block_n", None))
+    if merge not in ("kernel", "inline", "auto"):
+        raise ValueError(f"merge must be 'kernel', 'inline' or 'auto', got {merge!r}")
+    sms = _sm_count(device)
+    plan = plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k, sms,
+                       max_splits=fields.pop("max_splits", None), block_n=fields.pop("block_n", None),
+                       balance=bool(fields.pop("balance", BALANCE)))
     if fields:
         plan = dataclasses.replace(plan, **fields)
     hit = (fit_shared_memory(plan, head_dim, 2, _smem_limit(device)), merge)
@@ -453,11 +472,13 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
         for b in range(lo, hi + 1):
             p = fit_shared_memory(plan_decode(b, hkv, g, head_dim, QUALIFIED["max_seqlen_k"]),
                                   head_dim, 2, limit)
-            # (merge inline, PDL): PDL variants only for the default merge="kernel" path
-            variants = [(False, False), (True, False)] + ([(False, True)] if True in pdl_modes else [])
-            for inline, pdl in variants:
+            # (merge inline, PDL, balance): PDL only for the merge="kernel" path
+            variants = [(i, False, bal) for i in (False, True) for bal in (False, True)] + (
+                [(False, True, bal) for bal in (False, True)] if True in pdl_modes else [])
+            for inline, pdl, bal in variants:
                 consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
-                          "MERGE_INLINE": inline, "LSE_ALL": not inline, "USE_PDL": pdl}
+                          "MERGE_INLINE": inline, "LSE_ALL": not inline, "USE_PDL": pdl,
+                          "BALANCE": bal}
                 key = (tuple(consts.items()), p.num_warps, p.num_stages)
                 if key in seen:
                     continue
@@ -468,7 +489,7 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
                             "options": {"launch_pdl": True} if pdl else {},
                             "name": f"decode_split_G{g}_ht{p.head_tile}_bn{p.block_n}_w{p.num_warps}"
                                     f"_s{p.num_stages}{'_inline' if inline else ''}_{dtype}"
-                                    f"{'_pdl' if pdl else ''}"})
+                                    f"{'_bal' if bal else ''}{'_pdl' if pdl else ''}"})
     for pdl in pdl_modes:
         for chunk in (2, 4, 8, 16, 32, 64):
             d_chunk = max(16, min(head_dim, 2048 // chunk))
@@ -513,9 +534,10 @@ def _qualified_need() -> tuple[int, int, int]:
     lo, hi = QUALIFIED["batch"]
     for hq, hkv in QUALIFIED["head_pairs"]:
         for b in range(lo, hi + 1):
-            p = plan_decode(b, hkv, hq // hkv, d, QUALIFIED["max_seqlen_k"])
-            r = b * hq * p.max_splits
-            rows, elems, slots = max(rows, r), max(elems, r * d), max(slots, b * hkv)
+            for bal in (False, True):
+                p = plan_decode(b, hkv, hq // hkv, d, QUALIFIED["max_seqlen_k"], balance=bal)
+                r = b * hq * p.max_splits
+                rows, elems, slots = max(rows, r), max(elems, r * d), max(slots, b * hkv)
     return rows, elems, slots
 
 
@@ -594,6 +616,8 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
     hkv = k.shape[1]
     g = hq // hkv
     splits = int(plan.max_splits)
+    if merge == "auto":  # see MERGE_MODE
+        merge = "inline" if 2 * b * hkv >= _sm_count(q.device) else "kernel"
     rows = b * hq * splits if splits > 1 else 1
     sc = _get_scratch(q.device, rows, rows * d, b * hkv)  # may raise: before any allocation
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
@@ -604,10 +628,11 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             float(softmax_scale) * _LOG2E,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1),
-            hq, hkv, splits, plan.min_blocks_per_split,
+            hq, hkv, splits, plan.min_blocks_per_split, b, max(plan.balance_slots, 1),
             G=g, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n,
             MERGE_INLINE=(merge == "inline"), LSE_ALL=(splits > 1 and merge == "kernel"),
-            USE_PDL=use_pdl, num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
+            USE_PDL=use_pdl, BALANCE=plan.balance_slots > 0,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
         if splits > 1 and merge == "kernel":
             chunk = min(max(2, next_pow2(splits)), 64)

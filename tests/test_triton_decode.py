@@ -64,13 +64,17 @@ def assert_close(out, ref):
     assert rel_l2(o, ref) <= REL_L2, rel_l2(o, ref)
 
 
-def n_active(lens, plan):
+def n_active(lens, plan, hkv=1):
     """Python mirror of the kernel's device-side split count per row (for asserting that a test
-    really exercises the split-KV merge)."""
+    really exercises the split-KV merge), with the device-side balance when the plan has it."""
     out = []
+    total = max(sum(lens), 1)
     for n in lens:
         blocks = math.ceil(n / plan.block_n)
-        out.append(min(max(math.ceil(blocks / plan.min_blocks_per_split), 1), plan.max_splits))
+        k = min(max(math.ceil(blocks / plan.min_blocks_per_split), 1), plan.max_splits)
+        if plan.balance_slots:
+            k = min(k, max(n * plan.balance_slots // (total * hkv), 1))
+        out.append(k)
     return out
 
 
@@ -92,6 +96,53 @@ def test_matches_reference_d64_edge_lengths(hq, hkv, merge):
     assert out.shape == case[0].shape and out.dtype == case[0].dtype
     assert_close(out, reference(*case))
     assert torch.count_nonzero(out[0]) == 0
+
+
+@pytest.mark.parametrize("merge", ["kernel", "inline"])
+@pytest.mark.parametrize("slots", [1, 3, 9, 40])
+@pytest.mark.parametrize("hq,hkv", [(24, 2), (6, 1)])
+def test_device_side_balance_mixed_rows(hq, hkv, slots, merge):
+    """Device-side balance (decode v3): a row's split count is its share of ``balance_slots``
+    programs by length (floor, >= 1, <= max_splits, <= one per min block). A mixed batch with
+    empty, short and long rows matches the reference for every slot count and both merges, is
+    bitwise reproducible and leaves the inline counters at zero; the Python mirror shows that
+    long rows split while short rows keep one program."""
+    lens = [0, 3, 150, 17, 64, 1, 96]
+    case = make_case(lens, hq, hkv, 64, seed=slots)
+    with dec.plan_override(block_n=16, max_splits=8, min_blocks_per_split=1, balance=True,
+                           balance_slots=slots, merge=merge):
+        plan, _ = dec.plan_for(len(lens), hkv, hq // hkv, 64, max(lens), CPU)
+        out = qsa_triton.sparse_decode(*case, max(lens))
+        again = qsa_triton.sparse_decode(*case, max(lens))
+    assert plan.balance_slots == slots
+    acts = n_active(lens, plan, hkv)
+    if slots >= 9:
+        assert acts[2] > 1 and acts[1] == 1  # the long row splits, a short one does not
+    else:
+        assert max(acts) <= max(1, slots)
+    assert_close(out, reference(*case))
+    assert torch.equal(out, again)
+    assert torch.count_nonzero(out[0]) == 0
+    info = dec.scratch_info(CPU)
+    assert info is not None and int(info["counters"].abs().sum()) == 0
+
+
+def test_balance_plan_grid_and_auto_merge():
+    """plan_for with the default balance: large batches keep >= BALANCE_GRID_SPLITS splits in the
+    grid (long rows of a mixed batch can split) and merge inline; small batches keep the static
+    grid and the merge kernel."""
+    from interop import decode_plan as DP
+
+    big, merge_big = dec.plan_for(128, 1, 12, 256, 2051, CPU)
+    small, merge_small = dec.plan_for(1, 2, 12, 256, 2051, CPU)
+    assert big.max_splits == DP.BALANCE_GRID_SPLITS and big.balance_slots == 2 * 132
+    assert small.max_splits == 64
+    with dec.plan_override(balance=False):
+        static, _ = dec.plan_for(128, 1, 12, 256, 2051, CPU)
+    assert static.max_splits == 1 and static.balance_slots == 0
+    # saturated rows at B = 128: every row keeps one program (no merge at all)
+    assert set(n_active([2051] * 128, big, 1)) == {2}  # 2 x 132 slots over 128 rows: 2 each
+    assert set(n_active([2051] * 128, big, 2)) == {1}
 
 
 @pytest.mark.parametrize("hq,hkv", [(24, 2), (12, 1)])

@@ -1,0 +1,147 @@
+"""Decode v3 sweep: device-side balance and merge variants of our kernel against upstream's SM121
+kernel, every shape of the issue-3 grid, one process, one set of inputs per shape.
+
+Why a separate script: ``bench/decode.py --sweep`` varies geometry and static split counts; this
+one compares whole *policies* (static plan v2 vs the balanced plan with its slot count, grid split
+floor and merge mode, and PDL) on the comparison grid, so the shipped default can be chosen from
+same-run ratios (bench/NOTES.md, decode v3).
+
+Usage (GPU): ``python -m bench.decode_variants [--json PATH] [--tp TP1,TP2] [--batches 1,64]
+[--rows saturated,mixed] [--variants v2,v3,...] [--rounds N]``. Method as bench/decode.py:
+CUDA-graph replay of back-to-back calls, providers interleaved, median of CUDA-event timings;
+every provider checked against the FP32 reference (exit 1 past tolerance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+from bench.decode import BATCHES, D, MSK, ROWS, TP, _check, _peer_providers, _timers, make_inputs, torch_reference
+
+#: variant -> plan_override fields (the plan is fixed per shape before timing, so graph capture
+#: keeps it), plus "merge" / "pdl" for the launch
+VARIANTS = {
+    "v2": {"balance": False, "merge": "kernel"},
+    "v3": {},  # the shipped default: balance, BALANCE_SLOTS_PER_SM x SMs slots, merge auto
+    "v3_s1": {"balance_slots_per_sm": 1},
+    "v3_s3": {"balance_slots_per_sm": 3},
+    "v3_kernel": {"merge": "kernel"},
+    "v3_inline": {"merge": "inline"},
+    "v3_grid2": {"grid_splits": 2},
+    "v3_pdl": {"pdl": True},
+}
+
+
+def _plan(dec, b, hkv, g, dev, spec):
+    import dataclasses  # noqa: PLC0415
+
+    from interop.decode_plan import next_pow2  # noqa: PLC0415
+
+    fields = {k: v for k, v in spec.items() if k in ("balance",)}
+    with dec.plan_override(**fields):
+        plan, merge = dec.plan_for(b, hkv, g, D, MSK, dev)
+    sms = dec._sm_count(dev)
+    if "balance_slots_per_sm" in spec:
+        plan = dataclasses.replace(plan, balance_slots=spec["balance_slots_per_sm"] * sms)
+    if "grid_splits" in spec and plan.balance_slots:
+        with dec.plan_override(balance=False):
+            static, _ = dec.plan_for(b, hkv, g, D, MSK, dev)
+        ms = max(static.max_splits, min(spec["grid_splits"], next_pow2(math.ceil(MSK / plan.block_n))))
+        plan = dataclasses.replace(plan, max_splits=ms)
+    return plan, spec.get("merge", merge), spec.get("pdl")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--tp", default=",".join(TP))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--rounds", type=int, default=9)
+    args = ap.parse_args(argv)
+    names = [v for v in args.variants.split(",") if v]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad:
+        print(f"--variants: unknown {bad}; allowed: {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    import torch  # noqa: PLC0415
+
+    from bench.common import gpu_name, out_dir, write_json  # noqa: PLC0415
+    from qsa_triton import decode as dec  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        print("bench.decode_variants needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    dec.prepare(dev)
+    time_interleaved, bw = _timers(dev)
+    path = args.json or str(out_dir() / "decode_variants.json")
+    res = {"gpu": gpu_name(), "copy_bandwidth_Bps": bw, "variants": {n: VARIANTS[n] for n in names},
+           "cases": [], "failures": []}
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    for tp in args.tp.split(","):
+        hq, hkv = TP[tp]
+        for b in (int(x) for x in args.batches.split(",")):
+            for rows in args.rows.split(","):
+                t0 = time.time()
+                q, k, v, cq, ck, lens = make_inputs(tp, b, rows, device=dev)
+                ref = torch_reference(q, k, v, cq, ck)
+                nbytes = sum(lens) * hkv * D * 2 * 2
+                provs, skipped = _peer_providers(q, k, v, cq, ck, lens, D ** -0.5,
+                                                 {"generic", "pallas"})
+                meta = {}
+                for n in names:
+                    plan, merge, pdl = _plan(dec, b, hkv, hq // hkv, dev, VARIANTS[n])
+                    fn = (lambda plan=plan, merge=merge, pdl=pdl: dec.decode_with_plan(
+                        q, k, v, cq, ck, MSK, plan=plan, merge=merge, pdl=pdl))
+                    try:
+                        chk = _check(fn(), ref)
+                    except Exception as e:  # noqa: BLE001
+                        chk = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    meta[n] = {"plan": plan.__dict__, "merge": merge, "pdl": pdl, **chk}
+                    if chk.get("ok"):
+                        provs[n] = fn
+                    else:
+                        res["failures"].append({"tp": tp, "B": b, "rows": rows, "variant": n, **chk})
+                for n in list(provs):
+                    if n in meta:
+                        continue
+                    meta[n] = _check(provs[n](), ref)
+                timing = time_interleaved(provs, rounds=args.rounds, target_replay_us=1000.0)
+                base = timing.get("sm121", {}).get("median_us")
+                line = []
+                for n, t in timing.items():
+                    meta.setdefault(n, {}).update(t)
+                    us = t.get("median_us")
+                    if us:
+                        meta[n]["pct_copy_bw"] = 100 * nbytes / (us * 1e-6) / bw
+                        if base:
+                            meta[n]["speedup_vs_sm121"] = base / us
+                            if n in ratios:
+                                ratios[n].append(base / us)
+                        line.append(f"{n} {us:.2f}")
+                res["cases"].append({"tp": tp, "B": b, "rows": rows, "bytes": nbytes,
+                                     "skipped": skipped, "providers": meta})
+                print(f"{tp} B={b:<3d} {rows:9s} " + " | ".join(line) + f"  [{time.time() - t0:.0f}s]",
+                      flush=True)
+                write_json(path, {**res, "partial": True})
+                del q, k, v, ref, provs
+                torch.cuda.empty_cache()
+    res["geomean_speedup_vs_sm121"] = {n: math.exp(sum(map(math.log, r)) / len(r))
+                                       for n, r in ratios.items() if r}
+    res["min_speedup_vs_sm121"] = {n: min(r) for n, r in ratios.items() if r}
+    for n in names:
+        if ratios[n]:
+            print(f"[variants] {n:10s} geomean {res['geomean_speedup_vs_sm121'][n]:.3f}x  "
+                  f"min {res['min_speedup_vs_sm121'][n]:.3f}x vs sm121")
+    write_json(path, res)
+    print(f"wrote {path}; failures: {res['failures'] or 'none'}")
+    return 1 if res["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

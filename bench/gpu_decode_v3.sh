@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# H200 run (decode v3 + prefill v1.3): prefill `qsa check --full --peer sglang` shards and the
+# Triton decode GPU tests in parallel (no timing there), then, alone on the GPU, the decode policy
+# sweep (bench/decode_variants.py) and the 8192-row prefill matrix at a few geometries.
+# Budget < 9 minutes; everything under $OUT/r, tarred to $OUT/run.tar.gz.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-out}"; R="$OUT/r"; mkdir -p "$R"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TRITON_DEFAULT_FP_FUSION=1
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton-cache}"
+finish() { echo "total ${SECONDS}s" >> "$R/steps.txt"; tar -czf "$OUT/run.tar.gz" -C "$OUT" r; }
+trap finish EXIT
+step() { local n="$1" lim="$2"; shift 2; local t=$SECONDS; timeout "$lim" "$@" > "$R/$n.log" 2>&1; echo "$n rc=$? $((SECONDS - t))s" >> "$R/steps.txt"; }
+git rev-parse HEAD > "$R/env.txt" 2>&1; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >> "$R/env.txt" 2>&1
+for f in prefill/ordinary prefill/chunk prefill/paged; do
+  n=${f//\//_}
+  step "check_$n" 200 python3 -m interop.cli check --full --peer sglang --filter "$f/" --json "$R/check_$n.json" &
+done
+step decode_gpu_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_decode.py &
+wait
+step decode_variants 230 python3 -m bench.decode_variants --json "$R/decode_variants.json" --rounds 7
+OUT="$R" step prefill_matrix 110 python3 -m bench.prefill --matrix-only --no-dense --no-pairs --geometry 64,4,2 --geometry 64,4,3 --geometry 32,4,3
+exit 0
