@@ -159,7 +159,8 @@ def plot_decode(result: dict, path) -> Path:
     ncols, nrows = len(rows), 2 * len(tps)
     fig = _figure(5.2 * ncols + 1.0, 2.9 * nrows + 0.8)
     bw = _num(result.get("copy_bandwidth_Bps"))
-    sub = (f"median of interleaved CUDA-event timings; ratios vs first provider: {first}"
+    sub = ("median of interleaved CUDA-event timings"
+           + (f"; ratios vs first provider: {first}" if first else "")
            + (f"; copy bandwidth {bw / 1e12:.2f} TB/s" if bw and bw < 1e15 else ""))
     fig.suptitle(f"{title}\n{sub}", fontsize=11)
     axes = fig.subplots(nrows, ncols, squeeze=False)
@@ -314,6 +315,10 @@ def plot_prefill(result: dict, path) -> Path:
         ax.set_ylabel("median ms")
         if present:
             _log_y(ax)
+            lo = min(_num(((r.get("results") or {}).get(n) or {}).get("ms")) or math.inf
+                     for r in matrix for n in present)
+            if math.isfinite(lo):
+                ax.set_ylim(bottom=lo / 1.6)  # the shortest bar stays visible on a log axis
         ax.grid(True, axis="y", alpha=0.3)
     if handles:
         fig.legend(list(handles.values()), list(handles.keys()), loc="outside lower center",

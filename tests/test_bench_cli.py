@@ -447,3 +447,17 @@ def test_prefill_main_end_to_end_with_stub_kernels(tmp_path, monkeypatch):
             assert row["speedup_vs_upstream"] == pytest.approx(1.5)
     assert rep["geomean_speedup_vs_first_8192"]["ours"] == pytest.approx(1.5)
     assert _png_ok(png)
+
+
+_SAVED = sorted(p for p in (ROOT / "bench" / "results").glob("*/*.json")
+                if p.name in ("decode.json", "decode_fair.json", "decode_with_pallas.json",
+                              "prefill_bench.json"))
+
+
+@pytest.mark.parametrize("path", _SAVED[-6:], ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_plot_saved_gpu_reports(tmp_path, path):
+    """The plots read the reports the GPU runs actually wrote (older ones: no date, no
+    first_provider, no pct_copy_bw for prefill)."""
+    which = "prefill" if path.name.startswith("prefill") else "decode"
+    assert plot.main([which, str(path), str(tmp_path / "p.png")]) == 0
+    assert _png_ok(tmp_path / "p.png")
