@@ -31,6 +31,7 @@ VARIANTS = {
     "v3_kernel": {"merge": "kernel"},
     "v3_inline": {"merge": "inline"},
     "v3_grid2": {"grid_splits": 2},
+    "v3_s1_grid2": {"balance_slots_per_sm": 1, "grid_splits": 2},
     "v3_pdl": {"pdl": True},
 }
 

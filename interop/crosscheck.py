@@ -39,7 +39,7 @@ from . import reference as R
 
 __all__ = [
     "RTOL", "ATOL", "REL_L2", "OPS", "DecodeSpec", "PrefillSpec", "quick_matrix", "full_matrix",
-    "select_ops", "Implementation", "load_implementations", "load_peer", "peer_indices",
+    "select_ops", "Implementation", "load_implementations", "load_peer", "peer_indices", "peer_prefill_skip",
     "prepare_backends",
     "has_cuda", "Inputs", "build_inputs", "torch_reference", "CaseResult", "run_case", "run_matrix",
     "summarize", "TP_SHAPES", "DECODE_BATCHES", "evaluate", "empty_mask", "numpy_reference",
@@ -372,6 +372,19 @@ def peer_indices(indices, cu_q, lens):
                        torch.full_like(indices, -1))
 
 
+def peer_prefill_skip(spec: PrefillSpec) -> str | None:
+    """Why upstream's prefill kernels cannot be an oracle for ``spec`` (None: they can). Outside
+    upstream's own contract: rows with no valid entry (it divides by the softmax normaliser
+    unguarded: 0/0 = NaN, where ours gives exact zeros) and per-KV-head indices for paged prefill
+    (``sparse_gqa_paged_prefill_triton`` asserts ``indices.ndim == 2``). Junk index values are
+    not a reason: ``peer_indices`` maps them to upstream's -1."""
+    if spec.empty_rows:
+        return "upstream gives NaN (0/0) for rows with no valid entry; the contract wants exact zeros"
+    if spec.kind == "paged" and spec.per_head:
+        return "upstream's paged prefill takes [T, W] indices only (asserts indices.ndim == 2)"
+    return None
+
+
 def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
     """Upstream SGLang 0.5.23's kernels as a peer implementation (``interop.peer``).
 
@@ -449,7 +462,7 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
                              TensorSpec((spec.batch + 1,), "int32"), spec.max_len, strict=True)
             except ContractError as e:
                 return f"upstream decode runs the exact contract only ({e.arg})"
-        return None
+        return peer_prefill_skip(spec) if isinstance(spec, PrefillSpec) else None
 
     return Implementation(f"peer:{name}", "torch", {"sparse_decode": decode,
                                                      "sparse_prefill": prefill,

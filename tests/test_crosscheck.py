@@ -373,3 +373,20 @@ def test_peer_indices_maps_every_invalid_entry_to_minus_one():
     got3 = peer_indices(per_head, cu_q, lens)
     np.testing.assert_array_equal(got3[:, 0].numpy(), want)
     np.testing.assert_array_equal(got3[:, 1].numpy(), np.flip(want, -1))
+
+
+def test_peer_prefill_skip_reasons():
+    """The upstream oracle sits out exactly the full-matrix cases outside its own contract (rows
+    with no valid entry; per-head paged indices), with the reason printed; junk values alone
+    never exclude a case (they are mapped to -1)."""
+    from interop.crosscheck import peer_prefill_skip
+
+    reasons = {s.name: peer_prefill_skip(s) for s in X.full_matrix(("prefill",))}
+    skipped = {n for n, r in reasons.items() if r}
+    assert skipped == {"prefill/ordinary/junk-mixed+empty/G6xHkv1",
+                       "prefill/chunk/junk-mixed+empty/G6xHkv1",
+                       "prefill/paged/junk-mixed+empty/G6xHkv1",
+                       "prefill/paged/junk-len+19/per-head/G12xHkv2"}
+    assert "NaN" in reasons["prefill/chunk/junk-mixed+empty/G6xHkv1"]
+    assert "ndim == 2" in reasons["prefill/paged/junk-len+19/per-head/G12xHkv2"]
+    assert reasons["prefill/chunk/junk-len+19/per-head/G12xHkv2"] is None
