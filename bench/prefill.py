@@ -501,6 +501,8 @@ def run_query_sweep(args, up) -> tuple[list, list]:
             provs.update(upstream_providers(up, c))
             if args.pairs:
                 provs.update(pairs_providers(c))
+            for geo in args.geometry:  # forced geometries: data for the SM90 table's row buckets
+                provs[f"ours{list(geo)}"] = forced_provider(c, geo)
             provs = _select(args, provs)
             label = f"sweep {hq}/{hkv} rows={t} kv=32768"
             if not provs:
@@ -634,6 +636,8 @@ def main(argv=None) -> int:
     ap.add_argument("--geometry", type=_geo_arg, action="append", default=[],
                     help="forced geometry BM,BN,W,S (or BN,W,S); repeatable; default 64,4,2")
     ap.add_argument("--matrix-only", action="store_true")
+    ap.add_argument("--sweep-only", action="store_true",
+                    help="only the query-count sweep (--sweep-rows), with any --geometry")
     ap.add_argument("--no-dense", dest="dense", action="store_false",
                     help="skip the gather + SDPA context provider")
     ap.add_argument("--pallas", dest="pallas", action="store_true",
@@ -713,7 +717,8 @@ def main(argv=None) -> int:
     up = _upstream()
     matrix_names = [n for n in provider_names(args.geometry, args.group_geometry)
                     if n not in PAGED_PROVIDERS]
-    matrix, bad = run_matrix(args, up) if _wants(args, matrix_names) else ([], [])
+    matrix, bad = (run_matrix(args, up) if _wants(args, matrix_names) and not args.sweep_only
+                   else ([], []))
     speeds = [r["speedup_vs_upstream"] for r in matrix if r["speedup_vs_upstream"]]
     geo = math.exp(statistics.fmean(math.log(s) for s in speeds)) if speeds else None
     report = {"meta": meta, "matrix": matrix, "geomean_speedup_vs_upstream_8192": geo,
@@ -729,7 +734,8 @@ def main(argv=None) -> int:
         report["query_sweep"], b2 = (run_query_sweep(args, up) if _wants(args, matrix_names)
                                      else ([], []))
         report["geomean_speedup_vs_first_sweep"] = _geomean_vs_first(report["query_sweep"])
-        report["paged"], b3 = run_paged(args) if _wants(args, PAGED_PROVIDERS) else ([], [])
+        report["paged"], b3 = (run_paged(args) if _wants(args, PAGED_PROVIDERS)
+                               and not args.sweep_only else ([], []))
         bad += b2 + b3
         slow = [(r["case"]["hq"], r["case"]["total_q"], r["speedup_vs_upstream"])
                 for r in report["query_sweep"]

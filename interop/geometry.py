@@ -97,11 +97,15 @@ _L20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (128, (64, 4, 2)), (512, (32, 4, 2))
 #: context, configurations timed interleaved): best was (64,8,3) at 32-128 rows, (64,4,2) at 256,
 #: (32,4,2) from 512 to 8192 rows — measured before the 32-bit offset change (b27e0f4);
 #: (2) ``bench/results/2026-11-30-h200-run4/prefill_bench.json`` (after b27e0f4, 8192 rows, 9
-#: cases): (64,4,2) 1.04-1.08x upstream vs (32,4,2) 0.97-1.03x, so rows > 2048 use (64,4,2).
-#: 512-2048 rows keep the pre-change sweep's pick until a post-change sweep re-checks them.
-SM90_TABLE_STATUS = ("from the H200 sweep of 2026-11-30 (run 2, G=12 chunk 32k) and the 8192-row "
-                     "matrix of run 4 (after b27e0f4); 512-2048 rows still to re-sweep")
-_SM90 = ((128, (64, 8, 3)), (256, (64, 4, 2)), (2048, (32, 4, 2)), (None, (64, 4, 2)))
+#: cases): (64,4,2) 1.04-1.08x upstream vs (32,4,2) 0.97-1.03x;
+#: (3) ``bench/results/2026-11-30-h200-run10/prefill_rows_sweep.json`` (256-8192 rows, G 6/12):
+#: (32,4,2) 1.07-1.11x at 512-1024 rows where (64,4,2) is 0.83-0.90x at 512 (3 programs per SM
+#: for 512 programs: a second, partial wave); (64,4,2) 1.01x at 2048, 1.04-1.05x above.
+SM90_TABLE_STATUS = ("from the H200 sweeps of 2026-11-30: run 2 (<= 256 rows, G=12 chunk 32k) and "
+                     "run 10 (256-8192 rows, G 6 and 12, chunk 32k, after the tail-launch fix): "
+                     "(32,4,2) wins at 512-1024 rows (1.07-1.11x upstream; (64,4,2) 0.83-0.90x "
+                     "at 512), (64,4,2) from 2048 (1.01x at 2048, 1.04-1.05x at 4096-8192)")
+_SM90 = ((128, (64, 8, 3)), (256, (64, 4, 2)), (1024, (32, 4, 2)), (None, (64, 4, 2)))
 #: The Pallas kernel keeps (32,4,2) above 256 rows: that is where it was measured on the H200
 #: (run 4: 0.909x of the Triton kernel's speed at 8192 rows, every output within tolerance);
 #: (64,4,2) is unmeasured for Pallas, so it is not switched on by the Triton measurement.

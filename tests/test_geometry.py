@@ -65,7 +65,7 @@ def test_sm90_table_is_its_own(total_q):
 
 
 SM90_ROWS = [(1, (64, 8, 3)), (32, (64, 8, 3)), (128, (64, 8, 3)), (129, (64, 4, 2)),
-             (256, (64, 4, 2)), (257, (32, 4, 2)), (2048, (32, 4, 2)), (2049, (64, 4, 2)),
+             (256, (64, 4, 2)), (257, (32, 4, 2)), (1024, (32, 4, 2)), (1025, (64, 4, 2)),
              (8192, (64, 4, 2))]
 
 
@@ -189,14 +189,14 @@ def test_bad_arguments():
 
 def test_pallas_backend_gets_the_same_geometry():
     """Same geometry for both backends, except the documented per-backend override (_BACKEND_TABLE:
-    Pallas on sm_90 above 2048 rows keeps its measured (32,4,2))."""
+    Pallas on sm_90 above 1024 rows keeps its measured (32,4,2))."""
     for facts in (PRO6000, GB10):
         a, b = sel(facts), sel(facts, backend="pallas")
         assert a.key == b.key and "backend=pallas" in b.source
-    for total_q in (1, 128, 256, 2048):
+    for total_q in (1, 128, 256, 1024):
         a, b = sel(H200, total_q=total_q), sel(H200, total_q=total_q, backend="pallas")
         assert a.key == b.key and "backend=pallas" in b.source
-    a, b = sel(H200, total_q=2049), sel(H200, total_q=2049, backend="pallas")
+    a, b = sel(H200, total_q=1025), sel(H200, total_q=1025, backend="pallas")
     assert a.key != b.key and b.key[1:] == (32, 4, 2)
 
 
