@@ -33,6 +33,8 @@ VARIANTS = {
     "v3_grid2": {"grid_splits": 2},
     "v3_s1_grid2": {"balance_slots_per_sm": 1, "grid_splits": 2},
     "v3_pdl": {"pdl": True},
+    "v3_tail": {"tail_in_loop": True},
+    "v3_tail_pdl": {"tail_in_loop": True, "pdl": True},
 }
 
 
@@ -47,6 +49,8 @@ def _plan(dec, b, hkv, g, dev, spec):
     sms = dec._sm_count(dev)
     if "balance_slots_per_sm" in spec:
         plan = dataclasses.replace(plan, balance_slots=spec["balance_slots_per_sm"] * sms)
+    if "tail_in_loop" in spec:
+        plan = dataclasses.replace(plan, tail_in_loop=spec["tail_in_loop"])
     if "grid_splits" in spec and plan.balance_slots:
         with dec.plan_override(balance=False):
             static, _ = dec.plan_for(b, hkv, g, D, MSK, dev)

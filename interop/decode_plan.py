@@ -83,6 +83,8 @@ class DecodePlan:
         through its compiler params as well).
       balance_slots: 0 = the static rule (n_active from the row's blocks only); > 0 = device-side
         balance over this many programs (module docstring; Triton kernel only).
+      tail_in_loop: the row's partial last block inside the pipelined loop (masked loads) instead
+        of after it (Triton kernel only; decode v3b in bench/NOTES.md).
     """
 
     head_tile: int
@@ -92,6 +94,7 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     balance_slots: int = 0
+    tail_in_loop: bool = False
 
 
 def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,

@@ -171,7 +171,7 @@ def _decode_split_kernel(
     HQ, HKV, MAX_SPLITS, MIN_BLOCKS, NSEQ, SLOTS,
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
     MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr, USE_PDL: tl.constexpr,
-    BALANCE: tl.constexpr,
+    BALANCE: tl.constexpr, TAIL_IN_LOOP: tl.constexpr = False,
 ):
     if USE_PDL:
         # Programmatic Dependent Launch (see PDL_AUTO): this grid may start before the previous
@@ -222,15 +222,25 @@ def _decode_split_kernel(
     m_i = tl.full([HT], float("-inf"), tl.float32)
     l_i = tl.zeros([HT], tl.float32)
     acc = tl.zeros([HT, D], tl.float32)
-    # interior blocks: no masks, so the loads vectorise and pipeline
-    for _ in range(start, full_stop, BLOCK_N):
-        m_i, l_i, acc = _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, offs_n < BLOCK_N,
-                                      scale_log2, False)
-        k_ptrs += BLOCK_N * stride_kc
-        v_ptrs += BLOCK_N * stride_vc
-    if full_stop < stop:  # the row's last, partial block (only in the last split)
-        m_i, l_i, acc = _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc,
-                                      (full_stop + offs_n) < stop, scale_log2, True)
+    if TAIL_IN_LOOP:
+        # every block in one (pipelined) loop, masked by rows: the split holding the row's
+        # partial last block then waits for one memory round trip instead of two (at B = 1,
+        # one or two blocks per split, that split decides the kernel's time)
+        for off in range(start, stop, BLOCK_N):
+            m_i, l_i, acc = _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, (off + offs_n) < stop,
+                                          scale_log2, True)
+            k_ptrs += BLOCK_N * stride_kc
+            v_ptrs += BLOCK_N * stride_vc
+    else:
+        # interior blocks: no masks, so the loads vectorise and pipeline
+        for _ in range(start, full_stop, BLOCK_N):
+            m_i, l_i, acc = _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, offs_n < BLOCK_N,
+                                          scale_log2, False)
+            k_ptrs += BLOCK_N * stride_kc
+            v_ptrs += BLOCK_N * stride_vc
+        if full_stop < stop:  # the row's last, partial block (only in the last split)
+            m_i, l_i, acc = _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc,
+                                          (full_stop + offs_n) < stop, scale_log2, True)
 
     o_rows = s.to(tl.int64) * stride_ob + heads.to(tl.int64) * stride_oh
     if n_act == 1:
@@ -636,7 +646,7 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             hq, hkv, splits, plan.min_blocks_per_split, b, max(plan.balance_slots, 1),
             G=g, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n,
             MERGE_INLINE=(merge == "inline"), LSE_ALL=(splits > 1 and merge == "kernel"),
-            USE_PDL=use_pdl, BALANCE=plan.balance_slots > 0,
+            USE_PDL=use_pdl, BALANCE=plan.balance_slots > 0, TAIL_IN_LOOP=plan.tail_in_loop,
             num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
         if splits > 1 and merge == "kernel":

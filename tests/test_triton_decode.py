@@ -145,6 +145,22 @@ def test_balance_plan_grid_and_auto_merge():
     assert set(n_active([2051] * 128, big, 2)) == {1}
 
 
+@pytest.mark.parametrize("merge", ["kernel", "inline"])
+@pytest.mark.parametrize("ms", [1, 2, 8])
+def test_tail_in_loop_variant(ms, merge):
+    """``tail_in_loop``: every block, the partial last one included, in one masked loop; same
+    values as the reference for edge lengths (0, 1, BLOCK-1, BLOCK, BLOCK+1, long) and split counts."""
+    lens = [0, 1, 15, 16, 17, 70, 33]
+    case = make_case(lens, 12, 1, 64, seed=ms)
+    with dec.plan_override(block_n=16, max_splits=ms, min_blocks_per_split=1, tail_in_loop=True,
+                           merge=merge):
+        plan, _ = dec.plan_for(len(lens), 1, 12, 64, max(lens), CPU)
+        out = qsa_triton.sparse_decode(*case, max(lens))
+    assert plan.tail_in_loop
+    assert_close(out, reference(*case))
+    assert torch.count_nonzero(out[0]) == 0
+
+
 @pytest.mark.parametrize("hq,hkv", [(24, 2), (12, 1)])
 def test_matches_reference_d256_bf16(hq, hkv):
     lens = [33, 0, 5]
