@@ -756,14 +756,9 @@ def main(argv=None) -> int:
     print(f"wrote {path} in {res['wall_s']:.0f}s")
     rc = 0
     if args.plot:
-        try:
-            from bench.plot import plot_decode  # noqa: PLC0415
+        from bench.plot import try_plot  # noqa: PLC0415
 
-            print(f"wrote {plot_decode(res, args.plot)}")
-        except Exception as e:  # noqa: BLE001 - the JSON is written; say why the plot is not
-            print(f"bench/decode.py: --plot failed ({type(e).__name__}: {e}); re-plot with "
-                  f"python -m bench.plot decode {path} {args.plot}", file=sys.stderr)
-            rc = 1
+        rc = 0 if try_plot("decode", res, args.plot, path) else 1
     if res["failures"]:
         print(f"FAILED correctness checks: {[(f['tp'], f['B'], f['rows'], f['provider']) for f in res['failures']]}")
         return 1

@@ -6,15 +6,9 @@
 # Budget: < 9.5 minutes. Everything goes to $OUT/r, tarred to $OUT/run.tar.gz at the end.
 #   OUT=/path bash bench/gpu_check_full.sh [check_timeout_s]
 set -u
-cd "$(dirname "$0")/.."
-OUT="${OUT:-out}"; R="$OUT/r"; mkdir -p "$R"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton-cache}"
+source "$(dirname "$0")/gpu_lib.sh"
 CT="${1:-300}"
 T0=$SECONDS
-finish() { echo "total ${SECONDS}s" >> "$R/steps.txt"; tar -czf "$OUT/run.tar.gz" -C "$OUT" r; }
-trap finish EXIT
-{ python3 -c "import torch, triton, jax; print(torch.__version__, triton.__version__, jax.__version__, torch.cuda.get_device_name())"; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv; git rev-parse HEAD; } > "$R/env.txt" 2>&1
 # 1. qsa check --full --peer sglang, 6 shards in parallel (+ the prefill kernels' warm-up)
 for f in decode/TP1 decode/TP2 decode/TP4 prefill/ordinary prefill/chunk prefill/paged; do
   n=${f//\//_}
@@ -23,7 +17,6 @@ for f in decode/TP1 decode/TP2 decode/TP4 prefill/ordinary prefill/chunk prefill
 done
 wait
 # 2. capture on the GPU (a full-matrix decode case, a quick-matrix paged case), replay here too
-step() { local n="$1" lim="$2"; shift 2; local t=$SECONDS; timeout "$lim" "$@" > "$R/$n.log" 2>&1; echo "$n rc=$? $((SECONDS - t))s" >> "$R/steps.txt"; }
 step capture_decode 60 python3 -m interop.cli capture --case decode/TP4/B3/medium --out "$R/cap_gpu_decode.safetensors" --model-revision "synthetic, H200 run"
 step capture_paged 60 python3 -m interop.cli capture --case "prefill/paged/ragged+junk-7/G12xHkv1" --out "$R/cap_gpu_paged.safetensors" --model-revision "synthetic, H200 run"
 step replay_gpu 90 python3 -m interop.cli replay --peer sglang --json "$R/replay_gpu.json" "$R"/cap_gpu_*.safetensors

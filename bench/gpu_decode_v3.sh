@@ -4,14 +4,7 @@
 # sweep (bench/decode_variants.py) and the 8192-row prefill matrix at a few geometries.
 # Budget < 9 minutes; everything under $OUT/r, tarred to $OUT/run.tar.gz.
 set -u
-cd "$(dirname "$0")/.."
-OUT="${OUT:-out}"; R="$OUT/r"; mkdir -p "$R"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TRITON_DEFAULT_FP_FUSION=1
-export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton-cache}"
-finish() { echo "total ${SECONDS}s" >> "$R/steps.txt"; tar -czf "$OUT/run.tar.gz" -C "$OUT" r; }
-trap finish EXIT
-step() { local n="$1" lim="$2"; shift 2; local t=$SECONDS; timeout "$lim" "$@" > "$R/$n.log" 2>&1; echo "$n rc=$? $((SECONDS - t))s" >> "$R/steps.txt"; }
-git rev-parse HEAD > "$R/env.txt" 2>&1; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >> "$R/env.txt" 2>&1
+source "$(dirname "$0")/gpu_lib.sh"
 for f in prefill/ordinary prefill/chunk prefill/paged; do
   n=${f//\//_}
   step "check_$n" 200 python3 -m interop.cli check --full --peer sglang --filter "$f/" --json "$R/check_$n.json" &

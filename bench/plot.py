@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_decode", "plot_prefill", "main"]
+__all__ = ["plot_decode", "plot_prefill", "try_plot", "main"]
 
 SELF_SUFFIX = "@self"
 TP_ORDER = ("TP1", "TP2", "TP4", "TP8")
@@ -327,6 +327,22 @@ def plot_prefill(result: dict, path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------ CLI
+
+def try_plot(kind: str, report: dict, png, json_path) -> bool:
+    """Draw ``report`` (``kind`` "decode" | "prefill") to ``png`` after its JSON was written to
+    ``json_path``; on any failure print why and the re-plot command to stderr and return False
+    (the benchmark's numbers are already saved, so a plotting problem must not lose them)."""
+    import sys  # noqa: PLC0415
+
+    fn = plot_decode if kind == "decode" else plot_prefill
+    try:
+        print(f"wrote {fn(report, png)}")
+        return True
+    except Exception as e:  # noqa: BLE001 - the JSON is written; say why the plot is not
+        print(f"bench/{kind}: --plot failed ({type(e).__name__}: {e}); re-plot with "
+              f"python -m bench.plot {kind} {json_path} {png}", file=sys.stderr)
+        return False
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.plot",
                                  description="Re-plot a saved benchmark JSON as a PNG.")

@@ -751,14 +751,9 @@ def main(argv=None) -> int:
           f"failed tolerance: {bad or 'none'}; wrote {path} in {report['wall_s']:.0f} s")
     rc = 1 if bad else 0
     if args.plot:
-        try:
-            from bench.plot import plot_prefill  # noqa: PLC0415
+        from bench.plot import try_plot  # noqa: PLC0415
 
-            print(f"[prefill] wrote {plot_prefill(report, args.plot)}")
-        except Exception as e:  # noqa: BLE001 - the JSON is written; say why the plot is not
-            print(f"bench/prefill.py: --plot failed ({type(e).__name__}: {e}); re-plot with "
-                  f"python -m bench.plot prefill {path} {args.plot}", file=sys.stderr)
-            rc = rc or 1
+        rc = rc or (0 if try_plot("prefill", report, args.plot, path) else 1)
     return rc
 
 
