@@ -637,8 +637,9 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
 
 
 # ---------------------------------------------------------------------------------------------
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="qsa_triton decode benchmark (see module docstring)")
+def main(argv=None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog,
+                                 description="qsa_triton decode benchmark (see module docstring)")
     ap.add_argument("--json", default=None, help="output JSON (default $OUT/decode[_sweep].json)")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="also draw the comparison as a PNG (bench/plot.py: median us and %% of "

@@ -616,8 +616,9 @@ def _geo_arg(text: str):
     return parts
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--json", default=None, metavar="FILE",

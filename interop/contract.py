@@ -584,8 +584,10 @@ def validate_decode_metadata(cu_seqlens_q, cu_seqlens_k, capacity: int, max_seql
     """Check decode metadata contents (host sync; debug only).
 
     Raises:
-      ContractError: cu_seqlens not starting at 0 / decreasing, a row longer than max_seqlen_k,
-        rows past the K/V capacity, query rows out of range.
+      ContractError: cu_seqlens not starting at 0 / decreasing, a row longer than max_seqlen_k
+        (the kernels still compute such a row completely — the bound only sizes the split grid —
+        but a declared bound the data breaks is a caller bug this debug check reports), rows past
+        the K/V capacity, query rows out of range.
     """
     c = _Checker(fn, False)
     cq, ck = _np(cu_seqlens_q).astype(np.int64), _np(cu_seqlens_k).astype(np.int64)
@@ -599,7 +601,8 @@ def validate_decode_metadata(cu_seqlens_q, cu_seqlens_k, capacity: int, max_seql
     lens = np.diff(ck)
     if lens.size and lens.max() > max_seqlen_k:
         s = int(np.argmax(lens))
-        c.fail("cu_seqlens_k", f"every row length <= max_seqlen_k={max_seqlen_k}",
+        c.fail("cu_seqlens_k", f"every row length <= max_seqlen_k={max_seqlen_k} (the declared "
+               "bound; the kernels still compute longer rows, only the grid is sized for it)",
                f"row {s} has {int(lens[s])} keys")
     if ck.size and ck[-1] > capacity:
         c.fail("cu_seqlens_k", f"cu_seqlens_k[B] <= capacity {capacity} of k/v", int(ck[-1]))

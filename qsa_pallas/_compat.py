@@ -51,6 +51,8 @@ __all__ = [
     "shard_map",
     "default_interpret",
     "resolve_interpret",
+    "check_inputs",
+    "check_backend",
     "abstract_mesh",
     "lower_for_device_kind",
     "TritonModule",
@@ -169,6 +171,41 @@ def shard_map(f: Callable, *, mesh, in_specs, out_specs, check: bool = False) ->
 def default_interpret() -> bool:
     """True when jax's default backend is the CPU (Pallas then runs in interpret mode)."""
     return jax.default_backend() == "cpu"
+
+
+def check_inputs(fn: str, interpret: bool | None, **arrays) -> None:
+    """Refuse, with a ContractError before any tracing, torch tensors (the shared contract check
+    reads their shapes fine, JAX cannot take them). ``interpret`` is checked by
+    ``check_backend`` after the contract check.
+
+    Raises:
+      ContractError: a torch tensor among ``arrays``.
+    """
+    from interop.contract import ContractError  # noqa: PLC0415
+
+    for name, a in arrays.items():
+        if type(a).__module__.split(".")[0] == "torch":
+            raise ContractError(fn, name, "a jax.Array or numpy array (torch tensors: use "
+                                "qsa_triton, or interop.dlpack to hand them to JAX zero-copy)",
+                                type(a).__module__ + "." + type(a).__qualname__)
+
+
+def check_backend(fn: str, interpret: bool | None, *arrays) -> None:
+    """``interpret=False`` on a CPU-only JAX with concrete inputs is a ContractError (called
+    after the contract check, so a call outside the contract is reported as that first).
+
+    Traced inputs are let through: they may be lowering for an abstract CUDA device on a CPU
+    machine (``lower_for_device_kind``, ``qsa compile``), which is legitimate.
+
+    Raises:
+      ContractError: as above.
+    """
+    from interop.contract import ContractError  # noqa: PLC0415
+
+    concrete = not any(isinstance(a, jax.core.Tracer) for a in arrays)
+    if interpret is False and concrete and jax.default_backend() == "cpu":
+        raise ContractError(fn, "interpret", "True or None on a CPU-only JAX (compiled Pallas "
+                            "kernels need a CUDA GPU backend)", interpret)
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

@@ -397,12 +397,15 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
     Works under ``jax.jit`` (``max_seqlen_k`` static, lengths traced), ``lax.scan`` and
     ``shard_map`` (see ``_compat.shard_map``: the VMA check must be off).
     """
+    C.check_inputs("sparse_decode", interpret, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k)
     interp = C.resolve_interpret(interpret)
     # SM121 routes decode to the exact qualified contract only (qsa-contract.md §5), as in
     # qsa_triton; decided from static facts at trace time, so it costs nothing under jit.
     prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
                         fn="sparse_decode",
                         strict=strict or (not interp and _exact_contract_backend()))
+    C.check_backend("sparse_decode", interpret, q, k, v, cu_seqlens_q, cu_seqlens_k)
     if plan is None:
         plan = decode_plan_for(prob.batch, prob.num_q_heads, prob.num_kv_heads, prob.head_dim,
                                prob.max_seqlen_k)

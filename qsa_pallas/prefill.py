@@ -448,9 +448,11 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
         whose offsets would overflow the lowering's int32 offsets.
     """
     fn = "sparse_prefill"
+    _compat.check_inputs(fn, interpret, q=q, k=k, v=v, indices=indices, cu_seqlens=cu_seqlens)
     p = contract.check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, fn=fn,
                                strict=strict)
     geometry_mode(fn)  # a bad $QSA_PREFILL_GEOMETRY is an error on every backend, CPU included
+    _compat.check_backend(fn, interpret, q, k, v)
     _check_offsets(fn, q=q, k=k, v=v, indices=indices)
     return _run(p, q, k, v, (indices, cu_seqlens), max_context=0, interpret=interpret,
                 geometry=geometry, fn=fn)
@@ -482,10 +484,13 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
       ContractError: from ``interop.contract.check_prefill_chunk`` or the offset check.
     """
     fn = "sparse_prefill_chunk"
+    _compat.check_inputs(fn, interpret, q=q, k=k, v=v, indices=indices, cu_seqlens_q=cu_seqlens_q,
+                         cu_seqlens_k=cu_seqlens_k, kv_lens=kv_lens)
     p = contract.check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
                                      max_seqlen_q, softmax_scale, k_scale, v_scale, fn=fn,
                                      strict=strict)
     geometry_mode(fn)
+    _compat.check_backend(fn, interpret, q, k, v)
     _check_offsets(fn, q=q, k=k, v=v, indices=indices)
     return _run(p, q, k, v, (indices, cu_seqlens_q, cu_seqlens_k, kv_lens), max_context=0,
                 interpret=interpret, geometry=geometry, fn=fn)
@@ -520,10 +525,13 @@ def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
         pools of 2**31..2**32 elements).
     """
     fn = "sparse_prefill_paged"
+    _compat.check_inputs(fn, interpret, q=q, k_cache=k_cache, v_cache=v_cache, slot_table=slot_table,
+                         indices=indices, cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens)
     p = contract.check_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
                                      kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale, fn=fn,
                                      strict=strict)
     geometry_mode(fn)
+    _compat.check_backend(fn, interpret, q, k_cache, v_cache)
     _check_offsets(fn, q=q, k_cache=k_cache, v_cache=v_cache, indices=indices,
                    slot_table=slot_table)
     mode = _slots_mode(fn, slots)

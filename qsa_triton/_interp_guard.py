@@ -27,6 +27,21 @@ def interpreting() -> bool:
 INTERPRETING_AT_IMPORT = interpreting()
 
 
+def check_torch_tensors(fn: str, **tensors) -> None:
+    """Raise ContractError unless every named argument is a torch.Tensor (the shared contract
+    checker also accepts numpy/JAX arrays, which these PyTorch entry points cannot launch on).
+
+    Raises:
+      ContractError: the first argument that is not a torch.Tensor.
+    """
+    import torch  # noqa: PLC0415
+
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ContractError(fn, name, "a torch.Tensor (use qsa_pallas for JAX arrays)",
+                                type(t).__module__ + "." + type(t).__qualname__)
+
+
 def check_device(fn: str, device_type: str) -> None:
     """Raise ContractError for CPU tensors when the kernels were not defined for the interpreter.
 

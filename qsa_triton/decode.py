@@ -70,7 +70,7 @@ from interop.arch import DeviceFacts
 from interop.contract import QUALIFIED, ContractError, check_decode, route
 from interop.decode_plan import DecodePlan, next_pow2, plan_decode
 
-from ._interp_guard import check_device, check_interpreter_dtype
+from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
 
 __all__ = [
     "sparse_decode",
@@ -800,17 +800,35 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     Raises:
       ContractError: before any launch, for a call outside the contract (see ``check_decode``);
         during CUDA-graph capture, for a shape whose scratch was not created before capture.
+        Under torch.compile(fullgraph=True) the check runs in the op's fake implementation and
+        its text reaches the caller inside Dynamo's TorchRuntimeError (``_checked``).
 
     Graph/compile safety: no host sync; use inside ``torch.compile(fullgraph=True)`` (custom op
     ``torch.ops.qsa.sparse_decode`` with a fake impl) and CUDA-graph capture (scratch exists after
     one eager call or ``prepare``).
     """
+    msk, scale = _checked("sparse_decode", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+                          softmax_scale, strict=strict)
+    return torch.ops.qsa.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, msk, scale)
+
+
+def _checked(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, *,
+             strict=False, max_seqlen_q=None) -> tuple[int, float]:
+    """The public entry points' checks; returns (max_seqlen_k, softmax_scale) for the op.
+
+    Under torch.compile the contract check moves into the op's fake implementation: Dynamo
+    cannot raise an exception out of a fullgraph trace (it reports "Unsupported: observed
+    exception" and drops the message), while an error raised while running the fake impl reaches
+    the user inside Dynamo's TorchRuntimeError with the full ContractError text."""
+    if torch.compiler.is_compiling():
+        return max_seqlen_k, softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    check_torch_tensors(fn, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
-                        strict=strict)
-    check_interpreter_dtype("sparse_decode", prob.dtype)
-    check_device("sparse_decode", q.device.type)
-    return torch.ops.qsa.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, prob.max_seqlen_k,
-                                       prob.softmax_scale)
+                        strict=strict, **({} if max_seqlen_q is None else
+                                          {"max_seqlen_q": max_seqlen_q, "fn": fn}))
+    check_interpreter_dtype(fn, prob.dtype)
+    check_device(fn, q.device.type)
+    return prob.max_seqlen_k, prob.softmax_scale
 
 
 _FA_FN = "flash_attn_varlen_func"
@@ -822,8 +840,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, block_table=None, **kwargs):
     """Drop-in for flash-attn's ``flash_attn_varlen_func`` in a QSA decode backend.
 
-    Same argument order and meaning as flash-attn 2 (q [total_q, Hq, D], k/v [total_k, Hkv, D],
-    int32 cu_seqlens, host max_seqlen_q/k); decode only: ``max_seqlen_q`` must be 1, so
+    The first seven arguments as flash-attn 2 (q [total_q, Hq, D], k/v [total_k, Hkv, D], int32
+    cu_seqlens, host max_seqlen_q/k); then ``softmax_scale, causal`` (issue 3's signature, where
+    flash-attn 2 has ``dropout_p`` first): pass them and flash-attn's other options by keyword,
+    as SGLang's backends do. Decode only: ``max_seqlen_q`` must be 1, so
     total_q = B and output row s is sequence s. With one query row, bottom-right causal masking
     (flash-attn >= 2.1) keeps every key, so ``causal`` True or False give the same result.
     ``deterministic`` is accepted (this kernel is deterministic).
@@ -834,7 +854,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Raises:
       ContractError: for unsupported features (sliding window, ALiBi, dropout, softcap,
         returning attention probabilities, paged ``block_table``, unknown keyword arguments) and
-        for anything ``sparse_decode`` rejects, including ``max_seqlen_q != 1``.
+        for anything ``sparse_decode`` rejects, including ``max_seqlen_q != 1``. Under
+        torch.compile the contract check runs in the op's fake impl (see ``_checked``).
     """
     ws = tuple(window_size) if window_size is not None else (-1, -1)
     if ws != (-1, -1):
@@ -855,7 +876,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                             sorted(kwargs))
     if not isinstance(causal, bool):
         raise ContractError(_FA_FN, "causal", "a bool", type(causal).__name__)
-    prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
-                        max_seqlen_q=max_seqlen_q, fn=_FA_FN)
-    return torch.ops.qsa.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, prob.max_seqlen_k,
-                                       prob.softmax_scale)
+    if torch.compiler.is_compiling() and max_seqlen_q != 1:
+        raise ContractError(_FA_FN, "max_seqlen_q", "1 (decode: one query row per sequence)",
+                            max_seqlen_q)
+    msk, scale = _checked(_FA_FN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+                          softmax_scale, max_seqlen_q=max_seqlen_q)
+    return torch.ops.qsa.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, msk, scale)

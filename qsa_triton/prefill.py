@@ -49,9 +49,9 @@ import triton.language as tl
 
 from interop import contract
 from interop.arch import DeviceFacts
-from interop.geometry import Geometry, all_configs, select_prefill
+from interop.geometry import Geometry, all_configs, geometry_mode, select_prefill
 
-from ._interp_guard import check_device, check_interpreter_dtype
+from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
 
 __all__ = [
     "sparse_prefill",
@@ -256,7 +256,7 @@ ALGO_ENV = "QSA_PREFILL_ALGO"
 ALGOS = ("rows", "pairs", "quads")
 
 
-def prefill_algo(width: int) -> str:
+def prefill_algo(width: int, fn: str = "sparse_prefill") -> str:
     """``QSA_PREFILL_ALGO`` (read on every call): ``rows`` (default; one program per query row and
     KV head), ``pairs`` (``prefill_pairs.py``) or ``quads`` (``prefill_quads.py``): 2 or 4 adjacent
     rows share one gathered union tile; experimental, used only when W <= 8192 (else ``rows``).
@@ -269,7 +269,7 @@ def prefill_algo(width: int) -> str:
     raw = os.environ.get(ALGO_ENV, "")
     algo = raw.strip().lower() or "rows"
     if algo not in ALGOS:
-        raise contract.ContractError("sparse_prefill", f"${ALGO_ENV}",
+        raise contract.ContractError(fn, f"${ALGO_ENV}",
                                      f"one of {', '.join(ALGOS)} (or unset = rows)", repr(raw))
     return algo if width <= MAX_PAIR_WIDTH else "rows"
 
@@ -436,6 +436,8 @@ def _op_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torc
 
 @_op_prefill.register_fake
 def _(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale):
+    # the contract check under torch.compile (see _checked); FakeTensors carry shape/dtype/device
+    contract.check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale)
     return torch.empty_like(q)
 
 
@@ -451,6 +453,8 @@ def _op_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.
 @_op_chunk.register_fake
 def _(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q, softmax_scale, k_scale,
       v_scale):
+    contract.check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
+                                 max_seqlen_q, softmax_scale, k_scale, v_scale)
     return torch.empty_like(q)
 
 
@@ -466,6 +470,8 @@ def _op_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 @_op_paged.register_fake
 def _(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens, max_seqlen_q,
       softmax_scale, k_scale, v_scale):
+    contract.check_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
+                                 max_seqlen_q, softmax_scale, k_scale, v_scale)
     return torch.empty_like(q)
 
 
@@ -482,9 +488,8 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
         selected entries first; an entry is valid iff 0 <= idx < request length.
       cu_seqlens: int32 [B + 1] on q's device.
       max_seqlen_q: host int >= 1, the longest request's rows: a grid-size hint only (dim 0 of
-        the grid); each program loops over rows r, r + max_seqlen_q, ... of its request, so a
-        too-small value still computes every row exactly once, just with fewer programs (slower),
-        and a too-large one only launches idle programs.
+        the main launch); a tail launch computes any rows past it, so a too-small value still
+        computes every row exactly once (slower), and a too-large one only launches idle programs.
       softmax_scale: host float or None (D ** -0.5).
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
 
@@ -496,12 +501,31 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
       ContractError: from ``interop.contract.check_prefill`` (before any allocation), or a bad
         ``QSA_PREFILL_GEOMETRY``.
     """
-    p = contract.check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale,
-                               strict=strict)
-    check_interpreter_dtype("sparse_prefill", p.dtype)
-    check_device("sparse_prefill", q.device.type)
-    return torch.ops.qsa.sparse_prefill(q, k, v, indices, cu_seqlens, p.max_seqlen_q,
-                                        p.softmax_scale)
+    mq, sc, _, _ = _checked("sparse_prefill", contract.check_prefill, q,
+                            dict(q=q, k=k, v=v, indices=indices, cu_seqlens=cu_seqlens),
+                            max_seqlen_q, softmax_scale, strict)
+    return torch.ops.qsa.sparse_prefill(q, k, v, indices, cu_seqlens, mq, sc)
+
+
+def _checked(fn, checker, q, tensors: dict, max_seqlen_q, softmax_scale, strict: bool,
+             scales: tuple | None = None) -> tuple:
+    """The public entry points' checks; returns (max_seqlen_q, softmax_scale, k_scale, v_scale)
+    for the op. ``scales``: (k_scale, v_scale) for chunk/paged, None for ordinary prefill.
+    Under torch.compile the contract check runs in the op's fake implementation instead (Dynamo
+    cannot raise out of a fullgraph trace and would drop the message; an error in the fake impl
+    reaches the user inside Dynamo's TorchRuntimeError with the full ContractError text)."""
+    if torch.compiler.is_compiling():
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        return (max_seqlen_q, scale, *(scales or (1.0, 1.0)))
+    check_torch_tensors(fn, **tensors)
+    p = checker(*tensors.values(), max_seqlen_q, softmax_scale, *(scales or ()), strict=strict)
+    check_interpreter_dtype(fn, p.dtype)
+    check_device(fn, q.device.type)
+    # the environment switches, read again at launch: a bad value fails here, named for this
+    # entry point, before anything is allocated
+    geometry_mode(fn)
+    prefill_algo(p.width, fn)
+    return p.max_seqlen_q, p.softmax_scale, p.k_scale, p.v_scale
 
 
 def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
@@ -528,14 +552,12 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
     Raises:
       ContractError: from ``interop.contract.check_prefill_chunk`` (before any allocation).
     """
-    p = contract.check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
-                                     max_seqlen_q, softmax_scale, k_scale, v_scale,
-                                     strict=strict)
-    check_interpreter_dtype("sparse_prefill_chunk", p.dtype)
-    check_device("sparse_prefill_chunk", q.device.type)
+    mq, sc, ks, vs = _checked("sparse_prefill_chunk", contract.check_prefill_chunk, q,
+                              dict(q=q, k=k, v=v, indices=indices, cu_seqlens_q=cu_seqlens_q,
+                                   cu_seqlens_k=cu_seqlens_k, kv_lens=kv_lens),
+                              max_seqlen_q, softmax_scale, strict, (k_scale, v_scale))
     return torch.ops.qsa.sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k,
-                                              kv_lens, p.max_seqlen_q, p.softmax_scale,
-                                              p.k_scale, p.v_scale)
+                                              kv_lens, mq, sc, ks, vs)
 
 
 def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
@@ -561,17 +583,17 @@ def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
 
     Slots are resolved by a pre-pass (``resolve_pool_slots``) by default: a slot-table lookup in
     the attention loop puts a second dependent load before every K/V gather (upstream measured it
-    1.5x slower). ``QSA_PAGED_SLOTS=inline`` selects the inline lookup for measurement.
+    1.5x slower; on the H200, 12/1 at 8192 rows, we measured inline 1.03x faster for bf16 pools and
+    0.97x for FP8, bench/results/2026-11-30-h200-run9). ``QSA_PAGED_SLOTS=inline`` selects it.
     """
-    p = contract.check_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
-                                     kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale,
-                                     strict=strict)
-    check_interpreter_dtype("sparse_prefill_paged", p.dtype)
-    check_device("sparse_prefill_paged", q.device.type)
-    _paged_slots_mode()  # a bad $QSA_PAGED_SLOTS fails here, before any allocation
+    mq, sc, ks, vs = _checked("sparse_prefill_paged", contract.check_prefill_paged, q,
+                              dict(q=q, k_cache=k_cache, v_cache=v_cache, slot_table=slot_table,
+                                   indices=indices, cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens),
+                              max_seqlen_q, softmax_scale, strict, (k_scale, v_scale))
+    if not torch.compiler.is_compiling():
+        _paged_slots_mode()  # a bad $QSA_PAGED_SLOTS fails here, before any allocation
     return torch.ops.qsa.sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices,
-                                              cu_seqlens_q, kv_lens, p.max_seqlen_q,
-                                              p.softmax_scale, p.k_scale, p.v_scale)
+                                              cu_seqlens_q, kv_lens, mq, sc, ks, vs)
 
 
 # ---------------------------------------------------------------------------------------------

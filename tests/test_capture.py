@@ -172,6 +172,10 @@ def test_stored_output_outside_tolerance_is_reported_not_judged(tmp_path, monkey
     assert not stored["within_tolerance"] and res.passed
     assert res.impl["triton"]["rel_l2_vs_expected"] == pytest.approx(0.5, rel=1e-2)
     assert R.rel_l2(ref * 2, ref) == pytest.approx(1.0)
+    # the CLI warns by default and fails with --fail-on-stored
+    f = str(tmp_path / "s.safetensors")
+    assert cli.main(["replay", "--interpret", f]) == 0
+    assert cli.main(["replay", "--interpret", "--fail-on-stored", f]) == 1
 
 
 @pytest.mark.gpu

@@ -581,3 +581,20 @@ def run_replay_case(*, d=None, msk=None, max_b=None, dtype=None):
         out = f(q, k, v, jnp.asarray(cq), jnp.asarray(ck))
         check_against_references(out, q, pool, cq, ck, rng, msk)
     assert f._cache_size() == 1  # a fresh lambda: its own cache
+
+
+def test_torch_tensors_and_compiled_mode_on_cpu_are_contract_errors():
+    """What JAX/Pallas would reject deep inside (a torch tensor; interpret=False without a GPU
+    backend) is a ContractError naming the argument, before any tracing."""
+    torch = pytest.importorskip("torch")
+    from interop.contract import ContractError
+
+    q = np.zeros((2, 12, 64), np.float16)
+    k = np.zeros((5, 1, 64), np.float16)
+    cu = np.array([0, 1, 2], np.int32)
+    ck = np.array([0, 2, 5], np.int32)
+    with pytest.raises(ContractError, match="'k'.*jax.Array or numpy"):
+        qsa_pallas.sparse_decode(q, torch.zeros(5, 1, 64, dtype=torch.float16), k, cu, ck, 4)
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ContractError, match="'interpret'"):
+            qsa_pallas.sparse_decode(q, k, k, cu, ck, 4, interpret=False)

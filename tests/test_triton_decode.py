@@ -387,6 +387,45 @@ def test_torch_compile_fullgraph_traces():
     assert torch.equal(cf(*case), f(*case))
 
 
+def test_torch_compile_fullgraph_bad_input_names_the_argument():
+    """Under torch.compile(fullgraph=True) a call outside the contract still fails before any
+    launch, and the error carries the ContractError text (argument, expected, got): the check
+    runs in the op's fake implementation there (Dynamo cannot raise out of a fullgraph trace)."""
+    q, k, v, cq, ck = make_case([9, 20], 12, 1, 32, seed=14)
+
+    def f(q, k, v, cq, ck):
+        return qsa_triton.sparse_decode(q, k, v, cq, ck, 20)
+
+    def fa(q, k, v, cq, ck):
+        return qsa_triton.flash_attn_varlen_func(q, k, v, cq, ck, 1, 20)
+
+    for fn in (f, fa):
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as ei:
+            torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, cq, ck.long())
+        msg = str(ei.value)
+        assert "cu_seqlens_k" in msg and "expected" in msg and "int64" in msg, msg[:400]
+
+
+def test_non_torch_inputs_are_a_contract_error():
+    q, k, v, cq, ck = make_case([9, 20], 12, 1, 32, seed=15)
+    with pytest.raises(ContractError, match="cu_seqlens_k.*torch.Tensor"):
+        qsa_triton.sparse_decode(q, k, v, cq, ck.numpy(), 20)
+    with pytest.raises(ContractError, match="'q'.*torch.Tensor"):
+        qsa_triton.flash_attn_varlen_func(q.numpy(), k, v, cq, ck, 1, 20)
+
+
+def test_flash_attn_adapter_refuses_bf16_under_the_unpatched_interpreter(monkeypatch):
+    """Same guard as sparse_decode (the interpreter's bf16 dot is wrong): a ContractError naming
+    flash_attn_varlen_func, never garbage."""
+    from triton.runtime import interpreter
+
+    monkeypatch.setattr(interpreter, "_qsa_bf16_dot_patched", False, raising=False)
+    q, k, v, cq, ck = make_case([9, 20], 12, 1, 32, dtype=torch.bfloat16, seed=16)
+    with pytest.raises(ContractError, match="flash_attn_varlen_func.*float16"):
+        qsa_triton.flash_attn_varlen_func(q, k, v, cq, ck, 1, 20)
+
+
 def test_fake_impl_checks_contract():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

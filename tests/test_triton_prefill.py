@@ -174,6 +174,29 @@ def test_bad_geometry_env_is_a_contract_error(monkeypatch):
         case.run()
 
 
+@pytest.mark.parametrize("kind", ["ordinary", "chunk", "paged"])
+@pytest.mark.parametrize("var,value", [("QSA_PREFILL_GEOMETRY", "fastest"),
+                                       ("QSA_PREFILL_ALGO", "octets")])
+def test_bad_env_switch_names_the_entry_point(kind, var, value, monkeypatch):
+    """A bad switch fails in the public entry point, before the op, and names that entry point."""
+    import qsa_triton
+
+    case = make_case(kind, 6, 1, 32, [3], None if kind == "ordinary" else [5], width=4,
+                     dtype=FP16, device=DEV)
+    monkeypatch.setenv(var, value)
+    fn = {"ordinary": "sparse_prefill", "chunk": "sparse_prefill_chunk",
+          "paged": "sparse_prefill_paged"}[kind]
+    with pytest.raises(ContractError, match=rf"^{fn}: argument '\${var}'"):
+        if kind == "ordinary":
+            qsa_triton.sparse_prefill(case.q, case.k, case.v, case.indices, case.cu_q, case.max_q)
+        elif kind == "chunk":
+            qsa_triton.sparse_prefill_chunk(case.q, case.k, case.v, case.indices, case.cu_q,
+                                            case.cu_k, case.kv_lens, case.max_q)
+        else:
+            qsa_triton.sparse_prefill_paged(case.q, case.k, case.v, case.slot_table, case.indices,
+                                            case.cu_q, case.kv_lens, case.max_q)
+
+
 def test_custom_ops_registered_with_fake_impls():
     case = make_case("chunk", 6, 1, 32, [2], [4], width=4, dtype=FP16, device=DEV)
     args = (case.q, case.k, case.v, case.indices, case.cu_q, case.cu_k, case.kv_lens, case.max_q,
@@ -482,3 +505,33 @@ def test_forced_64bit_offsets_path(monkeypatch, algo):
     assert P.needs_off64(case.k, case.v)
     monkeypatch.delenv("QSA_PREFILL_OFF64")
     assert not P.needs_off64(case.k, case.v)
+
+
+def test_torch_compile_fullgraph_prefill_matches_eager_and_names_bad_arguments():
+    """The three prefill entry points under torch.compile(fullgraph=True): same output as eager;
+    a bad argument fails before any launch with the ContractError text (checked in the ops' fake
+    implementations under compile, where Dynamo cannot raise out of the trace)."""
+    import qsa_triton
+
+    FP16 = torch.float16
+    ch = make_case("chunk", 6, 1, 32, [3, 2], [9, 5], width=6, dtype=FP16, seed=21)
+    pg = make_case("paged", 6, 1, 32, [3], [9], width=6, dtype=FP16, seed=22)
+    od = make_case("ordinary", 6, 1, 32, [4, 2], width=6, dtype=FP16, seed=23)
+    calls = {
+        "ordinary": (lambda q, idx, cu: qsa_triton.sparse_prefill(q, od.k, od.v, idx, cu, od.max_q),
+                     (od.q, od.indices, od.cu_q)),
+        "chunk": (lambda q, idx, cu: qsa_triton.sparse_prefill_chunk(
+            q, ch.k, ch.v, idx, cu, ch.cu_k, ch.kv_lens, ch.max_q), (ch.q, ch.indices, ch.cu_q)),
+        "paged": (lambda q, idx, cu: qsa_triton.sparse_prefill_paged(
+            q, pg.k, pg.v, pg.slot_table, idx, cu, pg.kv_lens, pg.max_q),
+            (pg.q, pg.indices, pg.cu_q)),
+    }
+    for name, (fn, args) in calls.items():
+        torch._dynamo.reset()
+        cf = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        assert torch.equal(cf(*args), fn(*args)), name
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as ei:
+            torch.compile(fn, fullgraph=True, backend="aot_eager")(args[0], args[1].long(), args[2])
+        msg = str(ei.value)
+        assert "indices" in msg and "expected" in msg and "int64" in msg, (name, msg[:300])
