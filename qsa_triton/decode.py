@@ -19,8 +19,9 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
     tensor-core P·V, FP32 accumulator.
   * Split-KV decided on the device (``interop/decode_plan.py``): the grid is static
     (max_splits x B x Hkv, split-major); each program computes from the row's device length
-    ``n_active = clamp(cdiv(cdiv(len, BLOCK_N), min_blocks), 1, max_splits)`` and the balanced
-    block range ``[j·blocks // n_active, (j+1)·blocks // n_active)``; programs with j >= n_active
+    ``n_active = clamp(cdiv(cdiv(len, BLOCK_N), min_blocks), 1, max_splits)``, with the
+    device-side balance (default) also at most ``max(1, len * slots // (total keys * Hkv))``
+    (the row's share of ``plan.balance_slots`` programs), and the balanced block range ``[j·blocks // n_active, (j+1)·blocks // n_active)``; programs with j >= n_active
     exit at once (after marking their LSE slots empty for the merge kernel). No host read of any length: CUDA-graph replay with new lengths stays correct,
     and a row longer than ``max_seqlen_k`` is still covered entirely (splits just get longer).
   * A row whose n_active is 1 (short rows, large batches, empty rows) is finished by its one
@@ -185,10 +186,10 @@ def _decode_split_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
-    # split-major order: the block scheduler hands out program ids in order, so every row's
-    # split 0 (active whenever the row is non-empty) is placed first, one per free slot, and
-    # the splits that exit at once come last. (s, h)-major order put the active programs of a
-    # grid with 4 splits per row on every 4th SM (H200 run 7: TP1 B=64 84.5 vs 70.1 us).
+    # split-major order: every row's split 0 (active whenever the row is non-empty) gets the
+    # lowest program ids, the splits that exit at once the highest. With (s, h)-major ids, a
+    # grid of 4 splits per row with 2 active ran TP2 B=64 at 51.5 us vs 42.5 split-major (H200
+    # runs 7-8; bench/NOTES.md, decode v3).
     n_sh = NSEQ * HKV
     j = pid // n_sh
     sh = pid % n_sh
