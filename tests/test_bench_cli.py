@@ -461,3 +461,24 @@ def test_plot_saved_gpu_reports(tmp_path, path):
     which = "prefill" if path.name.startswith("prefill") else "decode"
     assert plot.main([which, str(path), str(tmp_path / "p.png")]) == 0
     assert _png_ok(tmp_path / "p.png")
+
+
+def test_decode_variants_plans_are_what_their_names_say():
+    """bench/decode_variants.py: each policy variant fixes the plan it names (CPU: plans only)."""
+    torch = pytest.importorskip("torch")
+    from bench.decode_variants import VARIANTS, _plan
+    from interop import decode_plan as DP
+    from qsa_triton import decode as dec
+
+    cpu = torch.device("cpu")
+    sms = dec._sm_count(cpu)
+    plans = {n: _plan(dec, 64, 1, 12, cpu, spec) for n, spec in VARIANTS.items()}
+    assert plans["v2"][0].balance_slots == 0 and plans["v2"][1] == "kernel"
+    assert plans["v2"][0].max_splits == 2  # static rule: 132 // 64 -> 2
+    assert plans["v3"][0].balance_slots == DP.BALANCE_SLOTS_PER_SM * sms
+    assert plans["v3"][0].max_splits == DP.BALANCE_GRID_SPLITS and plans["v3"][1] == "auto"
+    assert plans["v3_s1"][0].balance_slots == sms and plans["v3_s3"][0].balance_slots == 3 * sms
+    assert plans["v3_kernel"][1] == "kernel" and plans["v3_inline"][1] == "inline"
+    assert plans["v3_grid2"][0].max_splits == 2
+    assert plans["v3_pdl"][2] is True and plans["v3_tail"][0].tail_in_loop
+    assert plans["v3_tail_pdl"][0].tail_in_loop and plans["v3_tail_pdl"][2] is True
