@@ -240,6 +240,37 @@ def _gqa_split(width: int, block_k: int, max_splits: int = 16) -> tuple[int, int
     return width, splits
 
 
+def _gqa_step(width: int, sc: float):
+    """(step(x, kg, vg, lens), padded width) for JAX's deprecated Pallas ``gqa`` decode (a
+    context peer); raises ImportError / whatever the import raises when it is absent."""
+    jax, _ = _jax()
+    import warnings  # noqa: PLC0415
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from jax.experimental.pallas.ops.gpu import decode_attention as da  # noqa: PLC0415
+    w, splits = _gqa_split(width, 64)
+    interp = jax.default_backend() == "cpu"
+
+    def step(x, kg, vg, lens):
+        return da.gqa(x, kg, vg, kv_seq_len=lens, sm_scale=sc, block_k=64, k_splits=splits,
+                      interpret=interp).astype(x.dtype)
+
+    return step, w
+
+
+def _dpa_step(impl: str, sc: float):
+    """step(x, kg, vg, lens) for ``jax.nn.dot_product_attention`` with ``impl`` (xla | cudnn)."""
+    jax, _ = _jax()
+
+    def step(x, kg, vg, lens):
+        o = jax.nn.dot_product_attention(x[:, None], kg, vg, scale=sc,
+                                         key_value_seq_lengths=lens, implementation=impl)
+        return o[:, 0].astype(x.dtype)
+
+    return step
+
+
 def make_context_providers(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float | None = None, *,
                            inner_reps: int = 1, include=("jax_pallas_gqa", "jax_dpa_xla",
                                                          "jax_dpa_cudnn")) -> dict[str, Callable]:
@@ -267,20 +298,8 @@ def make_context_providers(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float 
 
     if "jax_pallas_gqa" in include:
         try:
-            import warnings  # noqa: PLC0415
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                from jax.experimental.pallas.ops.gpu import decode_attention as da  # noqa: PLC0415
-            w, splits = _gqa_split(width, 64)
+            gqa_step, w = _gqa_step(width, sc)
             kg, vg, lens = gather_rows(jk, jv, ck, w)
-
-            interp = jax.default_backend() == "cpu"
-
-            def gqa_step(x, kg, vg, lens):
-                return da.gqa(x, kg, vg, kv_seq_len=lens, sm_scale=sc, block_k=64,
-                              k_splits=splits, interpret=interp).astype(x.dtype)
-
             f = jax.jit(_chain(gqa_step, inner_reps))
             f(qrows, kg, vg, lens).block_until_ready()
             out["jax_pallas_gqa"] = _wrap(functools.partial(f, qrows, kg, vg, lens), inner_reps,
@@ -294,10 +313,7 @@ def make_context_providers(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float 
         if name not in include:
             continue
         try:
-            def dpa_step(x, kg, vg, lens, impl=impl):
-                o = jax.nn.dot_product_attention(
-                    x[:, None], kg, vg, scale=sc, key_value_seq_lengths=lens, implementation=impl)
-                return o[:, 0].astype(x.dtype)
+            dpa_step = _dpa_step(impl, sc)
 
             f = jax.jit(_chain(dpa_step, inner_reps))
             f(qrows, kg, vg, lens).block_until_ready()
@@ -458,20 +474,8 @@ def _time_context(q, k, v, ck, inner_reps, bw, nbytes) -> dict:
     width = int(np.diff(ck).max())
     out = {}
     try:
-        import warnings  # noqa: PLC0415
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from jax.experimental.pallas.ops.gpu import decode_attention as da  # noqa: PLC0415
-        w, splits = _gqa_split(width, 64)
+        gqa_step, w = _gqa_step(width, sc)
         kg, vg, lens = gather_rows(k, v, ck, w)
-
-        interp = jax.default_backend() == "cpu"
-
-        def gqa_step(x, kg, vg, lens):
-            return da.gqa(x, kg, vg, kv_seq_len=lens, sm_scale=sc, block_k=64,
-                          k_splits=splits, interpret=interp).astype(x.dtype)
-
         t = _time_jax(jax.jit(_chain(gqa_step, inner_reps)), (q, kg, vg, lens))
         out["jax_pallas_gqa_ctx_us"] = t["median_s"] / inner_reps * 1e6
         del kg, vg
@@ -480,12 +484,7 @@ def _time_context(q, k, v, ck, inner_reps, bw, nbytes) -> dict:
     kg, vg, lens = gather_rows(k, v, ck, width)
     for impl in ("xla", "cudnn"):
         try:
-            def dpa_step(x, kg, vg, lens, impl=impl):
-                o = jax.nn.dot_product_attention(x[:, None], kg, vg, scale=sc,
-                                                 key_value_seq_lengths=lens, implementation=impl)
-                return o[:, 0].astype(x.dtype)
-
-            t = _time_jax(jax.jit(_chain(dpa_step, inner_reps)), (q, kg, vg, lens))
+            t = _time_jax(jax.jit(_chain(_dpa_step(impl, sc), inner_reps)), (q, kg, vg, lens))
             out[f"jax_dpa_{impl}_ctx_us"] = t["median_s"] / inner_reps * 1e6
         except Exception as e:  # noqa: BLE001
             out[f"jax_dpa_{impl}_error"] = f"{type(e).__name__}: {str(e)[:200]}"

@@ -460,12 +460,7 @@ def run_matrix(args, up) -> tuple[list, list]:
                 c = make_case("chunk", hq, hkv, 256, [args.rows], [kv], seed=hq + kv % 1000,
                               device="cuda")
                 base = "upstream-chunk"
-            provs = {"ours": _ours(c)}
-            provs.update(upstream_providers(up, c))
-            if args.pairs:
-                provs.update(pairs_providers(c, geometries=args.group_geometry))
-            for geo in args.geometry:
-                provs[f"ours{list(geo)}"] = forced_provider(c, geo)
+            provs = _case_providers(c, up, args)
             pal = pallas_provider(c) if args.pallas else None
             if pal is not None:
                 provs["pallas"] = pal
@@ -488,6 +483,18 @@ def run_matrix(args, up) -> tuple[list, list]:
     return rows, bad
 
 
+def _case_providers(c: Case, up, args) -> dict:
+    """ours, upstream's matching kernels, the row-group kernels (``--pairs``) and every forced
+    ``--geometry`` for one case: the provider set of the 8192-row matrix and of the row sweep."""
+    provs = {"ours": _ours(c)}
+    provs.update(upstream_providers(up, c))
+    if args.pairs:
+        provs.update(pairs_providers(c, geometries=args.group_geometry))
+    for geo in args.geometry:
+        provs[f"ours{list(geo)}"] = forced_provider(c, geo)
+    return provs
+
+
 def run_query_sweep(args, up) -> tuple[list, list]:
     """Query-count sweep 32..8192 rows: one chunk request with a 32k context (the rows select a
     full 2051 columns each, as in chunked prefill), ours vs upstream's chunk kernel."""
@@ -497,13 +504,7 @@ def run_query_sweep(args, up) -> tuple[list, list]:
     for hq, hkv in ((12, 1), (6, 1)):  # (24, 2) runs the (12, 1) program per KV head
         for t in args.sweep_rows:
             c = make_case("chunk", hq, hkv, 256, [t], [32768], seed=t + hq, device="cuda")
-            provs = {"ours": _ours(c)}
-            provs.update(upstream_providers(up, c))
-            if args.pairs:
-                provs.update(pairs_providers(c))
-            for geo in args.geometry:  # forced geometries: data for the SM90 table's row buckets
-                provs[f"ours{list(geo)}"] = forced_provider(c, geo)
-            provs = _select(args, provs)
+            provs = _select(args, _case_providers(c, up, args))
             label = f"sweep {hq}/{hkv} rows={t} kv=32768"
             if not provs:
                 print(f"[prefill] {label}: none of the selected providers applies; skipped")
