@@ -1,4 +1,4 @@
-"""Decode v3 sweep: device-side balance and merge variants of our kernel against upstream's SM121
+"""Decode v3/v4 sweep: device-side balance and merge variants of our kernel against upstream's SM121
 kernel, every shape of the issue-3 grid, one process, one set of inputs per shape.
 
 Why a separate script: ``bench/decode.py --sweep`` varies geometry and static split counts; this
@@ -25,7 +25,12 @@ from bench.decode import BATCHES, D, MSK, ROWS, TP, _check, _peer_providers, _ti
 #: keeps it), plus "merge" / "pdl" for the launch
 VARIANTS = {
     "v2": {"balance": False, "merge": "kernel"},
-    "v3": {},  # the shipped default: balance, BALANCE_SLOTS_PER_SM x SMs slots, merge auto
+    "v4": {},  # the shipped default: balance, BALANCE_SLOTS_PER_SM x SMs slots, merge auto
+    "v3": {"coop": False},  # merge auto without the cooperative merge (decode v3's rule)
+    "v4_s4": {"num_stages": 4},  # three K/V tiles in flight per program instead of two
+    "v4_bn64": {"block_n": 64, "num_stages": 2},
+    "v4_bn64_s3": {"block_n": 64, "num_stages": 3},
+    "v4_bn16_s5": {"block_n": 16, "num_stages": 5},
     "v3_s1": {"balance_slots_per_sm": 1},
     "v3_s3": {"balance_slots_per_sm": 3},
     "v3_kernel": {"merge": "kernel"},
@@ -51,12 +56,16 @@ def _plan(dec, b, hkv, g, dev, spec):
         plan = dataclasses.replace(plan, balance_slots=spec["balance_slots_per_sm"] * sms)
     if "tail_in_loop" in spec:
         plan = dataclasses.replace(plan, tail_in_loop=spec["tail_in_loop"])
+    plan = dataclasses.replace(plan, **{k: spec[k] for k in ("num_stages", "block_n") if k in spec})
     if "grid_splits" in spec and plan.balance_slots:
         with dec.plan_override(balance=False):
             static, _ = dec.plan_for(b, hkv, g, D, MSK, dev)
         ms = max(static.max_splits, min(spec["grid_splits"], next_pow2(math.ceil(MSK / plan.block_n))))
         plan = dataclasses.replace(plan, max_splits=ms)
-    return plan, spec.get("merge", merge), spec.get("pdl")
+    merge = spec.get("merge", merge)
+    if merge == "auto" and spec.get("coop") is False:  # decode v3's auto rule
+        merge = "inline" if 2 * b * hkv >= sms else "kernel"
+    return plan, merge, spec.get("pdl")
 
 
 def main(argv=None) -> int:

@@ -92,10 +92,14 @@ __all__ = [
 ]
 
 #: default merge of split partials: "kernel" (second small kernel), "inline" (last-arriving
-#: split merges, counters reset in the same launch) or "auto": inline where B x Hkv >= SMs / 2
-#: (rows get few splits, most none: no second launch), the kernel below that (many splits per
-#: row: one program merging 64 partials serially was 2-4x slower, H200 sweep run 2).
+#: split merges, counters reset in the same launch), "coop" (all splits of a row wait for each
+#: other, then merge one slice each, in the same launch) or "auto" (``resolve_merge``): coop
+#: where the grid fits one program per SM, inline where B x Hkv >= SMs / 2 (rows get few
+#: splits, most none: no second launch), the kernel otherwise (many splits per row: one program
+#: merging 64 partials serially was 2-4x slower, H200 sweep run 2).
 MERGE_MODE = "auto"
+#: "auto" may pick the cooperative merge (H200 run 15 decides; bench/NOTES.md decode v4)
+COOP_AUTO = True
 #: device-side balance of split counts over the batch's total keys (interop/decode_plan.py);
 #: plan_override(balance=False) gives the static per-row rule (decode v2).
 BALANCE = True
@@ -173,6 +177,7 @@ def _decode_split_kernel(
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
     MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr, USE_PDL: tl.constexpr,
     BALANCE: tl.constexpr, TAIL_IN_LOOP: tl.constexpr = False,
+    MERGE_COOP: tl.constexpr = False, SPLIT_CHUNK: tl.constexpr = 2, MC: tl.constexpr = 16,
 ):
     if USE_PDL:
         # Programmatic Dependent Launch (see PDL_AUTO): this grid may start before the previous
@@ -195,6 +200,11 @@ def _decode_split_kernel(
     sh = pid % n_sh
     s = sh // HKV
     h = sh % HKV
+    # the query row's index is loaded before the split bookkeeping, in the same memory round
+    # trip as cu_seqlens_k: the q load then issues with the first K/V loads instead of one round
+    # trip after them (at B = 1 a split streams one or two blocks: the chain of dependent loads
+    # is its time)
+    q_row = tl.load(cu_q_ptr + s).to(tl.int64)
     k_lo, n, blocks, n_act = _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ,
                                             HKV, SLOTS, BALANCE)
     offs_m = tl.arange(0, HT)
@@ -205,13 +215,16 @@ def _decode_split_kernel(
         if LSE_ALL:  # tell the merge kernel this split is empty (it never reads cu_seqlens_k)
             tl.store(lse_ptr + part_row, tl.full([HT], float("-inf"), tl.float32), mask=m_ok)
         return
-    start = ((blocks * j) // n_act) * BLOCK_N
-    stop = tl.minimum(((blocks * (j + 1)) // n_act) * BLOCK_N, n)
+    # block boundaries rounded up: where the blocks do not divide evenly the *first* splits take
+    # the extra block (full blocks, both pipelined together) and the last split keeps only the
+    # row's partial block, so no split waits for a masked block after a full one
+    blocks64 = blocks.to(tl.int64)
+    start = (tl.cdiv(blocks64 * j, n_act) * BLOCK_N).to(tl.int32)  # <= n: fits int32
+    stop = tl.minimum((tl.cdiv(blocks64 * (j + 1), n_act) * BLOCK_N).to(tl.int32), n)
     full_stop = start + ((stop - start) // BLOCK_N) * BLOCK_N
 
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
-    q_row = tl.load(cu_q_ptr + s).to(tl.int64)
     q = tl.load(q_ptr + q_row * stride_qb + heads.to(tl.int64)[:, None] * stride_qh + offs_d[None, :],
                 mask=m_ok[:, None], other=0.0)
 
@@ -279,55 +292,88 @@ def _decode_split_kernel(
                 tl.store(out_ptr + o_rows[:, None] + offs_d[None, :],
                          o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
                 tl.atomic_xchg(cnt_ptr + sh, 0, sem="release", scope="gpu")
+        if MERGE_COOP:
+            # Cooperative merge (small grids, launched with launch_cooperative_grid so that every
+            # program is resident): the n_act splits of (s, h) meet at a counter, then each
+            # merges its own MC-element slices of the G x D outputs, so the merge costs one
+            # round trip spread over n_act SMs instead of a second launch. Bitwise the same
+            # arithmetic as the merge kernel (_merge_elems).
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            seen = tl.atomic_add(cnt_ptr + sh, 1, sem="acq_rel", scope="gpu") + 1
+            while seen < n_act:
+                seen = tl.atomic_add(cnt_ptr + sh, 0, sem="acquire", scope="gpu")
+            for e0 in range(j * MC, G * D, n_act * MC):
+                _merge_elems(out_ptr, lse_ptr, part_ptr, s, h, e0, n_act, HQ, MAX_SPLITS,
+                             stride_ob, stride_oh, G, D, SPLIT_CHUNK, MC)
+            # second counter (departures): the last split to leave resets both; every split
+            # has left the wait by then, and the next launch is stream-ordered after this one
+            gone = tl.atomic_add(cnt_ptr + n_sh + sh, 1, sem="relaxed", scope="gpu")
+            if gone == n_act - 1:
+                tl.atomic_xchg(cnt_ptr + sh, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(cnt_ptr + n_sh + sh, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["HQ", "MAX_SPLITS"])
-def _decode_merge_kernel(
-    out_ptr, lse_ptr, part_ptr, stride_ob, stride_oh, HQ, MAX_SPLITS,
-    D: tl.constexpr, SPLIT_CHUNK: tl.constexpr, D_CHUNK: tl.constexpr, N_DC: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    # One program per (sequence, query head, D_CHUNK columns). The split kernel wrote an LSE for
-    # every split slot (-inf: empty / inactive / row finished by its single split), so this kernel
-    # needs no row metadata: it issues the LSE and partial loads of the first SPLIT_CHUNK splits
-    # together (one memory round trip; SPLIT_CHUNK covers every split unless an override asks for
-    # more than 64) and masks by weight with tl.where, so stale partials are never used.
-    pid = tl.program_id(0)
-    row = pid // N_DC  # s * HQ + query head
-    dc = pid % N_DC
-    s = row // HQ
-    hq = row % HQ
-    base = row.to(tl.int64) * MAX_SPLITS
+@triton.jit
+def _merge_elems(out_ptr, lse_ptr, part_ptr, s, h, e0, n_split, HQ, MAX_SPLITS, stride_ob,
+                 stride_oh, G, D: tl.constexpr, SPLIT_CHUNK: tl.constexpr, MC: tl.constexpr):
+    """Merge split partials for elements [e0, e0 + MC) of (sequence s, KV head h); element e is
+    query head h*G + e // D, column e % D. Reads LSE slots 0..n_split-1 (the first SPLIT_CHUNK
+    together with their partials: one memory round trip); weights 2^(lse - max), an empty slot
+    (-inf) weighs 0 and its stale partial is masked out with a select. Elements whose slots are
+    all -inf (row finished by its single split) are not stored. Loads bypass L1 (.cg): the
+    partials were written by other SMs during this launch in the cooperative merge."""
+    offs_e = e0 + tl.arange(0, MC)
+    e_ok = offs_e < G * D
+    head = h * G + offs_e // D
+    col = offs_e % D
+    base = (s.to(tl.int64) * HQ + head) * MAX_SPLITS  # [MC] scratch row of split 0
     offs_j = tl.arange(0, SPLIT_CHUNK)
-    offs_d = dc * D_CHUNK + tl.arange(0, D_CHUNK)
-    jm = offs_j < MAX_SPLITS
+    jm = (offs_j < n_split)[:, None] & e_ok[None, :]
+    rows = base[None, :] + offs_j[:, None]  # [SPLIT_CHUNK, MC]
+    lse = tl.load(lse_ptr + rows, mask=jm, other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(part_ptr + rows * D + col[None, :], mask=jm, other=0.0, cache_modifier=".cg")
+    mx = tl.max(lse, 0)
+    for c in range(SPLIT_CHUNK, n_split, SPLIT_CHUNK):  # only for > SPLIT_CHUNK splits
+        cm = ((c + offs_j) < n_split)[:, None] & e_ok[None, :]
+        mx = tl.maximum(mx, tl.max(tl.load(lse_ptr + rows + c, mask=cm, other=float("-inf"),
+                                           cache_modifier=".cg"), 0))
+    has = mx > float("-inf")
+    mx = tl.where(has, mx, 0.0)
+    w = tl.exp2(lse - mx[None, :])  # empty slots: exp2(-inf) = 0
+    wsum = tl.sum(w, 0)
+    o = tl.sum(tl.where(w > 0.0, w * part, 0.0), 0)
+    for c in range(SPLIT_CHUNK, n_split, SPLIT_CHUNK):
+        cm = ((c + offs_j) < n_split)[:, None] & e_ok[None, :]
+        wc = tl.exp2(tl.load(lse_ptr + rows + c, mask=cm, other=float("-inf"),
+                             cache_modifier=".cg") - mx[None, :])
+        pc = tl.load(part_ptr + (rows + c) * D + col[None, :], mask=cm, other=0.0,
+                     cache_modifier=".cg")
+        wsum += tl.sum(wc, 0)
+        o += tl.sum(tl.where(wc > 0.0, wc * pc, 0.0), 0)
+    o = o / tl.where(wsum > 0.0, wsum, 1.0)
+    tl.store(out_ptr + s.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + col,
+             o.to(out_ptr.dtype.element_ty), mask=e_ok & has)
+
+
+@triton.jit(do_not_specialize=["HQ", "HKV", "MAX_SPLITS", "G", "N_SL"])
+def _decode_merge_kernel(
+    out_ptr, lse_ptr, part_ptr, stride_ob, stride_oh, HQ, HKV, MAX_SPLITS, G, N_SL,
+    D: tl.constexpr, SPLIT_CHUNK: tl.constexpr, MC: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # One program per (sequence, KV head, slice of MC of its G x D outputs). The split kernel
+    # wrote an LSE for every split slot (-inf: empty / inactive / row finished by its single
+    # split), so this kernel needs no row metadata: every slot is read and weighed.
+    pid = tl.program_id(0)
+    sh = pid // N_SL
+    e0 = (pid % N_SL) * MC
     if USE_PDL:
         # launched early (PDL): the split kernel's LSEs/partials are visible only after this
         # wait. Then let the next kernel (the next decode's split kernel) get scheduled; it
         # waits for our completion in turn before overwriting the scratch we read.
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    lse = tl.load(lse_ptr + base + offs_j, mask=jm, other=float("-inf"))
-    part = tl.load(part_ptr + (base + offs_j)[:, None] * D + offs_d[None, :], mask=jm[:, None],
-                   other=0.0)
-    mx = tl.max(lse, 0)
-    for c in range(SPLIT_CHUNK, MAX_SPLITS, SPLIT_CHUNK):  # only for > SPLIT_CHUNK splits
-        mx = tl.maximum(mx, tl.max(tl.load(lse_ptr + base + c + offs_j,
-                                           mask=(c + offs_j) < MAX_SPLITS, other=float("-inf")), 0))
-    if mx > float("-inf"):  # the row has partials (n_active > 1)
-        w = tl.exp2(lse - mx)  # empty splits: exp2(-inf) = 0
-        wsum = tl.sum(w, 0)
-        o = tl.sum(tl.where(w[:, None] > 0.0, w[:, None] * part, 0.0), 0)
-        for c in range(SPLIT_CHUNK, MAX_SPLITS, SPLIT_CHUNK):
-            cm = (c + offs_j) < MAX_SPLITS
-            wc = tl.exp2(tl.load(lse_ptr + base + c + offs_j, mask=cm, other=float("-inf")) - mx)
-            pc = tl.load(part_ptr + (base + c + offs_j)[:, None] * D + offs_d[None, :],
-                         mask=cm[:, None], other=0.0)
-            wsum += tl.sum(wc, 0)
-            o += tl.sum(tl.where(wc[:, None] > 0.0, wc[:, None] * pc, 0.0), 0)
-        o = o / wsum
-        tl.store(out_ptr + s.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh + offs_d,
-                 o.to(out_ptr.dtype.element_ty))
+    _merge_elems(out_ptr, lse_ptr, part_ptr, sh // HKV, sh % HKV, e0, MAX_SPLITS, HQ, MAX_SPLITS,
+                 stride_ob, stride_oh, G, D, SPLIT_CHUNK, MC)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,8 +433,8 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
         return hit
     merge = fields.pop("merge", MERGE_MODE)
     fields.pop("pdl", None)  # launch mode, not geometry: resolved per call by pdl_enabled
-    if merge not in ("kernel", "inline", "auto"):
-        raise ValueError(f"merge must be 'kernel', 'inline' or 'auto', got {merge!r}")
+    if merge not in MERGE_MODES:
+        raise ValueError(f"merge must be one of {MERGE_MODES}, got {merge!r}")
     sms = _sm_count(device)
     plan = plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k, sms,
                        max_splits=fields.pop("max_splits", None), block_n=fields.pop("block_n", None),
@@ -488,13 +534,19 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
         for b in range(lo, hi + 1):
             p = fit_shared_memory(plan_decode(b, hkv, g, head_dim, QUALIFIED["max_seqlen_k"]),
                                   head_dim, 2, limit)
-            # (merge inline, PDL, balance): PDL only for the merge="kernel" path
-            variants = [(i, False, bal) for i in (False, True) for bal in (False, True)] + (
-                [(False, True, bal) for bal in (False, True)] if True in pdl_modes else [])
-            for inline, pdl, bal in variants:
+            # (merge, PDL, balance): PDL only for the merge="kernel" path; the cooperative merge
+            # (its tile depends on the plan's split count) only where the grid splits
+            variants = [(m, False, bal) for m in ("kernel", "inline") for bal in (False, True)]
+            variants += [("kernel", True, bal) for bal in (False, True)] if True in pdl_modes else []
+            if p.max_splits > 1 and b * hkv * p.max_splits <= 132:  # where "auto" picks coop
+                variants.append(("coop", False, True))
+            for merge, pdl, bal in variants:
+                inline, coop = merge == "inline", merge == "coop"
+                chunk, mc, _ = merge_geometry(p.max_splits, g, head_dim, coop=True) if coop \
+                    else (2, 16, 0)
                 consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
-                          "MERGE_INLINE": inline, "LSE_ALL": not inline, "USE_PDL": pdl,
-                          "BALANCE": bal}
+                          "MERGE_INLINE": inline, "LSE_ALL": merge == "kernel", "USE_PDL": pdl,
+                          "BALANCE": bal, "MERGE_COOP": coop, "SPLIT_CHUNK": chunk, "MC": mc}
                 key = (tuple(consts.items()), p.num_warps, p.num_stages)
                 if key in seen:
                     continue
@@ -504,18 +556,25 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
                             "attrs": attrs, "num_warps": p.num_warps, "num_stages": p.num_stages,
                             "options": {"launch_pdl": True} if pdl else {},
                             "name": f"decode_split_G{g}_ht{p.head_tile}_bn{p.block_n}_w{p.num_warps}"
-                                    f"_s{p.num_stages}{'_inline' if inline else ''}_{dtype}"
+                                    f"_s{p.num_stages}{'_inline' if inline else ''}"
+                                    f"{f'_coop{chunk}' if coop else ''}_{dtype}"
                                     f"{'_bal' if bal else ''}{'_pdl' if pdl else ''}"})
+    groups = sorted({hq // hkv for hq, hkv in QUALIFIED["head_pairs"]})
     for pdl in pdl_modes:
-        for chunk in (2, 4, 8, 16, 32, 64):
-            d_chunk = max(16, min(head_dim, 2048 // chunk))
-            consts = {"D": head_dim, "SPLIT_CHUNK": chunk, "D_CHUNK": d_chunk,
-                      "N_DC": head_dim // d_chunk, "USE_PDL": pdl}
-            sig, attrs = _aot(_decode_merge_kernel, _MERGE_PTRS, consts, dtype)
-            out.append({"kernel": _decode_merge_kernel, "signature": sig, "constexprs": consts,
-                        "attrs": attrs, "num_warps": 4, "num_stages": 1,
-                        "options": {"launch_pdl": True} if pdl else {},
-                        "name": f"decode_merge_chunk{chunk}_{dtype}{'_pdl' if pdl else ''}"})
+        for splits in (2, 4, 8, 16, 32, 64):
+            for g in groups:
+                chunk, mc, _ = merge_geometry(splits, g, head_dim, coop=False)
+                consts = {"D": head_dim, "SPLIT_CHUNK": chunk, "MC": mc, "USE_PDL": pdl}
+                key = ("merge", tuple(consts.items()))
+                if key in seen:
+                    continue
+                seen.add(key)
+                sig, attrs = _aot(_decode_merge_kernel, _MERGE_PTRS, consts, dtype)
+                out.append({"kernel": _decode_merge_kernel, "signature": sig,
+                            "constexprs": consts, "attrs": attrs, "num_warps": 4,
+                            "num_stages": 1, "options": {"launch_pdl": True} if pdl else {},
+                            "name": f"decode_merge_chunk{chunk}_mc{mc}_{dtype}"
+                                    f"{'_pdl' if pdl else ''}"})
     return out
 
 
@@ -525,7 +584,7 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
 class _Scratch:
     lse: torch.Tensor  # fp32 [rows]          rows = B * Hq * max_splits
     part: torch.Tensor  # fp32 [rows * D]
-    counters: torch.Tensor  # int32 [B * Hkv], zero between launches
+    counters: torch.Tensor  # int32 [2 * B * Hkv] (arrivals, departures), zero between launches
 
     def fits(self, rows: int, elems: int, slots: int) -> bool:
         return (rows <= self.lse.numel() and elems <= self.part.numel()
@@ -553,7 +612,7 @@ def _qualified_need() -> tuple[int, int, int]:
             for bal in (False, True):
                 p = plan_decode(b, hkv, hq // hkv, d, QUALIFIED["max_seqlen_k"], balance=bal)
                 r = b * hq * p.max_splits
-                rows, elems, slots = max(rows, r), max(elems, r * d), max(slots, b * hkv)
+                rows, elems, slots = max(rows, r), max(elems, r * d), max(slots, 2 * b * hkv)
     return rows, elems, slots
 
 
@@ -632,10 +691,15 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
     hkv = k.shape[1]
     g = hq // hkv
     splits = int(plan.max_splits)
-    if merge == "auto":  # see MERGE_MODE
-        merge = "inline" if 2 * b * hkv >= _sm_count(q.device) else "kernel"
+    merge = resolve_merge(merge, b, hkv, splits, q.device)
     rows = b * hq * splits if splits > 1 else 1
-    sc = _get_scratch(q.device, rows, rows * d, b * hkv)  # may raise: before any allocation
+    # counters: arrivals (inline, coop) and departures (coop) per (sequence, KV head)
+    sc = _get_scratch(q.device, rows, rows * d, 2 * b * hkv)  # may raise: before any allocation
+    chunk, mc, n_sl = merge_geometry(splits, g, d, coop=(merge == "coop"))
+    coop_kw = {"launch_cooperative_grid": True} if merge == "coop" else {}
+    # the split kernel reads SPLIT_CHUNK / MC only in the cooperative merge: fixed values
+    # otherwise, so they add no compiled variant
+    split_merge = (chunk, mc) if merge == "coop" else (2, 16)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
     with ctx:
@@ -648,17 +712,79 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             G=g, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n,
             MERGE_INLINE=(merge == "inline"), LSE_ALL=(splits > 1 and merge == "kernel"),
             USE_PDL=use_pdl, BALANCE=plan.balance_slots > 0, TAIL_IN_LOOP=plan.tail_in_loop,
-            num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
+            MERGE_COOP=(merge == "coop"), SPLIT_CHUNK=split_merge[0], MC=split_merge[1],
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw, **coop_kw,
         )
         if splits > 1 and merge == "kernel":
-            chunk = min(max(2, next_pow2(splits)), 64)
-            d_chunk = max(16, min(d, 2048 // chunk))  # tile <= 2048 floats: 16 per thread
-            _decode_merge_kernel[(b * hq * (d // d_chunk),)](
-                out, sc.lse, sc.part, out.stride(0), out.stride(1), hq, splits,
-                D=d, SPLIT_CHUNK=chunk, D_CHUNK=d_chunk, N_DC=d // d_chunk,
-                USE_PDL=use_pdl, num_warps=4, num_stages=1, **pdl_kw,
+            _decode_merge_kernel[(b * hkv * n_sl,)](
+                out, sc.lse, sc.part, out.stride(0), out.stride(1), hq, hkv, splits, g, n_sl,
+                D=d, SPLIT_CHUNK=chunk, MC=mc, USE_PDL=use_pdl, num_warps=4, num_stages=1,
+                **pdl_kw,
             )
     return out
+
+
+MERGE_MODES = ("kernel", "inline", "coop", "auto")
+
+
+def merge_geometry(splits: int, group: int, head_dim: int, *, coop: bool) -> tuple[int, int, int]:
+    """(SPLIT_CHUNK, MC, slices) of the merge: split slots read per round trip (a power of two
+    covering every split up to 64), elements per [SPLIT_CHUNK, MC] tile (<= 2048 floats for the
+    merge kernel, 16 per thread; <= 4096 in the cooperative merge so that one slice per split
+    covers G x D at B = 1: 48 slices of 64 for 64 splits at G = 12, D = 256), and the number of
+    MC-element slices of one (sequence, KV head)'s G x D outputs."""
+    chunk = min(max(2, next_pow2(splits)), 64)
+    mc = max(16, min(next_pow2(group * head_dim), (4096 if coop else 2048) // chunk))
+    return chunk, mc, -(-group * head_dim // mc)
+
+
+def resolve_merge(merge: str, batch: int, num_kv_heads: int, splits: int,
+                  device: torch.device) -> str:
+    """The merge a launch uses. "auto" (``MERGE_MODE``): "coop" where the whole grid
+    (B x Hkv x max_splits programs) fits one program per SM and cooperative launch is available
+    (every program resident: the splits of a row can wait for each other); else "inline" where
+    2 x B x Hkv >= SMs (rows get few splits, most none); else "kernel". Source: H200 sweeps,
+    bench/NOTES.md (decode v3, v4).
+
+    Raises:
+      ValueError: unknown mode; "coop" where ``coop_supported`` is False (CPU / interpreter:
+        the interpreter runs programs one after another, so a split waiting for the others
+        would never return) or where the grid exceeds one program per SM.
+    """
+    if merge not in MERGE_MODES:
+        raise ValueError(f"merge must be one of {MERGE_MODES}, got {merge!r}")
+    sms = _sm_count(device)
+    if merge == "auto":
+        if COOP_AUTO and splits > 1 and batch * num_kv_heads * splits <= sms \
+                and coop_supported(device):
+            return "coop"
+        return "inline" if 2 * batch * num_kv_heads >= sms else "kernel"
+    if merge == "coop" and not coop_supported(device):
+        raise ValueError("merge='coop' needs a CUDA device and a Triton with "
+                         "launch_cooperative_grid (never under TRITON_INTERPRET=1)")
+    if merge == "coop" and batch * num_kv_heads * splits > sms:
+        raise ValueError(f"merge='coop' needs B x Hkv x max_splits <= {sms} (one program per "
+                         f"SM), got {batch} x {num_kv_heads} x {splits}")
+    return merge
+
+
+def _triton_has_coop() -> bool:
+    """Triton has the ``launch_cooperative_grid`` launch option (cuLaunchKernelEx with the
+    cooperative attribute: the launch fails instead of hanging if the grid cannot be resident)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions  # noqa: PLC0415
+    except ImportError:
+        return False
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+_TRITON_COOP = _triton_has_coop()
+
+
+def coop_supported(device: torch.device | str) -> bool:
+    """Whether the cooperative merge can run on ``device``: CUDA, not the interpreter, and a
+    Triton with ``launch_cooperative_grid``."""
+    return torch.device(device).type == "cuda" and not _interpreting() and _TRITON_COOP
 
 
 def _interpreting() -> bool:
