@@ -25,32 +25,31 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "qsa_triton" / "decode.py"
 
-#: variant -> (merge mode for the launch, [(old, new) text edits of decode.py])
+#: variant -> (merge mode for the launch, [(old, new) text edits of decode.py]); a "_pdl"
+#: suffix on a name launches that variant with Programmatic Dependent Launch
 EDITS = {
     "head": ("auto", []),
     "head_kernel": ("kernel", []),
-    "floor": ("kernel", [(
-        "    start = (tl.cdiv(blocks64 * j, n_act) * BLOCK_N).to(tl.int32)  # <= n: fits int32\n"
-        "    stop = tl.minimum((tl.cdiv(blocks64 * (j + 1), n_act) * BLOCK_N).to(tl.int32), n)",
-        "    start = ((blocks64 * j) // n_act * BLOCK_N).to(tl.int32)\n"
-        "    stop = tl.minimum(((blocks64 * (j + 1)) // n_act * BLOCK_N).to(tl.int32), n)")]),
-    "nohoist": ("kernel", [
-        ("    q_row = tl.load(cu_q_ptr + s).to(tl.int64)\n    k_lo, n, blocks",
-         "    k_lo, n, blocks"),
-        ("    offs_n = tl.arange(0, BLOCK_N)\n    q = tl.load(",
-         "    offs_n = tl.arange(0, BLOCK_N)\n    q_row = tl.load(cu_q_ptr + s).to(tl.int64)\n"
-         "    q = tl.load(")]),
+    "head_kernel_pdl": ("kernel", []),
     # the cooperative merge launched without the cooperative attribute (grid <= SMs: resident)
     "coop_noattr": ("coop", [(
         'coop_kw = {"launch_cooperative_grid": True} if merge == "coop" else {}',
         "coop_kw = {}")]),
+    # the cooperative merge also where the grid fits two programs per SM (TP2/TP4 B = 64)
+    "coop2x": ("auto", [
+        ("splits > 1 and batch * num_kv_heads * splits <= sms",
+         "splits > 1 and batch * num_kv_heads * splits <= 2 * sms"),
+        ('if merge == "coop" and batch * num_kv_heads * splits > sms:',
+         'if merge == "coop" and batch * num_kv_heads * splits > 2 * sms:')]),
     # the merge-kernel path with the split kernel launched as a cooperative grid (attribute cost)
     "kernel_attr": ("kernel", [(
         'coop_kw = {"launch_cooperative_grid": True} if merge == "coop" else {}',
         'coop_kw = {"launch_cooperative_grid": True}')]),
 }
 SHAPES = [(tp, b, rows) for tp in ("TP1", "TP2", "TP4") for b in (1, 4, 16)
-          for rows in ("saturated", "mixed")] + [("TP2", 64, "saturated")]
+          for rows in ("saturated", "mixed")] + [
+    ("TP1", 32, "saturated"), ("TP1", 32, "mixed"), ("TP2", 64, "saturated"),
+    ("TP2", 64, "mixed"), ("TP4", 64, "saturated"), ("TP4", 64, "mixed")]
 
 
 def _load(name: str, text: str, where: Path):
@@ -119,8 +118,9 @@ def main(argv=None) -> int:
         for n, (mod, merge) in mods.items():
             mod.prepare(dev)
             plan, _ = mod.plan_for(b, hkv, hq // hkv, 256, MSK, dev)
-            fn = (lambda mod=mod, plan=plan, merge=merge: mod.decode_with_plan(
-                q, k, v, cq, ck, MSK, plan=plan, merge=merge))
+            pdl = True if n.endswith("_pdl") else None
+            fn = (lambda mod=mod, plan=plan, merge=merge, pdl=pdl: mod.decode_with_plan(
+                q, k, v, cq, ck, MSK, plan=plan, merge=merge, pdl=pdl))
             try:
                 chk = _check(fn(), ref)
             except Exception as e:  # noqa: BLE001

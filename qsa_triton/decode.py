@@ -177,7 +177,7 @@ def _decode_split_kernel(
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
     MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr, USE_PDL: tl.constexpr,
     BALANCE: tl.constexpr, TAIL_IN_LOOP: tl.constexpr = False,
-    MERGE_COOP: tl.constexpr = False, SPLIT_CHUNK: tl.constexpr = 2, MC: tl.constexpr = 16,
+    MERGE_COOP: tl.constexpr = False, COOP_CHUNK: tl.constexpr = 2, COOP_D: tl.constexpr = 16,
 ):
     if USE_PDL:
         # Programmatic Dependent Launch (see PDL_AUTO): this grid may start before the previous
@@ -295,16 +295,21 @@ def _decode_split_kernel(
         if MERGE_COOP:
             # Cooperative merge (small grids, launched with launch_cooperative_grid so that every
             # program is resident): the n_act splits of (s, h) meet at a counter, then each
-            # merges its own MC-element slices of the G x D outputs, so the merge costs one
+            # merges its own (query head, COOP_D columns) units of the row, so the merge costs one
             # round trip spread over n_act SMs instead of a second launch. Bitwise the same
-            # arithmetic as the merge kernel (_merge_elems).
+            # arithmetic as the merge kernel (_merge_unit).
             tl.debug_barrier()  # every thread's partial stores precede the release below
-            seen = tl.atomic_add(cnt_ptr + sh, 1, sem="acq_rel", scope="gpu") + 1
+            seen = tl.atomic_add(cnt_ptr + sh, 1, sem="release", scope="gpu") + 1
+            # poll with plain volatile loads (no fence per poll), then one acquire
             while seen < n_act:
-                seen = tl.atomic_add(cnt_ptr + sh, 0, sem="acquire", scope="gpu")
-            for e0 in range(j * MC, G * D, n_act * MC):
-                _merge_elems(out_ptr, lse_ptr, part_ptr, s, h, e0, n_act, HQ, MAX_SPLITS,
-                             stride_ob, stride_oh, G, D, SPLIT_CHUNK, MC)
+                seen = tl.load(cnt_ptr + sh, volatile=True)
+            tl.atomic_add(cnt_ptr + sh, 0, sem="acquire", scope="gpu")
+            tl.debug_barrier()  # every thread's partial loads come after the acquire
+            # units (query head, D_CHUNK columns) of this (s, h), dealt round-robin to the splits
+            for u in range(j, G * (D // COOP_D), n_act):
+                _merge_unit(out_ptr, lse_ptr, part_ptr, s, h * G + u // (D // COOP_D),
+                            u % (D // COOP_D), n_act, HQ, MAX_SPLITS, stride_ob, stride_oh, D,
+                            COOP_CHUNK, COOP_D, True)
             # second counter (departures): the last split to leave resets both; every split
             # has left the wait by then, and the next launch is stream-ordered after this one
             gone = tl.atomic_add(cnt_ptr + n_sh + sh, 1, sem="relaxed", scope="gpu")
@@ -314,66 +319,69 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _merge_elems(out_ptr, lse_ptr, part_ptr, s, h, e0, n_split, HQ, MAX_SPLITS, stride_ob,
-                 stride_oh, G, D: tl.constexpr, SPLIT_CHUNK: tl.constexpr, MC: tl.constexpr):
-    """Merge split partials for elements [e0, e0 + MC) of (sequence s, KV head h); element e is
-    query head h*G + e // D, column e % D. Reads LSE slots 0..n_split-1 (the first SPLIT_CHUNK
-    together with their partials: one memory round trip); weights 2^(lse - max), an empty slot
-    (-inf) weighs 0 and its stale partial is masked out with a select. Elements whose slots are
-    all -inf (row finished by its single split) are not stored. Loads bypass L1 (.cg): the
-    partials were written by other SMs during this launch in the cooperative merge."""
-    offs_e = e0 + tl.arange(0, MC)
-    e_ok = offs_e < G * D
-    head = h * G + offs_e // D
-    col = offs_e % D
-    base = (s.to(tl.int64) * HQ + head) * MAX_SPLITS  # [MC] scratch row of split 0
+def _merge_unit(out_ptr, lse_ptr, part_ptr, s, hq, dc, n_split, HQ, MAX_SPLITS, stride_ob,
+                stride_oh, D: tl.constexpr, SPLIT_CHUNK: tl.constexpr, D_CHUNK: tl.constexpr,
+                CG: tl.constexpr):
+    """Merge the split partials of (sequence s, query head hq), columns [dc*D_CHUNK, +D_CHUNK).
+
+    Reads LSE slots 0..n_split-1: the first SPLIT_CHUNK together with their partials (one
+    memory round trip); weights 2^(lse - max), an empty slot (-inf) weighs 0 and its stale
+    partial is masked out with a select; nothing is stored when every slot is -inf (the row was
+    finished by its single split). CG: loads bypass L1 (the cooperative merge reads partials
+    other SMs wrote during the same launch)."""
+    base = (s.to(tl.int64) * HQ + hq) * MAX_SPLITS
     offs_j = tl.arange(0, SPLIT_CHUNK)
-    jm = (offs_j < n_split)[:, None] & e_ok[None, :]
-    rows = base[None, :] + offs_j[:, None]  # [SPLIT_CHUNK, MC]
-    lse = tl.load(lse_ptr + rows, mask=jm, other=float("-inf"), cache_modifier=".cg")
-    part = tl.load(part_ptr + rows * D + col[None, :], mask=jm, other=0.0, cache_modifier=".cg")
+    offs_d = dc * D_CHUNK + tl.arange(0, D_CHUNK)
+    jm = offs_j < n_split
+    if CG:
+        lse = tl.load(lse_ptr + base + offs_j, mask=jm, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(part_ptr + (base + offs_j)[:, None] * D + offs_d[None, :],
+                       mask=jm[:, None], other=0.0, cache_modifier=".cg")
+    else:
+        lse = tl.load(lse_ptr + base + offs_j, mask=jm, other=float("-inf"))
+        part = tl.load(part_ptr + (base + offs_j)[:, None] * D + offs_d[None, :],
+                       mask=jm[:, None], other=0.0)
     mx = tl.max(lse, 0)
     for c in range(SPLIT_CHUNK, n_split, SPLIT_CHUNK):  # only for > SPLIT_CHUNK splits
-        cm = ((c + offs_j) < n_split)[:, None] & e_ok[None, :]
-        mx = tl.maximum(mx, tl.max(tl.load(lse_ptr + rows + c, mask=cm, other=float("-inf"),
+        mx = tl.maximum(mx, tl.max(tl.load(lse_ptr + base + c + offs_j,
+                                           mask=(c + offs_j) < n_split, other=float("-inf"),
                                            cache_modifier=".cg"), 0))
-    has = mx > float("-inf")
-    mx = tl.where(has, mx, 0.0)
-    w = tl.exp2(lse - mx[None, :])  # empty slots: exp2(-inf) = 0
-    wsum = tl.sum(w, 0)
-    o = tl.sum(tl.where(w > 0.0, w * part, 0.0), 0)
-    for c in range(SPLIT_CHUNK, n_split, SPLIT_CHUNK):
-        cm = ((c + offs_j) < n_split)[:, None] & e_ok[None, :]
-        wc = tl.exp2(tl.load(lse_ptr + rows + c, mask=cm, other=float("-inf"),
-                             cache_modifier=".cg") - mx[None, :])
-        pc = tl.load(part_ptr + (rows + c) * D + col[None, :], mask=cm, other=0.0,
-                     cache_modifier=".cg")
-        wsum += tl.sum(wc, 0)
-        o += tl.sum(tl.where(wc > 0.0, wc * pc, 0.0), 0)
-    o = o / tl.where(wsum > 0.0, wsum, 1.0)
-    tl.store(out_ptr + s.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + col,
-             o.to(out_ptr.dtype.element_ty), mask=e_ok & has)
+    if mx > float("-inf"):  # the row has partials (n_active > 1)
+        w = tl.exp2(lse - mx)  # empty splits: exp2(-inf) = 0
+        wsum = tl.sum(w, 0)
+        o = tl.sum(tl.where(w[:, None] > 0.0, w[:, None] * part, 0.0), 0)
+        for c in range(SPLIT_CHUNK, n_split, SPLIT_CHUNK):
+            cm = (c + offs_j) < n_split
+            wc = tl.exp2(tl.load(lse_ptr + base + c + offs_j, mask=cm, other=float("-inf"),
+                                 cache_modifier=".cg") - mx)
+            pc = tl.load(part_ptr + (base + c + offs_j)[:, None] * D + offs_d[None, :],
+                         mask=cm[:, None], other=0.0, cache_modifier=".cg")
+            wsum += tl.sum(wc, 0)
+            o += tl.sum(tl.where(wc[:, None] > 0.0, wc[:, None] * pc, 0.0), 0)
+        o = o / wsum
+        tl.store(out_ptr + s.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh + offs_d,
+                 o.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["HQ", "HKV", "MAX_SPLITS", "G", "N_SL"])
+@triton.jit(do_not_specialize=["HQ", "MAX_SPLITS"])
 def _decode_merge_kernel(
-    out_ptr, lse_ptr, part_ptr, stride_ob, stride_oh, HQ, HKV, MAX_SPLITS, G, N_SL,
-    D: tl.constexpr, SPLIT_CHUNK: tl.constexpr, MC: tl.constexpr, USE_PDL: tl.constexpr,
+    out_ptr, lse_ptr, part_ptr, stride_ob, stride_oh, HQ, MAX_SPLITS,
+    D: tl.constexpr, SPLIT_CHUNK: tl.constexpr, D_CHUNK: tl.constexpr, N_DC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    # One program per (sequence, KV head, slice of MC of its G x D outputs). The split kernel
-    # wrote an LSE for every split slot (-inf: empty / inactive / row finished by its single
-    # split), so this kernel needs no row metadata: every slot is read and weighed.
+    # One program per (sequence, query head, D_CHUNK columns). The split kernel wrote an LSE for
+    # every split slot (-inf: empty / inactive / row finished by its single split), so this kernel
+    # needs no row metadata and reads every slot.
     pid = tl.program_id(0)
-    sh = pid // N_SL
-    e0 = (pid % N_SL) * MC
+    row = pid // N_DC  # s * HQ + query head
     if USE_PDL:
         # launched early (PDL): the split kernel's LSEs/partials are visible only after this
         # wait. Then let the next kernel (the next decode's split kernel) get scheduled; it
         # waits for our completion in turn before overwriting the scratch we read.
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    _merge_elems(out_ptr, lse_ptr, part_ptr, sh // HKV, sh % HKV, e0, MAX_SPLITS, HQ, MAX_SPLITS,
-                 stride_ob, stride_oh, G, D, SPLIT_CHUNK, MC)
+    _merge_unit(out_ptr, lse_ptr, part_ptr, row // HQ, row % HQ, pid % N_DC, MAX_SPLITS, HQ,
+                MAX_SPLITS, stride_ob, stride_oh, D, SPLIT_CHUNK, D_CHUNK, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,11 +550,11 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
                 variants.append(("coop", False, True))
             for merge, pdl, bal in variants:
                 inline, coop = merge == "inline", merge == "coop"
-                chunk, mc, _ = merge_geometry(p.max_splits, g, head_dim, coop=True) if coop \
-                    else (2, 16, 0)
+                chunk, mc = merge_geometry(p.max_splits, head_dim, coop=True) if coop \
+                    else (2, 16)
                 consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
                           "MERGE_INLINE": inline, "LSE_ALL": merge == "kernel", "USE_PDL": pdl,
-                          "BALANCE": bal, "MERGE_COOP": coop, "SPLIT_CHUNK": chunk, "MC": mc}
+                          "BALANCE": bal, "MERGE_COOP": coop, "COOP_CHUNK": chunk, "COOP_D": mc}
                 key = (tuple(consts.items()), p.num_warps, p.num_stages)
                 if key in seen:
                     continue
@@ -559,22 +567,16 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
                                     f"_s{p.num_stages}{'_inline' if inline else ''}"
                                     f"{f'_coop{chunk}' if coop else ''}_{dtype}"
                                     f"{'_bal' if bal else ''}{'_pdl' if pdl else ''}"})
-    groups = sorted({hq // hkv for hq, hkv in QUALIFIED["head_pairs"]})
     for pdl in pdl_modes:
         for splits in (2, 4, 8, 16, 32, 64):
-            for g in groups:
-                chunk, mc, _ = merge_geometry(splits, g, head_dim, coop=False)
-                consts = {"D": head_dim, "SPLIT_CHUNK": chunk, "MC": mc, "USE_PDL": pdl}
-                key = ("merge", tuple(consts.items()))
-                if key in seen:
-                    continue
-                seen.add(key)
-                sig, attrs = _aot(_decode_merge_kernel, _MERGE_PTRS, consts, dtype)
-                out.append({"kernel": _decode_merge_kernel, "signature": sig,
-                            "constexprs": consts, "attrs": attrs, "num_warps": 4,
-                            "num_stages": 1, "options": {"launch_pdl": True} if pdl else {},
-                            "name": f"decode_merge_chunk{chunk}_mc{mc}_{dtype}"
-                                    f"{'_pdl' if pdl else ''}"})
+            chunk, d_chunk = merge_geometry(splits, head_dim, coop=False)
+            consts = {"D": head_dim, "SPLIT_CHUNK": chunk, "D_CHUNK": d_chunk,
+                      "N_DC": head_dim // d_chunk, "USE_PDL": pdl}
+            sig, attrs = _aot(_decode_merge_kernel, _MERGE_PTRS, consts, dtype)
+            out.append({"kernel": _decode_merge_kernel, "signature": sig, "constexprs": consts,
+                        "attrs": attrs, "num_warps": 4, "num_stages": 1,
+                        "options": {"launch_pdl": True} if pdl else {},
+                        "name": f"decode_merge_chunk{chunk}_{dtype}{'_pdl' if pdl else ''}"})
     return out
 
 
@@ -695,11 +697,11 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
     rows = b * hq * splits if splits > 1 else 1
     # counters: arrivals (inline, coop) and departures (coop) per (sequence, KV head)
     sc = _get_scratch(q.device, rows, rows * d, 2 * b * hkv)  # may raise: before any allocation
-    chunk, mc, n_sl = merge_geometry(splits, g, d, coop=(merge == "coop"))
+    chunk, d_chunk = merge_geometry(splits, d, coop=(merge == "coop"))
     coop_kw = {"launch_cooperative_grid": True} if merge == "coop" else {}
-    # the split kernel reads SPLIT_CHUNK / MC only in the cooperative merge: fixed values
+    # the split kernel reads COOP_CHUNK / COOP_D only in the cooperative merge: fixed values
     # otherwise, so they add no compiled variant
-    split_merge = (chunk, mc) if merge == "coop" else (2, 16)
+    split_merge = (chunk, d_chunk) if merge == "coop" else (2, 16)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
     with ctx:
@@ -712,14 +714,14 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             G=g, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n,
             MERGE_INLINE=(merge == "inline"), LSE_ALL=(splits > 1 and merge == "kernel"),
             USE_PDL=use_pdl, BALANCE=plan.balance_slots > 0, TAIL_IN_LOOP=plan.tail_in_loop,
-            MERGE_COOP=(merge == "coop"), SPLIT_CHUNK=split_merge[0], MC=split_merge[1],
+            MERGE_COOP=(merge == "coop"), COOP_CHUNK=split_merge[0], COOP_D=split_merge[1],
             num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw, **coop_kw,
         )
         if splits > 1 and merge == "kernel":
-            _decode_merge_kernel[(b * hkv * n_sl,)](
-                out, sc.lse, sc.part, out.stride(0), out.stride(1), hq, hkv, splits, g, n_sl,
-                D=d, SPLIT_CHUNK=chunk, MC=mc, USE_PDL=use_pdl, num_warps=4, num_stages=1,
-                **pdl_kw,
+            _decode_merge_kernel[(b * hq * (d // d_chunk),)](
+                out, sc.lse, sc.part, out.stride(0), out.stride(1), hq, splits,
+                D=d, SPLIT_CHUNK=chunk, D_CHUNK=d_chunk, N_DC=d // d_chunk,
+                USE_PDL=use_pdl, num_warps=4, num_stages=1, **pdl_kw,
             )
     return out
 
@@ -727,15 +729,13 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
 MERGE_MODES = ("kernel", "inline", "coop", "auto")
 
 
-def merge_geometry(splits: int, group: int, head_dim: int, *, coop: bool) -> tuple[int, int, int]:
-    """(SPLIT_CHUNK, MC, slices) of the merge: split slots read per round trip (a power of two
-    covering every split up to 64), elements per [SPLIT_CHUNK, MC] tile (<= 2048 floats for the
-    merge kernel, 16 per thread; <= 4096 in the cooperative merge so that one slice per split
-    covers G x D at B = 1: 48 slices of 64 for 64 splits at G = 12, D = 256), and the number of
-    MC-element slices of one (sequence, KV head)'s G x D outputs."""
+def merge_geometry(splits: int, head_dim: int, *, coop: bool) -> tuple[int, int]:
+    """(SPLIT_CHUNK, D_CHUNK) of the merge: split slots read per round trip (a power of two
+    covering every split up to 64) and columns per [SPLIT_CHUNK, D_CHUNK] tile: <= 2048 floats
+    (16 per thread) in the merge kernel; <= 4096 in the cooperative merge, so that one unit per
+    split covers a row's G x D outputs at B = 1 (G = 12, D = 256, 64 splits: 48 units of 64)."""
     chunk = min(max(2, next_pow2(splits)), 64)
-    mc = max(16, min(next_pow2(group * head_dim), (4096 if coop else 2048) // chunk))
-    return chunk, mc, -(-group * head_dim // mc)
+    return chunk, max(16, min(head_dim, (4096 if coop else 2048) // chunk))
 
 
 def resolve_merge(merge: str, batch: int, num_kv_heads: int, splits: int,

@@ -170,10 +170,10 @@ def test_resolve_merge_and_geometry(monkeypatch):
     case = make_case([40, 3], 12, 1, 64)
     with dec.plan_override(merge="coop"), pytest.raises(ValueError, match="coop"):
         qsa_triton.sparse_decode(*case, 40)
-    # B = 1, 64 splits, G = 12, D = 256: 48 slices of 64 elements, one per split
-    assert dec.merge_geometry(64, 12, 256, coop=True) == (64, 64, 48)
-    assert dec.merge_geometry(64, 12, 256, coop=False) == (64, 32, 96)
-    assert dec.merge_geometry(2, 1, 32, coop=False) == (2, 32, 1)
+    # B = 1, 64 splits, D = 256: units of 64 columns (G = 12: 48 units, one per split)
+    assert dec.merge_geometry(64, 256, coop=True) == (64, 64)
+    assert dec.merge_geometry(64, 256, coop=False) == (64, 32)
+    assert dec.merge_geometry(3, 32, coop=False) == (4, 32)
     names = [c["name"] for c in dec.compile_configs("sm_121")]
     assert any("_coop64_" in n for n in names) and any("decode_merge_chunk64" in n for n in names)
 
