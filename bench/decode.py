@@ -295,11 +295,13 @@ def run_compare(*, tps=tuple(TP), batches=BATCHES, rows=ROWS, rounds: int = 15,
     res = result_header(
         gpu=gpu_name(), copy_bandwidth_Bps=bw, providers=providers, rounds=rounds,
         torch=torch.__version__, triton=_triton_version(), merge_mode=dec.MERGE_MODE,
-        pdl=dec.pdl_enabled(dev), pdl_env=os.environ.get(dec.PDL_ENV, "auto"),
+        pdl=dec.pdl_enabled(dev, kv_rows=1), pdl_env=os.environ.get(dec.PDL_ENV, "auto"),
+        pdl_auto_max_kv_rows=dec.PDL_AUTO_MAX_KV_ROWS,
         pdl_supported=dec.pdl_supported(dev))
     print(f"{gpu_name()}: copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
-    print(f"ours: PDL {'ON' if res['pdl'] else 'off'} ({dec.PDL_ENV}={res['pdl_env']}, "
-          f"PDL_AUTO={dec.PDL_AUTO}, supported={res['pdl_supported']})")
+    print(f"ours: PDL {'on where B x Hkv <= %d' % dec.PDL_AUTO_MAX_KV_ROWS if res['pdl'] else 'off'}"
+          f" ({dec.PDL_ENV}={res['pdl_env']}, PDL_AUTO={dec.PDL_AUTO}, "
+          f"supported={res['pdl_supported']})")
     print(f"providers: {', '.join(providers)} (x first = time of {first} / time)")
     hdr = (f"{'case':24s} {'provider':10s} {'us':>8s} {'p10':>7s} {'p90':>7s} {'GB/s':>7s} "
            f"{'%copy':>6s} {'x first':>8s} {'x sm121':>8s} {'relL2':>8s}")
@@ -472,7 +474,8 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
     dev = torch.device(device)
     time_interleaved, bw = _timers(dev)
     res: dict[str, Any] = {"gpu": gpu_name(), "copy_bandwidth_Bps": bw, "shapes": [],
-                           "failures": [], "pdl_default": dec.pdl_enabled(dev),
+                           "failures": [], "pdl_default": {"on": dec.pdl_enabled(dev, kv_rows=1),
+                                                            "max_kv_rows": dec.PDL_AUTO_MAX_KV_ROWS},
                            "pdl_supported": dec.pdl_supported(dev)}
     pdl_ratio: dict[str, list[float]] = {}  # on / off time, per configuration kind
     rel_by_cfg: dict[str, list[float]] = {}
@@ -482,6 +485,7 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
         hq, hkv = TP[tp]
         nbytes = sum(lens) * hkv * D * 2 * 2
         ref = torch_reference(q, k, v, cq, ck)
+        pdl_now = dec.pdl_enabled(dev, kv_rows=b * hkv)  # the default mode for this shape
         base_plan = plan_decode(b, hkv, hq // hkv, D, MSK, dec._sm_count(dev))
 
         def provider(plan, merge, pdl=None):
@@ -497,7 +501,7 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
                     chk = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
                 meta[name] = {"plan": plan.__dict__, "merge": merge,
-                              "pdl": pdl[0] if pdl else res["pdl_default"], **chk}
+                              "pdl": pdl[0] if pdl else pdl_now, **chk}
                 if chk.get("ok"):
                     provs[name] = fn
                 else:

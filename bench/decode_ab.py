@@ -26,25 +26,10 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "qsa_triton" / "decode.py"
 
 #: variant -> (merge mode for the launch, [(old, new) text edits of decode.py]); a "_pdl"
-#: suffix on a name launches that variant with Programmatic Dependent Launch
+#: suffix on a name launches that variant with Programmatic Dependent Launch forced on
 EDITS = {
     "head": ("auto", []),
-    "head_kernel": ("kernel", []),
-    "head_kernel_pdl": ("kernel", []),
-    # the cooperative merge launched without the cooperative attribute (grid <= SMs: resident)
-    "coop_noattr": ("coop", [(
-        'coop_kw = {"launch_cooperative_grid": True} if merge == "coop" else {}',
-        "coop_kw = {}")]),
-    # the cooperative merge also where the grid fits two programs per SM (TP2/TP4 B = 64)
-    "coop2x": ("auto", [
-        ("splits > 1 and batch * num_kv_heads * splits <= sms",
-         "splits > 1 and batch * num_kv_heads * splits <= 2 * sms"),
-        ('if merge == "coop" and batch * num_kv_heads * splits > sms:',
-         'if merge == "coop" and batch * num_kv_heads * splits > 2 * sms:')]),
-    # the merge-kernel path with the split kernel launched as a cooperative grid (attribute cost)
-    "kernel_attr": ("kernel", [(
-        'coop_kw = {"launch_cooperative_grid": True} if merge == "coop" else {}',
-        'coop_kw = {"launch_cooperative_grid": True}')]),
+    "head_nopdl": ("auto", [("PDL_AUTO = True\n", "PDL_AUTO = False\n")]),
 }
 SHAPES = [(tp, b, rows) for tp in ("TP1", "TP2", "TP4") for b in (1, 4, 16)
           for rows in ("saturated", "mixed")] + [

@@ -65,7 +65,12 @@ def main(argv=None) -> int:
 
         grid = b * hkv * plan.max_splits
         empty = lambda: _empty[(grid,)](dummy, grid)  # noqa: E731
-        provs = {"full": full, "split_only": split_only, "empty_kernel": empty}
+        kk, vv = k[: int(ck[-1])], v[: int(ck[-1])]
+        # the same K/V bytes through torch's own reduction kernels (two launches): what a
+        # vendor read-only kernel reaches on exactly these bytes
+        read_only = lambda: (kk.sum(dtype=torch.float32), vv.sum(dtype=torch.float32))  # noqa: E731
+        provs = {"full": full, "split_only": split_only, "empty_kernel": empty,
+                 "torch_sum_kv": read_only}
         peer, _ = _peer_providers(q, k, v, cq, ck, lens, 256 ** -0.5, {"generic", "pallas"})
         provs.update(peer)
         if args.ncu:
@@ -76,9 +81,13 @@ def main(argv=None) -> int:
             continue
         t = time_interleaved(provs, rounds=9, target_replay_us=1000.0)
         line = {n: round(x["median_us"], 2) for n, x in t.items() if "median_us" in x}
-        print(f"{tp} B={b} {rows}: plan splits={plan.max_splits} merge={merge} | {line}", flush=True)
+        nbytes = sum(lens) * hkv * 256 * 2 * 2  # K + V rows read
+        tbps = {n: round(nbytes / (us * 1e-6) / 1e12, 2) for n, us in line.items()
+                if n != "empty_kernel"}
+        print(f"{tp} B={b} {rows}: plan splits={plan.max_splits} merge={merge} | us {line} | "
+              f"K+V TB/s {tbps}", flush=True)
         res["cases"].append({"tp": tp, "B": b, "rows": rows, "plan": plan.__dict__, "merge": merge,
-                             "us": line})
+                             "us": line, "kv_bytes": nbytes, "kv_tbps": tbps})
     if not args.ncu:
         path = write_json(args.json or out_dir() / "decode_profile.json", res)
         print(f"wrote {path}")

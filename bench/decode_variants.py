@@ -24,22 +24,20 @@ from bench.decode import BATCHES, D, MSK, ROWS, TP, _check, _peer_providers, _ti
 #: variant -> plan_override fields (the plan is fixed per shape before timing, so graph capture
 #: keeps it), plus "merge" / "pdl" for the launch
 VARIANTS = {
-    "v2": {"balance": False, "merge": "kernel"},
-    "v4": {},  # the shipped default: balance, BALANCE_SLOTS_PER_SM x SMs slots, merge auto
-    "v3": {"coop": False},  # merge auto without the cooperative merge (decode v3's rule)
-    "v4_s4": {"num_stages": 4},  # three K/V tiles in flight per program instead of two
-    "v4_bn64": {"block_n": 64, "num_stages": 2},
-    "v4_bn64_s3": {"block_n": 64, "num_stages": 3},
-    "v4_bn16_s5": {"block_n": 16, "num_stages": 5},
+    "v2": {"balance": False, "merge": "kernel", "pdl": False},
+    "v4": {},  # the shipped default: balance, merge auto, PDL auto (on where B x Hkv <= 16)
+    "v3": {"pdl": False},  # decode v3: PDL off everywhere
+    "v4_pdl_all": {"pdl": True},
     "v3_s1": {"balance_slots_per_sm": 1},
     "v3_s3": {"balance_slots_per_sm": 3},
     "v3_kernel": {"merge": "kernel"},
     "v3_inline": {"merge": "inline"},
     "v3_grid2": {"grid_splits": 2},
     "v3_s1_grid2": {"balance_slots_per_sm": 1, "grid_splits": 2},
-    "v3_pdl": {"pdl": True},
     "v3_tail": {"tail_in_loop": True},
-    "v3_tail_pdl": {"tail_in_loop": True, "pdl": True},
+    # B x Hkv <= 2 only: 128 splits (one BLOCK_N block each at 2051 keys), or BLOCK_N 16
+    "v4_ms128_small": {"small": {"max_splits": 128}},
+    "v4_bn16_small": {"small": {"max_splits": 128, "block_n": 16}},
 }
 
 
@@ -49,6 +47,8 @@ def _plan(dec, b, hkv, g, dev, spec):
     from interop.decode_plan import next_pow2  # noqa: PLC0415
 
     fields = {k: v for k, v in spec.items() if k in ("balance",)}
+    if "small" in spec and b * hkv <= 2:
+        fields.update(spec["small"])
     with dec.plan_override(**fields):
         plan, merge = dec.plan_for(b, hkv, g, D, MSK, dev)
     sms = dec._sm_count(dev)
@@ -56,16 +56,12 @@ def _plan(dec, b, hkv, g, dev, spec):
         plan = dataclasses.replace(plan, balance_slots=spec["balance_slots_per_sm"] * sms)
     if "tail_in_loop" in spec:
         plan = dataclasses.replace(plan, tail_in_loop=spec["tail_in_loop"])
-    plan = dataclasses.replace(plan, **{k: spec[k] for k in ("num_stages", "block_n") if k in spec})
     if "grid_splits" in spec and plan.balance_slots:
         with dec.plan_override(balance=False):
             static, _ = dec.plan_for(b, hkv, g, D, MSK, dev)
         ms = max(static.max_splits, min(spec["grid_splits"], next_pow2(math.ceil(MSK / plan.block_n))))
         plan = dataclasses.replace(plan, max_splits=ms)
-    merge = spec.get("merge", merge)
-    if merge == "auto" and spec.get("coop") is False:  # decode v3's auto rule
-        merge = "inline" if 2 * b * hkv >= sms else "kernel"
-    return plan, merge, spec.get("pdl")
+    return plan, spec.get("merge", merge), spec.get("pdl")
 
 
 def main(argv=None) -> int:

@@ -87,19 +87,16 @@ __all__ = [
     "MERGE_MODE",
     "PDL_ENV",
     "PDL_AUTO",
+    "PDL_AUTO_MAX_KV_ROWS",
     "pdl_supported",
     "pdl_enabled",
 ]
 
 #: default merge of split partials: "kernel" (second small kernel), "inline" (last-arriving
-#: split merges, counters reset in the same launch), "coop" (all splits of a row wait for each
-#: other, then merge one slice each, in the same launch) or "auto" (``resolve_merge``): coop
-#: where the grid fits one program per SM, inline where B x Hkv >= SMs / 2 (rows get few
-#: splits, most none: no second launch), the kernel otherwise (many splits per row: one program
-#: merging 64 partials serially was 2-4x slower, H200 sweep run 2).
+#: split merges, counters reset in the same launch) or "auto": inline where B x Hkv >= SMs / 2
+#: (rows get few splits, most none: no second launch), the kernel below that (many splits per
+#: row: one program merging 64 partials serially was 2-4x slower, H200 sweep run 2).
 MERGE_MODE = "auto"
-#: "auto" may pick the cooperative merge (H200 run 15 decides; bench/NOTES.md decode v4)
-COOP_AUTO = True
 #: device-side balance of split counts over the batch's total keys (interop/decode_plan.py);
 #: plan_override(balance=False) gives the static per-row rule (decode v2).
 BALANCE = True
@@ -116,12 +113,16 @@ _LOG2E = 1.4426950408889634
 #: Selected per call by the environment variable QSA_DECODE_PDL (read on every call, so a CUDA
 #: graph keeps the mode it was captured with) or ``plan_override(pdl=True|False)``:
 #:   "off": never; "on": always (ContractError where unsupported); "auto" (default): on where
-#:   supported if PDL_AUTO is True. PDL_AUTO stays False until the H200 run (bench/decode.py
-#:   --sweep prints PDL on vs off; tests/test_triton_decode.py -m gpu checks on == off bitwise,
-#:   also under CUDA-graph replay) has confirmed it: flip it then.
+#:   supported, PDL_AUTO is True and B x Hkv <= PDL_AUTO_MAX_KV_ROWS. Why the row bound (H200,
+#:   bench/NOTES.md decode v4): with few (sequence, KV head) rows the call is a latency chain and
+#:   PDL hides the merge launch (TP1 B = 1: 7.74 -> 6.98 us, TP2 B = 16: 13.85 -> 13.08 us);
+#:   from B x Hkv = 32 on, the early-scheduled grids hold SM slots the split kernel needs
+#:   (TP1 B = 16 mixed 19.2 -> 21.4 us, B >= 32 about +1 us). Results are bitwise the same either
+#:   way (tests/test_triton_decode.py -m gpu, eager and under CUDA-graph replay).
 PDL_ENV = "QSA_DECODE_PDL"
 PDL_MODES = ("auto", "on", "off")
-PDL_AUTO = False
+PDL_AUTO = True
+PDL_AUTO_MAX_KV_ROWS = 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +178,6 @@ def _decode_split_kernel(
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
     MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr, USE_PDL: tl.constexpr,
     BALANCE: tl.constexpr, TAIL_IN_LOOP: tl.constexpr = False,
-    MERGE_COOP: tl.constexpr = False, COOP_CHUNK: tl.constexpr = 2, COOP_D: tl.constexpr = 16,
 ):
     if USE_PDL:
         # Programmatic Dependent Launch (see PDL_AUTO): this grid may start before the previous
@@ -200,10 +200,9 @@ def _decode_split_kernel(
     sh = pid % n_sh
     s = sh // HKV
     h = sh % HKV
-    # the query row's index is loaded before the split bookkeeping, in the same memory round
-    # trip as cu_seqlens_k: the q load then issues with the first K/V loads instead of one round
-    # trip after them (at B = 1 a split streams one or two blocks: the chain of dependent loads
-    # is its time)
+    # the query row's index is loaded with cu_seqlens_k, before the split bookkeeping and its
+    # early exit, so the q load can issue with the first K/V loads (at B = 1 a split streams
+    # one or two blocks: its chain of dependent loads is its time)
     q_row = tl.load(cu_q_ptr + s).to(tl.int64)
     k_lo, n, blocks, n_act = _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ,
                                             HKV, SLOTS, BALANCE)
@@ -216,8 +215,9 @@ def _decode_split_kernel(
             tl.store(lse_ptr + part_row, tl.full([HT], float("-inf"), tl.float32), mask=m_ok)
         return
     # block boundaries rounded up: where the blocks do not divide evenly the *first* splits take
-    # the extra block (full blocks, both pipelined together) and the last split keeps only the
-    # row's partial block, so no split waits for a masked block after a full one
+    # the extra block (full blocks, pipelined together) and the last split keeps only the row's
+    # partial block, so no split waits for a masked block after a full one (int64: blocks x j
+    # may pass 2^31 for rows near the int32 limit)
     blocks64 = blocks.to(tl.int64)
     start = (tl.cdiv(blocks64 * j, n_act) * BLOCK_N).to(tl.int32)  # <= n: fits int32
     stop = tl.minimum((tl.cdiv(blocks64 * (j + 1), n_act) * BLOCK_N).to(tl.int32), n)
@@ -292,75 +292,6 @@ def _decode_split_kernel(
                 tl.store(out_ptr + o_rows[:, None] + offs_d[None, :],
                          o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
                 tl.atomic_xchg(cnt_ptr + sh, 0, sem="release", scope="gpu")
-        if MERGE_COOP:
-            # Cooperative merge (small grids, launched with launch_cooperative_grid so that every
-            # program is resident): the n_act splits of (s, h) meet at a counter, then each
-            # merges its own (query head, COOP_D columns) units of the row, so the merge costs one
-            # round trip spread over n_act SMs instead of a second launch. Bitwise the same
-            # arithmetic as the merge kernel (_merge_unit).
-            tl.debug_barrier()  # every thread's partial stores precede the release below
-            seen = tl.atomic_add(cnt_ptr + sh, 1, sem="release", scope="gpu") + 1
-            # poll with plain volatile loads (no fence per poll), then one acquire
-            while seen < n_act:
-                seen = tl.load(cnt_ptr + sh, volatile=True)
-            tl.atomic_add(cnt_ptr + sh, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()  # every thread's partial loads come after the acquire
-            # units (query head, D_CHUNK columns) of this (s, h), dealt round-robin to the splits
-            for u in range(j, G * (D // COOP_D), n_act):
-                _merge_unit(out_ptr, lse_ptr, part_ptr, s, h * G + u // (D // COOP_D),
-                            u % (D // COOP_D), n_act, HQ, MAX_SPLITS, stride_ob, stride_oh, D,
-                            COOP_CHUNK, COOP_D, True)
-            # second counter (departures): the last split to leave resets both; every split
-            # has left the wait by then, and the next launch is stream-ordered after this one
-            gone = tl.atomic_add(cnt_ptr + n_sh + sh, 1, sem="relaxed", scope="gpu")
-            if gone == n_act - 1:
-                tl.atomic_xchg(cnt_ptr + sh, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(cnt_ptr + n_sh + sh, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _merge_unit(out_ptr, lse_ptr, part_ptr, s, hq, dc, n_split, HQ, MAX_SPLITS, stride_ob,
-                stride_oh, D: tl.constexpr, SPLIT_CHUNK: tl.constexpr, D_CHUNK: tl.constexpr,
-                CG: tl.constexpr):
-    """Merge the split partials of (sequence s, query head hq), columns [dc*D_CHUNK, +D_CHUNK).
-
-    Reads LSE slots 0..n_split-1: the first SPLIT_CHUNK together with their partials (one
-    memory round trip); weights 2^(lse - max), an empty slot (-inf) weighs 0 and its stale
-    partial is masked out with a select; nothing is stored when every slot is -inf (the row was
-    finished by its single split). CG: loads bypass L1 (the cooperative merge reads partials
-    other SMs wrote during the same launch)."""
-    base = (s.to(tl.int64) * HQ + hq) * MAX_SPLITS
-    offs_j = tl.arange(0, SPLIT_CHUNK)
-    offs_d = dc * D_CHUNK + tl.arange(0, D_CHUNK)
-    jm = offs_j < n_split
-    if CG:
-        lse = tl.load(lse_ptr + base + offs_j, mask=jm, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(part_ptr + (base + offs_j)[:, None] * D + offs_d[None, :],
-                       mask=jm[:, None], other=0.0, cache_modifier=".cg")
-    else:
-        lse = tl.load(lse_ptr + base + offs_j, mask=jm, other=float("-inf"))
-        part = tl.load(part_ptr + (base + offs_j)[:, None] * D + offs_d[None, :],
-                       mask=jm[:, None], other=0.0)
-    mx = tl.max(lse, 0)
-    for c in range(SPLIT_CHUNK, n_split, SPLIT_CHUNK):  # only for > SPLIT_CHUNK splits
-        mx = tl.maximum(mx, tl.max(tl.load(lse_ptr + base + c + offs_j,
-                                           mask=(c + offs_j) < n_split, other=float("-inf"),
-                                           cache_modifier=".cg"), 0))
-    if mx > float("-inf"):  # the row has partials (n_active > 1)
-        w = tl.exp2(lse - mx)  # empty splits: exp2(-inf) = 0
-        wsum = tl.sum(w, 0)
-        o = tl.sum(tl.where(w[:, None] > 0.0, w[:, None] * part, 0.0), 0)
-        for c in range(SPLIT_CHUNK, n_split, SPLIT_CHUNK):
-            cm = (c + offs_j) < n_split
-            wc = tl.exp2(tl.load(lse_ptr + base + c + offs_j, mask=cm, other=float("-inf"),
-                                 cache_modifier=".cg") - mx)
-            pc = tl.load(part_ptr + (base + c + offs_j)[:, None] * D + offs_d[None, :],
-                         mask=cm[:, None], other=0.0, cache_modifier=".cg")
-            wsum += tl.sum(wc, 0)
-            o += tl.sum(tl.where(wc[:, None] > 0.0, wc[:, None] * pc, 0.0), 0)
-        o = o / wsum
-        tl.store(out_ptr + s.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh + offs_d,
-                 o.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["HQ", "MAX_SPLITS"])
@@ -371,17 +302,45 @@ def _decode_merge_kernel(
 ):
     # One program per (sequence, query head, D_CHUNK columns). The split kernel wrote an LSE for
     # every split slot (-inf: empty / inactive / row finished by its single split), so this kernel
-    # needs no row metadata and reads every slot.
+    # needs no row metadata: it issues the LSE and partial loads of the first SPLIT_CHUNK splits
+    # together (one memory round trip; SPLIT_CHUNK covers every split unless an override asks for
+    # more than 128) and masks by weight with tl.where, so stale partials are never used.
     pid = tl.program_id(0)
     row = pid // N_DC  # s * HQ + query head
+    dc = pid % N_DC
+    s = row // HQ
+    hq = row % HQ
+    base = row.to(tl.int64) * MAX_SPLITS
+    offs_j = tl.arange(0, SPLIT_CHUNK)
+    offs_d = dc * D_CHUNK + tl.arange(0, D_CHUNK)
+    jm = offs_j < MAX_SPLITS
     if USE_PDL:
         # launched early (PDL): the split kernel's LSEs/partials are visible only after this
         # wait. Then let the next kernel (the next decode's split kernel) get scheduled; it
         # waits for our completion in turn before overwriting the scratch we read.
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    _merge_unit(out_ptr, lse_ptr, part_ptr, row // HQ, row % HQ, pid % N_DC, MAX_SPLITS, HQ,
-                MAX_SPLITS, stride_ob, stride_oh, D, SPLIT_CHUNK, D_CHUNK, False)
+    lse = tl.load(lse_ptr + base + offs_j, mask=jm, other=float("-inf"))
+    part = tl.load(part_ptr + (base + offs_j)[:, None] * D + offs_d[None, :], mask=jm[:, None],
+                   other=0.0)
+    mx = tl.max(lse, 0)
+    for c in range(SPLIT_CHUNK, MAX_SPLITS, SPLIT_CHUNK):  # only for > SPLIT_CHUNK splits
+        mx = tl.maximum(mx, tl.max(tl.load(lse_ptr + base + c + offs_j,
+                                           mask=(c + offs_j) < MAX_SPLITS, other=float("-inf")), 0))
+    if mx > float("-inf"):  # the row has partials (n_active > 1)
+        w = tl.exp2(lse - mx)  # empty splits: exp2(-inf) = 0
+        wsum = tl.sum(w, 0)
+        o = tl.sum(tl.where(w[:, None] > 0.0, w[:, None] * part, 0.0), 0)
+        for c in range(SPLIT_CHUNK, MAX_SPLITS, SPLIT_CHUNK):
+            cm = (c + offs_j) < MAX_SPLITS
+            wc = tl.exp2(tl.load(lse_ptr + base + c + offs_j, mask=cm, other=float("-inf")) - mx)
+            pc = tl.load(part_ptr + (base + c + offs_j)[:, None] * D + offs_d[None, :],
+                         mask=cm[:, None], other=0.0)
+            wsum += tl.sum(wc, 0)
+            o += tl.sum(tl.where(wc[:, None] > 0.0, wc[:, None] * pc, 0.0), 0)
+        o = o / wsum
+        tl.store(out_ptr + s.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh + offs_d,
+                 o.to(out_ptr.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,8 +400,8 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
         return hit
     merge = fields.pop("merge", MERGE_MODE)
     fields.pop("pdl", None)  # launch mode, not geometry: resolved per call by pdl_enabled
-    if merge not in MERGE_MODES:
-        raise ValueError(f"merge must be one of {MERGE_MODES}, got {merge!r}")
+    if merge not in ("kernel", "inline", "auto"):
+        raise ValueError(f"merge must be 'kernel', 'inline' or 'auto', got {merge!r}")
     sms = _sm_count(device)
     plan = plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k, sms,
                        max_splits=fields.pop("max_splits", None), block_n=fields.pop("block_n", None),
@@ -542,19 +501,13 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
         for b in range(lo, hi + 1):
             p = fit_shared_memory(plan_decode(b, hkv, g, head_dim, QUALIFIED["max_seqlen_k"]),
                                   head_dim, 2, limit)
-            # (merge, PDL, balance): PDL only for the merge="kernel" path; the cooperative merge
-            # (its tile depends on the plan's split count) only where the grid splits
-            variants = [(m, False, bal) for m in ("kernel", "inline") for bal in (False, True)]
-            variants += [("kernel", True, bal) for bal in (False, True)] if True in pdl_modes else []
-            if p.max_splits > 1 and b * hkv * p.max_splits <= 132:  # where "auto" picks coop
-                variants.append(("coop", False, True))
-            for merge, pdl, bal in variants:
-                inline, coop = merge == "inline", merge == "coop"
-                chunk, mc = merge_geometry(p.max_splits, head_dim, coop=True) if coop \
-                    else (2, 16)
+            # (merge inline, PDL, balance): PDL only for the merge="kernel" path
+            variants = [(i, False, bal) for i in (False, True) for bal in (False, True)] + (
+                [(False, True, bal) for bal in (False, True)] if True in pdl_modes else [])
+            for inline, pdl, bal in variants:
                 consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
-                          "MERGE_INLINE": inline, "LSE_ALL": merge == "kernel", "USE_PDL": pdl,
-                          "BALANCE": bal, "MERGE_COOP": coop, "COOP_CHUNK": chunk, "COOP_D": mc}
+                          "MERGE_INLINE": inline, "LSE_ALL": not inline, "USE_PDL": pdl,
+                          "BALANCE": bal}
                 key = (tuple(consts.items()), p.num_warps, p.num_stages)
                 if key in seen:
                     continue
@@ -564,12 +517,11 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
                             "attrs": attrs, "num_warps": p.num_warps, "num_stages": p.num_stages,
                             "options": {"launch_pdl": True} if pdl else {},
                             "name": f"decode_split_G{g}_ht{p.head_tile}_bn{p.block_n}_w{p.num_warps}"
-                                    f"_s{p.num_stages}{'_inline' if inline else ''}"
-                                    f"{f'_coop{chunk}' if coop else ''}_{dtype}"
+                                    f"_s{p.num_stages}{'_inline' if inline else ''}_{dtype}"
                                     f"{'_bal' if bal else ''}{'_pdl' if pdl else ''}"})
     for pdl in pdl_modes:
-        for splits in (2, 4, 8, 16, 32, 64):
-            chunk, d_chunk = merge_geometry(splits, head_dim, coop=False)
+        for chunk in (2, 4, 8, 16, 32, 64, 128):
+            d_chunk = max(16, min(head_dim, 2048 // chunk))
             consts = {"D": head_dim, "SPLIT_CHUNK": chunk, "D_CHUNK": d_chunk,
                       "N_DC": head_dim // d_chunk, "USE_PDL": pdl}
             sig, attrs = _aot(_decode_merge_kernel, _MERGE_PTRS, consts, dtype)
@@ -586,7 +538,7 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
 class _Scratch:
     lse: torch.Tensor  # fp32 [rows]          rows = B * Hq * max_splits
     part: torch.Tensor  # fp32 [rows * D]
-    counters: torch.Tensor  # int32 [2 * B * Hkv] (arrivals, departures), zero between launches
+    counters: torch.Tensor  # int32 [B * Hkv], zero between launches
 
     def fits(self, rows: int, elems: int, slots: int) -> bool:
         return (rows <= self.lse.numel() and elems <= self.part.numel()
@@ -614,7 +566,7 @@ def _qualified_need() -> tuple[int, int, int]:
             for bal in (False, True):
                 p = plan_decode(b, hkv, hq // hkv, d, QUALIFIED["max_seqlen_k"], balance=bal)
                 r = b * hq * p.max_splits
-                rows, elems, slots = max(rows, r), max(elems, r * d), max(slots, 2 * b * hkv)
+                rows, elems, slots = max(rows, r), max(elems, r * d), max(slots, b * hkv)
     return rows, elems, slots
 
 
@@ -686,22 +638,17 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
     if q.device.type != "cuda" and not _interpreting():
         raise ContractError("sparse_decode", "q", "a CUDA tensor (CPU tensors run only under "
                             "Triton's interpreter, TRITON_INTERPRET=1)", str(q.device))
-    use_pdl = pdl_enabled(q.device, pdl)  # may raise: before any allocation
+    use_pdl = pdl_enabled(q.device, pdl, q.shape[0] * k.shape[1])  # may raise: before any allocation
     # launch_pdl=True is passed only when on: the interpreter / older Triton never see it
     pdl_kw = {"launch_pdl": True} if use_pdl else {}
     b, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     splits = int(plan.max_splits)
-    merge = resolve_merge(merge, b, hkv, splits, q.device)
+    if merge == "auto":  # see MERGE_MODE
+        merge = "inline" if 2 * b * hkv >= _sm_count(q.device) else "kernel"
     rows = b * hq * splits if splits > 1 else 1
-    # counters: arrivals (inline, coop) and departures (coop) per (sequence, KV head)
-    sc = _get_scratch(q.device, rows, rows * d, 2 * b * hkv)  # may raise: before any allocation
-    chunk, d_chunk = merge_geometry(splits, d, coop=(merge == "coop"))
-    coop_kw = {"launch_cooperative_grid": True} if merge == "coop" else {}
-    # the split kernel reads COOP_CHUNK / COOP_D only in the cooperative merge: fixed values
-    # otherwise, so they add no compiled variant
-    split_merge = (chunk, d_chunk) if merge == "coop" else (2, 16)
+    sc = _get_scratch(q.device, rows, rows * d, b * hkv)  # may raise: before any allocation
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
     with ctx:
@@ -714,77 +661,17 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             G=g, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n,
             MERGE_INLINE=(merge == "inline"), LSE_ALL=(splits > 1 and merge == "kernel"),
             USE_PDL=use_pdl, BALANCE=plan.balance_slots > 0, TAIL_IN_LOOP=plan.tail_in_loop,
-            MERGE_COOP=(merge == "coop"), COOP_CHUNK=split_merge[0], COOP_D=split_merge[1],
-            num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw, **coop_kw,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
         if splits > 1 and merge == "kernel":
+            chunk = min(max(2, next_pow2(splits)), 128)  # every split in one round trip
+            d_chunk = max(16, min(d, 2048 // chunk))  # tile <= 2048 floats: 16 per thread
             _decode_merge_kernel[(b * hq * (d // d_chunk),)](
                 out, sc.lse, sc.part, out.stride(0), out.stride(1), hq, splits,
                 D=d, SPLIT_CHUNK=chunk, D_CHUNK=d_chunk, N_DC=d // d_chunk,
                 USE_PDL=use_pdl, num_warps=4, num_stages=1, **pdl_kw,
             )
     return out
-
-
-MERGE_MODES = ("kernel", "inline", "coop", "auto")
-
-
-def merge_geometry(splits: int, head_dim: int, *, coop: bool) -> tuple[int, int]:
-    """(SPLIT_CHUNK, D_CHUNK) of the merge: split slots read per round trip (a power of two
-    covering every split up to 64) and columns per [SPLIT_CHUNK, D_CHUNK] tile: <= 2048 floats
-    (16 per thread) in the merge kernel; <= 4096 in the cooperative merge, so that one unit per
-    split covers a row's G x D outputs at B = 1 (G = 12, D = 256, 64 splits: 48 units of 64)."""
-    chunk = min(max(2, next_pow2(splits)), 64)
-    return chunk, max(16, min(head_dim, (4096 if coop else 2048) // chunk))
-
-
-def resolve_merge(merge: str, batch: int, num_kv_heads: int, splits: int,
-                  device: torch.device) -> str:
-    """The merge a launch uses. "auto" (``MERGE_MODE``): "coop" where the whole grid
-    (B x Hkv x max_splits programs) fits one program per SM and cooperative launch is available
-    (every program resident: the splits of a row can wait for each other); else "inline" where
-    2 x B x Hkv >= SMs (rows get few splits, most none); else "kernel". Source: H200 sweeps,
-    bench/NOTES.md (decode v3, v4).
-
-    Raises:
-      ValueError: unknown mode; "coop" where ``coop_supported`` is False (CPU / interpreter:
-        the interpreter runs programs one after another, so a split waiting for the others
-        would never return) or where the grid exceeds one program per SM.
-    """
-    if merge not in MERGE_MODES:
-        raise ValueError(f"merge must be one of {MERGE_MODES}, got {merge!r}")
-    sms = _sm_count(device)
-    if merge == "auto":
-        if COOP_AUTO and splits > 1 and batch * num_kv_heads * splits <= sms \
-                and coop_supported(device):
-            return "coop"
-        return "inline" if 2 * batch * num_kv_heads >= sms else "kernel"
-    if merge == "coop" and not coop_supported(device):
-        raise ValueError("merge='coop' needs a CUDA device and a Triton with "
-                         "launch_cooperative_grid (never under TRITON_INTERPRET=1)")
-    if merge == "coop" and batch * num_kv_heads * splits > sms:
-        raise ValueError(f"merge='coop' needs B x Hkv x max_splits <= {sms} (one program per "
-                         f"SM), got {batch} x {num_kv_heads} x {splits}")
-    return merge
-
-
-def _triton_has_coop() -> bool:
-    """Triton has the ``launch_cooperative_grid`` launch option (cuLaunchKernelEx with the
-    cooperative attribute: the launch fails instead of hanging if the grid cannot be resident)."""
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions  # noqa: PLC0415
-    except ImportError:
-        return False
-    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
-
-
-_TRITON_COOP = _triton_has_coop()
-
-
-def coop_supported(device: torch.device | str) -> bool:
-    """Whether the cooperative merge can run on ``device``: CUDA, not the interpreter, and a
-    Triton with ``launch_cooperative_grid``."""
-    return torch.device(device).type == "cuda" and not _interpreting() and _TRITON_COOP
 
 
 def _interpreting() -> bool:
@@ -819,10 +706,12 @@ def pdl_supported(device: torch.device | str) -> bool:
     return _CC[key] >= (9, 0)
 
 
-def pdl_enabled(device: torch.device | str, pdl: bool | None = None) -> bool:
+def pdl_enabled(device: torch.device | str, pdl: bool | None = None,
+                kv_rows: int | None = None) -> bool:
     """Resolve the PDL mode of one call: ``pdl`` (explicit), else ``plan_override(pdl=...)``,
     else the environment variable QSA_DECODE_PDL (auto | on | off, default auto; read on every
-    call). auto = ``PDL_AUTO and pdl_supported(device)``.
+    call). auto = ``PDL_AUTO and pdl_supported(device)`` and, when the call's ``kv_rows``
+    (B x Hkv) is given, ``kv_rows <= PDL_AUTO_MAX_KV_ROWS``.
 
     Raises:
       ContractError: QSA_DECODE_PDL not one of auto/on/off; PDL requested (on / True) where
@@ -836,7 +725,8 @@ def pdl_enabled(device: torch.device | str, pdl: bool | None = None) -> bool:
             raise ContractError("sparse_decode", f"${PDL_ENV}", "one of " + ", ".join(PDL_MODES),
                                 repr(os.environ.get(PDL_ENV)))
         if mode == "auto":
-            return PDL_AUTO and pdl_supported(device)
+            return (PDL_AUTO and (kv_rows is None or kv_rows <= PDL_AUTO_MAX_KV_ROWS)
+                    and pdl_supported(device))
         pdl = mode == "on"
     if pdl and not pdl_supported(device):
         raise ContractError("sparse_decode", f"${PDL_ENV}", "PDL only on a CUDA device of compute "

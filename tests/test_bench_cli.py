@@ -476,11 +476,12 @@ def test_decode_variants_plans_are_what_their_names_say():
     assert plans["v2"][0].balance_slots == 0 and plans["v2"][1] == "kernel"
     assert plans["v2"][0].max_splits == 2  # static rule: 132 // 64 -> 2
     assert plans["v3"][0].balance_slots == DP.BALANCE_SLOTS_PER_SM * sms
-    assert plans["v3"][0].max_splits == DP.BALANCE_GRID_SPLITS and plans["v3"][1] == "kernel"
-    assert plans["v4"][0] == plans["v3"][0] and plans["v4"][1] == "auto"
-    assert plans["v4_s4"][0].num_stages == 4 and plans["v4_bn64"][0].block_n == 64
+    assert plans["v3"][0].max_splits == DP.BALANCE_GRID_SPLITS and plans["v3"][1] == "auto"
+    assert plans["v4"][0] == plans["v3"][0] and plans["v4"][2] is None and plans["v3"][2] is False
+    assert plans["v4_ms128_small"][0] == plans["v4"][0]  # B x Hkv = 64: not small
+    small = _plan(dec, 1, 2, 12, cpu, VARIANTS["v4_bn16_small"])[0]
+    assert small.max_splits == 128 and small.block_n == 16
     assert plans["v3_s1"][0].balance_slots == sms and plans["v3_s3"][0].balance_slots == 3 * sms
     assert plans["v3_kernel"][1] == "kernel" and plans["v3_inline"][1] == "inline"
     assert plans["v3_grid2"][0].max_splits == 2
-    assert plans["v3_pdl"][2] is True and plans["v3_tail"][0].tail_in_loop
-    assert plans["v3_tail_pdl"][0].tail_in_loop and plans["v3_tail_pdl"][2] is True
+    assert plans["v4_pdl_all"][2] is True and plans["v3_tail"][0].tail_in_loop

@@ -145,39 +145,6 @@ def test_balance_plan_grid_and_auto_merge():
     assert set(n_active([2051] * 128, big, 2)) == {1}
 
 
-def test_resolve_merge_and_geometry(monkeypatch):
-    """merge "auto": coop only where the grid fits one program per SM and cooperative launch
-    exists (never on CPU / under the interpreter, where a waiting split would never return);
-    inline at large B; the kernel otherwise. Explicit coop where unsupported or too large is a
-    ValueError. merge_geometry: one slice per split covers G x D at B = 1."""
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(dec, "_SM_COUNT", {**dec._SM_COUNT, ("cuda", 0): 132})
-    monkeypatch.setattr(dec, "coop_supported", lambda device: torch.device(device).type == "cuda")
-    assert dec.resolve_merge("auto", 1, 2, 64, cuda) == "coop"  # 128 programs <= 132 SMs
-    assert dec.resolve_merge("auto", 1, 2, 128, cuda) == "kernel"  # 256 > 132
-    assert dec.resolve_merge("auto", 128, 1, 4, cuda) == "inline"
-    assert dec.resolve_merge("auto", 1, 2, 1, cuda) == "kernel"  # no split: nothing to merge
-    assert dec.resolve_merge("auto", 1, 2, 64, CPU) == "kernel"
-    monkeypatch.setattr(dec, "COOP_AUTO", False)
-    assert dec.resolve_merge("auto", 1, 2, 64, cuda) == "kernel"
-    with pytest.raises(ValueError, match="one program per SM"):
-        dec.resolve_merge("coop", 64, 1, 4, cuda)
-    with pytest.raises(ValueError, match="must be one of"):
-        dec.resolve_merge("tree", 1, 1, 4, cuda)
-    monkeypatch.undo()
-    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        dec.resolve_merge("coop", 1, 1, 4, CPU)
-    case = make_case([40, 3], 12, 1, 64)
-    with dec.plan_override(merge="coop"), pytest.raises(ValueError, match="coop"):
-        qsa_triton.sparse_decode(*case, 40)
-    # B = 1, 64 splits, D = 256: units of 64 columns (G = 12: 48 units, one per split)
-    assert dec.merge_geometry(64, 256, coop=True) == (64, 64)
-    assert dec.merge_geometry(64, 256, coop=False) == (64, 32)
-    assert dec.merge_geometry(3, 32, coop=False) == (4, 32)
-    names = [c["name"] for c in dec.compile_configs("sm_121")]
-    assert any("_coop64_" in n for n in names) and any("decode_merge_chunk64" in n for n in names)
-
-
 @pytest.mark.parametrize("merge", ["kernel", "inline"])
 @pytest.mark.parametrize("ms", [1, 2, 8])
 def test_tail_in_loop_variant(ms, merge):
@@ -510,6 +477,26 @@ def test_pdl_off_under_interpreter_and_mode_validation(monkeypatch):
         dec.decode_with_plan(*case, 40, plan=dec.plan_for(3, 1, 6, 64, 40, cpu)[0], pdl=True)
 
 
+def test_pdl_auto_only_for_few_kv_rows(monkeypatch):
+    """auto: PDL where supported and B x Hkv <= PDL_AUTO_MAX_KV_ROWS (H200: it hides the merge
+    launch at small B and costs ~1 us from B x Hkv = 32 on); explicit modes ignore the bound."""
+    monkeypatch.setattr(dec, "pdl_supported", lambda device: True)
+    monkeypatch.delenv(dec.PDL_ENV, raising=False)
+    cpu = torch.device("cpu")
+    lim = dec.PDL_AUTO_MAX_KV_ROWS
+    assert lim == 16
+    assert dec.pdl_enabled(cpu, kv_rows=1) and dec.pdl_enabled(cpu, kv_rows=lim)
+    assert not dec.pdl_enabled(cpu, kv_rows=lim + 1)
+    assert dec.pdl_enabled(cpu)  # no shape given: the device/mode answer
+    monkeypatch.setenv(dec.PDL_ENV, "on")
+    assert dec.pdl_enabled(cpu, kv_rows=1024)
+    monkeypatch.setenv(dec.PDL_ENV, "off")
+    assert not dec.pdl_enabled(cpu, kv_rows=1)
+    monkeypatch.setattr(dec, "PDL_AUTO", False)
+    monkeypatch.setenv(dec.PDL_ENV, "auto")
+    assert not dec.pdl_enabled(cpu, kv_rows=1)
+
+
 def test_pdl_env_rejects_unknown_value(monkeypatch):
     case = make_case([5], 6, 1, 64)
     for bad in ("yes", "1", "true"):
@@ -684,49 +671,6 @@ def test_gpu_merge_modes_and_forced_splits(merge):
 
 
 @gpu
-def test_gpu_coop_merge_matches_kernel_merge():
-    """The cooperative merge (all splits of a row wait for each other in one launch) against the
-    merge kernel and the reference, at every batch where "auto" picks it, TP1/TP2/TP4, saturated,
-    mixed and short rows (empty rows included), default and forced split counts; a grid larger
-    than one program per SM is refused before launch."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rng = np.random.default_rng(11)
-    seen_coop = 0
-    for tp, (hq, hkv) in TP.items():
-        for b in (1, 2, 3, 4, 8, 16):
-            for kind in ("saturated", "mixed", "short"):
-                lens = lengths_for(kind, b, rng)
-                if b > 1:
-                    lens[1] = 0
-                case = gpu_case(lens, hq, hkv, seed=b)
-                ref = torch_reference(*case)
-                for ms in (None, 2, 8):
-                    with dec.plan_override(**({} if ms is None else {"max_splits": ms})):
-                        plan, _ = dec.plan_for(b, hkv, hq // hkv, 256, SATURATED, CUDA)
-                        if b * hkv * plan.max_splits > sms:
-                            continue
-                        with dec.plan_override(merge="coop"):
-                            coop = qsa_triton.sparse_decode(*case, SATURATED)
-                            again = qsa_triton.sparse_decode(*case, SATURATED)
-                        with dec.plan_override(merge="kernel"):
-                            kern = qsa_triton.sparse_decode(*case, SATURATED)
-                    what = f"coop {tp} B={b} {kind} ms={ms}"
-                    assert torch.equal(coop, again), what
-                    assert_close_gpu(coop, ref, what)
-                    assert_close_gpu(kern, ref, what)
-                    if b > 1:
-                        assert torch.count_nonzero(coop[1]) == 0, what
-                    seen_coop += 1
-                if b <= 4:
-                    auto, _ = dec.plan_for(b, hkv, hq // hkv, 256, SATURATED, CUDA)
-                    assert dec.resolve_merge("auto", b, hkv, auto.max_splits, CUDA) == "coop"
-    assert seen_coop > 50
-    case = gpu_case([SATURATED] * 64, 12, 1)
-    with dec.plan_override(merge="coop", max_splits=4), pytest.raises(ValueError, match="coop"):
-        qsa_triton.sparse_decode(*case, SATURATED)
-
-
-@gpu
 @pytest.mark.parametrize("d,hq,hkv,dtype", [
     (32, 16, 1, torch.float16), (64, 3, 1, torch.bfloat16), (128, 1, 1, torch.float16),
     (128, 8, 2, torch.bfloat16), (256, 16, 1, torch.bfloat16), (256, 32, 4, torch.float16),
@@ -751,7 +695,7 @@ def test_gpu_row_longer_than_max_seqlen_k_and_garbage():
 
 
 @gpu
-@pytest.mark.parametrize("merge", ["kernel", "inline", "coop"])
+@pytest.mark.parametrize("merge", ["kernel", "inline"])
 def test_gpu_cuda_graph_replay_with_new_lengths(merge):
     hq, hkv = TP["TP1"]
     b, cap = 16, 16 * SATURATED + 64
@@ -800,14 +744,13 @@ def test_gpu_capture_refuses_missing_scratch():
 
 
 @gpu
-@pytest.mark.parametrize("merge,b,ms", [("inline", 32, 16), ("coop", 4, None), ("coop", 1, None)])
-def test_gpu_split_counters_zero_after_10000_launches(merge, b, ms):
+def test_gpu_inline_counters_zero_after_10000_launches():
     hq, hkv = TP["TP1"]
     rng = np.random.default_rng(3)
-    lens = lengths_for("mixed", b, rng)
+    lens = lengths_for("mixed", 32, rng)
     case = gpu_case(lens, hq, hkv)
     ref = torch_reference(*case)
-    with dec.plan_override(merge=merge, **({} if ms is None else {"max_splits": ms})):
+    with dec.plan_override(merge="inline", max_splits=16):
         out = qsa_triton.sparse_decode(*case, SATURATED)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
