@@ -30,6 +30,8 @@ SRC = Path(__file__).resolve().parent.parent / "qsa_triton" / "decode.py"
 EDITS = {
     "head": ("auto", []),
     "head_nopdl": ("auto", [("PDL_AUTO = True\n", "PDL_AUTO = False\n")]),
+    "merge1024": ("auto", [("MERGE_TILE = 2048\n", "MERGE_TILE = 1024\n")]),
+    "merge512": ("auto", [("MERGE_TILE = 2048\n", "MERGE_TILE = 512\n")]),
 }
 SHAPES = [(tp, b, rows) for tp in ("TP1", "TP2", "TP4") for b in (1, 4, 16)
           for rows in ("saturated", "mixed")] + [

@@ -38,6 +38,9 @@ VARIANTS = {
     # B x Hkv <= 2 only: 128 splits (one BLOCK_N block each at 2051 keys), or BLOCK_N 16
     "v4_ms128_small": {"small": {"max_splits": 128}},
     "v4_bn16_small": {"small": {"max_splits": 128, "block_n": 16}},
+    # 8 warps: at B = 1 the split kernel is bound by each warp's instruction stream (ncu)
+    "v4_w8_small": {"small": {"num_warps": 8}},
+    "v4_w8_16": {"small": {"num_warps": 8}, "small_kv_rows": 16},
 }
 
 
@@ -47,7 +50,7 @@ def _plan(dec, b, hkv, g, dev, spec):
     from interop.decode_plan import next_pow2  # noqa: PLC0415
 
     fields = {k: v for k, v in spec.items() if k in ("balance",)}
-    if "small" in spec and b * hkv <= 2:
+    if "small" in spec and b * hkv <= spec.get("small_kv_rows", 2):
         fields.update(spec["small"])
     with dec.plan_override(**fields):
         plan, merge = dec.plan_for(b, hkv, g, D, MSK, dev)

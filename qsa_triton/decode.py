@@ -521,7 +521,7 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
                                     f"{'_bal' if bal else ''}{'_pdl' if pdl else ''}"})
     for pdl in pdl_modes:
         for chunk in (2, 4, 8, 16, 32, 64, 128):
-            d_chunk = max(16, min(head_dim, 2048 // chunk))
+            d_chunk = _merge_d_chunk(chunk, head_dim)
             consts = {"D": head_dim, "SPLIT_CHUNK": chunk, "D_CHUNK": d_chunk,
                       "N_DC": head_dim // d_chunk, "USE_PDL": pdl}
             sig, attrs = _aot(_decode_merge_kernel, _MERGE_PTRS, consts, dtype)
@@ -665,13 +665,23 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
         )
         if splits > 1 and merge == "kernel":
             chunk = min(max(2, next_pow2(splits)), 128)  # every split in one round trip
-            d_chunk = max(16, min(d, 2048 // chunk))  # tile <= 2048 floats: 16 per thread
+            d_chunk = _merge_d_chunk(chunk, d)
             _decode_merge_kernel[(b * hq * (d // d_chunk),)](
                 out, sc.lse, sc.part, out.stride(0), out.stride(1), hq, splits,
                 D=d, SPLIT_CHUNK=chunk, D_CHUNK=d_chunk, N_DC=d // d_chunk,
                 USE_PDL=use_pdl, num_warps=4, num_stages=1, **pdl_kw,
             )
     return out
+
+
+#: floats per merge-kernel tile ([SPLIT_CHUNK, D_CHUNK]); smaller tiles mean more programs with
+#: shorter instruction streams (the merge is latency-bound at small B: ncu, bench/NOTES.md v4)
+MERGE_TILE = 2048
+
+
+def _merge_d_chunk(chunk: int, head_dim: int) -> int:
+    """D_CHUNK of the merge kernel for SPLIT_CHUNK = chunk (MERGE_TILE floats, >= 16 columns)."""
+    return max(16, min(head_dim, MERGE_TILE // chunk))
 
 
 def _interpreting() -> bool:
