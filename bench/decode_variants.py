@@ -38,6 +38,9 @@ VARIANTS = {
     # B x Hkv <= 2 only: 128 splits (one BLOCK_N block each at 2051 keys), or BLOCK_N 16
     "v4_ms128_small": {"small": {"max_splits": 128}},
     "v4_bn16_small": {"small": {"max_splits": 128, "block_n": 16}},
+    # K/V blocks by TMA (tensor descriptors): 31% fewer SASS instructions in the split kernel
+    "v4_tma": {"tma": True},
+    "v4_ptr": {"tma": False},
     # 8 warps: at B = 1 the split kernel is bound by each warp's instruction stream (ncu)
     "v4_w8_small": {"small": {"num_warps": 8}},
     "v4_w8_16": {"small": {"num_warps": 8}, "small_kv_rows": 16},
@@ -64,7 +67,7 @@ def _plan(dec, b, hkv, g, dev, spec):
             static, _ = dec.plan_for(b, hkv, g, D, MSK, dev)
         ms = max(static.max_splits, min(spec["grid_splits"], next_pow2(math.ceil(MSK / plan.block_n))))
         plan = dataclasses.replace(plan, max_splits=ms)
-    return plan, spec.get("merge", merge), spec.get("pdl")
+    return plan, spec.get("merge", merge), spec.get("pdl"), spec.get("tma")
 
 
 def main(argv=None) -> int:
@@ -108,14 +111,14 @@ def main(argv=None) -> int:
                                                  {"generic", "pallas"})
                 meta = {}
                 for n in names:
-                    plan, merge, pdl = _plan(dec, b, hkv, hq // hkv, dev, VARIANTS[n])
-                    fn = (lambda plan=plan, merge=merge, pdl=pdl: dec.decode_with_plan(
-                        q, k, v, cq, ck, MSK, plan=plan, merge=merge, pdl=pdl))
+                    plan, merge, pdl, tma = _plan(dec, b, hkv, hq // hkv, dev, VARIANTS[n])
+                    fn = (lambda plan=plan, merge=merge, pdl=pdl, tma=tma: dec.decode_with_plan(
+                        q, k, v, cq, ck, MSK, plan=plan, merge=merge, pdl=pdl, tma=tma))
                     try:
                         chk = _check(fn(), ref)
                     except Exception as e:  # noqa: BLE001
                         chk = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
-                    meta[n] = {"plan": plan.__dict__, "merge": merge, "pdl": pdl, **chk}
+                    meta[n] = {"plan": plan.__dict__, "merge": merge, "pdl": pdl, "tma": tma, **chk}
                     if chk.get("ok"):
                         provs[n] = fn
                     else:

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import threading
 from typing import Any
@@ -66,6 +67,11 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+try:  # Triton >= 3.4: host-side TMA tensor descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: pointer loads only
+    TensorDescriptor = None
 
 from interop.arch import DeviceFacts
 from interop.contract import QUALIFIED, ContractError, check_decode, route
@@ -90,6 +96,8 @@ __all__ = [
     "PDL_AUTO_MAX_KV_ROWS",
     "pdl_supported",
     "pdl_enabled",
+    "TMA_AUTO",
+    "tma_usable",
 ]
 
 #: default merge of split partials: "kernel" (second small kernel), "inline" (last-arriving
@@ -136,6 +144,26 @@ def _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, n_mask, scale_log2, MASKED: 
     else:
         kt = tl.load(k_ptrs)
         vt = tl.load(v_ptrs)
+    return _online_step(q, kt, vt, m_i, l_i, acc, n_mask, scale_log2, MASKED)
+
+
+@triton.jit
+def _online_tma(q, k_desc, v_desc, row, h, m_i, l_i, acc, n_mask, scale_log2,
+                BLOCK_N: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr):
+    """``_online_block`` with K/V rows [row, row + BLOCK_N) of KV head h loaded by TMA (tensor
+    descriptors over [C, Hkv, D]). TMA reads whole boxes: rows past the block's valid ones
+    (MASKED: the row's partial last block) are other sequences' rows or zero fill past C, so
+    their scores are masked to -inf and their V rows zeroed (0 x NaN garbage would be NaN)."""
+    kt = tl.reshape(k_desc.load([row, h, 0]), [BLOCK_N, D])
+    vt = tl.reshape(v_desc.load([row, h, 0]), [BLOCK_N, D])
+    if MASKED:
+        vt = tl.where(n_mask[:, None], vt, 0.0)
+    return _online_step(q, kt, vt, m_i, l_i, acc, n_mask, scale_log2, MASKED)
+
+
+@triton.jit
+def _online_step(q, kt, vt, m_i, l_i, acc, n_mask, scale_log2, MASKED: tl.constexpr):
+    """The online-softmax update for one loaded [BLOCK_N, D] K/V block."""
     s = tl.dot(q, tl.trans(kt)) * scale_log2  # FP32 [HT, BLOCK_N], log2 domain
     if MASKED:
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -177,7 +205,7 @@ def _decode_split_kernel(
     HQ, HKV, MAX_SPLITS, MIN_BLOCKS, NSEQ, SLOTS,
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
     MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr, USE_PDL: tl.constexpr,
-    BALANCE: tl.constexpr, TAIL_IN_LOOP: tl.constexpr = False,
+    BALANCE: tl.constexpr, TAIL_IN_LOOP: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
     if USE_PDL:
         # Programmatic Dependent Launch (see PDL_AUTO): this grid may start before the previous
@@ -228,15 +256,27 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + q_row * stride_qb + heads.to(tl.int64)[:, None] * stride_qh + offs_d[None, :],
                 mask=m_ok[:, None], other=0.0)
 
-    row0 = k_lo.to(tl.int64) + start  # 64-bit row index into the packed K/V
-    k_ptrs = (k_ptr + h.to(tl.int64) * stride_kh + (row0 + offs_n)[:, None] * stride_kc
-              + offs_d[None, :])
-    v_ptrs = (v_ptr + h.to(tl.int64) * stride_vh + (row0 + offs_n)[:, None] * stride_vc
-              + offs_d[None, :])
     m_i = tl.full([HT], float("-inf"), tl.float32)
     l_i = tl.zeros([HT], tl.float32)
     acc = tl.zeros([HT, D], tl.float32)
-    if TAIL_IN_LOOP:
+    if USE_TMA:
+        # k_ptr / v_ptr are tensor descriptors: one TMA copy per block instead of per-thread
+        # address math and cp.async (at B = 1 the split kernel is bound by its warps'
+        # instruction streams: ncu, bench/NOTES.md decode v4). TMA coordinates are int32 rows.
+        row = k_lo + start
+        for _ in range(start, full_stop, BLOCK_N):
+            m_i, l_i, acc = _online_tma(q, k_ptr, v_ptr, row, h, m_i, l_i, acc, offs_n < BLOCK_N,
+                                        scale_log2, BLOCK_N, D, False)
+            row += BLOCK_N
+        if full_stop < stop:
+            m_i, l_i, acc = _online_tma(q, k_ptr, v_ptr, k_lo + full_stop, h, m_i, l_i, acc,
+                                        (full_stop + offs_n) < stop, scale_log2, BLOCK_N, D, True)
+    elif TAIL_IN_LOOP:
+        row0 = k_lo.to(tl.int64) + start  # 64-bit row index into the packed K/V
+        k_ptrs = (k_ptr + h.to(tl.int64) * stride_kh + (row0 + offs_n)[:, None] * stride_kc
+                  + offs_d[None, :])
+        v_ptrs = (v_ptr + h.to(tl.int64) * stride_vh + (row0 + offs_n)[:, None] * stride_vc
+                  + offs_d[None, :])
         # every block in one (pipelined) loop, masked by rows: the split holding the row's
         # partial last block then waits for one memory round trip instead of two (at B = 1,
         # one or two blocks per split, that split decides the kernel's time)
@@ -246,6 +286,11 @@ def _decode_split_kernel(
             k_ptrs += BLOCK_N * stride_kc
             v_ptrs += BLOCK_N * stride_vc
     else:
+        row0 = k_lo.to(tl.int64) + start  # 64-bit row index into the packed K/V
+        k_ptrs = (k_ptr + h.to(tl.int64) * stride_kh + (row0 + offs_n)[:, None] * stride_kc
+                  + offs_d[None, :])
+        v_ptrs = (v_ptr + h.to(tl.int64) * stride_vh + (row0 + offs_n)[:, None] * stride_vc
+                  + offs_d[None, :])
         # interior blocks: no masks, so the loads vectorise and pipeline
         for _ in range(start, full_stop, BLOCK_N):
             m_i, l_i, acc = _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, offs_n < BLOCK_N,
@@ -352,20 +397,22 @@ _override = threading.local()
 def plan_override(**fields):
     """Force DecodePlan fields (``block_n``, ``max_splits``, ``min_blocks_per_split``,
     ``num_warps``, ``num_stages``, ``balance_slots``), ``balance`` (True | False: plan with or
-    without the device-side balance), ``merge`` ("kernel" | "inline" | "auto") and/or ``pdl`` (True | False:
-    Programmatic Dependent Launch on/off, overriding QSA_DECODE_PDL) for calls made inside the
+    without the device-side balance), ``merge`` ("kernel" | "inline" | "auto"), ``pdl`` (True | False:
+    Programmatic Dependent Launch on/off, overriding QSA_DECODE_PDL) and/or ``tma`` (True |
+    False: K/V blocks loaded by TMA where ``tma_usable``, overriding TMA_AUTO) for calls made inside the
     ``with`` block on this thread (tests: force splits > 1; sweeps). The plan is read when the
     kernel is launched, so a CUDA graph captured inside the block keeps that geometry.
 
     Raises:
-      ValueError: unknown field; ``pdl`` not a bool.
+      ValueError: unknown field; ``pdl`` or ``tma`` not a bool.
     """
-    allowed = {f.name for f in dataclasses.fields(DecodePlan)} | {"merge", "pdl", "balance"}
+    allowed = {f.name for f in dataclasses.fields(DecodePlan)} | {"merge", "pdl", "balance", "tma"}
     bad = set(fields) - allowed
     if bad:
         raise ValueError(f"plan_override: unknown fields {sorted(bad)}; allowed {sorted(allowed)}")
-    if "pdl" in fields and not isinstance(fields["pdl"], bool):
-        raise ValueError(f"plan_override: pdl must be True or False, got {fields['pdl']!r}")
+    for key in ("pdl", "tma"):
+        if key in fields and not isinstance(fields[key], bool):
+            raise ValueError(f"plan_override: {key} must be True or False, got {fields[key]!r}")
     prev = getattr(_override, "fields", None)
     _override.fields = {**(prev or {}), **fields}
     try:
@@ -400,6 +447,7 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
         return hit
     merge = fields.pop("merge", MERGE_MODE)
     fields.pop("pdl", None)  # launch mode, not geometry: resolved per call by pdl_enabled
+    fields.pop("tma", None)  # load path, resolved per call by tma_usable
     if merge not in ("kernel", "inline", "auto"):
         raise ValueError(f"merge must be 'kernel', 'inline' or 'auto', got {merge!r}")
     sms = _sm_count(device)
@@ -419,11 +467,13 @@ _PLANS: dict[tuple, tuple[DecodePlan, str]] = {}  # host-side cache: plan_for ru
 
 def smem_bytes(plan: DecodePlan, head_dim: int, elem_bytes: int = 2) -> int:
     """Shared memory (bytes) the split kernel needs with ``plan``: (stages - 1) pipelined K+V
-    tiles, the Q tile and the P tile. Matches ``compiled.metadata.shared`` of Triton 3.9 for
-    stages >= 2 (measured for sm_90/sm_120, D = 256, BLOCK_N 16/32/64); over-estimates stage 1."""
+    tiles, the Q tile, the P tile and (TMA path) the mbarriers. Matches ``compiled.metadata.shared``
+    of Triton 3.9 for stages >= 2 to within those barrier bytes (measured for sm_90/sm_120,
+    D = 256, BLOCK_N 16/32/64); over-estimates stage 1."""
     kv = 2 * plan.block_n * head_dim * elem_bytes
     return (max(plan.num_stages - 1, 1) * kv + plan.head_tile * head_dim * elem_bytes
-            + plan.head_tile * plan.block_n * elem_bytes)
+            + plan.head_tile * plan.block_n * elem_bytes
+            + 16 * plan.num_stages)  # the TMA path's mbarriers (8 B per stage per tensor)
 
 
 def fit_shared_memory(plan: DecodePlan, head_dim: int, elem_bytes: int, limit: int | None) -> DecodePlan:
@@ -504,21 +554,28 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
             # (merge inline, PDL, balance): PDL only for the merge="kernel" path
             variants = [(i, False, bal) for i in (False, True) for bal in (False, True)] + (
                 [(False, True, bal) for bal in (False, True)] if True in pdl_modes else [])
-            for inline, pdl, bal in variants:
+            tmas = (False, True) if tuple(info.cc) >= (9, 0) and TensorDescriptor else (False,)
+            for (inline, pdl, bal), tma in itertools.product(variants, tmas):
                 consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
                           "MERGE_INLINE": inline, "LSE_ALL": not inline, "USE_PDL": pdl,
-                          "BALANCE": bal}
+                          "BALANCE": bal, "USE_TMA": tma}
                 key = (tuple(consts.items()), p.num_warps, p.num_stages)
                 if key in seen:
                     continue
                 seen.add(key)
                 sig, attrs = _aot(_decode_split_kernel, _SPLIT_PTRS, consts, dtype)
+                if tma:  # K/V as tensor descriptors (one [BLOCK_N, 1, D] box)
+                    desc = f"tensordesc<{dtype}[{p.block_n},1,{head_dim}]>"
+                    sig = {**sig, "k_ptr": desc, "v_ptr": desc}
+                    names = _decode_split_kernel.arg_names
+                    attrs = {i: a for i, a in attrs.items() if names[i[0]] not in ("k_ptr", "v_ptr")}
                 out.append({"kernel": _decode_split_kernel, "signature": sig, "constexprs": consts,
                             "attrs": attrs, "num_warps": p.num_warps, "num_stages": p.num_stages,
                             "options": {"launch_pdl": True} if pdl else {},
                             "name": f"decode_split_G{g}_ht{p.head_tile}_bn{p.block_n}_w{p.num_warps}"
                                     f"_s{p.num_stages}{'_inline' if inline else ''}_{dtype}"
-                                    f"{'_bal' if bal else ''}{'_pdl' if pdl else ''}"})
+                                    f"{'_bal' if bal else ''}{'_pdl' if pdl else ''}"
+                                    f"{'_tma' if tma else ''}"})
     for pdl in pdl_modes:
         for chunk in (2, 4, 8, 16, 32, 64, 128):
             d_chunk = _merge_d_chunk(chunk, head_dim)
@@ -634,13 +691,19 @@ def scratch_info(device: torch.device | str) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------------------------------
 # Launch
 def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scale: float,
-            plan: DecodePlan, merge: str, pdl: bool | None = None) -> torch.Tensor:
+            plan: DecodePlan, merge: str, pdl: bool | None = None,
+            tma: bool | None = None) -> torch.Tensor:
     if q.device.type != "cuda" and not _interpreting():
         raise ContractError("sparse_decode", "q", "a CUDA tensor (CPU tensors run only under "
                             "Triton's interpreter, TRITON_INTERPRET=1)", str(q.device))
     use_pdl = pdl_enabled(q.device, pdl, q.shape[0] * k.shape[1])  # may raise: before any allocation
     # launch_pdl=True is passed only when on: the interpreter / older Triton never see it
     pdl_kw = {"launch_pdl": True} if use_pdl else {}
+    use_tma = (_tma_wanted() if tma is None else tma) and tma_usable(q.device, k, v)
+    k_arg, v_arg = k, v
+    if use_tma:  # [C, Hkv, D] descriptors, one [BLOCK_N, 1, D] box per block and KV head
+        k_arg = TensorDescriptor(k, list(k.shape), list(k.stride()), [plan.block_n, 1, q.shape[2]])
+        v_arg = TensorDescriptor(v, list(v.shape), list(v.stride()), [plan.block_n, 1, q.shape[2]])
     b, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -653,14 +716,15 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
     ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
     with ctx:
         _decode_split_kernel[(b * hkv * splits,)](
-            q, k, v, out, sc.lse, sc.part, sc.counters, cu_seqlens_q, cu_seqlens_k,
+            q, k_arg, v_arg, out, sc.lse, sc.part, sc.counters, cu_seqlens_q, cu_seqlens_k,
             float(softmax_scale) * _LOG2E,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1),
             hq, hkv, splits, plan.min_blocks_per_split, b, max(plan.balance_slots, 1),
             G=g, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n,
             MERGE_INLINE=(merge == "inline"), LSE_ALL=(splits > 1 and merge == "kernel"),
-            USE_PDL=use_pdl, BALANCE=plan.balance_slots > 0, TAIL_IN_LOOP=plan.tail_in_loop,
+            USE_PDL=use_pdl, BALANCE=plan.balance_slots > 0,
+            TAIL_IN_LOOP=plan.tail_in_loop and not use_tma, USE_TMA=use_tma,
             num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
         if splits > 1 and merge == "kernel":
@@ -672,6 +736,36 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
                 USE_PDL=use_pdl, num_warps=4, num_stages=1, **pdl_kw,
             )
     return out
+
+
+#: K/V blocks loaded by TMA (Hopper+ tensor descriptors) where ``tma_usable``; decided by the
+#: H200 A/B (bench/NOTES.md, decode v4); ``plan_override(tma=...)`` forces it per call.
+TMA_AUTO = False
+
+
+def _tma_wanted() -> bool:
+    forced = (getattr(_override, "fields", None) or {}).get("tma")
+    return TMA_AUTO if forced is None else forced
+
+
+def tma_usable(device: torch.device | str, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the split kernel can load K/V through tensor descriptors: Triton has them, the
+    device is CUDA of compute capability >= 9.0 (TMA) or Triton's interpreter runs (which
+    emulates them), and k/v meet TMA's alignment (16-byte base address and 16-byte strides).
+    Otherwise the pointer path runs: same results."""
+    if TensorDescriptor is None:
+        return False
+    device = torch.device(device)
+    if device.type == "cuda" and not _interpreting():
+        key = _dev_key(device)
+        if key not in _CC:
+            _CC[key] = tuple(torch.cuda.get_device_capability(key[1]))
+        if _CC[key] < (9, 0):
+            return False
+    elif not _interpreting():
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0
+                                               for st in t.stride()[:-1]) for t in (k, v))
 
 
 #: floats per merge-kernel tile ([SPLIT_CHUNK, D_CHUNK]); smaller tiles mean more programs with
@@ -747,9 +841,10 @@ def pdl_enabled(device: torch.device | str, pdl: bool | None = None,
 
 def decode_with_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
                      plan: DecodePlan, merge: str = MERGE_MODE,
-                     pdl: bool | None = None) -> torch.Tensor:
+                     pdl: bool | None = None, tma: bool | None = None) -> torch.Tensor:
     """``sparse_decode`` with an explicit plan (benchmarks, sweeps); checks the contract first.
-    ``pdl``: Programmatic Dependent Launch on/off (None: as ``pdl_enabled`` resolves it).
+    ``pdl``: Programmatic Dependent Launch on/off (None: as ``pdl_enabled`` resolves it);
+    ``tma``: TMA K/V loads where ``tma_usable`` (None: ``plan_override(tma=)`` / TMA_AUTO).
 
     Raises:
       ContractError: as ``sparse_decode``; also when ``plan.head_tile`` cannot hold the group,
@@ -760,7 +855,7 @@ def decode_with_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_
         raise ContractError("decode_with_plan", "plan", "head_tile a power of two >= max(16, G)",
                             plan.head_tile)
     return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, prob.max_seqlen_k, prob.softmax_scale,
-                   plan, merge, pdl)
+                   plan, merge, pdl, tma)
 
 
 _EXACT: dict[tuple[str, int | None], bool] = {}

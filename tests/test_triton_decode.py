@@ -161,6 +161,47 @@ def test_tail_in_loop_variant(ms, merge):
     assert torch.count_nonzero(out[0]) == 0
 
 
+@pytest.mark.parametrize("hq,hkv", PAIRS)
+def test_tma_path_matches_pointer_path(hq, hkv):
+    """K/V loaded through TMA tensor descriptors (the interpreter emulates them): the reference
+    values and bitwise the pointer path's, for edge lengths and split counts, with NaN garbage
+    in the K/V rows after the last sequence (a TMA box reads whole blocks: the row's partial last
+    block sees them and must mask them)."""
+    lens = [0, 1, 15, 16, 17, 70, 33]
+    q, k, v, cq, ck = make_case(lens, hq, hkv, 64, seed=hq + 5)
+    pad = torch.full((40, hkv, 64), float("nan"), dtype=k.dtype)
+    k, v = torch.cat([k, pad]), torch.cat([v, pad])
+    ref = reference(q, k, v, cq, ck)
+    assert dec.tma_usable(CPU, k, v)
+    for ms in (1, 4):
+        with dec.plan_override(block_n=16, max_splits=ms, tma=True):
+            out = qsa_triton.sparse_decode(q, k, v, cq, ck, 70)
+        with dec.plan_override(block_n=16, max_splits=ms, tma=False):
+            ptr = qsa_triton.sparse_decode(q, k, v, cq, ck, 70)
+        assert_close(out, ref)
+        assert torch.equal(out, ptr), ms
+        assert torch.count_nonzero(out[0]) == 0
+
+
+def test_tma_usable_needs_alignment():
+    """TMA needs 16-byte aligned bases and strides: a K/V view that is not falls back to the
+    pointer path (same results), never a launch error."""
+    lens = [9, 20]
+    q, k, v, cq, ck = make_case(lens, 6, 1, 64, seed=2)
+    assert dec.tma_usable(CPU, k, v)
+    big_k = torch.cat([torch.zeros(1, 1, 64, dtype=k.dtype), k])
+    odd = torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)  # base off by one element
+    odd.copy_(k)
+    assert not dec.tma_usable(CPU, odd, v)
+    with dec.plan_override(tma=True, max_splits=2, block_n=16):
+        out = qsa_triton.sparse_decode(q, odd, v, cq, ck, 20)
+    assert_close(out, reference(q, k, v, cq, ck))
+    assert dec.tma_usable(CPU, big_k[1:], v)  # 256-byte row stride: aligned
+    with pytest.raises(ValueError, match="tma must be True or False"):
+        with dec.plan_override(tma="yes"):
+            pass
+
+
 @pytest.mark.parametrize("hq,hkv", [(24, 2), (12, 1)])
 def test_matches_reference_d256_bf16(hq, hkv):
     lens = [33, 0, 5]
@@ -561,10 +602,14 @@ def test_shipped_configs_fit_sm12x_shared_memory():
     assert any(name.endswith("_pdl") and name.startswith("decode_split") for name, *_ in rows)
     assert any(name.endswith("_pdl") and name.startswith("decode_merge") for name, *_ in rows)
     shared_of = {(name, cc): shared for name, cc, shared, *_ in rows}
+    assert any(name.endswith("_tma") for name, *_ in rows)  # TMA K/V loads compile for sm_12x
     for name, cc, shared, estimate, gdc in rows:
-        assert tuple(gdc) == ((True,) * 3 if name.endswith("_pdl") else (False,) * 3), (name, gdc)
-        if name.endswith("_pdl"):  # PDL adds no shared memory
-            assert shared == shared_of[(name.removesuffix("_pdl"), cc)], (name, cc)
+        pdl = "_pdl" in name
+        assert tuple(gdc) == ((True,) * 3 if pdl else (False,) * 3), (name, gdc)
+        if pdl:  # PDL adds no shared memory
+            assert shared == shared_of[(name.replace("_pdl", ""), cc)], (name, cc)
+        if name.endswith("_tma"):  # TMA adds only its mbarriers (8 B per stage)
+            assert 0 <= shared - shared_of[(name.removesuffix("_tma"), cc)] <= 64, (name, cc)
     for name, cc, shared, estimate, _ in rows:
         assert shared <= 101_376, (name, cc, shared)
         if estimate is not None:  # the estimate plan_for clamps with must not under-count
@@ -668,6 +713,30 @@ def test_gpu_merge_modes_and_forced_splits(merge):
                     out = qsa_triton.sparse_decode(*case, SATURATED)
                 assert_close_gpu(out, torch_reference(*case), f"{merge} ms={ms} B={b}")
                 assert torch.count_nonzero(out[0]) == 0
+
+
+@gpu
+def test_gpu_tma_path_matches_pointer_path():
+    """TMA K/V loads (tensor descriptors) against the pointer path and the reference over the
+    comparison shapes, with NaN garbage after the last row (read by the partial last block's
+    TMA box, masked)."""
+    rng = np.random.default_rng(21)
+    for tp, (hq, hkv) in TP.items():
+        for b in (1, 3, 16, 64, 128):
+            for kind in ("saturated", "mixed"):
+                lens = lengths_for(kind, b, rng)
+                q, k, v, cq, ck = gpu_case(lens, hq, hkv, slack=64, seed=b)
+                k[int(ck[-1]):] = float("nan")
+                v[int(ck[-1]):] = float("nan")
+                assert dec.tma_usable(CUDA, k, v)
+                ref = torch_reference(q, k, v, cq, ck)
+                outs = {}
+                for tma in (True, False):
+                    with dec.plan_override(tma=tma):
+                        outs[tma] = qsa_triton.sparse_decode(q, k, v, cq, ck, SATURATED)
+                what = f"tma {tp} B={b} {kind}"
+                assert_close_gpu(outs[True], ref, what)
+                assert torch.equal(outs[True], outs[False]), what
 
 
 @gpu
