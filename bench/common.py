@@ -29,6 +29,7 @@ import json
 import math
 import os
 import statistics
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -269,6 +270,7 @@ def time_interleaved(
     target_replay_us: float = 2000.0,
     max_reps: int = 200,
     self_check: bool = False,
+    warmup_ms: float = 50.0,
 ) -> dict[str, dict[str, float]]:
     """Time several providers of the same computation, interleaved, under CUDA graphs.
 
@@ -292,6 +294,8 @@ def time_interleaved(
       self_check: also time the first provider a second time under the name
         ``name + SELF_SUFFIX`` (its own graph), as a noise check: its median should be within a few
         percent of the first provider's.
+      warmup_ms: untimed round-robin replays of every provider before the timed rounds, at
+        least this much wall time (lets the GPU clocks settle after compile/capture pauses).
 
     Returns:
       ``{name: {"median_us", "p10_us", "p90_us", "min_us", "reps", "rounds", "cuda_graph",
@@ -328,10 +332,16 @@ def time_interleaved(
             torch.cuda.synchronize()
     names = [n for n, _ in items if n in timed]
     samples: dict[str, list[float]] = {n: [] for n in names}
-    # one untimed warm replay each
-    for n in names:
-        timed[n].run()
-    torch.cuda.synchronize()
+    # untimed warm replays, round-robin, for at least warmup_ms of wall time: the GPU clocks
+    # ramp back up after the host-side compile/capture pauses (H200: the first case of a run
+    # measured up to 15% slow with a single warm replay, p90 30% above the median)
+    t_end = time.perf_counter() + warmup_ms / 1e3
+    while True:
+        for n in names:
+            timed[n].run()
+        torch.cuda.synchronize()
+        if time.perf_counter() >= t_end:
+            break
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:

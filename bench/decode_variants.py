@@ -44,6 +44,9 @@ VARIANTS = {
     # 8 warps: at B = 1 the split kernel is bound by each warp's instruction stream (ncu)
     "v4_w8_small": {"small": {"num_warps": 8}},
     "v4_w8_16": {"small": {"num_warps": 8}, "small_kv_rows": 16},
+    # fewer pipeline stages where splits stream one or two blocks (less prologue code)
+    "v4_s2_16": {"small": {"num_stages": 2}, "small_kv_rows": 16},
+    "v4_s1_16": {"small": {"num_stages": 1}, "small_kv_rows": 16},
 }
 
 
