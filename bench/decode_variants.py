@@ -25,7 +25,7 @@ from bench.decode import BATCHES, D, MSK, ROWS, TP, _check, _peer_providers, _ti
 #: keeps it), plus "merge" / "pdl" for the launch
 VARIANTS = {
     "v2": {"balance": False, "merge": "kernel", "pdl": False},
-    "v4": {},  # the shipped default: balance, merge auto, PDL auto (on where B x Hkv <= 16)
+    "v4": {},  # the shipped default: balance, merge auto, PDL auto (on where B x Hkv <= 2)
     "v3": {"pdl": False},  # decode v3: PDL off everywhere
     "v4_pdl_all": {"pdl": True},
     "v3_s1": {"balance_slots_per_sm": 1},

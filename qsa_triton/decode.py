@@ -122,15 +122,16 @@ _LOG2E = 1.4426950408889634
 #: graph keeps the mode it was captured with) or ``plan_override(pdl=True|False)``:
 #:   "off": never; "on": always (ContractError where unsupported); "auto" (default): on where
 #:   supported, PDL_AUTO is True and B x Hkv <= PDL_AUTO_MAX_KV_ROWS. Why the row bound (H200,
-#:   bench/NOTES.md decode v4): with few (sequence, KV head) rows the call is a latency chain and
-#:   PDL hides the merge launch (TP1 B = 1: 7.74 -> 6.98 us, TP2 B = 16: 13.85 -> 13.08 us);
-#:   from B x Hkv = 32 on, the early-scheduled grids hold SM slots the split kernel needs
-#:   (TP1 B = 16 mixed 19.2 -> 21.4 us, B >= 32 about +1 us). Results are bitwise the same either
-#:   way (tests/test_triton_decode.py -m gpu, eager and under CUDA-graph replay).
+#:   bench/NOTES.md decode v4): at B = 1 the call is one latency chain and PDL hides the merge
+#:   launch in every run (TP1 / TP2 / TP4 saturated: 7.70 -> 7.18, 7.78 -> 7.34, 7.13 -> 6.24
+#:   us, runs 17-20); at B = 4..16 it won in one run and lost up to 11% in another, from
+#:   B x Hkv = 32 on it costs about 1 us (early-scheduled grids hold SM slots the split kernel
+#:   needs). Results are bitwise the same either way (tests/test_triton_decode.py -m gpu, eager
+#:   and under CUDA-graph replay).
 PDL_ENV = "QSA_DECODE_PDL"
 PDL_MODES = ("auto", "on", "off")
 PDL_AUTO = True
-PDL_AUTO_MAX_KV_ROWS = 16
+PDL_AUTO_MAX_KV_ROWS = 2
 
 
 # ---------------------------------------------------------------------------------------------
