@@ -5,10 +5,7 @@
 # Budget < 9 minutes; everything under $OUT/r, tarred to $OUT/run.tar.gz.
 set -u
 source "$(dirname "$0")/gpu_lib.sh"
-for f in prefill/ordinary prefill/chunk prefill/paged; do
-  n=${f//\//_}
-  step "check_$n" 200 python3 -m interop.cli check --full --peer sglang --filter "$f/" --json "$R/check_$n.json" &
-done
+check_shards 200 prefill/ordinary prefill/chunk prefill/paged
 step decode_gpu_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_decode.py &
 wait
 step decode_variants 230 python3 -m bench.decode_variants --json "$R/decode_variants.json" --rounds 7

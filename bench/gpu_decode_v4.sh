@@ -6,13 +6,8 @@
 # decode`. Budget < 9.7 minutes; $OUT/r -> $OUT/run.tar.gz.
 set -u
 source "$(dirname "$0")/gpu_lib.sh"
-for f in decode/TP1 decode/TP2 decode/TP4; do
-  n=${f//\//_}
-  step "check_$n" 200 python3 -m interop.cli check --full --peer sglang --filter "$f/" --json "$R/check_$n.json" &
-done
-step decode_gpu_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_decode.py &
-SAN="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)"
-[ -n "$SAN" ] && PYTORCH_NO_CUDA_MEMORY_CACHING=1 step decode_memcheck 200 "$SAN" --tool memcheck --error-exitcode 9 python3 bench/sanitize_decode.py &
+check_shards 200 decode/TP1 decode/TP2 decode/TP4
+decode_tests_memcheck 200
 wait
 step decode_variants 150 python3 -m bench.decode_variants --json "$R/decode_variants.json" --rounds 7 --variants "${VARIANTS:-v3,v4,v4_pdl_all,v4_ms128_small,v4_bn16_small}"
 step decode_profile 50 python3 -m bench.decode_profile --json "$R/decode_profile.json"
