@@ -299,8 +299,10 @@ def run_compare(*, tps=tuple(TP), batches=BATCHES, rows=ROWS, rounds: int = 15,
         pdl_auto_max_kv_rows=dec.PDL_AUTO_MAX_KV_ROWS,
         pdl_supported=dec.pdl_supported(dev))
     print(f"{gpu_name()}: copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
-    print(f"ours: PDL {'on where B x Hkv <= %d' % dec.PDL_AUTO_MAX_KV_ROWS if res['pdl'] else 'off'}"
-          f" ({dec.PDL_ENV}={res['pdl_env']}, PDL_AUTO={dec.PDL_AUTO}, "
+    auto = res["pdl_env"].strip().lower() in ("", "auto")
+    mode = ("off" if not res["pdl"] else
+            f"on where B x Hkv <= {dec.PDL_AUTO_MAX_KV_ROWS}" if auto else "on")
+    print(f"ours: PDL {mode} ({dec.PDL_ENV}={res['pdl_env']}, PDL_AUTO={dec.PDL_AUTO}, "
           f"supported={res['pdl_supported']})")
     print(f"providers: {', '.join(providers)} (x first = time of {first} / time)")
     hdr = (f"{'case':24s} {'provider':10s} {'us':>8s} {'p10':>7s} {'p90':>7s} {'GB/s':>7s} "

@@ -10,7 +10,8 @@ under its own name (its custom op registered as ``qsa_ab_<variant>::sparse_decod
 ``--base FILE`` adds another version of the module (e.g. ``git show REV:qsa_triton/decode.py``)
 as variant "base".
 
-Usage (GPU): ``python -m bench.decode_ab [--variants head,floor,...] [--base FILE] [--json P]``.
+Usage (GPU): ``python -m bench.decode_ab [--variants head,head_nopdl,head_pdl,...] [--base FILE]
+[--json P]``.
 Method as bench/decode.py (CUDA-graph replay, interleaved, median; FP32 reference check).
 """
 
@@ -25,8 +26,8 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "qsa_triton" / "decode.py"
 
-#: variant -> (merge mode for the launch, [(old, new) text edits of decode.py]); a "_pdl"
-#: suffix on a name launches that variant with Programmatic Dependent Launch forced on
+#: variant -> (merge mode for the launch, [(old, new) text edits of decode.py]); "<name>_pdl"
+#: runs variant <name> with Programmatic Dependent Launch forced on
 EDITS = {
     "head": ("auto", []),
     "head_nopdl": ("auto", [("PDL_AUTO = True\n", "PDL_AUTO = False\n")]),
@@ -60,7 +61,7 @@ def build_variants(names, where: Path, base: str | None = None) -> dict:
         if n == "base":
             out[n] = (_load("base", Path(base).read_text(), where), "auto")
             continue
-        merge, edits = EDITS[n]
+        merge, edits = EDITS[n.removesuffix("_pdl")]
         text = src
         for old, new in edits:
             if text.count(old) != 1:
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v] + (["base"] if args.base else [])
-    bad = [n for n in names if n not in EDITS and n != "base"]
+    bad = [n for n in names if n.removesuffix("_pdl") not in EDITS and n != "base"]
     if bad:
         print(f"--variants: unknown {bad}; allowed: {', '.join(EDITS)}", file=sys.stderr)
         return 2

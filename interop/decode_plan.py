@@ -10,7 +10,9 @@ graph, jitted function) stays correct when the lengths change:
     n_active    = clamp(cdiv(blocks, min_blocks_per_split), 1, max_splits)
     split j < n_active covers blocks [j*blocks // n_active, (j+1)*blocks // n_active)
                   (balanced: every active split of a non-empty row gets >= 1 block, since
-                   n_active <= blocks; the counts differ by at most one block)
+                   n_active <= blocks; the counts differ by at most one block). The Triton
+                   kernel rounds both ends up instead (cdiv), which puts the extra blocks on
+                   the first splits; either way every block is covered exactly once.
 
 A row longer than ``max_seqlen_k`` is still covered completely (the split size grows with the
 device length); ``max_seqlen_k`` only bounds the useful grid. Splits past ``n_active`` write an

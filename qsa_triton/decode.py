@@ -21,7 +21,10 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
     (max_splits x B x Hkv, split-major); each program computes from the row's device length
     ``n_active = clamp(cdiv(cdiv(len, BLOCK_N), min_blocks), 1, max_splits)``, with the
     device-side balance (default) also at most ``max(1, len * slots // (total keys * Hkv))``
-    (the row's share of ``plan.balance_slots`` programs), and the balanced block range ``[j·blocks // n_active, (j+1)·blocks // n_active)``; programs with j >= n_active
+    (the row's share of ``plan.balance_slots`` programs), and the balanced block range
+    ``[cdiv(j·blocks, n_active), cdiv((j+1)·blocks, n_active))`` (rounded up, so uneven extra
+    blocks go to the first splits; the Pallas twin rounds down: both cover every block once);
+    programs with j >= n_active
     exit at once (after marking their LSE slots empty for the merge kernel). No host read of any length: CUDA-graph replay with new lengths stays correct,
     and a row longer than ``max_seqlen_k`` is still covered entirely (splits just get longer).
   * A row whose n_active is 1 (short rows, large batches, empty rows) is finished by its one
@@ -36,7 +39,8 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
     * ``merge="inline"``: the last split to arrive (an int32 acq_rel counter per (s, h)) merges in
       the same launch and resets its counter to 0 before exiting.
   * Offsets into K/V, q, out and the scratch are 64-bit.
-  * Programmatic Dependent Launch (sm_90+, ``PDL_AUTO`` / QSA_DECODE_PDL / ``plan_override(pdl=)``):
+  * Programmatic Dependent Launch (sm_90+, QSA_DECODE_PDL / ``plan_override(pdl=)``; "auto", the
+    default, turns it on where B x Hkv <= ``PDL_AUTO_MAX_KV_ROWS``):
     both kernels are then launched with ``launch_pdl``, so each may be scheduled before its
     predecessor on the stream has finished. Every program of either kernel executes ``gdc_wait``
     (returns once the predecessor grid has completed and its memory is visible) before any load
@@ -244,12 +248,12 @@ def _decode_split_kernel(
             tl.store(lse_ptr + part_row, tl.full([HT], float("-inf"), tl.float32), mask=m_ok)
         return
     # block boundaries rounded up: where the blocks do not divide evenly the *first* splits take
-    # the extra block (full blocks, pipelined together) and the last split keeps only the row's
-    # partial block, so no split waits for a masked block after a full one (int64: blocks x j
-    # may pass 2^31 for rows near the int32 limit)
+    # the extra blocks, so the last split, which holds the row's partial (masked) block, is
+    # never longer than the others (at B = 1, 65 blocks over 64 splits: split 0 streams two
+    # full blocks, the last only the partial one). int64: blocks x j may pass 2^31.
     blocks64 = blocks.to(tl.int64)
     start = (tl.cdiv(blocks64 * j, n_act) * BLOCK_N).to(tl.int32)  # <= n: fits int32
-    stop = tl.minimum((tl.cdiv(blocks64 * (j + 1), n_act) * BLOCK_N).to(tl.int32), n)
+    stop = tl.minimum(tl.cdiv(blocks64 * (j + 1), n_act) * BLOCK_N, n).to(tl.int32)
     full_stop = start + ((stop - start) // BLOCK_N) * BLOCK_N
 
     offs_d = tl.arange(0, D)
@@ -532,8 +536,10 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
     pairs, fitted to the arch's shared memory as ``plan_for`` does, with both merge modes; and the
     merge kernel per split chunk. Shape ints (B, splits) are runtime values: they add no variant.
     On sm_90+ (every known arch) also the Programmatic Dependent Launch variants of the
-    merge="kernel" path (``USE_PDL=True``, option ``launch_pdl``; names end in ``_pdl``): the
-    split kernel per geometry and the merge kernel per chunk.
+    merge="kernel" path (``USE_PDL=True``, option ``launch_pdl``; names contain ``_pdl``): the
+    split kernel per geometry and the merge kernel per chunk; and every split-kernel variant with
+    TMA K/V loads (``USE_TMA=True``, ``k_ptr``/``v_ptr`` typed ``tensordesc<dtype[BLOCK_N,1,D]>``;
+    names end in ``_tma``).
 
     Returns:
       list of dicts: ``kernel`` (JITFunction), ``name``, ``signature``, ``constexprs`` (name ->
@@ -756,6 +762,8 @@ def tma_usable(device: torch.device | str, k: torch.Tensor, v: torch.Tensor) -> 
     Otherwise the pointer path runs: same results."""
     if TensorDescriptor is None:
         return False
+    if k.numel() == 0 or v.numel() == 0:  # a descriptor needs every extent > 0 (C = 0 is legal)
+        return False
     device = torch.device(device)
     if device.type == "cuda" and not _interpreting():
         key = _dev_key(device)
@@ -765,8 +773,9 @@ def tma_usable(device: torch.device | str, k: torch.Tensor, v: torch.Tensor) -> 
             return False
     elif not _interpreting():
         return False
-    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0
-                                               for st in t.stride()[:-1]) for t in (k, v))
+    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+               and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+               for t in (k, v))
 
 
 #: floats per merge-kernel tile ([SPLIT_CHUNK, D_CHUNK]); smaller tiles mean more programs with

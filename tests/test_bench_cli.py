@@ -463,6 +463,24 @@ def test_plot_saved_gpu_reports(tmp_path, path):
     assert _png_ok(tmp_path / "p.png")
 
 
+def test_decode_ab_variants_build_and_run_on_cpu(tmp_path, monkeypatch):
+    """bench/decode_ab.py's variants are edited copies of qsa_triton/decode.py: every edit still
+    matches once, each copy imports under its own op name and computes the reference values
+    (Triton interpreter), and "<name>_pdl" is accepted as a name."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from bench.decode_ab import EDITS, build_variants  # noqa: PLC0415
+    from tests.test_triton_decode import assert_close, make_case, reference  # noqa: PLC0415
+
+    mods = build_variants(list(EDITS) + ["head_pdl"], tmp_path)
+    assert set(mods) == set(EDITS) | {"head_pdl"}
+    assert mods["head_nopdl"][0].PDL_AUTO is False and mods["head"][0].PDL_AUTO is True
+    case = make_case([5, 40], 12, 1, 64, seed=1)
+    for name, (mod, merge) in mods.items():
+        plan, _ = mod.plan_for(2, 1, 12, 64, 40, "cpu")
+        out = mod.decode_with_plan(*case, 40, plan=plan, merge=merge)
+        assert_close(out, reference(*case)), name
+
+
 def test_decode_variants_plans_are_what_their_names_say():
     """bench/decode_variants.py: each policy variant fixes the plan it names (CPU: plans only)."""
     torch = pytest.importorskip("torch")

@@ -183,6 +183,39 @@ def test_tma_path_matches_pointer_path(hq, hkv):
         assert torch.count_nonzero(out[0]) == 0
 
 
+def test_launch_passes_kv_rows_and_tma_choice(monkeypatch):
+    """The launch resolves PDL with the call's B x Hkv and hands the TMA choice to the kernel:
+    descriptors for K/V exactly when tma_usable, pointers otherwise (C = 0 included: a descriptor
+    needs every extent > 0, so an all-empty batch takes the pointer path)."""
+    seen = []
+    real_pdl = dec.pdl_enabled
+    monkeypatch.setattr(dec, "pdl_enabled",
+                        lambda device, pdl=None, kv_rows=None: seen.append(kv_rows) or real_pdl(
+                            device, pdl, kv_rows))
+    launches = []
+    real_kernel = dec._decode_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                launches.append((type(args[1]).__name__, kw["USE_TMA"]))
+                return real_kernel[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(dec, "_decode_split_kernel", Spy())
+    case = make_case([9, 30, 0], 12, 1, 64, seed=4)
+    empty = make_case([0, 0], 12, 1, 64, slack=0)
+    assert empty[1].shape[0] == 0 and not dec.tma_usable(CPU, empty[1], empty[2])
+    for tma in (False, True):
+        with dec.plan_override(tma=tma, max_splits=2, block_n=16):
+            assert_close(qsa_triton.sparse_decode(*case, 30), reference(*case))
+            out = qsa_triton.sparse_decode(*empty, 4)
+        assert torch.count_nonzero(out) == 0
+    assert seen == [3, 2, 3, 2]  # B x Hkv of each call
+    assert launches == [("Tensor", False), ("Tensor", False),
+                        ("TensorDescriptor", True), ("Tensor", False)]
+
+
 def test_tma_usable_needs_alignment():
     """TMA needs 16-byte aligned bases and strides: a K/V view that is not falls back to the
     pointer path (same results), never a launch error."""
