@@ -128,7 +128,7 @@ _LOG2E = 1.4426950408889634
 #:   supported, PDL_AUTO is True and B x Hkv <= PDL_AUTO_MAX_KV_ROWS. Why the row bound (H200,
 #:   bench/NOTES.md decode v4): at B = 1 the call is one latency chain and PDL hides the merge
 #:   launch in every run (TP1 / TP2 / TP4 saturated: 7.70 -> 7.18, 7.78 -> 7.34, 7.13 -> 6.24
-#:   us, runs 17-20); at B = 4..16 it won in one run and lost up to 11% in another, from
+#:   us, runs 17, 18 and 22); at B = 4..16 it won in one run and lost up to 11% in another, from
 #:   B x Hkv = 32 on it costs about 1 us (early-scheduled grids hold SM slots the split kernel
 #:   needs). Results are bitwise the same either way (tests/test_triton_decode.py -m gpu, eager
 #:   and under CUDA-graph replay).
