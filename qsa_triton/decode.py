@@ -758,8 +758,10 @@ def _tma_wanted() -> bool:
 def tma_usable(device: torch.device | str, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the split kernel can load K/V through tensor descriptors: Triton has them, the
     device is CUDA of compute capability >= 9.0 (TMA) or Triton's interpreter runs (which
-    emulates them), and k/v meet TMA's alignment (16-byte base address and 16-byte strides).
-    Otherwise the pointer path runs: same results."""
+    emulates them), and k/v ([C, Hkv, D], C >= 1, last dim contiguous) meet TMA's alignment
+    (16-byte base address and 16-byte strides). Otherwise the pointer path runs: same results.
+    Source of the limits: CUDA driver API ``cuTensorMapEncodeTiled`` (and Triton's
+    ``TensorDescriptor`` checks)."""
     if TensorDescriptor is None:
         return False
     if k.numel() == 0 or v.numel() == 0:  # a descriptor needs every extent > 0 (C = 0 is legal)
