@@ -780,8 +780,9 @@ def tma_usable(device: torch.device | str, k: torch.Tensor, v: torch.Tensor) -> 
                for t in (k, v))
 
 
-#: floats per merge-kernel tile ([SPLIT_CHUNK, D_CHUNK]); smaller tiles mean more programs with
-#: shorter instruction streams (the merge is latency-bound at small B: ncu, bench/NOTES.md v4)
+#: floats per merge-kernel tile ([SPLIT_CHUNK, D_CHUNK]), 16 per thread at 4 warps. Smaller tiles
+#: (more programs, shorter streams) measured slower on the H200: 1024 / 512 floats gave geomean
+#: 2.026x / 1.913x vs 2.085x (run 20, bench/NOTES.md decode v4b).
 MERGE_TILE = 2048
 
 
