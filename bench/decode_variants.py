@@ -47,6 +47,10 @@ VARIANTS = {
     # fewer pipeline stages where splits stream one or two blocks (less prologue code)
     "v4_s2_16": {"small": {"num_stages": 2}, "small_kv_rows": 16},
     "v4_s1_16": {"small": {"num_stages": 1}, "small_kv_rows": 16},
+    # B x Hkv <= 2: 65 splits, so 2051 keys (65 blocks of 32) give every split one block; with 64
+    # splits split 0 streams two and decides the kernel's time
+    "v4_ms65_small": {"small": {"max_splits": 65}},
+    "v4_ms65_small_tma": {"small": {"max_splits": 65}, "tma": True},
 }
 
 
