@@ -51,6 +51,13 @@ VARIANTS = {
     # splits split 0 streams two and decides the kernel's time
     "v4_ms65_small": {"small": {"max_splits": 65}},
     "v4_ms65_small_tma": {"small": {"max_splits": 65}, "tma": True},
+    # decode v5 loop: Q·Kᵀ as 2 or 4 independent dots over D slices (shorter dependent chain of
+    # tensor-core instructions), softmax denominator reduced once after the loop
+    "v5_qk2": {"qk_split": 2},
+    "v5_defer": {"defer_rowsum": True},
+    "v5_qk2_defer": {"qk_split": 2, "defer_rowsum": True},
+    "v5_qk4_defer": {"qk_split": 4, "defer_rowsum": True},
+    "v5_qk2_defer_ms65": {"qk_split": 2, "defer_rowsum": True, "small": {"max_splits": 65}},
 }
 
 
@@ -59,7 +66,7 @@ def _plan(dec, b, hkv, g, dev, spec):
 
     from interop.decode_plan import next_pow2  # noqa: PLC0415
 
-    fields = {k: v for k, v in spec.items() if k in ("balance",)}
+    fields = {k: v for k, v in spec.items() if k in ("balance", "qk_split", "defer_rowsum")}
     if "small" in spec and b * hkv <= spec.get("small_kv_rows", 2):
         fields.update(spec["small"])
     with dec.plan_override(**fields):

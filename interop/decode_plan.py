@@ -87,6 +87,13 @@ class DecodePlan:
         balance over this many programs (module docstring; Triton kernel only).
       tail_in_loop: the row's partial last block inside the pipelined loop (masked loads) instead
         of after it (Triton kernel only; decode v3b in bench/NOTES.md).
+      qk_split: Q·Kᵀ computed as this many independent dots over D/qk_split columns each (1, 2
+        or 4; Triton pointer path only). Why: with a 16-row head tile each warp's Q·Kᵀ is one
+        chain of D/16 dependent tensor-core instructions (16 at D = 256, SASS sm_90); independent
+        halves let them overlap (decode v5 in bench/NOTES.md).
+      defer_rowsum: keep the softmax denominator as a [head tile, BLOCK_N] running sum and reduce
+        it once after the loop, instead of a cross-warp row sum (two barriers) per block (Triton
+        kernel only; decode v5).
     """
 
     head_tile: int
@@ -97,6 +104,8 @@ class DecodePlan:
     num_stages: int
     balance_slots: int = 0
     tail_in_loop: bool = False
+    qk_split: int = 1
+    defer_rowsum: bool = False
 
 
 def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,

@@ -141,7 +141,8 @@ PDL_AUTO_MAX_KV_ROWS = 2
 # ---------------------------------------------------------------------------------------------
 # Kernels
 @triton.jit
-def _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, n_mask, scale_log2, MASKED: tl.constexpr):
+def _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, n_mask, scale_log2, MASKED: tl.constexpr,
+                  DEFER_L: tl.constexpr = False):
     """One BLOCK_N step of the online softmax for a [HT, D] head tile (FP32 state)."""
     if MASKED:
         kt = tl.load(k_ptrs, mask=n_mask[:, None], other=0.0)
@@ -149,12 +150,13 @@ def _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, n_mask, scale_log2, MASKED: 
     else:
         kt = tl.load(k_ptrs)
         vt = tl.load(v_ptrs)
-    return _online_step(q, kt, vt, m_i, l_i, acc, n_mask, scale_log2, MASKED)
+    return _online_step(q, kt, vt, m_i, l_i, acc, n_mask, scale_log2, MASKED, DEFER_L)
 
 
 @triton.jit
 def _online_tma(q, k_desc, v_desc, row, h, m_i, l_i, acc, n_mask, scale_log2,
-                BLOCK_N: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr):
+                BLOCK_N: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr,
+                DEFER_L: tl.constexpr = False):
     """``_online_block`` with K/V rows [row, row + BLOCK_N) of KV head h loaded by TMA (tensor
     descriptors over [C, Hkv, D]). TMA reads whole boxes: rows past the block's valid ones
     (MASKED: the row's partial last block) are other sequences' rows or zero fill past C, so
@@ -163,21 +165,61 @@ def _online_tma(q, k_desc, v_desc, row, h, m_i, l_i, acc, n_mask, scale_log2,
     vt = tl.reshape(v_desc.load([row, h, 0]), [BLOCK_N, D])
     if MASKED:
         vt = tl.where(n_mask[:, None], vt, 0.0)
-    return _online_step(q, kt, vt, m_i, l_i, acc, n_mask, scale_log2, MASKED)
+    return _online_step(q, kt, vt, m_i, l_i, acc, n_mask, scale_log2, MASKED, DEFER_L)
 
 
 @triton.jit
-def _online_step(q, kt, vt, m_i, l_i, acc, n_mask, scale_log2, MASKED: tl.constexpr):
+def _online_step(q, kt, vt, m_i, l_i, acc, n_mask, scale_log2, MASKED: tl.constexpr,
+                 DEFER_L: tl.constexpr = False):
     """The online-softmax update for one loaded [BLOCK_N, D] K/V block."""
     s = tl.dot(q, tl.trans(kt)) * scale_log2  # FP32 [HT, BLOCK_N], log2 domain
+    return _softmax_pv(s, vt, m_i, l_i, acc, n_mask, MASKED, DEFER_L)
+
+
+@triton.jit
+def _softmax_pv(s, vt, m_i, l_i, acc, n_mask, MASKED: tl.constexpr, DEFER_L: tl.constexpr):
+    """Online softmax on the scaled scores s [HT, BLOCK_N] and the P·V update. DEFER_L: l_i is
+    a [HT, BLOCK_N] running sum (reduced once after the loop, ``_row_sum``), so the block needs
+    no cross-warp row sum."""
     if MASKED:
         s = tl.where(n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)  # 0 on the first block (m_i = -inf, m_new finite)
     p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if DEFER_L:
+        l_i = l_i * alpha[:, None] + p
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _online_split(q0, q1, q2, q3, k0_ptrs, v_ptrs, m_i, l_i, acc, n_mask, scale_log2,
+                  DH: tl.constexpr, QK_SPLIT: tl.constexpr, MASKED: tl.constexpr,
+                  DEFER_L: tl.constexpr):
+    """``_online_block`` with Q·Kᵀ as QK_SPLIT (2 or 4) independent dots over DH = D / QK_SPLIT
+    columns each (q0..q3: the query tile's column slices; k0_ptrs: the first slice's pointers).
+    Each partial dot is scaled before the sum: an unscaled ``dot + x`` would be folded back into
+    one accumulating dot (Triton's dot-add combine), i.e. one dependent chain again."""
+    if MASKED:
+        k0 = tl.load(k0_ptrs, mask=n_mask[:, None], other=0.0)
+        k1 = tl.load(k0_ptrs + DH, mask=n_mask[:, None], other=0.0)
+        vt = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+    else:
+        k0 = tl.load(k0_ptrs)
+        k1 = tl.load(k0_ptrs + DH)
+        vt = tl.load(v_ptrs)
+    s = tl.dot(q0, tl.trans(k0)) * scale_log2 + tl.dot(q1, tl.trans(k1)) * scale_log2
+    if QK_SPLIT == 4:
+        if MASKED:
+            k2 = tl.load(k0_ptrs + 2 * DH, mask=n_mask[:, None], other=0.0)
+            k3 = tl.load(k0_ptrs + 3 * DH, mask=n_mask[:, None], other=0.0)
+        else:
+            k2 = tl.load(k0_ptrs + 2 * DH)
+            k3 = tl.load(k0_ptrs + 3 * DH)
+        s += tl.dot(q2, tl.trans(k2)) * scale_log2 + tl.dot(q3, tl.trans(k3)) * scale_log2
+    return _softmax_pv(s, vt, m_i, l_i, acc, n_mask, MASKED, DEFER_L)
 
 
 @triton.jit
@@ -211,6 +253,7 @@ def _decode_split_kernel(
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
     MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr, USE_PDL: tl.constexpr,
     BALANCE: tl.constexpr, TAIL_IN_LOOP: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    QK_SPLIT: tl.constexpr = 1, DEFER_L: tl.constexpr = False,
 ):
     if USE_PDL:
         # Programmatic Dependent Launch (see PDL_AUTO): this grid may start before the previous
@@ -258,11 +301,26 @@ def _decode_split_kernel(
 
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + q_row * stride_qb + heads.to(tl.int64)[:, None] * stride_qh + offs_d[None, :],
-                mask=m_ok[:, None], other=0.0)
+    q_rows = q_ptr + q_row * stride_qb + heads.to(tl.int64)[:, None] * stride_qh
+    if QK_SPLIT == 1:
+        q = tl.load(q_rows + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    else:  # column slices of the query tile for the split Q·Kᵀ (_online_split)
+        DH: tl.constexpr = D // QK_SPLIT
+        offs_h = tl.arange(0, DH)
+        q0 = tl.load(q_rows + offs_h[None, :], mask=m_ok[:, None], other=0.0)
+        q1 = tl.load(q_rows + DH + offs_h[None, :], mask=m_ok[:, None], other=0.0)
+        q = q0  # unused (keeps the name bound for the compiler's branch checks)
+        q2 = q0
+        q3 = q1
+        if QK_SPLIT == 4:
+            q2 = tl.load(q_rows + 2 * DH + offs_h[None, :], mask=m_ok[:, None], other=0.0)
+            q3 = tl.load(q_rows + 3 * DH + offs_h[None, :], mask=m_ok[:, None], other=0.0)
 
     m_i = tl.full([HT], float("-inf"), tl.float32)
-    l_i = tl.zeros([HT], tl.float32)
+    if DEFER_L:
+        l_i = tl.zeros([HT, BLOCK_N], tl.float32)
+    else:
+        l_i = tl.zeros([HT], tl.float32)
     acc = tl.zeros([HT, D], tl.float32)
     if USE_TMA:
         # k_ptr / v_ptr are tensor descriptors: one TMA copy per block instead of per-thread
@@ -271,11 +329,12 @@ def _decode_split_kernel(
         row = k_lo + start
         for _ in range(start, full_stop, BLOCK_N):
             m_i, l_i, acc = _online_tma(q, k_ptr, v_ptr, row, h, m_i, l_i, acc, offs_n < BLOCK_N,
-                                        scale_log2, BLOCK_N, D, False)
+                                        scale_log2, BLOCK_N, D, False, DEFER_L)
             row += BLOCK_N
         if full_stop < stop:
             m_i, l_i, acc = _online_tma(q, k_ptr, v_ptr, k_lo + full_stop, h, m_i, l_i, acc,
-                                        (full_stop + offs_n) < stop, scale_log2, BLOCK_N, D, True)
+                                        (full_stop + offs_n) < stop, scale_log2, BLOCK_N, D, True,
+                                        DEFER_L)
     elif TAIL_IN_LOOP:
         row0 = k_lo.to(tl.int64) + start  # 64-bit row index into the packed K/V
         k_ptrs = (k_ptr + h.to(tl.int64) * stride_kh + (row0 + offs_n)[:, None] * stride_kc
@@ -287,7 +346,7 @@ def _decode_split_kernel(
         # one or two blocks per split, that split decides the kernel's time)
         for off in range(start, stop, BLOCK_N):
             m_i, l_i, acc = _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, (off + offs_n) < stop,
-                                          scale_log2, True)
+                                          scale_log2, True, DEFER_L)
             k_ptrs += BLOCK_N * stride_kc
             v_ptrs += BLOCK_N * stride_vc
     else:
@@ -296,15 +355,31 @@ def _decode_split_kernel(
                   + offs_d[None, :])
         v_ptrs = (v_ptr + h.to(tl.int64) * stride_vh + (row0 + offs_n)[:, None] * stride_vc
                   + offs_d[None, :])
-        # interior blocks: no masks, so the loads vectorise and pipeline
-        for _ in range(start, full_stop, BLOCK_N):
-            m_i, l_i, acc = _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, offs_n < BLOCK_N,
-                                          scale_log2, False)
-            k_ptrs += BLOCK_N * stride_kc
-            v_ptrs += BLOCK_N * stride_vc
-        if full_stop < stop:  # the row's last, partial block (only in the last split)
-            m_i, l_i, acc = _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc,
-                                          (full_stop + offs_n) < stop, scale_log2, True)
+        if QK_SPLIT == 1:
+            # interior blocks: no masks, so the loads vectorise and pipeline
+            for _ in range(start, full_stop, BLOCK_N):
+                m_i, l_i, acc = _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, offs_n < BLOCK_N,
+                                              scale_log2, False, DEFER_L)
+                k_ptrs += BLOCK_N * stride_kc
+                v_ptrs += BLOCK_N * stride_vc
+            if full_stop < stop:  # the row's last, partial block (only in the last split)
+                m_i, l_i, acc = _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc,
+                                              (full_stop + offs_n) < stop, scale_log2, True, DEFER_L)
+        else:
+            k0_ptrs = (k_ptr + h.to(tl.int64) * stride_kh + (row0 + offs_n)[:, None] * stride_kc
+                       + offs_h[None, :])
+            for _ in range(start, full_stop, BLOCK_N):
+                m_i, l_i, acc = _online_split(q0, q1, q2, q3, k0_ptrs, v_ptrs, m_i, l_i, acc,
+                                              offs_n < BLOCK_N, scale_log2, DH, QK_SPLIT, False,
+                                              DEFER_L)
+                k0_ptrs += BLOCK_N * stride_kc
+                v_ptrs += BLOCK_N * stride_vc
+            if full_stop < stop:
+                m_i, l_i, acc = _online_split(q0, q1, q2, q3, k0_ptrs, v_ptrs, m_i, l_i, acc,
+                                              (full_stop + offs_n) < stop, scale_log2, DH,
+                                              QK_SPLIT, True, DEFER_L)
+    if DEFER_L:
+        l_i = tl.sum(l_i, 1)
 
     o_rows = s.to(tl.int64) * stride_ob + heads.to(tl.int64) * stride_oh
     if n_act == 1:
@@ -732,6 +807,7 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             MERGE_INLINE=(merge == "inline"), LSE_ALL=(splits > 1 and merge == "kernel"),
             USE_PDL=use_pdl, BALANCE=plan.balance_slots > 0,
             TAIL_IN_LOOP=plan.tail_in_loop and not use_tma, USE_TMA=use_tma,
+            QK_SPLIT=_qk_split(plan, d, use_tma), DEFER_L=plan.defer_rowsum,
             num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
         if splits > 1 and merge == "kernel":
@@ -784,6 +860,17 @@ def tma_usable(device: torch.device | str, k: torch.Tensor, v: torch.Tensor) -> 
 #: (more programs, shorter streams) measured slower on the H200: 1024 / 512 floats gave geomean
 #: 2.026x / 1.913x vs 2.085x (run 20, bench/NOTES.md decode v4b).
 MERGE_TILE = 2048
+
+
+def _qk_split(plan: DecodePlan, head_dim: int, use_tma: bool) -> int:
+    """QK_SPLIT the split kernel runs: the plan's, where the pointer path runs (not TMA, not
+    tail_in_loop) and every slice keeps >= 16 columns (the tensor-core K step); else 1."""
+    k = int(plan.qk_split)
+    if k not in (1, 2, 4):
+        raise ValueError(f"qk_split must be 1, 2 or 4, got {k}")
+    if use_tma or plan.tail_in_loop or head_dim // k < 16:
+        return 1
+    return k
 
 
 def _merge_d_chunk(chunk: int, head_dim: int) -> int:

@@ -161,6 +161,37 @@ def test_tail_in_loop_variant(ms, merge):
     assert torch.count_nonzero(out[0]) == 0
 
 
+@pytest.mark.parametrize("qk_split,defer,d", [(2, False, 64), (4, True, 64), (1, True, 64),
+                                               (2, True, 32), (4, False, 32)])
+@pytest.mark.parametrize("merge", ["kernel", "inline"])
+def test_split_qk_and_deferred_rowsum(qk_split, defer, d, merge):
+    """Decode v5 loop variants (``qk_split``: Q·Kᵀ as independent dots over D slices;
+    ``defer_rowsum``: the softmax denominator reduced once after the loop) match the reference
+    for edge lengths and split rows, and match the plain loop to FP32 rounding. At D = 32 a
+    4-way split would leave 8-column slices: it falls back to 1 (``_qk_split``)."""
+    lens = [0, 1, 15, 16, 17, 70, 33]
+    case = make_case(lens, 12, 1, d, seed=qk_split + 10 * defer)
+    with dec.plan_override(block_n=16, max_splits=4, min_blocks_per_split=1, merge=merge):
+        base = qsa_triton.sparse_decode(*case, max(lens))
+    with dec.plan_override(block_n=16, max_splits=4, min_blocks_per_split=1, merge=merge,
+                           qk_split=qk_split, defer_rowsum=defer):
+        plan, _ = dec.plan_for(len(lens), 1, 12, d, max(lens), CPU)
+        out = qsa_triton.sparse_decode(*case, max(lens))
+    assert plan.qk_split == qk_split and plan.defer_rowsum == defer
+    assert dec._qk_split(plan, d, False) == (qk_split if d // qk_split >= 16 else 1)
+    assert dec._qk_split(plan, d, True) == 1  # the TMA path keeps one dot
+    assert_close(out, reference(*case))
+    torch.testing.assert_close(out, base, rtol=2e-3, atol=2e-3)
+    assert torch.count_nonzero(out[0]) == 0
+
+
+def test_qk_split_rejects_other_values():
+    with dec.plan_override(qk_split=3):
+        plan, _ = dec.plan_for(2, 1, 12, 64, 40, CPU)
+    with pytest.raises(ValueError, match="qk_split"):
+        dec._qk_split(plan, 64, False)
+
+
 @pytest.mark.parametrize("hq,hkv", PAIRS)
 def test_tma_path_matches_pointer_path(hq, hkv):
     """K/V loaded through TMA tensor descriptors (the interpreter emulates them): the reference
