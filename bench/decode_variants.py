@@ -58,6 +58,10 @@ VARIANTS = {
     "v5_qk2_defer": {"qk_split": 2, "defer_rowsum": True},
     "v5_qk4_defer": {"qk_split": 4, "defer_rowsum": True},
     "v5_qk2_defer_ms65": {"qk_split": 2, "defer_rowsum": True, "small": {"max_splits": 65}},
+    "v5_defer_ms65": {"defer_rowsum": True, "small": {"max_splits": 65}},
+    # BLOCK_N 64 where B x Hkv >= 32 (half the per-byte barriers and reductions of BLOCK_N 32)
+    "v5_defer_bn64s2": {"defer_rowsum": True, "big": {"block_n": 64, "num_stages": 2}},
+    "v5_defer_bn64s3": {"defer_rowsum": True, "big": {"block_n": 64, "num_stages": 3}},
 }
 
 
@@ -69,6 +73,8 @@ def _plan(dec, b, hkv, g, dev, spec):
     fields = {k: v for k, v in spec.items() if k in ("balance", "qk_split", "defer_rowsum")}
     if "small" in spec and b * hkv <= spec.get("small_kv_rows", 2):
         fields.update(spec["small"])
+    if "big" in spec and b * hkv >= spec.get("big_kv_rows", 32):
+        fields.update(spec["big"])
     with dec.plan_override(**fields):
         plan, merge = dec.plan_for(b, hkv, g, D, MSK, dev)
     sms = dec._sm_count(dev)
