@@ -72,7 +72,9 @@ def build(where: Path) -> dict:
 
 def _summary(t: torch.Tensor, blocks: float) -> dict:
     t = t.view(-1, 4).double()
-    t = t[t[:, 3] > 0]  # programs that ran the loop (inactive splits return early)
+    t = t[t[:, 3] != 0]  # programs that ran the loop (inactive splits return early)
+    if t.shape[0] == 0:
+        return {"programs": 0}
     t0 = t[:, 0].min()
     rel = (t - t0) / 1e3  # us since the first program started
     q = lambda x, p: float(torch.quantile(x, p))  # noqa: E731
@@ -101,6 +103,10 @@ def run(cases, reps: int = 20) -> dict:
             fn = lambda m=mod: m.sparse_decode(q, k, v, cq, ck, MSK)  # noqa: E731
             fn(), fn()
             torch.cuda.synchronize()
+            nz = int((mod.TBUF != 0).sum())
+            if nz == 0:  # diagnose instead of failing later
+                print(f"{tp} B={b} {name}: no timestamps after eager calls (TBUF {mod.TBUF.shape}, "
+                      f"plan {plan})", flush=True)
             g = torch.cuda.CUDAGraph()
             s = torch.cuda.Stream()
             with torch.cuda.graph(g, stream=s):
@@ -111,7 +117,7 @@ def run(cases, reps: int = 20) -> dict:
             torch.cuda.synchronize()
             # active splits per row from the timestamps: blocks per program = blocks / active
             blocks = -(-MSK // plan.block_n)
-            act = int((mod.TBUF.view(-1, 4)[:, 3] > 0).sum()) / max(b * k.shape[1], 1)
+            act = int((mod.TBUF.view(-1, 4)[:, 3] != 0).sum()) / max(b * k.shape[1], 1)
             case[name] = _summary(mod.TBUF.cpu(), blocks / max(act, 1))
             case[name]["active_splits_per_row"] = act
             print(f"{tp} B={b} {name:9s} " + ", ".join(
