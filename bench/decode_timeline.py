@@ -97,10 +97,13 @@ def run(cases, reps: int = 20) -> dict:
         q, k, v, cq, ck, lens = make_inputs(tp, b, "saturated", device=dev)
         case = {"tp": tp, "B": b}
         for name, mod in mods.items():
-            plan, _ = mod.plan_for(b, k.shape[1], q.shape[1] // k.shape[1], q.shape[2], MSK, dev)
+            plan, merge = mod.plan_for(b, k.shape[1], q.shape[1] // k.shape[1], q.shape[2], MSK, dev)
             n = b * k.shape[1] * plan.max_splits
             mod.TBUF = torch.zeros(4 * n, dtype=torch.int64, device=dev)
-            fn = lambda m=mod: m.sparse_decode(q, k, v, cq, ck, MSK)  # noqa: E731
+            # decode_with_plan runs this module's own launch (sparse_decode would dispatch to the
+            # registered torch.ops.qsa op, i.e. the uninstrumented module)
+            fn = lambda m=mod, p=plan, mg=merge: m.decode_with_plan(  # noqa: E731
+                q, k, v, cq, ck, MSK, plan=p, merge=mg)
             fn(), fn()
             torch.cuda.synchronize()
             nz = int((mod.TBUF != 0).sum())
