@@ -33,11 +33,22 @@ EDITS = {
     "head_nopdl": ("auto", [("PDL_AUTO = True\n", "PDL_AUTO = False\n")]),
     "merge1024": ("auto", [("MERGE_TILE = 2048\n", "MERGE_TILE = 1024\n")]),
     "merge512": ("auto", [("MERGE_TILE = 2048\n", "MERGE_TILE = 512\n")]),
+    # PDL with the split kernel's trigger after its K/V loop instead of at entry: the merge grid
+    # is scheduled during the split kernel's tail only, not while its programs stream (run as
+    # "late_trigger_pdl")
+    "late_trigger": ("auto", [
+        ("        tl.extra.cuda.gdc_launch_dependents()\n        tl.extra.cuda.gdc_wait()\n",
+         "        tl.extra.cuda.gdc_wait()\n"),
+        ("    o_rows = s.to(tl.int64) * stride_ob + heads.to(tl.int64) * stride_oh\n",
+         "    if USE_PDL:\n        tl.extra.cuda.gdc_launch_dependents()\n"
+         "    o_rows = s.to(tl.int64) * stride_ob + heads.to(tl.int64) * stride_oh\n")]),
+    "inline": ("inline", []),
 }
 SHAPES = [(tp, b, rows) for tp in ("TP1", "TP2", "TP4") for b in (1, 4, 16)
           for rows in ("saturated", "mixed")] + [
     ("TP1", 32, "saturated"), ("TP1", 32, "mixed"), ("TP2", 64, "saturated"),
-    ("TP2", 64, "mixed"), ("TP4", 64, "saturated"), ("TP4", 64, "mixed")]
+    ("TP2", 64, "mixed"), ("TP4", 64, "saturated"), ("TP4", 64, "mixed"),
+    ("TP1", 64, "saturated"), ("TP2", 128, "saturated"), ("TP1", 128, "mixed")]
 
 
 def _load(name: str, text: str, where: Path):

@@ -10,7 +10,8 @@ programs all read the *same* first K/V rows (L2-resident after the first touch: 
 compute-bound time at the same concurrency). Both run as CUDA-graph replays of back-to-back
 calls, like the benchmark; the last replay's timestamps are kept.
 
-Usage (GPU): ``python -m bench.decode_timeline [--cases TP2:64,TP1:1] [--json PATH]``.
+Usage (GPU): ``python -m bench.decode_timeline [--cases TP2:64,TP1:1,TP1:1:65] [--json PATH]``
+(``TP:B`` or ``TP:B:max_splits``).
 """
 
 from __future__ import annotations
@@ -93,11 +94,13 @@ def run(cases, reps: int = 20) -> dict:
     dev = torch.device("cuda")
     mods = build(Path(tempfile.mkdtemp(prefix="qsa_timeline_")))
     res = {"gpu": gpu_name(), "cases": []}
-    for tp, b in cases:
+    for tp, b, ms in cases:
         q, k, v, cq, ck, lens = make_inputs(tp, b, "saturated", device=dev)
-        case = {"tp": tp, "B": b}
+        case = {"tp": tp, "B": b, "max_splits": ms}
         for name, mod in mods.items():
-            plan, merge = mod.plan_for(b, k.shape[1], q.shape[1] // k.shape[1], q.shape[2], MSK, dev)
+            with mod.plan_override(**({"max_splits": ms} if ms else {})):
+                plan, merge = mod.plan_for(b, k.shape[1], q.shape[1] // k.shape[1], q.shape[2],
+                                           MSK, dev)
             n = b * k.shape[1] * plan.max_splits
             mod.TBUF = torch.zeros(4 * n, dtype=torch.int64, device=dev)
             # decode_with_plan runs this module's own launch (sparse_decode would dispatch to the
@@ -123,7 +126,7 @@ def run(cases, reps: int = 20) -> dict:
             act = int((mod.TBUF.view(-1, 4)[:, 3] != 0).sum()) / max(b * k.shape[1], 1)
             case[name] = _summary(mod.TBUF.cpu(), blocks / max(act, 1))
             case[name]["active_splits_per_row"] = act
-            print(f"{tp} B={b} {name:9s} " + ", ".join(
+            print(f"{tp} B={b}{f' ms={ms}' if ms else ''} {name:9s} " + ", ".join(
                 f"{kk} {vv:.2f}" if isinstance(vv, float) else f"{kk} {vv}"
                 for kk, vv in case[name].items()))
         res["cases"].append(case)
@@ -138,7 +141,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("decode_timeline needs a CUDA GPU", file=sys.stderr)
         return 2
-    cases = [(c.split(":")[0], int(c.split(":")[1])) for c in a.cases.split(",")]
+    # TP:B or TP:B:max_splits (a forced split count)
+    cases = [(p[0], int(p[1]), int(p[2]) if len(p) > 2 else None)
+             for p in (c.split(":") for c in a.cases.split(","))]
     res = run(cases)
     if a.json:
         write_json(a.json, res)

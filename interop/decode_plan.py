@@ -60,6 +60,11 @@ MIN_BLOCKS_CAP = 2  # a split streams up to this many BLOCK_N blocks before anot
 # sweep (bench/decode.py --sweep, decode v3 in bench/NOTES.md).
 BALANCE_SLOTS_PER_SM = 2
 BALANCE_GRID_SPLITS = 4
+# decode v5 (bench/NOTES.md): the softmax denominator kept per column and reduced once after the
+# loop (two fewer barriers per block): geomean 1.767x vs 1.702x and 1.783x vs 1.716x upstream in
+# two H200 runs (26, 27), min 0.999x / 1.010x vs 0.962x / 0.968x. Q·Kᵀ split over D slices
+# (qk_split 2 / 4) was slower everywhere (1.504x / 1.611x vs 1.716x): not the default.
+DEFER_ROWSUM = True
 
 
 def prev_pow2(x: int) -> int:
@@ -146,4 +151,5 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
     # to their device's shared memory.
     num_stages = 3
     slots = BALANCE_SLOTS_PER_SM * sm_count if balance else 0
-    return DecodePlan(head_tile, block_n, max_splits, min_blocks, num_warps, num_stages, slots)
+    return DecodePlan(head_tile, block_n, max_splits, min_blocks, num_warps, num_stages, slots,
+                      defer_rowsum=DEFER_ROWSUM)

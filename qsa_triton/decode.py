@@ -638,9 +638,13 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
                 [(False, True, bal) for bal in (False, True)] if True in pdl_modes else [])
             tmas = (False, True) if tuple(info.cc) >= (9, 0) and TensorDescriptor else (False,)
             for (inline, pdl, bal), tma in itertools.product(variants, tmas):
+                # every constexpr the launch passes (a missing one would be compiled as a
+                # runtime int, with both branches of its ifs: not the launched kernel)
                 consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
                           "MERGE_INLINE": inline, "LSE_ALL": not inline, "USE_PDL": pdl,
-                          "BALANCE": bal, "USE_TMA": tma}
+                          "BALANCE": bal, "USE_TMA": tma,
+                          "TAIL_IN_LOOP": p.tail_in_loop and not tma,
+                          "QK_SPLIT": _qk_split(p, head_dim, tma), "DEFER_L": p.defer_rowsum}
                 key = (tuple(consts.items()), p.num_warps, p.num_stages)
                 if key in seen:
                     continue
