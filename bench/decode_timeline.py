@@ -39,8 +39,10 @@ _TIMED_EDITS = [
     ("                tl.atomic_xchg(cnt_ptr + sh, 0, sem=\"release\", scope=\"gpu\")\n",
      "                tl.atomic_xchg(cnt_ptr + sh, 0, sem=\"release\", scope=\"gpu\")\n"
      f"    t_3 = {_NOW}\n"
-     "    tl.store(t_ptr + pid * 4, t_0)\n    tl.store(t_ptr + pid * 4 + 1, t_1)\n"
-     "    tl.store(t_ptr + pid * 4 + 2, t_2)\n    tl.store(t_ptr + pid * 4 + 3, t_3)\n"),
+     "    tl.store(t_ptr + pid * 5, t_0)\n    tl.store(t_ptr + pid * 5 + 1, t_1)\n"
+     "    tl.store(t_ptr + pid * 5 + 2, t_2)\n    tl.store(t_ptr + pid * 5 + 3, t_3)\n"
+     "    tl.store(t_ptr + pid * 5 + 4, tl.inline_asm_elementwise(\"mov.u32 $0, %smid;\", \"=r\", [],"
+     " dtype=tl.int32, is_pure=False, pack=1).to(tl.int64))\n"),
     ("q, k_arg, v_arg, out, sc.lse, sc.part, sc.counters, cu_seqlens_q, cu_seqlens_k,",
      "q, k_arg, v_arg, out, sc.lse, sc.part, sc.counters, cu_seqlens_q, cu_seqlens_k, TBUF,"),
 ]
@@ -72,7 +74,7 @@ def build(where: Path) -> dict:
 
 
 def _summary(t: torch.Tensor, blocks: float) -> dict:
-    t = t.view(-1, 4).double()
+    t = t.view(-1, 5)[:, :4].double()
     t = t[t[:, 3] != 0]  # programs that ran the loop (inactive splits return early)
     if t.shape[0] == 0:
         return {"programs": 0}
@@ -102,7 +104,7 @@ def run(cases, reps: int = 20) -> dict:
                 plan, merge = mod.plan_for(b, k.shape[1], q.shape[1] // k.shape[1], q.shape[2],
                                            MSK, dev)
             n = b * k.shape[1] * plan.max_splits
-            mod.TBUF = torch.zeros(4 * n, dtype=torch.int64, device=dev)
+            mod.TBUF = torch.zeros(5 * n, dtype=torch.int64, device=dev)  # t0..t3, SM id
             # decode_with_plan runs this module's own launch (sparse_decode would dispatch to the
             # registered torch.ops.qsa op, i.e. the uninstrumented module)
             fn = lambda m=mod, p=plan, mg=merge: m.decode_with_plan(  # noqa: E731
@@ -123,12 +125,22 @@ def run(cases, reps: int = 20) -> dict:
             torch.cuda.synchronize()
             # active splits per row from the timestamps: blocks per program = blocks / active
             blocks = -(-MSK // plan.block_n)
-            act = int((mod.TBUF.view(-1, 4)[:, 3] != 0).sum()) / max(b * k.shape[1], 1)
+            act = int((mod.TBUF.view(-1, 5)[:, 3] != 0).sum()) / max(b * k.shape[1], 1)
             case[name] = _summary(mod.TBUF.cpu(), blocks / max(act, 1))
+            raw = mod.TBUF.view(-1, 5).cpu()
+            live = raw[raw[:, 3] != 0]
+            base = live[:, 0].min()
+            # per program: pid, SM, start, loop start, loop end, end (ns since the first start)
+            case[name]["programs_raw"] = [
+                [int(i), int(r[4]), *[int(x - base) for x in r[:4]]]
+                for i, r in enumerate(raw) if r[3] != 0]
+            sm_load = torch.bincount(live[:, 4], minlength=int(live[:, 4].max()) + 1)
+            case[name]["programs_per_sm"] = {str(c): int((sm_load == c).sum()) for c in
+                                             sm_load.unique().tolist()}
             case[name]["active_splits_per_row"] = act
             print(f"{tp} B={b}{f' ms={ms}' if ms else ''} {name:9s} " + ", ".join(
                 f"{kk} {vv:.2f}" if isinstance(vv, float) else f"{kk} {vv}"
-                for kk, vv in case[name].items()))
+                for kk, vv in case[name].items() if kk != "programs_raw"))
         res["cases"].append(case)
     return res
 

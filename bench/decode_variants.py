@@ -62,6 +62,15 @@ VARIANTS = {
     # BLOCK_N 64 where B x Hkv >= 32 (half the per-byte barriers and reductions of BLOCK_N 32)
     "v5_defer_bn64s2": {"defer_rowsum": True, "big": {"block_n": 64, "num_stages": 2}},
     "v5_defer_bn64s3": {"defer_rowsum": True, "big": {"block_n": 64, "num_stages": 3}},
+    # decode v5 as shipped (deferred row sum; PDL auto: entry trigger where B x Hkv <= 2, late
+    # trigger where B x Hkv >= 64) and its alternatives at large B
+    "v5": {},
+    "v5_early_only": {"big": {"pdl": False}, "big_kv_rows": 3},  # v4's PDL policy
+    "v5_ms65": {"small": {"max_splits": 65}},
+    # 4 programs' worth of splits per SM (2 resident: two waves), so the block scheduler
+    # balances the tail; the grid keeps >= 8 splits per row
+    "v5_s4g8": {"balance_slots_per_sm": 4, "grid_splits": 8},
+    "v5_s6g16": {"balance_slots_per_sm": 6, "grid_splits": 16},
 }
 
 
@@ -73,8 +82,11 @@ def _plan(dec, b, hkv, g, dev, spec):
     fields = {k: v for k, v in spec.items() if k in ("balance", "qk_split", "defer_rowsum")}
     if "small" in spec and b * hkv <= spec.get("small_kv_rows", 2):
         fields.update(spec["small"])
+    pdl = spec.get("pdl")
     if "big" in spec and b * hkv >= spec.get("big_kv_rows", 32):
-        fields.update(spec["big"])
+        big = dict(spec["big"])
+        pdl = big.pop("pdl", pdl)
+        fields.update(big)
     with dec.plan_override(**fields):
         plan, merge = dec.plan_for(b, hkv, g, D, MSK, dev)
     sms = dec._sm_count(dev)
@@ -87,7 +99,7 @@ def _plan(dec, b, hkv, g, dev, spec):
             static, _ = dec.plan_for(b, hkv, g, D, MSK, dev)
         ms = max(static.max_splits, min(spec["grid_splits"], next_pow2(math.ceil(MSK / plan.block_n))))
         plan = dataclasses.replace(plan, max_splits=ms)
-    return plan, spec.get("merge", merge), spec.get("pdl"), spec.get("tma")
+    return plan, spec.get("merge", merge), pdl, spec.get("tma")
 
 
 def main(argv=None) -> int:

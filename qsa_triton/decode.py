@@ -98,6 +98,8 @@ __all__ = [
     "PDL_ENV",
     "PDL_AUTO",
     "PDL_AUTO_MAX_KV_ROWS",
+    "PDL_LATE_MIN_KV_ROWS",
+    "pdl_late_trigger",
     "pdl_supported",
     "pdl_enabled",
     "TMA_AUTO",
@@ -136,6 +138,19 @@ PDL_ENV = "QSA_DECODE_PDL"
 PDL_MODES = ("auto", "on", "off")
 PDL_AUTO = True
 PDL_AUTO_MAX_KV_ROWS = 2
+#: from this many B x Hkv rows on, "auto" turns PDL on again, with the split kernel's trigger
+#: moved after its K/V loop (``pdl_late_trigger``; PDL forced on uses the same placement). Why
+#: (H200 run 28, bench/decode_ab.py, same process): the entry trigger costs about 1 us there
+#: (TP2 B = 64 saturated 43.00 vs 41.99 us without PDL) while the late one saves about 1 us
+#: (40.89; TP4 B = 64 39.84 vs 40.76, TP1 B = 32 40.71 vs 41.87, TP2 B = 128 71.98 vs 72.81); at
+#: B x Hkv = 32 the late trigger lost (TP1 B = 16: 26.56 vs 25.41).
+PDL_LATE_MIN_KV_ROWS = 64
+
+
+def pdl_late_trigger(kv_rows: int) -> bool:
+    """Whether a PDL launch of the split kernel triggers its dependents after the K/V loop
+    (True, B x Hkv >= PDL_LATE_MIN_KV_ROWS) or at entry (False)."""
+    return kv_rows >= PDL_LATE_MIN_KV_ROWS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,7 +268,7 @@ def _decode_split_kernel(
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
     MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr, USE_PDL: tl.constexpr,
     BALANCE: tl.constexpr, TAIL_IN_LOOP: tl.constexpr = False, USE_TMA: tl.constexpr = False,
-    QK_SPLIT: tl.constexpr = 1, DEFER_L: tl.constexpr = False,
+    QK_SPLIT: tl.constexpr = 1, DEFER_L: tl.constexpr = False, PDL_LATE: tl.constexpr = False,
 ):
     if USE_PDL:
         # Programmatic Dependent Launch (see PDL_AUTO): this grid may start before the previous
@@ -261,10 +276,13 @@ def _decode_split_kernel(
         # prerequisite grids completed, their memory visible) before touching anything: q/k/v/
         # cu_seqlens may come from it, and a previous merge kernel may still read the scratch we
         # are about to overwrite. Every program waits (inactive ones store -inf LSEs too).
-        # Trigger first: the merge grid may then be scheduled while we run; it sits in its own
-        # gdc_wait until this grid has completed, so triggering early is always safe (all our
-        # programs are resident by the time the trigger fires: no deadlock).
-        tl.extra.cuda.gdc_launch_dependents()
+        # Early trigger (PDL_LATE False): the merge grid may then be scheduled while we run; it
+        # sits in its own gdc_wait until this grid has completed, so triggering early is always
+        # safe (all our programs are resident by the time the trigger fires: no deadlock).
+        # Late trigger: after the K/V loop (below), so at large B the dependent grid is
+        # scheduled only during this grid's tail, not while its programs stream.
+        if not PDL_LATE:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     # split-major order: every row's split 0 (active whenever the row is non-empty) gets the
@@ -381,6 +399,8 @@ def _decode_split_kernel(
     if DEFER_L:
         l_i = tl.sum(l_i, 1)
 
+    if USE_PDL and PDL_LATE:
+        tl.extra.cuda.gdc_launch_dependents()  # (programs that exit early count as triggered)
     o_rows = s.to(tl.int64) * stride_ob + heads.to(tl.int64) * stride_oh
     if n_act == 1:
         # whole row in this program; an empty row has acc = 0, l = 0 -> exact zeros
@@ -633,18 +653,23 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
         for b in range(lo, hi + 1):
             p = fit_shared_memory(plan_decode(b, hkv, g, head_dim, QUALIFIED["max_seqlen_k"]),
                                   head_dim, 2, limit)
-            # (merge inline, PDL, balance): PDL only for the merge="kernel" path
-            variants = [(i, False, bal) for i in (False, True) for bal in (False, True)] + (
-                [(False, True, bal) for bal in (False, True)] if True in pdl_modes else [])
+            # (merge inline, PDL, late trigger, balance): PDL with the entry trigger on the
+            # merge="kernel" path (auto: B x Hkv <= 2), with the late trigger on either merge
+            # path (auto: B x Hkv >= PDL_LATE_MIN_KV_ROWS, inline where 2 B Hkv >= SMs)
+            variants = [(i, False, False, bal) for i in (False, True) for bal in (False, True)]
+            if True in pdl_modes:
+                variants += [(False, True, False, bal) for bal in (False, True)]
+                variants += [(i, True, True, bal) for i in (False, True) for bal in (False, True)]
             tmas = (False, True) if tuple(info.cc) >= (9, 0) and TensorDescriptor else (False,)
-            for (inline, pdl, bal), tma in itertools.product(variants, tmas):
+            for (inline, pdl, late, bal), tma in itertools.product(variants, tmas):
                 # every constexpr the launch passes (a missing one would be compiled as a
                 # runtime int, with both branches of its ifs: not the launched kernel)
                 consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
                           "MERGE_INLINE": inline, "LSE_ALL": not inline, "USE_PDL": pdl,
                           "BALANCE": bal, "USE_TMA": tma,
                           "TAIL_IN_LOOP": p.tail_in_loop and not tma,
-                          "QK_SPLIT": _qk_split(p, head_dim, tma), "DEFER_L": p.defer_rowsum}
+                          "QK_SPLIT": _qk_split(p, head_dim, tma), "DEFER_L": p.defer_rowsum,
+                          "PDL_LATE": late}
                 key = (tuple(consts.items()), p.num_warps, p.num_stages)
                 if key in seen:
                     continue
@@ -661,6 +686,7 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
                             "name": f"decode_split_G{g}_ht{p.head_tile}_bn{p.block_n}_w{p.num_warps}"
                                     f"_s{p.num_stages}{'_inline' if inline else ''}_{dtype}"
                                     f"{'_bal' if bal else ''}{'_pdl' if pdl else ''}"
+                                    f"{'late' if late else ''}"
                                     f"{'_tma' if tma else ''}"})
     for pdl in pdl_modes:
         for chunk in (2, 4, 8, 16, 32, 64, 128):
@@ -812,6 +838,7 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             USE_PDL=use_pdl, BALANCE=plan.balance_slots > 0,
             TAIL_IN_LOOP=plan.tail_in_loop and not use_tma, USE_TMA=use_tma,
             QK_SPLIT=_qk_split(plan, d, use_tma), DEFER_L=plan.defer_rowsum,
+            PDL_LATE=use_pdl and pdl_late_trigger(b * hkv),
             num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
         if splits > 1 and merge == "kernel":
@@ -919,7 +946,8 @@ def pdl_enabled(device: torch.device | str, pdl: bool | None = None,
     """Resolve the PDL mode of one call: ``pdl`` (explicit), else ``plan_override(pdl=...)``,
     else the environment variable QSA_DECODE_PDL (auto | on | off, default auto; read on every
     call). auto = ``PDL_AUTO and pdl_supported(device)`` and, when the call's ``kv_rows``
-    (B x Hkv) is given, ``kv_rows <= PDL_AUTO_MAX_KV_ROWS``.
+    (B x Hkv) is given, ``kv_rows <= PDL_AUTO_MAX_KV_ROWS`` (entry trigger) or
+    ``kv_rows >= PDL_LATE_MIN_KV_ROWS`` (trigger after the K/V loop, ``pdl_late_trigger``).
 
     Raises:
       ContractError: QSA_DECODE_PDL not one of auto/on/off; PDL requested (on / True) where
@@ -933,7 +961,8 @@ def pdl_enabled(device: torch.device | str, pdl: bool | None = None,
             raise ContractError("sparse_decode", f"${PDL_ENV}", "one of " + ", ".join(PDL_MODES),
                                 repr(os.environ.get(PDL_ENV)))
         if mode == "auto":
-            return (PDL_AUTO and (kv_rows is None or kv_rows <= PDL_AUTO_MAX_KV_ROWS)
+            return (PDL_AUTO and (kv_rows is None or kv_rows <= PDL_AUTO_MAX_KV_ROWS
+                                  or pdl_late_trigger(kv_rows))
                     and pdl_supported(device))
         pdl = mode == "on"
     if pdl and not pdl_supported(device):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -583,16 +584,20 @@ def test_pdl_off_under_interpreter_and_mode_validation(monkeypatch):
 
 
 def test_pdl_auto_only_for_few_kv_rows(monkeypatch):
-    """auto: PDL where supported and B x Hkv <= PDL_AUTO_MAX_KV_ROWS (H200: it hides the merge
-    launch at B = 1, is a coin toss at B = 4..16 and costs ~1 us from B x Hkv = 32 on); explicit
-    modes ignore the bound."""
+    """auto: PDL where supported and B x Hkv <= PDL_AUTO_MAX_KV_ROWS (entry trigger; H200: it
+    hides the merge launch at B = 1, is a coin toss at B = 4..16) or B x Hkv >=
+    PDL_LATE_MIN_KV_ROWS (trigger after the K/V loop: the entry trigger costs ~1 us there, the
+    late one saves ~1 us); off in between; explicit modes ignore the bounds."""
     monkeypatch.setattr(dec, "pdl_supported", lambda device: True)
     monkeypatch.delenv(dec.PDL_ENV, raising=False)
     cpu = torch.device("cpu")
-    lim = dec.PDL_AUTO_MAX_KV_ROWS
-    assert lim == 2
+    lim, late = dec.PDL_AUTO_MAX_KV_ROWS, dec.PDL_LATE_MIN_KV_ROWS
+    assert lim == 2 and late == 64
     assert dec.pdl_enabled(cpu, kv_rows=1) and dec.pdl_enabled(cpu, kv_rows=lim)
-    assert not dec.pdl_enabled(cpu, kv_rows=lim + 1)
+    assert not dec.pdl_enabled(cpu, kv_rows=lim + 1) and not dec.pdl_enabled(cpu, kv_rows=late - 1)
+    assert dec.pdl_enabled(cpu, kv_rows=late) and dec.pdl_enabled(cpu, kv_rows=256)
+    assert not dec.pdl_late_trigger(lim) and not dec.pdl_late_trigger(late - 1)
+    assert dec.pdl_late_trigger(late)
     assert dec.pdl_enabled(cpu)  # no shape given: the device/mode answer
     monkeypatch.setenv(dec.PDL_ENV, "on")
     assert dec.pdl_enabled(cpu, kv_rows=1024)
@@ -666,13 +671,14 @@ def test_shipped_configs_fit_sm12x_shared_memory():
     # and the launch option; the plain variants have neither
     assert any(name.endswith("_pdl") and name.startswith("decode_split") for name, *_ in rows)
     assert any(name.endswith("_pdl") and name.startswith("decode_merge") for name, *_ in rows)
+    assert any(name.endswith("_pdllate") and "_inline" in name for name, *_ in rows)
     shared_of = {(name, cc): shared for name, cc, shared, *_ in rows}
     assert any(name.endswith("_tma") for name, *_ in rows)  # TMA K/V loads compile for sm_12x
     for name, cc, shared, estimate, gdc in rows:
         pdl = "_pdl" in name
         assert tuple(gdc) == ((True,) * 3 if pdl else (False,) * 3), (name, gdc)
-        if pdl:  # PDL adds no shared memory
-            assert shared == shared_of[(name.replace("_pdl", ""), cc)], (name, cc)
+        if pdl:  # PDL (entry or late trigger) adds no shared memory
+            assert shared == shared_of[(re.sub(r"_pdl(late)?", "", name), cc)], (name, cc)
         if name.endswith("_tma"):  # TMA adds only its mbarriers (8 B per stage)
             assert 0 <= shared - shared_of[(name.removesuffix("_tma"), cc)] <= 64, (name, cc)
     for name, cc, shared, estimate, _ in rows:
@@ -941,7 +947,8 @@ def test_gpu_pdl_on_off_bitwise_equal(merge, monkeypatch):
     monkeypatch.setenv(dec.PDL_ENV, "on")
     assert dec.pdl_enabled(CUDA) is True
     for tp, b, kind, ms in (("TP1", 1, "saturated", None), ("TP1", 16, "mixed", None),
-                            ("TP2", 64, "mixed", None), ("TP4", 3, "saturated", 8),
+                            ("TP2", 64, "mixed", None), ("TP1", 64, "saturated", None),
+                            ("TP4", 3, "saturated", 8),
                             ("TP1", 5, "short", 4)):
         hq, hkv = TP[tp]
         lens = lengths_for(kind, b, rng)
@@ -962,14 +969,17 @@ def test_gpu_pdl_on_off_bitwise_equal(merge, monkeypatch):
 
 
 @pdl_gpu
+@pytest.mark.parametrize("b", [8, 32])
 @pytest.mark.parametrize("merge", ["kernel", "inline"])
-def test_gpu_pdl_cuda_graph_chain_replay_matches_eager(merge):
+def test_gpu_pdl_cuda_graph_chain_replay_matches_eager(merge, b):
     # A graph of several back-to-back decodes on different inputs (so a merge kernel and the next
     # call's split kernel, which overwrites the shared scratch, are PDL neighbours) plus an
     # elementwise consumer of every output; replayed with new lengths / data, compared bitwise
-    # with eager calls without PDL.
+    # with eager calls without PDL. B = 8 (x 2 KV heads): entry trigger; B = 32: B x Hkv = 64,
+    # the trigger after the K/V loop (pdl_late_trigger).
     hq, hkv = TP["TP1"]
-    b, n_calls = 8, 4
+    n_calls = 4
+    assert dec.pdl_late_trigger(b * hkv) is (b == 32)
     cap = b * SATURATED + 64
     rng = np.random.default_rng(8)
     dec.prepare(CUDA)
