@@ -115,7 +115,8 @@ class DecodePlan:
 
 def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
                 sm_count: int = 132, *, max_splits: int | None = None,
-                block_n: int | None = None, balance: bool = False) -> DecodePlan:
+                block_n: int | None = None, balance: bool = False,
+                one_block_splits: bool = False) -> DecodePlan:
     """Plan a split-KV decode launch from static shapes.
 
     Args:
@@ -125,6 +126,13 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
       max_splits, block_n: overrides (tests, sweeps).
       balance: plan for the device-side balance (module docstring): at least
         BALANCE_GRID_SPLITS splits in the grid, ``balance_slots = BALANCE_SLOTS_PER_SM * sm_count``.
+      one_block_splits: where one split per BLOCK_N block still fits one program per SM
+        (B x Hkv x blocks <= PROGRAMS_PER_SM x sm_count), use exactly ``blocks`` splits (not a
+        power of two: 65 for 2051 keys), so no split streams two blocks. Why (H200, decode v5 in
+        bench/NOTES.md): with 64 splits over 65 blocks split 0 streams two and ends ~1.5 us after
+        the others (per-program timeline, run 28); 65 splits: TP2 B = 1 saturated 6.03 vs 6.57
+        us, TP1 7.97 vs 8.20, TP4 6.44 vs 6.89 (run 29). Triton kernel only (its merge reads any
+        split count in one tile of up to 128).
 
     Returns:
       DecodePlan. Source: this module's docstring (sizing rule); constants to be replaced by the
@@ -138,6 +146,8 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
         programs = batch * num_kv_heads
         want = max(1, (PROGRAMS_PER_SM * sm_count) // programs)
         max_splits = min(prev_pow2(want), MAX_SPLITS_CAP, next_pow2(blocks))
+        if one_block_splits and blocks <= min(want, 2 * MAX_SPLITS_CAP):
+            max_splits = blocks
         if balance:
             max_splits = max(max_splits, min(BALANCE_GRID_SPLITS, next_pow2(blocks)))
     max_splits = max(1, int(max_splits))

@@ -114,6 +114,10 @@ MERGE_MODE = "auto"
 #: device-side balance of split counts over the batch's total keys (interop/decode_plan.py);
 #: plan_override(balance=False) gives the static per-row rule (decode v2).
 BALANCE = True
+#: small batches: exactly one split per BLOCK_N block where that fits one wave
+#: (``interop.decode_plan.plan_decode(one_block_splits=True)``; plan_override(one_block_splits=False)
+#: gives the power-of-two split count of decode v4)
+ONE_BLOCK_SPLITS = True
 _LOG2E = 1.4426950408889634
 
 #: Programmatic Dependent Launch (PDL) between the split and merge kernels (and between a merge
@@ -506,7 +510,8 @@ def plan_override(**fields):
     Raises:
       ValueError: unknown field; ``pdl`` or ``tma`` not a bool.
     """
-    allowed = {f.name for f in dataclasses.fields(DecodePlan)} | {"merge", "pdl", "balance", "tma"}
+    allowed = {f.name for f in dataclasses.fields(DecodePlan)} | {"merge", "pdl", "balance", "tma",
+                                                                   "one_block_splits"}
     bad = set(fields) - allowed
     if bad:
         raise ValueError(f"plan_override: unknown fields {sorted(bad)}; allowed {sorted(allowed)}")
@@ -541,7 +546,7 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
     device = torch.device(device)
     fields = dict(getattr(_override, "fields", None) or {})
     key = (batch, num_kv_heads, group, head_dim, max_seqlen_k, device.type, device.index,
-           MERGE_MODE, BALANCE, tuple(sorted(fields.items())))
+           MERGE_MODE, BALANCE, ONE_BLOCK_SPLITS, tuple(sorted(fields.items())))
     hit = _PLANS.get(key)
     if hit is not None:
         return hit
@@ -553,7 +558,8 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
     sms = _sm_count(device)
     plan = plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k, sms,
                        max_splits=fields.pop("max_splits", None), block_n=fields.pop("block_n", None),
-                       balance=bool(fields.pop("balance", BALANCE)))
+                       balance=bool(fields.pop("balance", BALANCE)),
+                       one_block_splits=bool(fields.pop("one_block_splits", ONE_BLOCK_SPLITS)))
     if fields:
         plan = dataclasses.replace(plan, **fields)
     hit = (fit_shared_memory(plan, head_dim, 2, _smem_limit(device)), merge)

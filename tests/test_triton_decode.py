@@ -137,7 +137,14 @@ def test_balance_plan_grid_and_auto_merge():
     big, merge_big = dec.plan_for(128, 1, 12, 256, 2051, CPU)
     small, merge_small = dec.plan_for(1, 2, 12, 256, 2051, CPU)
     assert big.max_splits == DP.BALANCE_GRID_SPLITS and big.balance_slots == 2 * 132
-    assert small.max_splits == 64
+    assert small.max_splits == 65  # one split per 32-key block: 2 x 65 programs <= 132 SMs
+    with dec.plan_override(one_block_splits=False):
+        pow2, _ = dec.plan_for(1, 2, 12, 256, 2051, CPU)
+    assert pow2.max_splits == 64  # decode v4: split 0 streams two of the 65 blocks
+    assert dec.plan_for(1, 1, 12, 256, 2051, CPU)[0].max_splits == 65
+    assert dec.plan_for(2, 2, 12, 256, 2051, CPU)[0].max_splits == 32  # 4 x 65 > 132: v4 rule
+    assert dec.plan_for(1, 2, 12, 256, 1000, CPU)[0].max_splits == 32  # 32 blocks
+    assert dec.plan_for(1, 2, 12, 256, 5000, CPU)[0].max_splits == 64  # 157 blocks: v4 rule
     with dec.plan_override(balance=False):
         static, _ = dec.plan_for(128, 1, 12, 256, 2051, CPU)
     assert static.max_splits == 1 and static.balance_slots == 0
