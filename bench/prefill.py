@@ -293,6 +293,21 @@ def _ours(c: Case) -> callable:
     return lambda: c.run()
 
 
+def _ours_rowsum(c: Case) -> callable:
+    """``ours`` with the per-tile softmax row sum (``qsa_triton.prefill.DEFER_ROWSUM = False``,
+    the kernel before prefill v1.5), for the A/B of that change in one process: the flag is
+    read at launch, so a graph captured inside keeps it."""
+    import qsa_triton.prefill as P  # noqa: PLC0415
+
+    def fn():
+        old, P.DEFER_ROWSUM = P.DEFER_ROWSUM, False
+        try:
+            return c.run()
+        finally:
+            P.DEFER_ROWSUM = old
+    return fn
+
+
 def _describe(c: Case) -> dict:
     import qsa_triton.prefill as P  # noqa: PLC0415
 
@@ -337,7 +352,7 @@ def provider_names(geometries=((64, 4, 2),), group_geometries=((32, 4, 2),)) -> 
     """Every provider name the benchmark can time, in its default order: the 8192-row matrix
     and the query sweep (``ours``, upstream's two kernels, the pair/quad kernels and their
     pre-passes, forced geometries, ``pallas``, ``gather-dense``), then the paged section."""
-    names = ["ours", "upstream-ordinary", "upstream-chunk"]
+    names = ["ours", "ours-rowsum", "upstream-ordinary", "upstream-chunk"]
     for algo in ("pairs", "quads"):
         names.append(f"ours-{algo}")
         names += [f"ours-{algo}{list(g)}" for g in group_geometries[1:]]
@@ -487,6 +502,8 @@ def _case_providers(c: Case, up, args) -> dict:
     """ours, upstream's matching kernels, the row-group kernels (``--pairs``) and every forced
     ``--geometry`` for one case: the provider set of the 8192-row matrix and of the row sweep."""
     provs = {"ours": _ours(c)}
+    if "ours-rowsum" in (getattr(args, "providers", None) or ""):
+        provs["ours-rowsum"] = _ours_rowsum(c)
     provs.update(upstream_providers(up, c))
     if args.pairs:
         provs.update(pairs_providers(c, geometries=args.group_geometry))

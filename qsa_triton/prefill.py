@@ -66,6 +66,9 @@ __all__ = [
 ]
 
 LOG2E = 1.4426950408889634
+#: the softmax denominator reduced once per row instead of once per tile (``_prefill_row``
+#: DEFER_L; read at launch). Decided by the H200 A/B recorded in bench/NOTES.md (prefill v1.5).
+DEFER_ROWSUM = True
 
 #: kernel modes (a constexpr): how an index entry becomes a K/V row and when it is valid
 MODE_ORDINARY = 0  # row = cu_seqlens[b] + idx, valid iff 0 <= idx < q_len_b
@@ -83,8 +86,11 @@ def _prefill_row(
     stride_ot, stride_oh, stride_it, stride_ih, stride_tb,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
+    DEFER_L: tl.constexpr,
 ):
-    """Query row r of request b, KV head h: the whole online-softmax walk and the store."""
+    """Query row r of request b, KV head h: the whole online-softmax walk and the store.
+    DEFER_L: the softmax denominator kept as a [BLOCK_M, BLOCK_N] running sum and reduced once
+    after the loop (no cross-warp row sum per tile; ``DEFER_ROWSUM``)."""
     row = (q_start + r).to(tl.int64)
     if MODE == 0:
         kv_len = q_len
@@ -113,7 +119,10 @@ def _prefill_row(
     table_row = table_ptr + b.to(tl.int64) * stride_tb
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if DEFER_L:
+        l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for start in range(0, n_cols, BLOCK_N):
         cols = start + offs_n
@@ -142,11 +151,16 @@ def _prefill_row(
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_ref)
         p = tl.math.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        if DEFER_L:
+            l_i = l_i * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + kv_row[:, None] * stride_vn + offs_d[None, :],
                     mask=valid[:, None], other=0.0).to(q.dtype)
         acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
         m_i = m_new
+    if DEFER_L:
+        l_i = tl.sum(l_i, 1)
     has = l_i > 0.0
     inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
     out = acc * inv[:, None]
@@ -165,7 +179,7 @@ def _qsa_sparse_prefill_fwd(
     stride_ot, stride_oh, stride_it, stride_ih, stride_tb,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
-    ROW_LOOP: tl.constexpr,
+    ROW_LOOP: tl.constexpr, DEFER_L: tl.constexpr = False,
 ):
     bh = tl.program_id(1)
     b = bh // HKV
@@ -181,14 +195,16 @@ def _qsa_sparse_prefill_fwd(
             _prefill_row(r, b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr,
                          kv_lens_ptr, table_ptr, qk_scale, v_scale, W, stride_qt, stride_qh,
                          stride_kh, stride_kn, stride_vh, stride_vn, stride_ot, stride_oh,
-                         stride_it, stride_ih, stride_tb, G, D, BLOCK_M, BLOCK_N, MODE, OFF64)
+                         stride_it, stride_ih, stride_tb, G, D, BLOCK_M, BLOCK_N, MODE, OFF64,
+                         DEFER_L)
     else:
         r = row_base + tl.program_id(0)
         if r < q_len:
             _prefill_row(r, b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr,
                          kv_lens_ptr, table_ptr, qk_scale, v_scale, W, stride_qt, stride_qh,
                          stride_kh, stride_kn, stride_vh, stride_vn, stride_ot, stride_oh,
-                         stride_it, stride_ih, stride_tb, G, D, BLOCK_M, BLOCK_N, MODE, OFF64)
+                         stride_it, stride_ih, stride_tb, G, D, BLOCK_M, BLOCK_N, MODE, OFF64,
+                         DEFER_L)
 
 
 @triton.jit
@@ -317,7 +333,7 @@ def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, table, geo: Geometry, 
                out.stride(0), out.stride(1), idx.stride(0), stride_ih,
                table.stride(0) if table.dim() == 2 else 0)
     consts = dict(HKV=hkv, G=hq // hkv, D=d, BLOCK_M=geo.block_m, MODE=mode,
-                  OFF64=needs_off64(k, v))
+                  OFF64=needs_off64(k, v), DEFER_L=DEFER_ROWSUM)
     # one program per (row < max_q, request x KV head), like upstream
     _qsa_sparse_prefill_fwd[(max_q, requests * hkv)](
         *args, 0, *strides, **consts, BLOCK_N=geo.block_n, ROW_LOOP=False,
@@ -613,7 +629,7 @@ def kernel_signature(q_dtype: str = "bfloat16", kv_dtype: str | None = None) -> 
     for name in ("stride_qt", "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
                  "stride_ot", "stride_oh", "stride_it", "stride_ih", "stride_tb"):
         sig[name] = "i32"
-    for name in ("HKV", "G", "D", "BLOCK_M", "BLOCK_N", "MODE", "OFF64", "ROW_LOOP"):
+    for name in ("HKV", "G", "D", "BLOCK_M", "BLOCK_N", "MODE", "OFF64", "ROW_LOOP", "DEFER_L"):
         sig[name] = "constexpr"
     return sig
 
@@ -673,7 +689,7 @@ def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
                     "constexprs": {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": g.block_m,
                                    "BLOCK_N": g.block_n, "MODE": mode,
                                    "OFF64": mode in (MODE_SLOTS, MODE_PAGED_INLINE),
-                                   "ROW_LOOP": row_loop},
+                                   "ROW_LOOP": row_loop, "DEFER_L": DEFER_ROWSUM},
                     "num_warps": g.num_warps,
                     "num_stages": g.num_stages,
                     "geometry": g,

@@ -333,7 +333,7 @@ def test_prefill_select_providers():
     assert prefill.select_providers(a) == ["ours", "ours[64, 4, 2]"]
     assert a.geometry == [(64, 4, 2)] and not prefill._wants(a, prefill.PAGED_PROVIDERS)
 
-    with pytest.raises(common.ProviderError, match="allowed: ours, upstream-ordinary"):
+    with pytest.raises(common.ProviderError, match="allowed: ours, ours-rowsum, upstream-ordinary"):
         prefill.select_providers(_ns(providers="ours,ours[1,2]"))
 
 
