@@ -148,6 +148,21 @@ def test_two_runs_bitwise_equal():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("kind", ["ordinary", "chunk"])
+def test_deferred_row_sum_matches_per_tile_row_sum(kind, monkeypatch):
+    """prefill v1.5: the softmax denominator reduced once per row (DEFER_ROWSUM, default) gives
+    the reference and the per-tile row sum's values to FP32 rounding, junk entries and a row
+    without valid entry included."""
+    kv = None if kind == "ordinary" else [7, 30]
+    case = make_case(kind, 12, 1, 64, [6, 20], kv, width=24, junk="mixed", dtype=FP16,
+                     nan_unselected=True, seed=21, device=DEV)
+    assert P.DEFER_ROWSUM is True
+    deferred, _ = _check(case)
+    monkeypatch.setattr(P, "DEFER_ROWSUM", False)
+    per_tile, _ = _check(case)
+    torch.testing.assert_close(deferred.float(), per_tile.float(), rtol=2e-3, atol=2e-3)
+
+
 def test_geometry_does_not_change_the_result_beyond_rounding():
     case = make_case("ordinary", 6, 1, 32, [9], width=20, junk="len", dtype=FP16, seed=15,
                      device=DEV)
