@@ -198,7 +198,7 @@ def _online_step(q, kt, vt, m_i, l_i, acc, n_mask, scale_log2, MASKED: tl.conste
 @triton.jit
 def _softmax_pv(s, vt, m_i, l_i, acc, n_mask, MASKED: tl.constexpr, DEFER_L: tl.constexpr):
     """Online softmax on the scaled scores s [HT, BLOCK_N] and the P·V update. DEFER_L: l_i is
-    a [HT, BLOCK_N] running sum (reduced once after the loop, ``_row_sum``), so the block needs
+    a [HT, BLOCK_N] running sum (the kernel reduces it once after its loop), so the block needs
     no cross-warp row sum."""
     if MASKED:
         s = tl.where(n_mask[None, :], s, float("-inf"))
