@@ -297,11 +297,13 @@ def run_compare(*, tps=tuple(TP), batches=BATCHES, rows=ROWS, rounds: int = 15,
         torch=torch.__version__, triton=_triton_version(), merge_mode=dec.MERGE_MODE,
         pdl=dec.pdl_enabled(dev, kv_rows=1), pdl_env=os.environ.get(dec.PDL_ENV, "auto"),
         pdl_auto_max_kv_rows=dec.PDL_AUTO_MAX_KV_ROWS,
+        pdl_late_min_kv_rows=dec.PDL_LATE_MIN_KV_ROWS,
         pdl_supported=dec.pdl_supported(dev))
     print(f"{gpu_name()}: copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
     auto = res["pdl_env"].strip().lower() in ("", "auto")
     mode = ("off" if not res["pdl"] else
-            f"on where B x Hkv <= {dec.PDL_AUTO_MAX_KV_ROWS}" if auto else "on")
+            f"on where B x Hkv <= {dec.PDL_AUTO_MAX_KV_ROWS} (entry trigger) or >= "
+            f"{dec.PDL_LATE_MIN_KV_ROWS} (trigger after the K/V loop)" if auto else "on")
     print(f"ours: PDL {mode} ({dec.PDL_ENV}={res['pdl_env']}, PDL_AUTO={dec.PDL_AUTO}, "
           f"supported={res['pdl_supported']})")
     print(f"providers: {', '.join(providers)} (x first = time of {first} / time)")
