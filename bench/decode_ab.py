@@ -33,15 +33,10 @@ EDITS = {
     "head_nopdl": ("auto", [("PDL_AUTO = True\n", "PDL_AUTO = False\n")]),
     "merge1024": ("auto", [("MERGE_TILE = 2048\n", "MERGE_TILE = 1024\n")]),
     "merge512": ("auto", [("MERGE_TILE = 2048\n", "MERGE_TILE = 512\n")]),
-    # PDL with the split kernel's trigger after its K/V loop instead of at entry: the merge grid
-    # is scheduled during the split kernel's tail only, not while its programs stream (run as
-    # "late_trigger_pdl")
-    "late_trigger": ("auto", [
-        ("        tl.extra.cuda.gdc_launch_dependents()\n        tl.extra.cuda.gdc_wait()\n",
-         "        tl.extra.cuda.gdc_wait()\n"),
-        ("    o_rows = s.to(tl.int64) * stride_ob + heads.to(tl.int64) * stride_oh\n",
-         "    if USE_PDL:\n        tl.extra.cuda.gdc_launch_dependents()\n"
-         "    o_rows = s.to(tl.int64) * stride_ob + heads.to(tl.int64) * stride_oh\n")]),
+    # decode v4's PDL policy: no late trigger, so auto PDL only where B x Hkv <= 2; as
+    # "no_late_pdl", PDL forced on with the entry trigger everywhere (run 28 measured the late
+    # trigger, then an edit of the kernel, against these two)
+    "no_late": ("auto", [("PDL_LATE_MIN_KV_ROWS = 64\n", "PDL_LATE_MIN_KV_ROWS = 1 << 62\n")]),
     "inline": ("inline", []),
 }
 SHAPES = [(tp, b, rows) for tp in ("TP1", "TP2", "TP4") for b in (1, 4, 16)
@@ -75,9 +70,10 @@ def build_variants(names, where: Path, base: str | None = None) -> dict:
         merge, edits = EDITS[n.removesuffix("_pdl")]
         text = src
         for old, new in edits:
-            if text.count(old) != 1:
+            # anchored at a line start: an indented edit must not match inside a deeper line
+            if ("\n" + text).count("\n" + old) != 1:
                 raise ValueError(f"decode_ab variant {n}: edit does not match once: {old[:60]!r}")
-            text = text.replace(old, new)
+            text = ("\n" + text).replace("\n" + old, "\n" + new)[1:]
         out[n] = (_load(n, text, where), merge)
     return out
 

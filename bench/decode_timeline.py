@@ -8,7 +8,10 @@ instructions: it builds an instrumented copy of ``qsa_triton/decode.py`` (textua
 K/V loop starts, when it ends and after the stores, per program; and a second copy whose
 programs all read the *same* first K/V rows (L2-resident after the first touch: the loop's
 compute-bound time at the same concurrency). Both run as CUDA-graph replays of back-to-back
-calls, like the benchmark; the last replay's timestamps are kept.
+calls, like the benchmark; the last replay's timestamps are kept. With PDL on (auto: B x Hkv
+<= 2 or >= 64) the "entry" stamp follows the kernel's gdc_wait, so it marks when the previous
+kernel's results became visible. %globaltimer ticks in steps of ~0.26 us on the H200 (run 27):
+read sub-us differences per program with care.
 
 Usage (GPU): ``python -m bench.decode_timeline [--cases TP2:64,TP1:1,TP1:1:65] [--json PATH]``
 (``TP:B`` or ``TP:B:max_splits``).
@@ -46,8 +49,8 @@ _TIMED_EDITS = [
     ("q, k_arg, v_arg, out, sc.lse, sc.part, sc.counters, cu_seqlens_q, cu_seqlens_k,",
      "q, k_arg, v_arg, out, sc.lse, sc.part, sc.counters, cu_seqlens_q, cu_seqlens_k, TBUF,"),
 ]
-# every program streams the row's first rows instead of its own share (same count): the
-# bytes come from L2, so the loop runs at its compute-bound speed
+# every program streams rows [0, its block count) of the buffer (KV head h) instead of its own
+# share: the bytes come from L2, so the loop runs at its compute-bound speed
 _L2_EDITS = [("        row0 = k_lo.to(tl.int64) + start  # 64-bit row index into the packed K/V\n"
               "        k_ptrs = (k_ptr + h.to(tl.int64) * stride_kh + (row0 + offs_n)[:, None] * stride_kc\n"
               "                  + offs_d[None, :])\n"
@@ -129,6 +132,8 @@ def run(cases, reps: int = 20) -> dict:
             case[name] = _summary(mod.TBUF.cpu(), blocks / max(act, 1))
             raw = mod.TBUF.view(-1, 5).cpu()
             live = raw[raw[:, 3] != 0]
+            if live.shape[0] == 0:
+                continue
             base = live[:, 0].min()
             # per program: pid, SM, start, loop start, loop end, end (ns since the first start)
             case[name]["programs_raw"] = [
@@ -147,7 +152,7 @@ def run(cases, reps: int = 20) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="TP2:64,TP4:64,TP1:64,TP1:128,TP1:1,TP2:1")
+    ap.add_argument("--cases", default="TP2:64,TP4:64,TP1:64,TP1:128,TP1:1,TP1:1:64,TP2:1,TP2:1:64")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():

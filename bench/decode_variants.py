@@ -22,10 +22,13 @@ import time
 from bench.decode import BATCHES, D, MSK, ROWS, TP, _check, _peer_providers, _timers, make_inputs, torch_reference
 
 #: variant -> plan_override fields (the plan is fixed per shape before timing, so graph capture
-#: keeps it), plus "merge" / "pdl" for the launch
+#: keeps it), plus "merge" / "pdl" for the launch. Each applies its fields on top of the current
+#: defaults (decode v5: deferred row sum, one split per block at small B, PDL auto with the late
+#: trigger at B x Hkv >= 64); "v4" restores decode v4 explicitly.
 VARIANTS = {
     "v2": {"balance": False, "merge": "kernel", "pdl": False},
-    "v4": {},  # the shipped default: balance, merge auto, PDL auto (on where B x Hkv <= 2)
+    "v4": {"defer_rowsum": False, "one_block_splits": False, "big": {"pdl": False},
+           "big_kv_rows": 3},  # decode v4: power-of-two splits, per-block row sum, PDL <= 2 rows
     "v3": {"pdl": False},  # decode v3: PDL off everywhere
     "v4_pdl_all": {"pdl": True},
     "v3_s1": {"balance_slots_per_sm": 1},
@@ -64,7 +67,7 @@ VARIANTS = {
     "v5_defer_bn64s3": {"defer_rowsum": True, "big": {"block_n": 64, "num_stages": 3}},
     # decode v5 as shipped (deferred row sum; PDL auto: entry trigger where B x Hkv <= 2, late
     # trigger where B x Hkv >= 64) and its alternatives at large B
-    "v5": {},
+    "v5": {},  # the shipped default
     "v5_early_only": {"big": {"pdl": False}, "big_kv_rows": 3},  # v4's PDL policy
     "v5_ms65": {"small": {"max_splits": 65}},
     # 4 programs' worth of splits per SM (2 resident: two waves), so the block scheduler
@@ -79,7 +82,8 @@ def _plan(dec, b, hkv, g, dev, spec):
 
     from interop.decode_plan import next_pow2  # noqa: PLC0415
 
-    fields = {k: v for k, v in spec.items() if k in ("balance", "qk_split", "defer_rowsum")}
+    fields = {k: v for k, v in spec.items()
+              if k in ("balance", "qk_split", "defer_rowsum", "one_block_splits")}
     if "small" in spec and b * hkv <= spec.get("small_kv_rows", 2):
         fields.update(spec["small"])
     pdl = spec.get("pdl")

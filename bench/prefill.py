@@ -403,7 +403,7 @@ def _default_names(args) -> list[str]:
     """The providers a run without ``--providers`` times (``--pallas``, ``--no-dense``,
     ``--no-pairs`` considered), in order."""
     names = provider_names(args.geometry, args.group_geometry)
-    drop = set()
+    drop = {"ours-rowsum"}  # an A/B provider: only when named in --providers
     if not args.pairs:
         drop |= {n for n in names if n.startswith(("ours-pairs", "ours-quads", "pairs-", "quads-"))}
     if not args.pallas:
@@ -502,7 +502,7 @@ def _case_providers(c: Case, up, args) -> dict:
     """ours, upstream's matching kernels, the row-group kernels (``--pairs``) and every forced
     ``--geometry`` for one case: the provider set of the 8192-row matrix and of the row sweep."""
     provs = {"ours": _ours(c)}
-    if "ours-rowsum" in (getattr(args, "providers", None) or ""):
+    if "ours-rowsum" in (getattr(args, "selection", None) or ()):
         provs["ours-rowsum"] = _ours_rowsum(c)
     provs.update(upstream_providers(up, c))
     if args.pairs:

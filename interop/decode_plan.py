@@ -25,6 +25,9 @@ the memory floor (anchors.md: B = 1 at 7.5% of HBM). The H200 sweep (bench/NOTES
 found the best split count per shape at about ONE program per SM, rounded *down* to a power of
 two: B x Hkv x max_splits <= SMs; rounding up (a second, partial wave) cost 4-10%, and at
 B x Hkv >= SMs no split at all (max_splits = 1) was fastest (TP1 B = 128: 126 us vs 138 us).
+Exception (``one_block_splits``, the Triton kernel's default since decode v5): where one split per
+BLOCK_N block fits that one wave (B x Hkv x blocks <= SMs, blocks <= 2 x MAX_SPLITS_CAP), the
+grid has exactly ``blocks`` splits (65 for 2051 keys), so no split streams two blocks.
 
 Device-side balance (``balance=True``, the Triton kernel's default since decode v3): the static rule
 above sizes splits for rows as long as ``max_seqlen_k``, so a mixed batch at large B left its long
@@ -52,7 +55,8 @@ __all__ = ["DecodePlan", "plan_decode", "next_pow2", "prev_pow2"]
 # split-KV target: at most this many programs per SM for long rows (H200 sweep, decode v2: 1 beat
 # 2 on 8 of 9 shapes even though 2 programs of ~200 registers/thread fit on an SM at once).
 PROGRAMS_PER_SM = 1
-MAX_SPLITS_CAP = 64  # most splits of one (sequence, KV head); the merge reads one tile of them
+MAX_SPLITS_CAP = 64  # most splits of one (sequence, KV head) under the power-of-two rule (the
+#                     one-block rule allows up to 2x this; the Triton merge reads <= 128 in one tile)
 MIN_BLOCKS_CAP = 2  # a split streams up to this many BLOCK_N blocks before another is activated
 #                     (sweep: 1, 2 and 4 within 1% on saturated rows; 2 best on mixed rows)
 # device-side balance: programs the rows share (per SM), and the smallest grid split count (so a
@@ -62,7 +66,7 @@ BALANCE_SLOTS_PER_SM = 2
 BALANCE_GRID_SPLITS = 4
 # decode v5 (bench/NOTES.md): the softmax denominator kept per column and reduced once after the
 # loop (two fewer barriers per block): geomean 1.767x vs 1.702x and 1.783x vs 1.716x upstream in
-# two H200 runs (26, 27), min 0.999x / 1.010x vs 0.962x / 0.968x. Q·Kᵀ split over D slices
+# two H200 runs (27, 26), min 0.999x / 1.010x vs 0.962x / 0.968x. Q·Kᵀ split over D slices
 # (qk_split 2 / 4) was slower everywhere (1.504x / 1.611x vs 1.716x): not the default.
 DEFER_ROWSUM = True
 
@@ -84,7 +88,8 @@ class DecodePlan:
     Attributes:
       head_tile: query heads per program, G padded to a power of two (>= 16 for tensor-core dots).
       block_n: key rows per inner-loop step (BLOCK_N).
-      max_splits: programs per (sequence, KV head) along the row (grid dimension; power of two).
+      max_splits: programs per (sequence, KV head) along the row (grid dimension; a power of
+        two, or the row's block count under ``one_block_splits``).
       min_blocks_per_split: a split is only activated when it gets at least this many BLOCK_N blocks.
       num_warps, num_stages: Triton launch parameters (the Pallas kernel uses num_warps/num_stages
         through its compiler params as well).
@@ -93,7 +98,8 @@ class DecodePlan:
       tail_in_loop: the row's partial last block inside the pipelined loop (masked loads) instead
         of after it (Triton kernel only; decode v3b in bench/NOTES.md).
       qk_split: Q·Kᵀ computed as this many independent dots over D/qk_split columns each (1, 2
-        or 4; Triton pointer path only). Why: with a 16-row head tile each warp's Q·Kᵀ is one
+        or 4; Triton pointer path only: 1 is used with TMA, tail_in_loop or slices under 16
+        columns). Why: with a 16-row head tile each warp's Q·Kᵀ is one
         chain of D/16 dependent tensor-core instructions (16 at D = 256, SASS sm_90); independent
         halves let them overlap (decode v5 in bench/NOTES.md).
       defer_rowsum: keep the softmax denominator as a [head tile, BLOCK_N] running sum and reduce
@@ -110,7 +116,7 @@ class DecodePlan:
     balance_slots: int = 0
     tail_in_loop: bool = False
     qk_split: int = 1
-    defer_rowsum: bool = False
+    defer_rowsum: bool = True  # the default loop (DEFER_ROWSUM); hand-built plans run it too
 
 
 def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
@@ -127,8 +133,10 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
       balance: plan for the device-side balance (module docstring): at least
         BALANCE_GRID_SPLITS splits in the grid, ``balance_slots = BALANCE_SLOTS_PER_SM * sm_count``.
       one_block_splits: where one split per BLOCK_N block still fits one program per SM
-        (B x Hkv x blocks <= PROGRAMS_PER_SM x sm_count), use exactly ``blocks`` splits (not a
-        power of two: 65 for 2051 keys), so no split streams two blocks. Why (H200, decode v5 in
+        (B x Hkv x blocks <= PROGRAMS_PER_SM x sm_count, blocks <= 2 x MAX_SPLITS_CAP), use
+        exactly ``blocks`` splits in the grid (not a power of two: 65 for 2051 keys), so no
+        split of a ``max_seqlen_k`` row streams two blocks (the balance's grid floor still
+        applies to very short rows). Why (H200, decode v5 in
         bench/NOTES.md): with 64 splits over 65 blocks split 0 streams two and ends ~1.5 us after
         the others (per-program timeline, run 28); 65 splits: TP2 B = 1 saturated 6.03 vs 6.57
         us, TP1 7.97 vs 8.20, TP4 6.44 vs 6.89 (run 29). Triton kernel only (its merge reads any

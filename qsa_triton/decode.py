@@ -40,14 +40,18 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
       the same launch and resets its counter to 0 before exiting.
   * Offsets into K/V, q, out and the scratch are 64-bit.
   * Programmatic Dependent Launch (sm_90+, QSA_DECODE_PDL / ``plan_override(pdl=)``; "auto", the
-    default, turns it on where B x Hkv <= ``PDL_AUTO_MAX_KV_ROWS``):
-    both kernels are then launched with ``launch_pdl``, so each may be scheduled before its
-    predecessor on the stream has finished. Every program of either kernel executes ``gdc_wait``
-    (returns once the predecessor grid has completed and its memory is visible) before any load
-    or store; the split kernel triggers its dependents (``gdc_launch_dependents``) on entry, the
-    merge kernel right after its wait. So the merge's launch latency hides behind the split
-    kernel (and the next call's split launch behind the merge); results are bitwise the same as
-    without PDL.
+    default, turns it on where B x Hkv <= ``PDL_AUTO_MAX_KV_ROWS`` and where B x Hkv >=
+    ``PDL_LATE_MIN_KV_ROWS``): both kernels are then launched with ``launch_pdl``, so each may be
+    scheduled before its predecessor on the stream has finished. Every program of either kernel
+    executes ``gdc_wait`` (returns once the predecessor grid has completed and its memory is
+    visible) before any load or store; the split kernel triggers its dependents
+    (``gdc_launch_dependents``) on entry, or after its K/V loop where B x Hkv >=
+    ``PDL_LATE_MIN_KV_ROWS`` (``pdl_late_trigger``), the merge kernel right after its wait. So
+    the merge's launch latency hides behind the split kernel (and the next call's split launch
+    behind the merge); results are bitwise the same as without PDL.
+  * Small batches (``ONE_BLOCK_SPLITS``): where one split per BLOCK_N block fits one program per
+    SM, the grid has exactly that many splits (65 for 2051 keys: not a power of two), so no split
+    streams two blocks.
 
 Scratch: one set per device (LSE, partial outputs, counters), sized at first use for the largest
 qualified shape (B = 128, every qualified head pair, D = 256, max_seqlen_k = 2055, through
@@ -79,6 +83,7 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
 
 from interop.arch import DeviceFacts
 from interop.contract import QUALIFIED, ContractError, check_decode, route
+from interop import decode_plan as _dplan
 from interop.decode_plan import DecodePlan, next_pow2, plan_decode
 
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
@@ -131,7 +136,8 @@ _LOG2E = 1.4426950408889634
 #: Selected per call by the environment variable QSA_DECODE_PDL (read on every call, so a CUDA
 #: graph keeps the mode it was captured with) or ``plan_override(pdl=True|False)``:
 #:   "off": never; "on": always (ContractError where unsupported); "auto" (default): on where
-#:   supported, PDL_AUTO is True and B x Hkv <= PDL_AUTO_MAX_KV_ROWS. Why the row bound (H200,
+#:   supported, PDL_AUTO is True and B x Hkv <= PDL_AUTO_MAX_KV_ROWS (entry trigger) or B x Hkv
+#:   >= PDL_LATE_MIN_KV_ROWS (late trigger, see there). Why the small-batch bound (H200,
 #:   bench/NOTES.md decode v4): at B = 1 the call is one latency chain and PDL hides the merge
 #:   launch in every run (TP1 / TP2 / TP4 saturated: 7.70 -> 7.18, 7.78 -> 7.34, 7.13 -> 6.24
 #:   us, runs 17, 18 and 22); at B = 4..16 it won in one run and lost up to 11% in another, from
@@ -500,24 +506,29 @@ _override = threading.local()
 @contextlib.contextmanager
 def plan_override(**fields):
     """Force DecodePlan fields (``block_n``, ``max_splits``, ``min_blocks_per_split``,
-    ``num_warps``, ``num_stages``, ``balance_slots``), ``balance`` (True | False: plan with or
-    without the device-side balance), ``merge`` ("kernel" | "inline" | "auto"), ``pdl`` (True | False:
+    ``num_warps``, ``num_stages``, ``balance_slots``, ``tail_in_loop``, ``qk_split`` (1, 2 or 4),
+    ``defer_rowsum``), ``balance`` (True | False: plan with or without the device-side balance),
+    ``one_block_splits`` (True | False: one split per block at small batch, ``ONE_BLOCK_SPLITS``),
+    ``merge`` ("kernel" | "inline" | "auto"), ``pdl`` (True | False:
     Programmatic Dependent Launch on/off, overriding QSA_DECODE_PDL) and/or ``tma`` (True |
     False: K/V blocks loaded by TMA where ``tma_usable``, overriding TMA_AUTO) for calls made inside the
     ``with`` block on this thread (tests: force splits > 1; sweeps). The plan is read when the
     kernel is launched, so a CUDA graph captured inside the block keeps that geometry.
 
     Raises:
-      ValueError: unknown field; ``pdl`` or ``tma`` not a bool.
+      ValueError: unknown field; ``pdl``, ``tma``, ``balance``, ``one_block_splits``,
+        ``tail_in_loop`` or ``defer_rowsum`` not a bool; ``qk_split`` not 1, 2 or 4.
     """
     allowed = {f.name for f in dataclasses.fields(DecodePlan)} | {"merge", "pdl", "balance", "tma",
                                                                    "one_block_splits"}
     bad = set(fields) - allowed
     if bad:
         raise ValueError(f"plan_override: unknown fields {sorted(bad)}; allowed {sorted(allowed)}")
-    for key in ("pdl", "tma"):
+    for key in ("pdl", "tma", "balance", "one_block_splits", "tail_in_loop", "defer_rowsum"):
         if key in fields and not isinstance(fields[key], bool):
             raise ValueError(f"plan_override: {key} must be True or False, got {fields[key]!r}")
+    if "qk_split" in fields and fields["qk_split"] not in (1, 2, 4):
+        raise ValueError(f"plan_override: qk_split must be 1, 2 or 4, got {fields['qk_split']!r}")
     prev = getattr(_override, "fields", None)
     _override.fields = {**(prev or {}), **fields}
     try:
@@ -546,7 +557,7 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
     device = torch.device(device)
     fields = dict(getattr(_override, "fields", None) or {})
     key = (batch, num_kv_heads, group, head_dim, max_seqlen_k, device.type, device.index,
-           MERGE_MODE, BALANCE, ONE_BLOCK_SPLITS, tuple(sorted(fields.items())))
+           MERGE_MODE, BALANCE, ONE_BLOCK_SPLITS, _dplan.DEFER_ROWSUM, tuple(sorted(fields.items())))
     hit = _PLANS.get(key)
     if hit is not None:
         return hit
@@ -636,11 +647,14 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
     distinct (G, head tile, BLOCK_N, num_warps, num_stages) over B = 1..128 and the qualified head
     pairs, fitted to the arch's shared memory as ``plan_for`` does, with both merge modes; and the
     merge kernel per split chunk. Shape ints (B, splits) are runtime values: they add no variant.
-    On sm_90+ (every known arch) also the Programmatic Dependent Launch variants of the
-    merge="kernel" path (``USE_PDL=True``, option ``launch_pdl``; names contain ``_pdl``): the
-    split kernel per geometry and the merge kernel per chunk; and every split-kernel variant with
-    TMA K/V loads (``USE_TMA=True``, ``k_ptr``/``v_ptr`` typed ``tensordesc<dtype[BLOCK_N,1,D]>``;
-    names end in ``_tma``).
+    The split kernel with every launchable (merge inline, LSE_ALL, balance) combination
+    (LSE_ALL False on the merge-kernel path: a one-split grid; names ``_nolse``). On sm_90+ (every
+    known arch) also the Programmatic Dependent Launch variants of each (``USE_PDL=True``, option
+    ``launch_pdl``; names contain ``_pdl`` for the entry trigger, ``_pdllate`` for the trigger
+    after the K/V loop, ``PDL_LATE``) and of the merge kernel per chunk; and every split-kernel
+    variant with TMA K/V loads (``USE_TMA=True``, ``k_ptr``/``v_ptr`` typed
+    ``tensordesc<dtype[BLOCK_N,1,D]>``; names end in ``_tma``). Every constexpr ``_launch``
+    passes is set (QK_SPLIT, DEFER_L, TAIL_IN_LOOP from the plan).
 
     Returns:
       list of dicts: ``kernel`` (JITFunction), ``name``, ``signature``, ``constexprs`` (name ->
@@ -659,19 +673,19 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
         for b in range(lo, hi + 1):
             p = fit_shared_memory(plan_decode(b, hkv, g, head_dim, QUALIFIED["max_seqlen_k"]),
                                   head_dim, 2, limit)
-            # (merge inline, PDL, late trigger, balance): PDL with the entry trigger on the
-            # merge="kernel" path (auto: B x Hkv <= 2), with the late trigger on either merge
-            # path (auto: B x Hkv >= PDL_LATE_MIN_KV_ROWS, inline where 2 B Hkv >= SMs)
-            variants = [(i, False, False, bal) for i in (False, True) for bal in (False, True)]
-            if True in pdl_modes:
-                variants += [(False, True, False, bal) for bal in (False, True)]
-                variants += [(i, True, True, bal) for i in (False, True) for bal in (False, True)]
+            # (merge inline, LSE_ALL, PDL, late trigger, balance): _launch passes LSE_ALL =
+            # splits > 1 and merge == "kernel", MERGE_INLINE = merge == "inline"; PDL (auto or
+            # forced on) goes with either merge and either trigger placement
+            paths = [(False, True), (False, False), (True, False)]
+            pdls = [(False, False)] + ([(True, False), (True, True)] if True in pdl_modes else [])
+            variants = [(i, lse, pdl, late, bal) for i, lse in paths for pdl, late in pdls
+                        for bal in (False, True)]
             tmas = (False, True) if tuple(info.cc) >= (9, 0) and TensorDescriptor else (False,)
-            for (inline, pdl, late, bal), tma in itertools.product(variants, tmas):
+            for (inline, lse_all, pdl, late, bal), tma in itertools.product(variants, tmas):
                 # every constexpr the launch passes (a missing one would be compiled as a
                 # runtime int, with both branches of its ifs: not the launched kernel)
                 consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
-                          "MERGE_INLINE": inline, "LSE_ALL": not inline, "USE_PDL": pdl,
+                          "MERGE_INLINE": inline, "LSE_ALL": lse_all, "USE_PDL": pdl,
                           "BALANCE": bal, "USE_TMA": tma,
                           "TAIL_IN_LOOP": p.tail_in_loop and not tma,
                           "QK_SPLIT": _qk_split(p, head_dim, tma), "DEFER_L": p.defer_rowsum,
@@ -690,7 +704,8 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
                             "attrs": attrs, "num_warps": p.num_warps, "num_stages": p.num_stages,
                             "options": {"launch_pdl": True} if pdl else {},
                             "name": f"decode_split_G{g}_ht{p.head_tile}_bn{p.block_n}_w{p.num_warps}"
-                                    f"_s{p.num_stages}{'_inline' if inline else ''}_{dtype}"
+                                    f"_s{p.num_stages}{'_inline' if inline else ''}"
+                                    f"{'' if inline or lse_all else '_nolse'}_{dtype}"
                                     f"{'_bal' if bal else ''}{'_pdl' if pdl else ''}"
                                     f"{'late' if late else ''}"
                                     f"{'_tma' if tma else ''}"})
@@ -818,6 +833,7 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
     # launch_pdl=True is passed only when on: the interpreter / older Triton never see it
     pdl_kw = {"launch_pdl": True} if use_pdl else {}
     use_tma = (_tma_wanted() if tma is None else tma) and tma_usable(q.device, k, v)
+    qk_split = _qk_split(plan, q.shape[2], use_tma)  # may raise: before any allocation
     k_arg, v_arg = k, v
     if use_tma:  # [C, Hkv, D] descriptors, one [BLOCK_N, 1, D] box per block and KV head
         k_arg = TensorDescriptor(k, list(k.shape), list(k.stride()), [plan.block_n, 1, q.shape[2]])
@@ -843,7 +859,7 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             MERGE_INLINE=(merge == "inline"), LSE_ALL=(splits > 1 and merge == "kernel"),
             USE_PDL=use_pdl, BALANCE=plan.balance_slots > 0,
             TAIL_IN_LOOP=plan.tail_in_loop and not use_tma, USE_TMA=use_tma,
-            QK_SPLIT=_qk_split(plan, d, use_tma), DEFER_L=plan.defer_rowsum,
+            QK_SPLIT=qk_split, DEFER_L=plan.defer_rowsum,
             PDL_LATE=use_pdl and pdl_late_trigger(b * hkv),
             num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )

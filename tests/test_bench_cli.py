@@ -495,8 +495,12 @@ def test_decode_variants_plans_are_what_their_names_say():
     assert plans["v2"][0].max_splits == 2  # static rule: 132 // 64 -> 2
     assert plans["v3"][0].balance_slots == DP.BALANCE_SLOTS_PER_SM * sms
     assert plans["v3"][0].max_splits == DP.BALANCE_GRID_SPLITS and plans["v3"][1] == "auto"
-    assert plans["v4"][0] == plans["v3"][0] and plans["v4"][2] is None and plans["v3"][2] is False
-    assert plans["v4_ms128_small"][0] == plans["v4"][0]  # B x Hkv = 64: not small
+    assert plans["v5"][0] == plans["v3"][0] and plans["v5"][2] is None and plans["v3"][2] is False
+    assert plans["v5"][0].defer_rowsum and not plans["v4"][0].defer_rowsum
+    assert plans["v4"][2] is False  # decode v4: no PDL from B x Hkv = 3 on
+    assert _plan(dec, 1, 2, 12, cpu, VARIANTS["v4"])[0].max_splits == 64  # power of two
+    assert _plan(dec, 1, 2, 12, cpu, VARIANTS["v5"])[0].max_splits == 65  # one split per block
+    assert plans["v4_ms128_small"][0] == plans["v5"][0]  # B x Hkv = 64: not small
     small = _plan(dec, 1, 2, 12, cpu, VARIANTS["v4_bn16_small"])[0]
     assert small.max_splits == 128 and small.block_n == 16
     assert plans["v3_s1"][0].balance_slots == sms and plans["v3_s3"][0].balance_slots == 3 * sms

@@ -194,10 +194,20 @@ def test_split_qk_and_deferred_rowsum(qk_split, defer, d, merge):
 
 
 def test_qk_split_rejects_other_values():
-    with dec.plan_override(qk_split=3):
-        plan, _ = dec.plan_for(2, 1, 12, 64, 40, CPU)
+    with pytest.raises(ValueError, match="qk_split"):
+        with dec.plan_override(qk_split=3):
+            pass
+    with pytest.raises(ValueError, match="one_block_splits"):
+        with dec.plan_override(one_block_splits="no"):
+            pass
+    import dataclasses
+
+    plan = dataclasses.replace(dec.plan_for(2, 1, 12, 64, 40, CPU)[0], qk_split=3)
     with pytest.raises(ValueError, match="qk_split"):
         dec._qk_split(plan, 64, False)
+    case = make_case([5, 9], 12, 1, 64)
+    with pytest.raises(ValueError, match="qk_split"):  # before any allocation or launch
+        dec.decode_with_plan(*case, 9, plan=plan)
 
 
 @pytest.mark.parametrize("hq,hkv", PAIRS)
@@ -590,7 +600,7 @@ def test_pdl_off_under_interpreter_and_mode_validation(monkeypatch):
         dec.decode_with_plan(*case, 40, plan=dec.plan_for(3, 1, 6, 64, 40, cpu)[0], pdl=True)
 
 
-def test_pdl_auto_only_for_few_kv_rows(monkeypatch):
+def test_pdl_auto_for_few_or_many_kv_rows(monkeypatch):
     """auto: PDL where supported and B x Hkv <= PDL_AUTO_MAX_KV_ROWS (entry trigger; H200: it
     hides the merge launch at B = 1, is a coin toss at B = 4..16) or B x Hkv >=
     PDL_LATE_MIN_KV_ROWS (trigger after the K/V loop: the entry trigger costs ~1 us there, the
