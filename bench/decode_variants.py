@@ -74,6 +74,15 @@ VARIANTS = {
     # balances the tail; the grid keeps >= 8 splits per row
     "v5_s4g8": {"balance_slots_per_sm": 4, "grid_splits": 8},
     "v5_s6g16": {"balance_slots_per_sm": 6, "grid_splits": 16},
+    # decode v6: the in-launch merge loads a row's partials in one round trip (INLINE_TILE), so
+    # it may replace the merge kernel from fewer B x Hkv rows on (v5: inline from 66 on the H200)
+    "v6": {},
+    "v6_inl16": {"big": {"merge": "inline"}, "big_kv_rows": 16},
+    "v6_inl32": {"big": {"merge": "inline"}, "big_kv_rows": 32},
+    "v6_inl64": {"big": {"merge": "inline"}, "big_kv_rows": 64},
+    "v6_kernel": {"merge": "kernel"},
+    # TMA K/V loads where B x Hkv <= 2 only (run 21: faster at TP1 B = 1 saturated only)
+    "v6_tma_small": {"small": {"tma": True}},
 }
 
 
@@ -84,8 +93,11 @@ def _plan(dec, b, hkv, g, dev, spec):
 
     fields = {k: v for k, v in spec.items()
               if k in ("balance", "qk_split", "defer_rowsum", "one_block_splits")}
+    tma = spec.get("tma")
     if "small" in spec and b * hkv <= spec.get("small_kv_rows", 2):
-        fields.update(spec["small"])
+        small = dict(spec["small"])
+        tma = small.pop("tma", tma)
+        fields.update(small)
     pdl = spec.get("pdl")
     if "big" in spec and b * hkv >= spec.get("big_kv_rows", 32):
         big = dict(spec["big"])
@@ -103,7 +115,7 @@ def _plan(dec, b, hkv, g, dev, spec):
             static, _ = dec.plan_for(b, hkv, g, D, MSK, dev)
         ms = max(static.max_splits, min(spec["grid_splits"], next_pow2(math.ceil(MSK / plan.block_n))))
         plan = dataclasses.replace(plan, max_splits=ms)
-    return plan, spec.get("merge", merge), pdl, spec.get("tma")
+    return plan, spec.get("merge", merge), pdl, tma
 
 
 def main(argv=None) -> int:

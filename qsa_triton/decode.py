@@ -84,7 +84,7 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
 from interop.arch import DeviceFacts
 from interop.contract import QUALIFIED, ContractError, check_decode, route
 from interop import decode_plan as _dplan
-from interop.decode_plan import DecodePlan, next_pow2, plan_decode
+from interop.decode_plan import DecodePlan, next_pow2, plan_decode, prev_pow2
 
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
 
@@ -279,6 +279,7 @@ def _decode_split_kernel(
     MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr, USE_PDL: tl.constexpr,
     BALANCE: tl.constexpr, TAIL_IN_LOOP: tl.constexpr = False, USE_TMA: tl.constexpr = False,
     QK_SPLIT: tl.constexpr = 1, DEFER_L: tl.constexpr = False, PDL_LATE: tl.constexpr = False,
+    INLINE_TILE: tl.constexpr = 4,
 ):
     if USE_PDL:
         # Programmatic Dependent Launch (see PDL_AUTO): this grid may start before the previous
@@ -429,20 +430,31 @@ def _decode_split_kernel(
             tl.debug_barrier()  # every thread's partial stores precede the release below
             arrived = tl.atomic_add(cnt_ptr + sh, 1, sem="acq_rel", scope="gpu")
             if arrived == n_act - 1:
+                # the last-arriving split merges the row. INLINE_TILE splits at a time: their
+                # LSEs and partials are loaded as [INLINE_TILE, HT(, D)] tiles, so a row with
+                # n_act <= INLINE_TILE costs one memory round trip (a loop over the splits, one
+                # load pair each, cost n_act dependent round trips: decode v6, bench/NOTES.md).
+                # Chunks beyond the first rescale the running sum online, as the split loop does.
                 base = (s.to(tl.int64) * HQ + heads) * MAX_SPLITS  # [HT]
+                offs_t = tl.arange(0, INLINE_TILE)
                 mx = tl.full([HT], float("-inf"), tl.float32)
-                for jj in range(0, n_act):
-                    mx = tl.maximum(mx, tl.load(lse_ptr + base + jj, mask=m_ok, other=0.0,
-                                                cache_modifier=".cg"))
                 wsum = tl.zeros([HT], tl.float32)
                 o = tl.zeros([HT, D], tl.float32)
-                for jj in range(0, n_act):
-                    w = tl.exp2(tl.load(lse_ptr + base + jj, mask=m_ok, other=0.0,
-                                        cache_modifier=".cg") - mx)
-                    pj = tl.load(part_ptr + (base + jj)[:, None] * D + offs_d[None, :],
-                                 mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
-                    wsum += w
-                    o += w[:, None] * pj
+                for c in range(0, n_act, INLINE_TILE):
+                    jm = ((c + offs_t) < n_act)[:, None] & m_ok[None, :]  # [INLINE_TILE, HT]
+                    rows_t = base[None, :] + c + offs_t[:, None]
+                    pt = tl.load(part_ptr + rows_t[:, :, None] * D + offs_d[None, None, :],
+                                 mask=jm[:, :, None], other=0.0, cache_modifier=".cg")
+                    lt = tl.load(lse_ptr + rows_t, mask=jm, other=float("-inf"),
+                                 cache_modifier=".cg")
+                    # padded heads (m_ok False) stay at -inf: keep their arithmetic finite
+                    m_new = tl.maximum(mx, tl.max(lt, 0))
+                    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+                    alpha = tl.exp2(mx - m_ref)  # 0 on the first chunk
+                    w = tl.exp2(lt - m_ref[None, :])  # [INLINE_TILE, HT]; empty splits 0
+                    wsum = wsum * alpha + tl.sum(w, 0)
+                    o = o * alpha[:, None] + tl.sum(w[:, :, None] * pt, 0)
+                    mx = m_new
                 o = o / tl.where(wsum > 0.0, wsum, 1.0)[:, None]
                 tl.store(out_ptr + o_rows[:, None] + offs_d[None, :],
                          o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
@@ -689,7 +701,9 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
                           "BALANCE": bal, "USE_TMA": tma,
                           "TAIL_IN_LOOP": p.tail_in_loop and not tma,
                           "QK_SPLIT": _qk_split(p, head_dim, tma), "DEFER_L": p.defer_rowsum,
-                          "PDL_LATE": late}
+                          "PDL_LATE": late,
+                          "INLINE_TILE": (inline_tile(p.max_splits, p.head_tile, head_dim)
+                                          if inline else 1)}
                 key = (tuple(consts.items()), p.num_warps, p.num_stages)
                 if key in seen:
                     continue
@@ -704,7 +718,7 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
                             "attrs": attrs, "num_warps": p.num_warps, "num_stages": p.num_stages,
                             "options": {"launch_pdl": True} if pdl else {},
                             "name": f"decode_split_G{g}_ht{p.head_tile}_bn{p.block_n}_w{p.num_warps}"
-                                    f"_s{p.num_stages}{'_inline' if inline else ''}"
+                                    f"_s{p.num_stages}{'_inline%d' % consts['INLINE_TILE'] if inline else ''}"
                                     f"{'' if inline or lse_all else '_nolse'}_{dtype}"
                                     f"{'_bal' if bal else ''}{'_pdl' if pdl else ''}"
                                     f"{'late' if late else ''}"
@@ -861,6 +875,7 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             TAIL_IN_LOOP=plan.tail_in_loop and not use_tma, USE_TMA=use_tma,
             QK_SPLIT=qk_split, DEFER_L=plan.defer_rowsum,
             PDL_LATE=use_pdl and pdl_late_trigger(b * hkv),
+            INLINE_TILE=inline_tile(splits, plan.head_tile, d) if merge == "inline" else 1,
             num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
         if splits > 1 and merge == "kernel":
@@ -924,6 +939,18 @@ def _qk_split(plan: DecodePlan, head_dim: int, use_tma: bool) -> int:
     if use_tma or plan.tail_in_loop or head_dim // k < 16:
         return 1
     return k
+
+
+#: the in-launch merge loads at most this many FP32 partial elements per chunk of splits
+#: ([INLINE_TILE, head tile, D]: 4 splits at [16, 256] = 128 registers per thread at 4 warps)
+INLINE_TILE_ELEMS = 16384
+
+
+def inline_tile(splits: int, head_tile: int, head_dim: int) -> int:
+    """INLINE_TILE of the split kernel's in-launch merge: the splits merged per round trip, a
+    power of two, <= next_pow2(splits) and <= INLINE_TILE_ELEMS / (head_tile x D)."""
+    cap = max(1, prev_pow2(max(1, INLINE_TILE_ELEMS // (head_tile * head_dim))))
+    return min(next_pow2(max(1, splits)), cap)
 
 
 def _merge_d_chunk(chunk: int, head_dim: int) -> int:

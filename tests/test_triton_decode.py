@@ -128,6 +128,31 @@ def test_device_side_balance_mixed_rows(hq, hkv, slots, merge):
     assert info is not None and int(info["counters"].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("elems", [16 * 64, 2 * 16 * 64, 16384])
+def test_inline_merge_chunks(elems, monkeypatch):
+    """The in-launch merge (decode v6) loads INLINE_TILE splits' LSEs and partials per round trip
+    and rescales online across chunks: with a tile of 1, 2 or 8 splits (INLINE_TILE_ELEMS
+    patched) over rows of up to 8 active splits it matches the reference and the merge kernel,
+    is bitwise reproducible and leaves the counters at zero."""
+    monkeypatch.setattr(dec, "INLINE_TILE_ELEMS", elems)
+    assert dec.inline_tile(8, 16, 64) == min(8, elems // (16 * 64))
+    lens = [0, 1, 17, 130, 64, 33, 128]
+    case = make_case(lens, 12, 1, 64, seed=elems)
+    with dec.plan_override(block_n=16, max_splits=8, min_blocks_per_split=1, merge="inline"):
+        plan, _ = dec.plan_for(len(lens), 1, 12, 64, max(lens), CPU)
+        out = qsa_triton.sparse_decode(*case, max(lens))
+        again = qsa_triton.sparse_decode(*case, max(lens))
+    with dec.plan_override(block_n=16, max_splits=8, min_blocks_per_split=1, merge="kernel"):
+        ref_kernel = qsa_triton.sparse_decode(*case, max(lens))
+    assert max(n_active(lens, plan)) == 8  # more splits than a tile of 1 or 2
+    assert_close(out, reference(*case))
+    torch.testing.assert_close(out, ref_kernel, rtol=2e-3, atol=2e-3)
+    assert torch.equal(out, again)
+    assert torch.count_nonzero(out[0]) == 0
+    info = dec.scratch_info(CPU)
+    assert info is not None and int(info["counters"].abs().sum()) == 0
+
+
 def test_balance_plan_grid_and_auto_merge():
     """plan_for with the default balance: large batches keep >= BALANCE_GRID_SPLITS splits in the
     grid (long rows of a mixed batch can split) and merge inline; small batches keep the static
