@@ -430,30 +430,35 @@ def _decode_split_kernel(
             tl.debug_barrier()  # every thread's partial stores precede the release below
             arrived = tl.atomic_add(cnt_ptr + sh, 1, sem="acq_rel", scope="gpu")
             if arrived == n_act - 1:
-                # the last-arriving split merges the row. INLINE_TILE splits at a time: their
-                # LSEs and partials are loaded as [INLINE_TILE, HT(, D)] tiles, so a row with
-                # n_act <= INLINE_TILE costs one memory round trip (a loop over the splits, one
-                # load pair each, cost n_act dependent round trips: decode v6, bench/NOTES.md).
-                # Chunks beyond the first rescale the running sum online, as the split loop does.
+                # the last-arriving split merges the row, INLINE_TILE splits per chunk: the chunk's
+                # LSE and partial loads are independent of each other and of any reduction (all
+                # elementwise on [HT] / [HT, D] in the accumulator's layout: no barrier between
+                # them), so they issue together, one memory round trip per chunk (a runtime loop
+                # over the splits paid one per split and step). Chunks after the first rescale
+                # the running sum online, as the split loop does.
                 base = (s.to(tl.int64) * HQ + heads) * MAX_SPLITS  # [HT]
-                offs_t = tl.arange(0, INLINE_TILE)
                 mx = tl.full([HT], float("-inf"), tl.float32)
                 wsum = tl.zeros([HT], tl.float32)
                 o = tl.zeros([HT, D], tl.float32)
                 for c in range(0, n_act, INLINE_TILE):
-                    jm = ((c + offs_t) < n_act)[:, None] & m_ok[None, :]  # [INLINE_TILE, HT]
-                    rows_t = base[None, :] + c + offs_t[:, None]
-                    pt = tl.load(part_ptr + rows_t[:, :, None] * D + offs_d[None, None, :],
-                                 mask=jm[:, :, None], other=0.0, cache_modifier=".cg")
-                    lt = tl.load(lse_ptr + rows_t, mask=jm, other=float("-inf"),
-                                 cache_modifier=".cg")
+                    m_new = mx
+                    for t in tl.static_range(INLINE_TILE):
+                        ok = m_ok & (c + t < n_act)
+                        m_new = tl.maximum(m_new, tl.load(lse_ptr + base + c + t, mask=ok,
+                                                          other=float("-inf"), cache_modifier=".cg"))
                     # padded heads (m_ok False) stay at -inf: keep their arithmetic finite
-                    m_new = tl.maximum(mx, tl.max(lt, 0))
                     m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
                     alpha = tl.exp2(mx - m_ref)  # 0 on the first chunk
-                    w = tl.exp2(lt - m_ref[None, :])  # [INLINE_TILE, HT]; empty splits 0
-                    wsum = wsum * alpha + tl.sum(w, 0)
-                    o = o * alpha[:, None] + tl.sum(w[:, :, None] * pt, 0)
+                    wsum = wsum * alpha
+                    o = o * alpha[:, None]
+                    for t in tl.static_range(INLINE_TILE):
+                        ok = m_ok & (c + t < n_act)
+                        w = tl.exp2(tl.load(lse_ptr + base + c + t, mask=ok, other=float("-inf"),
+                                            cache_modifier=".cg") - m_ref)  # empty split: 0
+                        pt = tl.load(part_ptr + (base + c + t)[:, None] * D + offs_d[None, :],
+                                     mask=ok[:, None], other=0.0, cache_modifier=".cg")
+                        wsum += w
+                        o += w[:, None] * pt
                     mx = m_new
                 o = o / tl.where(wsum > 0.0, wsum, 1.0)[:, None]
                 tl.store(out_ptr + o_rows[:, None] + offs_d[None, :],
