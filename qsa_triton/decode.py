@@ -443,7 +443,7 @@ def _decode_split_kernel(
                 for c in range(0, n_act, INLINE_TILE):
                     m_new = mx
                     for t in tl.static_range(INLINE_TILE):
-                        ok = m_ok & (c + t < n_act)
+                        ok = m_ok & ((offs_m * 0 + (c + t)) < n_act)  # [HT]
                         m_new = tl.maximum(m_new, tl.load(lse_ptr + base + c + t, mask=ok,
                                                           other=float("-inf"), cache_modifier=".cg"))
                     # padded heads (m_ok False) stay at -inf: keep their arithmetic finite
@@ -452,7 +452,7 @@ def _decode_split_kernel(
                     wsum = wsum * alpha
                     o = o * alpha[:, None]
                     for t in tl.static_range(INLINE_TILE):
-                        ok = m_ok & (c + t < n_act)
+                        ok = m_ok & ((offs_m * 0 + (c + t)) < n_act)  # [HT]
                         w = tl.exp2(tl.load(lse_ptr + base + c + t, mask=ok, other=float("-inf"),
                                             cache_modifier=".cg") - m_ref)  # empty split: 0
                         pt = tl.load(part_ptr + (base + c + t)[:, None] * D + offs_d[None, :],
