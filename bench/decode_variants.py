@@ -83,6 +83,12 @@ VARIANTS = {
     "v6_kernel": {"merge": "kernel"},
     # TMA K/V loads where B x Hkv <= 2 only (run 21: faster at TP1 B = 1 saturated only)
     "v6_tma_small": {"small": {"tma": True}},
+    # B x Hkv <= 2: BLOCK_N 64, one 64-row block per split (33 splits for 2051 keys: TP1 B = 1
+    # runs 66 programs, as many as TP2 B = 1 runs with BLOCK_N 32), half the partials to merge;
+    # each program does two independent 16-HMMA chains where BLOCK_N 32 does one
+    "v6_bn64_small": {"small": {"block_n": 64}},
+    "v6_bn64s2_small": {"small": {"block_n": 64, "num_stages": 2}},
+    "v6_bn64w8_small": {"small": {"block_n": 64, "num_warps": 8}},
 }
 
 

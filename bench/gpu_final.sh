@@ -13,5 +13,8 @@ SAN="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer
 [ -n "$SAN" ] && { step prefill_memcheck_warm 90 python3 -m bench.prefill_memcheck && PYTORCH_NO_CUDA_MEMORY_CACHING=1 step prefill_memcheck 120 "$SAN" --tool memcheck --error-exitcode 99 python3 -m bench.prefill_memcheck; } &
 wait
 step bench_decode 130 python3 -m interop.cli bench decode --json "$R/bench_decode.json" --plot "$R/bench_decode.png"
-step bench_prefill 200 python3 -m interop.cli bench prefill --no-pairs --json "$R/bench_prefill.json" --plot "$R/bench_prefill.png"
+# QSA_FINAL_DECODE_PASSES=2: a second, independent decode pass (small-B times move between
+# graph instances); QSA_FINAL_PREFILL=0 skips the prefill bench (prefill code unchanged)
+[ "${QSA_FINAL_DECODE_PASSES:-1}" -ge 2 ] && step bench_decode2 130 python3 -m interop.cli bench decode --json "$R/bench_decode2.json"
+[ "${QSA_FINAL_PREFILL:-1}" = 1 ] && step bench_prefill 200 python3 -m interop.cli bench prefill --no-pairs --json "$R/bench_prefill.json" --plot "$R/bench_prefill.png"
 exit 0

@@ -411,6 +411,10 @@ def _cmd_compile(args) -> int:
     if bad:
         print(f"qsa compile: --family: unknown {bad}; allowed: triton, pallas", file=sys.stderr)
         return 2
+    jobs = args.jobs if args.jobs is not None else min(os.cpu_count() or 1, 4)
+    if jobs < 1:
+        print(f"qsa compile: --jobs must be >= 1, got {jobs}", file=sys.stderr)
+        return 2
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         # the interpreter replaces @triton.jit functions: compile in a clean interpreter
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -419,7 +423,8 @@ def _cmd_compile(args) -> int:
                               env=env)
         return proc.returncode
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # lowering needs no GPU
-    reports = CC.run(archs, families, progress=lambda m: print(f"compiling {m} ...", flush=True))
+    reports = CC.run(archs, families, progress=lambda m: print(f"compiling {m} ...", flush=True),
+                     jobs=jobs)
     rows = CC.summary_rows(reports)
     if args.verbose:
         print_table("Every configuration", ("family", "arch", "config", "warps/stages",
@@ -468,6 +473,9 @@ def _add_compile(sub) -> None:
                        "device, without a GPU; report shared memory, registers and spills against "
                        "the arch's limits. Exit status 1 if any configuration does not fit.")
     p.add_argument("--arch", help="comma-separated: sm_90,sm_120,sm_121 (default: all three)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes, one (family, arch) group each (default: CPU count, "
+                   "at most 4; 1 = in this process)")
     p.add_argument("--family", help="comma-separated: triton,pallas (default: both)")
     p.add_argument("--json", metavar="FILE", help="write every configuration's report as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="print every configuration")

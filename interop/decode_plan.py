@@ -69,6 +69,12 @@ BALANCE_GRID_SPLITS = 4
 # two H200 runs (27, 26), min 0.999x / 1.010x vs 0.962x / 0.968x. Q·Kᵀ split over D slices
 # (qk_split 2 / 4) was slower everywhere (1.504x / 1.611x vs 1.716x): not the default.
 DEFER_ROWSUM = True
+# decode v6c (bench/NOTES.md): under ``one_block_splits``, BLOCK_N of this many rows where those
+# one-block splits still give >= SMs / 2 programs (TP1 B = 1: 2 x 33 = 66 programs instead of
+# 2 x 65). H200 run 3 of the fifth session, B = 1 saturated / mixed: TP1 7.00 vs 7.59 and 7.00 vs
+# 7.42 us / 6.83 vs 7.91 and 6.91 vs 7.03; where it would leave fewer programs (TP2 / TP4 B = 1:
+# 33) it lost 0.5-0.8 us, hence the half-the-SMs bound.
+WIDE_BLOCK_N = 64
 
 
 def prev_pow2(x: int) -> int:
@@ -136,7 +142,9 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
         (B x Hkv x blocks <= PROGRAMS_PER_SM x sm_count, blocks <= 2 x MAX_SPLITS_CAP), use
         exactly ``blocks`` splits in the grid (not a power of two: 65 for 2051 keys), so no
         split of a ``max_seqlen_k`` row streams two blocks (the balance's grid floor still
-        applies to very short rows). Why (H200, decode v5 in
+        applies to very short rows). Where BLOCK_N is not given and one-block splits of
+        WIDE_BLOCK_N rows would still give at least half as many programs as SMs, BLOCK_N is
+        WIDE_BLOCK_N (TP1 B = 1 at D = 256: 33 splits of 64 rows, 66 programs). Why (H200, decode v5 in
         bench/NOTES.md): with 64 splits over 65 blocks split 0 streams two and ends ~1.5 us after
         the others (per-program timeline, run 28); 65 splits: TP2 B = 1 saturated 6.03 vs 6.57
         us, TP1 7.97 vs 8.20, TP4 6.44 vs 6.89 (run 29). Triton kernel only (its merge reads any
@@ -147,8 +155,19 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
       H200 sweep recorded in bench/NOTES.md.
     """
     head_tile = max(16, next_pow2(group))
+    num_warps = 4
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
+        programs = batch * num_kv_heads
+        if (one_block_splits and max_splits is None and block_n < WIDE_BLOCK_N
+                and programs * math.ceil(max_seqlen_k / block_n) <= PROGRAMS_PER_SM * sm_count
+                and 2 * programs * math.ceil(max_seqlen_k / WIDE_BLOCK_N) >= sm_count):
+            # one-block splits of WIDE_BLOCK_N rows still occupy half the SMs: half the
+            # programs, partials and merge reads for the same keys (docstring); 8 warps, as
+            # fast as 4 there (7.02 vs 7.00 us) without their register spills (ptxas sm_90: 4
+            # warps 255 registers + 40 B of spills at D = 256)
+            block_n = WIDE_BLOCK_N
+            num_warps = 8
     blocks = max(1, math.ceil(max_seqlen_k / block_n))
     if max_splits is None:
         programs = batch * num_kv_heads
@@ -163,7 +182,6 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
     # split should stream at least a few blocks when there are enough of them (amortises the Q
     # load and the merge): 1..MIN_BLOCKS_CAP blocks per split.
     min_blocks = max(1, min(MIN_BLOCKS_CAP, blocks // max_splits))
-    num_warps = 4
     # 3 stages keep two K/V tiles in flight per program; D = 256, BLOCK_N = 32: 75 KB of shared
     # memory, inside SM12x's 101,376 B (qsa-contract.md §5). Implementations still clamp stages
     # to their device's shared memory.

@@ -105,6 +105,8 @@ __all__ = [
     "PDL_AUTO_MAX_KV_ROWS",
     "PDL_LATE_MIN_KV_ROWS",
     "pdl_late_trigger",
+    "INLINE_TILE_ELEMS",
+    "inline_tile",
     "pdl_supported",
     "pdl_enabled",
     "TMA_AUTO",
@@ -678,18 +680,28 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
       value), ``attrs`` (16-divisibility of pointers/strides), ``num_warps``, ``num_stages``,
       ``options`` (extra ``triton.compile`` options: ``launch_pdl`` for the PDL variants).
     """
-    from interop.arch import KNOWN_ARCHS  # noqa: PLC0415
+    from interop.arch import _KNOWN_SM_COUNTS, KNOWN_ARCHS  # noqa: PLC0415
 
     info = KNOWN_ARCHS[arch]
     limit = info.smem_per_block
     pdl_modes = (False, True) if tuple(info.cc) >= (9, 0) and _TRITON_PDL else (False,)
     out, seen = [], set()
     lo, hi = QUALIFIED["batch"]
+    # the geometry plan_for can pick: the static rule and the defaults (balance, one-block
+    # splits, whose BLOCK_N can be WIDE_BLOCK_N), for every known SM count
+    sms_all = sorted(set(_KNOWN_SM_COUNTS.values()))
+    plan_kw = [{}, {"balance": BALANCE, "one_block_splits": ONE_BLOCK_SPLITS}]
     for hq, hkv in QUALIFIED["head_pairs"]:
         g = hq // hkv
-        for b in range(lo, hi + 1):
-            p = fit_shared_memory(plan_decode(b, hkv, g, head_dim, QUALIFIED["max_seqlen_k"]),
-                                  head_dim, 2, limit)
+        plans = {fit_shared_memory(plan_decode(b, hkv, g, head_dim, QUALIFIED["max_seqlen_k"],
+                                               sms, **kw), head_dim, 2, limit)
+                 for b in range(lo, hi + 1) for sms in sms_all for kw in plan_kw}
+        # one compiled kernel per geometry (split counts and B are runtime values)
+        geometry = {}
+        for p in sorted(plans, key=lambda p: (p.block_n, p.max_splits)):
+            geometry.setdefault((p.head_tile, p.block_n, p.num_warps, p.num_stages,
+                                 p.tail_in_loop, p.qk_split, p.defer_rowsum), p)
+        for p in geometry.values():
             # (merge inline, LSE_ALL, PDL, late trigger, balance): _launch passes LSE_ALL =
             # splits > 1 and merge == "kernel", MERGE_INLINE = merge == "inline"; PDL (auto or
             # forced on) goes with either merge and either trigger placement
@@ -698,7 +710,14 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
             variants = [(i, lse, pdl, late, bal) for i, lse in paths for pdl, late in pdls
                         for bal in (False, True)]
             tmas = (False, True) if tuple(info.cc) >= (9, 0) and TensorDescriptor else (False,)
-            for (inline, lse_all, pdl, late, bal), tma in itertools.product(variants, tmas):
+            # the in-launch merge's split tile: any power of two up to its cap (merge "inline"
+            # may be forced with any split count)
+            cap = inline_tile(1 << 30, p.head_tile, head_dim)
+            tiles = [1 << i for i in range(cap.bit_length())]
+            for (inline, lse_all, pdl, late, bal), tma, tile in itertools.product(variants, tmas,
+                                                                                  tiles):
+                if tile > 1 and not inline:
+                    continue
                 # every constexpr the launch passes (a missing one would be compiled as a
                 # runtime int, with both branches of its ifs: not the launched kernel)
                 consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
@@ -707,8 +726,7 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
                           "TAIL_IN_LOOP": p.tail_in_loop and not tma,
                           "QK_SPLIT": _qk_split(p, head_dim, tma), "DEFER_L": p.defer_rowsum,
                           "PDL_LATE": late,
-                          "INLINE_TILE": (inline_tile(p.max_splits, p.head_tile, head_dim)
-                                          if inline else 1)}
+                          "INLINE_TILE": tile}
                 key = (tuple(consts.items()), p.num_warps, p.num_stages)
                 if key in seen:
                     continue
@@ -946,14 +964,22 @@ def _qk_split(plan: DecodePlan, head_dim: int, use_tma: bool) -> int:
     return k
 
 
-#: the in-launch merge loads at most this many FP32 partial elements per chunk of splits
-#: ([INLINE_TILE, head tile, D]: 4 splits at [16, 256] = 128 registers per thread at 4 warps)
+#: the in-launch merge loads at most this many FP32 partial elements per chunk of splits (4
+#: splits of [16, 256] = 128 registers per thread at 4 warps; compiled for sm_90 the split kernel
+#: then uses 201 registers, no spills)
 INLINE_TILE_ELEMS = 16384
 
 
 def inline_tile(splits: int, head_tile: int, head_dim: int) -> int:
-    """INLINE_TILE of the split kernel's in-launch merge: the splits merged per round trip, a
-    power of two, <= next_pow2(splits) and <= INLINE_TILE_ELEMS / (head_tile x D)."""
+    """INLINE_TILE of the split kernel's in-launch merge: the splits whose LSEs and partials the
+    last-arriving split loads per memory round trip.
+
+    Args:
+      splits: the grid's splits per (sequence, KV head) (max_splits); head_tile: the padded G;
+      head_dim: D.
+    Returns:
+      a power of two, <= next_pow2(splits) and <= INLINE_TILE_ELEMS / (head_tile x D) (>= 1).
+      Source: decode v6b in bench/NOTES.md (one round trip per chunk instead of two per split)."""
     cap = max(1, prev_pow2(max(1, INLINE_TILE_ELEMS // (head_tile * head_dim))))
     return min(next_pow2(max(1, splits)), cap)
 

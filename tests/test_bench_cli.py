@@ -499,7 +499,17 @@ def test_decode_variants_plans_are_what_their_names_say():
     assert plans["v5"][0].defer_rowsum and not plans["v4"][0].defer_rowsum
     assert plans["v4"][2] is False  # decode v4: no PDL from B x Hkv = 3 on
     assert _plan(dec, 1, 2, 12, cpu, VARIANTS["v4"])[0].max_splits == 64  # power of two
-    assert _plan(dec, 1, 2, 12, cpu, VARIANTS["v5"])[0].max_splits == 65  # one split per block
+    # one split per block: of 64 keys at TP1 B = 1 (decode v6c), of 32 at TP2 B = 1
+    assert (_plan(dec, 1, 2, 12, cpu, VARIANTS["v5"])[0].block_n,
+            _plan(dec, 1, 2, 12, cpu, VARIANTS["v5"])[0].max_splits) == (64, 33)
+    assert _plan(dec, 1, 1, 12, cpu, VARIANTS["v5"])[0].max_splits == 65
+    wide = _plan(dec, 1, 1, 12, cpu, VARIANTS["v6_bn64_small"])[0]
+    assert (wide.block_n, wide.max_splits) == (64, 33)
+    assert _plan(dec, 1, 1, 12, cpu, VARIANTS["v6_tma_small"])[3] is True
+    assert _plan(dec, 4, 1, 12, cpu, VARIANTS["v6_tma_small"])[3] is None  # not small
+    assert _plan(dec, 32, 1, 12, cpu, VARIANTS["v6_inl32"])[1] == "inline"
+    assert _plan(dec, 16, 1, 12, cpu, VARIANTS["v6_inl32"])[1] == "auto"
+    assert plans["v6_kernel"][1] == "kernel"
     assert plans["v4_ms128_small"][0] == plans["v5"][0]  # B x Hkv = 64: not small
     small = _plan(dec, 1, 2, 12, cpu, VARIANTS["v4_bn16_small"])[0]
     assert small.max_splits == 128 and small.block_n == 16

@@ -127,8 +127,9 @@ def test_compile_flags_a_config_that_does_not_fit_sm12x(tmp_path):
 def test_compile_passes_when_everything_fits(tmp_path):
     pytest.importorskip("triton")
     pytest.importorskip("jax")
-    proc, doc = _compile_cli(tmp_path, "--arch", "sm_90")
+    proc, doc = _compile_cli(tmp_path, "--arch", "sm_90", "--jobs", "2")  # two worker processes
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "in a worker" in proc.stdout
     assert doc["passed"] and "every configuration fits" in proc.stdout
     fams = {(c["family"], c["name"]) for c in doc["configs"]}
     assert ("triton", "small_fits") in fams and ("pallas", "tiny_decode:qsa_decode_split") in fams
@@ -148,6 +149,8 @@ def test_compile_bad_arguments(capsys):
     assert "unknown arch" in capsys.readouterr().err
     assert cli.main(["compile", "--family", "cuda"]) == 2
     assert "allowed: triton, pallas" in capsys.readouterr().err
+    assert cli.main(["compile", "--jobs", "0"]) == 2
+    assert "--jobs must be >= 1" in capsys.readouterr().err
 
 
 def test_parse_archs():
