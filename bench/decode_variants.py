@@ -76,7 +76,7 @@ VARIANTS = {
     "v5_s6g16": {"balance_slots_per_sm": 6, "grid_splits": 16},
     # decode v6: the in-launch merge loads a row's partials in one round trip (INLINE_TILE), so
     # it may replace the merge kernel from fewer B x Hkv rows on (v5: inline from 66 on the H200)
-    "v6": {},
+    "v6": {},  # the shipped default ("v5" names the same spec: both run the current defaults)
     "v6_inl16": {"big": {"merge": "inline"}, "big_kv_rows": 16},
     "v6_inl32": {"big": {"merge": "inline"}, "big_kv_rows": 32},
     "v6_inl64": {"big": {"merge": "inline"}, "big_kv_rows": 64},
@@ -89,6 +89,8 @@ VARIANTS = {
     "v6_bn64_small": {"small": {"block_n": 64}},
     "v6_bn64s2_small": {"small": {"block_n": 64, "num_stages": 2}},
     "v6_bn64w8_small": {"small": {"block_n": 64, "num_warps": 8}},
+    # decode v6 with BLOCK_N 32 forced where B x Hkv <= 2 (v5's 65 splits at TP1 B = 1 / TP2 B = 2)
+    "v6_bn32_small": {"small": {"block_n": 32}},
 }
 
 

@@ -16,5 +16,7 @@ step bench_decode 130 python3 -m interop.cli bench decode --json "$R/bench_decod
 # QSA_FINAL_DECODE_PASSES=2: a second, independent decode pass (small-B times move between
 # graph instances); QSA_FINAL_PREFILL=0 skips the prefill bench (prefill code unchanged)
 [ "${QSA_FINAL_DECODE_PASSES:-1}" -ge 2 ] && step bench_decode2 130 python3 -m interop.cli bench decode --json "$R/bench_decode2.json"
+# QSA_FINAL_EXTRA="CMD": one more timed step (alone on the GPU), e.g. a decode_variants A/B
+[ -n "${QSA_FINAL_EXTRA:-}" ] && step extra 200 bash -c "$QSA_FINAL_EXTRA"
 [ "${QSA_FINAL_PREFILL:-1}" = 1 ] && step bench_prefill 200 python3 -m interop.cli bench prefill --no-pairs --json "$R/bench_prefill.json" --plot "$R/bench_prefill.png"
 exit 0

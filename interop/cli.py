@@ -411,7 +411,10 @@ def _cmd_compile(args) -> int:
     if bad:
         print(f"qsa compile: --family: unknown {bad}; allowed: triton, pallas", file=sys.stderr)
         return 2
-    jobs = args.jobs if args.jobs is not None else min(os.cpu_count() or 1, 4)
+    # the CPUs this process may run on (a cgroup-limited CI container reports the host's count
+    # through os.cpu_count())
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    jobs = args.jobs if args.jobs is not None else min(cpus or 1, 4)
     if jobs < 1:
         print(f"qsa compile: --jobs must be >= 1, got {jobs}", file=sys.stderr)
         return 2
@@ -423,7 +426,7 @@ def _cmd_compile(args) -> int:
                               env=env)
         return proc.returncode
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # lowering needs no GPU
-    reports = CC.run(archs, families, progress=lambda m: print(f"compiling {m} ...", flush=True),
+    reports = CC.run(archs, families, progress=lambda m: print(m, flush=True),
                      jobs=jobs)
     rows = CC.summary_rows(reports)
     if args.verbose:

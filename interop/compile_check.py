@@ -407,7 +407,7 @@ def run(archs: Sequence[str] = DEFAULT_ARCHS, families: Sequence[str] = ("triton
         out: list[ConfigReport] = []
         for fam, arch in groups:
             if progress:
-                progress(f"{fam} kernels for {arch} ({DEVICE_KIND[arch]})")
+                progress(f"compiling {fam} kernels for {arch} ({DEVICE_KIND[arch]}) ...")
             out += _check_group(fam, arch)
         return out
     import concurrent.futures as cf  # noqa: PLC0415
@@ -416,12 +416,17 @@ def run(archs: Sequence[str] = DEFAULT_ARCHS, families: Sequence[str] = ("triton
     # spawn: a forked child would inherit JAX's / torch's threads mid-state
     with cf.ProcessPoolExecutor(max_workers=min(jobs, len(groups)),
                                 mp_context=mp.get_context("spawn")) as pool:
-        futs = []
-        for fam, arch in groups:
+        futs = [pool.submit(_check_group, fam, arch) for fam, arch in groups]
+        if progress:
+            progress(f"compiling {len(groups)} (family, arch) groups in "
+                     f"{min(jobs, len(groups))} worker processes: "
+                     + ", ".join(f"{fam} {arch}" for fam, arch in groups) + " ...")
+        out = []
+        for (fam, arch), f in zip(groups, futs):
+            out += f.result()
             if progress:
-                progress(f"{fam} kernels for {arch} ({DEVICE_KIND[arch]}), in a worker")
-            futs.append(pool.submit(_check_group, fam, arch))
-        return [r for f in futs for r in f.result()]
+                progress(f"  {fam} kernels for {arch} ({DEVICE_KIND[arch]}): done")
+        return out
 
 
 def summary_rows(reports: Sequence[ConfigReport]) -> list[list[Any]]:

@@ -30,14 +30,17 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
   * A row whose n_active is 1 (short rows, large batches, empty rows) is finished by its one
     program (acc / l, exact zeros for an empty row). Otherwise every active split writes its
     normalised partial output (FP32 [D]) and its log2-domain LSE per query head to scratch, and
-    * ``merge="kernel"`` (default): kernel 2 (``_decode_merge_kernel``), one program per
+    * ``merge="kernel"``: kernel 2 (``_decode_merge_kernel``), one program per
       (sequence, query head, slice of D). The split kernel also writes LSE = -inf for every
       inactive split slot (and for split 0 of a row it finished itself), so the merge needs no
       row metadata and issues all its loads in one round trip: M = max_j lse_j (all -inf: row
       already done, nothing to do), weights 2^(lse_j - M) (empty splits weigh 0, their stale
       partials are masked out with a select), output sum_j w_j o_j / sum_j w_j;
     * ``merge="inline"``: the last split to arrive (an int32 acq_rel counter per (s, h)) merges in
-      the same launch and resets its counter to 0 before exiting.
+      the same launch, ``INLINE_TILE`` splits' LSEs and partials per memory round trip (online
+      rescale across chunks), and resets its counter to 0 before exiting;
+    * ``merge="auto"`` (``MERGE_MODE``, the default): inline where 2 x B x Hkv >= SMs, else the
+      kernel.
   * Offsets into K/V, q, out and the scratch are 64-bit.
   * Programmatic Dependent Launch (sm_90+, QSA_DECODE_PDL / ``plan_override(pdl=)``; "auto", the
     default, turns it on where B x Hkv <= ``PDL_AUTO_MAX_KV_ROWS`` and where B x Hkv >=
@@ -50,8 +53,9 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
     the merge's launch latency hides behind the split kernel (and the next call's split launch
     behind the merge); results are bitwise the same as without PDL.
   * Small batches (``ONE_BLOCK_SPLITS``): where one split per BLOCK_N block fits one program per
-    SM, the grid has exactly that many splits (65 for 2051 keys: not a power of two), so no split
-    streams two blocks.
+    SM, the grid has exactly that many splits (not a power of two), so no split streams two
+    blocks: 65 of 32 keys for 2051 keys at B x Hkv = 1, 33 of 64 keys (8 warps,
+    ``interop.decode_plan.WIDE_BLOCK_N``) at B x Hkv = 2, where those still fill half the SMs.
 
 Scratch: one set per device (LSE, partial outputs, counters), sized at first use for the largest
 qualified shape (B = 128, every qualified head pair, D = 256, max_seqlen_k = 2055, through
@@ -107,6 +111,7 @@ __all__ = [
     "pdl_late_trigger",
     "INLINE_TILE_ELEMS",
     "inline_tile",
+    "split_constexprs",
     "pdl_supported",
     "pdl_enabled",
     "TMA_AUTO",
@@ -115,8 +120,10 @@ __all__ = [
 
 #: default merge of split partials: "kernel" (second small kernel), "inline" (last-arriving
 #: split merges, counters reset in the same launch) or "auto": inline where B x Hkv >= SMs / 2
-#: (rows get few splits, most none: no second launch), the kernel below that (many splits per
-#: row: one program merging 64 partials serially was 2-4x slower, H200 sweep run 2).
+#: (rows get few splits, most none: no second launch), the kernel below that. Why (H200,
+#: bench/NOTES.md decode v6b, run 34): with the one-round-trip inline merge, inline from
+#: B x Hkv = 64 / 32 / 16 on gave geomean 1.614x / 1.605x / 1.576x upstream vs 1.618x for this
+#: rule, and the kernel everywhere 1.601x (it loses 4-5 us at B x Hkv >= 128).
 MERGE_MODE = "auto"
 #: device-side balance of split counts over the batch's total keys (interop/decode_plan.py);
 #: plan_override(balance=False) gives the static per-row rule (decode v2).
@@ -673,7 +680,11 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
     after the K/V loop, ``PDL_LATE``) and of the merge kernel per chunk; and every split-kernel
     variant with TMA K/V loads (``USE_TMA=True``, ``k_ptr``/``v_ptr`` typed
     ``tensordesc<dtype[BLOCK_N,1,D]>``; names end in ``_tma``). Every constexpr ``_launch``
-    passes is set (QK_SPLIT, DEFER_L, TAIL_IN_LOOP from the plan).
+    passes is set, from the same ``split_constexprs`` (QK_SPLIT, DEFER_L, TAIL_IN_LOOP from the
+    plan; INLINE_TILE on the inline path, names ``_inline<tile>``). The geometries are those
+    ``plan_decode`` gives with the static rule and with the defaults (``BALANCE``,
+    ``ONE_BLOCK_SPLITS``: BLOCK_N can be ``WIDE_BLOCK_N`` with 8 warps) for every SM count in
+    ``interop.arch``'s table, fitted to the arch's shared memory.
 
     Returns:
       list of dicts: ``kernel`` (JITFunction), ``name``, ``signature``, ``constexprs`` (name ->
@@ -710,23 +721,12 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
             variants = [(i, lse, pdl, late, bal) for i, lse in paths for pdl, late in pdls
                         for bal in (False, True)]
             tmas = (False, True) if tuple(info.cc) >= (9, 0) and TensorDescriptor else (False,)
-            # the in-launch merge's split tile: any power of two up to its cap (merge "inline"
-            # may be forced with any split count)
-            cap = inline_tile(1 << 30, p.head_tile, head_dim)
-            tiles = [1 << i for i in range(cap.bit_length())]
-            for (inline, lse_all, pdl, late, bal), tma, tile in itertools.product(variants, tmas,
-                                                                                  tiles):
-                if tile > 1 and not inline:
-                    continue
+            for (inline, lse_all, pdl, late, bal), tma in itertools.product(variants, tmas):
                 # every constexpr the launch passes (a missing one would be compiled as a
                 # runtime int, with both branches of its ifs: not the launched kernel)
-                consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
-                          "MERGE_INLINE": inline, "LSE_ALL": lse_all, "USE_PDL": pdl,
-                          "BALANCE": bal, "USE_TMA": tma,
-                          "TAIL_IN_LOOP": p.tail_in_loop and not tma,
-                          "QK_SPLIT": _qk_split(p, head_dim, tma), "DEFER_L": p.defer_rowsum,
-                          "PDL_LATE": late,
-                          "INLINE_TILE": tile}
+                consts = split_constexprs(dataclasses.replace(p, balance_slots=int(bal)), g,
+                                          head_dim, inline=inline, lse_all=lse_all, use_pdl=pdl,
+                                          pdl_late=late, use_tma=tma)
                 key = (tuple(consts.items()), p.num_warps, p.num_stages)
                 if key in seen:
                     continue
@@ -870,7 +870,7 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
     # launch_pdl=True is passed only when on: the interpreter / older Triton never see it
     pdl_kw = {"launch_pdl": True} if use_pdl else {}
     use_tma = (_tma_wanted() if tma is None else tma) and tma_usable(q.device, k, v)
-    qk_split = _qk_split(plan, q.shape[2], use_tma)  # may raise: before any allocation
+    _qk_split(plan, q.shape[2], use_tma)  # may raise: before any allocation
     k_arg, v_arg = k, v
     if use_tma:  # [C, Hkv, D] descriptors, one [BLOCK_N, 1, D] box per block and KV head
         k_arg = TensorDescriptor(k, list(k.shape), list(k.stride()), [plan.block_n, 1, q.shape[2]])
@@ -892,13 +892,9 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1),
             hq, hkv, splits, plan.min_blocks_per_split, b, max(plan.balance_slots, 1),
-            G=g, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n,
-            MERGE_INLINE=(merge == "inline"), LSE_ALL=(splits > 1 and merge == "kernel"),
-            USE_PDL=use_pdl, BALANCE=plan.balance_slots > 0,
-            TAIL_IN_LOOP=plan.tail_in_loop and not use_tma, USE_TMA=use_tma,
-            QK_SPLIT=qk_split, DEFER_L=plan.defer_rowsum,
-            PDL_LATE=use_pdl and pdl_late_trigger(b * hkv),
-            INLINE_TILE=inline_tile(splits, plan.head_tile, d) if merge == "inline" else 1,
+            **split_constexprs(plan, g, d, inline=merge == "inline",
+                               lse_all=splits > 1 and merge == "kernel", use_pdl=use_pdl,
+                               pdl_late=use_pdl and pdl_late_trigger(b * hkv), use_tma=use_tma),
             num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
         if splits > 1 and merge == "kernel":
@@ -970,18 +966,31 @@ def _qk_split(plan: DecodePlan, head_dim: int, use_tma: bool) -> int:
 INLINE_TILE_ELEMS = 16384
 
 
-def inline_tile(splits: int, head_tile: int, head_dim: int) -> int:
+def inline_tile(head_tile: int, head_dim: int) -> int:
     """INLINE_TILE of the split kernel's in-launch merge: the splits whose LSEs and partials the
-    last-arriving split loads per memory round trip.
+    last-arriving split loads per memory round trip (a row with fewer active splits masks the
+    rest off: predicated loads, no traffic).
 
     Args:
-      splits: the grid's splits per (sequence, KV head) (max_splits); head_tile: the padded G;
-      head_dim: D.
+      head_tile: the padded G; head_dim: D.
     Returns:
-      a power of two, <= next_pow2(splits) and <= INLINE_TILE_ELEMS / (head_tile x D) (>= 1).
+      the largest power of two <= INLINE_TILE_ELEMS / (head_tile x D), at least 1 (4 at [16, 256]).
       Source: decode v6b in bench/NOTES.md (one round trip per chunk instead of two per split)."""
-    cap = max(1, prev_pow2(max(1, INLINE_TILE_ELEMS // (head_tile * head_dim))))
-    return min(next_pow2(max(1, splits)), cap)
+    return max(1, prev_pow2(max(1, INLINE_TILE_ELEMS // (head_tile * head_dim))))
+
+
+def split_constexprs(plan: DecodePlan, group: int, head_dim: int, *, inline: bool,
+                     lse_all: bool, use_pdl: bool, pdl_late: bool, use_tma: bool) -> dict:
+    """The constexpr arguments of ``_decode_split_kernel`` for one launch: what ``_launch``
+    passes and what ``compile_configs`` compiles (one definition, so the AOT list cannot drift
+    from the launch). Raises ValueError for a bad ``plan.qk_split`` (``_qk_split``)."""
+    return {"G": group, "D": head_dim, "HT": plan.head_tile, "BLOCK_N": plan.block_n,
+            "MERGE_INLINE": inline, "LSE_ALL": lse_all, "USE_PDL": use_pdl,
+            "BALANCE": plan.balance_slots > 0, "USE_TMA": use_tma,
+            "TAIL_IN_LOOP": plan.tail_in_loop and not use_tma,
+            "QK_SPLIT": _qk_split(plan, head_dim, use_tma), "DEFER_L": plan.defer_rowsum,
+            "PDL_LATE": pdl_late,
+            "INLINE_TILE": inline_tile(plan.head_tile, head_dim) if inline else 1}
 
 
 def _merge_d_chunk(chunk: int, head_dim: int) -> int:
