@@ -28,8 +28,8 @@ B x Hkv >= SMs no split at all (max_splits = 1) was fastest (TP1 B = 128: 126 us
 Exception (``one_block_splits``, the Triton kernel's default since decode v5): where one split per
 BLOCK_N block fits that one wave (B x Hkv x blocks <= SMs, blocks <= 2 x MAX_SPLITS_CAP), the
 grid has exactly ``blocks`` splits (65 for 2051 keys), so no split streams two blocks; and where
-splits of WIDE_BLOCK_N keys would still give >= SMs / 2 programs, BLOCK_N is WIDE_BLOCK_N (8
-warps): B x Hkv = 2 at 2051 keys on 132 SMs, 2 x 33 programs (decode v6c).
+splits of WIDE_BLOCK_N keys would still give >= SMs / 2 programs and Hkv >= 2, BLOCK_N is
+WIDE_BLOCK_N (8 warps): TP1 B = 1 at 2051 keys on 132 SMs, 2 x 33 programs (decode v6c).
 
 Device-side balance (``balance=True``, the Triton kernel's default since decode v3): the static rule
 above sizes splits for rows as long as ``max_seqlen_k``, so a mixed batch at large B left its long
@@ -145,9 +145,9 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
         exactly ``blocks`` splits in the grid (not a power of two: 65 for 2051 keys), so no
         split of a ``max_seqlen_k`` row streams two blocks (the balance's grid floor still
         applies to very short rows). Where BLOCK_N is not given (D > 128: 32), the rule above
-        holds for it, and one-block splits of WIDE_BLOCK_N rows would still give at least half
-        as many programs as SMs, BLOCK_N is WIDE_BLOCK_N with 8 warps (B x Hkv = 2 at 2051 keys
-        on 132 SMs: TP1 B = 1, measured; TP2 / TP4 B = 2, the same grid, not measured). Why (H200, decode v5 in
+        holds for it, num_kv_heads >= 2, and one-block splits of WIDE_BLOCK_N rows would still
+        give at least half as many programs as SMs, BLOCK_N is WIDE_BLOCK_N with 8 warps (TP1
+        B = 1 at 2051 keys on 132 SMs; the same grid from TP2 / TP4 B = 2 measured slower). Why (H200, decode v5 in
         bench/NOTES.md): with 64 splits over 65 blocks split 0 streams two and ends ~1.5 us after
         the others (per-program timeline, run 28); 65 splits: TP2 B = 1 saturated 6.03 vs 6.57
         us, TP1 7.97 vs 8.20, TP4 6.44 vs 6.89 (run 29). Triton kernel only (its merge reads any
@@ -164,12 +164,14 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
         programs = batch * num_kv_heads
         narrow, wide = (math.ceil(max_seqlen_k / n) for n in (block_n, WIDE_BLOCK_N))
         if (one_block_splits and max_splits is None and block_n < WIDE_BLOCK_N
-                and programs * narrow <= PROGRAMS_PER_SM * sm_count
+                and num_kv_heads >= 2 and programs * narrow <= PROGRAMS_PER_SM * sm_count
                 and narrow <= 2 * MAX_SPLITS_CAP and 2 * programs * wide >= sm_count):
             # one-block splits of WIDE_BLOCK_N rows still occupy half the SMs: half the
             # programs, partials and merge reads for the same keys (docstring); 8 warps, as
             # fast as 4 there (7.02 vs 7.00 us) without their register spills (ptxas sm_90: 4
-            # warps 255 registers + 40 B of spills at D = 256)
+            # warps 255 registers + 40 B of spills at D = 256). Only with >= 2 KV heads: the
+            # same 2 x 33 grid from two sequences of one KV head (TP2 / TP4 B = 2) measured
+            # 0.4-0.7 us slower than 2 x 65 (run 36); why it differs is not understood.
             block_n = WIDE_BLOCK_N
             num_warps = 8
     blocks = max(1, math.ceil(max_seqlen_k / block_n))

@@ -54,8 +54,9 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
     behind the merge); results are bitwise the same as without PDL.
   * Small batches (``ONE_BLOCK_SPLITS``): where one split per BLOCK_N block fits one program per
     SM, the grid has exactly that many splits (not a power of two), so no split streams two
-    blocks: 65 of 32 keys for 2051 keys at B x Hkv = 1, 33 of 64 keys (8 warps,
-    ``interop.decode_plan.WIDE_BLOCK_N``) at B x Hkv = 2, where those still fill half the SMs.
+    blocks: 65 of 32 keys for 2051 keys, or 33 of 64 keys (8 warps,
+    ``interop.decode_plan.WIDE_BLOCK_N``) where Hkv >= 2 and those still fill half the SMs
+    (TP1 B = 1).
 
 Scratch: one set per device (LSE, partial outputs, counters), sized at first use for the largest
 qualified shape (B = 128, every qualified head pair, D = 256, max_seqlen_k = 2055, through

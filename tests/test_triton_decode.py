@@ -173,6 +173,8 @@ def test_balance_plan_grid_and_auto_merge():
     # TP2 B = 1: 33 wide splits would leave 99 of 132 SMs idle: 65 splits of 32 keys
     tp2 = dec.plan_for(1, 1, 12, 256, 2051, CPU)[0]
     assert (tp2.block_n, tp2.max_splits, tp2.num_warps) == (32, 65, 4)
+    # one KV head: B = 2 gives the same 2 x 33 grid but keeps 32-key blocks (run 36: slower)
+    assert dec.plan_for(2, 1, 12, 256, 2051, CPU)[0].block_n == 32
     # D <= 128 runs BLOCK_N 64 already: the rule leaves it alone
     assert dec.plan_for(1, 2, 12, 128, 2051, CPU)[0].num_warps == 4
     assert dec.plan_for(2, 2, 12, 256, 2051, CPU)[0].max_splits == 32  # 4 x 65 > 132: v4 rule
