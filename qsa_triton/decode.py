@@ -962,8 +962,8 @@ def _qk_split(plan: DecodePlan, head_dim: int, use_tma: bool) -> int:
 
 
 #: the in-launch merge loads at most this many FP32 partial elements per chunk of splits (4
-#: splits of [16, 256] = 128 registers per thread at 4 warps; compiled for sm_90 the split kernel
-#: then uses 201 registers, no spills)
+#: splits of [16, 256] = 128 registers per thread at 4 warps; compiled for sm_90 the inline split
+#: kernel then uses 201-214 registers, no spills: `qsa compile -v`)
 INLINE_TILE_ELEMS = 16384
 
 
