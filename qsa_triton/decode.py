@@ -542,9 +542,12 @@ def plan_override(**fields):
     ``with`` block on this thread (tests: force splits > 1; sweeps). The plan is read when the
     kernel is launched, so a CUDA graph captured inside the block keeps that geometry.
 
-    Raises:
+    Raises (on entering the ``with`` block, before any call):
       ValueError: unknown field; ``pdl``, ``tma``, ``balance``, ``one_block_splits``,
-        ``tail_in_loop`` or ``defer_rowsum`` not a bool; ``qk_split`` not 1, 2 or 4.
+        ``tail_in_loop`` or ``defer_rowsum`` not a bool; ``qk_split`` not 1, 2 or 4; ``merge``
+        not kernel / inline / auto; ``block_n`` or ``head_tile`` not a power of two >= 16;
+        ``num_warps`` not 1, 2, 4, 8 or 16; ``max_splits``, ``min_blocks_per_split`` or
+        ``num_stages`` not an int >= 1; ``balance_slots`` not an int >= 0.
     """
     allowed = {f.name for f in dataclasses.fields(DecodePlan)} | {"merge", "pdl", "balance", "tma",
                                                                    "one_block_splits"}
@@ -556,6 +559,24 @@ def plan_override(**fields):
             raise ValueError(f"plan_override: {key} must be True or False, got {fields[key]!r}")
     if "qk_split" in fields and fields["qk_split"] not in (1, 2, 4):
         raise ValueError(f"plan_override: qk_split must be 1, 2 or 4, got {fields['qk_split']!r}")
+    if "merge" in fields and fields["merge"] not in ("kernel", "inline", "auto"):
+        raise ValueError(f"plan_override: merge must be 'kernel', 'inline' or 'auto', got "
+                         f"{fields['merge']!r}")
+
+    def _int(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    for key in ("block_n", "head_tile"):  # tl.arange extents and tensor-core tiles
+        x = fields.get(key)
+        if key in fields and not (_int(x) and x >= 16 and x & (x - 1) == 0):
+            raise ValueError(f"plan_override: {key} must be a power of two >= 16, got {x!r}")
+    if "num_warps" in fields and fields["num_warps"] not in (1, 2, 4, 8, 16):
+        raise ValueError(f"plan_override: num_warps must be 1, 2, 4, 8 or 16, got "
+                         f"{fields['num_warps']!r}")
+    for key, lo in (("max_splits", 1), ("min_blocks_per_split", 1), ("num_stages", 1),
+                    ("balance_slots", 0)):
+        if key in fields and not (_int(fields[key]) and fields[key] >= lo):
+            raise ValueError(f"plan_override: {key} must be an int >= {lo}, got {fields[key]!r}")
     prev = getattr(_override, "fields", None)
     _override.fields = {**(prev or {}), **fields}
     try:
@@ -1043,9 +1064,12 @@ def pdl_enabled(device: torch.device | str, pdl: bool | None = None,
       ContractError: QSA_DECODE_PDL not one of auto/on/off; PDL requested (on / True) where
         ``pdl_supported`` is False.
     """
+    source = "pdl"  # the argument that asked for PDL, named in the error below
     if pdl is None:
         pdl = (getattr(_override, "fields", None) or {}).get("pdl")
+        source = "plan_override(pdl=...)"
     if pdl is None:
+        source = f"${PDL_ENV}"
         mode = os.environ.get(PDL_ENV, "auto").strip().lower() or "auto"
         if mode not in PDL_MODES:
             raise ContractError("sparse_decode", f"${PDL_ENV}", "one of " + ", ".join(PDL_MODES),
@@ -1056,7 +1080,7 @@ def pdl_enabled(device: torch.device | str, pdl: bool | None = None,
                     and pdl_supported(device))
         pdl = mode == "on"
     if pdl and not pdl_supported(device):
-        raise ContractError("sparse_decode", f"${PDL_ENV}", "PDL only on a CUDA device of compute "
+        raise ContractError("sparse_decode", source, "PDL only on a CUDA device of compute "
                             "capability >= 9.0 with a Triton that has launch_pdl, never under "
                             "TRITON_INTERPRET=1 (use off or auto)", f"on for {torch.device(device)}")
     return bool(pdl)

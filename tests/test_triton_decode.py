@@ -228,6 +228,37 @@ def test_split_qk_and_deferred_rowsum(qk_split, defer, d, merge):
     assert torch.count_nonzero(out[0]) == 0
 
 
+@pytest.mark.parametrize("field,bad", [("merge", "foo"), ("block_n", 48), ("block_n", 0),
+                                       ("block_n", 8), ("head_tile", 12), ("num_warps", 3),
+                                       ("max_splits", 0), ("max_splits", -1), ("max_splits", 2.0),
+                                       ("min_blocks_per_split", 0), ("num_stages", 0),
+                                       ("balance_slots", -1), ("max_splits", True)])
+def test_plan_override_rejects_bad_geometry(field, bad):
+    """plan_override refuses a field no launch could use when the ``with`` block is entered,
+    naming the field (not later inside Triton, or as a ZeroDivisionError, or never)."""
+    with pytest.raises(ValueError, match=f"plan_override: {field}"):
+        with dec.plan_override(**{field: bad}):
+            pass
+    with dec.plan_override(**{field: {"merge": "inline", "block_n": 64, "head_tile": 32,
+                                      "num_warps": 8, "max_splits": 3,
+                                      "min_blocks_per_split": 1, "num_stages": 2,
+                                      "balance_slots": 0}[field]}):
+        pass  # a good value of the same field is accepted
+
+
+def test_pdl_error_names_plan_override(monkeypatch):
+    monkeypatch.delenv(dec.PDL_ENV, raising=False)
+    monkeypatch.setattr(dec, "pdl_supported", lambda device: False)
+    with dec.plan_override(pdl=True):
+        with pytest.raises(ContractError, match=r"plan_override\(pdl=\.\.\.\)"):
+            dec.pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv(dec.PDL_ENV, "on")
+    with pytest.raises(ContractError, match="QSA_DECODE_PDL"):
+        dec.pdl_enabled(torch.device("cpu"))
+    with pytest.raises(ContractError, match="'pdl'"):
+        dec.pdl_enabled(torch.device("cpu"), pdl=True)
+
+
 def test_qk_split_rejects_other_values():
     with pytest.raises(ValueError, match="qk_split"):
         with dec.plan_override(qk_split=3):
