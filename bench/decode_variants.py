@@ -91,6 +91,11 @@ VARIANTS = {
     "v6_bn64w8_small": {"small": {"block_n": 64, "num_warps": 8}},
     # decode v6 with BLOCK_N 32 forced where B x Hkv <= 2 (v5's 65 splits at TP1 B = 1 / TP2 B = 2)
     "v6_bn32_small": {"small": {"block_n": 32}},
+    # next-session probes: 128-key blocks at B x Hkv <= 2 (17 splits; 8 or 16 warps), and a
+    # fourth pipeline stage where B x Hkv >= 64 (3 K/V tiles in flight per program, 2 per SM)
+    "v6_bn128w8_small": {"small": {"block_n": 128, "num_warps": 8}},
+    "v6_bn128w16_small": {"small": {"block_n": 128, "num_warps": 16}},
+    "v6_s4_big": {"big": {"num_stages": 4}, "big_kv_rows": 64},
 }
 
 
