@@ -259,65 +259,27 @@ def _online_split(q0, q1, q2, q3, k0_ptrs, v_ptrs, m_i, l_i, acc, n_mask, scale_
 
 @triton.jit
 def _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ, HKV, SLOTS,
-                   BALANCE: tl.constexpr, VOLATILE: tl.constexpr = False):
+                   BALANCE: tl.constexpr):
     """(row start, row length, blocks, n_active) of sequence s, from device data only.
 
     BALANCE: the row's share of SLOTS programs, proportional to its length within the batch's
     total keys (interop/decode_plan.py), capped by MAX_SPLITS and by one split per MIN_BLOCKS
-    blocks; otherwise one split per MIN_BLOCKS blocks up to MAX_SPLITS. VOLATILE: the
-    speculative read before gdc_wait (_prefetch_split), kept apart from the real one."""
-    k_lo = tl.load(cu_k_ptr + s, volatile=VOLATILE)
-    k_hi = tl.load(cu_k_ptr + s + 1, volatile=VOLATILE)
+    blocks; otherwise one split per MIN_BLOCKS blocks up to MAX_SPLITS."""
+    k_lo = tl.load(cu_k_ptr + s)
+    k_hi = tl.load(cu_k_ptr + s + 1)
     n = tl.maximum(k_hi - k_lo, 0)
     blocks = tl.cdiv(n, BLOCK_N)
     n_act = tl.minimum(tl.maximum(tl.cdiv(blocks, MIN_BLOCKS), 1), MAX_SPLITS)
     if BALANCE:
-        total = tl.maximum(tl.load(cu_k_ptr + NSEQ, volatile=VOLATILE)
-                           - tl.load(cu_k_ptr, volatile=VOLATILE), 1).to(tl.int64)
+        total = tl.maximum(tl.load(cu_k_ptr + NSEQ) - tl.load(cu_k_ptr), 1).to(tl.int64)
         share = (n.to(tl.int64) * SLOTS) // (total * HKV)  # int64: n * SLOTS may pass 2^31
         n_act = tl.minimum(n_act, tl.maximum(share, 1).to(tl.int32))
     return k_lo, n, blocks, n_act
 
 
-@triton.jit
-def _prefetch_l2(ptrs):
-    # prefetch.global.L2: a cache hint (no data reaches registers, no fault semantics to rely
-    # on: every address passed here lies inside the K/V allocation)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_split(k_ptr, v_ptr, cu_k_ptr, s, h, j, CAP, stride_kc, stride_kh, stride_vc,
-                    stride_vh, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ, HKV, SLOTS,
-                    BALANCE: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                    PF_BLOCKS: tl.constexpr):
-    """Pull this split's first PF_BLOCKS K/V blocks into L2 before gdc_wait (decode v7a).
-
-    Runs while the previous grid on the stream may still write cu_seqlens_k: the lengths read
-    here are a guess (volatile loads, never used for anything but these hints), and every
-    prefetched row is clamped into [0, CAP), the K/V allocation, so a stale guess only wastes
-    a hint. The split's real loads after gdc_wait then hit L2 instead of HBM."""
-    k_lo, n, blocks, n_act = _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ,
-                                            HKV, SLOTS, BALANCE, True)
-    if (j < n_act) & (CAP > 0):
-        blocks64 = blocks.to(tl.int64)
-        start = tl.cdiv(blocks64 * j, n_act) * BN
-        stop = tl.minimum(tl.minimum(tl.cdiv(blocks64 * (j + 1), n_act) * BN, n),
-                          start + PF_BLOCKS * BN)
-        LINES: tl.constexpr = D // 64 if D >= 64 else 1  # 128-byte lines per 16-bit row
-        rows = k_lo.to(tl.int64) + start + tl.arange(0, PF_BLOCKS * BN)
-        ok = (rows < k_lo.to(tl.int64) + stop) & (rows >= 0) & (rows < CAP)
-        rows = tl.where(ok, rows, 0)  # row 0 of head 0: inside the allocation
-        hh = tl.where(ok, h, 0).to(tl.int64)
-        cols = tl.arange(0, LINES) * 64
-        _prefetch_l2(k_ptr + (rows * stride_kc + hh * stride_kh)[:, None] + cols[None, :])
-        _prefetch_l2(v_ptr + (rows * stride_vc + hh * stride_vh)[:, None] + cols[None, :])
-
-
 # Shape ints stay runtime values and are not specialised (Triton would otherwise compile a
 # variant for every value == 1 / multiple of 16): one compiled kernel serves every B and split count.
-@triton.jit(do_not_specialize=["HQ", "HKV", "MAX_SPLITS", "MIN_BLOCKS", "NSEQ", "SLOTS", "CAP"])
+@triton.jit(do_not_specialize=["HQ", "HKV", "MAX_SPLITS", "MIN_BLOCKS", "NSEQ", "SLOTS"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, cnt_ptr, cu_q_ptr, cu_k_ptr,
     scale_log2,
@@ -327,18 +289,8 @@ def _decode_split_kernel(
     MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr, USE_PDL: tl.constexpr,
     BALANCE: tl.constexpr, TAIL_IN_LOOP: tl.constexpr = False, USE_TMA: tl.constexpr = False,
     QK_SPLIT: tl.constexpr = 1, DEFER_L: tl.constexpr = False, PDL_LATE: tl.constexpr = False,
-    INLINE_TILE: tl.constexpr = 4, PREFETCH: tl.constexpr = 0, CAP=0,
+    INLINE_TILE: tl.constexpr = 4,
 ):
-    pid = tl.program_id(0)
-    # split-major order: every row's split 0 (active whenever the row is non-empty) gets the
-    # lowest program ids, the splits that exit at once the highest. With (s, h)-major ids, a
-    # grid of 4 splits per row with 2 active ran TP2 B=64 at 51.5 us vs 42.5 split-major (H200
-    # runs 7-8; bench/NOTES.md, decode v3).
-    n_sh = NSEQ * HKV
-    j = pid // n_sh
-    sh = pid % n_sh
-    s = sh // HKV
-    h = sh % HKV
     if USE_PDL:
         # Programmatic Dependent Launch (see PDL_AUTO): this grid may start before the previous
         # kernel on the stream has finished, so wait for it (griddepcontrol.wait: all
@@ -352,11 +304,17 @@ def _decode_split_kernel(
         # scheduled only during this grid's tail, not while its programs stream.
         if not PDL_LATE:
             tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH > 0:
-            _prefetch_split(k_ptr, v_ptr, cu_k_ptr, s, h, j, CAP, stride_kc, stride_kh, stride_vc,
-                            stride_vh, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ, HKV, SLOTS, BALANCE,
-                            D, BLOCK_N, PREFETCH)
         tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    # split-major order: every row's split 0 (active whenever the row is non-empty) gets the
+    # lowest program ids, the splits that exit at once the highest. With (s, h)-major ids, a
+    # grid of 4 splits per row with 2 active ran TP2 B=64 at 51.5 us vs 42.5 split-major (H200
+    # runs 7-8; bench/NOTES.md, decode v3).
+    n_sh = NSEQ * HKV
+    j = pid // n_sh
+    sh = pid % n_sh
+    s = sh // HKV
+    h = sh % HKV
     # the query row's index is loaded with cu_seqlens_k, before the split bookkeeping and its
     # early exit, so the q load can issue with the first K/V loads (at B = 1 a split streams
     # one or two blocks: its chain of dependent loads is its time)
@@ -592,7 +550,7 @@ def plan_override(**fields):
         ``num_stages`` not an int >= 1; ``balance_slots`` not an int >= 0.
     """
     allowed = {f.name for f in dataclasses.fields(DecodePlan)} | {"merge", "pdl", "balance", "tma",
-                                                                   "one_block_splits", "prefetch"}
+                                                                   "one_block_splits"}
     bad = set(fields) - allowed
     if bad:
         raise ValueError(f"plan_override: unknown fields {sorted(bad)}; allowed {sorted(allowed)}")
@@ -616,7 +574,7 @@ def plan_override(**fields):
         raise ValueError(f"plan_override: num_warps must be 1, 2, 4, 8 or 16, got "
                          f"{fields['num_warps']!r}")
     for key, lo in (("max_splits", 1), ("min_blocks_per_split", 1), ("num_stages", 1),
-                    ("balance_slots", 0), ("prefetch", 0)):
+                    ("balance_slots", 0)):
         if key in fields and not (_int(fields[key]) and fields[key] >= lo):
             raise ValueError(f"plan_override: {key} must be an int >= {lo}, got {fields[key]!r}")
     prev = getattr(_override, "fields", None)
@@ -654,7 +612,6 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
     merge = fields.pop("merge", MERGE_MODE)
     fields.pop("pdl", None)  # launch mode, not geometry: resolved per call by pdl_enabled
     fields.pop("tma", None)  # load path, resolved per call by tma_usable
-    fields.pop("prefetch", None)  # L2 hint, resolved per call by _prefetch_blocks
     if merge not in ("kernel", "inline", "auto"):
         raise ValueError(f"merge must be 'kernel', 'inline' or 'auto', got {merge!r}")
     sms = _sm_count(device)
@@ -959,9 +916,8 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             hq, hkv, splits, plan.min_blocks_per_split, b, max(plan.balance_slots, 1),
             **split_constexprs(plan, g, d, inline=merge == "inline",
                                lse_all=splits > 1 and merge == "kernel", use_pdl=use_pdl,
-                               pdl_late=use_pdl and pdl_late_trigger(b * hkv), use_tma=use_tma,
-                               prefetch=_prefetch_blocks()),
-            CAP=k.shape[0], num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
+                               pdl_late=use_pdl and pdl_late_trigger(b * hkv), use_tma=use_tma),
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
         if splits > 1 and merge == "kernel":
             chunk = min(max(2, next_pow2(splits)), 128)  # every split in one round trip
@@ -977,16 +933,6 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
 #: K/V blocks loaded by TMA (Hopper+ tensor descriptors) where ``tma_usable``; decided by the
 #: H200 A/B (bench/NOTES.md, decode v4); ``plan_override(tma=...)`` forces it per call.
 TMA_AUTO = False
-
-
-#: K/V blocks per split pulled into L2 before gdc_wait (``_prefetch_split``; 0 = off); decided by
-#: the H200 A/B (bench/NOTES.md, decode v7a); ``plan_override(prefetch=N)`` forces it per call.
-PREFETCH_AUTO = 0
-
-
-def _prefetch_blocks() -> int:
-    forced = (getattr(_override, "fields", None) or {}).get("prefetch")
-    return PREFETCH_AUTO if forced is None else int(forced)
 
 
 def _tma_wanted() -> bool:
@@ -1056,8 +1002,7 @@ def inline_tile(head_tile: int, head_dim: int) -> int:
 
 
 def split_constexprs(plan: DecodePlan, group: int, head_dim: int, *, inline: bool,
-                     lse_all: bool, use_pdl: bool, pdl_late: bool, use_tma: bool,
-                     prefetch: int = 0) -> dict:
+                     lse_all: bool, use_pdl: bool, pdl_late: bool, use_tma: bool) -> dict:
     """The constexpr arguments of ``_decode_split_kernel`` for one launch: what ``_launch``
     passes and what ``compile_configs`` compiles (one definition, so the AOT list cannot drift
     from the launch). Raises ValueError for a bad ``plan.qk_split`` (``_qk_split``)."""
@@ -1067,9 +1012,7 @@ def split_constexprs(plan: DecodePlan, group: int, head_dim: int, *, inline: boo
             "TAIL_IN_LOOP": plan.tail_in_loop and not use_tma,
             "QK_SPLIT": _qk_split(plan, head_dim, use_tma), "DEFER_L": plan.defer_rowsum,
             "PDL_LATE": pdl_late,
-            "INLINE_TILE": inline_tile(plan.head_tile, head_dim) if inline else 1,
-            # L2 prefetch before gdc_wait: only where there is a wait, on the pointer path
-            "PREFETCH": prefetch if use_pdl and not use_tma else 0}
+            "INLINE_TILE": inline_tile(plan.head_tile, head_dim) if inline else 1}
 
 
 def _merge_d_chunk(chunk: int, head_dim: int) -> int:
