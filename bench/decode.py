@@ -54,6 +54,12 @@ __all__ = ["torch_reference", "make_inputs", "run_compare", "run_sweep", "main",
 TP = {"TP1": (24, 2), "TP2": (12, 1), "TP4": (6, 1)}
 BATCHES = (1, 4, 16, 32, 64, 128)
 ROWS = ("saturated", "mixed")
+#: diagnostic row kinds (bench/decode_variants.py --rows), with the plan still sized for 2051
+#: keys: "even" = 2048 keys, 64 blocks of 32, so 4 splits per row are equal (2051 gives
+#: 17/16/16/16 blocks); "k1" / "k64" = 1 / 64 keys, one split per row doing one block, the
+#: merge kernel (where the plan has one) launched and finding nothing to merge: the call's
+#: fixed cost (bench/NOTES.md, decode v7)
+EXTRA_ROWS = {"even": 2048, "k1": 1, "k64": 64, "k128": 128}
 D = 256
 MSK = 2051
 RTOL = ATOL = 2e-2
@@ -108,8 +114,14 @@ def make_inputs(tp: str, b: int, rows: str, *, seed: int = 0, device="cuda", sla
     import torch  # noqa: PLC0415
 
     hq, hkv = TP[tp]
-    rng = np.random.default_rng([seed, b, hq, ROWS.index(rows)])
-    lens = np.full(b, MSK) if rows == "saturated" else rng.integers(17, MSK + 1, b)
+    kinds = ROWS + tuple(EXTRA_ROWS)
+    if rows not in kinds:
+        raise ValueError(f"rows must be one of {kinds}, got {rows!r}")
+    rng = np.random.default_rng([seed, b, hq, kinds.index(rows)])
+    if rows in EXTRA_ROWS:
+        lens = np.full(b, EXTRA_ROWS[rows])
+    else:
+        lens = np.full(b, MSK) if rows == "saturated" else rng.integers(17, MSK + 1, b)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     cap = int(cu[-1]) + slack
     g = torch.Generator(device=device).manual_seed(int(seed * 1000 + b))

@@ -96,6 +96,32 @@ VARIANTS = {
     "v6_bn128w8_small": {"small": {"block_n": 128, "num_warps": 8}},
     "v6_bn128w16_small": {"small": {"block_n": 128, "num_warps": 16}},
     "v6_s4_big": {"big": {"num_stages": 4}, "big_kv_rows": 64},
+    # decode v7a (the L2-prefetch variants were removed with their kernel code: slower, run 39)
+    "v7_pdl": {"pdl": True},  # PDL at every B (entry trigger below 64 KV rows)
+    # one split (no merge kernel) where B x Hkv <= 2: with the k1 / k64 rows, one launch's cost
+    "v7_ms1_small": {"small": {"max_splits": 1}},
+    # B x Hkv <= 2: does the split kernel's shared memory set the call's fixed cost? (TP1 B = 1
+    # runs 64-key blocks with 3 stages: ~137 KB; TP2 32-key blocks: ~73 KB)
+    "v7_bn64w8s2_small": {"small": {"block_n": 64, "num_warps": 8, "num_stages": 2}},
+    "v7_bn64w8s1_small": {"small": {"block_n": 64, "num_warps": 8, "num_stages": 1}},
+    "v7_bn64w4s2_small": {"small": {"block_n": 64, "num_warps": 4, "num_stages": 2}},
+    "v7_s2_small": {"small": {"num_stages": 2}},
+    "v7_s5_small": {"small": {"num_stages": 5}},
+    # decode v7b: one program per SM (balance over 1 slot per SM) with deeper pipelines where
+    # B x Hkv >= 64: TP1 B = 64 then runs one split per row (no merge), TP2/TP4 B = 64 two
+    "v7_s1": {"balance_slots_per_sm": 1},
+    "v7_s1_st4": {"balance_slots_per_sm": 1, "big": {"num_stages": 4}, "big_kv_rows": 64},
+    "v7_s1_st6": {"balance_slots_per_sm": 1, "big": {"num_stages": 6}, "big_kv_rows": 64},
+    "v7_s1_st6_w8": {"balance_slots_per_sm": 1, "big": {"num_stages": 6, "num_warps": 8},
+                     "big_kv_rows": 64},
+    "v7_s1_st6_inl": {"balance_slots_per_sm": 1, "big": {"num_stages": 6, "merge": "inline"},
+                      "big_kv_rows": 64},
+    "v7_s1_st7": {"balance_slots_per_sm": 1, "big": {"num_stages": 7}, "big_kv_rows": 64},
+    "v7_s1_bn64_st4": {"balance_slots_per_sm": 1,
+                       "big": {"block_n": 64, "num_stages": 4, "num_warps": 8}, "big_kv_rows": 64},
+    # 1.5 slots per SM: three splits per 2051-key row at B x Hkv = 64 (192 programs)
+    "v7_s15": {"balance_slots_per_sm": 1.5},
+    "v7_s15_st4": {"balance_slots_per_sm": 1.5, "big": {"num_stages": 4}, "big_kv_rows": 64},
 }
 
 
@@ -120,7 +146,7 @@ def _plan(dec, b, hkv, g, dev, spec):
         plan, merge = dec.plan_for(b, hkv, g, D, MSK, dev)
     sms = dec._sm_count(dev)
     if "balance_slots_per_sm" in spec:
-        plan = dataclasses.replace(plan, balance_slots=spec["balance_slots_per_sm"] * sms)
+        plan = dataclasses.replace(plan, balance_slots=round(spec["balance_slots_per_sm"] * sms))
     if "tail_in_loop" in spec:
         plan = dataclasses.replace(plan, tail_in_loop=spec["tail_in_loop"])
     if "grid_splits" in spec and plan.balance_slots:
