@@ -58,7 +58,8 @@ ROWS = ("saturated", "mixed")
 #: keys: "even" = 2048 keys, 64 blocks of 32, so 4 splits per row are equal (2051 gives
 #: 17/16/16/16 blocks); "k1" / "k64" = 1 / 64 keys, one split per row doing one block, the
 #: merge kernel (where the plan has one) launched and finding nothing to merge: the call's
-#: fixed cost (bench/NOTES.md, decode v7)
+#: fixed cost; "k128" = 128 keys, two or four one-block splits and a real merge at B = 1
+#: (bench/NOTES.md, decode v7)
 EXTRA_ROWS = {"even": 2048, "k1": 1, "k64": 64, "k128": 128}
 D = 256
 MSK = 2051
