@@ -122,11 +122,6 @@ VARIANTS = {
     # 1.5 slots per SM: three splits per 2051-key row at B x Hkv = 64 (192 programs)
     "v7_s15": {"balance_slots_per_sm": 1.5},
     "v7_s15_st4": {"balance_slots_per_sm": 1.5, "big": {"num_stages": 4}, "big_kv_rows": 64},
-    # decode v7h (experiments): K/V loads evict-first in L2; the merge kernel with the split
-    # kernel's shared-memory carveout preference; both
-    "v7_evict": {"launch": {"evict_first": True}},
-    "v7_carve": {"launch": {"carveout": True}},
-    "v7_evict_carve": {"launch": {"evict_first": True, "carveout": True}},
 }
 
 
@@ -159,7 +154,7 @@ def _plan(dec, b, hkv, g, dev, spec):
             static, _ = dec.plan_for(b, hkv, g, D, MSK, dev)
         ms = max(static.max_splits, min(spec["grid_splits"], next_pow2(math.ceil(MSK / plan.block_n))))
         plan = dataclasses.replace(plan, max_splits=ms)
-    return plan, spec.get("merge", merge), pdl, tma, spec.get("launch", {})
+    return plan, spec.get("merge", merge), pdl, tma
 
 
 def main(argv=None) -> int:
@@ -203,13 +198,9 @@ def main(argv=None) -> int:
                                                  {"generic", "pallas"})
                 meta = {}
                 for n in names:
-                    plan, merge, pdl, tma, lk = _plan(dec, b, hkv, hq // hkv, dev, VARIANTS[n])
-
-                    def fn(plan=plan, merge=merge, pdl=pdl, tma=tma, lk=lk):
-                        # launch-time knobs: read inside the override, also when captured
-                        with dec.plan_override(**lk):
-                            return dec.decode_with_plan(q, k, v, cq, ck, MSK, plan=plan,
-                                                        merge=merge, pdl=pdl, tma=tma)
+                    plan, merge, pdl, tma = _plan(dec, b, hkv, hq // hkv, dev, VARIANTS[n])
+                    fn = (lambda plan=plan, merge=merge, pdl=pdl, tma=tma: dec.decode_with_plan(
+                        q, k, v, cq, ck, MSK, plan=plan, merge=merge, pdl=pdl, tma=tma))
                     try:
                         chk = _check(fn(), ref)
                     except Exception as e:  # noqa: BLE001

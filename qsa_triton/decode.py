@@ -177,16 +177,9 @@ def pdl_late_trigger(kv_rows: int) -> bool:
 # Kernels
 @triton.jit
 def _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, n_mask, scale_log2, MASKED: tl.constexpr,
-                  DEFER_L: tl.constexpr = False, EVICT_KV: tl.constexpr = False):
+                  DEFER_L: tl.constexpr = False):
     """One BLOCK_N step of the online softmax for a [HT, D] head tile (FP32 state)."""
-    if EVICT_KV:  # experiment v7h: the K/V stream marked evict-first in L2
-        if MASKED:
-            kt = tl.load(k_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
-            vt = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
-        else:
-            kt = tl.load(k_ptrs, eviction_policy="evict_first")
-            vt = tl.load(v_ptrs, eviction_policy="evict_first")
-    elif MASKED:
+    if MASKED:
         kt = tl.load(k_ptrs, mask=n_mask[:, None], other=0.0)
         vt = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
     else:
@@ -296,7 +289,7 @@ def _decode_split_kernel(
     MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr, USE_PDL: tl.constexpr,
     BALANCE: tl.constexpr, TAIL_IN_LOOP: tl.constexpr = False, USE_TMA: tl.constexpr = False,
     QK_SPLIT: tl.constexpr = 1, DEFER_L: tl.constexpr = False, PDL_LATE: tl.constexpr = False,
-    INLINE_TILE: tl.constexpr = 4, EVICT_KV: tl.constexpr = False,
+    INLINE_TILE: tl.constexpr = 4,
 ):
     if USE_PDL:
         # Programmatic Dependent Launch (see PDL_AUTO): this grid may start before the previous
@@ -405,13 +398,12 @@ def _decode_split_kernel(
             # interior blocks: no masks, so the loads vectorise and pipeline
             for _ in range(start, full_stop, BLOCK_N):
                 m_i, l_i, acc = _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, offs_n < BLOCK_N,
-                                              scale_log2, False, DEFER_L, EVICT_KV)
+                                              scale_log2, False, DEFER_L)
                 k_ptrs += BLOCK_N * stride_kc
                 v_ptrs += BLOCK_N * stride_vc
             if full_stop < stop:  # the row's last, partial block (only in the last split)
                 m_i, l_i, acc = _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc,
-                                              (full_stop + offs_n) < stop, scale_log2, True, DEFER_L,
-                                              EVICT_KV)
+                                              (full_stop + offs_n) < stop, scale_log2, True, DEFER_L)
         else:
             k0_ptrs = (k_ptr + h.to(tl.int64) * stride_kh + (row0 + offs_n)[:, None] * stride_kc
                        + offs_h[None, :])
@@ -488,7 +480,7 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     out_ptr, lse_ptr, part_ptr, stride_ob, stride_oh, HQ, MAX_SPLITS,
     D: tl.constexpr, SPLIT_CHUNK: tl.constexpr, D_CHUNK: tl.constexpr, N_DC: tl.constexpr,
-    USE_PDL: tl.constexpr, CARVE: tl.constexpr = False,  # experiment v7h: a separate binary
+    USE_PDL: tl.constexpr,
 ):
     # One program per (sequence, query head, D_CHUNK columns). The split kernel wrote an LSE for
     # every split slot (-inf: empty / inactive / row finished by its single split), so this kernel
@@ -558,8 +550,7 @@ def plan_override(**fields):
         ``num_stages`` not an int >= 1; ``balance_slots`` not an int >= 0.
     """
     allowed = {f.name for f in dataclasses.fields(DecodePlan)} | {"merge", "pdl", "balance", "tma",
-                                                                   "one_block_splits",
-                                                                   "evict_first", "carveout"}
+                                                                   "one_block_splits"}
     bad = set(fields) - allowed
     if bad:
         raise ValueError(f"plan_override: unknown fields {sorted(bad)}; allowed {sorted(allowed)}")
@@ -621,8 +612,6 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
     merge = fields.pop("merge", MERGE_MODE)
     fields.pop("pdl", None)  # launch mode, not geometry: resolved per call by pdl_enabled
     fields.pop("tma", None)  # load path, resolved per call by tma_usable
-    fields.pop("evict_first", None)  # experiments (v7h), read at launch
-    fields.pop("carveout", None)
     if merge not in ("kernel", "inline", "auto"):
         raise ValueError(f"merge must be 'kernel', 'inline' or 'auto', got {merge!r}")
     sms = _sm_count(device)
@@ -928,50 +917,22 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             **split_constexprs(plan, g, d, inline=merge == "inline",
                                lse_all=splits > 1 and merge == "kernel", use_pdl=use_pdl,
                                pdl_late=use_pdl and pdl_late_trigger(b * hkv), use_tma=use_tma),
-            EVICT_KV=bool(_exp("evict_first")),
             num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
         if splits > 1 and merge == "kernel":
             chunk = min(max(2, next_pow2(splits)), 128)  # every split in one round trip
             d_chunk = _merge_d_chunk(chunk, d)
-            carve = bool(_exp("carveout"))
-            mk = _decode_merge_kernel[(b * hq * (d // d_chunk),)](
+            _decode_merge_kernel[(b * hq * (d // d_chunk),)](
                 out, sc.lse, sc.part, out.stride(0), out.stride(1), hq, splits,
                 D=d, SPLIT_CHUNK=chunk, D_CHUNK=d_chunk, N_DC=d // d_chunk,
-                USE_PDL=use_pdl, CARVE=carve, num_warps=4, num_stages=1, **pdl_kw,
+                USE_PDL=use_pdl, num_warps=4, num_stages=1, **pdl_kw,
             )
-            if carve:
-                _prefer_shared(mk)
     return out
 
 
 #: K/V blocks loaded by TMA (Hopper+ tensor descriptors) where ``tma_usable``; decided by the
 #: H200 A/B (bench/NOTES.md, decode v4); ``plan_override(tma=...)`` forces it per call.
 TMA_AUTO = False
-
-
-def _exp(name: str):
-    """Experimental launch knobs (decode v7h), set by plan_override(evict_first= / carveout=)."""
-    return (getattr(_override, "fields", None) or {}).get(name)
-
-
-_CARVED: set = set()
-
-
-def _prefer_shared(compiled) -> None:
-    """Experiment v7h: give the merge kernel's binary the split kernel's L1/shared-memory
-    preference (Triton sets CU_FUNC_CACHE_PREFER_SHARED only above 48 KB), so consecutive grids
-    need no carveout change."""
-    fn = getattr(compiled, "function", None)
-    if not fn or fn in _CARVED:  # the interpreter returns no compiled binary
-        return
-    import ctypes  # noqa: PLC0415
-    cuda = ctypes.CDLL("libcuda.so.1")
-    rc1 = cuda.cuFuncSetCacheConfig(ctypes.c_void_p(fn), 1)  # CU_FUNC_CACHE_PREFER_SHARED
-    rc2 = cuda.cuFuncSetAttribute(ctypes.c_void_p(fn), 9, 100)  # PREFERRED_SHARED_MEMORY_CARVEOUT
-    if rc1 or rc2:
-        raise RuntimeError(f"cuFuncSetCacheConfig / cuFuncSetAttribute failed: {rc1} / {rc2}")
-    _CARVED.add(fn)
 
 
 def _tma_wanted() -> bool:
