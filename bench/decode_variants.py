@@ -7,7 +7,8 @@ floor and merge mode, and PDL) on the comparison grid, so the shipped default ca
 same-run ratios (bench/NOTES.md, decode v3).
 
 Usage (GPU): ``python -m bench.decode_variants [--json PATH] [--tp TP1,TP2] [--batches 1,64]
-[--rows saturated,mixed] [--variants v2,v3,...] [--rounds N]``. Method as bench/decode.py:
+[--rows saturated,mixed] [--variants v2,v3,...] [--rounds N]``; ``--rows`` also takes the
+diagnostic kinds of ``bench.decode.EXTRA_ROWS`` (even, k1, k64, k128). Method as bench/decode.py:
 CUDA-graph replay of back-to-back calls, providers interleaved, median of CUDA-event timings;
 every provider checked against the FP32 reference (exit 1 past tolerance).
 """

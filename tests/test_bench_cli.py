@@ -517,3 +517,22 @@ def test_decode_variants_plans_are_what_their_names_say():
     assert plans["v3_kernel"][1] == "kernel" and plans["v3_inline"][1] == "inline"
     assert plans["v3_grid2"][0].max_splits == 2
     assert plans["v4_pdl_all"][2] is True and plans["v3_tail"][0].tail_in_loop
+    # decode v7: fractional slots per SM round to whole programs; deep stages only at >= 64 rows
+    assert plans["v7_s15"][0].balance_slots == round(1.5 * sms)
+    assert _plan(dec, 64, 1, 12, cpu, VARIANTS["v7_s1_st6"])[0].num_stages == 6
+    assert _plan(dec, 16, 1, 12, cpu, VARIANTS["v7_s1_st6"])[0].num_stages != 6
+    assert _plan(dec, 1, 2, 12, cpu, VARIANTS["v7_ms1_small"])[0].max_splits == 1
+
+
+def test_decode_extra_row_kinds():
+    """The diagnostic row kinds give their fixed lengths; an unknown kind is refused."""
+    import pytest
+
+    from bench.decode import EXTRA_ROWS, make_inputs
+
+    for kind, n in EXTRA_ROWS.items():
+        q, k, v, cq, ck, lens = make_inputs("TP2", 3, kind, device="cpu")
+        assert lens == [n] * 3 and ck.tolist() == [0, n, 2 * n, 3 * n] and k.shape[0] == 3 * n
+    assert make_inputs("TP2", 3, "saturated", device="cpu")[-1] == [2051] * 3
+    with pytest.raises(ValueError, match="rows must be one of"):
+        make_inputs("TP2", 3, "full", device="cpu")
