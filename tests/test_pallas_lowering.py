@@ -24,7 +24,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from interop.arch import DeviceFacts  # noqa: E402
-from interop.decode_plan import DecodePlan  # noqa: E402
+from interop.plan import DecodePlan  # noqa: E402
 from qsa_pallas import _compat as C  # noqa: E402
 from qsa_pallas.decode import decode_plan_for, sparse_decode  # noqa: E402
 

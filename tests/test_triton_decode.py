@@ -157,7 +157,7 @@ def test_balance_plan_grid_and_auto_merge():
     """plan_for with the default balance: large batches keep >= BALANCE_GRID_SPLITS splits in the
     grid (long rows of a mixed batch can split) and merge inline; small batches keep the static
     grid and the merge kernel."""
-    from interop import decode_plan as DP
+    from interop import plan as DP
 
     big, merge_big = dec.plan_for(128, 1, 12, 256, 2051, CPU)
     small, merge_small = dec.plan_for(1, 2, 12, 256, 2051, CPU)
@@ -727,7 +727,7 @@ def test_aot_list_covers_every_default_launch():
                         for bal, one in ((True, True), (False, False), (True, False)):
                             plan = dec.fit_shared_memory(
                                 dec.plan_decode(b, hkv, g, 256, msk, sms, balance=bal,
-                                                one_block_splits=one), 256, 2, limit)
+                                                one_block_splits=one), head_dim=256, limit=limit)
                             splits = plan.max_splits
                             kv_rows = b * hkv
                             auto = "inline" if 2 * kv_rows >= sms else "kernel"
@@ -755,7 +755,7 @@ _SMEM_SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from qsa_triton import decode as dec
-    from interop.decode_plan import DecodePlan
+    from interop.plan import DecodePlan
 
     res = []
     for arch, cc in (("sm_120", 120), ("sm_121", 121)):
@@ -772,8 +772,8 @@ _SMEM_SCRIPT = textwrap.dedent("""
             est = None
             if "BLOCK_N" in c["constexprs"]:
                 k = c["constexprs"]
-                est = dec.smem_bytes(DecodePlan(k["HT"], k["BLOCK_N"], 1, 1, c["num_warps"],
-                                                c["num_stages"]), k["D"], 2)
+                est = dec.smem_bytes(head_tile=k["HT"], block_n=k["BLOCK_N"], head_dim=k["D"],
+                                     num_stages=c["num_stages"])
             res.append([c["name"], cc, comp.metadata.shared, est, gdc])
     print(json.dumps(res))
 """)
