@@ -42,8 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from interop.arch import DeviceFacts
-from interop.contract import ContractError, check_decode, route
+from interop.contract import ContractError, check_decode, exact_contract
 from interop.plan import DecodePlan, fit_shared_memory, next_pow2, plan_decode, split_blocks
 
 from . import _compat as C
@@ -54,47 +53,14 @@ __all__ = [
 ]
 
 
-def _target() -> tuple[int, int | None]:
-    """(SM count, shared memory per block in bytes or None) of the GPU the kernel is built for:
-    the abstract device's kind when lowering ahead of time under an ``AbstractMesh``
-    (``interop.arch`` tables), else jax's default GPU, else (132, None) (the H200's SM count; CPU
-    interpret mode has no shared-memory limit)."""
-    try:
-        abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    except Exception:  # noqa: BLE001 - older jax without abstract meshes
-        abstract = None
-    if abstract is not None and abstract.platform in ("cuda", "gpu"):
-        try:
-            f = DeviceFacts.from_device_kind(abstract.device_kind)
-            return f.sm_count, f.smem_per_block
-        except (ValueError, KeyError):
-            return 132, None
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:  # pragma: no cover
-        return 132, None
-    return _device_target(dev)
-
-
-@functools.lru_cache(maxsize=16)
-def _device_target(dev) -> tuple[int, int | None]:
-    """Cached: reading the facts of a concrete device looks up package metadata (slow per call)."""
-    if dev.platform != "gpu":
-        return 132, None
-    try:
-        f = DeviceFacts.from_jax(dev)
-        return f.sm_count, f.smem_per_block
-    except Exception:  # noqa: BLE001 - unknown part: SM count from jax, no smem clamp
-        return int(getattr(dev, "core_count", None) or 132), None
-
-
 def decode_plan_for(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                     max_seqlen_k: int, *, elem_bytes: int = 2, **overrides) -> DecodePlan:
     """The shared static split-KV plan (``interop.plan.plan_decode``) for these shapes on
     the target GPU (its SM count), with ``num_stages`` clamped to its shared memory.
     ``overrides`` go to ``plan_decode`` (``max_splits``, ``block_n``, ``sm_count``)."""
-    sm, smem = _target()
-    sm = overrides.pop("sm_count", None) or sm
+    facts = C.target_facts()
+    sm = overrides.pop("sm_count", None) or (facts.sm_count if facts is not None else 132)
+    smem = facts.smem_per_block if facts is not None else None
     plan = plan_decode(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim, max_seqlen_k,
                        sm, **overrides)
     return fit_shared_memory(plan, head_dim=head_dim, limit=smem, kv_bytes=elem_bytes,
@@ -383,7 +349,7 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
     # qsa_triton; decided from static facts at trace time, so it costs nothing under jit.
     prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
                         fn="sparse_decode",
-                        strict=strict or (not interp and _exact_contract_backend()))
+                        strict=strict or (not interp and exact_contract(C.target_facts())))
     C.check_backend("sparse_decode", interpret, q, k, v, cu_seqlens_q, cu_seqlens_k)
     if plan is None:
         plan = decode_plan_for(prob.batch, prob.num_q_heads, prob.num_kv_heads, prob.head_dim,
@@ -396,15 +362,6 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
                    interpret=interp,
                    direct=DIRECT_ONE_SPLIT if direct is None else bool(direct))
 
-
-
-@functools.cache
-def _exact_contract_backend() -> bool:
-    """True where ``interop.contract.route`` says decode runs the exact contract only (sm_121)."""
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        return False
-    return route(DeviceFacts.from_jax(dev), "decode").exact_contract
 
 
 def lowering_cases(device_kind: str, *, head_dim: int = 256, max_seqlen_k: int = 2051,

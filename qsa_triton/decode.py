@@ -88,11 +88,11 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
 from interop.arch import DeviceFacts
-from interop.contract import QUALIFIED, ContractError, check_decode, route
+from interop.contract import QUALIFIED, ContractError, check_decode, exact_contract
 from interop.plan import (LOG2E, DecodePlan, fit_shared_memory, next_pow2, plan_decode, prev_pow2,
                           smem_bytes, split_blocks)
 
-from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
+from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
 
 __all__ = [
     "sparse_decode",
@@ -590,18 +590,15 @@ def plan_override(**fields):
         _override.fields = prev
 
 
-_SM_COUNT: dict[tuple[str, int | None], int] = {}
+def _facts(device: torch.device) -> DeviceFacts | None:
+    """The device's facts (``interop.arch``, cached there); None on CPU (Triton's interpreter:
+    plans are sized for the H200's 132 SMs, no shared-memory limit)."""
+    return DeviceFacts.from_torch(device) if device.type == "cuda" else None
 
 
 def _sm_count(device: torch.device) -> int:
-    key = (device.type, device.index)
-    if key not in _SM_COUNT:
-        if device.type == "cuda":
-            idx = device.index if device.index is not None else torch.cuda.current_device()
-            _SM_COUNT[key] = torch.cuda.get_device_properties(idx).multi_processor_count
-        else:
-            _SM_COUNT[key] = 132  # the H200 (anchors.md); only shapes the interpreter's grid
-    return _SM_COUNT[key]
+    facts = _facts(device)
+    return 132 if facts is None else facts.sm_count
 
 
 def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
@@ -619,6 +616,7 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
     fields.pop("tma", None)  # load path, resolved per call by tma_usable
     if merge not in ("kernel", "inline", "auto"):
         raise ValueError(f"merge must be 'kernel', 'inline' or 'auto', got {merge!r}")
+    facts = _facts(device)
     sms = _sm_count(device)
     plan = plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k, sms,
                        max_splits=fields.pop("max_splits", None), block_n=fields.pop("block_n", None),
@@ -626,29 +624,13 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
                        one_block_splits=bool(fields.pop("one_block_splits", ONE_BLOCK_SPLITS)))
     if fields:
         plan = dataclasses.replace(plan, **fields)
-    hit = (fit_shared_memory(plan, head_dim=head_dim, limit=_smem_limit(device)), merge)
+    hit = (fit_shared_memory(plan, head_dim=head_dim, limit=facts and facts.smem_per_block), merge)
     if len(_PLANS) < 4096:
         _PLANS[key] = hit
     return hit
 
 
 _PLANS: dict[tuple, tuple[DecodePlan, str]] = {}  # host-side cache: plan_for runs on every call
-
-
-_SMEM: dict[tuple[str, int | None], int | None] = {}
-
-
-def _smem_limit(device: torch.device) -> int | None:
-    """Opt-in shared memory per block of a CUDA device (None on CPU)."""
-    key = (device.type, device.index)
-    if key not in _SMEM:
-        if device.type != "cuda":
-            _SMEM[key] = None
-        else:
-            idx = device.index if device.index is not None else torch.cuda.current_device()
-            props = torch.cuda.get_device_properties(idx)
-            _SMEM[key] = int(getattr(props, "shared_memory_per_block_optin", 0) or 101_376)
-    return _SMEM[key]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -694,7 +676,7 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
       value), ``attrs`` (16-divisibility of pointers/strides), ``num_warps``, ``num_stages``,
       ``options`` (extra ``triton.compile`` options: ``launch_pdl`` for the PDL variants).
     """
-    from interop.arch import _KNOWN_SM_COUNTS, KNOWN_ARCHS  # noqa: PLC0415
+    from interop.arch import KNOWN_ARCHS, KNOWN_PARTS  # noqa: PLC0415
 
     info = KNOWN_ARCHS[arch]
     limit = info.smem_per_block
@@ -703,7 +685,7 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
     lo, hi = QUALIFIED["batch"]
     # the geometry plan_for can pick: the static rule and the defaults (balance, one-block
     # splits, whose BLOCK_N can be WIDE_BLOCK_N), for every known SM count
-    sms_all = sorted(set(_KNOWN_SM_COUNTS.values()))
+    sms_all = sorted({sms for _, sms in KNOWN_PARTS.values()})
     plan_kw = [{}, {"balance": BALANCE, "one_block_splits": ONE_BLOCK_SPLITS}]
     for hq, hkv in QUALIFIED["head_pairs"]:
         g = hq // hkv
@@ -866,9 +848,7 @@ def scratch_info(device: torch.device | str) -> dict[str, Any] | None:
 def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scale: float,
             plan: DecodePlan, merge: str, pdl: bool | None = None,
             tma: bool | None = None) -> torch.Tensor:
-    if q.device.type != "cuda" and not _interpreting():
-        raise ContractError("sparse_decode", "q", "a CUDA tensor (CPU tensors run only under "
-                            "Triton's interpreter, TRITON_INTERPRET=1)", str(q.device))
+    check_device("sparse_decode", q.device.type)
     use_pdl = pdl_enabled(q.device, pdl, q.shape[0] * k.shape[1])  # may raise: before any allocation
     # launch_pdl=True is passed only when on: the interpreter / older Triton never see it
     pdl_kw = {"launch_pdl": True} if use_pdl else {}
@@ -933,13 +913,10 @@ def tma_usable(device: torch.device | str, k: torch.Tensor, v: torch.Tensor) -> 
     if k.numel() == 0 or v.numel() == 0:  # a descriptor needs every extent > 0 (C = 0 is legal)
         return False
     device = torch.device(device)
-    if device.type == "cuda" and not _interpreting():
-        key = _dev_key(device)
-        if key not in _CC:
-            _CC[key] = tuple(torch.cuda.get_device_capability(key[1]))
-        if _CC[key] < (9, 0):
+    if device.type == "cuda" and not interpreting():
+        if DeviceFacts.from_torch(device).cc < (9, 0):
             return False
-    elif not _interpreting():
+    elif not interpreting():
         return False
     return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1
                and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
@@ -1001,10 +978,6 @@ def _merge_d_chunk(chunk: int, head_dim: int) -> int:
     return max(16, min(head_dim, MERGE_TILE // chunk))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
-
-
 def _triton_has_pdl() -> bool:
     """Triton exposes the gdc ops and the ``launch_pdl`` launch option (Triton >= 3.4)."""
     try:
@@ -1017,7 +990,6 @@ def _triton_has_pdl() -> bool:
 
 
 _TRITON_PDL = _triton_has_pdl()
-_CC: dict[tuple[str, int | None], tuple[int, int]] = {}
 
 
 def pdl_supported(device: torch.device | str) -> bool:
@@ -1025,12 +997,9 @@ def pdl_supported(device: torch.device | str) -> bool:
     compute capability >= 9.0, a Triton with gdc ops and ``launch_pdl``, and not Triton's
     interpreter (which has no gdc ops)."""
     device = torch.device(device)
-    if device.type != "cuda" or _interpreting() or not _TRITON_PDL:
+    if device.type != "cuda" or interpreting() or not _TRITON_PDL:
         return False
-    key = _dev_key(device)
-    if key not in _CC:
-        _CC[key] = tuple(torch.cuda.get_device_capability(key[1]))
-    return _CC[key] >= (9, 0)
+    return DeviceFacts.from_torch(device).cc >= (9, 0)
 
 
 def pdl_enabled(device: torch.device | str, pdl: bool | None = None,
@@ -1086,19 +1055,6 @@ def decode_with_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_
                    plan, merge, pdl, tma)
 
 
-_EXACT: dict[tuple[str, int | None], bool] = {}
-
-
-def _exact_contract_device(device: torch.device) -> bool:
-    """True where ``interop.contract.route`` says decode runs the exact contract only (sm_121)."""
-    key = (device.type, device.index)
-    hit = _EXACT.get(key)
-    if hit is None:
-        hit = device.type == "cuda" and route(DeviceFacts.from_torch(device), "decode").exact_contract
-        _EXACT[key] = hit
-    return hit
-
-
 # ---------------------------------------------------------------------------------------------
 # torch.library registration
 @torch.library.custom_op("qsa::sparse_decode", mutates_args=())
@@ -1106,7 +1062,7 @@ def _sparse_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       max_seqlen_k: int, softmax_scale: float) -> torch.Tensor:
     """Registered op: contract already checked by the caller (``sparse_decode``)."""
-    if _exact_contract_device(q.device):
+    if exact_contract(_facts(q.device)):
         # SM121 routes decode to the exact qualified contract only (qsa-contract.md §5: a family
         # gate wider than exact (12, 1) caused silent corruption upstream). Checked here, in the
         # op body, so it also holds under torch.compile; a dict lookup on other devices.

@@ -508,14 +508,6 @@ def test_generic_group_10_and_d32():
     assert_close(out, reference(*case))
 
 
-def test_cpu_tensors_without_interpreter_rejected(monkeypatch):
-    args = _ok_args()
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ContractError) as e:
-        qsa_triton.sparse_decode(*args)
-    assert e.value.arg == "q" and "CUDA" in str(e.value)
-
-
 def test_strict_envelope():
     args = _ok_args()
     with pytest.raises(ContractError):  # D = 64 is outside the qualified envelope
@@ -711,7 +703,7 @@ def test_aot_list_covers_every_default_launch():
     the defaults (and the merge / PDL / TMA / balance / one-block overrides) make for the
     qualified shapes, on every known SM count: the (constexprs, warps, stages) that ``_launch``
     computes with ``split_constexprs`` for the plan ``plan_for`` builds."""
-    from interop.arch import _KNOWN_SM_COUNTS, KNOWN_ARCHS
+    from interop.arch import KNOWN_ARCHS, KNOWN_PARTS
     from interop.contract import QUALIFIED
 
     for arch in ("sm_90", "sm_120"):
@@ -719,7 +711,7 @@ def test_aot_list_covers_every_default_launch():
                   for c in dec.compile_configs(arch) if c["kernel"] is dec._decode_split_kernel}
         limit = KNOWN_ARCHS[arch].smem_per_block
         missing = []
-        for sms in sorted(set(_KNOWN_SM_COUNTS.values())):
+        for sms in sorted({n for _, n in KNOWN_PARTS.values()}):
             for hq, hkv in QUALIFIED["head_pairs"]:
                 g = hq // hkv
                 for b in (1, 2, 3, 4, 8, 16, 17, 32, 48, 64, 96, 128):
