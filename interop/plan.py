@@ -166,9 +166,6 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     balance_slots: int = 0
-    tail_in_loop: bool = False  # experiment switches, removed with the Triton decode's options
-    qk_split: int = 1
-    defer_rowsum: bool = True
 
 
 def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,

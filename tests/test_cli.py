@@ -81,14 +81,15 @@ def compile_configs(arch):
 
 FAKE_PALLAS = '''
 import jax, jax.numpy as jnp
-from qsa_pallas.decode import decode_plan_for, sparse_decode
+from interop.plan import plan_decode
+from qsa_pallas.decode import _sparse_decode
 
 def lowering_cases(device_kind):
     sds = jax.ShapeDtypeStruct
-    plan = decode_plan_for(2, 12, 1, 64, 64, sm_count=48)
+    plan = plan_decode(2, 1, 12, 64, 64, sm_count=48)
     args = (sds((2, 12, 64), jnp.float16), sds((128, 1, 64), jnp.float16),
             sds((128, 1, 64), jnp.float16), sds((3,), jnp.int32), sds((3,), jnp.int32))
-    fn = lambda q, k, v, cq, ck: sparse_decode(q, k, v, cq, ck, 64, interpret=False, plan=plan)
+    fn = lambda q, k, v, cq, ck: _sparse_decode(q, k, v, cq, ck, 64, interpret=False, plan=plan)
     return [("tiny_decode", fn, args)]
 '''
 
