@@ -399,7 +399,7 @@ def _cmd_compile(args) -> int:
     import os  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
 
-    from . import compile_check as CC  # noqa: PLC0415
+    from .validate import compile as CC  # noqa: PLC0415
 
     try:
         archs = CC.parse_archs(args.arch)

@@ -34,7 +34,6 @@ et al.); the split sizing rule is ``interop/plan.py``'s.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -339,35 +338,3 @@ def _sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sc
                             plan.head_tile)
     return _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
                    softmax_scale=float(prob.softmax_scale), interpret=interp)
-
-
-def lowering_cases(device_kind: str, *, head_dim: int = 256, max_seqlen_k: int = 2051,
-                   dtype=jnp.bfloat16) -> list[tuple[str, object, tuple]]:
-    """Every distinct decode launch configuration the shared planner picks on ``device_kind`` for
-    the qualified rank shapes (TP1 24/2, TP2 12/1, TP4 6/1) and B = 1..128, as
-    ``(name, fn, args)`` to lower with ``_compat.lower_for_device_kind`` (``qsa compile`` and the
-    lowering tests use this). ``args`` are ``jax.ShapeDtypeStruct``; nothing is allocated.
-    """
-    sds = jax.ShapeDtypeStruct
-    cases, seen = [], set()
-    with jax.sharding.use_abstract_mesh(C.abstract_mesh(device_kind)):
-        for tp, (hq, hkv) in (("TP1", (24, 2)), ("TP2", (12, 1)), ("TP4", (6, 1))):
-            for b in range(1, 129):
-                plan, _ = plan_for(b, hkv, hq // hkv, head_dim, max_seqlen_k)
-                key = (hq, hkv, plan)
-                if key in seen:
-                    continue
-                seen.add(key)
-                cap = b * max_seqlen_k
-                args = (sds((b, hq, head_dim), dtype), sds((cap, hkv, head_dim), dtype),
-                        sds((cap, hkv, head_dim), dtype), sds((b + 1,), jnp.int32),
-                        sds((b + 1,), jnp.int32))
-                fn = functools.partial(_lowerable, max_seqlen_k=max_seqlen_k, plan=plan)
-                cases.append((f"pallas_decode_{tp}_B{b}_ht{plan.head_tile}_bn{plan.block_n}"
-                              f"_s{plan.max_splits}_w{plan.num_warps}_st{plan.num_stages}",
-                              fn, args))
-    return cases
-
-
-def _lowerable(q, k, v, cq, ck, *, max_seqlen_k, plan):
-    return _sparse_decode(q, k, v, cq, ck, max_seqlen_k, interpret=False, plan=plan)

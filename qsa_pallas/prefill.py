@@ -68,7 +68,6 @@ __all__ = [
     "shared_memory_estimate",
     "fit_shared_memory",
     "resolve_pool_slots",
-    "lowering_cases",
 ]
 
 _LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the cheaper PTX path
@@ -586,75 +585,3 @@ def resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, pool_slots: i
       cu_seqlens_q[B]).
     """
     return _resolve(indices, slot_table, cu_seqlens_q, kv_lens, jnp.int32(pool_slots))
-
-
-# --------------------------------------------------------------------------------------------
-# Ahead-of-time lowering list (``qsa compile``, interop/compile_check.py)
-def lowering_cases(device_kind: str, *, head_dim: int = 256, width: int = 2051, group: int = 12,
-                   rows: int = 64) -> list[tuple[str, object, tuple]]:
-    """Every distinct prefill launch configuration this module can pick on ``device_kind``:
-    each geometry the shared selector can return there (``interop.geometry.all_configs`` of the
-    device's arch, fitted to its shared memory as ``select_geometry`` does) x ordinary bf16,
-    chunk bf16 / FP8, paged bf16 / FP8 (slot pre-pass) and paged bf16 with the inline lookup.
-
-    Returns:
-      list of ``(name, fn, args)``: lower ``fn(*args)`` with
-      ``_compat.lower_for_device_kind(fn, args, device_kind)``; ``args`` are
-      ``jax.ShapeDtypeStruct`` (nothing is allocated).
-
-    Raises:
-      ValueError: a device kind whose arch ``interop.arch`` does not know.
-    """
-    from interop import geometry as _geo  # noqa: PLC0415
-    from interop.arch import DeviceFacts  # noqa: PLC0415
-
-    facts = DeviceFacts.from_device_kind(device_kind)
-    sds = jax.ShapeDtypeStruct
-    d, w, t, hkv = head_dim, width, rows, 1
-    geos = {}
-    for kv_bytes in (2, 1):
-        for cfg in _geo.all_configs(facts.arch):
-            geo = PallasPrefillGeometry(max(16, _next_pow2(group), _next_pow2(cfg.block_m)),
-                                        max(16, _next_pow2(cfg.block_n)), cfg.num_warps,
-                                        cfg.num_stages, cfg.source)
-            geo = fit_shared_memory(geo, head_dim=d, kv_bytes=kv_bytes,
-                                    limit=facts.smem_per_block)
-            geos.setdefault((kv_bytes, geo.head_tile, geo.block_n, geo.num_warps,
-                             geo.num_stages), geo)
-    q = sds((t, group * hkv, d), jnp.bfloat16)
-    idx = sds((t, w), jnp.int32)
-    cu, kl = sds((3,), jnp.int32), sds((2,), jnp.int32)
-    st = sds((2, 2048), jnp.int32)
-    cases = []
-    for (kv_bytes, *_), geo in geos.items():
-        tag = f"ht{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}"
-        name = "fp8" if kv_bytes == 1 else "bf16"
-        pool = sds((4096, hkv, d), jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16)
-        if kv_bytes == 2:
-            kv = sds((t, hkv, d), jnp.bfloat16)
-            cases.append((f"pallas_prefill_ordinary_bf16_{tag}",
-                          functools.partial(_lower_ordinary, geometry=geo), (q, kv, kv, idx, cu)))
-            cases.append((f"pallas_prefill_paged_inline_bf16_{tag}",
-                          functools.partial(_lower_paged, geometry=geo, slots="inline"),
-                          (q, pool, pool, st, idx, cu, kl)))
-        cases.append((f"pallas_prefill_chunk_{name}_{tag}",
-                      functools.partial(_lower_chunk, geometry=geo),
-                      (q, pool, pool, idx, cu, cu, kl)))
-        cases.append((f"pallas_prefill_paged_{name}_{tag}",
-                      functools.partial(_lower_paged, geometry=geo, slots="prepass"),
-                      (q, pool, pool, st, idx, cu, kl)))
-    return cases
-
-
-def _lower_ordinary(q, k, v, idx, cu, *, geometry):
-    return sparse_prefill(q, k, v, idx, cu, q.shape[0], interpret=False, geometry=geometry)
-
-
-def _lower_chunk(q, k, v, idx, cq, ck, kl, *, geometry):
-    return sparse_prefill_chunk(q, k, v, idx, cq, ck, kl, q.shape[0], interpret=False,
-                                geometry=geometry)
-
-
-def _lower_paged(q, k, v, st, idx, cq, kl, *, geometry, slots):
-    return sparse_prefill_paged(q, k, v, st, idx, cq, kl, q.shape[0], interpret=False,
-                                geometry=geometry, slots=slots)

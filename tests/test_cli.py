@@ -86,7 +86,7 @@ from qsa_pallas.decode import _sparse_decode
 
 def lowering_cases(device_kind):
     sds = jax.ShapeDtypeStruct
-    plan = plan_decode(2, 1, 12, 64, 64, sm_count=48)
+    plan = plan_decode(2, 1, 12, 64, 64, sm_count=48, max_splits=2)
     args = (sds((2, 12, 64), jnp.float16), sds((128, 1, 64), jnp.float16),
             sds((128, 1, 64), jnp.float16), sds((3,), jnp.int32), sds((3,), jnp.int32))
     fn = lambda q, k, v, cq, ck: _sparse_decode(q, k, v, cq, ck, 64, interpret=False, plan=plan)
@@ -155,7 +155,7 @@ def test_compile_bad_arguments(capsys):
 
 
 def test_parse_archs():
-    from interop.compile_check import parse_archs
+    from interop.validate.compile import parse_archs
 
     assert parse_archs(None) == ["sm_90", "sm_120", "sm_121"]
     assert parse_archs("121, sm_90,sm_121") == ["sm_121", "sm_90"]

@@ -43,7 +43,7 @@ def test_core_imports_numpy_only(module):
 
 
 @pytest.mark.parametrize("module", ["interop.dlpack", "interop.cli", "interop.crosscheck",
-                                    "interop.capture", "interop.compile_check"])
+                                    "interop.capture", "interop.validate.compile"])
 def test_bridges_import_frameworks_lazily(module):
     import importlib.util
 

@@ -180,12 +180,13 @@ def test_kv_buffers_past_4_gib_use_64_bit_offsets():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_planned_configuration_lowers(kind):
-    """``qsa_pallas.decode.lowering_cases``: every distinct plan the shared planner picks on this
+    """``interop.validate.compile.pallas_decode_cases`` (what ``qsa compile`` lowers): every
+    distinct plan the shared planner picks on this
     device for TP1/TP2/TP4 x B = 1..128 lowers (both kernels, no atomics); the smallest and the
     largest batch are also compiled and checked against the shared-memory limit."""
-    from qsa_pallas.decode import lowering_cases  # noqa: PLC0415
+    from interop.validate.compile import pallas_decode_cases  # noqa: PLC0415
 
-    cases = lowering_cases(kind)
+    cases = pallas_decode_cases(kind)
     assert cases
     lowered = {}
     for name, fn, args in cases:
