@@ -10,6 +10,7 @@ Two modes:
     head dim, int32 metadata of the right length on the same device, matching K/V shapes, W >= 1).
   * ``strict=True``: additionally the qualified envelope of ``qsa-contract.md`` (head pairs, D = 256,
     1 <= B <= 128, max_seqlen_k <= 2055, max_seqlen_q = 1) that upstream validated and we promise.
+Both modes refuse tensors that require grad: every kernel is forward-only.
 
 Values that live on the device (cu_seqlens contents, indices) are never read here: that would be a
 host sync. ``validate_*`` (the debug validator) reads them on the host, off the hot path.
@@ -103,6 +104,8 @@ class TensorSpec:
       device: ``"cpu"`` or ``"cuda"`` (jax's ``"gpu"`` platform maps to ``"cuda"``).
       index: device ordinal, or None when unknown (jax arrays under tracing).
       strides: element strides, or None when the framework does not expose them (jax: row-major).
+      requires_grad: a torch tensor that records autograd history (the kernels are forward-only,
+        so the checks refuse it); always False for jax and numpy arrays.
     """
 
     shape: tuple[int, ...]
@@ -110,6 +113,7 @@ class TensorSpec:
     device: str = "cpu"
     index: int | None = None
     strides: tuple[int, ...] | None = None
+    requires_grad: bool = False
 
     @property
     def ndim(self) -> int:
@@ -138,7 +142,7 @@ class TensorSpec:
         dtype = str(t.dtype).removeprefix("torch.")
         dev = t.device
         return cls(tuple(int(s) for s in t.shape), dtype, str(dev.type), dev.index,
-                   tuple(int(s) for s in t.stride()))
+                   tuple(int(s) for s in t.stride()), bool(t.requires_grad))
 
     @classmethod
     def from_jax(cls, a) -> "TensorSpec":
@@ -241,9 +245,13 @@ class _Checker:
 
     def spec(self, name: str, x: Any) -> TensorSpec:
         try:
-            return spec_of(x)
+            s = spec_of(x)
         except TypeError:
             self.fail(name, "a torch tensor or a jax array", type(x).__name__)
+        if s.requires_grad:  # forward-only kernels: a backward() would fail far from the cause
+            self.fail(name, "a tensor that does not require grad (the kernels are forward-only; "
+                      "call them under torch.no_grad() or pass .detach())", "requires_grad=True")
+        return s
 
     def rank(self, name: str, s: TensorSpec, ndim: int | tuple[int, ...], what: str):
         ok = (ndim,) if isinstance(ndim, int) else ndim

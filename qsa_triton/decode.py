@@ -634,6 +634,7 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
                   cu_seqlens_k: torch.Tensor, max_seqlen_k: int, softmax_scale: float | None = None,
                   *, strict: bool = False) -> torch.Tensor:
     """Packed varlen sparse decode (``qsa-contract.md`` §2): one query row per sequence.
+    Forward-only: no backward is defined, and inputs that require grad are refused.
 
     Args:
       q: [B, Hq, D] bf16|fp16, last dim contiguous. Sequence s reads query row ``cu_seqlens_q[s]``.
@@ -652,8 +653,9 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
       keys with KV head h // G; exact zeros for a row with no keys.
 
     Raises:
-      ContractError: before any launch, for a call outside the contract (see ``check_decode``);
-        during CUDA-graph capture, for a shape whose scratch was not created before capture.
+      ContractError: before any launch, for a call outside the contract (see ``check_decode``;
+        also a tensor with ``requires_grad``, a CPU tensor without Triton's interpreter, bf16
+        under the unpatched interpreter); during CUDA-graph capture, for a shape whose scratch was not created before capture.
         Under torch.compile(fullgraph=True) the check runs in the op's fake implementation and
         its text reaches the caller inside Dynamo's TorchRuntimeError (``_checked``).
 
@@ -689,45 +691,44 @@ _FA_FN = "flash_attn_varlen_func"
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale=None, causal=True, *, window_size=(-1, -1),
-                           alibi_slopes=None, dropout_p=0.0, softcap=0.0, return_attn_probs=False,
-                           deterministic=False, block_table=None, **kwargs):
-    """Drop-in for flash-attn's ``flash_attn_varlen_func`` in a QSA decode backend.
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """Drop-in for flash-attn's ``flash_attn_varlen_func`` in a QSA decode backend; forward-only.
 
-    The first seven arguments as flash-attn 2 (q [total_q, Hq, D], k/v [total_k, Hkv, D], int32
-    cu_seqlens, host max_seqlen_q/k); then ``softmax_scale, causal`` (issue 3's signature, where
-    flash-attn 2 has ``dropout_p`` first): pass them and flash-attn's other options by keyword,
-    as SGLang's backends do. Decode only: ``max_seqlen_q`` must be 1, so
-    total_q = B and output row s is sequence s. With one query row, bottom-right causal masking
-    (flash-attn >= 2.1) keeps every key, so ``causal`` True or False give the same result.
-    ``deterministic`` is accepted (this kernel is deterministic).
+    flash-attn 2.8's positional order and defaults (``flash_attn/flash_attn_interface.py``):
+    q [total_q, Hq, D], k / v [total_k, Hkv, D] (bf16|fp16), int32 ``cu_seqlens_q/k`` [B + 1],
+    host ``max_seqlen_q`` / ``max_seqlen_k``, then ``dropout_p, softmax_scale, causal,
+    window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table``. Decode
+    only: ``max_seqlen_q`` must be 1, so total_q = B and output row s is sequence s. With one
+    query row, bottom-right causal masking (flash-attn >= 2.1) keeps every key, so ``causal``
+    True or False give the same result; ``deterministic`` is accepted (the kernels are
+    deterministic). Computes ``sparse_decode`` (see there for the algorithm).
 
     Returns:
       [B, Hq, D] in q's dtype (see ``sparse_decode``).
 
     Raises:
-      ContractError: for unsupported features (sliding window, ALiBi, dropout, softcap,
-        returning attention probabilities, paged ``block_table``, unknown keyword arguments) and
-        for anything ``sparse_decode`` rejects, including ``max_seqlen_q != 1``. Under
-        torch.compile the contract check runs in the op's fake impl (see ``_checked``).
+      ContractError: ``dropout_p`` != 0, a sliding window, softcap, ALiBi, returning attention
+        probabilities, a paged ``block_table``, a non-bool ``causal``; and anything
+        ``sparse_decode`` rejects, including ``max_seqlen_q != 1`` and inputs that require grad.
+        Under torch.compile the contract check runs in the op's fake impl (see ``_checked``).
     """
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        raise ContractError(_FA_FN, "dropout_p", "0.0 (no dropout: forward inference only)",
+                            dropout_p)
     ws = tuple(window_size) if window_size is not None else (-1, -1)
     if ws != (-1, -1):
         raise ContractError(_FA_FN, "window_size", "(-1, -1) (no sliding window)", window_size)
-    if alibi_slopes is not None:
-        raise ContractError(_FA_FN, "alibi_slopes", "None (no ALiBi)", type(alibi_slopes).__name__)
-    if dropout_p != 0.0:
-        raise ContractError(_FA_FN, "dropout_p", "0.0 (no dropout)", dropout_p)
     if softcap != 0.0:
         raise ContractError(_FA_FN, "softcap", "0.0 (no logit softcap)", softcap)
+    if alibi_slopes is not None:
+        raise ContractError(_FA_FN, "alibi_slopes", "None (no ALiBi)", type(alibi_slopes).__name__)
     if return_attn_probs:
         raise ContractError(_FA_FN, "return_attn_probs", "False", return_attn_probs)
     if block_table is not None:
         raise ContractError(_FA_FN, "block_table", "None (packed K/V, not a paged cache)",
                             type(block_table).__name__)
-    if kwargs:
-        raise ContractError(_FA_FN, next(iter(kwargs)), "no such argument in this decode kernel",
-                            sorted(kwargs))
     if not isinstance(causal, bool):
         raise ContractError(_FA_FN, "causal", "a bool", type(causal).__name__)
     if torch.compiler.is_compiling() and max_seqlen_q != 1:

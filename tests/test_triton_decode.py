@@ -338,6 +338,7 @@ def _d48(a):
     (_set(5, lambda a: torch.tensor(8)), "max_seqlen_k"),
     (_set(2, lambda a: a[2][:, :, :32]), "v"),
     (_set(0, lambda a: a[0].transpose(1, 2).contiguous().transpose(1, 2)), "q"),  # D stride != 1
+    (_set(1, lambda a: a[1].clone().requires_grad_()), "k"),  # forward-only
 ])
 def test_bad_calls_raise_contract_error(mutate, arg):
     args = _ok_args()
@@ -371,15 +372,46 @@ def test_public_names():
 
 # ---------------------------------------------------------------------------------------------
 # CPU: the flash-attn drop-in
+#: flash-attn 2.8's flash_attn_varlen_func parameters and defaults, as written in
+#: Dao-AILab/flash-attention flash_attn/flash_attn_interface.py
+FLASH_ATTN_2_8 = [("q", None), ("k", None), ("v", None), ("cu_seqlens_q", None),
+                  ("cu_seqlens_k", None), ("max_seqlen_q", None), ("max_seqlen_k", None),
+                  ("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
+                  ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+                  ("deterministic", False), ("return_attn_probs", False), ("block_table", None)]
+
+
+def test_flash_attn_varlen_func_is_a_positional_drop_in():
+    """Same parameter order and defaults as flash-attn 2.8, called positionally exactly as that
+    signature is written (with the decode's values), against the float64 reference."""
+    import inspect
+
+    params = inspect.signature(qsa_triton.flash_attn_varlen_func).parameters.values()
+    assert [(p.name, None if p.default is inspect.Parameter.empty else p.default)
+            for p in params] == FLASH_ATTN_2_8
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
+    q, k, v, cq, ck = case = make_case([12, 0, 30, 7], 6, 1, 64, seed=6)
+    ref = reference(*case, scale=0.2)
+    for causal in (False, True):  # one query row: bottom-right causal keeps every key
+        out = qsa_triton.flash_attn_varlen_func(q, k, v, cq, ck, 1, 30, 0.0, 0.2, causal,
+                                                (-1, -1), 0.0, None, False, False, None)
+        assert_close(out, ref)
+    assert torch.equal(qsa_triton.flash_attn_varlen_func(q, k, v, cq, ck, 1, 30, 0.0, 0.2),
+                       qsa_triton.sparse_decode(*case, 30, 0.2))
+    default = qsa_triton.flash_attn_varlen_func(q, k, v, cq, ck, 1, 30)  # scale D ** -0.5
+    assert_close(default, reference(*case))
+
+
 @pytest.mark.parametrize("kw,arg", [
-    ({"window_size": (128, 0)}, "window_size"),
-    ({"alibi_slopes": torch.ones(12)}, "alibi_slopes"),
     ({"dropout_p": 0.1}, "dropout_p"),
+    ({"dropout_p": True}, "dropout_p"),
+    ({"window_size": (128, 0)}, "window_size"),
     ({"softcap": 30.0}, "softcap"),
+    ({"alibi_slopes": torch.ones(12)}, "alibi_slopes"),
     ({"return_attn_probs": True}, "return_attn_probs"),
     ({"block_table": torch.zeros(2, 4, dtype=torch.int32)}, "block_table"),
+    ({"causal": 1}, "causal"),
     ({"max_seqlen_q": 2}, "max_seqlen_q"),
-    ({"not_an_arg": 1}, "not_an_arg"),
 ])
 def test_flash_attn_varlen_func_rejections(kw, arg):
     q, k, v, cq, ck = make_case([5, 3], 12, 1, 64)
@@ -388,15 +420,21 @@ def test_flash_attn_varlen_func_rejections(kw, arg):
     with pytest.raises(ContractError) as e:
         qsa_triton.flash_attn_varlen_func(q, k, v, cq, ck, msq, 8, **kw)
     assert e.value.arg == arg
+    with pytest.raises(TypeError):  # like flash-attn: no catch-all keyword arguments
+        qsa_triton.flash_attn_varlen_func(q, k, v, cq, ck, 1, 8, not_an_arg=1)
 
 
-def test_flash_attn_varlen_func_matches_sparse_decode():
-    case = make_case([12, 0, 30], 6, 1, 64, seed=6)
-    a = qsa_triton.flash_attn_varlen_func(*case[:5], 1, 30, softmax_scale=0.2, causal=True)
-    b = qsa_triton.flash_attn_varlen_func(*case[:5], 1, 30, softmax_scale=0.2)
-    c = qsa_triton.sparse_decode(*case, 30, 0.2)
-    assert torch.equal(a, c) and torch.equal(b, c)
-    assert_close(a, reference(*case, scale=0.2))
+def test_requires_grad_is_refused_before_any_launch():
+    """Forward-only: a tensor that requires grad is a ContractError naming it (not a generic
+    torch error at backward()), for both entry points; under no_grad the same call runs."""
+    q, k, v, cq, ck = make_case([5, 3], 12, 1, 64)
+    qg = q.clone().requires_grad_()
+    with pytest.raises(ContractError, match="forward-only") as e:
+        qsa_triton.sparse_decode(qg, k, v, cq, ck, 8)
+    assert e.value.arg == "q"
+    with pytest.raises(ContractError, match="forward-only"):
+        qsa_triton.flash_attn_varlen_func(q, k, v.clone().requires_grad_(), cq, ck, 1, 8)
+    assert_close(qsa_triton.sparse_decode(qg.detach(), k, v, cq, ck, 8), reference(q, k, v, cq, ck))
 
 
 # ---------------------------------------------------------------------------------------------
