@@ -14,9 +14,8 @@ from that row's length (``cu_seqlens_k[s+1] - cu_seqlens_k[s]``), so the same co
     n_active    = clamp(cdiv(blocks, min_blocks_per_split), 1, max_splits)
     split j < n_active covers blocks [cdiv(j * blocks, n_active), cdiv((j + 1) * blocks, n_active))
                   (``split_blocks``: every active split of a non-empty row gets >= 1 block, since
-                   n_active <= blocks; counts differ by at most one, the extra blocks go to the
-                   first splits, so the last split, which holds the row's partial block, is never
-                   the longest)
+                   n_active <= blocks; counts differ by at most one, and the last split, which
+                   holds the row's partial block, gets the fewest: floor(blocks / n_active))
 
 A row longer than ``max_seqlen_k`` is still covered completely (the split size grows with the
 device length); ``max_seqlen_k`` only bounds the useful grid. Splits past ``n_active`` write
@@ -85,9 +84,10 @@ def split_blocks(blocks, j, n_active):
 
     ``lo = cdiv(j * blocks, n_active)``, ``hi = cdiv((j + 1) * blocks, n_active)``: every block
     is covered exactly once, each active split of a non-empty row gets >= 1 block (n_active <=
-    blocks), and the extra blocks of an uneven division go to the first splits, so the last split
-    (which holds the row's partial block) is never the longest. For ``j >= n_active`` the range
-    starts at or past ``blocks`` (empty once clamped to ``blocks``).
+    blocks), the counts differ by at most one, the first split gets the most (cdiv(blocks,
+    n_active)) and the last, which holds the row's partial block, the fewest (floor(blocks /
+    n_active)), so it is never the one that finishes last. For ``j >= n_active`` the range starts
+    at or past ``blocks`` (empty once clamped to ``blocks``).
 
     Plain ``+ * //`` on non-negative integers only, so the same function runs on host ints, inside
     a ``triton.jit`` kernel (``qsa_triton.decode`` jit-wraps it; pass int64 ``blocks`` where

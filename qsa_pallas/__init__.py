@@ -1,6 +1,7 @@
 """QSA sparse attention as Pallas (Triton lowering) kernels for JAX callers.
 
-Never imports torch. Every entry point runs ``interop.contract`` checks before any launch.
+Forward-only (no custom VJP). Never imports torch. Every entry point runs ``interop.contract``
+checks before any launch.
 """
 
 from interop.contract import ContractError  # noqa: F401

@@ -1,6 +1,7 @@
 """QSA sparse attention as Triton kernels for PyTorch callers.
 
-Never imports jax. Every entry point runs ``interop.contract`` checks before any launch.
+Forward-only (no backward; inputs that require grad are refused). Never imports jax. Every
+entry point runs ``interop.contract`` checks before any launch.
 """
 
 from interop.contract import ContractError  # noqa: F401

@@ -139,9 +139,9 @@ def test_plan_fits_the_devices_shared_memory(monkeypatch):
 
 
 def test_split_rule_is_the_shared_one():
-    """The kernel's block ranges follow ``interop.plan.split_blocks`` (rounded up: the extra
-    blocks of an uneven split go to the first splits): rows whose splits stream different block
-    counts give the reference values under both merges."""
+    """The kernel's block ranges follow ``interop.plan.split_blocks`` (both ends rounded up: the
+    first split streams the most blocks, the last the fewest): rows whose splits stream
+    different block counts give the reference values under both merges."""
     assert [split_blocks(5, j, 4) for j in range(4)] == [(0, 2), (2, 3), (3, 4), (4, 5)]
     lens = [16 * 5, 16 * 7 + 3, 16 * 3]  # 5 and 8 blocks over 4 splits, 3 blocks over 3
     case = make_case(lens, 12, 1, 64, seed=31)

@@ -158,10 +158,10 @@ def resource_usage(cubin: bytes) -> dict[str, int] | None:
     return {"regs": reg, "stack": stack, "static_shared": shared, "local": local}
 
 
-def _judge(rep: ConfigReport, compiled, limit: int) -> ConfigReport:
-    rep.shared = int(compiled.metadata.shared)
+def _judge(rep: ConfigReport, shared: int, cubin: bytes | None, limit: int) -> ConfigReport:
+    rep.shared = int(shared)
     rep.smem_limit = limit
-    usage = resource_usage(compiled.asm.get("cubin", b"")) if hasattr(compiled, "asm") else None
+    usage = resource_usage(cubin) if cubin else None
     if usage is not None:
         rep.regs = usage["regs"]
         rep.spill_bytes = usage["stack"] + usage["local"]
@@ -399,7 +399,7 @@ def compile_triton_configs(arch: str, configs: Iterable[dict],
                 # another process pruned/rewrote the same Triton cache entry mid-compile
                 # (seen with concurrent runs sharing ~/.triton/cache): compile once more
                 compiled = triton.compile(src, target=target, options=opts)
-            _judge(rep, compiled, limit)
+            _judge(rep, compiled.metadata.shared, compiled.asm.get("cubin"), limit)
         except Exception as e:  # noqa: BLE001 - a config that does not compile does not fit
             rep.fits, rep.error = False, f"{type(e).__name__}: {str(e).strip()[:400]}"
         rep.seconds = time.perf_counter() - t0
@@ -518,30 +518,6 @@ def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, g
 _PALLAS_FAMILIES = {"decode": pallas_decode_cases, "prefill": pallas_prefill_cases}
 
 
-_TTIR_CACHE: dict[tuple, Any] = {}
-
-
-def _compile_ttir_text(text: str, name: str, capability: int, num_warps: int, num_stages: int):
-    """Compile Triton IR text (cached per run: several lowering cases embed the same kernel)."""
-    key = (hash(text), name, capability, num_warps, num_stages)
-    if key not in _TTIR_CACHE:
-        _TTIR_CACHE[key] = _compile_ttir_uncached(text, name, capability, num_warps, num_stages)
-    return _TTIR_CACHE[key]
-
-
-def _compile_ttir_uncached(text: str, name: str, capability: int, num_warps: int, num_stages: int):
-    import triton  # noqa: PLC0415
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, f"{re.sub(r'[^A-Za-z0-9_]', '_', name)}.ttir")
-        with open(path, "w") as fh:
-            fh.write(text)
-        return triton.compile(path, target=GPUTarget("cuda", capability, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
-
-
 def check_pallas(arch: str, modules: Sequence[str] = PALLAS_MODULES,
                  kernels: Sequence[str] = FAMILIES["pallas"]) -> list[ConfigReport]:
     """Lower every shipped Pallas case of ``kernels`` ("decode", "prefill") for ``arch``'s
@@ -581,8 +557,8 @@ def check_pallas(arch: str, modules: Sequence[str] = PALLAS_MODULES,
                 rep = ConfigReport("pallas", arch, f"{name}:{m.name}" if len(mods) > 1 else name,
                                    m.num_warps, m.num_stages)
                 try:
-                    compiled = _compile_ttir_text(m.text(), m.name, cap, m.num_warps, m.num_stages)
-                    _judge(rep, compiled, limit)
+                    res = C.compile_ttir(m, cap)
+                    _judge(rep, res["shared"], res["cubin"], limit)
                 except Exception as e:  # noqa: BLE001
                     rep.fits, rep.error = False, f"compile: {type(e).__name__}: {str(e).strip()[:400]}"
                 rep.seconds = time.perf_counter() - t0
