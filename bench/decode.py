@@ -307,18 +307,11 @@ def run_compare(*, tps=tuple(TP), batches=BATCHES, rows=ROWS, rounds: int = 15,
     time_interleaved, bw = _timers(dev)
     res = result_header(
         gpu=gpu_name(), copy_bandwidth_Bps=bw, providers=providers, rounds=rounds,
-        torch=torch.__version__, triton=_triton_version(), merge_mode=dec.MERGE_MODE,
-        pdl=dec.pdl_enabled(dev, kv_rows=1), pdl_env=os.environ.get(dec.PDL_ENV, "auto"),
-        pdl_auto_max_kv_rows=dec.PDL_AUTO_MAX_KV_ROWS,
-        pdl_late_min_kv_rows=dec.PDL_LATE_MIN_KV_ROWS,
-        pdl_supported=dec.pdl_supported(dev))
+        torch=torch.__version__, triton=_triton_version(),
+        pdl=dec.pdl_enabled(dev, 1), pdl_supported=dec._pdl_supported(dev))
     print(f"{gpu_name()}: copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
-    auto = res["pdl_env"].strip().lower() in ("", "auto")
-    mode = ("off" if not res["pdl"] else
-            f"on where B x Hkv <= {dec.PDL_AUTO_MAX_KV_ROWS} (entry trigger) or >= "
-            f"{dec.PDL_LATE_MIN_KV_ROWS} (trigger after the K/V loop)" if auto else "on")
-    print(f"ours: PDL {mode} ({dec.PDL_ENV}={res['pdl_env']}, PDL_AUTO={dec.PDL_AUTO}, "
-          f"supported={res['pdl_supported']})")
+    print(f"ours: PDL {'on where B x Hkv <= 2 or >= 64' if res['pdl'] else 'off'} "
+          f"(supported={res['pdl_supported']})")
     print(f"providers: {', '.join(providers)} (x first = time of {first} / time)")
     hdr = (f"{'case':24s} {'provider':10s} {'us':>8s} {'p10':>7s} {'p90':>7s} {'GB/s':>7s} "
            f"{'%copy':>6s} {'x first':>8s} {'x sm121':>8s} {'relL2':>8s}")

@@ -463,67 +463,6 @@ def test_plot_saved_gpu_reports(tmp_path, path):
     assert _png_ok(tmp_path / "p.png")
 
 
-def test_decode_ab_variants_build_and_run_on_cpu(tmp_path, monkeypatch):
-    """bench/decode_ab.py's variants are edited copies of qsa_triton/decode.py: every edit still
-    matches once, each copy imports under its own op name and computes the reference values
-    (Triton interpreter), and "<name>_pdl" is accepted as a name."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from bench.decode_ab import EDITS, build_variants  # noqa: PLC0415
-    from tests.test_triton_decode import assert_close, make_case, reference  # noqa: PLC0415
-
-    mods = build_variants(list(EDITS) + ["head_pdl"], tmp_path)
-    assert set(mods) == set(EDITS) | {"head_pdl"}
-    assert mods["head_nopdl"][0].PDL_AUTO is False and mods["head"][0].PDL_AUTO is True
-    case = make_case([5, 40], 12, 1, 64, seed=1)
-    for name, (mod, merge) in mods.items():
-        plan, _ = mod.plan_for(2, 1, 12, 64, 40, "cpu")
-        out = mod.decode_with_plan(*case, 40, plan=plan, merge=merge)
-        assert_close(out, reference(*case)), name
-
-
-def test_decode_variants_plans_are_what_their_names_say():
-    """bench/decode_variants.py: each policy variant fixes the plan it names (CPU: plans only)."""
-    torch = pytest.importorskip("torch")
-    from bench.decode_variants import VARIANTS, _plan
-    from interop import plan as DP
-    from qsa_triton import decode as dec
-
-    cpu = torch.device("cpu")
-    sms = dec._sm_count(cpu)
-    plans = {n: _plan(dec, 64, 1, 12, cpu, spec) for n, spec in VARIANTS.items()}
-    assert plans["v2"][0].balance_slots == 0 and plans["v2"][1] == "kernel"
-    assert plans["v2"][0].max_splits == 2  # static rule: 132 // 64 -> 2
-    assert plans["v3"][0].balance_slots == DP.BALANCE_SLOTS_PER_SM * sms
-    assert plans["v3"][0].max_splits == DP.BALANCE_GRID_SPLITS and plans["v3"][1] == "auto"
-    assert plans["v5"][0] == plans["v3"][0] and plans["v5"][2] is None and plans["v3"][2] is False
-    assert plans["v5"][0].defer_rowsum and not plans["v4"][0].defer_rowsum
-    assert plans["v4"][2] is False  # decode v4: no PDL from B x Hkv = 3 on
-    assert _plan(dec, 1, 2, 12, cpu, VARIANTS["v4"])[0].max_splits == 64  # power of two
-    # one split per block: of 64 keys at TP1 B = 1 (decode v6c), of 32 at TP2 B = 1
-    assert (_plan(dec, 1, 2, 12, cpu, VARIANTS["v5"])[0].block_n,
-            _plan(dec, 1, 2, 12, cpu, VARIANTS["v5"])[0].max_splits) == (64, 33)
-    assert _plan(dec, 1, 1, 12, cpu, VARIANTS["v5"])[0].max_splits == 65
-    wide = _plan(dec, 1, 1, 12, cpu, VARIANTS["v6_bn64_small"])[0]
-    assert (wide.block_n, wide.max_splits) == (64, 33)
-    assert _plan(dec, 1, 1, 12, cpu, VARIANTS["v6_tma_small"])[3] is True
-    assert _plan(dec, 4, 1, 12, cpu, VARIANTS["v6_tma_small"])[3] is None  # not small
-    assert _plan(dec, 32, 1, 12, cpu, VARIANTS["v6_inl32"])[1] == "inline"
-    assert _plan(dec, 16, 1, 12, cpu, VARIANTS["v6_inl32"])[1] == "auto"
-    assert plans["v6_kernel"][1] == "kernel"
-    assert plans["v4_ms128_small"][0] == plans["v5"][0]  # B x Hkv = 64: not small
-    small = _plan(dec, 1, 2, 12, cpu, VARIANTS["v4_bn16_small"])[0]
-    assert small.max_splits == 128 and small.block_n == 16
-    assert plans["v3_s1"][0].balance_slots == sms and plans["v3_s3"][0].balance_slots == 3 * sms
-    assert plans["v3_kernel"][1] == "kernel" and plans["v3_inline"][1] == "inline"
-    assert plans["v3_grid2"][0].max_splits == 2
-    assert plans["v4_pdl_all"][2] is True and plans["v3_tail"][0].tail_in_loop
-    # decode v7: fractional slots per SM round to whole programs; deep stages only at >= 64 rows
-    assert plans["v7_s15"][0].balance_slots == round(1.5 * sms)
-    assert _plan(dec, 64, 1, 12, cpu, VARIANTS["v7_s1_st6"])[0].num_stages == 6
-    assert _plan(dec, 16, 1, 12, cpu, VARIANTS["v7_s1_st6"])[0].num_stages != 6
-    assert _plan(dec, 1, 2, 12, cpu, VARIANTS["v7_ms1_small"])[0].max_splits == 1
-
-
 def test_decode_extra_row_kinds():
     """The diagnostic row kinds give their fixed lengths; an unknown kind is refused."""
     import pytest
