@@ -33,9 +33,7 @@ FP8 (chunk, paged): K/V in float8_e4m3fn are converted to q's dtype for the dots
 multiplies the scores, ``v_scale`` the output.
 
 Environment (read on every call): ``QSA_PREFILL_GEOMETRY`` = auto | table | tuned (the shared
-selector, ``interop/geometry.py``); ``QSA_PREFILL_ALGO`` = rows (default, this kernel) | pairs
-| quads (``prefill_pairs.py`` / ``prefill_quads.py``: 2 / 4 adjacent rows share one gathered union
-tile; experimental until the H200 benchmark decides); ``QSA_PAGED_SLOTS`` = prepass (default) | inline (slot lookup in the loop).
+selector, ``interop/geometry.py``); ``QSA_PAGED_SLOTS`` = prepass (default) | inline (slot lookup in the loop).
 """
 
 from __future__ import annotations
@@ -268,39 +266,6 @@ def _geometry_from(forced, kind, q, **kw) -> Geometry:
     return Geometry(int(bm), int(bn), int(nw), int(ns), "forced")
 
 
-ALGO_ENV = "QSA_PREFILL_ALGO"
-ALGOS = ("rows", "pairs", "quads")
-
-
-def prefill_algo(width: int, fn: str = "sparse_prefill") -> str:
-    """``QSA_PREFILL_ALGO`` (read on every call): ``rows`` (default; one program per query row and
-    KV head), ``pairs`` (``prefill_pairs.py``) or ``quads`` (``prefill_quads.py``): 2 or 4 adjacent
-    rows share one gathered union tile; experimental, used only when W <= 8192 (else ``rows``).
-
-    Raises:
-      ContractError: any other value.
-    """
-    from .prefill_pairs import MAX_PAIR_WIDTH  # noqa: PLC0415
-
-    raw = os.environ.get(ALGO_ENV, "")
-    algo = raw.strip().lower() or "rows"
-    if algo not in ALGOS:
-        raise contract.ContractError(fn, f"${ALGO_ENV}",
-                                     f"one of {', '.join(ALGOS)} (or unset = rows)", repr(raw))
-    return algo if width <= MAX_PAIR_WIDTH else "rows"
-
-
-def _pairs(kind, q, k, v, indices, cu_q, **kw):
-    """Route to the pair or quad kernels (``QSA_PREFILL_ALGO``)."""
-    if prefill_algo(indices.shape[-1]) == "quads":
-        from .prefill_quads import quads_forward  # noqa: PLC0415
-
-        return quads_forward(kind, q, k, v, indices, cu_q, **kw)
-    from .prefill_pairs import pairs_forward  # noqa: PLC0415
-
-    return pairs_forward(kind, q, k, v, indices, cu_q, **kw)
-
-
 def needs_off64(k: torch.Tensor, v: torch.Tensor) -> bool:
     """64-bit K/V row offsets when k or v holds >= 2^31 elements (then row x stride can overflow
     int32); below that every valid offset fits int32 exactly. ``QSA_PREFILL_OFF64=1`` forces the
@@ -352,9 +317,6 @@ def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, table, geo: Geometry, 
 # Implementations (called by the custom ops; no contract check here: the public entry points do
 # it first). ``geometry`` = None selects from the shared selector; benchmarks may force one.
 def _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, geometry=None):
-    if geometry is None and prefill_algo(indices.shape[-1]) != "rows":
-        return _pairs("ordinary", q, k, v, indices, cu_seqlens, max_seqlen_q=max_seqlen_q,
-                      softmax_scale=softmax_scale)
     out = torch.empty_like(q)
     requests = cu_seqlens.shape[0] - 1
     geo = _geometry_from(geometry, "ordinary", q, requests=requests, max_q=max_seqlen_q,
@@ -366,10 +328,6 @@ def _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, geo
 
 def _chunk_impl(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
                 softmax_scale, k_scale, v_scale, geometry=None):
-    if geometry is None and prefill_algo(indices.shape[-1]) != "rows":
-        return _pairs("chunk", q, k, v, indices, cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      kv_lens=kv_lens, max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
-                      k_scale=k_scale, v_scale=v_scale)
     out = torch.empty_like(q)
     requests = cu_seqlens_q.shape[0] - 1
     geo = _geometry_from(geometry, "chunk", q, requests=requests, max_q=max_seqlen_q,
@@ -422,10 +380,6 @@ def _paged_slots_mode() -> str:
 
 def _paged_impl(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens, max_seqlen_q,
                 softmax_scale, k_scale, v_scale, geometry=None, inline_slots=None):
-    if geometry is None and inline_slots is None and prefill_algo(indices.shape[-1]) != "rows":
-        return _pairs("paged", q, k_cache, v_cache, indices, cu_seqlens_q, kv_lens=kv_lens,
-                      slot_table=slot_table, max_seqlen_q=max_seqlen_q,
-                      softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
     out = torch.empty_like(q)
     requests = cu_seqlens_q.shape[0] - 1
     geo = _geometry_from(geometry, "paged", q, requests=requests, max_q=max_seqlen_q,
@@ -540,7 +494,6 @@ def _checked(fn, checker, q, tensors: dict, max_seqlen_q, softmax_scale, strict:
     # the environment switches, read again at launch: a bad value fails here, named for this
     # entry point, before anything is allocated
     geometry_mode(fn)
-    prefill_algo(p.width, fn)
     return p.max_seqlen_q, p.softmax_scale, p.k_scale, p.v_scale
 
 
@@ -654,7 +607,7 @@ VARIANTS = ((MODE_ORDINARY, "bfloat16", None), (MODE_CHUNK, "bfloat16", None),
 
 
 def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
-                    variants=VARIANTS, pairs: bool = True) -> list[dict]:
+                    variants=VARIANTS) -> list[dict]:
     """Every (kernel, constexprs, num_warps, num_stages) the selector can launch on ``arch``.
 
     One entry per distinct (geometry, variant); ``VARIANTS``: ordinary bf16, chunk bf16 and FP8,
@@ -664,9 +617,8 @@ def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
 
     Returns:
       list of dicts: ``kernel`` (the JITFunction), ``name``, ``signature`` (for ASTSource),
-      ``constexprs`` (name -> value), ``num_warps``, ``num_stages``, ``geometry``, and ``attrs``
-      for the pair kernels (the row kernel's are ``kernel_attrs()``). ``pairs`` adds the
-      experimental pair kernels (``prefill_pairs.py``).
+      ``constexprs`` (name -> value), ``num_warps``, ``num_stages``, ``geometry`` (attrs:
+      ``kernel_attrs()``).
     """
     out, seen = [], set()
     for geo in all_configs(arch):
@@ -694,73 +646,10 @@ def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
                     "num_stages": g.num_stages,
                     "geometry": g,
                 })
-    if pairs:
-        out += _pair_compile_configs(head_dim)
     return out
 
 
-def _pair_compile_configs(head_dim: int) -> list[dict]:
-    """The experimental pair and quad kernels (``QSA_PREFILL_ALGO=pairs|quads``, any arch): the
-    attention kernels at their default geometry for G 6 and 12 and the union pre-passes (W = 2051
-    -> 4096 lanes; 20-50 s to compile each on Triton 3.9)."""
-    from . import prefill_pairs as PP  # noqa: PLC0415
-
-    def attrs(fn, names):
-        return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
-
-    from . import prefill_quads as PQ  # noqa: PLC0415
-
-    def group_configs(tag, attn, union, geometry):
-        """The attention kernel per G and the paged union pre-pass of one row-group family
-        (pairs, quads: same argument lists)."""
-        sig = {n: "i32" for n in attn.arg_names}
-        sig.update({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")})
-        sig.update({n: "*i32" for n in ("cu_q_ptr", "urow_ptr", "ulen_ptr")})
-        sig.update({"uw_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32"})
-        sig.update({n: "constexpr" for n in ("HKV", "HIDX", "G", "D", "BLOCK_M", "BLOCK_N",
-                                              "OFF64")})
-        a_attrs = attrs(attn, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "urow_ptr", "uw_ptr",
-                               "stride_qt", "stride_qh", "stride_kn", "stride_kh", "stride_vn",
-                               "stride_vh", "stride_ot", "stride_oh"))
-        rows = []
-        for g in (6, 12):
-            geo = geometry(g)
-            rows.append({"kernel": attn, "name": f"qsa_{tag}_attn_G{g}_bm{geo.block_m}"
-                                                 f"_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}",
-                         "signature": sig, "attrs": a_attrs,
-                         "constexprs": {"HKV": 1, "HIDX": 1, "G": g, "D": head_dim,
-                                        "BLOCK_M": geo.block_m, "BLOCK_N": geo.block_n,
-                                        "OFF64": False},
-                         "num_warps": geo.num_warps, "num_stages": geo.num_stages,
-                         "geometry": geo})
-        usig = {n: "i32" for n in union.arg_names}
-        usig.update({n: "*i32" for n in ("idx_ptr", "cu_q_ptr", "base_ptr", "kv_lens_ptr",
-                                          "table_ptr", "urow_ptr", "ulen_ptr")})
-        usig.update({"uw_ptr": "*fp32"})
-        usig.update({n: "constexpr" for n in ("HIDX", "WP", "LOG_WP", "MODE", "PRESORTED")})
-        rows.append({"kernel": union, "name": f"qsa_{tag}_union_paged_wp4096_w16",
-                     "signature": usig, "attrs": attrs(union, ("idx_ptr", "urow_ptr", "uw_ptr",
-                                                               "ulen_ptr")),
-                     "constexprs": {"HIDX": 2, "WP": 4096, "LOG_WP": 12, "MODE": 2,
-                                    "PRESORTED": True},
-                     "num_warps": 16, "num_stages": 3, "geometry": None})
-        return rows
-
-    out = group_configs("pair", PP._qsa_pair_attn, PP._qsa_pair_union, PP.pair_geometry)
-    fm = PP._qsa_mask_keys  # masking before the torch.sort pre-sort
-    sig = {n: "i32" for n in fm.arg_names}
-    sig.update({n: "*i32" for n in ("idx_ptr", "keys_ptr", "cu_q_ptr", "kv_lens_ptr")})
-    sig.update({n: "constexpr" for n in ("HIDX", "ORDINARY", "BLOCK")})
-    out.append({"kernel": fm, "name": "qsa_mask_keys_block1024_w4", "signature": sig,
-                "attrs": attrs(fm, ("idx_ptr", "keys_ptr")),
-                "constexprs": {"HIDX": 2, "ORDINARY": False, "BLOCK": 1024},
-                "num_warps": 4, "num_stages": 3, "geometry": None})
-    out += group_configs("quad", PQ._qsa_quad_attn, PQ._qsa_quad_union, PQ.quad_geometry)
-    return out
-
-
-def compile_check(arch: str, *, limit: int | None = None, variants=VARIANTS,
-                  pairs: bool = True) -> list[dict]:
+def compile_check(arch: str, *, limit: int | None = None, variants=VARIANTS) -> list[dict]:
     """Compile every ``compile_configs(arch)`` entry ahead of time (no GPU needed) and report its
     shared memory: ``[{name, shared, limit, fits, num_warps, num_stages, constexprs}]``.
 
@@ -775,7 +664,7 @@ def compile_check(arch: str, *, limit: int | None = None, variants=VARIANTS,
 
     name = arch_name(parse_arch(arch))
     limit = KNOWN_ARCHS[name].smem_per_block if limit is None else limit
-    cfgs = compile_configs(name, variants=variants, pairs=pairs)
+    cfgs = compile_configs(name, variants=variants)
     reps = compile_triton_configs(name, cfgs, kernel_attrs)
     rows = []
     for c, rep in zip(cfgs, reps):
@@ -785,16 +674,3 @@ def compile_check(arch: str, *, limit: int | None = None, variants=VARIANTS,
                      "fits": rep.shared <= limit, "num_warps": c["num_warps"],
                      "num_stages": c["num_stages"], "constexprs": c["constexprs"]})
     return rows
-
-
-if __name__ == "__main__":  # python -m qsa_triton.prefill sm_120 [sm_121 ...]: AOT compile check
-    import json
-    import sys
-
-    args = sys.argv[1:]
-    quick = "--quick" in args  # the variants with the most shared memory and the FP8 path only
-    archs = [a for a in args if not a.startswith("--")] or ["sm_120", "sm_121"]
-    sel = tuple(v for v in VARIANTS if v[0] in (MODE_CHUNK, MODE_PAGED_INLINE)) if quick else VARIANTS
-    report = {a: compile_check(a, variants=sel, pairs=not quick) for a in archs}
-    print(json.dumps(report))
-    sys.exit(0 if all(r["fits"] for rows in report.values() for r in rows) else 1)

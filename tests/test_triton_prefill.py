@@ -8,7 +8,6 @@ a float32 torch reference that is itself checked against the float64 oracle here
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import pytest
@@ -190,8 +189,7 @@ def test_bad_geometry_env_is_a_contract_error(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["ordinary", "chunk", "paged"])
-@pytest.mark.parametrize("var,value", [("QSA_PREFILL_GEOMETRY", "fastest"),
-                                       ("QSA_PREFILL_ALGO", "octets")])
+@pytest.mark.parametrize("var,value", [("QSA_PREFILL_GEOMETRY", "fastest")])
 def test_bad_env_switch_names_the_entry_point(kind, var, value, monkeypatch):
     """A bad switch fails in the public entry point, before the op, and names that entry point."""
     import qsa_triton
@@ -281,11 +279,6 @@ def test_resolve_pool_slots_small_max_seqlen_q():
     want = P.resolve_pool_slots(*args, 7)
     for hint in (1, 2):
         assert torch.equal(P.resolve_pool_slots(*args, hint), want)
-
-
-@pytest.mark.parametrize("kind", ["ordinary", "paged"])
-def test_pairs_small_max_seqlen_q_covers_every_row(pairs, kind):
-    _same_with_small_hints(_hint_case(kind, seed=72))
 
 
 @pytest.mark.parametrize("kind", ["ordinary", "chunk", "paged"])
@@ -387,127 +380,9 @@ def test_env_override_is_read_every_call(monkeypatch):
     assert a.source.startswith(("sm90-table", "l20-table", "h20-table")) and "tuned" in b.source
 
 
-# ------------------------------------------------------------------------------------ pairs
-@pytest.fixture(params=["pairs/torch", "pairs/kernel", "quads/torch", "quads/kernel"])
-def pairs(monkeypatch, request):
-    """The row-group kernels, with rows sorted by torch.sort before the union pre-pass or by
-    tl.sort inside it."""
-    algo, sort = request.param.split("/")
-    monkeypatch.setenv("QSA_PREFILL_ALGO", algo)
-    monkeypatch.setenv("QSA_GROUP_SORT", sort)
-    return algo
-
-
-@pytest.mark.parametrize("kind,kv", [("ordinary", None), ("chunk", [9, 5, 14]),
-                                     ("paged", [9, 5, 14])])
-@pytest.mark.parametrize("hq,hkv,per_head", [(3, 1, False), (12, 1, False), (12, 2, True),
-                                             (24, 2, False)])
-def test_pairs_match_oracle(pairs, kind, kv, hq, hkv, per_head):
-    case = make_case(kind, hq, hkv, 32, [5, 4, 7], kv, width=11, junk="mixed", per_head=per_head,
-                     dtype=FP16, nan_unselected=True, empty_rows=[3], table_junk=kind == "paged",
-                     pool_slack=3, overlap=0.7, seed=40 + hq + hkv, device=DEV)
-    _check(case)
-
-
-def test_pairs_fp8_and_low_overlap(pairs):
-    case = make_case("chunk", 6, 1, 64, [6, 3], [17, 9], width=13, junk="len+19", dtype=FP16,
-                     kv_dtype=FP8, k_scale=0.6, v_scale=1.7, overlap=0.0, nan_unselected=True,
-                     seed=41, device=DEV)
-    _check(case)
-
-
-def test_pairs_duplicates_attend_twice(pairs):
-    """Gather semantics: a position selected twice in a row counts twice, in row r, in row r+1,
-    in both, or only in one of them."""
-    case = make_case("chunk", 6, 1, 32, [8], [14], width=10, dtype=FP16, seed=42, device=DEV)
-    idx = torch.full_like(case.indices, -1)
-    rows = [[3, 3, 4, 0], [3, 5, 5, 5, 0], [1, 1, 2], [2, 2, 1, 1, 9], [7], [7, 7, 0, 0, 11],
-            [4, 4, 4], [0, 11, 11, 3]]
-    for r, sel in enumerate(rows):
-        idx[r, :len(sel)] = torch.tensor(sel, dtype=torch.int32)
-    case.indices = idx
-    out, _ = _check(case)
-    torch.testing.assert_close(out.float(), case.run().float(), rtol=0, atol=0)
-    os_env = os.environ.pop("QSA_PREFILL_ALGO")
-    try:
-        rows_out = case.run()
-    finally:
-        os.environ["QSA_PREFILL_ALGO"] = os_env
-    torch.testing.assert_close(out.float(), rows_out.float(), rtol=2e-3, atol=2e-3)
-
-
-def test_pairs_union_lengths():
-    """The union list of a pair is row r's visible columns plus the tokens only row r+1 selects."""
-    from qsa_triton.prefill_pairs import pair_union  # noqa: PLC0415
-
-    case = make_case("ordinary", 6, 1, 32, [7], width=9, overlap=0.5, seed=43, device=DEV)
-    urow, uw, ulen = pair_union(0, case.indices, case.cu_q, case.cu_q, case.cu_q, case.cu_q,
-                                case.max_q)
-    idx = case.indices.cpu().numpy()
-    for r0 in range(0, 7, 2):
-        s0 = {int(e) for e in idx[r0, :min(9, r0 + 1)] if 0 <= e < 7}
-        s1 = {int(e) for e in idx[r0 + 1, :min(9, r0 + 2)] if 0 <= e < 7} if r0 + 1 < 7 else set()
-        n_u, n0 = ulen[r0, 0].tolist()
-        assert n0 == min(9, r0 + 1)
-        assert n_u == n0 + len(s1 - s0)
-        assert set(urow[r0, 0, :n_u].tolist()) - {-1} == s0 | s1
-
-
-def test_bad_algo_env(monkeypatch):
-    case = make_case("ordinary", 6, 1, 32, [3], width=4, dtype=FP16, device=DEV)
-    monkeypatch.setenv("QSA_PREFILL_ALGO", "octets")
-    with pytest.raises(ContractError, match="rows, pairs, quads"):
-        case.run()
-
-
-def test_pairs_power_of_two_width_full_rows(pairs):
-    """W a power of two with every column valid: the binary search's last probe matters."""
-    case = make_case("ordinary", 6, 1, 32, [13], width=8, dtype=FP16, seed=44, device=DEV)
-    g = torch.Generator().manual_seed(44)
-    idx = torch.full((13, 8), -1, dtype=torch.int32)
-    for r in range(13):
-        sel = torch.randperm(r + 1, generator=g)[:8]
-        idx[r, :sel.numel()] = sel.to(torch.int32)
-    case.indices = idx.to(DEV)
-    assert bool((case.indices[7:] >= 0).all())
-    _check(case)
-
-
-@pytest.fixture(params=["pairs", "quads"])
-def gpu_groups(monkeypatch, request):
-    """The row-group kernels on the GPU with the default (torch.sort) pre-sort only: the tl.sort
-    variants are covered on CPU, and their compiles do not fit the GPU run's budget."""
-    monkeypatch.setenv("QSA_PREFILL_ALGO", request.param)
-    monkeypatch.delenv("QSA_GROUP_SORT", raising=False)
-    return request.param
-
-
-@gpu
-@pytest.mark.parametrize("kind,kv,hq,hkv", [("ordinary", 8192, 6, 1), ("chunk", 32768, 12, 1),
-                                            ("chunk", 131072, 24, 2)])
-def test_gpu_pairs_8192_rows(gpu_groups, kind, kv, hq, hkv):
-    case = _gpu_case(kind, hq, hkv, kv, seed=50 + hq)
-    out1, out2 = case.run(), case.run()
-    torch.cuda.synchronize()
-    assert torch.equal(out1, out2)
-    err = errors(out1.float(), reference_f32(case))
-    assert within_tolerance(err), err
-
-
-@gpu
-def test_gpu_pairs_paged_junk(gpu_groups):
-    case = make_case("paged", 12, 2, 256, [333, 64], [4096, 2100], width=2051, per_head=True,
-                     junk="mixed", table_junk=True, pool_slack=100, nan_unselected=True,
-                     kv_dtype=FP8, k_scale=0.8, v_scale=1.2, seed=51, device="cuda")
-    err = errors(case.run().float(), reference_f32(case))
-    assert within_tolerance(err), err
-
-
-@pytest.mark.parametrize("algo", ["rows", "pairs", "quads"])
-def test_forced_64bit_offsets_path(monkeypatch, algo):
+def test_forced_64bit_offsets_path(monkeypatch):
     """The 64-bit K/V offset path (taken when k/v hold >= 2^31 elements) on small tensors."""
     monkeypatch.setenv("QSA_PREFILL_OFF64", "1")
-    monkeypatch.setenv("QSA_PREFILL_ALGO", algo)
     for inline in ("prepass", "inline"):
         monkeypatch.setenv("QSA_PAGED_SLOTS", inline)
         case = make_case("paged", 12, 2, 32, [3, 5], [8, 11], width=10, junk="mixed",
