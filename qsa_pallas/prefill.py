@@ -21,12 +21,10 @@ Pallas Triton lowering pattern-matches into an ``scf.for`` with a dynamic bound.
 The request of a row is found in the kernel by counting ``cu_seqlens_q[1:] <= row`` over a
 power-of-two padded vector (B is static): no row-to-request table is built in XLA.
 
-Paged: the pool is read in place. By default a plain-JAX pre-pass (``resolve_pool_slots``) maps
-every index entry to its pool slot (``slot_table[b, idx]``, -1 when invalid) and the kernel
-gathers by slot, as ``qsa_triton`` does (an in-loop lookup puts a dependent load before every K/V
-gather; upstream measured it 1.5x slower); ``slots="inline"`` (or ``QSA_PAGED_SLOTS=inline``)
-resolves in the kernel instead. A slot outside the pool is treated as an invalid entry (memory
-safety; the debug validator reports it).
+Paged: the pool is read in place. A plain-JAX pre-pass (``resolve_pool_slots``) maps every index
+entry to its pool slot (``slot_table[b, idx]``, -1 when invalid) and the kernel gathers by slot,
+as ``qsa_triton`` does (an in-loop lookup puts a dependent load before every K/V gather). A slot
+outside the pool is treated as an invalid entry (memory safety; the debug validator reports it).
 
 Rows past ``cu_seqlens[B]`` (a batch padded to a static T under jit) belong to no request and
 give zeros.
@@ -46,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -246,8 +243,6 @@ class _Static:
     score_scale: float  # softmax_scale * k_scale * log2(e)
     v_scale: float
     kv_rows: int  # rows of k/v (slots of the pool)
-    max_context: int  # paged: slot_table columns
-    slots_mode: str  # paged: "prepass" (indices already resolved to pool slots) | "inline"
     num_warps: int
     num_stages: int
     interpret: bool
@@ -269,9 +264,7 @@ def _prefill_kernel(*refs, st: _Static):
         q_ref, k_ref, v_ref, idx_ref, cu_ref, o_ref = refs
     elif st.kind == "chunk":
         q_ref, k_ref, v_ref, idx_ref, cu_ref, cuk_ref, kvl_ref, o_ref = refs
-    elif st.slots_mode == "inline":
-        q_ref, k_ref, v_ref, slot_ref, idx_ref, cu_ref, kvl_ref, o_ref = refs
-    else:  # paged, pre-pass: idx_ref holds pool slots (-1 = invalid) instead of positions
+    else:  # paged: idx_ref holds pool slots (-1 = invalid) instead of positions
         q_ref, k_ref, v_ref, idx_ref, cu_ref, kvl_ref, o_ref = refs
 
     row = pl.program_id(0)
@@ -316,16 +309,10 @@ def _prefill_kernel(*refs, st: _Static):
             ids = _compat.load(idx_ref.at[row, h, pl.ds(j * bn, bn)], mask=col_ok, other=-1)
         else:
             ids = _compat.load(idx_ref.at[row, pl.ds(j * bn, bn)], mask=col_ok, other=-1)
-        if st.kind == "paged" and st.slots_mode == "prepass":
+        if st.kind == "paged":
             # entries are pool slots already (resolve_pool_slots): valid iff inside the pool
             valid = col_ok & (ids >= 0) & (ids < st.kv_rows)
             kv_rows = jnp.where(valid, ids, 0)
-        elif st.kind == "paged":
-            valid = col_ok & (ids >= 0) & (ids < length) & (ids < st.max_context)
-            safe = jnp.where(valid, ids, 0)
-            slots = _compat.load(slot_ref.at[b, safe], mask=valid, other=0)
-            valid = valid & (slots >= 0) & (slots < st.kv_rows)
-            kv_rows = jnp.where(valid, slots, 0)
         else:
             valid = col_ok & (ids >= 0) & (ids < length)
             # in range even when cu_seqlens_k / kv_lens disagree with k's rows (bad metadata)
@@ -404,8 +391,7 @@ def _check_offsets(fn: str, **arrays):
                 "uses int32 offsets below 2**32 bytes)", f"{numel} elements of {a.dtype}")
 
 
-def _run(problem: PrefillProblem, q, k, v, meta, *, max_context: int, interpret, geometry, fn,
-         slots_mode: str = "prepass"):
+def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry):
     if problem.total_q == 0 or k.shape[0] == 0:  # nothing to gather from / no row: no launch
         return jnp.zeros(q.shape, q.dtype)
     interp = _resolve_interpret(interpret, q)
@@ -415,9 +401,8 @@ def _run(problem: PrefillProblem, q, k, v, meta, *, max_context: int, interpret,
         group=problem.group, head_dim=problem.head_dim, width=problem.width,
         per_head=problem.per_head_indices, head_tile=geo.head_tile, block_n=geo.block_n,
         score_scale=problem.softmax_scale * problem.k_scale * _LOG2E, v_scale=problem.v_scale,
-        kv_rows=int(k.shape[0]), max_context=max_context, slots_mode=slots_mode,
-        num_warps=geo.num_warps,
-        num_stages=geo.num_stages, interpret=interp)
+        kv_rows=int(k.shape[0]), num_warps=geo.num_warps, num_stages=geo.num_stages,
+        interpret=interp)
     return _launch(q, k, v, *meta, st=st)
 
 
@@ -454,8 +439,7 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
     geometry_mode(fn)  # a bad $QSA_PREFILL_GEOMETRY is an error on every backend, CPU included
     _compat.check_backend(fn, interpret, q, k, v)
     _check_offsets(fn, q=q, k=k, v=v, indices=indices)
-    return _run(p, q, k, v, (indices, cu_seqlens), max_context=0, interpret=interpret,
-                geometry=geometry, fn=fn)
+    return _run(p, q, k, v, (indices, cu_seqlens), interpret=interpret, geometry=geometry)
 
 
 def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
@@ -492,14 +476,14 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
     geometry_mode(fn)
     _compat.check_backend(fn, interpret, q, k, v)
     _check_offsets(fn, q=q, k=k, v=v, indices=indices)
-    return _run(p, q, k, v, (indices, cu_seqlens_q, cu_seqlens_k, kv_lens), max_context=0,
-                interpret=interpret, geometry=geometry, fn=fn)
+    return _run(p, q, k, v, (indices, cu_seqlens_q, cu_seqlens_k, kv_lens), interpret=interpret,
+                geometry=geometry)
 
 
 def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
                          max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                          strict: bool = False, interpret=None,
-                         geometry: PallasPrefillGeometry | None = None, slots: str | None = None):
+                         geometry: PallasPrefillGeometry | None = None):
     """Paged sparse prefill (qsa-contract.md §3): K/V read in place from the pool.
 
     Args:
@@ -511,11 +495,6 @@ def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
         for memory safety, idx < max_context and the slot inside the pool).
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
       max_seqlen_q, softmax_scale, k_scale, v_scale, interpret, geometry: as the chunk variant.
-      slots: how positions become pool slots: "prepass" (default) resolves every entry once in
-        plain JAX (``resolve_pool_slots``: [T, (Hkv,) W] int32 slots, -1 = invalid) and the
-        kernel gathers K/V by slot; "inline" looks ``slot_table[b, idx]`` up inside the kernel
-        loop (no extra buffer, but a dependent load before every K/V gather: upstream measured
-        that 1.5x slower). None -> ``$QSA_PAGED_SLOTS`` (prepass|inline, as in qsa_triton).
 
     Returns:
       [T, Hq, D] in q's dtype.
@@ -534,26 +513,9 @@ def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
     _compat.check_backend(fn, interpret, q, k_cache, v_cache)
     _check_offsets(fn, q=q, k_cache=k_cache, v_cache=v_cache, indices=indices,
                    slot_table=slot_table)
-    mode = _slots_mode(fn, slots)
-    if mode == "inline":
-        meta = (slot_table, indices, cu_seqlens_q, kv_lens)
-    else:
-        meta = (resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens,
-                                   int(k_cache.shape[0])), cu_seqlens_q, kv_lens)
-    return _run(p, q, k_cache, v_cache, meta, max_context=int(slot_table.shape[1]),
-                interpret=interpret, geometry=geometry, fn=fn, slots_mode=mode)
-
-
-_SLOTS_MODES = ("prepass", "inline")
-
-
-def _slots_mode(fn: str, slots: str | None) -> str:
-    raw = os.environ.get("QSA_PAGED_SLOTS", "") if slots is None else slots
-    mode = raw.strip().lower() or "prepass"
-    if mode not in _SLOTS_MODES:
-        raise ContractError(fn, "slots" if slots is not None else "$QSA_PAGED_SLOTS",
-                            f"one of {', '.join(_SLOTS_MODES)}", repr(raw))
-    return mode
+    slots = resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, int(k_cache.shape[0]))
+    return _run(p, q, k_cache, v_cache, (slots, cu_seqlens_q, kv_lens), interpret=interpret,
+                geometry=geometry)
 
 
 @jax.jit
@@ -595,7 +557,7 @@ def lowering_cases(device_kind: str, *, head_dim: int = 256, width: int = 2051, 
     """Every distinct prefill launch configuration this module can pick on ``device_kind``:
     each geometry the shared selector can return there (``interop.geometry.all_configs`` of the
     device's arch, fitted to its shared memory as ``select_geometry`` does) x ordinary bf16,
-    chunk bf16 / FP8, paged bf16 / FP8 (slot pre-pass) and paged bf16 with the inline lookup.
+    chunk bf16 / FP8, paged bf16 / FP8.
 
     Returns:
       list of ``(name, fn, args)``: lower ``fn(*args)`` with
@@ -634,14 +596,11 @@ def lowering_cases(device_kind: str, *, head_dim: int = 256, width: int = 2051, 
             kv = sds((t, hkv, d), jnp.bfloat16)
             cases.append((f"pallas_prefill_ordinary_bf16_{tag}",
                           functools.partial(_lower_ordinary, geometry=geo), (q, kv, kv, idx, cu)))
-            cases.append((f"pallas_prefill_paged_inline_bf16_{tag}",
-                          functools.partial(_lower_paged, geometry=geo, slots="inline"),
-                          (q, pool, pool, st, idx, cu, kl)))
         cases.append((f"pallas_prefill_chunk_{name}_{tag}",
                       functools.partial(_lower_chunk, geometry=geo),
                       (q, pool, pool, idx, cu, cu, kl)))
         cases.append((f"pallas_prefill_paged_{name}_{tag}",
-                      functools.partial(_lower_paged, geometry=geo, slots="prepass"),
+                      functools.partial(_lower_paged, geometry=geo),
                       (q, pool, pool, st, idx, cu, kl)))
     return cases
 
@@ -655,6 +614,6 @@ def _lower_chunk(q, k, v, idx, cq, ck, kl, *, geometry):
                                 geometry=geometry)
 
 
-def _lower_paged(q, k, v, st, idx, cq, kl, *, geometry, slots):
+def _lower_paged(q, k, v, st, idx, cq, kl, *, geometry):
     return sparse_prefill_paged(q, k, v, st, idx, cq, kl, q.shape[0], interpret=False,
-                                geometry=geometry, slots=slots)
+                                geometry=geometry)

@@ -4,7 +4,7 @@ Three entry points, one kernel body:
   * ``sparse_prefill``        ordinary: K/V are this forward's rows, packed like q;
   * ``sparse_prefill_chunk``  chunk: K/V hold each request's full context at rows cu_seqlens_k[b]..;
   * ``sparse_prefill_paged``  paged: K/V are the pool, position p of request b is slot
-    ``slot_table[b, p]`` (resolved by a small pre-pass into a slot matrix, or inline).
+    ``slot_table[b, p]`` (resolved by a small pre-pass into a slot matrix).
 
 Algorithm (per program = one query row x one KV head, covering that KV head's G query heads as a
 head tile of BLOCK_M rows, FP32 accumulator [BLOCK_M, D]): walk the row's index columns in BLOCK_N
@@ -33,13 +33,12 @@ FP8 (chunk, paged): K/V in float8_e4m3fn are converted to q's dtype for the dots
 multiplies the scores, ``v_scale`` the output.
 
 Environment (read on every call): ``QSA_PREFILL_GEOMETRY`` = auto | table | tuned (the shared
-selector, ``interop/geometry.py``); ``QSA_PAGED_SLOTS`` = prepass (default) | inline (slot lookup in the loop).
+selector, ``interop/geometry.py``).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -60,35 +59,27 @@ __all__ = [
     "MODE_ORDINARY",
     "MODE_CHUNK",
     "MODE_SLOTS",
-    "MODE_PAGED_INLINE",
 ]
 
 LOG2E = 1.4426950408889634
-#: the softmax denominator reduced once per row instead of once per tile (``_prefill_row``
-#: DEFER_L; read at launch). Decided by the H200 A/B recorded in bench/NOTES.md (prefill v1.5).
-DEFER_ROWSUM = True
 
 #: kernel modes (a constexpr): how an index entry becomes a K/V row and when it is valid
 MODE_ORDINARY = 0  # row = cu_seqlens[b] + idx, valid iff 0 <= idx < q_len_b
 MODE_CHUNK = 1  # row = cu_seqlens_k[b] + idx, valid iff 0 <= idx < kv_lens[b]
 MODE_SLOTS = 2  # entries are pool slots resolved by the pre-pass; valid iff slot >= 0
-MODE_PAGED_INLINE = 3  # row = slot_table[b, idx], looked up inside the loop
 
 
 @triton.jit
 def _prefill_row(
     r, b, h, q_start, q_len,
-    q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr, kv_lens_ptr, table_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr, kv_lens_ptr,
     qk_scale, v_scale, W,
     stride_qt, stride_qh, stride_kh, stride_kn, stride_vh, stride_vn,
-    stride_ot, stride_oh, stride_it, stride_ih, stride_tb,
+    stride_ot, stride_oh, stride_it, stride_ih,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
-    DEFER_L: tl.constexpr,
 ):
-    """Query row r of request b, KV head h: the whole online-softmax walk and the store.
-    DEFER_L: the softmax denominator kept as a [BLOCK_M, BLOCK_N] running sum and reduced once
-    after the loop (no cross-warp row sum per tile; ``DEFER_ROWSUM``)."""
+    """Query row r of request b, KV head h: the whole online-softmax walk and the store."""
     row = (q_start + r).to(tl.int64)
     if MODE == 0:
         kv_len = q_len
@@ -114,13 +105,12 @@ def _prefill_row(
     idx_row = idx_ptr + row * stride_it + h * stride_ih
     k_head = k_ptr + h * stride_kh
     v_head = v_ptr + h * stride_vh
-    table_row = table_ptr + b.to(tl.int64) * stride_tb
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    if DEFER_L:
-        l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    else:
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+    # the softmax denominator as a [BLOCK_M, BLOCK_N] running sum, reduced once after the loop:
+    # no cross-warp row sum (shuffles, a shared-memory round trip, two barriers) per tile
+    # (bench/NOTES.md, "prefill v1.5")
+    l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for start in range(0, n_cols, BLOCK_N):
         cols = start + offs_n
@@ -129,9 +119,6 @@ def _prefill_row(
         if MODE == 2:
             valid = in_row & (ent >= 0)
             kv_row = ent
-        elif MODE == 3:
-            valid = in_row & (ent >= 0) & (ent < kv_len)
-            kv_row = tl.load(table_row + ent, mask=valid, other=0)
         else:
             valid = in_row & (ent >= 0) & (ent < kv_len)
             kv_row = kv_base + ent  # < rows of k/v (int32 cu_seqlens): no overflow
@@ -149,16 +136,12 @@ def _prefill_row(
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_ref)
         p = tl.math.exp2(s - m_ref[:, None])
-        if DEFER_L:
-            l_i = l_i * alpha[:, None] + p
-        else:
-            l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha[:, None] + p
         v = tl.load(v_head + kv_row[:, None] * stride_vn + offs_d[None, :],
                     mask=valid[:, None], other=0.0).to(q.dtype)
         acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    if DEFER_L:
-        l_i = tl.sum(l_i, 1)
+    l_i = tl.sum(l_i, 1)
     has = l_i > 0.0
     inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
     out = acc * inv[:, None]
@@ -171,13 +154,13 @@ def _prefill_row(
 @triton.jit
 def _qsa_sparse_prefill_fwd(
     q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr,
-    cu_q_ptr, cu_k_ptr, kv_lens_ptr, table_ptr,
+    cu_q_ptr, cu_k_ptr, kv_lens_ptr,
     qk_scale, v_scale, W, row_base,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_ot, stride_oh, stride_it, stride_ih, stride_tb,
+    stride_ot, stride_oh, stride_it, stride_ih,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
-    ROW_LOOP: tl.constexpr, DEFER_L: tl.constexpr = False,
+    ROW_LOOP: tl.constexpr,
 ):
     bh = tl.program_id(1)
     b = bh // HKV
@@ -191,18 +174,16 @@ def _qsa_sparse_prefill_fwd(
         # ran ~20% slower with it on the H200 (bench/NOTES.md, prefill v1.2).
         for r in range(row_base + tl.program_id(0), q_len, tl.num_programs(0)):
             _prefill_row(r, b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr,
-                         kv_lens_ptr, table_ptr, qk_scale, v_scale, W, stride_qt, stride_qh,
-                         stride_kh, stride_kn, stride_vh, stride_vn, stride_ot, stride_oh,
-                         stride_it, stride_ih, stride_tb, G, D, BLOCK_M, BLOCK_N, MODE, OFF64,
-                         DEFER_L)
+                         kv_lens_ptr, qk_scale, v_scale, W, stride_qt, stride_qh, stride_kh,
+                         stride_kn, stride_vh, stride_vn, stride_ot, stride_oh, stride_it,
+                         stride_ih, G, D, BLOCK_M, BLOCK_N, MODE, OFF64)
     else:
         r = row_base + tl.program_id(0)
         if r < q_len:
             _prefill_row(r, b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr,
-                         kv_lens_ptr, table_ptr, qk_scale, v_scale, W, stride_qt, stride_qh,
-                         stride_kh, stride_kn, stride_vh, stride_vn, stride_ot, stride_oh,
-                         stride_it, stride_ih, stride_tb, G, D, BLOCK_M, BLOCK_N, MODE, OFF64,
-                         DEFER_L)
+                         kv_lens_ptr, qk_scale, v_scale, W, stride_qt, stride_qh, stride_kh,
+                         stride_kn, stride_vh, stride_vn, stride_ot, stride_oh, stride_it,
+                         stride_ih, G, D, BLOCK_M, BLOCK_N, MODE, OFF64)
 
 
 @triton.jit
@@ -268,10 +249,7 @@ def _geometry_from(forced, kind, q, **kw) -> Geometry:
 
 def needs_off64(k: torch.Tensor, v: torch.Tensor) -> bool:
     """64-bit K/V row offsets when k or v holds >= 2^31 elements (then row x stride can overflow
-    int32); below that every valid offset fits int32 exactly. ``QSA_PREFILL_OFF64=1`` forces the
-    64-bit path (tests)."""
-    if os.environ.get("QSA_PREFILL_OFF64", "") == "1":
-        return True
+    int32); below that every valid offset fits int32 exactly."""
     return max(k.numel(), v.numel()) >= 2**31
 
 
@@ -285,20 +263,19 @@ def tail_geometry(geo: Geometry) -> Geometry:
     return Geometry(geo.block_m, 32, 4, 2, "tail")
 
 
-def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, table, geo: Geometry, *, requests,
+def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, geo: Geometry, *, requests,
             max_q, scale, k_scale, v_scale):
     t, hq, d = q.shape
     hkv = k.shape[1]
     if t == 0:
         return out
     stride_ih = idx.stride(1) if idx.dim() == 3 else 0
-    args = (q, k, v, out, idx, cu_q, cu_k, kv_lens, table,
+    args = (q, k, v, out, idx, cu_q, cu_k, kv_lens,
             float(scale) * float(k_scale) * LOG2E, float(v_scale), idx.shape[-1])
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               out.stride(0), out.stride(1), idx.stride(0), stride_ih,
-               table.stride(0) if table.dim() == 2 else 0)
+               out.stride(0), out.stride(1), idx.stride(0), stride_ih)
     consts = dict(HKV=hkv, G=hq // hkv, D=d, BLOCK_M=geo.block_m, MODE=mode,
-                  OFF64=needs_off64(k, v), DEFER_L=DEFER_ROWSUM)
+                  OFF64=needs_off64(k, v))
     # one program per (row < max_q, request x KV head), like upstream
     _qsa_sparse_prefill_fwd[(max_q, requests * hkv)](
         *args, 0, *strides, **consts, BLOCK_N=geo.block_n, ROW_LOOP=False,
@@ -322,7 +299,7 @@ def _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, geo
     geo = _geometry_from(geometry, "ordinary", q, requests=requests, max_q=max_seqlen_q,
                          num_kv_heads=k.shape[1], width=indices.shape[-1])
     return _launch(MODE_ORDINARY, q, k, v, out, indices, cu_seqlens, cu_seqlens, cu_seqlens,
-                   cu_seqlens, geo, requests=requests, max_q=max_seqlen_q, scale=softmax_scale,
+                   geo, requests=requests, max_q=max_seqlen_q, scale=softmax_scale,
                    k_scale=1.0, v_scale=1.0)
 
 
@@ -333,7 +310,7 @@ def _chunk_impl(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqle
     geo = _geometry_from(geometry, "chunk", q, requests=requests, max_q=max_seqlen_q,
                          num_kv_heads=k.shape[1], width=indices.shape[-1])
     return _launch(MODE_CHUNK, q, k, v, out, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
-                   kv_lens, geo, requests=requests, max_q=max_seqlen_q, scale=softmax_scale,
+                   geo, requests=requests, max_q=max_seqlen_q, scale=softmax_scale,
                    k_scale=k_scale, v_scale=v_scale)
 
 
@@ -359,40 +336,15 @@ def resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, max_seqlen_q)
     return slots
 
 
-_SLOTS_MODES = ("prepass", "inline")
-
-
-def _paged_slots_mode() -> str:
-    """``QSA_PAGED_SLOTS`` (read on every call, same values as qsa_pallas): ``prepass`` (default:
-    slots resolved once before the attention kernel; a lookup inside the loop put a second
-    dependent load before every K/V gather) or ``inline``.
-
-    Raises:
-      ContractError: any other value, listing the allowed ones.
-    """
-    raw = os.environ.get("QSA_PAGED_SLOTS", "")
-    mode = raw.strip().lower() or "prepass"
-    if mode not in _SLOTS_MODES:
-        raise contract.ContractError("sparse_prefill_paged", "$QSA_PAGED_SLOTS",
-                                     f"one of {', '.join(_SLOTS_MODES)}", repr(raw))
-    return mode
-
-
 def _paged_impl(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens, max_seqlen_q,
-                softmax_scale, k_scale, v_scale, geometry=None, inline_slots=None):
+                softmax_scale, k_scale, v_scale, geometry=None):
     out = torch.empty_like(q)
     requests = cu_seqlens_q.shape[0] - 1
     geo = _geometry_from(geometry, "paged", q, requests=requests, max_q=max_seqlen_q,
                          num_kv_heads=k_cache.shape[1], width=indices.shape[-1])
-    if inline_slots is None:
-        inline_slots = _paged_slots_mode() == "inline"
-    if inline_slots:
-        return _launch(MODE_PAGED_INLINE, q, k_cache, v_cache, out, indices, cu_seqlens_q,
-                       cu_seqlens_q, kv_lens, slot_table, geo, requests=requests,
-                       max_q=max_seqlen_q, scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
     slots = resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, max_seqlen_q)
     return _launch(MODE_SLOTS, q, k_cache, v_cache, out, slots, cu_seqlens_q, cu_seqlens_q,
-                   kv_lens, slot_table, geo, requests=requests, max_q=max_seqlen_q,
+                   kv_lens, geo, requests=requests, max_q=max_seqlen_q,
                    scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
 
 
@@ -549,18 +501,11 @@ def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
 
     Raises:
       ContractError: from ``interop.contract.check_prefill_paged`` (before any allocation).
-
-    Slots are resolved by a pre-pass (``resolve_pool_slots``) by default: a slot-table lookup in
-    the attention loop puts a second dependent load before every K/V gather (upstream measured it
-    1.5x slower; on the H200, 12/1 at 8192 rows, we measured inline 1.03x faster for bf16 pools and
-    0.97x for FP8, bench/results/2026-11-30-h200-run9). ``QSA_PAGED_SLOTS=inline`` selects it.
     """
     mq, sc, ks, vs = _checked("sparse_prefill_paged", contract.check_prefill_paged, q,
                               dict(q=q, k_cache=k_cache, v_cache=v_cache, slot_table=slot_table,
                                    indices=indices, cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens),
                               max_seqlen_q, softmax_scale, strict, (k_scale, v_scale))
-    if not torch.compiler.is_compiling():
-        _paged_slots_mode()  # a bad $QSA_PAGED_SLOTS fails here, before any allocation
     return torch.ops.qsa.sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices,
                                               cu_seqlens_q, kv_lens, mq, sc, ks, vs)
 
@@ -577,18 +522,18 @@ def kernel_signature(q_dtype: str = "bfloat16", kv_dtype: str | None = None) -> 
     kt = _TORCH_TO_TT[kv_dtype or q_dtype]
     sig = {"q_ptr": f"*{qt}", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "o_ptr": f"*{qt}",
            "idx_ptr": "*i32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "kv_lens_ptr": "*i32",
-           "table_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32", "W": "i32",
+           "qk_scale": "fp32", "v_scale": "fp32", "W": "i32",
            "row_base": "i32"}
     for name in ("stride_qt", "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
-                 "stride_ot", "stride_oh", "stride_it", "stride_ih", "stride_tb"):
+                 "stride_ot", "stride_oh", "stride_it", "stride_ih"):
         sig[name] = "i32"
-    for name in ("HKV", "G", "D", "BLOCK_M", "BLOCK_N", "MODE", "OFF64", "ROW_LOOP", "DEFER_L"):
+    for name in ("HKV", "G", "D", "BLOCK_M", "BLOCK_N", "MODE", "OFF64", "ROW_LOOP"):
         sig[name] = "constexpr"
     return sig
 
 
 _ALIGNED_ARGS = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "idx_ptr", "cu_q_ptr", "cu_k_ptr",
-                 "kv_lens_ptr", "table_ptr", "stride_qt", "stride_qh", "stride_kn", "stride_kh",
+                 "kv_lens_ptr", "stride_qt", "stride_qh", "stride_kn", "stride_kh",
                  "stride_vn", "stride_vh", "stride_ot", "stride_oh")
 
 
@@ -603,7 +548,7 @@ def kernel_attrs() -> dict:
 #: (mode, q dtype, K/V dtype or None = q's): every kernel variant the entry points launch
 VARIANTS = ((MODE_ORDINARY, "bfloat16", None), (MODE_CHUNK, "bfloat16", None),
             (MODE_CHUNK, "bfloat16", "float8_e4m3fn"), (MODE_SLOTS, "bfloat16", None),
-            (MODE_SLOTS, "bfloat16", "float8_e4m3fn"), (MODE_PAGED_INLINE, "bfloat16", None))
+            (MODE_SLOTS, "bfloat16", "float8_e4m3fn"))
 
 
 def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
@@ -611,7 +556,7 @@ def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
     """Every (kernel, constexprs, num_warps, num_stages) the selector can launch on ``arch``.
 
     One entry per distinct (geometry, variant); ``VARIANTS``: ordinary bf16, chunk bf16 and FP8,
-    paged through pre-resolved slots bf16 and FP8, paged with the inline slot lookup. ``head_dim`` 256 is the
+    paged through pre-resolved slots bf16 and FP8. ``head_dim`` 256 is the
     largest (shared-memory worst case). Groups: the head tile G only changes masks, so one G per
     BLOCK_M is compiled (the tuned entries keep their own G).
 
@@ -640,8 +585,8 @@ def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
                     "signature": kernel_signature(qd, kd),
                     "constexprs": {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": g.block_m,
                                    "BLOCK_N": g.block_n, "MODE": mode,
-                                   "OFF64": mode in (MODE_SLOTS, MODE_PAGED_INLINE),
-                                   "ROW_LOOP": row_loop, "DEFER_L": DEFER_ROWSUM},
+                                   "OFF64": mode == MODE_SLOTS,
+                                   "ROW_LOOP": row_loop},
                     "num_warps": g.num_warps,
                     "num_stages": g.num_stages,
                     "geometry": g,

@@ -171,14 +171,13 @@ def test_chunk_ragged_prefixes(hq, hkv, per_head, junk):
     assert_matches(case.call(), case.ref, what=f"chunk {hq}/{hkv} {junk}")
 
 
-@pytest.mark.parametrize("slots", ["prepass", "inline"])
 @pytest.mark.parametrize("hq,hkv,per_head,junk", [
     (12, 2, True, "mixed"), (12, 1, False, "len"), (6, 1, False, "-1"),
 ])
-def test_paged_ragged_prefixes(hq, hkv, per_head, junk, slots):
+def test_paged_ragged_prefixes(hq, hkv, per_head, junk):
     case = make_case("paged", hq, hkv, q_lens=[4, 6], prefix=[13, 2], per_head=per_head,
                      junk=junk, pool_slack=9, seed=5)
-    assert_matches(case.call(slots=slots), case.ref, what=f"paged {hq}/{hkv} {junk} {slots}")
+    assert_matches(case.call(), case.ref, what=f"paged {hq}/{hkv} {junk}")
 
 
 @pytest.mark.parametrize("per_head", [False, True])
@@ -204,8 +203,7 @@ def test_resolve_pool_slots_matches_numpy(per_head):
     assert (got == -1).any() and (got >= 0).any()
 
 
-@pytest.mark.parametrize("kind,kw", [("ordinary", {}), ("chunk", {}), ("paged", {}),
-                                     ("paged", {"slots": "inline"})])
+@pytest.mark.parametrize("kind,kw", [("ordinary", {}), ("chunk", {}), ("paged", {})])
 def test_rows_past_the_last_request_give_zeros(kind, kw):
     """A batch padded to a static T (rows past cu_seqlens[B]) is accepted: those rows are 0."""
     case = make_case(kind, 6, 1, q_lens=[4, 3], prefix=[2, 5], seed=67)
@@ -480,9 +478,6 @@ def test_bad_calls_raise_contract_error_before_launch():
     with pytest.raises(ContractError):  # slot table rows != requests
         sparse_prefill_paged(a["q"], a["k"], a["v"], jnp.zeros((3, 8), jnp.int32), a["indices"],
                              a["cu_seqlens_q"], a["kv_lens"], 3)
-    with pytest.raises(ContractError, match="prepass"):  # unknown slot-resolution mode
-        sparse_prefill_paged(a["q"], a["k"], a["v"], jnp.zeros((2, 8), jnp.int32), a["indices"],
-                             a["cu_seqlens_q"], a["kv_lens"], 3, slots="sometimes")
     with pytest.raises(ContractError):  # ordinary: k not packed like q
         sparse_prefill(a["q"], a["k"], a["v"], a["indices"], a["cu_seqlens_q"], 3)
 

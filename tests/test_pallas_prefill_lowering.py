@@ -41,22 +41,22 @@ def _args(kind, *, t=256, hq=12, hkv=1, d=256, w=2051, b=2, rows=4096, kv_dtype=
     return (q, kv, kv, S((b, max_context), jnp.int32), idx, cu, S((b,), jnp.int32))
 
 
-def _fn(kind, max_q=256, geometry=None, scales=(1.0, 1.0), slots=None):
+def _fn(kind, max_q=256, geometry=None, scales=(1.0, 1.0)):
     kw = dict(interpret=False, geometry=geometry)
     if kind == "ordinary":
         return lambda *a: P.sparse_prefill(*a, max_q, **kw)
     if kind == "chunk":
         return lambda *a: P.sparse_prefill_chunk(*a, max_q, None, *scales, **kw)
-    return lambda *a: P.sparse_prefill_paged(*a, max_q, None, *scales, slots=slots, **kw)
+    return lambda *a: P.sparse_prefill_paged(*a, max_q, None, *scales, **kw)
 
 
-CASES = [  # (kind, kv dtype, per-head indices, (Hq, Hkv)); paged: slots pre-pass | inline
+CASES = [  # (kind, kv dtype, per-head indices, (Hq, Hkv))
     ("ordinary", jnp.bfloat16, False, (12, 1)),
     ("ordinary", jnp.float16, True, (24, 2)),
     ("chunk", jnp.bfloat16, False, (6, 1)),
     ("chunk", FP8, True, (24, 2)),
     ("paged", jnp.bfloat16, True, (12, 2)),
-    ("paged-inline", FP8, False, (12, 1)),
+    ("paged", FP8, False, (12, 1)),
 ]
 
 
@@ -67,10 +67,9 @@ CASES = [  # (kind, kv dtype, per-head indices, (Hq, Hkv)); paged: slots pre-pas
 def test_lowers_and_compiles_for_cuda(device_kind, kind, kv_dtype, per_head, heads):
     hq, hkv = heads
     fp8 = kv_dtype == FP8
-    kind, _, slots = kind.partition("-")
     args = _args(kind, hq=hq, hkv=hkv, kv_dtype=kv_dtype, per_head=per_head)
     lowered = _compat.lower_for_device_kind(
-        _fn(kind, scales=(0.5, 2.0) if fp8 else (1.0, 1.0), slots=slots or None), args,
+        _fn(kind, scales=(0.5, 2.0) if fp8 else (1.0, 1.0)), args,
         device_kind)
     mods = [m for m in _compat.triton_modules(lowered) if m.name == f"qsa_sparse_prefill_{kind}"]
     assert len(mods) == 1, [m.name for m in _compat.triton_modules(lowered)]
@@ -153,7 +152,7 @@ def test_64bit_offsets_exactly_for_pools_past_4gib():
 
     def ttir(slots):
         args = _args("paged", hkv=2, rows=slots, t=64)
-        lowered = _compat.lower_for_device_kind(_fn("paged", slots="inline"), args, "NVIDIA H200")
+        lowered = _compat.lower_for_device_kind(_fn("paged"), args, "NVIDIA H200")
         (mod,) = _compat.triton_modules(lowered)
         return mod.text()
 
@@ -170,8 +169,7 @@ def test_lowering_cases_cover_every_variant_and_lower():
     cases = P.lowering_cases(kind)
     names = [n for n, _, _ in cases]
     assert len(names) == len(set(names))
-    for variant in ("ordinary_bf16", "chunk_bf16", "chunk_fp8", "paged_bf16", "paged_fp8",
-                    "paged_inline_bf16"):
+    for variant in ("ordinary_bf16", "chunk_bf16", "chunk_fp8", "paged_bf16", "paged_fp8"):
         assert any(f"pallas_prefill_{variant}_" in n for n in names), variant
     for name, fn, args in cases[:: max(1, len(cases) // 4)]:
         (mod,) = _compat.triton_modules(_compat.lower_for_device_kind(fn, args, kind))

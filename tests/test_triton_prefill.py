@@ -105,10 +105,8 @@ def test_fp8_conversion_path_matches_upcast_kv():
 
 
 # ------------------------------------------------------------------------------------ paged
-@pytest.mark.parametrize("inline", [False, True])
 @pytest.mark.parametrize("per_head", [False, True])
-def test_paged_junk_table_and_pool(inline, per_head, monkeypatch):
-    monkeypatch.setenv("QSA_PAGED_SLOTS", "inline" if inline else "prepass")
+def test_paged_junk_table_and_pool(per_head):
     case = make_case("paged", 12, 2, 32, [3, 4], [8, 11], width=10, junk="mixed",
                      per_head=per_head, dtype=FP16, nan_unselected=True, pool_slack=5,
                      table_junk=True, seed=11, device=DEV)
@@ -145,21 +143,6 @@ def test_two_runs_bitwise_equal():
                      seed=14, device=DEV)
     a, b = case.run(), case.run()
     assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("kind", ["ordinary", "chunk"])
-def test_deferred_row_sum_matches_per_tile_row_sum(kind, monkeypatch):
-    """prefill v1.5: the softmax denominator reduced once per row (DEFER_ROWSUM, default) gives
-    the reference and the per-tile row sum's values to FP32 rounding, junk entries and a row
-    without valid entry included."""
-    kv = None if kind == "ordinary" else [7, 30]
-    case = make_case(kind, 12, 1, 64, [6, 20], kv, width=24, junk="mixed", dtype=FP16,
-                     nan_unselected=True, seed=21, device=DEV)
-    assert P.DEFER_ROWSUM is True
-    deferred, _ = _check(case)
-    monkeypatch.setattr(P, "DEFER_ROWSUM", False)
-    per_tile, _ = _check(case)
-    torch.testing.assert_close(deferred.float(), per_tile.float(), rtol=2e-3, atol=2e-3)
 
 
 def test_geometry_does_not_change_the_result_beyond_rounding():
@@ -265,11 +248,8 @@ def _same_with_small_hints(case):
     case.max_q = 7
 
 
-@pytest.mark.parametrize("kind,slots", [("ordinary", None), ("chunk", None),
-                                        ("paged", "prepass"), ("paged", "inline")])
-def test_small_max_seqlen_q_covers_every_row(kind, slots, monkeypatch):
-    if slots is not None:
-        monkeypatch.setenv("QSA_PAGED_SLOTS", slots)
+@pytest.mark.parametrize("kind", ["ordinary", "chunk", "paged"])
+def test_small_max_seqlen_q_covers_every_row(kind):
     _same_with_small_hints(_hint_case(kind, seed=70))
 
 
@@ -382,19 +362,16 @@ def test_env_override_is_read_every_call(monkeypatch):
 
 def test_forced_64bit_offsets_path(monkeypatch):
     """The 64-bit K/V offset path (taken when k/v hold >= 2^31 elements) on small tensors."""
-    monkeypatch.setenv("QSA_PREFILL_OFF64", "1")
-    for inline in ("prepass", "inline"):
-        monkeypatch.setenv("QSA_PAGED_SLOTS", inline)
-        case = make_case("paged", 12, 2, 32, [3, 5], [8, 11], width=10, junk="mixed",
-                         dtype=FP16, nan_unselected=True, table_junk=True, pool_slack=4, seed=60,
-                         device=DEV)
-        _check(case)
     case = make_case("chunk", 6, 1, 32, [4, 3], [9, 5], width=10, junk="mixed", dtype=FP16,
                      seed=61, device=DEV)
-    _check(case)
-    assert P.needs_off64(case.k, case.v)
-    monkeypatch.delenv("QSA_PREFILL_OFF64")
     assert not P.needs_off64(case.k, case.v)
+    monkeypatch.setattr(P, "needs_off64", lambda k, v: True)
+    case = make_case("paged", 12, 2, 32, [3, 5], [8, 11], width=10, junk="mixed",
+                     dtype=FP16, nan_unselected=True, table_junk=True, pool_slack=4, seed=60,
+                     device=DEV)
+    _check(case)
+    _check(make_case("chunk", 6, 1, 32, [4, 3], [9, 5], width=10, junk="mixed", dtype=FP16,
+                     seed=61, device=DEV))
 
 
 def test_torch_compile_fullgraph_prefill_matches_eager_and_names_bad_arguments():
