@@ -68,8 +68,13 @@ class Case:
                 self.q, self.k, self.v, self.indices, self.cu_q, self.cu_k, self.kv_lens,
                 self.max_q, self.softmax_scale, self.k_scale, self.v_scale)
         return (fn_paged or P.sparse_prefill_paged)(
-            self.q, self.k, self.v, self.slot_table, self.indices, self.cu_q, self.kv_lens,
-            self.max_q, self.softmax_scale, self.k_scale, self.v_scale)
+            self.q, self.k, self.v, self.slot_table, self.req_indices, self.indices, self.cu_q,
+            self.kv_lens, self.max_q, self.softmax_scale, self.k_scale, self.v_scale)
+
+    @property
+    def req_indices(self) -> torch.Tensor:
+        """int32 [B] = 0..B-1: ``slot_table`` is passed as ``req_to_token``, one row per request."""
+        return torch.arange(self.cu_q.shape[0] - 1, dtype=torch.int32, device=self.cu_q.device)
 
     def numpy_reference(self) -> np.ndarray:
         """float64 numpy oracle (``interop.reference``); small cases only."""
@@ -84,7 +89,8 @@ class Case:
             return R.prefill_chunk_reference(q, k, v, idx, cu, self.cu_k.cpu().numpy(),
                                              self.kv_lens.cpu().numpy(), self.softmax_scale,
                                              self.k_scale, self.v_scale)
-        return R.prefill_paged_reference(q, k, v, self.slot_table.cpu().numpy(), idx, cu,
+        return R.prefill_paged_reference(q, k, v, self.slot_table.cpu().numpy(),
+                                         self.req_indices.cpu().numpy(), idx, cu,
                                          self.kv_lens.cpu().numpy(), self.softmax_scale,
                                          self.k_scale, self.v_scale)
 

@@ -461,16 +461,19 @@ def check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, m
                          k_scale, v_scale)
 
 
-def check_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
-                        max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
+def check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
+                        kv_lens, max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                         strict: bool = False, fn: str = "sparse_prefill_paged") -> PrefillProblem:
     """Check a paged sparse prefill call (``qsa-contract.md`` §3) before any launch.
 
     Args:
       q: [T, Hq, D] bf16|fp16.
       k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or float8_e4m3fn.
-      slot_table: int32 [B, max_context]; position p of request b lives in pool slot slot_table[b, p].
-      indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b].
+      req_to_token: int32 [max_reqs, max_context]; position p of the request in row r lives in
+        pool slot req_to_token[r, p] (SGLang's table, shared with ``sparse_decode_paged``).
+      req_indices: int32 [B]; request b uses row req_indices[b] of req_to_token.
+      indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b] (and, as the kernels
+        clamp lying metadata, idx < max_context, req_indices[b] < max_reqs, slot in the pool).
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
       max_seqlen_q: host int >= 1.
 
@@ -480,19 +483,18 @@ def check_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, 
     c = _Checker(fn, strict)
     qs, ks, w, per_head, group = _check_prefill_common(c, q, k_cache, v_cache, indices, _FP8_DTYPES,
                                                        "k_cache", "v_cache")
-    cq, kl, st = (c.spec("cu_seqlens_q", cu_seqlens_q), c.spec("kv_lens", kv_lens),
-                  c.spec("slot_table", slot_table))
+    cq, kl = c.spec("cu_seqlens_q", cu_seqlens_q), c.spec("kv_lens", kv_lens)
     c.metadata("cu_seqlens_q", cq, None, qs, "q")
     if cq.shape[0] < 2:
         c.fail("cu_seqlens_q", "length B + 1 >= 2", f"length {cq.shape[0]}")
     b = cq.shape[0] - 1
     c.metadata("kv_lens", kl, b, qs, "q")
-    c.rank("slot_table", st, 2, "[B, max_context] of int32 pool slots")
-    c.dtype("slot_table", st, ("int32",))
-    if st.shape[0] != b:
-        c.fail("slot_table", f"{b} rows (one per request)", f"{st.shape[0]} rows")
-    c.same_device("slot_table", st, qs, "q")
-    c.last_dim_contiguous("slot_table", st)
+    c.metadata("req_indices", c.spec("req_indices", req_indices), b, qs, "q")
+    rt = c.spec("req_to_token", req_to_token)
+    c.rank("req_to_token", rt, 2, "[max_reqs, max_context] of int32 pool slots")
+    c.dtype("req_to_token", rt, ("int32",))
+    c.same_device("req_to_token", rt, qs, "q")
+    c.last_dim_contiguous("req_to_token", rt)
     return _prefill_tail(c, "paged", qs, ks, w, per_head, group, b, max_seqlen_q, softmax_scale,
                          k_scale, v_scale)
 
@@ -610,15 +612,17 @@ def validate_decode_metadata(cu_seqlens_q, cu_seqlens_k, capacity: int, max_seql
         c.fail("cu_seqlens_q", f"query rows < {batch}", cq.tolist())
 
 
-def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, slot_table=None,
-                              pool_slots: int | None = None, flag_duplicates: bool = False,
-                              fn: str = "sparse_prefill") -> dict:
+def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, req_to_token=None,
+                              req_indices=None, pool_slots: int | None = None,
+                              flag_duplicates: bool = False, fn: str = "sparse_prefill") -> dict:
     """Check prefill metadata contents (host sync; debug only).
 
     ``lens`` is the validity bound per request: the request length (ordinary; pass None to derive
     it from cu_seqlens_q) or kv_lens (chunk/paged). Checks: non-decreasing cu_seqlens_q, the
     valid-first layout (no valid entry after an invalid one), no valid entry beyond the row's
-    visible count (the early-stop rule), slot table entries of valid positions inside the pool.
+    visible count (the early-stop rule); paged (``req_to_token`` given): ``req_indices`` rows
+    inside the table, valid positions inside its width, their slots inside the pool (the kernels
+    treat anything else as an invalid entry; this check reports it).
 
     Returns:
       dict with counts: rows, valid entries, duplicate entries.
@@ -639,7 +643,13 @@ def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, slot_ta
     if idx.ndim == 2:
         idx = idx[:, None, :]
     dups = 0
-    st = None if slot_table is None else _np(slot_table).astype(np.int64)
+    st = None
+    if req_to_token is not None:
+        rt, ri = _np(req_to_token).astype(np.int64), _np(req_indices).astype(np.int64)
+        bad = (ri < 0) | (ri >= rt.shape[0])
+        if bad.any():
+            c.fail("req_indices", f"rows in [0, {rt.shape[0]}) of req_to_token", ri.tolist())
+        st = rt[ri]  # [B, max_context]: the rows of this batch's requests
     n_valid = 0
     for b in range(len(qlen)):
         rows = idx[cq[b]:cq[b + 1]]
@@ -667,9 +677,10 @@ def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, slot_ta
         if st is not None:
             sel = rows[valid]
             if sel.size and (sel.max() >= st.shape[1]):
-                c.fail("slot_table", f"a column for every valid position (< {st.shape[1]})", int(sel.max()))
+                c.fail("req_to_token", f"a column for every valid position (< {st.shape[1]})",
+                       int(sel.max()))
             slots = st[b, sel] if sel.size else sel
             if pool_slots is not None and slots.size and ((slots < 0) | (slots >= pool_slots)).any():
-                c.fail("slot_table", f"slots in [0, {pool_slots}) for valid positions",
+                c.fail("req_to_token", f"slots in [0, {pool_slots}) for valid positions",
                        int(slots[(slots < 0) | (slots >= pool_slots)][0]))
     return {"rows": int(cq[-1]), "valid": n_valid, "duplicates": dups}

@@ -411,7 +411,10 @@ class PrefillLayout:
       q_lens, kv_lens: int32 [B] (ordinary: kv_lens = q_lens).
       cu_seqlens_q: int32 [B + 1]; cu_seqlens_k: int32 [B + 1] (chunk: packed context rows).
       max_seqlen_q: host int.
-      slot_table: int32 [B, max_kv] (paged; a seeded permutation of pool slots) or None.
+      req_to_token: int32 [max_reqs, max_context] (paged; SGLang's table: request row ->
+        position -> pool slot, a seeded permutation of the pool's slots; unused entries 0) or None.
+      req_indices: int32 [B] (paged): the row of req_to_token each request uses (seeded, distinct,
+        not simply 0..B-1) or None.
       pool_slots: slots in the pool (paged), or the packed context rows (chunk/ordinary).
     """
 
@@ -421,17 +424,26 @@ class PrefillLayout:
     cu_seqlens_q: np.ndarray
     cu_seqlens_k: np.ndarray
     max_seqlen_q: int
-    slot_table: np.ndarray | None
+    req_to_token: np.ndarray | None
+    req_indices: np.ndarray | None
     pool_slots: int
+
+    @property
+    def slot_table(self) -> np.ndarray | None:
+        """int32 [B, max_context]: ``req_to_token[req_indices]``, one row per request of the batch
+        (upstream's per-batch ``slot_table`` layout); None unless paged."""
+        return None if self.req_to_token is None else self.req_to_token[self.req_indices]
 
 
 def prefill_layout(kind: Literal["ordinary", "chunk", "paged"], q_lens, kv_lens=None, *,
-                   pool_slack: int = 0, seed: int = 0) -> PrefillLayout:
-    """Metadata for a prefill batch; paged pools get a scattered slot table (seeded).
+                   pool_slack: int = 0, spare_requests: int = 2, seed: int = 0) -> PrefillLayout:
+    """Metadata for a prefill batch; paged pools get a scattered ``req_to_token`` (seeded).
 
     Args:
       kind: variant; q_lens: int [B]; kv_lens: int [B] (ignored for ordinary).
       pool_slack: extra unused pool slots (paged), so slots are not simply 0..sum-1.
+      spare_requests: extra rows of req_to_token no request of the batch uses (paged), so
+        req_indices is a scattered choice of rows, as in a serving engine's table.
 
     Raises:
       ValueError: unknown kind, kv_lens < q_lens.
@@ -443,18 +455,20 @@ def prefill_layout(kind: Literal["ordinary", "chunk", "paged"], q_lens, kv_lens=
     row_layout(ql, kl)  # validates
     cu_q = cu_seqlens_from_counts(ql)
     cu_k = cu_seqlens_from_counts(kl)
-    st, slots = None, int(cu_k[-1])
+    r2t, req_idx, slots = None, None, int(cu_k[-1])
     if kind == "paged":
         rng = np.random.default_rng(seed)
         slots = int(kl.sum()) + int(pool_slack)
         perm = rng.permutation(slots)
         width = max(1, int(kl.max()) if kl.size else 1)
-        st = np.zeros((ql.shape[0], width), np.int64)
-        for b in range(ql.shape[0]):
-            st[b, : kl[b]] = perm[cu_k[b]: cu_k[b + 1]]
-        st = st.astype(np.int32)
+        b = ql.shape[0]
+        req_idx = rng.permutation(b + int(spare_requests))[:b]
+        r2t = np.zeros((b + int(spare_requests), width), np.int64)
+        for i in range(b):
+            r2t[req_idx[i], : kl[i]] = perm[cu_k[i]: cu_k[i + 1]]
+        r2t, req_idx = r2t.astype(np.int32), req_idx.astype(np.int32)
     return PrefillLayout(kind, ql.astype(np.int32), kl.astype(np.int32), cu_q, cu_k,
-                         int(ql.max()) if ql.size else 1, st, slots)
+                         int(ql.max()) if ql.size else 1, r2t, req_idx, slots)
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ __all__ = [
     "prefill_reference",
     "prefill_chunk_reference",
     "prefill_paged_reference",
+    "pool_slots_of",
     "rel_l2",
 ]
 
@@ -87,16 +88,18 @@ def decode_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None) ->
     return out
 
 
-def _prefill_core(q, indices, cu_seqlens_q, lens, gather_k, gather_v, scale, k_scale, v_scale,
+def _prefill_core(q, indices, cu_seqlens_q, lens, k, v, rows_of, scale, k_scale, v_scale,
                   ordinary=False):
-    """Shared loop: gather(b, positions, head) -> [N, D] rows for valid positions."""
+    """Shared loop. ``rows_of(b, positions)`` -> K/V row per position (-1: an invalid entry)."""
     q = np.asarray(q, np.float64)
+    k, v = np.asarray(k, np.float64), np.asarray(v, np.float64)
     t, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
     idx = np.asarray(indices, np.int64)
     if idx.ndim == 2:
         idx = idx[:, None, :]
     cq = np.asarray(cu_seqlens_q, np.int64)
-    hkv_idx = idx.shape[1]
     out = np.zeros((t, hq, d), np.float64)
     w = idx.shape[-1]
     for b in range(len(cq) - 1):
@@ -105,28 +108,15 @@ def _prefill_core(q, indices, cu_seqlens_q, lens, gather_k, gather_v, scale, k_s
             r = row - cq[b]
             visible = r + 1 if ordinary else r + lens[b] - q_len + 1
             cap = int(min(w, max(visible, 0)))  # the row's first min(W, visible) columns only
-            for h in range(_hkv_of(gather_k)):
-                sel = idx[row, h if hkv_idx > 1 else 0, :cap]
+            for h in range(hkv):
+                sel = idx[row, h if idx.shape[1] > 1 else 0, :cap]
                 sel = sel[(sel >= 0) & (sel < lens[b])]
-                g = hq // _hkv_of(gather_k)
+                kv_rows = rows_of(b, sel)
+                kv_rows = kv_rows[kv_rows >= 0]
                 out[row, h * g:(h + 1) * g] = attend(
-                    q[row, h * g:(h + 1) * g], gather_k(b, sel, h), gather_v(b, sel, h),
-                    scale, k_scale, v_scale)
+                    q[row, h * g:(h + 1) * g], k[kv_rows, h], v[kv_rows, h], scale, k_scale,
+                    v_scale)
     return out
-
-
-def _hkv_of(gather):
-    return gather.hkv
-
-
-class _Gather:
-    def __init__(self, kv: np.ndarray, row_of):
-        self.kv = np.asarray(kv, np.float64)
-        self.hkv = self.kv.shape[1]
-        self.row_of = row_of
-
-    def __call__(self, b, sel, h):
-        return self.kv[self.row_of(b, sel), h]
 
 
 def prefill_reference(q, k, v, indices, cu_seqlens, softmax_scale=None) -> np.ndarray:
@@ -141,9 +131,7 @@ def prefill_reference(q, k, v, indices, cu_seqlens, softmax_scale=None) -> np.nd
       min(W, r + 1) columns.
     """
     cu = np.asarray(cu_seqlens, np.int64)
-    lens = np.diff(cu)
-    row_of = lambda b, sel: cu[b] + sel  # noqa: E731
-    return _prefill_core(q, indices, cu, lens, _Gather(k, row_of), _Gather(v, row_of),
+    return _prefill_core(q, indices, cu, np.diff(cu), k, v, lambda b, sel: cu[b] + sel,
                          _scale(softmax_scale, np.shape(q)[2]), 1.0, 1.0, ordinary=True)
 
 
@@ -159,24 +147,44 @@ def prefill_chunk_reference(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_len
       [T, Hq, D] float64; entry valid iff 0 <= idx < kv_lens[b].
     """
     ck = np.asarray(cu_seqlens_k, np.int64)
-    row_of = lambda b, sel: ck[b] + sel  # noqa: E731
-    return _prefill_core(q, indices, cu_seqlens_q, np.asarray(kv_lens, np.int64), _Gather(k, row_of),
-                         _Gather(v, row_of), _scale(softmax_scale, np.shape(q)[2]), k_scale, v_scale)
+    return _prefill_core(q, indices, cu_seqlens_q, np.asarray(kv_lens, np.int64), k, v,
+                         lambda b, sel: ck[b] + sel, _scale(softmax_scale, np.shape(q)[2]),
+                         k_scale, v_scale)
 
 
-def prefill_paged_reference(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
-                            softmax_scale=None, k_scale=1.0, v_scale=1.0) -> np.ndarray:
-    """Paged sparse prefill: K/V read in place from the pool through ``slot_table[b, idx]``.
+def pool_slots_of(req_to_token, req_indices, b: int, positions, pool_slots: int) -> np.ndarray:
+    """Pool slot of each position of request b, -1 where the entry is invalid.
+
+    The paged addressing rule (SGLang's ``req_to_token``, ``qsa-contract.md`` §2b/§3): request b
+    uses row ``req_indices[b]``; a position p maps to ``req_to_token[req_indices[b], p]``. Besides
+    the caller's ``0 <= p < kv_lens[b]``, an entry whose row is outside the table, whose
+    position is past its width, or whose slot is outside ``[0, pool_slots)`` is invalid (the
+    kernels clamp such metadata on the device and never dereference it).
+    """
+    rt = np.asarray(req_to_token, np.int64)
+    pos = np.asarray(positions, np.int64)
+    row = int(np.asarray(req_indices)[b])
+    if not 0 <= row < rt.shape[0]:
+        return np.full(pos.shape, -1, np.int64)
+    ok = (pos >= 0) & (pos < rt.shape[1])
+    slots = np.where(ok, rt[row, np.where(ok, pos, 0)] if rt.shape[1] else -1, -1)
+    return np.where((slots >= 0) & (slots < pool_slots), slots, -1)
+
+
+def prefill_paged_reference(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
+                            kv_lens, softmax_scale=None, k_scale=1.0, v_scale=1.0) -> np.ndarray:
+    """Paged sparse prefill: K/V read in place from the pool through ``req_to_token``.
 
     Args:
-      q: [T, Hq, D]; k_cache, v_cache: [slots, Hkv, D]; slot_table: int [B, max_context];
-      indices: int [T, W] or [T, Hkv, W]; cu_seqlens_q: [B + 1]; kv_lens: [B].
+      q: [T, Hq, D]; k_cache, v_cache: [slots, Hkv, D]; req_to_token: int [max_reqs, max_context];
+      req_indices: int [B]; indices: int [T, W] or [T, Hkv, W]; cu_seqlens_q: [B + 1];
+      kv_lens: [B].
 
     Returns:
-      [T, Hq, D] float64; entry valid iff 0 <= idx < kv_lens[b].
+      [T, Hq, D] float64; entry valid iff 0 <= idx < kv_lens[b] and ``pool_slots_of`` maps it to
+      a slot of the pool.
     """
-    st = np.asarray(slot_table, np.int64)
-    row_of = lambda b, sel: st[b, sel]  # noqa: E731
-    return _prefill_core(q, indices, cu_seqlens_q, np.asarray(kv_lens, np.int64),
-                         _Gather(k_cache, row_of), _Gather(v_cache, row_of),
+    pool = np.shape(k_cache)[0]
+    return _prefill_core(q, indices, cu_seqlens_q, np.asarray(kv_lens, np.int64), k_cache, v_cache,
+                         lambda b, sel: pool_slots_of(req_to_token, req_indices, b, sel, pool),
                          _scale(softmax_scale, np.shape(q)[2]), k_scale, v_scale)

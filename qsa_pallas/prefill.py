@@ -22,7 +22,8 @@ The request of a row is found in the kernel by counting ``cu_seqlens_q[1:] <= ro
 power-of-two padded vector (B is static): no row-to-request table is built in XLA.
 
 Paged: the pool is read in place. A plain-JAX pre-pass (``resolve_pool_slots``) maps every index
-entry to its pool slot (``slot_table[b, idx]``, -1 when invalid) and the kernel gathers by slot,
+entry to its pool slot (``req_to_token[req_indices[b], idx]``, -1 when invalid: out of the
+table or the pool included) and the kernel gathers by slot,
 as ``qsa_triton`` does (an in-loop lookup puts a dependent load before every K/V gather). A slot
 outside the pool is treated as an invalid entry (memory safety; the debug validator reports it).
 
@@ -480,19 +481,22 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
                 geometry=geometry)
 
 
-def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
-                         max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
+def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
+                         kv_lens, max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                          strict: bool = False, interpret=None,
                          geometry: PallasPrefillGeometry | None = None):
-    """Paged sparse prefill (qsa-contract.md §3): K/V read in place from the pool.
+    """Paged sparse prefill (qsa-contract.md §3): K/V read in place from the pool through
+    SGLang's ``req_to_token`` (the addressing of ``sparse_decode_paged``).
 
     Args:
       q: [T, Hq, D] bfloat16|float16.
       k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or float8_e4m3fn.
-      slot_table: int32 [B, max_context]; position p of request b lives in slot
-        slot_table[b, p].
-      indices: int32 [T, W] or [T, Hkv, W]; positions, valid iff 0 <= idx < kv_lens[b] (and,
-        for memory safety, idx < max_context and the slot inside the pool).
+      req_to_token: int32 [max_reqs, max_context]; row r maps a request's position p to pool
+        slot req_to_token[r, p].
+      req_indices: int32 [B]; request b uses row req_indices[b].
+      indices: int32 [T, W] or [T, Hkv, W]; positions, valid iff 0 <= idx < kv_lens[b]. A
+        position >= max_context, a row outside [0, max_reqs) or a slot outside the pool is an
+        invalid entry (never dereferenced).
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
       max_seqlen_q, softmax_scale, k_scale, v_scale, interpret, geometry: as the chunk variant.
 
@@ -504,50 +508,61 @@ def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
         pools of 2**31..2**32 elements).
     """
     fn = "sparse_prefill_paged"
-    _compat.check_inputs(fn, interpret, q=q, k_cache=k_cache, v_cache=v_cache, slot_table=slot_table,
-                         indices=indices, cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens)
-    p = contract.check_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
-                                     kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale, fn=fn,
-                                     strict=strict)
+    _compat.check_inputs(fn, interpret, q=q, k_cache=k_cache, v_cache=v_cache,
+                         req_to_token=req_to_token, req_indices=req_indices, indices=indices,
+                         cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens)
+    p = contract.check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
+                                     cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale, k_scale,
+                                     v_scale, fn=fn, strict=strict)
     geometry_mode(fn)
     _compat.check_backend(fn, interpret, q, k_cache, v_cache)
     _check_offsets(fn, q=q, k_cache=k_cache, v_cache=v_cache, indices=indices,
-                   slot_table=slot_table)
-    slots = resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, int(k_cache.shape[0]))
+                   req_to_token=req_to_token)
+    slots = resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
+                               int(k_cache.shape[0]))
     return _run(p, q, k_cache, v_cache, (slots, cu_seqlens_q, kv_lens), interpret=interpret,
                 geometry=geometry)
 
 
 @jax.jit
-def _resolve(indices, slot_table, cu_seqlens_q, kv_lens, pool_slots):
+def _resolve(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens, pool_slots):
     t = indices.shape[0]
     n_req = kv_lens.shape[0]
+    max_reqs, max_context = req_to_token.shape
     rows = jnp.arange(t, dtype=jnp.int32)
     req = jnp.sum((cu_seqlens_q[None, 1:] <= rows[:, None]).astype(jnp.int32), axis=1)
     in_request = (req < n_req) & (rows >= cu_seqlens_q[0])
     req = jnp.minimum(req, n_req - 1)
+    table_row = req_indices[req]
+    row_ok = in_request & (table_row >= 0) & (table_row < max_reqs)
     lead = (slice(None),) + (None,) * (indices.ndim - 1)
-    bound = jnp.minimum(kv_lens[req], slot_table.shape[1])[lead]
-    valid = in_request[lead] & (indices >= 0) & (indices < bound)
-    slot = slot_table[req[lead], jnp.where(valid, indices, 0)]
+    bound = jnp.minimum(kv_lens[req], max_context)[lead]
+    valid = row_ok[lead] & (indices >= 0) & (indices < bound)
+    slot = req_to_token[jnp.where(row_ok, table_row, 0)[lead], jnp.where(valid, indices, 0)]
     valid = valid & (slot >= 0) & (slot < pool_slots)
     return jnp.where(valid, slot, -1).astype(jnp.int32)
 
 
-def resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, pool_slots: int):
+def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
+                       pool_slots: int):
     """Pool slot of every index entry, -1 where the entry is invalid (plain JAX, jit-friendly).
 
     Args:
       indices: int32 [T, W] or [T, Hkv, W] request-relative positions.
-      slot_table: int32 [B, max_context]; cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
+      req_to_token: int32 [max_reqs, max_context]; req_indices: int32 [B];
+        cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
       pool_slots: host int, slots in the pool (slots outside [0, pool_slots) become -1).
 
     Returns:
-      int32, indices' shape: ``slot_table[b, idx]`` where 0 <= idx < min(kv_lens[b],
-      max_context) for the request b owning the row, else -1 (also for rows past
-      cu_seqlens_q[B]).
+      int32, indices' shape: ``req_to_token[req_indices[b], idx]`` where
+      0 <= idx < min(kv_lens[b], max_context) and 0 <= req_indices[b] < max_reqs for the request
+      b owning the row, else -1 (also for rows past cu_seqlens_q[B]). The kernel additionally
+      masks columns past the row's visible count.
     """
-    return _resolve(indices, slot_table, cu_seqlens_q, kv_lens, jnp.int32(pool_slots))
+    if math.prod(req_to_token.shape) == 0:  # an empty table: every entry is invalid
+        return jnp.full(indices.shape, -1, jnp.int32)
+    return _resolve(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
+                    jnp.int32(min(int(pool_slots), _INT32_MAX)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -586,7 +601,7 @@ def lowering_cases(device_kind: str, *, head_dim: int = 256, width: int = 2051, 
     q = sds((t, group * hkv, d), jnp.bfloat16)
     idx = sds((t, w), jnp.int32)
     cu, kl = sds((3,), jnp.int32), sds((2,), jnp.int32)
-    st = sds((2, 2048), jnp.int32)
+    r2t, ri = sds((4, 2048), jnp.int32), sds((2,), jnp.int32)
     cases = []
     for (kv_bytes, *_), geo in geos.items():
         tag = f"ht{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}"
@@ -601,7 +616,7 @@ def lowering_cases(device_kind: str, *, head_dim: int = 256, width: int = 2051, 
                       (q, pool, pool, idx, cu, cu, kl)))
         cases.append((f"pallas_prefill_paged_{name}_{tag}",
                       functools.partial(_lower_paged, geometry=geo),
-                      (q, pool, pool, st, idx, cu, kl)))
+                      (q, pool, pool, r2t, ri, idx, cu, kl)))
     return cases
 
 
@@ -614,6 +629,6 @@ def _lower_chunk(q, k, v, idx, cq, ck, kl, *, geometry):
                                 geometry=geometry)
 
 
-def _lower_paged(q, k, v, st, idx, cq, kl, *, geometry):
-    return sparse_prefill_paged(q, k, v, st, idx, cq, kl, q.shape[0], interpret=False,
+def _lower_paged(q, k, v, r2t, ri, idx, cq, kl, *, geometry):
+    return sparse_prefill_paged(q, k, v, r2t, ri, idx, cq, kl, q.shape[0], interpret=False,
                                 geometry=geometry)

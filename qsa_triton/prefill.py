@@ -4,7 +4,7 @@ Three entry points, one kernel body:
   * ``sparse_prefill``        ordinary: K/V are this forward's rows, packed like q;
   * ``sparse_prefill_chunk``  chunk: K/V hold each request's full context at rows cu_seqlens_k[b]..;
   * ``sparse_prefill_paged``  paged: K/V are the pool, position p of request b is slot
-    ``slot_table[b, p]`` (resolved by a small pre-pass into a slot matrix).
+    ``req_to_token[req_indices[b], p]`` (resolved by a small pre-pass into a slot matrix).
 
 Algorithm (per program = one query row x one KV head, covering that KV head's G query heads as a
 head tile of BLOCK_M rows, FP32 accumulator [BLOCK_M, D]): walk the row's index columns in BLOCK_N
@@ -188,26 +188,34 @@ def _qsa_sparse_prefill_fwd(
 
 @triton.jit
 def _qsa_resolve_pool_slots(
-    idx_ptr, slots_ptr, cu_q_ptr, kv_lens_ptr, table_ptr, W,
-    stride_it, stride_ih, stride_st, stride_sh, stride_tb,
+    idx_ptr, slots_ptr, cu_q_ptr, kv_lens_ptr, r2t_ptr, req_idx_ptr, W, max_reqs, max_context,
+    pool_slots, stride_it, stride_ih, stride_st, stride_sh, stride_rt,
     HIDX: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """slots[row, h, c] = slot_table[b, idx] for valid entries (0 <= idx < kv_lens[b], c < visible),
-    else -1. Grid: (max_q, B * HIDX, cdiv(W, BLOCK)); rows past max_q are reached by a grid-stride
-    loop (r, r + max_q, ...), so a too-small max_q still resolves every row."""
+    """slots[row, h, c] = req_to_token[req_indices[b], idx] for valid entries, else -1.
+
+    Valid: c < visible, 0 <= idx < min(kv_lens[b], max_context), 0 <= req_indices[b] < max_reqs
+    and the slot inside [0, pool_slots): lying metadata becomes an invalid entry, and neither the
+    table nor the pool is read outside its bounds. Grid: (max_q, B * HIDX, cdiv(W, BLOCK)); rows
+    past max_q are reached by a grid-stride loop, so a too-small max_q still resolves every row."""
     bh = tl.program_id(1)
     b = bh // HIDX
     h = bh % HIDX
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    kv_len = tl.load(kv_lens_ptr + b)
+    req = tl.load(req_idx_ptr + b)
+    req_ok = (req >= 0) & (req < max_reqs)
+    table_row = r2t_ptr + tl.where(req_ok, req, 0).to(tl.int64) * stride_rt
+    bound = tl.where(req_ok, tl.minimum(kv_len, max_context), 0)
+    cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     for r in range(tl.program_id(0), q_len, tl.num_programs(0)):  # grid-stride over rows
         row = (q_start + r).to(tl.int64)
-        kv_len = tl.load(kv_lens_ptr + b)
         n_cols = tl.minimum(tl.maximum(r + kv_len - q_len + 1, 0), W)
-        cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
         ent = tl.load(idx_ptr + row * stride_it + h * stride_ih + cols, mask=cols < n_cols, other=-1)
-        valid = (cols < n_cols) & (ent >= 0) & (ent < kv_len)
-        slot = tl.load(table_ptr + b.to(tl.int64) * stride_tb + ent, mask=valid, other=-1)
+        valid = (cols < n_cols) & (ent >= 0) & (ent < bound)
+        slot = tl.load(table_row + ent, mask=valid, other=-1)
+        valid = valid & (slot >= 0) & (slot < pool_slots)
         tl.store(slots_ptr + row * stride_st + h * stride_sh + cols, tl.where(valid, slot, -1),
                  mask=cols < W)
 
@@ -269,6 +277,8 @@ def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, geo: Geometry, *, requ
     hkv = k.shape[1]
     if t == 0:
         return out
+    if k.shape[0] == 0:  # nothing to gather from: every entry is invalid
+        return out.zero_()
     stride_ih = idx.stride(1) if idx.dim() == 3 else 0
     args = (q, k, v, out, idx, cu_q, cu_k, kv_lens,
             float(scale) * float(k_scale) * LOG2E, float(v_scale), idx.shape[-1])
@@ -314,13 +324,28 @@ def _chunk_impl(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqle
                    k_scale=k_scale, v_scale=v_scale)
 
 
-def resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, max_seqlen_q) -> torch.Tensor:
-    """Pre-pass of the paged variant: int32 slots shaped like ``indices`` ([T, W] or [T, Hkv, W]),
-    ``slot_table[b, idx]`` where the entry is valid (0 <= idx < kv_lens[b], column < visible) and
-    -1 elsewhere. Invalid entries never read the slot table. Costs one read of the indices and one
-    write of the same size (67 MB at T = 8192, W = 2051)."""
-    slots = torch.empty(indices.shape, dtype=torch.int32, device=indices.device)
+def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens, max_seqlen_q,
+                       pool_slots: int) -> torch.Tensor:
+    """Pre-pass of the paged variant: the pool slot of every index entry.
+
+    Args:
+      indices: int32 [T, W] or [T, Hkv, W]; req_to_token: int32 [max_reqs, max_context];
+        req_indices: int32 [B]; cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; all on one
+        device. max_seqlen_q: host int >= 1 (grid-size hint). pool_slots: host int, the pool's
+        slots.
+
+    Returns:
+      int32, indices' shape: ``req_to_token[req_indices[b], idx]`` where the entry is valid
+      (column < visible, 0 <= idx < kv_lens[b], and in bounds of the table and the pool), -1
+      elsewhere (also columns past visible). Rows past cu_seqlens_q[B] are left unwritten.
+      Costs one read of the indices and one write of the same size (67 MB at T = 8192, W = 2051);
+      a lookup inside the attention loop instead puts a second dependent load before every K/V
+      gather, and measured slower (bench/NOTES.md, "Sparse prefill, Triton").
+    """
     t, w = indices.shape[0], indices.shape[-1]
+    if req_to_token.numel() == 0:  # an empty table: every entry is invalid
+        return torch.full(indices.shape, -1, dtype=torch.int32, device=indices.device)
+    slots = torch.empty(indices.shape, dtype=torch.int32, device=indices.device)
     if t == 0:
         return slots
     hidx = indices.shape[1] if indices.dim() == 3 else 1
@@ -328,21 +353,23 @@ def resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, max_seqlen_q)
     block = min(1024, triton.next_power_of_2(w))
     grid = (max_seqlen_q, requests * hidx, triton.cdiv(w, block))
     _qsa_resolve_pool_slots[grid](
-        indices, slots, cu_seqlens_q, kv_lens, slot_table, w,
+        indices, slots, cu_seqlens_q, kv_lens, req_to_token, req_indices, w,
+        req_to_token.shape[0], req_to_token.shape[1], min(int(pool_slots), 2**31 - 1),
         indices.stride(0), indices.stride(1) if indices.dim() == 3 else 0,
-        slots.stride(0), slots.stride(1) if slots.dim() == 3 else 0, slot_table.stride(0),
+        slots.stride(0), slots.stride(1) if slots.dim() == 3 else 0, req_to_token.stride(0),
         HIDX=hidx, BLOCK=block, num_warps=4,
     )
     return slots
 
 
-def _paged_impl(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens, max_seqlen_q,
-                softmax_scale, k_scale, v_scale, geometry=None):
+def _paged_impl(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q, kv_lens,
+                max_seqlen_q, softmax_scale, k_scale, v_scale, geometry=None):
     out = torch.empty_like(q)
     requests = cu_seqlens_q.shape[0] - 1
     geo = _geometry_from(geometry, "paged", q, requests=requests, max_q=max_seqlen_q,
                          num_kv_heads=k_cache.shape[1], width=indices.shape[-1])
-    slots = resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, max_seqlen_q)
+    slots = resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
+                               max_seqlen_q, k_cache.shape[0])
     return _launch(MODE_SLOTS, q, k_cache, v_cache, out, slots, cu_seqlens_q, cu_seqlens_q,
                    kv_lens, geo, requests=requests, max_q=max_seqlen_q,
                    scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
@@ -382,18 +409,19 @@ def _(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q, softm
 
 @torch.library.custom_op("qsa::sparse_prefill_paged", mutates_args=())
 def _op_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slot_table: torch.Tensor, indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
-              kv_lens: torch.Tensor, max_seqlen_q: int, softmax_scale: float, k_scale: float,
-              v_scale: float) -> torch.Tensor:
-    return _paged_impl(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
-                       max_seqlen_q, softmax_scale, k_scale, v_scale)
+              req_to_token: torch.Tensor, req_indices: torch.Tensor, indices: torch.Tensor,
+              cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, max_seqlen_q: int,
+              softmax_scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
+    return _paged_impl(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
+                       kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale)
 
 
 @_op_paged.register_fake
-def _(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens, max_seqlen_q,
-      softmax_scale, k_scale, v_scale):
-    contract.check_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
-                                 max_seqlen_q, softmax_scale, k_scale, v_scale)
+def _(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q, kv_lens,
+      max_seqlen_q, softmax_scale, k_scale, v_scale):
+    contract.check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
+                                 cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale, k_scale,
+                                 v_scale)
     return torch.empty_like(q)
 
 
@@ -481,33 +509,42 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
                                               kv_lens, mq, sc, ks, vs)
 
 
-def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
-                         max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
+def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
+                         kv_lens, max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                          strict: bool = False):
-    """Paged sparse prefill: K/V read in place from the KV pool through the slot table.
+    """Paged sparse prefill: K/V read in place from the KV pool through SGLang's ``req_to_token``.
+
+    The pool-addressing convention of ``sparse_decode_paged``, so one engine passes one set of
+    tensors to both.
 
     Args:
       q: [T, Hq, D] bf16|fp16.
       k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or float8_e4m3fn.
-      slot_table: int32 [B, max_context]; position p of request b is pool slot slot_table[b, p]
-        (read only for valid entries).
-      indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b].
+      req_to_token: int32 [max_reqs, max_context]; row r maps a request's position p to pool slot
+        req_to_token[r, p] (read only for valid entries).
+      req_indices: int32 [B]; request b uses row req_indices[b].
+      indices: int32 [T, W] or [T, Hkv, W]; request-relative positions, valid iff
+        0 <= idx < kv_lens[b]. Metadata that lies never makes the kernel read outside a buffer:
+        a position >= max_context, a row outside [0, max_reqs) or a slot outside [0, slots) is
+        an invalid entry (masked, never dereferenced).
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
       max_seqlen_q, softmax_scale, k_scale, v_scale, strict: as ``sparse_prefill_chunk``
         (max_seqlen_q is a grid-size hint for the slot pre-pass too).
 
     Returns:
-      [T, Hq, D] in q's dtype.
+      [T, Hq, D] in q's dtype; visible count and zero rows as ``sparse_prefill_chunk``. Pool
+      offsets are 64-bit where slots x Hkv x D passes 2**31.
 
     Raises:
       ContractError: from ``interop.contract.check_prefill_paged`` (before any allocation).
     """
     mq, sc, ks, vs = _checked("sparse_prefill_paged", contract.check_prefill_paged, q,
-                              dict(q=q, k_cache=k_cache, v_cache=v_cache, slot_table=slot_table,
+                              dict(q=q, k_cache=k_cache, v_cache=v_cache,
+                                   req_to_token=req_to_token, req_indices=req_indices,
                                    indices=indices, cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens),
                               max_seqlen_q, softmax_scale, strict, (k_scale, v_scale))
-    return torch.ops.qsa.sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices,
-                                              cu_seqlens_q, kv_lens, mq, sc, ks, vs)
+    return torch.ops.qsa.sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices,
+                                              indices, cu_seqlens_q, kv_lens, mq, sc, ks, vs)
 
 
 # ---------------------------------------------------------------------------------------------

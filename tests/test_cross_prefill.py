@@ -53,7 +53,8 @@ def pallas_on(c, **kw):
     if c.q.is_cuda:
         torch.cuda.synchronize()  # the buffers were produced on torch's stream
     j = {n: (None if getattr(c, n) is None else to_jax(getattr(c, n)))
-         for n in ("q", "k", "v", "indices", "cu_q", "cu_k", "kv_lens", "slot_table")}
+         for n in ("q", "k", "v", "indices", "cu_q", "cu_k", "kv_lens", "slot_table",
+                   "req_indices")}
     if c.kind == "ordinary":
         out = P.sparse_prefill(j["q"], j["k"], j["v"], j["indices"], j["cu_q"], c.max_q,
                                c.softmax_scale, **kw)
@@ -62,9 +63,9 @@ def pallas_on(c, **kw):
                                      j["kv_lens"], c.max_q, c.softmax_scale, c.k_scale, c.v_scale,
                                      **kw)
     else:
-        out = P.sparse_prefill_paged(j["q"], j["k"], j["v"], j["slot_table"], j["indices"],
-                                     j["cu_q"], j["kv_lens"], c.max_q, c.softmax_scale, c.k_scale,
-                                     c.v_scale, **kw)
+        out = P.sparse_prefill_paged(j["q"], j["k"], j["v"], j["slot_table"], j["req_indices"],
+                                     j["indices"], j["cu_q"], j["kv_lens"], c.max_q,
+                                     c.softmax_scale, c.k_scale, c.v_scale, **kw)
     return to_torch(out)
 
 

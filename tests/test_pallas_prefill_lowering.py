@@ -38,7 +38,8 @@ def _args(kind, *, t=256, hq=12, hkv=1, d=256, w=2051, b=2, rows=4096, kv_dtype=
         return (q, kv, kv, idx, cu)
     if kind == "chunk":
         return (q, kv, kv, idx, cu, cu, S((b,), jnp.int32))
-    return (q, kv, kv, S((b, max_context), jnp.int32), idx, cu, S((b,), jnp.int32))
+    return (q, kv, kv, S((b + 2, max_context), jnp.int32), S((b,), jnp.int32), idx, cu,
+            S((b,), jnp.int32))
 
 
 def _fn(kind, max_q=256, geometry=None, scales=(1.0, 1.0)):
