@@ -15,7 +15,7 @@ ends each shape with pass C, the shipped plan and the best configuration each wi
 Providers, interleaved in one process on one set of inputs (``bench.common.time_interleaved``:
 CUDA-graph replay of back-to-back calls, round-robin, median of CUDA-event timings; see
 ``docs/anchors.md`` for why):
-  * ``ours``     ``qsa_triton.sparse_decode`` (plan from ``interop.decode_plan``), and ``ours@self``,
+  * ``ours``     ``qsa_triton.sparse_decode`` (plan from ``interop.plan``), and ``ours@self``,
                  the same provider timed again as a noise check (ratio should be ~1.00);
   * ``sm121``    upstream's packed decode kernel (``interop.peer.load_sm121_decode``); it supports
                  only (24,2) and (12,1) and B <= 128: other shapes skip it;
@@ -485,7 +485,7 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
     import torch  # noqa: PLC0415
 
     from bench.common import gpu_name  # noqa: PLC0415
-    from interop.decode_plan import plan_decode  # noqa: PLC0415
+    from interop.plan import plan_decode  # noqa: PLC0415
     from qsa_triton import decode as dec  # noqa: PLC0415
 
     dev = torch.device(device)
@@ -617,7 +617,7 @@ def run_sweep(*, shapes=SWEEP_SHAPES, geometry=SWEEP_GEOMETRY, rounds: int = 7, 
         top = sorted(timed_b, key=lambda n: timed_b[n]["median_us"])[:5]
         sms = dec._sm_count(dev)
         # programs per SM of a configuration = B x Hkv x max_splits / SMs (PROGRAMS_PER_SM in
-        # interop/decode_plan.py is the knob that sets max_splits from it)
+        # interop/plan.py is the knob that sets max_splits from it)
         print("         top split policies (programs/SM): " + ", ".join(
             f"{n.removeprefix(best_a + '_')} {timed_b[n]['median_us']:.2f}us "
             f"({b * hkv * timed_b[n]['plan']['max_splits'] / sms:.2f})" for n in top))

@@ -129,7 +129,7 @@ VARIANTS = {
 def _plan(dec, b, hkv, g, dev, spec):
     import dataclasses  # noqa: PLC0415
 
-    from interop.decode_plan import next_pow2  # noqa: PLC0415
+    from interop.plan import next_pow2  # noqa: PLC0415
 
     fields = {k: v for k, v in spec.items()
               if k in ("balance", "qk_split", "defer_rowsum", "one_block_splits")}

@@ -541,11 +541,11 @@ def compile_table(arch: str = "sm_90", cases=(("TP1", 1), ("TP1", 128), ("TP4", 
     jax, jnp = _jax()
     import qsa_pallas.decode as pd  # noqa: PLC0415
     import qsa_triton.decode as td  # noqa: PLC0415
-    from interop.arch import KNOWN_ARCHS  # noqa: PLC0415
+    from interop.arch import KNOWN_ARCHS, device_kind  # noqa: PLC0415
     from qsa_pallas import _compat as C  # noqa: PLC0415
 
     cap = int("".join(map(str, KNOWN_ARCHS[arch].cc)))
-    kind = {v: k for k, v in C.CAPABILITY.items()}[cap]
+    kind = device_kind(arch)
     target = GPUTarget("cuda", cap, 32)
     rows = []
     for cfg in td.compile_configs(arch):

@@ -1,20 +1,25 @@
-"""Device facts and the table of architectures QSA knows about.
+"""Device facts and the one table of GPUs QSA knows about.
 
-Framework-free (numpy only at import time). ``DeviceFacts`` can be read from a torch device or a
-jax device (both imported lazily, only when those constructors are called) or built by hand for
-tests and ahead-of-time compile targets.
+Framework-free (stdlib only at import time). ``DeviceFacts`` is read from a torch device or a jax
+device (both imported lazily, only when those constructors are called; cached per device), from a
+jax device-kind string (ahead-of-time lowering under an abstract device), or built by hand for
+tests and compile targets. Kernel modules ask this module, never the framework, for SM counts and
+shared-memory limits.
 
 Sources: shared-memory limits from the CUDA C Programming Guide, "Technical Specifications per
 Compute Capability" (sm_90/sm_100: 227 KB = 232,448 B opt-in per block; sm_120/sm_121:
-99 KB = 101,376 B); tensor-core families from ``qsa-contract.md`` §5.
+99 KB = 101,376 B); tensor-core families from ``qsa-contract.md`` §5; SM counts from the vendors'
+data sheets (as ``multi_processor_count`` reports them).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
-__all__ = ["ArchInfo", "KNOWN_ARCHS", "DeviceFacts", "arch_name", "parse_arch"]
+__all__ = ["ArchInfo", "KNOWN_ARCHS", "KNOWN_PARTS", "CI_ARCHS", "DeviceFacts", "arch_name",
+           "parse_arch", "device_kind", "capability", "triton_version"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,39 +31,43 @@ class ArchInfo:
       cc: (major, minor) compute capability.
       tensor_cores: what Triton can use there (``"wgmma+mma.sync"``, ``"tcgen05"``, ``"mma.sync"``).
       smem_per_block: opt-in maximum dynamic shared memory per block, bytes.
-      example_parts: marketing names of parts with this arch.
     """
 
     name: str
     cc: tuple[int, int]
     tensor_cores: str
     smem_per_block: int
-    example_parts: tuple[str, ...]
+
+    @property
+    def example_parts(self) -> tuple[str, ...]:
+        """Names of the parts in ``KNOWN_PARTS`` with this arch (the first is its representative)."""
+        return tuple(p for p, (a, _) in KNOWN_PARTS.items() if a == self.name)
 
 
 KNOWN_ARCHS: dict[str, ArchInfo] = {
-    "sm_90": ArchInfo("sm_90", (9, 0), "wgmma+mma.sync", 232_448, ("NVIDIA H100", "NVIDIA H200")),
-    "sm_100": ArchInfo("sm_100", (10, 0), "tcgen05", 232_448, ("NVIDIA B200",)),
-    "sm_120": ArchInfo(
-        "sm_120",
-        (12, 0),
-        "mma.sync",
-        101_376,
-        ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "NVIDIA GeForce RTX 5090"),
-    ),
-    "sm_121": ArchInfo("sm_121", (12, 1), "mma.sync", 101_376, ("NVIDIA GB10",)),
+    "sm_90": ArchInfo("sm_90", (9, 0), "wgmma+mma.sync", 232_448),
+    "sm_100": ArchInfo("sm_100", (10, 0), "tcgen05", 232_448),
+    "sm_120": ArchInfo("sm_120", (12, 0), "mma.sync", 101_376),
+    "sm_121": ArchInfo("sm_121", (12, 1), "mma.sync", 101_376),
 }
 
-# SM counts of parts we route on (upstream's SM120 tuned family is gated on the 188-SM part).
-_KNOWN_SM_COUNTS = {
-    "NVIDIA H200": 132,
-    "NVIDIA H100 80GB HBM3": 132,
-    "NVIDIA B200": 148,
-    "NVIDIA RTX PRO 6000 Blackwell Server Edition": 188,
-    "NVIDIA RTX PRO 6000 Blackwell Workstation Edition": 188,
-    "NVIDIA GeForce RTX 5090": 170,
-    "NVIDIA GB10": 48,
+#: Known parts: device name as the driver / jax ``device_kind`` reports it -> (arch, SM count).
+#: The first part of each arch is the device kind that arch is lowered for ahead of time.
+#: Upstream's SM120 tuned prefill family is gated on the 188-SM parts.
+KNOWN_PARTS: dict[str, tuple[str, int]] = {
+    "NVIDIA H200": ("sm_90", 132),
+    "NVIDIA H100 80GB HBM3": ("sm_90", 132),
+    "NVIDIA B200": ("sm_100", 148),
+    "NVIDIA RTX PRO 6000 Blackwell Workstation Edition": ("sm_120", 188),
+    "NVIDIA RTX PRO 6000 Blackwell Server Edition": ("sm_120", 188),
+    "NVIDIA GeForce RTX 5090": ("sm_120", 170),
+    "NVIDIA GB10": ("sm_121", 48),
 }
+
+#: The archs CPU CI compiles and lowers every shipped kernel configuration for.
+CI_ARCHS = ("sm_90", "sm_120", "sm_121")
+
+_DEFAULT_SM_COUNT = 132  # an unknown part's SM count: the H200's (anchors.md)
 
 
 def arch_name(cc: tuple[int, int]) -> str:
@@ -82,9 +91,28 @@ def parse_arch(name: str) -> tuple[int, int]:
     return int(digits[:-1]), int(digits[-1])
 
 
+def device_kind(arch: str) -> str:
+    """The representative part (jax device kind) of a known arch: ``"sm_120"`` -> ``"NVIDIA RTX
+    PRO 6000 Blackwell Workstation Edition"``.
+
+    Raises:
+      ValueError: an arch not in ``KNOWN_ARCHS``.
+    """
+    info = KNOWN_ARCHS.get(arch_name(parse_arch(arch)))
+    if info is None:
+        raise ValueError(f"unknown arch {arch!r}; known: {sorted(KNOWN_ARCHS)}")
+    return info.example_parts[0]
+
+
+def capability(arch: str) -> int:
+    """``"sm_121"`` -> 121 (the integer ``triton.backends.compiler.GPUTarget`` takes)."""
+    major, minor = parse_arch(arch)
+    return major * 10 + minor
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceFacts:
-    """What the router and the geometry selector need to know about one GPU.
+    """What the plans, the router and the geometry selector need to know about one GPU.
 
     Attributes:
       name: device name as the driver reports it (``"NVIDIA H200"``).
@@ -117,15 +145,10 @@ class DeviceFacts:
         return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
     @classmethod
-    def for_arch(
-        cls,
-        arch: str,
-        *,
-        name: str | None = None,
-        sm_count: int | None = None,
-        triton_version: str | None = None,
-    ) -> "DeviceFacts":
-        """Hand-built facts for a known arch (tests, AOT compile targets).
+    def for_arch(cls, arch: str, *, name: str | None = None, sm_count: int | None = None,
+                 triton_version: str | None = None) -> "DeviceFacts":
+        """Hand-built facts for a known arch (tests, AOT compile targets): its representative part
+        unless ``name`` is given; the SM count of that part from ``KNOWN_PARTS`` unless given.
 
         Raises:
           ValueError: ``arch`` is not in ``KNOWN_ARCHS``.
@@ -136,68 +159,95 @@ class DeviceFacts:
             raise ValueError(f"unknown arch {arch!r}; known: {sorted(KNOWN_ARCHS)}")
         name = name or info.example_parts[0]
         if sm_count is None:
-            sm_count = _KNOWN_SM_COUNTS.get(name, 132)
+            sm_count = KNOWN_PARTS.get(name, ("", _DEFAULT_SM_COUNT))[1]
         return cls(name, cc, sm_count, info.smem_per_block, triton_version)
 
     @classmethod
-    def from_torch(cls, device=None) -> "DeviceFacts":
-        """Facts of a CUDA device through torch (imported here, lazily).
+    def from_device_kind(cls, kind: str, triton_version: str | None = None) -> "DeviceFacts":
+        """Facts from a device-kind string alone (jax ``AbstractDevice`` lowering).
 
         Raises:
-          RuntimeError: torch sees no CUDA device.
+          ValueError: the compute capability of ``kind`` cannot be inferred.
         """
-        import torch  # noqa: PLC0415 - lazy by design: core modules import numpy only
+        cc = _cc_from_name(kind)
+        info = KNOWN_ARCHS[arch_name(cc)]
+        sms = KNOWN_PARTS.get(kind, ("", _DEFAULT_SM_COUNT))[1]
+        return cls(kind, cc, sms, info.smem_per_block, triton_version)
 
-        if not torch.cuda.is_available():
-            raise RuntimeError("DeviceFacts.from_torch: torch sees no CUDA device")
-        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        props = torch.cuda.get_device_properties(dev)
-        smem = getattr(props, "shared_memory_per_block_optin", None)
-        cc = (props.major, props.minor)
-        if not smem:
-            smem = KNOWN_ARCHS.get(arch_name(cc), KNOWN_ARCHS["sm_120"]).smem_per_block
-        return cls(props.name, cc, props.multi_processor_count, int(smem), _triton_version())
+    @classmethod
+    def from_torch(cls, device=None) -> "DeviceFacts":
+        """Facts of a CUDA device through torch (imported here, lazily); cached per device.
+
+        Args:
+          device: a torch device / string / ordinal; None = the current CUDA device.
+
+        Raises:
+          RuntimeError: torch sees no CUDA device, or ``device`` is not a CUDA device.
+        """
+        import torch  # noqa: PLC0415 - lazy by design: core modules import no framework
+
+        dev = torch.device("cuda") if device is None else torch.device(device)
+        if dev.type != "cuda":
+            raise RuntimeError(f"DeviceFacts.from_torch: {dev} is not a CUDA device")
+        return _torch_facts(dev.index if dev.index is not None else torch.cuda.current_device())
 
     @classmethod
     def from_jax(cls, device=None) -> "DeviceFacts":
-        """Facts of a jax GPU device (jax imported here, lazily).
+        """Facts of a jax GPU device (jax imported here, lazily); cached per device.
+
+        Args:
+          device: a jax device; None = ``jax.devices()[0]``.
 
         Raises:
           RuntimeError: the device is not a CUDA GPU.
         """
         import jax  # noqa: PLC0415
 
-        dev = device if device is not None else jax.devices()[0]
-        if dev.platform != "gpu":
-            raise RuntimeError(f"DeviceFacts.from_jax: {dev} is not a CUDA GPU")
-        cc_text = getattr(dev, "compute_capability", None)
-        if cc_text:
-            cc = tuple(int(x) for x in str(cc_text).split(".")[:2])
-        else:  # name-based fallback for abstract devices
-            cc = _cc_from_name(dev.device_kind)
-        sm_count = getattr(dev, "core_count", None) or _KNOWN_SM_COUNTS.get(dev.device_kind, 132)
-        info = KNOWN_ARCHS.get(arch_name(cc), KNOWN_ARCHS["sm_120"])
-        return cls(dev.device_kind, cc, int(sm_count), info.smem_per_block, _triton_version())
-
-    @classmethod
-    def from_device_kind(cls, device_kind: str, triton_version: str | None = None) -> "DeviceFacts":
-        """Facts from a device-kind string alone (jax ``AbstractDevice`` lowering)."""
-        cc = _cc_from_name(device_kind)
-        info = KNOWN_ARCHS[arch_name(cc)]
-        return cls(device_kind, cc, _KNOWN_SM_COUNTS.get(device_kind, 132), info.smem_per_block,
-                   triton_version)
+        return _jax_facts(device if device is not None else jax.devices()[0])
 
 
 def _cc_from_name(name: str) -> tuple[int, int]:
-    for info in KNOWN_ARCHS.values():
-        if any(part.lower() in name.lower() or name.lower() in part.lower() for part in info.example_parts):
-            return info.cc
-    if "H100" in name or "H200" in name or "H800" in name or "H20" in name:
+    if name in KNOWN_PARTS:
+        return KNOWN_ARCHS[KNOWN_PARTS[name][0]].cc
+    for part, (arch, _) in KNOWN_PARTS.items():
+        if part.lower() in name.lower() or name.lower() in part.lower():
+            return KNOWN_ARCHS[arch].cc
+    if any(x in name for x in ("H100", "H200", "H800", "H20")):
         return (9, 0)
     raise ValueError(f"cannot infer the compute capability of device kind {name!r}")
 
 
-def _triton_version() -> str | None:
+@functools.lru_cache(maxsize=None)
+def _torch_facts(index: int) -> DeviceFacts:
+    import torch  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("DeviceFacts.from_torch: torch sees no CUDA device")
+    props = torch.cuda.get_device_properties(index)
+    cc = (props.major, props.minor)
+    smem = getattr(props, "shared_memory_per_block_optin", None)
+    if not smem:
+        smem = KNOWN_ARCHS.get(arch_name(cc), KNOWN_ARCHS["sm_120"]).smem_per_block
+    return DeviceFacts(props.name, cc, props.multi_processor_count, int(smem), triton_version())
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_facts(dev) -> DeviceFacts:
+    if dev.platform != "gpu":
+        raise RuntimeError(f"DeviceFacts.from_jax: {dev} is not a CUDA GPU")
+    cc_text = getattr(dev, "compute_capability", None)
+    cc = (tuple(int(x) for x in str(cc_text).split(".")[:2]) if cc_text
+          else _cc_from_name(dev.device_kind))
+    sm_count = (getattr(dev, "core_count", None)
+                or KNOWN_PARTS.get(dev.device_kind, ("", _DEFAULT_SM_COUNT))[1])
+    # an arch we do not know: the smaller (sm_12x) limit, so a fitted plan still launches
+    info = KNOWN_ARCHS.get(arch_name(cc), KNOWN_ARCHS["sm_120"])
+    return DeviceFacts(dev.device_kind, cc, int(sm_count), info.smem_per_block, triton_version())
+
+
+@functools.lru_cache(maxsize=1)
+def triton_version() -> str | None:
+    """Version of the installed ``triton`` package (None when absent: a JAX-only install)."""
     try:
         from importlib.metadata import version  # noqa: PLC0415
 

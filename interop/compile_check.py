@@ -38,19 +38,14 @@ import tempfile
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-from .arch import KNOWN_ARCHS, arch_name, parse_arch
+from .arch import CI_ARCHS, KNOWN_ARCHS, arch_name, device_kind, parse_arch
 
 __all__ = ["ConfigReport", "DEFAULT_ARCHS", "DEVICE_KIND", "TRITON_MODULES", "PALLAS_MODULES",
            "resource_usage", "check_triton", "check_pallas", "run", "parse_archs"]
 
-DEFAULT_ARCHS = ("sm_90", "sm_120", "sm_121")
+DEFAULT_ARCHS = CI_ARCHS
 #: The abstract device each arch is lowered for (jax device kinds).
-DEVICE_KIND = {
-    "sm_90": "NVIDIA H200",
-    "sm_100": "NVIDIA B200",
-    "sm_120": "NVIDIA RTX PRO 6000 Blackwell Workstation Edition",
-    "sm_121": "NVIDIA GB10",
-}
+DEVICE_KIND = {arch: device_kind(arch) for arch in KNOWN_ARCHS}
 # Overridable (comma-separated module names) for tests and out-of-tree kernels.
 TRITON_MODULES = tuple(os.environ.get("QSA_COMPILE_TRITON_MODULES",
                                       "qsa_triton.decode,qsa_triton.prefill").split(","))

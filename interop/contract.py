@@ -37,6 +37,7 @@ __all__ = [
     "check_prefill_paged",
     "Route",
     "route",
+    "exact_contract",
     "envelope_text",
     "validate_decode_metadata",
     "validate_prefill_metadata",
@@ -569,6 +570,13 @@ def route(facts: DeviceFacts, op: str) -> Route:
     if "H20" in facts.name and "H200" not in facts.name:
         return Route(op, kernel, "h20-table", False, "H20: upstream's H20 table")
     return Route(op, kernel, "l20-table", False, f"{facts.arch}: upstream's default (L20) table")
+
+
+def exact_contract(facts: DeviceFacts | None, op: str = "decode") -> bool:
+    """The one exact-contract check: True where ``route`` sends ``op`` on this device to the exact
+    qualified contract only (sm_121 decode), so the entry point must check with ``strict=True``.
+    ``facts`` None (a CPU interpreter, no GPU) is never exact."""
+    return facts is not None and route(facts, op).exact_contract
 
 
 # --------------------------------------------------------------------------------------------

@@ -58,9 +58,7 @@ __all__ = [
     "TritonModule",
     "triton_modules",
     "compile_ttir",
-    "DEVICE_KINDS",
-    "CAPABILITY",
-    "SM12X_SMEM_LIMIT",
+    "target_facts",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
@@ -87,13 +85,6 @@ def _preload_lazy_modules() -> None:
 
 
 _preload_lazy_modules()
-
-#: Device kinds our CPU CI lowers for (architecture.md): sm_90, sm_120, sm_121.
-DEVICE_KINDS = (
-    "NVIDIA H200",
-    "NVIDIA RTX PRO 6000 Blackwell Workstation Edition",
-    "NVIDIA GB10",
-)
 
 # ---------------------------------------------------------------------------------------------
 # Compiler params / pallas_call
@@ -164,6 +155,29 @@ def shard_map(f: Callable, *, mesh, in_specs, out_specs, check: bool = False) ->
     from jax.experimental.shard_map import shard_map as _sm  # noqa: PLC0415  # pragma: no cover
 
     return _sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU a kernel is built for
+def target_facts():
+    """``interop.arch.DeviceFacts`` of the GPU the kernels are being built for: the abstract
+    device of an enclosing ``jax.sharding.use_abstract_mesh`` (ahead-of-time lowering without a
+    GPU), else jax's first device if it is a GPU; None on a CPU-only jax (interpret mode: no
+    shared-memory limit) or for a GPU whose compute capability cannot be inferred."""
+    from interop.arch import DeviceFacts, triton_version  # noqa: PLC0415
+
+    try:
+        abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    except Exception:  # noqa: BLE001 - older jax without abstract meshes
+        abstract = None
+    try:
+        if (abstract is not None and abstract.platform in ("cuda", "gpu")
+                and getattr(abstract, "device_kind", None)):
+            return DeviceFacts.from_device_kind(abstract.device_kind, triton_version())
+        dev = jax.devices()[0]
+        return DeviceFacts.from_jax(dev) if dev.platform == "gpu" else None
+    except (ValueError, KeyError, RuntimeError):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,13 +363,3 @@ def compile_ttir(module: TritonModule, capability: int, *, num_warps: int | None
                                   options=dict(num_warps=nw, num_stages=ns))
     return dict(name=compiled.metadata.name, shared=int(compiled.metadata.shared), num_warps=nw,
                 num_stages=ns, capability=int(capability))
-
-
-#: Compute capability per device kind in DEVICE_KINDS (as jax 0.11's gpu_info maps them).
-CAPABILITY = {
-    "NVIDIA H200": 90,
-    "NVIDIA RTX PRO 6000 Blackwell Workstation Edition": 120,
-    "NVIDIA GB10": 121,
-}
-#: Shared memory per block on sm_120/sm_121 (qsa-contract.md §5).
-SM12X_SMEM_LIMIT = 101_376

@@ -1,13 +1,13 @@
 """Packed varlen sparse decode for JAX: a Pallas kernel on the Triton lowering, split-KV + merge.
 
 Semantics: ``qsa-contract.md`` §2 (flash-attn varlen convention, one query row per sequence).
-Design (mirrors ``qsa_triton.decode`` through the shared static plan ``interop.decode_plan``):
+Design (mirrors ``qsa_triton.decode`` through the shared static plan ``interop.plan``):
 
 * one program per (sequence s, KV head h, split j) covering the G query heads of h, padded to a
   power-of-two head tile (>= 16 so the dots map to tensor-core MMAs) and masked;
 * the split's key range is derived *in the kernel* from ``cu_seqlens_k`` (an int32 input: the
   Triton lowering has no scalar prefetch), with the number of active splits decided on the device
-  from the row length exactly as ``interop/decode_plan.py`` describes; a row longer than
+  from the row length exactly as ``interop/plan.py`` describes; a row longer than
   ``max_seqlen_k`` is still covered completely (the split size grows with the device length);
 * bf16/fp16 dots with FP32 scores (the scale is applied to the FP32 scores), FP32 online softmax;
   every K/V row index is clamped into the buffer *and* masked, so nothing outside
@@ -29,7 +29,7 @@ operand exceeds 2**32 bytes (``_compute_offsets_from_indices``); the row numbers
 (``row * Hkv + h`` < C * Hkv rows) stay far below 2**31.
 
 Algorithm sources: FlashAttention-2 online softmax / flash-decoding split-KV with an LSE merge (Dao
-et al.); the split sizing rule is ``interop/decode_plan.py``'s.
+et al.); the split sizing rule is ``interop/plan.py``'s.
 """
 
 from __future__ import annotations
@@ -42,90 +42,36 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from interop.arch import DeviceFacts
-from interop.contract import ContractError, check_decode, route
-from interop.decode_plan import DecodePlan, next_pow2, plan_decode
+from interop.contract import ContractError, check_decode, exact_contract
+from interop.plan import DecodePlan, fit_shared_memory, next_pow2, plan_decode, split_blocks
 
 from . import _compat as C
 
 __all__ = [
     "sparse_decode", "decode_plan_for", "decode_partials", "decode_direct", "merge_partials",
-    "fit_shared_memory",
-    "split_kernel_smem_bytes", "lowering_cases",
+    "lowering_cases",
 ]
-
-
-def _target() -> tuple[int, int | None]:
-    """(SM count, shared memory per block in bytes or None) of the GPU the kernel is built for:
-    the abstract device's kind when lowering ahead of time under an ``AbstractMesh``
-    (``interop.arch`` tables), else jax's default GPU, else (132, None) (the H200's SM count; CPU
-    interpret mode has no shared-memory limit)."""
-    try:
-        abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    except Exception:  # noqa: BLE001 - older jax without abstract meshes
-        abstract = None
-    if abstract is not None and abstract.platform in ("cuda", "gpu"):
-        try:
-            f = DeviceFacts.from_device_kind(abstract.device_kind)
-            return f.sm_count, f.smem_per_block
-        except (ValueError, KeyError):
-            return 132, None
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:  # pragma: no cover
-        return 132, None
-    return _device_target(dev)
-
-
-@functools.lru_cache(maxsize=16)
-def _device_target(dev) -> tuple[int, int | None]:
-    """Cached: reading the facts of a concrete device looks up package metadata (slow per call)."""
-    if dev.platform != "gpu":
-        return 132, None
-    try:
-        f = DeviceFacts.from_jax(dev)
-        return f.sm_count, f.smem_per_block
-    except Exception:  # noqa: BLE001 - unknown part: SM count from jax, no smem clamp
-        return int(getattr(dev, "core_count", None) or 132), None
-
-
-def split_kernel_smem_bytes(plan: DecodePlan, head_dim: int, elem_bytes: int = 2) -> int:
-    """Estimated shared memory of the split kernel: (num_stages - 1) K+V tiles in flight, the q
-    tile and ~2 KB of reduction scratch. Fitted to Triton's own count for D = 256, BLOCK_N = 32,
-    HT = 16: 41,984 B at 2 stages, 74,752 B at 3 (``tests/test_pallas_lowering.py`` compiles the
-    real kernel and checks the real number against the limit)."""
-    tiles = max(1, plan.num_stages - 1) * 2 * plan.block_n * head_dim * elem_bytes
-    return tiles + plan.head_tile * head_dim * elem_bytes + 2048
-
-
-def fit_shared_memory(plan: DecodePlan, head_dim: int, limit: int | None,
-                      elem_bytes: int = 2) -> DecodePlan:
-    """Lower ``num_stages`` (not below 1) until the estimate fits ``limit`` (101,376 B on
-    sm_120/sm_121: a configuration that fits the H200 can fail to launch there)."""
-    if limit is None:
-        return plan
-    while plan.num_stages > 1 and split_kernel_smem_bytes(plan, head_dim, elem_bytes) > limit:
-        plan = dataclasses.replace(plan, num_stages=plan.num_stages - 1)
-    return plan
 
 
 def decode_plan_for(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                     max_seqlen_k: int, *, elem_bytes: int = 2, **overrides) -> DecodePlan:
-    """The shared static split-KV plan (``interop.decode_plan.plan_decode``) for these shapes on
+    """The shared static split-KV plan (``interop.plan.plan_decode``) for these shapes on
     the target GPU (its SM count), with ``num_stages`` clamped to its shared memory.
     ``overrides`` go to ``plan_decode`` (``max_splits``, ``block_n``, ``sm_count``)."""
-    sm, smem = _target()
-    sm = overrides.pop("sm_count", None) or sm
+    facts = C.target_facts()
+    sm = overrides.pop("sm_count", None) or (facts.sm_count if facts is not None else 132)
+    smem = facts.smem_per_block if facts is not None else None
     plan = plan_decode(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim, max_seqlen_k,
                        sm, **overrides)
-    return fit_shared_memory(plan, head_dim, smem, elem_bytes)
+    return fit_shared_memory(plan, head_dim=head_dim, limit=smem, kv_bytes=elem_bytes,
+                             q_bytes=elem_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
 # The split kernel
 def _active_splits(cuk_ref, s, block_n: int, min_blocks: int, max_splits: int):
     """Row s's (start, end, length, blocks, n_active) from device data only
-    (``interop/decode_plan.py``): blocks = cdiv(len, BLOCK_N), n_active = clamp(cdiv(blocks,
+    (``interop/plan.py``): blocks = cdiv(len, BLOCK_N), n_active = clamp(cdiv(blocks,
     min_blocks), 1, max_splits). A zero-length row has n_active = 1 (its split writes zeros)."""
     start = cuk_ref[s]
     end = cuk_ref[s + 1]
@@ -150,10 +96,9 @@ def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None, *,
     s, h, j = pl_program_ids()
     start, end, length, blocks, n_active = _active_splits(cuk_ref, s, block_n, min_blocks,
                                                           max_splits)
-    # Balanced block range [j*blocks // n_active, (j+1)*blocks // n_active) of split j; for
-    # j >= n_active both ends clamp to `blocks` (an empty split, never stored nor read).
-    blk_lo = jnp.minimum((blocks * j) // n_active, blocks)
-    blk_hi = jnp.minimum((blocks * (j + 1)) // n_active, blocks)
+    # The shared split rule (interop.plan.split_blocks); for j >= n_active both ends clamp to
+    # `blocks` (an empty split, never stored nor read).
+    blk_lo, blk_hi = (jnp.minimum(x, blocks) for x in split_blocks(blocks, j, n_active))
     full = length // block_n  # blocks [0, full) lie entirely inside the row
 
     heads = lax.iota(jnp.int32, head_tile)
@@ -381,7 +326,7 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
         the exact contract (sm_121).
       interpret: None -> Pallas interpret mode when jax's default backend is the CPU, the compiled
         Triton kernel on a GPU; True/False forces it.
-      plan: optional ``interop.decode_plan.DecodePlan`` overriding the shared plan (tests, sweeps).
+      plan: optional ``interop.plan.DecodePlan`` overriding the shared plan (tests, sweeps).
       direct: a one-split plan (``max_splits == 1``) runs ``decode_direct`` (the split kernel
         writes the output: one launch, no merge); None -> ``DIRECT_ONE_SPLIT``
         (env ``QSA_PALLAS_DIRECT``, off by default).
@@ -404,7 +349,7 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
     # qsa_triton; decided from static facts at trace time, so it costs nothing under jit.
     prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
                         fn="sparse_decode",
-                        strict=strict or (not interp and _exact_contract_backend()))
+                        strict=strict or (not interp and exact_contract(C.target_facts())))
     C.check_backend("sparse_decode", interpret, q, k, v, cu_seqlens_q, cu_seqlens_k)
     if plan is None:
         plan = decode_plan_for(prob.batch, prob.num_q_heads, prob.num_kv_heads, prob.head_dim,
@@ -417,15 +362,6 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
                    interpret=interp,
                    direct=DIRECT_ONE_SPLIT if direct is None else bool(direct))
 
-
-
-@functools.cache
-def _exact_contract_backend() -> bool:
-    """True where ``interop.contract.route`` says decode runs the exact contract only (sm_121)."""
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        return False
-    return route(DeviceFacts.from_jax(dev), "decode").exact_contract
 
 
 def lowering_cases(device_kind: str, *, head_dim: int = 256, max_seqlen_k: int = 2051,

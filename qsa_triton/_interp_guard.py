@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import os
 
+import triton
+
 from interop.contract import ContractError
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run in its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+    """True when Triton runs kernels in its CPU interpreter: ``TRITON_INTERPRET`` as Triton itself
+    reads it (``triton.knobs.runtime.interpret``: "1", "true", "on", "yes", any case), now. The
+    one interpreter check of ``qsa_triton``."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 # Triton reads TRITON_INTERPRET when a @triton.jit function is *defined* (our kernels: when

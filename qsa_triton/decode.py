@@ -17,7 +17,7 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
     input dtype, FP32 scores scaled by ``softmax_scale·log2(e)`` (the scale is applied to FP32
     scores, never to q in bf16), FP32 online softmax with exp2, P cast to the value dtype for the
     tensor-core P·V, FP32 accumulator.
-  * Split-KV decided on the device (``interop/decode_plan.py``): the grid is static
+  * Split-KV decided on the device (``interop/plan.py``): the grid is static
     (max_splits x B x Hkv, split-major); each program computes from the row's device length
     ``n_active = clamp(cdiv(cdiv(len, BLOCK_N), min_blocks), 1, max_splits)``, with the
     device-side balance (default) also at most ``max(1, len * slots // (total keys * Hkv))``
@@ -55,7 +55,7 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
   * Small batches (``ONE_BLOCK_SPLITS``): where one split per BLOCK_N block fits one program per
     SM, the grid has exactly that many splits (not a power of two), so no split streams two
     blocks: 65 of 32 keys for 2051 keys, or 33 of 64 keys (8 warps,
-    ``interop.decode_plan.WIDE_BLOCK_N``) where Hkv >= 2 and those still fill half the SMs
+    ``interop.plan.WIDE_BLOCK_N``) where Hkv >= 2 and those still fill half the SMs
     (TP1 B = 1).
 
 Scratch: one set per device (LSE, partial outputs, counters), sized at first use for the largest
@@ -75,6 +75,7 @@ import dataclasses
 import itertools
 import os
 import threading
+import types
 from typing import Any
 
 import torch
@@ -87,11 +88,11 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
 from interop.arch import DeviceFacts
-from interop.contract import QUALIFIED, ContractError, check_decode, route
-from interop import decode_plan as _dplan
-from interop.decode_plan import DecodePlan, next_pow2, plan_decode, prev_pow2
+from interop.contract import QUALIFIED, ContractError, check_decode, exact_contract
+from interop.plan import (LOG2E, DecodePlan, fit_shared_memory, next_pow2, plan_decode, prev_pow2,
+                          smem_bytes, split_blocks)
 
-from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
+from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
 
 __all__ = [
     "sparse_decode",
@@ -126,14 +127,13 @@ __all__ = [
 #: B x Hkv = 64 / 32 / 16 on gave geomean 1.614x / 1.605x / 1.576x upstream vs 1.618x for this
 #: rule, and the kernel everywhere 1.601x (it loses 4-5 us at B x Hkv >= 128).
 MERGE_MODE = "auto"
-#: device-side balance of split counts over the batch's total keys (interop/decode_plan.py);
+#: device-side balance of split counts over the batch's total keys (interop/plan.py);
 #: plan_override(balance=False) gives the static per-row rule (decode v2).
 BALANCE = True
 #: small batches: exactly one split per BLOCK_N block where that fits one wave
-#: (``interop.decode_plan.plan_decode(one_block_splits=True)``; plan_override(one_block_splits=False)
+#: (``interop.plan.plan_decode(one_block_splits=True)``; plan_override(one_block_splits=False)
 #: gives the power-of-two split count of decode v4)
 ONE_BLOCK_SPLITS = True
-_LOG2E = 1.4426950408889634
 
 #: Programmatic Dependent Launch (PDL) between the split and merge kernels (and between a merge
 #: kernel and the next call's split kernel). Why: at B=1 the whole decode is ~8 us of latency
@@ -263,7 +263,7 @@ def _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ, HKV, SLOT
     """(row start, row length, blocks, n_active) of sequence s, from device data only.
 
     BALANCE: the row's share of SLOTS programs, proportional to its length within the batch's
-    total keys (interop/decode_plan.py), capped by MAX_SPLITS and by one split per MIN_BLOCKS
+    total keys (interop/plan.py), capped by MAX_SPLITS and by one split per MIN_BLOCKS
     blocks; otherwise one split per MIN_BLOCKS blocks up to MAX_SPLITS."""
     k_lo = tl.load(cu_k_ptr + s)
     k_hi = tl.load(cu_k_ptr + s + 1)
@@ -275,6 +275,11 @@ def _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ, HKV, SLOT
         share = (n.to(tl.int64) * SLOTS) // (total * HKV)  # int64: n * SLOTS may pass 2^31
         n_act = tl.minimum(n_act, tl.maximum(share, 1).to(tl.int32))
     return k_lo, n, blocks, n_act
+
+
+# The split rule both decode twins use (interop.plan.split_blocks), jitted with this module's
+# globals: Triton needs triton.language visible from a jit function, the core cannot import it.
+_split_blocks = triton.jit(types.FunctionType(split_blocks.__code__, globals(), "split_blocks"))
 
 
 # Shape ints stay runtime values and are not specialised (Triton would otherwise compile a
@@ -333,9 +338,9 @@ def _decode_split_kernel(
     # the extra blocks, so the last split, which holds the row's partial (masked) block, is
     # never longer than the others (at B = 1, 65 blocks over 64 splits: split 0 streams two
     # full blocks, the last only the partial one). int64: blocks x j may pass 2^31.
-    blocks64 = blocks.to(tl.int64)
-    start = (tl.cdiv(blocks64 * j, n_act) * BLOCK_N).to(tl.int32)  # <= n: fits int32
-    stop = tl.minimum(tl.cdiv(blocks64 * (j + 1), n_act) * BLOCK_N, n).to(tl.int32)
+    blk_lo, blk_hi = _split_blocks(blocks.to(tl.int64), j, n_act)
+    start = (blk_lo * BLOCK_N).to(tl.int32)  # <= n: fits int32
+    stop = tl.minimum(blk_hi * BLOCK_N, n).to(tl.int32)
     full_stop = start + ((stop - start) // BLOCK_N) * BLOCK_N
 
     offs_d = tl.arange(0, D)
@@ -585,18 +590,15 @@ def plan_override(**fields):
         _override.fields = prev
 
 
-_SM_COUNT: dict[tuple[str, int | None], int] = {}
+def _facts(device: torch.device) -> DeviceFacts | None:
+    """The device's facts (``interop.arch``, cached there); None on CPU (Triton's interpreter:
+    plans are sized for the H200's 132 SMs, no shared-memory limit)."""
+    return DeviceFacts.from_torch(device) if device.type == "cuda" else None
 
 
 def _sm_count(device: torch.device) -> int:
-    key = (device.type, device.index)
-    if key not in _SM_COUNT:
-        if device.type == "cuda":
-            idx = device.index if device.index is not None else torch.cuda.current_device()
-            _SM_COUNT[key] = torch.cuda.get_device_properties(idx).multi_processor_count
-        else:
-            _SM_COUNT[key] = 132  # the H200 (anchors.md); only shapes the interpreter's grid
-    return _SM_COUNT[key]
+    facts = _facts(device)
+    return 132 if facts is None else facts.sm_count
 
 
 def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
@@ -605,7 +607,7 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
     device = torch.device(device)
     fields = dict(getattr(_override, "fields", None) or {})
     key = (batch, num_kv_heads, group, head_dim, max_seqlen_k, device.type, device.index,
-           MERGE_MODE, BALANCE, ONE_BLOCK_SPLITS, _dplan.DEFER_ROWSUM, tuple(sorted(fields.items())))
+           MERGE_MODE, BALANCE, ONE_BLOCK_SPLITS, tuple(sorted(fields.items())))
     hit = _PLANS.get(key)
     if hit is not None:
         return hit
@@ -614,6 +616,7 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
     fields.pop("tma", None)  # load path, resolved per call by tma_usable
     if merge not in ("kernel", "inline", "auto"):
         raise ValueError(f"merge must be 'kernel', 'inline' or 'auto', got {merge!r}")
+    facts = _facts(device)
     sms = _sm_count(device)
     plan = plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k, sms,
                        max_splits=fields.pop("max_splits", None), block_n=fields.pop("block_n", None),
@@ -621,53 +624,13 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
                        one_block_splits=bool(fields.pop("one_block_splits", ONE_BLOCK_SPLITS)))
     if fields:
         plan = dataclasses.replace(plan, **fields)
-    hit = (fit_shared_memory(plan, head_dim, 2, _smem_limit(device)), merge)
+    hit = (fit_shared_memory(plan, head_dim=head_dim, limit=facts and facts.smem_per_block), merge)
     if len(_PLANS) < 4096:
         _PLANS[key] = hit
     return hit
 
 
 _PLANS: dict[tuple, tuple[DecodePlan, str]] = {}  # host-side cache: plan_for runs on every call
-
-
-def smem_bytes(plan: DecodePlan, head_dim: int, elem_bytes: int = 2) -> int:
-    """Shared memory (bytes) the split kernel needs with ``plan``: (stages - 1) pipelined K+V
-    tiles, the Q tile, the P tile and (TMA path) the mbarriers. Matches ``compiled.metadata.shared``
-    of Triton 3.9 for stages >= 2 to within those barrier bytes (measured for sm_90/sm_120,
-    D = 256, BLOCK_N 16/32/64); over-estimates stage 1."""
-    kv = 2 * plan.block_n * head_dim * elem_bytes
-    return (max(plan.num_stages - 1, 1) * kv + plan.head_tile * head_dim * elem_bytes
-            + plan.head_tile * plan.block_n * elem_bytes
-            + 16 * plan.num_stages)  # the TMA path's mbarriers (8 B per stage per tensor)
-
-
-def fit_shared_memory(plan: DecodePlan, head_dim: int, elem_bytes: int, limit: int | None) -> DecodePlan:
-    """Lower ``num_stages`` (then ``block_n``, down to 16) until ``smem_bytes`` fits ``limit``
-    (bytes per block; None = no limit). SM12x allows 101,376 B (qsa-contract.md §5), so a plan
-    tuned on the H200 (227 KB) never fails to launch there."""
-    if limit is None:
-        return plan
-    while smem_bytes(plan, head_dim, elem_bytes) > limit and plan.num_stages > 1:
-        plan = dataclasses.replace(plan, num_stages=plan.num_stages - 1)
-    while smem_bytes(plan, head_dim, elem_bytes) > limit and plan.block_n > 16:
-        plan = dataclasses.replace(plan, block_n=plan.block_n // 2)
-    return plan
-
-
-_SMEM: dict[tuple[str, int | None], int | None] = {}
-
-
-def _smem_limit(device: torch.device) -> int | None:
-    """Opt-in shared memory per block of a CUDA device (None on CPU)."""
-    key = (device.type, device.index)
-    if key not in _SMEM:
-        if device.type != "cuda":
-            _SMEM[key] = None
-        else:
-            idx = device.index if device.index is not None else torch.cuda.current_device()
-            props = torch.cuda.get_device_properties(idx)
-            _SMEM[key] = int(getattr(props, "shared_memory_per_block_optin", 0) or 101_376)
-    return _SMEM[key]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -713,7 +676,7 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
       value), ``attrs`` (16-divisibility of pointers/strides), ``num_warps``, ``num_stages``,
       ``options`` (extra ``triton.compile`` options: ``launch_pdl`` for the PDL variants).
     """
-    from interop.arch import _KNOWN_SM_COUNTS, KNOWN_ARCHS  # noqa: PLC0415
+    from interop.arch import KNOWN_ARCHS, KNOWN_PARTS  # noqa: PLC0415
 
     info = KNOWN_ARCHS[arch]
     limit = info.smem_per_block
@@ -722,12 +685,12 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
     lo, hi = QUALIFIED["batch"]
     # the geometry plan_for can pick: the static rule and the defaults (balance, one-block
     # splits, whose BLOCK_N can be WIDE_BLOCK_N), for every known SM count
-    sms_all = sorted(set(_KNOWN_SM_COUNTS.values()))
+    sms_all = sorted({sms for _, sms in KNOWN_PARTS.values()})
     plan_kw = [{}, {"balance": BALANCE, "one_block_splits": ONE_BLOCK_SPLITS}]
     for hq, hkv in QUALIFIED["head_pairs"]:
         g = hq // hkv
         plans = {fit_shared_memory(plan_decode(b, hkv, g, head_dim, QUALIFIED["max_seqlen_k"],
-                                               sms, **kw), head_dim, 2, limit)
+                                               sms, **kw), head_dim=head_dim, limit=limit)
                  for b in range(lo, hi + 1) for sms in sms_all for kw in plan_kw}
         # one compiled kernel per geometry (split counts and B are runtime values)
         geometry = {}
@@ -824,7 +787,7 @@ def prepare(device: torch.device | str | None = None, *, rows: int = 0, elems: i
     """Create (or enlarge) the persistent split-KV scratch of ``device`` now.
 
     Sized for the largest qualified decode shape (B = 128, (24,2)/(12,1)/(6,1), D = 256,
-    max_seqlen_k = 2055 under ``interop.decode_plan.plan_decode``: a few MB) or for the given
+    max_seqlen_k = 2055 under ``interop.plan.plan_decode``: a few MB) or for the given
     minimums (``rows`` LSE entries, ``elems`` partial-output floats, ``slots`` counters),
     whichever is larger. Call it before capturing a CUDA graph that contains ``sparse_decode`` if
     no eager call ran first on that device. Idempotent.
@@ -885,9 +848,7 @@ def scratch_info(device: torch.device | str) -> dict[str, Any] | None:
 def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scale: float,
             plan: DecodePlan, merge: str, pdl: bool | None = None,
             tma: bool | None = None) -> torch.Tensor:
-    if q.device.type != "cuda" and not _interpreting():
-        raise ContractError("sparse_decode", "q", "a CUDA tensor (CPU tensors run only under "
-                            "Triton's interpreter, TRITON_INTERPRET=1)", str(q.device))
+    check_device("sparse_decode", q.device.type)
     use_pdl = pdl_enabled(q.device, pdl, q.shape[0] * k.shape[1])  # may raise: before any allocation
     # launch_pdl=True is passed only when on: the interpreter / older Triton never see it
     pdl_kw = {"launch_pdl": True} if use_pdl else {}
@@ -910,7 +871,7 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
     with ctx:
         _decode_split_kernel[(b * hkv * splits,)](
             q, k_arg, v_arg, out, sc.lse, sc.part, sc.counters, cu_seqlens_q, cu_seqlens_k,
-            float(softmax_scale) * _LOG2E,
+            float(softmax_scale) * LOG2E,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1),
             hq, hkv, splits, plan.min_blocks_per_split, b, max(plan.balance_slots, 1),
@@ -952,13 +913,10 @@ def tma_usable(device: torch.device | str, k: torch.Tensor, v: torch.Tensor) -> 
     if k.numel() == 0 or v.numel() == 0:  # a descriptor needs every extent > 0 (C = 0 is legal)
         return False
     device = torch.device(device)
-    if device.type == "cuda" and not _interpreting():
-        key = _dev_key(device)
-        if key not in _CC:
-            _CC[key] = tuple(torch.cuda.get_device_capability(key[1]))
-        if _CC[key] < (9, 0):
+    if device.type == "cuda" and not interpreting():
+        if DeviceFacts.from_torch(device).cc < (9, 0):
             return False
-    elif not _interpreting():
+    elif not interpreting():
         return False
     return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1
                and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
@@ -1020,10 +978,6 @@ def _merge_d_chunk(chunk: int, head_dim: int) -> int:
     return max(16, min(head_dim, MERGE_TILE // chunk))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
-
-
 def _triton_has_pdl() -> bool:
     """Triton exposes the gdc ops and the ``launch_pdl`` launch option (Triton >= 3.4)."""
     try:
@@ -1036,7 +990,6 @@ def _triton_has_pdl() -> bool:
 
 
 _TRITON_PDL = _triton_has_pdl()
-_CC: dict[tuple[str, int | None], tuple[int, int]] = {}
 
 
 def pdl_supported(device: torch.device | str) -> bool:
@@ -1044,12 +997,9 @@ def pdl_supported(device: torch.device | str) -> bool:
     compute capability >= 9.0, a Triton with gdc ops and ``launch_pdl``, and not Triton's
     interpreter (which has no gdc ops)."""
     device = torch.device(device)
-    if device.type != "cuda" or _interpreting() or not _TRITON_PDL:
+    if device.type != "cuda" or interpreting() or not _TRITON_PDL:
         return False
-    key = _dev_key(device)
-    if key not in _CC:
-        _CC[key] = tuple(torch.cuda.get_device_capability(key[1]))
-    return _CC[key] >= (9, 0)
+    return DeviceFacts.from_torch(device).cc >= (9, 0)
 
 
 def pdl_enabled(device: torch.device | str, pdl: bool | None = None,
@@ -1105,19 +1055,6 @@ def decode_with_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_
                    plan, merge, pdl, tma)
 
 
-_EXACT: dict[tuple[str, int | None], bool] = {}
-
-
-def _exact_contract_device(device: torch.device) -> bool:
-    """True where ``interop.contract.route`` says decode runs the exact contract only (sm_121)."""
-    key = (device.type, device.index)
-    hit = _EXACT.get(key)
-    if hit is None:
-        hit = device.type == "cuda" and route(DeviceFacts.from_torch(device), "decode").exact_contract
-        _EXACT[key] = hit
-    return hit
-
-
 # ---------------------------------------------------------------------------------------------
 # torch.library registration
 @torch.library.custom_op("qsa::sparse_decode", mutates_args=())
@@ -1125,7 +1062,7 @@ def _sparse_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       max_seqlen_k: int, softmax_scale: float) -> torch.Tensor:
     """Registered op: contract already checked by the caller (``sparse_decode``)."""
-    if _exact_contract_device(q.device):
+    if exact_contract(_facts(q.device)):
         # SM121 routes decode to the exact qualified contract only (qsa-contract.md §5: a family
         # gate wider than exact (12, 1) caused silent corruption upstream). Checked here, in the
         # op body, so it also holds under torch.compile; a dict lookup on other devices.

@@ -485,7 +485,7 @@ def test_decode_variants_plans_are_what_their_names_say():
     """bench/decode_variants.py: each policy variant fixes the plan it names (CPU: plans only)."""
     torch = pytest.importorskip("torch")
     from bench.decode_variants import VARIANTS, _plan
-    from interop import decode_plan as DP
+    from interop import plan as DP
     from qsa_triton import decode as dec
 
     cpu = torch.device("cpu")

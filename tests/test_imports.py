@@ -32,7 +32,7 @@ def test_qsa_triton_does_not_import_jax():
     assert "jax" not in mods and "jaxlib" not in mods
 
 
-@pytest.mark.parametrize("module", CORE + ["interop.geometry", "interop.decode_plan"])
+@pytest.mark.parametrize("module", CORE + ["interop.geometry", "interop.plan"])
 def test_core_imports_numpy_only(module):
     import importlib.util
 

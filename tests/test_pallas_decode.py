@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import qsa_pallas  # noqa: E402
 from interop.contract import ContractError, check_decode  # noqa: E402
-from interop.decode_plan import DecodePlan  # noqa: E402
+from interop.plan import DecodePlan  # noqa: E402
 from interop.reference import decode_reference, rel_l2  # noqa: E402
 from qsa_pallas import _compat as C  # noqa: E402
 from qsa_pallas.decode import decode_plan_for  # noqa: E402

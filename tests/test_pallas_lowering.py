@@ -23,12 +23,20 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from interop.arch import DeviceFacts  # noqa: E402
-from interop.decode_plan import DecodePlan  # noqa: E402
+from interop.arch import CI_ARCHS, DeviceFacts, capability, device_kind  # noqa: E402
+from interop.contract import QUALIFIED, ContractError  # noqa: E402
+from interop.plan import DecodePlan  # noqa: E402
 from qsa_pallas import _compat as C  # noqa: E402
 from qsa_pallas.decode import decode_plan_for, sparse_decode  # noqa: E402
 
 SDS = jax.ShapeDtypeStruct
+KINDS = [device_kind(a) for a in CI_ARCHS]  # H200, RTX PRO 6000 Workstation, GB10
+
+
+def _cap_limit(kind):
+    """(compute capability as an int, shared memory per block) of a device kind."""
+    facts = DeviceFacts.from_device_kind(kind)
+    return capability(facts.arch), facts.smem_per_block
 
 
 def _args(b, hq, hkv, d, cap, dtype=jnp.bfloat16):
@@ -60,10 +68,16 @@ SHAPES = [  # (B, Hq, Hkv, D, max_seqlen_k)
 ]
 
 
-@pytest.mark.parametrize("kind", C.DEVICE_KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-{}x{}-D{}-msk{}".format(*s))
 def test_decode_lowers_and_compiles_for_cuda(kind, shape):
     b, hq, hkv, d, msk = shape
+    if kind == "NVIDIA GB10" and ((hq, hkv) not in QUALIFIED["head_pairs"]
+                                  or d != QUALIFIED["head_dim"]):
+        # sm_121 decode runs the exact qualified contract only (interop.contract.exact_contract)
+        with pytest.raises(ContractError, match="strict mode"):
+            _lower(kind, b, hq, hkv, d, msk)
+        return
     lowered = _lower(kind, b, hq, hkv, d, msk)
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text
@@ -79,8 +93,7 @@ def test_decode_lowers_and_compiles_for_cuda(kind, shape):
     for mod in mods:
         assert "atomic" not in mod.text(), "no atomics (int32 vector atomics: no-op on the H200)"
     _triton_or_skip()
-    cap = C.CAPABILITY[kind]
-    limit = C.SM12X_SMEM_LIMIT if cap >= 120 else facts.smem_per_block
+    cap, limit = _cap_limit(kind)
     for mod in mods:
         try:
             res = C.compile_ttir(mod, cap)
@@ -129,15 +142,16 @@ def test_oversized_plan_is_clamped_to_sm12x_shared_memory():
     ``decode_plan_for`` lowers num_stages under those device kinds; the compiled kernel fits."""
     from qsa_pallas.decode import decode_plan_for as plan_for  # noqa: PLC0415
 
-    for kind in C.DEVICE_KINDS[1:]:
+    for kind in KINDS[1:]:
         with jax.sharding.use_abstract_mesh(C.abstract_mesh(kind)):
             plan = plan_for(8, 12, 1, 256, 2051, block_n=128)
         assert plan.num_stages < 3
         lowered = _lower(kind, 8, 12, 1, 256, 2051, plan=plan)
         _triton_or_skip()
         split = C.triton_modules(lowered)[0]
-        res = C.compile_ttir(split, C.CAPABILITY[kind])
-        assert res["shared"] <= C.SM12X_SMEM_LIMIT, res
+        cap, limit = _cap_limit(kind)
+        res = C.compile_ttir(split, cap)
+        assert res["shared"] <= limit == 101_376, res
 
 
 def test_kv_buffers_past_4_gib_use_64_bit_offsets():
@@ -154,7 +168,7 @@ def test_kv_buffers_past_4_gib_use_64_bit_offsets():
     assert "xi64>" not in split_small
 
 
-@pytest.mark.parametrize("kind", C.DEVICE_KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_planned_configuration_lowers(kind):
     """``qsa_pallas.decode.lowering_cases``: every distinct plan the shared planner picks on this
     device for TP1/TP2/TP4 x B = 1..128 lowers (both kernels, no atomics); the smallest and the
@@ -170,8 +184,7 @@ def test_every_planned_configuration_lowers(kind):
         assert not any("atomic" in m.text() for m in mods), name
         lowered[name] = mods
     _triton_or_skip()
-    cap = C.CAPABILITY[kind]
-    limit = C.SM12X_SMEM_LIMIT if cap >= 120 else DeviceFacts.from_device_kind(kind).smem_per_block
+    cap, limit = _cap_limit(kind)
     for name in (cases[0][0], cases[-1][0]):
         for m in lowered[name]:
             res = C.compile_ttir(m, cap)

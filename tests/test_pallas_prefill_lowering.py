@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from interop.arch import DeviceFacts
+from interop.arch import CI_ARCHS, DeviceFacts, capability, device_kind
 from interop.contract import PrefillProblem
 from qsa_pallas import _compat
 from qsa_pallas import prefill as P
@@ -61,7 +61,7 @@ CASES = [  # (kind, kv dtype, per-head indices, (Hq, Hkv))
 ]
 
 
-@pytest.mark.parametrize("device_kind", _compat.DEVICE_KINDS)
+@pytest.mark.parametrize("device_kind", [device_kind(a) for a in CI_ARCHS])
 @pytest.mark.parametrize("kind,kv_dtype,per_head,heads", CASES,
                          ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-{'ph' if c[2] else 'sh'}-{c[3][0]}x{c[3][1]}"
                               for c in CASES])
@@ -84,7 +84,7 @@ def test_lowers_and_compiles_for_cuda(device_kind, kind, kv_dtype, per_head, hea
     assert (mod.num_warps, mod.num_stages) == (geo.num_warps, geo.num_stages)
     if not HAS_TRITON:
         pytest.skip("triton not installed: lowered only, Triton compile not checked")
-    cap = _compat.CAPABILITY[device_kind]
+    cap = capability(DeviceFacts.from_device_kind(device_kind).arch)
     res = _compile(mod, cap)
     assert res["shared"] <= facts.smem_per_block, (device_kind, geo, res)
     assert res["shared"] <= P.shared_memory_estimate(geo, head_dim=256, kv_bytes=1 if fp8 else 2)
@@ -132,16 +132,16 @@ def test_every_selector_geometry_fits_the_device(device_kind, geo, kv_dtype):
     lowered = _compat.lower_for_device_kind(
         _fn("chunk", geometry=pg), _args("chunk", kv_dtype=kv_dtype), device_kind)
     (mod,) = _compat.triton_modules(lowered)
-    res = _compile(mod, _compat.CAPABILITY[device_kind])
+    res = _compile(mod, capability(DeviceFacts.from_device_kind(device_kind).arch))
     assert res["shared"] <= facts.smem_per_block, (pg, res)
     assert res["shared"] <= P.shared_memory_estimate(pg, head_dim=256, kv_bytes=kv_bytes), (pg, res)
 
 
 def test_sm12x_fit_shrinks_a_227kb_geometry():
     big = P.PallasPrefillGeometry(16, 64, 4, 3, "x")
-    assert P.shared_memory_estimate(big, head_dim=256, kv_bytes=2) > _compat.SM12X_SMEM_LIMIT
-    fit = P.fit_shared_memory(big, head_dim=256, kv_bytes=2, limit=_compat.SM12X_SMEM_LIMIT)
-    assert P.shared_memory_estimate(fit, head_dim=256, kv_bytes=2) <= _compat.SM12X_SMEM_LIMIT
+    assert P.shared_memory_estimate(big, head_dim=256, kv_bytes=2) > 101_376
+    fit = P.fit_shared_memory(big, head_dim=256, kv_bytes=2, limit=101_376)
+    assert P.shared_memory_estimate(fit, head_dim=256, kv_bytes=2) <= 101_376
     assert (fit.block_n, fit.num_stages) != (64, 3) and "fit<=" in fit.source
     same = P.fit_shared_memory(big, head_dim=256, kv_bytes=2, limit=232_448)
     assert same == big

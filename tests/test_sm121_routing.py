@@ -1,7 +1,7 @@
 """SM121 decode runs the exact qualified contract only (qsa-contract.md §5), in both frameworks.
 
-No GPU here: the device facts are simulated by marking the current device as one that
-``interop.contract.route`` sends to the exact contract; the contract itself is the real one.
+No GPU here: the device facts are simulated by making each backend's device lookup return a GB10
+(``interop.arch.DeviceFacts.for_arch("sm_121")``); the routing and the contract are the real ones.
 """
 
 import numpy as np
@@ -34,7 +34,7 @@ def test_triton_exact_contract_device_rejects_outside_envelope(monkeypatch):
     q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in _inputs(4, 1, 64, [3, 5]))
     out = qsa_triton.sparse_decode(q, k, v, cu_q, cu_k, 8)  # default device: generic contract
     assert out.shape == q.shape
-    monkeypatch.setitem(dec._EXACT, (q.device.type, q.device.index), True)  # "this is a GB10"
+    monkeypatch.setattr(dec, "_facts", lambda device: DeviceFacts.for_arch("sm_121"))  # a GB10
     with pytest.raises(ContractError, match="strict mode"):
         qsa_triton.sparse_decode(q, k, v, cu_q, cu_k, 8)
 
@@ -42,10 +42,10 @@ def test_triton_exact_contract_device_rejects_outside_envelope(monkeypatch):
 def test_pallas_exact_contract_backend_rejects_outside_envelope(monkeypatch):
     jnp = pytest.importorskip("jax.numpy")
     import qsa_pallas
-    from qsa_pallas import decode as dec
+    from qsa_pallas import _compat as C
 
     q, k, v, cu_q, cu_k = (jnp.asarray(x) for x in _inputs(4, 1, 64, [3, 5]))
-    monkeypatch.setattr(dec, "_exact_contract_backend", lambda: True)  # "this is a GB10"
+    monkeypatch.setattr(C, "target_facts", lambda: DeviceFacts.for_arch("sm_121"))  # a GB10
     # compiled path (interpret=False): the strict check runs before anything is lowered
     with pytest.raises(ContractError, match="strict mode"):
         qsa_pallas.sparse_decode(q, k, v, cu_q, cu_k, 8, interpret=False)

@@ -157,7 +157,7 @@ def test_balance_plan_grid_and_auto_merge():
     """plan_for with the default balance: large batches keep >= BALANCE_GRID_SPLITS splits in the
     grid (long rows of a mixed batch can split) and merge inline; small batches keep the static
     grid and the merge kernel."""
-    from interop import decode_plan as DP
+    from interop import plan as DP
 
     big, merge_big = dec.plan_for(128, 1, 12, 256, 2051, CPU)
     small, merge_small = dec.plan_for(1, 2, 12, 256, 2051, CPU)
@@ -508,14 +508,6 @@ def test_generic_group_10_and_d32():
     assert_close(out, reference(*case))
 
 
-def test_cpu_tensors_without_interpreter_rejected(monkeypatch):
-    args = _ok_args()
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ContractError) as e:
-        qsa_triton.sparse_decode(*args)
-    assert e.value.arg == "q" and "CUDA" in str(e.value)
-
-
 def test_strict_envelope():
     args = _ok_args()
     with pytest.raises(ContractError):  # D = 64 is outside the qualified envelope
@@ -711,7 +703,7 @@ def test_aot_list_covers_every_default_launch():
     the defaults (and the merge / PDL / TMA / balance / one-block overrides) make for the
     qualified shapes, on every known SM count: the (constexprs, warps, stages) that ``_launch``
     computes with ``split_constexprs`` for the plan ``plan_for`` builds."""
-    from interop.arch import _KNOWN_SM_COUNTS, KNOWN_ARCHS
+    from interop.arch import KNOWN_ARCHS, KNOWN_PARTS
     from interop.contract import QUALIFIED
 
     for arch in ("sm_90", "sm_120"):
@@ -719,7 +711,7 @@ def test_aot_list_covers_every_default_launch():
                   for c in dec.compile_configs(arch) if c["kernel"] is dec._decode_split_kernel}
         limit = KNOWN_ARCHS[arch].smem_per_block
         missing = []
-        for sms in sorted(set(_KNOWN_SM_COUNTS.values())):
+        for sms in sorted({n for _, n in KNOWN_PARTS.values()}):
             for hq, hkv in QUALIFIED["head_pairs"]:
                 g = hq // hkv
                 for b in (1, 2, 3, 4, 8, 16, 17, 32, 48, 64, 96, 128):
@@ -727,7 +719,7 @@ def test_aot_list_covers_every_default_launch():
                         for bal, one in ((True, True), (False, False), (True, False)):
                             plan = dec.fit_shared_memory(
                                 dec.plan_decode(b, hkv, g, 256, msk, sms, balance=bal,
-                                                one_block_splits=one), 256, 2, limit)
+                                                one_block_splits=one), head_dim=256, limit=limit)
                             splits = plan.max_splits
                             kv_rows = b * hkv
                             auto = "inline" if 2 * kv_rows >= sms else "kernel"
@@ -755,7 +747,7 @@ _SMEM_SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from qsa_triton import decode as dec
-    from interop.decode_plan import DecodePlan
+    from interop.plan import DecodePlan
 
     res = []
     for arch, cc in (("sm_120", 120), ("sm_121", 121)):
@@ -772,8 +764,8 @@ _SMEM_SCRIPT = textwrap.dedent("""
             est = None
             if "BLOCK_N" in c["constexprs"]:
                 k = c["constexprs"]
-                est = dec.smem_bytes(DecodePlan(k["HT"], k["BLOCK_N"], 1, 1, c["num_warps"],
-                                                c["num_stages"]), k["D"], 2)
+                est = dec.smem_bytes(head_tile=k["HT"], block_n=k["BLOCK_N"], head_dim=k["D"],
+                                     num_stages=c["num_stages"])
             res.append([c["name"], cc, comp.metadata.shared, est, gdc])
     print(json.dumps(res))
 """)

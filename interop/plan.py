@@ -1,0 +1,228 @@
+"""Launch plans shared by the Triton and the Pallas kernels: the split-KV decode plan, the split
+rule, one shared-memory model and one fit function.
+
+Framework-free (stdlib only). Both decode twins and both prefill twins size their launches here,
+so a given device and shape launches the same tiles in both implementations.
+
+Decode plan. Only static facts go in (batch, heads, head dim, ``max_seqlen_k``, the device's SM
+count): the plan fixes the *grid* (B x Hkv x max_splits programs) and the tile sizes. How many of
+the ``max_splits`` programs of a (sequence, KV head) actually work is decided **on the device**
+from that row's length (``cu_seqlens_k[s+1] - cu_seqlens_k[s]``), so the same compiled launch
+(CUDA graph, jitted function) stays correct when the lengths change:
+
+    blocks      = cdiv(len, BLOCK_N)
+    n_active    = clamp(cdiv(blocks, min_blocks_per_split), 1, max_splits)
+    split j < n_active covers blocks [cdiv(j * blocks, n_active), cdiv((j + 1) * blocks, n_active))
+                  (``split_blocks``: every active split of a non-empty row gets >= 1 block, since
+                   n_active <= blocks; counts differ by at most one, the extra blocks go to the
+                   first splits, so the last split, which holds the row's partial block, is never
+                   the longest)
+
+A row longer than ``max_seqlen_k`` is still covered completely (the split size grows with the
+device length); ``max_seqlen_k`` only bounds the useful grid. Splits past ``n_active`` write
+nothing the merge uses. A zero-length row has n_active = 1 and its one split writes exact zeros.
+
+Sizing rule (why): at small batch upstream runs B x Hkv x <= 8 programs on 132 SMs and is far from
+the memory floor (anchors.md). The H200 sweep (bench/NOTES.md, decode "plan from the sweep")
+found the best split count at about ONE program per SM, rounded *down* to a power of two:
+B x Hkv x max_splits <= SMs; a second, partial wave cost more, and at B x Hkv >= SMs no split
+at all was fastest.
+
+One-block splits (``one_block_splits``, the Triton default): where one split per BLOCK_N block
+fits that one wave (B x Hkv x blocks <= SMs, blocks <= 2 x MAX_SPLITS_CAP), the grid has exactly
+``blocks`` splits (65 for 2051 keys), so no split streams two blocks and ends after the others;
+where splits of WIDE_BLOCK_N keys would still give >= SMs / 2 programs and Hkv >= 2, BLOCK_N is
+WIDE_BLOCK_N with 8 warps (half the programs, partials and merge reads for the same keys).
+
+Device-side balance (``balance=True``, the Triton default): the static rule sizes splits for rows
+as long as ``max_seqlen_k``, so a mixed batch at large B would leave its long rows unsplit. With
+balance every program also reads the batch's total keys (``cu_seqlens_k[B] - cu_seqlens_k[0]``,
+one load) and a row gets a share of ``balance_slots`` programs proportional to its length:
+
+    n_active = clamp(floor(len * balance_slots / (total * Hkv)), 1, max_splits),
+               and at most cdiv(blocks, min_blocks_per_split)
+
+(summed over rows and KV heads <= balance_slots + rows, so equal rows never exceed the slots). The
+grid keeps at least ``BALANCE_GRID_SPLITS`` splits per row so long rows of a mixed batch can
+split; splits past ``n_active`` exit at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TypeVar
+
+__all__ = ["DecodePlan", "plan_decode", "split_blocks", "smem_bytes", "fit_shared_memory",
+           "next_pow2", "prev_pow2", "LOG2E"]
+
+#: log2(e): exp(x) = exp2(x * LOG2E); the kernels scale FP32 scores by softmax_scale * LOG2E and
+#: use exp2, the cheaper PTX path.
+LOG2E = 1.4426950408889634
+
+# Decode tunables, decided by the H200 sweeps (bench/NOTES.md, packed decode).
+PROGRAMS_PER_SM = 1  # split-KV target: at most this many programs per SM for long rows
+MAX_SPLITS_CAP = 64  # most splits per (sequence, KV head) under the power-of-two rule (the
+#                      one-block rule allows up to 2x this; the Triton merge reads <= 128 at once)
+MIN_BLOCKS_CAP = 2  # a split streams up to this many BLOCK_N blocks before another is activated
+BALANCE_SLOTS_PER_SM = 2  # device-side balance: programs the rows share, per SM
+BALANCE_GRID_SPLITS = 4  # ... and the smallest grid split count, so long mixed rows can split
+WIDE_BLOCK_N = 64  # BLOCK_N of one-block splits where they still fill half the SMs
+
+
+def prev_pow2(x: int) -> int:
+    """Largest power of two <= x (x >= 1; 1 for x < 1)."""
+    return 1 << (max(1, int(x)).bit_length() - 1)
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= x (1 for x <= 1)."""
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+def split_blocks(blocks, j, n_active):
+    """Block range ``[lo, hi)`` of split ``j`` of ``n_active`` over a row of ``blocks`` blocks.
+
+    ``lo = cdiv(j * blocks, n_active)``, ``hi = cdiv((j + 1) * blocks, n_active)``: every block
+    is covered exactly once, each active split of a non-empty row gets >= 1 block (n_active <=
+    blocks), and the extra blocks of an uneven division go to the first splits, so the last split
+    (which holds the row's partial block) is never the longest. For ``j >= n_active`` the range
+    starts at or past ``blocks`` (empty once clamped to ``blocks``).
+
+    Plain ``+ * //`` on non-negative integers only, so the same function runs on host ints, inside
+    a ``triton.jit`` kernel (``qsa_triton.decode`` jit-wraps it; pass int64 ``blocks`` where
+    ``blocks * n_active`` may pass 2**31) and on traced jax integers in the Pallas kernel.
+    """
+    return (blocks * j + n_active - 1) // n_active, (blocks * (j + 1) + n_active - 1) // n_active
+
+
+def smem_bytes(*, head_tile: int, block_n: int, head_dim: int, num_stages: int,
+               kv_bytes: int = 2, q_bytes: int = 2) -> int:
+    """Upper estimate of the shared memory (bytes) one program of a Q-tile x K/V-stream attention
+    kernel needs (the decode split kernels and the prefill kernels of both backends).
+
+    Model: ``max(num_stages - 1, 1)`` pipelined copies of the K and V tiles
+    (``2 x block_n x head_dim x kv_bytes``) with 1/8 margin for the pipeliner's layout
+    conversions, plus the Q tile (``head_tile x head_dim x q_bytes``), the P tile
+    (``head_tile x block_n x q_bytes``) and 2 KiB of reduction scratch and barriers.
+    Checked against ``compiled.metadata.shared`` of every shipped configuration for sm_90 and
+    sm_120 (``python3 -m interop.validate.compile``; the compile tests assert
+    ``shared <= smem_bytes``); it over-counts single-stage kernels.
+    """
+    kv = 2 * block_n * head_dim * kv_bytes
+    return (max(num_stages - 1, 1) * kv * 9 // 8 + head_tile * head_dim * q_bytes
+            + head_tile * block_n * q_bytes + 2048)
+
+
+_Cfg = TypeVar("_Cfg")
+
+
+def fit_shared_memory(cfg: _Cfg, *, head_dim: int, limit: int | None, kv_bytes: int = 2,
+                      q_bytes: int = 2) -> _Cfg:
+    """Shrink a launch configuration until ``smem_bytes`` fits ``limit`` bytes per block.
+
+    ``cfg`` is any frozen dataclass with ``head_tile``, ``block_n`` and ``num_stages`` fields
+    (``DecodePlan``, the prefill geometries); fewer pipeline stages first (down to 1), then a
+    smaller ``block_n`` (halved, down to 16); other fields are kept (``dataclasses.replace``).
+    ``limit`` None (CPU interpreters) returns ``cfg`` unchanged. Why: a configuration tuned on
+    sm_90 (232,448 B per block) must still launch on sm_120 / sm_121 (101,376 B,
+    ``qsa-contract.md`` §5). Returns the smallest change that fits, or the 1-stage, 16-column
+    configuration if nothing does.
+    """
+    if limit is None:
+        return cfg
+
+    def need(c) -> int:
+        return smem_bytes(head_tile=c.head_tile, block_n=c.block_n, head_dim=head_dim,
+                          num_stages=c.num_stages, kv_bytes=kv_bytes, q_bytes=q_bytes)
+
+    while need(cfg) > limit and cfg.num_stages > 1:
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    while need(cfg) > limit and cfg.block_n > 16:
+        cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2)
+    return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """Static decode launch plan.
+
+    Attributes:
+      head_tile: query heads per program, G padded to a power of two (>= 16 for tensor-core dots).
+      block_n: key rows per inner-loop step (BLOCK_N).
+      max_splits: programs per (sequence, KV head) along the row (grid dimension; a power of
+        two, or the row's block count under ``one_block_splits``).
+      min_blocks_per_split: a split is only activated when it gets at least this many BLOCK_N blocks.
+      num_warps, num_stages: Triton launch parameters (the Pallas kernels pass them through their
+        compiler params).
+      balance_slots: 0 = the static rule (n_active from the row's blocks only); > 0 = device-side
+        balance over this many programs (module docstring; Triton kernel only).
+    """
+
+    head_tile: int
+    block_n: int
+    max_splits: int
+    min_blocks_per_split: int
+    num_warps: int
+    num_stages: int
+    balance_slots: int = 0
+    tail_in_loop: bool = False  # experiment switches, removed with the Triton decode's options
+    qk_split: int = 1
+    defer_rowsum: bool = True
+
+
+def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
+                sm_count: int = 132, *, max_splits: int | None = None,
+                block_n: int | None = None, balance: bool = False,
+                one_block_splits: bool = False) -> DecodePlan:
+    """Plan a split-KV decode launch from static shapes.
+
+    Args:
+      batch: B sequences; num_kv_heads: Hkv; group: G = Hq / Hkv; head_dim: D (power of two).
+      max_seqlen_k: static upper bound of a row's key count (host int).
+      sm_count: streaming multiprocessors of the target GPU (132 on the H200).
+      max_splits, block_n: overrides (tests).
+      balance: plan for the device-side balance (module docstring): at least
+        BALANCE_GRID_SPLITS splits in the grid, ``balance_slots = BALANCE_SLOTS_PER_SM * sm_count``.
+      one_block_splits: where one split per BLOCK_N block still fits one program per SM
+        (B x Hkv x blocks <= PROGRAMS_PER_SM x sm_count, blocks <= 2 x MAX_SPLITS_CAP), use
+        exactly ``blocks`` splits in the grid (not a power of two), so no split of a
+        ``max_seqlen_k`` row streams two blocks (the balance's grid floor still applies to very
+        short rows). Where BLOCK_N is not given, num_kv_heads >= 2 and one-block splits of
+        WIDE_BLOCK_N rows would still give at least half as many programs as SMs, BLOCK_N is
+        WIDE_BLOCK_N with 8 warps. Triton kernel only (its merge reads up to 128 splits at once).
+
+    Returns:
+      DecodePlan (num_stages 3: two K/V tiles in flight; callers fit it to their device with
+      ``fit_shared_memory``). Source: this module's docstring; measurements in bench/NOTES.md.
+    """
+    head_tile = max(16, next_pow2(group))
+    num_warps = 4
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+        programs = batch * num_kv_heads
+        narrow, wide = (math.ceil(max_seqlen_k / n) for n in (block_n, WIDE_BLOCK_N))
+        if (one_block_splits and max_splits is None and block_n < WIDE_BLOCK_N
+                and num_kv_heads >= 2 and programs * narrow <= PROGRAMS_PER_SM * sm_count
+                and narrow <= 2 * MAX_SPLITS_CAP and 2 * programs * wide >= sm_count):
+            # half the programs, partials and merge reads for the same keys; 8 warps avoid the
+            # register spills of 4 at D = 256. Only with >= 2 KV heads: the same grid from two
+            # sequences of one KV head measured slower (bench/NOTES.md, decode "64-row block").
+            block_n = WIDE_BLOCK_N
+            num_warps = 8
+    blocks = max(1, math.ceil(max_seqlen_k / block_n))
+    if max_splits is None:
+        programs = batch * num_kv_heads
+        want = max(1, (PROGRAMS_PER_SM * sm_count) // programs)
+        max_splits = min(prev_pow2(want), MAX_SPLITS_CAP, next_pow2(blocks))
+        if one_block_splits and blocks <= min(want, 2 * MAX_SPLITS_CAP):
+            max_splits = blocks
+        if balance:
+            max_splits = max(max_splits, min(BALANCE_GRID_SPLITS, next_pow2(blocks)))
+    max_splits = max(1, int(max_splits))
+    # A row as long as max_seqlen_k should use every split (small batches fill the GPU), but a
+    # split should stream at least a few blocks when there are enough of them (amortises the Q
+    # load and the merge): 1..MIN_BLOCKS_CAP blocks per split.
+    min_blocks = max(1, min(MIN_BLOCKS_CAP, blocks // max_splits))
+    slots = BALANCE_SLOTS_PER_SM * sm_count if balance else 0
+    return DecodePlan(head_tile, block_n, max_splits, min_blocks, num_warps, 3, slots)
