@@ -8,11 +8,8 @@ compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))
 
 Pallas kernels: every module in ``PALLAS_MODULES`` that exposes ``lowering_cases(device_kind)``
 (a list of ``(name, fn, args)``: ``fn(*args)`` lowered under an abstract device) is used; for
-``qsa_pallas.decode`` / ``qsa_pallas.prefill`` without it, the cases are enumerated here: every
-decode plan the shared planner picks for the qualified head pairs and batches, and every prefill
-geometry the shared selector can return (``interop.geometry.all_configs``, fitted to the arch's
-shared memory as ``qsa_pallas.prefill.select_geometry`` does) x ordinary/chunk/paged x bf16/FP8
-K/V. Each is lowered with ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`` under a
+``qsa_pallas.decode`` without it, the cases are enumerated here: every decode plan the shared
+planner picks for the qualified head pairs and batches. Each is lowered with ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`` under a
 ``jax.sharding.AbstractMesh`` whose device kind is the arch's part, and the embedded Triton IR is
 compiled for the arch's compute capability with the installed Triton.
 
@@ -276,46 +273,6 @@ def _default_pallas_cases(mod_name: str, arch: str) -> list[tuple[str, Callable,
                       sparse_decode(q, k, v, cq, ck, msk, interpret=False, plan=plan))
                 cases.append((f"pallas_decode_{tp}_B{b}_bn{plan.block_n}_s{plan.max_splits}"
                               f"_w{plan.num_warps}_st{plan.num_stages}", fn, args))
-        return cases
-    if mod_name == "qsa_pallas.prefill":
-        from qsa_pallas import prefill as P  # noqa: PLC0415
-
-        from .geometry import all_configs  # noqa: PLC0415
-
-        d, w, t, g, hkv = 256, 2051, 64, 12, 1
-        geos = {}
-        for kv_bytes in (2, 1):
-            for cfg in all_configs(arch):
-                head_tile = max(16, P._next_pow2(g), P._next_pow2(cfg.block_m))
-                geo = P.PallasPrefillGeometry(head_tile, max(16, P._next_pow2(cfg.block_n)),
-                                              cfg.num_warps, cfg.num_stages, cfg.source)
-                geo = P.fit_shared_memory(geo, head_dim=d, kv_bytes=kv_bytes,
-                                          limit=facts.smem_per_block)
-                geos.setdefault((kv_bytes, geo.head_tile, geo.block_n, geo.num_warps,
-                                 geo.num_stages), geo)
-        for (kv_bytes, *_), geo in geos.items():
-            kvdt = jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16
-            tag = f"bm{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}"
-            q = sds((t, g * hkv, d), jnp.bfloat16)
-            idx = sds((t, w), jnp.int32)
-            cu = sds((3,), jnp.int32)
-            kl = sds((2,), jnp.int32)
-            if kv_bytes == 2:
-                kv = sds((t, hkv, d), jnp.bfloat16)
-                cases.append((f"pallas_prefill_ordinary_bf16_{tag}",
-                              lambda q, k, v, i, c, geo=geo: P.sparse_prefill(
-                                  q, k, v, i, c, 32, interpret=False, geometry=geo),
-                              (q, kv, kv, idx, cu)))
-            pool = sds((4096, hkv, d), kvdt)
-            name = "fp8" if kv_bytes == 1 else "bf16"
-            cases.append((f"pallas_prefill_chunk_{name}_{tag}",
-                          lambda q, k, v, i, cq, ck, kl, geo=geo: P.sparse_prefill_chunk(
-                              q, k, v, i, cq, ck, kl, 32, interpret=False, geometry=geo),
-                          (q, pool, pool, idx, cu, cu, kl)))
-            cases.append((f"pallas_prefill_paged_{name}_{tag}",
-                          lambda q, k, v, st, i, cq, kl, geo=geo: P.sparse_prefill_paged(
-                              q, k, v, st, i, cq, kl, 32, interpret=False, geometry=geo),
-                          (q, pool, pool, sds((2, 2048), jnp.int32), idx, cu, kl)))
         return cases
     return []
 

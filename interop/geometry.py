@@ -29,7 +29,11 @@ flip it without re-importing) chooses:
     result, only the speed); other groups fall back to the table.
 Anything else raises ``ContractError`` naming the allowed values.
 
-This module imports numpy-free stdlib only (plus ``interop.arch`` / ``interop.contract``).
+Every geometry is then made launchable by :func:`fit_prefill`: Pallas tiles rounded to powers of
+two >= 16, then ``interop.plan.fit_shared_memory`` (the one shared-memory model of all kernels)
+to the device's shared memory per block, so a row tuned for sm_90 still launches on sm_12x.
+
+This module imports numpy-free stdlib only (plus ``interop.arch`` / ``contract`` / ``plan``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import Iterable
 
 from .arch import DeviceFacts, KNOWN_ARCHS
 from .contract import ContractError, route
+from .plan import fit_shared_memory, next_pow2
 
 __all__ = [
     "Geometry",
@@ -50,6 +55,7 @@ __all__ = [
     "SM90_TABLE_STATUS",
     "KINDS",
     "select_prefill",
+    "fit_prefill",
     "table_for",
     "head_tile",
     "all_configs",
@@ -84,6 +90,11 @@ class Geometry:
     def key(self) -> tuple[int, int, int, int]:
         """(block_m, block_n, num_warps, num_stages), without the source label."""
         return (self.block_m, self.block_n, self.num_warps, self.num_stages)
+
+    @property
+    def head_tile(self) -> int:
+        """``block_m`` under the name ``interop.plan.fit_shared_memory`` reads."""
+        return self.block_m
 
 
 # (max_total_q inclusive or None = unbounded, (BLOCK_N, num_warps, num_stages)).
@@ -143,13 +154,9 @@ _ROUTE_TABLE = {
 }
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
 def head_tile(group: int) -> int:
     """Table head tile BLOCK_M = max(16, next_pow2(G)) (upstream's rule; 16 = smallest mma M)."""
-    return max(16, _next_pow2(group))
+    return max(16, next_pow2(group))
 
 
 def geometry_mode(fn: str = "select_prefill") -> str:
@@ -214,7 +221,7 @@ def _tuned_gates(facts: DeviceFacts, kind: str, total_q: int, requests: int, max
 
 def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int, max_q: int,
                    group: int, num_kv_heads: int, head_dim: int, width: int,
-                   backend: str = "triton") -> Geometry:
+                   backend: str = "triton", kv_bytes: int = 2) -> Geometry:
     """Launch geometry of one sparse prefill call.
 
     Args:
@@ -230,10 +237,13 @@ def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int
       head_dim: D.
       width: index columns W per row.
       backend: ``"triton"`` or ``"pallas"`` (recorded in ``source``); the same geometry except
-        where ``_BACKEND_TABLE`` names a table measured for that backend (Pallas on sm_90).
+        where ``_BACKEND_TABLE`` names a table measured for that backend (Pallas on sm_90), and
+        Pallas tiles rounded up to powers of two >= 16 (``fit_prefill``).
+      kv_bytes: bytes per K/V element (2, or 1 for FP8), for the shared-memory fit.
 
     Returns:
-      Geometry with a ``source`` naming the table row or tuned entry and the env mode.
+      Geometry with a ``source`` naming the table row or tuned entry and the env mode, fitted to
+      ``facts.smem_per_block`` (``fit_prefill``).
 
     Raises:
       ContractError: ``QSA_PREFILL_GEOMETRY`` holds a value other than auto/table/tuned.
@@ -264,9 +274,31 @@ def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int
         use_tuned = not _tuned_gates(facts, kind, total_q, requests, max_q, group, head_dim, width)
     if use_tuned:
         bm, bn, nw, ns = tuned_entry
-        return Geometry(bm, bn, nw, ns, f"sm120-tuned[G={group}] mode={mode} backend={backend}")
-    (bn, nw, ns), label = table_for(table, total_q)
-    return Geometry(head_tile(group), bn, nw, ns, f"{label} mode={mode} backend={backend}")
+        geo = Geometry(bm, bn, nw, ns, f"sm120-tuned[G={group}] mode={mode} backend={backend}")
+    else:
+        (bn, nw, ns), label = table_for(table, total_q)
+        geo = Geometry(head_tile(group), bn, nw, ns, f"{label} mode={mode} backend={backend}")
+    return fit_prefill(geo, backend=backend, head_dim=head_dim, kv_bytes=kv_bytes,
+                       limit=facts.smem_per_block)
+
+
+def fit_prefill(geo: Geometry, *, backend: str, head_dim: int, kv_bytes: int,
+                limit: int | None) -> Geometry:
+    """The launchable form of a selected geometry on a device with ``limit`` bytes of shared
+    memory per block (None: no limit, e.g. an interpreter).
+
+    Pallas (Triton lowering) needs power-of-two tiles and dot operands of >= 16 rows, so its
+    head tile and BLOCK_N are rounded up to powers of two >= 16 first. Then
+    ``interop.plan.fit_shared_memory`` (fewer stages, then a smaller BLOCK_N) until
+    ``interop.plan.smem_bytes`` fits; a changed geometry says ``fit<=limit`` in its source.
+    """
+    if backend == "pallas":
+        geo = dataclasses.replace(geo, block_m=max(16, next_pow2(geo.block_m)),
+                                  block_n=max(16, next_pow2(geo.block_n)))
+    fitted = fit_shared_memory(geo, head_dim=head_dim, limit=limit, kv_bytes=kv_bytes)
+    if fitted != geo:
+        fitted = dataclasses.replace(fitted, source=f"{geo.source} fit<={limit}B")
+    return fitted
 
 
 def _facts_for(arch: str) -> Iterable[DeviceFacts]:

@@ -51,8 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from interop import contract
+from interop.arch import DeviceFacts
 from interop.contract import ContractError, PrefillProblem, spec_of
-from interop.geometry import geometry_mode
+from interop.geometry import Geometry, fit_prefill, geometry_mode, select_prefill
+from interop.plan import LOG2E, next_pow2
 
 from . import _compat
 from ._compat import pl
@@ -61,169 +63,46 @@ __all__ = [
     "sparse_prefill",
     "sparse_prefill_chunk",
     "sparse_prefill_paged",
-    "PallasPrefillGeometry",
     "select_geometry",
-    "shared_memory_estimate",
-    "fit_shared_memory",
     "resolve_pool_slots",
     "lowering_cases",
 ]
 
-_LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the cheaper PTX path
 _INT32_MAX = 2**31 - 1
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, int(x)))))
+# CPU interpret mode: one small fixed (BLOCK_N, num_warps, num_stages): the interpreter's speed,
+# not a GPU's, matters there.
+_INTERPRET_GEOMETRY = (16, 4, 2)
 
 
 # --------------------------------------------------------------------------------------------
 # Geometry
-@dataclasses.dataclass(frozen=True)
-class PallasPrefillGeometry:
-    """Launch geometry of one Pallas prefill call.
+def select_geometry(problem: PrefillProblem, *, interpret: bool, facts=None) -> Geometry:
+    """Launch geometry for a checked prefill problem.
 
-    Attributes:
-      head_tile: query heads per program, G padded to a power of two, >= 16 (tensor-core dots).
-      block_n: index columns (gathered K/V rows) per inner-loop step (BLOCK_N), power of two >= 16.
-      num_warps, num_stages: Triton compiler parameters passed through ``plgpu.CompilerParams``.
-      source: where the numbers came from (selector table name, "interpret-fixed", "explicit").
-    """
-
-    head_tile: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    source: str
-
-
-# CPU interpret mode: one small fixed geometry (speed of the interpreter, not of a GPU, matters).
-_INTERPRET_GEOMETRY = (16, 4, 2)  # (BLOCK_N, num_warps, num_stages)
-
-
-def select_geometry(problem: PrefillProblem, *, interpret: bool, device=None,
-                    facts=None) -> PallasPrefillGeometry:
-    """Geometry for a checked prefill problem.
-
-    On a GPU the shared selector ``interop.geometry.select_prefill(..., backend="pallas")`` decides
-    (keyed by device family and workload, qsa-contract.md §3); in interpret mode (CPU) a fixed
-    small geometry is used. The head tile is always ``max(16, next_pow2(G))`` (the Pallas Triton
-    lowering needs dot operands of at least 16 rows), or the selector's BLOCK_M if larger.
+    On a GPU the shared selector ``interop.geometry.select_prefill(..., backend="pallas")``
+    decides (device family and workload, qsa-contract.md §3; Pallas tiles rounded to powers of
+    two >= 16 and fitted to the device's shared memory there). In interpret mode (CPU) a fixed
+    small geometry is used.
 
     Args:
       problem: the ``PrefillProblem`` returned by the contract check.
       interpret: whether the kernel runs in interpret mode.
-      device: a jax device to read ``DeviceFacts`` from (default: the first jax device).
-      facts: explicit ``interop.arch.DeviceFacts`` (abstract-device lowering, tests).
+      facts: explicit ``interop.arch.DeviceFacts`` (tests); default: the lowering target
+        (``_compat.target_facts``), else sm_90.
 
     Returns:
-      PallasPrefillGeometry.
+      ``interop.geometry.Geometry``; ``block_m`` is the head tile.
     """
-    g = problem.group
-    head_tile = max(16, _next_pow2(g))
     if interpret and facts is None:
         bn, nw, ns = _INTERPRET_GEOMETRY
-        return PallasPrefillGeometry(head_tile, bn, nw, ns, "interpret-fixed")
-    try:
-        from interop import geometry as _geo  # noqa: PLC0415 - written in parallel; optional
-    except ImportError:
-        _geo = None
+        return Geometry(max(16, next_pow2(problem.group)), bn, nw, ns, "interpret-fixed")
     if facts is None:
-        facts = _device_facts(device)
-    if _geo is not None and hasattr(_geo, "select_prefill"):
-        geo = _geo.select_prefill(
-            facts, problem.kind, total_q=problem.total_q, requests=problem.requests,
-            max_q=problem.max_seqlen_q, group=g, num_kv_heads=problem.num_kv_heads,
-            head_dim=problem.head_dim, width=problem.width, backend="pallas")
-        bn = max(16, _next_pow2(geo.block_n))
-        head_tile = max(head_tile, _next_pow2(geo.block_m))
-        nw, ns, source = int(geo.num_warps), int(geo.num_stages), f"selector:{geo.source}"
-    else:
-        # Fallback while no shared selector is importable: upstream's L20 table at large T.
-        bn, nw, ns, source = 16, 1, 2, "fallback"
-    return fit_shared_memory(
-        PallasPrefillGeometry(head_tile, bn, nw, ns, source), head_dim=problem.head_dim,
-        kv_bytes=1 if problem.kv_dtype == "float8_e4m3fn" else 2,
-        limit=int(facts.smem_per_block))
-
-
-def shared_memory_estimate(geo: PallasPrefillGeometry, *, head_dim: int, kv_bytes: int) -> int:
-    """Bytes of shared memory one program of this kernel needs (an upper estimate).
-
-    Fitted to Triton 3.9 compiles of the lowered kernel (``_compat.compile_ttir``, sm_120,
-    D = 256, BLOCK_N in {16, 32, 64} x warps {1, 2, 4, 8} x stages {1, 2, 3}, bf16 and FP8 K/V;
-    tests/test_pallas_prefill_lowering.py re-checks it against every selectable geometry): the
-    q head tile (16-bit) plus ``c(stages)`` gathered K/V tiles of BLOCK_N x D in the storage dtype,
-    where measured c was <= 1.07 at 1 stage, <= 2.16 at 2 and <= 4.13 at 3 (the pipeliner
-    double-buffers both operands there); modelled as 1.125, 2.25 and 2.25 x (stages - 1).
-    """
-    tile = geo.block_n * head_dim * kv_bytes
-    copies = 1.125 if geo.num_stages <= 1 else 2.25 * (geo.num_stages - 1)
-    return int(geo.head_tile * head_dim * 2 + copies * tile + 1024)
-
-
-def fit_shared_memory(geo: PallasPrefillGeometry, *, head_dim: int, kv_bytes: int,
-                      limit: int | None) -> PallasPrefillGeometry:
-    """Shrink a geometry until ``shared_memory_estimate`` fits ``limit`` bytes (None: as is).
-
-    First fewer pipeline stages, then a smaller BLOCK_N (>= 16). A table row tuned for sm_90's
-    227 KB would otherwise fail to launch on sm_120/sm_121 (101,376 B, qsa-contract.md §5).
-    """
-    if limit is None:
-        return geo
-    bn, ns, changed = geo.block_n, geo.num_stages, False
-    while shared_memory_estimate(dataclasses.replace(geo, block_n=bn, num_stages=ns),
-                                 head_dim=head_dim, kv_bytes=kv_bytes) > limit:
-        if ns > 1:
-            ns -= 1
-        elif bn > 16:
-            bn //= 2
-        else:
-            break
-        changed = True
-    if not changed:
-        return geo
-    return dataclasses.replace(geo, block_n=bn, num_stages=ns,
-                               source=f"{geo.source} fit<={limit}B")
-
-
-def _device_facts(device=None):
-    """DeviceFacts of the target: the abstract device of an enclosing
-    ``jax.sharding.use_abstract_mesh`` (ahead-of-time lowering without a GPU), else the jax GPU
-    device, else an H200 (what jax 0.10.2's lowering assumes without a GPU)."""
-    from interop.arch import DeviceFacts  # noqa: PLC0415
-
-    try:
-        abstract = jax.sharding.get_abstract_mesh().abstract_device
-    except Exception:  # noqa: BLE001 - older jax without abstract meshes
-        abstract = None
-    if abstract is not None and getattr(abstract, "device_kind", None):
-        try:
-            return DeviceFacts.from_device_kind(abstract.device_kind, _triton_version())
-        except (ValueError, KeyError):
-            pass
-    return _concrete_facts(device)
-
-
-@functools.lru_cache(maxsize=16)
-def _concrete_facts(device):
-    """DeviceFacts of a real jax device (cached: eager callers pay it once)."""
-    from interop.arch import DeviceFacts  # noqa: PLC0415
-
-    try:
-        return DeviceFacts.from_jax(device)
-    except Exception:  # noqa: BLE001 - no GPU visible
-        return DeviceFacts.for_arch("sm_90", triton_version=_triton_version())
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_version():
-    try:
-        from importlib.metadata import version  # noqa: PLC0415
-
-        return version("triton")
-    except Exception:  # noqa: BLE001 - JAX-only install: jax's bundled Triton is unversioned here
-        return None
+        facts = _compat.target_facts() or DeviceFacts.for_arch("sm_90")
+    return select_prefill(
+        facts, problem.kind, total_q=problem.total_q, requests=problem.requests,
+        max_q=problem.max_seqlen_q, group=problem.group, num_kv_heads=problem.num_kv_heads,
+        head_dim=problem.head_dim, width=problem.width, backend="pallas",
+        kv_bytes=1 if problem.kv_dtype == "float8_e4m3fn" else 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,7 +120,7 @@ class _Static:
     per_head: bool
     head_tile: int
     block_n: int
-    score_scale: float  # softmax_scale * k_scale * log2(e)
+    score_scale: float  # softmax_scale * k_scale * log2(e): exp2 is the cheaper PTX path
     v_scale: float
     kv_rows: int  # rows of k/v (slots of the pool)
     num_warps: int
@@ -251,7 +130,7 @@ class _Static:
 
 def _find_request(cu_ref, row, requests: int):
     """b such that cu[b] <= row < cu[b + 1]: count of cu[1:B+1] <= row (B static, padded)."""
-    bp = _next_pow2(requests)
+    bp = next_pow2(requests)
     j = lax.broadcasted_iota(jnp.int32, (bp,), 0)
     live = j < requests
     # vector gather with clamped indices (a static pl.ds would be rejected as out of bounds)
@@ -401,7 +280,7 @@ def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry):
         kind=problem.kind, requests=problem.requests, num_kv_heads=problem.num_kv_heads,
         group=problem.group, head_dim=problem.head_dim, width=problem.width,
         per_head=problem.per_head_indices, head_tile=geo.head_tile, block_n=geo.block_n,
-        score_scale=problem.softmax_scale * problem.k_scale * _LOG2E, v_scale=problem.v_scale,
+        score_scale=problem.softmax_scale * problem.k_scale * LOG2E, v_scale=problem.v_scale,
         kv_rows=int(k.shape[0]), num_warps=geo.num_warps, num_stages=geo.num_stages,
         interpret=interp)
     return _launch(q, k, v, *meta, st=st)
@@ -409,7 +288,7 @@ def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry):
 
 def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
                    strict: bool = False, interpret=None,
-                   geometry: PallasPrefillGeometry | None = None):
+                   geometry: Geometry | None = None):
     """Ordinary sparse prefill (qsa-contract.md §3): K/V are this forward's rows, packed like q.
 
     Args:
@@ -423,7 +302,8 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
       softmax_scale: host float > 0, or None for D ** -0.5.
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
       interpret: None -> interpret mode when q lives on the CPU; True/False to force.
-      geometry: explicit ``PallasPrefillGeometry`` (benchmarks); None -> ``select_geometry``.
+      geometry: an explicit ``interop.geometry.Geometry`` (benchmarks; block_m = head tile, both
+        powers of two >= 16); None -> ``select_geometry``.
 
     Returns:
       [T, Hq, D] in q's dtype: out[t, h] = softmax(scale · q[t,h] · Kᵀ) · V over the valid
@@ -445,7 +325,7 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
 
 def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
                          softmax_scale=None, k_scale=1.0, v_scale=1.0, *, strict: bool = False,
-                         interpret=None, geometry: PallasPrefillGeometry | None = None):
+                         interpret=None, geometry: Geometry | None = None):
     """Chunk sparse prefill (qsa-contract.md §3): K/V hold each request's full context, packed.
 
     Args:
@@ -484,7 +364,7 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
 def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
                          kv_lens, max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                          strict: bool = False, interpret=None,
-                         geometry: PallasPrefillGeometry | None = None):
+                         geometry: Geometry | None = None):
     """Paged sparse prefill (qsa-contract.md §3): K/V read in place from the pool through
     SGLang's ``req_to_token`` (the addressing of ``sparse_decode_paged``).
 
@@ -582,29 +462,25 @@ def lowering_cases(device_kind: str, *, head_dim: int = 256, width: int = 2051, 
     Raises:
       ValueError: a device kind whose arch ``interop.arch`` does not know.
     """
-    from interop import geometry as _geo  # noqa: PLC0415
-    from interop.arch import DeviceFacts  # noqa: PLC0415
+    from interop.geometry import all_configs  # noqa: PLC0415
 
     facts = DeviceFacts.from_device_kind(device_kind)
     sds = jax.ShapeDtypeStruct
     d, w, t, hkv = head_dim, width, rows, 1
     geos = {}
     for kv_bytes in (2, 1):
-        for cfg in _geo.all_configs(facts.arch):
-            geo = PallasPrefillGeometry(max(16, _next_pow2(group), _next_pow2(cfg.block_m)),
-                                        max(16, _next_pow2(cfg.block_n)), cfg.num_warps,
-                                        cfg.num_stages, cfg.source)
-            geo = fit_shared_memory(geo, head_dim=d, kv_bytes=kv_bytes,
-                                    limit=facts.smem_per_block)
-            geos.setdefault((kv_bytes, geo.head_tile, geo.block_n, geo.num_warps,
-                             geo.num_stages), geo)
+        for cfg in all_configs(facts.arch):
+            cfg = dataclasses.replace(cfg, block_m=max(next_pow2(group), cfg.block_m))
+            geo = fit_prefill(cfg, backend="pallas", head_dim=d, kv_bytes=kv_bytes,
+                              limit=facts.smem_per_block)
+            geos.setdefault((kv_bytes, *geo.key), geo)
     q = sds((t, group * hkv, d), jnp.bfloat16)
     idx = sds((t, w), jnp.int32)
     cu, kl = sds((3,), jnp.int32), sds((2,), jnp.int32)
     r2t, ri = sds((4, 2048), jnp.int32), sds((2,), jnp.int32)
     cases = []
     for (kv_bytes, *_), geo in geos.items():
-        tag = f"ht{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}"
+        tag = f"ht{geo.block_m}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}"
         name = "fp8" if kv_bytes == 1 else "bf16"
         pool = sds((4096, hkv, d), jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16)
         if kv_bytes == 2:

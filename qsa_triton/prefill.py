@@ -38,8 +38,6 @@ selector, ``interop/geometry.py``).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +45,7 @@ import triton.language as tl
 from interop import contract
 from interop.arch import DeviceFacts
 from interop.geometry import Geometry, all_configs, geometry_mode, select_prefill
+from interop.plan import LOG2E, next_pow2
 
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
 
@@ -61,7 +60,6 @@ __all__ = [
     "MODE_SLOTS",
 ]
 
-LOG2E = 1.4426950408889634
 
 #: kernel modes (a constexpr): how an index entry becomes a K/V row and when it is valid
 MODE_ORDINARY = 0  # row = cu_seqlens[b] + idx, valid iff 0 <= idx < q_len_b
@@ -226,32 +224,35 @@ _INTERPRETER_FACTS = DeviceFacts.for_arch("sm_90", name="Triton interpreter (CPU
                                           triton_version=triton.__version__)
 
 
-@functools.lru_cache(maxsize=16)
-def _facts_of(device_type: str, index: int | None) -> DeviceFacts:
-    if device_type != "cuda":
-        return _INTERPRETER_FACTS
-    return DeviceFacts.from_torch(torch.device("cuda", index if index is not None else
-                                               torch.cuda.current_device()))
-
-
 def prefill_geometry(kind: str, q: torch.Tensor, *, requests: int, max_q: int, num_kv_heads: int,
-                     width: int) -> Geometry:
-    """Geometry the entry points use for this call (``interop.geometry.select_prefill`` on the
-    facts of q's device; CPU tensors use sm_90 facts: the interpreter ignores warps/stages)."""
+                     width: int, kv_bytes: int = 2) -> Geometry:
+    """Geometry the entry points use for this call: ``interop.geometry.select_prefill`` on the
+    facts of q's device (CPU tensors: sm_90 facts; the interpreter ignores warps and stages).
+
+    Args:
+      kind: "ordinary" | "chunk" | "paged"; q: [T, Hq, D]; requests: B; max_q: max_seqlen_q;
+        num_kv_heads: Hkv; width: W; kv_bytes: bytes per K/V element (1 for FP8).
+
+    Raises:
+      ContractError: a bad ``QSA_PREFILL_GEOMETRY``.
+    """
     t, hq, d = q.shape
-    return select_prefill(_facts_of(q.device.type, q.device.index), kind, total_q=max(t, 1),
-                          requests=requests, max_q=max_q, group=hq // num_kv_heads,
-                          num_kv_heads=num_kv_heads, head_dim=d, width=width)
+    facts = DeviceFacts.from_torch(q.device) if q.is_cuda else _INTERPRETER_FACTS
+    return select_prefill(facts, kind, total_q=max(t, 1), requests=requests, max_q=max_q,
+                          group=hq // num_kv_heads, num_kv_heads=num_kv_heads, head_dim=d,
+                          width=width, kv_bytes=kv_bytes)
 
 
-def _geometry_from(forced, kind, q, **kw) -> Geometry:
+def _geometry_from(forced, kind, q, k, **kw) -> Geometry:
+    """The selector's geometry, or a forced one (benchmarks): a ``Geometry`` or a tuple
+    ([BLOCK_M,] BLOCK_N, num_warps, num_stages)."""
+    hkv = k.shape[1]
     if forced is None:
-        return prefill_geometry(kind, q, **kw)
+        return prefill_geometry(kind, q, num_kv_heads=hkv, kv_bytes=k.element_size(), **kw)
     if isinstance(forced, Geometry):
         return forced
-    hq, hkv = q.shape[1], kw["num_kv_heads"]
     bn, nw, ns = forced[-3:]
-    bm = forced[0] if len(forced) == 4 else max(16, triton.next_power_of_2(hq // hkv))
+    bm = forced[0] if len(forced) == 4 else max(16, next_pow2(q.shape[1] // hkv))
     return Geometry(int(bm), int(bn), int(nw), int(ns), "forced")
 
 
@@ -306,8 +307,8 @@ def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, geo: Geometry, *, requ
 def _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, geometry=None):
     out = torch.empty_like(q)
     requests = cu_seqlens.shape[0] - 1
-    geo = _geometry_from(geometry, "ordinary", q, requests=requests, max_q=max_seqlen_q,
-                         num_kv_heads=k.shape[1], width=indices.shape[-1])
+    geo = _geometry_from(geometry, "ordinary", q, k, requests=requests, max_q=max_seqlen_q,
+                         width=indices.shape[-1])
     return _launch(MODE_ORDINARY, q, k, v, out, indices, cu_seqlens, cu_seqlens, cu_seqlens,
                    geo, requests=requests, max_q=max_seqlen_q, scale=softmax_scale,
                    k_scale=1.0, v_scale=1.0)
@@ -317,8 +318,8 @@ def _chunk_impl(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqle
                 softmax_scale, k_scale, v_scale, geometry=None):
     out = torch.empty_like(q)
     requests = cu_seqlens_q.shape[0] - 1
-    geo = _geometry_from(geometry, "chunk", q, requests=requests, max_q=max_seqlen_q,
-                         num_kv_heads=k.shape[1], width=indices.shape[-1])
+    geo = _geometry_from(geometry, "chunk", q, k, requests=requests, max_q=max_seqlen_q,
+                         width=indices.shape[-1])
     return _launch(MODE_CHUNK, q, k, v, out, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
                    geo, requests=requests, max_q=max_seqlen_q, scale=softmax_scale,
                    k_scale=k_scale, v_scale=v_scale)
@@ -366,8 +367,8 @@ def _paged_impl(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seql
                 max_seqlen_q, softmax_scale, k_scale, v_scale, geometry=None):
     out = torch.empty_like(q)
     requests = cu_seqlens_q.shape[0] - 1
-    geo = _geometry_from(geometry, "paged", q, requests=requests, max_q=max_seqlen_q,
-                         num_kv_heads=k_cache.shape[1], width=indices.shape[-1])
+    geo = _geometry_from(geometry, "paged", q, k_cache, requests=requests, max_q=max_seqlen_q,
+                         width=indices.shape[-1])
     slots = resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
                                max_seqlen_q, k_cache.shape[0])
     return _launch(MODE_SLOTS, q, k_cache, v_cache, out, slots, cu_seqlens_q, cu_seqlens_q,

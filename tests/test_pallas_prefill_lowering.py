@@ -19,6 +19,8 @@ import pytest
 
 from interop.arch import CI_ARCHS, DeviceFacts, capability, device_kind
 from interop.contract import PrefillProblem
+from interop.geometry import Geometry, fit_prefill
+from interop.plan import smem_bytes
 from qsa_pallas import _compat
 from qsa_pallas import prefill as P
 
@@ -87,7 +89,13 @@ def test_lowers_and_compiles_for_cuda(device_kind, kind, kv_dtype, per_head, hea
     cap = capability(DeviceFacts.from_device_kind(device_kind).arch)
     res = _compile(mod, cap)
     assert res["shared"] <= facts.smem_per_block, (device_kind, geo, res)
-    assert res["shared"] <= P.shared_memory_estimate(geo, head_dim=256, kv_bytes=1 if fp8 else 2)
+    assert res["shared"] <= _smem(geo, 1 if fp8 else 2)
+
+
+def _smem(geo, kv_bytes):
+    """``interop.plan.smem_bytes``: the one shared-memory model the fit uses."""
+    return smem_bytes(head_tile=geo.block_m, block_n=geo.block_n, head_dim=256,
+                      num_stages=geo.num_stages, kv_bytes=kv_bytes)
 
 
 def _compile(mod, capability):
@@ -121,30 +129,28 @@ def _configs():
                          ids=lambda x: getattr(x, "key", None) and "x".join(map(str, x.key))
                          or (jnp.dtype(x).name if not isinstance(x, str) else x.split()[-1]))
 def test_every_selector_geometry_fits_the_device(device_kind, geo, kv_dtype):
-    """Every geometry the shared selector can return, after ``fit_shared_memory`` for the device,
-    compiles and fits its shared memory; the estimate used for fitting is an upper bound."""
+    """Every geometry the shared selector can return, made launchable for the device
+    (``interop.geometry.fit_prefill``), compiles and fits its shared memory; the model used for
+    fitting (``interop.plan.smem_bytes``) is an upper bound."""
     facts = DeviceFacts.from_device_kind(device_kind)
     kv_bytes = 1 if kv_dtype == FP8 else 2
-    pg = P.fit_shared_memory(
-        P.PallasPrefillGeometry(max(16, geo.block_m), max(16, geo.block_n), geo.num_warps,
-                                geo.num_stages, geo.source),
-        head_dim=256, kv_bytes=kv_bytes, limit=facts.smem_per_block)
+    pg = fit_prefill(geo, backend="pallas", head_dim=256, kv_bytes=kv_bytes,
+                     limit=facts.smem_per_block)
     lowered = _compat.lower_for_device_kind(
         _fn("chunk", geometry=pg), _args("chunk", kv_dtype=kv_dtype), device_kind)
     (mod,) = _compat.triton_modules(lowered)
     res = _compile(mod, capability(DeviceFacts.from_device_kind(device_kind).arch))
     assert res["shared"] <= facts.smem_per_block, (pg, res)
-    assert res["shared"] <= P.shared_memory_estimate(pg, head_dim=256, kv_bytes=kv_bytes), (pg, res)
+    assert res["shared"] <= _smem(pg, kv_bytes), (pg, res)
 
 
 def test_sm12x_fit_shrinks_a_227kb_geometry():
-    big = P.PallasPrefillGeometry(16, 64, 4, 3, "x")
-    assert P.shared_memory_estimate(big, head_dim=256, kv_bytes=2) > 101_376
-    fit = P.fit_shared_memory(big, head_dim=256, kv_bytes=2, limit=101_376)
-    assert P.shared_memory_estimate(fit, head_dim=256, kv_bytes=2) <= 101_376
-    assert (fit.block_n, fit.num_stages) != (64, 3) and "fit<=" in fit.source
-    same = P.fit_shared_memory(big, head_dim=256, kv_bytes=2, limit=232_448)
-    assert same == big
+    big = Geometry(16, 64, 4, 3, "x")
+    assert _smem(big, 2) > 101_376
+    fit = fit_prefill(big, backend="pallas", head_dim=256, kv_bytes=2, limit=101_376)
+    assert _smem(fit, 2) <= 101_376
+    assert (fit.block_n, fit.num_stages) == (64, 2) and "fit<=101376B" in fit.source
+    assert fit_prefill(big, backend="pallas", head_dim=256, kv_bytes=2, limit=232_448) == big
 
 
 def test_64bit_offsets_exactly_for_pools_past_4gib():
