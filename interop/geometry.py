@@ -9,8 +9,7 @@ Everything that decides a geometry is *data* in this module:
   * ``TABLES``: per device family, a list of ``(max_total_q, (BLOCK_N, num_warps, num_stages))``
     rows, first row whose bound is >= total_q wins (``None`` = no bound). The H20 and L20 tables
     are upstream SGLang 0.5.23's (``sglang/srt/layers/attention/qsa/sparse_attn.py``, restated in
-    ``qsa-contract.md`` §3); the SM90 table comes from our H200 sweep
-    (``bench/prefill.py --sweep-geometry``; see ``SM90_TABLE_STATUS``).
+    ``qsa-contract.md`` §3); the SM90 table comes from our H200 sweeps (``SM90_TABLE_STATUS``).
   * ``TUNED_SM120``: upstream's SM120 tuned family and its gates (``qsa-contract.md`` §3): used only
     on the 188-SM sm_120 part, Triton >= 3.7, D = 256, W = 2051, G in {6, 12}; ordinary prefill at
     >= 8192 rows, chunk/paged prefill at >= 512 rows per request (mean) with
@@ -102,24 +101,17 @@ class Geometry:
 _H20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (1024, (32, 4, 2)), (None, (16, 1, 2)))
 _L20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (128, (64, 4, 2)), (512, (32, 4, 2)), (None, (16, 1, 2)))
 
-#: Status of the SM90 table. Sources, both on the H200 with Triton 3.6 (bench/NOTES.md, prefill):
-#: (1) ``bench/results/2026-11-30-h200-run2/prefill_geometry_sweep.json`` (``bench/prefill.py
-#: --sweep-geometry``: BLOCK_N 16/32/64 x warps 1/2/4/8 x stages 2/3, chunk prefill G = 12, 32k
-#: context, configurations timed interleaved): best was (64,8,3) at 32-128 rows, (64,4,2) at 256,
-#: (32,4,2) from 512 to 8192 rows — measured before the 32-bit offset change (b27e0f4);
-#: (2) ``bench/results/2026-11-30-h200-run4/prefill_bench.json`` (after b27e0f4, 8192 rows, 9
-#: cases): (64,4,2) 1.04-1.08x upstream vs (32,4,2) 0.97-1.03x;
-#: (3) ``bench/results/2026-11-30-h200-run10/prefill_rows_sweep.json`` (256-8192 rows, G 6/12):
-#: (32,4,2) 1.07-1.11x at 512-1024 rows where (64,4,2) is 0.83-0.90x at 512 (3 programs per SM
-#: for 512 programs: a second, partial wave); (64,4,2) 1.01x at 2048, 1.04-1.05x above.
-SM90_TABLE_STATUS = ("from the H200 sweeps of 2026-11-30: run 2 (<= 256 rows, G=12 chunk 32k) and "
-                     "run 10 (256-8192 rows, G 6 and 12, chunk 32k, after the tail-launch fix): "
-                     "(32,4,2) wins at 512-1024 rows (1.07-1.11x upstream; (64,4,2) 0.83-0.90x "
-                     "at 512), (64,4,2) from 2048 (1.01x at 2048, 1.04-1.05x at 4096-8192)")
+#: Where the SM90 table comes from (recorded in benchmark JSON). The H200 sweeps of the Triton
+#: kernel (bench/NOTES.md, "SM90 table"): 8-warp, 3-stage tiles win while few programs exist;
+#: (32,4,2) at 257-1024 rows, where (64,4,2)'s 3 programs per SM leave a partial second wave;
+#: (64,4,2) above, where the grid is many waves deep.
+SM90_TABLE_STATUS = ("H200 sweeps (Triton 3.6, chunk prefill, G 6 and 12, 32k context): "
+                     "(64,8,3) <= 128 rows, (64,4,2) <= 256, (32,4,2) <= 1024, (64,4,2) above; "
+                     "bench/NOTES.md, 'SM90 table'")
 _SM90 = ((128, (64, 8, 3)), (256, (64, 4, 2)), (1024, (32, 4, 2)), (None, (64, 4, 2)))
-#: The Pallas kernel keeps (32,4,2) above 256 rows: that is where it was measured on the H200
-#: (run 4: 0.909x of the Triton kernel's speed at 8192 rows, every output within tolerance);
-#: (64,4,2) is unmeasured for Pallas, so it is not switched on by the Triton measurement.
+#: The Pallas kernel keeps (32,4,2) above 256 rows, where it was measured on the H200
+#: (bench/NOTES.md, "Sparse prefill, Pallas"); (64,4,2) is unmeasured for Pallas, so the Triton
+#: measurement does not switch it on.
 _SM90_PALLAS = ((128, (64, 8, 3)), (256, (64, 4, 2)), (None, (32, 4, 2)))
 
 TABLES: dict[str, tuple[tuple[int | None, tuple[int, int, int]], ...]] = {

@@ -21,11 +21,11 @@ Pallas Triton lowering pattern-matches into an ``scf.for`` with a dynamic bound.
 The request of a row is found in the kernel by counting ``cu_seqlens_q[1:] <= row`` over a
 power-of-two padded vector (B is static): no row-to-request table is built in XLA.
 
-Paged: the pool is read in place. A plain-JAX pre-pass (``resolve_pool_slots``) maps every index
-entry to its pool slot (``req_to_token[req_indices[b], idx]``, -1 when invalid: out of the
-table or the pool included) and the kernel gathers by slot,
-as ``qsa_triton`` does (an in-loop lookup puts a dependent load before every K/V gather). A slot
-outside the pool is treated as an invalid entry (memory safety; the debug validator reports it).
+Paged: the pool is read in place, addressed as SGLang's ``req_to_token`` (the paged decode's
+convention). A plain-JAX pre-pass (``resolve_pool_slots``) maps every index entry to its pool slot
+``req_to_token[req_indices[b], idx]``, -1 when invalid (a position past the table, a row outside
+it or a slot outside the pool included: lying metadata is never dereferenced), and the kernel
+gathers by slot, as ``qsa_triton`` does: one dependent load before each K/V gather, not two.
 
 Rows past ``cu_seqlens[B]`` (a batch padded to a static T under jit) belong to no request and
 give zeros.
@@ -291,6 +291,9 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
                    geometry: Geometry | None = None):
     """Ordinary sparse prefill (qsa-contract.md §3): K/V are this forward's rows, packed like q.
 
+    Forward only (inference: no autograd). Algorithm: the module docstring (the
+    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
+
     Args:
       q: [T, Hq, D] bfloat16|float16 query rows of B requests packed back to back.
       k, v: [T, Hkv, D], q's dtype.
@@ -327,6 +330,9 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
                          softmax_scale=None, k_scale=1.0, v_scale=1.0, *, strict: bool = False,
                          interpret=None, geometry: Geometry | None = None):
     """Chunk sparse prefill (qsa-contract.md §3): K/V hold each request's full context, packed.
+
+    Forward only (inference: no autograd). Algorithm: the module docstring (the
+    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
 
     Args:
       q: [T, Hq, D] bfloat16|float16.
@@ -367,6 +373,9 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
                          geometry: Geometry | None = None):
     """Paged sparse prefill (qsa-contract.md §3): K/V read in place from the pool through
     SGLang's ``req_to_token`` (the addressing of ``sparse_decode_paged``).
+
+    Forward only (inference: no autograd). Algorithm: the module docstring (the
+    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
 
     Args:
       q: [T, Hq, D] bfloat16|float16.

@@ -19,15 +19,23 @@ K/V loads (never dereferenced) and in the scores (never contribute); a step with
 leaves the state untouched (the running max stays -inf and is replaced by 0 before it is
 subtracted, so no ``-inf - -inf``); a row with no valid entry stores exact zeros (l == 0 guarded).
 Columns at or past ``min(W, visible)`` are masked too, so the result does not depend on BLOCK_N.
-Offsets into K/V and the pool are 64-bit.
+The softmax denominator is kept as a [BLOCK_M, BLOCK_N] running sum and reduced once per row
+(no cross-warp reduction and its barriers per tile; bench/NOTES.md, "softmax denominator once
+per row"). K/V offsets are 32-bit while K/V hold < 2**31 elements (every valid offset fits, and
+it saves registers; bench/NOTES.md, "32-bit offsets"), 64-bit above (``needs_off64``).
 
 Grid: (max_seqlen_q, B * Hkv), like upstream's: program (r, b·Hkv + h) computes row r of request
 b. The host's max_seqlen_q is only a hint (a request's real row count lives on the device and is
 not read back), so a second, tail launch (``ROW_LOOP``, grid (TAIL_PROGRAMS, B * Hkv)) loops over
 rows max_seqlen_q, max_seqlen_q + TAIL_PROGRAMS, ... < q_len: a too-small hint still computes
-every row exactly once; with a right hint the tail programs exit at once. (The row loop lives in a
-separate variant: inside the main kernel it raised registers 164 -> 202 and cost ~20% on the H200.)
-The slot pre-pass grid-strides over rows itself.
+every row exactly once; with a right hint the tail programs exit at once. The row loop lives in
+that separate variant because inside the main kernel it costs registers and occupancy
+(bench/NOTES.md, "tail launch"). The slot pre-pass grid-strides over rows itself.
+
+Paged: a pre-pass (``resolve_pool_slots``) maps every index entry to its pool slot once, so the
+attention loop has one dependent load (the slot) before each K/V gather instead of two (position,
+then table); it measured faster than the lookup inside the loop (bench/NOTES.md, "Sparse
+prefill, Triton").
 
 FP8 (chunk, paged): K/V in float8_e4m3fn are converted to q's dtype for the dots; ``k_scale``
 multiplies the scores, ``v_scale`` the output.
@@ -107,7 +115,6 @@ def _prefill_row(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     # the softmax denominator as a [BLOCK_M, BLOCK_N] running sum, reduced once after the loop:
     # no cross-warp row sum (shuffles, a shared-memory round trip, two barriers) per tile
-    # (bench/NOTES.md, "prefill v1.5")
     l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for start in range(0, n_cols, BLOCK_N):
@@ -123,7 +130,7 @@ def _prefill_row(
         if OFF64:
             # row x stride overflows int32 once k/v hold >= 2^31 elements (pool > ~4.2M
             # slots at Hkv x D = 512); below that every valid offset fits int32 exactly and
-            # the 32-bit math saves registers (ptxas at (16, 1, 2): 156 -> 88 B of spills)
+            # the 32-bit math saves registers
             kv_row = kv_row.to(tl.int64)
         k = tl.load(k_head + kv_row[:, None] * stride_kn + offs_d[None, :],
                     mask=valid[:, None], other=0.0).to(q.dtype)
@@ -167,9 +174,8 @@ def _qsa_sparse_prefill_fwd(
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     if ROW_LOOP:
         # the tail launch: rows row_base + pid, + grid0, ... < q_len (none when the host's
-        # max_seqlen_q = row_base was right). A separate variant because a row loop around the
-        # body costs registers (ptxas sm_90, (64,4,2): 164 -> 202 regs) and the main launch
-        # ran ~20% slower with it on the H200 (bench/NOTES.md, prefill v1.2).
+        # max_seqlen_q = row_base was right); a separate variant: a row loop around the body
+        # costs the main launch registers and occupancy (bench/NOTES.md, "tail launch")
         for r in range(row_base + tl.program_id(0), q_len, tl.num_programs(0)):
             _prefill_row(r, b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr,
                          kv_lens_ptr, qk_scale, v_scale, W, stride_qt, stride_qh, stride_kh,
@@ -432,6 +438,9 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
                    strict: bool = False):
     """Ordinary sparse prefill: each query row attends to the selected rows of this forward's K/V.
 
+    Forward only (inference: no autograd). Algorithm: the module docstring (the
+    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
+
     Args:
       q: [T, Hq, D] bf16|fp16, rows of all requests packed.
       k, v: [T, Hkv, D], q's dtype, packed like q (request b's rows start at cu_seqlens[b]).
@@ -483,6 +492,9 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
     """Chunk sparse prefill: new query rows attend to selected rows of each request's full
     context (prefix + this chunk), packed at rows ``cu_seqlens_k[b]`` of k/v.
 
+    Forward only (inference: no autograd). Algorithm: the module docstring (the
+    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
+
     Args:
       q: [T, Hq, D] bf16|fp16.
       k, v: [Ck, Hkv, D], q's dtype or float8_e4m3fn.
@@ -514,6 +526,9 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
                          kv_lens, max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                          strict: bool = False):
     """Paged sparse prefill: K/V read in place from the KV pool through SGLang's ``req_to_token``.
+
+    Forward only (inference: no autograd). Algorithm: the module docstring (the
+    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
 
     The pool-addressing convention of ``sparse_decode_paged``, so one engine passes one set of
     tensors to both.
