@@ -109,22 +109,13 @@ def select_geometry(problem: PrefillProblem, *, interpret: bool, facts=None) -> 
 # The kernel
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    """Everything the kernel specialises on (hashable: the compile cache key)."""
+    """Everything the kernel specialises on (hashable: the compile cache key). ``p`` is the
+    checked problem with max_seqlen_q normalised to 1 (this grid covers every row whatever its
+    value, so it must not key a recompile); ``geo`` the launch geometry without its label."""
 
-    kind: str  # "ordinary" | "chunk" | "paged"
-    requests: int
-    num_kv_heads: int
-    group: int
-    head_dim: int
-    width: int
-    per_head: bool
-    head_tile: int
-    block_n: int
-    score_scale: float  # softmax_scale * k_scale * log2(e): exp2 is the cheaper PTX path
-    v_scale: float
+    p: PrefillProblem
+    geo: Geometry
     kv_rows: int  # rows of k/v (slots of the pool)
-    num_warps: int
-    num_stages: int
     interpret: bool
 
 
@@ -140,32 +131,34 @@ def _find_request(cu_ref, row, requests: int):
 
 
 def _prefill_kernel(*refs, st: _Static):
-    if st.kind == "ordinary":
+    pr, geo = st.p, st.geo
+    score_scale = pr.softmax_scale * pr.k_scale * LOG2E  # exp2 is the cheaper PTX path
+    if pr.kind == "ordinary":
         q_ref, k_ref, v_ref, idx_ref, cu_ref, o_ref = refs
-    elif st.kind == "chunk":
+    elif pr.kind == "chunk":
         q_ref, k_ref, v_ref, idx_ref, cu_ref, cuk_ref, kvl_ref, o_ref = refs
     else:  # paged: idx_ref holds pool slots (-1 = invalid) instead of positions
         q_ref, k_ref, v_ref, idx_ref, cu_ref, kvl_ref, o_ref = refs
 
     row = pl.program_id(0)
     h = pl.program_id(1)
-    g, ht, d, bn, w = st.group, st.head_tile, st.head_dim, st.block_n, st.width
+    g, ht, d, bn, w = pr.group, geo.block_m, pr.head_dim, geo.block_n, pr.width
 
     # Rows past cu_seqlens[B] (a batch padded to a static T) belong to no request: b is clamped
     # so every scalar read stays in bounds, and the row gets no column (exact zeros).
-    b = jnp.minimum(_find_request(cu_ref, row, st.requests), st.requests - 1)
+    b = jnp.minimum(_find_request(cu_ref, row, pr.requests), pr.requests - 1)
     q_start = cu_ref[b]
     q_len = cu_ref[b + 1] - q_start
     r = row - q_start
     in_request = (r >= 0) & (r < q_len)
-    if st.kind == "ordinary":
+    if pr.kind == "ordinary":
         length = q_len  # validity bound: the request length
         visible = r + 1
         base = q_start  # k/v packed like q
     else:
         length = kvl_ref[b]
         visible = r + length - q_len + 1  # bottom-right causal alignment
-        base = cuk_ref[b] if st.kind == "chunk" else 0
+        base = cuk_ref[b] if pr.kind == "chunk" else 0
     n_cols = jnp.where(in_request, jnp.clip(jnp.minimum(visible, w), 0, w), 0)
     n_blocks = (n_cols + (bn - 1)) // bn
 
@@ -185,11 +178,11 @@ def _prefill_kernel(*refs, st: _Static):
         # Columns at or past min(W, visible) are masked too (not only past W), so the result
         # never depends on BLOCK_N (same rule as qsa_triton's kernel).
         col_ok = cols < n_cols
-        if st.per_head:
+        if pr.per_head_indices:
             ids = _compat.load(idx_ref.at[row, h, pl.ds(j * bn, bn)], mask=col_ok, other=-1)
         else:
             ids = _compat.load(idx_ref.at[row, pl.ds(j * bn, bn)], mask=col_ok, other=-1)
-        if st.kind == "paged":
+        if pr.kind == "paged":
             # entries are pool slots already (resolve_pool_slots): valid iff inside the pool
             valid = col_ok & (ids >= 0) & (ids < st.kv_rows)
             kv_rows = jnp.where(valid, ids, 0)
@@ -210,7 +203,7 @@ def _prefill_kernel(*refs, st: _Static):
                          other=0.0).astype(compute_dtype)
 
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * st.score_scale  # [ht, bn]
+                            preferred_element_type=jnp.float32) * score_scale  # [ht, bn]
         s = jnp.where(valid[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         # Fully masked so far: keep the shift finite so exp2 gives 0, never NaN.
@@ -228,7 +221,7 @@ def _prefill_kernel(*refs, st: _Static):
     acc, _, l_i = lax.fori_loop(0, n_blocks, body, (acc0, m0, l0))
 
     # Rows with no valid entry: l = 0 -> exact zeros.
-    inv = jnp.where(l_i > 0, st.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+    inv = jnp.where(l_i > 0, pr.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
     out = (acc * inv[:, None]).astype(o_ref.dtype)
     _compat.store(o_ref.at[row, pl.ds(h * g, ht), :], out,
                   mask=jnp.broadcast_to(head_ok, (ht, d)))
@@ -241,10 +234,10 @@ def _launch(q, k, v, *meta, st: _Static):
     return _compat.triton_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((t, hq, d), q.dtype),
-        grid=(t, st.num_kv_heads),
-        num_warps=st.num_warps, num_stages=st.num_stages,
+        grid=(t, st.p.num_kv_heads),
+        num_warps=st.geo.num_warps, num_stages=st.geo.num_stages,
         interpret=st.interpret,
-        name=f"qsa_sparse_prefill_{st.kind}",
+        name=f"qsa_sparse_prefill_{st.p.kind}",
     )(q, k, v, *meta)
 
 
@@ -276,13 +269,8 @@ def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry):
         return jnp.zeros(q.shape, q.dtype)
     interp = _resolve_interpret(interpret, q)
     geo = geometry if geometry is not None else select_geometry(problem, interpret=interp)
-    st = _Static(
-        kind=problem.kind, requests=problem.requests, num_kv_heads=problem.num_kv_heads,
-        group=problem.group, head_dim=problem.head_dim, width=problem.width,
-        per_head=problem.per_head_indices, head_tile=geo.head_tile, block_n=geo.block_n,
-        score_scale=problem.softmax_scale * problem.k_scale * LOG2E, v_scale=problem.v_scale,
-        kv_rows=int(k.shape[0]), num_warps=geo.num_warps, num_stages=geo.num_stages,
-        interpret=interp)
+    st = _Static(dataclasses.replace(problem, max_seqlen_q=1),
+                 dataclasses.replace(geo, source=""), int(k.shape[0]), interp)
     return _launch(q, k, v, *meta, st=st)
 
 

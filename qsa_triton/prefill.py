@@ -278,14 +278,21 @@ def tail_geometry(geo: Geometry) -> Geometry:
     return Geometry(geo.block_m, 32, 4, 2, "tail")
 
 
-def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, geo: Geometry, *, requests,
-            max_q, scale, k_scale, v_scale):
+_KINDS = {MODE_ORDINARY: "ordinary", MODE_CHUNK: "chunk", MODE_SLOTS: "paged"}
+
+
+def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, geometry):
+    """Both launches of one call (main grid, then the tail); ``geometry`` None = the selector."""
+    out = torch.empty_like(q)
     t, hq, d = q.shape
     hkv = k.shape[1]
     if t == 0:
         return out
     if k.shape[0] == 0:  # nothing to gather from: every entry is invalid
         return out.zero_()
+    requests = cu_q.shape[0] - 1
+    geo = _geometry_from(geometry, _KINDS[mode], q, k, requests=requests, max_q=max_q,
+                         width=idx.shape[-1])
     stride_ih = idx.stride(1) if idx.dim() == 3 else 0
     args = (q, k, v, out, idx, cu_q, cu_k, kv_lens,
             float(scale) * float(k_scale) * LOG2E, float(v_scale), idx.shape[-1])
@@ -311,24 +318,14 @@ def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, geo: Geometry, *, requ
 # Implementations (called by the custom ops; no contract check here: the public entry points do
 # it first). ``geometry`` = None selects from the shared selector; benchmarks may force one.
 def _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, geometry=None):
-    out = torch.empty_like(q)
-    requests = cu_seqlens.shape[0] - 1
-    geo = _geometry_from(geometry, "ordinary", q, k, requests=requests, max_q=max_seqlen_q,
-                         width=indices.shape[-1])
-    return _launch(MODE_ORDINARY, q, k, v, out, indices, cu_seqlens, cu_seqlens, cu_seqlens,
-                   geo, requests=requests, max_q=max_seqlen_q, scale=softmax_scale,
-                   k_scale=1.0, v_scale=1.0)
+    return _launch(MODE_ORDINARY, q, k, v, indices, cu_seqlens, cu_seqlens, cu_seqlens,
+                   max_seqlen_q, softmax_scale, 1.0, 1.0, geometry)
 
 
 def _chunk_impl(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
                 softmax_scale, k_scale, v_scale, geometry=None):
-    out = torch.empty_like(q)
-    requests = cu_seqlens_q.shape[0] - 1
-    geo = _geometry_from(geometry, "chunk", q, k, requests=requests, max_q=max_seqlen_q,
-                         width=indices.shape[-1])
-    return _launch(MODE_CHUNK, q, k, v, out, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
-                   geo, requests=requests, max_q=max_seqlen_q, scale=softmax_scale,
-                   k_scale=k_scale, v_scale=v_scale)
+    return _launch(MODE_CHUNK, q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
+                   max_seqlen_q, softmax_scale, k_scale, v_scale, geometry)
 
 
 def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens, max_seqlen_q,
@@ -371,15 +368,10 @@ def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens
 
 def _paged_impl(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q, kv_lens,
                 max_seqlen_q, softmax_scale, k_scale, v_scale, geometry=None):
-    out = torch.empty_like(q)
-    requests = cu_seqlens_q.shape[0] - 1
-    geo = _geometry_from(geometry, "paged", q, k_cache, requests=requests, max_q=max_seqlen_q,
-                         width=indices.shape[-1])
     slots = resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
                                max_seqlen_q, k_cache.shape[0])
-    return _launch(MODE_SLOTS, q, k_cache, v_cache, out, slots, cu_seqlens_q, cu_seqlens_q,
-                   kv_lens, geo, requests=requests, max_q=max_seqlen_q,
-                   scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
+    return _launch(MODE_SLOTS, q, k_cache, v_cache, slots, cu_seqlens_q, cu_seqlens_q, kv_lens,
+                   max_seqlen_q, softmax_scale, k_scale, v_scale, geometry)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -167,6 +167,24 @@ def poison_unselected(case: PrefillCase) -> None:
     case.arrays[names[0]], case.arrays[names[1]] = k, v
 
 
+def lying_paged_case(seed=0, **kw) -> PrefillCase:
+    """Paged metadata that lies, each lie an invalid entry for the kernels (never dereferenced):
+    request 0's kv_len passes req_to_token's width, request 1 maps positions to a slot past the
+    pool and to a negative slot, request 2 names a row outside req_to_token (its rows: zeros).
+    Pool slots no valid entry reads are poisoned after the edits."""
+    case = make_case("paged", 12, 2, [4, 3, 2], [9, 5, 3], width=14, junk="mixed", seed=seed,
+                     **kw)
+    a = case.arrays
+    a["req_to_token"] = np.ascontiguousarray(a["req_to_token"][:, :8])  # kv_lens[0] = 13 > 8
+    row1 = a["req_indices"][1]
+    a["req_to_token"][row1, 2] = a["k_cache"].shape[0] + 3
+    a["req_to_token"][row1, 5] = -4
+    a["req_indices"] = a["req_indices"].copy()
+    a["req_indices"][2] = a["req_to_token"].shape[0] + 6
+    poison_unselected(case)
+    return case
+
+
 def assert_matches(out, ref, what: str = "") -> None:
     """The contract's acceptance rule: finite, allclose(2e-2, 2e-2), relative L2 <= 5e-3, and
     exact zeros where the reference is zero (rows without a valid entry)."""

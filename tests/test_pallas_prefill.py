@@ -22,7 +22,7 @@ from interop.geometry import Geometry
 from qsa_pallas import ContractError, sparse_prefill, sparse_prefill_chunk, sparse_prefill_paged
 from qsa_pallas import _compat
 from qsa_pallas.prefill import resolve_pool_slots
-from tests.prefill_case import FLOATS, PARAMS, assert_matches, make_case, poison_unselected
+from tests.prefill_case import FLOATS, PARAMS, assert_matches, lying_paged_case, make_case
 
 FN = {"ordinary": sparse_prefill, "chunk": sparse_prefill_chunk, "paged": sparse_prefill_paged}
 
@@ -43,23 +43,6 @@ def check(case, out=None, what=""):
     out = run(case) if out is None else out
     assert_matches(np.asarray(out.astype(jnp.float32)), case.reference(), what or case.kind)
     return out
-
-
-def lying_paged_case(seed=0, **kw):
-    """As in tests/test_triton_prefill.py: request 0's kv_len passes req_to_token's width,
-    request 1 maps positions to slots past the pool and to negative slots, request 2 names a row
-    outside req_to_token; unselected pool slots poisoned."""
-    case = make_case("paged", 12, 2, [4, 3, 2], [9, 5, 3], width=14, junk="mixed", seed=seed,
-                     **kw)
-    a = case.arrays
-    a["req_to_token"] = np.ascontiguousarray(a["req_to_token"][:, :8])
-    row1 = a["req_indices"][1]
-    a["req_to_token"][row1, 2] = a["k_cache"].shape[0] + 3
-    a["req_to_token"][row1, 5] = -4
-    a["req_indices"] = a["req_indices"].copy()
-    a["req_indices"][2] = a["req_to_token"].shape[0] + 6
-    poison_unselected(case)
-    return case
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import qsa_triton
 from interop import reference as R
 from interop.contract import ContractError
 from qsa_triton import prefill as P
-from tests.prefill_case import (FLOATS, PARAMS, assert_matches, make_case, poison_unselected,
+from tests.prefill_case import (FLOATS, PARAMS, assert_matches, lying_paged_case, make_case,
                                 torch_reference)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,24 +50,6 @@ def check(case, out=None):
     out = run(case) if out is None else out
     assert_matches(out.float().cpu().numpy(), case.reference(), case.kind)
     return out
-
-
-def lying_paged_case(seed=0, **kw):
-    """Paged metadata that lies, each lie turned into invalid entries by the kernels: request 0's
-    kv_len passes req_to_token's width, request 1 maps positions to slots past the pool and
-    negative slots, request 2 names a row outside req_to_token. Unselected pool slots are
-    poisoned after the edits."""
-    case = make_case("paged", 12, 2, [4, 3, 2], [9, 5, 3], width=14, junk="mixed", seed=seed,
-                     **kw)
-    a = case.arrays
-    a["req_to_token"] = np.ascontiguousarray(a["req_to_token"][:, :8])  # kv_lens[0] = 13 > 8
-    row1 = a["req_indices"][1]
-    a["req_to_token"][row1, 2] = case.arrays["k_cache"].shape[0] + 3
-    a["req_to_token"][row1, 5] = -4
-    a["req_indices"] = a["req_indices"].copy()
-    a["req_indices"][2] = a["req_to_token"].shape[0] + 6
-    poison_unselected(case)
-    return case
 
 
 # ------------------------------------------------------------------------------------ paged
