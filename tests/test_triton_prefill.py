@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.prefill_cases import errors, make_case, reference_f32, within_tolerance
+from bench.prefill import errors, make_case, reference_f32, within_tolerance
 from interop.contract import ContractError
 from qsa_triton import prefill as P
 
