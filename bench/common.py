@@ -277,8 +277,11 @@ class _Timed:
 
         self.call, self.graph = call, None
         self.chain = int(getattr(call, "chain", 1))
-        graphed = getattr(call, "capturable", True) and torch.cuda.is_available()
         call()  # warm-up: compiles
+        if not torch.cuda.is_available():  # host wall clock: code paths only, one call a replay
+            self.reps = 1
+            return
+        graphed = getattr(call, "capturable", True)
         call()
         _sync()
         if calls is None or not graphed:
@@ -686,13 +689,14 @@ def compare(mode: Mode, module: str, mode_key: str, args) -> dict:
                 ws = {t: workers[(t, n)] for t in trees}
                 entry = {t: w.ask(op="setup", file=file, provider=n) for t, w in ws.items()}
                 live = [t for t in trees if entry[t].get("ok")]
-                for _ in range(3):  # untimed warm replays, alternating
+                turn = 1 if args.smoke_cpu else 3  # timed replays per turn: fewer idle gaps
+                for _ in range(turn):  # untimed warm replays, alternating
                     for t in live:
-                        ws[t].ask(op="replay", n=2, timed=False)
+                        ws[t].ask(op="replay", n=turn, timed=False)
                 samples = {t: [] for t in live}
-                for r in range(args.rounds):  # 3 timed replays per turn: fewer idle gaps
+                for r in range(args.rounds):
                     for t in live[r % 2:] + live[:r % 2]:
-                        samples[t] += ws[t].ask(op="replay", n=3).get("us", [])
+                        samples[t] += ws[t].ask(op="replay", n=turn).get("us", [])
                 for t in live:
                     if samples[t]:
                         entry[t].update(_stats(samples[t]))
