@@ -348,7 +348,7 @@ def time_interleaved(calls: dict[str, Callable], *, calls_per_replay: int | None
             timed[n].replay()
         _sync()
     samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
+    for r in range(rounds if names else 0):
         for n in names[r % len(names):] + names[:r % len(names)]:
             samples[n].append(timed[n].time_us())
     for n in names:

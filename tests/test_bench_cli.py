@@ -181,6 +181,7 @@ def test_time_interleaved_and_failures_on_cpu_callables():
     for n in "ab":
         assert t[n]["rounds"] == 4 and t[n]["median_us"] > 0 and t[n]["chain"] == 1
         assert t[n]["p10_us"] <= t[n]["median_us"] <= t[n]["p90_us"]
+    assert common.time_interleaved({"c": broken}, rounds=2)["c"]["error"]  # none left to time
 
 
 def test_decode_reference_matches_interop_reference():
