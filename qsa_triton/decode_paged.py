@@ -204,7 +204,8 @@ def plan_for(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
     device's SM count; fitted to sm_120 / sm_121's shared memory on every device)."""
     r, hq, d = q.shape
     hkv = k_cache.shape[1]
-    return _plan(r, hkv, hq // hkv, d, indices.shape[-1], _sm_count(q.device.type, q.device.index),
+    return _plan(r, hkv, hq // hkv, d, max(1, indices.shape[-1]),
+                 _sm_count(q.device.type, q.device.index),
                  q.element_size(), k_cache.element_size(), bool(batch_invariant))
 
 
