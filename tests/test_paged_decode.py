@@ -26,7 +26,6 @@ Acceptance (qsa-contract.md §6): rtol = atol = 2e-2 elementwise and relative L2
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import numpy as np
