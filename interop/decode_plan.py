@@ -51,8 +51,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["DecodePlan", "plan_decode", "next_pow2", "prev_pow2", "PagedDecodePlan", "plan_decode_paged",
-           "paged_smem_bytes", "BATCH_INVARIANT_SPLIT_COLS"]
+__all__ = ["DecodePlan", "plan_decode", "next_pow2", "prev_pow2"]
 
 # Tunables (the H200 sweep, bench/decode.py --sweep, decides; recorded in bench/NOTES.md).
 # split-KV target: at most this many programs per SM for long rows (H200 sweep, decode v2: 1 beat
@@ -209,6 +208,9 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
 # chunks [j * nb // S, (j + 1) * nb // S) of the nb = cdiv(W, BLOCK_N) chunks (balanced; every
 # split gets >= 1 chunk since S <= nb). A split whose columns hold no valid entry writes an
 # empty partial (LSE = -inf) that the merge weighs 0; a one-split plan writes the output itself.
+
+__all__ += ["PagedDecodePlan", "plan_decode_paged", "paged_smem_bytes",
+            "BATCH_INVARIANT_SPLIT_COLS", "PAGED_MAX_SPLITS"]
 
 #: batch-invariant mode: index columns per split (a multiple of every BLOCK_N the plan uses).
 #: The split count is then cdiv(W, this) whatever the batch: 9 splits for W = 2051. Why this

@@ -63,9 +63,10 @@ _LOG2E = 1.4426950408889634
 #: warps, the packed decode's merge tile (``qsa_triton.decode.MERGE_TILE``)
 MERGE_TILE = 2048
 #: skip a BLOCK_N chunk whose entries are all invalid (a branch around its gathers and dots).
-#: Off: the branch puts the K/V gathers under an ``scf.if``, which Triton's software pipeliner
-#: does not pipeline, while masked-off gathers already move no bytes; the lead's H200 A/B on
-#: short rows decides (bench/decode_pool.py).
+#: Off: with the branch Triton's software pipeliner no longer prefetches the next chunk (compiled
+#: for sm_90 with Triton 3.9: no async copies at all, against the next chunk's index, slot and
+#: K/V tiles issued as async copies without it), while masked-off gathers move no bytes anyway;
+#: only the dots of all-junk chunks are saved. An H200 A/B on short rows could still decide.
 SKIP_EMPTY_CHUNKS = False
 _OFF32_MAX = 2**31 - 1
 
@@ -233,8 +234,8 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
         return out.zero_()  # no entry can be valid: every row is empty (exact zeros)
     splits = max(1, min(int(plan.num_splits), -(-w // plan.block_n)))
     direct = splits == 1
-    if direct:
-        lse = part = out  # unused (DIRECT writes the output)
+    if direct:  # unused by the kernel (DIRECT writes the output); fp32, as compile_configs types them
+        lse = part = torch.empty(1, dtype=torch.float32, device=q.device)
     else:
         lse = torch.empty(r * hq * splits, dtype=torch.float32, device=q.device)
         part = torch.empty(r * hq * splits * d, dtype=torch.float32, device=q.device)
