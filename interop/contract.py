@@ -35,6 +35,8 @@ __all__ = [
     "check_prefill",
     "check_prefill_chunk",
     "check_prefill_paged",
+    "PagedDecodeProblem",
+    "check_decode_paged",
     "Route",
     "route",
     "exact_contract",
@@ -56,6 +58,9 @@ QUALIFIED = {
     "dtypes": ("bfloat16", "float16"),
     "kv_fp8": "float8_e4m3fn",
     "index_width": 2051,
+    # paged decode (§2b): R query rows = up to 128 requests x 4 MTP verify rows; W index columns
+    "paged_rows": (1, 512),
+    "paged_width": (1, 2055),
 }
 _FLOAT_DTYPES = ("bfloat16", "float16")
 _FP8_DTYPES = ("float8_e4m3fn",)
@@ -80,6 +85,12 @@ class ContractError(ValueError):
 def envelope_text(fn: str = "sparse_decode") -> str:
     """One-line text of the qualified envelope for an entry point."""
     q = QUALIFIED
+    if "decode_paged" in fn:
+        pairs = ", ".join(f"({a},{b})" for a, b in q["head_pairs"])
+        (rlo, rhi), (wlo, whi) = q["paged_rows"], q["paged_width"]
+        return (f"q bf16|fp16, pool q's dtype or fp8 e4m3, D={q['head_dim']}, (Hq,Hkv) in "
+                f"{{{pairs}}} ((3,1) too in default mode), {rlo}<=R<={rhi} rows (128 requests x "
+                f"4 MTP verify rows), indices int32 [R,W] or [R,Hkv,W] with {wlo}<=W<={whi}")
     if "decode" in fn or "flash_attn" in fn:
         pairs = ", ".join(f"({a},{b})" for a, b in q["head_pairs"])
         return (f"dtype bf16|fp16, D={q['head_dim']}, (Hq,Hkv) in {{{pairs}}}, "
@@ -119,8 +130,14 @@ class TensorSpec:
     def where(self) -> str:
         return self.device if self.index is None else f"{self.device}:{self.index}"
 
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
     def is_contiguous(self) -> bool:
-        if self.strides is None:
+        # A zero-size tensor holds nothing to address: any strides pass (issue 16 item 4; a
+        # T = 0 tensor built from numpy can report strides [0, 0, 0]).
+        if self.strides is None or self.numel == 0:
             return True
         expected, acc = [], 1
         for size in reversed(self.shape):
@@ -259,7 +276,8 @@ class _Checker:
             self.fail(name, f"a tensor on {ref_name}'s device ({ref.where})", s.where)
 
     def last_dim_contiguous(self, name: str, s: TensorSpec):
-        if s.strides is not None and s.ndim and s.shape[-1] > 1 and s.strides[-1] != 1:
+        # zero-size tensors pass whatever their strides (nothing is ever addressed in them)
+        if s.strides is not None and s.ndim and s.numel and s.shape[-1] > 1 and s.strides[-1] != 1:
             self.fail(name, "unit stride in the last dimension", f"strides {list(s.strides)}")
 
     def metadata(self, name: str, s: TensorSpec, length: int | None, ref: TensorSpec, ref_name: str):
@@ -270,6 +288,13 @@ class _Checker:
         self.same_device(name, s, ref, ref_name)
         if not s.is_contiguous():
             self.fail(name, "a contiguous tensor", f"strides {list(s.strides)}")
+
+    def no_grad(self, name: str, x: Any):
+        # the kernels have no backward: an input that asks for gradients is refused, not
+        # silently detached (duck-typed: jax arrays have no requires_grad)
+        if bool(getattr(x, "requires_grad", False)):
+            self.fail(name, "a tensor with requires_grad=False (these kernels have no backward; "
+                      "call under torch.no_grad() or .detach() the input)", "requires_grad=True")
 
     def host_int(self, name: str, value: Any, lo: int, hi: int | None, hi_note: str = ""):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -692,3 +717,115 @@ def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, req_to_
                 c.fail("req_to_token", f"slots in [0, {pool_slots}) for valid positions",
                        int(slots[(slots < 0) | (slots >= pool_slots)][0]))
     return {"rows": int(cq[-1]), "valid": n_valid, "duplicates": dups}
+
+
+# --------------------------------------------------------------------------------------------
+# Paged decode (qsa-contract.md §2b, §2c).
+@dataclasses.dataclass(frozen=True)
+class PagedDecodeProblem:
+    """What a paged decode call resolved to (host ints and the resolved scales)."""
+
+    rows: int  # R
+    num_q_heads: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    slots: int  # pool slots
+    max_reqs: int
+    max_context: int
+    width: int  # W
+    per_head_indices: bool  # indices [R, Hkv, W]
+    softmax_scale: float
+    k_scale: float
+    v_scale: float
+    dtype: str
+    kv_dtype: str
+    batch_invariant: bool
+
+
+def check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                       softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
+                       batch_invariant: bool = False, strict: bool = False,
+                       fn: str = "sparse_decode_paged") -> PagedDecodeProblem:
+    """Check a paged decode call (``qsa-contract.md`` §2b) before any launch.
+
+    Args:
+      q: [R, Hq, D] bf16|fp16, last dim contiguous.
+      k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or float8_e4m3fn (both the same),
+        last dim contiguous, q's device; slots may be 0.
+      req_to_token: int32 [max_reqs, max_context], last dim contiguous (logical position ->
+        pool slot).
+      req_indices, seq_lens: int32 [R], contiguous.
+      indices: int32 [R, W] or [R, Hkv, W] logical positions, last dim contiguous (W may be 0).
+      softmax_scale: host float > 0 or None (D ** -0.5); k_scale, v_scale: host floats > 0, 1.0
+        unless the pool is FP8.
+      batch_invariant, strict: host bools. Default mode: any power-of-two D in 32..256, any G
+        <= 16 (so (3,1) too), R >= 1. strict: the qualified envelope (``envelope_text``):
+        D = 256, (Hq, Hkv) in {(24,2), (12,1), (6,1)}, 1 <= R <= 512, 1 <= W <= 2055.
+      Contents (lengths, positions, slots) are device data and never read here.
+
+    Returns:
+      PagedDecodeProblem.
+
+    Raises:
+      ContractError: naming the argument, expected, got, and the qualified envelope; also for
+        an input with ``requires_grad`` (no backward).
+    """
+    c = _Checker(fn, strict)
+    names = ("q", "k_cache", "v_cache", "req_to_token", "req_indices", "indices", "seq_lens")
+    raw = (q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens)
+    qs, ks, vs, rt, ri, ids, sl = (c.spec(n, x) for n, x in zip(names, raw))
+    for n, x in zip(names, raw):
+        c.no_grad(n, x)
+    for name, flag in (("batch_invariant", batch_invariant), ("strict", strict)):
+        if not isinstance(flag, (bool, np.bool_)):
+            c.fail(name, "a host bool", type(flag).__name__)
+    c.rank("q", qs, 3, "[R, Hq, D]")
+    c.dtype("q", qs, _FLOAT_DTYPES)
+    c.rank("k_cache", ks, 3, "[slots, Hkv, D]")
+    c.rank("v_cache", vs, 3, "[slots, Hkv, D]")
+    c.dtype("k_cache", ks, (qs.dtype,) + _FP8_DTYPES)
+    c.dtype("v_cache", vs, (ks.dtype,))
+    if vs.shape != ks.shape:
+        c.fail("v_cache", f"k_cache's shape {list(ks.shape)}", f"shape {list(vs.shape)}")
+    r, hq, d = qs.shape
+    if ks.shape[2] != d:
+        c.fail("k_cache", f"head dim {d} (q's)", ks.shape[2])
+    c.head_dim("q", d)
+    group = c.heads(hq, ks.shape[1], "q", "k_cache", QUALIFIED["head_pairs"])
+    lo, hi = QUALIFIED["paged_rows"]
+    if r < 1 or (strict and r > hi):
+        c.fail("q", f"R query rows in [{lo}, {hi}]" if strict else "R >= 1 query rows", f"R = {r}")
+    for name, s in (("q", qs), ("k_cache", ks), ("v_cache", vs)):
+        c.last_dim_contiguous(name, s)
+    c.same_device("k_cache", ks, qs, "q")
+    c.same_device("v_cache", vs, qs, "q")
+    c.rank("req_to_token", rt, 2, "[max_reqs, max_context] of int32 pool slots")
+    c.dtype("req_to_token", rt, ("int32",))
+    c.same_device("req_to_token", rt, qs, "q")
+    c.last_dim_contiguous("req_to_token", rt)
+    c.metadata("req_indices", ri, r, qs, "q")
+    c.metadata("seq_lens", sl, r, qs, "q")
+    c.rank("indices", ids, (2, 3), "[R, W] or [R, Hkv, W] of int32 logical positions")
+    if ids.dtype != "int32":
+        c.fail("indices", "dtype int32 (logical positions; invalid entries negative or >= "
+               "seq_lens[r])", ids.dtype)
+    if ids.shape[0] != r:
+        c.fail("indices", f"{r} rows (q's R)", f"{ids.shape[0]} rows")
+    if ids.ndim == 3 and ids.shape[1] != ks.shape[1]:
+        c.fail("indices", f"[R, Hkv={ks.shape[1]}, W]", f"shape {list(ids.shape)}")
+    w = ids.shape[-1]
+    wlo, whi = QUALIFIED["paged_width"]
+    if strict and not wlo <= w <= whi:
+        c.fail("indices", f"W in [{wlo}, {whi}] index columns", f"W = {w}")
+    c.same_device("indices", ids, qs, "q")
+    c.last_dim_contiguous("indices", ids)
+    scale = c.scalar("softmax_scale", softmax_scale, default=d ** -0.5)
+    ksc = c.scalar("k_scale", k_scale)
+    vsc = c.scalar("v_scale", v_scale)
+    if ks.dtype == qs.dtype and (ksc != 1.0 or vsc != 1.0):
+        c.fail("k_scale", "k_scale = v_scale = 1.0 unless the pool is float8_e4m3fn",
+               f"k_scale={ksc}, v_scale={vsc} with a {ks.dtype} pool")
+    return PagedDecodeProblem(r, hq, ks.shape[1], group, d, ks.shape[0], rt.shape[0], rt.shape[1],
+                              w, ids.ndim == 3, scale, ksc, vsc, qs.dtype, ks.dtype,
+                              bool(batch_invariant))

@@ -47,6 +47,12 @@ __all__ = [
     "decode_lengths",
     "DecodeCase",
     "decode_case",
+    "PAGED_JUNK",
+    "PAGED_JUNK_AT",
+    "resolve_paged_slots",
+    "pool_slots_for",
+    "PagedDecodeCase",
+    "paged_decode_case",
 ]
 
 RATIO = 4
@@ -536,3 +542,203 @@ def decode_case(batch: int, pattern: str, *, max_len: int = WIDTH, seed: int = 0
     cu_k = cu_seqlens_from_counts(lens)
     return DecodeCase(lens, np.arange(batch + 1, dtype=np.int32), cu_k, int(max_len),
                       int(cu_k[-1]) + int(capacity_slack))
+
+
+# --------------------------------------------------------------------------------------------
+# Paged decode (qsa-contract.md §2b): pools, req_to_token tables and realistic index rows.
+#: junk values a paged-decode row may carry (``paged_decode_case``): -1, -7, = seq_len, seq_len + 19
+PAGED_JUNK = ("-1", "-7", "len", "len+19")
+PAGED_JUNK_AT = ("front", "middle", "end")
+
+
+def resolve_paged_slots(req_to_token, req_indices, indices, seq_lens, pool_slots: int) -> np.ndarray:
+    """Pool slot of every paged-decode index entry, -1 where the entry is invalid (§2b).
+
+    Entry ``indices[r, (h,) c]`` is valid iff ``0 <= idx < seq_lens[r]``, ``idx < max_context``,
+    ``0 <= req_indices[r] < max_reqs`` and its slot ``req_to_token[req, idx]`` lies in
+    ``[0, pool_slots)`` (the lying-metadata rule: such entries are invalid, never dereferenced).
+
+    Args:
+      req_to_token: int [max_reqs, max_context]; req_indices, seq_lens: int [R];
+      indices: int [R, W] or [R, Hkv, W]; pool_slots: slots in the pool.
+
+    Returns:
+      int64 array shaped like ``indices``.
+    """
+    table = np.asarray(req_to_token, np.int64)
+    idx = np.asarray(indices, np.int64)
+    req = np.asarray(req_indices, np.int64).reshape(-1)
+    lens = np.asarray(seq_lens, np.int64).reshape(-1)
+    max_reqs, max_ctx = table.shape
+    lead = (slice(None),) + (None,) * (idx.ndim - 1)
+    req_ok = ((req >= 0) & (req < max_reqs))[lead]
+    bound = np.minimum(lens, max_ctx)[lead]
+    valid = req_ok & (idx >= 0) & (idx < bound)
+    safe_req = np.where(req_ok[..., 0] if idx.ndim == 2 else req_ok[:, 0, 0], req, 0)
+    slot = table[np.broadcast_to(safe_req[lead], idx.shape), np.where(valid, idx, 0)] \
+        if table.size else np.zeros(idx.shape, np.int64)
+    valid &= (slot >= 0) & (slot < pool_slots)
+    return np.where(valid, slot, -1)
+
+
+def pool_slots_for(context_lens, *, pool_slots: int, page_size: int = 64,
+                   seed: int = 0) -> np.ndarray:
+    """Scattered pool slots for requests of ``context_lens`` tokens, as a serving engine lays them:
+    ``page_size`` consecutive positions in consecutive slots (SGLang: 64), pages in random
+    order over the whole pool; ``page_size = 1`` gives single scattered slots. Slot 0 is never
+    handed out (SGLang's padding slot), so tests can fill it (and every other slot no request
+    owns) with NaN.
+
+    Args:
+      context_lens: int [B]; pool_slots: slots in the pool (> the pages needed); page_size >= 1.
+
+    Returns:
+      int32 [B, max(context_lens)] slots; 0 (the padding slot, what SGLang's table holds there)
+      past each request's length.
+
+    Raises:
+      ValueError: the pool is too small.
+    """
+    lens = np.asarray(context_lens, np.int64).reshape(-1)
+    rng = np.random.default_rng(seed)
+    pages = -(-lens // page_size)
+    n_pool_pages = pool_slots // page_size
+    need = int(pages.sum())
+    if need > n_pool_pages - 1:
+        raise ValueError(f"pool of {pool_slots} slots has {n_pool_pages} pages of {page_size}; "
+                         f"{need} (+ the padding page) needed")
+    # distinct pages 1.. (page 0 holds the padding slot), in random order
+    chosen = rng.choice(np.arange(1, n_pool_pages, dtype=np.int64), size=need, replace=False)
+    width = max(1, int(lens.max()) if lens.size else 1)
+    table = np.zeros((lens.shape[0], width), np.int64)
+    start = 0
+    pos = np.arange(width, dtype=np.int64)
+    for b in range(lens.shape[0]):
+        own = chosen[start:start + pages[b]]
+        start += pages[b]
+        if lens[b]:
+            slots = own[pos[: lens[b]] // page_size] * page_size + pos[: lens[b]] % page_size
+            table[b, : lens[b]] = slots
+    return table.astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedDecodeCase:
+    """Device metadata of one paged decode call (numpy int32, ready to upload).
+
+    Attributes:
+      req_to_token: [max_reqs, max_context] (rows of requests nobody uses hold slot 0).
+      req_indices: [R] the request of each query row (MTP verify rows share one).
+      seq_lens: [R] the validity bound of each row.
+      indices: [R, W] or [R, Hkv, W] logical positions (junk where invalid).
+      pool_slots: slots in the pool; page_size: 64 (pages) or 1 (single scattered slots).
+      owned: bool [pool_slots] slots some request owns (the others may be filled with NaN).
+    """
+
+    req_to_token: np.ndarray
+    req_indices: np.ndarray
+    seq_lens: np.ndarray
+    indices: np.ndarray
+    pool_slots: int
+    page_size: int
+    owned: np.ndarray
+
+
+def _paged_row(valid: np.ndarray, width: int, bound: int, junk: Sequence[str], at: Sequence[str],
+               n_junk: int, rng) -> np.ndarray:
+    """One row: the valid positions with ``n_junk`` junk entries placed at ``at`` (front /
+    middle / end; the rest of the row is -1 padding at the end). Valid entries that no longer
+    fit are dropped (a saturated row then has fewer valid entries)."""
+    vals = {"-1": -1, "-7": -7, "len": bound, "len+19": bound + 19}
+    junk_vals = [vals[j] for j in junk] or [-1]
+    pieces = {a: [junk_vals[int(rng.integers(len(junk_vals)))] for _ in range(n_junk)] for a in at}
+    room = max(0, width - n_junk * len(at))
+    valid = list(valid)[:room]
+    half = len(valid) // 2
+    row = (pieces.get("front", []) + valid[:half] + pieces.get("middle", []) + valid[half:]
+           + pieces.get("end", []))[:width]
+    return np.asarray(row + [-1] * (width - len(row)), np.int64)
+
+
+def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int = 1,
+                      pool_slots: int | None = None, page_size: int = 64, junk=("-1",),
+                      junk_at=(), n_junk: int = 2, duplicates: int = 0,
+                      empty_rows: Sequence[int] = (), num_kv_heads: int | None = None,
+                      spare_requests: int = 2, seed: int = 0) -> PagedDecodeCase:
+    """A seeded paged decode batch laid out like a serving engine's (``qsa-contract.md`` §2b).
+
+    Requests get scattered pool slots (``pool_slots_for``), a ``req_to_token`` row each at a
+    shuffled row of a table with ``spare_requests`` unused rows. Every request has
+    ``rows_per_request`` query rows (MTP verify: row i sees ``context_lens[b] - rows + 1 + i``
+    tokens, the last row the whole context), all naming the same request. Each row's indices
+    are an indexer-like selection of its visible tokens (``select_blocks`` +
+    ``expand_block_indices``, the 2051-wide production layout when ``width = WIDTH``).
+
+    Args:
+      context_lens: int [B] tokens per request (>= rows_per_request - 1).
+      width: W index columns; pool_slots: default 2 x the slots needed (pages + padding page).
+      page_size: 64 (pages in scattered order) or 1 (single scattered slots).
+      junk: junk values used where ``junk_at`` places them, from ``PAGED_JUNK``; with
+        ``junk_at = ()`` rows are valid-first with -1 padding (what the indexer emits).
+      junk_at: positions from ``PAGED_JUNK_AT`` that get ``n_junk`` junk entries each.
+      duplicates: per row, this many entries replaced by copies of other valid entries of the row.
+      empty_rows: rows made entirely of junk (exact zeros expected).
+      num_kv_heads: None -> indices [R, W]; an int -> [R, Hkv, W], a different selection per head.
+      seed: RNG seed.
+
+    Returns:
+      PagedDecodeCase.
+
+    Raises:
+      ValueError: unknown junk value / position, a context shorter than the verify rows.
+    """
+    if any(j not in PAGED_JUNK for j in junk) or any(a not in PAGED_JUNK_AT for a in junk_at):
+        raise ValueError(f"junk must be from {PAGED_JUNK}, junk_at from {PAGED_JUNK_AT}; got "
+                         f"{junk!r}, {junk_at!r}")
+    lens = np.asarray(context_lens, np.int64).reshape(-1)
+    k = int(rows_per_request)
+    if k < 1 or (lens < k - 1).any():
+        raise ValueError(f"need rows_per_request >= 1 and context_lens >= rows_per_request - 1, "
+                         f"got {k}, {lens.tolist()}")
+    rng = np.random.default_rng(seed)
+    b = lens.shape[0]
+    if pool_slots is None:
+        pool_slots = 2 * (int((-(-lens // page_size)).sum()) + 1) * page_size
+    slots = pool_slots_for(lens, pool_slots=pool_slots, page_size=page_size,
+                           seed=int(rng.integers(2**31)))
+    max_reqs = b + int(spare_requests)
+    table = np.zeros((max_reqs, slots.shape[1]), np.int32)
+    req_of = rng.permutation(max_reqs)[:b]
+    table[req_of] = slots
+    owned = np.zeros(pool_slots, bool)
+    for i in range(b):
+        owned[slots[i, : lens[i]]] = True
+    req_rows = np.repeat(np.arange(b), k)
+    seq = (lens[req_rows] - (k - 1) + np.tile(np.arange(k), b)).astype(np.int64)
+    r = req_rows.shape[0]
+    token_topk, block_topk = _geometry(width, RATIO)
+    heads = []
+    for _h in range(num_kv_heads or 1):
+        blocks = select_blocks(seq, req_rows, block_topk=block_topk, ratio=RATIO,
+                               seed=int(rng.integers(2**31)))
+        heads.append(expand_block_indices(blocks, seq - 1, seq, ratio=RATIO,
+                                          token_topk=token_topk).astype(np.int64))
+    idx = np.stack(heads, 1)  # [R, H, W], valid first, -1 after
+    for row in range(r):
+        for h in range(idx.shape[1]):
+            ent = idx[row, h]
+            valid = ent[(ent >= 0) & (ent < seq[row])]
+            if duplicates and valid.size > 1:
+                at = rng.choice(valid.size, size=min(duplicates, valid.size - 1), replace=False)
+                valid = valid.copy()
+                valid[at] = valid[rng.integers(0, valid.size, size=at.size)]
+            if row in set(int(e) for e in empty_rows):
+                valid = valid[:0]
+            if junk_at or row in set(int(e) for e in empty_rows):
+                idx[row, h] = _paged_row(valid, width, int(seq[row]), junk, junk_at, n_junk, rng)
+            else:
+                idx[row, h] = np.concatenate([valid, np.full(width - valid.size, -1)])
+    idx = idx.astype(np.int32)
+    return PagedDecodeCase(table, req_of[req_rows].astype(np.int32), seq.astype(np.int32),
+                           idx if num_kv_heads is not None else idx[:, 0], int(pool_slots),
+                           int(page_size), owned)

@@ -26,6 +26,7 @@ __all__ = [
     "prefill_chunk_reference",
     "prefill_paged_reference",
     "pool_slots_of",
+    "decode_paged_reference",
     "rel_l2",
 ]
 
@@ -188,3 +189,46 @@ def prefill_paged_reference(q, k_cache, v_cache, req_to_token, req_indices, indi
     return _prefill_core(q, indices, cu_seqlens_q, np.asarray(kv_lens, np.int64), k_cache, v_cache,
                          lambda b, sel: pool_slots_of(req_to_token, req_indices, b, sel, pool),
                          _scale(softmax_scale, np.shape(q)[2]), k_scale, v_scale)
+
+
+def decode_paged_reference(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                           softmax_scale=None, k_scale=1.0, v_scale=1.0) -> np.ndarray:
+    """Paged decode (``qsa-contract.md`` §2b): ``decode_reference`` on the rows a compaction
+    would have packed.
+
+    Entry ``indices[r, (h,) c]`` is valid iff ``0 <= idx < seq_lens[r]``, ``idx < max_context``,
+    ``req_indices[r]`` names a table row and the slot ``req_to_token[req, idx]`` lies in the pool
+    (``interop.indices.resolve_paged_slots``); the valid entries of each row, in column order and
+    duplicates included, are packed per KV head (as upstream's counts -> prefix sum ->
+    ``_compact_kv`` would) and attended by the packed reference. ``k_scale`` multiplies the
+    scores and ``v_scale`` the output (both folded into the packed rows: exact in float64).
+
+    Args:
+      q: [R, Hq, D]; k_cache, v_cache: [slots, Hkv, D] float values (an FP8 pool cast to float);
+      req_to_token: int [max_reqs, max_context]; req_indices, seq_lens: int [R];
+      indices: int [R, W] or [R, Hkv, W]; softmax_scale: float or None (D ** -0.5).
+
+    Returns:
+      [R, Hq, D] float64; exact zeros for a row (and KV head) with no valid entry.
+    """
+    from .indices import cu_seqlens_from_counts, resolve_paged_slots  # noqa: PLC0415
+
+    q = np.asarray(q, np.float64)
+    r, hq, d = q.shape
+    k_cache, v_cache = np.asarray(k_cache), np.asarray(v_cache)
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    slots = resolve_paged_slots(req_to_token, req_indices, indices, seq_lens, k_cache.shape[0])
+    if slots.ndim == 2:
+        slots = slots[:, None, :]
+    out = np.zeros((r, hq, d), np.float64)
+    cu_q = np.arange(r + 1)
+    for h in range(hkv):
+        sl = slots[:, h if slots.shape[1] > 1 else 0]
+        cu_k = cu_seqlens_from_counts((sl >= 0).sum(-1))
+        picked = sl[sl >= 0]  # row-major: each row's valid entries in column order
+        kp = np.asarray(k_cache[picked, h:h + 1], np.float64) * float(k_scale)
+        vp = np.asarray(v_cache[picked, h:h + 1], np.float64) * float(v_scale)
+        out[:, h * g:(h + 1) * g] = decode_reference(q[:, h * g:(h + 1) * g], kp, vp, cu_q, cu_k,
+                                                     _scale(softmax_scale, d))
+    return out

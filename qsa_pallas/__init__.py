@@ -6,7 +6,8 @@ Never imports torch. Every entry point runs ``interop.contract`` checks before a
 from interop.contract import ContractError  # noqa: F401
 
 from .decode import sparse_decode  # noqa: F401
+from .decode_paged import sparse_decode_paged  # noqa: F401
 from .prefill import sparse_prefill, sparse_prefill_chunk, sparse_prefill_paged  # noqa: F401
 
 __all__ = ["ContractError", "sparse_decode", "sparse_prefill", "sparse_prefill_chunk",
-           "sparse_prefill_paged"]
+           "sparse_prefill_paged", "sparse_decode_paged"]
