@@ -591,7 +591,7 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     that gives about 2 x ``sm_count`` pass-1 programs over the batch with at most 16 chunks per
     row (so a row's candidates fit one merge program), capped at 4096 blocks unless the merge
     bound needs more (contexts past 256k tokens). Prefill (16 rows per program, sharing every key
-    tile): chunk max(1024, 2 * topk), grown the same way for the merge bound, and rows grouped so
+    tile): chunk 2 * topk (1024), grown the same way for the merge bound, and rows grouped so
     that one launch's candidate workspace stays under 256 MiB (upstream caps its FP32 logits
     buffer at 128 MiB the same way; candidates take ``8 * topk / chunk`` bytes per (row, block)
     instead of 4).
@@ -618,7 +618,7 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
         c = max(min(c, 4096), 2 * topk, 64, merge_chunk)
         tile = min(64, c)
         return IndexerPlan(kind, topk, c, -(-mb // c), tile, 1, 8, 3, 8, max(rows, 1))
-    c = max(1024, 2 * topk, merge_chunk)
+    c = max(2 * topk, 64, merge_chunk)
     bm = 16
     tile = min(64, c)
     plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 8 if bm * c <= 16384 else 16, 2, 8, 1)

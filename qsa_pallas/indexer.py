@@ -116,7 +116,9 @@ def _topk_mask(keys, ids, n_valid, k: int, id_bits: int):
         cnt = _row_count(keys >= cand[:, None, None])
         return jnp.where(cnt >= k, cand, tau)
 
-    tau = lax.fori_loop(0, jnp.where(run, 31, 0), key_round, jnp.zeros_like(n_valid))
+    # explicit int32 bounds: a weakly typed where() lowers to an i1 bound (scf.for verify error)
+    n_key = run.astype(jnp.int32) * 31
+    tau = lax.fori_loop(jnp.int32(0), n_key, key_round, jnp.zeros_like(n_valid))
     above = keys > tau[:, None, None]
     want = k - _row_count(above)
     tie = keys == tau[:, None, None]
@@ -126,7 +128,8 @@ def _topk_mask(keys, ids, n_valid, k: int, id_bits: int):
         f = _row_count(tie & (ids < cand[:, None, None]))
         return jnp.where(f < want, cand, cut)
 
-    cut = lax.fori_loop(0, jnp.where(run, id_bits, 0), id_round, jnp.zeros_like(n_valid))
+    cut = lax.fori_loop(jnp.int32(0), run.astype(jnp.int32) * id_bits, id_round,
+                        jnp.zeros_like(n_valid))
     top = above | (tie & (ids <= cut[:, None, None]))
     return jnp.where(need[:, None, None], top, keys >= 0)
 
@@ -174,8 +177,7 @@ def _decode_chunk_kernel(q_ref, k_ref, pt_ref, seq_ref, wsk_ref, wsi_ref, wsc_re
         # A page id outside the cache is a caller bug: its blocks read nothing (score 0).
         pok = ok & (pid >= 0) & (pid < pages)
         row = jnp.where(pok, pid * psz + blk % psz, 0)
-        kt = C.load(k_ref.at[row[:, None], dcol], mask=pok[:, None], other=0.0,
-                    eviction_policy="evict_first").astype(compute)
+        kt = C.load(k_ref.at[row[:, None], dcol], mask=pok[:, None], other=0.0).astype(compute)
         sc = C.dot(q, kt, trans_b=True)  # [hp, t] fp32
         key = jnp.where(ok, _score_keys(jnp.sum(jnp.maximum(sc, 0.0), axis=0)), -1)
         return jnp.where(nt3 == i, key[None, None, :], keys)

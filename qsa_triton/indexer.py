@@ -53,7 +53,7 @@ __all__ = [
     "indexer_plan_for",
 ]
 
-_INT32_MAX = 2**31 - 1
+_INT32_MAX = tl.constexpr(2**31 - 1)  # a constexpr global: usable inside @triton.jit
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
