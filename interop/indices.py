@@ -582,6 +582,27 @@ class IndexerPlan:
         """Bytes of candidate workspace for ``rows`` rows: keys + ids (int32) + counts."""
         return int(rows) * self.splits * (self.topk * 8 + 4)
 
+    def problem(self, kind: str, max_blocks: int, topk: int) -> str | None:
+        """Why this plan cannot run a ``kind`` call with these sizes (None when it can): the
+        kernels need power-of-two chunk and tile, chunk >= 2 * topk and a multiple of the tile,
+        splits x chunk covering max_blocks, prefill rows_per_program 16 and row_group a multiple
+        of it, decode rows_per_program 1."""
+        pow2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
+        if self.kind != kind or self.topk != topk:
+            return f"a {kind} plan for topk={topk}, got kind={self.kind} topk={self.topk}"
+        if not (pow2(self.chunk) and pow2(self.tile) and self.chunk >= max(2 * topk, self.tile)
+                and self.tile >= 16):
+            return (f"power-of-two chunk >= max(2*topk, tile) and tile >= 16, got chunk "
+                    f"{self.chunk}, tile {self.tile}")
+        if self.splits * self.chunk < max(int(max_blocks), 1):
+            return f"splits x chunk >= {max_blocks} blocks, got {self.splits} x {self.chunk}"
+        want = 1 if kind == "decode" else 16
+        if self.rows_per_program != want or (kind == "prefill" and self.row_group % want):
+            return f"rows_per_program {want} (prefill: row_group a multiple of it)"
+        if self.splits_pad * topk > 4 * _MERGE_MAX_CANDIDATES:
+            return f"splits_pad x topk <= {4 * _MERGE_MAX_CANDIDATES} merge candidates"
+        return None
+
 
 def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, *,
                  sm_count: int = 132) -> IndexerPlan:

@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from interop.arch import DeviceFacts
-from interop.contract import (check_expand_block_indices, check_indexer_decode,
+from interop.contract import (ContractError, check_expand_block_indices, check_indexer_decode,
                               check_indexer_prefill)
 from interop.indices import IndexerPlan, plan_indexer
 
@@ -182,9 +182,11 @@ def _decode_chunk_kernel(q_ref, k_ref, pt_ref, seq_ref, wsk_ref, wsi_ref, wsc_re
         key = jnp.where(ok, _score_keys(jnp.sum(jnp.maximum(sc, 0.0), axis=0)), -1)
         return jnp.where(nt3 == i, key[None, None, :], keys)
 
-    keys = lax.fori_loop(0, (n_here + (t - 1)) // t, tile,
-                         jnp.full((1, nt_n, t), -1, jnp.int32))
+    # A row with <= k blocks keeps all of them: nothing is loaded or scored.
+    n_tiles = jnp.where(nb > k, (n_here + (t - 1)) // t, 0).astype(jnp.int32)
+    keys = lax.fori_loop(jnp.int32(0), n_tiles, tile, jnp.full((1, nt_n, t), -1, jnp.int32))
     ids = _iota((1, nt_n, t), 1) * t + _iota((1, nt_n, t), 2)
+    keys = jnp.where(nb > k, keys, jnp.where(ids < n_here, 0, -1))
     n_valid = jnp.full((1,), 0, jnp.int32) + n_here
     sel = _topk_mask(keys, ids, n_valid, k, id_bits)
     pos, n_sel = _compact_positions(sel)
@@ -233,6 +235,8 @@ def _prefill_chunk_kernel(q_ref, k_ref, rs_ref, re_ref, wsk_ref, wsi_ref, wsc_re
         base = jnp.min(jnp.where(todo, lo, _INT32_MAX))
         seg = todo & (lo == base)
         seg_n = jnp.max(jnp.where(seg, n_here, 0))
+        # rows with <= k visible blocks keep them all: a segment of only such rows is skipped
+        seg_score = jnp.max(jnp.where(seg, n_vis, 0)) > k
 
         def tile(ti, keys):
             j = ti * t + tt
@@ -246,12 +250,15 @@ def _prefill_chunk_kernel(q_ref, k_ref, rs_ref, re_ref, wsk_ref, wsi_ref, wsc_re
             put = (nt3 == ti) & seg[:, None, None]
             return jnp.where(put, key[:, None, :], keys)
 
-        keys = lax.fori_loop(0, (seg_n + (t - 1)) // t, tile, keys)
+        n_tiles = jnp.where(seg_score, (seg_n + (t - 1)) // t, 0).astype(jnp.int32)
+        keys = lax.fori_loop(jnp.int32(0), n_tiles, tile, keys)
         return todo & ~seg, keys
 
     _, keys = lax.while_loop(seg_cond, seg_body,
                              (n_here > 0, jnp.full((bm, nt_n, t), -1, jnp.int32)))
     ids = _iota((1, nt_n, t), 1) * t + _iota((1, nt_n, t), 2)
+    keys = jnp.where((n_vis > k)[:, None, None], keys,
+                     jnp.where(ids < n_here[:, None, None], 0, -1))
     sel = _topk_mask(keys, ids, n_here, k, id_bits)
     pos, n_sel = _compact_positions(sel)
     dest = jnp.where(sel, ((rloc * s_n + s) * k)[:, None, None] + pos, trash)
@@ -349,13 +356,14 @@ def _merge(ws, metas, rows: int, plan: IndexerPlan, *, prefill: bool, expand: bo
     return out[:, :w] if spare else out
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "ratio", "expand", "interpret", "sm_count"))
+@functools.partial(jax.jit, static_argnames=("topk", "ratio", "expand", "interpret", "sm_count",
+                                             "plan"))
 def _decode(q, k_cache, page_table, seq_lens, *, topk: int, ratio: int, expand: bool,
-            interpret: bool, sm_count: int):
+            interpret: bool, sm_count: int, plan: IndexerPlan | None = None):
     b, h, d = q.shape
     pages, psz = k_cache.shape[0], k_cache.shape[1]
     cap = page_table.shape[1] * psz
-    plan = plan_indexer("decode", b, cap, topk, sm_count=sm_count)
+    plan = plan or plan_indexer("decode", b, cap, topk, sm_count=sm_count)
     compute = jnp.bfloat16 if q.dtype == jnp.float8_e4m3fn else q.dtype
     k2 = k_cache.reshape(pages * psz, d) if pages * psz else jnp.zeros((1, d), k_cache.dtype)
     shapes = _workspace_shapes(b, plan, interpret)
@@ -371,12 +379,13 @@ def _decode(q, k_cache, page_table, seq_lens, *, topk: int, ratio: int, expand: 
                   interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "ratio", "expand", "interpret", "sm_count"))
+@functools.partial(jax.jit, static_argnames=("topk", "ratio", "expand", "interpret", "sm_count",
+                                             "plan"))
 def _prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int, ratio: int,
-             expand: bool, interpret: bool, sm_count: int):
+             expand: bool, interpret: bool, sm_count: int, plan: IndexerPlan | None = None):
     t_rows, h, d = q.shape
     n_keys = k.shape[0]
-    plan = plan_indexer("prefill", t_rows, n_keys, topk, sm_count=sm_count)
+    plan = plan or plan_indexer("prefill", t_rows, n_keys, topk, sm_count=sm_count)
     compute = jnp.bfloat16 if q.dtype == jnp.float8_e4m3fn else q.dtype
     k2 = k.reshape(n_keys, d) if n_keys else jnp.zeros((1, d), k.dtype)
     g = plan.row_group
@@ -411,7 +420,7 @@ def _empty(rows: int, width: int):
 # Public entry points (same names and argument order as qsa_triton.indexer)
 def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
                         compress_ratio: int = 4, strict: bool = False,
-                        interpret: bool | None = None):
+                        plan: IndexerPlan | None = None, interpret: bool | None = None):
     """Decode indexer: score each row's paged compressed keys and keep the exact top-k blocks.
 
     Same contract as ``qsa_triton.indexer_topk_decode``: row b sees its first
@@ -426,6 +435,7 @@ def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
       page_table: int32 [B, max_pages]; seq_lens: int32 [B] (traced; never read on the host).
       topk: blocks kept (512); compress_ratio: tokens per block (4).
       strict: enforce the qualified envelope (``interop.contract.QUALIFIED_INDEXER``).
+      plan: an ``interop.indices.IndexerPlan`` replacing the shared one (benchmarks, sweeps).
       interpret: None -> interpret mode on a CPU backend, the compiled kernels on a GPU.
 
     Returns:
@@ -437,12 +447,12 @@ def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
         (``interop.contract.check_indexer_decode``; the same message as the torch path).
     """
     return _decode_entry("indexer_topk_decode", q, k_cache, page_table, seq_lens, topk,
-                         compress_ratio, strict, interpret, False)
+                         compress_ratio, strict, interpret, False, plan)
 
 
 def indexer_select_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
                           compress_ratio: int = 4, strict: bool = False,
-                          interpret: bool | None = None):
+                          plan: IndexerPlan | None = None, interpret: bool | None = None):
     """The whole decode indexer: ``indexer_topk_decode`` with the expansion fused into the merge.
 
     Returns:
@@ -454,21 +464,31 @@ def indexer_select_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
       ContractError: as ``indexer_topk_decode``.
     """
     return _decode_entry("indexer_select_decode", q, k_cache, page_table, seq_lens, topk,
-                         compress_ratio, strict, interpret, True)
+                         compress_ratio, strict, interpret, True, plan)
 
 
-def _decode_entry(fn, q, k_cache, page_table, seq_lens, topk, ratio, strict, interpret, expand):
+def _check_plan(fn, plan, prob):
+    if plan is not None:
+        why = plan.problem(prob.kind, prob.max_blocks, prob.topk)
+        if why:
+            raise ContractError(fn, "plan", why, plan)
+
+
+def _decode_entry(fn, q, k_cache, page_table, seq_lens, topk, ratio, strict, interpret, expand,
+                  plan):
     C.check_inputs(fn, interpret, q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens)
-    check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk, compress_ratio=ratio,
-                         strict=strict, fn=fn)
+    prob = check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk, compress_ratio=ratio,
+                                strict=strict, fn=fn)
     C.check_backend(fn, interpret, q, k_cache, page_table, seq_lens)
+    _check_plan(fn, plan, prob)
     return _decode(q, k_cache, page_table, seq_lens, topk=int(topk), ratio=int(ratio),
                    expand=expand, interpret=C.resolve_interpret(interpret),
-                   sm_count=_sm_count())
+                   sm_count=_sm_count(), plan=plan)
 
 
 def indexer_topk_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compress_ratio: int = 4,
-                         strict: bool = False, interpret: bool | None = None):
+                         strict: bool = False, plan: IndexerPlan | None = None,
+                         interpret: bool | None = None):
     """Prefill indexer: each row's exact top-k over its packed compressed-key range.
 
     Same contract as ``qsa_triton.indexer_topk_prefill``: row m scores key rows
@@ -478,7 +498,7 @@ def indexer_topk_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compres
     Args:
       q: [T, H, D] bf16|fp16|fp8 e4m3; k: [N, 1, D] q's dtype or fp8 e4m3.
       row_starts, row_ends: int32 [T] (traced).
-      topk, compress_ratio, strict, interpret: as ``indexer_topk_decode``.
+      topk, compress_ratio, strict, plan, interpret: as ``indexer_topk_decode``.
 
     Returns:
       int32 [T, topk], ascending row-relative block ids, -1 after.
@@ -487,12 +507,12 @@ def indexer_topk_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compres
       ContractError: before anything is traced (``interop.contract.check_indexer_prefill``).
     """
     return _prefill_entry("indexer_topk_prefill", q, k, row_starts, row_ends, None, None, topk,
-                          compress_ratio, strict, interpret, False)
+                          compress_ratio, strict, interpret, False, plan)
 
 
 def indexer_select_prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int = 512,
                            compress_ratio: int = 4, strict: bool = False,
-                           interpret: bool | None = None):
+                           plan: IndexerPlan | None = None, interpret: bool | None = None):
     """The whole prefill indexer: ``indexer_topk_prefill`` with the expansion fused into the merge.
 
     Args:
@@ -506,23 +526,24 @@ def indexer_select_prefill(q, k, row_starts, row_ends, positions, seq_lens, *, t
       ContractError: as ``indexer_topk_prefill``.
     """
     return _prefill_entry("indexer_select_prefill", q, k, row_starts, row_ends, positions,
-                          seq_lens, topk, compress_ratio, strict, interpret, True)
+                          seq_lens, topk, compress_ratio, strict, interpret, True, plan)
 
 
 def _prefill_entry(fn, q, k, row_starts, row_ends, positions, seq_lens, topk, ratio, strict,
-                   interpret, expand):
+                   interpret, expand, plan):
     arrays = dict(q=q, k=k, row_starts=row_starts, row_ends=row_ends)
     if expand:
         arrays.update(positions=positions, seq_lens=seq_lens)
     C.check_inputs(fn, interpret, **arrays)
-    check_indexer_prefill(q, k, row_starts, row_ends, topk=topk, compress_ratio=ratio,
-                          positions=positions, seq_lens=seq_lens, strict=strict, fn=fn)
+    prob = check_indexer_prefill(q, k, row_starts, row_ends, topk=topk, compress_ratio=ratio,
+                                 positions=positions, seq_lens=seq_lens, strict=strict, fn=fn)
     C.check_backend(fn, interpret, *arrays.values())
+    _check_plan(fn, plan, prob)
     if q.shape[0] == 0:
         return _empty(0, topk * ratio + ratio - 1 if expand else topk)
     return _prefill(q, k, row_starts, row_ends, positions, seq_lens, topk=int(topk),
                     ratio=int(ratio), expand=expand, interpret=C.resolve_interpret(interpret),
-                    sm_count=_sm_count())
+                    sm_count=_sm_count(), plan=plan)
 
 
 @functools.partial(jax.jit, static_argnames=("ratio",))

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from interop.contract import (check_expand_block_indices, check_indexer_decode,
+from interop.contract import (ContractError, check_expand_block_indices, check_indexer_decode,
                               check_indexer_prefill)
 from interop.indices import IndexerPlan, plan_indexer
 
@@ -141,7 +141,9 @@ def _decode_chunk_kernel(q_ptr, k_ptr, pt_ptr, seq_ptr, wsk_ptr, wsi_ptr, wsc_pt
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + d[None, :],
                     mask=(h < H)[:, None], other=0.0).to(COMPUTE)
         keys = tl.full([1, NT, T], -1, tl.int32)
-        for t in range(0, tl.cdiv(n_here, T)):
+        # A row with <= K blocks keeps all of them: its keys are never read, so nothing is
+        # loaded or scored (upstream's fast top-k skips such rows the same way).
+        for t in range(0, tl.where(nb > K, tl.cdiv(n_here, T), 0)):
             blk = lo + t * T + tt
             ok = blk < nb
             pid = tl.load(pt_ptr + b.to(tl.int64) * stride_ptb + blk // P, mask=ok, other=0)
@@ -154,6 +156,7 @@ def _decode_chunk_kernel(q_ptr, k_ptr, pt_ptr, seq_ptr, wsk_ptr, wsi_ptr, wsc_pt
             key = tl.where(ok, _score_keys(tl.sum(tl.maximum(sc, 0.0), axis=0)), -1)
             keys = tl.where((nt == t)[None, :, None], key[None, None, :], keys)
         ids = (nt[:, None] * T + tt[None, :])[None, :, :]
+        keys = tl.where(nb > K, keys, tl.where(ids < n_here, 0, -1))
         n_valid = tl.full([1], 0, tl.int32) + n_here
         sel = _topk_mask(keys, ids, n_valid, K, ID_BITS)
         pos, n_sel = _compact_positions(sel)
@@ -201,7 +204,10 @@ def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, wsc_pt
             base = tl.min(tl.where(todo, lo, _INT32_MAX), axis=0)
             seg = todo & (lo == base)
             seg_n = tl.max(tl.where(seg, n_here, 0), axis=0)
-            for t in range(0, tl.cdiv(seg_n, T)):
+            # rows with <= K visible blocks keep them all: a segment of only such rows is
+            # neither loaded nor scored
+            seg_score = tl.max(tl.where(seg, n_vis, 0), axis=0) > K
+            for t in range(0, tl.where(seg_score, tl.cdiv(seg_n, T), 0)):
                 j = t * T + tt
                 kr = (base + c0 + j).to(tl.int64)
                 k = tl.load(k_ptr + kr[:, None] * D + d[None, :], mask=(j < seg_n)[:, None],
@@ -214,6 +220,8 @@ def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, wsc_pt
                 keys = tl.where(put, key[:, None, :], keys)
             todo = todo & (~seg)
         ids = (nt[:, None] * T + tt[None, :])[None, :, :]
+        keys = tl.where((n_vis > K)[:, None, None], keys,
+                        tl.where(ids < n_here[:, None, None], 0, -1))
         sel = _topk_mask(keys, ids, n_here, K, ID_BITS)
         pos, n_sel = _compact_positions(sel)
         slot = (rloc.to(tl.int64) * S + s) * K
@@ -358,11 +366,12 @@ def _workspace(rows: int, plan: IndexerPlan, device):
             torch.empty((n,), dtype=torch.int32, device=device))
 
 
-def _run_decode(q, k_cache, page_table, seq_lens, topk: int, ratio: int, expand: bool):
+def _run_decode(q, k_cache, page_table, seq_lens, topk: int, ratio: int, expand: bool,
+                plan: IndexerPlan | None = None):
     b, h, d = q.shape
     pages, psz = k_cache.shape[0], k_cache.shape[1]
     cap = page_table.shape[1] * psz
-    plan = indexer_plan_for("decode", b, cap, topk, q.device)
+    plan = plan or indexer_plan_for("decode", b, cap, topk, q.device)
     width = topk * ratio + ratio - 1 if expand else topk
     out = torch.empty((b, width), dtype=torch.int32, device=q.device)
     if b == 0:
@@ -382,10 +391,10 @@ def _run_decode(q, k_cache, page_table, seq_lens, topk: int, ratio: int, expand:
 
 
 def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, ratio: int,
-                 expand: bool):
+                 expand: bool, plan: IndexerPlan | None = None):
     t, h, d = q.shape
     n_keys = k.shape[0]
-    plan = indexer_plan_for("prefill", t, n_keys, topk, q.device)
+    plan = plan or indexer_plan_for("prefill", t, n_keys, topk, q.device)
     width = topk * ratio + ratio - 1 if expand else topk
     out = torch.empty((t, width), dtype=torch.int32, device=q.device)
     if t == 0:
@@ -470,14 +479,18 @@ def _expand_fake(block_ids, positions, seq_lens, compress_ratio):
 
 # ---------------------------------------------------------------------------------------------
 # Public entry points
-def _pre(fn: str, prob, q: torch.Tensor) -> None:
+def _pre(fn: str, prob, q: torch.Tensor, plan: IndexerPlan | None = None) -> None:
     check_interpreter_dtype(fn, prob.compute_dtype)
     check_device(fn, q.device.type)
+    if plan is not None:
+        why = plan.problem(prob.kind, prob.max_blocks, prob.topk)
+        if why:
+            raise ContractError(fn, "plan", why, plan)
 
 
 def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
                         seq_lens: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
-                        strict: bool = False) -> torch.Tensor:
+                        strict: bool = False, plan: IndexerPlan | None = None) -> torch.Tensor:
     """Decode indexer: score each row's paged compressed keys and keep the exact top-k blocks.
 
     Row b sees its first ``floor(seq_lens[b] / compress_ratio)`` compressed blocks (capped at the
@@ -493,6 +506,8 @@ def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torc
       page_table: int32 [B, max_pages]; seq_lens: int32 [B] token counts (device data).
       topk: blocks kept (512); compress_ratio: tokens per block (4).
       strict: enforce the qualified envelope (``interop.contract.QUALIFIED_INDEXER``).
+      plan: an ``interop.indices.IndexerPlan`` replacing the shared one (benchmarks and sweeps;
+        the call then bypasses the torch.library op).
 
     Returns:
       int32 [B, topk]: the selected block ids in ascending order, -1 after; a row with <= topk
@@ -501,20 +516,24 @@ def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torc
     Raises:
       ContractError: before any launch, for a call outside the contract
         (``interop.contract.check_indexer_decode``), a non-torch argument, bf16 under an
-        unpatched Triton interpreter, CPU tensors without the interpreter.
+        unpatched Triton interpreter, CPU tensors without the interpreter, a plan that cannot
+        run this call (``IndexerPlan.problem``).
     """
     fn = "indexer_topk_decode"
     if not torch.compiler.is_compiling():
         check_torch_tensors(fn, q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens)
         _pre(fn, check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
-                                      compress_ratio=compress_ratio, strict=strict, fn=fn), q)
+                                      compress_ratio=compress_ratio, strict=strict, fn=fn), q,
+             plan)
+    if plan is not None:
+        return _run_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio, False, plan)
     return torch.ops.qsa.indexer_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio,
                                         False)
 
 
 def indexer_select_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
                           seq_lens: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
-                          strict: bool = False) -> torch.Tensor:
+                          strict: bool = False, plan: IndexerPlan | None = None) -> torch.Tensor:
     """The whole decode indexer: ``indexer_topk_decode`` with the expansion fused into its merge.
 
     The row's position is ``seq_lens[b] - 1`` and its validity bound ``seq_lens[b]``.
@@ -532,14 +551,17 @@ def indexer_select_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: to
     if not torch.compiler.is_compiling():
         check_torch_tensors(fn, q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens)
         _pre(fn, check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
-                                      compress_ratio=compress_ratio, strict=strict, fn=fn), q)
+                                      compress_ratio=compress_ratio, strict=strict, fn=fn), q,
+             plan)
+    if plan is not None:
+        return _run_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio, True, plan)
     return torch.ops.qsa.indexer_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio,
                                         True)
 
 
 def indexer_topk_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Tensor,
                          row_ends: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
-                         strict: bool = False) -> torch.Tensor:
+                         strict: bool = False, plan: IndexerPlan | None = None) -> torch.Tensor:
     """Prefill indexer: each row's exact top-k over its packed compressed-key range.
 
     Row m scores key rows ``[row_starts[m], row_ends[m])`` of ``k`` (intersected with ``[0, N)``;
@@ -550,7 +572,7 @@ def indexer_topk_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Ten
     Args:
       q: [T, H, D] bf16|fp16|fp8 e4m3; k: [N, 1, D] q's dtype or fp8 e4m3, contiguous.
       row_starts, row_ends: int32 [T] (device data).
-      topk, compress_ratio, strict: as ``indexer_topk_decode``.
+      topk, compress_ratio, strict, plan: as ``indexer_topk_decode``.
 
     Returns:
       int32 [T, topk], ascending row-relative block ids, -1 after.
@@ -562,7 +584,11 @@ def indexer_topk_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Ten
     if not torch.compiler.is_compiling():
         check_torch_tensors(fn, q=q, k=k, row_starts=row_starts, row_ends=row_ends)
         _pre(fn, check_indexer_prefill(q, k, row_starts, row_ends, topk=topk,
-                                       compress_ratio=compress_ratio, strict=strict, fn=fn), q)
+                                       compress_ratio=compress_ratio, strict=strict, fn=fn), q,
+             plan)
+    if plan is not None:
+        return _run_prefill(q, k, row_starts, row_ends, None, None, topk, compress_ratio, False,
+                            plan)
     return torch.ops.qsa.indexer_prefill(q, k, row_starts, row_ends, None, None, topk,
                                          compress_ratio, False)
 
@@ -570,7 +596,8 @@ def indexer_topk_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Ten
 def indexer_select_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Tensor,
                            row_ends: torch.Tensor, positions: torch.Tensor,
                            seq_lens: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
-                           strict: bool = False) -> torch.Tensor:
+                           strict: bool = False, plan: IndexerPlan | None = None
+                           ) -> torch.Tensor:
     """The whole prefill indexer: ``indexer_topk_prefill`` with the expansion fused into its merge.
 
     Args:
@@ -590,7 +617,10 @@ def indexer_select_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.T
                             positions=positions, seq_lens=seq_lens)
         _pre(fn, check_indexer_prefill(q, k, row_starts, row_ends, topk=topk,
                                        compress_ratio=compress_ratio, positions=positions,
-                                       seq_lens=seq_lens, strict=strict, fn=fn), q)
+                                       seq_lens=seq_lens, strict=strict, fn=fn), q, plan)
+    if plan is not None:
+        return _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk,
+                            compress_ratio, True, plan)
     return torch.ops.qsa.indexer_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk,
                                          compress_ratio, True)
 

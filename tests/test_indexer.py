@@ -373,6 +373,25 @@ def test_plan_is_static_and_bounded():
     assert I.plan_indexer("prefill", 8192, 8192, 512).row_group == 8192
 
 
+def test_plan_override_same_result_and_bad_plan_refused(dec16):
+    """The selection does not depend on the chunking (the tie rule is global): a sweep plan with
+    4x larger chunks gives the same ids; a plan that cannot cover the rows is refused."""
+    import dataclasses
+
+    case, (qi, ki), _ = dec16
+    cap = case.page_table.shape[1] * 16
+    plan = I.plan_indexer("decode", 6, cap, 16)
+    big = dataclasses.replace(plan, chunk=256, splits=-(-cap // 256))
+    a = _torch_decode(TI.indexer_topk_decode, qi, ki, case, topk=16)
+    b = _torch_decode(TI.indexer_topk_decode, qi, ki, case, topk=16, plan=big)
+    assert np.array_equal(a, b)
+    bad = dataclasses.replace(plan, splits=1)
+    with pytest.raises(ContractError, match="'plan'"):
+        _torch_decode(TI.indexer_topk_decode, qi, ki, case, topk=16, plan=bad)
+    with pytest.raises(ContractError, match="'plan'"):
+        _jax_decode(PI.indexer_topk_decode, qi, ki, case, topk=16, plan=bad)
+
+
 def test_jit_new_lengths_do_not_recompile(dec16):
     case, (qi, ki), _ = dec16
     args = (jnp.asarray(qi, jnp.float16), jnp.asarray(ki, jnp.float16),
