@@ -633,16 +633,24 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
         raise ValueError(f"rows and max_blocks must be >= 0, got {rows}, {max_blocks}")
     mb = max(int(max_blocks), 1)
     merge_chunk = _pow2_at_least(-(-mb * topk // _MERGE_MAX_CANDIDATES))
+
+    def merge_warps(c):  # 16 candidates per thread (sm_90 compile: no spills up to 8192)
+        return min(16, max(4, _pow2_at_least(-(-mb // c)) * topk // 512))
+
     if kind == "decode":
         s_target = min(16, max(1, -(-2 * sm_count // max(rows, 1))))
         c = _pow2_at_least(-(-mb // s_target))
         c = max(min(c, 4096), 2 * topk, 64, merge_chunk)
-        tile = min(64, c)
-        return IndexerPlan(kind, topk, c, -(-mb // c), tile, 1, 8, 3, 8, max(rows, 1))
+        # 128-block (32 KB) key tiles; 5 stages give two tiles in flight behind the page-id
+        # load each depends on (Triton's pipeliner stages the indirect load first)
+        tile = min(128, c)
+        return IndexerPlan(kind, topk, c, -(-mb // c), tile, 1, 8, 5, merge_warps(c),
+                           max(rows, 1))
     c = max(2 * topk, 64, merge_chunk)
     bm = 16
     tile = min(64, c)
-    plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 8 if bm * c <= 16384 else 16, 2, 8, 1)
+    # 16 rows x C keys live in registers through the select: 16 warps (128 registers each)
+    plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 16, 2, merge_warps(c), 1)
     per_row = plan.splits * plan.topk * 8  # candidate keys + ids (the counts are 1/(2 topk) more)
     group = max(bm, (_PREFILL_WORKSPACE_BYTES // per_row) // bm * bm)
     return dataclasses.replace(plan, row_group=min(group, max(rows, 1)))

@@ -425,14 +425,16 @@ def sig(fn, ptrs, consts):
 def attrs(fn, names):
     return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
 I32 = ("pt_ptr", "seq_ptr", "wsk_ptr", "wsi_ptr", "wsc_ptr")
-cfgs = [  # the pass-1 kernels (tl.dot, pipelined key tiles): the ones with shared memory to fit
+# the pass-1 kernels (tl.dot, pipelined key tiles: the shared memory to fit) as plan_indexer
+# launches them for decode B = 128 at 256k and prefill 8192 rows at 32k
+cfgs = [
   (TI._decode_chunk_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", **{n: "*i32" for n in I32}},
-   dict(H=4, HP=16, D=128, P=16, RATIO=4, K=512, C=4096, T=64, S=16, ID_BITS=12,
-        COMPUTE=triton.language.bfloat16), 8, 3),
+   dict(H=4, HP=16, D=128, P=16, RATIO=4, K=512, C=4096, T=128, S=16, ID_BITS=12,
+        COMPUTE=triton.language.bfloat16), 8, 5),
   (TI._prefill_chunk_kernel, {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv",
    **{n: "*i32" for n in ("rs_ptr", "re_ptr", "wsk_ptr", "wsi_ptr", "wsc_ptr")}},
    dict(H=4, HP=4, D=128, K=512, C=1024, T=64, S=8, BM=16, ID_BITS=10,
-        COMPUTE=triton.language.bfloat16), 8, 2),
+        COMPUTE=triton.language.bfloat16), 16, 2),
 ]
 out = []
 for cc in (120,):
