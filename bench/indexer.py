@@ -374,12 +374,13 @@ def main(argv=None):
         dev = "cuda"
         bw = copy_bandwidth_bytes_per_s()
         print(f"{gpu_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-        for ctx in map(int, args.contexts.split(",")):
-            for b in map(int, args.batches.split(",")):
+        ints = lambda text: [int(x) for x in text.split(",") if x.strip()]  # noqa: E731
+        for ctx in ints(args.contexts):
+            for b in ints(args.batches):
                 records.append(decode_shape(b, ctx, args, providers, bw, dev))
                 print(summary_line(records[-1], bw), flush=True)
                 torch.cuda.empty_cache()
-        for ctx in map(int, args.prefill_contexts.split(",")):
+        for ctx in ints(args.prefill_contexts):
             records.append(prefill_shape(ctx, args, providers, dev))
             print(summary_line(records[-1], bw), flush=True)
             torch.cuda.empty_cache()
