@@ -51,7 +51,7 @@ def parse(argv=None):
         p.add_argument(name, default=",".join(map(str, default)))
     p.add_argument("--rows", type=int, default=8192, help="prefill query rows")
     p.add_argument("--providers", default="triton,pallas,torch,xla")
-    p.add_argument("--chain", type=int, default=10, help="JAX calls per jitted chain")
+    p.add_argument("--chain", type=int, default=20, help="JAX decode calls per jitted chain")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--check-rows", type=int, default=3, help="rows checked against FP64")
     p.add_argument("--seed", type=int, default=0)
@@ -318,7 +318,7 @@ def prefill_shape(ctx, args, providers, dev):
         fns["triton"] = lambda: qsa_triton.indexer_select_prefill(q, k, *meta)
     if "torch" in providers:
         fns["torch"] = lambda: torch_expand(torch_prefill_blocks(q, k, *meta[:2], TOPK), *meta[2:])
-    rounds, chain = max(3, args.rounds // 2), max(2, args.chain // 5)
+    rounds, chain = max(3, args.rounds // 2), max(2, args.chain // 10)
     times = time_interleaved(fns, rounds=rounds) if fns else {}
     if "pallas" in providers:
         times["pallas"] = time_jax_chain(qsa_pallas.indexer_select_prefill, jargs, 2, chain,
