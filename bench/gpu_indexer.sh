@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The QSA indexer on the H200 (issue 18), one command for the lead:
 #   OUT=/path/to/results bash bench/gpu_indexer.sh
-# 1. GPU tests (tests/test_indexer.py -m gpu): decode B 1/16/64/128 x 8k/32k/128k/256k compiled,
+# 1. GPU tests (tests/test_indexer.py -m gpu): 7 decode shapes from B 1..128 x 8k..256k compiled,
 #    integer-valued inputs, token rows equal to the FP64 reference on sampled rows, Pallas equal
 #    to Triton, topk + standalone expansion equal to the fused path; FP8 keys and the adversarial
 #    batch; CUDA-graph replay with changed context lengths; prefill 8192 rows at 32k/128k.
