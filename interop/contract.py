@@ -44,6 +44,13 @@ __all__ = [
     "validate_decode_metadata",
     "validate_prefill_metadata",
     "QUALIFIED",
+    "QUALIFIED_INDEXER",
+    "IndexerProblem",
+    "check_indexer_decode",
+    "check_indexer_prefill",
+    "check_expand_block_indices",
+    "validate_indexer_decode_metadata",
+    "validate_indexer_prefill_metadata",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -84,6 +91,8 @@ class ContractError(ValueError):
 
 def envelope_text(fn: str = "sparse_decode") -> str:
     """One-line text of the qualified envelope for an entry point."""
+    if fn.startswith(("indexer", "expand_block")):
+        return _indexer_envelope_text()
     q = QUALIFIED
     if "decode_paged" in fn:
         pairs = ", ".join(f"({a},{b})" for a, b in q["head_pairs"])
@@ -829,3 +838,246 @@ def check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, 
     return PagedDecodeProblem(r, hq, ks.shape[1], group, d, ks.shape[0], rt.shape[0], rt.shape[1],
                               w, ids.ndim == 3, scale, ksc, vsc, qs.dtype, ks.dtype,
                               bool(batch_invariant))
+
+# The indexer (qsa-contract.md §4b): scoring + exact top-k, and the block expansion (§4).
+QUALIFIED_INDEXER = {
+    "heads": 4,
+    "head_dim": 128,
+    "topk": 512,
+    "compress_ratio": 4,
+    "page_size": 16,
+    "dtypes": ("bfloat16", "float16"),
+    "k_fp8": "float8_e4m3fn",
+    "batch": (1, 128),
+}
+_INDEXER_Q_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
+_INDEXER_MAX_HEADS = 16
+_INDEXER_TOPK = (16, 2048)
+
+
+def _indexer_envelope_text() -> str:
+    q = QUALIFIED_INDEXER
+    return (f"indexer q [rows, {q['heads']}, {q['head_dim']}] bf16|fp16 (or fp8 e4m3 with fp8 "
+            f"keys), compressed keys bf16|fp16|fp8 e4m3 [.., 1, {q['head_dim']}], topk={q['topk']}, "
+            f"compress_ratio={q['compress_ratio']}, decode page size {q['page_size']}, "
+            f"{q['batch'][0]}<=B<={q['batch'][1]} decode rows; expansion width "
+            f"topk*ratio+ratio-1 = {q['topk'] * q['compress_ratio'] + q['compress_ratio'] - 1}")
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerProblem:
+    """What an indexer call resolved to (host ints only).
+
+    Attributes:
+      kind: "decode" | "prefill". rows: query rows (B or T). heads, head_dim: of the indexer q.
+      max_blocks: static bound of a row's visible blocks (decode: page-table capacity
+        ``max_pages * page_size``; prefill: packed key rows N).
+      pages, page_size: decode cache geometry (0 for prefill).
+      topk, compress_ratio: as given. dtype, k_dtype: q's and the keys' dtype names.
+      compute_dtype: dtype of the dot operands (q's; bfloat16 when q is fp8: e4m3 values are
+        exact in bf16).
+    """
+
+    kind: str
+    rows: int
+    heads: int
+    head_dim: int
+    max_blocks: int
+    pages: int
+    page_size: int
+    topk: int
+    compress_ratio: int
+    dtype: str
+    k_dtype: str
+    compute_dtype: str
+
+    @property
+    def width(self) -> int:
+        """Expanded token row width: topk * ratio + ratio - 1 (2051)."""
+        return self.topk * self.compress_ratio + self.compress_ratio - 1
+
+
+def _indexer_common(c: _Checker, q, k, k_name: str, k_rank: int, k_what: str, topk, ratio):
+    qs, ks = c.spec("q", q), c.spec(k_name, k)
+    c.rank("q", qs, 3, "[rows, heads, head_dim] (the indexer query)")
+    c.dtype("q", qs, _INDEXER_Q_DTYPES)
+    c.rank(k_name, ks, k_rank, k_what)
+    allowed = ("float8_e4m3fn",) if qs.dtype == "float8_e4m3fn" else (qs.dtype, "float8_e4m3fn")
+    c.dtype(k_name, ks, allowed)
+    rows, heads, d = qs.shape
+    if not 1 <= heads <= _INDEXER_MAX_HEADS:
+        c.fail("q", f"1 <= indexer heads <= {_INDEXER_MAX_HEADS}", heads)
+    if d not in _HEAD_DIMS:  # (not c.head_dim: its strict D is attention's 256)
+        c.fail("q", f"head dim D in {_HEAD_DIMS} (a power of two 32..256)", d)
+    if ks.shape[-2] != 1:
+        c.fail(k_name, "one compressed-key head (shape[-2] == 1: the indexer is MQA)",
+               f"shape {list(ks.shape)}")
+    if ks.shape[-1] != d:
+        c.fail(k_name, f"head dim {d} (q's)", ks.shape[-1])
+    c.last_dim_contiguous("q", qs)
+    if not ks.is_contiguous():
+        c.fail(k_name, "a contiguous tensor", f"strides {list(ks.strides)}")
+    c.same_device(k_name, ks, qs, "q")
+    lo, hi = _INDEXER_TOPK
+    if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or not lo <= int(topk) <= hi \
+            or int(topk) & (int(topk) - 1):
+        c.fail("topk", f"a host int, a power of two in [{lo}, {hi}]", topk)
+    r = c.host_int("compress_ratio", ratio, 2, 16)
+    q8 = QUALIFIED_INDEXER
+    if c.strict:
+        if heads != q8["heads"] or d != q8["head_dim"]:
+            c.fail("q", f"[rows, {q8['heads']}, {q8['head_dim']}]", f"shape {list(qs.shape)}")
+        if int(topk) != q8["topk"]:
+            c.fail("topk", f"{q8['topk']}", topk)
+        if r != q8["compress_ratio"]:
+            c.fail("compress_ratio", f"{q8['compress_ratio']}", r)
+    compute = "bfloat16" if qs.dtype == "float8_e4m3fn" else qs.dtype
+    return qs, ks, rows, heads, d, int(topk), r, compute
+
+
+def check_indexer_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
+                         compress_ratio: int = 4, strict: bool = False,
+                         fn: str = "indexer_topk_decode") -> IndexerProblem:
+    """Check a decode indexer call (``qsa-contract.md`` §4b) before any launch.
+
+    Args:
+      q: [B, H, D] bf16|fp16|fp8 e4m3, last dim contiguous (H <= 16; D a power of two 32..256).
+      k_cache: [pages, page_size, 1, D] contiguous, q's dtype or fp8 e4m3 (fp8 q needs fp8 keys).
+      page_table: int32 [B, max_pages] (max_pages >= 1), last dim contiguous, on q's device.
+      seq_lens: int32 [B] token counts (contents not read: a row sees floor(len / ratio) blocks).
+      topk: host int, a power of two 16..2048. compress_ratio: host int 2..16.
+      strict: the qualified envelope (H = 4, D = 128, topk 512, ratio 4, page size 16,
+        1 <= B <= 128).
+
+    Raises:
+      ContractError: naming the argument, expected, got, and the qualified envelope.
+    """
+    c = _Checker(fn, strict)
+    qs, ks, b, heads, d, k, r, compute = _indexer_common(
+        c, q, k_cache, "k_cache", 4, "[pages, page_size, 1, head_dim] (the paged compressed keys)",
+        topk, compress_ratio)
+    lo, hi = QUALIFIED_INDEXER["batch"]
+    if b < 1 or (strict and b > hi):
+        c.fail("q", f"rows B in [{lo}, {hi}]" if strict else "rows B >= 1", f"B = {b}")
+    pages, psz = ks.shape[0], ks.shape[1]
+    if psz < 1:
+        c.fail("k_cache", "page_size >= 1", psz)
+    if strict and psz != QUALIFIED_INDEXER["page_size"]:
+        c.fail("k_cache", f"page_size {QUALIFIED_INDEXER['page_size']}", psz)
+    pt, sl = c.spec("page_table", page_table), c.spec("seq_lens", seq_lens)
+    c.rank("page_table", pt, 2, "[B, max_pages] of int32 page ids")
+    c.dtype("page_table", pt, ("int32",))
+    if pt.shape[0] != b:
+        c.fail("page_table", f"{b} rows (one per query row)", f"{pt.shape[0]} rows")
+    if pt.shape[1] < 1:
+        c.fail("page_table", "max_pages >= 1", pt.shape[1])
+    c.same_device("page_table", pt, qs, "q")
+    c.last_dim_contiguous("page_table", pt)
+    c.metadata("seq_lens", sl, b, qs, "q")
+    return IndexerProblem("decode", b, heads, d, pt.shape[1] * psz, pages, psz, k, r, qs.dtype,
+                          ks.dtype, compute)
+
+
+def check_indexer_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compress_ratio: int = 4,
+                          positions=None, seq_lens=None, strict: bool = False,
+                          fn: str = "indexer_topk_prefill") -> IndexerProblem:
+    """Check a prefill indexer call (``qsa-contract.md`` §4b) before any launch.
+
+    Args:
+      q: [T, H, D] bf16|fp16|fp8 e4m3 (T >= 0).
+      k: [N, 1, D] contiguous packed compressed keys (N >= 0), q's dtype or fp8 e4m3.
+      row_starts, row_ends: int32 [T] on q's device: row m scores key rows
+        ``[row_starts[m], row_ends[m])`` (intersected with [0, N); contents not read here).
+      positions, seq_lens: int32 [T] or None (the fused expansion's per-row position and bound).
+      topk, compress_ratio, strict: as ``check_indexer_decode``.
+
+    Raises:
+      ContractError: naming the argument, expected, got, and the qualified envelope.
+    """
+    c = _Checker(fn, strict)
+    qs, ks, t, heads, d, kk, r, compute = _indexer_common(
+        c, q, k, "k", 3, "[N, 1, head_dim] (packed compressed keys)", topk, compress_ratio)
+    for name, x in (("row_starts", row_starts), ("row_ends", row_ends), ("positions", positions),
+                    ("seq_lens", seq_lens)):
+        if x is None and name in ("positions", "seq_lens"):
+            continue
+        c.metadata(name, c.spec(name, x), t, qs, "q")
+    return IndexerProblem("prefill", t, heads, d, ks.shape[0], 0, 0, kk, r, qs.dtype, ks.dtype,
+                          compute)
+
+
+def check_expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio: int = 4,
+                               strict: bool = False, fn: str = "expand_block_indices") -> int:
+    """Check a block-expansion call (``qsa-contract.md`` §4) before any launch.
+
+    Args:
+      block_ids: int32 [M, topk] row-relative block ids (-1 or any negative = none), contiguous.
+      positions, seq_lens: int32 [M] on block_ids' device.
+      compress_ratio: host int 2..16 (strict: 4, and topk 512).
+
+    Returns:
+      The output width ``topk * ratio + ratio - 1``.
+
+    Raises:
+      ContractError: naming the argument, expected, got, and the qualified envelope.
+    """
+    c = _Checker(fn, strict)
+    bs = c.spec("block_ids", block_ids)
+    c.rank("block_ids", bs, 2, "[M, topk] of int32 block ids")
+    c.dtype("block_ids", bs, ("int32",))
+    if not bs.is_contiguous():
+        c.fail("block_ids", "a contiguous tensor", f"strides {list(bs.strides)}")
+    m, k = bs.shape
+    if not 1 <= k <= _INDEXER_TOPK[1]:
+        c.fail("block_ids", f"1 <= topk <= {_INDEXER_TOPK[1]} columns", k)
+    r = c.host_int("compress_ratio", compress_ratio, 2, 16)
+    if strict and (k != QUALIFIED_INDEXER["topk"] or r != QUALIFIED_INDEXER["compress_ratio"]):
+        c.fail("block_ids", f"[M, {QUALIFIED_INDEXER['topk']}] with compress_ratio "
+               f"{QUALIFIED_INDEXER['compress_ratio']}", f"[M, {k}] with ratio {r}")
+    c.metadata("positions", c.spec("positions", positions), m, bs, "block_ids")
+    c.metadata("seq_lens", c.spec("seq_lens", seq_lens), m, bs, "block_ids")
+    return k * r + r - 1
+
+
+def validate_indexer_decode_metadata(page_table, seq_lens, pages: int, page_size: int, *,
+                                     compress_ratio: int = 4, fn: str = "indexer_topk_decode"
+                                     ) -> None:
+    """Check decode indexer metadata contents (host sync; debug only).
+
+    The kernels never read outside their buffers whatever the contents: a row's blocks stop at
+    the page table's capacity, and a page id outside ``[0, pages)`` reads nothing (its blocks
+    score 0). Both are caller bugs this check reports.
+
+    Raises:
+      ContractError: a row with more blocks than ``max_pages * page_size``, or a visible block
+        whose page id is outside ``[0, pages)``.
+    """
+    c = _Checker(fn, False)
+    pt = _np(page_table).astype(np.int64)
+    nb = np.maximum(_np(seq_lens).astype(np.int64), 0) // compress_ratio
+    cap = pt.shape[1] * page_size
+    if nb.size and nb.max() > cap:
+        b = int(np.argmax(nb))
+        c.fail("seq_lens", f"seq_len // {compress_ratio} <= page-table capacity {cap} blocks",
+               f"row {b}: {int(nb[b])} blocks")
+    for b in range(pt.shape[0]):
+        used = pt[b, : -(-int(nb[b]) // page_size)]
+        if used.size and (used.min() < 0 or used.max() >= pages):
+            c.fail("page_table", f"page ids in [0, {pages}) for every visible block",
+                   f"row {b}: {used[(used < 0) | (used >= pages)][:4].tolist()}")
+
+
+def validate_indexer_prefill_metadata(row_starts, row_ends, num_keys: int, *,
+                                      fn: str = "indexer_topk_prefill") -> None:
+    """Check prefill indexer row ranges (host sync; debug only): ``0 <= start <= end <= N``.
+
+    Raises:
+      ContractError: the first row outside it (the kernels clip such a row to [0, N)).
+    """
+    c = _Checker(fn, False)
+    rs, re = _np(row_starts).astype(np.int64), _np(row_ends).astype(np.int64)
+    bad = (rs < 0) | (re < rs) | (re > num_keys)
+    if bad.any():
+        m = int(np.argmax(bad))
+        c.fail("row_starts", f"0 <= row_starts <= row_ends <= {num_keys} (packed key rows)",
+               f"row {m}: [{int(rs[m])}, {int(re[m])})")

@@ -53,6 +53,12 @@ __all__ = [
     "pool_slots_for",
     "PagedDecodeCase",
     "paged_decode_case",
+
+    "IndexerPlan",
+    "plan_indexer",
+    "prefill_row_ranges",
+    "IndexerDecodeCase",
+    "indexer_decode_case",
 ]
 
 RATIO = 4
@@ -742,3 +748,213 @@ def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int
     return PagedDecodeCase(table, req_of[req_rows].astype(np.int32), seq.astype(np.int32),
                            idx if num_kv_heads is not None else idx[:, 0], int(pool_slots),
                            int(page_size), owned)
+
+# The indexer (qsa-contract.md §4b): the launch plan both implementations share, and metadata.
+_MERGE_MAX_CANDIDATES = 16384  # keys one merge program holds (S_pad x topk int32)
+_PREFILL_WORKSPACE_BYTES = 256 << 20  # cap of the prefill candidates (keys + ids) per launch
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerPlan:
+    """Static launch plan of the two-pass exact top-k indexer (``qsa_triton.indexer``,
+    ``qsa_pallas.indexer`` use the same one).
+
+    Pass 1 ("score + chunk top-k"): one program per (row tile, chunk); it scores ``chunk``
+    consecutive visible blocks of ``rows_per_program`` rows in tiles of ``tile`` blocks, holds the
+    chunk's keys in registers and keeps the chunk's exact top-k per row, writing at most ``topk``
+    (key, block id) candidates per (row, chunk) in ascending block order, plus their count.
+    Pass 2 ("merge"): one program per row selects the exact top-k of its ``splits x topk``
+    candidates and writes the block ids (or the expanded token row) in ascending order.
+
+    Attributes:
+      kind: "decode" | "prefill".
+      topk: blocks kept per row (512).
+      chunk: C, blocks per pass-1 program (power of two, >= 2 * topk so pass 1 halves the data).
+      splits: S = ceil(max_blocks / C), chunks per row (static grid dimension).
+      tile: blocks scored per inner step (BLOCK_N).
+      rows_per_program: query rows per pass-1 program (1 for decode; prefill rows share keys).
+      num_warps, num_stages: pass-1 launch; merge_warps: pass-2 launch.
+      row_group: rows per launch pair (prefill: bounds the candidate workspace; decode: all).
+    """
+
+    kind: str
+    topk: int
+    chunk: int
+    splits: int
+    tile: int
+    rows_per_program: int
+    num_warps: int
+    num_stages: int
+    merge_warps: int
+    row_group: int
+
+    @property
+    def splits_pad(self) -> int:
+        """S rounded up to a power of two (the merge's candidate tile is [S_pad, topk])."""
+        return _pow2_at_least(self.splits)
+
+    def workspace_bytes(self, rows: int) -> int:
+        """Bytes of candidate workspace for ``rows`` rows: keys + ids (int32) + counts."""
+        return int(rows) * self.splits * (self.topk * 8 + 4)
+
+    def problem(self, kind: str, max_blocks: int, topk: int) -> str | None:
+        """Why this plan cannot run a ``kind`` call with these sizes (None when it can): the
+        kernels need power-of-two chunk and tile, chunk >= 2 * topk and a multiple of the tile,
+        splits x chunk covering max_blocks, prefill rows_per_program 16 and row_group a multiple
+        of it, decode rows_per_program 1."""
+        pow2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
+        if self.kind != kind or self.topk != topk:
+            return f"a {kind} plan for topk={topk}, got kind={self.kind} topk={self.topk}"
+        if not (pow2(self.chunk) and pow2(self.tile) and self.chunk >= max(2 * topk, self.tile)
+                and self.tile >= 16):
+            return (f"power-of-two chunk >= max(2*topk, tile) and tile >= 16, got chunk "
+                    f"{self.chunk}, tile {self.tile}")
+        if self.splits * self.chunk < max(int(max_blocks), 1):
+            return f"splits x chunk >= {max_blocks} blocks, got {self.splits} x {self.chunk}"
+        want = 1 if kind == "decode" else 16
+        if self.rows_per_program != want or (kind == "prefill" and self.row_group % want):
+            return f"rows_per_program {want} (prefill: row_group a multiple of it)"
+        if self.splits_pad * topk > 4 * _MERGE_MAX_CANDIDATES:
+            return f"splits_pad x topk <= {4 * _MERGE_MAX_CANDIDATES} merge candidates"
+        return None
+
+
+def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, *,
+                 sm_count: int = 132) -> IndexerPlan:
+    """The indexer's static plan from static shapes only (graph/JIT safe: no device data).
+
+    Decode (one row per program): the chunk is the smallest power of two >= max(2 * topk, 64)
+    that gives about 2 x ``sm_count`` pass-1 programs over the batch with at most 16 chunks per
+    row (so a row's candidates fit one merge program), capped at 4096 blocks unless the merge
+    bound needs more (contexts past 256k tokens). Prefill (16 rows per program, sharing every key
+    tile): chunk 2 * topk (1024), grown the same way for the merge bound, and rows grouped so
+    that one launch's candidate workspace stays under 256 MiB (upstream caps its FP32 logits
+    buffer at 128 MiB the same way; candidates take ``8 * topk / chunk`` bytes per (row, block)
+    instead of 4).
+
+    Args:
+      kind: "decode" | "prefill". rows: query rows (B or T). max_blocks: static bound of a row's
+        visible blocks (decode: page-table capacity; prefill: packed key rows). topk: power of
+        two. sm_count: the GPU's SMs.
+
+    Raises:
+      ValueError: unknown kind, topk not a power of two, negative sizes.
+    """
+    if kind not in ("decode", "prefill"):
+        raise ValueError(f"kind must be decode|prefill, got {kind!r}")
+    if topk < 1 or topk & (topk - 1):
+        raise ValueError(f"topk must be a power of two, got {topk}")
+    if rows < 0 or max_blocks < 0:
+        raise ValueError(f"rows and max_blocks must be >= 0, got {rows}, {max_blocks}")
+    mb = max(int(max_blocks), 1)
+    merge_chunk = _pow2_at_least(-(-mb * topk // _MERGE_MAX_CANDIDATES))
+
+    def merge_warps(c):  # 16 candidates per thread (sm_90 compile: no spills up to 8192)
+        return min(16, max(4, _pow2_at_least(-(-mb // c)) * topk // 512))
+
+    if kind == "decode":
+        s_target = min(16, max(1, -(-2 * sm_count // max(rows, 1))))
+        c = _pow2_at_least(-(-mb // s_target))
+        c = max(min(c, 4096), 2 * topk, 64, merge_chunk)
+        # 128-block (32 KB) key tiles; 5 stages give two tiles in flight behind the page-id
+        # load each depends on (Triton's pipeliner stages the indirect load first)
+        tile = min(128, c)
+        return IndexerPlan(kind, topk, c, -(-mb // c), tile, 1, 8, 5, merge_warps(c),
+                           max(rows, 1))
+    c = max(2 * topk, 64, merge_chunk)
+    bm = 16
+    tile = min(64, c)
+    # 16 rows x C keys live in registers through the select: 16 warps (128 registers each)
+    plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 16, 2, merge_warps(c), 1)
+    per_row = plan.splits * plan.topk * 8  # candidate keys + ids (the counts are 1/(2 topk) more)
+    group = max(bm, (_PREFILL_WORKSPACE_BYTES // per_row) // bm * bm)
+    return dataclasses.replace(plan, row_group=min(group, max(rows, 1)))
+
+
+def prefill_row_ranges(q_lens, kv_lens, *, ratio: int = RATIO):
+    """Prefill indexer metadata from per-request lengths (upstream ``build_qsa_row_ranges``).
+
+    Request b has ``kv_lens[b]`` tokens of context (prefix + this chunk) and ``q_lens[b]`` new
+    rows, the last ones of the context (bottom-right causal). Its compressed keys are packed at
+    rows ``cu_blocks[b] .. cu_blocks[b + 1]`` (``floor(kv_lens[b] / ratio)`` blocks). Row r of b
+    sits at position ``p = kv_lens[b] - q_lens[b] + r`` and sees ``floor((p + 1) / ratio)`` blocks.
+
+    Returns:
+      (row_starts, row_ends, cu_blocks, positions, seq_lens): int32 arrays; row_starts/row_ends
+      [T] absolute key rows of each row's visible blocks (half-open), cu_blocks [B + 1],
+      positions [T], seq_lens [T] (the row's request length, the expansion's validity bound).
+
+    Raises:
+      ValueError: kv_lens[b] < q_lens[b].
+    """
+    req, r, visible, bound = row_layout(q_lens, kv_lens)
+    kl = np.asarray(kv_lens, np.int64).reshape(-1)
+    cu = cu_seqlens_from_counts(kl // ratio)
+    starts = cu[req].astype(np.int64)
+    ends = starts + np.minimum(visible // ratio, (kl // ratio)[req])
+    return (starts.astype(np.int32), ends.astype(np.int32), cu, (visible - 1).astype(np.int32),
+            bound.astype(np.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerDecodeCase:
+    """A paged compressed-K decode batch (numpy int32).
+
+    Attributes:
+      seq_lens: [B] tokens per row (the row's visible blocks: ``seq_lens // ratio``).
+      page_table: [B, max_pages] page ids; the row's pages are distinct pages of the cache in a
+        seeded random order, entries past them are junk (never read).
+      pages: pages in the cache (every page id of a visible block is < pages).
+      page_size: compressed blocks per page (16 in production: 64-token KV pages / 4).
+    """
+
+    seq_lens: np.ndarray
+    page_table: np.ndarray
+    pages: int
+    page_size: int
+
+
+def indexer_decode_case(seq_lens, *, page_size: int = 16, max_pages: int | None = None,
+                        junk: str = "mixed", extra_pages: int = 3, seed: int = 0
+                        ) -> IndexerDecodeCase:
+    """Page table for a decode batch: every row's pages scattered over one shared cache.
+
+    Args:
+      seq_lens: int [B] token counts (any >= 0; not a multiple of ratio or page size is fine).
+      page_size: blocks per page. max_pages: page-table width (default: the longest row's).
+      junk: what stands past each row's pages: "zero", "-1" or "mixed" (-1, huge, page ids of
+        other rows, int32 extremes).
+      extra_pages: unused pages in the cache (so ids are not simply 0..n-1).
+
+    Raises:
+      ValueError: max_pages smaller than a row needs; unknown junk mode.
+    """
+    sl = np.maximum(np.asarray(seq_lens, np.int64).reshape(-1), 0)
+    need = -(-(sl // RATIO) // page_size)
+    width = int(max(need.max() if need.size else 0, 1) if max_pages is None else max_pages)
+    if need.size and need.max() > width:
+        raise ValueError(f"max_pages {width} < {int(need.max())} pages a row needs")
+    rng = np.random.default_rng(seed)
+    pages = int(need.sum()) + int(extra_pages)
+    perm = rng.permutation(pages)
+    pt = np.zeros((sl.shape[0], width), np.int64)
+    at = 0
+    for b in range(sl.shape[0]):
+        n = int(need[b])
+        pt[b, :n] = perm[at:at + n]
+        at += n
+        tail = width - n
+        if junk == "zero":
+            pt[b, n:] = 0
+        elif junk == "-1":
+            pt[b, n:] = -1
+        elif junk == "mixed":
+            pt[b, n:] = rng.choice(np.array([-1, pages, pages + 7, _I32_MAX, _I32_MIN, 0]),
+                                   size=tail)
+        else:
+            raise ValueError(f"junk must be zero|-1|mixed, got {junk!r}")
+    return IndexerDecodeCase(sl.astype(np.int32), pt.astype(np.int32), pages, int(page_size))
