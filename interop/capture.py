@@ -6,7 +6,9 @@ Tensors (names are the entry point's parameter names, ``qsa-contract.md``):
   * ``sparse_decode``: q, k, v, cu_seqlens_q, cu_seqlens_k
   * ``sparse_prefill``: q, k, v, indices, cu_seqlens
   * ``sparse_prefill_chunk``: q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens
-  * ``sparse_prefill_paged``: q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens
+  * ``sparse_prefill_paged``: q, k_cache, v_cache, req_to_token, req_indices, indices,
+    cu_seqlens_q, kv_lens (files with a per-request ``slot_table`` instead replay with
+    req_to_token = slot_table, req_indices = 0..B-1)
   * ``expected_out`` (optional): the output the capturing implementation returned.
   Stored contiguous, on the CPU, in their own dtype (bf16/fp16/fp32/int32), except FP8
   (float8_e4m3fn), stored as its raw bytes (uint8, same shape) and named in ``fp8_tensors`` so
@@ -70,6 +72,12 @@ class Capture:
         from .crosscheck import Inputs  # noqa: PLC0415
 
         pos, kws = PARAMS[self.entry]
+        if "slot_table" in self.tensors and "req_to_token" not in self.tensors:
+            import torch  # noqa: PLC0415
+
+            st = self.tensors["slot_table"]
+            self.tensors.update(req_to_token=st, req_indices=torch.arange(st.shape[0],
+                                                                           dtype=torch.int32))
         args = []
         for name in pos:
             if name in self.tensors:
@@ -260,8 +268,8 @@ def replay(paths: Sequence, impls, *, device: str = "cpu", reference: str = "aut
         cap = load_capture(p)
         inp = cap.inputs(device)
         spec = spec_for(cap, str(p))
-        size = int(np.prod(inp.args[0].shape)) * (int(inp.args[3].shape[-1]) if cap.op == "prefill"
-                                                    else 1)
+        width = int(cap.tensors["indices"].shape[-1]) if cap.op == "prefill" else 1
+        size = int(np.prod(inp.args[0].shape)) * width
         ref, method = X._reference(inp, reference, size)
         expected = None if cap.expected is None else X._np64(cap.expected)
         res = X.evaluate(str(p), cap.op, inp, impls, ref, spec=spec, reference=method,

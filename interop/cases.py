@@ -85,6 +85,9 @@ class PrefillSpec:
       "float8_e4m3fn" for chunk/paged with k_scale / v_scale).
       junk: padding mode (``interop.indices.JUNK_MODES``); empty_rows: fraction or row list of
       rows with no valid entry; overlap: adjacent-row sharing; per_head: indices [T, Hkv, W].
+      poison: NaN in every K/V row (pool slot) no valid entry selects, and (paged) slot-table
+        entries past each request's kv_len naming slots past the pool: a kernel that reads what
+        the contract says it must not read then fails or faults (bench memcheck cases).
     """
 
     name: str
@@ -104,6 +107,7 @@ class PrefillSpec:
     overlap: float = 0.9
     per_head: bool = False
     pool_slack: int = 64
+    poison: bool = False
     seed: int = 0
     op: str = "prefill"
 

@@ -120,8 +120,9 @@ PARAMS = {
     "sparse_prefill": (("q", "k", "v", "indices", "cu_seqlens", "max_seqlen_q"), ("softmax_scale",)),
     "sparse_prefill_chunk": (("q", "k", "v", "indices", "cu_seqlens_q", "cu_seqlens_k", "kv_lens",
                               "max_seqlen_q"), ("softmax_scale", "k_scale", "v_scale")),
-    "sparse_prefill_paged": (("q", "k_cache", "v_cache", "slot_table", "indices", "cu_seqlens_q",
-                              "kv_lens", "max_seqlen_q"), ("softmax_scale", "k_scale", "v_scale")),
+    "sparse_prefill_paged": (("q", "k_cache", "v_cache", "req_to_token", "req_indices", "indices",
+                              "cu_seqlens_q", "kv_lens", "max_seqlen_q"),
+                             ("softmax_scale", "k_scale", "v_scale")),
 }
 
 
@@ -244,9 +245,10 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
                                                     max_q=max_seqlen_q)
         return out if v_scale == 1.0 else (out.float() * v_scale).to(q.dtype)
 
-    def paged(q, k_cache, v_cache, slot_table, indices, cu_q, kv_lens, max_seqlen_q,
-              softmax_scale=None, k_scale=1.0, v_scale=1.0):
+    def paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_q, kv_lens,
+              max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0):
         k_cache, v_cache = _deq(q, k_cache, v_cache)
+        slot_table = req_to_token[req_indices.long()]  # upstream takes one table row per request
         indices = peer_indices(indices, cu_q, kv_lens)
         out = sa.sparse_gqa_paged_prefill_triton(q, k_cache, v_cache, slot_table, indices, cu_q,
                                                  kv_lens, _scale(q, softmax_scale) * k_scale,
@@ -358,8 +360,8 @@ def build_inputs(spec: Spec, device: str = "cpu") -> Inputs:
         args = [q, k, v, ti, i32(lay.cu_seqlens_q), i32(lay.cu_seqlens_k), i32(lay.kv_lens),
                 lay.max_seqlen_q]
     else:
-        args = [q, k, v, i32(lay.slot_table), ti, i32(lay.cu_seqlens_q), i32(lay.kv_lens),
-                lay.max_seqlen_q]
+        args = [q, k, v, i32(lay.req_to_token), i32(lay.req_indices), ti, i32(lay.cu_seqlens_q),
+                i32(lay.kv_lens), lay.max_seqlen_q]
     return Inputs(ENTRY[spec.kind], args, kw, empty, {"layout": lay})
 
 
@@ -388,7 +390,7 @@ def numpy_reference(spec: Spec | None, inp: Inputs) -> np.ndarray:
                                          kw.get("k_scale", 1.0), kw.get("v_scale", 1.0))
     if inp.entry == "sparse_prefill_paged":
         return R.prefill_paged_reference(_np64(a[0]), _np64(a[1]), _np64(a[2]), host[3], host[4],
-                                         host[5], host[6], kw.get("softmax_scale"),
+                                         host[5], host[6], host[7], kw.get("softmax_scale"),
                                          kw.get("k_scale", 1.0), kw.get("v_scale", 1.0))
     raise ValueError(f"unknown entry point {inp.entry!r}")
 
@@ -427,8 +429,8 @@ def torch_reference(spec: Spec | None, inp: Inputs, *, budget_bytes: int = 1 << 
         k, v, idx, cu_q, cu_k, lens = a[1], a[2], a[3], a[4], a[5], a[6]
         base, table = cu_k[:-1], None
     else:
-        k, v, table, idx, cu_q, lens = a[1], a[2], a[3], a[4], a[5], a[6]
-        base = None
+        k, v, idx, cu_q, lens = a[1], a[2], a[5], a[6], a[7]
+        base, table = None, a[3][a[4].long()]
     req = torch.searchsorted(cu_q[1:].long(), torch.arange(t, device=dev), right=True)
     bound = lens.long()[req]
     idx3 = idx.long() if idx.ndim == 3 else idx.long()[:, None, :]
@@ -534,7 +536,7 @@ def empty_mask(inp: Inputs) -> np.ndarray:
     elif inp.entry == "sparse_prefill_chunk":
         idx, cu_q, lens = host(a[3]), host(a[4]), host(a[6])
     else:
-        idx, cu_q, lens = host(a[4]), host(a[5]), host(a[6])
+        idx, cu_q, lens = host(a[5]), host(a[6]), host(a[7])
     req = np.searchsorted(cu_q[1:], np.arange(idx.shape[0]), side="right")
     idx3 = idx if idx.ndim == 3 else idx[:, None, :]
     valid = I.valid_mask(idx3, lens[req][:, None]).any(-1)  # [rows, 1 or Hkv]

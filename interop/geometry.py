@@ -9,8 +9,7 @@ Everything that decides a geometry is *data* in this module:
   * ``TABLES``: per device family, a list of ``(max_total_q, (BLOCK_N, num_warps, num_stages))``
     rows, first row whose bound is >= total_q wins (``None`` = no bound). The H20 and L20 tables
     are upstream SGLang 0.5.23's (``sglang/srt/layers/attention/qsa/sparse_attn.py``, restated in
-    ``qsa-contract.md`` §3); the SM90 table comes from our H200 sweep
-    (``bench/prefill.py --sweep-geometry``; see ``SM90_TABLE_STATUS``).
+    ``qsa-contract.md`` §3); the SM90 table comes from our H200 sweeps (``SM90_TABLE_STATUS``).
   * ``TUNED_SM120``: upstream's SM120 tuned family and its gates (``qsa-contract.md`` §3): used only
     on the 188-SM sm_120 part, Triton >= 3.7, D = 256, W = 2051, G in {6, 12}; ordinary prefill at
     >= 8192 rows, chunk/paged prefill at >= 512 rows per request (mean) with
@@ -29,7 +28,11 @@ flip it without re-importing) chooses:
     result, only the speed); other groups fall back to the table.
 Anything else raises ``ContractError`` naming the allowed values.
 
-This module imports numpy-free stdlib only (plus ``interop.arch`` / ``interop.contract``).
+Every geometry is then made launchable by :func:`fit_prefill`: Pallas tiles rounded to powers of
+two >= 16, then ``interop.plan.fit_shared_memory`` (the one shared-memory model of all kernels)
+to the device's shared memory per block, so a row tuned for sm_90 still launches on sm_12x.
+
+This module imports numpy-free stdlib only (plus ``interop.arch`` / ``contract`` / ``plan``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Iterable
 
 from .arch import DeviceFacts, KNOWN_ARCHS
 from .contract import ContractError, route
+from .plan import fit_shared_memory, next_pow2
 
 __all__ = [
     "Geometry",
@@ -50,6 +54,7 @@ __all__ = [
     "SM90_TABLE_STATUS",
     "KINDS",
     "select_prefill",
+    "fit_prefill",
     "table_for",
     "head_tile",
     "all_configs",
@@ -85,30 +90,28 @@ class Geometry:
         """(block_m, block_n, num_warps, num_stages), without the source label."""
         return (self.block_m, self.block_n, self.num_warps, self.num_stages)
 
+    @property
+    def head_tile(self) -> int:
+        """``block_m`` under the name ``interop.plan.fit_shared_memory`` reads."""
+        return self.block_m
+
 
 # (max_total_q inclusive or None = unbounded, (BLOCK_N, num_warps, num_stages)).
 # Source: upstream SGLang 0.5.23 sparse_attn.py, restated in qsa-contract.md §3.
 _H20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (1024, (32, 4, 2)), (None, (16, 1, 2)))
 _L20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (128, (64, 4, 2)), (512, (32, 4, 2)), (None, (16, 1, 2)))
 
-#: Status of the SM90 table. Sources, both on the H200 with Triton 3.6 (bench/NOTES.md, prefill):
-#: (1) ``bench/results/2026-11-30-h200-run2/prefill_geometry_sweep.json`` (``bench/prefill.py
-#: --sweep-geometry``: BLOCK_N 16/32/64 x warps 1/2/4/8 x stages 2/3, chunk prefill G = 12, 32k
-#: context, configurations timed interleaved): best was (64,8,3) at 32-128 rows, (64,4,2) at 256,
-#: (32,4,2) from 512 to 8192 rows — measured before the 32-bit offset change (b27e0f4);
-#: (2) ``bench/results/2026-11-30-h200-run4/prefill_bench.json`` (after b27e0f4, 8192 rows, 9
-#: cases): (64,4,2) 1.04-1.08x upstream vs (32,4,2) 0.97-1.03x;
-#: (3) ``bench/results/2026-11-30-h200-run10/prefill_rows_sweep.json`` (256-8192 rows, G 6/12):
-#: (32,4,2) 1.07-1.11x at 512-1024 rows where (64,4,2) is 0.83-0.90x at 512 (3 programs per SM
-#: for 512 programs: a second, partial wave); (64,4,2) 1.01x at 2048, 1.04-1.05x above.
-SM90_TABLE_STATUS = ("from the H200 sweeps of 2026-11-30: run 2 (<= 256 rows, G=12 chunk 32k) and "
-                     "run 10 (256-8192 rows, G 6 and 12, chunk 32k, after the tail-launch fix): "
-                     "(32,4,2) wins at 512-1024 rows (1.07-1.11x upstream; (64,4,2) 0.83-0.90x "
-                     "at 512), (64,4,2) from 2048 (1.01x at 2048, 1.04-1.05x at 4096-8192)")
+#: Where the SM90 table comes from (recorded in benchmark JSON). The H200 sweeps of the Triton
+#: kernel (bench/NOTES.md, "SM90 table"): 8-warp, 3-stage tiles win while few programs exist;
+#: (32,4,2) at 257-1024 rows, where (64,4,2)'s 3 programs per SM leave a partial second wave;
+#: (64,4,2) above, where the grid is many waves deep.
+SM90_TABLE_STATUS = ("H200 sweeps (Triton 3.6, chunk prefill, G 6 and 12, 32k context): "
+                     "(64,8,3) <= 128 rows, (64,4,2) <= 256, (32,4,2) <= 1024, (64,4,2) above; "
+                     "bench/NOTES.md, 'SM90 table'")
 _SM90 = ((128, (64, 8, 3)), (256, (64, 4, 2)), (1024, (32, 4, 2)), (None, (64, 4, 2)))
-#: The Pallas kernel keeps (32,4,2) above 256 rows: that is where it was measured on the H200
-#: (run 4: 0.909x of the Triton kernel's speed at 8192 rows, every output within tolerance);
-#: (64,4,2) is unmeasured for Pallas, so it is not switched on by the Triton measurement.
+#: The Pallas kernel keeps (32,4,2) above 256 rows, where it was measured on the H200
+#: (bench/NOTES.md, "Sparse prefill, Pallas"); (64,4,2) is unmeasured for Pallas, so the Triton
+#: measurement does not switch it on.
 _SM90_PALLAS = ((128, (64, 8, 3)), (256, (64, 4, 2)), (None, (32, 4, 2)))
 
 TABLES: dict[str, tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
@@ -143,13 +146,9 @@ _ROUTE_TABLE = {
 }
 
 
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
 def head_tile(group: int) -> int:
     """Table head tile BLOCK_M = max(16, next_pow2(G)) (upstream's rule; 16 = smallest mma M)."""
-    return max(16, _next_pow2(group))
+    return max(16, next_pow2(group))
 
 
 def geometry_mode(fn: str = "select_prefill") -> str:
@@ -214,7 +213,7 @@ def _tuned_gates(facts: DeviceFacts, kind: str, total_q: int, requests: int, max
 
 def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int, max_q: int,
                    group: int, num_kv_heads: int, head_dim: int, width: int,
-                   backend: str = "triton") -> Geometry:
+                   backend: str = "triton", kv_bytes: int = 2) -> Geometry:
     """Launch geometry of one sparse prefill call.
 
     Args:
@@ -230,10 +229,13 @@ def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int
       head_dim: D.
       width: index columns W per row.
       backend: ``"triton"`` or ``"pallas"`` (recorded in ``source``); the same geometry except
-        where ``_BACKEND_TABLE`` names a table measured for that backend (Pallas on sm_90).
+        where ``_BACKEND_TABLE`` names a table measured for that backend (Pallas on sm_90), and
+        Pallas tiles rounded up to powers of two >= 16 (``fit_prefill``).
+      kv_bytes: bytes per K/V element (2, or 1 for FP8), for the shared-memory fit.
 
     Returns:
-      Geometry with a ``source`` naming the table row or tuned entry and the env mode.
+      Geometry with a ``source`` naming the table row or tuned entry and the env mode, fitted to
+      ``facts.smem_per_block`` (``fit_prefill``).
 
     Raises:
       ContractError: ``QSA_PREFILL_GEOMETRY`` holds a value other than auto/table/tuned.
@@ -264,9 +266,31 @@ def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int
         use_tuned = not _tuned_gates(facts, kind, total_q, requests, max_q, group, head_dim, width)
     if use_tuned:
         bm, bn, nw, ns = tuned_entry
-        return Geometry(bm, bn, nw, ns, f"sm120-tuned[G={group}] mode={mode} backend={backend}")
-    (bn, nw, ns), label = table_for(table, total_q)
-    return Geometry(head_tile(group), bn, nw, ns, f"{label} mode={mode} backend={backend}")
+        geo = Geometry(bm, bn, nw, ns, f"sm120-tuned[G={group}] mode={mode} backend={backend}")
+    else:
+        (bn, nw, ns), label = table_for(table, total_q)
+        geo = Geometry(head_tile(group), bn, nw, ns, f"{label} mode={mode} backend={backend}")
+    return fit_prefill(geo, backend=backend, head_dim=head_dim, kv_bytes=kv_bytes,
+                       limit=facts.smem_per_block)
+
+
+def fit_prefill(geo: Geometry, *, backend: str, head_dim: int, kv_bytes: int,
+                limit: int | None) -> Geometry:
+    """The launchable form of a selected geometry on a device with ``limit`` bytes of shared
+    memory per block (None: no limit, e.g. an interpreter).
+
+    Pallas (Triton lowering) needs power-of-two tiles and dot operands of >= 16 rows, so its
+    head tile and BLOCK_N are rounded up to powers of two >= 16 first. Then
+    ``interop.plan.fit_shared_memory`` (fewer stages, then a smaller BLOCK_N) until
+    ``interop.plan.smem_bytes`` fits; a changed geometry says ``fit<=limit`` in its source.
+    """
+    if backend == "pallas":
+        geo = dataclasses.replace(geo, block_m=max(16, next_pow2(geo.block_m)),
+                                  block_n=max(16, next_pow2(geo.block_n)))
+    fitted = fit_shared_memory(geo, head_dim=head_dim, limit=limit, kv_bytes=kv_bytes)
+    if fitted != geo:
+        fitted = dataclasses.replace(fitted, source=f"{geo.source} fit<={limit}B")
+    return fitted
 
 
 def _facts_for(arch: str) -> Iterable[DeviceFacts]:

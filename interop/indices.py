@@ -47,6 +47,18 @@ __all__ = [
     "decode_lengths",
     "DecodeCase",
     "decode_case",
+    "PAGED_JUNK",
+    "PAGED_JUNK_AT",
+    "resolve_paged_slots",
+    "pool_slots_for",
+    "PagedDecodeCase",
+    "paged_decode_case",
+
+    "IndexerPlan",
+    "plan_indexer",
+    "prefill_row_ranges",
+    "IndexerDecodeCase",
+    "indexer_decode_case",
 ]
 
 RATIO = 4
@@ -411,7 +423,10 @@ class PrefillLayout:
       q_lens, kv_lens: int32 [B] (ordinary: kv_lens = q_lens).
       cu_seqlens_q: int32 [B + 1]; cu_seqlens_k: int32 [B + 1] (chunk: packed context rows).
       max_seqlen_q: host int.
-      slot_table: int32 [B, max_kv] (paged; a seeded permutation of pool slots) or None.
+      req_to_token: int32 [max_reqs, max_context] (paged; SGLang's table: request row ->
+        position -> pool slot, a seeded permutation of the pool's slots; unused entries 0) or None.
+      req_indices: int32 [B] (paged): the row of req_to_token each request uses (seeded, distinct,
+        not simply 0..B-1) or None.
       pool_slots: slots in the pool (paged), or the packed context rows (chunk/ordinary).
     """
 
@@ -421,17 +436,26 @@ class PrefillLayout:
     cu_seqlens_q: np.ndarray
     cu_seqlens_k: np.ndarray
     max_seqlen_q: int
-    slot_table: np.ndarray | None
+    req_to_token: np.ndarray | None
+    req_indices: np.ndarray | None
     pool_slots: int
+
+    @property
+    def slot_table(self) -> np.ndarray | None:
+        """int32 [B, max_context]: ``req_to_token[req_indices]``, one row per request of the batch
+        (upstream's per-batch ``slot_table`` layout); None unless paged."""
+        return None if self.req_to_token is None else self.req_to_token[self.req_indices]
 
 
 def prefill_layout(kind: Literal["ordinary", "chunk", "paged"], q_lens, kv_lens=None, *,
-                   pool_slack: int = 0, seed: int = 0) -> PrefillLayout:
-    """Metadata for a prefill batch; paged pools get a scattered slot table (seeded).
+                   pool_slack: int = 0, spare_requests: int = 2, seed: int = 0) -> PrefillLayout:
+    """Metadata for a prefill batch; paged pools get a scattered ``req_to_token`` (seeded).
 
     Args:
       kind: variant; q_lens: int [B]; kv_lens: int [B] (ignored for ordinary).
       pool_slack: extra unused pool slots (paged), so slots are not simply 0..sum-1.
+      spare_requests: extra rows of req_to_token no request of the batch uses (paged), so
+        req_indices is a scattered choice of rows, as in a serving engine's table.
 
     Raises:
       ValueError: unknown kind, kv_lens < q_lens.
@@ -443,18 +467,20 @@ def prefill_layout(kind: Literal["ordinary", "chunk", "paged"], q_lens, kv_lens=
     row_layout(ql, kl)  # validates
     cu_q = cu_seqlens_from_counts(ql)
     cu_k = cu_seqlens_from_counts(kl)
-    st, slots = None, int(cu_k[-1])
+    r2t, req_idx, slots = None, None, int(cu_k[-1])
     if kind == "paged":
         rng = np.random.default_rng(seed)
         slots = int(kl.sum()) + int(pool_slack)
         perm = rng.permutation(slots)
         width = max(1, int(kl.max()) if kl.size else 1)
-        st = np.zeros((ql.shape[0], width), np.int64)
-        for b in range(ql.shape[0]):
-            st[b, : kl[b]] = perm[cu_k[b]: cu_k[b + 1]]
-        st = st.astype(np.int32)
+        b = ql.shape[0]
+        req_idx = rng.permutation(b + int(spare_requests))[:b]
+        r2t = np.zeros((b + int(spare_requests), width), np.int64)
+        for i in range(b):
+            r2t[req_idx[i], : kl[i]] = perm[cu_k[i]: cu_k[i + 1]]
+        r2t, req_idx = r2t.astype(np.int32), req_idx.astype(np.int32)
     return PrefillLayout(kind, ql.astype(np.int32), kl.astype(np.int32), cu_q, cu_k,
-                         int(ql.max()) if ql.size else 1, st, slots)
+                         int(ql.max()) if ql.size else 1, r2t, req_idx, slots)
 
 
 # --------------------------------------------------------------------------------------------
@@ -522,3 +548,413 @@ def decode_case(batch: int, pattern: str, *, max_len: int = WIDTH, seed: int = 0
     cu_k = cu_seqlens_from_counts(lens)
     return DecodeCase(lens, np.arange(batch + 1, dtype=np.int32), cu_k, int(max_len),
                       int(cu_k[-1]) + int(capacity_slack))
+
+
+# --------------------------------------------------------------------------------------------
+# Paged decode (qsa-contract.md §2b): pools, req_to_token tables and realistic index rows.
+#: junk values a paged-decode row may carry (``paged_decode_case``): -1, -7, = seq_len, seq_len + 19
+PAGED_JUNK = ("-1", "-7", "len", "len+19")
+PAGED_JUNK_AT = ("front", "middle", "end")
+
+
+def resolve_paged_slots(req_to_token, req_indices, indices, seq_lens, pool_slots: int) -> np.ndarray:
+    """Pool slot of every paged-decode index entry, -1 where the entry is invalid (§2b).
+
+    Entry ``indices[r, (h,) c]`` is valid iff ``0 <= idx < seq_lens[r]``, ``idx < max_context``,
+    ``0 <= req_indices[r] < max_reqs`` and its slot ``req_to_token[req, idx]`` lies in
+    ``[0, pool_slots)`` (the lying-metadata rule: such entries are invalid, never dereferenced).
+
+    Args:
+      req_to_token: int [max_reqs, max_context]; req_indices, seq_lens: int [R];
+      indices: int [R, W] or [R, Hkv, W]; pool_slots: slots in the pool.
+
+    Returns:
+      int64 array shaped like ``indices``.
+    """
+    table = np.asarray(req_to_token, np.int64)
+    idx = np.asarray(indices, np.int64)
+    req = np.asarray(req_indices, np.int64).reshape(-1)
+    lens = np.asarray(seq_lens, np.int64).reshape(-1)
+    max_reqs, max_ctx = table.shape
+    lead = (slice(None),) + (None,) * (idx.ndim - 1)
+    req_ok = ((req >= 0) & (req < max_reqs))[lead]
+    bound = np.minimum(lens, max_ctx)[lead]
+    valid = req_ok & (idx >= 0) & (idx < bound)
+    safe_req = np.where(req_ok[..., 0] if idx.ndim == 2 else req_ok[:, 0, 0], req, 0)
+    slot = table[np.broadcast_to(safe_req[lead], idx.shape), np.where(valid, idx, 0)] \
+        if table.size else np.zeros(idx.shape, np.int64)
+    valid &= (slot >= 0) & (slot < pool_slots)
+    return np.where(valid, slot, -1)
+
+
+def pool_slots_for(context_lens, *, pool_slots: int, page_size: int = 64,
+                   seed: int = 0) -> np.ndarray:
+    """Scattered pool slots for requests of ``context_lens`` tokens, as a serving engine lays them:
+    ``page_size`` consecutive positions in consecutive slots (SGLang: 64), pages in random
+    order over the whole pool; ``page_size = 1`` gives single scattered slots. Slot 0 is never
+    handed out (SGLang's padding slot), so tests can fill it (and every other slot no request
+    owns) with NaN.
+
+    Args:
+      context_lens: int [B]; pool_slots: slots in the pool (> the pages needed); page_size >= 1.
+
+    Returns:
+      int32 [B, max(context_lens)] slots; 0 (the padding slot, what SGLang's table holds there)
+      past each request's length.
+
+    Raises:
+      ValueError: the pool is too small.
+    """
+    lens = np.asarray(context_lens, np.int64).reshape(-1)
+    rng = np.random.default_rng(seed)
+    pages = -(-lens // page_size)
+    n_pool_pages = pool_slots // page_size
+    need = int(pages.sum())
+    if need > n_pool_pages - 1:
+        raise ValueError(f"pool of {pool_slots} slots has {n_pool_pages} pages of {page_size}; "
+                         f"{need} (+ the padding page) needed")
+    # distinct pages 1.. (page 0 holds the padding slot), in random order
+    chosen = rng.choice(np.arange(1, n_pool_pages, dtype=np.int64), size=need, replace=False)
+    width = max(1, int(lens.max()) if lens.size else 1)
+    table = np.zeros((lens.shape[0], width), np.int64)
+    start = 0
+    pos = np.arange(width, dtype=np.int64)
+    for b in range(lens.shape[0]):
+        own = chosen[start:start + pages[b]]
+        start += pages[b]
+        if lens[b]:
+            slots = own[pos[: lens[b]] // page_size] * page_size + pos[: lens[b]] % page_size
+            table[b, : lens[b]] = slots
+    return table.astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedDecodeCase:
+    """Device metadata of one paged decode call (numpy int32, ready to upload).
+
+    Attributes:
+      req_to_token: [max_reqs, max_context] (rows of requests nobody uses hold slot 0).
+      req_indices: [R] the request of each query row (MTP verify rows share one).
+      seq_lens: [R] the validity bound of each row.
+      indices: [R, W] or [R, Hkv, W] logical positions (junk where invalid).
+      pool_slots: slots in the pool; page_size: 64 (pages) or 1 (single scattered slots).
+      owned: bool [pool_slots] slots some request owns (the others may be filled with NaN).
+    """
+
+    req_to_token: np.ndarray
+    req_indices: np.ndarray
+    seq_lens: np.ndarray
+    indices: np.ndarray
+    pool_slots: int
+    page_size: int
+    owned: np.ndarray
+
+
+def _paged_row(valid: np.ndarray, width: int, bound: int, junk: Sequence[str], at: Sequence[str],
+               n_junk: int, rng) -> np.ndarray:
+    """One row: the valid positions with ``n_junk`` junk entries placed at ``at`` (front /
+    middle / end; the rest of the row is -1 padding at the end). Valid entries that no longer
+    fit are dropped (a saturated row then has fewer valid entries)."""
+    vals = {"-1": -1, "-7": -7, "len": bound, "len+19": bound + 19}
+    junk_vals = [vals[j] for j in junk] or [-1]
+    pieces = {a: [junk_vals[int(rng.integers(len(junk_vals)))] for _ in range(n_junk)] for a in at}
+    room = max(0, width - n_junk * len(at))
+    valid = list(valid)[:room]
+    half = len(valid) // 2
+    row = (pieces.get("front", []) + valid[:half] + pieces.get("middle", []) + valid[half:]
+           + pieces.get("end", []))[:width]
+    return np.asarray(row + [-1] * (width - len(row)), np.int64)
+
+
+def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int = 1,
+                      pool_slots: int | None = None, page_size: int = 64, junk=("-1",),
+                      junk_at=(), n_junk: int = 2, duplicates: int = 0,
+                      empty_rows: Sequence[int] = (), num_kv_heads: int | None = None,
+                      spare_requests: int = 2, seed: int = 0) -> PagedDecodeCase:
+    """A seeded paged decode batch laid out like a serving engine's (``qsa-contract.md`` §2b).
+
+    Requests get scattered pool slots (``pool_slots_for``), a ``req_to_token`` row each at a
+    shuffled row of a table with ``spare_requests`` unused rows. Every request has
+    ``rows_per_request`` query rows (MTP verify: row i sees ``context_lens[b] - rows + 1 + i``
+    tokens, the last row the whole context), all naming the same request. Each row's indices
+    are an indexer-like selection of its visible tokens (``select_blocks`` +
+    ``expand_block_indices``, the 2051-wide production layout when ``width = WIDTH``).
+
+    Args:
+      context_lens: int [B] tokens per request (>= rows_per_request - 1).
+      width: W index columns; pool_slots: default 2 x the slots needed (pages + padding page).
+      page_size: 64 (pages in scattered order) or 1 (single scattered slots).
+      junk: junk values used where ``junk_at`` places them, from ``PAGED_JUNK``; with
+        ``junk_at = ()`` rows are valid-first with -1 padding (what the indexer emits).
+      junk_at: positions from ``PAGED_JUNK_AT`` that get ``n_junk`` junk entries each.
+      duplicates: per row, this many entries replaced by copies of other valid entries of the row.
+      empty_rows: rows made entirely of junk (exact zeros expected).
+      num_kv_heads: None -> indices [R, W]; an int -> [R, Hkv, W], a different selection per head.
+      seed: RNG seed.
+
+    Returns:
+      PagedDecodeCase.
+
+    Raises:
+      ValueError: unknown junk value / position, a context shorter than the verify rows.
+    """
+    if any(j not in PAGED_JUNK for j in junk) or any(a not in PAGED_JUNK_AT for a in junk_at):
+        raise ValueError(f"junk must be from {PAGED_JUNK}, junk_at from {PAGED_JUNK_AT}; got "
+                         f"{junk!r}, {junk_at!r}")
+    lens = np.asarray(context_lens, np.int64).reshape(-1)
+    k = int(rows_per_request)
+    if k < 1 or (lens < k - 1).any():
+        raise ValueError(f"need rows_per_request >= 1 and context_lens >= rows_per_request - 1, "
+                         f"got {k}, {lens.tolist()}")
+    rng = np.random.default_rng(seed)
+    b = lens.shape[0]
+    if pool_slots is None:
+        pool_slots = 2 * (int((-(-lens // page_size)).sum()) + 1) * page_size
+    slots = pool_slots_for(lens, pool_slots=pool_slots, page_size=page_size,
+                           seed=int(rng.integers(2**31)))
+    max_reqs = b + int(spare_requests)
+    table = np.zeros((max_reqs, slots.shape[1]), np.int32)
+    req_of = rng.permutation(max_reqs)[:b]
+    table[req_of] = slots
+    owned = np.zeros(pool_slots, bool)
+    for i in range(b):
+        owned[slots[i, : lens[i]]] = True
+    req_rows = np.repeat(np.arange(b), k)
+    seq = (lens[req_rows] - (k - 1) + np.tile(np.arange(k), b)).astype(np.int64)
+    r = req_rows.shape[0]
+    token_topk, block_topk = _geometry(width, RATIO)
+    heads = []
+    for _h in range(num_kv_heads or 1):
+        blocks = select_blocks(seq, req_rows, block_topk=block_topk, ratio=RATIO,
+                               seed=int(rng.integers(2**31)))
+        heads.append(expand_block_indices(blocks, seq - 1, seq, ratio=RATIO,
+                                          token_topk=token_topk).astype(np.int64))
+    idx = np.stack(heads, 1)  # [R, H, W], valid first, -1 after
+    for row in range(r):
+        for h in range(idx.shape[1]):
+            ent = idx[row, h]
+            valid = ent[(ent >= 0) & (ent < seq[row])]
+            if duplicates and valid.size > 1:
+                at = rng.choice(valid.size, size=min(duplicates, valid.size - 1), replace=False)
+                valid = valid.copy()
+                valid[at] = valid[rng.integers(0, valid.size, size=at.size)]
+            if row in set(int(e) for e in empty_rows):
+                valid = valid[:0]
+            if junk_at or row in set(int(e) for e in empty_rows):
+                idx[row, h] = _paged_row(valid, width, int(seq[row]), junk, junk_at, n_junk, rng)
+            else:
+                idx[row, h] = np.concatenate([valid, np.full(width - valid.size, -1)])
+    idx = idx.astype(np.int32)
+    return PagedDecodeCase(table, req_of[req_rows].astype(np.int32), seq.astype(np.int32),
+                           idx if num_kv_heads is not None else idx[:, 0], int(pool_slots),
+                           int(page_size), owned)
+
+# The indexer (qsa-contract.md §4b): the launch plan both implementations share, and metadata.
+_MERGE_MAX_CANDIDATES = 16384  # keys one merge program holds (S_pad x topk int32)
+_PREFILL_WORKSPACE_BYTES = 256 << 20  # cap of the prefill candidates (keys + ids) per launch
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerPlan:
+    """Static launch plan of the two-pass exact top-k indexer (``qsa_triton.indexer``,
+    ``qsa_pallas.indexer`` use the same one).
+
+    Pass 1 ("score + chunk top-k"): one program per (row tile, chunk); it scores ``chunk``
+    consecutive visible blocks of ``rows_per_program`` rows in tiles of ``tile`` blocks, holds the
+    chunk's keys in registers and keeps the chunk's exact top-k per row, writing at most ``topk``
+    (key, block id) candidates per (row, chunk) in ascending block order, plus their count.
+    Pass 2 ("merge"): one program per row selects the exact top-k of its ``splits x topk``
+    candidates and writes the block ids (or the expanded token row) in ascending order.
+
+    Attributes:
+      kind: "decode" | "prefill".
+      topk: blocks kept per row (512).
+      chunk: C, blocks per pass-1 program (power of two, >= 2 * topk so pass 1 halves the data).
+      splits: S = ceil(max_blocks / C), chunks per row (static grid dimension).
+      tile: blocks scored per inner step (BLOCK_N).
+      rows_per_program: query rows per pass-1 program (1 for decode; prefill rows share keys).
+      num_warps, num_stages: pass-1 launch; merge_warps: pass-2 launch.
+      row_group: rows per launch pair (prefill: bounds the candidate workspace; decode: all).
+    """
+
+    kind: str
+    topk: int
+    chunk: int
+    splits: int
+    tile: int
+    rows_per_program: int
+    num_warps: int
+    num_stages: int
+    merge_warps: int
+    row_group: int
+
+    @property
+    def splits_pad(self) -> int:
+        """S rounded up to a power of two (the merge's candidate tile is [S_pad, topk])."""
+        return _pow2_at_least(self.splits)
+
+    def workspace_bytes(self, rows: int) -> int:
+        """Bytes of candidate workspace for ``rows`` rows: keys + ids (int32) + counts."""
+        return int(rows) * self.splits * (self.topk * 8 + 4)
+
+    def problem(self, kind: str, max_blocks: int, topk: int) -> str | None:
+        """Why this plan cannot run a ``kind`` call with these sizes (None when it can): the
+        kernels need power-of-two chunk and tile, chunk >= 2 * topk and a multiple of the tile,
+        splits x chunk covering max_blocks, prefill rows_per_program 16 and row_group a multiple
+        of it, decode rows_per_program 1."""
+        pow2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
+        if self.kind != kind or self.topk != topk:
+            return f"a {kind} plan for topk={topk}, got kind={self.kind} topk={self.topk}"
+        if not (pow2(self.chunk) and pow2(self.tile) and self.chunk >= max(2 * topk, self.tile)
+                and self.tile >= 16):
+            return (f"power-of-two chunk >= max(2*topk, tile) and tile >= 16, got chunk "
+                    f"{self.chunk}, tile {self.tile}")
+        if self.splits * self.chunk < max(int(max_blocks), 1):
+            return f"splits x chunk >= {max_blocks} blocks, got {self.splits} x {self.chunk}"
+        want = 1 if kind == "decode" else 16
+        if self.rows_per_program != want or (kind == "prefill" and self.row_group % want):
+            return f"rows_per_program {want} (prefill: row_group a multiple of it)"
+        if self.splits_pad * topk > 4 * _MERGE_MAX_CANDIDATES:
+            return f"splits_pad x topk <= {4 * _MERGE_MAX_CANDIDATES} merge candidates"
+        return None
+
+
+def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, *,
+                 sm_count: int = 132) -> IndexerPlan:
+    """The indexer's static plan from static shapes only (graph/JIT safe: no device data).
+
+    Decode (one row per program): the chunk is the smallest power of two >= max(2 * topk, 64)
+    that gives about 2 x ``sm_count`` pass-1 programs over the batch with at most 16 chunks per
+    row (so a row's candidates fit one merge program), capped at 4096 blocks unless the merge
+    bound needs more (contexts past 256k tokens). Prefill (16 rows per program, sharing every key
+    tile): chunk 2 * topk (1024), grown the same way for the merge bound, and rows grouped so
+    that one launch's candidate workspace stays under 256 MiB (upstream caps its FP32 logits
+    buffer at 128 MiB the same way; candidates take ``8 * topk / chunk`` bytes per (row, block)
+    instead of 4).
+
+    Args:
+      kind: "decode" | "prefill". rows: query rows (B or T). max_blocks: static bound of a row's
+        visible blocks (decode: page-table capacity; prefill: packed key rows). topk: power of
+        two. sm_count: the GPU's SMs.
+
+    Raises:
+      ValueError: unknown kind, topk not a power of two, negative sizes.
+    """
+    if kind not in ("decode", "prefill"):
+        raise ValueError(f"kind must be decode|prefill, got {kind!r}")
+    if topk < 1 or topk & (topk - 1):
+        raise ValueError(f"topk must be a power of two, got {topk}")
+    if rows < 0 or max_blocks < 0:
+        raise ValueError(f"rows and max_blocks must be >= 0, got {rows}, {max_blocks}")
+    mb = max(int(max_blocks), 1)
+    merge_chunk = _pow2_at_least(-(-mb * topk // _MERGE_MAX_CANDIDATES))
+
+    def merge_warps(c):  # 16 candidates per thread (sm_90 compile: no spills up to 8192)
+        return min(16, max(4, _pow2_at_least(-(-mb // c)) * topk // 512))
+
+    if kind == "decode":
+        s_target = min(16, max(1, -(-2 * sm_count // max(rows, 1))))
+        c = _pow2_at_least(-(-mb // s_target))
+        c = max(min(c, 4096), 2 * topk, 64, merge_chunk)
+        # 128-block (32 KB) key tiles; 5 stages give two tiles in flight behind the page-id
+        # load each depends on (Triton's pipeliner stages the indirect load first)
+        tile = min(128, c)
+        return IndexerPlan(kind, topk, c, -(-mb // c), tile, 1, 8, 5, merge_warps(c),
+                           max(rows, 1))
+    c = max(2 * topk, 64, merge_chunk)
+    bm = 16
+    tile = min(64, c)
+    # 16 rows x C keys live in registers through the select: 16 warps (128 registers each)
+    plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 16, 2, merge_warps(c), 1)
+    per_row = plan.splits * plan.topk * 8  # candidate keys + ids (the counts are 1/(2 topk) more)
+    group = max(bm, (_PREFILL_WORKSPACE_BYTES // per_row) // bm * bm)
+    return dataclasses.replace(plan, row_group=min(group, max(rows, 1)))
+
+
+def prefill_row_ranges(q_lens, kv_lens, *, ratio: int = RATIO):
+    """Prefill indexer metadata from per-request lengths (upstream ``build_qsa_row_ranges``).
+
+    Request b has ``kv_lens[b]`` tokens of context (prefix + this chunk) and ``q_lens[b]`` new
+    rows, the last ones of the context (bottom-right causal). Its compressed keys are packed at
+    rows ``cu_blocks[b] .. cu_blocks[b + 1]`` (``floor(kv_lens[b] / ratio)`` blocks). Row r of b
+    sits at position ``p = kv_lens[b] - q_lens[b] + r`` and sees ``floor((p + 1) / ratio)`` blocks.
+
+    Returns:
+      (row_starts, row_ends, cu_blocks, positions, seq_lens): int32 arrays; row_starts/row_ends
+      [T] absolute key rows of each row's visible blocks (half-open), cu_blocks [B + 1],
+      positions [T], seq_lens [T] (the row's request length, the expansion's validity bound).
+
+    Raises:
+      ValueError: kv_lens[b] < q_lens[b].
+    """
+    req, r, visible, bound = row_layout(q_lens, kv_lens)
+    kl = np.asarray(kv_lens, np.int64).reshape(-1)
+    cu = cu_seqlens_from_counts(kl // ratio)
+    starts = cu[req].astype(np.int64)
+    ends = starts + np.minimum(visible // ratio, (kl // ratio)[req])
+    return (starts.astype(np.int32), ends.astype(np.int32), cu, (visible - 1).astype(np.int32),
+            bound.astype(np.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerDecodeCase:
+    """A paged compressed-K decode batch (numpy int32).
+
+    Attributes:
+      seq_lens: [B] tokens per row (the row's visible blocks: ``seq_lens // ratio``).
+      page_table: [B, max_pages] page ids; the row's pages are distinct pages of the cache in a
+        seeded random order, entries past them are junk (never read).
+      pages: pages in the cache (every page id of a visible block is < pages).
+      page_size: compressed blocks per page (16 in production: 64-token KV pages / 4).
+    """
+
+    seq_lens: np.ndarray
+    page_table: np.ndarray
+    pages: int
+    page_size: int
+
+
+def indexer_decode_case(seq_lens, *, page_size: int = 16, max_pages: int | None = None,
+                        junk: str = "mixed", extra_pages: int = 3, seed: int = 0
+                        ) -> IndexerDecodeCase:
+    """Page table for a decode batch: every row's pages scattered over one shared cache.
+
+    Args:
+      seq_lens: int [B] token counts (any >= 0; not a multiple of ratio or page size is fine).
+      page_size: blocks per page. max_pages: page-table width (default: the longest row's).
+      junk: what stands past each row's pages: "zero", "-1" or "mixed" (-1, huge, page ids of
+        other rows, int32 extremes).
+      extra_pages: unused pages in the cache (so ids are not simply 0..n-1).
+
+    Raises:
+      ValueError: max_pages smaller than a row needs; unknown junk mode.
+    """
+    sl = np.maximum(np.asarray(seq_lens, np.int64).reshape(-1), 0)
+    need = -(-(sl // RATIO) // page_size)
+    width = int(max(need.max() if need.size else 0, 1) if max_pages is None else max_pages)
+    if need.size and need.max() > width:
+        raise ValueError(f"max_pages {width} < {int(need.max())} pages a row needs")
+    rng = np.random.default_rng(seed)
+    pages = int(need.sum()) + int(extra_pages)
+    perm = rng.permutation(pages)
+    pt = np.zeros((sl.shape[0], width), np.int64)
+    at = 0
+    for b in range(sl.shape[0]):
+        n = int(need[b])
+        pt[b, :n] = perm[at:at + n]
+        at += n
+        tail = width - n
+        if junk == "zero":
+            pt[b, n:] = 0
+        elif junk == "-1":
+            pt[b, n:] = -1
+        elif junk == "mixed":
+            pt[b, n:] = rng.choice(np.array([-1, pages, pages + 7, _I32_MAX, _I32_MIN, 0]),
+                                   size=tail)
+        else:
+            raise ValueError(f"junk must be zero|-1|mixed, got {junk!r}")
+    return IndexerDecodeCase(sl.astype(np.int32), pt.astype(np.int32), pages, int(page_size))

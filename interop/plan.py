@@ -223,3 +223,130 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
     min_blocks = max(1, min(MIN_BLOCKS_CAP, blocks // max_splits))
     slots = BALANCE_SLOTS_PER_SM * sm_count if balance else 0
     return DecodePlan(head_tile, block_n, max_splits, min_blocks, num_warps, 3, slots)
+
+
+
+# =============================================================================================
+# Paged decode (qsa-contract.md §2b, §2c): the static split plan shared by
+# qsa_triton.decode_paged and qsa_pallas.decode_paged. (Appended as its own section so it moves
+# with this file when it is renamed.)
+#
+# The paged kernels split the W index *columns* of a row, not its valid keys: a column's
+# validity (0 <= idx < seq_lens[r], the position's slot inside the pool) is device data that can
+# change under a captured graph, while W is a static shape. Split j of S covers the BLOCK_N
+# chunks [j * nb // S, (j + 1) * nb // S) of the nb = cdiv(W, BLOCK_N) chunks (balanced; every
+# split gets >= 1 chunk since S <= nb). A split whose columns hold no valid entry writes an
+# empty partial (LSE = -inf) that the merge weighs 0; a one-split plan writes the output itself.
+
+__all__ += ["PagedDecodePlan", "plan_decode_paged", "paged_smem_bytes",
+            "BATCH_INVARIANT_SPLIT_COLS", "PAGED_MAX_SPLITS"]
+
+#: batch-invariant mode: index columns per split (a multiple of every BLOCK_N the plan uses).
+#: The split count is then cdiv(W, this) whatever the batch: 9 splits for W = 2051. Why this
+#: size: fewer columns per split fill more SMs at small batch, more columns write fewer FP32
+#: partials at large batch (9 splits x [G, D] floats per KV row: about 10% of the K/V bytes read
+#: at D = 256 written and read back by the merge); the lead's H200 run prices it.
+BATCH_INVARIANT_SPLIT_COLS = 256
+#: the most splits of one (row, KV head) (the Triton merge reads every split in one tile)
+PAGED_MAX_SPLITS = 128
+#: shared memory per block on sm_120 / sm_121 (qsa-contract.md §5): every shipped paged plan
+#: fits it whatever the device it was planned for, so a plan never depends on the part
+SM12X_SMEM_BYTES = 101_376
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedDecodePlan:
+    """Static launch plan of the paged decode (both implementations).
+
+    Attributes:
+      head_tile: G padded to a power of two >= 16 (tensor-core dots; padded rows masked).
+      block_n: index columns per inner-loop step (BLOCK_N).
+      num_splits: splits per (row, KV head): the grid is (num_splits, R, Hkv); 1 = the split
+        kernel writes the output, no partials and no merge.
+      num_warps, num_stages: Triton launch parameters (the Pallas kernel passes them through
+        its compiler params).
+    """
+
+    head_tile: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+    def chunk_range(self, width: int, split: int) -> tuple[int, int]:
+        """[first, last) BLOCK_N chunk of ``split`` for W = ``width`` (what the kernels compute
+        on the device: ``j * nb // S``)."""
+        nb = max(1, -(-width // self.block_n))
+        return split * nb // self.num_splits, (split + 1) * nb // self.num_splits
+
+
+def paged_smem_bytes(plan: PagedDecodePlan, head_dim: int, q_bytes: int = 2,
+                     kv_bytes: int = 2) -> int:
+    """Estimated shared memory (bytes) of the paged split kernel: (num_stages - 1) pipelined K+V
+    gather tiles in the pool's dtype, the Q tile and the P tile in q's dtype, and for an FP8 pool
+    one converted [BLOCK_N, D] dot operand in q's dtype per tensor. The model of
+    ``qsa_triton.decode.smem_bytes`` (matches ``compiled.metadata.shared`` of the packed split
+    kernel for stages >= 2) extended by the conversion tiles."""
+    kv = 2 * plan.block_n * head_dim * kv_bytes
+    conv = 2 * plan.block_n * head_dim * q_bytes if kv_bytes != q_bytes else 0
+    return (max(plan.num_stages - 1, 1) * kv + conv + plan.head_tile * head_dim * q_bytes
+            + plan.head_tile * plan.block_n * q_bytes)
+
+
+def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, width: int,
+                      sm_count: int = 132, *, q_bytes: int = 2, kv_bytes: int = 2,
+                      batch_invariant: bool = False,
+                      smem_limit: int = SM12X_SMEM_BYTES) -> PagedDecodePlan:
+    """Plan a paged decode launch from static shapes only.
+
+    Args:
+      rows: R query rows (MTP verify rows included); num_kv_heads: Hkv; group: G = Hq / Hkv
+        (<= 16); head_dim: D (power of two 32..256); width: W index columns per row (>= 1).
+      sm_count: streaming multiprocessors of the target GPU (132 on the H200).
+      q_bytes, kv_bytes: element sizes of q and of the pool (1 for FP8 e4m3).
+      batch_invariant: the schedule depends on (W, G, D, dtypes) only, never on R or the SM
+        count (qsa-contract.md §2c).
+      smem_limit: bytes per block the plan must fit (``paged_smem_bytes``); default sm_120 /
+        sm_121's 101,376 B, so one plan is valid on every supported part.
+
+    Returns:
+      PagedDecodePlan. Rules (why):
+        * BLOCK_N 32 for D > 128, else 64: a [BLOCK_N, D] gather tile of 16 KB in bf16, as the
+          packed decode (``plan_decode``); head tile max(16, next_pow2(G)); 4 warps; 3 stages
+          (two gathers in flight per program), lowered until the tile fits ``smem_limit``.
+        * default: about one program per SM (the packed decode's H200 finding, decode v2 in
+          bench/NOTES.md): num_splits = clamp(sm_count // (R x Hkv), 1, nb), nb = cdiv(W,
+          BLOCK_N); so 1 split (no merge) once R x Hkv >= SMs, and at TP1 B = 1, W = 2051 one
+          chunk per split (65 splits: no split streams two, decode v5).
+        * batch_invariant: num_splits = cdiv(W, BATCH_INVARIANT_SPLIT_COLS) (9 at W = 2051),
+          capped at nb. Cost against the default (to be measured on the H200 by the lead):
+          fewer programs at small R (TP1 B = 1: 2 x 9 = 18 programs instead of 130, so the
+          call is latency bound), and from R x Hkv >= SMs the FP32 partials and the merge
+          launch that the default's one-split plan does without.
+
+    Raises:
+      ValueError: a non-positive size, or no plan fits ``smem_limit``.
+    """
+    if min(rows, num_kv_heads, group, head_dim, width, sm_count) < 1:
+        raise ValueError(f"plan_decode_paged: sizes must be >= 1, got R={rows}, Hkv={num_kv_heads}, "
+                         f"G={group}, D={head_dim}, W={width}, SMs={sm_count}")
+    head_tile = max(16, next_pow2(group))
+    block_n = 64 if head_dim <= 128 else 32
+    nb = -(-width // block_n)
+    if batch_invariant:
+        splits = -(-width // BATCH_INVARIANT_SPLIT_COLS)
+    else:
+        splits = max(1, (PROGRAMS_PER_SM * sm_count) // (rows * num_kv_heads))
+    splits = max(1, min(splits, nb, PAGED_MAX_SPLITS))
+    plan = PagedDecodePlan(head_tile, block_n, splits, 4, 3)
+    while paged_smem_bytes(plan, head_dim, q_bytes, kv_bytes) > smem_limit:
+        if plan.num_stages > 2:
+            plan = dataclasses.replace(plan, num_stages=plan.num_stages - 1)
+        elif plan.block_n > 16 and not batch_invariant:
+            # (batch-invariant plans keep BLOCK_N: the split's column range must not move)
+            plan = dataclasses.replace(plan, block_n=plan.block_n // 2,
+                                       num_splits=min(plan.num_splits, -(-width // (plan.block_n // 2))))
+        else:
+            raise ValueError(f"plan_decode_paged: no plan fits {smem_limit} B of shared memory "
+                             f"(D={head_dim}, G={group}, kv_bytes={kv_bytes})")
+    return plan

@@ -21,12 +21,11 @@ Pallas Triton lowering pattern-matches into an ``scf.for`` with a dynamic bound.
 The request of a row is found in the kernel by counting ``cu_seqlens_q[1:] <= row`` over a
 power-of-two padded vector (B is static): no row-to-request table is built in XLA.
 
-Paged: the pool is read in place. By default a plain-JAX pre-pass (``resolve_pool_slots``) maps
-every index entry to its pool slot (``slot_table[b, idx]``, -1 when invalid) and the kernel
-gathers by slot, as ``qsa_triton`` does (an in-loop lookup puts a dependent load before every K/V
-gather; upstream measured it 1.5x slower); ``slots="inline"`` (or ``QSA_PAGED_SLOTS=inline``)
-resolves in the kernel instead. A slot outside the pool is treated as an invalid entry (memory
-safety; the debug validator reports it).
+Paged: the pool is read in place, addressed as SGLang's ``req_to_token`` (the paged decode's
+convention). A plain-JAX pre-pass (``resolve_pool_slots``) maps every index entry to its pool slot
+``req_to_token[req_indices[b], idx]``, -1 when invalid (a position past the table, a row outside
+it or a slot outside the pool included: lying metadata is never dereferenced), and the kernel
+gathers by slot, as ``qsa_triton`` does: one dependent load before each K/V gather, not two.
 
 Rows past ``cu_seqlens[B]`` (a batch padded to a static T under jit) belong to no request and
 give zeros.
@@ -46,15 +45,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from interop import contract
+from interop.arch import DeviceFacts
 from interop.contract import ContractError, PrefillProblem, spec_of
-from interop.geometry import geometry_mode
+from interop.geometry import Geometry, geometry_mode, select_prefill
+from interop.plan import LOG2E, next_pow2
 
 from . import _compat
 from ._compat import pl
@@ -63,198 +63,64 @@ __all__ = [
     "sparse_prefill",
     "sparse_prefill_chunk",
     "sparse_prefill_paged",
-    "PallasPrefillGeometry",
     "select_geometry",
-    "shared_memory_estimate",
-    "fit_shared_memory",
     "resolve_pool_slots",
 ]
 
-_LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the cheaper PTX path
 _INT32_MAX = 2**31 - 1
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, int(x)))))
+# CPU interpret mode: one small fixed (BLOCK_N, num_warps, num_stages): the interpreter's speed,
+# not a GPU's, matters there.
+_INTERPRET_GEOMETRY = (16, 4, 2)
 
 
 # --------------------------------------------------------------------------------------------
 # Geometry
-@dataclasses.dataclass(frozen=True)
-class PallasPrefillGeometry:
-    """Launch geometry of one Pallas prefill call.
+def select_geometry(problem: PrefillProblem, *, interpret: bool, facts=None) -> Geometry:
+    """Launch geometry for a checked prefill problem.
 
-    Attributes:
-      head_tile: query heads per program, G padded to a power of two, >= 16 (tensor-core dots).
-      block_n: index columns (gathered K/V rows) per inner-loop step (BLOCK_N), power of two >= 16.
-      num_warps, num_stages: Triton compiler parameters passed through ``plgpu.CompilerParams``.
-      source: where the numbers came from (selector table name, "interpret-fixed", "explicit").
-    """
-
-    head_tile: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    source: str
-
-
-# CPU interpret mode: one small fixed geometry (speed of the interpreter, not of a GPU, matters).
-_INTERPRET_GEOMETRY = (16, 4, 2)  # (BLOCK_N, num_warps, num_stages)
-
-
-def select_geometry(problem: PrefillProblem, *, interpret: bool, device=None,
-                    facts=None) -> PallasPrefillGeometry:
-    """Geometry for a checked prefill problem.
-
-    On a GPU the shared selector ``interop.geometry.select_prefill(..., backend="pallas")`` decides
-    (keyed by device family and workload, qsa-contract.md §3); in interpret mode (CPU) a fixed
-    small geometry is used. The head tile is always ``max(16, next_pow2(G))`` (the Pallas Triton
-    lowering needs dot operands of at least 16 rows), or the selector's BLOCK_M if larger.
+    On a GPU the shared selector ``interop.geometry.select_prefill(..., backend="pallas")``
+    decides (device family and workload, qsa-contract.md §3; Pallas tiles rounded to powers of
+    two >= 16 and fitted to the device's shared memory there). In interpret mode (CPU) a fixed
+    small geometry is used.
 
     Args:
       problem: the ``PrefillProblem`` returned by the contract check.
       interpret: whether the kernel runs in interpret mode.
-      device: a jax device to read ``DeviceFacts`` from (default: the first jax device).
-      facts: explicit ``interop.arch.DeviceFacts`` (abstract-device lowering, tests).
+      facts: explicit ``interop.arch.DeviceFacts`` (tests); default: the lowering target
+        (``_compat.target_facts``), else sm_90.
 
     Returns:
-      PallasPrefillGeometry.
+      ``interop.geometry.Geometry``; ``block_m`` is the head tile.
     """
-    g = problem.group
-    head_tile = max(16, _next_pow2(g))
     if interpret and facts is None:
         bn, nw, ns = _INTERPRET_GEOMETRY
-        return PallasPrefillGeometry(head_tile, bn, nw, ns, "interpret-fixed")
-    try:
-        from interop import geometry as _geo  # noqa: PLC0415 - written in parallel; optional
-    except ImportError:
-        _geo = None
+        return Geometry(max(16, next_pow2(problem.group)), bn, nw, ns, "interpret-fixed")
     if facts is None:
-        facts = _device_facts(device)
-    if _geo is not None and hasattr(_geo, "select_prefill"):
-        geo = _geo.select_prefill(
-            facts, problem.kind, total_q=problem.total_q, requests=problem.requests,
-            max_q=problem.max_seqlen_q, group=g, num_kv_heads=problem.num_kv_heads,
-            head_dim=problem.head_dim, width=problem.width, backend="pallas")
-        bn = max(16, _next_pow2(geo.block_n))
-        head_tile = max(head_tile, _next_pow2(geo.block_m))
-        nw, ns, source = int(geo.num_warps), int(geo.num_stages), f"selector:{geo.source}"
-    else:
-        # Fallback while no shared selector is importable: upstream's L20 table at large T.
-        bn, nw, ns, source = 16, 1, 2, "fallback"
-    return fit_shared_memory(
-        PallasPrefillGeometry(head_tile, bn, nw, ns, source), head_dim=problem.head_dim,
-        kv_bytes=1 if problem.kv_dtype == "float8_e4m3fn" else 2,
-        limit=int(facts.smem_per_block))
-
-
-def shared_memory_estimate(geo: PallasPrefillGeometry, *, head_dim: int, kv_bytes: int) -> int:
-    """Bytes of shared memory one program of this kernel needs (an upper estimate).
-
-    Fitted to Triton 3.9 compiles of the lowered kernel (``_compat.compile_ttir``, sm_120,
-    D = 256, BLOCK_N in {16, 32, 64} x warps {1, 2, 4, 8} x stages {1, 2, 3}, bf16 and FP8 K/V;
-    tests/test_pallas_prefill_lowering.py re-checks it against every selectable geometry): the
-    q head tile (16-bit) plus ``c(stages)`` gathered K/V tiles of BLOCK_N x D in the storage dtype,
-    where measured c was <= 1.07 at 1 stage, <= 2.16 at 2 and <= 4.13 at 3 (the pipeliner
-    double-buffers both operands there); modelled as 1.125, 2.25 and 2.25 x (stages - 1).
-    """
-    tile = geo.block_n * head_dim * kv_bytes
-    copies = 1.125 if geo.num_stages <= 1 else 2.25 * (geo.num_stages - 1)
-    return int(geo.head_tile * head_dim * 2 + copies * tile + 1024)
-
-
-def fit_shared_memory(geo: PallasPrefillGeometry, *, head_dim: int, kv_bytes: int,
-                      limit: int | None) -> PallasPrefillGeometry:
-    """Shrink a geometry until ``shared_memory_estimate`` fits ``limit`` bytes (None: as is).
-
-    First fewer pipeline stages, then a smaller BLOCK_N (>= 16). A table row tuned for sm_90's
-    227 KB would otherwise fail to launch on sm_120/sm_121 (101,376 B, qsa-contract.md §5).
-    """
-    if limit is None:
-        return geo
-    bn, ns, changed = geo.block_n, geo.num_stages, False
-    while shared_memory_estimate(dataclasses.replace(geo, block_n=bn, num_stages=ns),
-                                 head_dim=head_dim, kv_bytes=kv_bytes) > limit:
-        if ns > 1:
-            ns -= 1
-        elif bn > 16:
-            bn //= 2
-        else:
-            break
-        changed = True
-    if not changed:
-        return geo
-    return dataclasses.replace(geo, block_n=bn, num_stages=ns,
-                               source=f"{geo.source} fit<={limit}B")
-
-
-def _device_facts(device=None):
-    """DeviceFacts of the target: the abstract device of an enclosing
-    ``jax.sharding.use_abstract_mesh`` (ahead-of-time lowering without a GPU), else the jax GPU
-    device, else an H200 (what jax 0.10.2's lowering assumes without a GPU)."""
-    from interop.arch import DeviceFacts  # noqa: PLC0415
-
-    try:
-        abstract = jax.sharding.get_abstract_mesh().abstract_device
-    except Exception:  # noqa: BLE001 - older jax without abstract meshes
-        abstract = None
-    if abstract is not None and getattr(abstract, "device_kind", None):
-        try:
-            return DeviceFacts.from_device_kind(abstract.device_kind, _triton_version())
-        except (ValueError, KeyError):
-            pass
-    return _concrete_facts(device)
-
-
-@functools.lru_cache(maxsize=16)
-def _concrete_facts(device):
-    """DeviceFacts of a real jax device (cached: eager callers pay it once)."""
-    from interop.arch import DeviceFacts  # noqa: PLC0415
-
-    try:
-        return DeviceFacts.from_jax(device)
-    except Exception:  # noqa: BLE001 - no GPU visible
-        return DeviceFacts.for_arch("sm_90", triton_version=_triton_version())
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_version():
-    try:
-        from importlib.metadata import version  # noqa: PLC0415
-
-        return version("triton")
-    except Exception:  # noqa: BLE001 - JAX-only install: jax's bundled Triton is unversioned here
-        return None
+        facts = _compat.target_facts() or DeviceFacts.for_arch("sm_90")
+    return select_prefill(
+        facts, problem.kind, total_q=problem.total_q, requests=problem.requests,
+        max_q=problem.max_seqlen_q, group=problem.group, num_kv_heads=problem.num_kv_heads,
+        head_dim=problem.head_dim, width=problem.width, backend="pallas",
+        kv_bytes=1 if problem.kv_dtype == "float8_e4m3fn" else 2)
 
 
 # --------------------------------------------------------------------------------------------
 # The kernel
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    """Everything the kernel specialises on (hashable: the compile cache key)."""
+    """Everything the kernel specialises on (hashable: the compile cache key). ``p`` is the
+    checked problem with max_seqlen_q normalised to 1 (this grid covers every row whatever its
+    value, so it must not key a recompile); ``geo`` the launch geometry without its label."""
 
-    kind: str  # "ordinary" | "chunk" | "paged"
-    requests: int
-    num_kv_heads: int
-    group: int
-    head_dim: int
-    width: int
-    per_head: bool
-    head_tile: int
-    block_n: int
-    score_scale: float  # softmax_scale * k_scale * log2(e)
-    v_scale: float
+    p: PrefillProblem
+    geo: Geometry
     kv_rows: int  # rows of k/v (slots of the pool)
-    max_context: int  # paged: slot_table columns
-    slots_mode: str  # paged: "prepass" (indices already resolved to pool slots) | "inline"
-    num_warps: int
-    num_stages: int
     interpret: bool
 
 
 def _find_request(cu_ref, row, requests: int):
     """b such that cu[b] <= row < cu[b + 1]: count of cu[1:B+1] <= row (B static, padded)."""
-    bp = _next_pow2(requests)
+    bp = next_pow2(requests)
     j = lax.broadcasted_iota(jnp.int32, (bp,), 0)
     live = j < requests
     # vector gather with clamped indices (a static pl.ds would be rejected as out of bounds)
@@ -264,34 +130,34 @@ def _find_request(cu_ref, row, requests: int):
 
 
 def _prefill_kernel(*refs, st: _Static):
-    if st.kind == "ordinary":
+    pr, geo = st.p, st.geo
+    score_scale = pr.softmax_scale * pr.k_scale * LOG2E  # exp2 is the cheaper PTX path
+    if pr.kind == "ordinary":
         q_ref, k_ref, v_ref, idx_ref, cu_ref, o_ref = refs
-    elif st.kind == "chunk":
+    elif pr.kind == "chunk":
         q_ref, k_ref, v_ref, idx_ref, cu_ref, cuk_ref, kvl_ref, o_ref = refs
-    elif st.slots_mode == "inline":
-        q_ref, k_ref, v_ref, slot_ref, idx_ref, cu_ref, kvl_ref, o_ref = refs
-    else:  # paged, pre-pass: idx_ref holds pool slots (-1 = invalid) instead of positions
+    else:  # paged: idx_ref holds pool slots (-1 = invalid) instead of positions
         q_ref, k_ref, v_ref, idx_ref, cu_ref, kvl_ref, o_ref = refs
 
     row = pl.program_id(0)
     h = pl.program_id(1)
-    g, ht, d, bn, w = st.group, st.head_tile, st.head_dim, st.block_n, st.width
+    g, ht, d, bn, w = pr.group, geo.block_m, pr.head_dim, geo.block_n, pr.width
 
     # Rows past cu_seqlens[B] (a batch padded to a static T) belong to no request: b is clamped
     # so every scalar read stays in bounds, and the row gets no column (exact zeros).
-    b = jnp.minimum(_find_request(cu_ref, row, st.requests), st.requests - 1)
+    b = jnp.minimum(_find_request(cu_ref, row, pr.requests), pr.requests - 1)
     q_start = cu_ref[b]
     q_len = cu_ref[b + 1] - q_start
     r = row - q_start
     in_request = (r >= 0) & (r < q_len)
-    if st.kind == "ordinary":
+    if pr.kind == "ordinary":
         length = q_len  # validity bound: the request length
         visible = r + 1
         base = q_start  # k/v packed like q
     else:
         length = kvl_ref[b]
         visible = r + length - q_len + 1  # bottom-right causal alignment
-        base = cuk_ref[b] if st.kind == "chunk" else 0
+        base = cuk_ref[b] if pr.kind == "chunk" else 0
     n_cols = jnp.where(in_request, jnp.clip(jnp.minimum(visible, w), 0, w), 0)
     n_blocks = (n_cols + (bn - 1)) // bn
 
@@ -311,20 +177,14 @@ def _prefill_kernel(*refs, st: _Static):
         # Columns at or past min(W, visible) are masked too (not only past W), so the result
         # never depends on BLOCK_N (same rule as qsa_triton's kernel).
         col_ok = cols < n_cols
-        if st.per_head:
+        if pr.per_head_indices:
             ids = _compat.load(idx_ref.at[row, h, pl.ds(j * bn, bn)], mask=col_ok, other=-1)
         else:
             ids = _compat.load(idx_ref.at[row, pl.ds(j * bn, bn)], mask=col_ok, other=-1)
-        if st.kind == "paged" and st.slots_mode == "prepass":
+        if pr.kind == "paged":
             # entries are pool slots already (resolve_pool_slots): valid iff inside the pool
             valid = col_ok & (ids >= 0) & (ids < st.kv_rows)
             kv_rows = jnp.where(valid, ids, 0)
-        elif st.kind == "paged":
-            valid = col_ok & (ids >= 0) & (ids < length) & (ids < st.max_context)
-            safe = jnp.where(valid, ids, 0)
-            slots = _compat.load(slot_ref.at[b, safe], mask=valid, other=0)
-            valid = valid & (slots >= 0) & (slots < st.kv_rows)
-            kv_rows = jnp.where(valid, slots, 0)
         else:
             valid = col_ok & (ids >= 0) & (ids < length)
             # in range even when cu_seqlens_k / kv_lens disagree with k's rows (bad metadata)
@@ -342,7 +202,7 @@ def _prefill_kernel(*refs, st: _Static):
                          other=0.0).astype(compute_dtype)
 
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * st.score_scale  # [ht, bn]
+                            preferred_element_type=jnp.float32) * score_scale  # [ht, bn]
         s = jnp.where(valid[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         # Fully masked so far: keep the shift finite so exp2 gives 0, never NaN.
@@ -360,7 +220,7 @@ def _prefill_kernel(*refs, st: _Static):
     acc, _, l_i = lax.fori_loop(0, n_blocks, body, (acc0, m0, l0))
 
     # Rows with no valid entry: l = 0 -> exact zeros.
-    inv = jnp.where(l_i > 0, st.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+    inv = jnp.where(l_i > 0, pr.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
     out = (acc * inv[:, None]).astype(o_ref.dtype)
     _compat.store(o_ref.at[row, pl.ds(h * g, ht), :], out,
                   mask=jnp.broadcast_to(head_ok, (ht, d)))
@@ -373,10 +233,10 @@ def _launch(q, k, v, *meta, st: _Static):
     return _compat.triton_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((t, hq, d), q.dtype),
-        grid=(t, st.num_kv_heads),
-        num_warps=st.num_warps, num_stages=st.num_stages,
+        grid=(t, st.p.num_kv_heads),
+        num_warps=st.geo.num_warps, num_stages=st.geo.num_stages,
         interpret=st.interpret,
-        name=f"qsa_sparse_prefill_{st.kind}",
+        name=f"qsa_sparse_prefill_{st.p.kind}",
     )(q, k, v, *meta)
 
 
@@ -403,27 +263,23 @@ def _check_offsets(fn: str, **arrays):
                 "uses int32 offsets below 2**32 bytes)", f"{numel} elements of {a.dtype}")
 
 
-def _run(problem: PrefillProblem, q, k, v, meta, *, max_context: int, interpret, geometry, fn,
-         slots_mode: str = "prepass"):
+def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry):
     if problem.total_q == 0 or k.shape[0] == 0:  # nothing to gather from / no row: no launch
         return jnp.zeros(q.shape, q.dtype)
     interp = _resolve_interpret(interpret, q)
     geo = geometry if geometry is not None else select_geometry(problem, interpret=interp)
-    st = _Static(
-        kind=problem.kind, requests=problem.requests, num_kv_heads=problem.num_kv_heads,
-        group=problem.group, head_dim=problem.head_dim, width=problem.width,
-        per_head=problem.per_head_indices, head_tile=geo.head_tile, block_n=geo.block_n,
-        score_scale=problem.softmax_scale * problem.k_scale * _LOG2E, v_scale=problem.v_scale,
-        kv_rows=int(k.shape[0]), max_context=max_context, slots_mode=slots_mode,
-        num_warps=geo.num_warps,
-        num_stages=geo.num_stages, interpret=interp)
+    st = _Static(dataclasses.replace(problem, max_seqlen_q=1),
+                 dataclasses.replace(geo, source=""), int(k.shape[0]), interp)
     return _launch(q, k, v, *meta, st=st)
 
 
 def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
                    strict: bool = False, interpret=None,
-                   geometry: PallasPrefillGeometry | None = None):
+                   geometry: Geometry | None = None):
     """Ordinary sparse prefill (qsa-contract.md §3): K/V are this forward's rows, packed like q.
+
+    Forward only (inference: no autograd). Algorithm: the module docstring (the
+    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
 
     Args:
       q: [T, Hq, D] bfloat16|float16 query rows of B requests packed back to back.
@@ -436,7 +292,8 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
       softmax_scale: host float > 0, or None for D ** -0.5.
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
       interpret: None -> interpret mode when q lives on the CPU; True/False to force.
-      geometry: explicit ``PallasPrefillGeometry`` (benchmarks); None -> ``select_geometry``.
+      geometry: an explicit ``interop.geometry.Geometry`` (benchmarks; block_m = head tile, both
+        powers of two >= 16); None -> ``select_geometry``.
 
     Returns:
       [T, Hq, D] in q's dtype: out[t, h] = softmax(scale · q[t,h] · Kᵀ) · V over the valid
@@ -453,14 +310,16 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
     geometry_mode(fn)  # a bad $QSA_PREFILL_GEOMETRY is an error on every backend, CPU included
     _compat.check_backend(fn, interpret, q, k, v)
     _check_offsets(fn, q=q, k=k, v=v, indices=indices)
-    return _run(p, q, k, v, (indices, cu_seqlens), max_context=0, interpret=interpret,
-                geometry=geometry, fn=fn)
+    return _run(p, q, k, v, (indices, cu_seqlens), interpret=interpret, geometry=geometry)
 
 
 def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
                          softmax_scale=None, k_scale=1.0, v_scale=1.0, *, strict: bool = False,
-                         interpret=None, geometry: PallasPrefillGeometry | None = None):
+                         interpret=None, geometry: Geometry | None = None):
     """Chunk sparse prefill (qsa-contract.md §3): K/V hold each request's full context, packed.
+
+    Forward only (inference: no autograd). Algorithm: the module docstring (the
+    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
 
     Args:
       q: [T, Hq, D] bfloat16|float16.
@@ -491,30 +350,31 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
     geometry_mode(fn)
     _compat.check_backend(fn, interpret, q, k, v)
     _check_offsets(fn, q=q, k=k, v=v, indices=indices)
-    return _run(p, q, k, v, (indices, cu_seqlens_q, cu_seqlens_k, kv_lens), max_context=0,
-                interpret=interpret, geometry=geometry, fn=fn)
+    return _run(p, q, k, v, (indices, cu_seqlens_q, cu_seqlens_k, kv_lens), interpret=interpret,
+                geometry=geometry)
 
 
-def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
-                         max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
+def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
+                         kv_lens, max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                          strict: bool = False, interpret=None,
-                         geometry: PallasPrefillGeometry | None = None, slots: str | None = None):
-    """Paged sparse prefill (qsa-contract.md §3): K/V read in place from the pool.
+                         geometry: Geometry | None = None):
+    """Paged sparse prefill (qsa-contract.md §3): K/V read in place from the pool through
+    SGLang's ``req_to_token`` (the addressing of ``sparse_decode_paged``).
+
+    Forward only (inference: no autograd). Algorithm: the module docstring (the
+    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
 
     Args:
       q: [T, Hq, D] bfloat16|float16.
       k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or float8_e4m3fn.
-      slot_table: int32 [B, max_context]; position p of request b lives in slot
-        slot_table[b, p].
-      indices: int32 [T, W] or [T, Hkv, W]; positions, valid iff 0 <= idx < kv_lens[b] (and,
-        for memory safety, idx < max_context and the slot inside the pool).
+      req_to_token: int32 [max_reqs, max_context]; row r maps a request's position p to pool
+        slot req_to_token[r, p].
+      req_indices: int32 [B]; request b uses row req_indices[b].
+      indices: int32 [T, W] or [T, Hkv, W]; positions, valid iff 0 <= idx < kv_lens[b]. A
+        position >= max_context, a row outside [0, max_reqs) or a slot outside the pool is an
+        invalid entry (never dereferenced).
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
       max_seqlen_q, softmax_scale, k_scale, v_scale, interpret, geometry: as the chunk variant.
-      slots: how positions become pool slots: "prepass" (default) resolves every entry once in
-        plain JAX (``resolve_pool_slots``: [T, (Hkv,) W] int32 slots, -1 = invalid) and the
-        kernel gathers K/V by slot; "inline" looks ``slot_table[b, idx]`` up inside the kernel
-        loop (no extra buffer, but a dependent load before every K/V gather: upstream measured
-        that 1.5x slower). None -> ``$QSA_PAGED_SLOTS`` (prepass|inline, as in qsa_triton).
 
     Returns:
       [T, Hq, D] in q's dtype.
@@ -524,64 +384,58 @@ def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
         pools of 2**31..2**32 elements).
     """
     fn = "sparse_prefill_paged"
-    _compat.check_inputs(fn, interpret, q=q, k_cache=k_cache, v_cache=v_cache, slot_table=slot_table,
-                         indices=indices, cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens)
-    p = contract.check_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q,
-                                     kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale, fn=fn,
-                                     strict=strict)
+    _compat.check_inputs(fn, interpret, q=q, k_cache=k_cache, v_cache=v_cache,
+                         req_to_token=req_to_token, req_indices=req_indices, indices=indices,
+                         cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens)
+    p = contract.check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
+                                     cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale, k_scale,
+                                     v_scale, fn=fn, strict=strict)
     geometry_mode(fn)
     _compat.check_backend(fn, interpret, q, k_cache, v_cache)
     _check_offsets(fn, q=q, k_cache=k_cache, v_cache=v_cache, indices=indices,
-                   slot_table=slot_table)
-    mode = _slots_mode(fn, slots)
-    if mode == "inline":
-        meta = (slot_table, indices, cu_seqlens_q, kv_lens)
-    else:
-        meta = (resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens,
-                                   int(k_cache.shape[0])), cu_seqlens_q, kv_lens)
-    return _run(p, q, k_cache, v_cache, meta, max_context=int(slot_table.shape[1]),
-                interpret=interpret, geometry=geometry, fn=fn, slots_mode=mode)
-
-
-_SLOTS_MODES = ("prepass", "inline")
-
-
-def _slots_mode(fn: str, slots: str | None) -> str:
-    raw = os.environ.get("QSA_PAGED_SLOTS", "") if slots is None else slots
-    mode = raw.strip().lower() or "prepass"
-    if mode not in _SLOTS_MODES:
-        raise ContractError(fn, "slots" if slots is not None else "$QSA_PAGED_SLOTS",
-                            f"one of {', '.join(_SLOTS_MODES)}", repr(raw))
-    return mode
+                   req_to_token=req_to_token)
+    slots = resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
+                               int(k_cache.shape[0]))
+    return _run(p, q, k_cache, v_cache, (slots, cu_seqlens_q, kv_lens), interpret=interpret,
+                geometry=geometry)
 
 
 @jax.jit
-def _resolve(indices, slot_table, cu_seqlens_q, kv_lens, pool_slots):
+def _resolve(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens, pool_slots):
     t = indices.shape[0]
     n_req = kv_lens.shape[0]
+    max_reqs, max_context = req_to_token.shape
     rows = jnp.arange(t, dtype=jnp.int32)
     req = jnp.sum((cu_seqlens_q[None, 1:] <= rows[:, None]).astype(jnp.int32), axis=1)
     in_request = (req < n_req) & (rows >= cu_seqlens_q[0])
     req = jnp.minimum(req, n_req - 1)
+    table_row = req_indices[req]
+    row_ok = in_request & (table_row >= 0) & (table_row < max_reqs)
     lead = (slice(None),) + (None,) * (indices.ndim - 1)
-    bound = jnp.minimum(kv_lens[req], slot_table.shape[1])[lead]
-    valid = in_request[lead] & (indices >= 0) & (indices < bound)
-    slot = slot_table[req[lead], jnp.where(valid, indices, 0)]
+    bound = jnp.minimum(kv_lens[req], max_context)[lead]
+    valid = row_ok[lead] & (indices >= 0) & (indices < bound)
+    slot = req_to_token[jnp.where(row_ok, table_row, 0)[lead], jnp.where(valid, indices, 0)]
     valid = valid & (slot >= 0) & (slot < pool_slots)
     return jnp.where(valid, slot, -1).astype(jnp.int32)
 
 
-def resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, pool_slots: int):
+def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
+                       pool_slots: int):
     """Pool slot of every index entry, -1 where the entry is invalid (plain JAX, jit-friendly).
 
     Args:
       indices: int32 [T, W] or [T, Hkv, W] request-relative positions.
-      slot_table: int32 [B, max_context]; cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
+      req_to_token: int32 [max_reqs, max_context]; req_indices: int32 [B];
+        cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
       pool_slots: host int, slots in the pool (slots outside [0, pool_slots) become -1).
 
     Returns:
-      int32, indices' shape: ``slot_table[b, idx]`` where 0 <= idx < min(kv_lens[b],
-      max_context) for the request b owning the row, else -1 (also for rows past
-      cu_seqlens_q[B]).
+      int32, indices' shape: ``req_to_token[req_indices[b], idx]`` where
+      0 <= idx < min(kv_lens[b], max_context) and 0 <= req_indices[b] < max_reqs for the request
+      b owning the row, else -1 (also for rows past cu_seqlens_q[B]). The kernel additionally
+      masks columns past the row's visible count.
     """
-    return _resolve(indices, slot_table, cu_seqlens_q, kv_lens, jnp.int32(pool_slots))
+    if math.prod(req_to_token.shape) == 0:  # an empty table: every entry is invalid
+        return jnp.full(indices.shape, -1, jnp.int32)
+    return _resolve(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
+                    jnp.int32(min(int(pool_slots), _INT32_MAX)))

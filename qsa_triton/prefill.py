@@ -4,7 +4,7 @@ Three entry points, one kernel body:
   * ``sparse_prefill``        ordinary: K/V are this forward's rows, packed like q;
   * ``sparse_prefill_chunk``  chunk: K/V hold each request's full context at rows cu_seqlens_k[b]..;
   * ``sparse_prefill_paged``  paged: K/V are the pool, position p of request b is slot
-    ``slot_table[b, p]`` (resolved by a small pre-pass into a slot matrix, or inline).
+    ``req_to_token[req_indices[b], p]`` (resolved by a small pre-pass into a slot matrix).
 
 Algorithm (per program = one query row x one KV head, covering that KV head's G query heads as a
 head tile of BLOCK_M rows, FP32 accumulator [BLOCK_M, D]): walk the row's index columns in BLOCK_N
@@ -19,29 +19,32 @@ K/V loads (never dereferenced) and in the scores (never contribute); a step with
 leaves the state untouched (the running max stays -inf and is replaced by 0 before it is
 subtracted, so no ``-inf - -inf``); a row with no valid entry stores exact zeros (l == 0 guarded).
 Columns at or past ``min(W, visible)`` are masked too, so the result does not depend on BLOCK_N.
-Offsets into K/V and the pool are 64-bit.
+The softmax denominator is kept as a [BLOCK_M, BLOCK_N] running sum and reduced once per row
+(no cross-warp reduction and its barriers per tile; bench/NOTES.md, "softmax denominator once
+per row"). K/V offsets are 32-bit while K/V hold < 2**31 elements (every valid offset fits, and
+it saves registers; bench/NOTES.md, "32-bit offsets"), 64-bit above (``needs_off64``).
 
 Grid: (max_seqlen_q, B * Hkv), like upstream's: program (r, b·Hkv + h) computes row r of request
 b. The host's max_seqlen_q is only a hint (a request's real row count lives on the device and is
 not read back), so a second, tail launch (``ROW_LOOP``, grid (TAIL_PROGRAMS, B * Hkv)) loops over
 rows max_seqlen_q, max_seqlen_q + TAIL_PROGRAMS, ... < q_len: a too-small hint still computes
-every row exactly once; with a right hint the tail programs exit at once. (The row loop lives in a
-separate variant: inside the main kernel it raised registers 164 -> 202 and cost ~20% on the H200.)
-The slot pre-pass grid-strides over rows itself.
+every row exactly once; with a right hint the tail programs exit at once. The row loop lives in
+that separate variant because inside the main kernel it costs registers and occupancy
+(bench/NOTES.md, "tail launch"). The slot pre-pass grid-strides over rows itself.
+
+Paged: a pre-pass (``resolve_pool_slots``) maps every index entry to its pool slot once, so the
+attention loop has one dependent load (the slot) before each K/V gather instead of two (position,
+then table); it measured faster than the lookup inside the loop (bench/NOTES.md, "Sparse
+prefill, Triton").
 
 FP8 (chunk, paged): K/V in float8_e4m3fn are converted to q's dtype for the dots; ``k_scale``
 multiplies the scores, ``v_scale`` the output.
 
 Environment (read on every call): ``QSA_PREFILL_GEOMETRY`` = auto | table | tuned (the shared
-selector, ``interop/geometry.py``); ``QSA_PREFILL_ALGO`` = rows (default, this kernel) | pairs
-| quads (``prefill_pairs.py`` / ``prefill_quads.py``: 2 / 4 adjacent rows share one gathered union
-tile; experimental until the H200 benchmark decides); ``QSA_PAGED_SLOTS`` = prepass (default) | inline (slot lookup in the loop).
+selector, ``interop/geometry.py``).
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import triton
@@ -50,6 +53,7 @@ import triton.language as tl
 from interop import contract
 from interop.arch import DeviceFacts
 from interop.geometry import Geometry, geometry_mode, select_prefill
+from interop.plan import LOG2E, next_pow2
 
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
 
@@ -61,35 +65,26 @@ __all__ = [
     "MODE_ORDINARY",
     "MODE_CHUNK",
     "MODE_SLOTS",
-    "MODE_PAGED_INLINE",
 ]
 
-LOG2E = 1.4426950408889634
-#: the softmax denominator reduced once per row instead of once per tile (``_prefill_row``
-#: DEFER_L; read at launch). Decided by the H200 A/B recorded in bench/NOTES.md (prefill v1.5).
-DEFER_ROWSUM = True
 
 #: kernel modes (a constexpr): how an index entry becomes a K/V row and when it is valid
 MODE_ORDINARY = 0  # row = cu_seqlens[b] + idx, valid iff 0 <= idx < q_len_b
 MODE_CHUNK = 1  # row = cu_seqlens_k[b] + idx, valid iff 0 <= idx < kv_lens[b]
 MODE_SLOTS = 2  # entries are pool slots resolved by the pre-pass; valid iff slot >= 0
-MODE_PAGED_INLINE = 3  # row = slot_table[b, idx], looked up inside the loop
 
 
 @triton.jit
 def _prefill_row(
     r, b, h, q_start, q_len,
-    q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr, kv_lens_ptr, table_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr, kv_lens_ptr,
     qk_scale, v_scale, W,
     stride_qt, stride_qh, stride_kh, stride_kn, stride_vh, stride_vn,
-    stride_ot, stride_oh, stride_it, stride_ih, stride_tb,
+    stride_ot, stride_oh, stride_it, stride_ih,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
-    DEFER_L: tl.constexpr,
 ):
-    """Query row r of request b, KV head h: the whole online-softmax walk and the store.
-    DEFER_L: the softmax denominator kept as a [BLOCK_M, BLOCK_N] running sum and reduced once
-    after the loop (no cross-warp row sum per tile; ``DEFER_ROWSUM``)."""
+    """Query row r of request b, KV head h: the whole online-softmax walk and the store."""
     row = (q_start + r).to(tl.int64)
     if MODE == 0:
         kv_len = q_len
@@ -115,13 +110,11 @@ def _prefill_row(
     idx_row = idx_ptr + row * stride_it + h * stride_ih
     k_head = k_ptr + h * stride_kh
     v_head = v_ptr + h * stride_vh
-    table_row = table_ptr + b.to(tl.int64) * stride_tb
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    if DEFER_L:
-        l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    else:
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+    # the softmax denominator as a [BLOCK_M, BLOCK_N] running sum, reduced once after the loop:
+    # no cross-warp row sum (shuffles, a shared-memory round trip, two barriers) per tile
+    l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for start in range(0, n_cols, BLOCK_N):
         cols = start + offs_n
@@ -130,16 +123,13 @@ def _prefill_row(
         if MODE == 2:
             valid = in_row & (ent >= 0)
             kv_row = ent
-        elif MODE == 3:
-            valid = in_row & (ent >= 0) & (ent < kv_len)
-            kv_row = tl.load(table_row + ent, mask=valid, other=0)
         else:
             valid = in_row & (ent >= 0) & (ent < kv_len)
             kv_row = kv_base + ent  # < rows of k/v (int32 cu_seqlens): no overflow
         if OFF64:
             # row x stride overflows int32 once k/v hold >= 2^31 elements (pool > ~4.2M
             # slots at Hkv x D = 512); below that every valid offset fits int32 exactly and
-            # the 32-bit math saves registers (ptxas at (16, 1, 2): 156 -> 88 B of spills)
+            # the 32-bit math saves registers
             kv_row = kv_row.to(tl.int64)
         k = tl.load(k_head + kv_row[:, None] * stride_kn + offs_d[None, :],
                     mask=valid[:, None], other=0.0).to(q.dtype)
@@ -150,16 +140,12 @@ def _prefill_row(
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_ref)
         p = tl.math.exp2(s - m_ref[:, None])
-        if DEFER_L:
-            l_i = l_i * alpha[:, None] + p
-        else:
-            l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha[:, None] + p
         v = tl.load(v_head + kv_row[:, None] * stride_vn + offs_d[None, :],
                     mask=valid[:, None], other=0.0).to(q.dtype)
         acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    if DEFER_L:
-        l_i = tl.sum(l_i, 1)
+    l_i = tl.sum(l_i, 1)
     has = l_i > 0.0
     inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
     out = acc * inv[:, None]
@@ -172,13 +158,13 @@ def _prefill_row(
 @triton.jit
 def _qsa_sparse_prefill_fwd(
     q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr,
-    cu_q_ptr, cu_k_ptr, kv_lens_ptr, table_ptr,
+    cu_q_ptr, cu_k_ptr, kv_lens_ptr,
     qk_scale, v_scale, W, row_base,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_ot, stride_oh, stride_it, stride_ih, stride_tb,
+    stride_ot, stride_oh, stride_it, stride_ih,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
-    ROW_LOOP: tl.constexpr, DEFER_L: tl.constexpr = False,
+    ROW_LOOP: tl.constexpr,
 ):
     bh = tl.program_id(1)
     b = bh // HKV
@@ -187,47 +173,52 @@ def _qsa_sparse_prefill_fwd(
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     if ROW_LOOP:
         # the tail launch: rows row_base + pid, + grid0, ... < q_len (none when the host's
-        # max_seqlen_q = row_base was right). A separate variant because a row loop around the
-        # body costs registers (ptxas sm_90, (64,4,2): 164 -> 202 regs) and the main launch
-        # ran ~20% slower with it on the H200 (bench/NOTES.md, prefill v1.2).
+        # max_seqlen_q = row_base was right); a separate variant: a row loop around the body
+        # costs the main launch registers and occupancy (bench/NOTES.md, "tail launch")
         for r in range(row_base + tl.program_id(0), q_len, tl.num_programs(0)):
             _prefill_row(r, b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr,
-                         kv_lens_ptr, table_ptr, qk_scale, v_scale, W, stride_qt, stride_qh,
-                         stride_kh, stride_kn, stride_vh, stride_vn, stride_ot, stride_oh,
-                         stride_it, stride_ih, stride_tb, G, D, BLOCK_M, BLOCK_N, MODE, OFF64,
-                         DEFER_L)
+                         kv_lens_ptr, qk_scale, v_scale, W, stride_qt, stride_qh, stride_kh,
+                         stride_kn, stride_vh, stride_vn, stride_ot, stride_oh, stride_it,
+                         stride_ih, G, D, BLOCK_M, BLOCK_N, MODE, OFF64)
     else:
         r = row_base + tl.program_id(0)
         if r < q_len:
             _prefill_row(r, b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr,
-                         kv_lens_ptr, table_ptr, qk_scale, v_scale, W, stride_qt, stride_qh,
-                         stride_kh, stride_kn, stride_vh, stride_vn, stride_ot, stride_oh,
-                         stride_it, stride_ih, stride_tb, G, D, BLOCK_M, BLOCK_N, MODE, OFF64,
-                         DEFER_L)
+                         kv_lens_ptr, qk_scale, v_scale, W, stride_qt, stride_qh, stride_kh,
+                         stride_kn, stride_vh, stride_vn, stride_ot, stride_oh, stride_it,
+                         stride_ih, G, D, BLOCK_M, BLOCK_N, MODE, OFF64)
 
 
 @triton.jit
 def _qsa_resolve_pool_slots(
-    idx_ptr, slots_ptr, cu_q_ptr, kv_lens_ptr, table_ptr, W,
-    stride_it, stride_ih, stride_st, stride_sh, stride_tb,
+    idx_ptr, slots_ptr, cu_q_ptr, kv_lens_ptr, r2t_ptr, req_idx_ptr, W, max_reqs, max_context,
+    pool_slots, stride_it, stride_ih, stride_st, stride_sh, stride_rt,
     HIDX: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """slots[row, h, c] = slot_table[b, idx] for valid entries (0 <= idx < kv_lens[b], c < visible),
-    else -1. Grid: (max_q, B * HIDX, cdiv(W, BLOCK)); rows past max_q are reached by a grid-stride
-    loop (r, r + max_q, ...), so a too-small max_q still resolves every row."""
+    """slots[row, h, c] = req_to_token[req_indices[b], idx] for valid entries, else -1.
+
+    Valid: c < visible, 0 <= idx < min(kv_lens[b], max_context), 0 <= req_indices[b] < max_reqs
+    and the slot inside [0, pool_slots): lying metadata becomes an invalid entry, and neither the
+    table nor the pool is read outside its bounds. Grid: (max_q, B * HIDX, cdiv(W, BLOCK)); rows
+    past max_q are reached by a grid-stride loop, so a too-small max_q still resolves every row."""
     bh = tl.program_id(1)
     b = bh // HIDX
     h = bh % HIDX
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    kv_len = tl.load(kv_lens_ptr + b)
+    req = tl.load(req_idx_ptr + b)
+    req_ok = (req >= 0) & (req < max_reqs)
+    table_row = r2t_ptr + tl.where(req_ok, req, 0).to(tl.int64) * stride_rt
+    bound = tl.where(req_ok, tl.minimum(kv_len, max_context), 0)
+    cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     for r in range(tl.program_id(0), q_len, tl.num_programs(0)):  # grid-stride over rows
         row = (q_start + r).to(tl.int64)
-        kv_len = tl.load(kv_lens_ptr + b)
         n_cols = tl.minimum(tl.maximum(r + kv_len - q_len + 1, 0), W)
-        cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
         ent = tl.load(idx_ptr + row * stride_it + h * stride_ih + cols, mask=cols < n_cols, other=-1)
-        valid = (cols < n_cols) & (ent >= 0) & (ent < kv_len)
-        slot = tl.load(table_ptr + b.to(tl.int64) * stride_tb + ent, mask=valid, other=-1)
+        valid = (cols < n_cols) & (ent >= 0) & (ent < bound)
+        slot = tl.load(table_row + ent, mask=valid, other=-1)
+        valid = valid & (slot >= 0) & (slot < pool_slots)
         tl.store(slots_ptr + row * stride_st + h * stride_sh + cols, tl.where(valid, slot, -1),
                  mask=cols < W)
 
@@ -238,74 +229,41 @@ _INTERPRETER_FACTS = DeviceFacts.for_arch("sm_90", name="Triton interpreter (CPU
                                           triton_version=triton.__version__)
 
 
-@functools.lru_cache(maxsize=16)
-def _facts_of(device_type: str, index: int | None) -> DeviceFacts:
-    if device_type != "cuda":
-        return _INTERPRETER_FACTS
-    return DeviceFacts.from_torch(torch.device("cuda", index if index is not None else
-                                               torch.cuda.current_device()))
-
-
 def prefill_geometry(kind: str, q: torch.Tensor, *, requests: int, max_q: int, num_kv_heads: int,
-                     width: int) -> Geometry:
-    """Geometry the entry points use for this call (``interop.geometry.select_prefill`` on the
-    facts of q's device; CPU tensors use sm_90 facts: the interpreter ignores warps/stages)."""
-    t, hq, d = q.shape
-    return select_prefill(_facts_of(q.device.type, q.device.index), kind, total_q=max(t, 1),
-                          requests=requests, max_q=max_q, group=hq // num_kv_heads,
-                          num_kv_heads=num_kv_heads, head_dim=d, width=width)
+                     width: int, kv_bytes: int = 2) -> Geometry:
+    """Geometry the entry points use for this call: ``interop.geometry.select_prefill`` on the
+    facts of q's device (CPU tensors: sm_90 facts; the interpreter ignores warps and stages).
 
-
-def _geometry_from(forced, kind, q, **kw) -> Geometry:
-    if forced is None:
-        return prefill_geometry(kind, q, **kw)
-    if isinstance(forced, Geometry):
-        return forced
-    hq, hkv = q.shape[1], kw["num_kv_heads"]
-    bn, nw, ns = forced[-3:]
-    bm = forced[0] if len(forced) == 4 else max(16, triton.next_power_of_2(hq // hkv))
-    return Geometry(int(bm), int(bn), int(nw), int(ns), "forced")
-
-
-ALGO_ENV = "QSA_PREFILL_ALGO"
-ALGOS = ("rows", "pairs", "quads")
-
-
-def prefill_algo(width: int, fn: str = "sparse_prefill") -> str:
-    """``QSA_PREFILL_ALGO`` (read on every call): ``rows`` (default; one program per query row and
-    KV head), ``pairs`` (``prefill_pairs.py``) or ``quads`` (``prefill_quads.py``): 2 or 4 adjacent
-    rows share one gathered union tile; experimental, used only when W <= 8192 (else ``rows``).
+    Args:
+      kind: "ordinary" | "chunk" | "paged"; q: [T, Hq, D]; requests: B; max_q: max_seqlen_q;
+        num_kv_heads: Hkv; width: W; kv_bytes: bytes per K/V element (1 for FP8).
 
     Raises:
-      ContractError: any other value.
+      ContractError: a bad ``QSA_PREFILL_GEOMETRY``.
     """
-    from .prefill_pairs import MAX_PAIR_WIDTH  # noqa: PLC0415
-
-    raw = os.environ.get(ALGO_ENV, "")
-    algo = raw.strip().lower() or "rows"
-    if algo not in ALGOS:
-        raise contract.ContractError(fn, f"${ALGO_ENV}",
-                                     f"one of {', '.join(ALGOS)} (or unset = rows)", repr(raw))
-    return algo if width <= MAX_PAIR_WIDTH else "rows"
+    t, hq, d = q.shape
+    facts = DeviceFacts.from_torch(q.device) if q.is_cuda else _INTERPRETER_FACTS
+    return select_prefill(facts, kind, total_q=max(t, 1), requests=requests, max_q=max_q,
+                          group=hq // num_kv_heads, num_kv_heads=num_kv_heads, head_dim=d,
+                          width=width, kv_bytes=kv_bytes)
 
 
-def _pairs(kind, q, k, v, indices, cu_q, **kw):
-    """Route to the pair or quad kernels (``QSA_PREFILL_ALGO``)."""
-    if prefill_algo(indices.shape[-1]) == "quads":
-        from .prefill_quads import quads_forward  # noqa: PLC0415
-
-        return quads_forward(kind, q, k, v, indices, cu_q, **kw)
-    from .prefill_pairs import pairs_forward  # noqa: PLC0415
-
-    return pairs_forward(kind, q, k, v, indices, cu_q, **kw)
+def _geometry_from(forced, kind, q, k, **kw) -> Geometry:
+    """The selector's geometry, or a forced one (benchmarks): a ``Geometry`` or a tuple
+    ([BLOCK_M,] BLOCK_N, num_warps, num_stages)."""
+    hkv = k.shape[1]
+    if forced is None:
+        return prefill_geometry(kind, q, num_kv_heads=hkv, kv_bytes=k.element_size(), **kw)
+    if isinstance(forced, Geometry):
+        return forced
+    bn, nw, ns = forced[-3:]
+    bm = forced[0] if len(forced) == 4 else max(16, next_pow2(q.shape[1] // hkv))
+    return Geometry(int(bm), int(bn), int(nw), int(ns), "forced")
 
 
 def needs_off64(k: torch.Tensor, v: torch.Tensor) -> bool:
     """64-bit K/V row offsets when k or v holds >= 2^31 elements (then row x stride can overflow
-    int32); below that every valid offset fits int32 exactly. ``QSA_PREFILL_OFF64=1`` forces the
-    64-bit path (tests)."""
-    if os.environ.get("QSA_PREFILL_OFF64", "") == "1":
-        return True
+    int32); below that every valid offset fits int32 exactly."""
     return max(k.numel(), v.numel()) >= 2**31
 
 
@@ -319,20 +277,28 @@ def tail_geometry(geo: Geometry) -> Geometry:
     return Geometry(geo.block_m, 32, 4, 2, "tail")
 
 
-def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, table, geo: Geometry, *, requests,
-            max_q, scale, k_scale, v_scale):
+_KINDS = {MODE_ORDINARY: "ordinary", MODE_CHUNK: "chunk", MODE_SLOTS: "paged"}
+
+
+def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, geometry):
+    """Both launches of one call (main grid, then the tail); ``geometry`` None = the selector."""
+    out = torch.empty_like(q)
     t, hq, d = q.shape
     hkv = k.shape[1]
     if t == 0:
         return out
+    if k.shape[0] == 0:  # nothing to gather from: every entry is invalid
+        return out.zero_()
+    requests = cu_q.shape[0] - 1
+    geo = _geometry_from(geometry, _KINDS[mode], q, k, requests=requests, max_q=max_q,
+                         width=idx.shape[-1])
     stride_ih = idx.stride(1) if idx.dim() == 3 else 0
-    args = (q, k, v, out, idx, cu_q, cu_k, kv_lens, table,
+    args = (q, k, v, out, idx, cu_q, cu_k, kv_lens,
             float(scale) * float(k_scale) * LOG2E, float(v_scale), idx.shape[-1])
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               out.stride(0), out.stride(1), idx.stride(0), stride_ih,
-               table.stride(0) if table.dim() == 2 else 0)
+               out.stride(0), out.stride(1), idx.stride(0), stride_ih)
     consts = dict(HKV=hkv, G=hq // hkv, D=d, BLOCK_M=geo.block_m, MODE=mode,
-                  OFF64=needs_off64(k, v), DEFER_L=DEFER_ROWSUM)
+                  OFF64=needs_off64(k, v))
     # one program per (row < max_q, request x KV head), like upstream
     _qsa_sparse_prefill_fwd[(max_q, requests * hkv)](
         *args, 0, *strides, **consts, BLOCK_N=geo.block_n, ROW_LOOP=False,
@@ -351,40 +317,38 @@ def _launch(mode, q, k, v, out, idx, cu_q, cu_k, kv_lens, table, geo: Geometry, 
 # Implementations (called by the custom ops; no contract check here: the public entry points do
 # it first). ``geometry`` = None selects from the shared selector; benchmarks may force one.
 def _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, geometry=None):
-    if geometry is None and prefill_algo(indices.shape[-1]) != "rows":
-        return _pairs("ordinary", q, k, v, indices, cu_seqlens, max_seqlen_q=max_seqlen_q,
-                      softmax_scale=softmax_scale)
-    out = torch.empty_like(q)
-    requests = cu_seqlens.shape[0] - 1
-    geo = _geometry_from(geometry, "ordinary", q, requests=requests, max_q=max_seqlen_q,
-                         num_kv_heads=k.shape[1], width=indices.shape[-1])
-    return _launch(MODE_ORDINARY, q, k, v, out, indices, cu_seqlens, cu_seqlens, cu_seqlens,
-                   cu_seqlens, geo, requests=requests, max_q=max_seqlen_q, scale=softmax_scale,
-                   k_scale=1.0, v_scale=1.0)
+    return _launch(MODE_ORDINARY, q, k, v, indices, cu_seqlens, cu_seqlens, cu_seqlens,
+                   max_seqlen_q, softmax_scale, 1.0, 1.0, geometry)
 
 
 def _chunk_impl(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
                 softmax_scale, k_scale, v_scale, geometry=None):
-    if geometry is None and prefill_algo(indices.shape[-1]) != "rows":
-        return _pairs("chunk", q, k, v, indices, cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      kv_lens=kv_lens, max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
-                      k_scale=k_scale, v_scale=v_scale)
-    out = torch.empty_like(q)
-    requests = cu_seqlens_q.shape[0] - 1
-    geo = _geometry_from(geometry, "chunk", q, requests=requests, max_q=max_seqlen_q,
-                         num_kv_heads=k.shape[1], width=indices.shape[-1])
-    return _launch(MODE_CHUNK, q, k, v, out, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
-                   kv_lens, geo, requests=requests, max_q=max_seqlen_q, scale=softmax_scale,
-                   k_scale=k_scale, v_scale=v_scale)
+    return _launch(MODE_CHUNK, q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
+                   max_seqlen_q, softmax_scale, k_scale, v_scale, geometry)
 
 
-def resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, max_seqlen_q) -> torch.Tensor:
-    """Pre-pass of the paged variant: int32 slots shaped like ``indices`` ([T, W] or [T, Hkv, W]),
-    ``slot_table[b, idx]`` where the entry is valid (0 <= idx < kv_lens[b], column < visible) and
-    -1 elsewhere. Invalid entries never read the slot table. Costs one read of the indices and one
-    write of the same size (67 MB at T = 8192, W = 2051)."""
-    slots = torch.empty(indices.shape, dtype=torch.int32, device=indices.device)
+def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens, max_seqlen_q,
+                       pool_slots: int) -> torch.Tensor:
+    """Pre-pass of the paged variant: the pool slot of every index entry.
+
+    Args:
+      indices: int32 [T, W] or [T, Hkv, W]; req_to_token: int32 [max_reqs, max_context];
+        req_indices: int32 [B]; cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; all on one
+        device. max_seqlen_q: host int >= 1 (grid-size hint). pool_slots: host int, the pool's
+        slots.
+
+    Returns:
+      int32, indices' shape: ``req_to_token[req_indices[b], idx]`` where the entry is valid
+      (column < visible, 0 <= idx < kv_lens[b], and in bounds of the table and the pool), -1
+      elsewhere (also columns past visible). Rows past cu_seqlens_q[B] are left unwritten.
+      Costs one read of the indices and one write of the same size (67 MB at T = 8192, W = 2051);
+      a lookup inside the attention loop instead puts a second dependent load before every K/V
+      gather, and measured slower (bench/NOTES.md, "Sparse prefill, Triton").
+    """
     t, w = indices.shape[0], indices.shape[-1]
+    if req_to_token.numel() == 0:  # an empty table: every entry is invalid
+        return torch.full(indices.shape, -1, dtype=torch.int32, device=indices.device)
+    slots = torch.empty(indices.shape, dtype=torch.int32, device=indices.device)
     if t == 0:
         return slots
     hidx = indices.shape[1] if indices.dim() == 3 else 1
@@ -392,53 +356,21 @@ def resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, max_seqlen_q)
     block = min(1024, triton.next_power_of_2(w))
     grid = (max_seqlen_q, requests * hidx, triton.cdiv(w, block))
     _qsa_resolve_pool_slots[grid](
-        indices, slots, cu_seqlens_q, kv_lens, slot_table, w,
+        indices, slots, cu_seqlens_q, kv_lens, req_to_token, req_indices, w,
+        req_to_token.shape[0], req_to_token.shape[1], min(int(pool_slots), 2**31 - 1),
         indices.stride(0), indices.stride(1) if indices.dim() == 3 else 0,
-        slots.stride(0), slots.stride(1) if slots.dim() == 3 else 0, slot_table.stride(0),
+        slots.stride(0), slots.stride(1) if slots.dim() == 3 else 0, req_to_token.stride(0),
         HIDX=hidx, BLOCK=block, num_warps=4,
     )
     return slots
 
 
-_SLOTS_MODES = ("prepass", "inline")
-
-
-def _paged_slots_mode() -> str:
-    """``QSA_PAGED_SLOTS`` (read on every call, same values as qsa_pallas): ``prepass`` (default:
-    slots resolved once before the attention kernel; a lookup inside the loop put a second
-    dependent load before every K/V gather) or ``inline``.
-
-    Raises:
-      ContractError: any other value, listing the allowed ones.
-    """
-    raw = os.environ.get("QSA_PAGED_SLOTS", "")
-    mode = raw.strip().lower() or "prepass"
-    if mode not in _SLOTS_MODES:
-        raise contract.ContractError("sparse_prefill_paged", "$QSA_PAGED_SLOTS",
-                                     f"one of {', '.join(_SLOTS_MODES)}", repr(raw))
-    return mode
-
-
-def _paged_impl(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens, max_seqlen_q,
-                softmax_scale, k_scale, v_scale, geometry=None, inline_slots=None):
-    if geometry is None and inline_slots is None and prefill_algo(indices.shape[-1]) != "rows":
-        return _pairs("paged", q, k_cache, v_cache, indices, cu_seqlens_q, kv_lens=kv_lens,
-                      slot_table=slot_table, max_seqlen_q=max_seqlen_q,
-                      softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
-    out = torch.empty_like(q)
-    requests = cu_seqlens_q.shape[0] - 1
-    geo = _geometry_from(geometry, "paged", q, requests=requests, max_q=max_seqlen_q,
-                         num_kv_heads=k_cache.shape[1], width=indices.shape[-1])
-    if inline_slots is None:
-        inline_slots = _paged_slots_mode() == "inline"
-    if inline_slots:
-        return _launch(MODE_PAGED_INLINE, q, k_cache, v_cache, out, indices, cu_seqlens_q,
-                       cu_seqlens_q, kv_lens, slot_table, geo, requests=requests,
-                       max_q=max_seqlen_q, scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
-    slots = resolve_pool_slots(indices, slot_table, cu_seqlens_q, kv_lens, max_seqlen_q)
-    return _launch(MODE_SLOTS, q, k_cache, v_cache, out, slots, cu_seqlens_q, cu_seqlens_q,
-                   kv_lens, slot_table, geo, requests=requests, max_q=max_seqlen_q,
-                   scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
+def _paged_impl(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q, kv_lens,
+                max_seqlen_q, softmax_scale, k_scale, v_scale, geometry=None):
+    slots = resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
+                               max_seqlen_q, k_cache.shape[0])
+    return _launch(MODE_SLOTS, q, k_cache, v_cache, slots, cu_seqlens_q, cu_seqlens_q, kv_lens,
+                   max_seqlen_q, softmax_scale, k_scale, v_scale, geometry)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,18 +407,19 @@ def _(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q, softm
 
 @torch.library.custom_op("qsa::sparse_prefill_paged", mutates_args=())
 def _op_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slot_table: torch.Tensor, indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
-              kv_lens: torch.Tensor, max_seqlen_q: int, softmax_scale: float, k_scale: float,
-              v_scale: float) -> torch.Tensor:
-    return _paged_impl(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
-                       max_seqlen_q, softmax_scale, k_scale, v_scale)
+              req_to_token: torch.Tensor, req_indices: torch.Tensor, indices: torch.Tensor,
+              cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, max_seqlen_q: int,
+              softmax_scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
+    return _paged_impl(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
+                       kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale)
 
 
 @_op_paged.register_fake
-def _(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens, max_seqlen_q,
-      softmax_scale, k_scale, v_scale):
-    contract.check_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
-                                 max_seqlen_q, softmax_scale, k_scale, v_scale)
+def _(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q, kv_lens,
+      max_seqlen_q, softmax_scale, k_scale, v_scale):
+    contract.check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
+                                 cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale, k_scale,
+                                 v_scale)
     return torch.empty_like(q)
 
 
@@ -495,6 +428,9 @@ def _(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens, max_seqle
 def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
                    strict: bool = False):
     """Ordinary sparse prefill: each query row attends to the selected rows of this forward's K/V.
+
+    Forward only (inference: no autograd). Algorithm: the module docstring (the
+    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
 
     Args:
       q: [T, Hq, D] bf16|fp16, rows of all requests packed.
@@ -539,7 +475,6 @@ def _checked(fn, checker, q, tensors: dict, max_seqlen_q, softmax_scale, strict:
     # the environment switches, read again at launch: a bad value fails here, named for this
     # entry point, before anything is allocated
     geometry_mode(fn)
-    prefill_algo(p.width, fn)
     return p.max_seqlen_q, p.softmax_scale, p.k_scale, p.v_scale
 
 
@@ -547,6 +482,9 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
                          softmax_scale=None, k_scale=1.0, v_scale=1.0, *, strict: bool = False):
     """Chunk sparse prefill: new query rows attend to selected rows of each request's full
     context (prefix + this chunk), packed at rows ``cu_seqlens_k[b]`` of k/v.
+
+    Forward only (inference: no autograd). Algorithm: the module docstring (the
+    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
 
     Args:
       q: [T, Hq, D] bf16|fp16.
@@ -575,37 +513,42 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
                                               kv_lens, mq, sc, ks, vs)
 
 
-def sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices, cu_seqlens_q, kv_lens,
-                         max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
+def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
+                         kv_lens, max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                          strict: bool = False):
-    """Paged sparse prefill: K/V read in place from the KV pool through the slot table.
+    """Paged sparse prefill: K/V read in place from the KV pool through SGLang's ``req_to_token``.
+
+    Forward only (inference: no autograd). Algorithm: the module docstring (the
+    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
+
+    The pool-addressing convention of ``sparse_decode_paged``, so one engine passes one set of
+    tensors to both.
 
     Args:
       q: [T, Hq, D] bf16|fp16.
       k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or float8_e4m3fn.
-      slot_table: int32 [B, max_context]; position p of request b is pool slot slot_table[b, p]
-        (read only for valid entries).
-      indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b].
+      req_to_token: int32 [max_reqs, max_context]; row r maps a request's position p to pool slot
+        req_to_token[r, p] (read only for valid entries).
+      req_indices: int32 [B]; request b uses row req_indices[b].
+      indices: int32 [T, W] or [T, Hkv, W]; request-relative positions, valid iff
+        0 <= idx < kv_lens[b]. Metadata that lies never makes the kernel read outside a buffer:
+        a position >= max_context, a row outside [0, max_reqs) or a slot outside [0, slots) is
+        an invalid entry (masked, never dereferenced).
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
       max_seqlen_q, softmax_scale, k_scale, v_scale, strict: as ``sparse_prefill_chunk``
         (max_seqlen_q is a grid-size hint for the slot pre-pass too).
 
     Returns:
-      [T, Hq, D] in q's dtype.
+      [T, Hq, D] in q's dtype; visible count and zero rows as ``sparse_prefill_chunk``. Pool
+      offsets are 64-bit where slots x Hkv x D passes 2**31.
 
     Raises:
       ContractError: from ``interop.contract.check_prefill_paged`` (before any allocation).
-
-    Slots are resolved by a pre-pass (``resolve_pool_slots``) by default: a slot-table lookup in
-    the attention loop puts a second dependent load before every K/V gather (upstream measured it
-    1.5x slower; on the H200, 12/1 at 8192 rows, we measured inline 1.03x faster for bf16 pools and
-    0.97x for FP8, bench/results/2026-11-30-h200-run9). ``QSA_PAGED_SLOTS=inline`` selects it.
     """
     mq, sc, ks, vs = _checked("sparse_prefill_paged", contract.check_prefill_paged, q,
-                              dict(q=q, k_cache=k_cache, v_cache=v_cache, slot_table=slot_table,
+                              dict(q=q, k_cache=k_cache, v_cache=v_cache,
+                                   req_to_token=req_to_token, req_indices=req_indices,
                                    indices=indices, cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens),
                               max_seqlen_q, softmax_scale, strict, (k_scale, v_scale))
-    if not torch.compiler.is_compiling():
-        _paged_slots_mode()  # a bad $QSA_PAGED_SLOTS fails here, before any allocation
-    return torch.ops.qsa.sparse_prefill_paged(q, k_cache, v_cache, slot_table, indices,
-                                              cu_seqlens_q, kv_lens, mq, sc, ks, vs)
+    return torch.ops.qsa.sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices,
+                                              indices, cu_seqlens_q, kv_lens, mq, sc, ks, vs)

@@ -56,8 +56,8 @@ def base(op: str, b: int = 2, t: int = 8, w: int = 16) -> tuple[list, dict]:
         return [T((t, HQ, D)), T((40, HKV, D)), T((40, HKV, D)), T((t, w), "int32"),
                 T((3,), "int32"), T((3,), "int32"), T((2,), "int32"), 4], {}
     if op == "paged":
-        return [T((t, HQ, D)), T((64, HKV, D)), T((64, HKV, D)), T((2, 30), "int32"),
-                T((t, w), "int32"), T((3,), "int32"), T((2,), "int32"), 4], {}
+        return [T((t, HQ, D)), T((64, HKV, D)), T((64, HKV, D)), T((5, 30), "int32"),
+                T((2,), "int32"), T((t, w), "int32"), T((3,), "int32"), T((2,), "int32"), 4], {}
     raise AssertionError(op)
 
 
@@ -66,8 +66,8 @@ ARGPOS = {
     "prefill": ["q", "k", "v", "indices", "cu_seqlens", "max_seqlen_q", "softmax_scale"],
     "chunk": ["q", "k", "v", "indices", "cu_seqlens_q", "cu_seqlens_k", "kv_lens", "max_seqlen_q",
               "softmax_scale", "k_scale", "v_scale"],
-    "paged": ["q", "k_cache", "v_cache", "slot_table", "indices", "cu_seqlens_q", "kv_lens",
-              "max_seqlen_q", "softmax_scale", "k_scale", "v_scale"],
+    "paged": ["q", "k_cache", "v_cache", "req_to_token", "req_indices", "indices", "cu_seqlens_q",
+              "kv_lens", "max_seqlen_q", "softmax_scale", "k_scale", "v_scale"],
 }
 
 
@@ -175,10 +175,11 @@ REJECT = [
     ("chunk", {"indices": T((8, 16), "int16")}, False, "indices", {}),
     ("chunk", {"max_seqlen_q": -3}, False, "max_seqlen_q", {}),
     # ---- paged prefill
-    ("paged", {"slot_table": T((2,), "int32")}, False, "slot_table", {}),
-    ("paged", {"slot_table": T((2, 30), "int64")}, False, "slot_table", {}),
-    ("paged", {"slot_table": T((3, 30), "int32")}, False, "slot_table", {}),
-    ("paged", {"slot_table": CUDA_SPEC((2, 30))}, False, "slot_table", {}),
+    ("paged", {"req_to_token": T((2,), "int32")}, False, "req_to_token", {}),
+    ("paged", {"req_to_token": T((5, 30), "int64")}, False, "req_to_token", {}),
+    ("paged", {"req_to_token": CUDA_SPEC((5, 30))}, False, "req_to_token", {}),
+    ("paged", {"req_indices": T((3,), "int32")}, False, "req_indices", {}),
+    ("paged", {"req_indices": T((2,), "int64")}, False, "req_indices", {}),
     ("paged", {"kv_lens": T((1,), "int32")}, False, "kv_lens", {}),
     ("paged", {"v_cache": T((63, HKV, D))}, False, "v_cache", {}),
     ("paged", {"k_cache": T((64, HKV, D), "float32"), "v_cache": T((64, HKV, D), "float32")},
@@ -320,15 +321,14 @@ def test_validate_prefill_metadata():
     dup = validate_prefill_metadata(np.array([[0, 0, -1]]), np.array([0, 1]), np.array([2]),
                                     "chunk", flag_duplicates=True)
     assert dup["duplicates"] == 1
-    # paged: slot table columns and pool range
-    st = np.array([[5, 6, 7], [1, 2, 3]])
-    validate_prefill_metadata(idx[:3], np.array([0, 3]), np.array([3]), "paged", slot_table=st[:1],
-                              pool_slots=8)
-    with pytest.raises(ContractError) as info:
-        validate_prefill_metadata(idx[:3], np.array([0, 3]), np.array([3]), "paged",
-                                  slot_table=st[:1], pool_slots=7)
-    assert info.value.arg == "slot_table"
-    with pytest.raises(ContractError) as info:
-        validate_prefill_metadata(idx[:3], np.array([0, 3]), np.array([3]), "paged",
-                                  slot_table=st[:1, :2])
-    assert info.value.arg == "slot_table"
+    # paged: the request's row of req_to_token, its columns and the pool range
+    rt = np.array([[1, 2, 3], [5, 6, 7]])
+    paged = lambda **kw: validate_prefill_metadata(idx[:3], np.array([0, 3]), np.array([3]),  # noqa: E731
+                                                   "paged", **kw)
+    paged(req_to_token=rt, req_indices=np.array([1]), pool_slots=8)
+    for kw, arg in ((dict(req_to_token=rt, req_indices=np.array([1]), pool_slots=7), "req_to_token"),
+                    (dict(req_to_token=rt[:, :2], req_indices=np.array([1])), "req_to_token"),
+                    (dict(req_to_token=rt, req_indices=np.array([2])), "req_indices")):
+        with pytest.raises(ContractError) as info:
+            paged(**kw)
+        assert info.value.arg == arg

@@ -5,7 +5,7 @@ and with the reference within rtol = atol = 2e-2 and relative L2 <= 5e-3 (qsa-co
 CPU: both in interpret mode on tiny cases (fp16 q: the Triton interpreter's bf16 dot is only right
 with tests/triton_interp_patch.py), reference = ``interop.reference`` (float64 numpy).
 GPU (``-m gpu``, H200): the issue's 8192-row ordinary/chunk cases at KV 8k/32k/128k, G 6 and 12,
-plus FP8 chunk and a paged pool; reference = ``bench.prefill_cases.reference_f32`` (float32 torch).
+plus FP8 chunk and a paged pool; reference = ``bench.prefill.reference_f32`` (float32 torch).
 Skips, with the reason, while ``qsa_triton.sparse_prefill*`` or ``interop.dlpack`` is missing.
 """
 
@@ -32,9 +32,9 @@ try:
 except ImportError as e:  # pragma: no cover
     _WHY = _WHY or f"interop.dlpack not importable: {e}"
 try:
-    from bench.prefill_cases import errors, make_case, reference_f32  # noqa: E402
+    from bench.prefill import errors, make_case, reference_f32  # noqa: E402
 except ImportError as e:  # pragma: no cover
-    _WHY = _WHY or f"bench.prefill_cases not importable: {e}"
+    _WHY = _WHY or f"bench.prefill not importable: {e}"
 if _WHY:
     pytest.skip(_WHY, allow_module_level=True)
 
@@ -53,7 +53,8 @@ def pallas_on(c, **kw):
     if c.q.is_cuda:
         torch.cuda.synchronize()  # the buffers were produced on torch's stream
     j = {n: (None if getattr(c, n) is None else to_jax(getattr(c, n)))
-         for n in ("q", "k", "v", "indices", "cu_q", "cu_k", "kv_lens", "slot_table")}
+         for n in ("q", "k", "v", "indices", "cu_q", "cu_k", "kv_lens", "slot_table",
+                   "req_indices")}
     if c.kind == "ordinary":
         out = P.sparse_prefill(j["q"], j["k"], j["v"], j["indices"], j["cu_q"], c.max_q,
                                c.softmax_scale, **kw)
@@ -62,9 +63,9 @@ def pallas_on(c, **kw):
                                      j["kv_lens"], c.max_q, c.softmax_scale, c.k_scale, c.v_scale,
                                      **kw)
     else:
-        out = P.sparse_prefill_paged(j["q"], j["k"], j["v"], j["slot_table"], j["indices"],
-                                     j["cu_q"], j["kv_lens"], c.max_q, c.softmax_scale, c.k_scale,
-                                     c.v_scale, **kw)
+        out = P.sparse_prefill_paged(j["q"], j["k"], j["v"], j["slot_table"], j["req_indices"],
+                                     j["indices"], j["cu_q"], j["kv_lens"], c.max_q,
+                                     c.softmax_scale, c.k_scale, c.v_scale, **kw)
     return to_torch(out)
 
 

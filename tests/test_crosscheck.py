@@ -68,7 +68,8 @@ def _spec_call(s, strict):
                                    T((99, s.hkv, s.d), kvd), idx, T((b + 1,)), T((b + 1,)), T((b,)),
                                    max(s.q_lens), None, s.k_scale, s.v_scale)
     return check_prefill_paged(T((t, s.hq, s.d), s.dtype), T((99, s.hkv, s.d), kvd),
-                               T((99, s.hkv, s.d), kvd), T((b, 5)), idx, T((b + 1,)), T((b,)),
+                               T((99, s.hkv, s.d), kvd), T((b + 2, 5)), T((b,)), idx,
+                               T((b + 1,)), T((b,)),
                                max(s.q_lens), None, s.k_scale, s.v_scale)
 
 
@@ -135,7 +136,8 @@ def test_build_inputs_shapes_and_poison():
                       kv_dtype="float8_e4m3fn", k_scale=0.5)
     inp = X.build_inputs(p)
     assert inp.entry == "sparse_prefill_paged" and inp.args[1].dtype == torch.float8_e4m3fn
-    assert inp.args[3].shape == (2, 30) and inp.kwargs["k_scale"] == 0.5
+    assert inp.args[3].shape == (4, 30) and inp.args[4].shape == (2,)  # req_to_token, req_indices
+    assert inp.kwargs["k_scale"] == 0.5
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,7 +162,7 @@ def _oracle(entry):
         else:
             out = R.prefill_paged_reference(_np(a[0]), _np(a[1]), _np(a[2]), a[3].numpy(),
                                             a[4].numpy(), a[5].numpy(), a[6].numpy(),
-                                            softmax_scale, k_scale, v_scale)
+                                            a[7].numpy(), softmax_scale, k_scale, v_scale)
         return torch.as_tensor(out).to(q.dtype)
     return fn
 

@@ -235,3 +235,54 @@ def test_pallas_keeps_its_measured_sm90_geometry_above_2048_rows():
     small = G.select_prefill(H200, "chunk", total_q=64, requests=1, max_q=64, group=12,
                              num_kv_heads=1, head_dim=256, width=2051, backend="pallas")
     assert (small.block_n, small.num_warps, small.num_stages) == (64, 8, 3)
+
+
+SM90_PALLAS_ROWS = [(1, (64, 8, 3)), (128, (64, 8, 3)), (129, (64, 4, 2)), (256, (64, 4, 2)),
+                    (257, (32, 4, 2)), (1024, (32, 4, 2)), (1025, (32, 4, 2)), (1 << 20, (32, 4, 2))]
+
+
+@pytest.mark.parametrize("total_q,cfg", SM90_PALLAS_ROWS)
+def test_sm90_pallas_table_boundaries(total_q, cfg):
+    g = sel(H200, total_q=total_q, backend="pallas")
+    assert (g.block_n, g.num_warps, g.num_stages) == cfg and g.block_m == 16
+
+
+# ------------------------------------------------------------------ fit (interop.plan)
+def test_fit_prefill_rounds_pallas_tiles_and_fits_shared_memory():
+    """Pallas tiles become powers of two >= 16; a geometry over the device's shared memory loses
+    stages, then BLOCK_N (``interop.plan.fit_shared_memory`` on ``interop.plan.smem_bytes``)."""
+    from interop.plan import smem_bytes
+
+    tuned6 = G.Geometry(8, 16, 4, 3, "sm120-tuned[G=6]")
+    assert G.fit_prefill(tuned6, backend="triton", head_dim=256, kv_bytes=2,
+                         limit=101_376) == tuned6
+    assert G.fit_prefill(tuned6, backend="pallas", head_dim=256, kv_bytes=2,
+                         limit=101_376).key == (16, 16, 4, 3)
+    big = G.Geometry(16, 64, 8, 3, "x")
+    need = lambda g, kvb: smem_bytes(head_tile=g.block_m, block_n=g.block_n,  # noqa: E731
+                                     head_dim=256, num_stages=g.num_stages, kv_bytes=kvb)
+    for limit, kvb, key in ((101_376, 2, (16, 64, 8, 2)), (60_000, 2, (16, 32, 8, 1)),
+                            (101_376, 1, (16, 64, 8, 3)), (None, 2, (16, 64, 8, 3))):
+        fit = G.fit_prefill(big, backend="triton", head_dim=256, kv_bytes=kvb, limit=limit)
+        assert fit.key == key, (limit, kvb)
+        assert limit is None or need(fit, kvb) <= limit
+        assert (fit == big) == ("fit<=" not in fit.source)
+
+
+def test_selector_output_is_fitted_to_the_device():
+    small = DeviceFacts("NVIDIA L20", (8, 9), 92, 60_000, "3.6.0")  # a hypothetical 60 KB part
+    g = sel(small, total_q=64)  # L20 table: (64, 8, 2)
+    assert g.key == (16, 32, 8, 1) and "fit<=60000B" in g.source
+    assert sel(small, total_q=64, kv_bytes=1).key == (16, 64, 8, 2)  # FP8 tiles fit as tabled
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100", "sm_120", "sm_121"])
+def test_shipped_tables_need_no_fit_on_known_archs(arch):
+    """Every table and tuned row fits every known arch as tabled (D = 256, bf16 and FP8 K/V):
+    the fit only rounds Pallas tiles."""
+    from interop.arch import KNOWN_ARCHS
+
+    for g in G.all_configs(arch):
+        for kvb in (2, 1):
+            assert G.fit_prefill(g, backend="triton", head_dim=256, kv_bytes=kvb,
+                                 limit=KNOWN_ARCHS[arch].smem_per_block) == g

@@ -175,8 +175,11 @@ def test_production_size_is_fast_and_valid():
 
 
 def test_prefill_layout_paged():
-    lay = I.prefill_layout("paged", [3, 5], [10, 7], pool_slack=6, seed=0)
-    assert lay.slot_table.shape == (2, 10) and lay.slot_table.dtype == np.int32
+    lay = I.prefill_layout("paged", [3, 5], [10, 7], pool_slack=6, spare_requests=3, seed=0)
+    assert lay.req_to_token.shape == (5, 10) and lay.req_to_token.dtype == np.int32
+    assert lay.req_indices.dtype == np.int32 and np.unique(lay.req_indices).size == 2
+    assert lay.req_indices.max() < 5
+    np.testing.assert_array_equal(lay.slot_table, lay.req_to_token[lay.req_indices])
     used = np.concatenate([lay.slot_table[0, :10], lay.slot_table[1, :7]])
     assert np.unique(used).size == 17 and used.max() < lay.pool_slots == 23
     np.testing.assert_array_equal(lay.cu_seqlens_q, [0, 3, 8])

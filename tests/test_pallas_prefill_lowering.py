@@ -19,6 +19,8 @@ import pytest
 
 from interop.arch import CI_ARCHS, DeviceFacts, capability, device_kind
 from interop.contract import PrefillProblem
+from interop.geometry import Geometry, fit_prefill
+from interop.plan import smem_bytes
 from qsa_pallas import _compat
 from qsa_pallas import prefill as P
 
@@ -38,25 +40,26 @@ def _args(kind, *, t=256, hq=12, hkv=1, d=256, w=2051, b=2, rows=4096, kv_dtype=
         return (q, kv, kv, idx, cu)
     if kind == "chunk":
         return (q, kv, kv, idx, cu, cu, S((b,), jnp.int32))
-    return (q, kv, kv, S((b, max_context), jnp.int32), idx, cu, S((b,), jnp.int32))
+    return (q, kv, kv, S((b + 2, max_context), jnp.int32), S((b,), jnp.int32), idx, cu,
+            S((b,), jnp.int32))
 
 
-def _fn(kind, max_q=256, geometry=None, scales=(1.0, 1.0), slots=None):
+def _fn(kind, max_q=256, geometry=None, scales=(1.0, 1.0)):
     kw = dict(interpret=False, geometry=geometry)
     if kind == "ordinary":
         return lambda *a: P.sparse_prefill(*a, max_q, **kw)
     if kind == "chunk":
         return lambda *a: P.sparse_prefill_chunk(*a, max_q, None, *scales, **kw)
-    return lambda *a: P.sparse_prefill_paged(*a, max_q, None, *scales, slots=slots, **kw)
+    return lambda *a: P.sparse_prefill_paged(*a, max_q, None, *scales, **kw)
 
 
-CASES = [  # (kind, kv dtype, per-head indices, (Hq, Hkv)); paged: slots pre-pass | inline
+CASES = [  # (kind, kv dtype, per-head indices, (Hq, Hkv))
     ("ordinary", jnp.bfloat16, False, (12, 1)),
     ("ordinary", jnp.float16, True, (24, 2)),
     ("chunk", jnp.bfloat16, False, (6, 1)),
     ("chunk", FP8, True, (24, 2)),
     ("paged", jnp.bfloat16, True, (12, 2)),
-    ("paged-inline", FP8, False, (12, 1)),
+    ("paged", FP8, False, (12, 1)),
 ]
 
 
@@ -67,10 +70,9 @@ CASES = [  # (kind, kv dtype, per-head indices, (Hq, Hkv)); paged: slots pre-pas
 def test_lowers_and_compiles_for_cuda(device_kind, kind, kv_dtype, per_head, heads):
     hq, hkv = heads
     fp8 = kv_dtype == FP8
-    kind, _, slots = kind.partition("-")
     args = _args(kind, hq=hq, hkv=hkv, kv_dtype=kv_dtype, per_head=per_head)
     lowered = _compat.lower_for_device_kind(
-        _fn(kind, scales=(0.5, 2.0) if fp8 else (1.0, 1.0), slots=slots or None), args,
+        _fn(kind, scales=(0.5, 2.0) if fp8 else (1.0, 1.0)), args,
         device_kind)
     mods = [m for m in _compat.triton_modules(lowered) if m.name == f"qsa_sparse_prefill_{kind}"]
     assert len(mods) == 1, [m.name for m in _compat.triton_modules(lowered)]
@@ -87,7 +89,13 @@ def test_lowers_and_compiles_for_cuda(device_kind, kind, kv_dtype, per_head, hea
     cap = capability(DeviceFacts.from_device_kind(device_kind).arch)
     res = _compile(mod, cap)
     assert res["shared"] <= facts.smem_per_block, (device_kind, geo, res)
-    assert res["shared"] <= P.shared_memory_estimate(geo, head_dim=256, kv_bytes=1 if fp8 else 2)
+    assert res["shared"] <= _smem(geo, 1 if fp8 else 2)
+
+
+def _smem(geo, kv_bytes):
+    """``interop.plan.smem_bytes``: the one shared-memory model the fit uses."""
+    return smem_bytes(head_tile=geo.block_m, block_n=geo.block_n, head_dim=256,
+                      num_stages=geo.num_stages, kv_bytes=kv_bytes)
 
 
 def _compile(mod, capability):
@@ -121,30 +129,28 @@ def _configs():
                          ids=lambda x: getattr(x, "key", None) and "x".join(map(str, x.key))
                          or (jnp.dtype(x).name if not isinstance(x, str) else x.split()[-1]))
 def test_every_selector_geometry_fits_the_device(device_kind, geo, kv_dtype):
-    """Every geometry the shared selector can return, after ``fit_shared_memory`` for the device,
-    compiles and fits its shared memory; the estimate used for fitting is an upper bound."""
+    """Every geometry the shared selector can return, made launchable for the device
+    (``interop.geometry.fit_prefill``), compiles and fits its shared memory; the model used for
+    fitting (``interop.plan.smem_bytes``) is an upper bound."""
     facts = DeviceFacts.from_device_kind(device_kind)
     kv_bytes = 1 if kv_dtype == FP8 else 2
-    pg = P.fit_shared_memory(
-        P.PallasPrefillGeometry(max(16, geo.block_m), max(16, geo.block_n), geo.num_warps,
-                                geo.num_stages, geo.source),
-        head_dim=256, kv_bytes=kv_bytes, limit=facts.smem_per_block)
+    pg = fit_prefill(geo, backend="pallas", head_dim=256, kv_bytes=kv_bytes,
+                     limit=facts.smem_per_block)
     lowered = _compat.lower_for_device_kind(
         _fn("chunk", geometry=pg), _args("chunk", kv_dtype=kv_dtype), device_kind)
     (mod,) = _compat.triton_modules(lowered)
     res = _compile(mod, capability(DeviceFacts.from_device_kind(device_kind).arch))
     assert res["shared"] <= facts.smem_per_block, (pg, res)
-    assert res["shared"] <= P.shared_memory_estimate(pg, head_dim=256, kv_bytes=kv_bytes), (pg, res)
+    assert res["shared"] <= _smem(pg, kv_bytes), (pg, res)
 
 
 def test_sm12x_fit_shrinks_a_227kb_geometry():
-    big = P.PallasPrefillGeometry(16, 64, 4, 3, "x")
-    assert P.shared_memory_estimate(big, head_dim=256, kv_bytes=2) > 101_376
-    fit = P.fit_shared_memory(big, head_dim=256, kv_bytes=2, limit=101_376)
-    assert P.shared_memory_estimate(fit, head_dim=256, kv_bytes=2) <= 101_376
-    assert (fit.block_n, fit.num_stages) != (64, 3) and "fit<=" in fit.source
-    same = P.fit_shared_memory(big, head_dim=256, kv_bytes=2, limit=232_448)
-    assert same == big
+    big = Geometry(16, 64, 4, 3, "x")
+    assert _smem(big, 2) > 101_376
+    fit = fit_prefill(big, backend="pallas", head_dim=256, kv_bytes=2, limit=101_376)
+    assert _smem(fit, 2) <= 101_376
+    assert (fit.block_n, fit.num_stages) == (64, 2) and "fit<=101376B" in fit.source
+    assert fit_prefill(big, backend="pallas", head_dim=256, kv_bytes=2, limit=232_448) == big
 
 
 def test_64bit_offsets_exactly_for_pools_past_4gib():
@@ -153,7 +159,7 @@ def test_64bit_offsets_exactly_for_pools_past_4gib():
 
     def ttir(slots):
         args = _args("paged", hkv=2, rows=slots, t=64)
-        lowered = _compat.lower_for_device_kind(_fn("paged", slots="inline"), args, "NVIDIA H200")
+        lowered = _compat.lower_for_device_kind(_fn("paged"), args, "NVIDIA H200")
         (mod,) = _compat.triton_modules(lowered)
         return mod.text()
 
@@ -172,8 +178,7 @@ def test_lowering_cases_cover_every_variant_and_lower():
     cases = pallas_prefill_cases(kind)
     names = [n for n, _, _ in cases]
     assert len(names) == len(set(names))
-    for variant in ("ordinary_bf16", "chunk_bf16", "chunk_fp8", "paged_bf16", "paged_fp8",
-                    "paged_inline_bf16"):
+    for variant in ("ordinary_bf16", "chunk_bf16", "chunk_fp8", "paged_bf16", "paged_fp8"):
         assert any(f"pallas_prefill_{variant}_" in n for n in names), variant
     for name, fn, args in cases[:: max(1, len(cases) // 4)]:
         (mod,) = _compat.triton_modules(_compat.lower_for_device_kind(fn, args, kind))

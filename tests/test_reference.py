@@ -163,12 +163,15 @@ def test_prefill_paged_matches_loop_and_chunk():
     q = rand(rng, t, hkv * g, d)
     kc, vc = rand(rng, slots, hkv, d), rand(rng, slots, hkv, d)
     perm = rng.permutation(slots)
-    st = np.full((2, 7), -5)  # unused columns hold garbage a reference must not use
-    st[0, :6], st[1, :4] = perm[:6], perm[6:10]
+    # SGLang's req_to_token: requests 0 and 1 live in rows 2 and 0; unused entries hold garbage
+    rt = np.full((3, 7), -5)
+    rt[2, :6], rt[0, :4] = perm[:6], perm[6:10]
+    ri = np.array([2, 0])
+    st = rt[ri]  # the per-request view
     req = np.repeat(np.arange(2), q_lens)
     idx = np.stack([junkify(rng, rng.integers(0, kv_lens[req[r]], size=w), kv_lens[req[r]])
                     for r in range(t)])
-    ref = prefill_paged_reference(q, kc, vc, st, idx, cu_q, kv_lens, 0.25)
+    ref = prefill_paged_reference(q, kc, vc, rt, ri, idx, cu_q, kv_lens, 0.25)
     gather = lambda b, p, h: (kc[st[b, p], h], vc[st[b, p], h])  # noqa: E731
     want = per_head_prefill(q, gather, idx, req, kv_lens, g, 0.25,
                             visible_of_row=visible_rows(cu_q, kv_lens))
@@ -179,6 +182,26 @@ def test_prefill_paged_matches_loop_and_chunk():
     vp = np.concatenate([vc[st[0, :6]], vc[st[1, :4]]])
     chunk = prefill_chunk_reference(q, kp, vp, idx, cu_q, cu_k, kv_lens, 0.25)
     np.testing.assert_allclose(ref, chunk, rtol=1e-13, atol=1e-14)
+
+
+def test_prefill_paged_lying_metadata_is_an_invalid_entry():
+    """A slot outside the pool, a position past req_to_token's width (kv_lens too large) and a
+    request row outside the table make invalid entries: the same result as padding them."""
+    rng = np.random.default_rng(8)
+    q, kc, vc = rand(rng, 4, 2, 16), rand(rng, 9, 1, 16), rand(rng, 9, 1, 16)
+    rt = np.array([[3, 1, 99, 4], [0, 5, 6, 2]])  # 99: past the 9-slot pool
+    idx = np.array([[0, 1, 2, 3, 5, -1]] * 4)  # 5 >= max_context = 4
+    cu_q, kv_lens = np.array([0, 2, 4]), np.array([6, 6])
+    got = prefill_paged_reference(q, kc, vc, rt, np.array([0, 1]), idx, cu_q, kv_lens)
+    clean = idx.copy()
+    clean[:, 4] = -1
+    clean[:2, 2] = -1  # request 0 maps position 2 to slot 99
+    want = prefill_paged_reference(q, kc, vc, rt, np.array([0, 1]), clean, cu_q, kv_lens)
+    np.testing.assert_array_equal(got, want)
+    assert (np.abs(want).sum(axis=(1, 2)) > 0).all()
+    outside = prefill_paged_reference(q, kc, vc, rt, np.array([0, 7]), idx, cu_q, kv_lens)
+    assert (outside[2:] == 0).all()
+    np.testing.assert_array_equal(outside[:2], want[:2])
 
 
 def test_never_nan_on_large_scores_and_duplicates_count_twice():

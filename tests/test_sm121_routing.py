@@ -71,25 +71,6 @@ def test_bf16_refused_under_unpatched_interpreter(monkeypatch):
     qsa_triton.sparse_decode(q, k, v, cu_q, cu_k, 8)  # fp16 stays fine
 
 
-def test_bad_paged_slots_env_is_refused_by_both(monkeypatch):
-    """$QSA_PAGED_SLOTS accepts the same values in both implementations; anything else is an error."""
-    torch = pytest.importorskip("torch")
-    jnp = pytest.importorskip("jax.numpy")
-    import qsa_pallas
-    import qsa_triton
-
-    q, k, v, cu_q, _ = _inputs(4, 1, 64, [2, 3])
-    idx = np.zeros((2, 4), np.int32)
-    st = np.arange(8, dtype=np.int32)[None, :].repeat(1, 0)
-    cu = np.array([0, 2], np.int32)
-    kl = np.array([3], np.int32)
-    monkeypatch.setenv("QSA_PAGED_SLOTS", "sideways")
-    for mod, conv in ((qsa_triton, torch.from_numpy), (qsa_pallas, jnp.asarray)):
-        with pytest.raises(ContractError, match="QSA_PAGED_SLOTS"):
-            mod.sparse_prefill_paged(conv(q[:2]), conv(k), conv(v), conv(st), conv(idx), conv(cu),
-                                     conv(kl), 2)
-
-
 def test_strict_keyword_same_in_both():
     """`strict=True` enforces the qualified envelope in both frameworks, with the same message."""
     torch = pytest.importorskip("torch")

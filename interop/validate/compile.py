@@ -14,6 +14,8 @@ a list cannot drift from what a launch passes:
 * Triton prefill (``triton_prefill_configs``): the prefill kernel per geometry the shared
   selector can return on the arch (``interop.geometry.all_configs``) and its tail launch, for
   every variant the entry points launch (``PREFILL_VARIANTS``).
+* Paged decode (family ``decode_paged``): the lists ``qsa_triton.decode_paged.compile_configs``
+  and ``qsa_pallas.decode_paged.lowering_cases`` still keep beside their kernels.
 * Pallas decode / prefill (``pallas_decode_cases`` / ``pallas_prefill_cases``): ``(name, fn,
   args)`` lowered with ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`` under an
   abstract device of the arch's representative part; the embedded Triton IR is compiled for the
@@ -63,7 +65,8 @@ TRITON_MODULES = tuple(m for m in os.environ.get("QSA_COMPILE_TRITON_MODULES", "
 PALLAS_MODULES = tuple(m for m in os.environ.get("QSA_COMPILE_PALLAS_MODULES", "").split(",") if m)
 #: kernel families per backend; ``run`` / ``--family`` take "triton", "pallas" or e.g.
 #: "triton:decode"
-FAMILIES = {"triton": ("decode", "prefill"), "pallas": ("decode", "prefill")}
+FAMILIES = {"triton": ("decode", "prefill", "decode_paged"),
+            "pallas": ("decode", "prefill", "decode_paged")}
 MAX_REGS_PER_THREAD = 255
 MAX_REGS_PER_BLOCK = 65_536
 
@@ -270,12 +273,10 @@ def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloa
 
 
 #: (mode name, q dtype, K/V dtype or None = q's): every prefill kernel variant the entry points
-#: launch: ordinary bf16, chunk bf16 and FP8, paged through pre-resolved slots bf16 and FP8,
-#: paged with the inline slot lookup.
+#: launch: ordinary bf16, chunk bf16 and FP8, paged through pre-resolved pool slots bf16 and FP8.
 PREFILL_VARIANTS = (("MODE_ORDINARY", "bfloat16", None), ("MODE_CHUNK", "bfloat16", None),
                     ("MODE_CHUNK", "bfloat16", "float8_e4m3fn"), ("MODE_SLOTS", "bfloat16", None),
-                    ("MODE_SLOTS", "bfloat16", "float8_e4m3fn"),
-                    ("MODE_PAGED_INLINE", "bfloat16", None))
+                    ("MODE_SLOTS", "bfloat16", "float8_e4m3fn"))
 
 
 def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
@@ -301,8 +302,7 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
             qt, kt = _TT[qd], _TT[kd or qd]
             ptrs = {"q_ptr": f"*{qt}", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "o_ptr": f"*{qt}",
                     "idx_ptr": "*i32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
-                    "kv_lens_ptr": "*i32", "table_ptr": "*i32", "qk_scale": "fp32",
-                    "v_scale": "fp32"}
+                    "kv_lens_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32"}
             for row_loop, g in ((False, geo), (True, P.tail_geometry(geo))):
                 key = (mode, qd, kd, row_loop, grp, g.block_m, g.block_n, g.num_warps,
                        g.num_stages)
@@ -310,24 +310,29 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
                     continue
                 seen.add(key)
                 consts = {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": g.block_m,
-                          "BLOCK_N": g.block_n, "MODE": mode,
-                          "OFF64": mode in (P.MODE_SLOTS, P.MODE_PAGED_INLINE),
-                          "ROW_LOOP": row_loop, "DEFER_L": getattr(P, "DEFER_ROWSUM", True)}
+                          "BLOCK_N": g.block_n, "MODE": mode, "OFF64": mode == P.MODE_SLOTS,
+                          "ROW_LOOP": row_loop}
                 entry = _entry(kernel, f"prefill_mode{mode}_{qt}_{kt}_G{grp}_bm{g.block_m}"
                                        f"_bn{g.block_n}"
                                        f"_w{g.num_warps}_s{g.num_stages}"
                                        f"{'_tail' if row_loop else ''}",
                                ptrs, consts, g.num_warps, g.num_stages)
-                # the index and slot-table row strides (W = 2051) stay unspecialised
+                # the index row strides (W = 2051) stay unspecialised
                 names = kernel.arg_names
                 entry["attrs"] = {i: a for i, a in entry["attrs"].items()
-                                  if names[i[0]] not in ("stride_it", "stride_ih", "stride_tb")}
+                                  if names[i[0]] not in ("stride_it", "stride_ih")}
                 entry["geometry"] = g
                 out.append(entry)
     return out
 
 
-_TRITON_FAMILIES = {"decode": triton_decode_configs, "prefill": triton_prefill_configs}
+def _module_list(module: str, fn: str) -> Callable:
+    """A kernel module's own list (``qsa_*.decode_paged`` still keeps its list beside its kernels)."""
+    return lambda target: getattr(importlib.import_module(module), fn)(target)
+
+
+_TRITON_FAMILIES = {"decode": triton_decode_configs, "prefill": triton_prefill_configs,
+                    "decode_paged": _module_list("qsa_triton.decode_paged", "compile_configs")}
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,8 +421,6 @@ def pallas_decode_cases(kind: str, *, head_dim: int = 256, max_seqlen_k: int = 2
     to lower with ``qsa_pallas._compat.lower_for_device_kind``; ``args`` are
     ``jax.ShapeDtypeStruct`` (nothing is allocated). Names contain ``_s{max_splits}_`` (``_s1_``:
     the one-launch direct path)."""
-    import functools  # noqa: PLC0415
-
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
@@ -449,21 +452,20 @@ def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, g
                          rows: int = 64) -> list[tuple[str, Callable, tuple]]:
     """Every distinct prefill launch ``qsa_pallas.prefill`` can pick on device kind ``kind``:
     each geometry the shared selector can return there (``interop.geometry.all_configs`` of the
-    arch, fitted to its shared memory with ``interop.plan.fit_shared_memory``) x ordinary bf16,
-    chunk bf16 / FP8, paged bf16 / FP8 (slot pre-pass) and paged bf16 with the inline lookup, as
-    ``(name, fn, args)`` (see ``pallas_decode_cases``).
+    arch, fitted with ``interop.geometry.fit_prefill`` as the selector does) x ordinary bf16,
+    chunk bf16 / FP8, paged bf16 / FP8, as ``(name, fn, args)`` (see ``pallas_decode_cases``).
 
     Raises:
       ValueError: a device kind whose arch ``interop.arch`` does not know.
     """
-    import functools  # noqa: PLC0415
+    import dataclasses  # noqa: PLC0415
 
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from interop import geometry as _geo  # noqa: PLC0415
     from interop.arch import DeviceFacts  # noqa: PLC0415
-    from interop.plan import fit_shared_memory, next_pow2  # noqa: PLC0415
+    from interop.geometry import all_configs, fit_prefill  # noqa: PLC0415
+    from interop.plan import next_pow2  # noqa: PLC0415
     from qsa_pallas import prefill as P  # noqa: PLC0415
 
     facts = DeviceFacts.from_device_kind(kind)
@@ -471,18 +473,15 @@ def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, g
     d, w, t, hkv = head_dim, width, rows, 1
     geos = {}
     for kv_bytes in (2, 1):
-        for cfg in _geo.all_configs(facts.arch):
-            geo = P.PallasPrefillGeometry(max(16, next_pow2(group), next_pow2(cfg.block_m)),
-                                          max(16, next_pow2(cfg.block_n)), cfg.num_warps,
-                                          cfg.num_stages, cfg.source)
-            geo = fit_shared_memory(geo, head_dim=d, kv_bytes=kv_bytes,
-                                    limit=facts.smem_per_block)
-            geos.setdefault((kv_bytes, geo.head_tile, geo.block_n, geo.num_warps,
-                             geo.num_stages), geo)
+        for cfg in all_configs(facts.arch):
+            cfg = dataclasses.replace(cfg, block_m=max(next_pow2(group), cfg.block_m))
+            geo = fit_prefill(cfg, backend="pallas", head_dim=d, kv_bytes=kv_bytes,
+                              limit=facts.smem_per_block)
+            geos.setdefault((kv_bytes, *geo.key), geo)
     q = sds((t, group * hkv, d), jnp.bfloat16)
     idx = sds((t, w), jnp.int32)
     cu, kl = sds((3,), jnp.int32), sds((2,), jnp.int32)
-    st = sds((2, 2048), jnp.int32)
+    r2t, ri = sds((4, 2048), jnp.int32), sds((2,), jnp.int32)
 
     def ordinary(q, k, v, idx, cu, *, geometry):
         return P.sparse_prefill(q, k, v, idx, cu, q.shape[0], interpret=False, geometry=geometry)
@@ -491,31 +490,29 @@ def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, g
         return P.sparse_prefill_chunk(q, k, v, idx, cq, ck, kl, q.shape[0], interpret=False,
                                       geometry=geometry)
 
-    def paged(q, k, v, st, idx, cq, kl, *, geometry, slots):
-        return P.sparse_prefill_paged(q, k, v, st, idx, cq, kl, q.shape[0], interpret=False,
-                                      geometry=geometry, slots=slots)
+    def paged(q, k, v, r2t, ri, idx, cq, kl, *, geometry):
+        return P.sparse_prefill_paged(q, k, v, r2t, ri, idx, cq, kl, q.shape[0],
+                                      interpret=False, geometry=geometry)
 
     cases = []
     for (kv_bytes, *_), geo in geos.items():
-        tag = f"ht{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}"
+        tag = f"ht{geo.block_m}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}"
         name = "fp8" if kv_bytes == 1 else "bf16"
         pool = sds((4096, hkv, d), jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16)
         if kv_bytes == 2:
             kv = sds((t, hkv, d), jnp.bfloat16)
             cases.append((f"pallas_prefill_ordinary_bf16_{tag}",
                           functools.partial(ordinary, geometry=geo), (q, kv, kv, idx, cu)))
-            cases.append((f"pallas_prefill_paged_inline_bf16_{tag}",
-                          functools.partial(paged, geometry=geo, slots="inline"),
-                          (q, pool, pool, st, idx, cu, kl)))
         cases.append((f"pallas_prefill_chunk_{name}_{tag}",
                       functools.partial(chunk, geometry=geo), (q, pool, pool, idx, cu, cu, kl)))
         cases.append((f"pallas_prefill_paged_{name}_{tag}",
-                      functools.partial(paged, geometry=geo, slots="prepass"),
-                      (q, pool, pool, st, idx, cu, kl)))
+                      functools.partial(paged, geometry=geo),
+                      (q, pool, pool, r2t, ri, idx, cu, kl)))
     return cases
 
 
-_PALLAS_FAMILIES = {"decode": pallas_decode_cases, "prefill": pallas_prefill_cases}
+_PALLAS_FAMILIES = {"decode": pallas_decode_cases, "prefill": pallas_prefill_cases,
+                    "decode_paged": _module_list("qsa_pallas.decode_paged", "lowering_cases")}
 
 
 def check_pallas(arch: str, modules: Sequence[str] = PALLAS_MODULES,

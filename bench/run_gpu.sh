@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The one GPU runner: every result lands under $OUT (default ./bench-out).
+#
+#   OUT=DIR bash bench/run_gpu.sh [STEP ...]   (default: tests check memcheck decode prefill)
+#
+# Steps, in the order given (their files under $OUT):
+#   tests[=F,..]  pytest -m gpu over tests/, or the given files (tests.log)
+#   check         qsa check --full --peer sglang, 6 case-filter shards at once (check_*)
+#   memcheck      compute-sanitizer memcheck of our kernels on the --memcheck cases (memcheck_*)
+#   decode        python3 -m bench.decode, default providers (decode.{json,png,log})
+#   prefill       python3 -m bench.prefill, default providers (prefill.{json,png,log})
+#   pallas        both benchmarks with --providers ours,pallas; JAX compiles per shape (*_pallas.*)
+#   compare=OLD   the kernels of the checkout at OLD (its interop/, qsa_triton/, qsa_pallas/)
+#                 against this checkout's: bench.decode and bench.prefill --compare, one worker
+#                 process per tree, replays alternating, per-case and geomean speedups (*_compare.*)
+# tests and check share the GPU (nothing is timed then) and run together in the background; the
+# timed steps wait for them and run alone. steps.txt: "STEP rc=N Ss" per step; env.txt: versions
+# and GPU. Exit status 1 if any step failed, 2 on an unknown step (before anything runs).
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-bench-out}"
+mkdir -p "$OUT"
+export OUT PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TRITON_DEFAULT_FP_FUSION=1
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
+[ $# -gt 0 ] || set -- tests check memcheck decode prefill
+for s in "$@"; do
+  case "$s" in
+    tests|tests=?*|check|memcheck|decode|prefill|pallas) ;;
+    compare=?*)
+      [ -d "${s#compare=}/qsa_triton" ] || {
+        echo "run_gpu.sh: ${s#compare=}/qsa_triton not found" >&2; exit 2; } ;;
+    *) echo "run_gpu.sh: unknown step '$s'" \
+         "(tests[=F,..] check memcheck decode prefill pallas compare=OLD)" >&2
+       exit 2 ;;
+  esac
+done
+: > "$OUT/steps.txt"
+{ git rev-parse HEAD 2>/dev/null || echo "no git metadata"
+  python3 -c "import sys, torch, triton, jax; print(sys.version.split()[0], torch.__version__,
+triton.__version__, jax.__version__, torch.cuda.get_device_name())"
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv 2>/dev/null
+} > "$OUT/env.txt" 2>&1
+
+# step NAME LIMIT_S CMD...: CMD under a timeout, output in $OUT/NAME.log, status in steps.txt
+step() {
+  local name="$1" lim="$2" t=$SECONDS rc; shift 2
+  timeout "$lim" "$@" > "$OUT/$name.log" 2>&1; rc=$?
+  echo "$name rc=$rc $((SECONDS - t))s" >> "$OUT/steps.txt"
+  tail -n 4 "$OUT/$name.log" | sed "s/^/[$name] /"
+}
+SAN="$(command -v compute-sanitizer ||
+  ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)"
+
+for s in "$@"; do
+  case "$s" in
+    tests|tests=*)
+      files="tests"; [ "$s" = tests ] || files="${s#tests=}"
+      step tests 540 python3 -m pytest -m gpu -q -p no:cacheprovider ${files//,/ } & ;;
+    check)
+      for f in decode/TP1 decode/TP2 decode/TP4 prefill/ordinary prefill/chunk prefill/paged; do
+        step "check_${f//\//_}" 420 python3 -m interop.validate.cli check --full --peer sglang \
+          --filter "$f/" --json "$OUT/check_${f//\//_}.json" &
+      done ;;
+    memcheck)
+      wait
+      if [ -z "$SAN" ]; then
+        echo "memcheck rc=127 0s (compute-sanitizer not found)" >> "$OUT/steps.txt"; continue
+      fi
+      for b in decode prefill; do
+        # compile outside the sanitizer first (compiles are slow under it); without torch's
+        # caching allocator every tensor is its own allocation, so a stray read is reported
+        step "memcheck_${b}_warm" 200 python3 -m "bench.$b" --memcheck --providers ours \
+          --json "$OUT/memcheck_$b.json"
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 step "memcheck_$b" 300 "$SAN" --tool memcheck \
+          --error-exitcode 9 python3 -m "bench.$b" --memcheck --providers ours \
+          --json "$OUT/memcheck_$b.json"
+      done ;;
+    decode|prefill)
+      wait
+      step "$s" 420 python3 -m "bench.$s" --json "$OUT/$s.json" --plot "$OUT/$s.png" ;;
+    pallas)
+      wait
+      for b in decode prefill; do
+        step "${b}_pallas" 420 python3 -m "bench.$b" --providers ours,pallas \
+          --json "$OUT/${b}_pallas.json" --plot "$OUT/${b}_pallas.png"
+      done ;;
+    compare=*)
+      wait
+      old="${s#compare=}"
+      step decode_compare 420 python3 -m bench.decode --compare "$old" --rounds 25 \
+        --json "$OUT/decode_compare.json"
+      step prefill_compare 420 python3 -m bench.prefill --compare "$old" \
+        --json "$OUT/prefill_compare.json" ;;
+  esac
+done
+wait
+echo "total ${SECONDS}s" >> "$OUT/steps.txt"
+cat "$OUT/steps.txt"
+! grep -q "rc=[1-9]" "$OUT/steps.txt"

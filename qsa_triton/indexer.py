@@ -1,0 +1,654 @@
+"""The QSA indexer for PyTorch: block scoring, exact top-k and expansion as Triton kernels.
+
+Semantics: ``qsa-contract.md`` §4b (scoring ``logits[m, n] = sum_h ReLU(q[m, h] . k[n])``, the
+top-k rule, the paged decode and packed prefill inputs) and §4 (expansion). FP64 references:
+``interop.reference.indexer_*``; the launch plan is ``interop.indices.plan_indexer`` (shared with
+``qsa_pallas.indexer``, which implements the same algorithm).
+
+Algorithm (two passes, no [rows, blocks] logits tensor is ever written):
+
+* Pass 1, one program per (row tile, chunk of C blocks): score the chunk in tiles of BLOCK_N
+  blocks (bf16/fp16 ``tl.dot`` of the key tile with the row's heads, FP32 accumulation, ReLU,
+  sum over heads), keep the chunk's FP32 scores in registers as int32 *keys* (the bits of a float
+  >= +0.0 order like the float; -0.0 and NaN become +0.0, invisible blocks -1), then select the
+  chunk's exact top-k per row with a bitwise binary search (radix select): 31 count rounds find
+  the k-th largest key tau, and at most log2(C) more rounds find, among the blocks equal to tau,
+  the cut that keeps the smallest ids. The survivors (<= k per row and chunk) are written in
+  ascending block order (prefix sums give each one its slot) with their count. Bytes moved per
+  row: one read of its visible compressed keys (D * 2 B per block for bf16, D B for fp8) plus
+  8 B per candidate (k per C >= 2k blocks: <= 1/64 of the key bytes at D = 128 bf16).
+* Pass 2, one program per row: the same radix select over the row's S x k candidates (the slot
+  number orders like the block id, so the tie rule carries over), then the block ids in ascending
+  order, or, fused, the expanded 2051-wide token row (blocks expanded to ``4g .. 4g + 3``, the
+  0-3 token causal tail appended, -1 after: already valid-first, since everything is ascending).
+
+Selection uses the unscaled FP32 sum: dividing by a positive ``score_scale`` preserves the order
+(upstream divides in FP32, which can only merge neighbouring values into ties), so the tie rule
+then acts on exact FP32 sums. Ties go to the smaller block id; the result is deterministic and
+does not depend on the plan (chunking) or the batch.
+
+Graph safety: no host read of device data (lengths, row ranges) anywhere; the plan depends on
+static shapes only; the candidate workspace is allocated per call (from the graph's pool under
+capture); no atomics. Registered as ``torch.ops.qsa.indexer_*`` custom ops with fake impls.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from interop.contract import (ContractError, check_expand_block_indices, check_indexer_decode,
+                              check_indexer_prefill)
+from interop.indices import IndexerPlan, plan_indexer
+
+from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
+
+__all__ = [
+    "indexer_topk_decode",
+    "indexer_topk_prefill",
+    "indexer_select_decode",
+    "indexer_select_prefill",
+    "expand_block_indices",
+    "indexer_plan_for",
+]
+
+_INT32_MAX = tl.constexpr(2**31 - 1)  # a constexpr global: usable inside @triton.jit
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared device functions
+@triton.jit
+def _row_count(x):
+    """Per-row sum of a [R, A, B] int32 tensor -> [R]."""
+    return tl.sum(tl.sum(x, axis=2), axis=1)
+
+
+@triton.jit
+def _topk_mask(keys, ids, n_valid, K: tl.constexpr, ID_BITS: tl.constexpr):
+    """Exact top-K per row of ``keys`` [R, A, B] int32 (>= 0 visible, -1 not), ties to smaller id.
+
+    ``ids`` [1 or R, A, B] int32 are distinct per row, in [0, 2**ID_BITS). ``n_valid`` [R] counts
+    the visible keys. A row with <= K visible keys selects all of them. Otherwise a binary search
+    over the 31 key bits finds tau = the K-th largest key (the largest t with #(key >= t) >= K),
+    then one over the id bits finds the largest c with #(key == tau, id < c) < K - #(key > tau):
+    the row keeps key > tau and (key == tau, id <= c), exactly K entries.
+    """
+    need = n_valid > K
+    sel = keys >= 0
+    if tl.max(need.to(tl.int32), axis=0) > 0:
+        tau = tl.zeros_like(n_valid)
+        for i in range(31):
+            cand = tau | (1 << (30 - i))
+            cnt = _row_count((keys >= cand[:, None, None]).to(tl.int32))
+            tau = tl.where(cnt >= K, cand, tau)
+        above = keys > tau[:, None, None]
+        want = K - _row_count(above.to(tl.int32))
+        tie = keys == tau[:, None, None]
+        cut = tl.zeros_like(n_valid)
+        for i in range(ID_BITS):
+            cand = cut | (1 << (ID_BITS - 1 - i))
+            f = _row_count((tie & (ids < cand[:, None, None])).to(tl.int32))
+            cut = tl.where(f < want, cand, cut)
+        top = above | (tie & (ids <= cut[:, None, None]))
+        sel = tl.where(need[:, None, None], top, sel)
+    return sel
+
+
+@triton.jit
+def _compact_positions(sel):
+    """Slot of every selected entry of ``sel`` [R, A, B] in row-major order, and the per-row count."""
+    c = sel.to(tl.int32)
+    incl = tl.cumsum(c, axis=2)
+    part = tl.sum(c, axis=2)  # [R, A]
+    before = tl.cumsum(part, axis=1) - part
+    return incl - 1 + before[:, :, None], tl.sum(part, axis=1)
+
+
+@triton.jit
+def _score_keys(tot):
+    """FP32 head sums [..] -> int32 order-preserving keys (+0.0 for -0.0 and NaN)."""
+    tot = tl.where(tot > 0.0, tot, 0.0)
+    return tot.to(tl.int32, bitcast=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass 1: decode (one row per program, keys through the page table)
+@triton.jit
+def _decode_chunk_kernel(q_ptr, k_ptr, pt_ptr, seq_ptr, wsk_ptr, wsi_ptr, wsc_ptr,
+                         stride_qb, stride_qh, stride_ptb, pages, cap,
+                         H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+                         RATIO: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                         T: tl.constexpr, S: tl.constexpr, ID_BITS: tl.constexpr,
+                         COMPUTE: tl.constexpr):
+    b = tl.program_id(0)
+    s = tl.program_id(1)
+    nb = tl.minimum(tl.maximum(tl.load(seq_ptr + b), 0) // RATIO, cap)
+    lo = s * C
+    n_here = tl.minimum(tl.maximum(nb - lo, 0), C)
+    if n_here > 0:
+        NT: tl.constexpr = C // T
+        h = tl.arange(0, HP)
+        d = tl.arange(0, D)
+        nt = tl.arange(0, NT)
+        tt = tl.arange(0, T)
+        # Padded heads load as 0: their dot is exactly 0, ReLU(0) = 0, so they add nothing.
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + d[None, :],
+                    mask=(h < H)[:, None], other=0.0).to(COMPUTE)
+        keys = tl.full([1, NT, T], -1, tl.int32)
+        # A row with <= K blocks keeps all of them: its keys are never read, so nothing is
+        # loaded or scored (upstream's fast top-k skips such rows the same way).
+        for t in range(0, tl.where(nb > K, tl.cdiv(n_here, T), 0)):
+            blk = lo + t * T + tt
+            ok = blk < nb
+            pid = tl.load(pt_ptr + b.to(tl.int64) * stride_ptb + blk // P, mask=ok, other=0)
+            # A page id outside the cache is a caller bug: its blocks read nothing (score 0).
+            pok = ok & (pid >= 0) & (pid < pages)
+            row = pid.to(tl.int64) * P + blk % P
+            k = tl.load(k_ptr + row[:, None] * D + d[None, :], mask=pok[:, None], other=0.0,
+                        eviction_policy="evict_first")
+            sc = tl.dot(q, tl.trans(k.to(COMPUTE)))  # [HP, T] fp32
+            key = tl.where(ok, _score_keys(tl.sum(tl.maximum(sc, 0.0), axis=0)), -1)
+            keys = tl.where((nt == t)[None, :, None], key[None, None, :], keys)
+        ids = (nt[:, None] * T + tt[None, :])[None, :, :]
+        keys = tl.where(nb > K, keys, tl.where(ids < n_here, 0, -1))
+        n_valid = tl.full([1], 0, tl.int32) + n_here
+        sel = _topk_mask(keys, ids, n_valid, K, ID_BITS)
+        pos, n_sel = _compact_positions(sel)
+        base = (b.to(tl.int64) * S + s) * K
+        tl.store(wsk_ptr + base + pos, keys, mask=sel)
+        tl.store(wsi_ptr + base + pos, lo + ids, mask=sel)
+        tl.store(wsc_ptr + b.to(tl.int64) * S + s + tl.arange(0, 1), n_sel)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass 1: prefill (BM rows per program share every key tile)
+@triton.jit
+def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, wsc_ptr,
+                          n_rows, n_keys, stride_qt, stride_qh,
+                          H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+                          C: tl.constexpr, T: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
+                          ID_BITS: tl.constexpr, COMPUTE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    s = tl.program_id(1)
+    rloc = pid_m * BM + tl.arange(0, BM)
+    rok = rloc < n_rows
+    rs = tl.load(rs_ptr + rloc, mask=rok, other=0)
+    re = tl.load(re_ptr + rloc, mask=rok, other=0)
+    lo = tl.maximum(rs, 0)  # the row's first key row (rows outside [0, N) do not exist)
+    n_vis = tl.where(rok, tl.maximum(tl.minimum(re, n_keys) - lo, 0), 0)
+    c0 = s * C
+    n_here = tl.minimum(tl.maximum(n_vis - c0, 0), C)  # [BM]
+    todo = n_here > 0
+    if tl.max(todo.to(tl.int32), axis=0) > 0:
+        NT: tl.constexpr = C // T
+        HB: tl.constexpr = HP * BM
+        d = tl.arange(0, D)
+        nt = tl.arange(0, NT)
+        tt = tl.arange(0, T)
+        # All heads of the tile's rows stacked as one MMA operand, head-major: i = h * BM + m.
+        i = tl.arange(0, HB)
+        qrow = (pid_m * BM + i % BM).to(tl.int64)
+        qmask = ((i // BM) < H) & ((pid_m * BM + i % BM) < n_rows)
+        q = tl.load(q_ptr + qrow[:, None] * stride_qt + (i // BM)[:, None] * stride_qh + d[None, :],
+                    mask=qmask[:, None], other=0.0).to(COMPUTE)
+        keys = tl.full([BM, NT, T], -1, tl.int32)
+        # Rows of one request share their key rows; a tile straddling requests takes one
+        # segment (rows with the same first key row) at a time.
+        while tl.max(todo.to(tl.int32), axis=0) > 0:
+            base = tl.min(tl.where(todo, lo, _INT32_MAX), axis=0)
+            seg = todo & (lo == base)
+            seg_n = tl.max(tl.where(seg, n_here, 0), axis=0)
+            # rows with <= K visible blocks keep them all: a segment of only such rows is
+            # neither loaded nor scored
+            seg_score = tl.max(tl.where(seg, n_vis, 0), axis=0) > K
+            for t in range(0, tl.where(seg_score, tl.cdiv(seg_n, T), 0)):
+                j = t * T + tt
+                kr = (base + c0 + j).to(tl.int64)
+                k = tl.load(k_ptr + kr[:, None] * D + d[None, :], mask=(j < seg_n)[:, None],
+                            other=0.0)
+                sc = tl.dot(q, tl.trans(k.to(COMPUTE)))  # [HB, T]
+                tot = tl.sum(tl.reshape(tl.maximum(sc, 0.0), [HP, BM, T]), axis=0)  # [BM, T]
+                valid = seg[:, None] & (j[None, :] < n_here[:, None])
+                key = tl.where(valid, _score_keys(tot), -1)
+                put = (nt == t)[None, :, None] & seg[:, None, None]
+                keys = tl.where(put, key[:, None, :], keys)
+            todo = todo & (~seg)
+        ids = (nt[:, None] * T + tt[None, :])[None, :, :]
+        keys = tl.where((n_vis > K)[:, None, None], keys,
+                        tl.where(ids < n_here[:, None, None], 0, -1))
+        sel = _topk_mask(keys, ids, n_here, K, ID_BITS)
+        pos, n_sel = _compact_positions(sel)
+        slot = (rloc.to(tl.int64) * S + s) * K
+        # row-relative block id = key row - row_start
+        rel = (lo - rs + c0)[:, None, None] + ids
+        tl.store(wsk_ptr + slot[:, None, None] + pos, keys, mask=sel)
+        tl.store(wsi_ptr + slot[:, None, None] + pos, rel, mask=sel)
+        tl.store(wsc_ptr + rloc.to(tl.int64) * S + s, n_sel, mask=n_here > 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass 2: merge (+ optional fused expansion)
+@triton.jit
+def _merge_kernel(wsk_ptr, wsi_ptr, wsc_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, bound_ptr,
+                  cap, stride_out,
+                  PREFILL: tl.constexpr, EXPAND: tl.constexpr, RATIO: tl.constexpr,
+                  K: tl.constexpr, C: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+                  W: tl.constexpr, WP: tl.constexpr, ID_BITS: tl.constexpr):
+    r = tl.program_id(0)
+    if PREFILL:
+        rs = tl.load(m0_ptr + r)
+        n = tl.maximum(tl.minimum(tl.load(m1_ptr + r), cap) - tl.maximum(rs, 0), 0)
+    else:
+        seq = tl.maximum(tl.load(m0_ptr + r), 0)
+        n = tl.minimum(seq // RATIO, cap)
+    n_chunks = tl.cdiv(n, C)
+    si = tl.arange(0, SP)
+    j = tl.arange(0, K)
+    cnt = tl.load(wsc_ptr + r.to(tl.int64) * S + si, mask=si < n_chunks, other=0)  # [SP]
+    live = (j[None, :] < cnt[:, None])[None, :, :]
+    slot = (si[:, None] * K + j[None, :])[None, :, :]  # orders like the block id
+    base = r.to(tl.int64) * S * K
+    keys = tl.load(wsk_ptr + base + slot, mask=live, other=-1)
+    n_valid = tl.full([1], 0, tl.int32) + tl.sum(cnt, axis=0)
+    sel = _topk_mask(keys, slot, n_valid, K, ID_BITS)
+    pos, n_sel = _compact_positions(sel)
+    blk = tl.load(wsi_ptr + base + slot, mask=sel, other=0)
+    orow = out_ptr + r.to(tl.int64) * stride_out
+    if EXPAND:
+        if PREFILL:
+            p = tl.load(pos_ptr + r)
+            bound = tl.load(bound_ptr + r)
+        else:
+            p = seq - 1
+            bound = seq
+        # Everything is ascending, so the valid tokens of the selected blocks (< bound) are a
+        # prefix; the causal tail [floor(L/R)*R, p] follows them (tokens < bound only).
+        m = 0
+        for e in tl.static_range(RATIO):
+            tok = blk * RATIO + e
+            ok = sel & (tok < bound)
+            tl.store(orow + pos * RATIO + e, tok, mask=ok)
+            m += tl.sum(tl.sum(tl.sum(ok.to(tl.int32), axis=2), axis=1), axis=0)
+        vis = tl.maximum(p + 1, 0)
+        start = vis - vis % RATIO
+        n_tail = 0
+        for e in tl.static_range(RATIO - 1):
+            n_tail += ((e < vis - start) & (start + e < bound)).to(tl.int32)
+        col = tl.arange(0, WP)
+        off = col - m
+        val = tl.where(off < n_tail, start + off, -1)
+        tl.store(orow + col, val, mask=(col >= m) & (col < W))
+    else:
+        tl.store(orow + pos, blk, mask=sel)
+        tl.store(orow + j, tl.full([K], -1, tl.int32), mask=j >= tl.sum(n_sel, axis=0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Standalone expansion (any block ids, the exact reference rule)
+@triton.jit
+def _expand_kernel(blk_ptr, pos_ptr, sl_ptr, out_ptr, K: tl.constexpr, RATIO: tl.constexpr,
+                   W: tl.constexpr, WP: tl.constexpr):
+    r = tl.program_id(0)
+    p = tl.load(pos_ptr + r)
+    bound = tl.load(sl_ptr + r).to(tl.int64)
+    TOK: tl.constexpr = K * RATIO
+    col = tl.arange(0, WP)
+    g = tl.load(blk_ptr + r.to(tl.int64) * K + col // RATIO, mask=col < TOK, other=-1)
+    tok = g.to(tl.int64) * RATIO + col % RATIO  # 64-bit: a junk id * ratio must not wrap
+    val = tl.where((g >= 0) & (tok < bound), tok, -1)
+    # causal tail: floor division written out (Triton's // and % truncate toward zero)
+    vis = p.to(tl.int64) + 1
+    start = vis - ((vis % RATIO) + RATIO) % RATIO
+    e = (col - TOK).to(tl.int64)
+    tail = start + e
+    tval = tl.where((e < vis - start) & (tail < bound), tail, -1)
+    val = tl.where(col < TOK, val, tval)
+    inside = col < W
+    valid = (val >= 0) & inside
+    cv = tl.cumsum(valid.to(tl.int32), axis=0)
+    n_valid = tl.sum(valid.to(tl.int32), axis=0)
+    dest = tl.where(valid, cv - 1, n_valid + col - cv)  # stable partition: valid first
+    tl.store(out_ptr + r.to(tl.int64) * W + dest, val.to(tl.int32), mask=inside)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+def indexer_plan_for(kind: str, rows: int, max_blocks: int, topk: int,
+                     device: torch.device | None = None) -> IndexerPlan:
+    """The shared static plan (``interop.indices.plan_indexer``) for this device's SM count."""
+    sms = 132
+    if device is not None and device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return plan_indexer(kind, rows, max_blocks, topk, sm_count=sms)
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(index: int) -> int:
+    n = _SMS.get(index)
+    if n is None:
+        n = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
+
+
+def _compute_dtype(q: torch.Tensor):
+    return tl.bfloat16 if q.dtype == torch.float8_e4m3fn else _TL_DTYPES[q.dtype]
+
+
+def _merge(ws, out, m0, m1, pos, bound, cap, plan: IndexerPlan, *, prefill, expand, ratio):
+    wsk, wsi, wsc = ws
+    rows = out.shape[0]
+    if rows == 0:
+        return out
+    k = plan.topk
+    sp = plan.splits_pad
+    w = k * ratio + ratio - 1
+    _merge_kernel[(rows,)](
+        wsk, wsi, wsc, out, m0, m1 if m1 is not None else m0,
+        pos if pos is not None else m0, bound if bound is not None else m0,
+        cap, out.stride(0),
+        PREFILL=prefill, EXPAND=expand, RATIO=ratio, K=k, C=plan.chunk, S=plan.splits, SP=sp,
+        W=w, WP=_next_pow2(w), ID_BITS=(sp * k - 1).bit_length(), num_warps=plan.merge_warps)
+    return out
+
+
+def _workspace(rows: int, plan: IndexerPlan, device):
+    n = rows * plan.splits
+    return (torch.empty((n * plan.topk,), dtype=torch.int32, device=device),
+            torch.empty((n * plan.topk,), dtype=torch.int32, device=device),
+            torch.empty((n,), dtype=torch.int32, device=device))
+
+
+def _run_decode(q, k_cache, page_table, seq_lens, topk: int, ratio: int, expand: bool,
+                plan: IndexerPlan | None = None):
+    b, h, d = q.shape
+    pages, psz = k_cache.shape[0], k_cache.shape[1]
+    cap = page_table.shape[1] * psz
+    plan = plan or indexer_plan_for("decode", b, cap, topk, q.device)
+    width = topk * ratio + ratio - 1 if expand else topk
+    out = torch.empty((b, width), dtype=torch.int32, device=q.device)
+    if b == 0:
+        return out
+    ws = _workspace(b, plan, q.device)
+    c = plan.chunk
+    if k_cache.numel() == 0:  # no pages: every block reads nothing (pages = 0 masks all loads)
+        k_cache = torch.zeros((1, 1, 1, d), dtype=k_cache.dtype, device=q.device)
+    _decode_chunk_kernel[(b, plan.splits)](
+        q, k_cache, page_table, seq_lens, *ws,
+        q.stride(0), q.stride(1), page_table.stride(0), pages, cap,
+        H=h, HP=max(16, _next_pow2(h)), D=d, P=psz, RATIO=ratio, K=topk, C=c, T=plan.tile,
+        S=plan.splits, ID_BITS=(c - 1).bit_length(), COMPUTE=_compute_dtype(q),
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
+    return _merge(ws, out, seq_lens, None, None, None, cap, plan, prefill=False, expand=expand,
+                  ratio=ratio)
+
+
+def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, ratio: int,
+                 expand: bool, plan: IndexerPlan | None = None):
+    t, h, d = q.shape
+    n_keys = k.shape[0]
+    plan = plan or indexer_plan_for("prefill", t, n_keys, topk, q.device)
+    width = topk * ratio + ratio - 1 if expand else topk
+    out = torch.empty((t, width), dtype=torch.int32, device=q.device)
+    if t == 0:
+        return out
+    g = plan.row_group
+    ws = _workspace(min(g, t), plan, q.device)
+    hp = _next_pow2(h)
+    c = plan.chunk
+    bm = plan.rows_per_program
+    # Row groups bound the candidate workspace (static: from shapes only).
+    for r0 in range(0, t, g):
+        r1 = min(t, r0 + g)
+        qs = q[r0:r1]
+        rs, re = row_starts[r0:r1], row_ends[r0:r1]
+        if n_keys:  # no keys: every row is empty, the merge alone writes the (tail-only) rows
+            _prefill_chunk_kernel[(triton.cdiv(r1 - r0, bm), plan.splits)](
+                qs, k, rs, re, *ws, r1 - r0, n_keys, qs.stride(0), qs.stride(1),
+                H=h, HP=hp, D=d, K=topk, C=c, T=plan.tile, S=plan.splits, BM=bm,
+                ID_BITS=(c - 1).bit_length(), COMPUTE=_compute_dtype(q),
+                num_warps=plan.num_warps, num_stages=plan.num_stages)
+        _merge(ws, out[r0:r1], rs, re, positions[r0:r1] if expand else None,
+               seq_lens[r0:r1] if expand else None, n_keys, plan, prefill=True, expand=expand,
+               ratio=ratio)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library registration
+@torch.library.custom_op("qsa::indexer_decode", mutates_args=())
+def _indexer_decode_op(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
+                       seq_lens: torch.Tensor, topk: int, compress_ratio: int,
+                       expand: bool) -> torch.Tensor:
+    """Registered op: contract already checked by the public entry point."""
+    return _run_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio, expand)
+
+
+@_indexer_decode_op.register_fake
+def _indexer_decode_fake(q, k_cache, page_table, seq_lens, topk, compress_ratio, expand):
+    check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
+                         compress_ratio=compress_ratio)
+    w = topk * compress_ratio + compress_ratio - 1 if expand else topk
+    return q.new_empty((q.shape[0], w), dtype=torch.int32)
+
+
+@torch.library.custom_op("qsa::indexer_prefill", mutates_args=())
+def _indexer_prefill_op(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Tensor,
+                        row_ends: torch.Tensor, positions: torch.Tensor | None,
+                        seq_lens: torch.Tensor | None, topk: int, compress_ratio: int,
+                        expand: bool) -> torch.Tensor:
+    """Registered op: contract already checked by the public entry point."""
+    return _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk, compress_ratio,
+                        expand)
+
+
+@_indexer_prefill_op.register_fake
+def _indexer_prefill_fake(q, k, row_starts, row_ends, positions, seq_lens, topk, compress_ratio,
+                          expand):
+    check_indexer_prefill(q, k, row_starts, row_ends, topk=topk, compress_ratio=compress_ratio,
+                          positions=positions, seq_lens=seq_lens)
+    w = topk * compress_ratio + compress_ratio - 1 if expand else topk
+    return q.new_empty((q.shape[0], w), dtype=torch.int32)
+
+
+@torch.library.custom_op("qsa::expand_block_indices", mutates_args=())
+def _expand_op(block_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+               compress_ratio: int) -> torch.Tensor:
+    """Registered op: contract already checked by the public entry point."""
+    m, k = block_ids.shape
+    w = k * compress_ratio + compress_ratio - 1
+    out = torch.empty((m, w), dtype=torch.int32, device=block_ids.device)
+    if m:
+        _expand_kernel[(m,)](block_ids, positions, seq_lens, out, K=k, RATIO=compress_ratio,
+                             W=w, WP=_next_pow2(w), num_warps=4)
+    return out
+
+
+@_expand_op.register_fake
+def _expand_fake(block_ids, positions, seq_lens, compress_ratio):
+    w = check_expand_block_indices(block_ids, positions, seq_lens, compress_ratio=compress_ratio)
+    return block_ids.new_empty((block_ids.shape[0], w))
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+def _pre(fn: str, prob, q: torch.Tensor, plan: IndexerPlan | None = None) -> None:
+    check_interpreter_dtype(fn, prob.compute_dtype)
+    check_device(fn, q.device.type)
+    if plan is not None:
+        why = plan.problem(prob.kind, prob.max_blocks, prob.topk)
+        if why:
+            raise ContractError(fn, "plan", why, plan)
+
+
+def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
+                        seq_lens: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
+                        strict: bool = False, plan: IndexerPlan | None = None) -> torch.Tensor:
+    """Decode indexer: score each row's paged compressed keys and keep the exact top-k blocks.
+
+    Row b sees its first ``floor(seq_lens[b] / compress_ratio)`` compressed blocks (capped at the
+    page table's capacity ``max_pages * page_size``); block n lives at
+    ``k_cache[page_table[b, n // page_size], n % page_size, 0]``. Page-table entries past the
+    row's blocks are never read. Scores: ``sum_h ReLU(q[b, h] . k[n])`` in FP32 from bf16/fp16
+    products (fp8 operands widened to bf16, exactly); the division by ``score_scale`` upstream
+    applies is left out because it does not change the order (module docstring).
+
+    Args:
+      q: [B, H, D] bf16|fp16|fp8 e4m3 (one row per decode query; MTP rows are rows too).
+      k_cache: [pages, page_size, 1, D] q's dtype or fp8 e4m3, contiguous.
+      page_table: int32 [B, max_pages]; seq_lens: int32 [B] token counts (device data).
+      topk: blocks kept (512); compress_ratio: tokens per block (4).
+      strict: enforce the qualified envelope (``interop.contract.QUALIFIED_INDEXER``).
+      plan: an ``interop.indices.IndexerPlan`` replacing the shared one (benchmarks and sweeps;
+        the call then bypasses the torch.library op).
+
+    Returns:
+      int32 [B, topk]: the selected block ids in ascending order, -1 after; a row with <= topk
+      blocks gets all of them; ties go to the smaller block id (``interop.reference.indexer_topk``).
+
+    Raises:
+      ContractError: before any launch, for a call outside the contract
+        (``interop.contract.check_indexer_decode``), a non-torch argument, bf16 under an
+        unpatched Triton interpreter, CPU tensors without the interpreter, a plan that cannot
+        run this call (``IndexerPlan.problem``).
+    """
+    fn = "indexer_topk_decode"
+    if not torch.compiler.is_compiling():
+        check_torch_tensors(fn, q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens)
+        _pre(fn, check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
+                                      compress_ratio=compress_ratio, strict=strict, fn=fn), q,
+             plan)
+    if plan is not None:
+        return _run_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio, False, plan)
+    return torch.ops.qsa.indexer_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio,
+                                        False)
+
+
+def indexer_select_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
+                          seq_lens: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
+                          strict: bool = False, plan: IndexerPlan | None = None) -> torch.Tensor:
+    """The whole decode indexer: ``indexer_topk_decode`` with the expansion fused into its merge.
+
+    The row's position is ``seq_lens[b] - 1`` and its validity bound ``seq_lens[b]``.
+
+    Returns:
+      int32 [B, topk * ratio + ratio - 1] (2051): token positions ascending (the selected blocks'
+      tokens, then the causal tail ``[floor(L/4)*4, L-1]``), -1 after; equal to
+      ``interop.indices.expand_block_indices`` of ``indexer_topk_decode``'s output. This is the
+      ``indices`` argument ``sparse_decode_paged`` takes.
+
+    Raises:
+      ContractError: as ``indexer_topk_decode``.
+    """
+    fn = "indexer_select_decode"
+    if not torch.compiler.is_compiling():
+        check_torch_tensors(fn, q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens)
+        _pre(fn, check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
+                                      compress_ratio=compress_ratio, strict=strict, fn=fn), q,
+             plan)
+    if plan is not None:
+        return _run_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio, True, plan)
+    return torch.ops.qsa.indexer_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio,
+                                        True)
+
+
+def indexer_topk_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Tensor,
+                         row_ends: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
+                         strict: bool = False, plan: IndexerPlan | None = None) -> torch.Tensor:
+    """Prefill indexer: each row's exact top-k over its packed compressed-key range.
+
+    Row m scores key rows ``[row_starts[m], row_ends[m])`` of ``k`` (intersected with ``[0, N)``;
+    ``interop.indices.prefill_row_ranges`` builds them: a row at position p of a request sees its
+    first ``floor((p + 1) / ratio)`` blocks). Ids are relative to ``row_starts[m]``. Rows are
+    processed in static groups so the candidate workspace stays bounded (``plan_indexer``).
+
+    Args:
+      q: [T, H, D] bf16|fp16|fp8 e4m3; k: [N, 1, D] q's dtype or fp8 e4m3, contiguous.
+      row_starts, row_ends: int32 [T] (device data).
+      topk, compress_ratio, strict, plan: as ``indexer_topk_decode``.
+
+    Returns:
+      int32 [T, topk], ascending row-relative block ids, -1 after.
+
+    Raises:
+      ContractError: as ``indexer_topk_decode`` (``check_indexer_prefill``).
+    """
+    fn = "indexer_topk_prefill"
+    if not torch.compiler.is_compiling():
+        check_torch_tensors(fn, q=q, k=k, row_starts=row_starts, row_ends=row_ends)
+        _pre(fn, check_indexer_prefill(q, k, row_starts, row_ends, topk=topk,
+                                       compress_ratio=compress_ratio, strict=strict, fn=fn), q,
+             plan)
+    if plan is not None:
+        return _run_prefill(q, k, row_starts, row_ends, None, None, topk, compress_ratio, False,
+                            plan)
+    return torch.ops.qsa.indexer_prefill(q, k, row_starts, row_ends, None, None, topk,
+                                         compress_ratio, False)
+
+
+def indexer_select_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Tensor,
+                           row_ends: torch.Tensor, positions: torch.Tensor,
+                           seq_lens: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
+                           strict: bool = False, plan: IndexerPlan | None = None
+                           ) -> torch.Tensor:
+    """The whole prefill indexer: ``indexer_topk_prefill`` with the expansion fused into its merge.
+
+    Args:
+      positions, seq_lens: int32 [T], each row's position p and validity bound (its request's
+        length); the rest as ``indexer_topk_prefill``.
+
+    Returns:
+      int32 [T, topk * ratio + ratio - 1] (2051), equal to ``expand_block_indices`` of
+      ``indexer_topk_prefill``'s output: the ``indices`` the sparse prefill kernels take.
+
+    Raises:
+      ContractError: as ``indexer_topk_prefill``.
+    """
+    fn = "indexer_select_prefill"
+    if not torch.compiler.is_compiling():
+        check_torch_tensors(fn, q=q, k=k, row_starts=row_starts, row_ends=row_ends,
+                            positions=positions, seq_lens=seq_lens)
+        _pre(fn, check_indexer_prefill(q, k, row_starts, row_ends, topk=topk,
+                                       compress_ratio=compress_ratio, positions=positions,
+                                       seq_lens=seq_lens, strict=strict, fn=fn), q, plan)
+    if plan is not None:
+        return _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk,
+                            compress_ratio, True, plan)
+    return torch.ops.qsa.indexer_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk,
+                                         compress_ratio, True)
+
+
+def expand_block_indices(block_ids: torch.Tensor, positions: torch.Tensor,
+                         seq_lens: torch.Tensor, *, compress_ratio: int = 4,
+                         strict: bool = False) -> torch.Tensor:
+    """Block ids -> token positions (``qsa-contract.md`` §4), one Triton program per row.
+
+    Every block id g >= 0 gives tokens ``ratio*g .. ratio*g + ratio - 1`` (a token >= seq_len is
+    -1, a negative id gives ratio x -1), then the causal tail ``[floor(L/ratio)*ratio, p]`` (L =
+    p + 1, tokens < seq_len) is appended and the valid entries (>= 0) are stably moved to the
+    front. Equal to ``interop.indices.expand_block_indices`` for any input.
+
+    Args:
+      block_ids: int32 [M, topk] contiguous; positions, seq_lens: int32 [M].
+      compress_ratio: tokens per block.
+
+    Returns:
+      int32 [M, topk * ratio + ratio - 1].
+
+    Raises:
+      ContractError: before any launch (``interop.contract.check_expand_block_indices``).
+    """
+    fn = "expand_block_indices"
+    if not torch.compiler.is_compiling():
+        check_torch_tensors(fn, block_ids=block_ids, positions=positions, seq_lens=seq_lens)
+        check_expand_block_indices(block_ids, positions, seq_lens, compress_ratio=compress_ratio,
+                                   strict=strict, fn=fn)
+        check_device(fn, block_ids.device.type)
+    return torch.ops.qsa.expand_block_indices(block_ids, positions, seq_lens, compress_ratio)
