@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from interop import cli
+from interop.validate import cli
 
 
 def test_contract_all_archs(capsys):
@@ -47,8 +47,8 @@ def test_plain_table_without_rich(capsys):
 
 
 def test_console_script_runs():
-    proc = subprocess.run([sys.executable, "-m", "interop.cli", "contract", "--arch", "sm_90"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "interop.validate.cli", "contract", "--arch",
+                           "sm_90"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "sm90-table" in proc.stdout
 
@@ -106,7 +106,7 @@ def _compile_cli(tmp_path, *argv, triton_mods="qsa_fake_triton_kernels",
                JAX_PLATFORMS="cpu", TRITON_CACHE_DIR=str(tmp_path / "triton-cache"),
                COLUMNS="250")
     out = tmp_path / "compile.json"
-    proc = subprocess.run([sys.executable, "-m", "interop.cli", "compile", *argv, "--json",
+    proc = subprocess.run([sys.executable, "-m", "interop.validate.cli", "compile", *argv, "--json",
                            str(out)], capture_output=True, text=True, timeout=600, env=env)
     doc = _json.loads(out.read_text()) if out.exists() else None
     return proc, doc
@@ -154,7 +154,7 @@ def test_compile_bad_arguments(capsys):
 
 
 def test_parse_archs():
-    from interop.compile_check import parse_archs
+    from interop.validate.compile import parse_archs
 
     assert parse_archs(None) == ["sm_90", "sm_120", "sm_121"]
     assert parse_archs("121, sm_90,sm_121") == ["sm_121", "sm_90"]

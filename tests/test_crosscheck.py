@@ -1,4 +1,4 @@
-"""interop.crosscheck and ``qsa check``: the matrix as data, the batched float64 torch reference
+"""interop.validate.crosscheck and ``qsa check``: the matrix as data, the batched float64 torch reference
 against interop.reference, the runner's verdicts with injected (fake) kernels, the CLI's exit
 status / JSON / error messages, and a few real quick cases through both kernel families."""
 
@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from interop import cli  # noqa: E402
-from interop import crosscheck as X  # noqa: E402
+from interop.validate import cli  # noqa: E402
+from interop.validate import crosscheck as X  # noqa: E402
 from interop import reference as R  # noqa: E402
 from interop.contract import (TensorSpec, check_decode, check_prefill, check_prefill_chunk,  # noqa: E402
                               check_prefill_paged)
@@ -356,7 +356,7 @@ def test_peer_indices_maps_every_invalid_entry_to_minus_one():
     per request (ragged) and per KV head."""
     import torch
 
-    from interop.crosscheck import peer_indices
+    from interop.validate.crosscheck import peer_indices
 
     cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
     lens = torch.tensor([4, 10], dtype=torch.int32)
@@ -379,7 +379,7 @@ def test_peer_prefill_skip_reasons():
     """The upstream oracle sits out exactly the full-matrix cases outside its own contract (rows
     with no valid entry; per-head paged indices), with the reason printed; junk values alone
     never exclude a case (they are mapped to -1)."""
-    from interop.crosscheck import peer_prefill_skip
+    from interop.validate.crosscheck import peer_prefill_skip
 
     reasons = {s.name: peer_prefill_skip(s) for s in X.full_matrix(("prefill",))}
     skipped = {n for n, r in reasons.items() if r}

@@ -40,7 +40,7 @@ def sglang_root() -> Path | None:
             spec = None
     if spec is not None and spec.submodule_search_locations:
         candidates.append(Path(next(iter(spec.submodule_search_locations))))
-    candidates.append(Path(__file__).resolve().parent.parent / ".peer" / "sglang")
+    candidates.append(Path(__file__).resolve().parents[2] / ".peer" / "sglang")
     for c in candidates:
         if (c / "srt" / "layers" / "attention" / "qsa" / "sparse_attn.py").is_file():
             return c

@@ -1,6 +1,6 @@
 """The differential runner behind ``qsa check``: identical inputs to the Pallas and the Triton
 kernels (zero-copy through ``interop.dlpack``), each compared with the FP64 reference and with
-each other, optionally with upstream SGLang's kernels (``interop.peer``) as an independent oracle.
+each other, optionally with upstream SGLang's kernels (``interop.validate.peer``) as an independent oracle.
 
 The case matrix is data (``DecodeSpec`` / ``PrefillSpec`` lists):
   * ``full_matrix()`` (GPU): decode TP1/TP2/TP4 x every B in 1..16, 17, 24, 32, 48, 64, 96, 128 x
@@ -34,9 +34,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from . import indices as I
-from . import reference as R
-from .cases import (ATOL, DECODE_BATCHES, OPS, PREFILL_KINDS, REL_L2, RTOL, TP_SHAPES,  # noqa: F401
+from interop import indices as I
+from interop import reference as R
+from interop.cases import (ATOL, DECODE_BATCHES, OPS, PREFILL_KINDS, REL_L2, RTOL, TP_SHAPES,  # noqa: F401
                     DecodeSpec, PrefillSpec, Spec, full_matrix, quick_matrix)
 
 __all__ = [
@@ -193,7 +193,7 @@ def peer_prefill_skip(spec: PrefillSpec) -> str | None:
 
 
 def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
-    """Upstream SGLang 0.5.23's kernels as a peer implementation (``interop.peer``).
+    """Upstream SGLang 0.5.23's kernels as a peer implementation (``interop.validate.peer``).
 
     Decode uses the SM121 packed kernel (exact contract only: other shapes are skipped); prefill
     uses upstream's public interfaces, with index entries outside [0, len) passed as -1 (upstream
@@ -206,12 +206,12 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
         every case is reported as skipped).
 
     Raises:
-      ValueError: unknown peer name. interop.peer.PeerUnavailable: files absent.
+      ValueError: unknown peer name. interop.validate.peer.PeerUnavailable: files absent.
     """
     if name != "sglang":
         raise ValueError(f"--peer: unknown peer {name!r}; allowed: sglang")
     from . import peer  # noqa: PLC0415
-    from .contract import ContractError, check_decode  # noqa: PLC0415
+    from interop.contract import ContractError, check_decode  # noqa: PLC0415
 
     # SM121 decode first: load_sparse_attn() registers stub 'sglang' modules without __spec__,
     # after which peer.sglang_root()'s importlib.util.find_spec("sglang") raises ValueError
@@ -259,7 +259,7 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
         if isinstance(spec, DecodeSpec):
             if sm121 is None:
                 return "upstream SM121 decode kernel absent"
-            from .contract import TensorSpec  # noqa: PLC0415
+            from interop.contract import TensorSpec  # noqa: PLC0415
 
             try:
                 check_decode(TensorSpec((spec.batch, spec.hq, spec.d), spec.dtype),
@@ -496,7 +496,7 @@ def _call(impl: Implementation, inp: Inputs):
     if fn is None:
         raise NotImplementedError(f"{impl.name} has no {inp.entry}")
     if impl.framework == "jax":
-        from .dlpack import to_jax, to_torch  # noqa: PLC0415
+        from interop.dlpack import to_jax, to_torch  # noqa: PLC0415
 
         args = [to_jax(x) if type(x).__module__.startswith("torch") else x for x in inp.args]
         out = fn(*args, **inp.kwargs, **impl.kwargs)

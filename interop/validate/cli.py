@@ -5,7 +5,7 @@ Subcommands (each a small function taking parsed args and returning an exit stat
   qsa check    [--quick|--full] [--ops ...]   cross-check Pallas vs Triton vs FP64 reference
   qsa compile  [--arch sm_90,sm_120,sm_121]   AOT-compile every shipped kernel configuration
   qsa bench    decode|prefill [args...]       benchmarks (bench/decode.py, bench/prefill.py)
-  qsa replay   FILE...                        re-run captured kernel calls (interop.capture)
+  qsa replay   FILE...                        re-run captured kernel calls (interop.validate.capture)
   qsa capture  --case NAME --out FILE         save one check case + an output as a capture file
 
 Output uses ``rich`` tables when rich is installed and plain text otherwise. torch / jax / triton
@@ -72,8 +72,8 @@ def _split_list(text: str | None) -> list[str]:
 # --------------------------------------------------------------------------------------------
 # qsa contract
 def _cmd_contract(args) -> int:
-    from .arch import KNOWN_ARCHS, DeviceFacts, parse_arch, arch_name  # noqa: PLC0415
-    from .contract import QUALIFIED, envelope_text, route  # noqa: PLC0415
+    from interop.arch import KNOWN_ARCHS, DeviceFacts, parse_arch, arch_name  # noqa: PLC0415
+    from interop.contract import QUALIFIED, envelope_text, route  # noqa: PLC0415
 
     if args.arch:
         names = []
@@ -138,7 +138,7 @@ def _cmd_contract(args) -> int:
 def _contract_self_test() -> int:
     """--strict: run the strict checks on the envelope's corners (all must pass) and just
     outside them (all must be refused); print the outcome; 1 on any surprise."""
-    from .contract import (QUALIFIED, ContractError, TensorSpec, check_decode,  # noqa: PLC0415
+    from interop.contract import (QUALIFIED, ContractError, TensorSpec, check_decode,  # noqa: PLC0415
                            check_prefill_chunk)
 
     def dec(b, hq, hkv, msk, d=256, msq=1):
@@ -399,7 +399,7 @@ def _cmd_compile(args) -> int:
     import os  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
 
-    from . import compile_check as CC  # noqa: PLC0415
+    from . import compile as CC  # noqa: PLC0415
 
     try:
         archs = CC.parse_archs(args.arch)
@@ -422,7 +422,7 @@ def _cmd_compile(args) -> int:
         # the interpreter replaces @triton.jit functions: compile in a clean interpreter
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.setdefault("JAX_PLATFORMS", "cpu")
-        proc = subprocess.run([sys.executable, "-m", "interop.cli", "compile", *args._argv[1:]],
+        proc = subprocess.run([sys.executable, "-m", "interop.validate.cli", "compile", *args._argv[1:]],
                               env=env)
         return proc.returncode
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # lowering needs no GPU
@@ -491,7 +491,7 @@ def _cmd_bench(args) -> int:
     import importlib  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the repository: bench/ sits next to interop/
     if (root / "bench" / f"{args.which}.py").is_file() and str(root) not in sys.path:
         sys.path.insert(0, str(root))  # bench/ lives in the repository, next to interop/
     try:
@@ -586,7 +586,7 @@ def _cmd_replay(args) -> int:
 
 
 def _add_replay(sub) -> None:
-    p = sub.add_parser("replay", help="re-run captured kernel calls (interop.capture format)",
+    p = sub.add_parser("replay", help="re-run captured kernel calls (interop.validate.capture format)",
                        description="Run qsa_triton and qsa_pallas (and the peer) on each captured "
                        "call and report relative L2 against the FP64 reference and against the "
                        "stored output. Exit status 1 if an implementation is outside tolerance.")
