@@ -15,6 +15,7 @@ jnp = jax.numpy
 
 from interop.validate import cli  # noqa: E402
 from interop.validate import crosscheck as X  # noqa: E402
+from interop import cases as C  # noqa: E402
 from interop import reference as R  # noqa: E402
 from interop.contract import (TensorSpec, check_decode, check_prefill, check_prefill_chunk,  # noqa: E402
                               check_prefill_paged)
@@ -100,7 +101,8 @@ def test_select_ops():
 
 # --------------------------------------------------------------------------------------------
 # References.
-SMALL = [s for s in X.quick_matrix() if s.op == "prefill" and s.d == 64][::2] + [
+_EDGE = [s for s in C.edge_cases(("prefill",))]
+SMALL = [s for s in X.quick_matrix() if s.op == "prefill" and s.d == 64 and s not in _EDGE][::3] + _EDGE + [
     X.PrefillSpec("p/paged/per-head/fp8", "paged", 6, 2, 32, (5, 4), (40, 9), width=11,
                   dtype="float16", kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0,
                   per_head=True, junk="mixed", empty_rows=(2,)),
