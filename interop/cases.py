@@ -100,8 +100,9 @@ class PrefillSpec:
       junk_inside: columns 0, cap // 2 and cap - 1 of every row's read window (cap = min(W,
         visible)) overwritten with invalid values cycling through -1, -7, len, len + 19 (junk at
         the front, in the middle and at the end, not only after the valid prefix).
-      duplicates: columns 1 and cap - 1 of every row's read window repeat column 0 (a valid
-        position attended three times).
+      duplicates: columns 2 and cap - 2 of every row's read window repeat column 1 (a valid
+        position attended three times; applied after ``junk_inside``, whose columns it spares
+        when cap >= 6).
       poison: K/V rows (pool slots for paged) that no valid entry of any row names, per KV head,
         are NaN: a kernel that reads or weighs them produces NaN.
       max_q_hint: the max_seqlen_q passed (None: the longest request); smaller than the longest
@@ -450,8 +451,9 @@ def _edit_windows(idx: np.ndarray, visible: np.ndarray, bound: np.ndarray, spec:
         for j, col in enumerate((np.zeros(t, np.int64), cap // 2, cap - 1)):
             idx[rows, :, col] = junk[rows, (rows + j) % 4][:, None]
     if spec.duplicates:
-        for col in (np.minimum(1, cap - 1), cap - 1):
-            idx[rows, :, col] = idx[rows, :, 0]
+        src = np.minimum(1, cap - 1)
+        for col in (np.minimum(2, cap - 1), np.maximum(cap - 2, 0)):
+            idx[rows, :, col] = idx[rows, :, src]
 
 
 def case_data(spec: Spec) -> CaseData:

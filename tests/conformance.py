@@ -93,7 +93,7 @@ class Conformance:
                                 v["rel_l2"] <= C.REL_L2),
                                ("rows without a valid key not exactly 0", v["zeros_ok"])) if not ok]
         assert v["passed"], f"{self.name} {spec.name}: " + "; ".join(why)
-        return data
+        return data, got
 
     def decode_args(self, b=2, hq=12, hkv=1, d=64, dtype="float16", kv_dtype=None, lens=(3, 5)):
         """A small valid decode call (positional args) to make invalid by one change."""
@@ -123,9 +123,12 @@ class Conformance:
     @pytest.mark.gpu
     @pytest.mark.parametrize("spec", C.gpu_conformance_matrix(), ids=lambda s: s.name)
     def test_case_gpu(self, spec):
+        """Production shapes on compiled kernels; a second call gives the same bits."""
         if not ON_GPU:
             pytest.skip("needs a CUDA GPU")
-        self.check(spec)
+        _, got = self.check(spec)
+        again = self.to_numpy(self.run(spec)[0])
+        assert np.array_equal(got, again), f"{self.name} {spec.name}: second call differs"
 
     # ---- one interface -------------------------------------------------------------------
     def test_same_entry_points_same_parameters(self):

@@ -16,6 +16,7 @@ jnp = jax.numpy
 from interop.validate import cli  # noqa: E402
 from interop.validate import crosscheck as X  # noqa: E402
 from interop import cases as C  # noqa: E402
+from interop import indices as I  # noqa: E402
 from interop import reference as R  # noqa: E402
 from interop.contract import (TensorSpec, check_decode, check_prefill, check_prefill_chunk,  # noqa: E402
                               check_prefill_paged)
@@ -89,6 +90,61 @@ def test_quick_matrix_is_small_and_fp16():
     assert {s.kind for s in quick if s.op == "prefill"} == {"ordinary", "chunk", "paged"}
     assert any(getattr(s, "kv_dtype", None) for s in quick)
     assert X.quick_matrix(["prefill"]) == [s for s in quick if s.op == "prefill"]
+
+
+def _window(data):
+    """Per row: (cap, validity bound, indices [H, W]) from a prefill CaseData."""
+    spec = data.spec
+    kv = None if spec.kind == "ordinary" else spec.kv_lens
+    _, _, visible, bound = I.row_layout(spec.q_lens, kv)
+    idx = data.ints["indices"]
+    idx3 = idx if idx.ndim == 3 else idx[:, None, :]
+    return np.minimum(idx.shape[-1], visible), bound, idx3
+
+
+def test_edge_cases_are_what_their_names_say():
+    edge = C.by_name(C.edge_cases())
+    assert set(edge) <= set(C.by_name(C.quick_matrix())) and set(edge) <= set(
+        C.by_name(C.conformance_matrix()))
+    d = C.case_data(edge["decode/TP2/B3/all-empty"])
+    assert d.empty.all() and d.poison[int(d.ints["cu_seqlens_k"][-1]):].all()
+    for name in ("prefill/chunk/junk-inside/G6xHkv1",
+                 "prefill/ordinary/junk-inside/per-head/G3xHkv2"):
+        cap, bound, idx = _window(C.case_data(edge[name]))
+        seen = set()
+        for t in range(idx.shape[0]):
+            for col in {0, cap[t] // 2, cap[t] - 1}:
+                v = idx[t, :, col]
+                assert ((v < 0) | (v >= bound[t])).all(), (name, t, col)
+                seen |= {int(x) - int(bound[t]) if x >= 0 else int(x) for x in v}
+        assert seen == {-1, -7, 0, 19}  # -1, -7, len, len + 19
+    for name in ("prefill/paged/duplicates/G12xHkv1",
+                 "prefill/chunk/duplicates+junk-inside/per-head/G12xHkv2"):
+        cap, bound, idx = _window(C.case_data(edge[name]))
+        dup = 0
+        for t in range(idx.shape[0]):
+            src = idx[t, :, min(1, cap[t] - 1)]
+            for col in {min(2, cap[t] - 1), max(cap[t] - 2, 0)}:
+                assert (idx[t, :, col] == src).all()
+            dup += int(cap[t] >= 6 and ((src >= 0) & (src < bound[t])).all())
+        assert dup >= 3  # rows where a valid position really is attended three times
+    for name in ("prefill/paged/poison/G12xHkv1", "prefill/chunk/poison+fp8/per-head/G6xHkv2"):
+        data = C.case_data(edge[name])
+        cap, bound, idx = _window(data)
+        spec = data.spec
+        assert data.poison.any() and not data.poison.all()
+        for t, (req, _, _, _) in enumerate(zip(*I.row_layout(spec.q_lens, spec.kv_lens))):
+            for h in range(spec.hkv):
+                sel = idx[t, h if idx.shape[1] > 1 else 0, :cap[t]]
+                sel = sel[(sel >= 0) & (sel < bound[t])]
+                rows = (data.ints["slot_table"][req, sel] if spec.kind == "paged"
+                        else data.ints["cu_seqlens_k"][req] + sel)
+                assert not data.poison[rows, h].any(), (name, t, h)
+    for name in ("prefill/chunk/max_seqlen_q-hint-2/G12xHkv1",
+                 "prefill/paged/max_seqlen_q-hint-1/G6xHkv1",
+                 "prefill/ordinary/max_seqlen_q-hint-3/G3xHkv1"):
+        spec = edge[name]
+        assert C.case_data(spec).scalars["max_seqlen_q"] == spec.max_q_hint < max(spec.q_lens)
 
 
 def test_select_ops():

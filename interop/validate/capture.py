@@ -37,7 +37,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from .crosscheck import PARAMS, TP_SHAPES
+from interop.cases import PARAMS, TP_SHAPES
 
 __all__ = ["FORMAT", "Capture", "save_capture", "capture_call", "load_capture", "replay",
            "spec_for"]
