@@ -67,12 +67,17 @@ class Conformance:
             pytest.fail(f"{self.name} has no entry point {name}")
         return fn
 
-    def run(self, spec: C.Spec):
-        """Build the case's arrays, call the entry point; (output, reference, CaseData)."""
-        data = C.case_data(spec)
+    def arrays(self, data: C.CaseData) -> tuple[dict, dict]:
+        """(framework arrays by parameter name, the float32 values they were made from)."""
         values = data.values()
         named = {n: self.array(values[n], dt) for n, (_, dt) in data.floats.items()}
         named.update({n: self.array(a, "int32") for n, a in data.ints.items()})
+        return named, values
+
+    def run(self, spec: C.Spec):
+        """Build the case's arrays, call the entry point; (output, reference, CaseData)."""
+        data = C.case_data(spec)
+        named, _ = self.arrays(data)
         args, kwargs = data.arguments(named)
         out = self.entry(data.entry)(*args, **kwargs, **self.call_kwargs)
         seen = {n: self.to_numpy(named[n]) for n in data.floats}  # as the kernel saw them
@@ -189,9 +194,7 @@ class Conformance:
         spec = C.PrefillSpec("refusal", "chunk", 12, 2, 64, (3,), (9,), width=8,
                              dtype="float16", per_head=True)
         data = C.case_data(spec)
-        values = data.values()
-        named = {n: self.array(values[n], dt) for n, (_, dt) in data.floats.items()}
-        named.update({n: self.array(a, "int32") for n, a in data.ints.items()})
+        named, values = self.arrays(data)
         chunk = self.entry("sparse_prefill_chunk")
         args, kwargs = data.arguments(named)
         bad = {**named, "indices": self.array(data.ints["indices"][:, :1], "int32")}
@@ -204,3 +207,14 @@ class Conformance:
         kv = self.array(values["k"][:t], "float8_e4m3fn")
         cu = self.array(np.array([0, t], np.int32), "int32")
         self.refused(ordinary, named["q"], kv, kv, named["indices"], cu, t, arg="k")
+
+    def test_prefill_wrong_head_pair_is_refused_in_strict_mode(self):
+        """(Hq, Hkv) = (24, 4) is computable (group 6) but outside the qualified prefill pairs."""
+        for kind in C.PREFILL_KINDS:
+            spec = C.PrefillSpec(f"strict/{kind}", kind, 24, 4, 256, (2,),
+                                 None if kind == "ordinary" else (5,), width=4, dtype="float16")
+            data = C.case_data(spec)
+            named, _ = self.arrays(data)
+            args, kwargs = data.arguments(named)
+            e = self.refused(self.entry(data.entry), *args, arg="q", strict=True, **kwargs)
+            assert "(24, 4)" in str(e), e

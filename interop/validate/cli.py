@@ -293,7 +293,7 @@ def _cmd_check(args) -> int:
                     f"{X.RTOL:g}, rel L2 <= {X.REL_L2:g})", cols, [row])
         skipped = {n: s[f"skipped[{n}]"] for n in names if s[f"skipped[{n}]"]}
         if skipped:
-            print(f"  skipped: " + ", ".join(f"{n} {c} case(s)" for n, c in skipped.items()))
+            print("  skipped: " + ", ".join(f"{n} {c} case(s)" for n, c in skipped.items()))
             for n in skipped:
                 for why in s.get(f"skip_reasons[{n}]", []):
                     print(f"    {n}: {why}")
