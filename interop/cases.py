@@ -103,8 +103,9 @@ class PrefillSpec:
       duplicates: columns 2 and cap - 2 of every row's read window repeat column 1 (a valid
         position attended three times; applied after ``junk_inside``, whose columns it spares
         when cap >= 6).
-      poison: K/V rows (pool slots for paged) that no valid entry of any row names, per KV head,
-        are NaN: a kernel that reads or weighs them produces NaN.
+      poison: NaN in every K/V row (pool slot) no valid entry selects (per KV head), and (paged)
+        slot-table entries past each request's kv_len naming slots past the pool: a kernel that
+        reads what the contract says it must not read then fails or faults.
       max_q_hint: the max_seqlen_q passed (None: the longest request); smaller than the longest
         request tests that the host hint is only a hint.
     """
@@ -500,6 +501,11 @@ def case_data(spec: Spec) -> CaseData:
             ints["cu_seqlens_k"] = lay.cu_seqlens_k
         else:
             ints["slot_table"] = lay.slot_table
+            if spec.poison:  # positions past kv_len name slots past the pool
+                st = lay.slot_table.copy()
+                past = np.arange(st.shape[1])[None, :] >= lay.kv_lens[:, None]
+                st[past] = lay.pool_slots + 1 + np.nonzero(past)[1]
+                ints["slot_table"] = st
     t = int(lay.cu_seqlens_q[-1])
     rows = {"ordinary": t, "chunk": int(lay.cu_seqlens_k[-1]), "paged": lay.pool_slots}[kind]
     kv = ((rows, spec.hkv, spec.d), spec.kv_dtype or spec.dtype)
@@ -510,7 +516,7 @@ def case_data(spec: Spec) -> CaseData:
         idx3, valid, req = _read_window(idx, lay.cu_seqlens_q, lens, kind == "ordinary")
         safe = np.where(valid, idx3, 0)
         if kind == "paged":
-            kv_row = np.asarray(lay.slot_table, np.int64)[req[:, None, None], safe]
+            kv_row = np.asarray(ints["slot_table"], np.int64)[req[:, None, None], safe]
         else:
             base = lay.cu_seqlens_q if kind == "ordinary" else lay.cu_seqlens_k
             kv_row = np.asarray(base, np.int64)[req][:, None, None] + safe
