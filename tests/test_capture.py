@@ -191,8 +191,8 @@ def test_gpu_capture_and_replay(tmp_path):
 
 
 def test_replay_of_a_capture_made_on_the_h200(capsys):
-    """A file captured on the H200 (`qsa capture` in bench/gpu_check_full.sh, run 6: Triton's
-    compiled paged prefill, sm_90) replays here on CPU: both implementations match the stored
+    """A file captured on the H200 (`qsa capture` of Triton's compiled paged prefill, sm_90)
+    replays here on CPU: both implementations match the stored
     GPU output and the FP64 reference; the metadata names the GPU."""
     from pathlib import Path
 

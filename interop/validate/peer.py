@@ -9,7 +9,8 @@ Search order for the ``sglang`` package root (the folder holding ``srt/`` and ``
 
 ``sparse_attn.py`` imports ``sglang.srt.batch_invariant_ops.is_batch_invariant_mode_enabled``; a
 stub returning False is registered before loading, as ``anchors.md`` describes.
-Imports torch (lazily, inside the loaders): a bridge-side module.
+Part of ``interop.validate`` (tooling above both backends); upstream's modules import torch and
+triton when loaded, so only the loaders touch them.
 """
 
 from __future__ import annotations
