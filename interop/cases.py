@@ -35,7 +35,7 @@ __all__ = [
     "RTOL", "ATOL", "REL_L2", "OPS", "TP_SHAPES", "DECODE_BATCHES", "PREFILL_KINDS", "DecodeSpec",
     "PrefillSpec", "Spec", "full_matrix", "quick_matrix", "edge_cases", "conformance_matrix",
     "gpu_conformance_matrix", "by_name", "ENTRY", "PARAMS", "CaseData", "case_data",
-    "empty_outputs", "reference", "compare", "BENCH_DECODE_BATCHES", "BENCH_DECODE_ROWS",
+    "empty_outputs", "slot_table_of", "reference", "compare", "BENCH_DECODE_BATCHES", "BENCH_DECODE_ROWS",
     "BENCH_PREFILL_ROWS", "BENCH_PREFILL_KV",
 ]
 
@@ -516,7 +516,7 @@ def case_data(spec: Spec) -> CaseData:
         idx3, valid, req = _read_window(idx, lay.cu_seqlens_q, lens, kind == "ordinary")
         safe = np.where(valid, idx3, 0)
         if kind == "paged":
-            kv_row = np.asarray(ints["slot_table"], np.int64)[req[:, None, None], safe]
+            kv_row = np.asarray(slot_table_of(ints), np.int64)[req[:, None, None], safe]
         else:
             base = lay.cu_seqlens_q if kind == "ordinary" else lay.cu_seqlens_k
             kv_row = np.asarray(base, np.int64)[req][:, None, None] + safe
@@ -533,6 +533,13 @@ def case_data(spec: Spec) -> CaseData:
         scalars.update(k_scale=spec.k_scale, v_scale=spec.v_scale)
     return CaseData(spec, entry, {"q": ((t, spec.hq, spec.d), spec.dtype), k_name: kv, v_name: kv},
                     ints, scalars, poison, empty_outputs(entry, ints, spec.hq, spec.hkv))
+
+
+def slot_table_of(named: dict[str, Any]):
+    """The per-request pool slots ``[B, max_context]`` of a ``sparse_prefill_paged`` call given
+    by parameter name (numpy or framework arrays): position p of request b lives in pool slot
+    ``table[b, p]``. The one place that knows how the paged entry point addresses the pool."""
+    return named["slot_table"]
 
 
 def reference(entry: str, named: dict[str, Any]) -> np.ndarray:
@@ -562,7 +569,7 @@ def reference(entry: str, named: dict[str, Any]) -> np.ndarray:
         return R.prefill_chunk_reference(n["q"], n["k"], n["v"], n["indices"], n["cu_seqlens_q"],
                                          n["cu_seqlens_k"], n["kv_lens"], sc, ks, vs)
     if entry == "sparse_prefill_paged":
-        return R.prefill_paged_reference(n["q"], n["k_cache"], n["v_cache"], n["slot_table"],
+        return R.prefill_paged_reference(n["q"], n["k_cache"], n["v_cache"], slot_table_of(n),
                                          n["indices"], n["cu_seqlens_q"], n["kv_lens"], sc, ks, vs)
     raise ValueError(f"unknown entry point {entry!r}; known: {', '.join(PARAMS)}")
 

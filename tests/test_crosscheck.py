@@ -134,14 +134,14 @@ def test_edge_cases_are_what_their_names_say():
         spec = data.spec
         assert data.poison.any() and not data.poison.all()
         if spec.kind == "paged":  # table entries past kv_len name slots past the pool
-            st, kv_rows = data.ints["slot_table"], data.floats["k_cache"][0][0]
+            st, kv_rows = C.slot_table_of(data.ints), data.floats["k_cache"][0][0]
             past = np.arange(st.shape[1])[None, :] >= np.asarray(spec.kv_lens)[:, None]
             assert past.any() and (st[past] >= kv_rows).all() and (st[~past] < kv_rows).all()
         for t, (req, _, _, _) in enumerate(zip(*I.row_layout(spec.q_lens, spec.kv_lens))):
             for h in range(spec.hkv):
                 sel = idx[t, h if idx.shape[1] > 1 else 0, :cap[t]]
                 sel = sel[(sel >= 0) & (sel < bound[t])]
-                rows = (data.ints["slot_table"][req, sel] if spec.kind == "paged"
+                rows = (C.slot_table_of(data.ints)[req, sel] if spec.kind == "paged"
                         else data.ints["cu_seqlens_k"][req] + sel)
                 assert not data.poison[rows, h].any(), (name, t, h)
     for name in ("prefill/chunk/max_seqlen_q-hint-2/G12xHkv1",

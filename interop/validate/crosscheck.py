@@ -228,8 +228,15 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
                                                     max_q=max_seqlen_q)
         return out if v_scale == 1.0 else (out.float() * v_scale).to(q.dtype)
 
-    def paged(q, k_cache, v_cache, slot_table, indices, cu_q, kv_lens, max_seqlen_q,
-              softmax_scale=None, k_scale=1.0, v_scale=1.0):
+    def paged(*args, **kwargs):
+        pos, _ = PARAMS["sparse_prefill_paged"]
+        n = {**dict(zip(pos, args)), **kwargs}
+        q, k_cache, v_cache = n["q"], n[pos[1]], n[pos[2]]
+        indices, cu_q, kv_lens, max_seqlen_q = (n["indices"], n["cu_seqlens_q"], n["kv_lens"],
+                                                n["max_seqlen_q"])
+        softmax_scale, k_scale = n.get("softmax_scale"), n.get("k_scale", 1.0)
+        v_scale = n.get("v_scale", 1.0)
+        slot_table = C.slot_table_of(n)  # upstream's kernel takes one slot table row per request
         k_cache, v_cache = _deq(q, k_cache, v_cache)
         indices = peer_indices(indices, cu_q, kv_lens)
         out = sa.sparse_gqa_paged_prefill_triton(q, k_cache, v_cache, slot_table, indices, cu_q,
@@ -371,7 +378,7 @@ def torch_reference(spec: Spec | None, inp: Inputs, *, budget_bytes: int = 1 << 
     elif kind == "chunk":
         cu_q, lens, base = n["cu_seqlens_q"], n["kv_lens"], n["cu_seqlens_k"][:-1]
     else:
-        cu_q, lens, table, base = n["cu_seqlens_q"], n["kv_lens"], n["slot_table"], None
+        cu_q, lens, table, base = n["cu_seqlens_q"], n["kv_lens"], C.slot_table_of(n), None
     req = torch.searchsorted(cu_q[1:].long(), torch.arange(t, device=dev), right=True)
     bound = lens.long()[req]
     idx3 = idx.long() if idx.ndim == 3 else idx.long()[:, None, :]
