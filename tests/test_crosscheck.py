@@ -371,9 +371,9 @@ def test_cli_check_bad_ops_and_filter(capsys):
 
 # --------------------------------------------------------------------------------------------
 # Real kernels (interpret mode): a few quick cases through both families.
-REAL = ["decode/TP1/B4/saturated", "decode/TP2/B4/saturated+poison",
-        "prefill/chunk/fp8/G12xHkv1", "prefill/paged/fp8+empty/G6xHkv2",
-        "prefill/ordinary/junk-mixed+empty/G12xHkv2"]
+# the runner's real path (torch inputs, zero-copy into jax); the kernels' correctness over the
+# cases is tests/conformance.py
+REAL = ["decode/TP2/B4/saturated+poison", "prefill/paged/fp8+empty/G6xHkv2"]
 
 
 @pytest.mark.parametrize("name", REAL)
