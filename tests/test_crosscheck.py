@@ -1,4 +1,4 @@
-"""interop.crosscheck and ``qsa check``: the matrix as data, the batched float64 torch reference
+"""interop.validate.crosscheck and ``qsa check``: the matrix as data, the batched float64 torch reference
 against interop.reference, the runner's verdicts with injected (fake) kernels, the CLI's exit
 status / JSON / error messages, and a few real quick cases through both kernel families."""
 
@@ -13,8 +13,10 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from interop import cli  # noqa: E402
-from interop import crosscheck as X  # noqa: E402
+from interop.validate import cli  # noqa: E402
+from interop.validate import crosscheck as X  # noqa: E402
+from interop import cases as C  # noqa: E402
+from interop import indices as I  # noqa: E402
 from interop import reference as R  # noqa: E402
 from interop.contract import (TensorSpec, check_decode, check_prefill, check_prefill_chunk,  # noqa: E402
                               check_prefill_paged)
@@ -91,6 +93,65 @@ def test_quick_matrix_is_small_and_fp16():
     assert X.quick_matrix(["prefill"]) == [s for s in quick if s.op == "prefill"]
 
 
+def _window(data):
+    """Per row: (cap, validity bound, indices [H, W]) from a prefill CaseData."""
+    spec = data.spec
+    kv = None if spec.kind == "ordinary" else spec.kv_lens
+    _, _, visible, bound = I.row_layout(spec.q_lens, kv)
+    idx = data.ints["indices"]
+    idx3 = idx if idx.ndim == 3 else idx[:, None, :]
+    return np.minimum(idx.shape[-1], visible), bound, idx3
+
+
+def test_edge_cases_are_what_their_names_say():
+    edge = C.by_name(C.edge_cases())
+    assert set(edge) <= set(C.by_name(C.quick_matrix())) and set(edge) <= set(
+        C.by_name(C.conformance_matrix()))
+    d = C.case_data(edge["decode/TP2/B3/all-empty"])
+    assert d.empty.all() and d.poison[int(d.ints["cu_seqlens_k"][-1]):].all()
+    for name in ("prefill/chunk/junk-inside/G6xHkv1",
+                 "prefill/ordinary/junk-inside/per-head/G3xHkv2"):
+        cap, bound, idx = _window(C.case_data(edge[name]))
+        seen = set()
+        for t in range(idx.shape[0]):
+            for col in {0, cap[t] // 2, cap[t] - 1}:
+                v = idx[t, :, col]
+                assert ((v < 0) | (v >= bound[t])).all(), (name, t, col)
+                seen |= {int(x) - int(bound[t]) if x >= 0 else int(x) for x in v}
+        assert seen == {-1, -7, 0, 19}  # -1, -7, len, len + 19
+    for name in ("prefill/paged/duplicates/G12xHkv1",
+                 "prefill/chunk/duplicates+junk-inside/per-head/G12xHkv2"):
+        cap, bound, idx = _window(C.case_data(edge[name]))
+        dup = 0
+        for t in range(idx.shape[0]):
+            src = idx[t, :, min(1, cap[t] - 1)]
+            for col in {min(2, cap[t] - 1), max(cap[t] - 2, 0)}:
+                assert (idx[t, :, col] == src).all()
+            dup += int(cap[t] >= 6 and ((src >= 0) & (src < bound[t])).all())
+        assert dup >= 3  # rows where a valid position really is attended three times
+    for name in ("prefill/paged/poison/G12xHkv1", "prefill/chunk/poison+fp8/per-head/G6xHkv2"):
+        data = C.case_data(edge[name])
+        cap, bound, idx = _window(data)
+        spec = data.spec
+        assert data.poison.any() and not data.poison.all()
+        if spec.kind == "paged":  # table entries past kv_len name slots past the pool
+            st, kv_rows = C.slot_table_of(data.ints), data.floats["k_cache"][0][0]
+            past = np.arange(st.shape[1])[None, :] >= np.asarray(spec.kv_lens)[:, None]
+            assert past.any() and (st[past] >= kv_rows).all() and (st[~past] < kv_rows).all()
+        for t, (req, _, _, _) in enumerate(zip(*I.row_layout(spec.q_lens, spec.kv_lens))):
+            for h in range(spec.hkv):
+                sel = idx[t, h if idx.shape[1] > 1 else 0, :cap[t]]
+                sel = sel[(sel >= 0) & (sel < bound[t])]
+                rows = (C.slot_table_of(data.ints)[req, sel] if spec.kind == "paged"
+                        else data.ints["cu_seqlens_k"][req] + sel)
+                assert not data.poison[rows, h].any(), (name, t, h)
+    for name in ("prefill/chunk/max_seqlen_q-hint-2/G12xHkv1",
+                 "prefill/paged/max_seqlen_q-hint-1/G6xHkv1",
+                 "prefill/ordinary/max_seqlen_q-hint-3/G3xHkv1"):
+        spec = edge[name]
+        assert C.case_data(spec).scalars["max_seqlen_q"] == spec.max_q_hint < max(spec.q_lens)
+
+
 def test_select_ops():
     assert X.select_ops(None) == ("decode", "prefill")
     assert X.select_ops("prefill, decode,prefill") == ("prefill", "decode")
@@ -101,7 +162,8 @@ def test_select_ops():
 
 # --------------------------------------------------------------------------------------------
 # References.
-SMALL = [s for s in X.quick_matrix() if s.op == "prefill" and s.d == 64][::2] + [
+_EDGE = [s for s in C.edge_cases(("prefill",))]
+SMALL = [s for s in X.quick_matrix() if s.op == "prefill" and s.d == 64 and s not in _EDGE][::3] + _EDGE + [
     X.PrefillSpec("p/paged/per-head/fp8", "paged", 6, 2, 32, (5, 4), (40, 9), width=11,
                   dtype="float16", kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0,
                   per_head=True, junk="mixed", empty_rows=(2,)),
@@ -311,9 +373,9 @@ def test_cli_check_bad_ops_and_filter(capsys):
 
 # --------------------------------------------------------------------------------------------
 # Real kernels (interpret mode): a few quick cases through both families.
-REAL = ["decode/TP1/B4/saturated", "decode/TP2/B4/saturated+poison",
-        "prefill/chunk/fp8/G12xHkv1", "prefill/paged/fp8+empty/G6xHkv2",
-        "prefill/ordinary/junk-mixed+empty/G12xHkv2"]
+# the runner's real path (torch inputs, zero-copy into jax); the kernels' correctness over the
+# cases is tests/conformance.py
+REAL = ["decode/TP2/B4/saturated+poison", "prefill/paged/fp8+empty/G6xHkv2"]
 
 
 @pytest.mark.parametrize("name", REAL)
@@ -358,7 +420,7 @@ def test_peer_indices_maps_every_invalid_entry_to_minus_one():
     per request (ragged) and per KV head."""
     import torch
 
-    from interop.crosscheck import peer_indices
+    from interop.validate.crosscheck import peer_indices
 
     cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
     lens = torch.tensor([4, 10], dtype=torch.int32)
@@ -381,7 +443,7 @@ def test_peer_prefill_skip_reasons():
     """The upstream oracle sits out exactly the full-matrix cases outside its own contract (rows
     with no valid entry; per-head paged indices), with the reason printed; junk values alone
     never exclude a case (they are mapped to -1)."""
-    from interop.crosscheck import peer_prefill_skip
+    from interop.validate.crosscheck import peer_prefill_skip
 
     reasons = {s.name: peer_prefill_skip(s) for s in X.full_matrix(("prefill",))}
     skipped = {n for n, r in reasons.items() if r}

@@ -4,9 +4,13 @@ Subcommands (each a small function taking parsed args and returning an exit stat
   qsa contract [--arch sm_121] [--strict]     the qualified envelope and the routing per arch
   qsa check    [--quick|--full] [--ops ...]   cross-check Pallas vs Triton vs FP64 reference
   qsa compile  [--arch sm_90,sm_120,sm_121]   AOT-compile every shipped kernel configuration
-  qsa bench    decode|prefill [args...]       benchmarks (bench/decode.py, bench/prefill.py)
-  qsa replay   FILE...                        re-run captured kernel calls (interop.capture)
+  qsa bench    decode|prefill [OPTIONS...]    GPU benchmarks (bench/decode.py, bench/prefill.py)
+  qsa replay   FILE...                        re-run captured kernel calls (interop.validate.capture)
   qsa capture  --case NAME --out FILE         save one check case + an output as a capture file
+  qsa capture  --list                         the case names (interop.cases)
+
+Every file is written only where an option names it (--json, --out, --plot); nothing lands in
+the current directory by default.
 
 Output uses ``rich`` tables when rich is installed and plain text otherwise. torch / jax / triton
 are imported lazily by the subcommands that need them, so ``qsa contract`` works on a
@@ -19,7 +23,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-__all__ = ["main", "build_parser", "print_table"]
+__all__ = ["main", "build_parser", "bench_main", "print_table"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,8 +76,8 @@ def _split_list(text: str | None) -> list[str]:
 # --------------------------------------------------------------------------------------------
 # qsa contract
 def _cmd_contract(args) -> int:
-    from .arch import KNOWN_ARCHS, DeviceFacts, parse_arch, arch_name  # noqa: PLC0415
-    from .contract import QUALIFIED, envelope_text, route  # noqa: PLC0415
+    from interop.arch import KNOWN_ARCHS, DeviceFacts, parse_arch, arch_name  # noqa: PLC0415
+    from interop.contract import QUALIFIED, envelope_text, route  # noqa: PLC0415
 
     if args.arch:
         names = []
@@ -138,7 +142,7 @@ def _cmd_contract(args) -> int:
 def _contract_self_test() -> int:
     """--strict: run the strict checks on the envelope's corners (all must pass) and just
     outside them (all must be refused); print the outcome; 1 on any surprise."""
-    from .contract import (QUALIFIED, ContractError, TensorSpec, check_decode,  # noqa: PLC0415
+    from interop.contract import (QUALIFIED, ContractError, TensorSpec, check_decode,  # noqa: PLC0415
                            check_prefill_chunk)
 
     def dec(b, hq, hkv, msk, d=256, msq=1):
@@ -293,7 +297,7 @@ def _cmd_check(args) -> int:
                     f"{X.RTOL:g}, rel L2 <= {X.REL_L2:g})", cols, [row])
         skipped = {n: s[f"skipped[{n}]"] for n in names if s[f"skipped[{n}]"]}
         if skipped:
-            print(f"  skipped: " + ", ".join(f"{n} {c} case(s)" for n, c in skipped.items()))
+            print("  skipped: " + ", ".join(f"{n} {c} case(s)" for n, c in skipped.items()))
             for n in skipped:
                 for why in s.get(f"skip_reasons[{n}]", []):
                     print(f"    {n}: {why}")
@@ -399,7 +403,7 @@ def _cmd_compile(args) -> int:
     import os  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
 
-    from .validate import compile as CC  # noqa: PLC0415
+    from . import compile as CC  # noqa: PLC0415
 
     try:
         archs = CC.parse_archs(args.arch)
@@ -422,7 +426,7 @@ def _cmd_compile(args) -> int:
         # the interpreter replaces @triton.jit functions: compile in a clean interpreter
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.setdefault("JAX_PLATFORMS", "cpu")
-        proc = subprocess.run([sys.executable, "-m", "interop.cli", "compile", *args._argv[1:]],
+        proc = subprocess.run([sys.executable, "-m", "interop.validate.cli", "compile", *args._argv[1:]],
                               env=env)
         return proc.returncode
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # lowering needs no GPU
@@ -487,33 +491,64 @@ def _add_compile(sub) -> None:
 
 # --------------------------------------------------------------------------------------------
 # qsa bench
-def _cmd_bench(args) -> int:
+BENCHES = {
+    "decode": "sparse_decode: qsa_triton (and qsa_pallas) vs upstream SGLang's decode kernels, "
+              "interleaved CUDA-graph timing, FP32 check of every provider (bench/decode.py)",
+    "prefill": "sparse prefill (ordinary, chunk, paged): the same providers and checks "
+               "(bench/prefill.py)",
+}
+BENCH_USAGE = "usage: qsa bench {decode,prefill} [OPTIONS...]"
+
+
+def _bench_usage(file) -> None:
+    print(BENCH_USAGE, file=file)
+    print("\nBenchmarks on a CUDA GPU; they live in the repository's bench/ folder (run from a "
+          "checkout).\n", file=file)
+    import textwrap  # noqa: PLC0415
+
+    for name, text in BENCHES.items():
+        print(textwrap.fill(text, width=100, initial_indent=f"  {name:<8} ",
+                            subsequent_indent=" " * 11), file=file)
+    print("\n`qsa bench decode --help` / `qsa bench prefill --help` list each benchmark's "
+          "options.", file=file)
+
+
+def bench_main(argv: Sequence[str]) -> int:
+    """``qsa bench WHICH [OPTIONS...]``: hand the options to ``bench/<WHICH>.py``'s ``main``
+    (its own argparse, so ``--help`` shows its real options). Exit status 2 with a usage when
+    WHICH is missing or unknown."""
     import importlib  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
-    root = Path(__file__).resolve().parent.parent
-    if (root / "bench" / f"{args.which}.py").is_file() and str(root) not in sys.path:
-        sys.path.insert(0, str(root))  # bench/ lives in the repository, next to interop/
-    try:
-        mod = importlib.import_module(f"bench.{args.which}")
-    except ImportError as e:
-        print(f"qsa bench: bench/{args.which}.py is not available ({e}); run from a checkout of "
-              "the repository", file=sys.stderr)
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        _bench_usage(sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    which, rest = argv[0], argv[1:]
+    if which not in BENCHES:
+        _bench_usage(sys.stderr)
+        print(f"qsa bench: unknown benchmark {which!r}; choose one of: {', '.join(BENCHES)}",
+              file=sys.stderr)
         return 2
-    rest = list(args.rest)
-    if rest and rest[0] == "--":
+    root = Path(__file__).resolve().parents[2]  # the repository: bench/ sits next to interop/
+    if (root / "bench" / f"{which}.py").is_file() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        mod = importlib.import_module(f"bench.{which}")
+    except ImportError as e:
+        print(f"qsa bench: bench/{which}.py is not available ({e}); run from a checkout of the "
+              "repository", file=sys.stderr)
+        return 2
+    if rest[:1] == ["--"]:
         rest = rest[1:]
-    return int(mod.main(rest, prog=f"qsa bench {args.which}") or 0)
+    return int(mod.main(rest, prog=f"qsa bench {which}") or 0)
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: decode | prefill (bench/decode.py, bench/prefill.py)",
-                       description="Run bench/decode.py or bench/prefill.py with the remaining "
-                       "arguments (see `qsa bench decode --help`).", add_help=True)
-    p.add_argument("which", choices=("decode", "prefill"))
-    p.add_argument("rest", nargs=argparse.REMAINDER,
-                   help="arguments for the benchmark script (e.g. --json FILE)")
-    p.set_defaults(func=_cmd_bench)
+    # listed here for `qsa --help`; main() hands `qsa bench ...` to bench_main before argparse,
+    # so that every option after WHICH reaches the benchmark's own parser untouched
+    sub.add_parser("bench", help="benchmarks on a GPU: decode | prefill (bench/decode.py, "
+                   "bench/prefill.py)", add_help=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -586,7 +621,7 @@ def _cmd_replay(args) -> int:
 
 
 def _add_replay(sub) -> None:
-    p = sub.add_parser("replay", help="re-run captured kernel calls (interop.capture format)",
+    p = sub.add_parser("replay", help="re-run captured kernel calls (interop.validate.capture format)",
                        description="Run qsa_triton and qsa_pallas (and the peer) on each captured "
                        "call and report relative L2 against the FP64 reference and against the "
                        "stored output. Exit status 1 if an implementation is outside tolerance.")
@@ -610,14 +645,29 @@ def _cmd_capture(args) -> int:
 
     interpret = X.prepare_backends(True if args.interpret else None)
     device = "cpu" if interpret else "cuda"
-    specs = {s.name: s for s in X.quick_matrix() + X.full_matrix()}
+    quick, full = X.quick_matrix(), X.full_matrix()
+    if args.list:
+        for spec in quick + [s for s in full if s.name not in {q.name for q in quick}]:
+            print(spec.name)
+        return 0
+    if not args.case or not args.out:
+        print("qsa capture: --case NAME and --out FILE are required (--list prints the case "
+              "names)", file=sys.stderr)
+        return 2
+    specs = {s.name: s for s in quick + full}
     if interpret:  # the quick cases win on a CPU (their dtype runs in the interpreter)
-        specs.update({s.name: s for s in X.quick_matrix()})
+        specs.update({s.name: s for s in quick})
     spec = specs.get(args.case)
     if spec is None:
+        import textwrap  # noqa: PLC0415
+
         close = [n for n in specs if args.case in n][:8]
-        print(f"qsa capture: unknown case {args.case!r}" + (f"; did you mean: {', '.join(close)}"
-                                                           if close else ""), file=sys.stderr)
+        print(f"qsa capture: unknown case {args.case!r}"
+              + (f"; did you mean: {', '.join(close)}" if close else ""), file=sys.stderr)
+        print(f"quick-matrix cases ({len(quick)}; the full matrix adds {len(specs) - len(quick)}, "
+              "`qsa capture --list` prints every name):", file=sys.stderr)
+        print(textwrap.fill(", ".join(s.name for s in quick), width=100, initial_indent="  ",
+                            subsequent_indent="  ", break_on_hyphens=False), file=sys.stderr)
         return 2
     impls = {i.name: i for i in load_check_implementations(interpret)}
     impl = impls.get(args.impl)
@@ -639,9 +689,12 @@ def _cmd_capture(args) -> int:
 def _add_capture(sub) -> None:
     p = sub.add_parser("capture", help="save one `qsa check` case and an implementation's output "
                        "as a capture file (for qsa replay)")
-    p.add_argument("--case", required=True, help="a case name from the quick or full matrix")
+    p.add_argument("--case", metavar="NAME", help="a case name from the quick or full matrix "
+                   "(interop.cases; --list prints them)")
+    p.add_argument("--list", action="store_true", help="print every case name and exit")
     p.add_argument("--impl", default="triton", help="implementation producing the stored output")
-    p.add_argument("--out", required=True, metavar="FILE", help="destination .safetensors")
+    p.add_argument("--out", metavar="FILE", help="destination .safetensors (parent folders are "
+                   "created)")
     p.add_argument("--model-revision", default="", help="free text recorded in the metadata")
     p.add_argument("--interpret", action="store_true", help="force interpret mode (CPU)")
     p.set_defaults(func=_cmd_capture)
@@ -676,8 +729,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``qsa`` console script. Returns the exit status."""
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return bench_main(argv[1:])
+    parser = build_parser()
     args = parser.parse_args(argv)
     args._argv = argv
     return int(args.func(args) or 0)

@@ -39,7 +39,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from .crosscheck import PARAMS, TP_SHAPES
+from interop.cases import PARAMS, TP_SHAPES
 
 __all__ = ["FORMAT", "Capture", "save_capture", "capture_call", "load_capture", "replay",
            "spec_for"]
@@ -68,7 +68,7 @@ class Capture:
         return "decode" if self.entry == "sparse_decode" else "prefill"
 
     def inputs(self, device: str = "cpu"):
-        """``interop.crosscheck.Inputs`` for the runner, tensors on ``device``."""
+        """``interop.validate.crosscheck.Inputs`` for the runner, tensors on ``device``."""
         from .crosscheck import Inputs  # noqa: PLC0415
 
         pos, kws = PARAMS[self.entry]
@@ -105,7 +105,7 @@ def _device_meta(t) -> tuple[str, str]:
         return "cpu", f"CPU ({platform.machine()})"
     import torch  # noqa: PLC0415
 
-    from .arch import arch_name  # noqa: PLC0415
+    from interop.arch import arch_name  # noqa: PLC0415
 
     props = torch.cuda.get_device_properties(t.device)
     return arch_name((props.major, props.minor)), props.name
@@ -260,7 +260,7 @@ def replay(paths: Sequence, impls, *, device: str = "cpu", reference: str = "aut
     import numpy as np  # noqa: PLC0415
 
     from . import crosscheck as X  # noqa: PLC0415
-    from .reference import rel_l2  # noqa: PLC0415
+    from interop.reference import rel_l2  # noqa: PLC0415
 
     limit = X.REL_L2 if rel_l2_limit is None else rel_l2_limit
     out = []

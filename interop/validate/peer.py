@@ -9,7 +9,8 @@ Search order for the ``sglang`` package root (the folder holding ``srt/`` and ``
 
 ``sparse_attn.py`` imports ``sglang.srt.batch_invariant_ops.is_batch_invariant_mode_enabled``; a
 stub returning False is registered before loading, as ``anchors.md`` describes.
-Imports torch (lazily, inside the loaders): a bridge-side module.
+Part of ``interop.validate`` (tooling above both backends); upstream's modules import torch and
+triton when loaded, so only the loaders touch them.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def sglang_root() -> Path | None:
             spec = None
     if spec is not None and spec.submodule_search_locations:
         candidates.append(Path(next(iter(spec.submodule_search_locations))))
-    candidates.append(Path(__file__).resolve().parent.parent / ".peer" / "sglang")
+    candidates.append(Path(__file__).resolve().parents[2] / ".peer" / "sglang")
     for c in candidates:
         if (c / "srt" / "layers" / "attention" / "qsa" / "sparse_attn.py").is_file():
             return c

@@ -1,19 +1,16 @@
 """The differential runner behind ``qsa check``: identical inputs to the Pallas and the Triton
 kernels (zero-copy through ``interop.dlpack``), each compared with the FP64 reference and with
-each other, optionally with upstream SGLang's kernels (``interop.peer``) as an independent oracle.
+each other, optionally with upstream SGLang's kernels (``interop.validate.peer``) as an
+independent oracle.
 
-The case matrix is data (``DecodeSpec`` / ``PrefillSpec`` lists):
-  * ``full_matrix()`` (GPU): decode TP1/TP2/TP4 x every B in 1..16, 17, 24, 32, 48, 64, 96, 128 x
-    short/medium/saturated rows (D = 256, bf16, max_seqlen_k = 2051); prefill ordinary/chunk/paged
-    x G 3, 6, 12 x Hkv 1, 2 x KV 8k/32k/128k x 8192 rows (W = 2051, realistic block-structured
-    indices), plus rows with junk after the valid prefix, rows with no valid entry, ragged
-    batches, per-KV-head indices and FP8 K/V.
-  * ``quick_matrix()`` (CPU, interpret mode): the same kinds of cases at tiny sizes (D = 64 mostly,
-    fp16 because the Triton interpreter's bf16 dot is wrong, W = 35 or 67).
+The cases are ``interop.cases``: ``full_matrix()`` on a GPU (compiled kernels), ``quick_matrix()``
+on a CPU (interpret mode); a case's arguments come from ``interop.cases.case_data``, its values
+are drawn by torch on the run's device.
 
-Pass criteria per implementation and case (``qsa-contract.md`` §6): finite output, elementwise
-``|out - ref| <= atol + rtol * |ref|`` with rtol = atol = 2e-2, relative L2 <= 5e-3, exact zeros on
-rows/sequences with no valid key; and Pallas vs Triton elementwise within the same tolerance.
+Pass criteria per implementation and case (``interop.cases.compare``, ``qsa-contract.md`` §6):
+finite output, ``|out - ref| <= atol + rtol * |ref|`` with rtol = atol = 2e-2, relative L2 <=
+5e-3, exact zeros on rows/sequences with no valid key; and Pallas vs Triton elementwise within
+the same tolerance.
 
 The reference is ``interop.reference`` (float64 numpy) for small cases and ``torch_reference``
 (the same semantics in float64 torch, batched over rows, on the GPU) for large ones;
@@ -34,10 +31,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from . import indices as I
-from . import reference as R
-from .cases import (ATOL, DECODE_BATCHES, OPS, PREFILL_KINDS, REL_L2, RTOL, TP_SHAPES,  # noqa: F401
-                    DecodeSpec, PrefillSpec, Spec, full_matrix, quick_matrix)
+from interop import cases as C
+from interop import reference as R
+from interop.cases import (ATOL, DECODE_BATCHES, ENTRY, OPS, PARAMS, PREFILL_KINDS,  # noqa: F401
+                           REL_L2, RTOL, TP_SHAPES, DecodeSpec, PrefillSpec, Spec, full_matrix,
+                           quick_matrix)
 
 __all__ = [
     "RTOL", "ATOL", "REL_L2", "OPS", "DecodeSpec", "PrefillSpec", "quick_matrix", "full_matrix",
@@ -111,21 +109,6 @@ class Implementation:
     supports: Callable[[Spec], str | None] | None = None
 
 
-ENTRY = {"decode": "sparse_decode", "ordinary": "sparse_prefill", "chunk": "sparse_prefill_chunk",
-         "paged": "sparse_prefill_paged"}
-#: positional parameters of each entry point (qsa-contract.md), then its keyword parameters
-PARAMS = {
-    "sparse_decode": (("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_k"),
-                      ("softmax_scale",)),
-    "sparse_prefill": (("q", "k", "v", "indices", "cu_seqlens", "max_seqlen_q"), ("softmax_scale",)),
-    "sparse_prefill_chunk": (("q", "k", "v", "indices", "cu_seqlens_q", "cu_seqlens_k", "kv_lens",
-                              "max_seqlen_q"), ("softmax_scale", "k_scale", "v_scale")),
-    "sparse_prefill_paged": (("q", "k_cache", "v_cache", "req_to_token", "req_indices", "indices",
-                              "cu_seqlens_q", "kv_lens", "max_seqlen_q"),
-                             ("softmax_scale", "k_scale", "v_scale")),
-}
-
-
 def _entry_points(module_names: Sequence[str]) -> dict[str, Callable]:
     import importlib  # noqa: PLC0415
 
@@ -194,7 +177,7 @@ def peer_prefill_skip(spec: PrefillSpec) -> str | None:
 
 
 def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
-    """Upstream SGLang 0.5.23's kernels as a peer implementation (``interop.peer``).
+    """Upstream SGLang 0.5.23's kernels as a peer implementation (``interop.validate.peer``).
 
     Decode uses the SM121 packed kernel (exact contract only: other shapes are skipped); prefill
     uses upstream's public interfaces, with index entries outside [0, len) passed as -1 (upstream
@@ -207,12 +190,12 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
         every case is reported as skipped).
 
     Raises:
-      ValueError: unknown peer name. interop.peer.PeerUnavailable: files absent.
+      ValueError: unknown peer name. interop.validate.peer.PeerUnavailable: files absent.
     """
     if name != "sglang":
         raise ValueError(f"--peer: unknown peer {name!r}; allowed: sglang")
     from . import peer  # noqa: PLC0415
-    from .contract import ContractError, check_decode  # noqa: PLC0415
+    from interop.contract import ContractError, check_decode  # noqa: PLC0415
 
     # SM121 decode first: load_sparse_attn() registers stub 'sglang' modules without __spec__,
     # after which peer.sglang_root()'s importlib.util.find_spec("sglang") raises ValueError
@@ -245,10 +228,16 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
                                                     max_q=max_seqlen_q)
         return out if v_scale == 1.0 else (out.float() * v_scale).to(q.dtype)
 
-    def paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_q, kv_lens,
-              max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0):
+    def paged(*args, **kwargs):
+        pos, _ = PARAMS["sparse_prefill_paged"]
+        n = {**dict(zip(pos, args)), **kwargs}
+        q, k_cache, v_cache = n["q"], n[pos[1]], n[pos[2]]
+        indices, cu_q, kv_lens, max_seqlen_q = (n["indices"], n["cu_seqlens_q"], n["kv_lens"],
+                                                n["max_seqlen_q"])
+        softmax_scale, k_scale = n.get("softmax_scale"), n.get("k_scale", 1.0)
+        v_scale = n.get("v_scale", 1.0)
+        slot_table = C.slot_table_of(n)  # upstream's kernel takes one slot table row per request
         k_cache, v_cache = _deq(q, k_cache, v_cache)
-        slot_table = req_to_token[req_indices.long()]  # upstream takes one table row per request
         indices = peer_indices(indices, cu_q, kv_lens)
         out = sa.sparse_gqa_paged_prefill_triton(q, k_cache, v_cache, slot_table, indices, cu_q,
                                                  kv_lens, _scale(q, softmax_scale) * k_scale,
@@ -261,7 +250,7 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
         if isinstance(spec, DecodeSpec):
             if sm121 is None:
                 return "upstream SM121 decode kernel absent"
-            from .contract import TensorSpec  # noqa: PLC0415
+            from interop.contract import TensorSpec  # noqa: PLC0415
 
             try:
                 check_decode(TensorSpec((spec.batch, spec.hq, spec.d), spec.dtype),
@@ -296,73 +285,34 @@ class Inputs:
     empty: np.ndarray
     host: dict
 
-
-def _torch_dtype(torch, name: str):
-    return getattr(torch, name)
-
-
-def _randn(torch, shape, dtype, device, gen):
-    x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
-    return x.to(dtype)
+    def named(self) -> dict:
+        """Every argument by parameter name (``interop.cases.PARAMS``)."""
+        pos, _ = PARAMS[self.entry]
+        return {**dict(zip(pos, self.args)), **self.kwargs}
 
 
 def build_inputs(spec: Spec, device: str = "cpu") -> Inputs:
     """Seeded inputs of one case as torch tensors on ``device``.
 
-    Values are N(0, 1) in the case's dtype (FP8 K/V: N(0, 1) cast to float8_e4m3fn); metadata and
-    indices come from ``interop.indices`` (realistic block-structured prefill indices).
+    The call's structure (metadata, indices, poisoned K/V entries, outputs that must be zero)
+    is ``interop.cases.case_data``; the values are N(0, 1) drawn by torch on ``device`` (fast for
+    the GPU's full matrix) in the case's dtype (FP8 K/V: N(0, 1) cast to float8_e4m3fn).
     """
     import torch  # noqa: PLC0415
 
+    data = C.case_data(spec)
     gen = torch.Generator(device=device)
     gen.manual_seed(1000 + spec.seed)
-    dt = _torch_dtype(torch, spec.dtype)
-    i32 = lambda a: torch.as_tensor(np.asarray(a, np.int32), device=device)  # noqa: E731
-    if isinstance(spec, DecodeSpec):
-        c = I.decode_case(spec.batch, spec.pattern, max_len=spec.max_len, seed=spec.seed,
-                          zero_rows=spec.zero_rows, capacity_slack=spec.slack)
-        if spec.pad_capacity:
-            c = dataclasses.replace(c, capacity=spec.batch * spec.max_len + spec.slack)
-        q = _randn(torch, (spec.batch, spec.hq, spec.d), dt, device, gen)
-        k = _randn(torch, (c.capacity, spec.hkv, spec.d), dt, device, gen)
-        v = _randn(torch, (c.capacity, spec.hkv, spec.d), dt, device, gen)
-        if spec.poison and spec.slack:
-            k[int(c.cu_seqlens_k[-1]):] = float("nan")
-            v[int(c.cu_seqlens_k[-1]):] = float("nan")
-        empty = np.repeat((c.lengths == 0)[:, None], spec.hq, axis=1)
-        return Inputs("sparse_decode", [q, k, v, i32(c.cu_seqlens_q), i32(c.cu_seqlens_k),
-                                        c.max_seqlen_k], {"softmax_scale": None}, empty,
-                      {"lengths": c.lengths})
-    lay = I.prefill_layout(spec.kind, spec.q_lens, spec.kv_lens, pool_slack=spec.pool_slack,
-                           seed=spec.seed)
-    idx = I.prefill_indices(lay.q_lens, None if spec.kind == "ordinary" else lay.kv_lens,
-                            width=spec.width, junk=spec.junk, empty_rows=spec.empty_rows,
-                            overlap=spec.overlap, num_kv_heads=spec.hkv if spec.per_head else None,
-                            seed=spec.seed)
-    t = int(lay.cu_seqlens_q[-1])
-    q = _randn(torch, (t, spec.hq, spec.d), dt, device, gen)
-    rows = t if spec.kind == "ordinary" else (int(lay.cu_seqlens_k[-1]) if spec.kind == "chunk"
-                                              else lay.pool_slots)
-    kvdt = _torch_dtype(torch, spec.kv_dtype) if spec.kv_dtype else dt
-    k = _randn(torch, (rows, spec.hkv, spec.d), kvdt, device, gen)
-    v = _randn(torch, (rows, spec.hkv, spec.d), kvdt, device, gen)
-    _, _, _, bound = I.row_layout(lay.q_lens, lay.kv_lens)
-    valid = I.valid_mask(idx if idx.ndim == 3 else idx[:, None, :], bound[:, None])
-    g = spec.hq // spec.hkv
-    empty = np.repeat(~valid.any(-1), g if idx.ndim == 3 else spec.hq, axis=1)
-    ti = torch.as_tensor(idx, device=device)
-    kw: dict[str, Any] = {"softmax_scale": None}
-    if spec.kind != "ordinary":
-        kw.update(k_scale=spec.k_scale, v_scale=spec.v_scale)
-    if spec.kind == "ordinary":
-        args = [q, k, v, ti, i32(lay.cu_seqlens_q), lay.max_seqlen_q]
-    elif spec.kind == "chunk":
-        args = [q, k, v, ti, i32(lay.cu_seqlens_q), i32(lay.cu_seqlens_k), i32(lay.kv_lens),
-                lay.max_seqlen_q]
-    else:
-        args = [q, k, v, i32(lay.req_to_token), i32(lay.req_indices), ti, i32(lay.cu_seqlens_q),
-                i32(lay.kv_lens), lay.max_seqlen_q]
-    return Inputs(ENTRY[spec.kind], args, kw, empty, {"layout": lay})
+    named: dict[str, Any] = {}
+    for name, (shape, dtype) in data.floats.items():
+        x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+        if data.poison is not None and name in data.kv_names:
+            x[torch.as_tensor(data.poison, device=device)] = float("nan")
+        named[name] = x.to(getattr(torch, dtype))
+    for name, a in data.ints.items():
+        named[name] = torch.as_tensor(np.ascontiguousarray(a, np.int32), device=device)
+    args, kwargs = data.arguments(named)
+    return Inputs(data.entry, args, kwargs, data.empty, {"case": data})
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,28 +321,25 @@ def _np64(t) -> np.ndarray:
     return t.detach().float().cpu().numpy().astype(np.float64)
 
 
+def _host(named: dict) -> dict:
+    """Arguments as numpy (floats as float64 values, as the kernel sees them) or host scalars."""
+    out = {}
+    for k, x in named.items():
+        if hasattr(x, "cpu"):
+            out[k] = _np64(x) if x.is_floating_point() else x.cpu().numpy()
+        else:
+            out[k] = x
+    return out
+
+
 def numpy_reference(spec: Spec | None, inp: Inputs) -> np.ndarray:
-    """``interop.reference`` (float64 numpy) on the inputs (dispatch on ``inp.entry``; ``spec``
-    is unused, kept for symmetry)."""
-    a = inp.args
-    kw = inp.kwargs
-    host = [x.cpu().numpy() if hasattr(x, "cpu") and not x.is_floating_point() else x for x in a]
-    if inp.entry == "sparse_decode":
-        used = int(host[4][-1]) if len(host[4]) else 0  # rows past cu_seqlens_k[B] are never read
-        return R.decode_reference(_np64(a[0]), _np64(a[1][:used]), _np64(a[2][:used]), host[3],
-                                  host[4], kw.get("softmax_scale"))
-    if inp.entry == "sparse_prefill":
-        return R.prefill_reference(_np64(a[0]), _np64(a[1]), _np64(a[2]), host[3], host[4],
-                                   kw.get("softmax_scale"))
-    if inp.entry == "sparse_prefill_chunk":
-        return R.prefill_chunk_reference(_np64(a[0]), _np64(a[1]), _np64(a[2]), host[3], host[4],
-                                         host[5], host[6], kw.get("softmax_scale"),
-                                         kw.get("k_scale", 1.0), kw.get("v_scale", 1.0))
-    if inp.entry == "sparse_prefill_paged":
-        return R.prefill_paged_reference(_np64(a[0]), _np64(a[1]), _np64(a[2]), host[3], host[4],
-                                         host[5], host[6], host[7], kw.get("softmax_scale"),
-                                         kw.get("k_scale", 1.0), kw.get("v_scale", 1.0))
-    raise ValueError(f"unknown entry point {inp.entry!r}")
+    """``interop.cases.reference`` (float64 numpy) on the inputs; ``spec`` is unused, kept for
+    symmetry with ``torch_reference``."""
+    named = inp.named()
+    if inp.entry == "sparse_decode":  # rows past cu_seqlens_k[B] are never read: not converted
+        used = max(int(named["cu_seqlens_k"].max()), 0)
+        named = {**named, "k": named["k"][:used], "v": named["v"][:used]}
+    return C.reference(inp.entry, _host(named))
 
 
 def torch_reference(spec: Spec | None, inp: Inputs, *, budget_bytes: int = 1 << 30):
@@ -400,8 +347,9 @@ def torch_reference(spec: Spec | None, inp: Inputs, *, budget_bytes: int = 1 << 
     full matrix on the GPU, where the per-row numpy loop is too slow). Dispatches on
     ``inp.entry``; ``spec`` is unused.
 
-    Per row: entry valid iff 0 <= idx < bound (request length or kv_lens[b]); invalid entries are
-    clamped to a safe position for the gather and masked to -inf; a row with no valid entry is 0.
+    Per row: an entry counts iff 0 <= idx < bound (request length or kv_lens[b]) and it stands in
+    the row's first min(W, visible) columns; other entries are gathered from a safe position and
+    zeroed (poisoned rows stay out) and masked to -inf; a row with no valid entry is 0.
 
     Returns:
       float64 torch tensor [rows, Hq, D] on the inputs' device.
@@ -420,21 +368,27 @@ def torch_reference(spec: Spec | None, inp: Inputs, *, budget_bytes: int = 1 << 
     g = hq // hkv
     scale = (d ** -0.5 if kw.get("softmax_scale") is None else kw["softmax_scale"])
     k_scale, v_scale = kw.get("k_scale", 1.0), kw.get("v_scale", 1.0)
+    n = inp.named()
+    k, v, idx = n[PARAMS[inp.entry][0][1]], n[PARAMS[inp.entry][0][2]], n["indices"]
+    table = None
     if kind == "ordinary":
-        k, v, idx, cu_q = a[1], a[2], a[3], a[4]
+        cu_q = n["cu_seqlens"]
         lens = cu_q[1:] - cu_q[:-1]
         base = cu_q[:-1]
-        table = None
     elif kind == "chunk":
-        k, v, idx, cu_q, cu_k, lens = a[1], a[2], a[3], a[4], a[5], a[6]
-        base, table = cu_k[:-1], None
+        cu_q, lens, base = n["cu_seqlens_q"], n["kv_lens"], n["cu_seqlens_k"][:-1]
     else:
-        k, v, idx, cu_q, lens = a[1], a[2], a[5], a[6], a[7]
-        base, table = None, a[3][a[4].long()]
+        cu_q, lens, table, base = n["cu_seqlens_q"], n["kv_lens"], C.slot_table_of(n), None
     req = torch.searchsorted(cu_q[1:].long(), torch.arange(t, device=dev), right=True)
     bound = lens.long()[req]
     idx3 = idx.long() if idx.ndim == 3 else idx.long()[:, None, :]
     w = idx3.shape[-1]
+    cu64 = cu_q.long()
+    row_in_req = torch.arange(t, device=dev) - cu64[req]
+    q_len = cu64[req + 1] - cu64[req]
+    visible = row_in_req + 1 if kind == "ordinary" else row_in_req + bound - q_len + 1
+    cap = visible.clamp(min=0, max=w)
+    col = torch.arange(w, device=dev)
     per_row = hkv * w * d * 8 * 3 + hq * w * 8 * 2
     step = max(1, min(t, budget_bytes // max(per_row, 1)))
     out = torch.zeros((t, hq, d), dtype=torch.float64, device=dev)
@@ -443,14 +397,15 @@ def torch_reference(spec: Spec | None, inp: Inputs, *, budget_bytes: int = 1 << 
         hi = min(t, lo + step)
         ix = idx3[lo:hi].expand(-1, hkv, -1) if idx3.shape[1] == 1 else idx3[lo:hi]
         bnd = bound[lo:hi, None, None]
-        valid = (ix >= 0) & (ix < bnd)
+        valid = (ix >= 0) & (ix < bnd) & (col < cap[lo:hi, None, None])
         safe = torch.where(valid, ix, torch.zeros_like(ix))
         if table is None:
             rows = base.long()[req[lo:hi]][:, None, None] + safe
         else:
             rows = torch.gather(table.long()[req[lo:hi]], 1, safe.reshape(hi - lo, -1)).reshape(safe.shape)
-        kk = k[rows, heads[None, :, None]].double()  # [R, Hkv, W, D]
-        vv = v[rows, heads[None, :, None]].double()
+        keep = valid[..., None]
+        kk = torch.where(keep, k[rows, heads[None, :, None]].double(), 0.0)  # [R, Hkv, W, D]
+        vv = torch.where(keep, v[rows, heads[None, :, None]].double(), 0.0)
         qq = q[lo:hi].double().reshape(hi - lo, hkv, g, d)
         s = torch.einsum("rhgd,rhwd->rhgw", qq, kk) * (scale * k_scale)
         s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
@@ -498,7 +453,7 @@ def _call(impl: Implementation, inp: Inputs):
     if fn is None:
         raise NotImplementedError(f"{impl.name} has no {inp.entry}")
     if impl.framework == "jax":
-        from .dlpack import to_jax, to_torch  # noqa: PLC0415
+        from interop.dlpack import to_jax, to_torch  # noqa: PLC0415
 
         args = [to_jax(x) if type(x).__module__.startswith("torch") else x for x in inp.args]
         out = fn(*args, **inp.kwargs, **impl.kwargs)
@@ -508,39 +463,14 @@ def _call(impl: Implementation, inp: Inputs):
     return out_t
 
 
-def _compare(out: np.ndarray, ref: np.ndarray, empty: np.ndarray,
-             rel_l2_limit: float = REL_L2) -> dict:
-    finite = bool(np.isfinite(out).all())
-    diff = np.abs(out - ref)
-    max_abs = float(np.nanmax(diff)) if diff.size else 0.0
-    allclose = bool(finite and np.all(diff <= ATOL + RTOL * np.abs(ref)))
-    rel = R.rel_l2(out, ref) if finite else float("inf")
-    zeros_ok = bool(np.all(out[empty] == 0.0)) if empty.any() else True
-    return {"rel_l2": rel, "max_abs": max_abs if finite else float("inf"), "allclose": allclose,
-            "finite": finite, "zeros_ok": zeros_ok,
-            "passed": finite and allclose and rel <= rel_l2_limit and zeros_ok}
-
-
 def empty_mask(inp: Inputs) -> np.ndarray:
-    """bool [rows, Hq]: output rows that must be exactly 0 (a decode sequence with no key, a
-    prefill row/KV head with no valid index entry), computed from the inputs on the host."""
-    a = inp.args
-    hq = a[0].shape[1]
-    host = lambda x: x.cpu().numpy().astype(np.int64)  # noqa: E731
-    if inp.entry == "sparse_decode":
-        return np.repeat((np.diff(host(a[4])) == 0)[:, None], hq, axis=1)
-    hkv = a[1].shape[1]
-    if inp.entry == "sparse_prefill":
-        idx, cu_q = host(a[3]), host(a[4])
-        lens = np.diff(cu_q)
-    elif inp.entry == "sparse_prefill_chunk":
-        idx, cu_q, lens = host(a[3]), host(a[4]), host(a[6])
-    else:
-        idx, cu_q, lens = host(a[5]), host(a[6]), host(a[7])
-    req = np.searchsorted(cu_q[1:], np.arange(idx.shape[0]), side="right")
-    idx3 = idx if idx.ndim == 3 else idx[:, None, :]
-    valid = I.valid_mask(idx3, lens[req][:, None]).any(-1)  # [rows, 1 or Hkv]
-    return np.repeat(np.broadcast_to(valid, (idx.shape[0], hkv)), hq // hkv, axis=1) == 0
+    """bool [rows, Hq]: output rows that must be exactly 0 (``interop.cases.empty_outputs``),
+    recomputed from the inputs' device metadata on the host (captures carry no spec)."""
+    n = inp.named()
+    hkv = n[PARAMS[inp.entry][0][1]].shape[1]
+    host = {k: x.cpu().numpy() for k, x in n.items()
+            if hasattr(x, "cpu") and not x.is_floating_point()}
+    return C.empty_outputs(inp.entry, host, inp.args[0].shape[1], hkv)
 
 
 def _reference(inp: Inputs, method: str, size: int) -> tuple[np.ndarray, str]:
@@ -584,7 +514,7 @@ def evaluate(name: str, op: str, inp: Inputs, impls: Sequence[Implementation], r
             out = _np64(out_t)
             if out.shape != ref.shape:
                 raise ValueError(f"output shape {list(out.shape)}, expected {list(ref.shape)}")
-            r = _compare(out, ref, empty, rel_l2_limit)
+            r = C.compare(out, ref, empty, rel_l2_limit)
             if expected is not None:
                 r["rel_l2_vs_expected"] = R.rel_l2(out, expected) if r["finite"] else float("inf")
             outs[impl.name] = out
