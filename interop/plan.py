@@ -22,7 +22,8 @@ device length); ``max_seqlen_k`` only bounds the useful grid. Splits past ``n_ac
 nothing the merge uses. A zero-length row has n_active = 1 and its one split writes exact zeros.
 
 Sizing rule (why): at small batch upstream runs B x Hkv x <= 8 programs on 132 SMs and is far from
-the memory floor (anchors.md). The H200 sweep (bench/NOTES.md, decode "plan from the sweep")
+the memory floor (anchors.md). The H200 sweep (bench/NOTES.md, "Plan from a sweep: at most one
+program per SM")
 found the best split count at about ONE program per SM, rounded *down* to a power of two:
 B x Hkv x max_splits <= SMs; a second, partial wave cost more, and at B x Hkv >= SMs no split
 at all was fastest.
@@ -59,7 +60,7 @@ __all__ = ["DecodePlan", "plan_decode", "split_blocks", "smem_bytes", "fit_share
 #: use exp2, the cheaper PTX path.
 LOG2E = 1.4426950408889634
 
-# Decode tunables, decided by the H200 sweeps (bench/NOTES.md, packed decode).
+# Decode tunables, decided by the H200 sweeps (bench/NOTES.md, "Decode, Triton").
 PROGRAMS_PER_SM = 1  # split-KV target: at most this many programs per SM for long rows
 MAX_SPLITS_CAP = 64  # most splits per (sequence, KV head) under the power-of-two rule (the
 #                      one-block rule allows up to 2x this; the Triton merge reads <= 128 at once)
@@ -204,7 +205,8 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
                 and narrow <= 2 * MAX_SPLITS_CAP and 2 * programs * wide >= sm_count):
             # half the programs, partials and merge reads for the same keys; 8 warps avoid the
             # register spills of 4 at D = 256. Only with >= 2 KV heads: the same grid from two
-            # sequences of one KV head measured slower (bench/NOTES.md, decode "64-row block").
+            # sequences of one KV head measured slower (bench/NOTES.md, "64-key blocks at TP1
+            # B = 1").
             block_n = WIDE_BLOCK_N
             num_warps = 8
     blocks = max(1, math.ceil(max_seqlen_k / block_n))

@@ -16,8 +16,8 @@ sequence). Design (mirrors ``qsa_triton.decode`` through the shared plan ``inter
   so only explicit masks make the CPU tests meaningful);
 * a one-split plan (``max_splits == 1``: B x Hkv >= the SM count) launches the split kernel alone,
   each program writing its row's normalised output in q's dtype straight into ``[B, Hq, D]`` (one
-  launch, no FP32 partials; 5-9% faster than split + merge on the H200, bench/NOTES.md, Pallas
-  decode); otherwise each active split writes its normalised partial output and its LSE (FP32,
+  launch, no FP32 partials; 5-9% faster than split + merge on the H200, bench/NOTES.md, "Decode,
+  Pallas"); otherwise each active split writes its normalised partial output and its LSE (FP32,
   ``-inf`` for the one split of a zero-length row), and a second Pallas kernel (one program per
   sequence, query head and D chunk) recomputes the row's n_active from the same device length,
   weighs split j by ``exp(lse_j - max lse)`` (inactive / empty splits by exactly 0) and writes

@@ -42,7 +42,7 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
       same launch, ``inline_tile`` splits' LSEs and partials per memory round trip (online rescale
       across chunks), and resets its counter to 0 before exiting.
     ``plan_for`` picks inline where 2 x B x Hkv >= SMs (rows get few splits, most none: no second
-    launch), the merge kernel below that (bench/NOTES.md, decode: merge policy).
+    launch), the merge kernel below that (bench/NOTES.md, "Merge: second kernel vs in-launch").
   * Programmatic Dependent Launch (sm_90+; CUDA C++ Programming Guide, "Programmatic Dependent
     Launch and Synchronization"; PTX ``griddepcontrol``): where ``pdl_enabled`` (B x Hkv <= 2,
     trigger at entry; B x Hkv >= 64, trigger after the K/V loop) both kernels are launched with
@@ -50,7 +50,8 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
     Every program of either kernel executes ``gdc_wait`` (returns once the predecessor grid has
     completed and its memory is visible) before any load or store, so results are bitwise the
     same as without PDL; the merge launch latency hides behind the split kernel. Between those
-    batch sizes early-scheduled grids cost more than they hide (bench/NOTES.md, decode: PDL).
+    batch sizes early-scheduled grids cost more than they hide (bench/NOTES.md, "Programmatic
+    Dependent Launch between split and merge").
   * Small batches: where one split per BLOCK_N block fits one program per SM, the grid has exactly
     that many splits (not a power of two), so no split streams two blocks (``interop.plan``).
   * Offsets into K/V, q, out and the scratch are 64-bit.
@@ -169,7 +170,8 @@ def _decode_split_kernel(
     pid = tl.program_id(0)
     # split-major order: every row's split 0 (active whenever the row is non-empty) gets the
     # lowest program ids, the splits that exit at once the highest (the block scheduler then
-    # spreads the working programs over the SMs; bench/NOTES.md, decode: balance)
+    # spreads the working programs over the SMs; bench/NOTES.md, "Device-side balance,
+    # split-major ids")
     n_sh = NSEQ * HKV
     j = pid // n_sh
     sh = pid % n_sh
@@ -284,7 +286,8 @@ def _decode_merge_kernel(
     # every split slot (-inf: empty / inactive / row finished by its single split), so this kernel
     # needs no row metadata: it issues the LSE and partial loads of the first SPLIT_CHUNK splits
     # together (one memory round trip; SPLIT_CHUNK covers every split of a shipped plan, <= 128;
-    # more are read in further chunks) and masks by weight with tl.where, so stale partials are never used.
+    # more are read in further chunks) and masks by weight with tl.where, so stale partials are
+    # never used.
     pid = tl.program_id(0)
     row = pid // N_DC  # s * HQ + query head
     dc = pid % N_DC
@@ -655,7 +658,8 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     Raises:
       ContractError: before any launch, for a call outside the contract (see ``check_decode``;
         also a tensor with ``requires_grad``, a CPU tensor without Triton's interpreter, bf16
-        under the unpatched interpreter); during CUDA-graph capture, for a shape whose scratch was not created before capture.
+        under the unpatched interpreter); during CUDA-graph capture, for a shape whose scratch
+        was not created before capture.
         Under torch.compile(fullgraph=True) the check runs in the op's fake implementation and
         its text reaches the caller inside Dynamo's TorchRuntimeError (``_checked``).
 
