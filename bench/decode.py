@@ -361,14 +361,15 @@ def _compaction(inp: PoolInputs):
     """Upstream's step before its decode (peer, 0.5.23 wheel): valid counts + prefix sum
     (``qwen_sparse_fa2_cu_seqlens_triton``), then ``qwen_sparse_kv_extraction_compact_triton``
     gathers the valid rows into a packed copy in q's dtype (an FP8 pool dequantised while
-    copying). Returns ``compact() -> (k_packed, v_packed, cu_k)`` on buffers allocated here."""
+    copying). Returns ``compact() -> (k_packed, v_packed, cu_q, cu_k)``."""
     import torch  # noqa: PLC0415
 
     sa = _peer().load_sparse_attn()
     q, k, v, table, req, idx, seq = inp.args
     r, w = idx.shape
-    counts = torch.empty(r, dtype=torch.int32, device=q.device)
-    cu_k = torch.empty(r + 1, dtype=torch.int32, device=q.device)
+    i32 = dict(dtype=torch.int32, device=q.device)
+    counts, cu_k = torch.empty(r, **i32), torch.empty(r + 1, **i32)
+    cu_q = torch.arange(r + 1, **i32)
     kp = torch.empty(r * w, k.shape[1], q.shape[2], dtype=q.dtype, device=q.device)
     vp = torch.empty_like(kp)
 
@@ -376,38 +377,21 @@ def _compaction(inp: PoolInputs):
         sa.qwen_sparse_fa2_cu_seqlens_triton(seq, idx, counts, cu_k, r, w)
         sa.qwen_sparse_kv_extraction_compact_triton(k, v, table, req, idx, seq, cu_k, kp, vp,
                                                     r, w)
-        return kp, vp, cu_k
+        return kp, vp, cu_q, cu_k
 
     return compact
 
 
 def _upstream_step(inp: PoolInputs):
-    import torch  # noqa: PLC0415
-
     compact, sm121 = _compaction(inp), _peer().load_sm121_decode()
-    q = inp.args[0]
-    cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-
-    def call():
-        kp, vp, cu_k = compact()
-        return sm121.qwen38_qsa_sm121(q, kp, vp, cu_q, cu_k, inp.scale)
-
-    return call
+    return lambda: sm121.qwen38_qsa_sm121(inp.args[0], *compact(), inp.scale)
 
 
 def _packed_step(inp: PoolInputs):
-    import torch  # noqa: PLC0415
-
     import qsa_triton  # noqa: PLC0415
 
-    compact, q, w = _compaction(inp), inp.args[0], inp.args[5].shape[-1]
-    cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-
-    def call():
-        kp, vp, cu_k = compact()
-        return qsa_triton.sparse_decode(q, kp, vp, cu_q, cu_k, w, inp.scale)
-
-    return call
+    compact, w = _compaction(inp), inp.args[5].shape[-1]
+    return lambda: qsa_triton.sparse_decode(inp.args[0], *compact(), w, inp.scale)
 
 
 def jax_step(scale: float, max_seqlen_k: int):
@@ -477,11 +461,9 @@ def _upstream_supports(desc: dict) -> str | None:
     return None
 
 
-#: the Triton split kernel's launch variants the sweep times as ``paged[NAME]``: the names of
-#: ``qsa_triton.decode_paged._VARIANTS`` other than the shipped one (benchmark-only, no public
-#: knob; listed here so that the registry imports no kernel module before ``--smoke-cpu`` turns
-#: the interpreter on; tests/test_bench_cli.py checks the two lists agree)
-SWEEP_VARIANTS = ("base", "s7", "ahead", "s7-pdl")
+#: the sweep's ``paged[NAME]``: the names of ``qsa_triton.decode_paged._VARIANTS`` (private; listed
+#: here so that no kernel module is imported before --smoke-cpu turns the interpreter on)
+SWEEP_VARIANTS = ("base", "s7", "ahead", "s7-pdl", "ahead-pdl", "s7-fp8bn64")
 
 
 POOL_PROVIDERS = {p.name: p for p in (

@@ -92,7 +92,8 @@ for s in "$@"; do
       wait
       step pool_sweep 330 python3 -m bench.decode --mode pool --tp TP1 --rows saturated \
         --batches 1,16,128 --providers "upstream-step,paged,paged[s7],paged[ahead],\
-paged[s7-pdl],paged[bi],pallas-paged" --json "$OUT/pool_sweep.json"
+paged[s7-pdl],paged[ahead-pdl],paged[s7-fp8bn64],paged[bi],pallas-paged" \
+        --json "$OUT/pool_sweep.json"
       step pool_jax 150 python3 -m bench.decode --mode pool --tp TP1 --rows saturated \
         --layouts slots --kv bf16 --batches 1,16,128 --providers \
         "upstream-step,jax-step,pallas-paged" --json "$OUT/pool_jax.json" ;;

@@ -97,14 +97,20 @@ _OFF32_MAX = 2**31 - 1
 #:     pipelined loads (chain depth 1): double-buffered at 3 stages (75 / 42 KB); the slot
 #:     lookup of the next chunk is an ordinary load inside the loop (one round trip per chunk
 #:     that overlaps the gathers in flight, not the dots).
-#:   * ``s7-pdl``: ``s7`` with the merge kernel's launch (and the next call's split kernel)
-#:     scheduled while the previous grid still runs; the call at small R is one latency chain.
+#:   * ``s7-pdl``, ``ahead-pdl``: with the merge kernel's launch (and the next call's split
+#:     kernel) scheduled while the previous grid still runs: at small R the call is one latency
+#:     chain (index -> slot -> K/V -> partials -> merge) and the launch gap is part of it.
+#:   * ``s7-fp8bn64``: ``s7`` with BLOCK_N 64 for an FP8 pool (``fp8_block_n``; a chunk then moves
+#:     as many bytes as a bf16 chunk of 32, half the loop trips and index lookups per byte;
+#:     78 KB of shared memory on sm_90); a bf16 pool keeps BLOCK_N 32.
 #: The winner becomes ``_DEFAULT_VARIANT`` (then the public path and ``compile_configs`` use it).
 _VARIANTS: dict[str, dict] = {
     "base": {},
     "s7": {"num_stages": 7},
     "ahead": {"ahead": True, "num_stages": 3},
     "s7-pdl": {"num_stages": 7, "pdl": True},
+    "ahead-pdl": {"ahead": True, "num_stages": 3, "pdl": True},
+    "s7-fp8bn64": {"num_stages": 7, "fp8_block_n": 64},
 }
 _DEFAULT_VARIANT = "base"
 _PLAN_FIELDS = ("num_stages", "block_n", "num_warps")
@@ -303,14 +309,15 @@ def _merge_d_chunk(split_p2: int, head_dim: int) -> int:
     return max(16, min(head_dim, MERGE_TILE // split_p2))
 
 
-def _with_variant(plan: PagedDecodePlan, variant: str | None,
-                  device: torch.device) -> tuple[PagedDecodePlan, bool, bool]:
+def _with_variant(plan: PagedDecodePlan, variant: str | None, device: torch.device,
+                  kv_bytes: int) -> tuple[PagedDecodePlan, bool, bool]:
     """(plan with the variant's field overrides, AHEAD, USE_PDL) of ``_VARIANTS[variant]``;
-    None = the plan as given, base structure. PDL only where ``pdl_supported(device)``."""
+    None = the plan as given, base structure. ``fp8_block_n`` applies to 1-byte pools only; PDL
+    only where ``pdl_supported(device)``."""
     over = _VARIANTS[variant] if variant is not None else {}
     fields = {k: v for k, v in over.items() if k in _PLAN_FIELDS}
-    if "block_n" in fields:  # a split never holds fewer than one chunk
-        fields["num_splits"] = plan.num_splits
+    if kv_bytes == 1 and "fp8_block_n" in over:
+        fields["block_n"] = over["fp8_block_n"]
     plan = dataclasses.replace(plan, **fields) if fields else plan
     pdl = bool(over.get("pdl")) and pdl_supported(device)
     return plan, bool(over.get("ahead")), pdl
@@ -318,7 +325,7 @@ def _with_variant(plan: PagedDecodePlan, variant: str | None,
 
 def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, softmax_scale,
             k_scale, v_scale, plan: PagedDecodePlan, variant: str | None = None) -> torch.Tensor:
-    plan, ahead, pdl = _with_variant(plan, variant, q.device)
+    plan, ahead, pdl = _with_variant(plan, variant, q.device, k_cache.element_size())
     r, hq, d = q.shape
     hkv = k_cache.shape[1]
     w = indices.shape[-1]
@@ -571,7 +578,7 @@ def _variant_configs(arch: str, variant: str, *, head_dim: int = 256,
                      for r in range(lo, hi + 1) for sms in sms_all for bi in (False, True)}
             for p in plans:
                 splits_seen.add(p.num_splits)
-                p, _, _ = _with_variant(p, variant, torch.device("cpu"))
+                p, _, _ = _with_variant(p, variant, torch.device("cpu"), kb)
                 for off64 in (False, True):
                     consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
                               "DIRECT": p.num_splits == 1, "OFF64": off64,

@@ -623,9 +623,9 @@ def test_gpu_graphs_every_r_1_to_128():
                                            ("TP2", 128, False)])
 def test_gpu_launch_variants_same_bits(tp, rows, fp8):
     """Every launch variant of the sweep (``_VARIANTS``: more pipeline stages, slots resolved
-    ahead, PDL) gives the base kernel's bits at production shapes (splits + merge at R = 1, 16;
-    one split at TP2 R = 128), eagerly and replayed from a CUDA graph, and matches the
-    reference."""
+    ahead, PDL) matches the reference at production shapes (splits + merge at R = 1, 16; one
+    split at TP2 R = 128), eagerly and replayed from a CUDA graph, with the base kernel's bits
+    (except a variant that changes BLOCK_N for this pool: other chunks, other partial sums)."""
     args, empty = gpu_case(tp, rows, seed=20 + rows)
     if fp8:
         args[1], args[2] = args[1].to(FP8), args[2].to(FP8)
@@ -640,7 +640,8 @@ def test_gpu_launch_variants_same_bits(tp, rows, fp8):
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(graphed, out), f"{name}: graph replay != eager"
-        assert torch.equal(out, base), f"{name}: matches the reference, not the base bits"
+        if not (fp8 and "fp8_block_n" in tdp._VARIANTS[name]):  # (other chunks: other sums)
+            assert torch.equal(out, base), f"{name}: matches the reference, not the base bits"
 
 
 @gpu
