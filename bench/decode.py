@@ -455,6 +455,26 @@ def _pallas_paged(batch_invariant: bool = False):
     return setup
 
 
+def _pallas_stages(num_stages: int):
+    """``qsa_pallas`` on the shared plan with ``num_stages`` (the sweep: does XLA's Triton
+    pipeline the gather chain as Triton does?), through its public ``decode_paged_with_plan``."""
+    def setup(inp: PoolInputs):
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        from qsa_pallas import decode_paged  # noqa: PLC0415
+
+        q, k, idx = inp.args[0], inp.args[1], inp.args[5]
+        plan = decode_paged.plan_for(
+            q.shape[0], q.shape[1], k.shape[1], q.shape[2], idx.shape[-1],
+            q_dtype=getattr(jnp, str(q.dtype).split(".")[-1]),
+            kv_dtype=getattr(jnp, str(k.dtype).split(".")[-1]))
+        return common.jax_chain(decode_paged.decode_paged_with_plan, [*inp.args, inp.scale],
+                                {"plan": dataclasses.replace(plan, num_stages=num_stages)},
+                                CHAIN)
+
+    return setup
+
+
 def _upstream_supports(desc: dict) -> str | None:
     if (desc["Hq"], desc["Hkv"]) not in ((24, 2), (12, 1)) or desc["R"] > 128:
         return "upstream's SM121 kernel takes (24,2) and (12,1) heads, R <= 128"
@@ -481,6 +501,8 @@ POOL_PROVIDERS = {p.name: p for p in (
                     "batch_invariant=True (the mode's cost)", default=False),
     common.Provider("pallas-paged[bi]", _pallas_paged(True), "qsa_pallas.sparse_decode_paged "
                     "with batch_invariant=True", default=False),
+    common.Provider("pallas-paged[s7]", _pallas_stages(7), "sweep: qsa_pallas paged decode "
+                    "with num_stages = 7", default=False),
     *(common.Provider(f"paged[{v}]", _paged(variant=v), f"sweep: the Triton split kernel "
                       f"launched as variant {v} (qsa_triton.decode_paged._VARIANTS)",
                       default=False) for v in SWEEP_VARIANTS),

@@ -4,7 +4,7 @@
 #   OUT=DIR bash bench/run_gpu.sh [STEP ...]   (default: tests check memcheck decode prefill)
 #
 # Steps, in the order given (their files under $OUT):
-#   tests[=F,..]  pytest -m gpu over tests/, or the given files (tests.log)
+#   tests[=F,..]  pytest -m gpu over tests/, or the given files (tests.log; limit $TESTS_TIMEOUT s)
 #   check         qsa check --full --peer sglang, 6 case-filter shards at once (check_*)
 #   memcheck      compute-sanitizer memcheck of our kernels on the --memcheck cases (memcheck_*)
 #   decode        python3 -m bench.decode, default providers (decode.{json,png,log})
@@ -60,7 +60,8 @@ for s in "$@"; do
   case "$s" in
     tests|tests=*)
       files="tests"; [ "$s" = tests ] || files="${s#tests=}"
-      step tests 540 python3 -m pytest -m gpu -q -p no:cacheprovider ${files//,/ } & ;;
+      step tests "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+        ${files//,/ } & ;;
     check)
       for f in decode/TP1 decode/TP2 decode/TP4 prefill/ordinary prefill/chunk prefill/paged; do
         step "check_${f//\//_}" 420 python3 -m interop.validate.cli check --full --peer sglang \
@@ -90,11 +91,11 @@ for s in "$@"; do
         --json "$OUT/decode_pool.json" --plot "$OUT/decode_pool.png" ;;
     pool_sweep)
       wait
-      step pool_sweep 330 python3 -m bench.decode --mode pool --tp TP1 --rows saturated \
+      step pool_sweep 300 python3 -m bench.decode --mode pool --tp TP1 --rows saturated \
         --batches 1,16,128 --providers "upstream-step,paged,paged[s7],paged[ahead],\
-paged[s7-pdl],paged[ahead-pdl],paged[s7-fp8bn64],paged[bi],pallas-paged" \
+paged[s7-pdl],paged[ahead-pdl],paged[s7-fp8bn64],paged[bi],pallas-paged,pallas-paged[s7]" \
         --json "$OUT/pool_sweep.json"
-      step pool_jax 150 python3 -m bench.decode --mode pool --tp TP1 --rows saturated \
+      step pool_jax 100 python3 -m bench.decode --mode pool --tp TP1 --rows saturated \
         --layouts slots --kv bf16 --batches 1,16,128 --providers \
         "upstream-step,jax-step,pallas-paged" --json "$OUT/pool_jax.json" ;;
     pallas)

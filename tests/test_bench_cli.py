@@ -135,8 +135,8 @@ def test_pool_case_lists_and_sweep_names():
     assert set(decode.SWEEP_VARIANTS) == set(decode_paged._VARIANTS)
     assert decode_paged._DEFAULT_VARIANT in decode_paged._VARIANTS
     sweep = [n for n, p in decode.POOL_PROVIDERS.items() if not p.default]
-    assert {f"paged[{v}]" for v in decode.SWEEP_VARIANTS} | {"paged[bi]", "pallas-paged[bi]"} \
-        == set(sweep)
+    assert {f"paged[{v}]" for v in decode.SWEEP_VARIANTS} | {
+        "paged[bi]", "pallas-paged[bi]", "pallas-paged[s7]"} == set(sweep)
     assert list(decode.POOL_PROVIDERS)[0] == "upstream-step"  # 'x first' = vs upstream's step
 
 
