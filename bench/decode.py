@@ -1,37 +1,28 @@
-"""Decode benchmarks, ours against upstream SGLang 0.5.23's kernels and our Pallas twins, on the
-H200: ``--mode packed`` (default), the decode of packed K/V (``qsa-contract.md`` §2); ``--mode
+"""Decode benchmarks on the H200, ours against upstream SGLang 0.5.23's kernels and our Pallas
+twins: ``--mode packed`` (default), the decode of packed K/V (``qsa-contract.md`` §2); ``--mode
 pool``, the whole decode step from the KV pool (§2b, issue 16).
 
   python3 -m bench.decode [--mode packed|pool] [--providers A,B,..] [--tp ..] [--batches ..]
                           [--rows ..] [--layouts ..] [--kv ..] [--json F] [--plot F.png]
-  python3 -m bench.decode [--mode pool] --smoke-cpu          code paths on CPU, no timing
-  python3 -m bench.decode [--mode pool] --memcheck           edge cases for compute-sanitizer
+  python3 -m bench.decode [--mode pool] --smoke-cpu | --memcheck    CPU code paths / sanitizer
   python3 -m bench.decode --compare OLD_TREE                 this checkout vs another commit's
 
 Packed cases (``interop.cases``): TP1 (24/2), TP2 (12/1), TP4 (6/1) x B in
 ``BENCH_DECODE_BATCHES`` x rows ``BENCH_DECODE_ROWS`` (saturated: 2051 keys per row; mixed:
 17..2051; short: 1..64), D = 256, bf16, max_seqlen_k = 2051, K/V exactly as long as the rows.
-
-Pool cases: the same TPs and B, a pool of ``POOL_SLOTS`` slots (bf16 or FP8 e4m3) laid out as
-SGLang lays it (``pages``: 64-slot pages in scattered order) or as single scattered slots
-(``slots``), a ``req_to_token`` table, W = 2051 index columns per row (indexer-like, valid
-first then -1); rows ``saturated`` (8192-token contexts), ``short`` (17..128 tokens), ``mtp``
-(32 requests x 4 verify rows). Providers: ``upstream-step`` (counts + prefix sum + compaction +
-SM121 decode), ``packed-step`` (the same compaction + ours), ``jax-step`` (XLA compaction +
-``qsa_pallas.sparse_decode``), ``paged`` / ``pallas-paged`` (the pool read in place), and, not
-in the default set, ``paged[bi]`` / ``pallas-paged[bi]`` (batch-invariant mode) and
-``paged[VARIANT]`` (the Triton split kernel's launch variants, ``qsa_triton.decode_paged``'s
-private ``_VARIANTS``: the sweep). Every provider is checked against an FP32 reference
-computed from the pool; ``x first`` is against upstream-step; a timed run ends with issue 16's
-must-show PASS / FAIL lines (``must_show``). No ``--compare`` (the pool is gigabytes).
+Pool cases: the same TPs and B over a pool of ``POOL_SLOTS`` slots (bf16 or FP8 e4m3) laid out
+as SGLang lays it (``pages``: 64-slot pages in scattered order) or as single scattered slots
+(``slots``), W = 2051 index columns per row (indexer-like); rows ``saturated`` (8192-token
+contexts), ``short`` (17..128 tokens), ``mtp`` (32 requests x 4 verify rows). Providers in
+``POOL_PROVIDERS`` (``x first`` is against upstream-step; the sweep's ``paged[VARIANT]`` are the
+Triton kernel's private launch variants); every one checked against an FP32 reference computed
+from the pool; a timed run ends with issue 16's must-show PASS / FAIL lines (``must_show``).
 
 Bytes = the K and V rows a case must read (pool: the valid entries' rows, once); % copy = those
 bytes per second over the copy bandwidth measured in the same run. Timing (``bench.common``):
 CUDA-graph replays of 20 back-to-back calls; JAX as an unrolled chain of 20 calls in one
-``jax.jit``, each call's q the previous output (jax-step's compaction depends on it too).
-
-A mode is a ``bench.common.Mode``: its cases, inputs, FP32 reference, bytes and provider
-registry.
+``jax.jit``, each call's q the previous output (jax-step's compaction depends on it too). A mode
+is a ``bench.common.Mode``: cases, inputs, FP32 reference, bytes and a provider registry.
 """
 
 from __future__ import annotations
