@@ -77,9 +77,9 @@ MERGE_TILE = 2048
 SKIP_EMPTY_CHUNKS = False
 _OFF32_MAX = 2**31 - 1
 
-#: Launch variants of the split kernel, for the benchmark sweep only (``bench/decode.py --mode
-#: pool --sweep``; never selectable through the public entry points). Each entry overrides plan
-#: fields (``num_stages``, ``block_n``, ``num_warps``) and kernel structure:
+#: Launch variants of the split kernel, for the benchmark sweep only (providers ``paged[NAME]`` of
+#: ``bench/decode.py --mode pool``; never selectable through the public entry points). Each entry
+#: overrides plan fields (``num_stages``, ``block_n``, ``num_warps``) and kernel structure:
 #:   ``ahead``: the slots of chunk c are resolved during chunk c - 1 (its index entries during
 #:   c - 2) and carried in registers, so the K/V gathers depend on no load of their own
 #:   iteration;
