@@ -60,7 +60,7 @@ from interop.contract import ContractError, check_decode_paged, route
 from interop.plan import PAGED_MAX_SPLITS, PagedDecodePlan, next_pow2, plan_decode_paged
 
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
-from .decode import _TRITON_PDL, pdl_supported
+from .decode import _TRITON_PDL, _pdl_supported
 
 __all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "compile_configs",
            "SKIP_EMPTY_CHUNKS", "MERGE_TILE"]
@@ -313,13 +313,13 @@ def _with_variant(plan: PagedDecodePlan, variant: str | None, device: torch.devi
                   kv_bytes: int) -> tuple[PagedDecodePlan, bool, bool]:
     """(plan with the variant's field overrides, AHEAD, USE_PDL) of ``_VARIANTS[variant]``;
     None = the plan as given, base structure. ``fp8_block_n`` applies to 1-byte pools only; PDL
-    only where ``pdl_supported(device)``."""
+    only where ``_pdl_supported(device)``."""
     over = _VARIANTS[variant] if variant is not None else {}
     fields = {k: v for k, v in over.items() if k in _PLAN_FIELDS}
     if kv_bytes == 1 and "fp8_block_n" in over:
         fields["block_n"] = over["fp8_block_n"]
     plan = dataclasses.replace(plan, **fields) if fields else plan
-    pdl = bool(over.get("pdl")) and pdl_supported(device)
+    pdl = bool(over.get("pdl")) and _pdl_supported(device)
     return plan, bool(over.get("ahead")), pdl
 
 
