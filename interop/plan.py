@@ -243,6 +243,10 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
 __all__ += ["PagedDecodePlan", "plan_decode_paged", "paged_smem_bytes",
             "BATCH_INVARIANT_SPLIT_COLS", "PAGED_MAX_SPLITS"]
 
+#: depth of the paged kernel's dependent-load chain (index -> req_to_token -> K/V) and the
+#: pipeline depth that gives its K/V gathers two buffers (``paged_smem_bytes``)
+PAGED_LOAD_CHAIN = 3
+PAGED_DEEP_STAGES = 7
 #: batch-invariant mode: index columns per split (a multiple of every BLOCK_N the plan uses).
 #: The split count is then cdiv(W, this) whatever the batch: 9 splits for W = 2051. Why this
 #: size: fewer columns per split fill more SMs at small batch, more columns write fewer FP32
@@ -291,7 +295,10 @@ def paged_smem_bytes(plan: PagedDecodePlan, head_dim: int, q_bytes: int = 2,
     kernel for stages >= 2) extended by the conversion tiles."""
     kv = 2 * plan.block_n * head_dim * kv_bytes
     conv = 2 * plan.block_n * head_dim * q_bytes if kv_bytes != q_bytes else 0
-    return (max(plan.num_stages - 1, 1) * kv + conv + plan.head_tile * head_dim * q_bytes
+    # Triton's software pipeliner shares the stage budget over the kernel's chain of dependent
+    # loads (index -> req_to_token -> K/V, depth 3): (num_stages - 1) // 3 K/V buffers.
+    kv_buffers = max(1, (plan.num_stages - 1) // PAGED_LOAD_CHAIN)
+    return (kv_buffers * kv + conv + plan.head_tile * head_dim * q_bytes
             + plan.head_tile * plan.block_n * q_bytes)
 
 
@@ -340,7 +347,11 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
     else:
         splits = max(1, (PROGRAMS_PER_SM * sm_count) // (rows * num_kv_heads))
     splits = max(1, min(splits, nb, PAGED_MAX_SPLITS))
-    plan = PagedDecodePlan(head_tile, block_n, splits, 4, 3)
+    # Deep pipelines pay where a program streams several chunks: 7 stages give the K/V gathers
+    # two buffers behind the 3-deep load chain; one-chunk splits (small R) keep 3 (bench/NOTES.md,
+    # "Paged decode, Triton").
+    stages = PAGED_DEEP_STAGES if nb >= 2 * splits else 3
+    plan = PagedDecodePlan(head_tile, block_n, splits, 4, stages)
     while paged_smem_bytes(plan, head_dim, q_bytes, kv_bytes) > smem_limit:
         if plan.num_stages > 2:
             plan = dataclasses.replace(plan, num_stages=plan.num_stages - 1)
