@@ -783,6 +783,7 @@ def _full_new_ops(ops: Sequence[str], dtype: str) -> list[Spec]:
     W = 2051, the TP rank shapes, B up to 128; the indexer and the step at 4 x 128, topk 512,
     contexts to 32k (the step's pool shared between requests so the FP64 reference stays small)."""
     cases: list[Spec] = []
+    # one generator per op: a case's shape does not depend on which ops were selected
     rng = np.random.default_rng(2026)
     if "paged" in ops:
         for tp, (hq, hkv) in TP_SHAPES.items():
@@ -803,6 +804,7 @@ def _full_new_ops(ops: Sequence[str], dtype: str) -> list[Spec]:
               duplicates=5, empty_rows=(0, 7), seed=7),
         ]
     if "indexer" in ops:
+        rng = np.random.default_rng(2027)
         X = IndexerSpec  # noqa: N806
         for b, ctx in ((1, 32768), (16, 32768), (64, 8192), (128, 32768)):
             lens = tuple(int(x) for x in np.clip(ctx - rng.integers(0, 97, size=b), 0, None))
@@ -821,6 +823,7 @@ def _full_new_ops(ops: Sequence[str], dtype: str) -> list[Spec]:
               dtype=dtype, seed=14),
         ]
     if "step" in ops:
+        rng = np.random.default_rng(2028)
         S = StepSpec  # noqa: N806
         for tp, (hq, hkv) in (("TP1", (24, 2)), ("TP2", (12, 1))):
             for b in (1, 16, 64, 128):
