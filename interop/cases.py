@@ -781,13 +781,15 @@ def _quick_new_ops(ops: Sequence[str], dtype: str) -> list[Spec]:
 def _full_new_ops(ops: Sequence[str], dtype: str) -> list[Spec]:
     """GPU (compiled) cases of ``paged``, ``indexer`` and ``step`` at production shapes: D = 256,
     W = 2051, the TP rank shapes, B up to 128; the indexer and the step at 4 x 128, topk 512,
-    contexts to 32k (the step's pool shared between requests so the FP64 reference stays small)."""
+    contexts to 32k (the step's pool shared between requests so the FP64 reference stays small).
+    Few batch sizes each: the numpy FP64 attention reference dominates the run time (the
+    kernels' own GPU tests sweep the batch)."""
     cases: list[Spec] = []
     # one generator per op: a case's shape does not depend on which ops were selected
     rng = np.random.default_rng(2026)
     if "paged" in ops:
         for tp, (hq, hkv) in TP_SHAPES.items():
-            for b in (1, 16, 64, 128):
+            for b in (1, 64) + ((128,) if tp == "TP1" else ()):
                 ctx = rng.integers(1, 4097, size=b)
                 ctx[0] = 2051  # one saturated row
                 pool = (int((-(-ctx // 64)).sum()) + 2) * 64  # a tight pool: host FP64 copy
@@ -825,8 +827,8 @@ def _full_new_ops(ops: Sequence[str], dtype: str) -> list[Spec]:
     if "step" in ops:
         rng = np.random.default_rng(2028)
         S = StepSpec  # noqa: N806
-        for tp, (hq, hkv) in (("TP1", (24, 2)), ("TP2", (12, 1))):
-            for b in (1, 16, 64, 128):
+        for tp, (hq, hkv), batches in (("TP1", (24, 2), (1, 128)), ("TP2", (12, 1), (16, 64))):
+            for b in batches:
                 ctx = 32768 - rng.integers(0, 300, size=b)
                 cases.append(S(f"step/decode/{tp}/B{b}/32k", "decode", hq, hkv, 256,
                                tuple(int(c) for c in ctx), dtype=dtype, pool_pages=2048,
@@ -836,10 +838,10 @@ def _full_new_ops(ops: Sequence[str], dtype: str) -> list[Spec]:
               tuple(int(c) for c in rng.integers(0, 40000, size=32)), dtype=dtype,
               kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5, index_k_dtype="float8_e4m3fn",
               pool_pages=2048, seed=21),
-            S("step/prefill/TP2/T1k/kv32k", "prefill", 12, 1, 256, (32768,), q_lens=(1024,),
+            S("step/prefill/TP2/T512/kv32k", "prefill", 12, 1, 256, (32768,), q_lens=(512,),
               dtype=dtype, pool_pages=2048, seed=22),
             S("step/prefill/TP1/ragged", "prefill", 24, 2, 256, (2060, 3, 9000, 300),
-              q_lens=(20, 3, 700, 300), dtype=dtype, seed=23),
+              q_lens=(20, 3, 200, 300), dtype=dtype, seed=23),
         ]
     return cases
 

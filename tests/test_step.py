@@ -10,8 +10,9 @@ the FP64 references: ``interop.reference`` indexer (scoring + exact top-k) ->
 ``interop.indices.expand_block_indices`` -> ``decode_paged_reference`` / ``prefill_paged_reference``.
 The JAX step runs under ``jax.jit`` with transfers to or from the host disallowed, inside a jitted
 ``lax.scan`` over 2 layers (each layer's output equals that layer's reference; new lengths do
-not recompile), and under ``shard_map`` on 2 CPU host devices with the KV heads split (bitwise
-equal to the unsharded step in batch-invariant mode). Both packages agree; both refuse bad calls
+not recompile), under ``shard_map`` on 2 CPU host devices with the KV heads split (bitwise
+equal to the unsharded step in batch-invariant mode), and lowers for CUDA at production shapes
+without a GPU. Both packages agree; both refuse bad calls
 with the same ``ContractError`` before anything runs; the Triton step traces under
 ``torch.compile(fullgraph=True)``.
 
@@ -270,6 +271,33 @@ def test_jax_step_under_shard_map_kv_heads_split():
     np.testing.assert_array_equal(f64(out), unsharded)
 
 
+@pytest.mark.parametrize("kind", ["NVIDIA H200", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"])
+def test_jax_steps_lower_for_cuda_at_production_shapes(kind):
+    """Without a GPU: both steps trace and lower for CUDA (an abstract device of that kind) at
+    production shapes (TP2, D = 256, bf16, topk 512, 32k context; prefill 1024 rows), and the
+    lowered module holds exactly the indexer's two kernels and the attention kernel."""
+    import functools
+
+    sds, i32, bf = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
+    b, ctx, t, pages = 16, 32768, 1024, 2048
+    pool = sds((pages * 64, 1, 256), bf)
+    dec = (sds((b, 12, 256), bf), pool, pool, sds((b + 2, ctx), i32), sds((b,), i32),
+           sds((b, 4, 128), bf), sds((pages, 16, 1, 128), bf), sds((b, ctx // 64), i32),
+           sds((b,), i32))
+    pre = (sds((t, 12, 256), bf), pool, pool, sds((3, ctx), i32), sds((1,), i32),
+           sds((t, 4, 128), bf), sds((ctx // 4, 1, 128), bf), sds((2,), i32), sds((2,), i32),
+           sds((1,), i32))
+    for fn, args, attn in (
+            (functools.partial(qsa_pallas.qsa_decode_step, interpret=False), dec,
+             "qsa_decode_paged_split"),
+            (functools.partial(qsa_pallas.qsa_prefill_step, max_seqlen_q=t, interpret=False), pre,
+             "qsa_sparse_prefill_paged")):
+        names = [m.name for m in _compat.triton_modules(
+            _compat.lower_for_device_kind(fn, args, kind))]
+        assert sorted(names) == sorted([names[0], "qsa_indexer_merge", attn]), names
+        assert names[0].startswith("qsa_indexer_") and names[0].endswith("_chunk"), names
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU: one interface, one contract, torch.compile
 def test_same_names_same_parameters():
@@ -484,6 +512,8 @@ def test_gpu_prefill_step_1024_rows_over_32k():
 
 @gpu
 def test_gpu_jax_step_in_jitted_layer_scan():
+    """Two layers (the second with its query rows reversed) in a jitted scan on the GPU: each
+    layer equals the direct call and the FP64 reference."""
     data, _, jn = _gpu_inputs(_gpu_spec("TP2", 16, seed=6))
     per_layer = ("q", "k_cache", "v_cache", "index_q", "index_k_cache")
     xs = tuple(jnp.stack([jn[n], jn[n][::-1] if n in ("q", "index_q") else jn[n]])
@@ -493,14 +523,19 @@ def test_gpu_jax_step_in_jitted_layer_scan():
     def forward(xs, seq_lens, req_to_token, req_indices, index_page_table):
         def layer(c, x):
             return c, qsa_pallas.qsa_decode_step(x[0], x[1], x[2], req_to_token, req_indices,
-                                                 x[3], x[4], index_page_table, seq_lens)
+                                                 x[3], x[4], index_page_table, seq_lens,
+                                                 topk=topk)
         return jax.lax.scan(layer, 0, xs)[1]
 
+    topk = data.scalars["topk"]
     out = forward(xs, jn["seq_lens"], jn["req_to_token"], jn["req_indices"],
                   jn["index_page_table"])
+    rows = [0, 5, 15]
     for i in range(2):
-        want = qsa_pallas.qsa_decode_step(xs[0][i], jn["k_cache"], jn["v_cache"],
-                                          jn["req_to_token"], jn["req_indices"], xs[3][i],
-                                          jn["index_k_cache"], jn["index_page_table"],
-                                          jn["seq_lens"])
-        np.testing.assert_array_equal(f64(out[i]), f64(want))
+        layer = {**jn, "q": xs[0][i], "index_q": xs[3][i]}
+        a, k = data.arguments(layer)
+        want = qsa_pallas.qsa_decode_step(*a, **k)
+        a, w = f64(out[i]), f64(want)
+        assert np.all(np.abs(a - w) <= C.ATOL + C.RTOL * np.abs(w)), f"layer {i}"
+        ref = _row_reference(data, layer, rows)
+        assert_close(a[rows], ref, np.zeros(ref.shape[:2], bool), f"layer {i}")
