@@ -103,12 +103,12 @@ def _compile_cli(tmp_path, *argv, triton_mods="qsa_fake_triton_kernels",
     (tmp_path / "qsa_fake_pallas_cases.py").write_text(FAKE_PALLAS)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}",
-               QSA_COMPILE_TRITON_MODULES=triton_mods, QSA_COMPILE_PALLAS_MODULES=pallas_mods,
                JAX_PLATFORMS="cpu", TRITON_CACHE_DIR=str(tmp_path / "triton-cache"),
                COLUMNS="250")
     out = tmp_path / "compile.json"
-    proc = subprocess.run([sys.executable, "-m", "interop.validate.cli", "compile", *argv, "--json",
-                           str(out)], capture_output=True, text=True, timeout=600, env=env)
+    mods = [f"--triton-modules={triton_mods}", f"--pallas-modules={pallas_mods}"]
+    proc = subprocess.run([sys.executable, "-m", "interop.validate.cli", "compile", *argv, *mods,
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, env=env)
     doc = _json.loads(out.read_text()) if out.exists() else None
     return proc, doc
 

@@ -433,8 +433,9 @@ def _cmd_compile(args) -> int:
                               env=env)
         return proc.returncode
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # lowering needs no GPU
-    reports = CC.run(archs, families, progress=lambda m: print(m, flush=True),
-                     jobs=jobs)
+    reports = CC.run(archs, families, progress=lambda m: print(m, flush=True), jobs=jobs,
+                     triton_modules=_split_list(args.triton_modules),
+                     pallas_modules=_split_list(args.pallas_modules))
     rows = CC.summary_rows(reports)
     if args.verbose:
         print_table("Every configuration", ("family", "arch", "config", "warps/stages",
@@ -489,6 +490,10 @@ def _add_compile(sub) -> None:
     p.add_argument("--family", help="comma-separated: triton,pallas (default: both)")
     p.add_argument("--json", metavar="FILE", help="write every configuration's report as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="print every configuration")
+    p.add_argument("--triton-modules", metavar="M,..", help="modules whose compile_configs(arch) "
+                   "replace the built-in Triton lists (out-of-tree kernels)")
+    p.add_argument("--pallas-modules", metavar="M,..", help="modules whose "
+                   "lowering_cases(device_kind) replace the built-in Pallas lists")
     p.set_defaults(func=_cmd_compile)
 
 

@@ -29,8 +29,8 @@ memory <= the arch's opt-in limit per block, registers <= 255 per thread and reg
 <= 65,536 per block. Spills are reported, not failed.
 
 Out-of-tree kernels (and the CLI tests) can replace the built-in lists with modules exposing
-``compile_configs(arch)`` / ``lowering_cases(device_kind)``, named in the environment variables
-``QSA_COMPILE_TRITON_MODULES`` / ``QSA_COMPILE_PALLAS_MODULES`` (comma-separated).
+``compile_configs(arch)`` / ``lowering_cases(device_kind)`` (``run(triton_modules=...,
+pallas_modules=...)``; ``qsa compile --triton-modules/--pallas-modules``).
 
 Must run with ``TRITON_INTERPRET`` off (the interpreter replaces the JIT functions): ``qsa
 compile`` re-runs itself in a subprocess without it when it is set. ``python3 -m
@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from interop.arch import CI_ARCHS, KNOWN_ARCHS, KNOWN_PARTS, arch_name, device_kind, parse_arch
 
-__all__ = ["ConfigReport", "DEFAULT_ARCHS", "DEVICE_KIND", "TRITON_MODULES", "PALLAS_MODULES",
+__all__ = ["ConfigReport", "DEFAULT_ARCHS", "DEVICE_KIND",
            "FAMILIES", "resource_usage", "check_triton", "check_pallas", "run", "parse_archs",
            "triton_decode_configs", "triton_prefill_configs", "pallas_decode_cases",
            "pallas_prefill_cases", "compile_triton_configs", "summary_rows"]
@@ -60,9 +60,6 @@ __all__ = ["ConfigReport", "DEFAULT_ARCHS", "DEVICE_KIND", "TRITON_MODULES", "PA
 DEFAULT_ARCHS = CI_ARCHS
 #: The abstract device each arch is lowered for (jax device kinds).
 DEVICE_KIND = {arch: device_kind(arch) for arch in KNOWN_ARCHS}
-# Modules replacing the built-in lists (tests, out-of-tree kernels); empty: the built-in lists.
-TRITON_MODULES = tuple(m for m in os.environ.get("QSA_COMPILE_TRITON_MODULES", "").split(",") if m)
-PALLAS_MODULES = tuple(m for m in os.environ.get("QSA_COMPILE_PALLAS_MODULES", "").split(",") if m)
 #: kernel families per backend; ``run`` / ``--family`` take "triton", "pallas" or e.g.
 #: "triton:decode"
 FAMILIES = {"triton": ("decode", "prefill", "decode_paged"),
@@ -337,7 +334,7 @@ _TRITON_FAMILIES = {"decode": triton_decode_configs, "prefill": triton_prefill_c
 
 # --------------------------------------------------------------------------------------------
 # Triton.
-def check_triton(arch: str, modules: Sequence[str] = TRITON_MODULES,
+def check_triton(arch: str, modules: Sequence[str] = (),
                  kernels: Sequence[str] = FAMILIES["triton"]) -> list[ConfigReport]:
     """Compile every shipped Triton configuration of ``kernels`` ("decode", "prefill") for
     ``arch``; or, where ``modules`` are named, every ``compile_configs(arch)`` entry of those."""
@@ -515,7 +512,7 @@ _PALLAS_FAMILIES = {"decode": pallas_decode_cases, "prefill": pallas_prefill_cas
                     "decode_paged": _module_list("qsa_pallas.decode_paged", "lowering_cases")}
 
 
-def check_pallas(arch: str, modules: Sequence[str] = PALLAS_MODULES,
+def check_pallas(arch: str, modules: Sequence[str] = (),
                  kernels: Sequence[str] = FAMILIES["pallas"]) -> list[ConfigReport]:
     """Lower every shipped Pallas case of ``kernels`` ("decode", "prefill") for ``arch``'s
     abstract device and compile its Triton IR; or, where ``modules`` are named, every
@@ -567,26 +564,32 @@ def _module_cases(mod_name: str, kind: str) -> list:
     return importlib.import_module(mod_name).lowering_cases(kind)
 
 
-def _check_group(fam: str, arch: str) -> list[ConfigReport]:
-    """``fam``: "triton" / "pallas" (every kernel family) or e.g. "triton:decode"."""
+def _check_group(fam: str, arch: str, modules: dict[str, Sequence[str]]) -> list[ConfigReport]:
+    """``fam``: "triton" / "pallas" (every kernel family) or e.g. "triton:decode"; ``modules``:
+    backend -> modules replacing its built-in lists (empty: the built-in lists)."""
     backend, _, kernel = fam.partition(":")
     kernels = (kernel,) if kernel else FAMILIES[backend]
-    return (check_triton(arch, kernels=kernels) if backend == "triton"
-            else check_pallas(arch, kernels=kernels))
+    check = check_triton if backend == "triton" else check_pallas
+    return check(arch, tuple(modules.get(backend, ())), kernels=kernels)
 
 
 def run(archs: Sequence[str] = DEFAULT_ARCHS, families: Sequence[str] = ("triton", "pallas"),
-        progress: Callable[[str], None] | None = None, jobs: int = 1) -> list[ConfigReport]:
+        progress: Callable[[str], None] | None = None, jobs: int = 1, *,
+        triton_modules: Sequence[str] = (), pallas_modules: Sequence[str] = ()
+        ) -> list[ConfigReport]:
     """Every family x arch; ``progress(message)`` before each group. ``jobs`` > 1 compiles the
     (family, arch) groups in that many worker processes (compilation is single-threaded per
-    config: CI's 2 cores halve the wall time); the reports keep the serial order."""
+    config: CI's 2 cores halve the wall time); the reports keep the serial order.
+    ``triton_modules`` / ``pallas_modules``: modules whose ``compile_configs(arch)`` /
+    ``lowering_cases(device_kind)`` replace the built-in lists (out-of-tree kernels, tests)."""
+    modules = {"triton": tuple(triton_modules), "pallas": tuple(pallas_modules)}
     groups = [(fam, arch) for arch in archs for fam in families]
     if jobs <= 1 or len(groups) <= 1:
         out: list[ConfigReport] = []
         for fam, arch in groups:
             if progress:
                 progress(f"compiling {fam} kernels for {arch} ({DEVICE_KIND[arch]}) ...")
-            out += _check_group(fam, arch)
+            out += _check_group(fam, arch, modules)
         return out
     import concurrent.futures as cf  # noqa: PLC0415
     import multiprocessing as mp  # noqa: PLC0415
@@ -594,7 +597,7 @@ def run(archs: Sequence[str] = DEFAULT_ARCHS, families: Sequence[str] = ("triton
     # spawn: a forked child would inherit JAX's / torch's threads mid-state
     with cf.ProcessPoolExecutor(max_workers=min(jobs, len(groups)),
                                 mp_context=mp.get_context("spawn")) as pool:
-        futs = [pool.submit(_check_group, fam, arch) for fam, arch in groups]
+        futs = [pool.submit(_check_group, fam, arch, modules) for fam, arch in groups]
         if progress:
             progress(f"compiling {len(groups)} (family, arch) groups in "
                      f"{min(jobs, len(groups))} worker processes: "
