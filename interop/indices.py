@@ -855,12 +855,13 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     shared memory per program fit, else 64-block tiles (sm_120: 101,376 B). Selection in 2-bit
     rounds in both passes (16 rounds: three thresholds a round, packed two counts to an int32,
     cost about what one 1-bit round costs, which is one block-wide reduction).
-    Prefill (16 rows per program sharing every key tile): chunk 2 * topk, grown the same way for
-    the merge bound, 1-bit rounds in pass 1 (16 rows x 1024 keys per program: there the compares
-    cost, not the rounds), 8 warps (255 registers: 16 x 1024 keys live through the selection),
-    and rows grouped so that one launch's candidate workspace stays under 256 MiB (upstream caps
-    its FP32 logits buffer at 128 MiB the same way; candidates take ``8 * topk / chunk`` bytes
-    per (row, block) instead of 4).
+    Prefill (rows of a program share every key tile): chunk 2 * topk, grown until a row's
+    candidates fit 16384, 16 rows per program (8 or 4 where the chunk grows: 16 x 1024 keys per
+    program, 8 warps, 255 registers), 1-bit rounds in pass 1 (16 rows at once: there the
+    compares cost, not the rounds), and rows grouped so that one launch's candidate workspace
+    stays under 256 MiB (upstream caps its FP32 logits buffer at 128 MiB the same way;
+    candidates take ``8 * topk / chunk`` bytes per (row, block) instead of 4). Rows past ~2M
+    blocks (8M tokens) at topk 512 get a plan whose ``problem`` says why it cannot run.
 
     Args:
       kind: "decode" | "prefill". rows: query rows (B or T). max_blocks: static bound of a row's

@@ -6,9 +6,10 @@ names, argument order, plan (``interop.indices.plan_indexer``) and algorithm as
 
 * pass 1, one program per (row tile, chunk of C blocks): score the chunk in BLOCK_N tiles (one
   bf16/fp16 dot with FP32 accumulation, ReLU, head sum), hold the chunk's scores as int32
-  order-preserving keys, select the chunk's exact top-k per row by a bitwise binary search (31
-  rounds over the key bits, then at most log2(C) rounds over the ids of the tied blocks, which
-  keeps the smaller ids), write the survivors in ascending block order (prefix sums) and their
+  order-preserving keys, find each row's k-th largest key by a radix search (``radix_bits``
+  bits a round, the round's 2^bits - 1 thresholds counted in one compare-and-sum), keep
+  key > tau and the first k - #(key > tau) ties in block order, and write the survivors in
+  ascending block order (one packed prefix sum gives the tie ranks and the slots) with their
   count: no [rows, blocks] logits array exists at any point;
 * pass 2, one program per row: the same select over the row's candidates, then the ascending
   block ids or, fused, the expanded token row.
@@ -476,7 +477,9 @@ def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
 
     Raises:
       ContractError: before anything is traced or launched
-        (``interop.contract.check_indexer_decode``; the same message as the torch path).
+        (``interop.contract.check_indexer_decode``; the same message as the torch path), or
+        for a plan (given, or the default one: rows of up to 2M blocks at topk 512) that cannot
+        run this call (``IndexerPlan.problem``).
     """
     return _decode_entry("indexer_topk_decode", q, k_cache, page_table, seq_lens, topk,
                          compress_ratio, strict, interpret, False, plan)
@@ -632,11 +635,13 @@ def expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio: int 
     return _expand(block_ids, positions, seq_lens, ratio=int(compress_ratio))
 
 
-def lowering_cases(*, dtype=jnp.bfloat16, k_dtype=None) -> list[tuple[str, object, tuple]]:
+def lowering_cases(device_kind: str | None = None, *, dtype=jnp.bfloat16,
+                   k_dtype=None) -> list[tuple[str, object, tuple]]:
     """Representative production launches as ``(name, fn, args)`` for
     ``_compat.lower_for_device_kind`` (``jax.ShapeDtypeStruct`` args, nothing allocated):
     decode B = 16 at 32k and B = 128 at 256k context, prefill 8192 rows at 32k, each with the
-    fused expansion."""
+    fused expansion. ``device_kind`` (the ``interop.compile_check`` protocol) is not needed: the
+    plan follows the abstract device the cases are lowered under."""
     sds = jax.ShapeDtypeStruct
     kd = dtype if k_dtype is None else k_dtype
     i32 = jnp.int32

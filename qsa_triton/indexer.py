@@ -8,19 +8,30 @@ top-k rule, the paged decode and packed prefill inputs) and §4 (expansion). FP6
 Algorithm (two passes, no [rows, blocks] logits tensor is ever written):
 
 * Pass 1, one program per (row tile, chunk of C blocks): score the chunk in tiles of BLOCK_N
-  blocks (bf16/fp16 ``tl.dot`` of the key tile with the row's heads, FP32 accumulation, ReLU,
-  sum over heads), keep the chunk's FP32 scores in registers as int32 *keys* (the bits of a float
+  blocks (the key tile as the M side of a bf16/fp16 ``tl.dot`` with the row's heads, FP32
+  accumulation, ReLU, sum over heads; tiles streamed through ``num_stages`` shared-memory
+  buffers), keep the chunk's FP32 scores in registers as int32 *keys* (the bits of a float
   >= +0.0 order like the float; -0.0 and NaN become +0.0, invisible blocks -1), then select the
-  chunk's exact top-k per row with a bitwise binary search (radix select): 31 count rounds find
-  the k-th largest key tau, and at most log2(C) more rounds find, among the blocks equal to tau,
-  the cut that keeps the smallest ids. The survivors (<= k per row and chunk) are written in
-  ascending block order (prefix sums give each one its slot) with their count. Bytes moved per
-  row: one read of its visible compressed keys (D * 2 B per block for bf16, D B for fp8) plus
-  8 B per candidate (k per C >= 2k blocks: <= 1/64 of the key bytes at D = 128 bf16).
-* Pass 2, one program per row: the same radix select over the row's S x k candidates (the slot
-  number orders like the block id, so the tie rule carries over), then the block ids in ascending
-  order, or, fused, the expanded 2051-wide token row (blocks expanded to ``4g .. 4g + 3``, the
-  0-3 token causal tail appended, -1 after: already valid-first, since everything is ascending).
+  chunk's exact top-k per row:
+  - the k-th largest key tau by a radix search from bit 30 down, ``radix_bits`` (b) bits a
+    round: each round counts #(key >= tau + j * 2^lo) for the 2^b - 1 digits j > 0 in one
+    compare-and-sum (two counts packed per int32, so one block-wide reduction a round) and
+    keeps the largest digit whose count is >= k; ceil(31 / b) rounds;
+  - then one prefix sum over (key > tau) + (key == tau) * 2^16 in block order gives, at once,
+    the rank of every tie (the first k - #(key > tau) ties, i.e. the smallest block ids, are
+    kept) and every survivor's slot in ascending block order.
+  The survivors (<= k per row and chunk) are written with their count. Bytes moved per row: one
+  read of its visible compressed keys (D * 2 B per block for bf16, D B for fp8) plus 8 B per
+  candidate (k per C >= 2k blocks: <= 1/64 of the key bytes at D = 128 bf16).
+* Pass 2, one program per row: the same selection over the row's S x k candidates (the slot
+  number orders like the block id, so the tie rule carries over), then the block ids in
+  ascending order, or, fused, the expanded 2051-wide token row (blocks expanded to
+  ``4g .. 4g + 3``, the 0-3 token causal tail appended, -1 after: already valid-first, since
+  everything is ascending).
+
+The selection is a radix select (Alabi et al., "Fast k-Selection Algorithms for Graphics
+Processing Units", JEA 2012; upstream's ``fast_topk`` and PyTorch's ``topk`` select by radix
+digits too) whose rounds count several digits at once; exact, no sort.
 
 Selection uses the unscaled FP32 sum: dividing by a positive ``score_scale`` preserves the order
 (upstream divides in FP32, which can only merge neighbouring values into ties), so the tie rule
@@ -419,8 +430,8 @@ def _merge(ws, out, m0, m1, pos, bound, cap, plan: IndexerPlan, *, prefill, expa
     _merge_kernel[(rows,)](
         wsk, wsi, wsc, out, m0, m1 if m1 is not None else m0,
         pos if pos is not None else m0, bound if bound is not None else m0,
-        cap, out.stride(0), plan.chunk, plan.splits, **_merge_constexprs(plan, prefill=prefill, expand=expand,
-                                                 ratio=ratio),
+        cap, out.stride(0), plan.chunk, plan.splits,
+        **_merge_constexprs(plan, prefill=prefill, expand=expand, ratio=ratio),
         num_warps=plan.merge_warps)
     return out
 
@@ -651,8 +662,9 @@ def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torc
     Raises:
       ContractError: before any launch, for a call outside the contract
         (``interop.contract.check_indexer_decode``), a non-torch argument, bf16 under an
-        unpatched Triton interpreter, CPU tensors without the interpreter, a plan that cannot
-        run this call (``IndexerPlan.problem``).
+        unpatched Triton interpreter, CPU tensors without the interpreter, a plan (given, or
+        the default one) that cannot run this call (``IndexerPlan.problem``; the default plan
+        covers rows of up to 2M blocks at topk 512: argument ``page_table`` / ``k``).
     """
     fn = "indexer_topk_decode"
     if not torch.compiler.is_compiling():
