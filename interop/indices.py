@@ -784,6 +784,10 @@ class IndexerPlan:
       num_warps, num_stages: pass-1 launch; merge_warps: pass-2 launch.
       row_group: rows per launch pair (prefill: bounds the candidate workspace; decode: all).
       radix_bits, merge_radix_bits: key bits decided per selection round in pass 1 / pass 2.
+      pdl: launch the merge with Programmatic Dependent Launch where the backend can (Triton on
+        sm_90+; Pallas ignores it): its grid is scheduled while pass 1 runs and waits on the
+        device, which hides the launch gap. Set where pass 1 is one wave of resident programs
+        (a waiting merge program then takes no pass-1 program's place).
     """
 
     kind: str
@@ -798,6 +802,7 @@ class IndexerPlan:
     row_group: int
     radix_bits: int = 2
     merge_radix_bits: int = 2
+    pdl: bool = False
 
     @property
     def splits_pad(self) -> int:
@@ -890,8 +895,10 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
         c = min(_pow2_at_least(-(-mb // target)), _CHUNK_MAX)
         c = max(c, 2 * topk, 64, merge_chunk)
         tile = min(128 if smem_per_block >= 110_000 else 64, c)
-        return IndexerPlan(kind, topk, c, -(-mb // c), tile, 1, 8, 5, merge_warps(c),
-                           max(rows, 1), radix_bits=2, merge_radix_bits=2)
+        splits = -(-mb // c)
+        return IndexerPlan(kind, topk, c, splits, tile, 1, 8, 5, merge_warps(c), max(rows, 1),
+                           radix_bits=2, merge_radix_bits=2,
+                           pdl=max(rows, 1) * splits <= 2 * sm_count)
     # prefill rows merge up to 16384 candidates, and a pass-1 program holds 16 x 1024 keys:
     # fewer rows per program where the chunk grows
     c = max(2 * topk, 64, _pow2_at_least(-(-mb * topk // (2 * _MERGE_MAX_CANDIDATES))))

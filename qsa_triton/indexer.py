@@ -55,6 +55,7 @@ from interop.contract import (ContractError, check_expand_block_indices, check_i
 from interop.indices import IndexerPlan, plan_indexer
 
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
+from .decode import pdl_supported
 
 __all__ = [
     "indexer_topk_decode",
@@ -183,7 +184,11 @@ def _decode_chunk_kernel(q_ptr, k_ptr, pt_ptr, seq_ptr, wsk_ptr, wsi_ptr, wsc_pt
                          H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                          RATIO: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
                          T: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr,
-                         COMPUTE: tl.constexpr):
+                         COMPUTE: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:
+        # the merge grid (launched with PDL) may be scheduled now: it waits on the device for
+        # this whole grid to complete (griddepcontrol.wait), so triggering at entry is safe
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     s = tl.program_id(1)
     nb = tl.minimum(tl.maximum(tl.load(seq_ptr + b), 0) // RATIO, cap)
@@ -303,7 +308,9 @@ def _merge_kernel(wsk_ptr, wsi_ptr, wsc_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, b
                   PREFILL: tl.constexpr, EXPAND: tl.constexpr, RATIO: tl.constexpr,
                   K: tl.constexpr, SP: tl.constexpr,
                   W: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr, RB: tl.constexpr,
-                  NJ: tl.constexpr):
+                  NJ: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # launched with PDL: wait until pass 1 has completed and its writes are visible
+        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
     if PREFILL:
         rs = tl.load(m0_ptr + r)
@@ -422,7 +429,8 @@ def _merge_constexprs(plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: 
                 RB=plan.merge_radix_bits, NJ=IndexerPlan.thresholds(plan.merge_radix_bits))
 
 
-def _merge(ws, out, m0, m1, pos, bound, cap, plan: IndexerPlan, *, prefill, expand, ratio):
+def _merge(ws, out, m0, m1, pos, bound, cap, plan: IndexerPlan, *, prefill, expand, ratio,
+           pdl=False):
     wsk, wsi, wsc = ws
     rows = out.shape[0]
     if rows == 0:
@@ -431,8 +439,8 @@ def _merge(ws, out, m0, m1, pos, bound, cap, plan: IndexerPlan, *, prefill, expa
         wsk, wsi, wsc, out, m0, m1 if m1 is not None else m0,
         pos if pos is not None else m0, bound if bound is not None else m0,
         cap, out.stride(0), plan.chunk, plan.splits,
-        **_merge_constexprs(plan, prefill=prefill, expand=expand, ratio=ratio),
-        num_warps=plan.merge_warps)
+        **_merge_constexprs(plan, prefill=prefill, expand=expand, ratio=ratio), USE_PDL=pdl,
+        num_warps=plan.merge_warps, **({"launch_pdl": True} if pdl else {}))
     return out
 
 
@@ -456,13 +464,14 @@ def _run_decode(q, k_cache, page_table, seq_lens, topk: int, ratio: int, expand:
     ws = _workspace(b, plan, q.device)
     if k_cache.numel() == 0:  # no pages: every block reads nothing (pages = 0 masks all loads)
         k_cache = torch.zeros((1, 1, 1, d), dtype=k_cache.dtype, device=q.device)
+    pdl = plan.pdl and pdl_supported(q.device)
     _decode_chunk_kernel[(b, plan.splits)](
         q, k_cache, page_table, seq_lens, *ws,
         q.stride(0), q.stride(1), page_table.stride(0), pages, cap, plan.splits,
-        **_decode_constexprs(plan, h, d, psz, ratio, _compute_dtype(q)),
+        **_decode_constexprs(plan, h, d, psz, ratio, _compute_dtype(q)), USE_PDL=pdl,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     return _merge(ws, out, seq_lens, None, None, None, cap, plan, prefill=False, expand=expand,
-                  ratio=ratio)
+                  ratio=ratio, pdl=pdl)
 
 
 def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, ratio: int,
@@ -502,13 +511,15 @@ def compile_configs(arch: str, *, batches=(1, 16, 64, 128),
     page size 16): the pass-1 decode kernel for every distinct plan over ``batches`` x
     ``contexts`` (tokens) with bf16 and fp8 keys, the pass-1 prefill kernel for 8192 rows at
     ``prefill_contexts``, and the merge kernel of each (decode with and without the fused
-    expansion; prefill fused). For ``interop.compile_check.compile_triton_configs`` (shared
-    memory and registers against the arch's limits, no GPU needed).
+    expansion; prefill fused); decode kernels also in their Programmatic Dependent Launch form
+    where the plan launches them so (names end in ``_pdl``). For
+    ``interop.compile_check.compile_triton_configs`` (shared memory and registers against the
+    arch's limits, no GPU needed).
 
     Returns:
       list of dicts: ``kernel``, ``name``, ``signature``, ``constexprs``, ``attrs`` (16-byte
       divisibility of the pointers and strides, as launches specialise them), ``num_warps``,
-      ``num_stages``.
+      ``num_stages``, ``options`` (``launch_pdl`` for the PDL merge).
     """
     from interop.arch import KNOWN_ARCHS, KNOWN_PARTS  # noqa: PLC0415
 
@@ -537,19 +548,24 @@ def compile_configs(arch: str, *, batches=(1, 16, 64, 128),
                           smem_per_block=info.smem_per_block)
              for b in batches for ctx in contexts}
     for p in sorted(plans, key=lambda p: (p.chunk, p.splits)):
-        for kd in ("bf16", "fp8e4nv"):
-            c = _decode_constexprs(p, 4, 128, 16, 4, tl.bfloat16)
-            add(entry(_decode_chunk_kernel, f"decode_C{p.chunk}_T{p.tile}_rb{p.radix_bits}_{kd}",
-                      {"q_ptr": "*bf16", "k_ptr": f"*{kd}",
-                       **i32("pt_ptr", "seq_ptr", "wsk_ptr", "wsi_ptr", "wsc_ptr")},
-                      c, p.num_warps, p.num_stages))
-        for expand in (True, False):
-            add(entry(_merge_kernel,
-                      f"merge_decode_SP{p.splits_pad}_{'tokens' if expand else 'ids'}",
-                      i32("wsk_ptr", "wsi_ptr", "wsc_ptr", "out_ptr", "m0_ptr", "m1_ptr",
-                          "pos_ptr", "bound_ptr"),
-                      _merge_constexprs(p, prefill=False, expand=expand, ratio=4),
-                      p.merge_warps, 1))
+        for pdl in sorted({False, p.pdl}):  # launches with PDL where the plan asks for it
+            tag = "_pdl" if pdl else ""
+            for kd in ("bf16", "fp8e4nv"):
+                c = {**_decode_constexprs(p, 4, 128, 16, 4, tl.bfloat16), "USE_PDL": pdl}
+                add(entry(_decode_chunk_kernel,
+                          f"decode_C{p.chunk}_T{p.tile}_rb{p.radix_bits}_{kd}{tag}",
+                          {"q_ptr": "*bf16", "k_ptr": f"*{kd}",
+                           **i32("pt_ptr", "seq_ptr", "wsk_ptr", "wsi_ptr", "wsc_ptr")},
+                          c, p.num_warps, p.num_stages))
+            for expand in (True, False):
+                e = entry(_merge_kernel,
+                          f"merge_decode_SP{p.splits_pad}_{'tokens' if expand else 'ids'}{tag}",
+                          i32("wsk_ptr", "wsi_ptr", "wsc_ptr", "out_ptr", "m0_ptr", "m1_ptr",
+                              "pos_ptr", "bound_ptr"),
+                          {**_merge_constexprs(p, prefill=False, expand=expand, ratio=4),
+                           "USE_PDL": pdl}, p.merge_warps, 1)
+                e["options"] = {"launch_pdl": True} if pdl else {}
+                add(e)
     for ctx in prefill_contexts:
         p = plan_indexer("prefill", 8192, ctx // 4, 512, sm_count=sms,
                          smem_per_block=info.smem_per_block)
