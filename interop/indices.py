@@ -816,8 +816,8 @@ class IndexerPlan:
         return _pow2_at_least((1 << bits) - 1)
 
     def workspace_bytes(self, rows: int) -> int:
-        """Bytes of candidate workspace for ``rows`` rows: keys + ids (int32) + counts."""
-        return int(rows) * self.splits * (self.topk * 8 + 4)
+        """Bytes of candidate workspace for ``rows`` rows: keys + ids (int32) per slot."""
+        return int(rows) * self.splits * self.topk * 8
 
     def problem(self, kind: str, max_blocks: int, topk: int) -> str | None:
         """Why this plan cannot run a ``kind`` call with these sizes (None when it can): the
@@ -906,7 +906,7 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     tile = min(64, c)
     plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 8, 2, merge_warps(c), 1,
                        radix_bits=1, merge_radix_bits=2)
-    per_row = plan.splits * plan.topk * 8  # candidate keys + ids (the counts are 1/(2 topk) more)
+    per_row = plan.splits * plan.topk * 8  # candidate keys + ids
     group = max(bm, (_PREFILL_WORKSPACE_BYTES // per_row) // bm * bm)
     return dataclasses.replace(plan, row_group=min(group, -(-max(rows, 1) // bm) * bm))
 

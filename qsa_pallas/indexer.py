@@ -185,7 +185,7 @@ def _iota(shape, dim):
 
 # ---------------------------------------------------------------------------------------------
 # Pass 1: decode
-def _decode_chunk_kernel(q_ref, k_ref, pt_ref, seq_ref, wsk_ref, wsi_ref, wsc_ref, *, h: int,
+def _decode_chunk_kernel(q_ref, k_ref, pt_ref, seq_ref, wsk_ref, wsi_ref, *, h: int,
                          hp: int, d: int, psz: int, ratio: int, k: int, c: int, t: int, s_n: int,
                          pages: int, cap: int, rb: int, compute, trash: int):
     b = pl.program_id(0)
@@ -223,13 +223,16 @@ def _decode_chunk_kernel(q_ref, k_ref, pt_ref, seq_ref, wsk_ref, wsi_ref, wsc_re
     dest = jnp.where(sel, (b * s_n + s) * k + pos, trash)
     C.store(wsk_ref.at[dest], keys, mask=sel)
     C.store(wsi_ref.at[dest], lo + ids.reshape(c), mask=sel)
-    live = jnp.full((1,), n_here > 0)
-    C.store(wsc_ref.at[jnp.where(live, b * s_n + s, trash)], jnp.full((1,), n_sel), mask=live)
+    # the chunk's unused slots read as "no candidate" (-1): the merge needs no counts
+    j = _iota((k,), 0)
+    pad = (j >= n_sel) & (n_here > 0)
+    C.store(wsk_ref.at[jnp.where(pad, (b * s_n + s) * k + j, trash)],
+            jnp.full((k,), -1, jnp.int32), mask=pad)
 
 
 # ---------------------------------------------------------------------------------------------
 # Pass 1: prefill (bm rows per program share every key tile)
-def _prefill_chunk_kernel(q_ref, k_ref, rs_ref, re_ref, wsk_ref, wsi_ref, wsc_ref, *, h: int,
+def _prefill_chunk_kernel(q_ref, k_ref, rs_ref, re_ref, wsk_ref, wsi_ref, *, h: int,
                           hp: int, d: int, k: int, c: int, t: int, s_n: int, bm: int,
                           n_rows: int, n_keys: int, rb: int, compute, trash: int):
     pid_m = pl.program_id(0)
@@ -296,8 +299,10 @@ def _prefill_chunk_kernel(q_ref, k_ref, rs_ref, re_ref, wsk_ref, wsi_ref, wsc_re
     rel = (lo - rs + c0)[:, None] + ids  # row-relative block id
     C.store(wsk_ref.at[dest], keys, mask=sel)
     C.store(wsi_ref.at[dest], rel, mask=sel)
-    live = n_here > 0
-    C.store(wsc_ref.at[jnp.where(live, rloc * s_n + s, trash)], n_sel, mask=live)
+    j = _iota((1, k), 1)  # unused slots of the rows' chunks: -1 (no candidate)
+    pad = (j >= n_sel[:, None]) & (n_here > 0)[:, None]
+    C.store(wsk_ref.at[jnp.where(pad, ((rloc * s_n + s) * k)[:, None] + j, trash)],
+            jnp.full((bm, k), -1, jnp.int32), mask=pad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,11 +310,11 @@ def _prefill_chunk_kernel(q_ref, k_ref, rs_ref, re_ref, wsk_ref, wsi_ref, wsc_re
 def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int, s_n: int,
                   sp: int, w: int, wp: int, cap: int, rb: int, trash: int):
     if prefill and expand:
-        wsk_ref, wsi_ref, wsc_ref, m0_ref, m1_ref, pos_ref, bound_ref, o_ref = refs
+        wsk_ref, wsi_ref, m0_ref, m1_ref, pos_ref, bound_ref, o_ref = refs
     elif prefill:
-        wsk_ref, wsi_ref, wsc_ref, m0_ref, m1_ref, o_ref = refs
+        wsk_ref, wsi_ref, m0_ref, m1_ref, o_ref = refs
     else:
-        wsk_ref, wsi_ref, wsc_ref, m0_ref, o_ref = refs
+        wsk_ref, wsi_ref, m0_ref, o_ref = refs
     r = pl.program_id(0)
     if prefill:
         rs = m0_ref[r]
@@ -317,18 +322,15 @@ def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int
     else:
         seq = jnp.maximum(m0_ref[r], 0)
         n = jnp.minimum(seq // ratio, cap)
-    n_chunks = (n + (c - 1)) // c
-    # candidate slot = chunk * k + rank in the chunk: orders like the block id
+    # candidate slot = chunk * k + rank in the chunk: orders like the block id; a chunk's unused
+    # slots hold -1
     slot = _iota((sp * k,), 0)
-    chunk = slot // k
-    has = chunk < n_chunks
-    cnt = C.load(wsc_ref.at[jnp.where(has, r * s_n + chunk, 0)], mask=has, other=0)
-    live = (slot % k) < cnt
-    src = jnp.where(live, r * s_n * k + slot, 0)
-    keys = C.load(wsk_ref.at[src], mask=live, other=-1)
-    tau = _kth_key_row(keys, k, rb, jnp.sum(live.astype(jnp.int32)) > k)
+    has = slot // k < (n + (c - 1)) // c
+    src = jnp.where(has, r * s_n * k + slot, 0)
+    keys = C.load(wsk_ref.at[src], mask=has, other=-1)
+    blk = C.load(wsi_ref.at[src], mask=has, other=0)
+    tau = _kth_key_row(keys, k, rb, jnp.sum((keys >= 0).astype(jnp.int32)) > k)
     sel, pos, n_sel = _select_row(keys, tau, k)
-    blk = C.load(wsi_ref.at[jnp.where(sel, src, 0)], mask=sel, other=0)
     if expand:
         if prefill:
             p = pos_ref[r]
@@ -366,8 +368,7 @@ def _workspace_shapes(rows: int, plan: IndexerPlan, interpret: bool):
     n = rows * plan.splits
     spare = 1 if interpret else 0  # the masked-scatter spare slot (module docstring)
     sds = jax.ShapeDtypeStruct
-    return (sds((n * plan.topk + spare,), jnp.int32), sds((n * plan.topk + spare,), jnp.int32),
-            sds((n + spare,), jnp.int32))
+    return (sds((n * plan.topk + spare,), jnp.int32), sds((n * plan.topk + spare,), jnp.int32))
 
 
 def _merge(ws, metas, rows: int, plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: int,

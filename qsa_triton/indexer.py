@@ -179,7 +179,7 @@ def _score_keys(tot):
 # ---------------------------------------------------------------------------------------------
 # Pass 1: decode (one row per program, keys through the page table)
 @triton.jit
-def _decode_chunk_kernel(q_ptr, k_ptr, pt_ptr, seq_ptr, wsk_ptr, wsi_ptr, wsc_ptr,
+def _decode_chunk_kernel(q_ptr, k_ptr, pt_ptr, seq_ptr, wsk_ptr, wsi_ptr,
                          stride_qb, stride_qh, stride_ptb, pages, cap, S,
                          H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                          RATIO: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
@@ -230,13 +230,16 @@ def _decode_chunk_kernel(q_ptr, k_ptr, pt_ptr, seq_ptr, wsk_ptr, wsi_ptr, wsc_pt
         base = (b.to(tl.int64) * S + s) * K
         tl.store(wsk_ptr + base + pos, keys, mask=sel)
         tl.store(wsi_ptr + base + pos, lo + ids, mask=sel)
-        tl.store(wsc_ptr + b.to(tl.int64) * S + s, n_sel)
+        # the chunk's unused slots read as "no candidate" (-1): the merge needs no counts, so its
+        # key loads wait on nothing but this grid
+        j = tl.arange(0, K)
+        tl.store(wsk_ptr + base + j, tl.full([K], -1, tl.int32), mask=j >= n_sel)
 
 
 # ---------------------------------------------------------------------------------------------
 # Pass 1: prefill (BM rows per program share every key tile)
 @triton.jit
-def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, wsc_ptr,
+def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr,
                           n_rows, n_keys, stride_qt, stride_qh, S,
                           H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
                           C: tl.constexpr, T: tl.constexpr, BM: tl.constexpr,
@@ -297,49 +300,48 @@ def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, wsc_pt
         rel = (lo - rs + c0)[:, None] + ids  # row-relative block id = key row - row_start
         tl.store(wsk_ptr + slot[:, None] + pos, keys, mask=sel)
         tl.store(wsi_ptr + slot[:, None] + pos, rel, mask=sel)
-        tl.store(wsc_ptr + rloc * S + s, n_sel, mask=n_here > 0)
+        j = tl.arange(0, K)[None, :]  # unused slots of the rows' chunks: -1 (no candidate)
+        tl.store(wsk_ptr + slot[:, None] + j, tl.full([BM, K], -1, tl.int32),
+                 mask=(j >= n_sel[:, None]) & (n_here > 0)[:, None])
 
 
 # ---------------------------------------------------------------------------------------------
 # Pass 2: merge (+ optional fused expansion)
 @triton.jit
-def _merge_kernel(wsk_ptr, wsi_ptr, wsc_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, bound_ptr,
+def _merge_kernel(wsk_ptr, wsi_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, bound_ptr,
                   cap, stride_out, C, S,
                   PREFILL: tl.constexpr, EXPAND: tl.constexpr, RATIO: tl.constexpr,
                   K: tl.constexpr, SP: tl.constexpr,
                   W: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr, RB: tl.constexpr,
                   NJ: tl.constexpr, USE_PDL: tl.constexpr = False):
-    if USE_PDL:  # launched with PDL: wait until pass 1 has completed and its writes are visible
-        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
+    # the row's metadata are inputs, not pass 1's output: read before waiting for pass 1
     if PREFILL:
         rs = tl.load(m0_ptr + r)
         n = tl.maximum(tl.minimum(tl.load(m1_ptr + r), cap) - tl.maximum(rs, 0), 0)
+        if EXPAND:
+            p = tl.load(pos_ptr + r)
+            bound = tl.load(bound_ptr + r)
     else:
         seq = tl.maximum(tl.load(m0_ptr + r), 0)
         n = tl.minimum(seq // RATIO, cap)
-    n_chunks = tl.cdiv(n, C)
+        p = seq - 1
+        bound = seq
+    if USE_PDL:  # launched with PDL: wait until pass 1 has completed and its writes are visible
+        tl.extra.cuda.gdc_wait()
     # candidate slot = chunk * K + rank in the chunk: orders like the block id, so the tie rule
-    # (smaller id first) is the slot order
+    # (smaller id first) is the slot order; a chunk's unused slots hold -1
     slot = tl.arange(0, SP * K)
-    chunk = slot // K
-    cnt = tl.load(wsc_ptr + r.to(tl.int64) * S + chunk, mask=chunk < n_chunks, other=0)
-    live = (slot % K) < cnt
+    has = slot // K < tl.cdiv(n, C)
     base = r.to(tl.int64) * S * K
-    keys = tl.load(wsk_ptr + base + slot, mask=live, other=-1)
+    keys = tl.load(wsk_ptr + base + slot, mask=has, other=-1)
+    blk = tl.load(wsi_ptr + base + slot, mask=has, other=0)
     tau = 0
-    if tl.sum(live.to(tl.int32), axis=0) > K:
+    if tl.sum((keys >= 0).to(tl.int32), axis=0) > K:
         tau = _kth_key_row(keys, K, RB, NJ)
     sel, pos, n_sel = _select_row(keys, tau, K)
-    blk = tl.load(wsi_ptr + base + slot, mask=sel, other=0)
     orow = out_ptr + r.to(tl.int64) * stride_out
     if EXPAND:
-        if PREFILL:
-            p = tl.load(pos_ptr + r)
-            bound = tl.load(bound_ptr + r)
-        else:
-            p = seq - 1
-            bound = seq
         # Everything is ascending, so the valid tokens of the selected blocks (< bound) are a
         # prefix; the causal tail [floor(L/R)*R, p] follows them (tokens < bound only).
         e = tl.arange(0, RP)[None, :]
@@ -431,12 +433,12 @@ def _merge_constexprs(plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: 
 
 def _merge(ws, out, m0, m1, pos, bound, cap, plan: IndexerPlan, *, prefill, expand, ratio,
            pdl=False):
-    wsk, wsi, wsc = ws
+    wsk, wsi = ws
     rows = out.shape[0]
     if rows == 0:
         return out
     _merge_kernel[(rows,)](
-        wsk, wsi, wsc, out, m0, m1 if m1 is not None else m0,
+        wsk, wsi, out, m0, m1 if m1 is not None else m0,
         pos if pos is not None else m0, bound if bound is not None else m0,
         cap, out.stride(0), plan.chunk, plan.splits,
         **_merge_constexprs(plan, prefill=prefill, expand=expand, ratio=ratio), USE_PDL=pdl,
@@ -447,8 +449,7 @@ def _merge(ws, out, m0, m1, pos, bound, cap, plan: IndexerPlan, *, prefill, expa
 def _workspace(rows: int, plan: IndexerPlan, device):
     n = rows * plan.splits
     return (torch.empty((n * plan.topk,), dtype=torch.int32, device=device),
-            torch.empty((n * plan.topk,), dtype=torch.int32, device=device),
-            torch.empty((n,), dtype=torch.int32, device=device))
+            torch.empty((n * plan.topk,), dtype=torch.int32, device=device))
 
 
 def _run_decode(q, k_cache, page_table, seq_lens, topk: int, ratio: int, expand: bool,
@@ -555,12 +556,12 @@ def compile_configs(arch: str, *, batches=(1, 16, 64, 128),
                 add(entry(_decode_chunk_kernel,
                           f"decode_C{p.chunk}_T{p.tile}_rb{p.radix_bits}_{kd}{tag}",
                           {"q_ptr": "*bf16", "k_ptr": f"*{kd}",
-                           **i32("pt_ptr", "seq_ptr", "wsk_ptr", "wsi_ptr", "wsc_ptr")},
+                           **i32("pt_ptr", "seq_ptr", "wsk_ptr", "wsi_ptr")},
                           c, p.num_warps, p.num_stages))
             for expand in (True, False):
                 e = entry(_merge_kernel,
                           f"merge_decode_SP{p.splits_pad}_{'tokens' if expand else 'ids'}{tag}",
-                          i32("wsk_ptr", "wsi_ptr", "wsc_ptr", "out_ptr", "m0_ptr", "m1_ptr",
+                          i32("wsk_ptr", "wsi_ptr", "out_ptr", "m0_ptr", "m1_ptr",
                               "pos_ptr", "bound_ptr"),
                           {**_merge_constexprs(p, prefill=False, expand=expand, ratio=4),
                            "USE_PDL": pdl}, p.merge_warps, 1)
@@ -571,10 +572,10 @@ def compile_configs(arch: str, *, batches=(1, 16, 64, 128),
                          smem_per_block=info.smem_per_block)
         add(entry(_prefill_chunk_kernel, f"prefill_C{p.chunk}_T{p.tile}",
                   {"q_ptr": "*bf16", "k_ptr": "*bf16",
-                   **i32("rs_ptr", "re_ptr", "wsk_ptr", "wsi_ptr", "wsc_ptr")},
+                   **i32("rs_ptr", "re_ptr", "wsk_ptr", "wsi_ptr")},
                   _prefill_constexprs(p, 4, 128, tl.bfloat16), p.num_warps, p.num_stages))
         add(entry(_merge_kernel, f"merge_prefill_SP{p.splits_pad}_tokens",
-                  i32("wsk_ptr", "wsi_ptr", "wsc_ptr", "out_ptr", "m0_ptr", "m1_ptr", "pos_ptr",
+                  i32("wsk_ptr", "wsi_ptr", "out_ptr", "m0_ptr", "m1_ptr", "pos_ptr",
                       "bound_ptr"),
                   _merge_constexprs(p, prefill=True, expand=True, ratio=4), p.merge_warps, 1))
     return out
