@@ -861,12 +861,13 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     rounds in both passes (16 rounds: three thresholds a round, packed two counts to an int32,
     cost about what one 1-bit round costs, which is one block-wide reduction).
     Prefill (rows of a program share every key tile): chunk 2 * topk, grown until a row's
-    candidates fit 16384, 16 rows per program (8 or 4 where the chunk grows: 16 x 1024 keys per
-    program, 8 warps, 255 registers), 1-bit rounds in pass 1 (16 rows at once: there the
-    compares cost, not the rounds), and rows grouped so that one launch's candidate workspace
-    stays under 256 MiB (upstream caps its FP32 logits buffer at 128 MiB the same way;
-    candidates take ``8 * topk / chunk`` bytes per (row, block) instead of 4). Rows past ~2M
-    blocks (8M tokens) at topk 512 get a plan whose ``problem`` says why it cannot run.
+    candidates fit 16384, 8 rows per program (4 where the chunk grows: 8 x 1024 keys per
+    program, 8 warps, ~180 registers, no spills in either build), 1-bit rounds in pass 1 (8 rows
+    at once: there the compares cost, not the rounds), and rows grouped so that one launch's
+    candidate workspace stays under 256 MiB (upstream caps its FP32 logits buffer at 128 MiB the
+    same way; candidates take ``8 * topk / chunk`` bytes per (row, block) instead of 4). Rows
+    past ~2M blocks (8M tokens) at topk 512 get a plan whose ``problem`` says why it cannot
+    run.
 
     Args:
       kind: "decode" | "prefill". rows: query rows (B or T). max_blocks: static bound of a row's
@@ -899,10 +900,10 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
         return IndexerPlan(kind, topk, c, splits, tile, 1, 8, 5, merge_warps(c), max(rows, 1),
                            radix_bits=2, merge_radix_bits=2,
                            pdl=max(rows, 1) * splits <= 2 * sm_count)
-    # prefill rows merge up to 16384 candidates, and a pass-1 program holds 16 x 1024 keys:
-    # fewer rows per program where the chunk grows
+    # prefill rows merge up to 16384 candidates, and a pass-1 program holds 8 x 1024 keys (16 x
+    # 1024 spilled registers in the Pallas build): fewer rows per program where the chunk grows
     c = max(2 * topk, 64, _pow2_at_least(-(-mb * topk // (2 * _MERGE_MAX_CANDIDATES))))
-    bm = max(4, min(16, 16 * 2 * topk // c))
+    bm = max(4, min(8, 8 * 2 * topk // c))
     tile = min(64, c)
     plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 8, 2, merge_warps(c), 1,
                        radix_bits=1, merge_radix_bits=2)
