@@ -98,12 +98,14 @@ for s in "$@"; do
         --json "$OUT/prefill_compare.json" ;;
     indexer|indexer=*)
       wait
-      step indexer_tests 180 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_indexer.py
-      step indexer_bench 330 sh -c 'python3 -m bench.indexer --mode decode --rounds 10 \
-        --json "$OUT/indexer_decode.json" && python3 -m bench.indexer --mode prefill \
-        --rounds 5 --json "$OUT/indexer_prefill.json"'
-      grep -A40 "^must-show" "$OUT/indexer_bench.log"
-      [ "$s" = indexer ] || step indexer_compare 120 python3 -m bench.indexer \
+      step indexer_tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_indexer.py
+      # prefill first (one case): a decode sweep cut short by the limit keeps it (and the JSON
+      # keeps every finished case)
+      step indexer_bench 300 sh -c 'python3 -m bench.indexer --mode prefill --rounds 5 \
+        --json "$OUT/indexer_prefill.json"; a=$?; python3 -m bench.indexer --mode decode \
+        --rounds 10 --json "$OUT/indexer_decode.json"; exit $((a | $?))'
+      grep -A20 "^must-show" "$OUT/indexer_bench.log"
+      [ "$s" = indexer ] || step indexer_compare 110 python3 -m bench.indexer \
         --compare "${s#indexer=}" --contexts 32768 --rounds 10 \
         --json "$OUT/indexer_compare.json" ;;
   esac
