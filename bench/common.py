@@ -96,6 +96,8 @@ class Mode:
         optionally ``flops``, ``plot`` ([[panel, x], ...]: where the case sits in the plot), and
         any shape fields.
       calls: calls per CUDA-graph replay / per JAX chain (None: sized so a replay takes ~2 ms).
+      finish: report -> None, run after a timed run's summary (the mode's own verdicts, e.g.
+        pass/fail lines of its thresholds, added to the report before it is written).
     """
 
     name: str
@@ -105,6 +107,7 @@ class Mode:
     prepare: Callable[[Any, Any], tuple[Any, Any]]
     describe: Callable[[Any, Any], dict]
     calls: int | None = None
+    finish: Callable[[dict], None] | None = None
 
 
 class ProviderError(ValueError):
@@ -521,6 +524,8 @@ def run(mode: Mode, args) -> dict:
         if device == "cuda":
             torch.cuda.empty_cache()
     report["summary"] = summarize(report)
+    if timed and mode.finish is not None:
+        mode.finish(report)
     report["failures"] = [f"{c['name']} {n}" for c in report["cases"]
                           for n, e in c["providers"].items() if e.get("ok") is False]
     ran = [n for n in names if any("ok" in c["providers"].get(n, {}) for c in report["cases"])]

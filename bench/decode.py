@@ -1,22 +1,28 @@
-"""Decode benchmark: packed varlen sparse decode (``qsa-contract.md`` §2), ours against upstream
-SGLang 0.5.23's kernels and our Pallas twin, on the H200.
+"""Decode benchmarks on the H200, ours against upstream SGLang 0.5.23's kernels and our Pallas
+twins: ``--mode packed`` (default), the decode of packed K/V (``qsa-contract.md`` §2); ``--mode
+pool``, the whole decode step from the KV pool (§2b, issue 16).
 
-  python3 -m bench.decode [--providers A,B,..] [--tp ..] [--batches ..] [--rows ..]
-                          [--json F] [--plot F.png]          time and check (GPU)
-  python3 -m bench.decode --smoke-cpu                        code paths on CPU, no timing
-  python3 -m bench.decode --memcheck                         edge cases for compute-sanitizer
+  python3 -m bench.decode [--mode packed|pool] [--providers A,B,..] [--tp ..] [--batches ..]
+                          [--rows ..] [--layouts ..] [--kv ..] [--json F] [--plot F.png]
+  python3 -m bench.decode [--mode pool] --smoke-cpu | --memcheck    CPU code paths / sanitizer
   python3 -m bench.decode --compare OLD_TREE                 this checkout vs another commit's
 
-Cases (``interop.cases``): TP1 (24/2), TP2 (12/1), TP4 (6/1) x B in ``BENCH_DECODE_BATCHES`` x
-rows ``BENCH_DECODE_ROWS`` (saturated: 2051 keys per row; mixed: 17..2051; short: 1..64), D = 256,
-bf16, max_seqlen_k = 2051, K/V exactly as long as the rows. Bytes = the K and V rows the case
-reads; % copy = those bytes per second over the copy bandwidth measured in the same run.
-Timing (``bench.common``): CUDA-graph replays of 20 back-to-back calls; Pallas as an unrolled chain
-of 20 calls in one ``jax.jit``, each call's q the previous output.
+Packed cases (``interop.cases``): TP1 (24/2), TP2 (12/1), TP4 (6/1) x B in
+``BENCH_DECODE_BATCHES`` x rows ``BENCH_DECODE_ROWS`` (saturated: 2051 keys per row; mixed:
+17..2051; short: 1..64), D = 256, bf16, max_seqlen_k = 2051, K/V exactly as long as the rows.
+Pool cases: the same TPs and B over a pool of ``POOL_SLOTS`` slots (bf16 or FP8 e4m3) laid out
+as SGLang lays it (``pages``: 64-slot pages in scattered order) or as single scattered slots
+(``slots``), W = 2051 index columns per row (indexer-like); rows ``saturated`` (8192-token
+contexts), ``short`` (17..128 tokens), ``mtp`` (32 requests x 4 verify rows). Providers in
+``POOL_PROVIDERS`` (``x first`` is against upstream-step; the sweep's ``paged[VARIANT]`` are the
+Triton kernel's private launch variants); every one checked against an FP32 reference computed
+from the pool; a timed run ends with issue 16's must-show PASS / FAIL lines (``must_show``).
 
-Modes (``MODES``; ``--mode`` chooses once there is more than one): ``packed``, the decode of
-packed K/V. A mode is a ``bench.common.Mode``: its cases, inputs, FP32 reference, bytes and
-provider registry; a decode reading the KV pool in place is another entry with its own.
+Bytes = the K and V rows a case must read (pool: the valid entries' rows, once); % copy = those
+bytes per second over the copy bandwidth measured in the same run. Timing (``bench.common``):
+CUDA-graph replays of 20 back-to-back calls; JAX as an unrolled chain of 20 calls in one
+``jax.jit``, each call's q the previous output (jax-step's compaction depends on it too). A mode
+is a ``bench.common.Mode``: cases, inputs, FP32 reference, bytes and a provider registry.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from bench import common
 from interop import cases as C
 
 __all__ = ["DecodeInputs", "make_inputs", "torch_reference", "PROVIDERS", "PACKED", "MODES",
-           "main"]
+           "PoolSpec", "PoolInputs", "pool_inputs", "pool_reference", "jax_step", "must_show",
+           "POOL_PROVIDERS", "POOL", "main"]
 
 D, CHAIN = 256, 20
 
@@ -215,15 +222,422 @@ def describe(spec: C.DecodeSpec, inp: DecodeInputs) -> dict:
 
 PACKED = common.Mode("decode", "QSA packed sparse decode", PROVIDERS, cases, prepare, describe,
                      calls=CHAIN)
-MODES = {"packed": PACKED}
+
+
+# =========================================================================================
+# Pool mode (issue 16): the whole decode step from the KV pool
+POOL_LAYOUTS = ("pages", "slots")  # SGLang's 64-slot pages in scattered order / single slots
+POOL_KV = ("bf16", "fp8")
+POOL_ROWS = ("saturated", "short", "mtp")  # 8192-token contexts / 17..128 / 32 requests x 4
+POOL_SLOTS = 2_200_000
+POOL_W = 2051
+MTP_ROWS = 4  # verify rows per request (mtp: 32 requests x 4 rows = 128 rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpec:
+    """One pool-mode case: ``batch`` query rows (mtp: ``batch // 4`` requests x 4 verify rows)
+    of ``tp``'s heads over a ``kv`` pool of ``pool_slots`` slots laid out as ``layout``;
+    ``junk``: junk entries (-1, -7, = len, len + 19) at the front, middle and end of the rows,
+    duplicates, an empty row and NaN / Inf in every slot no request owns (memcheck, smoke)."""
+
+    name: str
+    tp: str
+    batch: int
+    rows: str
+    layout: str
+    kv: str
+    pool_slots: int = POOL_SLOTS
+    d: int = D
+    dtype: str = "bfloat16"
+    width: int = POOL_W
+    junk: bool = False
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class PoolInputs:
+    """The paged call's arguments on the device (``sparse_decode_paged`` order) and its facts."""
+
+    args: list  # q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens
+    scale: float
+    valid: int  # valid entries over all rows (each reads one K and one V row per KV head)
+
+
+_POOL_CACHE: dict = {}  # the last clean pool, reused by the next case of its shape and dtype
+
+
+def pool_inputs(spec: PoolSpec, device) -> PoolInputs:
+    """Seeded inputs of a ``PoolSpec``: ``interop.indices.paged_decode_case`` (indexer-like
+    selections of W columns, valid first then -1; junk everywhere with ``junk``), q and the pool
+    N(0, 1), generated on the device (the pool in its dtype, reused across cases of one shape
+    unless ``junk`` poisons its free slots)."""
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    from interop import indices as I  # noqa: PLC0415
+
+    hq, hkv = C.TP_SHAPES[spec.tp]
+    rng = np.random.default_rng(spec.seed)
+    if spec.rows == "mtp":
+        contexts, per = np.full(max(1, spec.batch // MTP_ROWS), 8192), MTP_ROWS
+    elif spec.rows == "short":
+        contexts, per = rng.integers(17, 129, spec.batch), 1
+    else:
+        contexts, per = np.full(spec.batch, 8192), 1
+    contexts = np.minimum(contexts, 4 * spec.width)  # (smoke widths: short tables)
+    kw = dict(junk=I.PAGED_JUNK, junk_at=I.PAGED_JUNK_AT, duplicates=2,
+              empty_rows=[len(contexts) * per // 2]) if spec.junk else {}
+    c = I.paged_decode_case(contexts, width=spec.width, rows_per_request=per,
+                            pool_slots=spec.pool_slots,
+                            page_size=64 if spec.layout == "pages" else 1, seed=spec.seed, **kw)
+    qdt = getattr(torch, spec.dtype)
+    kdt = torch.float8_e4m3fn if spec.kv == "fp8" else qdt
+    key = (spec.pool_slots, hkv, spec.d, str(kdt), str(device))
+    if spec.junk or key not in _POOL_CACHE:
+        _POOL_CACHE.clear()
+        g = torch.Generator(device=device).manual_seed(spec.seed)
+        k, v = (torch.randn(spec.pool_slots, hkv, spec.d, generator=g, device=device)
+                for _ in range(2))
+        if spec.junk:  # NaN / Inf wherever no request owns the slot (padding slot 0 too)
+            free = torch.from_numpy(~c.owned).to(device)
+            k[free], v[free] = float("nan"), float("inf")
+        k, v = k.to(kdt), v.to(kdt)  # (e4m3 has no Inf: its Inf slots hold NaN)
+        if not spec.junk:
+            _POOL_CACHE[key] = (k, v)
+    else:
+        k, v = _POOL_CACHE[key]
+    g = torch.Generator(device=device).manual_seed(1000 + spec.seed)
+    q = torch.randn(len(c.req_indices), hq, spec.d, generator=g, device=device).to(qdt)
+    meta = [torch.from_numpy(np.ascontiguousarray(t)).to(device)
+            for t in (c.req_to_token, c.req_indices, c.indices, c.seq_lens)]
+    valid = I.resolve_paged_slots(c.req_to_token, c.req_indices, c.indices, c.seq_lens,
+                                  spec.pool_slots) >= 0
+    return PoolInputs([q, k, v, *meta], spec.d ** -0.5, int(valid.sum()))
+
+
+def pool_reference(q, k, v, table, req, idx, seq, scale, chunk=16):
+    """FP32 reference of the paged decode from the pool, on q's device (``qsa-contract.md``
+    §2b, lying metadata included): an entry is valid iff 0 <= idx < min(seq, table width), its
+    request is a table row and its slot lies in the pool; invalid entries are never gathered
+    (their rows are zeros and masked: NaN in free slots never reaches the output).
+
+    Returns float32 [R, Hq, D]; zeros for a row without a valid entry."""
+    import torch  # noqa: PLC0415
+
+    r, hq, d = q.shape
+    slots, hkv = k.shape[0], k.shape[1]
+    out = torch.zeros(r, hq, d, dtype=torch.float32, device=q.device)
+    req_ok = (req >= 0) & (req < table.shape[0])
+    bound = torch.where(req_ok, torch.clamp(seq, max=table.shape[1]), 0).long()
+    for r0 in range(0, r, chunk):
+        sl = slice(r0, min(r, r0 + chunk))
+        ids = idx[sl].long()
+        valid = (ids >= 0) & (ids < bound[sl, None])
+        s_ = table[torch.where(req_ok[sl], req[sl], 0).long()[:, None],
+                   torch.where(valid, ids, 0)].long()
+        valid &= (s_ >= 0) & (s_ < slots)
+        s_ = torch.where(valid, s_, 0)
+        kk = k[s_].float().masked_fill(~valid[..., None, None], 0.0)  # [r', W, Hkv, D]
+        vv = v[s_].float().masked_fill(~valid[..., None, None], 0.0)
+        qq = q[sl].float().view(-1, hkv, hq // hkv, d)
+        sc = torch.einsum("bhgd,blhd->bhgl", qq, kk) * scale
+        p = torch.softmax(sc.masked_fill(~valid[:, None, None, :], float("-inf")), -1)
+        out[sl] = torch.einsum("bhgl,blhd->bhgd", p.nan_to_num(0.0), vv).reshape(-1, hq, d)
+    return out
+
+
+# ------------------------------------------------------------------------- pool providers
+def _compaction(inp: PoolInputs):
+    """Upstream's step before its decode (peer, 0.5.23 wheel): valid counts + prefix sum
+    (``qwen_sparse_fa2_cu_seqlens_triton``), then ``qwen_sparse_kv_extraction_compact_triton``
+    gathers the valid rows into a packed copy in q's dtype (an FP8 pool dequantised while
+    copying). Returns ``compact() -> (k_packed, v_packed, cu_q, cu_k)``."""
+    import torch  # noqa: PLC0415
+
+    sa = _peer().load_sparse_attn()
+    q, k, v, table, req, idx, seq = inp.args
+    r, w = idx.shape
+    i32 = dict(dtype=torch.int32, device=q.device)
+    counts, cu_k = torch.empty(r, **i32), torch.empty(r + 1, **i32)
+    cu_q = torch.arange(r + 1, **i32)
+    kp = torch.empty(r * w, k.shape[1], q.shape[2], dtype=q.dtype, device=q.device)
+    vp = torch.empty_like(kp)
+
+    def compact():
+        sa.qwen_sparse_fa2_cu_seqlens_triton(seq, idx, counts, cu_k, r, w)
+        sa.qwen_sparse_kv_extraction_compact_triton(k, v, table, req, idx, seq, cu_k, kp, vp,
+                                                    r, w)
+        return kp, vp, cu_q, cu_k
+
+    return compact
+
+
+def _upstream_step(inp: PoolInputs):
+    compact, sm121 = _compaction(inp), _peer().load_sm121_decode()
+    return lambda: sm121.qwen38_qsa_sm121(inp.args[0], *compact(), inp.scale)
+
+
+def _packed_step(inp: PoolInputs):
+    import qsa_triton  # noqa: PLC0415
+
+    compact, w = _compaction(inp), inp.args[5].shape[-1]
+    return lambda: qsa_triton.sparse_decode(inp.args[0], *compact(), w, inp.scale)
+
+
+def jax_step(scale: float, max_seqlen_k: int):
+    """XLA compaction + ``qsa_pallas.sparse_decode``: what a JAX engine without a compaction
+    kernel runs. ``step(q, k, v, table, req, idx, seq)`` resolves the slots, gathers the valid
+    rows and scatters them to their packed positions, then decodes. The compaction depends on q
+    through ``idx + int(q[0, 0, 0] * 0)`` (a float multiply XLA does not fold): in a chain
+    (q = the previous output) every call gathers from the pool, as an engine's step does,
+    instead of XLA hoisting one compaction out of the whole chain."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    import qsa_pallas  # noqa: PLC0415
+
+    def step(q, k, v, table, req, idx, seq):
+        idx = idx + (q[0, 0, 0].astype(jnp.float32) * 0).astype(jnp.int32)
+        r, w = idx.shape
+        req_ok = (req >= 0) & (req < table.shape[0])
+        bound = jnp.where(req_ok, jnp.minimum(seq, table.shape[1]), 0)
+        valid = (idx >= 0) & (idx < bound[:, None])
+        slot = table[jnp.where(req_ok, req, 0)[:, None], jnp.where(valid, idx, 0)]
+        valid &= (slot >= 0) & (slot < k.shape[0])
+        cu_k = jnp.concatenate([jnp.zeros(1, jnp.int32),
+                                jnp.cumsum(valid.sum(-1, dtype=jnp.int32), dtype=jnp.int32)])
+        dest = jnp.where(valid, cu_k[:-1, None] + jnp.cumsum(valid, -1, dtype=jnp.int32) - 1,
+                         r * w).reshape(-1)  # invalid entries: out of range, dropped
+        src = jnp.where(valid, slot, 0).reshape(-1)
+        kp = jnp.zeros((r * w,) + k.shape[1:], q.dtype).at[dest].set(k[src].astype(q.dtype),
+                                                                     mode="drop")
+        vp = jnp.zeros((r * w,) + v.shape[1:], q.dtype).at[dest].set(v[src].astype(q.dtype),
+                                                                     mode="drop")
+        return qsa_pallas.sparse_decode(q, kp, vp, jnp.arange(r + 1, dtype=jnp.int32), cu_k,
+                                        max_seqlen_k, scale)
+
+    return step
+
+
+def _jax_step(inp: PoolInputs):
+    return common.jax_chain(jax_step(inp.scale, inp.args[5].shape[-1]), inp.args, {}, CHAIN)
+
+
+def _paged(batch_invariant: bool = False, variant: str | None = None):
+    def setup(inp: PoolInputs):
+        import qsa_triton  # noqa: PLC0415
+        from qsa_triton import decode_paged  # noqa: PLC0415
+
+        if variant is not None:
+            return lambda: decode_paged._variant_call(variant, *inp.args, inp.scale)
+        return lambda: qsa_triton.sparse_decode_paged(*inp.args, inp.scale,
+                                                      batch_invariant=batch_invariant)
+
+    return setup
+
+
+def _pallas_paged(batch_invariant: bool = False):
+    def setup(inp: PoolInputs):
+        import qsa_pallas  # noqa: PLC0415
+
+        return common.jax_chain(qsa_pallas.sparse_decode_paged, [*inp.args, inp.scale],
+                                {"batch_invariant": batch_invariant}, CHAIN)
+
+    return setup
+
+
+def _pallas_stages(num_stages: int):
+    """``qsa_pallas`` on the shared plan with ``num_stages`` (the sweep: does XLA's Triton
+    pipeline the gather chain as Triton does?), through its public ``decode_paged_with_plan``."""
+    def setup(inp: PoolInputs):
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        from qsa_pallas import decode_paged  # noqa: PLC0415
+
+        q, k, idx = inp.args[0], inp.args[1], inp.args[5]
+        plan = decode_paged.plan_for(
+            q.shape[0], q.shape[1], k.shape[1], q.shape[2], idx.shape[-1],
+            q_dtype=getattr(jnp, str(q.dtype).split(".")[-1]),
+            kv_dtype=getattr(jnp, str(k.dtype).split(".")[-1]))
+        return common.jax_chain(decode_paged.decode_paged_with_plan, [*inp.args, inp.scale],
+                                {"plan": dataclasses.replace(plan, num_stages=num_stages)},
+                                CHAIN)
+
+    return setup
+
+
+def _upstream_supports(desc: dict) -> str | None:
+    if (desc["Hq"], desc["Hkv"]) not in ((24, 2), (12, 1)) or desc["R"] > 128:
+        return "upstream's SM121 kernel takes (24,2) and (12,1) heads, R <= 128"
+    return None
+
+
+#: the sweep's ``paged[NAME]``: the names of ``qsa_triton.decode_paged._VARIANTS`` (private; listed
+#: here so that no kernel module is imported before --smoke-cpu turns the interpreter on)
+SWEEP_VARIANTS = ("base", "s7", "ahead", "s7-pdl", "ahead-pdl", "s7-fp8bn64")
+
+
+POOL_PROVIDERS = {p.name: p for p in (
+    common.Provider("upstream-step", _upstream_step, "upstream's step: counts + prefix sum + "
+                    "_compact_kv into a packed copy + its SM121 decode (0.5.23 wheel)",
+                    supports=_upstream_supports),
+    common.Provider("packed-step", _packed_step, "upstream's counts + prefix sum + compaction, "
+                    "then qsa_triton.sparse_decode"),
+    common.Provider("jax-step", _jax_step, "XLA compaction (dependent on the previous call) + "
+                    "qsa_pallas.sparse_decode, chain of 20 in one jit"),
+    common.Provider("paged", _paged(), "qsa_triton.sparse_decode_paged (reads the pool in place)"),
+    common.Provider("pallas-paged", _pallas_paged(), "qsa_pallas.sparse_decode_paged, chain of "
+                    "20 in one jit"),
+    common.Provider("paged[bi]", _paged(True), "qsa_triton.sparse_decode_paged with "
+                    "batch_invariant=True (the mode's cost)", default=False),
+    common.Provider("pallas-paged[bi]", _pallas_paged(True), "qsa_pallas.sparse_decode_paged "
+                    "with batch_invariant=True", default=False),
+    common.Provider("pallas-paged[s7]", _pallas_stages(7), "sweep: qsa_pallas paged decode "
+                    "with num_stages = 7", default=False),
+    *(common.Provider(f"paged[{v}]", _paged(variant=v), f"sweep: the Triton split kernel "
+                      f"launched as variant {v} (qsa_triton.decode_paged._VARIANTS)",
+                      default=False) for v in SWEEP_VARIANTS),
+)}
+
+
+def pool_cases(args, kind: str) -> list[PoolSpec]:
+    """The pool-mode specs of one run: ``bench`` (TP x pool dtype x layout x rows x B, filtered
+    by ``--tp/--kv/--layouts/--rows/--batches``; mtp: 32 requests x 4 rows), ``smoke`` (tiny
+    fp16 / fp8 cases with junk for the CPU interpreters) or ``memcheck`` (junk entries,
+    duplicates, an empty row, NaN / Inf in free slots, small pools on the GPU)."""
+    if getattr(args, "compare", None):
+        raise common.ProviderError("--mode pool has no --compare (its pool is gigabytes; time "
+                                   "the providers of both trees in one run instead)")
+    tps = common.choose(getattr(args, "tp", None), C.TP_SHAPES, "--tp")
+    rows = common.choose(getattr(args, "rows", None), POOL_ROWS, "--rows")
+    layouts = common.choose(getattr(args, "layouts", None), POOL_LAYOUTS, "--layouts")
+    kvs = common.choose(getattr(args, "kv", None), POOL_KV, "--kv")
+    batches = common.positive_ints(getattr(args, "batches", None), C.BENCH_DECODE_BATCHES,
+                                   "--batches")
+    slots = getattr(args, "pool_slots", None) or POOL_SLOTS
+    need = max(*batches, 32) * 8192 + 128  # the largest saturated batch's pages + padding page
+    if kind == "bench" and slots < need:
+        raise common.ProviderError(f"--pool-slots must be >= {need} for B = {max(batches)}, "
+                                   f"got {slots}")
+    spec = PoolSpec
+    if kind == "smoke":
+        small = dict(pool_slots=4096, d=64, dtype="float16", width=70, junk=True)
+        return [spec("pool/TP2/pages/bf16/B3/saturated/D64", "TP2", 3, "saturated", "pages",
+                     "bf16", seed=1, **small),
+                spec("pool/TP1/slots/fp8/B2x4/mtp/D64", "TP1", 8, "mtp", "slots", "fp8", seed=2,
+                     **small)]
+    if kind == "memcheck":
+        return [spec(f"pool/{tp}/{lay}/{kv}/B{b}/{r}+junk", tp, b, r, lay, kv,
+                     pool_slots=2 * b * 8192 + 4096, junk=True, seed=b)
+                for tp, b, r, lay, kv in (("TP1", 8, "saturated", "slots", "bf16"),
+                                          ("TP2", 5, "short", "pages", "fp8"),
+                                          ("TP4", 1, "saturated", "pages", "bf16"),
+                                          ("TP1", 8, "mtp", "pages", "fp8"))]
+    out = []
+    for tp in tps:
+        for kv in kvs:
+            for lay in layouts:
+                for r in rows:
+                    for b in ((32 * MTP_ROWS,) if r == "mtp" else batches):
+                        tag = f"B{b // MTP_ROWS}x{MTP_ROWS}" if r == "mtp" else f"B{b}"
+                        out.append(spec(f"pool/{tp}/{lay}/{kv}/{tag}/{r}", tp, b, r, lay, kv,
+                                        pool_slots=slots, seed=b))
+    return out
+
+
+def pool_prepare(spec: PoolSpec, device):
+    inp = pool_inputs(spec, device)
+    return inp, pool_reference(*inp.args, inp.scale)
+
+
+def pool_describe(spec: PoolSpec, inp: PoolInputs) -> dict:
+    hq, hkv = C.TP_SHAPES[spec.tp]
+    r = int(inp.args[0].shape[0])
+    return {"name": spec.name, "tp": spec.tp, "Hq": hq, "Hkv": hkv, "D": spec.d,
+            "B": r // MTP_ROWS if spec.rows == "mtp" else r, "R": r, "rows": spec.rows,
+            "layout": spec.layout, "kv": spec.kv, "pool_slots": spec.pool_slots,
+            "valid_entries": inp.valid,
+            "bytes": inp.valid * hkv * spec.d * (1 if spec.kv == "fp8" else 2) * 2,
+            "plot": [[f"{spec.tp} ({hq}/{hkv} heads), {spec.layout}, {spec.kv} pool, "
+                      f"{spec.rows} rows", r]]}
+
+
+def must_show(report: dict) -> list[dict]:
+    """Issue 16's benchmark thresholds over a pool-mode report (saturated rows, bf16 pool
+    unless stated), for ``paged`` and every ``paged[variant]`` timed (the sweep): >= 2.5x
+    upstream-step at every B with single slots, >= 2.0x with 64-slot pages; >= 85% of the copy
+    bandwidth at B = 128; FP8 pool >= 1.6x faster than the bf16 pool at B >= 64; pallas-paged
+    >= 3x jax-step at every B and >= 0.85x paged at B >= 16. Also (no threshold) the cost of
+    batch-invariant mode, time with / time without, where ``paged[bi]`` was timed.
+
+    Returns [{"check", "value", "threshold" (None: information), "pass" (None likewise)}]."""
+    def us(case, name):
+        return (case or {}).get("providers", {}).get(name, {}).get("median_us")
+
+    by = {(c["tp"], c["layout"], c["kv"], c["rows"], c["R"]): c for c in report["cases"]}
+    names = sorted({n for c in by.values() for n in c["providers"]
+                    if n == "paged" or (n.startswith("paged[") and n != "paged[bi]")})
+    checks = []
+    for (tp, lay, kv, rows, r), c in by.items():
+        tag = f"{tp} {lay} {kv} B={c['B']}"
+        up, js, pp, p0 = (us(c, n) for n in ("upstream-step", "jax-step", "pallas-paged",
+                                             "paged"))
+        if rows == "saturated":
+            for n in names:
+                p = us(c, n)
+                if not p:
+                    continue
+                if kv == "bf16" and up:
+                    need = 2.5 if lay == "slots" else 2.0
+                    checks.append((f"{n} >= {need}x upstream-step, {tag}", up / p, need))
+                if kv == "bf16" and r == 128:
+                    checks.append((f"{n} % copy bw >= 85, {tag}",
+                                   c["providers"][n]["pct_copy_bw"], 85.0))
+                bf16 = us(by.get((tp, lay, "bf16", rows, r)), n)
+                if kv == "fp8" and r >= 64 and bf16:
+                    checks.append((f"{n} fp8 pool >= 1.6x bf16 pool, {tag}", bf16 / p, 1.6))
+            if kv == "bf16" and pp and js:
+                checks.append((f"pallas-paged >= 3x jax-step, {tag}", js / pp, 3.0))
+            if kv == "bf16" and pp and p0 and r >= 16:
+                checks.append((f"pallas-paged >= 0.85x paged, {tag}", p0 / pp, 0.85))
+        for n, base in (("paged[bi]", p0), ("pallas-paged[bi]", pp)):
+            if us(c, n) and base:
+                checks.append((f"cost of batch_invariant ({n} / {n[:-4]}), {tag} {rows}",
+                               us(c, n) / base, None))
+    return [{"check": n, "value": v, "threshold": t, "pass": None if t is None else v >= t}
+            for n, v, t in checks]
+
+
+def _pool_finish(report: dict) -> None:
+    rows = must_show(report)
+    report["must_show"] = {"checks": rows, "all_pass": all(r["pass"] for r in rows
+                                                            if r["pass"] is not None)}
+    for r in rows:
+        verdict = "INFO" if r["pass"] is None else "PASS" if r["pass"] else "FAIL"
+        print(f"{verdict} {r['check']}: {r['value']:.2f}")
+
+
+POOL = common.Mode("decode_pool", "QSA paged sparse decode: the decode step from the KV pool",
+                   POOL_PROVIDERS, pool_cases, pool_prepare, pool_describe, calls=CHAIN,
+                   finish=_pool_finish)
+MODES = {"packed": PACKED, "pool": POOL}
 
 
 def add_arguments(ap) -> None:
     ap.add_argument("--tp", metavar="TP1,..", help=f"rank shapes (default {','.join(C.TP_SHAPES)})")
     ap.add_argument("--batches", metavar="B,..", help="batch sizes (default "
                     + ",".join(map(str, C.BENCH_DECODE_BATCHES)) + ")")
-    ap.add_argument("--rows", metavar="KIND,..", help="row lengths: saturated (2051 keys), mixed "
-                    "(17..2051), short (1..64) (default " + ",".join(C.BENCH_DECODE_ROWS) + ")")
+    ap.add_argument("--rows", metavar="KIND,..", help="packed: saturated (2051 keys), mixed "
+                    "(17..2051), short (1..64) (default " + ",".join(C.BENCH_DECODE_ROWS) + "); "
+                    "pool: saturated (8192-token contexts: 2051 entries), short (17..128-token "
+                    "contexts), mtp (32 requests x 4 verify rows) (default "
+                    + ",".join(POOL_ROWS) + ")")
+    ap.add_argument("--layouts", metavar="L,..", help="pool: pages (64-slot pages in scattered "
+                    "order, SGLang's), slots (single scattered slots) (default both)")
+    ap.add_argument("--kv", metavar="DT,..", help="pool: pool dtypes bf16, fp8 (e4m3; k_scale = "
+                    "v_scale = 1, SGLang's QSA pool) (default both)")
+    ap.add_argument("--pool-slots", type=int, metavar="N",
+                    help=f"pool: slots in the pool (default {POOL_SLOTS:,})")
 
 
 def main(argv=None, prog: str | None = None) -> int:

@@ -24,16 +24,14 @@ Check (``bench.common``'s reference check, on a canonical view of the token rows
 number of selected blocks whose FP32 reference logit lies below the reference 512th logit by
 more than the FP32 summation tolerance, or out of ascending order, and the number of selected
 blocks; the reference is (0, min(512, visible blocks)). Near-ties may go either way.
-After the timing table: one line per case with the issue's must-show ratios.
+After the timing table (``Mode.finish``): one line per case with the issue's must-show ratios,
+also kept in the JSON (``must_show``).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from bench import common
@@ -336,10 +334,10 @@ def describe_prefill(case, inp: Inputs) -> dict:
 
 MODES = {"decode": common.Mode("indexer_decode", "QSA indexer, decode (score + top-512 + expand)",
                                PROVIDERS, decode_cases, prepare_decode, describe_decode,
-                               calls=CHAIN),
+                               calls=CHAIN, finish=lambda r: finish(r)),
          "prefill": common.Mode("indexer_prefill", "QSA indexer, prefill (8192 rows)",
                                 PROVIDERS, prefill_cases, prepare_prefill, describe_prefill,
-                                calls=2)}
+                                calls=2, finish=lambda r: finish(r))}
 
 
 def add_arguments(ap) -> None:
@@ -377,20 +375,15 @@ def must_show(report: dict) -> list[str]:
     return lines
 
 
+def finish(report: dict) -> None:
+    """``Mode.finish``: print the must-show lines and keep them in the report."""
+    report["must_show"] = must_show(report)
+    print("must-show:\n" + "\n".join(report["must_show"]))
+
+
 def main(argv=None, prog: str | None = None) -> int:
     """``python3 -m bench.indexer``; see the module docstring."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    rc = common.main(MODES, "bench.indexer", argv, prog, __doc__, add_arguments)
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--json")
-    ap.add_argument("--mode", default="decode")
-    ap.add_argument("--compare")
-    known, _ = ap.parse_known_args(argv)
-    path = Path(known.json) if known.json else common.default_json_path(MODES[known.mode].name)
-    if known.compare is None and path.exists() and "--smoke-cpu" not in argv:
-        print("must-show:")
-        print("\n".join(must_show(json.loads(path.read_text()))))
-    return rc
+    return common.main(MODES, "bench.indexer", argv, prog, __doc__, add_arguments)
 
 
 if __name__ == "__main__":  # run as bench.indexer, so that pickled inputs name that module

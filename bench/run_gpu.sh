@@ -4,10 +4,15 @@
 #   OUT=DIR bash bench/run_gpu.sh [STEP ...]   (default: tests check memcheck decode prefill)
 #
 # Steps, in the order given (their files under $OUT):
-#   tests[=F,..]  pytest -m gpu over tests/, or the given files (tests.log)
+#   tests[=F,..]  pytest -m gpu over tests/, or the given files (tests.log; limit $TESTS_TIMEOUT s)
 #   check         qsa check --full --peer sglang, 6 case-filter shards at once (check_*)
 #   memcheck      compute-sanitizer memcheck of our kernels on the --memcheck cases (memcheck_*)
 #   decode        python3 -m bench.decode, default providers (decode.{json,png,log})
+#   pool          bench.decode --mode pool, default providers, TP1 saturated rows: issue 16's
+#                 must-show grid with its PASS/FAIL lines (decode_pool.{json,png,log})
+#   pool_sweep    the Triton paged kernel's launch variants (paged[VARIANT]) against paged,
+#                 paged[bi], upstream-step and pallas-paged, TP1 saturated; then jax-step
+#                 (pool_sweep.{json,log}, pool_jax.{json,log})
 #   prefill       python3 -m bench.prefill, default providers (prefill.{json,png,log})
 #   pallas        both benchmarks with --providers ours,pallas; JAX compiles per shape (*_pallas.*)
 #   compare=OLD   the kernels of the checkout at OLD (its interop/, qsa_triton/, qsa_pallas/)
@@ -30,12 +35,13 @@ export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
 [ $# -gt 0 ] || set -- tests check memcheck decode prefill
 for s in "$@"; do
   case "$s" in
-    tests|tests=?*|check|memcheck|decode|prefill|pallas|indexer) ;;
+    tests|tests=?*|check|memcheck|decode|prefill|pallas|pool|pool_sweep|indexer) ;;
     compare=?*|indexer=?*)
       [ -d "${s#*=}/qsa_triton" ] || {
         echo "run_gpu.sh: ${s#*=}/qsa_triton not found" >&2; exit 2; } ;;
     *) echo "run_gpu.sh: unknown step '$s'" \
-         "(tests[=F,..] check memcheck decode prefill pallas compare=OLD indexer[=OLD])" >&2
+         "(tests[=F,..] check memcheck decode prefill pallas pool pool_sweep compare=OLD" \
+         "indexer[=OLD])" >&2
        exit 2 ;;
   esac
 done
@@ -60,7 +66,8 @@ for s in "$@"; do
   case "$s" in
     tests|tests=*)
       files="tests"; [ "$s" = tests ] || files="${s#tests=}"
-      step tests 540 python3 -m pytest -m gpu -q -p no:cacheprovider ${files//,/ } & ;;
+      step tests "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+        ${files//,/ } & ;;
     check)
       for f in decode/TP1 decode/TP2 decode/TP4 prefill/ordinary prefill/chunk prefill/paged; do
         step "check_${f//\//_}" 420 python3 -m interop.validate.cli check --full --peer sglang \
@@ -71,18 +78,32 @@ for s in "$@"; do
       if [ -z "$SAN" ]; then
         echo "memcheck rc=127 0s (compute-sanitizer not found)" >> "$OUT/steps.txt"; continue
       fi
-      for b in decode prefill; do
+      for b in decode prefill pool; do
         # compile outside the sanitizer first (compiles are slow under it); without torch's
         # caching allocator every tensor is its own allocation, so a stray read is reported
-        step "memcheck_${b}_warm" 200 python3 -m "bench.$b" --memcheck --providers ours \
-          --json "$OUT/memcheck_$b.json"
+        args=(-m "bench.$b" --memcheck --providers ours --json "$OUT/memcheck_$b.json")
+        [ "$b" = pool ] && args=(-m bench.decode --mode pool --memcheck --providers \
+          "paged,paged[s7],paged[ahead]" --json "$OUT/memcheck_$b.json")
+        step "memcheck_${b}_warm" 200 python3 "${args[@]}"
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 step "memcheck_$b" 300 "$SAN" --tool memcheck \
-          --error-exitcode 9 python3 -m "bench.$b" --memcheck --providers ours \
-          --json "$OUT/memcheck_$b.json"
+          --error-exitcode 9 python3 "${args[@]}"
       done ;;
     decode|prefill)
       wait
       step "$s" 420 python3 -m "bench.$s" --json "$OUT/$s.json" --plot "$OUT/$s.png" ;;
+    pool)
+      wait
+      step decode_pool 420 python3 -m bench.decode --mode pool --tp TP1 --rows saturated \
+        --json "$OUT/decode_pool.json" --plot "$OUT/decode_pool.png" ;;
+    pool_sweep)
+      wait
+      step pool_sweep 300 python3 -m bench.decode --mode pool --tp TP1 --rows saturated \
+        --batches 1,16,128 --providers "upstream-step,paged,paged[s7],paged[ahead],\
+paged[s7-pdl],paged[ahead-pdl],paged[s7-fp8bn64],paged[bi],pallas-paged,pallas-paged[s7]" \
+        --json "$OUT/pool_sweep.json"
+      step pool_jax 100 python3 -m bench.decode --mode pool --tp TP1 --rows saturated \
+        --layouts slots --kv bf16 --batches 1,16,128 --providers \
+        "upstream-step,jax-step,pallas-paged" --json "$OUT/pool_jax.json" ;;
     pallas)
       wait
       for b in decode prefill; do

@@ -10,6 +10,7 @@ Two modes:
     head dim, int32 metadata of the right length on the same device, matching K/V shapes, W >= 1).
   * ``strict=True``: additionally the qualified envelope of ``qsa-contract.md`` (head pairs, D = 256,
     1 <= B <= 128, max_seqlen_k <= 2055, max_seqlen_q = 1) that upstream validated and we promise.
+Both modes refuse tensors that require grad: every kernel is forward-only.
 
 Values that live on the device (cu_seqlens contents, indices) are never read here: that would be a
 host sync. ``validate_*`` (the debug validator) reads them on the host, off the hot path.
@@ -51,6 +52,8 @@ __all__ = [
     "check_expand_block_indices",
     "validate_indexer_decode_metadata",
     "validate_indexer_prefill_metadata",
+    "check_decode_step",
+    "check_prefill_step",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -91,6 +94,9 @@ class ContractError(ValueError):
 
 def envelope_text(fn: str = "sparse_decode") -> str:
     """One-line text of the qualified envelope for an entry point."""
+    if fn.startswith("qsa_") and fn.endswith("_step"):  # the end-to-end step: both halves
+        attention = "sparse_decode_paged" if "decode" in fn else "sparse_prefill_paged"
+        return f"attention: {envelope_text(attention)}; indexer: {_indexer_envelope_text()}"
     if fn.startswith(("indexer", "expand_block")):
         return _indexer_envelope_text()
     q = QUALIFIED
@@ -123,6 +129,8 @@ class TensorSpec:
       device: ``"cpu"`` or ``"cuda"`` (jax's ``"gpu"`` platform maps to ``"cuda"``).
       index: device ordinal, or None when unknown (jax arrays under tracing).
       strides: element strides, or None when the framework does not expose them (jax: row-major).
+      requires_grad: a torch tensor that records autograd history (the kernels are forward-only,
+        so the checks refuse it); always False for jax and numpy arrays.
     """
 
     shape: tuple[int, ...]
@@ -130,6 +138,7 @@ class TensorSpec:
     device: str = "cpu"
     index: int | None = None
     strides: tuple[int, ...] | None = None
+    requires_grad: bool = False
 
     @property
     def ndim(self) -> int:
@@ -164,7 +173,7 @@ class TensorSpec:
         dtype = str(t.dtype).removeprefix("torch.")
         dev = t.device
         return cls(tuple(int(s) for s in t.shape), dtype, str(dev.type), dev.index,
-                   tuple(int(s) for s in t.stride()))
+                   tuple(int(s) for s in t.stride()), bool(t.requires_grad))
 
     @classmethod
     def from_jax(cls, a) -> "TensorSpec":
@@ -267,9 +276,13 @@ class _Checker:
 
     def spec(self, name: str, x: Any) -> TensorSpec:
         try:
-            return spec_of(x)
+            s = spec_of(x)
         except TypeError:
             self.fail(name, "a torch tensor or a jax array", type(x).__name__)
+        if s.requires_grad:  # forward-only kernels: a backward() would fail far from the cause
+            self.fail(name, "a tensor that does not require grad (the kernels are forward-only; "
+                      "call them under torch.no_grad() or pass .detach())", "requires_grad=True")
+        return s
 
     def rank(self, name: str, s: TensorSpec, ndim: int | tuple[int, ...], what: str):
         ok = (ndim,) if isinstance(ndim, int) else ndim
@@ -1037,6 +1050,98 @@ def check_expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio
     c.metadata("positions", c.spec("positions", positions), m, bs, "block_ids")
     c.metadata("seq_lens", c.spec("seq_lens", seq_lens), m, bs, "block_ids")
     return k * r + r - 1
+
+
+# --------------------------------------------------------------------------------------------
+# The end-to-end QSA step (indexer -> expansion -> paged attention; ``qsa_*.step``). One check
+# of every argument of both halves before anything runs, with the step's argument names.
+_STEP_INDEXER_NAMES = {"q": "index_q", "k_cache": "index_k_cache", "page_table": "index_page_table",
+                       "k": "index_k"}
+
+
+def _indexer_half(fn: str, strict: bool, call):
+    """Run an indexer check; its errors name the step's arguments (``index_q``, ...)."""
+    try:
+        return call()
+    except ContractError as e:
+        if e.arg not in _STEP_INDEXER_NAMES:
+            raise
+        raise ContractError(fn, _STEP_INDEXER_NAMES[e.arg], e.expected, e.got,
+                            strict=strict) from None
+
+
+def _step_rows(c: _Checker, q, index_q) -> tuple[TensorSpec, TensorSpec]:
+    qs, iq = c.spec("q", q), c.spec("index_q", index_q)
+    c.rank("q", qs, 3, "[rows, Hq, D]")
+    c.rank("index_q", iq, 3, "[rows, index_heads, index_head_dim] (the indexer query)")
+    if iq.shape[0] != qs.shape[0]:
+        c.fail("index_q", f"{qs.shape[0]} rows (one per row of q)", f"{iq.shape[0]} rows")
+    c.same_device("index_q", iq, qs, "q")
+    return qs, iq
+
+
+def check_decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_k_cache,
+                      index_page_table, seq_lens, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
+                      topk: int = 512, compress_ratio: int = 4, batch_invariant: bool = False,
+                      strict: bool = False, attention_strict: bool = False,
+                      fn: str = "qsa_decode_step") -> tuple[PagedDecodeProblem, IndexerProblem]:
+    """Check a decode step call (``qsa_triton.qsa_decode_step`` / ``qsa_pallas.qsa_decode_step``)
+    before anything runs: the indexer's inputs as ``check_indexer_decode`` (``index_q``,
+    ``index_k_cache``, ``index_page_table``, ``seq_lens``), the attention's as
+    ``check_decode_paged`` with the indexer's output ``int32 [R, topk * ratio + ratio - 1]`` as
+    its ``indices``, and one row of ``index_q`` per row of ``q``, on q's device.
+    ``attention_strict``: the attention's qualified envelope alone (where ``route`` sends decode
+    to the exact contract, sm_121, as ``sparse_decode_paged`` enforces there).
+
+    Returns:
+      (PagedDecodeProblem, IndexerProblem).
+
+    Raises:
+      ContractError: naming the step's argument, expected, got, and both envelopes.
+    """
+    c = _Checker(fn, strict)
+    qs, _ = _step_rows(c, q, index_q)
+    ip = _indexer_half(fn, strict, lambda: check_indexer_decode(
+        index_q, index_k_cache, index_page_table, seq_lens, topk=topk,
+        compress_ratio=compress_ratio, strict=strict, fn=fn))
+    ids = TensorSpec((qs.shape[0], ip.width), "int32", qs.device, qs.index, None)
+    ap = check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, ids, seq_lens,
+                            softmax_scale, k_scale, v_scale, batch_invariant=batch_invariant,
+                            strict=bool(strict) or bool(attention_strict), fn=fn)
+    return ap, ip
+
+
+def check_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_k,
+                       index_cu_seqlens_k, cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale=None,
+                       k_scale=1.0, v_scale=1.0, *, topk: int = 512, compress_ratio: int = 4,
+                       strict: bool = False, fn: str = "qsa_prefill_step"
+                       ) -> tuple[PrefillProblem, IndexerProblem]:
+    """Check a prefill step call (``qsa_*.qsa_prefill_step``) before anything runs: ``index_q``
+    and ``index_k`` as ``check_indexer_prefill`` (the per-row ranges, positions and bounds the
+    step derives are int32 [T] on q's device), the attention's inputs as ``check_prefill_paged``
+    with the indexer's output as its ``indices``, ``index_cu_seqlens_k`` int32 [B + 1] on q's
+    device, one row of ``index_q`` per row of ``q``.
+
+    Returns:
+      (PrefillProblem, IndexerProblem).
+
+    Raises:
+      ContractError: naming the step's argument, expected, got, and both envelopes.
+    """
+    c = _Checker(fn, strict)
+    qs, _ = _step_rows(c, q, index_q)
+    t = qs.shape[0]
+    meta = TensorSpec((t,), "int32", qs.device, qs.index, (1,))
+    ip = _indexer_half(fn, strict, lambda: check_indexer_prefill(
+        index_q, index_k, meta, meta, topk=topk, compress_ratio=compress_ratio, positions=meta,
+        seq_lens=meta, strict=strict, fn=fn))
+    ids = TensorSpec((t, ip.width), "int32", qs.device, qs.index, None)
+    ap = check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, ids, cu_seqlens_q,
+                             kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale, strict=strict,
+                             fn=fn)
+    c.metadata("index_cu_seqlens_k", c.spec("index_cu_seqlens_k", index_cu_seqlens_k),
+               ap.requests + 1, qs, "q")
+    return ap, ip
 
 
 def validate_indexer_decode_metadata(page_table, seq_lens, pages: int, page_size: int, *,

@@ -57,6 +57,7 @@ __all__ = [
     "IndexerPlan",
     "plan_indexer",
     "prefill_row_ranges",
+    "prefill_step_rows",
     "IndexerDecodeCase",
     "indexer_decode_case",
 ]
@@ -935,6 +936,44 @@ def prefill_row_ranges(q_lens, kv_lens, *, ratio: int = RATIO):
     ends = starts + np.minimum(visible // ratio, (kl // ratio)[req])
     return (starts.astype(np.int32), ends.astype(np.int32), cu, (visible - 1).astype(np.int32),
             bound.astype(np.int32))
+
+
+def prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows: int, *,
+                      ratio: int = RATIO):
+    """Per-row indexer metadata of a prefill step from its request tables: the rule
+    ``qsa_triton.prefill_step_rows`` / ``qsa_pallas.prefill_step_rows`` evaluate on the device
+    (``prefill_row_ranges`` is the same rule from host lengths, for packed keys in request order).
+
+    Row t of request b (``cu_seqlens_q[b] <= t < cu_seqlens_q[b + 1]``, found by a right-sided
+    search of ``cu_seqlens_q[1:]``) sits at position ``p = kv_lens[b] - q_len_b + (t -
+    cu_seqlens_q[b])`` (bottom-right causal, q_len_b = ``cu_seqlens_q[b + 1] - cu_seqlens_q[b]``).
+    Its request's compressed keys are the packed rows ``index_cu_seqlens_k[b] ..
+    index_cu_seqlens_k[b + 1]`` and it sees the first ``floor(max(p + 1, 0) / ratio)`` of them
+    (at most all of them). A row outside every request (``t < cu_seqlens_q[0]`` or
+    ``t >= cu_seqlens_q[B]``) gets an empty range, position -1 and bound 0: no index, zero output.
+
+    Args:
+      cu_seqlens_q: int [B + 1]; kv_lens: int [B] context length of each request (prefix + this
+        chunk); index_cu_seqlens_k: int [B + 1]; total_rows: T (q's rows); ratio: tokens per block.
+
+    Returns:
+      (row_starts, row_ends, positions, seq_lens): int32 [T] each; seq_lens is the request's
+      ``kv_lens[b]`` (the expansion's validity bound).
+    """
+    cu = np.asarray(cu_seqlens_q, np.int64).reshape(-1)
+    kl = np.asarray(kv_lens, np.int64).reshape(-1)
+    ck = np.asarray(index_cu_seqlens_k, np.int64).reshape(-1)
+    b = kl.shape[0]
+    rows = np.arange(int(total_rows), dtype=np.int64)
+    req = np.searchsorted(cu[1:], rows, side="right")
+    inside = (req < b) & (rows >= cu[0])
+    rq = np.minimum(req, b - 1)
+    pos = kl[rq] - (cu[rq + 1] - cu[rq]) + rows - cu[rq]
+    start = ck[rq]
+    end = start + np.minimum(np.maximum(pos + 1, 0) // ratio, np.maximum(ck[rq + 1] - start, 0))
+    z = np.zeros_like(rows)
+    return (np.where(inside, start, z).astype(np.int32), np.where(inside, end, z).astype(np.int32),
+            np.where(inside, pos, z - 1).astype(np.int32), np.where(inside, kl[rq], z).astype(np.int32))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,16 +14,16 @@ from that row's length (``cu_seqlens_k[s+1] - cu_seqlens_k[s]``), so the same co
     n_active    = clamp(cdiv(blocks, min_blocks_per_split), 1, max_splits)
     split j < n_active covers blocks [cdiv(j * blocks, n_active), cdiv((j + 1) * blocks, n_active))
                   (``split_blocks``: every active split of a non-empty row gets >= 1 block, since
-                   n_active <= blocks; counts differ by at most one, the extra blocks go to the
-                   first splits, so the last split, which holds the row's partial block, is never
-                   the longest)
+                   n_active <= blocks; counts differ by at most one, and the last split, which
+                   holds the row's partial block, gets the fewest: floor(blocks / n_active))
 
 A row longer than ``max_seqlen_k`` is still covered completely (the split size grows with the
 device length); ``max_seqlen_k`` only bounds the useful grid. Splits past ``n_active`` write
 nothing the merge uses. A zero-length row has n_active = 1 and its one split writes exact zeros.
 
 Sizing rule (why): at small batch upstream runs B x Hkv x <= 8 programs on 132 SMs and is far from
-the memory floor (anchors.md). The H200 sweep (bench/NOTES.md, decode "plan from the sweep")
+the memory floor (anchors.md). The H200 sweep (bench/NOTES.md, "Plan from a sweep: at most one
+program per SM")
 found the best split count at about ONE program per SM, rounded *down* to a power of two:
 B x Hkv x max_splits <= SMs; a second, partial wave cost more, and at B x Hkv >= SMs no split
 at all was fastest.
@@ -60,7 +60,7 @@ __all__ = ["DecodePlan", "plan_decode", "split_blocks", "smem_bytes", "fit_share
 #: use exp2, the cheaper PTX path.
 LOG2E = 1.4426950408889634
 
-# Decode tunables, decided by the H200 sweeps (bench/NOTES.md, packed decode).
+# Decode tunables, decided by the H200 sweeps (bench/NOTES.md, "Decode, Triton").
 PROGRAMS_PER_SM = 1  # split-KV target: at most this many programs per SM for long rows
 MAX_SPLITS_CAP = 64  # most splits per (sequence, KV head) under the power-of-two rule (the
 #                      one-block rule allows up to 2x this; the Triton merge reads <= 128 at once)
@@ -85,9 +85,10 @@ def split_blocks(blocks, j, n_active):
 
     ``lo = cdiv(j * blocks, n_active)``, ``hi = cdiv((j + 1) * blocks, n_active)``: every block
     is covered exactly once, each active split of a non-empty row gets >= 1 block (n_active <=
-    blocks), and the extra blocks of an uneven division go to the first splits, so the last split
-    (which holds the row's partial block) is never the longest. For ``j >= n_active`` the range
-    starts at or past ``blocks`` (empty once clamped to ``blocks``).
+    blocks), the counts differ by at most one, the first split gets the most (cdiv(blocks,
+    n_active)) and the last, which holds the row's partial block, the fewest (floor(blocks /
+    n_active)), so it is never the one that finishes last. For ``j >= n_active`` the range starts
+    at or past ``blocks`` (empty once clamped to ``blocks``).
 
     Plain ``+ * //`` on non-negative integers only, so the same function runs on host ints, inside
     a ``triton.jit`` kernel (``qsa_triton.decode`` jit-wraps it; pass int64 ``blocks`` where
@@ -166,9 +167,6 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     balance_slots: int = 0
-    tail_in_loop: bool = False  # experiment switches, removed with the Triton decode's options
-    qk_split: int = 1
-    defer_rowsum: bool = True
 
 
 def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
@@ -207,7 +205,8 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
                 and narrow <= 2 * MAX_SPLITS_CAP and 2 * programs * wide >= sm_count):
             # half the programs, partials and merge reads for the same keys; 8 warps avoid the
             # register spills of 4 at D = 256. Only with >= 2 KV heads: the same grid from two
-            # sequences of one KV head measured slower (bench/NOTES.md, decode "64-row block").
+            # sequences of one KV head measured slower (bench/NOTES.md, "64-key blocks at TP1
+            # B = 1").
             block_n = WIDE_BLOCK_N
             num_warps = 8
     blocks = max(1, math.ceil(max_seqlen_k / block_n))
@@ -244,6 +243,10 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
 __all__ += ["PagedDecodePlan", "plan_decode_paged", "paged_smem_bytes",
             "BATCH_INVARIANT_SPLIT_COLS", "PAGED_MAX_SPLITS"]
 
+#: depth of the paged kernel's dependent-load chain (index -> req_to_token -> K/V) and the
+#: pipeline depth that gives its K/V gathers two buffers (``paged_smem_bytes``)
+PAGED_LOAD_CHAIN = 3
+PAGED_DEEP_STAGES = 7
 #: batch-invariant mode: index columns per split (a multiple of every BLOCK_N the plan uses).
 #: The split count is then cdiv(W, this) whatever the batch: 9 splits for W = 2051. Why this
 #: size: fewer columns per split fill more SMs at small batch, more columns write fewer FP32
@@ -292,7 +295,10 @@ def paged_smem_bytes(plan: PagedDecodePlan, head_dim: int, q_bytes: int = 2,
     kernel for stages >= 2) extended by the conversion tiles."""
     kv = 2 * plan.block_n * head_dim * kv_bytes
     conv = 2 * plan.block_n * head_dim * q_bytes if kv_bytes != q_bytes else 0
-    return (max(plan.num_stages - 1, 1) * kv + conv + plan.head_tile * head_dim * q_bytes
+    # Triton's software pipeliner shares the stage budget over the kernel's chain of dependent
+    # loads (index -> req_to_token -> K/V, depth 3): (num_stages - 1) // 3 K/V buffers.
+    kv_buffers = max(1, (plan.num_stages - 1) // PAGED_LOAD_CHAIN)
+    return (kv_buffers * kv + conv + plan.head_tile * head_dim * q_bytes
             + plan.head_tile * plan.block_n * q_bytes)
 
 
@@ -341,7 +347,11 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
     else:
         splits = max(1, (PROGRAMS_PER_SM * sm_count) // (rows * num_kv_heads))
     splits = max(1, min(splits, nb, PAGED_MAX_SPLITS))
-    plan = PagedDecodePlan(head_tile, block_n, splits, 4, 3)
+    # Deep pipelines pay where a program streams several chunks: 7 stages give the K/V gathers
+    # two buffers behind the 3-deep load chain; one-chunk splits (small R) keep 3 (bench/NOTES.md,
+    # "Paged decode, Triton").
+    stages = PAGED_DEEP_STAGES if nb >= 2 * splits else 3
+    plan = PagedDecodePlan(head_tile, block_n, splits, 4, stages)
     while paged_smem_bytes(plan, head_dim, q_bytes, kv_bytes) > smem_limit:
         if plan.num_stages > 2:
             plan = dataclasses.replace(plan, num_stages=plan.num_stages - 1)

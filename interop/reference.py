@@ -36,6 +36,8 @@ __all__ = [
     "indexer_select_decode_reference",
     "indexer_select_prefill_reference",
     "topk_set_report",
+    "decode_step_reference",
+    "prefill_step_reference",
 ]
 
 
@@ -462,3 +464,51 @@ def topk_set_report(selected, logits, topk: int, *, tol: float = 0.0) -> dict:
             bad.append(m)
     return {"rows": int(sel.shape[0]), "exact": exact, "admissible": adm, "bad_rows": bad,
             "max_violation": worst}
+
+
+# --------------------------------------------------------------------------------------------
+# The end-to-end QSA step: indexer -> expansion -> paged attention (``qsa_*.step``).
+def decode_step_reference(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_k_cache,
+                          index_page_table, seq_lens, softmax_scale=None, k_scale=1.0,
+                          v_scale=1.0, *, topk: int = 512, compress_ratio: int = 4) -> np.ndarray:
+    """One decode step: ``indexer_select_decode_reference`` (scoring, exact top-k, expansion)
+    gives each row's token positions, ``decode_paged_reference`` attends to them in the pool.
+
+    Args:
+      q: [R, Hq, D]; k_cache, v_cache: [slots, Hkv, D]; req_to_token: [max_reqs, max_context];
+      req_indices, seq_lens: [R]; index_q: [R, H, Di]; index_k_cache: [pages, P, 1, Di];
+      index_page_table: [R, max_pages]; the rest as ``decode_paged_reference``.
+
+    Returns:
+      [R, Hq, D] float64.
+    """
+    idx = indexer_select_decode_reference(index_q, index_k_cache, index_page_table, seq_lens,
+                                          topk=topk, compress_ratio=compress_ratio)
+    return decode_paged_reference(q, k_cache, v_cache, req_to_token, req_indices, idx, seq_lens,
+                                  softmax_scale, k_scale, v_scale)
+
+
+def prefill_step_reference(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_k,
+                           index_cu_seqlens_k, cu_seqlens_q, kv_lens, softmax_scale=None,
+                           k_scale=1.0, v_scale=1.0, *, topk: int = 512,
+                           compress_ratio: int = 4) -> np.ndarray:
+    """One prefill step: per-row ranges, positions and bounds from the request tables
+    (``interop.indices.prefill_step_rows``), ``indexer_select_prefill_reference`` over the packed
+    compressed keys, then ``prefill_paged_reference`` from the pool.
+
+    Args:
+      q: [T, Hq, D]; k_cache, v_cache: [slots, Hkv, D]; req_to_token, req_indices: as
+      ``prefill_paged_reference``; index_q: [T, H, Di]; index_k: [N, 1, Di] packed per request
+      (request b's rows ``index_cu_seqlens_k[b] ..``); cu_seqlens_q: [B + 1]; kv_lens: [B].
+
+    Returns:
+      [T, Hq, D] float64.
+    """
+    from .indices import prefill_step_rows  # noqa: PLC0415
+
+    rs, re, pos, sl = prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k,
+                                        np.shape(q)[0], ratio=compress_ratio)
+    idx = indexer_select_prefill_reference(index_q, index_k, rs, re, pos, sl, topk=topk,
+                                           compress_ratio=compress_ratio)
+    return prefill_paged_reference(q, k_cache, v_cache, req_to_token, req_indices, idx,
+                                   cu_seqlens_q, kv_lens, softmax_scale, k_scale, v_scale)

@@ -641,8 +641,8 @@ def lowering_cases(device_kind: str | None = None, *, dtype=jnp.bfloat16,
     """Representative production launches as ``(name, fn, args)`` for
     ``_compat.lower_for_device_kind`` (``jax.ShapeDtypeStruct`` args, nothing allocated):
     decode B = 16 at 32k and B = 128 at 256k context, prefill 8192 rows at 32k, each with the
-    fused expansion. ``device_kind`` (the ``interop.compile_check`` protocol) is not needed: the
-    plan follows the abstract device the cases are lowered under."""
+    fused expansion. ``device_kind`` (the ``interop.validate.compile`` protocol) is not needed:
+    the plan follows the abstract device the cases are lowered under."""
     sds = jax.ShapeDtypeStruct
     kd = dtype if k_dtype is None else k_dtype
     i32 = jnp.int32

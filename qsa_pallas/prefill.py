@@ -53,7 +53,7 @@ from jax import lax
 from interop import contract
 from interop.arch import DeviceFacts
 from interop.contract import ContractError, PrefillProblem, spec_of
-from interop.geometry import Geometry, fit_prefill, geometry_mode, select_prefill
+from interop.geometry import Geometry, geometry_mode, select_prefill
 from interop.plan import LOG2E, next_pow2
 
 from . import _compat
@@ -65,7 +65,6 @@ __all__ = [
     "sparse_prefill_paged",
     "select_geometry",
     "resolve_pool_slots",
-    "lowering_cases",
 ]
 
 _INT32_MAX = 2**31 - 1
@@ -440,68 +439,3 @@ def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens
         return jnp.full(indices.shape, -1, jnp.int32)
     return _resolve(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
                     jnp.int32(min(int(pool_slots), _INT32_MAX)))
-
-
-# --------------------------------------------------------------------------------------------
-# Ahead-of-time lowering list (``qsa compile``, interop/compile_check.py)
-def lowering_cases(device_kind: str, *, head_dim: int = 256, width: int = 2051, group: int = 12,
-                   rows: int = 64) -> list[tuple[str, object, tuple]]:
-    """Every distinct prefill launch configuration this module can pick on ``device_kind``:
-    each geometry the shared selector can return there (``interop.geometry.all_configs`` of the
-    device's arch, fitted to its shared memory as ``select_geometry`` does) x ordinary bf16,
-    chunk bf16 / FP8, paged bf16 / FP8.
-
-    Returns:
-      list of ``(name, fn, args)``: lower ``fn(*args)`` with
-      ``_compat.lower_for_device_kind(fn, args, device_kind)``; ``args`` are
-      ``jax.ShapeDtypeStruct`` (nothing is allocated).
-
-    Raises:
-      ValueError: a device kind whose arch ``interop.arch`` does not know.
-    """
-    from interop.geometry import all_configs  # noqa: PLC0415
-
-    facts = DeviceFacts.from_device_kind(device_kind)
-    sds = jax.ShapeDtypeStruct
-    d, w, t, hkv = head_dim, width, rows, 1
-    geos = {}
-    for kv_bytes in (2, 1):
-        for cfg in all_configs(facts.arch):
-            cfg = dataclasses.replace(cfg, block_m=max(next_pow2(group), cfg.block_m))
-            geo = fit_prefill(cfg, backend="pallas", head_dim=d, kv_bytes=kv_bytes,
-                              limit=facts.smem_per_block)
-            geos.setdefault((kv_bytes, *geo.key), geo)
-    q = sds((t, group * hkv, d), jnp.bfloat16)
-    idx = sds((t, w), jnp.int32)
-    cu, kl = sds((3,), jnp.int32), sds((2,), jnp.int32)
-    r2t, ri = sds((4, 2048), jnp.int32), sds((2,), jnp.int32)
-    cases = []
-    for (kv_bytes, *_), geo in geos.items():
-        tag = f"ht{geo.block_m}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}"
-        name = "fp8" if kv_bytes == 1 else "bf16"
-        pool = sds((4096, hkv, d), jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16)
-        if kv_bytes == 2:
-            kv = sds((t, hkv, d), jnp.bfloat16)
-            cases.append((f"pallas_prefill_ordinary_bf16_{tag}",
-                          functools.partial(_lower_ordinary, geometry=geo), (q, kv, kv, idx, cu)))
-        cases.append((f"pallas_prefill_chunk_{name}_{tag}",
-                      functools.partial(_lower_chunk, geometry=geo),
-                      (q, pool, pool, idx, cu, cu, kl)))
-        cases.append((f"pallas_prefill_paged_{name}_{tag}",
-                      functools.partial(_lower_paged, geometry=geo),
-                      (q, pool, pool, r2t, ri, idx, cu, kl)))
-    return cases
-
-
-def _lower_ordinary(q, k, v, idx, cu, *, geometry):
-    return sparse_prefill(q, k, v, idx, cu, q.shape[0], interpret=False, geometry=geometry)
-
-
-def _lower_chunk(q, k, v, idx, cq, ck, kl, *, geometry):
-    return sparse_prefill_chunk(q, k, v, idx, cq, ck, kl, q.shape[0], interpret=False,
-                                geometry=geometry)
-
-
-def _lower_paged(q, k, v, r2t, ri, idx, cq, kl, *, geometry):
-    return sparse_prefill_paged(q, k, v, r2t, ri, idx, cq, kl, q.shape[0], interpret=False,
-                                geometry=geometry)

@@ -55,7 +55,7 @@ from interop.contract import (ContractError, check_expand_block_indices, check_i
 from interop.indices import IndexerPlan, plan_indexer
 
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
-from .decode import pdl_supported
+from .decode import _pdl_supported
 
 __all__ = [
     "indexer_topk_decode",
@@ -64,7 +64,6 @@ __all__ = [
     "indexer_select_prefill",
     "expand_block_indices",
     "indexer_plan_for",
-    "compile_configs",
 ]
 
 _INT32_MAX = tl.constexpr(2**31 - 1)  # a constexpr global: usable inside @triton.jit
@@ -412,7 +411,7 @@ def _compute_dtype(q: torch.Tensor):
 
 def _decode_constexprs(plan: IndexerPlan, h: int, d: int, psz: int, ratio: int, compute):
     """The pass-1 decode kernel's constexprs for ``plan`` (one source for the launch and
-    ``compile_configs``)."""
+    ``interop.validate.compile.triton_indexer_configs``)."""
     return dict(H=h, HP=max(16, _next_pow2(h)), D=d, P=psz, RATIO=ratio, K=plan.topk,
                 C=plan.chunk, T=plan.tile, RB=plan.radix_bits,
                 NJ=IndexerPlan.thresholds(plan.radix_bits), COMPUTE=compute)
@@ -465,7 +464,7 @@ def _run_decode(q, k_cache, page_table, seq_lens, topk: int, ratio: int, expand:
     ws = _workspace(b, plan, q.device)
     if k_cache.numel() == 0:  # no pages: every block reads nothing (pages = 0 masks all loads)
         k_cache = torch.zeros((1, 1, 1, d), dtype=k_cache.dtype, device=q.device)
-    pdl = plan.pdl and pdl_supported(q.device)
+    pdl = plan.pdl and _pdl_supported(q.device)
     _decode_chunk_kernel[(b, plan.splits)](
         q, k_cache, page_table, seq_lens, *ws,
         q.stride(0), q.stride(1), page_table.stride(0), pages, cap, plan.splits,
@@ -501,83 +500,6 @@ def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, rat
         _merge(ws, out[r0:r1], rs, re, positions[r0:r1] if expand else None,
                seq_lens[r0:r1] if expand else None, n_keys, plan, prefill=True, expand=expand,
                ratio=ratio)
-    return out
-
-
-def compile_configs(arch: str, *, batches=(1, 16, 64, 128),
-                    contexts=(8192, 32768, 131072, 262144, 1 << 20),
-                    prefill_contexts=(32768, 131072, 262144)) -> list[dict]:
-    """The kernel configurations ``plan_indexer`` launches on ``arch`` (a name in
-    ``interop.arch.KNOWN_ARCHS``) for the qualified shapes (4 heads x 128, topk 512, ratio 4,
-    page size 16): the pass-1 decode kernel for every distinct plan over ``batches`` x
-    ``contexts`` (tokens) with bf16 and fp8 keys, the pass-1 prefill kernel for 8192 rows at
-    ``prefill_contexts``, and the merge kernel of each (decode with and without the fused
-    expansion; prefill fused); decode kernels also in their Programmatic Dependent Launch form
-    where the plan launches them so (names end in ``_pdl``). For
-    ``interop.compile_check.compile_triton_configs`` (shared memory and registers against the
-    arch's limits, no GPU needed).
-
-    Returns:
-      list of dicts: ``kernel``, ``name``, ``signature``, ``constexprs``, ``attrs`` (16-byte
-      divisibility of the pointers and strides, as launches specialise them), ``num_warps``,
-      ``num_stages``, ``options`` (``launch_pdl`` for the PDL merge).
-    """
-    from interop.arch import KNOWN_ARCHS, KNOWN_PARTS  # noqa: PLC0415
-
-    info = KNOWN_ARCHS[arch]
-    sms = next((n for a, n in KNOWN_PARTS.values() if a == arch), 132)
-
-    def entry(fn, name, ptrs, consts, nw, ns):
-        sig = {n: (ptrs[n] if n in ptrs else "constexpr" if n in consts else "i32")
-               for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if n.endswith("_ptr") or n.startswith("stride")}
-        return dict(kernel=fn, name=name, signature=sig, constexprs=consts, attrs=attrs,
-                    num_warps=nw, num_stages=ns)
-
-    i32 = lambda *names: {n: "*i32" for n in names}  # noqa: E731
-    out, seen = [], set()
-
-    def add(e):
-        key = (e["kernel"].__name__, tuple(sorted((k, str(v)) for k, v in e["constexprs"].items())),
-               e["num_warps"], e["num_stages"], tuple(sorted(e["signature"].items())))
-        if key not in seen:
-            seen.add(key)
-            out.append(e)
-
-    plans = {plan_indexer("decode", b, ctx // 4, 512, sm_count=sms,
-                          smem_per_block=info.smem_per_block)
-             for b in batches for ctx in contexts}
-    for p in sorted(plans, key=lambda p: (p.chunk, p.splits)):
-        for pdl in sorted({False, p.pdl}):  # launches with PDL where the plan asks for it
-            tag = "_pdl" if pdl else ""
-            for kd in ("bf16", "fp8e4nv"):
-                c = {**_decode_constexprs(p, 4, 128, 16, 4, tl.bfloat16), "USE_PDL": pdl}
-                add(entry(_decode_chunk_kernel,
-                          f"decode_C{p.chunk}_T{p.tile}_rb{p.radix_bits}_{kd}{tag}",
-                          {"q_ptr": "*bf16", "k_ptr": f"*{kd}",
-                           **i32("pt_ptr", "seq_ptr", "wsk_ptr", "wsi_ptr")},
-                          c, p.num_warps, p.num_stages))
-            for expand in (True, False):
-                e = entry(_merge_kernel,
-                          f"merge_decode_SP{p.splits_pad}_{'tokens' if expand else 'ids'}{tag}",
-                          i32("wsk_ptr", "wsi_ptr", "out_ptr", "m0_ptr", "m1_ptr",
-                              "pos_ptr", "bound_ptr"),
-                          {**_merge_constexprs(p, prefill=False, expand=expand, ratio=4),
-                           "USE_PDL": pdl}, p.merge_warps, 1)
-                e["options"] = {"launch_pdl": True} if pdl else {}
-                add(e)
-    for ctx in prefill_contexts:
-        p = plan_indexer("prefill", 8192, ctx // 4, 512, sm_count=sms,
-                         smem_per_block=info.smem_per_block)
-        add(entry(_prefill_chunk_kernel, f"prefill_C{p.chunk}_T{p.tile}",
-                  {"q_ptr": "*bf16", "k_ptr": "*bf16",
-                   **i32("rs_ptr", "re_ptr", "wsk_ptr", "wsi_ptr")},
-                  _prefill_constexprs(p, 4, 128, tl.bfloat16), p.num_warps, p.num_stages))
-        add(entry(_merge_kernel, f"merge_prefill_SP{p.splits_pad}_tokens",
-                  i32("wsk_ptr", "wsi_ptr", "out_ptr", "m0_ptr", "m1_ptr", "pos_ptr",
-                      "bound_ptr"),
-                  _merge_constexprs(p, prefill=True, expand=True, ratio=4), p.merge_warps, 1))
     return out
 
 

@@ -52,6 +52,12 @@ def test_parse_providers_keeps_order_drops_duplicates_and_names_the_allowed():
     (decode, ["--rows", "long"], "--rows"),
     (decode, ["--memcheck", "--compare", "x"], "--memcheck"),
     (decode, ["--rounds", "0"], "--rounds"),
+    (decode, ["--mode", "pool", "--layouts", "blocks"], "--layouts"),
+    (decode, ["--mode", "pool", "--kv", "fp4"], "--kv"),
+    (decode, ["--mode", "pool", "--rows", "mixed"], "--rows"),
+    (decode, ["--mode", "pool", "--pool-slots", "1000"], "--pool-slots"),
+    (decode, ["--mode", "pool", "--providers", "paged[nope]"], "'paged[nope]'"),
+    (decode, ["--mode", "pool", "--compare", "x"], "no --compare"),
     (prefill, ["--sections", "matrix,tiles"], "--sections"),
     (prefill, ["--heads", "24/1"], "--heads"),
 ])
@@ -69,6 +75,8 @@ def test_help_names_every_provider_and_option(capsys):
         assert out.startswith("usage: qsa bench x")
         for name, p in module.PROVIDERS.items():
             assert name in out and p.doc.split()[0] in out
+        for name in getattr(module, "POOL_PROVIDERS", {}):
+            assert name in out
         for opt in ("--providers", "--json", "--plot", "--smoke-cpu", "--memcheck", "--compare"):
             assert opt in out
         assert "module docstring" not in out
@@ -108,6 +116,75 @@ def test_case_lists():
     a.sections, a.heads = "sweep", "6/1"
     assert [s.q_lens[0] for s in prefill.cases(a, "bench")] == [32, 128, 512, 2048, 8192]
     assert all(s.poison and s.junk == "mixed" for s in prefill.cases(A(), "memcheck"))
+
+
+def test_pool_case_lists_and_sweep_names():
+    class A:
+        tp = rows = batches = layouts = kv = pool_slots = compare = None
+
+    specs = decode.pool_cases(A(), "bench")
+    assert len(specs) == len({s.name for s in specs}) == 3 * 2 * 2 * (6 + 6 + 1)
+    mtp = [s for s in specs if s.rows == "mtp"]
+    assert {s.batch for s in mtp} == {128} and "B32x4" in mtp[0].name
+    a = A()
+    a.tp, a.kv, a.layouts, a.rows, a.batches = "TP1", "fp8", "slots", "saturated", "64"
+    assert [s.name for s in decode.pool_cases(a, "bench")] == ["pool/TP1/slots/fp8/B64/saturated"]
+    assert all(s.junk for s in decode.pool_cases(A(), "memcheck") + decode.pool_cases(A(), "smoke"))
+    from qsa_triton import decode_paged
+
+    assert set(decode.SWEEP_VARIANTS) == set(decode_paged._VARIANTS)
+    assert decode_paged._DEFAULT_VARIANT in decode_paged._VARIANTS
+    sweep = [n for n, p in decode.POOL_PROVIDERS.items() if not p.default]
+    assert {f"paged[{v}]" for v in decode.SWEEP_VARIANTS} | {
+        "paged[bi]", "pallas-paged[bi]", "pallas-paged[s7]"} == set(sweep)
+    assert list(decode.POOL_PROVIDERS)[0] == "upstream-step"  # 'x first' = vs upstream's step
+
+
+def test_pool_must_show_from_fake_timings():
+    def case(lay, kv, r, times):
+        return {"tp": "TP1", "layout": lay, "kv": kv, "rows": "saturated", "R": r, "B": r,
+                "providers": {n: {"median_us": t, "pct_copy_bw": 90.0 if n == "paged[s7]" else
+                                  60.0} for n, t in times.items()}}
+
+    rep = {"cases": [
+        case("slots", "bf16", 128, {"upstream-step": 400.0, "paged": 200.0, "paged[s7]": 150.0,
+                                    "jax-step": 400.0, "pallas-paged": 130.0,
+                                    "paged[bi]": 220.0}),
+        case("pages", "bf16", 16, {"upstream-step": 90.0, "paged": 40.0}),
+        case("slots", "fp8", 128, {"paged": 110.0, "paged[s7]": 90.0})]}
+    rows = {r["check"]: r for r in decode.must_show(rep)}
+    assert rows["paged >= 2.5x upstream-step, TP1 slots bf16 B=128"]["pass"] is False
+    assert rows["paged[s7] >= 2.5x upstream-step, TP1 slots bf16 B=128"]["value"] == \
+        pytest.approx(400 / 150)
+    assert rows["paged >= 2.0x upstream-step, TP1 pages bf16 B=16"]["pass"] is True
+    assert rows["paged % copy bw >= 85, TP1 slots bf16 B=128"]["pass"] is False
+    assert rows["paged[s7] % copy bw >= 85, TP1 slots bf16 B=128"]["pass"] is True
+    assert rows["paged fp8 pool >= 1.6x bf16 pool, TP1 slots fp8 B=128"]["value"] == \
+        pytest.approx(200 / 110)
+    assert rows["pallas-paged >= 3x jax-step, TP1 slots bf16 B=128"]["pass"] is True
+    assert rows["pallas-paged >= 0.85x paged, TP1 slots bf16 B=128"]["pass"] is True
+    cost = rows["cost of batch_invariant (paged[bi] / paged), TP1 slots bf16 B=128 saturated"]
+    assert cost["threshold"] is None and cost["value"] == pytest.approx(1.1)
+
+
+def test_jax_step_compacts_on_every_call_of_a_chain(monkeypatch):
+    """jax-step's compaction depends on the previous call's output, so an unrolled chain of n
+    calls keeps n times the gathers after XLA's optimisations (the decode itself is stubbed)."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    import qsa_pallas
+    from interop.indices import paged_decode_case
+
+    monkeypatch.setattr(qsa_pallas, "sparse_decode", lambda q, kp, vp, cq, ck, m, s: q + (
+        kp.astype(jnp.float32).sum() + vp.astype(jnp.float32).sum() + ck.sum()).astype(q.dtype))
+    c = paged_decode_case([60, 90], width=70, seed=0)
+    pool = jnp.ones((c.pool_slots, 1, 64), jnp.float16)
+    args = [jnp.zeros((2, 12, 64), jnp.float16), pool, pool] + [
+        jnp.asarray(t) for t in (c.req_to_token, c.req_indices, c.indices, c.seq_lens)]
+    step = jax.jit(decode.jax_step(0.125, 70))
+    gathers = [jax.jit(common.unrolled(step, n)).lower(*args).compile().as_text()
+               .count(" gather(") for n in (1, 3)]
+    assert gathers[0] >= 2 and gathers[1] == 3 * gathers[0], gathers
 
 
 def test_upstream_providers_skip_what_upstream_cannot_take():

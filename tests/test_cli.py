@@ -81,14 +81,15 @@ def compile_configs(arch):
 
 FAKE_PALLAS = '''
 import jax, jax.numpy as jnp
-from qsa_pallas.decode import decode_plan_for, sparse_decode
+from interop.plan import plan_decode
+from qsa_pallas.decode import _sparse_decode
 
 def lowering_cases(device_kind):
     sds = jax.ShapeDtypeStruct
-    plan = decode_plan_for(2, 12, 1, 64, 64, sm_count=48)
+    plan = plan_decode(2, 1, 12, 64, 64, sm_count=48, max_splits=2)
     args = (sds((2, 12, 64), jnp.float16), sds((128, 1, 64), jnp.float16),
             sds((128, 1, 64), jnp.float16), sds((3,), jnp.int32), sds((3,), jnp.int32))
-    fn = lambda q, k, v, cq, ck: sparse_decode(q, k, v, cq, ck, 64, interpret=False, plan=plan)
+    fn = lambda q, k, v, cq, ck: _sparse_decode(q, k, v, cq, ck, 64, interpret=False, plan=plan)
     return [("tiny_decode", fn, args)]
 '''
 
@@ -102,12 +103,12 @@ def _compile_cli(tmp_path, *argv, triton_mods="qsa_fake_triton_kernels",
     (tmp_path / "qsa_fake_pallas_cases.py").write_text(FAKE_PALLAS)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}",
-               QSA_COMPILE_TRITON_MODULES=triton_mods, QSA_COMPILE_PALLAS_MODULES=pallas_mods,
                JAX_PLATFORMS="cpu", TRITON_CACHE_DIR=str(tmp_path / "triton-cache"),
                COLUMNS="250")
     out = tmp_path / "compile.json"
-    proc = subprocess.run([sys.executable, "-m", "interop.validate.cli", "compile", *argv, "--json",
-                           str(out)], capture_output=True, text=True, timeout=600, env=env)
+    mods = [f"--triton-modules={triton_mods}", f"--pallas-modules={pallas_mods}"]
+    proc = subprocess.run([sys.executable, "-m", "interop.validate.cli", "compile", *argv, *mods,
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, env=env)
     doc = _json.loads(out.read_text()) if out.exists() else None
     return proc, doc
 

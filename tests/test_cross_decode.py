@@ -98,7 +98,11 @@ def test_timing_chain_lowers_to_n_decodes():
     assert len(calls) == n, text[:2000]
     for (_, arg), (prev, _) in zip(calls[1:], calls[:-1]):
         assert arg == prev, "each decode must read the previous decode's output"
+    from qsa_pallas.decode import plan_for  # noqa: PLC0415
+
+    # a one-split plan runs as one launch (the split kernel writes the output), else split + merge
+    launches = 1 if plan_for(b, hkv, hq // hkv, d, 40)[1] == "direct" else 2
     bodies = re.split(r"func\.func ", text)
     for body in bodies:
         if body.startswith("private @_decode"):
-            assert body.count("custom_call @__gpu$xla.gpu.triton") == 2
+            assert body.count("custom_call @__gpu$xla.gpu.triton") == launches

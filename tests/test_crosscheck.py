@@ -18,8 +18,10 @@ from interop.validate import crosscheck as X  # noqa: E402
 from interop import cases as C  # noqa: E402
 from interop import indices as I  # noqa: E402
 from interop import reference as R  # noqa: E402
-from interop.contract import (TensorSpec, check_decode, check_prefill, check_prefill_chunk,  # noqa: E402
-                              check_prefill_paged)
+from interop.contract import (TensorSpec, check_decode, check_decode_paged,  # noqa: E402
+                              check_decode_step, check_indexer_decode, check_indexer_prefill,
+                              check_prefill, check_prefill_chunk, check_prefill_paged,
+                              check_prefill_step)
 
 
 # --------------------------------------------------------------------------------------------
@@ -52,9 +54,21 @@ def test_full_matrix_covers_the_issue():
 
 
 def _spec_call(s, strict):
-    """Check a spec's call against the contract with TensorSpecs (no allocation); decode of the
-    full matrix in strict mode (the qualified envelope)."""
+    """Check a spec's call against the contract with TensorSpecs (no allocation); the full
+    matrix in strict mode (the qualified envelope)."""
     T = lambda shape, dt="int32": TensorSpec(tuple(shape), dt)  # noqa: E731
+    if s.op in ("paged", "indexer", "step"):
+        d = C.case_data(s)
+        named = {n: T(shape, dt) for n, (shape, dt) in d.floats.items()}
+        named.update({n: T(a.shape) for n, a in d.ints.items()})
+        args, kwargs = d.arguments(named)
+        check = {"sparse_decode_paged": check_decode_paged,
+                 "indexer_select_decode": check_indexer_decode,
+                 "qsa_decode_step": check_decode_step, "qsa_prefill_step": check_prefill_step}
+        if d.entry == "indexer_select_prefill":
+            return check_indexer_prefill(*args[:4], positions=args[4], seq_lens=args[5],
+                                         strict=strict, **kwargs)
+        return check[d.entry](*args, **kwargs, strict=strict)
     if s.op == "decode":
         return check_decode(T((s.batch, s.hq, s.d), s.dtype), T((10, s.hkv, s.d), s.dtype),
                             T((10, s.hkv, s.d), s.dtype), T((s.batch + 1,)), T((s.batch + 1,)),
@@ -85,7 +99,7 @@ def test_every_case_is_inside_the_contract(matrix):
 def test_quick_matrix_is_small_and_fp16():
     quick = X.quick_matrix()
     names = X.iter_names(quick)
-    assert len(names) == len(set(names)) and 20 <= len(quick) <= 80
+    assert len(names) == len(set(names)) and 20 <= len(quick) <= 90
     assert all(s.dtype == "float16" for s in quick)
     assert sum(s.size for s in quick) < 2e8
     assert {s.kind for s in quick if s.op == "prefill"} == {"ordinary", "chunk", "paged"}
@@ -153,11 +167,73 @@ def test_edge_cases_are_what_their_names_say():
 
 
 def test_select_ops():
-    assert X.select_ops(None) == ("decode", "prefill")
+    assert X.select_ops(None) == ("decode", "prefill", "paged", "indexer", "step")
     assert X.select_ops("prefill, decode,prefill") == ("prefill", "decode")
+    assert X.select_ops("paged,indexer,step") == ("paged", "indexer", "step")
     for bad in ("decodes", "decode,attention", ",", ""):
-        with pytest.raises(ValueError, match="allowed: decode, prefill"):
+        with pytest.raises(ValueError, match="allowed: decode, prefill, paged, indexer, step"):
             X.select_ops(bad)
+
+
+# --------------------------------------------------------------------------------------------
+# The paged decode, indexer and step cases (issue 18 item 4).
+def test_new_ops_in_both_matrices():
+    """Quick (CPU): every new op, the indexer and the step in decode and prefill form, with a
+    top-k small enough that rows really drop blocks. Full (GPU): production shapes (topk 512,
+    D 256, the TP rank shapes, B up to 128, 32k context), FP8, MTP rows, junk."""
+    quick, full = X.quick_matrix(), X.full_matrix()
+    for specs, topk in ((quick, 16), (full, 512)):
+        by_op = {op: [s for s in specs if s.op == op] for op in ("paged", "indexer", "step")}
+        assert all(by_op.values())
+        for op in ("indexer", "step"):
+            assert {s.kind for s in by_op[op]} == {"decode", "prefill"}
+            assert all(s.topk == topk for s in by_op[op])
+            for s in by_op[op]:
+                lens = getattr(s, "seq_lens", ()) or getattr(s, "kv_lens", ()) or s.context_lens
+                if s.kind == "decode":
+                    assert max(lens) // 4 > s.topk, s.name  # some row drops blocks
+        assert any(getattr(s, "kv_dtype", None) == "float8_e4m3fn" for s in by_op["step"])
+    full_step = [s for s in full if s.op == "step"]
+    assert {s.hq for s in full_step} >= {24, 12, 6} and all(s.d == 256 for s in full_step)
+    assert max(s.rows for s in full_step if s.kind == "decode") == 128
+    assert max(max(s.context_lens) for s in full_step) >= 32768
+    assert any(s.rows_per_request > 1 for s in full if s.op == "paged")
+    assert X.full_matrix(["step"]) == full_step
+
+
+@pytest.mark.parametrize("name", ["indexer/decode/topk16", "indexer/prefill/topk16",
+                                  "step/decode/TP1/fp8/shared-pages/topk16"])
+def test_new_case_data_is_what_it_claims(name):
+    spec = C.by_name(X.quick_matrix())[name]
+    d = C.case_data(spec)
+    v = d.values()
+    if spec.op == "indexer":
+        assert set(d.integer_valued) == set(d.floats)  # exact FP32 logits
+        for n in d.floats:
+            assert np.array_equal(v[n], np.round(v[n])) and np.abs(v[n]).max() <= 2
+        assert (v["q"][list(spec.zero_q_rows)] == 0).all()
+        ref = C.reference(d.entry, {**d.scalars, **d.ints, **v})
+        assert ref.dtype == np.int32 and ref.shape == (spec.rows, 4 * spec.topk + 3)
+        return
+    # the step: shared pages (pool smaller than the requests), poison on every unowned slot,
+    # the index page table naming the KV pages of each request's visible blocks
+    assert d.ints["index_page_table"].shape[0] == len(spec.context_lens)
+    assert d.floats["k_cache"][0][0] == spec.pool_pages * 64
+    assert np.isnan(v["k_cache"][d.poison]).all() and not np.isnan(v["k_cache"][~d.poison]).any()
+    rt, req = d.ints["req_to_token"], d.ints["req_indices"]
+    for r, ctx in enumerate(spec.context_lens):
+        need = -(-(ctx // 4) // 16)
+        np.testing.assert_array_equal(d.ints["index_page_table"][r, :need],
+                                      rt[req[r], np.arange(need) * 64] // 64)
+
+
+def test_integer_ref_is_judged_exactly():
+    ref = np.array([[0, 1, 2, -1], [4, 5, -1, -1]], np.int32)
+    assert C.compare(ref.astype(np.float64), ref)["passed"]
+    off = ref.astype(np.float64)
+    off[1, 1] = 6
+    r = C.compare(off, ref)
+    assert not r["passed"] and r["mismatched_rows"] == 1 and r["rel_l2"] == 0.5
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,6 +285,10 @@ def _np(t):
 
 
 def _oracle(entry):
+    if entry not in ("sparse_decode", "sparse_prefill", "sparse_prefill_chunk",
+                     "sparse_prefill_paged"):
+        return _generic_oracle(entry)
+
     def fn(*a, softmax_scale=None, k_scale=1.0, v_scale=1.0, **_):
         q = a[0]
         if entry == "sparse_decode":
@@ -229,6 +309,18 @@ def _oracle(entry):
     return fn
 
 
+def _generic_oracle(entry):
+    """``interop.cases.reference`` on the torch arguments (paged decode, indexer, step)."""
+    def fn(*a, **kw):
+        pos, _ = X.PARAMS[entry]
+        named = {n: (x.detach().float().numpy().astype(np.float64) if x.is_floating_point()
+                     else x.numpy()) if isinstance(x, torch.Tensor) else x
+                 for n, x in zip(pos, a)}
+        out = C.reference(entry, {**named, **kw})
+        return torch.as_tensor(out).to(a[0].dtype if out.dtype.kind == "f" else torch.int32)
+    return fn
+
+
 def _jax_oracle(entry):
     """The oracle behind a jax-framework implementation (inputs arrive as jax arrays)."""
     base = _oracle(entry)
@@ -238,11 +330,14 @@ def _jax_oracle(entry):
         targs = [torch.from_numpy(np.array(x.astype(jnp.float32) if x.dtype not in (jnp.int32,)
                                            else x)) if isinstance(x, jax.Array) else x for x in a]
         dt = a[0].dtype
-        return jnp.asarray(base(*targs, **kw).float().numpy()).astype(dt)
+        out = base(*targs, **kw)
+        if not out.is_floating_point():
+            return jnp.asarray(out.numpy())
+        return jnp.asarray(out.float().numpy()).astype(dt)
     return fn
 
 
-def fakes(wrong_case: str | None = None, how: str = "offset"):
+def fakes(wrong_case: str | None = None, how: str = "offset"):  # noqa: C901
     """Correct torch + jax implementations; with ``wrong_case``, the torch one is broken on the
     case whose first query value matches (identified through the runner's seeded inputs)."""
     target = None
@@ -259,7 +354,10 @@ def fakes(wrong_case: str | None = None, how: str = "offset"):
                 (x.shape == y.shape and torch.equal(x.float().nan_to_num(7.0), y.float().nan_to_num(7.0)))
                 if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, target))
             if same:
-                if how == "offset":
+                if how == "offset" and not out.is_floating_point():  # one token position off
+                    out = out.clone()
+                    out[0, 0] += 1
+                elif how == "offset":
                     out = out + 0.25
                 elif how == "nan":
                     out[0, 0, 0] = float("nan")
@@ -294,6 +392,28 @@ def test_runner_names_a_wrong_result(how, needle):
     assert r.impl["pallas"]["passed"]
     summary = X.summarize([r], ["triton", "pallas"])
     assert summary["decode"]["failed"] == [name] and summary["decode"]["worst_case"] == name
+
+
+@pytest.mark.parametrize("name", ["paged/TP2/mtp2+junk+dup/W35", "indexer/prefill/topk16",
+                                  "step/prefill/G6xHkv1/topk16"])
+def test_runner_new_ops_pass_with_correct_fakes(name):
+    spec = C.by_name(X.quick_matrix())[name]
+    r = X.run_case(spec, fakes())
+    assert r.passed, r.failures
+    assert r.pair_ok and r.impl["triton"]["rel_l2"] < 1e-3
+    if spec.op == "indexer":
+        assert r.pair_max_abs == 0.0 and r.impl["pallas"]["mismatched_rows"] == 0
+
+
+def test_runner_names_a_wrong_selection():
+    """One token position off in one row: the indexer case fails by exact comparison (a float
+    tolerance would have let a difference of 1 pass), and Pallas vs Triton is reported too."""
+    name = "indexer/decode/fp8-keys/topk16"
+    r = X.run_case(C.by_name(X.quick_matrix())[name], fakes(name, "offset"))
+    assert not r.passed and r.impl["pallas"]["passed"]
+    assert any(f.startswith("triton: 1 of 3 rows differ") for f in r.failures), r.failures
+    assert "pallas vs triton: different token positions" in r.failures
+    assert X.summarize([r], ["triton", "pallas"])["indexer"]["failed"] == [name]
 
 
 def test_runner_checks_exact_zeros_on_empty_rows():
@@ -348,6 +468,22 @@ def test_cli_check_passes_and_writes_json(monkeypatch, tmp_path, capsys):
     assert "rel L2 pallas" in capsys.readouterr().out
 
 
+def test_cli_check_new_ops(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "load_check_implementations", lambda interpret: fakes())
+    out = tmp_path / "new.json"
+    rc = cli.main(["check", "--quick", "--ops", "indexer,step", "--filter", "decode",
+                   "--json", str(out), "--interpret"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "indexer: 2/2 passed" in text and "step: 2/2 passed" in text
+    doc = json.loads(out.read_text())
+    assert doc["ops"] == ["indexer", "step"] and doc["summary"]["indexer"]["passed"] == 2
+    # capture files hold attention calls only: a step case is refused with the reason
+    assert cli.main(["capture", "--case", "step/decode/TP2/topk16", "--out",
+                     str(tmp_path / "c.safetensors"), "--interpret"]) == 2
+    assert "attention entry points" in capsys.readouterr().err
+
+
 def test_cli_check_fails_and_names_the_case(monkeypatch, capsys, tmp_path):
     name = "decode/TP2/B4/short"
     monkeypatch.setattr(cli, "load_check_implementations", lambda interpret: fakes(name))
@@ -375,18 +511,31 @@ def test_cli_check_bad_ops_and_filter(capsys):
 # Real kernels (interpret mode): a few quick cases through both families.
 # the runner's real path (torch inputs, zero-copy into jax); the kernels' correctness over the
 # cases is tests/conformance.py
-REAL = ["decode/TP2/B4/saturated+poison", "prefill/paged/fp8+empty/G6xHkv2"]
+REAL = ["decode/TP2/B4/saturated+poison", "prefill/paged/fp8+empty/G6xHkv2",
+        "paged/TP2/mtp2+junk+dup/W35", "indexer/decode/fp8-keys/topk16",
+        "step/decode/TP2/topk16"]
 
 
 @pytest.mark.parametrize("name", REAL)
 def test_real_kernels_quick_cases(name):
     impls = X.load_implementations(interpret=True)
     spec = next(s for s in X.quick_matrix() if s.name == name)
-    if not all(X.ENTRY[getattr(spec, "kind", "decode")] in i.fns for i in impls):
+    entry = C.case_data(spec).entry
+    if not all(entry in i.fns for i in impls):
         pytest.skip("an entry point is not written yet")
     r = X.run_case(spec, impls)
     assert r.passed, r.failures
     assert r.impl["triton"]["rel_l2"] <= X.REL_L2 and r.impl["pallas"]["rel_l2"] <= X.REL_L2
+
+
+@pytest.mark.gpu
+def test_gpu_full_matrix_new_ops_sample(tmp_path):
+    """On the GPU: a slice of the full matrix's paged decode, indexer and step cases (the lead
+    runs them all with ``qsa check --full --ops paged,indexer,step``)."""
+    rc = cli.main(["check", "--full", "--ops", "paged,indexer,step", "--filter",
+                   "paged/TP2/B64,indexer/decode/edges,step/decode/TP2/B16",
+                   "--json", str(tmp_path / "new_ops.json")])
+    assert rc == 0
 
 
 @pytest.mark.gpu

@@ -19,7 +19,7 @@ NEEDS = {"jax": ("jax",), "torch": ("torch", "triton")}
 
 def test_examples_exist():
     names = {p.name for p in EXAMPLES}
-    assert {"jax_decode.py", "torch_decode.py", "torch_prefill.py"} <= names
+    assert {"jax_decode.py", "jax_step.py", "torch_decode.py", "torch_prefill.py"} <= names
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

@@ -422,12 +422,11 @@ def test_jit_new_lengths_do_not_recompile(dec16):
 _TRITON_AOT = r"""
 import json, os, re, sys
 os.environ.pop("TRITON_INTERPRET", None)
-from interop.compile_check import compile_triton_configs
-import qsa_triton.indexer as TI
+from interop.validate.compile import compile_triton_configs, triton_indexer_configs
 picks = json.loads(sys.argv[1])
 out = []
 for arch, pick in picks.items():
-    cfgs = [c for c in TI.compile_configs(arch) if re.fullmatch(pick, c["name"])]
+    cfgs = [c for c in triton_indexer_configs(arch) if re.fullmatch(pick, c["name"])]
     for r in compile_triton_configs(arch, cfgs):
         out.append(dict(arch=arch, name=r.name, shared=r.shared, limit=r.smem_limit, regs=r.regs,
                         spill=r.spill_bytes, fits=r.fits, error=r.error))
@@ -442,8 +441,8 @@ def test_triton_kernels_fit_sm90_and_sm120():
     configuration of both archs: ``qsa compile``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    picks = {"sm_90": r"decode_C8192_T128_rb2_bf16",
-             "sm_120": r"decode_C8192_T64_rb2_bf16|prefill_C1024_T64"}
+    picks = {"sm_90": r"indexer_decode_C8192_T128_rb2_bf16",
+             "sm_120": r"indexer_decode_C8192_T64_rb2_bf16|indexer_prefill_C1024_T64_bm8"}
     proc = subprocess.run([sys.executable, "-c", _TRITON_AOT, json.dumps(picks)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
@@ -453,7 +452,7 @@ def test_triton_kernels_fit_sm90_and_sm120():
     assert all(r["fits"] and r["shared"] <= r["limit"] for r in rows), rows
     assert all(r["shared"] <= 101_376 for r in rows if r["arch"] == "sm_120"), rows
     # pass-1 decode: no spills (the key stream must not wait on local memory)
-    assert all(r["spill"] in (0, None) for r in rows if r["name"].startswith("decode")), rows
+    assert all(r["spill"] in (0, None) for r in rows if "_decode_" in r["name"]), rows
 
 
 def test_pallas_kernels_lower_for_cuda_and_fit_sm120():

@@ -10,15 +10,17 @@ negative, a request index past the table): such entries are invalid, never read.
 pools with k_scale / v_scale, forced plans (one split, many splits with empty ones),
 batch-invariant bits across batch compositions and row orders, jit with new device metadata and
 no retrace, torch.library opcheck and torch.compile tracing, contract errors (identical text in
-both packages), zero-size inputs, the Pallas FP8 offset limit, and the bench smoke path.
+both packages), zero-size inputs, the Pallas FP8 offset limit, the benchmark sweep's ``ahead``
+launch variant (the base kernel's bits), and the pool-mode bench smoke path.
 (``max_seqlen_k`` does not exist in the paged API: nothing there to vary.)
 
 GPU (``-m gpu``, the H200): production shapes (D = 256, W = 2051, bf16, TP1/TP2/TP4, R 1/16/128)
 vs the reference, FP8 pools, a pool past 4.2M slots at Hkv = 2 (int32 offsets overflow),
 CUDA-graph replay with changed indices / seq_lens / req_indices, graphs for every R in 1..128
-captured in sequence then replayed, torch.compile(fullgraph=True), lying metadata giving the
-same output from both implementations, batch invariance at production shapes, and ``memcheck``
-cases to run under compute-sanitizer.
+captured in sequence then replayed, every launch variant of the sweep bitwise equal to the base
+kernel (eager and graphed), torch.compile(fullgraph=True), lying metadata giving the same output
+from both implementations, batch invariance at production shapes, and ``memcheck`` cases to run
+under compute-sanitizer.
 
 Acceptance (qsa-contract.md §6): rtol = atol = 2e-2 elementwise and relative L2 <= 5e-3.
 """
@@ -26,6 +28,7 @@ Acceptance (qsa-contract.md §6): rtol = atol = 2e-2 elementwise and relative L2
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -411,14 +414,34 @@ def test_reference_rule_against_slots():
 
 
 def test_bench_smoke_cpu(tmp_path):
-    from bench import decode_pool  # noqa: PLC0415
+    """``bench.decode --mode pool --smoke-cpu``: junk rows, NaN free slots, a bf16 and an FP8
+    pool, MTP rows; every provider that can run here passes its check against the pool
+    reference (upstream's need the peer)."""
+    from bench import decode  # noqa: PLC0415
 
     path = tmp_path / "pool.json"
-    res = decode_pool.main(["--smoke-cpu", "--json", str(path)])
-    assert path.is_file() and res["cases"]
-    for case in res["cases"]:
-        for name in ("paged", "pallas-paged", "jax-step"):
+    rc = decode.main(["--mode", "pool", "--smoke-cpu", "--json", str(path),
+                      "--providers", "upstream-step,jax-step,paged,pallas-paged"])
+    rep = json.loads(path.read_text())
+    assert rc == 0 and rep["ran"][-3:] == ["jax-step", "paged", "pallas-paged"]
+    assert {c["kv"] for c in rep["cases"]} == {"bf16", "fp8"}
+    for case in rep["cases"]:
+        assert case["valid_entries"] > 0 and case["bytes"] > 0
+        for name in rep["ran"]:
             assert case["providers"][name]["ok"], (name, case["providers"][name])
+
+
+def test_triton_ahead_variant_same_bits():
+    """The sweep's ``ahead`` launch variant (slots resolved one chunk ahead, entries two ahead,
+    carried in registers) gives the base kernel's bits: the same chunks in the same order, the
+    same validity rule (junk, lying metadata, per-KV-head indices; BLOCK_N 16 over W = 70: two
+    splits of 2 and 3 chunks, the split's column range masked)."""
+    x = make_inputs((24, 2), per_head=True, seed=4)
+    plan = PagedDecodePlan(16, 16, 2, 4, 2)
+    base = tdp._variant_call("base", *t_args(x), plan=plan)
+    ahead = tdp._variant_call("ahead", *t_args(x), plan=plan)
+    assert_close(ahead.float().numpy(), reference(x), x.empty)
+    assert torch.equal(base, ahead)
 
 
 # =============================================================================================
@@ -561,10 +584,18 @@ def test_gpu_cuda_graph_replay_new_metadata():
 
 @gpu
 def test_gpu_graphs_every_r_1_to_128():
-    """Capture one graph per R = 1..128 in sequence (views of shared buffers), then change the
-    metadata and replay them all: each equals eager on the new data."""
+    """Capture one graph per R = 1..128 in sequence on one shared graph pool (views of shared
+    buffers; on the H200 at Hkv = 1 the plan has splits + merge up to R = 66, one split from 67),
+    then change the metadata in place (reversed index rows, shorter lengths, every row moved to
+    another request) and replay them all in capture order: each equals eager on the new data,
+    and the R = 128 output matches the reference.
+
+    The new lengths are capped by the new request's context: a length past it would make valid
+    entries name SGLang's padding slot 0 (NaN here), a legal call whose NaN output no equality
+    can compare (NaN != NaN; the first one-split graph, R = 67, failed that way)."""
     args, _ = gpu_case("TP2", 128, junk=False, seed=9)
     q, k, v, table, req, idx, seq = args
+    context = seq.clone()  # one row per request: row r's length is its request's context
     pool = torch.cuda.graph_pool_handle()
     graphs = []
     for r in range(1, 129):
@@ -574,14 +605,43 @@ def test_gpu_graphs_every_r_1_to_128():
         with torch.cuda.graph(g, pool=pool):
             out = qsa_triton.sparse_decode_paged(*a)
         graphs.append((g, out, a))
-    seq.copy_(torch.clamp(seq - torch.arange(128, device=CUDA, dtype=torch.int32) * 7, min=0))
+    shorter = torch.clamp(seq - torch.arange(128, device=CUDA, dtype=torch.int32) * 7, min=0)
+    seq.copy_(torch.minimum(shorter, torch.roll(context, 3)))
     idx.copy_(torch.flip(idx, dims=[1]))
     req.copy_(torch.roll(req, 3))
     for g, out, a in graphs:
         g.replay()
     torch.cuda.synchronize()
     for g, out, a in graphs:
+        assert torch.isfinite(out).all(), a[0].shape[0]
         assert torch.equal(out, qsa_triton.sparse_decode_paged(*a)), a[0].shape[0]
+    assert_close(graphs[-1][1].float().cpu().numpy(), compact_reference(list(graphs[-1][2])))
+
+
+@gpu
+@pytest.mark.parametrize("tp, rows, fp8", [("TP1", 1, False), ("TP1", 16, True),
+                                           ("TP2", 128, False)])
+def test_gpu_launch_variants_same_bits(tp, rows, fp8):
+    """Every launch variant of the sweep (``_VARIANTS``: more pipeline stages, slots resolved
+    ahead, PDL) matches the reference at production shapes (splits + merge at R = 1, 16; one
+    split at TP2 R = 128), eagerly and replayed from a CUDA graph, with the base kernel's bits
+    (except a variant that changes BLOCK_N for this pool: other chunks, other partial sums)."""
+    args, empty = gpu_case(tp, rows, seed=20 + rows)
+    if fp8:
+        args[1], args[2] = args[1].to(FP8), args[2].to(FP8)
+    ref = compact_reference(args)
+    base = tdp._variant_call("base", *args)
+    for name in tdp._VARIANTS:
+        out = tdp._variant_call(name, *args)
+        assert_close(out.float().cpu().numpy(), ref, empty)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            graphed = tdp._variant_call(name, *args)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graphed, out), f"{name}: graph replay != eager"
+        if not (fp8 and "fp8_block_n" in tdp._VARIANTS[name]):  # (other chunks: other sums)
+            assert torch.equal(out, base), f"{name}: matches the reference, not the base bits"
 
 
 @gpu

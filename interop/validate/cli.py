@@ -3,6 +3,7 @@
 Subcommands (each a small function taking parsed args and returning an exit status):
   qsa contract [--arch sm_121] [--strict]     the qualified envelope and the routing per arch
   qsa check    [--quick|--full] [--ops ...]   cross-check Pallas vs Triton vs FP64 reference
+                                              (attention, paged decode, indexer, QSA step)
   qsa compile  [--arch sm_90,sm_120,sm_121]   AOT-compile every shipped kernel configuration
   qsa bench    decode|prefill [OPTIONS...]    GPU benchmarks (bench/decode.py, bench/prefill.py)
   qsa replay   FILE...                        re-run captured kernel calls (interop.validate.capture)
@@ -380,7 +381,9 @@ def _add_check(sub) -> None:
                       help="the reduced matrix (default on a CPU machine: interpret mode)")
     size.add_argument("--full", action="store_true",
                       help="the full matrix (default on a GPU machine: compiled kernels)")
-    p.add_argument("--ops", default=None, help="comma-separated: decode,prefill (default: both)")
+    p.add_argument("--ops", default=None, help="comma-separated: decode,prefill,paged,indexer,step "
+                   "(default: all; paged = sparse_decode_paged, indexer = scoring + exact top-k + "
+                   "expansion, step = the end-to-end qsa_decode_step / qsa_prefill_step)")
     p.add_argument("--json", metavar="FILE", help="write every case's result as JSON")
     p.add_argument("--peer", metavar="NAME", choices=None,
                    help="also compare with upstream's kernels: 'sglang' (skipped if absent)")
@@ -430,8 +433,9 @@ def _cmd_compile(args) -> int:
                               env=env)
         return proc.returncode
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # lowering needs no GPU
-    reports = CC.run(archs, families, progress=lambda m: print(m, flush=True),
-                     jobs=jobs)
+    reports = CC.run(archs, families, progress=lambda m: print(m, flush=True), jobs=jobs,
+                     triton_modules=_split_list(args.triton_modules),
+                     pallas_modules=_split_list(args.pallas_modules))
     rows = CC.summary_rows(reports)
     if args.verbose:
         print_table("Every configuration", ("family", "arch", "config", "warps/stages",
@@ -486,6 +490,10 @@ def _add_compile(sub) -> None:
     p.add_argument("--family", help="comma-separated: triton,pallas (default: both)")
     p.add_argument("--json", metavar="FILE", help="write every configuration's report as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="print every configuration")
+    p.add_argument("--triton-modules", metavar="M,..", help="modules whose compile_configs(arch) "
+                   "replace the built-in Triton lists (out-of-tree kernels)")
+    p.add_argument("--pallas-modules", metavar="M,..", help="modules whose "
+                   "lowering_cases(device_kind) replace the built-in Pallas lists")
     p.set_defaults(func=_cmd_compile)
 
 
@@ -668,6 +676,10 @@ def _cmd_capture(args) -> int:
               "`qsa capture --list` prints every name):", file=sys.stderr)
         print(textwrap.fill(", ".join(s.name for s in quick), width=100, initial_indent="  ",
                             subsequent_indent="  ", break_on_hyphens=False), file=sys.stderr)
+        return 2
+    if spec.op not in ("decode", "prefill"):
+        print(f"qsa capture: case {args.case!r} is a {spec.op!r} case; capture files hold the "
+              "attention entry points (decode, prefill cases) only", file=sys.stderr)
         return 2
     impls = {i.name: i for i in load_check_implementations(interpret)}
     impl = impls.get(args.impl)

@@ -5,12 +5,16 @@ independent oracle.
 
 The cases are ``interop.cases``: ``full_matrix()`` on a GPU (compiled kernels), ``quick_matrix()``
 on a CPU (interpret mode); a case's arguments come from ``interop.cases.case_data``, its values
-are drawn by torch on the run's device.
+are drawn by torch on the run's device. Operations (``--ops``): ``decode`` (packed),
+``prefill`` (ordinary / chunk / paged), ``paged`` (``sparse_decode_paged``), ``indexer``
+(``indexer_select_decode`` / ``_prefill``: scoring + exact top-k + expansion) and ``step`` (the
+end-to-end ``qsa_decode_step`` / ``qsa_prefill_step``).
 
 Pass criteria per implementation and case (``interop.cases.compare``, ``qsa-contract.md`` §6):
 finite output, ``|out - ref| <= atol + rtol * |ref|`` with rtol = atol = 2e-2, relative L2 <=
 5e-3, exact zeros on rows/sequences with no valid key; and Pallas vs Triton elementwise within
-the same tolerance.
+the same tolerance. The indexer's token positions (integer inputs: exact FP32 logits) must equal
+the reference's, and each other, exactly.
 
 The reference is ``interop.reference`` (float64 numpy) for small cases and ``torch_reference``
 (the same semantics in float64 torch, batched over rows, on the GPU) for large ones;
@@ -33,12 +37,13 @@ import numpy as np
 
 from interop import cases as C
 from interop import reference as R
-from interop.cases import (ATOL, DECODE_BATCHES, ENTRY, OPS, PARAMS, PREFILL_KINDS,  # noqa: F401
-                           REL_L2, RTOL, TP_SHAPES, DecodeSpec, PrefillSpec, Spec, full_matrix,
-                           quick_matrix)
+from interop.cases import (ATOL, DECODE_BATCHES, ENTRY, INDEX_ENTRIES, OPS, PARAMS,  # noqa: F401
+                           PREFILL_KINDS, REL_L2, RTOL, TP_SHAPES, DecodeSpec, IndexerSpec,
+                           PagedSpec, PrefillSpec, Spec, StepSpec, full_matrix, quick_matrix)
 
 __all__ = [
-    "RTOL", "ATOL", "REL_L2", "OPS", "DecodeSpec", "PrefillSpec", "quick_matrix", "full_matrix",
+    "RTOL", "ATOL", "REL_L2", "OPS", "DecodeSpec", "PrefillSpec", "PagedSpec", "IndexerSpec",
+    "StepSpec", "quick_matrix", "full_matrix",
     "select_ops", "Implementation", "load_implementations", "load_peer", "peer_indices", "peer_prefill_skip",
     "prepare_backends",
     "has_cuda", "Inputs", "build_inputs", "torch_reference", "CaseResult", "run_case", "run_matrix",
@@ -47,7 +52,7 @@ __all__ = [
 ]
 
 def select_ops(text: str | None) -> tuple[str, ...]:
-    """Parse ``--ops`` ("decode,prefill").
+    """Parse ``--ops`` ("decode,prefill,paged,indexer,step"; None: all of them).
 
     Raises:
       ValueError: an unknown or empty operation list (message lists the allowed values).
@@ -96,8 +101,9 @@ class Implementation:
       name: "triton" | "pallas" | "peer:sglang" | anything (fakes in tests).
       framework: "torch" (called with torch tensors) or "jax" (called with jax arrays made
         zero-copy by ``interop.dlpack.to_jax``).
-      fns: entry point name -> callable (``sparse_decode``, ``sparse_prefill``,
-        ``sparse_prefill_chunk``, ``sparse_prefill_paged``), the contract's signatures.
+      fns: entry point name -> callable (``interop.cases.ENTRY``'s values: ``sparse_decode``,
+        the prefill variants, ``sparse_decode_paged``, ``indexer_select_*``, ``qsa_*_step``),
+        the contract's signatures.
       kwargs: extra keyword arguments for every call (Pallas: ``interpret``).
       supports: optional predicate (spec -> reason or None) for cases it cannot run (skipped).
     """
@@ -245,6 +251,8 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
         return out if v_scale == 1.0 else (out.float() * v_scale).to(q.dtype)
 
     def supports(spec: Spec) -> str | None:
+        if not isinstance(spec, (DecodeSpec, PrefillSpec)):
+            return "the upstream peer is wired for the attention entry points only"
         if device != "cuda":
             return "upstream's kernels need a CUDA device (torch.cuda calls)"
         if isinstance(spec, DecodeSpec):
@@ -296,7 +304,9 @@ def build_inputs(spec: Spec, device: str = "cpu") -> Inputs:
 
     The call's structure (metadata, indices, poisoned K/V entries, outputs that must be zero)
     is ``interop.cases.case_data``; the values are N(0, 1) drawn by torch on ``device`` (fast for
-    the GPU's full matrix) in the case's dtype (FP8 K/V: N(0, 1) cast to float8_e4m3fn).
+    the GPU's full matrix) in the case's dtype (FP8 K/V: N(0, 1) cast to float8_e4m3fn), integers
+    in [-2, 2] for the case's ``integer_valued`` tensors (the indexer's), zeros in its
+    ``zero_rows``.
     """
     import torch  # noqa: PLC0415
 
@@ -305,7 +315,12 @@ def build_inputs(spec: Spec, device: str = "cpu") -> Inputs:
     gen.manual_seed(1000 + spec.seed)
     named: dict[str, Any] = {}
     for name, (shape, dtype) in data.floats.items():
-        x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+        if name in data.integer_valued:
+            x = torch.randint(-2, 3, shape, generator=gen, device=device).to(torch.float32)
+        else:
+            x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+        if name in data.zero_rows:
+            x[torch.as_tensor(data.zero_rows[name], device=device)] = 0.0
         if data.poison is not None and name in data.kv_names:
             x[torch.as_tensor(data.poison, device=device)] = float("nan")
         named[name] = x.to(getattr(torch, dtype))
@@ -467,15 +482,23 @@ def empty_mask(inp: Inputs) -> np.ndarray:
     """bool [rows, Hq]: output rows that must be exactly 0 (``interop.cases.empty_outputs``),
     recomputed from the inputs' device metadata on the host (captures carry no spec)."""
     n = inp.named()
-    hkv = n[PARAMS[inp.entry][0][1]].shape[1]
     host = {k: x.cpu().numpy() for k, x in n.items()
             if hasattr(x, "cpu") and not x.is_floating_point()}
-    return C.empty_outputs(inp.entry, host, inp.args[0].shape[1], hkv)
+    if inp.entry in INDEX_ENTRIES:
+        return C.empty_outputs(inp.entry, host, 1, 1)
+    kv = n[PARAMS[inp.entry][0][1]]
+    return C.empty_outputs(inp.entry, host, inp.args[0].shape[1], kv.shape[1],
+                           pool_slots=kv.shape[0], rows=inp.args[0].shape[0])
+
+
+_TORCH_REFERENCE = ("sparse_prefill", "sparse_prefill_chunk", "sparse_prefill_paged")
 
 
 def _reference(inp: Inputs, method: str, size: int) -> tuple[np.ndarray, str]:
+    if method in ("auto", "torch") and inp.entry not in _TORCH_REFERENCE:
+        method = "numpy"  # torch_reference covers the prefill variants only
     if method == "auto":
-        method = "numpy" if size <= 2_000_000 or inp.entry == "sparse_decode" else "torch"
+        method = "numpy" if size <= 2_000_000 else "torch"
     if method == "numpy":
         return numpy_reference(None, inp), method
     if method == "torch":
@@ -511,7 +534,8 @@ def evaluate(name: str, op: str, inp: Inputs, impls: Sequence[Implementation], r
                 import torch  # noqa: PLC0415
 
                 torch.cuda.synchronize()
-            out = _np64(out_t)
+            # index outputs (the indexer) stay integers: compared exactly
+            out = _np64(out_t) if out_t.is_floating_point() else out_t.cpu().numpy().astype(np.int64)
             if out.shape != ref.shape:
                 raise ValueError(f"output shape {list(out.shape)}, expected {list(ref.shape)}")
             r = C.compare(out, ref, empty, rel_l2_limit)
@@ -534,14 +558,22 @@ def evaluate(name: str, op: str, inp: Inputs, impls: Sequence[Implementation], r
                                         r["allclose"]),
                                        ("rows without valid keys not exactly 0", r["zeros_ok"]))
                        if not ok]
+                if "mismatched_rows" in r:  # token positions: exact or wrong
+                    why = [f"{r['mismatched_rows']} of {out.shape[0]} rows differ from the FP64 "
+                           "reference's selection"]
                 failures.append(f"{impl.name}: " + "; ".join(why))
     pair_max = pair_ok = None
     if "triton" in outs and "pallas" in outs:
         d = np.abs(outs["pallas"] - outs["triton"])
         pair_max = float(d.max()) if d.size else 0.0
-        pair_ok = bool(np.all(d <= ATOL + RTOL * np.abs(outs["triton"])))
+        if np.issubdtype(outs["triton"].dtype, np.integer):  # token positions: bit-equal
+            pair_ok = bool(pair_max == 0.0)
+        else:
+            pair_ok = bool(np.all(d <= ATOL + RTOL * np.abs(outs["triton"])))
         if not pair_ok:
-            failures.append(f"pallas vs triton: max |diff| {pair_max:.3g} beyond rtol=atol={RTOL:g}")
+            failures.append(f"pallas vs triton: max |diff| {pair_max:.3g} beyond rtol=atol={RTOL:g}"
+                            if not np.issubdtype(outs["triton"].dtype, np.integer) else
+                            "pallas vs triton: different token positions")
     passed = not failures and all(r.get("passed") for r in results.values())
     return CaseResult(name, op, passed, results, pair_max, pair_ok, failures, reference,
                       time.perf_counter() - t0)
