@@ -343,6 +343,7 @@ def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
     import triton.language as tl  # noqa: PLC0415
 
     from interop.indices import plan_indexer  # noqa: PLC0415
+    from qsa_triton import decode as dec  # noqa: PLC0415
     from qsa_triton import indexer as ix  # noqa: PLC0415
 
     info = KNOWN_ARCHS[arch]
@@ -362,7 +363,7 @@ def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
                           smem_per_block=info.smem_per_block)
              for b in batches for ctx in contexts}
     for p in sorted(plans, key=lambda p: (p.chunk, p.splits)):
-        for pdl in sorted({False, p.pdl}):
+        for pdl in sorted({False, p.pdl and dec._TRITON_PDL}):
             tag = "_pdl" if pdl else ""
             for kd in ("bf16", "fp8e4nv"):
                 consts = {**ix._decode_constexprs(p, 4, 128, 16, 4, tl.bfloat16), "USE_PDL": pdl}
