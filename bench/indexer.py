@@ -1,66 +1,63 @@
 """QSA indexer benchmark (issue 18): scoring + exact top-512 + expansion, decode and prefill.
 
-  python3 -m bench.indexer --out PATH.json              decode B 1/16/64/128 x 8k/32k/128k/256k,
-                                                        prefill 8192 rows at 32k / 128k (H200)
-  python3 -m bench.indexer --out PATH.json --smoke-cpu  tiny shapes on CPU (interpreters), no timing
+  python3 -m bench.indexer [--mode decode|prefill] [--providers A,..] [--batches ..]
+                           [--contexts ..] [--json F]      time and check (GPU)
+  python3 -m bench.indexer --smoke-cpu                     code paths on CPU, no timing
+  python3 -m bench.indexer --compare OLD_TREE              this checkout's kernels vs another's
 
-Providers (same inputs; each computes the 2051-wide token rows):
-  * ``triton`` / ``pallas``: ``qsa_{triton,pallas}.indexer_select_{decode,prefill}``;
-  * ``torch``: upstream's torch reference path (gather the paged keys, FP32 ``einsum``, ReLU-sum,
-    -inf mask, ``torch.topk``, vectorised expansion; prefill rows chunked under upstream's
-    128 MiB logits budget); ``xla``: the same in plain JAX (``jnp.einsum`` bf16 -> FP32,
-    ``lax.top_k``, ``qsa_pallas.expand_block_indices``);
-  * ``floor`` (decode): one read of the visible compressed keys at the copy bandwidth measured in
-    this run. %copy = key bytes (visible blocks x 128 x 2 B) / time / copy bandwidth.
-Timing: PyTorch as CUDA-graph replays, interleaved (``bench.common.time_interleaved``); JAX as an
-unrolled chain of ``--chain`` calls in one ``jax.jit`` (call i+1's lengths depend on call i's
-output, values unchanged), median host wall time per call (docs/architecture.md).
-Agreement (printed, in the JSON): each provider's block sets against the FP64 reference on
-sampled rows (``interop.reference.topk_set_report``: exact / admissible within the FP32
-summation bound); pallas vs triton token rows compared whole. Inputs: N(0, 1) bf16.
+Cases: decode B in {1, 16, 64, 128} x context {8k, 32k, 128k, 256k} tokens (every row a little
+shorter than the context, 16-block pages scattered over the cache, -1 past each row); prefill
+8192 query rows of one request at the end of a 32k (or 128k) context. q and compressed keys
+N(0, 1) bf16, 4 heads x 128. Every provider returns the 2051-wide token rows.
+
+Providers: ``triton`` / ``pallas`` (``qsa_{triton,pallas}.indexer_select_*``; Pallas as a chain
+of calls in one ``jax.jit``, each call's lengths made to depend on the previous output);
+``triton_rb4`` and ``triton_c2x``: the Triton kernels under two private plan overrides (4-bit
+radix rounds in both passes; twice the pass-1 chunk); ``torch``: upstream's reference path
+(gather the paged keys, FP32 ``einsum``, ReLU-sum, -inf mask, ``torch.topk``, vectorised
+expansion; prefill rows chunked under upstream's 128 MiB logits budget); ``xla``: the same in
+plain JAX (``jnp.einsum`` bf16 -> FP32, ``lax.top_k``, ``qsa_pallas.expand_block_indices``).
+Bytes = the visible compressed keys (blocks x 128 x 2 B): % copy is the fraction of the copy
+bandwidth measured in the same run, i.e. time of one read of the keys / time.
+
+Check (``bench.common``'s reference check, on a canonical view of the token rows): per row, the
+number of selected blocks whose FP32 reference logit lies below the reference 512th logit by
+more than the FP32 summation tolerance, or out of ascending order, and the number of selected
+blocks; the reference is (0, min(512, visible blocks)). Near-ties may go either way.
+After the timing table (``Mode.finish``): one line per case with the issue's must-show ratios,
+also kept in the JSON (``must_show``).
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import statistics
+import dataclasses
 import sys
-import time
-from pathlib import Path
+from typing import Any
 
-import numpy as np
+from bench import common
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-H, D, TOPK, RATIO, PAGE = 4, 128, 512, 4, 16
-BATCHES = (1, 16, 64, 128)
-CONTEXTS = (8192, 32768, 131072, 262144)
-PREFILL_CONTEXTS = (32768, 131072)
+H, D, TOPK, RATIO, PAGE, CHAIN = 4, 128, 512, 4, 16, 10
+BATCHES, CONTEXTS, PREFILL_CONTEXTS = (1, 16, 64, 128), (8192, 32768, 131072, 262144), (32768,)
 LOGITS_BUDGET = 128 << 20  # upstream _QSA_PREFILL_LOGITS_BUDGET_BYTES
+# The private plan overrides timed next to the default (interop.indices.IndexerPlan fields).
+VARIANTS = {"triton_rb4": lambda p: dataclasses.replace(p, radix_bits=4, merge_radix_bits=4),
+            "triton_c2x": lambda p: dataclasses.replace(
+                p, chunk=2 * p.chunk, splits=-(-p.splits // 2),
+                merge_warps=max(4, p.merge_warps // 2))}
 
 
-def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="JSON report path")
-    p.add_argument("--smoke-cpu", action="store_true", help="tiny shapes on CPU, no timing")
-    for name, default in (("--batches", BATCHES), ("--contexts", CONTEXTS),
-                          ("--prefill-contexts", PREFILL_CONTEXTS)):
-        p.add_argument(name, default=",".join(map(str, default)))
-    p.add_argument("--rows", type=int, default=8192, help="prefill query rows")
-    p.add_argument("--providers", default="triton,pallas,torch,xla")
-    p.add_argument("--chain", type=int, default=20, help="JAX decode calls per jitted chain")
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--check-rows", type=int, default=3, help="rows checked against FP64")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    a.topk = 16 if a.smoke_cpu else TOPK  # the smoke run's contexts are tiny
-    return a
+@dataclasses.dataclass
+class Inputs:
+    """One case on the device: the entry point's arguments, metadata and the check's data."""
+
+    kind: str
+    args: list  # decode: q, k_cache, page_table, seq_lens; prefill: q, k, rs, re, pos, seq_lens
+    nb: Any  # int [rows]: visible blocks per row
+    logits: Any  # float32 [rows, max blocks]: reference scores, -inf where not visible
+    tol: float
 
 
-# Reference-style providers
+# ------------------------------------------------------------------------- reference paths
 def torch_expand(blocks, positions, seq_lens):
     """``interop.indices.expand_block_indices`` in torch (cumsum + scatter, graph-safe)."""
     import torch
@@ -92,16 +89,15 @@ def torch_topk_blocks(logits, k):
     return torch.nn.functional.pad(ids, (0, k - ids.shape[1]), value=-1).int()
 
 
-def torch_decode_blocks(q, kc, pt, sl, topk):
-    """Upstream ``torch_qsa_mqa_decode`` + top-k (the 1/sqrt(D) scale dropped: order-preserving)."""
+def torch_decode_logits(q, kc, pt, sl):
+    """Upstream ``torch_qsa_mqa_decode`` (the 1/sqrt(D) scale dropped: order-preserving)."""
     import torch
 
     b = q.shape[0]
     gathered = kc[pt.long().clamp(0, kc.shape[0] - 1).reshape(-1), :, 0].reshape(b, -1, D)
-    scores = torch.einsum("bhd,bnd->bnh", q.float(), gathered.float()).relu_().sum(-1)
-    pos = torch.arange(scores.shape[1], device=q.device)[None]
-    scores.masked_fill_(pos >= torch.div(sl, RATIO, rounding_mode="floor")[:, None], -float("inf"))
-    return torch_topk_blocks(scores, topk)
+    s = torch.einsum("bhd,bnd->bnh", q.float(), gathered.float()).relu_().sum(-1)
+    pos = torch.arange(s.shape[1], device=q.device)[None]
+    return s.masked_fill_(pos >= torch.div(sl, RATIO, rounding_mode="floor")[:, None], -torch.inf)
 
 
 def torch_prefill_blocks(q, k, rs, re, topk):
@@ -116,7 +112,7 @@ def torch_prefill_blocks(q, k, rs, re, topk):
     for r0 in range(0, q.shape[0], chunk):
         qs = slice(r0, r0 + chunk)
         s = torch.einsum("mhd,nd->mnh", q[qs].float(), kf).relu_().sum(-1)
-        s.masked_fill_((col < rs[qs, None]) | (col >= re[qs, None]), -float("inf"))
+        s.masked_fill_((col < rs[qs, None]) | (col >= re[qs, None]), -torch.inf)
         outs.append(torch_topk_blocks(s, topk))  # one request starting at 0: absolute = relative
     return torch.cat(outs)
 
@@ -132,267 +128,265 @@ def xla_fns(topk):
         vals, ids = lax.top_k(logits, min(topk, logits.shape[1]))
         big = jnp.iinfo(jnp.int32).max
         ids = jnp.sort(jnp.where(jnp.isfinite(vals), ids, big), axis=1)
-        return jnp.where(ids == big, -1, ids).astype(jnp.int32)
+        ids = jnp.where(ids == big, -1, ids).astype(jnp.int32)
+        return jnp.pad(ids, ((0, 0), (0, topk - ids.shape[1])), constant_values=-1)
 
-    @jax.jit
-    def decode_blocks(q, kc, pt, sl):
-        b = q.shape[0]
-        g = kc[jnp.clip(pt, 0, kc.shape[0] - 1)].reshape(b, -1, D)
+    def decode(q, kc, pt, sl):
+        g = kc[jnp.clip(pt, 0, kc.shape[0] - 1)].reshape(q.shape[0], -1, D)
         s = jnp.einsum("bhd,bnd->bnh", q, g, preferred_element_type=jnp.float32)
         s = jnp.maximum(s, 0.0).sum(-1)
         s = jnp.where(jnp.arange(s.shape[1])[None] < (sl // RATIO)[:, None], s, -jnp.inf)
-        return topk_blocks(s)
+        return _expand(topk_blocks(s), sl - 1, sl, ratio=RATIO)
 
-    @jax.jit
-    def decode(q, kc, pt, sl):
-        return _expand(decode_blocks(q, kc, pt, sl), sl - 1, sl, ratio=RATIO)
-
-    @jax.jit
-    def prefill_blocks(q, k, rs, re):
+    def prefill(q, k, rs, re, pos, sl):
         s = jnp.einsum("mhd,nd->mnh", q, k[:, 0], preferred_element_type=jnp.float32)
         s = jnp.maximum(s, 0.0).sum(-1)
         col = jnp.arange(s.shape[1])[None]
-        return topk_blocks(jnp.where((col >= rs[:, None]) & (col < re[:, None]), s, -jnp.inf))
+        s = jnp.where((col >= rs[:, None]) & (col < re[:, None]), s, -jnp.inf)
+        return _expand(topk_blocks(s), pos, sl, ratio=RATIO)
 
-    @jax.jit
-    def prefill(q, k, rs, re, pos, sl):
-        return _expand(prefill_blocks(q, k, rs, re), pos, sl, ratio=RATIO)
-
-    return decode_blocks, decode, prefill_blocks, prefill
+    return decode, prefill
 
 
-def time_jax_chain(fn, args, len_index, chain, rounds):
-    """Median µs per call of ``fn(*args)`` run ``chain`` times back to back in one jit; call i+1
-    takes lengths ``args[len_index]`` made to depend on call i's output (values unchanged)."""
+# ------------------------------------------------------------------------------ providers
+def _jax_chain(fn, inp: Inputs):
+    """A provider call: CHAIN calls of ``fn`` unrolled in one ``jax.jit``; call i+1's seq_lens
+    (the last argument) depend on call i's output (values unchanged: out[:, 0] >= -1), so XLA
+    can neither merge nor hoist them (``docs/architecture.md``: time JAX as such a chain)."""
     import jax
     import jax.numpy as jnp
 
-    def run(*a):
-        a = list(a)
-        out = None
-        for _ in range(chain):
-            if out is not None:  # out[:, 0] >= -1: the lengths stay equal, XLA cannot know it
-                lens = a[len_index]
-                a[len_index] = jnp.minimum(lens, lens + jnp.minimum(out[:, 0], 0) + 1)
-            out = fn(*a)
+    from interop.dlpack import to_jax, to_torch
+
+    arrays = [to_jax(a) for a in inp.args]
+    step = jax.jit(fn)
+
+    def chain(*a):
+        a, out = list(a), None
+        for _ in range(CHAIN):
+            if out is not None:
+                a[-1] = jnp.minimum(a[-1], a[-1] + jnp.minimum(out[:, 0], 0) + 1)
+            out = step(*a)
         return out
 
-    f = jax.jit(run).lower(*args).compile()
-    ts = []
-    for _ in range(2):  # warm-up
-        jax.block_until_ready(f(*args))
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append((time.perf_counter() - t0) / chain * 1e6)
-    return {"median_us": statistics.median(ts), "min_us": min(ts), "chain": chain,
-            "rounds": rounds, "cuda_graph": False}
+    chained = jax.jit(chain)
+
+    def call():
+        return to_torch(chained(*arrays))
+
+    call.once = lambda: to_torch(step(*arrays))
+    call.chain, call.capturable = CHAIN, False
+    return call
 
 
-def sets_report(blocks, qn, key_rows, topk):
-    """topk_set_report of ``blocks`` (np [rows, topk]) against FP64 on the given rows' keys."""
-    from interop import reference as R
+def _triton(inp: Inputs, variant=None):
+    import qsa_triton
+    from qsa_triton.indexer import indexer_plan_for
 
-    width = max(max(kr.shape[0] for _, kr in key_rows), 1)
-    lg = np.full((len(key_rows), width), -np.inf)
-    for j, (i, kr) in enumerate(key_rows):
-        lg[j, :len(kr)] = R.indexer_logits(qn[i:i + 1], kr[:, None], [0], [len(kr)])[0][:len(kr)]
-    # FP32 summation bound (H sums of D products, gamma_D ~ D 2^-24, with slack), in logit units
-    kmax = max(np.abs(kr).max() if kr.size else 0.0 for _, kr in key_rows)
-    tol = H * D * D * 2.0**-23 * np.abs(qn).max() * kmax / np.sqrt(D)
-    rows = [i for i, _ in key_rows]
-    rep = R.topk_set_report(blocks[rows], lg, topk, tol=float(tol))
-    return {k: rep[k] for k in ("rows", "exact", "admissible", "max_violation")}
+    fn = qsa_triton.indexer_select_decode if inp.kind == "decode" else \
+        qsa_triton.indexer_select_prefill
+    kw = {}
+    if variant is not None:
+        q, keys = inp.args[0], inp.args[1]
+        blocks = (inp.args[2].shape[1] * keys.shape[1] if inp.kind == "decode" else keys.shape[0])
+        kw["plan"] = VARIANTS[variant](indexer_plan_for(inp.kind, q.shape[0], blocks, TOPK,
+                                                        q.device))
+    return lambda: fn(*inp.args, **kw)
 
 
-def decode_shape(b, ctx, args, providers, bw, dev):
-    import jax
+def _pallas(inp: Inputs):
+    import qsa_pallas
+
+    return _jax_chain(qsa_pallas.indexer_select_decode if inp.kind == "decode"
+                      else qsa_pallas.indexer_select_prefill, inp)
+
+
+def _torch(inp: Inputs):
+    if inp.kind == "decode":
+        q, kc, pt, sl = inp.args
+        return lambda: torch_expand(torch_topk_blocks(torch_decode_logits(q, kc, pt, sl), TOPK),
+                                    sl - 1, sl)
+    q, k, rs, re, pos, sl = inp.args
+    return lambda: torch_expand(torch_prefill_blocks(q, k, rs, re, TOPK), pos, sl)
+
+
+def _xla(inp: Inputs):
+    decode, prefill = xla_fns(TOPK)
+    return _jax_chain(decode if inp.kind == "decode" else prefill, inp)
+
+
+def _checked(setup):
+    """Wrap a provider's setup: the output checked is the canonical view (module docstring)."""
+    def wrapped(inp: Inputs):
+        call = setup(inp)
+        timed = lambda: call()  # noqa: E731
+        timed.__dict__.update({a: getattr(call, a) for a in ("chain", "capturable")
+                               if hasattr(call, a)})
+        timed.once = lambda: check_view(getattr(call, "once", call)(), inp)
+        return timed
+
+    return wrapped
+
+
+PROVIDERS = {p.name: p for p in (
+    common.Provider("triton", _checked(_triton), "qsa_triton.indexer_select_*"),
+    common.Provider("pallas", _checked(_pallas), f"qsa_pallas.indexer_select_* (chain of {CHAIN})"),
+    common.Provider("torch", _checked(_torch), "upstream's torch reference path + topk"),
+    common.Provider("xla", _checked(_xla), f"jnp.einsum + lax.top_k (chain of {CHAIN})"),
+    *(common.Provider(v, _checked(lambda inp, v=v: _triton(inp, v)),
+                      f"Triton, private plan override {v}") for v in VARIANTS),
+)}
+
+
+def check_view(out, inp: Inputs):
+    """[rows, 2] float32: (inadmissible or out-of-order selected blocks, selected blocks)."""
     import torch
 
-    import qsa_pallas
-    import qsa_triton
-    from bench.common import time_interleaved
-    from interop import indices as I
-    from interop.dlpack import to_jax
+    rows = out.shape[0]
+    first = out[:, :TOPK * RATIO].reshape(rows, TOPK, RATIO)[:, :, 0].long()
+    nb = inp.nb.long()
+    valid = (first >= 0) & (first < nb[:, None] * RATIO)
+    blk = torch.where(valid, first // RATIO, 0)
+    lg = torch.gather(inp.logits, 1, blk.clamp(max=inp.logits.shape[1] - 1))
+    kth = torch.topk(inp.logits, min(TOPK, inp.logits.shape[1]), dim=1).values[:, -1]
+    kth = torch.where(nb > TOPK, kth, torch.full_like(kth, -torch.inf))
+    bad = (valid & (lg < kth[:, None] - inp.tol)).sum(1)
+    bad += (valid[:, 1:] & (~valid[:, :-1] | (blk[:, 1:] <= blk[:, :-1]))).sum(1)
+    return torch.stack([bad.float(), valid.sum(1).float()], 1)
 
-    rng = np.random.default_rng(args.seed + b + ctx)
+
+# ----------------------------------------------------------------------------------- cases
+def decode_cases(args, kind: str) -> list[tuple[int, int]]:
+    if kind == "smoke":
+        return [(3, 2100), (2, 300)]
+    if kind == "memcheck":
+        return [(5, 2100), (16, 8192)]
+    return [(b, c) for c in common.positive_ints(args.contexts, CONTEXTS, "--contexts")
+            for b in common.positive_ints(args.batches, BATCHES, "--batches")]
+
+
+def prefill_cases(args, kind: str) -> list[tuple[int, int]]:
+    if kind in ("smoke", "memcheck"):
+        return [(24, 2100)]
+    ctxs = common.positive_ints(args.prefill_contexts, PREFILL_CONTEXTS, "--prefill-contexts")
+    return [(args.rows, c) for c in ctxs]
+
+
+def _tol(logits) -> float:
+    """FP32 summation tolerance of the scores (sums of 4 x 128 products): 2^-16 of the largest."""
+    return float(logits[logits.isfinite()].abs().max()) * 2.0**-16 + 1e-6
+
+
+def prepare_decode(case, device):
+    import numpy as np
+    import torch
+
+    from interop import indices as I
+
+    b, ctx = case
+    rng = np.random.default_rng(b + ctx)
     lens = np.maximum(ctx - rng.integers(0, 61, size=b), 0)
-    case = I.indexer_decode_case(lens, page_size=PAGE, junk="-1", seed=args.seed,
-                                 max_pages=-(-ctx // (RATIO * PAGE)))
-    g = torch.Generator(device=dev).manual_seed(args.seed + b)
-    q = torch.randn(b, H, D, device=dev, generator=g).bfloat16()
-    kc = torch.randn(case.pages, PAGE, 1, D, device=dev, generator=g).bfloat16()
-    pt = torch.tensor(case.page_table, device=dev)
-    sl = torch.tensor(case.seq_lens, device=dev)
-    key_bytes = int((case.seq_lens // RATIO).sum()) * D * 2
-    rec = {"kind": "decode", "batch": b, "context": ctx, "key_bytes": key_bytes}
-    rows = sorted({0, b // 2, b - 1})[: args.check_rows]
-    qn = q.float().cpu().numpy()
-    key_rows = []
-    for r in rows:
-        n_pages = -(-(int(case.seq_lens[r]) // RATIO) // PAGE)
-        kr = kc[torch.tensor(case.page_table[r, :n_pages], device=dev).long()].float().cpu()
-        key_rows.append((r, kr.numpy().reshape(-1, D)[: int(case.seq_lens[r]) // RATIO]))
-    kw = dict(topk=args.topk)
-    out = {}
-    if "triton" in providers:
-        out["triton"] = qsa_triton.indexer_select_decode(q, kc, pt, sl, **kw)
-        rec["agree_triton"] = sets_report(qsa_triton.indexer_topk_decode(q, kc, pt, sl, **kw)
-                                          .cpu().numpy(), qn, key_rows, args.topk)
-    if "torch" in providers:
-        rec["agree_torch"] = sets_report(torch_decode_blocks(q, kc, pt, sl, args.topk).cpu()
-                                         .numpy(), qn, key_rows, args.topk)
-    torch.cuda.synchronize() if dev == "cuda" else None
-    jargs = tuple(to_jax(x) for x in (q, kc, pt, sl)) if {"pallas", "xla"} & set(providers) else ()
-    if "pallas" in providers:
-        tok = np.asarray(qsa_pallas.indexer_select_decode(*jargs, **kw))
-        rec["pallas_equals_triton"] = bool(np.array_equal(tok, out["triton"].cpu().numpy())) \
-            if "triton" in out else None
-    xla_blocks, xla_decode, _, _ = xla_fns(args.topk)
-    if "xla" in providers:
-        rec["agree_xla"] = sets_report(np.asarray(xla_blocks(*jargs)), qn, key_rows, args.topk)
-    if args.smoke_cpu:
-        return rec
-    fns = {}
-    if "triton" in providers:
-        fns["triton"] = lambda: qsa_triton.indexer_select_decode(q, kc, pt, sl)
-    if "torch" in providers:
-        fns["torch"] = lambda: torch_expand(torch_decode_blocks(q, kc, pt, sl, TOPK), sl - 1, sl)
-    times = time_interleaved(fns, rounds=args.rounds, self_check=False) if fns else {}
-    if "pallas" in providers:
-        times["pallas"] = time_jax_chain(qsa_pallas.indexer_select_decode, jargs, 3, args.chain,
-                                         args.rounds)
-    if "xla" in providers:
-        times["xla"] = time_jax_chain(xla_decode, jargs, 3, args.chain, args.rounds)
-    jax.clear_caches()
-    times["floor"] = {"median_us": key_bytes / bw * 1e6}
-    rec["times"] = times
-    return rec
+    cs = I.indexer_decode_case(lens, page_size=PAGE, junk="-1", seed=b,
+                               max_pages=-(-ctx // (RATIO * PAGE)))
+    g = torch.Generator(device=device).manual_seed(b + ctx)
+    dt = torch.float16 if device == "cpu" else torch.bfloat16  # the CPU interpreter: fp16
+    q = torch.randn(b, H, D, device=device, generator=g).to(dt)
+    kc = torch.randn(cs.pages, PAGE, 1, D, device=device, generator=g).to(dt)
+    pt, sl = torch.tensor(cs.page_table, device=device), torch.tensor(cs.seq_lens, device=device)
+    logits = torch_decode_logits(q, kc, pt, sl)
+    inp = Inputs("decode", [q, kc, pt, sl], torch.div(sl, RATIO, rounding_mode="floor"), logits,
+                 _tol(logits))
+    return inp, torch.stack([torch.zeros(b, device=device), inp.nb.clamp(max=TOPK).float()], 1)
 
 
-def prefill_shape(ctx, args, providers, dev):
+def prepare_prefill(case, device):
     import torch
 
-    import qsa_pallas
-    import qsa_triton
     from interop import indices as I
-    from interop.dlpack import to_jax
-    from bench.common import time_interleaved
 
-    t = args.rows
+    t, ctx = case
     rs, re, cu, pos, sl = I.prefill_row_ranges([t], [ctx])
-    g = torch.Generator(device=dev).manual_seed(args.seed + ctx)
-    q = torch.randn(t, H, D, device=dev, generator=g).bfloat16()
-    k = torch.randn(int(cu[-1]), 1, D, device=dev, generator=g).bfloat16()
-    meta = [torch.tensor(a, device=dev) for a in (rs, re, pos, sl)]
-    rec = {"kind": "prefill", "rows": t, "context": ctx}
-    qn = q.float().cpu().numpy()
-    kn = k.float().cpu().numpy()[:, 0]
-    key_rows = [(r, kn[rs[r]:re[r]]) for r in sorted({0, t // 2, t - 1})[: args.check_rows]]
-    kw = dict(topk=args.topk)
-    if "triton" in providers:
-        trit = qsa_triton.indexer_select_prefill(q, k, *meta, **kw).cpu().numpy()
-        rec["agree_triton"] = sets_report(qsa_triton.indexer_topk_prefill(q, k, *meta[:2], **kw)
-                                          .cpu().numpy(), qn, key_rows, args.topk)
-    if "torch" in providers:
-        rec["agree_torch"] = sets_report(torch_prefill_blocks(q, k, *meta[:2], args.topk).cpu()
-                                         .numpy(), qn, key_rows, args.topk)
-    torch.cuda.synchronize() if dev == "cuda" else None
-    jargs = tuple(to_jax(x) for x in (q, k, *meta))
-    if "pallas" in providers:
-        tok = np.asarray(qsa_pallas.indexer_select_prefill(*jargs, **kw))
-        rec["pallas_equals_triton"] = bool(np.array_equal(tok, trit)) \
-            if "triton" in providers else None
-    _, _, xla_blocks, xla_prefill = xla_fns(args.topk)
-    if "xla" in providers:
-        try:
-            rec["agree_xla"] = sets_report(np.asarray(xla_blocks(*jargs[:4])), qn, key_rows,
-                                           args.topk)
-        except Exception as e:  # noqa: BLE001 - e.g. XLA running out of memory at 128k
-            rec["xla_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            providers = [p for p in providers if p != "xla"]
-    if args.smoke_cpu:
-        return rec
-    fns = {}
-    if "triton" in providers:
-        fns["triton"] = lambda: qsa_triton.indexer_select_prefill(q, k, *meta)
-    if "torch" in providers:
-        fns["torch"] = lambda: torch_expand(torch_prefill_blocks(q, k, *meta[:2], TOPK), *meta[2:])
-    rounds, chain = max(3, args.rounds // 2), max(2, args.chain // 10)
-    times = time_interleaved(fns, rounds=rounds) if fns else {}
-    if "pallas" in providers:
-        times["pallas"] = time_jax_chain(qsa_pallas.indexer_select_prefill, jargs, 2, chain,
-                                         rounds)
-    if "xla" in providers:
-        times["xla"] = time_jax_chain(xla_prefill, jargs, 2, chain, rounds)
-    rec["times"] = times
-    return rec
+    g = torch.Generator(device=device).manual_seed(ctx)
+    dt = torch.float16 if device == "cpu" else torch.bfloat16
+    q = torch.randn(t, H, D, device=device, generator=g).to(dt)
+    k = torch.randn(int(cu[-1]), 1, D, device=device, generator=g).to(dt)
+    meta = [torch.tensor(a, device=device) for a in (rs, re, pos, sl)]
+    col = torch.arange(k.shape[0], device=device)[None]
+    logits = torch.einsum("mhd,nd->mnh", q.float(), k[:, 0].float()).relu_().sum(-1)
+    logits.masked_fill_((col < meta[0][:, None]) | (col >= meta[1][:, None]), -torch.inf)
+    inp = Inputs("prefill", [q, k, *meta], meta[1] - meta[0], logits, _tol(logits))
+    return inp, torch.stack([torch.zeros(t, device=device), inp.nb.clamp(max=TOPK).float()], 1)
 
 
-def summary_line(rec, bw):
-    t = rec.get("times", {})
-    med = {k: v.get("median_us") for k, v in t.items() if isinstance(v, dict)}
-    ours = med.get("triton")
-    head = (f"decode B={rec['batch']:<3} ctx={rec['context']:>6}" if rec["kind"] == "decode"
-            else f"prefill T={rec['rows']} ctx={rec['context']:>6}")
-    parts = [f"{k}={v:.1f}us" for k, v in med.items() if v]
-    if ours:
-        parts += [f"x{o}={med[o] / ours:.2f}" for o in ("torch", "xla") if med.get(o)]
-        if med.get("pallas"):
-            parts.append(f"pallas/triton={ours / med['pallas']:.2f}")
-        if rec["kind"] == "decode" and bw:
-            parts.append(f"%copy={100 * rec['key_bytes'] / (ours * 1e-6) / bw:.0f}")
-    agree = [f"{k[6:]}:{v['exact']}/{v['admissible']}/{v['rows']}"
-             for k, v in rec.items() if k.startswith("agree_")]
-    return f"{head}  {' '.join(parts)}  agree(exact/adm/rows) {' '.join(agree)}" + (
-        f"  pallas==triton {rec['pallas_equals_triton']}" if "pallas_equals_triton" in rec else "")
+def describe_decode(case, inp: Inputs) -> dict:
+    b, ctx = case
+    return {"name": f"decode/B{b}/ctx{ctx}", "B": b, "context": ctx,
+            "bytes": int(inp.nb.sum()) * D * inp.args[1].element_size(),
+            "plot": [[f"decode, context {ctx // 1024}k", b]]}
 
 
-def main(argv=None):
-    args = parse(argv)
-    if args.smoke_cpu:
-        os.environ["TRITON_INTERPRET"] = "1"
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        from tests import triton_interp_patch  # noqa: F401 - bf16 dots on CPU
-    import torch
-
-    from bench.common import copy_bandwidth_bytes_per_s, gpu_name, now_iso, write_json
-
-    providers = [p.strip() for p in args.providers.split(",") if p.strip()]
-    if set(providers) - {"triton", "pallas", "torch", "xla"}:
-        sys.exit(f"unknown providers in {providers}")
-    records = []
-    if args.smoke_cpu:
-        dev, bw = "cpu", None
-        for b, ctx in ((3, 1000), (2, 300)):
-            records.append(decode_shape(b, ctx, args, providers, bw, dev))
-            print(summary_line(records[-1], bw), flush=True)
-        args.rows = 24
-        records.append(prefill_shape(600, args, providers, dev))
-        print(summary_line(records[-1], bw), flush=True)
-    else:
-        dev = "cuda"
-        bw = copy_bandwidth_bytes_per_s()
-        print(f"{gpu_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-        ints = lambda text: [int(x) for x in text.split(",") if x.strip()]  # noqa: E731
-        for ctx in ints(args.contexts):
-            for b in ints(args.batches):
-                records.append(decode_shape(b, ctx, args, providers, bw, dev))
-                print(summary_line(records[-1], bw), flush=True)
-                torch.cuda.empty_cache()
-        for ctx in ints(args.prefill_contexts):
-            records.append(prefill_shape(ctx, args, providers, dev))
-            print(summary_line(records[-1], bw), flush=True)
-            torch.cuda.empty_cache()
-    # exit status: our selections must be admissible (pallas == triton is reported, not required:
-    # FP32 head sums in another order may flip a near-tie on random data)
-    bad_rows = [r for r in records if r.get("agree_triton", {}).get("admissible", 0)
-                != r.get("agree_triton", {}).get("rows", 0)]
-    write_json(args.out, {"date": now_iso(), "device": "cpu" if args.smoke_cpu else gpu_name(),
-                          "copy_bandwidth": bw, "topk": args.topk, "records": records})
-    print(f"wrote {args.out}")
-    return 1 if bad_rows else 0
+def describe_prefill(case, inp: Inputs) -> dict:
+    t, ctx = case
+    return {"name": f"prefill/T{t}/ctx{ctx}", "rows": t, "context": ctx,
+            "bytes": inp.args[1].numel() * inp.args[1].element_size(),
+            "plot": [["prefill", ctx // 1024]]}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+MODES = {"decode": common.Mode("indexer_decode", "QSA indexer, decode (score + top-512 + expand)",
+                               PROVIDERS, decode_cases, prepare_decode, describe_decode,
+                               calls=CHAIN, finish=lambda r: finish(r)),
+         "prefill": common.Mode("indexer_prefill", "QSA indexer, prefill (8192 rows)",
+                                PROVIDERS, prefill_cases, prepare_prefill, describe_prefill,
+                                calls=2, finish=lambda r: finish(r))}
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--batches", metavar="B,..", help="decode batch sizes (default "
+                    + ",".join(map(str, BATCHES)) + ")")
+    ap.add_argument("--contexts", metavar="T,..", help="decode contexts in tokens (default "
+                    + ",".join(map(str, CONTEXTS)) + ")")
+    ap.add_argument("--prefill-contexts", metavar="T,..", help="prefill contexts (default "
+                    + ",".join(map(str, PREFILL_CONTEXTS)) + ")")
+    ap.add_argument("--rows", type=int, default=8192, help="prefill query rows (default 8192)")
+
+
+# ------------------------------------------------------------------------- must-show lines
+def must_show(report: dict) -> list[str]:
+    """The issue's ratios per case: % copy of triton (and the floor), x torch / x xla, pallas /
+    triton, the variants' time vs the default's, and whether every check passed."""
+    lines = []
+    for c in report.get("cases", []):
+        p = {n: e.get("median_us") for n, e in c["providers"].items()}
+        ours = p.get("triton")
+        if not ours:
+            continue
+        bw = report.get("copy_bandwidth_Bps")
+        parts = [f"triton {ours:.1f} us"]
+        if bw and c.get("B"):
+            parts.append(f"floor {c['bytes'] / bw * 1e6:.1f} us "
+                         f"({c['providers']['triton'].get('pct_copy_bw', 0):.0f}% copy)")
+        parts += [f"x{n} {p[n] / ours:.2f}" for n in ("torch", "xla") if p.get(n)]
+        if p.get("pallas"):
+            parts.append(f"pallas/triton {ours / p['pallas']:.2f}")
+        parts += [f"{n} {p[n]:.1f} us" for n in VARIANTS if p.get(n)]
+        fails = [n for n, e in c["providers"].items() if e.get("ok") is False]
+        parts.append("checks ok" if not fails else f"FAILED: {','.join(fails)}")
+        lines.append(f"{c['name']:24s} " + "; ".join(parts))
+    return lines
+
+
+def finish(report: dict) -> None:
+    """``Mode.finish``: print the must-show lines and keep them in the report."""
+    report["must_show"] = must_show(report)
+    print("must-show:\n" + "\n".join(report["must_show"]))
+
+
+def main(argv=None, prog: str | None = None) -> int:
+    """``python3 -m bench.indexer``; see the module docstring."""
+    return common.main(MODES, "bench.indexer", argv, prog, __doc__, add_arguments)
+
+
+if __name__ == "__main__":  # run as bench.indexer, so that pickled inputs name that module
+    from bench.indexer import main as _main
+
+    sys.exit(_main())

@@ -18,6 +18,11 @@
 #   compare=OLD   the kernels of the checkout at OLD (its interop/, qsa_triton/, qsa_pallas/)
 #                 against this checkout's: bench.decode and bench.prefill --compare, one worker
 #                 process per tree, replays alternating, per-case and geomean speedups (*_compare.*)
+#   indexer[=OLD] the QSA indexer (issue 18): pytest -m gpu tests/test_indexer.py
+#                 (indexer_tests.log); bench.indexer decode (B 1/16/64/128 x 8k..256k) and
+#                 prefill (8192 rows at 32k), every provider and the two plan variants, with the
+#                 must-show lines (indexer_bench.log, indexer_{decode,prefill}.json); with OLD,
+#                 bench.indexer --compare OLD at 32k context (indexer_compare.{log,json})
 # tests and check share the GPU (nothing is timed then) and run together in the background; the
 # timed steps wait for them and run alone. steps.txt: "STEP rc=N Ss" per step; env.txt: versions
 # and GPU. Exit status 1 if any step failed, 2 on an unknown step (before anything runs).
@@ -30,12 +35,13 @@ export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
 [ $# -gt 0 ] || set -- tests check memcheck decode prefill
 for s in "$@"; do
   case "$s" in
-    tests|tests=?*|check|memcheck|decode|prefill|pallas|pool|pool_sweep) ;;
-    compare=?*)
-      [ -d "${s#compare=}/qsa_triton" ] || {
-        echo "run_gpu.sh: ${s#compare=}/qsa_triton not found" >&2; exit 2; } ;;
+    tests|tests=?*|check|memcheck|decode|prefill|pallas|pool|pool_sweep|indexer) ;;
+    compare=?*|indexer=?*)
+      [ -d "${s#*=}/qsa_triton" ] || {
+        echo "run_gpu.sh: ${s#*=}/qsa_triton not found" >&2; exit 2; } ;;
     *) echo "run_gpu.sh: unknown step '$s'" \
-         "(tests[=F,..] check memcheck decode prefill pallas pool pool_sweep compare=OLD)" >&2
+         "(tests[=F,..] check memcheck decode prefill pallas pool pool_sweep compare=OLD" \
+         "indexer[=OLD])" >&2
        exit 2 ;;
   esac
 done
@@ -111,6 +117,18 @@ paged[s7-pdl],paged[ahead-pdl],paged[s7-fp8bn64],paged[bi],pallas-paged,pallas-p
         --json "$OUT/decode_compare.json"
       step prefill_compare 420 python3 -m bench.prefill --compare "$old" \
         --json "$OUT/prefill_compare.json" ;;
+    indexer|indexer=*)
+      wait
+      step indexer_tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_indexer.py
+      # prefill first (one case): a decode sweep cut short by the limit keeps it (and the JSON
+      # keeps every finished case)
+      step indexer_bench 300 sh -c 'python3 -m bench.indexer --mode prefill --rounds 5 \
+        --json "$OUT/indexer_prefill.json"; a=$?; python3 -m bench.indexer --mode decode \
+        --rounds 10 --json "$OUT/indexer_decode.json"; exit $((a | $?))'
+      grep -A20 "^must-show" "$OUT/indexer_bench.log"
+      [ "$s" = indexer ] || step indexer_compare 110 python3 -m bench.indexer \
+        --compare "${s#indexer=}" --contexts 32768 --rounds 10 \
+        --json "$OUT/indexer_compare.json" ;;
   esac
 done
 wait

@@ -751,7 +751,8 @@ def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int
                            int(page_size), owned)
 
 # The indexer (qsa-contract.md §4b): the launch plan both implementations share, and metadata.
-_MERGE_MAX_CANDIDATES = 16384  # keys one merge program holds (S_pad x topk int32)
+_MERGE_MAX_CANDIDATES = 8192  # candidates one merge program selects from (splits x topk)
+_CHUNK_MAX = 8192  # blocks one pass-1 program holds (8 warps: 32 keys per thread)
 _PREFILL_WORKSPACE_BYTES = 256 << 20  # cap of the prefill candidates (keys + ids) per launch
 
 
@@ -770,6 +771,9 @@ class IndexerPlan:
     (key, block id) candidates per (row, chunk) in ascending block order, plus their count.
     Pass 2 ("merge"): one program per row selects the exact top-k of its ``splits x topk``
     candidates and writes the block ids (or the expanded token row) in ascending order.
+    Both select by a radix search over the 31 key bits, ``radix_bits`` (pass 1) /
+    ``merge_radix_bits`` (pass 2) bits per round: 2^bits - 1 thresholds counted at once per
+    round, ceil(31 / bits) rounds, then one prefix sum for the ties and the output slots.
 
     Attributes:
       kind: "decode" | "prefill".
@@ -780,6 +784,11 @@ class IndexerPlan:
       rows_per_program: query rows per pass-1 program (1 for decode; prefill rows share keys).
       num_warps, num_stages: pass-1 launch; merge_warps: pass-2 launch.
       row_group: rows per launch pair (prefill: bounds the candidate workspace; decode: all).
+      radix_bits, merge_radix_bits: key bits decided per selection round in pass 1 / pass 2.
+      pdl: launch the merge with Programmatic Dependent Launch where the backend can (Triton on
+        sm_90+; Pallas ignores it): its grid is scheduled while pass 1 runs and waits on the
+        device, which hides the launch gap. Set where pass 1 is one wave of resident programs
+        (a waiting merge program then takes no pass-1 program's place).
     """
 
     kind: str
@@ -792,21 +801,31 @@ class IndexerPlan:
     num_stages: int
     merge_warps: int
     row_group: int
+    radix_bits: int = 2
+    merge_radix_bits: int = 2
+    pdl: bool = False
 
     @property
     def splits_pad(self) -> int:
-        """S rounded up to a power of two (the merge's candidate tile is [S_pad, topk])."""
+        """S rounded up to a power of two (the merge's candidate tile is [S_pad x topk])."""
         return _pow2_at_least(self.splits)
 
+    @staticmethod
+    def thresholds(bits: int) -> int:
+        """Thresholds counted per selection round of ``bits`` bits: 2^bits - 1 rounded up to a
+        power of two (tensor shapes are powers of two; the spare one counts nothing)."""
+        return _pow2_at_least((1 << bits) - 1)
+
     def workspace_bytes(self, rows: int) -> int:
-        """Bytes of candidate workspace for ``rows`` rows: keys + ids (int32) + counts."""
-        return int(rows) * self.splits * (self.topk * 8 + 4)
+        """Bytes of candidate workspace for ``rows`` rows: keys + ids (int32) per slot."""
+        return int(rows) * self.splits * self.topk * 8
 
     def problem(self, kind: str, max_blocks: int, topk: int) -> str | None:
         """Why this plan cannot run a ``kind`` call with these sizes (None when it can): the
         kernels need power-of-two chunk and tile, chunk >= 2 * topk and a multiple of the tile,
         splits x chunk covering max_blocks, prefill rows_per_program 16 and row_group a multiple
-        of it, decode rows_per_program 1."""
+        of it, decode rows_per_program 1, fewer than 2^16 keys per selection (chunk and
+        splits_pad x topk: the packed prefix sum), radix bits 1..8."""
         pow2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
         if self.kind != kind or self.topk != topk:
             return f"a {kind} plan for topk={topk}, got kind={self.kind} topk={self.topk}"
@@ -816,31 +835,45 @@ class IndexerPlan:
                     f"{self.chunk}, tile {self.tile}")
         if self.splits * self.chunk < max(int(max_blocks), 1):
             return f"splits x chunk >= {max_blocks} blocks, got {self.splits} x {self.chunk}"
-        want = 1 if kind == "decode" else 16
-        if self.rows_per_program != want or (kind == "prefill" and self.row_group % want):
-            return f"rows_per_program {want} (prefill: row_group a multiple of it)"
-        if self.splits_pad * topk > 4 * _MERGE_MAX_CANDIDATES:
-            return f"splits_pad x topk <= {4 * _MERGE_MAX_CANDIDATES} merge candidates"
+        rpp = self.rows_per_program
+        if kind == "decode" and rpp != 1 or kind == "prefill" and (
+                rpp not in (4, 8, 16) or self.row_group % rpp):
+            return ("rows_per_program 1 (decode) or 4, 8, 16 (prefill: row_group a multiple of "
+                    "it)")
+        if max(self.chunk, self.splits_pad * topk) >= 1 << 16:
+            return (f"chunk and splits_pad x topk < 65536 keys per selection, got "
+                    f"{self.chunk}, {self.splits_pad} x {topk}")
+        if not (1 <= self.radix_bits <= 8 and 1 <= self.merge_radix_bits <= 8):
+            return f"radix bits 1..8, got {self.radix_bits}, {self.merge_radix_bits}"
         return None
 
 
 def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, *,
-                 sm_count: int = 132) -> IndexerPlan:
+                 sm_count: int = 132, smem_per_block: int = 232_448) -> IndexerPlan:
     """The indexer's static plan from static shapes only (graph/JIT safe: no device data).
 
-    Decode (one row per program): the chunk is the smallest power of two >= max(2 * topk, 64)
-    that gives about 2 x ``sm_count`` pass-1 programs over the batch with at most 16 chunks per
-    row (so a row's candidates fit one merge program), capped at 4096 blocks unless the merge
-    bound needs more (contexts past 256k tokens). Prefill (16 rows per program, sharing every key
-    tile): chunk 2 * topk (1024), grown the same way for the merge bound, and rows grouped so
-    that one launch's candidate workspace stays under 256 MiB (upstream caps its FP32 logits
-    buffer at 128 MiB the same way; candidates take ``8 * topk / chunk`` bytes per (row, block)
-    instead of 4).
+    Decode (one row per program): the chunk is the smallest power of two >= 2 * topk that gives
+    about 2 x ``sm_count`` pass-1 programs over the batch (two resident per SM, so that one's
+    selection overlaps the other's key stream), at most 8192 blocks, grown until a row's
+    candidates (splits x topk) fit one merge program's 8192. Key tiles of 128 blocks (32 KB
+    bf16) with three buffers (``num_stages`` 5: two tiles in flight behind the one being scored,
+    ~64 KB per program, what one program needs to stream its SM's share of HBM) where 110 KB of
+    shared memory per program fit, else 64-block tiles (sm_120: 101,376 B). Selection in 2-bit
+    rounds in both passes (16 rounds: three thresholds a round, packed two counts to an int32,
+    cost about what one 1-bit round costs, which is one block-wide reduction).
+    Prefill (rows of a program share every key tile): chunk 2 * topk, grown until a row's
+    candidates fit 16384, 8 rows per program (4 where the chunk grows: 8 x 1024 keys per
+    program, 8 warps, ~180 registers, no spills in either build), 1-bit rounds in pass 1 (8 rows
+    at once: there the compares cost, not the rounds), and rows grouped so that one launch's
+    candidate workspace stays under 256 MiB (upstream caps its FP32 logits buffer at 128 MiB the
+    same way; candidates take ``8 * topk / chunk`` bytes per (row, block) instead of 4). Rows
+    past ~2M blocks (8M tokens) at topk 512 get a plan whose ``problem`` says why it cannot
+    run.
 
     Args:
       kind: "decode" | "prefill". rows: query rows (B or T). max_blocks: static bound of a row's
         visible blocks (decode: page-table capacity; prefill: packed key rows). topk: power of
-        two. sm_count: the GPU's SMs.
+        two. sm_count: the GPU's SMs. smem_per_block: its opt-in shared memory per block, bytes.
 
     Raises:
       ValueError: unknown kind, topk not a power of two, negative sizes.
@@ -854,26 +887,30 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     mb = max(int(max_blocks), 1)
     merge_chunk = _pow2_at_least(-(-mb * topk // _MERGE_MAX_CANDIDATES))
 
-    def merge_warps(c):  # 16 candidates per thread (sm_90 compile: no spills up to 8192)
+    def merge_warps(c):  # <= 16 candidates per thread
         return min(16, max(4, _pow2_at_least(-(-mb // c)) * topk // 512))
 
+    if merge_chunk > _CHUNK_MAX:  # past ~512k-token rows: up to 32768 merge candidates
+        merge_chunk = max(_CHUNK_MAX, _pow2_at_least(-(-mb * topk // (4 * _MERGE_MAX_CANDIDATES))))
     if kind == "decode":
-        s_target = min(16, max(1, -(-2 * sm_count // max(rows, 1))))
-        c = _pow2_at_least(-(-mb // s_target))
-        c = max(min(c, 4096), 2 * topk, 64, merge_chunk)
-        # 128-block (32 KB) key tiles; 5 stages give two tiles in flight behind the page-id
-        # load each depends on (Triton's pipeliner stages the indirect load first)
-        tile = min(128, c)
-        return IndexerPlan(kind, topk, c, -(-mb // c), tile, 1, 8, 5, merge_warps(c),
-                           max(rows, 1))
-    c = max(2 * topk, 64, merge_chunk)
-    bm = 16
+        target = -(-2 * sm_count // max(rows, 1))  # chunks per row for ~2 programs per SM
+        c = min(_pow2_at_least(-(-mb // target)), _CHUNK_MAX)
+        c = max(c, 2 * topk, 64, merge_chunk)
+        tile = min(128 if smem_per_block >= 110_000 else 64, c)
+        splits = -(-mb // c)
+        return IndexerPlan(kind, topk, c, splits, tile, 1, 8, 5, merge_warps(c), max(rows, 1),
+                           radix_bits=2, merge_radix_bits=2,
+                           pdl=max(rows, 1) * splits <= 2 * sm_count)
+    # prefill rows merge up to 16384 candidates, and a pass-1 program holds 8 x 1024 keys (16 x
+    # 1024 spilled registers in the Pallas build): fewer rows per program where the chunk grows
+    c = max(2 * topk, 64, _pow2_at_least(-(-mb * topk // (2 * _MERGE_MAX_CANDIDATES))))
+    bm = max(4, min(8, 8 * 2 * topk // c))
     tile = min(64, c)
-    # 16 rows x C keys live in registers through the select: 16 warps (128 registers each)
-    plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 16, 2, merge_warps(c), 1)
-    per_row = plan.splits * plan.topk * 8  # candidate keys + ids (the counts are 1/(2 topk) more)
+    plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 8, 2, merge_warps(c), 1,
+                       radix_bits=1, merge_radix_bits=2)
+    per_row = plan.splits * plan.topk * 8  # candidate keys + ids
     group = max(bm, (_PREFILL_WORKSPACE_BYTES // per_row) // bm * bm)
-    return dataclasses.replace(plan, row_group=min(group, max(rows, 1)))
+    return dataclasses.replace(plan, row_group=min(group, -(-max(rows, 1) // bm) * bm))
 
 
 def prefill_row_ranges(q_lens, kv_lens, *, ratio: int = RATIO):

@@ -6,9 +6,10 @@ names, argument order, plan (``interop.indices.plan_indexer``) and algorithm as
 
 * pass 1, one program per (row tile, chunk of C blocks): score the chunk in BLOCK_N tiles (one
   bf16/fp16 dot with FP32 accumulation, ReLU, head sum), hold the chunk's scores as int32
-  order-preserving keys, select the chunk's exact top-k per row by a bitwise binary search (31
-  rounds over the key bits, then at most log2(C) rounds over the ids of the tied blocks, which
-  keeps the smaller ids), write the survivors in ascending block order (prefix sums) and their
+  order-preserving keys, find each row's k-th largest key by a radix search (``radix_bits``
+  bits a round, the round's 2^bits - 1 thresholds counted in one compare-and-sum), keep
+  key > tau and the first k - #(key > tau) ties in block order, and write the survivors in
+  ascending block order (one packed prefix sum gives the tie ranks and the slots) with their
   count: no [rows, blocks] logits array exists at any point;
 * pass 2, one program per row: the same select over the row's candidates, then the ascending
   block ids or, fused, the expanded token row.
@@ -35,7 +36,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from interop.arch import DeviceFacts
 from interop.contract import (ContractError, check_expand_block_indices, check_indexer_decode,
                               check_indexer_prefill)
 from interop.indices import IndexerPlan, plan_indexer
@@ -59,88 +59,119 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _sm_count() -> int:
-    """SMs of the GPU the kernels are built for: the abstract device's kind when lowering ahead of
-    time under an ``AbstractMesh``, else jax's first GPU, else 132 (the H200's)."""
-    try:
-        abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    except Exception:  # noqa: BLE001 - older jax without abstract meshes
-        abstract = None
-    if abstract is not None and abstract.platform in ("cuda", "gpu"):
-        try:
-            return DeviceFacts.from_device_kind(abstract.device_kind).sm_count
-        except (ValueError, KeyError):
-            return 132
-    return _default_sm_count()
-
-
-@functools.cache
-def _default_sm_count() -> int:
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:  # pragma: no cover
-        return 132
-    if dev.platform != "gpu":
-        return 132
-    try:
-        return DeviceFacts.from_jax(dev).sm_count
-    except Exception:  # noqa: BLE001 - unknown part
-        return int(getattr(dev, "core_count", None) or 132)
+def _target() -> tuple[int, int]:
+    """(SM count, shared memory per block) of the GPU the kernels are built for
+    (``_compat.target_facts``: the abstract device when lowering ahead of time, else jax's first
+    GPU); an H200's (132, 232,448 B) on a CPU-only jax."""
+    facts = C.target_facts()
+    if facts is None:
+        return 132, 232_448
+    return facts.sm_count, facts.smem_per_block
 
 
 def indexer_plan_for(kind: str, rows: int, max_blocks: int, topk: int) -> IndexerPlan:
-    """The shared static plan (``interop.indices.plan_indexer``) for the target GPU's SM count."""
-    return plan_indexer(kind, rows, max_blocks, topk, sm_count=_sm_count())
+    """The shared static plan (``interop.indices.plan_indexer``) for the target GPU's SM count
+    and shared memory."""
+    sms, smem = _target()
+    return plan_indexer(kind, rows, max_blocks, topk, sm_count=sms, smem_per_block=smem)
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared in-kernel helpers (traced inside the kernels)
-def _row_count(x):
-    """Per-row sum of a [R, A, B] bool/int tensor -> int32 [R]."""
-    return jnp.sum(jnp.sum(x.astype(jnp.int32), axis=2), axis=1)
+# Shared in-kernel helpers (traced inside the kernels): the exact top-k of int32 keys
+def _rounds(rb: int) -> tuple[int, int]:
+    """(rounds, bits of the first round) of a radix search over 31 bits, rb bits a round."""
+    n = -(-31 // rb)
+    return n, 31 - rb * (n - 1)
 
 
-def _topk_mask(keys, ids, n_valid, k: int, id_bits: int):
-    """Exact top-k per row of ``keys`` [R, A, B] int32 (>= 0 visible, -1 not), ties to smaller id.
+def _kth_key_row(keys, k: int, rb: int, run):
+    """The k-th largest of ``keys`` [N] int32 (>= 0 visible, -1 not) as an int32 scalar: the
+    largest t >= 0 with #(key >= t) >= k, 0 with fewer than k visible keys. Same radix search as
+    ``qsa_triton.indexer._kth_key_row``: rb bits a round from bit 30 down, the 2^rb - 1
+    thresholds of a round counted at once, two counts packed to an int32 (16-bit halves,
+    N < 2^16). ``run`` (traced bool): False skips the rounds (tau 0: the caller knows there are
+    <= k keys)."""
+    n_rounds, w0 = _rounds(rb)
+    nj = IndexerPlan.thresholds(rb)
+    if nj == 1:
+        def body(r, tau):
+            lo = n_rounds - 1 - r
+            cnt = jnp.sum((keys >= tau + jnp.left_shift(jnp.int32(1), lo)).astype(jnp.int32))
+            return tau + jnp.left_shift((cnt >= k).astype(jnp.int32), lo)
+    else:
+        ja = _iota((nj // 2, 1), 0) + 1  # digits 1 .. nj/2 in the low halves
+        jb = ja + nj // 2  # nj/2 + 1 .. nj in the high halves
 
-    Same search as ``qsa_triton.indexer._topk_mask``: tau = the largest t with
-    #(key >= t) >= k over 31 bit rounds, then the largest c with #(key == tau, id < c) <
-    k - #(key > tau) over ``id_bits`` rounds; rows with <= k visible keys keep all of them. The
-    rounds run only when some row needs them (a device-computed trip count).
-    """
-    need = n_valid > k
-    run = jnp.max(need.astype(jnp.int32)) > 0
-
-    def key_round(i, tau):
-        cand = tau | jnp.left_shift(jnp.int32(1), 30 - i)
-        cnt = _row_count(keys >= cand[:, None, None])
-        return jnp.where(cnt >= k, cand, tau)
+        def body(r, tau):
+            lo = rb * (n_rounds - 1 - r)
+            lim = jnp.where(r == 0, jnp.int32(1 << w0), jnp.int32(1 << rb))
+            # thresholds whose digit does not exist this round (or would overflow) count nothing
+            ta = jnp.where(ja < lim, tau + jnp.left_shift(ja, lo), _INT32_MAX)
+            tb = jnp.where(jb < lim, tau + jnp.left_shift(jb, lo), _INT32_MAX)
+            ge = ((keys[None, :] >= ta).astype(jnp.int32)
+                  + jnp.left_shift((keys[None, :] >= tb).astype(jnp.int32), 16))
+            cnt = jnp.sum(ge, axis=1)  # [nj / 2], two counts each
+            ok = ((cnt & 0xFFFF) >= k).astype(jnp.int32) + ((cnt >> 16) >= k).astype(jnp.int32)
+            return tau + jnp.left_shift(jnp.sum(ok), lo)
 
     # explicit int32 bounds: a weakly typed where() lowers to an i1 bound (scf.for verify error)
-    n_key = run.astype(jnp.int32) * 31
-    tau = lax.fori_loop(jnp.int32(0), n_key, key_round, jnp.zeros_like(n_valid))
-    above = keys > tau[:, None, None]
-    want = k - _row_count(above)
-    tie = keys == tau[:, None, None]
-
-    def id_round(i, cut):
-        cand = cut | jnp.left_shift(jnp.int32(1), id_bits - 1 - i)
-        f = _row_count(tie & (ids < cand[:, None, None]))
-        return jnp.where(f < want, cand, cut)
-
-    cut = lax.fori_loop(jnp.int32(0), run.astype(jnp.int32) * id_bits, id_round,
-                        jnp.zeros_like(n_valid))
-    top = above | (tie & (ids <= cut[:, None, None]))
-    return jnp.where(need[:, None, None], top, keys >= 0)
+    trips = run.astype(jnp.int32) * n_rounds
+    return lax.fori_loop(jnp.int32(0), trips, body, jnp.int32(0))
 
 
-def _compact_positions(sel):
-    """Slot of every selected entry of ``sel`` [R, A, B] in row-major order, and the row counts."""
-    c = sel.astype(jnp.int32)
-    incl = jnp.cumsum(c, axis=2)
-    part = jnp.sum(c, axis=2)
-    before = jnp.cumsum(part, axis=1) - part
-    return incl - 1 + before[:, :, None], jnp.sum(part, axis=1)
+def _kth_key(keys, k: int, rb: int, run):
+    """``_kth_key_row`` per row of ``keys`` [R, N] -> int32 [R] (1-bit rounds: one [R, N]
+    compare-and-sum each; wider rounds one [R, NJ, N])."""
+    n_rounds, w0 = _rounds(rb)
+    nj = IndexerPlan.thresholds(rb)
+    if nj == 1:
+        def body(r, tau):
+            lo = n_rounds - 1 - r
+            thr = tau + jnp.left_shift(jnp.int32(1), lo)
+            cnt = jnp.sum((keys >= thr[:, None]).astype(jnp.int32), axis=1)
+            return tau + jnp.left_shift((cnt >= k).astype(jnp.int32), lo)
+    else:
+        jj = _iota((1, nj), 1) + 1
+
+        def body(r, tau):
+            lo = rb * (n_rounds - 1 - r)
+            lim = jnp.where(r == 0, jnp.int32(1 << w0), jnp.int32(1 << rb))
+            thr = jnp.where(jj < lim, tau[:, None] + jnp.left_shift(jj, lo), _INT32_MAX)
+            cnt = jnp.sum((keys[:, None, :] >= thr[:, :, None]).astype(jnp.int32), axis=2)
+            return tau + jnp.left_shift(jnp.sum((cnt >= k).astype(jnp.int32), axis=1), lo)
+
+    trips = run.astype(jnp.int32) * n_rounds
+    return lax.fori_loop(jnp.int32(0), trips, body, jnp.zeros((keys.shape[0],), jnp.int32))
+
+
+def _select_row(keys, tau, k: int):
+    """Exact top-k of ``keys`` [N] given its k-th largest ``tau``, ties to the smaller index: key
+    > tau, then the first k - #(key > tau) keys == tau in index order. One packed prefix sum
+    (#above + #tie * 2^16) gives the tie rank and each survivor's slot in ascending index order.
+    Returns (sel [N] bool, slot [N] int32, count scalar)."""
+    above = (keys > tau).astype(jnp.int32)
+    tie = (keys == tau).astype(jnp.int32)
+    incl = jnp.cumsum(above + jnp.left_shift(tie, 16), axis=0)
+    tot = jnp.max(incl)  # the last prefix: both totals
+    want = k - (tot & 0xFFFF)
+    a_ex = (incl & 0xFFFF) - above
+    t_ex = (incl >> 16) - tie
+    sel = (above > 0) | ((tie > 0) & (t_ex < want))
+    return sel, a_ex + jnp.minimum(t_ex, want), (tot & 0xFFFF) + jnp.minimum(tot >> 16, want)
+
+
+def _select(keys, tau, k: int):
+    """``_select_row`` per row of ``keys`` [R, N] with ``tau`` [R]; counts [R]."""
+    above = (keys > tau[:, None]).astype(jnp.int32)
+    tie = (keys == tau[:, None]).astype(jnp.int32)
+    incl = jnp.cumsum(above + jnp.left_shift(tie, 16), axis=1)
+    tot = jnp.max(incl, axis=1)
+    want = k - (tot & 0xFFFF)
+    a_ex = (incl & 0xFFFF) - above
+    t_ex = (incl >> 16) - tie
+    sel = (above > 0) | ((tie > 0) & (t_ex < want[:, None]))
+    slot = a_ex + jnp.minimum(t_ex, want[:, None])
+    return sel, slot, (tot & 0xFFFF) + jnp.minimum(tot >> 16, want)
 
 
 def _score_keys(tot):
@@ -154,9 +185,9 @@ def _iota(shape, dim):
 
 # ---------------------------------------------------------------------------------------------
 # Pass 1: decode
-def _decode_chunk_kernel(q_ref, k_ref, pt_ref, seq_ref, wsk_ref, wsi_ref, wsc_ref, *, h: int,
+def _decode_chunk_kernel(q_ref, k_ref, pt_ref, seq_ref, wsk_ref, wsi_ref, *, h: int,
                          hp: int, d: int, psz: int, ratio: int, k: int, c: int, t: int, s_n: int,
-                         pages: int, cap: int, id_bits: int, compute, trash: int):
+                         pages: int, cap: int, rb: int, compute, trash: int):
     b = pl.program_id(0)
     s = pl.program_id(1)
     nb = jnp.minimum(jnp.maximum(seq_ref[b], 0) // ratio, cap)
@@ -168,7 +199,8 @@ def _decode_chunk_kernel(q_ref, k_ref, pt_ref, seq_ref, wsk_ref, wsi_ref, wsc_re
     q = C.load(q_ref.at[b, pl.ds(0, hp), :], mask=hid < h, other=0.0).astype(compute)
     dcol = _iota((1, d), 1)
     tt = _iota((t,), 0)
-    nt3 = _iota((1, nt_n, t), 1)
+    nt2 = _iota((nt_n, 1), 0)
+    ids = _iota((nt_n, t), 0) * t + _iota((nt_n, t), 1)
 
     def tile(i, keys):
         blk = lo + i * t + tt
@@ -178,29 +210,31 @@ def _decode_chunk_kernel(q_ref, k_ref, pt_ref, seq_ref, wsk_ref, wsi_ref, wsc_re
         pok = ok & (pid >= 0) & (pid < pages)
         row = jnp.where(pok, pid * psz + blk % psz, 0)
         kt = C.load(k_ref.at[row[:, None], dcol], mask=pok[:, None], other=0.0).astype(compute)
-        sc = C.dot(q, kt, trans_b=True)  # [hp, t] fp32
-        key = jnp.where(ok, _score_keys(jnp.sum(jnp.maximum(sc, 0.0), axis=0)), -1)
-        return jnp.where(nt3 == i, key[None, None, :], keys)
+        sc = C.dot(kt, q, trans_b=True)  # [t, hp] fp32: the key tile is the MMA's M side
+        key = jnp.where(ok, _score_keys(jnp.sum(jnp.maximum(sc, 0.0), axis=1)), -1)
+        return jnp.where(nt2 == i, key[None, :], keys)
 
     # A row with <= k blocks keeps all of them: nothing is loaded or scored.
     n_tiles = jnp.where(nb > k, (n_here + (t - 1)) // t, 0).astype(jnp.int32)
-    keys = lax.fori_loop(jnp.int32(0), n_tiles, tile, jnp.full((1, nt_n, t), -1, jnp.int32))
-    ids = _iota((1, nt_n, t), 1) * t + _iota((1, nt_n, t), 2)
-    keys = jnp.where(nb > k, keys, jnp.where(ids < n_here, 0, -1))
-    n_valid = jnp.full((1,), 0, jnp.int32) + n_here
-    sel = _topk_mask(keys, ids, n_valid, k, id_bits)
-    pos, n_sel = _compact_positions(sel)
+    keys = lax.fori_loop(jnp.int32(0), n_tiles, tile, jnp.where(ids < n_here, 0, -1))
+    keys = keys.reshape(c)
+    tau = _kth_key_row(keys, k, rb, n_here > k)
+    sel, pos, n_sel = _select_row(keys, tau, k)
     dest = jnp.where(sel, (b * s_n + s) * k + pos, trash)
     C.store(wsk_ref.at[dest], keys, mask=sel)
-    C.store(wsi_ref.at[dest], lo + ids, mask=sel)
-    C.store(wsc_ref.at[pl.ds(b * s_n + s, 1)], n_sel, mask=n_valid > 0)
+    C.store(wsi_ref.at[dest], lo + ids.reshape(c), mask=sel)
+    # the chunk's unused slots read as "no candidate" (-1): the merge needs no counts
+    j = _iota((k,), 0)
+    pad = (j >= n_sel) & (n_here > 0)
+    C.store(wsk_ref.at[jnp.where(pad, (b * s_n + s) * k + j, trash)],
+            jnp.full((k,), -1, jnp.int32), mask=pad)
 
 
 # ---------------------------------------------------------------------------------------------
 # Pass 1: prefill (bm rows per program share every key tile)
-def _prefill_chunk_kernel(q_ref, k_ref, rs_ref, re_ref, wsk_ref, wsi_ref, wsc_ref, *, h: int,
+def _prefill_chunk_kernel(q_ref, k_ref, rs_ref, re_ref, wsk_ref, wsi_ref, *, h: int,
                           hp: int, d: int, k: int, c: int, t: int, s_n: int, bm: int,
-                          n_rows: int, n_keys: int, id_bits: int, compute, trash: int):
+                          n_rows: int, n_keys: int, rb: int, compute, trash: int):
     pid_m = pl.program_id(0)
     s = pl.program_id(1)
     rloc = pid_m * bm + _iota((bm,), 0)
@@ -256,29 +290,31 @@ def _prefill_chunk_kernel(q_ref, k_ref, rs_ref, re_ref, wsk_ref, wsi_ref, wsc_re
 
     _, keys = lax.while_loop(seg_cond, seg_body,
                              (n_here > 0, jnp.full((bm, nt_n, t), -1, jnp.int32)))
-    ids = _iota((1, nt_n, t), 1) * t + _iota((1, nt_n, t), 2)
-    keys = jnp.where((n_vis > k)[:, None, None], keys,
-                     jnp.where(ids < n_here[:, None, None], 0, -1))
-    sel = _topk_mask(keys, ids, n_here, k, id_bits)
-    pos, n_sel = _compact_positions(sel)
-    dest = jnp.where(sel, ((rloc * s_n + s) * k)[:, None, None] + pos, trash)
-    rel = (lo - rs + c0)[:, None, None] + ids  # row-relative block id
+    ids = (_iota((nt_n, t), 0) * t + _iota((nt_n, t), 1)).reshape(1, c)
+    keys = keys.reshape(bm, c)
+    keys = jnp.where((n_vis > k)[:, None], keys, jnp.where(ids < n_here[:, None], 0, -1))
+    tau = _kth_key(keys, k, rb, jnp.max(n_here) > k)
+    sel, pos, n_sel = _select(keys, tau, k)
+    dest = jnp.where(sel, ((rloc * s_n + s) * k)[:, None] + pos, trash)
+    rel = (lo - rs + c0)[:, None] + ids  # row-relative block id
     C.store(wsk_ref.at[dest], keys, mask=sel)
     C.store(wsi_ref.at[dest], rel, mask=sel)
-    live = n_here > 0
-    C.store(wsc_ref.at[jnp.where(live, rloc * s_n + s, trash)], n_sel, mask=live)
+    j = _iota((1, k), 1)  # unused slots of the rows' chunks: -1 (no candidate)
+    pad = (j >= n_sel[:, None]) & (n_here > 0)[:, None]
+    C.store(wsk_ref.at[jnp.where(pad, ((rloc * s_n + s) * k)[:, None] + j, trash)],
+            jnp.full((bm, k), -1, jnp.int32), mask=pad)
 
 
 # ---------------------------------------------------------------------------------------------
 # Pass 2: merge (+ optional fused expansion)
 def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int, s_n: int,
-                  sp: int, w: int, wp: int, cap: int, id_bits: int, trash: int):
+                  sp: int, w: int, wp: int, cap: int, rb: int, trash: int):
     if prefill and expand:
-        wsk_ref, wsi_ref, wsc_ref, m0_ref, m1_ref, pos_ref, bound_ref, o_ref = refs
+        wsk_ref, wsi_ref, m0_ref, m1_ref, pos_ref, bound_ref, o_ref = refs
     elif prefill:
-        wsk_ref, wsi_ref, wsc_ref, m0_ref, m1_ref, o_ref = refs
+        wsk_ref, wsi_ref, m0_ref, m1_ref, o_ref = refs
     else:
-        wsk_ref, wsi_ref, wsc_ref, m0_ref, o_ref = refs
+        wsk_ref, wsi_ref, m0_ref, o_ref = refs
     r = pl.program_id(0)
     if prefill:
         rs = m0_ref[r]
@@ -286,18 +322,15 @@ def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int
     else:
         seq = jnp.maximum(m0_ref[r], 0)
         n = jnp.minimum(seq // ratio, cap)
-    n_chunks = (n + (c - 1)) // c
-    si = _iota((sp,), 0)
-    cnt = C.load(wsc_ref.at[jnp.where(si < n_chunks, r * s_n + si, 0)], mask=si < n_chunks,
-                 other=0)
-    slot = _iota((1, sp, k), 1) * k + _iota((1, sp, k), 2)  # orders like the block id
-    live = _iota((1, sp, k), 2) < cnt[None, :, None]
-    src = jnp.where(live, r * s_n * k + slot, 0)
-    keys = C.load(wsk_ref.at[src], mask=live, other=-1)
-    n_valid = jnp.full((1,), 0, jnp.int32) + jnp.sum(cnt)
-    sel = _topk_mask(keys, slot, n_valid, k, id_bits)
-    pos, n_sel = _compact_positions(sel)
-    blk = C.load(wsi_ref.at[jnp.where(sel, src, 0)], mask=sel, other=0)
+    # candidate slot = chunk * k + rank in the chunk: orders like the block id; a chunk's unused
+    # slots hold -1
+    slot = _iota((sp * k,), 0)
+    has = slot // k < (n + (c - 1)) // c
+    src = jnp.where(has, r * s_n * k + slot, 0)
+    keys = C.load(wsk_ref.at[src], mask=has, other=-1)
+    blk = C.load(wsi_ref.at[src], mask=has, other=0)
+    tau = _kth_key_row(keys, k, rb, jnp.sum((keys >= 0).astype(jnp.int32)) > k)
+    sel, pos, n_sel = _select_row(keys, tau, k)
     if expand:
         if prefill:
             p = pos_ref[r]
@@ -307,12 +340,11 @@ def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int
             bound = seq
         # Everything is ascending: the valid tokens (< bound) of the selected blocks are a prefix;
         # the causal tail [floor(L/R)*R, p] follows (tokens < bound only), then -1.
-        m = jnp.int32(0)
-        for e in range(ratio):
-            tok = blk * ratio + e
-            ok = sel & (tok < bound)
-            C.store(o_ref.at[r, jnp.where(ok, pos * ratio + e, trash)], tok, mask=ok)
-            m = m + jnp.sum(_row_count(ok))
+        e = _iota((1, _next_pow2(ratio)), 1)
+        tok = blk[:, None] * ratio + e
+        ok = sel[:, None] & (e < ratio) & (tok < bound)
+        C.store(o_ref.at[r, jnp.where(ok, pos[:, None] * ratio + e, trash)], tok, mask=ok)
+        m = jnp.sum(jnp.where(sel, jnp.clip(bound - blk * ratio, 0, ratio), 0))
         vis = jnp.maximum(p + 1, 0)
         start = vis - vis % ratio
         n_tail = jnp.int32(0)
@@ -326,7 +358,7 @@ def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int
     else:
         C.store(o_ref.at[r, jnp.where(sel, pos, trash)], blk, mask=sel)
         j = _iota((k,), 0)
-        pad = j >= jnp.sum(n_sel)
+        pad = j >= n_sel
         C.store(o_ref.at[r, jnp.where(pad, j, trash)], jnp.full((k,), -1, jnp.int32), mask=pad)
 
 
@@ -336,8 +368,7 @@ def _workspace_shapes(rows: int, plan: IndexerPlan, interpret: bool):
     n = rows * plan.splits
     spare = 1 if interpret else 0  # the masked-scatter spare slot (module docstring)
     sds = jax.ShapeDtypeStruct
-    return (sds((n * plan.topk + spare,), jnp.int32), sds((n * plan.topk + spare,), jnp.int32),
-            sds((n + spare,), jnp.int32))
+    return (sds((n * plan.topk + spare,), jnp.int32), sds((n * plan.topk + spare,), jnp.int32))
 
 
 def _merge(ws, metas, rows: int, plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: int,
@@ -349,21 +380,22 @@ def _merge(ws, metas, rows: int, plan: IndexerPlan, *, prefill: bool, expand: bo
     kern = functools.partial(
         _merge_kernel, prefill=prefill, expand=expand, ratio=ratio, k=k, c=plan.chunk,
         s_n=plan.splits, sp=plan.splits_pad, w=w, wp=_next_pow2(w), cap=cap,
-        id_bits=(plan.splits_pad * k - 1).bit_length(), trash=out_w - 1 if interpret else w)
+        rb=plan.merge_radix_bits, trash=out_w - 1 if interpret else w)
     out = C.triton_call(kern, out_shape=jax.ShapeDtypeStruct((rows, out_w), jnp.int32),
                         grid=(rows,), num_warps=plan.merge_warps, num_stages=1,
                         interpret=interpret, name="qsa_indexer_merge")(*ws, *metas)
     return out[:, :w] if spare else out
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "ratio", "expand", "interpret", "sm_count",
+@functools.partial(jax.jit, static_argnames=("topk", "ratio", "expand", "interpret", "target",
                                              "plan"))
 def _decode(q, k_cache, page_table, seq_lens, *, topk: int, ratio: int, expand: bool,
-            interpret: bool, sm_count: int, plan: IndexerPlan | None = None):
+            interpret: bool, target: tuple[int, int], plan: IndexerPlan | None = None):
     b, h, d = q.shape
     pages, psz = k_cache.shape[0], k_cache.shape[1]
     cap = page_table.shape[1] * psz
-    plan = plan or plan_indexer("decode", b, cap, topk, sm_count=sm_count)
+    plan = plan or plan_indexer("decode", b, cap, topk, sm_count=target[0],
+                                smem_per_block=target[1])
     compute = jnp.bfloat16 if q.dtype == jnp.float8_e4m3fn else q.dtype
     k2 = k_cache.reshape(pages * psz, d) if pages * psz else jnp.zeros((1, d), k_cache.dtype)
     shapes = _workspace_shapes(b, plan, interpret)
@@ -371,7 +403,7 @@ def _decode(q, k_cache, page_table, seq_lens, *, topk: int, ratio: int, expand: 
     kern = functools.partial(
         _decode_chunk_kernel, h=h, hp=max(16, _next_pow2(h)), d=d, psz=psz, ratio=ratio, k=topk,
         c=plan.chunk, t=plan.tile, s_n=plan.splits, pages=pages, cap=cap,
-        id_bits=(plan.chunk - 1).bit_length(), compute=compute, trash=trash)
+        rb=plan.radix_bits, compute=compute, trash=trash)
     ws = C.triton_call(kern, out_shape=shapes, grid=(b, plan.splits), num_warps=plan.num_warps,
                        num_stages=plan.num_stages, interpret=interpret,
                        name="qsa_indexer_decode_chunk")(q, k2, page_table, seq_lens)
@@ -379,13 +411,15 @@ def _decode(q, k_cache, page_table, seq_lens, *, topk: int, ratio: int, expand: 
                   interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "ratio", "expand", "interpret", "sm_count",
+@functools.partial(jax.jit, static_argnames=("topk", "ratio", "expand", "interpret", "target",
                                              "plan"))
 def _prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int, ratio: int,
-             expand: bool, interpret: bool, sm_count: int, plan: IndexerPlan | None = None):
+             expand: bool, interpret: bool, target: tuple[int, int],
+             plan: IndexerPlan | None = None):
     t_rows, h, d = q.shape
     n_keys = k.shape[0]
-    plan = plan or plan_indexer("prefill", t_rows, n_keys, topk, sm_count=sm_count)
+    plan = plan or plan_indexer("prefill", t_rows, n_keys, topk, sm_count=target[0],
+                                smem_per_block=target[1])
     compute = jnp.bfloat16 if q.dtype == jnp.float8_e4m3fn else q.dtype
     k2 = k.reshape(n_keys, d) if n_keys else jnp.zeros((1, d), k.dtype)
     g = plan.row_group
@@ -401,7 +435,7 @@ def _prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int, rati
         kern = functools.partial(
             _prefill_chunk_kernel, h=h, hp=_next_pow2(h), d=d, k=topk, c=plan.chunk,
             t=plan.tile, s_n=plan.splits, bm=bm, n_rows=n, n_keys=n_keys,
-            id_bits=(plan.chunk - 1).bit_length(), compute=compute, trash=trash)
+            rb=plan.radix_bits, compute=compute, trash=trash)
         ws = C.triton_call(kern, out_shape=shapes, grid=(-(-n // bm), plan.splits),
                            num_warps=plan.num_warps, num_stages=plan.num_stages,
                            interpret=interpret, name="qsa_indexer_prefill_chunk")(
@@ -444,7 +478,9 @@ def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
 
     Raises:
       ContractError: before anything is traced or launched
-        (``interop.contract.check_indexer_decode``; the same message as the torch path).
+        (``interop.contract.check_indexer_decode``; the same message as the torch path), or
+        for a plan (given, or the default one: rows of up to 2M blocks at topk 512) that cannot
+        run this call (``IndexerPlan.problem``).
     """
     return _decode_entry("indexer_topk_decode", q, k_cache, page_table, seq_lens, topk,
                          compress_ratio, strict, interpret, False, plan)
@@ -468,10 +504,13 @@ def indexer_select_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
 
 
 def _check_plan(fn, plan, prob):
-    if plan is not None:
-        why = plan.problem(prob.kind, prob.max_blocks, prob.topk)
-        if why:
-            raise ContractError(fn, "plan", why, plan)
+    arg, own = ("plan", plan) if plan is not None else (
+        "page_table" if prob.kind == "decode" else "k",
+        indexer_plan_for(prob.kind, prob.rows, prob.max_blocks, prob.topk))
+    why = own.problem(prob.kind, prob.max_blocks, prob.topk)
+    if why:  # a custom plan that cannot run this call, or a context past what any plan covers
+        raise ContractError(fn, arg, why, plan if plan is not None else
+                            f"{prob.max_blocks} blocks a row")
 
 
 def _decode_entry(fn, q, k_cache, page_table, seq_lens, topk, ratio, strict, interpret, expand,
@@ -483,7 +522,7 @@ def _decode_entry(fn, q, k_cache, page_table, seq_lens, topk, ratio, strict, int
     _check_plan(fn, plan, prob)
     return _decode(q, k_cache, page_table, seq_lens, topk=int(topk), ratio=int(ratio),
                    expand=expand, interpret=C.resolve_interpret(interpret),
-                   sm_count=_sm_count(), plan=plan)
+                   target=_target(), plan=plan)
 
 
 def indexer_topk_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compress_ratio: int = 4,
@@ -543,7 +582,7 @@ def _prefill_entry(fn, q, k, row_starts, row_ends, positions, seq_lens, topk, ra
         return _empty(0, topk * ratio + ratio - 1 if expand else topk)
     return _prefill(q, k, row_starts, row_ends, positions, seq_lens, topk=int(topk),
                     ratio=int(ratio), expand=expand, interpret=C.resolve_interpret(interpret),
-                    sm_count=_sm_count(), plan=plan)
+                    target=_target(), plan=plan)
 
 
 @functools.partial(jax.jit, static_argnames=("ratio",))
@@ -597,11 +636,13 @@ def expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio: int 
     return _expand(block_ids, positions, seq_lens, ratio=int(compress_ratio))
 
 
-def lowering_cases(*, dtype=jnp.bfloat16, k_dtype=None) -> list[tuple[str, object, tuple]]:
+def lowering_cases(device_kind: str | None = None, *, dtype=jnp.bfloat16,
+                   k_dtype=None) -> list[tuple[str, object, tuple]]:
     """Representative production launches as ``(name, fn, args)`` for
     ``_compat.lower_for_device_kind`` (``jax.ShapeDtypeStruct`` args, nothing allocated):
     decode B = 16 at 32k and B = 128 at 256k context, prefill 8192 rows at 32k, each with the
-    fused expansion."""
+    fused expansion. ``device_kind`` (the ``interop.validate.compile`` protocol) is not needed:
+    the plan follows the abstract device the cases are lowered under."""
     sds = jax.ShapeDtypeStruct
     kd = dtype if k_dtype is None else k_dtype
     i32 = jnp.int32

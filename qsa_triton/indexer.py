@@ -8,19 +8,30 @@ top-k rule, the paged decode and packed prefill inputs) and §4 (expansion). FP6
 Algorithm (two passes, no [rows, blocks] logits tensor is ever written):
 
 * Pass 1, one program per (row tile, chunk of C blocks): score the chunk in tiles of BLOCK_N
-  blocks (bf16/fp16 ``tl.dot`` of the key tile with the row's heads, FP32 accumulation, ReLU,
-  sum over heads), keep the chunk's FP32 scores in registers as int32 *keys* (the bits of a float
+  blocks (the key tile as the M side of a bf16/fp16 ``tl.dot`` with the row's heads, FP32
+  accumulation, ReLU, sum over heads; tiles streamed through ``num_stages`` shared-memory
+  buffers), keep the chunk's FP32 scores in registers as int32 *keys* (the bits of a float
   >= +0.0 order like the float; -0.0 and NaN become +0.0, invisible blocks -1), then select the
-  chunk's exact top-k per row with a bitwise binary search (radix select): 31 count rounds find
-  the k-th largest key tau, and at most log2(C) more rounds find, among the blocks equal to tau,
-  the cut that keeps the smallest ids. The survivors (<= k per row and chunk) are written in
-  ascending block order (prefix sums give each one its slot) with their count. Bytes moved per
-  row: one read of its visible compressed keys (D * 2 B per block for bf16, D B for fp8) plus
-  8 B per candidate (k per C >= 2k blocks: <= 1/64 of the key bytes at D = 128 bf16).
-* Pass 2, one program per row: the same radix select over the row's S x k candidates (the slot
-  number orders like the block id, so the tie rule carries over), then the block ids in ascending
-  order, or, fused, the expanded 2051-wide token row (blocks expanded to ``4g .. 4g + 3``, the
-  0-3 token causal tail appended, -1 after: already valid-first, since everything is ascending).
+  chunk's exact top-k per row:
+  - the k-th largest key tau by a radix search from bit 30 down, ``radix_bits`` (b) bits a
+    round: each round counts #(key >= tau + j * 2^lo) for the 2^b - 1 digits j > 0 in one
+    compare-and-sum (two counts packed per int32, so one block-wide reduction a round) and
+    keeps the largest digit whose count is >= k; ceil(31 / b) rounds;
+  - then one prefix sum over (key > tau) + (key == tau) * 2^16 in block order gives, at once,
+    the rank of every tie (the first k - #(key > tau) ties, i.e. the smallest block ids, are
+    kept) and every survivor's slot in ascending block order.
+  The survivors (<= k per row and chunk) are written with their count. Bytes moved per row: one
+  read of its visible compressed keys (D * 2 B per block for bf16, D B for fp8) plus 8 B per
+  candidate (k per C >= 2k blocks: <= 1/64 of the key bytes at D = 128 bf16).
+* Pass 2, one program per row: the same selection over the row's S x k candidates (the slot
+  number orders like the block id, so the tie rule carries over), then the block ids in
+  ascending order, or, fused, the expanded 2051-wide token row (blocks expanded to
+  ``4g .. 4g + 3``, the 0-3 token causal tail appended, -1 after: already valid-first, since
+  everything is ascending).
+
+The selection is a radix select (Alabi et al., "Fast k-Selection Algorithms for Graphics
+Processing Units", JEA 2012; upstream's ``fast_topk`` and PyTorch's ``topk`` select by radix
+digits too) whose rounds count several digits at once; exact, no sort.
 
 Selection uses the unscaled FP32 sum: dividing by a positive ``score_scale`` preserves the order
 (upstream divides in FP32, which can only merge neighbouring values into ties), so the tie rule
@@ -38,11 +49,13 @@ import torch
 import triton
 import triton.language as tl
 
+from interop.arch import DeviceFacts
 from interop.contract import (ContractError, check_expand_block_indices, check_indexer_decode,
                               check_indexer_prefill)
 from interop.indices import IndexerPlan, plan_indexer
 
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
+from .decode import _pdl_supported
 
 __all__ = [
     "indexer_topk_decode",
@@ -62,52 +75,97 @@ def _next_pow2(x: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared device functions
+# Shared device functions: the exact top-K of int32 keys (>= 0 visible, -1 not)
 @triton.jit
-def _row_count(x):
-    """Per-row sum of a [R, A, B] int32 tensor -> [R]."""
-    return tl.sum(tl.sum(x, axis=2), axis=1)
+def _kth_key(keys, K: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr):
+    """tau [R] for ``keys`` [R, N]: the largest t >= 0 with #(key >= t) >= K (0 for a row with
+    fewer than K visible keys): the K-th largest key of each row.
 
-
-@triton.jit
-def _topk_mask(keys, ids, n_valid, K: tl.constexpr, ID_BITS: tl.constexpr):
-    """Exact top-K per row of ``keys`` [R, A, B] int32 (>= 0 visible, -1 not), ties to smaller id.
-
-    ``ids`` [1 or R, A, B] int32 are distinct per row, in [0, 2**ID_BITS). ``n_valid`` [R] counts
-    the visible keys. A row with <= K visible keys selects all of them. Otherwise a binary search
-    over the 31 key bits finds tau = the K-th largest key (the largest t with #(key >= t) >= K),
-    then one over the id bits finds the largest c with #(key == tau, id < c) < K - #(key > tau):
-    the row keeps key > tau and (key == tau, id <= c), exactly K entries.
+    Radix search from bit 30 down, RB bits a round (the first round takes the 31 mod RB leftover
+    bits): a round counts #(key >= tau + j * 2^lo) for every digit j = 1 .. 2^RB - 1 at once (NJ
+    = the digits rounded up to a power of two, the spare thresholds INT32_MAX count nothing) and
+    adds the largest digit whose count is >= K. RB = 1 is one [R, N] compare-and-sum a round.
     """
-    need = n_valid > K
-    sel = keys >= 0
-    if tl.max(need.to(tl.int32), axis=0) > 0:
-        tau = tl.zeros_like(n_valid)
-        for i in range(31):
-            cand = tau | (1 << (30 - i))
-            cnt = _row_count((keys >= cand[:, None, None]).to(tl.int32))
-            tau = tl.where(cnt >= K, cand, tau)
-        above = keys > tau[:, None, None]
-        want = K - _row_count(above.to(tl.int32))
-        tie = keys == tau[:, None, None]
-        cut = tl.zeros_like(n_valid)
-        for i in range(ID_BITS):
-            cand = cut | (1 << (ID_BITS - 1 - i))
-            f = _row_count((tie & (ids < cand[:, None, None])).to(tl.int32))
-            cut = tl.where(f < want, cand, cut)
-        top = above | (tie & (ids <= cut[:, None, None]))
-        sel = tl.where(need[:, None, None], top, sel)
-    return sel
+    ROUNDS: tl.constexpr = (31 + RB - 1) // RB
+    W0: tl.constexpr = 31 - RB * (ROUNDS - 1)
+    tau = tl.zeros([keys.shape[0]], dtype=tl.int32)
+    for r in range(ROUNDS):
+        lo = RB * (ROUNDS - 1 - r)
+        if NJ == 1:
+            cnt = tl.sum((keys >= (tau + (1 << lo))[:, None]).to(tl.int32), axis=1)
+            tau += (cnt >= K).to(tl.int32) << lo
+        else:
+            jj = tl.arange(0, NJ) + 1
+            lim = tl.where(r == 0, 1 << W0, 1 << RB)
+            thr = tl.where(jj[None, :] < lim, tau[:, None] + (jj[None, :] << lo), _INT32_MAX)
+            cnt = tl.sum((keys[:, None, :] >= thr[:, :, None]).to(tl.int32), axis=2)  # [R, NJ]
+            tau += tl.sum((cnt >= K).to(tl.int32), axis=1) << lo
+    return tau
 
 
 @triton.jit
-def _compact_positions(sel):
-    """Slot of every selected entry of ``sel`` [R, A, B] in row-major order, and the per-row count."""
-    c = sel.to(tl.int32)
-    incl = tl.cumsum(c, axis=2)
-    part = tl.sum(c, axis=2)  # [R, A]
-    before = tl.cumsum(part, axis=1) - part
-    return incl - 1 + before[:, :, None], tl.sum(part, axis=1)
+def _select(keys, tau, K: tl.constexpr):
+    """Exact top-K of ``keys`` [R, N] given their K-th largest ``tau`` [R], ties to the smaller
+    index: key > tau, then the first K - #(key > tau) keys == tau in index order. One packed
+    prefix sum (#above + #tie * 2^16, N < 2^16) gives both the tie rank and each survivor's slot
+    in ascending index order. Returns (sel [R, N] bool, slot [R, N] int32, count [R])."""
+    above = (keys > tau[:, None]).to(tl.int32)
+    tie = (keys == tau[:, None]).to(tl.int32)
+    incl = tl.cumsum(above + (tie << 16), axis=1)
+    tot = tl.max(incl, axis=1)  # the last prefix: both totals
+    want = K - (tot & 0xFFFF)
+    a_ex = (incl & 0xFFFF) - above
+    t_ex = (incl >> 16) - tie
+    sel = (above > 0) | ((tie > 0) & (t_ex < want[:, None]))
+    slot = a_ex + tl.minimum(t_ex, want[:, None])
+    return sel, slot, (tot & 0xFFFF) + tl.minimum(tot >> 16, want)
+
+
+@triton.jit
+def _kth_key_row(keys, K: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr):
+    """``_kth_key`` for one row: ``keys`` [N] -> scalar tau. A round's NJ counts are packed two
+    to an int32 (16-bit halves: N < 2^16), so its cross-warp reduction moves NJ / 2 values."""
+    ROUNDS: tl.constexpr = (31 + RB - 1) // RB
+    W0: tl.constexpr = 31 - RB * (ROUNDS - 1)
+    tau = 0
+    if NJ == 1:
+        for r in range(ROUNDS):
+            lo = ROUNDS - 1 - r
+            cnt = tl.sum((keys >= tau + (1 << lo)).to(tl.int32), axis=0)
+            tau += (cnt >= K).to(tl.int32) << lo
+    else:
+        HJ: tl.constexpr = NJ // 2
+        ja = tl.arange(0, HJ) + 1  # digits 1 .. NJ/2 in the low halves
+        jb = ja + HJ  # NJ/2 + 1 .. NJ in the high halves
+        for r in range(ROUNDS):
+            lo = RB * (ROUNDS - 1 - r)
+            lim = tl.where(r == 0, 1 << W0, 1 << RB)
+            # thresholds whose digit does not exist this round (or would overflow) count nothing
+            ta = tl.where(ja < lim, tau + (ja << lo), _INT32_MAX)
+            tb = tl.where(jb < lim, tau + (jb << lo), _INT32_MAX)
+            ge = ((keys[None, :] >= ta[:, None]).to(tl.int32)
+                  + ((keys[None, :] >= tb[:, None]).to(tl.int32) << 16))
+            # [NJ / 2, 1], two counts each; kept 2-D so that the digit's sum over the thresholds
+            # stays inside each thread (no second cross-warp exchange)
+            cnt = tl.sum(ge, axis=1, keep_dims=True)
+            ok = ((cnt & 0xFFFF) >= K).to(tl.int32) + ((cnt >> 16) >= K).to(tl.int32)
+            tau += tl.sum(tl.sum(ok, axis=1), axis=0) << lo
+    return tau
+
+
+@triton.jit
+def _select_row(keys, tau, K: tl.constexpr):
+    """``_select`` for one row: ``keys`` [N], scalar ``tau`` -> (sel [N], slot [N], count)."""
+    above = (keys > tau).to(tl.int32)
+    tie = (keys == tau).to(tl.int32)
+    incl = tl.cumsum(above + (tie << 16), axis=0)
+    tot = tl.max(incl, axis=0)
+    want = K - (tot & 0xFFFF)
+    a_ex = (incl & 0xFFFF) - above
+    t_ex = (incl >> 16) - tie
+    sel = (above > 0) | ((tie > 0) & (t_ex < want))
+    slot = a_ex + tl.minimum(t_ex, want)
+    return sel, slot, (tot & 0xFFFF) + tl.minimum(tot >> 16, want)
 
 
 @triton.jit
@@ -120,12 +178,16 @@ def _score_keys(tot):
 # ---------------------------------------------------------------------------------------------
 # Pass 1: decode (one row per program, keys through the page table)
 @triton.jit
-def _decode_chunk_kernel(q_ptr, k_ptr, pt_ptr, seq_ptr, wsk_ptr, wsi_ptr, wsc_ptr,
-                         stride_qb, stride_qh, stride_ptb, pages, cap,
+def _decode_chunk_kernel(q_ptr, k_ptr, pt_ptr, seq_ptr, wsk_ptr, wsi_ptr,
+                         stride_qb, stride_qh, stride_ptb, pages, cap, S,
                          H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                          RATIO: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
-                         T: tl.constexpr, S: tl.constexpr, ID_BITS: tl.constexpr,
-                         COMPUTE: tl.constexpr):
+                         T: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr,
+                         COMPUTE: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:
+        # the merge grid (launched with PDL) may be scheduled now: it waits on the device for
+        # this whole grid to complete (griddepcontrol.wait), so triggering at entry is safe
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     s = tl.program_id(1)
     nb = tl.minimum(tl.maximum(tl.load(seq_ptr + b), 0) // RATIO, cap)
@@ -137,43 +199,50 @@ def _decode_chunk_kernel(q_ptr, k_ptr, pt_ptr, seq_ptr, wsk_ptr, wsi_ptr, wsc_pt
         d = tl.arange(0, D)
         nt = tl.arange(0, NT)
         tt = tl.arange(0, T)
-        # Padded heads load as 0: their dot is exactly 0, ReLU(0) = 0, so they add nothing.
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + d[None, :],
-                    mask=(h < H)[:, None], other=0.0).to(COMPUTE)
-        keys = tl.full([1, NT, T], -1, tl.int32)
-        # A row with <= K blocks keeps all of them: its keys are never read, so nothing is
-        # loaded or scored (upstream's fast top-k skips such rows the same way).
-        for t in range(0, tl.where(nb > K, tl.cdiv(n_here, T), 0)):
-            blk = lo + t * T + tt
-            ok = blk < nb
-            pid = tl.load(pt_ptr + b.to(tl.int64) * stride_ptb + blk // P, mask=ok, other=0)
-            # A page id outside the cache is a caller bug: its blocks read nothing (score 0).
-            pok = ok & (pid >= 0) & (pid < pages)
-            row = pid.to(tl.int64) * P + blk % P
-            k = tl.load(k_ptr + row[:, None] * D + d[None, :], mask=pok[:, None], other=0.0,
-                        eviction_policy="evict_first")
-            sc = tl.dot(q, tl.trans(k.to(COMPUTE)))  # [HP, T] fp32
-            key = tl.where(ok, _score_keys(tl.sum(tl.maximum(sc, 0.0), axis=0)), -1)
-            keys = tl.where((nt == t)[None, :, None], key[None, None, :], keys)
-        ids = (nt[:, None] * T + tt[None, :])[None, :, :]
-        keys = tl.where(nb > K, keys, tl.where(ids < n_here, 0, -1))
-        n_valid = tl.full([1], 0, tl.int32) + n_here
-        sel = _topk_mask(keys, ids, n_valid, K, ID_BITS)
-        pos, n_sel = _compact_positions(sel)
+        # q^T [D, HP]: the key tile is the MMA's M side (T rows); padded heads load as 0, their
+        # dot is exactly 0, ReLU(0) = 0: they add nothing
+        qt = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h[None, :] * stride_qh + d[:, None],
+                     mask=(h < H)[None, :], other=0.0).to(COMPUTE)
+        ids = nt[:, None] * T + tt[None, :]
+        # A row with <= K blocks keeps all of them: its keys are never read (upstream's fast
+        # top-k skips such rows the same way)
+        keys = tl.where(ids < n_here, 0, -1)
+        if nb > K:
+            for t in range(0, tl.cdiv(n_here, T)):
+                blk = lo + t * T + tt
+                ok = blk < nb
+                pid = tl.load(pt_ptr + b.to(tl.int64) * stride_ptb + blk // P, mask=ok, other=0)
+                # A page id outside the cache is a caller bug: its blocks read nothing (score 0)
+                pok = ok & (pid >= 0) & (pid < pages)
+                row = pid.to(tl.int64) * P + blk % P
+                k = tl.load(k_ptr + row[:, None] * D + d[None, :], mask=pok[:, None], other=0.0,
+                            eviction_policy="evict_first")
+                sc = tl.dot(k.to(COMPUTE), qt)  # [T, HP] fp32
+                key = tl.where(ok, _score_keys(tl.sum(tl.maximum(sc, 0.0), axis=1)), -1)
+                keys = tl.where((nt == t)[:, None], key[None, :], keys)
+        keys = tl.reshape(keys, [C])
+        ids = tl.reshape(ids, [C])
+        tau = 0
+        if n_here > K:
+            tau = _kth_key_row(keys, K, RB, NJ)
+        sel, pos, n_sel = _select_row(keys, tau, K)
         base = (b.to(tl.int64) * S + s) * K
         tl.store(wsk_ptr + base + pos, keys, mask=sel)
         tl.store(wsi_ptr + base + pos, lo + ids, mask=sel)
-        tl.store(wsc_ptr + b.to(tl.int64) * S + s + tl.arange(0, 1), n_sel)
+        # the chunk's unused slots read as "no candidate" (-1): the merge needs no counts, so its
+        # key loads wait on nothing but this grid
+        j = tl.arange(0, K)
+        tl.store(wsk_ptr + base + j, tl.full([K], -1, tl.int32), mask=j >= n_sel)
 
 
 # ---------------------------------------------------------------------------------------------
 # Pass 1: prefill (BM rows per program share every key tile)
 @triton.jit
-def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, wsc_ptr,
-                          n_rows, n_keys, stride_qt, stride_qh,
+def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr,
+                          n_rows, n_keys, stride_qt, stride_qh, S,
                           H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-                          C: tl.constexpr, T: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
-                          ID_BITS: tl.constexpr, COMPUTE: tl.constexpr):
+                          C: tl.constexpr, T: tl.constexpr, BM: tl.constexpr,
+                          RB: tl.constexpr, NJ: tl.constexpr, COMPUTE: tl.constexpr):
     pid_m = tl.program_id(0)
     s = tl.program_id(1)
     rloc = pid_m * BM + tl.arange(0, BM)
@@ -219,62 +288,67 @@ def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, wsc_pt
                 put = (nt == t)[None, :, None] & seg[:, None, None]
                 keys = tl.where(put, key[:, None, :], keys)
             todo = todo & (~seg)
-        ids = (nt[:, None] * T + tt[None, :])[None, :, :]
-        keys = tl.where((n_vis > K)[:, None, None], keys,
-                        tl.where(ids < n_here[:, None, None], 0, -1))
-        sel = _topk_mask(keys, ids, n_here, K, ID_BITS)
-        pos, n_sel = _compact_positions(sel)
-        slot = (rloc.to(tl.int64) * S + s) * K
-        # row-relative block id = key row - row_start
-        rel = (lo - rs + c0)[:, None, None] + ids
-        tl.store(wsk_ptr + slot[:, None, None] + pos, keys, mask=sel)
-        tl.store(wsi_ptr + slot[:, None, None] + pos, rel, mask=sel)
-        tl.store(wsc_ptr + rloc.to(tl.int64) * S + s, n_sel, mask=n_here > 0)
+        ids = tl.reshape(nt[:, None] * T + tt[None, :], [1, C])
+        keys = tl.reshape(keys, [BM, C])
+        keys = tl.where((n_vis > K)[:, None], keys, tl.where(ids < n_here[:, None], 0, -1))
+        tau = tl.zeros([BM], dtype=tl.int32)
+        if tl.max(n_here, axis=0) > K:
+            tau = _kth_key(keys, K, RB, NJ)
+        sel, pos, n_sel = _select(keys, tau, K)
+        slot = (rloc * S + s) * K  # < 2^31: the row group bounds the workspace
+        rel = (lo - rs + c0)[:, None] + ids  # row-relative block id = key row - row_start
+        tl.store(wsk_ptr + slot[:, None] + pos, keys, mask=sel)
+        tl.store(wsi_ptr + slot[:, None] + pos, rel, mask=sel)
+        j = tl.arange(0, K)[None, :]  # unused slots of the rows' chunks: -1 (no candidate)
+        tl.store(wsk_ptr + slot[:, None] + j, tl.full([BM, K], -1, tl.int32),
+                 mask=(j >= n_sel[:, None]) & (n_here > 0)[:, None])
 
 
 # ---------------------------------------------------------------------------------------------
 # Pass 2: merge (+ optional fused expansion)
 @triton.jit
-def _merge_kernel(wsk_ptr, wsi_ptr, wsc_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, bound_ptr,
-                  cap, stride_out,
+def _merge_kernel(wsk_ptr, wsi_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, bound_ptr,
+                  cap, stride_out, C, S,
                   PREFILL: tl.constexpr, EXPAND: tl.constexpr, RATIO: tl.constexpr,
-                  K: tl.constexpr, C: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
-                  W: tl.constexpr, WP: tl.constexpr, ID_BITS: tl.constexpr):
+                  K: tl.constexpr, SP: tl.constexpr,
+                  W: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr, RB: tl.constexpr,
+                  NJ: tl.constexpr, USE_PDL: tl.constexpr = False):
     r = tl.program_id(0)
+    # the row's metadata are inputs, not pass 1's output: read before waiting for pass 1
     if PREFILL:
         rs = tl.load(m0_ptr + r)
         n = tl.maximum(tl.minimum(tl.load(m1_ptr + r), cap) - tl.maximum(rs, 0), 0)
+        if EXPAND:
+            p = tl.load(pos_ptr + r)
+            bound = tl.load(bound_ptr + r)
     else:
         seq = tl.maximum(tl.load(m0_ptr + r), 0)
         n = tl.minimum(seq // RATIO, cap)
-    n_chunks = tl.cdiv(n, C)
-    si = tl.arange(0, SP)
-    j = tl.arange(0, K)
-    cnt = tl.load(wsc_ptr + r.to(tl.int64) * S + si, mask=si < n_chunks, other=0)  # [SP]
-    live = (j[None, :] < cnt[:, None])[None, :, :]
-    slot = (si[:, None] * K + j[None, :])[None, :, :]  # orders like the block id
+        p = seq - 1
+        bound = seq
+    if USE_PDL:  # launched with PDL: wait until pass 1 has completed and its writes are visible
+        tl.extra.cuda.gdc_wait()
+    # candidate slot = chunk * K + rank in the chunk: orders like the block id, so the tie rule
+    # (smaller id first) is the slot order; a chunk's unused slots hold -1
+    slot = tl.arange(0, SP * K)
+    has = slot // K < tl.cdiv(n, C)
     base = r.to(tl.int64) * S * K
-    keys = tl.load(wsk_ptr + base + slot, mask=live, other=-1)
-    n_valid = tl.full([1], 0, tl.int32) + tl.sum(cnt, axis=0)
-    sel = _topk_mask(keys, slot, n_valid, K, ID_BITS)
-    pos, n_sel = _compact_positions(sel)
-    blk = tl.load(wsi_ptr + base + slot, mask=sel, other=0)
+    keys = tl.load(wsk_ptr + base + slot, mask=has, other=-1)
+    blk = tl.load(wsi_ptr + base + slot, mask=has, other=0)
+    tau = 0
+    if tl.sum((keys >= 0).to(tl.int32), axis=0) > K:
+        tau = _kth_key_row(keys, K, RB, NJ)
+    sel, pos, n_sel = _select_row(keys, tau, K)
     orow = out_ptr + r.to(tl.int64) * stride_out
     if EXPAND:
-        if PREFILL:
-            p = tl.load(pos_ptr + r)
-            bound = tl.load(bound_ptr + r)
-        else:
-            p = seq - 1
-            bound = seq
         # Everything is ascending, so the valid tokens of the selected blocks (< bound) are a
         # prefix; the causal tail [floor(L/R)*R, p] follows them (tokens < bound only).
-        m = 0
-        for e in tl.static_range(RATIO):
-            tok = blk * RATIO + e
-            ok = sel & (tok < bound)
-            tl.store(orow + pos * RATIO + e, tok, mask=ok)
-            m += tl.sum(tl.sum(tl.sum(ok.to(tl.int32), axis=2), axis=1), axis=0)
+        e = tl.arange(0, RP)[None, :]
+        tok = blk[:, None] * RATIO + e
+        tl.store(orow + pos[:, None] * RATIO + e, tok,
+                 mask=sel[:, None] & (e < RATIO) & (tok < bound))
+        m = tl.sum(tl.where(sel, tl.minimum(tl.maximum(bound - blk * RATIO, 0), RATIO), 0),
+                   axis=0)
         vis = tl.maximum(p + 1, 0)
         start = vis - vis % RATIO
         n_tail = 0
@@ -285,8 +359,9 @@ def _merge_kernel(wsk_ptr, wsi_ptr, wsc_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, b
         val = tl.where(off < n_tail, start + off, -1)
         tl.store(orow + col, val, mask=(col >= m) & (col < W))
     else:
+        j = tl.arange(0, K)
         tl.store(orow + pos, blk, mask=sel)
-        tl.store(orow + j, tl.full([K], -1, tl.int32), mask=j >= tl.sum(n_sel, axis=0))
+        tl.store(orow + j, tl.full([K], -1, tl.int32), mask=j >= n_sel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,49 +396,59 @@ def _expand_kernel(blk_ptr, pos_ptr, sl_ptr, out_ptr, K: tl.constexpr, RATIO: tl
 # Launchers
 def indexer_plan_for(kind: str, rows: int, max_blocks: int, topk: int,
                      device: torch.device | None = None) -> IndexerPlan:
-    """The shared static plan (``interop.indices.plan_indexer``) for this device's SM count."""
-    sms = 132
+    """The shared static plan (``interop.indices.plan_indexer``) for this device's SM count and
+    shared memory (an H200's without a CUDA device)."""
+    sms, smem = 132, 232_448
     if device is not None and device.type == "cuda":
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return plan_indexer(kind, rows, max_blocks, topk, sm_count=sms)
-
-
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(index: int) -> int:
-    n = _SMS.get(index)
-    if n is None:
-        n = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return n
+        facts = DeviceFacts.from_torch(device)
+        sms, smem = facts.sm_count, facts.smem_per_block
+    return plan_indexer(kind, rows, max_blocks, topk, sm_count=sms, smem_per_block=smem)
 
 
 def _compute_dtype(q: torch.Tensor):
     return tl.bfloat16 if q.dtype == torch.float8_e4m3fn else _TL_DTYPES[q.dtype]
 
 
-def _merge(ws, out, m0, m1, pos, bound, cap, plan: IndexerPlan, *, prefill, expand, ratio):
-    wsk, wsi, wsc = ws
+def _decode_constexprs(plan: IndexerPlan, h: int, d: int, psz: int, ratio: int, compute):
+    """The pass-1 decode kernel's constexprs for ``plan`` (one source for the launch and
+    ``interop.validate.compile.triton_indexer_configs``)."""
+    return dict(H=h, HP=max(16, _next_pow2(h)), D=d, P=psz, RATIO=ratio, K=plan.topk,
+                C=plan.chunk, T=plan.tile, RB=plan.radix_bits,
+                NJ=IndexerPlan.thresholds(plan.radix_bits), COMPUTE=compute)
+
+
+def _prefill_constexprs(plan: IndexerPlan, h: int, d: int, compute):
+    return dict(H=h, HP=_next_pow2(h), D=d, K=plan.topk, C=plan.chunk, T=plan.tile,
+                BM=plan.rows_per_program, RB=plan.radix_bits,
+                NJ=IndexerPlan.thresholds(plan.radix_bits), COMPUTE=compute)
+
+
+def _merge_constexprs(plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: int):
+    w = plan.topk * ratio + ratio - 1
+    return dict(PREFILL=prefill, EXPAND=expand, RATIO=ratio, K=plan.topk,
+                SP=plan.splits_pad, W=w, WP=_next_pow2(w), RP=_next_pow2(ratio),
+                RB=plan.merge_radix_bits, NJ=IndexerPlan.thresholds(plan.merge_radix_bits))
+
+
+def _merge(ws, out, m0, m1, pos, bound, cap, plan: IndexerPlan, *, prefill, expand, ratio,
+           pdl=False):
+    wsk, wsi = ws
     rows = out.shape[0]
     if rows == 0:
         return out
-    k = plan.topk
-    sp = plan.splits_pad
-    w = k * ratio + ratio - 1
     _merge_kernel[(rows,)](
-        wsk, wsi, wsc, out, m0, m1 if m1 is not None else m0,
+        wsk, wsi, out, m0, m1 if m1 is not None else m0,
         pos if pos is not None else m0, bound if bound is not None else m0,
-        cap, out.stride(0),
-        PREFILL=prefill, EXPAND=expand, RATIO=ratio, K=k, C=plan.chunk, S=plan.splits, SP=sp,
-        W=w, WP=_next_pow2(w), ID_BITS=(sp * k - 1).bit_length(), num_warps=plan.merge_warps)
+        cap, out.stride(0), plan.chunk, plan.splits,
+        **_merge_constexprs(plan, prefill=prefill, expand=expand, ratio=ratio), USE_PDL=pdl,
+        num_warps=plan.merge_warps, **({"launch_pdl": True} if pdl else {}))
     return out
 
 
 def _workspace(rows: int, plan: IndexerPlan, device):
     n = rows * plan.splits
     return (torch.empty((n * plan.topk,), dtype=torch.int32, device=device),
-            torch.empty((n * plan.topk,), dtype=torch.int32, device=device),
-            torch.empty((n,), dtype=torch.int32, device=device))
+            torch.empty((n * plan.topk,), dtype=torch.int32, device=device))
 
 
 def _run_decode(q, k_cache, page_table, seq_lens, topk: int, ratio: int, expand: bool,
@@ -377,17 +462,16 @@ def _run_decode(q, k_cache, page_table, seq_lens, topk: int, ratio: int, expand:
     if b == 0:
         return out
     ws = _workspace(b, plan, q.device)
-    c = plan.chunk
     if k_cache.numel() == 0:  # no pages: every block reads nothing (pages = 0 masks all loads)
         k_cache = torch.zeros((1, 1, 1, d), dtype=k_cache.dtype, device=q.device)
+    pdl = plan.pdl and _pdl_supported(q.device)
     _decode_chunk_kernel[(b, plan.splits)](
         q, k_cache, page_table, seq_lens, *ws,
-        q.stride(0), q.stride(1), page_table.stride(0), pages, cap,
-        H=h, HP=max(16, _next_pow2(h)), D=d, P=psz, RATIO=ratio, K=topk, C=c, T=plan.tile,
-        S=plan.splits, ID_BITS=(c - 1).bit_length(), COMPUTE=_compute_dtype(q),
+        q.stride(0), q.stride(1), page_table.stride(0), pages, cap, plan.splits,
+        **_decode_constexprs(plan, h, d, psz, ratio, _compute_dtype(q)), USE_PDL=pdl,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     return _merge(ws, out, seq_lens, None, None, None, cap, plan, prefill=False, expand=expand,
-                  ratio=ratio)
+                  ratio=ratio, pdl=pdl)
 
 
 def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, ratio: int,
@@ -401,9 +485,8 @@ def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, rat
         return out
     g = plan.row_group
     ws = _workspace(min(g, t), plan, q.device)
-    hp = _next_pow2(h)
-    c = plan.chunk
     bm = plan.rows_per_program
+    consts = _prefill_constexprs(plan, h, d, _compute_dtype(q))
     # Row groups bound the candidate workspace (static: from shapes only).
     for r0 in range(0, t, g):
         r1 = min(t, r0 + g)
@@ -411,9 +494,8 @@ def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, rat
         rs, re = row_starts[r0:r1], row_ends[r0:r1]
         if n_keys:  # no keys: every row is empty, the merge alone writes the (tail-only) rows
             _prefill_chunk_kernel[(triton.cdiv(r1 - r0, bm), plan.splits)](
-                qs, k, rs, re, *ws, r1 - r0, n_keys, qs.stride(0), qs.stride(1),
-                H=h, HP=hp, D=d, K=topk, C=c, T=plan.tile, S=plan.splits, BM=bm,
-                ID_BITS=(c - 1).bit_length(), COMPUTE=_compute_dtype(q),
+                qs, k, rs, re, *ws, r1 - r0, n_keys, qs.stride(0), qs.stride(1), plan.splits,
+                **consts,
                 num_warps=plan.num_warps, num_stages=plan.num_stages)
         _merge(ws, out[r0:r1], rs, re, positions[r0:r1] if expand else None,
                seq_lens[r0:r1] if expand else None, n_keys, plan, prefill=True, expand=expand,
@@ -482,10 +564,13 @@ def _expand_fake(block_ids, positions, seq_lens, compress_ratio):
 def _pre(fn: str, prob, q: torch.Tensor, plan: IndexerPlan | None = None) -> None:
     check_interpreter_dtype(fn, prob.compute_dtype)
     check_device(fn, q.device.type)
-    if plan is not None:
-        why = plan.problem(prob.kind, prob.max_blocks, prob.topk)
-        if why:
-            raise ContractError(fn, "plan", why, plan)
+    arg, own = ("plan", plan) if plan is not None else (
+        "page_table" if prob.kind == "decode" else "k",
+        indexer_plan_for(prob.kind, prob.rows, prob.max_blocks, prob.topk, q.device))
+    why = own.problem(prob.kind, prob.max_blocks, prob.topk)
+    if why:  # a custom plan that cannot run this call, or a context past what any plan covers
+        raise ContractError(fn, arg, why, plan if plan is not None else
+                            f"{prob.max_blocks} blocks a row")
 
 
 def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
@@ -516,8 +601,9 @@ def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torc
     Raises:
       ContractError: before any launch, for a call outside the contract
         (``interop.contract.check_indexer_decode``), a non-torch argument, bf16 under an
-        unpatched Triton interpreter, CPU tensors without the interpreter, a plan that cannot
-        run this call (``IndexerPlan.problem``).
+        unpatched Triton interpreter, CPU tensors without the interpreter, a plan (given, or
+        the default one) that cannot run this call (``IndexerPlan.problem``; the default plan
+        covers rows of up to 2M blocks at topk 512: argument ``page_table`` / ``k``).
     """
     fn = "indexer_topk_decode"
     if not torch.compiler.is_compiling():

@@ -207,8 +207,12 @@ def test_triton_prefill_exact(pre):
     topk, (q, k, rs, re, pos, sl), ref, sel = pre
     t = lambda a, dt=None: torch.tensor(a, dtype=dt)  # noqa: E731
     qt, kt = t(q, torch.float16), t(k, torch.float16)
-    if topk == 16:
-        got = TI.indexer_topk_prefill(qt, kt, t(rs), t(re), topk=topk).numpy()
+    if topk == 16:  # 2-bit rounds over 16 rows at once (the default prefill plan: 1-bit)
+        import dataclasses
+
+        plan = dataclasses.replace(I.plan_indexer("prefill", q.shape[0], k.shape[0], topk),
+                                   radix_bits=2)
+        got = TI.indexer_topk_prefill(qt, kt, t(rs), t(re), topk=topk, plan=plan).numpy()
         assert np.array_equal(got, ref)
     else:
         got = TI.indexer_select_prefill(qt, kt, t(rs), t(re), t(pos), t(sl), topk=topk).numpy()
@@ -374,17 +378,23 @@ def test_plan_is_static_and_bounded():
 
 
 def test_plan_override_same_result_and_bad_plan_refused(dec16):
-    """The selection does not depend on the chunking (the tie rule is global): a sweep plan with
-    4x larger chunks gives the same ids; a plan that cannot cover the rows is refused."""
+    """The selection depends neither on the chunking (the tie rule is global) nor on the radix
+    width: sweep plans with 4x larger chunks and 1-, 3-, 4- and 8-bit rounds (the scalar round,
+    packed pairs, a 255-threshold round) give the reference's ids; a plan that cannot cover the
+    rows is refused before launch."""
     import dataclasses
 
     case, (qi, ki), _ = dec16
     cap = case.page_table.shape[1] * 16
     plan = I.plan_indexer("decode", 6, cap, 16)
     big = dataclasses.replace(plan, chunk=256, splits=-(-cap // 256))
-    a = _torch_decode(TI.indexer_topk_decode, qi, ki, case, topk=16)
-    b = _torch_decode(TI.indexer_topk_decode, qi, ki, case, topk=16, plan=big)
-    assert np.array_equal(a, b)
+    ref = R.indexer_topk_decode_reference(qi, ki, case.page_table, case.seq_lens, topk=16)
+    a = _torch_decode(TI.indexer_topk_decode, qi, ki, case, topk=16,
+                      plan=dataclasses.replace(big, radix_bits=1, merge_radix_bits=4))
+    assert np.array_equal(a, ref)
+    b = _jax_decode(PI.indexer_topk_decode, qi, ki, case, dtype=jnp.float16, topk=16,
+                    plan=dataclasses.replace(big, radix_bits=3, merge_radix_bits=8))
+    assert np.array_equal(b, ref)
     bad = dataclasses.replace(plan, splits=1)
     with pytest.raises(ContractError, match="'plan'"):
         _torch_decode(TI.indexer_topk_decode, qi, ki, case, topk=16, plan=bad)
@@ -410,60 +420,45 @@ def test_jit_new_lengths_do_not_recompile(dec16):
 # ---------------------------------------------------------------------------------------------
 # Ahead-of-time compiles for CUDA without a GPU: both packages, sm_90 and sm_120 (101,376 B).
 _TRITON_AOT = r"""
-import json, os
+import json, os, re, sys
 os.environ.pop("TRITON_INTERPRET", None)
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import qsa_triton.indexer as TI
-def sig(fn, ptrs, consts):
-    s = {n: "i32" for n in fn.arg_names}
-    s.update(ptrs)
-    s.update({c: "constexpr" for c in consts})
-    return s
-def attrs(fn, names):
-    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
-I32 = ("pt_ptr", "seq_ptr", "wsk_ptr", "wsi_ptr", "wsc_ptr")
-# the pass-1 kernels (tl.dot, pipelined key tiles: the shared memory to fit) as plan_indexer
-# launches them for decode B = 128 at 256k and prefill 8192 rows at 32k
-cfgs = [
-  (TI._decode_chunk_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", **{n: "*i32" for n in I32}},
-   dict(H=4, HP=16, D=128, P=16, RATIO=4, K=512, C=4096, T=128, S=16, ID_BITS=12,
-        COMPUTE=triton.language.bfloat16), 8, 5),
-  (TI._prefill_chunk_kernel, {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv",
-   **{n: "*i32" for n in ("rs_ptr", "re_ptr", "wsk_ptr", "wsi_ptr", "wsc_ptr")}},
-   dict(H=4, HP=4, D=128, K=512, C=1024, T=64, S=8, BM=16, ID_BITS=10,
-        COMPUTE=triton.language.bfloat16), 16, 2),
-]
+from interop.validate.compile import compile_triton_configs, triton_indexer_configs
+picks = json.loads(sys.argv[1])
 out = []
-for cc in (120,):
-    for fn, ptrs, consts, nw, ns in cfgs:
-        src = ASTSource(fn=fn, signature=sig(fn, ptrs, consts), constexprs=consts,
-                        attrs=attrs(fn, list(ptrs)))
-        c = triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                           options=dict(num_warps=nw, num_stages=ns))
-        out.append(dict(cc=cc, name=fn.__name__, shared=int(c.metadata.shared)))
+for arch, pick in picks.items():
+    cfgs = [c for c in triton_indexer_configs(arch) if re.fullmatch(pick, c["name"])]
+    for r in compile_triton_configs(arch, cfgs):
+        out.append(dict(arch=arch, name=r.name, shared=r.shared, limit=r.smem_limit, regs=r.regs,
+                        spill=r.spill_bytes, fits=r.fits, error=r.error))
 print(json.dumps(out))
 """
 
 
-def test_triton_kernels_compile_for_sm120():
-    """sm_120's 101,376 B of shared memory (sm_90 compiles in the -m gpu tests on the H200)."""
+def test_triton_kernels_fit_sm90_and_sm120():
+    """The largest pass-1 decode program (8192 keys: the most registers; three 32 KB key buffers
+    on sm_90, 16 KB on sm_120) compiles for sm_90 and sm_120, and the prefill pass 1 (16 x 1024
+    keys) for sm_120, within shared memory and registers, the decode without spills (every
+    configuration of both archs: ``qsa compile``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _TRITON_AOT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    picks = {"sm_90": r"indexer_decode_C8192_T128_rb2_bf16",
+             "sm_120": r"indexer_decode_C8192_T64_rb2_bf16|indexer_prefill_C1024_T64_bm8"}
+    proc = subprocess.run([sys.executable, "-c", _TRITON_AOT, json.dumps(picks)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
     assert lines, proc.stderr[-3000:]
     rows = json.loads(lines[-1])
-    assert len(rows) == 2
-    assert all(r["shared"] <= 101_376 for r in rows), rows
+    assert len(rows) == 3, rows
+    assert all(r["fits"] and r["shared"] <= r["limit"] for r in rows), rows
+    assert all(r["shared"] <= 101_376 for r in rows if r["arch"] == "sm_120"), rows
+    # pass-1 decode: no spills (the key stream must not wait on local memory)
+    assert all(r["spill"] in (0, None) for r in rows if "_decode_" in r["name"]), rows
 
 
 def test_pallas_kernels_lower_for_cuda_and_fit_sm120():
     """Every kernel lowers for CUDA (decode with FP8 keys, prefill); the decode pass-1 kernel
     (the one with pipelined key tiles) compiles for sm_120 within 101,376 B."""
+    from interop.arch import KNOWN_ARCHS
     from qsa_pallas import _compat as C
 
     kind = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
@@ -473,8 +468,6 @@ def test_pallas_kernels_lower_for_cuda_and_fit_sm120():
         assert len(mods) == 2 and "qsa_indexer_merge" in {m.name for m in mods}, name
     chunk = next(m for m in C.triton_modules(C.lower_for_device_kind(*cases[0][1:], kind))
                  if m.name == "qsa_indexer_decode_chunk")
-    from interop.arch import KNOWN_ARCHS
-
     assert C.compile_ttir(chunk, 120)["shared"] <= KNOWN_ARCHS["sm_120"].smem_per_block
 
 
@@ -526,6 +519,27 @@ def test_gpu_decode_production_exact(b, ctx):
     _check_rows(blocks.cpu().numpy(), q, kc, case, rows[:1])
     ex = TI.expand_block_indices(blocks, sl - 1, sl)
     assert np.array_equal(ex.cpu().numpy(), out_t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,ctx", [(16, 32768)])
+def test_gpu_plan_variants_and_pdl_same_selection(b, ctx):
+    """The default plan (merge launched with PDL where pass 1 is one wave), the same without
+    PDL, and the bench's variants (4-bit rounds; twice the chunk) select the same token rows,
+    equal to the FP64 reference on a sampled row."""
+    import dataclasses
+
+    case, q, kc = _gpu_decode_inputs(b, ctx, seed=3 * b + ctx, dtype=torch.bfloat16)
+    pt = torch.tensor(case.page_table, device="cuda")
+    sl = torch.tensor(case.seq_lens, device="cuda")
+    plan = TI.indexer_plan_for("decode", b, pt.shape[1] * 16, 512, q.device)
+    out = TI.indexer_select_decode(q, kc, pt, sl).cpu().numpy()
+    _check_rows(out, q, kc, case, [b - 1], expand=True)
+    for p in (dataclasses.replace(plan, pdl=not plan.pdl),
+              dataclasses.replace(plan, radix_bits=4, merge_radix_bits=4),
+              dataclasses.replace(plan, chunk=2 * plan.chunk, splits=-(-plan.splits // 2))):
+        got = TI.indexer_select_decode(q, kc, pt, sl, plan=p).cpu().numpy()
+        assert np.array_equal(got, out), p
 
 
 @pytest.mark.gpu

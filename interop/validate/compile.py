@@ -16,6 +16,8 @@ a list cannot drift from what a launch passes:
   every variant the entry points launch (``PREFILL_VARIANTS``).
 * Paged decode (family ``decode_paged``): the lists ``qsa_triton.decode_paged.compile_configs``
   and ``qsa_pallas.decode_paged.lowering_cases`` still keep beside their kernels.
+* Indexer (family ``indexer``): ``triton_indexer_configs`` (every pass-1 / merge kernel the
+  shared plan launches) and ``qsa_pallas.indexer.lowering_cases``.
 * Pallas decode / prefill (``pallas_decode_cases`` / ``pallas_prefill_cases``): ``(name, fn,
   args)`` lowered with ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`` under an
   abstract device of the arch's representative part; the embedded Triton IR is compiled for the
@@ -54,7 +56,8 @@ from interop.arch import CI_ARCHS, KNOWN_ARCHS, KNOWN_PARTS, arch_name, device_k
 
 __all__ = ["ConfigReport", "DEFAULT_ARCHS", "DEVICE_KIND",
            "FAMILIES", "resource_usage", "check_triton", "check_pallas", "run", "parse_archs",
-           "triton_decode_configs", "triton_prefill_configs", "pallas_decode_cases",
+           "triton_decode_configs", "triton_prefill_configs", "triton_indexer_configs",
+           "pallas_decode_cases",
            "pallas_prefill_cases", "compile_triton_configs", "summary_rows"]
 
 DEFAULT_ARCHS = CI_ARCHS
@@ -62,8 +65,8 @@ DEFAULT_ARCHS = CI_ARCHS
 DEVICE_KIND = {arch: device_kind(arch) for arch in KNOWN_ARCHS}
 #: kernel families per backend; ``run`` / ``--family`` take "triton", "pallas" or e.g.
 #: "triton:decode"
-FAMILIES = {"triton": ("decode", "prefill", "decode_paged"),
-            "pallas": ("decode", "prefill", "decode_paged")}
+FAMILIES = {"triton": ("decode", "prefill", "decode_paged", "indexer"),
+            "pallas": ("decode", "prefill", "decode_paged", "indexer")}
 MAX_REGS_PER_THREAD = 255
 MAX_REGS_PER_BLOCK = 65_536
 
@@ -323,13 +326,80 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
     return out
 
 
+def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
+                           contexts=(8192, 32768, 131072, 262144, 1 << 20),
+                           prefill_contexts=(32768, 131072, 262144)) -> list[dict]:
+    """The indexer kernel configurations ``interop.indices.plan_indexer`` launches on ``arch``
+    for the qualified shapes (4 heads x 128, topk 512, ratio 4, page size 16): the pass-1 decode
+    kernel for every distinct plan over ``batches`` x ``contexts`` (tokens) with bf16 and fp8
+    keys, the merge kernel of each (token rows and block ids), both also in their Programmatic
+    Dependent Launch form where the plan launches them so (names end in ``_pdl``); the pass-1
+    prefill kernel for 8192 rows at ``prefill_contexts`` and its merge. Constexprs from
+    ``qsa_triton.indexer``'s own builders (``_decode_constexprs`` ...).
+
+    Returns:
+      dicts as ``triton_decode_configs``.
+    """
+    import triton.language as tl  # noqa: PLC0415
+
+    from interop.indices import plan_indexer  # noqa: PLC0415
+    from qsa_triton import decode as dec  # noqa: PLC0415
+    from qsa_triton import indexer as ix  # noqa: PLC0415
+
+    info = KNOWN_ARCHS[arch]
+    sms = next((n for a, n in KNOWN_PARTS.values() if a == arch), 132)
+    i32 = lambda *names: {n: "*i32" for n in names}  # noqa: E731
+    merge_ptrs = i32("wsk_ptr", "wsi_ptr", "out_ptr", "m0_ptr", "m1_ptr", "pos_ptr", "bound_ptr")
+    out, seen = [], set()
+
+    def add(e):
+        key = (e["kernel"].__name__, tuple(sorted((k, str(v)) for k, v in e["constexprs"].items())),
+               e["num_warps"], e["num_stages"], tuple(sorted(e["signature"].items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+
+    plans = {plan_indexer("decode", b, ctx // 4, 512, sm_count=sms,
+                          smem_per_block=info.smem_per_block)
+             for b in batches for ctx in contexts}
+    for p in sorted(plans, key=lambda p: (p.chunk, p.splits)):
+        for pdl in sorted({False, p.pdl and dec._TRITON_PDL}):
+            tag = "_pdl" if pdl else ""
+            for kd in ("bf16", "fp8e4nv"):
+                consts = {**ix._decode_constexprs(p, 4, 128, 16, 4, tl.bfloat16), "USE_PDL": pdl}
+                add(_entry(ix._decode_chunk_kernel,
+                           f"indexer_decode_C{p.chunk}_T{p.tile}_rb{p.radix_bits}_{kd}{tag}",
+                           {"q_ptr": "*bf16", "k_ptr": f"*{kd}",
+                            **i32("pt_ptr", "seq_ptr", "wsk_ptr", "wsi_ptr")},
+                           consts, p.num_warps, p.num_stages))
+            for expand in (True, False):
+                consts = {**ix._merge_constexprs(p, prefill=False, expand=expand, ratio=4),
+                          "USE_PDL": pdl}
+                add(_entry(ix._merge_kernel, f"indexer_merge_decode_SP{p.splits_pad}_"
+                                             f"{'tokens' if expand else 'ids'}{tag}",
+                           merge_ptrs, consts, p.merge_warps, 1, pdl))
+    for ctx in prefill_contexts:
+        p = plan_indexer("prefill", 8192, ctx // 4, 512, sm_count=sms,
+                         smem_per_block=info.smem_per_block)
+        add(_entry(ix._prefill_chunk_kernel, f"indexer_prefill_C{p.chunk}_T{p.tile}_bm"
+                                             f"{p.rows_per_program}",
+                   {"q_ptr": "*bf16", "k_ptr": "*bf16", **i32("rs_ptr", "re_ptr", "wsk_ptr",
+                                                              "wsi_ptr")},
+                   ix._prefill_constexprs(p, 4, 128, tl.bfloat16), p.num_warps, p.num_stages))
+        add(_entry(ix._merge_kernel, f"indexer_merge_prefill_SP{p.splits_pad}_tokens",
+                   merge_ptrs, ix._merge_constexprs(p, prefill=True, expand=True, ratio=4),
+                   p.merge_warps, 1))
+    return out
+
+
 def _module_list(module: str, fn: str) -> Callable:
     """A kernel module's own list (``qsa_*.decode_paged`` still keeps its list beside its kernels)."""
     return lambda target: getattr(importlib.import_module(module), fn)(target)
 
 
 _TRITON_FAMILIES = {"decode": triton_decode_configs, "prefill": triton_prefill_configs,
-                    "decode_paged": _module_list("qsa_triton.decode_paged", "compile_configs")}
+                    "decode_paged": _module_list("qsa_triton.decode_paged", "compile_configs"),
+                    "indexer": triton_indexer_configs}
 
 
 # --------------------------------------------------------------------------------------------
@@ -509,7 +579,8 @@ def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, g
 
 
 _PALLAS_FAMILIES = {"decode": pallas_decode_cases, "prefill": pallas_prefill_cases,
-                    "decode_paged": _module_list("qsa_pallas.decode_paged", "lowering_cases")}
+                    "decode_paged": _module_list("qsa_pallas.decode_paged", "lowering_cases"),
+                    "indexer": _module_list("qsa_pallas.indexer", "lowering_cases")}
 
 
 def check_pallas(arch: str, modules: Sequence[str] = (),
