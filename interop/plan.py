@@ -287,7 +287,7 @@ class PagedDecodePlan:
 
 
 def paged_smem_bytes(plan: PagedDecodePlan, head_dim: int, q_bytes: int = 2,
-                     kv_bytes: int = 2) -> int:
+                     kv_bytes: int = 2, backend: str = "triton") -> int:
     """Estimated shared memory (bytes) of the paged split kernel: (num_stages - 1) pipelined K+V
     gather tiles in the pool's dtype, the Q tile and the P tile in q's dtype, and for an FP8 pool
     one converted [BLOCK_N, D] dot operand in q's dtype per tensor. The model of
@@ -295,17 +295,24 @@ def paged_smem_bytes(plan: PagedDecodePlan, head_dim: int, q_bytes: int = 2,
     kernel for stages >= 2) extended by the conversion tiles."""
     kv = 2 * plan.block_n * head_dim * kv_bytes
     conv = 2 * plan.block_n * head_dim * q_bytes if kv_bytes != q_bytes else 0
-    # Triton's software pipeliner shares the stage budget over the kernel's chain of dependent
-    # loads (index -> req_to_token -> K/V, depth 3): (num_stages - 1) // 3 K/V buffers.
-    kv_buffers = max(1, (plan.num_stages - 1) // PAGED_LOAD_CHAIN)
-    return (kv_buffers * kv + conv + plan.head_tile * head_dim * q_bytes
+    if backend == "triton":
+        # Triton's software pipeliner shares the stage budget over the kernel's chain of
+        # dependent loads (index -> req_to_token -> K/V, depth 3): (num_stages - 1) // 3 K+V
+        # buffers.
+        kv_buffers = max(1, (plan.num_stages - 1) // PAGED_LOAD_CHAIN) * kv
+    else:
+        # the Pallas twin as XLA lowers it: one [BLOCK_N, D] tile per stage past the first
+        # (sm_120 compiles: 109,056 B at 7 stages, BLOCK_N 32, D 256, bf16)
+        kv_buffers = max(plan.num_stages - 1, 1) * kv // 2
+    return (kv_buffers + conv + plan.head_tile * head_dim * q_bytes
             + plan.head_tile * plan.block_n * q_bytes)
 
 
 def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, width: int,
                       sm_count: int = 132, *, q_bytes: int = 2, kv_bytes: int = 2,
                       batch_invariant: bool = False,
-                      smem_limit: int = SM12X_SMEM_BYTES) -> PagedDecodePlan:
+                      smem_limit: int = SM12X_SMEM_BYTES,
+                      backend: str = "triton") -> PagedDecodePlan:
     """Plan a paged decode launch from static shapes only.
 
     Args:
@@ -317,6 +324,8 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
         count (qsa-contract.md §2c).
       smem_limit: bytes per block the plan must fit (``paged_smem_bytes``); default sm_120 /
         sm_121's 101,376 B, so one plan is valid on every supported part.
+      backend: "triton" or "pallas": whose shared-memory model the fit uses (the two kernels
+        buffer their pipelined gathers differently; the schedule rules are the same).
 
     Returns:
       PagedDecodePlan. Rules (why):
@@ -352,7 +361,7 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
     # "Paged decode, Triton").
     stages = PAGED_DEEP_STAGES if nb >= 2 * splits else 3
     plan = PagedDecodePlan(head_tile, block_n, splits, 4, stages)
-    while paged_smem_bytes(plan, head_dim, q_bytes, kv_bytes) > smem_limit:
+    while paged_smem_bytes(plan, head_dim, q_bytes, kv_bytes, backend) > smem_limit:
         if plan.num_stages > 2:
             plan = dataclasses.replace(plan, num_stages=plan.num_stages - 1)
         elif plan.block_n > 16 and not batch_invariant:

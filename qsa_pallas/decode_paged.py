@@ -235,7 +235,7 @@ def plan_for(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int, widt
     return plan_decode_paged(rows, num_kv_heads, num_q_heads // num_kv_heads, head_dim,
                              max(1, width), _target_sms(), q_bytes=np.dtype(q_dtype).itemsize,
                              kv_bytes=np.dtype(kv_dtype).itemsize,
-                             batch_invariant=bool(batch_invariant))
+                             batch_invariant=bool(batch_invariant), backend="pallas")
 
 
 @functools.cache
