@@ -72,12 +72,15 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
 
 # ---------------------------------------------------------------------------------------------
 # The split kernel
-def _active_splits(cuk_ref, s, block_n: int, min_blocks: int, max_splits: int):
+def _active_splits(cuk_ref, s, block_n: int, min_blocks: int, max_splits: int, capacity: int):
     """Row s's (start, end, length, blocks, n_active) from device data only
     (``interop/plan.py``): blocks = cdiv(len, BLOCK_N), n_active = clamp(cdiv(blocks,
-    min_blocks), 1, max_splits). A zero-length row has n_active = 1 (its split writes zeros)."""
-    start = cuk_ref[s]
-    end = cuk_ref[s + 1]
+    min_blocks), 1, max_splits). A zero-length row has n_active = 1 (its split writes zeros).
+    Metadata that lies never leads outside K/V: both ends are clamped into [0, C], so a row's
+    keys end at min(cu_k[s+1], C) and a decreasing cu_seqlens_k is an empty row
+    (qsa-contract.md §2; the Triton twin clamps the same way)."""
+    start = jnp.clip(cuk_ref[s], 0, capacity)
+    end = jnp.clip(cuk_ref[s + 1], 0, capacity)
     length = jnp.maximum(end - start, 0)
     blocks = (length + (block_n - 1)) // block_n
     n_active = jnp.clip((blocks + (min_blocks - 1)) // min_blocks, 1, max_splits)
@@ -98,7 +101,7 @@ def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None, *,
     """
     s, h, j = _program_ids()
     start, end, length, blocks, n_active = _active_splits(cuk_ref, s, block_n, min_blocks,
-                                                          max_splits)
+                                                          max_splits, capacity)
     # The shared split rule (interop.plan.split_blocks); for j >= n_active both ends clamp to
     # `blocks` (an empty split, never stored nor read).
     blk_lo, blk_hi = (jnp.minimum(x, blocks) for x in split_blocks(blocks, j, n_active))
@@ -169,7 +172,7 @@ def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None, *,
 
 def _merge_kernel(cuk_ref, o_ref, lse_ref, out_ref, *, group: int, head_tile: int, block_n: int,
                   num_kv_heads: int, max_splits: int, splits_p2: int, min_blocks: int,
-                  d_chunk: int):
+                  d_chunk: int, capacity: int):
     """One (sequence s, query head h, D chunk c) program: the stable LSE merge of the row's
     active splits.
 
@@ -180,7 +183,7 @@ def _merge_kernel(cuk_ref, o_ref, lse_ref, out_ref, *, group: int, head_tile: in
     for an empty row: exact zeros, never NaN.
     """
     s, h, c = _program_ids()
-    *_, n_active = _active_splits(cuk_ref, s, block_n, min_blocks, max_splits)
+    *_, n_active = _active_splits(cuk_ref, s, block_n, min_blocks, max_splits, capacity)
     kvh = h // group
     g = h - kvh * group
     jj = lax.iota(jnp.int32, splits_p2)
@@ -239,7 +242,7 @@ def _split_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softma
 
 
 def _merge_partials(o, lse, cu_seqlens_k, *, num_q_heads: int, plan: DecodePlan, out_dtype,
-                   interpret: bool):
+                   capacity: int, interpret: bool):
     """The merge kernel: (o [B, Hkv, S, HT, D] f32, lse [B, Hkv, S, HT] f32) -> [B, Hq, D].
 
     One program per (sequence, query head, D chunk); the D chunk keeps the [S_p2, D_chunk] FP32
@@ -252,7 +255,7 @@ def _merge_partials(o, lse, cu_seqlens_k, *, num_q_heads: int, plan: DecodePlan,
     kernel = functools.partial(
         _merge_kernel, group=group, head_tile=ht, block_n=plan.block_n, num_kv_heads=hkv,
         max_splits=s_max, splits_p2=splits_p2, min_blocks=plan.min_blocks_per_split,
-        d_chunk=d_chunk)
+        d_chunk=d_chunk, capacity=capacity)
     whole = C.pl.no_block_spec
     call = C.triton_call(
         kernel,
@@ -276,7 +279,7 @@ def _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_sc
     o, lse = _split_call(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
                          softmax_scale=softmax_scale, interpret=interpret, direct=False)
     return _merge_partials(o, lse, cu_seqlens_k, num_q_heads=hq, plan=plan, out_dtype=q.dtype,
-                           interpret=interpret)
+                           capacity=k.shape[0], interpret=interpret)
 
 
 def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,

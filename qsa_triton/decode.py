@@ -123,12 +123,14 @@ def _online_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, n_mask, scale_log2, MASKED: 
 
 
 @triton.jit
-def _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ, HKV, SLOTS):
+def _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ, HKV, SLOTS, CAP):
     """(row start, row length, blocks, n_active) of sequence s, from device data only: one split
     per MIN_BLOCKS blocks up to MAX_SPLITS, capped by the row's share of SLOTS programs,
-    proportional to its length within the batch's total keys (``interop/plan.py``)."""
-    k_lo = tl.load(cu_k_ptr + s)
-    k_hi = tl.load(cu_k_ptr + s + 1)
+    proportional to its length within the batch's total keys (``interop/plan.py``). Both ends
+    are clamped into [0, CAP] (CAP = C, the K/V rows): metadata that lies never leads outside
+    K/V, a decreasing cu_seqlens_k is an empty row (qsa-contract.md §2, as the Pallas twin)."""
+    k_lo = tl.minimum(tl.maximum(tl.load(cu_k_ptr + s), 0), CAP)
+    k_hi = tl.minimum(tl.maximum(tl.load(cu_k_ptr + s + 1), 0), CAP)
     n = tl.maximum(k_hi - k_lo, 0)
     blocks = tl.cdiv(n, BLOCK_N)
     n_act = tl.minimum(tl.maximum(tl.cdiv(blocks, MIN_BLOCKS), 1), MAX_SPLITS)
@@ -145,12 +147,12 @@ _split_blocks = triton.jit(types.FunctionType(split_blocks.__code__, globals(), 
 
 # Shape ints stay runtime values and are not specialised (Triton would otherwise compile a
 # variant for every value == 1 / multiple of 16): one compiled kernel serves every B and split count.
-@triton.jit(do_not_specialize=["HQ", "HKV", "MAX_SPLITS", "MIN_BLOCKS", "NSEQ", "SLOTS"])
+@triton.jit(do_not_specialize=["HQ", "HKV", "MAX_SPLITS", "MIN_BLOCKS", "NSEQ", "SLOTS", "CAP"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, cnt_ptr, cu_q_ptr, cu_k_ptr,
     scale_log2,
     stride_qb, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh, stride_ob, stride_oh,
-    HQ, HKV, MAX_SPLITS, MIN_BLOCKS, NSEQ, SLOTS,
+    HQ, HKV, MAX_SPLITS, MIN_BLOCKS, NSEQ, SLOTS, CAP,
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
     MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr, USE_PDL: tl.constexpr,
     PDL_LATE: tl.constexpr, INLINE_TILE: tl.constexpr,
@@ -182,7 +184,7 @@ def _decode_split_kernel(
     # one or two blocks: its chain of dependent loads is its time)
     q_row = tl.load(cu_q_ptr + s).to(tl.int64)
     k_lo, n, blocks, n_act = _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ,
-                                            HKV, SLOTS)
+                                            HKV, SLOTS, CAP)
     offs_m = tl.arange(0, HT)
     m_ok = offs_m < G
     heads = h * G + offs_m  # global query head of each tile row
@@ -561,6 +563,7 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1),
             hq, hkv, splits, plan.min_blocks_per_split, b, plan.balance_slots or _NO_BALANCE,
+            k.shape[0],
             **_split_constexprs(plan, g, d, inline=merge == "inline",
                                 lse_all=splits > 1 and merge == "kernel", use_pdl=use_pdl,
                                 pdl_late=use_pdl and _pdl_late_trigger(b * hkv)),

@@ -106,3 +106,40 @@ def test_timing_chain_lowers_to_n_decodes():
     for body in bodies:
         if body.startswith("private @_decode"):
             assert body.count("custom_call @__gpu$xla.gpu.triton") == launches
+
+
+def test_lying_cu_seqlens_k_stay_inside_kv_in_both_packages():
+    """Metadata that lies (qsa-contract.md §2): cu_seqlens_k[B] past C and a decreasing pair.
+    Both packages read only [min(cu_k[s], C), min(cu_k[s+1], C)) (a decreasing pair is an empty
+    row), agree with the FP64 reference on those clamped rows, and never see the NaN rows that
+    sit outside K/V's real rows (the buffer is a view of a larger, NaN-poisoned one)."""
+    import qsa_triton  # noqa: PLC0415
+
+    from interop.reference import decode_reference  # noqa: PLC0415
+
+    dev = "cuda" if ON_GPU else "cpu"
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    hq, hkv, d, cap = 12, 1, 64, 70
+    g = torch.Generator(device=dev).manual_seed(5)
+    q = torch.randn(4, hq, d, generator=g, device=dev).to(dtype)
+    big_k = torch.full((cap + 40, hkv, d), float("nan"), device=dev, dtype=dtype)
+    big_v = big_k.clone()
+    big_k[:cap] = torch.randn(cap, hkv, d, generator=g, device=dev).to(dtype)
+    big_v[:cap] = torch.randn(cap, hkv, d, generator=g, device=dev).to(dtype)
+    k, v = big_k[:cap], big_v[:cap]
+    cq = torch.arange(5, dtype=torch.int32, device=dev)
+    ck = torch.tensor([0, 30, 20, 60, cap + 33], dtype=torch.int32, device=dev)  # lies twice
+    clamped = np.clip(_np(ck).astype(np.int64), 0, cap)
+    ref = np.zeros((4, hq, d))
+    for s in range(4):
+        lo, hi = clamped[s], clamped[s + 1]
+        if hi > lo:
+            ref[s] = decode_reference(_np(q[s:s + 1]), _np(k[lo:hi]), _np(v[lo:hi]),
+                                      np.array([0, 1]), np.array([0, hi - lo]))[0]
+    out_t = _np(qsa_triton.sparse_decode(q, k, v, cq, ck, 64))
+    out_p = np.asarray(qsa_pallas.sparse_decode(to_jax(q), to_jax(k), to_jax(v), to_jax(cq),
+                                                to_jax(ck), 64).astype(jnp.float32))
+    for name, out in (("triton", out_t), ("pallas", out_p)):
+        _close(out, ref, name)
+        assert (out[1] == 0).all(), f"{name}: a decreasing cu_seqlens_k pair is an empty row"
+    _close(out_t, out_p, "triton vs pallas")
