@@ -349,6 +349,24 @@ class _Checker:
             self.fail(q_name, f"(Hq, Hkv) in {{{', '.join(map(str, pairs))}}}", (hq, hkv))
         return group
 
+    def q_kv(self, qs, ks, vs, k: str, v: str, q_shape: str, kv_shape: str, k_dtypes,
+             v_dtypes):
+        """q [rows, Hq, D] against its K and V [*, Hkv, D] (ranks, dtypes, equal K/V shapes,
+        head dim, GQA group), in that order; returns (rows, Hq, D, group)."""
+        self.rank("q", qs, 3, q_shape)
+        self.dtype("q", qs, _FLOAT_DTYPES)
+        self.rank(k, ks, 3, kv_shape)
+        self.rank(v, vs, 3, kv_shape)
+        self.dtype(k, ks, k_dtypes)
+        self.dtype(v, vs, v_dtypes)
+        if vs.shape != ks.shape:
+            self.fail(v, f"{k}'s shape {list(ks.shape)}", f"shape {list(vs.shape)}")
+        rows, hq, d = qs.shape
+        if ks.shape[2] != d:
+            self.fail(k, f"head dim {d} (q's)", ks.shape[2])
+        self.head_dim("q", d)
+        return rows, hq, d, self.heads(hq, ks.shape[1], "q", k, QUALIFIED["head_pairs"])
+
     def head_dim(self, name: str, d: int):
         if d not in _HEAD_DIMS:
             self.fail(name, f"head dim D in {_HEAD_DIMS} (a power of two 32..256)", d)
@@ -381,19 +399,8 @@ def check_decode(
     c = _Checker(fn, strict)
     qs, ks, vs = c.spec("q", q), c.spec("k", k), c.spec("v", v)
     cq, ck = c.spec("cu_seqlens_q", cu_seqlens_q), c.spec("cu_seqlens_k", cu_seqlens_k)
-    c.rank("q", qs, 3, "[B, Hq, D]")
-    c.dtype("q", qs, _FLOAT_DTYPES)
-    c.rank("k", ks, 3, "[C, Hkv, D]")
-    c.rank("v", vs, 3, "[C, Hkv, D]")
-    c.dtype("k", ks, (qs.dtype,))
-    c.dtype("v", vs, (qs.dtype,))
-    if vs.shape != ks.shape:
-        c.fail("v", f"k's shape {list(ks.shape)}", f"shape {list(vs.shape)}")
-    b, hq, d = qs.shape
-    if ks.shape[2] != d:
-        c.fail("k", f"head dim {d} (q's)", ks.shape[2])
-    c.head_dim("q", d)
-    group = c.heads(hq, ks.shape[1], "q", "k", QUALIFIED["head_pairs"])
+    b, hq, d, group = c.q_kv(qs, ks, vs, "k", "v", "[B, Hq, D]", "[C, Hkv, D]", (qs.dtype,),
+                             (qs.dtype,))
     lo, hi = QUALIFIED["batch"]
     if b < 1 or (strict and b > hi):
         c.fail("q", f"batch B in [{lo}, {hi}]" if strict else "batch B >= 1", f"B = {b}")
@@ -802,19 +809,8 @@ def check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, 
     for name, flag in (("batch_invariant", batch_invariant), ("strict", strict)):
         if not isinstance(flag, (bool, np.bool_)):
             c.fail(name, "a host bool", type(flag).__name__)
-    c.rank("q", qs, 3, "[R, Hq, D]")
-    c.dtype("q", qs, _FLOAT_DTYPES)
-    c.rank("k_cache", ks, 3, "[slots, Hkv, D]")
-    c.rank("v_cache", vs, 3, "[slots, Hkv, D]")
-    c.dtype("k_cache", ks, (qs.dtype,) + _FP8_DTYPES)
-    c.dtype("v_cache", vs, (ks.dtype,))
-    if vs.shape != ks.shape:
-        c.fail("v_cache", f"k_cache's shape {list(ks.shape)}", f"shape {list(vs.shape)}")
-    r, hq, d = qs.shape
-    if ks.shape[2] != d:
-        c.fail("k_cache", f"head dim {d} (q's)", ks.shape[2])
-    c.head_dim("q", d)
-    group = c.heads(hq, ks.shape[1], "q", "k_cache", QUALIFIED["head_pairs"])
+    r, hq, d, group = c.q_kv(qs, ks, vs, "k_cache", "v_cache", "[R, Hq, D]", "[slots, Hkv, D]",
+                             (qs.dtype,) + _FP8_DTYPES, (ks.dtype,))
     lo, hi = QUALIFIED["paged_rows"]
     if r < 1 or (strict and r > hi):
         c.fail("q", f"R query rows in [{lo}, {hi}]" if strict else "R >= 1 query rows", f"R = {r}")
@@ -989,6 +985,28 @@ def check_indexer_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
     c.metadata("seq_lens", sl, b, qs, "q")
     return IndexerProblem("decode", b, heads, d, pt.shape[1] * psz, pages, psz, k, r, qs.dtype,
                           ks.dtype, compute)
+
+
+def check_indexer_plan(fn: str, prob: IndexerProblem, plan, default_plan) -> None:
+    """Raise ContractError unless the indexer plan can run the call ``prob`` describes
+    (``IndexerPlan.problem``), before any launch; shared by both backends' entry points.
+
+    Args:
+      fn: the public entry point's name; prob: its ``check_indexer_decode/prefill`` result.
+      plan: the caller's ``interop.indices.IndexerPlan`` or None; default_plan: a callable
+        ``() -> IndexerPlan`` giving the backend's shared plan, called only when plan is None.
+
+    Raises:
+      ContractError: argument ``plan`` for a given plan that cannot run the call; otherwise
+        ``page_table`` (decode) / ``k`` (prefill), for a context past what the default plan
+        covers.
+    """
+    arg, own = ("plan", plan) if plan is not None else (
+        "page_table" if prob.kind == "decode" else "k", default_plan())
+    why = own.problem(prob.kind, prob.max_blocks, prob.topk)
+    if why:  # a custom plan that cannot run this call, or a context past what any plan covers
+        raise ContractError(fn, arg, why, plan if plan is not None else
+                            f"{prob.max_blocks} blocks a row")
 
 
 def check_indexer_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compress_ratio: int = 4,

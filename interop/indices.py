@@ -963,17 +963,31 @@ def prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows: int
     cu = np.asarray(cu_seqlens_q, np.int64).reshape(-1)
     kl = np.asarray(kv_lens, np.int64).reshape(-1)
     ck = np.asarray(index_cu_seqlens_k, np.int64).reshape(-1)
+    return prefill_step_rows_xp(np, cu, kl, ck, np.arange(int(total_rows), dtype=np.int64), ratio)
+
+
+def prefill_step_rows_xp(xp, cu, kl, ck, rows, ratio: int):
+    """``prefill_step_rows``'s rule over an array module ``xp`` with numpy's API (numpy here,
+    ``jax.numpy`` in ``qsa_pallas.prefill_step_rows``; the core imports neither backend).
+
+    Args:
+      xp: the array module; cu: int [B + 1] cu_seqlens_q; kl: int [B] kv_lens; ck: int [B + 1]
+        index_cu_seqlens_k; rows: int [T] row ids 0..T-1; ratio: tokens per block.
+
+    Returns:
+      (row_starts, row_ends, positions, seq_lens): int32 [T] each, as ``prefill_step_rows``.
+    """
     b = kl.shape[0]
-    rows = np.arange(int(total_rows), dtype=np.int64)
-    req = np.searchsorted(cu[1:], rows, side="right")
+    req = xp.searchsorted(cu[1:], rows, side="right")
     inside = (req < b) & (rows >= cu[0])
-    rq = np.minimum(req, b - 1)
+    rq = xp.minimum(req, b - 1)
     pos = kl[rq] - (cu[rq + 1] - cu[rq]) + rows - cu[rq]
     start = ck[rq]
-    end = start + np.minimum(np.maximum(pos + 1, 0) // ratio, np.maximum(ck[rq + 1] - start, 0))
-    z = np.zeros_like(rows)
-    return (np.where(inside, start, z).astype(np.int32), np.where(inside, end, z).astype(np.int32),
-            np.where(inside, pos, z - 1).astype(np.int32), np.where(inside, kl[rq], z).astype(np.int32))
+    end = start + xp.minimum(xp.maximum(pos + 1, 0) // ratio, xp.maximum(ck[rq + 1] - start, 0))
+    z = xp.zeros_like(rows)
+    i32 = xp.int32
+    return (xp.where(inside, start, z).astype(i32), xp.where(inside, end, z).astype(i32),
+            xp.where(inside, pos, z - 1).astype(i32), xp.where(inside, kl[rq], z).astype(i32))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,9 +36,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from interop.contract import (ContractError, check_expand_block_indices, check_indexer_decode,
+from interop.contract import (check_expand_block_indices, check_indexer_decode, check_indexer_plan,
                               check_indexer_prefill)
 from interop.indices import IndexerPlan, plan_indexer
+from interop.plan import next_pow2 as _next_pow2
 
 from . import _compat as C
 
@@ -53,10 +54,6 @@ __all__ = [
 ]
 
 _INT32_MAX = 2**31 - 1
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 def _target() -> tuple[int, int]:
@@ -504,13 +501,8 @@ def indexer_select_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
 
 
 def _check_plan(fn, plan, prob):
-    arg, own = ("plan", plan) if plan is not None else (
-        "page_table" if prob.kind == "decode" else "k",
-        indexer_plan_for(prob.kind, prob.rows, prob.max_blocks, prob.topk))
-    why = own.problem(prob.kind, prob.max_blocks, prob.topk)
-    if why:  # a custom plan that cannot run this call, or a context past what any plan covers
-        raise ContractError(fn, arg, why, plan if plan is not None else
-                            f"{prob.max_blocks} blocks a row")
+    check_indexer_plan(fn, prob, plan, lambda: indexer_plan_for(prob.kind, prob.rows,
+                                                                prob.max_blocks, prob.topk))
 
 
 def _decode_entry(fn, q, k_cache, page_table, seq_lens, topk, ratio, strict, interpret, expand,

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from interop.contract import check_decode_step, check_prefill_step
+from interop.indices import prefill_step_rows_xp
 
 from . import _compat as C
 from .decode_paged import _exact_contract_backend, sparse_decode_paged
@@ -131,36 +132,17 @@ def _decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_
 def prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows: int, *,
                       compress_ratio: int = 4):
     """Each prefill row's indexer metadata from the request tables, in plain ``jnp`` (traced
-    inputs welcome: nothing is read on the host). The rule is
-    ``interop.indices.prefill_step_rows`` (its docstring): row t of request b sits at position
-    ``kv_lens[b] - q_len_b + (t - cu_seqlens_q[b])``, scores the first
-    ``floor((p + 1) / ratio)`` of its request's packed compressed keys
-    ``index_cu_seqlens_k[b] ..``, and has validity bound ``kv_lens[b]``; rows outside every
-    request get an empty range, position -1 and bound 0.
+    inputs welcome: nothing is read on the host): ``interop.indices.prefill_step_rows``'s rule
+    (its docstring), evaluated by ``interop.indices.prefill_step_rows_xp`` with ``xp = jnp``.
 
-    Args:
-      cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; index_cu_seqlens_k: int32 [B + 1];
-      total_rows: host int T; compress_ratio: tokens per block.
-
-    Returns:
-      (row_starts, row_ends, positions, seq_lens), int32 [T] each: the arguments of
-      ``indexer_select_prefill``.
+    Args: int32 ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B], ``index_cu_seqlens_k`` [B + 1]; host
+    ints ``total_rows`` (T) and ``compress_ratio`` (tokens per block). Returns ``(row_starts,
+    row_ends, positions, seq_lens)``, int32 [T] each: ``indexer_select_prefill``'s arguments
+    (rows outside every request: empty range, position -1, bound 0).
     """
-    ratio = int(compress_ratio)
-    cu = cu_seqlens_q.astype(jnp.int32)
-    kl = kv_lens.astype(jnp.int32)
-    ck = index_cu_seqlens_k.astype(jnp.int32)
-    b = kl.shape[0]
-    rows = jnp.arange(int(total_rows), dtype=jnp.int32)
-    req = jnp.searchsorted(cu[1:], rows, side="right").astype(jnp.int32)
-    inside = (req < b) & (rows >= cu[0])
-    rq = jnp.minimum(req, b - 1)
-    pos = kl[rq] - (cu[rq + 1] - cu[rq]) + rows - cu[rq]
-    start = ck[rq]
-    end = start + jnp.minimum(jnp.maximum(pos + 1, 0) // ratio, jnp.maximum(ck[rq + 1] - start, 0))
-    zero = jnp.zeros_like(rows)
-    return (jnp.where(inside, start, zero), jnp.where(inside, end, zero),
-            jnp.where(inside, pos, zero - 1), jnp.where(inside, kl[rq], zero))
+    return prefill_step_rows_xp(jnp, cu_seqlens_q.astype(jnp.int32), kv_lens.astype(jnp.int32),
+                                index_cu_seqlens_k.astype(jnp.int32),
+                                jnp.arange(int(total_rows), dtype=jnp.int32), int(compress_ratio))
 
 
 def qsa_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_k,

@@ -50,9 +50,10 @@ import triton
 import triton.language as tl
 
 from interop.arch import DeviceFacts
-from interop.contract import (ContractError, check_expand_block_indices, check_indexer_decode,
+from interop.contract import (check_expand_block_indices, check_indexer_decode, check_indexer_plan,
                               check_indexer_prefill)
 from interop.indices import IndexerPlan, plan_indexer
+from interop.plan import next_pow2 as _next_pow2
 
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
 from .decode import _pdl_supported
@@ -68,10 +69,6 @@ __all__ = [
 
 _INT32_MAX = tl.constexpr(2**31 - 1)  # a constexpr global: usable inside @triton.jit
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,13 +561,42 @@ def _expand_fake(block_ids, positions, seq_lens, compress_ratio):
 def _pre(fn: str, prob, q: torch.Tensor, plan: IndexerPlan | None = None) -> None:
     check_interpreter_dtype(fn, prob.compute_dtype)
     check_device(fn, q.device.type)
-    arg, own = ("plan", plan) if plan is not None else (
-        "page_table" if prob.kind == "decode" else "k",
-        indexer_plan_for(prob.kind, prob.rows, prob.max_blocks, prob.topk, q.device))
-    why = own.problem(prob.kind, prob.max_blocks, prob.topk)
-    if why:  # a custom plan that cannot run this call, or a context past what any plan covers
-        raise ContractError(fn, arg, why, plan if plan is not None else
-                            f"{prob.max_blocks} blocks a row")
+    check_indexer_plan(fn, prob, plan, lambda: indexer_plan_for(prob.kind, prob.rows,
+                                                                prob.max_blocks, prob.topk,
+                                                                q.device))
+
+
+def _decode_entry(fn: str, q, k_cache, page_table, seq_lens, topk: int, compress_ratio: int,
+                  strict: bool, plan: IndexerPlan | None, *, expand: bool) -> torch.Tensor:
+    """The decode entry points' body: checks (skipped while compiling), then the plan given
+    (bypassing the custom op) or the registered op."""
+    if not torch.compiler.is_compiling():
+        check_torch_tensors(fn, q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens)
+        _pre(fn, check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
+                                      compress_ratio=compress_ratio, strict=strict, fn=fn), q,
+             plan)
+    if plan is not None:
+        return _run_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio, expand, plan)
+    return torch.ops.qsa.indexer_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio,
+                                        expand)
+
+
+def _prefill_entry(fn: str, q, k, row_starts, row_ends, positions, seq_lens, topk: int,
+                   compress_ratio: int, strict: bool, plan: IndexerPlan | None, *,
+                   expand: bool) -> torch.Tensor:
+    """The prefill entry points' body (``expand``: the fused expansion, which takes and checks
+    ``positions``/``seq_lens``; otherwise both are None)."""
+    if not torch.compiler.is_compiling():
+        extra = dict(positions=positions, seq_lens=seq_lens) if expand else {}
+        check_torch_tensors(fn, q=q, k=k, row_starts=row_starts, row_ends=row_ends, **extra)
+        _pre(fn, check_indexer_prefill(q, k, row_starts, row_ends, topk=topk,
+                                       compress_ratio=compress_ratio, strict=strict, fn=fn,
+                                       **extra), q, plan)
+    if plan is not None:
+        return _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk,
+                            compress_ratio, expand, plan)
+    return torch.ops.qsa.indexer_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk,
+                                         compress_ratio, expand)
 
 
 def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
@@ -605,16 +631,8 @@ def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torc
         the default one) that cannot run this call (``IndexerPlan.problem``; the default plan
         covers rows of up to 2M blocks at topk 512: argument ``page_table`` / ``k``).
     """
-    fn = "indexer_topk_decode"
-    if not torch.compiler.is_compiling():
-        check_torch_tensors(fn, q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens)
-        _pre(fn, check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
-                                      compress_ratio=compress_ratio, strict=strict, fn=fn), q,
-             plan)
-    if plan is not None:
-        return _run_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio, False, plan)
-    return torch.ops.qsa.indexer_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio,
-                                        False)
+    return _decode_entry("indexer_topk_decode", q, k_cache, page_table, seq_lens, topk,
+                         compress_ratio, strict, plan, expand=False)
 
 
 def indexer_select_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
@@ -633,16 +651,8 @@ def indexer_select_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: to
     Raises:
       ContractError: as ``indexer_topk_decode``.
     """
-    fn = "indexer_select_decode"
-    if not torch.compiler.is_compiling():
-        check_torch_tensors(fn, q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens)
-        _pre(fn, check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
-                                      compress_ratio=compress_ratio, strict=strict, fn=fn), q,
-             plan)
-    if plan is not None:
-        return _run_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio, True, plan)
-    return torch.ops.qsa.indexer_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio,
-                                        True)
+    return _decode_entry("indexer_select_decode", q, k_cache, page_table, seq_lens, topk,
+                         compress_ratio, strict, plan, expand=True)
 
 
 def indexer_topk_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Tensor,
@@ -666,17 +676,8 @@ def indexer_topk_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Ten
     Raises:
       ContractError: as ``indexer_topk_decode`` (``check_indexer_prefill``).
     """
-    fn = "indexer_topk_prefill"
-    if not torch.compiler.is_compiling():
-        check_torch_tensors(fn, q=q, k=k, row_starts=row_starts, row_ends=row_ends)
-        _pre(fn, check_indexer_prefill(q, k, row_starts, row_ends, topk=topk,
-                                       compress_ratio=compress_ratio, strict=strict, fn=fn), q,
-             plan)
-    if plan is not None:
-        return _run_prefill(q, k, row_starts, row_ends, None, None, topk, compress_ratio, False,
-                            plan)
-    return torch.ops.qsa.indexer_prefill(q, k, row_starts, row_ends, None, None, topk,
-                                         compress_ratio, False)
+    return _prefill_entry("indexer_topk_prefill", q, k, row_starts, row_ends, None, None, topk,
+                          compress_ratio, strict, plan, expand=False)
 
 
 def indexer_select_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Tensor,
@@ -697,18 +698,8 @@ def indexer_select_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.T
     Raises:
       ContractError: as ``indexer_topk_prefill``.
     """
-    fn = "indexer_select_prefill"
-    if not torch.compiler.is_compiling():
-        check_torch_tensors(fn, q=q, k=k, row_starts=row_starts, row_ends=row_ends,
-                            positions=positions, seq_lens=seq_lens)
-        _pre(fn, check_indexer_prefill(q, k, row_starts, row_ends, topk=topk,
-                                       compress_ratio=compress_ratio, positions=positions,
-                                       seq_lens=seq_lens, strict=strict, fn=fn), q, plan)
-    if plan is not None:
-        return _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk,
-                            compress_ratio, True, plan)
-    return torch.ops.qsa.indexer_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk,
-                                         compress_ratio, True)
+    return _prefill_entry("indexer_select_prefill", q, k, row_starts, row_ends, positions,
+                          seq_lens, topk, compress_ratio, strict, plan, expand=True)
 
 
 def expand_block_indices(block_ids: torch.Tensor, positions: torch.Tensor,

@@ -667,6 +667,14 @@ def _capture(fn):
     return graph, out
 
 
+def _graph_kv_buffers(b, hkv, cap):
+    """Zeroed bf16 K/V [cap, hkv, 256], cu_seqlens_q = arange(b + 1) and a zero cu_seqlens_k
+    [b + 1] on CUDA: the static buffers a captured graph reads (refilled by copy_)."""
+    k = torch.zeros(cap, hkv, 256, dtype=torch.bfloat16, device=CUDA)
+    return (k, torch.zeros_like(k), torch.arange(b + 1, dtype=torch.int32, device=CUDA),
+            torch.zeros(b + 1, dtype=torch.int32, device=CUDA))
+
+
 @gpu
 @pytest.mark.parametrize("merge", ["kernel", "inline", None])
 def test_gpu_cuda_graph_replay_with_new_lengths(merge):
@@ -675,10 +683,7 @@ def test_gpu_cuda_graph_replay_with_new_lengths(merge):
     rng = np.random.default_rng(2)
     dec.prepare(CUDA)
     q = torch.zeros(b, hq, 256, dtype=torch.bfloat16, device=CUDA)
-    k = torch.zeros(cap, hkv, 256, dtype=torch.bfloat16, device=CUDA)
-    v = torch.zeros_like(k)
-    cq = torch.arange(b + 1, dtype=torch.int32, device=CUDA)
-    ck = torch.zeros(b + 1, dtype=torch.int32, device=CUDA)
+    k, v, cq, ck = _graph_kv_buffers(b, hkv, cap)
 
     def load(lens, seed):
         nq, nk, nv, _, nck = gpu_case(lens, hq, hkv, slack=cap - sum(lens), seed=seed)
@@ -798,10 +803,7 @@ def test_gpu_pdl_cuda_graph_chain_replay_matches_eager(merge, b):
     rng = np.random.default_rng(8)
     dec.prepare(CUDA)
     qs = [torch.zeros(b, hq, 256, dtype=torch.bfloat16, device=CUDA) for _ in range(n_calls)]
-    k = torch.zeros(cap, hkv, 256, dtype=torch.bfloat16, device=CUDA)
-    v = torch.zeros_like(k)
-    cq = torch.arange(b + 1, dtype=torch.int32, device=CUDA)
-    ck = torch.zeros(b + 1, dtype=torch.int32, device=CUDA)
+    k, v, cq, ck = _graph_kv_buffers(b, hkv, cap)
 
     def load(lens, seed):
         nq, nk, nv, _, nck = gpu_case(lens, hq, hkv, slack=cap - sum(lens), seed=seed)
