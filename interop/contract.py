@@ -41,6 +41,7 @@ __all__ = [
     "envelope_text",
     "validate_decode_metadata",
     "validate_prefill_metadata",
+    "prefill_selection",
     "QUALIFIED",
 ]
 
@@ -513,6 +514,34 @@ def check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
     c.last_dim_contiguous("req_to_token", rt)
     return _prefill_tail(c, "paged", qs, ks, w, per_head, group, b, max_seqlen_q, softmax_scale,
                          k_scale, v_scale)
+
+
+def prefill_selection(fn: str, indices, block_indices, overlap) -> tuple[str, Any, float | None]:
+    """Which selection a prefill call passes (both backends' entry points): token ``indices``,
+    or ``indices=None`` with the indexer's ``block_indices=`` (the block-level form,
+    ``interop.indices.expand_prefill_blocks``); ``overlap`` (the engine's neighbour-Jaccard hint
+    for the kernel selector) only with ``block_indices``, None or a host float in [0, 1].
+
+    Returns:
+      ("indices" | "block_indices", the selection, overlap as a float or None).
+
+    Raises:
+      ContractError: both or neither selection given, or a bad ``overlap``.
+    """
+    if (indices is None) == (block_indices is None):
+        raise ContractError(fn, "indices", "token indices, or indices=None and block_indices= "
+                            "(exactly one selection)",
+                            "both" if indices is not None else "neither")
+    if block_indices is None:
+        if overlap is not None:
+            raise ContractError(fn, "overlap", "None unless block_indices= is given", overlap)
+        return "indices", indices, None
+    if overlap is None:
+        return "block_indices", block_indices, None
+    if (isinstance(overlap, bool) or not isinstance(overlap, (int, float, np.floating, np.integer))
+            or not 0.0 <= float(overlap) <= 1.0):
+        raise ContractError(fn, "overlap", "None or a host float in [0, 1]", overlap)
+    return "block_indices", block_indices, float(overlap)
 
 
 def _prefill_tail(c, kind, qs, ks, w, per_head, group, b, max_seqlen_q, softmax_scale, k_scale,

@@ -59,7 +59,6 @@ import triton
 import triton.language as tl
 
 from interop import contract
-from interop.contract import ContractError
 from interop.arch import DeviceFacts
 from interop.geometry import (Geometry, UnionGeometry, all_configs, geometry_mode,
                               select_prefill, select_prefill_blocks)
@@ -558,27 +557,9 @@ _BLOCKS_DOC = """block_indices: keyword-only alternative to ``indices`` (pass ``
 
 
 def _selection(fn: str, indices, block_indices, overlap) -> tuple[str, object, float]:
-    """Which selection a call passes: ("indices" | "block_indices", the tensor, the op's overlap
-    argument). Exactly one of ``indices`` / ``block_indices`` is given; ``overlap`` only with
-    ``block_indices``, a float in [0, 1].
-
-    Raises:
-      ContractError: both or neither selection, or a bad ``overlap``.
-    """
-    if (indices is None) == (block_indices is None):
-        raise ContractError(fn, "indices", "token indices, or indices=None and block_indices= "
-                            "(exactly one selection)",
-                            "both" if indices is not None else "neither")
-    if block_indices is None:
-        if overlap is not None:
-            raise ContractError(fn, "overlap", "None unless block_indices= is given", overlap)
-        return "indices", indices, -1.0
-    if overlap is None:
-        return "block_indices", block_indices, -1.0
-    if (isinstance(overlap, bool) or not isinstance(overlap, (int, float))
-            or not 0.0 <= float(overlap) <= 1.0):
-        raise ContractError(fn, "overlap", "None or a host float in [0, 1]", overlap)
-    return "block_indices", block_indices, float(overlap)
+    """``interop.contract.prefill_selection``, with the op's overlap argument (-1.0 = none)."""
+    name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
+    return name, sel, -1.0 if hint is None else hint
 
 
 def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
