@@ -45,7 +45,8 @@ DEFAULT_ARCHS = CI_ARCHS
 DEVICE_KIND = {arch: device_kind(arch) for arch in KNOWN_ARCHS}
 # Overridable (comma-separated module names) for tests and out-of-tree kernels.
 TRITON_MODULES = tuple(os.environ.get("QSA_COMPILE_TRITON_MODULES",
-                                      "qsa_triton.decode,qsa_triton.prefill").split(","))
+                                      "qsa_triton.decode,qsa_triton.prefill,"
+                                      "qsa_triton.prefill_union").split(","))
 PALLAS_MODULES = tuple(os.environ.get("QSA_COMPILE_PALLAS_MODULES",
                                       "qsa_pallas.decode,qsa_pallas.prefill").split(","))
 MAX_REGS_PER_THREAD = 255

@@ -285,25 +285,32 @@ def _union_kernel(*refs, st: _UStatic):
         acc = acc * alpha[:, None] + jnp.dot(p.astype(dt), v, preferred_element_type=jnp.float32)
         return acc, m_new, l_new
 
+    # causal tails: row i attends [4 * (vis_i // 4), vis_i); for R consecutive rows these lie in
+    # one BLOCK_N chunk, walked as the loop's last step (as in qsa_triton.prefill_union: a step
+    # after the loop doubles the registers of the compiled kernel)
+    vis0 = jnp.maximum(jt * r + kv_len - q_len + 1, 0)
+    vis_last = jnp.maximum(jnp.minimum(jt * r + r, q_len) - 1 + kv_len - q_len + 1, 0)
+    tail_tok = (vis0 // RATIO) * RATIO + cols
+    tail_ok = tail_tok < jnp.where(q_used > 0, vis_last, 0)
+    tail_member = ((tail_tok[None, :] >= ((vis // RATIO) * RATIO)[:, None])
+                   & (tail_tok[None, :] < vis[:, None]))
+    n_steps = (n_u + bu - 1) // bu
+
     def body(c, carry):
         e = c * bu + ent
         e_ok = e < n_u
         ec = jnp.clip(e, 0, st.union_width - 1)
         blk = _compat.load(ub_ref.at[slot, uh, ec], mask=e_ok, other=0)
         mem = _compat.load(um_ref.at[slot, uh, ec], mask=e_ok, other=0)
-        member = (((mem[None, :] >> i[:, None]) & 1) != 0) & row_ok[:, None]
-        return step(carry, blk * RATIO + sub, e_ok, member)
+        tail = c >= n_steps
+        tok = jnp.where(tail, tail_tok, blk * RATIO + sub)
+        tok_ok = jnp.where(tail, tail_ok, e_ok)
+        member = jnp.where(tail, tail_member, ((mem[None, :] >> i[:, None]) & 1) != 0)
+        return step(carry, tok, tok_ok, member & row_ok[:, None])
 
     carry = (jnp.zeros((m, d), jnp.float32), jnp.full((m,), -jnp.inf, jnp.float32),
              jnp.zeros((m,), jnp.float32))
-    carry = lax.fori_loop(0, (n_u + bu - 1) // bu, body, carry)
-    # causal tails: row i attends [4 * (vis_i // 4), vis_i), inside one BLOCK_N chunk
-    vis0 = jnp.maximum(jt * r + kv_len - q_len + 1, 0)
-    vis_last = jnp.maximum(jnp.minimum(jt * r + r, q_len) - 1 + kv_len - q_len + 1, 0)
-    tok = (vis0 // RATIO) * RATIO + cols
-    lo = (vis // RATIO) * RATIO
-    member = (tok[None, :] >= lo[:, None]) & (tok[None, :] < vis[:, None]) & row_ok[:, None]
-    acc, _, l_i = step(carry, tok, tok < jnp.where(q_used > 0, vis_last, 0), member)
+    acc, _, l_i = lax.fori_loop(0, n_steps + 1, body, carry)
     inv = jnp.where(l_i > 0, st.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
     _compat.store(o_ref.at[flat_out[:, None], d_row], (acc * inv[:, None]).astype(o_ref.dtype),
                   mask=qmask)

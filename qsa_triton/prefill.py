@@ -770,15 +770,14 @@ VARIANTS = ((MODE_ORDINARY, "bfloat16", None), (MODE_CHUNK, "bfloat16", None),
 
 
 def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
-                    variants=VARIANTS, union: bool = True) -> list[dict]:
+                    variants=VARIANTS) -> list[dict]:
     """Every (kernel, constexprs, num_warps, num_stages) the selector can launch on ``arch``.
 
     One entry per distinct (geometry, variant); ``VARIANTS``: ordinary bf16, chunk bf16 and FP8,
     paged through pre-resolved slots bf16 and FP8. ``head_dim`` 256 is the
     largest (shared-memory worst case). Groups: the head tile G only changes masks, so one G per
-    BLOCK_M is compiled (the tuned entries keep their own G). ``union``: also every tile-union
-    kernel and union build configuration (``qsa_triton.prefill_union.compile_configs``, each
-    entry with its own ``attrs``).
+    BLOCK_M is compiled (the tuned entries keep their own G). The tile-union kernels have their
+    own list (``qsa_triton.prefill_union.compile_configs``).
 
     Returns:
       list of dicts: ``kernel`` (the JITFunction), ``name``, ``signature`` (for ASTSource),
@@ -811,8 +810,6 @@ def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
                     "num_stages": g.num_stages,
                     "geometry": g,
                 })
-    if union:
-        out.extend(PU.compile_configs(arch, head_dim=head_dim))
     return out
 
 

@@ -58,9 +58,9 @@ from interop.plan import LOG2E, next_pow2
 __all__ = ["build_block_union", "expand_blocks", "union_launch", "union_slots",
            "compile_configs"]
 
-_BIG = 1 << 62  # sort key of an invalid entry: after every valid key
-_BLOCK_SPAN = 1 << 30  # > any block id (visible < 2**31 tokens -> block < 2**29)
-_INT32_MAX = 2**31 - 1
+_BIG = tl.constexpr(1 << 62)  # sort key of an invalid entry: after every valid key
+_BLOCK_SPAN = tl.constexpr(1 << 30)  # > any block id (visible < 2**31 tokens -> block < 2**29)
+_INT32_MAX = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
@@ -223,27 +223,28 @@ def _qsa_prefill_union_fwd(
     acc = tl.zeros([M, D], tl.float32)
     sub = offs_n % 4
     ent = offs_n // 4
-    for c in range(0, n_u, BLOCK_U):
+    # causal tails: row i attends [4 * (vis_i // 4), vis_i); for R consecutive rows these lie in
+    # [4 * (vis_0 // 4), vis_last), at most R + 3 <= BLOCK_N positions: one extra step, the
+    # loop's last (a separate step after the loop doubled the registers and stopped the
+    # software pipelining of the loop in the compiled kernel)
+    vis0 = tl.maximum(jt * R + kv_len - q_len + 1, 0)
+    vis_last = tl.maximum(tl.minimum(jt * R + R, q_len) - 1 + kv_len - q_len + 1, 0)
+    tail_tok = (vis0 // 4) * 4 + offs_n
+    tail_ok = tail_tok < tl.where(q_used > 0, vis_last, 0)
+    tail_member = ((tail_tok[None, :] >= ((vis // 4) * 4)[:, None])
+                   & (tail_tok[None, :] < vis[:, None]))
+    for c in range(0, n_u + BLOCK_U, BLOCK_U):
         e = c + ent
         e_ok = e < n_u
         blk = tl.load(ublk_ptr + ubase + e, mask=e_ok, other=0)
         mem = tl.load(umem_ptr + ubase + e, mask=e_ok, other=0)
-        member = (((mem[None, :] >> i[:, None]) & 1) != 0) & row_ok[:, None]
-        acc, m_i, l_i = _union_step(q, acc, m_i, l_i, blk * 4 + sub, e_ok, member, kv_base,
-                                    table_row, bound, pool_slots, k_head, v_head, stride_kn,
-                                    stride_vn, qk_scale, D, MODE, OFF64)
-    # causal tails: row i attends [4 * (vis_i // 4), vis_i); for R consecutive rows these lie in
-    # [4 * (vis_0 // 4), vis_last), at most R + 3 <= BLOCK_N positions
-    vis0 = tl.maximum(jt * R + kv_len - q_len + 1, 0)
-    last_rel = tl.minimum(jt * R + R, q_len) - 1
-    vis_last = tl.maximum(last_rel + kv_len - q_len + 1, 0)
-    tok = (vis0 // 4) * 4 + offs_n
-    lo = (vis // 4) * 4
-    member = (tok[None, :] >= lo[:, None]) & (tok[None, :] < vis[:, None]) & row_ok[:, None]
-    tail_end = tl.where(q_used > 0, vis_last, 0)
-    acc, m_i, l_i = _union_step(q, acc, m_i, l_i, tok, tok < tail_end, member,
-                                kv_base, table_row, bound, pool_slots, k_head, v_head, stride_kn,
-                                stride_vn, qk_scale, D, MODE, OFF64)
+        tail = c >= n_u
+        tok = tl.where(tail, tail_tok, blk * 4 + sub)
+        tok_ok = tl.where(tail, tail_ok, e_ok)
+        member = tl.where(tail, tail_member, ((mem[None, :] >> i[:, None]) & 1) != 0)
+        acc, m_i, l_i = _union_step(q, acc, m_i, l_i, tok, tok_ok, member & row_ok[:, None],
+                                    kv_base, table_row, bound, pool_slots, k_head, v_head,
+                                    stride_kn, stride_vn, qk_scale, D, MODE, OFF64)
     l_sum = tl.sum(l_i, 1)
     has = l_sum > 0.0
     inv = tl.where(has, v_scale / tl.where(has, l_sum, 1.0), 0.0)
