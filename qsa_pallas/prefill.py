@@ -564,7 +564,8 @@ def lowering_cases(device_kind: str, *, head_dim: int = 256, width: int = 2051, 
     """Every distinct prefill launch configuration this module can pick on ``device_kind``:
     each geometry the shared selector can return there (``interop.geometry.all_configs`` of the
     device's arch, fitted to its shared memory as ``select_geometry`` does) x ordinary bf16,
-    chunk bf16 / FP8, paged bf16 / FP8.
+    chunk bf16 / FP8, paged bf16 / FP8; and each tile-union geometry
+    (``interop.geometry.all_union_configs``) x the same variants with block-level selections.
 
     Returns:
       list of ``(name, fn, args)``: lower ``fn(*args)`` with
@@ -574,7 +575,7 @@ def lowering_cases(device_kind: str, *, head_dim: int = 256, width: int = 2051, 
     Raises:
       ValueError: a device kind whose arch ``interop.arch`` does not know.
     """
-    from interop.geometry import all_configs  # noqa: PLC0415
+    from interop.geometry import all_configs, all_union_configs  # noqa: PLC0415
 
     facts = DeviceFacts.from_device_kind(device_kind)
     sds = jax.ShapeDtypeStruct
@@ -605,18 +606,46 @@ def lowering_cases(device_kind: str, *, head_dim: int = 256, width: int = 2051, 
         cases.append((f"pallas_prefill_paged_{name}_{tag}",
                       functools.partial(_lower_paged, geometry=geo),
                       (q, pool, pool, r2t, ri, idx, cu, kl)))
+    # the tile-union kernels (block-level selections): every union geometry of the arch
+    bidx = sds((t, 512), jnp.int32)
+    for kv_bytes, ugeo in all_union_configs(facts.arch, head_dim=d):
+        grp = ugeo.head_tile // ugeo.tile_rows  # a group whose padded tile is exactly the Q tile
+        qg = sds((t, grp * hkv, d), jnp.bfloat16)
+        tag = (f"R{ugeo.tile_rows}_m{ugeo.head_tile}_bn{ugeo.block_n}_w{ugeo.num_warps}"
+               f"_s{ugeo.num_stages}")
+        name = "fp8" if kv_bytes == 1 else "bf16"
+        pool = sds((4096, hkv, d), jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16)
+        if kv_bytes == 2:
+            kv = sds((t, hkv, d), jnp.bfloat16)
+            cases.append((f"pallas_prefill_union_ordinary_bf16_{tag}",
+                          functools.partial(_lower_ordinary, geometry=ugeo, blocks=True),
+                          (qg, kv, kv, bidx, cu)))
+        cases.append((f"pallas_prefill_union_chunk_{name}_{tag}",
+                      functools.partial(_lower_chunk, geometry=ugeo, blocks=True),
+                      (qg, pool, pool, bidx, cu, cu, kl)))
+        cases.append((f"pallas_prefill_union_paged_{name}_{tag}",
+                      functools.partial(_lower_paged, geometry=ugeo, blocks=True),
+                      (qg, pool, pool, r2t, ri, bidx, cu, kl)))
     return cases
 
 
-def _lower_ordinary(q, k, v, idx, cu, *, geometry):
-    return sparse_prefill(q, k, v, idx, cu, q.shape[0], interpret=False, geometry=geometry)
+def _sel(idx, blocks: bool) -> dict:
+    return {"indices": None, "block_indices": idx} if blocks else {"indices": idx}
 
 
-def _lower_chunk(q, k, v, idx, cq, ck, kl, *, geometry):
-    return sparse_prefill_chunk(q, k, v, idx, cq, ck, kl, q.shape[0], interpret=False,
-                                geometry=geometry)
+def _lower_ordinary(q, k, v, idx, cu, *, geometry, blocks=False):
+    s = _sel(idx, blocks)
+    return sparse_prefill(q, k, v, s.pop("indices"), cu, q.shape[0], interpret=False,
+                          geometry=geometry, **s)
 
 
-def _lower_paged(q, k, v, r2t, ri, idx, cq, kl, *, geometry):
-    return sparse_prefill_paged(q, k, v, r2t, ri, idx, cq, kl, q.shape[0], interpret=False,
-                                geometry=geometry)
+def _lower_chunk(q, k, v, idx, cq, ck, kl, *, geometry, blocks=False):
+    s = _sel(idx, blocks)
+    return sparse_prefill_chunk(q, k, v, s.pop("indices"), cq, ck, kl, q.shape[0],
+                                interpret=False, geometry=geometry, **s)
+
+
+def _lower_paged(q, k, v, r2t, ri, idx, cq, kl, *, geometry, blocks=False):
+    s = _sel(idx, blocks)
+    return sparse_prefill_paged(q, k, v, r2t, ri, s.pop("indices"), cq, kl, q.shape[0],
+                                interpret=False, geometry=geometry, **s)

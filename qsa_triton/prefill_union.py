@@ -88,10 +88,14 @@ def _tile_of(slot, cu_q_ptr, n_req, R: tl.constexpr, BP: tl.constexpr):
 @triton.jit
 def _qsa_block_union(
     bidx_ptr, ublk_ptr, umem_ptr, ulen_ptr, cu_q_ptr, kv_lens_ptr,
-    T, NB, n_req, stride_bt, stride_bh, stride_us, stride_uh, stride_ls,
+    T, NB, n_req, max_blocks, stride_bt, stride_bh, stride_us, stride_uh, stride_ls,
     R: tl.constexpr, NBP: tl.constexpr, BP: tl.constexpr, ORDINARY: tl.constexpr,
+    KEY64: tl.constexpr,
 ):
-    """Union of the valid blocks of one tile's rows for one index head (module docstring, 1)."""
+    """Union of the valid blocks of one tile's rows for one index head (module docstring, 1).
+    ``max_blocks``: block ids at or past it name no K/V row (or no table column) and are
+    invalid; ``KEY64``: sort 64-bit keys (when block * R + row can pass 2**31 for that bound);
+    32-bit keys sort about twice as fast."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     N: tl.constexpr = R * NBP
@@ -109,8 +113,12 @@ def _qsa_block_union(
     n_vis = tl.maximum(row_rel + kv_len - q_len + 1, 0) // 4  # complete visible blocks
     g = tl.load(bidx_ptr + row.to(tl.int64) * stride_bt + h * stride_bh + c,
                 mask=row_ok & (c < NB), other=-1)
-    valid = row_ok & (c < NB) & (g >= 0) & (g < n_vis)
-    ks = tl.sort(tl.where(valid, g.to(tl.int64) * R + i, _BIG))
+    valid = row_ok & (c < NB) & (g >= 0) & (g < tl.minimum(n_vis, max_blocks))
+    if KEY64:
+        ks = tl.sort(tl.where(valid, g.to(tl.int64) * R + i, _BIG))
+    else:
+        ks = tl.sort(tl.where(valid, g * R + i, _INT32_MAX)).to(tl.int64)
+        ks = tl.where(ks < _INT32_MAX, ks, _BIG)
     prev = tl.gather(ks, tl.maximum(e - 1, 0), 0)
     live = ks < _BIG
     dup = live & (e > 0) & (ks == prev)
@@ -301,7 +309,7 @@ def union_slots(total_q: int, requests: int, tile_rows: int) -> int:
 
 
 def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                      kv_lens: torch.Tensor | None, tile_rows: int):
+                      kv_lens: torch.Tensor | None, tile_rows: int, max_blocks: int | None = None):
     """The union build alone (part of every tile-union call; exposed for tests and benchmarks).
 
     Args:
@@ -309,6 +317,9 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B] (chunk/paged) or None (ordinary: the
         request length is the validity bound). All on one device.
       tile_rows: R (a power of two, R x next_pow2(NB) keys are sorted in one program).
+      max_blocks: host bound on block ids (K/V rows or table width // 4 + 1), or None (no
+        bound: 64-bit sort keys). Ids at or past it name no K/V row or table column and are
+        invalid; a bound with (max_blocks + 1) x R < 2**31 lets the build sort 32-bit keys.
 
     Returns:
       (blocks int32 [S, H, R x NB], masks int32 [S, H, R x NB], lengths int32 [S, H]) with
@@ -329,9 +340,11 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
     _qsa_block_union[(s, hidx)](
         block_indices, ublk, umem, ulen, cu_seqlens_q,
         kv_lens if kv_lens is not None else cu_seqlens_q, t, nb, n_req,
+        2**31 - 1 if max_blocks is None else min(int(max_blocks), 2**31 - 1),
         block_indices.stride(0), block_indices.stride(1) if block_indices.dim() == 3 else 0,
         ublk.stride(0), ublk.stride(1), ulen.stride(0),
         R=r, NBP=next_pow2(nb), BP=next_pow2(n_req + 1), ORDINARY=kv_lens is None,
+        KEY64=max_blocks is None or (int(max_blocks) + 1) * r >= 2**31 - 1,
         num_warps=8 if keys > 2048 else 4)
     return ublk, umem, ulen
 
@@ -386,7 +399,11 @@ def union_launch(mode: int, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_
     if geo.head_tile < r * ht or geo.block_n < r + 3 or geo.block_n % 4:
         raise ValueError(f"union geometry {geo} cannot hold {r} rows x {ht} heads")
     n_req = cu_q.shape[0] - 1
-    ublk, umem, ulen = build_block_union(block_indices, cu_q, None if mode == 0 else kv_lens, r)
+    # a host bound on valid block ids (a valid token is a K/V row of its request, or a table
+    # column) lets the build sort 32-bit keys
+    bound_tokens = req_to_token.shape[1] if mode == 2 else k.shape[0]
+    ublk, umem, ulen = build_block_union(block_indices, cu_q, None if mode == 0 else kv_lens, r,
+                                         bound_tokens // RATIO + 1)
     paged = mode == 2
     r2t = req_to_token if paged else cu_q
     max_reqs, max_context = (req_to_token.shape if paged else (1, 1))
@@ -442,8 +459,8 @@ def compile_configs(arch: str, *, head_dim: int = 256) -> list[dict]:
                           "bidx_ptr": "*i32", "ublk_ptr": "*i32", "umem_ptr": "*i32",
                           "ulen_ptr": "*i32", "cu_q_ptr": "*i32", "kv_lens_ptr": "*i32",
                           "R": "constexpr", "NBP": "constexpr", "BP": "constexpr",
-                          "ORDINARY": "constexpr"},
-            "constexprs": {"R": r, "NBP": 512, "BP": 2, "ORDINARY": False},
+                          "ORDINARY": "constexpr", "KEY64": "constexpr"},
+            "constexprs": {"R": r, "NBP": 512, "BP": 2, "ORDINARY": False, "KEY64": False},
             "num_warps": 8 if r * 512 > 2048 else 4,
             "num_stages": 1,
             "geometry": None,
