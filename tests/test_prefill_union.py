@@ -23,7 +23,8 @@ import pytest
 from interop import indices as I
 from interop.arch import DeviceFacts
 from interop.contract import ContractError
-from interop.geometry import UNION_RULES, UnionGeometry, all_union_configs, select_prefill_blocks
+from interop.geometry import (UNION_RULES, UnionGeometry, all_union_configs, fit_union,
+                              select_prefill_blocks)
 from interop.plan import smem_bytes
 from tests.prefill_case import FLOATS, PARAMS, assert_matches, make_case, poison_unselected
 
@@ -305,6 +306,13 @@ def test_selector_boundaries():
     assert _sel(nb=2048).tile_rows == 4 and _sel(nb=2049).tile_rows == 2
     assert _sel(nb=u["max_sort_keys"] // 2).tile_rows == 2
     assert _sel(nb=u["max_sort_keys"]).kind == "rows"
+    # the shared-memory fit: fewer stages, then BLOCK_N down to max(16, R + 3), never below
+    geo = _sel()
+    assert fit_union(geo, backend="triton", head_dim=256, kv_bytes=2, limit=None) == geo
+    small = fit_union(geo, backend="triton", head_dim=256, kv_bytes=2, limit=60_000)
+    assert (small.block_n, small.num_stages) == (16, 1) and "fit<=60000B" in small.source
+    r8 = fit_union(_sel(group=6), backend="pallas", head_dim=256, kv_bytes=2, limit=1)
+    assert r8.tile_rows == 8 and r8.block_n == 16  # the floor holds the R + 3 tail positions
     # rows: the per-row selector's geometry
     rows = _sel(overlap=0.0)
     assert rows.tile_rows == 1 and rows.source.startswith("rows[overlap")
