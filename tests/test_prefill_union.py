@@ -388,6 +388,16 @@ def test_selected_paths_match_reference(backend):
     assert_matches(backend.run(case, overlap=0.0), ref, f"{backend.name} selected rows")
 
 
+def test_empty_table_and_empty_pool_give_zeros(backend):
+    case = block_case("paged", 6, 1, [3], [5], seed=9)
+    case.arrays["req_to_token"] = np.ascontiguousarray(case.arrays["req_to_token"][:, :0])
+    assert (backend.run(case) == 0).all()
+    case = block_case("paged", 6, 1, [3], [5], seed=9)
+    for n in ("k_cache", "v_cache"):
+        case.arrays[n] = case.arrays[n][:0]
+    assert (backend.run(case) == 0).all()
+
+
 def test_contract_checks_name_the_block_selection(backend):
     case = block_case("ordinary", 6, 1, [3], seed=6)
     if backend.name == "triton":
