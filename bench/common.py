@@ -1,364 +1,836 @@
-"""Shared GPU timing helpers for the benchmarks (decode, prefill).
+"""The machinery shared by the benchmarks: provider registry, interleaved timing, reference check,
+JSON report, command line, and the old-tree / new-tree comparison.
 
-Why this way (``docs/anchors.md``): the decode kernels take 4-150 µs. Plain ``do_bench`` on the
-H200 was bimodal for them (the same kernel measured up to 2x apart from one case to the next), so
-we time the way serving runs them: a CUDA graph holding back-to-back calls, replayed; the
-providers of one comparison alternate round-robin inside one process on one set of inputs, so slow
-drifts of clocks / neighbours hit every provider alike; the reported number is the median over
-rounds of CUDA-event timings of whole replays divided by the calls per replay. A provider compared
-with itself (``self_check=True``) must come out at ~1.00: if not, the measurement is noise.
+A benchmark module (``bench/decode.py``, ``bench/prefill.py``) declares a ``Mode``: how to list its
+cases, how to build one case's inputs and FP32 reference, what a case moves (bytes, flops), and a
+registry of ``Provider``s, ``name -> setup(inputs) -> call``. ``run`` does the rest, the same way
+for every mode:
 
-Everything here imports torch lazily so ``bench.common`` can be imported (e.g. for
-``write_json``) on a machine without CUDA.
+* every provider of a case runs on the same inputs and its output is checked against the FP32
+  reference (rtol = atol = 2e-2 elementwise, relative L2 <= 5e-3, finite: ``interop.cases``);
+* the providers that pass are timed interleaved: each is captured into a CUDA graph of
+  ``Mode.calls`` back-to-back calls (a JAX provider instead runs an unrolled chain of ``calls``
+  calls inside one ``jax.jit``, each call's q the previous output), then the graphs are replayed
+  round-robin, the order rotating every round, each replay timed with CUDA events; the reported
+  time is the median over rounds of replay time / calls. The first provider is timed a second time
+  as ``NAME@self``: its ratio to itself is the run's noise (``docs/anchors.md``: plain ``do_bench``
+  of 4-60 us kernels was bimodal on the H200);
+* the report (JSON) holds, per case and provider, the times, GB/s and % of the device-to-device
+  copy bandwidth measured in the same run (bytes = what the case must read), the check, and
+  ``speedup_vs_first`` = time of the first provider / time of this one.
 
-Public:
-  copy_bandwidth_bytes_per_s(device) -> float
-  time_interleaved(providers, *, use_cuda_graph=True, reps=None, rounds=15, ...) -> dict
-  write_json(path, obj)
-  gpu_name(device=None) -> str
-  parse_providers(text, allowed, aliases=None, *, script) -> list[str]   (--providers a,b,c)
-  order_providers(providers, selection) -> dict      (keep the selected ones, in that order)
-  speedup_vs_first(times, first) -> dict             (time of ``first`` / time of each)
-  now_iso() -> str                                    (the date written into the JSON reports)
+``compare`` times one mode's providers from two checkouts side by side: one worker process per
+(tree, provider) (two versions of one package cannot share a process), the case's inputs and
+reference built once by this checkout and handed to every worker, replays alternating between the
+workers round-robin; it prints per-case and geomean speedups of the new tree over the old.
+
+torch and jax are imported lazily, so this module imports on any machine.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = [
-    "copy_bandwidth_bytes_per_s",
-    "time_interleaved",
-    "write_json",
-    "gpu_name",
-    "out_dir",
-    "SELF_SUFFIX",
-    "ProviderError",
-    "parse_providers",
-    "order_providers",
-    "speedup_vs_first",
-    "now_iso",
-]
+from interop.cases import ATOL, REL_L2, RTOL
 
-#: key suffix of the self-vs-self sanity entry added by ``time_interleaved(self_check=True)``
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # jax shares the GPU with torch
+
+__all__ = ["Provider", "Mode", "ProviderError", "parse_providers", "choose", "positive_ints",
+           "errors", "within_tolerance", "unrolled", "jax_chain", "time_interleaved",
+           "copy_bandwidth_bytes_per_s", "add_arguments", "run", "compare", "main", "write_json",
+           "default_json_path", "geomean", "SELF_SUFFIX"]
+
 SELF_SUFFIX = "@self"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("interop", "qsa_triton", "qsa_pallas")  # what --compare takes from the old tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Provider:
+    """One implementation of a mode's computation.
+
+    Attributes:
+      name: the ``--providers`` name.
+      setup: inputs -> call. ``call()`` launches the work on torch's current stream, syncs nothing
+        and returns the output (a torch tensor shaped like the reference). A call may carry
+        ``capturable = False`` (JAX: timed as an eager loop, not a CUDA graph), ``chain = n`` (one
+        call does n calls of the op) and ``once`` (a callable giving a single call's output, for
+        the check). Raising means "cannot run this case" (reported, the others still run).
+      doc: one line for ``--help``.
+      supports: the case's ``Mode.describe`` dict -> None, or the reason this provider does not
+        apply to the case.
+      default: timed when ``--providers`` is not given.
+    """
+
+    name: str
+    setup: Callable[[Any], Callable[[], Any]]
+    doc: str
+    supports: Callable[[Any], str | None] | None = None
+    default: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One benchmark: cases, inputs, reference, metrics and providers.
+
+    Attributes:
+      name: report name ("decode", "prefill"); the JSON is ``<name>.json`` by default.
+      title: one line naming what is timed (plot title, report header).
+      providers: name -> Provider, in the default order (the first is what ratios compare with).
+      cases: (args, kind) -> list of cases; kind is "bench", "smoke" (tiny shapes for the CPU
+        interpreters) or "memcheck" (edge cases for compute-sanitizer); ``args`` are the parsed
+        command line (the mode's own filters).
+      prepare: (case, device) -> (inputs, reference float32 tensor).
+      describe: (case, inputs) -> JSON-able dict: ``name``, ``bytes`` (what the case must read),
+        optionally ``flops``, ``plot`` ([[panel, x], ...]: where the case sits in the plot), and
+        any shape fields.
+      calls: calls per CUDA-graph replay / per JAX chain (None: sized so a replay takes ~2 ms).
+      finish: report -> None, run after a timed run's summary (the mode's own verdicts, e.g.
+        pass/fail lines of its thresholds, added to the report before it is written).
+    """
+
+    name: str
+    title: str
+    providers: dict[str, Provider]
+    cases: Callable[[Any, str], list]
+    prepare: Callable[[Any, Any], tuple[Any, Any]]
+    describe: Callable[[Any, Any], dict]
+    calls: int | None = None
+    finish: Callable[[dict], None] | None = None
 
 
 class ProviderError(ValueError):
-    """An unknown name in ``--providers`` (the scripts exit 2 with its message)."""
+    """A bad command-line value (the scripts exit 2 with its message, before touching a GPU)."""
 
 
-def parse_providers(text: str | None, allowed, aliases: dict[str, str] | None = None, *,
-                    script: str = "bench") -> list[str] | None:
-    """The ``--providers a,b,c`` list: names in the given order, aliases resolved, duplicates
-    dropped (first occurrence kept). ``None`` or empty text gives ``None`` (the script's default
-    set and order). Spaces inside names are ignored (``ours[64, 4, 2]`` == ``ours[64,4,2]``).
-
-    Args:
-      allowed: the canonical names (an iterable; its order is the order the error lists them in),
-        compared without spaces.
-      aliases: other accepted spellings -> canonical name.
-    Raises:
-      ProviderError: an unknown name; the message lists every allowed name and alias.
-    """
+def parse_providers(text: str | None, allowed) -> list[str] | None:
+    """``--providers a,b,c``: names in the given order, duplicates dropped; None or blank text ->
+    None (the defaults). Raises ProviderError naming every allowed name on an unknown one."""
     if text is None or not text.strip():
         return None
     allowed = list(allowed)
-    canon = {a.replace(" ", ""): a for a in allowed}
-    alias = {k.replace(" ", ""): v for k, v in (aliases or {}).items()}
-    out: list[str] = []
-    unknown: list[str] = []
-    for raw in _split_names(text):
-        key = raw.replace(" ", "")
-        name = canon.get(key) or alias.get(key)
-        if name is None:
-            unknown.append(raw)
-        elif name not in out:
-            out.append(name)
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in allowed]
     if unknown:
-        names = ", ".join(allowed)
-        al = ", ".join(f"{k} (= {v})" for k, v in (aliases or {}).items())
-        raise ProviderError(f"{script}: unknown provider(s) {', '.join(map(repr, unknown))} in "
-                            f"--providers; allowed: {names}" + (f"; aliases: {al}" if al else ""))
+        raise ProviderError(f"unknown provider(s) {', '.join(map(repr, unknown))} in --providers; "
+                            f"allowed: {', '.join(allowed)}")
+    return names
+
+
+def choose(text: str | None, allowed, flag: str) -> list[str]:
+    """A comma list of names from ``allowed`` (None or blank: all of them, in their order);
+    ProviderError naming the allowed values on an unknown one."""
+    names = [x.strip() for x in (text or "").split(",") if x.strip()] or list(allowed)
+    bad = [x for x in names if x not in allowed]
+    if bad:
+        raise ProviderError(f"unknown {flag} value(s) {bad}; allowed: {', '.join(allowed)}")
+    return names
+
+
+def positive_ints(text: str | None, default, flag: str) -> list[int]:
+    """A comma list of positive integers (None or blank: ``default``); ProviderError otherwise."""
+    if not text or not text.strip():
+        return list(default)
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        out = [0]
+    if any(x < 1 for x in out):
+        raise ProviderError(f"{flag} wants positive integers, got {text!r}")
     return out
 
 
-def _split_names(text: str) -> list[str]:
-    """Split on commas outside brackets (``ours[64,4,2],ours`` -> two names)."""
-    parts, depth, cur = [], 0, ""
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth = max(0, depth - 1)
-        if ch == "," and depth == 0:
-            parts.append(cur.strip())
-            cur = ""
+def geomean(xs) -> float | None:
+    """Geometric mean of the positive finite numbers in xs, None when there are none."""
+    xs = [float(x) for x in xs if isinstance(x, (int, float)) and x > 0 and math.isfinite(x)]
+    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else None
+
+
+# ------------------------------------------------------------------------------------- checks
+def errors(out, ref) -> dict:
+    """Max abs error, max excess over ``atol + rtol |ref|``, relative L2 and finiteness of ``out``
+    against ``ref`` (torch tensors or numpy arrays), in float64 on ``ref``'s device."""
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    r = torch.from_numpy(np.asarray(ref)) if isinstance(ref, np.ndarray) else ref.detach()
+    r = r.double()
+    o = torch.from_numpy(np.asarray(out)) if isinstance(out, np.ndarray) else out.detach()
+    o = o.to(r.device).double()
+    diff = (o - r).abs()
+    den = float(r.norm())
+    rel = float((o - r).norm()) / den if den > 0 else float((o - r).norm())
+    return {"max_abs": float(diff.max()) if o.numel() else 0.0,
+            "excess": float((diff - (ATOL + RTOL * r.abs())).max()) if o.numel() else 0.0,
+            "rel_l2": rel if math.isfinite(rel) else float("inf"),
+            "finite": bool(torch.isfinite(o).all())}
+
+
+def within_tolerance(err: dict) -> bool:
+    """The acceptance rule (``qsa-contract.md`` §6): finite, elementwise within rtol/atol, relative
+    L2 <= 5e-3."""
+    return err["finite"] and err["excess"] <= 0.0 and err["rel_l2"] <= REL_L2
+
+
+# --------------------------------------------------------------------------------------- JAX
+def unrolled(step: Callable, n: int) -> Callable:
+    """``(x, *rest) -> step(...step(step(x, *rest), *rest)..., *rest)``, n calls unrolled (to be
+    jitted; with ``step`` itself jitted the chain traces it once and calls it n times)."""
+    def run(x, *rest):
+        for _ in range(n):
+            x = step(x, *rest)
+        return x
+
+    return run
+
+
+def jax_chain(fn: Callable, args: list, kwargs: dict, chain: int) -> Callable[[], Any]:
+    """A provider call running ``fn(q, *rest, **kwargs)`` (a ``qsa_pallas`` entry point) on torch
+    buffers shared zero-copy with jax (``interop.dlpack``): ``chain`` calls unrolled inside one
+    ``jax.jit``, each call's q the previous call's output (a data dependency: XLA can neither merge
+    nor hoist them; its GPU ``while`` loop would round-trip to the host each trip). Non-tensor
+    arguments (host ints) are static. Returns ``call`` (attributes ``chain``, ``capturable =
+    False``, ``once``: one call's output, as a torch tensor)."""
+    import jax  # noqa: PLC0415
+
+    from interop.dlpack import to_jax, to_torch  # noqa: PLC0415
+
+    pos = [i for i, a in enumerate(args) if hasattr(a, "data_ptr")]
+    arrays = [to_jax(args[i]) for i in pos]
+
+    def one(*xs):
+        full = list(args)
+        for i, x in zip(pos, xs):
+            full[i] = x
+        return fn(*full, **kwargs)
+
+    step = jax.jit(one)
+    chained = jax.jit(unrolled(step, chain))
+
+    def call():
+        return to_torch(chained(*arrays))
+
+    call.once = lambda: to_torch(step(*arrays))
+    call.chain, call.capturable = chain, False
+    return call
+
+
+# ------------------------------------------------------------------------------------ timing
+def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth of the current CUDA device, bytes (read + written) per
+    second: median of ``reps`` CUDA-event-timed copies of a 1 GiB buffer (far past the L2; the
+    method of ``docs/anchors.md``, 4.25 TB/s on the H200)."""
+    import torch  # noqa: PLC0415
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(reps + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        if i >= 3:
+            times.append(a.elapsed_time(b) * 1e-3)
+    return 2 * nbytes / statistics.median(times)
+
+
+def _elapsed_us(fn) -> float:
+    """Run fn once; its time in µs: CUDA events on torch's current stream (host wall clock on a
+    machine without CUDA, where only the code paths are exercised)."""
+    import torch  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3
+
+
+def _sync():
+    import torch  # noqa: PLC0415
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class _Timed:
+    """One provider ready to time: a CUDA graph of ``calls`` back-to-back calls, or (a call with
+    ``capturable = False``, or no CUDA) an eager loop of calls, each doing ``chain`` ops."""
+
+    def __init__(self, call, calls: int | None, target_us: float = 2000.0):
+        import torch  # noqa: PLC0415
+
+        self.call, self.graph = call, None
+        self.chain = int(getattr(call, "chain", 1))
+        call()  # warm-up: compiles
+        if not torch.cuda.is_available():  # host wall clock: code paths only, one call a replay
+            self.reps = 1
+            return
+        graphed = getattr(call, "capturable", True)
+        call()
+        _sync()
+        if calls is None or not graphed:
+            est = max(_elapsed_us(call), 1.0)
+            calls = max(1, min(calls or 200, round(target_us / est)))
+        # eager (JAX): >= 2 calls per timed replay, so one call's host dispatch overlaps the
+        # previous call's GPU work instead of idling the GPU inside the measurement
+        self.reps = calls if graphed else max(2, min(calls, 8))
+        if graphed:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=torch.cuda.Stream()):
+                for _ in range(self.reps):
+                    call()
+        _sync()
+
+    def replay(self):
+        if self.graph is not None:
+            self.graph.replay()
         else:
-            cur += ch
-    parts.append(cur.strip())
-    return [p for p in parts if p]
+            for _ in range(self.reps):
+                self.call()
+
+    def time_us(self) -> float:
+        """One replay, timed: µs per op."""
+        return _elapsed_us(self.replay) / (self.reps * self.chain)
 
 
-def order_providers(providers: dict, selection) -> dict:
-    """``providers`` restricted to ``selection`` and in its order (``None``: unchanged)."""
-    if selection is None:
-        return dict(providers)
-    return {n: providers[n] for n in selection if n in providers}
+def _stats(samples: list[float], t: _Timed | None = None) -> dict:
+    s = sorted(samples)
+    q = statistics.quantiles(s, n=10) if len(s) >= 2 else [s[0]] * 9
+    out = {"median_us": statistics.median(s), "p10_us": q[0], "p90_us": q[-1], "min_us": s[0],
+           "rounds": len(s)}
+    if t is not None:
+        out.update(calls_per_replay=t.reps, chain=t.chain, cuda_graph=t.graph is not None)
+    return out
 
 
-def speedup_vs_first(times: dict[str, float | None], first: str | None) -> dict[str, float]:
-    """``{name: times[first] / times[name]}`` for every name with a positive time (> 1: faster
-    than the first provider; the first itself gets 1.0). Empty when ``first`` has no time."""
-    base = times.get(first) if first is not None else None
-    if not base or base <= 0:
-        return {}
-    return {n: base / t for n, t in times.items() if t and t > 0}
+def time_interleaved(calls: dict[str, Callable], *, calls_per_replay: int | None = None,
+                     rounds: int = 15, warmup_ms: float = 50.0) -> dict[str, dict]:
+    """Time provider calls of one case interleaved (see the module docstring).
+
+    Args:
+      calls: name -> provider call (inputs ready; the call must not sync the host).
+      calls_per_replay: calls captured per CUDA graph (None: sized to ~2 ms per replay).
+      rounds: timed replays per provider; the replay order rotates each round.
+      warmup_ms: untimed round-robin replays first (GPU clocks settle after compile pauses).
+
+    Returns:
+      name -> {"median_us", "p10_us", "p90_us", "min_us", "rounds", "calls_per_replay", "chain",
+      "cuda_graph"} (µs per op), or {"error": text} for a provider that failed to warm up or be
+      captured (the others still run).
+    """
+    timed, out = {}, {}
+    for name, call in calls.items():
+        try:
+            timed[name] = _Timed(call, calls_per_replay)
+        except Exception as e:  # noqa: BLE001 - one provider failing must not stop the others
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            _sync()
+    names = list(timed)
+    t_end = time.perf_counter() + warmup_ms / 1e3
+    while names and time.perf_counter() < t_end:
+        for n in names:
+            timed[n].replay()
+        _sync()
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds if names else 0):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            samples[n].append(timed[n].time_us())
+    for n in names:
+        out[n] = _stats(samples[n], timed[n])
+    return {n: out[n] for n in calls if n in out}
 
 
-def now_iso() -> str:
-    """Local date and time, ISO 8601 to the second, with the UTC offset."""
+# ------------------------------------------------------------------------------------ reports
+def write_json(path, obj) -> Path:
+    """Write ``obj`` as indented JSON (NaN/Inf as strings), atomically; parents created."""
+    def clean(x):
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        if isinstance(x, float) and not math.isfinite(x):
+            return str(x)
+        return x if isinstance(x, (str, int, float, bool)) or x is None else str(x)
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(clean(obj), indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def default_json_path(name: str) -> Path:
+    """``$OUT/<name>.json`` when ``$OUT`` is set (the device runner's output folder), else
+    ``./bench-out/<name>.json``."""
+    return Path(os.environ.get("OUT") or "bench-out") / f"{name}.json"
+
+
+def _entry(timing: dict, check: dict, desc: dict, bw: float | None) -> dict:
+    e = {**timing, **check}
+    us = timing.get("median_us")
+    if us:
+        e["GBps"] = desc["bytes"] / (us * 1e-6) / 1e9
+        if bw:
+            e["pct_copy_bw"] = 100 * desc["bytes"] / (us * 1e-6) / bw
+        if desc.get("flops"):
+            e["TFLOPs"] = desc["flops"] / (us * 1e-6) / 1e12
+    return e
+
+
+def _ratios(entries: dict, first: str | None) -> None:
+    base = entries.get(first, {}).get("median_us") if first else None
+    for e in entries.values():
+        if base and e.get("median_us"):
+            e["speedup_vs_first"] = base / e["median_us"]
+
+
+def summarize(report: dict) -> dict:
+    """Per provider: cases timed, failed checks, geomean / min / max of ``speedup_vs_first``;
+    and the ``@self`` noise range (time of the first provider's second graph / its first)."""
+    out: dict[str, Any] = {"first_provider": report.get("first_provider"), "providers": {}}
+    selfr = []
+    for c in report["cases"]:
+        p = c["providers"]
+        for n, e in p.items():
+            if n.endswith(SELF_SUFFIX):
+                base = p.get(n.removesuffix(SELF_SUFFIX), {}).get("median_us")
+                if base and e.get("median_us"):
+                    selfr.append(e["median_us"] / base)
+                continue
+            s = out["providers"].setdefault(n, {"timed": 0, "failed_check": 0, "_sp": []})
+            s["timed"] += "median_us" in e
+            s["failed_check"] += e.get("ok") is False
+            if "speedup_vs_first" in e:
+                s["_sp"].append(e["speedup_vs_first"])
+    for s in out["providers"].values():
+        sp = s.pop("_sp")
+        s.update(geomean_speedup_vs_first=geomean(sp), min_speedup_vs_first=min(sp, default=None),
+                 max_speedup_vs_first=max(sp, default=None))
+    out["self_vs_self"] = [min(selfr), max(selfr)] if selfr else None
+    return out
+
+
+def _fmt_row(case: str, name: str, e: dict) -> str:
+    if "skipped" in e:
+        return f"{case:34s} {name:18s} skipped: {e['skipped']}"
+    if "error" in e and "median_us" not in e:
+        return f"{case:34s} {name:18s} error: {e['error'][:90]}"
+    us, sp = e.get("median_us"), e.get("speedup_vs_first")
+    cells = ["      -" if us is None else f"{us:9.2f}",
+             f"{e['p10_us']:8.2f} {e['p90_us']:8.2f}" if us is not None else " " * 17,
+             f"{e['pct_copy_bw']:6.1f}" if "pct_copy_bw" in e else "     -",
+             f"{sp:7.3f}" if sp else "      -",
+             f"{e['rel_l2']:.1e}" if "rel_l2" in e else "", "" if e.get("ok", True) else "FAIL"]
+    return f"{case:34s} {name:18s} " + " ".join(cells)
+
+
+HEADER = (f"{'case':34s} {'provider':18s} {'us/call':>9s} {'p10':>8s} {'p90':>8s} {'%copy':>6s} "
+          f"{'x first':>7s} relL2")
+
+
+# ------------------------------------------------------------------------------------ running
+def _select(mode: Mode, text: str | None) -> list[str]:
+    sel = parse_providers(text, mode.providers)
+    return sel if sel is not None else [n for n, p in mode.providers.items() if p.default]
+
+
+def _check_one(provider: Provider, desc: dict, inputs, ref) -> tuple[Callable | None, dict]:
+    """Set a provider up on a case and check its output; (call or None, entry)."""
+    import torch  # noqa: PLC0415
+
+    why = provider.supports(desc) if provider.supports else None
+    if why:
+        return None, {"skipped": why}
+    try:
+        call = provider.setup(inputs)
+        out = getattr(call, "once", call)()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - a provider that cannot run this case
+        return None, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    err = errors(out.float(), ref)
+    return call, {**err, "ok": within_tolerance(err)}
+
+
+def run(mode: Mode, args) -> dict:
+    """Run a mode as the parsed command line asks (``--smoke-cpu`` / ``--memcheck``: check only;
+    otherwise check and time on the GPU). Writes the JSON (after every case too, so a run cut
+    short keeps its numbers) and returns the report."""
+    import torch  # noqa: PLC0415
+
+    kind = "smoke" if args.smoke_cpu else "memcheck" if args.memcheck else "bench"
+    timed = kind == "bench"
+    device = "cpu" if args.smoke_cpu else "cuda"
+    names = _select(mode, args.providers)
+    first = names[0] if names else None
+    bw = copy_bandwidth_bytes_per_s() if timed else None
+    path = Path(args.json) if args.json else default_json_path(mode.name if timed
+                                                               else f"{mode.name}_{kind}")
+    report = {"mode": mode.name, "title": mode.title, "kind": kind, "date": _now(),
+              "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+              "versions": _versions(), "copy_bandwidth_Bps": bw, "providers": names,
+              "first_provider": first, "method": _method(mode) if timed else "check only",
+              "cases": []}
+    if bw:
+        print(f"{report['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
+    print(f"{mode.name}: providers {', '.join(names)}" + (f"; x first = time of {first} / time"
+                                                          if timed else "; check only, no timing"))
+    print(HEADER if timed else f"{'case':34s} {'provider':18s} check")
+    for case in mode.cases(args, kind):
+        inputs, ref = mode.prepare(case, device)
+        desc = mode.describe(case, inputs)
+        calls, entries = {}, {}
+        for n in names:
+            call, entries[n] = _check_one(mode.providers[n], desc, inputs, ref)
+            if call is not None:
+                calls[n] = call
+        del ref
+        if timed and calls:
+            if first in calls:
+                calls[first + SELF_SUFFIX] = calls[first]
+                entries[first + SELF_SUFFIX] = dict(entries[first])
+            timing = time_interleaved(calls, calls_per_replay=mode.calls, rounds=args.rounds)
+            for n, t in timing.items():
+                entries[n] = _entry(t, entries[n], desc, bw)
+            _ratios(entries, first)
+        report["cases"].append({**desc, "providers": entries})
+        for n, e in entries.items():
+            print(_fmt_row(desc["name"], n, e) if timed else
+                  f"{desc['name']:34s} {n:18s} " + (
+                      f"rel L2 {e['rel_l2']:.1e} {'ok' if e['ok'] else 'FAIL'}" if "ok" in e
+                      else e.get("skipped") or e.get("error", "")))
+        write_json(path, {**report, "partial": True})
+        del inputs, calls
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    report["summary"] = summarize(report)
+    if timed and mode.finish is not None:
+        mode.finish(report)
+    report["failures"] = [f"{c['name']} {n}" for c in report["cases"]
+                          for n, e in c["providers"].items() if e.get("ok") is False]
+    ran = [n for n in names if any("ok" in c["providers"].get(n, {}) for c in report["cases"])]
+    report["ran"] = ran
+    write_json(path, report)
+    print(f"ran: {', '.join(ran) or 'none'}; not run: "
+          + (", ".join(f"{n} ({_why_not(report, n)})" for n in names if n not in ran) or "none"))
+    if timed:
+        for n, s in report["summary"]["providers"].items():
+            if s["geomean_speedup_vs_first"] and n != first:
+                print(f"{n}: geomean time of {first} / time of {n} = "
+                      f"{s['geomean_speedup_vs_first']:.3f} over {s['timed']} cases")
+        if report["summary"]["self_vs_self"]:
+            lo, hi = report["summary"]["self_vs_self"]
+            print(f"noise ({first}@self / {first}): {lo:.3f} .. {hi:.3f}")
+    print(f"failed checks: {', '.join(report['failures']) or 'none'}")
+    print(f"wrote {path}")
+    return report
+
+
+def _why_not(report: dict, name: str) -> str:
+    for c in report["cases"]:
+        e = c["providers"].get(name, {})
+        if "skipped" in e or "error" in e:
+            return (e.get("skipped") or e.get("error"))[:100]
+    return "no case"
+
+
+def _now() -> str:
     import datetime  # noqa: PLC0415
 
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def _torch():
+def _versions() -> dict:
+    out = {"python": sys.version.split()[0]}
+    for mod in ("torch", "triton", "jax"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - optional
+            pass
+    return out
+
+
+def _method(mode: Mode) -> str:
+    n = mode.calls or "~2 ms of"
+    return (f"per case: every provider checked against an FP32 reference, then timed interleaved: "
+            f"CUDA-graph replays of {n} back-to-back calls (JAX: an unrolled chain of {n} calls in "
+            f"one jax.jit), round-robin with rotating order, median of CUDA-event timings per "
+            f"replay / calls; NAME@self = the first provider's second graph (noise)")
+
+
+# --------------------------------------------------------------------------- old vs new tree
+class _Worker:
+    """A process serving one (tree, provider): ``python3 -m bench.common --serve``."""
+
+    def __init__(self, module: str, mode: str, tree: Path):
+        cmd = [sys.executable, "-m", "bench.common", "--serve", module, mode, str(tree.resolve())]
+        env = {**os.environ, "PYTHONPATH": ""}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env)
+
+    def ask(self, **msg) -> dict:
+        if self.proc.poll() is not None:
+            return {"error": f"worker exited ({self.proc.returncode})"}
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        return json.loads(line) if line else {"error": "worker exited (see its stderr above)"}
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.ask(op="exit")
+        self.proc.wait(timeout=60)
+
+
+def _serve(module: str, mode_key: str, tree: str) -> int:
+    """Worker loop: this checkout's bench code, ``tree``'s kernel packages. Protocol: one JSON
+    object per line on stdin (setup / replay / drop / exit), one reply per line on stdout;
+    everything else the process prints goes to stderr."""
+    import importlib  # noqa: PLC0415
+
+    tree = str(Path(tree).resolve())
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    mode = importlib.import_module(module).MODES[mode_key]
+    for name in [m for m in sys.modules if m.split(".")[0] in PACKAGES]:
+        del sys.modules[name]  # the kernels and their core come from ``tree``
+    sys.path.insert(0, tree)
     import torch  # noqa: PLC0415
 
-    return torch
-
-
-def gpu_name(device=None) -> str:
-    """Marketing name of the CUDA device (``"NVIDIA H200"``), or ``"cpu"`` without CUDA."""
-    torch = _torch()
-    if not torch.cuda.is_available():
-        return "cpu"
-    return torch.cuda.get_device_name(device)
-
-
-def out_dir(default: str = "out") -> Path:
-    """Results folder: ``$OUT`` when set (the device runner's output folder), else ``./out``.
-    Created if missing."""
-    p = Path(os.environ.get("OUT") or default)
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-def _jsonable(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return _jsonable(dataclasses.asdict(obj))
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)  # JSON has no NaN/Inf
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
-        return obj
-    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    state: dict[str, Any] = {}
+    for line in sys.stdin:
+        msg = json.loads(line)
         try:
-            return _jsonable(obj.item())
-        except Exception:  # noqa: BLE001
-            pass
-    return str(obj)
-
-
-def write_json(path, obj) -> Path:
-    """Write ``obj`` as indented JSON (dataclasses, tuples, numpy/torch scalars converted; NaN/Inf
-    as strings). Parent folders are created. Returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)
-    return path
-
-
-def copy_bandwidth_bytes_per_s(device=None, nbytes: int = 1 << 30, reps: int = 20) -> float:
-    """Measured device-to-device copy bandwidth of ``device``, in bytes (read + written) per second.
-
-    Copies a ``nbytes`` buffer (default 1 GiB, far beyond the 60 MB L2 of an H200) ``reps`` times,
-    each timed with CUDA events; returns ``2 * nbytes / median_time``. Source of the method:
-    ``docs/anchors.md`` (4.25 TB/s on the H200 measured this way). Halves ``nbytes`` on OOM.
-
-    Raises:
-      RuntimeError: CUDA is not available.
-    """
-    torch = _torch()
-    if not torch.cuda.is_available():
-        raise RuntimeError("copy_bandwidth_bytes_per_s needs a CUDA device")
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    while True:
-        try:
-            src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-            dst = torch.empty_like(src)
-            break
-        except torch.cuda.OutOfMemoryError:
-            nbytes //= 2
-            if nbytes < (1 << 24):
-                raise
-    src.fill_(1.0)
-    with torch.cuda.device(device):
-        for _ in range(3):
-            dst.copy_(src)
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            dst.copy_(src)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e-3)
-    moved = 2 * src.numel() * src.element_size()
-    del src, dst
-    return moved / statistics.median(times)
-
-
-class _Timed:
-    """One provider prepared for timing: a replayable CUDA graph (or an eager loop) of ``reps``
-    back-to-back calls."""
-
-    def __init__(self, fn: Callable[[], Any], reps: int, use_cuda_graph: bool, stream):
-        torch = _torch()
-        self.fn, self.reps, self.graph = fn, reps, None
-        # work items per call: a provider may run several decodes per call (``fn.inner_reps``)
-        self.per_call = max(1, int(getattr(fn, "inner_reps", 1) or 1))
-        self.graphed = use_cuda_graph and getattr(fn, "cuda_graph_capturable", True)
-        if self.graphed:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=stream):
-                for _ in range(reps):
-                    fn()
-            self.graph = g
-
-    def run(self):
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            for _ in range(self.reps):
-                self.fn()
-
-
-def _estimate_us(fn, torch) -> float:
-    """Eager per-call time estimate (µs), after two warm-up calls (also compiles kernels)."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(5):
-        fn()
-    b.record()
-    b.synchronize()
-    return max(a.elapsed_time(b) * 1e3 / 5, 0.5)
-
-
-def time_interleaved(
-    providers: dict[str, Callable[[], Any]],
-    *,
-    use_cuda_graph: bool = True,
-    reps: int | None = None,
-    rounds: int = 15,
-    target_replay_us: float = 2000.0,
-    max_reps: int = 200,
-    self_check: bool = False,
-    warmup_ms: float = 50.0,
-) -> dict[str, dict[str, float]]:
-    """Time several providers of the same computation, interleaved, under CUDA graphs.
-
-    Each provider (a zero-argument callable that launches the work on the current stream, e.g. a
-    closure over pre-built inputs) is warmed up eagerly (compiling its kernels), then captured into
-    one CUDA graph of ``reps`` back-to-back calls. A provider with the attribute
-    ``cuda_graph_capturable = False`` (e.g. a JAX call, which launches on JAX's own streams) is
-    timed as an eager loop instead (CUDA events on torch's current stream, which the provider
-    must make wait for its work), and one with ``inner_reps = n`` counts as n calls per call;
-    the result records both (``cuda_graph``, ``inner_reps``). Then ``rounds`` rounds replay every provider's
-    graph once, in round-robin order that rotates each round (so no provider is always first after
-    an idle gap); each replay is timed with CUDA events. Per-call time = replay time / reps.
-
-    Args:
-      providers: name -> callable. Each is called many times; it must not sync the host (graph
-        capture forbids it) and must have its inputs ready.
-      use_cuda_graph: False times eager loops of ``reps`` calls instead (includes launch overhead).
-      reps: calls per replay; default: chosen per provider so one replay lasts about
-        ``target_replay_us`` (clamped to [1, ``max_reps``]).
-      rounds: timed replays per provider (the median is over these).
-      self_check: also time the first provider a second time under the name
-        ``name + SELF_SUFFIX`` (its own graph), as a noise check: its median should be within a few
-        percent of the first provider's.
-      warmup_ms: untimed round-robin replays of every provider before the timed rounds, at
-        least this much wall time (lets the GPU clocks settle after compile/capture pauses).
-
-    Returns:
-      ``{name: {"median_us", "p10_us", "p90_us", "min_us", "reps", "rounds", "cuda_graph",
-      "inner_reps"}}``, times in µs per call (per inner rep); a provider that raised while
-      warming up or being captured gets ``{"error": "..."}`` instead (the others still run).
-
-    Raises:
-      RuntimeError: CUDA is not available.
-    """
-    torch = _torch()
-    if not torch.cuda.is_available():
-        raise RuntimeError("time_interleaved needs a CUDA device")
-    items = list(providers.items())
-    if self_check and items:
-        items.append((items[0][0] + SELF_SUFFIX, items[0][1]))
-    stream = torch.cuda.Stream()
-    timed: dict[str, _Timed] = {}
-    errors: dict[str, str] = {}
-    for name, fn in items:
-        try:
-            n = reps
-            if n is None:
-                n = int(min(max_reps, max(1, round(target_replay_us / _estimate_us(fn, torch)))))
-                if not getattr(fn, "cuda_graph_capturable", True):
-                    n = max(1, min(n, 20))  # eager host loop: keep it short
+            if msg["op"] == "setup":
+                desc, inputs, ref = torch.load(msg["file"], map_location=device, weights_only=False)
+                call, entry = _check_one(mode.providers[msg["provider"]], desc, inputs, ref)
+                if call is not None:
+                    state["timed"] = _Timed(call, mode.calls)
+                    entry.update(calls_per_replay=state["timed"].reps, chain=state["timed"].chain)
+                entry["modules"] = {m: sys.modules[m].__file__ for m in PACKAGES
+                                    if m in sys.modules}
+                stray = [f for f in entry["modules"].values() if not f.startswith(tree)]
+                reply = {"error": f"imported {stray} from outside {tree}"} if stray else entry
+            elif msg["op"] == "replay":
+                t = state["timed"]
+                reply = {"us": [t.time_us() if msg.get("timed", True) else t.replay()
+                                for _ in range(msg.get("n", 1))]}
+            elif msg["op"] == "drop":
+                state.clear()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                reply = {}
             else:
-                fn()
-                fn()
-            torch.cuda.synchronize()
-            timed[name] = _Timed(fn, n, use_cuda_graph, stream)
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - one provider failing (e.g. not capturable)
-            errors[name] = f"{type(e).__name__}: {str(e)[:300]}"  # must not stop the others
-            torch.cuda.synchronize()
-    names = [n for n, _ in items if n in timed]
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    # untimed warm replays, round-robin, for at least warmup_ms of wall time: the GPU clocks
-    # ramp back up after the host-side compile/capture pauses (H200: the first case of a run
-    # measured up to 15% slow with a single warm replay, p90 30% above the median)
-    t_end = time.perf_counter() + warmup_ms / 1e3
-    while True:
-        for n in names:
-            timed[n].run()
-        torch.cuda.synchronize()
-        if time.perf_counter() >= t_end:
-            break
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for n in order:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            timed[n].run()
-            b.record()
-            b.synchronize()
-            samples[n].append(a.elapsed_time(b) * 1e3 / (timed[n].reps * timed[n].per_call))
-    out = {}
+                proto.write("{}\n")
+                proto.flush()
+                return 0
+        except Exception as e:  # noqa: BLE001 - reported to the parent, the worker lives on
+            reply = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        proto.write(json.dumps(reply) + "\n")
+        proto.flush()
+    return 0
+
+
+def compare(mode: Mode, module: str, mode_key: str, args) -> dict:
+    """Time ``--providers`` (default: the first provider) of this checkout ("new") against the same
+    providers of the checkout at ``args.compare`` ("old"; only its ``interop``, ``qsa_triton`` and
+    ``qsa_pallas`` are used) on the mode's cases, in one run: one worker per (tree, provider),
+    replays alternating old, new, old, new ... (rotating order per round). Prints per-case
+    and geomean speedups (time old / time new: > 1, the new tree is faster); writes the JSON."""
+    import torch  # noqa: PLC0415
+
+    names = parse_providers(args.providers, mode.providers) or [next(iter(mode.providers))]
+    old = Path(args.compare)
+    if not (old / "qsa_triton").is_dir():
+        raise ProviderError(f"--compare {old}: no qsa_triton/ there (expected a checkout of the "
+                            "old commit's interop/, qsa_triton/, qsa_pallas/)")
+    trees = {"old": old, "new": ROOT}
+    path = Path(args.json) if args.json else default_json_path(f"{mode.name}_compare")
+    device = "cpu" if args.smoke_cpu else "cuda"
+    workers = {(t, n): _Worker(module, mode_key, p) for n in names for t, p in trees.items()}
+    report = {"mode": mode.name, "kind": "compare" + ("/smoke" if args.smoke_cpu else ""),
+              "date": _now(), "providers": names, "versions": _versions(),
+              "gpu": "cpu (smoke: code paths only, the times are meaningless)" if args.smoke_cpu
+              else torch.cuda.get_device_name(),
+              "trees": {t: str(p.resolve()) for t, p in trees.items()}, "rounds": args.rounds,
+              "method": "one worker process per (tree, provider); inputs and FP32 reference built "
+                        "once by the new tree; replays of each worker's CUDA graph (JAX: jitted "
+                        "chain) alternating old/new round-robin; median of CUDA-event timings",
+              "cases": []}
+    print(f"compare {mode.name} on {report['gpu']}: old = {trees['old']}, new = {trees['new']}; "
+          f"providers {', '.join(names)}; speedup = time old / time new")
+    with tempfile.TemporaryDirectory(prefix="qsa-bench-") as tmp:
+        for i, case in enumerate(mode.cases(args, "smoke" if args.smoke_cpu else "bench")):
+            inputs, ref = mode.prepare(case, device)
+            desc = mode.describe(case, inputs)
+            file = os.path.join(tmp, f"case{i}.pt")
+            torch.save((desc, inputs, ref), file)
+            del inputs, ref
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            rec = {**desc, "providers": {}}
+            for n in names:
+                ws = {t: workers[(t, n)] for t in trees}
+                entry = {t: w.ask(op="setup", file=file, provider=n) for t, w in ws.items()}
+                live = [t for t in trees if entry[t].get("ok")]
+                turn = 1 if args.smoke_cpu else 3  # timed replays per turn: fewer idle gaps
+                for _ in range(turn):  # untimed warm replays, alternating
+                    for t in live:
+                        ws[t].ask(op="replay", n=turn, timed=False)
+                samples = {t: [] for t in live}
+                for r in range(args.rounds):
+                    for t in live[r % 2:] + live[:r % 2]:
+                        samples[t] += ws[t].ask(op="replay", n=turn).get("us", [])
+                for t in live:
+                    if samples[t]:
+                        entry[t].update(_stats(samples[t]))
+                for w in ws.values():
+                    w.ask(op="drop")
+                t_old, t_new = (entry[t].get("median_us") for t in ("old", "new"))
+                entry["speedup"] = t_old / t_new if t_old and t_new else None
+                rec["providers"][n] = entry
+                why = entry["old"].get("error") or entry["new"].get("error") or "check failed"
+                print(f"{desc['name']:34s} {n:12s} old {t_old or float('nan'):9.2f} us  new "
+                      f"{t_new or float('nan'):9.2f} us  speedup "
+                      + (f"{entry['speedup']:.3f}" if entry["speedup"] else f"- ({why})"))
+            report["cases"].append(rec)
+            write_json(path, {**report, "partial": True})
+            os.remove(file)
+    for w in workers.values():
+        w.close()
+    report["summary"] = {}
     for n in names:
-        s = sorted(samples[n])
-        q = statistics.quantiles(s, n=10) if len(s) >= 2 else [s[0]] * 9
-        out[n] = {"median_us": statistics.median(s), "p10_us": q[0], "p90_us": q[-1],
-                  "min_us": s[0], "reps": timed[n].reps, "rounds": rounds,
-                  "cuda_graph": timed[n].graphed, "inner_reps": timed[n].per_call}
-    for n, err in errors.items():
-        out[n] = {"error": err}
-    del timed
-    return out
+        sp = [c["providers"][n]["speedup"] for c in report["cases"]]
+        ok = [x for x in sp if x]
+        report["summary"][n] = {"geomean_speedup_new_vs_old": geomean(ok), "cases": len(ok),
+                                "min": min(ok, default=None), "max": max(ok, default=None),
+                                "not_compared": len(sp) - len(ok)}
+        g = geomean(ok)
+        print(f"{n}: geomean speedup new vs old over {len(ok)} cases = "
+              + (f"{g:.4f} (new within 3% of old or faster: {'yes' if g >= 0.97 else 'NO'})"
+                 if g else "-") + (f"; {len(sp) - len(ok)} cases not compared" if len(sp) > len(ok)
+                                   else ""))
+    write_json(path, report)
+    print(f"wrote {path}")
+    return report
+
+
+# ---------------------------------------------------------------------------- command line
+def add_arguments(ap: argparse.ArgumentParser, modes: dict[str, Mode]) -> None:
+    """The options every benchmark has (the module adds its own filters)."""
+    ap.epilog = "\n".join(
+        ("providers:\n" if len(modes) == 1 else f"providers of --mode {key}:\n") + "\n".join(
+            f"  {n:18s} {p.doc}" + ("" if p.default else " (not in the default set)")
+            for n, p in m.providers.items()) for key, m in modes.items())
+    ap.formatter_class = argparse.RawDescriptionHelpFormatter
+    first = next(iter(modes.values()))
+    ap.set_defaults(mode=next(iter(modes)))
+    if len(modes) > 1:
+        ap.add_argument("--mode", choices=list(modes),
+                        help=f"what to time (default {ap.get_default('mode')})")
+    ap.add_argument("--providers", metavar="A,B,...",
+                    help="providers to run, in this order; 'x first' ratios are against the first "
+                         "(default: the mode's default set, listed below)")
+    ap.add_argument("--json", metavar="FILE", help=f"report path (default $OUT/{first.name}.json "
+                    f"when $OUT is set, else ./bench-out/{first.name}.json)")
+    ap.add_argument("--plot", metavar="PNG",
+                    help="also draw the report (bench/plot.py, matplotlib)")
+    ap.add_argument("--rounds", type=int, default=15,
+                    help="timed replays per provider (default 15)")
+    ap.add_argument("--smoke-cpu", action="store_true",
+                    help="run the code paths on CPU (Triton interpreter, Pallas interpret mode) on "
+                         "tiny shapes: checks against the reference, no timing")
+    ap.add_argument("--memcheck", action="store_true",
+                    help="GPU, no timing: edge cases (junk indices, NaN outside the rows, "
+                         "exact-size buffers) checked against the reference; run it under "
+                         "compute-sanitizer")
+    ap.add_argument("--compare", metavar="OLD_TREE",
+                    help="time the providers (default: the first) of this checkout against a "
+                         "checkout of another commit at OLD_TREE (its interop/, qsa_triton/, "
+                         "qsa_pallas/), alternating, in worker processes; prints geomean speedups")
+
+
+def main(modes: dict[str, Mode], module: str, argv=None, prog: str | None = None,
+         description: str = "", add_filters: Callable | None = None) -> int:
+    """Parse, validate every value before touching a GPU (exit 2 on a bad one), then run, compare
+    or smoke-test the chosen mode. Exit status 1 when a provider failed its check (or, comparing,
+    a case could not be compared)."""
+    ap = argparse.ArgumentParser(prog=prog or f"python3 -m {module}", description=description)
+    add_arguments(ap, modes)
+    if add_filters:
+        add_filters(ap)
+    args = ap.parse_args(argv)
+    mode = modes[args.mode]
+    try:
+        parse_providers(args.providers, mode.providers)
+        if args.memcheck and (args.smoke_cpu or args.compare):
+            raise ProviderError("--memcheck runs on the GPU alone: not with --smoke-cpu or "
+                                "--compare")
+        if args.rounds < 1:
+            raise ProviderError(f"--rounds must be >= 1, got {args.rounds}")
+        mode.cases(args, "bench")  # validates the module's filters
+    except ProviderError as e:
+        print(f"{ap.prog}: {e}", file=sys.stderr)
+        return 2
+    if args.smoke_cpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any @triton.jit is defined
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        try:  # the interpreter's bf16 dot is wrong (architecture.md); fp16 is used on CPU anyway
+            import tests.triton_interp_patch  # noqa: F401, PLC0415
+        except ImportError:
+            pass
+    else:
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            print(f"{ap.prog} needs a CUDA GPU (or --smoke-cpu)", file=sys.stderr)
+            return 2
+    if args.compare:
+        try:
+            report = compare(mode, module, args.mode, args)
+        except ProviderError as e:
+            print(f"{ap.prog}: {e}", file=sys.stderr)
+            return 2
+        return 0 if all(c["providers"][n].get("speedup") for c in report["cases"]
+                        for n in report["providers"]) else 1
+    report = run(mode, args)
+    rc = 1 if report["failures"] else 0
+    if args.plot:
+        from bench.plot import plot  # noqa: PLC0415
+
+        try:
+            print(f"wrote {plot(report, args.plot)}")
+        except Exception as e:  # noqa: BLE001 - the JSON is written; say why there is no plot
+            print(f"--plot failed ({type(e).__name__}: {e}); re-plot with python3 -m bench.plot "
+                  f"REPORT.json {args.plot}", file=sys.stderr)
+            rc = rc or 1
+    return rc
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"] and len(sys.argv) == 5:
+        sys.exit(_serve(*sys.argv[2:]))
+    print("usage: python3 -m bench.decode|bench.prefill ... (bench.common is a library; "
+          "--serve MODULE MODE TREE is the --compare worker)", file=sys.stderr)
+    sys.exit(2)

@@ -1,180 +1,299 @@
-"""Sparse prefill benchmark on one GPU: ours vs upstream SGLang 0.5.23 vs gather + dense attention.
+"""Sparse prefill benchmark (``qsa-contract.md`` §3): ours against upstream SGLang 0.5.23's
+kernels, our Pallas twin and gather + dense attention, on the H200.
 
-Usage (GPU; writes JSON under $OUT, default ./out):
-  python -m bench.prefill                       # 8192-row matrix + query-count sweep + paged
-  python -m bench.prefill --matrix-only         # only the 8192-row matrix
-  python -m bench.prefill --geometry 16,64,4,2  # add a forced-geometry provider (repeatable)
-  python -m bench.prefill --sweep-geometry      # BLOCK_N x warps x stages grid for the SM90 table
-  python -m bench.prefill --providers upstream-chunk,ours,"ours[64,4,2]" --json F --plot F.png
-                                                # choose and order the providers; ratios
-                                                # (speedup_vs_first) against the first listed
+  python3 -m bench.prefill [--providers A,B,..] [--sections ..] [--heads ..]
+                           [--json F] [--plot F.png]          time and check (GPU)
+  python3 -m bench.prefill --smoke-cpu                        code paths on CPU, no timing
+  python3 -m bench.prefill --memcheck                         edge cases for compute-sanitizer
+  python3 -m bench.prefill --compare OLD_TREE                 this checkout vs another commit's
+  python3 -m bench.prefill --mode union [--jaccards 0.9,0.5,0] [--heads ..] [--json F]
 
-Method (``docs/anchors.md``, ``bench/common.py``): every provider of one case runs on the same
-inputs, interleaved round-robin in one process; each provider's calls are captured into a CUDA
-graph and replayed, timed with CUDA events; the median is reported. Every provider's output is
-checked against a float32 torch reference on every run (rtol = atol = 2e-2, relative L2 <= 5e-3,
-finite); the script exits non-zero past tolerance.
+Cases (``interop.cases``; D = 256, bf16, W = 2051, realistic block-structured indices from
+``interop.indices``: 512 blocks of 4 tokens plus the causal tail, adjacent rows sharing ~90% of
+their blocks, padding -1): ``matrix``, 8192 query rows x heads 6/1, 12/1, 24/2 x KV length in
+``BENCH_PREFILL_KV`` (8k: ordinary prefill, no prefix; else chunk prefill after a prefix);
+``sweep``, chunk prefill at 32k context for 12/1 and 6/1 at the query-row counts of
+``BENCH_PREFILL_ROWS``; ``paged``, 12/1 at 32k, 8192 rows, from a scattered BF16 or FP8 pool.
+Bytes = the K and V rows gathered (valid entries x D x element size x 2, per KV head): a rate
+above the copy bandwidth means L2 hits. TFLOP/s counts 4 x G x D per valid entry.
 
-Indices are realistic and block-structured (``interop.indices.prefill_indices``: 512 blocks of 4
-tokens plus the causal tail, adjacent rows sharing ~90% of their blocks), padding -1 (upstream's
-kernels only mask idx < 0).
+``--mode union``: block-level selections (``block_indices=``, the tile-union path, union build
+included) at 8192 rows x heads x KV, the selections' neighbour Jaccard calibrated to each of
+``--jaccards`` (``interop.indices.calibrate_overlap``; the measured value is in the report) with 4
+sink blocks. Providers: ``ours-union`` (the selector), ``ours-hinted`` (``overlap=`` the measured
+Jaccard), ``ours-rows`` (the per-row kernel on the expanded token indices), ``upstream-chunk``
+and ``pallas-union``.
 
-Providers: ``ours`` (public entry point, selector geometry), ``ours[BN, W, S]`` (forced
-geometry; (64, 4, 2) by default), ``ours-pairs*`` (the experimental pair kernels) and
-``pairs-union-only`` (their pre-pass alone), ``upstream-ordinary`` / ``upstream-chunk`` (SGLang
-0.5.23 with its own table geometry; on an H200 its ``"H20" in device_name`` test picks the H20
-table), ``gather-dense`` (torch gather + SDPA, context, KV 32k only), ``pallas`` (``--pallas``).
-
-``--providers`` picks and orders them (``provider_names`` lists every name; ``ours[...]`` with a
-geometry not given by ``--geometry`` adds it). Each case records ``first_provider``, the first
-listed provider the section has (the matrix and the query sweep share names; the paged section has
-its own), and every result ``speedup_vs_first`` = that provider's ms / this one's (> 1: faster),
-only when the first provider ran on the case; ``speedup_vs_upstream`` (issue 4 targets) stays.
-
-Reported per provider: ms, gathered bytes (valid entries x D x bytes x 2 for K and V, per KV head),
-effective gather rate (TB/s, bytes / time: a rate above HBM bandwidth means L2 hits), and useful
-TFLOP/s (4 x G x D flops per valid entry per KV head), and the gather rate as a percentage of the
-device-to-device copy bandwidth measured at the start (``pct_copy_bw``; above 100 means cache hits).
+Also the shared test helpers: ``make_case`` (one seeded batch of any variant), ``Case`` (its
+tensors, entry point and float64 numpy oracle), ``reference_f32`` (chunked float32 torch reference,
+fast enough for 8192 rows x 2051 columns on the GPU), ``errors`` / ``within_tolerance``.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import math
-import statistics
+import dataclasses
+import inspect
 import sys
-import time
+from typing import Any
 
-import torch
+import numpy as np
 
-from bench.common import (ProviderError, now_iso, order_providers, out_dir, parse_providers,
-                          speedup_vs_first, time_interleaved, write_json)
-from bench.prefill_cases import Case, errors, make_case, reference_f32, within_tolerance
+from bench import common
+from bench.common import errors, within_tolerance
+from interop import cases as C
 
-PAIRS = ((6, 1), (12, 1), (24, 2))
-KVS = (8192, 32768, 131072)
+__all__ = ["Case", "make_case", "reference_f32", "errors", "within_tolerance", "PROVIDERS",
+           "PREFILL", "MODES", "main"]
+
+D, T, KV_SWEEP, CHAIN = 256, 8192, 32768, 2
+HEADS = {"6/1": (6, 1), "12/1": (12, 1), "24/2": (24, 2)}
+SECTIONS = ("matrix", "sweep", "paged")
+ENTRY = {"ordinary": "sparse_prefill", "chunk": "sparse_prefill_chunk",
+         "paged": "sparse_prefill_paged"}
 
 
-# ------------------------------------------------------------------------------------ providers
+@dataclasses.dataclass
+class Case:
+    """One prefill batch on a device, with host copies of the metadata for the numpy oracle.
+
+    kind: "ordinary" | "chunk" | "paged". q [T, Hq, D]; k, v: [T, Hkv, D] (ordinary), the packed
+    contexts [sum kv_lens, Hkv, D] (chunk) or the pool [slots, Hkv, D] (paged); indices int32
+    [T, W] or [T, Hkv, W]; cu_q int32 [B+1]; cu_k int32 [B+1] (chunk); kv_lens int32 [B];
+    slot_table int32 [B, max_kv] (paged); max_q host int.
+    """
+
+    kind: str
+    q: Any
+    k: Any
+    v: Any
+    indices: Any
+    cu_q: Any
+    cu_k: Any
+    kv_lens: Any
+    slot_table: Any
+    max_q: int
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    softmax_scale: float | None = None
+
+    @property
+    def entry(self) -> str:
+        """The entry point's name (same in ``qsa_triton`` and ``qsa_pallas``)."""
+        return ENTRY[self.kind]
+
+    @property
+    def req_indices(self):
+        """int32 [B] = 0..B-1: request b reads row b of ``slot_table`` (as ``req_to_token``)."""
+        import torch  # noqa: PLC0415
+
+        return torch.arange(self.cu_q.shape[0] - 1, dtype=torch.int32, device=self.cu_q.device)
+
+    def args_for(self, fn, *, host: bool = False) -> list:
+        """The positional arguments of ``fn``: this case's entry point in ``qsa_triton`` or
+        ``qsa_pallas``, or (``host``: numpy arrays) its ``interop.reference`` function. The paged
+        pool is addressed the way ``fn`` takes it: SGLang's ``req_to_token, req_indices`` (the
+        slot table, one row per request) or, in checkouts before that convention (a ``--compare``
+        old tree), the slot table alone."""
+        f = (lambda t: t.detach().float().cpu().numpy() if t.is_floating_point()
+             else t.cpu().numpy()) if host else (lambda t: t)
+        q, k, v, idx, cu_q = (f(t) for t in (self.q, self.k, self.v, self.indices, self.cu_q))
+        if self.kind == "ordinary":
+            return [q, k, v, idx, cu_q] + ([] if host else [self.max_q]) + [self.softmax_scale]
+        scales = [self.softmax_scale, self.k_scale, self.v_scale]
+        lens = [f(self.kv_lens)] + ([] if host else [self.max_q])
+        if self.kind == "chunk":
+            return [q, k, v, idx, cu_q, f(self.cu_k), *lens, *scales]
+        table = [f(self.slot_table)]
+        if "req_indices" in inspect.signature(fn).parameters:
+            table.append(f(self.req_indices))
+        return [q, k, v, *table, idx, cu_q, *lens, *scales]
+
+    def run(self, fn_ordinary=None, fn_chunk=None, fn_paged=None):
+        """Call this case's ``qsa_triton`` entry point (or the given replacement)."""
+        import qsa_triton  # noqa: PLC0415
+
+        fn = {"ordinary": fn_ordinary, "chunk": fn_chunk, "paged": fn_paged}[self.kind]
+        fn = fn or getattr(qsa_triton, self.entry)
+        return fn(*self.args_for(fn))
+
+    def numpy_reference(self) -> np.ndarray:
+        """The float64 numpy oracle (``interop.reference``); small cases only."""
+        from interop import reference as R  # noqa: PLC0415
+
+        fn = getattr(R, f"prefill{'' if self.kind == 'ordinary' else '_' + self.kind}_reference")
+        return fn(*self.args_for(fn, host=True))
+
+    def valid_entries(self) -> int:
+        """Valid (gathered) index entries over all rows and KV heads."""
+        idx = self.indices.long()
+        lens = _row_bound(self)
+        while lens.dim() < idx.dim():
+            lens = lens[..., None]
+        n = int(((idx >= 0) & (idx < lens)).sum())
+        return n * (self.k.shape[1] if self.indices.dim() == 2 else 1)
+
+
+def _row_req(cu_q):
+    import torch  # noqa: PLC0415
+
+    q_lens = (cu_q[1:] - cu_q[:-1]).long()
+    return torch.repeat_interleave(torch.arange(q_lens.numel(), device=cu_q.device), q_lens)
+
+
+def _row_bound(c: Case):
+    """Per query row, the validity bound of its entries (request length or kv_lens[b])."""
+    lens = (c.cu_q[1:] - c.cu_q[:-1]) if c.kind == "ordinary" else c.kv_lens
+    return lens.long()[_row_req(c.cu_q)]
+
+
+def make_case(kind: str, hq: int, hkv: int, d: int, q_lens, kv_lens=None, *, width: int = 2051,
+              junk: str = "-1", per_head: bool = False, dtype=None, kv_dtype=None,
+              empty_rows=0.0, overlap: float = 0.9, nan_unselected: bool = False,
+              pool_slack: int = 0, table_junk: bool = False, k_scale: float = 1.0,
+              v_scale: float = 1.0, softmax_scale=None, seed: int = 0, device="cpu") -> Case:
+    """A seeded prefill batch.
+
+    Args:
+      kind: "ordinary" | "chunk" | "paged". hq, hkv, d: heads and head dim.
+      q_lens: query rows per request; kv_lens: context per request (chunk/paged, >= q_lens).
+      width: W; junk: padding mode of ``interop.indices.JUNK_MODES``; per_head: indices
+        [T, Hkv, W]; empty_rows: fraction or row list without a valid entry; overlap: adjacent-row
+        block sharing (``interop.indices.prefill_indices``).
+      dtype: q's torch dtype (default bf16); kv_dtype: K/V dtype (None: q's; float8_e4m3fn: FP8).
+      nan_unselected: NaN in every K/V row (pool slot) no valid entry selects.
+      pool_slack: unused extra pool slots (paged); table_junk: slot-table columns past each
+        request's kv_len hold slots far past the pool (never to be read).
+    Returns:
+      Case with its tensors on ``device`` (values N(0, 1), generated on the CPU).
+    Raises:
+      ValueError: from ``interop.indices`` (unknown kind or junk mode, kv_lens < q_lens).
+    """
+    import torch  # noqa: PLC0415
+
+    from interop import indices as I  # noqa: PLC0415
+
+    dtype = dtype or torch.bfloat16
+    g = torch.Generator().manual_seed(seed)
+    ql = np.asarray(q_lens, np.int64)
+    kl = ql if kind == "ordinary" or kv_lens is None else np.asarray(kv_lens, np.int64)
+    ctx = None if kind == "ordinary" else kl
+    lay = I.prefill_layout(kind, ql, ctx, pool_slack=pool_slack, seed=seed)
+    idx = I.prefill_indices(ql, ctx, width=width, junk=junk, overlap=overlap,
+                            empty_rows=empty_rows, num_kv_heads=hkv if per_head else None,
+                            seed=seed)
+    t = int(ql.sum())
+    rows = {"ordinary": t, "chunk": int(kl.sum()), "paged": lay.pool_slots}[kind]
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    k = torch.randn(rows, hkv, d, generator=g).to(kv_dtype or dtype)
+    v = torch.randn(rows, hkv, d, generator=g).to(kv_dtype or dtype)
+    st = None if lay.slot_table is None else lay.slot_table.astype(np.int64)
+    if nan_unselected:
+        req = np.repeat(np.arange(ql.size), ql)
+        i3 = (idx if idx.ndim == 3 else np.broadcast_to(idx[:, None, :], (t, hkv, width)))
+        i3 = i3.astype(np.int64)
+        ok = (i3 >= 0) & (i3 < lay.kv_lens.astype(np.int64)[req][:, None, None])
+        r_, h_, c_ = np.nonzero(ok)
+        base = (lay.cu_seqlens_q if kind == "ordinary" else lay.cu_seqlens_k).astype(np.int64)
+        pos = i3[r_, h_, c_]
+        used = np.zeros((rows, hkv), bool)
+        used[st[req[r_], pos] if kind == "paged" else base[req[r_]] + pos, h_] = True
+        mask = torch.from_numpy(~used)[..., None]
+        k = k.float().masked_fill(mask, float("nan")).to(k.dtype)
+        v = v.float().masked_fill(mask, float("nan")).to(v.dtype)
+    if kind == "paged" and table_junk:
+        cols = np.arange(st.shape[1])[None, :]
+        st = np.where(cols >= lay.kv_lens[:, None], lay.pool_slots + 1000 + cols * 7919, st)
+    dev = torch.device(device)
+    i32 = lambda a: torch.as_tensor(np.asarray(a, np.int64).astype(np.int32)).to(dev)  # noqa: E731
+    return Case(kind, q.to(dev), k.to(dev), v.to(dev), i32(idx), i32(lay.cu_seqlens_q),
+                i32(lay.cu_seqlens_k), i32(lay.kv_lens), None if st is None else i32(st),
+                int(lay.max_seqlen_q), k_scale, v_scale, softmax_scale)
+
+
+def reference_f32(c: Case, *, chunk_rows: int = 128):
+    """Float32 torch reference of ``c`` on c's device, with ``interop.reference``'s semantics: an
+    entry is valid iff 0 <= idx < len, invalid entries are never gathered, a row without a valid
+    entry is 0.
+
+    Returns:
+      float32 [T, Hq, D].
+    """
+    import torch  # noqa: PLC0415
+
+    q, k, v, idx = c.q, c.k, c.v, c.indices
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    scale = (d ** -0.5 if c.softmax_scale is None else c.softmax_scale) * c.k_scale
+    req, bound = _row_req(c.cu_q), _row_bound(c)
+    base = None if c.kind == "paged" else (c.cu_q if c.kind == "ordinary" else c.cu_k).long()[req]
+    out = torch.zeros(t, hq, d, dtype=torch.float32, device=q.device)
+    heads = torch.arange(hkv, device=q.device)
+    with torch.no_grad():
+        for s in range(0, t, chunk_rows):
+            e = min(t, s + chunk_rows)
+            ii = idx[s:e].long()
+            ii = ii[:, None, :].expand(-1, hkv, -1) if ii.dim() == 2 else ii
+            ok = (ii >= 0) & (ii < bound[s:e, None, None])
+            pos = torch.where(ok, ii, 0)
+            phys = (c.slot_table.long()[req[s:e, None, None], pos] if base is None
+                    else base[s:e, None, None] + pos)
+            phys = torch.where(ok, phys, 0)
+            kk = torch.where(ok[..., None], k[phys, heads[None, :, None]].float(), 0.0)
+            vv = torch.where(ok[..., None], v[phys, heads[None, :, None]].float(), 0.0)
+            qq = q[s:e].float().view(e - s, hkv, hq // hkv, d)
+            sc = torch.einsum("nhgd,nhwd->nhgw", qq, kk) * scale
+            p = torch.softmax(sc.masked_fill(~ok[:, :, None, :], float("-inf")), dim=-1)
+            o = torch.einsum("nhgw,nhwd->nhgd", p.nan_to_num(0.0), vv) * c.v_scale
+            out[s:e] = o.reshape(e - s, hq, d)
+    return out
+
+
+# ------------------------------------------------------------------------------ providers
+def _ours(c: Case):
+    return c.run
+
+
 def _upstream():
-    try:
-        from interop.peer import load_sparse_attn  # noqa: PLC0415
+    from interop.validate import peer  # noqa: PLC0415
 
-        return load_sparse_attn()
-    except Exception as e:  # noqa: BLE001 - optional peer
-        print(f"[prefill] upstream peer unavailable: {e}", file=sys.stderr)
-        return None
+    return peer.load_sparse_attn()
 
 
 def _scale(c: Case) -> float:
     return c.softmax_scale if c.softmax_scale is not None else c.q.shape[-1] ** -0.5
 
 
-def upstream_providers(up, c: Case) -> dict:
-    """Upstream's kernels with upstream's own (H20/L20 table) geometry. Only for -1 padding."""
-    if up is None or c.kind == "paged":
-        return {}
-    provs = {}
-    sc = _scale(c)
-    if c.kind == "ordinary":
-        provs["upstream-ordinary"] = lambda: up.sparse_gqa_fwd_interface_triton(
-            c.q, c.k, c.v, c.max_q, c.indices, c.cu_q, sc)
-        q_lens = (c.cu_q[1:] - c.cu_q[:-1]).contiguous()
-        provs["upstream-chunk"] = lambda: up.sparse_gqa_fwd_interface_triton_ck(
-            c.q, c.k, c.v, c.indices, c.cu_q, c.cu_q, q_lens, sc, max_q=c.max_q)
-    else:
-        provs["upstream-chunk"] = lambda: up.sparse_gqa_fwd_interface_triton_ck(
-            c.q, c.k, c.v, c.indices, c.cu_q, c.cu_k, c.kv_lens, sc, max_q=c.max_q)
-    return provs
+def _up_ordinary(c: Case):
+    up = _upstream()
+    return lambda: up.sparse_gqa_fwd_interface_triton(c.q, c.k, c.v, c.max_q, c.indices, c.cu_q,
+                                                      _scale(c))
 
 
-def forced_provider(c: Case, geo) -> callable:
-    """Our kernel with a forced (BLOCK_M, BLOCK_N, num_warps, num_stages) or (BLOCK_N, warps,
-    stages) geometry (bypasses the selector; same contract check)."""
-    import qsa_triton.prefill as P  # noqa: PLC0415
-
-    sc = _scale(c)
-    if c.kind == "ordinary":
-        return lambda: P._prefill_impl(c.q, c.k, c.v, c.indices, c.cu_q, c.max_q, sc, geometry=geo)
-    if c.kind == "chunk":
-        return lambda: P._chunk_impl(c.q, c.k, c.v, c.indices, c.cu_q, c.cu_k, c.kv_lens, c.max_q,
-                                     sc, c.k_scale, c.v_scale, geometry=geo)
-    return lambda: P._paged_impl(c.q, c.k, c.v, c.slot_table, c.indices, c.cu_q, c.kv_lens,
-                                 c.max_q, sc, c.k_scale, c.v_scale, geometry=geo)
+def _up_chunk(c: Case):
+    up = _upstream()
+    cu_k, lens = (c.cu_k, c.kv_lens) if c.kind == "chunk" else \
+        (c.cu_q, (c.cu_q[1:] - c.cu_q[:-1]).contiguous())
+    return lambda: up.sparse_gqa_fwd_interface_triton_ck(c.q, c.k, c.v, c.indices, c.cu_q, cu_k,
+                                                         lens, _scale(c), max_q=c.max_q)
 
 
-def _with_env(name: str, value: str, fn):
-    """Call fn with an environment variable set (read by the kernels' host code at call time;
-    CUDA-graph capture records the kernels that call launched)."""
-    import os  # noqa: PLC0415
+def _pallas(c: Case):
+    import qsa_pallas  # noqa: PLC0415
 
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return fn()
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
+    fn = getattr(qsa_pallas, c.entry)
+    return common.jax_chain(fn, c.args_for(fn), {}, CHAIN)
 
 
-def pairs_providers(c: Case, geometries=((32, 4, 2),), algos=("pairs", "quads")) -> dict:
-    """The experimental row-group kernels (``qsa_triton/prefill_pairs.py``: 2 rows,
-    ``prefill_quads.py``: 4 rows) at the given (BLOCK_N, warps, stages), and their union
-    pre-passes alone (to see their share)."""
-    from qsa_triton import prefill_pairs as PP  # noqa: PLC0415
-    from qsa_triton import prefill_quads as PQ  # noqa: PLC0415
-
-    if c.indices.shape[-1] > PP.MAX_PAIR_WIDTH:
-        return {}
-    sc = _scale(c)
-    kw = dict(cu_seqlens_k=c.cu_k if c.kind == "chunk" else None,
-              kv_lens=None if c.kind == "ordinary" else c.kv_lens, slot_table=c.slot_table,
-              max_seqlen_q=c.max_q, softmax_scale=sc, k_scale=c.k_scale, v_scale=c.v_scale)
-    mode = {"ordinary": 0, "chunk": 1, "paged": 2}[c.kind]
-    base = c.cu_k if c.kind == "chunk" else c.cu_q
-    lens = c.kv_lens if c.kind != "ordinary" else c.cu_q
-    table = c.slot_table if c.slot_table is not None else c.cu_q
-    provs = {}
-    for algo in algos:
-        fwd = PP.pairs_forward if algo == "pairs" else PQ.quads_forward
-        for i, geo in enumerate(geometries):
-            name = f"ours-{algo}" if i == 0 else f"ours-{algo}{list(geo)}"
-            provs[name] = (lambda geo=geo, fwd=fwd: fwd(c.kind, c.q, c.k, c.v, c.indices, c.cu_q,
-                                                        geometry=geo, **kw))
-        # the same with tl.sort inside the union pre-pass instead of the torch.sort pre-sort
-        pre = PP if algo == "pairs" else PQ
-        provs[f"ours-{algo}-tlsort"] = (
-            lambda fwd=fwd, pre=pre: _with_env("QSA_GROUP_SORT", "kernel", lambda: fwd(
-                c.kind, c.q, c.k, c.v, c.indices, c.cu_q, geometry=geometries[0], **kw)))
-        if algo == "pairs":
-            provs["pairs-union-only"] = lambda: PP.pair_union(mode, c.indices, c.cu_q, base, lens,
-                                                              table, c.max_q)
-        else:
-            provs["quads-union-only"] = lambda: PQ.quad_union(mode, c.indices, c.cu_q, base, lens,
-                                                              table, c.max_q)
-    return provs
-
-
-def gather_dense_provider(c: Case, rows_per_step: int = 256) -> callable:
-    """Context: materialise each row's selected K/V (torch gather) and run SDPA with a key mask
-    (``qsa-contract.md`` calls this the "synthetic" column upstream reports)."""
+def _gather_dense(c: Case, rows_per_step: int = 256):
+    """Each row's selected K/V materialised by a torch gather, then SDPA with a key mask (the
+    "synthetic" column upstream reports)."""
+    import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: PLC0415
 
     t, hq, d = c.q.shape
     hkv = c.k.shape[1]
-    g = hq // hkv
-    sc = _scale(c) * c.k_scale
-    req = torch.repeat_interleave(torch.arange(c.cu_q.numel() - 1, device=c.q.device),
-                                  (c.cu_q[1:] - c.cu_q[:-1]).long())
-    if c.kind == "ordinary":
-        bound = (c.cu_q[1:] - c.cu_q[:-1]).long()[req]
-        base = c.cu_q.long()[req]
-    else:
-        bound = c.kv_lens.long()[req]
-        base = c.cu_k.long()[req] if c.kind == "chunk" else None
+    req, bound = _row_req(c.cu_q), _row_bound(c)
+    base = None if c.kind == "paged" else (c.cu_q if c.kind == "ordinary" else c.cu_k).long()[req]
     heads = torch.arange(hkv, device=c.q.device)
 
     def run():
@@ -182,599 +301,239 @@ def gather_dense_provider(c: Case, rows_per_step: int = 256) -> callable:
         for s in range(0, t, rows_per_step):
             e = min(t, s + rows_per_step)
             ii = c.indices[s:e].long()
-            if ii.dim() == 2:
-                ii = ii[:, None, :].expand(-1, hkv, -1)
+            ii = ii[:, None, :].expand(-1, hkv, -1) if ii.dim() == 2 else ii
             ok = (ii >= 0) & (ii < bound[s:e, None, None])
             pos = torch.where(ok, ii, 0)
-            phys = c.slot_table.long()[req[s:e, None, None], pos] if base is None else base[s:e, None, None] + pos
+            phys = (c.slot_table.long()[req[s:e, None, None], pos] if base is None
+                    else base[s:e, None, None] + pos)
             kk = c.k[phys, heads[None, :, None]].to(c.q.dtype)
             vv = c.v[phys, heads[None, :, None]].to(c.q.dtype)
-            mask = ok.repeat_interleave(g, dim=1)[:, :, None, :]
+            mask = ok.repeat_interleave(hq // hkv, dim=1)[:, :, None, :]
             o = F.scaled_dot_product_attention(c.q[s:e, :, None, :], kk, vv, attn_mask=mask,
-                                               scale=sc, enable_gqa=True)
-            out[s:e] = (o[:, :, 0, :] * c.v_scale).to(out.dtype)
+                                               scale=_scale(c) * c.k_scale, enable_gqa=True)
+            out[s:e] = (o[:, :, 0, :].nan_to_num(0.0) * c.v_scale).to(out.dtype)
         return out
 
     return run
 
 
-def pallas_provider(c: Case):
-    """``bench.pallas_prefill_provider.make_provider(case)`` when the Pallas helper's module
-    exists (returns a zero-argument callable, or None)."""
-    try:
-        mod = importlib.import_module("bench.pallas_prefill_provider")
-    except Exception:  # noqa: BLE001 - optional
+def _upstream_supports(kinds):
+    def supports(desc: dict) -> str | None:
+        if desc["kind"] not in kinds:
+            return f"upstream has no {desc['kind']} kernel of this form"
+        if desc["junk"] != "-1" or desc["per_head"] or desc["empty_rows"]:
+            return "upstream takes only -1 padding, [T, W] indices and rows with a valid entry"
         return None
-    try:
-        return mod.make_provider(c)
-    except Exception as e:  # noqa: BLE001
-        print(f"[prefill] pallas provider failed to build: {e}", file=sys.stderr)
-        return None
+    return supports
 
 
-# ------------------------------------------------------------------------------------ metrics
-def case_metrics(c: Case) -> dict:
-    valid = c.valid_entries()  # per KV head
-    d = c.q.shape[-1]
-    g = c.q.shape[1] // c.k.shape[1]
-    return {"valid_entries": valid, "gathered_bytes": valid * d * c.k.element_size() * 2,
-            "flops": 4 * g * d * valid}
+PROVIDERS = {p.name: p for p in (
+    common.Provider("ours", _ours, "qsa_triton.sparse_prefill / _chunk / _paged"),
+    common.Provider("upstream-chunk", _up_chunk, "upstream's sparse_gqa_fwd_interface_triton_ck "
+                    "(its own L20/H20 table geometry; ordinary cases as chunks without a prefix)",
+                    supports=_upstream_supports(("ordinary", "chunk"))),
+    common.Provider("upstream-ordinary", _up_ordinary, "upstream's "
+                    "sparse_gqa_fwd_interface_triton (ordinary prefill only)",
+                    supports=_upstream_supports(("ordinary",))),
+    common.Provider("gather-dense", _gather_dense, "torch gather of each row's K/V + "
+                    "scaled_dot_product_attention with a key mask (context)"),
+    common.Provider("pallas", _pallas, "qsa_pallas.sparse_prefill / _chunk / _paged (JAX; chain of "
+                    f"{CHAIN} in one jit)", default=False),
+)}
 
 
-def add_rates(res: dict, timing: dict, metrics: dict, *, first: str | None = None,
-              copy_bw: float | None = None) -> dict:
-    """Fill ``res`` (``{provider: check dict}``, from ``measure``) with the timings (pure; the
-    tests call it with fake timings): ``ms``, ``gather_tb_s``, ``tflop_s``, ``pct_copy_bw`` (with
-    ``copy_bw`` in bytes/s) and ``speedup_vs_first`` = ms of ``first`` / ms (when ``first`` was
-    timed). A timing entry with ``error`` is merged as it is. Returns ``res``."""
-    for name, t in timing.items():
-        entry = res.setdefault(name, {})
-        if "median_us" not in t:
-            entry.update(t)
-            continue
-        ms = t["median_us"] / 1e3
-        entry.update(t, ms=ms, gather_tb_s=metrics["gathered_bytes"] / (ms * 1e-3) / 1e12,
-                     tflop_s=metrics["flops"] / (ms * 1e-3) / 1e12)
-        if copy_bw:
-            entry["pct_copy_bw"] = 100 * metrics["gathered_bytes"] / (ms * 1e-3) / copy_bw
-    vs = speedup_vs_first({n: r.get("ms") for n, r in res.items()}, first)
-    for name, x in vs.items():
-        res[name]["speedup_vs_first"] = x
-    return res
+# ----------------------------------------------------------------------------------- cases
+def _spec(kind, hq, hkv, t, kv, *, kv_dtype=None, **kw) -> C.PrefillSpec:
+    tag = "" if kv_dtype is None else "/fp8"
+    ctx = "" if kind == "ordinary" else f"/kv{kv // 1024}k"
+    return C.PrefillSpec(f"prefill/{kind}/{hq}x{hkv}{ctx}/T{t}{tag}", kind, hq, hkv, D, (t,),
+                         None if kind == "ordinary" else (kv,), kv_dtype=kv_dtype,
+                         seed=hq + t + kv % 1000, **kw)
 
 
-def row_record(case: dict, res: dict, *, baseline: str | None, first: str | None,
-               **extra) -> dict:
-    """One row of ``matrix`` / ``query_sweep`` / ``paged`` (pure): the case description, the
-    results, ``first_provider`` and ``speedup_vs_upstream`` = ms of ``baseline`` / ms of ours."""
-    up = res.get(baseline, {}).get("ms") if baseline else None
-    ours = res.get("ours", {}).get("ms")
-    return {"case": case, "results": res, "baseline": baseline, "first_provider": first,
-            "speedup_vs_upstream": (up / ours) if up and ours else None, **extra}
-
-
-def measure(c: Case, providers: dict, *, rounds: int = 15, ref=None, check: bool = True,
-            use_cuda_graph: bool = True, first: str | None = None,
-            copy_bw: float | None = None) -> tuple[dict, list[str]]:
-    """Check every provider against the float32 reference, then time them interleaved.
-
-    Returns (results by provider, names of providers past tolerance)."""
-    ref = reference_f32(c) if ref is None and check else ref
-    res, bad = {}, []
-    for name, fn in list(providers.items()):
-        try:
-            out = fn()
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - a provider that cannot run this case
-            res[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            providers.pop(name)
-            continue
-        if check and not name.endswith("-only"):
-            err = errors(out.float(), ref)
-            res[name] = {"check": err, "ok": within_tolerance(err)}
-            if not res[name]["ok"]:
-                bad.append(name)
-        else:
-            res[name] = {}
-    if providers:
-        # a provider that cannot be captured into a CUDA graph (the JAX/Pallas one) makes the
-        # whole case eager, so its providers stay interleaved on equal terms (ms-scale kernels:
-        # launch overhead is noise here)
-        graphs = use_cuda_graph and all(getattr(f, "cuda_graph_capturable", True)
-                                        for f in providers.values())
-        timing = time_interleaved(providers, use_cuda_graph=graphs, rounds=rounds)
-        for t in timing.values():
-            t["cuda_graph"] = graphs
-        add_rates(res, timing, case_metrics(c), first=first, copy_bw=copy_bw)
-    return res, bad
-
-
-def _ours(c: Case) -> callable:
-    return lambda: c.run()
-
-
-def _ours_rowsum(c: Case) -> callable:
-    """``ours`` with the per-tile softmax row sum (``qsa_triton.prefill.DEFER_ROWSUM = False``,
-    the kernel before prefill v1.5), for the A/B of that change in one process: the flag is
-    read at launch, so a graph captured inside keeps it."""
-    import qsa_triton.prefill as P  # noqa: PLC0415
-
-    def fn():
-        old, P.DEFER_ROWSUM = P.DEFER_ROWSUM, False
-        try:
-            return c.run()
-        finally:
-            P.DEFER_ROWSUM = old
-    return fn
-
-
-def _describe(c: Case) -> dict:
-    import qsa_triton.prefill as P  # noqa: PLC0415
-
-    q_lens = (c.cu_q[1:] - c.cu_q[:-1]).tolist()
-    geo = P.prefill_geometry(c.kind, c.q, requests=len(q_lens), max_q=c.max_q,
-                             num_kv_heads=c.k.shape[1], width=c.indices.shape[-1])
-    return {"kind": c.kind, "hq": c.q.shape[1], "hkv": c.k.shape[1], "d": c.q.shape[2],
-            "total_q": c.total_q, "q_lens": q_lens[:8], "kv_lens": c.kv_lens.tolist()[:8],
-            "width": c.indices.shape[-1], "kv_dtype": str(c.k.dtype).removeprefix("torch."),
-            "geometry": geo, **case_metrics(c)}
-
-
-def _print_row(label: str, res: dict, base: str | None, first: str | None = None):
-    """One line per case: each provider's ms, TB/s, TF/s, its speedup over the first provider
-    (``first``) and, when that is another one, over upstream (``base``)."""
-    parts = []
-    for name, r in res.items():
-        if "ms" not in r:
-            parts.append(f"{name}: {r.get('error', 'n/a')[:60]}")
-            continue
-        ratio = ""
-        for ref in dict.fromkeys(x for x in (first, base) if x):
-            if ref in res and "ms" in res[ref] and name != ref:
-                ratio += f" ({res[ref]['ms'] / r['ms']:.2f}x of {ref})"
-        flag = "" if r.get("ok", True) else " FAIL"
-        parts.append(f"{name} {r['ms']:.3f} ms {r['gather_tb_s']:.1f} TB/s "
-                     f"{r['tflop_s']:.0f} TF/s{ratio}{flag}")
-    print(f"[prefill] {label}: " + " | ".join(parts), flush=True)
-
-
-# ------------------------------------------------------------------------------------ providers
-PAGED_PROVIDERS = ("ours-paged-prepass", "ours-paged-inline")
-PROVIDER_ALIASES = {"dense": "gather-dense", "pairs": "ours-pairs", "quads": "ours-quads",
-                    "triton": "ours"}
-
-
-def _geo_name(geo) -> str:
-    return f"ours{list(geo)}"
-
-
-def provider_names(geometries=((64, 4, 2),), group_geometries=((32, 4, 2),)) -> list[str]:
-    """Every provider name the benchmark can time, in its default order: the 8192-row matrix
-    and the query sweep (``ours``, upstream's two kernels, the pair/quad kernels and their
-    pre-passes, forced geometries, ``pallas``, ``gather-dense``), then the paged section."""
-    names = ["ours", "ours-rowsum", "upstream-ordinary", "upstream-chunk"]
-    for algo in ("pairs", "quads"):
-        names.append(f"ours-{algo}")
-        names += [f"ours-{algo}{list(g)}" for g in group_geometries[1:]]
-        names += [f"ours-{algo}-tlsort", f"{algo}-union-only"]
-    names += [_geo_name(g) for g in geometries]
-    names += ["pallas", "gather-dense", *PAGED_PROVIDERS]
-    return list(dict.fromkeys(names))
-
-
-def _forced_geometries_in(text: str | None) -> list[tuple]:
-    """``ours[BM,BN,W,S]`` / ``ours[BN,W,S]`` names in a ``--providers`` text, as geometries."""
-    import re  # noqa: PLC0415
-
+def cases(args, kind: str) -> list[C.PrefillSpec]:
+    """The specs of one run: ``bench`` (``--sections`` x ``--heads``), ``smoke`` (tiny fp16
+    shapes of the three variants for the CPU interpreters) or ``memcheck`` (junk after the valid
+    prefix, NaN in every unselected K/V row, slot-table entries past the pool, FP8 and per-head
+    indices, a 2051-wide row window)."""
+    secs = common.choose(getattr(args, "sections", None), SECTIONS, "--sections")
+    heads = [HEADS[h] for h in common.choose(getattr(args, "heads", None), HEADS, "--heads")]
+    P = C.PrefillSpec
+    if kind == "smoke":
+        return [P("prefill/ordinary/12x1/smoke", "ordinary", 12, 1, 64, (9, 1, 6), width=35,
+                  dtype="float16", seed=1),
+                P("prefill/chunk/12x2/smoke", "chunk", 12, 2, 64, (7, 5), (40, 9), width=35,
+                  dtype="float16", seed=2),
+                P("prefill/paged/12x1/fp8/smoke", "paged", 12, 1, 64, (6, 3), (50, 20), width=35,
+                  dtype="float16", kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=1.5, seed=3)]
+    if kind == "memcheck":
+        junk = dict(junk="mixed", poison=True, pool_slack=64)
+        out = [P(f"prefill/paged/12x2/junk+nan/{'fp8' if fp8 else 'bf16'}"
+                 f"{'/per-head' if ph else ''}", "paged", 12, 2, D, (40, 25), (300, 2100),
+                 kv_dtype="float8_e4m3fn" if fp8 else None, k_scale=0.7 if fp8 else 1.0,
+                 v_scale=1.3 if fp8 else 1.0, per_head=ph, seed=31, **junk)
+               for fp8 in (False, True) for ph in (False, True)]
+        return out + [P("prefill/ordinary/6x1/junk+nan", "ordinary", 6, 1, D, (40, 25), seed=32,
+                        **junk),
+                      P("prefill/chunk/6x1/junk+nan", "chunk", 6, 1, D, (40, 25), (300, 2100),
+                        seed=32, **junk)]
     out = []
-    for m in re.finditer(r"(?:^|,)\s*ours\[\s*([0-9][0-9,\s]*)\]", text or ""):
-        geo = tuple(int(x) for x in m.group(1).replace(" ", "").split(",") if x)
-        if len(geo) in (3, 4) and geo not in out:
-            out.append(geo)
+    if "matrix" in secs:
+        out += [_spec("ordinary" if kv == T else "chunk", hq, hkv, T, kv)
+                for hq, hkv in heads for kv in C.BENCH_PREFILL_KV]
+    if "sweep" in secs:
+        out += [_spec("chunk", hq, hkv, t, KV_SWEEP) for hq, hkv in heads if hkv == 1
+                for t in C.BENCH_PREFILL_ROWS if t != T or "matrix" not in secs]
+    if "paged" in secs and (12, 1) in heads:
+        out += [_spec("paged", 12, 1, T, KV_SWEEP, kv_dtype=dt, pool_slack=4096)
+                for dt in (None, "float8_e4m3fn")]
     return out
 
 
-def select_providers(args) -> list[str] | None:
-    """Resolve ``args.providers`` (validated; ``ProviderError`` on an unknown name) and turn on
-    what the selection names (``--geometry`` for ``ours[...]``, pallas, gather-dense, the pair
-    kernels); sets ``args.selection``. Touches no GPU."""
-    for geo in _forced_geometries_in(args.providers):
-        if geo not in args.geometry:
-            args.geometry.append(geo)
-    if not args.geometry:
-        # anchors.md: (64, 4, 2) beat upstream's (16, 1, 2) pick by ~6% on 12/1 at 8192 rows
-        args.geometry = [(64, 4, 2)]
+def prepare(spec: C.PrefillSpec, device):
+    import torch  # noqa: PLC0415
+
+    c = make_case(spec.kind, spec.hq, spec.hkv, spec.d, spec.q_lens, spec.kv_lens,
+                  width=spec.width, junk=spec.junk, per_head=spec.per_head,
+                  dtype=getattr(torch, spec.dtype),
+                  kv_dtype=getattr(torch, spec.kv_dtype) if spec.kv_dtype else None,
+                  empty_rows=spec.empty_rows, overlap=spec.overlap, nan_unselected=spec.poison,
+                  pool_slack=spec.pool_slack, table_junk=spec.poison and spec.kind == "paged",
+                  k_scale=spec.k_scale, v_scale=spec.v_scale, seed=spec.seed, device=device)
+    return c, reference_f32(c)
+
+
+def describe(spec: C.PrefillSpec, c: Case) -> dict:
+    t = sum(spec.q_lens)
+    kv = spec.kv_lens[0] if spec.kv_lens else t  # ordinary: the keys are the request's rows
+    valid = c.valid_entries()
+    heads = f"{spec.hq}/{spec.hkv}"
+    plot = []
+    if spec.kind == "paged":
+        plot.append([f"paged, {heads} heads, KV {kv // 1024}k, {t} rows",
+                     "fp8" if spec.kv_dtype else "bf16"])
+    elif t == T and len(spec.q_lens) == 1:
+        plot.append([f"{t} query rows, {heads} heads (KV {T // 1024}k: ordinary, else chunk)", kv])
+    if spec.kind == "chunk" and kv == KV_SWEEP and spec.hkv == 1 and len(spec.q_lens) == 1:
+        plot.append([f"query rows, chunk at KV {KV_SWEEP // 1024}k, {heads} heads", t])
+    return {"name": spec.name, "kind": spec.kind, "hq": spec.hq, "hkv": spec.hkv, "d": spec.d,
+            "T": t, "kv": kv, "width": spec.width, "kv_dtype": spec.kv_dtype or spec.dtype,
+            "junk": spec.junk, "per_head": spec.per_head, "empty_rows": bool(spec.empty_rows),
+            "valid_entries": valid, "bytes": valid * spec.d * c.k.element_size() * 2,
+            "flops": 4 * (spec.hq // spec.hkv) * spec.d * valid, "plot": plot}
+
+
+PREFILL = common.Mode("prefill", "QSA sparse prefill", PROVIDERS, cases, prepare, describe)
+
+
+# ----------------------------------------------------------------------- --mode union
+JACCARDS = (0.9, 0.5, 0.0)
+
+
+def union_cases(args, kind: str) -> list[dict]:
+    """``bench``: 8192 rows x ``--heads`` x ``BENCH_PREFILL_KV`` x ``--jaccards``; ``smoke``: one
+    tiny fp16 chunk case and one paged FP8 case (64 blocks per row) for the CPU interpreters."""
+    heads = [HEADS[h] for h in common.choose(getattr(args, "heads", None), HEADS, "--heads")]
     try:
-        sel = parse_providers(args.providers, provider_names(args.geometry, args.group_geometry),
-                              PROVIDER_ALIASES, script="bench/prefill.py")
-    except ProviderError as e:
-        raise ProviderError(f"{e}; and ours[BM,BN,W,S] / ours[BN,W,S] for any forced "
-                            "geometry") from None
-    if sel is not None:
-        args.pallas = "pallas" in sel
-        args.dense = "gather-dense" in sel
-        args.pairs = any(n.startswith(("ours-pairs", "ours-quads", "pairs-", "quads-"))
-                         for n in sel)
-    args.selection = sel
-    return sel
+        jac = [float(x) for x in (getattr(args, "jaccards", None) or "").split(",") if x.strip()]
+    except ValueError as e:
+        raise common.ProviderError(f"--jaccards: {e}") from None
+    if any(not 0.0 <= j <= 1.0 for j in jac):
+        raise common.ProviderError(f"--jaccards: each in [0, 1], got {jac}")
+    if kind != "bench":
+        return [dict(kind="chunk", hq=12, hkv=1, d=64, q_lens=(9, 6), kv_lens=(40, 30), nb=8,
+                     jaccard=0.9, dtype="float16", kv_dtype=None),
+                dict(kind="paged", hq=6, hkv=1, d=64, q_lens=(7,), kv_lens=(50,), nb=8,
+                     jaccard=0.0, dtype="float16", kv_dtype="float8_e4m3fn")]
+    return [dict(kind="ordinary" if kv == T else "chunk", hq=hq, hkv=hkv, d=D, q_lens=(T,),
+                 kv_lens=None if kv == T else (kv,), nb=512, jaccard=j, dtype="bfloat16",
+                 kv_dtype=None) for hq, hkv in heads for kv in C.BENCH_PREFILL_KV
+            for j in jac or JACCARDS]
 
 
-def _default_names(args) -> list[str]:
-    """The providers a run without ``--providers`` times (``--pallas``, ``--no-dense``,
-    ``--no-pairs`` considered), in order."""
-    names = provider_names(args.geometry, args.group_geometry)
-    drop = {"ours-rowsum"}  # an A/B provider: only when named in --providers
-    if not args.pairs:
-        drop |= {n for n in names if n.startswith(("ours-pairs", "ours-quads", "pairs-", "quads-"))}
-    if not args.pallas:
-        drop.add("pallas")
-    if not args.dense:
-        drop.add("gather-dense")
-    return [n for n in names if n not in drop]
+def union_prepare(spec: dict, device):
+    """A ``Case`` whose token indices are the expansion of a calibrated block selection, with
+    ``blocks`` (int32 [T, nb]), ``jaccard`` (measured) attached."""
+    import torch  # noqa: PLC0415
+
+    from interop import indices as I  # noqa: PLC0415
+
+    ql = np.asarray(spec["q_lens"], np.int64)
+    kl = ql if spec["kv_lens"] is None else np.asarray(spec["kv_lens"], np.int64)
+    ctx = None if spec["kv_lens"] is None else kl
+    req, _, vis, _ = I.row_layout(ql, kl)
+    sinks = 4 if spec["nb"] >= 32 else 1
+    overlap, _ = I.calibrate_overlap(spec["jaccard"], vis, req, block_topk=spec["nb"],
+                                     sinks=sinks, seed=1)
+    blocks = I.prefill_block_indices(ql, ctx, block_width=spec["nb"], overlap=overlap,
+                                     sinks=sinks, seed=1)
+    fp8 = spec["kv_dtype"] is not None
+    c = make_case(spec["kind"], spec["hq"], spec["hkv"], spec["d"], ql, ctx, dtype=getattr(torch, spec["dtype"]),
+                  kv_dtype=getattr(torch, spec["kv_dtype"]) if fp8 else None,
+                  k_scale=0.5 if fp8 else 1.0, v_scale=1.5 if fp8 else 1.0, seed=1, device=device)
+    c.indices = torch.as_tensor(I.expand_prefill_blocks(blocks, ql, ctx).astype(np.int32),
+                                device=device)
+    c.blocks = torch.as_tensor(blocks.astype(np.int32), device=device)
+    c.jaccard = float(I.neighbour_jaccard(blocks, req, vis))
+    return c, reference_f32(c)
 
 
-def _first(args, paged: bool = False) -> str:
-    """The first provider listed for a section (paged or not), default ``ours`` /
-    ``ours-paged-prepass``."""
-    sel = getattr(args, "selection", None)
-    default = PAGED_PROVIDERS[0] if paged else "ours"
-    if sel is None:
-        return default
-    return next((n for n in sel if (n in PAGED_PROVIDERS) == paged), default)
+def union_describe(spec: dict, c: Case) -> dict:
+    t, valid = sum(spec["q_lens"]), c.valid_entries()
+    kv = spec["kv_lens"][0] if spec["kv_lens"] else t
+    name = (f"union/{spec['kind']}/{spec['hq']}x{spec['hkv']}/kv{kv // 1024}k/T{t}"
+            f"/J{spec['jaccard']}{'/fp8' if spec['kv_dtype'] else ''}")
+    return {"name": name, "kind": spec["kind"], "hq": spec["hq"], "hkv": spec["hkv"], "T": t,
+            "kv": kv, "jaccard_target": spec["jaccard"], "jaccard": c.jaccard,
+            "junk": "-1", "per_head": False, "empty_rows": False, "valid_entries": valid,
+            "bytes": valid * spec["d"] * c.k.element_size() * 2,
+            "flops": 4 * (spec["hq"] // spec["hkv"]) * spec["d"] * valid,
+            "plot": [[f"{t} rows, {spec['hq']}/{spec['hkv']} heads, KV {kv // 1024}k, "
+                      "block selections", spec["jaccard"]]]}
 
 
-def _wants(args, names) -> bool:
-    sel = getattr(args, "selection", None)
-    return sel is None or any(n in sel for n in names)
+def _blocks(c: Case, pallas: bool = False, **kw):
+    import qsa_pallas  # noqa: PLC0415, F401 - the backend named by ``pallas``
+    import qsa_triton  # noqa: PLC0415
+
+    fn = getattr(qsa_pallas if pallas else qsa_triton, c.entry)
+    args = dataclasses.replace(c, indices=None).args_for(fn)
+    if pallas:  # block ids positional: jax_chain hands only positional tensors to jax
+        return common.jax_chain(lambda *a: fn(*a[:-1], block_indices=a[-1], **kw),
+                                args + [c.blocks], {}, CHAIN)
+    return lambda: fn(*args, block_indices=c.blocks, **kw)
 
 
-def _select(args, provs: dict) -> dict:
-    return order_providers(provs, getattr(args, "selection", None))
+UNION_PROVIDERS = {p.name: p for p in (
+    common.Provider("ours-union", _blocks, "qsa_triton entry points, block_indices= (selector)"),
+    common.Provider("ours-hinted", lambda c: _blocks(c, overlap=min(1.0, max(0.0, c.jaccard))),
+                    "the same with overlap= the measured Jaccard (the engine's hint)"),
+    common.Provider("ours-rows", _ours, "qsa_triton per-row kernel on the expanded indices"),
+    PROVIDERS["upstream-chunk"],
+    common.Provider("pallas-union", lambda c: _blocks(c, pallas=True), "qsa_pallas, "
+                    f"block_indices= (chain of {CHAIN} in one jit)"),
+)}
+UNION = common.Mode("prefill_union", "QSA tile-union sparse prefill (block selections)",
+                    UNION_PROVIDERS, union_cases, union_prepare, union_describe)
+MODES = {"default": PREFILL, "union": UNION}
 
 
-def _geomean_vs_first(rows: list) -> dict:
-    acc: dict[str, list[float]] = {}
-    for r in rows:
-        for n, e in r.get("results", {}).items():
-            if e.get("speedup_vs_first"):
-                acc.setdefault(n, []).append(e["speedup_vs_first"])
-    return {n: math.exp(statistics.fmean(math.log(x) for x in v)) for n, v in acc.items()}
-
-
-# ------------------------------------------------------------------------------------ runs
-_PARTIAL: dict = {}
-
-
-def _save_partial(section: str, rows: list):
-    """Rewrite the partial report after every case, so a timed-out run still leaves its data."""
-    if not _PARTIAL:
-        return
-    _PARTIAL["report"][section] = rows
-    if section == "matrix":
-        sp = [r["speedup_vs_upstream"] for r in rows if r.get("speedup_vs_upstream")]
-        _PARTIAL["report"]["geomean_speedup_vs_upstream_8192"] = (
-            math.exp(statistics.fmean(math.log(x) for x in sp)) if sp else None)
-        _PARTIAL["report"]["geomean_speedup_vs_first_8192"] = _geomean_vs_first(rows)
-    write_json(_PARTIAL["path"], _PARTIAL["report"])
-
-
-def run_matrix(args, up) -> tuple[list, list]:
-    """8192 rows, (Hq, Hkv) in PAIRS, KV in KVS: ordinary at 8k (no prefix), chunk at 32k/128k
-    (8192 new rows after a prefix); ours vs upstream's matching kernel with its geometry."""
-    rows, bad = [], []
-    first = _first(args)
-    bw = getattr(args, "copy_bw", None)
-    for hq, hkv in PAIRS:
-        for kv in KVS:
-            t0 = time.time()
-            if kv == args.rows:
-                c = make_case("ordinary", hq, hkv, 256, [args.rows], seed=hq + kv % 1000,
-                              device="cuda")
-                base = "upstream-ordinary"
-            else:
-                c = make_case("chunk", hq, hkv, 256, [args.rows], [kv], seed=hq + kv % 1000,
-                              device="cuda")
-                base = "upstream-chunk"
-            provs = _case_providers(c, up, args)
-            pal = pallas_provider(c) if args.pallas else None
-            if pal is not None:
-                provs["pallas"] = pal
-            if args.dense and kv == 32768:  # context only: its cost does not depend on KV length
-                provs["gather-dense"] = gather_dense_provider(c)
-            provs = _select(args, provs)
-            label = f"{hq}/{hkv} kv={kv} rows={args.rows}"
-            if not provs:
-                print(f"[prefill] {label}: none of the selected providers applies; skipped")
-                del c
-                continue
-            res, b = measure(c, provs, rounds=args.rounds, first=first, copy_bw=bw)
-            bad += [f"{hq}/{hkv} kv={kv} {n}" for n in b]
-            _print_row(label, res, base, first)
-            rows.append(row_record(_describe(c), res, baseline=base, first=first,
-                                   setup_s=time.time() - t0))
-            _save_partial("matrix", rows)
-            del c
-            torch.cuda.empty_cache()
-    return rows, bad
-
-
-def _case_providers(c: Case, up, args) -> dict:
-    """ours, upstream's matching kernels, the row-group kernels (``--pairs``) and every forced
-    ``--geometry`` for one case: the provider set of the 8192-row matrix and of the row sweep."""
-    provs = {"ours": _ours(c)}
-    if "ours-rowsum" in (getattr(args, "selection", None) or ()):
-        provs["ours-rowsum"] = _ours_rowsum(c)
-    provs.update(upstream_providers(up, c))
-    if args.pairs:
-        provs.update(pairs_providers(c, geometries=args.group_geometry))
-    for geo in args.geometry:
-        provs[f"ours{list(geo)}"] = forced_provider(c, geo)
-    return provs
-
-
-def run_query_sweep(args, up) -> tuple[list, list]:
-    """Query-count sweep 32..8192 rows: one chunk request with a 32k context (the rows select a
-    full 2051 columns each, as in chunked prefill), ours vs upstream's chunk kernel."""
-    rows, bad = [], []
-    first = _first(args)
-    bw = getattr(args, "copy_bw", None)
-    for hq, hkv in ((12, 1), (6, 1)):  # (24, 2) runs the (12, 1) program per KV head
-        for t in args.sweep_rows:
-            c = make_case("chunk", hq, hkv, 256, [t], [32768], seed=t + hq, device="cuda")
-            provs = _select(args, _case_providers(c, up, args))
-            label = f"sweep {hq}/{hkv} rows={t} kv=32768"
-            if not provs:
-                print(f"[prefill] {label}: none of the selected providers applies; skipped")
-                del c
-                continue
-            res, b = measure(c, provs, rounds=args.rounds, first=first, copy_bw=bw)
-            bad += [f"sweep {hq}/{hkv} rows={t} {n}" for n in b]
-            _print_row(label, res, "upstream-chunk", first)
-            rows.append(row_record(_describe(c), res, baseline="upstream-chunk", first=first))
-            _save_partial("query_sweep", rows)
-    return rows, bad
-
-
-def run_paged(args) -> tuple[list, list]:
-    """Paged (pool read in place, scattered slot table), bf16 and FP8 pools: pre-pass slot
-    resolution vs the inline slot lookup, and the chunk kernel on the same data packed."""
-    rows, bad = [], []
-    first = _first(args, paged=True)
-    bw = getattr(args, "copy_bw", None)
-    for kv_dtype in (None, torch.float8_e4m3fn):
-        c = make_case("paged", 12, 1, 256, [args.rows], [32768], kv_dtype=kv_dtype,
-                      pool_slack=4096, seed=5, device="cuda")
-        import qsa_triton.prefill as P  # noqa: PLC0415
-
-        sc = _scale(c)
-        provs = {
-            "ours-paged-prepass": lambda c=c: P._paged_impl(c.q, c.k, c.v, c.slot_table, c.indices,
-                                                            c.cu_q, c.kv_lens, c.max_q, sc, 1.0,
-                                                            1.0, inline_slots=False),
-            "ours-paged-inline": lambda c=c: P._paged_impl(c.q, c.k, c.v, c.slot_table, c.indices,
-                                                           c.cu_q, c.kv_lens, c.max_q, sc, 1.0,
-                                                           1.0, inline_slots=True),
-        }
-        provs = _select(args, provs)
-        res, b = measure(c, provs, rounds=args.rounds, first=first, copy_bw=bw)
-        bad += [f"paged {n}" for n in b]
-        _print_row(f"paged 12/1 kv=32768 {c.k.dtype}", res, None, first)
-        rows.append(row_record(_describe(c), res, baseline=None, first=first))
-    return rows, bad
-
-
-def _geo_grid(args):
-    for bn in args.sweep_block_n:
-        for nw in args.sweep_warps:
-            for ns in args.sweep_stages:
-                # deeper pipelines only where they are cheap in shared memory
-                if ns > 2 and (bn > 32 or nw not in (2, 4)):
-                    continue
-                yield (bn, nw, ns)
-
-
-def run_geometry_sweep(args) -> dict:
-    """BLOCK_N x warps x stages at several total_q (chunk, 32k context, G 6 and 12): the data
-    for the SM90 table. Each (G, total_q) point times every configuration interleaved; the
-    recommendation per total_q is the configuration with the best geometric mean over G."""
-    import qsa_triton.prefill as P  # noqa: PLC0415
-
-    points, skipped = [], {}
-    for hq in args.sweep_groups:
-        for t in args.sweep_total_q:
-            c = make_case("chunk", hq, 1, 256, [t], [32768], seed=t + hq, device="cuda")
-            ref = reference_f32(c)
-            provs = {}
-            for geo in _geo_grid(args):
-                fn = forced_provider(c, geo)
-                try:
-                    fn()
-                    torch.cuda.synchronize()
-                except Exception as e:  # noqa: BLE001 - out of resources etc.
-                    skipped[str(geo)] = f"{type(e).__name__}: {str(e)[:120]}"
-                    continue
-                provs[",".join(map(str, geo))] = fn
-            res, bad = measure(c, provs, rounds=args.sweep_rounds, ref=ref)
-            timed = {k: v["ms"] for k, v in res.items() if "ms" in v and v.get("ok", True)}
-            best = min(timed, key=timed.get) if timed else None
-            table_geo = P.prefill_geometry("chunk", c.q, requests=1, max_q=t, num_kv_heads=1,
-                                           width=c.indices.shape[-1])
-            tg = f"{table_geo.block_n},{table_geo.num_warps},{table_geo.num_stages}"
-            print(f"[sweep] G={hq} total_q={t}: best {best} {timed.get(best, float('nan')):.4f} ms;"
-                  f" current table {tg} {timed.get(tg, float('nan')):.4f} ms", flush=True)
-            points.append({"group": hq, "total_q": t, "ms": timed, "best": best,
-                           "current_table": tg, "failed_check": bad})
-            _save_partial("points", points)
-            del c
-    rec = []
-    for t in args.sweep_total_q:
-        pts = [p for p in points if p["total_q"] == t]
-        common = set.intersection(*(set(p["ms"]) for p in pts)) if pts else set()
-        if not common:
-            continue
-        gm = {k: math.exp(statistics.fmean(math.log(p["ms"][k]) for p in pts)) for k in common}
-        best = min(gm, key=gm.get)
-        rec.append((t, tuple(int(x) for x in best.split(",")), gm[best]))
-    table = []
-    for i, (t, cfg, _) in enumerate(rec):
-        bound = None if i == len(rec) - 1 else t
-        if table and table[-1][1] == cfg:
-            table[-1] = (bound, cfg)
-        else:
-            table.append((bound, cfg))
-    return {"grid": {"block_n": args.sweep_block_n, "warps": args.sweep_warps,
-                     "stages": args.sweep_stages}, "points": points, "skipped": skipped,
-            "recommended_by_total_q": rec, "recommended_sm90_table": table}
-
-
-def _geo_arg(text: str):
-    parts = tuple(int(x) for x in text.split(","))
-    if len(parts) not in (3, 4):
-        raise argparse.ArgumentTypeError("--geometry wants BM,BN,W,S or BN,W,S")
-    return parts
+def add_arguments(ap) -> None:
+    ap.add_argument("--sections", metavar="S,..", help="matrix (8192 rows x heads x KV), sweep "
+                    "(query rows at 32k), paged (BF16 and FP8 pools) (default all)")
+    ap.add_argument("--heads", metavar="H,..", help="head pairs Hq/Hkv: " + ",".join(HEADS)
+                    + " (default all; the sweep takes the Hkv = 1 pairs, paged 12/1)")
+    ap.add_argument("--jaccards", metavar="J,..", help="union: target neighbour Jaccards of the "
+                    "block selections (default " + ",".join(map(str, JACCARDS)) + ")")
 
 
 def main(argv=None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=8192)
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--json", default=None, metavar="FILE",
-                    help="output JSON (default $OUT/prefill_bench.json, or "
-                         "$OUT/prefill_geometry_sweep.json with --sweep-geometry)")
-    ap.add_argument("--plot", default=None, metavar="PNG",
-                    help="also draw the results as a PNG (bench/plot.py: ms and %% of the copy "
-                         "bandwidth against query rows, and the matrix as grouped bars; needs "
-                         "matplotlib)")
-    ap.add_argument("--providers", default=None, metavar="A,B,...",
-                    help="providers to time, in this order; ratios 'speedup_vs_first' are against "
-                         "the first listed (per section: the paged section has its own names). "
-                         "Names: " + ", ".join(provider_names()) + ", ours[BM,BN,W,S] (a forced "
-                         "geometry; added to --geometry); aliases: "
-                         + ", ".join(f"{k}={v}" for k, v in PROVIDER_ALIASES.items()))
-    ap.add_argument("--geometry", type=_geo_arg, action="append", default=[],
-                    help="forced geometry BM,BN,W,S (or BN,W,S); repeatable; default 64,4,2")
-    ap.add_argument("--matrix-only", action="store_true")
-    ap.add_argument("--sweep-only", action="store_true",
-                    help="only the query-count sweep (--sweep-rows), with any --geometry")
-    ap.add_argument("--no-dense", dest="dense", action="store_false",
-                    help="skip the gather + SDPA context provider")
-    ap.add_argument("--pallas", dest="pallas", action="store_true",
-                    help="add the Pallas provider (bench.pallas_prefill_provider) to the 8192-row "
-                         "matrix; off by default (its JAX compiles do not fit the 8-minute run)")
-    ap.add_argument("--no-pallas", dest="pallas", action="store_false")
-    ap.add_argument("--no-pairs", dest="pairs", action="store_false",
-                    help="skip the experimental pair/quad kernels (qsa_triton/prefill_pairs.py, "
-                         "prefill_quads.py)")
-    ap.add_argument("--group-geometry", type=_geo_arg, action="append", default=[],
-                    help="BLOCK_N,warps,stages for the pair/quad kernels (repeatable; default "
-                         "32,4,2)")
-    ap.add_argument("--sweep-rows", type=lambda s: [int(x) for x in s.split(",")],
-                    default=[32, 128, 512, 2048, 8192])
-    ap.add_argument("--sweep-geometry", action="store_true",
-                    help="only the BLOCK_N x warps x stages sweep (SM90 table data)")
-    ap.add_argument("--sweep-block-n", type=lambda s: [int(x) for x in s.split(",")],
-                    default=[16, 32, 64])
-    ap.add_argument("--sweep-warps", type=lambda s: [int(x) for x in s.split(",")],
-                    default=[1, 2, 4, 8])
-    ap.add_argument("--sweep-stages", type=lambda s: [int(x) for x in s.split(",")],
-                    default=[2, 3])
-    ap.add_argument("--sweep-groups", type=lambda s: [int(x) for x in s.split(",")],
-                    default=[12])
-    ap.add_argument("--sweep-total-q", type=lambda s: [int(x) for x in s.split(",")],
-                    default=[32, 64, 128, 256, 512, 1024, 2048, 8192])
-    ap.add_argument("--sweep-rounds", type=int, default=7)
-    args = ap.parse_args(argv)
-    if not args.group_geometry:
-        args.group_geometry = [(32, 4, 2)]
-    # every argument is checked before CUDA is touched (exit 2, like argparse)
-    try:
-        if args.sweep_geometry and (args.providers or args.plot):
-            raise ProviderError("bench/prefill.py: --providers and --plot apply to the benchmark, "
-                                "not to --sweep-geometry")
-        select_providers(args)  # also fills the default --geometry
-    except ProviderError as e:
-        print(e, file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("bench.prefill needs a CUDA GPU", file=sys.stderr)
-        return 2
-    from bench.common import gpu_name  # noqa: PLC0415
-    from interop.geometry import SM90_TABLE_STATUS  # noqa: PLC0415
-    import triton  # noqa: PLC0415
-
-    meta = {"gpu": gpu_name(), "date": now_iso(), "torch": torch.__version__,
-            "triton": triton.__version__, "sm90_table_status": SM90_TABLE_STATUS}
-    json_path = args.json or (out_dir() / ("prefill_geometry_sweep.json" if args.sweep_geometry
-                                           else "prefill_bench.json"))
-    t0 = time.time()
-    _PARTIAL.update(report={"meta": meta, "partial": True}, path=json_path)
-    if args.sweep_geometry:
-        sweep = run_geometry_sweep(args)
-        path = write_json(json_path, {"meta": meta, **sweep, "wall_s": time.time() - t0})
-        print(f"[sweep] recommended SM90 table: {sweep['recommended_sm90_table']}")
-        print(f"[sweep] wrote {path} in {time.time() - t0:.0f} s")
-        return 0
-    try:
-        from bench.common import copy_bandwidth_bytes_per_s  # noqa: PLC0415
-
-        args.copy_bw = copy_bandwidth_bytes_per_s(torch.device("cuda"))
-    except Exception as e:  # noqa: BLE001 - the percentages are extra; the timings are not
-        print(f"[prefill] copy bandwidth not measured: {e}", file=sys.stderr)
-        args.copy_bw = None
-    sel = args.selection
-    meta.update(copy_bandwidth_Bps=args.copy_bw,
-                providers=sel if sel is not None else _default_names(args),
-                first_provider=_first(args), first_provider_paged=_first(args, paged=True),
-                method="providers interleaved round-robin in one process on the same inputs, "
-                       "CUDA-graph replay, median of CUDA-event timings; every provider checked "
-                       "against a float32 reference on every run")
-    if args.copy_bw:
-        print(f"[prefill] copy bandwidth {args.copy_bw / 1e12:.2f} TB/s (read + written)")
-    print(f"[prefill] providers: {', '.join(meta['providers'])}; ratios against "
-          f"{meta['first_provider']} (paged: {meta['first_provider_paged']})")
-    up = _upstream()
-    matrix_names = [n for n in provider_names(args.geometry, args.group_geometry)
-                    if n not in PAGED_PROVIDERS]
-    matrix, bad = (run_matrix(args, up) if _wants(args, matrix_names) and not args.sweep_only
-                   else ([], []))
-    speeds = [r["speedup_vs_upstream"] for r in matrix if r["speedup_vs_upstream"]]
-    geo = math.exp(statistics.fmean(math.log(s) for s in speeds)) if speeds else None
-    report = {"meta": meta, "matrix": matrix, "geomean_speedup_vs_upstream_8192": geo,
-              "geomean_speedup_vs_first_8192": _geomean_vs_first(matrix)}
-    for algo in ("pairs", "quads"):
-        ps = [r["results"][r["baseline"]]["ms"] / r["results"][f"ours-{algo}"]["ms"] for r in matrix
-              if "ms" in r["results"].get(f"ours-{algo}", {})
-              and "ms" in r["results"].get(r["baseline"], {})]
-        key = f"{algo}_geomean_speedup_vs_upstream_8192"
-        report[key] = math.exp(statistics.fmean(math.log(x) for x in ps)) if ps else None
-        print(f"[prefill] {algo} geomean vs upstream: {report[key]}")
-    if not args.matrix_only:
-        report["query_sweep"], b2 = (run_query_sweep(args, up) if _wants(args, matrix_names)
-                                     else ([], []))
-        report["geomean_speedup_vs_first_sweep"] = _geomean_vs_first(report["query_sweep"])
-        report["paged"], b3 = (run_paged(args) if _wants(args, PAGED_PROVIDERS)
-                               and not args.sweep_only else ([], []))
-        bad += b2 + b3
-        slow = [(r["case"]["hq"], r["case"]["total_q"], r["speedup_vs_upstream"])
-                for r in report["query_sweep"]
-                if r["case"]["total_q"] >= 512 and r["speedup_vs_upstream"]
-                and r["speedup_vs_upstream"] < 1.0]
-        report["slower_than_upstream_at_ge_512_rows"] = slow
-    report["failed_tolerance"] = bad
-    report["wall_s"] = time.time() - t0
-    path = write_json(json_path, report)
-    print(f"[prefill] geomean speedup vs upstream at {args.rows} rows: "
-          f"{geo if geo is None else round(geo, 3)}; vs {meta['first_provider']}: "
-          f"{ {n: round(x, 3) for n, x in report['geomean_speedup_vs_first_8192'].items()} }; "
-          f"failed tolerance: {bad or 'none'}; wrote {path} in {report['wall_s']:.0f} s")
-    rc = 1 if bad else 0
-    if args.plot:
-        from bench.plot import try_plot  # noqa: PLC0415
-
-        rc = rc or (0 if try_plot("prefill", report, args.plot, path) else 1)
-    return rc
+    """``python3 -m bench.prefill`` / ``qsa bench prefill``; see the module docstring."""
+    return common.main(MODES, "bench.prefill", argv, prog, __doc__.split("\n\nAlso")[0],
+                       add_arguments)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run as bench.prefill, so that pickled inputs name that module
+    from bench.prefill import main as _main
+
+    sys.exit(_main())

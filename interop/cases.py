@@ -9,7 +9,20 @@ and ``bench/``.
   ragged batches, per-KV-head indices and FP8 K/V.
 * ``quick_matrix()`` (CPU, interpret mode): the same kinds of cases at tiny sizes (D = 64 mostly,
   fp16 because the Triton interpreter's bf16 dot is wrong, W = 35 or 67).
+* ``conformance_matrix()``: the part of the quick matrix (plus the named edge cases) that every
+  implementation's conformance test runs (``tests/conformance.py``), small enough for a 2-core CPU.
+* ``gpu_conformance_matrix()``: production-sized bf16 cases for the same tests on a GPU.
 * ``BENCH_*``: the shapes ``bench/decode.py`` and ``bench/prefill.py`` time on the GPU.
+* ``PARAMS`` / ``case_data()`` / ``reference()``: each entry point's parameter names, a case's
+  arguments by name (everything but the random values), and the FP64 reference of a call given by
+  name. This is the one place that knows the entry points' argument order.
+* ``compare()``: the pass criteria (``RTOL``, ``ATOL``, ``REL_L2``, exact zeros; the indexer's
+  token positions must equal the reference's exactly).
+* Besides attention (ops ``decode``, ``prefill``): ``paged`` (``sparse_decode_paged`` from the KV
+  pool, ``PagedSpec``), ``indexer`` (scoring + exact top-k + expansion, ``IndexerSpec``: integer
+  valued inputs, so FP32 logits are exact and the selection must equal the FP64 reference's, ties
+  included) and ``step`` (the end-to-end QSA step, ``StepSpec``: indexer inputs integer valued,
+  attention inputs N(0, 1)).
 
 Framework-free: numpy only.
 """
@@ -17,19 +30,25 @@ Framework-free: numpy only.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
+
+import numpy as np
 
 from . import indices as I
+from . import reference as R
 
 __all__ = [
     "RTOL", "ATOL", "REL_L2", "OPS", "TP_SHAPES", "DECODE_BATCHES", "PREFILL_KINDS", "DecodeSpec",
-    "PrefillSpec", "Spec", "full_matrix", "quick_matrix", "BENCH_DECODE_BATCHES",
-    "BENCH_DECODE_ROWS", "BENCH_PREFILL_ROWS", "BENCH_PREFILL_KV",
+    "PrefillSpec", "Spec", "full_matrix", "quick_matrix", "edge_cases", "conformance_matrix",
+    "gpu_conformance_matrix", "by_name", "ENTRY", "PARAMS", "CaseData", "case_data",
+    "empty_outputs", "slot_table_of", "reference", "compare", "BENCH_DECODE_BATCHES", "BENCH_DECODE_ROWS",
+    "BENCH_PREFILL_ROWS", "BENCH_PREFILL_KV", "PagedSpec", "IndexerSpec", "StepSpec",
+    "INDEX_ENTRIES",
 ]
 
 RTOL = ATOL = 2e-2
 REL_L2 = 5e-3
-OPS = ("decode", "prefill")
+OPS = ("decode", "prefill", "paged", "indexer", "step")
 TP_SHAPES = {"TP1": (24, 2), "TP2": (12, 1), "TP4": (6, 1)}
 DECODE_BATCHES = tuple(range(1, 17)) + (17, 24, 32, 48, 64, 96, 128)
 PREFILL_KINDS = ("ordinary", "chunk", "paged")
@@ -85,6 +104,17 @@ class PrefillSpec:
       "float8_e4m3fn" for chunk/paged with k_scale / v_scale).
       junk: padding mode (``interop.indices.JUNK_MODES``); empty_rows: fraction or row list of
       rows with no valid entry; overlap: adjacent-row sharing; per_head: indices [T, Hkv, W].
+      junk_inside: columns 0, cap // 2 and cap - 1 of every row's read window (cap = min(W,
+        visible)) overwritten with invalid values cycling through -1, -7, len, len + 19 (junk at
+        the front, in the middle and at the end, not only after the valid prefix).
+      duplicates: columns 2 and cap - 2 of every row's read window repeat column 1 (a valid
+        position attended three times; applied after ``junk_inside``, whose columns it spares
+        when cap >= 6).
+      poison: NaN in every K/V row (pool slot) no valid entry selects (per KV head), and (paged)
+        slot-table entries past each request's kv_len naming slots past the pool: a kernel that
+        reads what the contract says it must not read then fails or faults.
+      max_q_hint: the max_seqlen_q passed (None: the longest request); smaller than the longest
+        request tests that the host hint is only a hint.
     """
 
     name: str
@@ -104,6 +134,10 @@ class PrefillSpec:
     overlap: float = 0.9
     per_head: bool = False
     pool_slack: int = 64
+    junk_inside: bool = False
+    duplicates: bool = False
+    poison: bool = False
+    max_q_hint: int | None = None
     seed: int = 0
     op: str = "prefill"
 
@@ -112,7 +146,142 @@ class PrefillSpec:
         return sum(self.q_lens) * self.width * self.hq * self.d
 
 
-Spec = DecodeSpec | PrefillSpec
+@dataclasses.dataclass(frozen=True)
+class PagedSpec:
+    """One paged decode case (``sparse_decode_paged``, ``qsa-contract.md`` §2b), laid out by
+    ``interop.indices.paged_decode_case``: scattered pool pages, a ``req_to_token`` row per
+    request at a shuffled table row, indexer-like selections expanded to ``width`` columns; every
+    pool slot no request owns is NaN.
+
+    Attributes:
+      hq, hkv, d: heads and head dim. context_lens: tokens per request. width: W.
+      rows_per_request: MTP verify rows per request (each its own length). dtype / kv_dtype /
+      k_scale / v_scale: as ``PrefillSpec``. page_size: pool page (64, or 1: scattered slots).
+      junk / junk_at / n_junk / duplicates / empty_rows / per_head: ``paged_decode_case``'s
+      options. pool_slots: None -> twice the slots needed.
+    """
+
+    name: str
+    hq: int
+    hkv: int
+    d: int
+    context_lens: tuple[int, ...]
+    width: int = I.WIDTH
+    rows_per_request: int = 1
+    dtype: str = "bfloat16"
+    kv_dtype: str | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    page_size: int = 64
+    junk: tuple[str, ...] = ("-1",)
+    junk_at: tuple[str, ...] = ()
+    n_junk: int = 2
+    duplicates: int = 0
+    empty_rows: tuple[int, ...] = ()
+    per_head: bool = False
+    pool_slots: int | None = None
+    seed: int = 0
+    op: str = "paged"
+
+    @property
+    def size(self) -> int:
+        return len(self.context_lens) * self.rows_per_request * self.width * self.hq * self.d
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerSpec:
+    """One indexer case (``indexer_select_decode`` / ``indexer_select_prefill``, §4b + §4): the
+    whole indexer, scoring -> exact top-k -> expansion, judged by exact equality with the FP64
+    reference. Inputs are integers in [-2, 2] (exact FP32 logits, thousands of ties).
+
+    Attributes:
+      kind: "decode" (paged compressed keys, ``interop.indices.indexer_decode_case``: scattered
+        pages, junk past each row's pages) | "prefill" (packed per-request keys,
+        ``interop.indices.prefill_row_ranges``).
+      seq_lens: decode rows' token counts. q_lens, kv_lens: prefill requests.
+      heads, d: the indexer query (4 x 128). topk: blocks kept. page_size: blocks per page.
+      dtype: q's; k_dtype: the keys' (None = q's, or "float8_e4m3fn").
+      junk: decode page-table entries past each row ("mixed", "-1", "zero").
+      zero_q_rows: rows whose query is 0 (every logit 0: the smallest block ids win).
+    """
+
+    name: str
+    kind: str
+    seq_lens: tuple[int, ...] = ()
+    q_lens: tuple[int, ...] = ()
+    kv_lens: tuple[int, ...] = ()
+    heads: int = 4
+    d: int = 128
+    topk: int = I.BLOCK_TOPK
+    page_size: int = 16
+    dtype: str = "bfloat16"
+    k_dtype: str | None = None
+    junk: str = "mixed"
+    zero_q_rows: tuple[int, ...] = ()
+    seed: int = 0
+    op: str = "indexer"
+
+    @property
+    def rows(self) -> int:
+        return len(self.seq_lens) if self.kind == "decode" else sum(self.q_lens)
+
+    @property
+    def size(self) -> int:
+        blocks = max(self.seq_lens or self.kv_lens or (0,)) // I.RATIO
+        return self.rows * max(blocks, 1) * self.heads * self.d
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """One end-to-end QSA step case (``qsa_decode_step`` / ``qsa_prefill_step``): the indexer's
+    selection expanded and attended from the pool, against ``interop.reference``'s composition.
+
+    Layout (``step_layout``): KV pool pages of 64 slots; the compressed-K cache has one page of
+    16 blocks per KV page (block n of a request lives in the compressed page of the KV page
+    holding token 4n), so the decode index page table is ``req_to_token[req, 64 i] // 64``; the
+    prefill step's compressed keys are packed per request. With ``pool_pages`` smaller than the
+    requests need, requests share pages (the pool stays small at long context; nothing assumes
+    distinct pages). KV slots no request owns are NaN. Indexer inputs are integers in [-2, 2]
+    (exact selection), attention inputs N(0, 1).
+
+    Attributes:
+      kind: "decode" (one row per request, ``seq_lens = context_lens``) | "prefill" (``q_lens``
+        new rows, the last of each request's ``context_lens`` tokens).
+      hq, hkv, d: attention heads. topk: indexer blocks. index_heads, index_dim: 4 x 128.
+      dtype / kv_dtype / k_scale / v_scale: attention dtypes (FP8 pool with scales);
+      index_k_dtype: compressed keys' dtype (None = q's, or "float8_e4m3fn").
+      pool_pages: KV pool pages (None: every request its own pages, plus two).
+    """
+
+    name: str
+    kind: str
+    hq: int
+    hkv: int
+    d: int
+    context_lens: tuple[int, ...]
+    q_lens: tuple[int, ...] = ()
+    topk: int = I.BLOCK_TOPK
+    index_heads: int = 4
+    index_dim: int = 128
+    dtype: str = "bfloat16"
+    kv_dtype: str | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    index_k_dtype: str | None = None
+    pool_pages: int | None = None
+    seed: int = 0
+    op: str = "step"
+
+    @property
+    def rows(self) -> int:
+        return len(self.context_lens) if self.kind == "decode" else sum(self.q_lens)
+
+    @property
+    def size(self) -> int:
+        return self.rows * (self.topk * I.RATIO + I.RATIO - 1) * self.hq * self.d
+
+
+Spec = DecodeSpec | PrefillSpec | PagedSpec | IndexerSpec | StepSpec
 
 
 def _k(n: int) -> str:
@@ -162,7 +331,7 @@ def full_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Sp
                     f"prefill/{kind}/fp8/G{g}xHkv{hkv}/kv32k", kind, g * hkv, hkv, 256, (4096,),
                     (32768,), dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5,
                     junk="len", seed=6))
-    return cases
+    return cases + _full_new_ops(ops, dtype)
 
 
 def quick_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Spec]:
@@ -219,7 +388,696 @@ def quick_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Sp
             PrefillSpec("prefill/ordinary/W67/G6xHkv1", "ordinary", 6, 1, 64, (40,), width=67,
                         dtype=dtype, seed=9),
         ]
+    return cases + _quick_new_ops(ops, dtype) + edge_cases(ops, dtype=dtype)
+
+
+def edge_cases(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Spec]:
+    """The contract's edge cases by name, at CPU sizes (part of ``quick_matrix``).
+
+    A batch whose every sequence has no key (exact zeros, poisoned slack); invalid entries
+    -1 / -7 / len / len + 19 at the front, middle and end of a row's read window; duplicated
+    positions; per-KV-head indices; poisoned (NaN) K/V rows and pool slots that no valid entry
+    names, also with FP8 K/V; a max_seqlen_q hint smaller than the longest request.
+    """
+    cases: list[Spec] = []
+    if "decode" in ops:
+        cases.append(DecodeSpec("decode/TP2/B3/all-empty", 12, 1, 64, 3, "short", max_len=20,
+                                dtype=dtype, zero_rows=3, slack=5, poison=True, seed=11))
+    if "prefill" in ops:
+        P = PrefillSpec  # noqa: N806
+        cases += [
+            P("prefill/chunk/junk-inside/G6xHkv1", "chunk", 6, 1, 64, (6, 5, 1), (40, 5, 9),
+              width=35, dtype=dtype, junk_inside=True, seed=12),
+            P("prefill/ordinary/junk-inside/per-head/G3xHkv2", "ordinary", 6, 2, 64, (10,),
+              width=35, dtype=dtype, per_head=True, junk_inside=True, seed=13),
+            P("prefill/paged/duplicates/G12xHkv1", "paged", 12, 1, 64, (5, 4), (30, 12),
+              width=35, dtype=dtype, duplicates=True, junk="len+19", seed=14),
+            P("prefill/chunk/duplicates+junk-inside/per-head/G12xHkv2", "chunk", 24, 2, 64, (4,),
+              (50,), width=35, dtype=dtype, per_head=True, duplicates=True, junk_inside=True,
+              seed=15),
+            P("prefill/paged/poison/G12xHkv1", "paged", 12, 1, 64, (6, 3), (120, 20), width=35,
+              dtype=dtype, poison=True, pool_slack=19, junk="mixed", seed=16),
+            P("prefill/chunk/poison+fp8/per-head/G6xHkv2", "chunk", 12, 2, 64, (5,), (60,),
+              width=35, dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0,
+              poison=True, per_head=True, seed=17),
+            P("prefill/chunk/max_seqlen_q-hint-2/G12xHkv1", "chunk", 12, 1, 64, (9, 3), (30, 3),
+              width=35, dtype=dtype, max_q_hint=2, seed=19),
+            P("prefill/paged/max_seqlen_q-hint-1/G6xHkv1", "paged", 6, 1, 64, (7, 2), (20, 9),
+              width=35, dtype=dtype, max_q_hint=1, seed=20),
+            P("prefill/ordinary/max_seqlen_q-hint-3/G3xHkv1", "ordinary", 3, 1, 64, (8, 2),
+              width=35, dtype=dtype, max_q_hint=3, seed=21),
+        ]
     return cases
+
+
+def by_name(specs: Sequence[Spec]) -> dict[str, Spec]:
+    """name -> spec (names are unique within a matrix)."""
+    return {s.name: s for s in specs}
+
+
+# The quick-matrix cases every implementation's conformance test runs (with all edge cases): each
+# head pair and row pattern, one batch per tile regime, both D, every prefill variant with G 3,
+# 6, 12 and Hkv 1, 2, ragged batches, junk, empty rows, per-head indices, FP8, W = 67. The rest
+# of the quick matrix repeats these paths at other sizes (``qsa check --quick`` runs it all).
+_CONFORMANCE = (
+    "decode/TP1/B4/short", "decode/TP1/B4/medium", "decode/TP1/B4/saturated",
+    "decode/TP2/B1/saturated", "decode/TP4/B17/medium", "decode/TP1/B5/mixed+empty",
+    "decode/TP2/B4/saturated+poison", "decode/TP4/B2/saturated/D256", "decode/TP1/B3/mixed/D256",
+    "prefill/ordinary/G3xHkv1", "prefill/ordinary/G12xHkv2", "prefill/chunk/G6xHkv1",
+    "prefill/chunk/G12xHkv2", "prefill/paged/G3xHkv2", "prefill/paged/G12xHkv1",
+    "prefill/ordinary/junk-mixed+empty/G12xHkv2", "prefill/chunk/junk-len+empty/G6xHkv1",
+    "prefill/chunk/fp8/G12xHkv1", "prefill/chunk/per-head/G3xHkv2",
+    "prefill/paged/ragged+junk-7/G12xHkv1", "prefill/paged/fp8+empty/G6xHkv2",
+    "prefill/chunk/D256/G12xHkv1", "prefill/ordinary/W67/G6xHkv1",
+)
+
+
+def conformance_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Spec]:
+    """The cases of ``tests/conformance.py`` on a CPU (interpret mode): a subset of
+    ``quick_matrix`` plus every ``edge_cases`` entry."""
+    quick = by_name(quick_matrix(ops, dtype=dtype))
+    return [quick[n] for n in _CONFORMANCE if n in quick] + edge_cases(ops, dtype=dtype)
+
+
+def gpu_conformance_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Spec]:
+    """The cases of ``tests/conformance.py`` on a GPU (compiled kernels): production shapes (bf16,
+    D = 256, max_seqlen_k = W = 2051) small enough for the FP64 numpy reference: decode corners of
+    the full matrix, and prefill with 512-2048 query rows over long contexts."""
+    cases: list[Spec] = []
+    if "decode" in ops:
+        full = by_name(full_matrix(("decode",), dtype=dtype))
+        cases += [full[n] for n in ("decode/TP1/B128/saturated", "decode/TP2/B16/mixed+empty",
+                                    "decode/TP4/B1/short", "decode/TP1/B128/mixed+poison",
+                                    "decode/TP2/B17/medium", "decode/TP4/B64/saturated")]
+    if "prefill" in ops:
+        P = PrefillSpec  # noqa: N806
+        cases += [
+            P("gpu/prefill/ordinary/G6xHkv1/T2k", "ordinary", 6, 1, 256, (2048,), dtype=dtype,
+              junk="len+19", seed=31),
+            P("gpu/prefill/chunk/junk-mixed+empty/G12xHkv1/kv32k/T1k", "chunk", 12, 1, 256,
+              (1024,), (32768,), dtype=dtype, junk="mixed", empty_rows=(0, 700), seed=32),
+            P("gpu/prefill/paged/fp8/per-head/G12xHkv2/kv16k/T512", "paged", 24, 2, 256, (512,),
+              (16384,), dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5,
+              per_head=True, pool_slack=1000, seed=33),
+            P("gpu/prefill/chunk/poison+junk-inside+dup/G6xHkv1/ragged", "chunk", 6, 1, 256,
+              (300, 77, 1), (9000, 77, 5000), dtype=dtype, poison=True, junk_inside=True,
+              duplicates=True, max_q_hint=64, seed=34),
+            P("gpu/prefill/paged/ragged/G3xHkv1", "paged", 3, 1, 256, (700, 5, 260),
+              (4000, 5, 70000), dtype=dtype, junk="-7", pool_slack=333, seed=35),
+        ]
+    return cases
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points and a case's arguments by name.
+ENTRY = {"decode": "sparse_decode", "ordinary": "sparse_prefill", "chunk": "sparse_prefill_chunk",
+         "paged": "sparse_prefill_paged", "decode_paged": "sparse_decode_paged",
+         "indexer_decode": "indexer_select_decode", "indexer_prefill": "indexer_select_prefill",
+         "step_decode": "qsa_decode_step", "step_prefill": "qsa_prefill_step"}
+#: positional parameters of each entry point (qsa-contract.md), then its keyword parameters
+PARAMS = {
+    "sparse_decode": (("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_k"),
+                      ("softmax_scale",)),
+    "sparse_prefill": (("q", "k", "v", "indices", "cu_seqlens", "max_seqlen_q"), ("softmax_scale",)),
+    "sparse_prefill_chunk": (("q", "k", "v", "indices", "cu_seqlens_q", "cu_seqlens_k", "kv_lens",
+                              "max_seqlen_q"), ("softmax_scale", "k_scale", "v_scale")),
+    "sparse_prefill_paged": (("q", "k_cache", "v_cache", "req_to_token", "req_indices", "indices",
+                              "cu_seqlens_q", "kv_lens", "max_seqlen_q"),
+                             ("softmax_scale", "k_scale", "v_scale")),
+    "sparse_decode_paged": (("q", "k_cache", "v_cache", "req_to_token", "req_indices", "indices",
+                             "seq_lens"), ("softmax_scale", "k_scale", "v_scale")),
+    # the indexer's and the step's topk is keyword-only: passed by name
+    "indexer_select_decode": (("q", "k_cache", "page_table", "seq_lens"), ("topk",)),
+    "indexer_select_prefill": (("q", "k", "row_starts", "row_ends", "positions", "seq_lens"),
+                               ("topk",)),
+    "qsa_decode_step": (("q", "k_cache", "v_cache", "req_to_token", "req_indices", "index_q",
+                         "index_k_cache", "index_page_table", "seq_lens"),
+                        ("softmax_scale", "k_scale", "v_scale", "topk")),
+    "qsa_prefill_step": (("q", "k_cache", "v_cache", "req_to_token", "req_indices", "index_q",
+                          "index_k", "index_cu_seqlens_k", "cu_seqlens_q", "kv_lens",
+                          "max_seqlen_q"), ("softmax_scale", "k_scale", "v_scale", "topk")),
+}
+#: entry points whose output is int32 token positions (judged by exact equality)
+INDEX_ENTRIES = ("indexer_select_decode", "indexer_select_prefill")
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseData:
+    """One case's call, by parameter name, except the random values (framework-free).
+
+    Attributes:
+      spec: the case. entry: the entry point ("sparse_decode", ...).
+      floats: name -> (shape, dtype name) of q and the K/V buffers (q's dtype; K/V may be
+        "float8_e4m3fn"); the values are N(0, 1) (``values()``), cast to the dtype by the caller.
+      ints: name -> int32 numpy array (cu_seqlens*, kv_lens, req_to_token, req_indices, indices).
+      scalars: name -> host value (max_seqlen_k / max_seqlen_q, softmax_scale, k_scale, v_scale).
+      poison: bool [K/V rows, Hkv]: K/V entries set to NaN (a correct kernel never reads them),
+        or None.
+      empty: bool [output rows, Hq]: outputs that must be exactly 0 (``empty_outputs``).
+      integer_valued: names of ``floats`` whose values are integers in [-2, 2] instead of
+        N(0, 1) (indexer inputs: FP32 logits exact, many ties).
+      zero_rows: name -> bool mask over the leading axis: those rows are 0.
+    """
+
+    spec: Spec
+    entry: str
+    floats: dict[str, tuple[tuple[int, ...], str]]
+    ints: dict[str, np.ndarray]
+    scalars: dict[str, Any]
+    poison: np.ndarray | None
+    empty: np.ndarray
+    integer_valued: tuple[str, ...] = ()
+    zero_rows: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    @property
+    def kv_names(self) -> tuple[str, str]:
+        return PARAMS[self.entry][0][1], PARAMS[self.entry][0][2]
+
+    def values(self) -> dict[str, np.ndarray]:
+        """Seeded float32 N(0, 1) values of q and K/V (integers in [-2, 2] for
+        ``integer_valued``, zeros in ``zero_rows``), poisoned entries NaN (numpy; the caller
+        casts them to ``floats[name][1]``)."""
+        rng = np.random.default_rng(1000 + self.spec.seed)
+        out = {n: (rng.integers(-2, 3, size=shape).astype(np.float32)
+                   if n in self.integer_valued else rng.standard_normal(shape, dtype=np.float32))
+               for n, (shape, _) in self.floats.items()}
+        for n, rows in self.zero_rows.items():
+            out[n][np.asarray(rows, bool)] = 0.0
+        if self.poison is not None:
+            for n in self.kv_names:
+                out[n][self.poison] = np.nan
+        return out
+
+    def arguments(self, named: dict[str, Any]) -> tuple[list, dict]:
+        """(positional, keyword) arguments of the entry point: ``named`` (framework arrays of
+        ``floats`` and ``ints``, by name) merged with ``scalars``."""
+        allv = {**self.scalars, **named}
+        pos, kws = PARAMS[self.entry]
+        return [allv[n] for n in pos], {n: allv[n] for n in kws if n in allv}
+
+
+def _read_window(indices: np.ndarray, cu_seqlens_q, lens, ordinary: bool):
+    """(idx3 [T, H, W] int64, valid [T, H, W], req [T]): entries a row reads and counts (valid
+    and inside its first min(W, visible) columns, ``qsa-contract.md`` §3)."""
+    idx3 = np.asarray(indices, np.int64)
+    idx3 = idx3 if idx3.ndim == 3 else idx3[:, None, :]
+    cu = np.asarray(cu_seqlens_q, np.int64)
+    lens = np.asarray(lens, np.int64)
+    t, w = idx3.shape[0], idx3.shape[-1]
+    req = np.clip(np.searchsorted(cu[1:], np.arange(t), side="right"), 0, max(len(lens) - 1, 0))
+    r = np.arange(t) - cu[req]
+    q_len = cu[req + 1] - cu[req]
+    visible = r + 1 if ordinary else r + lens[req] - q_len + 1
+    cap = np.minimum(w, np.maximum(visible, 0))
+    valid = ((idx3 >= 0) & (idx3 < lens[req][:, None, None])
+             & (np.arange(w) < cap[:, None, None]))
+    return idx3, valid, req
+
+
+def empty_outputs(entry: str, named: dict[str, Any], hq: int, hkv: int,
+                  pool_slots: int | None = None, rows: int | None = None) -> np.ndarray:
+    """bool [output rows, Hq]: outputs that must be exactly 0 (a decode sequence with no key; a
+    prefill row and KV head with no valid entry in its read window; a paged decode row and KV
+    head with no valid entry; a step row outside every request or without context), from host
+    metadata given by parameter name (numpy arrays). Index outputs (the indexer): bool [rows, 1],
+    all False. ``pool_slots``: the pool's slots (paged decode; None: every slot named exists);
+    ``rows``: q's rows (prefill step; None: ``cu_seqlens_q[-1]``)."""
+    if entry in INDEX_ENTRIES:
+        key = "seq_lens" if entry == "indexer_select_decode" else "row_starts"
+        return np.zeros((np.asarray(named[key]).shape[0], 1), bool)
+    if entry == "sparse_decode_paged":
+        slots = I.resolve_paged_slots(named["req_to_token"], named["req_indices"],
+                                      named["indices"], named["seq_lens"],
+                                      2**62 if pool_slots is None else pool_slots)
+        none = ~(slots >= 0).any(-1)
+        none = none[:, None] if none.ndim == 1 else none
+        return np.repeat(np.broadcast_to(none, (none.shape[0], hkv)), hq // hkv, axis=1)
+    if entry == "qsa_decode_step":
+        sl = np.asarray(named["seq_lens"], np.int64)
+        return np.repeat((sl <= 0)[:, None], hq, axis=1)
+    if entry == "qsa_prefill_step":
+        cu = np.asarray(named["cu_seqlens_q"], np.int64)
+        rows = int(cu[-1]) if rows is None else int(rows)
+        _, _, pos, bound = I.prefill_step_rows(cu, named["kv_lens"], named["index_cu_seqlens_k"],
+                                               rows)
+        return np.repeat(((pos < 0) | (bound <= 0))[:, None], hq, axis=1)
+    if entry == "sparse_decode":
+        ck = np.asarray(named["cu_seqlens_k"], np.int64)
+        return np.repeat((np.diff(ck) <= 0)[:, None], hq, axis=1)
+    if entry == "sparse_prefill":
+        cu = np.asarray(named["cu_seqlens"], np.int64)
+        _, valid, _ = _read_window(named["indices"], cu, np.diff(cu), True)
+    else:
+        _, valid, _ = _read_window(named["indices"], named["cu_seqlens_q"], named["kv_lens"], False)
+    none = ~valid.any(-1)  # [T, 1 or Hkv]
+    return np.repeat(np.broadcast_to(none, (none.shape[0], hkv)), hq // hkv, axis=1)
+
+
+def _edit_windows(idx: np.ndarray, visible: np.ndarray, bound: np.ndarray, spec: PrefillSpec):
+    """``junk_inside`` and ``duplicates`` (see ``PrefillSpec``) on int64 [T, H, W] in place."""
+    t, _, w = idx.shape
+    rows = np.arange(t)
+    cap = np.minimum(w, visible)
+    if spec.junk_inside:
+        junk = np.stack([np.full(t, -1), np.full(t, -7), bound, bound + 19], 1)
+        for j, col in enumerate((np.zeros(t, np.int64), cap // 2, cap - 1)):
+            idx[rows, :, col] = junk[rows, (rows + j) % 4][:, None]
+    if spec.duplicates:
+        src = np.minimum(1, cap - 1)
+        for col in (np.minimum(2, cap - 1), np.maximum(cap - 2, 0)):
+            idx[rows, :, col] = idx[rows, :, src]
+
+
+def case_data(spec: Spec) -> CaseData:
+    """Everything about a case but the random values: metadata and indices from
+    ``interop.indices`` (realistic block-structured prefill indices), shapes, host scalars, the
+    poisoned K/V entries and the outputs that must be exact zeros.
+
+    Raises:
+      ValueError: a spec the generators refuse (e.g. kv_lens < q_lens).
+    """
+    if isinstance(spec, PagedSpec):
+        return _paged_data(spec)
+    if isinstance(spec, IndexerSpec):
+        return _indexer_data(spec)
+    if isinstance(spec, StepSpec):
+        return _step_data(spec)
+    if isinstance(spec, DecodeSpec):
+        c = I.decode_case(spec.batch, spec.pattern, max_len=spec.max_len, seed=spec.seed,
+                          zero_rows=spec.zero_rows, capacity_slack=spec.slack)
+        cap = spec.batch * spec.max_len + spec.slack if spec.pad_capacity else c.capacity
+        kv = ((cap, spec.hkv, spec.d), spec.dtype)
+        poison = None
+        if spec.poison and spec.slack:
+            poison = np.zeros((cap, spec.hkv), bool)
+            poison[int(c.cu_seqlens_k[-1]):] = True
+        ints = {"cu_seqlens_q": c.cu_seqlens_q, "cu_seqlens_k": c.cu_seqlens_k}
+        return CaseData(spec, "sparse_decode",
+                        {"q": ((spec.batch, spec.hq, spec.d), spec.dtype), "k": kv, "v": kv}, ints,
+                        {"max_seqlen_k": c.max_seqlen_k, "softmax_scale": None}, poison,
+                        empty_outputs("sparse_decode", ints, spec.hq, spec.hkv))
+    kind = spec.kind
+    entry = ENTRY[kind]
+    lay = I.prefill_layout(kind, spec.q_lens, spec.kv_lens, pool_slack=spec.pool_slack,
+                           seed=spec.seed)
+    kv_lens = None if kind == "ordinary" else lay.kv_lens
+    idx = I.prefill_indices(lay.q_lens, kv_lens, width=spec.width, junk=spec.junk,
+                            empty_rows=spec.empty_rows, overlap=spec.overlap,
+                            num_kv_heads=spec.hkv if spec.per_head else None, seed=spec.seed)
+    if spec.junk_inside or spec.duplicates:
+        _, _, visible, bound = I.row_layout(lay.q_lens, kv_lens)
+        idx3 = (idx if idx.ndim == 3 else idx[:, None, :]).astype(np.int64)
+        _edit_windows(idx3, visible, bound, spec)
+        idx = (idx3 if spec.per_head else idx3[:, 0]).astype(np.int32)
+    ints: dict[str, np.ndarray] = {"indices": idx}
+    if kind == "ordinary":
+        ints["cu_seqlens"] = lay.cu_seqlens_q
+    else:
+        ints.update(cu_seqlens_q=lay.cu_seqlens_q, kv_lens=lay.kv_lens)
+        if kind == "chunk":
+            ints["cu_seqlens_k"] = lay.cu_seqlens_k
+        else:
+            rt = lay.req_to_token.copy()
+            if spec.poison:  # positions past kv_len name slots past the pool
+                rows = rt[lay.req_indices]
+                past = np.arange(rt.shape[1])[None, :] >= lay.kv_lens[:, None]
+                rows[past] = lay.pool_slots + 1 + np.nonzero(past)[1]
+                rt[lay.req_indices] = rows
+            ints.update(req_to_token=rt, req_indices=lay.req_indices)
+    t = int(lay.cu_seqlens_q[-1])
+    rows = {"ordinary": t, "chunk": int(lay.cu_seqlens_k[-1]), "paged": lay.pool_slots}[kind]
+    kv = ((rows, spec.hkv, spec.d), spec.kv_dtype or spec.dtype)
+    k_name, v_name = PARAMS[entry][0][1:3]
+    poison = None
+    if spec.poison:
+        lens = np.diff(lay.cu_seqlens_q) if kind == "ordinary" else lay.kv_lens
+        idx3, valid, req = _read_window(idx, lay.cu_seqlens_q, lens, kind == "ordinary")
+        safe = np.where(valid, idx3, 0)
+        if kind == "paged":
+            kv_row = np.asarray(slot_table_of(ints), np.int64)[req[:, None, None], safe]
+        else:
+            base = lay.cu_seqlens_q if kind == "ordinary" else lay.cu_seqlens_k
+            kv_row = np.asarray(base, np.int64)[req][:, None, None] + safe
+        head = np.broadcast_to(np.arange(spec.hkv)[None, :, None] if idx3.shape[1] > 1 else
+                               np.zeros((1, 1, 1), np.int64), kv_row.shape)
+        named_kv = np.zeros((rows, spec.hkv), bool)
+        for h in range(spec.hkv):  # shared indices name the row for every KV head
+            sel = valid & ((head == h) | (idx3.shape[1] == 1))
+            named_kv[kv_row[sel], h] = True
+        poison = ~named_kv
+    scalars: dict[str, Any] = {"max_seqlen_q": spec.max_q_hint or lay.max_seqlen_q,
+                               "softmax_scale": None}
+    if kind != "ordinary":
+        scalars.update(k_scale=spec.k_scale, v_scale=spec.v_scale)
+    return CaseData(spec, entry, {"q": ((t, spec.hq, spec.d), spec.dtype), k_name: kv, v_name: kv},
+                    ints, scalars, poison, empty_outputs(entry, ints, spec.hq, spec.hkv))
+
+
+# --------------------------------------------------------------------------------------------
+# Paged decode, the indexer, the end-to-end step: matrices and case data.
+def _quick_new_ops(ops: Sequence[str], dtype: str) -> list[Spec]:
+    """CPU (interpret mode) cases of ``paged``, ``indexer`` and ``step``: tiny shapes (D = 64,
+    W = 35 or 67; the indexer at 4 x 128 with topk 16, so rows with more than 16 visible blocks
+    really drop blocks), fp16."""
+    cases: list[Spec] = []
+    if "paged" in ops:
+        P = PagedSpec  # noqa: N806
+        cases += [
+            P("paged/TP1/B3/W67", 24, 2, 64, (40, 7, 90), width=67, dtype=dtype, seed=1),
+            P("paged/TP2/mtp2+junk+dup/W35", 12, 1, 64, (30, 61), width=35, rows_per_request=2,
+              dtype=dtype, junk=("-7", "len", "len+19"), junk_at=("front", "middle"),
+              duplicates=2, seed=2),
+            P("paged/G6xHkv2/fp8+per-head+empty/W35", 12, 2, 64, (50, 3, 20), width=35, dtype=dtype,
+              kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=1.5, per_head=True, empty_rows=(1,),
+              page_size=1, seed=3),
+            P("paged/TP2/D256/W35", 12, 1, 256, (33, 12), width=35, dtype=dtype, seed=4),
+        ]
+    if "indexer" in ops:
+        X = IndexerSpec  # noqa: N806
+        cases += [
+            X("indexer/decode/topk16", "decode", seq_lens=(0, 3, 64, 68, 71, 300, 1030, 2047),
+              topk=16, dtype=dtype, zero_q_rows=(6,), seed=5),
+            X("indexer/decode/fp8-keys/topk16", "decode", seq_lens=(131, 65, 500), topk=16,
+              dtype=dtype, k_dtype="float8_e4m3fn", junk="-1", seed=6),
+            X("indexer/prefill/topk16", "prefill", q_lens=(5, 20, 1), kv_lens=(5, 300, 77),
+              topk=16, dtype=dtype, zero_q_rows=(9,), seed=7),
+        ]
+    if "step" in ops:
+        S = StepSpec  # noqa: N806
+        cases += [
+            S("step/decode/TP2/topk16", "decode", 12, 1, 64, (0, 5, 70, 301, 1000), topk=16,
+              dtype=dtype, seed=8),
+            S("step/decode/TP1/fp8/shared-pages/topk16", "decode", 24, 2, 64, (260, 77, 999),
+              topk=16, dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.25,
+              index_k_dtype="float8_e4m3fn", pool_pages=9, seed=9),
+            S("step/prefill/G6xHkv1/topk16", "prefill", 6, 1, 64, (200, 3, 90), q_lens=(6, 3, 4),
+              topk=16, dtype=dtype, seed=10),
+            S("step/prefill/G12xHkv2/fp8/topk16", "prefill", 24, 2, 64, (150,), q_lens=(7,),
+              topk=16, dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0, seed=11),
+        ]
+    return cases
+
+
+def _full_new_ops(ops: Sequence[str], dtype: str) -> list[Spec]:
+    """GPU (compiled) cases of ``paged``, ``indexer`` and ``step`` at production shapes: D = 256,
+    W = 2051, the TP rank shapes, B up to 128; the indexer and the step at 4 x 128, topk 512,
+    contexts to 32k (the step's pool shared between requests so the FP64 reference stays small).
+    Few batch sizes each: the numpy FP64 attention reference dominates the run time (the
+    kernels' own GPU tests sweep the batch)."""
+    cases: list[Spec] = []
+    # one generator per op: a case's shape does not depend on which ops were selected
+    rng = np.random.default_rng(2026)
+    if "paged" in ops:
+        for tp, (hq, hkv) in TP_SHAPES.items():
+            for b in (1, 64) + ((128,) if tp == "TP1" else ()):
+                ctx = rng.integers(1, 4097, size=b)
+                ctx[0] = 2051  # one saturated row
+                pool = (int((-(-ctx // 64)).sum()) + 2) * 64  # a tight pool: host FP64 copy
+                cases.append(PagedSpec(f"paged/{tp}/B{b}", hq, hkv, 256, tuple(int(c) for c in ctx),
+                                       dtype=dtype, pool_slots=pool, seed=b))
+        P = PagedSpec  # noqa: N806
+        cases += [
+            P("paged/TP1/mtp4/B32", 24, 2, 256, tuple(range(2000, 2032)), rows_per_request=4,
+              dtype=dtype, seed=5),
+            P("paged/TP2/fp8+per-head/B16", 12, 1, 256, tuple(range(3000, 3016)), dtype=dtype,
+              kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5, per_head=True, seed=6),
+            P("paged/TP4/junk+dup+empty/B24", 6, 1, 256, tuple(range(100, 2500, 100)), dtype=dtype,
+              junk=("-1", "-7", "len", "len+19"), junk_at=("front", "middle", "end"),
+              duplicates=5, empty_rows=(0, 7), seed=7),
+        ]
+    if "indexer" in ops:
+        rng = np.random.default_rng(2027)
+        X = IndexerSpec  # noqa: N806
+        for b, ctx in ((1, 32768), (16, 32768), (64, 8192), (128, 32768)):
+            lens = tuple(int(x) for x in np.clip(ctx - rng.integers(0, 97, size=b), 0, None))
+            cases.append(X(f"indexer/decode/B{b}/{_k(ctx)}", "decode", seq_lens=lens,
+                           dtype=dtype, seed=b))
+        cases += [
+            X("indexer/decode/edges/B9", "decode",
+              seq_lens=(0, 3, 2048, 2051, 2052, 4 * 16 * 3 + 7, 5003, 2801, 2403), dtype=dtype,
+              zero_q_rows=(7,), seed=11),
+            X("indexer/decode/fp8-keys/B16/32k", "decode", seq_lens=(32768,) * 16, dtype=dtype,
+              k_dtype="float8_e4m3fn", seed=12),
+            X("indexer/prefill/T1k/kv32k", "prefill", q_lens=(1024,), kv_lens=(32768,),
+              dtype=dtype, seed=13),
+            X("indexer/prefill/ragged", "prefill", q_lens=(20, 2, 18, 700), kv_lens=(2060, 3, 4101,
+                                                                                    9000),
+              dtype=dtype, seed=14),
+        ]
+    if "step" in ops:
+        rng = np.random.default_rng(2028)
+        S = StepSpec  # noqa: N806
+        for tp, (hq, hkv), batches in (("TP1", (24, 2), (1, 128)), ("TP2", (12, 1), (16, 64))):
+            for b in batches:
+                ctx = 32768 - rng.integers(0, 300, size=b)
+                cases.append(S(f"step/decode/{tp}/B{b}/32k", "decode", hq, hkv, 256,
+                               tuple(int(c) for c in ctx), dtype=dtype, pool_pages=2048,
+                               seed=b))
+        cases += [
+            S("step/decode/TP4/fp8/B32/mixed", "decode", 6, 1, 256,
+              tuple(int(c) for c in rng.integers(0, 40000, size=32)), dtype=dtype,
+              kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5, index_k_dtype="float8_e4m3fn",
+              pool_pages=2048, seed=21),
+            S("step/prefill/TP2/T512/kv32k", "prefill", 12, 1, 256, (32768,), q_lens=(512,),
+              dtype=dtype, pool_pages=2048, seed=22),
+            S("step/prefill/TP1/ragged", "prefill", 24, 2, 256, (2060, 3, 9000, 300),
+              q_lens=(20, 3, 200, 300), dtype=dtype, seed=23),
+        ]
+    return cases
+
+
+def _paged_data(spec: PagedSpec) -> CaseData:
+    c = I.paged_decode_case(spec.context_lens, width=spec.width,
+                            rows_per_request=spec.rows_per_request, pool_slots=spec.pool_slots,
+                            page_size=spec.page_size, junk=spec.junk, junk_at=spec.junk_at,
+                            n_junk=spec.n_junk, duplicates=spec.duplicates,
+                            empty_rows=spec.empty_rows,
+                            num_kv_heads=spec.hkv if spec.per_head else None, seed=spec.seed)
+    r = c.seq_lens.shape[0]
+    kv = ((c.pool_slots, spec.hkv, spec.d), spec.kv_dtype or spec.dtype)
+    ints = {"req_to_token": c.req_to_token, "req_indices": c.req_indices, "indices": c.indices,
+            "seq_lens": c.seq_lens}
+    poison = np.broadcast_to(~c.owned[:, None], (c.pool_slots, spec.hkv)).copy()
+    return CaseData(spec, "sparse_decode_paged",
+                    {"q": ((r, spec.hq, spec.d), spec.dtype), "k_cache": kv, "v_cache": kv}, ints,
+                    {"softmax_scale": None, "k_scale": spec.k_scale, "v_scale": spec.v_scale},
+                    poison if poison.any() else None,
+                    empty_outputs("sparse_decode_paged", ints, spec.hq, spec.hkv, c.pool_slots))
+
+
+def _indexer_data(spec: IndexerSpec) -> CaseData:
+    kd = spec.k_dtype or spec.dtype
+    if spec.kind == "decode":
+        c = I.indexer_decode_case(spec.seq_lens, page_size=spec.page_size, junk=spec.junk,
+                                  seed=spec.seed)
+        rows = c.seq_lens.shape[0]
+        floats = {"q": ((rows, spec.heads, spec.d), spec.dtype),
+                  "k_cache": ((c.pages, spec.page_size, 1, spec.d), kd)}
+        ints = {"page_table": c.page_table, "seq_lens": c.seq_lens}
+        entry, k_name = "indexer_select_decode", "k_cache"
+    else:
+        rs, re, cu, pos, sl = I.prefill_row_ranges(spec.q_lens, spec.kv_lens)
+        rows = rs.shape[0]
+        floats = {"q": ((rows, spec.heads, spec.d), spec.dtype),
+                  "k": ((int(cu[-1]), 1, spec.d), kd)}
+        ints = {"row_starts": rs, "row_ends": re, "positions": pos, "seq_lens": sl}
+        entry, k_name = "indexer_select_prefill", "k"
+    zero = np.zeros(rows, bool)
+    zero[list(spec.zero_q_rows)] = True
+    return CaseData(spec, entry, floats, ints, {"topk": spec.topk}, None,
+                    empty_outputs(entry, ints, 1, 1), integer_valued=("q", k_name),
+                    zero_rows={"q": zero} if zero.any() else {})
+
+
+def step_layout(context_lens, *, pool_pages: int | None = None, page_size: int = 64,
+                index_page_size: int = 16, spare_requests: int = 2, seed: int = 0) -> dict:
+    """The pool side of a step case (``StepSpec``): ``req_to_token`` [B + spare, max(ctx)]
+    (pages of ``page_size`` slots, page 0 the padding page nobody owns, requests at shuffled
+    table rows), ``req_indices`` [B], ``owned`` bool [slots], ``pool_pages``, and the decode
+    ``index_page_table`` [B, max(1, ceil(max(ctx) / page_size))]: row b's compressed-K pages
+    are its KV pages (``req_to_token[req, page_size * i] // page_size``) for its
+    ``ceil(floor(ctx / 4) / index_page_size)`` pages with visible blocks, junk after (-1, page
+    ids past the cache, int32 extremes, other rows' pages).
+
+    A request draws its pages without replacement from pages 1..pool_pages-1 (with replacement
+    when it needs more); requests draw independently, so a small pool shares pages between them.
+
+    Raises:
+      ValueError: page_size not a multiple of 4 * index_page_size's ratio (64 = 4 x 16).
+    """
+    if page_size != I.RATIO * index_page_size:
+        raise ValueError(f"page_size {page_size} must be {I.RATIO} x index_page_size "
+                         f"{index_page_size} (one compressed page per KV page)")
+    lens = np.asarray(context_lens, np.int64).reshape(-1)
+    rng = np.random.default_rng(seed)
+    b = lens.shape[0]
+    n_pages = -(-lens // page_size)
+    if pool_pages is None:
+        pool_pages = int(n_pages.sum()) + 2
+    width = max(1, int(lens.max()) if lens.size else 1)
+    max_reqs = b + int(spare_requests)
+    table = np.zeros((max_reqs, width), np.int64)
+    req_of = rng.permutation(max_reqs)[:b]
+    shared = pool_pages - 1 < int(n_pages.sum())
+    perm = rng.permutation(np.arange(1, pool_pages))
+    at = 0
+    owned = np.zeros(pool_pages * page_size, bool)
+    pos = np.arange(width, dtype=np.int64)
+    for i in range(b):
+        n = int(n_pages[i])
+        if shared:
+            pages = rng.choice(np.arange(1, pool_pages), size=n, replace=n > pool_pages - 1)
+        else:
+            pages = perm[at:at + n]
+            at += n
+        slots = pages[pos[:lens[i]] // page_size] * page_size + pos[:lens[i]] % page_size
+        table[req_of[i], :lens[i]] = slots
+        owned[slots] = True
+    ipt_w = max(1, -(-width // page_size))
+    ipt = np.zeros((b, ipt_w), np.int64)
+    i32 = np.iinfo(np.int32)
+    for i in range(b):
+        need = -(-(int(lens[i]) // I.RATIO) // index_page_size)
+        ipt[i, :need] = table[req_of[i], np.arange(need) * page_size] // page_size
+        ipt[i, need:] = rng.choice(np.array([-1, pool_pages, pool_pages + 5, i32.max, i32.min, 1]),
+                                   size=ipt_w - need)
+    return {"req_to_token": table.astype(np.int32), "req_indices": req_of.astype(np.int32),
+            "index_page_table": ipt.astype(np.int32), "owned": owned, "pool_pages": pool_pages}
+
+
+def _step_data(spec: StepSpec) -> CaseData:
+    lay = step_layout(spec.context_lens, pool_pages=spec.pool_pages, seed=spec.seed)
+    pool = lay["pool_pages"] * 64
+    kvd = spec.kv_dtype or spec.dtype
+    ikd = spec.index_k_dtype or spec.dtype
+    kl = np.asarray(spec.context_lens, np.int64)
+    kv = ((pool, spec.hkv, spec.d), kvd)
+    poison = np.broadcast_to(~lay["owned"][:, None], (pool, spec.hkv)).copy()
+    scalars = {"softmax_scale": None, "k_scale": spec.k_scale, "v_scale": spec.v_scale,
+               "topk": spec.topk}
+    if spec.kind == "decode":
+        r = kl.shape[0]
+        floats = {"q": ((r, spec.hq, spec.d), spec.dtype), "k_cache": kv, "v_cache": kv,
+                  "index_q": ((r, spec.index_heads, spec.index_dim), spec.dtype),
+                  "index_k_cache": ((lay["pool_pages"], 16, 1, spec.index_dim), ikd)}
+        ints = {"req_to_token": lay["req_to_token"], "req_indices": lay["req_indices"],
+                "index_page_table": lay["index_page_table"], "seq_lens": kl.astype(np.int32)}
+        entry, ik = "qsa_decode_step", "index_k_cache"
+    else:
+        ql = np.asarray(spec.q_lens, np.int64)
+        if ql.shape != kl.shape or (ql > kl).any():
+            raise ValueError(f"q_lens {spec.q_lens} must pair with context_lens "
+                             f"{spec.context_lens}, each <= its context")
+        t = int(ql.sum())
+        cu_k = I.cu_seqlens_from_counts(kl // I.RATIO)
+        floats = {"q": ((t, spec.hq, spec.d), spec.dtype), "k_cache": kv, "v_cache": kv,
+                  "index_q": ((t, spec.index_heads, spec.index_dim), spec.dtype),
+                  "index_k": ((int(cu_k[-1]), 1, spec.index_dim), ikd)}
+        ints = {"req_to_token": lay["req_to_token"], "req_indices": lay["req_indices"],
+                "index_cu_seqlens_k": cu_k, "cu_seqlens_q": I.cu_seqlens_from_counts(ql),
+                "kv_lens": kl.astype(np.int32)}
+        scalars["max_seqlen_q"] = int(ql.max())
+        entry, ik = "qsa_prefill_step", "index_k"
+    return CaseData(spec, entry, floats, ints, scalars, poison if poison.any() else None,
+                    empty_outputs(entry, ints, spec.hq, spec.hkv, pool,
+                                  rows=floats["q"][0][0]), integer_valued=("index_q", ik))
+
+
+def slot_table_of(named: dict[str, Any]):
+    """The per-request pool slots ``[B, max_context]`` of a ``sparse_prefill_paged`` call given
+    by parameter name (numpy or framework arrays): position p of request b lives in pool slot
+    ``table[b, p]``. The one place that knows how the paged entry point addresses the pool."""
+    rows = named["req_indices"]
+    return named["req_to_token"][rows.long() if hasattr(rows, "long") else np.asarray(rows, np.int64)]
+
+
+def reference(entry: str, named: dict[str, Any]) -> np.ndarray:
+    """The FP64 reference (``interop.reference``) of a call given by parameter name.
+
+    Args:
+      entry: a key of ``PARAMS`` ("sparse_decode", the prefill variants, "sparse_decode_paged",
+        "indexer_select_decode" / "_prefill", "qsa_decode_step" / "qsa_prefill_step").
+      named: every parameter of ``PARAMS[entry]`` as numpy arrays (float values as the kernel
+        sees them, e.g. FP8 already cast to float) or host scalars; missing keyword parameters
+        take their defaults.
+
+    Returns:
+      float64 [rows, Hq, D]; for the indexer (``INDEX_ENTRIES``) int32 [rows, W] token positions.
+
+    Raises:
+      ValueError: unknown entry point.
+    """
+    n = dict(named)
+    sc, ks, vs = n.get("softmax_scale"), n.get("k_scale", 1.0), n.get("v_scale", 1.0)
+    if entry == "sparse_decode":
+        used = max(int(np.max(n["cu_seqlens_k"])), 0)  # rows past the last sequence are never read
+        return R.decode_reference(n["q"], n["k"][:used], n["v"][:used], n["cu_seqlens_q"],
+                                  n["cu_seqlens_k"], sc)
+    if entry == "sparse_prefill":
+        return R.prefill_reference(n["q"], n["k"], n["v"], n["indices"], n["cu_seqlens"], sc)
+    if entry == "sparse_prefill_chunk":
+        return R.prefill_chunk_reference(n["q"], n["k"], n["v"], n["indices"], n["cu_seqlens_q"],
+                                         n["cu_seqlens_k"], n["kv_lens"], sc, ks, vs)
+    if entry == "sparse_prefill_paged":
+        return R.prefill_paged_reference(n["q"], n["k_cache"], n["v_cache"], n["req_to_token"],
+                                         n["req_indices"], n["indices"], n["cu_seqlens_q"],
+                                         n["kv_lens"], sc, ks, vs)
+    if entry == "sparse_decode_paged":
+        return R.decode_paged_reference(n["q"], n["k_cache"], n["v_cache"], n["req_to_token"],
+                                        n["req_indices"], n["indices"], n["seq_lens"], sc, ks, vs)
+    topk = int(n.get("topk", I.BLOCK_TOPK))
+    if entry == "indexer_select_decode":
+        return R.indexer_select_decode_reference(n["q"], n["k_cache"], n["page_table"],
+                                                 n["seq_lens"], topk=topk)
+    if entry == "indexer_select_prefill":
+        return R.indexer_select_prefill_reference(n["q"], n["k"], n["row_starts"], n["row_ends"],
+                                                  n["positions"], n["seq_lens"], topk=topk)
+    if entry == "qsa_decode_step":
+        return R.decode_step_reference(n["q"], n["k_cache"], n["v_cache"], n["req_to_token"],
+                                       n["req_indices"], n["index_q"], n["index_k_cache"],
+                                       n["index_page_table"], n["seq_lens"], sc, ks, vs, topk=topk)
+    if entry == "qsa_prefill_step":
+        return R.prefill_step_reference(n["q"], n["k_cache"], n["v_cache"], n["req_to_token"],
+                                        n["req_indices"], n["index_q"], n["index_k"],
+                                        n["index_cu_seqlens_k"], n["cu_seqlens_q"], n["kv_lens"],
+                                        sc, ks, vs, topk=topk)
+    raise ValueError(f"unknown entry point {entry!r}; known: {', '.join(PARAMS)}")
+
+
+def compare(out: np.ndarray, ref: np.ndarray, empty: np.ndarray | None = None,
+            rel_l2_limit: float = REL_L2) -> dict:
+    """The pass criteria (``qsa-contract.md`` §6) of one output against the FP64 reference.
+
+    Args:
+      out, ref: float arrays of one shape; empty: bool mask over the leading axes of outputs
+        that must be exactly 0 (or None).
+
+    Returns:
+      {"rel_l2", "max_abs", "allclose", "finite", "zeros_ok", "passed"}: finite output,
+      ``|out - ref| <= ATOL + RTOL |ref|`` elementwise, relative L2 <= ``rel_l2_limit``, exact
+      zeros where ``empty``. An integer ``ref`` (the indexer's token positions) passes only when
+      equal everywhere; ``rel_l2`` is then the fraction of rows that differ and
+      ``mismatched_rows`` their count.
+    """
+    if np.issubdtype(np.asarray(ref).dtype, np.integer):
+        o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+        bad = (o != r).reshape(o.shape[0], -1).any(1) if o.size else np.zeros(0, bool)
+        n_bad = int(bad.sum())
+        return {"rel_l2": n_bad / max(o.shape[0], 1),
+                "max_abs": float(np.abs(o - r).max()) if o.size else 0.0,
+                "allclose": n_bad == 0, "finite": bool(np.isfinite(o).all()), "zeros_ok": True,
+                "mismatched_rows": n_bad, "passed": n_bad == 0 and bool(np.isfinite(o).all())}
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    finite = bool(np.isfinite(out).all())
+    diff = np.abs(out - ref)
+    max_abs = float(np.nanmax(diff)) if diff.size else 0.0
+    allclose = bool(finite and np.all(diff <= ATOL + RTOL * np.abs(ref)))
+    rel = R.rel_l2(out, ref) if finite else float("inf")
+    zeros_ok = bool(np.all(out[empty] == 0.0)) if empty is not None and empty.any() else True
+    return {"rel_l2": rel, "max_abs": max_abs if finite else float("inf"), "allclose": allclose,
+            "finite": finite, "zeros_ok": zeros_ok,
+            "passed": finite and allclose and rel <= rel_l2_limit and zeros_ok}
 
 
 

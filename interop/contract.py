@@ -10,6 +10,7 @@ Two modes:
     head dim, int32 metadata of the right length on the same device, matching K/V shapes, W >= 1).
   * ``strict=True``: additionally the qualified envelope of ``qsa-contract.md`` (head pairs, D = 256,
     1 <= B <= 128, max_seqlen_k <= 2055, max_seqlen_q = 1) that upstream validated and we promise.
+Both modes refuse tensors that require grad: every kernel is forward-only.
 
 Values that live on the device (cu_seqlens contents, indices) are never read here: that would be a
 host sync. ``validate_*`` (the debug validator) reads them on the host, off the hot path.
@@ -35,6 +36,8 @@ __all__ = [
     "check_prefill",
     "check_prefill_chunk",
     "check_prefill_paged",
+    "PagedDecodeProblem",
+    "check_decode_paged",
     "Route",
     "route",
     "exact_contract",
@@ -43,6 +46,15 @@ __all__ = [
     "validate_prefill_metadata",
     "prefill_selection",
     "QUALIFIED",
+    "QUALIFIED_INDEXER",
+    "IndexerProblem",
+    "check_indexer_decode",
+    "check_indexer_prefill",
+    "check_expand_block_indices",
+    "validate_indexer_decode_metadata",
+    "validate_indexer_prefill_metadata",
+    "check_decode_step",
+    "check_prefill_step",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -57,6 +69,9 @@ QUALIFIED = {
     "dtypes": ("bfloat16", "float16"),
     "kv_fp8": "float8_e4m3fn",
     "index_width": 2051,
+    # paged decode (§2b): R query rows = up to 128 requests x 4 MTP verify rows; W index columns
+    "paged_rows": (1, 512),
+    "paged_width": (1, 2055),
 }
 _FLOAT_DTYPES = ("bfloat16", "float16")
 _FP8_DTYPES = ("float8_e4m3fn",)
@@ -80,7 +95,18 @@ class ContractError(ValueError):
 
 def envelope_text(fn: str = "sparse_decode") -> str:
     """One-line text of the qualified envelope for an entry point."""
+    if fn.startswith("qsa_") and fn.endswith("_step"):  # the end-to-end step: both halves
+        attention = "sparse_decode_paged" if "decode" in fn else "sparse_prefill_paged"
+        return f"attention: {envelope_text(attention)}; indexer: {_indexer_envelope_text()}"
+    if fn.startswith(("indexer", "expand_block")):
+        return _indexer_envelope_text()
     q = QUALIFIED
+    if "decode_paged" in fn:
+        pairs = ", ".join(f"({a},{b})" for a, b in q["head_pairs"])
+        (rlo, rhi), (wlo, whi) = q["paged_rows"], q["paged_width"]
+        return (f"q bf16|fp16, pool q's dtype or fp8 e4m3, D={q['head_dim']}, (Hq,Hkv) in "
+                f"{{{pairs}}} ((3,1) too in default mode), {rlo}<=R<={rhi} rows (128 requests x "
+                f"4 MTP verify rows), indices int32 [R,W] or [R,Hkv,W] with {wlo}<=W<={whi}")
     if "decode" in fn or "flash_attn" in fn:
         pairs = ", ".join(f"({a},{b})" for a, b in q["head_pairs"])
         return (f"dtype bf16|fp16, D={q['head_dim']}, (Hq,Hkv) in {{{pairs}}}, "
@@ -104,6 +130,8 @@ class TensorSpec:
       device: ``"cpu"`` or ``"cuda"`` (jax's ``"gpu"`` platform maps to ``"cuda"``).
       index: device ordinal, or None when unknown (jax arrays under tracing).
       strides: element strides, or None when the framework does not expose them (jax: row-major).
+      requires_grad: a torch tensor that records autograd history (the kernels are forward-only,
+        so the checks refuse it); always False for jax and numpy arrays.
     """
 
     shape: tuple[int, ...]
@@ -111,6 +139,7 @@ class TensorSpec:
     device: str = "cpu"
     index: int | None = None
     strides: tuple[int, ...] | None = None
+    requires_grad: bool = False
 
     @property
     def ndim(self) -> int:
@@ -120,8 +149,14 @@ class TensorSpec:
     def where(self) -> str:
         return self.device if self.index is None else f"{self.device}:{self.index}"
 
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
     def is_contiguous(self) -> bool:
-        if self.strides is None:
+        # A zero-size tensor holds nothing to address: any strides pass (issue 16 item 4; a
+        # T = 0 tensor built from numpy can report strides [0, 0, 0]).
+        if self.strides is None or self.numel == 0:
             return True
         expected, acc = [], 1
         for size in reversed(self.shape):
@@ -139,7 +174,7 @@ class TensorSpec:
         dtype = str(t.dtype).removeprefix("torch.")
         dev = t.device
         return cls(tuple(int(s) for s in t.shape), dtype, str(dev.type), dev.index,
-                   tuple(int(s) for s in t.stride()))
+                   tuple(int(s) for s in t.stride()), bool(t.requires_grad))
 
     @classmethod
     def from_jax(cls, a) -> "TensorSpec":
@@ -242,9 +277,13 @@ class _Checker:
 
     def spec(self, name: str, x: Any) -> TensorSpec:
         try:
-            return spec_of(x)
+            s = spec_of(x)
         except TypeError:
             self.fail(name, "a torch tensor or a jax array", type(x).__name__)
+        if s.requires_grad:  # forward-only kernels: a backward() would fail far from the cause
+            self.fail(name, "a tensor that does not require grad (the kernels are forward-only; "
+                      "call them under torch.no_grad() or pass .detach())", "requires_grad=True")
+        return s
 
     def rank(self, name: str, s: TensorSpec, ndim: int | tuple[int, ...], what: str):
         ok = (ndim,) if isinstance(ndim, int) else ndim
@@ -260,7 +299,8 @@ class _Checker:
             self.fail(name, f"a tensor on {ref_name}'s device ({ref.where})", s.where)
 
     def last_dim_contiguous(self, name: str, s: TensorSpec):
-        if s.strides is not None and s.ndim and s.shape[-1] > 1 and s.strides[-1] != 1:
+        # zero-size tensors pass whatever their strides (nothing is ever addressed in them)
+        if s.strides is not None and s.ndim and s.numel and s.shape[-1] > 1 and s.strides[-1] != 1:
             self.fail(name, "unit stride in the last dimension", f"strides {list(s.strides)}")
 
     def metadata(self, name: str, s: TensorSpec, length: int | None, ref: TensorSpec, ref_name: str):
@@ -271,6 +311,13 @@ class _Checker:
         self.same_device(name, s, ref, ref_name)
         if not s.is_contiguous():
             self.fail(name, "a contiguous tensor", f"strides {list(s.strides)}")
+
+    def no_grad(self, name: str, x: Any):
+        # the kernels have no backward: an input that asks for gradients is refused, not
+        # silently detached (duck-typed: jax arrays have no requires_grad)
+        if bool(getattr(x, "requires_grad", False)):
+            self.fail(name, "a tensor with requires_grad=False (these kernels have no backward; "
+                      "call under torch.no_grad() or .detach() the input)", "requires_grad=True")
 
     def host_int(self, name: str, value: Any, lo: int, hi: int | None, hi_note: str = ""):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -736,3 +783,450 @@ def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, req_to_
                 c.fail("req_to_token", f"slots in [0, {pool_slots}) for valid positions",
                        int(slots[(slots < 0) | (slots >= pool_slots)][0]))
     return {"rows": int(cq[-1]), "valid": n_valid, "duplicates": dups}
+
+
+# --------------------------------------------------------------------------------------------
+# Paged decode (qsa-contract.md §2b, §2c).
+@dataclasses.dataclass(frozen=True)
+class PagedDecodeProblem:
+    """What a paged decode call resolved to (host ints and the resolved scales)."""
+
+    rows: int  # R
+    num_q_heads: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    slots: int  # pool slots
+    max_reqs: int
+    max_context: int
+    width: int  # W
+    per_head_indices: bool  # indices [R, Hkv, W]
+    softmax_scale: float
+    k_scale: float
+    v_scale: float
+    dtype: str
+    kv_dtype: str
+    batch_invariant: bool
+
+
+def check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                       softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
+                       batch_invariant: bool = False, strict: bool = False,
+                       fn: str = "sparse_decode_paged") -> PagedDecodeProblem:
+    """Check a paged decode call (``qsa-contract.md`` §2b) before any launch.
+
+    Args:
+      q: [R, Hq, D] bf16|fp16, last dim contiguous.
+      k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or float8_e4m3fn (both the same),
+        last dim contiguous, q's device; slots may be 0.
+      req_to_token: int32 [max_reqs, max_context], last dim contiguous (logical position ->
+        pool slot).
+      req_indices, seq_lens: int32 [R], contiguous.
+      indices: int32 [R, W] or [R, Hkv, W] logical positions, last dim contiguous (W may be 0).
+      softmax_scale: host float > 0 or None (D ** -0.5); k_scale, v_scale: host floats > 0, 1.0
+        unless the pool is FP8.
+      batch_invariant, strict: host bools. Default mode: any power-of-two D in 32..256, any G
+        <= 16 (so (3,1) too), R >= 1. strict: the qualified envelope (``envelope_text``):
+        D = 256, (Hq, Hkv) in {(24,2), (12,1), (6,1)}, 1 <= R <= 512, 1 <= W <= 2055.
+      Contents (lengths, positions, slots) are device data and never read here.
+
+    Returns:
+      PagedDecodeProblem.
+
+    Raises:
+      ContractError: naming the argument, expected, got, and the qualified envelope; also for
+        an input with ``requires_grad`` (no backward).
+    """
+    c = _Checker(fn, strict)
+    names = ("q", "k_cache", "v_cache", "req_to_token", "req_indices", "indices", "seq_lens")
+    raw = (q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens)
+    qs, ks, vs, rt, ri, ids, sl = (c.spec(n, x) for n, x in zip(names, raw))
+    for n, x in zip(names, raw):
+        c.no_grad(n, x)
+    for name, flag in (("batch_invariant", batch_invariant), ("strict", strict)):
+        if not isinstance(flag, (bool, np.bool_)):
+            c.fail(name, "a host bool", type(flag).__name__)
+    c.rank("q", qs, 3, "[R, Hq, D]")
+    c.dtype("q", qs, _FLOAT_DTYPES)
+    c.rank("k_cache", ks, 3, "[slots, Hkv, D]")
+    c.rank("v_cache", vs, 3, "[slots, Hkv, D]")
+    c.dtype("k_cache", ks, (qs.dtype,) + _FP8_DTYPES)
+    c.dtype("v_cache", vs, (ks.dtype,))
+    if vs.shape != ks.shape:
+        c.fail("v_cache", f"k_cache's shape {list(ks.shape)}", f"shape {list(vs.shape)}")
+    r, hq, d = qs.shape
+    if ks.shape[2] != d:
+        c.fail("k_cache", f"head dim {d} (q's)", ks.shape[2])
+    c.head_dim("q", d)
+    group = c.heads(hq, ks.shape[1], "q", "k_cache", QUALIFIED["head_pairs"])
+    lo, hi = QUALIFIED["paged_rows"]
+    if r < 1 or (strict and r > hi):
+        c.fail("q", f"R query rows in [{lo}, {hi}]" if strict else "R >= 1 query rows", f"R = {r}")
+    for name, s in (("q", qs), ("k_cache", ks), ("v_cache", vs)):
+        c.last_dim_contiguous(name, s)
+    c.same_device("k_cache", ks, qs, "q")
+    c.same_device("v_cache", vs, qs, "q")
+    c.rank("req_to_token", rt, 2, "[max_reqs, max_context] of int32 pool slots")
+    c.dtype("req_to_token", rt, ("int32",))
+    c.same_device("req_to_token", rt, qs, "q")
+    c.last_dim_contiguous("req_to_token", rt)
+    c.metadata("req_indices", ri, r, qs, "q")
+    c.metadata("seq_lens", sl, r, qs, "q")
+    c.rank("indices", ids, (2, 3), "[R, W] or [R, Hkv, W] of int32 logical positions")
+    if ids.dtype != "int32":
+        c.fail("indices", "dtype int32 (logical positions; invalid entries negative or >= "
+               "seq_lens[r])", ids.dtype)
+    if ids.shape[0] != r:
+        c.fail("indices", f"{r} rows (q's R)", f"{ids.shape[0]} rows")
+    if ids.ndim == 3 and ids.shape[1] != ks.shape[1]:
+        c.fail("indices", f"[R, Hkv={ks.shape[1]}, W]", f"shape {list(ids.shape)}")
+    w = ids.shape[-1]
+    wlo, whi = QUALIFIED["paged_width"]
+    if strict and not wlo <= w <= whi:
+        c.fail("indices", f"W in [{wlo}, {whi}] index columns", f"W = {w}")
+    c.same_device("indices", ids, qs, "q")
+    c.last_dim_contiguous("indices", ids)
+    scale = c.scalar("softmax_scale", softmax_scale, default=d ** -0.5)
+    ksc = c.scalar("k_scale", k_scale)
+    vsc = c.scalar("v_scale", v_scale)
+    if ks.dtype == qs.dtype and (ksc != 1.0 or vsc != 1.0):
+        c.fail("k_scale", "k_scale = v_scale = 1.0 unless the pool is float8_e4m3fn",
+               f"k_scale={ksc}, v_scale={vsc} with a {ks.dtype} pool")
+    return PagedDecodeProblem(r, hq, ks.shape[1], group, d, ks.shape[0], rt.shape[0], rt.shape[1],
+                              w, ids.ndim == 3, scale, ksc, vsc, qs.dtype, ks.dtype,
+                              bool(batch_invariant))
+
+# The indexer (qsa-contract.md §4b): scoring + exact top-k, and the block expansion (§4).
+QUALIFIED_INDEXER = {
+    "heads": 4,
+    "head_dim": 128,
+    "topk": 512,
+    "compress_ratio": 4,
+    "page_size": 16,
+    "dtypes": ("bfloat16", "float16"),
+    "k_fp8": "float8_e4m3fn",
+    "batch": (1, 128),
+}
+_INDEXER_Q_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
+_INDEXER_MAX_HEADS = 16
+_INDEXER_TOPK = (16, 2048)
+
+
+def _indexer_envelope_text() -> str:
+    q = QUALIFIED_INDEXER
+    return (f"indexer q [rows, {q['heads']}, {q['head_dim']}] bf16|fp16 (or fp8 e4m3 with fp8 "
+            f"keys), compressed keys bf16|fp16|fp8 e4m3 [.., 1, {q['head_dim']}], topk={q['topk']}, "
+            f"compress_ratio={q['compress_ratio']}, decode page size {q['page_size']}, "
+            f"{q['batch'][0]}<=B<={q['batch'][1]} decode rows; expansion width "
+            f"topk*ratio+ratio-1 = {q['topk'] * q['compress_ratio'] + q['compress_ratio'] - 1}")
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerProblem:
+    """What an indexer call resolved to (host ints only).
+
+    Attributes:
+      kind: "decode" | "prefill". rows: query rows (B or T). heads, head_dim: of the indexer q.
+      max_blocks: static bound of a row's visible blocks (decode: page-table capacity
+        ``max_pages * page_size``; prefill: packed key rows N).
+      pages, page_size: decode cache geometry (0 for prefill).
+      topk, compress_ratio: as given. dtype, k_dtype: q's and the keys' dtype names.
+      compute_dtype: dtype of the dot operands (q's; bfloat16 when q is fp8: e4m3 values are
+        exact in bf16).
+    """
+
+    kind: str
+    rows: int
+    heads: int
+    head_dim: int
+    max_blocks: int
+    pages: int
+    page_size: int
+    topk: int
+    compress_ratio: int
+    dtype: str
+    k_dtype: str
+    compute_dtype: str
+
+    @property
+    def width(self) -> int:
+        """Expanded token row width: topk * ratio + ratio - 1 (2051)."""
+        return self.topk * self.compress_ratio + self.compress_ratio - 1
+
+
+def _indexer_common(c: _Checker, q, k, k_name: str, k_rank: int, k_what: str, topk, ratio):
+    qs, ks = c.spec("q", q), c.spec(k_name, k)
+    c.rank("q", qs, 3, "[rows, heads, head_dim] (the indexer query)")
+    c.dtype("q", qs, _INDEXER_Q_DTYPES)
+    c.rank(k_name, ks, k_rank, k_what)
+    allowed = ("float8_e4m3fn",) if qs.dtype == "float8_e4m3fn" else (qs.dtype, "float8_e4m3fn")
+    c.dtype(k_name, ks, allowed)
+    rows, heads, d = qs.shape
+    if not 1 <= heads <= _INDEXER_MAX_HEADS:
+        c.fail("q", f"1 <= indexer heads <= {_INDEXER_MAX_HEADS}", heads)
+    if d not in _HEAD_DIMS:  # (not c.head_dim: its strict D is attention's 256)
+        c.fail("q", f"head dim D in {_HEAD_DIMS} (a power of two 32..256)", d)
+    if ks.shape[-2] != 1:
+        c.fail(k_name, "one compressed-key head (shape[-2] == 1: the indexer is MQA)",
+               f"shape {list(ks.shape)}")
+    if ks.shape[-1] != d:
+        c.fail(k_name, f"head dim {d} (q's)", ks.shape[-1])
+    c.last_dim_contiguous("q", qs)
+    if not ks.is_contiguous():
+        c.fail(k_name, "a contiguous tensor", f"strides {list(ks.strides)}")
+    c.same_device(k_name, ks, qs, "q")
+    lo, hi = _INDEXER_TOPK
+    if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or not lo <= int(topk) <= hi \
+            or int(topk) & (int(topk) - 1):
+        c.fail("topk", f"a host int, a power of two in [{lo}, {hi}]", topk)
+    r = c.host_int("compress_ratio", ratio, 2, 16)
+    q8 = QUALIFIED_INDEXER
+    if c.strict:
+        if heads != q8["heads"] or d != q8["head_dim"]:
+            c.fail("q", f"[rows, {q8['heads']}, {q8['head_dim']}]", f"shape {list(qs.shape)}")
+        if int(topk) != q8["topk"]:
+            c.fail("topk", f"{q8['topk']}", topk)
+        if r != q8["compress_ratio"]:
+            c.fail("compress_ratio", f"{q8['compress_ratio']}", r)
+    compute = "bfloat16" if qs.dtype == "float8_e4m3fn" else qs.dtype
+    return qs, ks, rows, heads, d, int(topk), r, compute
+
+
+def check_indexer_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
+                         compress_ratio: int = 4, strict: bool = False,
+                         fn: str = "indexer_topk_decode") -> IndexerProblem:
+    """Check a decode indexer call (``qsa-contract.md`` §4b) before any launch.
+
+    Args:
+      q: [B, H, D] bf16|fp16|fp8 e4m3, last dim contiguous (H <= 16; D a power of two 32..256).
+      k_cache: [pages, page_size, 1, D] contiguous, q's dtype or fp8 e4m3 (fp8 q needs fp8 keys).
+      page_table: int32 [B, max_pages] (max_pages >= 1), last dim contiguous, on q's device.
+      seq_lens: int32 [B] token counts (contents not read: a row sees floor(len / ratio) blocks).
+      topk: host int, a power of two 16..2048. compress_ratio: host int 2..16.
+      strict: the qualified envelope (H = 4, D = 128, topk 512, ratio 4, page size 16,
+        1 <= B <= 128).
+
+    Raises:
+      ContractError: naming the argument, expected, got, and the qualified envelope.
+    """
+    c = _Checker(fn, strict)
+    qs, ks, b, heads, d, k, r, compute = _indexer_common(
+        c, q, k_cache, "k_cache", 4, "[pages, page_size, 1, head_dim] (the paged compressed keys)",
+        topk, compress_ratio)
+    lo, hi = QUALIFIED_INDEXER["batch"]
+    if b < 1 or (strict and b > hi):
+        c.fail("q", f"rows B in [{lo}, {hi}]" if strict else "rows B >= 1", f"B = {b}")
+    pages, psz = ks.shape[0], ks.shape[1]
+    if psz < 1:
+        c.fail("k_cache", "page_size >= 1", psz)
+    if strict and psz != QUALIFIED_INDEXER["page_size"]:
+        c.fail("k_cache", f"page_size {QUALIFIED_INDEXER['page_size']}", psz)
+    pt, sl = c.spec("page_table", page_table), c.spec("seq_lens", seq_lens)
+    c.rank("page_table", pt, 2, "[B, max_pages] of int32 page ids")
+    c.dtype("page_table", pt, ("int32",))
+    if pt.shape[0] != b:
+        c.fail("page_table", f"{b} rows (one per query row)", f"{pt.shape[0]} rows")
+    if pt.shape[1] < 1:
+        c.fail("page_table", "max_pages >= 1", pt.shape[1])
+    c.same_device("page_table", pt, qs, "q")
+    c.last_dim_contiguous("page_table", pt)
+    c.metadata("seq_lens", sl, b, qs, "q")
+    return IndexerProblem("decode", b, heads, d, pt.shape[1] * psz, pages, psz, k, r, qs.dtype,
+                          ks.dtype, compute)
+
+
+def check_indexer_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compress_ratio: int = 4,
+                          positions=None, seq_lens=None, strict: bool = False,
+                          fn: str = "indexer_topk_prefill") -> IndexerProblem:
+    """Check a prefill indexer call (``qsa-contract.md`` §4b) before any launch.
+
+    Args:
+      q: [T, H, D] bf16|fp16|fp8 e4m3 (T >= 0).
+      k: [N, 1, D] contiguous packed compressed keys (N >= 0), q's dtype or fp8 e4m3.
+      row_starts, row_ends: int32 [T] on q's device: row m scores key rows
+        ``[row_starts[m], row_ends[m])`` (intersected with [0, N); contents not read here).
+      positions, seq_lens: int32 [T] or None (the fused expansion's per-row position and bound).
+      topk, compress_ratio, strict: as ``check_indexer_decode``.
+
+    Raises:
+      ContractError: naming the argument, expected, got, and the qualified envelope.
+    """
+    c = _Checker(fn, strict)
+    qs, ks, t, heads, d, kk, r, compute = _indexer_common(
+        c, q, k, "k", 3, "[N, 1, head_dim] (packed compressed keys)", topk, compress_ratio)
+    for name, x in (("row_starts", row_starts), ("row_ends", row_ends), ("positions", positions),
+                    ("seq_lens", seq_lens)):
+        if x is None and name in ("positions", "seq_lens"):
+            continue
+        c.metadata(name, c.spec(name, x), t, qs, "q")
+    return IndexerProblem("prefill", t, heads, d, ks.shape[0], 0, 0, kk, r, qs.dtype, ks.dtype,
+                          compute)
+
+
+def check_expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio: int = 4,
+                               strict: bool = False, fn: str = "expand_block_indices") -> int:
+    """Check a block-expansion call (``qsa-contract.md`` §4) before any launch.
+
+    Args:
+      block_ids: int32 [M, topk] row-relative block ids (-1 or any negative = none), contiguous.
+      positions, seq_lens: int32 [M] on block_ids' device.
+      compress_ratio: host int 2..16 (strict: 4, and topk 512).
+
+    Returns:
+      The output width ``topk * ratio + ratio - 1``.
+
+    Raises:
+      ContractError: naming the argument, expected, got, and the qualified envelope.
+    """
+    c = _Checker(fn, strict)
+    bs = c.spec("block_ids", block_ids)
+    c.rank("block_ids", bs, 2, "[M, topk] of int32 block ids")
+    c.dtype("block_ids", bs, ("int32",))
+    if not bs.is_contiguous():
+        c.fail("block_ids", "a contiguous tensor", f"strides {list(bs.strides)}")
+    m, k = bs.shape
+    if not 1 <= k <= _INDEXER_TOPK[1]:
+        c.fail("block_ids", f"1 <= topk <= {_INDEXER_TOPK[1]} columns", k)
+    r = c.host_int("compress_ratio", compress_ratio, 2, 16)
+    if strict and (k != QUALIFIED_INDEXER["topk"] or r != QUALIFIED_INDEXER["compress_ratio"]):
+        c.fail("block_ids", f"[M, {QUALIFIED_INDEXER['topk']}] with compress_ratio "
+               f"{QUALIFIED_INDEXER['compress_ratio']}", f"[M, {k}] with ratio {r}")
+    c.metadata("positions", c.spec("positions", positions), m, bs, "block_ids")
+    c.metadata("seq_lens", c.spec("seq_lens", seq_lens), m, bs, "block_ids")
+    return k * r + r - 1
+
+
+# --------------------------------------------------------------------------------------------
+# The end-to-end QSA step (indexer -> expansion -> paged attention; ``qsa_*.step``). One check
+# of every argument of both halves before anything runs, with the step's argument names.
+_STEP_INDEXER_NAMES = {"q": "index_q", "k_cache": "index_k_cache", "page_table": "index_page_table",
+                       "k": "index_k"}
+
+
+def _indexer_half(fn: str, strict: bool, call):
+    """Run an indexer check; its errors name the step's arguments (``index_q``, ...)."""
+    try:
+        return call()
+    except ContractError as e:
+        if e.arg not in _STEP_INDEXER_NAMES:
+            raise
+        raise ContractError(fn, _STEP_INDEXER_NAMES[e.arg], e.expected, e.got,
+                            strict=strict) from None
+
+
+def _step_rows(c: _Checker, q, index_q) -> tuple[TensorSpec, TensorSpec]:
+    qs, iq = c.spec("q", q), c.spec("index_q", index_q)
+    c.rank("q", qs, 3, "[rows, Hq, D]")
+    c.rank("index_q", iq, 3, "[rows, index_heads, index_head_dim] (the indexer query)")
+    if iq.shape[0] != qs.shape[0]:
+        c.fail("index_q", f"{qs.shape[0]} rows (one per row of q)", f"{iq.shape[0]} rows")
+    c.same_device("index_q", iq, qs, "q")
+    return qs, iq
+
+
+def check_decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_k_cache,
+                      index_page_table, seq_lens, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
+                      topk: int = 512, compress_ratio: int = 4, batch_invariant: bool = False,
+                      strict: bool = False, attention_strict: bool = False,
+                      fn: str = "qsa_decode_step") -> tuple[PagedDecodeProblem, IndexerProblem]:
+    """Check a decode step call (``qsa_triton.qsa_decode_step`` / ``qsa_pallas.qsa_decode_step``)
+    before anything runs: the indexer's inputs as ``check_indexer_decode`` (``index_q``,
+    ``index_k_cache``, ``index_page_table``, ``seq_lens``), the attention's as
+    ``check_decode_paged`` with the indexer's output ``int32 [R, topk * ratio + ratio - 1]`` as
+    its ``indices``, and one row of ``index_q`` per row of ``q``, on q's device.
+    ``attention_strict``: the attention's qualified envelope alone (where ``route`` sends decode
+    to the exact contract, sm_121, as ``sparse_decode_paged`` enforces there).
+
+    Returns:
+      (PagedDecodeProblem, IndexerProblem).
+
+    Raises:
+      ContractError: naming the step's argument, expected, got, and both envelopes.
+    """
+    c = _Checker(fn, strict)
+    qs, _ = _step_rows(c, q, index_q)
+    ip = _indexer_half(fn, strict, lambda: check_indexer_decode(
+        index_q, index_k_cache, index_page_table, seq_lens, topk=topk,
+        compress_ratio=compress_ratio, strict=strict, fn=fn))
+    ids = TensorSpec((qs.shape[0], ip.width), "int32", qs.device, qs.index, None)
+    ap = check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, ids, seq_lens,
+                            softmax_scale, k_scale, v_scale, batch_invariant=batch_invariant,
+                            strict=bool(strict) or bool(attention_strict), fn=fn)
+    return ap, ip
+
+
+def check_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_k,
+                       index_cu_seqlens_k, cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale=None,
+                       k_scale=1.0, v_scale=1.0, *, topk: int = 512, compress_ratio: int = 4,
+                       strict: bool = False, fn: str = "qsa_prefill_step"
+                       ) -> tuple[PrefillProblem, IndexerProblem]:
+    """Check a prefill step call (``qsa_*.qsa_prefill_step``) before anything runs: ``index_q``
+    and ``index_k`` as ``check_indexer_prefill`` (the per-row ranges, positions and bounds the
+    step derives are int32 [T] on q's device), the attention's inputs as ``check_prefill_paged``
+    with the indexer's output as its ``indices``, ``index_cu_seqlens_k`` int32 [B + 1] on q's
+    device, one row of ``index_q`` per row of ``q``.
+
+    Returns:
+      (PrefillProblem, IndexerProblem).
+
+    Raises:
+      ContractError: naming the step's argument, expected, got, and both envelopes.
+    """
+    c = _Checker(fn, strict)
+    qs, _ = _step_rows(c, q, index_q)
+    t = qs.shape[0]
+    meta = TensorSpec((t,), "int32", qs.device, qs.index, (1,))
+    ip = _indexer_half(fn, strict, lambda: check_indexer_prefill(
+        index_q, index_k, meta, meta, topk=topk, compress_ratio=compress_ratio, positions=meta,
+        seq_lens=meta, strict=strict, fn=fn))
+    ids = TensorSpec((t, ip.width), "int32", qs.device, qs.index, None)
+    ap = check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, ids, cu_seqlens_q,
+                             kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale, strict=strict,
+                             fn=fn)
+    c.metadata("index_cu_seqlens_k", c.spec("index_cu_seqlens_k", index_cu_seqlens_k),
+               ap.requests + 1, qs, "q")
+    return ap, ip
+
+
+def validate_indexer_decode_metadata(page_table, seq_lens, pages: int, page_size: int, *,
+                                     compress_ratio: int = 4, fn: str = "indexer_topk_decode"
+                                     ) -> None:
+    """Check decode indexer metadata contents (host sync; debug only).
+
+    The kernels never read outside their buffers whatever the contents: a row's blocks stop at
+    the page table's capacity, and a page id outside ``[0, pages)`` reads nothing (its blocks
+    score 0). Both are caller bugs this check reports.
+
+    Raises:
+      ContractError: a row with more blocks than ``max_pages * page_size``, or a visible block
+        whose page id is outside ``[0, pages)``.
+    """
+    c = _Checker(fn, False)
+    pt = _np(page_table).astype(np.int64)
+    nb = np.maximum(_np(seq_lens).astype(np.int64), 0) // compress_ratio
+    cap = pt.shape[1] * page_size
+    if nb.size and nb.max() > cap:
+        b = int(np.argmax(nb))
+        c.fail("seq_lens", f"seq_len // {compress_ratio} <= page-table capacity {cap} blocks",
+               f"row {b}: {int(nb[b])} blocks")
+    for b in range(pt.shape[0]):
+        used = pt[b, : -(-int(nb[b]) // page_size)]
+        if used.size and (used.min() < 0 or used.max() >= pages):
+            c.fail("page_table", f"page ids in [0, {pages}) for every visible block",
+                   f"row {b}: {used[(used < 0) | (used >= pages)][:4].tolist()}")
+
+
+def validate_indexer_prefill_metadata(row_starts, row_ends, num_keys: int, *,
+                                      fn: str = "indexer_topk_prefill") -> None:
+    """Check prefill indexer row ranges (host sync; debug only): ``0 <= start <= end <= N``.
+
+    Raises:
+      ContractError: the first row outside it (the kernels clip such a row to [0, N)).
+    """
+    c = _Checker(fn, False)
+    rs, re = _np(row_starts).astype(np.int64), _np(row_ends).astype(np.int64)
+    bad = (rs < 0) | (re < rs) | (re > num_keys)
+    if bad.any():
+        m = int(np.argmax(bad))
+        c.fail("row_starts", f"0 <= row_starts <= row_ends <= {num_keys} (packed key rows)",
+               f"row {m}: [{int(rs[m])}, {int(re[m])})")

@@ -54,6 +54,19 @@ __all__ = [
     "decode_lengths",
     "DecodeCase",
     "decode_case",
+    "PAGED_JUNK",
+    "PAGED_JUNK_AT",
+    "resolve_paged_slots",
+    "pool_slots_for",
+    "PagedDecodeCase",
+    "paged_decode_case",
+
+    "IndexerPlan",
+    "plan_indexer",
+    "prefill_row_ranges",
+    "prefill_step_rows",
+    "IndexerDecodeCase",
+    "indexer_decode_case",
 ]
 
 RATIO = 4
@@ -802,3 +815,488 @@ def decode_case(batch: int, pattern: str, *, max_len: int = WIDTH, seed: int = 0
     cu_k = cu_seqlens_from_counts(lens)
     return DecodeCase(lens, np.arange(batch + 1, dtype=np.int32), cu_k, int(max_len),
                       int(cu_k[-1]) + int(capacity_slack))
+
+
+# --------------------------------------------------------------------------------------------
+# Paged decode (qsa-contract.md §2b): pools, req_to_token tables and realistic index rows.
+#: junk values a paged-decode row may carry (``paged_decode_case``): -1, -7, = seq_len, seq_len + 19
+PAGED_JUNK = ("-1", "-7", "len", "len+19")
+PAGED_JUNK_AT = ("front", "middle", "end")
+
+
+def resolve_paged_slots(req_to_token, req_indices, indices, seq_lens, pool_slots: int) -> np.ndarray:
+    """Pool slot of every paged-decode index entry, -1 where the entry is invalid (§2b).
+
+    Entry ``indices[r, (h,) c]`` is valid iff ``0 <= idx < seq_lens[r]``, ``idx < max_context``,
+    ``0 <= req_indices[r] < max_reqs`` and its slot ``req_to_token[req, idx]`` lies in
+    ``[0, pool_slots)`` (the lying-metadata rule: such entries are invalid, never dereferenced).
+
+    Args:
+      req_to_token: int [max_reqs, max_context]; req_indices, seq_lens: int [R];
+      indices: int [R, W] or [R, Hkv, W]; pool_slots: slots in the pool.
+
+    Returns:
+      int64 array shaped like ``indices``.
+    """
+    table = np.asarray(req_to_token, np.int64)
+    idx = np.asarray(indices, np.int64)
+    req = np.asarray(req_indices, np.int64).reshape(-1)
+    lens = np.asarray(seq_lens, np.int64).reshape(-1)
+    max_reqs, max_ctx = table.shape
+    lead = (slice(None),) + (None,) * (idx.ndim - 1)
+    req_ok = ((req >= 0) & (req < max_reqs))[lead]
+    bound = np.minimum(lens, max_ctx)[lead]
+    valid = req_ok & (idx >= 0) & (idx < bound)
+    safe_req = np.where(req_ok[..., 0] if idx.ndim == 2 else req_ok[:, 0, 0], req, 0)
+    slot = table[np.broadcast_to(safe_req[lead], idx.shape), np.where(valid, idx, 0)] \
+        if table.size else np.zeros(idx.shape, np.int64)
+    valid &= (slot >= 0) & (slot < pool_slots)
+    return np.where(valid, slot, -1)
+
+
+def pool_slots_for(context_lens, *, pool_slots: int, page_size: int = 64,
+                   seed: int = 0) -> np.ndarray:
+    """Scattered pool slots for requests of ``context_lens`` tokens, as a serving engine lays them:
+    ``page_size`` consecutive positions in consecutive slots (SGLang: 64), pages in random
+    order over the whole pool; ``page_size = 1`` gives single scattered slots. Slot 0 is never
+    handed out (SGLang's padding slot), so tests can fill it (and every other slot no request
+    owns) with NaN.
+
+    Args:
+      context_lens: int [B]; pool_slots: slots in the pool (> the pages needed); page_size >= 1.
+
+    Returns:
+      int32 [B, max(context_lens)] slots; 0 (the padding slot, what SGLang's table holds there)
+      past each request's length.
+
+    Raises:
+      ValueError: the pool is too small.
+    """
+    lens = np.asarray(context_lens, np.int64).reshape(-1)
+    rng = np.random.default_rng(seed)
+    pages = -(-lens // page_size)
+    n_pool_pages = pool_slots // page_size
+    need = int(pages.sum())
+    if need > n_pool_pages - 1:
+        raise ValueError(f"pool of {pool_slots} slots has {n_pool_pages} pages of {page_size}; "
+                         f"{need} (+ the padding page) needed")
+    # distinct pages 1.. (page 0 holds the padding slot), in random order
+    chosen = rng.choice(np.arange(1, n_pool_pages, dtype=np.int64), size=need, replace=False)
+    width = max(1, int(lens.max()) if lens.size else 1)
+    table = np.zeros((lens.shape[0], width), np.int64)
+    start = 0
+    pos = np.arange(width, dtype=np.int64)
+    for b in range(lens.shape[0]):
+        own = chosen[start:start + pages[b]]
+        start += pages[b]
+        if lens[b]:
+            slots = own[pos[: lens[b]] // page_size] * page_size + pos[: lens[b]] % page_size
+            table[b, : lens[b]] = slots
+    return table.astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedDecodeCase:
+    """Device metadata of one paged decode call (numpy int32, ready to upload).
+
+    Attributes:
+      req_to_token: [max_reqs, max_context] (rows of requests nobody uses hold slot 0).
+      req_indices: [R] the request of each query row (MTP verify rows share one).
+      seq_lens: [R] the validity bound of each row.
+      indices: [R, W] or [R, Hkv, W] logical positions (junk where invalid).
+      pool_slots: slots in the pool; page_size: 64 (pages) or 1 (single scattered slots).
+      owned: bool [pool_slots] slots some request owns (the others may be filled with NaN).
+    """
+
+    req_to_token: np.ndarray
+    req_indices: np.ndarray
+    seq_lens: np.ndarray
+    indices: np.ndarray
+    pool_slots: int
+    page_size: int
+    owned: np.ndarray
+
+
+def _paged_row(valid: np.ndarray, width: int, bound: int, junk: Sequence[str], at: Sequence[str],
+               n_junk: int, rng) -> np.ndarray:
+    """One row: the valid positions with ``n_junk`` junk entries placed at ``at`` (front /
+    middle / end; the rest of the row is -1 padding at the end). Valid entries that no longer
+    fit are dropped (a saturated row then has fewer valid entries)."""
+    vals = {"-1": -1, "-7": -7, "len": bound, "len+19": bound + 19}
+    junk_vals = [vals[j] for j in junk] or [-1]
+    pieces = {a: [junk_vals[int(rng.integers(len(junk_vals)))] for _ in range(n_junk)] for a in at}
+    room = max(0, width - n_junk * len(at))
+    valid = list(valid)[:room]
+    half = len(valid) // 2
+    row = (pieces.get("front", []) + valid[:half] + pieces.get("middle", []) + valid[half:]
+           + pieces.get("end", []))[:width]
+    return np.asarray(row + [-1] * (width - len(row)), np.int64)
+
+
+def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int = 1,
+                      pool_slots: int | None = None, page_size: int = 64, junk=("-1",),
+                      junk_at=(), n_junk: int = 2, duplicates: int = 0,
+                      empty_rows: Sequence[int] = (), num_kv_heads: int | None = None,
+                      spare_requests: int = 2, seed: int = 0) -> PagedDecodeCase:
+    """A seeded paged decode batch laid out like a serving engine's (``qsa-contract.md`` §2b).
+
+    Requests get scattered pool slots (``pool_slots_for``), a ``req_to_token`` row each at a
+    shuffled row of a table with ``spare_requests`` unused rows. Every request has
+    ``rows_per_request`` query rows (MTP verify: row i sees ``context_lens[b] - rows + 1 + i``
+    tokens, the last row the whole context), all naming the same request. Each row's indices
+    are an indexer-like selection of its visible tokens (``select_blocks`` +
+    ``expand_block_indices``, the 2051-wide production layout when ``width = WIDTH``).
+
+    Args:
+      context_lens: int [B] tokens per request (>= rows_per_request - 1).
+      width: W index columns; pool_slots: default 2 x the slots needed (pages + padding page).
+      page_size: 64 (pages in scattered order) or 1 (single scattered slots).
+      junk: junk values used where ``junk_at`` places them, from ``PAGED_JUNK``; with
+        ``junk_at = ()`` rows are valid-first with -1 padding (what the indexer emits).
+      junk_at: positions from ``PAGED_JUNK_AT`` that get ``n_junk`` junk entries each.
+      duplicates: per row, this many entries replaced by copies of other valid entries of the row.
+      empty_rows: rows made entirely of junk (exact zeros expected).
+      num_kv_heads: None -> indices [R, W]; an int -> [R, Hkv, W], a different selection per head.
+      seed: RNG seed.
+
+    Returns:
+      PagedDecodeCase.
+
+    Raises:
+      ValueError: unknown junk value / position, a context shorter than the verify rows.
+    """
+    if any(j not in PAGED_JUNK for j in junk) or any(a not in PAGED_JUNK_AT for a in junk_at):
+        raise ValueError(f"junk must be from {PAGED_JUNK}, junk_at from {PAGED_JUNK_AT}; got "
+                         f"{junk!r}, {junk_at!r}")
+    lens = np.asarray(context_lens, np.int64).reshape(-1)
+    k = int(rows_per_request)
+    if k < 1 or (lens < k - 1).any():
+        raise ValueError(f"need rows_per_request >= 1 and context_lens >= rows_per_request - 1, "
+                         f"got {k}, {lens.tolist()}")
+    rng = np.random.default_rng(seed)
+    b = lens.shape[0]
+    if pool_slots is None:
+        pool_slots = 2 * (int((-(-lens // page_size)).sum()) + 1) * page_size
+    slots = pool_slots_for(lens, pool_slots=pool_slots, page_size=page_size,
+                           seed=int(rng.integers(2**31)))
+    max_reqs = b + int(spare_requests)
+    table = np.zeros((max_reqs, slots.shape[1]), np.int32)
+    req_of = rng.permutation(max_reqs)[:b]
+    table[req_of] = slots
+    owned = np.zeros(pool_slots, bool)
+    for i in range(b):
+        owned[slots[i, : lens[i]]] = True
+    req_rows = np.repeat(np.arange(b), k)
+    seq = (lens[req_rows] - (k - 1) + np.tile(np.arange(k), b)).astype(np.int64)
+    r = req_rows.shape[0]
+    token_topk, block_topk = _geometry(width, RATIO)
+    heads = []
+    for _h in range(num_kv_heads or 1):
+        blocks = select_blocks(seq, req_rows, block_topk=block_topk, ratio=RATIO,
+                               seed=int(rng.integers(2**31)))
+        heads.append(expand_block_indices(blocks, seq - 1, seq, ratio=RATIO,
+                                          token_topk=token_topk).astype(np.int64))
+    idx = np.stack(heads, 1)  # [R, H, W], valid first, -1 after
+    for row in range(r):
+        for h in range(idx.shape[1]):
+            ent = idx[row, h]
+            valid = ent[(ent >= 0) & (ent < seq[row])]
+            if duplicates and valid.size > 1:
+                at = rng.choice(valid.size, size=min(duplicates, valid.size - 1), replace=False)
+                valid = valid.copy()
+                valid[at] = valid[rng.integers(0, valid.size, size=at.size)]
+            if row in set(int(e) for e in empty_rows):
+                valid = valid[:0]
+            if junk_at or row in set(int(e) for e in empty_rows):
+                idx[row, h] = _paged_row(valid, width, int(seq[row]), junk, junk_at, n_junk, rng)
+            else:
+                idx[row, h] = np.concatenate([valid, np.full(width - valid.size, -1)])
+    idx = idx.astype(np.int32)
+    return PagedDecodeCase(table, req_of[req_rows].astype(np.int32), seq.astype(np.int32),
+                           idx if num_kv_heads is not None else idx[:, 0], int(pool_slots),
+                           int(page_size), owned)
+
+# The indexer (qsa-contract.md §4b): the launch plan both implementations share, and metadata.
+_MERGE_MAX_CANDIDATES = 8192  # candidates one merge program selects from (splits x topk)
+_CHUNK_MAX = 8192  # blocks one pass-1 program holds (8 warps: 32 keys per thread)
+_PREFILL_WORKSPACE_BYTES = 256 << 20  # cap of the prefill candidates (keys + ids) per launch
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerPlan:
+    """Static launch plan of the two-pass exact top-k indexer (``qsa_triton.indexer``,
+    ``qsa_pallas.indexer`` use the same one).
+
+    Pass 1 ("score + chunk top-k"): one program per (row tile, chunk); it scores ``chunk``
+    consecutive visible blocks of ``rows_per_program`` rows in tiles of ``tile`` blocks, holds the
+    chunk's keys in registers and keeps the chunk's exact top-k per row, writing at most ``topk``
+    (key, block id) candidates per (row, chunk) in ascending block order, plus their count.
+    Pass 2 ("merge"): one program per row selects the exact top-k of its ``splits x topk``
+    candidates and writes the block ids (or the expanded token row) in ascending order.
+    Both select by a radix search over the 31 key bits, ``radix_bits`` (pass 1) /
+    ``merge_radix_bits`` (pass 2) bits per round: 2^bits - 1 thresholds counted at once per
+    round, ceil(31 / bits) rounds, then one prefix sum for the ties and the output slots.
+
+    Attributes:
+      kind: "decode" | "prefill".
+      topk: blocks kept per row (512).
+      chunk: C, blocks per pass-1 program (power of two, >= 2 * topk so pass 1 halves the data).
+      splits: S = ceil(max_blocks / C), chunks per row (static grid dimension).
+      tile: blocks scored per inner step (BLOCK_N).
+      rows_per_program: query rows per pass-1 program (1 for decode; prefill rows share keys).
+      num_warps, num_stages: pass-1 launch; merge_warps: pass-2 launch.
+      row_group: rows per launch pair (prefill: bounds the candidate workspace; decode: all).
+      radix_bits, merge_radix_bits: key bits decided per selection round in pass 1 / pass 2.
+      pdl: launch the merge with Programmatic Dependent Launch where the backend can (Triton on
+        sm_90+; Pallas ignores it): its grid is scheduled while pass 1 runs and waits on the
+        device, which hides the launch gap. Set where pass 1 is one wave of resident programs
+        (a waiting merge program then takes no pass-1 program's place).
+    """
+
+    kind: str
+    topk: int
+    chunk: int
+    splits: int
+    tile: int
+    rows_per_program: int
+    num_warps: int
+    num_stages: int
+    merge_warps: int
+    row_group: int
+    radix_bits: int = 2
+    merge_radix_bits: int = 2
+    pdl: bool = False
+
+    @property
+    def splits_pad(self) -> int:
+        """S rounded up to a power of two (the merge's candidate tile is [S_pad x topk])."""
+        return _pow2_at_least(self.splits)
+
+    @staticmethod
+    def thresholds(bits: int) -> int:
+        """Thresholds counted per selection round of ``bits`` bits: 2^bits - 1 rounded up to a
+        power of two (tensor shapes are powers of two; the spare one counts nothing)."""
+        return _pow2_at_least((1 << bits) - 1)
+
+    def workspace_bytes(self, rows: int) -> int:
+        """Bytes of candidate workspace for ``rows`` rows: keys + ids (int32) per slot."""
+        return int(rows) * self.splits * self.topk * 8
+
+    def problem(self, kind: str, max_blocks: int, topk: int) -> str | None:
+        """Why this plan cannot run a ``kind`` call with these sizes (None when it can): the
+        kernels need power-of-two chunk and tile, chunk >= 2 * topk and a multiple of the tile,
+        splits x chunk covering max_blocks, prefill rows_per_program 16 and row_group a multiple
+        of it, decode rows_per_program 1, fewer than 2^16 keys per selection (chunk and
+        splits_pad x topk: the packed prefix sum), radix bits 1..8."""
+        pow2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
+        if self.kind != kind or self.topk != topk:
+            return f"a {kind} plan for topk={topk}, got kind={self.kind} topk={self.topk}"
+        if not (pow2(self.chunk) and pow2(self.tile) and self.chunk >= max(2 * topk, self.tile)
+                and self.tile >= 16):
+            return (f"power-of-two chunk >= max(2*topk, tile) and tile >= 16, got chunk "
+                    f"{self.chunk}, tile {self.tile}")
+        if self.splits * self.chunk < max(int(max_blocks), 1):
+            return f"splits x chunk >= {max_blocks} blocks, got {self.splits} x {self.chunk}"
+        rpp = self.rows_per_program
+        if kind == "decode" and rpp != 1 or kind == "prefill" and (
+                rpp not in (4, 8, 16) or self.row_group % rpp):
+            return ("rows_per_program 1 (decode) or 4, 8, 16 (prefill: row_group a multiple of "
+                    "it)")
+        if max(self.chunk, self.splits_pad * topk) >= 1 << 16:
+            return (f"chunk and splits_pad x topk < 65536 keys per selection, got "
+                    f"{self.chunk}, {self.splits_pad} x {topk}")
+        if not (1 <= self.radix_bits <= 8 and 1 <= self.merge_radix_bits <= 8):
+            return f"radix bits 1..8, got {self.radix_bits}, {self.merge_radix_bits}"
+        return None
+
+
+def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, *,
+                 sm_count: int = 132, smem_per_block: int = 232_448) -> IndexerPlan:
+    """The indexer's static plan from static shapes only (graph/JIT safe: no device data).
+
+    Decode (one row per program): the chunk is the smallest power of two >= 2 * topk that gives
+    about 2 x ``sm_count`` pass-1 programs over the batch (two resident per SM, so that one's
+    selection overlaps the other's key stream), at most 8192 blocks, grown until a row's
+    candidates (splits x topk) fit one merge program's 8192. Key tiles of 128 blocks (32 KB
+    bf16) with three buffers (``num_stages`` 5: two tiles in flight behind the one being scored,
+    ~64 KB per program, what one program needs to stream its SM's share of HBM) where 110 KB of
+    shared memory per program fit, else 64-block tiles (sm_120: 101,376 B). Selection in 2-bit
+    rounds in both passes (16 rounds: three thresholds a round, packed two counts to an int32,
+    cost about what one 1-bit round costs, which is one block-wide reduction).
+    Prefill (rows of a program share every key tile): chunk 2 * topk, grown until a row's
+    candidates fit 16384, 8 rows per program (4 where the chunk grows: 8 x 1024 keys per
+    program, 8 warps, ~180 registers, no spills in either build), 1-bit rounds in pass 1 (8 rows
+    at once: there the compares cost, not the rounds), and rows grouped so that one launch's
+    candidate workspace stays under 256 MiB (upstream caps its FP32 logits buffer at 128 MiB the
+    same way; candidates take ``8 * topk / chunk`` bytes per (row, block) instead of 4). Rows
+    past ~2M blocks (8M tokens) at topk 512 get a plan whose ``problem`` says why it cannot
+    run.
+
+    Args:
+      kind: "decode" | "prefill". rows: query rows (B or T). max_blocks: static bound of a row's
+        visible blocks (decode: page-table capacity; prefill: packed key rows). topk: power of
+        two. sm_count: the GPU's SMs. smem_per_block: its opt-in shared memory per block, bytes.
+
+    Raises:
+      ValueError: unknown kind, topk not a power of two, negative sizes.
+    """
+    if kind not in ("decode", "prefill"):
+        raise ValueError(f"kind must be decode|prefill, got {kind!r}")
+    if topk < 1 or topk & (topk - 1):
+        raise ValueError(f"topk must be a power of two, got {topk}")
+    if rows < 0 or max_blocks < 0:
+        raise ValueError(f"rows and max_blocks must be >= 0, got {rows}, {max_blocks}")
+    mb = max(int(max_blocks), 1)
+    merge_chunk = _pow2_at_least(-(-mb * topk // _MERGE_MAX_CANDIDATES))
+
+    def merge_warps(c):  # <= 16 candidates per thread
+        return min(16, max(4, _pow2_at_least(-(-mb // c)) * topk // 512))
+
+    if merge_chunk > _CHUNK_MAX:  # past ~512k-token rows: up to 32768 merge candidates
+        merge_chunk = max(_CHUNK_MAX, _pow2_at_least(-(-mb * topk // (4 * _MERGE_MAX_CANDIDATES))))
+    if kind == "decode":
+        target = -(-2 * sm_count // max(rows, 1))  # chunks per row for ~2 programs per SM
+        c = min(_pow2_at_least(-(-mb // target)), _CHUNK_MAX)
+        c = max(c, 2 * topk, 64, merge_chunk)
+        tile = min(128 if smem_per_block >= 110_000 else 64, c)
+        splits = -(-mb // c)
+        return IndexerPlan(kind, topk, c, splits, tile, 1, 8, 5, merge_warps(c), max(rows, 1),
+                           radix_bits=2, merge_radix_bits=2,
+                           pdl=max(rows, 1) * splits <= 2 * sm_count)
+    # prefill rows merge up to 16384 candidates, and a pass-1 program holds 8 x 1024 keys (16 x
+    # 1024 spilled registers in the Pallas build): fewer rows per program where the chunk grows
+    c = max(2 * topk, 64, _pow2_at_least(-(-mb * topk // (2 * _MERGE_MAX_CANDIDATES))))
+    bm = max(4, min(8, 8 * 2 * topk // c))
+    tile = min(64, c)
+    plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 8, 2, merge_warps(c), 1,
+                       radix_bits=1, merge_radix_bits=2)
+    per_row = plan.splits * plan.topk * 8  # candidate keys + ids
+    group = max(bm, (_PREFILL_WORKSPACE_BYTES // per_row) // bm * bm)
+    return dataclasses.replace(plan, row_group=min(group, -(-max(rows, 1) // bm) * bm))
+
+
+def prefill_row_ranges(q_lens, kv_lens, *, ratio: int = RATIO):
+    """Prefill indexer metadata from per-request lengths (upstream ``build_qsa_row_ranges``).
+
+    Request b has ``kv_lens[b]`` tokens of context (prefix + this chunk) and ``q_lens[b]`` new
+    rows, the last ones of the context (bottom-right causal). Its compressed keys are packed at
+    rows ``cu_blocks[b] .. cu_blocks[b + 1]`` (``floor(kv_lens[b] / ratio)`` blocks). Row r of b
+    sits at position ``p = kv_lens[b] - q_lens[b] + r`` and sees ``floor((p + 1) / ratio)`` blocks.
+
+    Returns:
+      (row_starts, row_ends, cu_blocks, positions, seq_lens): int32 arrays; row_starts/row_ends
+      [T] absolute key rows of each row's visible blocks (half-open), cu_blocks [B + 1],
+      positions [T], seq_lens [T] (the row's request length, the expansion's validity bound).
+
+    Raises:
+      ValueError: kv_lens[b] < q_lens[b].
+    """
+    req, r, visible, bound = row_layout(q_lens, kv_lens)
+    kl = np.asarray(kv_lens, np.int64).reshape(-1)
+    cu = cu_seqlens_from_counts(kl // ratio)
+    starts = cu[req].astype(np.int64)
+    ends = starts + np.minimum(visible // ratio, (kl // ratio)[req])
+    return (starts.astype(np.int32), ends.astype(np.int32), cu, (visible - 1).astype(np.int32),
+            bound.astype(np.int32))
+
+
+def prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows: int, *,
+                      ratio: int = RATIO):
+    """Per-row indexer metadata of a prefill step from its request tables: the rule
+    ``qsa_triton.prefill_step_rows`` / ``qsa_pallas.prefill_step_rows`` evaluate on the device
+    (``prefill_row_ranges`` is the same rule from host lengths, for packed keys in request order).
+
+    Row t of request b (``cu_seqlens_q[b] <= t < cu_seqlens_q[b + 1]``, found by a right-sided
+    search of ``cu_seqlens_q[1:]``) sits at position ``p = kv_lens[b] - q_len_b + (t -
+    cu_seqlens_q[b])`` (bottom-right causal, q_len_b = ``cu_seqlens_q[b + 1] - cu_seqlens_q[b]``).
+    Its request's compressed keys are the packed rows ``index_cu_seqlens_k[b] ..
+    index_cu_seqlens_k[b + 1]`` and it sees the first ``floor(max(p + 1, 0) / ratio)`` of them
+    (at most all of them). A row outside every request (``t < cu_seqlens_q[0]`` or
+    ``t >= cu_seqlens_q[B]``) gets an empty range, position -1 and bound 0: no index, zero output.
+
+    Args:
+      cu_seqlens_q: int [B + 1]; kv_lens: int [B] context length of each request (prefix + this
+        chunk); index_cu_seqlens_k: int [B + 1]; total_rows: T (q's rows); ratio: tokens per block.
+
+    Returns:
+      (row_starts, row_ends, positions, seq_lens): int32 [T] each; seq_lens is the request's
+      ``kv_lens[b]`` (the expansion's validity bound).
+    """
+    cu = np.asarray(cu_seqlens_q, np.int64).reshape(-1)
+    kl = np.asarray(kv_lens, np.int64).reshape(-1)
+    ck = np.asarray(index_cu_seqlens_k, np.int64).reshape(-1)
+    b = kl.shape[0]
+    rows = np.arange(int(total_rows), dtype=np.int64)
+    req = np.searchsorted(cu[1:], rows, side="right")
+    inside = (req < b) & (rows >= cu[0])
+    rq = np.minimum(req, b - 1)
+    pos = kl[rq] - (cu[rq + 1] - cu[rq]) + rows - cu[rq]
+    start = ck[rq]
+    end = start + np.minimum(np.maximum(pos + 1, 0) // ratio, np.maximum(ck[rq + 1] - start, 0))
+    z = np.zeros_like(rows)
+    return (np.where(inside, start, z).astype(np.int32), np.where(inside, end, z).astype(np.int32),
+            np.where(inside, pos, z - 1).astype(np.int32), np.where(inside, kl[rq], z).astype(np.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerDecodeCase:
+    """A paged compressed-K decode batch (numpy int32).
+
+    Attributes:
+      seq_lens: [B] tokens per row (the row's visible blocks: ``seq_lens // ratio``).
+      page_table: [B, max_pages] page ids; the row's pages are distinct pages of the cache in a
+        seeded random order, entries past them are junk (never read).
+      pages: pages in the cache (every page id of a visible block is < pages).
+      page_size: compressed blocks per page (16 in production: 64-token KV pages / 4).
+    """
+
+    seq_lens: np.ndarray
+    page_table: np.ndarray
+    pages: int
+    page_size: int
+
+
+def indexer_decode_case(seq_lens, *, page_size: int = 16, max_pages: int | None = None,
+                        junk: str = "mixed", extra_pages: int = 3, seed: int = 0
+                        ) -> IndexerDecodeCase:
+    """Page table for a decode batch: every row's pages scattered over one shared cache.
+
+    Args:
+      seq_lens: int [B] token counts (any >= 0; not a multiple of ratio or page size is fine).
+      page_size: blocks per page. max_pages: page-table width (default: the longest row's).
+      junk: what stands past each row's pages: "zero", "-1" or "mixed" (-1, huge, page ids of
+        other rows, int32 extremes).
+      extra_pages: unused pages in the cache (so ids are not simply 0..n-1).
+
+    Raises:
+      ValueError: max_pages smaller than a row needs; unknown junk mode.
+    """
+    sl = np.maximum(np.asarray(seq_lens, np.int64).reshape(-1), 0)
+    need = -(-(sl // RATIO) // page_size)
+    width = int(max(need.max() if need.size else 0, 1) if max_pages is None else max_pages)
+    if need.size and need.max() > width:
+        raise ValueError(f"max_pages {width} < {int(need.max())} pages a row needs")
+    rng = np.random.default_rng(seed)
+    pages = int(need.sum()) + int(extra_pages)
+    perm = rng.permutation(pages)
+    pt = np.zeros((sl.shape[0], width), np.int64)
+    at = 0
+    for b in range(sl.shape[0]):
+        n = int(need[b])
+        pt[b, :n] = perm[at:at + n]
+        at += n
+        tail = width - n
+        if junk == "zero":
+            pt[b, n:] = 0
+        elif junk == "-1":
+            pt[b, n:] = -1
+        elif junk == "mixed":
+            pt[b, n:] = rng.choice(np.array([-1, pages, pages + 7, _I32_MAX, _I32_MIN, 0]),
+                                   size=tail)
+        else:
+            raise ValueError(f"junk must be zero|-1|mixed, got {junk!r}")
+    return IndexerDecodeCase(sl.astype(np.int32), pt.astype(np.int32), pages, int(page_size))

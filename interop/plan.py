@@ -14,16 +14,16 @@ from that row's length (``cu_seqlens_k[s+1] - cu_seqlens_k[s]``), so the same co
     n_active    = clamp(cdiv(blocks, min_blocks_per_split), 1, max_splits)
     split j < n_active covers blocks [cdiv(j * blocks, n_active), cdiv((j + 1) * blocks, n_active))
                   (``split_blocks``: every active split of a non-empty row gets >= 1 block, since
-                   n_active <= blocks; counts differ by at most one, the extra blocks go to the
-                   first splits, so the last split, which holds the row's partial block, is never
-                   the longest)
+                   n_active <= blocks; counts differ by at most one, and the last split, which
+                   holds the row's partial block, gets the fewest: floor(blocks / n_active))
 
 A row longer than ``max_seqlen_k`` is still covered completely (the split size grows with the
 device length); ``max_seqlen_k`` only bounds the useful grid. Splits past ``n_active`` write
 nothing the merge uses. A zero-length row has n_active = 1 and its one split writes exact zeros.
 
 Sizing rule (why): at small batch upstream runs B x Hkv x <= 8 programs on 132 SMs and is far from
-the memory floor (anchors.md). The H200 sweep (bench/NOTES.md, decode "plan from the sweep")
+the memory floor (anchors.md). The H200 sweep (bench/NOTES.md, "Plan from a sweep: at most one
+program per SM")
 found the best split count at about ONE program per SM, rounded *down* to a power of two:
 B x Hkv x max_splits <= SMs; a second, partial wave cost more, and at B x Hkv >= SMs no split
 at all was fastest.
@@ -60,7 +60,7 @@ __all__ = ["DecodePlan", "plan_decode", "split_blocks", "smem_bytes", "fit_share
 #: use exp2, the cheaper PTX path.
 LOG2E = 1.4426950408889634
 
-# Decode tunables, decided by the H200 sweeps (bench/NOTES.md, packed decode).
+# Decode tunables, decided by the H200 sweeps (bench/NOTES.md, "Decode, Triton").
 PROGRAMS_PER_SM = 1  # split-KV target: at most this many programs per SM for long rows
 MAX_SPLITS_CAP = 64  # most splits per (sequence, KV head) under the power-of-two rule (the
 #                      one-block rule allows up to 2x this; the Triton merge reads <= 128 at once)
@@ -85,9 +85,10 @@ def split_blocks(blocks, j, n_active):
 
     ``lo = cdiv(j * blocks, n_active)``, ``hi = cdiv((j + 1) * blocks, n_active)``: every block
     is covered exactly once, each active split of a non-empty row gets >= 1 block (n_active <=
-    blocks), and the extra blocks of an uneven division go to the first splits, so the last split
-    (which holds the row's partial block) is never the longest. For ``j >= n_active`` the range
-    starts at or past ``blocks`` (empty once clamped to ``blocks``).
+    blocks), the counts differ by at most one, the first split gets the most (cdiv(blocks,
+    n_active)) and the last, which holds the row's partial block, the fewest (floor(blocks /
+    n_active)), so it is never the one that finishes last. For ``j >= n_active`` the range starts
+    at or past ``blocks`` (empty once clamped to ``blocks``).
 
     Plain ``+ * //`` on non-negative integers only, so the same function runs on host ints, inside
     a ``triton.jit`` kernel (``qsa_triton.decode`` jit-wraps it; pass int64 ``blocks`` where
@@ -166,9 +167,6 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     balance_slots: int = 0
-    tail_in_loop: bool = False  # experiment switches, removed with the Triton decode's options
-    qk_split: int = 1
-    defer_rowsum: bool = True
 
 
 def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
@@ -207,7 +205,8 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
                 and narrow <= 2 * MAX_SPLITS_CAP and 2 * programs * wide >= sm_count):
             # half the programs, partials and merge reads for the same keys; 8 warps avoid the
             # register spills of 4 at D = 256. Only with >= 2 KV heads: the same grid from two
-            # sequences of one KV head measured slower (bench/NOTES.md, decode "64-row block").
+            # sequences of one KV head measured slower (bench/NOTES.md, "64-key blocks at TP1
+            # B = 1").
             block_n = WIDE_BLOCK_N
             num_warps = 8
     blocks = max(1, math.ceil(max_seqlen_k / block_n))
@@ -226,3 +225,141 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
     min_blocks = max(1, min(MIN_BLOCKS_CAP, blocks // max_splits))
     slots = BALANCE_SLOTS_PER_SM * sm_count if balance else 0
     return DecodePlan(head_tile, block_n, max_splits, min_blocks, num_warps, 3, slots)
+
+
+
+# =============================================================================================
+# Paged decode (qsa-contract.md §2b, §2c): the static split plan shared by
+# qsa_triton.decode_paged and qsa_pallas.decode_paged. (Appended as its own section so it moves
+# with this file when it is renamed.)
+#
+# The paged kernels split the W index *columns* of a row, not its valid keys: a column's
+# validity (0 <= idx < seq_lens[r], the position's slot inside the pool) is device data that can
+# change under a captured graph, while W is a static shape. Split j of S covers the BLOCK_N
+# chunks [j * nb // S, (j + 1) * nb // S) of the nb = cdiv(W, BLOCK_N) chunks (balanced; every
+# split gets >= 1 chunk since S <= nb). A split whose columns hold no valid entry writes an
+# empty partial (LSE = -inf) that the merge weighs 0; a one-split plan writes the output itself.
+
+__all__ += ["PagedDecodePlan", "plan_decode_paged", "paged_smem_bytes",
+            "BATCH_INVARIANT_SPLIT_COLS", "PAGED_MAX_SPLITS"]
+
+#: depth of the paged kernel's dependent-load chain (index -> req_to_token -> K/V) and the
+#: pipeline depth that gives its K/V gathers two buffers (``paged_smem_bytes``)
+PAGED_LOAD_CHAIN = 3
+PAGED_DEEP_STAGES = 7
+#: batch-invariant mode: index columns per split (a multiple of every BLOCK_N the plan uses).
+#: The split count is then cdiv(W, this) whatever the batch: 9 splits for W = 2051. Why this
+#: size: fewer columns per split fill more SMs at small batch, more columns write fewer FP32
+#: partials at large batch (9 splits x [G, D] floats per KV row: about 10% of the K/V bytes read
+#: at D = 256 written and read back by the merge); the lead's H200 run prices it.
+BATCH_INVARIANT_SPLIT_COLS = 256
+#: the most splits of one (row, KV head) (the Triton merge reads every split in one tile)
+PAGED_MAX_SPLITS = 128
+#: shared memory per block on sm_120 / sm_121 (qsa-contract.md §5): every shipped paged plan
+#: fits it whatever the device it was planned for, so a plan never depends on the part
+SM12X_SMEM_BYTES = 101_376
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedDecodePlan:
+    """Static launch plan of the paged decode (both implementations).
+
+    Attributes:
+      head_tile: G padded to a power of two >= 16 (tensor-core dots; padded rows masked).
+      block_n: index columns per inner-loop step (BLOCK_N).
+      num_splits: splits per (row, KV head): the grid is (num_splits, R, Hkv); 1 = the split
+        kernel writes the output, no partials and no merge.
+      num_warps, num_stages: Triton launch parameters (the Pallas kernel passes them through
+        its compiler params).
+    """
+
+    head_tile: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+    def chunk_range(self, width: int, split: int) -> tuple[int, int]:
+        """[first, last) BLOCK_N chunk of ``split`` for W = ``width`` (what the kernels compute
+        on the device: ``j * nb // S``)."""
+        nb = max(1, -(-width // self.block_n))
+        return split * nb // self.num_splits, (split + 1) * nb // self.num_splits
+
+
+def paged_smem_bytes(plan: PagedDecodePlan, head_dim: int, q_bytes: int = 2,
+                     kv_bytes: int = 2) -> int:
+    """Estimated shared memory (bytes) of the paged split kernel: (num_stages - 1) pipelined K+V
+    gather tiles in the pool's dtype, the Q tile and the P tile in q's dtype, and for an FP8 pool
+    one converted [BLOCK_N, D] dot operand in q's dtype per tensor. The model of
+    ``qsa_triton.decode.smem_bytes`` (matches ``compiled.metadata.shared`` of the packed split
+    kernel for stages >= 2) extended by the conversion tiles."""
+    kv = 2 * plan.block_n * head_dim * kv_bytes
+    conv = 2 * plan.block_n * head_dim * q_bytes if kv_bytes != q_bytes else 0
+    # Triton's software pipeliner shares the stage budget over the kernel's chain of dependent
+    # loads (index -> req_to_token -> K/V, depth 3): (num_stages - 1) // 3 K/V buffers.
+    kv_buffers = max(1, (plan.num_stages - 1) // PAGED_LOAD_CHAIN)
+    return (kv_buffers * kv + conv + plan.head_tile * head_dim * q_bytes
+            + plan.head_tile * plan.block_n * q_bytes)
+
+
+def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, width: int,
+                      sm_count: int = 132, *, q_bytes: int = 2, kv_bytes: int = 2,
+                      batch_invariant: bool = False,
+                      smem_limit: int = SM12X_SMEM_BYTES) -> PagedDecodePlan:
+    """Plan a paged decode launch from static shapes only.
+
+    Args:
+      rows: R query rows (MTP verify rows included); num_kv_heads: Hkv; group: G = Hq / Hkv
+        (<= 16); head_dim: D (power of two 32..256); width: W index columns per row (>= 1).
+      sm_count: streaming multiprocessors of the target GPU (132 on the H200).
+      q_bytes, kv_bytes: element sizes of q and of the pool (1 for FP8 e4m3).
+      batch_invariant: the schedule depends on (W, G, D, dtypes) only, never on R or the SM
+        count (qsa-contract.md §2c).
+      smem_limit: bytes per block the plan must fit (``paged_smem_bytes``); default sm_120 /
+        sm_121's 101,376 B, so one plan is valid on every supported part.
+
+    Returns:
+      PagedDecodePlan. Rules (why):
+        * BLOCK_N 32 for D > 128, else 64: a [BLOCK_N, D] gather tile of 16 KB in bf16, as the
+          packed decode (``plan_decode``); head tile max(16, next_pow2(G)); 4 warps; 3 stages
+          (two gathers in flight per program), lowered until the tile fits ``smem_limit``.
+        * default: about one program per SM (the packed decode's H200 finding, decode v2 in
+          bench/NOTES.md): num_splits = clamp(sm_count // (R x Hkv), 1, nb), nb = cdiv(W,
+          BLOCK_N); so 1 split (no merge) once R x Hkv >= SMs, and at TP1 B = 1, W = 2051 one
+          chunk per split (65 splits: no split streams two, decode v5).
+        * batch_invariant: num_splits = cdiv(W, BATCH_INVARIANT_SPLIT_COLS) (9 at W = 2051),
+          capped at nb. Cost against the default (to be measured on the H200 by the lead):
+          fewer programs at small R (TP1 B = 1: 2 x 9 = 18 programs instead of 130, so the
+          call is latency bound), and from R x Hkv >= SMs the FP32 partials and the merge
+          launch that the default's one-split plan does without.
+
+    Raises:
+      ValueError: a non-positive size, or no plan fits ``smem_limit``.
+    """
+    if min(rows, num_kv_heads, group, head_dim, width, sm_count) < 1:
+        raise ValueError(f"plan_decode_paged: sizes must be >= 1, got R={rows}, Hkv={num_kv_heads}, "
+                         f"G={group}, D={head_dim}, W={width}, SMs={sm_count}")
+    head_tile = max(16, next_pow2(group))
+    block_n = 64 if head_dim <= 128 else 32
+    nb = -(-width // block_n)
+    if batch_invariant:
+        splits = -(-width // BATCH_INVARIANT_SPLIT_COLS)
+    else:
+        splits = max(1, (PROGRAMS_PER_SM * sm_count) // (rows * num_kv_heads))
+    splits = max(1, min(splits, nb, PAGED_MAX_SPLITS))
+    # Deep pipelines pay where a program streams several chunks: 7 stages give the K/V gathers
+    # two buffers behind the 3-deep load chain; one-chunk splits (small R) keep 3 (bench/NOTES.md,
+    # "Paged decode, Triton").
+    stages = PAGED_DEEP_STAGES if nb >= 2 * splits else 3
+    plan = PagedDecodePlan(head_tile, block_n, splits, 4, stages)
+    while paged_smem_bytes(plan, head_dim, q_bytes, kv_bytes) > smem_limit:
+        if plan.num_stages > 2:
+            plan = dataclasses.replace(plan, num_stages=plan.num_stages - 1)
+        elif plan.block_n > 16 and not batch_invariant:
+            # (batch-invariant plans keep BLOCK_N: the split's column range must not move)
+            plan = dataclasses.replace(plan, block_n=plan.block_n // 2,
+                                       num_splits=min(plan.num_splits, -(-width // (plan.block_n // 2))))
+        else:
+            raise ValueError(f"plan_decode_paged: no plan fits {smem_limit} B of shared memory "
+                             f"(D={head_dim}, G={group}, kv_bytes={kv_bytes})")
+    return plan

@@ -39,17 +39,14 @@ except ImportError:  # pragma: no cover - very old jax
     from jax.experimental.pallas import gpu as plgpu  # type: ignore[no-redef]
 
 __all__ = [
-    "JAX_VERSION",
     "pl",
     "plgpu",
     "CompilerParams",
-    "compiler_params",
     "triton_call",
     "load",
     "store",
     "dot",
     "shard_map",
-    "default_interpret",
     "resolve_interpret",
     "check_inputs",
     "check_backend",
@@ -60,9 +57,6 @@ __all__ = [
     "compile_ttir",
     "target_facts",
 ]
-
-JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-
 
 def _preload_lazy_modules() -> None:
     """Import now the jax modules that ``pallas_call`` lowering imports lazily on first use.
@@ -91,11 +85,6 @@ _preload_lazy_modules()
 CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
 
 
-def compiler_params(num_warps: int | None = None, num_stages: int | None = None):
-    """Triton-lowering compiler params (selects the Triton backend of ``pallas_call`` on GPU)."""
-    return CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
 def triton_call(kernel: Callable, *, out_shape, grid, in_specs=None, out_specs=None,
                 num_warps: int | None = None, num_stages: int | None = None,
                 interpret: bool = False, name: str | None = None,
@@ -105,7 +94,8 @@ def triton_call(kernel: Callable, *, out_shape, grid, in_specs=None, out_specs=N
     Returns the callable ``pallas_call`` returns. ``interpret=True`` runs the kernel on CPU.
     """
     kwargs: dict[str, Any] = dict(out_shape=out_shape, grid=grid, interpret=interpret,
-                                  compiler_params=compiler_params(num_warps, num_stages),
+                                  compiler_params=CompilerParams(num_warps=num_warps,
+                                                                num_stages=num_stages),
                                   debug=debug)
     if in_specs is not None:
         kwargs["in_specs"] = in_specs
@@ -182,11 +172,6 @@ def target_facts():
 
 # ---------------------------------------------------------------------------------------------
 # Interpret-mode selection
-def default_interpret() -> bool:
-    """True when jax's default backend is the CPU (Pallas then runs in interpret mode)."""
-    return jax.default_backend() == "cpu"
-
-
 def check_inputs(fn: str, interpret: bool | None, **arrays) -> None:
     """Refuse, with a ContractError before any tracing, torch tensors (the shared contract check
     reads their shapes fine, JAX cannot take them). ``interpret`` is checked by
@@ -224,7 +209,7 @@ def check_backend(fn: str, interpret: bool | None, *arrays) -> None:
 
 def resolve_interpret(interpret: bool | None) -> bool:
     """``None`` -> interpret on CPU, compiled Triton kernel on GPU; a bool is taken as given."""
-    return default_interpret() if interpret is None else bool(interpret)
+    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,10 +315,12 @@ def _ttir_text(raw: bytes) -> str:
         return str(ir.Module.parse(raw, context=ctx))
 
 
+@functools.lru_cache(maxsize=256)
 def compile_ttir(module: TritonModule, capability: int, *, num_warps: int | None = None,
                  num_stages: int | None = None) -> dict[str, Any]:
     """Compile one embedded kernel's TTIR to a CUDA binary for ``capability`` (90, 120, 121...)
-    with the *installed* ``triton`` package, on a machine without a GPU.
+    with the *installed* ``triton`` package, on a machine without a GPU; cached (several
+    lowering cases embed the same kernel).
 
     jax's Pallas lowering stops at TTIR; this runs the rest of Triton's pipeline (TTGIR, LLVM,
     PTX, ptxas), which is what rejects e.g. a configuration too big for the target. Triton does not
@@ -341,12 +328,14 @@ def compile_ttir(module: TritonModule, capability: int, *, num_warps: int | None
     ``result["shared"]`` yourself.
 
     Returns:
-      dict(name, shared (bytes of shared memory per program), num_warps, num_stages, capability).
+      dict(name, shared (bytes of shared memory per program), num_warps, num_stages, capability,
+      cubin (bytes)).
 
     Raises:
       ImportError: triton not installed; any Triton compile error.
     """
     import os  # noqa: PLC0415
+    import re  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's notice
@@ -356,10 +345,10 @@ def compile_ttir(module: TritonModule, capability: int, *, num_warps: int | None
     nw = module.num_warps if num_warps is None else num_warps
     ns = module.num_stages if num_stages is None else num_stages
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, f"{module.name}.ttir")
+        path = os.path.join(tmp, re.sub(r"[^A-Za-z0-9_]", "_", module.name) + ".ttir")
         with open(path, "w") as fh:
             fh.write(module.text())
         compiled = triton.compile(path, target=GPUTarget("cuda", int(capability), 32),
                                   options=dict(num_warps=nw, num_stages=ns))
     return dict(name=compiled.metadata.name, shared=int(compiled.metadata.shared), num_warps=nw,
-                num_stages=ns, capability=int(capability))
+                num_stages=ns, capability=int(capability), cubin=compiled.asm.get("cubin"))

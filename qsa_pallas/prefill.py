@@ -60,8 +60,8 @@ from jax import lax
 from interop import contract
 from interop.arch import DeviceFacts
 from interop.contract import ContractError, PrefillProblem, spec_of
-from interop.geometry import (Geometry, UnionGeometry, fit_prefill, geometry_mode,
-                              select_prefill, select_prefill_blocks)
+from interop.geometry import (Geometry, UnionGeometry, geometry_mode, select_prefill,
+                              select_prefill_blocks)
 from interop.plan import LOG2E, next_pow2
 
 from . import _compat
@@ -75,7 +75,6 @@ __all__ = [
     "select_geometry",
     "select_block_geometry",
     "resolve_pool_slots",
-    "lowering_cases",
 ]
 
 _INT32_MAX = 2**31 - 1
@@ -555,97 +554,3 @@ def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens
         return jnp.full(indices.shape, -1, jnp.int32)
     return _resolve(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
                     jnp.int32(min(int(pool_slots), _INT32_MAX)))
-
-
-# --------------------------------------------------------------------------------------------
-# Ahead-of-time lowering list (``qsa compile``, interop/compile_check.py)
-def lowering_cases(device_kind: str, *, head_dim: int = 256, width: int = 2051, group: int = 12,
-                   rows: int = 64) -> list[tuple[str, object, tuple]]:
-    """Every distinct prefill launch configuration this module can pick on ``device_kind``:
-    each geometry the shared selector can return there (``interop.geometry.all_configs`` of the
-    device's arch, fitted to its shared memory as ``select_geometry`` does) x ordinary bf16,
-    chunk bf16 / FP8, paged bf16 / FP8; and each tile-union geometry
-    (``interop.geometry.all_union_configs``) x the same variants with block-level selections.
-
-    Returns:
-      list of ``(name, fn, args)``: lower ``fn(*args)`` with
-      ``_compat.lower_for_device_kind(fn, args, device_kind)``; ``args`` are
-      ``jax.ShapeDtypeStruct`` (nothing is allocated).
-
-    Raises:
-      ValueError: a device kind whose arch ``interop.arch`` does not know.
-    """
-    from interop.geometry import all_configs, all_union_configs  # noqa: PLC0415
-
-    facts = DeviceFacts.from_device_kind(device_kind)
-    sds = jax.ShapeDtypeStruct
-    d, w, t, hkv = head_dim, width, rows, 1
-    geos = {}
-    for kv_bytes in (2, 1):
-        for cfg in all_configs(facts.arch):
-            cfg = dataclasses.replace(cfg, block_m=max(next_pow2(group), cfg.block_m))
-            geo = fit_prefill(cfg, backend="pallas", head_dim=d, kv_bytes=kv_bytes,
-                              limit=facts.smem_per_block)
-            geos.setdefault((kv_bytes, *geo.key), geo)
-    q = sds((t, group * hkv, d), jnp.bfloat16)
-    idx = sds((t, w), jnp.int32)
-    cu, kl = sds((3,), jnp.int32), sds((2,), jnp.int32)
-    r2t, ri = sds((4, 2048), jnp.int32), sds((2,), jnp.int32)
-    cases = []
-    for (kv_bytes, *_), geo in geos.items():
-        tag = f"ht{geo.block_m}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}"
-        name = "fp8" if kv_bytes == 1 else "bf16"
-        pool = sds((4096, hkv, d), jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16)
-        if kv_bytes == 2:
-            kv = sds((t, hkv, d), jnp.bfloat16)
-            cases.append((f"pallas_prefill_ordinary_bf16_{tag}",
-                          functools.partial(_lower_ordinary, geometry=geo), (q, kv, kv, idx, cu)))
-        cases.append((f"pallas_prefill_chunk_{name}_{tag}",
-                      functools.partial(_lower_chunk, geometry=geo),
-                      (q, pool, pool, idx, cu, cu, kl)))
-        cases.append((f"pallas_prefill_paged_{name}_{tag}",
-                      functools.partial(_lower_paged, geometry=geo),
-                      (q, pool, pool, r2t, ri, idx, cu, kl)))
-    # the tile-union kernels (block-level selections): every union geometry of the arch
-    bidx = sds((t, 512), jnp.int32)
-    for kv_bytes, ugeo in all_union_configs(facts.arch, head_dim=d):
-        grp = ugeo.head_tile // ugeo.tile_rows  # a group whose padded tile is exactly the Q tile
-        qg = sds((t, grp * hkv, d), jnp.bfloat16)
-        tag = (f"R{ugeo.tile_rows}_m{ugeo.head_tile}_bn{ugeo.block_n}_w{ugeo.num_warps}"
-               f"_s{ugeo.num_stages}")
-        name = "fp8" if kv_bytes == 1 else "bf16"
-        pool = sds((4096, hkv, d), jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16)
-        if kv_bytes == 2:
-            kv = sds((t, hkv, d), jnp.bfloat16)
-            cases.append((f"pallas_prefill_union_ordinary_bf16_{tag}",
-                          functools.partial(_lower_ordinary, geometry=ugeo, blocks=True),
-                          (qg, kv, kv, bidx, cu)))
-        cases.append((f"pallas_prefill_union_chunk_{name}_{tag}",
-                      functools.partial(_lower_chunk, geometry=ugeo, blocks=True),
-                      (qg, pool, pool, bidx, cu, cu, kl)))
-        cases.append((f"pallas_prefill_union_paged_{name}_{tag}",
-                      functools.partial(_lower_paged, geometry=ugeo, blocks=True),
-                      (qg, pool, pool, r2t, ri, bidx, cu, kl)))
-    return cases
-
-
-def _sel(idx, blocks: bool) -> dict:
-    return {"indices": None, "block_indices": idx} if blocks else {"indices": idx}
-
-
-def _lower_ordinary(q, k, v, idx, cu, *, geometry, blocks=False):
-    s = _sel(idx, blocks)
-    return sparse_prefill(q, k, v, s.pop("indices"), cu, q.shape[0], interpret=False,
-                          geometry=geometry, **s)
-
-
-def _lower_chunk(q, k, v, idx, cq, ck, kl, *, geometry, blocks=False):
-    s = _sel(idx, blocks)
-    return sparse_prefill_chunk(q, k, v, s.pop("indices"), cq, ck, kl, q.shape[0],
-                                interpret=False, geometry=geometry, **s)
-
-
-def _lower_paged(q, k, v, r2t, ri, idx, cq, kl, *, geometry, blocks=False):
-    s = _sel(idx, blocks)
-    return sparse_prefill_paged(q, k, v, r2t, ri, s.pop("indices"), cq, kl, q.shape[0],
-                                interpret=False, geometry=geometry, **s)

@@ -60,8 +60,8 @@ import triton.language as tl
 
 from interop import contract
 from interop.arch import DeviceFacts
-from interop.geometry import (Geometry, UnionGeometry, all_configs, geometry_mode,
-                              select_prefill, select_prefill_blocks)
+from interop.geometry import (Geometry, UnionGeometry, geometry_mode, select_prefill,
+                              select_prefill_blocks)
 from interop.plan import LOG2E, next_pow2
 
 from . import prefill_union as PU
@@ -71,7 +71,6 @@ __all__ = [
     "sparse_prefill",
     "sparse_prefill_chunk",
     "sparse_prefill_paged",
-    "compile_configs",
     "prefill_geometry",
     "prefill_block_geometry",
     "MODE_ORDINARY",
@@ -727,114 +726,3 @@ for _f in (sparse_prefill, sparse_prefill_chunk, sparse_prefill_paged):
     _f.__doc__ = _f.__doc__.replace("BLOCKS_DOC", _BLOCKS_DOC)
 del _f
 
-
-# ---------------------------------------------------------------------------------------------
-# Ahead-of-time compile list (for ``qsa compile`` and tests/test_sm12x_compile.py)
-_TORCH_TO_TT = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8e4nv"}
-
-
-def kernel_signature(q_dtype: str = "bfloat16", kv_dtype: str | None = None) -> dict[str, str]:
-    """Triton signature (argument name -> type) of the prefill kernel for the given dtypes, as
-    ``triton.compiler.ASTSource`` wants it (constexpr arguments marked ``"constexpr"``)."""
-    qt = _TORCH_TO_TT[q_dtype]
-    kt = _TORCH_TO_TT[kv_dtype or q_dtype]
-    sig = {"q_ptr": f"*{qt}", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "o_ptr": f"*{qt}",
-           "idx_ptr": "*i32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "kv_lens_ptr": "*i32",
-           "qk_scale": "fp32", "v_scale": "fp32", "W": "i32",
-           "row_base": "i32"}
-    for name in ("stride_qt", "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh",
-                 "stride_ot", "stride_oh", "stride_it", "stride_ih"):
-        sig[name] = "i32"
-    for name in ("HKV", "G", "D", "BLOCK_M", "BLOCK_N", "MODE", "OFF64", "ROW_LOOP"):
-        sig[name] = "constexpr"
-    return sig
-
-
-_ALIGNED_ARGS = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "idx_ptr", "cu_q_ptr", "cu_k_ptr",
-                 "kv_lens_ptr", "stride_qt", "stride_qh", "stride_kn", "stride_kh",
-                 "stride_vn", "stride_vh", "stride_ot", "stride_oh")
-
-
-def kernel_attrs() -> dict:
-    """``ASTSource`` attrs matching what a real launch specialises: every pointer 16-byte aligned
-    and the q/k/v/out strides divisible by 16 (D is a multiple of 16); the index and slot-table
-    row strides (W = 2051) are left unspecialised."""
-    names = _qsa_sparse_prefill_fwd.arg_names
-    return {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED_ARGS}
-
-
-#: (mode, q dtype, K/V dtype or None = q's): every kernel variant the entry points launch
-VARIANTS = ((MODE_ORDINARY, "bfloat16", None), (MODE_CHUNK, "bfloat16", None),
-            (MODE_CHUNK, "bfloat16", "float8_e4m3fn"), (MODE_SLOTS, "bfloat16", None),
-            (MODE_SLOTS, "bfloat16", "float8_e4m3fn"))
-
-
-def compile_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
-                    variants=VARIANTS) -> list[dict]:
-    """Every (kernel, constexprs, num_warps, num_stages) the selector can launch on ``arch``.
-
-    One entry per distinct (geometry, variant); ``VARIANTS``: ordinary bf16, chunk bf16 and FP8,
-    paged through pre-resolved slots bf16 and FP8. ``head_dim`` 256 is the
-    largest (shared-memory worst case). Groups: the head tile G only changes masks, so one G per
-    BLOCK_M is compiled (the tuned entries keep their own G). The tile-union kernels have their
-    own list (``qsa_triton.prefill_union.compile_configs``).
-
-    Returns:
-      list of dicts: ``kernel`` (the JITFunction), ``name``, ``signature`` (for ASTSource),
-      ``constexprs`` (name -> value), ``num_warps``, ``num_stages``, ``geometry`` (attrs:
-      ``kernel_attrs()``).
-    """
-    out, seen = [], set()
-    for geo in all_configs(arch):
-        grp = next((g for g in groups if max(16, triton.next_power_of_2(g)) == geo.block_m
-                    or triton.next_power_of_2(g) == geo.block_m), geo.block_m)
-        if geo.source.startswith("sm120-tuned[G="):
-            grp = int(geo.source.split("G=")[1].rstrip("]"))
-        for mode, qd, kd in variants:
-            for row_loop, g in ((False, geo), (True, tail_geometry(geo))):
-                key = (mode, qd, kd, row_loop, grp, g.block_m, g.block_n, g.num_warps,
-                       g.num_stages)
-                if key in seen:  # tail geometries repeat across the main ones
-                    continue
-                seen.add(key)
-                out.append({
-                    "kernel": _qsa_sparse_prefill_fwd,
-                    "name": f"qsa_prefill_mode{mode}_{qd}_{kd or qd}_bm{g.block_m}_bn{g.block_n}"
-                            f"_w{g.num_warps}_s{g.num_stages}{'_tail' if row_loop else ''}",
-                    "signature": kernel_signature(qd, kd),
-                    "constexprs": {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": g.block_m,
-                                   "BLOCK_N": g.block_n, "MODE": mode,
-                                   "OFF64": mode == MODE_SLOTS,
-                                   "ROW_LOOP": row_loop},
-                    "num_warps": g.num_warps,
-                    "num_stages": g.num_stages,
-                    "geometry": g,
-                })
-    return out
-
-
-def compile_check(arch: str, *, limit: int | None = None, variants=VARIANTS) -> list[dict]:
-    """Compile every ``compile_configs(arch)`` entry ahead of time (no GPU needed) and report its
-    shared memory: ``[{name, shared, limit, fits, num_warps, num_stages, constexprs}]``.
-
-    Uses the shared compile loop (``interop.compile_check.compile_triton_configs``:
-    ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``). Must run in a
-    process where ``TRITON_INTERPRET`` is off (the interpreter replaces the JIT functions);
-    ``tests/test_sm12x_compile.py`` runs it in a subprocess. ``limit`` defaults to the arch's
-    opt-in shared memory per block (101,376 B on sm_120/sm_121).
-    """
-    from interop.arch import KNOWN_ARCHS, arch_name, parse_arch  # noqa: PLC0415
-    from interop.compile_check import compile_triton_configs  # noqa: PLC0415
-
-    name = arch_name(parse_arch(arch))
-    limit = KNOWN_ARCHS[name].smem_per_block if limit is None else limit
-    cfgs = compile_configs(name, variants=variants)
-    reps = compile_triton_configs(name, cfgs, kernel_attrs)
-    rows = []
-    for c, rep in zip(cfgs, reps):
-        if rep.error:
-            raise RuntimeError(f"{c['name']}: {rep.error}")
-        rows.append({"name": c["name"], "shared": rep.shared, "limit": limit,
-                     "fits": rep.shared <= limit, "num_warps": c["num_warps"],
-                     "num_stages": c["num_stages"], "constexprs": c["constexprs"]})
-    return rows

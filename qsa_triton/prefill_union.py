@@ -55,8 +55,7 @@ from interop.geometry import UnionGeometry
 from interop.indices import RATIO
 from interop.plan import LOG2E, next_pow2
 
-__all__ = ["build_block_union", "expand_blocks", "union_launch", "union_slots",
-           "compile_configs"]
+__all__ = ["build_block_union", "expand_blocks", "union_launch", "union_slots"]
 
 _BIG = tl.constexpr(1 << 62)  # sort key of an invalid entry: after every valid key
 _BLOCK_SPAN = tl.constexpr(1 << 30)  # > any block id (visible < 2**31 tokens -> block < 2**29)
@@ -420,83 +419,3 @@ def union_launch(mode: int, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_
         BLOCK_N=geo.block_n, MODE=mode, OFF64=off64, BP=next_pow2(n_req + 1),
         num_warps=geo.num_warps, num_stages=geo.num_stages)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Ahead-of-time compile list (``qsa compile`` / tests/test_sm12x_compile.py style checks)
-_TORCH_TO_TT = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8e4nv"}
-
-
-def _signature(q_dtype: str, kv_dtype: str) -> dict[str, str]:
-    qt, kt = _TORCH_TO_TT[q_dtype], _TORCH_TO_TT[kv_dtype]
-    sig = {}
-    for name in _qsa_prefill_union_fwd.arg_names:
-        sig[name] = "i32"
-    sig.update({"q_ptr": f"*{qt}", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "o_ptr": f"*{qt}",
-                "qk_scale": "fp32", "v_scale": "fp32"})
-    for name in ("ublk_ptr", "umem_ptr", "ulen_ptr", "cu_q_ptr", "cu_k_ptr", "kv_lens_ptr",
-                 "r2t_ptr", "req_idx_ptr"):
-        sig[name] = "*i32"
-    for name in ("PER_HEAD", "G", "HT", "R", "M", "D", "BLOCK_N", "MODE", "OFF64", "BP"):
-        sig[name] = "constexpr"
-    return sig
-
-
-def compile_configs(arch: str, *, head_dim: int = 256) -> list[dict]:
-    """Every tile-union kernel configuration the selector can launch on ``arch`` (each
-    ``interop.geometry.all_union_configs`` geometry x ordinary / chunk / paged, bf16 K/V, and
-    FP8 K/V for chunk and paged), as dicts for ``interop.compile_check.compile_triton_configs``
-    (``kernel``, ``name``, ``signature``, ``constexprs``, ``num_warps``, ``num_stages``,
-    ``geometry``). The union build kernel is listed too (R x 512 keys)."""
-    from interop.geometry import all_union_configs  # noqa: PLC0415
-
-    out = []
-    for r in sorted({geo.tile_rows for _, geo in all_union_configs(arch, head_dim=head_dim)}):
-        out.append({
-            "kernel": _qsa_block_union,
-            "name": f"qsa_block_union_R{r}_nb512",
-            "signature": {**{n: "i32" for n in _qsa_block_union.arg_names},
-                          "bidx_ptr": "*i32", "ublk_ptr": "*i32", "umem_ptr": "*i32",
-                          "ulen_ptr": "*i32", "cu_q_ptr": "*i32", "kv_lens_ptr": "*i32",
-                          "R": "constexpr", "NBP": "constexpr", "BP": "constexpr",
-                          "ORDINARY": "constexpr", "KEY64": "constexpr"},
-            "constexprs": {"R": r, "NBP": 512, "BP": 2, "ORDINARY": False, "KEY64": False},
-            "num_warps": 8 if r * 512 > 2048 else 4,
-            "num_stages": 1,
-            "geometry": None,
-            "attrs": _aligned(_qsa_block_union, ("bidx_ptr", "ublk_ptr", "umem_ptr", "ulen_ptr",
-                                                 "cu_q_ptr", "kv_lens_ptr")),
-        })
-    for kv_bytes, geo in all_union_configs(arch, head_dim=head_dim):
-        group = geo.head_tile // geo.tile_rows  # the padded head tile per row (masks only)
-        for mode in (0, 1, 2):
-            if kv_bytes == 1 and mode == 0:
-                continue
-            kvd = "float8_e4m3fn" if kv_bytes == 1 else "bfloat16"
-            out.append({
-                "kernel": _qsa_prefill_union_fwd,
-                "name": f"qsa_prefill_union_mode{mode}_{kvd}_R{geo.tile_rows}_m{geo.head_tile}"
-                        f"_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}",
-                "signature": _signature("bfloat16", kvd),
-                "constexprs": {"PER_HEAD": False, "G": group, "HT": next_pow2(group),
-                               "R": geo.tile_rows, "M": geo.head_tile, "D": head_dim,
-                               "BLOCK_N": geo.block_n, "MODE": mode, "OFF64": mode == 2,
-                               "BP": 2},
-                "num_warps": geo.num_warps,
-                "num_stages": geo.num_stages,
-                "geometry": geo,
-                "attrs": _aligned(_qsa_prefill_union_fwd, _ALIGNED_ARGS),
-            })
-    return out
-
-
-#: pointers (16-byte aligned tensors) and the q/k/v/out strides (multiples of D): what a real
-#: launch specialises; the union and table strides depend on NB / max_context and are left out
-_ALIGNED_ARGS = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "ublk_ptr", "umem_ptr", "ulen_ptr",
-                 "cu_q_ptr", "cu_k_ptr", "kv_lens_ptr", "r2t_ptr", "req_idx_ptr", "stride_qt",
-                 "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh", "stride_ot",
-                 "stride_oh")
-
-
-def _aligned(kernel, names) -> dict:
-    return {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}

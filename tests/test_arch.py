@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from interop.arch import KNOWN_ARCHS, DeviceFacts, arch_name, parse_arch
+from interop.arch import (CI_ARCHS, KNOWN_ARCHS, KNOWN_PARTS, DeviceFacts, arch_name, capability,
+                          device_kind, parse_arch)
 from interop.contract import route
 
 PREFILL_OPS = ("prefill", "prefill_chunk", "prefill_paged")
@@ -43,6 +44,29 @@ def test_for_arch_and_device_kind():
     assert b.cc == (12, 0) and b.sm_count == 188
     assert DeviceFacts.from_device_kind("NVIDIA GB10").cc == (12, 1)
     assert DeviceFacts("x", (9, 0), 1, 1).triton_tuple == (0, 0)
+
+
+def test_parts_table_is_the_one_source():
+    """Every part names a known arch; each arch's first part is the device kind it is lowered
+    for; SM counts and shared memory come from the two tables only."""
+    assert all(arch in KNOWN_ARCHS and sms > 0 for arch, sms in KNOWN_PARTS.values())
+    assert [device_kind(a) for a in CI_ARCHS] == [
+        "NVIDIA H200", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "NVIDIA GB10"]
+    assert [capability(a) for a in CI_ARCHS] == [90, 120, 121]
+    for part, (arch, sms) in KNOWN_PARTS.items():
+        f = DeviceFacts.from_device_kind(part)
+        assert (f.arch, f.sm_count, f.smem_per_block) == (arch, sms, KNOWN_ARCHS[arch].smem_per_block)
+        assert part in KNOWN_ARCHS[arch].example_parts
+    with pytest.raises(ValueError):
+        device_kind("sm_75")
+    with pytest.raises(ValueError):
+        DeviceFacts.from_device_kind("Some Other Accelerator")
+
+
+def test_from_torch_refuses_a_cpu_device():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(RuntimeError, match="not a CUDA device"):
+        DeviceFacts.from_torch(torch.device("cpu"))
 
 
 def test_route_sm121_decode_exact_only():

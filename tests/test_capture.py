@@ -1,4 +1,4 @@
-"""interop.capture (format qsa-capture/1) and ``qsa replay`` / ``qsa capture``: round trips of
+"""interop.validate.capture (format qsa-capture/1) and ``qsa replay`` / ``qsa capture``: round trips of
 every dtype and metadata field, capture_call, replay of a CPU capture made by the real kernels
 and of a bf16 capture (as the GPU produces), failures named, bad files refused."""
 
@@ -12,9 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from interop import capture as CAP  # noqa: E402
-from interop import cli  # noqa: E402
-from interop import crosscheck as X  # noqa: E402
+from interop.validate import capture as CAP  # noqa: E402
+from interop.validate import cli  # noqa: E402
+from interop.validate import crosscheck as X  # noqa: E402
 from interop import reference as R  # noqa: E402
 from tests.test_crosscheck import _oracle, fakes  # noqa: E402
 
@@ -191,8 +191,8 @@ def test_gpu_capture_and_replay(tmp_path):
 
 
 def test_replay_of_a_capture_made_on_the_h200(capsys):
-    """A file captured on the H200 (`qsa capture` in bench/gpu_check_full.sh, run 6: Triton's
-    compiled paged prefill, sm_90) replays here on CPU: both implementations match the stored
+    """A file captured on the H200 (`qsa capture` of Triton's compiled paged prefill, sm_90)
+    replays here on CPU: both implementations match the stored
     GPU output and the FP64 reference; the metadata names the GPU."""
     from pathlib import Path
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from interop import cli
+from interop.validate import cli
 
 
 def test_contract_all_archs(capsys):
@@ -47,8 +47,8 @@ def test_plain_table_without_rich(capsys):
 
 
 def test_console_script_runs():
-    proc = subprocess.run([sys.executable, "-m", "interop.cli", "contract", "--arch", "sm_90"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "interop.validate.cli", "contract", "--arch",
+                           "sm_90"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "sm90-table" in proc.stdout
 
@@ -81,14 +81,15 @@ def compile_configs(arch):
 
 FAKE_PALLAS = '''
 import jax, jax.numpy as jnp
-from qsa_pallas.decode import decode_plan_for, sparse_decode
+from interop.plan import plan_decode
+from qsa_pallas.decode import _sparse_decode
 
 def lowering_cases(device_kind):
     sds = jax.ShapeDtypeStruct
-    plan = decode_plan_for(2, 12, 1, 64, 64, sm_count=48)
+    plan = plan_decode(2, 1, 12, 64, 64, sm_count=48, max_splits=2)
     args = (sds((2, 12, 64), jnp.float16), sds((128, 1, 64), jnp.float16),
             sds((128, 1, 64), jnp.float16), sds((3,), jnp.int32), sds((3,), jnp.int32))
-    fn = lambda q, k, v, cq, ck: sparse_decode(q, k, v, cq, ck, 64, interpret=False, plan=plan)
+    fn = lambda q, k, v, cq, ck: _sparse_decode(q, k, v, cq, ck, 64, interpret=False, plan=plan)
     return [("tiny_decode", fn, args)]
 '''
 
@@ -102,12 +103,12 @@ def _compile_cli(tmp_path, *argv, triton_mods="qsa_fake_triton_kernels",
     (tmp_path / "qsa_fake_pallas_cases.py").write_text(FAKE_PALLAS)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}",
-               QSA_COMPILE_TRITON_MODULES=triton_mods, QSA_COMPILE_PALLAS_MODULES=pallas_mods,
                JAX_PLATFORMS="cpu", TRITON_CACHE_DIR=str(tmp_path / "triton-cache"),
                COLUMNS="250")
     out = tmp_path / "compile.json"
-    proc = subprocess.run([sys.executable, "-m", "interop.cli", "compile", *argv, "--json",
-                           str(out)], capture_output=True, text=True, timeout=600, env=env)
+    mods = [f"--triton-modules={triton_mods}", f"--pallas-modules={pallas_mods}"]
+    proc = subprocess.run([sys.executable, "-m", "interop.validate.cli", "compile", *argv, *mods,
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, env=env)
     doc = _json.loads(out.read_text()) if out.exists() else None
     return proc, doc
 
@@ -154,7 +155,7 @@ def test_compile_bad_arguments(capsys):
 
 
 def test_parse_archs():
-    from interop.compile_check import parse_archs
+    from interop.validate.compile import parse_archs
 
     assert parse_archs(None) == ["sm_90", "sm_120", "sm_121"]
     assert parse_archs("121, sm_90,sm_121") == ["sm_121", "sm_90"]
@@ -162,15 +163,56 @@ def test_parse_archs():
         parse_archs("sm_80")
 
 
-def test_bench_dispatches_to_the_bench_scripts(capsys):
+def test_bench_without_a_benchmark_prints_a_real_usage(capsys):
+    assert cli.main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: qsa bench {decode,prefill} [OPTIONS...]")
+    assert "bench/decode.py" in err and "bench/prefill.py" in err and "--help" in err
+    assert "which" not in err and "rest" not in err  # no internal argparse names
+    assert cli.main(["bench", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: qsa bench")
+    assert cli.main(["bench", "attention"]) == 2
+    assert "unknown benchmark 'attention'; choose one of: decode, prefill" in capsys.readouterr().err
+
+
+def test_bench_help_is_the_benchmarks_own(capsys):
+    """`qsa bench decode --help` reaches bench/decode.py's parser: its real options, under the
+    name the user typed."""
     import importlib.util
 
     if importlib.util.find_spec("bench.decode") is None:
         pytest.skip("bench/decode.py not in this checkout")
+    for which in ("decode", "prefill"):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["bench", which, "--help"])
+        assert info.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: qsa bench {which}") and "--json" in out
+
+
+def test_top_level_help_lists_every_command(capsys):
     with pytest.raises(SystemExit) as info:
-        cli.main(["bench", "decode", "--help"])
+        cli.main(["--help"])
     assert info.value.code == 0
-    assert "--json" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as info:
-        cli.main(["bench", "attention"])
-    assert info.value.code == 2
+    out = capsys.readouterr().out
+    for command in ("contract", "check", "compile", "bench", "replay", "capture"):
+        assert f"    {command}" in out, command
+
+
+def test_capture_lists_the_case_names(capsys, tmp_path):
+    from interop import cases as C
+
+    assert cli.main(["capture", "--case", "nope", "--out", str(tmp_path / "x.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown case 'nope'" in err and "qsa capture --list" in err
+    for spec in C.quick_matrix():
+        assert spec.name in err, spec.name
+    assert not (tmp_path / "x.safetensors").exists()
+    assert cli.main(["capture", "--case", "TP2/B4/satur", "--out", str(tmp_path / "x")]) == 2
+    assert "did you mean: decode/TP2/B4/saturated" in capsys.readouterr().err
+    assert cli.main(["capture", "--list"]) == 0
+    names = capsys.readouterr().out.split()
+    assert len(names) == len(set(names)) and set(names) == {
+        s.name for s in C.quick_matrix() + C.full_matrix()}
+    assert cli.main(["capture", "--case", "decode/TP2/B1/short"]) == 2  # no --out
+    assert "--out FILE are required" in capsys.readouterr().err

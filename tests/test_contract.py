@@ -9,8 +9,9 @@ import contextlib
 import numpy as np
 import pytest
 
+from interop.arch import DeviceFacts
 from interop.contract import (ContractError, TensorSpec, check_decode, check_prefill,
-                              check_prefill_chunk, check_prefill_paged, spec_of,
+                              check_prefill_chunk, check_prefill_paged, exact_contract, spec_of,
                               validate_decode_metadata, validate_prefill_metadata)
 
 torch = pytest.importorskip("torch")
@@ -244,6 +245,24 @@ def test_torch_only_stride_rejections():
     with pytest.raises(ContractError) as info:
         run("decode", {"cu_seqlens_k": Strided((3,), "int32")}, "torch")
     assert info.value.arg == "cu_seqlens_k" and "contiguous" in str(info.value)
+
+
+@pytest.mark.parametrize("op", list(CHECKS))
+def test_requires_grad_refused_by_every_check(op):
+    """Forward-only: a torch tensor that requires grad is refused by the shared checker, naming
+    the argument; the spec records the flag (jax / numpy arrays never have it)."""
+    t = torch.zeros(base(op)[0][0][1], dtype=torch.bfloat16, requires_grad=True)
+    assert TensorSpec.from_torch(t).requires_grad and not spec_of(jnp.zeros(3)).requires_grad
+    with pytest.raises(ContractError, match="forward-only") as info:
+        run(op, {"q": t}, "torch")
+    assert info.value.arg == "q"
+
+
+def test_exact_contract_only_for_sm121_decode():
+    assert exact_contract(DeviceFacts.for_arch("sm_121"))
+    assert not exact_contract(DeviceFacts.for_arch("sm_121"), "prefill")
+    assert not any(exact_contract(DeviceFacts.for_arch(a)) for a in ("sm_90", "sm_100", "sm_120"))
+    assert not exact_contract(None)  # no GPU (interpreters)
 
 
 def test_per_head_indices_and_spec_of():

@@ -1,10 +1,6 @@
-"""Cross-framework decode: the same inputs through qsa_pallas (JAX) and qsa_triton (PyTorch),
-exchanged zero-copy with interop.dlpack, agree with each other and with the float64 reference
-(rtol = atol = 2e-2, relative L2 <= 5e-3). The Pallas side goes through the benchmark provider
-(``bench.pallas_decode_provider.make_provider``) so the benchmark path is what gets checked.
-
-CPU: Triton interpreter + Pallas interpret mode, tiny shapes. GPU (``-m gpu``): the H200, bf16,
-D = 256, TP1/TP2/TP4, saturated and mixed rows.
+"""The decode benchmark providers (``bench.decode.PROVIDERS``): the Pallas provider and its timing
+chain compute what ``interop.reference`` computes, and the chain lowers to N dependent decodes.
+(Pallas vs Triton vs the reference on the contract's cases is ``tests/conformance.py``.)
 """
 
 from __future__ import annotations
@@ -19,20 +15,14 @@ torch = pytest.importorskip("torch")
 # GPU backend initialises, i.e. on first use, after this line)
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 jax = pytest.importorskip("jax")
-try:
-    from interop.dlpack import to_jax, to_torch  # noqa: F401
-except ImportError as e:  # pragma: no cover - written in parallel by another helper
-    pytest.skip(f"interop.dlpack not importable yet: {e}", allow_module_level=True)
-try:
-    from qsa_triton import sparse_decode as triton_decode
-except ImportError as e:  # pragma: no cover
-    pytest.skip(f"qsa_triton.sparse_decode not importable yet: {e}", allow_module_level=True)
+from interop.dlpack import to_jax  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 
 import qsa_pallas  # noqa: E402
-from bench.pallas_decode_provider import make_context_providers, make_provider  # noqa: E402
-from interop.reference import decode_reference, rel_l2  # noqa: E402
+from bench.common import jax_chain, unrolled  # noqa: E402
+from bench.decode import PROVIDERS, DecodeInputs  # noqa: E402
+from interop.reference import rel_l2  # noqa: E402
 
 RTOL = ATOL = 2e-2
 REL_L2 = 5e-3
@@ -58,6 +48,12 @@ def _np(t):
     return t.detach().float().cpu().numpy()
 
 
+def make_provider(q, k, v, cq, ck, msk, scale=None):
+    """The benchmark's Pallas provider on these buffers (``call.once()``: one decode)."""
+    lens = (ck[1:] - ck[:-1]).tolist()
+    return PROVIDERS["pallas"].setup(DecodeInputs(q, k, v, cq, ck, msk, scale, lens))
+
+
 def _close(a, b, what):
     assert np.isfinite(a).all(), f"{what}: non-finite"
     np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=what)
@@ -65,137 +61,48 @@ def _close(a, b, what):
     assert err <= REL_L2, f"{what}: relative L2 {err:.2e} > {REL_L2}"
 
 
-def _cross(q, k, v, cq, ck, msk, scale=None, sample=None):
-    """Pallas (through the benchmark provider) vs Triton on every row; both vs the float64
-    reference on every row, or on ``sample`` sequences (first, last, longest, random) when given:
-    converting a B = 128 x 2051-row K/V to float64 on the host for every GPU case was the slow
-    part of the first H200 run."""
-    out_t = triton_decode(q, k, v, cq, ck, msk, scale)
-    pallas = make_provider(q, k, v, cq, ck, msk, scale)
-    out_p = pallas()
-    assert isinstance(out_p, torch.Tensor) and out_p.device == q.device
-    assert out_p.dtype == q.dtype and out_p.shape == q.shape
-    a, b = _np(out_p), _np(out_t)
-    _close(a, b, "pallas vs triton")
-    cqh, ckh = _np(cq).astype(np.int64), _np(ck).astype(np.int64)
-    nb = q.shape[0]
-    if sample is None or sample >= nb:
-        ref = decode_reference(_np(q), _np(k), _np(v), cqh, ckh, scale)
-        pick = np.arange(nb)
-    else:
-        lens = np.diff(ckh)
-        rng = np.random.default_rng(nb)
-        pick = np.array(sorted({0, nb - 1, int(lens.argmax())}
-                               | set(rng.choice(nb, sample, replace=False).tolist())))
-        rows = torch.as_tensor(np.concatenate([np.arange(ckh[s], ckh[s + 1]) for s in pick]),
-                               device=k.device)
-        sub_ck = np.concatenate([[0], np.cumsum(lens[pick])])
-        ref = decode_reference(_np(q[torch.as_tensor(cqh[pick], device=q.device)]),
-                               _np(k[rows]), _np(v[rows]), np.arange(len(pick) + 1), sub_ck, scale)
-    _close(a[pick], ref, "pallas vs reference")
-    _close(b[pick], ref, "triton vs reference")
-    empty = (ck[1:] == ck[:-1]).cpu().numpy()
-    assert (a[empty] == 0).all() and (b[empty] == 0).all(), "empty rows must be exact zeros"
-    return a, b
-
-
-@pytest.mark.parametrize("hq,hkv", [(24, 2), (12, 1), (6, 1)])
-def test_cross_cpu_fp16(hq, hkv):
-    if ON_GPU:
-        pytest.skip("CPU variant")
-    _cross(*_case(hq, [0, 1, 63, 64, 65, 130], hq, hkv, 64, torch.float16, "cpu"), 130)
-
-
-def test_cross_cpu_bf16_d256():
-    if ON_GPU:
-        pytest.skip("CPU variant")
-    pytest.importorskip("tests.triton_interp_patch", reason="bf16 Triton interpreter patch")
-    _cross(*_case(7, [40, 0, 3], 12, 1, 256, torch.bfloat16, "cpu"), 2051, 0.0625)
-
-
-def test_provider_inner_reps_chain():
-    """inner_reps = n runs n decodes back to back, each on the previous output (the timing
-    path): equal to applying sparse_decode n times."""
+def test_provider_chain():
+    """The timing path: the provider runs a chain of calls, each on the previous output, in one
+    jit (not capturable in a torch graph); a chain of n equals applying sparse_decode n times."""
     dev = "cuda" if ON_GPU else "cpu"
     q, k, v, cq, ck = _case(3, [20, 9, 33], 6, 1, 64, torch.float16, dev)
     # q row order must be the identity for the chain (out row s feeds q row s)
     cq = torch.arange(4, dtype=torch.int32, device=dev)
-    assert make_provider(q, k, v, cq, ck, 40, inner_reps=2).inner_reps == 64  # the fair minimum
-    f = make_provider(q, k, v, cq, ck, 40, inner_reps=3, min_timing_reps=0)
-    assert f.inner_reps == 3 and f.cuda_graph_capturable is False
+    p = make_provider(q, k, v, cq, ck, 40)
+    assert p.chain == 20 and p.capturable is False
+    f = jax_chain(qsa_pallas.sparse_decode, [q, k, v, cq, ck, 40, None], {}, 3)
     x = to_jax(q)
     for _ in range(3):
         x = qsa_pallas.sparse_decode(x, to_jax(k), to_jax(v), to_jax(cq), to_jax(ck), 40)
     np.testing.assert_allclose(_np(f()), np.asarray(x.astype(jnp.float32)), rtol=1e-3, atol=1e-3)
 
 
-def test_context_providers_match_reference():
-    """The JAX context peers compute the same attention (rows with >= 1 key)."""
-    dev = "cuda" if ON_GPU else "cpu"
-    # XLA:CPU has no fp16 x fp16 -> fp32 dot: the CPU variant runs the peers in fp32
-    dtype = torch.bfloat16 if ON_GPU else torch.float32
-    q, k, v, cq, ck = _case(5, [17, 64, 5], 12, 1, 64, dtype, dev)
-    include = (("jax_pallas_gqa", "jax_dpa_xla") if not ON_GPU
-               else ("jax_pallas_gqa", "jax_dpa_xla", "jax_dpa_cudnn"))
-    peers = make_context_providers(q, k, v, cq, ck, 64, include=include)
-    assert "jax_dpa_xla" in peers and "jax_pallas_gqa" in peers
-    ref = decode_reference(_np(q), _np(k), _np(v), _np(cq).astype(np.int64),
-                           _np(ck).astype(np.int64))
-    for name, f in peers.items():
-        # context peers return rows in sequence order: row s attends q[cu_q[s]]
-        _close(_np(f()), ref, name)
-
-
-# ---------------------------------------------------------------------------------------------
-TP = {"TP1": (24, 2), "TP2": (12, 1), "TP4": (6, 1)}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", ["saturated", "mixed"])
-@pytest.mark.parametrize("b", [1, 16, 128])
-@pytest.mark.parametrize("tp", sorted(TP))
-def test_cross_gpu(tp, b, rows):
-    if not ON_GPU:
-        pytest.skip("needs torch and jax on a CUDA GPU")
-    hq, hkv = TP[tp]
-    rng = np.random.default_rng(b)
-    lens = [2051] * b if rows == "saturated" else rng.integers(0, 2052, b).tolist()
-    _cross(*_case(b, lens, hq, hkv, 256, torch.bfloat16, "cuda"), 2051, sample=6)
-
-
-def test_timing_f32_reference_matches_interop_reference():
-    """The device FP32 reference of the Pallas-only timing run equals interop.reference."""
-    from bench.pallas_decode_provider import _f32_reference  # noqa: PLC0415
-
-    lens = [0, 7, 33, 1]
-    q, k, v, _, ck = _case(9, lens, 24, 2, 64, torch.float32, "cpu")
-    cq = np.arange(len(lens) + 1)
-    ref = decode_reference(_np(q), _np(k), _np(v), cq, _np(ck).astype(np.int64), 0.1)
-    got = _f32_reference(to_jax(q), to_jax(k), to_jax(v), _np(ck).astype(np.int64), 0.1)
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
-
-
 def test_timing_chain_lowers_to_n_decodes():
-    """The fair-timing chain (bench.pallas_decode_provider, N decodes in one jit) lowered for the
-    H200 with abstract devices: N calls of the one-decode function, whose body holds the two Triton
+    """The timing chain (``bench.common.unrolled``, N decodes in one jit) lowered for the H200
+    with abstract devices: N calls of the one-decode function, whose body holds the two Triton
     launches (split + merge), each call fed by the previous one's output (no CSE possible)."""
-    import functools  # noqa: PLC0415
     import re  # noqa: PLC0415
 
-    from bench.pallas_decode_provider import _chain, _pallas_step  # noqa: PLC0415
     from qsa_pallas import _compat as C  # noqa: PLC0415
+
+    def _pallas_step(q, k, v, cq, ck):
+        return qsa_pallas.sparse_decode(q, k, v, cq, ck, 40, interpret=False)
 
     n, b, hq, hkv, d, cap = 8, 4, 24, 2, 64, 4 * 40
     sds = jax.ShapeDtypeStruct
     args = (sds((b, hq, d), jnp.bfloat16), sds((cap, hkv, d), jnp.bfloat16),
             sds((cap, hkv, d), jnp.bfloat16), sds((b + 1,), jnp.int32), sds((b + 1,), jnp.int32))
-    step = functools.partial(_pallas_step, max_seqlen_k=40, scale=None, interpret=False, plan=None)
-    text = C.lower_for_device_kind(jax.jit(_chain(step, n)), args, "NVIDIA H200").as_text()
+    text = C.lower_for_device_kind(jax.jit(unrolled(jax.jit(_pallas_step), n)), args,
+                                   "NVIDIA H200").as_text()
     calls = re.findall(r"(%\S+) = (?:func\.)?call @_pallas_step\w*\((%\S+),", text)
     assert len(calls) == n, text[:2000]
     for (_, arg), (prev, _) in zip(calls[1:], calls[:-1]):
         assert arg == prev, "each decode must read the previous decode's output"
+    from qsa_pallas.decode import plan_for  # noqa: PLC0415
+
+    # a one-split plan runs as one launch (the split kernel writes the output), else split + merge
+    launches = 1 if plan_for(b, hkv, hq // hkv, d, 40)[1] == "direct" else 2
     bodies = re.split(r"func\.func ", text)
     for body in bodies:
         if body.startswith("private @_decode"):
-            assert body.count("custom_call @__gpu$xla.gpu.triton") == 2
+            assert body.count("custom_call @__gpu$xla.gpu.triton") == launches

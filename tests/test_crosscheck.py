@@ -1,4 +1,4 @@
-"""interop.crosscheck and ``qsa check``: the matrix as data, the batched float64 torch reference
+"""interop.validate.crosscheck and ``qsa check``: the matrix as data, the batched float64 torch reference
 against interop.reference, the runner's verdicts with injected (fake) kernels, the CLI's exit
 status / JSON / error messages, and a few real quick cases through both kernel families."""
 
@@ -13,11 +13,15 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from interop import cli  # noqa: E402
-from interop import crosscheck as X  # noqa: E402
+from interop.validate import cli  # noqa: E402
+from interop.validate import crosscheck as X  # noqa: E402
+from interop import cases as C  # noqa: E402
+from interop import indices as I  # noqa: E402
 from interop import reference as R  # noqa: E402
-from interop.contract import (TensorSpec, check_decode, check_prefill, check_prefill_chunk,  # noqa: E402
-                              check_prefill_paged)
+from interop.contract import (TensorSpec, check_decode, check_decode_paged,  # noqa: E402
+                              check_decode_step, check_indexer_decode, check_indexer_prefill,
+                              check_prefill, check_prefill_chunk, check_prefill_paged,
+                              check_prefill_step)
 
 
 # --------------------------------------------------------------------------------------------
@@ -50,9 +54,21 @@ def test_full_matrix_covers_the_issue():
 
 
 def _spec_call(s, strict):
-    """Check a spec's call against the contract with TensorSpecs (no allocation); decode of the
-    full matrix in strict mode (the qualified envelope)."""
+    """Check a spec's call against the contract with TensorSpecs (no allocation); the full
+    matrix in strict mode (the qualified envelope)."""
     T = lambda shape, dt="int32": TensorSpec(tuple(shape), dt)  # noqa: E731
+    if s.op in ("paged", "indexer", "step"):
+        d = C.case_data(s)
+        named = {n: T(shape, dt) for n, (shape, dt) in d.floats.items()}
+        named.update({n: T(a.shape) for n, a in d.ints.items()})
+        args, kwargs = d.arguments(named)
+        check = {"sparse_decode_paged": check_decode_paged,
+                 "indexer_select_decode": check_indexer_decode,
+                 "qsa_decode_step": check_decode_step, "qsa_prefill_step": check_prefill_step}
+        if d.entry == "indexer_select_prefill":
+            return check_indexer_prefill(*args[:4], positions=args[4], seq_lens=args[5],
+                                         strict=strict, **kwargs)
+        return check[d.entry](*args, **kwargs, strict=strict)
     if s.op == "decode":
         return check_decode(T((s.batch, s.hq, s.d), s.dtype), T((10, s.hkv, s.d), s.dtype),
                             T((10, s.hkv, s.d), s.dtype), T((s.batch + 1,)), T((s.batch + 1,)),
@@ -83,7 +99,7 @@ def test_every_case_is_inside_the_contract(matrix):
 def test_quick_matrix_is_small_and_fp16():
     quick = X.quick_matrix()
     names = X.iter_names(quick)
-    assert len(names) == len(set(names)) and 20 <= len(quick) <= 80
+    assert len(names) == len(set(names)) and 20 <= len(quick) <= 90
     assert all(s.dtype == "float16" for s in quick)
     assert sum(s.size for s in quick) < 2e8
     assert {s.kind for s in quick if s.op == "prefill"} == {"ordinary", "chunk", "paged"}
@@ -91,17 +107,139 @@ def test_quick_matrix_is_small_and_fp16():
     assert X.quick_matrix(["prefill"]) == [s for s in quick if s.op == "prefill"]
 
 
+def _window(data):
+    """Per row: (cap, validity bound, indices [H, W]) from a prefill CaseData."""
+    spec = data.spec
+    kv = None if spec.kind == "ordinary" else spec.kv_lens
+    _, _, visible, bound = I.row_layout(spec.q_lens, kv)
+    idx = data.ints["indices"]
+    idx3 = idx if idx.ndim == 3 else idx[:, None, :]
+    return np.minimum(idx.shape[-1], visible), bound, idx3
+
+
+def test_edge_cases_are_what_their_names_say():
+    edge = C.by_name(C.edge_cases())
+    assert set(edge) <= set(C.by_name(C.quick_matrix())) and set(edge) <= set(
+        C.by_name(C.conformance_matrix()))
+    d = C.case_data(edge["decode/TP2/B3/all-empty"])
+    assert d.empty.all() and d.poison[int(d.ints["cu_seqlens_k"][-1]):].all()
+    for name in ("prefill/chunk/junk-inside/G6xHkv1",
+                 "prefill/ordinary/junk-inside/per-head/G3xHkv2"):
+        cap, bound, idx = _window(C.case_data(edge[name]))
+        seen = set()
+        for t in range(idx.shape[0]):
+            for col in {0, cap[t] // 2, cap[t] - 1}:
+                v = idx[t, :, col]
+                assert ((v < 0) | (v >= bound[t])).all(), (name, t, col)
+                seen |= {int(x) - int(bound[t]) if x >= 0 else int(x) for x in v}
+        assert seen == {-1, -7, 0, 19}  # -1, -7, len, len + 19
+    for name in ("prefill/paged/duplicates/G12xHkv1",
+                 "prefill/chunk/duplicates+junk-inside/per-head/G12xHkv2"):
+        cap, bound, idx = _window(C.case_data(edge[name]))
+        dup = 0
+        for t in range(idx.shape[0]):
+            src = idx[t, :, min(1, cap[t] - 1)]
+            for col in {min(2, cap[t] - 1), max(cap[t] - 2, 0)}:
+                assert (idx[t, :, col] == src).all()
+            dup += int(cap[t] >= 6 and ((src >= 0) & (src < bound[t])).all())
+        assert dup >= 3  # rows where a valid position really is attended three times
+    for name in ("prefill/paged/poison/G12xHkv1", "prefill/chunk/poison+fp8/per-head/G6xHkv2"):
+        data = C.case_data(edge[name])
+        cap, bound, idx = _window(data)
+        spec = data.spec
+        assert data.poison.any() and not data.poison.all()
+        if spec.kind == "paged":  # table entries past kv_len name slots past the pool
+            st, kv_rows = C.slot_table_of(data.ints), data.floats["k_cache"][0][0]
+            past = np.arange(st.shape[1])[None, :] >= np.asarray(spec.kv_lens)[:, None]
+            assert past.any() and (st[past] >= kv_rows).all() and (st[~past] < kv_rows).all()
+        for t, (req, _, _, _) in enumerate(zip(*I.row_layout(spec.q_lens, spec.kv_lens))):
+            for h in range(spec.hkv):
+                sel = idx[t, h if idx.shape[1] > 1 else 0, :cap[t]]
+                sel = sel[(sel >= 0) & (sel < bound[t])]
+                rows = (C.slot_table_of(data.ints)[req, sel] if spec.kind == "paged"
+                        else data.ints["cu_seqlens_k"][req] + sel)
+                assert not data.poison[rows, h].any(), (name, t, h)
+    for name in ("prefill/chunk/max_seqlen_q-hint-2/G12xHkv1",
+                 "prefill/paged/max_seqlen_q-hint-1/G6xHkv1",
+                 "prefill/ordinary/max_seqlen_q-hint-3/G3xHkv1"):
+        spec = edge[name]
+        assert C.case_data(spec).scalars["max_seqlen_q"] == spec.max_q_hint < max(spec.q_lens)
+
+
 def test_select_ops():
-    assert X.select_ops(None) == ("decode", "prefill")
+    assert X.select_ops(None) == ("decode", "prefill", "paged", "indexer", "step")
     assert X.select_ops("prefill, decode,prefill") == ("prefill", "decode")
+    assert X.select_ops("paged,indexer,step") == ("paged", "indexer", "step")
     for bad in ("decodes", "decode,attention", ",", ""):
-        with pytest.raises(ValueError, match="allowed: decode, prefill"):
+        with pytest.raises(ValueError, match="allowed: decode, prefill, paged, indexer, step"):
             X.select_ops(bad)
 
 
 # --------------------------------------------------------------------------------------------
+# The paged decode, indexer and step cases (issue 18 item 4).
+def test_new_ops_in_both_matrices():
+    """Quick (CPU): every new op, the indexer and the step in decode and prefill form, with a
+    top-k small enough that rows really drop blocks. Full (GPU): production shapes (topk 512,
+    D 256, the TP rank shapes, B up to 128, 32k context), FP8, MTP rows, junk."""
+    quick, full = X.quick_matrix(), X.full_matrix()
+    for specs, topk in ((quick, 16), (full, 512)):
+        by_op = {op: [s for s in specs if s.op == op] for op in ("paged", "indexer", "step")}
+        assert all(by_op.values())
+        for op in ("indexer", "step"):
+            assert {s.kind for s in by_op[op]} == {"decode", "prefill"}
+            assert all(s.topk == topk for s in by_op[op])
+            for s in by_op[op]:
+                lens = getattr(s, "seq_lens", ()) or getattr(s, "kv_lens", ()) or s.context_lens
+                if s.kind == "decode":
+                    assert max(lens) // 4 > s.topk, s.name  # some row drops blocks
+        assert any(getattr(s, "kv_dtype", None) == "float8_e4m3fn" for s in by_op["step"])
+    full_step = [s for s in full if s.op == "step"]
+    assert {s.hq for s in full_step} >= {24, 12, 6} and all(s.d == 256 for s in full_step)
+    assert max(s.rows for s in full_step if s.kind == "decode") == 128
+    assert max(max(s.context_lens) for s in full_step) >= 32768
+    assert any(s.rows_per_request > 1 for s in full if s.op == "paged")
+    assert X.full_matrix(["step"]) == full_step
+
+
+@pytest.mark.parametrize("name", ["indexer/decode/topk16", "indexer/prefill/topk16",
+                                  "step/decode/TP1/fp8/shared-pages/topk16"])
+def test_new_case_data_is_what_it_claims(name):
+    spec = C.by_name(X.quick_matrix())[name]
+    d = C.case_data(spec)
+    v = d.values()
+    if spec.op == "indexer":
+        assert set(d.integer_valued) == set(d.floats)  # exact FP32 logits
+        for n in d.floats:
+            assert np.array_equal(v[n], np.round(v[n])) and np.abs(v[n]).max() <= 2
+        assert (v["q"][list(spec.zero_q_rows)] == 0).all()
+        ref = C.reference(d.entry, {**d.scalars, **d.ints, **v})
+        assert ref.dtype == np.int32 and ref.shape == (spec.rows, 4 * spec.topk + 3)
+        return
+    # the step: shared pages (pool smaller than the requests), poison on every unowned slot,
+    # the index page table naming the KV pages of each request's visible blocks
+    assert d.ints["index_page_table"].shape[0] == len(spec.context_lens)
+    assert d.floats["k_cache"][0][0] == spec.pool_pages * 64
+    assert np.isnan(v["k_cache"][d.poison]).all() and not np.isnan(v["k_cache"][~d.poison]).any()
+    rt, req = d.ints["req_to_token"], d.ints["req_indices"]
+    for r, ctx in enumerate(spec.context_lens):
+        need = -(-(ctx // 4) // 16)
+        np.testing.assert_array_equal(d.ints["index_page_table"][r, :need],
+                                      rt[req[r], np.arange(need) * 64] // 64)
+
+
+def test_integer_ref_is_judged_exactly():
+    ref = np.array([[0, 1, 2, -1], [4, 5, -1, -1]], np.int32)
+    assert C.compare(ref.astype(np.float64), ref)["passed"]
+    off = ref.astype(np.float64)
+    off[1, 1] = 6
+    r = C.compare(off, ref)
+    assert not r["passed"] and r["mismatched_rows"] == 1 and r["rel_l2"] == 0.5
+
+
+# --------------------------------------------------------------------------------------------
 # References.
-SMALL = [s for s in X.quick_matrix() if s.op == "prefill" and s.d == 64][::2] + [
+_EDGE = [s for s in C.edge_cases(("prefill",))]
+SMALL = [s for s in X.quick_matrix() if s.op == "prefill" and s.d == 64 and s not in _EDGE][::3] + _EDGE + [
     X.PrefillSpec("p/paged/per-head/fp8", "paged", 6, 2, 32, (5, 4), (40, 9), width=11,
                   dtype="float16", kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0,
                   per_head=True, junk="mixed", empty_rows=(2,)),
@@ -147,6 +285,10 @@ def _np(t):
 
 
 def _oracle(entry):
+    if entry not in ("sparse_decode", "sparse_prefill", "sparse_prefill_chunk",
+                     "sparse_prefill_paged"):
+        return _generic_oracle(entry)
+
     def fn(*a, softmax_scale=None, k_scale=1.0, v_scale=1.0, **_):
         q = a[0]
         if entry == "sparse_decode":
@@ -167,6 +309,18 @@ def _oracle(entry):
     return fn
 
 
+def _generic_oracle(entry):
+    """``interop.cases.reference`` on the torch arguments (paged decode, indexer, step)."""
+    def fn(*a, **kw):
+        pos, _ = X.PARAMS[entry]
+        named = {n: (x.detach().float().numpy().astype(np.float64) if x.is_floating_point()
+                     else x.numpy()) if isinstance(x, torch.Tensor) else x
+                 for n, x in zip(pos, a)}
+        out = C.reference(entry, {**named, **kw})
+        return torch.as_tensor(out).to(a[0].dtype if out.dtype.kind == "f" else torch.int32)
+    return fn
+
+
 def _jax_oracle(entry):
     """The oracle behind a jax-framework implementation (inputs arrive as jax arrays)."""
     base = _oracle(entry)
@@ -176,11 +330,14 @@ def _jax_oracle(entry):
         targs = [torch.from_numpy(np.array(x.astype(jnp.float32) if x.dtype not in (jnp.int32,)
                                            else x)) if isinstance(x, jax.Array) else x for x in a]
         dt = a[0].dtype
-        return jnp.asarray(base(*targs, **kw).float().numpy()).astype(dt)
+        out = base(*targs, **kw)
+        if not out.is_floating_point():
+            return jnp.asarray(out.numpy())
+        return jnp.asarray(out.float().numpy()).astype(dt)
     return fn
 
 
-def fakes(wrong_case: str | None = None, how: str = "offset"):
+def fakes(wrong_case: str | None = None, how: str = "offset"):  # noqa: C901
     """Correct torch + jax implementations; with ``wrong_case``, the torch one is broken on the
     case whose first query value matches (identified through the runner's seeded inputs)."""
     target = None
@@ -197,7 +354,10 @@ def fakes(wrong_case: str | None = None, how: str = "offset"):
                 (x.shape == y.shape and torch.equal(x.float().nan_to_num(7.0), y.float().nan_to_num(7.0)))
                 if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, target))
             if same:
-                if how == "offset":
+                if how == "offset" and not out.is_floating_point():  # one token position off
+                    out = out.clone()
+                    out[0, 0] += 1
+                elif how == "offset":
                     out = out + 0.25
                 elif how == "nan":
                     out[0, 0, 0] = float("nan")
@@ -232,6 +392,28 @@ def test_runner_names_a_wrong_result(how, needle):
     assert r.impl["pallas"]["passed"]
     summary = X.summarize([r], ["triton", "pallas"])
     assert summary["decode"]["failed"] == [name] and summary["decode"]["worst_case"] == name
+
+
+@pytest.mark.parametrize("name", ["paged/TP2/mtp2+junk+dup/W35", "indexer/prefill/topk16",
+                                  "step/prefill/G6xHkv1/topk16"])
+def test_runner_new_ops_pass_with_correct_fakes(name):
+    spec = C.by_name(X.quick_matrix())[name]
+    r = X.run_case(spec, fakes())
+    assert r.passed, r.failures
+    assert r.pair_ok and r.impl["triton"]["rel_l2"] < 1e-3
+    if spec.op == "indexer":
+        assert r.pair_max_abs == 0.0 and r.impl["pallas"]["mismatched_rows"] == 0
+
+
+def test_runner_names_a_wrong_selection():
+    """One token position off in one row: the indexer case fails by exact comparison (a float
+    tolerance would have let a difference of 1 pass), and Pallas vs Triton is reported too."""
+    name = "indexer/decode/fp8-keys/topk16"
+    r = X.run_case(C.by_name(X.quick_matrix())[name], fakes(name, "offset"))
+    assert not r.passed and r.impl["pallas"]["passed"]
+    assert any(f.startswith("triton: 1 of 3 rows differ") for f in r.failures), r.failures
+    assert "pallas vs triton: different token positions" in r.failures
+    assert X.summarize([r], ["triton", "pallas"])["indexer"]["failed"] == [name]
 
 
 def test_runner_checks_exact_zeros_on_empty_rows():
@@ -286,6 +468,22 @@ def test_cli_check_passes_and_writes_json(monkeypatch, tmp_path, capsys):
     assert "rel L2 pallas" in capsys.readouterr().out
 
 
+def test_cli_check_new_ops(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "load_check_implementations", lambda interpret: fakes())
+    out = tmp_path / "new.json"
+    rc = cli.main(["check", "--quick", "--ops", "indexer,step", "--filter", "decode",
+                   "--json", str(out), "--interpret"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "indexer: 2/2 passed" in text and "step: 2/2 passed" in text
+    doc = json.loads(out.read_text())
+    assert doc["ops"] == ["indexer", "step"] and doc["summary"]["indexer"]["passed"] == 2
+    # capture files hold attention calls only: a step case is refused with the reason
+    assert cli.main(["capture", "--case", "step/decode/TP2/topk16", "--out",
+                     str(tmp_path / "c.safetensors"), "--interpret"]) == 2
+    assert "attention entry points" in capsys.readouterr().err
+
+
 def test_cli_check_fails_and_names_the_case(monkeypatch, capsys, tmp_path):
     name = "decode/TP2/B4/short"
     monkeypatch.setattr(cli, "load_check_implementations", lambda interpret: fakes(name))
@@ -311,20 +509,33 @@ def test_cli_check_bad_ops_and_filter(capsys):
 
 # --------------------------------------------------------------------------------------------
 # Real kernels (interpret mode): a few quick cases through both families.
-REAL = ["decode/TP1/B4/saturated", "decode/TP2/B4/saturated+poison",
-        "prefill/chunk/fp8/G12xHkv1", "prefill/paged/fp8+empty/G6xHkv2",
-        "prefill/ordinary/junk-mixed+empty/G12xHkv2"]
+# the runner's real path (torch inputs, zero-copy into jax); the kernels' correctness over the
+# cases is tests/conformance.py
+REAL = ["decode/TP2/B4/saturated+poison", "prefill/paged/fp8+empty/G6xHkv2",
+        "paged/TP2/mtp2+junk+dup/W35", "indexer/decode/fp8-keys/topk16",
+        "step/decode/TP2/topk16"]
 
 
 @pytest.mark.parametrize("name", REAL)
 def test_real_kernels_quick_cases(name):
     impls = X.load_implementations(interpret=True)
     spec = next(s for s in X.quick_matrix() if s.name == name)
-    if not all(X.ENTRY[getattr(spec, "kind", "decode")] in i.fns for i in impls):
+    entry = C.case_data(spec).entry
+    if not all(entry in i.fns for i in impls):
         pytest.skip("an entry point is not written yet")
     r = X.run_case(spec, impls)
     assert r.passed, r.failures
     assert r.impl["triton"]["rel_l2"] <= X.REL_L2 and r.impl["pallas"]["rel_l2"] <= X.REL_L2
+
+
+@pytest.mark.gpu
+def test_gpu_full_matrix_new_ops_sample(tmp_path):
+    """On the GPU: a slice of the full matrix's paged decode, indexer and step cases (the lead
+    runs them all with ``qsa check --full --ops paged,indexer,step``)."""
+    rc = cli.main(["check", "--full", "--ops", "paged,indexer,step", "--filter",
+                   "paged/TP2/B64,indexer/decode/edges,step/decode/TP2/B16",
+                   "--json", str(tmp_path / "new_ops.json")])
+    assert rc == 0
 
 
 @pytest.mark.gpu
@@ -358,7 +569,7 @@ def test_peer_indices_maps_every_invalid_entry_to_minus_one():
     per request (ragged) and per KV head."""
     import torch
 
-    from interop.crosscheck import peer_indices
+    from interop.validate.crosscheck import peer_indices
 
     cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
     lens = torch.tensor([4, 10], dtype=torch.int32)
@@ -381,7 +592,7 @@ def test_peer_prefill_skip_reasons():
     """The upstream oracle sits out exactly the full-matrix cases outside its own contract (rows
     with no valid entry; per-head paged indices), with the reason printed; junk values alone
     never exclude a case (they are mapped to -1)."""
-    from interop.crosscheck import peer_prefill_skip
+    from interop.validate.crosscheck import peer_prefill_skip
 
     reasons = {s.name: peer_prefill_skip(s) for s in X.full_matrix(("prefill",))}
     skipped = {n for n, r in reasons.items() if r}

@@ -16,7 +16,6 @@ Acceptance (qsa-contract.md §6): rtol = atol = 2e-2 elementwise and relative L2
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 
@@ -35,7 +34,7 @@ from interop.contract import ContractError, check_decode  # noqa: E402
 from interop.plan import DecodePlan  # noqa: E402
 from interop.reference import decode_reference, rel_l2  # noqa: E402
 from qsa_pallas import _compat as C  # noqa: E402
-from qsa_pallas.decode import decode_plan_for  # noqa: E402
+from qsa_pallas import decode as dec  # noqa: E402
 
 RTOL = ATOL = 2e-2
 REL_L2 = 5e-3
@@ -78,9 +77,12 @@ def assert_close(out, ref):
     assert err <= REL_L2, f"relative L2 {err:.2e} > {REL_L2}"
 
 
-def run(q, k, v, cq, ck, msk, scale=None, **kw):
-    return qsa_pallas.sparse_decode(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                    jnp.asarray(cq), jnp.asarray(ck), msk, scale, **kw)
+def run(q, k, v, cq, ck, msk, scale=None, *, plan=None, **kw):
+    """``sparse_decode`` (``plan``: a forced plan, through the private ``_sparse_decode``)."""
+    fn = qsa_pallas.sparse_decode if plan is None else functools.partial(dec._sparse_decode,
+                                                                         plan=plan)
+    return fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(cq), jnp.asarray(ck),
+              msk, scale, **kw)
 
 
 def edge_lengths(rng, bn):
@@ -100,7 +102,7 @@ def test_interpret_default_on_cpu():
 def test_head_pairs_edge_lengths(hq, hkv):
     rng = np.random.default_rng(hq * 10 + hkv)
     d = 64
-    bn = decode_plan_for(7, hq, hkv, d, 200).block_n
+    bn = dec.plan_for(7, hkv, hq // hkv, d, 200)[0].block_n
     lens = edge_lengths(rng, bn)
     q, k, v, cq, ck = make_case(rng, lens, hq, hkv, d, permute_q=True)
     msk = max(lens)
@@ -136,25 +138,28 @@ def test_forced_splits_and_rows_longer_than_bound(max_splits, block_n):
 
 
 @pytest.mark.parametrize("hq,hkv", [(24, 2), (6, 1), (3, 1)])
-def test_direct_one_split_path(hq, hkv):
-    """direct=True with a one-split plan: the split kernel writes [B, Hq, D] itself (padding
-    lanes first, masked), no merge; edge lengths incl. 0, a permuted q order, NaN past the rows."""
+def test_one_split_plan_runs_the_direct_path(hq, hkv):
+    """A one-split plan (the shipped choice where B x Hkv >= SMs): the split kernel writes
+    [B, Hq, D] itself (padding lanes first, masked), no merge kernel; edge lengths incl. 0, a
+    permuted q order, NaN past the rows."""
     rng = np.random.default_rng(hq + 50)
     bn = 16
     lens = edge_lengths(rng, bn)
     q, k, v, cq, ck = make_case(rng, lens, hq, hkv, 64, permute_q=True, poison=np.nan)
-    plan = dataclasses.replace(decode_plan_for(len(lens), hq, hkv, 64, 3 * bn + 5, block_n=bn),
-                               max_splits=1)
-    out = run(q, k, v, cq, ck, 3 * bn + 5, plan=plan, direct=True)
+    plan = DecodePlan(16, bn, 1, 1, 4, 2)
+    out = run(q, k, v, cq, ck, 3 * bn + 5, plan=plan)
     assert_close(out, reference(q, k, v, cq, ck))
     assert (np.asarray(out)[np.asarray(lens) == 0] == 0).all()
     sds = jax.ShapeDtypeStruct
     args = (sds(q.shape, jnp.float16), sds(k.shape, jnp.float16), sds(v.shape, jnp.float16),
             sds(cq.shape, jnp.int32), sds(ck.shape, jnp.int32))
     lowered = C.lower_for_device_kind(
-        lambda *a: qsa_pallas.sparse_decode(*a, 3 * bn + 5, interpret=False, plan=plan,
-                                            direct=True), args, "NVIDIA H200")
+        lambda *a: dec._sparse_decode(*a, 3 * bn + 5, interpret=False, plan=plan), args,
+        "NVIDIA H200")
     assert [m.name for m in C.triton_modules(lowered)] == ["qsa_decode_direct"]
+    # the shipped plan picks it where B x Hkv fills the SMs
+    assert dec.plan_for(132, 1, 12, 64, 2051)[1] == "direct"
+    assert dec.plan_for(4, 1, 12, 64, 2051)[1] == "kernel"
 
 
 def test_all_rows_empty_and_zero_capacity():
@@ -437,12 +442,9 @@ def test_jitted_multilayer_decode_step_donated_kv():
 # checked against interop.reference in tests/test_cross_decode.py) and a sample of rows against the
 # float64 interop.reference (converting all of K/V to float64 on the host for every case was the
 # slow part of the first H200 run).
-# The issue's full decode suite (every B in 1..16 plus 17, 24, 32, 48, 64, 96, 128): B is a static
-# shape, so each B costs one compile (~3-4 s on the H200); QSA_GPU_SUITE=quick keeps a sample that
-# covers the plan's boundaries (3, 17, 48) for short runs.
-FULL_SUITE_B = list(range(1, 17)) + [17, 24, 32, 48, 64, 96, 128]
-SUITE_B = ([1, 3, 4, 16, 17, 32, 48, 64, 128] if os.environ.get("QSA_GPU_SUITE") == "quick"
-           else FULL_SUITE_B)
+# B is a static shape, so each B costs one compile: the test keeps a sample that covers the plan's
+# boundaries (3, 17, 48); `qsa check --full` runs every B in 1..16, 17, 24, 32, 48, 64, 96, 128.
+SUITE_B = [1, 3, 4, 16, 17, 32, 48, 64, 128]
 TP = {"TP1": (24, 2), "TP2": (12, 1), "TP4": (6, 1)}
 MSK = 2051
 GPU_D = 256

@@ -27,7 +27,8 @@ from interop.arch import CI_ARCHS, DeviceFacts, capability, device_kind  # noqa:
 from interop.contract import QUALIFIED, ContractError  # noqa: E402
 from interop.plan import DecodePlan  # noqa: E402
 from qsa_pallas import _compat as C  # noqa: E402
-from qsa_pallas.decode import decode_plan_for, sparse_decode  # noqa: E402
+from qsa_pallas import decode as dec  # noqa: E402
+from qsa_pallas.decode import sparse_decode  # noqa: E402
 
 SDS = jax.ShapeDtypeStruct
 KINDS = [device_kind(a) for a in CI_ARCHS]  # H200, RTX PRO 6000 Workstation, GB10
@@ -46,9 +47,14 @@ def _args(b, hq, hkv, d, cap, dtype=jnp.bfloat16):
 
 def _lower(kind, b, hq, hkv, d, msk, plan=None, dtype=jnp.bfloat16):
     cap = b * msk + 16
-    fn = lambda q, k, v, cq, ck: sparse_decode(q, k, v, cq, ck, msk, interpret=False,  # noqa: E731
-                                              plan=plan)
+    fn = lambda q, k, v, cq, ck: dec._sparse_decode(q, k, v, cq, ck, msk,  # noqa: E731
+                                                   interpret=False, plan=plan)
     return C.lower_for_device_kind(fn, _args(b, hq, hkv, d, cap, dtype), kind)
+
+
+def _kernel_names(plan):
+    """The Pallas kernels a plan lowers to: one launch for a one-split plan, else split + merge."""
+    return ["qsa_decode_direct"] if plan.max_splits == 1 else ["qsa_decode_split", "qsa_decode_merge"]
 
 
 def _triton_or_skip():
@@ -82,13 +88,15 @@ def test_decode_lowers_and_compiles_for_cuda(kind, shape):
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text
     mods = C.triton_modules(lowered)
-    assert [m.name for m in mods] == ["qsa_decode_split", "qsa_decode_merge"]
-    split, merge = mods
-    facts = DeviceFacts.from_device_kind(kind)
-    plan = decode_plan_for(b, hq, hkv, d, msk, sm_count=facts.sm_count)
+    with jax.sharding.use_abstract_mesh(C.abstract_mesh(kind)):
+        plan, merge_mode = dec.plan_for(b, hkv, hq // hkv, d, msk)
+    assert [m.name for m in mods] == _kernel_names(plan)
+    assert (merge_mode == "direct") is (plan.max_splits == 1)
+    split = mods[0]
     assert split.grid == (b, hkv, plan.max_splits)
     assert (split.num_warps, split.num_stages) == (plan.num_warps, plan.num_stages)
-    assert merge.grid[:2] == (b, hq) and d % merge.grid[2] == 0
+    if len(mods) == 2:
+        assert mods[1].grid[:2] == (b, hq) and d % mods[1].grid[2] == 0
     assert "tt.dot" in split.text(), "the QK and PV products must lower to tensor-core dots"
     for mod in mods:
         assert "atomic" not in mod.text(), "no atomics (int32 vector atomics: no-op on the H200)"
@@ -118,7 +126,6 @@ def test_interpret_mode_accepts_what_the_gpu_lowering_rejects():
     import numpy as np  # noqa: PLC0415
 
     from interop.contract import ContractError  # noqa: PLC0415
-    from qsa_pallas.decode import decode_partials  # noqa: PLC0415
 
     bad = DecodePlan(head_tile=12, block_n=16, max_splits=2, min_blocks_per_split=1, num_warps=4,
                      num_stages=2)
@@ -127,24 +134,27 @@ def test_interpret_mode_accepts_what_the_gpu_lowering_rejects():
     k = jnp.asarray(rng.standard_normal((40, 1, 64)), jnp.float16)
     cq = jnp.arange(3, dtype=jnp.int32)
     ck = jnp.asarray([0, 17, 40], jnp.int32)
-    o, lse = decode_partials(q, k, k, cq, ck, plan=bad, softmax_scale=0.125, interpret=True)
+    o, lse = dec._split_call(q, k, k, cq, ck, plan=bad, softmax_scale=0.125, interpret=True,
+                             direct=False)
     assert np.isfinite(np.asarray(lse)).all()
-    raw = lambda q, k, v, cq, ck: decode_partials(q, k, v, cq, ck, plan=bad,  # noqa: E731
-                                                  softmax_scale=0.125, interpret=False)
+    raw = lambda q, k, v, cq, ck: dec._split_call(q, k, v, cq, ck, plan=bad,  # noqa: E731
+                                                  softmax_scale=0.125, interpret=False,
+                                                  direct=False)
     with pytest.raises(Exception, match="power of 2"):
         C.lower_for_device_kind(raw, _args(2, 12, 1, 64, 40, jnp.float16), "NVIDIA H200")
     with pytest.raises(ContractError, match="head_tile"):
-        sparse_decode(q, k, k, cq, ck, 32, interpret=True, plan=bad)
+        dec._sparse_decode(q, k, k, cq, ck, 32, interpret=True, plan=bad)
 
 
 def test_oversized_plan_is_clamped_to_sm12x_shared_memory():
     """BLOCK_N = 128 with 3 stages (~260 KB) would not launch on sm_120/sm_121 (101,376 B):
-    ``decode_plan_for`` lowers num_stages under those device kinds; the compiled kernel fits."""
-    from qsa_pallas.decode import decode_plan_for as plan_for  # noqa: PLC0415
+    ``interop.plan.fit_shared_memory`` lowers num_stages for those limits; the compiled kernel
+    fits."""
+    from interop.plan import fit_shared_memory, plan_decode  # noqa: PLC0415
 
     for kind in KINDS[1:]:
-        with jax.sharding.use_abstract_mesh(C.abstract_mesh(kind)):
-            plan = plan_for(8, 12, 1, 256, 2051, block_n=128)
+        plan = fit_shared_memory(plan_decode(8, 1, 12, 256, 2051, block_n=128), head_dim=256,
+                                 limit=_cap_limit(kind)[1])
         assert plan.num_stages < 3
         lowered = _lower(kind, 8, 12, 1, 256, 2051, plan=plan)
         _triton_or_skip()
@@ -170,17 +180,20 @@ def test_kv_buffers_past_4_gib_use_64_bit_offsets():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_planned_configuration_lowers(kind):
-    """``qsa_pallas.decode.lowering_cases``: every distinct plan the shared planner picks on this
+    """``interop.validate.compile.pallas_decode_cases`` (what ``qsa compile`` lowers): every
+    distinct plan the shared planner picks on this
     device for TP1/TP2/TP4 x B = 1..128 lowers (both kernels, no atomics); the smallest and the
     largest batch are also compiled and checked against the shared-memory limit."""
-    from qsa_pallas.decode import lowering_cases  # noqa: PLC0415
+    from interop.validate.compile import pallas_decode_cases  # noqa: PLC0415
 
-    cases = lowering_cases(kind)
+    cases = pallas_decode_cases(kind)
     assert cases
     lowered = {}
     for name, fn, args in cases:
         mods = C.triton_modules(C.lower_for_device_kind(fn, args, kind))
-        assert [m.name for m in mods] == ["qsa_decode_split", "qsa_decode_merge"], name
+        one_split = "_s1_" in name
+        assert [m.name for m in mods] == _kernel_names(
+            DecodePlan(16, 16, 1 if one_split else 2, 1, 4, 1)), name
         assert not any("atomic" in m.text() for m in mods), name
         lowered[name] = mods
     _triton_or_skip()

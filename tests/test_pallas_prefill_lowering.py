@@ -169,11 +169,13 @@ def test_64bit_offsets_exactly_for_pools_past_4gib():
 
 
 def test_lowering_cases_cover_every_variant_and_lower():
-    """``qsa_pallas.prefill.lowering_cases`` (what ``qsa compile`` lowers): every variant for
+    """``interop.validate.compile.pallas_prefill_cases`` (what ``qsa compile`` lowers): every variant for
     each fitted selector geometry; a sample of them lowers to exactly one prefill kernel with the
     case's launch parameters (the full set is compiled by ``qsa compile``)."""
     kind = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
-    cases = P.lowering_cases(kind)
+    from interop.validate.compile import pallas_prefill_cases  # noqa: PLC0415
+
+    cases = pallas_prefill_cases(kind)
     names = [n for n, _, _ in cases]
     assert len(names) == len(set(names))
     for variant in ("ordinary_bf16", "chunk_bf16", "chunk_fp8", "paged_bf16", "paged_fp8"):

@@ -1,0 +1,392 @@
+"""QSA indexer benchmark (issue 18): scoring + exact top-512 + expansion, decode and prefill.
+
+  python3 -m bench.indexer [--mode decode|prefill] [--providers A,..] [--batches ..]
+                           [--contexts ..] [--json F]      time and check (GPU)
+  python3 -m bench.indexer --smoke-cpu                     code paths on CPU, no timing
+  python3 -m bench.indexer --compare OLD_TREE              this checkout's kernels vs another's
+
+Cases: decode B in {1, 16, 64, 128} x context {8k, 32k, 128k, 256k} tokens (every row a little
+shorter than the context, 16-block pages scattered over the cache, -1 past each row); prefill
+8192 query rows of one request at the end of a 32k (or 128k) context. q and compressed keys
+N(0, 1) bf16, 4 heads x 128. Every provider returns the 2051-wide token rows.
+
+Providers: ``triton`` / ``pallas`` (``qsa_{triton,pallas}.indexer_select_*``; Pallas as a chain
+of calls in one ``jax.jit``, each call's lengths made to depend on the previous output);
+``triton_rb4`` and ``triton_c2x``: the Triton kernels under two private plan overrides (4-bit
+radix rounds in both passes; twice the pass-1 chunk); ``torch``: upstream's reference path
+(gather the paged keys, FP32 ``einsum``, ReLU-sum, -inf mask, ``torch.topk``, vectorised
+expansion; prefill rows chunked under upstream's 128 MiB logits budget); ``xla``: the same in
+plain JAX (``jnp.einsum`` bf16 -> FP32, ``lax.top_k``, ``qsa_pallas.expand_block_indices``).
+Bytes = the visible compressed keys (blocks x 128 x 2 B): % copy is the fraction of the copy
+bandwidth measured in the same run, i.e. time of one read of the keys / time.
+
+Check (``bench.common``'s reference check, on a canonical view of the token rows): per row, the
+number of selected blocks whose FP32 reference logit lies below the reference 512th logit by
+more than the FP32 summation tolerance, or out of ascending order, and the number of selected
+blocks; the reference is (0, min(512, visible blocks)). Near-ties may go either way.
+After the timing table (``Mode.finish``): one line per case with the issue's must-show ratios,
+also kept in the JSON (``must_show``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from bench import common
+
+H, D, TOPK, RATIO, PAGE, CHAIN = 4, 128, 512, 4, 16, 10
+BATCHES, CONTEXTS, PREFILL_CONTEXTS = (1, 16, 64, 128), (8192, 32768, 131072, 262144), (32768,)
+LOGITS_BUDGET = 128 << 20  # upstream _QSA_PREFILL_LOGITS_BUDGET_BYTES
+# The private plan overrides timed next to the default (interop.indices.IndexerPlan fields).
+VARIANTS = {"triton_rb4": lambda p: dataclasses.replace(p, radix_bits=4, merge_radix_bits=4),
+            "triton_c2x": lambda p: dataclasses.replace(
+                p, chunk=2 * p.chunk, splits=-(-p.splits // 2),
+                merge_warps=max(4, p.merge_warps // 2))}
+
+
+@dataclasses.dataclass
+class Inputs:
+    """One case on the device: the entry point's arguments, metadata and the check's data."""
+
+    kind: str
+    args: list  # decode: q, k_cache, page_table, seq_lens; prefill: q, k, rs, re, pos, seq_lens
+    nb: Any  # int [rows]: visible blocks per row
+    logits: Any  # float32 [rows, max blocks]: reference scores, -inf where not visible
+    tol: float
+
+
+# ------------------------------------------------------------------------- reference paths
+def torch_expand(blocks, positions, seq_lens):
+    """``interop.indices.expand_block_indices`` in torch (cumsum + scatter, graph-safe)."""
+    import torch
+
+    m, k = blocks.shape
+    b = blocks.long()
+    tok = (b[:, :, None] * RATIO + torch.arange(RATIO, device=b.device)).reshape(m, -1)
+    tok = torch.where((b >= 0).repeat_interleave(RATIO, 1) & (tok < seq_lens[:, None]), tok, -1)
+    vis = positions.long()[:, None] + 1
+    start = torch.div(vis, RATIO, rounding_mode="floor") * RATIO
+    e = torch.arange(RATIO - 1, device=b.device)[None]
+    tail = torch.where((e < vis - start) & (start + e < seq_lens[:, None]), start + e, -1)
+    val = torch.cat([tok, tail], 1)
+    valid = val >= 0
+    cv = valid.long().cumsum(1)
+    col = torch.arange(val.shape[1], device=b.device)[None]
+    dest = torch.where(valid, cv - 1, cv[:, -1:] + col - cv)
+    return torch.empty_like(val).scatter_(1, dest, val).int()
+
+
+def torch_topk_blocks(logits, k):
+    """Top-k ids of -inf-masked logits, ascending, -1 for the masked ones (rows with < k)."""
+    import torch
+
+    big = torch.iinfo(torch.int64).max
+    vals, ids = torch.topk(logits, min(k, logits.shape[1]), dim=1)
+    ids = torch.sort(torch.where(torch.isfinite(vals), ids, big), 1).values
+    ids = torch.where(ids == big, -1, ids)
+    return torch.nn.functional.pad(ids, (0, k - ids.shape[1]), value=-1).int()
+
+
+def torch_decode_logits(q, kc, pt, sl):
+    """Upstream ``torch_qsa_mqa_decode`` (the 1/sqrt(D) scale dropped: order-preserving)."""
+    import torch
+
+    b = q.shape[0]
+    gathered = kc[pt.long().clamp(0, kc.shape[0] - 1).reshape(-1), :, 0].reshape(b, -1, D)
+    s = torch.einsum("bhd,bnd->bnh", q.float(), gathered.float()).relu_().sum(-1)
+    pos = torch.arange(s.shape[1], device=q.device)[None]
+    return s.masked_fill_(pos >= torch.div(sl, RATIO, rounding_mode="floor")[:, None], -torch.inf)
+
+
+def torch_prefill_blocks(q, k, rs, re, topk):
+    """Upstream ``torch_qsa_mqa_prefill`` + top-k over row chunks under the 128 MiB budget."""
+    import torch
+
+    n = k.shape[0]
+    chunk = max(1, LOGITS_BUDGET // (4 * max(n, 1)))
+    col = torch.arange(n, device=q.device)[None]
+    kf = k[:, 0].float()
+    outs = []
+    for r0 in range(0, q.shape[0], chunk):
+        qs = slice(r0, r0 + chunk)
+        s = torch.einsum("mhd,nd->mnh", q[qs].float(), kf).relu_().sum(-1)
+        s.masked_fill_((col < rs[qs, None]) | (col >= re[qs, None]), -torch.inf)
+        outs.append(torch_topk_blocks(s, topk))  # one request starting at 0: absolute = relative
+    return torch.cat(outs)
+
+
+def xla_fns(topk):
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from qsa_pallas.indexer import _expand
+
+    def topk_blocks(logits):
+        vals, ids = lax.top_k(logits, min(topk, logits.shape[1]))
+        big = jnp.iinfo(jnp.int32).max
+        ids = jnp.sort(jnp.where(jnp.isfinite(vals), ids, big), axis=1)
+        ids = jnp.where(ids == big, -1, ids).astype(jnp.int32)
+        return jnp.pad(ids, ((0, 0), (0, topk - ids.shape[1])), constant_values=-1)
+
+    def decode(q, kc, pt, sl):
+        g = kc[jnp.clip(pt, 0, kc.shape[0] - 1)].reshape(q.shape[0], -1, D)
+        s = jnp.einsum("bhd,bnd->bnh", q, g, preferred_element_type=jnp.float32)
+        s = jnp.maximum(s, 0.0).sum(-1)
+        s = jnp.where(jnp.arange(s.shape[1])[None] < (sl // RATIO)[:, None], s, -jnp.inf)
+        return _expand(topk_blocks(s), sl - 1, sl, ratio=RATIO)
+
+    def prefill(q, k, rs, re, pos, sl):
+        s = jnp.einsum("mhd,nd->mnh", q, k[:, 0], preferred_element_type=jnp.float32)
+        s = jnp.maximum(s, 0.0).sum(-1)
+        col = jnp.arange(s.shape[1])[None]
+        s = jnp.where((col >= rs[:, None]) & (col < re[:, None]), s, -jnp.inf)
+        return _expand(topk_blocks(s), pos, sl, ratio=RATIO)
+
+    return decode, prefill
+
+
+# ------------------------------------------------------------------------------ providers
+def _jax_chain(fn, inp: Inputs):
+    """A provider call: CHAIN calls of ``fn`` unrolled in one ``jax.jit``; call i+1's seq_lens
+    (the last argument) depend on call i's output (values unchanged: out[:, 0] >= -1), so XLA
+    can neither merge nor hoist them (``docs/architecture.md``: time JAX as such a chain)."""
+    import jax
+    import jax.numpy as jnp
+
+    from interop.dlpack import to_jax, to_torch
+
+    arrays = [to_jax(a) for a in inp.args]
+    step = jax.jit(fn)
+
+    def chain(*a):
+        a, out = list(a), None
+        for _ in range(CHAIN):
+            if out is not None:
+                a[-1] = jnp.minimum(a[-1], a[-1] + jnp.minimum(out[:, 0], 0) + 1)
+            out = step(*a)
+        return out
+
+    chained = jax.jit(chain)
+
+    def call():
+        return to_torch(chained(*arrays))
+
+    call.once = lambda: to_torch(step(*arrays))
+    call.chain, call.capturable = CHAIN, False
+    return call
+
+
+def _triton(inp: Inputs, variant=None):
+    import qsa_triton
+    from qsa_triton.indexer import indexer_plan_for
+
+    fn = qsa_triton.indexer_select_decode if inp.kind == "decode" else \
+        qsa_triton.indexer_select_prefill
+    kw = {}
+    if variant is not None:
+        q, keys = inp.args[0], inp.args[1]
+        blocks = (inp.args[2].shape[1] * keys.shape[1] if inp.kind == "decode" else keys.shape[0])
+        kw["plan"] = VARIANTS[variant](indexer_plan_for(inp.kind, q.shape[0], blocks, TOPK,
+                                                        q.device))
+    return lambda: fn(*inp.args, **kw)
+
+
+def _pallas(inp: Inputs):
+    import qsa_pallas
+
+    return _jax_chain(qsa_pallas.indexer_select_decode if inp.kind == "decode"
+                      else qsa_pallas.indexer_select_prefill, inp)
+
+
+def _torch(inp: Inputs):
+    if inp.kind == "decode":
+        q, kc, pt, sl = inp.args
+        return lambda: torch_expand(torch_topk_blocks(torch_decode_logits(q, kc, pt, sl), TOPK),
+                                    sl - 1, sl)
+    q, k, rs, re, pos, sl = inp.args
+    return lambda: torch_expand(torch_prefill_blocks(q, k, rs, re, TOPK), pos, sl)
+
+
+def _xla(inp: Inputs):
+    decode, prefill = xla_fns(TOPK)
+    return _jax_chain(decode if inp.kind == "decode" else prefill, inp)
+
+
+def _checked(setup):
+    """Wrap a provider's setup: the output checked is the canonical view (module docstring)."""
+    def wrapped(inp: Inputs):
+        call = setup(inp)
+        timed = lambda: call()  # noqa: E731
+        timed.__dict__.update({a: getattr(call, a) for a in ("chain", "capturable")
+                               if hasattr(call, a)})
+        timed.once = lambda: check_view(getattr(call, "once", call)(), inp)
+        return timed
+
+    return wrapped
+
+
+PROVIDERS = {p.name: p for p in (
+    common.Provider("triton", _checked(_triton), "qsa_triton.indexer_select_*"),
+    common.Provider("pallas", _checked(_pallas), f"qsa_pallas.indexer_select_* (chain of {CHAIN})"),
+    common.Provider("torch", _checked(_torch), "upstream's torch reference path + topk"),
+    common.Provider("xla", _checked(_xla), f"jnp.einsum + lax.top_k (chain of {CHAIN})"),
+    *(common.Provider(v, _checked(lambda inp, v=v: _triton(inp, v)),
+                      f"Triton, private plan override {v}") for v in VARIANTS),
+)}
+
+
+def check_view(out, inp: Inputs):
+    """[rows, 2] float32: (inadmissible or out-of-order selected blocks, selected blocks)."""
+    import torch
+
+    rows = out.shape[0]
+    first = out[:, :TOPK * RATIO].reshape(rows, TOPK, RATIO)[:, :, 0].long()
+    nb = inp.nb.long()
+    valid = (first >= 0) & (first < nb[:, None] * RATIO)
+    blk = torch.where(valid, first // RATIO, 0)
+    lg = torch.gather(inp.logits, 1, blk.clamp(max=inp.logits.shape[1] - 1))
+    kth = torch.topk(inp.logits, min(TOPK, inp.logits.shape[1]), dim=1).values[:, -1]
+    kth = torch.where(nb > TOPK, kth, torch.full_like(kth, -torch.inf))
+    bad = (valid & (lg < kth[:, None] - inp.tol)).sum(1)
+    bad += (valid[:, 1:] & (~valid[:, :-1] | (blk[:, 1:] <= blk[:, :-1]))).sum(1)
+    return torch.stack([bad.float(), valid.sum(1).float()], 1)
+
+
+# ----------------------------------------------------------------------------------- cases
+def decode_cases(args, kind: str) -> list[tuple[int, int]]:
+    if kind == "smoke":
+        return [(3, 2100), (2, 300)]
+    if kind == "memcheck":
+        return [(5, 2100), (16, 8192)]
+    return [(b, c) for c in common.positive_ints(args.contexts, CONTEXTS, "--contexts")
+            for b in common.positive_ints(args.batches, BATCHES, "--batches")]
+
+
+def prefill_cases(args, kind: str) -> list[tuple[int, int]]:
+    if kind in ("smoke", "memcheck"):
+        return [(24, 2100)]
+    ctxs = common.positive_ints(args.prefill_contexts, PREFILL_CONTEXTS, "--prefill-contexts")
+    return [(args.rows, c) for c in ctxs]
+
+
+def _tol(logits) -> float:
+    """FP32 summation tolerance of the scores (sums of 4 x 128 products): 2^-16 of the largest."""
+    return float(logits[logits.isfinite()].abs().max()) * 2.0**-16 + 1e-6
+
+
+def prepare_decode(case, device):
+    import numpy as np
+    import torch
+
+    from interop import indices as I
+
+    b, ctx = case
+    rng = np.random.default_rng(b + ctx)
+    lens = np.maximum(ctx - rng.integers(0, 61, size=b), 0)
+    cs = I.indexer_decode_case(lens, page_size=PAGE, junk="-1", seed=b,
+                               max_pages=-(-ctx // (RATIO * PAGE)))
+    g = torch.Generator(device=device).manual_seed(b + ctx)
+    dt = torch.float16 if device == "cpu" else torch.bfloat16  # the CPU interpreter: fp16
+    q = torch.randn(b, H, D, device=device, generator=g).to(dt)
+    kc = torch.randn(cs.pages, PAGE, 1, D, device=device, generator=g).to(dt)
+    pt, sl = torch.tensor(cs.page_table, device=device), torch.tensor(cs.seq_lens, device=device)
+    logits = torch_decode_logits(q, kc, pt, sl)
+    inp = Inputs("decode", [q, kc, pt, sl], torch.div(sl, RATIO, rounding_mode="floor"), logits,
+                 _tol(logits))
+    return inp, torch.stack([torch.zeros(b, device=device), inp.nb.clamp(max=TOPK).float()], 1)
+
+
+def prepare_prefill(case, device):
+    import torch
+
+    from interop import indices as I
+
+    t, ctx = case
+    rs, re, cu, pos, sl = I.prefill_row_ranges([t], [ctx])
+    g = torch.Generator(device=device).manual_seed(ctx)
+    dt = torch.float16 if device == "cpu" else torch.bfloat16
+    q = torch.randn(t, H, D, device=device, generator=g).to(dt)
+    k = torch.randn(int(cu[-1]), 1, D, device=device, generator=g).to(dt)
+    meta = [torch.tensor(a, device=device) for a in (rs, re, pos, sl)]
+    col = torch.arange(k.shape[0], device=device)[None]
+    logits = torch.einsum("mhd,nd->mnh", q.float(), k[:, 0].float()).relu_().sum(-1)
+    logits.masked_fill_((col < meta[0][:, None]) | (col >= meta[1][:, None]), -torch.inf)
+    inp = Inputs("prefill", [q, k, *meta], meta[1] - meta[0], logits, _tol(logits))
+    return inp, torch.stack([torch.zeros(t, device=device), inp.nb.clamp(max=TOPK).float()], 1)
+
+
+def describe_decode(case, inp: Inputs) -> dict:
+    b, ctx = case
+    return {"name": f"decode/B{b}/ctx{ctx}", "B": b, "context": ctx,
+            "bytes": int(inp.nb.sum()) * D * inp.args[1].element_size(),
+            "plot": [[f"decode, context {ctx // 1024}k", b]]}
+
+
+def describe_prefill(case, inp: Inputs) -> dict:
+    t, ctx = case
+    return {"name": f"prefill/T{t}/ctx{ctx}", "rows": t, "context": ctx,
+            "bytes": inp.args[1].numel() * inp.args[1].element_size(),
+            "plot": [["prefill", ctx // 1024]]}
+
+
+MODES = {"decode": common.Mode("indexer_decode", "QSA indexer, decode (score + top-512 + expand)",
+                               PROVIDERS, decode_cases, prepare_decode, describe_decode,
+                               calls=CHAIN, finish=lambda r: finish(r)),
+         "prefill": common.Mode("indexer_prefill", "QSA indexer, prefill (8192 rows)",
+                                PROVIDERS, prefill_cases, prepare_prefill, describe_prefill,
+                                calls=2, finish=lambda r: finish(r))}
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--batches", metavar="B,..", help="decode batch sizes (default "
+                    + ",".join(map(str, BATCHES)) + ")")
+    ap.add_argument("--contexts", metavar="T,..", help="decode contexts in tokens (default "
+                    + ",".join(map(str, CONTEXTS)) + ")")
+    ap.add_argument("--prefill-contexts", metavar="T,..", help="prefill contexts (default "
+                    + ",".join(map(str, PREFILL_CONTEXTS)) + ")")
+    ap.add_argument("--rows", type=int, default=8192, help="prefill query rows (default 8192)")
+
+
+# ------------------------------------------------------------------------- must-show lines
+def must_show(report: dict) -> list[str]:
+    """The issue's ratios per case: % copy of triton (and the floor), x torch / x xla, pallas /
+    triton, the variants' time vs the default's, and whether every check passed."""
+    lines = []
+    for c in report.get("cases", []):
+        p = {n: e.get("median_us") for n, e in c["providers"].items()}
+        ours = p.get("triton")
+        if not ours:
+            continue
+        bw = report.get("copy_bandwidth_Bps")
+        parts = [f"triton {ours:.1f} us"]
+        if bw and c.get("B"):
+            parts.append(f"floor {c['bytes'] / bw * 1e6:.1f} us "
+                         f"({c['providers']['triton'].get('pct_copy_bw', 0):.0f}% copy)")
+        parts += [f"x{n} {p[n] / ours:.2f}" for n in ("torch", "xla") if p.get(n)]
+        if p.get("pallas"):
+            parts.append(f"pallas/triton {ours / p['pallas']:.2f}")
+        parts += [f"{n} {p[n]:.1f} us" for n in VARIANTS if p.get(n)]
+        fails = [n for n, e in c["providers"].items() if e.get("ok") is False]
+        parts.append("checks ok" if not fails else f"FAILED: {','.join(fails)}")
+        lines.append(f"{c['name']:24s} " + "; ".join(parts))
+    return lines
+
+
+def finish(report: dict) -> None:
+    """``Mode.finish``: print the must-show lines and keep them in the report."""
+    report["must_show"] = must_show(report)
+    print("must-show:\n" + "\n".join(report["must_show"]))
+
+
+def main(argv=None, prog: str | None = None) -> int:
+    """``python3 -m bench.indexer``; see the module docstring."""
+    return common.main(MODES, "bench.indexer", argv, prog, __doc__, add_arguments)
+
+
+if __name__ == "__main__":  # run as bench.indexer, so that pickled inputs name that module
+    from bench.indexer import main as _main
+
+    sys.exit(_main())

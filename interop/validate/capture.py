@@ -1,0 +1,284 @@
+"""Capture one kernel call to a file and replay it (``qsa replay``).
+
+File format ``qsa-capture/1``: one safetensors file per call.
+
+Tensors (names are the entry point's parameter names, ``qsa-contract.md``):
+  * ``sparse_decode``: q, k, v, cu_seqlens_q, cu_seqlens_k
+  * ``sparse_prefill``: q, k, v, indices, cu_seqlens
+  * ``sparse_prefill_chunk``: q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens
+  * ``sparse_prefill_paged``: q, k_cache, v_cache, req_to_token, req_indices, indices,
+    cu_seqlens_q, kv_lens (files with a per-request ``slot_table`` instead replay with
+    req_to_token = slot_table, req_indices = 0..B-1)
+  * ``expected_out`` (optional): the output the capturing implementation returned.
+  Stored contiguous, on the CPU, in their own dtype (bf16/fp16/fp32/int32), except FP8
+  (float8_e4m3fn), stored as its raw bytes (uint8, same shape) and named in ``fp8_tensors`` so
+  that numpy-only readers can load every file.
+
+Metadata (safetensors ``__metadata__``, all strings):
+  * ``format``: "qsa-capture/1"; ``entry``: the entry point; ``op``: "decode" | "prefill".
+  * ``scalars``: JSON of the host arguments (max_seqlen_k or max_seqlen_q, softmax_scale,
+    k_scale, v_scale).
+  * ``fp8_tensors``: JSON list of tensor names stored as raw FP8 bytes.
+  * ``arch`` ("sm_90", or "cpu"), ``device`` (device name), ``rank_shape`` ("TP1 Hq=24 Hkv=2
+    D=256"), ``model_revision`` (free text, e.g. the model's git revision), ``producer`` (which
+    implementation produced ``expected_out``), ``created`` (UTC ISO time), ``versions`` (JSON:
+    python/torch/triton/jax), ``note``.
+
+``capture_call(fn, *args, path=..., **kwargs)`` calls ``fn`` (any implementation with the
+contract's signature: ``qsa_triton.sparse_decode``, upstream's kernels behind an adapter, ...),
+stores its inputs and output, and returns the output. ``replay(paths, impls)`` runs every
+implementation on each file and reports relative L2 against the FP64 reference and against the
+stored output. Imports torch (and safetensors) lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from interop.cases import PARAMS, TP_SHAPES
+
+__all__ = ["FORMAT", "Capture", "save_capture", "capture_call", "load_capture", "replay",
+           "spec_for"]
+
+FORMAT = "qsa-capture/1"
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
+
+
+@dataclasses.dataclass
+class Capture:
+    """A loaded capture.
+
+    Attributes:
+      entry: entry point name. tensors: parameter name -> torch tensor (CPU, original dtype).
+      scalars: host arguments. expected: stored output or None. metadata: the raw metadata.
+    """
+
+    entry: str
+    tensors: dict
+    scalars: dict
+    expected: Any
+    metadata: dict
+
+    @property
+    def op(self) -> str:
+        return "decode" if self.entry == "sparse_decode" else "prefill"
+
+    def inputs(self, device: str = "cpu"):
+        """``interop.validate.crosscheck.Inputs`` for the runner, tensors on ``device``."""
+        from .crosscheck import Inputs  # noqa: PLC0415
+
+        pos, kws = PARAMS[self.entry]
+        if "slot_table" in self.tensors and "req_to_token" not in self.tensors:
+            import torch  # noqa: PLC0415
+
+            st = self.tensors["slot_table"]
+            self.tensors.update(req_to_token=st, req_indices=torch.arange(st.shape[0],
+                                                                           dtype=torch.int32))
+        args = []
+        for name in pos:
+            if name in self.tensors:
+                args.append(self.tensors[name].to(device))
+            else:
+                args.append(self.scalars[name])
+        kwargs = {k: self.scalars.get(k, 1.0 if k != "softmax_scale" else None) for k in kws}
+        return Inputs(self.entry, args, kwargs, None, {"capture": self.metadata})
+
+
+def _tdtype(t) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _rank_shape(q, k) -> str:
+    hq, hkv, d = int(q.shape[1]), int(k.shape[1]), int(q.shape[2])
+    tp = next((n for n, pair in TP_SHAPES.items() if pair == (hq, hkv)), None)
+    return f"{tp + ' ' if tp else ''}Hq={hq} Hkv={hkv} D={d}"
+
+
+def _device_meta(t) -> tuple[str, str]:
+    if t.device.type != "cuda":
+        import platform  # noqa: PLC0415
+
+        return "cpu", f"CPU ({platform.machine()})"
+    import torch  # noqa: PLC0415
+
+    from interop.arch import arch_name  # noqa: PLC0415
+
+    props = torch.cuda.get_device_properties(t.device)
+    return arch_name((props.major, props.minor)), props.name
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    out = {"python": sys.version.split()[0]}
+    for pkg in ("torch", "triton", "jax", "qsa"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def save_capture(path, entry: str, values: dict, *, expected=None, model_revision: str = "",
+                 producer: str = "", note: str = "") -> Path:
+    """Write one call (inputs by parameter name, optional output) as a ``qsa-capture/1`` file.
+
+    Args:
+      path: destination (``.safetensors``); parent folders are created.
+      entry: "sparse_decode" | "sparse_prefill" | "sparse_prefill_chunk" | "sparse_prefill_paged".
+      values: parameter name -> torch tensor (any device) or host scalar; missing keyword
+        parameters take their defaults (softmax_scale None, k_scale = v_scale = 1.0).
+      expected: the output tensor, or None.
+
+    Raises:
+      ValueError: unknown entry or a missing positional parameter.
+    """
+    import torch  # noqa: PLC0415
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    if entry not in PARAMS:
+        raise ValueError(f"unknown entry point {entry!r}; known: {', '.join(PARAMS)}")
+    pos, kws = PARAMS[entry]
+    missing = [n for n in pos if n not in values]
+    if missing:
+        raise ValueError(f"{entry}: missing parameter(s) {missing}")
+    tensors, scalars, fp8 = {}, {}, []
+    for name in list(pos) + list(kws):
+        v = values.get(name)
+        if isinstance(v, torch.Tensor):
+            t = v.detach().to("cpu").contiguous()
+            if _tdtype(t) in _FP8:
+                fp8.append([name, _tdtype(t)])
+                t = t.view(torch.uint8)
+            tensors[name] = t
+        else:
+            scalars[name] = None if v is None else (int(v) if isinstance(v, int) else float(v))
+    q, k = values[pos[0]], values[pos[1]]
+    if expected is not None:
+        tensors["expected_out"] = expected.detach().to("cpu").contiguous()
+    arch, device = _device_meta(q)
+    meta = {"format": FORMAT, "entry": entry, "op": "decode" if entry == "sparse_decode" else "prefill",
+            "scalars": json.dumps(scalars), "fp8_tensors": json.dumps(fp8), "arch": arch,
+            "device": device, "rank_shape": _rank_shape(q, k), "model_revision": model_revision,
+            "producer": producer, "note": note,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "versions": json.dumps(_versions())}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+def capture_call(fn, *args, path, entry: str | None = None, model_revision: str = "",
+                 producer: str | None = None, note: str = "", **kwargs):
+    """Call ``fn(*args, **kwargs)`` and save the call (inputs + output) to ``path``.
+
+    Args:
+      fn: an entry point with the contract's signature (e.g. ``qsa_triton.sparse_decode``).
+      entry: entry point name (default ``fn.__name__``).
+      producer: recorded as who produced the output (default ``module.name`` of fn).
+
+    Returns:
+      fn's output (unchanged).
+    """
+    entry = entry or getattr(fn, "__name__", "")
+    if entry not in PARAMS:
+        raise ValueError(f"cannot tell the entry point of {fn!r}; pass entry= one of {list(PARAMS)}")
+    pos, kws = PARAMS[entry]
+    values = dict(zip(pos + kws, args))
+    values.update({k: v for k, v in kwargs.items() if k in pos + kws})
+    out = fn(*args, **kwargs)
+    save_capture(path, entry, values, expected=out, model_revision=model_revision,
+                 producer=producer or f"{getattr(fn, '__module__', '?')}.{entry}", note=note)
+    return out
+
+
+def load_capture(path) -> Capture:
+    """Read a ``qsa-capture/1`` file (tensors on the CPU, FP8 re-viewed).
+
+    Raises:
+      ValueError: not a qsa capture, or a newer format.
+    """
+    import torch  # noqa: PLC0415
+    from safetensors import safe_open  # noqa: PLC0415
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = dict(fh.metadata() or {})
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()} if meta.get("format") == FORMAT else {}
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - SafetensorError is not a ValueError
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} file (format={meta.get('format')!r})")
+    for name, dtype in json.loads(meta.get("fp8_tensors", "[]")):
+        tensors[name] = tensors[name].view(getattr(torch, dtype))
+    expected = tensors.pop("expected_out", None)
+    return Capture(meta["entry"], tensors, json.loads(meta.get("scalars", "{}")), expected, meta)
+
+
+def spec_for(cap: Capture, name: str):
+    """A ``crosscheck`` spec describing a capture's shapes (for ``Implementation.supports``)."""
+    from .crosscheck import DecodeSpec, PrefillSpec  # noqa: PLC0415
+
+    t = cap.tensors
+    q = t["q"]
+    k = t.get("k", t.get("k_cache"))
+    if cap.entry == "sparse_decode":
+        return DecodeSpec(name, int(q.shape[1]), int(k.shape[1]), int(q.shape[2]), int(q.shape[0]),
+                          "mixed", max_len=int(cap.scalars.get("max_seqlen_k", 1)),
+                          dtype=_tdtype(q))
+    kind = {"sparse_prefill": "ordinary", "sparse_prefill_chunk": "chunk",
+            "sparse_prefill_paged": "paged"}[cap.entry]
+    cu = t.get("cu_seqlens", t.get("cu_seqlens_q"))
+    q_lens = tuple(int(x) for x in (cu[1:] - cu[:-1]).tolist())
+    kv = t.get("kv_lens")
+    return PrefillSpec(name, kind, int(q.shape[1]), int(k.shape[1]), int(q.shape[2]), q_lens,
+                       None if kv is None else tuple(int(x) for x in kv.tolist()),
+                       width=int(t["indices"].shape[-1]), dtype=_tdtype(q),
+                       kv_dtype=None if _tdtype(k) == _tdtype(q) else _tdtype(k),
+                       per_head=t["indices"].ndim == 3)
+
+
+def replay(paths: Sequence, impls, *, device: str = "cpu", reference: str = "auto",
+           rel_l2_limit: float | None = None) -> list[tuple[Capture, Any, dict]]:
+    """Run every implementation on each capture.
+
+    Returns:
+      per file: (capture, ``crosscheck.CaseResult``, stored) where stored is
+      ``{"rel_l2_vs_reference": ..., "within_tolerance": bool}`` for the stored output (None
+      when the file has none). Implementations are judged against the FP64 reference (rtol =
+      atol = 2e-2, rel L2 <= ``rel_l2_limit``, default 5e-3); their rel L2 against the stored
+      output is reported as ``rel_l2_vs_expected``.
+    """
+    import numpy as np  # noqa: PLC0415
+
+    from . import crosscheck as X  # noqa: PLC0415
+    from interop.reference import rel_l2  # noqa: PLC0415
+
+    limit = X.REL_L2 if rel_l2_limit is None else rel_l2_limit
+    out = []
+    for p in paths:
+        cap = load_capture(p)
+        inp = cap.inputs(device)
+        spec = spec_for(cap, str(p))
+        width = int(cap.tensors["indices"].shape[-1]) if cap.op == "prefill" else 1
+        size = int(np.prod(inp.args[0].shape)) * width
+        ref, method = X._reference(inp, reference, size)
+        expected = None if cap.expected is None else X._np64(cap.expected)
+        res = X.evaluate(str(p), cap.op, inp, impls, ref, spec=spec, reference=method,
+                         expected=expected, rel_l2_limit=limit)
+        stored = None
+        if expected is not None:
+            finite = bool(np.isfinite(expected).all())
+            r = rel_l2(expected, ref) if finite else float("inf")
+            diff_ok = finite and bool(np.all(np.abs(expected - ref) <= X.ATOL + X.RTOL * np.abs(ref)))
+            stored = {"rel_l2_vs_reference": r, "within_tolerance": bool(diff_ok and r <= limit)}
+        out.append((cap, res, stored))
+    return out

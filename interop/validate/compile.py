@@ -1,0 +1,857 @@
+"""``qsa compile``: ahead-of-time compile every shipped kernel configuration for sm_90 / sm_120 /
+sm_121 on a machine without a GPU, and check each against the arch's limits.
+
+The enumerations live here, not in the kernel modules (which hold kernels, launchers and entry
+points only); they import the backends' private kernel objects and constexpr builders lazily, so
+a list cannot drift from what a launch passes:
+
+* Triton decode (``triton_decode_configs``): the split kernel per distinct geometry the shipped
+  plan (``qsa_triton.decode.plan_for``: ``interop.plan.plan_decode`` with balance and one-block
+  splits, fitted to the arch's shared memory) picks for the qualified head pairs, B = 1..128 and
+  every SM count in ``interop.arch.KNOWN_PARTS``, in every launchable (merge inline / kernel,
+  LSE_ALL, PDL with the entry or the late trigger) combination, constexprs from
+  ``qsa_triton.decode._split_constexprs``; the merge kernel per split chunk, with and without PDL.
+* Triton prefill (``triton_prefill_configs``): the prefill kernel per geometry the shared
+  selector can return on the arch (``interop.geometry.all_configs``) and its tail launch, for
+  every variant the entry points launch (``PREFILL_VARIANTS``).
+* Tile-union prefill (family ``prefill_union``, block-level selections):
+  ``triton_prefill_union_configs`` (the union build kernel per tile height and the union
+  attention kernel per ``interop.geometry.all_union_configs`` geometry x ordinary / chunk /
+  paged) and ``pallas_prefill_union_cases`` (the same geometries through the Pallas entry points
+  with ``block_indices=``).
+* Paged decode (family ``decode_paged``): the lists ``qsa_triton.decode_paged.compile_configs``
+  and ``qsa_pallas.decode_paged.lowering_cases`` still keep beside their kernels.
+* Indexer (family ``indexer``): ``triton_indexer_configs`` (every pass-1 / merge kernel the
+  shared plan launches) and ``qsa_pallas.indexer.lowering_cases``.
+* Pallas decode / prefill (``pallas_decode_cases`` / ``pallas_prefill_cases``): ``(name, fn,
+  args)`` lowered with ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`` under an
+  abstract device of the arch's representative part; the embedded Triton IR is compiled for the
+  arch with the installed Triton.
+
+Triton configurations are compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda",
+cc, 32))``. Per configuration: shared memory (``compiled.metadata.shared``; Triton does not check
+the 101,376-byte limit of sm_120/sm_121 itself), registers per thread and spills (``cuobjdump
+--dump-resource-usage`` on the cubin, when the tool is found). A configuration *fits* when shared
+memory <= the arch's opt-in limit per block, registers <= 255 per thread and registers x threads
+<= 65,536 per block. Spills are reported, not failed.
+
+Out-of-tree kernels (and the CLI tests) can replace the built-in lists with modules exposing
+``compile_configs(arch)`` / ``lowering_cases(device_kind)`` (``run(triton_modules=...,
+pallas_modules=...)``; ``qsa compile --triton-modules/--pallas-modules``).
+
+Must run with ``TRITON_INTERPRET`` off (the interpreter replaces the JIT functions): ``qsa
+compile`` re-runs itself in a subprocess without it when it is set. ``python3 -m
+interop.validate.compile --help`` runs the same check without the CLI's tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+from interop.arch import CI_ARCHS, KNOWN_ARCHS, KNOWN_PARTS, arch_name, device_kind, parse_arch
+
+__all__ = ["ConfigReport", "DEFAULT_ARCHS", "DEVICE_KIND",
+           "FAMILIES", "resource_usage", "check_triton", "check_pallas", "run", "parse_archs",
+           "triton_decode_configs", "triton_prefill_configs", "triton_prefill_union_configs",
+           "triton_indexer_configs", "pallas_decode_cases", "pallas_prefill_cases",
+           "pallas_prefill_union_cases", "compile_triton_configs", "summary_rows"]
+
+DEFAULT_ARCHS = CI_ARCHS
+#: The abstract device each arch is lowered for (jax device kinds).
+DEVICE_KIND = {arch: device_kind(arch) for arch in KNOWN_ARCHS}
+#: kernel families per backend; ``run`` / ``--family`` take "triton", "pallas" or e.g.
+#: "triton:decode"
+FAMILIES = {"triton": ("decode", "prefill", "prefill_union", "decode_paged", "indexer"),
+            "pallas": ("decode", "prefill", "prefill_union", "decode_paged", "indexer")}
+MAX_REGS_PER_THREAD = 255
+MAX_REGS_PER_BLOCK = 65_536
+
+
+@dataclasses.dataclass
+class ConfigReport:
+    """One compiled configuration.
+
+    Attributes:
+      family: "triton" | "pallas". arch: "sm_120". name: configuration name.
+      num_warps, num_stages: launch parameters. shared: bytes of shared memory per program.
+      regs: registers per thread (None when cuobjdump is absent). spill_bytes: local/stack bytes
+      per thread (None when unknown). smem_limit: the arch's opt-in limit per block.
+      fits: within every limit. problems: why not. error: compile/lowering failure (fits False).
+      note: e.g. "module exposes no compile_configs" (not a failure).
+    """
+
+    family: str
+    arch: str
+    name: str
+    num_warps: int | None = None
+    num_stages: int | None = None
+    shared: int | None = None
+    regs: int | None = None
+    spill_bytes: int | None = None
+    smem_limit: int | None = None
+    fits: bool = True
+    problems: list[str] = dataclasses.field(default_factory=list)
+    error: str | None = None
+    note: str | None = None
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_archs(text: str | None) -> list[str]:
+    """``"sm_90,sm_120"`` -> ["sm_90", "sm_120"] (default: sm_90, sm_120, sm_121).
+
+    Raises:
+      ValueError: an unknown arch (the message lists the known ones).
+    """
+    if not text:
+        return list(DEFAULT_ARCHS)
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            name = arch_name(parse_arch(part))
+        except ValueError:
+            name = part
+        if name not in KNOWN_ARCHS or name not in DEVICE_KIND:
+            raise ValueError(f"--arch: unknown arch {part!r}; known: {', '.join(DEVICE_KIND)}")
+        out.append(name)
+    return list(dict.fromkeys(out))
+
+
+# --------------------------------------------------------------------------------------------
+def _tool(name: str) -> str | None:
+    """Path of a CUDA binary tool: Triton's bundled copy, then $PATH."""
+    env = os.environ.get(f"TRITON_{name.upper()}_PATH")
+    if env and os.path.exists(env):
+        return env
+    try:
+        import triton  # noqa: PLC0415
+
+        p = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+        if os.path.exists(p):
+            return p
+    except ImportError:
+        pass
+    return shutil.which(name)
+
+
+def resource_usage(cubin: bytes) -> dict[str, int] | None:
+    """Registers and stack/local bytes per thread of the (single) kernel in a cubin, from
+    ``cuobjdump --dump-resource-usage``; None when the tool is absent or fails."""
+    tool = _tool("cuobjdump")
+    if tool is None or not cubin:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        try:
+            text = subprocess.run([tool, "--dump-resource-usage", fh.name], capture_output=True,
+                                  text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", text)
+    if not m:
+        return None
+    reg, stack, shared, local = (int(x) for x in m.groups())
+    return {"regs": reg, "stack": stack, "static_shared": shared, "local": local}
+
+
+def _judge(rep: ConfigReport, shared: int, cubin: bytes | None, limit: int) -> ConfigReport:
+    rep.shared = int(shared)
+    rep.smem_limit = limit
+    usage = resource_usage(cubin) if cubin else None
+    if usage is not None:
+        rep.regs = usage["regs"]
+        rep.spill_bytes = usage["stack"] + usage["local"]
+    if rep.shared > limit:
+        rep.problems.append(f"shared memory {rep.shared:,} B > {limit:,} B")
+    if rep.regs is not None:
+        if rep.regs > MAX_REGS_PER_THREAD:
+            rep.problems.append(f"{rep.regs} registers/thread > {MAX_REGS_PER_THREAD}")
+        if rep.num_warps and rep.regs * 32 * rep.num_warps > MAX_REGS_PER_BLOCK:
+            rep.problems.append(f"{rep.regs} regs x {32 * rep.num_warps} threads > "
+                                f"{MAX_REGS_PER_BLOCK:,} per block")
+    rep.fits = not rep.problems
+    return rep
+
+
+def _capability(arch: str) -> int:
+    major, minor = parse_arch(arch)
+    return major * 10 + minor
+
+
+# --------------------------------------------------------------------------------------------
+# The shipped configurations: Triton.
+_TT = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8e4nv"}
+
+
+def _aot(fn, ptrs: dict[str, str], consts: dict) -> tuple[dict, dict]:
+    """(signature, attrs) for ``ASTSource(fn, signature, constexprs, attrs)``: the named pointer
+    / float arguments typed as given, every other non-constexpr argument i32; pointers and
+    ``stride*`` arguments 16-divisible, as the JIT specialises them at launch (without that the
+    K/V loads are neither vectorised nor pipelined, and shared memory is under-counted).
+    Arguments in ``ptrs`` or ``consts`` the kernel does not have are ignored."""
+    sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n.endswith("_ptr") or n.startswith("stride")}
+    return sig, attrs
+
+
+def _entry(kernel, name: str, ptrs: dict, consts: dict, num_warps: int, num_stages: int,
+           pdl: bool = False) -> dict:
+    consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
+    sig, attrs = _aot(kernel, ptrs, consts)
+    return {"kernel": kernel, "name": name, "signature": sig, "constexprs": consts, "attrs": attrs,
+            "num_warps": num_warps, "num_stages": num_stages,
+            "options": {"launch_pdl": True} if pdl else {}}
+
+
+def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloat16") -> list[dict]:
+    """Every decode kernel configuration ``qsa_triton.decode`` can launch on ``arch`` for the
+    qualified shapes (module docstring). Names: ``decode_split_G{G}_ht{HT}_bn{BLOCK_N}_w{warps}
+    _s{stages}[_inline{tile}|_nolse]_{dtype}[_pdl|_pdllate]``, ``decode_merge_chunk{n}_{dtype}
+    [_pdl]``. Shape ints (B, splits) are runtime values: they add no variant.
+
+    Returns:
+      dicts with ``kernel``, ``name``, ``signature``, ``constexprs``, ``attrs``, ``num_warps``,
+      ``num_stages``, ``options`` (``launch_pdl`` for the PDL variants).
+    """
+    from interop.contract import QUALIFIED  # noqa: PLC0415
+    from interop.plan import fit_shared_memory, plan_decode  # noqa: PLC0415
+    from qsa_triton import decode as dec  # noqa: PLC0415
+
+    info = KNOWN_ARCHS[arch]
+    pdl_ok = tuple(info.cc) >= (9, 0) and dec._TRITON_PDL
+    dt = _TT[dtype]
+    split_ptrs = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "out_ptr": f"*{dt}",
+                  "lse_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "cu_q_ptr": "*i32",
+                  "cu_k_ptr": "*i32", "scale_log2": "fp32"}
+    out, seen = [], set()
+    lo, hi = QUALIFIED["batch"]
+    for hq, hkv in QUALIFIED["head_pairs"]:
+        g = hq // hkv
+        plans = {fit_shared_memory(plan_decode(b, hkv, g, head_dim, QUALIFIED["max_seqlen_k"], sms,
+                                               balance=True, one_block_splits=True),
+                                   head_dim=head_dim, limit=info.smem_per_block)
+                 for b in range(lo, hi + 1) for sms in sorted({n for _, n in KNOWN_PARTS.values()})}
+        geometry = {}  # one compiled kernel per geometry
+        for p in sorted(plans, key=lambda p: (p.block_n, p.max_splits)):
+            geometry.setdefault((p.head_tile, p.block_n, p.num_warps, p.num_stages), p)
+        for p in geometry.values():
+            # (merge inline, LSE_ALL): _launch passes LSE_ALL = splits > 1 and merge == "kernel",
+            # MERGE_INLINE = merge == "inline"; PDL (entry or late trigger) with either merge
+            for inline, lse_all in ((False, True), (False, False), (True, False)):
+                for pdl, late in ((False, False),) + (((True, False), (True, True)) if pdl_ok else ()):
+                    consts = dec._split_constexprs(p, g, head_dim, inline=inline, lse_all=lse_all,
+                                                   use_pdl=pdl, pdl_late=late)
+                    key = (tuple(consts.items()), p.num_warps, p.num_stages)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    name = (f"decode_split_G{g}_ht{p.head_tile}_bn{p.block_n}_w{p.num_warps}"
+                            f"_s{p.num_stages}"
+                            f"{'_inline%d' % consts['INLINE_TILE'] if inline else ''}"
+                            f"{'' if inline or lse_all else '_nolse'}_{dt}"
+                            f"{'_pdl' if pdl else ''}{'late' if late else ''}")
+                    out.append(_entry(dec._decode_split_kernel, name, split_ptrs, consts,
+                                      p.num_warps, p.num_stages, pdl))
+    merge_ptrs = {"out_ptr": f"*{dt}", "lse_ptr": "*fp32", "part_ptr": "*fp32"}
+    for pdl in (False, True) if pdl_ok else (False,):
+        for splits in (2, 4, 8, 16, 32, 64, 128):
+            chunk, d_chunk = dec._merge_chunks(splits, head_dim)
+            consts = {"D": head_dim, "SPLIT_CHUNK": chunk, "D_CHUNK": d_chunk,
+                      "N_DC": head_dim // d_chunk, "USE_PDL": pdl}
+            out.append(_entry(dec._decode_merge_kernel,
+                              f"decode_merge_chunk{chunk}_{dt}{'_pdl' if pdl else ''}",
+                              merge_ptrs, consts, 4, 1, pdl))
+    return out
+
+
+#: (mode name, q dtype, K/V dtype or None = q's): every prefill kernel variant the entry points
+#: launch: ordinary bf16, chunk bf16 and FP8, paged through pre-resolved pool slots bf16 and FP8.
+PREFILL_VARIANTS = (("MODE_ORDINARY", "bfloat16", None), ("MODE_CHUNK", "bfloat16", None),
+                    ("MODE_CHUNK", "bfloat16", "float8_e4m3fn"), ("MODE_SLOTS", "bfloat16", None),
+                    ("MODE_SLOTS", "bfloat16", "float8_e4m3fn"))
+
+
+def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
+                           variants=PREFILL_VARIANTS) -> list[dict]:
+    """Every (kernel, constexprs, warps, stages) ``qsa_triton.prefill`` can launch on ``arch``:
+    each geometry of ``interop.geometry.all_configs(arch)`` and its tail launch
+    (``tail_geometry``) x ``variants``. ``head_dim`` 256 is the largest (shared-memory worst
+    case); the head tile G only changes masks, so one G per BLOCK_M (the tuned entries keep
+    their own G). Same dict layout as ``triton_decode_configs``."""
+    from interop.geometry import all_configs  # noqa: PLC0415
+    from interop.plan import next_pow2  # noqa: PLC0415
+    from qsa_triton import prefill as P  # noqa: PLC0415
+
+    kernel = P._qsa_sparse_prefill_fwd
+    out, seen = [], set()
+    for geo in all_configs(arch):
+        grp = next((g for g in groups if max(16, next_pow2(g)) == geo.block_m
+                    or next_pow2(g) == geo.block_m), geo.block_m)
+        if geo.source.startswith("sm120-tuned[G="):
+            grp = int(geo.source.split("G=")[1].rstrip("]"))
+        for mode_name, qd, kd in variants:
+            mode = getattr(P, mode_name)
+            qt, kt = _TT[qd], _TT[kd or qd]
+            ptrs = {"q_ptr": f"*{qt}", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "o_ptr": f"*{qt}",
+                    "idx_ptr": "*i32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
+                    "kv_lens_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32"}
+            for row_loop, g in ((False, geo), (True, P.tail_geometry(geo))):
+                key = (mode, qd, kd, row_loop, grp, g.block_m, g.block_n, g.num_warps,
+                       g.num_stages)
+                if key in seen:  # tail geometries repeat across the main ones
+                    continue
+                seen.add(key)
+                consts = {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": g.block_m,
+                          "BLOCK_N": g.block_n, "MODE": mode, "OFF64": mode == P.MODE_SLOTS,
+                          "ROW_LOOP": row_loop}
+                entry = _entry(kernel, f"prefill_mode{mode}_{qt}_{kt}_G{grp}_bm{g.block_m}"
+                                       f"_bn{g.block_n}"
+                                       f"_w{g.num_warps}_s{g.num_stages}"
+                                       f"{'_tail' if row_loop else ''}",
+                               ptrs, consts, g.num_warps, g.num_stages)
+                # the index row strides (W = 2051) stay unspecialised
+                names = kernel.arg_names
+                entry["attrs"] = {i: a for i, a in entry["attrs"].items()
+                                  if names[i[0]] not in ("stride_it", "stride_ih")}
+                entry["geometry"] = g
+                out.append(entry)
+    return out
+
+
+#: pointers and the q/k/v/out strides (multiples of D) of the union kernel: what a real launch
+#: specialises; the union and table strides depend on NB / max_context and stay unspecialised
+_UNION_ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "ublk_ptr", "umem_ptr", "ulen_ptr",
+                  "cu_q_ptr", "cu_k_ptr", "kv_lens_ptr", "r2t_ptr", "req_idx_ptr", "stride_qt",
+                  "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh", "stride_ot",
+                  "stride_oh")
+
+
+def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict]:
+    """Every tile-union kernel configuration ``qsa_triton.prefill_union`` can launch on ``arch``:
+    the union build kernel (``_qsa_block_union``) per tile height R with 512 block ids per row,
+    and the union attention kernel (``_qsa_prefill_union_fwd``) per
+    ``interop.geometry.all_union_configs(arch)`` geometry x ordinary / chunk / paged with bf16
+    K/V, and chunk / paged with FP8 K/V. Same dict layout as ``triton_decode_configs``."""
+    from interop.geometry import all_union_configs  # noqa: PLC0415
+    from interop.plan import next_pow2  # noqa: PLC0415
+    from qsa_triton import prefill_union as U  # noqa: PLC0415
+
+    geos = all_union_configs(arch, head_dim=head_dim)
+    out = []
+    build_ptrs = {n: "*i32" for n in ("bidx_ptr", "ublk_ptr", "umem_ptr", "ulen_ptr", "cu_q_ptr",
+                                      "kv_lens_ptr")}
+    for r in sorted({geo.tile_rows for _, geo in geos}):
+        consts = {"R": r, "NBP": 512, "BP": 2, "ORDINARY": False, "KEY64": False}
+        e = _entry(U._qsa_block_union, f"prefill_union_build_R{r}_nb512", build_ptrs, consts,
+                   8 if r * 512 > 2048 else 4, 1)
+        names = U._qsa_block_union.arg_names
+        e["attrs"] = {(names.index(n),): [["tt.divisibility", 16]] for n in build_ptrs}
+        e["geometry"] = None
+        out.append(e)
+    kernel = U._qsa_prefill_union_fwd
+    for kv_bytes, geo in geos:
+        group = geo.head_tile // geo.tile_rows  # the padded head tile per row (masks only)
+        kt = "fp8e4nv" if kv_bytes == 1 else "bf16"
+        ptrs = {"q_ptr": "*bf16", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "o_ptr": "*bf16",
+                "qk_scale": "fp32", "v_scale": "fp32",
+                **{n: "*i32" for n in ("ublk_ptr", "umem_ptr", "ulen_ptr", "cu_q_ptr", "cu_k_ptr",
+                                       "kv_lens_ptr", "r2t_ptr", "req_idx_ptr")}}
+        for mode in (0, 1, 2):
+            if kv_bytes == 1 and mode == 0:  # ordinary prefill has no FP8 K/V
+                continue
+            consts = {"PER_HEAD": False, "G": group, "HT": next_pow2(group), "R": geo.tile_rows,
+                      "M": geo.head_tile, "D": head_dim, "BLOCK_N": geo.block_n, "MODE": mode,
+                      "OFF64": mode == 2, "BP": 2}
+            e = _entry(kernel, f"prefill_union_mode{mode}_bf16_{kt}_R{geo.tile_rows}"
+                               f"_m{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}"
+                               f"_s{geo.num_stages}", ptrs, consts, geo.num_warps, geo.num_stages)
+            e["attrs"] = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+                          for n in _UNION_ALIGNED}
+            e["geometry"] = geo
+            out.append(e)
+    return out
+
+
+def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
+                           contexts=(8192, 32768, 131072, 262144, 1 << 20),
+                           prefill_contexts=(32768, 131072, 262144)) -> list[dict]:
+    """The indexer kernel configurations ``interop.indices.plan_indexer`` launches on ``arch``
+    for the qualified shapes (4 heads x 128, topk 512, ratio 4, page size 16): the pass-1 decode
+    kernel for every distinct plan over ``batches`` x ``contexts`` (tokens) with bf16 and fp8
+    keys, the merge kernel of each (token rows and block ids), both also in their Programmatic
+    Dependent Launch form where the plan launches them so (names end in ``_pdl``); the pass-1
+    prefill kernel for 8192 rows at ``prefill_contexts`` and its merge. Constexprs from
+    ``qsa_triton.indexer``'s own builders (``_decode_constexprs`` ...).
+
+    Returns:
+      dicts as ``triton_decode_configs``.
+    """
+    import triton.language as tl  # noqa: PLC0415
+
+    from interop.indices import plan_indexer  # noqa: PLC0415
+    from qsa_triton import decode as dec  # noqa: PLC0415
+    from qsa_triton import indexer as ix  # noqa: PLC0415
+
+    info = KNOWN_ARCHS[arch]
+    sms = next((n for a, n in KNOWN_PARTS.values() if a == arch), 132)
+    i32 = lambda *names: {n: "*i32" for n in names}  # noqa: E731
+    merge_ptrs = i32("wsk_ptr", "wsi_ptr", "out_ptr", "m0_ptr", "m1_ptr", "pos_ptr", "bound_ptr")
+    out, seen = [], set()
+
+    def add(e):
+        key = (e["kernel"].__name__, tuple(sorted((k, str(v)) for k, v in e["constexprs"].items())),
+               e["num_warps"], e["num_stages"], tuple(sorted(e["signature"].items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+
+    plans = {plan_indexer("decode", b, ctx // 4, 512, sm_count=sms,
+                          smem_per_block=info.smem_per_block)
+             for b in batches for ctx in contexts}
+    for p in sorted(plans, key=lambda p: (p.chunk, p.splits)):
+        for pdl in sorted({False, p.pdl and dec._TRITON_PDL}):
+            tag = "_pdl" if pdl else ""
+            for kd in ("bf16", "fp8e4nv"):
+                consts = {**ix._decode_constexprs(p, 4, 128, 16, 4, tl.bfloat16), "USE_PDL": pdl}
+                add(_entry(ix._decode_chunk_kernel,
+                           f"indexer_decode_C{p.chunk}_T{p.tile}_rb{p.radix_bits}_{kd}{tag}",
+                           {"q_ptr": "*bf16", "k_ptr": f"*{kd}",
+                            **i32("pt_ptr", "seq_ptr", "wsk_ptr", "wsi_ptr")},
+                           consts, p.num_warps, p.num_stages))
+            for expand in (True, False):
+                consts = {**ix._merge_constexprs(p, prefill=False, expand=expand, ratio=4),
+                          "USE_PDL": pdl}
+                add(_entry(ix._merge_kernel, f"indexer_merge_decode_SP{p.splits_pad}_"
+                                             f"{'tokens' if expand else 'ids'}{tag}",
+                           merge_ptrs, consts, p.merge_warps, 1, pdl))
+    for ctx in prefill_contexts:
+        p = plan_indexer("prefill", 8192, ctx // 4, 512, sm_count=sms,
+                         smem_per_block=info.smem_per_block)
+        add(_entry(ix._prefill_chunk_kernel, f"indexer_prefill_C{p.chunk}_T{p.tile}_bm"
+                                             f"{p.rows_per_program}",
+                   {"q_ptr": "*bf16", "k_ptr": "*bf16", **i32("rs_ptr", "re_ptr", "wsk_ptr",
+                                                              "wsi_ptr")},
+                   ix._prefill_constexprs(p, 4, 128, tl.bfloat16), p.num_warps, p.num_stages))
+        add(_entry(ix._merge_kernel, f"indexer_merge_prefill_SP{p.splits_pad}_tokens",
+                   merge_ptrs, ix._merge_constexprs(p, prefill=True, expand=True, ratio=4),
+                   p.merge_warps, 1))
+    return out
+
+
+def _module_list(module: str, fn: str) -> Callable:
+    """A kernel module's own list (``qsa_*.decode_paged`` still keeps its list beside its kernels)."""
+    return lambda target: getattr(importlib.import_module(module), fn)(target)
+
+
+_TRITON_FAMILIES = {"decode": triton_decode_configs, "prefill": triton_prefill_configs,
+                    "prefill_union": triton_prefill_union_configs,
+                    "decode_paged": _module_list("qsa_triton.decode_paged", "compile_configs"),
+                    "indexer": triton_indexer_configs}
+
+
+# --------------------------------------------------------------------------------------------
+# Triton.
+def check_triton(arch: str, modules: Sequence[str] = (),
+                 kernels: Sequence[str] = FAMILIES["triton"]) -> list[ConfigReport]:
+    """Compile every shipped Triton configuration of ``kernels`` ("decode", "prefill") for
+    ``arch``; or, where ``modules`` are named, every ``compile_configs(arch)`` entry of those."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("check_triton: TRITON_INTERPRET is set; the interpreter replaces the "
+                           "JIT functions (run `qsa compile`, which re-runs itself without it)")
+    if not modules:
+        return [r for k in kernels for r in compile_triton_configs(arch, _TRITON_FAMILIES[k](arch))]
+    out: list[ConfigReport] = []
+    for mod_name in modules:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError as e:
+            out.append(ConfigReport("triton", arch, mod_name, note=f"not importable: {e}"))
+            continue
+        fn = getattr(mod, "compile_configs", None)
+        if fn is None:
+            out.append(ConfigReport("triton", arch, mod_name,
+                                    note="module exposes no compile_configs(arch): not checked"))
+            continue
+        out.extend(compile_triton_configs(arch, fn(arch), getattr(mod, "kernel_attrs", None)))
+    return out
+
+
+def compile_triton_configs(arch: str, configs: Iterable[dict],
+                           default_attrs: Callable[[], dict] | None = None) -> list[ConfigReport]:
+    """Compile ``compile_configs``-style entries for ``arch`` (no GPU) and judge each against the
+    arch's limits (shared memory, registers). The one compile loop behind ``qsa compile`` and the
+    kernel modules' own AOT checks.
+
+    Args:
+      arch: "sm_90" style name in ``KNOWN_ARCHS``.
+      configs: dicts with kernel, name, signature, constexprs, attrs (optional), num_warps,
+        num_stages, options (optional).
+      default_attrs: attrs for entries without their own (16-byte divisibility as a launch
+        specialises it: without it Triton neither vectorises nor pipelines, and the shared
+        memory and registers reported would be wrong).
+
+    Returns:
+      one ConfigReport per entry; a config that fails to compile is reported as not fitting.
+    """
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's notice
+    limit = KNOWN_ARCHS[arch].smem_per_block
+    target = GPUTarget("cuda", _capability(arch), 32)
+    out: list[ConfigReport] = []
+    for cfg in configs:
+        rep = ConfigReport("triton", arch, cfg["name"], cfg.get("num_warps"), cfg.get("num_stages"))
+        t0 = time.perf_counter()
+        try:
+            attrs = cfg.get("attrs")
+            if attrs is None and default_attrs is not None:
+                attrs = default_attrs()
+            src = ASTSource(fn=cfg["kernel"], signature=cfg["signature"],
+                            constexprs=cfg.get("constexprs", {}), attrs=attrs)
+            opts = {k: cfg[k] for k in ("num_warps", "num_stages") if cfg.get(k) is not None}
+            opts.update(cfg.get("options", {}))
+            try:
+                compiled = triton.compile(src, target=target, options=opts)
+            except FileNotFoundError:
+                # another process pruned/rewrote the same Triton cache entry mid-compile
+                # (seen with concurrent runs sharing ~/.triton/cache): compile once more
+                compiled = triton.compile(src, target=target, options=opts)
+            _judge(rep, compiled.metadata.shared, compiled.asm.get("cubin"), limit)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile does not fit
+            rep.fits, rep.error = False, f"{type(e).__name__}: {str(e).strip()[:400]}"
+        rep.seconds = time.perf_counter() - t0
+        out.append(rep)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Pallas.
+def pallas_decode_cases(kind: str, *, head_dim: int = 256, max_seqlen_k: int = 2051,
+                        dtype: str = "bfloat16") -> list[tuple[str, Callable, tuple]]:
+    """Every distinct decode launch ``qsa_pallas.decode`` plans on device kind ``kind`` for the
+    qualified head pairs (TP1 24/2, TP2 12/1, TP4 6/1) and B = 1..128, as ``(name, fn, args)``
+    to lower with ``qsa_pallas._compat.lower_for_device_kind``; ``args`` are
+    ``jax.ShapeDtypeStruct`` (nothing is allocated). Names contain ``_s{max_splits}_`` (``_s1_``:
+    the one-launch direct path)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from qsa_pallas import _compat as C  # noqa: PLC0415
+    from qsa_pallas import decode as dec  # noqa: PLC0415
+
+    sds, dt = jax.ShapeDtypeStruct, getattr(jnp, dtype)
+    cases, seen = [], set()
+    with jax.sharding.use_abstract_mesh(C.abstract_mesh(kind)):
+        for tp, (hq, hkv) in (("TP1", (24, 2)), ("TP2", (12, 1)), ("TP4", (6, 1))):
+            for b in range(1, 129):
+                plan, _ = dec.plan_for(b, hkv, hq // hkv, head_dim, max_seqlen_k)
+                if (hq, hkv, plan) in seen:
+                    continue
+                seen.add((hq, hkv, plan))
+                cap = b * max_seqlen_k
+                args = (sds((b, hq, head_dim), dt), sds((cap, hkv, head_dim), dt),
+                        sds((cap, hkv, head_dim), dt), sds((b + 1,), jnp.int32),
+                        sds((b + 1,), jnp.int32))
+                fn = functools.partial(dec._sparse_decode, max_seqlen_k=max_seqlen_k,
+                                       interpret=False, plan=plan)
+                cases.append((f"pallas_decode_{tp}_B{b}_ht{plan.head_tile}_bn{plan.block_n}"
+                              f"_s{plan.max_splits}_w{plan.num_warps}_st{plan.num_stages}",
+                              fn, args))
+    return cases
+
+
+def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, group: int = 12,
+                         rows: int = 64) -> list[tuple[str, Callable, tuple]]:
+    """Every distinct prefill launch ``qsa_pallas.prefill`` can pick on device kind ``kind``:
+    each geometry the shared selector can return there (``interop.geometry.all_configs`` of the
+    arch, fitted with ``interop.geometry.fit_prefill`` as the selector does) x ordinary bf16,
+    chunk bf16 / FP8, paged bf16 / FP8, as ``(name, fn, args)`` (see ``pallas_decode_cases``).
+
+    Raises:
+      ValueError: a device kind whose arch ``interop.arch`` does not know.
+    """
+    import dataclasses  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from interop.arch import DeviceFacts  # noqa: PLC0415
+    from interop.geometry import all_configs, fit_prefill  # noqa: PLC0415
+    from interop.plan import next_pow2  # noqa: PLC0415
+    from qsa_pallas import prefill as P  # noqa: PLC0415
+
+    facts = DeviceFacts.from_device_kind(kind)
+    sds = jax.ShapeDtypeStruct
+    d, w, t, hkv = head_dim, width, rows, 1
+    geos = {}
+    for kv_bytes in (2, 1):
+        for cfg in all_configs(facts.arch):
+            cfg = dataclasses.replace(cfg, block_m=max(next_pow2(group), cfg.block_m))
+            geo = fit_prefill(cfg, backend="pallas", head_dim=d, kv_bytes=kv_bytes,
+                              limit=facts.smem_per_block)
+            geos.setdefault((kv_bytes, *geo.key), geo)
+    q = sds((t, group * hkv, d), jnp.bfloat16)
+    idx = sds((t, w), jnp.int32)
+    cu, kl = sds((3,), jnp.int32), sds((2,), jnp.int32)
+    r2t, ri = sds((4, 2048), jnp.int32), sds((2,), jnp.int32)
+
+    def ordinary(q, k, v, idx, cu, *, geometry):
+        return P.sparse_prefill(q, k, v, idx, cu, q.shape[0], interpret=False, geometry=geometry)
+
+    def chunk(q, k, v, idx, cq, ck, kl, *, geometry):
+        return P.sparse_prefill_chunk(q, k, v, idx, cq, ck, kl, q.shape[0], interpret=False,
+                                      geometry=geometry)
+
+    def paged(q, k, v, r2t, ri, idx, cq, kl, *, geometry):
+        return P.sparse_prefill_paged(q, k, v, r2t, ri, idx, cq, kl, q.shape[0],
+                                      interpret=False, geometry=geometry)
+
+    cases = []
+    for (kv_bytes, *_), geo in geos.items():
+        tag = f"ht{geo.block_m}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}"
+        name = "fp8" if kv_bytes == 1 else "bf16"
+        pool = sds((4096, hkv, d), jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16)
+        if kv_bytes == 2:
+            kv = sds((t, hkv, d), jnp.bfloat16)
+            cases.append((f"pallas_prefill_ordinary_bf16_{tag}",
+                          functools.partial(ordinary, geometry=geo), (q, kv, kv, idx, cu)))
+        cases.append((f"pallas_prefill_chunk_{name}_{tag}",
+                      functools.partial(chunk, geometry=geo), (q, pool, pool, idx, cu, cu, kl)))
+        cases.append((f"pallas_prefill_paged_{name}_{tag}",
+                      functools.partial(paged, geometry=geo),
+                      (q, pool, pool, r2t, ri, idx, cu, kl)))
+    return cases
+
+
+def pallas_prefill_union_cases(kind: str, *, head_dim: int = 256, rows: int = 64,
+                               blocks: int = 512) -> list[tuple[str, Callable, tuple]]:
+    """Every tile-union prefill launch ``qsa_pallas.prefill`` can pick on device kind ``kind``
+    for block-level selections (``block_indices=``): each
+    ``interop.geometry.all_union_configs`` geometry of the arch x ordinary bf16, chunk bf16 /
+    FP8, paged bf16 / FP8, as ``(name, fn, args)`` (see ``pallas_decode_cases``); the group per
+    geometry is the one whose padded head tile is exactly the Q tile.
+
+    Raises:
+      ValueError: a device kind whose arch ``interop.arch`` does not know.
+    """
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from interop.arch import DeviceFacts  # noqa: PLC0415
+    from interop.geometry import all_union_configs  # noqa: PLC0415
+    from qsa_pallas import prefill as P  # noqa: PLC0415
+
+    facts = DeviceFacts.from_device_kind(kind)
+    sds = jax.ShapeDtypeStruct
+    d, t, hkv = head_dim, rows, 1
+    bidx = sds((t, blocks), jnp.int32)
+    cu, kl = sds((3,), jnp.int32), sds((2,), jnp.int32)
+    r2t, ri = sds((4, 2048), jnp.int32), sds((2,), jnp.int32)
+
+    def ordinary(q, k, v, bidx, cu, *, geometry):
+        return P.sparse_prefill(q, k, v, None, cu, q.shape[0], interpret=False,
+                                geometry=geometry, block_indices=bidx)
+
+    def chunk(q, k, v, bidx, cq, ck, kl, *, geometry):
+        return P.sparse_prefill_chunk(q, k, v, None, cq, ck, kl, q.shape[0], interpret=False,
+                                      geometry=geometry, block_indices=bidx)
+
+    def paged(q, k, v, r2t, ri, bidx, cq, kl, *, geometry):
+        return P.sparse_prefill_paged(q, k, v, r2t, ri, None, cq, kl, q.shape[0],
+                                      interpret=False, geometry=geometry, block_indices=bidx)
+
+    cases = []
+    for kv_bytes, geo in all_union_configs(facts.arch, head_dim=d):
+        q = sds((t, (geo.head_tile // geo.tile_rows) * hkv, d), jnp.bfloat16)
+        tag = (f"R{geo.tile_rows}_m{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}"
+               f"_s{geo.num_stages}")
+        name = "fp8" if kv_bytes == 1 else "bf16"
+        pool = sds((4096, hkv, d), jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16)
+        if kv_bytes == 2:
+            kv = sds((t, hkv, d), jnp.bfloat16)
+            cases.append((f"pallas_prefill_union_ordinary_bf16_{tag}",
+                          functools.partial(ordinary, geometry=geo), (q, kv, kv, bidx, cu)))
+        cases.append((f"pallas_prefill_union_chunk_{name}_{tag}",
+                      functools.partial(chunk, geometry=geo), (q, pool, pool, bidx, cu, cu, kl)))
+        cases.append((f"pallas_prefill_union_paged_{name}_{tag}",
+                      functools.partial(paged, geometry=geo),
+                      (q, pool, pool, r2t, ri, bidx, cu, kl)))
+    return cases
+
+
+_PALLAS_FAMILIES = {"decode": pallas_decode_cases, "prefill": pallas_prefill_cases,
+                    "prefill_union": pallas_prefill_union_cases,
+                    "decode_paged": _module_list("qsa_pallas.decode_paged", "lowering_cases"),
+                    "indexer": _module_list("qsa_pallas.indexer", "lowering_cases")}
+
+
+def check_pallas(arch: str, modules: Sequence[str] = (),
+                 kernels: Sequence[str] = FAMILIES["pallas"]) -> list[ConfigReport]:
+    """Lower every shipped Pallas case of ``kernels`` ("decode", "prefill") for ``arch``'s
+    abstract device and compile its Triton IR; or, where ``modules`` are named, every
+    ``lowering_cases(device_kind)`` case of those."""
+    try:
+        from qsa_pallas import _compat as C  # noqa: PLC0415
+    except ImportError as e:
+        return [ConfigReport("pallas", arch, "qsa_pallas", note=f"not importable: {e}")]
+    kind = DEVICE_KIND[arch]
+    limit = KNOWN_ARCHS[arch].smem_per_block
+    cap = _capability(arch)
+    groups: list[tuple[str, Callable[[], list]]] = (
+        [(k, functools.partial(_PALLAS_FAMILIES[k], kind)) for k in kernels] if not modules
+        else [(m, functools.partial(_module_cases, m, kind)) for m in modules])
+    out: list[ConfigReport] = []
+    for group, provider in groups:
+        try:
+            cases = provider()
+        except ImportError as e:
+            out.append(ConfigReport("pallas", arch, group, note=f"not importable: {e}"))
+            continue
+        for name, fn, args in cases:
+            t0 = time.perf_counter()
+            try:
+                lowered = C.lower_for_device_kind(fn, args, kind)
+                mods = C.triton_modules(lowered)
+                if not mods:
+                    raise RuntimeError("no Triton kernel in the lowered module")
+            except Exception as e:  # noqa: BLE001
+                rep = ConfigReport("pallas", arch, name, fits=False,
+                                   error=f"lowering: {type(e).__name__}: {str(e).strip()[:400]}")
+                rep.seconds = time.perf_counter() - t0
+                out.append(rep)
+                continue
+            for m in mods:
+                rep = ConfigReport("pallas", arch, f"{name}:{m.name}" if len(mods) > 1 else name,
+                                   m.num_warps, m.num_stages)
+                try:
+                    res = C.compile_ttir(m, cap)
+                    _judge(rep, res["shared"], res["cubin"], limit)
+                except Exception as e:  # noqa: BLE001
+                    rep.fits, rep.error = False, f"compile: {type(e).__name__}: {str(e).strip()[:400]}"
+                rep.seconds = time.perf_counter() - t0
+                out.append(rep)
+    return out
+
+
+def _module_cases(mod_name: str, kind: str) -> list:
+    return importlib.import_module(mod_name).lowering_cases(kind)
+
+
+def _check_group(fam: str, arch: str, modules: dict[str, Sequence[str]]) -> list[ConfigReport]:
+    """``fam``: "triton" / "pallas" (every kernel family) or e.g. "triton:decode"; ``modules``:
+    backend -> modules replacing its built-in lists (empty: the built-in lists)."""
+    backend, _, kernel = fam.partition(":")
+    kernels = (kernel,) if kernel else FAMILIES[backend]
+    check = check_triton if backend == "triton" else check_pallas
+    return check(arch, tuple(modules.get(backend, ())), kernels=kernels)
+
+
+def run(archs: Sequence[str] = DEFAULT_ARCHS, families: Sequence[str] = ("triton", "pallas"),
+        progress: Callable[[str], None] | None = None, jobs: int = 1, *,
+        triton_modules: Sequence[str] = (), pallas_modules: Sequence[str] = ()
+        ) -> list[ConfigReport]:
+    """Every family x arch; ``progress(message)`` before each group. ``jobs`` > 1 compiles the
+    (family, arch) groups in that many worker processes (compilation is single-threaded per
+    config: CI's 2 cores halve the wall time); the reports keep the serial order.
+    ``triton_modules`` / ``pallas_modules``: modules whose ``compile_configs(arch)`` /
+    ``lowering_cases(device_kind)`` replace the built-in lists (out-of-tree kernels, tests)."""
+    modules = {"triton": tuple(triton_modules), "pallas": tuple(pallas_modules)}
+    groups = [(fam, arch) for arch in archs for fam in families]
+    if jobs <= 1 or len(groups) <= 1:
+        out: list[ConfigReport] = []
+        for fam, arch in groups:
+            if progress:
+                progress(f"compiling {fam} kernels for {arch} ({DEVICE_KIND[arch]}) ...")
+            out += _check_group(fam, arch, modules)
+        return out
+    import concurrent.futures as cf  # noqa: PLC0415
+    import multiprocessing as mp  # noqa: PLC0415
+
+    # spawn: a forked child would inherit JAX's / torch's threads mid-state
+    with cf.ProcessPoolExecutor(max_workers=min(jobs, len(groups)),
+                                mp_context=mp.get_context("spawn")) as pool:
+        futs = [pool.submit(_check_group, fam, arch, modules) for fam, arch in groups]
+        if progress:
+            progress(f"compiling {len(groups)} (family, arch) groups in "
+                     f"{min(jobs, len(groups))} worker processes: "
+                     + ", ".join(f"{fam} {arch}" for fam, arch in groups) + " ...")
+        out = []
+        for (fam, arch), f in zip(groups, futs):
+            out += f.result()
+            if progress:
+                progress(f"  {fam} kernels for {arch} ({DEVICE_KIND[arch]}): done")
+        return out
+
+
+def summary_rows(reports: Sequence[ConfigReport]) -> list[list[Any]]:
+    """Table rows: family, arch, name, warps/stages, shared vs limit, regs, spills, verdict."""
+    rows = []
+    for r in reports:
+        if r.note:
+            verdict = f"note: {r.note}"
+        elif r.error:
+            verdict = f"FAIL: {r.error}"
+        else:
+            verdict = "fits" if r.fits else "FAIL: " + "; ".join(r.problems)
+        rows.append([r.family, r.arch, r.name,
+                     "-" if r.num_warps is None else f"{r.num_warps}/{r.num_stages}",
+                     "-" if r.shared is None else f"{r.shared:,} / {r.smem_limit:,}",
+                     "-" if r.regs is None else r.regs,
+                     "-" if r.spill_bytes is None else r.spill_bytes, verdict])
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python3 -m interop.validate.compile [--arch ...] [--family ...] [--json PATH]``: compile,
+    print one line per configuration that does not fit, exit 1 if any (0 when all fit)."""
+    import argparse  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    fams = [f"{b}:{k}" for b, ks in FAMILIES.items() for k in ks]
+    ap = argparse.ArgumentParser(prog="python3 -m interop.validate.compile",
+                                 description="Compile every shipped kernel configuration for the "
+                                 "given archs without a GPU and check shared memory and registers "
+                                 "(the check behind `qsa compile`).")
+    ap.add_argument("--arch", default=None,
+                    help=f"comma-separated archs (default {','.join(DEFAULT_ARCHS)})")
+    ap.add_argument("--family", default="triton,pallas",
+                    help=f"comma-separated: triton, pallas or one of {', '.join(fams)}")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    ap.add_argument("--json", default=None, help="write every configuration's report here")
+    args = ap.parse_args(argv)
+    archs = parse_archs(args.arch)
+    families = [f.strip() for f in args.family.split(",") if f.strip()]
+    bad = [f for f in families if f not in FAMILIES and f not in fams]
+    if bad:
+        ap.error(f"--family: unknown {bad}; allowed: triton, pallas, {', '.join(fams)}")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        ap.error("unset TRITON_INTERPRET (the interpreter replaces the JIT functions)")
+    reports = run(archs, families, progress=print, jobs=args.jobs)
+    failed = [r for r in reports if not r.fits]
+    for row in summary_rows(failed):
+        print("FAIL", *row)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"archs": archs, "families": families,
+                       "configs": [r.as_dict() for r in reports]}, fh, indent=1)
+    print(f"{len(reports) - len(failed)} of {len(reports)} configurations fit")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

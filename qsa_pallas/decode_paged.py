@@ -1,0 +1,381 @@
+"""Paged sparse decode (``qsa-contract.md`` §2b, §2c) for JAX: a Pallas kernel on the Triton
+lowering, jit-native (every length, position and slot is device data; only shapes, dtypes and
+scales are static).
+
+Same algorithm, plan and validity rule as ``qsa_triton.decode_paged`` (the shared static plan
+``interop.plan.plan_decode_paged``):
+
+* one program per (split j, row r, KV head h): the G query heads of h as one [head tile, D]
+  tile (G padded to a power of two >= 16, padded lanes masked), walking the BLOCK_N chunks
+  ``[j*nb // S, (j+1)*nb // S)`` of the row's W index columns;
+* per chunk: positions gathered with a lane-wise index (clamped into the row and masked; a
+  dynamic ``pl.ds`` slice past the end would be clamped by interpret mode, shifting the data);
+  valid iff ``0 <= idx < min(seq_lens[r], max_context)``, the row's request a table row, and its
+  slot ``req_to_token[req, idx]`` (loaded under that mask) inside the pool; K/V rows gathered
+  under the final mask (masked lanes are never dereferenced on the GPU and read 0.0, so NaN/Inf
+  in slots no valid entry names never reach a dot; every gather index is also clamped into
+  range, since interpret mode clamps instead of faulting), converted once to q's dtype; dots in
+  q's dtype with FP32 accumulation, FP32 scores times ``softmax_scale * k_scale * log2(e)``,
+  invalid columns -inf, FP32 online softmax with exp2, P cast to q's dtype for P·V;
+* a one-split plan writes ``acc * v_scale / l`` into ``[R, Hq, D]`` itself (exact zeros where
+  l = 0); otherwise every split writes its normalised partial and log2 LSE (-inf when its
+  columns hold no valid entry) and plain JAX merges them: M = max_j lse_j, w_j = 2^(lse_j - M)
+  (0 for empty splits, whose partials are selected away, never multiplied), out = sum w_j o_j /
+  sum w_j, zeros where every split is empty. The merge is an unrolled chain over the splits in
+  a fixed order (elementwise, one XLA fusion), so its bits do not depend on R: with
+  ``batch_invariant=True`` (a plan that depends on W, G, D and the dtypes only) a row's output
+  bits do not depend on the batch.
+
+64-bit offsets: the Pallas Triton lowering (jax 0.10.2 / 0.11.2, ``_compute_offsets_from_indices``)
+uses int64 element offsets exactly for refs larger than 2**32 bytes. A bf16/fp16 pool past ~4.2M
+slots at Hkv x D = 512 is such a ref; an FP8 pool of 2**31..2**32 elements would wrap, so the
+entry point rejects it (``ContractError``) instead of reading the wrong rows.
+
+Algorithm sources: FlashAttention-2 online softmax; flash-decoding split-KV with an LSE merge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from interop.arch import DeviceFacts
+from interop.contract import ContractError, check_decode_paged, route
+from interop.plan import PAGED_MAX_SPLITS, PagedDecodePlan, plan_decode_paged
+
+from . import _compat as C
+
+__all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "lowering_cases"]
+
+_LOG2E = 1.4426950408889634
+_INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    rows: int
+    num_q_heads: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    width: int
+    per_head: bool
+    slots: int
+    max_reqs: int
+    max_context: int
+    qk_scale: float  # softmax_scale * k_scale * log2(e)
+    v_scale: float
+    plan: PagedDecodePlan
+    interpret: bool
+
+
+def _split_kernel(req_ref, seqlen_ref, table_ref, idx_ref, q_ref, k_ref, v_ref, *out_refs,
+                  st: _Static):
+    """Program (split j, row r, KV head h). Refs: req/seqlen int32 [R]; table int32
+    [max_reqs, max_context]; idx int32 [R, W] or [R, Hkv, W]; q [R, Hq, D]; k/v [slots, Hkv, D].
+    Outputs: direct (one split): out [R, Hq, D] in q's dtype (the whole array, indexed stores);
+    else o [HT, D] f32 and lse [HT] f32 blocks of [S, R, Hkv, HT, (D)]."""
+    j, r, h = C.pl.program_id(0), C.pl.program_id(1), C.pl.program_id(2)
+    p = st.plan
+    g, ht, d, bn, w = st.group, p.head_tile, st.head_dim, p.block_n, st.width
+    direct = p.num_splits == 1
+    nb = -(-w // bn)
+    c_lo = (j * nb) // p.num_splits
+    c_hi = ((j + 1) * nb) // p.num_splits
+
+    req = req_ref[r]
+    req_ok = (req >= 0) & (req < st.max_reqs)
+    bound = jnp.where(req_ok, jnp.minimum(seqlen_ref[r], st.max_context), 0)
+    req_safe = jnp.where(req_ok, req, 0)
+
+    # lane i holds head i - (HT - G) (padding lanes first): the direct path's indexed store
+    # clamps the padding lanes onto head 0's row and masks them; interpret mode (a scatter of
+    # where(mask, val, old), later updates winning on XLA:CPU) then lets the real head-0 lane,
+    # which comes after them, write last. The partial path uses the same lane order.
+    lane = lax.iota(jnp.int32, ht) - (ht - g)
+    head_ok = lane >= 0
+    head = h * g + jnp.maximum(lane, 0)
+    dcol = lax.iota(jnp.int32, d)[None, :]
+    q = C.load(q_ref.at[r, head[:, None], dcol], mask=head_ok[:, None], other=0)  # [HT, D]
+    offs = lax.iota(jnp.int32, bn)
+
+    def body(c, carry):
+        acc, m_i, l_i = carry
+        cols = c * bn + offs
+        in_w = cols < w
+        cols_safe = jnp.minimum(cols, w - 1)
+        if st.per_head:
+            ent = C.load(idx_ref.at[r, h, cols_safe], mask=in_w, other=-1)
+        else:
+            ent = C.load(idx_ref.at[r, cols_safe], mask=in_w, other=-1)
+        valid = in_w & (ent >= 0) & (ent < bound)
+        slot = C.load(table_ref.at[req_safe, jnp.where(valid, ent, 0)], mask=valid, other=0)
+        valid = valid & (slot >= 0) & (slot < st.slots)
+        rows = jnp.where(valid, slot, 0)
+        gmask = jnp.broadcast_to(valid[:, None], (bn, d))
+        # `other` a float literal (the lowering cannot cast an int fill to FP8); the load feeds
+        # the conversion and the dot directly (a select in between staged the tile twice in
+        # the prefill kernel, qsa_pallas/prefill.py)
+        kt = C.load(k_ref.at[rows[:, None], h, dcol], mask=gmask, other=0.0).astype(q.dtype)
+        s = C.dot(q, kt, trans_b=True) * st.qk_scale  # FP32 [HT, BN], log2 domain
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no valid column yet: finite
+        alpha = jnp.exp2(m_i - m_ref)
+        pr = jnp.exp2(s - m_ref[:, None])
+        l_new = l_i * alpha + pr.sum(axis=1)
+        vt = C.load(v_ref.at[rows[:, None], h, dcol], mask=gmask, other=0.0).astype(q.dtype)
+        acc = acc * alpha[:, None] + C.dot(pr.astype(q.dtype), vt)
+        return acc, m_new, l_new
+
+    init = (jnp.zeros((ht, d), jnp.float32), jnp.full((ht,), -jnp.inf, jnp.float32),
+            jnp.zeros((ht,), jnp.float32))
+    acc, m_i, l_i = lax.fori_loop(c_lo, c_hi, body, init)
+    has = l_i > 0
+    o = acc * jnp.where(has, st.v_scale / jnp.where(has, l_i, 1.0), 0.0)[:, None]
+    if direct:
+        (out_ref,) = out_refs
+        C.store(out_ref.at[r, head[:, None], dcol], o.astype(out_ref.dtype),
+                mask=head_ok[:, None])
+        return
+    o_ref, lse_ref = out_refs
+    o_ref[...] = o
+    lse_ref[...] = jnp.where(has, m_i + jnp.log2(jnp.where(has, l_i, 1.0)), -jnp.inf)
+
+
+def _merge(o, lse, st: _Static, out_dtype):
+    """Stable LSE merge in plain JAX: o [S, R, Hkv, HT, D], lse [S, R, Hkv, HT] (lane i = head
+    i - (HT - G)) -> [R, Hq, D]. An unrolled chain over the splits in a fixed order (one XLA
+    elementwise fusion; bits independent of R)."""
+    pad = st.plan.head_tile - st.group
+    lse = lse[..., pad:]
+    o = o[..., pad:, :]
+    s = lse.shape[0]
+    mx = lse[0]
+    for i in range(1, s):
+        mx = jnp.maximum(mx, lse[i])
+    m_ref = jnp.where(mx == -jnp.inf, 0.0, mx)
+    den = jnp.zeros_like(mx)
+    num = jnp.zeros(o.shape[1:], jnp.float32)
+    for i in range(s):
+        wi = jnp.exp2(lse[i] - m_ref)  # empty split: 0
+        den = den + wi
+        num = num + jnp.where(wi[..., None] > 0, wi[..., None] * o[i], 0.0)
+    out = num / jnp.where(den > 0, den, 1.0)[..., None]  # every split empty: zeros
+    r = o.shape[1]
+    return out.reshape(r, st.num_q_heads, st.head_dim).astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("st",))
+def _decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, *, st):
+    if st.slots == 0 or st.width == 0 or st.max_reqs == 0 or st.max_context == 0:
+        return jnp.zeros(q.shape, q.dtype)  # no entry can be valid: every row is empty
+    p = st.plan
+    r, hq, d = q.shape
+    hkv = st.num_kv_heads
+    kernel = functools.partial(_split_kernel, st=st)
+    whole = C.pl.no_block_spec
+    if p.num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((r, hq, d), q.dtype)
+        out_specs = whole
+    else:
+        s, ht = p.num_splits, p.head_tile
+        out_shape = (jax.ShapeDtypeStruct((s, r, hkv, ht, d), jnp.float32),
+                     jax.ShapeDtypeStruct((s, r, hkv, ht), jnp.float32))
+        out_specs = (C.pl.BlockSpec((None, None, None, ht, d), lambda j, i, h: (j, i, h, 0, 0)),
+                     C.pl.BlockSpec((None, None, None, ht), lambda j, i, h: (j, i, h, 0)))
+    call = C.triton_call(kernel, out_shape=out_shape, grid=(p.num_splits, r, hkv),
+                         in_specs=[whole] * 7, out_specs=out_specs, num_warps=p.num_warps,
+                         num_stages=p.num_stages, interpret=st.interpret,
+                         name="qsa_decode_paged_split")
+    res = call(req_indices, seq_lens, req_to_token, indices, q, k_cache, v_cache)
+    if p.num_splits == 1:
+        return res
+    return _merge(*res, st, q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+@functools.lru_cache(maxsize=16)
+def _device_sms(dev) -> int:
+    if dev.platform != "gpu":
+        return 132  # the H200's (anchors.md): only shapes the interpreter's grid
+    try:
+        return DeviceFacts.from_jax(dev).sm_count
+    except Exception:  # noqa: BLE001 - unknown part
+        return int(getattr(dev, "core_count", None) or 132)
+
+
+def _target_sms() -> int:
+    """SM count of the GPU the call is built for: the abstract device's kind when lowering ahead
+    of time, else jax's default device (132 on CPU)."""
+    try:
+        abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    except Exception:  # noqa: BLE001 - older jax without abstract meshes
+        abstract = None
+    if abstract is not None and abstract.platform in ("cuda", "gpu"):
+        try:
+            return DeviceFacts.from_device_kind(abstract.device_kind).sm_count
+        except (ValueError, KeyError):
+            return 132
+    return _device_sms(jax.devices()[0])
+
+
+def plan_for(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int, width: int, *,
+             q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+             batch_invariant: bool = False) -> PagedDecodePlan:
+    """The plan a call with these static shapes uses on the target GPU
+    (``interop.plan.plan_decode_paged``; fits sm_120 / sm_121's shared memory)."""
+    return plan_decode_paged(rows, num_kv_heads, num_q_heads // num_kv_heads, head_dim,
+                             max(1, width), _target_sms(), q_bytes=np.dtype(q_dtype).itemsize,
+                             kv_bytes=np.dtype(kv_dtype).itemsize,
+                             batch_invariant=bool(batch_invariant))
+
+
+@functools.cache
+def _exact_contract_backend() -> bool:
+    """True where ``interop.contract.route`` sends decode to the exact contract only (sm_121)."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return False
+    return route(DeviceFacts.from_jax(dev), "decode").exact_contract
+
+
+_FN = "sparse_decode_paged"
+
+
+def _prepare(args, softmax_scale, k_scale, v_scale, batch_invariant, strict, interpret):
+    C.check_inputs(_FN, interpret, **dict(zip(("q", "k_cache", "v_cache", "req_to_token",
+                                               "req_indices", "indices", "seq_lens"), args)))
+    interp = C.resolve_interpret(interpret)
+    prob = check_decode_paged(*args, softmax_scale, k_scale, v_scale,
+                              batch_invariant=batch_invariant,
+                              strict=strict or (not interp and _exact_contract_backend()))
+    C.check_backend(_FN, interpret, *args)
+    k = args[1]
+    numel = math.prod(k.shape)
+    if numel - 1 > _INT32_MAX and numel * np.dtype(k.dtype).itemsize <= 2**32:
+        raise ContractError(_FN, "k_cache", "a pool of fewer than 2**31 elements, or of more than "
+                            "2**32 bytes (the Pallas Triton lowering uses int32 offsets below "
+                            "2**32 bytes; qsa_triton has no such limit)",
+                            f"{numel} elements of {k.dtype}")
+    return prob, interp
+
+
+def _static(prob, plan, interp) -> _Static:
+    return _Static(prob.rows, prob.num_q_heads, prob.num_kv_heads, prob.group, prob.head_dim,
+                   prob.width, prob.per_head_indices, prob.slots, prob.max_reqs, prob.max_context,
+                   float(prob.softmax_scale * prob.k_scale * _LOG2E), float(prob.v_scale), plan,
+                   bool(interp))
+
+
+def sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                        softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
+                        batch_invariant: bool = False, strict: bool = False,
+                        interpret: bool | None = None):
+    """Paged sparse decode (``qsa-contract.md`` §2b): the whole decode step from the KV pool.
+
+    Same argument order and meaning as ``qsa_triton.sparse_decode_paged``.
+
+    Args:
+      q: [R, Hq, D] bfloat16|float16 jax array, one row per decode query (MTP verify rows too).
+      k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or float8_e4m3fn.
+      req_to_token: int32 [max_reqs, max_context] (position -> pool slot, SGLang's table).
+      req_indices, seq_lens: int32 [R]; indices: int32 [R, W] or [R, Hkv, W] logical positions.
+        Entry valid iff ``0 <= idx < seq_lens[r]``, ``idx < max_context``, ``req_indices[r]``
+        a table row, and its slot in ``[0, slots)``; invalid entries are never dereferenced;
+        duplicates attend once per occurrence. All of these are device data (may be traced).
+      softmax_scale: host float > 0 (applied to FP32 scores), default D ** -0.5.
+      k_scale, v_scale: host floats > 0 (FP8 pools; 1.0 for a pool in q's dtype).
+      batch_invariant: a row's output bits depend only on its own inputs (§2c; cost in
+        ``interop.plan.plan_decode_paged``).
+      strict: also enforce the qualified envelope; always on where ``interop.contract.route``
+        sends decode to the exact contract (sm_121).
+      interpret: None -> Pallas interpret mode when jax's default backend is the CPU, the
+        compiled Triton kernel on a GPU; True/False forces it.
+
+    Returns:
+      [R, Hq, D] in q's dtype: ``softmax(scale · k_scale · q[r, h] · Kᵀ) · V · v_scale`` over the
+      row's valid entries (KV head h // G); exact zeros for a row with none.
+
+    Raises:
+      ContractError: from ``interop.contract.check_decode_paged`` (same message as the torch
+        path) before anything is traced or launched; an FP8 pool of 2**31..2**32 elements
+        (module docstring); ``interpret=False`` on a CPU-only JAX.
+
+    Works under ``jax.jit`` (lengths, positions, slots traced; a new value never retraces),
+    ``lax.scan`` and ``shard_map`` (VMA check off: ``_compat.shard_map``). Source of the
+    algorithm: this module's docstring.
+    """
+    args = (q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens)
+    prob, interp = _prepare(args, softmax_scale, k_scale, v_scale, batch_invariant, strict,
+                            interpret)
+    plan = plan_for(prob.rows, prob.num_q_heads, prob.num_kv_heads, prob.head_dim, prob.width,
+                    q_dtype=q.dtype, kv_dtype=k_cache.dtype, batch_invariant=batch_invariant)
+    return _decode_paged(*args, st=_static(prob, plan, interp))
+
+
+def decode_paged_with_plan(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                           softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
+                           plan: PagedDecodePlan, interpret: bool | None = None):
+    """``sparse_decode_paged`` with an explicit plan (tests force several splits on tiny shapes;
+    sweeps). Checks the contract first.
+
+    Raises:
+      ContractError: as ``sparse_decode_paged``; a plan whose head tile cannot hold G, whose
+        BLOCK_N is not a power of two >= 16, or with more than PAGED_MAX_SPLITS splits.
+    """
+    args = (q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens)
+    prob, interp = _prepare(args, softmax_scale, k_scale, v_scale, False, False, interpret)
+    ht, bn = plan.head_tile, plan.block_n
+    if ht < max(16, prob.group) or ht & (ht - 1) or bn < 16 or bn & (bn - 1) \
+            or not 1 <= plan.num_splits <= PAGED_MAX_SPLITS:
+        raise ContractError("decode_paged_with_plan", "plan", "head_tile a power of two >= "
+                            f"max(16, G={prob.group}), block_n a power of two >= 16, 1 <= "
+                            f"num_splits <= {PAGED_MAX_SPLITS}", plan)
+    nb = max(1, -(-prob.width // bn))
+    plan = dataclasses.replace(plan, num_splits=min(plan.num_splits, nb))
+    return _decode_paged(*args, st=_static(prob, plan, interp))
+
+
+def lowering_cases(device_kind: str, *, head_dim: int = 256, width: int = 2051,
+                   dtype=jnp.bfloat16) -> list[tuple[str, object, tuple]]:
+    """Every distinct paged-decode launch configuration the shared plan picks on ``device_kind``
+    for the qualified head pairs plus (3,1), bf16 and FP8 pools, both modes, R in 1..512, as
+    ``(name, fn, args)`` to lower with ``_compat.lower_for_device_kind`` (``qsa compile``).
+    ``args`` are ``jax.ShapeDtypeStruct``; nothing is allocated."""
+    sds = jax.ShapeDtypeStruct
+    cases, seen = [], set()
+    with jax.sharding.use_abstract_mesh(C.abstract_mesh(device_kind)):
+        for hq, hkv in ((24, 2), (12, 1), (6, 1), (3, 1)):
+            for kvd in (dtype, jnp.float8_e4m3fn):
+                for bi in (False, True):
+                    for r in range(1, 513):
+                        plan = plan_for(r, hq, hkv, head_dim, width, q_dtype=dtype, kv_dtype=kvd,
+                                        batch_invariant=bi)
+                        key = (hq, hkv, np.dtype(kvd).name, plan.head_tile, plan.block_n,
+                               plan.num_warps, plan.num_stages, plan.num_splits == 1)
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        slots = 4096
+                        args = (sds((r, hq, head_dim), dtype), sds((slots, hkv, head_dim), kvd),
+                                sds((slots, hkv, head_dim), kvd), sds((r + 2, 4096), jnp.int32),
+                                sds((r,), jnp.int32), sds((r, width), jnp.int32),
+                                sds((r,), jnp.int32))
+                        fn = functools.partial(_lowerable, batch_invariant=bi)
+                        cases.append((f"pallas_paged_{hq}_{hkv}_kv{np.dtype(kvd).name}_R{r}"
+                                      f"_ht{plan.head_tile}_bn{plan.block_n}_s{plan.num_splits}"
+                                      f"_w{plan.num_warps}_st{plan.num_stages}"
+                                      f"{'_bi' if bi else ''}", fn, args))
+    return cases
+
+
+def _lowerable(*args, batch_invariant):
+    return sparse_decode_paged(*args, batch_invariant=batch_invariant, interpret=False)

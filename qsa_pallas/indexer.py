@@ -1,0 +1,661 @@
+"""The QSA indexer for JAX: block scoring, exact top-k and expansion, Pallas on the Triton lowering.
+
+Semantics: ``qsa-contract.md`` §4b and §4; FP64 references ``interop.reference.indexer_*``. Same
+names, argument order, plan (``interop.indices.plan_indexer``) and algorithm as
+``qsa_triton.indexer`` (read its module docstring for the design and the bytes moved):
+
+* pass 1, one program per (row tile, chunk of C blocks): score the chunk in BLOCK_N tiles (one
+  bf16/fp16 dot with FP32 accumulation, ReLU, head sum), hold the chunk's scores as int32
+  order-preserving keys, find each row's k-th largest key by a radix search (``radix_bits``
+  bits a round, the round's 2^bits - 1 thresholds counted in one compare-and-sum), keep
+  key > tau and the first k - #(key > tau) ties in block order, and write the survivors in
+  ascending block order (one packed prefix sum gives the tie ranks and the slots) with their
+  count: no [rows, blocks] logits array exists at any point;
+* pass 2, one program per row: the same select over the row's candidates, then the ascending
+  block ids or, fused, the expanded token row.
+
+JAX specifics: lengths and row ranges are traced int32 inputs (no scalar prefetch in the Triton
+lowering), every data-dependent loop has a device-computed trip count (``fori_loop`` /
+``while_loop``), so one jitted function serves every length; the entry points are jit-native and
+work under ``lax.scan`` and ``shard_map`` (VMA check off, ``_compat.shard_map``). In interpret
+mode (CPU) a masked scatter writes back the old value at masked lanes
+(``jax._src.pallas.primitives._swap_discharge_rule``), which can clobber a written lane with the
+same index, so every scatter sends its masked lanes to one spare slot past the data; on the GPU
+masked lanes write nothing and the spare slot is never touched.
+
+The standalone ``expand_block_indices`` is plain ``jnp`` (cumsum + scatter), jit-native; the fused
+decode/prefill paths expand inside the merge kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from interop.contract import (ContractError, check_expand_block_indices, check_indexer_decode,
+                              check_indexer_prefill)
+from interop.indices import IndexerPlan, plan_indexer
+
+from . import _compat as C
+
+__all__ = [
+    "indexer_topk_decode",
+    "indexer_topk_prefill",
+    "indexer_select_decode",
+    "indexer_select_prefill",
+    "expand_block_indices",
+    "indexer_plan_for",
+    "lowering_cases",
+]
+
+_INT32_MAX = 2**31 - 1
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _target() -> tuple[int, int]:
+    """(SM count, shared memory per block) of the GPU the kernels are built for
+    (``_compat.target_facts``: the abstract device when lowering ahead of time, else jax's first
+    GPU); an H200's (132, 232,448 B) on a CPU-only jax."""
+    facts = C.target_facts()
+    if facts is None:
+        return 132, 232_448
+    return facts.sm_count, facts.smem_per_block
+
+
+def indexer_plan_for(kind: str, rows: int, max_blocks: int, topk: int) -> IndexerPlan:
+    """The shared static plan (``interop.indices.plan_indexer``) for the target GPU's SM count
+    and shared memory."""
+    sms, smem = _target()
+    return plan_indexer(kind, rows, max_blocks, topk, sm_count=sms, smem_per_block=smem)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared in-kernel helpers (traced inside the kernels): the exact top-k of int32 keys
+def _rounds(rb: int) -> tuple[int, int]:
+    """(rounds, bits of the first round) of a radix search over 31 bits, rb bits a round."""
+    n = -(-31 // rb)
+    return n, 31 - rb * (n - 1)
+
+
+def _kth_key_row(keys, k: int, rb: int, run):
+    """The k-th largest of ``keys`` [N] int32 (>= 0 visible, -1 not) as an int32 scalar: the
+    largest t >= 0 with #(key >= t) >= k, 0 with fewer than k visible keys. Same radix search as
+    ``qsa_triton.indexer._kth_key_row``: rb bits a round from bit 30 down, the 2^rb - 1
+    thresholds of a round counted at once, two counts packed to an int32 (16-bit halves,
+    N < 2^16). ``run`` (traced bool): False skips the rounds (tau 0: the caller knows there are
+    <= k keys)."""
+    n_rounds, w0 = _rounds(rb)
+    nj = IndexerPlan.thresholds(rb)
+    if nj == 1:
+        def body(r, tau):
+            lo = n_rounds - 1 - r
+            cnt = jnp.sum((keys >= tau + jnp.left_shift(jnp.int32(1), lo)).astype(jnp.int32))
+            return tau + jnp.left_shift((cnt >= k).astype(jnp.int32), lo)
+    else:
+        ja = _iota((nj // 2, 1), 0) + 1  # digits 1 .. nj/2 in the low halves
+        jb = ja + nj // 2  # nj/2 + 1 .. nj in the high halves
+
+        def body(r, tau):
+            lo = rb * (n_rounds - 1 - r)
+            lim = jnp.where(r == 0, jnp.int32(1 << w0), jnp.int32(1 << rb))
+            # thresholds whose digit does not exist this round (or would overflow) count nothing
+            ta = jnp.where(ja < lim, tau + jnp.left_shift(ja, lo), _INT32_MAX)
+            tb = jnp.where(jb < lim, tau + jnp.left_shift(jb, lo), _INT32_MAX)
+            ge = ((keys[None, :] >= ta).astype(jnp.int32)
+                  + jnp.left_shift((keys[None, :] >= tb).astype(jnp.int32), 16))
+            cnt = jnp.sum(ge, axis=1)  # [nj / 2], two counts each
+            ok = ((cnt & 0xFFFF) >= k).astype(jnp.int32) + ((cnt >> 16) >= k).astype(jnp.int32)
+            return tau + jnp.left_shift(jnp.sum(ok), lo)
+
+    # explicit int32 bounds: a weakly typed where() lowers to an i1 bound (scf.for verify error)
+    trips = run.astype(jnp.int32) * n_rounds
+    return lax.fori_loop(jnp.int32(0), trips, body, jnp.int32(0))
+
+
+def _kth_key(keys, k: int, rb: int, run):
+    """``_kth_key_row`` per row of ``keys`` [R, N] -> int32 [R] (1-bit rounds: one [R, N]
+    compare-and-sum each; wider rounds one [R, NJ, N])."""
+    n_rounds, w0 = _rounds(rb)
+    nj = IndexerPlan.thresholds(rb)
+    if nj == 1:
+        def body(r, tau):
+            lo = n_rounds - 1 - r
+            thr = tau + jnp.left_shift(jnp.int32(1), lo)
+            cnt = jnp.sum((keys >= thr[:, None]).astype(jnp.int32), axis=1)
+            return tau + jnp.left_shift((cnt >= k).astype(jnp.int32), lo)
+    else:
+        jj = _iota((1, nj), 1) + 1
+
+        def body(r, tau):
+            lo = rb * (n_rounds - 1 - r)
+            lim = jnp.where(r == 0, jnp.int32(1 << w0), jnp.int32(1 << rb))
+            thr = jnp.where(jj < lim, tau[:, None] + jnp.left_shift(jj, lo), _INT32_MAX)
+            cnt = jnp.sum((keys[:, None, :] >= thr[:, :, None]).astype(jnp.int32), axis=2)
+            return tau + jnp.left_shift(jnp.sum((cnt >= k).astype(jnp.int32), axis=1), lo)
+
+    trips = run.astype(jnp.int32) * n_rounds
+    return lax.fori_loop(jnp.int32(0), trips, body, jnp.zeros((keys.shape[0],), jnp.int32))
+
+
+def _select_row(keys, tau, k: int):
+    """Exact top-k of ``keys`` [N] given its k-th largest ``tau``, ties to the smaller index: key
+    > tau, then the first k - #(key > tau) keys == tau in index order. One packed prefix sum
+    (#above + #tie * 2^16) gives the tie rank and each survivor's slot in ascending index order.
+    Returns (sel [N] bool, slot [N] int32, count scalar)."""
+    above = (keys > tau).astype(jnp.int32)
+    tie = (keys == tau).astype(jnp.int32)
+    incl = jnp.cumsum(above + jnp.left_shift(tie, 16), axis=0)
+    tot = jnp.max(incl)  # the last prefix: both totals
+    want = k - (tot & 0xFFFF)
+    a_ex = (incl & 0xFFFF) - above
+    t_ex = (incl >> 16) - tie
+    sel = (above > 0) | ((tie > 0) & (t_ex < want))
+    return sel, a_ex + jnp.minimum(t_ex, want), (tot & 0xFFFF) + jnp.minimum(tot >> 16, want)
+
+
+def _select(keys, tau, k: int):
+    """``_select_row`` per row of ``keys`` [R, N] with ``tau`` [R]; counts [R]."""
+    above = (keys > tau[:, None]).astype(jnp.int32)
+    tie = (keys == tau[:, None]).astype(jnp.int32)
+    incl = jnp.cumsum(above + jnp.left_shift(tie, 16), axis=1)
+    tot = jnp.max(incl, axis=1)
+    want = k - (tot & 0xFFFF)
+    a_ex = (incl & 0xFFFF) - above
+    t_ex = (incl >> 16) - tie
+    sel = (above > 0) | ((tie > 0) & (t_ex < want[:, None]))
+    slot = a_ex + jnp.minimum(t_ex, want[:, None])
+    return sel, slot, (tot & 0xFFFF) + jnp.minimum(tot >> 16, want)
+
+
+def _score_keys(tot):
+    """FP32 head sums -> int32 order-preserving keys (+0.0 for -0.0 and NaN)."""
+    return lax.bitcast_convert_type(jnp.where(tot > 0.0, tot, 0.0), jnp.int32)
+
+
+def _iota(shape, dim):
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass 1: decode
+def _decode_chunk_kernel(q_ref, k_ref, pt_ref, seq_ref, wsk_ref, wsi_ref, *, h: int,
+                         hp: int, d: int, psz: int, ratio: int, k: int, c: int, t: int, s_n: int,
+                         pages: int, cap: int, rb: int, compute, trash: int):
+    b = pl.program_id(0)
+    s = pl.program_id(1)
+    nb = jnp.minimum(jnp.maximum(seq_ref[b], 0) // ratio, cap)
+    lo = s * c
+    n_here = jnp.clip(nb - lo, 0, c)
+    nt_n = c // t
+    hid = _iota((hp, d), 0)
+    # Padded heads load as 0: their dot is 0, ReLU(0) = 0, so they add nothing.
+    q = C.load(q_ref.at[b, pl.ds(0, hp), :], mask=hid < h, other=0.0).astype(compute)
+    dcol = _iota((1, d), 1)
+    tt = _iota((t,), 0)
+    nt2 = _iota((nt_n, 1), 0)
+    ids = _iota((nt_n, t), 0) * t + _iota((nt_n, t), 1)
+
+    def tile(i, keys):
+        blk = lo + i * t + tt
+        ok = blk < nb
+        pid = C.load(pt_ref.at[b, jnp.where(ok, blk // psz, 0)], mask=ok, other=0)
+        # A page id outside the cache is a caller bug: its blocks read nothing (score 0).
+        pok = ok & (pid >= 0) & (pid < pages)
+        row = jnp.where(pok, pid * psz + blk % psz, 0)
+        kt = C.load(k_ref.at[row[:, None], dcol], mask=pok[:, None], other=0.0).astype(compute)
+        sc = C.dot(kt, q, trans_b=True)  # [t, hp] fp32: the key tile is the MMA's M side
+        key = jnp.where(ok, _score_keys(jnp.sum(jnp.maximum(sc, 0.0), axis=1)), -1)
+        return jnp.where(nt2 == i, key[None, :], keys)
+
+    # A row with <= k blocks keeps all of them: nothing is loaded or scored.
+    n_tiles = jnp.where(nb > k, (n_here + (t - 1)) // t, 0).astype(jnp.int32)
+    keys = lax.fori_loop(jnp.int32(0), n_tiles, tile, jnp.where(ids < n_here, 0, -1))
+    keys = keys.reshape(c)
+    tau = _kth_key_row(keys, k, rb, n_here > k)
+    sel, pos, n_sel = _select_row(keys, tau, k)
+    dest = jnp.where(sel, (b * s_n + s) * k + pos, trash)
+    C.store(wsk_ref.at[dest], keys, mask=sel)
+    C.store(wsi_ref.at[dest], lo + ids.reshape(c), mask=sel)
+    # the chunk's unused slots read as "no candidate" (-1): the merge needs no counts
+    j = _iota((k,), 0)
+    pad = (j >= n_sel) & (n_here > 0)
+    C.store(wsk_ref.at[jnp.where(pad, (b * s_n + s) * k + j, trash)],
+            jnp.full((k,), -1, jnp.int32), mask=pad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass 1: prefill (bm rows per program share every key tile)
+def _prefill_chunk_kernel(q_ref, k_ref, rs_ref, re_ref, wsk_ref, wsi_ref, *, h: int,
+                          hp: int, d: int, k: int, c: int, t: int, s_n: int, bm: int,
+                          n_rows: int, n_keys: int, rb: int, compute, trash: int):
+    pid_m = pl.program_id(0)
+    s = pl.program_id(1)
+    rloc = pid_m * bm + _iota((bm,), 0)
+    rok = rloc < n_rows
+    safe_r = jnp.where(rok, rloc, 0)
+    rs = C.load(rs_ref.at[safe_r], mask=rok, other=0)
+    re = C.load(re_ref.at[safe_r], mask=rok, other=0)
+    lo = jnp.maximum(rs, 0)
+    n_vis = jnp.where(rok, jnp.maximum(jnp.minimum(re, n_keys) - lo, 0), 0)
+    c0 = s * c
+    n_here = jnp.clip(n_vis - c0, 0, c)
+    nt_n = c // t
+    hb = hp * bm
+    # All heads of the tile's rows stacked as one MMA operand, head-major: i = head * bm + m.
+    i = _iota((hb, 1), 0)
+    qrow = pid_m * bm + i % bm
+    qmask = ((i // bm) < h) & (qrow < n_rows)
+    dcol = _iota((1, d), 1)
+    q = C.load(q_ref.at[jnp.where(qmask, qrow, 0), jnp.where(qmask, i // bm, 0), dcol],
+               mask=jnp.broadcast_to(qmask, (hb, d)), other=0.0).astype(compute)
+    tt = _iota((t,), 0)
+    nt3 = _iota((1, nt_n, t), 1)
+
+    # Rows of one request share their key rows; a tile straddling requests takes one segment
+    # (rows with the same first key row) at a time.
+    def seg_cond(carry):
+        todo, _ = carry
+        return jnp.max(todo.astype(jnp.int32)) > 0
+
+    def seg_body(carry):
+        todo, keys = carry
+        base = jnp.min(jnp.where(todo, lo, _INT32_MAX))
+        seg = todo & (lo == base)
+        seg_n = jnp.max(jnp.where(seg, n_here, 0))
+        # rows with <= k visible blocks keep them all: a segment of only such rows is skipped
+        seg_score = jnp.max(jnp.where(seg, n_vis, 0)) > k
+
+        def tile(ti, keys):
+            j = ti * t + tt
+            jok = j < seg_n
+            kr = jnp.where(jok, base + c0 + j, 0)
+            kt = C.load(k_ref.at[kr[:, None], dcol], mask=jok[:, None], other=0.0)
+            sc = C.dot(q, kt.astype(compute), trans_b=True)  # [hb, t]
+            tot = jnp.sum(jnp.maximum(sc, 0.0).reshape(hp, bm, t), axis=0)  # [bm, t]
+            valid = seg[:, None] & (j[None, :] < n_here[:, None])
+            key = jnp.where(valid, _score_keys(tot), -1)
+            put = (nt3 == ti) & seg[:, None, None]
+            return jnp.where(put, key[:, None, :], keys)
+
+        n_tiles = jnp.where(seg_score, (seg_n + (t - 1)) // t, 0).astype(jnp.int32)
+        keys = lax.fori_loop(jnp.int32(0), n_tiles, tile, keys)
+        return todo & ~seg, keys
+
+    _, keys = lax.while_loop(seg_cond, seg_body,
+                             (n_here > 0, jnp.full((bm, nt_n, t), -1, jnp.int32)))
+    ids = (_iota((nt_n, t), 0) * t + _iota((nt_n, t), 1)).reshape(1, c)
+    keys = keys.reshape(bm, c)
+    keys = jnp.where((n_vis > k)[:, None], keys, jnp.where(ids < n_here[:, None], 0, -1))
+    tau = _kth_key(keys, k, rb, jnp.max(n_here) > k)
+    sel, pos, n_sel = _select(keys, tau, k)
+    dest = jnp.where(sel, ((rloc * s_n + s) * k)[:, None] + pos, trash)
+    rel = (lo - rs + c0)[:, None] + ids  # row-relative block id
+    C.store(wsk_ref.at[dest], keys, mask=sel)
+    C.store(wsi_ref.at[dest], rel, mask=sel)
+    j = _iota((1, k), 1)  # unused slots of the rows' chunks: -1 (no candidate)
+    pad = (j >= n_sel[:, None]) & (n_here > 0)[:, None]
+    C.store(wsk_ref.at[jnp.where(pad, ((rloc * s_n + s) * k)[:, None] + j, trash)],
+            jnp.full((bm, k), -1, jnp.int32), mask=pad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass 2: merge (+ optional fused expansion)
+def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int, s_n: int,
+                  sp: int, w: int, wp: int, cap: int, rb: int, trash: int):
+    if prefill and expand:
+        wsk_ref, wsi_ref, m0_ref, m1_ref, pos_ref, bound_ref, o_ref = refs
+    elif prefill:
+        wsk_ref, wsi_ref, m0_ref, m1_ref, o_ref = refs
+    else:
+        wsk_ref, wsi_ref, m0_ref, o_ref = refs
+    r = pl.program_id(0)
+    if prefill:
+        rs = m0_ref[r]
+        n = jnp.maximum(jnp.minimum(m1_ref[r], cap) - jnp.maximum(rs, 0), 0)
+    else:
+        seq = jnp.maximum(m0_ref[r], 0)
+        n = jnp.minimum(seq // ratio, cap)
+    # candidate slot = chunk * k + rank in the chunk: orders like the block id; a chunk's unused
+    # slots hold -1
+    slot = _iota((sp * k,), 0)
+    has = slot // k < (n + (c - 1)) // c
+    src = jnp.where(has, r * s_n * k + slot, 0)
+    keys = C.load(wsk_ref.at[src], mask=has, other=-1)
+    blk = C.load(wsi_ref.at[src], mask=has, other=0)
+    tau = _kth_key_row(keys, k, rb, jnp.sum((keys >= 0).astype(jnp.int32)) > k)
+    sel, pos, n_sel = _select_row(keys, tau, k)
+    if expand:
+        if prefill:
+            p = pos_ref[r]
+            bound = bound_ref[r]
+        else:
+            p = seq - 1
+            bound = seq
+        # Everything is ascending: the valid tokens (< bound) of the selected blocks are a prefix;
+        # the causal tail [floor(L/R)*R, p] follows (tokens < bound only), then -1.
+        e = _iota((1, _next_pow2(ratio)), 1)
+        tok = blk[:, None] * ratio + e
+        ok = sel[:, None] & (e < ratio) & (tok < bound)
+        C.store(o_ref.at[r, jnp.where(ok, pos[:, None] * ratio + e, trash)], tok, mask=ok)
+        m = jnp.sum(jnp.where(sel, jnp.clip(bound - blk * ratio, 0, ratio), 0))
+        vis = jnp.maximum(p + 1, 0)
+        start = vis - vis % ratio
+        n_tail = jnp.int32(0)
+        for e in range(ratio - 1):
+            n_tail = n_tail + ((e < vis - start) & (start + e < bound)).astype(jnp.int32)
+        col = _iota((wp,), 0)
+        off = col - m
+        val = jnp.where(off < n_tail, start + off, -1)
+        tail_ok = (col >= m) & (col < w)
+        C.store(o_ref.at[r, jnp.where(tail_ok, col, trash)], val, mask=tail_ok)
+    else:
+        C.store(o_ref.at[r, jnp.where(sel, pos, trash)], blk, mask=sel)
+        j = _iota((k,), 0)
+        pad = j >= n_sel
+        C.store(o_ref.at[r, jnp.where(pad, j, trash)], jnp.full((k,), -1, jnp.int32), mask=pad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers (jitted; every shape-derived choice is static)
+def _workspace_shapes(rows: int, plan: IndexerPlan, interpret: bool):
+    n = rows * plan.splits
+    spare = 1 if interpret else 0  # the masked-scatter spare slot (module docstring)
+    sds = jax.ShapeDtypeStruct
+    return (sds((n * plan.topk + spare,), jnp.int32), sds((n * plan.topk + spare,), jnp.int32))
+
+
+def _merge(ws, metas, rows: int, plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: int,
+           cap: int, interpret: bool):
+    k = plan.topk
+    w = k * ratio + ratio - 1 if expand else k
+    spare = 1 if interpret else 0
+    out_w = w + spare
+    kern = functools.partial(
+        _merge_kernel, prefill=prefill, expand=expand, ratio=ratio, k=k, c=plan.chunk,
+        s_n=plan.splits, sp=plan.splits_pad, w=w, wp=_next_pow2(w), cap=cap,
+        rb=plan.merge_radix_bits, trash=out_w - 1 if interpret else w)
+    out = C.triton_call(kern, out_shape=jax.ShapeDtypeStruct((rows, out_w), jnp.int32),
+                        grid=(rows,), num_warps=plan.merge_warps, num_stages=1,
+                        interpret=interpret, name="qsa_indexer_merge")(*ws, *metas)
+    return out[:, :w] if spare else out
+
+
+@functools.partial(jax.jit, static_argnames=("topk", "ratio", "expand", "interpret", "target",
+                                             "plan"))
+def _decode(q, k_cache, page_table, seq_lens, *, topk: int, ratio: int, expand: bool,
+            interpret: bool, target: tuple[int, int], plan: IndexerPlan | None = None):
+    b, h, d = q.shape
+    pages, psz = k_cache.shape[0], k_cache.shape[1]
+    cap = page_table.shape[1] * psz
+    plan = plan or plan_indexer("decode", b, cap, topk, sm_count=target[0],
+                                smem_per_block=target[1])
+    compute = jnp.bfloat16 if q.dtype == jnp.float8_e4m3fn else q.dtype
+    k2 = k_cache.reshape(pages * psz, d) if pages * psz else jnp.zeros((1, d), k_cache.dtype)
+    shapes = _workspace_shapes(b, plan, interpret)
+    trash = shapes[0].shape[0] - 1 if interpret else shapes[0].shape[0]
+    kern = functools.partial(
+        _decode_chunk_kernel, h=h, hp=max(16, _next_pow2(h)), d=d, psz=psz, ratio=ratio, k=topk,
+        c=plan.chunk, t=plan.tile, s_n=plan.splits, pages=pages, cap=cap,
+        rb=plan.radix_bits, compute=compute, trash=trash)
+    ws = C.triton_call(kern, out_shape=shapes, grid=(b, plan.splits), num_warps=plan.num_warps,
+                       num_stages=plan.num_stages, interpret=interpret,
+                       name="qsa_indexer_decode_chunk")(q, k2, page_table, seq_lens)
+    return _merge(ws, (seq_lens,), b, plan, prefill=False, expand=expand, ratio=ratio, cap=cap,
+                  interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("topk", "ratio", "expand", "interpret", "target",
+                                             "plan"))
+def _prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int, ratio: int,
+             expand: bool, interpret: bool, target: tuple[int, int],
+             plan: IndexerPlan | None = None):
+    t_rows, h, d = q.shape
+    n_keys = k.shape[0]
+    plan = plan or plan_indexer("prefill", t_rows, n_keys, topk, sm_count=target[0],
+                                smem_per_block=target[1])
+    compute = jnp.bfloat16 if q.dtype == jnp.float8_e4m3fn else q.dtype
+    k2 = k.reshape(n_keys, d) if n_keys else jnp.zeros((1, d), k.dtype)
+    g = plan.row_group
+    bm = plan.rows_per_program
+    outs = []
+    # Row groups bound the candidate workspace (static: from shapes only).
+    for r0 in range(0, t_rows, g):
+        r1 = min(t_rows, r0 + g)
+        n = r1 - r0
+        rs, re = row_starts[r0:r1], row_ends[r0:r1]
+        shapes = _workspace_shapes(n, plan, interpret)
+        trash = shapes[0].shape[0] - 1 if interpret else shapes[0].shape[0]
+        kern = functools.partial(
+            _prefill_chunk_kernel, h=h, hp=_next_pow2(h), d=d, k=topk, c=plan.chunk,
+            t=plan.tile, s_n=plan.splits, bm=bm, n_rows=n, n_keys=n_keys,
+            rb=plan.radix_bits, compute=compute, trash=trash)
+        ws = C.triton_call(kern, out_shape=shapes, grid=(-(-n // bm), plan.splits),
+                           num_warps=plan.num_warps, num_stages=plan.num_stages,
+                           interpret=interpret, name="qsa_indexer_prefill_chunk")(
+                               q[r0:r1], k2, rs, re)
+        metas = (rs, re) + ((positions[r0:r1], seq_lens[r0:r1]) if expand else ())
+        outs.append(_merge(ws, metas, n, plan, prefill=True, expand=expand, ratio=ratio,
+                           cap=n_keys, interpret=interpret))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+
+
+def _empty(rows: int, width: int):
+    return jnp.zeros((rows, width), jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points (same names and argument order as qsa_triton.indexer)
+def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
+                        compress_ratio: int = 4, strict: bool = False,
+                        plan: IndexerPlan | None = None, interpret: bool | None = None):
+    """Decode indexer: score each row's paged compressed keys and keep the exact top-k blocks.
+
+    Same contract as ``qsa_triton.indexer_topk_decode``: row b sees its first
+    ``floor(seq_lens[b] / compress_ratio)`` blocks (capped at ``max_pages * page_size``), block n
+    at ``k_cache[page_table[b, n // page_size], n % page_size, 0]``; page-table entries past the
+    row's blocks are never read; scores ``sum_h ReLU(q[b, h] . k[n])`` in FP32 (the division by
+    ``score_scale`` does not change the order and is left out).
+
+    Args:
+      q: [B, H, D] bf16|fp16|fp8 e4m3 jax array.
+      k_cache: [pages, page_size, 1, D] q's dtype or fp8 e4m3.
+      page_table: int32 [B, max_pages]; seq_lens: int32 [B] (traced; never read on the host).
+      topk: blocks kept (512); compress_ratio: tokens per block (4).
+      strict: enforce the qualified envelope (``interop.contract.QUALIFIED_INDEXER``).
+      plan: an ``interop.indices.IndexerPlan`` replacing the shared one (benchmarks, sweeps).
+      interpret: None -> interpret mode on a CPU backend, the compiled kernels on a GPU.
+
+    Returns:
+      int32 [B, topk]: selected block ids ascending, -1 after; a row with <= topk blocks gets all
+      of them; ties go to the smaller block id (``interop.reference.indexer_topk``).
+
+    Raises:
+      ContractError: before anything is traced or launched
+        (``interop.contract.check_indexer_decode``; the same message as the torch path), or
+        for a plan (given, or the default one: rows of up to 2M blocks at topk 512) that cannot
+        run this call (``IndexerPlan.problem``).
+    """
+    return _decode_entry("indexer_topk_decode", q, k_cache, page_table, seq_lens, topk,
+                         compress_ratio, strict, interpret, False, plan)
+
+
+def indexer_select_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
+                          compress_ratio: int = 4, strict: bool = False,
+                          plan: IndexerPlan | None = None, interpret: bool | None = None):
+    """The whole decode indexer: ``indexer_topk_decode`` with the expansion fused into the merge.
+
+    Returns:
+      int32 [B, topk * ratio + ratio - 1] (2051) token positions ascending (position
+      ``seq_lens[b] - 1``, bound ``seq_lens[b]``), equal to ``expand_block_indices`` of
+      ``indexer_topk_decode``'s output: the ``indices`` of ``sparse_decode_paged``.
+
+    Raises:
+      ContractError: as ``indexer_topk_decode``.
+    """
+    return _decode_entry("indexer_select_decode", q, k_cache, page_table, seq_lens, topk,
+                         compress_ratio, strict, interpret, True, plan)
+
+
+def _check_plan(fn, plan, prob):
+    arg, own = ("plan", plan) if plan is not None else (
+        "page_table" if prob.kind == "decode" else "k",
+        indexer_plan_for(prob.kind, prob.rows, prob.max_blocks, prob.topk))
+    why = own.problem(prob.kind, prob.max_blocks, prob.topk)
+    if why:  # a custom plan that cannot run this call, or a context past what any plan covers
+        raise ContractError(fn, arg, why, plan if plan is not None else
+                            f"{prob.max_blocks} blocks a row")
+
+
+def _decode_entry(fn, q, k_cache, page_table, seq_lens, topk, ratio, strict, interpret, expand,
+                  plan):
+    C.check_inputs(fn, interpret, q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens)
+    prob = check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk, compress_ratio=ratio,
+                                strict=strict, fn=fn)
+    C.check_backend(fn, interpret, q, k_cache, page_table, seq_lens)
+    _check_plan(fn, plan, prob)
+    return _decode(q, k_cache, page_table, seq_lens, topk=int(topk), ratio=int(ratio),
+                   expand=expand, interpret=C.resolve_interpret(interpret),
+                   target=_target(), plan=plan)
+
+
+def indexer_topk_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compress_ratio: int = 4,
+                         strict: bool = False, plan: IndexerPlan | None = None,
+                         interpret: bool | None = None):
+    """Prefill indexer: each row's exact top-k over its packed compressed-key range.
+
+    Same contract as ``qsa_triton.indexer_topk_prefill``: row m scores key rows
+    ``[row_starts[m], row_ends[m])`` of ``k`` (intersected with ``[0, N)``), ids relative to
+    ``row_starts[m]``; rows go in static groups that bound the candidate workspace.
+
+    Args:
+      q: [T, H, D] bf16|fp16|fp8 e4m3; k: [N, 1, D] q's dtype or fp8 e4m3.
+      row_starts, row_ends: int32 [T] (traced).
+      topk, compress_ratio, strict, plan, interpret: as ``indexer_topk_decode``.
+
+    Returns:
+      int32 [T, topk], ascending row-relative block ids, -1 after.
+
+    Raises:
+      ContractError: before anything is traced (``interop.contract.check_indexer_prefill``).
+    """
+    return _prefill_entry("indexer_topk_prefill", q, k, row_starts, row_ends, None, None, topk,
+                          compress_ratio, strict, interpret, False, plan)
+
+
+def indexer_select_prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int = 512,
+                           compress_ratio: int = 4, strict: bool = False,
+                           plan: IndexerPlan | None = None, interpret: bool | None = None):
+    """The whole prefill indexer: ``indexer_topk_prefill`` with the expansion fused into the merge.
+
+    Args:
+      positions, seq_lens: int32 [T], each row's position and validity bound (request length).
+
+    Returns:
+      int32 [T, topk * ratio + ratio - 1], equal to ``expand_block_indices`` of
+      ``indexer_topk_prefill``'s output.
+
+    Raises:
+      ContractError: as ``indexer_topk_prefill``.
+    """
+    return _prefill_entry("indexer_select_prefill", q, k, row_starts, row_ends, positions,
+                          seq_lens, topk, compress_ratio, strict, interpret, True, plan)
+
+
+def _prefill_entry(fn, q, k, row_starts, row_ends, positions, seq_lens, topk, ratio, strict,
+                   interpret, expand, plan):
+    arrays = dict(q=q, k=k, row_starts=row_starts, row_ends=row_ends)
+    if expand:
+        arrays.update(positions=positions, seq_lens=seq_lens)
+    C.check_inputs(fn, interpret, **arrays)
+    prob = check_indexer_prefill(q, k, row_starts, row_ends, topk=topk, compress_ratio=ratio,
+                                 positions=positions, seq_lens=seq_lens, strict=strict, fn=fn)
+    C.check_backend(fn, interpret, *arrays.values())
+    _check_plan(fn, plan, prob)
+    if q.shape[0] == 0:
+        return _empty(0, topk * ratio + ratio - 1 if expand else topk)
+    return _prefill(q, k, row_starts, row_ends, positions, seq_lens, topk=int(topk),
+                    ratio=int(ratio), expand=expand, interpret=C.resolve_interpret(interpret),
+                    target=_target(), plan=plan)
+
+
+@functools.partial(jax.jit, static_argnames=("ratio",))
+def _expand(block_ids, positions, seq_lens, *, ratio: int):
+    m, k = block_ids.shape
+    tok_n = k * ratio
+    w = tok_n + ratio - 1
+    g = block_ids.astype(jnp.int32)
+    offs = jnp.arange(ratio, dtype=jnp.int32)
+    bound = seq_lens.astype(jnp.int32)[:, None]
+    # a junk id * ratio must not wrap around int32: compare g against ceil(bound / ratio) first
+    tok = g[:, :, None] * ratio + offs
+    ok = (g[:, :, None] >= 0) & (g[:, :, None] <= (_INT32_MAX - ratio) // ratio) & (tok < bound[:, :, None])
+    tok = jnp.where(ok, tok, -1).reshape(m, tok_n)
+    vis = positions.astype(jnp.int32)[:, None] + 1
+    start = (vis // ratio) * ratio  # floor division, as the reference
+    e = jnp.arange(ratio - 1, dtype=jnp.int32)[None, :]
+    tail = start + e
+    tail = jnp.where((e < vis - start) & (tail < bound), tail, -1)
+    val = jnp.concatenate([tok, tail], axis=1)  # [m, w]
+    valid = val >= 0
+    cv = jnp.cumsum(valid.astype(jnp.int32), axis=1)
+    n_valid = cv[:, -1:]
+    col = jnp.arange(w, dtype=jnp.int32)[None, :]
+    dest = jnp.where(valid, cv - 1, n_valid + col - cv)  # stable partition: valid first
+    rows = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[:, None], (m, w))
+    return jnp.zeros((m, w), jnp.int32).at[rows, dest].set(val, unique_indices=True)
+
+
+def expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio: int = 4,
+                         strict: bool = False):
+    """Block ids -> token positions (``qsa-contract.md`` §4), vectorised ``jnp`` (jit-native).
+
+    Same rule as ``qsa_triton.expand_block_indices`` and ``interop.indices.expand_block_indices``
+    (tokens ``ratio*g .. ratio*g + ratio - 1`` of every id g >= 0 below ``seq_len``, the causal
+    tail, valid entries stably first).
+
+    Args:
+      block_ids: int32 [M, topk]; positions, seq_lens: int32 [M] (traced).
+
+    Returns:
+      int32 [M, topk * ratio + ratio - 1].
+
+    Raises:
+      ContractError: ``interop.contract.check_expand_block_indices``.
+    """
+    fn = "expand_block_indices"
+    C.check_inputs(fn, None, block_ids=block_ids, positions=positions, seq_lens=seq_lens)
+    check_expand_block_indices(block_ids, positions, seq_lens, compress_ratio=compress_ratio,
+                               strict=strict, fn=fn)
+    return _expand(block_ids, positions, seq_lens, ratio=int(compress_ratio))
+
+
+def lowering_cases(device_kind: str | None = None, *, dtype=jnp.bfloat16,
+                   k_dtype=None) -> list[tuple[str, object, tuple]]:
+    """Representative production launches as ``(name, fn, args)`` for
+    ``_compat.lower_for_device_kind`` (``jax.ShapeDtypeStruct`` args, nothing allocated):
+    decode B = 16 at 32k and B = 128 at 256k context, prefill 8192 rows at 32k, each with the
+    fused expansion. ``device_kind`` (the ``interop.validate.compile`` protocol) is not needed:
+    the plan follows the abstract device the cases are lowered under."""
+    sds = jax.ShapeDtypeStruct
+    kd = dtype if k_dtype is None else k_dtype
+    i32 = jnp.int32
+    cases = []
+    for b, ctx in ((16, 32768), (128, 262144)):
+        pages = b * ctx // 64
+        args = (sds((b, 4, 128), dtype), sds((pages, 16, 1, 128), kd),
+                sds((b, ctx // 64), i32), sds((b,), i32))
+        cases.append((f"decode/B{b}/{ctx}",
+                      functools.partial(indexer_select_decode, interpret=False), args))
+    t, n = 8192, 32768 // 4
+    args = (sds((t, 4, 128), dtype), sds((n, 1, 128), kd), sds((t,), i32), sds((t,), i32),
+            sds((t,), i32), sds((t,), i32))
+    cases.append(("prefill/T8192/32768",
+                  functools.partial(indexer_select_prefill, interpret=False), args))
+    return cases

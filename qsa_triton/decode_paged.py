@@ -1,0 +1,605 @@
+"""Paged sparse decode (``qsa-contract.md`` §2b, §2c) as Triton kernels for PyTorch.
+
+Public:
+  sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                      softmax_scale=None, k_scale=1.0, v_scale=1.0, *, batch_invariant=False,
+                      strict=False) -> out
+  decode_paged_with_plan(..., plan=)   the same with an explicit PagedDecodePlan (tests, sweeps)
+  _variant_call(variant, ...)          private: a launch variant of ``_VARIANTS`` (bench sweep)
+  torch.ops.qsa.sparse_decode_paged    the registered custom op (fake impl for torch.compile)
+  compile_configs(arch)                every shipped kernel configuration, for ``qsa compile``
+
+The whole QSA decode step reads the KV pool in place: no valid counts, no prefix sum, no packed
+copy. Algorithm (flash-decoding split-KV over the index columns; the LSE merge is the standard
+flash-decoding one, the online softmax FlashAttention-2's):
+  * Split kernel (``_paged_split_kernel``), one program per (split j, row r, KV head h) of the
+    static plan ``interop.plan.plan_decode_paged``: it loads the G query heads of h from
+    q row r as one [head tile, D] tile (G padded to a power of two >= 16, padded rows masked),
+    then walks the BLOCK_N chunks ``[j*nb // S, (j+1)*nb // S)`` of the row's W index columns.
+    Per chunk: load the positions; an entry is valid iff ``0 <= idx < min(seq_lens[r],
+    max_context)``, the row's request ``req_indices[r]`` names a table row, and its slot
+    ``req_to_token[req, idx]`` (loaded under that mask) lies in ``[0, slots)``; K and V rows are
+    gathered from the pool under the final mask with 64-bit offsets (``OFF64``, where the pool
+    can hold an offset >= 2**31), converted once to q's dtype (FP8 pools), tensor-core Q·Kᵀ in
+    q's dtype, FP32 scores times ``softmax_scale * k_scale * log2(e)``, invalid columns -inf,
+    FP32 online softmax with exp2, P cast to q's dtype for the tensor-core P·V, FP32
+    accumulator. Invalid entries are never dereferenced (neither in ``req_to_token`` nor in the
+    pool), and their V rows are zero-filled by the masked load, so NaN/Inf in slots no valid
+    entry names never reach a dot.
+  * A one-split plan (``S == 1``) writes ``acc * v_scale / l`` straight into the output (exact
+    zeros where l = 0). Otherwise each split writes its normalised partial (FP32 [G, D]) and its
+    log2-domain LSE (-inf for a split without a valid entry) to per-call scratch, and the merge
+    kernel (``_paged_merge_kernel``, one program per (row, query head, D chunk)) loads every
+    split's LSE and partial in one round trip: M = max lse_j, w_j = 2^(lse_j - M) (empty splits
+    weigh 0, their partials are masked with a select, never multiplied), out = sum w_j o_j /
+    sum w_j, zeros where every split is empty.
+  * Graph / compile safety: the plan uses static shapes only; every length, position and slot
+    is read on the device; scratch comes from PyTorch's caching allocator inside the op (a CUDA
+    graph records it in its private pool), no atomics, no host sync.
+  * ``batch_invariant=True``: the plan (splits, column ranges, BLOCK_N, warps, stages, merge
+    tile) depends on W, G, D and the dtypes only, and a program's arithmetic depends only on its
+    own row, so a row's output bits do not depend on R, on the other rows or on the row's
+    position (cost: ``plan_decode_paged``'s docstring).
+  * Launch variants (private ``_VARIANTS``, the benchmark's sweep; the public path uses
+    ``_DEFAULT_VARIANT``): pipeline depth (num_stages), slots resolved one chunk ahead in
+    registers (``AHEAD``), Programmatic Dependent Launch (``USE_PDL``). They change the schedule,
+    never the arithmetic: every variant gives the base kernel's bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from interop.arch import DeviceFacts
+from interop.contract import ContractError, check_decode_paged, route
+from interop.plan import PAGED_MAX_SPLITS, PagedDecodePlan, next_pow2, plan_decode_paged
+
+from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
+from .decode import _TRITON_PDL, _pdl_supported
+
+__all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "compile_configs",
+           "SKIP_EMPTY_CHUNKS", "MERGE_TILE"]
+
+_LOG2E = 1.4426950408889634
+#: floats per merge-kernel tile ([splits padded to a power of two, D chunk]): 16 per thread at 4
+#: warps, the packed decode's merge tile (``qsa_triton.decode.MERGE_TILE``)
+MERGE_TILE = 2048
+#: skip a BLOCK_N chunk whose entries are all invalid (a branch around its gathers and dots).
+#: Off: with the branch Triton's software pipeliner no longer prefetches the next chunk (compiled
+#: for sm_90 with Triton 3.9: no async copies at all, against the next chunk's index, slot and
+#: K/V tiles issued as async copies without it), while masked-off gathers move no bytes anyway;
+#: only the dots of all-junk chunks are saved. An H200 A/B on short rows could still decide.
+SKIP_EMPTY_CHUNKS = False
+_OFF32_MAX = 2**31 - 1
+
+#: Launch variants of the split kernel, for the benchmark sweep only (providers ``paged[NAME]`` of
+#: ``bench/decode.py --mode pool``; never selectable through the public entry points). Each entry
+#: overrides plan fields (``num_stages``, ``block_n``, ``num_warps``) and kernel structure:
+#:   ``ahead``: the slots of chunk c are resolved during chunk c - 1 (its index entries during
+#:   c - 2) and carried in registers, so the K/V gathers depend on no load of their own
+#:   iteration;
+#:   ``pdl``: Programmatic Dependent Launch of both kernels (entry trigger; sm_90+ with a Triton
+#:   that has ``launch_pdl``, ignored elsewhere).
+#: Why: Triton's software pipeliner (``AssignLatencies``, Triton 3.x) gives every load of a
+#: chain ``index -> req_to_token -> K/V`` the latency (num_stages - 1) // (chain depth), and drops
+#: loads whose depth reaches num_stages - 1. With the chain of 3 and 3 stages the K/V gathers get
+#: one buffer and the loop waits for all of its copies before each chunk: no gather overlaps a
+#: dot (sm_90 TTGIR: one [1, BLOCK_N, D] buffer per tensor, ``async_wait {num = 0}``).
+#:   * ``s7``: 7 stages = latency 2 for each of the three loads: every load is an async copy
+#:     issued two steps ahead, K/V double-buffered (sm_90: 76 KB of shared memory in bf16,
+#:     43 KB for an FP8 pool; both within sm_120's 101,376 B).
+#:   * ``ahead``: the K/V addresses come from loop-carried slots, so the gathers are the only
+#:     pipelined loads (chain depth 1): double-buffered at 3 stages (75 / 42 KB); the slot
+#:     lookup of the next chunk is an ordinary load inside the loop (one round trip per chunk
+#:     that overlaps the gathers in flight, not the dots).
+#:   * ``s7-pdl``, ``ahead-pdl``: with the merge kernel's launch (and the next call's split
+#:     kernel) scheduled while the previous grid still runs: at small R the call is one latency
+#:     chain (index -> slot -> K/V -> partials -> merge) and the launch gap is part of it.
+#:   * ``s7-fp8bn64``: ``s7`` with BLOCK_N 64 for an FP8 pool (``fp8_block_n``; a chunk then moves
+#:     as many bytes as a bf16 chunk of 32, half the loop trips and index lookups per byte;
+#:     78 KB of shared memory on sm_90); a bf16 pool keeps BLOCK_N 32.
+#: The winner becomes ``_DEFAULT_VARIANT`` (then the public path and ``compile_configs`` use it).
+_VARIANTS: dict[str, dict] = {
+    "base": {},
+    "s7": {"num_stages": 7},
+    "ahead": {"ahead": True, "num_stages": 3},
+    "s7-pdl": {"num_stages": 7, "pdl": True},
+    "ahead-pdl": {"ahead": True, "num_stages": 3, "pdl": True},
+    "s7-fp8bn64": {"num_stages": 7, "fp8_block_n": 64},
+}
+_DEFAULT_VARIANT = "base"
+_PLAN_FIELDS = ("num_stages", "block_n", "num_warps")
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+@triton.jit
+def _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i, acc, qk_scale, stride_kc, stride_vc):
+    """One BLOCK_N chunk of the online softmax: gather the K/V rows of the valid entries (masked:
+    invalid entries read 0, never the pool), convert them once to q's dtype, update the FP32
+    state. l_i is kept per column ([HT, BLOCK_N]) and reduced once after the loop (no cross-warp
+    row sum per chunk: the packed decode's ``DEFER_ROWSUM``, decode v5 in bench/NOTES.md)."""
+    kt = tl.load(k_head + slot[:, None] * stride_kc + offs_d[None, :],
+                 mask=valid[:, None], other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(kt)) * qk_scale  # FP32 [HT, BLOCK_N], log2 domain
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # no valid column yet: a finite reference point (no -inf - -inf)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha[:, None] + p
+    vt = tl.load(v_head + slot[:, None] * stride_vc + offs_d[None, :],
+                 mask=valid[:, None], other=0.0).to(q.dtype)
+    acc = tl.dot(p.to(q.dtype), vt, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _ahead_slots(table_row, ent, bound, SLOTS):
+    """Pool slots of the entries ``ent`` (the validity rule of ``_paged_split_kernel``), -1 where
+    the entry is invalid; ``req_to_token`` is read only under the entry's own validity."""
+    valid = (ent >= 0) & (ent < bound)
+    slot = tl.load(table_row + ent, mask=valid, other=-1)
+    return tl.where(valid & (slot >= 0) & (slot < SLOTS), slot, -1)
+
+
+@triton.jit(do_not_specialize=["R", "HQ", "HKV", "W", "MAX_REQS", "MAX_CTX", "SLOTS", "SPLITS"])
+def _paged_split_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, table_ptr, req_ptr, idx_ptr, seqlen_ptr,
+    qk_scale, v_scale,
+    stride_qr, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh, stride_or, stride_oh,
+    stride_ir, stride_ih, stride_tr,
+    R, HQ, HKV, W, MAX_REQS, MAX_CTX, SLOTS, SPLITS,
+    G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, OFF64: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    AHEAD: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+):
+    if USE_PDL:
+        # Programmatic Dependent Launch: this grid may start before the previous kernel on the
+        # stream has finished; wait for it (griddepcontrol.wait) before touching any memory.
+        # Triggering first is safe: the dependent grid waits for our completion in turn.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    # 1-D grid, split-major: pid = (j * R + r) * HKV + h (grid axes y/z would cap R at 65,535)
+    pid = tl.program_id(0)
+    h = pid % HKV
+    r = (pid // HKV) % R
+    j = pid // (HKV * R)
+    nb = tl.cdiv(W, BLOCK_N)
+    c_lo = (j * nb) // SPLITS
+    c_hi = ((j + 1) * nb) // SPLITS
+    req = tl.load(req_ptr + r)
+    req_ok = (req >= 0) & (req < MAX_REQS)
+    # valid iff 0 <= idx < bound: the row's length, never past the table's width; a row whose
+    # request is not a table row has no valid entry (lying metadata reads nothing)
+    bound = tl.where(req_ok, tl.minimum(tl.load(seqlen_ptr + r), MAX_CTX), 0)
+    table_row = table_ptr + tl.where(req_ok, req, 0).to(tl.int64) * stride_tr
+    idx_row = idx_ptr + r.to(tl.int64) * stride_ir + h * stride_ih
+
+    offs_m = tl.arange(0, HT)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    m_ok = offs_m < G
+    heads = (h * G + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + r.to(tl.int64) * stride_qr + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=m_ok[:, None], other=0.0)
+    k_head = k_ptr + h.to(tl.int64) * stride_kh
+    v_head = v_ptr + h.to(tl.int64) * stride_vh
+
+    m_i = tl.full([HT], float("-inf"), tl.float32)
+    l_i = tl.zeros([HT, BLOCK_N], tl.float32)  # softmax denominator per column, reduced once
+    acc = tl.zeros([HT, D], tl.float32)
+    if AHEAD:
+        # slots one chunk ahead, entries two chunks ahead, carried in registers (``_VARIANTS``);
+        # columns past this split's range read nothing (masked like columns past W)
+        col_end = tl.minimum(c_hi * BLOCK_N, W)
+        cols = c_lo * BLOCK_N + offs_n
+        slot_c = _ahead_slots(table_row, tl.load(idx_row + cols, mask=cols < col_end, other=-1),
+                              bound, SLOTS)
+        cols = cols + BLOCK_N
+        ent_n = tl.load(idx_row + cols, mask=cols < col_end, other=-1)
+        for c in range(c_lo, c_hi):
+            valid = slot_c >= 0
+            rows = slot_c
+            if OFF64:
+                rows = rows.to(tl.int64)
+            m_i, l_i, acc = _chunk(q, k_head, v_head, rows, valid, offs_d, m_i, l_i, acc,
+                                   qk_scale, stride_kc, stride_vc)
+            slot_c = _ahead_slots(table_row, ent_n, bound, SLOTS)
+            cols = (c + 2) * BLOCK_N + offs_n
+            ent_n = tl.load(idx_row + cols, mask=cols < col_end, other=-1)
+    else:
+        for c in range(c_lo, c_hi):
+            cols = c * BLOCK_N + offs_n
+            ent = tl.load(idx_row + cols, mask=cols < W, other=-1)
+            valid = (ent >= 0) & (ent < bound)
+            slot = tl.load(table_row + ent, mask=valid, other=0)
+            valid = valid & (slot >= 0) & (slot < SLOTS)
+            if OFF64:  # slot * stride passes int32 once the pool holds >= 2**31 elements
+                slot = slot.to(tl.int64)
+            if SKIP_EMPTY:
+                if tl.max(valid.to(tl.int32), 0) > 0:
+                    m_i, l_i, acc = _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i,
+                                           acc, qk_scale, stride_kc, stride_vc)
+            else:
+                m_i, l_i, acc = _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i, acc,
+                                       qk_scale, stride_kc, stride_vc)
+    l_row = tl.sum(l_i, 1)
+    has = l_row > 0.0
+    o = acc * tl.where(has, v_scale / tl.where(has, l_row, 1.0), 0.0)[:, None]
+    if DIRECT:
+        tl.store(out_ptr + r.to(tl.int64) * stride_or + heads[:, None] * stride_oh
+                 + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+    else:
+        part_row = (r.to(tl.int64) * HQ + heads) * SPLITS + j  # [HT]
+        tl.store(lse_ptr + part_row, tl.where(has, m_i + tl.log2(tl.where(has, l_row, 1.0)),
+                                              float("-inf")), mask=m_ok)
+        tl.store(part_ptr + part_row[:, None] * D + offs_d[None, :], o, mask=m_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["HQ", "SPLITS"])
+def _paged_merge_kernel(out_ptr, lse_ptr, part_ptr, stride_or, stride_oh, HQ, SPLITS,
+                        D: tl.constexpr, SPLIT_P2: tl.constexpr, D_CHUNK: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
+    # one program per (row r, query head, D chunk): every split's LSE and partial in one round
+    # trip; a fixed reduction order over the splits (batch-invariant)
+    if USE_PDL:  # launched early: the split kernel's partials are visible after this wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    n_dc: tl.constexpr = D // D_CHUNK
+    row = pid // n_dc  # r * HQ + query head
+    dc = pid % n_dc
+    offs_j = tl.arange(0, SPLIT_P2)
+    offs_d = dc * D_CHUNK + tl.arange(0, D_CHUNK)
+    jm = offs_j < SPLITS
+    base = row.to(tl.int64) * SPLITS
+    lse = tl.load(lse_ptr + base + offs_j, mask=jm, other=float("-inf"))
+    part = tl.load(part_ptr + (base + offs_j)[:, None] * D + offs_d[None, :], mask=jm[:, None],
+                   other=0.0)
+    mx = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # empty split: exp2(-inf) = 0
+    den = tl.sum(w, 0)
+    o = tl.sum(tl.where(w[:, None] > 0.0, w[:, None] * part, 0.0), 0)
+    o = o / tl.where(den > 0.0, den, 1.0)  # every split empty: exact zeros
+    r = row // HQ
+    hq = row % HQ
+    tl.store(out_ptr + r.to(tl.int64) * stride_or + hq.to(tl.int64) * stride_oh + offs_d,
+             o.to(out_ptr.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan and launch
+@functools.lru_cache(maxsize=16)
+def _sm_count(dev_type: str, index: int | None) -> int:
+    if dev_type == "cuda":
+        idx = index if index is not None else torch.cuda.current_device()
+        return torch.cuda.get_device_properties(idx).multi_processor_count
+    return 132  # the H200's (anchors.md): only shapes the interpreter's grid
+
+
+def plan_for(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
+             batch_invariant: bool) -> PagedDecodePlan:
+    """The plan a call with these tensors uses (``interop.plan.plan_decode_paged`` with the
+    device's SM count; fitted to sm_120 / sm_121's shared memory on every device)."""
+    r, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    return _plan(r, hkv, hq // hkv, d, max(1, indices.shape[-1]),
+                 _sm_count(q.device.type, q.device.index),
+                 q.element_size(), k_cache.element_size(), bool(batch_invariant))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(r, hkv, g, d, w, sms, qb, kb, bi) -> PagedDecodePlan:
+    return plan_decode_paged(r, hkv, g, d, w, sms, q_bytes=qb, kv_bytes=kb, batch_invariant=bi)
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    """Largest element offset inside ``t`` (its strides as given)."""
+    return sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+
+
+def _merge_d_chunk(split_p2: int, head_dim: int) -> int:
+    return max(16, min(head_dim, MERGE_TILE // split_p2))
+
+
+def _with_variant(plan: PagedDecodePlan, variant: str | None, device: torch.device,
+                  kv_bytes: int) -> tuple[PagedDecodePlan, bool, bool]:
+    """(plan with the variant's field overrides, AHEAD, USE_PDL) of ``_VARIANTS[variant]``;
+    None = the plan as given, base structure. ``fp8_block_n`` applies to 1-byte pools only; PDL
+    only where ``_pdl_supported(device)``."""
+    over = _VARIANTS[variant] if variant is not None else {}
+    fields = {k: v for k, v in over.items() if k in _PLAN_FIELDS}
+    if kv_bytes == 1 and "fp8_block_n" in over:
+        fields["block_n"] = over["fp8_block_n"]
+    plan = dataclasses.replace(plan, **fields) if fields else plan
+    pdl = bool(over.get("pdl")) and _pdl_supported(device)
+    return plan, bool(over.get("ahead")), pdl
+
+
+def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, softmax_scale,
+            k_scale, v_scale, plan: PagedDecodePlan, variant: str | None = None) -> torch.Tensor:
+    plan, ahead, pdl = _with_variant(plan, variant, q.device, k_cache.element_size())
+    r, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    w = indices.shape[-1]
+    out = torch.empty((r, hq, d), dtype=q.dtype, device=q.device)
+    if k_cache.shape[0] == 0 or w == 0 or req_to_token.numel() == 0:
+        return out.zero_()  # no entry can be valid: every row is empty (exact zeros)
+    splits = max(1, min(int(plan.num_splits), -(-w // plan.block_n)))
+    direct = splits == 1
+    if direct:  # unused by the kernel (DIRECT writes the output); fp32, as compile_configs types them
+        lse = part = torch.empty(1, dtype=torch.float32, device=q.device)
+    else:
+        lse = torch.empty(r * hq * splits, dtype=torch.float32, device=q.device)
+        part = torch.empty(r * hq * splits * d, dtype=torch.float32, device=q.device)
+    off64 = max(_max_offset(k_cache), _max_offset(v_cache)) > _OFF32_MAX
+    stride_ih = indices.stride(1) if indices.dim() == 3 else 0
+    pdl_kw = {"launch_pdl": True} if pdl else {}  # never passed to the interpreter
+    ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else _null()
+    with ctx:
+        _paged_split_kernel[(splits * r * hkv,)](
+            q, k_cache, v_cache, out, lse, part, req_to_token, req_indices, indices, seq_lens,
+            float(softmax_scale) * float(k_scale) * _LOG2E, float(v_scale),
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+            v_cache.stride(1), out.stride(0), out.stride(1), indices.stride(0), stride_ih,
+            req_to_token.stride(0),
+            r, hq, hkv, w, req_to_token.shape[0], req_to_token.shape[1], k_cache.shape[0], splits,
+            G=hq // hkv, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n, DIRECT=direct, OFF64=off64,
+            SKIP_EMPTY=SKIP_EMPTY_CHUNKS, AHEAD=ahead, USE_PDL=pdl, num_warps=plan.num_warps,
+            num_stages=plan.num_stages, **pdl_kw,
+        )
+        if not direct:
+            sp2 = max(2, next_pow2(splits))
+            dch = _merge_d_chunk(sp2, d)
+            _paged_merge_kernel[(r * hq * (d // dch),)](
+                out, lse, part, out.stride(0), out.stride(1), hq, splits,
+                D=d, SPLIT_P2=sp2, D_CHUNK=dch, USE_PDL=pdl, num_warps=4, num_stages=1,
+                **pdl_kw)
+    return out
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+@functools.lru_cache(maxsize=16)
+def _exact_contract_device(dev_type: str, index: int | None) -> bool:
+    """True where ``interop.contract.route`` sends decode to the exact contract only (sm_121)."""
+    if dev_type != "cuda":
+        return False
+    dev = torch.device(dev_type, index if index is not None else torch.cuda.current_device())
+    return route(DeviceFacts.from_torch(dev), "decode").exact_contract
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library registration
+@torch.library.custom_op("qsa::sparse_decode_paged", mutates_args=())
+def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              req_to_token: torch.Tensor, req_indices: torch.Tensor, indices: torch.Tensor,
+              seq_lens: torch.Tensor, softmax_scale: float, k_scale: float, v_scale: float,
+              batch_invariant: bool) -> torch.Tensor:
+    """Registered op: the contract was checked by the caller (or by the fake impl under
+    torch.compile). On sm_121 the exact qualified contract is enforced here too (qsa-contract.md
+    §5), so it also holds under torch.compile."""
+    if _exact_contract_device(q.device.type, q.device.index):
+        check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                           softmax_scale, k_scale, v_scale, batch_invariant=batch_invariant,
+                           strict=True)
+    return _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                   softmax_scale, k_scale, v_scale, plan_for(q, k_cache, indices, batch_invariant),
+                   _DEFAULT_VARIANT)
+
+
+@_paged_op.register_fake
+def _paged_fake(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, softmax_scale,
+                k_scale, v_scale, batch_invariant):
+    check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                       softmax_scale, k_scale, v_scale, batch_invariant=batch_invariant)
+    return q.new_empty(q.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+_FN = "sparse_decode_paged"
+
+
+def _checked(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, softmax_scale,
+             k_scale, v_scale, batch_invariant, strict):
+    """Contract checks of the public entry; returns (softmax_scale, k_scale, v_scale) as floats.
+    Under torch.compile the check runs in the op's fake impl instead (Dynamo cannot raise our
+    error out of a fullgraph trace; an error from the fake impl reaches the caller with its
+    text inside Dynamo's TorchRuntimeError)."""
+    if torch.compiler.is_compiling():
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        return float(scale), float(k_scale), float(v_scale)
+    check_torch_tensors(_FN, q=q, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token,
+                        req_indices=req_indices, indices=indices, seq_lens=seq_lens)
+    prob = check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                              softmax_scale, k_scale, v_scale, batch_invariant=batch_invariant,
+                              strict=strict)
+    check_interpreter_dtype(_FN, prob.dtype)
+    check_device(_FN, q.device.type)
+    if q.device.type != "cuda" and not interpreting():
+        raise ContractError(_FN, "q", "a CUDA tensor (CPU tensors run only under Triton's "
+                            "interpreter, TRITON_INTERPRET=1)", str(q.device))
+    return prob.softmax_scale, prob.k_scale, prob.v_scale
+
+
+def sparse_decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        req_to_token: torch.Tensor, req_indices: torch.Tensor,
+                        indices: torch.Tensor, seq_lens: torch.Tensor,
+                        softmax_scale: float | None = None, k_scale: float = 1.0,
+                        v_scale: float = 1.0, *, batch_invariant: bool = False,
+                        strict: bool = False) -> torch.Tensor:
+    """Paged sparse decode (``qsa-contract.md`` §2b): the whole decode step from the KV pool.
+
+    Args:
+      q: [R, Hq, D] bf16|fp16, one row per decode query (MTP verify rows are rows too).
+      k_cache, v_cache: [slots, Hkv, D] the pool, in q's dtype or float8_e4m3fn, last dim
+        contiguous (other strides free). Hq = G·Hkv, G <= 16, D a power of two in 32..256.
+      req_to_token: int32 [max_reqs, max_context], last dim contiguous: logical position p of
+        request b lives in pool slot ``req_to_token[b, p]`` (SGLang's table).
+      req_indices: int32 [R] the request of each row; seq_lens: int32 [R] each row's length.
+      indices: int32 [R, W] (shared by the KV heads) or [R, Hkv, W] logical positions.
+        Entry valid iff ``0 <= idx < seq_lens[r]``, ``idx < max_context``, ``req_indices[r]``
+        is a table row and the slot lies in ``[0, slots)``, wherever it stands in the row;
+        invalid entries are never dereferenced. Duplicates attend once per occurrence.
+      softmax_scale: host float > 0, default D ** -0.5 (applied to FP32 scores).
+      k_scale, v_scale: host floats > 0 (FP8 pools: k_scale multiplies the scores, v_scale the
+        P·V result; must be 1.0 for a pool in q's dtype).
+      batch_invariant: a row's output bits depend only on its own inputs (§2c; the split plan
+        then depends on W, G, D and the dtypes only; cost in ``plan_decode_paged``).
+      strict: also enforce the qualified envelope; always on for a GPU that
+        ``interop.contract.route`` sends to the exact contract (sm_121).
+
+    Returns:
+      [R, Hq, D] in q's dtype: ``out[r, h] = softmax(scale · k_scale · q[r, h] · Kᵀ) · V ·
+      v_scale`` over the row's valid entries (KV head h // G); exact zeros for a row with none.
+
+    Raises:
+      ContractError: before any launch, for a call outside the contract
+        (``interop.contract.check_decode_paged``: shapes, dtypes, devices, strides, scales, an
+        input with requires_grad); bf16 under an unpatched Triton interpreter. Under
+        torch.compile(fullgraph=True) the check runs in the op's fake implementation.
+
+    Graph / compile safety: no host read of device data; safe inside CUDA-graph capture (scratch
+    from the caching allocator) and ``torch.compile(fullgraph=True)`` (custom op
+    ``torch.ops.qsa.sparse_decode_paged`` with a fake impl). Source of the algorithm: this
+    module's docstring.
+    """
+    scale, ksc, vsc = _checked(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                               softmax_scale, k_scale, v_scale, batch_invariant, strict)
+    return torch.ops.qsa.sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices,
+                                             indices, seq_lens, scale, ksc, vsc,
+                                             bool(batch_invariant))
+
+
+def decode_paged_with_plan(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                           softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
+                           plan: PagedDecodePlan) -> torch.Tensor:
+    """``sparse_decode_paged`` with an explicit plan (tests force several splits on tiny shapes;
+    sweeps). Checks the contract first.
+
+    Raises:
+      ContractError: as ``sparse_decode_paged``; a plan whose head tile cannot hold G, whose
+        BLOCK_N is not a power of two >= 16, or with more than PAGED_MAX_SPLITS splits.
+    """
+    scale, ksc, vsc = _checked(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                               softmax_scale, k_scale, v_scale, False, False)
+    g = q.shape[1] // k_cache.shape[1]
+    ht, bn = plan.head_tile, plan.block_n
+    if ht < max(16, g) or ht & (ht - 1) or bn < 16 or bn & (bn - 1) \
+            or not 1 <= plan.num_splits <= PAGED_MAX_SPLITS:
+        raise ContractError("decode_paged_with_plan", "plan", "head_tile a power of two >= "
+                            f"max(16, G={g}), block_n a power of two >= 16, 1 <= num_splits <= "
+                            f"{PAGED_MAX_SPLITS}", plan)
+    return _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, scale, ksc,
+                   vsc, plan)
+
+
+def _variant_call(variant: str, q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                  softmax_scale=None, k_scale=1.0, v_scale=1.0, *, batch_invariant: bool = False,
+                  plan: PagedDecodePlan | None = None) -> torch.Tensor:
+    """``sparse_decode_paged`` with the split kernel launched as ``_VARIANTS[variant]`` (the
+    benchmark's sweep, tests; private), on ``plan`` (default: ``plan_for``) with the variant's
+    overrides applied. Checks the contract first.
+
+    Raises:
+      ContractError: as ``sparse_decode_paged``. KeyError: an unknown variant.
+    """
+    if variant not in _VARIANTS:
+        raise KeyError(f"unknown paged-decode variant {variant!r}; known: {list(_VARIANTS)}")
+    scale, ksc, vsc = _checked(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                               softmax_scale, k_scale, v_scale, batch_invariant, False)
+    plan = plan if plan is not None else plan_for(q, k_cache, indices, batch_invariant)
+    return _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, scale, ksc,
+                   vsc, plan, variant)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compile list (``qsa compile``: interop/compile_check.py)
+_SPLIT_PTRS = {"q_ptr": "*{dt}", "k_ptr": "*{kv}", "v_ptr": "*{kv}", "out_ptr": "*{dt}",
+               "lse_ptr": "*fp32", "part_ptr": "*fp32", "table_ptr": "*i32", "req_ptr": "*i32",
+               "idx_ptr": "*i32", "seqlen_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32"}
+_MERGE_PTRS = {"out_ptr": "*{dt}", "lse_ptr": "*fp32", "part_ptr": "*fp32"}
+
+
+def _aot(fn, ptrs: dict, consts: dict, dt: str, kv: str) -> tuple[dict, dict]:
+    sig = {n: (ptrs[n].format(dt=dt, kv=kv) if n in ptrs else "constexpr" if n in consts
+               else "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n.endswith("_ptr") or (n.startswith("stride") and n != "stride_ih")}
+    return sig, attrs
+
+
+def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> list[dict]:
+    """Every paged-decode kernel configuration the plan can launch on ``arch`` for the qualified
+    shapes plus (3,1): per head pair, pool dtype (q's, fp8e4nv), mode (default for every known SM
+    count, batch-invariant) and R in 1..512, the split kernel per distinct (G, head tile,
+    BLOCK_N, warps, stages, DIRECT) with OFF64 both ways; the merge kernel per split tile. The
+    launch variant is the one the public entry points use (``_DEFAULT_VARIANT``).
+    Entries as ``interop.compile_check.compile_triton_configs`` takes them."""
+    return _variant_configs(arch, _DEFAULT_VARIANT, head_dim=head_dim, dtype=dtype)
+
+
+def _variant_configs(arch: str, variant: str, *, head_dim: int = 256,
+                     dtype: str = "bf16") -> list[dict]:
+    """``compile_configs`` for ``_VARIANTS[variant]`` (the sweep's variants compile-check here
+    too: tests/test_paged_decode.py)."""
+    from interop.arch import KNOWN_PARTS  # noqa: PLC0415
+    from interop.contract import QUALIFIED  # noqa: PLC0415
+
+    del arch  # plans fit sm_120 / sm_121's shared memory on every arch (plan_decode_paged)
+    over = _VARIANTS[variant]
+    ahead, pdl = bool(over.get("ahead")), bool(over.get("pdl")) and _TRITON_PDL
+    opts = {"launch_pdl": True} if pdl else {}
+    tag = "" if variant == "base" else f"_{variant}"
+    out, seen, splits_seen = [], set(), set()
+    pairs = tuple(QUALIFIED["head_pairs"]) + ((3, 1),)
+    lo, hi = QUALIFIED["paged_rows"]
+    sms_all = sorted({sms for _, sms in KNOWN_PARTS.values()})
+    for hq, hkv in pairs:
+        g = hq // hkv
+        for kv in (dtype, "fp8e4nv"):
+            kb = 1 if kv == "fp8e4nv" else 2
+            plans = {plan_decode_paged(r, hkv, g, head_dim, QUALIFIED["index_width"], sms,
+                                       kv_bytes=kb, batch_invariant=bi)
+                     for r in range(lo, hi + 1) for sms in sms_all for bi in (False, True)}
+            for p in plans:
+                splits_seen.add(p.num_splits)
+                p, _, _ = _with_variant(p, variant, torch.device("cpu"), kb)
+                for off64 in (False, True):
+                    consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
+                              "DIRECT": p.num_splits == 1, "OFF64": off64,
+                              "SKIP_EMPTY": SKIP_EMPTY_CHUNKS, "AHEAD": ahead, "USE_PDL": pdl}
+                    key = (kv, tuple(consts.items()), p.num_warps, p.num_stages)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    sig, attrs = _aot(_paged_split_kernel, _SPLIT_PTRS, consts, dtype, kv)
+                    out.append({"kernel": _paged_split_kernel, "signature": sig,
+                                "constexprs": consts, "attrs": attrs, "num_warps": p.num_warps,
+                                "num_stages": p.num_stages, "options": dict(opts),
+                                "name": f"paged_split_G{g}_ht{p.head_tile}_bn{p.block_n}"
+                                        f"_w{p.num_warps}_s{p.num_stages}_{dtype}_kv{kv}"
+                                        f"{'_direct' if p.num_splits == 1 else ''}"
+                                        f"{'_off64' if off64 else ''}{tag}"})
+    for sp2 in sorted({max(2, next_pow2(s)) for s in splits_seen if s > 1}):
+        consts = {"D": head_dim, "SPLIT_P2": sp2, "D_CHUNK": _merge_d_chunk(sp2, head_dim),
+                  "USE_PDL": pdl}
+        sig, attrs = _aot(_paged_merge_kernel, _MERGE_PTRS, consts, dtype, dtype)
+        out.append({"kernel": _paged_merge_kernel, "signature": sig, "constexprs": consts,
+                    "attrs": attrs, "num_warps": 4, "num_stages": 1, "options": dict(opts),
+                    "name": f"paged_merge_p{sp2}_{dtype}{'_pdl' if pdl else ''}"})
+    return out

@@ -1,0 +1,740 @@
+"""The QSA indexer for PyTorch: block scoring, exact top-k and expansion as Triton kernels.
+
+Semantics: ``qsa-contract.md`` §4b (scoring ``logits[m, n] = sum_h ReLU(q[m, h] . k[n])``, the
+top-k rule, the paged decode and packed prefill inputs) and §4 (expansion). FP64 references:
+``interop.reference.indexer_*``; the launch plan is ``interop.indices.plan_indexer`` (shared with
+``qsa_pallas.indexer``, which implements the same algorithm).
+
+Algorithm (two passes, no [rows, blocks] logits tensor is ever written):
+
+* Pass 1, one program per (row tile, chunk of C blocks): score the chunk in tiles of BLOCK_N
+  blocks (the key tile as the M side of a bf16/fp16 ``tl.dot`` with the row's heads, FP32
+  accumulation, ReLU, sum over heads; tiles streamed through ``num_stages`` shared-memory
+  buffers), keep the chunk's FP32 scores in registers as int32 *keys* (the bits of a float
+  >= +0.0 order like the float; -0.0 and NaN become +0.0, invisible blocks -1), then select the
+  chunk's exact top-k per row:
+  - the k-th largest key tau by a radix search from bit 30 down, ``radix_bits`` (b) bits a
+    round: each round counts #(key >= tau + j * 2^lo) for the 2^b - 1 digits j > 0 in one
+    compare-and-sum (two counts packed per int32, so one block-wide reduction a round) and
+    keeps the largest digit whose count is >= k; ceil(31 / b) rounds;
+  - then one prefix sum over (key > tau) + (key == tau) * 2^16 in block order gives, at once,
+    the rank of every tie (the first k - #(key > tau) ties, i.e. the smallest block ids, are
+    kept) and every survivor's slot in ascending block order.
+  The survivors (<= k per row and chunk) are written with their count. Bytes moved per row: one
+  read of its visible compressed keys (D * 2 B per block for bf16, D B for fp8) plus 8 B per
+  candidate (k per C >= 2k blocks: <= 1/64 of the key bytes at D = 128 bf16).
+* Pass 2, one program per row: the same selection over the row's S x k candidates (the slot
+  number orders like the block id, so the tie rule carries over), then the block ids in
+  ascending order, or, fused, the expanded 2051-wide token row (blocks expanded to
+  ``4g .. 4g + 3``, the 0-3 token causal tail appended, -1 after: already valid-first, since
+  everything is ascending).
+
+The selection is a radix select (Alabi et al., "Fast k-Selection Algorithms for Graphics
+Processing Units", JEA 2012; upstream's ``fast_topk`` and PyTorch's ``topk`` select by radix
+digits too) whose rounds count several digits at once; exact, no sort.
+
+Selection uses the unscaled FP32 sum: dividing by a positive ``score_scale`` preserves the order
+(upstream divides in FP32, which can only merge neighbouring values into ties), so the tie rule
+then acts on exact FP32 sums. Ties go to the smaller block id; the result is deterministic and
+does not depend on the plan (chunking) or the batch.
+
+Graph safety: no host read of device data (lengths, row ranges) anywhere; the plan depends on
+static shapes only; the candidate workspace is allocated per call (from the graph's pool under
+capture); no atomics. Registered as ``torch.ops.qsa.indexer_*`` custom ops with fake impls.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from interop.arch import DeviceFacts
+from interop.contract import (ContractError, check_expand_block_indices, check_indexer_decode,
+                              check_indexer_prefill)
+from interop.indices import IndexerPlan, plan_indexer
+
+from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
+from .decode import _pdl_supported
+
+__all__ = [
+    "indexer_topk_decode",
+    "indexer_topk_prefill",
+    "indexer_select_decode",
+    "indexer_select_prefill",
+    "expand_block_indices",
+    "indexer_plan_for",
+]
+
+_INT32_MAX = tl.constexpr(2**31 - 1)  # a constexpr global: usable inside @triton.jit
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared device functions: the exact top-K of int32 keys (>= 0 visible, -1 not)
+@triton.jit
+def _kth_key(keys, K: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr):
+    """tau [R] for ``keys`` [R, N]: the largest t >= 0 with #(key >= t) >= K (0 for a row with
+    fewer than K visible keys): the K-th largest key of each row.
+
+    Radix search from bit 30 down, RB bits a round (the first round takes the 31 mod RB leftover
+    bits): a round counts #(key >= tau + j * 2^lo) for every digit j = 1 .. 2^RB - 1 at once (NJ
+    = the digits rounded up to a power of two, the spare thresholds INT32_MAX count nothing) and
+    adds the largest digit whose count is >= K. RB = 1 is one [R, N] compare-and-sum a round.
+    """
+    ROUNDS: tl.constexpr = (31 + RB - 1) // RB
+    W0: tl.constexpr = 31 - RB * (ROUNDS - 1)
+    tau = tl.zeros([keys.shape[0]], dtype=tl.int32)
+    for r in range(ROUNDS):
+        lo = RB * (ROUNDS - 1 - r)
+        if NJ == 1:
+            cnt = tl.sum((keys >= (tau + (1 << lo))[:, None]).to(tl.int32), axis=1)
+            tau += (cnt >= K).to(tl.int32) << lo
+        else:
+            jj = tl.arange(0, NJ) + 1
+            lim = tl.where(r == 0, 1 << W0, 1 << RB)
+            thr = tl.where(jj[None, :] < lim, tau[:, None] + (jj[None, :] << lo), _INT32_MAX)
+            cnt = tl.sum((keys[:, None, :] >= thr[:, :, None]).to(tl.int32), axis=2)  # [R, NJ]
+            tau += tl.sum((cnt >= K).to(tl.int32), axis=1) << lo
+    return tau
+
+
+@triton.jit
+def _select(keys, tau, K: tl.constexpr):
+    """Exact top-K of ``keys`` [R, N] given their K-th largest ``tau`` [R], ties to the smaller
+    index: key > tau, then the first K - #(key > tau) keys == tau in index order. One packed
+    prefix sum (#above + #tie * 2^16, N < 2^16) gives both the tie rank and each survivor's slot
+    in ascending index order. Returns (sel [R, N] bool, slot [R, N] int32, count [R])."""
+    above = (keys > tau[:, None]).to(tl.int32)
+    tie = (keys == tau[:, None]).to(tl.int32)
+    incl = tl.cumsum(above + (tie << 16), axis=1)
+    tot = tl.max(incl, axis=1)  # the last prefix: both totals
+    want = K - (tot & 0xFFFF)
+    a_ex = (incl & 0xFFFF) - above
+    t_ex = (incl >> 16) - tie
+    sel = (above > 0) | ((tie > 0) & (t_ex < want[:, None]))
+    slot = a_ex + tl.minimum(t_ex, want[:, None])
+    return sel, slot, (tot & 0xFFFF) + tl.minimum(tot >> 16, want)
+
+
+@triton.jit
+def _kth_key_row(keys, K: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr):
+    """``_kth_key`` for one row: ``keys`` [N] -> scalar tau. A round's NJ counts are packed two
+    to an int32 (16-bit halves: N < 2^16), so its cross-warp reduction moves NJ / 2 values."""
+    ROUNDS: tl.constexpr = (31 + RB - 1) // RB
+    W0: tl.constexpr = 31 - RB * (ROUNDS - 1)
+    tau = 0
+    if NJ == 1:
+        for r in range(ROUNDS):
+            lo = ROUNDS - 1 - r
+            cnt = tl.sum((keys >= tau + (1 << lo)).to(tl.int32), axis=0)
+            tau += (cnt >= K).to(tl.int32) << lo
+    else:
+        HJ: tl.constexpr = NJ // 2
+        ja = tl.arange(0, HJ) + 1  # digits 1 .. NJ/2 in the low halves
+        jb = ja + HJ  # NJ/2 + 1 .. NJ in the high halves
+        for r in range(ROUNDS):
+            lo = RB * (ROUNDS - 1 - r)
+            lim = tl.where(r == 0, 1 << W0, 1 << RB)
+            # thresholds whose digit does not exist this round (or would overflow) count nothing
+            ta = tl.where(ja < lim, tau + (ja << lo), _INT32_MAX)
+            tb = tl.where(jb < lim, tau + (jb << lo), _INT32_MAX)
+            ge = ((keys[None, :] >= ta[:, None]).to(tl.int32)
+                  + ((keys[None, :] >= tb[:, None]).to(tl.int32) << 16))
+            # [NJ / 2, 1], two counts each; kept 2-D so that the digit's sum over the thresholds
+            # stays inside each thread (no second cross-warp exchange)
+            cnt = tl.sum(ge, axis=1, keep_dims=True)
+            ok = ((cnt & 0xFFFF) >= K).to(tl.int32) + ((cnt >> 16) >= K).to(tl.int32)
+            tau += tl.sum(tl.sum(ok, axis=1), axis=0) << lo
+    return tau
+
+
+@triton.jit
+def _select_row(keys, tau, K: tl.constexpr):
+    """``_select`` for one row: ``keys`` [N], scalar ``tau`` -> (sel [N], slot [N], count)."""
+    above = (keys > tau).to(tl.int32)
+    tie = (keys == tau).to(tl.int32)
+    incl = tl.cumsum(above + (tie << 16), axis=0)
+    tot = tl.max(incl, axis=0)
+    want = K - (tot & 0xFFFF)
+    a_ex = (incl & 0xFFFF) - above
+    t_ex = (incl >> 16) - tie
+    sel = (above > 0) | ((tie > 0) & (t_ex < want))
+    slot = a_ex + tl.minimum(t_ex, want)
+    return sel, slot, (tot & 0xFFFF) + tl.minimum(tot >> 16, want)
+
+
+@triton.jit
+def _score_keys(tot):
+    """FP32 head sums [..] -> int32 order-preserving keys (+0.0 for -0.0 and NaN)."""
+    tot = tl.where(tot > 0.0, tot, 0.0)
+    return tot.to(tl.int32, bitcast=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass 1: decode (one row per program, keys through the page table)
+@triton.jit
+def _decode_chunk_kernel(q_ptr, k_ptr, pt_ptr, seq_ptr, wsk_ptr, wsi_ptr,
+                         stride_qb, stride_qh, stride_ptb, pages, cap, S,
+                         H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+                         RATIO: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                         T: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr,
+                         COMPUTE: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:
+        # the merge grid (launched with PDL) may be scheduled now: it waits on the device for
+        # this whole grid to complete (griddepcontrol.wait), so triggering at entry is safe
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0)
+    s = tl.program_id(1)
+    nb = tl.minimum(tl.maximum(tl.load(seq_ptr + b), 0) // RATIO, cap)
+    lo = s * C
+    n_here = tl.minimum(tl.maximum(nb - lo, 0), C)
+    if n_here > 0:
+        NT: tl.constexpr = C // T
+        h = tl.arange(0, HP)
+        d = tl.arange(0, D)
+        nt = tl.arange(0, NT)
+        tt = tl.arange(0, T)
+        # q^T [D, HP]: the key tile is the MMA's M side (T rows); padded heads load as 0, their
+        # dot is exactly 0, ReLU(0) = 0: they add nothing
+        qt = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h[None, :] * stride_qh + d[:, None],
+                     mask=(h < H)[None, :], other=0.0).to(COMPUTE)
+        ids = nt[:, None] * T + tt[None, :]
+        # A row with <= K blocks keeps all of them: its keys are never read (upstream's fast
+        # top-k skips such rows the same way)
+        keys = tl.where(ids < n_here, 0, -1)
+        if nb > K:
+            for t in range(0, tl.cdiv(n_here, T)):
+                blk = lo + t * T + tt
+                ok = blk < nb
+                pid = tl.load(pt_ptr + b.to(tl.int64) * stride_ptb + blk // P, mask=ok, other=0)
+                # A page id outside the cache is a caller bug: its blocks read nothing (score 0)
+                pok = ok & (pid >= 0) & (pid < pages)
+                row = pid.to(tl.int64) * P + blk % P
+                k = tl.load(k_ptr + row[:, None] * D + d[None, :], mask=pok[:, None], other=0.0,
+                            eviction_policy="evict_first")
+                sc = tl.dot(k.to(COMPUTE), qt)  # [T, HP] fp32
+                key = tl.where(ok, _score_keys(tl.sum(tl.maximum(sc, 0.0), axis=1)), -1)
+                keys = tl.where((nt == t)[:, None], key[None, :], keys)
+        keys = tl.reshape(keys, [C])
+        ids = tl.reshape(ids, [C])
+        tau = 0
+        if n_here > K:
+            tau = _kth_key_row(keys, K, RB, NJ)
+        sel, pos, n_sel = _select_row(keys, tau, K)
+        base = (b.to(tl.int64) * S + s) * K
+        tl.store(wsk_ptr + base + pos, keys, mask=sel)
+        tl.store(wsi_ptr + base + pos, lo + ids, mask=sel)
+        # the chunk's unused slots read as "no candidate" (-1): the merge needs no counts, so its
+        # key loads wait on nothing but this grid
+        j = tl.arange(0, K)
+        tl.store(wsk_ptr + base + j, tl.full([K], -1, tl.int32), mask=j >= n_sel)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass 1: prefill (BM rows per program share every key tile)
+@triton.jit
+def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr,
+                          n_rows, n_keys, stride_qt, stride_qh, S,
+                          H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+                          C: tl.constexpr, T: tl.constexpr, BM: tl.constexpr,
+                          RB: tl.constexpr, NJ: tl.constexpr, COMPUTE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    s = tl.program_id(1)
+    rloc = pid_m * BM + tl.arange(0, BM)
+    rok = rloc < n_rows
+    rs = tl.load(rs_ptr + rloc, mask=rok, other=0)
+    re = tl.load(re_ptr + rloc, mask=rok, other=0)
+    lo = tl.maximum(rs, 0)  # the row's first key row (rows outside [0, N) do not exist)
+    n_vis = tl.where(rok, tl.maximum(tl.minimum(re, n_keys) - lo, 0), 0)
+    c0 = s * C
+    n_here = tl.minimum(tl.maximum(n_vis - c0, 0), C)  # [BM]
+    todo = n_here > 0
+    if tl.max(todo.to(tl.int32), axis=0) > 0:
+        NT: tl.constexpr = C // T
+        HB: tl.constexpr = HP * BM
+        d = tl.arange(0, D)
+        nt = tl.arange(0, NT)
+        tt = tl.arange(0, T)
+        # All heads of the tile's rows stacked as one MMA operand, head-major: i = h * BM + m.
+        i = tl.arange(0, HB)
+        qrow = (pid_m * BM + i % BM).to(tl.int64)
+        qmask = ((i // BM) < H) & ((pid_m * BM + i % BM) < n_rows)
+        q = tl.load(q_ptr + qrow[:, None] * stride_qt + (i // BM)[:, None] * stride_qh + d[None, :],
+                    mask=qmask[:, None], other=0.0).to(COMPUTE)
+        keys = tl.full([BM, NT, T], -1, tl.int32)
+        # Rows of one request share their key rows; a tile straddling requests takes one
+        # segment (rows with the same first key row) at a time.
+        while tl.max(todo.to(tl.int32), axis=0) > 0:
+            base = tl.min(tl.where(todo, lo, _INT32_MAX), axis=0)
+            seg = todo & (lo == base)
+            seg_n = tl.max(tl.where(seg, n_here, 0), axis=0)
+            # rows with <= K visible blocks keep them all: a segment of only such rows is
+            # neither loaded nor scored
+            seg_score = tl.max(tl.where(seg, n_vis, 0), axis=0) > K
+            for t in range(0, tl.where(seg_score, tl.cdiv(seg_n, T), 0)):
+                j = t * T + tt
+                kr = (base + c0 + j).to(tl.int64)
+                k = tl.load(k_ptr + kr[:, None] * D + d[None, :], mask=(j < seg_n)[:, None],
+                            other=0.0)
+                sc = tl.dot(q, tl.trans(k.to(COMPUTE)))  # [HB, T]
+                tot = tl.sum(tl.reshape(tl.maximum(sc, 0.0), [HP, BM, T]), axis=0)  # [BM, T]
+                valid = seg[:, None] & (j[None, :] < n_here[:, None])
+                key = tl.where(valid, _score_keys(tot), -1)
+                put = (nt == t)[None, :, None] & seg[:, None, None]
+                keys = tl.where(put, key[:, None, :], keys)
+            todo = todo & (~seg)
+        ids = tl.reshape(nt[:, None] * T + tt[None, :], [1, C])
+        keys = tl.reshape(keys, [BM, C])
+        keys = tl.where((n_vis > K)[:, None], keys, tl.where(ids < n_here[:, None], 0, -1))
+        tau = tl.zeros([BM], dtype=tl.int32)
+        if tl.max(n_here, axis=0) > K:
+            tau = _kth_key(keys, K, RB, NJ)
+        sel, pos, n_sel = _select(keys, tau, K)
+        slot = (rloc * S + s) * K  # < 2^31: the row group bounds the workspace
+        rel = (lo - rs + c0)[:, None] + ids  # row-relative block id = key row - row_start
+        tl.store(wsk_ptr + slot[:, None] + pos, keys, mask=sel)
+        tl.store(wsi_ptr + slot[:, None] + pos, rel, mask=sel)
+        j = tl.arange(0, K)[None, :]  # unused slots of the rows' chunks: -1 (no candidate)
+        tl.store(wsk_ptr + slot[:, None] + j, tl.full([BM, K], -1, tl.int32),
+                 mask=(j >= n_sel[:, None]) & (n_here > 0)[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass 2: merge (+ optional fused expansion)
+@triton.jit
+def _merge_kernel(wsk_ptr, wsi_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, bound_ptr,
+                  cap, stride_out, C, S,
+                  PREFILL: tl.constexpr, EXPAND: tl.constexpr, RATIO: tl.constexpr,
+                  K: tl.constexpr, SP: tl.constexpr,
+                  W: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr, RB: tl.constexpr,
+                  NJ: tl.constexpr, USE_PDL: tl.constexpr = False):
+    r = tl.program_id(0)
+    # the row's metadata are inputs, not pass 1's output: read before waiting for pass 1
+    if PREFILL:
+        rs = tl.load(m0_ptr + r)
+        n = tl.maximum(tl.minimum(tl.load(m1_ptr + r), cap) - tl.maximum(rs, 0), 0)
+        if EXPAND:
+            p = tl.load(pos_ptr + r)
+            bound = tl.load(bound_ptr + r)
+    else:
+        seq = tl.maximum(tl.load(m0_ptr + r), 0)
+        n = tl.minimum(seq // RATIO, cap)
+        p = seq - 1
+        bound = seq
+    if USE_PDL:  # launched with PDL: wait until pass 1 has completed and its writes are visible
+        tl.extra.cuda.gdc_wait()
+    # candidate slot = chunk * K + rank in the chunk: orders like the block id, so the tie rule
+    # (smaller id first) is the slot order; a chunk's unused slots hold -1
+    slot = tl.arange(0, SP * K)
+    has = slot // K < tl.cdiv(n, C)
+    base = r.to(tl.int64) * S * K
+    keys = tl.load(wsk_ptr + base + slot, mask=has, other=-1)
+    blk = tl.load(wsi_ptr + base + slot, mask=has, other=0)
+    tau = 0
+    if tl.sum((keys >= 0).to(tl.int32), axis=0) > K:
+        tau = _kth_key_row(keys, K, RB, NJ)
+    sel, pos, n_sel = _select_row(keys, tau, K)
+    orow = out_ptr + r.to(tl.int64) * stride_out
+    if EXPAND:
+        # Everything is ascending, so the valid tokens of the selected blocks (< bound) are a
+        # prefix; the causal tail [floor(L/R)*R, p] follows them (tokens < bound only).
+        e = tl.arange(0, RP)[None, :]
+        tok = blk[:, None] * RATIO + e
+        tl.store(orow + pos[:, None] * RATIO + e, tok,
+                 mask=sel[:, None] & (e < RATIO) & (tok < bound))
+        m = tl.sum(tl.where(sel, tl.minimum(tl.maximum(bound - blk * RATIO, 0), RATIO), 0),
+                   axis=0)
+        vis = tl.maximum(p + 1, 0)
+        start = vis - vis % RATIO
+        n_tail = 0
+        for e in tl.static_range(RATIO - 1):
+            n_tail += ((e < vis - start) & (start + e < bound)).to(tl.int32)
+        col = tl.arange(0, WP)
+        off = col - m
+        val = tl.where(off < n_tail, start + off, -1)
+        tl.store(orow + col, val, mask=(col >= m) & (col < W))
+    else:
+        j = tl.arange(0, K)
+        tl.store(orow + pos, blk, mask=sel)
+        tl.store(orow + j, tl.full([K], -1, tl.int32), mask=j >= n_sel)
+
+
+# ---------------------------------------------------------------------------------------------
+# Standalone expansion (any block ids, the exact reference rule)
+@triton.jit
+def _expand_kernel(blk_ptr, pos_ptr, sl_ptr, out_ptr, K: tl.constexpr, RATIO: tl.constexpr,
+                   W: tl.constexpr, WP: tl.constexpr):
+    r = tl.program_id(0)
+    p = tl.load(pos_ptr + r)
+    bound = tl.load(sl_ptr + r).to(tl.int64)
+    TOK: tl.constexpr = K * RATIO
+    col = tl.arange(0, WP)
+    g = tl.load(blk_ptr + r.to(tl.int64) * K + col // RATIO, mask=col < TOK, other=-1)
+    tok = g.to(tl.int64) * RATIO + col % RATIO  # 64-bit: a junk id * ratio must not wrap
+    val = tl.where((g >= 0) & (tok < bound), tok, -1)
+    # causal tail: floor division written out (Triton's // and % truncate toward zero)
+    vis = p.to(tl.int64) + 1
+    start = vis - ((vis % RATIO) + RATIO) % RATIO
+    e = (col - TOK).to(tl.int64)
+    tail = start + e
+    tval = tl.where((e < vis - start) & (tail < bound), tail, -1)
+    val = tl.where(col < TOK, val, tval)
+    inside = col < W
+    valid = (val >= 0) & inside
+    cv = tl.cumsum(valid.to(tl.int32), axis=0)
+    n_valid = tl.sum(valid.to(tl.int32), axis=0)
+    dest = tl.where(valid, cv - 1, n_valid + col - cv)  # stable partition: valid first
+    tl.store(out_ptr + r.to(tl.int64) * W + dest, val.to(tl.int32), mask=inside)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+def indexer_plan_for(kind: str, rows: int, max_blocks: int, topk: int,
+                     device: torch.device | None = None) -> IndexerPlan:
+    """The shared static plan (``interop.indices.plan_indexer``) for this device's SM count and
+    shared memory (an H200's without a CUDA device)."""
+    sms, smem = 132, 232_448
+    if device is not None and device.type == "cuda":
+        facts = DeviceFacts.from_torch(device)
+        sms, smem = facts.sm_count, facts.smem_per_block
+    return plan_indexer(kind, rows, max_blocks, topk, sm_count=sms, smem_per_block=smem)
+
+
+def _compute_dtype(q: torch.Tensor):
+    return tl.bfloat16 if q.dtype == torch.float8_e4m3fn else _TL_DTYPES[q.dtype]
+
+
+def _decode_constexprs(plan: IndexerPlan, h: int, d: int, psz: int, ratio: int, compute):
+    """The pass-1 decode kernel's constexprs for ``plan`` (one source for the launch and
+    ``interop.validate.compile.triton_indexer_configs``)."""
+    return dict(H=h, HP=max(16, _next_pow2(h)), D=d, P=psz, RATIO=ratio, K=plan.topk,
+                C=plan.chunk, T=plan.tile, RB=plan.radix_bits,
+                NJ=IndexerPlan.thresholds(plan.radix_bits), COMPUTE=compute)
+
+
+def _prefill_constexprs(plan: IndexerPlan, h: int, d: int, compute):
+    return dict(H=h, HP=_next_pow2(h), D=d, K=plan.topk, C=plan.chunk, T=plan.tile,
+                BM=plan.rows_per_program, RB=plan.radix_bits,
+                NJ=IndexerPlan.thresholds(plan.radix_bits), COMPUTE=compute)
+
+
+def _merge_constexprs(plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: int):
+    w = plan.topk * ratio + ratio - 1
+    return dict(PREFILL=prefill, EXPAND=expand, RATIO=ratio, K=plan.topk,
+                SP=plan.splits_pad, W=w, WP=_next_pow2(w), RP=_next_pow2(ratio),
+                RB=plan.merge_radix_bits, NJ=IndexerPlan.thresholds(plan.merge_radix_bits))
+
+
+def _merge(ws, out, m0, m1, pos, bound, cap, plan: IndexerPlan, *, prefill, expand, ratio,
+           pdl=False):
+    wsk, wsi = ws
+    rows = out.shape[0]
+    if rows == 0:
+        return out
+    _merge_kernel[(rows,)](
+        wsk, wsi, out, m0, m1 if m1 is not None else m0,
+        pos if pos is not None else m0, bound if bound is not None else m0,
+        cap, out.stride(0), plan.chunk, plan.splits,
+        **_merge_constexprs(plan, prefill=prefill, expand=expand, ratio=ratio), USE_PDL=pdl,
+        num_warps=plan.merge_warps, **({"launch_pdl": True} if pdl else {}))
+    return out
+
+
+def _workspace(rows: int, plan: IndexerPlan, device):
+    n = rows * plan.splits
+    return (torch.empty((n * plan.topk,), dtype=torch.int32, device=device),
+            torch.empty((n * plan.topk,), dtype=torch.int32, device=device))
+
+
+def _run_decode(q, k_cache, page_table, seq_lens, topk: int, ratio: int, expand: bool,
+                plan: IndexerPlan | None = None):
+    b, h, d = q.shape
+    pages, psz = k_cache.shape[0], k_cache.shape[1]
+    cap = page_table.shape[1] * psz
+    plan = plan or indexer_plan_for("decode", b, cap, topk, q.device)
+    width = topk * ratio + ratio - 1 if expand else topk
+    out = torch.empty((b, width), dtype=torch.int32, device=q.device)
+    if b == 0:
+        return out
+    ws = _workspace(b, plan, q.device)
+    if k_cache.numel() == 0:  # no pages: every block reads nothing (pages = 0 masks all loads)
+        k_cache = torch.zeros((1, 1, 1, d), dtype=k_cache.dtype, device=q.device)
+    pdl = plan.pdl and _pdl_supported(q.device)
+    _decode_chunk_kernel[(b, plan.splits)](
+        q, k_cache, page_table, seq_lens, *ws,
+        q.stride(0), q.stride(1), page_table.stride(0), pages, cap, plan.splits,
+        **_decode_constexprs(plan, h, d, psz, ratio, _compute_dtype(q)), USE_PDL=pdl,
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
+    return _merge(ws, out, seq_lens, None, None, None, cap, plan, prefill=False, expand=expand,
+                  ratio=ratio, pdl=pdl)
+
+
+def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, ratio: int,
+                 expand: bool, plan: IndexerPlan | None = None):
+    t, h, d = q.shape
+    n_keys = k.shape[0]
+    plan = plan or indexer_plan_for("prefill", t, n_keys, topk, q.device)
+    width = topk * ratio + ratio - 1 if expand else topk
+    out = torch.empty((t, width), dtype=torch.int32, device=q.device)
+    if t == 0:
+        return out
+    g = plan.row_group
+    ws = _workspace(min(g, t), plan, q.device)
+    bm = plan.rows_per_program
+    consts = _prefill_constexprs(plan, h, d, _compute_dtype(q))
+    # Row groups bound the candidate workspace (static: from shapes only).
+    for r0 in range(0, t, g):
+        r1 = min(t, r0 + g)
+        qs = q[r0:r1]
+        rs, re = row_starts[r0:r1], row_ends[r0:r1]
+        if n_keys:  # no keys: every row is empty, the merge alone writes the (tail-only) rows
+            _prefill_chunk_kernel[(triton.cdiv(r1 - r0, bm), plan.splits)](
+                qs, k, rs, re, *ws, r1 - r0, n_keys, qs.stride(0), qs.stride(1), plan.splits,
+                **consts,
+                num_warps=plan.num_warps, num_stages=plan.num_stages)
+        _merge(ws, out[r0:r1], rs, re, positions[r0:r1] if expand else None,
+               seq_lens[r0:r1] if expand else None, n_keys, plan, prefill=True, expand=expand,
+               ratio=ratio)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library registration
+@torch.library.custom_op("qsa::indexer_decode", mutates_args=())
+def _indexer_decode_op(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
+                       seq_lens: torch.Tensor, topk: int, compress_ratio: int,
+                       expand: bool) -> torch.Tensor:
+    """Registered op: contract already checked by the public entry point."""
+    return _run_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio, expand)
+
+
+@_indexer_decode_op.register_fake
+def _indexer_decode_fake(q, k_cache, page_table, seq_lens, topk, compress_ratio, expand):
+    check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
+                         compress_ratio=compress_ratio)
+    w = topk * compress_ratio + compress_ratio - 1 if expand else topk
+    return q.new_empty((q.shape[0], w), dtype=torch.int32)
+
+
+@torch.library.custom_op("qsa::indexer_prefill", mutates_args=())
+def _indexer_prefill_op(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Tensor,
+                        row_ends: torch.Tensor, positions: torch.Tensor | None,
+                        seq_lens: torch.Tensor | None, topk: int, compress_ratio: int,
+                        expand: bool) -> torch.Tensor:
+    """Registered op: contract already checked by the public entry point."""
+    return _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk, compress_ratio,
+                        expand)
+
+
+@_indexer_prefill_op.register_fake
+def _indexer_prefill_fake(q, k, row_starts, row_ends, positions, seq_lens, topk, compress_ratio,
+                          expand):
+    check_indexer_prefill(q, k, row_starts, row_ends, topk=topk, compress_ratio=compress_ratio,
+                          positions=positions, seq_lens=seq_lens)
+    w = topk * compress_ratio + compress_ratio - 1 if expand else topk
+    return q.new_empty((q.shape[0], w), dtype=torch.int32)
+
+
+@torch.library.custom_op("qsa::expand_block_indices", mutates_args=())
+def _expand_op(block_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+               compress_ratio: int) -> torch.Tensor:
+    """Registered op: contract already checked by the public entry point."""
+    m, k = block_ids.shape
+    w = k * compress_ratio + compress_ratio - 1
+    out = torch.empty((m, w), dtype=torch.int32, device=block_ids.device)
+    if m:
+        _expand_kernel[(m,)](block_ids, positions, seq_lens, out, K=k, RATIO=compress_ratio,
+                             W=w, WP=_next_pow2(w), num_warps=4)
+    return out
+
+
+@_expand_op.register_fake
+def _expand_fake(block_ids, positions, seq_lens, compress_ratio):
+    w = check_expand_block_indices(block_ids, positions, seq_lens, compress_ratio=compress_ratio)
+    return block_ids.new_empty((block_ids.shape[0], w))
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+def _pre(fn: str, prob, q: torch.Tensor, plan: IndexerPlan | None = None) -> None:
+    check_interpreter_dtype(fn, prob.compute_dtype)
+    check_device(fn, q.device.type)
+    arg, own = ("plan", plan) if plan is not None else (
+        "page_table" if prob.kind == "decode" else "k",
+        indexer_plan_for(prob.kind, prob.rows, prob.max_blocks, prob.topk, q.device))
+    why = own.problem(prob.kind, prob.max_blocks, prob.topk)
+    if why:  # a custom plan that cannot run this call, or a context past what any plan covers
+        raise ContractError(fn, arg, why, plan if plan is not None else
+                            f"{prob.max_blocks} blocks a row")
+
+
+def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
+                        seq_lens: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
+                        strict: bool = False, plan: IndexerPlan | None = None) -> torch.Tensor:
+    """Decode indexer: score each row's paged compressed keys and keep the exact top-k blocks.
+
+    Row b sees its first ``floor(seq_lens[b] / compress_ratio)`` compressed blocks (capped at the
+    page table's capacity ``max_pages * page_size``); block n lives at
+    ``k_cache[page_table[b, n // page_size], n % page_size, 0]``. Page-table entries past the
+    row's blocks are never read. Scores: ``sum_h ReLU(q[b, h] . k[n])`` in FP32 from bf16/fp16
+    products (fp8 operands widened to bf16, exactly); the division by ``score_scale`` upstream
+    applies is left out because it does not change the order (module docstring).
+
+    Args:
+      q: [B, H, D] bf16|fp16|fp8 e4m3 (one row per decode query; MTP rows are rows too).
+      k_cache: [pages, page_size, 1, D] q's dtype or fp8 e4m3, contiguous.
+      page_table: int32 [B, max_pages]; seq_lens: int32 [B] token counts (device data).
+      topk: blocks kept (512); compress_ratio: tokens per block (4).
+      strict: enforce the qualified envelope (``interop.contract.QUALIFIED_INDEXER``).
+      plan: an ``interop.indices.IndexerPlan`` replacing the shared one (benchmarks and sweeps;
+        the call then bypasses the torch.library op).
+
+    Returns:
+      int32 [B, topk]: the selected block ids in ascending order, -1 after; a row with <= topk
+      blocks gets all of them; ties go to the smaller block id (``interop.reference.indexer_topk``).
+
+    Raises:
+      ContractError: before any launch, for a call outside the contract
+        (``interop.contract.check_indexer_decode``), a non-torch argument, bf16 under an
+        unpatched Triton interpreter, CPU tensors without the interpreter, a plan (given, or
+        the default one) that cannot run this call (``IndexerPlan.problem``; the default plan
+        covers rows of up to 2M blocks at topk 512: argument ``page_table`` / ``k``).
+    """
+    fn = "indexer_topk_decode"
+    if not torch.compiler.is_compiling():
+        check_torch_tensors(fn, q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens)
+        _pre(fn, check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
+                                      compress_ratio=compress_ratio, strict=strict, fn=fn), q,
+             plan)
+    if plan is not None:
+        return _run_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio, False, plan)
+    return torch.ops.qsa.indexer_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio,
+                                        False)
+
+
+def indexer_select_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
+                          seq_lens: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
+                          strict: bool = False, plan: IndexerPlan | None = None) -> torch.Tensor:
+    """The whole decode indexer: ``indexer_topk_decode`` with the expansion fused into its merge.
+
+    The row's position is ``seq_lens[b] - 1`` and its validity bound ``seq_lens[b]``.
+
+    Returns:
+      int32 [B, topk * ratio + ratio - 1] (2051): token positions ascending (the selected blocks'
+      tokens, then the causal tail ``[floor(L/4)*4, L-1]``), -1 after; equal to
+      ``interop.indices.expand_block_indices`` of ``indexer_topk_decode``'s output. This is the
+      ``indices`` argument ``sparse_decode_paged`` takes.
+
+    Raises:
+      ContractError: as ``indexer_topk_decode``.
+    """
+    fn = "indexer_select_decode"
+    if not torch.compiler.is_compiling():
+        check_torch_tensors(fn, q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens)
+        _pre(fn, check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
+                                      compress_ratio=compress_ratio, strict=strict, fn=fn), q,
+             plan)
+    if plan is not None:
+        return _run_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio, True, plan)
+    return torch.ops.qsa.indexer_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio,
+                                        True)
+
+
+def indexer_topk_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Tensor,
+                         row_ends: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
+                         strict: bool = False, plan: IndexerPlan | None = None) -> torch.Tensor:
+    """Prefill indexer: each row's exact top-k over its packed compressed-key range.
+
+    Row m scores key rows ``[row_starts[m], row_ends[m])`` of ``k`` (intersected with ``[0, N)``;
+    ``interop.indices.prefill_row_ranges`` builds them: a row at position p of a request sees its
+    first ``floor((p + 1) / ratio)`` blocks). Ids are relative to ``row_starts[m]``. Rows are
+    processed in static groups so the candidate workspace stays bounded (``plan_indexer``).
+
+    Args:
+      q: [T, H, D] bf16|fp16|fp8 e4m3; k: [N, 1, D] q's dtype or fp8 e4m3, contiguous.
+      row_starts, row_ends: int32 [T] (device data).
+      topk, compress_ratio, strict, plan: as ``indexer_topk_decode``.
+
+    Returns:
+      int32 [T, topk], ascending row-relative block ids, -1 after.
+
+    Raises:
+      ContractError: as ``indexer_topk_decode`` (``check_indexer_prefill``).
+    """
+    fn = "indexer_topk_prefill"
+    if not torch.compiler.is_compiling():
+        check_torch_tensors(fn, q=q, k=k, row_starts=row_starts, row_ends=row_ends)
+        _pre(fn, check_indexer_prefill(q, k, row_starts, row_ends, topk=topk,
+                                       compress_ratio=compress_ratio, strict=strict, fn=fn), q,
+             plan)
+    if plan is not None:
+        return _run_prefill(q, k, row_starts, row_ends, None, None, topk, compress_ratio, False,
+                            plan)
+    return torch.ops.qsa.indexer_prefill(q, k, row_starts, row_ends, None, None, topk,
+                                         compress_ratio, False)
+
+
+def indexer_select_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Tensor,
+                           row_ends: torch.Tensor, positions: torch.Tensor,
+                           seq_lens: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
+                           strict: bool = False, plan: IndexerPlan | None = None
+                           ) -> torch.Tensor:
+    """The whole prefill indexer: ``indexer_topk_prefill`` with the expansion fused into its merge.
+
+    Args:
+      positions, seq_lens: int32 [T], each row's position p and validity bound (its request's
+        length); the rest as ``indexer_topk_prefill``.
+
+    Returns:
+      int32 [T, topk * ratio + ratio - 1] (2051), equal to ``expand_block_indices`` of
+      ``indexer_topk_prefill``'s output: the ``indices`` the sparse prefill kernels take.
+
+    Raises:
+      ContractError: as ``indexer_topk_prefill``.
+    """
+    fn = "indexer_select_prefill"
+    if not torch.compiler.is_compiling():
+        check_torch_tensors(fn, q=q, k=k, row_starts=row_starts, row_ends=row_ends,
+                            positions=positions, seq_lens=seq_lens)
+        _pre(fn, check_indexer_prefill(q, k, row_starts, row_ends, topk=topk,
+                                       compress_ratio=compress_ratio, positions=positions,
+                                       seq_lens=seq_lens, strict=strict, fn=fn), q, plan)
+    if plan is not None:
+        return _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk,
+                            compress_ratio, True, plan)
+    return torch.ops.qsa.indexer_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk,
+                                         compress_ratio, True)
+
+
+def expand_block_indices(block_ids: torch.Tensor, positions: torch.Tensor,
+                         seq_lens: torch.Tensor, *, compress_ratio: int = 4,
+                         strict: bool = False) -> torch.Tensor:
+    """Block ids -> token positions (``qsa-contract.md`` §4), one Triton program per row.
+
+    Every block id g >= 0 gives tokens ``ratio*g .. ratio*g + ratio - 1`` (a token >= seq_len is
+    -1, a negative id gives ratio x -1), then the causal tail ``[floor(L/ratio)*ratio, p]`` (L =
+    p + 1, tokens < seq_len) is appended and the valid entries (>= 0) are stably moved to the
+    front. Equal to ``interop.indices.expand_block_indices`` for any input.
+
+    Args:
+      block_ids: int32 [M, topk] contiguous; positions, seq_lens: int32 [M].
+      compress_ratio: tokens per block.
+
+    Returns:
+      int32 [M, topk * ratio + ratio - 1].
+
+    Raises:
+      ContractError: before any launch (``interop.contract.check_expand_block_indices``).
+    """
+    fn = "expand_block_indices"
+    if not torch.compiler.is_compiling():
+        check_torch_tensors(fn, block_ids=block_ids, positions=positions, seq_lens=seq_lens)
+        check_expand_block_indices(block_ids, positions, seq_lens, compress_ratio=compress_ratio,
+                                   strict=strict, fn=fn)
+        check_device(fn, block_ids.device.type)
+    return torch.ops.qsa.expand_block_indices(block_ids, positions, seq_lens, compress_ratio)

@@ -1,0 +1,213 @@
+"""The end-to-end QSA attention step for PyTorch: indexer -> expansion -> sparse attention from
+the pool.
+
+A composition of this package's public entry points (no kernel of its own), the way a serving
+engine runs one QSA attention layer (``qsa-contract.md`` §4b, §4, §2b, §3); same names, argument
+order and meaning as ``qsa_pallas.step``:
+
+* decode: ``indexer_select_decode`` scores every visible compressed block of the row through the
+  compressed-K page table, keeps the exact top-k (512, ties to the smaller block id) and expands
+  them, fused, to the 2051-wide token row; ``sparse_decode_paged`` attends to those positions in
+  the KV pool through ``req_to_token``;
+* prefill: ``prefill_step_rows`` derives each query row's request, position, bound and
+  compressed-key range from the request tables with a few torch ops on the device;
+  ``indexer_select_prefill`` selects and expands over the packed per-request compressed keys;
+  ``sparse_prefill_paged`` attends from the pool.
+
+Every argument of both halves is checked before the first launch
+(``interop.contract.check_decode_step`` / ``check_prefill_step``), so a bad call leaves nothing
+half-done. Graph / compile safety: no host read of device data anywhere (lengths, page ids, row
+ranges stay on the device; the metadata ops are ``searchsorted`` / gathers / ``where``), scratch
+comes from the caching allocator, so a captured CUDA graph replays correctly with new lengths in
+the same buffers; under ``torch.compile(fullgraph=True)`` the halves are ``torch.ops.qsa`` custom
+ops with fake implementations (the checks then run there).
+
+Sources: upstream sglang 0.5.23 ``srt/layers/attention/qsa/`` (``qsa_indexer.py`` decode/prefill
+metadata, ``mqa.py`` scoring, ``kernel.py`` expansion); the algorithms are in the modules named.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from interop.contract import ContractError, check_decode_step, check_prefill_step
+
+from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
+from .decode_paged import _exact_contract_device, sparse_decode_paged
+from .indexer import indexer_select_decode, indexer_select_prefill
+from .prefill import sparse_prefill_paged
+
+__all__ = ["qsa_decode_step", "qsa_prefill_step", "prefill_step_rows"]
+
+_DECODE_NAMES = ("q", "k_cache", "v_cache", "req_to_token", "req_indices", "index_q",
+                 "index_k_cache", "index_page_table", "seq_lens")
+_PREFILL_NAMES = ("q", "k_cache", "v_cache", "req_to_token", "req_indices", "index_q", "index_k",
+                  "index_cu_seqlens_k", "cu_seqlens_q", "kv_lens")
+
+
+def _backend_checks(fn: str, q: torch.Tensor, attention, indexer) -> None:
+    check_interpreter_dtype(fn, attention.dtype)
+    check_interpreter_dtype(fn, indexer.compute_dtype)
+    check_device(fn, q.device.type)
+    if q.device.type != "cuda" and not interpreting():
+        raise ContractError(fn, "q", "a CUDA tensor (CPU tensors run only under Triton's "
+                            "interpreter, TRITON_INTERPRET=1)", str(q.device))
+
+
+def qsa_decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    req_to_token: torch.Tensor, req_indices: torch.Tensor, index_q: torch.Tensor,
+                    index_k_cache: torch.Tensor, index_page_table: torch.Tensor,
+                    seq_lens: torch.Tensor, softmax_scale: float | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0, *, topk: int = 512,
+                    compress_ratio: int = 4, batch_invariant: bool = False,
+                    strict: bool = False) -> torch.Tensor:
+    """One QSA decode attention step: indexer (score + exact top-k) -> expansion -> paged decode.
+
+    ``sparse_decode_paged``'s arguments with its ``indices`` replaced by the indexer's inputs
+    (``index_q``, ``index_k_cache``, ``index_page_table``). Row r is one decode query (MTP verify
+    rows are rows too) of request ``req_indices[r]`` with ``seq_lens[r]`` tokens of context, its
+    own token included.
+
+    Args:
+      q: [R, Hq, D] bf16|fp16, the attention query rows.
+      k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or float8_e4m3fn (then
+        ``k_scale`` multiplies the FP32 scores and ``v_scale`` the P·V result).
+      req_to_token: int32 [max_reqs, max_context], token position -> pool slot (SGLang's table).
+      req_indices: int32 [R], the table row of each query row's request.
+      index_q: [R, H, Di] bf16|fp16|float8_e4m3fn, the indexer query (H = 4, Di = 128 in the
+        model), contiguous last dim.
+      index_k_cache: [pages, P, 1, Di] contiguous paged compressed keys (one per block of
+        ``compress_ratio`` tokens; P = 16 blocks = one 64-token KV page), index_q's dtype or FP8.
+      index_page_table: int32 [R, max_pages]; block n of row r lives at
+        ``index_k_cache[index_page_table[r, n // P], n % P, 0]``; entries past the row's
+        ``floor(seq_lens[r] / compress_ratio)`` blocks are never read.
+      seq_lens: int32 [R] tokens of context per row (the row's own position is
+        ``seq_lens[r] - 1``).
+      softmax_scale: host float > 0 (applied to FP32 scores), default D ** -0.5.
+      k_scale, v_scale: host floats > 0, 1.0 unless the pool is FP8.
+      topk: blocks kept per row (512); compress_ratio: tokens per block (4); the attention then
+        reads ``topk * ratio + ratio - 1`` (2051) index columns per row.
+      batch_invariant: a row's output bits depend only on its own inputs (§2c).
+      strict: the qualified envelopes of both halves; the attention's is always on for a GPU
+        that ``interop.contract.route`` sends to the exact contract (sm_121).
+
+    Returns:
+      [R, Hq, D] in q's dtype: ``softmax(scale · k_scale · q[r, h] · Kᵀ) · V · v_scale`` over the
+      tokens the indexer selected for row r (KV head h // G); exact zeros for a row with no
+      context. Equal to ``interop.reference.decode_step_reference`` within the attention
+      tolerance.
+
+    Raises:
+      ContractError: before any launch (``interop.contract.check_decode_step``, naming the
+        step's argument); non-torch arguments; bf16 under an unpatched Triton interpreter; CPU
+        tensors without the interpreter.
+    """
+    fn = "qsa_decode_step"
+    args = (q, k_cache, v_cache, req_to_token, req_indices, index_q, index_k_cache,
+            index_page_table, seq_lens)
+    if not torch.compiler.is_compiling():
+        check_torch_tensors(fn, **dict(zip(_DECODE_NAMES, args)))
+        ap, ip = check_decode_step(
+            *args, softmax_scale, k_scale, v_scale, topk=topk, compress_ratio=compress_ratio,
+            batch_invariant=batch_invariant, strict=strict,
+            attention_strict=_exact_contract_device(q.device.type, q.device.index), fn=fn)
+        _backend_checks(fn, q, ap, ip)
+    indices = indexer_select_decode(index_q, index_k_cache, index_page_table, seq_lens, topk=topk,
+                                    compress_ratio=compress_ratio, strict=strict)
+    return sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                               softmax_scale, k_scale, v_scale, batch_invariant=batch_invariant,
+                               strict=strict)
+
+
+def prefill_step_rows(cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
+                      index_cu_seqlens_k: torch.Tensor, total_rows: int, *,
+                      compress_ratio: int = 4):
+    """Each prefill row's indexer metadata from the request tables, on their device (no host
+    read: CUDA-graph and torch.compile safe). The rule is ``interop.indices.prefill_step_rows``
+    (its docstring): row t of request b sits at position ``kv_lens[b] - q_len_b + (t -
+    cu_seqlens_q[b])``, scores the first ``floor((p + 1) / ratio)`` of its request's packed
+    compressed keys ``index_cu_seqlens_k[b] ..``, and has validity bound ``kv_lens[b]``; rows
+    outside every request get an empty range, position -1 and bound 0.
+
+    Args:
+      cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; index_cu_seqlens_k: int32 [B + 1];
+      total_rows: host int T; compress_ratio: tokens per block.
+
+    Returns:
+      (row_starts, row_ends, positions, seq_lens), int32 [T] each: the arguments of
+      ``indexer_select_prefill``.
+    """
+    ratio = int(compress_ratio)
+    cu = cu_seqlens_q.long()
+    kl = kv_lens.long()
+    ck = index_cu_seqlens_k.long()
+    b = kl.shape[0]
+    rows = torch.arange(int(total_rows), device=cu.device, dtype=torch.long)
+    req = torch.searchsorted(cu[1:].contiguous(), rows, right=True)
+    inside = (req < b) & (rows >= cu[0])
+    rq = req.clamp(max=b - 1)
+    pos = kl[rq] - (cu[rq + 1] - cu[rq]) + rows - cu[rq]
+    start = ck[rq]
+    end = start + torch.minimum(torch.div((pos + 1).clamp(min=0), ratio, rounding_mode="floor"),
+                                (ck[rq + 1] - start).clamp(min=0))
+    zero = torch.zeros_like(rows)
+    i32 = torch.int32
+    return (torch.where(inside, start, zero).to(i32), torch.where(inside, end, zero).to(i32),
+            torch.where(inside, pos, zero - 1).to(i32), torch.where(inside, kl[rq], zero).to(i32))
+
+
+def qsa_prefill_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     req_to_token: torch.Tensor, req_indices: torch.Tensor, index_q: torch.Tensor,
+                     index_k: torch.Tensor, index_cu_seqlens_k: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, max_seqlen_q: int,
+                     softmax_scale: float | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0, *, topk: int = 512, compress_ratio: int = 4,
+                     strict: bool = False) -> torch.Tensor:
+    """One QSA prefill attention step: row metadata -> indexer over packed compressed keys ->
+    expansion -> paged sparse prefill from the pool.
+
+    ``sparse_prefill_paged``'s arguments with its ``indices`` replaced by the indexer's inputs
+    (``index_q``, ``index_k``, ``index_cu_seqlens_k``). Request b has ``kv_lens[b]`` tokens of
+    context (cached prefix + this chunk); its ``q_len_b = cu_seqlens_q[b + 1] -
+    cu_seqlens_q[b]`` new rows are the last ones (bottom-right causal).
+
+    Args:
+      q: [T, Hq, D] bf16|fp16, the new rows of all requests packed.
+      k_cache, v_cache: [slots, Hkv, D] the KV pool (this chunk's K/V already written), q's
+        dtype or float8_e4m3fn (with ``k_scale`` / ``v_scale``).
+      req_to_token: int32 [max_reqs, max_context]; req_indices: int32 [B] (as
+        ``sparse_prefill_paged``).
+      index_q: [T, H, Di] the indexer query of every row.
+      index_k: [N, 1, Di] contiguous compressed keys of every request packed: request b's
+        ``floor(kv_lens[b] / ratio)`` blocks are rows ``index_cu_seqlens_k[b] ..
+        index_cu_seqlens_k[b + 1] - 1``; index_q's dtype or FP8.
+      index_cu_seqlens_k: int32 [B + 1].
+      cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
+      max_seqlen_q: host int >= 1 (a grid-size hint, as ``sparse_prefill_paged``).
+      softmax_scale, k_scale, v_scale, topk, compress_ratio, strict: as ``qsa_decode_step``.
+
+    Returns:
+      [T, Hq, D] in q's dtype: each row attends to the tokens its indexer row selected (at most
+      ``topk`` of its ``floor((p + 1) / ratio)`` visible blocks plus the causal tail); zeros for
+      rows outside every request. Equal to ``interop.reference.prefill_step_reference`` within
+      the attention tolerance.
+
+    Raises:
+      ContractError: before any launch (``interop.contract.check_prefill_step``); as
+        ``qsa_decode_step`` otherwise.
+    """
+    fn = "qsa_prefill_step"
+    args = (q, k_cache, v_cache, req_to_token, req_indices, index_q, index_k, index_cu_seqlens_k,
+            cu_seqlens_q, kv_lens)
+    if not torch.compiler.is_compiling():
+        check_torch_tensors(fn, **dict(zip(_PREFILL_NAMES, args)))
+        ap, ip = check_prefill_step(*args, max_seqlen_q, softmax_scale, k_scale, v_scale,
+                                    topk=topk, compress_ratio=compress_ratio, strict=strict, fn=fn)
+        _backend_checks(fn, q, ap, ip)
+    rs, re, pos, bound = prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, q.shape[0],
+                                           compress_ratio=compress_ratio)
+    indices = indexer_select_prefill(index_q, index_k, rs, re, pos, bound, topk=topk,
+                                     compress_ratio=compress_ratio, strict=strict)
+    return sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
+                                cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale, k_scale,
+                                v_scale, strict=strict)
