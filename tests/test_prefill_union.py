@@ -12,9 +12,6 @@ CUDA-graph replay, both backends.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
