@@ -6,6 +6,7 @@ kernels, our Pallas twin and gather + dense attention, on the H200.
   python3 -m bench.prefill --smoke-cpu                        code paths on CPU, no timing
   python3 -m bench.prefill --memcheck                         edge cases for compute-sanitizer
   python3 -m bench.prefill --compare OLD_TREE                 this checkout vs another commit's
+  python3 -m bench.prefill --mode union [--jaccards 0.9,0.5,0] [--heads ..] [--json F]
 
 Cases (``interop.cases``; D = 256, bf16, W = 2051, realistic block-structured indices from
 ``interop.indices``: 512 blocks of 4 tokens plus the causal tail, adjacent rows sharing ~90% of
@@ -15,6 +16,13 @@ their blocks, padding -1): ``matrix``, 8192 query rows x heads 6/1, 12/1, 24/2 x
 ``BENCH_PREFILL_ROWS``; ``paged``, 12/1 at 32k, 8192 rows, from a scattered BF16 or FP8 pool.
 Bytes = the K and V rows gathered (valid entries x D x element size x 2, per KV head): a rate
 above the copy bandwidth means L2 hits. TFLOP/s counts 4 x G x D per valid entry.
+
+``--mode union``: block-level selections (``block_indices=``, the tile-union path, union build
+included) at 8192 rows x heads x KV, the selections' neighbour Jaccard calibrated to each of
+``--jaccards`` (``interop.indices.calibrate_overlap``; the measured value is in the report) with 4
+sink blocks. Providers: ``ours-union`` (the selector), ``ours-hinted`` (``overlap=`` the measured
+Jaccard), ``ours-rows`` (the per-row kernel on the expanded token indices), ``upstream-chunk``
+and ``pallas-union``.
 
 Also the shared test helpers: ``make_case`` (one seeded batch of any variant), ``Case`` (its
 tensors, entry point and float64 numpy oracle), ``reference_f32`` (chunked float32 torch reference,
@@ -416,7 +424,98 @@ def describe(spec: C.PrefillSpec, c: Case) -> dict:
 
 
 PREFILL = common.Mode("prefill", "QSA sparse prefill", PROVIDERS, cases, prepare, describe)
-MODES = {"default": PREFILL}
+
+
+# ----------------------------------------------------------------------- --mode union
+JACCARDS = (0.9, 0.5, 0.0)
+
+
+def union_cases(args, kind: str) -> list[dict]:
+    """``bench``: 8192 rows x ``--heads`` x ``BENCH_PREFILL_KV`` x ``--jaccards``; ``smoke``: one
+    tiny fp16 chunk case and one paged FP8 case (64 blocks per row) for the CPU interpreters."""
+    heads = [HEADS[h] for h in common.choose(getattr(args, "heads", None), HEADS, "--heads")]
+    try:
+        jac = [float(x) for x in (getattr(args, "jaccards", None) or "").split(",") if x.strip()]
+    except ValueError as e:
+        raise common.ProviderError(f"--jaccards: {e}") from None
+    if any(not 0.0 <= j <= 1.0 for j in jac):
+        raise common.ProviderError(f"--jaccards: each in [0, 1], got {jac}")
+    if kind != "bench":
+        return [dict(kind="chunk", hq=12, hkv=1, d=64, q_lens=(9, 6), kv_lens=(40, 30), nb=8,
+                     jaccard=0.9, dtype="float16", kv_dtype=None),
+                dict(kind="paged", hq=6, hkv=1, d=64, q_lens=(7,), kv_lens=(50,), nb=8,
+                     jaccard=0.0, dtype="float16", kv_dtype="float8_e4m3fn")]
+    return [dict(kind="ordinary" if kv == T else "chunk", hq=hq, hkv=hkv, d=D, q_lens=(T,),
+                 kv_lens=None if kv == T else (kv,), nb=512, jaccard=j, dtype="bfloat16",
+                 kv_dtype=None) for hq, hkv in heads for kv in C.BENCH_PREFILL_KV
+            for j in jac or JACCARDS]
+
+
+def union_prepare(spec: dict, device):
+    """A ``Case`` whose token indices are the expansion of a calibrated block selection, with
+    ``blocks`` (int32 [T, nb]), ``jaccard`` (measured) attached."""
+    import torch  # noqa: PLC0415
+
+    from interop import indices as I  # noqa: PLC0415
+
+    ql = np.asarray(spec["q_lens"], np.int64)
+    kl = ql if spec["kv_lens"] is None else np.asarray(spec["kv_lens"], np.int64)
+    ctx = None if spec["kv_lens"] is None else kl
+    req, _, vis, _ = I.row_layout(ql, kl)
+    sinks = 4 if spec["nb"] >= 32 else 1
+    overlap, _ = I.calibrate_overlap(spec["jaccard"], vis, req, block_topk=spec["nb"],
+                                     sinks=sinks, seed=1)
+    blocks = I.prefill_block_indices(ql, ctx, block_width=spec["nb"], overlap=overlap,
+                                     sinks=sinks, seed=1)
+    fp8 = spec["kv_dtype"] is not None
+    c = make_case(spec["kind"], spec["hq"], spec["hkv"], spec["d"], ql, ctx, dtype=getattr(torch, spec["dtype"]),
+                  kv_dtype=getattr(torch, spec["kv_dtype"]) if fp8 else None,
+                  k_scale=0.5 if fp8 else 1.0, v_scale=1.5 if fp8 else 1.0, seed=1, device=device)
+    c.indices = torch.as_tensor(I.expand_prefill_blocks(blocks, ql, ctx).astype(np.int32),
+                                device=device)
+    c.blocks = torch.as_tensor(blocks.astype(np.int32), device=device)
+    c.jaccard = float(I.neighbour_jaccard(blocks, req, vis))
+    return c, reference_f32(c)
+
+
+def union_describe(spec: dict, c: Case) -> dict:
+    t, valid = sum(spec["q_lens"]), c.valid_entries()
+    kv = spec["kv_lens"][0] if spec["kv_lens"] else t
+    name = (f"union/{spec['kind']}/{spec['hq']}x{spec['hkv']}/kv{kv // 1024}k/T{t}"
+            f"/J{spec['jaccard']}{'/fp8' if spec['kv_dtype'] else ''}")
+    return {"name": name, "kind": spec["kind"], "hq": spec["hq"], "hkv": spec["hkv"], "T": t,
+            "kv": kv, "jaccard_target": spec["jaccard"], "jaccard": c.jaccard,
+            "junk": "-1", "per_head": False, "empty_rows": False, "valid_entries": valid,
+            "bytes": valid * spec["d"] * c.k.element_size() * 2,
+            "flops": 4 * (spec["hq"] // spec["hkv"]) * spec["d"] * valid,
+            "plot": [[f"{t} rows, {spec['hq']}/{spec['hkv']} heads, KV {kv // 1024}k, "
+                      "block selections", spec["jaccard"]]]}
+
+
+def _blocks(c: Case, pallas: bool = False, **kw):
+    import qsa_pallas  # noqa: PLC0415, F401 - the backend named by ``pallas``
+    import qsa_triton  # noqa: PLC0415
+
+    fn = getattr(qsa_pallas if pallas else qsa_triton, c.entry)
+    args = dataclasses.replace(c, indices=None).args_for(fn)
+    if pallas:  # block ids positional: jax_chain hands only positional tensors to jax
+        return common.jax_chain(lambda *a: fn(*a[:-1], block_indices=a[-1], **kw),
+                                args + [c.blocks], {}, CHAIN)
+    return lambda: fn(*args, block_indices=c.blocks, **kw)
+
+
+UNION_PROVIDERS = {p.name: p for p in (
+    common.Provider("ours-union", _blocks, "qsa_triton entry points, block_indices= (selector)"),
+    common.Provider("ours-hinted", lambda c: _blocks(c, overlap=min(1.0, max(0.0, c.jaccard))),
+                    "the same with overlap= the measured Jaccard (the engine's hint)"),
+    common.Provider("ours-rows", _ours, "qsa_triton per-row kernel on the expanded indices"),
+    PROVIDERS["upstream-chunk"],
+    common.Provider("pallas-union", lambda c: _blocks(c, pallas=True), "qsa_pallas, "
+                    f"block_indices= (chain of {CHAIN} in one jit)"),
+)}
+UNION = common.Mode("prefill_union", "QSA tile-union sparse prefill (block selections)",
+                    UNION_PROVIDERS, union_cases, union_prepare, union_describe)
+MODES = {"default": PREFILL, "union": UNION}
 
 
 def add_arguments(ap) -> None:
@@ -424,6 +523,8 @@ def add_arguments(ap) -> None:
                     "(query rows at 32k), paged (BF16 and FP8 pools) (default all)")
     ap.add_argument("--heads", metavar="H,..", help="head pairs Hq/Hkv: " + ",".join(HEADS)
                     + " (default all; the sweep takes the Hkv = 1 pairs, paged 12/1)")
+    ap.add_argument("--jaccards", metavar="J,..", help="union: target neighbour Jaccards of the "
+                    "block selections (default " + ",".join(map(str, JACCARDS)) + ")")
 
 
 def main(argv=None, prog: str | None = None) -> int:

@@ -44,6 +44,7 @@ __all__ = [
     "envelope_text",
     "validate_decode_metadata",
     "validate_prefill_metadata",
+    "prefill_selection",
     "QUALIFIED",
     "QUALIFIED_INDEXER",
     "IndexerProblem",
@@ -416,25 +417,31 @@ def check_decode(
     return DecodeProblem(b, hq, ks.shape[1], group, d, ks.shape[0], msk, scale, qs.dtype)
 
 
-def _check_indices(c: _Checker, ids: TensorSpec, t: int, hkv: int, qs: TensorSpec) -> tuple[int, bool]:
-    c.rank("indices", ids, (2, 3), "[T, W] or [T, Hkv, W]")
+def _check_indices(c: _Checker, ids: TensorSpec, t: int, hkv: int, qs: TensorSpec,
+                   name: str = "indices") -> tuple[int, bool]:
+    # name "block_indices": the indexer's block ids (block-level selection), same layout rules
+    what = ("request-relative token positions, invalid entries negative or >= len"
+            if name == "indices" else "row-relative block ids, invalid ids negative or >= the "
+            "row's visible blocks")
+    c.rank(name, ids, (2, 3), "[T, W] or [T, Hkv, W]")
     if ids.dtype not in ("int32",):
-        c.fail("indices", "dtype int32 (request-relative token positions, invalid entries "
-               "negative or >= len)", ids.dtype)
+        c.fail(name, f"dtype int32 ({what})", ids.dtype)
     if ids.shape[0] != t:
-        c.fail("indices", f"{t} rows (q's T)", f"{ids.shape[0]} rows")
+        c.fail(name, f"{t} rows (q's T)", f"{ids.shape[0]} rows")
     if ids.ndim == 3 and ids.shape[1] != hkv:
-        c.fail("indices", f"[T, Hkv={hkv}, W]", f"shape {list(ids.shape)}")
+        c.fail(name, f"[T, Hkv={hkv}, W]", f"shape {list(ids.shape)}")
     w = ids.shape[-1]
     if w < 1:
-        c.fail("indices", "W >= 1 index columns", f"W = {w}")
-    c.same_device("indices", ids, qs, "q")
-    c.last_dim_contiguous("indices", ids)
+        c.fail(name, "W >= 1 index columns", f"W = {w}")
+    c.same_device(name, ids, qs, "q")
+    c.last_dim_contiguous(name, ids)
     return w, ids.ndim == 3
 
 
-def _check_prefill_common(c: _Checker, q, k, v, indices, kv_dtypes, k_name="k", v_name="v"):
-    qs, ks, vs, ids = c.spec("q", q), c.spec(k_name, k), c.spec(v_name, v), c.spec("indices", indices)
+def _check_prefill_common(c: _Checker, q, k, v, indices, kv_dtypes, k_name="k", v_name="v",
+                          indices_name="indices"):
+    qs, ks, vs = c.spec("q", q), c.spec(k_name, k), c.spec(v_name, v)
+    ids = c.spec(indices_name, indices)
     c.rank("q", qs, 3, "[T, Hq, D]")
     c.dtype("q", qs, _FLOAT_DTYPES)
     c.rank(k_name, ks, 3, "[rows, Hkv, D]")
@@ -453,12 +460,13 @@ def _check_prefill_common(c: _Checker, q, k, v, indices, kv_dtypes, k_name="k", 
         c.last_dim_contiguous(name, s)
     c.same_device(k_name, ks, qs, "q")
     c.same_device(v_name, vs, qs, "q")
-    w, per_head = _check_indices(c, ids, t, ks.shape[1], qs)
+    w, per_head = _check_indices(c, ids, t, ks.shape[1], qs, indices_name)
     return qs, ks, w, per_head, group
 
 
 def check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
-                  strict: bool = False, fn: str = "sparse_prefill") -> PrefillProblem:
+                  strict: bool = False, fn: str = "sparse_prefill",
+                  indices_name: str = "indices") -> PrefillProblem:
     """Check an ordinary sparse prefill call (``qsa-contract.md`` §3) before any launch.
 
     Args:
@@ -467,12 +475,15 @@ def check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None
       cu_seqlens: int32 [B + 1] on q's device.
       max_seqlen_q: host int >= 1, the longest request (grid bound).
       softmax_scale: host float > 0 or None for D ** -0.5.
+      indices_name: "indices", or "block_indices" when ``indices`` holds the indexer's block ids
+        (the block-level form of the entry points; same layout rules, W = NB).
 
     Raises:
       ContractError: naming the argument, expected, got, and the qualified envelope.
     """
     c = _Checker(fn, strict)
-    qs, ks, w, per_head, group = _check_prefill_common(c, q, k, v, indices, ())
+    qs, ks, w, per_head, group = _check_prefill_common(c, q, k, v, indices, (),
+                                                       indices_name=indices_name)
     if ks.shape[0] != qs.shape[0]:
         c.fail("k", f"{qs.shape[0]} rows (packed like q)", f"{ks.shape[0]} rows")
     cu = c.spec("cu_seqlens", cu_seqlens)
@@ -487,7 +498,8 @@ def check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None
 
 def check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
                         softmax_scale=None, k_scale=1.0, v_scale=1.0, *, strict: bool = False,
-                        fn: str = "sparse_prefill_chunk") -> PrefillProblem:
+                        fn: str = "sparse_prefill_chunk",
+                        indices_name: str = "indices") -> PrefillProblem:
     """Check a chunk sparse prefill call (``qsa-contract.md`` §3) before any launch.
 
     Args:
@@ -498,12 +510,14 @@ def check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, m
       cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B]; all on q's device.
       max_seqlen_q: host int >= 1.
       softmax_scale, k_scale, v_scale: host floats > 0 (softmax_scale None -> D ** -0.5).
+      indices_name: as ``check_prefill``.
 
     Raises:
       ContractError: naming the argument, expected, got, and the qualified envelope.
     """
     c = _Checker(fn, strict)
-    qs, ks, w, per_head, group = _check_prefill_common(c, q, k, v, indices, _FP8_DTYPES)
+    qs, ks, w, per_head, group = _check_prefill_common(c, q, k, v, indices, _FP8_DTYPES,
+                                                       indices_name=indices_name)
     cq, ck, kl = (c.spec("cu_seqlens_q", cu_seqlens_q), c.spec("cu_seqlens_k", cu_seqlens_k),
                   c.spec("kv_lens", kv_lens))
     c.metadata("cu_seqlens_q", cq, None, qs, "q")
@@ -518,7 +532,8 @@ def check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, m
 
 def check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
                         kv_lens, max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
-                        strict: bool = False, fn: str = "sparse_prefill_paged") -> PrefillProblem:
+                        strict: bool = False, fn: str = "sparse_prefill_paged",
+                        indices_name: str = "indices") -> PrefillProblem:
     """Check a paged sparse prefill call (``qsa-contract.md`` §3) before any launch.
 
     Args:
@@ -531,13 +546,14 @@ def check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
         clamp lying metadata, idx < max_context, req_indices[b] < max_reqs, slot in the pool).
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
       max_seqlen_q: host int >= 1.
+      indices_name: as ``check_prefill``.
 
     Raises:
       ContractError: naming the argument, expected, got, and the qualified envelope.
     """
     c = _Checker(fn, strict)
     qs, ks, w, per_head, group = _check_prefill_common(c, q, k_cache, v_cache, indices, _FP8_DTYPES,
-                                                       "k_cache", "v_cache")
+                                                       "k_cache", "v_cache", indices_name)
     cq, kl = c.spec("cu_seqlens_q", cu_seqlens_q), c.spec("kv_lens", kv_lens)
     c.metadata("cu_seqlens_q", cq, None, qs, "q")
     if cq.shape[0] < 2:
@@ -552,6 +568,34 @@ def check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
     c.last_dim_contiguous("req_to_token", rt)
     return _prefill_tail(c, "paged", qs, ks, w, per_head, group, b, max_seqlen_q, softmax_scale,
                          k_scale, v_scale)
+
+
+def prefill_selection(fn: str, indices, block_indices, overlap) -> tuple[str, Any, float | None]:
+    """Which selection a prefill call passes (both backends' entry points): token ``indices``,
+    or ``indices=None`` with the indexer's ``block_indices=`` (the block-level form,
+    ``interop.indices.expand_prefill_blocks``); ``overlap`` (the engine's neighbour-Jaccard hint
+    for the kernel selector) only with ``block_indices``, None or a host float in [0, 1].
+
+    Returns:
+      ("indices" | "block_indices", the selection, overlap as a float or None).
+
+    Raises:
+      ContractError: both or neither selection given, or a bad ``overlap``.
+    """
+    if (indices is None) == (block_indices is None):
+        raise ContractError(fn, "indices", "token indices, or indices=None and block_indices= "
+                            "(exactly one selection)",
+                            "both" if indices is not None else "neither")
+    if block_indices is None:
+        if overlap is not None:
+            raise ContractError(fn, "overlap", "None unless block_indices= is given", overlap)
+        return "indices", indices, None
+    if overlap is None:
+        return "block_indices", block_indices, None
+    if (isinstance(overlap, bool) or not isinstance(overlap, (int, float, np.floating, np.integer))
+            or not 0.0 <= float(overlap) <= 1.0):
+        raise ContractError(fn, "overlap", "None or a host float in [0, 1]", overlap)
+    return "block_indices", block_indices, float(overlap)
 
 
 def _prefill_tail(c, kind, qs, ks, w, per_head, group, b, max_seqlen_q, softmax_scale, k_scale,

@@ -43,7 +43,7 @@ from typing import Iterable
 
 from .arch import DeviceFacts, KNOWN_ARCHS
 from .contract import ContractError, route
-from .plan import fit_shared_memory, next_pow2
+from .plan import fit_shared_memory, next_pow2, prev_pow2
 
 __all__ = [
     "Geometry",
@@ -59,6 +59,11 @@ __all__ = [
     "head_tile",
     "all_configs",
     "geometry_mode",
+    "UnionGeometry",
+    "UNION_RULES",
+    "select_prefill_blocks",
+    "fit_union",
+    "all_union_configs",
 ]
 
 ENV_VAR = "QSA_PREFILL_GEOMETRY"
@@ -333,4 +338,171 @@ def all_configs(arch: str) -> list[Geometry]:
     for grp, (bm, bn, nw, ns) in sorted(TUNED_SM120["by_group"].items()):
         g = Geometry(bm, bn, nw, ns, f"sm120-tuned[G={grp}]")
         seen.setdefault(g.key, g)
+    return list(seen.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Block-level selections: tile-union kernel or the per-row kernel
+@dataclasses.dataclass(frozen=True)
+class UnionGeometry:
+    """Launch plan of a prefill call given block-level selections (``block_indices=``).
+
+    Attributes:
+      kind: ``"union"`` (the tile-union kernel: R consecutive rows of one request per program,
+        the union of their blocks gathered once) or ``"rows"`` (the per-row kernel on the
+        selection expanded to tokens on the device; its launch geometry is ``select_prefill``'s).
+      tile_rows: R, query rows per tile (1 for ``"rows"``).
+      head_tile: rows of the Q tile, ``max(16, R x next_pow2(G))`` (the R rows' G heads each
+        padded to a power of two); the name ``interop.plan.fit_shared_memory`` reads.
+      block_n: K/V rows per inner step (BLOCK_N = 4 x union blocks per step).
+      num_warps, num_stages: Triton launch parameters.
+      source: the rule that decided, for benchmark JSON.
+    """
+
+    kind: str
+    tile_rows: int
+    head_tile: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    source: str = ""
+
+    @property
+    def key(self) -> tuple:
+        """(kind, tile_rows, head_tile, block_n, num_warps, num_stages)."""
+        return (self.kind, self.tile_rows, self.head_tile, self.block_n, self.num_warps,
+                self.num_stages)
+
+
+#: The selector's data (``select_prefill_blocks``). Initial values from the design, to be
+#: confirmed by ``bench/prefill_union.py`` on the H200 and recorded in bench/NOTES.md:
+#:   * ``q_rows``: the Q tile the union kernel aims for, R x next_pow2(G) = 64 rows (one wgmma M
+#:     tile on sm_90; 4 mma.sync M tiles on sm_12x): G = 12 -> R = 4, G = 6 -> R = 8;
+#:   * ``max_tile_rows``: R <= 8 keeps the causal-tail step in one BLOCK_N >= 16 chunk
+#:     (R + 3 tokens) and the union's sort at R x 512 keys;
+#:   * ``min_rows_per_request``: below 2 rows per request (decode-like batches) a tile has one
+#:     row and the per-row kernel is the same work without the union build;
+#:   * ``min_overlap``: an engine that knows its selections barely overlap (neighbour Jaccard
+#:     below this) passes ``overlap=`` and gets the per-row kernel: a tile of R unrelated rows
+#:     gathers as many rows as R programs but runs R-times larger dots;
+#:   * ``max_sort_keys``: R x next_pow2(NB) keys sorted in one program's registers;
+#:   * ``tile``: (BLOCK_N, num_warps, num_stages) by arch: BLOCK_N 32 (4 union blocks) with 8
+#:     warps holds the [64, D] FP32 accumulator in 64 registers per thread at D = 256; 2 stages
+#:     fit sm_12x's 101,376 B (``interop.plan.smem_bytes``).
+UNION_RULES = {
+    "q_rows": 64,
+    "max_tile_rows": 8,
+    "min_rows_per_request": 2,
+    "min_overlap": 0.3,
+    "max_sort_keys": 8192,
+    "tile": {"default": (32, 8, 2)},
+}
+
+
+def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, requests: int,
+                          max_q: int, group: int, num_kv_heads: int, head_dim: int,
+                          block_width: int, backend: str = "triton", kv_bytes: int = 2,
+                          overlap: float | None = None) -> UnionGeometry:
+    """Kernel and geometry of a prefill call with block-level selections.
+
+    Rule (``UNION_RULES``; host facts only, no device value is read, so a captured graph or a
+    jitted function keeps its choice when lengths change):
+      1. ``overlap`` (the engine's hint: expected Jaccard similarity of adjacent rows' block
+         sets; None = the indexer's typical 0.87-0.94) below ``min_overlap`` -> ``"rows"``;
+      2. mean rows per request ``total_q // requests`` below ``min_rows_per_request`` ->
+         ``"rows"``;
+      3. R = q_rows // next_pow2(G), clamped to [1, max_tile_rows], to the largest power of two
+         <= the mean rows per request, and halved while R x next_pow2(NB) > max_sort_keys;
+         R = 1 -> ``"rows"`` (a one-row tile is the per-row kernel plus a build);
+      4. else ``"union"`` with the arch's (BLOCK_N, warps, stages), fitted by ``fit_union``.
+    ``"rows"`` carries the per-row kernel's ``select_prefill`` geometry (head_tile = its BLOCK_M).
+
+    Args:
+      facts, kind, total_q, requests, max_q, group, num_kv_heads, head_dim, backend, kv_bytes:
+        as ``select_prefill``.
+      block_width: NB, block ids per row.
+      overlap: None or a float in [0, 1] (see rule 1).
+
+    Returns:
+      UnionGeometry.
+
+    Raises:
+      ValueError: bad kind/backend, non-positive sizes, overlap outside [0, 1].
+      ContractError: a bad ``QSA_PREFILL_GEOMETRY`` (the per-row selector's switch).
+    """
+    if overlap is not None and not 0.0 <= float(overlap) <= 1.0:
+        raise ValueError(f"select_prefill_blocks: overlap must be None or in [0, 1], got {overlap}")
+    if int(block_width) < 1:
+        raise ValueError(f"select_prefill_blocks: block_width must be >= 1, got {block_width}")
+    rows_geo = select_prefill(facts, kind, total_q=total_q, requests=requests, max_q=max_q,
+                              group=group, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              width=4 * int(block_width) + 3, backend=backend,
+                              kv_bytes=kv_bytes)
+    u = UNION_RULES
+
+    def rows(why: str) -> UnionGeometry:
+        return UnionGeometry("rows", 1, rows_geo.block_m, rows_geo.block_n, rows_geo.num_warps,
+                             rows_geo.num_stages, f"rows[{why}] {rows_geo.source}")
+
+    if overlap is not None and float(overlap) < u["min_overlap"]:
+        return rows(f"overlap={float(overlap):.2f}<{u['min_overlap']}")
+    per_request = total_q // requests
+    if per_request < u["min_rows_per_request"]:
+        return rows(f"rows/request={per_request}<{u['min_rows_per_request']}")
+    ht = next_pow2(group)
+    r = max(1, min(u["max_tile_rows"], u["q_rows"] // ht, prev_pow2(per_request)))
+    while r > 1 and r * next_pow2(block_width) > u["max_sort_keys"]:
+        r //= 2
+    if r == 1:
+        return rows("R=1")
+    bn, nw, ns = u["tile"].get(facts.arch, u["tile"]["default"])
+    geo = UnionGeometry("union", r, max(16, r * ht), bn, nw, ns,
+                        f"union[R={r},G={group}] {facts.arch} backend={backend}")
+    return fit_union(geo, backend=backend, head_dim=head_dim, kv_bytes=kv_bytes,
+                     limit=facts.smem_per_block)
+
+
+def fit_union(geo: UnionGeometry, *, backend: str, head_dim: int, kv_bytes: int,
+              limit: int | None) -> UnionGeometry:
+    """The launchable form of a union geometry: BLOCK_N a power of two >= max(16, R + 3) (dot
+    operands of >= 16 rows; the causal-tail step fits one chunk), then
+    ``interop.plan.fit_shared_memory`` on ``interop.plan.smem_bytes`` with the Q tile as head
+    tile (fewer stages, then a smaller BLOCK_N, never below that floor). ``"rows"`` geometries
+    are returned as they are (``select_prefill`` fitted them)."""
+    if geo.kind != "union":
+        return geo
+    floor = max(16, next_pow2(geo.tile_rows + 3))
+    geo = dataclasses.replace(geo, block_n=max(floor, next_pow2(geo.block_n)))
+    fitted = fit_shared_memory(geo, head_dim=head_dim, limit=limit, kv_bytes=kv_bytes)
+    if fitted.block_n < floor:
+        fitted = dataclasses.replace(fitted, block_n=floor)
+    if fitted != geo:
+        fitted = dataclasses.replace(fitted, source=f"{geo.source} fit<={limit}B")
+    return fitted
+
+
+def all_union_configs(arch: str, *, head_dim: int = 256) -> list[tuple[int, UnionGeometry]]:
+    """Every union geometry ``select_prefill_blocks`` can return on ``arch`` (any G in 1..16,
+    any rows per request, K/V of 2 or 1 bytes), deduplicated, for compile checks.
+
+    Returns:
+      list of (kv_bytes, UnionGeometry).
+
+    Raises:
+      ValueError: unknown arch.
+    """
+    if arch not in KNOWN_ARCHS:
+        raise ValueError(f"all_union_configs: unknown arch {arch!r}; known: {sorted(KNOWN_ARCHS)}")
+    facts = DeviceFacts.for_arch(arch, triton_version="3.9.0")
+    seen: dict[tuple, tuple[int, UnionGeometry]] = {}
+    for kv_bytes in (2, 1):
+        for group in range(1, 17):
+            for per_request in (2, 4, 8, 8192):
+                for backend in BACKENDS:
+                    geo = select_prefill_blocks(
+                        facts, "chunk", total_q=per_request, requests=1, max_q=per_request,
+                        group=group, num_kv_heads=1, head_dim=head_dim, block_width=512,
+                        backend=backend, kv_bytes=kv_bytes)
+                    if geo.kind == "union":
+                        seen.setdefault((kv_bytes, geo.key), (kv_bytes, geo))
     return list(seen.values())

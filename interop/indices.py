@@ -41,6 +41,13 @@ __all__ = [
     "compact_kv",
     "row_layout",
     "select_blocks",
+    "neighbour_jaccard",
+    "calibrate_overlap",
+    "block_visible",
+    "expand_prefill_blocks",
+    "prefill_block_indices",
+    "tile_slots",
+    "tile_union",
     "prefill_indices",
     "PrefillLayout",
     "prefill_layout",
@@ -273,7 +280,7 @@ def row_layout(q_lens, kv_lens=None):
 
 
 def select_blocks(visible, req, *, block_topk: int = BLOCK_TOPK, ratio: int = RATIO,
-                  overlap: float = 0.9, seed: int = 0) -> np.ndarray:
+                  overlap: float = 0.9, sinks: int = 0, seed: int = 0) -> np.ndarray:
     """Indexer-like block selection: per row up to ``block_topk`` distinct complete blocks.
 
     A row with ``nb = floor(visible / ratio)`` complete blocks selects all of them when
@@ -287,11 +294,13 @@ def select_blocks(visible, req, *, block_topk: int = BLOCK_TOPK, ratio: int = RA
     ``sqrt(overlap)`` and per row otherwise: adjacent rows share about ``overlap`` of their older blocks
     plus all but one of their local blocks, like the real indexer's (anchors.md). Ids are emitted
     in a per-request "score" order (one random permutation of the slots per request), valid first,
-    -1 after. All picks are distinct by construction.
+    -1 after. All picks are distinct by construction. ``sinks`` > 0 also keeps the first ``sinks``
+    blocks of every long row (attention-sink blocks, which a real indexer scores high for every
+    query; the strata then cover ``[sinks, G)``); 0 keeps the historical selection bit for bit.
 
     Args:
       visible: int [T] visible tokens per row; req: int [T] request id per row.
-      overlap: in [0, 1]; seed: RNG seed.
+      overlap: in [0, 1]; sinks: >= 0 sink blocks per long row; seed: RNG seed.
 
     Returns:
       int64 [T, block_topk] block ids (-1 padding).
@@ -308,9 +317,12 @@ def select_blocks(visible, req, *, block_topk: int = BLOCK_TOPK, ratio: int = RA
     n_req = int(req.max()) + 1 if t else 0
     nb = vis // ratio
     n_recent = max(1, block_topk // 32) if block_topk > 1 else 0
-    n_strata = block_topk - n_recent
+    sinks = int(sinks)
+    if not 0 <= sinks <= block_topk - n_recent - 1:
+        raise ValueError(f"sinks must be in [0, {block_topk - n_recent - 1}], got {sinks}")
+    n_strata = block_topk - n_recent - sinks
     quant = max(1, block_topk // 8)
-    older = nb - n_recent
+    older = nb - n_recent - sinks
     grid = (older // quant) * quant
     grid = np.where(grid >= n_strata, grid, older)[:, None]  # >= n_strata whenever nb > block_topk
     s = np.arange(n_strata, dtype=np.int64)
@@ -323,9 +335,10 @@ def select_blocks(visible, req, *, block_topk: int = BLOCK_TOPK, ratio: int = RA
     # so one block per stratum gives distinct ids
     edges = (np.arange(n_strata + 1, dtype=np.int64) * grid) // max(n_strata, 1)
     lo, width_s = edges[:, :-1], np.diff(edges, axis=1)
-    strat = lo + np.minimum((u * width_s).astype(np.int64), np.maximum(width_s - 1, 0))
+    strat = sinks + lo + np.minimum((u * width_s).astype(np.int64), np.maximum(width_s - 1, 0))
     recent = nb[:, None] - 1 - np.arange(n_recent, dtype=np.int64)
-    sparse = np.concatenate([recent, strat], axis=1)
+    sink = np.broadcast_to(np.arange(sinks, dtype=np.int64), (t, sinks))
+    sparse = np.concatenate([recent, sink, strat], axis=1)
     dense = np.where(np.arange(block_topk) < nb[:, None], np.arange(block_topk), -1)
     blocks = np.where((nb > block_topk)[:, None], sparse, dense)
     # per-request score order (same permutation for every row of a request)
@@ -413,6 +426,259 @@ def prefill_indices(q_lens, kv_lens=None, *, width: int = WIDTH, ratio: int = RA
         idx = np.where(pad, flat, idx)
     idx = idx.astype(np.int32)
     return idx if num_kv_heads is not None else idx[:, 0]
+
+
+# --------------------------------------------------------------------------------------------
+# Block-level prefill selections (the indexer's output before expansion) and their tile unions.
+def neighbour_jaccard(block_ids, req, visible=None, *, ratio: int = RATIO) -> float:
+    """Mean Jaccard similarity |A ∩ B| / |A ∪ B| of the valid block sets of adjacent rows of one
+    request (the statistic vLLM RFC #55394 measured on real top-k dumps: 0.87-0.94 at 8k).
+
+    Args:
+      block_ids: int [T, NB] block ids (any order; duplicates count once).
+      req: int [T] request id per row (pairs that straddle two requests are skipped).
+      visible: int [T] visible tokens per row; then a block is valid iff
+        0 <= g < visible // ratio, else iff g >= 0.
+
+    Returns:
+      float in [0, 1]; nan when no pair has a non-empty union.
+    """
+    g = np.asarray(block_ids, np.int64)
+    req = np.asarray(req, np.int64)
+    bound = (np.full(g.shape[0], np.iinfo(np.int64).max) if visible is None
+             else np.maximum(np.asarray(visible, np.int64), 0) // ratio)
+    g = np.where((g >= 0) & (g < bound[:, None]), g, -1)
+    pair = np.nonzero(req[:-1] == req[1:])[0]
+    if pair.size == 0:
+        return float("nan")
+
+    def distinct(x):  # distinct valid ids per row
+        x = np.sort(x, axis=1)
+        new = np.concatenate([np.ones((x.shape[0], 1), bool), x[:, 1:] != x[:, :-1]], axis=1)
+        return (new & (x >= 0)).sum(1)
+
+    a, b = g[pair], g[pair + 1]
+    union = distinct(np.concatenate([a, b], axis=1))
+    inter = distinct(a) + distinct(b) - union
+    ok = union > 0
+    return float(np.mean(inter[ok] / union[ok])) if ok.any() else float("nan")
+
+
+def calibrate_overlap(jaccard: float, visible, req, *, block_topk: int = BLOCK_TOPK,
+                      ratio: int = RATIO, sinks: int = 0, pairs: int = 512,
+                      seed: int = 0) -> tuple[float, float]:
+    """The ``select_blocks`` ``overlap`` whose adjacent rows reach a target neighbour Jaccard.
+
+    Bisection (14 steps) on ``overlap`` in [0, 1], each step measuring ``neighbour_jaccard`` on
+    ``pairs`` adjacent row pairs drawn evenly from the given rows (Jaccard grows with
+    ``overlap``). Rows that see <= block_topk blocks select all of them, so short contexts have a
+    floor: the result is the closest reachable value, and the caller should print the Jaccard it
+    measures on its own selection (bench/prefill_union.py does).
+
+    Args:
+      jaccard: target in [0, 1]. visible, req: int [T] as ``select_blocks``.
+
+    Returns:
+      (overlap, Jaccard measured on the sample at that overlap).
+    """
+    vis = np.asarray(visible, np.int64)
+    req = np.asarray(req, np.int64)
+    cand = np.nonzero(req[:-1] == req[1:])[0]
+    if cand.size == 0:
+        return 1.0, float("nan")
+    pick = cand[np.linspace(0, cand.size - 1, min(pairs, cand.size)).astype(np.int64)]
+    rows = np.stack([pick, pick + 1], 1).reshape(-1)
+    sv, sr = vis[rows], req[rows]
+
+    def measure(o):
+        b = select_blocks(sv, sr, block_topk=block_topk, ratio=ratio, overlap=o, sinks=sinks,
+                          seed=seed)
+        return neighbour_jaccard(b, np.repeat(np.arange(rows.size // 2), 2), sv, ratio=ratio)
+
+    lo, hi = 0.0, 1.0
+    j_lo, j_hi = measure(lo), measure(hi)
+    if jaccard <= j_lo:
+        return lo, j_lo
+    if jaccard >= j_hi:
+        return hi, j_hi
+    for _ in range(14):
+        mid = 0.5 * (lo + hi)
+        j = measure(mid)
+        if j < jaccard:
+            lo, j_lo = mid, j
+        else:
+            hi, j_hi = mid, j
+    return (lo, j_lo) if abs(j_lo - jaccard) <= abs(j_hi - jaccard) else (hi, j_hi)
+
+
+def block_visible(q_lens, kv_lens=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: (visible tokens clamped at 0, complete visible blocks visible // RATIO, validity
+    bound len) for a block-level selection (``row_layout``'s visible; ordinary: kv_lens = q_lens).
+    Unlike ``row_layout`` it accepts kv_lens < q_lens (metadata that lies: rows then see <= 0
+    tokens and attend nothing)."""
+    ql = np.asarray(q_lens, np.int64).reshape(-1)
+    kl = ql if kv_lens is None else np.asarray(kv_lens, np.int64).reshape(-1)
+    req = np.repeat(np.arange(ql.shape[0]), ql)
+    starts = np.concatenate([[0], np.cumsum(ql)[:-1]]) if ql.size else ql
+    r = np.arange(req.shape[0]) - starts[req] if req.size else req
+    vis = np.maximum(r + kl[req] - ql[req] + 1, 0)
+    return vis, vis // RATIO, kl[req]
+
+
+def expand_prefill_blocks(block_indices, q_lens, kv_lens=None, *, ratio: int = RATIO) -> np.ndarray:
+    """Token indices equal to a block-level prefill selection (the ``block_indices=`` form of the
+    prefill entry points): the bridge to the token contract and to ``interop.reference``.
+
+    Row r of request b sees ``visible = r + kv_len - q_len + 1`` tokens (ordinary: kv_len =
+    q_len). A block id g is valid iff ``0 <= g < visible // ratio`` (a complete visible block,
+    the indexer's row range); valid blocks expand to tokens ``ratio*g .. ratio*g + ratio - 1``,
+    every row also gets its causal tail ``[ratio * (visible // ratio), visible)`` (0..ratio-1
+    tokens), invalid ids anywhere in the row are dropped: ``expand_block_indices`` on the ids with
+    invalid ones set to -1, positions visible - 1, seq_lens = the validity bound (request length /
+    kv_lens), token_topk = ratio x NB, so nothing is truncated.
+
+    Args:
+      block_indices: int [T, NB] or [T, Hkv, NB] row-relative block ids, any order, junk anywhere.
+      q_lens: int [B] rows per request; kv_lens: int [B] (chunk/paged) or None (ordinary).
+
+    Returns:
+      int32 [T, ratio*NB + ratio - 1] (or [T, Hkv, ...]), valid entries first, -1 after.
+      A row whose blocks are all distinct has <= visible valid entries (the token contract's bound);
+      a row listing a block twice attends it twice on both paths while that bound holds.
+    """
+    g = np.asarray(block_indices, np.int64)
+    per_head = g.ndim == 3
+    g3 = g if per_head else g[:, None, :]
+    vis, nb_vis, bound = block_visible(q_lens, kv_lens)
+    t, h, nb = g3.shape
+    g3 = np.where((g3 >= 0) & (g3 < nb_vis[:, None, None]), g3, -1)
+    heads = [expand_block_indices(g3[:, i], vis - 1, bound, ratio=ratio, token_topk=ratio * nb)
+             for i in range(h)]
+    out = np.stack(heads, 1) if t else np.zeros((0, h, ratio * nb + ratio - 1), np.int32)
+    return out if per_head else out[:, 0]
+
+
+def prefill_block_indices(q_lens, kv_lens=None, *, block_width: int = BLOCK_TOPK,
+                          ratio: int = RATIO, overlap: float = 0.9, sinks: int = 0,
+                          junk: str = "-1", junk_anywhere: bool = False, duplicates: int = 0,
+                          empty_rows: Sequence[int] = (), num_kv_heads: int | None = None,
+                          seed: int = 0) -> np.ndarray:
+    """Seeded indexer-like block selections (``select_blocks``) for the ``block_indices=`` path.
+
+    Args:
+      q_lens, kv_lens: as ``prefill_indices``.
+      block_width: NB entries per row (512 in production).
+      overlap, sinks: ``select_blocks``'s (``calibrate_overlap`` turns a target Jaccard into an
+        overlap).
+      junk: invalid filler in block terms, one of ``JUNK_MODES``: "-1", "-7", "len" (the row's
+        first invalid block, visible // ratio), "len+19" (that + 19), "mixed" (those plus int32
+        extremes, per entry).
+      junk_anywhere: shuffle each row so valid and junk entries interleave (the block path has no
+        valid-first requirement).
+      duplicates: that many rows (seeded) get one valid entry replaced by a copy of another of
+        their valid entries (a block listed twice: attended twice; the row's expanded token count
+        stays <= visible).
+      empty_rows: rows whose entries are all junk (they still attend their causal tail).
+      num_kv_heads: None -> [T, NB]; an int -> [T, Hkv, NB], a different selection per head.
+
+    Returns:
+      int32 [T, NB] or [T, Hkv, NB].
+    """
+    if junk not in JUNK_MODES:
+        raise ValueError(f"junk mode must be one of {JUNK_MODES}, got {junk!r}")
+    ql = np.asarray(q_lens, np.int64).reshape(-1)
+    kl = ql if kv_lens is None else np.asarray(kv_lens, np.int64).reshape(-1)
+    req, _r, visible, _bound = row_layout(ql, kl)
+    t = req.shape[0]
+    rng = np.random.default_rng(seed)
+    heads = []
+    for _ in range(num_kv_heads or 1):
+        heads.append(select_blocks(visible, req, block_topk=block_width, ratio=ratio,
+                                   overlap=overlap, sinks=sinks, seed=int(rng.integers(2**31))))
+    g = np.stack(heads, 1)  # [T, H, NB], valid first, -1 after
+    nb_vis = visible // ratio
+    if duplicates:
+        n_valid = (g >= 0).sum(-1)  # [T, H]
+        rows = np.nonzero((n_valid >= 2).all(1))[0]
+        for row in rng.choice(rows, size=min(int(duplicates), rows.size), replace=False):
+            for h in range(g.shape[1]):
+                i, j = rng.choice(int(n_valid[row, h]), size=2, replace=False)
+                g[row, h, j] = g[row, h, i]
+    if len(empty_rows):
+        g[np.asarray(list(empty_rows), np.int64)] = -1
+    pad = g < 0
+    if junk != "-1":
+        flat = _junk((t, g.shape[1] * block_width), nb_vis, junk, rng).reshape(g.shape)
+        g = np.where(pad, flat, g)
+    if junk_anywhere:
+        perm = np.argsort(rng.random(g.shape), axis=-1)
+        g = np.take_along_axis(g, perm, axis=-1)
+    g = g.astype(np.int32)
+    return g if num_kv_heads is not None else g[:, 0]
+
+
+def tile_slots(q_lens, tile_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The tile numbering of the tile-union kernels: tile j of request b (rows j*R .. j*R + R - 1
+    of that request; tiles never straddle requests) has slot ``cu_q[b] // R + b + j``.
+
+    The slots of one request are consecutive, those of request b + 1 start past them, and every
+    slot is < ``T // R + B``, so a grid of ``T // R + B`` programs covers every tile of any
+    batch of T rows and B requests without a host-side prefix sum (a few slots stay idle).
+
+    Returns:
+      (request of each tile, first row of each tile in its request, number of slots T // R + B);
+      arrays ordered by slot, one entry per tile.
+    """
+    ql = np.asarray(q_lens, np.int64).reshape(-1)
+    cu = cu_seqlens_from_counts(ql).astype(np.int64)
+    r = int(tile_rows)
+    req, first = [], []
+    for b in range(ql.shape[0]):
+        n = -(-int(ql[b]) // r)
+        req += [b] * n
+        first += list(range(0, n * r, r))
+    return (np.asarray(req, np.int64), np.asarray(first, np.int64),
+            int(cu[-1]) // r + ql.shape[0])
+
+
+def tile_union(block_indices, q_lens, kv_lens=None, *, tile_rows: int,
+               ratio: int = RATIO) -> dict:
+    """Reference of the tile-union build (numpy; tests): per tile and index head, the union of
+    its rows' valid blocks with each row's membership.
+
+    A block listed k times by one row (a duplicate) appears as k entries (copies 0..k-1), copy c
+    naming the rows that list it more than c times, so a bit per row suffices and every
+    occurrence is attended once. Entries are ordered by (copy, block id): every block's first
+    copy in ascending order, then the second copies, ... (the kernels' order).
+
+    Returns:
+      ``{(slot, head): (blocks int64 [n], masks int64 [n])}`` for every tile (``tile_slots``);
+      mask bit i = row i of the tile is a member.
+    """
+    g = np.asarray(block_indices, np.int64)
+    g3 = g if g.ndim == 3 else g[:, None, :]
+    _vis, nb_vis, _ = block_visible(q_lens, kv_lens)
+    ql = np.asarray(q_lens, np.int64).reshape(-1)
+    cu = cu_seqlens_from_counts(ql).astype(np.int64)
+    reqs, firsts, _ = tile_slots(ql, tile_rows)
+    out = {}
+    for b, j0 in zip(reqs, firsts):
+        slot = int(cu[b]) // tile_rows + int(b) + int(j0) // tile_rows
+        for h in range(g3.shape[1]):
+            count = {}
+            for i in range(tile_rows):
+                if j0 + i >= ql[b]:
+                    break
+                row = int(cu[b] + j0 + i)
+                ids, n = np.unique(g3[row, h][(g3[row, h] >= 0) & (g3[row, h] < nb_vis[row])],
+                                   return_counts=True)
+                for blk, c in zip(ids.tolist(), n.tolist()):
+                    for copy in range(c):
+                        count[(blk, copy)] = count.get((blk, copy), 0) | (1 << i)
+            keys = sorted(count, key=lambda key: (key[1], key[0]))
+            out[(slot, h)] = (np.asarray([k[0] for k in keys], np.int64),
+                              np.asarray([count[k] for k in keys], np.int64))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,13 @@ gathers by slot, as ``qsa_triton`` does: one dependent load before each K/V gath
 Rows past ``cu_seqlens[B]`` (a batch padded to a static T under jit) belong to no request and
 give zeros.
 
+Block-level selections (``block_indices=`` instead of token ``indices``, every entry point): the
+indexer's row-relative block ids plus each row's causal tail (``interop.indices.
+expand_prefill_blocks``), equal to the token path on that expansion up to summation order. The
+shared selector (``interop.geometry.select_prefill_blocks``, ``backend="pallas"``) runs them
+through the tile-union kernel (``qsa_pallas.prefill_union``) or through this module's per-row
+kernel after an expansion to token indices in plain JAX.
+
 FP8 e4m3 K/V (chunk and paged): gathered rows are converted to q's dtype in registers; ``k_scale``
 is folded into the FP32 score scale and ``v_scale`` multiplies the normalised output.
 
@@ -53,10 +60,12 @@ from jax import lax
 from interop import contract
 from interop.arch import DeviceFacts
 from interop.contract import ContractError, PrefillProblem, spec_of
-from interop.geometry import Geometry, geometry_mode, select_prefill
+from interop.geometry import (Geometry, UnionGeometry, geometry_mode, select_prefill,
+                              select_prefill_blocks)
 from interop.plan import LOG2E, next_pow2
 
 from . import _compat
+from . import prefill_union as PU
 from ._compat import pl
 
 __all__ = [
@@ -64,6 +73,7 @@ __all__ = [
     "sparse_prefill_chunk",
     "sparse_prefill_paged",
     "select_geometry",
+    "select_block_geometry",
     "resolve_pool_slots",
 ]
 
@@ -102,6 +112,35 @@ def select_geometry(problem: PrefillProblem, *, interpret: bool, facts=None) -> 
         max_q=problem.max_seqlen_q, group=problem.group, num_kv_heads=problem.num_kv_heads,
         head_dim=problem.head_dim, width=problem.width, backend="pallas",
         kv_bytes=1 if problem.kv_dtype == "float8_e4m3fn" else 2)
+
+
+def select_block_geometry(problem: PrefillProblem, *, interpret: bool, overlap=None,
+                          facts=None) -> UnionGeometry:
+    """Kernel and geometry for block-level selections (``problem.width`` = NB):
+    ``interop.geometry.select_prefill_blocks(..., backend="pallas")`` on the lowering target's
+    facts (else sm_90). In interpret mode (CPU) the same kernel choice with small fixed tiles
+    (BLOCK_N = max(16, next_pow2(R + 3)); the per-row kernel's ``_INTERPRET_GEOMETRY``).
+
+    Args:
+      problem: the checked problem; interpret: interpret mode; overlap: the engine's hint (None
+        or a float in [0, 1]); facts: explicit ``interop.arch.DeviceFacts`` (tests).
+    """
+    fixed = interpret and facts is None
+    if facts is None:
+        facts = _compat.target_facts() or DeviceFacts.for_arch("sm_90")
+    geo = select_prefill_blocks(
+        facts, problem.kind, total_q=max(problem.total_q, 1), requests=problem.requests,
+        max_q=problem.max_seqlen_q, group=problem.group, num_kv_heads=problem.num_kv_heads,
+        head_dim=problem.head_dim, block_width=problem.width, backend="pallas",
+        kv_bytes=1 if problem.kv_dtype == "float8_e4m3fn" else 2, overlap=overlap)
+    if not fixed:
+        return geo
+    if geo.kind == "union":
+        return dataclasses.replace(geo, block_n=max(16, next_pow2(geo.tile_rows + 3)),
+                                   num_warps=4, num_stages=1, source=geo.source + " interpret")
+    bn, nw, ns = _INTERPRET_GEOMETRY
+    return dataclasses.replace(geo, block_n=bn, num_warps=nw, num_stages=ns,
+                               source=geo.source + " interpret")
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,9 +312,55 @@ def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry):
     return _launch(q, k, v, *meta, st=st)
 
 
+def _run_blocks(problem: PrefillProblem, q, k, v, block_indices, meta: dict, *, interpret,
+                geometry, overlap):
+    """Block-level selections: the tile-union kernel, or the per-row kernel on the expansion
+    (``geometry``: None = the selector; a ``UnionGeometry`` forces the kernel and its tiles; a
+    ``Geometry`` forces the per-row kernel with that geometry)."""
+    if problem.total_q == 0 or k.shape[0] == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    if problem.kind == "paged" and math.prod(meta["req_to_token"].shape) == 0:
+        return jnp.zeros(q.shape, q.dtype)  # an empty table: every position is invalid
+    interp = _resolve_interpret(interpret, q)
+    geo = geometry
+    if geo is None:
+        geo = select_block_geometry(problem, interpret=interp, overlap=overlap)
+    if isinstance(geo, UnionGeometry) and geo.kind == "union":
+        return PU.union_run(problem, q, k, v, block_indices, meta, geo, interpret=interp)
+    if isinstance(geo, UnionGeometry):
+        geo = Geometry(geo.head_tile, geo.block_n, geo.num_warps, geo.num_stages, geo.source)
+    cu = meta["cu_seqlens_q"]
+    kv_lens = meta.get("kv_lens")
+    idx = PU.expand_blocks(block_indices, cu, kv_lens)
+    rows = dataclasses.replace(problem, width=int(idx.shape[-1]))
+    if problem.kind == "ordinary":
+        rest = (idx, cu)
+    elif problem.kind == "chunk":
+        rest = (idx, cu, meta["cu_seqlens_k"], kv_lens)
+    else:
+        rest = (resolve_pool_slots(idx, meta["req_to_token"], meta["req_indices"], cu, kv_lens,
+                                   int(k.shape[0])), cu, kv_lens)
+    return _run(rows, q, k, v, rest, interpret=interpret, geometry=geo)
+
+
+_BLOCKS_DOC = """block_indices: keyword-only alternative to ``indices`` (pass ``indices=None``): int32
+        [T, NB] or [T, Hkv, NB], the indexer's row-relative block ids (block g = tokens
+        4g .. 4g+3), in any order, invalid ids anywhere; g is valid iff
+        0 <= g < visible // 4. Every row also attends its causal tail
+        [4 * (visible // 4), visible). Result: the token path on
+        ``interop.indices.expand_prefill_blocks`` up to summation order; a block listed twice is
+        attended twice. Runs the tile-union kernel or the per-row kernel
+        (``interop.geometry.select_prefill_blocks``; ``geometry`` may then be a
+        ``UnionGeometry``).
+      overlap: with ``block_indices`` only: None, or the engine's expected Jaccard similarity of
+        adjacent rows' block sets in [0, 1] (below ``UNION_RULES['min_overlap']`` the per-row
+        kernel runs)."""
+
+
 def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
                    strict: bool = False, interpret=None,
-                   geometry: Geometry | None = None):
+                   geometry: Geometry | UnionGeometry | None = None, block_indices=None,
+                   overlap=None):
     """Ordinary sparse prefill (qsa-contract.md §3): K/V are this forward's rows, packed like q.
 
     Forward only (inference: no autograd). Algorithm: the module docstring (the
@@ -294,28 +379,35 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
       interpret: None -> interpret mode when q lives on the CPU; True/False to force.
       geometry: an explicit ``interop.geometry.Geometry`` (benchmarks; block_m = head tile, both
         powers of two >= 16); None -> ``select_geometry``.
+      BLOCKS_DOC
 
     Returns:
       [T, Hq, D] in q's dtype: out[t, h] = softmax(scale · q[t,h] · Kᵀ) · V over the valid
       entries of row t (KV head h // G); exact zeros for a row with no valid entry.
 
     Raises:
-      ContractError: from ``interop.contract.check_prefill`` (before any launch), or an array
-        whose offsets would overflow the lowering's int32 offsets.
+      ContractError: from ``interop.contract.check_prefill`` (before any launch), an array
+        whose offsets would overflow the lowering's int32 offsets, or
+        ``interop.contract.prefill_selection`` (both or neither selection, a bad ``overlap``).
     """
     fn = "sparse_prefill"
-    _compat.check_inputs(fn, interpret, q=q, k=k, v=v, indices=indices, cu_seqlens=cu_seqlens)
-    p = contract.check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, fn=fn,
-                               strict=strict)
+    name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
+    _compat.check_inputs(fn, interpret, q=q, k=k, v=v, **{name: sel}, cu_seqlens=cu_seqlens)
+    p = contract.check_prefill(q, k, v, sel, cu_seqlens, max_seqlen_q, softmax_scale, fn=fn,
+                               strict=strict, indices_name=name)
     geometry_mode(fn)  # a bad $QSA_PREFILL_GEOMETRY is an error on every backend, CPU included
     _compat.check_backend(fn, interpret, q, k, v)
-    _check_offsets(fn, q=q, k=k, v=v, indices=indices)
-    return _run(p, q, k, v, (indices, cu_seqlens), interpret=interpret, geometry=geometry)
+    _check_offsets(fn, q=q, k=k, v=v, **{name: sel})
+    if name == "block_indices":
+        return _run_blocks(p, q, k, v, sel, {"cu_seqlens_q": cu_seqlens}, interpret=interpret,
+                           geometry=geometry, overlap=hint)
+    return _run(p, q, k, v, (sel, cu_seqlens), interpret=interpret, geometry=geometry)
 
 
 def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
                          softmax_scale=None, k_scale=1.0, v_scale=1.0, *, strict: bool = False,
-                         interpret=None, geometry: Geometry | None = None):
+                         interpret=None, geometry: Geometry | UnionGeometry | None = None,
+                         block_indices=None, overlap=None):
     """Chunk sparse prefill (qsa-contract.md §3): K/V hold each request's full context, packed.
 
     Forward only (inference: no autograd). Algorithm: the module docstring (the
@@ -333,31 +425,39 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
         (FP8 dequantisation: k_scale multiplies the scores, v_scale the P·V output; must be 1.0
         for non-FP8 K/V).
       interpret, geometry: as ``sparse_prefill``.
+      BLOCKS_DOC
 
     Returns:
       [T, Hq, D] in q's dtype; the visible count of row r of request b is
       r + kv_lens[b] - q_len_b + 1 (bottom-right causal); zeros for rows with no valid entry.
 
     Raises:
-      ContractError: from ``interop.contract.check_prefill_chunk`` or the offset check.
+      ContractError: from ``interop.contract.check_prefill_chunk``, the offset check or
+        ``interop.contract.prefill_selection``.
     """
     fn = "sparse_prefill_chunk"
-    _compat.check_inputs(fn, interpret, q=q, k=k, v=v, indices=indices, cu_seqlens_q=cu_seqlens_q,
+    name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
+    _compat.check_inputs(fn, interpret, q=q, k=k, v=v, **{name: sel}, cu_seqlens_q=cu_seqlens_q,
                          cu_seqlens_k=cu_seqlens_k, kv_lens=kv_lens)
-    p = contract.check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
+    p = contract.check_prefill_chunk(q, k, v, sel, cu_seqlens_q, cu_seqlens_k, kv_lens,
                                      max_seqlen_q, softmax_scale, k_scale, v_scale, fn=fn,
-                                     strict=strict)
+                                     strict=strict, indices_name=name)
     geometry_mode(fn)
     _compat.check_backend(fn, interpret, q, k, v)
-    _check_offsets(fn, q=q, k=k, v=v, indices=indices)
-    return _run(p, q, k, v, (indices, cu_seqlens_q, cu_seqlens_k, kv_lens), interpret=interpret,
+    _check_offsets(fn, q=q, k=k, v=v, **{name: sel})
+    if name == "block_indices":
+        return _run_blocks(p, q, k, v, sel, {"cu_seqlens_q": cu_seqlens_q,
+                                             "cu_seqlens_k": cu_seqlens_k, "kv_lens": kv_lens},
+                           interpret=interpret, geometry=geometry, overlap=hint)
+    return _run(p, q, k, v, (sel, cu_seqlens_q, cu_seqlens_k, kv_lens), interpret=interpret,
                 geometry=geometry)
 
 
 def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
                          kv_lens, max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                          strict: bool = False, interpret=None,
-                         geometry: Geometry | None = None):
+                         geometry: Geometry | UnionGeometry | None = None, block_indices=None,
+                         overlap=None):
     """Paged sparse prefill (qsa-contract.md §3): K/V read in place from the pool through
     SGLang's ``req_to_token`` (the addressing of ``sparse_decode_paged``).
 
@@ -375,29 +475,44 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
         invalid entry (never dereferenced).
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
       max_seqlen_q, softmax_scale, k_scale, v_scale, interpret, geometry: as the chunk variant.
+      BLOCKS_DOC
+        Positions of selected blocks and tails map to slots as token indices do (the same
+        lying-metadata rule).
 
     Returns:
       [T, Hq, D] in q's dtype.
 
     Raises:
-      ContractError: from ``interop.contract.check_prefill_paged`` or the offset check (FP8
-        pools of 2**31..2**32 elements).
+      ContractError: from ``interop.contract.check_prefill_paged``, the offset check (FP8
+        pools of 2**31..2**32 elements) or ``interop.contract.prefill_selection``.
     """
     fn = "sparse_prefill_paged"
+    name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
     _compat.check_inputs(fn, interpret, q=q, k_cache=k_cache, v_cache=v_cache,
-                         req_to_token=req_to_token, req_indices=req_indices, indices=indices,
+                         req_to_token=req_to_token, req_indices=req_indices, **{name: sel},
                          cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens)
-    p = contract.check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
+    p = contract.check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, sel,
                                      cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale, k_scale,
-                                     v_scale, fn=fn, strict=strict)
+                                     v_scale, fn=fn, strict=strict, indices_name=name)
     geometry_mode(fn)
     _compat.check_backend(fn, interpret, q, k_cache, v_cache)
-    _check_offsets(fn, q=q, k_cache=k_cache, v_cache=v_cache, indices=indices,
+    _check_offsets(fn, q=q, k_cache=k_cache, v_cache=v_cache, **{name: sel},
                    req_to_token=req_to_token)
+    if name == "block_indices":
+        return _run_blocks(p, q, k_cache, v_cache, sel,
+                           {"cu_seqlens_q": cu_seqlens_q, "kv_lens": kv_lens,
+                            "req_to_token": req_to_token, "req_indices": req_indices},
+                           interpret=interpret, geometry=geometry, overlap=hint)
+    indices = sel
     slots = resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
                                int(k_cache.shape[0]))
     return _run(p, q, k_cache, v_cache, (slots, cu_seqlens_q, kv_lens), interpret=interpret,
                 geometry=geometry)
+
+
+for _f in (sparse_prefill, sparse_prefill_chunk, sparse_prefill_paged):
+    _f.__doc__ = _f.__doc__.replace("BLOCKS_DOC", _BLOCKS_DOC)
+del _f
 
 
 @jax.jit

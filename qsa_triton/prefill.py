@@ -40,6 +40,14 @@ prefill, Triton").
 FP8 (chunk, paged): K/V in float8_e4m3fn are converted to q's dtype for the dots; ``k_scale``
 multiplies the scores, ``v_scale`` the output.
 
+Block-level selections (``block_indices=`` instead of token ``indices``, every entry point): the
+indexer's row-relative block ids (4 tokens each) plus each row's implied causal tail, the form
+``interop.indices.expand_prefill_blocks`` expands; equal to the token path on that expansion up to
+summation order. The shared selector (``interop.geometry.select_prefill_blocks``) runs them
+through the tile-union kernel (``qsa_triton.prefill_union``: R rows of one request per program,
+each selected block gathered once for all R rows) or, for short requests and low overlap, through
+this module's per-row kernel after an on-device expansion to token indices.
+
 Environment (read on every call): ``QSA_PREFILL_GEOMETRY`` = auto | table | tuned (the shared
 selector, ``interop/geometry.py``).
 """
@@ -52,9 +60,11 @@ import triton.language as tl
 
 from interop import contract
 from interop.arch import DeviceFacts
-from interop.geometry import Geometry, geometry_mode, select_prefill
+from interop.geometry import (Geometry, UnionGeometry, geometry_mode, select_prefill,
+                              select_prefill_blocks)
 from interop.plan import LOG2E, next_pow2
 
+from . import prefill_union as PU
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
 
 __all__ = [
@@ -62,6 +72,7 @@ __all__ = [
     "sparse_prefill_chunk",
     "sparse_prefill_paged",
     "prefill_geometry",
+    "prefill_block_geometry",
     "MODE_ORDINARY",
     "MODE_CHUNK",
     "MODE_SLOTS",
@@ -248,6 +259,28 @@ def prefill_geometry(kind: str, q: torch.Tensor, *, requests: int, max_q: int, n
                           width=width, kv_bytes=kv_bytes)
 
 
+def prefill_block_geometry(kind: str, q: torch.Tensor, *, requests: int, max_q: int,
+                           num_kv_heads: int, block_width: int, kv_bytes: int = 2,
+                           overlap: float | None = None) -> UnionGeometry:
+    """Kernel and geometry for block-level selections: ``interop.geometry.select_prefill_blocks``
+    on the facts of q's device (CPU tensors: sm_90 facts).
+
+    Args:
+      kind: "ordinary" | "chunk" | "paged"; q: [T, Hq, D]; requests: B; max_q: max_seqlen_q;
+        num_kv_heads: Hkv; block_width: NB; kv_bytes: 1 for FP8 K/V; overlap: the engine's hint
+        (expected neighbour Jaccard of the block selections) or None.
+
+    Raises:
+      ContractError: a bad ``QSA_PREFILL_GEOMETRY``.
+    """
+    t, hq, d = q.shape
+    facts = DeviceFacts.from_torch(q.device) if q.is_cuda else _INTERPRETER_FACTS
+    return select_prefill_blocks(facts, kind, total_q=max(t, 1), requests=requests, max_q=max_q,
+                                 group=hq // num_kv_heads, num_kv_heads=num_kv_heads,
+                                 head_dim=d, block_width=block_width, kv_bytes=kv_bytes,
+                                 overlap=overlap)
+
+
 def _geometry_from(forced, kind, q, k, **kw) -> Geometry:
     """The selector's geometry, or a forced one (benchmarks): a ``Geometry`` or a tuple
     ([BLOCK_M,] BLOCK_N, num_warps, num_stages)."""
@@ -373,6 +406,29 @@ def _paged_impl(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seql
                    max_seqlen_q, softmax_scale, k_scale, v_scale, geometry)
 
 
+def _blocks_impl(mode, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token, req_indices,
+                 max_q, scale, k_scale, v_scale, overlap=None, geometry=None):
+    """Block-level selections, any mode (0 ordinary, 1 chunk, 2 paged through req_to_token):
+    the tile-union kernel, or the per-row kernel on the on-device expansion, as the selector (or
+    a forced ``UnionGeometry``, benchmarks) says. Unused metadata arguments may be any int32
+    tensor."""
+    geo = geometry
+    if geo is None:
+        geo = prefill_block_geometry(_KINDS[mode], q, requests=cu_q.shape[0] - 1, max_q=max_q,
+                                     num_kv_heads=k.shape[1],
+                                     block_width=block_indices.shape[-1],
+                                     kv_bytes=k.element_size(), overlap=overlap)
+    if geo.kind == "union":
+        return PU.union_launch(mode, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token,
+                               req_indices, scale, k_scale, v_scale, geo, needs_off64(k, v))
+    idx = PU.expand_blocks(block_indices, cu_q, None if mode == MODE_ORDINARY else kv_lens)
+    rows = Geometry(geo.head_tile, geo.block_n, geo.num_warps, geo.num_stages, geo.source)
+    if mode == MODE_SLOTS:
+        idx = resolve_pool_slots(idx, req_to_token, req_indices, cu_q, kv_lens, max_q,
+                                 k.shape[0])
+    return _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, rows)
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.library custom ops (opaque to torch.compile; fake impls give the output metadata)
 @torch.library.custom_op("qsa::sparse_prefill", mutates_args=())
@@ -423,43 +479,131 @@ def _(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q, kv_
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("qsa::sparse_prefill_blocks", mutates_args=())
+def _op_prefill_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       block_indices: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen_q: int,
+                       softmax_scale: float, overlap: float) -> torch.Tensor:
+    return _blocks_impl(MODE_ORDINARY, q, k, v, block_indices, cu_seqlens, cu_seqlens,
+                        cu_seqlens, cu_seqlens, cu_seqlens, max_seqlen_q, softmax_scale, 1.0, 1.0,
+                        _hint(overlap))
+
+
+@_op_prefill_blocks.register_fake
+def _(q, k, v, block_indices, cu_seqlens, max_seqlen_q, softmax_scale, overlap):
+    contract.check_prefill(q, k, v, block_indices, cu_seqlens, max_seqlen_q, softmax_scale,
+                           indices_name="block_indices")
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("qsa::sparse_prefill_chunk_blocks", mutates_args=())
+def _op_chunk_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, kv_lens: torch.Tensor, max_seqlen_q: int,
+                     softmax_scale: float, k_scale: float, v_scale: float,
+                     overlap: float) -> torch.Tensor:
+    return _blocks_impl(MODE_CHUNK, q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
+                        cu_seqlens_q, cu_seqlens_q, max_seqlen_q, softmax_scale, k_scale, v_scale,
+                        _hint(overlap))
+
+
+@_op_chunk_blocks.register_fake
+def _(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q, softmax_scale,
+      k_scale, v_scale, overlap):
+    contract.check_prefill_chunk(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
+                                 max_seqlen_q, softmax_scale, k_scale, v_scale,
+                                 indices_name="block_indices")
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("qsa::sparse_prefill_paged_blocks", mutates_args=())
+def _op_paged_blocks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     req_to_token: torch.Tensor, req_indices: torch.Tensor,
+                     block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     kv_lens: torch.Tensor, max_seqlen_q: int, softmax_scale: float,
+                     k_scale: float, v_scale: float, overlap: float) -> torch.Tensor:
+    return _blocks_impl(MODE_SLOTS, q, k_cache, v_cache, block_indices, cu_seqlens_q,
+                        cu_seqlens_q, kv_lens, req_to_token, req_indices, max_seqlen_q,
+                        softmax_scale, k_scale, v_scale, _hint(overlap))
+
+
+@_op_paged_blocks.register_fake
+def _(q, k_cache, v_cache, req_to_token, req_indices, block_indices, cu_seqlens_q, kv_lens,
+      max_seqlen_q, softmax_scale, k_scale, v_scale, overlap):
+    contract.check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, block_indices,
+                                 cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale, k_scale,
+                                 v_scale, indices_name="block_indices")
+    return torch.empty_like(q)
+
+
+def _hint(overlap: float) -> float | None:
+    """The ops carry ``overlap`` as a float (-1.0 = no hint); the selector takes None."""
+    return None if overlap < 0 else overlap
+
+
 # ---------------------------------------------------------------------------------------------
 # Public entry points
+_BLOCKS_DOC = """block_indices: keyword-only alternative to ``indices`` (pass ``indices=None``): int32
+        [T, NB] or [T, Hkv, NB], the indexer's row-relative block ids (block g = tokens
+        4g .. 4g+3), in any order, invalid ids anywhere; g is valid iff
+        0 <= g < visible // 4. Every row also attends its causal tail
+        [4 * (visible // 4), visible). Result: the token path on
+        ``interop.indices.expand_prefill_blocks`` up to summation order; a block listed twice is
+        attended twice. Runs the tile-union kernel or the per-row kernel
+        (``interop.geometry.select_prefill_blocks``).
+      overlap: with ``block_indices`` only: None, or the engine's expected Jaccard similarity of
+        adjacent rows' block sets in [0, 1] (below ``UNION_RULES['min_overlap']`` the per-row
+        kernel runs)."""
+
+
+def _selection(fn: str, indices, block_indices, overlap) -> tuple[str, object, float]:
+    """``interop.contract.prefill_selection``, with the op's overlap argument (-1.0 = none)."""
+    name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
+    return name, sel, -1.0 if hint is None else hint
+
+
 def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
-                   strict: bool = False):
+                   strict: bool = False, block_indices=None, overlap=None):
     """Ordinary sparse prefill: each query row attends to the selected rows of this forward's K/V.
 
     Forward only (inference: no autograd). Algorithm: the module docstring (the
-    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
+    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill; block-level
+    selections: the tile-union kernel, ``qsa_triton.prefill_union``).
 
     Args:
       q: [T, Hq, D] bf16|fp16, rows of all requests packed.
       k, v: [T, Hkv, D], q's dtype, packed like q (request b's rows start at cu_seqlens[b]).
       indices: int32 [T, W] (shared by the KV heads) or [T, Hkv, W]; request-relative positions,
-        selected entries first; an entry is valid iff 0 <= idx < request length.
+        selected entries first; an entry is valid iff 0 <= idx < request length. None when
+        ``block_indices`` is given.
       cu_seqlens: int32 [B + 1] on q's device.
       max_seqlen_q: host int >= 1, the longest request's rows: a grid-size hint only (dim 0 of
         the main launch); a tail launch computes any rows past it, so a too-small value still
         computes every row exactly once (slower), and a too-large one only launches idle programs.
       softmax_scale: host float or None (D ** -0.5).
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
+      BLOCKS_DOC
 
     Returns:
       [T, Hq, D] in q's dtype; row r of request b attends (causally, bottom-right) over at most
       min(W, r + 1) columns; a row with no valid entry is zero.
 
     Raises:
-      ContractError: from ``interop.contract.check_prefill`` (before any allocation), or a bad
+      ContractError: from ``interop.contract.check_prefill`` (before any allocation), both or
+        neither of ``indices`` / ``block_indices``, a bad ``overlap``, or a bad
         ``QSA_PREFILL_GEOMETRY``.
     """
-    mq, sc, _, _ = _checked("sparse_prefill", contract.check_prefill, q,
-                            dict(q=q, k=k, v=v, indices=indices, cu_seqlens=cu_seqlens),
-                            max_seqlen_q, softmax_scale, strict)
-    return torch.ops.qsa.sparse_prefill(q, k, v, indices, cu_seqlens, mq, sc)
+    fn = "sparse_prefill"
+    name, sel, hint = _selection(fn, indices, block_indices, overlap)
+    mq, sc, _, _ = _checked(fn, contract.check_prefill, q,
+                            {"q": q, "k": k, "v": v, name: sel, "cu_seqlens": cu_seqlens},
+                            max_seqlen_q, softmax_scale, strict, indices_name=name)
+    if name == "indices":
+        return torch.ops.qsa.sparse_prefill(q, k, v, sel, cu_seqlens, mq, sc)
+    return torch.ops.qsa.sparse_prefill_blocks(q, k, v, sel, cu_seqlens, mq, sc, hint)
 
 
 def _checked(fn, checker, q, tensors: dict, max_seqlen_q, softmax_scale, strict: bool,
-             scales: tuple | None = None) -> tuple:
+             scales: tuple | None = None, indices_name: str = "indices") -> tuple:
     """The public entry points' checks; returns (max_seqlen_q, softmax_scale, k_scale, v_scale)
     for the op. ``scales``: (k_scale, v_scale) for chunk/paged, None for ordinary prefill.
     Under torch.compile the contract check runs in the op's fake implementation instead (Dynamo
@@ -469,7 +613,8 @@ def _checked(fn, checker, q, tensors: dict, max_seqlen_q, softmax_scale, strict:
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         return (max_seqlen_q, scale, *(scales or (1.0, 1.0)))
     check_torch_tensors(fn, **tensors)
-    p = checker(*tensors.values(), max_seqlen_q, softmax_scale, *(scales or ()), strict=strict)
+    p = checker(*tensors.values(), max_seqlen_q, softmax_scale, *(scales or ()), strict=strict,
+                indices_name=indices_name)
     check_interpreter_dtype(fn, p.dtype)
     check_device(fn, q.device.type)
     # the environment switches, read again at launch: a bad value fails here, named for this
@@ -479,17 +624,20 @@ def _checked(fn, checker, q, tensors: dict, max_seqlen_q, softmax_scale, strict:
 
 
 def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
-                         softmax_scale=None, k_scale=1.0, v_scale=1.0, *, strict: bool = False):
+                         softmax_scale=None, k_scale=1.0, v_scale=1.0, *, strict: bool = False,
+                         block_indices=None, overlap=None):
     """Chunk sparse prefill: new query rows attend to selected rows of each request's full
     context (prefix + this chunk), packed at rows ``cu_seqlens_k[b]`` of k/v.
 
     Forward only (inference: no autograd). Algorithm: the module docstring (the
-    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
+    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill; block-level
+    selections: the tile-union kernel, ``qsa_triton.prefill_union``).
 
     Args:
       q: [T, Hq, D] bf16|fp16.
       k, v: [Ck, Hkv, D], q's dtype or float8_e4m3fn.
-      indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b].
+      indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b]. None when
+        ``block_indices`` is given.
       cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B] (context length per request,
         >= its query rows); all on q's device.
       max_seqlen_q: host int >= 1, the longest request's query rows: a grid-size hint, as in
@@ -497,29 +645,38 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
       softmax_scale: host float or None (D ** -0.5); k_scale (on scores), v_scale (on the output):
         host floats, 1.0 unless K/V are FP8.
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
+      BLOCKS_DOC
 
     Returns:
       [T, Hq, D] in q's dtype; row r of request b reads at most
       min(W, r + kv_lens[b] - q_len_b + 1) columns.
 
     Raises:
-      ContractError: from ``interop.contract.check_prefill_chunk`` (before any allocation).
+      ContractError: from ``interop.contract.check_prefill_chunk`` (before any allocation), or
+        the selection / ``overlap`` checks of ``sparse_prefill``.
     """
-    mq, sc, ks, vs = _checked("sparse_prefill_chunk", contract.check_prefill_chunk, q,
-                              dict(q=q, k=k, v=v, indices=indices, cu_seqlens_q=cu_seqlens_q,
-                                   cu_seqlens_k=cu_seqlens_k, kv_lens=kv_lens),
-                              max_seqlen_q, softmax_scale, strict, (k_scale, v_scale))
-    return torch.ops.qsa.sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k,
-                                              kv_lens, mq, sc, ks, vs)
+    fn = "sparse_prefill_chunk"
+    name, sel, hint = _selection(fn, indices, block_indices, overlap)
+    mq, sc, ks, vs = _checked(fn, contract.check_prefill_chunk, q,
+                              {"q": q, "k": k, "v": v, name: sel, "cu_seqlens_q": cu_seqlens_q,
+                               "cu_seqlens_k": cu_seqlens_k, "kv_lens": kv_lens},
+                              max_seqlen_q, softmax_scale, strict, (k_scale, v_scale),
+                              indices_name=name)
+    if name == "indices":
+        return torch.ops.qsa.sparse_prefill_chunk(q, k, v, sel, cu_seqlens_q, cu_seqlens_k,
+                                                  kv_lens, mq, sc, ks, vs)
+    return torch.ops.qsa.sparse_prefill_chunk_blocks(q, k, v, sel, cu_seqlens_q, cu_seqlens_k,
+                                                     kv_lens, mq, sc, ks, vs, hint)
 
 
 def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
                          kv_lens, max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
-                         strict: bool = False):
+                         strict: bool = False, block_indices=None, overlap=None):
     """Paged sparse prefill: K/V read in place from the KV pool through SGLang's ``req_to_token``.
 
     Forward only (inference: no autograd). Algorithm: the module docstring (the
-    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
+    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill; block-level
+    selections: the tile-union kernel, ``qsa_triton.prefill_union``).
 
     The pool-addressing convention of ``sparse_decode_paged``, so one engine passes one set of
     tensors to both.
@@ -533,22 +690,39 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
       indices: int32 [T, W] or [T, Hkv, W]; request-relative positions, valid iff
         0 <= idx < kv_lens[b]. Metadata that lies never makes the kernel read outside a buffer:
         a position >= max_context, a row outside [0, max_reqs) or a slot outside [0, slots) is
-        an invalid entry (masked, never dereferenced).
+        an invalid entry (masked, never dereferenced). None when ``block_indices`` is given.
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
       max_seqlen_q, softmax_scale, k_scale, v_scale, strict: as ``sparse_prefill_chunk``
         (max_seqlen_q is a grid-size hint for the slot pre-pass too).
+      BLOCKS_DOC
+        Positions of selected blocks and tails map to slots as token indices do (the same
+        lying-metadata rule).
 
     Returns:
       [T, Hq, D] in q's dtype; visible count and zero rows as ``sparse_prefill_chunk``. Pool
       offsets are 64-bit where slots x Hkv x D passes 2**31.
 
     Raises:
-      ContractError: from ``interop.contract.check_prefill_paged`` (before any allocation).
+      ContractError: from ``interop.contract.check_prefill_paged`` (before any allocation), or
+        the selection / ``overlap`` checks of ``sparse_prefill``.
     """
-    mq, sc, ks, vs = _checked("sparse_prefill_paged", contract.check_prefill_paged, q,
-                              dict(q=q, k_cache=k_cache, v_cache=v_cache,
-                                   req_to_token=req_to_token, req_indices=req_indices,
-                                   indices=indices, cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens),
-                              max_seqlen_q, softmax_scale, strict, (k_scale, v_scale))
-    return torch.ops.qsa.sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices,
-                                              indices, cu_seqlens_q, kv_lens, mq, sc, ks, vs)
+    fn = "sparse_prefill_paged"
+    name, sel, hint = _selection(fn, indices, block_indices, overlap)
+    mq, sc, ks, vs = _checked(fn, contract.check_prefill_paged, q,
+                              {"q": q, "k_cache": k_cache, "v_cache": v_cache,
+                               "req_to_token": req_to_token, "req_indices": req_indices,
+                               name: sel, "cu_seqlens_q": cu_seqlens_q, "kv_lens": kv_lens},
+                              max_seqlen_q, softmax_scale, strict, (k_scale, v_scale),
+                              indices_name=name)
+    if name == "indices":
+        return torch.ops.qsa.sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices,
+                                                  sel, cu_seqlens_q, kv_lens, mq, sc, ks, vs)
+    return torch.ops.qsa.sparse_prefill_paged_blocks(q, k_cache, v_cache, req_to_token,
+                                                     req_indices, sel, cu_seqlens_q, kv_lens, mq,
+                                                     sc, ks, vs, hint)
+
+
+for _f in (sparse_prefill, sparse_prefill_chunk, sparse_prefill_paged):
+    _f.__doc__ = _f.__doc__.replace("BLOCKS_DOC", _BLOCKS_DOC)
+del _f
+

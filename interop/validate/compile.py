@@ -14,6 +14,11 @@ a list cannot drift from what a launch passes:
 * Triton prefill (``triton_prefill_configs``): the prefill kernel per geometry the shared
   selector can return on the arch (``interop.geometry.all_configs``) and its tail launch, for
   every variant the entry points launch (``PREFILL_VARIANTS``).
+* Tile-union prefill (family ``prefill_union``, block-level selections):
+  ``triton_prefill_union_configs`` (the union build kernel per tile height and the union
+  attention kernel per ``interop.geometry.all_union_configs`` geometry x ordinary / chunk /
+  paged) and ``pallas_prefill_union_cases`` (the same geometries through the Pallas entry points
+  with ``block_indices=``).
 * Paged decode (family ``decode_paged``): the lists ``qsa_triton.decode_paged.compile_configs``
   and ``qsa_pallas.decode_paged.lowering_cases`` still keep beside their kernels.
 * Indexer (family ``indexer``): ``triton_indexer_configs`` (every pass-1 / merge kernel the
@@ -56,17 +61,17 @@ from interop.arch import CI_ARCHS, KNOWN_ARCHS, KNOWN_PARTS, arch_name, device_k
 
 __all__ = ["ConfigReport", "DEFAULT_ARCHS", "DEVICE_KIND",
            "FAMILIES", "resource_usage", "check_triton", "check_pallas", "run", "parse_archs",
-           "triton_decode_configs", "triton_prefill_configs", "triton_indexer_configs",
-           "pallas_decode_cases",
-           "pallas_prefill_cases", "compile_triton_configs", "summary_rows"]
+           "triton_decode_configs", "triton_prefill_configs", "triton_prefill_union_configs",
+           "triton_indexer_configs", "pallas_decode_cases", "pallas_prefill_cases",
+           "pallas_prefill_union_cases", "compile_triton_configs", "summary_rows"]
 
 DEFAULT_ARCHS = CI_ARCHS
 #: The abstract device each arch is lowered for (jax device kinds).
 DEVICE_KIND = {arch: device_kind(arch) for arch in KNOWN_ARCHS}
 #: kernel families per backend; ``run`` / ``--family`` take "triton", "pallas" or e.g.
 #: "triton:decode"
-FAMILIES = {"triton": ("decode", "prefill", "decode_paged", "indexer"),
-            "pallas": ("decode", "prefill", "decode_paged", "indexer")}
+FAMILIES = {"triton": ("decode", "prefill", "prefill_union", "decode_paged", "indexer"),
+            "pallas": ("decode", "prefill", "prefill_union", "decode_paged", "indexer")}
 MAX_REGS_PER_THREAD = 255
 MAX_REGS_PER_BLOCK = 65_536
 
@@ -326,6 +331,60 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
     return out
 
 
+#: pointers and the q/k/v/out strides (multiples of D) of the union kernel: what a real launch
+#: specialises; the union and table strides depend on NB / max_context and stay unspecialised
+_UNION_ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "ublk_ptr", "umem_ptr", "ulen_ptr",
+                  "cu_q_ptr", "cu_k_ptr", "kv_lens_ptr", "r2t_ptr", "req_idx_ptr", "stride_qt",
+                  "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh", "stride_ot",
+                  "stride_oh")
+
+
+def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict]:
+    """Every tile-union kernel configuration ``qsa_triton.prefill_union`` can launch on ``arch``:
+    the union build kernel (``_qsa_block_union``) per tile height R with 512 block ids per row,
+    and the union attention kernel (``_qsa_prefill_union_fwd``) per
+    ``interop.geometry.all_union_configs(arch)`` geometry x ordinary / chunk / paged with bf16
+    K/V, and chunk / paged with FP8 K/V. Same dict layout as ``triton_decode_configs``."""
+    from interop.geometry import all_union_configs  # noqa: PLC0415
+    from interop.plan import next_pow2  # noqa: PLC0415
+    from qsa_triton import prefill_union as U  # noqa: PLC0415
+
+    geos = all_union_configs(arch, head_dim=head_dim)
+    out = []
+    build_ptrs = {n: "*i32" for n in ("bidx_ptr", "ublk_ptr", "umem_ptr", "ulen_ptr", "cu_q_ptr",
+                                      "kv_lens_ptr")}
+    for r in sorted({geo.tile_rows for _, geo in geos}):
+        consts = {"R": r, "NBP": 512, "BP": 2, "ORDINARY": False, "KEY64": False}
+        e = _entry(U._qsa_block_union, f"prefill_union_build_R{r}_nb512", build_ptrs, consts,
+                   8 if r * 512 > 2048 else 4, 1)
+        names = U._qsa_block_union.arg_names
+        e["attrs"] = {(names.index(n),): [["tt.divisibility", 16]] for n in build_ptrs}
+        e["geometry"] = None
+        out.append(e)
+    kernel = U._qsa_prefill_union_fwd
+    for kv_bytes, geo in geos:
+        group = geo.head_tile // geo.tile_rows  # the padded head tile per row (masks only)
+        kt = "fp8e4nv" if kv_bytes == 1 else "bf16"
+        ptrs = {"q_ptr": "*bf16", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "o_ptr": "*bf16",
+                "qk_scale": "fp32", "v_scale": "fp32",
+                **{n: "*i32" for n in ("ublk_ptr", "umem_ptr", "ulen_ptr", "cu_q_ptr", "cu_k_ptr",
+                                       "kv_lens_ptr", "r2t_ptr", "req_idx_ptr")}}
+        for mode in (0, 1, 2):
+            if kv_bytes == 1 and mode == 0:  # ordinary prefill has no FP8 K/V
+                continue
+            consts = {"PER_HEAD": False, "G": group, "HT": next_pow2(group), "R": geo.tile_rows,
+                      "M": geo.head_tile, "D": head_dim, "BLOCK_N": geo.block_n, "MODE": mode,
+                      "OFF64": mode == 2, "BP": 2}
+            e = _entry(kernel, f"prefill_union_mode{mode}_bf16_{kt}_R{geo.tile_rows}"
+                               f"_m{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}"
+                               f"_s{geo.num_stages}", ptrs, consts, geo.num_warps, geo.num_stages)
+            e["attrs"] = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+                          for n in _UNION_ALIGNED}
+            e["geometry"] = geo
+            out.append(e)
+    return out
+
+
 def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
                            contexts=(8192, 32768, 131072, 262144, 1 << 20),
                            prefill_contexts=(32768, 131072, 262144)) -> list[dict]:
@@ -398,6 +457,7 @@ def _module_list(module: str, fn: str) -> Callable:
 
 
 _TRITON_FAMILIES = {"decode": triton_decode_configs, "prefill": triton_prefill_configs,
+                    "prefill_union": triton_prefill_union_configs,
                     "decode_paged": _module_list("qsa_triton.decode_paged", "compile_configs"),
                     "indexer": triton_indexer_configs}
 
@@ -578,7 +638,64 @@ def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, g
     return cases
 
 
+def pallas_prefill_union_cases(kind: str, *, head_dim: int = 256, rows: int = 64,
+                               blocks: int = 512) -> list[tuple[str, Callable, tuple]]:
+    """Every tile-union prefill launch ``qsa_pallas.prefill`` can pick on device kind ``kind``
+    for block-level selections (``block_indices=``): each
+    ``interop.geometry.all_union_configs`` geometry of the arch x ordinary bf16, chunk bf16 /
+    FP8, paged bf16 / FP8, as ``(name, fn, args)`` (see ``pallas_decode_cases``); the group per
+    geometry is the one whose padded head tile is exactly the Q tile.
+
+    Raises:
+      ValueError: a device kind whose arch ``interop.arch`` does not know.
+    """
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from interop.arch import DeviceFacts  # noqa: PLC0415
+    from interop.geometry import all_union_configs  # noqa: PLC0415
+    from qsa_pallas import prefill as P  # noqa: PLC0415
+
+    facts = DeviceFacts.from_device_kind(kind)
+    sds = jax.ShapeDtypeStruct
+    d, t, hkv = head_dim, rows, 1
+    bidx = sds((t, blocks), jnp.int32)
+    cu, kl = sds((3,), jnp.int32), sds((2,), jnp.int32)
+    r2t, ri = sds((4, 2048), jnp.int32), sds((2,), jnp.int32)
+
+    def ordinary(q, k, v, bidx, cu, *, geometry):
+        return P.sparse_prefill(q, k, v, None, cu, q.shape[0], interpret=False,
+                                geometry=geometry, block_indices=bidx)
+
+    def chunk(q, k, v, bidx, cq, ck, kl, *, geometry):
+        return P.sparse_prefill_chunk(q, k, v, None, cq, ck, kl, q.shape[0], interpret=False,
+                                      geometry=geometry, block_indices=bidx)
+
+    def paged(q, k, v, r2t, ri, bidx, cq, kl, *, geometry):
+        return P.sparse_prefill_paged(q, k, v, r2t, ri, None, cq, kl, q.shape[0],
+                                      interpret=False, geometry=geometry, block_indices=bidx)
+
+    cases = []
+    for kv_bytes, geo in all_union_configs(facts.arch, head_dim=d):
+        q = sds((t, (geo.head_tile // geo.tile_rows) * hkv, d), jnp.bfloat16)
+        tag = (f"R{geo.tile_rows}_m{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}"
+               f"_s{geo.num_stages}")
+        name = "fp8" if kv_bytes == 1 else "bf16"
+        pool = sds((4096, hkv, d), jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16)
+        if kv_bytes == 2:
+            kv = sds((t, hkv, d), jnp.bfloat16)
+            cases.append((f"pallas_prefill_union_ordinary_bf16_{tag}",
+                          functools.partial(ordinary, geometry=geo), (q, kv, kv, bidx, cu)))
+        cases.append((f"pallas_prefill_union_chunk_{name}_{tag}",
+                      functools.partial(chunk, geometry=geo), (q, pool, pool, bidx, cu, cu, kl)))
+        cases.append((f"pallas_prefill_union_paged_{name}_{tag}",
+                      functools.partial(paged, geometry=geo),
+                      (q, pool, pool, r2t, ri, bidx, cu, kl)))
+    return cases
+
+
 _PALLAS_FAMILIES = {"decode": pallas_decode_cases, "prefill": pallas_prefill_cases,
+                    "prefill_union": pallas_prefill_union_cases,
                     "decode_paged": _module_list("qsa_pallas.decode_paged", "lowering_cases"),
                     "indexer": _module_list("qsa_pallas.indexer", "lowering_cases")}
 

@@ -1,0 +1,372 @@
+"""Tile-union sparse prefill (Pallas, Triton lowering): block-level selections, R rows per program.
+
+The JAX twin of ``qsa_triton.prefill_union`` (same selection rule, tile numbering, union layout,
+geometry selector, results up to summation order); semantics in ``qsa_pallas.prefill``'s
+``block_indices=`` and ``interop.indices.expand_prefill_blocks``.
+
+Algorithm (vLLM PR #55430 / RFC #55394): R consecutive rows of one request form a tile; the union
+of their valid blocks is built once per call, then one program per (tile, KV head) walks the
+union BLOCK_N / 4 blocks at a time, gathers each block's K/V rows once for the R rows (FP8
+converted once), masks the scores by per-row membership and runs the FP32 online softmax per
+(row, head); a last BLOCK_N step covers the rows' causal tails.
+
+Union build (``block_union``): plain JAX (XLA), vectorised over tiles: the R x NB (block, row)
+pairs of a tile are sorted (``lax.sort`` on two keys), each pair's occurrence rank computed (a row
+listing a block k times gives ranks 0..k-1), sorted again on (rank, block, row), the first pair of
+each (rank, block) marked and compacted by a prefix sum (XLA scatter), membership = segmented
+sum of ``1 << row``. Both sorts always run (XLA has no cheap per-tile skip; the Triton build sorts
+a second time only in tiles with duplicates). Costs are counted in every call.
+
+Tile numbering and the grid: slot ``cu_seqlens_q[b] // R + b + j`` (``interop.indices.tile_slots``),
+``T // R + B`` programs per KV head, each finding its request in the kernel; nothing is read on the
+host, so a jitted caller never retraces for new lengths. The output is a zeros buffer aliased into
+the kernel (rows past ``cu_seqlens_q[B]`` belong to no tile and stay zero, as in the per-row kernel).
+
+Pallas interpret mode clamps out-of-range gathers: every gather index is clamped into range *and*
+masked, so the CPU interpreter and the GPU agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from interop.geometry import UnionGeometry
+from interop.indices import RATIO
+from interop.plan import LOG2E, next_pow2
+
+from . import _compat
+from ._compat import pl
+
+__all__ = ["block_union", "expand_blocks", "union_run", "union_slots"]
+
+_INT32_MAX = 2**31 - 1
+
+
+def union_slots(total_q: int, requests: int, tile_rows: int) -> int:
+    """Programs per KV head of the union grid: T // R + B (``interop.indices.tile_slots``)."""
+    return total_q // tile_rows + requests
+
+
+def _tiles(cu, n_req: int, tile_rows: int, slots):
+    """Per slot: (request b, first row q_start, q_len, tile j, rows the tile may use: q_len or 0)."""
+    first = cu[:n_req] // tile_rows + jnp.arange(n_req, dtype=jnp.int32)
+    b = jnp.sum((first[None, 1:] <= slots[:, None]).astype(jnp.int32), axis=1)
+    q_start = cu[b]
+    q_len = cu[b + 1] - q_start
+    jt = slots - (q_start // tile_rows + b)
+    q_used = jnp.where((jt >= 0) & (jt * tile_rows < q_len), q_len, 0)
+    return b, q_start, q_len, jt, q_used
+
+
+@functools.partial(jax.jit, static_argnames=("tile_rows", "ordinary"))
+def _block_union(block_indices, cu_seqlens_q, kv_lens, *, tile_rows: int, ordinary: bool):
+    t, nb = block_indices.shape[0], block_indices.shape[-1]
+    g3 = block_indices if block_indices.ndim == 3 else block_indices[:, None, :]
+    hidx = g3.shape[1]
+    n_req = cu_seqlens_q.shape[0] - 1
+    r = tile_rows
+    s = union_slots(t, n_req, r)
+    slots = jnp.arange(s, dtype=jnp.int32)
+    b, q_start, q_len, jt, q_used = _tiles(cu_seqlens_q, n_req, r, slots)
+    kv_len = q_len if ordinary else kv_lens[b]
+    rel = jt[:, None] * r + jnp.arange(r, dtype=jnp.int32)[None, :]  # [S, R]
+    row = q_start[:, None] + rel
+    row_ok = (rel >= 0) & (rel < q_used[:, None]) & (row >= 0) & (row < t)
+    n_vis = jnp.maximum(rel + (kv_len - q_len)[:, None] + 1, 0) // RATIO
+    g = g3[jnp.clip(row, 0, t - 1)]  # [S, R, H, NB]
+    g = jnp.transpose(g, (0, 2, 1, 3))  # [S, H, R, NB]
+    valid = row_ok[:, None, :, None] & (g >= 0) & (g < n_vis[:, None, :, None])
+    n = r * nb
+    blk = jnp.where(valid, g, _INT32_MAX).reshape(s * hidx, n)
+    rows = jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32)[None, :, None], (s * hidx, r, nb))
+    rows = rows.reshape(s * hidx, n)
+    blk, rows = lax.sort((blk, rows), dimension=1, num_keys=2)
+    e = jnp.arange(n, dtype=jnp.int32)[None, :]
+
+    def shifted(x, fill):  # x[:, i - 1], fill at i = 0
+        return jnp.concatenate([jnp.full((x.shape[0], 1), fill, x.dtype), x[:, :-1]], axis=1)
+
+    live = blk < _INT32_MAX
+    new_pair = (e == 0) | (blk != shifted(blk, -1)) | (rows != shifted(rows, -1))
+    rank = e - lax.cummax(jnp.where(new_pair, e, 0), axis=1)
+    rank = jnp.where(live, rank, _INT32_MAX)  # invalid pairs last
+    rank, blk, rows = lax.sort((rank, blk, rows), dimension=1, num_keys=3)
+    live = blk < _INT32_MAX
+
+    def nxt(x, fill):  # x[:, i + 1], fill at the end
+        return jnp.concatenate([x[:, 1:], jnp.full((x.shape[0], 1), fill, x.dtype)], axis=1)
+
+    first = live & ((e == 0) | (blk != shifted(blk, -1)) | (rank != shifted(rank, -1)))
+    last = live & ((e == n - 1) | (blk != nxt(blk, -1)) | (rank != nxt(rank, -1)))
+    pos = jnp.cumsum(first.astype(jnp.int32), axis=1) - 1
+    bits = jnp.where(live, jnp.left_shift(jnp.int32(1), rows), 0)
+    incl = jnp.cumsum(bits, axis=1)
+    start = lax.cummax(jnp.where(first, incl - bits, 0), axis=1)
+    dest = jnp.where(last, pos, n)  # n: out of range, dropped
+    lines = jnp.arange(s * hidx, dtype=jnp.int32)[:, None]
+    ublk = jnp.zeros((s * hidx, n), jnp.int32).at[lines, dest].set(blk, mode="drop")
+    umem = jnp.zeros((s * hidx, n), jnp.int32).at[lines, dest].set(incl - start, mode="drop")
+    ulen = jnp.sum(first.astype(jnp.int32), axis=1)
+    return (ublk.reshape(s, hidx, n), umem.reshape(s, hidx, n), ulen.reshape(s, hidx))
+
+
+def block_union(block_indices, cu_seqlens_q, kv_lens, tile_rows: int):
+    """The union build alone (part of every tile-union call; tests and benchmarks).
+
+    Args:
+      block_indices: int32 [T, NB] or [T, Hkv, NB]; cu_seqlens_q: int32 [B + 1]; kv_lens: int32
+        [B] (chunk/paged) or None (ordinary). tile_rows: R.
+
+    Returns:
+      (blocks int32 [S, H, R x NB], masks int32 [S, H, R x NB], lengths int32 [S, H]),
+      S = T // R + B, equal to ``interop.indices.tile_union`` (entries past a length are 0).
+    """
+    ordinary = kv_lens is None
+    return _block_union(block_indices, cu_seqlens_q,
+                        cu_seqlens_q[:-1] if ordinary else kv_lens, tile_rows=int(tile_rows),
+                        ordinary=ordinary)
+
+
+@functools.partial(jax.jit, static_argnames=("ordinary",))
+def _expand(block_indices, cu_seqlens_q, kv_lens, *, ordinary: bool):
+    t, nb = block_indices.shape[0], block_indices.shape[-1]
+    n_req = cu_seqlens_q.shape[0] - 1
+    rows = jnp.arange(t, dtype=jnp.int32)
+    b = jnp.sum((cu_seqlens_q[None, 1:n_req] <= rows[:, None]).astype(jnp.int32), axis=1)
+    q_start = cu_seqlens_q[b]
+    q_len = cu_seqlens_q[b + 1] - q_start
+    r = rows - q_start
+    in_req = (r >= 0) & (r < q_len)
+    kv_len = q_len if ordinary else kv_lens[b]
+    vis = jnp.where(in_req, jnp.maximum(r + kv_len - q_len + 1, 0), 0)
+    n_vis = vis // RATIO
+    lead = (slice(None),) + (None,) * (block_indices.ndim - 1)
+    g = block_indices
+    valid = (g >= 0) & (g < n_vis[lead])
+    order = jnp.argsort(~valid, axis=-1, stable=True)  # valid blocks first, in the row's order
+    g = jnp.take_along_axis(g, order, axis=-1)
+    count = jnp.sum(valid.astype(jnp.int32), axis=-1)
+    toks = (g[..., None] * RATIO + jnp.arange(RATIO, dtype=jnp.int32)).reshape(g.shape[:-1]
+                                                                                + (RATIO * nb,))
+    w = RATIO * nb + RATIO - 1
+    col = jnp.arange(w, dtype=jnp.int32)
+    toks = jnp.concatenate([toks, jnp.full(toks.shape[:-1] + (RATIO - 1,), -1, jnp.int32)], -1)
+    in_sel = col < (RATIO * count)[..., None]
+    tail = col - (RATIO * count)[..., None]
+    n_tail = (vis - RATIO * n_vis)[lead]
+    return jnp.where(in_sel, toks, jnp.where((tail >= 0) & (tail < n_tail),
+                                             (RATIO * n_vis)[lead] + tail, -1)).astype(jnp.int32)
+
+
+def expand_blocks(block_indices, cu_seqlens_q, kv_lens):
+    """Token indices of a block-level selection (plain JAX; the per-row kernel's input when the
+    selector picks it): equal to ``interop.indices.expand_prefill_blocks``, int32
+    [T, 4 NB + 3] (or [T, Hkv, ...]); rows outside every request are all -1."""
+    ordinary = kv_lens is None
+    return _expand(block_indices, cu_seqlens_q, cu_seqlens_q[:-1] if ordinary else kv_lens,
+                   ordinary=ordinary)
+
+
+# --------------------------------------------------------------------------------------------
+# The tile kernel
+@dataclasses.dataclass(frozen=True)
+class _UStatic:
+    """What the kernel specialises on (the jit cache key)."""
+
+    kind: str  # "ordinary" | "chunk" | "paged"
+    total_q: int
+    requests: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    per_head: bool
+    union_width: int  # R x NB
+    kv_rows: int
+    max_reqs: int
+    max_context: int
+    qk_scale: float  # softmax_scale * k_scale * log2(e)
+    v_scale: float
+    geo: UnionGeometry
+    interpret: bool
+
+
+def _union_kernel(*refs, st: _UStatic):
+    geo = st.geo
+    if st.kind == "ordinary":
+        q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, _o_in, o_ref = refs
+    elif st.kind == "chunk":
+        q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, cuk_ref, kvl_ref, _o_in, o_ref = refs
+    else:
+        (q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, kvl_ref, r2t_ref, ri_ref, _o_in,
+         o_ref) = refs
+    slot = pl.program_id(0)
+    h = pl.program_id(1)
+    g_heads = st.num_q_heads // st.num_kv_heads
+    r, ht, m, d, bn = geo.tile_rows, next_pow2(g_heads), geo.head_tile, st.head_dim, geo.block_n
+    n_req = st.requests
+
+    # the request of this slot (``_tiles`` with vector loads: B is static)
+    bp = next_pow2(n_req + 1)
+    j = lax.broadcasted_iota(jnp.int32, (bp,), 0)
+    cu = _compat.load(cu_ref.at[jnp.minimum(j, n_req)], mask=j <= n_req, other=0)
+    first = cu // r + j
+    b = jnp.sum(((j >= 1) & (j < n_req) & (first <= slot)).astype(jnp.int32))
+    q_start = cu_ref[b]
+    q_len = cu_ref[b + 1] - q_start
+    jt = slot - (q_start // r + b)
+    q_used = jnp.where((jt >= 0) & (jt * r < q_len), q_len, 0)
+    if st.kind == "ordinary":
+        kv_len, base = q_len, q_start
+    else:
+        kv_len = kvl_ref[b]
+        base = cuk_ref[b] if st.kind == "chunk" else 0
+    bound = kv_len
+    req_row = 0
+    if st.kind == "paged":
+        req = ri_ref[b]
+        req_ok = (req >= 0) & (req < st.max_reqs)
+        req_row = jnp.where(req_ok, req, 0)
+        bound = jnp.where(req_ok, jnp.minimum(kv_len, st.max_context), 0)
+
+    mi = lax.broadcasted_iota(jnp.int32, (m,), 0)
+    i = mi // ht
+    gh = mi % ht
+    rel = jt * r + i
+    row = q_start + rel
+    row_ok = ((i < r) & (gh < g_heads) & (rel >= 0) & (rel < q_used) & (row >= 0)
+              & (row < st.total_q))
+    vis = jnp.maximum(rel + kv_len - q_len + 1, 0)
+    n_out = st.total_q * st.num_q_heads
+    flat = row * st.num_q_heads + h * g_heads + gh
+    d_row = lax.broadcasted_iota(jnp.int32, (1, d), 1)
+    qmask = jnp.broadcast_to(row_ok[:, None], (m, d))
+    q = _compat.load(q_ref.at[jnp.clip(flat, 0, n_out - 1)[:, None], d_row], mask=qmask,
+                     other=0.0)
+    flat_out = jnp.clip(flat, 0, n_out - 1)
+    if st.interpret:
+        # masked-off lanes store to spare rows past the output (one per lane): interpret mode
+        # writes a masked lane's old value back, which must not land on a row another lane
+        # writes (on the GPU a masked lane writes nothing)
+        flat_out = jnp.where(row_ok, flat_out, n_out + mi)
+    dt = q.dtype
+    uh = h if st.per_head else 0
+    n_u = jnp.where(q_used > 0, ul_ref[slot, uh], 0)
+    cols = lax.broadcasted_iota(jnp.int32, (bn,), 0)
+    sub = cols % RATIO
+    ent = cols // RATIO
+    bu = bn // RATIO
+
+    def step(carry, tok, tok_ok, member):
+        acc, m_i, l_i = carry
+        ok = tok_ok & (tok >= 0) & (tok < bound)
+        if st.kind == "paged":
+            pos = jnp.clip(tok, 0, st.max_context - 1)
+            sl = _compat.load(r2t_ref.at[req_row, pos], mask=ok, other=-1)
+            ok = ok & (sl >= 0) & (sl < st.kv_rows)
+            kv = jnp.where(ok, sl, 0)
+        else:
+            kv = jnp.clip(jnp.where(ok, base + tok, 0), 0, st.kv_rows - 1)
+        gmask = jnp.broadcast_to(ok[:, None], (bn, d))
+        k = _compat.load(k_ref.at[kv[:, None], h, d_row], mask=gmask, other=0.0).astype(dt)
+        v = _compat.load(v_ref.at[kv[:, None], h, d_row], mask=gmask, other=0.0).astype(dt)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * st.qk_scale
+        s = jnp.where(member & ok[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no -inf - -inf
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(dt), v, preferred_element_type=jnp.float32)
+        return acc, m_new, l_new
+
+    # causal tails: row i attends [4 * (vis_i // 4), vis_i); for R consecutive rows these lie in
+    # one BLOCK_N chunk, walked as the loop's last step (as in qsa_triton.prefill_union: a step
+    # after the loop doubles the registers of the compiled kernel)
+    vis0 = jnp.maximum(jt * r + kv_len - q_len + 1, 0)
+    vis_last = jnp.maximum(jnp.minimum(jt * r + r, q_len) - 1 + kv_len - q_len + 1, 0)
+    tail_tok = (vis0 // RATIO) * RATIO + cols
+    tail_ok = tail_tok < jnp.where(q_used > 0, vis_last, 0)
+    tail_member = ((tail_tok[None, :] >= ((vis // RATIO) * RATIO)[:, None])
+                   & (tail_tok[None, :] < vis[:, None]))
+    n_steps = (n_u + bu - 1) // bu
+
+    def body(c, carry):
+        e = c * bu + ent
+        e_ok = e < n_u
+        ec = jnp.clip(e, 0, st.union_width - 1)
+        blk = _compat.load(ub_ref.at[slot, uh, ec], mask=e_ok, other=0)
+        mem = _compat.load(um_ref.at[slot, uh, ec], mask=e_ok, other=0)
+        tail = c >= n_steps
+        tok = jnp.where(tail, tail_tok, blk * RATIO + sub)
+        tok_ok = jnp.where(tail, tail_ok, e_ok)
+        member = jnp.where(tail, tail_member, ((mem[None, :] >> i[:, None]) & 1) != 0)
+        return step(carry, tok, tok_ok, member & row_ok[:, None])
+
+    carry = (jnp.zeros((m, d), jnp.float32), jnp.full((m,), -jnp.inf, jnp.float32),
+             jnp.zeros((m,), jnp.float32))
+    acc, _, l_i = lax.fori_loop(0, n_steps + 1, body, carry)
+    inv = jnp.where(l_i > 0, st.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+    _compat.store(o_ref.at[flat_out[:, None], d_row], (acc * inv[:, None]).astype(o_ref.dtype),
+                  mask=qmask)
+
+
+@functools.partial(jax.jit, static_argnames=("st",))
+def _launch(q, k, v, ublk, umem, ulen, *meta, st: _UStatic):
+    t, hq, d = q.shape
+    q2 = q.reshape(t * hq, d)
+    # rows of no tile stay zero (an aliased zeros output); in interpret mode geo.head_tile
+    # spare rows at the end take the masked lanes' stores (see the kernel)
+    zeros = jnp.zeros((t * hq + (st.geo.head_tile if st.interpret else 0), d), q.dtype)
+    args = (q2, k, v, ublk, umem, ulen, *meta, zeros)
+    out = _compat.triton_call(
+        functools.partial(_union_kernel, st=st),
+        out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
+        grid=(ulen.shape[0], st.num_kv_heads),
+        num_warps=st.geo.num_warps, num_stages=st.geo.num_stages,
+        interpret=st.interpret, input_output_aliases={len(args) - 1: 0},
+        name=f"qsa_sparse_prefill_union_{st.kind}",
+    )(*args)
+    return out[: t * hq].reshape(t, hq, d)
+
+
+def union_run(problem, q, k, v, block_indices, meta: dict, geo: UnionGeometry, *,
+              interpret: bool):
+    """The union build and the tile kernel of one checked call.
+
+    Args:
+      problem: ``interop.contract.PrefillProblem`` of the call (width = NB).
+      q, k, v: as the entry point; block_indices: int32 [T, NB] or [T, Hkv, NB].
+      meta: ``cu_seqlens_q`` and, by kind, ``cu_seqlens_k``, ``kv_lens``, ``req_to_token``,
+        ``req_indices`` (jax arrays).
+      geo: a ``"union"`` UnionGeometry (R, Q tile, BLOCK_N, warps, stages).
+
+    Returns:
+      [T, Hq, D] in q's dtype.
+    """
+    ht = next_pow2(problem.group)
+    if geo.kind != "union" or geo.head_tile < geo.tile_rows * ht or geo.block_n < geo.tile_rows + 3:
+        raise ValueError(f"union geometry {geo} cannot hold {geo.tile_rows} rows x {ht} heads")
+    cu = meta["cu_seqlens_q"]
+    kv_lens = meta.get("kv_lens")
+    ublk, umem, ulen = block_union(block_indices, cu, kv_lens, geo.tile_rows)
+    r2t = meta.get("req_to_token")
+    st = _UStatic(problem.kind, problem.total_q, problem.requests, problem.num_q_heads,
+                  problem.num_kv_heads, problem.head_dim, problem.per_head_indices,
+                  int(ublk.shape[-1]), int(k.shape[0]),
+                  int(r2t.shape[0]) if r2t is not None else 0,
+                  int(r2t.shape[1]) if r2t is not None else 0,
+                  float(problem.softmax_scale * problem.k_scale * LOG2E), float(problem.v_scale),
+                  dataclasses.replace(geo, source=""), bool(interpret))
+    if problem.kind == "ordinary":
+        rest = (cu,)
+    elif problem.kind == "chunk":
+        rest = (cu, meta["cu_seqlens_k"], kv_lens)
+    else:
+        rest = (cu, kv_lens, r2t, meta["req_indices"])
+    return _launch(q, k, v, ublk, umem, ulen, *rest, st=st)

@@ -1,0 +1,421 @@
+"""Tile-union sparse prefill (Triton): block-level selections, R query rows per program.
+
+The block-level form of the three prefill entry points (``block_indices=``, ``qsa-contract.md``
+§3-4): row r of request b passes the indexer's row-relative block ids (4 tokens each, any order,
+invalid ids anywhere); block g is valid iff ``0 <= g < visible // 4`` (a complete visible block)
+and every row also attends its causal tail ``[4 * (visible // 4), visible)``. The result equals
+the token path on ``interop.indices.expand_prefill_blocks`` up to summation order.
+
+Algorithm (vLLM PR #55430 / RFC #55394; FSA, arXiv 2508.18224, for the K/V-outer view): adjacent
+query rows of one request select mostly the same blocks, so one program takes a tile of R
+consecutive rows of one request (tiles never straddle requests; tile rows past the request's
+end are masked) and one KV head:
+
+1. Union build (``_qsa_block_union``, one program per tile and index head, part of every call):
+   the R x NB keys ``block * R + row`` of the tile's valid entries are sorted in registers
+   (``tl.sort``), the first key of each block is marked and compacted with a prefix sum, and the
+   membership of each union entry is the segmented sum of ``1 << row`` (an OR, since a (block,
+   row) pair occurs once). A block that a row lists k times (duplicates: attended per occurrence,
+   the contract's gather semantics) becomes k entries: when the tile has duplicates the keys are
+   sorted again by (occurrence rank, block, row), so copy c of a block names the rows that list
+   it more than c times; tiles without duplicates skip that second sort. Output per tile: the
+   union's block ids (ascending; then the copies), one membership word per entry, the length.
+2. Attention (``_qsa_prefill_union_fwd``, one program per tile and KV head): a Q tile of the R
+   rows' G heads, each row's heads padded to next_pow2(G), [max(16, R x next_pow2(G)), D]
+   (G = 12, R = 4: 64 rows, one tensor-core M tile); the union is walked BLOCK_N / 4 blocks at a
+   time: the BLOCK_N K/V rows are gathered once (FP8 converted once) and shared by the R rows;
+   S = Q·Kᵀ in FP32, masked by membership(row, block); online softmax per (row, head) in base 2;
+   acc += P·V. A last step covers the rows' causal tails (one BLOCK_N chunk of contiguous
+   positions, at most R + 3 tokens, per-row bounds). A row with no valid entry stores exact zeros.
+   Work per tile is |union| x R rows, against sum over rows of its own blocks for the per-row
+   kernel: it pays where rows overlap, which is why the shared selector
+   (``interop.geometry.select_prefill_blocks``) sends low-overlap and short-request workloads
+   to the per-row kernel instead (``_qsa_expand_blocks`` expands the blocks to token indices on
+   the device, then ``qsa_triton.prefill``'s kernel runs).
+
+Tile numbering: tile j of request b has slot ``cu_seqlens_q[b] // R + b + j``
+(``interop.indices.tile_slots``); a grid of ``T // R + B`` programs covers every tile of any batch,
+and each program finds its request by counting ``cu_seqlens_q[b] // R + b <= slot`` over the
+B + 1 device values: no host read of device metadata, so CUDA-graph replay with new lengths stays
+correct, and ``max_seqlen_q`` is not needed for the grid.
+
+Paged: positions map to pool slots through ``req_to_token[req_indices[b], pos]`` inside the loop
+(once per gathered token, shared by the tile's rows); a position >= max_context or past
+kv_lens[b], a table row outside [0, max_reqs) or a slot outside the pool is an invalid token,
+never dereferenced. K/V offsets are 32-bit unless K/V hold >= 2**31 elements.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from interop.geometry import UnionGeometry
+from interop.indices import RATIO
+from interop.plan import LOG2E, next_pow2
+
+__all__ = ["build_block_union", "expand_blocks", "union_launch", "union_slots"]
+
+_BIG = tl.constexpr(1 << 62)  # sort key of an invalid entry: after every valid key
+_BLOCK_SPAN = tl.constexpr(1 << 30)  # > any block id (visible < 2**31 tokens -> block < 2**29)
+_INT32_MAX = tl.constexpr(2**31 - 1)
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _tile_of(slot, cu_q_ptr, n_req, R: tl.constexpr, BP: tl.constexpr):
+    """(request b, its first row, tile j, rows of request b the tile may use) of a slot: b counts
+    the requests b' >= 1 whose first slot cu[b'] // R + b' is <= slot (strictly increasing in
+    b'); the row count is 0 for an idle slot, so row masks need no scalar condition (Triton's
+    interpreter turns a scalar-bool & vector-bool into int32, which its loads refuse as masks)."""
+    j = tl.arange(0, BP)
+    cu = tl.load(cu_q_ptr + j, mask=j <= n_req, other=0)
+    first = cu // R + j
+    b = tl.sum(((j >= 1) & (j < n_req) & (first <= slot)).to(tl.int32), 0)
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    jt = slot - (q_start // R + b)
+    q_used = tl.where((jt >= 0) & (jt * R < q_len), q_len, 0)
+    return b, q_start, q_len, jt, q_used
+
+
+@triton.jit
+def _qsa_block_union(
+    bidx_ptr, ublk_ptr, umem_ptr, ulen_ptr, cu_q_ptr, kv_lens_ptr,
+    T, NB, n_req, max_blocks, stride_bt, stride_bh, stride_us, stride_uh, stride_ls,
+    R: tl.constexpr, NBP: tl.constexpr, BP: tl.constexpr, ORDINARY: tl.constexpr,
+    KEY64: tl.constexpr,
+):
+    """Union of the valid blocks of one tile's rows for one index head (module docstring, 1).
+    ``max_blocks``: block ids at or past it name no K/V row (or no table column) and are
+    invalid; ``KEY64``: sort 64-bit keys (when block * R + row can pass 2**31 for that bound);
+    32-bit keys sort about twice as fast."""
+    slot = tl.program_id(0)
+    h = tl.program_id(1)
+    N: tl.constexpr = R * NBP
+    b, q_start, q_len, jt, q_used = _tile_of(slot, cu_q_ptr, n_req, R, BP)
+    if ORDINARY:
+        kv_len = q_len
+    else:
+        kv_len = tl.load(kv_lens_ptr + b)
+    e = tl.arange(0, N)
+    i = e // NBP
+    c = e % NBP
+    row_rel = jt * R + i
+    row = q_start + row_rel
+    row_ok = (row_rel >= 0) & (row_rel < q_used) & (row >= 0) & (row < T)
+    n_vis = tl.maximum(row_rel + kv_len - q_len + 1, 0) // 4  # complete visible blocks
+    g = tl.load(bidx_ptr + row.to(tl.int64) * stride_bt + h * stride_bh + c,
+                mask=row_ok & (c < NB), other=-1)
+    valid = row_ok & (c < NB) & (g >= 0) & (g < tl.minimum(n_vis, max_blocks))
+    if KEY64:
+        ks = tl.sort(tl.where(valid, g.to(tl.int64) * R + i, _BIG))
+    else:
+        ks = tl.sort(tl.where(valid, g * R + i, _INT32_MAX)).to(tl.int64)
+        ks = tl.where(ks < _INT32_MAX, ks, _BIG)
+    prev = tl.gather(ks, tl.maximum(e - 1, 0), 0)
+    live = ks < _BIG
+    dup = live & (e > 0) & (ks == prev)
+    if tl.sum(dup.to(tl.int32), 0) > 0:
+        # a row lists a block twice: copy c of a block = the rows' (c+1)-th occurrences; sort by
+        # (occurrence rank, block, row) so each copy's rows are adjacent
+        run = tl.associative_scan(tl.where((e == 0) | (ks != prev), e, 0), 0, _max_combine)
+        rank = (e - run).to(tl.int64)
+        ks = tl.sort(tl.where(live, (rank * _BLOCK_SPAN + ks // R) * R + ks % R, _BIG))
+    ident = ks // R  # rank * _BLOCK_SPAN + block
+    identp = tl.gather(ident, tl.maximum(e - 1, 0), 0)
+    identn = tl.gather(ident, tl.minimum(e + 1, N - 1), 0)
+    first = live & ((e == 0) | (ident != identp))
+    last = live & ((e == N - 1) | (ident != identn))
+    pos = tl.cumsum(first.to(tl.int32), 0) - 1
+    bits = tl.where(live, tl.full([N], 1, tl.int32) << (ks % R).to(tl.int32), 0)
+    incl = tl.cumsum(bits, 0)
+    # segmented sum of the bits = incl at the segment's last key - excl at its first key
+    start = tl.associative_scan(tl.where(first, incl - bits, 0), 0, _max_combine)
+    base = slot.to(tl.int64) * stride_us + h * stride_uh
+    tl.store(ublk_ptr + base + pos, (ident % _BLOCK_SPAN).to(tl.int32), mask=last)
+    tl.store(umem_ptr + base + pos, incl - start, mask=last)
+    tl.store(ulen_ptr + slot * stride_ls + h, tl.sum(first.to(tl.int32), 0))
+
+
+@triton.jit
+def _union_step(q, acc, m_i, l_i, tok, tok_ok, member, kv_base, table_row, bound, pool_slots,
+                k_head, v_head, stride_kn, stride_vn, qk_scale,
+                D: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr):
+    """One BLOCK_N step of the online softmax over positions ``tok`` for the whole Q tile."""
+    offs_d = tl.arange(0, D)
+    ok = tok_ok & (tok >= 0) & (tok < bound)
+    if MODE == 2:
+        slot = tl.load(table_row + tok, mask=ok, other=-1)
+        ok = ok & (slot >= 0) & (slot < pool_slots)
+        kv_row = slot
+    else:
+        kv_row = kv_base + tok
+    if OFF64:
+        kv_row = kv_row.to(tl.int64)
+    k = tl.load(k_head + kv_row[:, None] * stride_kn + offs_d[None, :], mask=ok[:, None],
+                other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.where(member & ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
+    alpha = tl.math.exp2(m_i - m_ref)
+    p = tl.math.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha[:, None] + p
+    v = tl.load(v_head + kv_row[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None],
+                other=0.0).to(q.dtype)
+    acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _qsa_prefill_union_fwd(
+    q_ptr, k_ptr, v_ptr, o_ptr, ublk_ptr, umem_ptr, ulen_ptr,
+    cu_q_ptr, cu_k_ptr, kv_lens_ptr, r2t_ptr, req_idx_ptr,
+    qk_scale, v_scale, T, n_req, max_reqs, max_context, pool_slots,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+    stride_us, stride_uh, stride_ls, stride_rt,
+    PER_HEAD: tl.constexpr, G: tl.constexpr, HT: tl.constexpr, R: tl.constexpr,
+    M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    OFF64: tl.constexpr, BP: tl.constexpr,
+):
+    """Attention of one tile (R rows x G heads) and one KV head over its union (docstring, 2)."""
+    slot = tl.program_id(0)
+    h = tl.program_id(1)
+    BLOCK_U: tl.constexpr = BLOCK_N // 4
+    b, q_start, q_len, jt, q_used = _tile_of(slot, cu_q_ptr, n_req, R, BP)
+    if MODE == 0:
+        kv_len = q_len
+        kv_base = q_start
+    else:
+        kv_len = tl.load(kv_lens_ptr + b)
+        if MODE == 1:
+            kv_base = tl.load(cu_k_ptr + b)
+        else:
+            kv_base = 0
+    table_row = r2t_ptr
+    bound = kv_len
+    if MODE == 2:
+        req = tl.load(req_idx_ptr + b)
+        req_ok = (req >= 0) & (req < max_reqs)
+        table_row = r2t_ptr + tl.where(req_ok, req, 0).to(tl.int64) * stride_rt
+        bound = tl.where(req_ok, tl.minimum(kv_len, max_context), 0)
+
+    offs_m = tl.arange(0, M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    i = offs_m // HT
+    g = offs_m % HT
+    row_rel = jt * R + i
+    row = q_start + row_rel
+    row_ok = (i < R) & (g < G) & (row_rel >= 0) & (row_rel < q_used) & (row >= 0) & (row < T)
+    vis = tl.maximum(row_rel + kv_len - q_len + 1, 0)
+    row64 = row.to(tl.int64)
+    heads = (h * G + g).to(tl.int64)
+    q = tl.load(q_ptr + row64[:, None] * stride_qt + heads[:, None] * stride_qh
+                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k_head = k_ptr + h * stride_kh
+    v_head = v_ptr + h * stride_vh
+    uh = h if PER_HEAD else 0
+    ubase = slot.to(tl.int64) * stride_us + uh * stride_uh
+    n_u = tl.where(q_used > 0, tl.load(ulen_ptr + slot * stride_ls + uh), 0)
+
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M, BLOCK_N], tl.float32)  # row sums reduced once at the end (prefill.py)
+    acc = tl.zeros([M, D], tl.float32)
+    sub = offs_n % 4
+    ent = offs_n // 4
+    # causal tails: row i attends [4 * (vis_i // 4), vis_i); for R consecutive rows these lie in
+    # [4 * (vis_0 // 4), vis_last), at most R + 3 <= BLOCK_N positions: one extra step, the
+    # loop's last (a separate step after the loop doubled the registers and stopped the
+    # software pipelining of the loop in the compiled kernel)
+    vis0 = tl.maximum(jt * R + kv_len - q_len + 1, 0)
+    vis_last = tl.maximum(tl.minimum(jt * R + R, q_len) - 1 + kv_len - q_len + 1, 0)
+    tail_tok = (vis0 // 4) * 4 + offs_n
+    tail_ok = tail_tok < tl.where(q_used > 0, vis_last, 0)
+    tail_member = ((tail_tok[None, :] >= ((vis // 4) * 4)[:, None])
+                   & (tail_tok[None, :] < vis[:, None]))
+    for c in range(0, n_u + BLOCK_U, BLOCK_U):
+        e = c + ent
+        e_ok = e < n_u
+        blk = tl.load(ublk_ptr + ubase + e, mask=e_ok, other=0)
+        mem = tl.load(umem_ptr + ubase + e, mask=e_ok, other=0)
+        tail = c >= n_u
+        tok = tl.where(tail, tail_tok, blk * 4 + sub)
+        tok_ok = tl.where(tail, tail_ok, e_ok)
+        member = tl.where(tail, tail_member, ((mem[None, :] >> i[:, None]) & 1) != 0)
+        acc, m_i, l_i = _union_step(q, acc, m_i, l_i, tok, tok_ok, member & row_ok[:, None],
+                                    kv_base, table_row, bound, pool_slots, k_head, v_head,
+                                    stride_kn, stride_vn, qk_scale, D, MODE, OFF64)
+    l_sum = tl.sum(l_i, 1)
+    has = l_sum > 0.0
+    inv = tl.where(has, v_scale / tl.where(has, l_sum, 1.0), 0.0)
+    out = acc * inv[:, None]
+    tl.store(o_ptr + row64[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _qsa_expand_blocks(
+    bidx_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, NB, W, n_req, stride_bt, stride_bh, stride_ot,
+    stride_oh, NBP: tl.constexpr, BP: tl.constexpr, BLOCK_W: tl.constexpr,
+    ORDINARY: tl.constexpr,
+):
+    """Token indices of one row's block selection (``interop.indices.expand_prefill_blocks``):
+    valid blocks' 4 tokens each, in the row's order, then the causal tail, then -1."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    j = tl.arange(0, BP)
+    cu = tl.load(cu_q_ptr + j, mask=j <= n_req, other=_INT32_MAX)
+    b = tl.sum(((j >= 1) & (j < n_req) & (cu <= row)).to(tl.int32), 0)
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    r = row - q_start
+    in_req = (r >= 0) & (r < q_len)
+    if ORDINARY:
+        kv_len = q_len
+    else:
+        kv_len = tl.load(kv_lens_ptr + b)
+    vis = tl.where(in_req, tl.maximum(r + kv_len - q_len + 1, 0), 0)
+    n_vis = vis // 4
+    c = tl.arange(0, NBP)
+    g = tl.load(bidx_ptr + row.to(tl.int64) * stride_bt + h * stride_bh + c, mask=c < NB,
+                other=-1)
+    valid = (c < NB) & (g >= 0) & (g < n_vis)
+    pos = tl.cumsum(valid.to(tl.int32), 0) - 1
+    count = tl.sum(valid.to(tl.int32), 0)
+    orow = out_ptr + row.to(tl.int64) * stride_ot + h * stride_oh
+    for w0 in range(0, W, BLOCK_W):
+        cols = w0 + tl.arange(0, BLOCK_W)
+        tl.store(orow + cols, tl.full([BLOCK_W], -1, tl.int32), mask=cols < W)
+    tl.debug_barrier()  # the padding above is written before the entries below overwrite it
+    for o in tl.static_range(4):
+        tl.store(orow + 4 * pos + o, 4 * g + o, mask=valid)
+    t4 = tl.arange(0, 4)
+    tl.store(orow + 4 * count + t4, 4 * n_vis + t4, mask=t4 < vis - 4 * n_vis)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+def union_slots(total_q: int, requests: int, tile_rows: int) -> int:
+    """Programs of the union grid: T // R + B slots cover every tile (``interop.indices.tile_slots``)."""
+    return total_q // tile_rows + requests
+
+
+def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      kv_lens: torch.Tensor | None, tile_rows: int, max_blocks: int | None = None):
+    """The union build alone (part of every tile-union call; exposed for tests and benchmarks).
+
+    Args:
+      block_indices: int32 [T, NB] or [T, Hkv, NB] row-relative block ids.
+      cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B] (chunk/paged) or None (ordinary: the
+        request length is the validity bound). All on one device.
+      tile_rows: R (a power of two, R x next_pow2(NB) keys are sorted in one program).
+      max_blocks: host bound on block ids (K/V rows or table width // 4 + 1), or None (no
+        bound: 64-bit sort keys). Ids at or past it name no K/V row or table column and are
+        invalid; a bound with (max_blocks + 1) x R < 2**31 lets the build sort 32-bit keys.
+
+    Returns:
+      (blocks int32 [S, H, R x NB], masks int32 [S, H, R x NB], lengths int32 [S, H]) with
+      S = T // R + B: entry u < lengths[s, h] of slot s is block ``blocks[s, h, u]`` for the rows
+      whose bit is set in ``masks[s, h, u]`` (a block listed k times by a row: k entries);
+      entries past the length are unwritten. Equal to ``interop.indices.tile_union``.
+    """
+    t, nb = block_indices.shape[0], block_indices.shape[-1]
+    hidx = block_indices.shape[1] if block_indices.dim() == 3 else 1
+    n_req = cu_seqlens_q.shape[0] - 1
+    r = int(tile_rows)
+    s = union_slots(t, n_req, r)
+    dev = block_indices.device
+    ublk = torch.empty((s, hidx, r * nb), dtype=torch.int32, device=dev)
+    umem = torch.empty((s, hidx, r * nb), dtype=torch.int32, device=dev)
+    ulen = torch.empty((s, hidx), dtype=torch.int32, device=dev)
+    keys = r * next_pow2(nb)
+    _qsa_block_union[(s, hidx)](
+        block_indices, ublk, umem, ulen, cu_seqlens_q,
+        kv_lens if kv_lens is not None else cu_seqlens_q, t, nb, n_req,
+        2**31 - 1 if max_blocks is None else min(int(max_blocks), 2**31 - 1),
+        block_indices.stride(0), block_indices.stride(1) if block_indices.dim() == 3 else 0,
+        ublk.stride(0), ublk.stride(1), ulen.stride(0),
+        R=r, NBP=next_pow2(nb), BP=next_pow2(n_req + 1), ORDINARY=kv_lens is None,
+        KEY64=max_blocks is None or (int(max_blocks) + 1) * r >= 2**31 - 1,
+        num_warps=8 if keys > 2048 else 4)
+    return ublk, umem, ulen
+
+
+def expand_blocks(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  kv_lens: torch.Tensor | None) -> torch.Tensor:
+    """Token indices of a block-level selection, on the device (the per-row kernel's input when
+    the selector picks it for block-level selections).
+
+    Args:
+      block_indices: int32 [T, NB] or [T, Hkv, NB]; cu_seqlens_q: int32 [B + 1]; kv_lens: int32
+        [B] or None (ordinary).
+
+    Returns:
+      int32 [T, 4 NB + 3] (or [T, Hkv, 4 NB + 3]) equal to
+      ``interop.indices.expand_prefill_blocks`` (rows outside every request: all -1).
+    """
+    t, nb = block_indices.shape[0], block_indices.shape[-1]
+    w = RATIO * nb + RATIO - 1
+    shape = (t, block_indices.shape[1], w) if block_indices.dim() == 3 else (t, w)
+    out = torch.empty(shape, dtype=torch.int32, device=block_indices.device)
+    if t == 0:
+        return out
+    hidx = block_indices.shape[1] if block_indices.dim() == 3 else 1
+    n_req = cu_seqlens_q.shape[0] - 1
+    _qsa_expand_blocks[(t, hidx)](
+        block_indices, out, cu_seqlens_q, kv_lens if kv_lens is not None else cu_seqlens_q,
+        nb, w, n_req, block_indices.stride(0),
+        block_indices.stride(1) if block_indices.dim() == 3 else 0, out.stride(0),
+        out.stride(1) if out.dim() == 3 else 0,
+        NBP=next_pow2(nb), BP=next_pow2(n_req + 1), BLOCK_W=min(1024, next_pow2(w)),
+        ORDINARY=kv_lens is None, num_warps=4)
+    return out
+
+
+def union_launch(mode: int, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token,
+                 req_indices, scale: float, k_scale: float, v_scale: float,
+                 geo: UnionGeometry, off64: bool) -> torch.Tensor:
+    """The union build and the tile-union kernel of one call (``mode``: 0 ordinary, 1 chunk,
+    2 paged; ``cu_k`` / ``kv_lens`` / ``req_to_token`` / ``req_indices`` may be any int32
+    tensor where the mode does not read them). No contract check here (the entry points)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    if k.shape[0] == 0:
+        return out.zero_()
+    group = hq // hkv
+    r = geo.tile_rows
+    ht = next_pow2(group)
+    if geo.head_tile < r * ht or geo.block_n < r + 3 or geo.block_n % 4:
+        raise ValueError(f"union geometry {geo} cannot hold {r} rows x {ht} heads")
+    n_req = cu_q.shape[0] - 1
+    # a host bound on valid block ids (a valid token is a K/V row of its request, or a table
+    # column) lets the build sort 32-bit keys
+    bound_tokens = req_to_token.shape[1] if mode == 2 else k.shape[0]
+    ublk, umem, ulen = build_block_union(block_indices, cu_q, None if mode == 0 else kv_lens, r,
+                                         bound_tokens // RATIO + 1)
+    paged = mode == 2
+    r2t = req_to_token if paged else cu_q
+    max_reqs, max_context = (req_to_token.shape if paged else (1, 1))
+    s = ulen.shape[0]
+    _qsa_prefill_union_fwd[(s, hkv)](
+        q, k, v, out, ublk, umem, ulen, cu_q, cu_k, kv_lens, r2t,
+        req_indices if paged else cu_q,
+        float(scale) * float(k_scale) * LOG2E, float(v_scale), t, n_req, max_reqs, max_context,
+        min(int(k.shape[0]), 2**31 - 1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), ublk.stride(0), ublk.stride(1), ulen.stride(0),
+        r2t.stride(0) if paged else 0,
+        PER_HEAD=block_indices.dim() == 3, G=group, HT=ht, R=r, M=geo.head_tile, D=d,
+        BLOCK_N=geo.block_n, MODE=mode, OFF64=off64, BP=next_pow2(n_req + 1),
+        num_warps=geo.num_warps, num_stages=geo.num_stages)
+    return out

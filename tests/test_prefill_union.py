@@ -1,0 +1,577 @@
+"""Block-level selections and the tile-union sparse prefill, both backends (issue 17).
+
+The block form (``block_indices=``) of the three entry points must equal ``interop.reference`` on
+``interop.indices.expand_prefill_blocks`` (the token contract), whichever kernel the selector
+picks: the tile-union kernels (``qsa_triton.prefill_union``, ``qsa_pallas.prefill_union``) and the
+per-row kernels after the on-device expansion. CPU: Triton interpreter (fp16) and Pallas
+interpret mode, tiny shapes (D = 32, NB = 5 blocks). GPU (``pytest -m gpu``, the H200): 8192-row
+chunks at production shapes (NB = 512 blocks / W = 2051, D = 256), paged FP8 with lying metadata,
+CUDA-graph replay, both backends.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from interop import indices as I
+from interop.arch import DeviceFacts
+from interop.contract import ContractError
+from interop.geometry import (UNION_RULES, UnionGeometry, all_union_configs, fit_union,
+                              select_prefill_blocks)
+from interop.plan import smem_bytes
+from tests.prefill_case import FLOATS, PARAMS, assert_matches, make_case, poison_unselected
+
+ROOT = Path(__file__).resolve().parent.parent
+NB = 5  # block ids per row on CPU (W = 23 after expansion)
+
+
+# --------------------------------------------------------------------------------------------
+# Cases
+def block_case(kind, hq, hkv, q_lens, prefix=None, *, per_head=False, junk="mixed",
+               duplicates=2, empty_rows=(), nb=NB, overlap=0.9, poison=False, lie=False,
+               seed=0, **kw):
+    """A ``tests.prefill_case`` call whose selection is block-level: ``case.blocks`` holds the
+    block ids (junk anywhere, duplicates, all-junk rows), ``case.arrays['indices']`` their
+    expansion (what ``case.reference()`` reads). ``lie`` (paged): request 0's kv_len passes
+    req_to_token's width, request 1 maps positions to slots outside the pool, request 2 names a
+    table row outside req_to_token."""
+    case = make_case(kind, hq, hkv, q_lens, prefix, d=32, width=4 * nb + 3, seed=seed, **kw)
+    a = case.arrays
+    kl = None if kind == "ordinary" else a["kv_lens"]
+    case.blocks = I.prefill_block_indices(
+        q_lens, kl, block_width=nb, overlap=overlap, junk=junk, junk_anywhere=True,
+        duplicates=duplicates, empty_rows=empty_rows, num_kv_heads=hkv if per_head else None,
+        seed=seed + 100)
+    a["indices"] = I.expand_prefill_blocks(case.blocks, q_lens, kl)
+    if lie:
+        r2t = a["req_to_token"]
+        a["req_to_token"] = np.ascontiguousarray(r2t[:, : int(a["kv_lens"][0]) - 3])
+        row1 = a["req_indices"][1]
+        a["req_to_token"][row1, 1] = a["k_cache"].shape[0] + 5
+        a["req_to_token"][row1, 3] = -9
+        a["req_indices"] = a["req_indices"].copy()
+        a["req_indices"][2] = a["req_to_token"].shape[0] + 4
+    if poison:
+        poison_unselected(case)
+    return case
+
+
+def straddling_case(**kw):
+    """Ordinary, ragged: requests of 5, 1, 7 and 4 rows (tiles of 4 rows straddle every request
+    boundary), junk anywhere, duplicates, an all-junk row whose visible count is a multiple of 4
+    (row 9: no tail, exact zeros) and one with a tail left (row 4: not zero)."""
+    return block_case("ordinary", 12, 1, [5, 1, 7, 4], empty_rows=[4, 9], seed=1, **kw)
+
+
+CASES = {
+    # ragged batch, no prefix, tiles straddling requests, zero rows
+    "ordinary-ragged": lambda: straddling_case(),
+    # prefixes (rows see more than W tokens, and fewer: the visible window shorter than W),
+    # FP8 K/V with scales, per-KV-head selections, G = 3
+    "chunk-fp8-perhead": lambda: block_case(
+        "chunk", 6, 2, [6, 3, 1], [40, 2, 0], per_head=True, kv_dtype="float8_e4m3fn",
+        k_scale=1.25, v_scale=0.75, junk="len+19", seed=2),
+    # the pool through req_to_token: lying metadata, poisoned slots, junk table entries
+    "paged-lying-poisoned": lambda: block_case(
+        "paged", 12, 2, [5, 4, 3], [20, 9, 4], junk="-7", lie=True, poison=True,
+        table_junk=True, seed=3),
+}
+
+
+def union_geometry(case, tile_rows, block_n=16) -> UnionGeometry:
+    ht = 1 << max(0, (case.arrays["q"].shape[1] // _kv(case).shape[1] - 1).bit_length())
+    return UnionGeometry("union", tile_rows, max(16, tile_rows * ht), block_n, 4, 1, "test")
+
+
+def _kv(case):
+    return case.arrays["k"] if "k" in case.arrays else case.arrays["k_cache"]
+
+
+# --------------------------------------------------------------------------------------------
+# Backends: one runner per package (public entry points, geometry forced or selected)
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        from qsa_triton import prefill as P
+
+        self.P = P
+
+    def tensors(self, case) -> dict:
+        torch = self.torch
+        out = {}
+        for n, x in case.arrays.items():
+            t = torch.from_numpy(np.ascontiguousarray(x))
+            if n in FLOATS:
+                t = t.to(getattr(torch, case.dtype if n == "q" else case.kv_dtype))
+            out[n] = t
+        out["block_indices"] = torch.from_numpy(np.ascontiguousarray(case.blocks))
+        return out
+
+    def run(self, case, geometry=None, overlap=None, t=None):
+        t = self.tensors(case) if t is None else t
+        P = self.P
+        if geometry is None:
+            fn = {"ordinary": P.sparse_prefill, "chunk": P.sparse_prefill_chunk,
+                  "paged": P.sparse_prefill_paged}[case.kind]
+            args = [case.max_seqlen_q if n == "max_seqlen_q" else
+                    (None if n == "indices" else t[n]) for n in PARAMS[case.kind]]
+            out = fn(*args, *case.scales(), block_indices=t["block_indices"], overlap=overlap)
+        else:
+            mode = {"ordinary": 0, "chunk": 1, "paged": 2}[case.kind]
+            sc = case.softmax_scale or case.arrays["q"].shape[-1] ** -0.5
+            if case.kind == "ordinary":
+                cu = t["cu_seqlens"]
+                out = P._blocks_impl(0, t["q"], t["k"], t["v"], t["block_indices"], cu, cu, cu,
+                                     cu, cu, case.max_seqlen_q, sc, 1.0, 1.0, geometry=geometry)
+            else:
+                k, v = (t["k"], t["v"]) if "k" in t else (t["k_cache"], t["v_cache"])
+                cu = t["cu_seqlens_q"]
+                out = P._blocks_impl(mode, t["q"], k, v, t["block_indices"], cu,
+                                     t.get("cu_seqlens_k", cu), t["kv_lens"],
+                                     t.get("req_to_token", cu), t.get("req_indices", cu),
+                                     case.max_seqlen_q, sc, case.k_scale, case.v_scale,
+                                     geometry=geometry)
+        return out.float().cpu().numpy()
+
+    def build(self, blocks, q_lens, kv_lens, tile_rows):
+        torch = self.torch
+        from qsa_triton import prefill_union as PU
+
+        cu = torch.from_numpy(I.cu_seqlens_from_counts(q_lens))
+        kl = None if kv_lens is None else torch.tensor(np.asarray(kv_lens, np.int32))
+        # R = 2: 64-bit sort keys (no bound); R = 4: 32-bit keys under a host bound
+        bound = None if tile_rows == 2 else max(kv_lens) // 4 + 1
+        return [x.numpy() for x in PU.build_block_union(torch.from_numpy(blocks), cu, kl,
+                                                        tile_rows, bound)]
+
+    def expand(self, blocks, q_lens, kv_lens):
+        torch = self.torch
+        from qsa_triton import prefill_union as PU
+
+        cu = torch.from_numpy(I.cu_seqlens_from_counts(q_lens))
+        kl = None if kv_lens is None else torch.tensor(np.asarray(kv_lens, np.int32))
+        return PU.expand_blocks(torch.from_numpy(blocks), cu, kl).numpy()
+
+
+class PallasBackend:
+    name = "pallas"
+
+    def __init__(self):
+        import jax.numpy as jnp
+
+        import qsa_pallas
+
+        self.jnp, self.qp = jnp, qsa_pallas
+
+    def arrays(self, case) -> dict:
+        jnp = self.jnp
+        out = {n: jnp.asarray(x, case.dtype if n == "q" else case.kv_dtype) if n in FLOATS
+               else jnp.asarray(x) for n, x in case.arrays.items()}
+        out["block_indices"] = jnp.asarray(case.blocks)
+        return out
+
+    def run(self, case, geometry=None, overlap=None, t=None):
+        a = self.arrays(case) if t is None else t
+        fn = {"ordinary": self.qp.sparse_prefill, "chunk": self.qp.sparse_prefill_chunk,
+              "paged": self.qp.sparse_prefill_paged}[case.kind]
+        args = [case.max_seqlen_q if n == "max_seqlen_q" else
+                (None if n == "indices" else a[n]) for n in PARAMS[case.kind]]
+        out = fn(*args, *case.scales(), block_indices=a["block_indices"], overlap=overlap,
+                 geometry=geometry)
+        return np.asarray(out.astype(self.jnp.float32))
+
+    def build(self, blocks, q_lens, kv_lens, tile_rows):
+        jnp = self.jnp
+        from qsa_pallas import prefill_union as PU
+
+        cu = jnp.asarray(I.cu_seqlens_from_counts(q_lens))
+        kl = None if kv_lens is None else jnp.asarray(np.asarray(kv_lens, np.int32))
+        return [np.asarray(x) for x in PU.block_union(jnp.asarray(blocks), cu, kl, tile_rows)]
+
+    def expand(self, blocks, q_lens, kv_lens):
+        jnp = self.jnp
+        from qsa_pallas import prefill_union as PU
+
+        cu = jnp.asarray(I.cu_seqlens_from_counts(q_lens))
+        kl = None if kv_lens is None else jnp.asarray(np.asarray(kv_lens, np.int32))
+        return np.asarray(PU.expand_blocks(jnp.asarray(blocks), cu, kl))
+
+
+_BACKENDS: dict = {}
+
+
+@pytest.fixture(params=["triton", "pallas"])
+def backend(request):
+    if request.param not in _BACKENDS:
+        _BACKENDS[request.param] = (TritonBackend if request.param == "triton"
+                                    else PallasBackend)()
+    return _BACKENDS[request.param]
+
+
+# --------------------------------------------------------------------------------------------
+# The block rule (numpy)
+def test_expansion_is_the_indexer_expansion_and_drops_junk():
+    """``expand_prefill_blocks`` of the generator's clean selections has the token contract's
+    valid counts (``expected_valid_count``: 4 per selected block plus the causal tail), valid
+    entries first, all causal; junk block ids (-1, -7, the first invisible block, +19, int32
+    extremes) anywhere in a row are dropped; a duplicate expands twice."""
+    ql, kl = np.array([9, 6]), np.array([300, 6])
+    clean = I.prefill_block_indices(ql, kl, block_width=16, seed=4)
+    tok = I.expand_prefill_blocks(clean, ql, kl)
+    _req, _r, vis, bound = I.row_layout(ql, kl)
+    valid = I.valid_mask(tok, bound)
+    assert tok.shape == (15, 67)
+    np.testing.assert_array_equal(valid.sum(1), I.expected_valid_count(vis, width=67))
+    assert not (valid[:, 1:] & ~valid[:, :-1]).any()
+    assert (np.where(valid, tok, -1) < vis[:, None]).all()
+    junky = I.prefill_block_indices(ql, kl, block_width=16, junk="mixed", junk_anywhere=True,
+                                    seed=4)
+    junk = (junky < 0) | (junky >= vis[:, None] // 4)
+    assert len(np.unique(junky[junk])) > 4
+    assert (junk[:, :-1] & ~junk[:, 1:]).any()  # junk before a valid id: anywhere in the row
+    np.testing.assert_array_equal(np.sort(I.expand_prefill_blocks(junky, ql, kl), 1),
+                                  np.sort(tok, 1))
+    dup = clean.copy()
+    dup[13, 1] = dup[13, 0]  # row 13 sees 5 tokens: block 0 (listed twice) + its tail token 4
+    got = I.expand_prefill_blocks(dup, ql, kl)[13]
+    assert sorted(got[got >= 0].tolist()) == [0, 0, 1, 1, 2, 2, 3, 3, 4]
+
+
+def test_tile_slots_cover_every_tile_once_and_fit_the_grid():
+    for ql in ([5, 1, 7, 4], [8], [0, 3, 0, 9], [1] * 6):
+        for r in (1, 2, 4, 8):
+            req, first, n = I.tile_slots(ql, r)
+            cu = I.cu_seqlens_from_counts(ql)
+            slots = cu[req] // r + req + first // r
+            assert len(set(slots.tolist())) == len(slots) and (slots < n).all()
+            assert n == sum(ql) // r + len(ql)
+            covered = sorted((b, f + i) for b, f in zip(req, first) for i in range(r)
+                             if f + i < ql[b])
+            assert covered == sorted((b, i) for b in range(len(ql)) for i in range(ql[b]))
+
+
+def test_neighbour_jaccard_and_calibration():
+    req, _r, vis, _b = I.row_layout([2048], [32768])
+    sel = lambda o: I.select_blocks(vis, req, overlap=o, sinks=4, seed=1)  # noqa: E731
+    lo, hi = I.neighbour_jaccard(sel(0.0), req, vis), I.neighbour_jaccard(sel(1.0), req, vis)
+    assert lo < 0.15 < 0.95 < hi
+    o, j = I.calibrate_overlap(0.9, vis, req, sinks=4, pairs=256)
+    assert 0.0 < o < 1.0 and abs(j - 0.9) < 0.03
+    assert abs(I.neighbour_jaccard(sel(o), req, vis) - 0.9) < 0.03
+    b = sel(0.5)
+    long_rows = vis // 4 > 512
+    assert (np.sort(b[long_rows], 1)[:, :4] == np.arange(4)).all()  # the sink blocks
+    assert (I.select_blocks(vis, req, overlap=0.5, seed=1) ==
+            I.select_blocks(vis, req, overlap=0.5, sinks=0, seed=1)).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Selector (interop.geometry.select_prefill_blocks): every boundary
+def _sel(total_q=8192, requests=1, group=12, nb=512, overlap=None, arch="sm_90", kv_bytes=2,
+         backend="triton"):
+    return select_prefill_blocks(DeviceFacts.for_arch(arch), "chunk", total_q=total_q,
+                                 requests=requests, max_q=total_q // requests, group=group,
+                                 num_kv_heads=1, head_dim=256, block_width=nb, backend=backend,
+                                 kv_bytes=kv_bytes, overlap=overlap)
+
+
+def test_selector_boundaries():
+    u = UNION_RULES
+    assert _sel().key[:3] == ("union", 4, 64)
+    # overlap hint: below min_overlap -> rows, at it -> union
+    assert _sel(overlap=u["min_overlap"]).kind == "union"
+    assert _sel(overlap=np.nextafter(u["min_overlap"], 0)).kind == "rows"
+    assert _sel(overlap=0.0).kind == "rows" and _sel(overlap=1.0).kind == "union"
+    # rows per request: 1 -> rows, 2 -> union with R = 2, 3 -> R = 2, 4 -> R = 4 (MTP verify)
+    assert _sel(total_q=32, requests=32).kind == "rows"
+    assert _sel(total_q=64, requests=32).tile_rows == 2
+    assert _sel(total_q=96, requests=32).tile_rows == 2
+    assert _sel(total_q=128, requests=32).tile_rows == 4
+    # R x next_pow2(G) = q_rows, capped at max_tile_rows
+    for group, r in ((16, 4), (12, 4), (9, 4), (8, 8), (6, 8), (5, 8), (3, 8), (1, 8)):
+        geo = _sel(group=group)
+        assert (geo.tile_rows, geo.head_tile) == (r, max(16, r * I_next_pow2(group))), group
+    # the sort cap: R x next_pow2(NB) <= max_sort_keys
+    assert _sel(nb=2048).tile_rows == 4 and _sel(nb=2049).tile_rows == 2
+    assert _sel(nb=u["max_sort_keys"] // 2).tile_rows == 2
+    assert _sel(nb=u["max_sort_keys"]).kind == "rows"
+    # the shared-memory fit: fewer stages, then BLOCK_N down to max(16, R + 3), never below
+    geo = _sel()
+    assert fit_union(geo, backend="triton", head_dim=256, kv_bytes=2, limit=None) == geo
+    small = fit_union(geo, backend="triton", head_dim=256, kv_bytes=2, limit=60_000)
+    assert (small.block_n, small.num_stages) == (16, 1) and "fit<=60000B" in small.source
+    r8 = fit_union(_sel(group=6), backend="pallas", head_dim=256, kv_bytes=2, limit=1)
+    assert r8.tile_rows == 8 and r8.block_n == 16  # the floor holds the R + 3 tail positions
+    # rows: the per-row selector's geometry
+    rows = _sel(overlap=0.0)
+    assert rows.tile_rows == 1 and rows.source.startswith("rows[overlap")
+    with pytest.raises(ValueError):
+        _sel(overlap=1.5)
+
+
+def I_next_pow2(x):
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def test_every_union_geometry_fits_sm12x_shared_memory_and_holds_its_tail():
+    for arch in ("sm_120", "sm_121", "sm_90"):
+        limit = DeviceFacts.for_arch(arch).smem_per_block
+        geos = all_union_configs(arch)
+        assert geos and {g.tile_rows for _, g in geos} == {2, 4, 8}
+        for kv_bytes, g in geos:
+            assert smem_bytes(head_tile=g.head_tile, block_n=g.block_n, head_dim=256,
+                              num_stages=g.num_stages, kv_bytes=kv_bytes) <= limit, (arch, g)
+            assert g.block_n >= g.tile_rows + 3 and g.block_n % 4 == 0
+            assert 16 <= g.block_n <= 32  # register pressure: BLOCK_N 16-32
+    assert _sel(backend="pallas").key == _sel().key  # one decision for both packages
+
+
+# --------------------------------------------------------------------------------------------
+# Union build and expansion on the device, both backends
+def test_union_build_and_expansion_match_the_reference(backend):
+    ql, kl = [5, 1, 7, 0, 4], [9, 30, 7, 2, 40]
+    blocks = I.prefill_block_indices(ql, kl, block_width=6, junk="mixed", junk_anywhere=True,
+                                     duplicates=4, empty_rows=[6], num_kv_heads=2, seed=8)
+    for r in (2, 4):
+        ublk, umem, ulen = backend.build(blocks, ql, kl, r)
+        ref = I.tile_union(blocks, ql, kl, tile_rows=r)
+        assert ulen.shape == (sum(ql) // r + len(ql), 2)
+        assert any(len(b) > len(np.unique(b)) for b, _ in ref.values())  # copies of duplicates
+        seen = {s for s, _ in ref}
+        for (s, h), (b, m) in ref.items():
+            n = int(ulen[s, h])
+            assert n == len(b), (r, s, h)
+            np.testing.assert_array_equal(ublk[s, h, :n], b)
+            np.testing.assert_array_equal(umem[s, h, :n], m)
+        assert (ulen[[s for s in range(ulen.shape[0]) if s not in seen]] == 0).all()
+    np.testing.assert_array_equal(backend.expand(blocks, ql, kl),
+                                  I.expand_prefill_blocks(blocks, ql, kl))
+    np.testing.assert_array_equal(backend.expand(blocks[:, 0], ql, None),
+                                  I.expand_prefill_blocks(blocks[:, 0], ql, None))
+
+
+# --------------------------------------------------------------------------------------------
+# Attention, both backends: tile-union kernel and the per-row path
+@pytest.mark.parametrize("name", list(CASES))
+def test_union_kernel_matches_reference(backend, name):
+    case = CASES[name]()
+    ref = case.reference()
+    r = 4 if case.kind != "chunk" else 2
+    out = backend.run(case, union_geometry(case, r))
+    assert_matches(out, ref, f"{backend.name} {name} R={r}")
+    if name == "ordinary-ragged":
+        zero = (ref == 0).all(axis=(1, 2))
+        assert zero[9] and not zero[4]  # no valid block + visible % 4 == 0 vs a tail left
+        np.testing.assert_array_equal(backend.run(case, union_geometry(case, r)), out)
+
+
+def test_selected_paths_match_reference(backend):
+    """The public entry point without a forced geometry, paged: the selector's union kernel (8
+    rows per request at G = 6 -> R = 8) and, with the overlap hint below the rule, the per-row
+    kernel on the on-device expansion (then the slot pre-pass)."""
+    case = block_case("paged", 6, 1, [8, 9], [3, 20], junk="len", table_junk=True, seed=5)
+    geo = _sel(total_q=17, requests=2, group=6, nb=NB)
+    assert geo.key[:2] == ("union", 8)
+    ref = case.reference()
+    assert_matches(backend.run(case), ref, f"{backend.name} selected union")
+    assert_matches(backend.run(case, overlap=0.0), ref, f"{backend.name} selected rows")
+
+
+def test_empty_table_and_empty_pool_give_zeros(backend):
+    case = block_case("paged", 6, 1, [3], [5], seed=9)
+    case.arrays["req_to_token"] = np.ascontiguousarray(case.arrays["req_to_token"][:, :0])
+    assert (backend.run(case) == 0).all()
+    case = block_case("paged", 6, 1, [3], [5], seed=9)
+    for n in ("k_cache", "v_cache"):
+        case.arrays[n] = case.arrays[n][:0]
+    assert (backend.run(case) == 0).all()
+
+
+def test_contract_checks_name_the_block_selection(backend):
+    case = block_case("ordinary", 6, 1, [3], seed=6)
+    if backend.name == "triton":
+        torch = backend.torch
+        t = backend.tensors(case)
+        fn = backend.P.sparse_prefill
+        blocks64 = t["block_indices"].long()
+        args = (t["q"], t["k"], t["v"])
+        cu = t["cu_seqlens"]
+        idx = torch.from_numpy(case.arrays["indices"])
+    else:
+        a = backend.arrays(case)
+        fn = backend.qp.sparse_prefill
+        blocks64 = np.asarray(case.blocks, np.int64)
+        args = (a["q"], a["k"], a["v"])
+        cu = a["cu_seqlens"]
+        idx = a["indices"]
+        t = a
+    with pytest.raises(ContractError, match="block_indices.*int32"):
+        fn(*args, None, cu, 3, block_indices=blocks64)
+    with pytest.raises(ContractError, match="exactly one selection"):
+        fn(*args, idx, cu, 3, block_indices=t["block_indices"])
+    with pytest.raises(ContractError, match="exactly one selection"):
+        fn(*args, None, cu, 3)
+    with pytest.raises(ContractError, match="overlap"):
+        fn(*args, None, cu, 3, block_indices=t["block_indices"], overlap=1.5)
+    with pytest.raises(ContractError, match="overlap"):
+        fn(*args, idx, cu, 3, overlap=0.5)
+
+
+def test_block_ops_registered_with_fake_impls():
+    """The block-level custom ops: schema and fake-tensor behaviour (torch.compile sees them
+    as opaque ops whose fake implementation runs the contract check)."""
+    import torch
+
+    be = TritonBackend()
+    case = block_case("paged", 6, 1, [2], [3], seed=7)
+    t = be.tensors(case)
+    args = (t["q"], t["k_cache"], t["v_cache"], t["req_to_token"], t["req_indices"],
+            t["block_indices"], t["cu_seqlens_q"], t["kv_lens"], 2, 0.125, 1.0, 1.0, -1.0)
+    torch.library.opcheck(torch.ops.qsa.sparse_prefill_paged_blocks.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_bench_smoke_cpu(tmp_path):
+    """``bench.prefill --mode union --smoke-cpu``: a chunk and a paged FP8 case with calibrated
+    block selections; every provider that runs here passes its check against the FP32
+    reference (upstream's needs the peer)."""
+    from bench import prefill  # noqa: PLC0415
+
+    path = tmp_path / "union.json"
+    rc = prefill.main(["--mode", "union", "--smoke-cpu", "--json", str(path), "--providers",
+                       "ours-union,ours-hinted,ours-rows,pallas-union"])
+    rep = json.loads(path.read_text())
+    assert rc == 0 and rep["ran"] == ["ours-union", "ours-hinted", "ours-rows", "pallas-union"]
+    assert {c["kind"] for c in rep["cases"]} == {"chunk", "paged"}
+    for case in rep["cases"]:
+        assert case["valid_entries"] > 0 and 0.0 <= case["jaccard"] <= 1.0
+        for name in rep["ran"]:
+            assert case["providers"][name]["ok"], (name, case["providers"][name])
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (H200; the lead runs: pytest -m gpu tests/test_prefill_union.py)
+gpu = pytest.mark.gpu
+GPU_T = 8192
+
+
+def _gpu_case(kind, kv_len, hq, hkv, kv_dtype="bfloat16", seed=0, **kw):
+    fp8 = kv_dtype == "float8_e4m3fn"
+    case = make_case(kind, hq, hkv, [GPU_T], None if kind == "ordinary" else [kv_len - GPU_T],
+                     d=256, width=2051, dtype="bfloat16", kv_dtype=kv_dtype, junk="mixed",
+                     pool_slack=1000, k_scale=0.5 if fp8 else 1.0, v_scale=1.5 if fp8 else 1.0,
+                     seed=seed)
+    kl = None if kind == "ordinary" else case.arrays["kv_lens"]
+    case.blocks = I.prefill_block_indices([GPU_T], kl, block_width=512, sinks=4, junk="mixed",
+                                          junk_anywhere=True, duplicates=3,
+                                          empty_rows=[0, 7, GPU_T - 1], seed=seed + 1, **kw)
+    case.arrays["indices"] = I.expand_prefill_blocks(case.blocks, [GPU_T], kl)
+    return case
+
+
+GPU_CASES = [("ordinary", 8192, 12, 1, "bfloat16"), ("chunk", 8192, 6, 1, "bfloat16"),
+             ("chunk", 32768, 12, 1, "bfloat16"), ("chunk", 131072, 24, 2, "bfloat16"),
+             ("chunk", 32768, 12, 1, "float8_e4m3fn"), ("paged", 32768, 12, 1, "bfloat16"),
+             ("paged", 32768, 24, 2, "float8_e4m3fn")]
+_GPU_IDS = [f"{c[0]}-kv{c[1] // 1024}k-{c[2]}x{c[3]}-{c[4]}" for c in GPU_CASES]
+
+
+@gpu
+@pytest.mark.parametrize("kind,kv_len,hq,hkv,kv_dtype", GPU_CASES, ids=_GPU_IDS)
+def test_gpu_triton_union_8192_rows(kind, kv_len, hq, hkv, kv_dtype):
+    import torch
+
+    from tests.prefill_case import torch_reference
+
+    case = _gpu_case(kind, kv_len, hq, hkv, kv_dtype, seed=hq + kv_len % 89)
+    be = TritonBackend()
+    t = {n: x.cuda() for n, x in be.tensors(case).items()}
+    t["indices"] = torch.from_numpy(case.arrays["indices"]).cuda()
+    geo = be.P.prefill_block_geometry(kind, t["q"], requests=1, max_q=GPU_T,
+                                      num_kv_heads=hkv, block_width=512,
+                                      kv_bytes=t["q"].element_size() if kv_dtype == "bfloat16"
+                                      else 1)
+    assert geo.kind == "union", geo
+    out1 = be.run(case, t=t)
+    out2 = be.run(case, t=t)
+    assert np.array_equal(out1, out2), "second run not bitwise equal"
+    ref = torch_reference(kind, t, None, case.k_scale, case.v_scale)
+    assert_matches(out1, ref.cpu().double().numpy(), f"triton union {kind} {kv_len} {hq}/{hkv}")
+
+
+@gpu
+@pytest.mark.parametrize("kind,kv_len,hq,hkv,kv_dtype", GPU_CASES[::2], ids=_GPU_IDS[::2])
+def test_gpu_pallas_union_8192_rows(kind, kv_len, hq, hkv, kv_dtype):
+    import jax
+    import jax.numpy as jnp
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a CUDA GPU for jax")
+    from tests.test_pallas_prefill import jax_reference_f32
+
+    case = _gpu_case(kind, kv_len, hq, hkv, kv_dtype, seed=hq + kv_len % 89)
+    be = PallasBackend()
+    a = be.arrays(case)
+    out1, out2 = be.run(case, t=a), be.run(case, t=a)
+    assert np.array_equal(out1, out2), "second run not bitwise equal"
+    ref = np.asarray(jax_reference_f32(kind, a, case.k_scale, case.v_scale))
+    assert_matches(out1, ref, f"pallas union {kind} {kv_len} {hq}/{hkv}")
+    del jnp
+
+
+@gpu
+def test_gpu_triton_union_paged_lying_metadata_junk_fp8():
+    """The memcheck target (compute-sanitizer): junk block ids everywhere, a table narrower than
+    kv_len, slots outside the pool, a table row outside req_to_token, poisoned slots."""
+    import torch
+
+    from tests.prefill_case import torch_reference
+
+    case = block_case("paged", 12, 1, [300, 77, 40], [4000, 1500, 900], nb=512, junk="mixed",
+                      lie=True, poison=True, table_junk=True, pool_slack=1000, seed=31,
+                      dtype="bfloat16", kv_dtype="float8_e4m3fn", k_scale=0.9, v_scale=1.1)
+    be = TritonBackend()
+    t = {n: x.cuda() for n, x in be.tensors(case).items()}
+    t["indices"] = torch.from_numpy(case.arrays["indices"]).cuda()
+    # d = 32 cases stay small enough for the sanitizer; the union kernel is forced
+    out = be.run(case, union_geometry(case, 4, 32), t=t)
+    torch.cuda.synchronize()
+    ref = torch_reference("paged", t, None, case.k_scale, case.v_scale)
+    assert_matches(out, ref.cpu().double().numpy(), "paged lying fp8 union")
+
+
+@gpu
+def test_gpu_triton_union_cuda_graph_replay_with_new_metadata():
+    import torch
+
+    from tests.prefill_case import torch_reference
+
+    first = block_case("chunk", 12, 1, [256, 256], [1792, 3840], nb=512, seed=41,
+                       dtype="bfloat16")
+    second = block_case("chunk", 12, 1, [256, 256], [1792, 1244], nb=512, seed=42,
+                        dtype="bfloat16")
+    be = TritonBackend()
+    t = {n: x.cuda() for n, x in be.tensors(first).items()}
+    be.run(first, t=t)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = be.P.sparse_prefill_chunk(t["q"], t["k"], t["v"], None, t["cu_seqlens_q"],
+                                        t["cu_seqlens_k"], t["kv_lens"], 256,
+                                        block_indices=t["block_indices"])
+    t2 = {n: x.cuda() for n, x in be.tensors(second).items()}
+    for n in ("kv_lens", "block_indices"):
+        t[n].copy_(t2[n])
+    graph.replay()
+    torch.cuda.synchronize()
+    t["indices"] = torch.from_numpy(second.arrays["indices"]).cuda()
+    ref = torch_reference("chunk", t, None)
+    assert_matches(out.float().cpu().numpy(), ref.cpu().double().numpy(), "graph replay")
