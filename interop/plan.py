@@ -330,14 +330,15 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
     Returns:
       PagedDecodePlan. Rules (why):
         * BLOCK_N 32 for D > 128, else 64: a [BLOCK_N, D] gather tile of 16 KB in bf16, as the
-          packed decode (``plan_decode``); head tile max(16, next_pow2(G)); 4 warps; 3 stages
-          (two gathers in flight per program), lowered until the tile fits ``smem_limit``.
+          packed decode (``plan_decode``); head tile max(16, next_pow2(G)); 4 warps; 7 stages
+          where a program streams >= 2 chunks (two K/V buffers behind the 3-deep load chain),
+          else 3; lowered until ``paged_smem_bytes`` fits ``smem_limit``.
         * default: about one program per SM (the packed decode's H200 finding, decode v2 in
           bench/NOTES.md): num_splits = clamp(sm_count // (R x Hkv), 1, nb), nb = cdiv(W,
           BLOCK_N); so 1 split (no merge) once R x Hkv >= SMs, and at TP1 B = 1, W = 2051 one
           chunk per split (65 splits: no split streams two, decode v5).
         * batch_invariant: num_splits = cdiv(W, BATCH_INVARIANT_SPLIT_COLS) (9 at W = 2051),
-          capped at nb. Cost against the default (to be measured on the H200 by the lead):
+          capped at nb. Cost against the default (measured: bench/NOTES.md, "Paged decode"):
           fewer programs at small R (TP1 B = 1: 2 x 9 = 18 programs instead of 130, so the
           call is latency bound), and from R x Hkv >= SMs the FP32 partials and the merge
           launch that the default's one-split plan does without.
