@@ -46,6 +46,7 @@ from .contract import ContractError, route
 from .plan import fit_shared_memory, next_pow2, prev_pow2
 
 __all__ = [
+    "BLOCK_INDICES_DOC",
     "Geometry",
     "ENV_VAR",
     "ALLOWED_MODES",
@@ -389,6 +390,20 @@ class UnionGeometry:
 #:   * ``tile``: (BLOCK_N, num_warps, num_stages) by arch: BLOCK_N 32 (4 union blocks) with 8
 #:     warps holds the [64, D] FP32 accumulator in 64 registers per thread at D = 256; 2 stages
 #:     fit sm_12x's 101,376 B (``interop.plan.smem_bytes``).
+#: The ``block_indices`` / ``overlap`` arguments as every prefill entry point of both backends
+#: documents them (substituted for ``BLOCKS_DOC`` in their docstrings).
+BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (pass ``indices=None``): int32
+        [T, NB] or [T, Hkv, NB], the indexer's row-relative block ids (block g = tokens
+        4g .. 4g+3), in any order, invalid ids anywhere; g is valid iff
+        0 <= g < visible // 4. Every row also attends its causal tail
+        [4 * (visible // 4), visible). Result: the token path on
+        ``interop.indices.expand_prefill_blocks`` up to summation order; a block listed twice is
+        attended twice. Runs the tile-union kernel or the per-row kernel
+        (``interop.geometry.select_prefill_blocks``).
+      overlap: with ``block_indices`` only: None, or the engine's expected Jaccard similarity of
+        adjacent rows' block sets in [0, 1] (below ``UNION_RULES['min_overlap']`` the per-row
+        kernel runs)."""
+
 UNION_RULES = {
     "q_rows": 64,
     "max_tile_rows": 8,

@@ -60,8 +60,8 @@ from jax import lax
 from interop import contract
 from interop.arch import DeviceFacts
 from interop.contract import ContractError, PrefillProblem, spec_of
-from interop.geometry import (Geometry, UnionGeometry, geometry_mode, select_prefill,
-                              select_prefill_blocks)
+from interop.geometry import (BLOCK_INDICES_DOC, Geometry, UnionGeometry, geometry_mode,
+                              select_prefill, select_prefill_blocks)
 from interop.plan import LOG2E, next_pow2
 
 from . import _compat
@@ -343,18 +343,11 @@ def _run_blocks(problem: PrefillProblem, q, k, v, block_indices, meta: dict, *, 
     return _run(rows, q, k, v, rest, interpret=interpret, geometry=geo)
 
 
-_BLOCKS_DOC = """block_indices: keyword-only alternative to ``indices`` (pass ``indices=None``): int32
-        [T, NB] or [T, Hkv, NB], the indexer's row-relative block ids (block g = tokens
-        4g .. 4g+3), in any order, invalid ids anywhere; g is valid iff
-        0 <= g < visible // 4. Every row also attends its causal tail
-        [4 * (visible // 4), visible). Result: the token path on
-        ``interop.indices.expand_prefill_blocks`` up to summation order; a block listed twice is
-        attended twice. Runs the tile-union kernel or the per-row kernel
-        (``interop.geometry.select_prefill_blocks``; ``geometry`` may then be a
-        ``UnionGeometry``).
-      overlap: with ``block_indices`` only: None, or the engine's expected Jaccard similarity of
-        adjacent rows' block sets in [0, 1] (below ``UNION_RULES['min_overlap']`` the per-row
-        kernel runs)."""
+# the shared text, plus what only the Pallas entry points take
+_BLOCKS_DOC = BLOCK_INDICES_DOC.replace(
+    "(``interop.geometry.select_prefill_blocks``).",
+    "(``interop.geometry.select_prefill_blocks``; ``geometry`` may then be a\n        ``UnionGeometry``).")
+
 
 
 def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,

@@ -60,8 +60,8 @@ import triton.language as tl
 
 from interop import contract
 from interop.arch import DeviceFacts
-from interop.geometry import (Geometry, UnionGeometry, geometry_mode, select_prefill,
-                              select_prefill_blocks)
+from interop.geometry import (BLOCK_INDICES_DOC, Geometry, UnionGeometry, geometry_mode,
+                              select_prefill, select_prefill_blocks)
 from interop.plan import LOG2E, next_pow2
 
 from . import prefill_union as PU
@@ -542,19 +542,6 @@ def _hint(overlap: float) -> float | None:
 
 # ---------------------------------------------------------------------------------------------
 # Public entry points
-_BLOCKS_DOC = """block_indices: keyword-only alternative to ``indices`` (pass ``indices=None``): int32
-        [T, NB] or [T, Hkv, NB], the indexer's row-relative block ids (block g = tokens
-        4g .. 4g+3), in any order, invalid ids anywhere; g is valid iff
-        0 <= g < visible // 4. Every row also attends its causal tail
-        [4 * (visible // 4), visible). Result: the token path on
-        ``interop.indices.expand_prefill_blocks`` up to summation order; a block listed twice is
-        attended twice. Runs the tile-union kernel or the per-row kernel
-        (``interop.geometry.select_prefill_blocks``).
-      overlap: with ``block_indices`` only: None, or the engine's expected Jaccard similarity of
-        adjacent rows' block sets in [0, 1] (below ``UNION_RULES['min_overlap']`` the per-row
-        kernel runs)."""
-
-
 def _selection(fn: str, indices, block_indices, overlap) -> tuple[str, object, float]:
     """``interop.contract.prefill_selection``, with the op's overlap argument (-1.0 = none)."""
     name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
@@ -723,6 +710,6 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
 
 
 for _f in (sparse_prefill, sparse_prefill_chunk, sparse_prefill_paged):
-    _f.__doc__ = _f.__doc__.replace("BLOCKS_DOC", _BLOCKS_DOC)
+    _f.__doc__ = _f.__doc__.replace("BLOCKS_DOC", BLOCK_INDICES_DOC)
 del _f
 

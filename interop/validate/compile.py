@@ -593,7 +593,6 @@ def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, g
     from interop.arch import DeviceFacts  # noqa: PLC0415
     from interop.geometry import all_configs, fit_prefill  # noqa: PLC0415
     from interop.plan import next_pow2  # noqa: PLC0415
-    from qsa_pallas import prefill as P  # noqa: PLC0415
 
     facts = DeviceFacts.from_device_kind(kind)
     sds = jax.ShapeDtypeStruct
@@ -607,34 +606,12 @@ def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, g
             geos.setdefault((kv_bytes, *geo.key), geo)
     q = sds((t, group * hkv, d), jnp.bfloat16)
     idx = sds((t, w), jnp.int32)
-    cu, kl = sds((3,), jnp.int32), sds((2,), jnp.int32)
-    r2t, ri = sds((4, 2048), jnp.int32), sds((2,), jnp.int32)
-
-    def ordinary(q, k, v, idx, cu, *, geometry):
-        return P.sparse_prefill(q, k, v, idx, cu, q.shape[0], interpret=False, geometry=geometry)
-
-    def chunk(q, k, v, idx, cq, ck, kl, *, geometry):
-        return P.sparse_prefill_chunk(q, k, v, idx, cq, ck, kl, q.shape[0], interpret=False,
-                                      geometry=geometry)
-
-    def paged(q, k, v, r2t, ri, idx, cq, kl, *, geometry):
-        return P.sparse_prefill_paged(q, k, v, r2t, ri, idx, cq, kl, q.shape[0],
-                                      interpret=False, geometry=geometry)
 
     cases = []
     for (kv_bytes, *_), geo in geos.items():
         tag = f"ht{geo.block_m}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}"
-        name = "fp8" if kv_bytes == 1 else "bf16"
-        pool = sds((4096, hkv, d), jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16)
-        if kv_bytes == 2:
-            kv = sds((t, hkv, d), jnp.bfloat16)
-            cases.append((f"pallas_prefill_ordinary_bf16_{tag}",
-                          functools.partial(ordinary, geometry=geo), (q, kv, kv, idx, cu)))
-        cases.append((f"pallas_prefill_chunk_{name}_{tag}",
-                      functools.partial(chunk, geometry=geo), (q, pool, pool, idx, cu, cu, kl)))
-        cases.append((f"pallas_prefill_paged_{name}_{tag}",
-                      functools.partial(paged, geometry=geo),
-                      (q, pool, pool, r2t, ri, idx, cu, kl)))
+        cases += _prefill_kind_cases("pallas_prefill", tag, kv_bytes, geo, q, idx, t, hkv, d,
+                                     blocks=False)
     return cases
 
 
@@ -654,43 +631,64 @@ def pallas_prefill_union_cases(kind: str, *, head_dim: int = 256, rows: int = 64
 
     from interop.arch import DeviceFacts  # noqa: PLC0415
     from interop.geometry import all_union_configs  # noqa: PLC0415
-    from qsa_pallas import prefill as P  # noqa: PLC0415
 
     facts = DeviceFacts.from_device_kind(kind)
     sds = jax.ShapeDtypeStruct
     d, t, hkv = head_dim, rows, 1
     bidx = sds((t, blocks), jnp.int32)
-    cu, kl = sds((3,), jnp.int32), sds((2,), jnp.int32)
-    r2t, ri = sds((4, 2048), jnp.int32), sds((2,), jnp.int32)
-
-    def ordinary(q, k, v, bidx, cu, *, geometry):
-        return P.sparse_prefill(q, k, v, None, cu, q.shape[0], interpret=False,
-                                geometry=geometry, block_indices=bidx)
-
-    def chunk(q, k, v, bidx, cq, ck, kl, *, geometry):
-        return P.sparse_prefill_chunk(q, k, v, None, cq, ck, kl, q.shape[0], interpret=False,
-                                      geometry=geometry, block_indices=bidx)
-
-    def paged(q, k, v, r2t, ri, bidx, cq, kl, *, geometry):
-        return P.sparse_prefill_paged(q, k, v, r2t, ri, None, cq, kl, q.shape[0],
-                                      interpret=False, geometry=geometry, block_indices=bidx)
 
     cases = []
     for kv_bytes, geo in all_union_configs(facts.arch, head_dim=d):
         q = sds((t, (geo.head_tile // geo.tile_rows) * hkv, d), jnp.bfloat16)
         tag = (f"R{geo.tile_rows}_m{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}"
                f"_s{geo.num_stages}")
-        name = "fp8" if kv_bytes == 1 else "bf16"
-        pool = sds((4096, hkv, d), jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16)
-        if kv_bytes == 2:
-            kv = sds((t, hkv, d), jnp.bfloat16)
-            cases.append((f"pallas_prefill_union_ordinary_bf16_{tag}",
-                          functools.partial(ordinary, geometry=geo), (q, kv, kv, bidx, cu)))
-        cases.append((f"pallas_prefill_union_chunk_{name}_{tag}",
-                      functools.partial(chunk, geometry=geo), (q, pool, pool, bidx, cu, cu, kl)))
-        cases.append((f"pallas_prefill_union_paged_{name}_{tag}",
-                      functools.partial(paged, geometry=geo),
-                      (q, pool, pool, r2t, ri, bidx, cu, kl)))
+        cases += _prefill_kind_cases("pallas_prefill_union", tag, kv_bytes, geo, q, bidx, t, hkv,
+                                     d, blocks=True)
+    return cases
+
+
+def _prefill_kind_cases(prefix: str, tag: str, kv_bytes: int, geo, q, ids, t: int, hkv: int,
+                        d: int, *, blocks: bool) -> list[tuple[str, Callable, tuple]]:
+    """The ordinary (bf16 only), chunk and paged Pallas prefill cases of one geometry, the
+    selection passed as token ``indices`` or as ``block_indices`` (``blocks``)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from qsa_pallas import prefill as P  # noqa: PLC0415
+
+    sds = jax.ShapeDtypeStruct
+    cu, kl = sds((3,), jnp.int32), sds((2,), jnp.int32)
+    r2t, ri = sds((4, 2048), jnp.int32), sds((2,), jnp.int32)
+
+    def sel(ids):  # (indices, keywords) of the entry point
+        return (None, {"block_indices": ids}) if blocks else (ids, {})
+
+    def ordinary(q, k, v, ids, cu, *, geometry):
+        i, kw = sel(ids)
+        return P.sparse_prefill(q, k, v, i, cu, q.shape[0], interpret=False, geometry=geometry,
+                                **kw)
+
+    def chunk(q, k, v, ids, cq, ck, kl, *, geometry):
+        i, kw = sel(ids)
+        return P.sparse_prefill_chunk(q, k, v, i, cq, ck, kl, q.shape[0], interpret=False,
+                                      geometry=geometry, **kw)
+
+    def paged(q, k, v, r2t, ri, ids, cq, kl, *, geometry):
+        i, kw = sel(ids)
+        return P.sparse_prefill_paged(q, k, v, r2t, ri, i, cq, kl, q.shape[0],
+                                      interpret=False, geometry=geometry, **kw)
+
+    name = "fp8" if kv_bytes == 1 else "bf16"
+    pool = sds((4096, hkv, d), jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16)
+    cases = []
+    if kv_bytes == 2:
+        kv = sds((t, hkv, d), jnp.bfloat16)
+        cases.append((f"{prefix}_ordinary_bf16_{tag}", functools.partial(ordinary, geometry=geo),
+                      (q, kv, kv, ids, cu)))
+    cases.append((f"{prefix}_chunk_{name}_{tag}", functools.partial(chunk, geometry=geo),
+                  (q, pool, pool, ids, cu, cu, kl)))
+    cases.append((f"{prefix}_paged_{name}_{tag}", functools.partial(paged, geometry=geo),
+                  (q, pool, pool, r2t, ri, ids, cu, kl)))
     return cases
 
 
