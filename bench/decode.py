@@ -474,7 +474,7 @@ def _upstream_supports(desc: dict) -> str | None:
 
 #: the sweep's ``paged[NAME]``: the names of ``qsa_triton.decode_paged._VARIANTS`` (private; listed
 #: here so that no kernel module is imported before --smoke-cpu turns the interpreter on)
-SWEEP_VARIANTS = ("base", "s7", "ahead", "s7-pdl", "ahead-pdl", "s7-fp8bn64")
+SWEEP_VARIANTS = ("base", "s7", "ahead", "s7-pdl", "ahead-pdl", "s7-fp8bn64", "fp8-qdtype")
 
 
 POOL_PROVIDERS = {p.name: p for p in (

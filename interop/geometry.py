@@ -64,6 +64,7 @@ __all__ = [
     "UNION_RULES",
     "select_prefill_blocks",
     "fit_union",
+    "max_union_entries",
     "all_union_configs",
 ]
 
@@ -375,21 +376,21 @@ class UnionGeometry:
                 self.num_stages)
 
 
-#: The selector's data (``select_prefill_blocks``). Initial values from the design, to be
-#: confirmed by ``bench/prefill_union.py`` on the H200 and recorded in bench/NOTES.md:
+#: The selector's data (``select_prefill_blocks``; measurements in bench/NOTES.md, "Tile-union"):
 #:   * ``q_rows``: the Q tile the union kernel aims for, R x next_pow2(G) = 64 rows (one wgmma M
-#:     tile on sm_90; 4 mma.sync M tiles on sm_12x): G = 12 -> R = 4, G = 6 -> R = 8;
+#:     tile on sm_90; 4 mma.sync M tiles on sm_12x): G = 12 -> R = 4, G = 6 -> R = 8; a
+#:     128-row tile (R doubled) lost on the H200 (the union grows with R, the dots do not speed up);
 #:   * ``max_tile_rows``: R <= 8 keeps the causal-tail step in one BLOCK_N >= 16 chunk
 #:     (R + 3 tokens) and the union's sort at R x 512 keys;
 #:   * ``min_rows_per_request``: below 2 rows per request (decode-like batches) a tile has one
 #:     row and the per-row kernel is the same work without the union build;
 #:   * ``min_overlap``: an engine that knows its selections barely overlap (neighbour Jaccard
-#:     below this) passes ``overlap=`` and gets the per-row kernel: a tile of R unrelated rows
-#:     gathers as many rows as R programs but runs R-times larger dots;
+#:     below this) passes ``overlap=`` and gets the per-row kernel without the union build;
 #:   * ``max_sort_keys``: R x next_pow2(NB) keys sorted in one program's registers;
-#:   * ``tile``: (BLOCK_N, num_warps, num_stages) by arch: BLOCK_N 32 (4 union blocks) with 8
-#:     warps holds the [64, D] FP32 accumulator in 64 registers per thread at D = 256; 2 stages
-#:     fit sm_12x's 101,376 B (``interop.plan.smem_bytes``).
+#:   * ``max_union_work``: the per-tile switch to row-by-row work (``max_union_entries``);
+#:   * ``tile``: (BLOCK_N, num_warps, num_stages) by arch: BLOCK_N 32 (4 union blocks), 4 warps
+#:     (one warpgroup owns the 64-row tile; 8 warps split it and ran 1.5-2x slower on the H200),
+#:     2 stages fit sm_12x's 101,376 B (``interop.plan.smem_bytes``).
 #: The ``block_indices`` / ``overlap`` arguments as every prefill entry point of both backends
 #: documents them (substituted for ``BLOCKS_DOC`` in their docstrings).
 BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (pass ``indices=None``): int32
@@ -410,8 +411,20 @@ UNION_RULES = {
     "min_rows_per_request": 2,
     "min_overlap": 0.3,
     "max_sort_keys": 8192,
-    "tile": {"default": (32, 8, 2)},
+    "max_union_work": 1.5,
+    "tile": {"default": (32, 4, 2)},
 }
+
+
+def max_union_entries(geo: UnionGeometry, block_width: int, row_tile: int) -> int:
+    """Largest union (entries) for which a tile runs the union path; past it the tile's rows run
+    one at a time over their own blocks. Rule: the union path's padded dot work |union| x
+    head_tile must stay within ``UNION_RULES['max_union_work']`` times the rows' own,
+    R x NB x ``row_tile`` (the per-row Q tile, next_pow2(G) padded to 16 rows). Decided per tile
+    on the device from the union's length, so random selections cost about the per-row work
+    plus the build, and overlapping ones take the union."""
+    return int(UNION_RULES["max_union_work"] * geo.tile_rows * int(block_width) * row_tile
+               // geo.head_tile)
 
 
 def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, requests: int,

@@ -59,6 +59,7 @@ from interop.arch import DeviceFacts
 from interop.contract import ContractError, check_decode_paged, route
 from interop.plan import PAGED_MAX_SPLITS, PagedDecodePlan, next_pow2, plan_decode_paged
 
+from ._fp8 import fp16_query
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
 from .decode import _TRITON_PDL, _pdl_supported
 
@@ -111,6 +112,7 @@ _VARIANTS: dict[str, dict] = {
     "s7-pdl": {"num_stages": 7, "pdl": True},
     "ahead-pdl": {"ahead": True, "num_stages": 3, "pdl": True},
     "s7-fp8bn64": {"num_stages": 7, "fp8_block_n": 64},
+    "fp8-qdtype": {"fp8_qdtype": True},
 }
 _DEFAULT_VARIANT = "base"
 _PLAN_FIELDS = ("num_stages", "block_n", "num_warps")
@@ -158,7 +160,7 @@ def _paged_split_kernel(
     R, HQ, HKV, W, MAX_REQS, MAX_CTX, SLOTS, SPLITS,
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, OFF64: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-    AHEAD: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    AHEAD: tl.constexpr = False, USE_PDL: tl.constexpr = False, FP16_FP8: tl.constexpr = True,
 ):
     if USE_PDL:
         # Programmatic Dependent Launch: this grid may start before the previous kernel on the
@@ -189,6 +191,8 @@ def _paged_split_kernel(
     heads = (h * G + offs_m).to(tl.int64)
     q = tl.load(q_ptr + r.to(tl.int64) * stride_qr + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=m_ok[:, None], other=0.0)
+    if FP16_FP8 and k_ptr.dtype.element_ty == tl.float8e4nv:
+        q, qk_scale = fp16_query(q, qk_scale)  # the dots in fp16 (qsa_triton._fp8)
     k_head = k_ptr + h.to(tl.int64) * stride_kh
     v_head = v_ptr + h.to(tl.int64) * stride_vh
 
@@ -320,12 +324,12 @@ def _with_variant(plan: PagedDecodePlan, variant: str | None, device: torch.devi
         fields["block_n"] = over["fp8_block_n"]
     plan = dataclasses.replace(plan, **fields) if fields else plan
     pdl = bool(over.get("pdl")) and _pdl_supported(device)
-    return plan, bool(over.get("ahead")), pdl
+    return plan, bool(over.get("ahead")), pdl, not over.get("fp8_qdtype")
 
 
 def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, softmax_scale,
             k_scale, v_scale, plan: PagedDecodePlan, variant: str | None = None) -> torch.Tensor:
-    plan, ahead, pdl = _with_variant(plan, variant, q.device, k_cache.element_size())
+    plan, ahead, pdl, f16 = _with_variant(plan, variant, q.device, k_cache.element_size())
     r, hq, d = q.shape
     hkv = k_cache.shape[1]
     w = indices.shape[-1]
@@ -352,8 +356,8 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
             req_to_token.stride(0),
             r, hq, hkv, w, req_to_token.shape[0], req_to_token.shape[1], k_cache.shape[0], splits,
             G=hq // hkv, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n, DIRECT=direct, OFF64=off64,
-            SKIP_EMPTY=SKIP_EMPTY_CHUNKS, AHEAD=ahead, USE_PDL=pdl, num_warps=plan.num_warps,
-            num_stages=plan.num_stages, **pdl_kw,
+            SKIP_EMPTY=SKIP_EMPTY_CHUNKS, AHEAD=ahead, USE_PDL=pdl, FP16_FP8=f16,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
         if not direct:
             sp2 = max(2, next_pow2(splits))

@@ -65,6 +65,7 @@ from interop.geometry import (BLOCK_INDICES_DOC, Geometry, UnionGeometry, geomet
 from interop.plan import LOG2E, next_pow2
 
 from . import prefill_union as PU
+from ._fp8 import fp16_query
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
 
 __all__ = [
@@ -118,6 +119,8 @@ def _prefill_row(
     heads = (h * G + offs_m).to(tl.int64)
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=head_ok[:, None], other=0.0)
+    if k_ptr.dtype.element_ty == tl.float8e4nv:
+        q, qk_scale = fp16_query(q, qk_scale)  # FP8 K/V: the dots in fp16 (qsa_triton._fp8)
     idx_row = idx_ptr + row * stride_it + h * stride_ih
     k_head = k_ptr + h * stride_kh
     v_head = v_ptr + h * stride_vh

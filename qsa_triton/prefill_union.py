@@ -51,9 +51,11 @@ import torch
 import triton
 import triton.language as tl
 
-from interop.geometry import UnionGeometry
+from interop.geometry import UnionGeometry, max_union_entries
 from interop.indices import RATIO
 from interop.plan import LOG2E, next_pow2
+
+from ._fp8 import fp16_query
 
 __all__ = ["build_block_union", "expand_blocks", "union_launch", "union_slots"]
 
@@ -174,17 +176,70 @@ def _union_step(q, acc, m_i, l_i, tok, tok_ok, member, kv_base, table_row, bound
 
 
 @triton.jit
+def _rows_of_tile(q_ptr, o_ptr, bidx_ptr, k_head, v_head, table_row, kv_base, bound, pool_slots,
+                  qk_scale, v_scale, NB, jt, q_start, q_len, q_used, kv_len, T, h, uh,
+                  stride_qt, stride_qh, stride_kn, stride_vn, stride_ot, stride_oh, stride_bt,
+                  stride_bh, G: tl.constexpr, R: tl.constexpr, HR: tl.constexpr,
+                  D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+                  OFF64: tl.constexpr):
+    """The tile's rows one at a time, each over its own block ids (the per-row kernel's work,
+    read from ``block_indices`` directly: module docstring, 3), then its causal tail."""
+    BLOCK_U: tl.constexpr = BLOCK_N // 4
+    offs_r = tl.arange(0, HR)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    sub = offs_n % 4
+    ent = offs_n // 4
+    heads = (h * G + offs_r).to(tl.int64)
+    nb_pad = tl.cdiv(NB, BLOCK_U) * BLOCK_U
+    for i in range(0, R):
+        rr = jt * R + i
+        row = q_start + rr
+        live = (rr >= 0) & (rr < q_used) & (row >= 0) & (row < T)
+        row64 = tl.where(live, row, 0).to(tl.int64)  # dead rows read row 0, store nothing
+        vis = tl.where(live, tl.maximum(rr + kv_len - q_len + 1, 0), 0)
+        n_vis = vis // 4
+        h_ok = offs_r < tl.where(live, G, 0)
+        q = tl.load(q_ptr + row64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_ok[:, None], other=0.0)
+        qk = qk_scale
+        if k_head.dtype.element_ty == tl.float8e4nv:
+            q, qk = fp16_query(q, qk_scale)
+        brow = bidx_ptr + row64 * stride_bt + uh * stride_bh
+        m_i = tl.full([HR], float("-inf"), tl.float32)
+        l_i = tl.zeros([HR, BLOCK_N], tl.float32)
+        acc = tl.zeros([HR, D], tl.float32)
+        for c in range(0, nb_pad + BLOCK_U, BLOCK_U):  # the last step: the causal tail
+            e = c + ent
+            g = tl.load(brow + e, mask=e < NB, other=-1)
+            tail = c >= nb_pad
+            tok = tl.where(tail, 4 * n_vis + offs_n, g * 4 + sub)
+            tok_ok = tl.where(tail, tok < vis, (e < NB) & (g >= 0) & (g < n_vis))
+            acc, m_i, l_i = _union_step(q, acc, m_i, l_i, tok, tok_ok,
+                                        h_ok[:, None] & tok_ok[None, :], kv_base, table_row,
+                                        bound, pool_slots, k_head, v_head, stride_kn, stride_vn,
+                                        qk, D, MODE, OFF64)
+        l_sum = tl.sum(l_i, 1)
+        has = l_sum > 0.0
+        out = acc * tl.where(has, v_scale / tl.where(has, l_sum, 1.0), 0.0)[:, None]
+        tl.store(o_ptr + row64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+@triton.jit
 def _qsa_prefill_union_fwd(
-    q_ptr, k_ptr, v_ptr, o_ptr, ublk_ptr, umem_ptr, ulen_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, ublk_ptr, umem_ptr, ulen_ptr, bidx_ptr,
     cu_q_ptr, cu_k_ptr, kv_lens_ptr, r2t_ptr, req_idx_ptr,
-    qk_scale, v_scale, T, n_req, max_reqs, max_context, pool_slots,
+    qk_scale, v_scale, T, n_req, max_reqs, max_context, pool_slots, NB, max_union,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
-    stride_us, stride_uh, stride_ls, stride_rt,
+    stride_us, stride_uh, stride_ls, stride_rt, stride_bt, stride_bh,
     PER_HEAD: tl.constexpr, G: tl.constexpr, HT: tl.constexpr, R: tl.constexpr,
     M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-    OFF64: tl.constexpr, BP: tl.constexpr,
+    OFF64: tl.constexpr, BP: tl.constexpr, HR: tl.constexpr,
 ):
-    """Attention of one tile (R rows x G heads) and one KV head over its union (docstring, 2)."""
+    """Attention of one tile (R rows x G heads) and one KV head over its union (docstring, 2),
+    or row by row over each row's own blocks when the union has more than ``max_union`` entries
+    (docstring, 3)."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     BLOCK_U: tl.constexpr = BLOCK_N // 4
@@ -217,19 +272,27 @@ def _qsa_prefill_union_fwd(
     vis = tl.maximum(row_rel + kv_len - q_len + 1, 0)
     row64 = row.to(tl.int64)
     heads = (h * G + g).to(tl.int64)
-    q = tl.load(q_ptr + row64[:, None] * stride_qt + heads[:, None] * stride_qh
-                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     k_head = k_ptr + h * stride_kh
     v_head = v_ptr + h * stride_vh
     uh = h if PER_HEAD else 0
     ubase = slot.to(tl.int64) * stride_us + uh * stride_uh
     n_u = tl.where(q_used > 0, tl.load(ulen_ptr + slot * stride_ls + uh), 0)
+    sub = offs_n % 4
+    ent = offs_n // 4
+    if n_u > max_union:
+        _rows_of_tile(q_ptr, o_ptr, bidx_ptr, k_head, v_head, table_row, kv_base, bound,
+                      pool_slots, qk_scale, v_scale, NB, jt, q_start, q_len, q_used, kv_len, T,
+                      h, uh, stride_qt, stride_qh, stride_kn, stride_vn, stride_ot, stride_oh,
+                      stride_bt, stride_bh, G, R, HR, D, BLOCK_N, MODE, OFF64)
+        return
+    q = tl.load(q_ptr + row64[:, None] * stride_qt + heads[:, None] * stride_qh
+                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if k_ptr.dtype.element_ty == tl.float8e4nv:
+        q, qk_scale = fp16_query(q, qk_scale)  # FP8 K/V: the dots in fp16 (qsa_triton._fp8)
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M, BLOCK_N], tl.float32)  # row sums reduced once at the end (prefill.py)
     acc = tl.zeros([M, D], tl.float32)
-    sub = offs_n % 4
-    ent = offs_n // 4
     # causal tails: row i attends [4 * (vis_i // 4), vis_i); for R consecutive rows these lie in
     # [4 * (vis_0 // 4), vis_last), at most R + 3 <= BLOCK_N positions: one extra step, the
     # loop's last (a separate step after the loop doubled the registers and stopped the
@@ -407,15 +470,18 @@ def union_launch(mode: int, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_
     r2t = req_to_token if paged else cu_q
     max_reqs, max_context = (req_to_token.shape if paged else (1, 1))
     s = ulen.shape[0]
+    nb = block_indices.shape[-1]
+    hr = max(16, ht)
     _qsa_prefill_union_fwd[(s, hkv)](
-        q, k, v, out, ublk, umem, ulen, cu_q, cu_k, kv_lens, r2t,
+        q, k, v, out, ublk, umem, ulen, block_indices, cu_q, cu_k, kv_lens, r2t,
         req_indices if paged else cu_q,
         float(scale) * float(k_scale) * LOG2E, float(v_scale), t, n_req, max_reqs, max_context,
-        min(int(k.shape[0]), 2**31 - 1),
+        min(int(k.shape[0]), 2**31 - 1), nb, max_union_entries(geo, nb, hr),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), ublk.stride(0), ublk.stride(1), ulen.stride(0),
-        r2t.stride(0) if paged else 0,
+        r2t.stride(0) if paged else 0, block_indices.stride(0),
+        block_indices.stride(1) if block_indices.dim() == 3 else 0,
         PER_HEAD=block_indices.dim() == 3, G=group, HT=ht, R=r, M=geo.head_tile, D=d,
-        BLOCK_N=geo.block_n, MODE=mode, OFF64=off64, BP=next_pow2(n_req + 1),
+        BLOCK_N=geo.block_n, MODE=mode, OFF64=off64, BP=next_pow2(n_req + 1), HR=hr,
         num_warps=geo.num_warps, num_stages=geo.num_stages)
     return out
