@@ -43,7 +43,7 @@ __all__ = [
     "gpu_conformance_matrix", "by_name", "ENTRY", "PARAMS", "CaseData", "case_data",
     "empty_outputs", "slot_table_of", "reference", "compare", "BENCH_DECODE_BATCHES", "BENCH_DECODE_ROWS",
     "BENCH_PREFILL_ROWS", "BENCH_PREFILL_KV", "PagedSpec", "IndexerSpec", "StepSpec",
-    "INDEX_ENTRIES",
+    "INDEX_ENTRIES", "KW_DEFAULTS", "ENTRY_OP",
 ]
 
 RTOL = ATOL = 2e-2
@@ -158,7 +158,8 @@ class PagedSpec:
       rows_per_request: MTP verify rows per request (each its own length). dtype / kv_dtype /
       k_scale / v_scale: as ``PrefillSpec``. page_size: pool page (64, or 1: scattered slots).
       junk / junk_at / n_junk / duplicates / empty_rows / per_head: ``paged_decode_case``'s
-      options. pool_slots: None -> twice the slots needed.
+      options. pool_slots: None -> twice the slots needed. batch_invariant: the entry point's
+      ``batch_invariant`` argument.
     """
 
     name: str
@@ -180,6 +181,7 @@ class PagedSpec:
     empty_rows: tuple[int, ...] = ()
     per_head: bool = False
     pool_slots: int | None = None
+    batch_invariant: bool = False
     seed: int = 0
     op: str = "paged"
 
@@ -505,7 +507,8 @@ PARAMS = {
                               "cu_seqlens_q", "kv_lens", "max_seqlen_q"),
                              ("softmax_scale", "k_scale", "v_scale")),
     "sparse_decode_paged": (("q", "k_cache", "v_cache", "req_to_token", "req_indices", "indices",
-                             "seq_lens"), ("softmax_scale", "k_scale", "v_scale")),
+                             "seq_lens"), ("softmax_scale", "k_scale", "v_scale",
+                                           "batch_invariant")),
     # the indexer's and the step's topk is keyword-only: passed by name
     "indexer_select_decode": (("q", "k_cache", "page_table", "seq_lens"), ("topk",)),
     "indexer_select_prefill": (("q", "k", "row_starts", "row_ends", "positions", "seq_lens"),
@@ -517,6 +520,15 @@ PARAMS = {
                           "index_k", "index_cu_seqlens_k", "cu_seqlens_q", "kv_lens",
                           "max_seqlen_q"), ("softmax_scale", "k_scale", "v_scale", "topk")),
 }
+#: the default of every keyword parameter in ``PARAMS`` (the entry points' signatures)
+KW_DEFAULTS = {"softmax_scale": None, "k_scale": 1.0, "v_scale": 1.0, "batch_invariant": False,
+               "topk": I.BLOCK_TOPK}
+#: the ``qsa check`` operation (``OPS``) of each entry point
+ENTRY_OP = {"sparse_decode": "decode", "sparse_prefill": "prefill",
+            "sparse_prefill_chunk": "prefill", "sparse_prefill_paged": "prefill",
+            "sparse_decode_paged": "paged", "indexer_select_decode": "indexer",
+            "indexer_select_prefill": "indexer", "qsa_decode_step": "step",
+            "qsa_prefill_step": "step"}
 #: entry points whose output is int32 token positions (judged by exact equality)
 INDEX_ENTRIES = ("indexer_select_decode", "indexer_select_prefill")
 
@@ -751,6 +763,8 @@ def _quick_new_ops(ops: Sequence[str], dtype: str) -> list[Spec]:
               kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=1.5, per_head=True, empty_rows=(1,),
               page_size=1, seed=3),
             P("paged/TP2/D256/W35", 12, 1, 256, (33, 12), width=35, dtype=dtype, seed=4),
+            P("paged/TP1/batch-invariant/W35", 24, 2, 64, (20, 0, 45), width=35, dtype=dtype,
+              batch_invariant=True, seed=5),
         ]
     if "indexer" in ops:
         X = IndexerSpec  # noqa: N806
@@ -804,6 +818,8 @@ def _full_new_ops(ops: Sequence[str], dtype: str) -> list[Spec]:
             P("paged/TP4/junk+dup+empty/B24", 6, 1, 256, tuple(range(100, 2500, 100)), dtype=dtype,
               junk=("-1", "-7", "len", "len+19"), junk_at=("front", "middle", "end"),
               duplicates=5, empty_rows=(0, 7), seed=7),
+            P("paged/TP1/batch-invariant/B32", 24, 2, 256, tuple(range(1, 4097, 128)),
+              dtype=dtype, batch_invariant=True, seed=8),
         ]
     if "indexer" in ops:
         rng = np.random.default_rng(2027)
@@ -860,8 +876,8 @@ def _paged_data(spec: PagedSpec) -> CaseData:
     poison = np.broadcast_to(~c.owned[:, None], (c.pool_slots, spec.hkv)).copy()
     return CaseData(spec, "sparse_decode_paged",
                     {"q": ((r, spec.hq, spec.d), spec.dtype), "k_cache": kv, "v_cache": kv}, ints,
-                    {"softmax_scale": None, "k_scale": spec.k_scale, "v_scale": spec.v_scale},
-                    poison if poison.any() else None,
+                    {"softmax_scale": None, "k_scale": spec.k_scale, "v_scale": spec.v_scale,
+                     "batch_invariant": spec.batch_invariant}, poison if poison.any() else None,
                     empty_outputs("sparse_decode_paged", ints, spec.hq, spec.hkv, c.pool_slots))
 
 

@@ -677,9 +677,10 @@ def _cmd_capture(args) -> int:
         print(textwrap.fill(", ".join(s.name for s in quick), width=100, initial_indent="  ",
                             subsequent_indent="  ", break_on_hyphens=False), file=sys.stderr)
         return 2
-    if spec.op not in ("decode", "prefill"):
+    ops = sorted({CAP.ENTRY_OP[e] for e in CAP.ENTRIES})
+    if spec.op not in ops:
         print(f"qsa capture: case {args.case!r} is a {spec.op!r} case; capture files hold the "
-              "attention entry points (decode, prefill cases) only", file=sys.stderr)
+              f"attention entry points ({', '.join(ops)} cases) only", file=sys.stderr)
         return 2
     impls = {i.name: i for i in load_check_implementations(interpret)}
     impl = impls.get(args.impl)
