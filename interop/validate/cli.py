@@ -78,7 +78,7 @@ def _split_list(text: str | None) -> list[str]:
 # qsa contract
 def _cmd_contract(args) -> int:
     from interop.arch import KNOWN_ARCHS, DeviceFacts, parse_arch, arch_name  # noqa: PLC0415
-    from interop.contract import QUALIFIED, envelope_text, route  # noqa: PLC0415
+    from interop.contract import QUALIFIED, route  # noqa: PLC0415
 
     if args.arch:
         names = []
@@ -96,24 +96,24 @@ def _cmd_contract(args) -> int:
     else:
         names = list(KNOWN_ARCHS)
 
+    print_table("Qualified envelope per entry point (qsa-contract.md §2-4b, "
+                "interop.contract.envelope_text)", ("op", "entry points", "envelope"),
+                envelope_rows())
     pairs = ", ".join(f"({a},{b})" for a, b in QUALIFIED["head_pairs"])
     ppairs = ", ".join(f"({a},{b})" for a, b in QUALIFIED["prefill_head_pairs"])
-    env_rows = [
-        ("decode", "sparse_decode", envelope_text("sparse_decode")),
-        ("prefill", "sparse_prefill / _chunk / _paged", envelope_text("sparse_prefill")),
-    ]
-    print_table("Qualified envelope (qsa-contract.md §2-3)", ("op", "entry points", "envelope"),
-                env_rows)
+    (rlo, rhi), (wlo, whi) = QUALIFIED["paged_rows"], QUALIFIED["paged_width"]
     mode_rows = [
-        ("dtype", "bf16 | fp16 (chunk/paged K/V also fp8 e4m3)", "same"),
+        ("dtype", "bf16 | fp16 (chunk/paged K/V and the decode pool also fp8 e4m3)", "same"),
         ("head dim D", "power of two 32..256", f"D = {QUALIFIED['head_dim']}"),
         ("(Hq, Hkv)", "Hkv divides Hq, group <= 16",
          f"decode {{{pairs}}}; prefill {{{ppairs}}}"),
         ("batch B (decode)", "B >= 1", f"{QUALIFIED['batch'][0]} <= B <= {QUALIFIED['batch'][1]}"),
+        ("rows R (paged decode)", "R >= 1", f"{rlo} <= R <= {rhi}"),
         ("max_seqlen_k (decode)", ">= 1", f"1 .. {QUALIFIED['max_seqlen_k']}"),
         ("max_seqlen_q (decode)", "= 1", "= 1"),
         ("metadata", "int32, 1-D, length B+1 (kv_lens B), on q's device, contiguous", "same"),
-        ("indices", "int32 [T, W] or [T, Hkv, W], W >= 1", f"W = {QUALIFIED['index_width']} in production"),
+        ("indices", "int32 [T, W] or [T, Hkv, W], W >= 1",
+         f"W = {QUALIFIED['index_width']} in production; paged decode {wlo} <= W <= {whi}"),
     ]
     print_table("Checks: default mode vs --strict (interop.contract.check_*)",
                 ("item", "default mode (correctness)", "strict mode (qualified)"), mode_rows)
@@ -138,6 +138,18 @@ def _cmd_contract(args) -> int:
     if args.strict:
         return _contract_self_test()
     return 0
+
+
+def envelope_rows() -> list[tuple[str, str, str]]:
+    """(op, entry points, envelope) for every entry point of ``interop.cases.ENTRY_OP``, the
+    entry points that share one envelope (``interop.contract.envelope_text``) in one row."""
+    from interop.cases import ENTRY_OP  # noqa: PLC0415
+    from interop.contract import envelope_text  # noqa: PLC0415
+
+    groups: dict[tuple[str, str], list[str]] = {}
+    for entry, op in ENTRY_OP.items():
+        groups.setdefault((op, envelope_text(entry)), []).append(entry)
+    return [(op, " / ".join(entries), text) for (op, text), entries in groups.items()]
 
 
 def _contract_self_test() -> int:
