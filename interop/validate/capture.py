@@ -117,19 +117,6 @@ def _device_meta(t) -> tuple[str, str]:
     return arch_name((props.major, props.minor)), props.name
 
 
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    out = {"python": sys.version.split()[0]}
-    for pkg in ("torch", "triton", "jax", "qsa"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
 def save_capture(path, entry: str, values: dict, *, expected=None, model_revision: str = "",
                  producer: str = "", note: str = "") -> Path:
     """Write one call (inputs by parameter name, optional output) as a ``qsa-capture/1`` file.
@@ -147,6 +134,8 @@ def save_capture(path, entry: str, values: dict, *, expected=None, model_revisio
     """
     import torch  # noqa: PLC0415
     from safetensors.torch import save_file  # noqa: PLC0415
+
+    from .crosscheck import versions  # noqa: PLC0415
 
     if entry not in ENTRIES:
         raise ValueError(f"unknown entry point {entry!r}; known: {', '.join(ENTRIES)}")
@@ -175,7 +164,7 @@ def save_capture(path, entry: str, values: dict, *, expected=None, model_revisio
             "device": device, "rank_shape": _rank_shape(q, k), "model_revision": model_revision,
             "producer": producer, "note": note,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "versions": json.dumps(_versions())}
+            "versions": json.dumps(versions())}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=meta)

@@ -51,6 +51,21 @@ __all__ = [
     "ENTRY", "PARAMS",
 ]
 
+def versions() -> dict:
+    """Python's and the installed packages' versions (None: not installed), for JSON reports
+    and capture metadata."""
+    import sys  # noqa: PLC0415
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    out = {"python": sys.version.split()[0]}
+    for pkg in ("qsa", "numpy", "torch", "triton", "jax", "jaxlib"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
 def select_ops(text: str | None) -> tuple[str, ...]:
     """Parse ``--ops`` ("decode,prefill,paged,indexer,step"; None: all of them).
 
