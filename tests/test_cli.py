@@ -170,6 +170,9 @@ def test_compile_bad_arguments(capsys):
     assert "unknown arch" in capsys.readouterr().err
     assert cli.main(["compile", "--family", "cuda"]) == 2
     assert "allowed: triton, pallas" in capsys.readouterr().err
+    assert cli.main(["compile", "--family", "triton,pallas:union"]) == 2  # one kernel family
+    assert "unknown ['pallas:union']" in (err := capsys.readouterr().err)
+    assert "triton:decode" in err and "pallas:decode_paged" in err
     assert cli.main(["compile", "--jobs", "0"]) == 2
     assert "--jobs must be >= 1" in capsys.readouterr().err
 
