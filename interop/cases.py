@@ -30,6 +30,7 @@ Framework-free: numpy only.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Sequence
 
 import numpy as np
@@ -291,7 +292,11 @@ def _k(n: int) -> str:
 
 
 def full_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Spec]:
-    """The full matrix (GPU, compiled kernels): see the module docstring."""
+    """The full matrix (GPU, compiled kernels): see the module docstring. Paged decode, the
+    indexer and the step at production shapes (D = 256, W = 2051, the TP rank shapes, B up to
+    128; the indexer and the step at 4 x 128, topk 512, contexts to 32k, the step's pool shared
+    between requests so the FP64 reference stays small), a few batch sizes each: the numpy FP64
+    reference dominates the run time (the kernels' own GPU tests sweep the batch)."""
     cases: list[Spec] = []
     if "decode" in ops:
         for tp, (hq, hkv) in TP_SHAPES.items():
@@ -333,7 +338,67 @@ def full_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Sp
                     f"prefill/{kind}/fp8/G{g}xHkv{hkv}/kv32k", kind, g * hkv, hkv, 256, (4096,),
                     (32768,), dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5,
                     junk="len", seed=6))
-    return cases + _full_new_ops(ops, dtype)
+    # one generator per op: a case's shape does not depend on which ops were selected
+    rng = np.random.default_rng(2026)
+    if "paged" in ops:
+        for tp, (hq, hkv) in TP_SHAPES.items():
+            for b in (1, 64) + ((128,) if tp == "TP1" else ()):
+                ctx = rng.integers(1, 4097, size=b)
+                ctx[0] = 2051  # one saturated row
+                pool = (int((-(-ctx // 64)).sum()) + 2) * 64  # a tight pool: host FP64 copy
+                cases.append(PagedSpec(f"paged/{tp}/B{b}", hq, hkv, 256, tuple(int(c) for c in ctx),
+                                       dtype=dtype, pool_slots=pool, seed=b))
+        P = PagedSpec  # noqa: N806
+        cases += [
+            P("paged/TP1/mtp4/B32", 24, 2, 256, tuple(range(2000, 2032)), rows_per_request=4,
+              dtype=dtype, seed=5),
+            P("paged/TP2/fp8+per-head/B16", 12, 1, 256, tuple(range(3000, 3016)), dtype=dtype,
+              kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5, per_head=True, seed=6),
+            P("paged/TP4/junk+dup+empty/B24", 6, 1, 256, tuple(range(100, 2500, 100)), dtype=dtype,
+              junk=("-1", "-7", "len", "len+19"), junk_at=("front", "middle", "end"),
+              duplicates=5, empty_rows=(0, 7), seed=7),
+            P("paged/TP1/batch-invariant/B32", 24, 2, 256, tuple(range(1, 4097, 128)),
+              dtype=dtype, batch_invariant=True, seed=8),
+        ]
+    if "indexer" in ops:
+        rng = np.random.default_rng(2027)
+        X = IndexerSpec  # noqa: N806
+        for b, ctx in ((1, 32768), (16, 32768), (64, 8192), (128, 32768)):
+            lens = tuple(int(x) for x in np.clip(ctx - rng.integers(0, 97, size=b), 0, None))
+            cases.append(X(f"indexer/decode/B{b}/{_k(ctx)}", "decode", seq_lens=lens,
+                           dtype=dtype, seed=b))
+        cases += [
+            X("indexer/decode/edges/B9", "decode",
+              seq_lens=(0, 3, 2048, 2051, 2052, 4 * 16 * 3 + 7, 5003, 2801, 2403), dtype=dtype,
+              zero_q_rows=(7,), seed=11),
+            X("indexer/decode/fp8-keys/B16/32k", "decode", seq_lens=(32768,) * 16, dtype=dtype,
+              k_dtype="float8_e4m3fn", seed=12),
+            X("indexer/prefill/T1k/kv32k", "prefill", q_lens=(1024,), kv_lens=(32768,),
+              dtype=dtype, seed=13),
+            X("indexer/prefill/ragged", "prefill", q_lens=(20, 2, 18, 700), kv_lens=(2060, 3, 4101,
+                                                                                    9000),
+              dtype=dtype, seed=14),
+        ]
+    if "step" in ops:
+        rng = np.random.default_rng(2028)
+        S = StepSpec  # noqa: N806
+        for tp, (hq, hkv), batches in (("TP1", (24, 2), (1, 128)), ("TP2", (12, 1), (16, 64))):
+            for b in batches:
+                ctx = 32768 - rng.integers(0, 300, size=b)
+                cases.append(S(f"step/decode/{tp}/B{b}/32k", "decode", hq, hkv, 256,
+                               tuple(int(c) for c in ctx), dtype=dtype, pool_pages=2048,
+                               seed=b))
+        cases += [
+            S("step/decode/TP4/fp8/B32/mixed", "decode", 6, 1, 256,
+              tuple(int(c) for c in rng.integers(0, 40000, size=32)), dtype=dtype,
+              kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5, index_k_dtype="float8_e4m3fn",
+              pool_pages=2048, seed=21),
+            S("step/prefill/TP2/T512/kv32k", "prefill", 12, 1, 256, (32768,), q_lens=(512,),
+              dtype=dtype, pool_pages=2048, seed=22),
+            S("step/prefill/TP1/ragged", "prefill", 24, 2, 256, (2060, 3, 9000, 300),
+              q_lens=(20, 3, 200, 300), dtype=dtype, seed=23),
+        ]
+    return cases
 
 
 def quick_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Spec]:
@@ -342,8 +407,9 @@ def quick_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Sp
     Same kinds of cases as ``full_matrix`` at tiny sizes: the qualified head pairs, B 1..17,
     the three row patterns, zero-key rows and poisoned slack for decode; the three prefill
     variants with G 3/6/12 and Hkv 1/2, ragged batches, junk padding, empty rows, per-head
-    indices, FP8 K/V; two D = 256 cases. fp16 by default (the Triton interpreter mis-multiplies
-    bf16 dots).
+    indices, FP8 K/V; two D = 256 cases; paged decode, the indexer (4 x 128, topk 16, so rows
+    with more than 16 visible blocks really drop blocks) and the step at the same sizes. fp16 by
+    default (the Triton interpreter mis-multiplies bf16 dots).
     """
     cases: list[Spec] = []
     if "decode" in ops:
@@ -390,7 +456,44 @@ def quick_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Sp
             PrefillSpec("prefill/ordinary/W67/G6xHkv1", "ordinary", 6, 1, 64, (40,), width=67,
                         dtype=dtype, seed=9),
         ]
-    return cases + _quick_new_ops(ops, dtype) + edge_cases(ops, dtype=dtype)
+    if "paged" in ops:
+        P = PagedSpec  # noqa: N806
+        cases += [
+            P("paged/TP1/B3/W67", 24, 2, 64, (40, 7, 90), width=67, dtype=dtype, seed=1),
+            P("paged/TP2/mtp2+junk+dup/W35", 12, 1, 64, (30, 61), width=35, rows_per_request=2,
+              dtype=dtype, junk=("-7", "len", "len+19"), junk_at=("front", "middle"),
+              duplicates=2, seed=2),
+            P("paged/G6xHkv2/fp8+per-head+empty/W35", 12, 2, 64, (50, 3, 20), width=35, dtype=dtype,
+              kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=1.5, per_head=True, empty_rows=(1,),
+              page_size=1, seed=3),
+            P("paged/TP2/D256/W35", 12, 1, 256, (33, 12), width=35, dtype=dtype, seed=4),
+            P("paged/TP1/batch-invariant/W35", 24, 2, 64, (20, 0, 45), width=35, dtype=dtype,
+              batch_invariant=True, seed=5),
+        ]
+    if "indexer" in ops:
+        X = IndexerSpec  # noqa: N806
+        cases += [
+            X("indexer/decode/topk16", "decode", seq_lens=(0, 3, 64, 68, 71, 300, 1030, 2047),
+              topk=16, dtype=dtype, zero_q_rows=(6,), seed=5),
+            X("indexer/decode/fp8-keys/topk16", "decode", seq_lens=(131, 65, 500), topk=16,
+              dtype=dtype, k_dtype="float8_e4m3fn", junk="-1", seed=6),
+            X("indexer/prefill/topk16", "prefill", q_lens=(5, 20, 1), kv_lens=(5, 300, 77),
+              topk=16, dtype=dtype, zero_q_rows=(9,), seed=7),
+        ]
+    if "step" in ops:
+        S = StepSpec  # noqa: N806
+        cases += [
+            S("step/decode/TP2/topk16", "decode", 12, 1, 64, (0, 5, 70, 301, 1000), topk=16,
+              dtype=dtype, seed=8),
+            S("step/decode/TP1/fp8/shared-pages/topk16", "decode", 24, 2, 64, (260, 77, 999),
+              topk=16, dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.25,
+              index_k_dtype="float8_e4m3fn", pool_pages=9, seed=9),
+            S("step/prefill/G6xHkv1/topk16", "prefill", 6, 1, 64, (200, 3, 90), q_lens=(6, 3, 4),
+              topk=16, dtype=dtype, seed=10),
+            S("step/prefill/G12xHkv2/fp8/topk16", "prefill", 24, 2, 64, (150,), q_lens=(7,),
+              topk=16, dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0, seed=11),
+        ]
+    return cases + edge_cases(ops, dtype=dtype)
 
 
 def edge_cases(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Spec]:
@@ -746,122 +849,7 @@ def case_data(spec: Spec) -> CaseData:
 
 
 # --------------------------------------------------------------------------------------------
-# Paged decode, the indexer, the end-to-end step: matrices and case data.
-def _quick_new_ops(ops: Sequence[str], dtype: str) -> list[Spec]:
-    """CPU (interpret mode) cases of ``paged``, ``indexer`` and ``step``: tiny shapes (D = 64,
-    W = 35 or 67; the indexer at 4 x 128 with topk 16, so rows with more than 16 visible blocks
-    really drop blocks), fp16."""
-    cases: list[Spec] = []
-    if "paged" in ops:
-        P = PagedSpec  # noqa: N806
-        cases += [
-            P("paged/TP1/B3/W67", 24, 2, 64, (40, 7, 90), width=67, dtype=dtype, seed=1),
-            P("paged/TP2/mtp2+junk+dup/W35", 12, 1, 64, (30, 61), width=35, rows_per_request=2,
-              dtype=dtype, junk=("-7", "len", "len+19"), junk_at=("front", "middle"),
-              duplicates=2, seed=2),
-            P("paged/G6xHkv2/fp8+per-head+empty/W35", 12, 2, 64, (50, 3, 20), width=35, dtype=dtype,
-              kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=1.5, per_head=True, empty_rows=(1,),
-              page_size=1, seed=3),
-            P("paged/TP2/D256/W35", 12, 1, 256, (33, 12), width=35, dtype=dtype, seed=4),
-            P("paged/TP1/batch-invariant/W35", 24, 2, 64, (20, 0, 45), width=35, dtype=dtype,
-              batch_invariant=True, seed=5),
-        ]
-    if "indexer" in ops:
-        X = IndexerSpec  # noqa: N806
-        cases += [
-            X("indexer/decode/topk16", "decode", seq_lens=(0, 3, 64, 68, 71, 300, 1030, 2047),
-              topk=16, dtype=dtype, zero_q_rows=(6,), seed=5),
-            X("indexer/decode/fp8-keys/topk16", "decode", seq_lens=(131, 65, 500), topk=16,
-              dtype=dtype, k_dtype="float8_e4m3fn", junk="-1", seed=6),
-            X("indexer/prefill/topk16", "prefill", q_lens=(5, 20, 1), kv_lens=(5, 300, 77),
-              topk=16, dtype=dtype, zero_q_rows=(9,), seed=7),
-        ]
-    if "step" in ops:
-        S = StepSpec  # noqa: N806
-        cases += [
-            S("step/decode/TP2/topk16", "decode", 12, 1, 64, (0, 5, 70, 301, 1000), topk=16,
-              dtype=dtype, seed=8),
-            S("step/decode/TP1/fp8/shared-pages/topk16", "decode", 24, 2, 64, (260, 77, 999),
-              topk=16, dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.25,
-              index_k_dtype="float8_e4m3fn", pool_pages=9, seed=9),
-            S("step/prefill/G6xHkv1/topk16", "prefill", 6, 1, 64, (200, 3, 90), q_lens=(6, 3, 4),
-              topk=16, dtype=dtype, seed=10),
-            S("step/prefill/G12xHkv2/fp8/topk16", "prefill", 24, 2, 64, (150,), q_lens=(7,),
-              topk=16, dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0, seed=11),
-        ]
-    return cases
-
-
-def _full_new_ops(ops: Sequence[str], dtype: str) -> list[Spec]:
-    """GPU (compiled) cases of ``paged``, ``indexer`` and ``step`` at production shapes: D = 256,
-    W = 2051, the TP rank shapes, B up to 128; the indexer and the step at 4 x 128, topk 512,
-    contexts to 32k (the step's pool shared between requests so the FP64 reference stays small).
-    Few batch sizes each: the numpy FP64 attention reference dominates the run time (the
-    kernels' own GPU tests sweep the batch)."""
-    cases: list[Spec] = []
-    # one generator per op: a case's shape does not depend on which ops were selected
-    rng = np.random.default_rng(2026)
-    if "paged" in ops:
-        for tp, (hq, hkv) in TP_SHAPES.items():
-            for b in (1, 64) + ((128,) if tp == "TP1" else ()):
-                ctx = rng.integers(1, 4097, size=b)
-                ctx[0] = 2051  # one saturated row
-                pool = (int((-(-ctx // 64)).sum()) + 2) * 64  # a tight pool: host FP64 copy
-                cases.append(PagedSpec(f"paged/{tp}/B{b}", hq, hkv, 256, tuple(int(c) for c in ctx),
-                                       dtype=dtype, pool_slots=pool, seed=b))
-        P = PagedSpec  # noqa: N806
-        cases += [
-            P("paged/TP1/mtp4/B32", 24, 2, 256, tuple(range(2000, 2032)), rows_per_request=4,
-              dtype=dtype, seed=5),
-            P("paged/TP2/fp8+per-head/B16", 12, 1, 256, tuple(range(3000, 3016)), dtype=dtype,
-              kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5, per_head=True, seed=6),
-            P("paged/TP4/junk+dup+empty/B24", 6, 1, 256, tuple(range(100, 2500, 100)), dtype=dtype,
-              junk=("-1", "-7", "len", "len+19"), junk_at=("front", "middle", "end"),
-              duplicates=5, empty_rows=(0, 7), seed=7),
-            P("paged/TP1/batch-invariant/B32", 24, 2, 256, tuple(range(1, 4097, 128)),
-              dtype=dtype, batch_invariant=True, seed=8),
-        ]
-    if "indexer" in ops:
-        rng = np.random.default_rng(2027)
-        X = IndexerSpec  # noqa: N806
-        for b, ctx in ((1, 32768), (16, 32768), (64, 8192), (128, 32768)):
-            lens = tuple(int(x) for x in np.clip(ctx - rng.integers(0, 97, size=b), 0, None))
-            cases.append(X(f"indexer/decode/B{b}/{_k(ctx)}", "decode", seq_lens=lens,
-                           dtype=dtype, seed=b))
-        cases += [
-            X("indexer/decode/edges/B9", "decode",
-              seq_lens=(0, 3, 2048, 2051, 2052, 4 * 16 * 3 + 7, 5003, 2801, 2403), dtype=dtype,
-              zero_q_rows=(7,), seed=11),
-            X("indexer/decode/fp8-keys/B16/32k", "decode", seq_lens=(32768,) * 16, dtype=dtype,
-              k_dtype="float8_e4m3fn", seed=12),
-            X("indexer/prefill/T1k/kv32k", "prefill", q_lens=(1024,), kv_lens=(32768,),
-              dtype=dtype, seed=13),
-            X("indexer/prefill/ragged", "prefill", q_lens=(20, 2, 18, 700), kv_lens=(2060, 3, 4101,
-                                                                                    9000),
-              dtype=dtype, seed=14),
-        ]
-    if "step" in ops:
-        rng = np.random.default_rng(2028)
-        S = StepSpec  # noqa: N806
-        for tp, (hq, hkv), batches in (("TP1", (24, 2), (1, 128)), ("TP2", (12, 1), (16, 64))):
-            for b in batches:
-                ctx = 32768 - rng.integers(0, 300, size=b)
-                cases.append(S(f"step/decode/{tp}/B{b}/32k", "decode", hq, hkv, 256,
-                               tuple(int(c) for c in ctx), dtype=dtype, pool_pages=2048,
-                               seed=b))
-        cases += [
-            S("step/decode/TP4/fp8/B32/mixed", "decode", 6, 1, 256,
-              tuple(int(c) for c in rng.integers(0, 40000, size=32)), dtype=dtype,
-              kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5, index_k_dtype="float8_e4m3fn",
-              pool_pages=2048, seed=21),
-            S("step/prefill/TP2/T512/kv32k", "prefill", 12, 1, 256, (32768,), q_lens=(512,),
-              dtype=dtype, pool_pages=2048, seed=22),
-            S("step/prefill/TP1/ragged", "prefill", 24, 2, 256, (2060, 3, 9000, 300),
-              q_lens=(20, 3, 200, 300), dtype=dtype, seed=23),
-        ]
-    return cases
-
-
+# Paged decode, the indexer, the end-to-end step: case data.
 def _paged_data(spec: PagedSpec) -> CaseData:
     c = I.paged_decode_case(spec.context_lens, width=spec.width,
                             rows_per_request=spec.rows_per_request, pool_slots=spec.pool_slots,
@@ -1007,6 +995,18 @@ def slot_table_of(named: dict[str, Any]):
     return named["req_to_token"][rows.long() if hasattr(rows, "long") else np.asarray(rows, np.int64)]
 
 
+#: each entry point's FP64 reference (``interop.reference``): the same parameter names, less the
+#: host hints (max_seqlen_*) and the switches that leave the result unchanged (batch_invariant)
+_REFERENCES = {"sparse_decode": R.decode_reference, "sparse_prefill": R.prefill_reference,
+               "sparse_prefill_chunk": R.prefill_chunk_reference,
+               "sparse_prefill_paged": R.prefill_paged_reference,
+               "sparse_decode_paged": R.decode_paged_reference,
+               "indexer_select_decode": R.indexer_select_decode_reference,
+               "indexer_select_prefill": R.indexer_select_prefill_reference,
+               "qsa_decode_step": R.decode_step_reference,
+               "qsa_prefill_step": R.prefill_step_reference}
+
+
 def reference(entry: str, named: dict[str, Any]) -> np.ndarray:
     """The FP64 reference (``interop.reference``) of a call given by parameter name.
 
@@ -1023,41 +1023,11 @@ def reference(entry: str, named: dict[str, Any]) -> np.ndarray:
     Raises:
       ValueError: unknown entry point.
     """
-    n = dict(named)
-    sc, ks, vs = n.get("softmax_scale"), n.get("k_scale", 1.0), n.get("v_scale", 1.0)
-    if entry == "sparse_decode":
-        used = max(int(np.max(n["cu_seqlens_k"])), 0)  # rows past the last sequence are never read
-        return R.decode_reference(n["q"], n["k"][:used], n["v"][:used], n["cu_seqlens_q"],
-                                  n["cu_seqlens_k"], sc)
-    if entry == "sparse_prefill":
-        return R.prefill_reference(n["q"], n["k"], n["v"], n["indices"], n["cu_seqlens"], sc)
-    if entry == "sparse_prefill_chunk":
-        return R.prefill_chunk_reference(n["q"], n["k"], n["v"], n["indices"], n["cu_seqlens_q"],
-                                         n["cu_seqlens_k"], n["kv_lens"], sc, ks, vs)
-    if entry == "sparse_prefill_paged":
-        return R.prefill_paged_reference(n["q"], n["k_cache"], n["v_cache"], n["req_to_token"],
-                                         n["req_indices"], n["indices"], n["cu_seqlens_q"],
-                                         n["kv_lens"], sc, ks, vs)
-    if entry == "sparse_decode_paged":
-        return R.decode_paged_reference(n["q"], n["k_cache"], n["v_cache"], n["req_to_token"],
-                                        n["req_indices"], n["indices"], n["seq_lens"], sc, ks, vs)
-    topk = int(n.get("topk", I.BLOCK_TOPK))
-    if entry == "indexer_select_decode":
-        return R.indexer_select_decode_reference(n["q"], n["k_cache"], n["page_table"],
-                                                 n["seq_lens"], topk=topk)
-    if entry == "indexer_select_prefill":
-        return R.indexer_select_prefill_reference(n["q"], n["k"], n["row_starts"], n["row_ends"],
-                                                  n["positions"], n["seq_lens"], topk=topk)
-    if entry == "qsa_decode_step":
-        return R.decode_step_reference(n["q"], n["k_cache"], n["v_cache"], n["req_to_token"],
-                                       n["req_indices"], n["index_q"], n["index_k_cache"],
-                                       n["index_page_table"], n["seq_lens"], sc, ks, vs, topk=topk)
-    if entry == "qsa_prefill_step":
-        return R.prefill_step_reference(n["q"], n["k_cache"], n["v_cache"], n["req_to_token"],
-                                        n["req_indices"], n["index_q"], n["index_k"],
-                                        n["index_cu_seqlens_k"], n["cu_seqlens_q"], n["kv_lens"],
-                                        sc, ks, vs, topk=topk)
-    raise ValueError(f"unknown entry point {entry!r}; known: {', '.join(PARAMS)}")
+    fn = _REFERENCES.get(entry)
+    if fn is None:
+        raise ValueError(f"unknown entry point {entry!r}; known: {', '.join(PARAMS)}")
+    params = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in named.items() if k in params})
 
 
 def compare(out: np.ndarray, ref: np.ndarray, empty: np.ndarray | None = None,
