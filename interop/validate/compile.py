@@ -2,38 +2,21 @@
 sm_121 on a machine without a GPU, and check each against the arch's limits.
 
 The enumerations live here, not in the kernel modules (which hold kernels, launchers and entry
-points only); they import the backends' private kernel objects and constexpr builders lazily, so
-a list cannot drift from what a launch passes:
-
-* Triton decode (``triton_decode_configs``): the split kernel per distinct geometry the shipped
-  plan (``qsa_triton.decode.plan_for``: ``interop.plan.plan_decode`` with balance and one-block
-  splits, fitted to the arch's shared memory) picks for the qualified head pairs, B = 1..128 and
-  every SM count in ``interop.arch.KNOWN_PARTS``, in every launchable (merge inline / kernel,
-  LSE_ALL, PDL with the entry or the late trigger) combination, constexprs from
-  ``qsa_triton.decode._split_constexprs``; the merge kernel per split chunk, with and without PDL.
-* Triton prefill (``triton_prefill_configs``): the prefill kernel per geometry the shared
-  selector can return on the arch (``interop.geometry.all_configs``) and its tail launch, for
-  every variant the entry points launch (``PREFILL_VARIANTS``).
-* Tile-union prefill (family ``prefill_union``, block-level selections):
-  ``triton_prefill_union_configs`` (the union build kernel per tile height and the union
-  attention kernel per ``interop.geometry.all_union_configs`` geometry x ordinary / chunk /
-  paged) and ``pallas_prefill_union_cases`` (the same geometries through the Pallas entry points
-  with ``block_indices=``).
-* Paged decode (family ``decode_paged``): the lists ``qsa_triton.decode_paged.compile_configs``
-  and ``qsa_pallas.decode_paged.lowering_cases`` still keep beside their kernels.
-* Indexer (family ``indexer``): ``triton_indexer_configs`` (every pass-1 / merge kernel the
-  shared plan launches) and ``qsa_pallas.indexer.lowering_cases``.
-* Pallas decode / prefill (``pallas_decode_cases`` / ``pallas_prefill_cases``): ``(name, fn,
-  args)`` lowered with ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`` under an
-  abstract device of the arch's representative part; the embedded Triton IR is compiled for the
-  arch with the installed Triton.
+points only), one function per kernel family and backend (``_FAMILY_LISTS``; each docstring says
+what it enumerates); they import the backends' private kernel objects and constexpr builders
+lazily, so a list cannot drift from what a launch passes. The paged decode's lists and the
+Pallas indexer's still live beside their kernels (``qsa_triton.decode_paged.compile_configs``,
+``qsa_pallas.decode_paged.lowering_cases``, ``qsa_pallas.indexer.lowering_cases``).
 
 Triton configurations are compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda",
-cc, 32))``. Per configuration: shared memory (``compiled.metadata.shared``; Triton does not check
-the 101,376-byte limit of sm_120/sm_121 itself), registers per thread and spills (``cuobjdump
---dump-resource-usage`` on the cubin, when the tool is found). A configuration *fits* when shared
-memory <= the arch's opt-in limit per block, registers <= 255 per thread and registers x threads
-<= 65,536 per block. Spills are reported, not failed.
+cc, 32))``; Pallas cases ``(name, fn, args)`` are lowered with ``jax.jit(...).trace(...).lower(
+lowering_platforms=("cuda",))`` under an abstract device of the arch's representative part and
+their Triton IR compiled for the arch. Per configuration: shared memory
+(``compiled.metadata.shared``; Triton does not check the 101,376-byte limit of sm_120/sm_121
+itself), registers per thread and spills (``cuobjdump --dump-resource-usage`` on the cubin, when
+the tool is found). A configuration *fits* when shared memory <= the arch's opt-in limit per
+block, registers <= 255 per thread and registers x threads <= 65,536 per block. Spills are
+reported, not failed.
 
 Out-of-tree kernels (and the CLI tests) can replace the built-in lists with modules exposing
 ``compile_configs(arch)`` / ``lowering_cases(device_kind)`` (``run(triton_modules=...,
@@ -219,7 +202,13 @@ def _entry(kernel, name: str, ptrs: dict, consts: dict, num_warps: int, num_stag
 
 def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloat16") -> list[dict]:
     """Every decode kernel configuration ``qsa_triton.decode`` can launch on ``arch`` for the
-    qualified shapes (module docstring). Names: ``decode_split_G{G}_ht{HT}_bn{BLOCK_N}_w{warps}
+    qualified shapes: the split kernel per distinct geometry the shipped plan
+    (``qsa_triton.decode.plan_for``: ``interop.plan.plan_decode`` with balance and one-block
+    splits, fitted to the arch's shared memory) picks for the qualified head pairs, B = 1..128
+    and every SM count in ``interop.arch.KNOWN_PARTS``, in every launchable combination (merge
+    inline / kernel, LSE_ALL, PDL with the entry or the late trigger), constexprs from
+    ``qsa_triton.decode._split_constexprs``; the merge kernel per split chunk, with and without
+    PDL. Names: ``decode_split_G{G}_ht{HT}_bn{BLOCK_N}_w{warps}
     _s{stages}[_inline{tile}|_nolse]_{dtype}[_pdl|_pdllate]``, ``decode_merge_chunk{n}_{dtype}
     [_pdl]``. Shape ints (B, splits) are runtime values: they add no variant.
 
