@@ -212,45 +212,37 @@ def _cmd_contract(args) -> int:
 def _contract_self_test() -> int:
     """--strict: run the strict checks on the envelope's corners (all must pass) and just
     outside them (all must be refused); print the outcome; 1 on any surprise."""
-    from interop.contract import (QUALIFIED, ContractError, TensorSpec, check_decode,  # noqa: PLC0415
-                                  check_prefill_chunk)
+    from interop.contract import QUALIFIED, ContractError, TensorSpec, check_decode  # noqa: PLC0415
+    from interop.contract import check_prefill_chunk  # noqa: PLC0415
 
-    def dec(b, hq, hkv, msk, d=256, msq=1):
-        return check_decode(TensorSpec((b, hq, d), "bfloat16"), TensorSpec((4096, hkv, d), "bfloat16"),
-                            TensorSpec((4096, hkv, d), "bfloat16"), TensorSpec((b + 1,), "int32"),
-                            TensorSpec((b + 1,), "int32"), msk, max_seqlen_q=msq, strict=True)
+    def dec(b=1, hq=24, hkv=2, msk=2051, d=256, msq=1):
+        q, kv, cu = TensorSpec((b, hq, d), "bfloat16"), TensorSpec((4096, hkv, d), "bfloat16"), \
+            TensorSpec((b + 1,), "int32")
+        return check_decode(q, kv, kv, cu, cu, msk, max_seqlen_q=msq, strict=True)
 
-    def pre(hq, hkv, kv="bfloat16", d=256):
-        t = 64
-        return check_prefill_chunk(TensorSpec((t, hq, d), "bfloat16"), TensorSpec((512, hkv, d), kv),
-                                   TensorSpec((512, hkv, d), kv), TensorSpec((t, 2051), "int32"),
-                                   TensorSpec((2,), "int32"), TensorSpec((2,), "int32"),
-                                   TensorSpec((1,), "int32"), t, strict=True)
+    def pre(hq, hkv, kv="bfloat16", t=64, d=256):
+        q, k, one = TensorSpec((t, hq, d), "bfloat16"), TensorSpec((512, hkv, d), kv), \
+            TensorSpec((1,), "int32")
+        return check_prefill_chunk(q, k, k, TensorSpec((t, 2051), "int32"),
+                                   TensorSpec((2,), "int32"), TensorSpec((2,), "int32"), one, t,
+                                   strict=True)
 
-    lo, hi = QUALIFIED["batch"]
-    msk = QUALIFIED["max_seqlen_k"]
-    cases: list[tuple[str, Callable[[], object], bool]] = []
-    for hq, hkv in QUALIFIED["head_pairs"]:
-        cases += [(f"decode ({hq},{hkv}) B={lo} max_seqlen_k={msk}",
-                   lambda hq=hq, hkv=hkv: dec(lo, hq, hkv, msk), True),
-                  (f"decode ({hq},{hkv}) B={hi}", lambda hq=hq, hkv=hkv: dec(hi, hq, hkv, 2051), True)]
-    cases += [(f"prefill_chunk ({hq},{hkv}) fp8 K/V",
-               lambda hq=hq, hkv=hkv: pre(hq, hkv, "float8_e4m3fn"), True)
-              for hq, hkv in QUALIFIED["prefill_head_pairs"]]
-    cases += [
-        ("decode B=0", lambda: dec(0, 24, 2, 2051), False),
-        (f"decode B={hi + 1}", lambda: dec(hi + 1, 24, 2, 2051), False),
-        ("decode (16,2)", lambda: dec(1, 16, 2, 2051), False),
-        ("decode max_seqlen_k=0", lambda: dec(1, 24, 2, 0), False),
-        (f"decode max_seqlen_k={msk + 1}", lambda: dec(1, 24, 2, msk + 1), False),
-        ("decode max_seqlen_q=2", lambda: dec(1, 24, 2, 2051, msq=2), False),
-        ("decode D=128", lambda: dec(1, 24, 2, 2051, d=128), False),
-        ("prefill (24,4)", lambda: pre(24, 4), False),
-    ]
+    (lo, hi), msk = QUALIFIED["batch"], QUALIFIED["max_seqlen_k"]
+    cases = [(f"decode ({hq},{hkv}) B={b}" + (f" max_seqlen_k={m}" if b == lo else ""), dec,
+              dict(b=b, hq=hq, hkv=hkv, msk=m), True)
+             for hq, hkv in QUALIFIED["head_pairs"] for b, m in ((lo, msk), (hi, 2051))]
+    cases += [(f"prefill_chunk ({hq},{hkv}) fp8 K/V", pre, dict(hq=hq, hkv=hkv,
+               kv="float8_e4m3fn"), True) for hq, hkv in QUALIFIED["prefill_head_pairs"]]
+    cases += [(name, dec, kw, False) for name, kw in (
+        ("decode B=0", dict(b=0)), (f"decode B={hi + 1}", dict(b=hi + 1)),
+        ("decode (16,2)", dict(hq=16)), ("decode max_seqlen_k=0", dict(msk=0)),
+        (f"decode max_seqlen_k={msk + 1}", dict(msk=msk + 1)),
+        ("decode max_seqlen_q=2", dict(msq=2)), ("decode D=128", dict(d=128)))]
+    cases.append(("prefill (24,4)", pre, dict(hq=24, hkv=4), False))
     rows, bad = [], 0
-    for name, fn, should_pass in cases:
+    for name, fn, kwargs, should_pass in cases:
         try:
-            fn()
+            fn(**kwargs)
             ok, got = should_pass, "accepted"
         except ContractError as e:
             ok, got = not should_pass, f"refused ({e.arg})"

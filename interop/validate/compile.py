@@ -200,6 +200,20 @@ def _entry(kernel, name: str, ptrs: dict, consts: dict, num_warps: int, num_stag
             "options": {"launch_pdl": True} if pdl else {}, **extra}
 
 
+def _unique(entries: Iterable[dict]) -> list[dict]:
+    """``entries`` without repeats, one per compiled kernel (kernel, signature, constexprs,
+    warps, stages, options); the first of equal entries (and its name) stays."""
+    out, seen = [], set()
+    for e in entries:
+        key = (e["kernel"].__name__, tuple(sorted(e["signature"].items())),
+               tuple(sorted((k, str(v)) for k, v in e["constexprs"].items())), e["num_warps"],
+               e["num_stages"], tuple(sorted(e["options"].items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
+
+
 def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloat16") -> list[dict]:
     """Every decode kernel configuration ``qsa_triton.decode`` can launch on ``arch`` for the
     qualified shapes: the split kernel per distinct geometry the shipped plan
@@ -226,7 +240,7 @@ def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloa
     split_ptrs = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "out_ptr": f"*{dt}",
                   "lse_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "cu_q_ptr": "*i32",
                   "cu_k_ptr": "*i32", "scale_log2": "fp32"}
-    out, seen = [], set()
+    out = []
     lo, hi = QUALIFIED["batch"]
     for hq, hkv in QUALIFIED["head_pairs"]:
         g = hq // hkv
@@ -244,10 +258,6 @@ def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloa
                 for pdl, late in ((False, False),) + (((True, False), (True, True)) if pdl_ok else ()):
                     consts = dec._split_constexprs(p, g, head_dim, inline=inline, lse_all=lse_all,
                                                    use_pdl=pdl, pdl_late=late)
-                    key = (tuple(consts.items()), p.num_warps, p.num_stages)
-                    if key in seen:
-                        continue
-                    seen.add(key)
                     name = (f"decode_split_G{g}_ht{p.head_tile}_bn{p.block_n}_w{p.num_warps}"
                             f"_s{p.num_stages}"
                             f"{'_inline%d' % consts['INLINE_TILE'] if inline else ''}"
@@ -264,7 +274,7 @@ def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloa
             out.append(_entry(dec._decode_merge_kernel,
                               f"decode_merge_chunk{chunk}_{dt}{'_pdl' if pdl else ''}",
                               merge_ptrs, consts, 4, 1, pdl))
-    return out
+    return _unique(out)
 
 
 #: (mode name, q dtype, K/V dtype or None = q's): every prefill kernel variant the entry points
@@ -288,7 +298,7 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
     kernel = P._qsa_sparse_prefill_fwd
     # the index row strides (W = 2051) stay unspecialised
     aligned = [n for n in _aligned_by_default(kernel.arg_names) if n not in ("stride_it", "stride_ih")]
-    out, seen = [], set()
+    out = []
     for geo in all_configs(arch):
         grp = next((g for g in groups if max(16, next_pow2(g)) == geo.block_m
                     or next_pow2(g) == geo.block_m), geo.block_m)
@@ -300,12 +310,8 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
             ptrs = {"q_ptr": f"*{qt}", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "o_ptr": f"*{qt}",
                     "idx_ptr": "*i32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
                     "kv_lens_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32"}
+            # tail geometries repeat across the main ones (_unique keeps one)
             for row_loop, g in ((False, geo), (True, P.tail_geometry(geo))):
-                key = (mode, qd, kd, row_loop, grp, g.block_m, g.block_n, g.num_warps,
-                       g.num_stages)
-                if key in seen:  # tail geometries repeat across the main ones
-                    continue
-                seen.add(key)
                 consts = {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": g.block_m,
                           "BLOCK_N": g.block_n, "MODE": mode, "OFF64": mode == P.MODE_SLOTS,
                           "ROW_LOOP": row_loop}
@@ -314,7 +320,7 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
                                           f"{'_tail' if row_loop else ''}",
                                   ptrs, consts, g.num_warps, g.num_stages, aligned=aligned,
                                   geometry=g))
-    return out
+    return _unique(out)
 
 
 #: pointers and the q/k/v/out strides (multiples of D) of the union kernel: what a real launch
@@ -389,15 +395,7 @@ def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
     sms = next((n for a, n in KNOWN_PARTS.values() if a == arch), 132)
     i32 = lambda *names: {n: "*i32" for n in names}  # noqa: E731
     merge_ptrs = i32("wsk_ptr", "wsi_ptr", "out_ptr", "m0_ptr", "m1_ptr", "pos_ptr", "bound_ptr")
-    out, seen = [], set()
-
-    def add(e):
-        key = (e["kernel"].__name__, tuple(sorted((k, str(v)) for k, v in e["constexprs"].items())),
-               e["num_warps"], e["num_stages"], tuple(sorted(e["signature"].items())))
-        if key not in seen:
-            seen.add(key)
-            out.append(e)
-
+    out = []
     plans = {plan_indexer("decode", b, ctx // 4, 512, sm_count=sms,
                           smem_per_block=info.smem_per_block)
              for b in batches for ctx in contexts}
@@ -406,29 +404,31 @@ def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
             tag = "_pdl" if pdl else ""
             for kd in ("bf16", "fp8e4nv"):
                 consts = {**ix._decode_constexprs(p, 4, 128, 16, 4, tl.bfloat16), "USE_PDL": pdl}
-                add(_entry(ix._decode_chunk_kernel,
-                           f"indexer_decode_C{p.chunk}_T{p.tile}_rb{p.radix_bits}_{kd}{tag}",
-                           {"q_ptr": "*bf16", "k_ptr": f"*{kd}",
-                            **i32("pt_ptr", "seq_ptr", "wsk_ptr", "wsi_ptr")},
-                           consts, p.num_warps, p.num_stages))
+                out.append(_entry(
+                    ix._decode_chunk_kernel,
+                    f"indexer_decode_C{p.chunk}_T{p.tile}_rb{p.radix_bits}_{kd}{tag}",
+                    {"q_ptr": "*bf16", "k_ptr": f"*{kd}", **i32("pt_ptr", "seq_ptr", "wsk_ptr",
+                                                                "wsi_ptr")},
+                    consts, p.num_warps, p.num_stages))
             for expand in (True, False):
                 consts = {**ix._merge_constexprs(p, prefill=False, expand=expand, ratio=4),
                           "USE_PDL": pdl}
-                add(_entry(ix._merge_kernel, f"indexer_merge_decode_SP{p.splits_pad}_"
-                                             f"{'tokens' if expand else 'ids'}{tag}",
-                           merge_ptrs, consts, p.merge_warps, 1, pdl))
+                out.append(_entry(ix._merge_kernel, f"indexer_merge_decode_SP{p.splits_pad}_"
+                                  f"{'tokens' if expand else 'ids'}{tag}", merge_ptrs, consts,
+                                  p.merge_warps, 1, pdl))
     for ctx in prefill_contexts:
         p = plan_indexer("prefill", 8192, ctx // 4, 512, sm_count=sms,
                          smem_per_block=info.smem_per_block)
-        add(_entry(ix._prefill_chunk_kernel, f"indexer_prefill_C{p.chunk}_T{p.tile}_bm"
-                                             f"{p.rows_per_program}",
-                   {"q_ptr": "*bf16", "k_ptr": "*bf16", **i32("rs_ptr", "re_ptr", "wsk_ptr",
-                                                              "wsi_ptr")},
-                   ix._prefill_constexprs(p, 4, 128, tl.bfloat16), p.num_warps, p.num_stages))
-        add(_entry(ix._merge_kernel, f"indexer_merge_prefill_SP{p.splits_pad}_tokens",
-                   merge_ptrs, ix._merge_constexprs(p, prefill=True, expand=True, ratio=4),
-                   p.merge_warps, 1))
-    return out
+        out.append(_entry(ix._prefill_chunk_kernel,
+                          f"indexer_prefill_C{p.chunk}_T{p.tile}_bm{p.rows_per_program}",
+                          {"q_ptr": "*bf16", "k_ptr": "*bf16",
+                           **i32("rs_ptr", "re_ptr", "wsk_ptr", "wsi_ptr")},
+                          ix._prefill_constexprs(p, 4, 128, tl.bfloat16), p.num_warps,
+                          p.num_stages))
+        out.append(_entry(ix._merge_kernel, f"indexer_merge_prefill_SP{p.splits_pad}_tokens",
+                          merge_ptrs, ix._merge_constexprs(p, prefill=True, expand=True, ratio=4),
+                          p.merge_warps, 1))
+    return _unique(out)
 
 
 #: the function an out-of-tree (or kernel-side) module exposes, per backend
