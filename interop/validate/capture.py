@@ -84,12 +84,7 @@ class Capture:
             st = self.tensors["slot_table"]
             self.tensors.update(req_to_token=st, req_indices=torch.arange(st.shape[0],
                                                                            dtype=torch.int32))
-        args = []
-        for name in pos:
-            if name in self.tensors:
-                args.append(self.tensors[name].to(device))
-            else:
-                args.append(self.scalars[name])
+        args = [self.tensors[n].to(device) if n in self.tensors else self.scalars[n] for n in pos]
         kwargs = {k: self.scalars.get(k, KW_DEFAULTS[k]) for k in kws}
         return Inputs(self.entry, args, kwargs, None, {"capture": self.metadata})
 
@@ -264,10 +259,9 @@ def replay(paths: Sequence, impls, *, device: str = "cpu", reference: str = "aut
       atol = 2e-2, rel L2 <= ``rel_l2_limit``, default 5e-3); their rel L2 against the stored
       output is reported as ``rel_l2_vs_expected``.
     """
-    import numpy as np  # noqa: PLC0415
+    from interop.cases import compare  # noqa: PLC0415
 
     from . import crosscheck as X  # noqa: PLC0415
-    from interop.reference import rel_l2  # noqa: PLC0415
 
     limit = X.REL_L2 if rel_l2_limit is None else rel_l2_limit
     out = []
@@ -280,10 +274,8 @@ def replay(paths: Sequence, impls, *, device: str = "cpu", reference: str = "aut
         res = X.evaluate(str(p), cap.op, inp, impls, ref, spec=spec, reference=method,
                          expected=expected, rel_l2_limit=limit)
         stored = None
-        if expected is not None:
-            finite = bool(np.isfinite(expected).all())
-            r = rel_l2(expected, ref) if finite else float("inf")
-            diff_ok = finite and bool(np.all(np.abs(expected - ref) <= X.ATOL + X.RTOL * np.abs(ref)))
-            stored = {"rel_l2_vs_reference": r, "within_tolerance": bool(diff_ok and r <= limit)}
+        if expected is not None:  # judged by the same criteria, reported only
+            r = compare(expected, ref, None, limit)
+            stored = {"rel_l2_vs_reference": r["rel_l2"], "within_tolerance": r["passed"]}
         out.append((cap, res, stored))
     return out
