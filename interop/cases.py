@@ -192,6 +192,12 @@ class PagedSpec:
         return len(self.context_lens) * self.rows_per_request * self.width * self.hq * self.d
 
 
+def _rows(kind: str, decode_lens: Sequence[int], q_lens: Sequence[int]) -> int:
+    """Query rows of a "decode" case (one per entry of ``decode_lens``) or a "prefill" case (the
+    ``q_lens`` rows)."""
+    return len(decode_lens) if kind == "decode" else sum(q_lens)
+
+
 @dataclasses.dataclass(frozen=True)
 class IndexerSpec:
     """One indexer case (``indexer_select_decode`` / ``indexer_select_prefill``, §4b + §4): the
@@ -224,10 +230,7 @@ class IndexerSpec:
     zero_q_rows: tuple[int, ...] = ()
     seed: int = 0
     op: str = "indexer"
-
-    @property
-    def rows(self) -> int:
-        return len(self.seq_lens) if self.kind == "decode" else sum(self.q_lens)
+    rows = property(lambda self: _rows(self.kind, self.seq_lens, self.q_lens))
 
     @property
     def size(self) -> int:
@@ -275,10 +278,7 @@ class StepSpec:
     pool_pages: int | None = None
     seed: int = 0
     op: str = "step"
-
-    @property
-    def rows(self) -> int:
-        return len(self.context_lens) if self.kind == "decode" else sum(self.q_lens)
+    rows = property(lambda self: _rows(self.kind, self.context_lens, self.q_lens))
 
     @property
     def size(self) -> int:
