@@ -30,6 +30,8 @@ Framework-free: numpy only.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from typing import Any, Sequence
 
 import numpy as np
@@ -43,7 +45,7 @@ __all__ = [
     "gpu_conformance_matrix", "by_name", "ENTRY", "PARAMS", "CaseData", "case_data",
     "empty_outputs", "slot_table_of", "reference", "compare", "BENCH_DECODE_BATCHES", "BENCH_DECODE_ROWS",
     "BENCH_PREFILL_ROWS", "BENCH_PREFILL_KV", "PagedSpec", "IndexerSpec", "StepSpec",
-    "INDEX_ENTRIES",
+    "INDEX_ENTRIES", "KW_DEFAULTS", "ENTRY_OP",
 ]
 
 RTOL = ATOL = 2e-2
@@ -158,7 +160,8 @@ class PagedSpec:
       rows_per_request: MTP verify rows per request (each its own length). dtype / kv_dtype /
       k_scale / v_scale: as ``PrefillSpec``. page_size: pool page (64, or 1: scattered slots).
       junk / junk_at / n_junk / duplicates / empty_rows / per_head: ``paged_decode_case``'s
-      options. pool_slots: None -> twice the slots needed.
+      options. pool_slots: None -> twice the slots needed. batch_invariant: the entry point's
+      ``batch_invariant`` argument.
     """
 
     name: str
@@ -180,12 +183,19 @@ class PagedSpec:
     empty_rows: tuple[int, ...] = ()
     per_head: bool = False
     pool_slots: int | None = None
+    batch_invariant: bool = False
     seed: int = 0
     op: str = "paged"
 
     @property
     def size(self) -> int:
         return len(self.context_lens) * self.rows_per_request * self.width * self.hq * self.d
+
+
+def _rows(kind: str, decode_lens: Sequence[int], q_lens: Sequence[int]) -> int:
+    """Query rows of a "decode" case (one per entry of ``decode_lens``) or a "prefill" case (the
+    ``q_lens`` rows)."""
+    return len(decode_lens) if kind == "decode" else sum(q_lens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,10 +230,7 @@ class IndexerSpec:
     zero_q_rows: tuple[int, ...] = ()
     seed: int = 0
     op: str = "indexer"
-
-    @property
-    def rows(self) -> int:
-        return len(self.seq_lens) if self.kind == "decode" else sum(self.q_lens)
+    rows = property(lambda self: _rows(self.kind, self.seq_lens, self.q_lens))
 
     @property
     def size(self) -> int:
@@ -271,10 +278,7 @@ class StepSpec:
     pool_pages: int | None = None
     seed: int = 0
     op: str = "step"
-
-    @property
-    def rows(self) -> int:
-        return len(self.context_lens) if self.kind == "decode" else sum(self.q_lens)
+    rows = property(lambda self: _rows(self.kind, self.context_lens, self.q_lens))
 
     @property
     def size(self) -> int:
@@ -288,50 +292,107 @@ def _k(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
+def _kv(kind: str, kv_lens):
+    """A prefill case's kv_lens: None for ordinary prefill (its context is its own rows)."""
+    return None if kind == "ordinary" else kv_lens
+
+
+def _constructors(dtype: str, **kwargs):
+    """The five spec classes with ``dtype`` (and ``kwargs``, where a class has the field) bound."""
+    def bind(cls):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return functools.partial(cls, dtype=dtype, **{k: v for k, v in kwargs.items() if k in fields})
+    return tuple(bind(c) for c in (DecodeSpec, PrefillSpec, PagedSpec, IndexerSpec, StepSpec))
+
+
 def full_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Spec]:
-    """The full matrix (GPU, compiled kernels): see the module docstring."""
+    """The full matrix (GPU, compiled kernels): see the module docstring. Paged decode, the
+    indexer and the step at production shapes (D = 256, W = 2051, the TP rank shapes, B up to
+    128; the indexer and the step at 4 x 128, topk 512, contexts to 32k, the step's pool shared
+    between requests so the FP64 reference stays small), a few batch sizes each: the numpy FP64
+    reference dominates the run time (the kernels' own GPU tests sweep the batch)."""
+    dec, pre, paged, ixr, step = _constructors(dtype)
     cases: list[Spec] = []
     if "decode" in ops:
         for tp, (hq, hkv) in TP_SHAPES.items():
-            for b in DECODE_BATCHES:
-                for pattern in ("short", "medium", "saturated"):
-                    cases.append(DecodeSpec(f"decode/{tp}/B{b}/{pattern}", hq, hkv, 256, b, pattern,
-                                            dtype=dtype, seed=b))
-            cases += [
-                DecodeSpec(f"decode/{tp}/B16/mixed+empty", hq, hkv, 256, 16, "mixed", dtype=dtype,
-                           zero_rows=3, seed=7),
-                DecodeSpec(f"decode/{tp}/B128/mixed+poison", hq, hkv, 256, 128, "mixed",
-                           dtype=dtype, slack=77, poison=True, seed=8),
-            ]
+            cases += [dec(f"decode/{tp}/B{b}/{pattern}", hq, hkv, 256, b, pattern, seed=b)
+                      for b in DECODE_BATCHES for pattern in ("short", "medium", "saturated")]
+            cases += [dec(f"decode/{tp}/B16/mixed+empty", hq, hkv, 256, 16, "mixed", zero_rows=3,
+                          seed=7),
+                      dec(f"decode/{tp}/B128/mixed+poison", hq, hkv, 256, 128, "mixed", slack=77,
+                          poison=True, seed=8)]
     if "prefill" in ops:
-        t = 8192
         for kind in PREFILL_KINDS:
-            for g in (3, 6, 12):
-                for hkv in (1, 2):
-                    kvs = (t,) if kind == "ordinary" else (8192, 32768, 131072)
-                    for kv in kvs:
-                        cases.append(PrefillSpec(
-                            f"prefill/{kind}/G{g}xHkv{hkv}/kv{_k(kv)}/T{_k(t)}", kind, g * hkv, hkv,
-                            256, (t,), None if kind == "ordinary" else (kv,), dtype=dtype,
-                            seed=g * 10 + hkv))
-        ragged_q = (2048, 17, 3072, 1, 3044)
-        ragged_kv = (2048, 40000, 3072, 9000, 65536)
+            kvs = (8192,) if kind == "ordinary" else (8192, 32768, 131072)
+            cases += [pre(f"prefill/{kind}/G{g}xHkv{hkv}/kv{_k(kv)}/T8k", kind, g * hkv, hkv, 256,
+                          (8192,), _kv(kind, (kv,)), seed=g * 10 + hkv)
+                      for g in (3, 6, 12) for hkv in (1, 2) for kv in kvs]
         for kind in PREFILL_KINDS:
-            cases.append(PrefillSpec(f"prefill/{kind}/ragged/G12xHkv1", kind, 12, 1, 256, ragged_q,
-                                     None if kind == "ordinary" else ragged_kv, dtype=dtype, seed=3))
-            cases.append(PrefillSpec(f"prefill/{kind}/junk-mixed+empty/G6xHkv1", kind, 6, 1, 256,
-                                     (4096,), None if kind == "ordinary" else (32768,), dtype=dtype,
-                                     junk="mixed", empty_rows=0.02, seed=4))
-            cases.append(PrefillSpec(f"prefill/{kind}/junk-len+19/per-head/G12xHkv2", kind, 24, 2,
-                                     256, (2048, 2048), None if kind == "ordinary" else (2048, 20000),
-                                     dtype=dtype, junk="len+19", per_head=True, seed=5))
-        for kind in ("chunk", "paged"):
-            for g, hkv in ((6, 1), (12, 1), (12, 2)):
-                cases.append(PrefillSpec(
-                    f"prefill/{kind}/fp8/G{g}xHkv{hkv}/kv32k", kind, g * hkv, hkv, 256, (4096,),
-                    (32768,), dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5,
-                    junk="len", seed=6))
-    return cases + _full_new_ops(ops, dtype)
+            cases += [pre(f"prefill/{kind}/ragged/G12xHkv1", kind, 12, 1, 256,
+                          (2048, 17, 3072, 1, 3044), _kv(kind, (2048, 40000, 3072, 9000, 65536)),
+                          seed=3),
+                      pre(f"prefill/{kind}/junk-mixed+empty/G6xHkv1", kind, 6, 1, 256, (4096,),
+                          _kv(kind, (32768,)), junk="mixed", empty_rows=0.02, seed=4),
+                      pre(f"prefill/{kind}/junk-len+19/per-head/G12xHkv2", kind, 24, 2, 256,
+                          (2048, 2048), _kv(kind, (2048, 20000)), junk="len+19", per_head=True,
+                          seed=5)]
+        cases += [pre(f"prefill/{kind}/fp8/G{g}xHkv{hkv}/kv32k", kind, g * hkv, hkv, 256, (4096,),
+                      (32768,), kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5, junk="len",
+                      seed=6)
+                  for kind in ("chunk", "paged") for g, hkv in ((6, 1), (12, 1), (12, 2))]
+    # one generator per op: a case's shape does not depend on which ops were selected
+    rng = np.random.default_rng(2026)
+    if "paged" in ops:
+        for tp, (hq, hkv) in TP_SHAPES.items():
+            for b in (1, 64) + ((128,) if tp == "TP1" else ()):
+                ctx = rng.integers(1, 4097, size=b)
+                ctx[0] = 2051  # one saturated row
+                pool = (int((-(-ctx // 64)).sum()) + 2) * 64  # a tight pool: host FP64 copy
+                cases.append(paged(f"paged/{tp}/B{b}", hq, hkv, 256, tuple(int(c) for c in ctx),
+                                   pool_slots=pool, seed=b))
+        cases += [
+            paged("paged/TP1/mtp4/B32", 24, 2, 256, tuple(range(2000, 2032)), rows_per_request=4,
+                  seed=5),
+            paged("paged/TP2/fp8+per-head/B16", 12, 1, 256, tuple(range(3000, 3016)),
+                  kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5, per_head=True, seed=6),
+            paged("paged/TP4/junk+dup+empty/B24", 6, 1, 256, tuple(range(100, 2500, 100)),
+                  junk=("-1", "-7", "len", "len+19"), junk_at=("front", "middle", "end"),
+                  duplicates=5, empty_rows=(0, 7), seed=7),
+            paged("paged/TP1/batch-invariant/B32", 24, 2, 256, tuple(range(1, 4097, 128)),
+                  batch_invariant=True, seed=8),
+        ]
+    if "indexer" in ops:
+        rng = np.random.default_rng(2027)
+        for b, ctx in ((1, 32768), (16, 32768), (64, 8192), (128, 32768)):
+            lens = tuple(int(x) for x in np.clip(ctx - rng.integers(0, 97, size=b), 0, None))
+            cases.append(ixr(f"indexer/decode/B{b}/{_k(ctx)}", "decode", seq_lens=lens, seed=b))
+        cases += [
+            ixr("indexer/decode/edges/B9", "decode",
+                seq_lens=(0, 3, 2048, 2051, 2052, 4 * 16 * 3 + 7, 5003, 2801, 2403),
+                zero_q_rows=(7,), seed=11),
+            ixr("indexer/decode/fp8-keys/B16/32k", "decode", seq_lens=(32768,) * 16,
+                k_dtype="float8_e4m3fn", seed=12),
+            ixr("indexer/prefill/T1k/kv32k", "prefill", q_lens=(1024,), kv_lens=(32768,), seed=13),
+            ixr("indexer/prefill/ragged", "prefill", q_lens=(20, 2, 18, 700),
+                kv_lens=(2060, 3, 4101, 9000), seed=14),
+        ]
+    if "step" in ops:
+        rng = np.random.default_rng(2028)
+        for tp, (hq, hkv), batches in (("TP1", (24, 2), (1, 128)), ("TP2", (12, 1), (16, 64))):
+            for b in batches:
+                ctx = 32768 - rng.integers(0, 300, size=b)
+                cases.append(step(f"step/decode/{tp}/B{b}/32k", "decode", hq, hkv, 256,
+                                  tuple(int(c) for c in ctx), pool_pages=2048, seed=b))
+        cases += [
+            step("step/decode/TP4/fp8/B32/mixed", "decode", 6, 1, 256,
+                 tuple(int(c) for c in rng.integers(0, 40000, size=32)), kv_dtype="float8_e4m3fn",
+                 k_scale=0.75, v_scale=1.5, index_k_dtype="float8_e4m3fn", pool_pages=2048, seed=21),
+            step("step/prefill/TP2/T512/kv32k", "prefill", 12, 1, 256, (32768,), q_lens=(512,),
+                 pool_pages=2048, seed=22),
+            step("step/prefill/TP1/ragged", "prefill", 24, 2, 256, (2060, 3, 9000, 300),
+                 q_lens=(20, 3, 200, 300), seed=23),
+        ]
+    return cases
 
 
 def quick_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Spec]:
@@ -340,92 +401,114 @@ def quick_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Sp
     Same kinds of cases as ``full_matrix`` at tiny sizes: the qualified head pairs, B 1..17,
     the three row patterns, zero-key rows and poisoned slack for decode; the three prefill
     variants with G 3/6/12 and Hkv 1/2, ragged batches, junk padding, empty rows, per-head
-    indices, FP8 K/V; two D = 256 cases. fp16 by default (the Triton interpreter mis-multiplies
-    bf16 dots).
+    indices, FP8 K/V; two D = 256 cases; paged decode, the indexer (4 x 128, topk 16, so rows
+    with more than 16 visible blocks really drop blocks) and the step at the same sizes. fp16 by
+    default (the Triton interpreter mis-multiplies bf16 dots). Index width W = 35 unless named.
     """
+    dec, pre, paged, ixr, step = _constructors(dtype, width=35, topk=16)
     cases: list[Spec] = []
     if "decode" in ops:
         for tp, (hq, hkv) in TP_SHAPES.items():
-            for b in (1, 4, 17):
-                for pattern in ("short", "medium", "saturated"):
-                    cases.append(DecodeSpec(f"decode/{tp}/B{b}/{pattern}", hq, hkv, 64, b, pattern,
-                                            max_len=67, dtype=dtype, seed=b))
+            cases += [dec(f"decode/{tp}/B{b}/{pattern}", hq, hkv, 64, b, pattern, max_len=67, seed=b)
+                      for b in (1, 4, 17) for pattern in ("short", "medium", "saturated")]
         cases += [
-            DecodeSpec("decode/TP1/B5/mixed+empty", 24, 2, 64, 5, "mixed", max_len=67, dtype=dtype,
-                       zero_rows=2, seed=3),
-            DecodeSpec("decode/TP2/B4/saturated+poison", 12, 1, 64, 4, "saturated", max_len=45,
-                       dtype=dtype, slack=13, poison=True, seed=4),
-            DecodeSpec("decode/TP4/B2/saturated/D256", 6, 1, 256, 2, "saturated", max_len=40,
-                       dtype=dtype, seed=5),
-            DecodeSpec("decode/TP1/B3/mixed/D256", 24, 2, 256, 3, "mixed", max_len=40,
-                       dtype=dtype, seed=6),
+            dec("decode/TP1/B5/mixed+empty", 24, 2, 64, 5, "mixed", max_len=67, zero_rows=2, seed=3),
+            dec("decode/TP2/B4/saturated+poison", 12, 1, 64, 4, "saturated", max_len=45, slack=13,
+                poison=True, seed=4),
+            dec("decode/TP4/B2/saturated/D256", 6, 1, 256, 2, "saturated", max_len=40, seed=5),
+            dec("decode/TP1/B3/mixed/D256", 24, 2, 256, 3, "mixed", max_len=40, seed=6),
         ]
     if "prefill" in ops:
-        for kind in PREFILL_KINDS:
-            for g in (3, 6, 12):
-                for hkv in (1, 2):
-                    q_lens = (9, 1, 6) if hkv == 1 else (12,)
-                    kv_lens = None if kind == "ordinary" else ((80, 1, 40) if hkv == 1 else (150,))
-                    cases.append(PrefillSpec(f"prefill/{kind}/G{g}xHkv{hkv}", kind, g * hkv, hkv, 64,
-                                             q_lens, kv_lens, width=35, dtype=dtype,
-                                             seed=g * 10 + hkv))
+        cases += [pre(f"prefill/{kind}/G{g}xHkv{hkv}", kind, g * hkv, hkv, 64,
+                      (9, 1, 6) if hkv == 1 else (12,),
+                      _kv(kind, (80, 1, 40) if hkv == 1 else (150,)), seed=g * 10 + hkv)
+                  for kind in PREFILL_KINDS for g in (3, 6, 12) for hkv in (1, 2)]
         cases += [
-            PrefillSpec("prefill/ordinary/junk-mixed+empty/G12xHkv2", "ordinary", 24, 2, 64, (12,),
-                        width=35, dtype=dtype, junk="mixed", empty_rows=(5,), seed=2),
-            PrefillSpec("prefill/chunk/junk-len+empty/G6xHkv1", "chunk", 6, 1, 64, (7, 9),
-                        (150, 9), width=35, dtype=dtype, junk="len", empty_rows=(0, 10), seed=3),
-            PrefillSpec("prefill/chunk/fp8/G12xHkv1", "chunk", 12, 1, 64, (10,), (90,), width=35,
-                        dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=1.5, seed=4),
-            PrefillSpec("prefill/chunk/per-head/G3xHkv2", "chunk", 6, 2, 64, (6, 5), (60, 30),
-                        width=35, dtype=dtype, per_head=True, junk="len+19", seed=5),
-            PrefillSpec("prefill/paged/ragged+junk-7/G12xHkv1", "paged", 12, 1, 64, (8, 3, 1),
-                        (200, 3, 77), width=35, dtype=dtype, junk="-7", seed=6),
-            PrefillSpec("prefill/paged/fp8+empty/G6xHkv2", "paged", 12, 2, 64, (10,), (120,),
-                        width=35, dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=1.25, v_scale=0.5,
-                        empty_rows=(3,), junk="mixed", seed=7),
-            PrefillSpec("prefill/chunk/D256/G12xHkv1", "chunk", 12, 1, 256, (4,), (64,), width=35,
-                        dtype=dtype, seed=8),
-            PrefillSpec("prefill/ordinary/W67/G6xHkv1", "ordinary", 6, 1, 64, (40,), width=67,
-                        dtype=dtype, seed=9),
+            pre("prefill/ordinary/junk-mixed+empty/G12xHkv2", "ordinary", 24, 2, 64, (12,),
+                junk="mixed", empty_rows=(5,), seed=2),
+            pre("prefill/chunk/junk-len+empty/G6xHkv1", "chunk", 6, 1, 64, (7, 9), (150, 9),
+                junk="len", empty_rows=(0, 10), seed=3),
+            pre("prefill/chunk/fp8/G12xHkv1", "chunk", 12, 1, 64, (10,), (90,),
+                kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=1.5, seed=4),
+            pre("prefill/chunk/per-head/G3xHkv2", "chunk", 6, 2, 64, (6, 5), (60, 30),
+                per_head=True, junk="len+19", seed=5),
+            pre("prefill/paged/ragged+junk-7/G12xHkv1", "paged", 12, 1, 64, (8, 3, 1), (200, 3, 77),
+                junk="-7", seed=6),
+            pre("prefill/paged/fp8+empty/G6xHkv2", "paged", 12, 2, 64, (10,), (120,),
+                kv_dtype="float8_e4m3fn", k_scale=1.25, v_scale=0.5, empty_rows=(3,), junk="mixed",
+                seed=7),
+            pre("prefill/chunk/D256/G12xHkv1", "chunk", 12, 1, 256, (4,), (64,), seed=8),
+            pre("prefill/ordinary/W67/G6xHkv1", "ordinary", 6, 1, 64, (40,), width=67, seed=9),
         ]
-    return cases + _quick_new_ops(ops, dtype) + edge_cases(ops, dtype=dtype)
+    if "paged" in ops:
+        cases += [
+            paged("paged/TP1/B3/W67", 24, 2, 64, (40, 7, 90), width=67, seed=1),
+            paged("paged/TP2/mtp2+junk+dup/W35", 12, 1, 64, (30, 61), rows_per_request=2,
+                  junk=("-7", "len", "len+19"), junk_at=("front", "middle"), duplicates=2, seed=2),
+            paged("paged/G6xHkv2/fp8+per-head+empty/W35", 12, 2, 64, (50, 3, 20),
+                  kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=1.5, per_head=True,
+                  empty_rows=(1,), page_size=1, seed=3),
+            paged("paged/TP2/D256/W35", 12, 1, 256, (33, 12), seed=4),
+            paged("paged/TP1/batch-invariant/W35", 24, 2, 64, (20, 0, 45), batch_invariant=True,
+                  seed=5),
+        ]
+    if "indexer" in ops:
+        cases += [
+            ixr("indexer/decode/topk16", "decode", seq_lens=(0, 3, 64, 68, 71, 300, 1030, 2047),
+                zero_q_rows=(6,), seed=5),
+            ixr("indexer/decode/fp8-keys/topk16", "decode", seq_lens=(131, 65, 500),
+                k_dtype="float8_e4m3fn", junk="-1", seed=6),
+            ixr("indexer/prefill/topk16", "prefill", q_lens=(5, 20, 1), kv_lens=(5, 300, 77),
+                zero_q_rows=(9,), seed=7),
+        ]
+    if "step" in ops:
+        cases += [
+            step("step/decode/TP2/topk16", "decode", 12, 1, 64, (0, 5, 70, 301, 1000), seed=8),
+            step("step/decode/TP1/fp8/shared-pages/topk16", "decode", 24, 2, 64, (260, 77, 999),
+                 kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.25,
+                 index_k_dtype="float8_e4m3fn", pool_pages=9, seed=9),
+            step("step/prefill/G6xHkv1/topk16", "prefill", 6, 1, 64, (200, 3, 90), q_lens=(6, 3, 4),
+                 seed=10),
+            step("step/prefill/G12xHkv2/fp8/topk16", "prefill", 24, 2, 64, (150,), q_lens=(7,),
+                 kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0, seed=11),
+        ]
+    return cases + edge_cases(ops, dtype=dtype)
 
 
 def edge_cases(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Spec]:
-    """The contract's edge cases by name, at CPU sizes (part of ``quick_matrix``).
+    """The contract's edge cases by name, at CPU sizes (part of ``quick_matrix``; W = 35).
 
     A batch whose every sequence has no key (exact zeros, poisoned slack); invalid entries
     -1 / -7 / len / len + 19 at the front, middle and end of a row's read window; duplicated
     positions; per-KV-head indices; poisoned (NaN) K/V rows and pool slots that no valid entry
     names, also with FP8 K/V; a max_seqlen_q hint smaller than the longest request.
     """
+    dec, pre, *_ = _constructors(dtype, width=35)
     cases: list[Spec] = []
     if "decode" in ops:
-        cases.append(DecodeSpec("decode/TP2/B3/all-empty", 12, 1, 64, 3, "short", max_len=20,
-                                dtype=dtype, zero_rows=3, slack=5, poison=True, seed=11))
+        cases.append(dec("decode/TP2/B3/all-empty", 12, 1, 64, 3, "short", max_len=20,
+                         zero_rows=3, slack=5, poison=True, seed=11))
     if "prefill" in ops:
-        P = PrefillSpec  # noqa: N806
         cases += [
-            P("prefill/chunk/junk-inside/G6xHkv1", "chunk", 6, 1, 64, (6, 5, 1), (40, 5, 9),
-              width=35, dtype=dtype, junk_inside=True, seed=12),
-            P("prefill/ordinary/junk-inside/per-head/G3xHkv2", "ordinary", 6, 2, 64, (10,),
-              width=35, dtype=dtype, per_head=True, junk_inside=True, seed=13),
-            P("prefill/paged/duplicates/G12xHkv1", "paged", 12, 1, 64, (5, 4), (30, 12),
-              width=35, dtype=dtype, duplicates=True, junk="len+19", seed=14),
-            P("prefill/chunk/duplicates+junk-inside/per-head/G12xHkv2", "chunk", 24, 2, 64, (4,),
-              (50,), width=35, dtype=dtype, per_head=True, duplicates=True, junk_inside=True,
-              seed=15),
-            P("prefill/paged/poison/G12xHkv1", "paged", 12, 1, 64, (6, 3), (120, 20), width=35,
-              dtype=dtype, poison=True, pool_slack=19, junk="mixed", seed=16),
-            P("prefill/chunk/poison+fp8/per-head/G6xHkv2", "chunk", 12, 2, 64, (5,), (60,),
-              width=35, dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0,
-              poison=True, per_head=True, seed=17),
-            P("prefill/chunk/max_seqlen_q-hint-2/G12xHkv1", "chunk", 12, 1, 64, (9, 3), (30, 3),
-              width=35, dtype=dtype, max_q_hint=2, seed=19),
-            P("prefill/paged/max_seqlen_q-hint-1/G6xHkv1", "paged", 6, 1, 64, (7, 2), (20, 9),
-              width=35, dtype=dtype, max_q_hint=1, seed=20),
-            P("prefill/ordinary/max_seqlen_q-hint-3/G3xHkv1", "ordinary", 3, 1, 64, (8, 2),
-              width=35, dtype=dtype, max_q_hint=3, seed=21),
+            pre("prefill/chunk/junk-inside/G6xHkv1", "chunk", 6, 1, 64, (6, 5, 1), (40, 5, 9),
+                junk_inside=True, seed=12),
+            pre("prefill/ordinary/junk-inside/per-head/G3xHkv2", "ordinary", 6, 2, 64, (10,),
+                per_head=True, junk_inside=True, seed=13),
+            pre("prefill/paged/duplicates/G12xHkv1", "paged", 12, 1, 64, (5, 4), (30, 12),
+                duplicates=True, junk="len+19", seed=14),
+            pre("prefill/chunk/duplicates+junk-inside/per-head/G12xHkv2", "chunk", 24, 2, 64, (4,),
+                (50,), per_head=True, duplicates=True, junk_inside=True, seed=15),
+            pre("prefill/paged/poison/G12xHkv1", "paged", 12, 1, 64, (6, 3), (120, 20),
+                poison=True, pool_slack=19, junk="mixed", seed=16),
+            pre("prefill/chunk/poison+fp8/per-head/G6xHkv2", "chunk", 12, 2, 64, (5,), (60,),
+                kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0, poison=True, per_head=True,
+                seed=17),
+            pre("prefill/chunk/max_seqlen_q-hint-2/G12xHkv1", "chunk", 12, 1, 64, (9, 3), (30, 3),
+                max_q_hint=2, seed=19),
+            pre("prefill/paged/max_seqlen_q-hint-1/G6xHkv1", "paged", 6, 1, 64, (7, 2), (20, 9),
+                max_q_hint=1, seed=20),
+            pre("prefill/ordinary/max_seqlen_q-hint-3/G3xHkv1", "ordinary", 3, 1, 64, (8, 2),
+                max_q_hint=3, seed=21),
         ]
     return cases
 
@@ -470,20 +553,20 @@ def gpu_conformance_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16")
                                     "decode/TP4/B1/short", "decode/TP1/B128/mixed+poison",
                                     "decode/TP2/B17/medium", "decode/TP4/B64/saturated")]
     if "prefill" in ops:
-        P = PrefillSpec  # noqa: N806
+        pre = _constructors(dtype)[1]
         cases += [
-            P("gpu/prefill/ordinary/G6xHkv1/T2k", "ordinary", 6, 1, 256, (2048,), dtype=dtype,
-              junk="len+19", seed=31),
-            P("gpu/prefill/chunk/junk-mixed+empty/G12xHkv1/kv32k/T1k", "chunk", 12, 1, 256,
-              (1024,), (32768,), dtype=dtype, junk="mixed", empty_rows=(0, 700), seed=32),
-            P("gpu/prefill/paged/fp8/per-head/G12xHkv2/kv16k/T512", "paged", 24, 2, 256, (512,),
-              (16384,), dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5,
-              per_head=True, pool_slack=1000, seed=33),
-            P("gpu/prefill/chunk/poison+junk-inside+dup/G6xHkv1/ragged", "chunk", 6, 1, 256,
-              (300, 77, 1), (9000, 77, 5000), dtype=dtype, poison=True, junk_inside=True,
-              duplicates=True, max_q_hint=64, seed=34),
-            P("gpu/prefill/paged/ragged/G3xHkv1", "paged", 3, 1, 256, (700, 5, 260),
-              (4000, 5, 70000), dtype=dtype, junk="-7", pool_slack=333, seed=35),
+            pre("gpu/prefill/ordinary/G6xHkv1/T2k", "ordinary", 6, 1, 256, (2048,), junk="len+19",
+                seed=31),
+            pre("gpu/prefill/chunk/junk-mixed+empty/G12xHkv1/kv32k/T1k", "chunk", 12, 1, 256,
+                (1024,), (32768,), junk="mixed", empty_rows=(0, 700), seed=32),
+            pre("gpu/prefill/paged/fp8/per-head/G12xHkv2/kv16k/T512", "paged", 24, 2, 256, (512,),
+                (16384,), kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5, per_head=True,
+                pool_slack=1000, seed=33),
+            pre("gpu/prefill/chunk/poison+junk-inside+dup/G6xHkv1/ragged", "chunk", 6, 1, 256,
+                (300, 77, 1), (9000, 77, 5000), poison=True, junk_inside=True, duplicates=True,
+                max_q_hint=64, seed=34),
+            pre("gpu/prefill/paged/ragged/G3xHkv1", "paged", 3, 1, 256, (700, 5, 260),
+                (4000, 5, 70000), junk="-7", pool_slack=333, seed=35),
         ]
     return cases
 
@@ -505,7 +588,8 @@ PARAMS = {
                               "cu_seqlens_q", "kv_lens", "max_seqlen_q"),
                              ("softmax_scale", "k_scale", "v_scale")),
     "sparse_decode_paged": (("q", "k_cache", "v_cache", "req_to_token", "req_indices", "indices",
-                             "seq_lens"), ("softmax_scale", "k_scale", "v_scale")),
+                             "seq_lens"), ("softmax_scale", "k_scale", "v_scale",
+                                           "batch_invariant")),
     # the indexer's and the step's topk is keyword-only: passed by name
     "indexer_select_decode": (("q", "k_cache", "page_table", "seq_lens"), ("topk",)),
     "indexer_select_prefill": (("q", "k", "row_starts", "row_ends", "positions", "seq_lens"),
@@ -517,6 +601,15 @@ PARAMS = {
                           "index_k", "index_cu_seqlens_k", "cu_seqlens_q", "kv_lens",
                           "max_seqlen_q"), ("softmax_scale", "k_scale", "v_scale", "topk")),
 }
+#: the default of every keyword parameter in ``PARAMS`` (the entry points' signatures)
+KW_DEFAULTS = {"softmax_scale": None, "k_scale": 1.0, "v_scale": 1.0, "batch_invariant": False,
+               "topk": I.BLOCK_TOPK}
+#: the ``qsa check`` operation (``OPS``) of each entry point
+ENTRY_OP = {"sparse_decode": "decode", "sparse_prefill": "prefill",
+            "sparse_prefill_chunk": "prefill", "sparse_prefill_paged": "prefill",
+            "sparse_decode_paged": "paged", "indexer_select_decode": "indexer",
+            "indexer_select_prefill": "indexer", "qsa_decode_step": "step",
+            "qsa_prefill_step": "step"}
 #: entry points whose output is int32 token positions (judged by exact equality)
 INDEX_ENTRIES = ("indexer_select_decode", "indexer_select_prefill")
 
@@ -734,118 +827,7 @@ def case_data(spec: Spec) -> CaseData:
 
 
 # --------------------------------------------------------------------------------------------
-# Paged decode, the indexer, the end-to-end step: matrices and case data.
-def _quick_new_ops(ops: Sequence[str], dtype: str) -> list[Spec]:
-    """CPU (interpret mode) cases of ``paged``, ``indexer`` and ``step``: tiny shapes (D = 64,
-    W = 35 or 67; the indexer at 4 x 128 with topk 16, so rows with more than 16 visible blocks
-    really drop blocks), fp16."""
-    cases: list[Spec] = []
-    if "paged" in ops:
-        P = PagedSpec  # noqa: N806
-        cases += [
-            P("paged/TP1/B3/W67", 24, 2, 64, (40, 7, 90), width=67, dtype=dtype, seed=1),
-            P("paged/TP2/mtp2+junk+dup/W35", 12, 1, 64, (30, 61), width=35, rows_per_request=2,
-              dtype=dtype, junk=("-7", "len", "len+19"), junk_at=("front", "middle"),
-              duplicates=2, seed=2),
-            P("paged/G6xHkv2/fp8+per-head+empty/W35", 12, 2, 64, (50, 3, 20), width=35, dtype=dtype,
-              kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=1.5, per_head=True, empty_rows=(1,),
-              page_size=1, seed=3),
-            P("paged/TP2/D256/W35", 12, 1, 256, (33, 12), width=35, dtype=dtype, seed=4),
-        ]
-    if "indexer" in ops:
-        X = IndexerSpec  # noqa: N806
-        cases += [
-            X("indexer/decode/topk16", "decode", seq_lens=(0, 3, 64, 68, 71, 300, 1030, 2047),
-              topk=16, dtype=dtype, zero_q_rows=(6,), seed=5),
-            X("indexer/decode/fp8-keys/topk16", "decode", seq_lens=(131, 65, 500), topk=16,
-              dtype=dtype, k_dtype="float8_e4m3fn", junk="-1", seed=6),
-            X("indexer/prefill/topk16", "prefill", q_lens=(5, 20, 1), kv_lens=(5, 300, 77),
-              topk=16, dtype=dtype, zero_q_rows=(9,), seed=7),
-        ]
-    if "step" in ops:
-        S = StepSpec  # noqa: N806
-        cases += [
-            S("step/decode/TP2/topk16", "decode", 12, 1, 64, (0, 5, 70, 301, 1000), topk=16,
-              dtype=dtype, seed=8),
-            S("step/decode/TP1/fp8/shared-pages/topk16", "decode", 24, 2, 64, (260, 77, 999),
-              topk=16, dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.25,
-              index_k_dtype="float8_e4m3fn", pool_pages=9, seed=9),
-            S("step/prefill/G6xHkv1/topk16", "prefill", 6, 1, 64, (200, 3, 90), q_lens=(6, 3, 4),
-              topk=16, dtype=dtype, seed=10),
-            S("step/prefill/G12xHkv2/fp8/topk16", "prefill", 24, 2, 64, (150,), q_lens=(7,),
-              topk=16, dtype=dtype, kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0, seed=11),
-        ]
-    return cases
-
-
-def _full_new_ops(ops: Sequence[str], dtype: str) -> list[Spec]:
-    """GPU (compiled) cases of ``paged``, ``indexer`` and ``step`` at production shapes: D = 256,
-    W = 2051, the TP rank shapes, B up to 128; the indexer and the step at 4 x 128, topk 512,
-    contexts to 32k (the step's pool shared between requests so the FP64 reference stays small).
-    Few batch sizes each: the numpy FP64 attention reference dominates the run time (the
-    kernels' own GPU tests sweep the batch)."""
-    cases: list[Spec] = []
-    # one generator per op: a case's shape does not depend on which ops were selected
-    rng = np.random.default_rng(2026)
-    if "paged" in ops:
-        for tp, (hq, hkv) in TP_SHAPES.items():
-            for b in (1, 64) + ((128,) if tp == "TP1" else ()):
-                ctx = rng.integers(1, 4097, size=b)
-                ctx[0] = 2051  # one saturated row
-                pool = (int((-(-ctx // 64)).sum()) + 2) * 64  # a tight pool: host FP64 copy
-                cases.append(PagedSpec(f"paged/{tp}/B{b}", hq, hkv, 256, tuple(int(c) for c in ctx),
-                                       dtype=dtype, pool_slots=pool, seed=b))
-        P = PagedSpec  # noqa: N806
-        cases += [
-            P("paged/TP1/mtp4/B32", 24, 2, 256, tuple(range(2000, 2032)), rows_per_request=4,
-              dtype=dtype, seed=5),
-            P("paged/TP2/fp8+per-head/B16", 12, 1, 256, tuple(range(3000, 3016)), dtype=dtype,
-              kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5, per_head=True, seed=6),
-            P("paged/TP4/junk+dup+empty/B24", 6, 1, 256, tuple(range(100, 2500, 100)), dtype=dtype,
-              junk=("-1", "-7", "len", "len+19"), junk_at=("front", "middle", "end"),
-              duplicates=5, empty_rows=(0, 7), seed=7),
-        ]
-    if "indexer" in ops:
-        rng = np.random.default_rng(2027)
-        X = IndexerSpec  # noqa: N806
-        for b, ctx in ((1, 32768), (16, 32768), (64, 8192), (128, 32768)):
-            lens = tuple(int(x) for x in np.clip(ctx - rng.integers(0, 97, size=b), 0, None))
-            cases.append(X(f"indexer/decode/B{b}/{_k(ctx)}", "decode", seq_lens=lens,
-                           dtype=dtype, seed=b))
-        cases += [
-            X("indexer/decode/edges/B9", "decode",
-              seq_lens=(0, 3, 2048, 2051, 2052, 4 * 16 * 3 + 7, 5003, 2801, 2403), dtype=dtype,
-              zero_q_rows=(7,), seed=11),
-            X("indexer/decode/fp8-keys/B16/32k", "decode", seq_lens=(32768,) * 16, dtype=dtype,
-              k_dtype="float8_e4m3fn", seed=12),
-            X("indexer/prefill/T1k/kv32k", "prefill", q_lens=(1024,), kv_lens=(32768,),
-              dtype=dtype, seed=13),
-            X("indexer/prefill/ragged", "prefill", q_lens=(20, 2, 18, 700), kv_lens=(2060, 3, 4101,
-                                                                                    9000),
-              dtype=dtype, seed=14),
-        ]
-    if "step" in ops:
-        rng = np.random.default_rng(2028)
-        S = StepSpec  # noqa: N806
-        for tp, (hq, hkv), batches in (("TP1", (24, 2), (1, 128)), ("TP2", (12, 1), (16, 64))):
-            for b in batches:
-                ctx = 32768 - rng.integers(0, 300, size=b)
-                cases.append(S(f"step/decode/{tp}/B{b}/32k", "decode", hq, hkv, 256,
-                               tuple(int(c) for c in ctx), dtype=dtype, pool_pages=2048,
-                               seed=b))
-        cases += [
-            S("step/decode/TP4/fp8/B32/mixed", "decode", 6, 1, 256,
-              tuple(int(c) for c in rng.integers(0, 40000, size=32)), dtype=dtype,
-              kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5, index_k_dtype="float8_e4m3fn",
-              pool_pages=2048, seed=21),
-            S("step/prefill/TP2/T512/kv32k", "prefill", 12, 1, 256, (32768,), q_lens=(512,),
-              dtype=dtype, pool_pages=2048, seed=22),
-            S("step/prefill/TP1/ragged", "prefill", 24, 2, 256, (2060, 3, 9000, 300),
-              q_lens=(20, 3, 200, 300), dtype=dtype, seed=23),
-        ]
-    return cases
-
-
+# Paged decode, the indexer, the end-to-end step: case data.
 def _paged_data(spec: PagedSpec) -> CaseData:
     c = I.paged_decode_case(spec.context_lens, width=spec.width,
                             rows_per_request=spec.rows_per_request, pool_slots=spec.pool_slots,
@@ -860,8 +842,8 @@ def _paged_data(spec: PagedSpec) -> CaseData:
     poison = np.broadcast_to(~c.owned[:, None], (c.pool_slots, spec.hkv)).copy()
     return CaseData(spec, "sparse_decode_paged",
                     {"q": ((r, spec.hq, spec.d), spec.dtype), "k_cache": kv, "v_cache": kv}, ints,
-                    {"softmax_scale": None, "k_scale": spec.k_scale, "v_scale": spec.v_scale},
-                    poison if poison.any() else None,
+                    {"softmax_scale": None, "k_scale": spec.k_scale, "v_scale": spec.v_scale,
+                     "batch_invariant": spec.batch_invariant}, poison if poison.any() else None,
                     empty_outputs("sparse_decode_paged", ints, spec.hq, spec.hkv, c.pool_slots))
 
 
@@ -991,6 +973,18 @@ def slot_table_of(named: dict[str, Any]):
     return named["req_to_token"][rows.long() if hasattr(rows, "long") else np.asarray(rows, np.int64)]
 
 
+#: each entry point's FP64 reference (``interop.reference``): the same parameter names, less the
+#: host hints (max_seqlen_*) and the switches that leave the result unchanged (batch_invariant)
+_REFERENCES = {"sparse_decode": R.decode_reference, "sparse_prefill": R.prefill_reference,
+               "sparse_prefill_chunk": R.prefill_chunk_reference,
+               "sparse_prefill_paged": R.prefill_paged_reference,
+               "sparse_decode_paged": R.decode_paged_reference,
+               "indexer_select_decode": R.indexer_select_decode_reference,
+               "indexer_select_prefill": R.indexer_select_prefill_reference,
+               "qsa_decode_step": R.decode_step_reference,
+               "qsa_prefill_step": R.prefill_step_reference}
+
+
 def reference(entry: str, named: dict[str, Any]) -> np.ndarray:
     """The FP64 reference (``interop.reference``) of a call given by parameter name.
 
@@ -1007,41 +1001,11 @@ def reference(entry: str, named: dict[str, Any]) -> np.ndarray:
     Raises:
       ValueError: unknown entry point.
     """
-    n = dict(named)
-    sc, ks, vs = n.get("softmax_scale"), n.get("k_scale", 1.0), n.get("v_scale", 1.0)
-    if entry == "sparse_decode":
-        used = max(int(np.max(n["cu_seqlens_k"])), 0)  # rows past the last sequence are never read
-        return R.decode_reference(n["q"], n["k"][:used], n["v"][:used], n["cu_seqlens_q"],
-                                  n["cu_seqlens_k"], sc)
-    if entry == "sparse_prefill":
-        return R.prefill_reference(n["q"], n["k"], n["v"], n["indices"], n["cu_seqlens"], sc)
-    if entry == "sparse_prefill_chunk":
-        return R.prefill_chunk_reference(n["q"], n["k"], n["v"], n["indices"], n["cu_seqlens_q"],
-                                         n["cu_seqlens_k"], n["kv_lens"], sc, ks, vs)
-    if entry == "sparse_prefill_paged":
-        return R.prefill_paged_reference(n["q"], n["k_cache"], n["v_cache"], n["req_to_token"],
-                                         n["req_indices"], n["indices"], n["cu_seqlens_q"],
-                                         n["kv_lens"], sc, ks, vs)
-    if entry == "sparse_decode_paged":
-        return R.decode_paged_reference(n["q"], n["k_cache"], n["v_cache"], n["req_to_token"],
-                                        n["req_indices"], n["indices"], n["seq_lens"], sc, ks, vs)
-    topk = int(n.get("topk", I.BLOCK_TOPK))
-    if entry == "indexer_select_decode":
-        return R.indexer_select_decode_reference(n["q"], n["k_cache"], n["page_table"],
-                                                 n["seq_lens"], topk=topk)
-    if entry == "indexer_select_prefill":
-        return R.indexer_select_prefill_reference(n["q"], n["k"], n["row_starts"], n["row_ends"],
-                                                  n["positions"], n["seq_lens"], topk=topk)
-    if entry == "qsa_decode_step":
-        return R.decode_step_reference(n["q"], n["k_cache"], n["v_cache"], n["req_to_token"],
-                                       n["req_indices"], n["index_q"], n["index_k_cache"],
-                                       n["index_page_table"], n["seq_lens"], sc, ks, vs, topk=topk)
-    if entry == "qsa_prefill_step":
-        return R.prefill_step_reference(n["q"], n["k_cache"], n["v_cache"], n["req_to_token"],
-                                        n["req_indices"], n["index_q"], n["index_k"],
-                                        n["index_cu_seqlens_k"], n["cu_seqlens_q"], n["kv_lens"],
-                                        sc, ks, vs, topk=topk)
-    raise ValueError(f"unknown entry point {entry!r}; known: {', '.join(PARAMS)}")
+    fn = _REFERENCES.get(entry)
+    if fn is None:
+        raise ValueError(f"unknown entry point {entry!r}; known: {', '.join(PARAMS)}")
+    params = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in named.items() if k in params})
 
 
 def compare(out: np.ndarray, ref: np.ndarray, empty: np.ndarray | None = None,

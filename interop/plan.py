@@ -107,7 +107,7 @@ def smem_bytes(*, head_tile: int, block_n: int, head_dim: int, num_stages: int,
     conversions, plus the Q tile (``head_tile x head_dim x q_bytes``), the P tile
     (``head_tile x block_n x q_bytes``) and 2 KiB of reduction scratch and barriers.
     Checked against ``compiled.metadata.shared`` of every shipped configuration for sm_90 and
-    sm_120 (``python3 -m interop.validate.compile``; the compile tests assert
+    sm_120 (``qsa compile``; the compile tests assert
     ``shared <= smem_bytes``); it over-counts single-stage kernels.
     """
     kv = 2 * block_n * head_dim * kv_bytes

@@ -1,6 +1,7 @@
 """interop.validate.capture (format qsa-capture/1) and ``qsa replay`` / ``qsa capture``: round trips of
 every dtype and metadata field, capture_call, replay of a CPU capture made by the real kernels
-and of a bf16 capture (as the GPU produces), failures named, bad files refused."""
+and of a bf16 capture (as the GPU produces), the paged decode (BF16 and FP8 pools,
+batch-invariant mode), failures named, bad files refused."""
 
 from __future__ import annotations
 
@@ -178,12 +179,105 @@ def test_stored_output_outside_tolerance_is_reported_not_judged(tmp_path, monkey
     assert cli.main(["replay", "--interpret", "--fail-on-stored", f]) == 1
 
 
+# --------------------------------------------------------------------------------------------
+# sparse_decode_paged: the pool stored as given (NaN in free slots, FP8 as raw bytes)
+def _fp8_bytes(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def test_paged_decode_round_trip_fp8_pool_and_batch_invariant(tmp_path):
+    spec = _case("paged/G6xHkv2/fp8+per-head+empty/W35")
+    inp = X.build_inputs(spec)
+    pos, kws = X.PARAMS[inp.entry]
+    values = dict(zip(pos, inp.args)) | {"k_scale": spec.k_scale, "batch_invariant": True}
+    path = CAP.save_capture(tmp_path / "p.safetensors", inp.entry, values,
+                            expected=torch.zeros(inp.args[0].shape, dtype=torch.float16))
+    cap = CAP.load_capture(path)
+    assert cap.entry == "sparse_decode_paged" and cap.op == "paged"
+    assert cap.metadata["op"] == "paged" and cap.metadata["rank_shape"] == "Hq=12 Hkv=2 D=64"
+    for name, t in zip(pos, inp.args):  # every tensor bit-exact, the whole pool included
+        assert cap.tensors[name].dtype == t.dtype and cap.tensors[name].shape == t.shape
+        assert torch.equal(_fp8_bytes(cap.tensors[name]), _fp8_bytes(t)), name
+    pool = cap.tensors["k_cache"].float()
+    assert pool.isnan().any() and pool.isnan().sum() == inp.args[1].float().isnan().sum()
+    # keyword parameters: given ones kept (a bool stays a bool), missing ones at their defaults
+    assert cap.scalars == {"softmax_scale": None, "k_scale": spec.k_scale, "v_scale": 1.0,
+                           "batch_invariant": True}
+    assert json.loads(cap.metadata["fp8_tensors"]) == [["k_cache", "float8_e4m3fn"],
+                                                       ["v_cache", "float8_e4m3fn"]]
+    again = cap.inputs("cpu")
+    assert again.entry == inp.entry and again.kwargs["batch_invariant"] is True
+    assert [n for n in kws] == ["softmax_scale", "k_scale", "v_scale", "batch_invariant"]
+    s = CAP.spec_for(cap, "p")
+    assert isinstance(s, X.PagedSpec) and s.kv_dtype == "float8_e4m3fn" and s.per_head
+    assert s.batch_invariant and s.pool_slots == inp.args[1].shape[0]
+    assert s.size == inp.args[0].shape[0] * inp.args[5].shape[-1] * 12 * 64
+
+
+def test_replay_paged_decode_cpu_captures_made_by_the_real_kernels(tmp_path, capsys):
+    """`qsa capture` of two paged-decode cases (FP8 pool by Pallas, batch-invariant fp16 pool by
+    Triton), then `qsa replay` with both implementations against the FP64 reference."""
+    f1, f2 = tmp_path / "fp8.safetensors", tmp_path / "bi.safetensors"
+    assert cli.main(["capture", "--case", "paged/G6xHkv2/fp8+per-head+empty/W35", "--impl",
+                     "pallas", "--out", str(f1), "--interpret"]) == 0
+    assert cli.main(["capture", "--case", "paged/TP1/batch-invariant/W35", "--out", str(f2),
+                     "--interpret"]) == 0
+    assert CAP.load_capture(f2).scalars["batch_invariant"] is True
+    rc = cli.main(["replay", str(f1), str(f2), "--interpret", "--json", str(tmp_path / "r.json")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "sparse_decode_paged" in text and "all files passed" in text
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["passed"] and [f["metadata"]["op"] for f in doc["files"]] == ["paged", "paged"]
+    for f, producer in zip(doc["files"], ("pallas", "triton")):
+        assert f["stored"]["within_tolerance"]
+        for name in ("triton", "pallas"):
+            r = f["result"]["impl"][name]
+            assert r["passed"] and r["rel_l2"] <= X.REL_L2 and r["zeros_ok"]
+        assert f["result"]["impl"][producer]["rel_l2_vs_expected"] == 0.0
+
+
+def test_replay_bf16_paged_capture_and_a_wrong_paged_kernel(tmp_path, monkeypatch, capsys):
+    """A BF16 pool captured through ``capture_call`` (as an engine would wrap the call) replays
+    with both real kernels; a paged kernel 1.5x off fails by name, and the file's keyword
+    arguments reach the implementations."""
+    import qsa_triton
+
+    spec = X.PagedSpec("bf16-pool", 12, 1, 64, (30, 9), width=35, dtype="bfloat16", seed=3)
+    inp = X.build_inputs(spec)
+    path = tmp_path / "bf16.safetensors"
+    out = CAP.capture_call(qsa_triton.sparse_decode_paged, *inp.args, path=path,
+                           batch_invariant=True)
+    cap = CAP.load_capture(path)
+    assert cap.tensors["k_cache"].dtype == torch.bfloat16 and cap.scalars["batch_invariant"]
+    assert cap.metadata["producer"] == "qsa_triton.decode_paged.sparse_decode_paged"
+    [(_, res, stored)] = CAP.replay([path], X.load_implementations(interpret=True))
+    assert res.passed and stored["within_tolerance"], res.failures
+    assert res.impl["triton"]["rel_l2_vs_expected"] == 0.0 and torch.equal(cap.expected, out)
+
+    seen = []
+    good = _oracle("sparse_decode_paged")
+
+    def wrong(*a, **kw):
+        seen.append(kw)
+        return good(*a, **kw) * 1.5
+
+    monkeypatch.setattr(cli, "load_check_implementations", lambda interpret: [
+        X.Implementation("triton", "torch", {"sparse_decode_paged": wrong}), fakes()[1]])
+    assert cli.main(["replay", str(path), "--interpret"]) == 1
+    assert f"FAIL {path}: triton: rel L2" in capsys.readouterr().out
+    assert seen == [{"softmax_scale": None, "k_scale": 1.0, "v_scale": 1.0,
+                     "batch_invariant": True}]
+
+
 @pytest.mark.gpu
 def test_gpu_capture_and_replay(tmp_path):
-    """On the GPU: capture two full-size calls with the Triton kernels and replay them with both
-    implementations and the peer (when installed)."""
+    """On the GPU: capture full-size calls with the Triton kernels (packed decode, FP8 chunk
+    prefill, paged decode from an FP8 pool and in batch-invariant mode) and replay them with
+    both implementations and the peer (when installed)."""
     files = []
-    for case in ("decode/TP1/B16/saturated", "prefill/chunk/fp8/G12xHkv1/kv32k"):
+    for case in ("decode/TP1/B16/saturated", "prefill/chunk/fp8/G12xHkv1/kv32k",
+                 "paged/TP2/fp8+per-head/B16", "paged/TP1/batch-invariant/B32"):
         f = tmp_path / (case.replace("/", "_") + ".safetensors")
         assert cli.main(["capture", "--case", case, "--out", str(f)]) == 0
         files.append(str(f))

@@ -18,6 +18,26 @@ def test_contract_all_archs(capsys):
         assert text in out, text
 
 
+def test_contract_prints_every_envelope(capsys, monkeypatch):
+    """One row per distinct envelope of the contract module, every entry point named once:
+    packed and paged decode, the prefill variants, the indexer, both steps."""
+    from interop.cases import ENTRY_OP
+    from interop.contract import envelope_text
+
+    monkeypatch.setattr(cli, "_console", lambda: None)  # plain text: rows are not folded
+    assert cli.main(["contract", "--arch", "sm_90"]) == 0
+    out = capsys.readouterr().out
+    rows = cli.envelope_rows()
+    assert [r[0] for r in rows] == ["decode", "prefill", "paged", "indexer", "step", "step"]
+    assert sorted(e for r in rows for e in r[1].split(" / ")) == sorted(ENTRY_OP)
+    for entry in ENTRY_OP:
+        assert envelope_text(entry) in out, entry
+    for text in ("sparse_decode_paged", "indexer_select_decode / indexer_select_prefill",
+                 "qsa_decode_step", "qsa_prefill_step", "1 <= R <= 512", "1 <= W <= 2055",
+                 "topk=512"):
+        assert text in out, text
+
+
 def test_contract_one_arch_and_strict(capsys):
     assert cli.main(["contract", "--arch", "sm_121", "--strict"]) == 0
     out = capsys.readouterr().out
@@ -150,6 +170,9 @@ def test_compile_bad_arguments(capsys):
     assert "unknown arch" in capsys.readouterr().err
     assert cli.main(["compile", "--family", "cuda"]) == 2
     assert "allowed: triton, pallas" in capsys.readouterr().err
+    assert cli.main(["compile", "--family", "triton,pallas:union"]) == 2  # one kernel family
+    assert "unknown ['pallas:union']" in (err := capsys.readouterr().err)
+    assert "triton:decode" in err and "pallas:decode_paged" in err
     assert cli.main(["compile", "--jobs", "0"]) == 2
     assert "--jobs must be >= 1" in capsys.readouterr().err
 

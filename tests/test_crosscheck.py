@@ -450,15 +450,19 @@ def test_peer_on_cpu_is_skipped_or_unavailable():
 
 # --------------------------------------------------------------------------------------------
 # The command.
-def test_cli_check_passes_and_writes_json(monkeypatch, tmp_path, capsys):
+def _check_with_fakes(monkeypatch, capsys, out, *argv):
+    """`qsa check --quick ... --json out --interpret` with correct fakes: (printed text, JSON)."""
     monkeypatch.setattr(cli, "load_check_implementations", lambda interpret: fakes())
-    out = tmp_path / "res" / "check.json"
-    rc = cli.main(["check", "--quick", "--ops", "decode", "--filter", "TP2/B1/,TP4/B4/short",
-                   "--json", str(out), "--interpret"])
+    rc = cli.main(["check", "--quick", *argv, "--json", str(out), "--interpret"])
     text = capsys.readouterr().out
     assert rc == 0, text
+    return text, json.loads(out.read_text())
+
+
+def test_cli_check_passes_and_writes_json(monkeypatch, tmp_path, capsys):
+    text, doc = _check_with_fakes(monkeypatch, capsys, tmp_path / "res" / "check.json", "--ops",
+                                  "decode", "--filter", "TP2/B1/,TP4/B4/short")
     assert "decode: 4/4 passed" in text and "all cases passed" in text
-    doc = json.loads(out.read_text())
     assert doc["passed"] and doc["complete"] and doc["matrix"] == "quick" and doc["ops"] == ["decode"]
     assert len(doc["cases"]) == 4 and doc["summary"]["decode"]["passed"] == 4
     assert doc["cases"][0]["impl"]["triton"]["rel_l2"] < 1e-3
@@ -469,14 +473,9 @@ def test_cli_check_passes_and_writes_json(monkeypatch, tmp_path, capsys):
 
 
 def test_cli_check_new_ops(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(cli, "load_check_implementations", lambda interpret: fakes())
-    out = tmp_path / "new.json"
-    rc = cli.main(["check", "--quick", "--ops", "indexer,step", "--filter", "decode",
-                   "--json", str(out), "--interpret"])
-    text = capsys.readouterr().out
-    assert rc == 0, text
+    text, doc = _check_with_fakes(monkeypatch, capsys, tmp_path / "new.json", "--ops",
+                                  "indexer,step", "--filter", "decode")
     assert "indexer: 2/2 passed" in text and "step: 2/2 passed" in text
-    doc = json.loads(out.read_text())
     assert doc["ops"] == ["indexer", "step"] and doc["summary"]["indexer"]["passed"] == 2
     # capture files hold attention calls only: a step case is refused with the reason
     assert cli.main(["capture", "--case", "step/decode/TP2/topk16", "--out",

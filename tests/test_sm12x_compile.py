@@ -7,7 +7,7 @@ memory of each, a PDL variant, the merge kernel, both prefill kernels' variants 
 shared memory, both Pallas kernels) is then compiled for sm_120 (and the decode split kernel for
 sm_121) without a GPU and checked against the limit and the shared-memory model
 ``interop.plan.smem_bytes``. Every configuration is compiled by ``qsa compile`` (``.ci/run``
-runs it before the tests; ``python3 -m interop.validate.compile`` does the same).
+runs it before the tests).
 
 The compiles run in a subprocess with ``TRITON_INTERPRET`` unset (the interpreter, switched on by
 conftest for the CPU tests, replaces ``@triton.jit`` functions).

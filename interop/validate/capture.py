@@ -9,15 +9,18 @@ Tensors (names are the entry point's parameter names, ``qsa-contract.md``):
   * ``sparse_prefill_paged``: q, k_cache, v_cache, req_to_token, req_indices, indices,
     cu_seqlens_q, kv_lens (files with a per-request ``slot_table`` instead replay with
     req_to_token = slot_table, req_indices = 0..B-1)
+  * ``sparse_decode_paged``: q, k_cache, v_cache (the whole pool, as given), req_to_token,
+    req_indices, indices, seq_lens
   * ``expected_out`` (optional): the output the capturing implementation returned.
   Stored contiguous, on the CPU, in their own dtype (bf16/fp16/fp32/int32), except FP8
   (float8_e4m3fn), stored as its raw bytes (uint8, same shape) and named in ``fp8_tensors`` so
   that numpy-only readers can load every file.
 
 Metadata (safetensors ``__metadata__``, all strings):
-  * ``format``: "qsa-capture/1"; ``entry``: the entry point; ``op``: "decode" | "prefill".
+  * ``format``: "qsa-capture/1"; ``entry``: the entry point; ``op``: "decode" | "prefill" |
+    "paged" (``interop.cases.ENTRY_OP``).
   * ``scalars``: JSON of the host arguments (max_seqlen_k or max_seqlen_q, softmax_scale,
-    k_scale, v_scale).
+    k_scale, v_scale, batch_invariant).
   * ``fp8_tensors``: JSON list of tensor names stored as raw FP8 bytes.
   * ``arch`` ("sm_90", or "cpu"), ``device`` (device name), ``rank_shape`` ("TP1 Hq=24 Hkv=2
     D=256"), ``model_revision`` (free text, e.g. the model's git revision), ``producer`` (which
@@ -39,12 +42,15 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from interop.cases import PARAMS, TP_SHAPES
+from interop.cases import ENTRY_OP, KW_DEFAULTS, PARAMS, TP_SHAPES
 
-__all__ = ["FORMAT", "Capture", "save_capture", "capture_call", "load_capture", "replay",
-           "spec_for"]
+__all__ = ["FORMAT", "ENTRIES", "Capture", "save_capture", "capture_call", "load_capture",
+           "replay", "spec_for"]
 
 FORMAT = "qsa-capture/1"
+#: the entry points a capture file can hold: the attention ones (packed and paged decode, the
+#: prefill variants)
+ENTRIES = tuple(e for e, op in ENTRY_OP.items() if op in ("decode", "prefill", "paged"))
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 
 
@@ -65,7 +71,7 @@ class Capture:
 
     @property
     def op(self) -> str:
-        return "decode" if self.entry == "sparse_decode" else "prefill"
+        return ENTRY_OP[self.entry]
 
     def inputs(self, device: str = "cpu"):
         """``interop.validate.crosscheck.Inputs`` for the runner, tensors on ``device``."""
@@ -78,13 +84,8 @@ class Capture:
             st = self.tensors["slot_table"]
             self.tensors.update(req_to_token=st, req_indices=torch.arange(st.shape[0],
                                                                            dtype=torch.int32))
-        args = []
-        for name in pos:
-            if name in self.tensors:
-                args.append(self.tensors[name].to(device))
-            else:
-                args.append(self.scalars[name])
-        kwargs = {k: self.scalars.get(k, 1.0 if k != "softmax_scale" else None) for k in kws}
+        args = [self.tensors[n].to(device) if n in self.tensors else self.scalars[n] for n in pos]
+        kwargs = {k: self.scalars.get(k, KW_DEFAULTS[k]) for k in kws}
         return Inputs(self.entry, args, kwargs, None, {"capture": self.metadata})
 
 
@@ -111,28 +112,16 @@ def _device_meta(t) -> tuple[str, str]:
     return arch_name((props.major, props.minor)), props.name
 
 
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    out = {"python": sys.version.split()[0]}
-    for pkg in ("torch", "triton", "jax", "qsa"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
 def save_capture(path, entry: str, values: dict, *, expected=None, model_revision: str = "",
                  producer: str = "", note: str = "") -> Path:
     """Write one call (inputs by parameter name, optional output) as a ``qsa-capture/1`` file.
 
     Args:
       path: destination (``.safetensors``); parent folders are created.
-      entry: "sparse_decode" | "sparse_prefill" | "sparse_prefill_chunk" | "sparse_prefill_paged".
+      entry: one of ``ENTRIES`` ("sparse_decode", "sparse_decode_paged", the prefill variants).
       values: parameter name -> torch tensor (any device) or host scalar; missing keyword
-        parameters take their defaults (softmax_scale None, k_scale = v_scale = 1.0).
+        parameters take their defaults (``interop.cases.KW_DEFAULTS``: softmax_scale None,
+        k_scale = v_scale = 1.0, batch_invariant False).
       expected: the output tensor, or None.
 
     Raises:
@@ -141,15 +130,17 @@ def save_capture(path, entry: str, values: dict, *, expected=None, model_revisio
     import torch  # noqa: PLC0415
     from safetensors.torch import save_file  # noqa: PLC0415
 
-    if entry not in PARAMS:
-        raise ValueError(f"unknown entry point {entry!r}; known: {', '.join(PARAMS)}")
+    from .crosscheck import versions  # noqa: PLC0415
+
+    if entry not in ENTRIES:
+        raise ValueError(f"unknown entry point {entry!r}; known: {', '.join(ENTRIES)}")
     pos, kws = PARAMS[entry]
     missing = [n for n in pos if n not in values]
     if missing:
         raise ValueError(f"{entry}: missing parameter(s) {missing}")
     tensors, scalars, fp8 = {}, {}, []
-    for name in list(pos) + list(kws):
-        v = values.get(name)
+    for name in pos + kws:
+        v = values.get(name, KW_DEFAULTS.get(name))
         if isinstance(v, torch.Tensor):
             t = v.detach().to("cpu").contiguous()
             if _tdtype(t) in _FP8:
@@ -157,17 +148,18 @@ def save_capture(path, entry: str, values: dict, *, expected=None, model_revisio
                 t = t.view(torch.uint8)
             tensors[name] = t
         else:
-            scalars[name] = None if v is None else (int(v) if isinstance(v, int) else float(v))
+            scalars[name] = v if v is None or isinstance(v, bool) else (
+                int(v) if isinstance(v, int) else float(v))
     q, k = values[pos[0]], values[pos[1]]
     if expected is not None:
         tensors["expected_out"] = expected.detach().to("cpu").contiguous()
     arch, device = _device_meta(q)
-    meta = {"format": FORMAT, "entry": entry, "op": "decode" if entry == "sparse_decode" else "prefill",
+    meta = {"format": FORMAT, "entry": entry, "op": ENTRY_OP[entry],
             "scalars": json.dumps(scalars), "fp8_tensors": json.dumps(fp8), "arch": arch,
             "device": device, "rank_shape": _rank_shape(q, k), "model_revision": model_revision,
             "producer": producer, "note": note,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "versions": json.dumps(_versions())}
+            "versions": json.dumps(versions())}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=meta)
@@ -187,8 +179,8 @@ def capture_call(fn, *args, path, entry: str | None = None, model_revision: str 
       fn's output (unchanged).
     """
     entry = entry or getattr(fn, "__name__", "")
-    if entry not in PARAMS:
-        raise ValueError(f"cannot tell the entry point of {fn!r}; pass entry= one of {list(PARAMS)}")
+    if entry not in ENTRIES:
+        raise ValueError(f"cannot tell the entry point of {fn!r}; pass entry= one of {list(ENTRIES)}")
     pos, kws = PARAMS[entry]
     values = dict(zip(pos + kws, args))
     values.update({k: v for k, v in kwargs.items() if k in pos + kws})
@@ -202,7 +194,7 @@ def load_capture(path) -> Capture:
     """Read a ``qsa-capture/1`` file (tensors on the CPU, FP8 re-viewed).
 
     Raises:
-      ValueError: not a qsa capture, or a newer format.
+      ValueError: not a qsa capture, a newer format, or an entry point outside ``ENTRIES``.
     """
     import torch  # noqa: PLC0415
     from safetensors import safe_open  # noqa: PLC0415
@@ -217,6 +209,8 @@ def load_capture(path) -> Capture:
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: not a {FORMAT} file (format={meta.get('format')!r})")
+    if meta.get("entry") not in ENTRIES:
+        raise ValueError(f"{path}: entry point {meta.get('entry')!r} is not one of {ENTRIES}")
     for name, dtype in json.loads(meta.get("fp8_tensors", "[]")):
         tensors[name] = tensors[name].view(getattr(torch, dtype))
     expected = tensors.pop("expected_out", None)
@@ -224,25 +218,33 @@ def load_capture(path) -> Capture:
 
 
 def spec_for(cap: Capture, name: str):
-    """A ``crosscheck`` spec describing a capture's shapes (for ``Implementation.supports``)."""
-    from .crosscheck import DecodeSpec, PrefillSpec  # noqa: PLC0415
+    """A ``crosscheck`` spec describing a capture's shapes (for ``Implementation.supports`` and
+    the reference's size)."""
+    from interop.cases import DecodeSpec, PagedSpec, PrefillSpec  # noqa: PLC0415
 
     t = cap.tensors
     q = t["q"]
     k = t.get("k", t.get("k_cache"))
+    hq, hkv, d = int(q.shape[1]), int(k.shape[1]), int(q.shape[2])
+    kv_dtype = None if _tdtype(k) == _tdtype(q) else _tdtype(k)
     if cap.entry == "sparse_decode":
-        return DecodeSpec(name, int(q.shape[1]), int(k.shape[1]), int(q.shape[2]), int(q.shape[0]),
-                          "mixed", max_len=int(cap.scalars.get("max_seqlen_k", 1)),
-                          dtype=_tdtype(q))
+        return DecodeSpec(name, hq, hkv, d, int(q.shape[0]), "mixed",
+                          max_len=int(cap.scalars.get("max_seqlen_k", 1)), dtype=_tdtype(q))
+    if cap.entry == "sparse_decode_paged":  # one "request" per row: the rows' own lengths
+        return PagedSpec(name, hq, hkv, d, tuple(int(x) for x in t["seq_lens"].tolist()),
+                         width=int(t["indices"].shape[-1]), dtype=_tdtype(q), kv_dtype=kv_dtype,
+                         k_scale=float(cap.scalars.get("k_scale", 1.0)),
+                         v_scale=float(cap.scalars.get("v_scale", 1.0)),
+                         per_head=t["indices"].ndim == 3, pool_slots=int(k.shape[0]),
+                         batch_invariant=bool(cap.scalars.get("batch_invariant", False)))
     kind = {"sparse_prefill": "ordinary", "sparse_prefill_chunk": "chunk",
             "sparse_prefill_paged": "paged"}[cap.entry]
     cu = t.get("cu_seqlens", t.get("cu_seqlens_q"))
     q_lens = tuple(int(x) for x in (cu[1:] - cu[:-1]).tolist())
     kv = t.get("kv_lens")
-    return PrefillSpec(name, kind, int(q.shape[1]), int(k.shape[1]), int(q.shape[2]), q_lens,
+    return PrefillSpec(name, kind, hq, hkv, d, q_lens,
                        None if kv is None else tuple(int(x) for x in kv.tolist()),
-                       width=int(t["indices"].shape[-1]), dtype=_tdtype(q),
-                       kv_dtype=None if _tdtype(k) == _tdtype(q) else _tdtype(k),
+                       width=int(t["indices"].shape[-1]), dtype=_tdtype(q), kv_dtype=kv_dtype,
                        per_head=t["indices"].ndim == 3)
 
 
@@ -257,10 +259,9 @@ def replay(paths: Sequence, impls, *, device: str = "cpu", reference: str = "aut
       atol = 2e-2, rel L2 <= ``rel_l2_limit``, default 5e-3); their rel L2 against the stored
       output is reported as ``rel_l2_vs_expected``.
     """
-    import numpy as np  # noqa: PLC0415
+    from interop.cases import compare  # noqa: PLC0415
 
     from . import crosscheck as X  # noqa: PLC0415
-    from interop.reference import rel_l2  # noqa: PLC0415
 
     limit = X.REL_L2 if rel_l2_limit is None else rel_l2_limit
     out = []
@@ -268,17 +269,13 @@ def replay(paths: Sequence, impls, *, device: str = "cpu", reference: str = "aut
         cap = load_capture(p)
         inp = cap.inputs(device)
         spec = spec_for(cap, str(p))
-        width = int(cap.tensors["indices"].shape[-1]) if cap.op == "prefill" else 1
-        size = int(np.prod(inp.args[0].shape)) * width
-        ref, method = X._reference(inp, reference, size)
+        ref, method = X._reference(inp, reference, spec.size)
         expected = None if cap.expected is None else X._np64(cap.expected)
         res = X.evaluate(str(p), cap.op, inp, impls, ref, spec=spec, reference=method,
                          expected=expected, rel_l2_limit=limit)
         stored = None
-        if expected is not None:
-            finite = bool(np.isfinite(expected).all())
-            r = rel_l2(expected, ref) if finite else float("inf")
-            diff_ok = finite and bool(np.all(np.abs(expected - ref) <= X.ATOL + X.RTOL * np.abs(ref)))
-            stored = {"rel_l2_vs_reference": r, "within_tolerance": bool(diff_ok and r <= limit)}
+        if expected is not None:  # judged by the same criteria, reported only
+            r = compare(expected, ref, None, limit)
+            stored = {"rel_l2_vs_reference": r["rel_l2"], "within_tolerance": r["passed"]}
         out.append((cap, res, stored))
     return out

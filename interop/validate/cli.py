@@ -1,7 +1,7 @@
 """The ``qsa`` command.
 
 Subcommands (each a small function taking parsed args and returning an exit status):
-  qsa contract [--arch sm_121] [--strict]     the qualified envelope and the routing per arch
+  qsa contract [--arch sm_121] [--strict]     every entry point's envelope and the routing per arch
   qsa check    [--quick|--full] [--ops ...]   cross-check Pallas vs Triton vs FP64 reference
                                               (attention, paged decode, indexer, QSA step)
   qsa compile  [--arch sm_90,sm_120,sm_121]   AOT-compile every shipped kernel configuration
@@ -11,7 +11,7 @@ Subcommands (each a small function taking parsed args and returning an exit stat
   qsa capture  --list                         the case names (interop.cases)
 
 Every file is written only where an option names it (--json, --out, --plot); nothing lands in
-the current directory by default.
+the current directory by default. A bad argument exits with status 2 and a message naming it.
 
 Output uses ``rich`` tables when rich is installed and plain text otherwise. torch / jax / triton
 are imported lazily by the subcommands that need them, so ``qsa contract`` works on a
@@ -21,10 +21,29 @@ numpy-only install.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
-__all__ = ["main", "build_parser", "bench_main", "print_table"]
+__all__ = ["main", "build_parser", "bench_main", "print_table", "envelope_rows", "UsageError"]
+
+
+class UsageError(Exception):
+    """A bad argument: ``main`` prints ``qsa COMMAND: message`` on stderr and returns 2."""
+
+
+def _parsed(parse: Callable, text):
+    """``parse(text)`` with its ValueError (a bad option value) raised as a UsageError."""
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _split_list(text: str | None) -> list[str]:
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
 # --------------------------------------------------------------------------------------------
@@ -32,16 +51,12 @@ __all__ = ["main", "build_parser", "bench_main", "print_table"]
 def _console():
     try:
         from rich.console import Console  # noqa: PLC0415
-
-        return Console(highlight=False, soft_wrap=False, width=max(100, _term_width()))
     except ImportError:
         return None
-
-
-def _term_width() -> int:
     import shutil  # noqa: PLC0415
 
-    return shutil.get_terminal_size((120, 24)).columns
+    width = shutil.get_terminal_size((120, 24)).columns
+    return Console(highlight=False, soft_wrap=False, width=max(100, width))
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]],
@@ -70,118 +85,164 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[obje
     print(file=out)
 
 
-def _split_list(text: str | None) -> list[str]:
-    return [t.strip() for t in (text or "").split(",") if t.strip()]
+def _fmt(x, spec=".2e") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _finite_json(obj):
+    """Strict JSON: non-finite floats (a crashed or NaN case) become the strings "inf"/"nan"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_json(v) for v in obj]
+    return obj
+
+
+def _write_json(path: str, doc: dict) -> Path:
+    """Write ``doc`` (plus the package versions) as strict JSON; parent folders are created. The
+    file is replaced whole, so a run cut short leaves the last complete document."""
+    from .crosscheck import versions  # noqa: PLC0415
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(json.dumps(_finite_json({**doc, "versions": versions()}), indent=1,
+                              default=str, allow_nan=False))
+    tmp.replace(path)
+    return path
+
+
+def load_check_implementations(interpret: bool):
+    """The implementations ``qsa check`` compares (a seam: tests inject fakes here)."""
+    from . import crosscheck as X  # noqa: PLC0415
+
+    return X.load_implementations(interpret)
+
+
+def _implementations(args) -> tuple[bool, str, list]:
+    """(interpret, device, implementations) of check / replay / capture: the backends set up
+    (``crosscheck.prepare_backends``), ``--impls`` applied, the ``--peer`` appended (skipped with
+    a note when its files are absent)."""
+    from . import crosscheck as X  # noqa: PLC0415
+
+    interpret = X.prepare_backends(True if args.interpret else None)
+    device = "cpu" if interpret else "cuda"
+    impls = load_check_implementations(interpret)
+    if getattr(args, "impls", None) is not None:
+        wanted = _split_list(args.impls)
+        unknown = [w for w in wanted if w not in {i.name for i in impls}]
+        if unknown or not wanted:
+            raise UsageError(f"--impls: unknown {unknown or [args.impls]}; allowed: "
+                             f"{', '.join(i.name for i in impls)}")
+        impls = [i for i in impls if i.name in wanted]
+    if getattr(args, "peer", None):
+        try:
+            impls.append(X.load_peer(args.peer, device))
+        except ValueError as e:  # an unknown peer name
+            raise UsageError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - peer absent or broken: skip it, say so
+            print(f"qsa {args.command}: peer {args.peer!r} unavailable, skipped ({e})",
+                  file=sys.stderr)
+    return interpret, device, impls
 
 
 # --------------------------------------------------------------------------------------------
 # qsa contract
+def envelope_rows() -> list[tuple[str, str, str]]:
+    """(op, entry points, envelope) for every entry point of ``interop.cases.ENTRY_OP``, the
+    entry points that share one envelope (``interop.contract.envelope_text``) in one row."""
+    from interop.cases import ENTRY_OP  # noqa: PLC0415
+    from interop.contract import envelope_text  # noqa: PLC0415
+
+    groups: dict[tuple[str, str], list[str]] = {}
+    for entry, op in ENTRY_OP.items():
+        groups.setdefault((op, envelope_text(entry)), []).append(entry)
+    return [(op, " / ".join(entries), text) for (op, text), entries in groups.items()]
+
+
 def _cmd_contract(args) -> int:
-    from interop.arch import KNOWN_ARCHS, DeviceFacts, parse_arch, arch_name  # noqa: PLC0415
-    from interop.contract import QUALIFIED, envelope_text, route  # noqa: PLC0415
+    from interop.arch import KNOWN_ARCHS, DeviceFacts  # noqa: PLC0415
+    from interop.contract import QUALIFIED, route  # noqa: PLC0415
 
-    if args.arch:
-        names = []
-        for a in _split_list(args.arch):
-            try:
-                n = arch_name(parse_arch(a))
-            except ValueError as e:
-                print(f"qsa contract: {e}", file=sys.stderr)
-                return 2
-            if n not in KNOWN_ARCHS:
-                print(f"qsa contract: unknown arch {a!r}; known: {', '.join(KNOWN_ARCHS)}",
-                      file=sys.stderr)
-                return 2
-            names.append(n)
-    else:
-        names = list(KNOWN_ARCHS)
+    from .compile import parse_archs  # noqa: PLC0415 - numpy-only: imports no backend
 
+    names = _parsed(parse_archs, args.arch) if args.arch else list(KNOWN_ARCHS)
+    print_table("Qualified envelope per entry point (qsa-contract.md §2-4b, "
+                "interop.contract.envelope_text)", ("op", "entry points", "envelope"),
+                envelope_rows())
     pairs = ", ".join(f"({a},{b})" for a, b in QUALIFIED["head_pairs"])
     ppairs = ", ".join(f"({a},{b})" for a, b in QUALIFIED["prefill_head_pairs"])
-    env_rows = [
-        ("decode", "sparse_decode", envelope_text("sparse_decode")),
-        ("prefill", "sparse_prefill / _chunk / _paged", envelope_text("sparse_prefill")),
-    ]
-    print_table("Qualified envelope (qsa-contract.md §2-3)", ("op", "entry points", "envelope"),
-                env_rows)
+    (rlo, rhi), (wlo, whi) = QUALIFIED["paged_rows"], QUALIFIED["paged_width"]
     mode_rows = [
-        ("dtype", "bf16 | fp16 (chunk/paged K/V also fp8 e4m3)", "same"),
+        ("dtype", "bf16 | fp16 (chunk/paged K/V and the decode pool also fp8 e4m3)", "same"),
         ("head dim D", "power of two 32..256", f"D = {QUALIFIED['head_dim']}"),
         ("(Hq, Hkv)", "Hkv divides Hq, group <= 16",
          f"decode {{{pairs}}}; prefill {{{ppairs}}}"),
         ("batch B (decode)", "B >= 1", f"{QUALIFIED['batch'][0]} <= B <= {QUALIFIED['batch'][1]}"),
+        ("rows R (paged decode)", "R >= 1", f"{rlo} <= R <= {rhi}"),
         ("max_seqlen_k (decode)", ">= 1", f"1 .. {QUALIFIED['max_seqlen_k']}"),
         ("max_seqlen_q (decode)", "= 1", "= 1"),
         ("metadata", "int32, 1-D, length B+1 (kv_lens B), on q's device, contiguous", "same"),
-        ("indices", "int32 [T, W] or [T, Hkv, W], W >= 1", f"W = {QUALIFIED['index_width']} in production"),
+        ("indices", "int32 [T, W] or [T, Hkv, W], W >= 1",
+         f"W = {QUALIFIED['index_width']} in production; paged decode {wlo} <= W <= {whi}"),
     ]
     print_table("Checks: default mode vs --strict (interop.contract.check_*)",
                 ("item", "default mode (correctness)", "strict mode (qualified)"), mode_rows)
-
     route_rows = []
     for n in names:
-        info = KNOWN_ARCHS[n]
-        for part in info.example_parts:
+        for part in KNOWN_ARCHS[n].example_parts:
             facts = DeviceFacts.for_arch(n, name=part)
             d = route(facts, "decode")
             prefill = {op: route(facts, op) for op in ("prefill", "prefill_chunk", "prefill_paged")}
-            geos = sorted({r.geometry for r in prefill.values()})
             route_rows.append((n, f"{part.removeprefix('NVIDIA ')} ({facts.sm_count} SM)",
                                f"{d.kernel} [{'exact' if d.exact_contract else 'default'}]",
-                               " / ".join(geos), prefill["prefill"].reason))
+                               " / ".join(sorted({r.geometry for r in prefill.values()})),
+                               prefill["prefill"].reason))
     print_table("Routing per arch (interop.contract.route)",
                 ("arch", "part", "decode [checks]", "prefill geometry", "why (prefill)"), route_rows)
-    arch_rows = [(n, f"{i.cc[0]}.{i.cc[1]}", i.tensor_cores, f"{i.smem_per_block:,} B")
-                 for n, i in KNOWN_ARCHS.items() if n in names]
     print_table("Arch facts (interop.arch.KNOWN_ARCHS)",
-                ("arch", "cc", "tensor cores", "max smem / block"), arch_rows)
-    if args.strict:
-        return _contract_self_test()
-    return 0
+                ("arch", "cc", "tensor cores", "max smem / block"),
+                [(n, f"{i.cc[0]}.{i.cc[1]}", i.tensor_cores, f"{i.smem_per_block:,} B")
+                 for n, i in KNOWN_ARCHS.items() if n in names])
+    return _contract_self_test() if args.strict else 0
 
 
 def _contract_self_test() -> int:
     """--strict: run the strict checks on the envelope's corners (all must pass) and just
     outside them (all must be refused); print the outcome; 1 on any surprise."""
-    from interop.contract import (QUALIFIED, ContractError, TensorSpec, check_decode,  # noqa: PLC0415
-                           check_prefill_chunk)
+    from interop.contract import QUALIFIED, ContractError, TensorSpec, check_decode  # noqa: PLC0415
+    from interop.contract import check_prefill_chunk  # noqa: PLC0415
 
-    def dec(b, hq, hkv, msk, d=256, msq=1):
-        return check_decode(TensorSpec((b, hq, d), "bfloat16"), TensorSpec((4096, hkv, d), "bfloat16"),
-                            TensorSpec((4096, hkv, d), "bfloat16"), TensorSpec((b + 1,), "int32"),
-                            TensorSpec((b + 1,), "int32"), msk, max_seqlen_q=msq, strict=True)
+    def dec(b=1, hq=24, hkv=2, msk=2051, d=256, msq=1):
+        q, kv, cu = TensorSpec((b, hq, d), "bfloat16"), TensorSpec((4096, hkv, d), "bfloat16"), \
+            TensorSpec((b + 1,), "int32")
+        return check_decode(q, kv, kv, cu, cu, msk, max_seqlen_q=msq, strict=True)
 
-    def pre(hq, hkv, kv="bfloat16", d=256):
-        t = 64
-        return check_prefill_chunk(TensorSpec((t, hq, d), "bfloat16"), TensorSpec((512, hkv, d), kv),
-                                   TensorSpec((512, hkv, d), kv), TensorSpec((t, 2051), "int32"),
-                                   TensorSpec((2,), "int32"), TensorSpec((2,), "int32"),
-                                   TensorSpec((1,), "int32"), t, strict=True)
+    def pre(hq, hkv, kv="bfloat16", t=64, d=256):
+        q, k, one = TensorSpec((t, hq, d), "bfloat16"), TensorSpec((512, hkv, d), kv), \
+            TensorSpec((1,), "int32")
+        return check_prefill_chunk(q, k, k, TensorSpec((t, 2051), "int32"),
+                                   TensorSpec((2,), "int32"), TensorSpec((2,), "int32"), one, t,
+                                   strict=True)
 
-    cases: list[tuple[str, Callable[[], object], bool]] = []
-    lo, hi = QUALIFIED["batch"]
-    for hq, hkv in QUALIFIED["head_pairs"]:
-        cases += [(f"decode ({hq},{hkv}) B={lo} max_seqlen_k={QUALIFIED['max_seqlen_k']}",
-                   lambda hq=hq, hkv=hkv: dec(lo, hq, hkv, QUALIFIED["max_seqlen_k"]), True),
-                  (f"decode ({hq},{hkv}) B={hi}", lambda hq=hq, hkv=hkv: dec(hi, hq, hkv, 2051), True)]
-    for hq, hkv in QUALIFIED["prefill_head_pairs"]:
-        cases.append((f"prefill_chunk ({hq},{hkv}) fp8 K/V",
-                      lambda hq=hq, hkv=hkv: pre(hq, hkv, "float8_e4m3fn"), True))
-    cases += [
-        ("decode B=0", lambda: dec(0, 24, 2, 2051), False),
-        (f"decode B={hi + 1}", lambda: dec(hi + 1, 24, 2, 2051), False),
-        ("decode (16,2)", lambda: dec(1, 16, 2, 2051), False),
-        ("decode max_seqlen_k=0", lambda: dec(1, 24, 2, 0), False),
-        (f"decode max_seqlen_k={QUALIFIED['max_seqlen_k'] + 1}",
-         lambda: dec(1, 24, 2, QUALIFIED["max_seqlen_k"] + 1), False),
-        ("decode max_seqlen_q=2", lambda: dec(1, 24, 2, 2051, msq=2), False),
-        ("decode D=128", lambda: dec(1, 24, 2, 2051, d=128), False),
-        ("prefill (24,4)", lambda: pre(24, 4), False),
-    ]
+    (lo, hi), msk = QUALIFIED["batch"], QUALIFIED["max_seqlen_k"]
+    cases = [(f"decode ({hq},{hkv}) B={b}" + (f" max_seqlen_k={m}" if b == lo else ""), dec,
+              dict(b=b, hq=hq, hkv=hkv, msk=m), True)
+             for hq, hkv in QUALIFIED["head_pairs"] for b, m in ((lo, msk), (hi, 2051))]
+    cases += [(f"prefill_chunk ({hq},{hkv}) fp8 K/V", pre, dict(hq=hq, hkv=hkv,
+               kv="float8_e4m3fn"), True) for hq, hkv in QUALIFIED["prefill_head_pairs"]]
+    cases += [(name, dec, kw, False) for name, kw in (
+        ("decode B=0", dict(b=0)), (f"decode B={hi + 1}", dict(b=hi + 1)),
+        ("decode (16,2)", dict(hq=16)), ("decode max_seqlen_k=0", dict(msk=0)),
+        (f"decode max_seqlen_k={msk + 1}", dict(msk=msk + 1)),
+        ("decode max_seqlen_q=2", dict(msq=2)), ("decode D=128", dict(d=128)))]
+    cases.append(("prefill (24,4)", pre, dict(hq=24, hkv=4), False))
     rows, bad = [], 0
-    for name, fn, should_pass in cases:
+    for name, fn, kwargs, should_pass in cases:
         try:
-            fn()
+            fn(**kwargs)
             ok, got = should_pass, "accepted"
         except ContractError as e:
             ok, got = not should_pass, f"refused ({e.arg})"
@@ -193,107 +254,92 @@ def _contract_self_test() -> int:
 
 # --------------------------------------------------------------------------------------------
 # qsa check
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+def _device_name(device: str) -> str:
+    if device == "cpu":
+        import platform  # noqa: PLC0415
 
-    out = {"python": sys.version.split()[0]}
-    for pkg in ("numpy", "torch", "triton", "jax", "jaxlib"):
+        return f"CPU ({platform.machine()}), interpreters"
+    try:
+        import torch  # noqa: PLC0415
+
+        return torch.cuda.get_device_name()
+    except Exception:  # noqa: BLE001
+        return device
+
+
+def _run_with_progress(X, specs, impls, device, reference, after) -> list:
+    """Run the matrix: a rich progress bar on a terminal, else one line per case (every failure;
+    every case of a matrix up to 300, else every tenth); ``after(results so far)`` after each."""
+    import contextlib  # noqa: PLC0415
+
+    prog = None
+    if sys.stderr.isatty():
         try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress,  # noqa: PLC0415
+                                       TextColumn, TimeElapsedColumn, TimeRemainingColumn)
 
-
-def _finite_json(obj):
-    """Strict JSON: non-finite floats (a crashed or NaN case) become the strings "inf"/"nan"."""
-    import math  # noqa: PLC0415
-
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, dict):
-        return {k: _finite_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite_json(v) for v in obj]
-    return obj
-
-
-def _fmt(x, spec=".2e") -> str:
-    return "-" if x is None else format(x, spec)
+            prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TimeRemainingColumn(), transient=True)
+        except ImportError:
+            pass
+    results, n = [], len(specs)
+    with prog or contextlib.nullcontext():
+        task = prog.add_task("cases", total=n) if prog else None
+        for i, spec in enumerate(specs, 1):
+            if prog:
+                prog.update(task, description=spec.name)
+            r = X.run_case(spec, impls, device=device, reference=reference)
+            results.append(r)
+            after(results)
+            why = "" if r.passed else ": " + " | ".join(r.failures)
+            if prog:
+                if not r.passed:
+                    prog.console.print(f"FAIL {r.name}{why}", markup=False)
+                prog.advance(task)
+            elif not r.passed or n <= 300 or i % 10 == 0 or i == n:
+                print(f"[{i}/{n}] {'ok  ' if r.passed else 'FAIL'} {r.name} ({r.seconds:.1f}s){why}",
+                      flush=True)
+    return results
 
 
 def _cmd_check(args) -> int:
-    import json  # noqa: PLC0415
-
     from . import crosscheck as X  # noqa: PLC0415
 
-    try:
-        ops = X.select_ops(args.ops)
-    except ValueError as e:
-        print(f"qsa check: {e}", file=sys.stderr)
-        return 2
-    interpret = X.prepare_backends(True if args.interpret else None)
+    ops = _parsed(X.select_ops, args.ops)
+    interpret, device, impls = _implementations(args)
     full = args.full or (not args.quick and not interpret)
     specs = X.full_matrix(ops) if full else X.quick_matrix(ops)
     if args.filter:
         specs = [s for s in specs if any(f in s.name for f in _split_list(args.filter))]
         if not specs:
-            print(f"qsa check: --filter {args.filter!r} matches no case", file=sys.stderr)
-            return 2
-    impls = load_check_implementations(interpret)
-    if args.impls:
-        wanted = _split_list(args.impls)
-        unknown = [w for w in wanted if w not in {i.name for i in impls}]
-        if unknown or not wanted:
-            print(f"qsa check: --impls: unknown {unknown or [args.impls]}; allowed: "
-                  f"{', '.join(i.name for i in impls)}", file=sys.stderr)
-            return 2
-        impls = [i for i in impls if i.name in wanted]
-    device = "cpu" if interpret else "cuda"
-    if args.peer:
-        try:
-            impls.append(X.load_peer(args.peer, device))
-        except ValueError as e:
-            print(f"qsa check: {e}", file=sys.stderr)
-            return 2
-        except Exception as e:  # noqa: BLE001 - peer absent or broken: skip it, say so
-            print(f"qsa check: peer {args.peer!r} unavailable, skipped ({e})", file=sys.stderr)
+            raise UsageError(f"--filter {args.filter!r} matches no case")
     names = [i.name for i in impls]
     mode = "full" if full else "quick"
     print(f"qsa check: {mode} matrix, {len(specs)} case(s), ops {','.join(ops)}, "
           f"{'interpret mode (CPU)' if interpret else 'compiled kernels (' + device + ')'}, "
           f"implementations {', '.join(names)}", flush=True)
 
-    def write_json(results, complete: bool):
+    def write_json(results, complete: bool) -> Path | None:
         if not args.json:
             return None
-        from pathlib import Path  # noqa: PLC0415
-
         failed = [r for r in results if not r.passed]
-        doc = {"command": "qsa check", "matrix": mode, "ops": list(ops), "interpret": interpret,
-               "device": _device_name(device), "versions": _versions(),
-               "tolerance": {"rtol": X.RTOL, "atol": X.ATOL, "rel_l2": X.REL_L2},
-               "implementations": names, "complete": complete, "cases_planned": len(specs),
-               # the case that was about to run (a crash, e.g. a CUDA fault, ends the run there)
-               "next_case": None if complete or len(results) >= len(specs) else specs[len(results)].name,
-               "summary": X.summarize(results, names), "passed": complete and not failed,
-               "cases": [r.as_dict() for r in results]}
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".part")
-        tmp.write_text(json.dumps(_finite_json(doc), indent=1, default=str, allow_nan=False))
-        tmp.replace(path)  # a run cut short still leaves every finished case on disk
-        return path
+        return _write_json(args.json, {
+            "command": "qsa check", "matrix": mode, "ops": list(ops), "interpret": interpret,
+            "device": _device_name(device),
+            "tolerance": {"rtol": X.RTOL, "atol": X.ATOL, "rel_l2": X.REL_L2},
+            "implementations": names, "complete": complete, "cases_planned": len(specs),
+            # the case that was about to run (a crash, e.g. a CUDA fault, ends the run there)
+            "next_case": None if complete or len(results) >= len(specs) else specs[len(results)].name,
+            "summary": X.summarize(results, names), "passed": complete and not failed,
+            "cases": [r.as_dict() for r in results]})
 
     write_json([], False)
     results = _run_with_progress(X, specs, impls, device, args.reference,
                                  after=lambda rs: write_json(rs, False))
-    summary = X.summarize(results, names)
-    for op, s in summary.items():
-        cols = ["cases", "passed"] + [f"rel L2 {n}" for n in names] + ["|Pallas-Triton|",
-                                                                      "worst case"]
-        row = [s["cases"], s["passed"]] + [_fmt(s[f"max_rel_l2[{n}]"]) for n in names] + [
-            _fmt(s["max_pallas_triton"], ".3g"), s["worst_case"]]
+    for op, s in X.summarize(results, names).items():
+        cols = ["cases", "passed", *(f"rel L2 {n}" for n in names), "|Pallas-Triton|", "worst case"]
+        row = [s["cases"], s["passed"], *(_fmt(s[f"max_rel_l2[{n}]"]) for n in names),
+               _fmt(s["max_pallas_triton"], ".3g"), s["worst_case"]]
         print_table(f"{op}: {s['passed']}/{s['cases']} passed (max over cases; rtol=atol="
                     f"{X.RTOL:g}, rel L2 <= {X.REL_L2:g})", cols, [row])
         skipped = {n: s[f"skipped[{n}]"] for n in names if s[f"skipped[{n}]"]}
@@ -314,133 +360,43 @@ def _cmd_check(args) -> int:
     return 1 if failed else 0
 
 
-def load_check_implementations(interpret: bool):
-    """The implementations ``qsa check`` compares (a seam: tests inject fakes here)."""
-    from . import crosscheck as X  # noqa: PLC0415
-
-    return X.load_implementations(interpret)
-
-
-def _device_name(device: str) -> str:
-    if device == "cpu":
-        import platform  # noqa: PLC0415
-
-        return f"CPU ({platform.machine()}), interpreters"
-    try:
-        import torch  # noqa: PLC0415
-
-        return torch.cuda.get_device_name()
-    except Exception:  # noqa: BLE001
-        return device
-
-
-def _run_with_progress(X, specs, impls, device, reference, after=None):
-    """Run the matrix with a rich progress bar on a terminal, one line per case otherwise;
-    ``after(results_so_far)`` after each case."""
-    results = []
-    use_rich = sys.stderr.isatty()
-    try:
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress,  # noqa: PLC0415
-                                   TextColumn, TimeElapsedColumn, TimeRemainingColumn)
-    except ImportError:
-        use_rich = False
-    if use_rich:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), TimeRemainingColumn(), transient=True) as prog:
-            task = prog.add_task("cases", total=len(specs))
-            for spec in specs:
-                prog.update(task, description=spec.name)
-                r = X.run_case(spec, impls, device=device, reference=reference)
-                results.append(r)
-                if not r.passed:
-                    prog.console.print(f"FAIL {r.name}: {' | '.join(r.failures)}", markup=False)
-                prog.advance(task)
-                if after is not None:
-                    after(results)
-        return results
-    n = len(specs)
-    for i, spec in enumerate(specs, 1):
-        r = X.run_case(spec, impls, device=device, reference=reference)
-        results.append(r)
-        if after is not None:
-            after(results)
-        if not r.passed or n <= 300 or i % 10 == 0 or i == n:
-            status = "ok  " if r.passed else "FAIL"
-            print(f"[{i}/{n}] {status} {r.name} ({r.seconds:.1f}s)"
-                  + ("" if r.passed else ": " + " | ".join(r.failures)), flush=True)
-    return results
-
-
-def _add_check(sub) -> None:
-    p = sub.add_parser("check", help="cross-check Pallas vs Triton vs the FP64 reference",
-                       description="Feed identical inputs to qsa_pallas and qsa_triton (zero-copy "
-                       "through DLPack), compare each with the FP64 reference and with each other "
-                       "(and with upstream SGLang with --peer). Exit status 1 if any case fails.")
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true",
-                      help="the reduced matrix (default on a CPU machine: interpret mode)")
-    size.add_argument("--full", action="store_true",
-                      help="the full matrix (default on a GPU machine: compiled kernels)")
-    p.add_argument("--ops", default=None, help="comma-separated: decode,prefill,paged,indexer,step "
-                   "(default: all; paged = sparse_decode_paged, indexer = scoring + exact top-k + "
-                   "expansion, step = the end-to-end qsa_decode_step / qsa_prefill_step)")
-    p.add_argument("--json", metavar="FILE", help="write every case's result as JSON")
-    p.add_argument("--peer", metavar="NAME", choices=None,
-                   help="also compare with upstream's kernels: 'sglang' (skipped if absent)")
-    p.add_argument("--filter", metavar="TEXT", help="only cases whose name contains TEXT "
-                   "(comma-separated alternatives)")
-    p.add_argument("--impls", metavar="NAMES", help="implementations to run: triton,pallas "
-                   "(default both; one alone for a single-framework install)")
-    p.add_argument("--interpret", action="store_true",
-                   help="force interpret mode (CPU tensors) even where a GPU exists")
-    p.add_argument("--reference", choices=("auto", "numpy", "torch"), default="auto",
-                   help="FP64 reference: numpy (interop.reference), torch (float64, batched; "
-                   "for large cases) or auto (default)")
-    p.set_defaults(func=_cmd_check)
-
-
 # --------------------------------------------------------------------------------------------
 # qsa compile
+_COMPILE_COLUMNS = ("family", "arch", "config", "warps/stages", "shared B / limit", "regs",
+                    "spill B", "verdict")
+
+
 def _cmd_compile(args) -> int:
-    import json  # noqa: PLC0415
     import os  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
 
     from . import compile as CC  # noqa: PLC0415
 
-    try:
-        archs = CC.parse_archs(args.arch)
-    except ValueError as e:
-        print(f"qsa compile: {e}", file=sys.stderr)
-        return 2
-    families = _split_list(args.family) or ["triton", "pallas"]
-    bad = [f for f in families if f not in ("triton", "pallas")]
+    archs = _parsed(CC.parse_archs, args.arch)
+    families = _split_list(args.family) or list(CC.FAMILIES)
+    allowed = [*CC.FAMILIES, *(f"{b}:{k}" for b, ks in CC.FAMILIES.items() for k in ks)]
+    bad = [f for f in families if f not in allowed]
     if bad:
-        print(f"qsa compile: --family: unknown {bad}; allowed: triton, pallas", file=sys.stderr)
-        return 2
+        raise UsageError(f"--family: unknown {bad}; allowed: {', '.join(allowed)}")
     # the CPUs this process may run on (a cgroup-limited CI container reports the host's count
     # through os.cpu_count())
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     jobs = args.jobs if args.jobs is not None else min(cpus or 1, 4)
     if jobs < 1:
-        print(f"qsa compile: --jobs must be >= 1, got {jobs}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--jobs must be >= 1, got {jobs}")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         # the interpreter replaces @triton.jit functions: compile in a clean interpreter
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.setdefault("JAX_PLATFORMS", "cpu")
-        proc = subprocess.run([sys.executable, "-m", "interop.validate.cli", "compile", *args._argv[1:]],
-                              env=env)
-        return proc.returncode
+        return subprocess.run([sys.executable, "-m", "interop.validate.cli", "compile",
+                               *args._argv[1:]], env=env).returncode
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # lowering needs no GPU
     reports = CC.run(archs, families, progress=lambda m: print(m, flush=True), jobs=jobs,
                      triton_modules=_split_list(args.triton_modules),
                      pallas_modules=_split_list(args.pallas_modules))
-    rows = CC.summary_rows(reports)
     if args.verbose:
-        print_table("Every configuration", ("family", "arch", "config", "warps/stages",
-                                           "shared B / limit", "regs", "spill B", "verdict"), rows)
-    groups = {}
+        print_table("Every configuration", _COMPILE_COLUMNS, CC.summary_rows(reports))
+    groups: dict[tuple[str, str], list] = {}
     for r in reports:
         groups.setdefault((r.family, r.arch), []).append(r)
     sum_rows = []
@@ -448,53 +404,25 @@ def _cmd_compile(args) -> int:
         real = [r for r in rs if not r.note]
         shared = [r.shared for r in real if r.shared is not None]
         regs = [r.regs for r in real if r.regs is not None]
-        spills = sum(1 for r in real if r.spill_bytes)
-        notes = [f"{r.name}: {r.note}" for r in rs if r.note]
         sum_rows.append([fam, arch, len(real), sum(r.fits for r in real),
                          f"{max(shared):,}" if shared else "-",
-                         f"{CC.KNOWN_ARCHS[arch].smem_per_block:,}",
-                         max(regs) if regs else "-", spills,
-                         "; ".join(notes) if notes else ""])
+                         f"{CC.KNOWN_ARCHS[arch].smem_per_block:,}", max(regs) if regs else "-",
+                         sum(1 for r in real if r.spill_bytes),
+                         "; ".join(f"{r.name}: {r.note}" for r in rs if r.note)])
     print_table("qsa compile: configurations per family and arch",
                 ("family", "arch", "configs", "fit", "max shared B", "limit B", "max regs",
                  "with spills", "notes"), sum_rows)
     failed = [r for r in reports if not r.fits]
     if failed:
-        print_table(f"FAILED: {len(failed)} configuration(s) do not fit",
-                    ("family", "arch", "config", "warps/stages", "shared B / limit", "regs",
-                     "spill B", "verdict"), CC.summary_rows(failed))
+        print_table(f"FAILED: {len(failed)} configuration(s) do not fit", _COMPILE_COLUMNS,
+                    CC.summary_rows(failed))
     if args.json:
-        from pathlib import Path  # noqa: PLC0415
-
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"command": "qsa compile", "archs": archs, "families": families,
-                                    "versions": _versions(), "passed": not failed,
-                                    "configs": [r.as_dict() for r in reports]}, indent=1))
-        print(f"wrote {path}")
+        print("wrote " + str(_write_json(args.json, {
+            "command": "qsa compile", "archs": archs, "families": families,
+            "passed": not failed, "configs": [r.as_dict() for r in reports]})))
     print("qsa compile: " + ("every configuration fits" if not failed
                              else f"{len(failed)} configuration(s) do NOT fit"))
     return 1 if failed else 0
-
-
-def _add_compile(sub) -> None:
-    p = sub.add_parser("compile", help="AOT-compile every shipped kernel configuration per arch",
-                       description="Compile every Triton kernel configuration the selectors can "
-                       "choose, and lower + compile every Pallas kernel for the arch's abstract "
-                       "device, without a GPU; report shared memory, registers and spills against "
-                       "the arch's limits. Exit status 1 if any configuration does not fit.")
-    p.add_argument("--arch", help="comma-separated: sm_90,sm_120,sm_121 (default: all three)")
-    p.add_argument("--jobs", type=int, default=None,
-                   help="worker processes, one (family, arch) group each (default: CPU count, "
-                   "at most 4; 1 = in this process)")
-    p.add_argument("--family", help="comma-separated: triton,pallas (default: both)")
-    p.add_argument("--json", metavar="FILE", help="write every configuration's report as JSON")
-    p.add_argument("-v", "--verbose", action="store_true", help="print every configuration")
-    p.add_argument("--triton-modules", metavar="M,..", help="modules whose compile_configs(arch) "
-                   "replace the built-in Triton lists (out-of-tree kernels)")
-    p.add_argument("--pallas-modules", metavar="M,..", help="modules whose "
-                   "lowering_cases(device_kind) replace the built-in Pallas lists")
-    p.set_defaults(func=_cmd_compile)
 
 
 # --------------------------------------------------------------------------------------------
@@ -509,11 +437,11 @@ BENCH_USAGE = "usage: qsa bench {decode,prefill} [OPTIONS...]"
 
 
 def _bench_usage(file) -> None:
+    import textwrap  # noqa: PLC0415
+
     print(BENCH_USAGE, file=file)
     print("\nBenchmarks on a CUDA GPU; they live in the repository's bench/ folder (run from a "
           "checkout).\n", file=file)
-    import textwrap  # noqa: PLC0415
-
     for name, text in BENCHES.items():
         print(textwrap.fill(text, width=100, initial_indent=f"  {name:<8} ",
                             subsequent_indent=" " * 11), file=file)
@@ -526,7 +454,6 @@ def bench_main(argv: Sequence[str]) -> int:
     (its own argparse, so ``--help`` shows its real options). Exit status 2 with a usage when
     WHICH is missing or unknown."""
     import importlib  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
 
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -547,44 +474,21 @@ def bench_main(argv: Sequence[str]) -> int:
         print(f"qsa bench: bench/{which}.py is not available ({e}); run from a checkout of the "
               "repository", file=sys.stderr)
         return 2
-    if rest[:1] == ["--"]:
-        rest = rest[1:]
-    return int(mod.main(rest, prog=f"qsa bench {which}") or 0)
-
-
-def _add_bench(sub) -> None:
-    # listed here for `qsa --help`; main() hands `qsa bench ...` to bench_main before argparse,
-    # so that every option after WHICH reaches the benchmark's own parser untouched
-    sub.add_parser("bench", help="benchmarks on a GPU: decode | prefill (bench/decode.py, "
-                   "bench/prefill.py)", add_help=False)
+    return int(mod.main(rest[1:] if rest[:1] == ["--"] else rest, prog=f"qsa bench {which}") or 0)
 
 
 # --------------------------------------------------------------------------------------------
 # qsa replay / qsa capture
 def _cmd_replay(args) -> int:
-    import json  # noqa: PLC0415
-
     from . import capture as CAP  # noqa: PLC0415
     from . import crosscheck as X  # noqa: PLC0415
 
-    interpret = X.prepare_backends(True if args.interpret else None)
-    device = "cpu" if interpret else "cuda"
-    impls = load_check_implementations(interpret)
-    if args.peer:
-        try:
-            impls.append(X.load_peer(args.peer, device))
-        except ValueError as e:
-            print(f"qsa replay: {e}", file=sys.stderr)
-            return 2
-        except Exception as e:  # noqa: BLE001
-            print(f"qsa replay: peer {args.peer!r} unavailable, skipped ({e})", file=sys.stderr)
+    _, device, impls = _implementations(args)
     try:
         results = CAP.replay(args.files, impls, device=device, reference=args.reference,
                              rel_l2_limit=args.rel_l2)
     except (OSError, ValueError, ImportError) as e:
-        print(f"qsa replay: {e}", file=sys.stderr)
-        return 2
-    limit = X.REL_L2 if args.rel_l2 is None else args.rel_l2
+        raise UsageError(str(e)) from None
     for cap, res, stored in results:
         m = cap.metadata
         rows = []
@@ -594,12 +498,13 @@ def _cmd_replay(args) -> int:
         for name, r in res.impl.items():
             if r.get("skipped"):
                 rows.append([name, "-", "-", f"skipped: {r['skipped']}"])
-                continue
-            rows.append([name, _fmt(r.get("rel_l2")), _fmt(r.get("rel_l2_vs_expected")),
-                         "ok" if r["passed"] else "FAIL " + (r.get("error") or "")])
+            else:
+                rows.append([name, _fmt(r.get("rel_l2")), _fmt(r.get("rel_l2_vs_expected")),
+                             "ok" if r["passed"] else "FAIL " + (r.get("error") or "")])
         print_table(f"{res.name}: {cap.entry} {m.get('rank_shape', '')}, captured on "
                     f"{m.get('arch', '?')} ({m.get('device', '?')}), model {m.get('model_revision') or '-'}",
                     ("output", "rel L2 vs FP64 reference", "rel L2 vs stored", "verdict"), rows)
+    limit = X.REL_L2 if args.rel_l2 is None else args.rel_l2
     print(f"(judged against the FP64 reference: rtol=atol={X.RTOL:g}, rel L2 <= {limit:g})")
     failed = [res for _, res, _ in results if not res.passed]
     for res in failed:
@@ -611,120 +516,79 @@ def _cmd_replay(args) -> int:
               f"{len(bad_stored)} file(s): {', '.join(bad_stored)} (the captured call returned a "
               f"wrong result{'' if args.fail_on_stored else '; --fail-on-stored makes this an error'})")
     if args.json:
-        from pathlib import Path  # noqa: PLC0415
-
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_finite_json(
-            {"command": "qsa replay", "device": device, "versions": _versions(),
-             "passed": not failed,
-             "files": [{"file": res.name, "metadata": cap.metadata, "stored": stored,
-                        "result": res.as_dict()} for cap, res, stored in results]}),
-            indent=1, default=str, allow_nan=False))
-        print(f"wrote {path}")
-    stored_fail = bool(bad_stored) and args.fail_on_stored
+        print("wrote " + str(_write_json(args.json, {
+            "command": "qsa replay", "device": device, "passed": not failed,
+            "files": [{"file": res.name, "metadata": cap.metadata, "stored": stored,
+                       "result": res.as_dict()} for cap, res, stored in results]})))
     print("qsa replay: " + ("all files passed" if not failed else f"{len(failed)} file(s) FAILED")
           + (f"; stored output wrong in {len(bad_stored)} file(s)" if bad_stored else ""))
-    return 1 if failed or stored_fail else 0
-
-
-def _add_replay(sub) -> None:
-    p = sub.add_parser("replay", help="re-run captured kernel calls (interop.validate.capture format)",
-                       description="Run qsa_triton and qsa_pallas (and the peer) on each captured "
-                       "call and report relative L2 against the FP64 reference and against the "
-                       "stored output. Exit status 1 if an implementation is outside tolerance.")
-    p.add_argument("files", nargs="+", metavar="FILE", help="qsa-capture/1 safetensors files")
-    p.add_argument("--peer", metavar="NAME", help="also run upstream's kernels: 'sglang'")
-    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    p.add_argument("--reference", choices=("auto", "numpy", "torch"), default="auto")
-    p.add_argument("--rel-l2", type=float, default=None,
-                   help="relative L2 limit vs the reference (default 5e-3; upstream uses 2e-3 on "
-                   "real captured tensors)")
-    p.add_argument("--interpret", action="store_true", help="force interpret mode (CPU)")
-    p.add_argument("--fail-on-stored", action="store_true",
-                   help="exit 1 also when a file's stored output is outside tolerance of the FP64 "
-                   "reference (default: a WARNING; the implementations are what is judged)")
-    p.set_defaults(func=_cmd_replay)
+    return 1 if failed or (bad_stored and args.fail_on_stored) else 0
 
 
 def _cmd_capture(args) -> int:
+    import textwrap  # noqa: PLC0415
+
     from . import capture as CAP  # noqa: PLC0415
     from . import crosscheck as X  # noqa: PLC0415
 
     interpret = X.prepare_backends(True if args.interpret else None)
-    device = "cpu" if interpret else "cuda"
     quick, full = X.quick_matrix(), X.full_matrix()
+    specs = {s.name: s for s in quick + full}  # quick names first, then the full matrix's others
     if args.list:
-        for spec in quick + [s for s in full if s.name not in {q.name for q in quick}]:
-            print(spec.name)
+        print("\n".join(specs))
         return 0
     if not args.case or not args.out:
-        print("qsa capture: --case NAME and --out FILE are required (--list prints the case "
-              "names)", file=sys.stderr)
-        return 2
-    specs = {s.name: s for s in quick + full}
+        raise UsageError("--case NAME and --out FILE are required (--list prints the case names)")
     if interpret:  # the quick cases win on a CPU (their dtype runs in the interpreter)
         specs.update({s.name: s for s in quick})
     spec = specs.get(args.case)
     if spec is None:
-        import textwrap  # noqa: PLC0415
-
         close = [n for n in specs if args.case in n][:8]
-        print(f"qsa capture: unknown case {args.case!r}"
-              + (f"; did you mean: {', '.join(close)}" if close else ""), file=sys.stderr)
-        print(f"quick-matrix cases ({len(quick)}; the full matrix adds {len(specs) - len(quick)}, "
-              "`qsa capture --list` prints every name):", file=sys.stderr)
-        print(textwrap.fill(", ".join(s.name for s in quick), width=100, initial_indent="  ",
-                            subsequent_indent="  ", break_on_hyphens=False), file=sys.stderr)
-        return 2
-    if spec.op not in ("decode", "prefill"):
-        print(f"qsa capture: case {args.case!r} is a {spec.op!r} case; capture files hold the "
-              "attention entry points (decode, prefill cases) only", file=sys.stderr)
-        return 2
+        raise UsageError(
+            f"unknown case {args.case!r}" + (f"; did you mean: {', '.join(close)}" if close else "")
+            + f"\nquick-matrix cases ({len(quick)}; the full matrix adds {len(specs) - len(quick)}, "
+            "`qsa capture --list` prints every name):\n"
+            + textwrap.fill(", ".join(s.name for s in quick), width=100, initial_indent="  ",
+                            subsequent_indent="  ", break_on_hyphens=False))
+    ops = sorted({CAP.ENTRY_OP[e] for e in CAP.ENTRIES})
+    if spec.op not in ops:
+        raise UsageError(f"case {args.case!r} is a {spec.op!r} case; capture files hold the "
+                         f"attention entry points ({', '.join(ops)} cases) only")
     impls = {i.name: i for i in load_check_implementations(interpret)}
     impl = impls.get(args.impl)
     if impl is None:
-        print(f"qsa capture: --impl must be one of {', '.join(impls)}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--impl must be one of {', '.join(impls)}")
+    device = "cpu" if interpret else "cuda"
     inp = X.build_inputs(spec, device)
-    out = X._call(impl, inp)
-    pos, kws = X.PARAMS[inp.entry]
-    values = dict(zip(pos, inp.args))
-    values.update(inp.kwargs)
-    path = CAP.save_capture(args.out, inp.entry, values, expected=out,
+    path = CAP.save_capture(args.out, inp.entry, inp.named(), expected=X._call(impl, inp),
                             model_revision=args.model_revision or "synthetic (qsa check case)",
                             producer=f"{impl.name}.{inp.entry}", note=f"qsa check case {spec.name}")
     print(f"wrote {path} ({inp.entry}, case {spec.name}, output of {impl.name} on {device})")
     return 0
 
 
-def _add_capture(sub) -> None:
-    p = sub.add_parser("capture", help="save one `qsa check` case and an implementation's output "
-                       "as a capture file (for qsa replay)")
-    p.add_argument("--case", metavar="NAME", help="a case name from the quick or full matrix "
-                   "(interop.cases; --list prints them)")
-    p.add_argument("--list", action="store_true", help="print every case name and exit")
-    p.add_argument("--impl", default="triton", help="implementation producing the stored output")
-    p.add_argument("--out", metavar="FILE", help="destination .safetensors (parent folders are "
-                   "created)")
-    p.add_argument("--model-revision", default="", help="free text recorded in the metadata")
-    p.add_argument("--interpret", action="store_true", help="force interpret mode (CPU)")
-    p.set_defaults(func=_cmd_capture)
-
-
 # --------------------------------------------------------------------------------------------
-# qsa contract (parser) and the top-level parser
-def _add_contract(sub) -> None:
-    p = sub.add_parser("contract", help="print the qualified envelope and the routing per arch",
-                       description="Print the qualified contract (qsa-contract.md §2-3), the "
-                       "default-vs-strict checks, and which kernel family / geometry source each "
-                       "arch routes to.")
-    p.add_argument("--arch", help="comma-separated archs (sm_90, sm_100, sm_120, sm_121); "
-                   "default: all known")
-    p.add_argument("--strict", action="store_true",
-                   help="also run the strict checks on the envelope's corners and just outside "
-                   "(exit 1 if any is accepted/refused wrongly)")
-    p.set_defaults(func=_cmd_contract)
+# The parser.
+_SHARED = {  # options of several commands
+    "--interpret": dict(action="store_true",
+                        help="force interpret mode (CPU tensors) even where a GPU exists"),
+    "--json": dict(metavar="FILE", help="write the results as JSON (parent folders are created)"),
+    "--peer": dict(metavar="NAME", help="also run upstream SGLang's kernels: 'sglang' (skipped "
+                   "when absent)"),
+    "--reference": dict(choices=("auto", "numpy", "torch"), default="auto",
+                        help="FP64 reference: numpy (interop.reference), torch (float64, batched; "
+                        "for large cases) or auto (default)"),
+}
+
+
+def _command(sub, name: str, func: Callable, help: str, *shared: str, **kwargs):
+    """One subcommand: ``help`` (also its description unless given), the ``_SHARED`` options
+    named, ``func`` as its handler."""
+    p = sub.add_parser(name, help=help, description=kwargs.pop("description", help), **kwargs)
+    for opt in shared:
+        p.add_argument(opt, **_SHARED[opt])
+    p.set_defaults(func=func)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -732,10 +596,78 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qsa", description="QSA sparse attention: contract, cross-check, compile, bench, "
         "capture/replay")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    for add in (_add_contract, _add_check, _add_compile, _add_bench, _add_replay, _add_capture):
-        add(sub)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = _command(sub, "contract", _cmd_contract, "print every entry point's qualified envelope "
+                 "and the routing per arch", description="Print the qualified contract of every "
+                 "entry point (qsa-contract.md §2-4b), the default-vs-strict checks, and which "
+                 "kernel family / geometry source each arch routes to.")
+    p.add_argument("--arch", help="comma-separated archs (sm_90, sm_100, sm_120, sm_121); "
+                   "default: all known")
+    p.add_argument("--strict", action="store_true", help="also run the strict checks on the "
+                   "envelope's corners and just outside (exit 1 if any is accepted/refused wrongly)")
+
+    p = _command(sub, "check", _cmd_check, "cross-check Pallas vs Triton vs the FP64 reference",
+                 "--json", "--peer", "--interpret", "--reference",
+                 description="Feed identical inputs to qsa_pallas and qsa_triton (zero-copy "
+                 "through DLPack), compare each with the FP64 reference and with each other "
+                 "(and with upstream SGLang with --peer). Exit status 1 if any case fails.")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="the reduced matrix (default on a CPU machine: interpret mode)")
+    size.add_argument("--full", action="store_true",
+                      help="the full matrix (default on a GPU machine: compiled kernels)")
+    p.add_argument("--ops", help="comma-separated: decode,prefill,paged,indexer,step (default: "
+                   "all; paged = sparse_decode_paged, indexer = scoring + exact top-k + "
+                   "expansion, step = the end-to-end qsa_decode_step / qsa_prefill_step)")
+    p.add_argument("--filter", metavar="TEXT", help="only cases whose name contains TEXT "
+                   "(comma-separated alternatives)")
+    p.add_argument("--impls", metavar="NAMES", help="implementations to run: triton,pallas "
+                   "(default both; one alone for a single-framework install)")
+
+    p = _command(sub, "compile", _cmd_compile, "AOT-compile every shipped kernel configuration "
+                 "per arch", "--json", description="Compile every Triton kernel configuration "
+                 "the selectors can choose, and lower + compile every Pallas kernel for the arch's "
+                 "abstract device, without a GPU; report shared memory, registers and spills "
+                 "against the arch's limits. Exit status 1 if any configuration does not fit.")
+    p.add_argument("--arch", help="comma-separated: sm_90,sm_120,sm_121 (default: all three)")
+    p.add_argument("--jobs", type=int, help="worker processes, one (family, arch) group each "
+                   "(default: CPU count, at most 4; 1 = in this process)")
+    p.add_argument("--family", help="comma-separated: triton, pallas (default: both) or one "
+                   "kernel family such as triton:decode, pallas:decode_paged")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every configuration")
+    p.add_argument("--triton-modules", metavar="M,..", help="modules whose compile_configs(arch) "
+                   "replace the built-in Triton lists (out-of-tree kernels)")
+    p.add_argument("--pallas-modules", metavar="M,..", help="modules whose "
+                   "lowering_cases(device_kind) replace the built-in Pallas lists")
+
+    # listed for `qsa --help`; main() hands `qsa bench ...` to bench_main before argparse, so
+    # that every option after WHICH reaches the benchmark's own parser untouched
+    sub.add_parser("bench", help="benchmarks on a GPU: decode | prefill (bench/decode.py, "
+                   "bench/prefill.py)", add_help=False)
+
+    p = _command(sub, "replay", _cmd_replay, "re-run captured kernel calls "
+                 "(interop.validate.capture format)", "--peer", "--json", "--reference",
+                 "--interpret", description="Run qsa_triton and qsa_pallas (and the peer) on each "
+                 "captured call and report relative L2 against the FP64 reference and against the "
+                 "stored output. Exit status 1 if an implementation is outside tolerance.")
+    p.add_argument("files", nargs="+", metavar="FILE", help="qsa-capture/1 safetensors files")
+    p.add_argument("--rel-l2", type=float, help="relative L2 limit vs the reference (default "
+                   "5e-3; upstream uses 2e-3 on real captured tensors)")
+    p.add_argument("--fail-on-stored", action="store_true",
+                   help="exit 1 also when a file's stored output is outside tolerance of the FP64 "
+                   "reference (default: a WARNING; the implementations are what is judged)")
+
+    p = _command(sub, "capture", _cmd_capture, "save one `qsa check` case (decode, prefill or "
+                 "paged decode) and an implementation's output as a capture file (for qsa replay)",
+                 "--interpret")
+    p.add_argument("--case", metavar="NAME", help="a case name from the quick or full matrix "
+                   "(interop.cases; --list prints them)")
+    p.add_argument("--list", action="store_true", help="print every case name and exit")
+    p.add_argument("--impl", default="triton", help="implementation producing the stored output")
+    p.add_argument("--out", metavar="FILE", help="destination .safetensors (parent folders are "
+                   "created)")
+    p.add_argument("--model-revision", default="", help="free text recorded in the metadata")
     return parser
 
 
@@ -744,10 +676,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return bench_main(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     args._argv = argv
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"qsa {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

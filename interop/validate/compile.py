@@ -2,46 +2,29 @@
 sm_121 on a machine without a GPU, and check each against the arch's limits.
 
 The enumerations live here, not in the kernel modules (which hold kernels, launchers and entry
-points only); they import the backends' private kernel objects and constexpr builders lazily, so
-a list cannot drift from what a launch passes:
-
-* Triton decode (``triton_decode_configs``): the split kernel per distinct geometry the shipped
-  plan (``qsa_triton.decode.plan_for``: ``interop.plan.plan_decode`` with balance and one-block
-  splits, fitted to the arch's shared memory) picks for the qualified head pairs, B = 1..128 and
-  every SM count in ``interop.arch.KNOWN_PARTS``, in every launchable (merge inline / kernel,
-  LSE_ALL, PDL with the entry or the late trigger) combination, constexprs from
-  ``qsa_triton.decode._split_constexprs``; the merge kernel per split chunk, with and without PDL.
-* Triton prefill (``triton_prefill_configs``): the prefill kernel per geometry the shared
-  selector can return on the arch (``interop.geometry.all_configs``) and its tail launch, for
-  every variant the entry points launch (``PREFILL_VARIANTS``).
-* Tile-union prefill (family ``prefill_union``, block-level selections):
-  ``triton_prefill_union_configs`` (the union build kernel per tile height and the union
-  attention kernel per ``interop.geometry.all_union_configs`` geometry x ordinary / chunk /
-  paged) and ``pallas_prefill_union_cases`` (the same geometries through the Pallas entry points
-  with ``block_indices=``).
-* Paged decode (family ``decode_paged``): the lists ``qsa_triton.decode_paged.compile_configs``
-  and ``qsa_pallas.decode_paged.lowering_cases`` still keep beside their kernels.
-* Indexer (family ``indexer``): ``triton_indexer_configs`` (every pass-1 / merge kernel the
-  shared plan launches) and ``qsa_pallas.indexer.lowering_cases``.
-* Pallas decode / prefill (``pallas_decode_cases`` / ``pallas_prefill_cases``): ``(name, fn,
-  args)`` lowered with ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`` under an
-  abstract device of the arch's representative part; the embedded Triton IR is compiled for the
-  arch with the installed Triton.
+points only), one function per kernel family and backend (``_FAMILY_LISTS``; each docstring says
+what it enumerates); they import the backends' private kernel objects and constexpr builders
+lazily, so a list cannot drift from what a launch passes. The paged decode's lists and the
+Pallas indexer's still live beside their kernels (``qsa_triton.decode_paged.compile_configs``,
+``qsa_pallas.decode_paged.lowering_cases``, ``qsa_pallas.indexer.lowering_cases``).
 
 Triton configurations are compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda",
-cc, 32))``. Per configuration: shared memory (``compiled.metadata.shared``; Triton does not check
-the 101,376-byte limit of sm_120/sm_121 itself), registers per thread and spills (``cuobjdump
---dump-resource-usage`` on the cubin, when the tool is found). A configuration *fits* when shared
-memory <= the arch's opt-in limit per block, registers <= 255 per thread and registers x threads
-<= 65,536 per block. Spills are reported, not failed.
+cc, 32))``; Pallas cases ``(name, fn, args)`` are lowered with ``jax.jit(...).trace(...).lower(
+lowering_platforms=("cuda",))`` under an abstract device of the arch's representative part and
+their Triton IR compiled for the arch. Per configuration: shared memory
+(``compiled.metadata.shared``; Triton does not check the 101,376-byte limit of sm_120/sm_121
+itself), registers per thread and spills (``cuobjdump --dump-resource-usage`` on the cubin, when
+the tool is found). A configuration *fits* when shared memory <= the arch's opt-in limit per
+block, registers <= 255 per thread and registers x threads <= 65,536 per block. Spills are
+reported, not failed.
 
 Out-of-tree kernels (and the CLI tests) can replace the built-in lists with modules exposing
 ``compile_configs(arch)`` / ``lowering_cases(device_kind)`` (``run(triton_modules=...,
 pallas_modules=...)``; ``qsa compile --triton-modules/--pallas-modules``).
 
 Must run with ``TRITON_INTERPRET`` off (the interpreter replaces the JIT functions): ``qsa
-compile`` re-runs itself in a subprocess without it when it is set. ``python3 -m
-interop.validate.compile --help`` runs the same check without the CLI's tables.
+compile`` (``interop.validate.cli``, the command line of this module) re-runs itself in a
+subprocess without it when it is set.
 """
 
 from __future__ import annotations
@@ -60,7 +43,7 @@ from typing import Any, Callable, Iterable, Sequence
 from interop.arch import CI_ARCHS, KNOWN_ARCHS, KNOWN_PARTS, arch_name, device_kind, parse_arch
 
 __all__ = ["ConfigReport", "DEFAULT_ARCHS", "DEVICE_KIND",
-           "FAMILIES", "resource_usage", "check_triton", "check_pallas", "run", "parse_archs",
+           "FAMILIES", "resource_usage", "check", "compile_pallas_cases", "run", "parse_archs",
            "triton_decode_configs", "triton_prefill_configs", "triton_prefill_union_configs",
            "triton_indexer_configs", "pallas_decode_cases", "pallas_prefill_cases",
            "pallas_prefill_union_cases", "compile_triton_configs", "summary_rows"]
@@ -70,8 +53,8 @@ DEFAULT_ARCHS = CI_ARCHS
 DEVICE_KIND = {arch: device_kind(arch) for arch in KNOWN_ARCHS}
 #: kernel families per backend; ``run`` / ``--family`` take "triton", "pallas" or e.g.
 #: "triton:decode"
-FAMILIES = {"triton": ("decode", "prefill", "prefill_union", "decode_paged", "indexer"),
-            "pallas": ("decode", "prefill", "prefill_union", "decode_paged", "indexer")}
+_KERNEL_FAMILIES = ("decode", "prefill", "prefill_union", "decode_paged", "indexer")
+FAMILIES = {"triton": _KERNEL_FAMILIES, "pallas": _KERNEL_FAMILIES}
 MAX_REGS_PER_THREAD = 255
 MAX_REGS_PER_BLOCK = 65_536
 
@@ -195,30 +178,51 @@ def _capability(arch: str) -> int:
 _TT = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8e4nv"}
 
 
-def _aot(fn, ptrs: dict[str, str], consts: dict) -> tuple[dict, dict]:
-    """(signature, attrs) for ``ASTSource(fn, signature, constexprs, attrs)``: the named pointer
-    / float arguments typed as given, every other non-constexpr argument i32; pointers and
-    ``stride*`` arguments 16-divisible, as the JIT specialises them at launch (without that the
-    K/V loads are neither vectorised nor pipelined, and shared memory is under-counted).
-    Arguments in ``ptrs`` or ``consts`` the kernel does not have are ignored."""
-    sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n.endswith("_ptr") or n.startswith("stride")}
-    return sig, attrs
+def _aligned_by_default(names: Sequence[str]) -> list[str]:
+    return [n for n in names if n.endswith("_ptr") or n.startswith("stride")]
 
 
 def _entry(kernel, name: str, ptrs: dict, consts: dict, num_warps: int, num_stages: int,
-           pdl: bool = False) -> dict:
-    consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
-    sig, attrs = _aot(kernel, ptrs, consts)
-    return {"kernel": kernel, "name": name, "signature": sig, "constexprs": consts, "attrs": attrs,
+           pdl: bool = False, *, aligned: Iterable[str] | None = None, **extra) -> dict:
+    """One ``compile_triton_configs`` entry (``ASTSource(kernel, signature, constexprs, attrs)``):
+    the named pointer / float arguments typed as given, every other non-constexpr argument i32
+    (names in ``ptrs`` or ``consts`` the kernel does not have are ignored); the ``aligned``
+    arguments (default: pointers and ``stride*``) 16-divisible, as the JIT specialises them at
+    launch (without that the K/V loads are neither vectorised nor pipelined, and shared memory
+    is under-counted). ``extra`` items (e.g. ``geometry``) are added to the entry."""
+    names = kernel.arg_names
+    consts = {k: v for k, v in consts.items() if k in names}
+    aligned = _aligned_by_default(names) if aligned is None else aligned
+    return {"kernel": kernel, "name": name, "constexprs": consts,
+            "signature": {n: ptrs.get(n) or ("constexpr" if n in consts else "i32") for n in names},
+            "attrs": {(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
             "num_warps": num_warps, "num_stages": num_stages,
-            "options": {"launch_pdl": True} if pdl else {}}
+            "options": {"launch_pdl": True} if pdl else {}, **extra}
+
+
+def _unique(entries: Iterable[dict]) -> list[dict]:
+    """``entries`` without repeats, one per compiled kernel (kernel, signature, constexprs,
+    warps, stages, options); the first of equal entries (and its name) stays."""
+    out, seen = [], set()
+    for e in entries:
+        key = (e["kernel"].__name__, tuple(sorted(e["signature"].items())),
+               tuple(sorted((k, str(v)) for k, v in e["constexprs"].items())), e["num_warps"],
+               e["num_stages"], tuple(sorted(e["options"].items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
 
 
 def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloat16") -> list[dict]:
     """Every decode kernel configuration ``qsa_triton.decode`` can launch on ``arch`` for the
-    qualified shapes (module docstring). Names: ``decode_split_G{G}_ht{HT}_bn{BLOCK_N}_w{warps}
+    qualified shapes: the split kernel per distinct geometry the shipped plan
+    (``qsa_triton.decode.plan_for``: ``interop.plan.plan_decode`` with balance and one-block
+    splits, fitted to the arch's shared memory) picks for the qualified head pairs, B = 1..128
+    and every SM count in ``interop.arch.KNOWN_PARTS``, in every launchable combination (merge
+    inline / kernel, LSE_ALL, PDL with the entry or the late trigger), constexprs from
+    ``qsa_triton.decode._split_constexprs``; the merge kernel per split chunk, with and without
+    PDL. Names: ``decode_split_G{G}_ht{HT}_bn{BLOCK_N}_w{warps}
     _s{stages}[_inline{tile}|_nolse]_{dtype}[_pdl|_pdllate]``, ``decode_merge_chunk{n}_{dtype}
     [_pdl]``. Shape ints (B, splits) are runtime values: they add no variant.
 
@@ -236,7 +240,7 @@ def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloa
     split_ptrs = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "out_ptr": f"*{dt}",
                   "lse_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "cu_q_ptr": "*i32",
                   "cu_k_ptr": "*i32", "scale_log2": "fp32"}
-    out, seen = [], set()
+    out = []
     lo, hi = QUALIFIED["batch"]
     for hq, hkv in QUALIFIED["head_pairs"]:
         g = hq // hkv
@@ -254,10 +258,6 @@ def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloa
                 for pdl, late in ((False, False),) + (((True, False), (True, True)) if pdl_ok else ()):
                     consts = dec._split_constexprs(p, g, head_dim, inline=inline, lse_all=lse_all,
                                                    use_pdl=pdl, pdl_late=late)
-                    key = (tuple(consts.items()), p.num_warps, p.num_stages)
-                    if key in seen:
-                        continue
-                    seen.add(key)
                     name = (f"decode_split_G{g}_ht{p.head_tile}_bn{p.block_n}_w{p.num_warps}"
                             f"_s{p.num_stages}"
                             f"{'_inline%d' % consts['INLINE_TILE'] if inline else ''}"
@@ -274,7 +274,7 @@ def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloa
             out.append(_entry(dec._decode_merge_kernel,
                               f"decode_merge_chunk{chunk}_{dt}{'_pdl' if pdl else ''}",
                               merge_ptrs, consts, 4, 1, pdl))
-    return out
+    return _unique(out)
 
 
 #: (mode name, q dtype, K/V dtype or None = q's): every prefill kernel variant the entry points
@@ -296,7 +296,9 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
     from qsa_triton import prefill as P  # noqa: PLC0415
 
     kernel = P._qsa_sparse_prefill_fwd
-    out, seen = [], set()
+    # the index row strides (W = 2051) stay unspecialised
+    aligned = [n for n in _aligned_by_default(kernel.arg_names) if n not in ("stride_it", "stride_ih")]
+    out = []
     for geo in all_configs(arch):
         grp = next((g for g in groups if max(16, next_pow2(g)) == geo.block_m
                     or next_pow2(g) == geo.block_m), geo.block_m)
@@ -308,27 +310,17 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
             ptrs = {"q_ptr": f"*{qt}", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "o_ptr": f"*{qt}",
                     "idx_ptr": "*i32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
                     "kv_lens_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32"}
+            # tail geometries repeat across the main ones (_unique keeps one)
             for row_loop, g in ((False, geo), (True, P.tail_geometry(geo))):
-                key = (mode, qd, kd, row_loop, grp, g.block_m, g.block_n, g.num_warps,
-                       g.num_stages)
-                if key in seen:  # tail geometries repeat across the main ones
-                    continue
-                seen.add(key)
                 consts = {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": g.block_m,
                           "BLOCK_N": g.block_n, "MODE": mode, "OFF64": mode == P.MODE_SLOTS,
                           "ROW_LOOP": row_loop}
-                entry = _entry(kernel, f"prefill_mode{mode}_{qt}_{kt}_G{grp}_bm{g.block_m}"
-                                       f"_bn{g.block_n}"
-                                       f"_w{g.num_warps}_s{g.num_stages}"
-                                       f"{'_tail' if row_loop else ''}",
-                               ptrs, consts, g.num_warps, g.num_stages)
-                # the index row strides (W = 2051) stay unspecialised
-                names = kernel.arg_names
-                entry["attrs"] = {i: a for i, a in entry["attrs"].items()
-                                  if names[i[0]] not in ("stride_it", "stride_ih")}
-                entry["geometry"] = g
-                out.append(entry)
-    return out
+                out.append(_entry(kernel, f"prefill_mode{mode}_{qt}_{kt}_G{grp}_bm{g.block_m}"
+                                          f"_bn{g.block_n}_w{g.num_warps}_s{g.num_stages}"
+                                          f"{'_tail' if row_loop else ''}",
+                                  ptrs, consts, g.num_warps, g.num_stages, aligned=aligned,
+                                  geometry=g))
+    return _unique(out)
 
 
 #: pointers and the q/k/v/out strides (multiples of D) of the union kernel: what a real launch
@@ -355,12 +347,9 @@ def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict
                                       "kv_lens_ptr")}
     for r in sorted({geo.tile_rows for _, geo in geos}):
         consts = {"R": r, "NBP": 512, "BP": 2, "ORDINARY": False, "KEY64": False}
-        e = _entry(U._qsa_block_union, f"prefill_union_build_R{r}_nb512", build_ptrs, consts,
-                   8 if r * 512 > 2048 else 4, 1)
-        names = U._qsa_block_union.arg_names
-        e["attrs"] = {(names.index(n),): [["tt.divisibility", 16]] for n in build_ptrs}
-        e["geometry"] = None
-        out.append(e)
+        out.append(_entry(U._qsa_block_union, f"prefill_union_build_R{r}_nb512", build_ptrs,
+                          consts, 8 if r * 512 > 2048 else 4, 1, aligned=build_ptrs,
+                          geometry=None))
     kernel = U._qsa_prefill_union_fwd
     for kv_bytes, geo in geos:
         group = geo.head_tile // geo.tile_rows  # the padded head tile per row (masks only)
@@ -375,13 +364,10 @@ def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict
             consts = {"PER_HEAD": False, "G": group, "HT": next_pow2(group), "R": geo.tile_rows,
                       "M": geo.head_tile, "D": head_dim, "BLOCK_N": geo.block_n, "MODE": mode,
                       "OFF64": mode == 2, "BP": 2}
-            e = _entry(kernel, f"prefill_union_mode{mode}_bf16_{kt}_R{geo.tile_rows}"
-                               f"_m{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}"
-                               f"_s{geo.num_stages}", ptrs, consts, geo.num_warps, geo.num_stages)
-            e["attrs"] = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
-                          for n in _UNION_ALIGNED}
-            e["geometry"] = geo
-            out.append(e)
+            out.append(_entry(kernel, f"prefill_union_mode{mode}_bf16_{kt}_R{geo.tile_rows}"
+                                      f"_m{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}"
+                                      f"_s{geo.num_stages}", ptrs, consts, geo.num_warps,
+                              geo.num_stages, aligned=_UNION_ALIGNED, geometry=geo))
     return out
 
 
@@ -409,15 +395,7 @@ def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
     sms = next((n for a, n in KNOWN_PARTS.values() if a == arch), 132)
     i32 = lambda *names: {n: "*i32" for n in names}  # noqa: E731
     merge_ptrs = i32("wsk_ptr", "wsi_ptr", "out_ptr", "m0_ptr", "m1_ptr", "pos_ptr", "bound_ptr")
-    out, seen = [], set()
-
-    def add(e):
-        key = (e["kernel"].__name__, tuple(sorted((k, str(v)) for k, v in e["constexprs"].items())),
-               e["num_warps"], e["num_stages"], tuple(sorted(e["signature"].items())))
-        if key not in seen:
-            seen.add(key)
-            out.append(e)
-
+    out = []
     plans = {plan_indexer("decode", b, ctx // 4, 512, sm_count=sms,
                           smem_per_block=info.smem_per_block)
              for b in batches for ctx in contexts}
@@ -426,82 +404,63 @@ def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
             tag = "_pdl" if pdl else ""
             for kd in ("bf16", "fp8e4nv"):
                 consts = {**ix._decode_constexprs(p, 4, 128, 16, 4, tl.bfloat16), "USE_PDL": pdl}
-                add(_entry(ix._decode_chunk_kernel,
-                           f"indexer_decode_C{p.chunk}_T{p.tile}_rb{p.radix_bits}_{kd}{tag}",
-                           {"q_ptr": "*bf16", "k_ptr": f"*{kd}",
-                            **i32("pt_ptr", "seq_ptr", "wsk_ptr", "wsi_ptr")},
-                           consts, p.num_warps, p.num_stages))
+                out.append(_entry(
+                    ix._decode_chunk_kernel,
+                    f"indexer_decode_C{p.chunk}_T{p.tile}_rb{p.radix_bits}_{kd}{tag}",
+                    {"q_ptr": "*bf16", "k_ptr": f"*{kd}", **i32("pt_ptr", "seq_ptr", "wsk_ptr",
+                                                                "wsi_ptr")},
+                    consts, p.num_warps, p.num_stages))
             for expand in (True, False):
                 consts = {**ix._merge_constexprs(p, prefill=False, expand=expand, ratio=4),
                           "USE_PDL": pdl}
-                add(_entry(ix._merge_kernel, f"indexer_merge_decode_SP{p.splits_pad}_"
-                                             f"{'tokens' if expand else 'ids'}{tag}",
-                           merge_ptrs, consts, p.merge_warps, 1, pdl))
+                out.append(_entry(ix._merge_kernel, f"indexer_merge_decode_SP{p.splits_pad}_"
+                                  f"{'tokens' if expand else 'ids'}{tag}", merge_ptrs, consts,
+                                  p.merge_warps, 1, pdl))
     for ctx in prefill_contexts:
         p = plan_indexer("prefill", 8192, ctx // 4, 512, sm_count=sms,
                          smem_per_block=info.smem_per_block)
-        add(_entry(ix._prefill_chunk_kernel, f"indexer_prefill_C{p.chunk}_T{p.tile}_bm"
-                                             f"{p.rows_per_program}",
-                   {"q_ptr": "*bf16", "k_ptr": "*bf16", **i32("rs_ptr", "re_ptr", "wsk_ptr",
-                                                              "wsi_ptr")},
-                   ix._prefill_constexprs(p, 4, 128, tl.bfloat16), p.num_warps, p.num_stages))
-        add(_entry(ix._merge_kernel, f"indexer_merge_prefill_SP{p.splits_pad}_tokens",
-                   merge_ptrs, ix._merge_constexprs(p, prefill=True, expand=True, ratio=4),
-                   p.merge_warps, 1))
-    return out
+        out.append(_entry(ix._prefill_chunk_kernel,
+                          f"indexer_prefill_C{p.chunk}_T{p.tile}_bm{p.rows_per_program}",
+                          {"q_ptr": "*bf16", "k_ptr": "*bf16",
+                           **i32("rs_ptr", "re_ptr", "wsk_ptr", "wsi_ptr")},
+                          ix._prefill_constexprs(p, 4, 128, tl.bfloat16), p.num_warps,
+                          p.num_stages))
+        out.append(_entry(ix._merge_kernel, f"indexer_merge_prefill_SP{p.splits_pad}_tokens",
+                          merge_ptrs, ix._merge_constexprs(p, prefill=True, expand=True, ratio=4),
+                          p.merge_warps, 1))
+    return _unique(out)
 
 
-def _module_list(module: str, fn: str) -> Callable:
-    """A kernel module's own list (``qsa_*.decode_paged`` still keeps its list beside its kernels)."""
-    return lambda target: getattr(importlib.import_module(module), fn)(target)
+#: the function an out-of-tree (or kernel-side) module exposes, per backend
+_PROTOCOL = {"triton": "compile_configs", "pallas": "lowering_cases"}
 
 
-_TRITON_FAMILIES = {"decode": triton_decode_configs, "prefill": triton_prefill_configs,
-                    "prefill_union": triton_prefill_union_configs,
-                    "decode_paged": _module_list("qsa_triton.decode_paged", "compile_configs"),
-                    "indexer": triton_indexer_configs}
+class _NoList(Exception):
+    """A module that exposes no ``_PROTOCOL`` function (reported as a note)."""
 
 
-# --------------------------------------------------------------------------------------------
-# Triton.
-def check_triton(arch: str, modules: Sequence[str] = (),
-                 kernels: Sequence[str] = FAMILIES["triton"]) -> list[ConfigReport]:
-    """Compile every shipped Triton configuration of ``kernels`` ("decode", "prefill") for
-    ``arch``; or, where ``modules`` are named, every ``compile_configs(arch)`` entry of those."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise RuntimeError("check_triton: TRITON_INTERPRET is set; the interpreter replaces the "
-                           "JIT functions (run `qsa compile`, which re-runs itself without it)")
-    if not modules:
-        return [r for k in kernels for r in compile_triton_configs(arch, _TRITON_FAMILIES[k](arch))]
-    out: list[ConfigReport] = []
-    for mod_name in modules:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError as e:
-            out.append(ConfigReport("triton", arch, mod_name, note=f"not importable: {e}"))
-            continue
-        fn = getattr(mod, "compile_configs", None)
+def _module_list(module: str, backend: str) -> Callable:
+    """``module``'s own list: ``compile_configs(arch)`` (Triton) or ``lowering_cases(device_kind)``
+    (Pallas). ``qsa_*.decode_paged`` still keep their lists beside their kernels."""
+    def cases(target):
+        fn = getattr(importlib.import_module(module), _PROTOCOL[backend], None)
         if fn is None:
-            out.append(ConfigReport("triton", arch, mod_name,
-                                    note="module exposes no compile_configs(arch): not checked"))
-            continue
-        out.extend(compile_triton_configs(arch, fn(arch), getattr(mod, "kernel_attrs", None)))
-    return out
+            raise _NoList(f"module exposes no {_PROTOCOL[backend]}(...): not checked")
+        return fn(target)
+    return cases
 
 
-def compile_triton_configs(arch: str, configs: Iterable[dict],
-                           default_attrs: Callable[[], dict] | None = None) -> list[ConfigReport]:
+def compile_triton_configs(arch: str, configs: Iterable[dict]) -> list[ConfigReport]:
     """Compile ``compile_configs``-style entries for ``arch`` (no GPU) and judge each against the
     arch's limits (shared memory, registers). The one compile loop behind ``qsa compile`` and the
     kernel modules' own AOT checks.
 
     Args:
       arch: "sm_90" style name in ``KNOWN_ARCHS``.
-      configs: dicts with kernel, name, signature, constexprs, attrs (optional), num_warps,
+      configs: dicts with kernel, name, signature, constexprs, attrs (optional: 16-byte
+        divisibility as a launch specialises it; without it Triton neither vectorises nor
+        pipelines, and the shared memory and registers reported would be wrong), num_warps,
         num_stages, options (optional).
-      default_attrs: attrs for entries without their own (16-byte divisibility as a launch
-        specialises it: without it Triton neither vectorises nor pipelines, and the shared
-        memory and registers reported would be wrong).
 
     Returns:
       one ConfigReport per entry; a config that fails to compile is reported as not fitting.
@@ -518,11 +477,8 @@ def compile_triton_configs(arch: str, configs: Iterable[dict],
         rep = ConfigReport("triton", arch, cfg["name"], cfg.get("num_warps"), cfg.get("num_stages"))
         t0 = time.perf_counter()
         try:
-            attrs = cfg.get("attrs")
-            if attrs is None and default_attrs is not None:
-                attrs = default_attrs()
             src = ASTSource(fn=cfg["kernel"], signature=cfg["signature"],
-                            constexprs=cfg.get("constexprs", {}), attrs=attrs)
+                            constexprs=cfg.get("constexprs", {}), attrs=cfg.get("attrs"))
             opts = {k: cfg[k] for k in ("num_warps", "num_stages") if cfg.get(k) is not None}
             opts.update(cfg.get("options", {}))
             try:
@@ -551,13 +507,14 @@ def pallas_decode_cases(kind: str, *, head_dim: int = 256, max_seqlen_k: int = 2
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
+    from interop.cases import TP_SHAPES  # noqa: PLC0415
     from qsa_pallas import _compat as C  # noqa: PLC0415
     from qsa_pallas import decode as dec  # noqa: PLC0415
 
     sds, dt = jax.ShapeDtypeStruct, getattr(jnp, dtype)
     cases, seen = [], set()
     with jax.sharding.use_abstract_mesh(C.abstract_mesh(kind)):
-        for tp, (hq, hkv) in (("TP1", (24, 2)), ("TP2", (12, 1)), ("TP4", (6, 1))):
+        for tp, (hq, hkv) in TP_SHAPES.items():
             for b in range(1, 129):
                 plan, _ = dec.plan_for(b, hkv, hq // hkv, head_dim, max_seqlen_k)
                 if (hq, hkv, plan) in seen:
@@ -692,71 +649,90 @@ def _prefill_kind_cases(prefix: str, tag: str, kv_bytes: int, geo, q, ids, t: in
     return cases
 
 
-_PALLAS_FAMILIES = {"decode": pallas_decode_cases, "prefill": pallas_prefill_cases,
-                    "prefill_union": pallas_prefill_union_cases,
-                    "decode_paged": _module_list("qsa_pallas.decode_paged", "lowering_cases"),
-                    "indexer": _module_list("qsa_pallas.indexer", "lowering_cases")}
+def compile_pallas_cases(arch: str, cases: Iterable[tuple[str, Callable, tuple]]
+                         ) -> list[ConfigReport]:
+    """Lower ``(name, fn, args)`` cases for ``arch``'s abstract device and compile each Triton
+    kernel in them for the arch; one ConfigReport per kernel (``name:kernel`` when a case holds
+    several), judged like ``compile_triton_configs``. A case that does not lower is reported as
+    not fitting."""
+    from qsa_pallas import _compat as C  # noqa: PLC0415
 
-
-def check_pallas(arch: str, modules: Sequence[str] = (),
-                 kernels: Sequence[str] = FAMILIES["pallas"]) -> list[ConfigReport]:
-    """Lower every shipped Pallas case of ``kernels`` ("decode", "prefill") for ``arch``'s
-    abstract device and compile its Triton IR; or, where ``modules`` are named, every
-    ``lowering_cases(device_kind)`` case of those."""
-    try:
-        from qsa_pallas import _compat as C  # noqa: PLC0415
-    except ImportError as e:
-        return [ConfigReport("pallas", arch, "qsa_pallas", note=f"not importable: {e}")]
-    kind = DEVICE_KIND[arch]
-    limit = KNOWN_ARCHS[arch].smem_per_block
-    cap = _capability(arch)
-    groups: list[tuple[str, Callable[[], list]]] = (
-        [(k, functools.partial(_PALLAS_FAMILIES[k], kind)) for k in kernels] if not modules
-        else [(m, functools.partial(_module_cases, m, kind)) for m in modules])
+    kind, limit, cap = DEVICE_KIND[arch], KNOWN_ARCHS[arch].smem_per_block, _capability(arch)
     out: list[ConfigReport] = []
-    for group, provider in groups:
+    for name, fn, args in cases:
+        t0 = time.perf_counter()
         try:
-            cases = provider()
-        except ImportError as e:
-            out.append(ConfigReport("pallas", arch, group, note=f"not importable: {e}"))
+            mods = C.triton_modules(C.lower_for_device_kind(fn, args, kind))
+            if not mods:
+                raise RuntimeError("no Triton kernel in the lowered module")
+        except Exception as e:  # noqa: BLE001
+            out.append(ConfigReport("pallas", arch, name, fits=False, seconds=time.perf_counter() - t0,
+                                    error=f"lowering: {type(e).__name__}: {str(e).strip()[:400]}"))
             continue
-        for name, fn, args in cases:
-            t0 = time.perf_counter()
+        for m in mods:
+            rep = ConfigReport("pallas", arch, f"{name}:{m.name}" if len(mods) > 1 else name,
+                               m.num_warps, m.num_stages)
             try:
-                lowered = C.lower_for_device_kind(fn, args, kind)
-                mods = C.triton_modules(lowered)
-                if not mods:
-                    raise RuntimeError("no Triton kernel in the lowered module")
+                res = C.compile_ttir(m, cap)
+                _judge(rep, res["shared"], res["cubin"], limit)
             except Exception as e:  # noqa: BLE001
-                rep = ConfigReport("pallas", arch, name, fits=False,
-                                   error=f"lowering: {type(e).__name__}: {str(e).strip()[:400]}")
-                rep.seconds = time.perf_counter() - t0
-                out.append(rep)
-                continue
-            for m in mods:
-                rep = ConfigReport("pallas", arch, f"{name}:{m.name}" if len(mods) > 1 else name,
-                                   m.num_warps, m.num_stages)
-                try:
-                    res = C.compile_ttir(m, cap)
-                    _judge(rep, res["shared"], res["cubin"], limit)
-                except Exception as e:  # noqa: BLE001
-                    rep.fits, rep.error = False, f"compile: {type(e).__name__}: {str(e).strip()[:400]}"
-                rep.seconds = time.perf_counter() - t0
-                out.append(rep)
+                rep.fits, rep.error = False, f"compile: {type(e).__name__}: {str(e).strip()[:400]}"
+            rep.seconds = time.perf_counter() - t0
+            out.append(rep)
     return out
 
 
-def _module_cases(mod_name: str, kind: str) -> list:
-    return importlib.import_module(mod_name).lowering_cases(kind)
+# --------------------------------------------------------------------------------------------
+# Checking: the built-in lists per kernel family, or modules' own lists.
+_FAMILY_LISTS = {
+    "triton": {"decode": triton_decode_configs, "prefill": triton_prefill_configs,
+               "prefill_union": triton_prefill_union_configs,
+               "decode_paged": _module_list("qsa_triton.decode_paged", "triton"),
+               "indexer": triton_indexer_configs},
+    "pallas": {"decode": pallas_decode_cases, "prefill": pallas_prefill_cases,
+               "prefill_union": pallas_prefill_union_cases,
+               "decode_paged": _module_list("qsa_pallas.decode_paged", "pallas"),
+               "indexer": _module_list("qsa_pallas.indexer", "pallas")},
+}
+
+
+def check(backend: str, arch: str, modules: Sequence[str] = (),
+          kernels: Sequence[str] | None = None) -> list[ConfigReport]:
+    """Compile (Triton) or lower and compile (Pallas) every shipped configuration of the kernel
+    families ``kernels`` (default: all of ``FAMILIES[backend]``) for ``arch``; or, where
+    ``modules`` are named, every entry of their own lists (``_PROTOCOL``). A list that cannot be
+    built (module not importable, no list function) is a note, not a failure.
+
+    Raises:
+      RuntimeError: Triton with ``TRITON_INTERPRET`` set (the interpreter replaces the JIT
+        functions; ``qsa compile`` re-runs itself without it).
+    """
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("check: TRITON_INTERPRET is set; the interpreter replaces the JIT "
+                           "functions (run `qsa compile`, which re-runs itself without it)")
+    target = arch if backend == "triton" else DEVICE_KIND[arch]
+    lists = ([(k, _FAMILY_LISTS[backend][k]) for k in kernels or FAMILIES[backend]] if not modules
+             else [(m, _module_list(m, backend)) for m in modules])
+    compile_all = compile_triton_configs if backend == "triton" else compile_pallas_cases
+    out: list[ConfigReport] = []
+    for group, entries in lists:
+        try:
+            items = entries(target)
+        except ImportError as e:
+            out.append(ConfigReport(backend, arch, group, note=f"not importable: {e}"))
+            continue
+        except _NoList as e:
+            out.append(ConfigReport(backend, arch, group, note=str(e)))
+            continue
+        out += compile_all(arch, items)
+    return out
 
 
 def _check_group(fam: str, arch: str, modules: dict[str, Sequence[str]]) -> list[ConfigReport]:
     """``fam``: "triton" / "pallas" (every kernel family) or e.g. "triton:decode"; ``modules``:
     backend -> modules replacing its built-in lists (empty: the built-in lists)."""
     backend, _, kernel = fam.partition(":")
-    kernels = (kernel,) if kernel else FAMILIES[backend]
-    check = check_triton if backend == "triton" else check_pallas
-    return check(arch, tuple(modules.get(backend, ())), kernels=kernels)
+    return check(backend, arch, tuple(modules.get(backend, ())), (kernel,) if kernel else None)
 
 
 def run(archs: Sequence[str] = DEFAULT_ARCHS, families: Sequence[str] = ("triton", "pallas"),
@@ -812,44 +788,3 @@ def summary_rows(reports: Sequence[ConfigReport]) -> list[list[Any]]:
                      "-" if r.regs is None else r.regs,
                      "-" if r.spill_bytes is None else r.spill_bytes, verdict])
     return rows
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python3 -m interop.validate.compile [--arch ...] [--family ...] [--json PATH]``: compile,
-    print one line per configuration that does not fit, exit 1 if any (0 when all fit)."""
-    import argparse  # noqa: PLC0415
-    import json  # noqa: PLC0415
-
-    fams = [f"{b}:{k}" for b, ks in FAMILIES.items() for k in ks]
-    ap = argparse.ArgumentParser(prog="python3 -m interop.validate.compile",
-                                 description="Compile every shipped kernel configuration for the "
-                                 "given archs without a GPU and check shared memory and registers "
-                                 "(the check behind `qsa compile`).")
-    ap.add_argument("--arch", default=None,
-                    help=f"comma-separated archs (default {','.join(DEFAULT_ARCHS)})")
-    ap.add_argument("--family", default="triton,pallas",
-                    help=f"comma-separated: triton, pallas or one of {', '.join(fams)}")
-    ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
-    ap.add_argument("--json", default=None, help="write every configuration's report here")
-    args = ap.parse_args(argv)
-    archs = parse_archs(args.arch)
-    families = [f.strip() for f in args.family.split(",") if f.strip()]
-    bad = [f for f in families if f not in FAMILIES and f not in fams]
-    if bad:
-        ap.error(f"--family: unknown {bad}; allowed: triton, pallas, {', '.join(fams)}")
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        ap.error("unset TRITON_INTERPRET (the interpreter replaces the JIT functions)")
-    reports = run(archs, families, progress=print, jobs=args.jobs)
-    failed = [r for r in reports if not r.fits]
-    for row in summary_rows(failed):
-        print("FAIL", *row)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"archs": archs, "families": families,
-                       "configs": [r.as_dict() for r in reports]}, fh, indent=1)
-    print(f"{len(reports) - len(failed)} of {len(reports)} configurations fit")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

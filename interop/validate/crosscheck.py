@@ -10,11 +10,9 @@ are drawn by torch on the run's device. Operations (``--ops``): ``decode`` (pack
 (``indexer_select_decode`` / ``_prefill``: scoring + exact top-k + expansion) and ``step`` (the
 end-to-end ``qsa_decode_step`` / ``qsa_prefill_step``).
 
-Pass criteria per implementation and case (``interop.cases.compare``, ``qsa-contract.md`` §6):
-finite output, ``|out - ref| <= atol + rtol * |ref|`` with rtol = atol = 2e-2, relative L2 <=
-5e-3, exact zeros on rows/sequences with no valid key; and Pallas vs Triton elementwise within
-the same tolerance. The indexer's token positions (integer inputs: exact FP32 logits) must equal
-the reference's, and each other, exactly.
+Pass criteria per implementation and case: ``interop.cases.compare`` (``qsa-contract.md`` §6),
+and Pallas vs Triton elementwise within the same tolerance (the indexer's token positions
+exactly equal).
 
 The reference is ``interop.reference`` (float64 numpy) for small cases and ``torch_reference``
 (the same semantics in float64 torch, batched over rows, on the GPU) for large ones;
@@ -41,15 +39,29 @@ from interop.cases import (ATOL, DECODE_BATCHES, ENTRY, INDEX_ENTRIES, OPS, PARA
                            PREFILL_KINDS, REL_L2, RTOL, TP_SHAPES, DecodeSpec, IndexerSpec,
                            PagedSpec, PrefillSpec, Spec, StepSpec, full_matrix, quick_matrix)
 
-__all__ = [
-    "RTOL", "ATOL", "REL_L2", "OPS", "DecodeSpec", "PrefillSpec", "PagedSpec", "IndexerSpec",
+__all__ = [  # with the names re-exported from interop.cases for the tests and bench/
+    "versions", "select_ops", "has_cuda", "prepare_backends", "Implementation",
+    "load_implementations", "load_peer", "peer_indices", "peer_prefill_skip", "Inputs",
+    "build_inputs", "numpy_reference", "torch_reference", "empty_mask", "CaseResult", "evaluate",
+    "run_case", "summarize", "iter_names", "RTOL", "ATOL", "REL_L2", "OPS", "TP_SHAPES",
+    "DECODE_BATCHES", "ENTRY", "PARAMS", "DecodeSpec", "PrefillSpec", "PagedSpec", "IndexerSpec",
     "StepSpec", "quick_matrix", "full_matrix",
-    "select_ops", "Implementation", "load_implementations", "load_peer", "peer_indices", "peer_prefill_skip",
-    "prepare_backends",
-    "has_cuda", "Inputs", "build_inputs", "torch_reference", "CaseResult", "run_case", "run_matrix",
-    "summarize", "TP_SHAPES", "DECODE_BATCHES", "evaluate", "empty_mask", "numpy_reference",
-    "ENTRY", "PARAMS",
 ]
+
+def versions() -> dict:
+    """Python's and the installed packages' versions (None: not installed), for JSON reports
+    and capture metadata."""
+    import sys  # noqa: PLC0415
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    out = {"python": sys.version.split()[0]}
+    for pkg in ("qsa", "numpy", "torch", "triton", "jax", "jaxlib"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
 
 def select_ops(text: str | None) -> tuple[str, ...]:
     """Parse ``--ops`` ("decode,prefill,paged,indexer,step"; None: all of them).
@@ -115,28 +127,24 @@ class Implementation:
     supports: Callable[[Spec], str | None] | None = None
 
 
-def _entry_points(module_names: Sequence[str]) -> dict[str, Callable]:
+def _entry_points(package: str) -> dict[str, Callable]:
+    """The ``interop.cases.ENTRY`` entry points of a kernel package (none when it cannot be
+    imported, e.g. jax absent: every case then reports it as missing)."""
     import importlib  # noqa: PLC0415
 
-    fns: dict[str, Callable] = {}
-    for mod_name in module_names:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:
-            continue
-        for name in ENTRY.values():
-            if name not in fns and callable(getattr(mod, name, None)):
-                fns[name] = getattr(mod, name)
-    return fns
+    try:
+        mod = importlib.import_module(package)
+    except ImportError:
+        return {}
+    return {name: getattr(mod, name) for name in ENTRY.values() if hasattr(mod, name)}
 
 
 def load_implementations(interpret: bool) -> list[Implementation]:
     """qsa_triton and qsa_pallas entry points (call ``prepare_backends`` first)."""
-    triton_fns = _entry_points(["qsa_triton", "qsa_triton.decode", "qsa_triton.prefill"])
-    pallas_fns = _entry_points(["qsa_pallas", "qsa_pallas.decode", "qsa_pallas.prefill"])
-    return [Implementation("triton", "torch", triton_fns,
+    return [Implementation("triton", "torch", _entry_points("qsa_triton"),
                            supports=_interpreter_bf16_guard if interpret else None),
-            Implementation("pallas", "jax", pallas_fns, {"interpret": bool(interpret)})]
+            Implementation("pallas", "jax", _entry_points("qsa_pallas"),
+                           {"interpret": bool(interpret)})]
 
 
 def _interpreter_bf16_guard(spec) -> str | None:
@@ -234,15 +242,10 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
                                                     max_q=max_seqlen_q)
         return out if v_scale == 1.0 else (out.float() * v_scale).to(q.dtype)
 
-    def paged(*args, **kwargs):
-        pos, _ = PARAMS["sparse_prefill_paged"]
-        n = {**dict(zip(pos, args)), **kwargs}
-        q, k_cache, v_cache = n["q"], n[pos[1]], n[pos[2]]
-        indices, cu_q, kv_lens, max_seqlen_q = (n["indices"], n["cu_seqlens_q"], n["kv_lens"],
-                                                n["max_seqlen_q"])
-        softmax_scale, k_scale = n.get("softmax_scale"), n.get("k_scale", 1.0)
-        v_scale = n.get("v_scale", 1.0)
-        slot_table = C.slot_table_of(n)  # upstream's kernel takes one slot table row per request
+    def paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_q, kv_lens,
+              max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0):
+        # upstream's kernel takes one slot table row per request
+        slot_table = C.slot_table_of({"req_to_token": req_to_token, "req_indices": req_indices})
         k_cache, v_cache = _deq(q, k_cache, v_cache)
         indices = peer_indices(indices, cu_q, kv_lens)
         out = sa.sparse_gqa_paged_prefill_triton(q, k_cache, v_cache, slot_table, indices, cu_q,
@@ -463,7 +466,8 @@ class CaseResult:
 
 
 def _call(impl: Implementation, inp: Inputs):
-    """Run one implementation on the inputs; returns the output as a float64 numpy array."""
+    """Run one implementation on the inputs; returns its output as a torch tensor (a jax
+    output is handed over zero-copy through ``interop.dlpack``)."""
     fn = impl.fns.get(inp.entry)
     if fn is None:
         raise NotImplementedError(f"{impl.name} has no {inp.entry}")
@@ -508,6 +512,17 @@ def _reference(inp: Inputs, method: str, size: int) -> tuple[np.ndarray, str]:
     raise ValueError(f"reference must be auto|numpy|torch, got {method!r}")
 
 
+def _why(r: dict, rows: int, rel_l2_limit: float) -> str:
+    """Why an output that ran failed ``interop.cases.compare``'s criteria."""
+    if "mismatched_rows" in r:  # token positions: exact or wrong
+        return f"{r['mismatched_rows']} of {rows} rows differ from the FP64 reference's selection"
+    return "; ".join(why for why, ok in (
+        ("non-finite output", r["finite"]),
+        (f"rel L2 {r['rel_l2']:.2e} > {rel_l2_limit:g}", r["rel_l2"] <= rel_l2_limit),
+        (f"max |err| {r['max_abs']:.3g} beyond rtol=atol={RTOL:g}", r["allclose"]),
+        ("rows without valid keys not exactly 0", r["zeros_ok"])) if not ok)
+
+
 def evaluate(name: str, op: str, inp: Inputs, impls: Sequence[Implementation], ref: np.ndarray,
              *, spec: Spec | None = None, reference: str = "numpy",
              expected: np.ndarray | None = None, rel_l2_limit: float = REL_L2,
@@ -548,32 +563,17 @@ def evaluate(name: str, op: str, inp: Inputs, impls: Sequence[Implementation], r
         r["seconds"] = time.perf_counter() - t1
         results[impl.name] = r
         if not r["passed"]:
-            if "error" in r:
-                failures.append(f"{impl.name}: {r['error']}")
-            else:
-                why = [w for w, ok in (("non-finite output", r["finite"]),
-                                       (f"rel L2 {r['rel_l2']:.2e} > {rel_l2_limit:g}",
-                                        r["rel_l2"] <= rel_l2_limit),
-                                       (f"max |err| {r['max_abs']:.3g} beyond rtol=atol={RTOL:g}",
-                                        r["allclose"]),
-                                       ("rows without valid keys not exactly 0", r["zeros_ok"]))
-                       if not ok]
-                if "mismatched_rows" in r:  # token positions: exact or wrong
-                    why = [f"{r['mismatched_rows']} of {out.shape[0]} rows differ from the FP64 "
-                           "reference's selection"]
-                failures.append(f"{impl.name}: " + "; ".join(why))
+            failures.append(f"{impl.name}: " + (r.get("error") or _why(r, ref.shape[0],
+                                                                         rel_l2_limit)))
     pair_max = pair_ok = None
     if "triton" in outs and "pallas" in outs:
         d = np.abs(outs["pallas"] - outs["triton"])
         pair_max = float(d.max()) if d.size else 0.0
-        if np.issubdtype(outs["triton"].dtype, np.integer):  # token positions: bit-equal
-            pair_ok = bool(pair_max == 0.0)
-        else:
-            pair_ok = bool(np.all(d <= ATOL + RTOL * np.abs(outs["triton"])))
+        exact = np.issubdtype(outs["triton"].dtype, np.integer)  # token positions: bit-equal
+        pair_ok = bool(pair_max == 0.0 if exact else np.all(d <= ATOL + RTOL * np.abs(outs["triton"])))
         if not pair_ok:
-            failures.append(f"pallas vs triton: max |diff| {pair_max:.3g} beyond rtol=atol={RTOL:g}"
-                            if not np.issubdtype(outs["triton"].dtype, np.integer) else
-                            "pallas vs triton: different token positions")
+            failures.append("pallas vs triton: " + ("different token positions" if exact else
+                            f"max |diff| {pair_max:.3g} beyond rtol=atol={RTOL:g}"))
     passed = not failures and all(r.get("passed") for r in results.values())
     return CaseResult(name, op, passed, results, pair_max, pair_ok, failures, reference,
                       time.perf_counter() - t0)
@@ -596,19 +596,6 @@ def run_case(spec: Spec, impls: Sequence[Implementation], *, device: str = "cpu"
         return CaseResult(spec.name, spec.op, False, {}, None, None, [msg], reference,
                           time.perf_counter() - t0)
     return evaluate(spec.name, spec.op, inp, impls, ref, spec=spec, reference=method, t0=t0)
-
-
-def run_matrix(specs: Sequence[Spec], impls: Sequence[Implementation], *, device: str = "cpu",
-               reference: str = "auto", progress: Callable[[Spec, CaseResult], None] | None = None
-               ) -> list[CaseResult]:
-    """Run every case (sequentially); ``progress(spec, result)`` after each."""
-    out = []
-    for spec in specs:
-        res = run_case(spec, impls, device=device, reference=reference)
-        out.append(res)
-        if progress is not None:
-            progress(spec, res)
-    return out
 
 
 def summarize(results: Sequence[CaseResult], impl_names: Sequence[str]) -> dict[str, dict]:
