@@ -125,9 +125,11 @@ def torch_reference(q, k, v, cq, ck, scale=None):
 
 
 # ------------------------------------------------------------------------------ providers
-def _ours(inp: DecodeInputs):
+def _ours(inp: DecodeInputs, batch_invariant: bool = False):
     import qsa_triton  # noqa: PLC0415
 
+    if batch_invariant:
+        return lambda: qsa_triton.sparse_decode(*inp.args, batch_invariant=True)
     return lambda: qsa_triton.sparse_decode(*inp.args)
 
 
@@ -154,10 +156,11 @@ def _generic(inp: DecodeInputs):
                                                       inp.cu_k, kv_lens, inp.scale)
 
 
-def _pallas(inp: DecodeInputs):
+def _pallas(inp: DecodeInputs, batch_invariant: bool = False):
     import qsa_pallas  # noqa: PLC0415
 
-    return common.jax_chain(qsa_pallas.sparse_decode, inp.args, {}, CHAIN)
+    kw = {"batch_invariant": True} if batch_invariant else {}
+    return common.jax_chain(qsa_pallas.sparse_decode, inp.args, kw, CHAIN)
 
 
 def _sm121_supports(desc: dict) -> str | None:
@@ -175,6 +178,10 @@ PROVIDERS = {p.name: p for p in (
                     "(its chunk-prefill kernel with one query row per sequence)"),
     common.Provider("pallas", _pallas, "qsa_pallas.sparse_decode (JAX; chain of 20 in one jit)",
                     default=False),
+    common.Provider("ours[bi]", lambda inp: _ours(inp, True), "qsa_triton.sparse_decode with "
+                    "batch_invariant=True (its cost: time / the time of ours)", default=False),
+    common.Provider("pallas[bi]", lambda inp: _pallas(inp, True), "qsa_pallas.sparse_decode with "
+                    "batch_invariant=True (JAX; chain of 20 in one jit)", default=False),
 )}
 
 

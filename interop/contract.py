@@ -378,6 +378,7 @@ class _Checker:
 def check_decode(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
     max_seqlen_q: int = 1, strict: bool = False, fn: str = "sparse_decode",
+    batch_invariant: bool = False,
 ) -> DecodeProblem:
     """Check a packed varlen decode call (``qsa-contract.md`` §2) before any launch.
 
@@ -390,6 +391,7 @@ def check_decode(
       max_seqlen_q: host int; must be 1 (decode has one query row per sequence).
       strict: also enforce the qualified envelope.
       fn: entry point name used in messages.
+      batch_invariant: host bool (``qsa-contract.md`` §2c; only its type is checked here).
 
     Returns:
       DecodeProblem with the sizes and the resolved scale.
@@ -398,6 +400,8 @@ def check_decode(
       ContractError: naming the argument, expected, got, and the qualified envelope.
     """
     c = _Checker(fn, strict)
+    if not isinstance(batch_invariant, (bool, np.bool_)):
+        c.fail("batch_invariant", "a host bool", type(batch_invariant).__name__)
     qs, ks, vs = c.spec("q", q), c.spec("k", k), c.spec("v", v)
     cq, ck = c.spec("cu_seqlens_q", cu_seqlens_q), c.spec("cu_seqlens_k", cu_seqlens_k)
     b, hq, d, group = c.q_kv(qs, ks, vs, "k", "v", "[B, Hq, D]", "[C, Hkv, D]", (qs.dtype,),

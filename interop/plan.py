@@ -45,6 +45,24 @@ one load) and a row gets a share of ``balance_slots`` programs proportional to i
 (summed over rows and KV heads <= balance_slots + rows, so equal rows never exceed the slots). The
 grid keeps at least ``BALANCE_GRID_SPLITS`` splits per row so long rows of a mixed batch can
 split; splits past ``n_active`` exit at once.
+
+Batch-invariant plan (``plan_decode(..., batch_invariant=True)``, qsa-contract.md §2c; used by
+both twins' ``sparse_decode(..., batch_invariant=True)``): the split schedule of a row is a
+function of its own length and the static (G, D) only, never of B, ``max_seqlen_k`` or the SM
+count:
+
+    BLOCK_N      = 64 for D <= 128, else 32 (the default's narrow block); 4 warps; 3 stages, fewer
+                   only where sm_120 / sm_121's 101,376 B require it (never a smaller BLOCK_N)
+    n_active     = max(1, cdiv(len, BATCH_INVARIANT_SPLIT_KEYS))  (cdiv(blocks, min_blocks) with
+                   min_blocks = BATCH_INVARIANT_SPLIT_KEYS / BLOCK_N, no balance)
+    split ranges = ``split_blocks(blocks, j, n_active)`` as above
+    grid         = cdiv(max_seqlen_k, BATCH_INVARIANT_SPLIT_KEYS) splits per (row, KV head): for
+                   any valid bound n_active fits the grid, so the bound only decides how many
+                   splits exit at once (a row longer than the bound is still covered, its splits
+                   just get longer, as in the default plan; its bits then follow the bound)
+
+A row with n_active = 1 is finished by its one split (as in the default plan); the others are
+merged in an order and with a tile that depend on D only (the backends' ``sparse_decode``).
 """
 
 from __future__ import annotations
@@ -54,7 +72,7 @@ import math
 from typing import TypeVar
 
 __all__ = ["DecodePlan", "plan_decode", "split_blocks", "smem_bytes", "fit_shared_memory",
-           "next_pow2", "prev_pow2", "LOG2E"]
+           "next_pow2", "prev_pow2", "LOG2E", "BATCH_INVARIANT_SPLIT_KEYS"]
 
 #: log2(e): exp(x) = exp2(x * LOG2E); the kernels scale FP32 scores by softmax_scale * LOG2E and
 #: use exp2, the cheaper PTX path.
@@ -68,6 +86,10 @@ MIN_BLOCKS_CAP = 2  # a split streams up to this many BLOCK_N blocks before anot
 BALANCE_SLOTS_PER_SM = 2  # device-side balance: programs the rows share, per SM
 BALANCE_GRID_SPLITS = 4  # ... and the smallest grid split count, so long mixed rows can split
 WIDE_BLOCK_N = 64  # BLOCK_N of one-block splits where they still fill half the SMs
+#: batch-invariant packed decode: keys per split (a multiple of every BLOCK_N the plan uses):
+#: 9 splits for a 2051-key row, whatever the batch. The paged decode's batch-invariant split
+#: (BATCH_INVARIANT_SPLIT_COLS index columns) has the same size, for the same reasons.
+BATCH_INVARIANT_SPLIT_KEYS = 256
 
 
 def prev_pow2(x: int) -> int:
@@ -172,7 +194,7 @@ class DecodePlan:
 def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
                 sm_count: int = 132, *, max_splits: int | None = None,
                 block_n: int | None = None, balance: bool = False,
-                one_block_splits: bool = False) -> DecodePlan:
+                one_block_splits: bool = False, batch_invariant: bool = False) -> DecodePlan:
     """Plan a split-KV decode launch from static shapes.
 
     Args:
@@ -189,11 +211,25 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
         short rows). Where BLOCK_N is not given, num_kv_heads >= 2 and one-block splits of
         WIDE_BLOCK_N rows would still give at least half as many programs as SMs, BLOCK_N is
         WIDE_BLOCK_N with 8 warps. Triton kernel only (its merge reads up to 128 splits at once).
+      batch_invariant: the batch-invariant plan (module docstring): BLOCK_N, warps, stages and
+        min_blocks_per_split from (G, D) only, max_splits = cdiv(max_seqlen_k,
+        BATCH_INVARIANT_SPLIT_KEYS); batch and sm_count are not used. The plan already fits
+        sm_120 / sm_121's shared memory (so every supported part); callers do not refit it.
 
     Returns:
-      DecodePlan (num_stages 3: two K/V tiles in flight; callers fit it to their device with
-      ``fit_shared_memory``). Source: this module's docstring; measurements in bench/NOTES.md.
+      DecodePlan (num_stages 3: two K/V tiles in flight; callers fit the default plan to their
+      device with ``fit_shared_memory``). Source: this module's docstring; measurements in
+      bench/NOTES.md.
+
+    Raises:
+      ValueError: batch_invariant together with max_splits, block_n, balance or
+        one_block_splits (the batch-invariant schedule has no knobs).
     """
+    if batch_invariant:
+        if max_splits is not None or block_n is not None or balance or one_block_splits:
+            raise ValueError("plan_decode: batch_invariant=True takes no max_splits, block_n, "
+                             "balance or one_block_splits (its schedule depends on G and D only)")
+        return _plan_decode_invariant(group, head_dim, max_seqlen_k)
     head_tile = max(16, next_pow2(group))
     num_warps = 4
     if block_n is None:
@@ -225,6 +261,21 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
     min_blocks = max(1, min(MIN_BLOCKS_CAP, blocks // max_splits))
     slots = BALANCE_SLOTS_PER_SM * sm_count if balance else 0
     return DecodePlan(head_tile, block_n, max_splits, min_blocks, num_warps, 3, slots)
+
+
+def _plan_decode_invariant(group: int, head_dim: int, max_seqlen_k: int) -> DecodePlan:
+    """The batch-invariant decode plan (module docstring): static (G, D) in, the grid from
+    ``max_seqlen_k`` only; fitted to sm_120 / sm_121's shared memory by fewer stages only (a
+    smaller BLOCK_N would change the arithmetic)."""
+    block_n = 64 if head_dim <= 128 else 32
+    plan = DecodePlan(max(16, next_pow2(group)), block_n,
+                      max(1, math.ceil(max_seqlen_k / BATCH_INVARIANT_SPLIT_KEYS)),
+                      BATCH_INVARIANT_SPLIT_KEYS // block_n, 4, 3, 0)
+    while plan.num_stages > 1 and smem_bytes(
+            head_tile=plan.head_tile, block_n=block_n, head_dim=head_dim,
+            num_stages=plan.num_stages) > SM12X_SMEM_BYTES:
+        plan = dataclasses.replace(plan, num_stages=plan.num_stages - 1)
+    return plan
 
 
 

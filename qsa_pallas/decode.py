@@ -23,6 +23,19 @@ sequence). Design (mirrors ``qsa_triton.decode`` through the shared plan ``inter
   weighs split j by ``exp(lse_j - max lse)`` (inactive / empty splits by exactly 0) and writes
   ``[B, Hq, D]`` in q's dtype. Exact zeros for a row with no keys, never NaN; no XLA glue kernels,
   no atomics.
+* NaN: a NaN in a key or value a row attends reaches that row's output for the KV head's query
+  heads whatever the split count, as in ``interop.reference``: a split is empty only where its
+  denominator l == 0 (a NaN l, from a NaN score, gives a NaN LSE), and the merges weigh partials
+  by multiplication (0 x NaN is NaN), never by a select on the weight. K/V rows outside every
+  row's range are never read.
+* ``batch_invariant=True`` (qsa-contract.md §2c): the plan ``interop.plan.plan_decode(...,
+  batch_invariant=True)`` (n_active = cdiv(len, 256 keys), BLOCK_N / warps / stages from G and D
+  only) and always the split kernel with partials (never the one-launch direct path, whose
+  lanes are laid out differently), then ``_merge_ordered_kernel``: one program per (sequence,
+  query head, D chunk) folds the row's active splits one after another in split order (a loop
+  over the row's own n_active, so neither B nor the grid's split count enters); a row with one
+  active split takes that split's output as it is, as the Triton twin's split kernel writes
+  it. A row's output bits then depend on its own data only.
 
 64-bit offsets: the Pallas Triton lowering switches its pointer offsets to i64 by itself when an
 operand exceeds 2**32 bytes (``_compute_offsets_from_indices``); the row numbers the kernel computes
@@ -50,7 +63,7 @@ __all__ = ["sparse_decode", "plan_for"]
 
 
 def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
-             device=None) -> tuple[DecodePlan, str]:
+             device=None, *, batch_invariant: bool = False) -> tuple[DecodePlan, str]:
     """The launch plan and merge a ``sparse_decode`` call with these static shapes uses.
 
     Args:
@@ -58,11 +71,18 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
       device: a jax GPU device; None = the GPU being built for (``_compat.target_facts``: an
         enclosing abstract mesh's device kind, else jax's first device; CPU: 132 SMs, no
         shared-memory limit).
+      batch_invariant: the batch-invariant plan (``sparse_decode(..., batch_invariant=True)``).
 
     Returns:
-      (``interop.plan.plan_decode`` with the static split rule, fitted to the device's shared
-      memory; "direct" for a one-split plan (the split kernel writes the output), else "kernel").
+      Default: (``interop.plan.plan_decode`` with the static split rule, fitted to the device's
+      shared memory; "direct" for a one-split plan (the split kernel writes the output), else
+      "kernel"). batch_invariant: (``plan_decode(..., batch_invariant=True)``, which fits every
+      supported part as it is, whatever the device; "ordered": split kernel +
+      ``_merge_ordered_kernel``).
     """
+    if batch_invariant:
+        return plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k,
+                           batch_invariant=True), "ordered"
     facts = C.target_facts() if device is None else DeviceFacts.from_jax(device)
     sms = facts.sm_count if facts is not None else 132
     plan = plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k, sms)
@@ -157,13 +177,14 @@ def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None, *,
                           functools.partial(step, masked=False), init)
     acc, m_i, l_i = lax.fori_loop(jnp.maximum(blk_lo, full), blk_hi,
                                   functools.partial(step, masked=True), carry)
-    has = l_i > 0
-    out = acc / jnp.where(has, l_i, 1.0)[:, None]
+    # empty split: l == 0 (exact zeros, LSE -inf); an attended NaN makes l NaN: NaN output / LSE
+    empty = l_i == 0
+    out = acc / jnp.where(empty, 1.0, l_i)[:, None]
     if direct:  # the whole row in this program: normalised output in q's dtype, zeros if empty
         o_idx = s * num_q_heads + h * group + heads
         C.store(o_ref.at[o_idx[:, None], dcol], out.astype(o_ref.dtype), mask=head_ok[:, None])
         return
-    lse = jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)), -jnp.inf)
+    lse = jnp.where(empty, -jnp.inf, m_i + jnp.log(jnp.where(empty, 1.0, l_i)))
     # Padded head rows and inactive splits are never stored (nor read by the merge).
     keep = head_ok & (j < n_active)
     C.store(o_ref, out, mask=keep[:, None])
@@ -198,6 +219,64 @@ def _merge_kernel(cuk_ref, o_ref, lse_ref, out_ref, *, group: int, head_tile: in
     o = C.load(o_ref.at[rows[:, None], cols[None, :]], mask=ok[:, None], other=0.0)  # [S_p2, Dc]
     out = (w[:, None] * o).sum(axis=0) / jnp.where(den > 0, den, 1.0)
     out_ref[...] = out.astype(out_ref.dtype)
+
+
+def _merge_ordered_kernel(cuk_ref, o_ref, lse_ref, out_ref, *, group: int, head_tile: int,
+                          block_n: int, num_kv_heads: int, max_splits: int, min_blocks: int,
+                          d_chunk: int, capacity: int):
+    """Batch-invariant merge, one (sequence s, query head h, D chunk c) program: the row's
+    active splits folded one after another in split order.
+
+    Refs as ``_merge_kernel``'s. n_active comes from the row's device length by the split
+    kernel's rule; M = max_j lse_j, w_j = exp(lse_j - M), out = sum_j w_j o_j / sum_j w_j
+    accumulated j = 0, 1, ..., n_active - 1 (a ``fori_loop`` over the row's own splits: the code
+    and its order do not depend on B or on the grid's split count), exact zeros where every split
+    is empty, and a row with n_active = 1 takes o_0 as it is (what the Triton twin's split kernel
+    writes for it). A NaN LSE or partial propagates by arithmetic (0 x NaN is NaN).
+    """
+    s, h, c = _program_ids()
+    *_, n_active = _active_splits(cuk_ref, s, block_n, min_blocks, max_splits, capacity)
+    kvh = h // group
+    base = (s * num_kv_heads + kvh) * max_splits
+    g = h - kvh * group
+    cols = c * d_chunk + lax.iota(jnp.int32, d_chunk)
+
+    def row(j):
+        return (base + j) * head_tile + g
+
+    lse0 = lse_ref[row(0)]
+    mx = lax.fori_loop(1, n_active, lambda j, m: jnp.maximum(m, lse_ref[row(j)]), lse0)
+    m_ref = jnp.where(mx == -jnp.inf, 0.0, mx)  # every split empty: a finite reference
+    o0 = C.load(o_ref.at[row(0), cols])
+    w0 = jnp.exp(lse0 - m_ref)
+
+    def fold(j, carry):
+        num, den = carry
+        w = jnp.exp(lse_ref[row(j)] - m_ref)
+        return num + w * C.load(o_ref.at[row(j), cols]), den + w
+
+    num, den = lax.fori_loop(1, n_active, fold, (w0 * o0, w0))
+    out = jnp.where(n_active == 1, o0, num / jnp.where(den == 0, 1.0, den))
+    out_ref[...] = out.astype(out_ref.dtype)
+
+
+def _merge_ordered(o, lse, cu_seqlens_k, *, num_q_heads: int, plan: DecodePlan, out_dtype,
+                   capacity: int, interpret: bool):
+    """The batch-invariant merge kernel (``_merge_ordered_kernel``): (o [B, Hkv, S, HT, D] f32,
+    lse [B, Hkv, S, HT] f32) -> [B, Hq, D]; D chunks of min(D, 256) columns (D only)."""
+    b, hkv, s_max, ht, d = o.shape
+    d_chunk = min(d, 256)
+    kernel = functools.partial(
+        _merge_ordered_kernel, group=num_q_heads // hkv, head_tile=ht, block_n=plan.block_n,
+        num_kv_heads=hkv, max_splits=s_max, min_blocks=plan.min_blocks_per_split,
+        d_chunk=d_chunk, capacity=capacity)
+    whole = C.pl.no_block_spec
+    call = C.triton_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((b, num_q_heads, d), out_dtype),
+        grid=(b, num_q_heads, d // d_chunk), in_specs=[whole] * 3,
+        out_specs=C.pl.BlockSpec((None, None, d_chunk), lambda i, h, c: (i, h, c)),
+        num_warps=4, num_stages=1, interpret=interpret, name="qsa_decode_merge_ordered")
+    return call(cu_seqlens_k, o.reshape(b * hkv * s_max * ht, d), lse.reshape(-1))
 
 
 def _program_ids():
@@ -267,12 +346,18 @@ def _merge_partials(o, lse, cu_seqlens_k, *, num_q_heads: int, plan: DecodePlan,
     return call(cu_seqlens_k, o.reshape(b * hkv * s_max * ht, d), lse.reshape(-1))
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "softmax_scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("plan", "softmax_scale", "interpret",
+                                             "batch_invariant"))
 def _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_scale: float,
-            interpret: bool):
+            interpret: bool, batch_invariant: bool = False):
     b, hq, d = q.shape
     if k.shape[0] == 0:  # no keys anywhere: every row is empty (contract: exact zeros)
         return jnp.zeros_like(q)
+    if batch_invariant:  # always partials + the ordered merge (module docstring)
+        o, lse = _split_call(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
+                             softmax_scale=softmax_scale, interpret=interpret, direct=False)
+        return _merge_ordered(o, lse, cu_seqlens_k, num_q_heads=hq, plan=plan, out_dtype=q.dtype,
+                              capacity=k.shape[0], interpret=interpret)
     if plan.max_splits == 1:  # one program per (sequence, KV head): one launch, no merge
         return _split_call(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
                            softmax_scale=softmax_scale, interpret=interpret, direct=True)
@@ -283,7 +368,8 @@ def _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_sc
 
 
 def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
-                  strict: bool = False, interpret: bool | None = None):
+                  strict: bool = False, interpret: bool | None = None,
+                  batch_invariant: bool = False):
     """Packed varlen sparse decode (``qsa-contract.md`` §2), Pallas on the Triton lowering.
 
     Same argument order and meaning as ``qsa_triton.sparse_decode``. Forward-only.
@@ -303,41 +389,55 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
         the exact contract (sm_121).
       interpret: None -> Pallas interpret mode when jax's default backend is the CPU, the compiled
         Triton kernel on a GPU; True/False forces it.
+      batch_invariant: host bool (static under ``jax.jit``). True: a row's output bits depend
+        only on its own q row, keys, length and scale, not on B, the other rows, its place in the
+        batch, ``max_seqlen_k`` (any valid bound) or the GPU (``qsa-contract.md`` §2c). Rule, as
+        ``qsa_triton.sparse_decode``'s: n_active = cdiv(len,
+        ``interop.plan.BATCH_INVARIANT_SPLIT_KEYS``) splits from the shared split rule, BLOCK_N /
+        warps / stages from G and D only (``plan_decode(..., batch_invariant=True)``), the
+        active splits merged in split order (module docstring). Cost against the default: fewer
+        programs at small B, partials and a merge launch also for one-split plans
+        (``bench.decode`` provider ``pallas[bi]``).
 
     Returns:
       [B, Hq, D] in q's dtype; ``out[s, h] = softmax(scale * q[cu_q[s], h] . K^T) . V`` over the
-      row's keys of KV head ``h // G``; exact zeros for a row with no keys.
+      row's keys of KV head ``h // G``; exact zeros for a row with no keys. A NaN in a key or
+      value the row attends gives NaN for the KV head's query heads (as ``interop.reference``),
+      whatever the split count; K/V rows outside every row's range are never read.
 
     Raises:
       ContractError: from ``interop.contract.check_decode`` (same message as the torch path),
         before anything is traced or launched; torch tensors; ``interpret=False`` on a CPU-only
-        jax.
+        jax; a ``batch_invariant`` that is not a host bool.
 
-    Works under ``jax.jit`` (``max_seqlen_k`` static, lengths traced), ``lax.scan`` and
-    ``shard_map`` (see ``_compat.shard_map``: the VMA check must be off).
+    Works under ``jax.jit`` (``max_seqlen_k`` and ``batch_invariant`` static, lengths traced),
+    ``lax.scan`` and ``shard_map`` (see ``_compat.shard_map``: the VMA check must be off).
     """
     return _sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
-                          strict=strict, interpret=interpret)
+                          strict=strict, interpret=interpret, batch_invariant=batch_invariant)
 
 
 def _sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
                    strict: bool = False, interpret: bool | None = None,
-                   plan: DecodePlan | None = None):
-    """``sparse_decode`` with an optional explicit plan (tests, ahead-of-time lowering cases)."""
+                   plan: DecodePlan | None = None, batch_invariant: bool = False):
+    """``sparse_decode`` with an optional explicit plan (tests, ahead-of-time lowering cases).
+    With ``batch_invariant`` the plan (default: the batch-invariant one) runs through the
+    partials and ``_merge_ordered``."""
     C.check_inputs("sparse_decode", interpret, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k)
     interp = C.resolve_interpret(interpret)
     # SM121 routes decode to the exact qualified contract only (qsa-contract.md §5), as in
     # qsa_triton; decided from static facts at trace time, so it costs nothing under jit.
     prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
-                        fn="sparse_decode",
+                        fn="sparse_decode", batch_invariant=batch_invariant,
                         strict=strict or (not interp and exact_contract(C.target_facts())))
     C.check_backend("sparse_decode", interpret, q, k, v, cu_seqlens_q, cu_seqlens_k)
     if plan is None:
         plan, _ = plan_for(prob.batch, prob.num_kv_heads, prob.group, prob.head_dim,
-                           prob.max_seqlen_k)
+                           prob.max_seqlen_k, batch_invariant=batch_invariant)
     elif plan.head_tile < max(16, prob.group) or plan.head_tile & (plan.head_tile - 1):
         raise ContractError("sparse_decode", "plan", "head_tile a power of two >= max(16, G)",
                             plan.head_tile)
     return _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
-                   softmax_scale=float(prob.softmax_scale), interpret=interp)
+                   softmax_scale=float(prob.softmax_scale), interpret=interp,
+                   batch_invariant=bool(batch_invariant))

@@ -21,8 +21,12 @@ Same algorithm, plan and validity rule as ``qsa_triton.decode_paged`` (the share
   l = 0); otherwise every split writes its normalised partial and log2 LSE (-inf when its
   columns hold no valid entry) and plain JAX merges them: M = max_j lse_j, w_j = 2^(lse_j - M)
   (0 for empty splits, whose partials are selected away, never multiplied), out = sum w_j o_j /
-  sum w_j, zeros where every split is empty. The merge is an unrolled chain over the splits in
-  a fixed order (elementwise, one XLA fusion), so its bits do not depend on R: with
+  sum w_j, zeros where every split is empty. NaN (qsa-contract.md §2b): a split is empty only
+  where l == 0 (an attended NaN makes l and the LSE NaN), and the merge writes NaN wherever a
+  split's LSE or partial is NaN (a select, so finite outputs keep their bits), so an attended
+  NaN reaches the output whatever the number of splits, as in ``interop.reference``. The merge
+  is an unrolled chain over the splits in a fixed order (elementwise, one XLA fusion), so its
+  bits do not depend on R: with
   ``batch_invariant=True`` (a plan that depends on W, G, D and the dtypes only) a row's output
   bits do not depend on the batch.
 
@@ -137,8 +141,11 @@ def _split_kernel(req_ref, seqlen_ref, table_ref, idx_ref, q_ref, k_ref, v_ref, 
     init = (jnp.zeros((ht, d), jnp.float32), jnp.full((ht,), -jnp.inf, jnp.float32),
             jnp.zeros((ht,), jnp.float32))
     acc, m_i, l_i = lax.fori_loop(c_lo, c_hi, body, init)
-    has = l_i > 0
-    o = acc * jnp.where(has, st.v_scale / jnp.where(has, l_i, 1.0), 0.0)[:, None]
+    # empty (no valid entry): l == 0, exact zeros and LSE -inf; an attended NaN makes l NaN, and
+    # then the output / partial and the LSE are NaN too (never the -inf the merge weighs 0)
+    empty = l_i == 0
+    l_safe = jnp.where(empty, 1.0, l_i)
+    o = acc * jnp.where(empty, 0.0, st.v_scale / l_safe)[:, None]
     if direct:
         (out_ref,) = out_refs
         C.store(out_ref.at[r, head[:, None], dcol], o.astype(out_ref.dtype),
@@ -146,13 +153,14 @@ def _split_kernel(req_ref, seqlen_ref, table_ref, idx_ref, q_ref, k_ref, v_ref, 
         return
     o_ref, lse_ref = out_refs
     o_ref[...] = o
-    lse_ref[...] = jnp.where(has, m_i + jnp.log2(jnp.where(has, l_i, 1.0)), -jnp.inf)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log2(l_safe))
 
 
 def _merge(o, lse, st: _Static, out_dtype):
     """Stable LSE merge in plain JAX: o [S, R, Hkv, HT, D], lse [S, R, Hkv, HT] (lane i = head
     i - (HT - G)) -> [R, Hq, D]. An unrolled chain over the splits in a fixed order (one XLA
-    elementwise fusion; bits independent of R)."""
+    elementwise fusion; bits independent of R). NaN wherever a split's LSE or partial is NaN
+    (every split was written by the kernel): an attended NaN reaches the output."""
     pad = st.plan.head_tile - st.group
     lse = lse[..., pad:]
     o = o[..., pad:, :]
@@ -163,11 +171,14 @@ def _merge(o, lse, st: _Static, out_dtype):
     m_ref = jnp.where(mx == -jnp.inf, 0.0, mx)
     den = jnp.zeros_like(mx)
     num = jnp.zeros(o.shape[1:], jnp.float32)
+    nan = jnp.zeros(o.shape[1:], jnp.bool_)
     for i in range(s):
         wi = jnp.exp2(lse[i] - m_ref)  # empty split: 0
         den = den + wi
         num = num + jnp.where(wi[..., None] > 0, wi[..., None] * o[i], 0.0)
+        nan = nan | jnp.isnan(o[i]) | jnp.isnan(lse[i])[..., None]
     out = num / jnp.where(den > 0, den, 1.0)[..., None]  # every split empty: zeros
+    out = jnp.where(nan, jnp.nan, out)
     r = o.shape[1]
     return out.reshape(r, st.num_q_heads, st.head_dim).astype(out_dtype)
 

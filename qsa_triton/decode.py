@@ -3,7 +3,8 @@
 Forward-only (no backward; inputs that require grad are refused with a ``ContractError``).
 
 Public:
-  sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None) -> out
+  sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
+                strict=False, batch_invariant=False) -> out
   flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
     flash-attn 2.8's signature and defaults, decode only (max_seqlen_q = 1)
   prepare(device)               persistent split-KV scratch, before CUDA-graph capture
@@ -37,12 +38,29 @@ Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decodi
       split 0 of a row it finished itself), so the merge needs no row metadata and issues all its
       loads in one round trip: M = max_j lse_j (all -inf: row already done), weights
       2^(lse_j - M) (empty splits weigh 0, their stale partials are masked out with a select),
-      output sum_j w_j o_j / sum_j w_j;
+      output sum_j w_j o_j / sum_j w_j; NaN if a live split (LSE != -inf) has a NaN LSE or
+      partial (below);
     * merge "inline": the last split to arrive (an int32 acq_rel counter per (s, h)) merges in the
       same launch, ``inline_tile`` splits' LSEs and partials per memory round trip (online rescale
       across chunks), and resets its counter to 0 before exiting.
     ``plan_for`` picks inline where 2 x B x Hkv >= SMs (rows get few splits, most none: no second
     launch), the merge kernel below that (bench/NOTES.md, "Merge: second kernel vs in-launch").
+  * NaN: a NaN in a key or value a row attends (or in its query) reaches that row's output for
+    the KV head's query heads (the query's head) whatever the split count, as in
+    ``interop.reference`` (a NaN score makes the split's denominator l NaN, a NaN value its
+    partial): a split is empty only where l == 0 (a NaN l gives a NaN LSE, never the -inf of an
+    empty split), and the merges propagate a NaN LSE or partial of a live split (the in-launch
+    merge by arithmetic, the merge kernel by a select that leaves finite results' bits alone,
+    also where a split's weight underflowed to 0). K/V rows no row names are never read.
+  * ``batch_invariant=True`` (qsa-contract.md §2c): the plan ``interop.plan.plan_decode(...,
+    batch_invariant=True)`` (n_active = cdiv(len, 256 keys), BLOCK_N, warps and stages from G and
+    D only, no balance), always the merge kernel with a split tile fixed by D
+    (``_BI_MERGE_SPLIT_CHUNK`` splits; splits past it are folded in order, in further chunks): a
+    row's output bits depend only on its own q row, keys and length, not on B, the other rows,
+    the row's place in the batch, ``max_seqlen_k`` (any valid bound) or the SM count. PDL stays
+    the shape's choice (bitwise neutral, above). Cost: fewer programs than the default plan at
+    small B (TP1 B = 1: 18 instead of 66) and a merge launch where the default merges in-launch
+    or not at all (``python3 -m bench.decode --providers ours,ours[bi]`` measures it).
   * Programmatic Dependent Launch (sm_90+; CUDA C++ Programming Guide, "Programmatic Dependent
     Launch and Synchronization"; PTX ``griddepcontrol``): where ``pdl_enabled`` (B x Hkv <= 2,
     trigger at entry; B x Hkv >= 64, trigger after the K/V loop) both kernels are launched with
@@ -97,6 +115,9 @@ _MERGE_TILE = 2048
 #: the in-launch merge loads at most this many FP32 partial elements per chunk of splits (4 splits
 #: of [16, 256] = 128 registers per thread at 4 warps; no spills on sm_90)
 _INLINE_TILE_ELEMS = 16384
+#: batch-invariant mode: the merge kernel's split tile, whatever max_splits is (9 splits cover the
+#: qualified 2055 keys at 256 keys per split), so its reduction tree never depends on the bound
+_BI_MERGE_SPLIT_CHUNK = 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,15 +248,17 @@ def _decode_split_kernel(
         tl.extra.cuda.gdc_launch_dependents()  # (programs that exit early count as triggered)
     o_rows = s.to(tl.int64) * stride_ob + heads.to(tl.int64) * stride_oh
     if n_act == 1:
-        # whole row in this program; an empty row has acc = 0, l = 0 -> exact zeros
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        # whole row in this program; an empty row has acc = 0, l = 0 -> exact zeros (a NaN l,
+        # from an attended NaN, stays NaN)
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=m_ok[:, None])
         if LSE_ALL:  # "no partials here": the merge kernel leaves this row alone
             tl.store(lse_ptr + part_row, tl.full([HT], float("-inf"), tl.float32), mask=m_ok)
     else:
-        # non-empty split (n_act <= blocks): l_i > 0 for the real heads
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        # non-empty split (n_act <= blocks): l_i > 0 for the real heads, or NaN where an attended
+        # key is NaN: then the LSE is NaN too (live for the merge, never the -inf of "empty")
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         tl.store(lse_ptr + part_row, m_i + tl.log2(l_safe), mask=m_ok)
         tl.store(part_ptr + part_row[:, None] * D + offs_d[None, :], acc / l_safe[:, None],
                  mask=m_ok[:, None])
@@ -308,22 +331,35 @@ def _decode_merge_kernel(
     lse = tl.load(lse_ptr + base + offs_j, mask=jm, other=float("-inf"))
     part = tl.load(part_ptr + (base + offs_j)[:, None] * D + offs_d[None, :], mask=jm[:, None],
                    other=0.0)
+    # live split: LSE != -inf (finite, or NaN from an attended NaN key); tl.max ignores NaN, so
+    # "the row has partials" is counted, not read off the max
+    live = lse != float("-inf")
+    n_live = tl.sum(live.to(tl.int32), 0)
     mx = tl.max(lse, 0)
     for c in range(SPLIT_CHUNK, MAX_SPLITS, SPLIT_CHUNK):  # only for > SPLIT_CHUNK splits
-        mx = tl.maximum(mx, tl.max(tl.load(lse_ptr + base + c + offs_j,
-                                           mask=(c + offs_j) < MAX_SPLITS, other=float("-inf")), 0))
-    if mx > float("-inf"):  # the row has partials (n_active > 1)
+        lc = tl.load(lse_ptr + base + c + offs_j, mask=(c + offs_j) < MAX_SPLITS,
+                     other=float("-inf"))
+        mx = tl.maximum(mx, tl.max(lc, 0))
+        n_live += tl.sum((lc != float("-inf")).to(tl.int32), 0)
+    if n_live > 0:  # the row has partials (n_active > 1)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)  # (every live LSE NaN: the weights are NaN)
         w = tl.exp2(lse - mx)  # empty splits: exp2(-inf) = 0
         wsum = tl.sum(w, 0)
         o = tl.sum(tl.where(w[:, None] > 0.0, w[:, None] * part, 0.0), 0)
+        # an attended NaN reaches the output (qsa-contract.md: as the reference), also from a
+        # split whose weight underflowed to 0; a select, so finite results keep their bits
+        nan = tl.max((live[:, None] & (part != part)).to(tl.int32), 0)
         for c in range(SPLIT_CHUNK, MAX_SPLITS, SPLIT_CHUNK):
             cm = (c + offs_j) < MAX_SPLITS
-            wc = tl.exp2(tl.load(lse_ptr + base + c + offs_j, mask=cm, other=float("-inf")) - mx)
+            lc = tl.load(lse_ptr + base + c + offs_j, mask=cm, other=float("-inf"))
+            wc = tl.exp2(lc - mx)
             pc = tl.load(part_ptr + (base + c + offs_j)[:, None] * D + offs_d[None, :],
                          mask=cm[:, None], other=0.0)
             wsum += tl.sum(wc, 0)
             o += tl.sum(tl.where(wc[:, None] > 0.0, wc[:, None] * pc, 0.0), 0)
-        o = o / wsum
+            nan = tl.maximum(nan, tl.max(((lc != float("-inf"))[:, None] & (pc != pc))
+                                         .to(tl.int32), 0))
+        o = tl.where(nan > 0, float("nan"), o / wsum)  # a NaN LSE makes wsum NaN
         tl.store(out_ptr + s.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh + offs_d,
                  o.to(out_ptr.dtype.element_ty))
 
@@ -345,22 +381,34 @@ _PLANS: dict[tuple, tuple[DecodePlan, str]] = {}  # host-side cache: plan_for ru
 
 
 def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
-             device: torch.device | str = "cuda") -> tuple[DecodePlan, str]:
+             device: torch.device | str = "cuda", *,
+             batch_invariant: bool = False) -> tuple[DecodePlan, str]:
     """The launch plan and merge mode a ``sparse_decode`` call with these static shapes uses.
 
     Args:
       batch: B; num_kv_heads: Hkv; group: G = Hq / Hkv; head_dim: D; max_seqlen_k: host int.
       device: the torch device the call runs on (its SM count and shared memory decide).
+      batch_invariant: the batch-invariant plan (``sparse_decode(..., batch_invariant=True)``).
 
     Returns:
-      (``interop.plan.DecodePlan`` from ``plan_decode`` with the device-side balance and
+      Default: (``interop.plan.DecodePlan`` from ``plan_decode`` with the device-side balance and
       one-block splits, fitted to the device's shared memory; merge "inline" where
-      2 x B x Hkv >= SMs, else "kernel"). Cached per shape and device.
+      2 x B x Hkv >= SMs, else "kernel"). batch_invariant: (``plan_decode(...,
+      batch_invariant=True)``, which fits every supported part as it is; merge "kernel-fixed":
+      the merge kernel with a ``_BI_MERGE_SPLIT_CHUNK`` split tile), the same for every B and
+      device. Cached per shape and device.
     """
     device = torch.device(device)
-    key = (batch, num_kv_heads, group, head_dim, max_seqlen_k, device.type, device.index)
+    key = (batch, num_kv_heads, group, head_dim, max_seqlen_k, device.type, device.index,
+           bool(batch_invariant))
     hit = _PLANS.get(key)
     if hit is not None:
+        return hit
+    if batch_invariant:
+        hit = (plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k,
+                           batch_invariant=True), "kernel-fixed")
+        if len(_PLANS) < 4096:
+            _PLANS[key] = hit
         return hit
     facts = _facts(device)
     sms = _sm_count(device)
@@ -427,10 +475,12 @@ def _split_constexprs(plan: DecodePlan, group: int, head_dim: int, *, inline: bo
             "INLINE_TILE": _inline_tile(plan.head_tile, head_dim) if inline else 1}
 
 
-def _merge_chunks(splits: int, head_dim: int) -> tuple[int, int]:
+def _merge_chunks(splits: int, head_dim: int, fixed: bool = False) -> tuple[int, int]:
     """(SPLIT_CHUNK, D_CHUNK) of the merge kernel: every split in one round trip (<= 128), and
-    _MERGE_TILE floats per tile with >= 16 columns."""
-    chunk = min(max(2, next_pow2(splits)), 128)
+    _MERGE_TILE floats per tile with >= 16 columns. ``fixed`` (batch-invariant mode):
+    ``_BI_MERGE_SPLIT_CHUNK`` splits whatever ``splits`` is, so the tile (and the order of its
+    sums) depends on D only."""
+    chunk = _BI_MERGE_SPLIT_CHUNK if fixed else min(max(2, next_pow2(splits)), 128)
     return chunk, max(16, min(head_dim, _MERGE_TILE // chunk))
 
 
@@ -459,16 +509,18 @@ def _dev_key(device: torch.device) -> tuple[str, int | None]:
 
 
 def _qualified_need() -> tuple[int, int, int]:
-    """(rows, elems, slots) of the largest qualified decode shape under the shipped plan."""
+    """(rows, elems, slots) of the largest qualified decode shape under the shipped plans (the
+    default one and the batch-invariant one)."""
     rows = elems = slots = 1
     d = QUALIFIED["head_dim"]
     lo, hi = QUALIFIED["batch"]
+    msk = QUALIFIED["max_seqlen_k"]
     for hq, hkv in QUALIFIED["head_pairs"]:
         for b in range(lo, hi + 1):
-            p = plan_decode(b, hkv, hq // hkv, d, QUALIFIED["max_seqlen_k"], balance=True,
-                            one_block_splits=True)
-            r = b * hq * p.max_splits
-            rows, elems, slots = max(rows, r), max(elems, r * d), max(slots, b * hkv)
+            for p in (plan_decode(b, hkv, hq // hkv, d, msk, balance=True, one_block_splits=True),
+                      plan_decode(b, hkv, hq // hkv, d, msk, batch_invariant=True)):
+                r = b * hq * p.max_splits
+                rows, elems, slots = max(rows, r), max(elems, r * d), max(slots, b * hkv)
     return rows, elems, slots
 
 
@@ -477,7 +529,7 @@ def prepare(device: torch.device | str | None = None, *, rows: int = 0, elems: i
     """Create (or enlarge) the persistent split-KV scratch of ``device`` now.
 
     Sized for the largest qualified decode shape (B = 128, (24,2)/(12,1)/(6,1), D = 256,
-    max_seqlen_k = 2055 under the shipped plan: a few MB) or for the given
+    max_seqlen_k = 2055 under the shipped plans, batch-invariant too: a few MB) or for the given
     minimums (``rows`` LSE entries, ``elems`` partial-output floats, ``slots`` counters),
     whichever is larger. Call it before capturing a CUDA graph that contains ``sparse_decode`` if
     no eager call ran first on that device. Idempotent.
@@ -545,6 +597,7 @@ _NO_BALANCE = 1 << 30  # SLOTS for a plan without the device-side balance: the s
 
 def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scale: float,
             plan: DecodePlan, merge: str, pdl: bool | None = None) -> torch.Tensor:
+    # merge: "inline" | "kernel" | "kernel-fixed" (the merge kernel, batch-invariant tile)
     b, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -565,12 +618,12 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             hq, hkv, splits, plan.min_blocks_per_split, b, plan.balance_slots or _NO_BALANCE,
             k.shape[0],
             **_split_constexprs(plan, g, d, inline=merge == "inline",
-                                lse_all=splits > 1 and merge == "kernel", use_pdl=use_pdl,
+                                lse_all=splits > 1 and merge != "inline", use_pdl=use_pdl,
                                 pdl_late=use_pdl and _pdl_late_trigger(b * hkv)),
             num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
-        if splits > 1 and merge == "kernel":
-            chunk, d_chunk = _merge_chunks(splits, d)
+        if splits > 1 and merge != "inline":
+            chunk, d_chunk = _merge_chunks(splits, d, fixed=merge == "kernel-fixed")
             _decode_merge_kernel[(b * hq * (d // d_chunk),)](
                 out, sc.lse, sc.part, out.stride(0), out.stride(1), hq, splits,
                 D=d, SPLIT_CHUNK=chunk, D_CHUNK=d_chunk, N_DC=d // d_chunk,
@@ -582,9 +635,10 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
 def _decode_with_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
                       plan: DecodePlan, merge: str | None = None,
                       pdl: bool | None = None) -> torch.Tensor:
-    """``sparse_decode`` with an explicit plan, merge ("kernel" | "inline"; None: the shipped
-    choice for the shape) and PDL on/off (None: ``pdl_enabled``), for tests that must force the
-    split-KV paths. Checks the contract first.
+    """``sparse_decode`` with an explicit plan, merge ("kernel" | "inline" | "kernel-fixed", the
+    batch-invariant merge tile; None: the shipped default choice for the shape) and PDL on/off
+    (None: ``pdl_enabled``), for tests that must force the split-KV paths. Checks the contract
+    first.
 
     Raises:
       ContractError: as ``sparse_decode``; a head tile that cannot hold the group; PDL forced on
@@ -603,8 +657,8 @@ def _decode_with_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax
     if merge is None:
         merge = plan_for(prob.batch, prob.num_kv_heads, prob.group, prob.head_dim,
                          prob.max_seqlen_k, q.device)[1]
-    if merge not in ("kernel", "inline"):
-        raise ValueError(f"merge must be 'kernel' or 'inline', got {merge!r}")
+    if merge not in ("kernel", "inline", "kernel-fixed"):
+        raise ValueError(f"merge must be 'kernel', 'inline' or 'kernel-fixed', got {merge!r}")
     return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, prob.max_seqlen_k, prob.softmax_scale,
                    plan, merge, pdl)
 
@@ -614,23 +668,27 @@ def _decode_with_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax
 @torch.library.custom_op("qsa::sparse_decode", mutates_args=())
 def _sparse_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                      max_seqlen_k: int, softmax_scale: float) -> torch.Tensor:
+                      max_seqlen_k: int, softmax_scale: float,
+                      batch_invariant: bool = False) -> torch.Tensor:
     """Registered op: contract already checked by the caller (``sparse_decode``)."""
     if exact_contract(_facts(q.device)):
         # SM121 routes decode to the exact qualified contract only (qsa-contract.md §5: a family
         # gate wider than exact (12, 1) caused silent corruption upstream). Checked here, in the
         # op body, so it also holds under torch.compile; a cached lookup on other devices.
         check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
-                     strict=True)
+                     batch_invariant=batch_invariant, strict=True)
     b, hq, d = q.shape
-    plan, merge = plan_for(b, k.shape[1], hq // k.shape[1], d, max_seqlen_k, q.device)
+    plan, merge = plan_for(b, k.shape[1], hq // k.shape[1], d, max_seqlen_k, q.device,
+                           batch_invariant=batch_invariant)
     return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, plan, merge)
 
 
 @_sparse_decode_op.register_fake
-def _sparse_decode_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale):
+def _sparse_decode_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
+                        batch_invariant=False):
     # shapes/dtypes are checked again at trace time (FakeTensors carry shape/dtype/device/stride)
-    check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale)
+    check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
+                 batch_invariant=batch_invariant)
     return q.new_empty(q.shape)
 
 
@@ -638,7 +696,7 @@ def _sparse_decode_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softm
 # Public entry points
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   cu_seqlens_k: torch.Tensor, max_seqlen_k: int, softmax_scale: float | None = None,
-                  *, strict: bool = False) -> torch.Tensor:
+                  *, strict: bool = False, batch_invariant: bool = False) -> torch.Tensor:
     """Packed varlen sparse decode (``qsa-contract.md`` §2): one query row per sequence.
     Forward-only: no backward is defined, and inputs that require grad are refused.
 
@@ -653,10 +711,19 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
       softmax_scale: host float, default D ** -0.5 (applied to FP32 scores).
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``); always on
         for a GPU that ``interop.contract.route`` sends to the exact contract (sm_121).
+      batch_invariant: host bool. True: a row's output bits depend only on its own q row, keys,
+        length and scale, not on B, the other rows, its place in the batch, ``max_seqlen_k``
+        (any valid bound) or the GPU's SM count (``qsa-contract.md`` §2c). Rule: n_active =
+        cdiv(len, ``interop.plan.BATCH_INVARIANT_SPLIT_KEYS``) splits from the shared split rule,
+        BLOCK_N / warps / stages from G and D only (``plan_decode(..., batch_invariant=True)``),
+        a merge whose tile and order depend on D only. Cost against the default: fewer programs
+        at small B, a merge launch at large B (``bench.decode`` provider ``ours[bi]``).
 
     Returns:
       [B, Hq, D] in q's dtype: out[s, h] = softmax(scale · q[cu_q[s], h] · Kᵀ) · V over the row's
-      keys with KV head h // G; exact zeros for a row with no keys.
+      keys with KV head h // G; exact zeros for a row with no keys. A NaN in a key or value the
+      row attends gives NaN for the KV head's query heads (as ``interop.reference``), whatever the
+      split count; K/V rows outside every row's range are never read.
 
     Raises:
       ContractError: before any launch, for a call outside the contract (see ``check_decode``;
@@ -664,19 +731,21 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
         under the unpatched interpreter); during CUDA-graph capture, for a shape whose scratch
         was not created before capture.
         Under torch.compile(fullgraph=True) the check runs in the op's fake implementation and
-        its text reaches the caller inside Dynamo's TorchRuntimeError (``_checked``).
+        its text reaches the caller inside Dynamo's TorchRuntimeError (``_checked``). A
+        ``batch_invariant`` that is not a host bool.
 
     Graph/compile safety: no host sync; use inside ``torch.compile(fullgraph=True)`` (custom op
     ``torch.ops.qsa.sparse_decode`` with a fake impl) and CUDA-graph capture (scratch exists after
-    one eager call or ``prepare``).
+    one eager call or ``prepare``), in both modes.
     """
     msk, scale = _checked("sparse_decode", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
-                          softmax_scale, strict=strict)
-    return torch.ops.qsa.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, msk, scale)
+                          softmax_scale, strict=strict, batch_invariant=batch_invariant)
+    return torch.ops.qsa.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, msk, scale,
+                                       bool(batch_invariant))
 
 
 def _checked(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, *,
-             strict=False, max_seqlen_q=None) -> tuple[int, float]:
+             strict=False, max_seqlen_q=None, batch_invariant=False) -> tuple[int, float]:
     """The public entry points' checks; returns (max_seqlen_k, softmax_scale) for the op.
 
     Under torch.compile the contract check moves into the op's fake implementation: Dynamo
@@ -687,7 +756,8 @@ def _checked(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scal
         return max_seqlen_k, softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     check_torch_tensors(fn, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
-                        strict=strict, **({} if max_seqlen_q is None else
+                        strict=strict, batch_invariant=batch_invariant,
+                        **({} if max_seqlen_q is None else
                                           {"max_seqlen_q": max_seqlen_q, "fn": fn}))
     check_interpreter_dtype(fn, prob.dtype)
     check_device(fn, q.device.type)

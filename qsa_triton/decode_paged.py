@@ -33,6 +33,12 @@ flash-decoding one, the online softmax FlashAttention-2's):
     split's LSE and partial in one round trip: M = max lse_j, w_j = 2^(lse_j - M) (empty splits
     weigh 0, their partials are masked with a select, never multiplied), out = sum w_j o_j /
     sum w_j, zeros where every split is empty.
+  * NaN (qsa-contract.md §2b): a NaN in a pool slot that a valid entry names reaches the row's
+    output for that KV head's query heads, as in ``interop.reference``, whatever the number of
+    splits: a split is empty only where l == 0 (a NaN score makes l, and so the LSE, NaN, never
+    the -inf of an empty split), and the merge writes NaN where any split's LSE or partial is
+    NaN (a select: finite outputs keep their bits; also a split whose weight underflowed to 0).
+    Slots no valid entry names are never read.
   * Graph / compile safety: the plan uses static shapes only; every length, position and slot
     is read on the device; scratch comes from PyTorch's caching allocator inside the op (a CUDA
     graph records it in its private pool), no atomics, no host sync.
@@ -235,15 +241,18 @@ def _paged_split_kernel(
                 m_i, l_i, acc = _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i, acc,
                                        qk_scale, stride_kc, stride_vc)
     l_row = tl.sum(l_i, 1)
-    has = l_row > 0.0
-    o = acc * tl.where(has, v_scale / tl.where(has, l_row, 1.0), 0.0)[:, None]
+    # empty (no valid entry): l == 0, exact zeros and LSE -inf. An attended NaN makes l NaN: the
+    # output / partial and the LSE are NaN then, never the -inf the merge would weigh 0.
+    empty = l_row == 0.0
+    l_safe = tl.where(empty, 1.0, l_row)
+    o = acc * tl.where(empty, 0.0, v_scale / l_safe)[:, None]
     if DIRECT:
         tl.store(out_ptr + r.to(tl.int64) * stride_or + heads[:, None] * stride_oh
                  + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
     else:
         part_row = (r.to(tl.int64) * HQ + heads) * SPLITS + j  # [HT]
-        tl.store(lse_ptr + part_row, tl.where(has, m_i + tl.log2(tl.where(has, l_row, 1.0)),
-                                              float("-inf")), mask=m_ok)
+        tl.store(lse_ptr + part_row, tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)),
+                 mask=m_ok)
         tl.store(part_ptr + part_row[:, None] * D + offs_d[None, :], o, mask=m_ok[:, None])
 
 
@@ -272,6 +281,10 @@ def _paged_merge_kernel(out_ptr, lse_ptr, part_ptr, stride_or, stride_oh, HQ, SP
     den = tl.sum(w, 0)
     o = tl.sum(tl.where(w[:, None] > 0.0, w[:, None] * part, 0.0), 0)
     o = o / tl.where(den > 0.0, den, 1.0)  # every split empty: exact zeros
+    # an attended NaN (a NaN LSE or partial; every split was written by this call) reaches the
+    # output, as in the reference, even where tl.max skipped it or its weight underflowed
+    nan = tl.max(((part != part) | (lse != lse)[:, None]).to(tl.int32), 0)
+    o = tl.where(nan > 0, float("nan"), o)
     r = row // HQ
     hq = row % HQ
     tl.store(out_ptr + r.to(tl.int64) * stride_or + hq.to(tl.int64) * stride_oh + offs_d,

@@ -12,6 +12,12 @@ relative L2 <= 5e-3, exact zeros where a row has no valid key.
 The contract's refusals are tested here too: a call outside what the kernels compute correctly
 raises ``interop.contract.ContractError`` naming the argument, before any launch.
 
+The packed decode's batch-invariant mode (``qsa-contract.md`` §2c) is tested bitwise per
+implementation (``test_batch_invariant_bits``: batch compositions, row orders, zero-length
+neighbours, ``max_seqlen_k`` bounds; its "gpu" case at production shapes with ``-m gpu``), and
+an attended NaN must reach the output exactly where the reference has one, whatever the split
+count (``test_attended_nan_propagates``).
+
 This module is not collected itself (no ``test_`` prefix); it imports numpy and the core only.
 """
 
@@ -25,6 +31,8 @@ import pytest
 
 from interop import cases as C
 from interop.contract import QUALIFIED, ContractError
+from interop.plan import plan_decode
+from interop.reference import decode_reference
 
 ON_GPU = os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
 PUBLIC = ("sparse_decode", "sparse_prefill", "sparse_prefill_chunk", "sparse_prefill_paged")
@@ -112,6 +120,26 @@ class Conformance:
                 self.array(np.arange(b + 1, dtype=np.int32), "int32"),
                 self.array(cu_k, "int32"), max(lens)]
 
+    def packed_call(self, pool, order, max_seqlen_k, dtype, *, want_ref=True, **kwargs):
+        """``sparse_decode`` on the sequences ``order`` (ids into ``pool``, a [(q [Hq, D],
+        k [n, Hkv, D], v [n, Hkv, D])] list of float32 arrays) packed in that order, with two
+        NaN-filled K/V rows after the last key (never named, so never read). Returns (the
+        output as float64, its raw bits, the reference on the values the kernel saw, or None
+        without ``want_ref``)."""
+        q = np.stack([pool[i][0] for i in order])
+        hkv, d = pool[0][1].shape[1:]
+        slack = np.full((2, hkv, d), np.nan, np.float32)
+        k = np.concatenate([pool[i][1] for i in order] + [slack])
+        v = np.concatenate([pool[i][2] for i in order] + [slack])
+        cu_k = np.concatenate([[0], np.cumsum([pool[i][1].shape[0] for i in order])])
+        args = [self.array(q, dtype), self.array(k, dtype), self.array(v, dtype),
+                self.array(np.arange(len(order) + 1, dtype=np.int32), "int32"),
+                self.array(cu_k.astype(np.int32), "int32")]
+        out = self.to_numpy(self.entry("sparse_decode")(*args, max_seqlen_k, **kwargs,
+                                                        **self.call_kwargs))
+        ref = decode_reference(*[self.to_numpy(a) for a in args]) if want_ref else None
+        return out, out.view(np.int64), ref
+
     def refused(self, fn, *args, arg: str, **kwargs) -> ContractError:
         with pytest.raises(ContractError) as info:
             fn(*args, **kwargs, **self.call_kwargs)
@@ -134,6 +162,104 @@ class Conformance:
         _, got = self.check(spec)
         again = self.to_numpy(self.run(spec)[0])
         assert np.array_equal(got, again), f"{self.name} {spec.name}: second call differs"
+
+    # ---- batch-invariant mode (qsa-contract.md §2c) ---------------------------------------
+    @pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+    def test_batch_invariant_bits(self, device):
+        """``batch_invariant=True``: every row's output bits are the same in the full batch, in a
+        reversed batch, in smaller batches with other neighbours (zero-length ones among them),
+        alone, and under other valid ``max_seqlen_k`` bounds (so other split grids); values
+        match the FP64 reference. "cpu": fp16, D = 64, (12, 1), rows up to 600 keys (3 splits
+        of 256 keys). "gpu" (-m gpu, the H200): bf16, D = 256, (24, 2) and (12, 1), 128 rows of
+        0..2051 keys, a row alone at B = 1 (where the default plan uses 33-65 splits), up to
+        max_seqlen_k = 4096."""
+        if device == "gpu" and not ON_GPU:
+            pytest.skip("needs a CUDA GPU")
+        rng = np.random.default_rng(7)
+        if device == "cpu":
+            pairs, d, dtype = ((12, 1),), 64, "float16"
+            lens = [600, 0, 300, 17, 513, 256, 64, 1]
+            orders = [(list(range(8))[::-1], 600), ([4, 1, 0], 2055), ([2], 300), ([2], 4096),
+                      ([3, 1, 1, 2, 6], 513), ([7, 5, 1], 256)]
+            base_msk = 600
+        else:
+            pairs, d, dtype = ((24, 2), (12, 1)), 256, "bfloat16"
+            lens = [int(x) for x in rng.integers(0, 2052, 128)]
+            lens[::17] = [0] * len(lens[::17])
+            lens[5], lens[77] = 2051, 2051
+            perm = [int(x) for x in rng.permutation(128)]
+            orders = [([77], 2051), ([77], 2055), ([5, 0, 77], 4096), (perm, 4096),
+                      (perm[:37], 2051), (sorted(perm[40:56]), 2055)]
+            base_msk = 2051
+        for hq, hkv in pairs:
+            pool = [(rng.standard_normal((hq, d), np.float32),
+                     rng.standard_normal((n, hkv, d), np.float32),
+                     rng.standard_normal((n, hkv, d), np.float32)) for n in lens]
+            base, base_bits, ref = self.packed_call(pool, range(len(lens)), base_msk, dtype,
+                                                    batch_invariant=True)
+            v = C.compare(base, ref, np.array([n == 0 for n in lens]))
+            assert v["passed"], f"{self.name} ({hq}, {hkv}): {v}"
+            splits = plan_decode(1, hkv, hq // hkv, d, base_msk, batch_invariant=True).max_splits
+            assert splits >= 3, splits  # the merge runs, with splits left empty by short rows
+            for order, msk in orders:
+                _, bits, _ = self.packed_call(pool, order, msk, dtype, want_ref=False,
+                                              batch_invariant=True)
+                for i, r in enumerate(order):
+                    assert np.array_equal(bits[i], base_bits[r]), \
+                        f"{self.name} ({hq}, {hkv}): row {r} at {i} of {len(order)}, msk {msk}"
+
+    @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreters' NaN arithmetic
+    @pytest.mark.parametrize("batch_invariant", [False, True])
+    def test_attended_nan_propagates(self, batch_invariant):
+        """A NaN in a key, value or query a row attends gives that row NaN for its KV head's query
+        heads (K: every column of the group; V: that column; q: that head), as the FP64
+        reference does, whatever the row's split count: rows 0 and 5 (300 keys) split in both
+        modes, row 1 (40 keys) does not, row 3 (70 keys) splits in the default plan only. Row 5:
+        its last 44 keys score 256 below the others, so in the default plan their split's merge
+        weight underflows to 0 in FP32 (not in the reference's FP64), with a NaN value among
+        them. A NaN query head gives every split of its row a NaN LSE. NaN K/V rows that no row
+        names (after the last key) never reach the output; everything else matches the
+        reference."""
+        rng = np.random.default_rng(11)
+        hq, hkv, d = 24, 2, 64
+        lens = [300, 40, 0, 70, 9, 300]
+        pool = [(rng.standard_normal((hq, d), np.float32),
+                 rng.standard_normal((n, hkv, d), np.float32),
+                 rng.standard_normal((n, hkv, d), np.float32)) for n in lens]
+        pool[0][1][201, 0, 5] = np.nan  # K, long row, KV head 0
+        pool[0][0][20, 3] = np.nan  # q, long row, head 20 (KV head 1)
+        pool[1][1][3, 1, :] = np.nan  # K, one-split row, KV head 1
+        pool[3][2][60, 0, 7] = np.nan  # V, KV head 0, column 7 only
+        q5, k5, v5 = pool[5]
+        q5[:] = 4.0  # scores (scale 1/8) +128 for keys < 256, -128 after
+        k5[:256], k5[256:] = 4.0, -4.0
+        v5[280, 1, 9] = np.nan  # V of a key with weight exp(-256), KV head 1, column 9
+        out, _, ref = self.packed_call(pool, range(len(lens)), 300, "float16",
+                                       batch_invariant=batch_invariant)
+        nan_ref = np.isnan(ref)
+        assert nan_ref[0, :12].all() and nan_ref[0, 20].all() and nan_ref[1, 12:].all()
+        assert nan_ref[3, :12, 7].all() and nan_ref[5, 12:, 9].all()
+        assert nan_ref.sum() == 2 * 12 * d + d + 12 + 12
+        assert np.array_equal(np.isnan(out), nan_ref), \
+            f"{self.name}: NaN at {np.argwhere(np.isnan(out) != nan_ref)[:4].tolist()} differ"
+        fin = ~nan_ref
+        err = np.abs(out[fin] - ref[fin])
+        assert (err <= C.ATOL + C.RTOL * np.abs(ref[fin])).all(), err.max()
+        assert (out[2] == 0).all()
+        # the splits each row gets (the device rule of interop/plan.py) under the plan of this
+        # mode: Triton's default (balance, one-block splits), Pallas's default, batch-invariant
+        plans = ([plan_decode(5, hkv, hq // hkv, d, 300, batch_invariant=True)] if batch_invariant
+                 else [plan_decode(5, hkv, hq // hkv, d, 300, balance=True, one_block_splits=True),
+                       plan_decode(5, hkv, hq // hkv, d, 300)])
+        for p in plans:
+            n_active = []
+            for n in lens:
+                k = min(max(-(-(-(-n // p.block_n)) // p.min_blocks_per_split), 1), p.max_splits)
+                if p.balance_slots:
+                    k = min(k, max(n * p.balance_slots // (sum(lens) * hkv), 1))
+                n_active.append(k)
+            assert n_active == ([2, 1, 1, 1, 1, 2] if batch_invariant else [5, 1, 1, 2, 1, 5]), \
+                (p, n_active)
 
     # ---- one interface -------------------------------------------------------------------
     def test_same_entry_points_same_parameters(self):

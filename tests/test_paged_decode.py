@@ -11,7 +11,13 @@ pools with k_scale / v_scale, forced plans (one split, many splits with empty on
 batch-invariant bits across batch compositions and row orders, jit with new device metadata and
 no retrace, torch.library opcheck and torch.compile tracing, contract errors (identical text in
 both packages), zero-size inputs, the Pallas FP8 offset limit, the benchmark sweep's ``ahead``
-launch variant (the base kernel's bits), and the pool-mode bench smoke path.
+launch variant (the base kernel's bits), and the pool-mode bench smoke path. A NaN in a slot a
+valid entry names (K, V, a q element, a V element in splits whose merge weight underflows)
+gives NaN exactly where the reference does with one split, the default plan's several and the
+batch-invariant plan's (slots no valid entry names, free or owned, hold NaN / Inf and never
+reach the output). The packed decode's batch-invariant mode: both packages against the
+reference and each other, the flag through the torch.library op (opcheck) and torch.compile,
+and under jax.jit (its bitwise tests are in ``tests/conformance.py``).
 (``max_seqlen_k`` does not exist in the paged API: nothing there to vary.)
 
 GPU (``-m gpu``, the H200): production shapes (D = 256, W = 2051, bf16, TP1/TP2/TP4, R 1/16/128)
@@ -19,8 +25,10 @@ vs the reference, FP8 pools, a pool past 4.2M slots at Hkv = 2 (int32 offsets ov
 CUDA-graph replay with changed indices / seq_lens / req_indices, graphs for every R in 1..128
 captured in sequence then replayed, every launch variant of the sweep bitwise equal to the base
 kernel (eager and graphed), torch.compile(fullgraph=True), lying metadata giving the same output
-from both implementations, batch invariance at production shapes, and ``memcheck`` cases to run
-under compute-sanitizer.
+from both implementations, batch invariance at production shapes, attended NaN in the paged and
+the packed decode on compiled kernels (one split, many, the in-launch merge, batch-invariant),
+the packed decode's batch-invariant mode under CUDA-graph replay with new lengths and
+torch.compile, and ``memcheck`` cases to run under compute-sanitizer.
 
 Acceptance (qsa-contract.md §6): rtol = atol = 2e-2 elementwise and relative L2 <= 5e-3.
 """
@@ -255,6 +263,76 @@ def test_batch_invariant_bits(pkg):
 
 
 # ---------------------------------------------------------------------------------------------
+# CPU: an attended NaN reaches the output whatever the split count (qsa-contract.md §2b)
+def _nan_inputs():
+    """(24, 2) with per-KV-head indices, W = 300 (5 chunks of 64 columns), make_inputs' junk,
+    lying metadata and NaN / Inf in every slot no request owns; then NaN / Inf also in owned
+    slots no valid entry names, and NaN where valid entries point:
+      * row 3 (request 1), KV head 0: one K element of a slot named past column 128 (every
+        query head of the group scores NaN there);
+      * row 4 (request 2, 13 tokens), KV head 1: one V element (column 9) of a named slot;
+      * row 0, query head 20: one q element (every split of that head gets a NaN LSE);
+      * row 2 (request 1), KV head 1: q = 4 everywhere and K = +4 on the slots named in columns
+        < 64 only, K = -4 on the rest, so its splits past column 128 score 256 below (their
+        merge weight underflows to 0 in FP32, not in the FP64 reference), and a NaN V element
+        (column 11) of a slot named there.
+    Returns (Inputs, the reference, its NaN mask)."""
+    x = make_inputs((24, 2), width=300, contexts=(40, 330, 13), per_head=True, seed=23)
+    slots = resolve_paged_slots(x.table, x.req, x.idx, x.seq, x.k.shape[0])  # [R, Hkv, W]
+    named = np.zeros(x.k.shape[0], bool)
+    named[slots[slots >= 0]] = True
+    x.k[~named], x.v[~named] = np.nan, np.inf  # owned slots too, when nothing valid names them
+    s2 = slots[2, 1]
+    hi = np.setdiff1d(s2[:64][s2[:64] >= 0], s2[128:][s2[128:] >= 0])
+    lo = np.setdiff1d(s2[s2 >= 0], hi)
+    assert hi.size and lo.size
+    x.q[2, 12:] = 4.0
+    x.k[hi, 1], x.k[lo, 1] = 4.0, -4.0
+    x.v[s2[128:][s2[128:] >= 0][0], 1, 11] = np.nan
+    s3 = slots[3, 0, 128:]
+    x.k[s3[s3 >= 0][3], 0, 5] = np.nan
+    s4 = slots[4, 1]
+    x.v[s4[s4 >= 0][2], 1, 9] = np.nan
+    x.q[0, 20, 3] = np.nan
+    ref = reference(x)
+    nan = np.isnan(ref)
+    assert nan[3, :12].all() and nan[4, 12:, 9].all() and nan[0, 20].all() and nan[2, 12:, 11].all()
+    assert (~nan).sum() > nan.sum()  # most of the output stays finite
+    return x, ref, nan
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreters' NaN arithmetic
+@pytest.mark.parametrize("mode", ["one-split", "default", "batch-invariant"])
+@pytest.mark.parametrize("pkg", ["triton", "pallas"])
+def test_attended_nan_reaches_output(pkg, mode):
+    """NaN in a pool slot a valid entry names (K, V, a q element, and a V element in splits
+    whose merge weight underflows) gives NaN exactly where the FP64 reference does: with one
+    split (``plan_decode_paged`` for one SM), with the default plan (5 splits here) and with the
+    batch-invariant plan (2 splits); NaN / Inf in slots no valid entry names (free or owned) never
+    reach the output, which matches the reference everywhere else."""
+    x, ref, nan = _nan_inputs()
+    r, hkv = len(x.req), 2
+    if mode == "one-split":
+        plan = plan_decode_paged(r, hkv, 12, 64, 300, sm_count=1,
+                                 backend="pallas" if pkg == "pallas" else "triton")
+        assert plan.num_splits == 1
+        out = (run_triton if pkg == "triton" else run_pallas)(x, plan=plan)
+    else:
+        bi = mode == "batch-invariant"
+        assert plan_decode_paged(r, hkv, 12, 64, 300, batch_invariant=bi).num_splits == \
+            (2 if bi else 5)
+        out = (run_triton if pkg == "triton" else run_pallas)(x, batch_invariant=bi)
+    assert np.array_equal(np.isnan(out), nan), np.argwhere(np.isnan(out) != nan)[:4].tolist()
+    fin = ~nan
+    out64 = np.asarray(out, np.float64)
+    assert np.isfinite(out64[fin]).all()
+    err = np.abs(out64[fin] - ref[fin])
+    assert (err <= ATOL + RTOL * np.abs(ref[fin])).all(), err.max()
+    for e in x.empty:
+        assert (out[e] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
 # CPU: frameworks
 def test_pallas_jit_new_metadata_no_retrace():
     """Under jax.jit the lengths, positions and request indices are device data: new values
@@ -287,6 +365,82 @@ def test_triton_opcheck_and_compile_trace():
 
     torch._dynamo.reset()
     assert torch.equal(torch.compile(f, fullgraph=True, backend="aot_eager")(*a), f(*a))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the packed decode's batch-invariant mode (issue 16 item 2) across packages and frameworks
+# (its bitwise tests per package: tests/conformance.py, test_batch_invariant_bits)
+def _packed_case(lens, hq=12, hkv=1, d=64, seed=31):
+    """Packed decode inputs (numpy: q, k, v, cu_seqlens_q, cu_seqlens_k); the query rows in
+    reverse order (cu_seqlens_q), two K/V rows after the last key no row names."""
+    rng = np.random.default_rng(seed)
+    cu_k = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cap = int(cu_k[-1]) + 2
+    q = rng.standard_normal((len(lens), hq, d), np.float32).astype(np.float16)
+    k = rng.standard_normal((cap, hkv, d), np.float32).astype(np.float16)
+    v = rng.standard_normal((cap, hkv, d), np.float32).astype(np.float16)
+    cu_q = np.append(np.arange(len(lens))[::-1], len(lens)).astype(np.int32)
+    return q, k, v, cu_q, cu_k
+
+
+def test_packed_batch_invariant_packages_agree():
+    """``sparse_decode(..., batch_invariant=True)``: both packages match the FP64 reference and
+    each other (rows of 1..3 splits of 256 keys, an empty row, query rows read out of order)."""
+    from interop.reference import decode_reference  # noqa: PLC0415
+
+    case = _packed_case([600, 0, 300, 17, 257])
+    ref = decode_reference(*case)
+    out_t = qsa_triton.sparse_decode(*[torch.from_numpy(a) for a in case], 600,
+                                     batch_invariant=True).float().numpy()
+    out_p = np.asarray(qsa_pallas.sparse_decode(*[jnp.asarray(a) for a in case], 600,
+                                                batch_invariant=True), np.float32)
+    assert_close(out_t, ref, (1,))
+    assert_close(out_p, ref, (1,))
+    assert np.abs(out_t - out_p).max() <= 2e-3
+
+
+def test_packed_batch_invariant_op_and_compile():
+    """The flag travels through the registered op (opcheck: schema, fake impl, both values of the
+    flag) and a torch.compile(fullgraph=True) trace gives the eager bits."""
+    a = [torch.from_numpy(x) for x in _packed_case([70, 0, 300])]
+    for bi in (False, True):
+        torch.library.opcheck(torch.ops.qsa.sparse_decode.default, (*a, 300, 0.125, bi))
+
+    def f(*t):
+        return qsa_triton.sparse_decode(*t, 300, batch_invariant=True) * 2.0
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="aot_eager")(*a), f(*a))
+    with pytest.raises(ContractError, match="batch_invariant"):
+        qsa_triton.sparse_decode(*a, 300, batch_invariant=1)
+    with pytest.raises(ContractError, match="batch_invariant"):
+        qsa_pallas.sparse_decode(*[jnp.asarray(t.numpy()) for t in a], 300, batch_invariant=1)
+
+
+def test_pallas_packed_batch_invariant_jit():
+    """Under jax.jit (``batch_invariant`` and ``max_seqlen_k`` static) new lengths reuse the
+    compiled function and give each row the bits it has alone."""
+    import functools  # noqa: PLC0415
+
+    q, k, v, cu_q, cu_k = (jnp.asarray(x) for x in _packed_case([300, 0, 40]))
+    traces = []
+
+    def f(*t):
+        traces.append(1)
+        return qsa_pallas.sparse_decode(*t, 512, batch_invariant=True)
+
+    jf = jax.jit(f)
+    first = np.asarray(jf(q, k, v, cu_q, cu_k))
+    cu_k2 = jnp.asarray(np.array([0, 0, 300, 340], np.int32))  # row 0 <-> row 1 lengths
+    second = np.asarray(jf(q, k, v, cu_q, cu_k2))
+    assert len(traces) == 1
+    alone = functools.partial(qsa_pallas.sparse_decode, max_seqlen_k=300, batch_invariant=True)
+    for out, cu in ((first, cu_k), (second, cu_k2)):
+        for s in range(3):  # row s alone: its q row, its keys, nothing else
+            lo, hi = int(cu[s]), int(cu[s + 1])
+            one = alone(q[int(cu_q[s])][None], k[lo:hi + 1], v[lo:hi + 1],
+                        jnp.asarray([0, 1], jnp.int32), jnp.asarray([0, hi - lo], jnp.int32))
+            assert np.array_equal(bits(out[s]), bits(np.asarray(one)[0])), s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -694,6 +848,134 @@ def test_gpu_batch_invariant(pkg):
     for rows in ([77], list(rng.permutation(128)[:37]), list(rng.permutation(128))):
         part = call(rows)
         assert torch.equal(part, full[torch.as_tensor(rows)]), len(rows)
+
+
+@gpu
+@pytest.mark.parametrize("tp, rows, bi", [("TP1", 1, False), ("TP2", 128, False),
+                                          ("TP1", 16, True)])
+@pytest.mark.parametrize("pkg", ["triton", "pallas"])
+def test_gpu_attended_nan_paged(pkg, tp, rows, bi):
+    """Compiled kernels (tl.max / the Pallas lowering's max skip NaN on the GPU, unlike the CPU
+    interpreters): a NaN K element and a NaN V element in slots valid entries name give NaN
+    exactly where the FP64 reference does, with 65 splits (TP1 R = 1), one split (TP2 R = 128)
+    and the batch-invariant plan's 9 (TP1 R = 16); the rest matches the reference."""
+    args, empty = gpu_case(tp, rows, seed=40 + rows)
+    table, req, idx, seq = (a.cpu().numpy() for a in (args[3], args[4], args[5], args[6]))
+    slots = resolve_paged_slots(table, req, idx, seq, args[1].shape[0])
+    slots = slots if slots.ndim == 3 else slots[:, None]
+    hkv = args[1].shape[1]
+    rk, rv = (0, 0) if rows == 1 else (1, rows - 1)
+    sk = slots[rk, 0][slots[rk, 0] >= 0]
+    sv = slots[rv, -1][slots[rv, -1] >= 0]
+    args[1][int(sk[len(sk) * 3 // 4]), 0, 5] = float("nan")
+    args[2][int(sv[len(sv) // 2]), hkv - 1, 9] = float("nan")
+    ref = compact_reference(args)
+    nan = np.isnan(ref)
+    g = args[0].shape[1] // hkv
+    assert nan[rk, :g].all() and nan[rv, -g:, 9].all()
+    if pkg == "triton":
+        out = qsa_triton.sparse_decode_paged(*args, batch_invariant=bi).float().cpu().numpy()
+    else:
+        out = np.asarray(qsa_pallas.sparse_decode_paged(*to_jax_args(args), batch_invariant=bi),
+                         np.float32)
+    assert np.array_equal(np.isnan(out), nan), np.argwhere(np.isnan(out) != nan)[:4].tolist()
+    err = np.abs(out[~nan] - ref[~nan])
+    assert (err <= ATOL + RTOL * np.abs(ref[~nan])).all(), err.max()
+
+
+def _gpu_packed(tp, lens, seed):
+    """Packed decode inputs on the GPU (bf16, D = 256): torch tensors, and float64 copies."""
+    hq, hkv = TP[tp]
+    rng = np.random.default_rng(seed)
+    cu_k = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cap = int(cu_k[-1]) + 2
+    t = [torch.from_numpy(rng.standard_normal(shape, np.float32)).to(CUDA).to(torch.bfloat16)
+         for shape in ((len(lens), hq, 256), (cap, hkv, 256), (cap, hkv, 256))]
+    t += [torch.arange(len(lens) + 1, dtype=torch.int32, device=CUDA),
+          torch.from_numpy(cu_k).to(CUDA)]
+    return t
+
+
+def _packed_ref(t):
+    from interop.reference import decode_reference  # noqa: PLC0415
+
+    return decode_reference(*(x.float().cpu().numpy() if x.is_floating_point() else
+                              x.cpu().numpy() for x in t))
+
+
+@gpu
+@pytest.mark.parametrize("tp, b, bi", [("TP1", 1, False), ("TP1", 128, False), ("TP2", 16, True)])
+@pytest.mark.parametrize("pkg", ["triton", "pallas"])
+def test_gpu_attended_nan_packed(pkg, tp, b, bi):
+    """The packed decode on compiled kernels: a NaN key element (row 0), a NaN value element
+    (the last row) and a NaN query element give NaN exactly where the FP64 reference does, at
+    B = 1 (33 splits, the merge kernel), B = 128 (TP1: rows 0 and 127 of 2051 keys among rows of
+    300 get 4 splits each from the device-side balance, merged in-launch; Pallas: one split)
+    and in batch-invariant mode (9 splits); the rest matches the reference."""
+    lens = [2051] * b if b < 128 else [2051] + [300] * 126 + [2051]
+    if b == 128 and pkg == "triton":  # the in-launch merge runs for rows 0 and 127 on the H200
+        from interop.plan import plan_decode  # noqa: PLC0415
+
+        plan = plan_decode(b, 2, 12, 256, 2051, 132, balance=True, one_block_splits=True)
+        share = 2051 * plan.balance_slots // (sum(lens) * 2)
+        assert 2 * b * 2 >= 132 and min(share, plan.max_splits) == 4
+    t = _gpu_packed(tp, lens, seed=50 + b)
+    hkv = t[1].shape[1]
+    g = t[0].shape[1] // hkv
+    t[1][1500, 0, 5] = float("nan")  # row 0, KV head 0
+    t[2][int(t[4][-2]) + 100, hkv - 1, 9] = float("nan")  # the last row, last KV head
+    t[0][b // 2, 1, 3] = float("nan")  # a query element of head 1
+    ref = _packed_ref(t)
+    nan = np.isnan(ref)
+    assert nan[0, :g].all() and nan[b - 1, -g:, 9].all() and nan[b // 2, 1].all()
+    if pkg == "triton":
+        out = qsa_triton.sparse_decode(*t, 2051, batch_invariant=bi).float().cpu().numpy()
+    else:
+        out = np.asarray(qsa_pallas.sparse_decode(*to_jax_args(t), 2051, batch_invariant=bi),
+                         np.float32)
+    assert np.array_equal(np.isnan(out), nan), np.argwhere(np.isnan(out) != nan)[:4].tolist()
+    err = np.abs(out[~nan] - ref[~nan])
+    assert (err <= ATOL + RTOL * np.abs(ref[~nan])).all(), err.max()
+
+
+@gpu
+def test_gpu_packed_batch_invariant_graph_and_compile():
+    """``qsa_triton.sparse_decode(..., batch_invariant=True)`` at TP1, B = 16: a CUDA graph
+    captured once and replayed with other lengths in ``cu_seqlens_k`` equals eager, and every
+    row equals its bits alone (B = 1, a tight ``max_seqlen_k``); torch.compile(fullgraph=True)
+    equals eager."""
+    rng = np.random.default_rng(60)
+    lens = [int(x) for x in rng.integers(0, 2052, 16)]
+    t = _gpu_packed("TP1", lens, seed=60)
+    cap = t[1].shape[0] - 2
+    qsa_triton.sparse_decode(*t, 2051, batch_invariant=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = qsa_triton.sparse_decode(*t, 2051, batch_invariant=True)
+    new_lens = np.roll(np.asarray(lens), 5)  # other lengths per row, no more keys in all
+    new_lens[3] = 0
+    new_cu = np.concatenate([[0], np.cumsum(new_lens)])
+    assert new_cu[-1] <= cap and (new_lens != np.asarray(lens)).any()
+    t[4].copy_(torch.from_numpy(new_cu.astype(np.int32)))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = qsa_triton.sparse_decode(*t, 2051, batch_invariant=True)
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+    for s in range(16):
+        lo, n = int(new_cu[s]), int(new_lens[s])
+        one = qsa_triton.sparse_decode(t[0][s:s + 1], t[1][lo:lo + n + 1], t[2][lo:lo + n + 1],
+                                       t[3][:2], torch.tensor([0, n], dtype=torch.int32,
+                                                              device=CUDA),
+                                       max(n, 1), batch_invariant=True)
+        assert torch.equal(one[0].view(torch.int16), eager[s].view(torch.int16)), s
+    assert_close(eager.float().cpu().numpy(), _packed_ref(t), tuple(np.flatnonzero(new_lens == 0)))
+
+    def f(*a):
+        return qsa_triton.sparse_decode(*a, 2051, batch_invariant=True)
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, fullgraph=True)(*t), eager)
 
 
 def _memcheck_case(tp="TP1"):

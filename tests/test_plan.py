@@ -65,3 +65,32 @@ def test_pow2_and_plan_basics():
     assert (p.head_tile, p.block_n, p.max_splits, p.balance_slots) == (16, 32, 64, 0)
     b = plan_decode(128, 1, 12, 256, 2051, 132, balance=True)
     assert (b.max_splits, b.balance_slots) == (4, 264)
+
+
+def test_batch_invariant_decode_plan():
+    """``plan_decode(..., batch_invariant=True)``: BLOCK_N, warps, stages and keys per split from
+    (G, D) only, whatever the batch and SM count; the grid is cdiv(max_seqlen_k, 256) splits, so
+    every row within the bound gets n_active = cdiv(len, 256) splits of whole BLOCK_N blocks; the
+    plan fits sm_120 / sm_121's 101,376 B; no knobs."""
+    from interop.plan import BATCH_INVARIANT_SPLIT_KEYS as W
+
+    for g, d in ((12, 256), (6, 256), (3, 256), (12, 64), (16, 128)):
+        plans = {plan_decode(b, hkv, g, d, 2051, sms, batch_invariant=True)
+                 for b in (1, 7, 128) for hkv in (1, 2) for sms in (48, 132, 188)}
+        assert len(plans) == 1
+        p = plans.pop()
+        assert (p.block_n, p.num_warps, p.balance_slots) == (64 if d <= 128 else 32, 4, 0)
+        assert p.block_n * p.min_blocks_per_split == W and p.max_splits == 9
+        assert smem_bytes(head_tile=p.head_tile, block_n=p.block_n, head_dim=d,
+                          num_stages=p.num_stages) <= 101_376
+        for msk in (1, 256, 257, 600, 2055, 5000):
+            q = plan_decode(1, 1, g, d, msk, batch_invariant=True)
+            assert q.max_splits == max(1, -(-msk // W))
+            assert dataclasses.replace(q, max_splits=9) == p  # only the grid follows the bound
+            for n in (x for x in (0, 1, 255, 256, 257, msk) if x <= msk):  # valid bound
+                blocks = -(-n // q.block_n)
+                n_active = min(max(-(-blocks // q.min_blocks_per_split), 1), q.max_splits)
+                assert n_active == max(1, -(-n // W))
+    for bad in ({"max_splits": 4}, {"block_n": 64}, {"balance": True}, {"one_block_splits": True}):
+        with pytest.raises(ValueError, match="batch_invariant"):
+            plan_decode(1, 2, 12, 256, 2051, batch_invariant=True, **bad)
