@@ -55,6 +55,8 @@ __all__ = [
     "validate_indexer_prefill_metadata",
     "check_decode_step",
     "check_prefill_step",
+    "DECODE_STEP_DOC",
+    "PREFILL_STEP_DOC",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -1099,7 +1101,76 @@ def check_expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio
 
 
 # --------------------------------------------------------------------------------------------
-# The end-to-end QSA step (indexer -> expansion -> paged attention; ``qsa_*.step``). One check
+# The end-to-end QSA step (indexer -> expansion -> paged attention; ``qsa_*.step``): the
+# arguments and result as both packages document them (substituted for ``STEP_DOC`` in their
+# docstrings, each adding the errors of its framework).
+DECODE_STEP_DOC = """``sparse_decode_paged``'s arguments with its ``indices`` replaced by the
+    indexer's inputs (``index_q``, ``index_k_cache``, ``index_page_table``), same order and
+    meaning in ``qsa_triton`` and ``qsa_pallas``. Row r is one decode query (MTP verify rows are rows too) of
+    request ``req_indices[r]`` with ``seq_lens[r]`` tokens of context, its own token included.
+
+    Args:
+      q: [R, Hq, D] bfloat16|float16, the attention query rows.
+      k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or float8_e4m3fn (then
+        ``k_scale`` multiplies the FP32 scores and ``v_scale`` the P·V result).
+      req_to_token: int32 [max_reqs, max_context], token position -> pool slot (SGLang's table).
+      req_indices: int32 [R], the table row of each query row's request.
+      index_q: [R, H, Di] bfloat16|float16|float8_e4m3fn, the indexer query (H = 4, Di = 128 in
+        the model: rotated, weight-free scoring), contiguous last dim.
+      index_k_cache: [pages, P, 1, Di] contiguous paged compressed keys (one per block of
+        ``compress_ratio`` tokens: mean of 4 keys, normed, rotated; P = 16 blocks = one 64-token
+        KV page), index_q's dtype or float8_e4m3fn.
+      index_page_table: int32 [R, max_pages]; block n of row r lives at
+        ``index_k_cache[index_page_table[r, n // P], n % P, 0]``; entries past the row's
+        ``floor(seq_lens[r] / compress_ratio)`` blocks are never read.
+      seq_lens: int32 [R] tokens of context per row (positions ``0 .. seq_lens[r] - 1``; the
+        row's own position is ``seq_lens[r] - 1``).
+      softmax_scale: host float > 0 (applied to FP32 scores), default D ** -0.5.
+      k_scale, v_scale: host floats > 0, 1.0 unless the pool is FP8.
+      topk: blocks kept per row (512); compress_ratio: tokens per block (4). The attention then
+        reads ``topk * ratio + ratio - 1`` (2051) index columns per row.
+      batch_invariant: a row's output bits depend only on its own inputs (``qsa-contract.md``
+        §2c; the indexer is row-local anyway).
+      strict: the qualified envelopes of both halves; the attention's is always on for a GPU
+        that ``interop.contract.route`` sends to the exact contract (sm_121).
+      interpret (``qsa_pallas`` only): None -> Pallas interpret mode on a CPU backend, the
+        compiled kernels on a GPU.
+
+    Returns:
+      [R, Hq, D] in q's dtype: ``softmax(scale · k_scale · q[r, h] · Kᵀ) · V · v_scale`` over
+      the tokens the indexer selected for row r (KV head h // G); exact zeros for a row with no
+      context (``seq_lens[r] <= 0``). Equal to ``interop.reference.decode_step_reference``
+      within the attention tolerance."""
+
+PREFILL_STEP_DOC = """``sparse_prefill_paged``'s arguments with its ``indices`` replaced by the
+    indexer's inputs (``index_q``, ``index_k``, ``index_cu_seqlens_k``), same order and meaning
+    in ``qsa_triton`` and ``qsa_pallas``. Request b has ``kv_lens[b]`` tokens of context (cached prefix + this
+    chunk); its ``q_len_b = cu_seqlens_q[b + 1] - cu_seqlens_q[b]`` new rows are the last ones
+    (bottom-right causal).
+
+    Args:
+      q: [T, Hq, D] bfloat16|float16, the new rows of all requests packed.
+      k_cache, v_cache: [slots, Hkv, D] the KV pool (this chunk's K/V already written), q's
+        dtype or float8_e4m3fn (with ``k_scale`` / ``v_scale``).
+      req_to_token: int32 [max_reqs, max_context]; req_indices: int32 [B] (as
+        ``sparse_prefill_paged``).
+      index_q: [T, H, Di] the indexer query of every row.
+      index_k: [N, 1, Di] contiguous compressed keys of every request packed: request b's
+        ``floor(kv_lens[b] / ratio)`` blocks (at least all a row may see) are rows
+        ``index_cu_seqlens_k[b] .. index_cu_seqlens_k[b + 1] - 1``; index_q's dtype or FP8.
+      index_cu_seqlens_k: int32 [B + 1].
+      cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
+      max_seqlen_q: host int >= 1 (a grid-size hint, as ``sparse_prefill_paged``).
+      softmax_scale, k_scale, v_scale, topk, compress_ratio, strict, interpret: as
+        ``qsa_decode_step``.
+
+    Returns:
+      [T, Hq, D] in q's dtype: each row attends to the tokens its indexer row selected (at most
+      ``topk`` of its ``floor((p + 1) / ratio)`` visible blocks plus the causal tail); zeros for
+      rows outside every request. Equal to ``interop.reference.prefill_step_reference`` within
+      the attention tolerance."""
+
+# One check
 # of every argument of both halves before anything runs, with the step's argument names.
 _STEP_INDEXER_NAMES = {"q": "index_q", "k_cache": "index_k_cache", "page_table": "index_page_table",
                        "k": "index_k"}
