@@ -46,8 +46,8 @@ from interop.cases import ATOL, REL_L2, RTOL
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # jax shares the GPU with torch
 
-__all__ = ["Provider", "Mode", "ProviderError", "parse_providers", "choose", "positive_ints",
-           "errors", "within_tolerance", "unrolled", "jax_chain", "time_interleaved",
+__all__ = ["Provider", "Mode", "ProviderError", "choose", "positive_ints", "errors",
+           "within_tolerance", "attend_f32", "unrolled", "jax_chain", "time_interleaved",
            "copy_bandwidth_bytes_per_s", "add_arguments", "run", "compare", "main", "write_json",
            "default_json_path", "geomean", "SELF_SUFFIX"]
 
@@ -98,6 +98,7 @@ class Mode:
       calls: calls per CUDA-graph replay / per JAX chain (None: sized so a replay takes ~2 ms).
       finish: report -> None, run after a timed run's summary (the mode's own verdicts, e.g.
         pass/fail lines of its thresholds, added to the report before it is written).
+      view: (output, inputs) -> what is checked against the reference (None: the output).
     """
 
     name: str
@@ -108,34 +109,24 @@ class Mode:
     describe: Callable[[Any, Any], dict]
     calls: int | None = None
     finish: Callable[[dict], None] | None = None
+    view: Callable[[Any, Any], Any] | None = None
 
 
 class ProviderError(ValueError):
     """A bad command-line value (the scripts exit 2 with its message, before touching a GPU)."""
 
 
-def parse_providers(text: str | None, allowed) -> list[str] | None:
-    """``--providers a,b,c``: names in the given order, duplicates dropped; None or blank text ->
-    None (the defaults). Raises ProviderError naming every allowed name on an unknown one."""
-    if text is None or not text.strip():
-        return None
+def choose(text: str | None, allowed, flag: str, default=None) -> list[str]:
+    """A comma list of names from ``allowed`` in the given order, duplicates dropped; None or
+    blank text: ``default`` (None: every allowed name, in their order). Raises ProviderError
+    naming ``flag`` and every allowed name on an unknown one."""
     allowed = list(allowed)
-    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    unknown = [n for n in names if n not in allowed]
-    if unknown:
-        raise ProviderError(f"unknown provider(s) {', '.join(map(repr, unknown))} in --providers; "
-                            f"allowed: {', '.join(allowed)}")
-    return names
-
-
-def choose(text: str | None, allowed, flag: str) -> list[str]:
-    """A comma list of names from ``allowed`` (None or blank: all of them, in their order);
-    ProviderError naming the allowed values on an unknown one."""
-    names = [x.strip() for x in (text or "").split(",") if x.strip()] or list(allowed)
+    names = list(dict.fromkeys(x.strip() for x in (text or "").split(",") if x.strip()))
     bad = [x for x in names if x not in allowed]
     if bad:
-        raise ProviderError(f"unknown {flag} value(s) {bad}; allowed: {', '.join(allowed)}")
-    return names
+        raise ProviderError(f"unknown {flag} value(s) {', '.join(map(repr, bad))}; allowed: "
+                            f"{', '.join(allowed)}")
+    return names or list(allowed if default is None else default)
 
 
 def positive_ints(text: str | None, default, flag: str) -> list[int]:
@@ -183,25 +174,53 @@ def within_tolerance(err: dict) -> bool:
     return err["finite"] and err["excess"] <= 0.0 and err["rel_l2"] <= REL_L2
 
 
+def attend_f32(q, kk, vv, valid, scale: float, v_scale: float = 1.0):
+    """The FP32 torch reference attention of n query rows over their gathered keys (the core of
+    every mode's reference).
+
+    Args:
+      q: [n, Hq, D]; kk, vv: float32 [n, Hkv, L, D], zeros where not valid (so NaN in a row no
+        entry selects never reaches the output); valid: bool [n, Hkv, L].
+      scale: multiplies q . k (softmax scale x k_scale); v_scale: multiplies the output.
+
+    Returns:
+      float32 [n, Hq, D]; zeros for a row without a valid key.
+    """
+    import torch  # noqa: PLC0415
+
+    n, hq, d = q.shape
+    hkv = kk.shape[1]
+    sc = torch.einsum("nhgd,nhld->nhgl", q.float().view(n, hkv, hq // hkv, d), kk) * scale
+    p = torch.softmax(sc.masked_fill(~valid[:, :, None, :], float("-inf")), -1).nan_to_num(0.0)
+    return (torch.einsum("nhgl,nhld->nhgd", p, vv) * v_scale).reshape(n, hq, d)
+
+
 # --------------------------------------------------------------------------------------- JAX
-def unrolled(step: Callable, n: int) -> Callable:
-    """``(x, *rest) -> step(...step(step(x, *rest), *rest)..., *rest)``, n calls unrolled (to be
-    jitted; with ``step`` itself jitted the chain traces it once and calls it n times)."""
-    def run(x, *rest):
-        for _ in range(n):
-            x = step(x, *rest)
-        return x
+def unrolled(step: Callable, n: int, link: Callable | None = None) -> Callable:
+    """``(*xs) -> out``: n calls of ``step`` unrolled (to be jitted; with ``step`` itself jitted
+    the chain traces it once and calls it n times), call i + 1 on ``link(xs, out_i)`` (default:
+    ``(out_i, *xs[1:])``, the previous output as the first argument)."""
+    link = link or (lambda xs, out: (out, *xs[1:]))
+
+    def run(*xs):
+        out = step(*xs)
+        for _ in range(n - 1):
+            xs = link(xs, out)
+            out = step(*xs)
+        return out
 
     return run
 
 
-def jax_chain(fn: Callable, args: list, kwargs: dict, chain: int) -> Callable[[], Any]:
-    """A provider call running ``fn(q, *rest, **kwargs)`` (a ``qsa_pallas`` entry point) on torch
+def jax_chain(fn: Callable, args: list, kwargs: dict, chain: int,
+              link: Callable | None = None) -> Callable[[], Any]:
+    """A provider call running ``fn(*args, **kwargs)`` (a ``qsa_pallas`` entry point) on torch
     buffers shared zero-copy with jax (``interop.dlpack``): ``chain`` calls unrolled inside one
-    ``jax.jit``, each call's q the previous call's output (a data dependency: XLA can neither merge
-    nor hoist them; its GPU ``while`` loop would round-trip to the host each trip). Non-tensor
-    arguments (host ints) are static. Returns ``call`` (attributes ``chain``, ``capturable =
-    False``, ``once``: one call's output, as a torch tensor)."""
+    ``jax.jit``, each call's tensor arguments made to depend on the previous call's output
+    (``unrolled``'s ``link``; default: q := the previous output): a data dependency, so XLA can
+    neither merge nor hoist them (its GPU ``while`` loop would round-trip to the host each trip).
+    Non-tensor arguments (host ints) are static. Returns ``call`` (attributes ``chain``,
+    ``capturable = False``, ``once``: one call's output, as a torch tensor)."""
     import jax  # noqa: PLC0415
 
     from interop.dlpack import to_jax, to_torch  # noqa: PLC0415
@@ -216,7 +235,7 @@ def jax_chain(fn: Callable, args: list, kwargs: dict, chain: int) -> Callable[[]
         return fn(*full, **kwargs)
 
     step = jax.jit(one)
-    chained = jax.jit(unrolled(step, chain))
+    chained = jax.jit(unrolled(step, chain, link))
 
     def call():
         return to_torch(chained(*arrays))
@@ -235,16 +254,8 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30, reps: int = 20) -> float:
 
     src = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
     dst = torch.empty_like(src)
-    times = []
-    for i in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        if i >= 3:
-            times.append(a.elapsed_time(b) * 1e-3)
-    return 2 * nbytes / statistics.median(times)
+    times = [_elapsed_us(lambda: dst.copy_(src)) for _ in range(reps + 3)][3:]  # 3 warm-up copies
+    return 2 * nbytes / (statistics.median(times) * 1e-6)
 
 
 def _elapsed_us(fn) -> float:
@@ -450,20 +461,23 @@ HEADER = (f"{'case':34s} {'provider':18s} {'us/call':>9s} {'p10':>8s} {'p90':>8s
 
 # ------------------------------------------------------------------------------------ running
 def _select(mode: Mode, text: str | None) -> list[str]:
-    sel = parse_providers(text, mode.providers)
-    return sel if sel is not None else [n for n, p in mode.providers.items() if p.default]
+    return choose(text, mode.providers, "--providers",
+                  [n for n, p in mode.providers.items() if p.default])
 
 
-def _check_one(provider: Provider, desc: dict, inputs, ref) -> tuple[Callable | None, dict]:
-    """Set a provider up on a case and check its output; (call or None, entry)."""
+def _check_one(mode: Mode, name: str, desc: dict, inputs, ref) -> tuple[Callable | None, dict]:
+    """Set provider ``name`` up on a case and check its output (``mode.view`` of it); (call or
+    None, entry)."""
     import torch  # noqa: PLC0415
 
+    provider = mode.providers[name]
     why = provider.supports(desc) if provider.supports else None
     if why:
         return None, {"skipped": why}
     try:
         call = provider.setup(inputs)
         out = getattr(call, "once", call)()
+        out = mode.view(out, inputs) if mode.view else out
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - a provider that cannot run this case
@@ -501,7 +515,7 @@ def run(mode: Mode, args) -> dict:
         desc = mode.describe(case, inputs)
         calls, entries = {}, {}
         for n in names:
-            call, entries[n] = _check_one(mode.providers[n], desc, inputs, ref)
+            call, entries[n] = _check_one(mode, n, desc, inputs, ref)
             if call is not None:
                 calls[n] = call
         del ref
@@ -624,7 +638,7 @@ def _serve(module: str, mode_key: str, tree: str) -> int:
         try:
             if msg["op"] == "setup":
                 desc, inputs, ref = torch.load(msg["file"], map_location=device, weights_only=False)
-                call, entry = _check_one(mode.providers[msg["provider"]], desc, inputs, ref)
+                call, entry = _check_one(mode, msg["provider"], desc, inputs, ref)
                 if call is not None:
                     state["timed"] = _Timed(call, mode.calls)
                     entry.update(calls_per_replay=state["timed"].reps, chain=state["timed"].chain)
@@ -660,7 +674,7 @@ def compare(mode: Mode, module: str, mode_key: str, args) -> dict:
     and geomean speedups (time old / time new: > 1, the new tree is faster); writes the JSON."""
     import torch  # noqa: PLC0415
 
-    names = parse_providers(args.providers, mode.providers) or [next(iter(mode.providers))]
+    names = choose(args.providers, mode.providers, "--providers", list(mode.providers)[:1])
     old = Path(args.compare)
     if not (old / "qsa_triton").is_dir():
         raise ProviderError(f"--compare {old}: no qsa_triton/ there (expected a checkout of the "
@@ -783,7 +797,7 @@ def main(modes: dict[str, Mode], module: str, argv=None, prog: str | None = None
     args = ap.parse_args(argv)
     mode = modes[args.mode]
     try:
-        parse_providers(args.providers, mode.providers)
+        choose(args.providers, mode.providers, "--providers")
         if args.memcheck and (args.smoke_cpu or args.compare):
             raise ProviderError("--memcheck runs on the GPU alone: not with --smoke-cpu or "
                                 "--compare")

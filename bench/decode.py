@@ -2,17 +2,13 @@
 twins: ``--mode packed`` (default), the decode of packed K/V (``qsa-contract.md`` §2); ``--mode
 pool``, the whole decode step from the KV pool (§2b, issue 16).
 
-  python3 -m bench.decode [--mode packed|pool] [--providers A,B,..] [--tp ..] [--batches ..]
-                          [--rows ..] [--layouts ..] [--kv ..] [--json F] [--plot F.png]
-  python3 -m bench.decode [--mode pool] --smoke-cpu | --memcheck    CPU code paths / sanitizer
-  python3 -m bench.decode --compare OLD_TREE                 this checkout vs another commit's
-
 Packed cases (``interop.cases``): TP1 (24/2), TP2 (12/1), TP4 (6/1) x B in
 ``BENCH_DECODE_BATCHES`` x rows ``BENCH_DECODE_ROWS`` (saturated: 2051 keys per row; mixed:
 17..2051; short: 1..64), D = 256, bf16, max_seqlen_k = 2051, K/V exactly as long as the rows.
-Pool cases: the same TPs and B over a pool of ``POOL_SLOTS`` slots (bf16 or FP8 e4m3) laid out
-as SGLang lays it (``pages``: 64-slot pages in scattered order) or as single scattered slots
-(``slots``), W = 2051 index columns per row (indexer-like); rows ``saturated`` (8192-token
+Pool cases: the same TPs and B over a pool of ``POOL_SLOTS`` slots (bf16, or FP8 e4m3 with
+k_scale = v_scale = 1 as SGLang's QSA pool) laid out as SGLang lays it (``pages``: 64-slot pages
+in scattered order) or as single scattered slots (``slots``), W = 2051 index columns per row
+(indexer-like); rows ``saturated`` (8192-token
 contexts), ``short`` (17..128 tokens), ``mtp`` (32 requests x 4 verify rows). Providers in
 ``POOL_PROVIDERS`` (``x first`` is against upstream-step; the sweep's ``paged[VARIANT]`` are the
 Triton kernel's private launch variants); every one checked against an FP32 reference computed
@@ -28,6 +24,7 @@ is a ``bench.common.Mode``: cases, inputs, FP32 reference, bytes and a provider 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 from typing import Any
 
@@ -60,33 +57,15 @@ class DecodeInputs:
 
 
 def make_inputs(spec: C.DecodeSpec, device) -> DecodeInputs:
-    """Seeded inputs of a ``DecodeSpec`` on ``device``: lengths from
-    ``interop.indices.decode_lengths``, q/K/V N(0, 1) in the spec's dtype, generated on the device;
-    K/V rows = sum of lengths + ``slack`` (or B x max_len + slack with ``pad_capacity``), the
-    slack NaN when ``poison``."""
-    import numpy as np  # noqa: PLC0415
-    import torch  # noqa: PLC0415
+    """Seeded inputs of a ``DecodeSpec`` on ``device``, as ``qsa check`` builds them
+    (``interop.validate.crosscheck.build_inputs``: lengths from ``interop.indices.decode_case``,
+    q/K/V N(0, 1) in the spec's dtype drawn on the device, the slack rows NaN when ``poison``)."""
+    from interop.validate.crosscheck import build_inputs  # noqa: PLC0415
 
-    from interop import indices as I  # noqa: PLC0415
-
-    lens = I.decode_lengths(spec.batch, spec.pattern, max_len=spec.max_len, seed=spec.seed,
-                            zero_rows=spec.zero_rows)
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    cap = (spec.batch * spec.max_len if spec.pad_capacity else int(cu[-1])) + spec.slack
-    g = torch.Generator(device=device).manual_seed(1000 + spec.seed)
-    dt = getattr(torch, spec.dtype)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, device=device).to(dt)
-
-    q, k, v = randn(spec.batch, spec.hq, spec.d), randn(cap, spec.hkv, spec.d), \
-        randn(cap, spec.hkv, spec.d)
-    if spec.poison:
-        k[int(cu[-1]):] = float("nan")
-        v[int(cu[-1]):] = float("nan")
-    return DecodeInputs(q, k, v, torch.arange(spec.batch + 1, dtype=torch.int32, device=device),
-                        torch.from_numpy(cu).to(device), spec.max_len, spec.d ** -0.5,
-                        lens.tolist())
+    n = build_inputs(spec, device).named()
+    cu = n["cu_seqlens_k"]
+    return DecodeInputs(n["q"], n["k"], n["v"], n["cu_seqlens_q"], cu, spec.max_len,
+                        spec.d ** -0.5, (cu[1:] - cu[:-1]).tolist())
 
 
 def torch_reference(q, k, v, cq, ck, scale=None):
@@ -104,23 +83,19 @@ def torch_reference(q, k, v, cq, ck, scale=None):
 
     b, hq, d = q.shape
     hkv = k.shape[1]
-    scale = d ** -0.5 if scale is None else scale
     lens = (ck[1:] - ck[:-1]).long()
     lmax = max(int(lens.max()), 1)
     pos = torch.arange(lmax, device=q.device)
-    valid = pos[None, :] < lens[:, None]
+    valid = (pos[None, :] < lens[:, None])[:, None, :].expand(-1, hkv, -1)  # [B, Hkv, L]
     rows = (ck[:-1].long()[:, None] + pos[None, :]).clamp(0, max(k.shape[0] - 1, 0))
     out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
     step = max(1, (1 << 27) // (lmax * hkv * d))
     for s0 in range(0, b, step):
         sl = slice(s0, min(b, s0 + step))
-        pad = ~valid[sl][:, :, None, None]
-        kk = k[rows[sl]].float().masked_fill(pad, 0.0)  # [b', L, Hkv, D]
-        vv = v[rows[sl]].float().masked_fill(pad, 0.0)
-        qq = q[cq[:-1].long()[sl]].float().view(-1, hkv, hq // hkv, d)
-        sc = torch.einsum("bhgd,blhd->bhgl", qq, kk) * scale
-        p = torch.softmax(sc.masked_fill(~valid[sl][:, None, None, :], float("-inf")), -1)
-        out[sl] = torch.einsum("bhgl,blhd->bhgd", p.nan_to_num(0.0), vv).reshape(-1, hq, d)
+        kk, vv = (torch.where(valid[sl, ..., None], x[rows[sl]].float().transpose(1, 2), 0.0)
+                  for x in (k, v))
+        out[sl] = common.attend_f32(q[cq[:-1].long()[sl]], kk, vv, valid[sl],
+                                    d ** -0.5 if scale is None else scale)
     return out
 
 
@@ -160,17 +135,21 @@ def _pallas(inp: DecodeInputs):
     return common.jax_chain(qsa_pallas.sparse_decode, inp.args, {}, CHAIN)
 
 
-def _sm121_supports(desc: dict) -> str | None:
-    if (desc["Hq"], desc["Hkv"]) not in ((24, 2), (12, 1)) or desc["B"] > 128:
-        return "upstream's SM121 kernel takes (24,2) and (12,1) heads, B <= 128"
-    return None
+def _sm121_supports(rows: str):
+    """Upstream's SM121 kernel: (24,2) and (12,1) heads, at most 128 rows (``desc[rows]``)."""
+    def supports(desc: dict) -> str | None:
+        if (desc["Hq"], desc["Hkv"]) not in ((24, 2), (12, 1)) or desc[rows] > 128:
+            return f"upstream's SM121 kernel takes (24,2) and (12,1) heads, {rows} <= 128"
+        return None
+
+    return supports
 
 
 PROVIDERS = {p.name: p for p in (
     common.Provider("ours", _ours, "qsa_triton.sparse_decode"),
     common.Provider("upstream-sm121", _sm121, "upstream's packed decode kernel "
                     "(kda_kernels/qwen38_qsa_sm121, peer loaded from the 0.5.23 wheel)",
-                    supports=_sm121_supports),
+                    supports=_sm121_supports("B")),
     common.Provider("upstream-generic", _generic, "upstream's sparse_gqa_packed_decode_triton "
                     "(its chunk-prefill kernel with one query row per sequence)"),
     common.Provider("pallas", _pallas, "qsa_pallas.sparse_decode (JAX; chain of 20 in one jit)",
@@ -337,13 +316,10 @@ def pool_reference(q, k, v, table, req, idx, seq, scale, chunk=16):
         s_ = table[torch.where(req_ok[sl], req[sl], 0).long()[:, None],
                    torch.where(valid, ids, 0)].long()
         valid &= (s_ >= 0) & (s_ < slots)
-        s_ = torch.where(valid, s_, 0)
-        kk = k[s_].float().masked_fill(~valid[..., None, None], 0.0)  # [r', W, Hkv, D]
-        vv = v[s_].float().masked_fill(~valid[..., None, None], 0.0)
-        qq = q[sl].float().view(-1, hkv, hq // hkv, d)
-        sc = torch.einsum("bhgd,blhd->bhgl", qq, kk) * scale
-        p = torch.softmax(sc.masked_fill(~valid[:, None, None, :], float("-inf")), -1)
-        out[sl] = torch.einsum("bhgl,blhd->bhgd", p.nan_to_num(0.0), vv).reshape(-1, hq, d)
+        v3 = valid[:, None, :].expand(-1, hkv, -1)  # [r', Hkv, W]
+        kk, vv = (torch.where(v3[..., None], x[torch.where(valid, s_, 0)].float().transpose(1, 2),
+                              0.0) for x in (k, v))
+        out[sl] = common.attend_f32(q[sl], kk, vv, v3, scale)
     return out
 
 
@@ -466,12 +442,6 @@ def _pallas_stages(num_stages: int):
     return setup
 
 
-def _upstream_supports(desc: dict) -> str | None:
-    if (desc["Hq"], desc["Hkv"]) not in ((24, 2), (12, 1)) or desc["R"] > 128:
-        return "upstream's SM121 kernel takes (24,2) and (12,1) heads, R <= 128"
-    return None
-
-
 #: the sweep's ``paged[NAME]``: the names of ``qsa_triton.decode_paged._VARIANTS`` (private; listed
 #: here so that no kernel module is imported before --smoke-cpu turns the interpreter on)
 SWEEP_VARIANTS = ("base", "s7", "ahead", "s7-pdl", "ahead-pdl", "s7-fp8bn64")
@@ -480,7 +450,7 @@ SWEEP_VARIANTS = ("base", "s7", "ahead", "s7-pdl", "ahead-pdl", "s7-fp8bn64")
 POOL_PROVIDERS = {p.name: p for p in (
     common.Provider("upstream-step", _upstream_step, "upstream's step: counts + prefix sum + "
                     "_compact_kv into a packed copy + its SM121 decode (0.5.23 wheel)",
-                    supports=_upstream_supports),
+                    supports=_sm121_supports("R")),
     common.Provider("packed-step", _packed_step, "upstream's counts + prefix sum + compaction, "
                     "then qsa_triton.sparse_decode"),
     common.Provider("jax-step", _jax_step, "XLA compaction (dependent on the previous call) + "
@@ -533,16 +503,10 @@ def pool_cases(args, kind: str) -> list[PoolSpec]:
                                           ("TP2", 5, "short", "pages", "fp8"),
                                           ("TP4", 1, "saturated", "pages", "bf16"),
                                           ("TP1", 8, "mtp", "pages", "fp8"))]
-    out = []
-    for tp in tps:
-        for kv in kvs:
-            for lay in layouts:
-                for r in rows:
-                    for b in ((32 * MTP_ROWS,) if r == "mtp" else batches):
-                        tag = f"B{b // MTP_ROWS}x{MTP_ROWS}" if r == "mtp" else f"B{b}"
-                        out.append(spec(f"pool/{tp}/{lay}/{kv}/{tag}/{r}", tp, b, r, lay, kv,
-                                        pool_slots=slots, seed=b))
-    return out
+    return [spec(f"pool/{tp}/{lay}/{kv}/{f'B{b // MTP_ROWS}x{MTP_ROWS}' if r == 'mtp' else f'B{b}'}"
+                 f"/{r}", tp, b, r, lay, kv, pool_slots=slots, seed=b)
+            for tp, kv, lay, r in itertools.product(tps, kvs, layouts, rows)
+            for b in ((32 * MTP_ROWS,) if r == "mtp" else batches)]
 
 
 def pool_prepare(spec: PoolSpec, device):
@@ -627,15 +591,11 @@ def add_arguments(ap) -> None:
     ap.add_argument("--tp", metavar="TP1,..", help=f"rank shapes (default {','.join(C.TP_SHAPES)})")
     ap.add_argument("--batches", metavar="B,..", help="batch sizes (default "
                     + ",".join(map(str, C.BENCH_DECODE_BATCHES)) + ")")
-    ap.add_argument("--rows", metavar="KIND,..", help="packed: saturated (2051 keys), mixed "
-                    "(17..2051), short (1..64) (default " + ",".join(C.BENCH_DECODE_ROWS) + "); "
-                    "pool: saturated (8192-token contexts: 2051 entries), short (17..128-token "
-                    "contexts), mtp (32 requests x 4 verify rows) (default "
-                    + ",".join(POOL_ROWS) + ")")
-    ap.add_argument("--layouts", metavar="L,..", help="pool: pages (64-slot pages in scattered "
-                    "order, SGLang's), slots (single scattered slots) (default both)")
-    ap.add_argument("--kv", metavar="DT,..", help="pool: pool dtypes bf16, fp8 (e4m3; k_scale = "
-                    "v_scale = 1, SGLang's QSA pool) (default both)")
+    ap.add_argument("--rows", metavar="KIND,..", help="row kinds (default packed: "
+                    f"{','.join(C.BENCH_DECODE_ROWS)}; pool: {','.join(POOL_ROWS)})")
+    ap.add_argument("--layouts", metavar="L,..", help=f"pool: {' or '.join(POOL_LAYOUTS)} "
+                    "(default both)")
+    ap.add_argument("--kv", metavar="DT,..", help=f"pool: {' or '.join(POOL_KV)} (default both)")
     ap.add_argument("--pool-slots", type=int, metavar="N",
                     help=f"pool: slots in the pool (default {POOL_SLOTS:,})")
 
