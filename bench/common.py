@@ -1,28 +1,21 @@
 """The machinery shared by the benchmarks: provider registry, interleaved timing, reference check,
-JSON report, command line, and the old-tree / new-tree comparison.
+JSON report, command line, and the old-tree / new-tree comparison (``compare``).
 
-A benchmark module (``bench/decode.py``, ``bench/prefill.py``) declares a ``Mode``: how to list its
-cases, how to build one case's inputs and FP32 reference, what a case moves (bytes, flops), and a
-registry of ``Provider``s, ``name -> setup(inputs) -> call``. ``run`` does the rest, the same way
+A benchmark module declares ``Mode``s (cases, inputs and FP32 reference, bytes and flops, a
+registry of ``Provider``s ``name -> setup(inputs) -> call``); ``run`` does the rest, the same way
 for every mode:
 
 * every provider of a case runs on the same inputs and its output is checked against the FP32
   reference (rtol = atol = 2e-2 elementwise, relative L2 <= 5e-3, finite: ``interop.cases``);
-* the providers that pass are timed interleaved: each is captured into a CUDA graph of
-  ``Mode.calls`` back-to-back calls (a JAX provider instead runs an unrolled chain of ``calls``
-  calls inside one ``jax.jit``, each call's q the previous output), then the graphs are replayed
-  round-robin, the order rotating every round, each replay timed with CUDA events; the reported
-  time is the median over rounds of replay time / calls. The first provider is timed a second time
-  as ``NAME@self``: its ratio to itself is the run's noise (``docs/anchors.md``: plain ``do_bench``
-  of 4-60 us kernels was bimodal on the H200);
+* the providers that pass are timed interleaved (``time_interleaved``): CUDA graphs of
+  ``Mode.calls`` back-to-back calls (JAX: an unrolled chain in one ``jax.jit``, ``jax_chain``)
+  replayed round-robin, the order rotating every round, each replay timed with CUDA events; the
+  time is the median over rounds of replay time / calls. The first provider is timed a second
+  time as ``NAME@self``: its ratio to itself is the run's noise (``docs/anchors.md``: plain
+  ``do_bench`` of 4-60 us kernels was bimodal on the H200);
 * the report (JSON) holds, per case and provider, the times, GB/s and % of the device-to-device
   copy bandwidth measured in the same run (bytes = what the case must read), the check, and
   ``speedup_vs_first`` = time of the first provider / time of this one.
-
-``compare`` times one mode's providers from two checkouts side by side: one worker process per
-(tree, provider) (two versions of one package cannot share a process), the case's inputs and
-reference built once by this checkout and handed to every worker, replays alternating between the
-workers round-robin; it prints per-case and geomean speedups of the new tree over the old.
 
 torch and jax are imported lazily, so this module imports on any machine.
 """
@@ -58,20 +51,14 @@ PACKAGES = ("interop", "qsa_triton", "qsa_pallas")  # what --compare takes from 
 
 @dataclasses.dataclass(frozen=True)
 class Provider:
-    """One implementation of a mode's computation.
-
-    Attributes:
-      name: the ``--providers`` name.
-      setup: inputs -> call. ``call()`` launches the work on torch's current stream, syncs nothing
-        and returns the output (a torch tensor shaped like the reference). A call may carry
-        ``capturable = False`` (JAX: timed as an eager loop, not a CUDA graph), ``chain = n`` (one
-        call does n calls of the op) and ``once`` (a callable giving a single call's output, for
-        the check). Raising means "cannot run this case" (reported, the others still run).
-      doc: one line for ``--help``.
-      supports: the case's ``Mode.describe`` dict -> None, or the reason this provider does not
-        apply to the case.
-      default: timed when ``--providers`` is not given.
-    """
+    """One implementation of a mode's computation: ``name`` (for ``--providers``), ``doc`` (one
+    line for ``--help``), ``default`` (timed when ``--providers`` is not given), ``supports``
+    (the case's ``Mode.describe`` dict -> None, or why this provider does not apply) and
+    ``setup``: inputs -> call. ``call()`` launches the work on torch's current stream, syncs
+    nothing and returns the output (a torch tensor shaped like the reference); it may carry
+    ``capturable = False`` (JAX: timed as an eager loop, not a CUDA graph), ``chain = n`` (one
+    call does n calls of the op) and ``once`` (a single call's output, for the check). Raising
+    means "cannot run this case" (reported, the others still run)."""
 
     name: str
     setup: Callable[[Any], Callable[[], Any]]
@@ -335,19 +322,12 @@ def _stats(samples: list[float], t: _Timed | None = None) -> dict:
 
 def time_interleaved(calls: dict[str, Callable], *, calls_per_replay: int | None = None,
                      rounds: int = 15, warmup_ms: float = 50.0) -> dict[str, dict]:
-    """Time provider calls of one case interleaved (see the module docstring).
-
-    Args:
-      calls: name -> provider call (inputs ready; the call must not sync the host).
-      calls_per_replay: calls captured per CUDA graph (None: sized to ~2 ms per replay).
-      rounds: timed replays per provider; the replay order rotates each round.
-      warmup_ms: untimed round-robin replays first (GPU clocks settle after compile pauses).
-
-    Returns:
-      name -> {"median_us", "p10_us", "p90_us", "min_us", "rounds", "calls_per_replay", "chain",
-      "cuda_graph"} (µs per op), or {"error": text} for a provider that failed to warm up or be
-      captured (the others still run).
-    """
+    """Time the provider calls of one case (name -> call, inputs ready, no host sync), interleaved:
+    ``warmup_ms`` of untimed round-robin replays (GPU clocks settle after compile pauses), then
+    ``rounds`` timed replays each, the order rotating each round; ``calls_per_replay`` calls per
+    CUDA graph (None: sized to ~2 ms per replay). Returns name -> {"median_us", "p10_us",
+    "p90_us", "min_us", "rounds", "calls_per_replay", "chain", "cuda_graph"} (µs per op), or
+    {"error": text} for a provider that failed to warm up or be captured."""
     timed, out = {}, {}
     for name, call in calls.items():
         try:
@@ -441,11 +421,13 @@ def summarize(report: dict) -> dict:
     return out
 
 
-def _fmt_row(case: str, name: str, e: dict) -> str:
+def _fmt_row(case: str, name: str, e: dict, timed: bool) -> str:
     if "skipped" in e:
         return f"{case:34s} {name:18s} skipped: {e['skipped']}"
     if "error" in e and "median_us" not in e:
         return f"{case:34s} {name:18s} error: {e['error'][:90]}"
+    if not timed:
+        return f"{case:34s} {name:18s} rel L2 {e['rel_l2']:.1e} {'ok' if e['ok'] else 'FAIL'}"
     us, sp = e.get("median_us"), e.get("speedup_vs_first")
     cells = ["      -" if us is None else f"{us:9.2f}",
              f"{e['p10_us']:8.2f} {e['p90_us']:8.2f}" if us is not None else " " * 17,
@@ -500,11 +482,9 @@ def run(mode: Mode, args) -> dict:
     bw = copy_bandwidth_bytes_per_s() if timed else None
     path = Path(args.json) if args.json else default_json_path(mode.name if timed
                                                                else f"{mode.name}_{kind}")
-    report = {"mode": mode.name, "title": mode.title, "kind": kind, "date": _now(),
-              "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-              "versions": _versions(), "copy_bandwidth_Bps": bw, "providers": names,
-              "first_provider": first, "method": _method(mode) if timed else "check only",
-              "cases": []}
+    report = _report(mode, kind, names, torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                     _method(mode) if timed else "check only", copy_bandwidth_Bps=bw,
+                     first_provider=first)
     if bw:
         print(f"{report['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
     print(f"{mode.name}: providers {', '.join(names)}" + (f"; x first = time of {first} / time"
@@ -529,10 +509,7 @@ def run(mode: Mode, args) -> dict:
             _ratios(entries, first)
         report["cases"].append({**desc, "providers": entries})
         for n, e in entries.items():
-            print(_fmt_row(desc["name"], n, e) if timed else
-                  f"{desc['name']:34s} {n:18s} " + (
-                      f"rel L2 {e['rel_l2']:.1e} {'ok' if e['ok'] else 'FAIL'}" if "ok" in e
-                      else e.get("skipped") or e.get("error", "")))
+            print(_fmt_row(desc["name"], n, e, timed))
         write_json(path, {**report, "partial": True})
         del inputs, calls
         if device == "cuda":
@@ -568,20 +545,21 @@ def _why_not(report: dict, name: str) -> str:
     return "no case"
 
 
-def _now() -> str:
+def _report(mode: Mode, kind: str, names: list[str], gpu: str, method: str, **extra) -> dict:
+    """A report's head (``cases`` filled in as they run): what, when, where, with which
+    versions."""
     import datetime  # noqa: PLC0415
 
-    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-
-
-def _versions() -> dict:
-    out = {"python": sys.version.split()[0]}
+    versions = {"python": sys.version.split()[0]}
     for mod in ("torch", "triton", "jax"):
         try:
-            out[mod] = __import__(mod).__version__
+            versions[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001 - optional
             pass
-    return out
+    return {"mode": mode.name, "title": mode.title, "kind": kind,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "gpu": gpu, "versions": versions, "providers": names, "method": method, **extra,
+            "cases": []}
 
 
 def _method(mode: Mode) -> str:
@@ -675,23 +653,18 @@ def compare(mode: Mode, module: str, mode_key: str, args) -> dict:
     import torch  # noqa: PLC0415
 
     names = choose(args.providers, mode.providers, "--providers", list(mode.providers)[:1])
-    old = Path(args.compare)
-    if not (old / "qsa_triton").is_dir():
-        raise ProviderError(f"--compare {old}: no qsa_triton/ there (expected a checkout of the "
-                            "old commit's interop/, qsa_triton/, qsa_pallas/)")
-    trees = {"old": old, "new": ROOT}
+    trees = {"old": Path(args.compare), "new": ROOT}
     path = Path(args.json) if args.json else default_json_path(f"{mode.name}_compare")
     device = "cpu" if args.smoke_cpu else "cuda"
     workers = {(t, n): _Worker(module, mode_key, p) for n in names for t, p in trees.items()}
-    report = {"mode": mode.name, "kind": "compare" + ("/smoke" if args.smoke_cpu else ""),
-              "date": _now(), "providers": names, "versions": _versions(),
-              "gpu": "cpu (smoke: code paths only, the times are meaningless)" if args.smoke_cpu
-              else torch.cuda.get_device_name(),
-              "trees": {t: str(p.resolve()) for t, p in trees.items()}, "rounds": args.rounds,
-              "method": "one worker process per (tree, provider); inputs and FP32 reference built "
-                        "once by the new tree; replays of each worker's CUDA graph (JAX: jitted "
-                        "chain) alternating old/new round-robin; median of CUDA-event timings",
-              "cases": []}
+    report = _report(
+        mode, "compare" + ("/smoke" if args.smoke_cpu else ""), names,
+        "cpu (smoke: code paths only, the times are meaningless)" if args.smoke_cpu
+        else torch.cuda.get_device_name(),
+        "one worker process per (tree, provider); inputs and FP32 reference built once by the new "
+        "tree; replays of each worker's CUDA graph (JAX: jitted chain) alternating old/new "
+        "round-robin; median of CUDA-event timings",
+        trees={t: str(p.resolve()) for t, p in trees.items()}, rounds=args.rounds)
     print(f"compare {mode.name} on {report['gpu']}: old = {trees['old']}, new = {trees['new']}; "
           f"providers {', '.join(names)}; speedup = time old / time new")
     with tempfile.TemporaryDirectory(prefix="qsa-bench-") as tmp:
@@ -768,21 +741,16 @@ def add_arguments(ap: argparse.ArgumentParser, modes: dict[str, Mode]) -> None:
                          "(default: the mode's default set, listed below)")
     ap.add_argument("--json", metavar="FILE", help=f"report path (default $OUT/{first.name}.json "
                     f"when $OUT is set, else ./bench-out/{first.name}.json)")
-    ap.add_argument("--plot", metavar="PNG",
-                    help="also draw the report (bench/plot.py, matplotlib)")
-    ap.add_argument("--rounds", type=int, default=15,
-                    help="timed replays per provider (default 15)")
-    ap.add_argument("--smoke-cpu", action="store_true",
-                    help="run the code paths on CPU (Triton interpreter, Pallas interpret mode) on "
-                         "tiny shapes: checks against the reference, no timing")
-    ap.add_argument("--memcheck", action="store_true",
-                    help="GPU, no timing: edge cases (junk indices, NaN outside the rows, "
-                         "exact-size buffers) checked against the reference; run it under "
-                         "compute-sanitizer")
-    ap.add_argument("--compare", metavar="OLD_TREE",
-                    help="time the providers (default: the first) of this checkout against a "
-                         "checkout of another commit at OLD_TREE (its interop/, qsa_triton/, "
-                         "qsa_pallas/), alternating, in worker processes; prints geomean speedups")
+    ap.add_argument("--plot", metavar="PNG", help="also draw the report (bench/plot.py)")
+    ap.add_argument("--rounds", type=int, default=15, help="timed replays per provider "
+                    "(default 15)")
+    ap.add_argument("--smoke-cpu", action="store_true", help="CPU, no timing: the code paths "
+                    "(Triton interpreter, Pallas interpret mode) on tiny shapes, checked")
+    ap.add_argument("--memcheck", action="store_true", help="GPU, no timing: edge cases (junk "
+                    "indices, NaN outside the rows), checked; run it under compute-sanitizer")
+    ap.add_argument("--compare", metavar="OLD_TREE", help="time the providers (default: the "
+                    "first) of this checkout against those of the checkout at OLD_TREE (its "
+                    "interop/, qsa_triton/, qsa_pallas/), alternating; geomean speedups")
 
 
 def main(modes: dict[str, Mode], module: str, argv=None, prog: str | None = None,
@@ -803,6 +771,9 @@ def main(modes: dict[str, Mode], module: str, argv=None, prog: str | None = None
                                 "--compare")
         if args.rounds < 1:
             raise ProviderError(f"--rounds must be >= 1, got {args.rounds}")
+        if args.compare and not (Path(args.compare) / "qsa_triton").is_dir():
+            raise ProviderError(f"--compare {args.compare}: no qsa_triton/ there (expected a "
+                                "checkout of the old commit's interop/, qsa_triton/, qsa_pallas/)")
         mode.cases(args, "bench")  # validates the module's filters
     except ProviderError as e:
         print(f"{ap.prog}: {e}", file=sys.stderr)
@@ -821,11 +792,7 @@ def main(modes: dict[str, Mode], module: str, argv=None, prog: str | None = None
             print(f"{ap.prog} needs a CUDA GPU (or --smoke-cpu)", file=sys.stderr)
             return 2
     if args.compare:
-        try:
-            report = compare(mode, module, args.mode, args)
-        except ProviderError as e:
-            print(f"{ap.prog}: {e}", file=sys.stderr)
-            return 2
+        report = compare(mode, module, args.mode, args)
         return 0 if all(c["providers"][n].get("speedup") for c in report["cases"]
                         for n in report["providers"]) else 1
     report = run(mode, args)

@@ -17,8 +17,7 @@ from the pool; a timed run ends with issue 16's must-show PASS / FAIL lines (``m
 Bytes = the K and V rows a case must read (pool: the valid entries' rows, once); % copy = those
 bytes per second over the copy bandwidth measured in the same run. Timing (``bench.common``):
 CUDA-graph replays of 20 back-to-back calls; JAX as an unrolled chain of 20 calls in one
-``jax.jit``, each call's q the previous output (jax-step's compaction depends on it too). A mode
-is a ``bench.common.Mode``: cases, inputs, FP32 reference, bytes and a provider registry.
+``jax.jit``, each call's q the previous output (jax-step's compaction depends on it too).
 """
 
 from __future__ import annotations
@@ -69,34 +68,18 @@ def make_inputs(spec: C.DecodeSpec, device) -> DecodeInputs:
 
 
 def torch_reference(q, k, v, cq, ck, scale=None):
-    """FP32 reference of packed varlen decode on q's device (``qsa-contract.md`` §2).
-
-    Args:
-      q: [B, Hq, D]; k, v: [C, Hkv, D]; cq, ck: int32 [B + 1] (same device); scale: softmax scale
-        (None: D ** -0.5).
-    Returns:
-      float32 [B, Hq, D]; zeros for empty rows. Rows are padded to the longest row and masked
-      (whatever the padding positions hold, NaN included, never reaches the output); the gathered
-      FP32 K/V is bounded to 512 MiB per chunk of rows.
-    """
+    """FP32 reference of packed varlen decode on q's device (``qsa-contract.md`` §2): q [B, Hq, D],
+    k, v [C, Hkv, D], cq, ck int32 [B + 1], scale (None: D ** -0.5) -> float32 [B, Hq, D], zeros
+    for empty rows: ``pool_reference`` with the K/V rows as the pool, row b's table mapping
+    position p to row ck[b] + p (whatever lies past a row, NaN included, is never read)."""
     import torch  # noqa: PLC0415
 
-    b, hq, d = q.shape
-    hkv = k.shape[1]
     lens = (ck[1:] - ck[:-1]).long()
-    lmax = max(int(lens.max()), 1)
-    pos = torch.arange(lmax, device=q.device)
-    valid = (pos[None, :] < lens[:, None])[:, None, :].expand(-1, hkv, -1)  # [B, Hkv, L]
-    rows = (ck[:-1].long()[:, None] + pos[None, :]).clamp(0, max(k.shape[0] - 1, 0))
-    out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
-    step = max(1, (1 << 27) // (lmax * hkv * d))
-    for s0 in range(0, b, step):
-        sl = slice(s0, min(b, s0 + step))
-        kk, vv = (torch.where(valid[sl, ..., None], x[rows[sl]].float().transpose(1, 2), 0.0)
-                  for x in (k, v))
-        out[sl] = common.attend_f32(q[cq[:-1].long()[sl]], kk, vv, valid[sl],
-                                    d ** -0.5 if scale is None else scale)
-    return out
+    pos = torch.arange(max(int(lens.max()), 1), device=q.device)[None, :]
+    return pool_reference(q[cq[:-1].long()], k, v, ck[:-1].long()[:, None] + pos,
+                          torch.arange(len(lens), device=q.device),
+                          torch.where(pos < lens[:, None], pos, -1), lens,
+                          q.shape[-1] ** -0.5 if scale is None else scale)
 
 
 # ------------------------------------------------------------------------------ providers
@@ -385,10 +368,9 @@ def jax_step(scale: float, max_seqlen_k: int):
         dest = jnp.where(valid, cu_k[:-1, None] + jnp.cumsum(valid, -1, dtype=jnp.int32) - 1,
                          r * w).reshape(-1)  # invalid entries: out of range, dropped
         src = jnp.where(valid, slot, 0).reshape(-1)
-        kp = jnp.zeros((r * w,) + k.shape[1:], q.dtype).at[dest].set(k[src].astype(q.dtype),
-                                                                     mode="drop")
-        vp = jnp.zeros((r * w,) + v.shape[1:], q.dtype).at[dest].set(v[src].astype(q.dtype),
-                                                                     mode="drop")
+        kp, vp = (jnp.zeros((r * w,) + x.shape[1:], q.dtype).at[dest].set(x[src].astype(q.dtype),
+                                                                         mode="drop")
+                  for x in (k, v))
         return qsa_pallas.sparse_decode(q, kp, vp, jnp.arange(r + 1, dtype=jnp.int32), cu_k,
                                         max_seqlen_k, scale)
 

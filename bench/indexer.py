@@ -15,13 +15,12 @@ plain JAX (``jnp.einsum`` bf16 -> FP32, ``lax.top_k``, ``qsa_pallas.expand_block
 Bytes = the visible compressed keys (blocks x 128 x 2 B): % copy is the fraction of the copy
 bandwidth measured in the same run, i.e. time of one read of the keys / time.
 
-Check (``bench.common``'s reference check, on a canonical view of the token rows): per row, the
-number of selected blocks whose FP32 reference logit lies below the reference 512th logit by
-more than the FP32 summation tolerance, or out of ascending order, and the number of selected
-blocks; the reference is (0, min(512, visible blocks)). Near-ties may go either way.
-The check sees that view (``Mode.view``); the timed call returns the token rows. After the timing
-table (``Mode.finish``): one line per case with the issue's must-show ratios, also kept in the
-JSON (``must_show``).
+Check (``bench.common``'s reference check on ``Mode.view``, a canonical view of the token rows):
+per row, the number of selected blocks whose FP32 reference logit lies below the reference 512th
+logit by more than the FP32 summation tolerance, or out of ascending order, and the number of
+selected blocks; the reference is (0, min(512, visible blocks)). Near-ties may go either way.
+After the timing table (``Mode.finish``): one line per case with the issue's must-show ratios,
+also kept in the JSON (``must_show``).
 """
 
 from __future__ import annotations
@@ -163,25 +162,22 @@ def _jax_chain(fn, inp: Inputs):
 
 
 def _triton(inp: Inputs, variant=None):
-    import qsa_triton
-    from qsa_triton.indexer import indexer_plan_for
+    from qsa_triton import indexer
 
-    fn = qsa_triton.indexer_select_decode if inp.kind == "decode" else \
-        qsa_triton.indexer_select_prefill
+    fn = getattr(indexer, f"indexer_select_{inp.kind}")
     kw = {}
     if variant is not None:
         q, keys = inp.args[0], inp.args[1]
         blocks = (inp.args[2].shape[1] * keys.shape[1] if inp.kind == "decode" else keys.shape[0])
-        kw["plan"] = VARIANTS[variant](indexer_plan_for(inp.kind, q.shape[0], blocks, TOPK,
-                                                        q.device))
+        kw["plan"] = VARIANTS[variant](indexer.indexer_plan_for(inp.kind, q.shape[0], blocks,
+                                                                TOPK, q.device))
     return lambda: fn(*inp.args, **kw)
 
 
 def _pallas(inp: Inputs):
     import qsa_pallas
 
-    return _jax_chain(qsa_pallas.indexer_select_decode if inp.kind == "decode"
-                      else qsa_pallas.indexer_select_prefill, inp)
+    return _jax_chain(getattr(qsa_pallas, f"indexer_select_{inp.kind}"), inp)
 
 
 def _torch(inp: Inputs):

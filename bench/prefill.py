@@ -320,7 +320,7 @@ def describe(spec: C.PrefillSpec, c: Case) -> dict:
     if spec.kind == "chunk" and kv == KV_SWEEP and spec.hkv == 1 and len(spec.q_lens) == 1:
         plot.append([f"query rows, chunk at KV {KV_SWEEP // 1024}k, {heads} heads", t])
     return {"name": spec.name, "kind": spec.kind, "hq": spec.hq, "hkv": spec.hkv, "d": spec.d,
-            "T": t, "kv": kv, "width": spec.width, "kv_dtype": spec.kv_dtype or spec.dtype,
+            "T": t, "kv": kv, "width": int(c.indices.shape[-1]), "kv_dtype": spec.kv_dtype or spec.dtype,
             "junk": spec.junk, "per_head": spec.per_head, "empty_rows": bool(spec.empty_rows),
             "valid_entries": valid, "bytes": valid * spec.d * c.k.element_size() * 2,
             "flops": 4 * (spec.hq // spec.hkv) * spec.d * valid, "plot": plot}
@@ -385,14 +385,9 @@ def union_prepare(case: tuple, device):
 
 def union_describe(case: tuple, c: Case) -> dict:
     spec, _, jaccard = case
-    t, valid = sum(spec.q_lens), c.valid_entries()
-    kv = spec.kv_lens[0] if spec.kv_lens else t
-    return {"name": spec.name, "kind": spec.kind, "hq": spec.hq, "hkv": spec.hkv, "T": t,
-            "kv": kv, "jaccard_target": jaccard, "jaccard": c.jaccard,
-            "junk": "-1", "per_head": False, "empty_rows": False, "valid_entries": valid,
-            "bytes": valid * spec.d * c.k.element_size() * 2,
-            "flops": 4 * (spec.hq // spec.hkv) * spec.d * valid,
-            "plot": [[f"{t} rows, {spec.hq}/{spec.hkv} heads, KV {kv // 1024}k, "
+    d = describe(spec, c)
+    return {**d, "jaccard_target": jaccard, "jaccard": c.jaccard,
+            "plot": [[f"{d['T']} rows, {spec.hq}/{spec.hkv} heads, KV {d['kv'] // 1024}k, "
                       "block selections", jaccard]]}
 
 
