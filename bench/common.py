@@ -771,10 +771,10 @@ def main(modes: dict[str, Mode], module: str, argv=None, prog: str | None = None
                                 "--compare")
         if args.rounds < 1:
             raise ProviderError(f"--rounds must be >= 1, got {args.rounds}")
+        mode.cases(args, "bench")  # validates the module's filters
         if args.compare and not (Path(args.compare) / "qsa_triton").is_dir():
             raise ProviderError(f"--compare {args.compare}: no qsa_triton/ there (expected a "
                                 "checkout of the old commit's interop/, qsa_triton/, qsa_pallas/)")
-        mode.cases(args, "bench")  # validates the module's filters
     except ProviderError as e:
         print(f"{ap.prog}: {e}", file=sys.stderr)
         return 2
