@@ -40,7 +40,7 @@ from interop.cases import ATOL, REL_L2, RTOL
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # jax shares the GPU with torch
 
 __all__ = ["Provider", "Mode", "ProviderError", "choose", "positive_ints", "errors",
-           "within_tolerance", "attend_f32", "unrolled", "jax_chain", "time_interleaved",
+           "within_tolerance", "reference_f32", "unrolled", "jax_chain", "time_interleaved",
            "copy_bandwidth_bytes_per_s", "add_arguments", "run", "compare", "main", "write_json",
            "default_json_path", "geomean", "SELF_SUFFIX"]
 
@@ -161,25 +161,37 @@ def within_tolerance(err: dict) -> bool:
     return err["finite"] and err["excess"] <= 0.0 and err["rel_l2"] <= REL_L2
 
 
-def attend_f32(q, kk, vv, valid, scale: float, v_scale: float = 1.0):
-    """The FP32 torch reference attention of n query rows over their gathered keys (the core of
-    every mode's reference).
+def reference_f32(q, k, v, gather, scale: float, v_scale: float = 1.0, chunk: int = 128):
+    """The FP32 torch reference of sparse attention (every mode's), over chunks of query rows.
 
     Args:
-      q: [n, Hq, D]; kk, vv: float32 [n, Hkv, L, D], zeros where not valid (so NaN in a row no
-        entry selects never reaches the output); valid: bool [n, Hkv, L].
+      q: [n, Hq, D]; k, v: [rows, Hkv, D] (packed rows or the pool).
+      gather: (s, e) -> (valid bool [e - s, Hkv, L], the K/V row of every entry [e - s, Hkv, L])
+        for query rows s .. e-1; invalid entries are never read (their keys are zeros and
+        masked, so NaN in an unselected row never reaches the output).
       scale: multiplies q . k (softmax scale x k_scale); v_scale: multiplies the output.
 
     Returns:
-      float32 [n, Hq, D]; zeros for a row without a valid key.
+      float32 [n, Hq, D]; zeros for a row without a valid entry.
     """
     import torch  # noqa: PLC0415
 
     n, hq, d = q.shape
-    hkv = kk.shape[1]
-    sc = torch.einsum("nhgd,nhld->nhgl", q.float().view(n, hkv, hq // hkv, d), kk) * scale
-    p = torch.softmax(sc.masked_fill(~valid[:, :, None, :], float("-inf")), -1).nan_to_num(0.0)
-    return (torch.einsum("nhgl,nhld->nhgd", p, vv) * v_scale).reshape(n, hq, d)
+    hkv = k.shape[1]
+    heads = torch.arange(hkv, device=q.device)[None, :, None]
+    out = torch.zeros(n, hq, d, dtype=torch.float32, device=q.device)
+    with torch.no_grad():
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            ok, rows = gather(s, e)
+            rows = torch.where(ok, rows, 0)
+            kk, vv = (torch.where(ok[..., None], x[rows, heads].float(), 0.0) for x in (k, v))
+            qq = q[s:e].float().view(e - s, hkv, hq // hkv, d)
+            sc = torch.einsum("nhgd,nhld->nhgl", qq, kk) * scale
+            p = torch.softmax(sc.masked_fill(~ok[:, :, None, :], float("-inf")), -1)
+            o = torch.einsum("nhgl,nhld->nhgd", p.nan_to_num(0.0), vv) * v_scale
+            out[s:e] = o.reshape(e - s, hq, d)
+    return out
 
 
 # --------------------------------------------------------------------------------------- JAX

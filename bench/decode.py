@@ -282,28 +282,21 @@ def pool_reference(q, k, v, table, req, idx, seq, scale, chunk=16):
     """FP32 reference of the paged decode from the pool, on q's device (``qsa-contract.md``
     §2b, lying metadata included): an entry is valid iff 0 <= idx < min(seq, table width), its
     request is a table row and its slot lies in the pool; invalid entries are never gathered
-    (their rows are zeros and masked: NaN in free slots never reaches the output).
-
-    Returns float32 [R, Hq, D]; zeros for a row without a valid entry."""
+    (``common.reference_f32``). Returns float32 [R, Hq, D]; zeros for a row without one."""
     import torch  # noqa: PLC0415
 
-    r, hq, d = q.shape
-    slots, hkv = k.shape[0], k.shape[1]
-    out = torch.zeros(r, hq, d, dtype=torch.float32, device=q.device)
     req_ok = (req >= 0) & (req < table.shape[0])
     bound = torch.where(req_ok, torch.clamp(seq, max=table.shape[1]), 0).long()
-    for r0 in range(0, r, chunk):
-        sl = slice(r0, min(r, r0 + chunk))
-        ids = idx[sl].long()
-        valid = (ids >= 0) & (ids < bound[sl, None])
-        s_ = table[torch.where(req_ok[sl], req[sl], 0).long()[:, None],
-                   torch.where(valid, ids, 0)].long()
-        valid &= (s_ >= 0) & (s_ < slots)
-        v3 = valid[:, None, :].expand(-1, hkv, -1)  # [r', Hkv, W]
-        kk, vv = (torch.where(v3[..., None], x[torch.where(valid, s_, 0)].float().transpose(1, 2),
-                              0.0) for x in (k, v))
-        out[sl] = common.attend_f32(q[sl], kk, vv, v3, scale)
-    return out
+    row, hkv = torch.where(req_ok, req, 0).long(), k.shape[1]
+
+    def gather(s, e):
+        ids = idx[s:e].long()
+        valid = (ids >= 0) & (ids < bound[s:e, None])
+        slot = table[row[s:e, None], torch.where(valid, ids, 0)].long()
+        valid &= (slot >= 0) & (slot < k.shape[0])
+        return valid[:, None].expand(-1, hkv, -1), slot[:, None].expand(-1, hkv, -1)
+
+    return common.reference_f32(q, k, v, gather, scale, chunk=chunk)
 
 
 # ------------------------------------------------------------------------- pool providers

@@ -144,27 +144,12 @@ def _gather(c: Case, s: int, e: int):
     return ok, (c.cu_q if c.kind == "ordinary" else c.cu_k).long()[req[s:e], None, None] + pos
 
 
-def reference_f32(c: Case, *, chunk_rows: int = 128):
-    """Float32 torch reference of ``c`` on c's device, with ``interop.reference``'s semantics: an
-    entry is valid iff 0 <= idx < len, invalid entries are never gathered, a row without a valid
-    entry is 0; fast enough for 8192 rows x 2051 columns on the GPU.
-
-    Returns:
-      float32 [T, Hq, D].
-    """
-    import torch  # noqa: PLC0415
-
-    t = c.q.shape[0]
-    heads = torch.arange(c.k.shape[1], device=c.q.device)[None, :, None]
-    out = torch.zeros(c.q.shape, dtype=torch.float32, device=c.q.device)
-    with torch.no_grad():
-        for s in range(0, t, chunk_rows):
-            e = min(t, s + chunk_rows)
-            ok, rows = _gather(c, s, e)
-            rows = torch.where(ok, rows, 0)
-            kk, vv = (torch.where(ok[..., None], x[rows, heads].float(), 0.0) for x in (c.k, c.v))
-            out[s:e] = common.attend_f32(c.q[s:e], kk, vv, ok, _scale(c) * c.k_scale, c.v_scale)
-    return out
+def reference_f32(c: Case):
+    """Float32 torch reference of ``c`` on c's device (``common.reference_f32``), with
+    ``interop.reference``'s semantics: an entry is valid iff 0 <= idx < len, invalid entries are
+    never gathered, a row without a valid entry is 0. Returns float32 [T, Hq, D]."""
+    return common.reference_f32(c.q, c.k, c.v, lambda s, e: _gather(c, s, e),
+                                _scale(c) * c.k_scale, c.v_scale)
 
 
 # ------------------------------------------------------------------------------ providers
