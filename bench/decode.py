@@ -2,17 +2,16 @@
 twins: ``--mode packed`` (default), the decode of packed K/V (``qsa-contract.md`` §2); ``--mode
 pool``, the whole decode step from the KV pool (§2b, issue 16).
 
-Packed cases (``interop.cases``): TP1 (24/2), TP2 (12/1), TP4 (6/1) x B in
-``BENCH_DECODE_BATCHES`` x rows ``BENCH_DECODE_ROWS`` (saturated: 2051 keys per row; mixed:
-17..2051; short: 1..64), D = 256, bf16, max_seqlen_k = 2051, K/V exactly as long as the rows.
-Pool cases: the same TPs and B over a pool of ``POOL_SLOTS`` slots (bf16, or FP8 e4m3 with
-k_scale = v_scale = 1 as SGLang's QSA pool) laid out as SGLang lays it (``pages``: 64-slot pages
-in scattered order) or as single scattered slots (``slots``), W = 2051 index columns per row
-(indexer-like); rows ``saturated`` (8192-token
-contexts), ``short`` (17..128 tokens), ``mtp`` (32 requests x 4 verify rows). Providers in
-``POOL_PROVIDERS`` (``x first`` is against upstream-step; the sweep's ``paged[VARIANT]`` are the
-Triton kernel's private launch variants); every one checked against an FP32 reference computed
-from the pool; a timed run ends with issue 16's must-show PASS / FAIL lines (``must_show``).
+Packed cases (``interop.cases``, inputs as ``qsa check`` builds them): TP1 (24/2), TP2 (12/1),
+TP4 (6/1) x B in ``BENCH_DECODE_BATCHES`` x rows (saturated: 2051 keys per row; mixed: 17..2051;
+short: 1..64), D = 256, bf16, max_seqlen_k = 2051, K/V exactly as long as the rows. Pool cases:
+the same TPs and B over a pool of ``POOL_SLOTS`` slots (bf16, or FP8 e4m3 with k_scale = v_scale
+= 1 as SGLang's QSA pool) laid out as SGLang lays it (``pages``: 64-slot pages in scattered
+order) or as single scattered slots (``slots``), W = 2051 index columns per row (indexer-like);
+rows ``saturated`` (8192-token contexts), ``short`` (17..128 tokens), ``mtp`` (32 requests x 4
+verify rows); ``x first`` is against upstream-step, the sweep's ``paged[VARIANT]`` are the Triton
+kernel's private launch variants, and a timed run ends with issue 16's must-show PASS / FAIL
+lines (``must_show``). Every provider is checked against an FP32 reference.
 
 Bytes = the K and V rows a case must read (pool: the valid entries' rows, once); % copy = those
 bytes per second over the copy bandwidth measured in the same run. Timing (``bench.common``):
@@ -23,6 +22,7 @@ CUDA-graph replays of 20 back-to-back calls; JAX as an unrolled chain of 20 call
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import sys
 from typing import Any
@@ -118,21 +118,18 @@ def _pallas(inp: DecodeInputs):
     return common.jax_chain(qsa_pallas.sparse_decode, inp.args, {}, CHAIN)
 
 
-def _sm121_supports(rows: str):
+def _sm121_supports(desc: dict, rows: str) -> str | None:
     """Upstream's SM121 kernel: (24,2) and (12,1) heads, at most 128 rows (``desc[rows]``)."""
-    def supports(desc: dict) -> str | None:
-        if (desc["Hq"], desc["Hkv"]) not in ((24, 2), (12, 1)) or desc[rows] > 128:
-            return f"upstream's SM121 kernel takes (24,2) and (12,1) heads, {rows} <= 128"
-        return None
-
-    return supports
+    if (desc["Hq"], desc["Hkv"]) not in ((24, 2), (12, 1)) or desc[rows] > 128:
+        return f"upstream's SM121 kernel takes (24,2) and (12,1) heads, {rows} <= 128"
+    return None
 
 
 PROVIDERS = {p.name: p for p in (
     common.Provider("ours", _ours, "qsa_triton.sparse_decode"),
     common.Provider("upstream-sm121", _sm121, "upstream's packed decode kernel "
                     "(kda_kernels/qwen38_qsa_sm121, peer loaded from the 0.5.23 wheel)",
-                    supports=_sm121_supports("B")),
+                    supports=functools.partial(_sm121_supports, rows="B")),
     common.Provider("upstream-generic", _generic, "upstream's sparse_gqa_packed_decode_triton "
                     "(its chunk-prefill kernel with one query row per sequence)"),
     common.Provider("pallas", _pallas, "qsa_pallas.sparse_decode (JAX; chain of 20 in one jit)",
@@ -374,47 +371,36 @@ def _jax_step(inp: PoolInputs):
     return common.jax_chain(jax_step(inp.scale, inp.args[5].shape[-1]), inp.args, {}, CHAIN)
 
 
-def _paged(batch_invariant: bool = False, variant: str | None = None):
-    def setup(inp: PoolInputs):
-        import qsa_triton  # noqa: PLC0415
-        from qsa_triton import decode_paged  # noqa: PLC0415
+def _paged(inp: PoolInputs, batch_invariant: bool = False, variant: str | None = None):
+    import qsa_triton  # noqa: PLC0415
+    from qsa_triton import decode_paged  # noqa: PLC0415
 
-        if variant is not None:
-            return lambda: decode_paged._variant_call(variant, *inp.args, inp.scale)
-        return lambda: qsa_triton.sparse_decode_paged(*inp.args, inp.scale,
-                                                      batch_invariant=batch_invariant)
-
-    return setup
+    if variant is not None:
+        return lambda: decode_paged._variant_call(variant, *inp.args, inp.scale)
+    return lambda: qsa_triton.sparse_decode_paged(*inp.args, inp.scale,
+                                                  batch_invariant=batch_invariant)
 
 
-def _pallas_paged(batch_invariant: bool = False):
-    def setup(inp: PoolInputs):
-        import qsa_pallas  # noqa: PLC0415
+def _pallas_paged(inp: PoolInputs, batch_invariant: bool = False):
+    import qsa_pallas  # noqa: PLC0415
 
-        return common.jax_chain(qsa_pallas.sparse_decode_paged, [*inp.args, inp.scale],
-                                {"batch_invariant": batch_invariant}, CHAIN)
-
-    return setup
+    return common.jax_chain(qsa_pallas.sparse_decode_paged, [*inp.args, inp.scale],
+                            {"batch_invariant": batch_invariant}, CHAIN)
 
 
-def _pallas_stages(num_stages: int):
+def _pallas_stages(inp: PoolInputs, num_stages: int):
     """``qsa_pallas`` on the shared plan with ``num_stages`` (the sweep: does XLA's Triton
     pipeline the gather chain as Triton does?), through its public ``decode_paged_with_plan``."""
-    def setup(inp: PoolInputs):
-        import jax.numpy as jnp  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
 
-        from qsa_pallas import decode_paged  # noqa: PLC0415
+    from qsa_pallas import decode_paged  # noqa: PLC0415
 
-        q, k, idx = inp.args[0], inp.args[1], inp.args[5]
-        plan = decode_paged.plan_for(
-            q.shape[0], q.shape[1], k.shape[1], q.shape[2], idx.shape[-1],
-            q_dtype=getattr(jnp, str(q.dtype).split(".")[-1]),
-            kv_dtype=getattr(jnp, str(k.dtype).split(".")[-1]))
-        return common.jax_chain(decode_paged.decode_paged_with_plan, [*inp.args, inp.scale],
-                                {"plan": dataclasses.replace(plan, num_stages=num_stages)},
-                                CHAIN)
-
-    return setup
+    q, k, idx = inp.args[0], inp.args[1], inp.args[5]
+    plan = decode_paged.plan_for(q.shape[0], q.shape[1], k.shape[1], q.shape[2], idx.shape[-1],
+                                 q_dtype=getattr(jnp, str(q.dtype).split(".")[-1]),
+                                 kv_dtype=getattr(jnp, str(k.dtype).split(".")[-1]))
+    return common.jax_chain(decode_paged.decode_paged_with_plan, [*inp.args, inp.scale],
+                            {"plan": dataclasses.replace(plan, num_stages=num_stages)}, CHAIN)
 
 
 #: the sweep's ``paged[NAME]``: the names of ``qsa_triton.decode_paged._VARIANTS`` (private; listed
@@ -425,22 +411,23 @@ SWEEP_VARIANTS = ("base", "s7", "ahead", "s7-pdl", "ahead-pdl", "s7-fp8bn64")
 POOL_PROVIDERS = {p.name: p for p in (
     common.Provider("upstream-step", _upstream_step, "upstream's step: counts + prefix sum + "
                     "_compact_kv into a packed copy + its SM121 decode (0.5.23 wheel)",
-                    supports=_sm121_supports("R")),
+                    supports=functools.partial(_sm121_supports, rows="R")),
     common.Provider("packed-step", _packed_step, "upstream's counts + prefix sum + compaction, "
                     "then qsa_triton.sparse_decode"),
     common.Provider("jax-step", _jax_step, "XLA compaction (dependent on the previous call) + "
                     "qsa_pallas.sparse_decode, chain of 20 in one jit"),
-    common.Provider("paged", _paged(), "qsa_triton.sparse_decode_paged (reads the pool in place)"),
-    common.Provider("pallas-paged", _pallas_paged(), "qsa_pallas.sparse_decode_paged, chain of "
+    common.Provider("paged", _paged, "qsa_triton.sparse_decode_paged (reads the pool in place)"),
+    common.Provider("pallas-paged", _pallas_paged, "qsa_pallas.sparse_decode_paged, chain of "
                     "20 in one jit"),
-    common.Provider("paged[bi]", _paged(True), "qsa_triton.sparse_decode_paged with "
-                    "batch_invariant=True (the mode's cost)", default=False),
-    common.Provider("pallas-paged[bi]", _pallas_paged(True), "qsa_pallas.sparse_decode_paged "
-                    "with batch_invariant=True", default=False),
-    common.Provider("pallas-paged[s7]", _pallas_stages(7), "sweep: qsa_pallas paged decode "
-                    "with num_stages = 7", default=False),
-    *(common.Provider(f"paged[{v}]", _paged(variant=v), f"sweep: the Triton split kernel "
-                      f"launched as variant {v} (qsa_triton.decode_paged._VARIANTS)",
+    common.Provider("paged[bi]", functools.partial(_paged, batch_invariant=True),
+                    "qsa_triton.sparse_decode_paged with batch_invariant=True (the mode's cost)",
+                    default=False),
+    common.Provider("pallas-paged[bi]", functools.partial(_pallas_paged, batch_invariant=True),
+                    "qsa_pallas.sparse_decode_paged with batch_invariant=True", default=False),
+    common.Provider("pallas-paged[s7]", functools.partial(_pallas_stages, num_stages=7),
+                    "sweep: qsa_pallas paged decode with num_stages = 7", default=False),
+    *(common.Provider(f"paged[{v}]", functools.partial(_paged, variant=v), "sweep: the Triton "
+                      f"split kernel launched as variant {v} (qsa_triton.decode_paged._VARIANTS)",
                       default=False) for v in SWEEP_VARIANTS),
 )}
 

@@ -213,24 +213,23 @@ def _gather_dense(c: Case, rows_per_step: int = 256):
     return run
 
 
-def _upstream_supports(kinds):
-    def supports(desc: dict) -> str | None:
-        if desc["kind"] not in kinds:
-            return f"upstream has no {desc['kind']} kernel of this form"
-        if desc["junk"] != "-1" or desc["per_head"] or desc["empty_rows"]:
-            return "upstream takes only -1 padding, [T, W] indices and rows with a valid entry"
-        return None
-    return supports
+def _upstream_supports(desc: dict, kinds) -> str | None:
+    if desc["kind"] not in kinds:
+        return f"upstream has no {desc['kind']} kernel of this form"
+    if desc["junk"] != "-1" or desc["per_head"] or desc["empty_rows"]:
+        return "upstream takes only -1 padding, [T, W] indices and rows with a valid entry"
+    return None
 
 
 PROVIDERS = {p.name: p for p in (
     common.Provider("ours", _ours, "qsa_triton.sparse_prefill / _chunk / _paged"),
     common.Provider("upstream-chunk", _up_chunk, "upstream's sparse_gqa_fwd_interface_triton_ck "
                     "(its own L20/H20 table geometry; ordinary cases as chunks without a prefix)",
-                    supports=_upstream_supports(("ordinary", "chunk"))),
+                    supports=functools.partial(_upstream_supports,
+                                               kinds=("ordinary", "chunk"))),
     common.Provider("upstream-ordinary", _up_ordinary, "upstream's "
                     "sparse_gqa_fwd_interface_triton (ordinary prefill only)",
-                    supports=_upstream_supports(("ordinary",))),
+                    supports=functools.partial(_upstream_supports, kinds=("ordinary",))),
     common.Provider("gather-dense", _gather_dense, "torch gather of each row's K/V + "
                     "scaled_dot_product_attention with a key mask (context)"),
     common.Provider("pallas", _pallas, "qsa_pallas.sparse_prefill / _chunk / _paged (JAX; chain of "
@@ -305,8 +304,8 @@ def describe(spec: C.PrefillSpec, c: Case) -> dict:
     if spec.kind == "chunk" and kv == KV_SWEEP and spec.hkv == 1 and len(spec.q_lens) == 1:
         plot.append([f"query rows, chunk at KV {KV_SWEEP // 1024}k, {heads} heads", t])
     return {"name": spec.name, "kind": spec.kind, "hq": spec.hq, "hkv": spec.hkv, "d": spec.d,
-            "T": t, "kv": kv, "width": int(c.indices.shape[-1]), "kv_dtype": spec.kv_dtype or spec.dtype,
-            "junk": spec.junk, "per_head": spec.per_head, "empty_rows": bool(spec.empty_rows),
+            "T": t, "kv": kv, "width": int(c.indices.shape[-1]),
+            "kv_dtype": spec.kv_dtype or spec.dtype, "junk": spec.junk, "per_head": spec.per_head, "empty_rows": bool(spec.empty_rows),
             "valid_entries": valid, "bytes": valid * spec.d * c.k.element_size() * 2,
             "flops": 4 * (spec.hq // spec.hkv) * spec.d * valid, "plot": plot}
 
