@@ -69,24 +69,15 @@ class Provider:
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """One benchmark: cases, inputs, reference, metrics and providers.
-
-    Attributes:
-      name: report name ("decode", "prefill"); the JSON is ``<name>.json`` by default.
-      title: one line naming what is timed (plot title, report header).
-      providers: name -> Provider, in the default order (the first is what ratios compare with).
-      cases: (args, kind) -> list of cases; kind is "bench", "smoke" (tiny shapes for the CPU
-        interpreters) or "memcheck" (edge cases for compute-sanitizer); ``args`` are the parsed
-        command line (the mode's own filters).
-      prepare: (case, device) -> (inputs, reference float32 tensor).
-      describe: (case, inputs) -> JSON-able dict: ``name``, ``bytes`` (what the case must read),
-        optionally ``flops``, ``plot`` ([[panel, x], ...]: where the case sits in the plot), and
-        any shape fields.
-      calls: calls per CUDA-graph replay / per JAX chain (None: sized so a replay takes ~2 ms).
-      finish: report -> None, run after a timed run's summary (the mode's own verdicts, e.g.
-        pass/fail lines of its thresholds, added to the report before it is written).
-      view: (output, inputs) -> what is checked against the reference (None: the output).
-    """
+    """One benchmark: ``name`` (of the report, ``<name>.json`` by default), ``title`` (one line
+    naming what is timed), ``providers`` (name -> Provider, the first is what ratios compare
+    with), ``cases`` ((parsed command line, kind) -> cases; kind "bench", "smoke": tiny shapes
+    for the CPU interpreters, or "memcheck": edge cases for compute-sanitizer), ``prepare``
+    ((case, device) -> (inputs, FP32 reference)), ``describe`` ((case, inputs) -> JSON-able
+    dict: ``name``, ``bytes`` the case must read, optionally ``flops``, ``plot`` ([[panel, x],
+    ...]) and shape fields), ``calls`` (per CUDA-graph replay / JAX chain; None: ~2 ms a
+    replay), ``finish`` (report -> None after a timed run's summary: the mode's verdicts) and
+    ``view`` ((output, inputs) -> what is checked; None: the output)."""
 
     name: str
     title: str
@@ -118,15 +109,20 @@ def choose(text: str | None, allowed, flag: str, default=None) -> list[str]:
 
 def positive_ints(text: str | None, default, flag: str) -> list[int]:
     """A comma list of positive integers (None or blank: ``default``); ProviderError otherwise."""
-    if not text or not text.strip():
-        return list(default)
     try:
-        out = [int(x) for x in text.split(",")]
+        out = [int(x) for x in text.split(",")] if text and text.strip() else list(default)
     except ValueError:
         out = [0]
     if any(x < 1 for x in out):
         raise ProviderError(f"{flag} wants positive integers, got {text!r}")
     return out
+
+
+def peer():
+    """``interop.validate.peer``: upstream SGLang's kernels, loaded from its wheel when used."""
+    from interop.validate import peer as upstream  # noqa: PLC0415
+
+    return upstream
 
 
 def geomean(xs) -> float | None:
@@ -454,11 +450,6 @@ HEADER = (f"{'case':34s} {'provider':18s} {'us/call':>9s} {'p10':>8s} {'p90':>8s
 
 
 # ------------------------------------------------------------------------------------ running
-def _select(mode: Mode, text: str | None) -> list[str]:
-    return choose(text, mode.providers, "--providers",
-                  [n for n, p in mode.providers.items() if p.default])
-
-
 def _check_one(mode: Mode, name: str, desc: dict, inputs, ref) -> tuple[Callable | None, dict]:
     """Set provider ``name`` up on a case and check its output (``mode.view`` of it); (call or
     None, entry)."""
@@ -489,13 +480,20 @@ def run(mode: Mode, args) -> dict:
     kind = "smoke" if args.smoke_cpu else "memcheck" if args.memcheck else "bench"
     timed = kind == "bench"
     device = "cpu" if args.smoke_cpu else "cuda"
-    names = _select(mode, args.providers)
+    names = choose(args.providers, mode.providers, "--providers",
+                   [n for n, p in mode.providers.items() if p.default])
     first = names[0] if names else None
     bw = copy_bandwidth_bytes_per_s() if timed else None
     path = Path(args.json) if args.json else default_json_path(mode.name if timed
                                                                else f"{mode.name}_{kind}")
+    n = mode.calls or "~2 ms of"
+    method = (f"per case: every provider checked against an FP32 reference, then timed "
+              f"interleaved: CUDA-graph replays of {n} back-to-back calls (JAX: an unrolled chain "
+              f"of {n} calls in one jax.jit), round-robin with rotating order, median of "
+              f"CUDA-event timings per replay / calls; NAME@self = the first provider's second "
+              f"graph (noise)")
     report = _report(mode, kind, names, torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                     _method(mode) if timed else "check only", copy_bandwidth_Bps=bw,
+                     method if timed else "check only", copy_bandwidth_Bps=bw,
                      first_provider=first)
     if bw:
         print(f"{report['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
@@ -572,14 +570,6 @@ def _report(mode: Mode, kind: str, names: list[str], gpu: str, method: str, **ex
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "gpu": gpu, "versions": versions, "providers": names, "method": method, **extra,
             "cases": []}
-
-
-def _method(mode: Mode) -> str:
-    n = mode.calls or "~2 ms of"
-    return (f"per case: every provider checked against an FP32 reference, then timed interleaved: "
-            f"CUDA-graph replays of {n} back-to-back calls (JAX: an unrolled chain of {n} calls in "
-            f"one jax.jit), round-robin with rotating order, median of CUDA-event timings per "
-            f"replay / calls; NAME@self = the first provider's second graph (noise)")
 
 
 # --------------------------------------------------------------------------- old vs new tree

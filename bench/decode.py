@@ -89,21 +89,15 @@ def _ours(inp: DecodeInputs):
     return lambda: qsa_triton.sparse_decode(*inp.args)
 
 
-def _peer():
-    from interop.validate import peer  # noqa: PLC0415
-
-    return peer
-
-
 def _sm121(inp: DecodeInputs):
-    sm121 = _peer().load_sm121_decode()
+    sm121 = common.peer().load_sm121_decode()
     return lambda: sm121.qwen38_qsa_sm121(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k, inp.scale)
 
 
 def _generic(inp: DecodeInputs):
     import torch  # noqa: PLC0415
 
-    up = _peer().load_sparse_attn()
+    up = common.peer().load_sparse_attn()
     kv_lens = (inp.cu_k[1:] - inp.cu_k[:-1]).contiguous()
     # identity positions per row, -1 after the row's length: upstream masks only idx < 0
     pos = torch.arange(max(max(inp.lens), 1), dtype=torch.int32, device=inp.q.device)
@@ -304,7 +298,7 @@ def _compaction(inp: PoolInputs):
     copying). Returns ``compact() -> (k_packed, v_packed, cu_q, cu_k)``."""
     import torch  # noqa: PLC0415
 
-    sa = _peer().load_sparse_attn()
+    sa = common.peer().load_sparse_attn()
     q, k, v, table, req, idx, seq = inp.args
     r, w = idx.shape
     i32 = dict(dtype=torch.int32, device=q.device)
@@ -323,7 +317,7 @@ def _compaction(inp: PoolInputs):
 
 
 def _upstream_step(inp: PoolInputs):
-    compact, sm121 = _compaction(inp), _peer().load_sm121_decode()
+    compact, sm121 = _compaction(inp), common.peer().load_sm121_decode()
     return lambda: sm121.qwen38_qsa_sm121(inp.args[0], *compact(), inp.scale)
 
 

@@ -157,24 +157,18 @@ def _ours(c: Case):
     return c.run
 
 
-def _upstream():
-    from interop.validate import peer  # noqa: PLC0415
-
-    return peer.load_sparse_attn()
-
-
 def _scale(c: Case) -> float:
     return c.softmax_scale if c.softmax_scale is not None else c.q.shape[-1] ** -0.5
 
 
 def _up_ordinary(c: Case):
-    up = _upstream()
+    up = common.peer().load_sparse_attn()
     return lambda: up.sparse_gqa_fwd_interface_triton(c.q, c.k, c.v, c.max_q, c.indices, c.cu_q,
                                                       _scale(c))
 
 
 def _up_chunk(c: Case):
-    up = _upstream()
+    up = common.peer().load_sparse_attn()
     cu_k, lens = (c.cu_k, c.kv_lens) if c.kind == "chunk" else \
         (c.cu_q, (c.cu_q[1:] - c.cu_q[:-1]).contiguous())
     return lambda: up.sparse_gqa_fwd_interface_triton_ck(c.q, c.k, c.v, c.indices, c.cu_q, cu_k,
