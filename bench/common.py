@@ -135,13 +135,10 @@ def geomean(xs) -> float | None:
 def errors(out, ref) -> dict:
     """Max abs error, max excess over ``atol + rtol |ref|``, relative L2 and finiteness of ``out``
     against ``ref`` (torch tensors or numpy arrays), in float64 on ``ref``'s device."""
-    import numpy as np  # noqa: PLC0415
     import torch  # noqa: PLC0415
 
-    r = torch.from_numpy(np.asarray(ref)) if isinstance(ref, np.ndarray) else ref.detach()
-    r = r.double()
-    o = torch.from_numpy(np.asarray(out)) if isinstance(out, np.ndarray) else out.detach()
-    o = o.to(r.device).double()
+    r, o = (torch.as_tensor(x).detach().double() for x in (ref, out))
+    o = o.to(r.device)
     diff = (o - r).abs()
     den = float(r.norm())
     rel = float((o - r).norm()) / den if den > 0 else float((o - r).norm())
@@ -158,18 +155,12 @@ def within_tolerance(err: dict) -> bool:
 
 
 def reference_f32(q, k, v, gather, scale: float, v_scale: float = 1.0, chunk: int = 128):
-    """The FP32 torch reference of sparse attention (every mode's), over chunks of query rows.
-
-    Args:
-      q: [n, Hq, D]; k, v: [rows, Hkv, D] (packed rows or the pool).
-      gather: (s, e) -> (valid bool [e - s, Hkv, L], the K/V row of every entry [e - s, Hkv, L])
-        for query rows s .. e-1; invalid entries are never read (their keys are zeros and
-        masked, so NaN in an unselected row never reaches the output).
-      scale: multiplies q . k (softmax scale x k_scale); v_scale: multiplies the output.
-
-    Returns:
-      float32 [n, Hq, D]; zeros for a row without a valid entry.
-    """
+    """The FP32 torch reference of sparse attention (every mode's), over chunks of query rows:
+    q [n, Hq, D], k, v [rows, Hkv, D] (packed rows or the pool) -> float32 [n, Hq, D], zeros for
+    a row without a valid entry. ``gather(s, e)`` -> (valid bool [e - s, Hkv, L], the K/V row of
+    every entry [e - s, Hkv, L]) for query rows s .. e-1; invalid entries are never read (zero
+    keys, masked: NaN in an unselected row never reaches the output). ``scale`` multiplies
+    q . k (softmax scale x k_scale), ``v_scale`` the output."""
     import torch  # noqa: PLC0415
 
     n, hq, d = q.shape
@@ -433,7 +424,7 @@ def _fmt_row(case: str, name: str, e: dict, timed: bool) -> str:
     if "skipped" in e:
         return f"{case:34s} {name:18s} skipped: {e['skipped']}"
     if "error" in e and "median_us" not in e:
-        return f"{case:34s} {name:18s} error: {e['error'][:90]}"
+        return f"{case:34s} {name:18s} error: {e['error'][:90 if timed else None]}"
     if not timed:
         return f"{case:34s} {name:18s} rel L2 {e['rel_l2']:.1e} {'ok' if e['ok'] else 'FAIL'}"
     us, sp = e.get("median_us"), e.get("speedup_vs_first")
@@ -712,10 +703,10 @@ def compare(mode: Mode, module: str, mode_key: str, args) -> dict:
     for n in names:
         sp = [c["providers"][n]["speedup"] for c in report["cases"]]
         ok = [x for x in sp if x]
-        report["summary"][n] = {"geomean_speedup_new_vs_old": geomean(ok), "cases": len(ok),
+        g = geomean(ok)
+        report["summary"][n] = {"geomean_speedup_new_vs_old": g, "cases": len(ok),
                                 "min": min(ok, default=None), "max": max(ok, default=None),
                                 "not_compared": len(sp) - len(ok)}
-        g = geomean(ok)
         print(f"{n}: geomean speedup new vs old over {len(ok)} cases = "
               + (f"{g:.4f} (new within 3% of old or faster: {'yes' if g >= 0.97 else 'NO'})"
                  if g else "-") + (f"; {len(sp) - len(ok)} cases not compared" if len(sp) > len(ok)

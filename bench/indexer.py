@@ -5,15 +5,12 @@ shorter than the context, 16-block pages scattered over the cache, -1 past each 
 8192 query rows of one request at the end of a 32k (or 128k) context. q and compressed keys
 N(0, 1) bf16, 4 heads x 128. Every provider returns the 2051-wide token rows.
 
-Providers: ``triton`` / ``pallas`` (``qsa_{triton,pallas}.indexer_select_*``; Pallas as a chain
-of calls in one ``jax.jit``, each call's lengths made to depend on the previous output);
-``triton_rb4`` and ``triton_c2x``: the Triton kernels under two private plan overrides (4-bit
-radix rounds in both passes; twice the pass-1 chunk); ``torch``: upstream's reference path
-(gather the paged keys, FP32 ``einsum``, ReLU-sum, -inf mask, ``torch.topk``, vectorised
-expansion; prefill rows chunked under upstream's 128 MiB logits budget); ``xla``: the same in
-plain JAX (``jnp.einsum`` bf16 -> FP32, ``lax.top_k``, ``qsa_pallas.expand_block_indices``).
-Bytes = the visible compressed keys (blocks x 128 x 2 B): % copy is the fraction of the copy
-bandwidth measured in the same run, i.e. time of one read of the keys / time.
+Providers (``--help``): Pallas and XLA as a chain of calls in one ``jax.jit``, each call's
+lengths made to depend on the previous output; ``torch`` gathers the paged keys, then FP32
+``einsum``, ReLU-sum, -inf mask, ``torch.topk``, vectorised expansion (prefill rows chunked under
+upstream's 128 MiB logits budget). Bytes = the visible compressed keys (blocks x 128 x 2 B): % copy
+is the fraction of the copy bandwidth measured in the same run, i.e. time of one read of the
+keys / time.
 
 Check (``bench.common``'s reference check on ``Mode.view``, a canonical view of the token rows):
 per row, the number of selected blocks whose FP32 reference logit lies below the reference 512th
@@ -118,32 +115,31 @@ def torch_prefill_blocks(q, k, rs, re, topk):
 
 
 def xla_fns(topk):
-    import jax
+    """Upstream's reference path in plain JAX: (decode, prefill) functions of the entry points'
+    arguments -> the expanded token rows."""
     import jax.numpy as jnp
     from jax import lax
 
     from qsa_pallas.indexer import _expand
 
-    def topk_blocks(logits):
-        vals, ids = lax.top_k(logits, min(topk, logits.shape[1]))
+    def select(s, visible, pos, sl):  # ReLU-sum over heads, top-k ascending (-1 padded), expand
+        s = jnp.where(visible, jnp.maximum(s, 0.0).sum(-1), -jnp.inf)
+        vals, ids = lax.top_k(s, min(topk, s.shape[1]))
         big = jnp.iinfo(jnp.int32).max
         ids = jnp.sort(jnp.where(jnp.isfinite(vals), ids, big), axis=1)
         ids = jnp.where(ids == big, -1, ids).astype(jnp.int32)
-        return jnp.pad(ids, ((0, 0), (0, topk - ids.shape[1])), constant_values=-1)
+        ids = jnp.pad(ids, ((0, 0), (0, topk - ids.shape[1])), constant_values=-1)
+        return _expand(ids, pos, sl, ratio=RATIO)
 
     def decode(q, kc, pt, sl):
         g = kc[jnp.clip(pt, 0, kc.shape[0] - 1)].reshape(q.shape[0], -1, D)
         s = jnp.einsum("bhd,bnd->bnh", q, g, preferred_element_type=jnp.float32)
-        s = jnp.maximum(s, 0.0).sum(-1)
-        s = jnp.where(jnp.arange(s.shape[1])[None] < (sl // RATIO)[:, None], s, -jnp.inf)
-        return _expand(topk_blocks(s), sl - 1, sl, ratio=RATIO)
+        return select(s, jnp.arange(s.shape[1])[None] < (sl // RATIO)[:, None], sl - 1, sl)
 
     def prefill(q, k, rs, re, pos, sl):
         s = jnp.einsum("mhd,nd->mnh", q, k[:, 0], preferred_element_type=jnp.float32)
-        s = jnp.maximum(s, 0.0).sum(-1)
         col = jnp.arange(s.shape[1])[None]
-        s = jnp.where((col >= rs[:, None]) & (col < re[:, None]), s, -jnp.inf)
-        return _expand(topk_blocks(s), pos, sl, ratio=RATIO)
+        return select(s, (col >= rs[:, None]) & (col < re[:, None]), pos, sl)
 
     return decode, prefill
 
@@ -198,9 +194,11 @@ PROVIDERS = {p.name: p for p in (
     common.Provider("triton", _triton, "qsa_triton.indexer_select_*"),
     common.Provider("pallas", _pallas, f"qsa_pallas.indexer_select_* (chain of {CHAIN})"),
     common.Provider("torch", _torch, "upstream's torch reference path + topk"),
-    common.Provider("xla", _xla, f"jnp.einsum + lax.top_k (chain of {CHAIN})"),
-    *(common.Provider(v, lambda inp, v=v: _triton(inp, v), f"Triton, private plan override {v}")
-      for v in VARIANTS),
+    common.Provider("xla", _xla, f"the same in JAX: jnp.einsum + lax.top_k (chain of {CHAIN})"),
+    common.Provider("triton_rb4", lambda inp: _triton(inp, "triton_rb4"), "Triton, private plan "
+                    "override: 4-bit radix rounds in both passes"),
+    common.Provider("triton_c2x", lambda inp: _triton(inp, "triton_c2x"), "Triton, private plan "
+                    "override: twice the pass-1 chunk"),
 )}
 
 

@@ -15,9 +15,7 @@ entry.
 ``--mode union``: block-level selections (``block_indices=``, the tile-union path, union build
 included) at 8192 rows x heads x KV, the selections' neighbour Jaccard calibrated to each of
 ``--jaccards`` (``interop.indices.calibrate_overlap``; the measured value is in the report) with 4
-sink blocks. Providers: ``ours-union`` (the selector), ``ours-hinted`` (``overlap=`` the measured
-Jaccard), ``ours-rows`` (the per-row kernel on the expanded token indices), ``upstream-chunk``
-and ``pallas-union``.
+sink blocks.
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ class Case:
     contexts [sum kv_lens, Hkv, D] (chunk) or the pool [slots, Hkv, D] (paged); indices int32
     [T, W] or [T, Hkv, W]; cu_q int32 [B+1]; cu_k int32 [B+1] (chunk); kv_lens int32 [B]
     (chunk, paged); req_to_token int32 [max_reqs, max_context], req_indices int32 [B] (paged);
-    max_q host int.
+    max_q host int. The softmax scale is the default, D ** -0.5 (``scale``).
     """
 
     kind: str
@@ -64,7 +62,10 @@ class Case:
     max_q: int
     k_scale: float = 1.0
     v_scale: float = 1.0
-    softmax_scale: float | None = None
+
+    @property
+    def scale(self) -> float:
+        return self.q.shape[-1] ** -0.5
 
     @property
     def entry(self) -> str:
@@ -93,8 +94,8 @@ class Case:
         old tree), the per-request slot table alone."""
         q, k, v, idx, cu_q = self.q, self.k, self.v, self.indices, self.cu_q
         if self.kind == "ordinary":
-            return [q, k, v, idx, cu_q, self.max_q, self.softmax_scale]
-        tail = [self.kv_lens, self.max_q, self.softmax_scale, self.k_scale, self.v_scale]
+            return [q, k, v, idx, cu_q, self.max_q, None]
+        tail = [self.kv_lens, self.max_q, None, self.k_scale, self.v_scale]
         if self.kind == "chunk":
             return [q, k, v, idx, cu_q, self.cu_k, *tail]
         table = ([self.req_to_token, self.req_indices]
@@ -149,7 +150,7 @@ def reference_f32(c: Case):
     ``interop.reference``'s semantics: an entry is valid iff 0 <= idx < len, invalid entries are
     never gathered, a row without a valid entry is 0. Returns float32 [T, Hq, D]."""
     return common.reference_f32(c.q, c.k, c.v, lambda s, e: _gather(c, s, e),
-                                _scale(c) * c.k_scale, c.v_scale)
+                                c.scale * c.k_scale, c.v_scale)
 
 
 # ------------------------------------------------------------------------------ providers
@@ -157,14 +158,10 @@ def _ours(c: Case):
     return c.run
 
 
-def _scale(c: Case) -> float:
-    return c.softmax_scale if c.softmax_scale is not None else c.q.shape[-1] ** -0.5
-
-
 def _up_ordinary(c: Case):
     up = common.peer().load_sparse_attn()
     return lambda: up.sparse_gqa_fwd_interface_triton(c.q, c.k, c.v, c.max_q, c.indices, c.cu_q,
-                                                      _scale(c))
+                                                      c.scale)
 
 
 def _up_chunk(c: Case):
@@ -172,7 +169,7 @@ def _up_chunk(c: Case):
     cu_k, lens = (c.cu_k, c.kv_lens) if c.kind == "chunk" else \
         (c.cu_q, (c.cu_q[1:] - c.cu_q[:-1]).contiguous())
     return lambda: up.sparse_gqa_fwd_interface_triton_ck(c.q, c.k, c.v, c.indices, c.cu_q, cu_k,
-                                                         lens, _scale(c), max_q=c.max_q)
+                                                         lens, c.scale, max_q=c.max_q)
 
 
 def _pallas(c: Case):
@@ -200,7 +197,7 @@ def _gather_dense(c: Case, rows_per_step: int = 256):
             kk, vv = (x[rows, heads].to(c.q.dtype) for x in (c.k, c.v))
             mask = ok.repeat_interleave(hq // hkv, dim=1)[:, :, None, :]
             o = F.scaled_dot_product_attention(c.q[s:e, :, None, :], kk, vv, attn_mask=mask,
-                                               scale=_scale(c) * c.k_scale, enable_gqa=True)
+                                               scale=c.scale * c.k_scale, enable_gqa=True)
             out[s:e] = (o[:, :, 0, :].nan_to_num(0.0) * c.v_scale).to(out.dtype)
         return out
 
@@ -299,7 +296,8 @@ def describe(spec: C.PrefillSpec, c: Case) -> dict:
         plot.append([f"query rows, chunk at KV {KV_SWEEP // 1024}k, {heads} heads", t])
     return {"name": spec.name, "kind": spec.kind, "hq": spec.hq, "hkv": spec.hkv, "d": spec.d,
             "T": t, "kv": kv, "width": int(c.indices.shape[-1]),
-            "kv_dtype": spec.kv_dtype or spec.dtype, "junk": spec.junk, "per_head": spec.per_head, "empty_rows": bool(spec.empty_rows),
+            "kv_dtype": spec.kv_dtype or spec.dtype, "junk": spec.junk, "per_head": spec.per_head,
+            "empty_rows": bool(spec.empty_rows),
             "valid_entries": valid, "bytes": valid * spec.d * c.k.element_size() * 2,
             "flops": 4 * (spec.hq // spec.hkv) * spec.d * valid, "plot": plot}
 

@@ -11,7 +11,6 @@ require grad are refused with ``ContractError``.
 
 import os
 
-import numpy as np
 import torch
 
 if not torch.cuda.is_available():
