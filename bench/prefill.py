@@ -102,13 +102,6 @@ class Case:
                  if "req_indices" in inspect.signature(fn).parameters else [self.slot_table])
         return [q, k, v, *table, idx, cu_q, *tail]
 
-    def run(self):
-        """Call this case's ``qsa_triton`` entry point."""
-        import qsa_triton  # noqa: PLC0415
-
-        fn = getattr(qsa_triton, self.entry)
-        return fn(*self.args_for(fn))
-
     def valid_entries(self) -> int:
         """Valid (gathered) index entries over all rows and KV heads."""
         idx, bound = self.indices.long(), self.rows[1]
@@ -154,8 +147,21 @@ def reference_f32(c: Case):
 
 
 # ------------------------------------------------------------------------------ providers
-def _ours(c: Case):
-    return c.run
+def _call(c: Case, pallas: bool = False, blocks: bool = False, **kw):
+    """A provider call of the case's entry point of ``qsa_triton`` or (``pallas``: a chain in one
+    ``jax.jit``) ``qsa_pallas``; ``blocks``: on the block selection (``block_indices=``, ``kw``
+    passed on) instead of the token indices."""
+    import importlib  # noqa: PLC0415
+
+    entry = getattr(importlib.import_module("qsa_pallas" if pallas else "qsa_triton"), c.entry)
+    args, fn = (dataclasses.replace(c, indices=None) if blocks else c).args_for(entry), entry
+    if blocks:  # the block ids last and positional: jax_chain hands only positional tensors to jax
+        args.append(c.blocks)
+
+        def fn(*a):
+            return entry(*a[:-1], block_indices=a[-1], **kw)
+
+    return common.jax_chain(fn, args, {}, CHAIN) if pallas else lambda: fn(*args)
 
 
 def _up_ordinary(c: Case):
@@ -170,13 +176,6 @@ def _up_chunk(c: Case):
         (c.cu_q, (c.cu_q[1:] - c.cu_q[:-1]).contiguous())
     return lambda: up.sparse_gqa_fwd_interface_triton_ck(c.q, c.k, c.v, c.indices, c.cu_q, cu_k,
                                                          lens, c.scale, max_q=c.max_q)
-
-
-def _pallas(c: Case):
-    import qsa_pallas  # noqa: PLC0415
-
-    fn = getattr(qsa_pallas, c.entry)
-    return common.jax_chain(fn, c.args_for(fn), {}, CHAIN)
 
 
 def _gather_dense(c: Case, rows_per_step: int = 256):
@@ -213,7 +212,7 @@ def _upstream_supports(desc: dict, kinds) -> str | None:
 
 
 PROVIDERS = {p.name: p for p in (
-    common.Provider("ours", _ours, "qsa_triton.sparse_prefill / _chunk / _paged"),
+    common.Provider("ours", _call, "qsa_triton.sparse_prefill / _chunk / _paged"),
     common.Provider("upstream-chunk", _up_chunk, "upstream's sparse_gqa_fwd_interface_triton_ck "
                     "(its own L20/H20 table geometry; ordinary cases as chunks without a prefix)",
                     supports=functools.partial(_upstream_supports,
@@ -223,8 +222,8 @@ PROVIDERS = {p.name: p for p in (
                     supports=functools.partial(_upstream_supports, kinds=("ordinary",))),
     common.Provider("gather-dense", _gather_dense, "torch gather of each row's K/V + "
                     "scaled_dot_product_attention with a key mask (context)"),
-    common.Provider("pallas", _pallas, "qsa_pallas.sparse_prefill / _chunk / _paged (JAX; chain of "
-                    f"{CHAIN} in one jit)", default=False),
+    common.Provider("pallas", functools.partial(_call, pallas=True), "qsa_pallas.sparse_prefill "
+                    f"/ _chunk / _paged (JAX; chain of {CHAIN} in one jit)", default=False),
 )}
 
 
@@ -367,26 +366,16 @@ def union_describe(case: tuple, c: Case) -> dict:
                       "block selections", jaccard]]}
 
 
-def _blocks(c: Case, pallas: bool = False, **kw):
-    import qsa_pallas  # noqa: PLC0415, F401 - the backend named by ``pallas``
-    import qsa_triton  # noqa: PLC0415
-
-    fn = getattr(qsa_pallas if pallas else qsa_triton, c.entry)
-    args = dataclasses.replace(c, indices=None).args_for(fn)
-    if pallas:  # block ids positional: jax_chain hands only positional tensors to jax
-        return common.jax_chain(lambda *a: fn(*a[:-1], block_indices=a[-1], **kw),
-                                args + [c.blocks], {}, CHAIN)
-    return lambda: fn(*args, block_indices=c.blocks, **kw)
-
-
 UNION_PROVIDERS = {p.name: p for p in (
-    common.Provider("ours-union", _blocks, "qsa_triton entry points, block_indices= (selector)"),
-    common.Provider("ours-hinted", lambda c: _blocks(c, overlap=min(1.0, max(0.0, c.jaccard))),
+    common.Provider("ours-union", functools.partial(_call, blocks=True),
+                    "qsa_triton entry points, block_indices= (selector)"),
+    common.Provider("ours-hinted",
+                    lambda c: _call(c, blocks=True, overlap=min(1.0, max(0.0, c.jaccard))),
                     "the same with overlap= the measured Jaccard (the engine's hint)"),
-    common.Provider("ours-rows", _ours, "qsa_triton per-row kernel on the expanded indices"),
+    common.Provider("ours-rows", _call, "qsa_triton per-row kernel on the expanded indices"),
     PROVIDERS["upstream-chunk"],
-    common.Provider("pallas-union", lambda c: _blocks(c, pallas=True), "qsa_pallas, "
-                    f"block_indices= (chain of {CHAIN} in one jit)"),
+    common.Provider("pallas-union", functools.partial(_call, pallas=True, blocks=True),
+                    f"qsa_pallas, block_indices= (chain of {CHAIN} in one jit)"),
 )}
 UNION = common.Mode("prefill_union", "QSA tile-union sparse prefill (block selections)",
                     UNION_PROVIDERS, union_cases, union_prepare, union_describe)
