@@ -23,6 +23,7 @@ torch and jax are imported lazily, so this module imports on any machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -436,10 +437,6 @@ def _fmt_row(case: str, name: str, e: dict, timed: bool) -> str:
     return f"{case:34s} {name:18s} " + " ".join(cells)
 
 
-HEADER = (f"{'case':34s} {'provider':18s} {'us/call':>9s} {'p10':>8s} {'p90':>8s} {'%copy':>6s} "
-          f"{'x first':>7s} relL2")
-
-
 # ------------------------------------------------------------------------------------ running
 def _check_one(mode: Mode, name: str, desc: dict, inputs, ref) -> tuple[Callable | None, dict]:
     """Set provider ``name`` up on a case and check its output (``mode.view`` of it); (call or
@@ -490,7 +487,9 @@ def run(mode: Mode, args) -> dict:
         print(f"{report['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
     print(f"{mode.name}: providers {', '.join(names)}" + (f"; x first = time of {first} / time"
                                                           if timed else "; check only, no timing"))
-    print(HEADER if timed else f"{'case':34s} {'provider':18s} check")
+    print(f"{'case':34s} {'provider':18s} " + (f"{'us/call':>9s} {'p10':>8s} {'p90':>8s} "
+                                                f"{'%copy':>6s} {'x first':>7s} relL2" if timed
+                                                else "check"))
     for case in mode.cases(args, kind):
         inputs, ref = mode.prepare(case, device)
         desc = mode.describe(case, inputs)
@@ -774,10 +773,8 @@ def main(modes: dict[str, Mode], module: str, argv=None, prog: str | None = None
     if args.smoke_cpu:
         os.environ["TRITON_INTERPRET"] = "1"  # before any @triton.jit is defined
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        try:  # the interpreter's bf16 dot is wrong (architecture.md); fp16 is used on CPU anyway
+        with contextlib.suppress(ImportError):  # the interpreter's bf16 dot is wrong (fp16 here)
             import tests.triton_interp_patch  # noqa: F401, PLC0415
-        except ImportError:
-            pass
     else:
         import torch  # noqa: PLC0415
 

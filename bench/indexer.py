@@ -115,8 +115,8 @@ def torch_prefill_blocks(q, k, rs, re, topk):
 
 
 def xla_fns(topk):
-    """Upstream's reference path in plain JAX: (decode, prefill) functions of the entry points'
-    arguments -> the expanded token rows."""
+    """Upstream's reference path in plain JAX: {"decode", "prefill"} -> a function of the entry
+    point's arguments -> the expanded token rows."""
     import jax.numpy as jnp
     from jax import lax
 
@@ -141,7 +141,7 @@ def xla_fns(topk):
         col = jnp.arange(s.shape[1])[None]
         return select(s, (col >= rs[:, None]) & (col < re[:, None]), pos, sl)
 
-    return decode, prefill
+    return {"decode": decode, "prefill": prefill}
 
 
 # ------------------------------------------------------------------------------ providers
@@ -186,8 +186,7 @@ def _torch(inp: Inputs):
 
 
 def _xla(inp: Inputs):
-    decode, prefill = xla_fns(TOPK)
-    return _jax_chain(decode if inp.kind == "decode" else prefill, inp)
+    return _jax_chain(xla_fns(TOPK)[inp.kind], inp)
 
 
 PROVIDERS = {p.name: p for p in (
