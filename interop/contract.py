@@ -353,11 +353,11 @@ class _Checker:
         return group
 
     def q_kv(self, qs, ks, vs, k: str, v: str, q_shape: str, kv_shape: str, kv_dtypes,
-             pairs: str = "head_pairs", rows: tuple[str, str] | None = None):
+             pairs: str = "head_pairs", rows: tuple[str, str, str] | None = None):
         """q [rows, Hq, D] against its K and V [*, Hkv, D], in this order: ranks, dtypes (K in
         ``kv_dtypes``, V as K), equal K/V shapes, head dim, GQA group (strict: (Hq, Hkv) in
-        ``QUALIFIED[pairs]``), the row count (``rows`` = (QUALIFIED key, what a row is): >= 1,
-        strict: in that range), last dims contiguous, K and V on q's device. Returns (rows, Hq,
+        ``QUALIFIED[pairs]``), the row count (``rows`` = (QUALIFIED key, what the rows are, their
+        symbol): >= 1, strict: in that range), last dims contiguous, K and V on q's device. Returns (rows, Hq,
         D, group)."""
         self.rank("q", qs, 3, q_shape)
         self.dtype("q", qs, _FLOAT_DTYPES)
@@ -373,10 +373,10 @@ class _Checker:
         self.head_dim("q", d)
         group = self.heads(hq, ks.shape[1], "q", k, QUALIFIED[pairs])
         if rows is not None:
-            (lo, hi), what = QUALIFIED[rows[0]], rows[1]
+            (lo, hi), (_, what, sym) = QUALIFIED[rows[0]], rows
             if n < 1 or (self.strict and n > hi):
                 self.fail("q", f"{what} in [{lo}, {hi}]" if self.strict else f"{what} >= 1",
-                          f"{what} = {n}")
+                          f"{sym} = {n}")
         for name, x in (("q", qs), (k, ks), (v, vs)):
             self.last_dim_contiguous(name, x)
         self.same_device(k, ks, qs, "q")
@@ -416,7 +416,7 @@ def check_decode(
     qs, ks, vs = c.spec("q", q), c.spec("k", k), c.spec("v", v)
     cq, ck = c.spec("cu_seqlens_q", cu_seqlens_q), c.spec("cu_seqlens_k", cu_seqlens_k)
     b, hq, d, group = c.q_kv(qs, ks, vs, "k", "v", "[B, Hq, D]", "[C, Hkv, D]", (qs.dtype,),
-                             rows=("batch", "batch B"))
+                             rows=("batch", "batch B", "B"))
     c.metadata("cu_seqlens_q", cq, b + 1, qs, "q")
     c.metadata("cu_seqlens_k", ck, b + 1, qs, "q")
     c.host_int("max_seqlen_q", max_seqlen_q, 1, 1, " (decode: one query row per sequence)")
@@ -847,7 +847,7 @@ def check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, 
             c.fail(name, "a host bool", type(flag).__name__)
     r, hq, d, group = c.q_kv(qs, ks, vs, "k_cache", "v_cache", "[R, Hq, D]", "[slots, Hkv, D]",
                              (qs.dtype,) + _FP8_DTYPES,
-                             rows=("paged_rows", "query rows R"))
+                             rows=("paged_rows", "R query rows", "R"))
     c.rank("req_to_token", rt, 2, "[max_reqs, max_context] of int32 pool slots")
     c.dtype("req_to_token", rt, ("int32",))
     c.same_device("req_to_token", rt, qs, "q")
