@@ -201,13 +201,11 @@ def unrolled(step: Callable, n: int, link: Callable | None = None) -> Callable:
 
 def jax_chain(fn: Callable, args: list, kwargs: dict, chain: int,
               link: Callable | None = None) -> Callable[[], Any]:
-    """A provider call running ``fn(*args, **kwargs)`` (a ``qsa_pallas`` entry point) on torch
-    buffers shared zero-copy with jax (``interop.dlpack``): ``chain`` calls unrolled inside one
-    ``jax.jit``, each call's tensor arguments made to depend on the previous call's output
-    (``unrolled``'s ``link``; default: q := the previous output): a data dependency, so XLA can
-    neither merge nor hoist them (its GPU ``while`` loop would round-trip to the host each trip).
-    Non-tensor arguments (host ints) are static. Returns ``call`` (attributes ``chain``,
-    ``capturable = False``, ``once``: one call's output, as a torch tensor)."""
+    """A provider call: ``fn(*args, **kwargs)`` on torch buffers shared zero-copy with jax,
+    ``chain`` calls unrolled in one ``jax.jit``, each depending on the previous output
+    (``unrolled``'s ``link``): XLA can neither merge nor hoist them (its GPU ``while`` loop would
+    round-trip to the host each trip). Host ints are static. ``call`` has ``chain``,
+    ``capturable = False`` and ``once`` (one call's output, a torch tensor)."""
     import jax  # noqa: PLC0415
 
     from interop.dlpack import to_jax, to_torch  # noqa: PLC0415
@@ -246,8 +244,8 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30, reps: int = 20) -> float:
 
 
 def _elapsed_us(fn) -> float:
-    """Run fn once; its time in µs: CUDA events on torch's current stream (host wall clock on a
-    machine without CUDA, where only the code paths are exercised)."""
+    """Run fn once; its time in µs: CUDA events on torch's current stream (host wall clock
+    without CUDA)."""
     import torch  # noqa: PLC0415
 
     if not torch.cuda.is_available():
@@ -546,8 +544,7 @@ def _why_not(report: dict, name: str) -> str:
 
 
 def _report(mode: Mode, kind: str, names: list[str], gpu: str, method: str, **extra) -> dict:
-    """A report's head (``cases`` filled in as they run): what, when, where, with which
-    versions."""
+    """A report's head (``cases`` filled in as they run): what, when, where, which versions."""
     import datetime  # noqa: PLC0415
 
     versions = {"python": sys.version.split()[0]}
@@ -637,11 +634,10 @@ def _serve(module: str, mode_key: str, tree: str) -> int:
 
 
 def compare(mode: Mode, module: str, mode_key: str, args) -> dict:
-    """Time ``--providers`` (default: the first provider) of this checkout ("new") against the same
-    providers of the checkout at ``args.compare`` ("old"; only its ``interop``, ``qsa_triton`` and
-    ``qsa_pallas`` are used) on the mode's cases, in one run: one worker per (tree, provider),
-    replays alternating old, new, old, new ... (rotating order per round). Prints per-case
-    and geomean speedups (time old / time new: > 1, the new tree is faster); writes the JSON."""
+    """Time ``--providers`` (default: the first) of this checkout ("new") against those of the
+    checkout at ``args.compare`` ("old": its ``interop``, ``qsa_triton``, ``qsa_pallas``) in one
+    run: one worker process per (tree, provider), replays alternating old/new (rotating order
+    per round). Prints per-case and geomean speedups (time old / time new); writes the JSON."""
     import torch  # noqa: PLC0415
 
     names = choose(args.providers, mode.providers, "--providers", list(mode.providers)[:1])

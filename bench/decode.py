@@ -428,9 +428,8 @@ POOL_PROVIDERS = {p.name: p for p in (
 
 def pool_cases(args, kind: str) -> list[PoolSpec]:
     """The pool-mode specs of one run: ``bench`` (TP x pool dtype x layout x rows x B, filtered
-    by ``--tp/--kv/--layouts/--rows/--batches``; mtp: 32 requests x 4 rows), ``smoke`` (tiny
-    fp16 / fp8 cases with junk for the CPU interpreters) or ``memcheck`` (junk entries,
-    duplicates, an empty row, NaN / Inf in free slots, small pools on the GPU)."""
+    by the options; mtp: 32 requests x 4 rows), ``smoke`` (tiny fp16 / fp8 cases with junk) or
+    ``memcheck`` (junk entries, duplicates, an empty row, NaN / Inf in free slots)."""
     if getattr(args, "compare", None):
         raise common.ProviderError("--mode pool has no --compare (its pool is gigabytes; time "
                                    "the providers of both trees in one run instead)")

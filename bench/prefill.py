@@ -40,14 +40,11 @@ SECTIONS = ("matrix", "sweep", "paged")
 
 @dataclasses.dataclass
 class Case:
-    """One prefill batch on a device.
-
-    kind: "ordinary" | "chunk" | "paged". q [T, Hq, D]; k, v: [T, Hkv, D] (ordinary), the packed
-    contexts [sum kv_lens, Hkv, D] (chunk) or the pool [slots, Hkv, D] (paged); indices int32
-    [T, W] or [T, Hkv, W]; cu_q int32 [B+1]; cu_k int32 [B+1] (chunk); kv_lens int32 [B]
-    (chunk, paged); req_to_token int32 [max_reqs, max_context], req_indices int32 [B] (paged);
-    max_q host int. The softmax scale is the default, D ** -0.5 (``scale``).
-    """
+    """One prefill batch on a device: kind "ordinary" | "chunk" | "paged"; q [T, Hq, D]; k, v
+    [T, Hkv, D] (ordinary), the packed contexts (chunk) or the pool [slots, Hkv, D] (paged);
+    indices int32 [T, W] or [T, Hkv, W]; int32 cu_q [B+1], cu_k [B+1] (chunk), kv_lens [B]
+    (chunk, paged), req_to_token [max_reqs, max_context] and req_indices [B] (paged); max_q host
+    int; the default softmax scale D ** -0.5 (``scale``)."""
 
     kind: str
     q: Any
@@ -110,10 +107,8 @@ class Case:
 
 
 def make_case(spec: C.PrefillSpec, device) -> Case:
-    """Seeded inputs of a ``PrefillSpec`` on ``device``, as ``qsa check`` builds them
-    (``interop.validate.crosscheck.build_inputs``: ``interop.cases.case_data``'s metadata,
-    indices, NaN in every K/V row no valid entry selects and slot-table entries past the pool with
-    ``poison``; N(0, 1) values drawn on the device)."""
+    """Seeded inputs of a ``PrefillSpec`` on ``device`` as ``qsa check`` builds them
+    (``crosscheck.build_inputs``: ``interop.cases.case_data``'s metadata, indices and poison)."""
     from interop.validate.crosscheck import build_inputs  # noqa: PLC0415
 
     n = build_inputs(spec, device).named()
