@@ -1,28 +1,21 @@
 """The machinery shared by the benchmarks: provider registry, interleaved timing, reference check,
-JSON report, command line, and the old-tree / new-tree comparison.
+JSON report, command line, and the old-tree / new-tree comparison (``compare``).
 
-A benchmark module (``bench/decode.py``, ``bench/prefill.py``) declares a ``Mode``: how to list its
-cases, how to build one case's inputs and FP32 reference, what a case moves (bytes, flops), and a
-registry of ``Provider``s, ``name -> setup(inputs) -> call``. ``run`` does the rest, the same way
+A benchmark module declares ``Mode``s (cases, inputs and FP32 reference, bytes and flops, a
+registry of ``Provider``s ``name -> setup(inputs) -> call``); ``run`` does the rest, the same way
 for every mode:
 
 * every provider of a case runs on the same inputs and its output is checked against the FP32
   reference (rtol = atol = 2e-2 elementwise, relative L2 <= 5e-3, finite: ``interop.cases``);
-* the providers that pass are timed interleaved: each is captured into a CUDA graph of
-  ``Mode.calls`` back-to-back calls (a JAX provider instead runs an unrolled chain of ``calls``
-  calls inside one ``jax.jit``, each call's q the previous output), then the graphs are replayed
-  round-robin, the order rotating every round, each replay timed with CUDA events; the reported
-  time is the median over rounds of replay time / calls. The first provider is timed a second time
-  as ``NAME@self``: its ratio to itself is the run's noise (``docs/anchors.md``: plain ``do_bench``
-  of 4-60 us kernels was bimodal on the H200);
+* the providers that pass are timed interleaved (``time_interleaved``): CUDA graphs of
+  ``Mode.calls`` back-to-back calls (JAX: an unrolled chain in one ``jax.jit``, ``jax_chain``)
+  replayed round-robin, the order rotating every round, each replay timed with CUDA events; the
+  time is the median over rounds of replay time / calls. The first provider is timed a second
+  time as ``NAME@self``: its ratio to itself is the run's noise (``docs/anchors.md``: plain
+  ``do_bench`` of 4-60 us kernels was bimodal on the H200);
 * the report (JSON) holds, per case and provider, the times, GB/s and % of the device-to-device
   copy bandwidth measured in the same run (bytes = what the case must read), the check, and
   ``speedup_vs_first`` = time of the first provider / time of this one.
-
-``compare`` times one mode's providers from two checkouts side by side: one worker process per
-(tree, provider) (two versions of one package cannot share a process), the case's inputs and
-reference built once by this checkout and handed to every worker, replays alternating between the
-workers round-robin; it prints per-case and geomean speedups of the new tree over the old.
 
 torch and jax are imported lazily, so this module imports on any machine.
 """
@@ -30,6 +23,7 @@ torch and jax are imported lazily, so this module imports on any machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -46,8 +40,8 @@ from interop.cases import ATOL, REL_L2, RTOL
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # jax shares the GPU with torch
 
-__all__ = ["Provider", "Mode", "ProviderError", "parse_providers", "choose", "positive_ints",
-           "errors", "within_tolerance", "unrolled", "jax_chain", "time_interleaved",
+__all__ = ["Provider", "Mode", "ProviderError", "choose", "positive_ints", "errors",
+           "within_tolerance", "reference_f32", "unrolled", "jax_chain", "time_interleaved",
            "copy_bandwidth_bytes_per_s", "add_arguments", "run", "compare", "main", "write_json",
            "default_json_path", "geomean", "SELF_SUFFIX"]
 
@@ -58,20 +52,14 @@ PACKAGES = ("interop", "qsa_triton", "qsa_pallas")  # what --compare takes from 
 
 @dataclasses.dataclass(frozen=True)
 class Provider:
-    """One implementation of a mode's computation.
-
-    Attributes:
-      name: the ``--providers`` name.
-      setup: inputs -> call. ``call()`` launches the work on torch's current stream, syncs nothing
-        and returns the output (a torch tensor shaped like the reference). A call may carry
-        ``capturable = False`` (JAX: timed as an eager loop, not a CUDA graph), ``chain = n`` (one
-        call does n calls of the op) and ``once`` (a callable giving a single call's output, for
-        the check). Raising means "cannot run this case" (reported, the others still run).
-      doc: one line for ``--help``.
-      supports: the case's ``Mode.describe`` dict -> None, or the reason this provider does not
-        apply to the case.
-      default: timed when ``--providers`` is not given.
-    """
+    """One implementation of a mode's computation: ``name`` (for ``--providers``), ``doc`` (one
+    line for ``--help``), ``default`` (timed when ``--providers`` is not given), ``supports``
+    (the case's ``Mode.describe`` dict -> None, or why this provider does not apply) and
+    ``setup``: inputs -> call. ``call()`` launches the work on torch's current stream, syncs
+    nothing and returns the output (a torch tensor shaped like the reference); it may carry
+    ``capturable = False`` (JAX: timed as an eager loop, not a CUDA graph), ``chain = n`` (one
+    call does n calls of the op) and ``once`` (a single call's output, for the check). Raising
+    means "cannot run this case" (reported, the others still run)."""
 
     name: str
     setup: Callable[[Any], Callable[[], Any]]
@@ -82,23 +70,15 @@ class Provider:
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """One benchmark: cases, inputs, reference, metrics and providers.
-
-    Attributes:
-      name: report name ("decode", "prefill"); the JSON is ``<name>.json`` by default.
-      title: one line naming what is timed (plot title, report header).
-      providers: name -> Provider, in the default order (the first is what ratios compare with).
-      cases: (args, kind) -> list of cases; kind is "bench", "smoke" (tiny shapes for the CPU
-        interpreters) or "memcheck" (edge cases for compute-sanitizer); ``args`` are the parsed
-        command line (the mode's own filters).
-      prepare: (case, device) -> (inputs, reference float32 tensor).
-      describe: (case, inputs) -> JSON-able dict: ``name``, ``bytes`` (what the case must read),
-        optionally ``flops``, ``plot`` ([[panel, x], ...]: where the case sits in the plot), and
-        any shape fields.
-      calls: calls per CUDA-graph replay / per JAX chain (None: sized so a replay takes ~2 ms).
-      finish: report -> None, run after a timed run's summary (the mode's own verdicts, e.g.
-        pass/fail lines of its thresholds, added to the report before it is written).
-    """
+    """One benchmark: ``name`` (of the report, ``<name>.json`` by default), ``title`` (one line
+    naming what is timed), ``providers`` (name -> Provider, the first is what ratios compare
+    with), ``cases`` ((parsed command line, kind) -> cases; kind "bench", "smoke": tiny shapes
+    for the CPU interpreters, or "memcheck": edge cases for compute-sanitizer), ``prepare``
+    ((case, device) -> (inputs, FP32 reference)), ``describe`` ((case, inputs) -> JSON-able
+    dict: ``name``, ``bytes`` the case must read, optionally ``flops``, ``plot`` ([[panel, x],
+    ...]) and shape fields), ``calls`` (per CUDA-graph replay / JAX chain; None: ~2 ms a
+    replay), ``finish`` (report -> None after a timed run's summary: the mode's verdicts) and
+    ``view`` ((output, inputs) -> what is checked; None: the output)."""
 
     name: str
     title: str
@@ -108,47 +88,42 @@ class Mode:
     describe: Callable[[Any, Any], dict]
     calls: int | None = None
     finish: Callable[[dict], None] | None = None
+    view: Callable[[Any, Any], Any] | None = None
 
 
 class ProviderError(ValueError):
     """A bad command-line value (the scripts exit 2 with its message, before touching a GPU)."""
 
 
-def parse_providers(text: str | None, allowed) -> list[str] | None:
-    """``--providers a,b,c``: names in the given order, duplicates dropped; None or blank text ->
-    None (the defaults). Raises ProviderError naming every allowed name on an unknown one."""
-    if text is None or not text.strip():
-        return None
+def choose(text: str | None, allowed, flag: str, default=None) -> list[str]:
+    """A comma list of names from ``allowed`` in the given order, duplicates dropped; None or
+    blank text: ``default`` (None: every allowed name, in their order). Raises ProviderError
+    naming ``flag`` and every allowed name on an unknown one."""
     allowed = list(allowed)
-    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    unknown = [n for n in names if n not in allowed]
-    if unknown:
-        raise ProviderError(f"unknown provider(s) {', '.join(map(repr, unknown))} in --providers; "
-                            f"allowed: {', '.join(allowed)}")
-    return names
-
-
-def choose(text: str | None, allowed, flag: str) -> list[str]:
-    """A comma list of names from ``allowed`` (None or blank: all of them, in their order);
-    ProviderError naming the allowed values on an unknown one."""
-    names = [x.strip() for x in (text or "").split(",") if x.strip()] or list(allowed)
+    names = list(dict.fromkeys(x.strip() for x in (text or "").split(",") if x.strip()))
     bad = [x for x in names if x not in allowed]
     if bad:
-        raise ProviderError(f"unknown {flag} value(s) {bad}; allowed: {', '.join(allowed)}")
-    return names
+        raise ProviderError(f"unknown {flag} value(s) {', '.join(map(repr, bad))}; allowed: "
+                            f"{', '.join(allowed)}")
+    return names or list(allowed if default is None else default)
 
 
 def positive_ints(text: str | None, default, flag: str) -> list[int]:
     """A comma list of positive integers (None or blank: ``default``); ProviderError otherwise."""
-    if not text or not text.strip():
-        return list(default)
     try:
-        out = [int(x) for x in text.split(",")]
+        out = [int(x) for x in text.split(",")] if text and text.strip() else list(default)
     except ValueError:
         out = [0]
     if any(x < 1 for x in out):
         raise ProviderError(f"{flag} wants positive integers, got {text!r}")
     return out
+
+
+def peer():
+    """``interop.validate.peer``: upstream SGLang's kernels, loaded from its wheel when used."""
+    from interop.validate import peer as upstream  # noqa: PLC0415
+
+    return upstream
 
 
 def geomean(xs) -> float | None:
@@ -161,13 +136,10 @@ def geomean(xs) -> float | None:
 def errors(out, ref) -> dict:
     """Max abs error, max excess over ``atol + rtol |ref|``, relative L2 and finiteness of ``out``
     against ``ref`` (torch tensors or numpy arrays), in float64 on ``ref``'s device."""
-    import numpy as np  # noqa: PLC0415
     import torch  # noqa: PLC0415
 
-    r = torch.from_numpy(np.asarray(ref)) if isinstance(ref, np.ndarray) else ref.detach()
-    r = r.double()
-    o = torch.from_numpy(np.asarray(out)) if isinstance(out, np.ndarray) else out.detach()
-    o = o.to(r.device).double()
+    r, o = (torch.as_tensor(x).detach().double() for x in (ref, out))
+    o = o.to(r.device)
     diff = (o - r).abs()
     den = float(r.norm())
     rel = float((o - r).norm()) / den if den > 0 else float((o - r).norm())
@@ -183,25 +155,57 @@ def within_tolerance(err: dict) -> bool:
     return err["finite"] and err["excess"] <= 0.0 and err["rel_l2"] <= REL_L2
 
 
+def reference_f32(q, k, v, gather, scale: float, v_scale: float = 1.0, chunk: int = 128):
+    """The FP32 torch reference of sparse attention (every mode's), over chunks of query rows:
+    q [n, Hq, D], k, v [rows, Hkv, D] (packed rows or the pool) -> float32 [n, Hq, D], zeros for
+    a row without a valid entry. ``gather(s, e)`` -> (valid bool [e - s, Hkv, L], the K/V row of
+    every entry [e - s, Hkv, L]) for query rows s .. e-1; invalid entries are never read (zero
+    keys, masked: NaN in an unselected row never reaches the output). ``scale`` multiplies
+    q . k (softmax scale x k_scale), ``v_scale`` the output."""
+    import torch  # noqa: PLC0415
+
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    heads = torch.arange(hkv, device=q.device)[None, :, None]
+    out = torch.zeros(n, hq, d, dtype=torch.float32, device=q.device)
+    with torch.no_grad():
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            ok, rows = gather(s, e)
+            rows = torch.where(ok, rows, 0)
+            kk, vv = (torch.where(ok[..., None], x[rows, heads].float(), 0.0) for x in (k, v))
+            qq = q[s:e].float().view(e - s, hkv, hq // hkv, d)
+            sc = torch.einsum("nhgd,nhld->nhgl", qq, kk) * scale
+            p = torch.softmax(sc.masked_fill(~ok[:, :, None, :], float("-inf")), -1)
+            o = torch.einsum("nhgl,nhld->nhgd", p.nan_to_num(0.0), vv) * v_scale
+            out[s:e] = o.reshape(e - s, hq, d)
+    return out
+
+
 # --------------------------------------------------------------------------------------- JAX
-def unrolled(step: Callable, n: int) -> Callable:
-    """``(x, *rest) -> step(...step(step(x, *rest), *rest)..., *rest)``, n calls unrolled (to be
-    jitted; with ``step`` itself jitted the chain traces it once and calls it n times)."""
-    def run(x, *rest):
-        for _ in range(n):
-            x = step(x, *rest)
-        return x
+def unrolled(step: Callable, n: int, link: Callable | None = None) -> Callable:
+    """``(*xs) -> out``: n calls of ``step`` unrolled (to be jitted; with ``step`` itself jitted
+    the chain traces it once and calls it n times), call i + 1 on ``link(xs, out_i)`` (default:
+    ``(out_i, *xs[1:])``, the previous output as the first argument)."""
+    link = link or (lambda xs, out: (out, *xs[1:]))
+
+    def run(*xs):
+        out = step(*xs)
+        for _ in range(n - 1):
+            xs = link(xs, out)
+            out = step(*xs)
+        return out
 
     return run
 
 
-def jax_chain(fn: Callable, args: list, kwargs: dict, chain: int) -> Callable[[], Any]:
-    """A provider call running ``fn(q, *rest, **kwargs)`` (a ``qsa_pallas`` entry point) on torch
-    buffers shared zero-copy with jax (``interop.dlpack``): ``chain`` calls unrolled inside one
-    ``jax.jit``, each call's q the previous call's output (a data dependency: XLA can neither merge
-    nor hoist them; its GPU ``while`` loop would round-trip to the host each trip). Non-tensor
-    arguments (host ints) are static. Returns ``call`` (attributes ``chain``, ``capturable =
-    False``, ``once``: one call's output, as a torch tensor)."""
+def jax_chain(fn: Callable, args: list, kwargs: dict, chain: int,
+              link: Callable | None = None) -> Callable[[], Any]:
+    """A provider call: ``fn(*args, **kwargs)`` on torch buffers shared zero-copy with jax,
+    ``chain`` calls unrolled in one ``jax.jit``, each depending on the previous output
+    (``unrolled``'s ``link``): XLA can neither merge nor hoist them (its GPU ``while`` loop would
+    round-trip to the host each trip). Host ints are static. ``call`` has ``chain``,
+    ``capturable = False`` and ``once`` (one call's output, a torch tensor)."""
     import jax  # noqa: PLC0415
 
     from interop.dlpack import to_jax, to_torch  # noqa: PLC0415
@@ -216,7 +220,7 @@ def jax_chain(fn: Callable, args: list, kwargs: dict, chain: int) -> Callable[[]
         return fn(*full, **kwargs)
 
     step = jax.jit(one)
-    chained = jax.jit(unrolled(step, chain))
+    chained = jax.jit(unrolled(step, chain, link))
 
     def call():
         return to_torch(chained(*arrays))
@@ -235,21 +239,13 @@ def copy_bandwidth_bytes_per_s(nbytes: int = 1 << 30, reps: int = 20) -> float:
 
     src = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
     dst = torch.empty_like(src)
-    times = []
-    for i in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        if i >= 3:
-            times.append(a.elapsed_time(b) * 1e-3)
-    return 2 * nbytes / statistics.median(times)
+    times = [_elapsed_us(lambda: dst.copy_(src)) for _ in range(reps + 3)][3:]  # 3 warm-up copies
+    return 2 * nbytes / (statistics.median(times) * 1e-6)
 
 
 def _elapsed_us(fn) -> float:
-    """Run fn once; its time in µs: CUDA events on torch's current stream (host wall clock on a
-    machine without CUDA, where only the code paths are exercised)."""
+    """Run fn once; its time in µs: CUDA events on torch's current stream (host wall clock
+    without CUDA)."""
     import torch  # noqa: PLC0415
 
     if not torch.cuda.is_available():
@@ -324,19 +320,12 @@ def _stats(samples: list[float], t: _Timed | None = None) -> dict:
 
 def time_interleaved(calls: dict[str, Callable], *, calls_per_replay: int | None = None,
                      rounds: int = 15, warmup_ms: float = 50.0) -> dict[str, dict]:
-    """Time provider calls of one case interleaved (see the module docstring).
-
-    Args:
-      calls: name -> provider call (inputs ready; the call must not sync the host).
-      calls_per_replay: calls captured per CUDA graph (None: sized to ~2 ms per replay).
-      rounds: timed replays per provider; the replay order rotates each round.
-      warmup_ms: untimed round-robin replays first (GPU clocks settle after compile pauses).
-
-    Returns:
-      name -> {"median_us", "p10_us", "p90_us", "min_us", "rounds", "calls_per_replay", "chain",
-      "cuda_graph"} (µs per op), or {"error": text} for a provider that failed to warm up or be
-      captured (the others still run).
-    """
+    """Time the provider calls of one case (name -> call, inputs ready, no host sync), interleaved:
+    ``warmup_ms`` of untimed round-robin replays (GPU clocks settle after compile pauses), then
+    ``rounds`` timed replays each, the order rotating each round; ``calls_per_replay`` calls per
+    CUDA graph (None: sized to ~2 ms per replay). Returns name -> {"median_us", "p10_us",
+    "p90_us", "min_us", "rounds", "calls_per_replay", "chain", "cuda_graph"} (µs per op), or
+    {"error": text} for a provider that failed to warm up or be captured."""
     timed, out = {}, {}
     for name, call in calls.items():
         try:
@@ -430,11 +419,13 @@ def summarize(report: dict) -> dict:
     return out
 
 
-def _fmt_row(case: str, name: str, e: dict) -> str:
+def _fmt_row(case: str, name: str, e: dict, timed: bool) -> str:
     if "skipped" in e:
         return f"{case:34s} {name:18s} skipped: {e['skipped']}"
     if "error" in e and "median_us" not in e:
-        return f"{case:34s} {name:18s} error: {e['error'][:90]}"
+        return f"{case:34s} {name:18s} error: {e['error'][:90 if timed else None]}"
+    if not timed:
+        return f"{case:34s} {name:18s} rel L2 {e['rel_l2']:.1e} {'ok' if e['ok'] else 'FAIL'}"
     us, sp = e.get("median_us"), e.get("speedup_vs_first")
     cells = ["      -" if us is None else f"{us:9.2f}",
              f"{e['p10_us']:8.2f} {e['p90_us']:8.2f}" if us is not None else " " * 17,
@@ -444,26 +435,20 @@ def _fmt_row(case: str, name: str, e: dict) -> str:
     return f"{case:34s} {name:18s} " + " ".join(cells)
 
 
-HEADER = (f"{'case':34s} {'provider':18s} {'us/call':>9s} {'p10':>8s} {'p90':>8s} {'%copy':>6s} "
-          f"{'x first':>7s} relL2")
-
-
 # ------------------------------------------------------------------------------------ running
-def _select(mode: Mode, text: str | None) -> list[str]:
-    sel = parse_providers(text, mode.providers)
-    return sel if sel is not None else [n for n, p in mode.providers.items() if p.default]
-
-
-def _check_one(provider: Provider, desc: dict, inputs, ref) -> tuple[Callable | None, dict]:
-    """Set a provider up on a case and check its output; (call or None, entry)."""
+def _check_one(mode: Mode, name: str, desc: dict, inputs, ref) -> tuple[Callable | None, dict]:
+    """Set provider ``name`` up on a case and check its output (``mode.view`` of it); (call or
+    None, entry)."""
     import torch  # noqa: PLC0415
 
+    provider = mode.providers[name]
     why = provider.supports(desc) if provider.supports else None
     if why:
         return None, {"skipped": why}
     try:
         call = provider.setup(inputs)
         out = getattr(call, "once", call)()
+        out = mode.view(out, inputs) if mode.view else out
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - a provider that cannot run this case
@@ -481,27 +466,34 @@ def run(mode: Mode, args) -> dict:
     kind = "smoke" if args.smoke_cpu else "memcheck" if args.memcheck else "bench"
     timed = kind == "bench"
     device = "cpu" if args.smoke_cpu else "cuda"
-    names = _select(mode, args.providers)
+    names = choose(args.providers, mode.providers, "--providers",
+                   [n for n, p in mode.providers.items() if p.default])
     first = names[0] if names else None
     bw = copy_bandwidth_bytes_per_s() if timed else None
     path = Path(args.json) if args.json else default_json_path(mode.name if timed
                                                                else f"{mode.name}_{kind}")
-    report = {"mode": mode.name, "title": mode.title, "kind": kind, "date": _now(),
-              "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-              "versions": _versions(), "copy_bandwidth_Bps": bw, "providers": names,
-              "first_provider": first, "method": _method(mode) if timed else "check only",
-              "cases": []}
+    n = mode.calls or "~2 ms of"
+    method = (f"per case: every provider checked against an FP32 reference, then timed "
+              f"interleaved: CUDA-graph replays of {n} back-to-back calls (JAX: an unrolled chain "
+              f"of {n} calls in one jax.jit), round-robin with rotating order, median of "
+              f"CUDA-event timings per replay / calls; NAME@self = the first provider's second "
+              f"graph (noise)")
+    report = _report(mode, kind, names, torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                     method if timed else "check only", copy_bandwidth_Bps=bw,
+                     first_provider=first)
     if bw:
         print(f"{report['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
     print(f"{mode.name}: providers {', '.join(names)}" + (f"; x first = time of {first} / time"
                                                           if timed else "; check only, no timing"))
-    print(HEADER if timed else f"{'case':34s} {'provider':18s} check")
+    print(f"{'case':34s} {'provider':18s} " + (f"{'us/call':>9s} {'p10':>8s} {'p90':>8s} "
+                                                f"{'%copy':>6s} {'x first':>7s} relL2" if timed
+                                                else "check"))
     for case in mode.cases(args, kind):
         inputs, ref = mode.prepare(case, device)
         desc = mode.describe(case, inputs)
         calls, entries = {}, {}
         for n in names:
-            call, entries[n] = _check_one(mode.providers[n], desc, inputs, ref)
+            call, entries[n] = _check_one(mode, n, desc, inputs, ref)
             if call is not None:
                 calls[n] = call
         del ref
@@ -515,10 +507,7 @@ def run(mode: Mode, args) -> dict:
             _ratios(entries, first)
         report["cases"].append({**desc, "providers": entries})
         for n, e in entries.items():
-            print(_fmt_row(desc["name"], n, e) if timed else
-                  f"{desc['name']:34s} {n:18s} " + (
-                      f"rel L2 {e['rel_l2']:.1e} {'ok' if e['ok'] else 'FAIL'}" if "ok" in e
-                      else e.get("skipped") or e.get("error", "")))
+            print(_fmt_row(desc["name"], n, e, timed))
         write_json(path, {**report, "partial": True})
         del inputs, calls
         if device == "cuda":
@@ -554,28 +543,20 @@ def _why_not(report: dict, name: str) -> str:
     return "no case"
 
 
-def _now() -> str:
+def _report(mode: Mode, kind: str, names: list[str], gpu: str, method: str, **extra) -> dict:
+    """A report's head (``cases`` filled in as they run): what, when, where, which versions."""
     import datetime  # noqa: PLC0415
 
-    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-
-
-def _versions() -> dict:
-    out = {"python": sys.version.split()[0]}
+    versions = {"python": sys.version.split()[0]}
     for mod in ("torch", "triton", "jax"):
         try:
-            out[mod] = __import__(mod).__version__
+            versions[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001 - optional
             pass
-    return out
-
-
-def _method(mode: Mode) -> str:
-    n = mode.calls or "~2 ms of"
-    return (f"per case: every provider checked against an FP32 reference, then timed interleaved: "
-            f"CUDA-graph replays of {n} back-to-back calls (JAX: an unrolled chain of {n} calls in "
-            f"one jax.jit), round-robin with rotating order, median of CUDA-event timings per "
-            f"replay / calls; NAME@self = the first provider's second graph (noise)")
+    return {"mode": mode.name, "title": mode.title, "kind": kind,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "gpu": gpu, "versions": versions, "providers": names, "method": method, **extra,
+            "cases": []}
 
 
 # --------------------------------------------------------------------------- old vs new tree
@@ -624,7 +605,7 @@ def _serve(module: str, mode_key: str, tree: str) -> int:
         try:
             if msg["op"] == "setup":
                 desc, inputs, ref = torch.load(msg["file"], map_location=device, weights_only=False)
-                call, entry = _check_one(mode.providers[msg["provider"]], desc, inputs, ref)
+                call, entry = _check_one(mode, msg["provider"], desc, inputs, ref)
                 if call is not None:
                     state["timed"] = _Timed(call, mode.calls)
                     entry.update(calls_per_replay=state["timed"].reps, chain=state["timed"].chain)
@@ -653,31 +634,25 @@ def _serve(module: str, mode_key: str, tree: str) -> int:
 
 
 def compare(mode: Mode, module: str, mode_key: str, args) -> dict:
-    """Time ``--providers`` (default: the first provider) of this checkout ("new") against the same
-    providers of the checkout at ``args.compare`` ("old"; only its ``interop``, ``qsa_triton`` and
-    ``qsa_pallas`` are used) on the mode's cases, in one run: one worker per (tree, provider),
-    replays alternating old, new, old, new ... (rotating order per round). Prints per-case
-    and geomean speedups (time old / time new: > 1, the new tree is faster); writes the JSON."""
+    """Time ``--providers`` (default: the first) of this checkout ("new") against those of the
+    checkout at ``args.compare`` ("old": its ``interop``, ``qsa_triton``, ``qsa_pallas``) in one
+    run: one worker process per (tree, provider), replays alternating old/new (rotating order
+    per round). Prints per-case and geomean speedups (time old / time new); writes the JSON."""
     import torch  # noqa: PLC0415
 
-    names = parse_providers(args.providers, mode.providers) or [next(iter(mode.providers))]
-    old = Path(args.compare)
-    if not (old / "qsa_triton").is_dir():
-        raise ProviderError(f"--compare {old}: no qsa_triton/ there (expected a checkout of the "
-                            "old commit's interop/, qsa_triton/, qsa_pallas/)")
-    trees = {"old": old, "new": ROOT}
+    names = choose(args.providers, mode.providers, "--providers", list(mode.providers)[:1])
+    trees = {"old": Path(args.compare), "new": ROOT}
     path = Path(args.json) if args.json else default_json_path(f"{mode.name}_compare")
     device = "cpu" if args.smoke_cpu else "cuda"
     workers = {(t, n): _Worker(module, mode_key, p) for n in names for t, p in trees.items()}
-    report = {"mode": mode.name, "kind": "compare" + ("/smoke" if args.smoke_cpu else ""),
-              "date": _now(), "providers": names, "versions": _versions(),
-              "gpu": "cpu (smoke: code paths only, the times are meaningless)" if args.smoke_cpu
-              else torch.cuda.get_device_name(),
-              "trees": {t: str(p.resolve()) for t, p in trees.items()}, "rounds": args.rounds,
-              "method": "one worker process per (tree, provider); inputs and FP32 reference built "
-                        "once by the new tree; replays of each worker's CUDA graph (JAX: jitted "
-                        "chain) alternating old/new round-robin; median of CUDA-event timings",
-              "cases": []}
+    report = _report(
+        mode, "compare" + ("/smoke" if args.smoke_cpu else ""), names,
+        "cpu (smoke: code paths only, the times are meaningless)" if args.smoke_cpu
+        else torch.cuda.get_device_name(),
+        "one worker process per (tree, provider); inputs and FP32 reference built once by the new "
+        "tree; replays of each worker's CUDA graph (JAX: jitted chain) alternating old/new "
+        "round-robin; median of CUDA-event timings",
+        trees={t: str(p.resolve()) for t, p in trees.items()}, rounds=args.rounds)
     print(f"compare {mode.name} on {report['gpu']}: old = {trees['old']}, new = {trees['new']}; "
           f"providers {', '.join(names)}; speedup = time old / time new")
     with tempfile.TemporaryDirectory(prefix="qsa-bench-") as tmp:
@@ -723,10 +698,10 @@ def compare(mode: Mode, module: str, mode_key: str, args) -> dict:
     for n in names:
         sp = [c["providers"][n]["speedup"] for c in report["cases"]]
         ok = [x for x in sp if x]
-        report["summary"][n] = {"geomean_speedup_new_vs_old": geomean(ok), "cases": len(ok),
+        g = geomean(ok)
+        report["summary"][n] = {"geomean_speedup_new_vs_old": g, "cases": len(ok),
                                 "min": min(ok, default=None), "max": max(ok, default=None),
                                 "not_compared": len(sp) - len(ok)}
-        g = geomean(ok)
         print(f"{n}: geomean speedup new vs old over {len(ok)} cases = "
               + (f"{g:.4f} (new within 3% of old or faster: {'yes' if g >= 0.97 else 'NO'})"
                  if g else "-") + (f"; {len(sp) - len(ok)} cases not compared" if len(sp) > len(ok)
@@ -754,21 +729,16 @@ def add_arguments(ap: argparse.ArgumentParser, modes: dict[str, Mode]) -> None:
                          "(default: the mode's default set, listed below)")
     ap.add_argument("--json", metavar="FILE", help=f"report path (default $OUT/{first.name}.json "
                     f"when $OUT is set, else ./bench-out/{first.name}.json)")
-    ap.add_argument("--plot", metavar="PNG",
-                    help="also draw the report (bench/plot.py, matplotlib)")
-    ap.add_argument("--rounds", type=int, default=15,
-                    help="timed replays per provider (default 15)")
-    ap.add_argument("--smoke-cpu", action="store_true",
-                    help="run the code paths on CPU (Triton interpreter, Pallas interpret mode) on "
-                         "tiny shapes: checks against the reference, no timing")
-    ap.add_argument("--memcheck", action="store_true",
-                    help="GPU, no timing: edge cases (junk indices, NaN outside the rows, "
-                         "exact-size buffers) checked against the reference; run it under "
-                         "compute-sanitizer")
-    ap.add_argument("--compare", metavar="OLD_TREE",
-                    help="time the providers (default: the first) of this checkout against a "
-                         "checkout of another commit at OLD_TREE (its interop/, qsa_triton/, "
-                         "qsa_pallas/), alternating, in worker processes; prints geomean speedups")
+    ap.add_argument("--plot", metavar="PNG", help="also draw the report (bench/plot.py)")
+    ap.add_argument("--rounds", type=int, default=15, help="timed replays per provider "
+                    "(default 15)")
+    ap.add_argument("--smoke-cpu", action="store_true", help="CPU, no timing: the code paths "
+                    "(Triton interpreter, Pallas interpret mode) on tiny shapes, checked")
+    ap.add_argument("--memcheck", action="store_true", help="GPU, no timing: edge cases (junk "
+                    "indices, NaN outside the rows), checked; run it under compute-sanitizer")
+    ap.add_argument("--compare", metavar="OLD_TREE", help="time the providers (default: the "
+                    "first) of this checkout against those of the checkout at OLD_TREE (its "
+                    "interop/, qsa_triton/, qsa_pallas/), alternating; geomean speedups")
 
 
 def main(modes: dict[str, Mode], module: str, argv=None, prog: str | None = None,
@@ -783,23 +753,24 @@ def main(modes: dict[str, Mode], module: str, argv=None, prog: str | None = None
     args = ap.parse_args(argv)
     mode = modes[args.mode]
     try:
-        parse_providers(args.providers, mode.providers)
+        choose(args.providers, mode.providers, "--providers")
         if args.memcheck and (args.smoke_cpu or args.compare):
             raise ProviderError("--memcheck runs on the GPU alone: not with --smoke-cpu or "
                                 "--compare")
         if args.rounds < 1:
             raise ProviderError(f"--rounds must be >= 1, got {args.rounds}")
         mode.cases(args, "bench")  # validates the module's filters
+        if args.compare and not (Path(args.compare) / "qsa_triton").is_dir():
+            raise ProviderError(f"--compare {args.compare}: no qsa_triton/ there (expected a "
+                                "checkout of the old commit's interop/, qsa_triton/, qsa_pallas/)")
     except ProviderError as e:
         print(f"{ap.prog}: {e}", file=sys.stderr)
         return 2
     if args.smoke_cpu:
         os.environ["TRITON_INTERPRET"] = "1"  # before any @triton.jit is defined
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        try:  # the interpreter's bf16 dot is wrong (architecture.md); fp16 is used on CPU anyway
+        with contextlib.suppress(ImportError):  # the interpreter's bf16 dot is wrong (fp16 here)
             import tests.triton_interp_patch  # noqa: F401, PLC0415
-        except ImportError:
-            pass
     else:
         import torch  # noqa: PLC0415
 
@@ -807,11 +778,7 @@ def main(modes: dict[str, Mode], module: str, argv=None, prog: str | None = None
             print(f"{ap.prog} needs a CUDA GPU (or --smoke-cpu)", file=sys.stderr)
             return 2
     if args.compare:
-        try:
-            report = compare(mode, module, args.mode, args)
-        except ProviderError as e:
-            print(f"{ap.prog}: {e}", file=sys.stderr)
-            return 2
+        report = compare(mode, module, args.mode, args)
         return 0 if all(c["providers"][n].get("speedup") for c in report["cases"]
                         for n in report["providers"]) else 1
     report = run(mode, args)

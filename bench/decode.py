@@ -2,32 +2,28 @@
 twins: ``--mode packed`` (default), the decode of packed K/V (``qsa-contract.md`` §2); ``--mode
 pool``, the whole decode step from the KV pool (§2b, issue 16).
 
-  python3 -m bench.decode [--mode packed|pool] [--providers A,B,..] [--tp ..] [--batches ..]
-                          [--rows ..] [--layouts ..] [--kv ..] [--json F] [--plot F.png]
-  python3 -m bench.decode [--mode pool] --smoke-cpu | --memcheck    CPU code paths / sanitizer
-  python3 -m bench.decode --compare OLD_TREE                 this checkout vs another commit's
-
-Packed cases (``interop.cases``): TP1 (24/2), TP2 (12/1), TP4 (6/1) x B in
-``BENCH_DECODE_BATCHES`` x rows ``BENCH_DECODE_ROWS`` (saturated: 2051 keys per row; mixed:
-17..2051; short: 1..64), D = 256, bf16, max_seqlen_k = 2051, K/V exactly as long as the rows.
-Pool cases: the same TPs and B over a pool of ``POOL_SLOTS`` slots (bf16 or FP8 e4m3) laid out
-as SGLang lays it (``pages``: 64-slot pages in scattered order) or as single scattered slots
-(``slots``), W = 2051 index columns per row (indexer-like); rows ``saturated`` (8192-token
-contexts), ``short`` (17..128 tokens), ``mtp`` (32 requests x 4 verify rows). Providers in
-``POOL_PROVIDERS`` (``x first`` is against upstream-step; the sweep's ``paged[VARIANT]`` are the
-Triton kernel's private launch variants); every one checked against an FP32 reference computed
-from the pool; a timed run ends with issue 16's must-show PASS / FAIL lines (``must_show``).
+Packed cases (``interop.cases``, inputs as ``qsa check`` builds them): TP1 (24/2), TP2 (12/1),
+TP4 (6/1) x B in ``BENCH_DECODE_BATCHES`` x rows (saturated: 2051 keys per row; mixed: 17..2051;
+short: 1..64), D = 256, bf16, max_seqlen_k = 2051, K/V exactly as long as the rows. Pool cases:
+the same TPs and B over a pool of ``POOL_SLOTS`` slots (bf16, or FP8 e4m3 with k_scale = v_scale
+= 1 as SGLang's QSA pool) laid out as SGLang lays it (``pages``: 64-slot pages in scattered
+order) or as single scattered slots (``slots``), W = 2051 index columns per row (indexer-like);
+rows ``saturated`` (8192-token contexts), ``short`` (17..128 tokens), ``mtp`` (32 requests x 4
+verify rows); ``x first`` is against upstream-step, the sweep's ``paged[VARIANT]`` are the Triton
+kernel's private launch variants, and a timed run ends with issue 16's must-show PASS / FAIL
+lines (``must_show``). Every provider is checked against an FP32 reference.
 
 Bytes = the K and V rows a case must read (pool: the valid entries' rows, once); % copy = those
 bytes per second over the copy bandwidth measured in the same run. Timing (``bench.common``):
 CUDA-graph replays of 20 back-to-back calls; JAX as an unrolled chain of 20 calls in one
-``jax.jit``, each call's q the previous output (jax-step's compaction depends on it too). A mode
-is a ``bench.common.Mode``: cases, inputs, FP32 reference, bytes and a provider registry.
+``jax.jit``, each call's q the previous output (jax-step's compaction depends on it too).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import sys
 from typing import Any
 
@@ -60,68 +56,30 @@ class DecodeInputs:
 
 
 def make_inputs(spec: C.DecodeSpec, device) -> DecodeInputs:
-    """Seeded inputs of a ``DecodeSpec`` on ``device``: lengths from
-    ``interop.indices.decode_lengths``, q/K/V N(0, 1) in the spec's dtype, generated on the device;
-    K/V rows = sum of lengths + ``slack`` (or B x max_len + slack with ``pad_capacity``), the
-    slack NaN when ``poison``."""
-    import numpy as np  # noqa: PLC0415
-    import torch  # noqa: PLC0415
+    """Seeded inputs of a ``DecodeSpec`` on ``device``, as ``qsa check`` builds them
+    (``interop.validate.crosscheck.build_inputs``: lengths from ``interop.indices.decode_case``,
+    q/K/V N(0, 1) in the spec's dtype drawn on the device, the slack rows NaN when ``poison``)."""
+    from interop.validate.crosscheck import build_inputs  # noqa: PLC0415
 
-    from interop import indices as I  # noqa: PLC0415
-
-    lens = I.decode_lengths(spec.batch, spec.pattern, max_len=spec.max_len, seed=spec.seed,
-                            zero_rows=spec.zero_rows)
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    cap = (spec.batch * spec.max_len if spec.pad_capacity else int(cu[-1])) + spec.slack
-    g = torch.Generator(device=device).manual_seed(1000 + spec.seed)
-    dt = getattr(torch, spec.dtype)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, device=device).to(dt)
-
-    q, k, v = randn(spec.batch, spec.hq, spec.d), randn(cap, spec.hkv, spec.d), \
-        randn(cap, spec.hkv, spec.d)
-    if spec.poison:
-        k[int(cu[-1]):] = float("nan")
-        v[int(cu[-1]):] = float("nan")
-    return DecodeInputs(q, k, v, torch.arange(spec.batch + 1, dtype=torch.int32, device=device),
-                        torch.from_numpy(cu).to(device), spec.max_len, spec.d ** -0.5,
-                        lens.tolist())
+    n = build_inputs(spec, device).named()
+    cu = n["cu_seqlens_k"]
+    return DecodeInputs(n["q"], n["k"], n["v"], n["cu_seqlens_q"], cu, spec.max_len,
+                        spec.d ** -0.5, (cu[1:] - cu[:-1]).tolist())
 
 
 def torch_reference(q, k, v, cq, ck, scale=None):
-    """FP32 reference of packed varlen decode on q's device (``qsa-contract.md`` §2).
-
-    Args:
-      q: [B, Hq, D]; k, v: [C, Hkv, D]; cq, ck: int32 [B + 1] (same device); scale: softmax scale
-        (None: D ** -0.5).
-    Returns:
-      float32 [B, Hq, D]; zeros for empty rows. Rows are padded to the longest row and masked
-      (whatever the padding positions hold, NaN included, never reaches the output); the gathered
-      FP32 K/V is bounded to 512 MiB per chunk of rows.
-    """
+    """FP32 reference of packed varlen decode on q's device (``qsa-contract.md`` §2): q [B, Hq, D],
+    k, v [C, Hkv, D], cq, ck int32 [B + 1], scale (None: D ** -0.5) -> float32 [B, Hq, D], zeros
+    for empty rows: ``pool_reference`` with the K/V rows as the pool, row b's table mapping
+    position p to row ck[b] + p (whatever lies past a row, NaN included, is never read)."""
     import torch  # noqa: PLC0415
 
-    b, hq, d = q.shape
-    hkv = k.shape[1]
-    scale = d ** -0.5 if scale is None else scale
     lens = (ck[1:] - ck[:-1]).long()
-    lmax = max(int(lens.max()), 1)
-    pos = torch.arange(lmax, device=q.device)
-    valid = pos[None, :] < lens[:, None]
-    rows = (ck[:-1].long()[:, None] + pos[None, :]).clamp(0, max(k.shape[0] - 1, 0))
-    out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
-    step = max(1, (1 << 27) // (lmax * hkv * d))
-    for s0 in range(0, b, step):
-        sl = slice(s0, min(b, s0 + step))
-        pad = ~valid[sl][:, :, None, None]
-        kk = k[rows[sl]].float().masked_fill(pad, 0.0)  # [b', L, Hkv, D]
-        vv = v[rows[sl]].float().masked_fill(pad, 0.0)
-        qq = q[cq[:-1].long()[sl]].float().view(-1, hkv, hq // hkv, d)
-        sc = torch.einsum("bhgd,blhd->bhgl", qq, kk) * scale
-        p = torch.softmax(sc.masked_fill(~valid[sl][:, None, None, :], float("-inf")), -1)
-        out[sl] = torch.einsum("bhgl,blhd->bhgd", p.nan_to_num(0.0), vv).reshape(-1, hq, d)
-    return out
+    pos = torch.arange(max(int(lens.max()), 1), device=q.device)[None, :]
+    return pool_reference(q[cq[:-1].long()], k, v, ck[:-1].long()[:, None] + pos,
+                          torch.arange(len(lens), device=q.device),
+                          torch.where(pos < lens[:, None], pos, -1), lens,
+                          q.shape[-1] ** -0.5 if scale is None else scale)
 
 
 # ------------------------------------------------------------------------------ providers
@@ -133,21 +91,15 @@ def _ours(inp: DecodeInputs, batch_invariant: bool = False):
     return lambda: qsa_triton.sparse_decode(*inp.args)
 
 
-def _peer():
-    from interop.validate import peer  # noqa: PLC0415
-
-    return peer
-
-
 def _sm121(inp: DecodeInputs):
-    sm121 = _peer().load_sm121_decode()
+    sm121 = common.peer().load_sm121_decode()
     return lambda: sm121.qwen38_qsa_sm121(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k, inp.scale)
 
 
 def _generic(inp: DecodeInputs):
     import torch  # noqa: PLC0415
 
-    up = _peer().load_sparse_attn()
+    up = common.peer().load_sparse_attn()
     kv_lens = (inp.cu_k[1:] - inp.cu_k[:-1]).contiguous()
     # identity positions per row, -1 after the row's length: upstream masks only idx < 0
     pos = torch.arange(max(max(inp.lens), 1), dtype=torch.int32, device=inp.q.device)
@@ -163,9 +115,10 @@ def _pallas(inp: DecodeInputs, batch_invariant: bool = False):
     return common.jax_chain(qsa_pallas.sparse_decode, inp.args, kw, CHAIN)
 
 
-def _sm121_supports(desc: dict) -> str | None:
-    if (desc["Hq"], desc["Hkv"]) not in ((24, 2), (12, 1)) or desc["B"] > 128:
-        return "upstream's SM121 kernel takes (24,2) and (12,1) heads, B <= 128"
+def _sm121_supports(desc: dict, rows: str) -> str | None:
+    """Upstream's SM121 kernel: (24,2) and (12,1) heads, at most 128 rows (``desc[rows]``)."""
+    if (desc["Hq"], desc["Hkv"]) not in ((24, 2), (12, 1)) or desc[rows] > 128:
+        return f"upstream's SM121 kernel takes (24,2) and (12,1) heads, {rows} <= 128"
     return None
 
 
@@ -173,7 +126,7 @@ PROVIDERS = {p.name: p for p in (
     common.Provider("ours", _ours, "qsa_triton.sparse_decode"),
     common.Provider("upstream-sm121", _sm121, "upstream's packed decode kernel "
                     "(kda_kernels/qwen38_qsa_sm121, peer loaded from the 0.5.23 wheel)",
-                    supports=_sm121_supports),
+                    supports=functools.partial(_sm121_supports, rows="B")),
     common.Provider("upstream-generic", _generic, "upstream's sparse_gqa_packed_decode_triton "
                     "(its chunk-prefill kernel with one query row per sequence)"),
     common.Provider("pallas", _pallas, "qsa_pallas.sparse_decode (JAX; chain of 20 in one jit)",
@@ -327,31 +280,21 @@ def pool_reference(q, k, v, table, req, idx, seq, scale, chunk=16):
     """FP32 reference of the paged decode from the pool, on q's device (``qsa-contract.md``
     §2b, lying metadata included): an entry is valid iff 0 <= idx < min(seq, table width), its
     request is a table row and its slot lies in the pool; invalid entries are never gathered
-    (their rows are zeros and masked: NaN in free slots never reaches the output).
-
-    Returns float32 [R, Hq, D]; zeros for a row without a valid entry."""
+    (``common.reference_f32``). Returns float32 [R, Hq, D]; zeros for a row without one."""
     import torch  # noqa: PLC0415
 
-    r, hq, d = q.shape
-    slots, hkv = k.shape[0], k.shape[1]
-    out = torch.zeros(r, hq, d, dtype=torch.float32, device=q.device)
     req_ok = (req >= 0) & (req < table.shape[0])
     bound = torch.where(req_ok, torch.clamp(seq, max=table.shape[1]), 0).long()
-    for r0 in range(0, r, chunk):
-        sl = slice(r0, min(r, r0 + chunk))
-        ids = idx[sl].long()
-        valid = (ids >= 0) & (ids < bound[sl, None])
-        s_ = table[torch.where(req_ok[sl], req[sl], 0).long()[:, None],
-                   torch.where(valid, ids, 0)].long()
-        valid &= (s_ >= 0) & (s_ < slots)
-        s_ = torch.where(valid, s_, 0)
-        kk = k[s_].float().masked_fill(~valid[..., None, None], 0.0)  # [r', W, Hkv, D]
-        vv = v[s_].float().masked_fill(~valid[..., None, None], 0.0)
-        qq = q[sl].float().view(-1, hkv, hq // hkv, d)
-        sc = torch.einsum("bhgd,blhd->bhgl", qq, kk) * scale
-        p = torch.softmax(sc.masked_fill(~valid[:, None, None, :], float("-inf")), -1)
-        out[sl] = torch.einsum("bhgl,blhd->bhgd", p.nan_to_num(0.0), vv).reshape(-1, hq, d)
-    return out
+    row, hkv = torch.where(req_ok, req, 0).long(), k.shape[1]
+
+    def gather(s, e):
+        ids = idx[s:e].long()
+        valid = (ids >= 0) & (ids < bound[s:e, None])
+        slot = table[row[s:e, None], torch.where(valid, ids, 0)].long()
+        valid &= (slot >= 0) & (slot < k.shape[0])
+        return valid[:, None].expand(-1, hkv, -1), slot[:, None].expand(-1, hkv, -1)
+
+    return common.reference_f32(q, k, v, gather, scale, chunk=chunk)
 
 
 # ------------------------------------------------------------------------- pool providers
@@ -362,7 +305,7 @@ def _compaction(inp: PoolInputs):
     copying). Returns ``compact() -> (k_packed, v_packed, cu_q, cu_k)``."""
     import torch  # noqa: PLC0415
 
-    sa = _peer().load_sparse_attn()
+    sa = common.peer().load_sparse_attn()
     q, k, v, table, req, idx, seq = inp.args
     r, w = idx.shape
     i32 = dict(dtype=torch.int32, device=q.device)
@@ -381,7 +324,7 @@ def _compaction(inp: PoolInputs):
 
 
 def _upstream_step(inp: PoolInputs):
-    compact, sm121 = _compaction(inp), _peer().load_sm121_decode()
+    compact, sm121 = _compaction(inp), common.peer().load_sm121_decode()
     return lambda: sm121.qwen38_qsa_sm121(inp.args[0], *compact(), inp.scale)
 
 
@@ -416,10 +359,9 @@ def jax_step(scale: float, max_seqlen_k: int):
         dest = jnp.where(valid, cu_k[:-1, None] + jnp.cumsum(valid, -1, dtype=jnp.int32) - 1,
                          r * w).reshape(-1)  # invalid entries: out of range, dropped
         src = jnp.where(valid, slot, 0).reshape(-1)
-        kp = jnp.zeros((r * w,) + k.shape[1:], q.dtype).at[dest].set(k[src].astype(q.dtype),
-                                                                     mode="drop")
-        vp = jnp.zeros((r * w,) + v.shape[1:], q.dtype).at[dest].set(v[src].astype(q.dtype),
-                                                                     mode="drop")
+        kp, vp = (jnp.zeros((r * w,) + x.shape[1:], q.dtype).at[dest].set(x[src].astype(q.dtype),
+                                                                         mode="drop")
+                  for x in (k, v))
         return qsa_pallas.sparse_decode(q, kp, vp, jnp.arange(r + 1, dtype=jnp.int32), cu_k,
                                         max_seqlen_k, scale)
 
@@ -430,53 +372,36 @@ def _jax_step(inp: PoolInputs):
     return common.jax_chain(jax_step(inp.scale, inp.args[5].shape[-1]), inp.args, {}, CHAIN)
 
 
-def _paged(batch_invariant: bool = False, variant: str | None = None):
-    def setup(inp: PoolInputs):
-        import qsa_triton  # noqa: PLC0415
-        from qsa_triton import decode_paged  # noqa: PLC0415
+def _paged(inp: PoolInputs, batch_invariant: bool = False, variant: str | None = None):
+    import qsa_triton  # noqa: PLC0415
+    from qsa_triton import decode_paged  # noqa: PLC0415
 
-        if variant is not None:
-            return lambda: decode_paged._variant_call(variant, *inp.args, inp.scale)
-        return lambda: qsa_triton.sparse_decode_paged(*inp.args, inp.scale,
-                                                      batch_invariant=batch_invariant)
-
-    return setup
+    if variant is not None:
+        return lambda: decode_paged._variant_call(variant, *inp.args, inp.scale)
+    return lambda: qsa_triton.sparse_decode_paged(*inp.args, inp.scale,
+                                                  batch_invariant=batch_invariant)
 
 
-def _pallas_paged(batch_invariant: bool = False):
-    def setup(inp: PoolInputs):
-        import qsa_pallas  # noqa: PLC0415
+def _pallas_paged(inp: PoolInputs, batch_invariant: bool = False):
+    import qsa_pallas  # noqa: PLC0415
 
-        return common.jax_chain(qsa_pallas.sparse_decode_paged, [*inp.args, inp.scale],
-                                {"batch_invariant": batch_invariant}, CHAIN)
-
-    return setup
+    return common.jax_chain(qsa_pallas.sparse_decode_paged, [*inp.args, inp.scale],
+                            {"batch_invariant": batch_invariant}, CHAIN)
 
 
-def _pallas_stages(num_stages: int):
+def _pallas_stages(inp: PoolInputs, num_stages: int):
     """``qsa_pallas`` on the shared plan with ``num_stages`` (the sweep: does XLA's Triton
     pipeline the gather chain as Triton does?), through its public ``decode_paged_with_plan``."""
-    def setup(inp: PoolInputs):
-        import jax.numpy as jnp  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
 
-        from qsa_pallas import decode_paged  # noqa: PLC0415
+    from qsa_pallas import decode_paged  # noqa: PLC0415
 
-        q, k, idx = inp.args[0], inp.args[1], inp.args[5]
-        plan = decode_paged.plan_for(
-            q.shape[0], q.shape[1], k.shape[1], q.shape[2], idx.shape[-1],
-            q_dtype=getattr(jnp, str(q.dtype).split(".")[-1]),
-            kv_dtype=getattr(jnp, str(k.dtype).split(".")[-1]))
-        return common.jax_chain(decode_paged.decode_paged_with_plan, [*inp.args, inp.scale],
-                                {"plan": dataclasses.replace(plan, num_stages=num_stages)},
-                                CHAIN)
-
-    return setup
-
-
-def _upstream_supports(desc: dict) -> str | None:
-    if (desc["Hq"], desc["Hkv"]) not in ((24, 2), (12, 1)) or desc["R"] > 128:
-        return "upstream's SM121 kernel takes (24,2) and (12,1) heads, R <= 128"
-    return None
+    q, k, idx = inp.args[0], inp.args[1], inp.args[5]
+    plan = decode_paged.plan_for(q.shape[0], q.shape[1], k.shape[1], q.shape[2], idx.shape[-1],
+                                 q_dtype=getattr(jnp, str(q.dtype).split(".")[-1]),
+                                 kv_dtype=getattr(jnp, str(k.dtype).split(".")[-1]))
+    return common.jax_chain(decode_paged.decode_paged_with_plan, [*inp.args, inp.scale],
+                            {"plan": dataclasses.replace(plan, num_stages=num_stages)}, CHAIN)
 
 
 #: the sweep's ``paged[NAME]``: the names of ``qsa_triton.decode_paged._VARIANTS`` (private; listed
@@ -487,31 +412,31 @@ SWEEP_VARIANTS = ("base", "s7", "ahead", "s7-pdl", "ahead-pdl", "s7-fp8bn64", "f
 POOL_PROVIDERS = {p.name: p for p in (
     common.Provider("upstream-step", _upstream_step, "upstream's step: counts + prefix sum + "
                     "_compact_kv into a packed copy + its SM121 decode (0.5.23 wheel)",
-                    supports=_upstream_supports),
+                    supports=functools.partial(_sm121_supports, rows="R")),
     common.Provider("packed-step", _packed_step, "upstream's counts + prefix sum + compaction, "
                     "then qsa_triton.sparse_decode"),
     common.Provider("jax-step", _jax_step, "XLA compaction (dependent on the previous call) + "
                     "qsa_pallas.sparse_decode, chain of 20 in one jit"),
-    common.Provider("paged", _paged(), "qsa_triton.sparse_decode_paged (reads the pool in place)"),
-    common.Provider("pallas-paged", _pallas_paged(), "qsa_pallas.sparse_decode_paged, chain of "
+    common.Provider("paged", _paged, "qsa_triton.sparse_decode_paged (reads the pool in place)"),
+    common.Provider("pallas-paged", _pallas_paged, "qsa_pallas.sparse_decode_paged, chain of "
                     "20 in one jit"),
-    common.Provider("paged[bi]", _paged(True), "qsa_triton.sparse_decode_paged with "
-                    "batch_invariant=True (the mode's cost)", default=False),
-    common.Provider("pallas-paged[bi]", _pallas_paged(True), "qsa_pallas.sparse_decode_paged "
-                    "with batch_invariant=True", default=False),
-    common.Provider("pallas-paged[s7]", _pallas_stages(7), "sweep: qsa_pallas paged decode "
-                    "with num_stages = 7", default=False),
-    *(common.Provider(f"paged[{v}]", _paged(variant=v), f"sweep: the Triton split kernel "
-                      f"launched as variant {v} (qsa_triton.decode_paged._VARIANTS)",
+    common.Provider("paged[bi]", functools.partial(_paged, batch_invariant=True),
+                    "qsa_triton.sparse_decode_paged with batch_invariant=True (the mode's cost)",
+                    default=False),
+    common.Provider("pallas-paged[bi]", functools.partial(_pallas_paged, batch_invariant=True),
+                    "qsa_pallas.sparse_decode_paged with batch_invariant=True", default=False),
+    common.Provider("pallas-paged[s7]", functools.partial(_pallas_stages, num_stages=7),
+                    "sweep: qsa_pallas paged decode with num_stages = 7", default=False),
+    *(common.Provider(f"paged[{v}]", functools.partial(_paged, variant=v), "sweep: the Triton "
+                      f"split kernel launched as variant {v} (qsa_triton.decode_paged._VARIANTS)",
                       default=False) for v in SWEEP_VARIANTS),
 )}
 
 
 def pool_cases(args, kind: str) -> list[PoolSpec]:
     """The pool-mode specs of one run: ``bench`` (TP x pool dtype x layout x rows x B, filtered
-    by ``--tp/--kv/--layouts/--rows/--batches``; mtp: 32 requests x 4 rows), ``smoke`` (tiny
-    fp16 / fp8 cases with junk for the CPU interpreters) or ``memcheck`` (junk entries,
-    duplicates, an empty row, NaN / Inf in free slots, small pools on the GPU)."""
+    by the options; mtp: 32 requests x 4 rows), ``smoke`` (tiny fp16 / fp8 cases with junk) or
+    ``memcheck`` (junk entries, duplicates, an empty row, NaN / Inf in free slots)."""
     if getattr(args, "compare", None):
         raise common.ProviderError("--mode pool has no --compare (its pool is gigabytes; time "
                                    "the providers of both trees in one run instead)")
@@ -540,16 +465,10 @@ def pool_cases(args, kind: str) -> list[PoolSpec]:
                                           ("TP2", 5, "short", "pages", "fp8"),
                                           ("TP4", 1, "saturated", "pages", "bf16"),
                                           ("TP1", 8, "mtp", "pages", "fp8"))]
-    out = []
-    for tp in tps:
-        for kv in kvs:
-            for lay in layouts:
-                for r in rows:
-                    for b in ((32 * MTP_ROWS,) if r == "mtp" else batches):
-                        tag = f"B{b // MTP_ROWS}x{MTP_ROWS}" if r == "mtp" else f"B{b}"
-                        out.append(spec(f"pool/{tp}/{lay}/{kv}/{tag}/{r}", tp, b, r, lay, kv,
-                                        pool_slots=slots, seed=b))
-    return out
+    return [spec(f"pool/{tp}/{lay}/{kv}/{f'B{b // MTP_ROWS}x{MTP_ROWS}' if r == 'mtp' else f'B{b}'}"
+                 f"/{r}", tp, b, r, lay, kv, pool_slots=slots, seed=b)
+            for tp, kv, lay, r in itertools.product(tps, kvs, layouts, rows)
+            for b in ((32 * MTP_ROWS,) if r == "mtp" else batches)]
 
 
 def pool_prepare(spec: PoolSpec, device):
@@ -634,15 +553,11 @@ def add_arguments(ap) -> None:
     ap.add_argument("--tp", metavar="TP1,..", help=f"rank shapes (default {','.join(C.TP_SHAPES)})")
     ap.add_argument("--batches", metavar="B,..", help="batch sizes (default "
                     + ",".join(map(str, C.BENCH_DECODE_BATCHES)) + ")")
-    ap.add_argument("--rows", metavar="KIND,..", help="packed: saturated (2051 keys), mixed "
-                    "(17..2051), short (1..64) (default " + ",".join(C.BENCH_DECODE_ROWS) + "); "
-                    "pool: saturated (8192-token contexts: 2051 entries), short (17..128-token "
-                    "contexts), mtp (32 requests x 4 verify rows) (default "
-                    + ",".join(POOL_ROWS) + ")")
-    ap.add_argument("--layouts", metavar="L,..", help="pool: pages (64-slot pages in scattered "
-                    "order, SGLang's), slots (single scattered slots) (default both)")
-    ap.add_argument("--kv", metavar="DT,..", help="pool: pool dtypes bf16, fp8 (e4m3; k_scale = "
-                    "v_scale = 1, SGLang's QSA pool) (default both)")
+    ap.add_argument("--rows", metavar="KIND,..", help="row kinds (default packed: "
+                    f"{','.join(C.BENCH_DECODE_ROWS)}; pool: {','.join(POOL_ROWS)})")
+    ap.add_argument("--layouts", metavar="L,..", help=f"pool: {' or '.join(POOL_LAYOUTS)} "
+                    "(default both)")
+    ap.add_argument("--kv", metavar="DT,..", help=f"pool: {' or '.join(POOL_KV)} (default both)")
     ap.add_argument("--pool-slots", type=int, metavar="N",
                     help=f"pool: slots in the pool (default {POOL_SLOTS:,})")
 

@@ -1,29 +1,21 @@
 """QSA indexer benchmark (issue 18): scoring + exact top-512 + expansion, decode and prefill.
 
-  python3 -m bench.indexer [--mode decode|prefill] [--providers A,..] [--batches ..]
-                           [--contexts ..] [--json F]      time and check (GPU)
-  python3 -m bench.indexer --smoke-cpu                     code paths on CPU, no timing
-  python3 -m bench.indexer --compare OLD_TREE              this checkout's kernels vs another's
-
 Cases: decode B in {1, 16, 64, 128} x context {8k, 32k, 128k, 256k} tokens (every row a little
 shorter than the context, 16-block pages scattered over the cache, -1 past each row); prefill
 8192 query rows of one request at the end of a 32k (or 128k) context. q and compressed keys
 N(0, 1) bf16, 4 heads x 128. Every provider returns the 2051-wide token rows.
 
-Providers: ``triton`` / ``pallas`` (``qsa_{triton,pallas}.indexer_select_*``; Pallas as a chain
-of calls in one ``jax.jit``, each call's lengths made to depend on the previous output);
-``triton_rb4`` and ``triton_c2x``: the Triton kernels under two private plan overrides (4-bit
-radix rounds in both passes; twice the pass-1 chunk); ``torch``: upstream's reference path
-(gather the paged keys, FP32 ``einsum``, ReLU-sum, -inf mask, ``torch.topk``, vectorised
-expansion; prefill rows chunked under upstream's 128 MiB logits budget); ``xla``: the same in
-plain JAX (``jnp.einsum`` bf16 -> FP32, ``lax.top_k``, ``qsa_pallas.expand_block_indices``).
-Bytes = the visible compressed keys (blocks x 128 x 2 B): % copy is the fraction of the copy
-bandwidth measured in the same run, i.e. time of one read of the keys / time.
+Providers (``--help``): Pallas and XLA as a chain of calls in one ``jax.jit``, each call's
+lengths made to depend on the previous output; ``torch`` gathers the paged keys, then FP32
+``einsum``, ReLU-sum, -inf mask, ``torch.topk``, vectorised expansion (prefill rows chunked under
+upstream's 128 MiB logits budget). Bytes = the visible compressed keys (blocks x 128 x 2 B): % copy
+is the fraction of the copy bandwidth measured in the same run, i.e. time of one read of the
+keys / time.
 
-Check (``bench.common``'s reference check, on a canonical view of the token rows): per row, the
-number of selected blocks whose FP32 reference logit lies below the reference 512th logit by
-more than the FP32 summation tolerance, or out of ascending order, and the number of selected
-blocks; the reference is (0, min(512, visible blocks)). Near-ties may go either way.
+Check (``bench.common``'s reference check on ``Mode.view``, a canonical view of the token rows):
+per row, the number of selected blocks whose FP32 reference logit lies below the reference 512th
+logit by more than the FP32 summation tolerance, or out of ascending order, and the number of
+selected blocks; the reference is (0, min(512, visible blocks)). Near-ties may go either way.
 After the timing table (``Mode.finish``): one line per case with the issue's must-show ratios,
 also kept in the JSON (``must_show``).
 """
@@ -100,105 +92,88 @@ def torch_decode_logits(q, kc, pt, sl):
     return s.masked_fill_(pos >= torch.div(sl, RATIO, rounding_mode="floor")[:, None], -torch.inf)
 
 
-def torch_prefill_blocks(q, k, rs, re, topk):
-    """Upstream ``torch_qsa_mqa_prefill`` + top-k over row chunks under the 128 MiB budget."""
+def torch_prefill_logits(q, kf, rs, re):
+    """Upstream ``torch_qsa_mqa_prefill``'s scores of the rows of ``q`` over the FP32 keys ``kf``
+    [N, D], -inf outside each row's range [rs, re)."""
     import torch
 
-    n = k.shape[0]
-    chunk = max(1, LOGITS_BUDGET // (4 * max(n, 1)))
-    col = torch.arange(n, device=q.device)[None]
+    col = torch.arange(kf.shape[0], device=q.device)[None]
+    s = torch.einsum("mhd,nd->mnh", q.float(), kf).relu_().sum(-1)
+    return s.masked_fill_((col < rs[:, None]) | (col >= re[:, None]), -torch.inf)
+
+
+def torch_prefill_blocks(q, k, rs, re, topk):
+    """``torch_prefill_logits`` + top-k over row chunks under upstream's 128 MiB budget."""
+    import torch
+
+    chunk = max(1, LOGITS_BUDGET // (4 * max(k.shape[0], 1)))
     kf = k[:, 0].float()
-    outs = []
-    for r0 in range(0, q.shape[0], chunk):
-        qs = slice(r0, r0 + chunk)
-        s = torch.einsum("mhd,nd->mnh", q[qs].float(), kf).relu_().sum(-1)
-        s.masked_fill_((col < rs[qs, None]) | (col >= re[qs, None]), -torch.inf)
-        outs.append(torch_topk_blocks(s, topk))  # one request starting at 0: absolute = relative
-    return torch.cat(outs)
+    # one request starting at 0: absolute block ids = relative ones
+    return torch.cat([torch_topk_blocks(torch_prefill_logits(q[r0:r0 + chunk], kf,
+                                                             rs[r0:r0 + chunk], re[r0:r0 + chunk]),
+                                        topk) for r0 in range(0, q.shape[0], chunk)])
 
 
 def xla_fns(topk):
-    import jax
+    """Upstream's reference path in plain JAX: {"decode", "prefill"} -> a function of the entry
+    point's arguments -> the expanded token rows."""
     import jax.numpy as jnp
     from jax import lax
 
     from qsa_pallas.indexer import _expand
 
-    def topk_blocks(logits):
-        vals, ids = lax.top_k(logits, min(topk, logits.shape[1]))
+    def select(s, visible, pos, sl):  # ReLU-sum over heads, top-k ascending (-1 padded), expand
+        s = jnp.where(visible, jnp.maximum(s, 0.0).sum(-1), -jnp.inf)
+        vals, ids = lax.top_k(s, min(topk, s.shape[1]))
         big = jnp.iinfo(jnp.int32).max
         ids = jnp.sort(jnp.where(jnp.isfinite(vals), ids, big), axis=1)
         ids = jnp.where(ids == big, -1, ids).astype(jnp.int32)
-        return jnp.pad(ids, ((0, 0), (0, topk - ids.shape[1])), constant_values=-1)
+        ids = jnp.pad(ids, ((0, 0), (0, topk - ids.shape[1])), constant_values=-1)
+        return _expand(ids, pos, sl, ratio=RATIO)
 
     def decode(q, kc, pt, sl):
         g = kc[jnp.clip(pt, 0, kc.shape[0] - 1)].reshape(q.shape[0], -1, D)
         s = jnp.einsum("bhd,bnd->bnh", q, g, preferred_element_type=jnp.float32)
-        s = jnp.maximum(s, 0.0).sum(-1)
-        s = jnp.where(jnp.arange(s.shape[1])[None] < (sl // RATIO)[:, None], s, -jnp.inf)
-        return _expand(topk_blocks(s), sl - 1, sl, ratio=RATIO)
+        return select(s, jnp.arange(s.shape[1])[None] < (sl // RATIO)[:, None], sl - 1, sl)
 
     def prefill(q, k, rs, re, pos, sl):
         s = jnp.einsum("mhd,nd->mnh", q, k[:, 0], preferred_element_type=jnp.float32)
-        s = jnp.maximum(s, 0.0).sum(-1)
         col = jnp.arange(s.shape[1])[None]
-        s = jnp.where((col >= rs[:, None]) & (col < re[:, None]), s, -jnp.inf)
-        return _expand(topk_blocks(s), pos, sl, ratio=RATIO)
+        return select(s, (col >= rs[:, None]) & (col < re[:, None]), pos, sl)
 
-    return decode, prefill
+    return {"decode": decode, "prefill": prefill}
 
 
 # ------------------------------------------------------------------------------ providers
 def _jax_chain(fn, inp: Inputs):
-    """A provider call: CHAIN calls of ``fn`` unrolled in one ``jax.jit``; call i+1's seq_lens
-    (the last argument) depend on call i's output (values unchanged: out[:, 0] >= -1), so XLA
-    can neither merge nor hoist them (``docs/architecture.md``: time JAX as such a chain)."""
-    import jax
+    """A provider call: CHAIN calls of ``fn`` unrolled in one ``jax.jit`` (``common.jax_chain``);
+    call i+1's seq_lens (the last argument) depend on call i's output (values unchanged:
+    out[:, 0] >= -1), so XLA can neither merge nor hoist them."""
     import jax.numpy as jnp
 
-    from interop.dlpack import to_jax, to_torch
+    def link(xs, out):
+        return (*xs[:-1], jnp.minimum(xs[-1], xs[-1] + jnp.minimum(out[:, 0], 0) + 1))
 
-    arrays = [to_jax(a) for a in inp.args]
-    step = jax.jit(fn)
-
-    def chain(*a):
-        a, out = list(a), None
-        for _ in range(CHAIN):
-            if out is not None:
-                a[-1] = jnp.minimum(a[-1], a[-1] + jnp.minimum(out[:, 0], 0) + 1)
-            out = step(*a)
-        return out
-
-    chained = jax.jit(chain)
-
-    def call():
-        return to_torch(chained(*arrays))
-
-    call.once = lambda: to_torch(step(*arrays))
-    call.chain, call.capturable = CHAIN, False
-    return call
+    return common.jax_chain(fn, inp.args, {}, CHAIN, link)
 
 
 def _triton(inp: Inputs, variant=None):
-    import qsa_triton
-    from qsa_triton.indexer import indexer_plan_for
+    from qsa_triton import indexer
 
-    fn = qsa_triton.indexer_select_decode if inp.kind == "decode" else \
-        qsa_triton.indexer_select_prefill
+    fn = getattr(indexer, f"indexer_select_{inp.kind}")
     kw = {}
     if variant is not None:
         q, keys = inp.args[0], inp.args[1]
         blocks = (inp.args[2].shape[1] * keys.shape[1] if inp.kind == "decode" else keys.shape[0])
-        kw["plan"] = VARIANTS[variant](indexer_plan_for(inp.kind, q.shape[0], blocks, TOPK,
-                                                        q.device))
+        kw["plan"] = VARIANTS[variant](indexer.indexer_plan_for(inp.kind, q.shape[0], blocks,
+                                                                TOPK, q.device))
     return lambda: fn(*inp.args, **kw)
 
 
 def _pallas(inp: Inputs):
     import qsa_pallas
 
-    return _jax_chain(qsa_pallas.indexer_select_decode if inp.kind == "decode"
-                      else qsa_pallas.indexer_select_prefill, inp)
+    return _jax_chain(getattr(qsa_pallas, f"indexer_select_{inp.kind}"), inp)
 
 
 def _torch(inp: Inputs):
@@ -211,30 +186,18 @@ def _torch(inp: Inputs):
 
 
 def _xla(inp: Inputs):
-    decode, prefill = xla_fns(TOPK)
-    return _jax_chain(decode if inp.kind == "decode" else prefill, inp)
-
-
-def _checked(setup):
-    """Wrap a provider's setup: the output checked is the canonical view (module docstring)."""
-    def wrapped(inp: Inputs):
-        call = setup(inp)
-        timed = lambda: call()  # noqa: E731
-        timed.__dict__.update({a: getattr(call, a) for a in ("chain", "capturable")
-                               if hasattr(call, a)})
-        timed.once = lambda: check_view(getattr(call, "once", call)(), inp)
-        return timed
-
-    return wrapped
+    return _jax_chain(xla_fns(TOPK)[inp.kind], inp)
 
 
 PROVIDERS = {p.name: p for p in (
-    common.Provider("triton", _checked(_triton), "qsa_triton.indexer_select_*"),
-    common.Provider("pallas", _checked(_pallas), f"qsa_pallas.indexer_select_* (chain of {CHAIN})"),
-    common.Provider("torch", _checked(_torch), "upstream's torch reference path + topk"),
-    common.Provider("xla", _checked(_xla), f"jnp.einsum + lax.top_k (chain of {CHAIN})"),
-    *(common.Provider(v, _checked(lambda inp, v=v: _triton(inp, v)),
-                      f"Triton, private plan override {v}") for v in VARIANTS),
+    common.Provider("triton", _triton, "qsa_triton.indexer_select_*"),
+    common.Provider("pallas", _pallas, f"qsa_pallas.indexer_select_* (chain of {CHAIN})"),
+    common.Provider("torch", _torch, "upstream's torch reference path + topk"),
+    common.Provider("xla", _xla, f"the same in JAX: jnp.einsum + lax.top_k (chain of {CHAIN})"),
+    common.Provider("triton_rb4", lambda inp: _triton(inp, "triton_rb4"), "Triton, private plan "
+                    "override: 4-bit radix rounds in both passes"),
+    common.Provider("triton_c2x", lambda inp: _triton(inp, "triton_c2x"), "Triton, private plan "
+                    "override: twice the pass-1 chunk"),
 )}
 
 
@@ -272,9 +235,14 @@ def prefill_cases(args, kind: str) -> list[tuple[int, int]]:
     return [(args.rows, c) for c in ctxs]
 
 
-def _tol(logits) -> float:
-    """FP32 summation tolerance of the scores (sums of 4 x 128 products): 2^-16 of the largest."""
-    return float(logits[logits.isfinite()].abs().max()) * 2.0**-16 + 1e-6
+def _with_reference(kind: str, args: list, nb, logits):
+    """(Inputs, the check's reference: per row 0 inadmissible blocks and min(512, visible) blocks).
+    The FP32 summation tolerance of the scores (sums of 4 x 128 products): 2^-16 of the largest."""
+    import torch
+
+    tol = float(logits[logits.isfinite()].abs().max()) * 2.0**-16 + 1e-6
+    return (Inputs(kind, args, nb, logits, tol),
+            torch.stack([torch.zeros_like(nb, dtype=torch.float32), nb.clamp(max=TOPK).float()], 1))
 
 
 def prepare_decode(case, device):
@@ -293,10 +261,8 @@ def prepare_decode(case, device):
     q = torch.randn(b, H, D, device=device, generator=g).to(dt)
     kc = torch.randn(cs.pages, PAGE, 1, D, device=device, generator=g).to(dt)
     pt, sl = torch.tensor(cs.page_table, device=device), torch.tensor(cs.seq_lens, device=device)
-    logits = torch_decode_logits(q, kc, pt, sl)
-    inp = Inputs("decode", [q, kc, pt, sl], torch.div(sl, RATIO, rounding_mode="floor"), logits,
-                 _tol(logits))
-    return inp, torch.stack([torch.zeros(b, device=device), inp.nb.clamp(max=TOPK).float()], 1)
+    return _with_reference("decode", [q, kc, pt, sl], torch.div(sl, RATIO, rounding_mode="floor"),
+                           torch_decode_logits(q, kc, pt, sl))
 
 
 def prepare_prefill(case, device):
@@ -311,11 +277,8 @@ def prepare_prefill(case, device):
     q = torch.randn(t, H, D, device=device, generator=g).to(dt)
     k = torch.randn(int(cu[-1]), 1, D, device=device, generator=g).to(dt)
     meta = [torch.tensor(a, device=device) for a in (rs, re, pos, sl)]
-    col = torch.arange(k.shape[0], device=device)[None]
-    logits = torch.einsum("mhd,nd->mnh", q.float(), k[:, 0].float()).relu_().sum(-1)
-    logits.masked_fill_((col < meta[0][:, None]) | (col >= meta[1][:, None]), -torch.inf)
-    inp = Inputs("prefill", [q, k, *meta], meta[1] - meta[0], logits, _tol(logits))
-    return inp, torch.stack([torch.zeros(t, device=device), inp.nb.clamp(max=TOPK).float()], 1)
+    return _with_reference("prefill", [q, k, *meta], meta[1] - meta[0],
+                           torch_prefill_logits(q, k[:, 0].float(), meta[0], meta[1]))
 
 
 def describe_decode(case, inp: Inputs) -> dict:
@@ -330,14 +293,6 @@ def describe_prefill(case, inp: Inputs) -> dict:
     return {"name": f"prefill/T{t}/ctx{ctx}", "rows": t, "context": ctx,
             "bytes": inp.args[1].numel() * inp.args[1].element_size(),
             "plot": [["prefill", ctx // 1024]]}
-
-
-MODES = {"decode": common.Mode("indexer_decode", "QSA indexer, decode (score + top-512 + expand)",
-                               PROVIDERS, decode_cases, prepare_decode, describe_decode,
-                               calls=CHAIN, finish=lambda r: finish(r)),
-         "prefill": common.Mode("indexer_prefill", "QSA indexer, prefill (8192 rows)",
-                                PROVIDERS, prefill_cases, prepare_prefill, describe_prefill,
-                                calls=2, finish=lambda r: finish(r))}
 
 
 def add_arguments(ap) -> None:
@@ -379,6 +334,14 @@ def finish(report: dict) -> None:
     """``Mode.finish``: print the must-show lines and keep them in the report."""
     report["must_show"] = must_show(report)
     print("must-show:\n" + "\n".join(report["must_show"]))
+
+
+MODES = {"decode": common.Mode("indexer_decode", "QSA indexer, decode (score + top-512 + expand)",
+                               PROVIDERS, decode_cases, prepare_decode, describe_decode,
+                               calls=CHAIN, finish=finish, view=check_view),
+         "prefill": common.Mode("indexer_prefill", "QSA indexer, prefill (8192 rows)",
+                                PROVIDERS, prefill_cases, prepare_prefill, describe_prefill,
+                                calls=2, finish=finish, view=check_view)}
 
 
 def main(argv=None, prog: str | None = None) -> int:

@@ -178,17 +178,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.table and len(args.files) != 2:
         ap.error("plotting takes REPORT.json OUT.png")
-    reports = args.files if args.table else args.files[:1]
     loaded = []
-    for f in reports:
+    for f in args.files if args.table else args.files[:1]:
         try:
             r = json.loads(Path(f).read_text())
+            why = None if isinstance(r, dict) and "cases" in r else "not a bench/ report"
         except (OSError, ValueError) as e:
-            print(f"bench.plot: cannot read {f}: {e}", file=sys.stderr)
-            return 2
-        if not isinstance(r, dict) or "cases" not in r:
-            print(f"bench.plot: {f} is not a bench/decode.py or bench/prefill.py report",
-                  file=sys.stderr)
+            why = f"cannot read it ({e})"
+        if why:
+            print(f"bench.plot: {f}: {why}", file=sys.stderr)
             return 2
         loaded.append(r)
     if args.table:

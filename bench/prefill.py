@@ -1,37 +1,27 @@
 """Sparse prefill benchmark (``qsa-contract.md`` §3): ours against upstream SGLang 0.5.23's
 kernels, our Pallas twin and gather + dense attention, on the H200.
 
-  python3 -m bench.prefill [--providers A,B,..] [--sections ..] [--heads ..]
-                           [--json F] [--plot F.png]          time and check (GPU)
-  python3 -m bench.prefill --smoke-cpu                        code paths on CPU, no timing
-  python3 -m bench.prefill --memcheck                         edge cases for compute-sanitizer
-  python3 -m bench.prefill --compare OLD_TREE                 this checkout vs another commit's
-  python3 -m bench.prefill --mode union [--jaccards 0.9,0.5,0] [--heads ..] [--json F]
-
-Cases (``interop.cases``; D = 256, bf16, W = 2051, realistic block-structured indices from
-``interop.indices``: 512 blocks of 4 tokens plus the causal tail, adjacent rows sharing ~90% of
-their blocks, padding -1): ``matrix``, 8192 query rows x heads 6/1, 12/1, 24/2 x KV length in
-``BENCH_PREFILL_KV`` (8k: ordinary prefill, no prefix; else chunk prefill after a prefix);
-``sweep``, chunk prefill at 32k context for 12/1 and 6/1 at the query-row counts of
-``BENCH_PREFILL_ROWS``; ``paged``, 12/1 at 32k, 8192 rows, from a scattered BF16 or FP8 pool.
-Bytes = the K and V rows gathered (valid entries x D x element size x 2, per KV head): a rate
-above the copy bandwidth means L2 hits. TFLOP/s counts 4 x G x D per valid entry.
+Cases (``interop.cases``, inputs built as ``qsa check`` builds them; D = 256, bf16, W = 2051,
+realistic block-structured indices from ``interop.indices``: 512 blocks of 4 tokens plus the
+causal tail, adjacent rows sharing ~90% of their blocks, padding -1): ``matrix``, 8192 query rows
+x heads 6/1, 12/1, 24/2 x KV length in ``BENCH_PREFILL_KV`` (8k: ordinary prefill, no prefix;
+else chunk prefill after a prefix); ``sweep``, chunk prefill at 32k context for 12/1 and 6/1 at
+the query-row counts of ``BENCH_PREFILL_ROWS``; ``paged``, 12/1 at 32k, 8192 rows, from a
+scattered BF16 or FP8 pool. Each provider is checked against a chunked FP32 torch reference
+(``reference_f32``). Bytes = the K and V rows gathered (valid entries x D x element size x 2, per
+KV head): a rate above the copy bandwidth means L2 hits. TFLOP/s counts 4 x G x D per valid
+entry.
 
 ``--mode union``: block-level selections (``block_indices=``, the tile-union path, union build
 included) at 8192 rows x heads x KV, the selections' neighbour Jaccard calibrated to each of
 ``--jaccards`` (``interop.indices.calibrate_overlap``; the measured value is in the report) with 4
-sink blocks. Providers: ``ours-union`` (the selector), ``ours-hinted`` (``overlap=`` the measured
-Jaccard), ``ours-rows`` (the per-row kernel on the expanded token indices), ``upstream-chunk``
-and ``pallas-union``.
-
-Also the shared test helpers: ``make_case`` (one seeded batch of any variant), ``Case`` (its
-tensors, entry point and float64 numpy oracle), ``reference_f32`` (chunked float32 torch reference,
-fast enough for 8192 rows x 2051 columns on the GPU), ``errors`` / ``within_tolerance``.
+sink blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import sys
 from typing import Any
@@ -39,28 +29,22 @@ from typing import Any
 import numpy as np
 
 from bench import common
-from bench.common import errors, within_tolerance
 from interop import cases as C
 
-__all__ = ["Case", "make_case", "reference_f32", "errors", "within_tolerance", "PROVIDERS",
-           "PREFILL", "MODES", "main"]
+__all__ = ["Case", "make_case", "reference_f32", "PROVIDERS", "PREFILL", "UNION", "MODES", "main"]
 
 D, T, KV_SWEEP, CHAIN = 256, 8192, 32768, 2
 HEADS = {"6/1": (6, 1), "12/1": (12, 1), "24/2": (24, 2)}
 SECTIONS = ("matrix", "sweep", "paged")
-ENTRY = {"ordinary": "sparse_prefill", "chunk": "sparse_prefill_chunk",
-         "paged": "sparse_prefill_paged"}
 
 
 @dataclasses.dataclass
 class Case:
-    """One prefill batch on a device, with host copies of the metadata for the numpy oracle.
-
-    kind: "ordinary" | "chunk" | "paged". q [T, Hq, D]; k, v: [T, Hkv, D] (ordinary), the packed
-    contexts [sum kv_lens, Hkv, D] (chunk) or the pool [slots, Hkv, D] (paged); indices int32
-    [T, W] or [T, Hkv, W]; cu_q int32 [B+1]; cu_k int32 [B+1] (chunk); kv_lens int32 [B];
-    slot_table int32 [B, max_kv] (paged); max_q host int.
-    """
+    """One prefill batch on a device: kind "ordinary" | "chunk" | "paged"; q [T, Hq, D]; k, v
+    [T, Hkv, D] (ordinary), the packed contexts (chunk) or the pool [slots, Hkv, D] (paged);
+    indices int32 [T, W] or [T, Hkv, W]; int32 cu_q [B+1], cu_k [B+1] (chunk), kv_lens [B]
+    (chunk, paged), req_to_token [max_reqs, max_context] and req_indices [B] (paged); max_q host
+    int; the default softmax scale D ** -0.5 (``scale``)."""
 
     kind: str
     q: Any
@@ -70,218 +54,123 @@ class Case:
     cu_q: Any
     cu_k: Any
     kv_lens: Any
-    slot_table: Any
+    req_to_token: Any
+    req_indices: Any
     max_q: int
     k_scale: float = 1.0
     v_scale: float = 1.0
-    softmax_scale: float | None = None
+
+    @property
+    def scale(self) -> float:
+        return self.q.shape[-1] ** -0.5
 
     @property
     def entry(self) -> str:
         """The entry point's name (same in ``qsa_triton`` and ``qsa_pallas``)."""
-        return ENTRY[self.kind]
+        return C.ENTRY[self.kind]
 
-    @property
-    def req_indices(self):
-        """int32 [B] = 0..B-1: request b reads row b of ``slot_table`` (as ``req_to_token``)."""
+    @functools.cached_property
+    def slot_table(self):
+        """int [B, max_context]: the pool slot of position p of request b (paged)."""
+        return self.req_to_token[self.req_indices.long()]
+
+    @functools.cached_property
+    def rows(self):
+        """(request of each query row, the validity bound of its entries: request length or
+        kv_lens[b]), int64 [T] each."""
         import torch  # noqa: PLC0415
 
-        return torch.arange(self.cu_q.shape[0] - 1, dtype=torch.int32, device=self.cu_q.device)
+        q_lens = (self.cu_q[1:] - self.cu_q[:-1]).long()
+        req = torch.repeat_interleave(torch.arange(q_lens.numel(), device=q_lens.device), q_lens)
+        return req, (q_lens if self.kind == "ordinary" else self.kv_lens.long())[req]
 
-    def args_for(self, fn, *, host: bool = False) -> list:
-        """The positional arguments of ``fn``: this case's entry point in ``qsa_triton`` or
-        ``qsa_pallas``, or (``host``: numpy arrays) its ``interop.reference`` function. The paged
-        pool is addressed the way ``fn`` takes it: SGLang's ``req_to_token, req_indices`` (the
-        slot table, one row per request) or, in checkouts before that convention (a ``--compare``
-        old tree), the slot table alone."""
-        f = (lambda t: t.detach().float().cpu().numpy() if t.is_floating_point()
-             else t.cpu().numpy()) if host else (lambda t: t)
-        q, k, v, idx, cu_q = (f(t) for t in (self.q, self.k, self.v, self.indices, self.cu_q))
+    def args_for(self, fn) -> list:
+        """The positional arguments of ``fn``, this case's entry point in ``qsa_triton`` or
+        ``qsa_pallas``. The paged pool is addressed the way ``fn`` takes it: SGLang's
+        ``req_to_token, req_indices`` or, in checkouts before that convention (a ``--compare``
+        old tree), the per-request slot table alone."""
+        q, k, v, idx, cu_q = self.q, self.k, self.v, self.indices, self.cu_q
         if self.kind == "ordinary":
-            return [q, k, v, idx, cu_q] + ([] if host else [self.max_q]) + [self.softmax_scale]
-        scales = [self.softmax_scale, self.k_scale, self.v_scale]
-        lens = [f(self.kv_lens)] + ([] if host else [self.max_q])
+            return [q, k, v, idx, cu_q, self.max_q, None]
+        tail = [self.kv_lens, self.max_q, None, self.k_scale, self.v_scale]
         if self.kind == "chunk":
-            return [q, k, v, idx, cu_q, f(self.cu_k), *lens, *scales]
-        table = [f(self.slot_table)]
-        if "req_indices" in inspect.signature(fn).parameters:
-            table.append(f(self.req_indices))
-        return [q, k, v, *table, idx, cu_q, *lens, *scales]
-
-    def run(self, fn_ordinary=None, fn_chunk=None, fn_paged=None):
-        """Call this case's ``qsa_triton`` entry point (or the given replacement)."""
-        import qsa_triton  # noqa: PLC0415
-
-        fn = {"ordinary": fn_ordinary, "chunk": fn_chunk, "paged": fn_paged}[self.kind]
-        fn = fn or getattr(qsa_triton, self.entry)
-        return fn(*self.args_for(fn))
-
-    def numpy_reference(self) -> np.ndarray:
-        """The float64 numpy oracle (``interop.reference``); small cases only."""
-        from interop import reference as R  # noqa: PLC0415
-
-        fn = getattr(R, f"prefill{'' if self.kind == 'ordinary' else '_' + self.kind}_reference")
-        return fn(*self.args_for(fn, host=True))
+            return [q, k, v, idx, cu_q, self.cu_k, *tail]
+        table = ([self.req_to_token, self.req_indices]
+                 if "req_indices" in inspect.signature(fn).parameters else [self.slot_table])
+        return [q, k, v, *table, idx, cu_q, *tail]
 
     def valid_entries(self) -> int:
         """Valid (gathered) index entries over all rows and KV heads."""
-        idx = self.indices.long()
-        lens = _row_bound(self)
-        while lens.dim() < idx.dim():
-            lens = lens[..., None]
-        n = int(((idx >= 0) & (idx < lens)).sum())
+        idx, bound = self.indices.long(), self.rows[1]
+        n = int(((idx >= 0) & (idx < bound.view(-1, *[1] * (idx.dim() - 1)))).sum())
         return n * (self.k.shape[1] if self.indices.dim() == 2 else 1)
 
 
-def _row_req(cu_q):
+def make_case(spec: C.PrefillSpec, device) -> Case:
+    """Seeded inputs of a ``PrefillSpec`` on ``device`` as ``qsa check`` builds them
+    (``crosscheck.build_inputs``: ``interop.cases.case_data``'s metadata, indices and poison)."""
+    from interop.validate.crosscheck import build_inputs  # noqa: PLC0415
+
+    n = build_inputs(spec, device).named()
+    k, v = (n["k_cache"], n["v_cache"]) if spec.kind == "paged" else (n["k"], n["v"])
+    return Case(spec.kind, n["q"], k, v, n["indices"], n.get("cu_seqlens", n.get("cu_seqlens_q")),
+                n.get("cu_seqlens_k"), n.get("kv_lens"), n.get("req_to_token"),
+                n.get("req_indices"), int(n["max_seqlen_q"]), spec.k_scale, spec.v_scale)
+
+
+def _gather(c: Case, s: int, e: int):
+    """Query rows s..e-1 of ``c``: (valid [n, Hkv, W]: 0 <= idx < the row's bound, the K/V row
+    each entry names [n, Hkv, W], read from position 0 where invalid)."""
     import torch  # noqa: PLC0415
 
-    q_lens = (cu_q[1:] - cu_q[:-1]).long()
-    return torch.repeat_interleave(torch.arange(q_lens.numel(), device=cu_q.device), q_lens)
+    req, bound = c.rows
+    ii = c.indices[s:e].long()
+    ii = ii[:, None, :].expand(-1, c.k.shape[1], -1) if ii.dim() == 2 else ii
+    ok = (ii >= 0) & (ii < bound[s:e, None, None])
+    pos = torch.where(ok, ii, 0)
+    if c.kind == "paged":
+        return ok, c.slot_table.long()[req[s:e, None, None], pos]
+    return ok, (c.cu_q if c.kind == "ordinary" else c.cu_k).long()[req[s:e], None, None] + pos
 
 
-def _row_bound(c: Case):
-    """Per query row, the validity bound of its entries (request length or kv_lens[b])."""
-    lens = (c.cu_q[1:] - c.cu_q[:-1]) if c.kind == "ordinary" else c.kv_lens
-    return lens.long()[_row_req(c.cu_q)]
-
-
-def make_case(kind: str, hq: int, hkv: int, d: int, q_lens, kv_lens=None, *, width: int = 2051,
-              junk: str = "-1", per_head: bool = False, dtype=None, kv_dtype=None,
-              empty_rows=0.0, overlap: float = 0.9, nan_unselected: bool = False,
-              pool_slack: int = 0, table_junk: bool = False, k_scale: float = 1.0,
-              v_scale: float = 1.0, softmax_scale=None, seed: int = 0, device="cpu") -> Case:
-    """A seeded prefill batch.
-
-    Args:
-      kind: "ordinary" | "chunk" | "paged". hq, hkv, d: heads and head dim.
-      q_lens: query rows per request; kv_lens: context per request (chunk/paged, >= q_lens).
-      width: W; junk: padding mode of ``interop.indices.JUNK_MODES``; per_head: indices
-        [T, Hkv, W]; empty_rows: fraction or row list without a valid entry; overlap: adjacent-row
-        block sharing (``interop.indices.prefill_indices``).
-      dtype: q's torch dtype (default bf16); kv_dtype: K/V dtype (None: q's; float8_e4m3fn: FP8).
-      nan_unselected: NaN in every K/V row (pool slot) no valid entry selects.
-      pool_slack: unused extra pool slots (paged); table_junk: slot-table columns past each
-        request's kv_len hold slots far past the pool (never to be read).
-    Returns:
-      Case with its tensors on ``device`` (values N(0, 1), generated on the CPU).
-    Raises:
-      ValueError: from ``interop.indices`` (unknown kind or junk mode, kv_lens < q_lens).
-    """
-    import torch  # noqa: PLC0415
-
-    from interop import indices as I  # noqa: PLC0415
-
-    dtype = dtype or torch.bfloat16
-    g = torch.Generator().manual_seed(seed)
-    ql = np.asarray(q_lens, np.int64)
-    kl = ql if kind == "ordinary" or kv_lens is None else np.asarray(kv_lens, np.int64)
-    ctx = None if kind == "ordinary" else kl
-    lay = I.prefill_layout(kind, ql, ctx, pool_slack=pool_slack, seed=seed)
-    idx = I.prefill_indices(ql, ctx, width=width, junk=junk, overlap=overlap,
-                            empty_rows=empty_rows, num_kv_heads=hkv if per_head else None,
-                            seed=seed)
-    t = int(ql.sum())
-    rows = {"ordinary": t, "chunk": int(kl.sum()), "paged": lay.pool_slots}[kind]
-    q = torch.randn(t, hq, d, generator=g).to(dtype)
-    k = torch.randn(rows, hkv, d, generator=g).to(kv_dtype or dtype)
-    v = torch.randn(rows, hkv, d, generator=g).to(kv_dtype or dtype)
-    st = None if lay.slot_table is None else lay.slot_table.astype(np.int64)
-    if nan_unselected:
-        req = np.repeat(np.arange(ql.size), ql)
-        i3 = (idx if idx.ndim == 3 else np.broadcast_to(idx[:, None, :], (t, hkv, width)))
-        i3 = i3.astype(np.int64)
-        ok = (i3 >= 0) & (i3 < lay.kv_lens.astype(np.int64)[req][:, None, None])
-        r_, h_, c_ = np.nonzero(ok)
-        base = (lay.cu_seqlens_q if kind == "ordinary" else lay.cu_seqlens_k).astype(np.int64)
-        pos = i3[r_, h_, c_]
-        used = np.zeros((rows, hkv), bool)
-        used[st[req[r_], pos] if kind == "paged" else base[req[r_]] + pos, h_] = True
-        mask = torch.from_numpy(~used)[..., None]
-        k = k.float().masked_fill(mask, float("nan")).to(k.dtype)
-        v = v.float().masked_fill(mask, float("nan")).to(v.dtype)
-    if kind == "paged" and table_junk:
-        cols = np.arange(st.shape[1])[None, :]
-        st = np.where(cols >= lay.kv_lens[:, None], lay.pool_slots + 1000 + cols * 7919, st)
-    dev = torch.device(device)
-    i32 = lambda a: torch.as_tensor(np.asarray(a, np.int64).astype(np.int32)).to(dev)  # noqa: E731
-    return Case(kind, q.to(dev), k.to(dev), v.to(dev), i32(idx), i32(lay.cu_seqlens_q),
-                i32(lay.cu_seqlens_k), i32(lay.kv_lens), None if st is None else i32(st),
-                int(lay.max_seqlen_q), k_scale, v_scale, softmax_scale)
-
-
-def reference_f32(c: Case, *, chunk_rows: int = 128):
-    """Float32 torch reference of ``c`` on c's device, with ``interop.reference``'s semantics: an
-    entry is valid iff 0 <= idx < len, invalid entries are never gathered, a row without a valid
-    entry is 0.
-
-    Returns:
-      float32 [T, Hq, D].
-    """
-    import torch  # noqa: PLC0415
-
-    q, k, v, idx = c.q, c.k, c.v, c.indices
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    scale = (d ** -0.5 if c.softmax_scale is None else c.softmax_scale) * c.k_scale
-    req, bound = _row_req(c.cu_q), _row_bound(c)
-    base = None if c.kind == "paged" else (c.cu_q if c.kind == "ordinary" else c.cu_k).long()[req]
-    out = torch.zeros(t, hq, d, dtype=torch.float32, device=q.device)
-    heads = torch.arange(hkv, device=q.device)
-    with torch.no_grad():
-        for s in range(0, t, chunk_rows):
-            e = min(t, s + chunk_rows)
-            ii = idx[s:e].long()
-            ii = ii[:, None, :].expand(-1, hkv, -1) if ii.dim() == 2 else ii
-            ok = (ii >= 0) & (ii < bound[s:e, None, None])
-            pos = torch.where(ok, ii, 0)
-            phys = (c.slot_table.long()[req[s:e, None, None], pos] if base is None
-                    else base[s:e, None, None] + pos)
-            phys = torch.where(ok, phys, 0)
-            kk = torch.where(ok[..., None], k[phys, heads[None, :, None]].float(), 0.0)
-            vv = torch.where(ok[..., None], v[phys, heads[None, :, None]].float(), 0.0)
-            qq = q[s:e].float().view(e - s, hkv, hq // hkv, d)
-            sc = torch.einsum("nhgd,nhwd->nhgw", qq, kk) * scale
-            p = torch.softmax(sc.masked_fill(~ok[:, :, None, :], float("-inf")), dim=-1)
-            o = torch.einsum("nhgw,nhwd->nhgd", p.nan_to_num(0.0), vv) * c.v_scale
-            out[s:e] = o.reshape(e - s, hq, d)
-    return out
+def reference_f32(c: Case):
+    """Float32 torch reference of ``c`` on c's device (``common.reference_f32``), with
+    ``interop.reference``'s semantics: an entry is valid iff 0 <= idx < len, invalid entries are
+    never gathered, a row without a valid entry is 0. Returns float32 [T, Hq, D]."""
+    return common.reference_f32(c.q, c.k, c.v, lambda s, e: _gather(c, s, e),
+                                c.scale * c.k_scale, c.v_scale)
 
 
 # ------------------------------------------------------------------------------ providers
-def _ours(c: Case):
-    return c.run
+def _call(c: Case, pallas: bool = False, blocks: bool = False, **kw):
+    """A provider call of the case's entry point of ``qsa_triton`` or (``pallas``: a chain in one
+    ``jax.jit``) ``qsa_pallas``; ``blocks``: on the block selection (``block_indices=``, ``kw``
+    passed on) instead of the token indices."""
+    import importlib  # noqa: PLC0415
 
+    entry = getattr(importlib.import_module("qsa_pallas" if pallas else "qsa_triton"), c.entry)
+    args, fn = (dataclasses.replace(c, indices=None) if blocks else c).args_for(entry), entry
+    if blocks:  # the block ids last and positional: jax_chain hands only positional tensors to jax
+        args.append(c.blocks)
 
-def _upstream():
-    from interop.validate import peer  # noqa: PLC0415
+        def fn(*a):
+            return entry(*a[:-1], block_indices=a[-1], **kw)
 
-    return peer.load_sparse_attn()
-
-
-def _scale(c: Case) -> float:
-    return c.softmax_scale if c.softmax_scale is not None else c.q.shape[-1] ** -0.5
+    return common.jax_chain(fn, args, {}, CHAIN) if pallas else lambda: fn(*args)
 
 
 def _up_ordinary(c: Case):
-    up = _upstream()
+    up = common.peer().load_sparse_attn()
     return lambda: up.sparse_gqa_fwd_interface_triton(c.q, c.k, c.v, c.max_q, c.indices, c.cu_q,
-                                                      _scale(c))
+                                                      c.scale)
 
 
 def _up_chunk(c: Case):
-    up = _upstream()
+    up = common.peer().load_sparse_attn()
     cu_k, lens = (c.cu_k, c.kv_lens) if c.kind == "chunk" else \
         (c.cu_q, (c.cu_q[1:] - c.cu_q[:-1]).contiguous())
     return lambda: up.sparse_gqa_fwd_interface_triton_ck(c.q, c.k, c.v, c.indices, c.cu_q, cu_k,
-                                                         lens, _scale(c), max_q=c.max_q)
-
-
-def _pallas(c: Case):
-    import qsa_pallas  # noqa: PLC0415
-
-    fn = getattr(qsa_pallas, c.entry)
-    return common.jax_chain(fn, c.args_for(fn), {}, CHAIN)
+                                                         lens, c.scale, max_q=c.max_q)
 
 
 def _gather_dense(c: Case, rows_per_step: int = 256):
@@ -290,55 +179,46 @@ def _gather_dense(c: Case, rows_per_step: int = 256):
     import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: PLC0415
 
-    t, hq, d = c.q.shape
+    t, hq, _ = c.q.shape
     hkv = c.k.shape[1]
-    req, bound = _row_req(c.cu_q), _row_bound(c)
-    base = None if c.kind == "paged" else (c.cu_q if c.kind == "ordinary" else c.cu_k).long()[req]
-    heads = torch.arange(hkv, device=c.q.device)
+    heads = torch.arange(hkv, device=c.q.device)[None, :, None]
 
     def run():
         out = torch.empty_like(c.q)
         for s in range(0, t, rows_per_step):
             e = min(t, s + rows_per_step)
-            ii = c.indices[s:e].long()
-            ii = ii[:, None, :].expand(-1, hkv, -1) if ii.dim() == 2 else ii
-            ok = (ii >= 0) & (ii < bound[s:e, None, None])
-            pos = torch.where(ok, ii, 0)
-            phys = (c.slot_table.long()[req[s:e, None, None], pos] if base is None
-                    else base[s:e, None, None] + pos)
-            kk = c.k[phys, heads[None, :, None]].to(c.q.dtype)
-            vv = c.v[phys, heads[None, :, None]].to(c.q.dtype)
+            ok, rows = _gather(c, s, e)
+            kk, vv = (x[rows, heads].to(c.q.dtype) for x in (c.k, c.v))
             mask = ok.repeat_interleave(hq // hkv, dim=1)[:, :, None, :]
             o = F.scaled_dot_product_attention(c.q[s:e, :, None, :], kk, vv, attn_mask=mask,
-                                               scale=_scale(c) * c.k_scale, enable_gqa=True)
+                                               scale=c.scale * c.k_scale, enable_gqa=True)
             out[s:e] = (o[:, :, 0, :].nan_to_num(0.0) * c.v_scale).to(out.dtype)
         return out
 
     return run
 
 
-def _upstream_supports(kinds):
-    def supports(desc: dict) -> str | None:
-        if desc["kind"] not in kinds:
-            return f"upstream has no {desc['kind']} kernel of this form"
-        if desc["junk"] != "-1" or desc["per_head"] or desc["empty_rows"]:
-            return "upstream takes only -1 padding, [T, W] indices and rows with a valid entry"
-        return None
-    return supports
+def _upstream_supports(desc: dict, kinds) -> str | None:
+    if desc["kind"] not in kinds:
+        return f"upstream has no {desc['kind']} kernel of this form"
+    if desc["junk"] != "-1" or desc["per_head"] or desc["empty_rows"]:
+        return "upstream takes only -1 padding, [T, W] indices and rows with a valid entry"
+    return None
 
 
 PROVIDERS = {p.name: p for p in (
-    common.Provider("ours", _ours, "qsa_triton.sparse_prefill / _chunk / _paged"),
+    common.Provider("ours", _call, "qsa_triton.sparse_prefill / _chunk / _paged"),
     common.Provider("upstream-chunk", _up_chunk, "upstream's sparse_gqa_fwd_interface_triton_ck "
                     "(its own L20/H20 table geometry; ordinary cases as chunks without a prefix)",
-                    supports=_upstream_supports(("ordinary", "chunk"))),
+                    supports=functools.partial(_upstream_supports,
+                                               kinds=("ordinary", "chunk"))),
     common.Provider("upstream-ordinary", _up_ordinary, "upstream's "
                     "sparse_gqa_fwd_interface_triton (ordinary prefill only)",
-                    supports=_upstream_supports(("ordinary",))),
+                    supports=functools.partial(_upstream_supports, kinds=("ordinary",))),
     common.Provider("gather-dense", _gather_dense, "torch gather of each row's K/V + "
                     "scaled_dot_product_attention with a key mask (context)"),
-    common.Provider("pallas", _pallas, "qsa_pallas.sparse_prefill / _chunk / _paged (JAX; chain of "
-                    f"{CHAIN} in one jit)", default=False),
+    common.Provider("pallas", functools.partial(_call, pallas=True), "qsa_pallas.sparse_prefill "
+                    f"/ _chunk / _paged (JAX; chain of {CHAIN} in one jit)", default=False),
 )}
 
 
@@ -391,15 +271,7 @@ def cases(args, kind: str) -> list[C.PrefillSpec]:
 
 
 def prepare(spec: C.PrefillSpec, device):
-    import torch  # noqa: PLC0415
-
-    c = make_case(spec.kind, spec.hq, spec.hkv, spec.d, spec.q_lens, spec.kv_lens,
-                  width=spec.width, junk=spec.junk, per_head=spec.per_head,
-                  dtype=getattr(torch, spec.dtype),
-                  kv_dtype=getattr(torch, spec.kv_dtype) if spec.kv_dtype else None,
-                  empty_rows=spec.empty_rows, overlap=spec.overlap, nan_unselected=spec.poison,
-                  pool_slack=spec.pool_slack, table_junk=spec.poison and spec.kind == "paged",
-                  k_scale=spec.k_scale, v_scale=spec.v_scale, seed=spec.seed, device=device)
+    c = make_case(spec, device)
     return c, reference_f32(c)
 
 
@@ -417,8 +289,9 @@ def describe(spec: C.PrefillSpec, c: Case) -> dict:
     if spec.kind == "chunk" and kv == KV_SWEEP and spec.hkv == 1 and len(spec.q_lens) == 1:
         plot.append([f"query rows, chunk at KV {KV_SWEEP // 1024}k, {heads} heads", t])
     return {"name": spec.name, "kind": spec.kind, "hq": spec.hq, "hkv": spec.hkv, "d": spec.d,
-            "T": t, "kv": kv, "width": spec.width, "kv_dtype": spec.kv_dtype or spec.dtype,
-            "junk": spec.junk, "per_head": spec.per_head, "empty_rows": bool(spec.empty_rows),
+            "T": t, "kv": kv, "width": int(c.indices.shape[-1]),
+            "kv_dtype": spec.kv_dtype or spec.dtype, "junk": spec.junk, "per_head": spec.per_head,
+            "empty_rows": bool(spec.empty_rows),
             "valid_entries": valid, "bytes": valid * spec.d * c.k.element_size() * 2,
             "flops": 4 * (spec.hq // spec.hkv) * spec.d * valid, "plot": plot}
 
@@ -430,7 +303,16 @@ PREFILL = common.Mode("prefill", "QSA sparse prefill", PROVIDERS, cases, prepare
 JACCARDS = (0.9, 0.5, 0.0)
 
 
-def union_cases(args, kind: str) -> list[dict]:
+def _union(kind, hq, hkv, d, q_lens, kv_lens, nb: int, jaccard: float, **kw):
+    """One union case: (its PrefillSpec, block ids per row, target neighbour Jaccard)."""
+    kv, fp8 = kv_lens[0] if kv_lens else sum(q_lens), kw.get("kv_dtype") is not None
+    name = (f"union/{kind}/{hq}x{hkv}/kv{kv // 1024}k/T{sum(q_lens)}/J{jaccard}"
+            + ("/fp8" if fp8 else ""))
+    return (C.PrefillSpec(name, kind, hq, hkv, d, q_lens, kv_lens, k_scale=0.5 if fp8 else 1.0,
+                          v_scale=1.5 if fp8 else 1.0, seed=1, **kw), nb, jaccard)
+
+
+def union_cases(args, kind: str) -> list[tuple]:
     """``bench``: 8192 rows x ``--heads`` x ``BENCH_PREFILL_KV`` x ``--jaccards``; ``smoke``: one
     tiny fp16 chunk case and one paged FP8 case (64 blocks per row) for the CPU interpreters."""
     heads = [HEADS[h] for h in common.choose(getattr(args, "heads", None), HEADS, "--heads")]
@@ -441,36 +323,29 @@ def union_cases(args, kind: str) -> list[dict]:
     if any(not 0.0 <= j <= 1.0 for j in jac):
         raise common.ProviderError(f"--jaccards: each in [0, 1], got {jac}")
     if kind != "bench":
-        return [dict(kind="chunk", hq=12, hkv=1, d=64, q_lens=(9, 6), kv_lens=(40, 30), nb=8,
-                     jaccard=0.9, dtype="float16", kv_dtype=None),
-                dict(kind="paged", hq=6, hkv=1, d=64, q_lens=(7,), kv_lens=(50,), nb=8,
-                     jaccard=0.0, dtype="float16", kv_dtype="float8_e4m3fn")]
-    return [dict(kind="ordinary" if kv == T else "chunk", hq=hq, hkv=hkv, d=D, q_lens=(T,),
-                 kv_lens=None if kv == T else (kv,), nb=512, jaccard=j, dtype="bfloat16",
-                 kv_dtype=None) for hq, hkv in heads for kv in C.BENCH_PREFILL_KV
-            for j in jac or JACCARDS]
+        return [_union("chunk", 12, 1, 64, (9, 6), (40, 30), 8, 0.9, dtype="float16"),
+                _union("paged", 6, 1, 64, (7,), (50,), 8, 0.0, dtype="float16",
+                       kv_dtype="float8_e4m3fn")]
+    return [_union("ordinary" if kv == T else "chunk", hq, hkv, D, (T,),
+                   None if kv == T else (kv,), 512, j)
+            for hq, hkv in heads for kv in C.BENCH_PREFILL_KV for j in jac or JACCARDS]
 
 
-def union_prepare(spec: dict, device):
+def union_prepare(case: tuple, device):
     """A ``Case`` whose token indices are the expansion of a calibrated block selection, with
     ``blocks`` (int32 [T, nb]), ``jaccard`` (measured) attached."""
     import torch  # noqa: PLC0415
 
     from interop import indices as I  # noqa: PLC0415
 
-    ql = np.asarray(spec["q_lens"], np.int64)
-    kl = ql if spec["kv_lens"] is None else np.asarray(spec["kv_lens"], np.int64)
-    ctx = None if spec["kv_lens"] is None else kl
-    req, _, vis, _ = I.row_layout(ql, kl)
-    sinks = 4 if spec["nb"] >= 32 else 1
-    overlap, _ = I.calibrate_overlap(spec["jaccard"], vis, req, block_topk=spec["nb"],
-                                     sinks=sinks, seed=1)
-    blocks = I.prefill_block_indices(ql, ctx, block_width=spec["nb"], overlap=overlap,
-                                     sinks=sinks, seed=1)
-    fp8 = spec["kv_dtype"] is not None
-    c = make_case(spec["kind"], spec["hq"], spec["hkv"], spec["d"], ql, ctx, dtype=getattr(torch, spec["dtype"]),
-                  kv_dtype=getattr(torch, spec["kv_dtype"]) if fp8 else None,
-                  k_scale=0.5 if fp8 else 1.0, v_scale=1.5 if fp8 else 1.0, seed=1, device=device)
+    spec, nb, jaccard = case
+    ql = np.asarray(spec.q_lens, np.int64)
+    ctx = None if spec.kv_lens is None else np.asarray(spec.kv_lens, np.int64)
+    req, _, vis, _ = I.row_layout(ql, ql if ctx is None else ctx)
+    sinks = 4 if nb >= 32 else 1
+    overlap, _ = I.calibrate_overlap(jaccard, vis, req, block_topk=nb, sinks=sinks, seed=1)
+    blocks = I.prefill_block_indices(ql, ctx, block_width=nb, overlap=overlap, sinks=sinks, seed=1)
+    c = make_case(spec, device)
     c.indices = torch.as_tensor(I.expand_prefill_blocks(blocks, ql, ctx).astype(np.int32),
                                 device=device)
     c.blocks = torch.as_tensor(blocks.astype(np.int32), device=device)
@@ -478,40 +353,24 @@ def union_prepare(spec: dict, device):
     return c, reference_f32(c)
 
 
-def union_describe(spec: dict, c: Case) -> dict:
-    t, valid = sum(spec["q_lens"]), c.valid_entries()
-    kv = spec["kv_lens"][0] if spec["kv_lens"] else t
-    name = (f"union/{spec['kind']}/{spec['hq']}x{spec['hkv']}/kv{kv // 1024}k/T{t}"
-            f"/J{spec['jaccard']}{'/fp8' if spec['kv_dtype'] else ''}")
-    return {"name": name, "kind": spec["kind"], "hq": spec["hq"], "hkv": spec["hkv"], "T": t,
-            "kv": kv, "jaccard_target": spec["jaccard"], "jaccard": c.jaccard,
-            "junk": "-1", "per_head": False, "empty_rows": False, "valid_entries": valid,
-            "bytes": valid * spec["d"] * c.k.element_size() * 2,
-            "flops": 4 * (spec["hq"] // spec["hkv"]) * spec["d"] * valid,
-            "plot": [[f"{t} rows, {spec['hq']}/{spec['hkv']} heads, KV {kv // 1024}k, "
-                      "block selections", spec["jaccard"]]]}
-
-
-def _blocks(c: Case, pallas: bool = False, **kw):
-    import qsa_pallas  # noqa: PLC0415, F401 - the backend named by ``pallas``
-    import qsa_triton  # noqa: PLC0415
-
-    fn = getattr(qsa_pallas if pallas else qsa_triton, c.entry)
-    args = dataclasses.replace(c, indices=None).args_for(fn)
-    if pallas:  # block ids positional: jax_chain hands only positional tensors to jax
-        return common.jax_chain(lambda *a: fn(*a[:-1], block_indices=a[-1], **kw),
-                                args + [c.blocks], {}, CHAIN)
-    return lambda: fn(*args, block_indices=c.blocks, **kw)
+def union_describe(case: tuple, c: Case) -> dict:
+    spec, _, jaccard = case
+    d = describe(spec, c)
+    return {**d, "jaccard_target": jaccard, "jaccard": c.jaccard,
+            "plot": [[f"{d['T']} rows, {spec.hq}/{spec.hkv} heads, KV {d['kv'] // 1024}k, "
+                      "block selections", jaccard]]}
 
 
 UNION_PROVIDERS = {p.name: p for p in (
-    common.Provider("ours-union", _blocks, "qsa_triton entry points, block_indices= (selector)"),
-    common.Provider("ours-hinted", lambda c: _blocks(c, overlap=min(1.0, max(0.0, c.jaccard))),
+    common.Provider("ours-union", functools.partial(_call, blocks=True),
+                    "qsa_triton entry points, block_indices= (selector)"),
+    common.Provider("ours-hinted",
+                    lambda c: _call(c, blocks=True, overlap=min(1.0, max(0.0, c.jaccard))),
                     "the same with overlap= the measured Jaccard (the engine's hint)"),
-    common.Provider("ours-rows", _ours, "qsa_triton per-row kernel on the expanded indices"),
+    common.Provider("ours-rows", _call, "qsa_triton per-row kernel on the expanded indices"),
     PROVIDERS["upstream-chunk"],
-    common.Provider("pallas-union", lambda c: _blocks(c, pallas=True), "qsa_pallas, "
-                    f"block_indices= (chain of {CHAIN} in one jit)"),
+    common.Provider("pallas-union", functools.partial(_call, pallas=True, blocks=True),
+                    f"qsa_pallas, block_indices= (chain of {CHAIN} in one jit)"),
 )}
 UNION = common.Mode("prefill_union", "QSA tile-union sparse prefill (block selections)",
                     UNION_PROVIDERS, union_cases, union_prepare, union_describe)
@@ -529,8 +388,7 @@ def add_arguments(ap) -> None:
 
 def main(argv=None, prog: str | None = None) -> int:
     """``python3 -m bench.prefill`` / ``qsa bench prefill``; see the module docstring."""
-    return common.main(MODES, "bench.prefill", argv, prog, __doc__.split("\n\nAlso")[0],
-                       add_arguments)
+    return common.main(MODES, "bench.prefill", argv, prog, __doc__, add_arguments)
 
 
 if __name__ == "__main__":  # run as bench.prefill, so that pickled inputs name that module

@@ -8,21 +8,17 @@
 #   check         qsa check --full --peer sglang, 6 case-filter shards at once (check_*)
 #   memcheck      compute-sanitizer memcheck of our kernels on the --memcheck cases (memcheck_*)
 #   decode        python3 -m bench.decode, default providers (decode.{json,png,log})
-#   pool          bench.decode --mode pool, default providers, TP1 saturated rows: issue 16's
-#                 must-show grid with its PASS/FAIL lines (decode_pool.{json,png,log})
-#   pool_sweep    the Triton paged kernel's launch variants (paged[VARIANT]) against paged,
-#                 paged[bi], upstream-step and pallas-paged, TP1 saturated; then jax-step
-#                 (pool_sweep.{json,log}, pool_jax.{json,log})
+#   pool          bench.decode --mode pool, TP1 saturated rows: issue 16's must-show grid with its
+#                 PASS/FAIL lines (decode_pool.{json,png,log})
+#   pool_sweep    paged[VARIANT] (the Triton paged kernel's launch variants) against paged,
+#                 paged[bi], upstream-step and pallas-paged; then jax-step (pool_sweep.*, pool_jax.*)
 #   prefill       python3 -m bench.prefill, default providers (prefill.{json,png,log})
-#   pallas        both benchmarks with --providers ours,pallas; JAX compiles per shape (*_pallas.*)
-#   compare=OLD   the kernels of the checkout at OLD (its interop/, qsa_triton/, qsa_pallas/)
-#                 against this checkout's: bench.decode and bench.prefill --compare, one worker
-#                 process per tree, replays alternating, per-case and geomean speedups (*_compare.*)
-#   indexer[=OLD] the QSA indexer (issue 18): pytest -m gpu tests/test_indexer.py
-#                 (indexer_tests.log); bench.indexer decode (B 1/16/64/128 x 8k..256k) and
-#                 prefill (8192 rows at 32k), every provider and the two plan variants, with the
-#                 must-show lines (indexer_bench.log, indexer_{decode,prefill}.json); with OLD,
-#                 bench.indexer --compare OLD at 32k context (indexer_compare.{log,json})
+#   pallas        both benchmarks with --providers ours,pallas (*_pallas.*)
+#   compare=OLD   bench.decode and bench.prefill --compare OLD: the kernels of the checkout at OLD
+#                 against this checkout's, per-case and geomean speedups (*_compare.*)
+#   indexer[=OLD] pytest -m gpu tests/test_indexer.py (indexer_tests.log); bench.indexer decode
+#                 and prefill, every provider, with the must-show lines (indexer_bench.log,
+#                 indexer_{decode,prefill}.json); with OLD, --compare OLD at 32k (indexer_compare.*)
 # tests and check share the GPU (nothing is timed then) and run together in the background; the
 # timed steps wait for them and run alone. steps.txt: "STEP rc=N Ss" per step; env.txt: versions
 # and GPU. Exit status 1 if any step failed, 2 on an unknown step (before anything runs).
@@ -37,12 +33,8 @@ for s in "$@"; do
   case "$s" in
     tests|tests=?*|check|memcheck|decode|prefill|pallas|pool|pool_sweep|indexer) ;;
     compare=?*|indexer=?*)
-      [ -d "${s#*=}/qsa_triton" ] || {
-        echo "run_gpu.sh: ${s#*=}/qsa_triton not found" >&2; exit 2; } ;;
-    *) echo "run_gpu.sh: unknown step '$s'" \
-         "(tests[=F,..] check memcheck decode prefill pallas pool pool_sweep compare=OLD" \
-         "indexer[=OLD])" >&2
-       exit 2 ;;
+      [ -d "${s#*=}/qsa_triton" ] || { echo "run_gpu.sh: ${s#*=}/qsa_triton not found" >&2; exit 2; } ;;
+    *) echo "run_gpu.sh: unknown step '$s' (see the steps at the top of $0)" >&2; exit 2 ;;
   esac
 done
 : > "$OUT/steps.txt"

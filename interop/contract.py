@@ -55,6 +55,8 @@ __all__ = [
     "validate_indexer_prefill_metadata",
     "check_decode_step",
     "check_prefill_step",
+    "DECODE_STEP_DOC",
+    "PREFILL_STEP_DOC",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -350,23 +352,36 @@ class _Checker:
             self.fail(q_name, f"(Hq, Hkv) in {{{', '.join(map(str, pairs))}}}", (hq, hkv))
         return group
 
-    def q_kv(self, qs, ks, vs, k: str, v: str, q_shape: str, kv_shape: str, k_dtypes,
-             v_dtypes):
-        """q [rows, Hq, D] against its K and V [*, Hkv, D] (ranks, dtypes, equal K/V shapes,
-        head dim, GQA group), in that order; returns (rows, Hq, D, group)."""
+    def q_kv(self, qs, ks, vs, k: str, v: str, q_shape: str, kv_shape: str, kv_dtypes,
+             pairs: str = "head_pairs", rows: tuple[str, str, str] | None = None):
+        """q [rows, Hq, D] against its K and V [*, Hkv, D], in this order: ranks, dtypes (K in
+        ``kv_dtypes``, V as K), equal K/V shapes, head dim, GQA group (strict: (Hq, Hkv) in
+        ``QUALIFIED[pairs]``), the row count (``rows`` = (QUALIFIED key, what the rows are, their
+        symbol): >= 1, strict: in that range), last dims contiguous, K and V on q's device. Returns (rows, Hq,
+        D, group)."""
         self.rank("q", qs, 3, q_shape)
         self.dtype("q", qs, _FLOAT_DTYPES)
         self.rank(k, ks, 3, kv_shape)
         self.rank(v, vs, 3, kv_shape)
-        self.dtype(k, ks, k_dtypes)
-        self.dtype(v, vs, v_dtypes)
+        self.dtype(k, ks, kv_dtypes)
+        self.dtype(v, vs, (ks.dtype,))
         if vs.shape != ks.shape:
             self.fail(v, f"{k}'s shape {list(ks.shape)}", f"shape {list(vs.shape)}")
-        rows, hq, d = qs.shape
+        n, hq, d = qs.shape
         if ks.shape[2] != d:
             self.fail(k, f"head dim {d} (q's)", ks.shape[2])
         self.head_dim("q", d)
-        return rows, hq, d, self.heads(hq, ks.shape[1], "q", k, QUALIFIED["head_pairs"])
+        group = self.heads(hq, ks.shape[1], "q", k, QUALIFIED[pairs])
+        if rows is not None:
+            (lo, hi), (_, what, sym) = QUALIFIED[rows[0]], rows
+            if n < 1 or (self.strict and n > hi):
+                self.fail("q", f"{what} in [{lo}, {hi}]" if self.strict else f"{what} >= 1",
+                          f"{sym} = {n}")
+        for name, x in (("q", qs), (k, ks), (v, vs)):
+            self.last_dim_contiguous(name, x)
+        self.same_device(k, ks, qs, "q")
+        self.same_device(v, vs, qs, "q")
+        return n, hq, d, group
 
     def head_dim(self, name: str, d: int):
         if d not in _HEAD_DIMS:
@@ -405,14 +420,7 @@ def check_decode(
     qs, ks, vs = c.spec("q", q), c.spec("k", k), c.spec("v", v)
     cq, ck = c.spec("cu_seqlens_q", cu_seqlens_q), c.spec("cu_seqlens_k", cu_seqlens_k)
     b, hq, d, group = c.q_kv(qs, ks, vs, "k", "v", "[B, Hq, D]", "[C, Hkv, D]", (qs.dtype,),
-                             (qs.dtype,))
-    lo, hi = QUALIFIED["batch"]
-    if b < 1 or (strict and b > hi):
-        c.fail("q", f"batch B in [{lo}, {hi}]" if strict else "batch B >= 1", f"B = {b}")
-    for name, s in (("q", qs), ("k", ks), ("v", vs)):
-        c.last_dim_contiguous(name, s)
-    c.same_device("k", ks, qs, "q")
-    c.same_device("v", vs, qs, "q")
+                             rows=("batch", "batch B", "B"))
     c.metadata("cu_seqlens_q", cq, b + 1, qs, "q")
     c.metadata("cu_seqlens_k", ck, b + 1, qs, "q")
     c.host_int("max_seqlen_q", max_seqlen_q, 1, 1, " (decode: one query row per sequence)")
@@ -446,24 +454,8 @@ def _check_prefill_common(c: _Checker, q, k, v, indices, kv_dtypes, k_name="k", 
                           indices_name="indices"):
     qs, ks, vs = c.spec("q", q), c.spec(k_name, k), c.spec(v_name, v)
     ids = c.spec(indices_name, indices)
-    c.rank("q", qs, 3, "[T, Hq, D]")
-    c.dtype("q", qs, _FLOAT_DTYPES)
-    c.rank(k_name, ks, 3, "[rows, Hkv, D]")
-    c.rank(v_name, vs, 3, "[rows, Hkv, D]")
-    allowed = (qs.dtype,) + tuple(kv_dtypes)
-    c.dtype(k_name, ks, allowed)
-    c.dtype(v_name, vs, (ks.dtype,))
-    if vs.shape != ks.shape:
-        c.fail(v_name, f"{k_name}'s shape {list(ks.shape)}", f"shape {list(vs.shape)}")
-    t, hq, d = qs.shape
-    if ks.shape[2] != d:
-        c.fail(k_name, f"head dim {d} (q's)", ks.shape[2])
-    c.head_dim("q", d)
-    group = c.heads(hq, ks.shape[1], "q", k_name, QUALIFIED["prefill_head_pairs"])
-    for name, s in (("q", qs), (k_name, ks), (v_name, vs)):
-        c.last_dim_contiguous(name, s)
-    c.same_device(k_name, ks, qs, "q")
-    c.same_device(v_name, vs, qs, "q")
+    t, _, _, group = c.q_kv(qs, ks, vs, k_name, v_name, "[T, Hq, D]", "[rows, Hkv, D]",
+                            (qs.dtype,) + tuple(kv_dtypes), pairs="prefill_head_pairs")
     w, per_head = _check_indices(c, ids, t, ks.shape[1], qs, indices_name)
     return qs, ks, w, per_head, group
 
@@ -858,14 +850,8 @@ def check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, 
         if not isinstance(flag, (bool, np.bool_)):
             c.fail(name, "a host bool", type(flag).__name__)
     r, hq, d, group = c.q_kv(qs, ks, vs, "k_cache", "v_cache", "[R, Hq, D]", "[slots, Hkv, D]",
-                             (qs.dtype,) + _FP8_DTYPES, (ks.dtype,))
-    lo, hi = QUALIFIED["paged_rows"]
-    if r < 1 or (strict and r > hi):
-        c.fail("q", f"R query rows in [{lo}, {hi}]" if strict else "R >= 1 query rows", f"R = {r}")
-    for name, s in (("q", qs), ("k_cache", ks), ("v_cache", vs)):
-        c.last_dim_contiguous(name, s)
-    c.same_device("k_cache", ks, qs, "q")
-    c.same_device("v_cache", vs, qs, "q")
+                             (qs.dtype,) + _FP8_DTYPES,
+                             rows=("paged_rows", "R query rows", "R"))
     c.rank("req_to_token", rt, 2, "[max_reqs, max_context] of int32 pool slots")
     c.dtype("req_to_token", rt, ("int32",))
     c.same_device("req_to_token", rt, qs, "q")
@@ -1119,31 +1105,103 @@ def check_expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio
 
 
 # --------------------------------------------------------------------------------------------
-# The end-to-end QSA step (indexer -> expansion -> paged attention; ``qsa_*.step``). One check
+# The end-to-end QSA step (indexer -> expansion -> paged attention; ``qsa_*.step``): the
+# arguments and result as both packages document them (substituted for ``STEP_DOC`` in their
+# docstrings, each adding the errors of its framework).
+DECODE_STEP_DOC = """``sparse_decode_paged``'s arguments with its ``indices`` replaced by the
+    indexer's inputs (``index_q``, ``index_k_cache``, ``index_page_table``), same order and
+    meaning in ``qsa_triton`` and ``qsa_pallas``. Row r is one decode query (MTP verify rows are rows too) of
+    request ``req_indices[r]`` with ``seq_lens[r]`` tokens of context, its own token included.
+
+    Args:
+      q: [R, Hq, D] bfloat16|float16, the attention query rows.
+      k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or float8_e4m3fn (then
+        ``k_scale`` multiplies the FP32 scores and ``v_scale`` the P·V result).
+      req_to_token: int32 [max_reqs, max_context], token position -> pool slot (SGLang's table).
+      req_indices: int32 [R], the table row of each query row's request.
+      index_q: [R, H, Di] bfloat16|float16|float8_e4m3fn, the indexer query (H = 4, Di = 128 in
+        the model: rotated, weight-free scoring), contiguous last dim.
+      index_k_cache: [pages, P, 1, Di] contiguous paged compressed keys (one per block of
+        ``compress_ratio`` tokens: mean of 4 keys, normed, rotated; P = 16 blocks = one 64-token
+        KV page), index_q's dtype or float8_e4m3fn.
+      index_page_table: int32 [R, max_pages]; block n of row r lives at
+        ``index_k_cache[index_page_table[r, n // P], n % P, 0]``; entries past the row's
+        ``floor(seq_lens[r] / compress_ratio)`` blocks are never read.
+      seq_lens: int32 [R] tokens of context per row (positions ``0 .. seq_lens[r] - 1``; the
+        row's own position is ``seq_lens[r] - 1``).
+      softmax_scale: host float > 0 (applied to FP32 scores), default D ** -0.5.
+      k_scale, v_scale: host floats > 0, 1.0 unless the pool is FP8.
+      topk: blocks kept per row (512); compress_ratio: tokens per block (4). The attention then
+        reads ``topk * ratio + ratio - 1`` (2051) index columns per row.
+      batch_invariant: a row's output bits depend only on its own inputs (``qsa-contract.md``
+        §2c; the indexer is row-local anyway).
+      strict: the qualified envelopes of both halves; the attention's is always on for a GPU
+        that ``interop.contract.route`` sends to the exact contract (sm_121).
+      interpret (``qsa_pallas`` only): None -> Pallas interpret mode on a CPU backend, the
+        compiled kernels on a GPU.
+
+    Returns:
+      [R, Hq, D] in q's dtype: ``softmax(scale · k_scale · q[r, h] · Kᵀ) · V · v_scale`` over
+      the tokens the indexer selected for row r (KV head h // G); exact zeros for a row with no
+      context (``seq_lens[r] <= 0``). Equal to ``interop.reference.decode_step_reference``
+      within the attention tolerance."""
+
+PREFILL_STEP_DOC = """``sparse_prefill_paged``'s arguments with its ``indices`` replaced by the
+    indexer's inputs (``index_q``, ``index_k``, ``index_cu_seqlens_k``), same order and meaning
+    in ``qsa_triton`` and ``qsa_pallas``. Request b has ``kv_lens[b]`` tokens of context (cached prefix + this
+    chunk); its ``q_len_b = cu_seqlens_q[b + 1] - cu_seqlens_q[b]`` new rows are the last ones
+    (bottom-right causal).
+
+    Args:
+      q: [T, Hq, D] bfloat16|float16, the new rows of all requests packed.
+      k_cache, v_cache: [slots, Hkv, D] the KV pool (this chunk's K/V already written), q's
+        dtype or float8_e4m3fn (with ``k_scale`` / ``v_scale``).
+      req_to_token: int32 [max_reqs, max_context]; req_indices: int32 [B] (as
+        ``sparse_prefill_paged``).
+      index_q: [T, H, Di] the indexer query of every row.
+      index_k: [N, 1, Di] contiguous compressed keys of every request packed: request b's
+        ``floor(kv_lens[b] / ratio)`` blocks (at least all a row may see) are rows
+        ``index_cu_seqlens_k[b] .. index_cu_seqlens_k[b + 1] - 1``; index_q's dtype or FP8.
+      index_cu_seqlens_k: int32 [B + 1].
+      cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
+      max_seqlen_q: host int >= 1 (a grid-size hint, as ``sparse_prefill_paged``).
+      softmax_scale, k_scale, v_scale, topk, compress_ratio, strict, interpret: as
+        ``qsa_decode_step``.
+
+    Returns:
+      [T, Hq, D] in q's dtype: each row attends to the tokens its indexer row selected (at most
+      ``topk`` of its ``floor((p + 1) / ratio)`` visible blocks plus the causal tail); zeros for
+      rows outside every request. Equal to ``interop.reference.prefill_step_reference`` within
+      the attention tolerance."""
+
+# One check
 # of every argument of both halves before anything runs, with the step's argument names.
 _STEP_INDEXER_NAMES = {"q": "index_q", "k_cache": "index_k_cache", "page_table": "index_page_table",
                        "k": "index_k"}
 
 
-def _indexer_half(fn: str, strict: bool, call):
-    """Run an indexer check; its errors name the step's arguments (``index_q``, ...)."""
-    try:
-        return call()
-    except ContractError as e:
-        if e.arg not in _STEP_INDEXER_NAMES:
-            raise
-        raise ContractError(fn, _STEP_INDEXER_NAMES[e.arg], e.expected, e.got,
-                            strict=strict) from None
-
-
-def _step_rows(c: _Checker, q, index_q) -> tuple[TensorSpec, TensorSpec]:
+def _check_step(fn: str, strict: bool, q, index_q, indexer, attention):
+    """The order both step checks share: one row of ``index_q`` per row of ``q``, on q's device;
+    the indexer half (``indexer(meta)``, ``meta`` an int32 [rows] spec on q's device standing for
+    the per-row metadata the step derives), its errors renamed to the step's arguments
+    (``index_q``, ...); then the attention half (``attention(ids)``, ``ids`` the indexer's output
+    spec, int32 [rows, width]). Returns (checker, q's spec, IndexerProblem, attention problem)."""
+    c = _Checker(fn, strict)
     qs, iq = c.spec("q", q), c.spec("index_q", index_q)
     c.rank("q", qs, 3, "[rows, Hq, D]")
     c.rank("index_q", iq, 3, "[rows, index_heads, index_head_dim] (the indexer query)")
     if iq.shape[0] != qs.shape[0]:
         c.fail("index_q", f"{qs.shape[0]} rows (one per row of q)", f"{iq.shape[0]} rows")
     c.same_device("index_q", iq, qs, "q")
-    return qs, iq
+    try:
+        ip = indexer(TensorSpec((qs.shape[0],), "int32", qs.device, qs.index, (1,)))
+    except ContractError as e:
+        if e.arg not in _STEP_INDEXER_NAMES:
+            raise
+        raise ContractError(fn, _STEP_INDEXER_NAMES[e.arg], e.expected, e.got,
+                            strict=strict) from None
+    ids = TensorSpec((qs.shape[0], ip.width), "int32", qs.device, qs.index, None)
+    return c, qs, ip, attention(ids)
 
 
 def check_decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_k_cache,
@@ -1165,15 +1223,15 @@ def check_decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, i
     Raises:
       ContractError: naming the step's argument, expected, got, and both envelopes.
     """
-    c = _Checker(fn, strict)
-    qs, _ = _step_rows(c, q, index_q)
-    ip = _indexer_half(fn, strict, lambda: check_indexer_decode(
-        index_q, index_k_cache, index_page_table, seq_lens, topk=topk,
-        compress_ratio=compress_ratio, strict=strict, fn=fn))
-    ids = TensorSpec((qs.shape[0], ip.width), "int32", qs.device, qs.index, None)
-    ap = check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, ids, seq_lens,
-                            softmax_scale, k_scale, v_scale, batch_invariant=batch_invariant,
-                            strict=bool(strict) or bool(attention_strict), fn=fn)
+    _, _, ip, ap = _check_step(
+        fn, strict, q, index_q,
+        lambda meta: check_indexer_decode(index_q, index_k_cache, index_page_table, seq_lens,
+                                          topk=topk, compress_ratio=compress_ratio,
+                                          strict=strict, fn=fn),
+        lambda ids: check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, ids,
+                                       seq_lens, softmax_scale, k_scale, v_scale,
+                                       batch_invariant=batch_invariant,
+                                       strict=bool(strict) or bool(attention_strict), fn=fn))
     return ap, ip
 
 
@@ -1186,25 +1244,17 @@ def check_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, 
     and ``index_k`` as ``check_indexer_prefill`` (the per-row ranges, positions and bounds the
     step derives are int32 [T] on q's device), the attention's inputs as ``check_prefill_paged``
     with the indexer's output as its ``indices``, ``index_cu_seqlens_k`` int32 [B + 1] on q's
-    device, one row of ``index_q`` per row of ``q``.
-
-    Returns:
-      (PrefillProblem, IndexerProblem).
-
-    Raises:
-      ContractError: naming the step's argument, expected, got, and both envelopes.
+    device, one row of ``index_q`` per row of ``q``. Returns (PrefillProblem, IndexerProblem);
+    raises as ``check_decode_step``.
     """
-    c = _Checker(fn, strict)
-    qs, _ = _step_rows(c, q, index_q)
-    t = qs.shape[0]
-    meta = TensorSpec((t,), "int32", qs.device, qs.index, (1,))
-    ip = _indexer_half(fn, strict, lambda: check_indexer_prefill(
-        index_q, index_k, meta, meta, topk=topk, compress_ratio=compress_ratio, positions=meta,
-        seq_lens=meta, strict=strict, fn=fn))
-    ids = TensorSpec((t, ip.width), "int32", qs.device, qs.index, None)
-    ap = check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, ids, cu_seqlens_q,
-                             kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale, strict=strict,
-                             fn=fn)
+    c, qs, ip, ap = _check_step(
+        fn, strict, q, index_q,
+        lambda meta: check_indexer_prefill(index_q, index_k, meta, meta, topk=topk,
+                                           compress_ratio=compress_ratio, positions=meta,
+                                           seq_lens=meta, strict=strict, fn=fn),
+        lambda ids: check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, ids,
+                                        cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale,
+                                        k_scale, v_scale, strict=strict, fn=fn))
     c.metadata("index_cu_seqlens_k", c.spec("index_cu_seqlens_k", index_cu_seqlens_k),
                ap.requests + 1, qs, "q")
     return ap, ip

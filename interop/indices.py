@@ -61,6 +61,7 @@ __all__ = [
     "PagedDecodeCase",
     "paged_decode_case",
 
+    "INDEXER_API",
     "IndexerPlan",
     "plan_indexer",
     "prefill_row_ranges",
@@ -1016,7 +1017,11 @@ def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int
                            idx if num_kv_heads is not None else idx[:, 0], int(pool_slots),
                            int(page_size), owned)
 
-# The indexer (qsa-contract.md §4b): the launch plan both implementations share, and metadata.
+# The indexer (qsa-contract.md §4b): the public names and launch plan both implementations share,
+# and metadata.
+#: What ``qsa_triton.indexer`` and ``qsa_pallas.indexer`` both export, with the same arguments.
+INDEXER_API = ("indexer_topk_decode", "indexer_topk_prefill", "indexer_select_decode",
+               "indexer_select_prefill", "expand_block_indices", "indexer_plan_for")
 _MERGE_MAX_CANDIDATES = 8192  # candidates one merge program selects from (splits x topk)
 _CHUNK_MAX = 8192  # blocks one pass-1 program holds (8 warps: 32 keys per thread)
 _PREFILL_WORKSPACE_BYTES = 256 << 20  # cap of the prefill candidates (keys + ids) per launch

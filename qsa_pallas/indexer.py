@@ -38,20 +38,12 @@ from jax.experimental import pallas as pl
 
 from interop.contract import (check_expand_block_indices, check_indexer_decode, check_indexer_plan,
                               check_indexer_prefill)
-from interop.indices import IndexerPlan, plan_indexer
+from interop.indices import INDEXER_API, IndexerPlan, plan_indexer
 from interop.plan import next_pow2 as _next_pow2
 
 from . import _compat as C
 
-__all__ = [
-    "indexer_topk_decode",
-    "indexer_topk_prefill",
-    "indexer_select_decode",
-    "indexer_select_prefill",
-    "expand_block_indices",
-    "indexer_plan_for",
-    "lowering_cases",
-]
+__all__ = [*INDEXER_API, "lowering_cases"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -141,33 +133,20 @@ def _kth_key(keys, k: int, rb: int, run):
     return lax.fori_loop(jnp.int32(0), trips, body, jnp.zeros((keys.shape[0],), jnp.int32))
 
 
-def _select_row(keys, tau, k: int):
-    """Exact top-k of ``keys`` [N] given its k-th largest ``tau``, ties to the smaller index: key
-    > tau, then the first k - #(key > tau) keys == tau in index order. One packed prefix sum
-    (#above + #tie * 2^16) gives the tie rank and each survivor's slot in ascending index order.
-    Returns (sel [N] bool, slot [N] int32, count scalar)."""
-    above = (keys > tau).astype(jnp.int32)
-    tie = (keys == tau).astype(jnp.int32)
-    incl = jnp.cumsum(above + jnp.left_shift(tie, 16), axis=0)
-    tot = jnp.max(incl)  # the last prefix: both totals
-    want = k - (tot & 0xFFFF)
-    a_ex = (incl & 0xFFFF) - above
-    t_ex = (incl >> 16) - tie
-    sel = (above > 0) | ((tie > 0) & (t_ex < want))
-    return sel, a_ex + jnp.minimum(t_ex, want), (tot & 0xFFFF) + jnp.minimum(tot >> 16, want)
-
-
 def _select(keys, tau, k: int):
-    """``_select_row`` per row of ``keys`` [R, N] with ``tau`` [R]; counts [R]."""
-    above = (keys > tau[:, None]).astype(jnp.int32)
-    tie = (keys == tau[:, None]).astype(jnp.int32)
-    incl = jnp.cumsum(above + jnp.left_shift(tie, 16), axis=1)
-    tot = jnp.max(incl, axis=1)
-    want = k - (tot & 0xFFFF)
-    a_ex = (incl & 0xFFFF) - above
+    """Exact top-k of ``keys`` [..., N] given their k-th largest ``tau`` [...], ties to the
+    smaller index: key > tau, then the first k - #(key > tau) keys == tau in index order. One
+    packed prefix sum (#above + #tie * 2^16) gives the tie rank and each survivor's slot in
+    ascending index order (the rule of ``qsa_triton.indexer._select``, for one row or a tile of
+    rows). Returns (sel [..., N] bool, slot [..., N] int32, count [...])."""
+    above = (keys > tau[..., None]).astype(jnp.int32)
+    tie = (keys == tau[..., None]).astype(jnp.int32)
+    incl = jnp.cumsum(above + jnp.left_shift(tie, 16), axis=-1)
+    tot = jnp.max(incl, axis=-1)  # the last prefix: both totals
+    want = k - (tot & 0xFFFF)  # ties kept
     t_ex = (incl >> 16) - tie
-    sel = (above > 0) | ((tie > 0) & (t_ex < want[:, None]))
-    slot = a_ex + jnp.minimum(t_ex, want[:, None])
+    sel = (above > 0) | ((tie > 0) & (t_ex < want[..., None]))
+    slot = (incl & 0xFFFF) - above + jnp.minimum(t_ex, want[..., None])
     return sel, slot, (tot & 0xFFFF) + jnp.minimum(tot >> 16, want)
 
 
@@ -216,7 +195,7 @@ def _decode_chunk_kernel(q_ref, k_ref, pt_ref, seq_ref, wsk_ref, wsi_ref, *, h: 
     keys = lax.fori_loop(jnp.int32(0), n_tiles, tile, jnp.where(ids < n_here, 0, -1))
     keys = keys.reshape(c)
     tau = _kth_key_row(keys, k, rb, n_here > k)
-    sel, pos, n_sel = _select_row(keys, tau, k)
+    sel, pos, n_sel = _select(keys, tau, k)
     dest = jnp.where(sel, (b * s_n + s) * k + pos, trash)
     C.store(wsk_ref.at[dest], keys, mask=sel)
     C.store(wsi_ref.at[dest], lo + ids.reshape(c), mask=sel)
@@ -327,7 +306,7 @@ def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int
     keys = C.load(wsk_ref.at[src], mask=has, other=-1)
     blk = C.load(wsi_ref.at[src], mask=has, other=0)
     tau = _kth_key_row(keys, k, rb, jnp.sum((keys >= 0).astype(jnp.int32)) > k)
-    sel, pos, n_sel = _select_row(keys, tau, k)
+    sel, pos, n_sel = _select(keys, tau, k)
     if expand:
         if prefill:
             p = pos_ref[r]

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from interop.contract import PrefillProblem
 from interop.geometry import UnionGeometry
 from interop.indices import RATIO
 from interop.plan import LOG2E, next_pow2
@@ -176,39 +177,34 @@ def expand_blocks(block_indices, cu_seqlens_q, kv_lens):
 # The tile kernel
 @dataclasses.dataclass(frozen=True)
 class _UStatic:
-    """What the kernel specialises on (the jit cache key)."""
+    """What the kernel specialises on (the jit cache key): ``p`` the checked problem with
+    max_seqlen_q normalised to 1 (as ``qsa_pallas.prefill``'s ``_Static``: the grid does not
+    depend on it), ``geo`` the union geometry without its label."""
 
-    kind: str  # "ordinary" | "chunk" | "paged"
-    total_q: int
-    requests: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    per_head: bool
+    p: PrefillProblem
+    geo: UnionGeometry
     union_width: int  # R x NB
     kv_rows: int
     max_reqs: int
     max_context: int
-    qk_scale: float  # softmax_scale * k_scale * log2(e)
-    v_scale: float
-    geo: UnionGeometry
     interpret: bool
 
 
 def _union_kernel(*refs, st: _UStatic):
-    geo = st.geo
-    if st.kind == "ordinary":
+    pr, geo = st.p, st.geo
+    if pr.kind == "ordinary":
         q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, _o_in, o_ref = refs
-    elif st.kind == "chunk":
+    elif pr.kind == "chunk":
         q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, cuk_ref, kvl_ref, _o_in, o_ref = refs
     else:
         (q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, kvl_ref, r2t_ref, ri_ref, _o_in,
          o_ref) = refs
     slot = pl.program_id(0)
     h = pl.program_id(1)
-    g_heads = st.num_q_heads // st.num_kv_heads
-    r, ht, m, d, bn = geo.tile_rows, next_pow2(g_heads), geo.head_tile, st.head_dim, geo.block_n
-    n_req = st.requests
+    g_heads = pr.num_q_heads // pr.num_kv_heads
+    r, ht, m, d, bn = geo.tile_rows, next_pow2(g_heads), geo.head_tile, pr.head_dim, geo.block_n
+    n_req = pr.requests
+    qk_scale = pr.softmax_scale * pr.k_scale * LOG2E  # exp2 is the cheaper PTX path
 
     # the request of this slot (``_tiles`` with vector loads: B is static)
     bp = next_pow2(n_req + 1)
@@ -220,14 +216,14 @@ def _union_kernel(*refs, st: _UStatic):
     q_len = cu_ref[b + 1] - q_start
     jt = slot - (q_start // r + b)
     q_used = jnp.where((jt >= 0) & (jt * r < q_len), q_len, 0)
-    if st.kind == "ordinary":
+    if pr.kind == "ordinary":
         kv_len, base = q_len, q_start
     else:
         kv_len = kvl_ref[b]
-        base = cuk_ref[b] if st.kind == "chunk" else 0
+        base = cuk_ref[b] if pr.kind == "chunk" else 0
     bound = kv_len
     req_row = 0
-    if st.kind == "paged":
+    if pr.kind == "paged":
         req = ri_ref[b]
         req_ok = (req >= 0) & (req < st.max_reqs)
         req_row = jnp.where(req_ok, req, 0)
@@ -239,10 +235,10 @@ def _union_kernel(*refs, st: _UStatic):
     rel = jt * r + i
     row = q_start + rel
     row_ok = ((i < r) & (gh < g_heads) & (rel >= 0) & (rel < q_used) & (row >= 0)
-              & (row < st.total_q))
+              & (row < pr.total_q))
     vis = jnp.maximum(rel + kv_len - q_len + 1, 0)
-    n_out = st.total_q * st.num_q_heads
-    flat = row * st.num_q_heads + h * g_heads + gh
+    n_out = pr.total_q * pr.num_q_heads
+    flat = row * pr.num_q_heads + h * g_heads + gh
     d_row = lax.broadcasted_iota(jnp.int32, (1, d), 1)
     qmask = jnp.broadcast_to(row_ok[:, None], (m, d))
     q = _compat.load(q_ref.at[jnp.clip(flat, 0, n_out - 1)[:, None], d_row], mask=qmask,
@@ -254,7 +250,7 @@ def _union_kernel(*refs, st: _UStatic):
         # writes (on the GPU a masked lane writes nothing)
         flat_out = jnp.where(row_ok, flat_out, n_out + mi)
     dt = q.dtype
-    uh = h if st.per_head else 0
+    uh = h if pr.per_head_indices else 0
     n_u = jnp.where(q_used > 0, ul_ref[slot, uh], 0)
     cols = lax.broadcasted_iota(jnp.int32, (bn,), 0)
     sub = cols % RATIO
@@ -264,7 +260,7 @@ def _union_kernel(*refs, st: _UStatic):
     def step(carry, tok, tok_ok, member):
         acc, m_i, l_i = carry
         ok = tok_ok & (tok >= 0) & (tok < bound)
-        if st.kind == "paged":
+        if pr.kind == "paged":
             pos = jnp.clip(tok, 0, st.max_context - 1)
             sl = _compat.load(r2t_ref.at[req_row, pos], mask=ok, other=-1)
             ok = ok & (sl >= 0) & (sl < st.kv_rows)
@@ -275,7 +271,7 @@ def _union_kernel(*refs, st: _UStatic):
         k = _compat.load(k_ref.at[kv[:, None], h, d_row], mask=gmask, other=0.0).astype(dt)
         v = _compat.load(v_ref.at[kv[:, None], h, d_row], mask=gmask, other=0.0).astype(dt)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * st.qk_scale
+                            preferred_element_type=jnp.float32) * qk_scale
         s = jnp.where(member & ok[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no -inf - -inf
@@ -311,13 +307,14 @@ def _union_kernel(*refs, st: _UStatic):
     carry = (jnp.zeros((m, d), jnp.float32), jnp.full((m,), -jnp.inf, jnp.float32),
              jnp.zeros((m,), jnp.float32))
     acc, _, l_i = lax.fori_loop(0, n_steps + 1, body, carry)
-    inv = jnp.where(l_i > 0, st.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+    inv = jnp.where(l_i > 0, pr.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
     _compat.store(o_ref.at[flat_out[:, None], d_row], (acc * inv[:, None]).astype(o_ref.dtype),
                   mask=qmask)
 
 
 @functools.partial(jax.jit, static_argnames=("st",))
 def _launch(q, k, v, ublk, umem, ulen, *meta, st: _UStatic):
+    pr = st.p
     t, hq, d = q.shape
     q2 = q.reshape(t * hq, d)
     # rows of no tile stay zero (an aliased zeros output); in interpret mode geo.head_tile
@@ -327,10 +324,10 @@ def _launch(q, k, v, ublk, umem, ulen, *meta, st: _UStatic):
     out = _compat.triton_call(
         functools.partial(_union_kernel, st=st),
         out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
-        grid=(ulen.shape[0], st.num_kv_heads),
+        grid=(ulen.shape[0], pr.num_kv_heads),
         num_warps=st.geo.num_warps, num_stages=st.geo.num_stages,
         interpret=st.interpret, input_output_aliases={len(args) - 1: 0},
-        name=f"qsa_sparse_prefill_union_{st.kind}",
+        name=f"qsa_sparse_prefill_union_{pr.kind}",
     )(*args)
     return out[: t * hq].reshape(t, hq, d)
 
@@ -356,13 +353,10 @@ def union_run(problem, q, k, v, block_indices, meta: dict, geo: UnionGeometry, *
     kv_lens = meta.get("kv_lens")
     ublk, umem, ulen = block_union(block_indices, cu, kv_lens, geo.tile_rows)
     r2t = meta.get("req_to_token")
-    st = _UStatic(problem.kind, problem.total_q, problem.requests, problem.num_q_heads,
-                  problem.num_kv_heads, problem.head_dim, problem.per_head_indices,
-                  int(ublk.shape[-1]), int(k.shape[0]),
+    st = _UStatic(dataclasses.replace(problem, max_seqlen_q=1),
+                  dataclasses.replace(geo, source=""), int(ublk.shape[-1]), int(k.shape[0]),
                   int(r2t.shape[0]) if r2t is not None else 0,
-                  int(r2t.shape[1]) if r2t is not None else 0,
-                  float(problem.softmax_scale * problem.k_scale * LOG2E), float(problem.v_scale),
-                  dataclasses.replace(geo, source=""), bool(interpret))
+                  int(r2t.shape[1]) if r2t is not None else 0, bool(interpret))
     if problem.kind == "ordinary":
         rest = (cu,)
     elif problem.kind == "chunk":

@@ -35,7 +35,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from interop.contract import check_decode_step, check_prefill_step
+from interop.contract import (DECODE_STEP_DOC, PREFILL_STEP_DOC, check_decode_step,
+                              check_prefill_step)
 from interop.indices import prefill_step_rows_xp
 
 from . import _compat as C
@@ -52,42 +53,7 @@ def qsa_decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, ind
                     strict: bool = False, interpret: bool | None = None):
     """One QSA decode attention step: indexer (score + exact top-k) -> expansion -> paged decode.
 
-    ``sparse_decode_paged``'s arguments with its ``indices`` replaced by the indexer's inputs
-    (``index_q``, ``index_k_cache``, ``index_page_table``), same order and meaning as
-    ``qsa_triton.qsa_decode_step``. Row r is one decode query (MTP verify rows are rows too) of
-    request ``req_indices[r]`` with ``seq_lens[r]`` tokens of context, its own token included.
-
-    Args:
-      q: [R, Hq, D] bfloat16|float16, the attention query rows.
-      k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or float8_e4m3fn (then
-        ``k_scale`` multiplies the FP32 scores and ``v_scale`` the P·V result).
-      req_to_token: int32 [max_reqs, max_context], token position -> pool slot (SGLang's table).
-      req_indices: int32 [R], the table row of each query row's request.
-      index_q: [R, H, Di] bfloat16|float16|float8_e4m3fn, the indexer query (H = 4, Di = 128 in
-        the model: rotated, weight-free scoring).
-      index_k_cache: [pages, P, 1, Di] the paged compressed keys (one per block of
-        ``compress_ratio`` tokens: mean of 4 keys, normed, rotated; P = 16 blocks = one 64-token
-        KV page), index_q's dtype or float8_e4m3fn.
-      index_page_table: int32 [R, max_pages]; block n of row r lives at
-        ``index_k_cache[index_page_table[r, n // P], n % P, 0]``; entries past the row's
-        ``floor(seq_lens[r] / compress_ratio)`` blocks are never read.
-      seq_lens: int32 [R] tokens of context per row (positions ``0 .. seq_lens[r] - 1``; the
-        row's own position is ``seq_lens[r] - 1``).
-      softmax_scale: host float > 0 (applied to FP32 scores), default D ** -0.5.
-      k_scale, v_scale: host floats > 0, 1.0 unless the pool is FP8.
-      topk: blocks kept per row (512); compress_ratio: tokens per block (4). The attention then
-        reads ``topk * ratio + ratio - 1`` (2051) index columns per row.
-      batch_invariant: a row's output bits depend only on its own inputs (``qsa-contract.md``
-        §2c; the indexer is row-local anyway).
-      strict: the qualified envelopes of both halves; always on for the attention where
-        ``interop.contract.route`` sends decode to the exact contract (sm_121).
-      interpret: None -> Pallas interpret mode on a CPU backend, the compiled kernels on a GPU.
-
-    Returns:
-      [R, Hq, D] in q's dtype: ``softmax(scale · k_scale · q[r, h] · Kᵀ) · V · v_scale`` over
-      the tokens the indexer selected for row r (KV head h // G); exact zeros for a row with no
-      context (``seq_lens[r] <= 0``). Equal to ``interop.reference.decode_step_reference``
-      within the attention tolerance.
+    STEP_DOC
 
     Raises:
       ContractError: before anything is traced or run (``interop.contract.check_decode_step``,
@@ -152,33 +118,7 @@ def qsa_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, in
     """One QSA prefill attention step: row metadata -> indexer over packed compressed keys ->
     expansion -> paged sparse prefill from the pool.
 
-    ``sparse_prefill_paged``'s arguments with its ``indices`` replaced by the indexer's inputs
-    (``index_q``, ``index_k``, ``index_cu_seqlens_k``), same order and meaning as
-    ``qsa_triton.qsa_prefill_step``. Request b has ``kv_lens[b]`` tokens of context (cached
-    prefix + this chunk); its ``q_len_b = cu_seqlens_q[b + 1] - cu_seqlens_q[b]`` new rows are the
-    last ones (bottom-right causal).
-
-    Args:
-      q: [T, Hq, D] bfloat16|float16, the new rows of all requests packed.
-      k_cache, v_cache: [slots, Hkv, D] the KV pool (this chunk's K/V already written), q's
-        dtype or float8_e4m3fn (with ``k_scale`` / ``v_scale``).
-      req_to_token: int32 [max_reqs, max_context]; req_indices: int32 [B] (as
-        ``sparse_prefill_paged``).
-      index_q: [T, H, Di] the indexer query of every row.
-      index_k: [N, 1, Di] the compressed keys of every request packed: request b's
-        ``floor(kv_lens[b] / ratio)`` blocks (at least all a row may see) are rows
-        ``index_cu_seqlens_k[b] .. index_cu_seqlens_k[b + 1] - 1``; index_q's dtype or FP8.
-      index_cu_seqlens_k: int32 [B + 1].
-      cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
-      max_seqlen_q: host int >= 1 (a grid-size hint, as ``sparse_prefill_paged``).
-      softmax_scale, k_scale, v_scale, topk, compress_ratio, strict, interpret: as
-        ``qsa_decode_step``.
-
-    Returns:
-      [T, Hq, D] in q's dtype: each row attends to the tokens its indexer row selected (at most
-      ``topk`` blocks of its visible ``floor((p + 1) / ratio)`` plus the causal tail); zeros for
-      rows outside every request. Equal to ``interop.reference.prefill_step_reference`` within
-      the attention tolerance.
+    STEP_DOC
 
     Raises:
       ContractError: before anything is traced or run (``interop.contract.check_prefill_step``);
@@ -209,3 +149,7 @@ def _prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index
     return sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
                                 cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale, k_scale,
                                 v_scale, strict=strict, interpret=interpret)
+
+
+qsa_decode_step.__doc__ = qsa_decode_step.__doc__.replace("STEP_DOC", DECODE_STEP_DOC)
+qsa_prefill_step.__doc__ = qsa_prefill_step.__doc__.replace("STEP_DOC", PREFILL_STEP_DOC)

@@ -52,20 +52,13 @@ import triton.language as tl
 from interop.arch import DeviceFacts
 from interop.contract import (check_expand_block_indices, check_indexer_decode, check_indexer_plan,
                               check_indexer_prefill)
-from interop.indices import IndexerPlan, plan_indexer
+from interop.indices import INDEXER_API, IndexerPlan, plan_indexer
 from interop.plan import next_pow2 as _next_pow2
 
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
 from .decode import _pdl_supported
 
-__all__ = [
-    "indexer_topk_decode",
-    "indexer_topk_prefill",
-    "indexer_select_decode",
-    "indexer_select_prefill",
-    "expand_block_indices",
-    "indexer_plan_for",
-]
+__all__ = list(INDEXER_API)
 
 _INT32_MAX = tl.constexpr(2**31 - 1)  # a constexpr global: usable inside @triton.jit
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

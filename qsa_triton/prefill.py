@@ -442,7 +442,7 @@ def _op_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torc
 
 @_op_prefill.register_fake
 def _(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale):
-    # the contract check under torch.compile (see _checked); FakeTensors carry shape/dtype/device
+    # the contract check under torch.compile (see _entry); FakeTensors carry shape/dtype/device
     contract.check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale)
     return torch.empty_like(q)
 
@@ -545,12 +545,6 @@ def _hint(overlap: float) -> float | None:
 
 # ---------------------------------------------------------------------------------------------
 # Public entry points
-def _selection(fn: str, indices, block_indices, overlap) -> tuple[str, object, float]:
-    """``interop.contract.prefill_selection``, with the op's overlap argument (-1.0 = none)."""
-    name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
-    return name, sel, -1.0 if hint is None else hint
-
-
 def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
                    strict: bool = False, block_indices=None, overlap=None):
     """Ordinary sparse prefill: each query row attends to the selected rows of this forward's K/V.
@@ -582,35 +576,41 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
         neither of ``indices`` / ``block_indices``, a bad ``overlap``, or a bad
         ``QSA_PREFILL_GEOMETRY``.
     """
-    fn = "sparse_prefill"
-    name, sel, hint = _selection(fn, indices, block_indices, overlap)
-    mq, sc, _, _ = _checked(fn, contract.check_prefill, q,
-                            {"q": q, "k": k, "v": v, name: sel, "cu_seqlens": cu_seqlens},
-                            max_seqlen_q, softmax_scale, strict, indices_name=name)
-    if name == "indices":
-        return torch.ops.qsa.sparse_prefill(q, k, v, sel, cu_seqlens, mq, sc)
-    return torch.ops.qsa.sparse_prefill_blocks(q, k, v, sel, cu_seqlens, mq, sc, hint)
+    return _entry("sparse_prefill", contract.check_prefill, {"q": q, "k": k, "v": v},
+                  {"cu_seqlens": cu_seqlens}, indices, block_indices, overlap, max_seqlen_q,
+                  softmax_scale, strict)
 
 
-def _checked(fn, checker, q, tensors: dict, max_seqlen_q, softmax_scale, strict: bool,
-             scales: tuple | None = None, indices_name: str = "indices") -> tuple:
-    """The public entry points' checks; returns (max_seqlen_q, softmax_scale, k_scale, v_scale)
-    for the op. ``scales``: (k_scale, v_scale) for chunk/paged, None for ordinary prefill.
-    Under torch.compile the contract check runs in the op's fake implementation instead (Dynamo
-    cannot raise out of a fullgraph trace and would drop the message; an error in the fake impl
-    reaches the user inside Dynamo's TorchRuntimeError with the full ContractError text)."""
+def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, overlap,
+           max_seqlen_q, softmax_scale, strict: bool, scales: tuple | None = None):
+    """One public prefill entry point ``fn``: check, then ``torch.ops.qsa.<fn>`` on ``indices``
+    or ``torch.ops.qsa.<fn>_blocks`` on ``block_indices``. The op's tensors are ``before``, the
+    selection, ``after`` (in the entry point's order), then max_seqlen_q, softmax_scale,
+    (k_scale, v_scale) when ``scales`` is given (chunk/paged), and the overlap hint (-1.0 =
+    none) for the block op. Under torch.compile the contract check runs in the op's fake
+    implementation instead (Dynamo cannot raise out of a fullgraph trace and would drop the
+    message; an error in the fake impl reaches the user inside Dynamo's TorchRuntimeError with
+    the full ContractError text)."""
+    name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
+    tensors = {**before, name: sel, **after}
+    q = before["q"]
     if torch.compiler.is_compiling():
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        return (max_seqlen_q, scale, *(scales or (1.0, 1.0)))
-    check_torch_tensors(fn, **tensors)
-    p = checker(*tensors.values(), max_seqlen_q, softmax_scale, *(scales or ()), strict=strict,
-                indices_name=indices_name)
-    check_interpreter_dtype(fn, p.dtype)
-    check_device(fn, q.device.type)
-    # the environment switches, read again at launch: a bad value fails here, named for this
-    # entry point, before anything is allocated
-    geometry_mode(fn)
-    return p.max_seqlen_q, p.softmax_scale, p.k_scale, p.v_scale
+        mq, sc, ks, vs = max_seqlen_q, scale, *(scales or (1.0, 1.0))
+    else:
+        check_torch_tensors(fn, **tensors)
+        p = checker(*tensors.values(), max_seqlen_q, softmax_scale, *(scales or ()),
+                    strict=strict, indices_name=name)
+        check_interpreter_dtype(fn, p.dtype)
+        check_device(fn, q.device.type)
+        # the environment switches, read again at launch: a bad value fails here, named for this
+        # entry point, before anything is allocated
+        geometry_mode(fn)
+        mq, sc, ks, vs = p.max_seqlen_q, p.softmax_scale, p.k_scale, p.v_scale
+    args = (*tensors.values(), mq, sc, *((ks, vs) if scales is not None else ()))
+    if name == "indices":
+        return getattr(torch.ops.qsa, fn)(*args)
+    return getattr(torch.ops.qsa, fn + "_blocks")(*args, -1.0 if hint is None else hint)
 
 
 def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
@@ -645,18 +645,10 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
       ContractError: from ``interop.contract.check_prefill_chunk`` (before any allocation), or
         the selection / ``overlap`` checks of ``sparse_prefill``.
     """
-    fn = "sparse_prefill_chunk"
-    name, sel, hint = _selection(fn, indices, block_indices, overlap)
-    mq, sc, ks, vs = _checked(fn, contract.check_prefill_chunk, q,
-                              {"q": q, "k": k, "v": v, name: sel, "cu_seqlens_q": cu_seqlens_q,
-                               "cu_seqlens_k": cu_seqlens_k, "kv_lens": kv_lens},
-                              max_seqlen_q, softmax_scale, strict, (k_scale, v_scale),
-                              indices_name=name)
-    if name == "indices":
-        return torch.ops.qsa.sparse_prefill_chunk(q, k, v, sel, cu_seqlens_q, cu_seqlens_k,
-                                                  kv_lens, mq, sc, ks, vs)
-    return torch.ops.qsa.sparse_prefill_chunk_blocks(q, k, v, sel, cu_seqlens_q, cu_seqlens_k,
-                                                     kv_lens, mq, sc, ks, vs, hint)
+    return _entry("sparse_prefill_chunk", contract.check_prefill_chunk, {"q": q, "k": k, "v": v},
+                  {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+                   "kv_lens": kv_lens}, indices, block_indices, overlap, max_seqlen_q,
+                  softmax_scale, strict, (k_scale, v_scale))
 
 
 def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
@@ -696,20 +688,11 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
       ContractError: from ``interop.contract.check_prefill_paged`` (before any allocation), or
         the selection / ``overlap`` checks of ``sparse_prefill``.
     """
-    fn = "sparse_prefill_paged"
-    name, sel, hint = _selection(fn, indices, block_indices, overlap)
-    mq, sc, ks, vs = _checked(fn, contract.check_prefill_paged, q,
-                              {"q": q, "k_cache": k_cache, "v_cache": v_cache,
-                               "req_to_token": req_to_token, "req_indices": req_indices,
-                               name: sel, "cu_seqlens_q": cu_seqlens_q, "kv_lens": kv_lens},
-                              max_seqlen_q, softmax_scale, strict, (k_scale, v_scale),
-                              indices_name=name)
-    if name == "indices":
-        return torch.ops.qsa.sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices,
-                                                  sel, cu_seqlens_q, kv_lens, mq, sc, ks, vs)
-    return torch.ops.qsa.sparse_prefill_paged_blocks(q, k_cache, v_cache, req_to_token,
-                                                     req_indices, sel, cu_seqlens_q, kv_lens, mq,
-                                                     sc, ks, vs, hint)
+    return _entry("sparse_prefill_paged", contract.check_prefill_paged,
+                  {"q": q, "k_cache": k_cache, "v_cache": v_cache, "req_to_token": req_to_token,
+                   "req_indices": req_indices}, {"cu_seqlens_q": cu_seqlens_q, "kv_lens": kv_lens},
+                  indices, block_indices, overlap, max_seqlen_q, softmax_scale, strict,
+                  (k_scale, v_scale))
 
 
 for _f in (sparse_prefill, sparse_prefill_chunk, sparse_prefill_paged):

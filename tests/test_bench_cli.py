@@ -26,13 +26,13 @@ BW = 4.0e12  # fake copy bandwidth, bytes/s
 
 
 # ------------------------------------------------------------------------------ arguments
-def test_parse_providers_keeps_order_drops_duplicates_and_names_the_allowed():
-    assert common.parse_providers(" upstream-sm121 ,ours,ours", decode.PROVIDERS) == \
+def test_choose_keeps_order_drops_duplicates_and_names_the_allowed():
+    assert common.choose(" upstream-sm121 ,ours,ours", decode.PROVIDERS, "--providers") == \
         ["upstream-sm121", "ours"]
-    assert common.parse_providers(None, decode.PROVIDERS) is None
-    assert common.parse_providers("  ", decode.PROVIDERS) is None
+    assert common.choose(None, decode.PROVIDERS, "--providers", ["ours"]) == ["ours"]
+    assert common.choose("  ", decode.PROVIDERS, "--providers") == list(decode.PROVIDERS)
     with pytest.raises(common.ProviderError) as e:
-        common.parse_providers("ours,sm120", decode.PROVIDERS)
+        common.choose("ours,sm120", decode.PROVIDERS, "--providers")
     assert "'sm120'" in str(e.value) and all(n in str(e.value) for n in decode.PROVIDERS)
     assert common.choose(None, ("a", "b"), "--x") == ["a", "b"]
     assert common.choose("b, a", ("a", "b"), "--x") == ["b", "a"]

@@ -450,18 +450,18 @@ def test_peer_on_cpu_is_skipped_or_unavailable():
 
 # --------------------------------------------------------------------------------------------
 # The command.
-def _check_with_fakes(monkeypatch, capsys, out, *argv):
-    """`qsa check --quick ... --json out --interpret` with correct fakes: (printed text, JSON)."""
-    monkeypatch.setattr(cli, "load_check_implementations", lambda interpret: fakes())
-    rc = cli.main(["check", "--quick", *argv, "--json", str(out), "--interpret"])
-    text = capsys.readouterr().out
-    assert rc == 0, text
-    return text, json.loads(out.read_text())
+def _check(monkeypatch, capsys, json_path, *args, wrong_case=None):
+    """``qsa check --quick ARGS --json JSON_PATH --interpret`` on the fake implementations (the
+    torch one wrong on ``wrong_case``): (exit status, stdout, the JSON report)."""
+    monkeypatch.setattr(cli, "load_check_implementations", lambda interpret: fakes(wrong_case))
+    rc = cli.main(["check", "--quick", *args, "--json", str(json_path), "--interpret"])
+    return rc, capsys.readouterr().out, json.loads(json_path.read_text())
 
 
 def test_cli_check_passes_and_writes_json(monkeypatch, tmp_path, capsys):
-    text, doc = _check_with_fakes(monkeypatch, capsys, tmp_path / "res" / "check.json", "--ops",
-                                  "decode", "--filter", "TP2/B1/,TP4/B4/short")
+    rc, text, doc = _check(monkeypatch, capsys, tmp_path / "res" / "check.json", "--ops",
+                           "decode", "--filter", "TP2/B1/,TP4/B4/short")
+    assert rc == 0, text
     assert "decode: 4/4 passed" in text and "all cases passed" in text
     assert doc["passed"] and doc["complete"] and doc["matrix"] == "quick" and doc["ops"] == ["decode"]
     assert len(doc["cases"]) == 4 and doc["summary"]["decode"]["passed"] == 4
@@ -473,8 +473,9 @@ def test_cli_check_passes_and_writes_json(monkeypatch, tmp_path, capsys):
 
 
 def test_cli_check_new_ops(monkeypatch, tmp_path, capsys):
-    text, doc = _check_with_fakes(monkeypatch, capsys, tmp_path / "new.json", "--ops",
-                                  "indexer,step", "--filter", "decode")
+    rc, text, doc = _check(monkeypatch, capsys, tmp_path / "new.json", "--ops", "indexer,step",
+                           "--filter", "decode")
+    assert rc == 0, text
     assert "indexer: 2/2 passed" in text and "step: 2/2 passed" in text
     assert doc["ops"] == ["indexer", "step"] and doc["summary"]["indexer"]["passed"] == 2
     # capture files hold attention calls only: a step case is refused with the reason
@@ -485,13 +486,10 @@ def test_cli_check_new_ops(monkeypatch, tmp_path, capsys):
 
 def test_cli_check_fails_and_names_the_case(monkeypatch, capsys, tmp_path):
     name = "decode/TP2/B4/short"
-    monkeypatch.setattr(cli, "load_check_implementations", lambda interpret: fakes(name))
-    rc = cli.main(["check", "--quick", "--ops", "decode", "--filter", "TP2/B4/,TP2/B1/short",
-                   "--json", str(tmp_path / "c.json"), "--interpret"])
-    text = capsys.readouterr().out
+    rc, text, doc = _check(monkeypatch, capsys, tmp_path / "c.json", "--ops", "decode",
+                           "--filter", "TP2/B4/,TP2/B1/short", wrong_case=name)
     assert rc == 1
     assert f"FAIL {name}" in text and "FAILED" in text and name in text.splitlines()[-1]
-    doc = json.loads((tmp_path / "c.json").read_text())
     assert not doc["passed"] and doc["summary"]["decode"]["failed"] == [name]
 
 

@@ -123,57 +123,55 @@ def test_the_graph_sees_every_package():
     assert {"interop.reference", "interop.cases", "interop.validate.peer", "numpy"} <= imports
 
 
-def test_core_imports_only_numpy_stdlib_and_core():
-    def pred(name, mod, import_time):
-        if not _is_core(name):
-            return None
-        r = _root(mod)
-        if r in ("qsa_triton", "qsa_pallas", "bench", "tests") or _is_tooling(mod):
-            return "the core never imports a backend, the tooling, bench or tests"
-        if import_time and not (r in STDLIB or r == "numpy" or _is_core(mod)):
-            return "at import time the core needs numpy and the standard library only"
+# The rules: (importing module, imported module, at import time?) -> why it is forbidden, or None.
+def _core_rule(name, mod, import_time):
+    if not _is_core(name):
         return None
+    r = _root(mod)
+    if r in ("qsa_triton", "qsa_pallas", "bench", "tests") or _is_tooling(mod):
+        return "the core never imports a backend, the tooling, bench or tests"
+    if import_time and not (r in STDLIB or r == "numpy" or _is_core(mod)):
+        return "at import time the core needs numpy and the standard library only"
+    return None
 
-    bad = _violations(pred)
-    assert not bad, "\n".join(bad)
 
-
-@pytest.mark.parametrize("backend,forbidden", [("qsa_triton", {"jax", "jaxlib", "qsa_pallas"}),
-                                               ("qsa_pallas", {"torch", "qsa_triton"})])
-def test_backends_import_their_framework_and_the_core_only(backend, forbidden):
-    def pred(name, mod, import_time):
+def _backend_rule(backend: str, forbidden: set[str]):
+    def rule(name, mod, import_time):
         if _root(name) != backend:
             return None
         if _root(mod) in forbidden | {"bench", "tests"}:
             return f"{backend} never imports {_root(mod)}"
-        if _is_tooling(mod):
-            return "a backend never imports the tooling"
-        return None
+        return "a backend never imports the tooling" if _is_tooling(mod) else None
 
-    bad = _violations(pred)
-    assert not bad, "\n".join(bad)
+    return rule
 
 
-def test_tooling_imports_backends_and_frameworks_lazily():
-    def pred(name, mod, import_time):
-        if not _is_tooling(name) or not import_time:
-            return None
-        if _root(mod) in FRAMEWORKS | {"qsa_triton", "qsa_pallas", "bench"}:
-            return "interop.validate imports backends and frameworks inside functions only"
-        return None
-
-    bad = _violations(pred)
-    assert not bad, "\n".join(bad)
+def _tooling_rule(name, mod, import_time):
+    lazy_only = FRAMEWORKS | {"qsa_triton", "qsa_pallas", "bench"}
+    if _is_tooling(name) and import_time and _root(mod) in lazy_only:
+        return "interop.validate imports backends and frameworks inside functions only"
+    return None
 
 
-def test_every_project_import_names_an_existing_module():
+def _existing_rule(name, mod, import_time):
     """A stale import of a moved or deleted module (lazy ones are only found when they run)."""
-    def pred(name, mod, import_time):
-        if _root(mod) in PACKAGES and mod not in MODULES:
-            return "no such module"
-        return None
+    return "no such module" if _root(mod) in PACKAGES and mod not in MODULES else None
 
-    bad = _violations(pred)
+
+RULES = {
+    "core_imports_only_numpy_stdlib_and_core": _core_rule,
+    "qsa_triton_imports_torch_triton_and_the_core_only": _backend_rule(
+        "qsa_triton", {"jax", "jaxlib", "qsa_pallas"}),
+    "qsa_pallas_imports_jax_and_the_core_only": _backend_rule("qsa_pallas",
+                                                              {"torch", "qsa_triton"}),
+    "tooling_imports_backends_and_frameworks_lazily": _tooling_rule,
+    "every_project_import_names_an_existing_module": _existing_rule,
+}
+
+
+@pytest.mark.parametrize("rule", list(RULES.values()), ids=list(RULES))
+def test_import_rule(rule):
+    bad = _violations(rule)
     assert not bad, "\n".join(bad)
 
 

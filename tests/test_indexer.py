@@ -353,6 +353,20 @@ def test_other_contract_errors():
                                t(2, dtype=torch.int32))
 
 
+def test_both_packages_export_the_shared_names_with_the_same_parameters():
+    """``interop.indices.INDEXER_API``: in both packages' ``__all__``, with the same parameter
+    names, order, kinds and defaults but for each package's own placement argument (Pallas's
+    ``interpret``, Triton's ``indexer_plan_for(device=)``)."""
+    import inspect
+
+    assert set(I.INDEXER_API) <= set(TI.__all__) and set(I.INDEXER_API) <= set(PI.__all__)
+    for name in I.INDEXER_API:
+        pt = inspect.signature(getattr(TI, name)).parameters.values()
+        pj = inspect.signature(getattr(PI, name)).parameters.values()
+        assert ([(p.name, p.kind, p.default) for p in pt if p.name != "device"]
+                == [(p.name, p.kind, p.default) for p in pj if p.name != "interpret"]), name
+
+
 def test_debug_validator_flags_decode_metadata():
     case = I.indexer_decode_case([100, 70], page_size=16, junk="mixed")
     validate_indexer_decode_metadata(case.page_table, case.seq_lens, case.pages, 16)
