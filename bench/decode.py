@@ -9,9 +9,8 @@ the same TPs and B over a pool of ``POOL_SLOTS`` slots (bf16, or FP8 e4m3 with k
 = 1 as SGLang's QSA pool) laid out as SGLang lays it (``pages``: 64-slot pages in scattered
 order) or as single scattered slots (``slots``), W = 2051 index columns per row (indexer-like);
 rows ``saturated`` (8192-token contexts), ``short`` (17..128 tokens), ``mtp`` (32 requests x 4
-verify rows); ``x first`` is against upstream-step, the sweep's ``paged[VARIANT]`` are the Triton
-kernel's private launch variants, and a timed run ends with issue 16's must-show PASS / FAIL
-lines (``must_show``). Every provider is checked against an FP32 reference.
+verify rows); ``x first`` is against upstream-step, and a timed run ends with issue 16's
+must-show PASS / FAIL lines (``must_show``). Every provider is checked against an FP32 reference.
 
 Bytes = the K and V rows a case must read (pool: the valid entries' rows, once); % copy = those
 bytes per second over the copy bandwidth measured in the same run. Timing (``bench.common``):
@@ -372,12 +371,9 @@ def _jax_step(inp: PoolInputs):
     return common.jax_chain(jax_step(inp.scale, inp.args[5].shape[-1]), inp.args, {}, CHAIN)
 
 
-def _paged(inp: PoolInputs, batch_invariant: bool = False, variant: str | None = None):
+def _paged(inp: PoolInputs, batch_invariant: bool = False):
     import qsa_triton  # noqa: PLC0415
-    from qsa_triton import decode_paged  # noqa: PLC0415
 
-    if variant is not None:
-        return lambda: decode_paged._variant_call(variant, *inp.args, inp.scale)
     return lambda: qsa_triton.sparse_decode_paged(*inp.args, inp.scale,
                                                   batch_invariant=batch_invariant)
 
@@ -404,11 +400,6 @@ def _pallas_stages(inp: PoolInputs, num_stages: int):
                             {"plan": dataclasses.replace(plan, num_stages=num_stages)}, CHAIN)
 
 
-#: the sweep's ``paged[NAME]``: the names of ``qsa_triton.decode_paged._VARIANTS`` (private; listed
-#: here so that no kernel module is imported before --smoke-cpu turns the interpreter on)
-SWEEP_VARIANTS = ("base", "s7", "ahead", "s7-pdl", "ahead-pdl", "s7-fp8bn64", "fp8-qdtype")
-
-
 POOL_PROVIDERS = {p.name: p for p in (
     common.Provider("upstream-step", _upstream_step, "upstream's step: counts + prefix sum + "
                     "_compact_kv into a packed copy + its SM121 decode (0.5.23 wheel)",
@@ -427,9 +418,6 @@ POOL_PROVIDERS = {p.name: p for p in (
                     "qsa_pallas.sparse_decode_paged with batch_invariant=True", default=False),
     common.Provider("pallas-paged[s7]", functools.partial(_pallas_stages, num_stages=7),
                     "sweep: qsa_pallas paged decode with num_stages = 7", default=False),
-    *(common.Provider(f"paged[{v}]", functools.partial(_paged, variant=v), "sweep: the Triton "
-                      f"split kernel launched as variant {v} (qsa_triton.decode_paged._VARIANTS)",
-                      default=False) for v in SWEEP_VARIANTS),
 )}
 
 

@@ -10,8 +10,8 @@
 #   decode        python3 -m bench.decode, default providers (decode.{json,png,log})
 #   pool          bench.decode --mode pool, TP1 saturated rows: issue 16's must-show grid with its
 #                 PASS/FAIL lines (decode_pool.{json,png,log})
-#   pool_sweep    paged[VARIANT] (the Triton paged kernel's launch variants) against paged,
-#                 paged[bi], upstream-step and pallas-paged; then jax-step (pool_sweep.*, pool_jax.*)
+#   pool_sweep    paged and pallas-paged against their batch-invariant modes, pallas-paged at 7
+#                 stages and upstream-step; then jax-step (pool_sweep.*, pool_jax.*)
 #   prefill       python3 -m bench.prefill, default providers (prefill.{json,png,log})
 #   pallas        both benchmarks with --providers ours,pallas (*_pallas.*)
 #   compare=OLD   bench.decode and bench.prefill --compare OLD: the kernels of the checkout at OLD
@@ -75,7 +75,7 @@ for s in "$@"; do
         # caching allocator every tensor is its own allocation, so a stray read is reported
         args=(-m "bench.$b" --memcheck --providers ours --json "$OUT/memcheck_$b.json")
         [ "$b" = pool ] && args=(-m bench.decode --mode pool --memcheck --providers \
-          "paged,paged[s7],paged[ahead]" --json "$OUT/memcheck_$b.json")
+          "paged,paged[bi]" --json "$OUT/memcheck_$b.json")
         step "memcheck_${b}_warm" 200 python3 "${args[@]}"
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 step "memcheck_$b" 300 "$SAN" --tool memcheck \
           --error-exitcode 9 python3 "${args[@]}"
@@ -90,8 +90,8 @@ for s in "$@"; do
     pool_sweep)
       wait
       step pool_sweep 300 python3 -m bench.decode --mode pool --tp TP1 --rows saturated \
-        --batches 1,16,128 --providers "upstream-step,paged,paged[s7],paged[ahead],\
-paged[s7-pdl],paged[ahead-pdl],paged[s7-fp8bn64],paged[bi],pallas-paged,pallas-paged[s7]" \
+        --batches 1,16,128 --providers \
+        "upstream-step,paged,paged[bi],pallas-paged,pallas-paged[bi],pallas-paged[s7]" \
         --json "$OUT/pool_sweep.json"
       step pool_jax 100 python3 -m bench.decode --mode pool --tp TP1 --rows saturated \
         --layouts slots --kv bf16 --batches 1,16,128 --providers \

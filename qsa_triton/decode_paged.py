@@ -4,8 +4,7 @@ Public:
   sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
                       softmax_scale=None, k_scale=1.0, v_scale=1.0, *, batch_invariant=False,
                       strict=False) -> out
-  decode_paged_with_plan(..., plan=)   the same with an explicit PagedDecodePlan (tests, sweeps)
-  _variant_call(variant, ...)          private: a launch variant of ``_VARIANTS`` (bench sweep)
+  decode_paged_with_plan(..., plan=)   the same with an explicit PagedDecodePlan (tests)
   torch.ops.qsa.sparse_decode_paged    the registered custom op (fake impl for torch.compile)
   compile_configs(arch)                every shipped kernel configuration, for ``qsa compile``
 
@@ -20,8 +19,8 @@ flash-decoding one, the online softmax FlashAttention-2's):
     max_context)``, the row's request ``req_indices[r]`` names a table row, and its slot
     ``req_to_token[req, idx]`` (loaded under that mask) lies in ``[0, slots)``; K and V rows are
     gathered from the pool under the final mask with 64-bit offsets (``OFF64``, where the pool
-    can hold an offset >= 2**31), converted once to q's dtype (FP8 pools), tensor-core Q·Kᵀ in
-    q's dtype, FP32 scores times ``softmax_scale * k_scale * log2(e)``, invalid columns -inf,
+    can hold an offset >= 2**31); an FP8 pool's tiles are converted once to fp16 and q to fp16
+    scaled by a power of two (``qsa_triton._fp8``), tensor-core Q·Kᵀ, FP32 scores times ``softmax_scale * k_scale * log2(e)``, invalid columns -inf,
     FP32 online softmax with exp2, P cast to q's dtype for the tensor-core P·V, FP32
     accumulator. Invalid entries are never dereferenced (neither in ``req_to_token`` nor in the
     pool), and their V rows are zero-filled by the masked load, so NaN/Inf in slots no valid
@@ -46,15 +45,10 @@ flash-decoding one, the online softmax FlashAttention-2's):
     tile) depends on W, G, D and the dtypes only, and a program's arithmetic depends only on its
     own row, so a row's output bits do not depend on R, on the other rows or on the row's
     position (cost: ``plan_decode_paged``'s docstring).
-  * Launch variants (private ``_VARIANTS``, the benchmark's sweep; the public path uses
-    ``_DEFAULT_VARIANT``): pipeline depth (num_stages), slots resolved one chunk ahead in
-    registers (``AHEAD``), Programmatic Dependent Launch (``USE_PDL``). They change the schedule,
-    never the arithmetic: every variant gives the base kernel's bits.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -67,62 +61,15 @@ from interop.plan import PAGED_MAX_SPLITS, PagedDecodePlan, next_pow2, plan_deco
 
 from ._fp8 import fp16_query
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
-from .decode import _TRITON_PDL, _pdl_supported
 
 __all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "compile_configs",
-           "SKIP_EMPTY_CHUNKS", "MERGE_TILE"]
+           "MERGE_TILE"]
 
 _LOG2E = 1.4426950408889634
 #: floats per merge-kernel tile ([splits padded to a power of two, D chunk]): 16 per thread at 4
 #: warps, the packed decode's merge tile (``qsa_triton.decode.MERGE_TILE``)
 MERGE_TILE = 2048
-#: skip a BLOCK_N chunk whose entries are all invalid (a branch around its gathers and dots).
-#: Off: with the branch Triton's software pipeliner no longer prefetches the next chunk (compiled
-#: for sm_90 with Triton 3.9: no async copies at all, against the next chunk's index, slot and
-#: K/V tiles issued as async copies without it), while masked-off gathers move no bytes anyway;
-#: only the dots of all-junk chunks are saved. An H200 A/B on short rows could still decide.
-SKIP_EMPTY_CHUNKS = False
 _OFF32_MAX = 2**31 - 1
-
-#: Launch variants of the split kernel, for the benchmark sweep only (providers ``paged[NAME]`` of
-#: ``bench/decode.py --mode pool``; never selectable through the public entry points). Each entry
-#: overrides plan fields (``num_stages``, ``block_n``, ``num_warps``) and kernel structure:
-#:   ``ahead``: the slots of chunk c are resolved during chunk c - 1 (its index entries during
-#:   c - 2) and carried in registers, so the K/V gathers depend on no load of their own
-#:   iteration;
-#:   ``pdl``: Programmatic Dependent Launch of both kernels (entry trigger; sm_90+ with a Triton
-#:   that has ``launch_pdl``, ignored elsewhere).
-#: Why: Triton's software pipeliner (``AssignLatencies``, Triton 3.x) gives every load of a
-#: chain ``index -> req_to_token -> K/V`` the latency (num_stages - 1) // (chain depth), and drops
-#: loads whose depth reaches num_stages - 1. With the chain of 3 and 3 stages the K/V gathers get
-#: one buffer and the loop waits for all of its copies before each chunk: no gather overlaps a
-#: dot (sm_90 TTGIR: one [1, BLOCK_N, D] buffer per tensor, ``async_wait {num = 0}``).
-#:   * ``s7``: 7 stages = latency 2 for each of the three loads: every load is an async copy
-#:     issued two steps ahead, K/V double-buffered (sm_90: 76 KB of shared memory in bf16,
-#:     43 KB for an FP8 pool; both within sm_120's 101,376 B).
-#:   * ``ahead``: the K/V addresses come from loop-carried slots, so the gathers are the only
-#:     pipelined loads (chain depth 1): double-buffered at 3 stages (75 / 42 KB); the slot
-#:     lookup of the next chunk is an ordinary load inside the loop (one round trip per chunk
-#:     that overlaps the gathers in flight, not the dots).
-#:   * ``s7-pdl``, ``ahead-pdl``: with the merge kernel's launch (and the next call's split
-#:     kernel) scheduled while the previous grid still runs: at small R the call is one latency
-#:     chain (index -> slot -> K/V -> partials -> merge) and the launch gap is part of it.
-#:   * ``s7-fp8bn64``: ``s7`` with BLOCK_N 64 for an FP8 pool (``fp8_block_n``; a chunk then moves
-#:     as many bytes as a bf16 chunk of 32, half the loop trips and index lookups per byte;
-#:     78 KB of shared memory on sm_90); a bf16 pool keeps BLOCK_N 32.
-#: The winner becomes ``_DEFAULT_VARIANT`` (then the public path and ``compile_configs`` use it).
-_VARIANTS: dict[str, dict] = {
-    "base": {},
-    "s7": {"num_stages": 7},
-    "ahead": {"ahead": True, "num_stages": 3},
-    "s7-pdl": {"num_stages": 7, "pdl": True},
-    "ahead-pdl": {"ahead": True, "num_stages": 3, "pdl": True},
-    "s7-fp8bn64": {"num_stages": 7, "fp8_block_n": 64},
-    "fp8-qdtype": {"fp8_qdtype": True},
-}
-_DEFAULT_VARIANT = "base"
-_PLAN_FIELDS = ("num_stages", "block_n", "num_warps")
-
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -148,15 +95,6 @@ def _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i, acc, qk_scale, stri
     return m_new, l_i, acc
 
 
-@triton.jit
-def _ahead_slots(table_row, ent, bound, SLOTS):
-    """Pool slots of the entries ``ent`` (the validity rule of ``_paged_split_kernel``), -1 where
-    the entry is invalid; ``req_to_token`` is read only under the entry's own validity."""
-    valid = (ent >= 0) & (ent < bound)
-    slot = tl.load(table_row + ent, mask=valid, other=-1)
-    return tl.where(valid & (slot >= 0) & (slot < SLOTS), slot, -1)
-
-
 @triton.jit(do_not_specialize=["R", "HQ", "HKV", "W", "MAX_REQS", "MAX_CTX", "SLOTS", "SPLITS"])
 def _paged_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, table_ptr, req_ptr, idx_ptr, seqlen_ptr,
@@ -165,15 +103,8 @@ def _paged_split_kernel(
     stride_ir, stride_ih, stride_tr,
     R, HQ, HKV, W, MAX_REQS, MAX_CTX, SLOTS, SPLITS,
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, OFF64: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-    AHEAD: tl.constexpr = False, USE_PDL: tl.constexpr = False, FP16_FP8: tl.constexpr = True,
+    DIRECT: tl.constexpr, OFF64: tl.constexpr,
 ):
-    if USE_PDL:
-        # Programmatic Dependent Launch: this grid may start before the previous kernel on the
-        # stream has finished; wait for it (griddepcontrol.wait) before touching any memory.
-        # Triggering first is safe: the dependent grid waits for our completion in turn.
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     # 1-D grid, split-major: pid = (j * R + r) * HKV + h (grid axes y/z would cap R at 65,535)
     pid = tl.program_id(0)
     h = pid % HKV
@@ -197,7 +128,7 @@ def _paged_split_kernel(
     heads = (h * G + offs_m).to(tl.int64)
     q = tl.load(q_ptr + r.to(tl.int64) * stride_qr + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=m_ok[:, None], other=0.0)
-    if FP16_FP8 and k_ptr.dtype.element_ty == tl.float8e4nv:
+    if k_ptr.dtype.element_ty == tl.float8e4nv:
         q, qk_scale = fp16_query(q, qk_scale)  # the dots in fp16 (qsa_triton._fp8)
     k_head = k_ptr + h.to(tl.int64) * stride_kh
     v_head = v_ptr + h.to(tl.int64) * stride_vh
@@ -205,41 +136,16 @@ def _paged_split_kernel(
     m_i = tl.full([HT], float("-inf"), tl.float32)
     l_i = tl.zeros([HT, BLOCK_N], tl.float32)  # softmax denominator per column, reduced once
     acc = tl.zeros([HT, D], tl.float32)
-    if AHEAD:
-        # slots one chunk ahead, entries two chunks ahead, carried in registers (``_VARIANTS``);
-        # columns past this split's range read nothing (masked like columns past W)
-        col_end = tl.minimum(c_hi * BLOCK_N, W)
-        cols = c_lo * BLOCK_N + offs_n
-        slot_c = _ahead_slots(table_row, tl.load(idx_row + cols, mask=cols < col_end, other=-1),
-                              bound, SLOTS)
-        cols = cols + BLOCK_N
-        ent_n = tl.load(idx_row + cols, mask=cols < col_end, other=-1)
-        for c in range(c_lo, c_hi):
-            valid = slot_c >= 0
-            rows = slot_c
-            if OFF64:
-                rows = rows.to(tl.int64)
-            m_i, l_i, acc = _chunk(q, k_head, v_head, rows, valid, offs_d, m_i, l_i, acc,
-                                   qk_scale, stride_kc, stride_vc)
-            slot_c = _ahead_slots(table_row, ent_n, bound, SLOTS)
-            cols = (c + 2) * BLOCK_N + offs_n
-            ent_n = tl.load(idx_row + cols, mask=cols < col_end, other=-1)
-    else:
-        for c in range(c_lo, c_hi):
-            cols = c * BLOCK_N + offs_n
-            ent = tl.load(idx_row + cols, mask=cols < W, other=-1)
-            valid = (ent >= 0) & (ent < bound)
-            slot = tl.load(table_row + ent, mask=valid, other=0)
-            valid = valid & (slot >= 0) & (slot < SLOTS)
-            if OFF64:  # slot * stride passes int32 once the pool holds >= 2**31 elements
-                slot = slot.to(tl.int64)
-            if SKIP_EMPTY:
-                if tl.max(valid.to(tl.int32), 0) > 0:
-                    m_i, l_i, acc = _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i,
-                                           acc, qk_scale, stride_kc, stride_vc)
-            else:
-                m_i, l_i, acc = _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i, acc,
-                                       qk_scale, stride_kc, stride_vc)
+    for c in range(c_lo, c_hi):
+        cols = c * BLOCK_N + offs_n
+        ent = tl.load(idx_row + cols, mask=cols < W, other=-1)
+        valid = (ent >= 0) & (ent < bound)
+        slot = tl.load(table_row + ent, mask=valid, other=0)
+        valid = valid & (slot >= 0) & (slot < SLOTS)
+        if OFF64:  # slot * stride passes int32 once the pool holds >= 2**31 elements
+            slot = slot.to(tl.int64)
+        m_i, l_i, acc = _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i, acc, qk_scale,
+                               stride_kc, stride_vc)
     l_row = tl.sum(l_i, 1)
     # empty (no valid entry): l == 0, exact zeros and LSE -inf. An attended NaN makes l NaN: the
     # output / partial and the LSE are NaN then, never the -inf the merge would weigh 0.
@@ -258,13 +164,9 @@ def _paged_split_kernel(
 
 @triton.jit(do_not_specialize=["HQ", "SPLITS"])
 def _paged_merge_kernel(out_ptr, lse_ptr, part_ptr, stride_or, stride_oh, HQ, SPLITS,
-                        D: tl.constexpr, SPLIT_P2: tl.constexpr, D_CHUNK: tl.constexpr,
-                        USE_PDL: tl.constexpr = False):
+                        D: tl.constexpr, SPLIT_P2: tl.constexpr, D_CHUNK: tl.constexpr):
     # one program per (row r, query head, D chunk): every split's LSE and partial in one round
     # trip; a fixed reduction order over the splits (batch-invariant)
-    if USE_PDL:  # launched early: the split kernel's partials are visible after this wait
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     n_dc: tl.constexpr = D // D_CHUNK
     row = pid // n_dc  # r * HQ + query head
@@ -326,23 +228,8 @@ def _merge_d_chunk(split_p2: int, head_dim: int) -> int:
     return max(16, min(head_dim, MERGE_TILE // split_p2))
 
 
-def _with_variant(plan: PagedDecodePlan, variant: str | None, device: torch.device,
-                  kv_bytes: int) -> tuple[PagedDecodePlan, bool, bool]:
-    """(plan with the variant's field overrides, AHEAD, USE_PDL) of ``_VARIANTS[variant]``;
-    None = the plan as given, base structure. ``fp8_block_n`` applies to 1-byte pools only; PDL
-    only where ``_pdl_supported(device)``."""
-    over = _VARIANTS[variant] if variant is not None else {}
-    fields = {k: v for k, v in over.items() if k in _PLAN_FIELDS}
-    if kv_bytes == 1 and "fp8_block_n" in over:
-        fields["block_n"] = over["fp8_block_n"]
-    plan = dataclasses.replace(plan, **fields) if fields else plan
-    pdl = bool(over.get("pdl")) and _pdl_supported(device)
-    return plan, bool(over.get("ahead")), pdl, not over.get("fp8_qdtype")
-
-
 def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, softmax_scale,
-            k_scale, v_scale, plan: PagedDecodePlan, variant: str | None = None) -> torch.Tensor:
-    plan, ahead, pdl, f16 = _with_variant(plan, variant, q.device, k_cache.element_size())
+            k_scale, v_scale, plan: PagedDecodePlan) -> torch.Tensor:
     r, hq, d = q.shape
     hkv = k_cache.shape[1]
     w = indices.shape[-1]
@@ -358,7 +245,6 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
         part = torch.empty(r * hq * splits * d, dtype=torch.float32, device=q.device)
     off64 = max(_max_offset(k_cache), _max_offset(v_cache)) > _OFF32_MAX
     stride_ih = indices.stride(1) if indices.dim() == 3 else 0
-    pdl_kw = {"launch_pdl": True} if pdl else {}  # never passed to the interpreter
     ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else _null()
     with ctx:
         _paged_split_kernel[(splits * r * hkv,)](
@@ -369,16 +255,14 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
             req_to_token.stride(0),
             r, hq, hkv, w, req_to_token.shape[0], req_to_token.shape[1], k_cache.shape[0], splits,
             G=hq // hkv, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n, DIRECT=direct, OFF64=off64,
-            SKIP_EMPTY=SKIP_EMPTY_CHUNKS, AHEAD=ahead, USE_PDL=pdl, FP16_FP8=f16,
-            num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
         )
         if not direct:
             sp2 = max(2, next_pow2(splits))
             dch = _merge_d_chunk(sp2, d)
             _paged_merge_kernel[(r * hq * (d // dch),)](
                 out, lse, part, out.stride(0), out.stride(1), hq, splits,
-                D=d, SPLIT_P2=sp2, D_CHUNK=dch, USE_PDL=pdl, num_warps=4, num_stages=1,
-                **pdl_kw)
+                D=d, SPLIT_P2=sp2, D_CHUNK=dch, num_warps=4, num_stages=1)
     return out
 
 
@@ -414,8 +298,7 @@ def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            softmax_scale, k_scale, v_scale, batch_invariant=batch_invariant,
                            strict=True)
     return _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
-                   softmax_scale, k_scale, v_scale, plan_for(q, k_cache, indices, batch_invariant),
-                   _DEFAULT_VARIANT)
+                   softmax_scale, k_scale, v_scale, plan_for(q, k_cache, indices, batch_invariant))
 
 
 @_paged_op.register_fake
@@ -525,25 +408,6 @@ def decode_paged_with_plan(q, k_cache, v_cache, req_to_token, req_indices, indic
                    vsc, plan)
 
 
-def _variant_call(variant: str, q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
-                  softmax_scale=None, k_scale=1.0, v_scale=1.0, *, batch_invariant: bool = False,
-                  plan: PagedDecodePlan | None = None) -> torch.Tensor:
-    """``sparse_decode_paged`` with the split kernel launched as ``_VARIANTS[variant]`` (the
-    benchmark's sweep, tests; private), on ``plan`` (default: ``plan_for``) with the variant's
-    overrides applied. Checks the contract first.
-
-    Raises:
-      ContractError: as ``sparse_decode_paged``. KeyError: an unknown variant.
-    """
-    if variant not in _VARIANTS:
-        raise KeyError(f"unknown paged-decode variant {variant!r}; known: {list(_VARIANTS)}")
-    scale, ksc, vsc = _checked(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
-                               softmax_scale, k_scale, v_scale, batch_invariant, False)
-    plan = plan if plan is not None else plan_for(q, k_cache, indices, batch_invariant)
-    return _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, scale, ksc,
-                   vsc, plan, variant)
-
-
 # ---------------------------------------------------------------------------------------------
 # Ahead-of-time compile list (``qsa compile``: interop/compile_check.py)
 _SPLIT_PTRS = {"q_ptr": "*{dt}", "k_ptr": "*{kv}", "v_ptr": "*{kv}", "out_ptr": "*{dt}",
@@ -564,24 +428,12 @@ def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> l
     """Every paged-decode kernel configuration the plan can launch on ``arch`` for the qualified
     shapes plus (3,1): per head pair, pool dtype (q's, fp8e4nv), mode (default for every known SM
     count, batch-invariant) and R in 1..512, the split kernel per distinct (G, head tile,
-    BLOCK_N, warps, stages, DIRECT) with OFF64 both ways; the merge kernel per split tile. The
-    launch variant is the one the public entry points use (``_DEFAULT_VARIANT``).
-    Entries as ``interop.compile_check.compile_triton_configs`` takes them."""
-    return _variant_configs(arch, _DEFAULT_VARIANT, head_dim=head_dim, dtype=dtype)
-
-
-def _variant_configs(arch: str, variant: str, *, head_dim: int = 256,
-                     dtype: str = "bf16") -> list[dict]:
-    """``compile_configs`` for ``_VARIANTS[variant]`` (the sweep's variants compile-check here
-    too: tests/test_paged_decode.py)."""
+    BLOCK_N, warps, stages, DIRECT) with OFF64 both ways; the merge kernel per split tile.
+    Entries as ``interop.validate.compile`` takes them."""
     from interop.arch import KNOWN_PARTS  # noqa: PLC0415
     from interop.contract import QUALIFIED  # noqa: PLC0415
 
     del arch  # plans fit sm_120 / sm_121's shared memory on every arch (plan_decode_paged)
-    over = _VARIANTS[variant]
-    ahead, pdl = bool(over.get("ahead")), bool(over.get("pdl")) and _TRITON_PDL
-    opts = {"launch_pdl": True} if pdl else {}
-    tag = "" if variant == "base" else f"_{variant}"
     out, seen, splits_seen = [], set(), set()
     pairs = tuple(QUALIFIED["head_pairs"]) + ((3, 1),)
     lo, hi = QUALIFIED["paged_rows"]
@@ -595,11 +447,9 @@ def _variant_configs(arch: str, variant: str, *, head_dim: int = 256,
                      for r in range(lo, hi + 1) for sms in sms_all for bi in (False, True)}
             for p in plans:
                 splits_seen.add(p.num_splits)
-                p, _, _ = _with_variant(p, variant, torch.device("cpu"), kb)
                 for off64 in (False, True):
                     consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
-                              "DIRECT": p.num_splits == 1, "OFF64": off64,
-                              "SKIP_EMPTY": SKIP_EMPTY_CHUNKS, "AHEAD": ahead, "USE_PDL": pdl}
+                              "DIRECT": p.num_splits == 1, "OFF64": off64}
                     key = (kv, tuple(consts.items()), p.num_warps, p.num_stages)
                     if key in seen:
                         continue
@@ -607,16 +457,15 @@ def _variant_configs(arch: str, variant: str, *, head_dim: int = 256,
                     sig, attrs = _aot(_paged_split_kernel, _SPLIT_PTRS, consts, dtype, kv)
                     out.append({"kernel": _paged_split_kernel, "signature": sig,
                                 "constexprs": consts, "attrs": attrs, "num_warps": p.num_warps,
-                                "num_stages": p.num_stages, "options": dict(opts),
+                                "num_stages": p.num_stages, "options": {},
                                 "name": f"paged_split_G{g}_ht{p.head_tile}_bn{p.block_n}"
                                         f"_w{p.num_warps}_s{p.num_stages}_{dtype}_kv{kv}"
                                         f"{'_direct' if p.num_splits == 1 else ''}"
-                                        f"{'_off64' if off64 else ''}{tag}"})
+                                        f"{'_off64' if off64 else ''}"})
     for sp2 in sorted({max(2, next_pow2(s)) for s in splits_seen if s > 1}):
-        consts = {"D": head_dim, "SPLIT_P2": sp2, "D_CHUNK": _merge_d_chunk(sp2, head_dim),
-                  "USE_PDL": pdl}
+        consts = {"D": head_dim, "SPLIT_P2": sp2, "D_CHUNK": _merge_d_chunk(sp2, head_dim)}
         sig, attrs = _aot(_paged_merge_kernel, _MERGE_PTRS, consts, dtype, dtype)
         out.append({"kernel": _paged_merge_kernel, "signature": sig, "constexprs": consts,
-                    "attrs": attrs, "num_warps": 4, "num_stages": 1, "options": dict(opts),
-                    "name": f"paged_merge_p{sp2}_{dtype}{'_pdl' if pdl else ''}"})
+                    "attrs": attrs, "num_warps": 4, "num_stages": 1, "options": {},
+                    "name": f"paged_merge_p{sp2}_{dtype}"})
     return out

@@ -130,13 +130,8 @@ def test_pool_case_lists_and_sweep_names():
     a.tp, a.kv, a.layouts, a.rows, a.batches = "TP1", "fp8", "slots", "saturated", "64"
     assert [s.name for s in decode.pool_cases(a, "bench")] == ["pool/TP1/slots/fp8/B64/saturated"]
     assert all(s.junk for s in decode.pool_cases(A(), "memcheck") + decode.pool_cases(A(), "smoke"))
-    from qsa_triton import decode_paged
-
-    assert set(decode.SWEEP_VARIANTS) == set(decode_paged._VARIANTS)
-    assert decode_paged._DEFAULT_VARIANT in decode_paged._VARIANTS
     sweep = [n for n, p in decode.POOL_PROVIDERS.items() if not p.default]
-    assert {f"paged[{v}]" for v in decode.SWEEP_VARIANTS} | {
-        "paged[bi]", "pallas-paged[bi]", "pallas-paged[s7]"} == set(sweep)
+    assert {"paged[bi]", "pallas-paged[bi]", "pallas-paged[s7]"} == set(sweep)
     assert list(decode.POOL_PROVIDERS)[0] == "upstream-step"  # 'x first' = vs upstream's step
 
 

@@ -585,19 +585,6 @@ def test_bench_smoke_cpu(tmp_path):
             assert case["providers"][name]["ok"], (name, case["providers"][name])
 
 
-def test_triton_ahead_variant_same_bits():
-    """The sweep's ``ahead`` launch variant (slots resolved one chunk ahead, entries two ahead,
-    carried in registers) gives the base kernel's bits: the same chunks in the same order, the
-    same validity rule (junk, lying metadata, per-KV-head indices; BLOCK_N 16 over W = 70: two
-    splits of 2 and 3 chunks, the split's column range masked)."""
-    x = make_inputs((24, 2), per_head=True, seed=4)
-    plan = PagedDecodePlan(16, 16, 2, 4, 2)
-    base = tdp._variant_call("base", *t_args(x), plan=plan)
-    ahead = tdp._variant_call("ahead", *t_args(x), plan=plan)
-    assert_close(ahead.float().numpy(), reference(x), x.empty)
-    assert torch.equal(base, ahead)
-
-
 # =============================================================================================
 # GPU tests (H200): pytest -m gpu tests/test_paged_decode.py
 def gpu(fn):
@@ -733,7 +720,11 @@ def test_gpu_cuda_graph_replay_new_metadata():
                 static[i].copy_(t)
             graph.replay()
             torch.cuda.synchronize()
-            assert torch.equal(out, qsa_triton.sparse_decode_paged(*static, batch_invariant=bi))
+            # bitwise, NaN where eager has NaN: a rolled request may be shorter than the row's
+            # length, so valid entries name its padding slots (NaN here), legally attended
+            torch.testing.assert_close(
+                out, qsa_triton.sparse_decode_paged(*static, batch_invariant=bi), rtol=0,
+                atol=0, equal_nan=True)
 
 
 @gpu
@@ -770,32 +761,6 @@ def test_gpu_graphs_every_r_1_to_128():
         assert torch.isfinite(out).all(), a[0].shape[0]
         assert torch.equal(out, qsa_triton.sparse_decode_paged(*a)), a[0].shape[0]
     assert_close(graphs[-1][1].float().cpu().numpy(), compact_reference(list(graphs[-1][2])))
-
-
-@gpu
-@pytest.mark.parametrize("tp, rows, fp8", [("TP1", 1, False), ("TP1", 16, True),
-                                           ("TP2", 128, False)])
-def test_gpu_launch_variants_same_bits(tp, rows, fp8):
-    """Every launch variant of the sweep (``_VARIANTS``: more pipeline stages, slots resolved
-    ahead, PDL) matches the reference at production shapes (splits + merge at R = 1, 16; one
-    split at TP2 R = 128), eagerly and replayed from a CUDA graph, with the base kernel's bits
-    (except a variant that changes BLOCK_N for this pool: other chunks, other partial sums)."""
-    args, empty = gpu_case(tp, rows, seed=20 + rows)
-    if fp8:
-        args[1], args[2] = args[1].to(FP8), args[2].to(FP8)
-    ref = compact_reference(args)
-    base = tdp._variant_call("base", *args)
-    for name in tdp._VARIANTS:
-        out = tdp._variant_call(name, *args)
-        assert_close(out.float().cpu().numpy(), ref, empty)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            graphed = tdp._variant_call(name, *args)
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(graphed, out), f"{name}: graph replay != eager"
-        if not (fp8 and "fp8_block_n" in tdp._VARIANTS[name]):  # (other chunks: other sums)
-            assert torch.equal(out, base), f"{name}: matches the reference, not the base bits"
 
 
 @gpu
@@ -986,17 +951,31 @@ def _memcheck_case(tp="TP1"):
     return args
 
 
+def _assert_memcheck_output(out, args):
+    """The memcheck case against the reference from the pool: the lying length makes row 3's
+    valid entries reach table columns past its request's context (SGLang's padding slot 0,
+    NaN/Inf here), which the row attends, so the non-finite (row, head) pairs must be the
+    reference's and every other value must match it."""
+    ref = compact_reference(args)
+    out = np.asarray(out, np.float32)
+    fin = np.isfinite(ref)
+    np.testing.assert_array_equal(np.isfinite(out), fin)
+    np.testing.assert_allclose(out[fin], ref[fin], rtol=2e-2, atol=2e-2)
+
+
 @gpu
 def test_gpu_memcheck_triton():
-    """Run under compute-sanitizer --tool memcheck (no other assertion than finiteness)."""
+    """Run under compute-sanitizer --tool memcheck; values as the reference's."""
     for bi in (False, True):
-        out = qsa_triton.sparse_decode_paged(*_memcheck_case(), batch_invariant=bi)
+        args = _memcheck_case()
+        out = qsa_triton.sparse_decode_paged(*args, batch_invariant=bi)
         torch.cuda.synchronize()
-        assert torch.isfinite(out.float()).all()
+        _assert_memcheck_output(out.float().cpu().numpy(), args)
 
 
 @gpu
 def test_gpu_memcheck_pallas():
     for bi in (False, True):
-        out = qsa_pallas.sparse_decode_paged(*to_jax_args(_memcheck_case()), batch_invariant=bi)
-        assert np.isfinite(np.asarray(out, np.float32)).all()
+        args = _memcheck_case()
+        out = qsa_pallas.sparse_decode_paged(*to_jax_args(args), batch_invariant=bi)
+        _assert_memcheck_output(out, args)
