@@ -32,7 +32,7 @@ H, D, TOPK, RATIO, PAGE, CHAIN = 4, 128, 512, 4, 16, 10
 BATCHES, CONTEXTS, PREFILL_CONTEXTS = (1, 16, 64, 128), (8192, 32768, 131072, 262144), (32768,)
 LOGITS_BUDGET = 128 << 20  # upstream _QSA_PREFILL_LOGITS_BUDGET_BYTES
 # The private plan overrides timed next to the default (interop.indices.IndexerPlan fields).
-VARIANTS = {"triton_rb4": lambda p: dataclasses.replace(p, radix_bits=4, merge_radix_bits=4),
+VARIANTS = {"triton_rb1": lambda p: dataclasses.replace(p, radix_bits=1),
             "triton_c2x": lambda p: dataclasses.replace(
                 p, chunk=2 * p.chunk, splits=-(-p.splits // 2),
                 merge_warps=max(4, p.merge_warps // 2))}
@@ -194,8 +194,8 @@ PROVIDERS = {p.name: p for p in (
     common.Provider("pallas", _pallas, f"qsa_pallas.indexer_select_* (chain of {CHAIN})"),
     common.Provider("torch", _torch, "upstream's torch reference path + topk"),
     common.Provider("xla", _xla, f"the same in JAX: jnp.einsum + lax.top_k (chain of {CHAIN})"),
-    common.Provider("triton_rb4", lambda inp: _triton(inp, "triton_rb4"), "Triton, private plan "
-                    "override: 4-bit radix rounds in both passes"),
+    common.Provider("triton_rb1", lambda inp: _triton(inp, "triton_rb1"), "Triton, private plan "
+                    "override: 1-bit radix rounds in pass 1 too"),
     common.Provider("triton_c2x", lambda inp: _triton(inp, "triton_c2x"), "Triton, private plan "
                     "override: twice the pass-1 chunk"),
 )}

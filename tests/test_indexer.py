@@ -539,8 +539,8 @@ def test_gpu_decode_production_exact(b, ctx):
 @pytest.mark.parametrize("b,ctx", [(16, 32768)])
 def test_gpu_plan_variants_and_pdl_same_selection(b, ctx):
     """The default plan (merge launched with PDL where pass 1 is one wave), the same without
-    PDL, and the bench's variants (4-bit rounds; twice the chunk) select the same token rows,
-    equal to the FP64 reference on a sampled row."""
+    PDL, and the bench's variants (1-bit rounds in pass 1; twice the chunk) select the same token
+    rows, equal to the FP64 reference on a sampled row."""
     import dataclasses
 
     case, q, kc = _gpu_decode_inputs(b, ctx, seed=3 * b + ctx, dtype=torch.bfloat16)
@@ -550,7 +550,7 @@ def test_gpu_plan_variants_and_pdl_same_selection(b, ctx):
     out = TI.indexer_select_decode(q, kc, pt, sl).cpu().numpy()
     _check_rows(out, q, kc, case, [b - 1], expand=True)
     for p in (dataclasses.replace(plan, pdl=not plan.pdl),
-              dataclasses.replace(plan, radix_bits=4, merge_radix_bits=4),
+              dataclasses.replace(plan, radix_bits=1),
               dataclasses.replace(plan, chunk=2 * plan.chunk, splits=-(-plan.splits // 2))):
         got = TI.indexer_select_decode(q, kc, pt, sl, plan=p).cpu().numpy()
         assert np.array_equal(got, out), p

@@ -326,7 +326,7 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
 #: pointers and the q/k/v/out strides (multiples of D) of the union kernel: what a real launch
 #: specialises; the union and table strides depend on NB / max_context and stay unspecialised
 _UNION_ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "ublk_ptr", "umem_ptr", "ulen_ptr",
-                  "cu_q_ptr", "cu_k_ptr", "kv_lens_ptr", "r2t_ptr", "req_idx_ptr", "stride_qt",
+                  "bidx_ptr", "cu_q_ptr", "cu_k_ptr", "kv_lens_ptr", "r2t_ptr", "req_idx_ptr", "stride_qt",
                   "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh", "stride_ot",
                   "stride_oh")
 
@@ -356,14 +356,14 @@ def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict
         kt = "fp8e4nv" if kv_bytes == 1 else "bf16"
         ptrs = {"q_ptr": "*bf16", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "o_ptr": "*bf16",
                 "qk_scale": "fp32", "v_scale": "fp32",
-                **{n: "*i32" for n in ("ublk_ptr", "umem_ptr", "ulen_ptr", "cu_q_ptr", "cu_k_ptr",
-                                       "kv_lens_ptr", "r2t_ptr", "req_idx_ptr")}}
+                **{n: "*i32" for n in ("ublk_ptr", "umem_ptr", "ulen_ptr", "bidx_ptr", "cu_q_ptr",
+                                       "cu_k_ptr", "kv_lens_ptr", "r2t_ptr", "req_idx_ptr")}}
         for mode in (0, 1, 2):
             if kv_bytes == 1 and mode == 0:  # ordinary prefill has no FP8 K/V
                 continue
             consts = {"PER_HEAD": False, "G": group, "HT": next_pow2(group), "R": geo.tile_rows,
                       "M": geo.head_tile, "D": head_dim, "BLOCK_N": geo.block_n, "MODE": mode,
-                      "OFF64": mode == 2, "BP": 2}
+                      "OFF64": mode == 2, "BP": 2, "HR": max(16, next_pow2(group))}
             out.append(_entry(kernel, f"prefill_union_mode{mode}_bf16_{kt}_R{geo.tile_rows}"
                                       f"_m{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}"
                                       f"_s{geo.num_stages}", ptrs, consts, geo.num_warps,
