@@ -14,9 +14,11 @@ Same algorithm, plan and validity rule as ``qsa_triton.decode_paged`` (the share
   slot ``req_to_token[req, idx]`` (loaded under that mask) inside the pool; K/V rows gathered
   under the final mask (masked lanes are never dereferenced on the GPU and read 0.0, so NaN/Inf
   in slots no valid entry names never reach a dot; every gather index is also clamped into
-  range, since interpret mode clamps instead of faulting), converted once to q's dtype; dots in
-  q's dtype with FP32 accumulation, FP32 scores times ``softmax_scale * k_scale * log2(e)``,
-  invalid columns -inf, FP32 online softmax with exp2, P cast to q's dtype for P·V;
+  range, since interpret mode clamps instead of faulting), converted once to q's dtype (FP8
+  K/V: to float16, with q converted once per program to float16 scaled by a power of two,
+  ``qsa_pallas._fp8``); dots in that dtype with FP32 accumulation, FP32 scores times
+  ``softmax_scale * k_scale * log2(e)``, invalid columns -inf, FP32 online softmax with exp2, P
+  cast to the dot dtype for P·V;
 * a one-split plan writes ``acc * v_scale / l`` into ``[R, Hq, D]`` itself (exact zeros where
   l = 0); otherwise every split writes its normalised partial and log2 LSE (-inf when its
   columns hold no valid entry) and plain JAX merges them: M = max_j lse_j, w_j = 2^(lse_j - M)
@@ -54,6 +56,7 @@ from interop.contract import ContractError, check_decode_paged, route
 from interop.plan import PAGED_MAX_SPLITS, PagedDecodePlan, plan_decode_paged
 
 from . import _compat as C
+from ._fp8 import fp16_query, is_fp8
 
 __all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "lowering_cases"]
 
@@ -107,6 +110,10 @@ def _split_kernel(req_ref, seqlen_ref, table_ref, idx_ref, q_ref, k_ref, v_ref, 
     head = h * g + jnp.maximum(lane, 0)
     dcol = lax.iota(jnp.int32, d)[None, :]
     q = C.load(q_ref.at[r, head[:, None], dcol], mask=head_ok[:, None], other=0)  # [HT, D]
+    qk_scale = st.qk_scale
+    if is_fp8(k_ref.dtype):
+        q, qk_scale = fp16_query(q, qk_scale)  # FP8 K/V: the dots in fp16 (qsa_pallas._fp8)
+    dt = q.dtype
     offs = lax.iota(jnp.int32, bn)
 
     def body(c, carry):
@@ -126,16 +133,16 @@ def _split_kernel(req_ref, seqlen_ref, table_ref, idx_ref, q_ref, k_ref, v_ref, 
         # `other` a float literal (the lowering cannot cast an int fill to FP8); the load feeds
         # the conversion and the dot directly (a select in between staged the tile twice in
         # the prefill kernel, qsa_pallas/prefill.py)
-        kt = C.load(k_ref.at[rows[:, None], h, dcol], mask=gmask, other=0.0).astype(q.dtype)
-        s = C.dot(q, kt, trans_b=True) * st.qk_scale  # FP32 [HT, BN], log2 domain
+        kt = C.load(k_ref.at[rows[:, None], h, dcol], mask=gmask, other=0.0).astype(dt)
+        s = C.dot(q, kt, trans_b=True) * qk_scale  # FP32 [HT, BN], log2 domain
         s = jnp.where(valid[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m_i, s.max(axis=1))
         m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no valid column yet: finite
         alpha = jnp.exp2(m_i - m_ref)
         pr = jnp.exp2(s - m_ref[:, None])
         l_new = l_i * alpha + pr.sum(axis=1)
-        vt = C.load(v_ref.at[rows[:, None], h, dcol], mask=gmask, other=0.0).astype(q.dtype)
-        acc = acc * alpha[:, None] + C.dot(pr.astype(q.dtype), vt)
+        vt = C.load(v_ref.at[rows[:, None], h, dcol], mask=gmask, other=0.0).astype(dt)
+        acc = acc * alpha[:, None] + C.dot(pr.astype(dt), vt)
         return acc, m_new, l_new
 
     init = (jnp.zeros((ht, d), jnp.float32), jnp.full((ht,), -jnp.inf, jnp.float32),

@@ -37,8 +37,11 @@ shared selector (``interop.geometry.select_prefill_blocks``, ``backend="pallas"`
 through the tile-union kernel (``qsa_pallas.prefill_union``) or through this module's per-row
 kernel after an expansion to token indices in plain JAX.
 
-FP8 e4m3 K/V (chunk and paged): gathered rows are converted to q's dtype in registers; ``k_scale``
-is folded into the FP32 score scale and ``v_scale`` multiplies the normalised output.
+FP8 e4m3 K/V (chunk and paged): gathered rows are converted to float16 in registers and the dots
+run in float16 (q converted once per program to float16 scaled by a power of two,
+``qsa_pallas._fp8``: e4m3 -> fp16 is exact and one instruction per two elements, e4m3 -> bf16
+is not); ``k_scale`` is folded into the FP32 score scale and ``v_scale`` multiplies the
+normalised output.
 
 64-bit offsets: the Pallas Triton lowering (jax 0.10.2 and 0.11.2, ``_compute_offsets_from_indices``)
 computes a ref's element offsets in int64 exactly when the ref is larger than 2**32 *bytes*, and in
@@ -67,6 +70,7 @@ from interop.plan import LOG2E, next_pow2
 from . import _compat
 from . import prefill_union as PU
 from ._compat import pl
+from ._fp8 import fp16_query, is_fp8
 
 __all__ = [
     "sparse_prefill",
@@ -206,6 +210,9 @@ def _prefill_kernel(*refs, st: _Static):
     d_row = lax.broadcasted_iota(jnp.int32, (1, d), 1)
     q = _compat.load(q_ref.at[row, pl.ds(h * g, ht), :],
                      mask=jnp.broadcast_to(head_ok, (ht, d)), other=0.0)
+
+    if is_fp8(k_ref.dtype):
+        q, score_scale = fp16_query(q, score_scale)  # FP8 K/V: the dots in fp16 (qsa_pallas._fp8)
 
     cols0 = lax.broadcasted_iota(jnp.int32, (bn,), 0)
     compute_dtype = q.dtype

@@ -10,6 +10,16 @@ union BLOCK_N / 4 blocks at a time, gathers each block's K/V rows once for the R
 converted once), masks the scores by per-row membership and runs the FP32 online softmax per
 (row, head); a last BLOCK_N step covers the rows' causal tails.
 
+Per-tile switch (as ``qsa_triton.prefill_union``): a tile whose union has more than
+``interop.geometry.max_union_entries(geo, NB, max(16, next_pow2(G)))`` entries (a host bound,
+compared on the device with the union's length, ``lax.cond``) runs its R rows one at a time
+instead, each with a [max(16, next_pow2(G)), D] Q tile over its own block ids read straight from
+``block_indices`` (block g valid iff 0 <= g < visible // 4), then its causal tail: low-overlap
+tiles cost about the per-row kernel's work, overlapping ones take the union.
+
+FP8 K/V: the dots run in float16 (K/V tiles converted to float16, q once per program to float16
+scaled by a power of two, P fed as float16: ``qsa_pallas._fp8``).
+
 Union build (``block_union``): plain JAX (XLA), vectorised over tiles: the R x NB (block, row)
 pairs of a tile are sorted (``lax.sort`` on two keys), each pair's occurrence rank computed (a row
 listing a block k times gives ranks 0..k-1), sorted again on (rank, block, row), the first pair of
@@ -36,12 +46,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from interop.contract import PrefillProblem
-from interop.geometry import UnionGeometry
+from interop.geometry import UnionGeometry, max_union_entries
 from interop.indices import RATIO
 from interop.plan import LOG2E, next_pow2
 
 from . import _compat
 from ._compat import pl
+from ._fp8 import fp16_query, is_fp8
 
 __all__ = ["block_union", "expand_blocks", "union_run", "union_slots"]
 
@@ -184,27 +195,39 @@ class _UStatic:
     p: PrefillProblem
     geo: UnionGeometry
     union_width: int  # R x NB
+    block_width: int  # NB
+    max_union: int  # interop.geometry.max_union_entries: longer unions run row by row
     kv_rows: int
     max_reqs: int
     max_context: int
     interpret: bool
 
 
+def _row_tile(group: int) -> int:
+    """Q tile rows of the rows path: next_pow2(G) padded to 16 (a tensor-core M tile)."""
+    return max(16, next_pow2(group))
+
+
 def _union_kernel(*refs, st: _UStatic):
+    """One (tile, KV head): the union path (module docstring), or, when the tile's union has
+    more than ``st.max_union`` entries, its rows one at a time over their own block ids."""
     pr, geo = st.p, st.geo
     if pr.kind == "ordinary":
-        q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, _o_in, o_ref = refs
+        q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, bi_ref, cu_ref, _o_in, o_ref = refs
     elif pr.kind == "chunk":
-        q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, cuk_ref, kvl_ref, _o_in, o_ref = refs
-    else:
-        (q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, kvl_ref, r2t_ref, ri_ref, _o_in,
+        (q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, bi_ref, cu_ref, cuk_ref, kvl_ref, _o_in,
          o_ref) = refs
+    else:
+        (q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, bi_ref, cu_ref, kvl_ref, r2t_ref, ri_ref,
+         _o_in, o_ref) = refs
     slot = pl.program_id(0)
     h = pl.program_id(1)
     g_heads = pr.num_q_heads // pr.num_kv_heads
     r, ht, m, d, bn = geo.tile_rows, next_pow2(g_heads), geo.head_tile, pr.head_dim, geo.block_n
+    hr = _row_tile(g_heads)
     n_req = pr.requests
     qk_scale = pr.softmax_scale * pr.k_scale * LOG2E  # exp2 is the cheaper PTX path
+    fp8 = is_fp8(k_ref.dtype)
 
     # the request of this slot (``_tiles`` with vector loads: B is static)
     bp = next_pow2(n_req + 1)
@@ -229,27 +252,8 @@ def _union_kernel(*refs, st: _UStatic):
         req_row = jnp.where(req_ok, req, 0)
         bound = jnp.where(req_ok, jnp.minimum(kv_len, st.max_context), 0)
 
-    mi = lax.broadcasted_iota(jnp.int32, (m,), 0)
-    i = mi // ht
-    gh = mi % ht
-    rel = jt * r + i
-    row = q_start + rel
-    row_ok = ((i < r) & (gh < g_heads) & (rel >= 0) & (rel < q_used) & (row >= 0)
-              & (row < pr.total_q))
-    vis = jnp.maximum(rel + kv_len - q_len + 1, 0)
     n_out = pr.total_q * pr.num_q_heads
-    flat = row * pr.num_q_heads + h * g_heads + gh
     d_row = lax.broadcasted_iota(jnp.int32, (1, d), 1)
-    qmask = jnp.broadcast_to(row_ok[:, None], (m, d))
-    q = _compat.load(q_ref.at[jnp.clip(flat, 0, n_out - 1)[:, None], d_row], mask=qmask,
-                     other=0.0)
-    flat_out = jnp.clip(flat, 0, n_out - 1)
-    if st.interpret:
-        # masked-off lanes store to spare rows past the output (one per lane): interpret mode
-        # writes a masked lane's old value back, which must not land on a row another lane
-        # writes (on the GPU a masked lane writes nothing)
-        flat_out = jnp.where(row_ok, flat_out, n_out + mi)
-    dt = q.dtype
     uh = h if pr.per_head_indices else 0
     n_u = jnp.where(q_used > 0, ul_ref[slot, uh], 0)
     cols = lax.broadcasted_iota(jnp.int32, (bn,), 0)
@@ -257,8 +261,28 @@ def _union_kernel(*refs, st: _UStatic):
     ent = cols // RATIO
     bu = bn // RATIO
 
-    def step(carry, tok, tok_ok, member):
+    def load_q(flat, ok, rows):
+        """The [rows, D] Q tile at flat rows ``flat`` (masked by ``ok``) and its score scale
+        (FP8 K/V: float16 scaled by a power of two, ``qsa_pallas._fp8``)."""
+        q = _compat.load(q_ref.at[jnp.clip(flat, 0, n_out - 1)[:, None], d_row],
+                         mask=jnp.broadcast_to(ok[:, None], (rows, d)), other=0.0)
+        return fp16_query(q, qk_scale) if fp8 else (q, qk_scale)
+
+    def store_out(flat, ok, lanes, acc, l_i):
+        flat_out = jnp.clip(flat, 0, n_out - 1)
+        if st.interpret:
+            # masked-off lanes store to spare rows past the output (one per lane): interpret
+            # mode writes a masked lane's old value back, which must not land on a row another
+            # lane writes (on the GPU a masked lane writes nothing)
+            flat_out = jnp.where(ok, flat_out, n_out + lanes)
+        inv = jnp.where(l_i > 0, pr.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+        _compat.store(o_ref.at[flat_out[:, None], d_row],
+                      (acc * inv[:, None]).astype(o_ref.dtype),
+                      mask=jnp.broadcast_to(ok[:, None], (acc.shape[0], d)))
+
+    def step(carry, q, qk, tok, tok_ok, member):
         acc, m_i, l_i = carry
+        dt = q.dtype  # q's dtype, or float16 with FP8 K/V
         ok = tok_ok & (tok >= 0) & (tok < bound)
         if pr.kind == "paged":
             pos = jnp.clip(tok, 0, st.max_context - 1)
@@ -271,7 +295,7 @@ def _union_kernel(*refs, st: _UStatic):
         k = _compat.load(k_ref.at[kv[:, None], h, d_row], mask=gmask, other=0.0).astype(dt)
         v = _compat.load(v_ref.at[kv[:, None], h, d_row], mask=gmask, other=0.0).astype(dt)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * qk_scale
+                            preferred_element_type=jnp.float32) * qk
         s = jnp.where(member & ok[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no -inf - -inf
@@ -281,46 +305,99 @@ def _union_kernel(*refs, st: _UStatic):
         acc = acc * alpha[:, None] + jnp.dot(p.astype(dt), v, preferred_element_type=jnp.float32)
         return acc, m_new, l_new
 
-    # causal tails: row i attends [4 * (vis_i // 4), vis_i); for R consecutive rows these lie in
-    # one BLOCK_N chunk, walked as the loop's last step (as in qsa_triton.prefill_union: a step
-    # after the loop doubles the registers of the compiled kernel)
-    vis0 = jnp.maximum(jt * r + kv_len - q_len + 1, 0)
-    vis_last = jnp.maximum(jnp.minimum(jt * r + r, q_len) - 1 + kv_len - q_len + 1, 0)
-    tail_tok = (vis0 // RATIO) * RATIO + cols
-    tail_ok = tail_tok < jnp.where(q_used > 0, vis_last, 0)
-    tail_member = ((tail_tok[None, :] >= ((vis // RATIO) * RATIO)[:, None])
-                   & (tail_tok[None, :] < vis[:, None]))
-    n_steps = (n_u + bu - 1) // bu
+    def init(rows):
+        return (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+                jnp.zeros((rows,), jnp.float32))
 
-    def body(c, carry):
-        e = c * bu + ent
-        e_ok = e < n_u
-        ec = jnp.clip(e, 0, st.union_width - 1)
-        blk = _compat.load(ub_ref.at[slot, uh, ec], mask=e_ok, other=0)
-        mem = _compat.load(um_ref.at[slot, uh, ec], mask=e_ok, other=0)
-        tail = c >= n_steps
-        tok = jnp.where(tail, tail_tok, blk * RATIO + sub)
-        tok_ok = jnp.where(tail, tail_ok, e_ok)
-        member = jnp.where(tail, tail_member, ((mem[None, :] >> i[:, None]) & 1) != 0)
-        return step(carry, tok, tok_ok, member & row_ok[:, None])
+    def union_path():
+        mi = lax.broadcasted_iota(jnp.int32, (m,), 0)
+        i = mi // ht
+        gh = mi % ht
+        rel = jt * r + i
+        row = q_start + rel
+        row_ok = ((i < r) & (gh < g_heads) & (rel >= 0) & (rel < q_used) & (row >= 0)
+                  & (row < pr.total_q))
+        vis = jnp.maximum(rel + kv_len - q_len + 1, 0)
+        flat = row * pr.num_q_heads + h * g_heads + gh
+        q, qk = load_q(flat, row_ok, m)
+        # causal tails: row i attends [4 * (vis_i // 4), vis_i); for R consecutive rows these
+        # lie in one BLOCK_N chunk, walked as the loop's last step (as in qsa_triton.
+        # prefill_union: a step after the loop doubles the registers of the compiled kernel)
+        vis0 = jnp.maximum(jt * r + kv_len - q_len + 1, 0)
+        vis_last = jnp.maximum(jnp.minimum(jt * r + r, q_len) - 1 + kv_len - q_len + 1, 0)
+        tail_tok = (vis0 // RATIO) * RATIO + cols
+        tail_ok = tail_tok < jnp.where(q_used > 0, vis_last, 0)
+        tail_member = ((tail_tok[None, :] >= ((vis // RATIO) * RATIO)[:, None])
+                       & (tail_tok[None, :] < vis[:, None]))
+        n_steps = (n_u + bu - 1) // bu
 
-    carry = (jnp.zeros((m, d), jnp.float32), jnp.full((m,), -jnp.inf, jnp.float32),
-             jnp.zeros((m,), jnp.float32))
-    acc, _, l_i = lax.fori_loop(0, n_steps + 1, body, carry)
-    inv = jnp.where(l_i > 0, pr.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
-    _compat.store(o_ref.at[flat_out[:, None], d_row], (acc * inv[:, None]).astype(o_ref.dtype),
-                  mask=qmask)
+        def body(c, carry):
+            e = c * bu + ent
+            e_ok = e < n_u
+            ec = jnp.clip(e, 0, st.union_width - 1)
+            blk = _compat.load(ub_ref.at[slot, uh, ec], mask=e_ok, other=0)
+            mem = _compat.load(um_ref.at[slot, uh, ec], mask=e_ok, other=0)
+            tail = c >= n_steps
+            tok = jnp.where(tail, tail_tok, blk * RATIO + sub)
+            tok_ok = jnp.where(tail, tail_ok, e_ok)
+            member = jnp.where(tail, tail_member, ((mem[None, :] >> i[:, None]) & 1) != 0)
+            return step(carry, q, qk, tok, tok_ok, member & row_ok[:, None])
+
+        acc, _, l_i = lax.fori_loop(0, n_steps + 1, body, init(m))
+        store_out(flat, row_ok, mi, acc, l_i)
+
+    def rows_path():
+        # the per-row kernel's work: each row over its own block ids read from block_indices
+        # (validity 0 <= g < visible // 4), then its causal tail as the last step
+        nb = st.block_width
+        nb_steps = -(-nb // bu)
+        lanes = lax.broadcasted_iota(jnp.int32, (hr,), 0)
+
+        def one_row(ii, carry):
+            rel = jt * r + ii
+            row = q_start + rel
+            live = (rel >= 0) & (rel < q_used) & (row >= 0) & (row < pr.total_q)
+            row_c = jnp.where(live, row, 0)  # a dead row reads row 0 and stores nothing
+            vis = jnp.where(live, jnp.maximum(rel + kv_len - q_len + 1, 0), 0)
+            n_vis = vis // RATIO
+            h_ok = (lanes < g_heads) & live
+            flat = row_c * pr.num_q_heads + h * g_heads + lanes
+            q, qk = load_q(flat, h_ok, hr)
+
+            def body(c, carry):
+                e = c * bu + ent
+                e_ok = e < nb
+                gb = _compat.load(bi_ref.at[row_c, uh, jnp.clip(e, 0, nb - 1)], mask=e_ok,
+                                  other=-1)
+                tail = c >= nb_steps
+                tok = jnp.where(tail, n_vis * RATIO + cols, gb * RATIO + sub)
+                tok_ok = jnp.where(tail, tok < vis, e_ok & (gb >= 0) & (gb < n_vis))
+                return step(carry, q, qk, tok, tok_ok, h_ok[:, None] & tok_ok[None, :])
+
+            acc, _, l_i = lax.fori_loop(0, nb_steps + 1, body, init(hr))
+            store_out(flat, h_ok, lanes, acc, l_i)
+            return carry
+
+        lax.fori_loop(0, r, one_row, jnp.int32(0))
+
+    lax.cond(n_u > st.max_union, rows_path, union_path)
+
+
+def _spare_rows(st: _UStatic) -> int:
+    """Rows past the output that take the masked lanes' stores in interpret mode (one per lane
+    of the larger Q tile; none on the GPU)."""
+    return max(st.geo.head_tile, _row_tile(st.p.group)) if st.interpret else 0
 
 
 @functools.partial(jax.jit, static_argnames=("st",))
-def _launch(q, k, v, ublk, umem, ulen, *meta, st: _UStatic):
+def _launch(q, k, v, ublk, umem, ulen, bidx, *meta, st: _UStatic):
     pr = st.p
     t, hq, d = q.shape
     q2 = q.reshape(t * hq, d)
-    # rows of no tile stay zero (an aliased zeros output); in interpret mode geo.head_tile
-    # spare rows at the end take the masked lanes' stores (see the kernel)
-    zeros = jnp.zeros((t * hq + (st.geo.head_tile if st.interpret else 0), d), q.dtype)
-    args = (q2, k, v, ublk, umem, ulen, *meta, zeros)
+    # rows of no tile stay zero (an aliased zeros output); in interpret mode spare rows at the
+    # end take the masked lanes' stores (see the kernel)
+    zeros = jnp.zeros((t * hq + _spare_rows(st), d), q.dtype)
+    args = (q2, k, v, ublk, umem, ulen, bidx, *meta, zeros)
     out = _compat.triton_call(
         functools.partial(_union_kernel, st=st),
         out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
@@ -353,14 +430,20 @@ def union_run(problem, q, k, v, block_indices, meta: dict, geo: UnionGeometry, *
     kv_lens = meta.get("kv_lens")
     ublk, umem, ulen = block_union(block_indices, cu, kv_lens, geo.tile_rows)
     r2t = meta.get("req_to_token")
+    nb = int(block_indices.shape[-1])
     st = _UStatic(dataclasses.replace(problem, max_seqlen_q=1),
-                  dataclasses.replace(geo, source=""), int(ublk.shape[-1]), int(k.shape[0]),
+                  dataclasses.replace(geo, source=""), int(ublk.shape[-1]), nb,
+                  # a union has at most R x NB entries: a larger bound means "never"
+                  min(max_union_entries(geo, nb, _row_tile(problem.group)), _INT32_MAX),
+                  int(k.shape[0]),
                   int(r2t.shape[0]) if r2t is not None else 0,
                   int(r2t.shape[1]) if r2t is not None else 0, bool(interpret))
+    # [T, H, NB] (H = 1 for shared selections): the rows path reads a row's ids directly
+    bidx = block_indices if block_indices.ndim == 3 else block_indices[:, None, :]
     if problem.kind == "ordinary":
         rest = (cu,)
     elif problem.kind == "chunk":
         rest = (cu, meta["cu_seqlens_k"], kv_lens)
     else:
         rest = (cu, kv_lens, r2t, meta["req_indices"])
-    return _launch(q, k, v, ublk, umem, ulen, *rest, st=st)
+    return _launch(q, k, v, ublk, umem, ulen, bidx, *rest, st=st)

@@ -387,6 +387,21 @@ def test_triton_per_tile_switch_paths_match_reference(name, work, monkeypatch):
     assert_matches(out, case.reference(), f"triton {name} max_union_work={work}")
 
 
+@pytest.mark.parametrize("work", [0.0, 1e9], ids=["rows-path", "union-path"])
+@pytest.mark.parametrize("name", ["ordinary-ragged", "chunk-fp8-perhead", "paged-lying-poisoned"])
+def test_pallas_per_tile_switch_paths_match_reference(name, work, monkeypatch):
+    """The Pallas union kernel's per-tile switch (``interop.geometry.max_union_entries``, a
+    ``lax.cond`` per program): every tile on the row-by-row path (bound 0) and every tile on
+    the union path (no bound) give the reference, junk, duplicates, lying metadata and empty
+    rows included."""
+    from interop import geometry
+
+    monkeypatch.setitem(geometry.UNION_RULES, "max_union_work", work)
+    case = CASES[name]()
+    out = _BACKENDS.setdefault("pallas", PallasBackend()).run(case, union_geometry(case, 4))
+    assert_matches(out, case.reference(), f"pallas {name} max_union_work={work}")
+
+
 def test_selected_paths_match_reference(backend):
     """The public entry point without a forced geometry, paged: the selector's union kernel (8
     rows per request at G = 6 -> R = 8) and, with the overlap hint below the rule, the per-row
