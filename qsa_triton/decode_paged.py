@@ -20,9 +20,9 @@ flash-decoding one, the online softmax FlashAttention-2's):
     ``req_to_token[req, idx]`` (loaded under that mask) lies in ``[0, slots)``; K and V rows are
     gathered from the pool under the final mask with 64-bit offsets (``OFF64``, where the pool
     can hold an offset >= 2**31); an FP8 pool's tiles are converted once to fp16 and q to fp16
-    scaled by a power of two (``qsa_triton._fp8``), tensor-core Q·Kᵀ, FP32 scores times ``softmax_scale * k_scale * log2(e)``, invalid columns -inf,
-    FP32 online softmax with exp2, P cast to q's dtype for the tensor-core P·V, FP32
-    accumulator. Invalid entries are never dereferenced (neither in ``req_to_token`` nor in the
+    scaled by a power of two (``qsa_triton._fp8``), tensor-core Q·Kᵀ, FP32 scores times
+    ``softmax_scale * k_scale * log2(e)``, invalid columns -inf, FP32 online softmax with exp2,
+    P cast to the dot dtype for the tensor-core P·V, FP32 accumulator. Invalid entries are never dereferenced (neither in ``req_to_token`` nor in the
     pool), and their V rows are zero-filled by the masked load, so NaN/Inf in slots no valid
     entry names never reach a dot.
   * A one-split plan (``S == 1``) writes ``acc * v_scale / l`` straight into the output (exact
@@ -76,7 +76,8 @@ _OFF32_MAX = 2**31 - 1
 @triton.jit
 def _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i, acc, qk_scale, stride_kc, stride_vc):
     """One BLOCK_N chunk of the online softmax: gather the K/V rows of the valid entries (masked:
-    invalid entries read 0, never the pool), convert them once to q's dtype, update the FP32
+    invalid entries read 0, never the pool), convert them once to q's dtype (fp16 for an FP8 pool,
+    where q was converted to fp16 too), update the FP32
     state. l_i is kept per column ([HT, BLOCK_N]) and reduced once after the loop (no cross-warp
     row sum per chunk: the packed decode's ``DEFER_ROWSUM``, decode v5 in bench/NOTES.md)."""
     kt = tl.load(k_head + slot[:, None] * stride_kc + offs_d[None, :],

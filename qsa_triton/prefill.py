@@ -37,7 +37,8 @@ attention loop has one dependent load (the slot) before each K/V gather instead 
 then table); it measured faster than the lookup inside the loop (bench/NOTES.md, "Sparse
 prefill, Triton").
 
-FP8 (chunk, paged): K/V in float8_e4m3fn are converted to q's dtype for the dots; ``k_scale``
+FP8 (chunk, paged): K/V in float8_e4m3fn are converted to float16 for the dots, q once per
+program to float16 scaled by a power of two, P fed as float16 (``qsa_triton._fp8``); ``k_scale``
 multiplies the scores, ``v_scale`` the output.
 
 Block-level selections (``block_indices=`` instead of token ``indices``, every entry point): the
