@@ -22,9 +22,9 @@ flash-decoding one, the online softmax FlashAttention-2's):
     can hold an offset >= 2**31); an FP8 pool's tiles are converted once to fp16 and q to fp16
     scaled by a power of two (``qsa_triton._fp8``), tensor-core Q·Kᵀ, FP32 scores times
     ``softmax_scale * k_scale * log2(e)``, invalid columns -inf, FP32 online softmax with exp2,
-    P cast to the dot dtype for the tensor-core P·V, FP32 accumulator. Invalid entries are never dereferenced (neither in ``req_to_token`` nor in the
-    pool), and their V rows are zero-filled by the masked load, so NaN/Inf in slots no valid
-    entry names never reach a dot.
+    P cast to the dot dtype for the tensor-core P·V, FP32 accumulator. Invalid entries are never
+    dereferenced (neither in ``req_to_token`` nor in the pool), and their V rows are zero-filled
+    by the masked load, so NaN/Inf in slots no valid entry names never reach a dot.
   * A one-split plan (``S == 1``) writes ``acc * v_scale / l`` straight into the output (exact
     zeros where l = 0). Otherwise each split writes its normalised partial (FP32 [G, D]) and its
     log2-domain LSE (-inf for a split without a valid entry) to per-call scratch, and the merge
