@@ -32,6 +32,12 @@ end are masked) and one KV head:
    (``interop.geometry.select_prefill_blocks``) sends low-overlap and short-request workloads
    to the per-row kernel instead (``_qsa_expand_blocks`` expands the blocks to token indices on
    the device, then ``qsa_triton.prefill``'s kernel runs).
+3. Per-tile switch (vLLM #55372's bound: never more work than the per-row kernel): selections
+   the engine did not announce as barely overlapping can still make a tile's union large. A
+   tile whose union has more than ``interop.geometry.max_union_entries`` entries (read on the
+   device from the build's length) runs its R rows one at a time instead (``_rows_of_tile``):
+   each row's own block ids straight from ``block_indices``, a [max(16, next_pow2(G)), D] Q
+   tile, then its causal tail; the same arithmetic per row as the union path's, other sums.
 
 Tile numbering: tile j of request b has slot ``cu_seqlens_q[b] // R + b + j``
 (``interop.indices.tile_slots``); a grid of ``T // R + B`` programs covers every tile of any batch,
@@ -476,7 +482,7 @@ def union_launch(mode: int, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_
         q, k, v, out, ublk, umem, ulen, block_indices, cu_q, cu_k, kv_lens, r2t,
         req_indices if paged else cu_q,
         float(scale) * float(k_scale) * LOG2E, float(v_scale), t, n_req, max_reqs, max_context,
-        min(int(k.shape[0]), 2**31 - 1), nb, max_union_entries(geo, nb, hr),
+        min(int(k.shape[0]), 2**31 - 1), nb, min(max_union_entries(geo, nb, hr), 2**31 - 1),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), ublk.stride(0), ublk.stride(1), ulen.stride(0),
         r2t.stride(0) if paged else 0, block_indices.stride(0),
