@@ -421,8 +421,9 @@ def max_union_entries(geo: UnionGeometry, block_width: int, row_tile: int) -> in
     one at a time over their own blocks. Rule: the union path's padded dot work |union| x
     head_tile must stay within ``UNION_RULES['max_union_work']`` times the rows' own,
     R x NB x ``row_tile`` (the per-row Q tile, next_pow2(G) padded to 16 rows). Decided per tile
-    on the device from the union's length, so random selections cost about the per-row work
-    plus the build, and overlapping ones take the union."""
+    on the device from the union's length: barely overlapping selections then cost the
+    row-by-row work plus the build instead of R-times larger dots (measured in bench/NOTES.md,
+    "Tile-union"), overlapping ones take the union."""
     return int(UNION_RULES["max_union_work"] * geo.tile_rows * int(block_width) * row_tile
                // geo.head_tile)
 

@@ -4,8 +4,9 @@ e4m3 converts to float16 with one instruction per two elements on sm_89+ (``cvt.
 and exactly (every e4m3 value is an fp16 value), while e4m3 -> bfloat16 goes through fp16 and
 fp32 (four instructions per two elements on sm_90): the conversion of each gathered tile, not
 its bytes, bounded the FP8 kernels. So with FP8 K/V the dots run in float16: q is converted once
-per program, scaled by a power of two 2**-e so that |q| < 2**15 (exact; e = 0 for any q within
-fp16's range) with 2**e folded into the score scale, and P (in [0, 1]) is fed as float16, which
+per program, scaled by a power of two 2**-e so that |q| <= 2**15 (e = 0 for any q within fp16's
+range; the scaling is exact, only q entries below 2**-14 times 2**e lose bits as fp16
+subnormals) with 2**e folded into the score scale, and P (in [0, 1]) is fed as float16, which
 carries more mantissa than bfloat16. Accumulation stays FP32.
 """
 
