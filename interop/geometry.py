@@ -379,7 +379,7 @@ class UnionGeometry:
 #: The selector's data (``select_prefill_blocks``; measurements in bench/NOTES.md, "Tile-union"):
 #:   * ``q_rows``: the Q tile the union kernel aims for, R x next_pow2(G) = 64 rows (one wgmma M
 #:     tile on sm_90; 4 mma.sync M tiles on sm_12x): G = 12 -> R = 4, G = 6 -> R = 8; a
-#:     128-row tile (R doubled) lost on the H200 (the union grows with R, the dots do not speed up);
+#:     128-row tile (R doubled) measured slower (the union grows with R, the dots do not speed up);
 #:   * ``max_tile_rows``: R <= 8 keeps the causal-tail step in one BLOCK_N >= 16 chunk
 #:     (R + 3 tokens) and the union's sort at R x 512 keys;
 #:   * ``min_rows_per_request``: below 2 rows per request (decode-like batches) a tile has one
@@ -389,8 +389,8 @@ class UnionGeometry:
 #:   * ``max_sort_keys``: R x next_pow2(NB) keys sorted in one program's registers;
 #:   * ``max_union_work``: the per-tile switch to row-by-row work (``max_union_entries``);
 #:   * ``tile``: (BLOCK_N, num_warps, num_stages) by arch: BLOCK_N 32 (4 union blocks), 4 warps
-#:     (one warpgroup owns the 64-row tile; 8 warps split it and ran 1.5-2x slower on the H200),
-#:     2 stages fit sm_12x's 101,376 B (``interop.plan.smem_bytes``).
+#:     (one warpgroup owns the 64-row tile; 8 warps split it and measured slower), 2 stages fit
+#:     sm_12x's 101,376 B (``interop.plan.smem_bytes``).
 #: The ``block_indices`` / ``overlap`` arguments as every prefill entry point of both backends
 #: documents them (substituted for ``BLOCKS_DOC`` in their docstrings).
 BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (pass ``indices=None``): int32
@@ -418,12 +418,21 @@ UNION_RULES = {
 
 def max_union_entries(geo: UnionGeometry, block_width: int, row_tile: int) -> int:
     """Largest union (entries) for which a tile runs the union path; past it the tile's rows run
-    one at a time over their own blocks. Rule: the union path's padded dot work |union| x
-    head_tile must stay within ``UNION_RULES['max_union_work']`` times the rows' own,
-    R x NB x ``row_tile`` (the per-row Q tile, next_pow2(G) padded to 16 rows). Decided per tile
-    on the device from the union's length: barely overlapping selections then cost the
-    row-by-row work plus the build instead of R-times larger dots (measured in bench/NOTES.md,
-    "Tile-union"), overlapping ones take the union."""
+    one at a time over their own blocks (vLLM #55372's bound: never much more dot work than the
+    per-row kernel). Rule: the union path's padded dot work |union| x head_tile must stay within
+    ``UNION_RULES['max_union_work']`` times the rows' own, R x NB x ``row_tile``. Both kernels
+    compare it with the union's length on the device, per tile: barely overlapping selections
+    then cost the row-by-row work plus the build instead of R-times larger dots (measured in
+    bench/NOTES.md, "Tile-union"), overlapping ones take the union.
+
+    Args:
+      geo: a ``"union"`` UnionGeometry (tile_rows R, head_tile).
+      block_width: NB, block ids per row (int).
+      row_tile: the row path's Q tile, max(16, next_pow2(G)) rows (int).
+
+    Returns:
+      int >= 0, a count of union entries (may exceed int32: launchers cap it).
+    """
     return int(UNION_RULES["max_union_work"] * geo.tile_rows * int(block_width) * row_tile
                // geo.head_tile)
 

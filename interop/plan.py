@@ -302,7 +302,7 @@ PAGED_DEEP_STAGES = 7
 #: The split count is then cdiv(W, this) whatever the batch: 9 splits for W = 2051. Why this
 #: size: fewer columns per split fill more SMs at small batch, more columns write fewer FP32
 #: partials at large batch (9 splits x [G, D] floats per KV row: about 10% of the K/V bytes read
-#: at D = 256 written and read back by the merge); the lead's H200 run prices it.
+#: at D = 256 written and read back by the merge); the measured cost is in bench/NOTES.md.
 BATCH_INVARIANT_SPLIT_COLS = 256
 #: the most splits of one (row, KV head) (the Triton merge reads every split in one tile)
 PAGED_MAX_SPLITS = 128
