@@ -138,22 +138,25 @@ def test_pool_case_lists_and_sweep_names():
 def test_pool_must_show_from_fake_timings():
     def case(lay, kv, r, times):
         return {"tp": "TP1", "layout": lay, "kv": kv, "rows": "saturated", "R": r, "B": r,
-                "providers": {n: {"median_us": t, "pct_copy_bw": 90.0 if n == "paged[s7]" else
-                                  60.0} for n, t in times.items()}}
+                "providers": {n: {"median_us": t, "pct_copy_bw": 90.0 if t < 100 else 60.0}
+                              for n, t in times.items()}}
 
     rep = {"cases": [
-        case("slots", "bf16", 128, {"upstream-step": 400.0, "paged": 200.0, "paged[s7]": 150.0,
+        case("slots", "bf16", 128, {"upstream-step": 400.0, "paged": 200.0,
                                     "jax-step": 400.0, "pallas-paged": 130.0,
                                     "paged[bi]": 220.0}),
+        case("slots", "bf16", 64, {"upstream-step": 300.0, "paged": 90.0}),
         case("pages", "bf16", 16, {"upstream-step": 90.0, "paged": 40.0}),
-        case("slots", "fp8", 128, {"paged": 110.0, "paged[s7]": 90.0})]}
+        case("pages", "bf16", 128, {"paged": 95.0}),
+        case("slots", "fp8", 128, {"paged": 110.0})]}
     rows = {r["check"]: r for r in decode.must_show(rep)}
     assert rows["paged >= 2.5x upstream-step, TP1 slots bf16 B=128"]["pass"] is False
-    assert rows["paged[s7] >= 2.5x upstream-step, TP1 slots bf16 B=128"]["value"] == \
-        pytest.approx(400 / 150)
+    assert rows["paged >= 2.5x upstream-step, TP1 slots bf16 B=64"]["value"] == \
+        pytest.approx(300 / 90)
     assert rows["paged >= 2.0x upstream-step, TP1 pages bf16 B=16"]["pass"] is True
     assert rows["paged % copy bw >= 85, TP1 slots bf16 B=128"]["pass"] is False
-    assert rows["paged[s7] % copy bw >= 85, TP1 slots bf16 B=128"]["pass"] is True
+    assert rows["paged % copy bw >= 85, TP1 pages bf16 B=128"]["pass"] is True
+    assert not any(k.startswith("paged[") for k in rows)  # no sweep variants any more
     assert rows["paged fp8 pool >= 1.6x bf16 pool, TP1 slots fp8 B=128"]["value"] == \
         pytest.approx(200 / 110)
     assert rows["pallas-paged >= 3x jax-step, TP1 slots bf16 B=128"]["pass"] is True
