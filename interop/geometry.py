@@ -399,7 +399,11 @@ BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (p
         0 <= g < visible // 4. Every row also attends its causal tail
         [4 * (visible // 4), visible). Result: the token path on
         ``interop.indices.expand_prefill_blocks`` up to summation order; a block listed twice is
-        attended twice. Runs the tile-union kernel or the per-row kernel
+        attended twice. One exception, only with repeated ids (the indexer's top-k never
+        repeats one): where a row's repeats make its expansion longer than ``visible`` tokens,
+        the token path keeps the first ``visible`` columns but the tile-union kernel attends
+        every occurrence and the tail, so the result then depends on the kernel the selector
+        picks. Runs the tile-union kernel or the per-row kernel
         (``interop.geometry.select_prefill_blocks``).
       overlap: with ``block_indices`` only: None, or the engine's expected Jaccard similarity of
         adjacent rows' block sets in [0, 1] (below ``UNION_RULES['min_overlap']`` the per-row
