@@ -272,7 +272,10 @@ class _Checker:
     """Collects the context (entry point name, mode) for the error messages."""
 
     def __init__(self, fn: str, strict: bool):
-        self.fn, self.strict = fn, strict
+        self.fn, self.strict = fn, False
+        if not isinstance(strict, (bool, np.bool_)):  # every entry point's strict, checked once
+            self.fail("strict", "a host bool", type(strict).__name__)
+        self.strict = bool(strict)
 
     def fail(self, arg: str, expected: str, got: Any):
         raise ContractError(self.fn, arg, expected, got, strict=self.strict)
@@ -846,9 +849,8 @@ def check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, 
     qs, ks, vs, rt, ri, ids, sl = (c.spec(n, x) for n, x in zip(names, raw))
     for n, x in zip(names, raw):
         c.no_grad(n, x)
-    for name, flag in (("batch_invariant", batch_invariant), ("strict", strict)):
-        if not isinstance(flag, (bool, np.bool_)):
-            c.fail(name, "a host bool", type(flag).__name__)
+    if not isinstance(batch_invariant, (bool, np.bool_)):
+        c.fail("batch_invariant", "a host bool", type(batch_invariant).__name__)
     r, hq, d, group = c.q_kv(qs, ks, vs, "k_cache", "v_cache", "[R, Hq, D]", "[slots, Hkv, D]",
                              (qs.dtype,) + _FP8_DTYPES,
                              rows=("paged_rows", "R query rows", "R"))

@@ -258,6 +258,16 @@ def test_requires_grad_refused_by_every_check(op):
     assert info.value.arg == "q"
 
 
+@pytest.mark.parametrize("op", list(CHECKS))
+@pytest.mark.parametrize("strict", ["no", 1, None])
+def test_strict_must_be_a_bool_for_every_check(op, strict):
+    """``strict`` is a host bool wherever it is taken (a truthy string used to switch strict mode
+    on and then fail on an unrelated envelope limit)."""
+    with pytest.raises(ContractError, match="a host bool") as info:
+        run(op, {}, "torch", strict=strict)
+    assert info.value.arg == "strict"
+
+
 def test_exact_contract_only_for_sm121_decode():
     assert exact_contract(DeviceFacts.for_arch("sm_121"))
     assert not exact_contract(DeviceFacts.for_arch("sm_121"), "prefill")
