@@ -197,8 +197,6 @@ PROVIDERS = {p.name: p for p in (
     common.Provider("xla", _xla, f"the same in JAX: jnp.einsum + lax.top_k (chain of {CHAIN})"),
     common.Provider("triton_rb1", lambda inp: _triton(inp, "triton_rb1"), "Triton, private plan "
                     "override: 1-bit radix rounds in pass 1 too"),
-    common.Provider("triton_m1", lambda inp: _triton(inp, "triton_m1"), "Triton, private plan "
-                    "override: 1-bit radix rounds in the merge"),
     common.Provider("triton_c2x", lambda inp: _triton(inp, "triton_c2x"), "Triton, private plan "
                     "override: twice the pass-1 chunk"),
 )}
