@@ -33,7 +33,6 @@ BATCHES, CONTEXTS, PREFILL_CONTEXTS = (1, 16, 64, 128), (8192, 32768, 131072, 26
 LOGITS_BUDGET = 128 << 20  # upstream _QSA_PREFILL_LOGITS_BUDGET_BYTES
 # The private plan overrides timed next to the default (interop.indices.IndexerPlan fields).
 VARIANTS = {"triton_rb1": lambda p: dataclasses.replace(p, radix_bits=1),
-            "triton_m1": lambda p: dataclasses.replace(p, merge_radix_bits=1),
             "triton_c2x": lambda p: dataclasses.replace(
                 p, chunk=2 * p.chunk, splits=-(-p.splits // 2),
                 merge_warps=max(4, p.merge_warps // 2))}

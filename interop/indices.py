@@ -1129,17 +1129,19 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     candidates (splits x topk) fit one merge program's 8192. Key tiles of 128 blocks (32 KB
     bf16) with three buffers (``num_stages`` 5: two tiles in flight behind the one being scored,
     ~64 KB per program, what one program needs to stream its SM's share of HBM) where 110 KB of
-    shared memory per program fit, else 64-block tiles (sm_120: 101,376 B). Selection in both
-    passes in 2-bit rounds (16 rounds instead of 31: three thresholds a round, their counts
-    packed into one int64, so a round costs one block-wide reduction like a 1-bit round).
+    shared memory per program fit, else 64-block tiles (sm_120: 101,376 B). Pass-1 selection in
+    2-bit rounds (16 rounds: three thresholds a round, packed two counts to an int32, cost about
+    what one 1-bit round costs, which is one block-wide reduction); the merge in 1-bit rounds:
+    Triton 3.6 (torch 2.11's) did not finish compiling a 2-bit merge of 2048+ candidates in
+    minutes (3.9: ~1 s; bench/NOTES.md, "Indexer").
     Prefill (rows of a program share every key tile): chunk 2 * topk, grown until a row's
     candidates fit 16384, 8 rows per program (4 where the chunk grows: 8 x 1024 keys per
     program, 8 warps, ~180 registers, no spills in either build), 1-bit rounds in pass 1 (8 rows
-    at once: there the compares cost, not the rounds), 2-bit rounds in the merge, and rows
-    grouped so that one launch's candidate workspace stays under 256 MiB (upstream caps its FP32
-    logits buffer at 128 MiB the same way; candidates take ``8 * topk / chunk`` bytes per (row,
-    block) instead of 4). Rows past ~2M blocks (8M tokens) at topk 512 get a plan whose
-    ``problem`` says why it cannot run.
+    at once: there the compares cost, not the rounds), and rows grouped so that one launch's
+    candidate workspace stays under 256 MiB (upstream caps its FP32 logits buffer at 128 MiB the
+    same way; candidates take ``8 * topk / chunk`` bytes per (row, block) instead of 4). Rows
+    past ~2M blocks (8M tokens) at topk 512 get a plan whose ``problem`` says why it cannot
+    run.
 
     Args:
       kind: "decode" | "prefill". rows: query rows (B or T). max_blocks: static bound of a row's
@@ -1170,7 +1172,7 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
         tile = min(128 if smem_per_block >= 110_000 else 64, c)
         splits = -(-mb // c)
         return IndexerPlan(kind, topk, c, splits, tile, 1, 8, 5, merge_warps(c), max(rows, 1),
-                           radix_bits=2, merge_radix_bits=2,
+                           radix_bits=2, merge_radix_bits=1,
                            pdl=max(rows, 1) * splits <= 2 * sm_count)
     # prefill rows merge up to 16384 candidates, and a pass-1 program holds 8 x 1024 keys (16 x
     # 1024 spilled registers in the Pallas build): fewer rows per program where the chunk grows
@@ -1178,7 +1180,7 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     bm = max(4, min(8, 8 * 2 * topk // c))
     tile = min(64, c)
     plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 8, 2, merge_warps(c), 1,
-                       radix_bits=1, merge_radix_bits=2)
+                       radix_bits=1, merge_radix_bits=1)
     per_row = plan.splits * plan.topk * 8  # candidate keys + ids
     group = max(bm, (_PREFILL_WORKSPACE_BYTES // per_row) // bm * bm)
     return dataclasses.replace(plan, row_group=min(group, -(-max(rows, 1) // bm) * bm))

@@ -16,8 +16,7 @@ Algorithm (two passes, no [rows, blocks] logits tensor is ever written):
   - the k-th largest key tau by a radix search from bit 30 down, ``radix_bits`` (b) bits a
     round: each round counts #(key >= tau + j * 2^lo) for the 2^b - 1 digits j > 0 in one
     compare-and-sum (two counts packed per int32, so one block-wide reduction a round) and
-    keeps the largest digit whose count is >= k; ceil(31 / b) rounds (b = 2 in one row: the
-    three counts packed into one int64, one 1-D reduction a round);
+    keeps the largest digit whose count is >= k; ceil(31 / b) rounds;
   - then one prefix sum over (key > tau) + (key == tau) * 2^16 in block order gives, at once,
     the rank of every tie (the first k - #(key > tau) ties, i.e. the smallest block ids, are
     kept) and every survivor's slot in ascending block order.
@@ -114,9 +113,8 @@ def _select(keys, tau, K: tl.constexpr):
 
 @triton.jit
 def _kth_key_row(keys, K: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr):
-    """``_kth_key`` for one row: ``keys`` [N] -> scalar tau. A round's counts are packed 16 bits
-    apart (N < 2^16): three into one int64 at RB = 2, else two to an int32, so its cross-warp
-    reduction moves one value (RB <= 2) or NJ / 2 values."""
+    """``_kth_key`` for one row: ``keys`` [N] -> scalar tau. A round's NJ counts are packed two
+    to an int32 (16-bit halves: N < 2^16), so its cross-warp reduction moves NJ / 2 values."""
     ROUNDS: tl.constexpr = (31 + RB - 1) // RB
     W0: tl.constexpr = 31 - RB * (ROUNDS - 1)
     tau = 0
@@ -125,19 +123,6 @@ def _kth_key_row(keys, K: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr):
             lo = ROUNDS - 1 - r
             cnt = tl.sum((keys >= tau + (1 << lo)).to(tl.int32), axis=0)
             tau += (cnt >= K).to(tl.int32) << lo
-    elif NJ == 4:
-        # 2-bit digits: the three counts packed 16 bits apart into one int64, so a round is one
-        # 1-D reduction (the [NJ / 2, N] form below took Triton 3.6 minutes to compile at N >=
-        # 2048); the first round's one bit has only digit 1 (the others count nothing)
-        for r in range(ROUNDS):
-            lo = 2 * (ROUNDS - 1 - r)
-            t2 = tl.where(r == 0, _INT32_MAX, tau + (2 << lo))
-            t3 = tl.where(r == 0, _INT32_MAX, tau + (3 << lo))
-            ge = ((keys >= tau + (1 << lo)).to(tl.int64) + ((keys >= t2).to(tl.int64) << 16)
-                  + ((keys >= t3).to(tl.int64) << 32))
-            cnt = tl.sum(ge, axis=0)
-            tau += (((cnt & 0xFFFF) >= K).to(tl.int32) + (((cnt >> 16) & 0xFFFF) >= K).to(tl.int32)
-                    + ((cnt >> 32) >= K).to(tl.int32)) << lo
     else:
         HJ: tl.constexpr = NJ // 2
         ja = tl.arange(0, HJ) + 1  # digits 1 .. NJ/2 in the low halves
