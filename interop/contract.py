@@ -27,36 +27,14 @@ import numpy as np
 from .arch import DeviceFacts
 
 __all__ = [
-    "ContractError",
-    "TensorSpec",
-    "spec_of",
-    "DecodeProblem",
-    "PrefillProblem",
-    "check_decode",
-    "check_prefill",
-    "check_prefill_chunk",
-    "check_prefill_paged",
-    "PagedDecodeProblem",
-    "check_decode_paged",
-    "Route",
-    "route",
-    "exact_contract",
-    "envelope_text",
-    "validate_decode_metadata",
-    "validate_prefill_metadata",
-    "prefill_selection",
-    "QUALIFIED",
-    "QUALIFIED_INDEXER",
-    "IndexerProblem",
-    "check_indexer_decode",
-    "check_indexer_prefill",
-    "check_expand_block_indices",
-    "validate_indexer_decode_metadata",
-    "validate_indexer_prefill_metadata",
-    "check_decode_step",
-    "check_prefill_step",
-    "DECODE_STEP_DOC",
-    "PREFILL_STEP_DOC",
+    "ContractError", "TensorSpec", "spec_of", "DecodeProblem", "PrefillProblem", "check_decode",
+    "check_prefill", "check_prefill_chunk", "check_prefill_paged", "PagedDecodeProblem",
+    "check_decode_paged", "Route", "route", "exact_contract", "envelope_text",
+    "validate_decode_metadata", "validate_prefill_metadata", "prefill_selection", "QUALIFIED",
+    "QUALIFIED_INDEXER", "IndexerProblem", "check_indexer_decode", "check_indexer_prefill",
+    "check_expand_block_indices", "validate_indexer_decode_metadata",
+    "validate_indexer_prefill_metadata", "check_decode_step", "check_prefill_step",
+    "DECODE_STEP_DOC", "PREFILL_STEP_DOC",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -103,14 +81,13 @@ def envelope_text(fn: str = "sparse_decode") -> str:
     if fn.startswith(("indexer", "expand_block")):
         return _indexer_envelope_text()
     q = QUALIFIED
+    pairs = ", ".join(f"({a},{b})" for a, b in q["head_pairs"])
     if "decode_paged" in fn:
-        pairs = ", ".join(f"({a},{b})" for a, b in q["head_pairs"])
         (rlo, rhi), (wlo, whi) = q["paged_rows"], q["paged_width"]
         return (f"q bf16|fp16, pool q's dtype or fp8 e4m3, D={q['head_dim']}, (Hq,Hkv) in "
                 f"{{{pairs}}} ((3,1) too in default mode), {rlo}<=R<={rhi} rows (128 requests x "
                 f"4 MTP verify rows), indices int32 [R,W] or [R,Hkv,W] with {wlo}<=W<={whi}")
     if "decode" in fn or "flash_attn" in fn:
-        pairs = ", ".join(f"({a},{b})" for a, b in q["head_pairs"])
         return (f"dtype bf16|fp16, D={q['head_dim']}, (Hq,Hkv) in {{{pairs}}}, "
                 f"{q['batch'][0]}<=B<={q['batch'][1]}, 1<=max_seqlen_k<={q['max_seqlen_k']}, "
                 f"max_seqlen_q=1")
@@ -143,28 +120,16 @@ class TensorSpec:
     strides: tuple[int, ...] | None = None
     requires_grad: bool = False
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def where(self) -> str:
-        return self.device if self.index is None else f"{self.device}:{self.index}"
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    ndim = property(lambda self: len(self.shape))
+    numel = property(lambda self: math.prod(self.shape))
+    where = property(lambda self: self.device if self.index is None else f"{self.device}:{self.index}")
 
     def is_contiguous(self) -> bool:
         # A zero-size tensor holds nothing to address: any strides pass (issue 16 item 4; a
         # T = 0 tensor built from numpy can report strides [0, 0, 0]).
         if self.strides is None or self.numel == 0:
             return True
-        expected, acc = [], 1
-        for size in reversed(self.shape):
-            expected.append(acc)
-            acc *= max(size, 1)
-        expected.reverse()
+        expected = np.cumprod((1,) + tuple(max(n, 1) for n in self.shape[:0:-1]))[::-1]
         return all(s == e or n == 1 for s, e, n in zip(self.strides, expected, self.shape))
 
     def __str__(self) -> str:
@@ -173,19 +138,18 @@ class TensorSpec:
     @classmethod
     def from_torch(cls, t) -> "TensorSpec":
         """Spec of a torch tensor (no torch import: duck-typed)."""
-        dtype = str(t.dtype).removeprefix("torch.")
         dev = t.device
-        return cls(tuple(int(s) for s in t.shape), dtype, str(dev.type), dev.index,
-                   tuple(int(s) for s in t.stride()), bool(t.requires_grad))
+        return cls(tuple(int(s) for s in t.shape), str(t.dtype).removeprefix("torch."),
+                   str(dev.type), dev.index, tuple(int(s) for s in t.stride()),
+                   bool(t.requires_grad))
 
     @classmethod
     def from_jax(cls, a) -> "TensorSpec":
         """Spec of a jax array or tracer / ShapeDtypeStruct (no jax import: duck-typed)."""
-        dtype = np.dtype(a.dtype).name if not hasattr(a.dtype, "name") else a.dtype.name
+        dtype = a.dtype.name if hasattr(a.dtype, "name") else np.dtype(a.dtype).name
         device, index = "cpu", None
-        devices = None
         try:
-            devices = a.devices() if hasattr(a, "devices") and callable(a.devices) else None
+            devices = a.devices() if callable(getattr(a, "devices", None)) else None
         except Exception:  # noqa: BLE001 - tracers raise; they carry no device
             devices = None
         if devices:
@@ -194,8 +158,7 @@ class TensorSpec:
             # cpu ordinals are meaningless across frameworks (torch reports none): drop them
             index = int(d.id) if len(devices) == 1 and device != "cpu" else None
         else:
-            sharding = getattr(a, "sharding", None)
-            kinds = getattr(sharding, "_device_assignment", None) if sharding is not None else None
+            kinds = getattr(getattr(a, "sharding", None), "_device_assignment", None)
             if kinds:
                 device = "cuda" if kinds[0].platform in ("gpu", "cuda") else kinds[0].platform
             else:
@@ -217,7 +180,11 @@ def _jax_default_platform() -> str:
 
 
 def spec_of(x: Any) -> TensorSpec:
-    """TensorSpec of a torch tensor, a jax array / tracer, a numpy array, or a TensorSpec."""
+    """TensorSpec of a torch tensor, a jax array / tracer, a numpy array, or a TensorSpec.
+
+    Raises:
+      TypeError: anything else.
+    """
     if isinstance(x, TensorSpec):
         return x
     mod = type(x).__module__
@@ -269,12 +236,12 @@ class PrefillProblem:
 
 
 class _Checker:
-    """Collects the context (entry point name, mode) for the error messages."""
+    """The checks every entry point shares, one method per kind of check; carries the context
+    (entry point name, mode) of the error messages."""
 
     def __init__(self, fn: str, strict: bool):
         self.fn, self.strict = fn, False
-        if not isinstance(strict, (bool, np.bool_)):  # every entry point's strict, checked once
-            self.fail("strict", "a host bool", type(strict).__name__)
+        self.host_bool("strict", strict)  # every entry point's strict, checked once
         self.strict = bool(strict)
 
     def fail(self, arg: str, expected: str, got: Any):
@@ -290,6 +257,10 @@ class _Checker:
                       "call them under torch.no_grad() or pass .detach())", "requires_grad=True")
         return s
 
+    def specs(self, **named: Any) -> list[TensorSpec]:
+        """``spec`` of each argument, in order (so the first bad one is reported)."""
+        return [self.spec(name, x) for name, x in named.items()]
+
     def rank(self, name: str, s: TensorSpec, ndim: int | tuple[int, ...], what: str):
         ok = (ndim,) if isinstance(ndim, int) else ndim
         if s.ndim not in ok:
@@ -299,7 +270,11 @@ class _Checker:
         if s.dtype not in allowed:
             self.fail(name, f"dtype in {{{', '.join(allowed)}}}", s.dtype)
 
-    def same_device(self, name: str, s: TensorSpec, ref: TensorSpec, ref_name: str):
+    def rows(self, name: str, s: TensorSpec, n: int, why: str):
+        if s.shape[0] != n:
+            self.fail(name, f"{n} rows ({why})", f"{s.shape[0]} rows")
+
+    def same_device(self, name: str, s: TensorSpec, ref: TensorSpec, ref_name: str = "q"):
         if s.device != ref.device or (s.index is not None and ref.index is not None and s.index != ref.index):
             self.fail(name, f"a tensor on {ref_name}'s device ({ref.where})", s.where)
 
@@ -308,21 +283,57 @@ class _Checker:
         if s.strides is not None and s.ndim and s.numel and s.shape[-1] > 1 and s.strides[-1] != 1:
             self.fail(name, "unit stride in the last dimension", f"strides {list(s.strides)}")
 
-    def metadata(self, name: str, s: TensorSpec, length: int | None, ref: TensorSpec, ref_name: str):
+    def contiguous(self, name: str, s: TensorSpec):
+        if not s.is_contiguous():
+            self.fail(name, "a contiguous tensor", f"strides {list(s.strides)}")
+
+    def metadata(self, name: str, x: Any, length: int | None, ref: TensorSpec, ref_name: str = "q"
+                 ) -> TensorSpec:
+        """int32 [length] (any length when None), contiguous, on ref's device."""
+        s = self.spec(name, x)
         self.rank(name, s, 1, "of int32 metadata")
         self.dtype(name, s, ("int32",))
         if length is not None and s.shape[0] != length:
             self.fail(name, f"length {length}", f"length {s.shape[0]}")
         self.same_device(name, s, ref, ref_name)
-        if not s.is_contiguous():
-            self.fail(name, "a contiguous tensor", f"strides {list(s.strides)}")
+        self.contiguous(name, s)
+        return s
 
-    def no_grad(self, name: str, x: Any):
-        # the kernels have no backward: an input that asks for gradients is refused, not
-        # silently detached (duck-typed: jax arrays have no requires_grad)
-        if bool(getattr(x, "requires_grad", False)):
-            self.fail(name, "a tensor with requires_grad=False (these kernels have no backward; "
-                      "call under torch.no_grad() or .detach() the input)", "requires_grad=True")
+    def cu_seqlens(self, name: str, x: Any, ref: TensorSpec) -> int:
+        """int32 [B + 1] metadata with B >= 1; returns B."""
+        s = self.metadata(name, x, None, ref)
+        if s.shape[0] < 2:
+            self.fail(name, "length B + 1 >= 2", f"length {s.shape[0]}")
+        return s.shape[0] - 1
+
+    def table(self, name: str, s: TensorSpec, what: str, ref: TensorSpec):
+        """A 2-D int32 table (``req_to_token``, a page table) on ref's device, unit last stride."""
+        self.rank(name, s, 2, what)
+        self.dtype(name, s, ("int32",))
+        self.same_device(name, s, ref)
+        self.last_dim_contiguous(name, s)
+
+    def indices(self, name: str, s: TensorSpec, rows: int, hkv: int, ref: TensorSpec, sym: str,
+                what: str, meaning: str, width: tuple[int, int | None] | None) -> int:
+        """int32 [rows, W] or [rows, Hkv, W] (``sym`` names the rows), W in ``width`` (lo, hi or
+        None) when given, on ref's device, unit last stride; returns W."""
+        self.rank(name, s, (2, 3), what)
+        if s.dtype != "int32":
+            self.fail(name, f"dtype int32 ({meaning})", s.dtype)
+        self.rows(name, s, rows, f"q's {sym}")
+        if s.ndim == 3 and s.shape[1] != hkv:
+            self.fail(name, f"[{sym}, Hkv={hkv}, W]", f"shape {list(s.shape)}")
+        w = s.shape[-1]
+        if width is not None and not (width[0] <= w and (width[1] is None or w <= width[1])):
+            self.fail(name, f"W >= {width[0]} index columns" if width[1] is None else
+                      f"W in [{width[0]}, {width[1]}] index columns", f"W = {w}")
+        self.same_device(name, s, ref)
+        self.last_dim_contiguous(name, s)
+        return w
+
+    def host_bool(self, name: str, value: Any):
+        if not isinstance(value, (bool, np.bool_)):
+            self.fail(name, "a host bool", type(value).__name__)
 
     def host_int(self, name: str, value: Any, lo: int, hi: int | None, hi_note: str = ""):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -344,6 +355,18 @@ class _Checker:
             self.fail(name, "a finite float > 0", value)
         return value
 
+    def scales(self, qs: TensorSpec, ks: TensorSpec, softmax_scale, k_scale, v_scale, pool: bool):
+        """(softmax_scale or D ** -0.5, k_scale, v_scale); the K/V scales must be 1.0 unless K/V
+        (``pool``: the pool) are FP8."""
+        scale = self.scalar("softmax_scale", softmax_scale, default=qs.shape[2] ** -0.5)
+        ksc, vsc = self.scalar("k_scale", k_scale), self.scalar("v_scale", v_scale)
+        if ks.dtype == qs.dtype and (ksc != 1.0 or vsc != 1.0):
+            self.fail("k_scale", "k_scale = v_scale = 1.0 unless "
+                      f"{'the pool is' if pool else 'K/V are'} float8_e4m3fn",
+                      f"k_scale={ksc}, v_scale={vsc} with "
+                      + (f"a {ks.dtype} pool" if pool else f"{ks.dtype} K/V"))
+        return scale, ksc, vsc
+
     def heads(self, hq: int, hkv: int, q_name: str, kv_name: str, pairs):
         if hkv < 1 or hq % hkv != 0:
             self.fail(kv_name, f"a KV head count dividing the {hq} query heads of '{q_name}'",
@@ -360,8 +383,8 @@ class _Checker:
         """q [rows, Hq, D] against its K and V [*, Hkv, D], in this order: ranks, dtypes (K in
         ``kv_dtypes``, V as K), equal K/V shapes, head dim, GQA group (strict: (Hq, Hkv) in
         ``QUALIFIED[pairs]``), the row count (``rows`` = (QUALIFIED key, what the rows are, their
-        symbol): >= 1, strict: in that range), last dims contiguous, K and V on q's device. Returns (rows, Hq,
-        D, group)."""
+        symbol): >= 1, strict: in that range), last dims contiguous, K and V on q's device.
+        Returns (rows, Hq, D, group)."""
         self.rank("q", qs, 3, q_shape)
         self.dtype("q", qs, _FLOAT_DTYPES)
         self.rank(k, ks, 3, kv_shape)
@@ -382,15 +405,15 @@ class _Checker:
                           f"{sym} = {n}")
         for name, x in (("q", qs), (k, ks), (v, vs)):
             self.last_dim_contiguous(name, x)
-        self.same_device(k, ks, qs, "q")
-        self.same_device(v, vs, qs, "q")
+        self.same_device(k, ks, qs)
+        self.same_device(v, vs, qs)
         return n, hq, d, group
 
-    def head_dim(self, name: str, d: int):
+    def head_dim(self, name: str, d: int, strict_d: int | None = QUALIFIED["head_dim"]):
         if d not in _HEAD_DIMS:
             self.fail(name, f"head dim D in {_HEAD_DIMS} (a power of two 32..256)", d)
-        if self.strict and d != QUALIFIED["head_dim"]:
-            self.fail(name, f"head dim D = {QUALIFIED['head_dim']}", d)
+        if self.strict and strict_d is not None and d != strict_d:
+            self.fail(name, f"head dim D = {strict_d}", d)
 
 
 def check_decode(
@@ -407,8 +430,7 @@ def check_decode(
       max_seqlen_k: host int >= 1, static upper bound of any row's key count.
       softmax_scale: host float > 0, or None for D ** -0.5.
       max_seqlen_q: host int; must be 1 (decode has one query row per sequence).
-      strict: also enforce the qualified envelope.
-      fn: entry point name used in messages.
+      strict: also enforce the qualified envelope. fn: entry point name used in messages.
       batch_invariant: host bool (``qsa-contract.md`` §2c; only its type is checked here).
 
     Returns:
@@ -418,49 +440,38 @@ def check_decode(
       ContractError: naming the argument, expected, got, and the qualified envelope.
     """
     c = _Checker(fn, strict)
-    if not isinstance(batch_invariant, (bool, np.bool_)):
-        c.fail("batch_invariant", "a host bool", type(batch_invariant).__name__)
-    qs, ks, vs = c.spec("q", q), c.spec("k", k), c.spec("v", v)
-    cq, ck = c.spec("cu_seqlens_q", cu_seqlens_q), c.spec("cu_seqlens_k", cu_seqlens_k)
+    c.host_bool("batch_invariant", batch_invariant)
+    qs, ks, vs, cq, ck = c.specs(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     b, hq, d, group = c.q_kv(qs, ks, vs, "k", "v", "[B, Hq, D]", "[C, Hkv, D]", (qs.dtype,),
                              rows=("batch", "batch B", "B"))
-    c.metadata("cu_seqlens_q", cq, b + 1, qs, "q")
-    c.metadata("cu_seqlens_k", ck, b + 1, qs, "q")
+    c.metadata("cu_seqlens_q", cq, b + 1, qs)
+    c.metadata("cu_seqlens_k", ck, b + 1, qs)
     c.host_int("max_seqlen_q", max_seqlen_q, 1, 1, " (decode: one query row per sequence)")
     msk = c.host_int("max_seqlen_k", max_seqlen_k, 1, QUALIFIED["max_seqlen_k"] if strict else None)
     scale = c.scalar("softmax_scale", softmax_scale, default=d ** -0.5)
     return DecodeProblem(b, hq, ks.shape[1], group, d, ks.shape[0], msk, scale, qs.dtype)
 
 
-def _check_indices(c: _Checker, ids: TensorSpec, t: int, hkv: int, qs: TensorSpec,
-                   name: str = "indices") -> tuple[int, bool]:
-    # name "block_indices": the indexer's block ids (block-level selection), same layout rules
+def _check_prefill(kind: str, fn: str, strict, q, k, v, indices, indices_name: str, kv_names,
+                   meta, max_seqlen_q, softmax_scale, k_scale, v_scale) -> PrefillProblem:
+    """The three prefill checks: q/K/V and the indices (``indices_name``: "indices", or
+    "block_indices" for the indexer's block ids), then ``meta(checker, q's spec, K's spec)``
+    (the variant's metadata; returns B), then the host scalars."""
+    c = _Checker(fn, strict)
+    (kn, vn), ordinary = kv_names, kind == "ordinary"
+    qs, ks, vs, ids = c.specs(**{"q": q, kn: k, vn: v, indices_name: indices})
+    t, _, _, group = c.q_kv(qs, ks, vs, kn, vn, "[T, Hq, D]", "[rows, Hkv, D]",
+                            (qs.dtype,) + (() if ordinary else _FP8_DTYPES),
+                            pairs="prefill_head_pairs")
     what = ("request-relative token positions, invalid entries negative or >= len"
-            if name == "indices" else "row-relative block ids, invalid ids negative or >= the "
-            "row's visible blocks")
-    c.rank(name, ids, (2, 3), "[T, W] or [T, Hkv, W]")
-    if ids.dtype not in ("int32",):
-        c.fail(name, f"dtype int32 ({what})", ids.dtype)
-    if ids.shape[0] != t:
-        c.fail(name, f"{t} rows (q's T)", f"{ids.shape[0]} rows")
-    if ids.ndim == 3 and ids.shape[1] != hkv:
-        c.fail(name, f"[T, Hkv={hkv}, W]", f"shape {list(ids.shape)}")
-    w = ids.shape[-1]
-    if w < 1:
-        c.fail(name, "W >= 1 index columns", f"W = {w}")
-    c.same_device(name, ids, qs, "q")
-    c.last_dim_contiguous(name, ids)
-    return w, ids.ndim == 3
-
-
-def _check_prefill_common(c: _Checker, q, k, v, indices, kv_dtypes, k_name="k", v_name="v",
-                          indices_name="indices"):
-    qs, ks, vs = c.spec("q", q), c.spec(k_name, k), c.spec(v_name, v)
-    ids = c.spec(indices_name, indices)
-    t, _, _, group = c.q_kv(qs, ks, vs, k_name, v_name, "[T, Hq, D]", "[rows, Hkv, D]",
-                            (qs.dtype,) + tuple(kv_dtypes), pairs="prefill_head_pairs")
-    w, per_head = _check_indices(c, ids, t, ks.shape[1], qs, indices_name)
-    return qs, ks, w, per_head, group
+            if indices_name == "indices" else "row-relative block ids, invalid ids negative or >= "
+            "the row's visible blocks")
+    w = c.indices(indices_name, ids, t, ks.shape[1], qs, "T", "[T, W] or [T, Hkv, W]", what, (1, None))
+    b = meta(c, qs, ks)
+    msq = c.host_int("max_seqlen_q", max_seqlen_q, 1, None)
+    scale, ksc, vsc = c.scales(qs, ks, softmax_scale, k_scale, v_scale, pool=False)
+    return PrefillProblem(kind, t, b, qs.shape[1], ks.shape[1], group, qs.shape[2], w,
+                          ids.ndim == 3, msq, scale, ksc, vsc, qs.dtype, ks.dtype)
 
 
 def check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
@@ -480,19 +491,12 @@ def check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None
     Raises:
       ContractError: naming the argument, expected, got, and the qualified envelope.
     """
-    c = _Checker(fn, strict)
-    qs, ks, w, per_head, group = _check_prefill_common(c, q, k, v, indices, (),
-                                                       indices_name=indices_name)
-    if ks.shape[0] != qs.shape[0]:
-        c.fail("k", f"{qs.shape[0]} rows (packed like q)", f"{ks.shape[0]} rows")
-    cu = c.spec("cu_seqlens", cu_seqlens)
-    c.metadata("cu_seqlens", cu, None, qs, "q")
-    if cu.shape[0] < 2:
-        c.fail("cu_seqlens", "length B + 1 >= 2", f"length {cu.shape[0]}")
-    msq = c.host_int("max_seqlen_q", max_seqlen_q, 1, None)
-    scale = c.scalar("softmax_scale", softmax_scale, default=qs.shape[2] ** -0.5)
-    return PrefillProblem("ordinary", qs.shape[0], cu.shape[0] - 1, qs.shape[1], ks.shape[1], group,
-                          qs.shape[2], w, per_head, msq, scale, 1.0, 1.0, qs.dtype, ks.dtype)
+    def meta(c, qs, ks):
+        c.rows("k", ks, qs.shape[0], "packed like q")
+        return c.cu_seqlens("cu_seqlens", cu_seqlens, qs)
+
+    return _check_prefill("ordinary", fn, strict, q, k, v, indices, indices_name, ("k", "v"), meta,
+                          max_seqlen_q, softmax_scale, 1.0, 1.0)
 
 
 def check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
@@ -514,19 +518,15 @@ def check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, m
     Raises:
       ContractError: naming the argument, expected, got, and the qualified envelope.
     """
-    c = _Checker(fn, strict)
-    qs, ks, w, per_head, group = _check_prefill_common(c, q, k, v, indices, _FP8_DTYPES,
-                                                       indices_name=indices_name)
-    cq, ck, kl = (c.spec("cu_seqlens_q", cu_seqlens_q), c.spec("cu_seqlens_k", cu_seqlens_k),
-                  c.spec("kv_lens", kv_lens))
-    c.metadata("cu_seqlens_q", cq, None, qs, "q")
-    if cq.shape[0] < 2:
-        c.fail("cu_seqlens_q", "length B + 1 >= 2", f"length {cq.shape[0]}")
-    b = cq.shape[0] - 1
-    c.metadata("cu_seqlens_k", ck, b + 1, qs, "q")
-    c.metadata("kv_lens", kl, b, qs, "q")
-    return _prefill_tail(c, "chunk", qs, ks, w, per_head, group, b, max_seqlen_q, softmax_scale,
-                         k_scale, v_scale)
+    def meta(c, qs, _):
+        c.specs(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, kv_lens=kv_lens)
+        b = c.cu_seqlens("cu_seqlens_q", cu_seqlens_q, qs)
+        c.metadata("cu_seqlens_k", cu_seqlens_k, b + 1, qs)
+        c.metadata("kv_lens", kv_lens, b, qs)
+        return b
+
+    return _check_prefill("chunk", fn, strict, q, k, v, indices, indices_name, ("k", "v"), meta,
+                          max_seqlen_q, softmax_scale, k_scale, v_scale)
 
 
 def check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
@@ -550,25 +550,18 @@ def check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
     Raises:
       ContractError: naming the argument, expected, got, and the qualified envelope.
     """
-    c = _Checker(fn, strict)
-    qs, ks, w, per_head, group = _check_prefill_common(c, q, k_cache, v_cache, indices, _FP8_DTYPES,
-                                                       "k_cache", "v_cache", indices_name)
-    cq, kl = c.spec("cu_seqlens_q", cu_seqlens_q), c.spec("kv_lens", kv_lens)
-    c.metadata("cu_seqlens_q", cq, None, qs, "q")
-    if cq.shape[0] < 2:
-        c.fail("cu_seqlens_q", "length B + 1 >= 2", f"length {cq.shape[0]}")
-    b = cq.shape[0] - 1
-    c.metadata("kv_lens", kl, b, qs, "q")
-    c.metadata("req_indices", c.spec("req_indices", req_indices), b, qs, "q")
-    rt = c.spec("req_to_token", req_to_token)
-    c.rank("req_to_token", rt, 2, "[max_reqs, max_context] of int32 pool slots")
-    c.dtype("req_to_token", rt, ("int32",))
-    c.same_device("req_to_token", rt, qs, "q")
-    c.last_dim_contiguous("req_to_token", rt)
-    return _prefill_tail(c, "paged", qs, ks, w, per_head, group, b, max_seqlen_q, softmax_scale,
-                         k_scale, v_scale)
+    def meta(c, qs, _):
+        c.specs(cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens)
+        b = c.cu_seqlens("cu_seqlens_q", cu_seqlens_q, qs)
+        c.metadata("kv_lens", kv_lens, b, qs)
+        c.metadata("req_indices", req_indices, b, qs)
+        c.table("req_to_token", c.spec("req_to_token", req_to_token),
+                "[max_reqs, max_context] of int32 pool slots", qs)
+        return b
 
-
+    return _check_prefill("paged", fn, strict, q, k_cache, v_cache, indices, indices_name,
+                          ("k_cache", "v_cache"), meta, max_seqlen_q, softmax_scale, k_scale,
+                          v_scale)
 def prefill_selection(fn: str, indices, block_indices, overlap) -> tuple[str, Any, float | None]:
     """Which selection a prefill call passes (both backends' entry points): token ``indices``,
     or ``indices=None`` with the indexer's ``block_indices=`` (the block-level form,
@@ -595,19 +588,6 @@ def prefill_selection(fn: str, indices, block_indices, overlap) -> tuple[str, An
             or not 0.0 <= float(overlap) <= 1.0):
         raise ContractError(fn, "overlap", "None or a host float in [0, 1]", overlap)
     return "block_indices", block_indices, float(overlap)
-
-
-def _prefill_tail(c, kind, qs, ks, w, per_head, group, b, max_seqlen_q, softmax_scale, k_scale,
-                  v_scale) -> PrefillProblem:
-    msq = c.host_int("max_seqlen_q", max_seqlen_q, 1, None)
-    scale = c.scalar("softmax_scale", softmax_scale, default=qs.shape[2] ** -0.5)
-    ksc = c.scalar("k_scale", k_scale)
-    vsc = c.scalar("v_scale", v_scale)
-    if ks.dtype == qs.dtype and (ksc != 1.0 or vsc != 1.0):
-        c.fail("k_scale", "k_scale = v_scale = 1.0 unless K/V are float8_e4m3fn",
-               f"k_scale={ksc}, v_scale={vsc} with {ks.dtype} K/V")
-    return PrefillProblem(kind, qs.shape[0], b, qs.shape[1], ks.shape[1], group, qs.shape[2], w,
-                          per_head, msq, scale, ksc, vsc, qs.dtype, ks.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -664,8 +644,6 @@ def route(facts: DeviceFacts, op: str) -> Route:
                          "sm_120 188-SM part: upstream tuned family within its gates, else L20 table")
         return Route(op, kernel, "l20-table", False,
                      f"sm_120 with {facts.sm_count} SMs: tuned family is qualified on 188 SMs only")
-    if "H20" in facts.name and "H200" not in facts.name:
-        return Route(op, kernel, "h20-table", False, "H20: upstream's H20 table")
     return Route(op, kernel, "l20-table", False, f"{facts.arch}: upstream's default (L20) table")
 
 
@@ -676,6 +654,7 @@ def exact_contract(facts: DeviceFacts | None, op: str = "decode") -> bool:
     return facts is not None and route(facts, op).exact_contract
 
 
+# --------------------------------------------------------------------------------------------
 # --------------------------------------------------------------------------------------------
 # Debug validator: host-side, reads device metadata (a sync), off the hot path.
 def _np(x) -> np.ndarray:
@@ -792,6 +771,7 @@ def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, req_to_
 
 
 # --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 # Paged decode (qsa-contract.md §2b, §2c).
 @dataclasses.dataclass(frozen=True)
 class PagedDecodeProblem:
@@ -836,54 +816,32 @@ def check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, 
         D = 256, (Hq, Hkv) in {(24,2), (12,1), (6,1)}, 1 <= R <= 512, 1 <= W <= 2055.
       Contents (lengths, positions, slots) are device data and never read here.
 
-    Returns:
-      PagedDecodeProblem.
-
     Raises:
       ContractError: naming the argument, expected, got, and the qualified envelope; also for
         an input with ``requires_grad`` (no backward).
     """
     c = _Checker(fn, strict)
-    names = ("q", "k_cache", "v_cache", "req_to_token", "req_indices", "indices", "seq_lens")
-    raw = (q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens)
-    qs, ks, vs, rt, ri, ids, sl = (c.spec(n, x) for n, x in zip(names, raw))
-    for n, x in zip(names, raw):
-        c.no_grad(n, x)
-    if not isinstance(batch_invariant, (bool, np.bool_)):
-        c.fail("batch_invariant", "a host bool", type(batch_invariant).__name__)
+    qs, ks, vs, rt, ri, ids, sl = c.specs(
+        q=q, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, req_indices=req_indices,
+        indices=indices, seq_lens=seq_lens)
+    c.host_bool("batch_invariant", batch_invariant)
     r, hq, d, group = c.q_kv(qs, ks, vs, "k_cache", "v_cache", "[R, Hq, D]", "[slots, Hkv, D]",
                              (qs.dtype,) + _FP8_DTYPES,
                              rows=("paged_rows", "R query rows", "R"))
-    c.rank("req_to_token", rt, 2, "[max_reqs, max_context] of int32 pool slots")
-    c.dtype("req_to_token", rt, ("int32",))
-    c.same_device("req_to_token", rt, qs, "q")
-    c.last_dim_contiguous("req_to_token", rt)
-    c.metadata("req_indices", ri, r, qs, "q")
-    c.metadata("seq_lens", sl, r, qs, "q")
-    c.rank("indices", ids, (2, 3), "[R, W] or [R, Hkv, W] of int32 logical positions")
-    if ids.dtype != "int32":
-        c.fail("indices", "dtype int32 (logical positions; invalid entries negative or >= "
-               "seq_lens[r])", ids.dtype)
-    if ids.shape[0] != r:
-        c.fail("indices", f"{r} rows (q's R)", f"{ids.shape[0]} rows")
-    if ids.ndim == 3 and ids.shape[1] != ks.shape[1]:
-        c.fail("indices", f"[R, Hkv={ks.shape[1]}, W]", f"shape {list(ids.shape)}")
-    w = ids.shape[-1]
-    wlo, whi = QUALIFIED["paged_width"]
-    if strict and not wlo <= w <= whi:
-        c.fail("indices", f"W in [{wlo}, {whi}] index columns", f"W = {w}")
-    c.same_device("indices", ids, qs, "q")
-    c.last_dim_contiguous("indices", ids)
-    scale = c.scalar("softmax_scale", softmax_scale, default=d ** -0.5)
-    ksc = c.scalar("k_scale", k_scale)
-    vsc = c.scalar("v_scale", v_scale)
-    if ks.dtype == qs.dtype and (ksc != 1.0 or vsc != 1.0):
-        c.fail("k_scale", "k_scale = v_scale = 1.0 unless the pool is float8_e4m3fn",
-               f"k_scale={ksc}, v_scale={vsc} with a {ks.dtype} pool")
+    c.table("req_to_token", rt, "[max_reqs, max_context] of int32 pool slots", qs)
+    c.metadata("req_indices", ri, r, qs)
+    c.metadata("seq_lens", sl, r, qs)
+    w = c.indices("indices", ids, r, ks.shape[1], qs, "R",
+                  "[R, W] or [R, Hkv, W] of int32 logical positions",
+                  "logical positions; invalid entries negative or >= seq_lens[r]",
+                  QUALIFIED["paged_width"] if strict else None)
+    scale, ksc, vsc = c.scales(qs, ks, softmax_scale, k_scale, v_scale, pool=True)
     return PagedDecodeProblem(r, hq, ks.shape[1], group, d, ks.shape[0], rt.shape[0], rt.shape[1],
                               w, ids.ndim == 3, scale, ksc, vsc, qs.dtype, ks.dtype,
                               bool(batch_invariant))
 
+
+# --------------------------------------------------------------------------------------------
 # The indexer (qsa-contract.md §4b): scoring + exact top-k, and the block expansion (§4).
 QUALIFIED_INDEXER = {
     "heads": 4,
@@ -943,7 +901,7 @@ class IndexerProblem:
 
 
 def _indexer_common(c: _Checker, q, k, k_name: str, k_rank: int, k_what: str, topk, ratio):
-    qs, ks = c.spec("q", q), c.spec(k_name, k)
+    qs, ks = c.specs(**{"q": q, k_name: k})
     c.rank("q", qs, 3, "[rows, heads, head_dim] (the indexer query)")
     c.dtype("q", qs, _INDEXER_Q_DTYPES)
     c.rank(k_name, ks, k_rank, k_what)
@@ -952,17 +910,15 @@ def _indexer_common(c: _Checker, q, k, k_name: str, k_rank: int, k_what: str, to
     rows, heads, d = qs.shape
     if not 1 <= heads <= _INDEXER_MAX_HEADS:
         c.fail("q", f"1 <= indexer heads <= {_INDEXER_MAX_HEADS}", heads)
-    if d not in _HEAD_DIMS:  # (not c.head_dim: its strict D is attention's 256)
-        c.fail("q", f"head dim D in {_HEAD_DIMS} (a power of two 32..256)", d)
+    c.head_dim("q", d, strict_d=None)  # the indexer's strict D is checked below, not attention's
     if ks.shape[-2] != 1:
         c.fail(k_name, "one compressed-key head (shape[-2] == 1: the indexer is MQA)",
                f"shape {list(ks.shape)}")
     if ks.shape[-1] != d:
         c.fail(k_name, f"head dim {d} (q's)", ks.shape[-1])
     c.last_dim_contiguous("q", qs)
-    if not ks.is_contiguous():
-        c.fail(k_name, "a contiguous tensor", f"strides {list(ks.strides)}")
-    c.same_device(k_name, ks, qs, "q")
+    c.contiguous(k_name, ks)
+    c.same_device(k_name, ks, qs)
     lo, hi = _INDEXER_TOPK
     if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or not lo <= int(topk) <= hi \
             or int(topk) & (int(topk) - 1):
@@ -1009,20 +965,17 @@ def check_indexer_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
         c.fail("k_cache", "page_size >= 1", psz)
     if strict and psz != QUALIFIED_INDEXER["page_size"]:
         c.fail("k_cache", f"page_size {QUALIFIED_INDEXER['page_size']}", psz)
-    pt, sl = c.spec("page_table", page_table), c.spec("seq_lens", seq_lens)
+    pt, sl = c.specs(page_table=page_table, seq_lens=seq_lens)
     c.rank("page_table", pt, 2, "[B, max_pages] of int32 page ids")
     c.dtype("page_table", pt, ("int32",))
-    if pt.shape[0] != b:
-        c.fail("page_table", f"{b} rows (one per query row)", f"{pt.shape[0]} rows")
+    c.rows("page_table", pt, b, "one per query row")
     if pt.shape[1] < 1:
         c.fail("page_table", "max_pages >= 1", pt.shape[1])
-    c.same_device("page_table", pt, qs, "q")
+    c.same_device("page_table", pt, qs)
     c.last_dim_contiguous("page_table", pt)
-    c.metadata("seq_lens", sl, b, qs, "q")
+    c.metadata("seq_lens", sl, b, qs)
     return IndexerProblem("decode", b, heads, d, pt.shape[1] * psz, pages, psz, k, r, qs.dtype,
                           ks.dtype, compute)
-
-
 def check_indexer_plan(fn: str, prob: IndexerProblem, plan, default_plan) -> None:
     """Raise ContractError unless the indexer plan can run the call ``prob`` describes
     (``IndexerPlan.problem``), before any launch; shared by both backends' entry points.
@@ -1066,9 +1019,8 @@ def check_indexer_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compre
         c, q, k, "k", 3, "[N, 1, head_dim] (packed compressed keys)", topk, compress_ratio)
     for name, x in (("row_starts", row_starts), ("row_ends", row_ends), ("positions", positions),
                     ("seq_lens", seq_lens)):
-        if x is None and name in ("positions", "seq_lens"):
-            continue
-        c.metadata(name, c.spec(name, x), t, qs, "q")
+        if x is not None or name in ("row_starts", "row_ends"):
+            c.metadata(name, x, t, qs)
     return IndexerProblem("prefill", t, heads, d, ks.shape[0], 0, 0, kk, r, qs.dtype, ks.dtype,
                           compute)
 
@@ -1092,8 +1044,7 @@ def check_expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio
     bs = c.spec("block_ids", block_ids)
     c.rank("block_ids", bs, 2, "[M, topk] of int32 block ids")
     c.dtype("block_ids", bs, ("int32",))
-    if not bs.is_contiguous():
-        c.fail("block_ids", "a contiguous tensor", f"strides {list(bs.strides)}")
+    c.contiguous("block_ids", bs)
     m, k = bs.shape
     if not 1 <= k <= _INDEXER_TOPK[1]:
         c.fail("block_ids", f"1 <= topk <= {_INDEXER_TOPK[1]} columns", k)
@@ -1101,8 +1052,8 @@ def check_expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio
     if strict and (k != QUALIFIED_INDEXER["topk"] or r != QUALIFIED_INDEXER["compress_ratio"]):
         c.fail("block_ids", f"[M, {QUALIFIED_INDEXER['topk']}] with compress_ratio "
                f"{QUALIFIED_INDEXER['compress_ratio']}", f"[M, {k}] with ratio {r}")
-    c.metadata("positions", c.spec("positions", positions), m, bs, "block_ids")
-    c.metadata("seq_lens", c.spec("seq_lens", seq_lens), m, bs, "block_ids")
+    c.metadata("positions", positions, m, bs, "block_ids")
+    c.metadata("seq_lens", seq_lens, m, bs, "block_ids")
     return k * r + r - 1
 
 
@@ -1176,8 +1127,7 @@ PREFILL_STEP_DOC = """``sparse_prefill_paged``'s arguments with its ``indices`` 
       rows outside every request. Equal to ``interop.reference.prefill_step_reference`` within
       the attention tolerance."""
 
-# One check
-# of every argument of both halves before anything runs, with the step's argument names.
+# Every argument of both halves is checked before anything runs, under the step's names.
 _STEP_INDEXER_NAMES = {"q": "index_q", "k_cache": "index_k_cache", "page_table": "index_page_table",
                        "k": "index_k"}
 
@@ -1189,12 +1139,11 @@ def _check_step(fn: str, strict: bool, q, index_q, indexer, attention):
     (``index_q``, ...); then the attention half (``attention(ids)``, ``ids`` the indexer's output
     spec, int32 [rows, width]). Returns (checker, q's spec, IndexerProblem, attention problem)."""
     c = _Checker(fn, strict)
-    qs, iq = c.spec("q", q), c.spec("index_q", index_q)
+    qs, iq = c.specs(q=q, index_q=index_q)
     c.rank("q", qs, 3, "[rows, Hq, D]")
     c.rank("index_q", iq, 3, "[rows, index_heads, index_head_dim] (the indexer query)")
-    if iq.shape[0] != qs.shape[0]:
-        c.fail("index_q", f"{qs.shape[0]} rows (one per row of q)", f"{iq.shape[0]} rows")
-    c.same_device("index_q", iq, qs, "q")
+    c.rows("index_q", iq, qs.shape[0], "one per row of q")
+    c.same_device("index_q", iq, qs)
     try:
         ip = indexer(TensorSpec((qs.shape[0],), "int32", qs.device, qs.index, (1,)))
     except ContractError as e:
@@ -1257,8 +1206,7 @@ def check_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, 
         lambda ids: check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, ids,
                                         cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale,
                                         k_scale, v_scale, strict=strict, fn=fn))
-    c.metadata("index_cu_seqlens_k", c.spec("index_cu_seqlens_k", index_cu_seqlens_k),
-               ap.requests + 1, qs, "q")
+    c.metadata("index_cu_seqlens_k", index_cu_seqlens_k, ap.requests + 1, qs)
     return ap, ip
 
 
