@@ -1,20 +1,16 @@
-"""The one contract both implementations honour (``qsa-contract.md`` §2-3, §5).
+"""The one contract both implementations honour (``qsa-contract.md`` §2-5).
 
-Every public entry point of ``qsa_triton`` and ``qsa_pallas`` calls one of the ``check_*``
-functions here *before* any launch. The checks see only ``TensorSpec`` values (shape, dtype name,
-device, strides) plus host ints, so the same bad call gives the same ``ContractError`` message
-whether it was made with torch tensors or jax arrays, and this module imports numpy only.
+Every public entry point of ``qsa_triton`` and ``qsa_pallas`` calls a ``check_*`` function here
+*before* any launch. The checks see only ``TensorSpec`` values (shape, dtype name, device,
+strides) and host scalars, so the same bad call gives the same ``ContractError`` (argument,
+expected, got, the qualified envelope) from torch tensors and from jax arrays; numpy only.
 
-Two modes:
-  * default: what the kernels need to be correct (ranks, dtypes, integral GQA group, power-of-two
-    head dim, int32 metadata of the right length on the same device, matching K/V shapes, W >= 1).
-  * ``strict=True``: additionally the qualified envelope of ``qsa-contract.md`` (head pairs, D = 256,
-    1 <= B <= 128, max_seqlen_k <= 2055, max_seqlen_q = 1) that upstream validated and we promise.
-Both modes refuse tensors that require grad: every kernel is forward-only.
-
-Values that live on the device (cu_seqlens contents, indices) are never read here: that would be a
-host sync. ``validate_*`` (the debug validator) reads them on the host, off the hot path.
-"""
+Default mode: what the kernels need to be correct (ranks, dtypes, integral GQA group,
+power-of-two head dim, int32 metadata of the right length on q's device, matching K/V shapes).
+``strict=True`` adds the qualified envelope (``QUALIFIED``: head pairs, D = 256, 1 <= B <= 128,
+max_seqlen_k <= 2055, ...) that upstream validated and we promise. Both refuse tensors that
+require grad (every kernel is forward-only). Device-resident values (cu_seqlens, indices) are
+never read here; the ``validate_*`` debug validators read them on the host, off the hot path."""
 
 from __future__ import annotations
 
@@ -103,14 +99,10 @@ class TensorSpec:
     """Framework-free description of one tensor.
 
     Attributes:
-      shape: sizes, elements.
-      dtype: canonical dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``, ``"int32"``,
-        ``"int64"``, ``"float8_e4m3fn"``, ...), the same for torch and jax.
-      device: ``"cpu"`` or ``"cuda"`` (jax's ``"gpu"`` platform maps to ``"cuda"``).
-      index: device ordinal, or None when unknown (jax arrays under tracing).
-      strides: element strides, or None when the framework does not expose them (jax: row-major).
-      requires_grad: a torch tensor that records autograd history (the kernels are forward-only,
-        so the checks refuse it); always False for jax and numpy arrays.
+      shape: sizes. dtype: canonical name ("bfloat16", "int32", "float8_e4m3fn", ...), the same
+        for torch and jax. device: "cpu" or "cuda" (jax's "gpu" maps to "cuda"); index: its
+        ordinal or None (jax tracers). strides: element strides, or None (jax: row-major).
+      requires_grad: a torch tensor recording autograd history (refused); False for jax, numpy.
     """
 
     shape: tuple[int, ...]
@@ -122,7 +114,7 @@ class TensorSpec:
 
     ndim = property(lambda self: len(self.shape))
     numel = property(lambda self: math.prod(self.shape))
-    where = property(lambda self: self.device if self.index is None else f"{self.device}:{self.index}")
+    where = property(lambda s: s.device if s.index is None else f"{s.device}:{s.index}")
 
     def is_contiguous(self) -> bool:
         # A zero-size tensor holds nothing to address: any strides pass (issue 16 item 4; a
@@ -180,11 +172,8 @@ def _jax_default_platform() -> str:
 
 
 def spec_of(x: Any) -> TensorSpec:
-    """TensorSpec of a torch tensor, a jax array / tracer, a numpy array, or a TensorSpec.
-
-    Raises:
-      TypeError: anything else.
-    """
+    """TensorSpec of a torch tensor, a jax array / tracer, a numpy array or a TensorSpec; raises
+    TypeError for anything else."""
     if isinstance(x, TensorSpec):
         return x
     mod = type(x).__module__
@@ -424,24 +413,18 @@ def check_decode(
     """Check a packed varlen decode call (``qsa-contract.md`` §2) before any launch.
 
     Args:
-      q: [B, Hq, D] bf16|fp16.
-      k, v: [C, Hkv, D], q's dtype, q's device; C = capacity (rows), any size.
+      q: [B, Hq, D] bf16|fp16. k, v: [C, Hkv, D] q's dtype, on q's device, any capacity C.
       cu_seqlens_q, cu_seqlens_k: int32 [B + 1], contiguous, on q's device (contents not read).
-      max_seqlen_k: host int >= 1, static upper bound of any row's key count.
-      softmax_scale: host float > 0, or None for D ** -0.5.
-      max_seqlen_q: host int; must be 1 (decode has one query row per sequence).
-      strict: also enforce the qualified envelope. fn: entry point name used in messages.
-      batch_invariant: host bool (``qsa-contract.md`` §2c; only its type is checked here).
+      max_seqlen_k: host int >= 1, static bound of a row's keys. softmax_scale: host float > 0, or
+        None for D ** -0.5. max_seqlen_q: host int, must be 1. batch_invariant: host bool (§2c).
+      strict: also the qualified envelope. fn: the entry point named in messages.
 
-    Returns:
-      DecodeProblem with the sizes and the resolved scale.
-
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope.
+    Returns DecodeProblem; raises ContractError (argument, expected, got, envelope).
     """
     c = _Checker(fn, strict)
     c.host_bool("batch_invariant", batch_invariant)
-    qs, ks, vs, cq, ck = c.specs(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    qs, ks, vs, cq, ck = c.specs(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+                                 cu_seqlens_k=cu_seqlens_k)
     b, hq, d, group = c.q_kv(qs, ks, vs, "k", "v", "[B, Hq, D]", "[C, Hkv, D]", (qs.dtype,),
                              rows=("batch", "batch B", "B"))
     c.metadata("cu_seqlens_q", cq, b + 1, qs)
@@ -466,7 +449,8 @@ def _check_prefill(kind: str, fn: str, strict, q, k, v, indices, indices_name: s
     what = ("request-relative token positions, invalid entries negative or >= len"
             if indices_name == "indices" else "row-relative block ids, invalid ids negative or >= "
             "the row's visible blocks")
-    w = c.indices(indices_name, ids, t, ks.shape[1], qs, "T", "[T, W] or [T, Hkv, W]", what, (1, None))
+    w = c.indices(indices_name, ids, t, ks.shape[1], qs, "T", "[T, W] or [T, Hkv, W]", what,
+                  (1, None))
     b = meta(c, qs, ks)
     msq = c.host_int("max_seqlen_q", max_seqlen_q, 1, None)
     scale, ksc, vsc = c.scales(qs, ks, softmax_scale, k_scale, v_scale, pool=False)
@@ -480,16 +464,13 @@ def check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None
     """Check an ordinary sparse prefill call (``qsa-contract.md`` §3) before any launch.
 
     Args:
-      q: [T, Hq, D] bf16|fp16; k, v: [T, Hkv, D] this forward's new K/V, packed like q, q's dtype.
-      indices: int32 [T, W] or [T, Hkv, W], request-relative positions; valid iff 0 <= idx < len.
-      cu_seqlens: int32 [B + 1] on q's device.
-      max_seqlen_q: host int >= 1, the longest request (grid bound).
-      softmax_scale: host float > 0 or None for D ** -0.5.
-      indices_name: "indices", or "block_indices" when ``indices`` holds the indexer's block ids
-        (the block-level form of the entry points; same layout rules, W = NB).
+      q: [T, Hq, D] bf16|fp16; k, v: [T, Hkv, D] this forward's K/V, packed like q, q's dtype.
+      indices: int32 [T, W] or [T, Hkv, W] request-relative positions, valid iff 0 <= idx < len.
+      cu_seqlens: int32 [B + 1] on q's device. max_seqlen_q: host int >= 1 (grid bound).
+      softmax_scale: host float > 0 or None (D ** -0.5). indices_name: "indices", or
+        "block_indices" when ``indices`` holds the indexer's block ids (same layout, W = NB).
 
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope.
+    Returns PrefillProblem; raises ContractError (argument, expected, got, envelope).
     """
     def meta(c, qs, ks):
         c.rows("k", ks, qs.shape[0], "packed like q")
@@ -506,17 +487,14 @@ def check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, m
     """Check a chunk sparse prefill call (``qsa-contract.md`` §3) before any launch.
 
     Args:
-      q: [T, Hq, D] bf16|fp16.
-      k, v: [Ck, Hkv, D] each request's full context packed (rows cu_seqlens_k[b]..), q's dtype or
-        float8_e4m3fn (then ``k_scale`` multiplies the scores, ``v_scale`` the P·V output).
-      indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b].
-      cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B]; all on q's device.
-      max_seqlen_q: host int >= 1.
-      softmax_scale, k_scale, v_scale: host floats > 0 (softmax_scale None -> D ** -0.5).
-      indices_name: as ``check_prefill``.
+      q: [T, Hq, D] bf16|fp16. k, v: [Ck, Hkv, D] each request's context packed (rows
+        cu_seqlens_k[b]..), q's dtype or float8_e4m3fn (``k_scale`` scales the scores, ``v_scale``
+        the P·V output; both host floats > 0, 1.0 unless FP8).
+      indices: int32 [T, W] or [T, Hkv, W], valid iff 0 <= idx < kv_lens[b].
+      cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
+      max_seqlen_q, softmax_scale, indices_name: as ``check_prefill``.
 
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope.
+    Returns PrefillProblem; raises ContractError (argument, expected, got, envelope).
     """
     def meta(c, qs, _):
         c.specs(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, kv_lens=kv_lens)
@@ -536,19 +514,15 @@ def check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
     """Check a paged sparse prefill call (``qsa-contract.md`` §3) before any launch.
 
     Args:
-      q: [T, Hq, D] bf16|fp16.
-      k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or float8_e4m3fn.
-      req_to_token: int32 [max_reqs, max_context]; position p of the request in row r lives in
-        pool slot req_to_token[r, p] (SGLang's table, shared with ``sparse_decode_paged``).
-      req_indices: int32 [B]; request b uses row req_indices[b] of req_to_token.
-      indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b] (and, as the kernels
-        clamp lying metadata, idx < max_context, req_indices[b] < max_reqs, slot in the pool).
+      q: [T, Hq, D] bf16|fp16. k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or FP8.
+      req_to_token: int32 [max_reqs, max_context], position p of table row r -> pool slot (SGLang's
+        table). req_indices: int32 [B], the table row of request b.
+      indices: int32 [T, W] or [T, Hkv, W], valid iff 0 <= idx < kv_lens[b] (and idx <
+        max_context, req_indices[b] < max_reqs, slot in the pool: the kernels clamp lying metadata).
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
-      max_seqlen_q: host int >= 1.
-      indices_name: as ``check_prefill``.
+      max_seqlen_q, softmax_scale, k_scale, v_scale, indices_name: as ``check_prefill_chunk``.
 
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope.
+    Returns PrefillProblem; raises ContractError (argument, expected, got, envelope).
     """
     def meta(c, qs, _):
         c.specs(cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens)
@@ -562,18 +536,14 @@ def check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
     return _check_prefill("paged", fn, strict, q, k_cache, v_cache, indices, indices_name,
                           ("k_cache", "v_cache"), meta, max_seqlen_q, softmax_scale, k_scale,
                           v_scale)
+
+
 def prefill_selection(fn: str, indices, block_indices, overlap) -> tuple[str, Any, float | None]:
-    """Which selection a prefill call passes (both backends' entry points): token ``indices``,
-    or ``indices=None`` with the indexer's ``block_indices=`` (the block-level form,
-    ``interop.indices.expand_prefill_blocks``); ``overlap`` (the engine's neighbour-Jaccard hint
-    for the kernel selector) only with ``block_indices``, None or a host float in [0, 1].
-
-    Returns:
-      ("indices" | "block_indices", the selection, overlap as a float or None).
-
-    Raises:
-      ContractError: both or neither selection given, or a bad ``overlap``.
-    """
+    """Which selection a prefill call passes: token ``indices``, or ``indices=None`` with the
+    indexer's ``block_indices=`` (``interop.indices.expand_prefill_blocks``); ``overlap`` (the
+    engine's neighbour-Jaccard hint for the kernel selector, None or a host float in [0, 1]) only
+    with ``block_indices``. Returns ("indices" | "block_indices", the selection, overlap or None);
+    raises ContractError for both or neither selection, or a bad ``overlap``."""
     if (indices is None) == (block_indices is None):
         raise ContractError(fn, "indices", "token indices, or indices=None and block_indices= "
                             "(exactly one selection)",
@@ -594,16 +564,11 @@ def prefill_selection(fn: str, indices, block_indices, overlap) -> tuple[str, An
 # Arch routing (qsa-contract.md §5).
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """Which kernel family and geometry source applies to one (device, op) pair.
-
-    Attributes:
-      op: "decode" | "prefill" | "prefill_chunk" | "prefill_paged".
-      kernel: kernel family name ("qsa.decode.splitkv", "qsa.prefill", or "refused").
-      geometry: geometry source ("sm90-table", "l20-table", "h20-table", "sm120-tuned-or-table",
-        "decode-heuristic").
-      exact_contract: True when only the strict envelope may run (SM121 decode).
-      reason: one line a human can read.
-    """
+    """Which kernel family and geometry source one (device, op) pair gets: ``op`` ("decode",
+    "prefill", "prefill_chunk", "prefill_paged"), ``kernel`` ("qsa.decode.splitkv", "qsa.prefill"),
+    ``geometry`` ("sm90-table", "l20-table", "h20-table", "sm120-tuned-or-table",
+    "decode-heuristic"), ``exact_contract`` (only the strict envelope may run: sm_121 decode) and a
+    human-readable ``reason``."""
 
     op: str
     kernel: str
@@ -613,16 +578,12 @@ class Route:
 
 
 def route(facts: DeviceFacts, op: str) -> Route:
-    """Routing per arch.
+    """Routing per arch (``qsa-contract.md`` §5).
 
-    SM121 decode: exact (strict) contract only, as upstream gates its packed kernel on exact
-    (12, 1) - a family "SM12x" gate caused silent corruption upstream (qsa-contract.md §5).
-    SM120 prefill: upstream's tuned family only on the 188-SM part (Triton >= 3.7), else the L20
-    table. SM90: our own measured table. Anything else: the L20 table (upstream's default).
-
-    Raises:
-      ValueError: unknown op.
-    """
+    sm_121 decode: the exact (strict) contract only, as upstream gates its packed kernel on exact
+    (12, 1) (a family "SM12x" gate corrupted results upstream). sm_120 prefill: upstream's tuned
+    family only on the 188-SM part, else the L20 table; H20: its table; sm_90: our measured table;
+    anything else: the L20 table (upstream's default). Raises ValueError for an unknown op."""
     ops = ("decode", "prefill", "prefill_chunk", "prefill_paged")
     if op not in ops:
         raise ValueError(f"route: op must be one of {ops}, got {op!r}")
@@ -655,7 +616,6 @@ def exact_contract(facts: DeviceFacts | None, op: str = "decode") -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# --------------------------------------------------------------------------------------------
 # Debug validator: host-side, reads device metadata (a sync), off the hot path.
 def _np(x) -> np.ndarray:
     if isinstance(x, np.ndarray):
@@ -669,12 +629,9 @@ def validate_decode_metadata(cu_seqlens_q, cu_seqlens_k, capacity: int, max_seql
                              batch: int | None = None, fn: str = "sparse_decode") -> None:
     """Check decode metadata contents (host sync; debug only).
 
-    Raises:
-      ContractError: cu_seqlens not starting at 0 / decreasing, a row longer than max_seqlen_k
-        (the kernels still compute such a row completely — the bound only sizes the split grid —
-        but a declared bound the data breaks is a caller bug this debug check reports), rows past
-        the K/V capacity, query rows out of range.
-    """
+    Raises ContractError: cu_seqlens not starting at 0 or decreasing, a row longer than
+    max_seqlen_k (the kernels still compute it, the bound only sizes the split grid, but the data
+    breaks the declared bound), rows past the K/V capacity, query rows out of range."""
     c = _Checker(fn, False)
     cq, ck = _np(cu_seqlens_q).astype(np.int64), _np(cu_seqlens_k).astype(np.int64)
     for name, cu in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
@@ -701,19 +658,11 @@ def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, req_to_
                               flag_duplicates: bool = False, fn: str = "sparse_prefill") -> dict:
     """Check prefill metadata contents (host sync; debug only).
 
-    ``lens`` is the validity bound per request: the request length (ordinary; pass None to derive
-    it from cu_seqlens_q) or kv_lens (chunk/paged). Checks: non-decreasing cu_seqlens_q, the
-    valid-first layout (no valid entry after an invalid one), no valid entry beyond the row's
-    visible count (the early-stop rule); paged (``req_to_token`` given): ``req_indices`` rows
-    inside the table, valid positions inside its width, their slots inside the pool (the kernels
-    treat anything else as an invalid entry; this check reports it).
-
-    Returns:
-      dict with counts: rows, valid entries, duplicate entries.
-
-    Raises:
-      ContractError: the first violation found, naming row and column.
-    """
+    ``lens``: the validity bound per request (ordinary: None, the request length; chunk/paged:
+    kv_lens). Checks non-decreasing cu_seqlens_q, valid entries first, no more valid entries than
+    the row's visible tokens (the early-stop rule); paged (``req_to_token`` given): table rows,
+    columns and pool slots in range. Returns {"rows", "valid", "duplicates"} counts; raises
+    ContractError naming the first violation's row and column."""
     c = _Checker(fn, False)
     cq = _np(cu_seqlens_q).astype(np.int64)
     if cq[0] != 0 or (np.diff(cq) < 0).any():
@@ -802,23 +751,15 @@ def check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, 
     """Check a paged decode call (``qsa-contract.md`` §2b) before any launch.
 
     Args:
-      q: [R, Hq, D] bf16|fp16, last dim contiguous.
-      k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or float8_e4m3fn (both the same),
-        last dim contiguous, q's device; slots may be 0.
-      req_to_token: int32 [max_reqs, max_context], last dim contiguous (logical position ->
-        pool slot).
-      req_indices, seq_lens: int32 [R], contiguous.
-      indices: int32 [R, W] or [R, Hkv, W] logical positions, last dim contiguous (W may be 0).
+      q: [R, Hq, D] bf16|fp16. k_cache, v_cache: [slots, Hkv, D] the pool (slots may be 0), q's
+        dtype or float8_e4m3fn, on q's device. req_to_token: int32 [max_reqs, max_context].
+      req_indices, seq_lens: int32 [R], contiguous. indices: int32 [R, W] or [R, Hkv, W] logical
+        positions (W may be 0). Last dims contiguous; contents are never read here.
       softmax_scale: host float > 0 or None (D ** -0.5); k_scale, v_scale: host floats > 0, 1.0
-        unless the pool is FP8.
-      batch_invariant, strict: host bools. Default mode: any power-of-two D in 32..256, any G
-        <= 16 (so (3,1) too), R >= 1. strict: the qualified envelope (``envelope_text``):
-        D = 256, (Hq, Hkv) in {(24,2), (12,1), (6,1)}, 1 <= R <= 512, 1 <= W <= 2055.
-      Contents (lengths, positions, slots) are device data and never read here.
+        unless the pool is FP8. batch_invariant, strict: host bools (strict: ``envelope_text``,
+        D = 256, the head pairs, 1 <= R <= 512, 1 <= W <= 2055).
 
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope; also for
-        an input with ``requires_grad`` (no backward).
+    Returns PagedDecodeProblem; raises ContractError (argument, expected, got, envelope).
     """
     c = _Checker(fn, strict)
     qs, ks, vs, rt, ri, ids, sl = c.specs(
@@ -869,16 +810,14 @@ def _indexer_envelope_text() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class IndexerProblem:
-    """What an indexer call resolved to (host ints only).
+    """What an indexer call resolved to (host ints).
 
     Attributes:
-      kind: "decode" | "prefill". rows: query rows (B or T). heads, head_dim: of the indexer q.
-      max_blocks: static bound of a row's visible blocks (decode: page-table capacity
-        ``max_pages * page_size``; prefill: packed key rows N).
-      pages, page_size: decode cache geometry (0 for prefill).
-      topk, compress_ratio: as given. dtype, k_dtype: q's and the keys' dtype names.
-      compute_dtype: dtype of the dot operands (q's; bfloat16 when q is fp8: e4m3 values are
-        exact in bf16).
+      kind: "decode" | "prefill". rows: B or T. heads, head_dim: the indexer q's. max_blocks:
+        static bound of a row's visible blocks (decode: max_pages * page_size; prefill: N).
+      pages, page_size: decode cache geometry (0 for prefill). topk, compress_ratio: as given.
+      dtype, k_dtype: q's and the keys'. compute_dtype: the dot operands' (bf16 for FP8 q: e4m3
+        values are exact in bf16).
     """
 
     kind: str
@@ -943,15 +882,13 @@ def check_indexer_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
 
     Args:
       q: [B, H, D] bf16|fp16|fp8 e4m3, last dim contiguous (H <= 16; D a power of two 32..256).
-      k_cache: [pages, page_size, 1, D] contiguous, q's dtype or fp8 e4m3 (fp8 q needs fp8 keys).
-      page_table: int32 [B, max_pages] (max_pages >= 1), last dim contiguous, on q's device.
-      seq_lens: int32 [B] token counts (contents not read: a row sees floor(len / ratio) blocks).
-      topk: host int, a power of two 16..2048. compress_ratio: host int 2..16.
-      strict: the qualified envelope (H = 4, D = 128, topk 512, ratio 4, page size 16,
-        1 <= B <= 128).
+      k_cache: [pages, page_size, 1, D] contiguous, q's dtype or FP8 (FP8 q needs FP8 keys).
+      page_table: int32 [B, max_pages >= 1], last dim contiguous; seq_lens: int32 [B] (contents
+        not read: a row sees floor(len / ratio) blocks); both on q's device.
+      topk: host int, a power of two 16..2048. compress_ratio: host int 2..16. strict: H = 4,
+        D = 128, topk 512, ratio 4, page size 16, 1 <= B <= 128.
 
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope.
+    Returns IndexerProblem; raises ContractError (argument, expected, got, envelope).
     """
     c = _Checker(fn, strict)
     qs, ks, b, heads, d, k, r, compute = _indexer_common(
@@ -977,19 +914,10 @@ def check_indexer_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
     return IndexerProblem("decode", b, heads, d, pt.shape[1] * psz, pages, psz, k, r, qs.dtype,
                           ks.dtype, compute)
 def check_indexer_plan(fn: str, prob: IndexerProblem, plan, default_plan) -> None:
-    """Raise ContractError unless the indexer plan can run the call ``prob`` describes
-    (``IndexerPlan.problem``), before any launch; shared by both backends' entry points.
-
-    Args:
-      fn: the public entry point's name; prob: its ``check_indexer_decode/prefill`` result.
-      plan: the caller's ``interop.indices.IndexerPlan`` or None; default_plan: a callable
-        ``() -> IndexerPlan`` giving the backend's shared plan, called only when plan is None.
-
-    Raises:
-      ContractError: argument ``plan`` for a given plan that cannot run the call; otherwise
-        ``page_table`` (decode) / ``k`` (prefill), for a context past what the default plan
-        covers.
-    """
+    """Raise ContractError unless the indexer plan can run the call ``prob`` (the
+    ``check_indexer_*`` result) describes (``IndexerPlan.problem``): argument ``plan`` for a
+    caller's plan that cannot, else ``page_table`` / ``k`` for a context past what the
+    backend's ``default_plan()`` (called only when ``plan`` is None) covers."""
     arg, own = ("plan", plan) if plan is not None else (
         "page_table" if prob.kind == "decode" else "k", default_plan())
     why = own.problem(prob.kind, prob.max_blocks, prob.topk)
@@ -1004,15 +932,13 @@ def check_indexer_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compre
     """Check a prefill indexer call (``qsa-contract.md`` §4b) before any launch.
 
     Args:
-      q: [T, H, D] bf16|fp16|fp8 e4m3 (T >= 0).
-      k: [N, 1, D] contiguous packed compressed keys (N >= 0), q's dtype or fp8 e4m3.
-      row_starts, row_ends: int32 [T] on q's device: row m scores key rows
-        ``[row_starts[m], row_ends[m])`` (intersected with [0, N); contents not read here).
-      positions, seq_lens: int32 [T] or None (the fused expansion's per-row position and bound).
-      topk, compress_ratio, strict: as ``check_indexer_decode``.
+      q: [T, H, D] as ``check_indexer_decode`` (T >= 0). k: [N, 1, D] contiguous packed
+        compressed keys (N >= 0), q's dtype or FP8.
+      row_starts, row_ends: int32 [T] on q's device: row m scores key rows [start, end) (clipped
+        to [0, N); contents not read). positions, seq_lens: int32 [T] or None (the fused
+        expansion's per-row position and bound). topk, compress_ratio, strict: as decode.
 
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope.
+    Returns IndexerProblem; raises ContractError (argument, expected, got, envelope).
     """
     c = _Checker(fn, strict)
     qs, ks, t, heads, d, kk, r, compute = _indexer_common(
@@ -1029,17 +955,10 @@ def check_expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio
                                strict: bool = False, fn: str = "expand_block_indices") -> int:
     """Check a block-expansion call (``qsa-contract.md`` §4) before any launch.
 
-    Args:
-      block_ids: int32 [M, topk] row-relative block ids (-1 or any negative = none), contiguous.
-      positions, seq_lens: int32 [M] on block_ids' device.
-      compress_ratio: host int 2..16 (strict: 4, and topk 512).
-
-    Returns:
-      The output width ``topk * ratio + ratio - 1``.
-
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope.
-    """
+    ``block_ids``: int32 [M, topk] contiguous row-relative block ids (negative = none);
+    ``positions``, ``seq_lens``: int32 [M] on its device; ``compress_ratio``: host int 2..16
+    (strict: 4, and topk 512). Returns the output width ``topk * ratio + ratio - 1``; raises
+    ContractError (argument, expected, got, envelope)."""
     c = _Checker(fn, strict)
     bs = c.spec("block_ids", block_ids)
     c.rank("block_ids", bs, 2, "[M, topk] of int32 block ids")
@@ -1160,20 +1079,12 @@ def check_decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, i
                       topk: int = 512, compress_ratio: int = 4, batch_invariant: bool = False,
                       strict: bool = False, attention_strict: bool = False,
                       fn: str = "qsa_decode_step") -> tuple[PagedDecodeProblem, IndexerProblem]:
-    """Check a decode step call (``qsa_triton.qsa_decode_step`` / ``qsa_pallas.qsa_decode_step``)
-    before anything runs: the indexer's inputs as ``check_indexer_decode`` (``index_q``,
-    ``index_k_cache``, ``index_page_table``, ``seq_lens``), the attention's as
-    ``check_decode_paged`` with the indexer's output ``int32 [R, topk * ratio + ratio - 1]`` as
-    its ``indices``, and one row of ``index_q`` per row of ``q``, on q's device.
-    ``attention_strict``: the attention's qualified envelope alone (where ``route`` sends decode
-    to the exact contract, sm_121, as ``sparse_decode_paged`` enforces there).
-
-    Returns:
-      (PagedDecodeProblem, IndexerProblem).
-
-    Raises:
-      ContractError: naming the step's argument, expected, got, and both envelopes.
-    """
+    """Check a decode step call (``qsa_*.qsa_decode_step``) before anything runs: the
+    indexer's inputs as ``check_indexer_decode``, the attention's as ``check_decode_paged`` with the
+    indexer's output (int32 [R, topk * ratio + ratio - 1]) as its ``indices``, one ``index_q`` row
+    per ``q`` row on q's device. ``attention_strict``: the attention's envelope alone (where
+    ``route`` sends decode to the exact contract). Returns (PagedDecodeProblem, IndexerProblem);
+    raises ContractError naming the step's argument, expected, got, and both envelopes."""
     _, _, ip, ap = _check_step(
         fn, strict, q, index_q,
         lambda meta: check_indexer_decode(index_q, index_k_cache, index_page_table, seq_lens,
@@ -1191,13 +1102,11 @@ def check_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, 
                        k_scale=1.0, v_scale=1.0, *, topk: int = 512, compress_ratio: int = 4,
                        strict: bool = False, fn: str = "qsa_prefill_step"
                        ) -> tuple[PrefillProblem, IndexerProblem]:
-    """Check a prefill step call (``qsa_*.qsa_prefill_step``) before anything runs: ``index_q``
-    and ``index_k`` as ``check_indexer_prefill`` (the per-row ranges, positions and bounds the
-    step derives are int32 [T] on q's device), the attention's inputs as ``check_prefill_paged``
-    with the indexer's output as its ``indices``, ``index_cu_seqlens_k`` int32 [B + 1] on q's
-    device, one row of ``index_q`` per row of ``q``. Returns (PrefillProblem, IndexerProblem);
-    raises as ``check_decode_step``.
-    """
+    """Check a prefill step call (``qsa_*.qsa_prefill_step``) before anything runs:
+    ``index_q``, ``index_k`` as ``check_indexer_prefill`` (the per-row metadata the step derives is
+    int32 [T] on q's device), the attention's inputs as ``check_prefill_paged`` with the indexer's
+    output as ``indices``, ``index_cu_seqlens_k`` int32 [B + 1] on q's device, one ``index_q`` row
+    per ``q`` row. Returns (PrefillProblem, IndexerProblem); raises as ``check_decode_step``."""
     c, qs, ip, ap = _check_step(
         fn, strict, q, index_q,
         lambda meta: check_indexer_prefill(index_q, index_k, meta, meta, topk=topk,
@@ -1213,16 +1122,10 @@ def check_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, 
 def validate_indexer_decode_metadata(page_table, seq_lens, pages: int, page_size: int, *,
                                      compress_ratio: int = 4, fn: str = "indexer_topk_decode"
                                      ) -> None:
-    """Check decode indexer metadata contents (host sync; debug only).
-
-    The kernels never read outside their buffers whatever the contents: a row's blocks stop at
-    the page table's capacity, and a page id outside ``[0, pages)`` reads nothing (its blocks
-    score 0). Both are caller bugs this check reports.
-
-    Raises:
-      ContractError: a row with more blocks than ``max_pages * page_size``, or a visible block
-        whose page id is outside ``[0, pages)``.
-    """
+    """Check decode indexer metadata contents (host sync; debug only). The kernels never read
+    outside their buffers (a row's blocks stop at the table's capacity, a page id outside
+    [0, pages) scores 0), but both are caller bugs: raises ContractError for a row with more blocks
+    than ``max_pages * page_size`` or a visible block's page id outside ``[0, pages)``."""
     c = _Checker(fn, False)
     pt = _np(page_table).astype(np.int64)
     nb = np.maximum(_np(seq_lens).astype(np.int64), 0) // compress_ratio
@@ -1240,11 +1143,8 @@ def validate_indexer_decode_metadata(page_table, seq_lens, pages: int, page_size
 
 def validate_indexer_prefill_metadata(row_starts, row_ends, num_keys: int, *,
                                       fn: str = "indexer_topk_prefill") -> None:
-    """Check prefill indexer row ranges (host sync; debug only): ``0 <= start <= end <= N``.
-
-    Raises:
-      ContractError: the first row outside it (the kernels clip such a row to [0, N)).
-    """
+    """Check prefill indexer row ranges ``0 <= start <= end <= N`` (host sync; debug only);
+    raises ContractError for the first row outside (the kernels clip it to [0, N))."""
     c = _Checker(fn, False)
     rs, re = _np(row_starts).astype(np.int64), _np(row_ends).astype(np.int64)
     bad = (rs < 0) | (re < rs) | (re > num_keys)
