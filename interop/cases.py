@@ -162,11 +162,6 @@ class PagedSpec:
         return len(self.context_lens) * self.rows_per_request * self.width * self.hq * self.d
 
 
-def _rows(kind: str, decode_lens: Sequence[int], q_lens: Sequence[int]) -> int:
-    """Query rows of a "decode" case (one per ``decode_lens`` entry) or a "prefill" one."""
-    return len(decode_lens) if kind == "decode" else sum(q_lens)
-
-
 @dataclasses.dataclass(frozen=True)
 class IndexerSpec:
     """One indexer case (``indexer_select_decode`` / ``_prefill``, §4b + §4), judged by exact
@@ -195,7 +190,7 @@ class IndexerSpec:
     zero_q_rows: tuple[int, ...] = ()
     seed: int = 0
     op: str = "indexer"
-    rows = property(lambda self: _rows(self.kind, self.seq_lens, self.q_lens))
+    rows = property(lambda s: len(s.seq_lens) if s.kind == "decode" else sum(s.q_lens))
 
     @property
     def size(self) -> int:
@@ -235,7 +230,7 @@ class StepSpec:
     pool_pages: int | None = None
     seed: int = 0
     op: str = "step"
-    rows = property(lambda self: _rows(self.kind, self.context_lens, self.q_lens))
+    rows = property(lambda s: len(s.context_lens) if s.kind == "decode" else sum(s.q_lens))
 
     @property
     def size(self) -> int:
@@ -868,32 +863,27 @@ def _step_data(spec: StepSpec) -> CaseData:
     kv = ((pool, spec.hkv, spec.d), kvd)
     scalars = {"softmax_scale": None, "k_scale": spec.k_scale, "v_scale": spec.v_scale,
                "topk": spec.topk}
+    ints = {"req_to_token": lay["req_to_token"], "req_indices": lay["req_indices"]}
     if spec.kind == "decode":
-        r = kl.shape[0]
-        floats = {"q": ((r, spec.hq, spec.d), spec.dtype), "k_cache": kv, "v_cache": kv,
-                  "index_q": ((r, spec.index_heads, spec.index_dim), spec.dtype),
-                  "index_k_cache": ((lay["pool_pages"], 16, 1, spec.index_dim), ikd)}
-        ints = {"req_to_token": lay["req_to_token"], "req_indices": lay["req_indices"],
-                "index_page_table": lay["index_page_table"], "seq_lens": kl.astype(np.int32)}
-        entry, ik = "qsa_decode_step", "index_k_cache"
+        rows, entry, ik = kl.shape[0], "qsa_decode_step", "index_k_cache"
+        index_k = ((lay["pool_pages"], 16, 1, spec.index_dim), ikd)
+        ints.update(index_page_table=lay["index_page_table"], seq_lens=kl.astype(np.int32))
     else:
         ql = np.asarray(spec.q_lens, np.int64)
         if ql.shape != kl.shape or (ql > kl).any():
             raise ValueError(f"q_lens {spec.q_lens} must pair with context_lens "
                              f"{spec.context_lens}, each <= its context")
-        t = int(ql.sum())
+        rows, entry, ik = int(ql.sum()), "qsa_prefill_step", "index_k"
         cu_k = I.cu_seqlens_from_counts(kl // I.RATIO)
-        floats = {"q": ((t, spec.hq, spec.d), spec.dtype), "k_cache": kv, "v_cache": kv,
-                  "index_q": ((t, spec.index_heads, spec.index_dim), spec.dtype),
-                  "index_k": ((int(cu_k[-1]), 1, spec.index_dim), ikd)}
-        ints = {"req_to_token": lay["req_to_token"], "req_indices": lay["req_indices"],
-                "index_cu_seqlens_k": cu_k, "cu_seqlens_q": I.cu_seqlens_from_counts(ql),
-                "kv_lens": kl.astype(np.int32)}
+        index_k = ((int(cu_k[-1]), 1, spec.index_dim), ikd)
+        ints.update(index_cu_seqlens_k=cu_k, cu_seqlens_q=I.cu_seqlens_from_counts(ql),
+                    kv_lens=kl.astype(np.int32))
         scalars["max_seqlen_q"] = int(ql.max())
-        entry, ik = "qsa_prefill_step", "index_k"
+    floats = {"q": ((rows, spec.hq, spec.d), spec.dtype), "k_cache": kv, "v_cache": kv,
+              "index_q": ((rows, spec.index_heads, spec.index_dim), spec.dtype), ik: index_k}
     return CaseData(spec, entry, floats, ints, scalars, _unowned(lay["owned"], spec.hkv),
-                    empty_outputs(entry, ints, spec.hq, spec.hkv, pool,
-                                  rows=floats["q"][0][0]), integer_valued=("index_q", ik))
+                    empty_outputs(entry, ints, spec.hq, spec.hkv, pool, rows=rows),
+                    integer_valued=("index_q", ik))
 
 
 def slot_table_of(named: dict[str, Any]):
