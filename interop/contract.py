@@ -720,7 +720,6 @@ def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, req_to_
 
 
 # --------------------------------------------------------------------------------------------
-# --------------------------------------------------------------------------------------------
 # Paged decode (qsa-contract.md §2b, §2c).
 @dataclasses.dataclass(frozen=True)
 class PagedDecodeProblem:
