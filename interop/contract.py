@@ -296,7 +296,7 @@ class _Checker:
         return s.shape[0] - 1
 
     def table(self, name: str, s: TensorSpec, what: str, ref: TensorSpec):
-        """A 2-D int32 table (``req_to_token``, a page table) on ref's device, unit last stride."""
+        """A 2-D int32 table (``req_to_token``) on ref's device, unit last stride."""
         self.rank(name, s, 2, what)
         self.dtype(name, s, ("int32",))
         self.same_device(name, s, ref)
