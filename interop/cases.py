@@ -1,31 +1,18 @@
 """The one table of named shapes (tokamax's ``arg_specs`` idea), used by the tests, ``qsa check``
-and ``bench/``.
+and ``bench/``; numpy only.
 
-* ``DecodeSpec`` / ``PrefillSpec``: one case each, as data.
-* ``full_matrix()`` (GPU, compiled kernels): decode TP1/TP2/TP4 x every B in 1..16, 17, 24, 32, 48,
-  64, 96, 128 x short/medium/saturated rows (D = 256, bf16, max_seqlen_k = 2051); prefill
-  ordinary/chunk/paged x G 3, 6, 12 x Hkv 1, 2 x KV 8k/32k/128k x 8192 rows (W = 2051, realistic
-  block-structured indices), plus rows with junk after the valid prefix, rows with no valid entry,
-  ragged batches, per-KV-head indices and FP8 K/V.
-* ``quick_matrix()`` (CPU, interpret mode): the same kinds of cases at tiny sizes (D = 64 mostly,
-  fp16 because the Triton interpreter's bf16 dot is wrong, W = 35 or 67).
-* ``conformance_matrix()``: the part of the quick matrix (plus the named edge cases) that every
-  implementation's conformance test runs (``tests/conformance.py``), small enough for a 2-core CPU.
-* ``gpu_conformance_matrix()``: production-sized bf16 cases for the same tests on a GPU.
-* ``BENCH_*``: the shapes ``bench/decode.py`` and ``bench/prefill.py`` time on the GPU.
-* ``PARAMS`` / ``case_data()`` / ``reference()``: each entry point's parameter names, a case's
-  arguments by name (everything but the random values), and the FP64 reference of a call given by
-  name. This is the one place that knows the entry points' argument order.
-* ``compare()``: the pass criteria (``RTOL``, ``ATOL``, ``REL_L2``, exact zeros; the indexer's
-  token positions must equal the reference's exactly).
-* Besides attention (ops ``decode``, ``prefill``): ``paged`` (``sparse_decode_paged`` from the KV
-  pool, ``PagedSpec``), ``indexer`` (scoring + exact top-k + expansion, ``IndexerSpec``: integer
-  valued inputs, so FP32 logits are exact and the selection must equal the FP64 reference's, ties
-  included) and ``step`` (the end-to-end QSA step, ``StepSpec``: indexer inputs integer valued,
-  attention inputs N(0, 1)).
-
-Framework-free: numpy only.
-"""
+* One spec class per op (``OPS``): ``DecodeSpec``, ``PrefillSpec``, ``PagedSpec``
+  (``sparse_decode_paged``), ``IndexerSpec`` (scoring + exact top-k + expansion, integer-valued
+  inputs so the selection must equal the FP64 reference's, ties included) and ``StepSpec`` (the
+  end-to-end QSA step).
+* ``full_matrix()`` (GPU): production shapes (D = 256, bf16, W = max_seqlen_k = 2051, the TP rank
+  shapes, B up to 128, prefill to 128k context); ``quick_matrix()`` (CPU interpret mode): the
+  same kinds of cases at tiny sizes (fp16: the Triton interpreter's bf16 dot is wrong);
+  ``conformance_matrix()`` / ``gpu_conformance_matrix()``: what ``tests/conformance.py`` runs.
+* ``PARAMS`` / ``case_data()`` / ``reference()``: each entry point's parameter names (the one
+  place that knows their order), a case's arguments by name but the random values, the FP64
+  reference of a call by name; ``compare()``: the pass criteria (``qsa-contract.md`` §6).
+* ``BENCH_*``: the shapes ``bench/`` times on the GPU."""
 
 from __future__ import annotations
 
@@ -63,14 +50,12 @@ class DecodeSpec:
     """One decode case (packed varlen, ``qsa-contract.md`` §2).
 
     Attributes:
-      name: unique, human-readable ("decode/TP1/B17/saturated").
-      hq, hkv, d: heads and head dim. batch: B. pattern: ``interop.indices.DECODE_PATTERNS``.
-      max_len: longest row (saturated rows) and the ``max_seqlen_k`` passed.
-      dtype: "bfloat16" | "float16". zero_rows: sequences with no key.
-      slack: extra K/V rows after the last sequence; ``poison`` fills them with NaN (a kernel that
-        reads outside its rows then produces NaN and fails).
-      pad_capacity: K/V capacity = batch x max_len + slack whatever the lengths (as a serving
-        buffer is), so the patterns of one (rank shape, B) share shapes and jitted kernels.
+      name: unique ("decode/TP1/B17/saturated"). hq, hkv, d, batch: shapes. pattern: one of
+        ``interop.indices.DECODE_PATTERNS``. max_len: longest row and the ``max_seqlen_k`` passed.
+      zero_rows: sequences with no key. slack: extra K/V rows after the last sequence, NaN with
+        ``poison`` (a kernel reading outside its rows then fails).
+      pad_capacity: K/V capacity batch x max_len + slack whatever the lengths (as a serving
+        buffer), so the patterns of one (rank shape, B) share shapes and jitted kernels.
     """
 
     name: str
@@ -99,24 +84,17 @@ class PrefillSpec:
     """One sparse prefill case (``qsa-contract.md`` §3).
 
     Attributes:
-      name: unique ("prefill/chunk/G12xHkv1/kv32k").
-      kind: "ordinary" | "chunk" | "paged". hq, hkv, d: heads and head dim.
-      q_lens: query rows per request; kv_lens: context per request (chunk/paged; None ordinary).
-      width: W index columns. dtype: q's dtype; kv_dtype: K/V dtype (None = q's, or
-      "float8_e4m3fn" for chunk/paged with k_scale / v_scale).
-      junk: padding mode (``interop.indices.JUNK_MODES``); empty_rows: fraction or row list of
-      rows with no valid entry; overlap: adjacent-row sharing; per_head: indices [T, Hkv, W].
+      name: unique ("prefill/chunk/G12xHkv1/kv32k"). kind: "ordinary" | "chunk" | "paged".
+      q_lens: rows per request; kv_lens: context per request (None for ordinary). width: W.
+      kv_dtype: K/V dtype (None = q's, or "float8_e4m3fn" with k_scale / v_scale).
+      junk (``interop.indices.JUNK_MODES``), empty_rows, overlap, per_head: as ``prefill_indices``.
       junk_inside: columns 0, cap // 2 and cap - 1 of every row's read window (cap = min(W,
-        visible)) overwritten with invalid values cycling through -1, -7, len, len + 19 (junk at
-        the front, in the middle and at the end, not only after the valid prefix).
-      duplicates: columns 2 and cap - 2 of every row's read window repeat column 1 (a valid
-        position attended three times; applied after ``junk_inside``, whose columns it spares
-        when cap >= 6).
-      poison: NaN in every K/V row (pool slot) no valid entry selects (per KV head), and (paged)
-        slot-table entries past each request's kv_len naming slots past the pool: a kernel that
-        reads what the contract says it must not read then fails or faults.
-      max_q_hint: the max_seqlen_q passed (None: the longest request); smaller than the longest
-        request tests that the host hint is only a hint.
+        visible)) hold invalid values cycling through -1, -7, len, len + 19.
+      duplicates: columns 2 and cap - 2 of the read window repeat column 1 (applied after
+        ``junk_inside``, whose columns it spares when cap >= 6).
+      poison: NaN in every K/V row (pool slot) no valid entry selects, per KV head, and (paged)
+        slot-table entries past each kv_len naming slots past the pool.
+      max_q_hint: the max_seqlen_q passed (None: the longest request; smaller tests the hint).
     """
 
     name: str
@@ -151,18 +129,10 @@ class PrefillSpec:
 @dataclasses.dataclass(frozen=True)
 class PagedSpec:
     """One paged decode case (``sparse_decode_paged``, ``qsa-contract.md`` §2b), laid out by
-    ``interop.indices.paged_decode_case``: scattered pool pages, a ``req_to_token`` row per
-    request at a shuffled table row, indexer-like selections expanded to ``width`` columns; every
-    pool slot no request owns is NaN.
-
-    Attributes:
-      hq, hkv, d: heads and head dim. context_lens: tokens per request. width: W.
-      rows_per_request: MTP verify rows per request (each its own length). dtype / kv_dtype /
-      k_scale / v_scale: as ``PrefillSpec``. page_size: pool page (64, or 1: scattered slots).
-      junk / junk_at / n_junk / duplicates / empty_rows / per_head: ``paged_decode_case``'s
-      options. pool_slots: None -> twice the slots needed. batch_invariant: the entry point's
-      ``batch_invariant`` argument.
-    """
+    ``interop.indices.paged_decode_case`` (its arguments: context_lens, width, rows_per_request,
+    page_size, junk, junk_at, n_junk, duplicates, empty_rows, per_head -> num_kv_heads,
+    pool_slots); every pool slot no request owns is NaN. dtype / kv_dtype / k_scale / v_scale: as
+    ``PrefillSpec``; batch_invariant: the entry point's argument."""
 
     name: str
     hq: int
@@ -192,27 +162,17 @@ class PagedSpec:
         return len(self.context_lens) * self.rows_per_request * self.width * self.hq * self.d
 
 
-def _rows(kind: str, decode_lens: Sequence[int], q_lens: Sequence[int]) -> int:
-    """Query rows of a "decode" case (one per entry of ``decode_lens``) or a "prefill" case (the
-    ``q_lens`` rows)."""
-    return len(decode_lens) if kind == "decode" else sum(q_lens)
-
-
 @dataclasses.dataclass(frozen=True)
 class IndexerSpec:
-    """One indexer case (``indexer_select_decode`` / ``indexer_select_prefill``, §4b + §4): the
-    whole indexer, scoring -> exact top-k -> expansion, judged by exact equality with the FP64
-    reference. Inputs are integers in [-2, 2] (exact FP32 logits, thousands of ties).
+    """One indexer case (``indexer_select_decode`` / ``_prefill``, §4b + §4), judged by exact
+    equality with the FP64 reference; inputs are integers in [-2, 2] (exact FP32 logits, many ties).
 
     Attributes:
-      kind: "decode" (paged compressed keys, ``interop.indices.indexer_decode_case``: scattered
-        pages, junk past each row's pages) | "prefill" (packed per-request keys,
-        ``interop.indices.prefill_row_ranges``).
-      seq_lens: decode rows' token counts. q_lens, kv_lens: prefill requests.
-      heads, d: the indexer query (4 x 128). topk: blocks kept. page_size: blocks per page.
-      dtype: q's; k_dtype: the keys' (None = q's, or "float8_e4m3fn").
-      junk: decode page-table entries past each row ("mixed", "-1", "zero").
-      zero_q_rows: rows whose query is 0 (every logit 0: the smallest block ids win).
+      kind: "decode" (``interop.indices.indexer_decode_case``: scattered pages, ``junk`` past
+        them) | "prefill" (packed keys, ``interop.indices.prefill_row_ranges``).
+      seq_lens: decode rows' tokens. q_lens, kv_lens: prefill requests. heads, d: 4 x 128.
+      k_dtype: the keys' (None = q's, or FP8). zero_q_rows: rows whose query is 0 (every logit 0:
+        the smallest block ids win).
     """
 
     name: str
@@ -230,7 +190,7 @@ class IndexerSpec:
     zero_q_rows: tuple[int, ...] = ()
     seed: int = 0
     op: str = "indexer"
-    rows = property(lambda self: _rows(self.kind, self.seq_lens, self.q_lens))
+    rows = property(lambda s: len(s.seq_lens) if s.kind == "decode" else sum(s.q_lens))
 
     @property
     def size(self) -> int:
@@ -240,24 +200,16 @@ class IndexerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
-    """One end-to-end QSA step case (``qsa_decode_step`` / ``qsa_prefill_step``): the indexer's
-    selection expanded and attended from the pool, against ``interop.reference``'s composition.
-
-    Layout (``step_layout``): KV pool pages of 64 slots; the compressed-K cache has one page of
-    16 blocks per KV page (block n of a request lives in the compressed page of the KV page
-    holding token 4n), so the decode index page table is ``req_to_token[req, 64 i] // 64``; the
-    prefill step's compressed keys are packed per request. With ``pool_pages`` smaller than the
-    requests need, requests share pages (the pool stays small at long context; nothing assumes
-    distinct pages). KV slots no request owns are NaN. Indexer inputs are integers in [-2, 2]
-    (exact selection), attention inputs N(0, 1).
+    """One end-to-end QSA step case (``qsa_decode_step`` / ``qsa_prefill_step``) against
+    ``interop.reference``'s composition, laid out by ``_step_layout``. Indexer inputs are
+    integers in [-2, 2] (exact selection), attention inputs N(0, 1).
 
     Attributes:
-      kind: "decode" (one row per request, ``seq_lens = context_lens``) | "prefill" (``q_lens``
-        new rows, the last of each request's ``context_lens`` tokens).
-      hq, hkv, d: attention heads. topk: indexer blocks. index_heads, index_dim: 4 x 128.
-      dtype / kv_dtype / k_scale / v_scale: attention dtypes (FP8 pool with scales);
-      index_k_dtype: compressed keys' dtype (None = q's, or "float8_e4m3fn").
-      pool_pages: KV pool pages (None: every request its own pages, plus two).
+      kind: "decode" (one row per request, seq_lens = context_lens) | "prefill" (``q_lens`` new
+        rows, the last of each request's context). hq, hkv, d: attention heads. topk,
+        index_heads, index_dim: the indexer (4 x 128). kv_dtype / k_scale / v_scale: FP8 pool;
+        index_k_dtype: compressed keys' dtype. pool_pages: KV pool pages (None: every request its
+        own pages, plus two; fewer make requests share pages).
     """
 
     name: str
@@ -278,7 +230,7 @@ class StepSpec:
     pool_pages: int | None = None
     seed: int = 0
     op: str = "step"
-    rows = property(lambda self: _rows(self.kind, self.context_lens, self.q_lens))
+    rows = property(lambda s: len(s.context_lens) if s.kind == "decode" else sum(s.q_lens))
 
     @property
     def size(self) -> int:
@@ -306,11 +258,11 @@ def _constructors(dtype: str, **kwargs):
 
 
 def full_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Spec]:
-    """The full matrix (GPU, compiled kernels): see the module docstring. Paged decode, the
-    indexer and the step at production shapes (D = 256, W = 2051, the TP rank shapes, B up to
-    128; the indexer and the step at 4 x 128, topk 512, contexts to 32k, the step's pool shared
-    between requests so the FP64 reference stays small), a few batch sizes each: the numpy FP64
-    reference dominates the run time (the kernels' own GPU tests sweep the batch)."""
+    """The GPU matrix: decode TP1/TP2/TP4 x every B in ``DECODE_BATCHES`` x short/medium/saturated
+    rows; prefill ordinary/chunk/paged x G 3, 6, 12 x Hkv 1, 2 x KV 8k/32k/128k x 8192 rows, ragged
+    batches, junk, empty rows, per-head indices, FP8 K/V; paged decode, the indexer (topk 512,
+    contexts to 32k) and the step at production shapes, a few batch sizes each (the FP64 reference
+    dominates the run time)."""
     dec, pre, paged, ixr, step = _constructors(dtype)
     cases: list[Spec] = []
     if "decode" in ops:
@@ -396,15 +348,9 @@ def full_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Sp
 
 
 def quick_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Spec]:
-    """A reduced matrix that runs on CPU in interpret mode in a few minutes.
-
-    Same kinds of cases as ``full_matrix`` at tiny sizes: the qualified head pairs, B 1..17,
-    the three row patterns, zero-key rows and poisoned slack for decode; the three prefill
-    variants with G 3/6/12 and Hkv 1/2, ragged batches, junk padding, empty rows, per-head
-    indices, FP8 K/V; two D = 256 cases; paged decode, the indexer (4 x 128, topk 16, so rows
-    with more than 16 visible blocks really drop blocks) and the step at the same sizes. fp16 by
-    default (the Triton interpreter mis-multiplies bf16 dots). Index width W = 35 unless named.
-    """
+    """The CPU matrix (interpret mode, a few minutes): the kinds of ``full_matrix`` at tiny sizes
+    (D = 64 mostly, two D = 256 cases, W = 35 unless named, the indexer and the step at topk 16 so
+    rows really drop blocks), plus ``edge_cases``."""
     dec, pre, paged, ixr, step = _constructors(dtype, width=35, topk=16)
     cases: list[Spec] = []
     if "decode" in ops:
@@ -476,13 +422,9 @@ def quick_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Sp
 
 
 def edge_cases(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Spec]:
-    """The contract's edge cases by name, at CPU sizes (part of ``quick_matrix``; W = 35).
-
-    A batch whose every sequence has no key (exact zeros, poisoned slack); invalid entries
-    -1 / -7 / len / len + 19 at the front, middle and end of a row's read window; duplicated
-    positions; per-KV-head indices; poisoned (NaN) K/V rows and pool slots that no valid entry
-    names, also with FP8 K/V; a max_seqlen_q hint smaller than the longest request.
-    """
+    """The contract's edge cases by name at CPU sizes (W = 35): a batch of empty sequences, junk at
+    the front/middle/end of a read window, duplicated positions, per-KV-head indices, poisoned K/V
+    rows and pool slots (also FP8), max_seqlen_q hints below the longest request."""
     dec, pre, *_ = _constructors(dtype, width=35)
     cases: list[Spec] = []
     if "decode" in ops:
@@ -536,16 +478,14 @@ _CONFORMANCE = (
 
 
 def conformance_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Spec]:
-    """The cases of ``tests/conformance.py`` on a CPU (interpret mode): a subset of
-    ``quick_matrix`` plus every ``edge_cases`` entry."""
+    """``tests/conformance.py``'s CPU cases: a subset of ``quick_matrix`` plus ``edge_cases``."""
     quick = by_name(quick_matrix(ops, dtype=dtype))
     return [quick[n] for n in _CONFORMANCE if n in quick] + edge_cases(ops, dtype=dtype)
 
 
 def gpu_conformance_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Spec]:
-    """The cases of ``tests/conformance.py`` on a GPU (compiled kernels): production shapes (bf16,
-    D = 256, max_seqlen_k = W = 2051) small enough for the FP64 numpy reference: decode corners of
-    the full matrix, and prefill with 512-2048 query rows over long contexts."""
+    """``tests/conformance.py``'s GPU cases: production shapes (bf16, D = 256, W = 2051) small
+    enough for the FP64 reference."""
     cases: list[Spec] = []
     if "decode" in ops:
         full = by_name(full_matrix(("decode",), dtype=dtype))
@@ -577,59 +517,58 @@ ENTRY = {"decode": "sparse_decode", "ordinary": "sparse_prefill", "chunk": "spar
          "paged": "sparse_prefill_paged", "decode_paged": "sparse_decode_paged",
          "indexer_decode": "indexer_select_decode", "indexer_prefill": "indexer_select_prefill",
          "step_decode": "qsa_decode_step", "step_prefill": "qsa_prefill_step"}
-#: positional parameters of each entry point (qsa-contract.md), then its keyword parameters
-PARAMS = {
-    "sparse_decode": (("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_k"),
-                      ("softmax_scale",)),
-    "sparse_prefill": (("q", "k", "v", "indices", "cu_seqlens", "max_seqlen_q"), ("softmax_scale",)),
-    "sparse_prefill_chunk": (("q", "k", "v", "indices", "cu_seqlens_q", "cu_seqlens_k", "kv_lens",
-                              "max_seqlen_q"), ("softmax_scale", "k_scale", "v_scale")),
-    "sparse_prefill_paged": (("q", "k_cache", "v_cache", "req_to_token", "req_indices", "indices",
-                              "cu_seqlens_q", "kv_lens", "max_seqlen_q"),
-                             ("softmax_scale", "k_scale", "v_scale")),
-    "sparse_decode_paged": (("q", "k_cache", "v_cache", "req_to_token", "req_indices", "indices",
-                             "seq_lens"), ("softmax_scale", "k_scale", "v_scale",
-                                           "batch_invariant")),
-    # the indexer's and the step's topk is keyword-only: passed by name
-    "indexer_select_decode": (("q", "k_cache", "page_table", "seq_lens"), ("topk",)),
-    "indexer_select_prefill": (("q", "k", "row_starts", "row_ends", "positions", "seq_lens"),
-                               ("topk",)),
-    "qsa_decode_step": (("q", "k_cache", "v_cache", "req_to_token", "req_indices", "index_q",
-                         "index_k_cache", "index_page_table", "seq_lens"),
-                        ("softmax_scale", "k_scale", "v_scale", "topk")),
-    "qsa_prefill_step": (("q", "k_cache", "v_cache", "req_to_token", "req_indices", "index_q",
-                          "index_k", "index_cu_seqlens_k", "cu_seqlens_q", "kv_lens",
-                          "max_seqlen_q"), ("softmax_scale", "k_scale", "v_scale", "topk")),
+#: each entry point: its ``qsa check`` operation (``OPS``), its FP64 reference
+#: (``interop.reference``, taking the same parameter names less the host hints and the switches
+#: that leave the result unchanged), its positional parameters (qsa-contract.md), then its
+#: keyword ones (the indexer's and the step's topk is keyword-only: passed by name)
+_ENTRIES = {
+    "sparse_decode": ("decode", R.decode_reference,
+                      "q k v cu_seqlens_q cu_seqlens_k max_seqlen_k", "softmax_scale"),
+    "sparse_prefill": ("prefill", R.prefill_reference, "q k v indices cu_seqlens max_seqlen_q",
+                       "softmax_scale"),
+    "sparse_prefill_chunk": ("prefill", R.prefill_chunk_reference,
+                             "q k v indices cu_seqlens_q cu_seqlens_k kv_lens max_seqlen_q",
+                             "softmax_scale k_scale v_scale"),
+    "sparse_prefill_paged": ("prefill", R.prefill_paged_reference,
+                             "q k_cache v_cache req_to_token req_indices indices cu_seqlens_q "
+                             "kv_lens max_seqlen_q", "softmax_scale k_scale v_scale"),
+    "sparse_decode_paged": ("paged", R.decode_paged_reference,
+                            "q k_cache v_cache req_to_token req_indices indices seq_lens",
+                            "softmax_scale k_scale v_scale batch_invariant"),
+    "indexer_select_decode": ("indexer", R.indexer_select_decode_reference,
+                              "q k_cache page_table seq_lens", "topk"),
+    "indexer_select_prefill": ("indexer", R.indexer_select_prefill_reference,
+                               "q k row_starts row_ends positions seq_lens", "topk"),
+    "qsa_decode_step": ("step", R.decode_step_reference,
+                        "q k_cache v_cache req_to_token req_indices index_q index_k_cache "
+                        "index_page_table seq_lens", "softmax_scale k_scale v_scale topk"),
+    "qsa_prefill_step": ("step", R.prefill_step_reference,
+                         "q k_cache v_cache req_to_token req_indices index_q index_k "
+                         "index_cu_seqlens_k cu_seqlens_q kv_lens max_seqlen_q",
+                         "softmax_scale k_scale v_scale topk"),
 }
+#: positional parameters of each entry point, then its keyword parameters
+PARAMS = {e: (tuple(pos.split()), tuple(kw.split())) for e, (_, _, pos, kw) in _ENTRIES.items()}
+#: the ``qsa check`` operation (``OPS``) of each entry point
+ENTRY_OP = {e: v[0] for e, v in _ENTRIES.items()}
 #: the default of every keyword parameter in ``PARAMS`` (the entry points' signatures)
 KW_DEFAULTS = {"softmax_scale": None, "k_scale": 1.0, "v_scale": 1.0, "batch_invariant": False,
                "topk": I.BLOCK_TOPK}
-#: the ``qsa check`` operation (``OPS``) of each entry point
-ENTRY_OP = {"sparse_decode": "decode", "sparse_prefill": "prefill",
-            "sparse_prefill_chunk": "prefill", "sparse_prefill_paged": "prefill",
-            "sparse_decode_paged": "paged", "indexer_select_decode": "indexer",
-            "indexer_select_prefill": "indexer", "qsa_decode_step": "step",
-            "qsa_prefill_step": "step"}
 #: entry points whose output is int32 token positions (judged by exact equality)
 INDEX_ENTRIES = ("indexer_select_decode", "indexer_select_prefill")
 
 
 @dataclasses.dataclass(frozen=True)
 class CaseData:
-    """One case's call, by parameter name, except the random values (framework-free).
+    """One case's call by parameter name, except the random values (framework-free).
 
     Attributes:
-      spec: the case. entry: the entry point ("sparse_decode", ...).
-      floats: name -> (shape, dtype name) of q and the K/V buffers (q's dtype; K/V may be
-        "float8_e4m3fn"); the values are N(0, 1) (``values()``), cast to the dtype by the caller.
-      ints: name -> int32 numpy array (cu_seqlens*, kv_lens, req_to_token, req_indices, indices).
-      scalars: name -> host value (max_seqlen_k / max_seqlen_q, softmax_scale, k_scale, v_scale).
-      poison: bool [K/V rows, Hkv]: K/V entries set to NaN (a correct kernel never reads them),
-        or None.
-      empty: bool [output rows, Hq]: outputs that must be exactly 0 (``empty_outputs``).
-      integer_valued: names of ``floats`` whose values are integers in [-2, 2] instead of
-        N(0, 1) (indexer inputs: FP32 logits exact, many ties).
-      zero_rows: name -> bool mask over the leading axis: those rows are 0.
+      spec, entry: the case and its entry point. floats: name -> (shape, dtype name) of q and the
+        K/V buffers. ints: name -> int32 numpy metadata. scalars: name -> host value.
+      poison: bool [K/V rows, Hkv] entries set to NaN (never read by a correct kernel), or None.
+      empty: bool [output rows, Hq] outputs that must be exactly 0 (``empty_outputs``).
+      integer_valued: names of ``floats`` drawn as integers in [-2, 2] instead of N(0, 1).
+      zero_rows: name -> bool mask over the leading axis of rows set to 0.
     """
 
     spec: Spec
@@ -647,9 +586,8 @@ class CaseData:
         return PARAMS[self.entry][0][1], PARAMS[self.entry][0][2]
 
     def values(self) -> dict[str, np.ndarray]:
-        """Seeded float32 N(0, 1) values of q and K/V (integers in [-2, 2] for
-        ``integer_valued``, zeros in ``zero_rows``), poisoned entries NaN (numpy; the caller
-        casts them to ``floats[name][1]``)."""
+        """Seeded float32 values of ``floats`` (N(0, 1), or integers for ``integer_valued``; zero
+        rows, NaN poison applied); the caller casts them to ``floats[name][1]``."""
         rng = np.random.default_rng(1000 + self.spec.seed)
         out = {n: (rng.integers(-2, 3, size=shape).astype(np.float32)
                    if n in self.integer_valued else rng.standard_normal(shape, dtype=np.float32))
@@ -663,7 +601,7 @@ class CaseData:
 
     def arguments(self, named: dict[str, Any]) -> tuple[list, dict]:
         """(positional, keyword) arguments of the entry point: ``named`` (framework arrays of
-        ``floats`` and ``ints``, by name) merged with ``scalars``."""
+        ``floats`` and ``ints``) merged with ``scalars``."""
         allv = {**self.scalars, **named}
         pos, kws = PARAMS[self.entry]
         return [allv[n] for n in pos], {n: allv[n] for n in kws if n in allv}
@@ -689,12 +627,10 @@ def _read_window(indices: np.ndarray, cu_seqlens_q, lens, ordinary: bool):
 
 def empty_outputs(entry: str, named: dict[str, Any], hq: int, hkv: int,
                   pool_slots: int | None = None, rows: int | None = None) -> np.ndarray:
-    """bool [output rows, Hq]: outputs that must be exactly 0 (a decode sequence with no key; a
-    prefill row and KV head with no valid entry in its read window; a paged decode row and KV
-    head with no valid entry; a step row outside every request or without context), from host
-    metadata given by parameter name (numpy arrays). Index outputs (the indexer): bool [rows, 1],
-    all False. ``pool_slots``: the pool's slots (paged decode; None: every slot named exists);
-    ``rows``: q's rows (prefill step; None: ``cu_seqlens_q[-1]``)."""
+    """bool [output rows, Hq]: outputs that must be exactly 0 (a row or KV head with no valid key in
+    its read window, a step row outside every request or without context), from host metadata by
+    parameter name; bool [rows, 1], all False, for the indexer. ``pool_slots``: the pool's slots
+    (paged decode; None: every slot exists); ``rows``: q's rows (prefill step)."""
     if entry in INDEX_ENTRIES:
         key = "seq_lens" if entry == "indexer_select_decode" else "row_starts"
         return np.zeros((np.asarray(named[key]).shape[0], 1), bool)
@@ -702,27 +638,26 @@ def empty_outputs(entry: str, named: dict[str, Any], hq: int, hkv: int,
         slots = I.resolve_paged_slots(named["req_to_token"], named["req_indices"],
                                       named["indices"], named["seq_lens"],
                                       2**62 if pool_slots is None else pool_slots)
-        none = ~(slots >= 0).any(-1)
-        none = none[:, None] if none.ndim == 1 else none
-        return np.repeat(np.broadcast_to(none, (none.shape[0], hkv)), hq // hkv, axis=1)
-    if entry == "qsa_decode_step":
-        sl = np.asarray(named["seq_lens"], np.int64)
-        return np.repeat((sl <= 0)[:, None], hq, axis=1)
-    if entry == "qsa_prefill_step":
+        none = ~(slots >= 0).any(-1)  # [R] or [R, Hkv]
+    elif entry == "qsa_decode_step":
+        none = np.asarray(named["seq_lens"], np.int64) <= 0
+    elif entry == "qsa_prefill_step":
         cu = np.asarray(named["cu_seqlens_q"], np.int64)
         rows = int(cu[-1]) if rows is None else int(rows)
         _, _, pos, bound = I.prefill_step_rows(cu, named["kv_lens"], named["index_cu_seqlens_k"],
                                                rows)
-        return np.repeat(((pos < 0) | (bound <= 0))[:, None], hq, axis=1)
-    if entry == "sparse_decode":
-        ck = np.asarray(named["cu_seqlens_k"], np.int64)
-        return np.repeat((np.diff(ck) <= 0)[:, None], hq, axis=1)
-    if entry == "sparse_prefill":
-        cu = np.asarray(named["cu_seqlens"], np.int64)
-        _, valid, _ = _read_window(named["indices"], cu, np.diff(cu), True)
+        none = (pos < 0) | (bound <= 0)
+    elif entry == "sparse_decode":
+        none = np.diff(np.asarray(named["cu_seqlens_k"], np.int64)) <= 0
     else:
-        _, valid, _ = _read_window(named["indices"], named["cu_seqlens_q"], named["kv_lens"], False)
-    none = ~valid.any(-1)  # [T, 1 or Hkv]
+        if entry == "sparse_prefill":
+            cu = np.asarray(named["cu_seqlens"], np.int64)
+            _, valid, _ = _read_window(named["indices"], cu, np.diff(cu), True)
+        else:
+            _, valid, _ = _read_window(named["indices"], named["cu_seqlens_q"], named["kv_lens"],
+                                       False)
+        none = ~valid.any(-1)  # [T, 1 or Hkv]
+    none = none[:, None] if none.ndim == 1 else none
     return np.repeat(np.broadcast_to(none, (none.shape[0], hkv)), hq // hkv, axis=1)
 
 
@@ -743,12 +678,8 @@ def _edit_windows(idx: np.ndarray, visible: np.ndarray, bound: np.ndarray, spec:
 
 def case_data(spec: Spec) -> CaseData:
     """Everything about a case but the random values: metadata and indices from
-    ``interop.indices`` (realistic block-structured prefill indices), shapes, host scalars, the
-    poisoned K/V entries and the outputs that must be exact zeros.
-
-    Raises:
-      ValueError: a spec the generators refuse (e.g. kv_lens < q_lens).
-    """
+    ``interop.indices``, shapes, host scalars, poisoned K/V entries, outputs that must be zero.
+    Raises ValueError for a spec the generators refuse (e.g. kv_lens < q_lens)."""
     if isinstance(spec, PagedSpec):
         return _paged_data(spec)
     if isinstance(spec, IndexerSpec):
@@ -828,6 +759,11 @@ def case_data(spec: Spec) -> CaseData:
 
 # --------------------------------------------------------------------------------------------
 # Paged decode, the indexer, the end-to-end step: case data.
+def _unowned(owned: np.ndarray, hkv: int) -> np.ndarray | None:
+    """bool [slots, Hkv]: the pool slots no request owns (poisoned with NaN), or None."""
+    return None if owned.all() else np.repeat(~owned[:, None], hkv, axis=1)
+
+
 def _paged_data(spec: PagedSpec) -> CaseData:
     c = I.paged_decode_case(spec.context_lens, width=spec.width,
                             rows_per_request=spec.rows_per_request, pool_slots=spec.pool_slots,
@@ -839,11 +775,10 @@ def _paged_data(spec: PagedSpec) -> CaseData:
     kv = ((c.pool_slots, spec.hkv, spec.d), spec.kv_dtype or spec.dtype)
     ints = {"req_to_token": c.req_to_token, "req_indices": c.req_indices, "indices": c.indices,
             "seq_lens": c.seq_lens}
-    poison = np.broadcast_to(~c.owned[:, None], (c.pool_slots, spec.hkv)).copy()
     return CaseData(spec, "sparse_decode_paged",
                     {"q": ((r, spec.hq, spec.d), spec.dtype), "k_cache": kv, "v_cache": kv}, ints,
                     {"softmax_scale": None, "k_scale": spec.k_scale, "v_scale": spec.v_scale,
-                     "batch_invariant": spec.batch_invariant}, poison if poison.any() else None,
+                     "batch_invariant": spec.batch_invariant}, _unowned(c.owned, spec.hkv),
                     empty_outputs("sparse_decode_paged", ints, spec.hq, spec.hkv, c.pool_slots))
 
 
@@ -871,22 +806,14 @@ def _indexer_data(spec: IndexerSpec) -> CaseData:
                     zero_rows={"q": zero} if zero.any() else {})
 
 
-def step_layout(context_lens, *, pool_pages: int | None = None, page_size: int = 64,
+def _step_layout(context_lens, *, pool_pages: int | None = None, page_size: int = 64,
                 index_page_size: int = 16, spare_requests: int = 2, seed: int = 0) -> dict:
-    """The pool side of a step case (``StepSpec``): ``req_to_token`` [B + spare, max(ctx)]
-    (pages of ``page_size`` slots, page 0 the padding page nobody owns, requests at shuffled
-    table rows), ``req_indices`` [B], ``owned`` bool [slots], ``pool_pages``, and the decode
-    ``index_page_table`` [B, max(1, ceil(max(ctx) / page_size))]: row b's compressed-K pages
-    are its KV pages (``req_to_token[req, page_size * i] // page_size``) for its
-    ``ceil(floor(ctx / 4) / index_page_size)`` pages with visible blocks, junk after (-1, page
-    ids past the cache, int32 extremes, other rows' pages).
-
-    A request draws its pages without replacement from pages 1..pool_pages-1 (with replacement
-    when it needs more); requests draw independently, so a small pool shares pages between them.
-
-    Raises:
-      ValueError: page_size not a multiple of 4 * index_page_size's ratio (64 = 4 x 16).
-    """
+    """The pool side of a ``StepSpec``: ``req_to_token`` [B + spare, max(ctx)] (pages of
+    ``page_size`` slots drawn per request from pages 1.., with replacement when the pool is
+    smaller than the requests need; page 0 nobody's; shuffled table rows), ``req_indices`` [B],
+    ``owned`` bool [slots], ``pool_pages``, and the decode ``index_page_table`` [B, pages]: a
+    row's compressed-K pages are its KV pages (``req_to_token[req, page_size * i] // page_size``),
+    junk after. Raises ValueError unless page_size = 4 x index_page_size."""
     if page_size != I.RATIO * index_page_size:
         raise ValueError(f"page_size {page_size} must be {I.RATIO} x index_page_size "
                          f"{index_page_size} (one compressed page per KV page)")
@@ -928,82 +855,54 @@ def step_layout(context_lens, *, pool_pages: int | None = None, page_size: int =
 
 
 def _step_data(spec: StepSpec) -> CaseData:
-    lay = step_layout(spec.context_lens, pool_pages=spec.pool_pages, seed=spec.seed)
+    lay = _step_layout(spec.context_lens, pool_pages=spec.pool_pages, seed=spec.seed)
     pool = lay["pool_pages"] * 64
     kvd = spec.kv_dtype or spec.dtype
     ikd = spec.index_k_dtype or spec.dtype
     kl = np.asarray(spec.context_lens, np.int64)
     kv = ((pool, spec.hkv, spec.d), kvd)
-    poison = np.broadcast_to(~lay["owned"][:, None], (pool, spec.hkv)).copy()
     scalars = {"softmax_scale": None, "k_scale": spec.k_scale, "v_scale": spec.v_scale,
                "topk": spec.topk}
+    ints = {"req_to_token": lay["req_to_token"], "req_indices": lay["req_indices"]}
     if spec.kind == "decode":
-        r = kl.shape[0]
-        floats = {"q": ((r, spec.hq, spec.d), spec.dtype), "k_cache": kv, "v_cache": kv,
-                  "index_q": ((r, spec.index_heads, spec.index_dim), spec.dtype),
-                  "index_k_cache": ((lay["pool_pages"], 16, 1, spec.index_dim), ikd)}
-        ints = {"req_to_token": lay["req_to_token"], "req_indices": lay["req_indices"],
-                "index_page_table": lay["index_page_table"], "seq_lens": kl.astype(np.int32)}
-        entry, ik = "qsa_decode_step", "index_k_cache"
+        rows, entry, ik = kl.shape[0], "qsa_decode_step", "index_k_cache"
+        index_k = ((lay["pool_pages"], 16, 1, spec.index_dim), ikd)
+        ints.update(index_page_table=lay["index_page_table"], seq_lens=kl.astype(np.int32))
     else:
         ql = np.asarray(spec.q_lens, np.int64)
         if ql.shape != kl.shape or (ql > kl).any():
             raise ValueError(f"q_lens {spec.q_lens} must pair with context_lens "
                              f"{spec.context_lens}, each <= its context")
-        t = int(ql.sum())
+        rows, entry, ik = int(ql.sum()), "qsa_prefill_step", "index_k"
         cu_k = I.cu_seqlens_from_counts(kl // I.RATIO)
-        floats = {"q": ((t, spec.hq, spec.d), spec.dtype), "k_cache": kv, "v_cache": kv,
-                  "index_q": ((t, spec.index_heads, spec.index_dim), spec.dtype),
-                  "index_k": ((int(cu_k[-1]), 1, spec.index_dim), ikd)}
-        ints = {"req_to_token": lay["req_to_token"], "req_indices": lay["req_indices"],
-                "index_cu_seqlens_k": cu_k, "cu_seqlens_q": I.cu_seqlens_from_counts(ql),
-                "kv_lens": kl.astype(np.int32)}
+        index_k = ((int(cu_k[-1]), 1, spec.index_dim), ikd)
+        ints.update(index_cu_seqlens_k=cu_k, cu_seqlens_q=I.cu_seqlens_from_counts(ql),
+                    kv_lens=kl.astype(np.int32))
         scalars["max_seqlen_q"] = int(ql.max())
-        entry, ik = "qsa_prefill_step", "index_k"
-    return CaseData(spec, entry, floats, ints, scalars, poison if poison.any() else None,
-                    empty_outputs(entry, ints, spec.hq, spec.hkv, pool,
-                                  rows=floats["q"][0][0]), integer_valued=("index_q", ik))
+    floats = {"q": ((rows, spec.hq, spec.d), spec.dtype), "k_cache": kv, "v_cache": kv,
+              "index_q": ((rows, spec.index_heads, spec.index_dim), spec.dtype), ik: index_k}
+    return CaseData(spec, entry, floats, ints, scalars, _unowned(lay["owned"], spec.hkv),
+                    empty_outputs(entry, ints, spec.hq, spec.hkv, pool, rows=rows),
+                    integer_valued=("index_q", ik))
 
 
 def slot_table_of(named: dict[str, Any]):
-    """The per-request pool slots ``[B, max_context]`` of a ``sparse_prefill_paged`` call given
-    by parameter name (numpy or framework arrays): position p of request b lives in pool slot
-    ``table[b, p]``. The one place that knows how the paged entry point addresses the pool."""
+    """Per-request pool slots [B, max_context] of a ``sparse_prefill_paged`` call by parameter
+    name (numpy or framework arrays): position p of request b lives in slot ``table[b, p]``."""
     rows = named["req_indices"]
     return named["req_to_token"][rows.long() if hasattr(rows, "long") else np.asarray(rows, np.int64)]
-
-
-#: each entry point's FP64 reference (``interop.reference``): the same parameter names, less the
-#: host hints (max_seqlen_*) and the switches that leave the result unchanged (batch_invariant)
-_REFERENCES = {"sparse_decode": R.decode_reference, "sparse_prefill": R.prefill_reference,
-               "sparse_prefill_chunk": R.prefill_chunk_reference,
-               "sparse_prefill_paged": R.prefill_paged_reference,
-               "sparse_decode_paged": R.decode_paged_reference,
-               "indexer_select_decode": R.indexer_select_decode_reference,
-               "indexer_select_prefill": R.indexer_select_prefill_reference,
-               "qsa_decode_step": R.decode_step_reference,
-               "qsa_prefill_step": R.prefill_step_reference}
 
 
 def reference(entry: str, named: dict[str, Any]) -> np.ndarray:
     """The FP64 reference (``interop.reference``) of a call given by parameter name.
 
-    Args:
-      entry: a key of ``PARAMS`` ("sparse_decode", the prefill variants, "sparse_decode_paged",
-        "indexer_select_decode" / "_prefill", "qsa_decode_step" / "qsa_prefill_step").
-      named: every parameter of ``PARAMS[entry]`` as numpy arrays (float values as the kernel
-        sees them, e.g. FP8 already cast to float) or host scalars; missing keyword parameters
-        take their defaults.
-
-    Returns:
-      float64 [rows, Hq, D]; for the indexer (``INDEX_ENTRIES``) int32 [rows, W] token positions.
-
-    Raises:
-      ValueError: unknown entry point.
-    """
-    fn = _REFERENCES.get(entry)
-    if fn is None:
+    ``named``: every parameter of ``PARAMS[entry]`` as numpy arrays (values as the kernel sees them,
+    FP8 already cast) or host scalars; missing keywords take their defaults. Returns float64
+    [rows, Hq, D]; for ``INDEX_ENTRIES`` int32 [rows, W] token positions. Raises ValueError for an
+    unknown entry point."""
+    if entry not in _ENTRIES:
         raise ValueError(f"unknown entry point {entry!r}; known: {', '.join(PARAMS)}")
+    fn = _ENTRIES[entry][1]
     params = inspect.signature(fn).parameters
     return fn(**{k: v for k, v in named.items() if k in params})
 
@@ -1012,17 +911,11 @@ def compare(out: np.ndarray, ref: np.ndarray, empty: np.ndarray | None = None,
             rel_l2_limit: float = REL_L2) -> dict:
     """The pass criteria (``qsa-contract.md`` §6) of one output against the FP64 reference.
 
-    Args:
-      out, ref: float arrays of one shape; empty: bool mask over the leading axes of outputs
-        that must be exactly 0 (or None).
-
-    Returns:
-      {"rel_l2", "max_abs", "allclose", "finite", "zeros_ok", "passed"}: finite output,
-      ``|out - ref| <= ATOL + RTOL |ref|`` elementwise, relative L2 <= ``rel_l2_limit``, exact
-      zeros where ``empty``. An integer ``ref`` (the indexer's token positions) passes only when
-      equal everywhere; ``rel_l2`` is then the fraction of rows that differ and
-      ``mismatched_rows`` their count.
-    """
+    ``empty``: bool mask over the leading axes of outputs that must be exactly 0, or None. Returns
+    {"rel_l2", "max_abs", "allclose", "finite", "zeros_ok", "passed"}: finite, ``|out - ref| <=
+    ATOL + RTOL |ref|``, relative L2 <= ``rel_l2_limit``, exact zeros. An integer ``ref`` (token
+    positions) passes only when equal everywhere (``rel_l2``: the fraction of rows that differ,
+    ``mismatched_rows`` their count)."""
     if np.issubdtype(np.asarray(ref).dtype, np.integer):
         o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
         bad = (o != r).reshape(o.shape[0], -1).any(1) if o.size else np.zeros(0, bool)

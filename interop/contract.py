@@ -1,20 +1,16 @@
-"""The one contract both implementations honour (``qsa-contract.md`` §2-3, §5).
+"""The one contract both implementations honour (``qsa-contract.md`` §2-5).
 
-Every public entry point of ``qsa_triton`` and ``qsa_pallas`` calls one of the ``check_*``
-functions here *before* any launch. The checks see only ``TensorSpec`` values (shape, dtype name,
-device, strides) plus host ints, so the same bad call gives the same ``ContractError`` message
-whether it was made with torch tensors or jax arrays, and this module imports numpy only.
+Every public entry point of ``qsa_triton`` and ``qsa_pallas`` calls a ``check_*`` function here
+*before* any launch. The checks see only ``TensorSpec`` values (shape, dtype name, device,
+strides) and host scalars, so the same bad call gives the same ``ContractError`` (argument,
+expected, got, the qualified envelope) from torch tensors and from jax arrays; numpy only.
 
-Two modes:
-  * default: what the kernels need to be correct (ranks, dtypes, integral GQA group, power-of-two
-    head dim, int32 metadata of the right length on the same device, matching K/V shapes, W >= 1).
-  * ``strict=True``: additionally the qualified envelope of ``qsa-contract.md`` (head pairs, D = 256,
-    1 <= B <= 128, max_seqlen_k <= 2055, max_seqlen_q = 1) that upstream validated and we promise.
-Both modes refuse tensors that require grad: every kernel is forward-only.
-
-Values that live on the device (cu_seqlens contents, indices) are never read here: that would be a
-host sync. ``validate_*`` (the debug validator) reads them on the host, off the hot path.
-"""
+Default mode: what the kernels need to be correct (ranks, dtypes, integral GQA group,
+power-of-two head dim, int32 metadata of the right length on q's device, matching K/V shapes).
+``strict=True`` adds the qualified envelope (``QUALIFIED``: head pairs, D = 256, 1 <= B <= 128,
+max_seqlen_k <= 2055, ...) that upstream validated and we promise. Both refuse tensors that
+require grad (every kernel is forward-only). Device-resident values (cu_seqlens, indices) are
+never read here; the ``validate_*`` debug validators read them on the host, off the hot path."""
 
 from __future__ import annotations
 
@@ -27,36 +23,14 @@ import numpy as np
 from .arch import DeviceFacts
 
 __all__ = [
-    "ContractError",
-    "TensorSpec",
-    "spec_of",
-    "DecodeProblem",
-    "PrefillProblem",
-    "check_decode",
-    "check_prefill",
-    "check_prefill_chunk",
-    "check_prefill_paged",
-    "PagedDecodeProblem",
-    "check_decode_paged",
-    "Route",
-    "route",
-    "exact_contract",
-    "envelope_text",
-    "validate_decode_metadata",
-    "validate_prefill_metadata",
-    "prefill_selection",
-    "QUALIFIED",
-    "QUALIFIED_INDEXER",
-    "IndexerProblem",
-    "check_indexer_decode",
-    "check_indexer_prefill",
-    "check_expand_block_indices",
-    "validate_indexer_decode_metadata",
-    "validate_indexer_prefill_metadata",
-    "check_decode_step",
-    "check_prefill_step",
-    "DECODE_STEP_DOC",
-    "PREFILL_STEP_DOC",
+    "ContractError", "TensorSpec", "spec_of", "DecodeProblem", "PrefillProblem", "check_decode",
+    "check_prefill", "check_prefill_chunk", "check_prefill_paged", "PagedDecodeProblem",
+    "check_decode_paged", "Route", "route", "exact_contract", "envelope_text",
+    "validate_decode_metadata", "validate_prefill_metadata", "prefill_selection", "QUALIFIED",
+    "QUALIFIED_INDEXER", "IndexerProblem", "check_indexer_decode", "check_indexer_prefill",
+    "check_expand_block_indices", "validate_indexer_decode_metadata",
+    "validate_indexer_prefill_metadata", "check_decode_step", "check_prefill_step",
+    "DECODE_STEP_DOC", "PREFILL_STEP_DOC",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -103,14 +77,13 @@ def envelope_text(fn: str = "sparse_decode") -> str:
     if fn.startswith(("indexer", "expand_block")):
         return _indexer_envelope_text()
     q = QUALIFIED
+    pairs = ", ".join(f"({a},{b})" for a, b in q["head_pairs"])
     if "decode_paged" in fn:
-        pairs = ", ".join(f"({a},{b})" for a, b in q["head_pairs"])
         (rlo, rhi), (wlo, whi) = q["paged_rows"], q["paged_width"]
         return (f"q bf16|fp16, pool q's dtype or fp8 e4m3, D={q['head_dim']}, (Hq,Hkv) in "
                 f"{{{pairs}}} ((3,1) too in default mode), {rlo}<=R<={rhi} rows (128 requests x "
                 f"4 MTP verify rows), indices int32 [R,W] or [R,Hkv,W] with {wlo}<=W<={whi}")
     if "decode" in fn or "flash_attn" in fn:
-        pairs = ", ".join(f"({a},{b})" for a, b in q["head_pairs"])
         return (f"dtype bf16|fp16, D={q['head_dim']}, (Hq,Hkv) in {{{pairs}}}, "
                 f"{q['batch'][0]}<=B<={q['batch'][1]}, 1<=max_seqlen_k<={q['max_seqlen_k']}, "
                 f"max_seqlen_q=1")
@@ -126,14 +99,10 @@ class TensorSpec:
     """Framework-free description of one tensor.
 
     Attributes:
-      shape: sizes, elements.
-      dtype: canonical dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``, ``"int32"``,
-        ``"int64"``, ``"float8_e4m3fn"``, ...), the same for torch and jax.
-      device: ``"cpu"`` or ``"cuda"`` (jax's ``"gpu"`` platform maps to ``"cuda"``).
-      index: device ordinal, or None when unknown (jax arrays under tracing).
-      strides: element strides, or None when the framework does not expose them (jax: row-major).
-      requires_grad: a torch tensor that records autograd history (the kernels are forward-only,
-        so the checks refuse it); always False for jax and numpy arrays.
+      shape: sizes. dtype: canonical name ("bfloat16", "int32", "float8_e4m3fn", ...), the same
+        for torch and jax. device: "cpu" or "cuda" (jax's "gpu" maps to "cuda"); index: its
+        ordinal or None (jax tracers). strides: element strides, or None (jax: row-major).
+      requires_grad: a torch tensor recording autograd history (refused); False for jax, numpy.
     """
 
     shape: tuple[int, ...]
@@ -143,28 +112,16 @@ class TensorSpec:
     strides: tuple[int, ...] | None = None
     requires_grad: bool = False
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def where(self) -> str:
-        return self.device if self.index is None else f"{self.device}:{self.index}"
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    ndim = property(lambda self: len(self.shape))
+    numel = property(lambda self: math.prod(self.shape))
+    where = property(lambda s: s.device if s.index is None else f"{s.device}:{s.index}")
 
     def is_contiguous(self) -> bool:
         # A zero-size tensor holds nothing to address: any strides pass (issue 16 item 4; a
         # T = 0 tensor built from numpy can report strides [0, 0, 0]).
         if self.strides is None or self.numel == 0:
             return True
-        expected, acc = [], 1
-        for size in reversed(self.shape):
-            expected.append(acc)
-            acc *= max(size, 1)
-        expected.reverse()
+        expected = np.cumprod((1,) + tuple(max(n, 1) for n in self.shape[:0:-1]))[::-1]
         return all(s == e or n == 1 for s, e, n in zip(self.strides, expected, self.shape))
 
     def __str__(self) -> str:
@@ -173,19 +130,18 @@ class TensorSpec:
     @classmethod
     def from_torch(cls, t) -> "TensorSpec":
         """Spec of a torch tensor (no torch import: duck-typed)."""
-        dtype = str(t.dtype).removeprefix("torch.")
         dev = t.device
-        return cls(tuple(int(s) for s in t.shape), dtype, str(dev.type), dev.index,
-                   tuple(int(s) for s in t.stride()), bool(t.requires_grad))
+        return cls(tuple(int(s) for s in t.shape), str(t.dtype).removeprefix("torch."),
+                   str(dev.type), dev.index, tuple(int(s) for s in t.stride()),
+                   bool(t.requires_grad))
 
     @classmethod
     def from_jax(cls, a) -> "TensorSpec":
         """Spec of a jax array or tracer / ShapeDtypeStruct (no jax import: duck-typed)."""
-        dtype = np.dtype(a.dtype).name if not hasattr(a.dtype, "name") else a.dtype.name
+        dtype = a.dtype.name if hasattr(a.dtype, "name") else np.dtype(a.dtype).name
         device, index = "cpu", None
-        devices = None
         try:
-            devices = a.devices() if hasattr(a, "devices") and callable(a.devices) else None
+            devices = a.devices() if callable(getattr(a, "devices", None)) else None
         except Exception:  # noqa: BLE001 - tracers raise; they carry no device
             devices = None
         if devices:
@@ -194,8 +150,7 @@ class TensorSpec:
             # cpu ordinals are meaningless across frameworks (torch reports none): drop them
             index = int(d.id) if len(devices) == 1 and device != "cpu" else None
         else:
-            sharding = getattr(a, "sharding", None)
-            kinds = getattr(sharding, "_device_assignment", None) if sharding is not None else None
+            kinds = getattr(getattr(a, "sharding", None), "_device_assignment", None)
             if kinds:
                 device = "cuda" if kinds[0].platform in ("gpu", "cuda") else kinds[0].platform
             else:
@@ -217,7 +172,8 @@ def _jax_default_platform() -> str:
 
 
 def spec_of(x: Any) -> TensorSpec:
-    """TensorSpec of a torch tensor, a jax array / tracer, a numpy array, or a TensorSpec."""
+    """TensorSpec of a torch tensor, a jax array / tracer, a numpy array or a TensorSpec; raises
+    TypeError for anything else."""
     if isinstance(x, TensorSpec):
         return x
     mod = type(x).__module__
@@ -269,12 +225,12 @@ class PrefillProblem:
 
 
 class _Checker:
-    """Collects the context (entry point name, mode) for the error messages."""
+    """The checks every entry point shares, one method per kind of check; carries the context
+    (entry point name, mode) of the error messages."""
 
     def __init__(self, fn: str, strict: bool):
         self.fn, self.strict = fn, False
-        if not isinstance(strict, (bool, np.bool_)):  # every entry point's strict, checked once
-            self.fail("strict", "a host bool", type(strict).__name__)
+        self.host_bool("strict", strict)  # every entry point's strict, checked once
         self.strict = bool(strict)
 
     def fail(self, arg: str, expected: str, got: Any):
@@ -290,6 +246,10 @@ class _Checker:
                       "call them under torch.no_grad() or pass .detach())", "requires_grad=True")
         return s
 
+    def specs(self, **named: Any) -> list[TensorSpec]:
+        """``spec`` of each argument, in order (so the first bad one is reported)."""
+        return [self.spec(name, x) for name, x in named.items()]
+
     def rank(self, name: str, s: TensorSpec, ndim: int | tuple[int, ...], what: str):
         ok = (ndim,) if isinstance(ndim, int) else ndim
         if s.ndim not in ok:
@@ -299,7 +259,11 @@ class _Checker:
         if s.dtype not in allowed:
             self.fail(name, f"dtype in {{{', '.join(allowed)}}}", s.dtype)
 
-    def same_device(self, name: str, s: TensorSpec, ref: TensorSpec, ref_name: str):
+    def rows(self, name: str, s: TensorSpec, n: int, why: str):
+        if s.shape[0] != n:
+            self.fail(name, f"{n} rows ({why})", f"{s.shape[0]} rows")
+
+    def same_device(self, name: str, s: TensorSpec, ref: TensorSpec, ref_name: str = "q"):
         if s.device != ref.device or (s.index is not None and ref.index is not None and s.index != ref.index):
             self.fail(name, f"a tensor on {ref_name}'s device ({ref.where})", s.where)
 
@@ -308,21 +272,57 @@ class _Checker:
         if s.strides is not None and s.ndim and s.numel and s.shape[-1] > 1 and s.strides[-1] != 1:
             self.fail(name, "unit stride in the last dimension", f"strides {list(s.strides)}")
 
-    def metadata(self, name: str, s: TensorSpec, length: int | None, ref: TensorSpec, ref_name: str):
+    def contiguous(self, name: str, s: TensorSpec):
+        if not s.is_contiguous():
+            self.fail(name, "a contiguous tensor", f"strides {list(s.strides)}")
+
+    def metadata(self, name: str, x: Any, length: int | None, ref: TensorSpec, ref_name: str = "q"
+                 ) -> TensorSpec:
+        """int32 [length] (any length when None), contiguous, on ref's device."""
+        s = self.spec(name, x)
         self.rank(name, s, 1, "of int32 metadata")
         self.dtype(name, s, ("int32",))
         if length is not None and s.shape[0] != length:
             self.fail(name, f"length {length}", f"length {s.shape[0]}")
         self.same_device(name, s, ref, ref_name)
-        if not s.is_contiguous():
-            self.fail(name, "a contiguous tensor", f"strides {list(s.strides)}")
+        self.contiguous(name, s)
+        return s
 
-    def no_grad(self, name: str, x: Any):
-        # the kernels have no backward: an input that asks for gradients is refused, not
-        # silently detached (duck-typed: jax arrays have no requires_grad)
-        if bool(getattr(x, "requires_grad", False)):
-            self.fail(name, "a tensor with requires_grad=False (these kernels have no backward; "
-                      "call under torch.no_grad() or .detach() the input)", "requires_grad=True")
+    def cu_seqlens(self, name: str, x: Any, ref: TensorSpec) -> int:
+        """int32 [B + 1] metadata with B >= 1; returns B."""
+        s = self.metadata(name, x, None, ref)
+        if s.shape[0] < 2:
+            self.fail(name, "length B + 1 >= 2", f"length {s.shape[0]}")
+        return s.shape[0] - 1
+
+    def table(self, name: str, s: TensorSpec, what: str, ref: TensorSpec):
+        """A 2-D int32 table (``req_to_token``) on ref's device, unit last stride."""
+        self.rank(name, s, 2, what)
+        self.dtype(name, s, ("int32",))
+        self.same_device(name, s, ref)
+        self.last_dim_contiguous(name, s)
+
+    def indices(self, name: str, s: TensorSpec, rows: int, hkv: int, ref: TensorSpec, sym: str,
+                what: str, meaning: str, width: tuple[int, int | None] | None) -> int:
+        """int32 [rows, W] or [rows, Hkv, W] (``sym`` names the rows), W in ``width`` (lo, hi or
+        None) when given, on ref's device, unit last stride; returns W."""
+        self.rank(name, s, (2, 3), what)
+        if s.dtype != "int32":
+            self.fail(name, f"dtype int32 ({meaning})", s.dtype)
+        self.rows(name, s, rows, f"q's {sym}")
+        if s.ndim == 3 and s.shape[1] != hkv:
+            self.fail(name, f"[{sym}, Hkv={hkv}, W]", f"shape {list(s.shape)}")
+        w = s.shape[-1]
+        if width is not None and not (width[0] <= w and (width[1] is None or w <= width[1])):
+            self.fail(name, f"W >= {width[0]} index columns" if width[1] is None else
+                      f"W in [{width[0]}, {width[1]}] index columns", f"W = {w}")
+        self.same_device(name, s, ref)
+        self.last_dim_contiguous(name, s)
+        return w
+
+    def host_bool(self, name: str, value: Any):
+        if not isinstance(value, (bool, np.bool_)):
+            self.fail(name, "a host bool", type(value).__name__)
 
     def host_int(self, name: str, value: Any, lo: int, hi: int | None, hi_note: str = ""):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -344,6 +344,18 @@ class _Checker:
             self.fail(name, "a finite float > 0", value)
         return value
 
+    def scales(self, qs: TensorSpec, ks: TensorSpec, softmax_scale, k_scale, v_scale, pool: bool):
+        """(softmax_scale or D ** -0.5, k_scale, v_scale); the K/V scales must be 1.0 unless K/V
+        (``pool``: the pool) are FP8."""
+        scale = self.scalar("softmax_scale", softmax_scale, default=qs.shape[2] ** -0.5)
+        ksc, vsc = self.scalar("k_scale", k_scale), self.scalar("v_scale", v_scale)
+        if ks.dtype == qs.dtype and (ksc != 1.0 or vsc != 1.0):
+            self.fail("k_scale", "k_scale = v_scale = 1.0 unless "
+                      f"{'the pool is' if pool else 'K/V are'} float8_e4m3fn",
+                      f"k_scale={ksc}, v_scale={vsc} with "
+                      + (f"a {ks.dtype} pool" if pool else f"{ks.dtype} K/V"))
+        return scale, ksc, vsc
+
     def heads(self, hq: int, hkv: int, q_name: str, kv_name: str, pairs):
         if hkv < 1 or hq % hkv != 0:
             self.fail(kv_name, f"a KV head count dividing the {hq} query heads of '{q_name}'",
@@ -360,8 +372,8 @@ class _Checker:
         """q [rows, Hq, D] against its K and V [*, Hkv, D], in this order: ranks, dtypes (K in
         ``kv_dtypes``, V as K), equal K/V shapes, head dim, GQA group (strict: (Hq, Hkv) in
         ``QUALIFIED[pairs]``), the row count (``rows`` = (QUALIFIED key, what the rows are, their
-        symbol): >= 1, strict: in that range), last dims contiguous, K and V on q's device. Returns (rows, Hq,
-        D, group)."""
+        symbol): >= 1, strict: in that range), last dims contiguous, K and V on q's device.
+        Returns (rows, Hq, D, group)."""
         self.rank("q", qs, 3, q_shape)
         self.dtype("q", qs, _FLOAT_DTYPES)
         self.rank(k, ks, 3, kv_shape)
@@ -382,15 +394,15 @@ class _Checker:
                           f"{sym} = {n}")
         for name, x in (("q", qs), (k, ks), (v, vs)):
             self.last_dim_contiguous(name, x)
-        self.same_device(k, ks, qs, "q")
-        self.same_device(v, vs, qs, "q")
+        self.same_device(k, ks, qs)
+        self.same_device(v, vs, qs)
         return n, hq, d, group
 
-    def head_dim(self, name: str, d: int):
+    def head_dim(self, name: str, d: int, strict_d: int | None = QUALIFIED["head_dim"]):
         if d not in _HEAD_DIMS:
             self.fail(name, f"head dim D in {_HEAD_DIMS} (a power of two 32..256)", d)
-        if self.strict and d != QUALIFIED["head_dim"]:
-            self.fail(name, f"head dim D = {QUALIFIED['head_dim']}", d)
+        if self.strict and strict_d is not None and d != strict_d:
+            self.fail(name, f"head dim D = {strict_d}", d)
 
 
 def check_decode(
@@ -401,66 +413,49 @@ def check_decode(
     """Check a packed varlen decode call (``qsa-contract.md`` §2) before any launch.
 
     Args:
-      q: [B, Hq, D] bf16|fp16.
-      k, v: [C, Hkv, D], q's dtype, q's device; C = capacity (rows), any size.
+      q: [B, Hq, D] bf16|fp16. k, v: [C, Hkv, D] q's dtype, on q's device, any capacity C.
       cu_seqlens_q, cu_seqlens_k: int32 [B + 1], contiguous, on q's device (contents not read).
-      max_seqlen_k: host int >= 1, static upper bound of any row's key count.
-      softmax_scale: host float > 0, or None for D ** -0.5.
-      max_seqlen_q: host int; must be 1 (decode has one query row per sequence).
-      strict: also enforce the qualified envelope.
-      fn: entry point name used in messages.
-      batch_invariant: host bool (``qsa-contract.md`` §2c; only its type is checked here).
+      max_seqlen_k: host int >= 1, static bound of a row's keys. softmax_scale: host float > 0, or
+        None for D ** -0.5. max_seqlen_q: host int, must be 1. batch_invariant: host bool (§2c).
+      strict: also the qualified envelope. fn: the entry point named in messages.
 
-    Returns:
-      DecodeProblem with the sizes and the resolved scale.
-
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope.
+    Returns DecodeProblem; raises ContractError (argument, expected, got, envelope).
     """
     c = _Checker(fn, strict)
-    if not isinstance(batch_invariant, (bool, np.bool_)):
-        c.fail("batch_invariant", "a host bool", type(batch_invariant).__name__)
-    qs, ks, vs = c.spec("q", q), c.spec("k", k), c.spec("v", v)
-    cq, ck = c.spec("cu_seqlens_q", cu_seqlens_q), c.spec("cu_seqlens_k", cu_seqlens_k)
+    c.host_bool("batch_invariant", batch_invariant)
+    qs, ks, vs, cq, ck = c.specs(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+                                 cu_seqlens_k=cu_seqlens_k)
     b, hq, d, group = c.q_kv(qs, ks, vs, "k", "v", "[B, Hq, D]", "[C, Hkv, D]", (qs.dtype,),
                              rows=("batch", "batch B", "B"))
-    c.metadata("cu_seqlens_q", cq, b + 1, qs, "q")
-    c.metadata("cu_seqlens_k", ck, b + 1, qs, "q")
+    c.metadata("cu_seqlens_q", cq, b + 1, qs)
+    c.metadata("cu_seqlens_k", ck, b + 1, qs)
     c.host_int("max_seqlen_q", max_seqlen_q, 1, 1, " (decode: one query row per sequence)")
     msk = c.host_int("max_seqlen_k", max_seqlen_k, 1, QUALIFIED["max_seqlen_k"] if strict else None)
     scale = c.scalar("softmax_scale", softmax_scale, default=d ** -0.5)
     return DecodeProblem(b, hq, ks.shape[1], group, d, ks.shape[0], msk, scale, qs.dtype)
 
 
-def _check_indices(c: _Checker, ids: TensorSpec, t: int, hkv: int, qs: TensorSpec,
-                   name: str = "indices") -> tuple[int, bool]:
-    # name "block_indices": the indexer's block ids (block-level selection), same layout rules
+def _check_prefill(kind: str, fn: str, strict, q, k, v, indices, indices_name: str, kv_names,
+                   meta, max_seqlen_q, softmax_scale, k_scale, v_scale) -> PrefillProblem:
+    """The three prefill checks: q/K/V and the indices (``indices_name``: "indices", or
+    "block_indices" for the indexer's block ids), then ``meta(checker, q's spec, K's spec)``
+    (the variant's metadata; returns B), then the host scalars."""
+    c = _Checker(fn, strict)
+    (kn, vn), ordinary = kv_names, kind == "ordinary"
+    qs, ks, vs, ids = c.specs(**{"q": q, kn: k, vn: v, indices_name: indices})
+    t, _, _, group = c.q_kv(qs, ks, vs, kn, vn, "[T, Hq, D]", "[rows, Hkv, D]",
+                            (qs.dtype,) + (() if ordinary else _FP8_DTYPES),
+                            pairs="prefill_head_pairs")
     what = ("request-relative token positions, invalid entries negative or >= len"
-            if name == "indices" else "row-relative block ids, invalid ids negative or >= the "
-            "row's visible blocks")
-    c.rank(name, ids, (2, 3), "[T, W] or [T, Hkv, W]")
-    if ids.dtype not in ("int32",):
-        c.fail(name, f"dtype int32 ({what})", ids.dtype)
-    if ids.shape[0] != t:
-        c.fail(name, f"{t} rows (q's T)", f"{ids.shape[0]} rows")
-    if ids.ndim == 3 and ids.shape[1] != hkv:
-        c.fail(name, f"[T, Hkv={hkv}, W]", f"shape {list(ids.shape)}")
-    w = ids.shape[-1]
-    if w < 1:
-        c.fail(name, "W >= 1 index columns", f"W = {w}")
-    c.same_device(name, ids, qs, "q")
-    c.last_dim_contiguous(name, ids)
-    return w, ids.ndim == 3
-
-
-def _check_prefill_common(c: _Checker, q, k, v, indices, kv_dtypes, k_name="k", v_name="v",
-                          indices_name="indices"):
-    qs, ks, vs = c.spec("q", q), c.spec(k_name, k), c.spec(v_name, v)
-    ids = c.spec(indices_name, indices)
-    t, _, _, group = c.q_kv(qs, ks, vs, k_name, v_name, "[T, Hq, D]", "[rows, Hkv, D]",
-                            (qs.dtype,) + tuple(kv_dtypes), pairs="prefill_head_pairs")
-    w, per_head = _check_indices(c, ids, t, ks.shape[1], qs, indices_name)
-    return qs, ks, w, per_head, group
+            if indices_name == "indices" else "row-relative block ids, invalid ids negative or >= "
+            "the row's visible blocks")
+    w = c.indices(indices_name, ids, t, ks.shape[1], qs, "T", "[T, W] or [T, Hkv, W]", what,
+                  (1, None))
+    b = meta(c, qs, ks)
+    msq = c.host_int("max_seqlen_q", max_seqlen_q, 1, None)
+    scale, ksc, vsc = c.scales(qs, ks, softmax_scale, k_scale, v_scale, pool=False)
+    return PrefillProblem(kind, t, b, qs.shape[1], ks.shape[1], group, qs.shape[2], w,
+                          ids.ndim == 3, msq, scale, ksc, vsc, qs.dtype, ks.dtype)
 
 
 def check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
@@ -469,30 +464,20 @@ def check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None
     """Check an ordinary sparse prefill call (``qsa-contract.md`` §3) before any launch.
 
     Args:
-      q: [T, Hq, D] bf16|fp16; k, v: [T, Hkv, D] this forward's new K/V, packed like q, q's dtype.
-      indices: int32 [T, W] or [T, Hkv, W], request-relative positions; valid iff 0 <= idx < len.
-      cu_seqlens: int32 [B + 1] on q's device.
-      max_seqlen_q: host int >= 1, the longest request (grid bound).
-      softmax_scale: host float > 0 or None for D ** -0.5.
-      indices_name: "indices", or "block_indices" when ``indices`` holds the indexer's block ids
-        (the block-level form of the entry points; same layout rules, W = NB).
+      q: [T, Hq, D] bf16|fp16; k, v: [T, Hkv, D] this forward's K/V, packed like q, q's dtype.
+      indices: int32 [T, W] or [T, Hkv, W] request-relative positions, valid iff 0 <= idx < len.
+      cu_seqlens: int32 [B + 1] on q's device. max_seqlen_q: host int >= 1 (grid bound).
+      softmax_scale: host float > 0 or None (D ** -0.5). indices_name: "indices", or
+        "block_indices" when ``indices`` holds the indexer's block ids (same layout, W = NB).
 
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope.
+    Returns PrefillProblem; raises ContractError (argument, expected, got, envelope).
     """
-    c = _Checker(fn, strict)
-    qs, ks, w, per_head, group = _check_prefill_common(c, q, k, v, indices, (),
-                                                       indices_name=indices_name)
-    if ks.shape[0] != qs.shape[0]:
-        c.fail("k", f"{qs.shape[0]} rows (packed like q)", f"{ks.shape[0]} rows")
-    cu = c.spec("cu_seqlens", cu_seqlens)
-    c.metadata("cu_seqlens", cu, None, qs, "q")
-    if cu.shape[0] < 2:
-        c.fail("cu_seqlens", "length B + 1 >= 2", f"length {cu.shape[0]}")
-    msq = c.host_int("max_seqlen_q", max_seqlen_q, 1, None)
-    scale = c.scalar("softmax_scale", softmax_scale, default=qs.shape[2] ** -0.5)
-    return PrefillProblem("ordinary", qs.shape[0], cu.shape[0] - 1, qs.shape[1], ks.shape[1], group,
-                          qs.shape[2], w, per_head, msq, scale, 1.0, 1.0, qs.dtype, ks.dtype)
+    def meta(c, qs, ks):
+        c.rows("k", ks, qs.shape[0], "packed like q")
+        return c.cu_seqlens("cu_seqlens", cu_seqlens, qs)
+
+    return _check_prefill("ordinary", fn, strict, q, k, v, indices, indices_name, ("k", "v"), meta,
+                          max_seqlen_q, softmax_scale, 1.0, 1.0)
 
 
 def check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
@@ -502,31 +487,24 @@ def check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, m
     """Check a chunk sparse prefill call (``qsa-contract.md`` §3) before any launch.
 
     Args:
-      q: [T, Hq, D] bf16|fp16.
-      k, v: [Ck, Hkv, D] each request's full context packed (rows cu_seqlens_k[b]..), q's dtype or
-        float8_e4m3fn (then ``k_scale`` multiplies the scores, ``v_scale`` the P·V output).
-      indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b].
-      cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B]; all on q's device.
-      max_seqlen_q: host int >= 1.
-      softmax_scale, k_scale, v_scale: host floats > 0 (softmax_scale None -> D ** -0.5).
-      indices_name: as ``check_prefill``.
+      q: [T, Hq, D] bf16|fp16. k, v: [Ck, Hkv, D] each request's context packed (rows
+        cu_seqlens_k[b]..), q's dtype or float8_e4m3fn (``k_scale`` scales the scores, ``v_scale``
+        the P·V output; both host floats > 0, 1.0 unless FP8).
+      indices: int32 [T, W] or [T, Hkv, W], valid iff 0 <= idx < kv_lens[b].
+      cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
+      max_seqlen_q, softmax_scale, indices_name: as ``check_prefill``.
 
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope.
+    Returns PrefillProblem; raises ContractError (argument, expected, got, envelope).
     """
-    c = _Checker(fn, strict)
-    qs, ks, w, per_head, group = _check_prefill_common(c, q, k, v, indices, _FP8_DTYPES,
-                                                       indices_name=indices_name)
-    cq, ck, kl = (c.spec("cu_seqlens_q", cu_seqlens_q), c.spec("cu_seqlens_k", cu_seqlens_k),
-                  c.spec("kv_lens", kv_lens))
-    c.metadata("cu_seqlens_q", cq, None, qs, "q")
-    if cq.shape[0] < 2:
-        c.fail("cu_seqlens_q", "length B + 1 >= 2", f"length {cq.shape[0]}")
-    b = cq.shape[0] - 1
-    c.metadata("cu_seqlens_k", ck, b + 1, qs, "q")
-    c.metadata("kv_lens", kl, b, qs, "q")
-    return _prefill_tail(c, "chunk", qs, ks, w, per_head, group, b, max_seqlen_q, softmax_scale,
-                         k_scale, v_scale)
+    def meta(c, qs, _):
+        c.specs(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, kv_lens=kv_lens)
+        b = c.cu_seqlens("cu_seqlens_q", cu_seqlens_q, qs)
+        c.metadata("cu_seqlens_k", cu_seqlens_k, b + 1, qs)
+        c.metadata("kv_lens", kv_lens, b, qs)
+        return b
+
+    return _check_prefill("chunk", fn, strict, q, k, v, indices, indices_name, ("k", "v"), meta,
+                          max_seqlen_q, softmax_scale, k_scale, v_scale)
 
 
 def check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
@@ -536,51 +514,36 @@ def check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
     """Check a paged sparse prefill call (``qsa-contract.md`` §3) before any launch.
 
     Args:
-      q: [T, Hq, D] bf16|fp16.
-      k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or float8_e4m3fn.
-      req_to_token: int32 [max_reqs, max_context]; position p of the request in row r lives in
-        pool slot req_to_token[r, p] (SGLang's table, shared with ``sparse_decode_paged``).
-      req_indices: int32 [B]; request b uses row req_indices[b] of req_to_token.
-      indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b] (and, as the kernels
-        clamp lying metadata, idx < max_context, req_indices[b] < max_reqs, slot in the pool).
+      q: [T, Hq, D] bf16|fp16. k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or FP8.
+      req_to_token: int32 [max_reqs, max_context], position p of table row r -> pool slot (SGLang's
+        table). req_indices: int32 [B], the table row of request b.
+      indices: int32 [T, W] or [T, Hkv, W], valid iff 0 <= idx < kv_lens[b] (and idx <
+        max_context, req_indices[b] < max_reqs, slot in the pool: the kernels clamp lying metadata).
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
-      max_seqlen_q: host int >= 1.
-      indices_name: as ``check_prefill``.
+      max_seqlen_q, softmax_scale, k_scale, v_scale, indices_name: as ``check_prefill_chunk``.
 
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope.
+    Returns PrefillProblem; raises ContractError (argument, expected, got, envelope).
     """
-    c = _Checker(fn, strict)
-    qs, ks, w, per_head, group = _check_prefill_common(c, q, k_cache, v_cache, indices, _FP8_DTYPES,
-                                                       "k_cache", "v_cache", indices_name)
-    cq, kl = c.spec("cu_seqlens_q", cu_seqlens_q), c.spec("kv_lens", kv_lens)
-    c.metadata("cu_seqlens_q", cq, None, qs, "q")
-    if cq.shape[0] < 2:
-        c.fail("cu_seqlens_q", "length B + 1 >= 2", f"length {cq.shape[0]}")
-    b = cq.shape[0] - 1
-    c.metadata("kv_lens", kl, b, qs, "q")
-    c.metadata("req_indices", c.spec("req_indices", req_indices), b, qs, "q")
-    rt = c.spec("req_to_token", req_to_token)
-    c.rank("req_to_token", rt, 2, "[max_reqs, max_context] of int32 pool slots")
-    c.dtype("req_to_token", rt, ("int32",))
-    c.same_device("req_to_token", rt, qs, "q")
-    c.last_dim_contiguous("req_to_token", rt)
-    return _prefill_tail(c, "paged", qs, ks, w, per_head, group, b, max_seqlen_q, softmax_scale,
-                         k_scale, v_scale)
+    def meta(c, qs, _):
+        c.specs(cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens)
+        b = c.cu_seqlens("cu_seqlens_q", cu_seqlens_q, qs)
+        c.metadata("kv_lens", kv_lens, b, qs)
+        c.metadata("req_indices", req_indices, b, qs)
+        c.table("req_to_token", c.spec("req_to_token", req_to_token),
+                "[max_reqs, max_context] of int32 pool slots", qs)
+        return b
+
+    return _check_prefill("paged", fn, strict, q, k_cache, v_cache, indices, indices_name,
+                          ("k_cache", "v_cache"), meta, max_seqlen_q, softmax_scale, k_scale,
+                          v_scale)
 
 
 def prefill_selection(fn: str, indices, block_indices, overlap) -> tuple[str, Any, float | None]:
-    """Which selection a prefill call passes (both backends' entry points): token ``indices``,
-    or ``indices=None`` with the indexer's ``block_indices=`` (the block-level form,
-    ``interop.indices.expand_prefill_blocks``); ``overlap`` (the engine's neighbour-Jaccard hint
-    for the kernel selector) only with ``block_indices``, None or a host float in [0, 1].
-
-    Returns:
-      ("indices" | "block_indices", the selection, overlap as a float or None).
-
-    Raises:
-      ContractError: both or neither selection given, or a bad ``overlap``.
-    """
+    """Which selection a prefill call passes: token ``indices``, or ``indices=None`` with the
+    indexer's ``block_indices=`` (``interop.indices.expand_prefill_blocks``); ``overlap`` (the
+    engine's neighbour-Jaccard hint for the kernel selector, None or a host float in [0, 1]) only
+    with ``block_indices``. Returns ("indices" | "block_indices", the selection, overlap or None);
+    raises ContractError for both or neither selection, or a bad ``overlap``."""
     if (indices is None) == (block_indices is None):
         raise ContractError(fn, "indices", "token indices, or indices=None and block_indices= "
                             "(exactly one selection)",
@@ -597,33 +560,15 @@ def prefill_selection(fn: str, indices, block_indices, overlap) -> tuple[str, An
     return "block_indices", block_indices, float(overlap)
 
 
-def _prefill_tail(c, kind, qs, ks, w, per_head, group, b, max_seqlen_q, softmax_scale, k_scale,
-                  v_scale) -> PrefillProblem:
-    msq = c.host_int("max_seqlen_q", max_seqlen_q, 1, None)
-    scale = c.scalar("softmax_scale", softmax_scale, default=qs.shape[2] ** -0.5)
-    ksc = c.scalar("k_scale", k_scale)
-    vsc = c.scalar("v_scale", v_scale)
-    if ks.dtype == qs.dtype and (ksc != 1.0 or vsc != 1.0):
-        c.fail("k_scale", "k_scale = v_scale = 1.0 unless K/V are float8_e4m3fn",
-               f"k_scale={ksc}, v_scale={vsc} with {ks.dtype} K/V")
-    return PrefillProblem(kind, qs.shape[0], b, qs.shape[1], ks.shape[1], group, qs.shape[2], w,
-                          per_head, msq, scale, ksc, vsc, qs.dtype, ks.dtype)
-
-
 # --------------------------------------------------------------------------------------------
 # Arch routing (qsa-contract.md §5).
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """Which kernel family and geometry source applies to one (device, op) pair.
-
-    Attributes:
-      op: "decode" | "prefill" | "prefill_chunk" | "prefill_paged".
-      kernel: kernel family name ("qsa.decode.splitkv", "qsa.prefill", or "refused").
-      geometry: geometry source ("sm90-table", "l20-table", "h20-table", "sm120-tuned-or-table",
-        "decode-heuristic").
-      exact_contract: True when only the strict envelope may run (SM121 decode).
-      reason: one line a human can read.
-    """
+    """Which kernel family and geometry source one (device, op) pair gets: ``op`` ("decode",
+    "prefill", "prefill_chunk", "prefill_paged"), ``kernel`` ("qsa.decode.splitkv", "qsa.prefill"),
+    ``geometry`` ("sm90-table", "l20-table", "h20-table", "sm120-tuned-or-table",
+    "decode-heuristic"), ``exact_contract`` (only the strict envelope may run: sm_121 decode) and a
+    human-readable ``reason``."""
 
     op: str
     kernel: str
@@ -633,16 +578,12 @@ class Route:
 
 
 def route(facts: DeviceFacts, op: str) -> Route:
-    """Routing per arch.
+    """Routing per arch (``qsa-contract.md`` §5).
 
-    SM121 decode: exact (strict) contract only, as upstream gates its packed kernel on exact
-    (12, 1) - a family "SM12x" gate caused silent corruption upstream (qsa-contract.md §5).
-    SM120 prefill: upstream's tuned family only on the 188-SM part (Triton >= 3.7), else the L20
-    table. SM90: our own measured table. Anything else: the L20 table (upstream's default).
-
-    Raises:
-      ValueError: unknown op.
-    """
+    sm_121 decode: the exact (strict) contract only, as upstream gates its packed kernel on exact
+    (12, 1) (a family "SM12x" gate corrupted results upstream). sm_120 prefill: upstream's tuned
+    family only on the 188-SM part, else the L20 table; H20: its table; sm_90: our measured table;
+    anything else: the L20 table (upstream's default). Raises ValueError for an unknown op."""
     ops = ("decode", "prefill", "prefill_chunk", "prefill_paged")
     if op not in ops:
         raise ValueError(f"route: op must be one of {ops}, got {op!r}")
@@ -664,8 +605,6 @@ def route(facts: DeviceFacts, op: str) -> Route:
                          "sm_120 188-SM part: upstream tuned family within its gates, else L20 table")
         return Route(op, kernel, "l20-table", False,
                      f"sm_120 with {facts.sm_count} SMs: tuned family is qualified on 188 SMs only")
-    if "H20" in facts.name and "H200" not in facts.name:
-        return Route(op, kernel, "h20-table", False, "H20: upstream's H20 table")
     return Route(op, kernel, "l20-table", False, f"{facts.arch}: upstream's default (L20) table")
 
 
@@ -690,12 +629,9 @@ def validate_decode_metadata(cu_seqlens_q, cu_seqlens_k, capacity: int, max_seql
                              batch: int | None = None, fn: str = "sparse_decode") -> None:
     """Check decode metadata contents (host sync; debug only).
 
-    Raises:
-      ContractError: cu_seqlens not starting at 0 / decreasing, a row longer than max_seqlen_k
-        (the kernels still compute such a row completely — the bound only sizes the split grid —
-        but a declared bound the data breaks is a caller bug this debug check reports), rows past
-        the K/V capacity, query rows out of range.
-    """
+    Raises ContractError: cu_seqlens not starting at 0 or decreasing, a row longer than
+    max_seqlen_k (the kernels still compute it, the bound only sizes the split grid, but the data
+    breaks the declared bound), rows past the K/V capacity, query rows out of range."""
     c = _Checker(fn, False)
     cq, ck = _np(cu_seqlens_q).astype(np.int64), _np(cu_seqlens_k).astype(np.int64)
     for name, cu in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
@@ -722,19 +658,11 @@ def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, req_to_
                               flag_duplicates: bool = False, fn: str = "sparse_prefill") -> dict:
     """Check prefill metadata contents (host sync; debug only).
 
-    ``lens`` is the validity bound per request: the request length (ordinary; pass None to derive
-    it from cu_seqlens_q) or kv_lens (chunk/paged). Checks: non-decreasing cu_seqlens_q, the
-    valid-first layout (no valid entry after an invalid one), no valid entry beyond the row's
-    visible count (the early-stop rule); paged (``req_to_token`` given): ``req_indices`` rows
-    inside the table, valid positions inside its width, their slots inside the pool (the kernels
-    treat anything else as an invalid entry; this check reports it).
-
-    Returns:
-      dict with counts: rows, valid entries, duplicate entries.
-
-    Raises:
-      ContractError: the first violation found, naming row and column.
-    """
+    ``lens``: the validity bound per request (ordinary: None, the request length; chunk/paged:
+    kv_lens). Checks non-decreasing cu_seqlens_q, valid entries first, no more valid entries than
+    the row's visible tokens (the early-stop rule); paged (``req_to_token`` given): table rows,
+    columns and pool slots in range. Returns {"rows", "valid", "duplicates"} counts; raises
+    ContractError naming the first violation's row and column."""
     c = _Checker(fn, False)
     cq = _np(cu_seqlens_q).astype(np.int64)
     if cq[0] != 0 or (np.diff(cq) < 0).any():
@@ -822,68 +750,38 @@ def check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, 
     """Check a paged decode call (``qsa-contract.md`` §2b) before any launch.
 
     Args:
-      q: [R, Hq, D] bf16|fp16, last dim contiguous.
-      k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or float8_e4m3fn (both the same),
-        last dim contiguous, q's device; slots may be 0.
-      req_to_token: int32 [max_reqs, max_context], last dim contiguous (logical position ->
-        pool slot).
-      req_indices, seq_lens: int32 [R], contiguous.
-      indices: int32 [R, W] or [R, Hkv, W] logical positions, last dim contiguous (W may be 0).
+      q: [R, Hq, D] bf16|fp16. k_cache, v_cache: [slots, Hkv, D] the pool (slots may be 0), q's
+        dtype or float8_e4m3fn, on q's device. req_to_token: int32 [max_reqs, max_context].
+      req_indices, seq_lens: int32 [R], contiguous. indices: int32 [R, W] or [R, Hkv, W] logical
+        positions (W may be 0). Last dims contiguous; contents are never read here.
       softmax_scale: host float > 0 or None (D ** -0.5); k_scale, v_scale: host floats > 0, 1.0
-        unless the pool is FP8.
-      batch_invariant, strict: host bools. Default mode: any power-of-two D in 32..256, any G
-        <= 16 (so (3,1) too), R >= 1. strict: the qualified envelope (``envelope_text``):
-        D = 256, (Hq, Hkv) in {(24,2), (12,1), (6,1)}, 1 <= R <= 512, 1 <= W <= 2055.
-      Contents (lengths, positions, slots) are device data and never read here.
+        unless the pool is FP8. batch_invariant, strict: host bools (strict: ``envelope_text``,
+        D = 256, the head pairs, 1 <= R <= 512, 1 <= W <= 2055).
 
-    Returns:
-      PagedDecodeProblem.
-
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope; also for
-        an input with ``requires_grad`` (no backward).
+    Returns PagedDecodeProblem; raises ContractError (argument, expected, got, envelope).
     """
     c = _Checker(fn, strict)
-    names = ("q", "k_cache", "v_cache", "req_to_token", "req_indices", "indices", "seq_lens")
-    raw = (q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens)
-    qs, ks, vs, rt, ri, ids, sl = (c.spec(n, x) for n, x in zip(names, raw))
-    for n, x in zip(names, raw):
-        c.no_grad(n, x)
-    if not isinstance(batch_invariant, (bool, np.bool_)):
-        c.fail("batch_invariant", "a host bool", type(batch_invariant).__name__)
+    qs, ks, vs, rt, ri, ids, sl = c.specs(
+        q=q, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, req_indices=req_indices,
+        indices=indices, seq_lens=seq_lens)
+    c.host_bool("batch_invariant", batch_invariant)
     r, hq, d, group = c.q_kv(qs, ks, vs, "k_cache", "v_cache", "[R, Hq, D]", "[slots, Hkv, D]",
                              (qs.dtype,) + _FP8_DTYPES,
                              rows=("paged_rows", "R query rows", "R"))
-    c.rank("req_to_token", rt, 2, "[max_reqs, max_context] of int32 pool slots")
-    c.dtype("req_to_token", rt, ("int32",))
-    c.same_device("req_to_token", rt, qs, "q")
-    c.last_dim_contiguous("req_to_token", rt)
-    c.metadata("req_indices", ri, r, qs, "q")
-    c.metadata("seq_lens", sl, r, qs, "q")
-    c.rank("indices", ids, (2, 3), "[R, W] or [R, Hkv, W] of int32 logical positions")
-    if ids.dtype != "int32":
-        c.fail("indices", "dtype int32 (logical positions; invalid entries negative or >= "
-               "seq_lens[r])", ids.dtype)
-    if ids.shape[0] != r:
-        c.fail("indices", f"{r} rows (q's R)", f"{ids.shape[0]} rows")
-    if ids.ndim == 3 and ids.shape[1] != ks.shape[1]:
-        c.fail("indices", f"[R, Hkv={ks.shape[1]}, W]", f"shape {list(ids.shape)}")
-    w = ids.shape[-1]
-    wlo, whi = QUALIFIED["paged_width"]
-    if strict and not wlo <= w <= whi:
-        c.fail("indices", f"W in [{wlo}, {whi}] index columns", f"W = {w}")
-    c.same_device("indices", ids, qs, "q")
-    c.last_dim_contiguous("indices", ids)
-    scale = c.scalar("softmax_scale", softmax_scale, default=d ** -0.5)
-    ksc = c.scalar("k_scale", k_scale)
-    vsc = c.scalar("v_scale", v_scale)
-    if ks.dtype == qs.dtype and (ksc != 1.0 or vsc != 1.0):
-        c.fail("k_scale", "k_scale = v_scale = 1.0 unless the pool is float8_e4m3fn",
-               f"k_scale={ksc}, v_scale={vsc} with a {ks.dtype} pool")
+    c.table("req_to_token", rt, "[max_reqs, max_context] of int32 pool slots", qs)
+    c.metadata("req_indices", ri, r, qs)
+    c.metadata("seq_lens", sl, r, qs)
+    w = c.indices("indices", ids, r, ks.shape[1], qs, "R",
+                  "[R, W] or [R, Hkv, W] of int32 logical positions",
+                  "logical positions; invalid entries negative or >= seq_lens[r]",
+                  QUALIFIED["paged_width"] if strict else None)
+    scale, ksc, vsc = c.scales(qs, ks, softmax_scale, k_scale, v_scale, pool=True)
     return PagedDecodeProblem(r, hq, ks.shape[1], group, d, ks.shape[0], rt.shape[0], rt.shape[1],
                               w, ids.ndim == 3, scale, ksc, vsc, qs.dtype, ks.dtype,
                               bool(batch_invariant))
 
+
+# --------------------------------------------------------------------------------------------
 # The indexer (qsa-contract.md §4b): scoring + exact top-k, and the block expansion (§4).
 QUALIFIED_INDEXER = {
     "heads": 4,
@@ -911,16 +809,14 @@ def _indexer_envelope_text() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class IndexerProblem:
-    """What an indexer call resolved to (host ints only).
+    """What an indexer call resolved to (host ints).
 
     Attributes:
-      kind: "decode" | "prefill". rows: query rows (B or T). heads, head_dim: of the indexer q.
-      max_blocks: static bound of a row's visible blocks (decode: page-table capacity
-        ``max_pages * page_size``; prefill: packed key rows N).
-      pages, page_size: decode cache geometry (0 for prefill).
-      topk, compress_ratio: as given. dtype, k_dtype: q's and the keys' dtype names.
-      compute_dtype: dtype of the dot operands (q's; bfloat16 when q is fp8: e4m3 values are
-        exact in bf16).
+      kind: "decode" | "prefill". rows: B or T. heads, head_dim: the indexer q's. max_blocks:
+        static bound of a row's visible blocks (decode: max_pages * page_size; prefill: N).
+      pages, page_size: decode cache geometry (0 for prefill). topk, compress_ratio: as given.
+      dtype, k_dtype: q's and the keys'. compute_dtype: the dot operands' (bf16 for FP8 q: e4m3
+        values are exact in bf16).
     """
 
     kind: str
@@ -943,7 +839,7 @@ class IndexerProblem:
 
 
 def _indexer_common(c: _Checker, q, k, k_name: str, k_rank: int, k_what: str, topk, ratio):
-    qs, ks = c.spec("q", q), c.spec(k_name, k)
+    qs, ks = c.specs(**{"q": q, k_name: k})
     c.rank("q", qs, 3, "[rows, heads, head_dim] (the indexer query)")
     c.dtype("q", qs, _INDEXER_Q_DTYPES)
     c.rank(k_name, ks, k_rank, k_what)
@@ -952,17 +848,15 @@ def _indexer_common(c: _Checker, q, k, k_name: str, k_rank: int, k_what: str, to
     rows, heads, d = qs.shape
     if not 1 <= heads <= _INDEXER_MAX_HEADS:
         c.fail("q", f"1 <= indexer heads <= {_INDEXER_MAX_HEADS}", heads)
-    if d not in _HEAD_DIMS:  # (not c.head_dim: its strict D is attention's 256)
-        c.fail("q", f"head dim D in {_HEAD_DIMS} (a power of two 32..256)", d)
+    c.head_dim("q", d, strict_d=None)  # the indexer's strict D is checked below, not attention's
     if ks.shape[-2] != 1:
         c.fail(k_name, "one compressed-key head (shape[-2] == 1: the indexer is MQA)",
                f"shape {list(ks.shape)}")
     if ks.shape[-1] != d:
         c.fail(k_name, f"head dim {d} (q's)", ks.shape[-1])
     c.last_dim_contiguous("q", qs)
-    if not ks.is_contiguous():
-        c.fail(k_name, "a contiguous tensor", f"strides {list(ks.strides)}")
-    c.same_device(k_name, ks, qs, "q")
+    c.contiguous(k_name, ks)
+    c.same_device(k_name, ks, qs)
     lo, hi = _INDEXER_TOPK
     if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or not lo <= int(topk) <= hi \
             or int(topk) & (int(topk) - 1):
@@ -987,15 +881,13 @@ def check_indexer_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
 
     Args:
       q: [B, H, D] bf16|fp16|fp8 e4m3, last dim contiguous (H <= 16; D a power of two 32..256).
-      k_cache: [pages, page_size, 1, D] contiguous, q's dtype or fp8 e4m3 (fp8 q needs fp8 keys).
-      page_table: int32 [B, max_pages] (max_pages >= 1), last dim contiguous, on q's device.
-      seq_lens: int32 [B] token counts (contents not read: a row sees floor(len / ratio) blocks).
-      topk: host int, a power of two 16..2048. compress_ratio: host int 2..16.
-      strict: the qualified envelope (H = 4, D = 128, topk 512, ratio 4, page size 16,
-        1 <= B <= 128).
+      k_cache: [pages, page_size, 1, D] contiguous, q's dtype or FP8 (FP8 q needs FP8 keys).
+      page_table: int32 [B, max_pages >= 1], last dim contiguous; seq_lens: int32 [B] (contents
+        not read: a row sees floor(len / ratio) blocks); both on q's device.
+      topk: host int, a power of two 16..2048. compress_ratio: host int 2..16. strict: H = 4,
+        D = 128, topk 512, ratio 4, page size 16, 1 <= B <= 128.
 
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope.
+    Returns IndexerProblem; raises ContractError (argument, expected, got, envelope).
     """
     c = _Checker(fn, strict)
     qs, ks, b, heads, d, k, r, compute = _indexer_common(
@@ -1009,34 +901,22 @@ def check_indexer_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
         c.fail("k_cache", "page_size >= 1", psz)
     if strict and psz != QUALIFIED_INDEXER["page_size"]:
         c.fail("k_cache", f"page_size {QUALIFIED_INDEXER['page_size']}", psz)
-    pt, sl = c.spec("page_table", page_table), c.spec("seq_lens", seq_lens)
+    pt, sl = c.specs(page_table=page_table, seq_lens=seq_lens)
     c.rank("page_table", pt, 2, "[B, max_pages] of int32 page ids")
     c.dtype("page_table", pt, ("int32",))
-    if pt.shape[0] != b:
-        c.fail("page_table", f"{b} rows (one per query row)", f"{pt.shape[0]} rows")
+    c.rows("page_table", pt, b, "one per query row")
     if pt.shape[1] < 1:
         c.fail("page_table", "max_pages >= 1", pt.shape[1])
-    c.same_device("page_table", pt, qs, "q")
+    c.same_device("page_table", pt, qs)
     c.last_dim_contiguous("page_table", pt)
-    c.metadata("seq_lens", sl, b, qs, "q")
+    c.metadata("seq_lens", sl, b, qs)
     return IndexerProblem("decode", b, heads, d, pt.shape[1] * psz, pages, psz, k, r, qs.dtype,
                           ks.dtype, compute)
-
-
 def check_indexer_plan(fn: str, prob: IndexerProblem, plan, default_plan) -> None:
-    """Raise ContractError unless the indexer plan can run the call ``prob`` describes
-    (``IndexerPlan.problem``), before any launch; shared by both backends' entry points.
-
-    Args:
-      fn: the public entry point's name; prob: its ``check_indexer_decode/prefill`` result.
-      plan: the caller's ``interop.indices.IndexerPlan`` or None; default_plan: a callable
-        ``() -> IndexerPlan`` giving the backend's shared plan, called only when plan is None.
-
-    Raises:
-      ContractError: argument ``plan`` for a given plan that cannot run the call; otherwise
-        ``page_table`` (decode) / ``k`` (prefill), for a context past what the default plan
-        covers.
-    """
+    """Raise ContractError unless the indexer plan can run the call ``prob`` (the
+    ``check_indexer_*`` result) describes (``IndexerPlan.problem``): argument ``plan`` for a
+    caller's plan that cannot, else ``page_table`` / ``k`` for a context past what the
+    backend's ``default_plan()`` (called only when ``plan`` is None) covers."""
     arg, own = ("plan", plan) if plan is not None else (
         "page_table" if prob.kind == "decode" else "k", default_plan())
     why = own.problem(prob.kind, prob.max_blocks, prob.topk)
@@ -1051,24 +931,21 @@ def check_indexer_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compre
     """Check a prefill indexer call (``qsa-contract.md`` §4b) before any launch.
 
     Args:
-      q: [T, H, D] bf16|fp16|fp8 e4m3 (T >= 0).
-      k: [N, 1, D] contiguous packed compressed keys (N >= 0), q's dtype or fp8 e4m3.
-      row_starts, row_ends: int32 [T] on q's device: row m scores key rows
-        ``[row_starts[m], row_ends[m])`` (intersected with [0, N); contents not read here).
-      positions, seq_lens: int32 [T] or None (the fused expansion's per-row position and bound).
-      topk, compress_ratio, strict: as ``check_indexer_decode``.
+      q: [T, H, D] as ``check_indexer_decode`` (T >= 0). k: [N, 1, D] contiguous packed
+        compressed keys (N >= 0), q's dtype or FP8.
+      row_starts, row_ends: int32 [T] on q's device: row m scores key rows [start, end) (clipped
+        to [0, N); contents not read). positions, seq_lens: int32 [T] or None (the fused
+        expansion's per-row position and bound). topk, compress_ratio, strict: as decode.
 
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope.
+    Returns IndexerProblem; raises ContractError (argument, expected, got, envelope).
     """
     c = _Checker(fn, strict)
     qs, ks, t, heads, d, kk, r, compute = _indexer_common(
         c, q, k, "k", 3, "[N, 1, head_dim] (packed compressed keys)", topk, compress_ratio)
     for name, x in (("row_starts", row_starts), ("row_ends", row_ends), ("positions", positions),
                     ("seq_lens", seq_lens)):
-        if x is None and name in ("positions", "seq_lens"):
-            continue
-        c.metadata(name, c.spec(name, x), t, qs, "q")
+        if x is not None or name in ("row_starts", "row_ends"):
+            c.metadata(name, x, t, qs)
     return IndexerProblem("prefill", t, heads, d, ks.shape[0], 0, 0, kk, r, qs.dtype, ks.dtype,
                           compute)
 
@@ -1077,23 +954,15 @@ def check_expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio
                                strict: bool = False, fn: str = "expand_block_indices") -> int:
     """Check a block-expansion call (``qsa-contract.md`` §4) before any launch.
 
-    Args:
-      block_ids: int32 [M, topk] row-relative block ids (-1 or any negative = none), contiguous.
-      positions, seq_lens: int32 [M] on block_ids' device.
-      compress_ratio: host int 2..16 (strict: 4, and topk 512).
-
-    Returns:
-      The output width ``topk * ratio + ratio - 1``.
-
-    Raises:
-      ContractError: naming the argument, expected, got, and the qualified envelope.
-    """
+    ``block_ids``: int32 [M, topk] contiguous row-relative block ids (negative = none);
+    ``positions``, ``seq_lens``: int32 [M] on its device; ``compress_ratio``: host int 2..16
+    (strict: 4, and topk 512). Returns the output width ``topk * ratio + ratio - 1``; raises
+    ContractError (argument, expected, got, envelope)."""
     c = _Checker(fn, strict)
     bs = c.spec("block_ids", block_ids)
     c.rank("block_ids", bs, 2, "[M, topk] of int32 block ids")
     c.dtype("block_ids", bs, ("int32",))
-    if not bs.is_contiguous():
-        c.fail("block_ids", "a contiguous tensor", f"strides {list(bs.strides)}")
+    c.contiguous("block_ids", bs)
     m, k = bs.shape
     if not 1 <= k <= _INDEXER_TOPK[1]:
         c.fail("block_ids", f"1 <= topk <= {_INDEXER_TOPK[1]} columns", k)
@@ -1101,8 +970,8 @@ def check_expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio
     if strict and (k != QUALIFIED_INDEXER["topk"] or r != QUALIFIED_INDEXER["compress_ratio"]):
         c.fail("block_ids", f"[M, {QUALIFIED_INDEXER['topk']}] with compress_ratio "
                f"{QUALIFIED_INDEXER['compress_ratio']}", f"[M, {k}] with ratio {r}")
-    c.metadata("positions", c.spec("positions", positions), m, bs, "block_ids")
-    c.metadata("seq_lens", c.spec("seq_lens", seq_lens), m, bs, "block_ids")
+    c.metadata("positions", positions, m, bs, "block_ids")
+    c.metadata("seq_lens", seq_lens, m, bs, "block_ids")
     return k * r + r - 1
 
 
@@ -1176,8 +1045,7 @@ PREFILL_STEP_DOC = """``sparse_prefill_paged``'s arguments with its ``indices`` 
       rows outside every request. Equal to ``interop.reference.prefill_step_reference`` within
       the attention tolerance."""
 
-# One check
-# of every argument of both halves before anything runs, with the step's argument names.
+# Every argument of both halves is checked before anything runs, under the step's names.
 _STEP_INDEXER_NAMES = {"q": "index_q", "k_cache": "index_k_cache", "page_table": "index_page_table",
                        "k": "index_k"}
 
@@ -1189,12 +1057,11 @@ def _check_step(fn: str, strict: bool, q, index_q, indexer, attention):
     (``index_q``, ...); then the attention half (``attention(ids)``, ``ids`` the indexer's output
     spec, int32 [rows, width]). Returns (checker, q's spec, IndexerProblem, attention problem)."""
     c = _Checker(fn, strict)
-    qs, iq = c.spec("q", q), c.spec("index_q", index_q)
+    qs, iq = c.specs(q=q, index_q=index_q)
     c.rank("q", qs, 3, "[rows, Hq, D]")
     c.rank("index_q", iq, 3, "[rows, index_heads, index_head_dim] (the indexer query)")
-    if iq.shape[0] != qs.shape[0]:
-        c.fail("index_q", f"{qs.shape[0]} rows (one per row of q)", f"{iq.shape[0]} rows")
-    c.same_device("index_q", iq, qs, "q")
+    c.rows("index_q", iq, qs.shape[0], "one per row of q")
+    c.same_device("index_q", iq, qs)
     try:
         ip = indexer(TensorSpec((qs.shape[0],), "int32", qs.device, qs.index, (1,)))
     except ContractError as e:
@@ -1211,20 +1078,12 @@ def check_decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, i
                       topk: int = 512, compress_ratio: int = 4, batch_invariant: bool = False,
                       strict: bool = False, attention_strict: bool = False,
                       fn: str = "qsa_decode_step") -> tuple[PagedDecodeProblem, IndexerProblem]:
-    """Check a decode step call (``qsa_triton.qsa_decode_step`` / ``qsa_pallas.qsa_decode_step``)
-    before anything runs: the indexer's inputs as ``check_indexer_decode`` (``index_q``,
-    ``index_k_cache``, ``index_page_table``, ``seq_lens``), the attention's as
-    ``check_decode_paged`` with the indexer's output ``int32 [R, topk * ratio + ratio - 1]`` as
-    its ``indices``, and one row of ``index_q`` per row of ``q``, on q's device.
-    ``attention_strict``: the attention's qualified envelope alone (where ``route`` sends decode
-    to the exact contract, sm_121, as ``sparse_decode_paged`` enforces there).
-
-    Returns:
-      (PagedDecodeProblem, IndexerProblem).
-
-    Raises:
-      ContractError: naming the step's argument, expected, got, and both envelopes.
-    """
+    """Check a decode step call (``qsa_*.qsa_decode_step``) before anything runs: the
+    indexer's inputs as ``check_indexer_decode``, the attention's as ``check_decode_paged`` with the
+    indexer's output (int32 [R, topk * ratio + ratio - 1]) as its ``indices``, one ``index_q`` row
+    per ``q`` row on q's device. ``attention_strict``: the attention's envelope alone (where
+    ``route`` sends decode to the exact contract). Returns (PagedDecodeProblem, IndexerProblem);
+    raises ContractError naming the step's argument, expected, got, and both envelopes."""
     _, _, ip, ap = _check_step(
         fn, strict, q, index_q,
         lambda meta: check_indexer_decode(index_q, index_k_cache, index_page_table, seq_lens,
@@ -1242,13 +1101,11 @@ def check_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, 
                        k_scale=1.0, v_scale=1.0, *, topk: int = 512, compress_ratio: int = 4,
                        strict: bool = False, fn: str = "qsa_prefill_step"
                        ) -> tuple[PrefillProblem, IndexerProblem]:
-    """Check a prefill step call (``qsa_*.qsa_prefill_step``) before anything runs: ``index_q``
-    and ``index_k`` as ``check_indexer_prefill`` (the per-row ranges, positions and bounds the
-    step derives are int32 [T] on q's device), the attention's inputs as ``check_prefill_paged``
-    with the indexer's output as its ``indices``, ``index_cu_seqlens_k`` int32 [B + 1] on q's
-    device, one row of ``index_q`` per row of ``q``. Returns (PrefillProblem, IndexerProblem);
-    raises as ``check_decode_step``.
-    """
+    """Check a prefill step call (``qsa_*.qsa_prefill_step``) before anything runs:
+    ``index_q``, ``index_k`` as ``check_indexer_prefill`` (the per-row metadata the step derives is
+    int32 [T] on q's device), the attention's inputs as ``check_prefill_paged`` with the indexer's
+    output as ``indices``, ``index_cu_seqlens_k`` int32 [B + 1] on q's device, one ``index_q`` row
+    per ``q`` row. Returns (PrefillProblem, IndexerProblem); raises as ``check_decode_step``."""
     c, qs, ip, ap = _check_step(
         fn, strict, q, index_q,
         lambda meta: check_indexer_prefill(index_q, index_k, meta, meta, topk=topk,
@@ -1257,24 +1114,17 @@ def check_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, 
         lambda ids: check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, ids,
                                         cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale,
                                         k_scale, v_scale, strict=strict, fn=fn))
-    c.metadata("index_cu_seqlens_k", c.spec("index_cu_seqlens_k", index_cu_seqlens_k),
-               ap.requests + 1, qs, "q")
+    c.metadata("index_cu_seqlens_k", index_cu_seqlens_k, ap.requests + 1, qs)
     return ap, ip
 
 
 def validate_indexer_decode_metadata(page_table, seq_lens, pages: int, page_size: int, *,
                                      compress_ratio: int = 4, fn: str = "indexer_topk_decode"
                                      ) -> None:
-    """Check decode indexer metadata contents (host sync; debug only).
-
-    The kernels never read outside their buffers whatever the contents: a row's blocks stop at
-    the page table's capacity, and a page id outside ``[0, pages)`` reads nothing (its blocks
-    score 0). Both are caller bugs this check reports.
-
-    Raises:
-      ContractError: a row with more blocks than ``max_pages * page_size``, or a visible block
-        whose page id is outside ``[0, pages)``.
-    """
+    """Check decode indexer metadata contents (host sync; debug only). The kernels never read
+    outside their buffers (a row's blocks stop at the table's capacity, a page id outside
+    [0, pages) scores 0), but both are caller bugs: raises ContractError for a row with more blocks
+    than ``max_pages * page_size`` or a visible block's page id outside ``[0, pages)``."""
     c = _Checker(fn, False)
     pt = _np(page_table).astype(np.int64)
     nb = np.maximum(_np(seq_lens).astype(np.int64), 0) // compress_ratio
@@ -1292,11 +1142,8 @@ def validate_indexer_decode_metadata(page_table, seq_lens, pages: int, page_size
 
 def validate_indexer_prefill_metadata(row_starts, row_ends, num_keys: int, *,
                                       fn: str = "indexer_topk_prefill") -> None:
-    """Check prefill indexer row ranges (host sync; debug only): ``0 <= start <= end <= N``.
-
-    Raises:
-      ContractError: the first row outside it (the kernels clip such a row to [0, N)).
-    """
+    """Check prefill indexer row ranges ``0 <= start <= end <= N`` (host sync; debug only);
+    raises ContractError for the first row outside (the kernels clip it to [0, N))."""
     c = _Checker(fn, False)
     rs, re = _np(row_starts).astype(np.int64), _np(row_ends).astype(np.int64)
     bad = (rs < 0) | (re < rs) | (re > num_keys)

@@ -1,22 +1,14 @@
 """Index helpers (``qsa-contract.md`` §4): block expansion, valid counts / ``cu_seqlens_k``,
-compaction, and seeded realistic index generators for tests and benchmarks.
+compaction, and seeded realistic index generators for tests and benchmarks (numpy only,
+vectorised over rows: 8192 prefill rows x 2051 columns take a fraction of a second).
 
-numpy only. Everything is vectorised over rows: generating 8192 prefill rows x 2051 columns takes
-a fraction of a second.
-
-Terms:
-  * ``ratio`` (compress ratio, 4): tokens per indexer block; ``block_topk`` (512) blocks per row;
-    ``token_topk`` (2048) columns kept after expansion; width = token_topk + ratio - 1 = 2051.
-  * visible(row) = tokens a query row may attend (causal): ordinary r + 1, chunk/paged
-    r + kv_len - q_len + 1 (bottom-right causal); both are ``r + kv_len - q_len + 1`` with
-    kv_len = q_len for ordinary prefill.
-  * len (validity bound) = request length (ordinary) or kv_lens[b] (chunk/paged). An entry is
-    valid iff 0 <= idx < len; padding must be invalid (negative or >= len).
-
-Source of the algorithm: the contract's §4 (the QSA indexer selects up to 512 compressed blocks
-of 4 tokens per row; the expansion appends the 0-3 token causal tail and moves valid entries to
-the front, which the FA2-style packing path and the kernels' early stop rely on).
-"""
+Terms: ``ratio`` (4) tokens per indexer block, ``block_topk`` (512) blocks per row,
+``token_topk`` (2048) columns kept after expansion, width = token_topk + ratio - 1 = 2051. Row r
+of a request sees visible = r + kv_len - q_len + 1 tokens (bottom-right causal; ordinary
+prefill: kv_len = q_len). An entry is valid iff 0 <= idx < len (the request length, or
+kv_lens[b] for chunk/paged); padding must be invalid. Source: the contract's §4 (the indexer
+selects up to 512 blocks of 4 tokens per row; the expansion appends the 0-3 token causal tail
+and moves valid entries first, which the kernels' early stop relies on)."""
 
 from __future__ import annotations
 
@@ -26,48 +18,15 @@ from typing import Literal, Sequence
 import numpy as np
 
 __all__ = [
-    "RATIO",
-    "BLOCK_TOPK",
-    "TOKEN_TOPK",
-    "WIDTH",
-    "JUNK_MODES",
-    "DECODE_PATTERNS",
-    "expected_valid_count",
-    "expand_block_indices",
-    "valid_first",
-    "valid_mask",
-    "valid_counts",
-    "cu_seqlens_from_counts",
-    "compact_kv",
-    "row_layout",
-    "select_blocks",
-    "neighbour_jaccard",
-    "calibrate_overlap",
-    "block_visible",
-    "expand_prefill_blocks",
-    "prefill_block_indices",
-    "tile_slots",
-    "tile_union",
-    "prefill_indices",
-    "PrefillLayout",
-    "prefill_layout",
-    "decode_lengths",
-    "DecodeCase",
-    "decode_case",
-    "PAGED_JUNK",
-    "PAGED_JUNK_AT",
-    "resolve_paged_slots",
-    "pool_slots_for",
-    "PagedDecodeCase",
-    "paged_decode_case",
-
-    "INDEXER_API",
-    "IndexerPlan",
-    "plan_indexer",
-    "prefill_row_ranges",
-    "prefill_step_rows",
-    "IndexerDecodeCase",
-    "indexer_decode_case",
+    "RATIO", "BLOCK_TOPK", "TOKEN_TOPK", "WIDTH", "JUNK_MODES", "DECODE_PATTERNS",
+    "expected_valid_count", "expand_block_indices", "valid_first", "valid_mask",
+    "valid_counts", "cu_seqlens_from_counts", "compact_kv", "row_layout", "select_blocks",
+    "neighbour_jaccard", "calibrate_overlap", "expand_prefill_blocks", "prefill_block_indices",
+    "tile_slots", "tile_union", "prefill_indices", "PrefillLayout", "prefill_layout",
+    "decode_lengths", "DecodeCase", "decode_case", "PAGED_JUNK", "PAGED_JUNK_AT",
+    "resolve_paged_slots", "PagedDecodeCase", "paged_decode_case", "INDEXER_API",
+    "IndexerPlan", "plan_indexer", "prefill_row_ranges", "prefill_step_rows",
+    "IndexerDecodeCase", "indexer_decode_case",
 ]
 
 RATIO = 4
@@ -89,17 +48,10 @@ def _geometry(width: int, ratio: int) -> tuple[int, int]:
 
 
 def expected_valid_count(visible, *, width: int = WIDTH, ratio: int = RATIO) -> np.ndarray:
-    """Valid entries of an expanded row whose indexer picked every complete block it may.
-
-    ``ratio * min(floor(L / ratio), block_topk)`` (capped at token_topk) ``+ L mod ratio``;
-    with the production geometry: ``4 * min(floor(L/4), 512) + L mod 4``.
-
-    Args:
-      visible: int array-like, L = visible tokens (position + 1), >= 0.
-
-    Returns:
-      int64 array of the same shape.
-    """
+    """Valid entries of an expanded row whose indexer picked every complete block it may:
+    ``ratio * min(floor(L / ratio), block_topk)`` (at most token_topk) ``+ L mod ratio`` for
+    L = ``visible`` tokens (int array-like, >= 0). Returns int64 of its shape; raises ValueError
+    when width < ratio."""
     token_topk, block_topk = _geometry(width, ratio)
     L = np.asarray(visible, np.int64)
     return np.minimum(ratio * np.minimum(L // ratio, block_topk), token_topk) + L % ratio
@@ -108,16 +60,11 @@ def expected_valid_count(visible, *, width: int = WIDTH, ratio: int = RATIO) -> 
 def valid_first(indices: np.ndarray, lens) -> np.ndarray:
     """Stably move the valid entries (0 <= idx < len) of every row to the front.
 
-    Args:
-      indices: int [..., W]; lens: validity bound broadcastable to ``indices.shape[:-1]``.
-
-    Returns:
-      Array like ``indices`` (same dtype) with the valid entries first, in their original order,
-      then the invalid ones in their original order. O(rows x W), no sort.
-    """
+    ``indices``: int [..., W]; ``lens``: bound broadcastable to ``indices.shape[:-1]``. Returns an
+    array like ``indices`` (same dtype): valid entries in their order, then the invalid ones in
+    theirs. O(rows x W), no sort."""
     idx = np.asarray(indices)
-    lens = np.asarray(lens, np.int64)[..., None]
-    valid = (idx >= 0) & (idx < lens)
+    valid = valid_mask(idx, lens)
     # destination column: valid -> (#valid before it); invalid -> n_valid + (#invalid before it)
     before = np.cumsum(valid, -1, dtype=np.int32)
     n_valid = before[..., -1:]
@@ -132,17 +79,14 @@ def expand_block_indices(block_ids, positions, seq_lens, *, ratio: int = RATIO,
                          token_topk: int = TOKEN_TOPK) -> np.ndarray:
     """Expand the indexer's block ids to token indices (``qsa-contract.md`` §4).
 
-    Per row at position p (L = p + 1 visible tokens): every block id g >= 0 expands to tokens
-    ``ratio*g .. ratio*g + ratio - 1`` (tokens >= seq_len become -1, block ids < 0 become -1 x
-    ratio), the result is truncated to ``token_topk`` columns, the causal tail
-    ``[floor(L/ratio)*ratio, p]`` (0..ratio-1 tokens, each < seq_len) is appended in ``ratio - 1``
-    columns (-1 where absent), and the valid entries are stably moved to the front.
+    Per row at position p (L = p + 1 visible tokens): block g >= 0 expands to tokens
+    ``ratio*g .. ratio*g + ratio - 1`` (tokens >= seq_len and blocks < 0 give -1), truncated to
+    ``token_topk`` columns; the causal tail ``[floor(L/ratio)*ratio, p]`` (each < seq_len) follows
+    in ``ratio - 1`` columns; valid entries are then stably moved first.
 
     Args:
-      block_ids: int [M, block_topk], row-relative block ids, valid first, -1 after.
-      positions: int [M], the row's position p (request-relative).
-      seq_lens: int [M], the validity bound of each row.
-      ratio: tokens per block (4). token_topk: columns kept after expansion (2048).
+      block_ids: int [M, block_topk] row-relative block ids. positions, seq_lens: int [M], the
+        row's position p and validity bound. ratio: 4; token_topk: 2048.
 
     Returns:
       int32 [M, token_topk + ratio - 1] (2051), valid entries first, -1 after.
@@ -183,23 +127,14 @@ def valid_mask(indices, lens) -> np.ndarray:
 
 
 def valid_counts(indices, seq_lens) -> np.ndarray:
-    """Valid entries per row: ``#{j : 0 <= indices[r, j] < seq_lens[r]}`` (§4), wherever they stand.
-
-    Args:
-      indices: int [B, W] (or [..., W]); seq_lens: int broadcastable to ``indices.shape[:-1]``.
-
-    Returns:
-      int32 array of shape ``indices.shape[:-1]``.
-    """
+    """Valid entries per row, ``#{j : 0 <= indices[r, j] < seq_lens[r]}`` (§4), wherever they
+    stand: int32 of shape ``indices.shape[:-1]`` for int ``indices`` [..., W]."""
     return valid_mask(indices, seq_lens).sum(-1).astype(np.int32)
 
 
 def cu_seqlens_from_counts(counts) -> np.ndarray:
-    """Exclusive prefix sum: int32 [B + 1] with cu[0] = 0 (the decode ``cu_seqlens_k``).
-
-    Raises:
-      ValueError: a negative count, or a total that overflows int32.
-    """
+    """Exclusive prefix sum: int32 [B + 1], cu[0] = 0 (the decode ``cu_seqlens_k``). Raises
+    ValueError for a negative count or a total past int32."""
     c = np.asarray(counts, np.int64).reshape(-1)
     if (c < 0).any():
         raise ValueError("counts must be >= 0")
@@ -212,19 +147,16 @@ def cu_seqlens_from_counts(counts) -> np.ndarray:
 
 def compact_kv(k_pool, v_pool, indices, seq_lens, slot_table=None, *, out_dtype=None,
                capacity: int | None = None):
-    """Gather the K/V rows of every valid entry into a packed buffer (decode compaction, §4).
+    """Gather the K/V rows of every valid entry into packed buffers (decode compaction, §4).
 
-    Row b's valid entries (0 <= idx < seq_lens[b], in column order, wherever they stand) are
-    mapped to pool slots through ``slot_table[b, idx]`` (or used directly when slot_table is None)
-    and copied to ``k[cu_k[b] : cu_k[b+1]]``. FP8 pools are converted to ``out_dtype`` while
-    copying (numpy/ml_dtypes cast; the kernels see the same values).
+    Row b's valid entries (0 <= idx < seq_lens[b], in column order) map to pool slots through
+    ``slot_table[b, idx]`` (the index itself when slot_table is None) and land in rows
+    ``cu_k[b] : cu_k[b + 1]``, cast to ``out_dtype`` (default the pool's; FP8 via ml_dtypes).
 
     Args:
-      k_pool, v_pool: [slots, Hkv, D] any dtype.
-      indices: int [B, W]; seq_lens: int [B].
-      slot_table: int [B, max_context] or None.
-      out_dtype: dtype of the packed buffers (default: the pool's).
-      capacity: rows of the packed buffers (default cu_k[B]; extra rows are zero).
+      k_pool, v_pool: [slots, Hkv, D]. indices: int [B, W]; seq_lens: int [B].
+      slot_table: int [B, max_context] or None. capacity: packed rows (default cu_k[B]; extra
+        rows are zero).
 
     Returns:
       (k_packed [C, Hkv, D], v_packed [C, Hkv, D], cu_seqlens_k int32 [B + 1]).
@@ -254,24 +186,16 @@ def compact_kv(k_pool, v_pool, indices, seq_lens, slot_table=None, *, out_dtype=
 
 # --------------------------------------------------------------------------------------------
 # Realistic prefill indices.
-def row_layout(q_lens, kv_lens=None):
-    """Per-row request id, row position within the request, visible count and validity bound.
-
-    Args:
-      q_lens: int [B] query rows per request; kv_lens: int [B] context length (None: ordinary,
-        kv_lens = q_lens).
-
-    Returns:
-      (req [T], r [T], visible [T], bound [T]) int64 arrays; visible = r + kv_len - q_len + 1.
-
-    Raises:
-      ValueError: kv_lens[b] < q_lens[b].
-    """
+def row_layout(q_lens, kv_lens=None, *, check: bool = True):
+    """Per row: (request id, row within the request, visible tokens, validity bound), int64 [T]
+    each, for ``q_lens`` int [B] rows per request and ``kv_lens`` int [B] contexts (None: ordinary,
+    kv_lens = q_lens). ``check=False`` accepts kv_lens < q_lens (lying metadata: those rows see
+    <= 0 tokens). Raises ValueError for lengths of different sizes, or (check) kv_lens < q_lens."""
     ql = np.asarray(q_lens, np.int64).reshape(-1)
     kl = ql if kv_lens is None else np.asarray(kv_lens, np.int64).reshape(-1)
     if kl.shape != ql.shape:
         raise ValueError(f"kv_lens has {kl.shape[0]} entries, q_lens {ql.shape[0]}")
-    if (kl < ql).any():
+    if check and (kl < ql).any():
         raise ValueError(f"kv_lens must be >= q_lens per request, got {kl.tolist()} < {ql.tolist()}")
     req = np.repeat(np.arange(ql.shape[0]), ql)
     starts = np.concatenate([[0], np.cumsum(ql)[:-1]]) if ql.size else ql
@@ -284,30 +208,24 @@ def select_blocks(visible, req, *, block_topk: int = BLOCK_TOPK, ratio: int = RA
                   overlap: float = 0.9, sinks: int = 0, seed: int = 0) -> np.ndarray:
     """Indexer-like block selection: per row up to ``block_topk`` distinct complete blocks.
 
-    A row with ``nb = floor(visible / ratio)`` complete blocks selects all of them when
-    nb <= block_topk. Otherwise it selects a local window of the ``n_recent = block_topk // 32``
-    (16) most recent blocks ``[nb - n_recent, nb)`` plus one block from each of
-    ``block_topk - n_recent`` equal strata of the older region ``[0, G)``, where G is
-    ``nb - n_recent`` rounded down to a multiple of ``block_topk // 8`` (64) blocks — so the strata
-    stay put while a request's rows advance and adjacent rows can share their picks (the blocks
-    between G and the window are skipped; when rounding would leave too few blocks, G is not
-    rounded). The offset inside a stratum is drawn once per (request, stratum) with probability
-    ``sqrt(overlap)`` and per row otherwise: adjacent rows share about ``overlap`` of their older blocks
-    plus all but one of their local blocks, like the real indexer's (anchors.md). Ids are emitted
-    in a per-request "score" order (one random permutation of the slots per request), valid first,
-    -1 after. All picks are distinct by construction. ``sinks`` > 0 also keeps the first ``sinks``
-    blocks of every long row (attention-sink blocks, which a real indexer scores high for every
-    query; the strata then cover ``[sinks, G)``); 0 keeps the historical selection bit for bit.
+    A row with ``nb = floor(visible / ratio)`` <= block_topk blocks selects them all. Otherwise it
+    keeps the ``n_recent = block_topk // 32`` most recent blocks, the first ``sinks`` blocks
+    (attention sinks), and one block from each of the remaining equal strata of ``[sinks, G)``,
+    G = ``nb - n_recent`` rounded down to a multiple of ``block_topk // 8`` (so strata stay put as
+    a request's rows advance; not rounded when that leaves too few blocks). The offset inside a
+    stratum is drawn per (request, stratum) with probability ``sqrt(overlap)``, else per row, so
+    adjacent rows share about ``overlap`` of their older blocks, like the real indexer's
+    (anchors.md). Ids come in one random "score" order per request, valid first, -1 after.
 
     Args:
-      visible: int [T] visible tokens per row; req: int [T] request id per row.
-      overlap: in [0, 1]; sinks: >= 0 sink blocks per long row; seed: RNG seed.
+      visible, req: int [T] visible tokens and request id per row. overlap: in [0, 1].
+      sinks: >= 0 (0 keeps the historical selection bit for bit). seed: RNG seed.
 
     Returns:
       int64 [T, block_topk] block ids (-1 padding).
 
     Raises:
-      ValueError: overlap outside [0, 1].
+      ValueError: overlap outside [0, 1], sinks out of range.
     """
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be in [0, 1], got {overlap}")
@@ -348,26 +266,30 @@ def select_blocks(visible, req, *, block_topk: int = BLOCK_TOPK, ratio: int = RA
     return valid_first(blocks, np.iinfo(np.int64).max)
 
 
+def _selections(n_heads: int | None, rng, visible, req, token_topk: int | None = None,
+                **select) -> np.ndarray:
+    """int64 [T, n_heads or 1, NB]: ``select_blocks(visible, req, **select)`` per head, one seed
+    each from ``rng``; expanded to [T, H, token_topk + ratio - 1] when ``token_topk`` is given."""
+    heads = []
+    for _ in range(n_heads or 1):
+        g = select_blocks(visible, req, seed=int(rng.integers(2**31)), **select)
+        heads.append(g if token_topk is None else expand_block_indices(
+            g, visible - 1, visible, ratio=select["ratio"], token_topk=token_topk).astype(np.int64))
+    return np.stack(heads, 1)
+
+
 def _junk(shape, bound, mode: str, rng) -> np.ndarray:
-    """Invalid padding values for rows with validity bound ``bound`` [T] (broadcast on the last axis)."""
+    """int64 ``shape`` of invalid padding for rows with validity bound ``bound`` [T]."""
     b = np.asarray(bound, np.int64)[:, None]
-    if mode == "-1":
-        return np.full(shape, -1, np.int64)
-    if mode == "-7":
-        return np.full(shape, -7, np.int64)
-    if mode == "len":
-        return np.broadcast_to(b, shape).copy()
-    if mode == "len+19":
-        return np.broadcast_to(b + 19, shape).copy()
-    if mode == "mixed":
-        # per-row table of junk values, then one random pick per entry
-        table = np.concatenate([np.broadcast_to(np.int64(v), b.shape) for v in (-1, -7)]
-                               + [b, b + 19]
-                               + [np.broadcast_to(np.int64(v), b.shape)
-                                  for v in (_I32_MAX, _I32_MIN, -2**20)], axis=1)
-        pick = rng.integers(0, table.shape[1], size=shape)
-        return np.take_along_axis(table, pick, axis=1)
-    raise ValueError(f"junk mode must be one of {JUNK_MODES}, got {mode!r}")
+    values = {"-1": (-1,), "-7": (-7,), "len": (b,), "len+19": (b + 19,),
+              "mixed": (-1, -7, b, b + 19, _I32_MAX, _I32_MIN, -2**20)}.get(mode)
+    if values is None:
+        raise ValueError(f"junk mode must be one of {JUNK_MODES}, got {mode!r}")
+    table = np.concatenate([np.broadcast_to(np.int64(v) if np.isscalar(v) else v, b.shape)
+                            for v in values], axis=1)  # [T, values]
+    if len(values) == 1:
+        return np.broadcast_to(table, shape).copy()
+    return np.take_along_axis(table, rng.integers(0, table.shape[1], size=shape), axis=1)
 
 
 def prefill_indices(q_lens, kv_lens=None, *, width: int = WIDTH, ratio: int = RATIO,
@@ -375,29 +297,23 @@ def prefill_indices(q_lens, kv_lens=None, *, width: int = WIDTH, ratio: int = RA
                     num_kv_heads: int | None = None, seed: int = 0) -> np.ndarray:
     """Seeded realistic prefill indices (block-structured like the QSA indexer's output).
 
-    Rows are laid out request after request (``row_layout``). Each row selects blocks with
-    ``select_blocks`` and is expanded with ``expand_block_indices`` (seq_len = visible, so every
-    selected token is causal); padding after the valid prefix is replaced by ``junk``.
+    Rows follow ``row_layout``; each selects blocks with ``select_blocks`` and expands them with
+    ``expand_block_indices`` (seq_len = visible: every token causal); padding becomes ``junk``.
 
     Args:
-      q_lens: int [B] query rows per request.
-      kv_lens: int [B] context length per request (chunk/paged: the validity bound); None for
-        ordinary prefill (bound = request length = q_len).
-      width: W index columns (2051 in production; smaller for CPU tests, >= ratio).
-      overlap: [0, 1], how much adjacent rows share blocks.
-      junk: padding values, one of ``JUNK_MODES``: "-1", "-7", "len" (the row's bound),
-        "len+19", "mixed" (all of those plus int32 extremes, per entry).
-      empty_rows: fraction of rows (float) or explicit row numbers made entirely of junk (no valid
-        entry; the kernels must output 0).
-      num_kv_heads: None -> indices [T, W] shared by the KV heads; an int -> [T, Hkv, W] with a
-        different selection per head.
-      seed: RNG seed.
+      q_lens: int [B]; kv_lens: int [B] context (chunk/paged: the validity bound), or None.
+      width: W >= ratio (2051 in production). overlap: [0, 1], as ``select_blocks``.
+      junk: padding, one of ``JUNK_MODES``: -1, -7, the row's bound, bound + 19, or "mixed" (all of
+        those plus int32 extremes, per entry).
+      empty_rows: fraction of rows (float) or row numbers made entirely of junk (output 0).
+      num_kv_heads: None -> [T, W] shared by the KV heads; an int -> [T, Hkv, W], one selection
+        per head.
 
     Returns:
       int32 [T, W] or [T, Hkv, W], valid entries first.
 
     Raises:
-      ValueError: unknown junk mode, bad overlap, kv_lens < q_lens, width < ratio.
+      ValueError: unknown junk mode, bad overlap or empty_rows, kv_lens < q_lens, width < ratio.
     """
     if junk not in JUNK_MODES:
         raise ValueError(f"junk mode must be one of {JUNK_MODES}, got {junk!r}")
@@ -405,13 +321,8 @@ def prefill_indices(q_lens, kv_lens=None, *, width: int = WIDTH, ratio: int = RA
     req, _r, visible, bound = row_layout(q_lens, kv_lens)
     t = req.shape[0]
     rng = np.random.default_rng(seed)
-    heads = []
-    for h in range(num_kv_heads or 1):
-        blocks = select_blocks(visible, req, block_topk=block_topk, ratio=ratio, overlap=overlap,
-                               seed=int(rng.integers(2**31)))
-        heads.append(expand_block_indices(blocks, visible - 1, visible, ratio=ratio,
-                                          token_topk=token_topk).astype(np.int64))
-    idx = np.stack(heads, 1)  # [T, H, W]
+    idx = _selections(num_kv_heads, rng, visible, req, token_topk, block_topk=block_topk,
+                      ratio=ratio, overlap=overlap)  # [T, H, W]
     if isinstance(empty_rows, (int, float, np.integer, np.floating)) and not isinstance(empty_rows, bool):
         empty_rows = float(empty_rows)
         if not 0.0 <= empty_rows <= 1.0:
@@ -435,15 +346,9 @@ def neighbour_jaccard(block_ids, req, visible=None, *, ratio: int = RATIO) -> fl
     """Mean Jaccard similarity |A ∩ B| / |A ∪ B| of the valid block sets of adjacent rows of one
     request (the statistic vLLM RFC #55394 measured on real top-k dumps: 0.87-0.94 at 8k).
 
-    Args:
-      block_ids: int [T, NB] block ids (any order; duplicates count once).
-      req: int [T] request id per row (pairs that straddle two requests are skipped).
-      visible: int [T] visible tokens per row; then a block is valid iff
-        0 <= g < visible // ratio, else iff g >= 0.
-
-    Returns:
-      float in [0, 1]; nan when no pair has a non-empty union.
-    """
+    ``block_ids``: int [T, NB] (any order, duplicates count once); ``req``: int [T] (pairs across
+    requests are skipped); ``visible``: int [T] or None (then a block is valid iff
+    0 <= g < visible // ratio, else iff g >= 0). Returns a float in [0, 1], nan without pairs."""
     g = np.asarray(block_ids, np.int64)
     req = np.asarray(req, np.int64)
     bound = (np.full(g.shape[0], np.iinfo(np.int64).max) if visible is None
@@ -470,18 +375,10 @@ def calibrate_overlap(jaccard: float, visible, req, *, block_topk: int = BLOCK_T
                       seed: int = 0) -> tuple[float, float]:
     """The ``select_blocks`` ``overlap`` whose adjacent rows reach a target neighbour Jaccard.
 
-    Bisection (14 steps) on ``overlap`` in [0, 1], each step measuring ``neighbour_jaccard`` on
-    ``pairs`` adjacent row pairs drawn evenly from the given rows (Jaccard grows with
-    ``overlap``). Rows that see <= block_topk blocks select all of them, so short contexts have a
-    floor: the result is the closest reachable value, and the caller should print the Jaccard it
-    measures on its own selection (bench/prefill_union.py does).
-
-    Args:
-      jaccard: target in [0, 1]. visible, req: int [T] as ``select_blocks``.
-
-    Returns:
-      (overlap, Jaccard measured on the sample at that overlap).
-    """
+    Bisection (14 steps) on overlap in [0, 1], measuring ``neighbour_jaccard`` on ``pairs``
+    adjacent row pairs drawn evenly from ``visible``, ``req`` (int [T]). Short rows select every
+    block, so the Jaccard has a floor: returns (overlap, Jaccard measured at it), the closest
+    reachable value."""
     vis = np.asarray(visible, np.int64)
     req = np.asarray(req, np.int64)
     cand = np.nonzero(req[:-1] == req[1:])[0]
@@ -512,45 +409,29 @@ def calibrate_overlap(jaccard: float, visible, req, *, block_topk: int = BLOCK_T
     return (lo, j_lo) if abs(j_lo - jaccard) <= abs(j_hi - jaccard) else (hi, j_hi)
 
 
-def block_visible(q_lens, kv_lens=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row: (visible tokens clamped at 0, complete visible blocks visible // RATIO, validity
-    bound len) for a block-level selection (``row_layout``'s visible; ordinary: kv_lens = q_lens).
-    Unlike ``row_layout`` it accepts kv_lens < q_lens (metadata that lies: rows then see <= 0
-    tokens and attend nothing)."""
-    ql = np.asarray(q_lens, np.int64).reshape(-1)
-    kl = ql if kv_lens is None else np.asarray(kv_lens, np.int64).reshape(-1)
-    req = np.repeat(np.arange(ql.shape[0]), ql)
-    starts = np.concatenate([[0], np.cumsum(ql)[:-1]]) if ql.size else ql
-    r = np.arange(req.shape[0]) - starts[req] if req.size else req
-    vis = np.maximum(r + kl[req] - ql[req] + 1, 0)
-    return vis, vis // RATIO, kl[req]
-
-
 def expand_prefill_blocks(block_indices, q_lens, kv_lens=None, *, ratio: int = RATIO) -> np.ndarray:
     """Token indices equal to a block-level prefill selection (the ``block_indices=`` form of the
     prefill entry points): the bridge to the token contract and to ``interop.reference``.
 
-    Row r of request b sees ``visible = r + kv_len - q_len + 1`` tokens (ordinary: kv_len =
-    q_len). A block id g is valid iff ``0 <= g < visible // ratio`` (a complete visible block,
-    the indexer's row range); valid blocks expand to tokens ``ratio*g .. ratio*g + ratio - 1``,
-    every row also gets its causal tail ``[ratio * (visible // ratio), visible)`` (0..ratio-1
-    tokens), invalid ids anywhere in the row are dropped: ``expand_block_indices`` on the ids with
-    invalid ones set to -1, positions visible - 1, seq_lens = the validity bound (request length /
-    kv_lens), token_topk = ratio x NB, so nothing is truncated.
+    A block id g is valid iff ``0 <= g < visible // ratio`` (a complete visible block); valid
+    blocks expand to ``ratio*g .. ratio*g + ratio - 1``, every row gets its causal tail
+    ``[ratio * (visible // ratio), visible)``, invalid ids anywhere are dropped
+    (``expand_block_indices`` with token_topk = ratio x NB: nothing is truncated).
 
     Args:
       block_indices: int [T, NB] or [T, Hkv, NB] row-relative block ids, any order, junk anywhere.
-      q_lens: int [B] rows per request; kv_lens: int [B] (chunk/paged) or None (ordinary).
+      q_lens: int [B]; kv_lens: int [B] (chunk/paged) or None (ordinary).
 
     Returns:
-      int32 [T, ratio*NB + ratio - 1] (or [T, Hkv, ...]), valid entries first, -1 after.
-      A row whose blocks are all distinct has <= visible valid entries (the token contract's bound);
-      a row listing a block twice attends it twice on both paths while that bound holds.
+      int32 [T, ratio*NB + ratio - 1] (or [T, Hkv, ...]), valid first, -1 after. Distinct blocks
+      give <= visible valid entries; a block listed twice is attended twice on both paths.
     """
     g = np.asarray(block_indices, np.int64)
     per_head = g.ndim == 3
     g3 = g if per_head else g[:, None, :]
-    vis, nb_vis, bound = block_visible(q_lens, kv_lens)
+    _, _, vis, bound = row_layout(q_lens, kv_lens, check=False)
+    vis = np.maximum(vis, 0)
+    nb_vis = vis // ratio
     t, h, nb = g3.shape
     g3 = np.where((g3 >= 0) & (g3 < nb_vis[:, None, None]), g3, -1)
     heads = [expand_block_indices(g3[:, i], vis - 1, bound, ratio=ratio, token_topk=ratio * nb)
@@ -567,36 +448,27 @@ def prefill_block_indices(q_lens, kv_lens=None, *, block_width: int = BLOCK_TOPK
     """Seeded indexer-like block selections (``select_blocks``) for the ``block_indices=`` path.
 
     Args:
-      q_lens, kv_lens: as ``prefill_indices``.
-      block_width: NB entries per row (512 in production).
-      overlap, sinks: ``select_blocks``'s (``calibrate_overlap`` turns a target Jaccard into an
-        overlap).
-      junk: invalid filler in block terms, one of ``JUNK_MODES``: "-1", "-7", "len" (the row's
-        first invalid block, visible // ratio), "len+19" (that + 19), "mixed" (those plus int32
-        extremes, per entry).
-      junk_anywhere: shuffle each row so valid and junk entries interleave (the block path has no
-        valid-first requirement).
-      duplicates: that many rows (seeded) get one valid entry replaced by a copy of another of
-        their valid entries (a block listed twice: attended twice; the row's expanded token count
-        stays <= visible).
-      empty_rows: rows whose entries are all junk (they still attend their causal tail).
-      num_kv_heads: None -> [T, NB]; an int -> [T, Hkv, NB], a different selection per head.
+      q_lens, kv_lens: as ``prefill_indices``. block_width: NB entries per row (512).
+      overlap, sinks: ``select_blocks``'s (``calibrate_overlap`` turns a Jaccard into an overlap).
+      junk: invalid filler in block terms (``JUNK_MODES``; "len" is the row's first invalid block,
+        visible // ratio). junk_anywhere: shuffle rows so valid and junk entries interleave.
+      duplicates: that many rows (seeded) get one valid entry replaced by a copy of another.
+      empty_rows: rows of junk only (they still attend their causal tail).
+      num_kv_heads: None -> [T, NB]; an int -> [T, Hkv, NB], one selection per head.
 
     Returns:
       int32 [T, NB] or [T, Hkv, NB].
+
+    Raises:
+      ValueError: as ``prefill_indices``.
     """
     if junk not in JUNK_MODES:
         raise ValueError(f"junk mode must be one of {JUNK_MODES}, got {junk!r}")
-    ql = np.asarray(q_lens, np.int64).reshape(-1)
-    kl = ql if kv_lens is None else np.asarray(kv_lens, np.int64).reshape(-1)
-    req, _r, visible, _bound = row_layout(ql, kl)
+    req, _r, visible, _bound = row_layout(q_lens, kv_lens)
     t = req.shape[0]
     rng = np.random.default_rng(seed)
-    heads = []
-    for _ in range(num_kv_heads or 1):
-        heads.append(select_blocks(visible, req, block_topk=block_width, ratio=ratio,
-                                   overlap=overlap, sinks=sinks, seed=int(rng.integers(2**31))))
-    g = np.stack(heads, 1)  # [T, H, NB], valid first, -1 after
+    g = _selections(num_kv_heads, rng, visible, req, block_topk=block_width, ratio=ratio,
+                    overlap=overlap, sinks=sinks)  # [T, H, NB], valid first, -1 after
     nb_vis = visible // ratio
     if duplicates:
         n_valid = (g >= 0).sum(-1)  # [T, H]
@@ -619,17 +491,11 @@ def prefill_block_indices(q_lens, kv_lens=None, *, block_width: int = BLOCK_TOPK
 
 
 def tile_slots(q_lens, tile_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """The tile numbering of the tile-union kernels: tile j of request b (rows j*R .. j*R + R - 1
-    of that request; tiles never straddle requests) has slot ``cu_q[b] // R + b + j``.
+    """The tile numbering of the tile-union kernels: tile j of request b (its rows j*R ..
+    j*R + R - 1; tiles never straddle requests) has slot ``cu_q[b] // R + b + j``, all below
+    ``T // R + B``, so a grid of that many programs covers any batch without a host prefix sum.
 
-    The slots of one request are consecutive, those of request b + 1 start past them, and every
-    slot is < ``T // R + B``, so a grid of ``T // R + B`` programs covers every tile of any
-    batch of T rows and B requests without a host-side prefix sum (a few slots stay idle).
-
-    Returns:
-      (request of each tile, first row of each tile in its request, number of slots T // R + B);
-      arrays ordered by slot, one entry per tile.
-    """
+    Returns (request of each tile, its first row in the request, number of slots), by slot."""
     ql = np.asarray(q_lens, np.int64).reshape(-1)
     cu = cu_seqlens_from_counts(ql).astype(np.int64)
     r = int(tile_rows)
@@ -645,20 +511,14 @@ def tile_slots(q_lens, tile_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
 def tile_union(block_indices, q_lens, kv_lens=None, *, tile_rows: int,
                ratio: int = RATIO) -> dict:
     """Reference of the tile-union build (numpy; tests): per tile and index head, the union of
-    its rows' valid blocks with each row's membership.
+    its rows' valid blocks with each row's membership mask (bit i = row i of the tile).
 
-    A block listed k times by one row (a duplicate) appears as k entries (copies 0..k-1), copy c
-    naming the rows that list it more than c times, so a bit per row suffices and every
-    occurrence is attended once. Entries are ordered by (copy, block id): every block's first
-    copy in ascending order, then the second copies, ... (the kernels' order).
-
-    Returns:
-      ``{(slot, head): (blocks int64 [n], masks int64 [n])}`` for every tile (``tile_slots``);
-      mask bit i = row i of the tile is a member.
-    """
+    A block a row lists k times gives k entries (copy c names the rows listing it more than c
+    times), ordered by (copy, block id), as the kernels order them. Returns
+    ``{(slot, head): (blocks int64 [n], masks int64 [n])}`` for every tile of ``tile_slots``."""
     g = np.asarray(block_indices, np.int64)
     g3 = g if g.ndim == 3 else g[:, None, :]
-    _vis, nb_vis, _ = block_visible(q_lens, kv_lens)
+    nb_vis = np.maximum(row_layout(q_lens, kv_lens, check=False)[2], 0) // ratio
     ql = np.asarray(q_lens, np.int64).reshape(-1)
     cu = cu_seqlens_from_counts(ql).astype(np.int64)
     reqs, firsts, _ = tile_slots(ql, tile_rows)
@@ -684,18 +544,14 @@ def tile_union(block_indices, q_lens, kv_lens=None, *, tile_rows: int,
 
 @dataclasses.dataclass(frozen=True)
 class PrefillLayout:
-    """Host metadata of one prefill batch (numpy; int32 device metadata ready to upload).
+    """Host metadata of one prefill batch (int32 numpy, ready to upload).
 
     Attributes:
-      kind: "ordinary" | "chunk" | "paged".
-      q_lens, kv_lens: int32 [B] (ordinary: kv_lens = q_lens).
-      cu_seqlens_q: int32 [B + 1]; cu_seqlens_k: int32 [B + 1] (chunk: packed context rows).
-      max_seqlen_q: host int.
-      req_to_token: int32 [max_reqs, max_context] (paged; SGLang's table: request row ->
-        position -> pool slot, a seeded permutation of the pool's slots; unused entries 0) or None.
-      req_indices: int32 [B] (paged): the row of req_to_token each request uses (seeded, distinct,
-        not simply 0..B-1) or None.
-      pool_slots: slots in the pool (paged), or the packed context rows (chunk/ordinary).
+      kind: "ordinary" | "chunk" | "paged". q_lens, kv_lens: [B] (ordinary: kv_lens = q_lens).
+      cu_seqlens_q, cu_seqlens_k: [B + 1] (chunk: packed context rows). max_seqlen_q: host int.
+      req_to_token: [max_reqs, max_context] (paged: a seeded permutation of the pool's slots,
+        unused entries 0) or None. req_indices: [B] (paged: seeded distinct rows) or None.
+      pool_slots: slots in the pool (paged) or packed context rows.
     """
 
     kind: str
@@ -710,24 +566,15 @@ class PrefillLayout:
 
     @property
     def slot_table(self) -> np.ndarray | None:
-        """int32 [B, max_context]: ``req_to_token[req_indices]``, one row per request of the batch
-        (upstream's per-batch ``slot_table`` layout); None unless paged."""
+        """int32 [B, max_context] ``req_to_token[req_indices]`` (paged), else None."""
         return None if self.req_to_token is None else self.req_to_token[self.req_indices]
 
 
 def prefill_layout(kind: Literal["ordinary", "chunk", "paged"], q_lens, kv_lens=None, *,
                    pool_slack: int = 0, spare_requests: int = 2, seed: int = 0) -> PrefillLayout:
-    """Metadata for a prefill batch; paged pools get a scattered ``req_to_token`` (seeded).
-
-    Args:
-      kind: variant; q_lens: int [B]; kv_lens: int [B] (ignored for ordinary).
-      pool_slack: extra unused pool slots (paged), so slots are not simply 0..sum-1.
-      spare_requests: extra rows of req_to_token no request of the batch uses (paged), so
-        req_indices is a scattered choice of rows, as in a serving engine's table.
-
-    Raises:
-      ValueError: unknown kind, kv_lens < q_lens.
-    """
+    """Metadata for a prefill batch of ``kind`` (ordinary|chunk|paged); ``kv_lens`` is ignored for
+    ordinary. Paged pools get a scattered ``req_to_token`` with ``pool_slack`` unused slots and
+    ``spare_requests`` unused rows (seeded). Raises ValueError: unknown kind, kv_lens < q_lens."""
     if kind not in ("ordinary", "chunk", "paged"):
         raise ValueError(f"kind must be ordinary|chunk|paged, got {kind!r}")
     ql = np.asarray(q_lens, np.int64).reshape(-1)
@@ -755,20 +602,11 @@ def prefill_layout(kind: Literal["ordinary", "chunk", "paged"], q_lens, kv_lens=
 # Decode cases.
 def decode_lengths(batch: int, pattern: str, *, max_len: int = WIDTH, seed: int = 0,
                    zero_rows: int = 0) -> np.ndarray:
-    """Per-sequence key counts for a decode batch.
+    """Per-sequence key counts int32 [B] of a decode batch (B >= 1, max_len >= 1).
 
-    Patterns (max_len = 2051 in production): "short" uniform in [1, max(1, max_len // 32)]
-    (1..64), "medium" in [max_len // 8, max_len // 2] (256..1025), "saturated" all max_len,
-    "mixed" in [min(17, max_len), max_len] (anchors.md's "mixed 17..2051").
-
-    Args:
-      batch: B >= 1. zero_rows: how many sequences (seeded positions) get 0 keys.
-
-    Returns:
-      int32 [B].
-
-    Raises:
-      ValueError: unknown pattern, B < 1, max_len < 1.
+    Patterns: "short" uniform in [1, max(1, max_len // 32)], "medium" in [max_len // 8,
+    max_len // 2], "saturated" all max_len, "mixed" in [min(17, max_len), max_len] (anchors.md);
+    ``zero_rows`` seeded sequences get 0 keys. Raises ValueError: unknown pattern, B or max_len < 1.
     """
     if pattern not in DECODE_PATTERNS:
         raise ValueError(f"decode pattern must be one of {DECODE_PATTERNS}, got {pattern!r}")
@@ -789,14 +627,9 @@ def decode_lengths(batch: int, pattern: str, *, max_len: int = WIDTH, seed: int 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeCase:
-    """Metadata of one packed varlen decode batch (numpy int32).
-
-    Attributes:
-      lengths: [B] keys per sequence; cu_seqlens_q: [B + 1] = 0..B (one query row each);
-      cu_seqlens_k: [B + 1] exclusive prefix sum of lengths; max_seqlen_k: host int bound;
-      capacity: rows of the packed K/V buffers (>= cu_seqlens_k[B]; the slack rows are junk a
-      correct kernel never reads).
-    """
+    """One packed varlen decode batch (int32 numpy): ``lengths`` [B], ``cu_seqlens_q`` [B + 1]
+    = 0..B, ``cu_seqlens_k`` [B + 1], ``max_seqlen_k`` (host bound), ``capacity`` K/V rows
+    (>= cu_seqlens_k[B]; slack rows are junk a correct kernel never reads)."""
 
     lengths: np.ndarray
     cu_seqlens_q: np.ndarray
@@ -807,11 +640,8 @@ class DecodeCase:
 
 def decode_case(batch: int, pattern: str, *, max_len: int = WIDTH, seed: int = 0,
                 zero_rows: int = 0, capacity_slack: int = 0) -> DecodeCase:
-    """A decode batch: ``decode_lengths`` -> cu_seqlens_k (exclusive prefix sum).
-
-    ``max_seqlen_k`` is ``max_len`` (the static capacity per row, as serving passes it), not the
-    actual maximum.
-    """
+    """A decode batch from ``decode_lengths``; ``max_seqlen_k`` is ``max_len`` (the static bound
+    serving passes), the capacity ``cu_seqlens_k[B] + capacity_slack``."""
     lens = decode_lengths(batch, pattern, max_len=max_len, seed=seed, zero_rows=zero_rows)
     cu_k = cu_seqlens_from_counts(lens)
     return DecodeCase(lens, np.arange(batch + 1, dtype=np.int32), cu_k, int(max_len),
@@ -826,19 +656,13 @@ PAGED_JUNK_AT = ("front", "middle", "end")
 
 
 def resolve_paged_slots(req_to_token, req_indices, indices, seq_lens, pool_slots: int) -> np.ndarray:
-    """Pool slot of every paged-decode index entry, -1 where the entry is invalid (§2b).
+    """Pool slot of every paged-decode index entry, -1 where it is invalid (§2b).
 
-    Entry ``indices[r, (h,) c]`` is valid iff ``0 <= idx < seq_lens[r]``, ``idx < max_context``,
-    ``0 <= req_indices[r] < max_reqs`` and its slot ``req_to_token[req, idx]`` lies in
-    ``[0, pool_slots)`` (the lying-metadata rule: such entries are invalid, never dereferenced).
-
-    Args:
-      req_to_token: int [max_reqs, max_context]; req_indices, seq_lens: int [R];
-      indices: int [R, W] or [R, Hkv, W]; pool_slots: slots in the pool.
-
-    Returns:
-      int64 array shaped like ``indices``.
-    """
+    ``indices[r, (h,) c]`` is valid iff ``0 <= idx < min(seq_lens[r], max_context)``,
+    ``0 <= req_indices[r] < max_reqs`` and its slot ``req_to_token[req, idx]`` is in
+    ``[0, pool_slots)`` (the lying-metadata rule). Inputs: req_to_token int [max_reqs,
+    max_context]; req_indices, seq_lens int [R]; indices int [R, W] or [R, Hkv, W]. Returns int64
+    shaped like ``indices``."""
     table = np.asarray(req_to_token, np.int64)
     idx = np.asarray(indices, np.int64)
     req = np.asarray(req_indices, np.int64).reshape(-1)
@@ -855,24 +679,11 @@ def resolve_paged_slots(req_to_token, req_indices, indices, seq_lens, pool_slots
     return np.where(valid, slot, -1)
 
 
-def pool_slots_for(context_lens, *, pool_slots: int, page_size: int = 64,
-                   seed: int = 0) -> np.ndarray:
-    """Scattered pool slots for requests of ``context_lens`` tokens, as a serving engine lays them:
-    ``page_size`` consecutive positions in consecutive slots (SGLang: 64), pages in random
-    order over the whole pool; ``page_size = 1`` gives single scattered slots. Slot 0 is never
-    handed out (SGLang's padding slot), so tests can fill it (and every other slot no request
-    owns) with NaN.
-
-    Args:
-      context_lens: int [B]; pool_slots: slots in the pool (> the pages needed); page_size >= 1.
-
-    Returns:
-      int32 [B, max(context_lens)] slots; 0 (the padding slot, what SGLang's table holds there)
-      past each request's length.
-
-    Raises:
-      ValueError: the pool is too small.
-    """
+def _pool_slots(context_lens, *, pool_slots: int, page_size: int = 64, seed: int = 0
+                ) -> np.ndarray:
+    """int32 [B, max(context_lens)] scattered pool slots, as a serving engine lays them: pages of
+    ``page_size`` consecutive slots in random order, slot 0 (SGLang's padding slot, also past each
+    request's length) never handed out. Raises ValueError when the pool is too small."""
     lens = np.asarray(context_lens, np.int64).reshape(-1)
     rng = np.random.default_rng(seed)
     pages = -(-lens // page_size)
@@ -898,15 +709,14 @@ def pool_slots_for(context_lens, *, pool_slots: int, page_size: int = 64,
 
 @dataclasses.dataclass(frozen=True)
 class PagedDecodeCase:
-    """Device metadata of one paged decode call (numpy int32, ready to upload).
+    """Device metadata of one paged decode call (int32 numpy, ready to upload).
 
     Attributes:
-      req_to_token: [max_reqs, max_context] (rows of requests nobody uses hold slot 0).
-      req_indices: [R] the request of each query row (MTP verify rows share one).
-      seq_lens: [R] the validity bound of each row.
+      req_to_token: [max_reqs, max_context] (unused rows hold slot 0). req_indices, seq_lens: [R]
+        the request and validity bound of each row (MTP verify rows share a request).
       indices: [R, W] or [R, Hkv, W] logical positions (junk where invalid).
-      pool_slots: slots in the pool; page_size: 64 (pages) or 1 (single scattered slots).
-      owned: bool [pool_slots] slots some request owns (the others may be filled with NaN).
+      pool_slots; page_size (64, or 1: single scattered slots); owned: bool [pool_slots] slots
+        some request owns (the others may hold NaN).
     """
 
     req_to_token: np.ndarray
@@ -920,9 +730,8 @@ class PagedDecodeCase:
 
 def _paged_row(valid: np.ndarray, width: int, bound: int, junk: Sequence[str], at: Sequence[str],
                n_junk: int, rng) -> np.ndarray:
-    """One row: the valid positions with ``n_junk`` junk entries placed at ``at`` (front /
-    middle / end; the rest of the row is -1 padding at the end). Valid entries that no longer
-    fit are dropped (a saturated row then has fewer valid entries)."""
+    """One row: the valid positions with ``n_junk`` junk entries at each of ``at``, -1 padding
+    after; valid entries that no longer fit are dropped."""
     vals = {"-1": -1, "-7": -7, "len": bound, "len+19": bound + 19}
     junk_vals = [vals[j] for j in junk] or [-1]
     pieces = {a: [junk_vals[int(rng.integers(len(junk_vals)))] for _ in range(n_junk)] for a in at}
@@ -941,27 +750,18 @@ def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int
                       spare_requests: int = 2, seed: int = 0) -> PagedDecodeCase:
     """A seeded paged decode batch laid out like a serving engine's (``qsa-contract.md`` §2b).
 
-    Requests get scattered pool slots (``pool_slots_for``), a ``req_to_token`` row each at a
-    shuffled row of a table with ``spare_requests`` unused rows. Every request has
-    ``rows_per_request`` query rows (MTP verify: row i sees ``context_lens[b] - rows + 1 + i``
-    tokens, the last row the whole context), all naming the same request. Each row's indices
-    are an indexer-like selection of its visible tokens (``select_blocks`` +
-    ``expand_block_indices``, the 2051-wide production layout when ``width = WIDTH``).
+    Requests get scattered pool slots and a ``req_to_token`` row each at a shuffled row (plus
+    ``spare_requests`` unused rows); each has ``rows_per_request`` query rows (MTP verify: row i
+    sees ``context_lens[b] - rows + 1 + i`` tokens). A row's indices are an indexer-like selection
+    of its visible tokens (``select_blocks`` + ``expand_block_indices``).
 
     Args:
-      context_lens: int [B] tokens per request (>= rows_per_request - 1).
-      width: W index columns; pool_slots: default 2 x the slots needed (pages + padding page).
-      page_size: 64 (pages in scattered order) or 1 (single scattered slots).
-      junk: junk values used where ``junk_at`` places them, from ``PAGED_JUNK``; with
-        ``junk_at = ()`` rows are valid-first with -1 padding (what the indexer emits).
-      junk_at: positions from ``PAGED_JUNK_AT`` that get ``n_junk`` junk entries each.
-      duplicates: per row, this many entries replaced by copies of other valid entries of the row.
-      empty_rows: rows made entirely of junk (exact zeros expected).
-      num_kv_heads: None -> indices [R, W]; an int -> [R, Hkv, W], a different selection per head.
-      seed: RNG seed.
-
-    Returns:
-      PagedDecodeCase.
+      context_lens: int [B] (>= rows_per_request - 1). width: W. pool_slots: default twice the
+        slots needed. page_size: 64, or 1 (single scattered slots).
+      junk, junk_at, n_junk: ``n_junk`` values from ``junk`` (``PAGED_JUNK``) at each position of
+        ``junk_at`` (``PAGED_JUNK_AT``); with ``junk_at = ()`` rows are valid-first, -1 after.
+      duplicates: per row, entries replaced by copies of other valid entries. empty_rows: rows of
+        junk only. num_kv_heads: None -> [R, W]; an int -> [R, Hkv, W].
 
     Raises:
       ValueError: unknown junk value / position, a context shorter than the verify rows.
@@ -978,8 +778,8 @@ def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int
     b = lens.shape[0]
     if pool_slots is None:
         pool_slots = 2 * (int((-(-lens // page_size)).sum()) + 1) * page_size
-    slots = pool_slots_for(lens, pool_slots=pool_slots, page_size=page_size,
-                           seed=int(rng.integers(2**31)))
+    slots = _pool_slots(lens, pool_slots=pool_slots, page_size=page_size,
+                        seed=int(rng.integers(2**31)))
     max_reqs = b + int(spare_requests)
     table = np.zeros((max_reqs, slots.shape[1]), np.int32)
     req_of = rng.permutation(max_reqs)[:b]
@@ -991,13 +791,9 @@ def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int
     seq = (lens[req_rows] - (k - 1) + np.tile(np.arange(k), b)).astype(np.int64)
     r = req_rows.shape[0]
     token_topk, block_topk = _geometry(width, RATIO)
-    heads = []
-    for _h in range(num_kv_heads or 1):
-        blocks = select_blocks(seq, req_rows, block_topk=block_topk, ratio=RATIO,
-                               seed=int(rng.integers(2**31)))
-        heads.append(expand_block_indices(blocks, seq - 1, seq, ratio=RATIO,
-                                          token_topk=token_topk).astype(np.int64))
-    idx = np.stack(heads, 1)  # [R, H, W], valid first, -1 after
+    idx = _selections(num_kv_heads, rng, seq, req_rows, token_topk, block_topk=block_topk,
+                      ratio=RATIO)  # [R, H, W], valid first, -1 after
+    empty = {int(e) for e in empty_rows}
     for row in range(r):
         for h in range(idx.shape[1]):
             ent = idx[row, h]
@@ -1006,9 +802,9 @@ def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int
                 at = rng.choice(valid.size, size=min(duplicates, valid.size - 1), replace=False)
                 valid = valid.copy()
                 valid[at] = valid[rng.integers(0, valid.size, size=at.size)]
-            if row in set(int(e) for e in empty_rows):
+            if row in empty:
                 valid = valid[:0]
-            if junk_at or row in set(int(e) for e in empty_rows):
+            if junk_at or row in empty:
                 idx[row, h] = _paged_row(valid, width, int(seq[row]), junk, junk_at, n_junk, rng)
             else:
                 idx[row, h] = np.concatenate([valid, np.full(width - valid.size, -1)])
@@ -1017,6 +813,8 @@ def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int
                            idx if num_kv_heads is not None else idx[:, 0], int(pool_slots),
                            int(page_size), owned)
 
+
+# --------------------------------------------------------------------------------------------
 # The indexer (qsa-contract.md §4b): the public names and launch plan both implementations share,
 # and metadata.
 #: What ``qsa_triton.indexer`` and ``qsa_pallas.indexer`` both export, with the same arguments.
@@ -1033,33 +831,21 @@ def _pow2_at_least(x: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class IndexerPlan:
-    """Static launch plan of the two-pass exact top-k indexer (``qsa_triton.indexer``,
-    ``qsa_pallas.indexer`` use the same one).
+    """Static launch plan of the two-pass exact top-k indexer (shared by ``qsa_triton.indexer``
+    and ``qsa_pallas.indexer``).
 
-    Pass 1 ("score + chunk top-k"): one program per (row tile, chunk); it scores ``chunk``
-    consecutive visible blocks of ``rows_per_program`` rows in tiles of ``tile`` blocks, holds the
-    chunk's keys in registers and keeps the chunk's exact top-k per row, writing at most ``topk``
-    (key, block id) candidates per (row, chunk) in ascending block order, plus their count.
-    Pass 2 ("merge"): one program per row selects the exact top-k of its ``splits x topk``
-    candidates and writes the block ids (or the expanded token row) in ascending order.
-    Both select by a radix search over the 31 key bits, ``radix_bits`` (pass 1) /
-    ``merge_radix_bits`` (pass 2) bits per round: 2^bits - 1 thresholds counted at once per
-    round, ceil(31 / bits) rounds, then one prefix sum for the ties and the output slots.
+    Pass 1: one program per (row tile, chunk) scores ``chunk`` visible blocks of
+    ``rows_per_program`` rows in tiles of ``tile`` blocks and writes each row's exact top-k of the
+    chunk as <= ``topk`` (key, block id) candidates in ascending block order. Pass 2 (merge): one
+    program per row selects the exact top-k of its ``splits x topk`` candidates. Both select by a
+    radix search over the 31 key bits, ``radix_bits`` / ``merge_radix_bits`` per round.
 
     Attributes:
-      kind: "decode" | "prefill".
-      topk: blocks kept per row (512).
-      chunk: C, blocks per pass-1 program (power of two, >= 2 * topk so pass 1 halves the data).
-      splits: S = ceil(max_blocks / C), chunks per row (static grid dimension).
-      tile: blocks scored per inner step (BLOCK_N).
-      rows_per_program: query rows per pass-1 program (1 for decode; prefill rows share keys).
-      num_warps, num_stages: pass-1 launch; merge_warps: pass-2 launch.
-      row_group: rows per launch pair (prefill: bounds the candidate workspace; decode: all).
-      radix_bits, merge_radix_bits: key bits decided per selection round in pass 1 / pass 2.
-      pdl: launch the merge with Programmatic Dependent Launch where the backend can (Triton on
-        sm_90+; Pallas ignores it): its grid is scheduled while pass 1 runs and waits on the
-        device, which hides the launch gap. Set where pass 1 is one wave of resident programs
-        (a waiting merge program then takes no pass-1 program's place).
+      kind: "decode" | "prefill". topk: blocks kept (512). chunk: power of two >= 2 * topk.
+      splits: ceil(max_blocks / chunk). tile: BLOCK_N. rows_per_program: 1 (decode) or 4..16.
+      num_warps, num_stages: pass 1; merge_warps: pass 2. row_group: rows per launch pair.
+      pdl: launch the merge with Programmatic Dependent Launch (Triton on sm_90+; Pallas ignores
+        it), set where pass 1 is one wave of resident programs.
     """
 
     kind: str
@@ -1083,8 +869,7 @@ class IndexerPlan:
 
     @staticmethod
     def thresholds(bits: int) -> int:
-        """Thresholds counted per selection round of ``bits`` bits: 2^bits - 1 rounded up to a
-        power of two (tensor shapes are powers of two; the spare one counts nothing)."""
+        """Thresholds per round of ``bits`` bits: 2^bits - 1 rounded up to a power of two."""
         return _pow2_at_least((1 << bits) - 1)
 
     def workspace_bytes(self, rows: int) -> int:
@@ -1092,11 +877,9 @@ class IndexerPlan:
         return int(rows) * self.splits * self.topk * 8
 
     def problem(self, kind: str, max_blocks: int, topk: int) -> str | None:
-        """Why this plan cannot run a ``kind`` call with these sizes (None when it can): the
-        kernels need power-of-two chunk and tile, chunk >= 2 * topk and a multiple of the tile,
-        splits x chunk covering max_blocks, prefill rows_per_program 16 and row_group a multiple
-        of it, decode rows_per_program 1, fewer than 2^16 keys per selection (chunk and
-        splits_pad x topk: the packed prefix sum), radix bits 1..8."""
+        """Why this plan cannot run a ``kind`` call with these sizes, or None: the kernels need
+        power-of-two chunk and tile, chunk >= 2 * topk, splits x chunk >= max_blocks, the row counts
+        below, < 2^16 keys per selection (the packed prefix sum), radix bits 1..8."""
         pow2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
         if self.kind != kind or self.topk != topk:
             return f"a {kind} plan for topk={topk}, got kind={self.kind} topk={self.topk}"
@@ -1121,32 +904,19 @@ class IndexerPlan:
 
 def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, *,
                  sm_count: int = 132, smem_per_block: int = 232_448) -> IndexerPlan:
-    """The indexer's static plan from static shapes only (graph/JIT safe: no device data).
+    """The indexer's static plan from static shapes only (graph/JIT safe).
 
-    Decode (one row per program): the chunk is the smallest power of two >= 2 * topk that gives
-    about 2 x ``sm_count`` pass-1 programs over the batch (two resident per SM, so that one's
-    selection overlaps the other's key stream), at most 8192 blocks, grown until a row's
-    candidates (splits x topk) fit one merge program's 8192. Key tiles of 128 blocks (32 KB
-    bf16) with three buffers (``num_stages`` 5: two tiles in flight behind the one being scored,
-    ~64 KB per program, what one program needs to stream its SM's share of HBM) where 110 KB of
-    shared memory per program fit, else 64-block tiles (sm_120: 101,376 B). Pass-1 selection in
-    2-bit rounds (16 rounds: three thresholds a round, packed two counts to an int32, cost about
-    what one 1-bit round costs, which is one block-wide reduction); the merge in 1-bit rounds:
-    Triton 3.6 (torch 2.11's) did not finish compiling a 2-bit merge of 2048+ candidates in
-    minutes (3.9: ~1 s; bench/NOTES.md, "Indexer").
-    Prefill (rows of a program share every key tile): chunk 2 * topk, grown until a row's
-    candidates fit 16384, 8 rows per program (4 where the chunk grows: 8 x 1024 keys per
-    program, 8 warps, ~180 registers, no spills in either build), 1-bit rounds in pass 1 (8 rows
-    at once: there the compares cost, not the rounds), and rows grouped so that one launch's
-    candidate workspace stays under 256 MiB (upstream caps its FP32 logits buffer at 128 MiB the
-    same way; candidates take ``8 * topk / chunk`` bytes per (row, block) instead of 4). Rows
-    past ~2M blocks (8M tokens) at topk 512 get a plan whose ``problem`` says why it cannot
-    run.
+    Decode (one row per program): the smallest power-of-two chunk >= 2 * topk giving about
+    2 x ``sm_count`` pass-1 programs (two resident per SM), at most 8192 blocks, grown until a row's
+    candidates fit one merge program's 8192; 128-block tiles with 5 stages where 110 KB of shared
+    memory fit, else 64; 2-bit rounds in pass 1, 1-bit in the merge (bench/NOTES.md, "Indexer").
+    Prefill: chunk 2 * topk grown until a row's candidates fit 16384, 8 rows per program (4 where
+    the chunk grows), 1-bit rounds, rows grouped so one launch's candidates stay under 256 MiB.
 
     Args:
-      kind: "decode" | "prefill". rows: query rows (B or T). max_blocks: static bound of a row's
-        visible blocks (decode: page-table capacity; prefill: packed key rows). topk: power of
-        two. sm_count: the GPU's SMs. smem_per_block: its opt-in shared memory per block, bytes.
+      kind: "decode" | "prefill". rows: B or T. max_blocks: static bound of a row's visible
+        blocks (decode: page-table capacity; prefill: packed key rows). topk: a power of two.
+      sm_count: the GPU's SMs; smem_per_block: its opt-in shared memory per block, bytes.
 
     Raises:
       ValueError: unknown kind, topk not a power of two, negative sizes.
@@ -1189,19 +959,11 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
 def prefill_row_ranges(q_lens, kv_lens, *, ratio: int = RATIO):
     """Prefill indexer metadata from per-request lengths (upstream ``build_qsa_row_ranges``).
 
-    Request b has ``kv_lens[b]`` tokens of context (prefix + this chunk) and ``q_lens[b]`` new
-    rows, the last ones of the context (bottom-right causal). Its compressed keys are packed at
-    rows ``cu_blocks[b] .. cu_blocks[b + 1]`` (``floor(kv_lens[b] / ratio)`` blocks). Row r of b
-    sits at position ``p = kv_lens[b] - q_lens[b] + r`` and sees ``floor((p + 1) / ratio)`` blocks.
-
-    Returns:
-      (row_starts, row_ends, cu_blocks, positions, seq_lens): int32 arrays; row_starts/row_ends
-      [T] absolute key rows of each row's visible blocks (half-open), cu_blocks [B + 1],
-      positions [T], seq_lens [T] (the row's request length, the expansion's validity bound).
-
-    Raises:
-      ValueError: kv_lens[b] < q_lens[b].
-    """
+    Request b's compressed keys are packed at rows ``cu_blocks[b] ..`` (``floor(kv_lens[b] /
+    ratio)`` blocks); its row r sits at ``p = kv_lens[b] - q_lens[b] + r`` and sees
+    ``floor((p + 1) / ratio)`` blocks. Returns int32 (row_starts [T], row_ends [T] (half-open
+    absolute key rows), cu_blocks [B + 1], positions [T], seq_lens [T] = the request's kv_len).
+    Raises ValueError: kv_lens[b] < q_lens[b]."""
     req, r, visible, bound = row_layout(q_lens, kv_lens)
     kl = np.asarray(kv_lens, np.int64).reshape(-1)
     cu = cu_seqlens_from_counts(kl // ratio)
@@ -1213,26 +975,14 @@ def prefill_row_ranges(q_lens, kv_lens, *, ratio: int = RATIO):
 
 def prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows: int, *,
                       ratio: int = RATIO):
-    """Per-row indexer metadata of a prefill step from its request tables: the rule
-    ``qsa_triton.prefill_step_rows`` / ``qsa_pallas.prefill_step_rows`` evaluate on the device
-    (``prefill_row_ranges`` is the same rule from host lengths, for packed keys in request order).
+    """Per-row indexer metadata of a prefill step, from its request tables: the rule
+    ``qsa_triton`` / ``qsa_pallas.prefill_step_rows`` evaluate on the device.
 
-    Row t of request b (``cu_seqlens_q[b] <= t < cu_seqlens_q[b + 1]``, found by a right-sided
-    search of ``cu_seqlens_q[1:]``) sits at position ``p = kv_lens[b] - q_len_b + (t -
-    cu_seqlens_q[b])`` (bottom-right causal, q_len_b = ``cu_seqlens_q[b + 1] - cu_seqlens_q[b]``).
-    Its request's compressed keys are the packed rows ``index_cu_seqlens_k[b] ..
-    index_cu_seqlens_k[b + 1]`` and it sees the first ``floor(max(p + 1, 0) / ratio)`` of them
-    (at most all of them). A row outside every request (``t < cu_seqlens_q[0]`` or
-    ``t >= cu_seqlens_q[B]``) gets an empty range, position -1 and bound 0: no index, zero output.
-
-    Args:
-      cu_seqlens_q: int [B + 1]; kv_lens: int [B] context length of each request (prefix + this
-        chunk); index_cu_seqlens_k: int [B + 1]; total_rows: T (q's rows); ratio: tokens per block.
-
-    Returns:
-      (row_starts, row_ends, positions, seq_lens): int32 [T] each; seq_lens is the request's
-      ``kv_lens[b]`` (the expansion's validity bound).
-    """
+    Row t of request b (right-sided search of ``cu_seqlens_q[1:]``) sits at ``p = kv_lens[b] -
+    q_len_b + (t - cu_seqlens_q[b])`` and sees the first ``floor(max(p + 1, 0) / ratio)`` of the
+    packed rows ``index_cu_seqlens_k[b] .. [b + 1]``. A row outside every request gets an empty
+    range, position -1 and bound 0. Inputs int [B + 1], [B], [B + 1] and T = ``total_rows``;
+    returns int32 [T] (row_starts, row_ends, positions, seq_lens = kv_lens[b])."""
     cu = np.asarray(cu_seqlens_q, np.int64).reshape(-1)
     kl = np.asarray(kv_lens, np.int64).reshape(-1)
     ck = np.asarray(index_cu_seqlens_k, np.int64).reshape(-1)
@@ -1240,16 +990,8 @@ def prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows: int
 
 
 def prefill_step_rows_xp(xp, cu, kl, ck, rows, ratio: int):
-    """``prefill_step_rows``'s rule over an array module ``xp`` with numpy's API (numpy here,
-    ``jax.numpy`` in ``qsa_pallas.prefill_step_rows``; the core imports neither backend).
-
-    Args:
-      xp: the array module; cu: int [B + 1] cu_seqlens_q; kl: int [B] kv_lens; ck: int [B + 1]
-        index_cu_seqlens_k; rows: int [T] row ids 0..T-1; ratio: tokens per block.
-
-    Returns:
-      (row_starts, row_ends, positions, seq_lens): int32 [T] each, as ``prefill_step_rows``.
-    """
+    """``prefill_step_rows``'s rule over an array module ``xp`` with numpy's API (``jax.numpy`` in
+    ``qsa_pallas``; the core imports no backend); ``rows`` int [T] = 0..T-1."""
     b = kl.shape[0]
     req = xp.searchsorted(cu[1:], rows, side="right")
     inside = (req < b) & (rows >= cu[0])
@@ -1265,15 +1007,9 @@ def prefill_step_rows_xp(xp, cu, kl, ck, rows, ratio: int):
 
 @dataclasses.dataclass(frozen=True)
 class IndexerDecodeCase:
-    """A paged compressed-K decode batch (numpy int32).
-
-    Attributes:
-      seq_lens: [B] tokens per row (the row's visible blocks: ``seq_lens // ratio``).
-      page_table: [B, max_pages] page ids; the row's pages are distinct pages of the cache in a
-        seeded random order, entries past them are junk (never read).
-      pages: pages in the cache (every page id of a visible block is < pages).
-      page_size: compressed blocks per page (16 in production: 64-token KV pages / 4).
-    """
+    """A paged compressed-K decode batch (int32 numpy): ``seq_lens`` [B] tokens per row,
+    ``page_table`` [B, max_pages] (each row's pages distinct, seeded order, junk after),
+    ``pages`` in the cache, ``page_size`` blocks per page (16: 64-token KV pages / 4)."""
 
     seq_lens: np.ndarray
     page_table: np.ndarray
@@ -1284,23 +1020,17 @@ class IndexerDecodeCase:
 def indexer_decode_case(seq_lens, *, page_size: int = 16, max_pages: int | None = None,
                         junk: str = "mixed", extra_pages: int = 3, seed: int = 0
                         ) -> IndexerDecodeCase:
-    """Page table for a decode batch: every row's pages scattered over one shared cache.
-
-    Args:
-      seq_lens: int [B] token counts (any >= 0; not a multiple of ratio or page size is fine).
-      page_size: blocks per page. max_pages: page-table width (default: the longest row's).
-      junk: what stands past each row's pages: "zero", "-1" or "mixed" (-1, huge, page ids of
-        other rows, int32 extremes).
-      extra_pages: unused pages in the cache (so ids are not simply 0..n-1).
-
-    Raises:
-      ValueError: max_pages smaller than a row needs; unknown junk mode.
-    """
+    """Page table for a decode batch, every row's pages scattered over one shared cache with
+    ``extra_pages`` unused pages. ``seq_lens``: int [B] >= 0; ``max_pages``: table width (default
+    the longest row's); ``junk`` past each row's pages: "zero", "-1" or "mixed" (-1, past the
+    cache, int32 extremes, 0). Raises ValueError: max_pages too small, unknown junk."""
     sl = np.maximum(np.asarray(seq_lens, np.int64).reshape(-1), 0)
     need = -(-(sl // RATIO) // page_size)
     width = int(max(need.max() if need.size else 0, 1) if max_pages is None else max_pages)
     if need.size and need.max() > width:
         raise ValueError(f"max_pages {width} < {int(need.max())} pages a row needs")
+    if junk not in ("zero", "-1", "mixed"):
+        raise ValueError(f"junk must be zero|-1|mixed, got {junk!r}")
     rng = np.random.default_rng(seed)
     pages = int(need.sum()) + int(extra_pages)
     perm = rng.permutation(pages)
@@ -1310,14 +1040,9 @@ def indexer_decode_case(seq_lens, *, page_size: int = 16, max_pages: int | None 
         n = int(need[b])
         pt[b, :n] = perm[at:at + n]
         at += n
-        tail = width - n
-        if junk == "zero":
-            pt[b, n:] = 0
-        elif junk == "-1":
-            pt[b, n:] = -1
-        elif junk == "mixed":
+        if junk == "mixed":
             pt[b, n:] = rng.choice(np.array([-1, pages, pages + 7, _I32_MAX, _I32_MIN, 0]),
-                                   size=tail)
+                                   size=width - n)
         else:
-            raise ValueError(f"junk must be zero|-1|mixed, got {junk!r}")
+            pt[b, n:] = {"zero": 0, "-1": -1}[junk]
     return IndexerDecodeCase(sl.astype(np.int32), pt.astype(np.int32), pages, int(page_size))
