@@ -402,7 +402,8 @@ def _time_torch(case: TPCase, call: Callable, rank: int, tp: int) -> dict:
     call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread-local: the NCCL watchdog thread's event queries must not abort this capture
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for _ in range(CALLS):
             call()
     torch.cuda.synchronize()
