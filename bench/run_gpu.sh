@@ -19,6 +19,8 @@
 #   indexer[=OLD] pytest -m gpu tests/test_indexer.py (indexer_tests.log); bench.indexer decode
 #                 and prefill, every provider, with the must-show lines (indexer_bench.log,
 #                 indexer_{decode,prefill}.json); with OLD, --compare OLD at 32k (indexer_compare.*)
+#   tp[=N]        (N >= 2 GPUs, default 2) pytest -m gpu tests/test_tp.py (tp_tests.log); qsa check
+#                 --tp N --time: every rank vs TP1 and per-rank vs single-GPU time (tpN.{json,log})
 # tests and check share the GPU (nothing is timed then) and run together in the background; the
 # timed steps wait for them and run alone. steps.txt: "STEP rc=N Ss" per step; env.txt: versions
 # and GPU. Exit status 1 if any step failed, 2 on an unknown step (before anything runs).
@@ -31,7 +33,7 @@ export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
 [ $# -gt 0 ] || set -- tests check memcheck decode prefill
 for s in "$@"; do
   case "$s" in
-    tests|tests=?*|check|memcheck|decode|prefill|pallas|pool|pool_sweep|indexer) ;;
+    tests|tests=?*|check|memcheck|decode|prefill|pallas|pool|pool_sweep|indexer|tp|tp=[24]) ;;
     compare=?*|indexer=?*)
       [ -d "${s#*=}/qsa_triton" ] || { echo "run_gpu.sh: ${s#*=}/qsa_triton not found" >&2; exit 2; } ;;
     *) echo "run_gpu.sh: unknown step '$s' (see the steps at the top of $0)" >&2; exit 2 ;;
@@ -121,6 +123,12 @@ for s in "$@"; do
       [ "$s" = indexer ] || step indexer_compare 110 python3 -m bench.indexer \
         --compare "${s#indexer=}" --contexts 32768 --rounds 10 \
         --json "$OUT/indexer_compare.json" ;;
+    tp|tp=*)
+      wait
+      n="${s#tp}"; n="${n#=}"; n="${n:-2}"
+      step tp_tests 500 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_tp.py
+      step "tp$n" 500 python3 -m interop.validate.cli check --tp "$n" --time \
+        --json "$OUT/tp$n.json" ;;
   esac
 done
 wait

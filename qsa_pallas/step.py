@@ -22,7 +22,9 @@ lengths never recompiles and nothing is read back to the host. The step works un
 and under ``jax.shard_map`` with the query and KV heads split across devices: the indexer
 inputs are then replicated and every device runs the (cheap, head-independent) indexer itself,
 as upstream's tensor-parallel layers do; shard_map needs its VMA check off around
-``pallas_call`` (``_compat.shard_map``).
+``pallas_call`` (``_compat.shard_map``). ``shard_step`` wraps either step that way (``TP`` ranks
+over one mesh axis) and ``replicate_kv_heads`` gives the pool the layout JAX engines use when
+TP exceeds the KV heads (TP4 of 24/2: the 2 KV heads repeated to 4, one per rank).
 
 Sources: upstream sglang 0.5.23 ``srt/layers/attention/qsa/`` (``qsa_indexer.py`` decode/prefill
 metadata, ``mqa.py`` scoring, ``kernel.py`` expansion); the algorithms are in the modules named.
@@ -34,9 +36,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from interop.contract import (DECODE_STEP_DOC, PREFILL_STEP_DOC, check_decode_step,
-                              check_prefill_step)
+from interop.contract import (DECODE_STEP_DOC, PREFILL_STEP_DOC, ContractError,
+                              check_decode_step, check_prefill_step)
 from interop.indices import prefill_step_rows_xp
 
 from . import _compat as C
@@ -44,7 +48,8 @@ from .decode_paged import _exact_contract_backend, sparse_decode_paged
 from .indexer import indexer_select_decode, indexer_select_prefill
 from .prefill import sparse_prefill_paged
 
-__all__ = ["qsa_decode_step", "qsa_prefill_step", "prefill_step_rows"]
+__all__ = ["qsa_decode_step", "qsa_prefill_step", "prefill_step_rows", "replicate_kv_heads",
+           "shard_step"]
 
 
 def qsa_decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_k_cache,
@@ -149,6 +154,100 @@ def _prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index
     return sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
                                 cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale, k_scale,
                                 v_scale, strict=strict, interpret=interpret)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallel: the step split over the heads of one mesh axis
+def replicate_kv_heads(x, tp: int, *, axis: int = 1):
+    """The tensor-parallel layout of a KV-head axis: ``x`` unchanged when ``tp`` <= Hkv, else
+    each KV head repeated ``tp / Hkv`` times in place, so that an even ``tp``-way split of the
+    axis gives rank r KV head ``r // (tp / Hkv)``, the head its query heads use. This is how JAX
+    engines hold the pool when TP exceeds the KV heads (``max(Hkv, TP)`` heads globally, one per
+    rank: vLLM-TPU / sglang-jax ``get_num_kv_heads_by_tp``); upstream's torch ranks each allocate
+    that one head themselves. An engine allocates its pool in this layout; this helper converts
+    a TP1 pool (a checkpoint, a test).
+
+    Args:
+      x: jax array with the KV heads on ``axis`` (the pool ``k_cache`` / ``v_cache`` [slots,
+        Hkv, D]); tp: the ranks (>= 1); axis: the KV-head axis.
+
+    Returns:
+      ``x`` with ``max(Hkv, tp)`` heads on ``axis``, same dtype (a copy when repeated).
+
+    Raises:
+      ContractError: ``tp`` < 1, or neither of ``tp`` and Hkv divides the other.
+    """
+    hkv, tp = x.shape[axis], int(tp)
+    if tp < 1 or (tp % hkv and hkv % tp):
+        raise ContractError("replicate_kv_heads", "tp", f"a rank count >= 1 that divides Hkv = "
+                            f"{hkv} or is a multiple of it", tp)
+    return x if tp <= hkv else jnp.repeat(x, tp // hkv, axis=axis)
+
+
+def shard_step(step, mesh, axis: str = "tp"):
+    """``qsa_decode_step`` / ``qsa_prefill_step`` as one tensor-parallel call over the mesh axis
+    ``axis`` (TP ranks): each rank runs the unchanged step on its heads under ``jax.shard_map``
+    (VMA check off, ``_compat.shard_map``), no collective inside.
+
+    Layout (upstream's TP attention layers): ``q`` [rows, Hq, D] and the output split over the
+    heads (rank r: query heads ``r*Hq/TP ..``); ``k_cache`` / ``v_cache`` [slots, Hkv_tp, D] split
+    over the heads, Hkv_tp = ``max(Hkv, TP)`` (``replicate_kv_heads`` when TP > Hkv); every
+    other array (request tables, lengths, the indexer's query, compressed keys and page table)
+    replicated: every rank runs the indexer itself (its weights are replicated upstream and its
+    output is head-independent), so no rank waits for another.
+
+    Args:
+      step: ``qsa_decode_step`` or ``qsa_prefill_step`` (or a function of that signature);
+      mesh: a ``jax.sharding.Mesh`` with the axis ``axis`` (TP = its size).
+
+    Returns:
+      ``f(*args, **kwargs)`` with the step's signature on global arrays (any placement: the
+      jitted call reshards), returning the global output [rows, Hq, D] sharded over the heads.
+      Host values (``softmax_scale``, the scales, ``max_seqlen_q``, ``topk``, ...) are static:
+      one compile per shapes and host values. Usable inside an outer ``jax.jit``.
+
+    Raises (from ``f``):
+      ContractError: before anything is traced: Hq or the pool's heads not a multiple of TP
+        (a TP1 pool at TP > Hkv: pass it through ``replicate_kv_heads``); then each rank's step
+        checks its own shapes (``check_decode_step`` / ``check_prefill_step``).
+    """
+    fn = getattr(step, "__name__", "shard_step")
+
+    def call(*args, **kwargs):
+        tp = int(mesh.shape[axis])
+        for i, name in enumerate(("q", "k_cache", "v_cache")):
+            h = args[i].shape[1] if len(args) > i and len(args[i].shape) > 1 else None
+            if h is None or h % tp:
+                raise ContractError(fn, name, f"heads (axis 1) a multiple of TP = {tp} ("
+                                    "replicate_kv_heads(pool, TP) when TP > Hkv)",
+                                    None if h is None else f"{h} heads")
+        arrays = tuple(i for i, a in enumerate(args) if isinstance(a, (jax.Array, np.ndarray)))
+        static = tuple((i, a) for i, a in enumerate(args) if i not in arrays)
+        f = _sharded(step, mesh, axis, len(args), arrays, static, tuple(sorted(kwargs.items())))
+        # committed single-device inputs (DLPack imports, device_put) would be refused by the
+        # mesh's jit: place every array on the mesh first (a no-op when already there)
+        return f(*(jax.device_put(args[i], NamedSharding(mesh, P(None, axis, None) if i < 3
+                                                          else P())) for i in arrays))
+
+    call.__name__ = call.__qualname__ = f"shard_step({fn})"
+    return call
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded(step, mesh, axis, n_args, arrays, static, kwargs):
+    """The jitted shard_map of one (step, mesh, argument layout, host values)."""
+    heads = P(None, axis, None)
+
+    def local(*xs):
+        full = [None] * n_args
+        for i, x in zip(arrays, xs):
+            full[i] = x
+        for i, a in static:
+            full[i] = a
+        return step(*full, **dict(kwargs))
+
+    specs = tuple(heads if i < 3 else P() for i in arrays)
+    return jax.jit(C.shard_map(local, mesh=mesh, in_specs=specs, out_specs=heads))
 
 
 qsa_decode_step.__doc__ = qsa_decode_step.__doc__.replace("STEP_DOC", DECODE_STEP_DOC)

@@ -22,6 +22,12 @@ comes from the caching allocator, so a captured CUDA graph replays correctly wit
 the same buffers; under ``torch.compile(fullgraph=True)`` the halves are ``torch.ops.qsa`` custom
 ops with fake implementations (the checks then run there).
 
+Tensor parallel: a rank calls the step on its own heads, nothing else changes: ``q[:, r*Hq/TP
+..]``, the pool's KV heads of those query heads (``[:, r*Hkv/TP ..]``, or at TP > Hkv the one
+head ``r // (TP / Hkv)``, replicated over ranks), the request tables and every indexer input
+whole (each rank runs the indexer itself). ``interop.validate.tp`` checks that against TP1
+over torch.distributed (``qsa check --tp 2``).
+
 Sources: upstream sglang 0.5.23 ``srt/layers/attention/qsa/`` (``qsa_indexer.py`` decode/prefill
 metadata, ``mqa.py`` scoring, ``kernel.py`` expansion); the algorithms are in the modules named.
 """

@@ -10,10 +10,10 @@ HAS_CUDA_DEVICE = os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiac
 if not HAS_CUDA_DEVICE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    # Two host devices for the shard_map tests (must be set before jax initialises).
+    # Four host devices for the shard_map tests, TP4 the most (set before jax initialises).
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=2").strip()
+        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=4").strip()
 
 try:  # test-only patch of the Triton interpreter's bf16 dot (architecture.md, "Things that bite")
     from tests import triton_interp_patch  # noqa: F401

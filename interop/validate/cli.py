@@ -4,6 +4,8 @@ Subcommands (each a small function taking parsed args and returning an exit stat
   qsa contract [--arch sm_121] [--strict]     every entry point's envelope and the routing per arch
   qsa check    [--quick|--full] [--ops ...]   cross-check Pallas vs Triton vs FP64 reference
                                               (attention, paged decode, indexer, QSA step)
+  qsa check    --tp 2|4 [--time]              the QSA step split over TP ranks vs TP1
+                                              (interop.validate.tp)
   qsa compile  [--arch sm_90,sm_120,sm_121]   AOT-compile every shipped kernel configuration
   qsa bench    decode|prefill [OPTIONS...]    GPU benchmarks (bench/decode.py, bench/prefill.py)
   qsa replay   FILE...                        re-run captured kernel calls (interop.validate.capture)
@@ -302,9 +304,40 @@ def _run_with_progress(X, specs, impls, device, reference, after) -> list:
     return results
 
 
+def _cmd_check_tp(args) -> int:
+    """``qsa check --tp N``: ``interop.validate.tp.check``; exit 2 where the devices are missing."""
+    from . import crosscheck as X  # noqa: PLC0415
+    from . import tp as TP  # noqa: PLC0415
+
+    other = [o for o, v in (("--ops", args.ops), ("--filter", args.filter), ("--peer", args.peer),
+                            ("--full", args.full), ("--quick", args.quick)) if v]
+    if other:
+        raise UsageError(f"--tp runs its own cases (interop.validate.tp.tp_cases); "
+                         f"{', '.join(other)} do not apply")
+    frameworks = _split_list(args.impls) or ["pallas", "triton"]
+    if not set(frameworks) <= {"pallas", "triton"}:
+        raise UsageError(f"--impls: {args.impls!r}; allowed with --tp: pallas, triton")
+    interpret = X.prepare_backends(True if args.interpret else None)
+    try:
+        report = TP.check(args.tp, interpret=interpret, frameworks=frameworks, time=args.time,
+                          log=lambda line: print(line, flush=True))
+    except TP.Unavailable as e:
+        print(f"qsa check --tp {args.tp}: cannot run: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print("wrote " + str(_write_json(args.json, {"command": f"qsa check --tp {args.tp}",
+                                                     **report})))
+    print(f"qsa check --tp {args.tp}: " + ("every rank passed" if report["passed"] else "FAILED"))
+    return 0 if report["passed"] else 1
+
+
 def _cmd_check(args) -> int:
     from . import crosscheck as X  # noqa: PLC0415
 
+    if args.tp:
+        return _cmd_check_tp(args)
+    if args.time:
+        raise UsageError("--time goes with --tp")
     ops = _parsed(X.select_ops, args.ops)
     interpret, device, impls = _implementations(args)
     full = args.full or (not args.quick and not interpret)
@@ -624,6 +657,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(comma-separated alternatives)")
     p.add_argument("--impls", metavar="NAMES", help="implementations to run: triton,pallas "
                    "(default both; one alone for a single-framework install)")
+    p.add_argument("--tp", type=int, choices=(2, 4), help="tensor parallel instead of the matrix: "
+                   "the QSA step (decode, prefill) split over TP ranks, every rank against the TP1 "
+                   "call (bitwise in batch-invariant decode): JAX shard_map over TP devices, "
+                   "TP torch.distributed processes; CPU: host devices / gloo, GPU: one rank per "
+                   "GPU / NCCL (needs TP GPUs)")
+    p.add_argument("--time", action="store_true", help="with --tp on GPUs: per-rank time vs "
+                   "the single-GPU TP-shaped call in the same run (PASS within 10%%)")
 
     p = _command(sub, "compile", _cmd_compile, "AOT-compile every shipped kernel configuration "
                  "per arch", "--json", description="Compile every Triton kernel configuration "
