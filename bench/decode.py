@@ -322,6 +322,18 @@ def _compaction(inp: PoolInputs):
     return compact
 
 
+def _compaction_supports(desc: dict) -> str | None:
+    """Upstream's ``_compact_kv`` packs a row's valid entries at their column (``cols <
+    count``): it needs them first in the row, which junk cases (entries anywhere) break."""
+    if desc["junk"]:
+        return "upstream's compaction needs a row's valid entries first (junk case)"
+    return None
+
+
+def _upstream_supports(desc: dict) -> str | None:
+    return _compaction_supports(desc) or _sm121_supports(desc, rows="R")
+
+
 def _upstream_step(inp: PoolInputs):
     compact, sm121 = _compaction(inp), common.peer().load_sm121_decode()
     return lambda: sm121.qwen38_qsa_sm121(inp.args[0], *compact(), inp.scale)
@@ -403,9 +415,9 @@ def _pallas_stages(inp: PoolInputs, num_stages: int):
 POOL_PROVIDERS = {p.name: p for p in (
     common.Provider("upstream-step", _upstream_step, "upstream's step: counts + prefix sum + "
                     "_compact_kv into a packed copy + its SM121 decode (0.5.23 wheel)",
-                    supports=functools.partial(_sm121_supports, rows="R")),
+                    supports=_upstream_supports),
     common.Provider("packed-step", _packed_step, "upstream's counts + prefix sum + compaction, "
-                    "then qsa_triton.sparse_decode"),
+                    "then qsa_triton.sparse_decode", supports=_compaction_supports),
     common.Provider("jax-step", _jax_step, "XLA compaction (dependent on the previous call) + "
                     "qsa_pallas.sparse_decode, chain of 20 in one jit"),
     common.Provider("paged", _paged, "qsa_triton.sparse_decode_paged (reads the pool in place)"),
@@ -470,7 +482,7 @@ def pool_describe(spec: PoolSpec, inp: PoolInputs) -> dict:
     return {"name": spec.name, "tp": spec.tp, "Hq": hq, "Hkv": hkv, "D": spec.d,
             "B": r // MTP_ROWS if spec.rows == "mtp" else r, "R": r, "rows": spec.rows,
             "layout": spec.layout, "kv": spec.kv, "pool_slots": spec.pool_slots,
-            "valid_entries": inp.valid,
+            "junk": bool(spec.junk), "valid_entries": inp.valid,
             "bytes": inp.valid * hkv * spec.d * (1 if spec.kv == "fp8" else 2) * 2,
             "plot": [[f"{spec.tp} ({hq}/{hkv} heads), {spec.layout}, {spec.kv} pool, "
                       f"{spec.rows} rows", r]]}
