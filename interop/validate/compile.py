@@ -160,8 +160,11 @@ def _judge(rep: ConfigReport, shared: int, cubin: bytes | None, limit: int) -> C
 _TT = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8e4nv"}
 
 
-def _aligned_by_default(names: Sequence[str]) -> list[str]:
-    return [n for n in names if n.endswith("_ptr") or n.startswith("stride")]
+def _aligned(names: Sequence[str], strides: str = "") -> list[str]:
+    """Pointers and the strides (``strides``: only those of these tensors, e.g. "qkvo": the
+    multiples of D; the index, union and table strides depend on W / NB / max_context)."""
+    return [n for n in names if n.endswith("_ptr") or n.startswith("stride_")
+            and (not strides or n[7] in strides)]
 
 
 def _entry(kernel, name: str, types: dict, consts: dict, num_warps: int, num_stages: int,
@@ -174,7 +177,7 @@ def _entry(kernel, name: str, types: dict, consts: dict, num_warps: int, num_sta
     is under-counted). ``extra`` items (e.g. ``geometry``) are added to the entry."""
     names = kernel.arg_names
     consts = {k: v for k, v in consts.items() if k in names}
-    aligned = _aligned_by_default(names) if aligned is None else aligned
+    aligned = _aligned(names) if aligned is None else aligned
     return {"kernel": kernel, "name": name, "constexprs": consts,
             "signature": {n: types.get(n) or ("constexpr" if n in consts else
                                               "*i32" if n.endswith("_ptr") else "i32")
@@ -283,8 +286,7 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
     from qsa_triton import prefill as P  # noqa: PLC0415
 
     kernel = P._qsa_sparse_prefill_fwd
-    # the index row strides (W = 2051) stay unspecialised
-    aligned = [n for n in _aligned_by_default(kernel.arg_names) if n not in ("stride_it", "stride_ih")]
+    aligned = _aligned(kernel.arg_names, "qkvo")  # the index row strides (W = 2051) are not
     out = []
     for geo in all_configs(arch):
         grp = next((g for g in groups if max(16, next_pow2(g)) == geo.block_m
@@ -307,14 +309,6 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
     return _unique(out)
 
 
-#: pointers and the q/k/v/out strides (multiples of D) of the union kernel: what a real launch
-#: specialises; the union and table strides depend on NB / max_context and stay unspecialised
-_UNION_ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "ublk_ptr", "umem_ptr", "ulen_ptr",
-                  "bidx_ptr", "cu_q_ptr", "cu_k_ptr", "kv_lens_ptr", "r2t_ptr", "req_idx_ptr", "stride_qt",
-                  "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh", "stride_ot",
-                  "stride_oh")
-
-
 def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict]:
     """Every tile-union kernel configuration ``qsa_triton.prefill_union`` can launch on ``arch``:
     the union build kernel (``_qsa_block_union``) per tile height R with 512 block ids per row,
@@ -327,12 +321,11 @@ def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict
 
     geos = all_union_configs(arch, head_dim=head_dim)
     out = []
-    build = U._qsa_block_union
+    build, kernel = U._qsa_block_union, U._qsa_prefill_union_fwd
     for r in sorted({geo.tile_rows for _, geo in geos}):
         consts = {"R": r, "NBP": 512, "BP": 2, "ORDINARY": False, "KEY64": False}
         out.append(_entry(build, f"prefill_union_build_R{r}_nb512", {}, consts,
-                          8 if r * 512 > 2048 else 4, 1,
-                          aligned=[n for n in build.arg_names if n.endswith("_ptr")],
+                          8 if r * 512 > 2048 else 4, 1, aligned=_aligned(build.arg_names, "qkvo"),
                           geometry=None))
     for kv_bytes, geo in geos:
         group = geo.head_tile // geo.tile_rows  # the padded head tile per row (masks only)
@@ -341,11 +334,11 @@ def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict
             consts = {"PER_HEAD": False, "G": group, "HT": next_pow2(group), "R": geo.tile_rows,
                       "M": geo.head_tile, "D": head_dim, "BLOCK_N": geo.block_n, "MODE": mode,
                       "OFF64": mode == 2, "BP": 2, "HR": max(16, next_pow2(group))}
-            out.append(_entry(U._qsa_prefill_union_fwd, f"prefill_union_mode{mode}_bf16_{kt}"
-                              f"_R{geo.tile_rows}_m{geo.head_tile}_bn{geo.block_n}"
-                              f"_w{geo.num_warps}_s{geo.num_stages}", _attention_types("bf16", kt),
-                              consts, geo.num_warps, geo.num_stages, aligned=_UNION_ALIGNED,
-                              geometry=geo))
+            out.append(_entry(kernel, f"prefill_union_mode{mode}_bf16_{kt}_R{geo.tile_rows}"
+                              f"_m{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}"
+                              f"_s{geo.num_stages}", _attention_types("bf16", kt), consts,
+                              geo.num_warps, geo.num_stages,
+                              aligned=_aligned(kernel.arg_names, "qkvo"), geometry=geo))
     return out
 
 

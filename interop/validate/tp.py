@@ -361,11 +361,10 @@ def _rank_main(rank: int, tp: int, device: str, cases: list[TPCase], tmp: str,
 
 def _dlpack_handoff(case: TPCase, entry: str, args: list, kw: dict, out, empty: np.ndarray,
                     rank: int) -> dict:
-    """This rank's tensors to jax (``interop.dlpack.to_jax``): every array must land on the
-    jax device of the tensor's device, sharing its memory (fp8 travels as a uint8 view and
-    XLA's CPU client copies buffers not aligned to 64 bytes: those pointers are not compared); ``qsa_pallas`` runs the rank's step on them; its output back to
-    torch (``to_torch``) must be on the rank's device and agree with the Triton rank output
-    (``interop.cases.compare``)."""
+    """This rank's tensors to jax (``interop.dlpack.to_jax``): every array must land on the jax
+    device of the tensor's device, sharing its memory; ``qsa_pallas`` runs the rank's step on
+    them; its output back to torch (``to_torch``) must be on the rank's device and agree with
+    the Triton rank output (``interop.cases.compare``)."""
     import jax  # noqa: PLC0415
     import torch  # noqa: PLC0415
 
@@ -378,8 +377,8 @@ def _dlpack_handoff(case: TPCase, entry: str, args: list, kw: dict, out, empty: 
     jargs = [to_jax(a) if isinstance(a, torch.Tensor) else a for a in args]
     pairs = [(t, j) for t, j in zip(args, jargs) if isinstance(t, torch.Tensor)]
     placed = all(j.devices() == {want} for _, j in pairs)
-    # XLA's CPU client copies a buffer not aligned to 64 bytes (small numpy-backed tables);
-    # CUDA allocations always are
+    # fp8 travels as a uint8 view, and XLA's CPU client copies a buffer not aligned to 64
+    # bytes (small numpy-backed tables; CUDA allocations always are): those are not compared
     shared = all(j.unsafe_buffer_pointer() == t.data_ptr() for t, j in pairs
                  if "float8" not in str(t.dtype) and t.data_ptr() % 64 == 0)
     back = to_torch(getattr(qsa_pallas, entry)(*jargs, **kw))
