@@ -1,37 +1,31 @@
-"""Capture one kernel call to a file and replay it (``qsa replay``).
+"""Capture one kernel call to a file and replay it (``qsa capture``, ``qsa replay``).
 
 File format ``qsa-capture/1``: one safetensors file per call.
 
-Tensors (names are the entry point's parameter names, ``qsa-contract.md``):
+Tensors, named as the entry point's parameters (``qsa-contract.md``, ``interop.cases.PARAMS``),
+stored contiguous on the CPU in their own dtype (bf16/fp16/fp32/int32); FP8 (float8_e4m3fn) as
+its raw bytes (uint8, same shape), named in ``fp8_tensors``, so numpy-only readers load every
+file; ``expected_out`` (optional): the output the capturing implementation returned.
   * ``sparse_decode``: q, k, v, cu_seqlens_q, cu_seqlens_k
   * ``sparse_prefill``: q, k, v, indices, cu_seqlens
   * ``sparse_prefill_chunk``: q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens
   * ``sparse_prefill_paged``: q, k_cache, v_cache, req_to_token, req_indices, indices,
-    cu_seqlens_q, kv_lens (files with a per-request ``slot_table`` instead replay with
+    cu_seqlens_q, kv_lens (a file with a per-request ``slot_table`` instead replays with
     req_to_token = slot_table, req_indices = 0..B-1)
-  * ``sparse_decode_paged``: q, k_cache, v_cache (the whole pool, as given), req_to_token,
-    req_indices, indices, seq_lens
-  * ``expected_out`` (optional): the output the capturing implementation returned.
-  Stored contiguous, on the CPU, in their own dtype (bf16/fp16/fp32/int32), except FP8
-  (float8_e4m3fn), stored as its raw bytes (uint8, same shape) and named in ``fp8_tensors`` so
-  that numpy-only readers can load every file.
+  * ``sparse_decode_paged``: q, k_cache, v_cache (the whole pool), req_to_token, req_indices,
+    indices, seq_lens
 
-Metadata (safetensors ``__metadata__``, all strings):
-  * ``format``: "qsa-capture/1"; ``entry``: the entry point; ``op``: "decode" | "prefill" |
-    "paged" (``interop.cases.ENTRY_OP``).
-  * ``scalars``: JSON of the host arguments (max_seqlen_k or max_seqlen_q, softmax_scale,
-    k_scale, v_scale, batch_invariant).
-  * ``fp8_tensors``: JSON list of tensor names stored as raw FP8 bytes.
-  * ``arch`` ("sm_90", or "cpu"), ``device`` (device name), ``rank_shape`` ("TP1 Hq=24 Hkv=2
-    D=256"), ``model_revision`` (free text, e.g. the model's git revision), ``producer`` (which
-    implementation produced ``expected_out``), ``created`` (UTC ISO time), ``versions`` (JSON:
-    python/torch/triton/jax), ``note``.
+Metadata (safetensors ``__metadata__``, all strings): ``format`` "qsa-capture/1"; ``entry``;
+``op`` "decode" | "prefill" | "paged" (``interop.cases.ENTRY_OP``); ``scalars`` (JSON of the
+host arguments: max_seqlen_k or max_seqlen_q, softmax_scale, k_scale, v_scale,
+batch_invariant); ``fp8_tensors`` (JSON list); ``arch`` ("sm_90", or "cpu"); ``device``;
+``rank_shape`` ("TP1 Hq=24 Hkv=2 D=256"); ``model_revision`` (free text); ``producer`` (who
+produced ``expected_out``); ``created`` (UTC ISO time); ``versions`` (JSON); ``note``.
 
-``capture_call(fn, *args, path=..., **kwargs)`` calls ``fn`` (any implementation with the
-contract's signature: ``qsa_triton.sparse_decode``, upstream's kernels behind an adapter, ...),
-stores its inputs and output, and returns the output. ``replay(paths, impls)`` runs every
-implementation on each file and reports relative L2 against the FP64 reference and against the
-stored output. Imports torch (and safetensors) lazily.
+``capture_call(fn, *args, path=..., **kwargs)`` calls any implementation with the contract's
+signature and stores its inputs and output; ``replay(paths, impls)`` runs every implementation
+on each file against the FP64 reference and the stored output. Imports torch and safetensors
+lazily.
 """
 
 from __future__ import annotations
@@ -56,12 +50,8 @@ _FP8 = ("float8_e4m3fn", "float8_e5m2")
 
 @dataclasses.dataclass
 class Capture:
-    """A loaded capture.
-
-    Attributes:
-      entry: entry point name. tensors: parameter name -> torch tensor (CPU, original dtype).
-      scalars: host arguments. expected: stored output or None. metadata: the raw metadata.
-    """
+    """A loaded capture: ``entry`` point name, ``tensors`` parameter name -> torch tensor (CPU,
+    original dtype), host ``scalars``, ``expected`` stored output or None, raw ``metadata``."""
 
     entry: str
     tensors: dict
@@ -82,8 +72,8 @@ class Capture:
             import torch  # noqa: PLC0415
 
             st = self.tensors["slot_table"]
-            self.tensors.update(req_to_token=st, req_indices=torch.arange(st.shape[0],
-                                                                           dtype=torch.int32))
+            self.tensors.update(req_to_token=st,
+                                req_indices=torch.arange(st.shape[0], dtype=torch.int32))
         args = [self.tensors[n].to(device) if n in self.tensors else self.scalars[n] for n in pos]
         kwargs = {k: self.scalars.get(k, KW_DEFAULTS[k]) for k in kws}
         return Inputs(self.entry, args, kwargs, None, {"capture": self.metadata})
@@ -222,6 +212,8 @@ def spec_for(cap: Capture, name: str):
     the reference's size)."""
     from interop.cases import DecodeSpec, PagedSpec, PrefillSpec  # noqa: PLC0415
 
+    from .crosscheck import PREFILL_KIND  # noqa: PLC0415
+
     t = cap.tensors
     q = t["q"]
     k = t.get("k", t.get("k_cache"))
@@ -237,12 +229,10 @@ def spec_for(cap: Capture, name: str):
                          v_scale=float(cap.scalars.get("v_scale", 1.0)),
                          per_head=t["indices"].ndim == 3, pool_slots=int(k.shape[0]),
                          batch_invariant=bool(cap.scalars.get("batch_invariant", False)))
-    kind = {"sparse_prefill": "ordinary", "sparse_prefill_chunk": "chunk",
-            "sparse_prefill_paged": "paged"}[cap.entry]
     cu = t.get("cu_seqlens", t.get("cu_seqlens_q"))
-    q_lens = tuple(int(x) for x in (cu[1:] - cu[:-1]).tolist())
     kv = t.get("kv_lens")
-    return PrefillSpec(name, kind, hq, hkv, d, q_lens,
+    return PrefillSpec(name, PREFILL_KIND[cap.entry], hq, hkv, d,
+                       tuple(int(x) for x in (cu[1:] - cu[:-1]).tolist()),
                        None if kv is None else tuple(int(x) for x in kv.tolist()),
                        width=int(t["indices"].shape[-1]), dtype=_tdtype(q), kv_dtype=kv_dtype,
                        per_head=t["indices"].ndim == 3)

@@ -1,23 +1,11 @@
-"""The ``qsa`` command.
+"""The ``qsa`` command: ``contract``, ``check`` (also ``--tp N``), ``compile``, ``bench``,
+``replay``, ``capture`` (``qsa --help`` and ``qsa COMMAND --help`` describe each); one
+``_cmd_*`` function per command takes the parsed arguments and returns the exit status.
 
-Subcommands (each a small function taking parsed args and returning an exit status):
-  qsa contract [--arch sm_121] [--strict]     every entry point's envelope and the routing per arch
-  qsa check    [--quick|--full] [--ops ...]   cross-check Pallas vs Triton vs FP64 reference
-                                              (attention, paged decode, indexer, QSA step)
-  qsa check    --tp 2|4 [--time]              the QSA step split over TP ranks vs TP1
-                                              (interop.validate.tp)
-  qsa compile  [--arch sm_90,sm_120,sm_121]   AOT-compile every shipped kernel configuration
-  qsa bench    decode|prefill [OPTIONS...]    GPU benchmarks (bench/decode.py, bench/prefill.py)
-  qsa replay   FILE...                        re-run captured kernel calls (interop.validate.capture)
-  qsa capture  --case NAME --out FILE         save one check case + an output as a capture file
-  qsa capture  --list                         the case names (interop.cases)
-
-Every file is written only where an option names it (--json, --out, --plot); nothing lands in
-the current directory by default. A bad argument exits with status 2 and a message naming it.
-
-Output uses ``rich`` tables when rich is installed and plain text otherwise. torch / jax / triton
-are imported lazily by the subcommands that need them, so ``qsa contract`` works on a
-numpy-only install.
+Files are written only where an option names them (--json, --out, --plot), never into the
+current directory by default. A bad argument exits with status 2 and a message naming it. Output
+uses ``rich`` tables when rich is installed, plain text otherwise; torch / jax / triton are
+imported by the commands that need them, so ``qsa contract`` works on a numpy-only install.
 """
 
 from __future__ import annotations
@@ -57,8 +45,8 @@ def _console():
         return None
     import shutil  # noqa: PLC0415
 
-    width = shutil.get_terminal_size((120, 24)).columns
-    return Console(highlight=False, soft_wrap=False, width=max(100, width))
+    return Console(highlight=False, soft_wrap=False,
+                   width=max(100, shutil.get_terminal_size((120, 24)).columns))
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]],
@@ -102,9 +90,10 @@ def _finite_json(obj):
     return obj
 
 
-def _write_json(path: str, doc: dict) -> Path:
-    """Write ``doc`` (plus the package versions) as strict JSON; parent folders are created. The
-    file is replaced whole, so a run cut short leaves the last complete document."""
+def _write_json(path: str, doc: dict, *, say: bool = True) -> Path:
+    """Write ``doc`` (plus the package versions) as strict JSON, parent folders created, and
+    (``say``) print ``wrote PATH``. The file is replaced whole, so a run cut short leaves the
+    last complete document."""
     from .crosscheck import versions  # noqa: PLC0415
 
     path = Path(path)
@@ -113,6 +102,8 @@ def _write_json(path: str, doc: dict) -> Path:
     tmp.write_text(json.dumps(_finite_json({**doc, "versions": versions()}), indent=1,
                               default=str, allow_nan=False))
     tmp.replace(path)
+    if say:
+        print(f"wrote {path}")
     return path
 
 
@@ -325,8 +316,7 @@ def _cmd_check_tp(args) -> int:
         print(f"qsa check --tp {args.tp}: cannot run: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print("wrote " + str(_write_json(args.json, {"command": f"qsa check --tp {args.tp}",
-                                                     **report})))
+        _write_json(args.json, {"command": f"qsa check --tp {args.tp}", **report})
     print(f"qsa check --tp {args.tp}: " + ("every rank passed" if report["passed"] else "FAILED"))
     return 0 if report["passed"] else 1
 
@@ -352,11 +342,11 @@ def _cmd_check(args) -> int:
           f"{'interpret mode (CPU)' if interpret else 'compiled kernels (' + device + ')'}, "
           f"implementations {', '.join(names)}", flush=True)
 
-    def write_json(results, complete: bool) -> Path | None:
+    def write_json(results, complete: bool) -> None:
         if not args.json:
-            return None
+            return
         failed = [r for r in results if not r.passed]
-        return _write_json(args.json, {
+        _write_json(args.json, say=complete, doc={
             "command": "qsa check", "matrix": mode, "ops": list(ops), "interpret": interpret,
             "device": _device_name(device),
             "tolerance": {"rtol": X.RTOL, "atol": X.ATOL, "rel_l2": X.REL_L2},
@@ -385,8 +375,7 @@ def _cmd_check(args) -> int:
     if failed:
         print_table(f"FAILED: {len(failed)} case(s)", ("case", "why"),
                     [(r.name, " | ".join(r.failures)) for r in failed])
-    if args.json:
-        print(f"wrote {write_json(results, True)}")
+    write_json(results, True)
     print("qsa check: " + ("all cases passed" if not failed else f"{len(failed)} case(s) FAILED: "
                            + ", ".join(r.name for r in failed[:10])
                            + (" ..." if len(failed) > 10 else "")))
@@ -450,9 +439,8 @@ def _cmd_compile(args) -> int:
         print_table(f"FAILED: {len(failed)} configuration(s) do not fit", _COMPILE_COLUMNS,
                     CC.summary_rows(failed))
     if args.json:
-        print("wrote " + str(_write_json(args.json, {
-            "command": "qsa compile", "archs": archs, "families": families,
-            "passed": not failed, "configs": [r.as_dict() for r in reports]})))
+        _write_json(args.json, {"command": "qsa compile", "archs": archs, "families": families,
+                                "passed": not failed, "configs": [r.as_dict() for r in reports]})
     print("qsa compile: " + ("every configuration fits" if not failed
                              else f"{len(failed)} configuration(s) do NOT fit"))
     return 1 if failed else 0
@@ -549,10 +537,10 @@ def _cmd_replay(args) -> int:
               f"{len(bad_stored)} file(s): {', '.join(bad_stored)} (the captured call returned a "
               f"wrong result{'' if args.fail_on_stored else '; --fail-on-stored makes this an error'})")
     if args.json:
-        print("wrote " + str(_write_json(args.json, {
-            "command": "qsa replay", "device": device, "passed": not failed,
-            "files": [{"file": res.name, "metadata": cap.metadata, "stored": stored,
-                       "result": res.as_dict()} for cap, res, stored in results]})))
+        _write_json(args.json, {"command": "qsa replay", "device": device, "passed": not failed,
+                                "files": [{"file": res.name, "metadata": cap.metadata,
+                                           "stored": stored, "result": res.as_dict()}
+                                          for cap, res, stored in results]})
     print("qsa replay: " + ("all files passed" if not failed else f"{len(failed)} file(s) FAILED")
           + (f"; stored output wrong in {len(bad_stored)} file(s)" if bad_stored else ""))
     return 1 if failed or (bad_stored and args.fail_on_stored) else 0

@@ -1,30 +1,20 @@
 """``qsa compile``: ahead-of-time compile every shipped kernel configuration for sm_90 / sm_120 /
 sm_121 on a machine without a GPU, and check each against the arch's limits.
 
-The enumerations live here, not in the kernel modules (which hold kernels, launchers and entry
-points only), one function per kernel family and backend (``_FAMILY_LISTS``; each docstring says
-what it enumerates); they import the backends' private kernel objects and constexpr builders
-lazily, so a list cannot drift from what a launch passes. The paged decode's lists and the
-Pallas indexer's still live beside their kernels (``qsa_triton.decode_paged.compile_configs``,
-``qsa_pallas.decode_paged.lowering_cases``, ``qsa_pallas.indexer.lowering_cases``).
+The lists live here, one function per kernel family and backend (``_FAMILY_LISTS``), built from
+the backends' own kernel objects and constexpr builders (imported lazily), so a list cannot drift
+from what a launch passes. The paged decode's lists and the Pallas indexer's live beside their
+kernels (``compile_configs(arch)`` / ``lowering_cases(device_kind)``), the protocol out-of-tree
+modules also use (``qsa compile --triton-modules/--pallas-modules``).
 
 Triton configurations are compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda",
-cc, 32))``; Pallas cases ``(name, fn, args)`` are lowered with ``jax.jit(...).trace(...).lower(
-lowering_platforms=("cuda",))`` under an abstract device of the arch's representative part and
-their Triton IR compiled for the arch. Per configuration: shared memory
-(``compiled.metadata.shared``; Triton does not check the 101,376-byte limit of sm_120/sm_121
-itself), registers per thread and spills (``cuobjdump --dump-resource-usage`` on the cubin, when
-the tool is found). A configuration *fits* when shared memory <= the arch's opt-in limit per
-block, registers <= 255 per thread and registers x threads <= 65,536 per block. Spills are
-reported, not failed.
-
-Out-of-tree kernels (and the CLI tests) can replace the built-in lists with modules exposing
-``compile_configs(arch)`` / ``lowering_cases(device_kind)`` (``run(triton_modules=...,
-pallas_modules=...)``; ``qsa compile --triton-modules/--pallas-modules``).
-
-Must run with ``TRITON_INTERPRET`` off (the interpreter replaces the JIT functions): ``qsa
-compile`` (``interop.validate.cli``, the command line of this module) re-runs itself in a
-subprocess without it when it is set.
+cc, 32))``; Pallas cases ``(name, fn, args)`` are lowered under an abstract device of the arch's
+representative part (``qsa_pallas._compat.lower_for_device_kind``) and their Triton IR compiled
+for the arch. A configuration *fits* when its shared memory (``metadata.shared``; Triton does not
+check the 101,376 bytes of sm_120/sm_121 itself) <= the arch's opt-in limit per block, registers
+(``cuobjdump --dump-resource-usage``, when the tool is found) <= 255 per thread and registers x
+threads <= 65,536 per block. Spills are reported, not failed. Needs ``TRITON_INTERPRET`` off (the
+interpreter replaces the JIT functions): ``qsa compile`` re-runs itself without it.
 """
 
 from __future__ import annotations
@@ -40,7 +30,8 @@ import tempfile
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-from interop.arch import CI_ARCHS, KNOWN_ARCHS, KNOWN_PARTS, arch_name, device_kind, parse_arch
+from interop.arch import (CI_ARCHS, KNOWN_ARCHS, KNOWN_PARTS, arch_name, capability, device_kind,
+                          parse_arch)
 
 __all__ = ["ConfigReport", "DEFAULT_ARCHS", "DEVICE_KIND",
            "FAMILIES", "resource_usage", "check", "compile_pallas_cases", "run", "parse_archs",
@@ -61,16 +52,12 @@ MAX_REGS_PER_BLOCK = 65_536
 
 @dataclasses.dataclass
 class ConfigReport:
-    """One compiled configuration.
-
-    Attributes:
-      family: "triton" | "pallas". arch: "sm_120". name: configuration name.
-      num_warps, num_stages: launch parameters. shared: bytes of shared memory per program.
-      regs: registers per thread (None when cuobjdump is absent). spill_bytes: local/stack bytes
-      per thread (None when unknown). smem_limit: the arch's opt-in limit per block.
-      fits: within every limit. problems: why not. error: compile/lowering failure (fits False).
-      note: e.g. "module exposes no compile_configs" (not a failure).
-    """
+    """One compiled configuration: ``family`` "triton" | "pallas", ``arch`` "sm_120", ``name``;
+    ``num_warps`` / ``num_stages``; ``shared`` bytes of shared memory per program against
+    ``smem_limit`` (the arch's opt-in limit per block); ``regs`` and ``spill_bytes`` (local +
+    stack) per thread (None without cuobjdump); ``fits`` within every limit, else ``problems``
+    say why; ``error`` a compile/lowering failure (fits False); ``note`` e.g. a module with no
+    list (not a failure); ``seconds``."""
 
     family: str
     arch: str
@@ -90,9 +77,14 @@ class ConfigReport:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def failed(self, e: Exception, what: str = "") -> ConfigReport:
+        """Record ``e`` (a configuration that does not compile or lower does not fit)."""
+        self.fits, self.error = False, f"{what}{type(e).__name__}: {str(e).strip()[:400]}"
+        return self
+
 
 def parse_archs(text: str | None) -> list[str]:
-    """``"sm_90,sm_120"`` -> ["sm_90", "sm_120"] (default: sm_90, sm_120, sm_121).
+    """``"sm_90,121"`` -> ["sm_90", "sm_121"] (default: ``DEFAULT_ARCHS``), repeats dropped.
 
     Raises:
       ValueError: an unknown arch (the message lists the known ones).
@@ -105,7 +97,7 @@ def parse_archs(text: str | None) -> list[str]:
             name = arch_name(parse_arch(part))
         except ValueError:
             name = part
-        if name not in KNOWN_ARCHS or name not in DEVICE_KIND:
+        if name not in DEVICE_KIND:
             raise ValueError(f"--arch: unknown arch {part!r}; known: {', '.join(DEVICE_KIND)}")
         out.append(name)
     return list(dict.fromkeys(out))
@@ -113,19 +105,16 @@ def parse_archs(text: str | None) -> list[str]:
 
 # --------------------------------------------------------------------------------------------
 def _tool(name: str) -> str | None:
-    """Path of a CUDA binary tool: Triton's bundled copy, then $PATH."""
-    env = os.environ.get(f"TRITON_{name.upper()}_PATH")
-    if env and os.path.exists(env):
-        return env
+    """Path of a CUDA binary tool: ``$TRITON_<NAME>_PATH``, Triton's bundled copy, then $PATH."""
+    paths = [os.environ.get(f"TRITON_{name.upper()}_PATH")]
     try:
         import triton  # noqa: PLC0415
 
-        p = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-        if os.path.exists(p):
-            return p
+        paths.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                                  name))
     except ImportError:
         pass
-    return shutil.which(name)
+    return next((p for p in paths if p and os.path.exists(p)), None) or shutil.which(name)
 
 
 def resource_usage(cubin: bytes) -> dict[str, int] | None:
@@ -150,12 +139,10 @@ def resource_usage(cubin: bytes) -> dict[str, int] | None:
 
 
 def _judge(rep: ConfigReport, shared: int, cubin: bytes | None, limit: int) -> ConfigReport:
-    rep.shared = int(shared)
-    rep.smem_limit = limit
+    rep.shared, rep.smem_limit = int(shared), limit
     usage = resource_usage(cubin) if cubin else None
     if usage is not None:
-        rep.regs = usage["regs"]
-        rep.spill_bytes = usage["stack"] + usage["local"]
+        rep.regs, rep.spill_bytes = usage["regs"], usage["stack"] + usage["local"]
     if rep.shared > limit:
         rep.problems.append(f"shared memory {rep.shared:,} B > {limit:,} B")
     if rep.regs is not None:
@@ -168,33 +155,33 @@ def _judge(rep: ConfigReport, shared: int, cubin: bytes | None, limit: int) -> C
     return rep
 
 
-def _capability(arch: str) -> int:
-    major, minor = parse_arch(arch)
-    return major * 10 + minor
-
-
 # --------------------------------------------------------------------------------------------
 # The shipped configurations: Triton.
 _TT = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8e4nv"}
 
 
-def _aligned_by_default(names: Sequence[str]) -> list[str]:
-    return [n for n in names if n.endswith("_ptr") or n.startswith("stride")]
+def _aligned(names: Sequence[str], strides: str = "") -> list[str]:
+    """Pointers and the strides (``strides``: only those of these tensors, e.g. "qkvo": the
+    multiples of D; the index, union and table strides depend on W / NB / max_context)."""
+    return [n for n in names if n.endswith("_ptr") or n.startswith("stride_")
+            and (not strides or n[7] in strides)]
 
 
-def _entry(kernel, name: str, ptrs: dict, consts: dict, num_warps: int, num_stages: int,
+def _entry(kernel, name: str, types: dict, consts: dict, num_warps: int, num_stages: int,
            pdl: bool = False, *, aligned: Iterable[str] | None = None, **extra) -> dict:
     """One ``compile_triton_configs`` entry (``ASTSource(kernel, signature, constexprs, attrs)``):
-    the named pointer / float arguments typed as given, every other non-constexpr argument i32
-    (names in ``ptrs`` or ``consts`` the kernel does not have are ignored); the ``aligned``
+    the arguments named in ``types`` typed so, other ``*_ptr`` arguments ``*i32``, every other
+    non-constexpr argument i32 (names the kernel does not have are ignored); the ``aligned``
     arguments (default: pointers and ``stride*``) 16-divisible, as the JIT specialises them at
     launch (without that the K/V loads are neither vectorised nor pipelined, and shared memory
     is under-counted). ``extra`` items (e.g. ``geometry``) are added to the entry."""
     names = kernel.arg_names
     consts = {k: v for k, v in consts.items() if k in names}
-    aligned = _aligned_by_default(names) if aligned is None else aligned
+    aligned = _aligned(names) if aligned is None else aligned
     return {"kernel": kernel, "name": name, "constexprs": consts,
-            "signature": {n: ptrs.get(n) or ("constexpr" if n in consts else "i32") for n in names},
+            "signature": {n: types.get(n) or ("constexpr" if n in consts else
+                                              "*i32" if n.endswith("_ptr") else "i32")
+                          for n in names},
             "attrs": {(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
             "num_warps": num_warps, "num_stages": num_stages,
             "options": {"launch_pdl": True} if pdl else {}, **extra}
@@ -216,15 +203,13 @@ def _unique(entries: Iterable[dict]) -> list[dict]:
 
 def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloat16") -> list[dict]:
     """Every decode kernel configuration ``qsa_triton.decode`` can launch on ``arch`` for the
-    qualified shapes: the split kernel per distinct geometry the shipped plan
-    (``qsa_triton.decode.plan_for``: ``interop.plan.plan_decode`` with balance and one-block
-    splits, fitted to the arch's shared memory) picks for the qualified head pairs, B = 1..128
-    and every SM count in ``interop.arch.KNOWN_PARTS``, in every launchable combination (merge
-    inline / kernel, LSE_ALL, PDL with the entry or the late trigger), constexprs from
-    ``qsa_triton.decode._split_constexprs``; the merge kernel per split chunk, with and without
-    PDL. Names: ``decode_split_G{G}_ht{HT}_bn{BLOCK_N}_w{warps}
-    _s{stages}[_inline{tile}|_nolse]_{dtype}[_pdl|_pdllate]``, ``decode_merge_chunk{n}_{dtype}
-    [_pdl]``. Shape ints (B, splits) are runtime values: they add no variant.
+    qualified shapes: the split kernel per distinct geometry of the shipped plan
+    (``interop.plan.plan_decode`` with balance and one-block splits, fitted to the arch's shared
+    memory) over the qualified head pairs, B = 1..128 and every SM count of
+    ``interop.arch.KNOWN_PARTS``, in every launchable combination (merge inline / kernel,
+    LSE_ALL, PDL with the entry or the late trigger; constexprs from
+    ``qsa_triton.decode._split_constexprs``), and the merge kernel per split chunk, with and
+    without PDL. Shape ints (B, splits) are runtime values: they add no variant.
 
     Returns:
       dicts with ``kernel``, ``name``, ``signature``, ``constexprs``, ``attrs``, ``num_warps``,
@@ -237,9 +222,8 @@ def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloa
     info = KNOWN_ARCHS[arch]
     pdl_ok = tuple(info.cc) >= (9, 0) and dec._TRITON_PDL
     dt = _TT[dtype]
-    split_ptrs = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "out_ptr": f"*{dt}",
-                  "lse_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "cu_q_ptr": "*i32",
-                  "cu_k_ptr": "*i32", "scale_log2": "fp32"}
+    split_types = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), f"*{dt}"),
+                   "lse_ptr": "*fp32", "part_ptr": "*fp32", "scale_log2": "fp32"}
     out = []
     lo, hi = QUALIFIED["batch"]
     for hq, hkv in QUALIFIED["head_pairs"]:
@@ -263,9 +247,9 @@ def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloa
                             f"{'_inline%d' % consts['INLINE_TILE'] if inline else ''}"
                             f"{'' if inline or lse_all else '_nolse'}_{dt}"
                             f"{'_pdl' if pdl else ''}{'late' if late else ''}")
-                    out.append(_entry(dec._decode_split_kernel, name, split_ptrs, consts,
+                    out.append(_entry(dec._decode_split_kernel, name, split_types, consts,
                                       p.num_warps, p.num_stages, pdl))
-    merge_ptrs = {"out_ptr": f"*{dt}", "lse_ptr": "*fp32", "part_ptr": "*fp32"}
+    merge_types = {"out_ptr": f"*{dt}", "lse_ptr": "*fp32", "part_ptr": "*fp32"}
     for pdl in (False, True) if pdl_ok else (False,):
         for splits in (2, 4, 8, 16, 32, 64, 128):
             chunk, d_chunk = dec._merge_chunks(splits, head_dim)
@@ -273,8 +257,14 @@ def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloa
                       "N_DC": head_dim // d_chunk, "USE_PDL": pdl}
             out.append(_entry(dec._decode_merge_kernel,
                               f"decode_merge_chunk{chunk}_{dt}{'_pdl' if pdl else ''}",
-                              merge_ptrs, consts, 4, 1, pdl))
+                              merge_types, consts, 4, 1, pdl))
     return _unique(out)
+
+
+def _attention_types(q: str, kv: str) -> dict:
+    """Argument types of the prefill kernels: q / output in ``q``, K/V in ``kv``, fp32 scales."""
+    return {"q_ptr": f"*{q}", "o_ptr": f"*{q}", "k_ptr": f"*{kv}", "v_ptr": f"*{kv}",
+            "qk_scale": "fp32", "v_scale": "fp32"}
 
 
 #: (mode name, q dtype, K/V dtype or None = q's): every prefill kernel variant the entry points
@@ -296,8 +286,7 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
     from qsa_triton import prefill as P  # noqa: PLC0415
 
     kernel = P._qsa_sparse_prefill_fwd
-    # the index row strides (W = 2051) stay unspecialised
-    aligned = [n for n in _aligned_by_default(kernel.arg_names) if n not in ("stride_it", "stride_ih")]
+    aligned = _aligned(kernel.arg_names, "qkvo")  # the index row strides (W = 2051) are not
     out = []
     for geo in all_configs(arch):
         grp = next((g for g in groups if max(16, next_pow2(g)) == geo.block_m
@@ -307,9 +296,6 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
         for mode_name, qd, kd in variants:
             mode = getattr(P, mode_name)
             qt, kt = _TT[qd], _TT[kd or qd]
-            ptrs = {"q_ptr": f"*{qt}", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "o_ptr": f"*{qt}",
-                    "idx_ptr": "*i32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
-                    "kv_lens_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32"}
             # tail geometries repeat across the main ones (_unique keeps one)
             for row_loop, g in ((False, geo), (True, P.tail_geometry(geo))):
                 consts = {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": g.block_m,
@@ -318,17 +304,9 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
                 out.append(_entry(kernel, f"prefill_mode{mode}_{qt}_{kt}_G{grp}_bm{g.block_m}"
                                           f"_bn{g.block_n}_w{g.num_warps}_s{g.num_stages}"
                                           f"{'_tail' if row_loop else ''}",
-                                  ptrs, consts, g.num_warps, g.num_stages, aligned=aligned,
-                                  geometry=g))
+                                  _attention_types(qt, kt), consts, g.num_warps, g.num_stages,
+                                  aligned=aligned, geometry=g))
     return _unique(out)
-
-
-#: pointers and the q/k/v/out strides (multiples of D) of the union kernel: what a real launch
-#: specialises; the union and table strides depend on NB / max_context and stay unspecialised
-_UNION_ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "ublk_ptr", "umem_ptr", "ulen_ptr",
-                  "bidx_ptr", "cu_q_ptr", "cu_k_ptr", "kv_lens_ptr", "r2t_ptr", "req_idx_ptr", "stride_qt",
-                  "stride_qh", "stride_kn", "stride_kh", "stride_vn", "stride_vh", "stride_ot",
-                  "stride_oh")
 
 
 def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict]:
@@ -343,31 +321,24 @@ def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict
 
     geos = all_union_configs(arch, head_dim=head_dim)
     out = []
-    build_ptrs = {n: "*i32" for n in ("bidx_ptr", "ublk_ptr", "umem_ptr", "ulen_ptr", "cu_q_ptr",
-                                      "kv_lens_ptr")}
+    build, kernel = U._qsa_block_union, U._qsa_prefill_union_fwd
     for r in sorted({geo.tile_rows for _, geo in geos}):
         consts = {"R": r, "NBP": 512, "BP": 2, "ORDINARY": False, "KEY64": False}
-        out.append(_entry(U._qsa_block_union, f"prefill_union_build_R{r}_nb512", build_ptrs,
-                          consts, 8 if r * 512 > 2048 else 4, 1, aligned=build_ptrs,
+        out.append(_entry(build, f"prefill_union_build_R{r}_nb512", {}, consts,
+                          8 if r * 512 > 2048 else 4, 1, aligned=_aligned(build.arg_names, "qkvo"),
                           geometry=None))
-    kernel = U._qsa_prefill_union_fwd
     for kv_bytes, geo in geos:
         group = geo.head_tile // geo.tile_rows  # the padded head tile per row (masks only)
         kt = "fp8e4nv" if kv_bytes == 1 else "bf16"
-        ptrs = {"q_ptr": "*bf16", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "o_ptr": "*bf16",
-                "qk_scale": "fp32", "v_scale": "fp32",
-                **{n: "*i32" for n in ("ublk_ptr", "umem_ptr", "ulen_ptr", "bidx_ptr", "cu_q_ptr",
-                                       "cu_k_ptr", "kv_lens_ptr", "r2t_ptr", "req_idx_ptr")}}
-        for mode in (0, 1, 2):
-            if kv_bytes == 1 and mode == 0:  # ordinary prefill has no FP8 K/V
-                continue
+        for mode in (0, 1, 2) if kv_bytes == 2 else (1, 2):  # ordinary prefill has no FP8 K/V
             consts = {"PER_HEAD": False, "G": group, "HT": next_pow2(group), "R": geo.tile_rows,
                       "M": geo.head_tile, "D": head_dim, "BLOCK_N": geo.block_n, "MODE": mode,
                       "OFF64": mode == 2, "BP": 2, "HR": max(16, next_pow2(group))}
             out.append(_entry(kernel, f"prefill_union_mode{mode}_bf16_{kt}_R{geo.tile_rows}"
-                                      f"_m{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}"
-                                      f"_s{geo.num_stages}", ptrs, consts, geo.num_warps,
-                              geo.num_stages, aligned=_UNION_ALIGNED, geometry=geo))
+                              f"_m{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}"
+                              f"_s{geo.num_stages}", _attention_types("bf16", kt), consts,
+                              geo.num_warps, geo.num_stages,
+                              aligned=_aligned(kernel.arg_names, "qkvo"), geometry=geo))
     return out
 
 
@@ -380,11 +351,8 @@ def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
     keys, the merge kernel of each (token rows and block ids), both also in their Programmatic
     Dependent Launch form where the plan launches them so (names end in ``_pdl``); the pass-1
     prefill kernel for 8192 rows at ``prefill_contexts`` and its merge. Constexprs from
-    ``qsa_triton.indexer``'s own builders (``_decode_constexprs`` ...).
-
-    Returns:
-      dicts as ``triton_decode_configs``.
-    """
+    ``qsa_triton.indexer``'s own builders (``_decode_constexprs`` ...). Same dict layout as
+    ``triton_decode_configs``."""
     import triton.language as tl  # noqa: PLC0415
 
     from interop.indices import plan_indexer  # noqa: PLC0415
@@ -393,8 +361,6 @@ def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
 
     info = KNOWN_ARCHS[arch]
     sms = next((n for a, n in KNOWN_PARTS.values() if a == arch), 132)
-    i32 = lambda *names: {n: "*i32" for n in names}  # noqa: E731
-    merge_ptrs = i32("wsk_ptr", "wsi_ptr", "out_ptr", "m0_ptr", "m1_ptr", "pos_ptr", "bound_ptr")
     out = []
     plans = {plan_indexer("decode", b, ctx // 4, 512, sm_count=sms,
                           smem_per_block=info.smem_per_block)
@@ -407,53 +373,31 @@ def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
                 out.append(_entry(
                     ix._decode_chunk_kernel,
                     f"indexer_decode_C{p.chunk}_T{p.tile}_rb{p.radix_bits}_{kd}{tag}",
-                    {"q_ptr": "*bf16", "k_ptr": f"*{kd}", **i32("pt_ptr", "seq_ptr", "wsk_ptr",
-                                                                "wsi_ptr")},
-                    consts, p.num_warps, p.num_stages))
+                    {"q_ptr": "*bf16", "k_ptr": f"*{kd}"}, consts, p.num_warps, p.num_stages))
             for expand in (True, False):
                 consts = {**ix._merge_constexprs(p, prefill=False, expand=expand, ratio=4),
                           "USE_PDL": pdl}
                 out.append(_entry(ix._merge_kernel, f"indexer_merge_decode_SP{p.splits_pad}_"
-                                  f"{'tokens' if expand else 'ids'}{tag}", merge_ptrs, consts,
+                                  f"{'tokens' if expand else 'ids'}{tag}", {}, consts,
                                   p.merge_warps, 1, pdl))
     for ctx in prefill_contexts:
         p = plan_indexer("prefill", 8192, ctx // 4, 512, sm_count=sms,
                          smem_per_block=info.smem_per_block)
         out.append(_entry(ix._prefill_chunk_kernel,
                           f"indexer_prefill_C{p.chunk}_T{p.tile}_bm{p.rows_per_program}",
-                          {"q_ptr": "*bf16", "k_ptr": "*bf16",
-                           **i32("rs_ptr", "re_ptr", "wsk_ptr", "wsi_ptr")},
+                          {"q_ptr": "*bf16", "k_ptr": "*bf16"},
                           ix._prefill_constexprs(p, 4, 128, tl.bfloat16), p.num_warps,
                           p.num_stages))
         out.append(_entry(ix._merge_kernel, f"indexer_merge_prefill_SP{p.splits_pad}_tokens",
-                          merge_ptrs, ix._merge_constexprs(p, prefill=True, expand=True, ratio=4),
+                          {}, ix._merge_constexprs(p, prefill=True, expand=True, ratio=4),
                           p.merge_warps, 1))
     return _unique(out)
 
 
-#: the function an out-of-tree (or kernel-side) module exposes, per backend
-_PROTOCOL = {"triton": "compile_configs", "pallas": "lowering_cases"}
-
-
-class _NoList(Exception):
-    """A module that exposes no ``_PROTOCOL`` function (reported as a note)."""
-
-
-def _module_list(module: str, backend: str) -> Callable:
-    """``module``'s own list: ``compile_configs(arch)`` (Triton) or ``lowering_cases(device_kind)``
-    (Pallas). ``qsa_*.decode_paged`` still keep their lists beside their kernels."""
-    def cases(target):
-        fn = getattr(importlib.import_module(module), _PROTOCOL[backend], None)
-        if fn is None:
-            raise _NoList(f"module exposes no {_PROTOCOL[backend]}(...): not checked")
-        return fn(target)
-    return cases
-
-
 def compile_triton_configs(arch: str, configs: Iterable[dict]) -> list[ConfigReport]:
     """Compile ``compile_configs``-style entries for ``arch`` (no GPU) and judge each against the
-    arch's limits (shared memory, registers). The one compile loop behind ``qsa compile`` and the
-    kernel modules' own AOT checks.
+    arch's limits (shared memory, registers); one ConfigReport per entry, a config that fails to
+    compile reported as not fitting.
 
     Args:
       arch: "sm_90" style name in ``KNOWN_ARCHS``.
@@ -461,9 +405,6 @@ def compile_triton_configs(arch: str, configs: Iterable[dict]) -> list[ConfigRep
         divisibility as a launch specialises it; without it Triton neither vectorises nor
         pipelines, and the shared memory and registers reported would be wrong), num_warps,
         num_stages, options (optional).
-
-    Returns:
-      one ConfigReport per entry; a config that fails to compile is reported as not fitting.
     """
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
@@ -471,7 +412,7 @@ def compile_triton_configs(arch: str, configs: Iterable[dict]) -> list[ConfigRep
 
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's notice
     limit = KNOWN_ARCHS[arch].smem_per_block
-    target = GPUTarget("cuda", _capability(arch), 32)
+    target = GPUTarget("cuda", capability(arch), 32)
     out: list[ConfigReport] = []
     for cfg in configs:
         rep = ConfigReport("triton", arch, cfg["name"], cfg.get("num_warps"), cfg.get("num_stages"))
@@ -489,7 +430,7 @@ def compile_triton_configs(arch: str, configs: Iterable[dict]) -> list[ConfigRep
                 compiled = triton.compile(src, target=target, options=opts)
             _judge(rep, compiled.metadata.shared, compiled.asm.get("cubin"), limit)
         except Exception as e:  # noqa: BLE001 - a config that does not compile does not fit
-            rep.fits, rep.error = False, f"{type(e).__name__}: {str(e).strip()[:400]}"
+            rep.failed(e)
         rep.seconds = time.perf_counter() - t0
         out.append(rep)
     return out
@@ -520,15 +461,13 @@ def pallas_decode_cases(kind: str, *, head_dim: int = 256, max_seqlen_k: int = 2
                 if (hq, hkv, plan) in seen:
                     continue
                 seen.add((hq, hkv, plan))
-                cap = b * max_seqlen_k
-                args = (sds((b, hq, head_dim), dt), sds((cap, hkv, head_dim), dt),
-                        sds((cap, hkv, head_dim), dt), sds((b + 1,), jnp.int32),
-                        sds((b + 1,), jnp.int32))
+                kv = sds((b * max_seqlen_k, hkv, head_dim), dt)
+                cu = sds((b + 1,), jnp.int32)
                 fn = functools.partial(dec._sparse_decode, max_seqlen_k=max_seqlen_k,
                                        interpret=False, plan=plan)
                 cases.append((f"pallas_decode_{tp}_B{b}_ht{plan.head_tile}_bn{plan.block_n}"
                               f"_s{plan.max_splits}_w{plan.num_warps}_st{plan.num_stages}",
-                              fn, args))
+                              fn, (sds((b, hq, head_dim), dt), kv, kv, cu, cu)))
     return cases
 
 
@@ -542,8 +481,6 @@ def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, g
     Raises:
       ValueError: a device kind whose arch ``interop.arch`` does not know.
     """
-    import dataclasses  # noqa: PLC0415
-
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
@@ -552,24 +489,18 @@ def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, g
     from interop.plan import next_pow2  # noqa: PLC0415
 
     facts = DeviceFacts.from_device_kind(kind)
-    sds = jax.ShapeDtypeStruct
-    d, w, t, hkv = head_dim, width, rows, 1
     geos = {}
     for kv_bytes in (2, 1):
         for cfg in all_configs(facts.arch):
             cfg = dataclasses.replace(cfg, block_m=max(next_pow2(group), cfg.block_m))
-            geo = fit_prefill(cfg, backend="pallas", head_dim=d, kv_bytes=kv_bytes,
+            geo = fit_prefill(cfg, backend="pallas", head_dim=head_dim, kv_bytes=kv_bytes,
                               limit=facts.smem_per_block)
             geos.setdefault((kv_bytes, *geo.key), geo)
-    q = sds((t, group * hkv, d), jnp.bfloat16)
-    idx = sds((t, w), jnp.int32)
-
-    cases = []
-    for (kv_bytes, *_), geo in geos.items():
-        tag = f"ht{geo.block_m}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}"
-        cases += _prefill_kind_cases("pallas_prefill", tag, kv_bytes, geo, q, idx, t, hkv, d,
-                                     blocks=False)
-    return cases
+    q = jax.ShapeDtypeStruct((rows, group, head_dim), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((rows, width), jnp.int32)
+    return [case for (kv_bytes, *_), geo in geos.items() for case in _prefill_kind_cases(
+        "pallas_prefill", f"ht{geo.block_m}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}",
+        kv_bytes, geo, q, idx, blocks=False)]
 
 
 def pallas_prefill_union_cases(kind: str, *, head_dim: int = 256, rows: int = 64,
@@ -589,64 +520,49 @@ def pallas_prefill_union_cases(kind: str, *, head_dim: int = 256, rows: int = 64
     from interop.arch import DeviceFacts  # noqa: PLC0415
     from interop.geometry import all_union_configs  # noqa: PLC0415
 
-    facts = DeviceFacts.from_device_kind(kind)
     sds = jax.ShapeDtypeStruct
-    d, t, hkv = head_dim, rows, 1
-    bidx = sds((t, blocks), jnp.int32)
-
-    cases = []
-    for kv_bytes, geo in all_union_configs(facts.arch, head_dim=d):
-        q = sds((t, (geo.head_tile // geo.tile_rows) * hkv, d), jnp.bfloat16)
-        tag = (f"R{geo.tile_rows}_m{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}"
-               f"_s{geo.num_stages}")
-        cases += _prefill_kind_cases("pallas_prefill_union", tag, kv_bytes, geo, q, bidx, t, hkv,
-                                     d, blocks=True)
-    return cases
+    bidx = sds((rows, blocks), jnp.int32)
+    return [case for kv_bytes, geo in all_union_configs(DeviceFacts.from_device_kind(kind).arch,
+                                                        head_dim=head_dim)
+            for case in _prefill_kind_cases(
+                "pallas_prefill_union", f"R{geo.tile_rows}_m{geo.head_tile}_bn{geo.block_n}"
+                f"_w{geo.num_warps}_s{geo.num_stages}", kv_bytes, geo,
+                sds((rows, geo.head_tile // geo.tile_rows, head_dim), jnp.bfloat16), bidx,
+                blocks=True)]
 
 
-def _prefill_kind_cases(prefix: str, tag: str, kv_bytes: int, geo, q, ids, t: int, hkv: int,
-                        d: int, *, blocks: bool) -> list[tuple[str, Callable, tuple]]:
-    """The ordinary (bf16 only), chunk and paged Pallas prefill cases of one geometry, the
-    selection passed as token ``indices`` or as ``block_indices`` (``blocks``)."""
+def _prefill_kind_cases(prefix: str, tag: str, kv_bytes: int, geo, q, ids, *,
+                        blocks: bool) -> list[tuple[str, Callable, tuple]]:
+    """The ordinary (bf16 only), chunk and paged Pallas prefill cases of one geometry (one KV
+    head, q [T, G, D]), the selection ``ids`` passed as token ``indices`` or as
+    ``block_indices`` (``blocks``)."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
     from qsa_pallas import prefill as P  # noqa: PLC0415
 
-    sds = jax.ShapeDtypeStruct
+    def launch(fn, at: int):  # ``at``: the position of the selection among fn's arguments
+        def run(*args, geometry):
+            args, kw = list(args), {}
+            if blocks:
+                args[at], kw["block_indices"] = None, args[at]
+            return fn(*args, args[0].shape[0], interpret=False, geometry=geometry, **kw)
+        return functools.partial(run, geometry=geo)
+
+    sds, (t, _, d) = jax.ShapeDtypeStruct, q.shape
     cu, kl = sds((3,), jnp.int32), sds((2,), jnp.int32)
     r2t, ri = sds((4, 2048), jnp.int32), sds((2,), jnp.int32)
-
-    def sel(ids):  # (indices, keywords) of the entry point
-        return (None, {"block_indices": ids}) if blocks else (ids, {})
-
-    def ordinary(q, k, v, ids, cu, *, geometry):
-        i, kw = sel(ids)
-        return P.sparse_prefill(q, k, v, i, cu, q.shape[0], interpret=False, geometry=geometry,
-                                **kw)
-
-    def chunk(q, k, v, ids, cq, ck, kl, *, geometry):
-        i, kw = sel(ids)
-        return P.sparse_prefill_chunk(q, k, v, i, cq, ck, kl, q.shape[0], interpret=False,
-                                      geometry=geometry, **kw)
-
-    def paged(q, k, v, r2t, ri, ids, cq, kl, *, geometry):
-        i, kw = sel(ids)
-        return P.sparse_prefill_paged(q, k, v, r2t, ri, i, cq, kl, q.shape[0],
-                                      interpret=False, geometry=geometry, **kw)
-
     name = "fp8" if kv_bytes == 1 else "bf16"
-    pool = sds((4096, hkv, d), jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16)
+    pool = sds((4096, 1, d), jnp.float8_e4m3fn if kv_bytes == 1 else jnp.bfloat16)
     cases = []
     if kv_bytes == 2:
-        kv = sds((t, hkv, d), jnp.bfloat16)
-        cases.append((f"{prefix}_ordinary_bf16_{tag}", functools.partial(ordinary, geometry=geo),
+        kv = sds((t, 1, d), jnp.bfloat16)
+        cases.append((f"{prefix}_ordinary_bf16_{tag}", launch(P.sparse_prefill, 3),
                       (q, kv, kv, ids, cu)))
-    cases.append((f"{prefix}_chunk_{name}_{tag}", functools.partial(chunk, geometry=geo),
-                  (q, pool, pool, ids, cu, cu, kl)))
-    cases.append((f"{prefix}_paged_{name}_{tag}", functools.partial(paged, geometry=geo),
-                  (q, pool, pool, r2t, ri, ids, cu, kl)))
-    return cases
+    return cases + [(f"{prefix}_chunk_{name}_{tag}", launch(P.sparse_prefill_chunk, 3),
+                     (q, pool, pool, ids, cu, cu, kl)),
+                    (f"{prefix}_paged_{name}_{tag}", launch(P.sparse_prefill_paged, 5),
+                     (q, pool, pool, r2t, ri, ids, cu, kl))]
 
 
 def compile_pallas_cases(arch: str, cases: Iterable[tuple[str, Callable, tuple]]
@@ -657,7 +573,7 @@ def compile_pallas_cases(arch: str, cases: Iterable[tuple[str, Callable, tuple]]
     not fitting."""
     from qsa_pallas import _compat as C  # noqa: PLC0415
 
-    kind, limit, cap = DEVICE_KIND[arch], KNOWN_ARCHS[arch].smem_per_block, _capability(arch)
+    kind, limit, cap = DEVICE_KIND[arch], KNOWN_ARCHS[arch].smem_per_block, capability(arch)
     out: list[ConfigReport] = []
     for name, fn, args in cases:
         t0 = time.perf_counter()
@@ -666,8 +582,9 @@ def compile_pallas_cases(arch: str, cases: Iterable[tuple[str, Callable, tuple]]
             if not mods:
                 raise RuntimeError("no Triton kernel in the lowered module")
         except Exception as e:  # noqa: BLE001
-            out.append(ConfigReport("pallas", arch, name, fits=False, seconds=time.perf_counter() - t0,
-                                    error=f"lowering: {type(e).__name__}: {str(e).strip()[:400]}"))
+            rep = ConfigReport("pallas", arch, name, fits=False).failed(e, "lowering: ")
+            rep.seconds = time.perf_counter() - t0
+            out.append(rep)
             continue
         for m in mods:
             rep = ConfigReport("pallas", arch, f"{name}:{m.name}" if len(mods) > 1 else name,
@@ -676,7 +593,7 @@ def compile_pallas_cases(arch: str, cases: Iterable[tuple[str, Callable, tuple]]
                 res = C.compile_ttir(m, cap)
                 _judge(rep, res["shared"], res["cubin"], limit)
             except Exception as e:  # noqa: BLE001
-                rep.fits, rep.error = False, f"compile: {type(e).__name__}: {str(e).strip()[:400]}"
+                rep.failed(e, "compile: ")
             rep.seconds = time.perf_counter() - t0
             out.append(rep)
     return out
@@ -684,6 +601,25 @@ def compile_pallas_cases(arch: str, cases: Iterable[tuple[str, Callable, tuple]]
 
 # --------------------------------------------------------------------------------------------
 # Checking: the built-in lists per kernel family, or modules' own lists.
+#: the function an out-of-tree (or kernel-side) module exposes, per backend
+_PROTOCOL = {"triton": "compile_configs", "pallas": "lowering_cases"}
+
+
+class _NoList(Exception):
+    """A module that exposes no ``_PROTOCOL`` function (reported as a note)."""
+
+
+def _module_list(module: str, backend: str) -> Callable:
+    """``module``'s own list: ``compile_configs(arch)`` (Triton) or ``lowering_cases(device_kind)``
+    (Pallas)."""
+    def cases(target):
+        fn = getattr(importlib.import_module(module), _PROTOCOL[backend], None)
+        if fn is None:
+            raise _NoList(f"module exposes no {_PROTOCOL[backend]}(...): not checked")
+        return fn(target)
+    return cases
+
+
 _FAMILY_LISTS = {
     "triton": {"decode": triton_decode_configs, "prefill": triton_prefill_configs,
                "prefill_union": triton_prefill_union_configs,
@@ -718,11 +654,9 @@ def check(backend: str, arch: str, modules: Sequence[str] = (),
     for group, entries in lists:
         try:
             items = entries(target)
-        except ImportError as e:
-            out.append(ConfigReport(backend, arch, group, note=f"not importable: {e}"))
-            continue
-        except _NoList as e:
-            out.append(ConfigReport(backend, arch, group, note=str(e)))
+        except (ImportError, _NoList) as e:
+            note = f"not importable: {e}" if isinstance(e, ImportError) else str(e)
+            out.append(ConfigReport(backend, arch, group, note=note))
             continue
         out += compile_all(arch, items)
     return out
@@ -746,11 +680,11 @@ def run(archs: Sequence[str] = DEFAULT_ARCHS, families: Sequence[str] = ("triton
     ``lowering_cases(device_kind)`` replace the built-in lists (out-of-tree kernels, tests)."""
     modules = {"triton": tuple(triton_modules), "pallas": tuple(pallas_modules)}
     groups = [(fam, arch) for arch in archs for fam in families]
+    progress = progress or (lambda message: None)
+    out: list[ConfigReport] = []
     if jobs <= 1 or len(groups) <= 1:
-        out: list[ConfigReport] = []
         for fam, arch in groups:
-            if progress:
-                progress(f"compiling {fam} kernels for {arch} ({DEVICE_KIND[arch]}) ...")
+            progress(f"compiling {fam} kernels for {arch} ({DEVICE_KIND[arch]}) ...")
             out += _check_group(fam, arch, modules)
         return out
     import concurrent.futures as cf  # noqa: PLC0415
@@ -760,31 +694,23 @@ def run(archs: Sequence[str] = DEFAULT_ARCHS, families: Sequence[str] = ("triton
     with cf.ProcessPoolExecutor(max_workers=min(jobs, len(groups)),
                                 mp_context=mp.get_context("spawn")) as pool:
         futs = [pool.submit(_check_group, fam, arch, modules) for fam, arch in groups]
-        if progress:
-            progress(f"compiling {len(groups)} (family, arch) groups in "
-                     f"{min(jobs, len(groups))} worker processes: "
-                     + ", ".join(f"{fam} {arch}" for fam, arch in groups) + " ...")
-        out = []
+        progress(f"compiling {len(groups)} (family, arch) groups in {min(jobs, len(groups))} "
+                 "worker processes: " + ", ".join(f"{fam} {arch}" for fam, arch in groups) + " ...")
         for (fam, arch), f in zip(groups, futs):
             out += f.result()
-            if progress:
-                progress(f"  {fam} kernels for {arch} ({DEVICE_KIND[arch]}): done")
-        return out
+            progress(f"  {fam} kernels for {arch} ({DEVICE_KIND[arch]}): done")
+    return out
 
 
 def summary_rows(reports: Sequence[ConfigReport]) -> list[list[Any]]:
     """Table rows: family, arch, name, warps/stages, shared vs limit, regs, spills, verdict."""
-    rows = []
-    for r in reports:
+    def verdict(r: ConfigReport) -> str:
         if r.note:
-            verdict = f"note: {r.note}"
-        elif r.error:
-            verdict = f"FAIL: {r.error}"
-        else:
-            verdict = "fits" if r.fits else "FAIL: " + "; ".join(r.problems)
-        rows.append([r.family, r.arch, r.name,
-                     "-" if r.num_warps is None else f"{r.num_warps}/{r.num_stages}",
-                     "-" if r.shared is None else f"{r.shared:,} / {r.smem_limit:,}",
-                     "-" if r.regs is None else r.regs,
-                     "-" if r.spill_bytes is None else r.spill_bytes, verdict])
-    return rows
+            return f"note: {r.note}"
+        return f"FAIL: {r.error}" if r.error else "fits" if r.fits else "FAIL: " + "; ".join(r.problems)
+
+    return [[r.family, r.arch, r.name,
+             "-" if r.num_warps is None else f"{r.num_warps}/{r.num_stages}",
+             "-" if r.shared is None else f"{r.shared:,} / {r.smem_limit:,}",
+             "-" if r.regs is None else r.regs, "-" if r.spill_bytes is None else r.spill_bytes,
+             verdict(r)] for r in reports]

@@ -3,21 +3,12 @@ kernels (zero-copy through ``interop.dlpack``), each compared with the FP64 refe
 each other, optionally with upstream SGLang's kernels (``interop.validate.peer``) as an
 independent oracle.
 
-The cases are ``interop.cases``: ``full_matrix()`` on a GPU (compiled kernels), ``quick_matrix()``
-on a CPU (interpret mode); a case's arguments come from ``interop.cases.case_data``, its values
-are drawn by torch on the run's device. Operations (``--ops``): ``decode`` (packed),
-``prefill`` (ordinary / chunk / paged), ``paged`` (``sparse_decode_paged``), ``indexer``
-(``indexer_select_decode`` / ``_prefill``: scoring + exact top-k + expansion) and ``step`` (the
-end-to-end ``qsa_decode_step`` / ``qsa_prefill_step``).
-
-Pass criteria per implementation and case: ``interop.cases.compare`` (``qsa-contract.md`` §6),
-and Pallas vs Triton elementwise within the same tolerance (the indexer's token positions
-exactly equal).
-
-The reference is ``interop.reference`` (float64 numpy) for small cases and ``torch_reference``
-(the same semantics in float64 torch, batched over rows, on the GPU) for large ones;
-``tests/test_crosscheck.py`` checks the two agree.
-
+The cases are ``interop.cases`` (``full_matrix()`` on a GPU, ``quick_matrix()`` in interpret
+mode on a CPU; arguments from ``case_data``, values drawn by torch on the run's device). Pass
+criteria per implementation and case: ``interop.cases.compare`` (``qsa-contract.md`` §6), and
+Pallas vs Triton elementwise within the same tolerance (the indexer's token positions exactly
+equal). The reference is ``interop.reference`` (float64 numpy), or for large prefill cases
+``torch_reference`` (the same semantics in float64 torch, batched over rows, on the GPU).
 torch and jax are imported lazily; call ``prepare_backends()`` before the kernel packages are
 imported so that a CPU machine runs Triton's interpreter.
 """
@@ -35,18 +26,20 @@ import numpy as np
 
 from interop import cases as C
 from interop import reference as R
-from interop.cases import (ATOL, DECODE_BATCHES, ENTRY, INDEX_ENTRIES, OPS, PARAMS,  # noqa: F401
+from interop.cases import (ATOL, DECODE_BATCHES, ENTRY, INDEX_ENTRIES, OPS, PARAMS,
                            PREFILL_KINDS, REL_L2, RTOL, TP_SHAPES, DecodeSpec, IndexerSpec,
                            PagedSpec, PrefillSpec, Spec, StepSpec, full_matrix, quick_matrix)
 
-__all__ = [  # with the names re-exported from interop.cases for the tests and bench/
+__all__ = [  # with interop.cases' matrices, specs and tolerances, re-exported
     "versions", "select_ops", "has_cuda", "prepare_backends", "Implementation",
     "load_implementations", "load_peer", "peer_indices", "peer_prefill_skip", "Inputs",
     "build_inputs", "numpy_reference", "torch_reference", "empty_mask", "CaseResult", "evaluate",
     "run_case", "summarize", "iter_names", "RTOL", "ATOL", "REL_L2", "OPS", "TP_SHAPES",
     "DECODE_BATCHES", "ENTRY", "PARAMS", "DecodeSpec", "PrefillSpec", "PagedSpec", "IndexerSpec",
-    "StepSpec", "quick_matrix", "full_matrix",
-]
+    "StepSpec", "quick_matrix", "full_matrix"]
+#: entry point -> prefill kind ("ordinary" | "chunk" | "paged")
+PREFILL_KIND = {ENTRY[k]: k for k in PREFILL_KINDS}
+
 
 def versions() -> dict:
     """Python's and the installed packages' versions (None: not installed), for JSON reports
@@ -54,13 +47,13 @@ def versions() -> dict:
     import sys  # noqa: PLC0415
     from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
 
-    out = {"python": sys.version.split()[0]}
-    for pkg in ("qsa", "numpy", "torch", "triton", "jax", "jaxlib"):
+    def get(pkg):
         try:
-            out[pkg] = version(pkg)
+            return version(pkg)
         except PackageNotFoundError:
-            out[pkg] = None
-    return out
+            return None
+    return {"python": sys.version.split()[0],
+            **{pkg: get(pkg) for pkg in ("qsa", "numpy", "torch", "triton", "jax", "jaxlib")}}
 
 
 def select_ops(text: str | None) -> tuple[str, ...]:
@@ -89,11 +82,9 @@ def has_cuda() -> bool:
 
 
 def prepare_backends(interpret: bool | None = None) -> bool:
-    """Set up the environment before any kernel package is imported; returns interpret mode.
-
-    On a machine without CUDA (or with ``interpret=True``): ``TRITON_INTERPRET=1`` (Triton's
-    interpreter must be on before ``@triton.jit`` kernels are defined) and ``JAX_PLATFORMS=cpu``.
-    """
+    """Set up the environment before any kernel package is imported; returns interpret mode
+    (default: no CUDA device). Interpret mode: ``TRITON_INTERPRET=1`` (on before ``@triton.jit``
+    kernels are defined) and ``JAX_PLATFORMS=cpu``."""
     if interpret is None:
         interpret = not has_cuda()
     if interpret:
@@ -107,18 +98,11 @@ def prepare_backends(interpret: bool | None = None) -> bool:
 
 @dataclasses.dataclass
 class Implementation:
-    """One family of entry points.
-
-    Attributes:
-      name: "triton" | "pallas" | "peer:sglang" | anything (fakes in tests).
-      framework: "torch" (called with torch tensors) or "jax" (called with jax arrays made
-        zero-copy by ``interop.dlpack.to_jax``).
-      fns: entry point name -> callable (``interop.cases.ENTRY``'s values: ``sparse_decode``,
-        the prefill variants, ``sparse_decode_paged``, ``indexer_select_*``, ``qsa_*_step``),
-        the contract's signatures.
-      kwargs: extra keyword arguments for every call (Pallas: ``interpret``).
-      supports: optional predicate (spec -> reason or None) for cases it cannot run (skipped).
-    """
+    """One family of entry points: ``name`` ("triton", "pallas", "peer:sglang", fakes in tests);
+    ``framework`` "torch" (called with torch tensors) or "jax" (with jax arrays shared zero-copy
+    through ``interop.dlpack.to_jax``); ``fns`` entry point name (``interop.cases.ENTRY``'s
+    values) -> callable with the contract's signature; ``kwargs`` added to every call (Pallas:
+    ``interpret``); ``supports`` (spec -> reason or None) skips the cases it cannot run."""
 
     name: str
     framework: str
@@ -152,21 +136,18 @@ def _interpreter_bf16_guard(spec) -> str | None:
     (architecture.md): skip bf16 cases there unless the test-only interpreter patch is active."""
     import sys  # noqa: PLC0415
 
-    if getattr(spec, "dtype", None) != "bfloat16":
-        return None
     patch = sys.modules.get("tests.triton_interp_patch")
-    if patch is not None and getattr(patch, "applied", False):
+    if getattr(spec, "dtype", None) != "bfloat16" or getattr(patch, "applied", False):
         return None
     return ("Triton's CPU interpreter mis-multiplies bf16 dots (architecture.md); run bf16 "
             "cases on a GPU")
 
 
 def peer_indices(indices, cu_q, lens):
-    """Index entries outside [0, len) replaced by upstream's padding value -1 (torch, any device).
-
-    Why: upstream masks only ``idx >= 0`` and reads any other entry (paged: through the slot
-    table, past the pool), so entries outside [0, len) are outside its contract. Same semantics under ours (invalid
-    entries never contribute), so the peer stays an independent oracle on junk cases."""
+    """Index entries outside [0, len) replaced by upstream's padding value -1 (torch, any
+    device). Upstream masks only ``idx >= 0`` and reads any other entry (paged: through the slot
+    table, past the pool); under our contract invalid entries never contribute either, so the
+    peer stays an independent oracle on junk cases."""
     import torch  # noqa: PLC0415
 
     cu_q = cu_q.long()
@@ -178,11 +159,10 @@ def peer_indices(indices, cu_q, lens):
 
 
 def peer_prefill_skip(spec: PrefillSpec) -> str | None:
-    """Why upstream's prefill kernels cannot be an oracle for ``spec`` (None: they can). Outside
-    upstream's own contract: rows with no valid entry (it divides by the softmax normaliser
-    unguarded: 0/0 = NaN, where ours gives exact zeros) and per-KV-head indices for paged prefill
-    (``sparse_gqa_paged_prefill_triton`` asserts ``indices.ndim == 2``). Junk index values are
-    not a reason: ``peer_indices`` maps them to upstream's -1."""
+    """Why upstream's prefill kernels cannot be an oracle for ``spec`` (None: they can): rows
+    with no valid entry (it divides by the softmax normaliser unguarded: 0/0 = NaN, where ours
+    gives exact zeros) and per-KV-head indices for paged prefill (it asserts ``indices.ndim ==
+    2``). Junk index values are not a reason: ``peer_indices`` maps them to upstream's -1."""
     if spec.empty_rows:
         return "upstream gives NaN (0/0) for rows with no valid entry; the contract wants exact zeros"
     if spec.kind == "paged" and spec.per_head:
@@ -194,14 +174,10 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
     """Upstream SGLang 0.5.23's kernels as a peer implementation (``interop.validate.peer``).
 
     Decode uses the SM121 packed kernel (exact contract only: other shapes are skipped); prefill
-    uses upstream's public interfaces, with index entries outside [0, len) passed as -1 (upstream
-    masks only negative entries; see ``peer_indices``). FP8 K/V are dequantised to q's dtype
-    first (upstream packs FP8 pools to the query dtype before its kernels), with k_scale folded into the softmax
-    scale and v_scale applied to the output.
-
-    Args:
-      device: where the cases' tensors live; upstream's kernels run on "cuda" only (on a CPU
-        every case is reported as skipped).
+    uses upstream's public interfaces, index entries outside [0, len) passed as -1
+    (``peer_indices``). FP8 K/V are dequantised to q's dtype first (as upstream packs FP8 pools),
+    k_scale folded into the softmax scale, v_scale applied to the output. ``device``: where the
+    cases' tensors live; upstream runs on "cuda" only (on a CPU every case is skipped).
 
     Raises:
       ValueError: unknown peer name. interop.validate.peer.PeerUnavailable: files absent.
@@ -209,7 +185,7 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
     if name != "sglang":
         raise ValueError(f"--peer: unknown peer {name!r}; allowed: sglang")
     from . import peer  # noqa: PLC0415
-    from interop.contract import ContractError, check_decode  # noqa: PLC0415
+    from interop.contract import ContractError, TensorSpec, check_decode  # noqa: PLC0415
 
     # SM121 decode first: load_sparse_attn() registers stub 'sglang' modules without __spec__,
     # after which peer.sglang_root()'s importlib.util.find_spec("sglang") raises ValueError
@@ -222,9 +198,6 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
     def _scale(q, s):
         return q.shape[-1] ** -0.5 if s is None else s
 
-    def _deq(q, k, v):
-        return (k.to(q.dtype), v.to(q.dtype)) if k.dtype != q.dtype else (k, v)
-
     def decode(q, k, v, cu_q, cu_k, max_seqlen_k, softmax_scale=None):
         return sm121.qwen38_qsa_sm121(q, k, v, cu_q, cu_k, _scale(q, softmax_scale))
 
@@ -233,62 +206,57 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
         return sa.sparse_gqa_fwd_interface_triton(q, k, v, max_seqlen_q, indices, cu,
                                                   _scale(q, softmax_scale))
 
-    def chunk(q, k, v, indices, cu_q, cu_k, kv_lens, max_seqlen_q, softmax_scale=None,
-              k_scale=1.0, v_scale=1.0):
-        k, v = _deq(q, k, v)
-        indices = peer_indices(indices, cu_q, kv_lens)
-        out = sa.sparse_gqa_fwd_interface_triton_ck(q, k, v, indices, cu_q, cu_k, kv_lens,
-                                                    _scale(q, softmax_scale) * k_scale,
-                                                    max_q=max_seqlen_q)
-        return out if v_scale == 1.0 else (out.float() * v_scale).to(q.dtype)
+    def fp8(fn):  # K/V dequantised, k_scale into the softmax scale, v_scale onto the output
+        def call(q, k, v, *rest, softmax_scale=None, k_scale=1.0, v_scale=1.0):
+            if k.dtype != q.dtype:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            out = fn(q, k, v, *rest, _scale(q, softmax_scale) * k_scale)
+            return out if v_scale == 1.0 else (out.float() * v_scale).to(q.dtype)
+        return call
 
+    @fp8
+    def chunk(q, k, v, indices, cu_q, cu_k, kv_lens, max_seqlen_q, scale):
+        return sa.sparse_gqa_fwd_interface_triton_ck(q, k, v, peer_indices(indices, cu_q, kv_lens),
+                                                     cu_q, cu_k, kv_lens, scale, max_q=max_seqlen_q)
+
+    @fp8
     def paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_q, kv_lens,
-              max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0):
+              max_seqlen_q, scale):
         # upstream's kernel takes one slot table row per request
         slot_table = C.slot_table_of({"req_to_token": req_to_token, "req_indices": req_indices})
-        k_cache, v_cache = _deq(q, k_cache, v_cache)
-        indices = peer_indices(indices, cu_q, kv_lens)
-        out = sa.sparse_gqa_paged_prefill_triton(q, k_cache, v_cache, slot_table, indices, cu_q,
-                                                 kv_lens, _scale(q, softmax_scale) * k_scale,
-                                                 max_q=max_seqlen_q)
-        return out if v_scale == 1.0 else (out.float() * v_scale).to(q.dtype)
+        return sa.sparse_gqa_paged_prefill_triton(q, k_cache, v_cache, slot_table,
+                                                  peer_indices(indices, cu_q, kv_lens), cu_q,
+                                                  kv_lens, scale, max_q=max_seqlen_q)
 
     def supports(spec: Spec) -> str | None:
         if not isinstance(spec, (DecodeSpec, PrefillSpec)):
             return "the upstream peer is wired for the attention entry points only"
         if device != "cuda":
             return "upstream's kernels need a CUDA device (torch.cuda calls)"
-        if isinstance(spec, DecodeSpec):
-            if sm121 is None:
-                return "upstream SM121 decode kernel absent"
-            from interop.contract import TensorSpec  # noqa: PLC0415
+        if isinstance(spec, PrefillSpec):
+            return peer_prefill_skip(spec)
+        if sm121 is None:
+            return "upstream SM121 decode kernel absent"
+        kv, cu = TensorSpec((1, spec.hkv, spec.d), spec.dtype), TensorSpec((spec.batch + 1,), "int32")
+        try:
+            check_decode(TensorSpec((spec.batch, spec.hq, spec.d), spec.dtype), kv, kv, cu, cu,
+                         spec.max_len, strict=True)
+        except ContractError as e:
+            return f"upstream decode runs the exact contract only ({e.arg})"
+        return None
 
-            try:
-                check_decode(TensorSpec((spec.batch, spec.hq, spec.d), spec.dtype),
-                             TensorSpec((1, spec.hkv, spec.d), spec.dtype),
-                             TensorSpec((1, spec.hkv, spec.d), spec.dtype),
-                             TensorSpec((spec.batch + 1,), "int32"),
-                             TensorSpec((spec.batch + 1,), "int32"), spec.max_len, strict=True)
-            except ContractError as e:
-                return f"upstream decode runs the exact contract only ({e.arg})"
-        return peer_prefill_skip(spec) if isinstance(spec, PrefillSpec) else None
-
-    return Implementation(f"peer:{name}", "torch", {"sparse_decode": decode,
-                                                     "sparse_prefill": prefill,
-                                                     "sparse_prefill_chunk": chunk,
-                                                     "sparse_prefill_paged": paged},
-                          supports=supports)
+    return Implementation(f"peer:{name}", "torch", {
+        "sparse_decode": decode, "sparse_prefill": prefill, "sparse_prefill_chunk": chunk,
+        "sparse_prefill_paged": paged}, supports=supports)
 
 
 # --------------------------------------------------------------------------------------------
 # Inputs.
 @dataclasses.dataclass
 class Inputs:
-    """Torch tensors of one case (on the run's device) plus host metadata for checks.
-
-    ``args`` is the positional argument list of the entry point, ``kwargs`` its keyword
-    arguments; ``empty`` marks output rows that must be exactly 0 (bool [rows, Hq] numpy).
-    """
+    """Torch tensors of one case (on the run's device) plus host metadata: ``args`` / ``kwargs``
+    the entry point's positional / keyword arguments, ``empty`` bool [rows, Hq] numpy (output
+    rows that must be exactly 0), ``host`` {"case": CaseData} or {"capture": metadata}."""
 
     entry: str
     args: list
@@ -298,19 +266,15 @@ class Inputs:
 
     def named(self) -> dict:
         """Every argument by parameter name (``interop.cases.PARAMS``)."""
-        pos, _ = PARAMS[self.entry]
-        return {**dict(zip(pos, self.args)), **self.kwargs}
+        return {**dict(zip(PARAMS[self.entry][0], self.args)), **self.kwargs}
 
 
 def build_inputs(spec: Spec, device: str = "cpu") -> Inputs:
-    """Seeded inputs of one case as torch tensors on ``device``.
-
-    The call's structure (metadata, indices, poisoned K/V entries, outputs that must be zero)
-    is ``interop.cases.case_data``; the values are N(0, 1) drawn by torch on ``device`` (fast for
-    the GPU's full matrix) in the case's dtype (FP8 K/V: N(0, 1) cast to float8_e4m3fn), integers
-    in [-2, 2] for the case's ``integer_valued`` tensors (the indexer's), zeros in its
-    ``zero_rows``.
-    """
+    """Seeded inputs of one case as torch tensors on ``device``: the call's structure
+    (metadata, indices, poisoned K/V entries, outputs that must be zero) is
+    ``interop.cases.case_data``; the values are N(0, 1) drawn by torch on ``device`` in the
+    case's dtype (FP8 K/V: N(0, 1) cast to float8_e4m3fn), integers in [-2, 2] for its
+    ``integer_valued`` tensors (the indexer's), zeros in its ``zero_rows``."""
     import torch  # noqa: PLC0415
 
     data = C.case_data(spec)
@@ -339,31 +303,21 @@ def _np64(t) -> np.ndarray:
     return t.detach().float().cpu().numpy().astype(np.float64)
 
 
-def _host(named: dict) -> dict:
-    """Arguments as numpy (floats as float64 values, as the kernel sees them) or host scalars."""
-    out = {}
-    for k, x in named.items():
-        if hasattr(x, "cpu"):
-            out[k] = _np64(x) if x.is_floating_point() else x.cpu().numpy()
-        else:
-            out[k] = x
-    return out
-
-
 def numpy_reference(spec: Spec | None, inp: Inputs) -> np.ndarray:
-    """``interop.cases.reference`` (float64 numpy) on the inputs; ``spec`` is unused, kept for
-    symmetry with ``torch_reference``."""
+    """``interop.cases.reference`` (float64 numpy) on the inputs (floats as the kernel sees
+    them); ``spec`` is unused, kept for symmetry with ``torch_reference``."""
     named = inp.named()
     if inp.entry == "sparse_decode":  # rows past cu_seqlens_k[B] are never read: not converted
         used = max(int(named["cu_seqlens_k"].max()), 0)
         named = {**named, "k": named["k"][:used], "v": named["v"][:used]}
-    return C.reference(inp.entry, _host(named))
+    return C.reference(inp.entry, {k: (_np64(x) if x.is_floating_point() else x.cpu().numpy())
+                                   if hasattr(x, "cpu") else x for k, x in named.items()})
 
 
 def torch_reference(spec: Spec | None, inp: Inputs, *, budget_bytes: int = 1 << 30):
     """The same semantics as ``interop.reference`` in float64 torch, batched over rows (for the
-    full matrix on the GPU, where the per-row numpy loop is too slow). Dispatches on
-    ``inp.entry``; ``spec`` is unused.
+    full matrix on the GPU, where the per-row numpy loop is too slow); the prefill entry points
+    (``sparse_decode`` goes through ``numpy_reference``); ``spec`` is unused.
 
     Per row: an entry counts iff 0 <= idx < bound (request length or kv_lens[b]) and it stands in
     the row's first min(W, visible) columns; other entries are gathered from a safe position and
@@ -374,25 +328,20 @@ def torch_reference(spec: Spec | None, inp: Inputs, *, budget_bytes: int = 1 << 
     """
     import torch  # noqa: PLC0415
 
-    a, kw = inp.args, inp.kwargs
+    q, kw, n = inp.args[0], inp.kwargs, inp.named()
     if inp.entry == "sparse_decode":
-        return torch.as_tensor(numpy_reference(spec, inp), device=a[0].device)
-    kind = {"sparse_prefill": "ordinary", "sparse_prefill_chunk": "chunk",
-            "sparse_prefill_paged": "paged"}[inp.entry]
-    hkv = a[1].shape[1]
-    q = a[0]
-    dev = q.device
-    t, hq, d = q.shape
+        return torch.as_tensor(numpy_reference(spec, inp), device=q.device)
+    kind = PREFILL_KIND[inp.entry]
+    dev, (t, hq, d) = q.device, q.shape
+    k, v, idx = n[PARAMS[inp.entry][0][1]], n[PARAMS[inp.entry][0][2]], n["indices"]
+    hkv = k.shape[1]
     g = hq // hkv
     scale = (d ** -0.5 if kw.get("softmax_scale") is None else kw["softmax_scale"])
     k_scale, v_scale = kw.get("k_scale", 1.0), kw.get("v_scale", 1.0)
-    n = inp.named()
-    k, v, idx = n[PARAMS[inp.entry][0][1]], n[PARAMS[inp.entry][0][2]], n["indices"]
     table = None
     if kind == "ordinary":
         cu_q = n["cu_seqlens"]
-        lens = cu_q[1:] - cu_q[:-1]
-        base = cu_q[:-1]
+        lens, base = cu_q[1:] - cu_q[:-1], cu_q[:-1]
     elif kind == "chunk":
         cu_q, lens, base = n["cu_seqlens_q"], n["kv_lens"], n["cu_seqlens_k"][:-1]
     else:
@@ -414,8 +363,7 @@ def torch_reference(spec: Spec | None, inp: Inputs, *, budget_bytes: int = 1 << 
     for lo in range(0, t, step):
         hi = min(t, lo + step)
         ix = idx3[lo:hi].expand(-1, hkv, -1) if idx3.shape[1] == 1 else idx3[lo:hi]
-        bnd = bound[lo:hi, None, None]
-        valid = (ix >= 0) & (ix < bnd) & (col < cap[lo:hi, None, None])
+        valid = (ix >= 0) & (ix < bound[lo:hi, None, None]) & (col < cap[lo:hi, None, None])
         safe = torch.where(valid, ix, torch.zeros_like(ix))
         if table is None:
             rows = base.long()[req[lo:hi]][:, None, None] + safe
@@ -428,28 +376,37 @@ def torch_reference(spec: Spec | None, inp: Inputs, *, budget_bytes: int = 1 << 
         s = torch.einsum("rhgd,rhwd->rhgw", qq, kk) * (scale * k_scale)
         s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
         m = s.amax(-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        p = torch.exp(s - m)
+        p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
         l = p.sum(-1, keepdim=True)
         o = torch.einsum("rhgw,rhwd->rhgd", p, vv) / torch.where(l > 0, l, torch.ones_like(l))
         out[lo:hi] = (o * v_scale).reshape(hi - lo, hq, d)
     return out
 
 
+def _reference(inp: Inputs, method: str, size: int) -> tuple[np.ndarray, str]:
+    """(reference output, the method used): "numpy", "torch" (prefill entry points only; others
+    fall back to numpy) or "auto" (numpy up to 2,000,000 units of ``Spec.size``)."""
+    if method in ("auto", "torch") and inp.entry not in PREFILL_KIND:
+        method = "numpy"  # torch_reference covers the prefill variants only
+    if method == "auto":
+        method = "numpy" if size <= 2_000_000 else "torch"
+    if method == "numpy":
+        return numpy_reference(None, inp), method
+    if method == "torch":
+        on_gpu = getattr(inp.args[0], "is_cuda", False)
+        return torch_reference(None, inp, budget_bytes=(4 << 30) if on_gpu else (1 << 30)
+                               ).cpu().numpy(), method
+    raise ValueError(f"reference must be auto|numpy|torch, got {method!r}")
+
+
 # --------------------------------------------------------------------------------------------
 # Running.
 @dataclasses.dataclass
 class CaseResult:
-    """Outcome of one case.
-
-    Attributes:
-      name, op: the case. passed: every implementation within tolerance and Pallas ~ Triton.
-      impl: per implementation: {rel_l2, max_abs, allclose, finite, zeros_ok, passed, seconds,
-        error, skipped}.
-      pair_max_abs: max |Pallas - Triton| (None when either is missing).
-      pair_ok: Pallas vs Triton elementwise within rtol/atol.
-      failures: human-readable reasons.
-    """
+    """Outcome of one case: ``passed`` (every implementation within tolerance and Pallas ~
+    Triton); ``impl`` per implementation {rel_l2, max_abs, allclose, finite, zeros_ok, passed,
+    seconds, error, skipped}; ``pair_max_abs`` max |Pallas - Triton| and ``pair_ok`` (None when
+    either is missing); ``failures`` human-readable reasons; ``reference`` the method used."""
 
     name: str
     op: str
@@ -471,15 +428,12 @@ def _call(impl: Implementation, inp: Inputs):
     fn = impl.fns.get(inp.entry)
     if fn is None:
         raise NotImplementedError(f"{impl.name} has no {inp.entry}")
-    if impl.framework == "jax":
-        from interop.dlpack import to_jax, to_torch  # noqa: PLC0415
+    if impl.framework != "jax":
+        return fn(*inp.args, **inp.kwargs, **impl.kwargs)
+    from interop.dlpack import to_jax, to_torch  # noqa: PLC0415
 
-        args = [to_jax(x) if type(x).__module__.startswith("torch") else x for x in inp.args]
-        out = fn(*args, **inp.kwargs, **impl.kwargs)
-        out_t = to_torch(out)
-    else:
-        out_t = fn(*inp.args, **inp.kwargs, **impl.kwargs)
-    return out_t
+    args = [to_jax(x) if type(x).__module__.startswith("torch") else x for x in inp.args]
+    return to_torch(fn(*args, **inp.kwargs, **impl.kwargs))
 
 
 def empty_mask(inp: Inputs) -> np.ndarray:
@@ -493,23 +447,6 @@ def empty_mask(inp: Inputs) -> np.ndarray:
     kv = n[PARAMS[inp.entry][0][1]]
     return C.empty_outputs(inp.entry, host, inp.args[0].shape[1], kv.shape[1],
                            pool_slots=kv.shape[0], rows=inp.args[0].shape[0])
-
-
-_TORCH_REFERENCE = ("sparse_prefill", "sparse_prefill_chunk", "sparse_prefill_paged")
-
-
-def _reference(inp: Inputs, method: str, size: int) -> tuple[np.ndarray, str]:
-    if method in ("auto", "torch") and inp.entry not in _TORCH_REFERENCE:
-        method = "numpy"  # torch_reference covers the prefill variants only
-    if method == "auto":
-        method = "numpy" if size <= 2_000_000 else "torch"
-    if method == "numpy":
-        return numpy_reference(None, inp), method
-    if method == "torch":
-        on_gpu = getattr(inp.args[0], "is_cuda", False)
-        return torch_reference(None, inp, budget_bytes=(4 << 30) if on_gpu else (1 << 30)
-                               ).cpu().numpy(), method
-    raise ValueError(f"reference must be auto|numpy|torch, got {method!r}")
 
 
 def _why(r: dict, rows: int, rel_l2_limit: float) -> str:
@@ -528,10 +465,8 @@ def evaluate(name: str, op: str, inp: Inputs, impls: Sequence[Implementation], r
              expected: np.ndarray | None = None, rel_l2_limit: float = REL_L2,
              t0: float | None = None) -> CaseResult:
     """Run every implementation on ``inp`` and judge it against ``ref`` (and Pallas vs Triton).
-
     ``expected`` (replay: the stored output) adds ``rel_l2_vs_expected`` per implementation
-    (reported, not judged). ``spec`` is passed to ``Implementation.supports``.
-    """
+    (reported, not judged); ``spec`` is passed to ``Implementation.supports``."""
     t0 = time.perf_counter() if t0 is None else t0
     empty = empty_mask(inp)
     results: dict[str, dict] = {}
@@ -581,12 +516,9 @@ def evaluate(name: str, op: str, inp: Inputs, impls: Sequence[Implementation], r
 
 def run_case(spec: Spec, impls: Sequence[Implementation], *, device: str = "cpu",
              reference: str = "auto") -> CaseResult:
-    """Build the inputs, run every implementation, compare with the reference and each other.
-
-    Args:
-      reference: "numpy" (``interop.reference``), "torch" (``torch_reference``, float64) or
-        "auto" (numpy for small cases, torch otherwise).
-    """
+    """Build the inputs, run every implementation, compare with the reference ("numpy",
+    "torch" or "auto", as ``_reference``) and each other. A failure to build the inputs or the
+    reference (e.g. out of memory) fails the case."""
     t0 = time.perf_counter()
     try:
         inp = build_inputs(spec, device)
@@ -599,34 +531,32 @@ def run_case(spec: Spec, impls: Sequence[Implementation], *, device: str = "cpu"
 
 
 def summarize(results: Sequence[CaseResult], impl_names: Sequence[str]) -> dict[str, dict]:
-    """Per op: cases, passed, max rel L2 per implementation, max |Pallas - Triton|, worst case
-    (largest rel L2 over implementations; a failed case first)."""
+    """Per op: cases, passed, failed, max rel L2 per implementation (a crash counts as inf),
+    skips and a few of their reasons, max |Pallas - Triton|, the worst case (a failed case
+    first, then the largest rel L2 over implementations)."""
+    def rel(v: dict):
+        return v.get("rel_l2", math.inf if "error" in v else None)
+
     summary: dict[str, dict] = {}
     for op in OPS:
         rs = [r for r in results if r.op == op]
         if not rs:
             continue
-
-        def score(r: CaseResult) -> tuple:
-            rels = [v.get("rel_l2", math.inf if "error" in v else 0.0) for v in r.impl.values()
-                    if not v.get("skipped")]
-            return (not r.passed, max(rels) if rels else 0.0)
-
-        worst = max(rs, key=score)
-        s = {"cases": len(rs), "passed": sum(r.passed for r in rs),
-             "failed": [r.name for r in rs if not r.passed], "worst_case": worst.name,
-             "max_pallas_triton": max((r.pair_max_abs for r in rs if r.pair_max_abs is not None),
-                                      default=None)}
+        worst = max(rs, key=lambda r: (not r.passed, max(
+            [rel(v) or 0.0 for v in r.impl.values() if not v.get("skipped")], default=0.0)))
+        s = summary[op] = {
+            "cases": len(rs), "passed": sum(r.passed for r in rs),
+            "failed": [r.name for r in rs if not r.passed], "worst_case": worst.name,
+            "max_pallas_triton": max((r.pair_max_abs for r in rs if r.pair_max_abs is not None),
+                                     default=None)}
         for name in impl_names:
-            vals = [r.impl[name].get("rel_l2", math.inf if "error" in r.impl[name] else None)
-                    for r in rs if name in r.impl and not r.impl[name].get("skipped")]
-            vals = [v for v in vals if v is not None]
-            s[f"max_rel_l2[{name}]"] = max(vals) if vals else None
-            s[f"skipped[{name}]"] = sum(1 for r in rs if r.impl.get(name, {}).get("skipped"))
-            reasons = sorted({f"{r.name}: {r.impl[name]['skipped']}" for r in rs
-                              if r.impl.get(name, {}).get("skipped")})
-            s[f"skip_reasons[{name}]"] = reasons[:3]  # a few, so a user sees why
-        summary[op] = s
+            ran = [r.impl[name] for r in rs if name in r.impl and not r.impl[name].get("skipped")]
+            skipped = [r for r in rs if r.impl.get(name, {}).get("skipped")]
+            s[f"max_rel_l2[{name}]"] = max((v for v in map(rel, ran) if v is not None), default=None)
+            s[f"skipped[{name}]"] = len(skipped)
+            # a few, so a user sees why
+            s[f"skip_reasons[{name}]"] = sorted({f"{r.name}: {r.impl[name]['skipped']}"
+                                                 for r in skipped})[:3]
     return summary
 
 

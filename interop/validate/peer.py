@@ -1,16 +1,13 @@
 """Load upstream SGLang 0.5.23's QSA kernels by path, as a *peer* (benchmarks) and an *oracle*
 (differential tests). Never copied into this project; optional: callers skip when absent.
 
-Search order for the ``sglang`` package root (the folder holding ``srt/`` and ``kernels/``):
-  1. ``$QSA_SGLANG_PATH``;
-  2. an installed ``sglang`` distribution (found without importing it: its ``__init__`` pulls in
-     the whole serving stack);
-  3. ``.peer/sglang`` at the repository root (unpacked from ``pip download sglang==0.5.23 --no-deps``).
-
-``sparse_attn.py`` imports ``sglang.srt.batch_invariant_ops.is_batch_invariant_mode_enabled``; a
-stub returning False is registered before loading, as ``anchors.md`` describes.
-Part of ``interop.validate`` (tooling above both backends); upstream's modules import torch and
-triton when loaded, so only the loaders touch them.
+The ``sglang`` package root (the folder holding ``srt/`` and ``kernels/``) is, in this order,
+``$QSA_SGLANG_PATH``, an installed ``sglang`` distribution (found without importing it: its
+``__init__`` pulls in the whole serving stack), or ``.peer/sglang`` at the repository root
+(unpacked from ``pip download sglang==0.5.23 --no-deps``). ``sparse_attn.py`` imports
+``sglang.srt.batch_invariant_ops.is_batch_invariant_mode_enabled``: a stub returning False is
+registered before loading (``anchors.md``). Upstream's modules import torch and triton when
+loaded, so only the loaders touch them.
 """
 
 from __future__ import annotations
@@ -33,12 +30,10 @@ def sglang_root() -> Path | None:
     """Folder of the ``sglang`` package files, or None when absent."""
     env = os.environ.get("QSA_SGLANG_PATH")
     candidates = [Path(env)] if env else []
-    spec = None
-    if _dist_present():
-        try:
-            spec = importlib.util.find_spec("sglang")
-        except ValueError:  # our own stub package (registered by load_sparse_attn) has no spec
-            spec = None
+    try:
+        spec = importlib.util.find_spec("sglang") if _dist_present() else None
+    except ValueError:  # our own stub package (registered by load_sparse_attn) has no spec
+        spec = None
     if spec is not None and spec.submodule_search_locations:
         candidates.append(Path(next(iter(spec.submodule_search_locations))))
     candidates.append(Path(__file__).resolve().parents[2] / ".peer" / "sglang")
@@ -49,11 +44,10 @@ def sglang_root() -> Path | None:
 
 
 def _dist_present() -> bool:
-    try:
-        from importlib.metadata import distribution  # noqa: PLC0415
+    from importlib.metadata import distribution  # noqa: PLC0415
 
-        distribution("sglang")
-        return True
+    try:
+        return distribution("sglang") is not None
     except Exception:  # noqa: BLE001
         return False
 

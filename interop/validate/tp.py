@@ -1,34 +1,27 @@
-"""Tensor parallel (issue 19): the end-to-end QSA step split over TP ranks, every rank's output
-checked against the single-device TP1 call on the same inputs (``qsa check --tp N``).
+"""Tensor parallel: the end-to-end QSA step split over TP ranks, every rank's output checked
+against the single-device TP1 call on the same inputs (``qsa check --tp N``).
 
-What a rank holds (upstream's TP attention layers; ``qsa_pallas.shard_step``): query heads
-``r*Hq/TP ..`` and their KV heads of the pool (``rank_heads``: at TP > Hkv each KV head is
-replicated, TP4 of 24/2 gives ranks 0, 1 KV head 0 and ranks 2, 3 KV head 1); the request
-tables, lengths and every indexer input replicated (each rank runs the head-independent
-indexer itself, as upstream does with its replicated indexer weights). The kernels are per rank
-and nothing is exchanged inside the step; what is checked is the glue around them:
+A rank holds (as upstream's TP attention layers; ``qsa_pallas.shard_step``) query heads
+``r*Hq/TP ..`` and their KV heads of the pool (``rank_heads``: at TP > Hkv a KV head is
+replicated, TP4 of 24/2 gives ranks 0, 1 KV head 0 and ranks 2, 3 KV head 1); request tables,
+lengths and the indexer inputs are replicated (each rank runs the head-independent indexer, as
+upstream does). Nothing is exchanged inside the step; what is checked is the glue around it:
 
-* JAX (``run_jax``): ``qsa_pallas.shard_step`` over a TP-device mesh (CPU host devices with
-  ``--xla_force_host_platform_device_count``, or GPUs), the pool in the replicated layout
-  (``qsa_pallas.replicate_kv_heads``); each device's shard of the output against TP1.
-* PyTorch (``run_torch``): TP processes (``torch.multiprocessing.spawn``), one rank per device,
-  gloo on CPU (Triton's interpreter) or NCCL on GPUs (NVLink multicast off: ``NO_MULTICAST``);
-  each rank slices its heads and calls ``qsa_triton``; ``all_gather`` of the outputs; rank 0
-  compares every rank's part with its TP1 call. The last rank hands its tensors to jax through
-  ``interop.dlpack`` (zero-copy, on its own device), runs ``qsa_pallas`` on them and hands the
-  output back; that output must sit on the rank's device and agree with the Triton rank output.
+* JAX (``run_jax``): ``qsa_pallas.shard_step`` over a TP-device mesh (CPU host devices or GPUs),
+  the pool replicated by ``qsa_pallas.replicate_kv_heads``; each device's shard against TP1.
+* PyTorch (``run_torch``): TP spawned processes, gloo on CPU (Triton's interpreter) or NCCL on
+  GPUs (NVLink multicast off: ``NO_MULTICAST``); each rank calls ``qsa_triton`` on its heads,
+  rank 0 compares the gathered outputs with its TP1 call. The last rank hands its tensors to
+  jax (``interop.dlpack``, zero-copy on its device), runs ``qsa_pallas`` and hands the output
+  back: it must sit on the rank's device and agree with the Triton rank output.
 
-Verdicts (``judge``): batch-invariant decode must be bitwise equal to TP1 (``qsa-contract.md``
-§2c: the split schedule depends on W, G and D only, and the head tile max(16, next_pow2(G)) is
-16 for G = 12 and 6 alike); default-mode decode and prefill (which has no batch-invariant mode)
-within the contract tolerance (``interop.cases.compare``), bitwise equality reported.
-Timing (GPU, ``time=True``): each rank's step as a CUDA graph of ``CALLS`` back-to-back calls,
-alone (the other ranks idle at a barrier: the single-GPU TP-shaped call) and with every rank
-running at once, interleaved over rounds; JAX as an unrolled chain of ``CALLS`` calls in one
-``jax.jit``, the sharded call against rank 0's shard on one device. PASS: per-rank time within
-``TIME_LIMIT`` of the single-GPU time.
-
-torch and jax are imported inside the functions (tooling layer).
+Verdicts (``judge``): batch-invariant decode bitwise equal to TP1 (``qsa-contract.md`` §2c: the
+split schedule depends on W, G and D only, and the head tile max(16, next_pow2(G)) is 16 for
+G = 12 and 6 alike); other decode and prefill within ``interop.cases.compare``'s tolerance.
+Timing (GPU, ``time=True``): each rank's step (a CUDA graph, or for JAX an unrolled chain in one
+``jax.jit``, of ``CALLS`` calls) alone vs with every rank running at once, interleaved over
+``ROUNDS``, medians; PASS within ``TIME_LIMIT`` of the single-GPU time. torch and jax are
+imported inside the functions (tooling layer).
 """
 
 from __future__ import annotations
@@ -58,6 +51,15 @@ CALLS, ROUNDS = 20, 15
 
 class Unavailable(RuntimeError):
     """The run needs devices this machine does not have; the message says which."""
+
+
+def _need_gpus(tp: int, who: str = "") -> None:
+    """Raise Unavailable unless torch sees ``tp`` CUDA GPUs (one rank per GPU)."""
+    import torch  # noqa: PLC0415
+
+    if torch.cuda.device_count() < tp:
+        raise Unavailable(f"{who}TP{tp} runs one rank per GPU: it needs {tp} CUDA GPUs, this "
+                          f"machine has {torch.cuda.device_count()}")
 
 
 class TPCase(NamedTuple):
@@ -268,9 +270,7 @@ def _time_jax(case: TPCase, step: Callable, args: list, kw: dict, mesh, tp: int,
     for r in range(rounds):
         for name in (list(fns) if r % 2 else list(fns)[::-1]):
             samples[name].append(wall_us(name))
-    single, rank = (statistics.median(samples[n]) for n in ("single", "rank"))
-    return {"framework": "jax", "case": case.name, "tp": tp, "rank": "all", "single_us": single,
-            "rank_us": rank, "ratio": rank / single, "passed": rank / single <= TIME_LIMIT}
+    return _timing("jax", case, tp, "all", *(statistics.median(samples[n]) for n in fns))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,12 +284,10 @@ def run_torch(tp: int, cases: Sequence[TPCase], *, device: str = "cpu",
       Unavailable: fewer CUDA GPUs than ``tp`` (device "cuda").
       torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback inside).
     """
-    import torch  # noqa: PLC0415
     import torch.multiprocessing as mp  # noqa: PLC0415
 
-    if device != "cpu" and torch.cuda.device_count() < tp:
-        raise Unavailable(f"torch TP{tp} runs one rank per GPU: it needs {tp} CUDA GPUs, this "
-                          f"machine has {torch.cuda.device_count()}")
+    if device != "cpu":
+        _need_gpus(tp, "torch ")
     os.environ.update(NO_MULTICAST)  # the spawned ranks inherit the environment
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # jax beside torch (DLPack)
     with tempfile.TemporaryDirectory(prefix="qsa-tp-") as tmp:
@@ -363,11 +361,10 @@ def _rank_main(rank: int, tp: int, device: str, cases: list[TPCase], tmp: str,
 
 def _dlpack_handoff(case: TPCase, entry: str, args: list, kw: dict, out, empty: np.ndarray,
                     rank: int) -> dict:
-    """This rank's tensors to jax (``interop.dlpack.to_jax``): every array must land on the
-    jax device of the tensor's device, sharing its memory (fp8 travels as a uint8 view and
-    XLA's CPU client copies buffers not aligned to 64 bytes: those pointers are not compared); ``qsa_pallas`` runs the rank's step on them; its output back to
-    torch (``to_torch``) must be on the rank's device and agree with the Triton rank output
-    (``interop.cases.compare``)."""
+    """This rank's tensors to jax (``interop.dlpack.to_jax``): every array must land on the jax
+    device of the tensor's device, sharing its memory; ``qsa_pallas`` runs the rank's step on
+    them; its output back to torch (``to_torch``) must be on the rank's device and agree with
+    the Triton rank output (``interop.cases.compare``)."""
     import jax  # noqa: PLC0415
     import torch  # noqa: PLC0415
 
@@ -380,8 +377,8 @@ def _dlpack_handoff(case: TPCase, entry: str, args: list, kw: dict, out, empty: 
     jargs = [to_jax(a) if isinstance(a, torch.Tensor) else a for a in args]
     pairs = [(t, j) for t, j in zip(args, jargs) if isinstance(t, torch.Tensor)]
     placed = all(j.devices() == {want} for _, j in pairs)
-    # XLA's CPU client copies a buffer not aligned to 64 bytes (small numpy-backed tables);
-    # CUDA allocations always are
+    # fp8 travels as a uint8 view, and XLA's CPU client copies a buffer not aligned to 64
+    # bytes (small numpy-backed tables; CUDA allocations always are): those are not compared
     shared = all(j.unsafe_buffer_pointer() == t.data_ptr() for t, j in pairs
                  if "float8" not in str(t.dtype) and t.data_ptr() % 64 == 0)
     back = to_torch(getattr(qsa_pallas, entry)(*jargs, **kw))
@@ -426,20 +423,17 @@ def _time_torch(case: TPCase, call: Callable, rank: int, tp: int) -> dict:
                 alone.append(replay_us())
         dist.barrier(device_ids=[rank])
         together.append(replay_us())
-    single, mine = statistics.median(alone), statistics.median(together)
-    return {"framework": "torch", "case": case.name, "tp": tp, "rank": rank,
+    return _timing("torch", case, tp, rank, statistics.median(alone), statistics.median(together))
+
+
+def _timing(framework: str, case: TPCase, tp: int, rank, single: float, mine: float) -> dict:
+    """A timing record: µs per call alone (``single_us``) and with every rank (``rank_us``)."""
+    return {"framework": framework, "case": case.name, "tp": tp, "rank": rank,
             "single_us": single, "rank_us": mine, "ratio": mine / single,
             "passed": mine / single <= TIME_LIMIT}
 
 
 # ---------------------------------------------------------------------------------------------
-def _host_devices(n: int) -> None:
-    """Ask XLA for ``n`` CPU host devices (takes effect only before jax initialises)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
 def check(tp: int, *, interpret: bool, frameworks: Sequence[str] = ("pallas", "triton"),
           time: bool = False, log: Callable[[str], Any] = print) -> dict:
     """``qsa check --tp``: ``tp_cases`` through ``run_jax`` ("pallas") and ``run_torch``
@@ -451,39 +445,33 @@ def check(tp: int, *, interpret: bool, frameworks: Sequence[str] = ("pallas", "t
       Unavailable: on GPUs fewer than ``tp`` CUDA devices; ``time`` without GPUs.
     """
     device = "cpu" if interpret else "cuda"
-    if interpret:
-        if time:
-            raise Unavailable("--time measures GPU time per rank; it needs CUDA GPUs (this run "
-                              "uses the CPU interpreters)")
-        _host_devices(max(tp, 4))
+    if interpret and time:
+        raise Unavailable("--time measures GPU time per rank; it needs CUDA GPUs (this run "
+                          "uses the CPU interpreters)")
+    if interpret:  # XLA host devices for the mesh (effective only before jax initialises)
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count="
+                                       f"{max(tp, 4)}").strip()
     else:
-        import torch  # noqa: PLC0415
-
-        if torch.cuda.device_count() < tp:
-            raise Unavailable(f"TP{tp} runs one rank per GPU: it needs {tp} CUDA GPUs, this "
-                              f"machine has {torch.cuda.device_count()}")
+        _need_gpus(tp)
     cases = tp_cases(device)
     log(f"TP{tp} vs TP1 on {'CPU host devices / gloo, interpreters' if interpret else 'GPUs / NCCL'}"
         f": {len(cases)} case(s), {', '.join(frameworks)}")
     ranks, timing, errors, dl = [], [], [], None
-    if "pallas" in frameworks:
+    for fw, lib in (("pallas", "jax"), ("triton", "torch")):
+        if fw not in frameworks:
+            continue
         try:
-            r, t = run_jax((tp,), cases, device=device, time=time)
-            ranks += r
-            timing += t
+            if fw == "pallas":
+                r, t = run_jax((tp,), cases, device=device, time=time)
+            else:
+                r, dl, t = run_torch(tp, cases, device=device, time=time)
+            ranks, timing = ranks + r, timing + t
         except Unavailable:
             raise
-        except Exception as e:  # noqa: BLE001 - reported; torch still runs
-            errors.append(f"jax: {type(e).__name__}: {e}")
-    if "triton" in frameworks:
-        try:
-            r, dl, t = run_torch(tp, cases, device=device, time=time)
-            ranks += r
-            timing += t
-        except Unavailable:
-            raise
-        except Exception as e:  # noqa: BLE001 - a rank raised: its traceback is in the message
-            errors.append(f"torch: {type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - reported (a rank's traceback in the message)
+            errors.append(f"{lib}: {type(e).__name__}: {e}")
     for r in ranks:
         log(r.line())
     if dl is not None:
