@@ -189,13 +189,15 @@ def test_parse_archs():
 def test_bench_without_a_benchmark_prints_a_real_usage(capsys):
     assert cli.main(["bench"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: qsa bench {decode,prefill} [OPTIONS...]")
-    assert "bench/decode.py" in err and "bench/prefill.py" in err and "--help" in err
+    assert err.startswith("usage: qsa bench {decode,prefill,indexer} [OPTIONS...]")
+    assert all(f"bench/{b}.py" in err for b in ("decode", "prefill", "indexer"))
+    assert "--help" in err and "./bench-out/" in err  # where the report goes by default
     assert "which" not in err and "rest" not in err  # no internal argparse names
     assert cli.main(["bench", "--help"]) == 0
     assert capsys.readouterr().out.startswith("usage: qsa bench")
     assert cli.main(["bench", "attention"]) == 2
-    assert "unknown benchmark 'attention'; choose one of: decode, prefill" in capsys.readouterr().err
+    assert ("unknown benchmark 'attention'; choose one of: decode, prefill, indexer"
+            in capsys.readouterr().err)
 
 
 def test_bench_help_is_the_benchmarks_own(capsys):
@@ -205,7 +207,7 @@ def test_bench_help_is_the_benchmarks_own(capsys):
 
     if importlib.util.find_spec("bench.decode") is None:
         pytest.skip("bench/decode.py not in this checkout")
-    for which in ("decode", "prefill"):
+    for which in ("decode", "prefill", "indexer"):
         with pytest.raises(SystemExit) as info:
             cli.main(["bench", which, "--help"])
         assert info.value.code == 0

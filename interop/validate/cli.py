@@ -7,13 +7,14 @@ Subcommands (each a small function taking parsed args and returning an exit stat
   qsa check    --tp 2|4 [--time]              the QSA step split over TP ranks vs TP1
                                               (interop.validate.tp)
   qsa compile  [--arch sm_90,sm_120,sm_121]   AOT-compile every shipped kernel configuration
-  qsa bench    decode|prefill [OPTIONS...]    GPU benchmarks (bench/decode.py, bench/prefill.py)
+  qsa bench    decode|prefill|indexer [...]   GPU benchmarks (bench/decode.py, prefill.py, ...)
   qsa replay   FILE...                        re-run captured kernel calls (interop.validate.capture)
   qsa capture  --case NAME --out FILE         save one check case + an output as a capture file
   qsa capture  --list                         the case names (interop.cases)
 
-Every file is written only where an option names it (--json, --out, --plot); nothing lands in
-the current directory by default. A bad argument exits with status 2 and a message naming it.
+Every file is written only where an option names it (--json, --out, --plot), except a
+benchmark's report: ``qsa bench`` writes it to --json, else ``$OUT/<name>.json``, else
+``./bench-out/<name>.json``. A bad argument exits with status 2 and a message naming it.
 
 Output uses ``rich`` tables when rich is installed and plain text otherwise. torch / jax / triton
 are imported lazily by the subcommands that need them, so ``qsa contract`` works on a
@@ -465,8 +466,10 @@ BENCHES = {
               "interleaved CUDA-graph timing, FP32 check of every provider (bench/decode.py)",
     "prefill": "sparse prefill (ordinary, chunk, paged): the same providers and checks "
                "(bench/prefill.py)",
+    "indexer": "the QSA indexer (scoring + exact top-512 + expansion), decode and prefill: "
+               "qsa_triton and qsa_pallas vs upstream's torch path and XLA (bench/indexer.py)",
 }
-BENCH_USAGE = "usage: qsa bench {decode,prefill} [OPTIONS...]"
+BENCH_USAGE = f"usage: qsa bench {{{','.join(BENCHES)}}} [OPTIONS...]"
 
 
 def _bench_usage(file) -> None:
@@ -478,8 +481,8 @@ def _bench_usage(file) -> None:
     for name, text in BENCHES.items():
         print(textwrap.fill(text, width=100, initial_indent=f"  {name:<8} ",
                             subsequent_indent=" " * 11), file=file)
-    print("\n`qsa bench decode --help` / `qsa bench prefill --help` list each benchmark's "
-          "options.", file=file)
+    print("\n`qsa bench NAME --help` lists a benchmark's options. Its JSON report goes to "
+          "--json FILE,\nelse $OUT/<report>.json, else ./bench-out/<report>.json.", file=file)
 
 
 def bench_main(argv: Sequence[str]) -> int:
@@ -683,8 +686,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # listed for `qsa --help`; main() hands `qsa bench ...` to bench_main before argparse, so
     # that every option after WHICH reaches the benchmark's own parser untouched
-    sub.add_parser("bench", help="benchmarks on a GPU: decode | prefill (bench/decode.py, "
-                   "bench/prefill.py)", add_help=False)
+    sub.add_parser("bench", help="benchmarks on a GPU: decode | prefill | indexer "
+                   "(bench/decode.py, bench/prefill.py, bench/indexer.py)", add_help=False)
 
     p = _command(sub, "replay", _cmd_replay, "re-run captured kernel calls "
                  "(interop.validate.capture format)", "--peer", "--json", "--reference",
