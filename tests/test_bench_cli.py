@@ -273,6 +273,19 @@ def test_decode_reference_matches_interop_reference():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_not_run_reason_is_marked_when_cut():
+    """The "not run" summary shortens a long reason visibly (it used to cut a peer's install hint
+    mid-parenthesis)."""
+    long = "PeerUnavailable: sglang==0.5.23 not found (pip download sglang==0.5.23 --no-deps, " \
+           "unpack into .peer/ or set QSA_SGLANG_PATH)"
+    rep = {"cases": [{"providers": {"a": {"ok": True}, "b": {"error": long},
+                                    "c": {"skipped": "x"}}}]}
+    cut = common._why_not(rep, "b")
+    assert len(cut) == 100 and cut.endswith("...") and long.startswith(cut[:-3])
+    assert common._why_not(rep, "c") == "x" and common._why_not(rep, "d") == "no case"
+    assert common._why_not(rep, "b", width=len(long)) == long
+
+
 # ------------------------------------------------------------------------- smoke and compare
 # In this process the smoke runs need the Triton interpreter, which must be on before qsa_triton is
 # first imported (conftest does that on a machine without a GPU).
