@@ -568,8 +568,11 @@ def _cmd_capture(args) -> int:
     from . import crosscheck as X  # noqa: PLC0415
 
     interpret = X.prepare_backends(True if args.interpret else None)
-    quick, full = X.quick_matrix(), X.full_matrix()
-    specs = {s.name: s for s in quick + full}  # quick names first, then the full matrix's others
+    # only the cases a capture file can hold (the attention entry points), quick names first
+    ops = sorted({CAP.ENTRY_OP[e] for e in CAP.ENTRIES})
+    quick = [s for s in X.quick_matrix() if s.op in ops]
+    full = [s for s in X.full_matrix() if s.op in ops]
+    specs = {s.name: s for s in quick + full}
     if args.list:
         print("\n".join(specs))
         return 0
@@ -578,6 +581,10 @@ def _cmd_capture(args) -> int:
     if interpret:  # the quick cases win on a CPU (their dtype runs in the interpreter)
         specs.update({s.name: s for s in quick})
     spec = specs.get(args.case)
+    other = {s.name: s for s in X.quick_matrix() + X.full_matrix()}.get(args.case)
+    if spec is None and other is not None:
+        raise UsageError(f"case {args.case!r} is of the operation {other.op!r}; capture files "
+                         f"hold the attention entry points ({', '.join(ops)} cases) only")
     if spec is None:
         close = [n for n in specs if args.case in n][:8]
         raise UsageError(
@@ -586,10 +593,6 @@ def _cmd_capture(args) -> int:
             "`qsa capture --list` prints every name):\n"
             + textwrap.fill(", ".join(s.name for s in quick), width=100, initial_indent="  ",
                             subsequent_indent="  ", break_on_hyphens=False))
-    ops = sorted({CAP.ENTRY_OP[e] for e in CAP.ENTRIES})
-    if spec.op not in ops:
-        raise UsageError(f"case {args.case!r} is a {spec.op!r} case; capture files hold the "
-                         f"attention entry points ({', '.join(ops)} cases) only")
     impls = {i.name: i for i in load_check_implementations(interpret)}
     impl = impls.get(args.impl)
     if impl is None:
@@ -706,7 +709,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "--interpret")
     p.add_argument("--case", metavar="NAME", help="a case name from the quick or full matrix "
                    "(interop.cases; --list prints them)")
-    p.add_argument("--list", action="store_true", help="print every case name and exit")
+    p.add_argument("--list", action="store_true", help="print the name of every case a capture "
+                   "file can hold (decode, paged, prefill) and exit")
     p.add_argument("--impl", default="triton", help="implementation producing the stored output")
     p.add_argument("--out", metavar="FILE", help="destination .safetensors (parent folders are "
                    "created)")
