@@ -184,6 +184,8 @@ def test_parse_archs():
     assert parse_archs("121, sm_90,sm_121") == ["sm_121", "sm_90"]
     with pytest.raises(ValueError, match="known"):
         parse_archs("sm_80")
+    with pytest.raises(ValueError, match="no arch in ','"):
+        parse_archs(",")  # used to compile nothing and report that everything fits
 
 
 def test_bench_without_a_benchmark_prints_a_real_usage(capsys):

@@ -95,7 +95,7 @@ def parse_archs(text: str | None) -> list[str]:
     """``"sm_90,sm_120"`` -> ["sm_90", "sm_120"] (default: sm_90, sm_120, sm_121).
 
     Raises:
-      ValueError: an unknown arch (the message lists the known ones).
+      ValueError: an unknown arch, or none in a non-empty text (the message lists the known ones).
     """
     if not text:
         return list(DEFAULT_ARCHS)
@@ -108,6 +108,8 @@ def parse_archs(text: str | None) -> list[str]:
         if name not in KNOWN_ARCHS or name not in DEVICE_KIND:
             raise ValueError(f"--arch: unknown arch {part!r}; known: {', '.join(DEVICE_KIND)}")
         out.append(name)
+    if not out:  # "," or " ": nothing to do would read as "every configuration fits"
+        raise ValueError(f"--arch: no arch in {text!r}; known: {', '.join(DEVICE_KIND)}")
     return list(dict.fromkeys(out))
 
 
