@@ -245,5 +245,8 @@ def test_capture_lists_the_case_names(capsys, tmp_path):
     step = next(s.name for s in C.quick_matrix() if s.op == "step")
     assert cli.main(["capture", "--case", step, "--out", str(tmp_path / "x")]) == 2
     assert "of the operation 'step'; capture files hold" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["capture", "--help"])
+    assert "triton (default) or pallas" in " ".join(capsys.readouterr().out.split())
     assert cli.main(["capture", "--case", "decode/TP2/B1/short"]) == 2  # no --out
     assert "--out FILE are required" in capsys.readouterr().err

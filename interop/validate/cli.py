@@ -711,7 +711,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(interop.cases; --list prints them)")
     p.add_argument("--list", action="store_true", help="print the name of every case a capture "
                    "file can hold (decode, paged, prefill) and exit")
-    p.add_argument("--impl", default="triton", help="implementation producing the stored output")
+    p.add_argument("--impl", default="triton", help="implementation producing the stored output: "
+                   "triton (default) or pallas")
     p.add_argument("--out", metavar="FILE", help="destination .safetensors (parent folders are "
                    "created)")
     p.add_argument("--model-revision", default="", help="free text recorded in the metadata")
