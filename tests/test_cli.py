@@ -186,6 +186,10 @@ def test_parse_archs():
         parse_archs("sm_80")
     with pytest.raises(ValueError, match="no arch in ','"):
         parse_archs(",")  # used to compile nothing and report that everything fits
+    assert parse_archs("sm_100") == ["sm_100"]  # accepted, so the help lists it
+    arch_help = next(a.help for a in cli.build_parser()._subparsers._group_actions[0]
+                     .choices["compile"]._actions if "--arch" in a.option_strings)
+    assert all(n in arch_help for n in ("sm_90", "sm_100", "sm_120", "sm_121"))
 
 
 def test_bench_without_a_benchmark_prints_a_real_usage(capsys):

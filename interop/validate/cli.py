@@ -676,7 +676,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "the selectors can choose, and lower + compile every Pallas kernel for the arch's "
                  "abstract device, without a GPU; report shared memory, registers and spills "
                  "against the arch's limits. Exit status 1 if any configuration does not fit.")
-    p.add_argument("--arch", help="comma-separated: sm_90,sm_120,sm_121 (default: all three)")
+    p.add_argument("--arch", help="comma-separated: sm_90, sm_100, sm_120, sm_121 (default: "
+                   "sm_90,sm_120,sm_121)")
     p.add_argument("--jobs", type=int, help="worker processes, one (family, arch) group each "
                    "(default: CPU count, at most 4; 1 = in this process)")
     p.add_argument("--family", help="comma-separated: triton, pallas (default: both) or one "
