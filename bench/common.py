@@ -535,11 +535,14 @@ def run(mode: Mode, args) -> dict:
     return report
 
 
-def _why_not(report: dict, name: str) -> str:
+def _why_not(report: dict, name: str, width: int = 100) -> str:
+    """The first reason ``name`` did not run, at most ``width`` characters (a cut one ends in
+    "...", so a cut-off parenthesis reads as cut, not as the whole message)."""
     for c in report["cases"]:
         e = c["providers"].get(name, {})
         if "skipped" in e or "error" in e:
-            return (e.get("skipped") or e.get("error"))[:100]
+            why = e.get("skipped") or e.get("error")
+            return why if len(why) <= width else why[:width - 3] + "..."
     return "no case"
 
 

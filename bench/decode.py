@@ -1,6 +1,6 @@
 """Decode benchmarks on the H200, ours against upstream SGLang 0.5.23's kernels and our Pallas
 twins: ``--mode packed`` (default), the decode of packed K/V (``qsa-contract.md`` §2); ``--mode
-pool``, the whole decode step from the KV pool (§2b, issue 16).
+pool``, the whole decode step from the KV pool (§2b).
 
 Packed cases (``interop.cases``, inputs as ``qsa check`` builds them): TP1 (24/2), TP2 (12/1),
 TP4 (6/1) x B in ``BENCH_DECODE_BATCHES`` x rows (saturated: 2051 keys per row; mixed: 17..2051;
@@ -9,8 +9,8 @@ the same TPs and B over a pool of ``POOL_SLOTS`` slots (bf16, or FP8 e4m3 with k
 = 1 as SGLang's QSA pool) laid out as SGLang lays it (``pages``: 64-slot pages in scattered
 order) or as single scattered slots (``slots``), W = 2051 index columns per row (indexer-like);
 rows ``saturated`` (8192-token contexts), ``short`` (17..128 tokens), ``mtp`` (32 requests x 4
-verify rows); ``x first`` is against upstream-step, and a timed run ends with issue 16's
-must-show PASS / FAIL lines (``must_show``). Every provider is checked against an FP32 reference.
+verify rows); ``x first`` is against upstream-step, and a timed run ends with the must-show
+PASS / FAIL lines (JSON ``must_show``). Every provider is checked against an FP32 reference.
 
 Bytes = the K and V rows a case must read (pool: the valid entries' rows, once); % copy = those
 bytes per second over the copy bandwidth measured in the same run. Timing (``bench.common``):

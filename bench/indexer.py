@@ -1,4 +1,4 @@
-"""QSA indexer benchmark (issue 18): scoring + exact top-512 + expansion, decode and prefill.
+"""QSA indexer benchmark: scoring + exact top-512 + expansion, decode and prefill.
 
 Cases: decode B in {1, 16, 64, 128} x context {8k, 32k, 128k, 256k} tokens (every row a little
 shorter than the context, 16-block pages scattered over the cache, -1 past each row); prefill
@@ -12,12 +12,12 @@ upstream's 128 MiB logits budget). Bytes = the visible compressed keys (blocks x
 is the fraction of the copy bandwidth measured in the same run, i.e. time of one read of the
 keys / time.
 
-Check (``bench.common``'s reference check on ``Mode.view``, a canonical view of the token rows):
+Check (against the FP32 reference, on a canonical view of the token rows):
 per row, the number of selected blocks whose FP32 reference logit lies below the reference 512th
 logit by more than the FP32 summation tolerance, or out of ascending order, and the number of
 selected blocks; the reference is (0, min(512, visible blocks)). Near-ties may go either way.
-After the timing table (``Mode.finish``): one line per case with the issue's must-show ratios,
-also kept in the JSON (``must_show``).
+After the timing table: one line per case with the must-show ratios, also kept in the JSON
+(``must_show``).
 """
 
 from __future__ import annotations

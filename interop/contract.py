@@ -240,7 +240,7 @@ class _Checker:
         try:
             s = spec_of(x)
         except TypeError:
-            self.fail(name, "a torch tensor or a jax array", type(x).__name__)
+            self.fail(name, "a tensor (torch.Tensor, jax.Array or numpy array)", type(x).__name__)
         if s.requires_grad:  # forward-only kernels: a backward() would fail far from the cause
             self.fail(name, "a tensor that does not require grad (the kernels are forward-only; "
                       "call them under torch.no_grad() or pass .detach())", "requires_grad=True")
@@ -330,7 +330,8 @@ class _Checker:
                       type(value).__name__)
         value = int(value)
         if value < lo or (hi is not None and value > hi):
-            rng = f"{lo} <= {name} <= {hi}{hi_note}" if hi is not None else f"{name} >= {lo}"
+            rng = (f"{name} >= {lo}" if hi is None else f"{name} = {lo}{hi_note}" if lo == hi
+                   else f"{lo} <= {name} <= {hi}{hi_note}")
             self.fail(name, rng, value)
         return value
 

@@ -84,8 +84,8 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None, str
       fp8 was carried as uint8).
 
     Raises:
-      DLPackLayoutError: non-compact strides (a slice with gaps, an expanded/broadcast view) or
-        int64 while jax x64 is off (always), non-compact strides when ``copy`` is False.
+      DLPackLayoutError: a tensor that requires grad or int64 while jax x64 is off (always),
+        non-compact strides (a slice with gaps, an expanded/broadcast view) when ``copy`` is False.
       TypeError: not a torch tensor.
     """
     import jax  # noqa: PLC0415 - lazy: only the bridge touches both frameworks
@@ -93,6 +93,10 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None, str
 
     if not type(tensor).__module__.startswith("torch"):
         raise TypeError(f"to_jax: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.requires_grad:  # torch's DLPack export refuses it too, as a bare BufferError
+        raise DLPackLayoutError("to_jax", "tensor", "a tensor that does not require grad (DLPack "
+                                "shares no autograd history)", "requires_grad=True",
+                                "Pass tensor.detach() (the kernels are forward-only).")
     if stream is not None and tensor.device.type == "cuda":
         import torch  # noqa: PLC0415
 

@@ -173,15 +173,21 @@ def target_facts():
 # ---------------------------------------------------------------------------------------------
 # Interpret-mode selection
 def check_inputs(fn: str, interpret: bool | None, **arrays) -> None:
-    """Refuse, with a ContractError before any tracing, torch tensors (the shared contract check
-    reads their shapes fine, JAX cannot take them). ``interpret`` is checked by
-    ``check_backend`` after the contract check.
+    """Refuse, with a ContractError before any tracing, an ``interpret`` that is neither None nor
+    a host bool (a traced value, a truthy string) and torch tensors (the shared contract check
+    reads their shapes fine, JAX cannot take them). ``interpret=False`` on a CPU-only JAX is
+    refused by ``check_backend`` after the contract check.
 
     Raises:
-      ContractError: a torch tensor among ``arrays``.
+      ContractError: as above.
     """
+    import numpy as np  # noqa: PLC0415
+
     from interop.contract import ContractError  # noqa: PLC0415
 
+    if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
+        raise ContractError(fn, "interpret", "None (interpret mode on a CPU backend, compiled "
+                            "kernels on a GPU) or a host bool", type(interpret).__name__)
     for name, a in arrays.items():
         if type(a).__module__.split(".")[0] == "torch":
             raise ContractError(fn, name, "a jax.Array or numpy array (torch tensors: use "

@@ -430,7 +430,8 @@ def _sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sc
     # qsa_triton; decided from static facts at trace time, so it costs nothing under jit.
     prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
                         fn="sparse_decode", batch_invariant=batch_invariant,
-                        strict=strict or (not interp and exact_contract(C.target_facts())))
+                        # strict last: the checker refuses a traced / non-bool strict
+                        strict=(not interp and exact_contract(C.target_facts())) or strict)
     C.check_backend("sparse_decode", interpret, q, k, v, cu_seqlens_q, cu_seqlens_k)
     if plan is None:
         plan, _ = plan_for(prob.batch, prob.num_kv_heads, prob.group, prob.head_dim,

@@ -274,7 +274,8 @@ def _prepare(args, softmax_scale, k_scale, v_scale, batch_invariant, strict, int
     interp = C.resolve_interpret(interpret)
     prob = check_decode_paged(*args, softmax_scale, k_scale, v_scale,
                               batch_invariant=batch_invariant,
-                              strict=strict or (not interp and _exact_contract_backend()))
+                              # strict last: the checker refuses a traced / non-bool strict
+                              strict=(not interp and _exact_contract_backend()) or strict)
     C.check_backend(_FN, interpret, *args)
     k = args[1]
     numel = math.prod(k.shape)

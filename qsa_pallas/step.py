@@ -33,6 +33,7 @@ metadata, ``mqa.py`` scoring, ``kernel.py`` expansion); the algorithms are in th
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -207,16 +208,50 @@ def shard_step(step, mesh, axis: str = "tp"):
       one compile per shapes and host values. Usable inside an outer ``jax.jit``.
 
     Raises (from ``f``):
-      ContractError: before anything is traced: Hq or the pool's heads not a multiple of TP
-        (a TP1 pool at TP > Hkv: pass it through ``replicate_kv_heads``); then each rank's step
-        checks its own shapes (``check_decode_step`` / ``check_prefill_step``).
+      ContractError: before anything is traced: a mesh without the axis ``axis``; arguments
+        that do not fit the step's signature; an array where the step takes a host value, or
+        a host value that is not hashable (a list: pass an array); Hq or the pool's heads not
+        a multiple of TP (a TP1 pool at TP > Hkv: pass it through ``replicate_kv_heads``);
+        then each rank's step checks its own shapes (``check_decode_step`` /
+        ``check_prefill_step``).
     """
     fn = getattr(step, "__name__", "shard_step")
+    try:
+        sig = inspect.signature(step)
+    except (TypeError, ValueError):  # a callable without a signature: arguments taken as given
+        sig = None
 
     def call(*args, **kwargs):
+        if axis not in mesh.shape:
+            raise ContractError(fn, "mesh", f"a jax.sharding.Mesh with the axis {axis!r} (the TP "
+                                "ranks; shard_step(step, mesh, axis=...) names another)",
+                                f"axes {tuple(mesh.shape)}")
+        if sig is not None:  # keyword arguments become positions: one layout, one cache key
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError as e:
+                raise ContractError(fn, "arguments", f"the arguments of {fn}{sig}",
+                                    str(e)) from None
+            bound.apply_defaults()
+            args, kwargs = bound.args, bound.kwargs
+            for name, a in kwargs.items():
+                if isinstance(a, (jax.Array, np.ndarray)):
+                    raise ContractError(fn, name, "a host value (keyword-only arguments are "
+                                        "static)", type(a).__name__)
+        names = (list(sig.parameters) if sig is not None
+                 else [f"args[{i}]" for i in range(len(args))])
+        for name, a in [*zip(names, args), *kwargs.items()]:
+            if not isinstance(a, (jax.Array, np.ndarray)):
+                try:
+                    hash(a)
+                except TypeError:
+                    raise ContractError(fn, name, "a jax.Array or numpy array, or a hashable host "
+                                        "value (host values are static)",
+                                        type(a).__name__) from None
         tp = int(mesh.shape[axis])
         for i, name in enumerate(("q", "k_cache", "v_cache")):
-            h = args[i].shape[1] if len(args) > i and len(args[i].shape) > 1 else None
+            shape = getattr(args[i], "shape", ()) if len(args) > i else ()
+            h = shape[1] if len(shape) > 1 else None
             if h is None or h % tp:
                 raise ContractError(fn, name, f"heads (axis 1) a multiple of TP = {tp} ("
                                     "replicate_kv_heads(pool, TP) when TP > Hkv)",

@@ -319,13 +319,13 @@ _KINDS = {MODE_ORDINARY: "ordinary", MODE_CHUNK: "chunk", MODE_SLOTS: "paged"}
 
 def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, geometry):
     """Both launches of one call (main grid, then the tail); ``geometry`` None = the selector."""
-    out = torch.empty_like(q)
+    # zeros, not empty: rows outside every request (a batch padded to a static T) get no
+    # program, and must read as zeros like a row without a valid entry (as in qsa_pallas)
+    out = torch.zeros_like(q)
     t, hq, d = q.shape
     hkv = k.shape[1]
-    if t == 0:
+    if t == 0 or k.shape[0] == 0:  # nothing to compute / gather from: every entry is invalid
         return out
-    if k.shape[0] == 0:  # nothing to gather from: every entry is invalid
-        return out.zero_()
     requests = cu_q.shape[0] - 1
     geo = _geometry_from(geometry, _KINDS[mode], q, k, requests=requests, max_q=max_q,
                          width=idx.shape[-1])
@@ -570,7 +570,8 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
 
     Returns:
       [T, Hq, D] in q's dtype; row r of request b attends (causally, bottom-right) over at most
-      min(W, r + 1) columns; a row with no valid entry is zero.
+      min(W, r + 1) columns; a row with no valid entry, and a row outside every request (T
+      padded past cu_seqlens[B]), is zero.
 
     Raises:
       ContractError: from ``interop.contract.check_prefill`` (before any allocation), both or
@@ -640,7 +641,8 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
 
     Returns:
       [T, Hq, D] in q's dtype; row r of request b reads at most
-      min(W, r + kv_lens[b] - q_len_b + 1) columns.
+      min(W, r + kv_lens[b] - q_len_b + 1) columns; zeros for a row with no valid entry or
+      outside every request (T padded past cu_seqlens_q[B]).
 
     Raises:
       ContractError: from ``interop.contract.check_prefill_chunk`` (before any allocation), or

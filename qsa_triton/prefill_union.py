@@ -456,11 +456,9 @@ def union_launch(mode: int, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_
     tensor where the mode does not read them). No contract check here (the entry points)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
-    out = torch.empty_like(q)
-    if t == 0:
+    out = torch.zeros_like(q)  # rows outside every request belong to no tile: zeros
+    if t == 0 or k.shape[0] == 0:
         return out
-    if k.shape[0] == 0:
-        return out.zero_()
     group = hq // hkv
     r = geo.tile_rows
     ht = next_pow2(group)

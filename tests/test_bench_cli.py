@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import common, decode, prefill  # noqa: E402
+from bench import common, decode, indexer, prefill  # noqa: E402
 
 BW = 4.0e12  # fake copy bandwidth, bytes/s
 
@@ -67,7 +67,7 @@ def test_bad_values_exit_2_before_any_gpu_work(capsys, module, argv, msg):
 
 
 def test_help_names_every_provider_and_option(capsys):
-    for module in (decode, prefill):
+    for module in (decode, prefill, indexer):
         with pytest.raises(SystemExit) as info:
             module.main(["--help"], prog="qsa bench x")
         assert info.value.code == 0
@@ -80,6 +80,8 @@ def test_help_names_every_provider_and_option(capsys):
         for opt in ("--providers", "--json", "--plot", "--smoke-cpu", "--memcheck", "--compare"):
             assert opt in out
         assert "module docstring" not in out
+        # the help is the user's: no issue-tracker numbers, no internal class names
+        assert "issue 1" not in out and "Mode." not in out
 
 
 def test_run_gpu_sh_refuses_unknown_steps_before_running_anything(tmp_path):
@@ -271,6 +273,19 @@ def test_decode_reference_matches_interop_reference():
                             inp.cu_k.numpy(), inp.scale)
     assert torch.isnan(inp.k[used:]).all() and 0 in inp.lens
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_not_run_reason_is_marked_when_cut():
+    """The "not run" summary shortens a long reason visibly (it used to cut a peer's install hint
+    mid-parenthesis)."""
+    long = "PeerUnavailable: sglang==0.5.23 not found (pip download sglang==0.5.23 --no-deps, " \
+           "unpack into .peer/ or set QSA_SGLANG_PATH)"
+    rep = {"cases": [{"providers": {"a": {"ok": True}, "b": {"error": long},
+                                    "c": {"skipped": "x"}}}]}
+    cut = common._why_not(rep, "b")
+    assert len(cut) == 100 and cut.endswith("...") and long.startswith(cut[:-3])
+    assert common._why_not(rep, "c") == "x" and common._why_not(rep, "d") == "no case"
+    assert common._why_not(rep, "b", width=len(long)) == long
 
 
 # ------------------------------------------------------------------------- smoke and compare

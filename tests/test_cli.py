@@ -184,18 +184,26 @@ def test_parse_archs():
     assert parse_archs("121, sm_90,sm_121") == ["sm_121", "sm_90"]
     with pytest.raises(ValueError, match="known"):
         parse_archs("sm_80")
+    with pytest.raises(ValueError, match="no arch in ','"):
+        parse_archs(",")  # used to compile nothing and report that everything fits
+    assert parse_archs("sm_100") == ["sm_100"]  # accepted, so the help lists it
+    arch_help = next(a.help for a in cli.build_parser()._subparsers._group_actions[0]
+                     .choices["compile"]._actions if "--arch" in a.option_strings)
+    assert all(n in arch_help for n in ("sm_90", "sm_100", "sm_120", "sm_121"))
 
 
 def test_bench_without_a_benchmark_prints_a_real_usage(capsys):
     assert cli.main(["bench"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: qsa bench {decode,prefill} [OPTIONS...]")
-    assert "bench/decode.py" in err and "bench/prefill.py" in err and "--help" in err
+    assert err.startswith("usage: qsa bench {decode,prefill,indexer} [OPTIONS...]")
+    assert all(f"bench/{b}.py" in err for b in ("decode", "prefill", "indexer"))
+    assert "--help" in err and "./bench-out/" in err  # where the report goes by default
     assert "which" not in err and "rest" not in err  # no internal argparse names
     assert cli.main(["bench", "--help"]) == 0
     assert capsys.readouterr().out.startswith("usage: qsa bench")
     assert cli.main(["bench", "attention"]) == 2
-    assert "unknown benchmark 'attention'; choose one of: decode, prefill" in capsys.readouterr().err
+    assert ("unknown benchmark 'attention'; choose one of: decode, prefill, indexer"
+            in capsys.readouterr().err)
 
 
 def test_bench_help_is_the_benchmarks_own(capsys):
@@ -205,7 +213,7 @@ def test_bench_help_is_the_benchmarks_own(capsys):
 
     if importlib.util.find_spec("bench.decode") is None:
         pytest.skip("bench/decode.py not in this checkout")
-    for which in ("decode", "prefill"):
+    for which in ("decode", "prefill", "indexer"):
         with pytest.raises(SystemExit) as info:
             cli.main(["bench", which, "--help"])
         assert info.value.code == 0
@@ -229,13 +237,20 @@ def test_capture_lists_the_case_names(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "unknown case 'nope'" in err and "qsa capture --list" in err
     for spec in C.quick_matrix():
-        assert spec.name in err, spec.name
+        assert (spec.name in err) == (spec.op in ("decode", "paged", "prefill")), spec.name
     assert not (tmp_path / "x.safetensors").exists()
     assert cli.main(["capture", "--case", "TP2/B4/satur", "--out", str(tmp_path / "x")]) == 2
     assert "did you mean: decode/TP2/B4/saturated" in capsys.readouterr().err
     assert cli.main(["capture", "--list"]) == 0
     names = capsys.readouterr().out.split()
+    held = ("decode", "paged", "prefill")  # the indexer and step cases are not capture files
     assert len(names) == len(set(names)) and set(names) == {
-        s.name for s in C.quick_matrix() + C.full_matrix()}
+        s.name for s in C.quick_matrix() + C.full_matrix() if s.op in held}
+    step = next(s.name for s in C.quick_matrix() if s.op == "step")
+    assert cli.main(["capture", "--case", step, "--out", str(tmp_path / "x")]) == 2
+    assert "of the operation 'step'; capture files hold" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["capture", "--help"])
+    assert "triton (default) or pallas" in " ".join(capsys.readouterr().out.split())
     assert cli.main(["capture", "--case", "decode/TP2/B1/short"]) == 2  # no --out
     assert "--out FILE are required" in capsys.readouterr().err

@@ -268,6 +268,16 @@ def test_strict_must_be_a_bool_for_every_check(op, strict):
     assert info.value.arg == "strict"
 
 
+def test_messages_read_as_written():
+    """A fixed value reads as one (not "1 <= max_seqlen_q <= 1"); a non-tensor names every
+    framework's array type (a list handed to qsa_pallas used to read "a torch tensor")."""
+    with pytest.raises(ContractError, match=r"expected max_seqlen_q = 1 \(decode") as info:
+        run("decode", {"max_seqlen_q": 2}, "jax")
+    assert "<=" not in str(info.value).split("[")[0]
+    with pytest.raises(ContractError, match=r"\(torch.Tensor, jax.Array or numpy array\); got list"):
+        run("decode", {"cu_seqlens_k": [0, 1, 2]}, "jax")
+
+
 def test_exact_contract_only_for_sm121_decode():
     assert exact_contract(DeviceFacts.for_arch("sm_121"))
     assert not exact_contract(DeviceFacts.for_arch("sm_121"), "prefill")

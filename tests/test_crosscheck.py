@@ -600,3 +600,14 @@ def test_peer_prefill_skip_reasons():
     assert "NaN" in reasons["prefill/chunk/junk-mixed+empty/G6xHkv1"]
     assert "ndim == 2" in reasons["prefill/paged/junk-len+19/per-head/G12xHkv2"]
     assert reasons["prefill/chunk/junk-len+19/per-head/G12xHkv2"] is None
+
+
+def test_missing_peer_names_where_its_files_go(monkeypatch):
+    """The install hint names the repository's .peer/sglang as an absolute path (".peer/" read
+    as relative to wherever the command ran)."""
+    from interop.validate import peer
+
+    monkeypatch.setattr(peer, "sglang_root", lambda: None)
+    with pytest.raises(peer.PeerUnavailable) as info:
+        peer.load_sparse_attn.__wrapped__()
+    assert str(peer._PEER_DIR) in str(info.value) and peer._PEER_DIR.is_absolute()

@@ -80,6 +80,14 @@ def test_int64_refused_without_x64():
         to_jax(torch.arange(4))
 
 
+@pytest.mark.parametrize("copy", [False, True])
+def test_requires_grad_refused_naming_detach(copy):
+    """Not torch's bare BufferError: the same kind of error as every other refusal here."""
+    with pytest.raises(DLPackLayoutError, match=r"requires_grad=True\. Pass tensor\.detach\(\)"):
+        to_jax(torch.zeros(3, requires_grad=True), copy=copy)
+    assert to_jax(torch.ones(3, requires_grad=True).detach()).tolist() == [1.0, 1.0, 1.0]
+
+
 @pytest.mark.parametrize("via_uint8", [None, True])
 def test_fp8_bit_exact(via_uint8):
     bits = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16)

@@ -259,6 +259,23 @@ def test_traced_max_seqlen_k_rejected():
         jax.jit(lambda m: run(q, k, v, cq, ck, m))(jnp.int32(8))
 
 
+@pytest.mark.parametrize("flag", ["strict", "interpret"])
+def test_traced_or_non_bool_flags_rejected(flag):
+    """``strict`` / ``interpret`` traced under jit, or a truthy string: a ContractError naming
+    the flag before tracing (not jax's TracerBoolConversionError, not interpret mode switched
+    on by "no"), in the packed and the paged decode."""
+    q, k, v, cq, ck = make_case(np.random.default_rng(0), [3, 4], 6, 1, 64)
+    r2t = jnp.arange(8, dtype=jnp.int32)[None]
+    rows, idx = jnp.zeros(2, jnp.int32), jnp.zeros((2, 4), jnp.int32)
+    calls = (lambda f: run(q, k, v, cq, ck, 8, **{flag: f}),
+             lambda f: qsa_pallas.sparse_decode_paged(q, k, v, r2t, rows, idx, cq[1:], **{flag: f}))
+    for call in calls:
+        with pytest.raises(ContractError, match=f"'{flag}': expected .*host bool"):
+            jax.jit(call)(True)
+        with pytest.raises(ContractError, match=f"'{flag}'.*got str"):
+            call("no")
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU: building blocks
 def test_jit_traced_lengths_no_recompile():

@@ -80,6 +80,42 @@ def test_layout_refusals_before_anything_is_traced(monkeypatch):
         TP.run_jax((8,), CPU)
 
 
+def test_shard_step_keeps_the_step_signature_and_refuses_before_tracing(monkeypatch):
+    """Arrays passed by keyword give the positional call's sharded function and inputs; a list
+    for an array, an array for a host value, an unknown argument, a mesh without the axis: a
+    ContractError naming it before anything is traced (not a TypeError from the jit cache)."""
+    from qsa_pallas import step as PS
+
+    seen = []
+    monkeypatch.setattr(PS, "_sharded", lambda *a: (seen.append(a), lambda *xs: xs)[1])
+    data = C.case_data(CPU[0].spec)
+    named = {n: jnp.zeros(s, jnp.float16) for n, (s, _) in data.floats.items()}
+    named.update({n: jnp.asarray(a) for n, a in data.ints.items()})
+    args, kw = data.arguments(named)
+    a = list(args)
+    a[1], a[2] = (qsa_pallas.replicate_kv_heads(x, 2) for x in args[1:3])
+    step = qsa_pallas.shard_step(qsa_pallas.qsa_decode_step, _mesh(2))
+    by_position = step(*a, **kw)
+    names = list(C.PARAMS["qsa_decode_step"][0])
+    by_name = step(*a[:3], **dict(zip(names[3:], a[3:])), **kw)
+    assert seen[0] == seen[1] and len(by_position) == len(by_name) == len(names)
+    for x, y in zip(by_position, by_name):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    bad = [({"seq_lens": [1, 2, 3]}, "seq_lens"), ({"topk": jnp.int32(16)}, "topk"),
+           ({"top_k": 16}, "arguments")]
+    for change, arg in bad:
+        call = dict(zip(names, a), **kw)
+        call.update(change)
+        with pytest.raises(ContractError) as e:
+            step(**call)
+        assert e.value.arg == arg, str(e.value)
+    with pytest.raises(ContractError) as e:
+        qsa_pallas.shard_step(qsa_pallas.qsa_decode_step, Mesh(np.array(jax.devices()[:2]),
+                                                               ("x",)))(*a, **kw)
+    assert e.value.arg == "mesh" and "'tp'" in str(e.value)
+    assert len(seen) == 2
+
+
 # ---------------------------------------------------------------------------------------------
 # JAX: TP2 and TP4 on host devices
 def test_jax_tp2_and_tp4_equal_tp1():

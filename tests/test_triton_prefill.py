@@ -128,6 +128,44 @@ def test_small_max_seqlen_q_covers_every_row(kind):
         assert torch.equal(run(case), good), f"max_seqlen_q={hint}"
 
 
+@pytest.mark.parametrize("kind,blocks", [("ordinary", False), ("chunk", False), ("paged", False),
+                                         ("paged", True)])
+def test_rows_outside_every_request_give_zeros(kind, blocks):
+    """A batch padded to a static T (rows before cu_seqlens_q[0] and past cu_seqlens_q[B], as a
+    CUDA graph of a fixed size or ``qsa_prefill_step``'s padding rows): those rows are exact
+    zeros, as in qsa_pallas (test_pallas_prefill.py), not whatever the allocator held."""
+    case = make_case(kind, 6, 1, [4, 3], None if kind == "ordinary" else [2, 5], seed=67)
+    t = tensors(case)
+    pre, post = 2, 3
+
+    def grow(x, fill):
+        def pad(n):
+            return torch.full((n,) + x.shape[1:], fill, dtype=x.dtype, device=x.device)
+        return torch.cat([pad(pre), x, pad(post)])
+
+    t["q"], t["indices"] = grow(t["q"], 1), grow(t["indices"], 0)
+    if kind == "ordinary":
+        t["k"], t["v"] = grow(t["k"], 1), grow(t["v"], 1)
+    cu = "cu_seqlens" if kind == "ordinary" else "cu_seqlens_q"
+    t[cu] = t[cu] + pre
+    kw = {}
+    if blocks:  # the block form: the selector's kernel (tile union or per-row)
+        kw["block_indices"] = torch.zeros(t["q"].shape[0], 3, dtype=torch.int32, device=DEV)
+        t["indices"] = None
+    for _ in range(3):  # leave NaN in the allocator's free blocks of the output's size
+        del_me = torch.full_like(t["q"], float("nan"))
+        del del_me
+    out = run(case, t=t, **kw).float().cpu()
+    if blocks:  # the rows inside the requests as in the unpadded call
+        u = tensors(case)
+        u["indices"] = None
+        want = run(case, t=u, block_indices=kw["block_indices"][pre:-post]).float().cpu()
+        torch.testing.assert_close(out[pre:-post], want, atol=2e-3, rtol=2e-3)
+    else:
+        assert_matches(out[pre:-post].numpy(), case.reference(), f"padded {kind}")
+    assert (out[:pre] == 0).all() and (out[-post:] == 0).all()
+
+
 def test_forced_geometry_does_not_change_the_result_beyond_rounding():
     case = make_case("ordinary", 6, 1, [9], width=20, junk="len", seed=15)
     t = tensors(case)

@@ -2,8 +2,9 @@
 ``replay``, ``capture`` (``qsa --help`` and ``qsa COMMAND --help`` describe each); one
 ``_cmd_*`` function per command takes the parsed arguments and returns the exit status.
 
-Files are written only where an option names them (--json, --out, --plot), never into the
-current directory by default. A bad argument exits with status 2 and a message naming it. Output
+Every file is written only where an option names it (--json, --out, --plot), except a
+benchmark's report: ``qsa bench`` writes it to --json, else ``$OUT/<name>.json``, else
+``./bench-out/<name>.json``. A bad argument exits with status 2 and a message naming it. Output
 uses ``rich`` tables when rich is installed, plain text otherwise; torch / jax / triton are
 imported by the commands that need them, so ``qsa contract`` works on a numpy-only install.
 """
@@ -453,8 +454,10 @@ BENCHES = {
               "interleaved CUDA-graph timing, FP32 check of every provider (bench/decode.py)",
     "prefill": "sparse prefill (ordinary, chunk, paged): the same providers and checks "
                "(bench/prefill.py)",
+    "indexer": "the QSA indexer (scoring + exact top-512 + expansion), decode and prefill: "
+               "qsa_triton and qsa_pallas vs upstream's torch path and XLA (bench/indexer.py)",
 }
-BENCH_USAGE = "usage: qsa bench {decode,prefill} [OPTIONS...]"
+BENCH_USAGE = f"usage: qsa bench {{{','.join(BENCHES)}}} [OPTIONS...]"
 
 
 def _bench_usage(file) -> None:
@@ -466,8 +469,8 @@ def _bench_usage(file) -> None:
     for name, text in BENCHES.items():
         print(textwrap.fill(text, width=100, initial_indent=f"  {name:<8} ",
                             subsequent_indent=" " * 11), file=file)
-    print("\n`qsa bench decode --help` / `qsa bench prefill --help` list each benchmark's "
-          "options.", file=file)
+    print("\n`qsa bench NAME --help` lists a benchmark's options. Its JSON report goes to "
+          "--json FILE,\nelse $OUT/<report>.json, else ./bench-out/<report>.json.", file=file)
 
 
 def bench_main(argv: Sequence[str]) -> int:
@@ -553,8 +556,11 @@ def _cmd_capture(args) -> int:
     from . import crosscheck as X  # noqa: PLC0415
 
     interpret = X.prepare_backends(True if args.interpret else None)
-    quick, full = X.quick_matrix(), X.full_matrix()
-    specs = {s.name: s for s in quick + full}  # quick names first, then the full matrix's others
+    # only the cases a capture file can hold (the attention entry points), quick names first
+    ops = sorted({CAP.ENTRY_OP[e] for e in CAP.ENTRIES})
+    quick = [s for s in X.quick_matrix() if s.op in ops]
+    full = [s for s in X.full_matrix() if s.op in ops]
+    specs = {s.name: s for s in quick + full}
     if args.list:
         print("\n".join(specs))
         return 0
@@ -563,6 +569,10 @@ def _cmd_capture(args) -> int:
     if interpret:  # the quick cases win on a CPU (their dtype runs in the interpreter)
         specs.update({s.name: s for s in quick})
     spec = specs.get(args.case)
+    other = {s.name: s for s in X.quick_matrix() + X.full_matrix()}.get(args.case)
+    if spec is None and other is not None:
+        raise UsageError(f"case {args.case!r} is of the operation {other.op!r}; capture files "
+                         f"hold the attention entry points ({', '.join(ops)} cases) only")
     if spec is None:
         close = [n for n in specs if args.case in n][:8]
         raise UsageError(
@@ -571,10 +581,6 @@ def _cmd_capture(args) -> int:
             "`qsa capture --list` prints every name):\n"
             + textwrap.fill(", ".join(s.name for s in quick), width=100, initial_indent="  ",
                             subsequent_indent="  ", break_on_hyphens=False))
-    ops = sorted({CAP.ENTRY_OP[e] for e in CAP.ENTRIES})
-    if spec.op not in ops:
-        raise UsageError(f"case {args.case!r} is a {spec.op!r} case; capture files hold the "
-                         f"attention entry points ({', '.join(ops)} cases) only")
     impls = {i.name: i for i in load_check_implementations(interpret)}
     impl = impls.get(args.impl)
     if impl is None:
@@ -658,7 +664,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "the selectors can choose, and lower + compile every Pallas kernel for the arch's "
                  "abstract device, without a GPU; report shared memory, registers and spills "
                  "against the arch's limits. Exit status 1 if any configuration does not fit.")
-    p.add_argument("--arch", help="comma-separated: sm_90,sm_120,sm_121 (default: all three)")
+    p.add_argument("--arch", help="comma-separated: sm_90, sm_100, sm_120, sm_121 (default: "
+                   "sm_90,sm_120,sm_121)")
     p.add_argument("--jobs", type=int, help="worker processes, one (family, arch) group each "
                    "(default: CPU count, at most 4; 1 = in this process)")
     p.add_argument("--family", help="comma-separated: triton, pallas (default: both) or one "
@@ -671,8 +678,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # listed for `qsa --help`; main() hands `qsa bench ...` to bench_main before argparse, so
     # that every option after WHICH reaches the benchmark's own parser untouched
-    sub.add_parser("bench", help="benchmarks on a GPU: decode | prefill (bench/decode.py, "
-                   "bench/prefill.py)", add_help=False)
+    sub.add_parser("bench", help="benchmarks on a GPU: decode | prefill | indexer "
+                   "(bench/decode.py, bench/prefill.py, bench/indexer.py)", add_help=False)
 
     p = _command(sub, "replay", _cmd_replay, "re-run captured kernel calls "
                  "(interop.validate.capture format)", "--peer", "--json", "--reference",
@@ -691,8 +698,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "--interpret")
     p.add_argument("--case", metavar="NAME", help="a case name from the quick or full matrix "
                    "(interop.cases; --list prints them)")
-    p.add_argument("--list", action="store_true", help="print every case name and exit")
-    p.add_argument("--impl", default="triton", help="implementation producing the stored output")
+    p.add_argument("--list", action="store_true", help="print the name of every case a capture "
+                   "file can hold (decode, paged, prefill) and exit")
+    p.add_argument("--impl", default="triton", help="implementation producing the stored output: "
+                   "triton (default) or pallas")
     p.add_argument("--out", metavar="FILE", help="destination .safetensors (parent folders are "
                    "created)")
     p.add_argument("--model-revision", default="", help="free text recorded in the metadata")

@@ -87,7 +87,7 @@ def parse_archs(text: str | None) -> list[str]:
     """``"sm_90,121"`` -> ["sm_90", "sm_121"] (default: ``DEFAULT_ARCHS``), repeats dropped.
 
     Raises:
-      ValueError: an unknown arch (the message lists the known ones).
+      ValueError: an unknown arch, or none in a non-empty text (the message lists the known ones).
     """
     if not text:
         return list(DEFAULT_ARCHS)
@@ -100,6 +100,8 @@ def parse_archs(text: str | None) -> list[str]:
         if name not in DEVICE_KIND:
             raise ValueError(f"--arch: unknown arch {part!r}; known: {', '.join(DEVICE_KIND)}")
         out.append(name)
+    if not out:  # "," or " ": nothing to do would read as "every configuration fits"
+        raise ValueError(f"--arch: no arch in {text!r}; known: {', '.join(DEVICE_KIND)}")
     return list(dict.fromkeys(out))
 
 

@@ -22,6 +22,11 @@ from pathlib import Path
 __all__ = ["sglang_root", "load_sparse_attn", "load_sm121_decode", "PeerUnavailable"]
 
 
+#: where the peer's files are looked for last: .peer/sglang at the repository root (not the
+#: current directory)
+_PEER_DIR = Path(__file__).resolve().parents[2] / ".peer" / "sglang"
+
+
 class PeerUnavailable(RuntimeError):
     """The sglang==0.5.23 files are not present on this machine."""
 
@@ -36,7 +41,7 @@ def sglang_root() -> Path | None:
         spec = None
     if spec is not None and spec.submodule_search_locations:
         candidates.append(Path(next(iter(spec.submodule_search_locations))))
-    candidates.append(Path(__file__).resolve().parents[2] / ".peer" / "sglang")
+    candidates.append(_PEER_DIR)
     for c in candidates:
         if (c / "srt" / "layers" / "attention" / "qsa" / "sparse_attn.py").is_file():
             return c
@@ -71,7 +76,7 @@ def load_sparse_attn() -> types.ModuleType:
     root = sglang_root()
     if root is None:
         raise PeerUnavailable("sglang==0.5.23 not found (pip download sglang==0.5.23 --no-deps, "
-                              "unpack into .peer/ or set QSA_SGLANG_PATH)")
+                              f"unpack its sglang/ folder to {_PEER_DIR} or set QSA_SGLANG_PATH)")
     if "sglang.srt.batch_invariant_ops" not in sys.modules:
         stub = types.ModuleType("sglang.srt.batch_invariant_ops")
         stub.is_batch_invariant_mode_enabled = lambda: False
