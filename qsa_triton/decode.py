@@ -203,7 +203,8 @@ def _decode_split_kernel(
     # the query row's index is loaded with cu_seqlens_k, before the split bookkeeping and its
     # early exit, so the q load can issue with the first K/V loads (at B = 1 a split streams
     # one or two blocks: its chain of dependent loads is its time)
-    q_row = tl.load(cu_q_ptr + s).to(tl.int64)
+    # a lying cu_seqlens_q[s] reads a row of q, clamped into [0, B) (qsa_pallas's rule)
+    q_row = tl.minimum(tl.maximum(tl.load(cu_q_ptr + s), 0), NSEQ - 1).to(tl.int64)
     k_lo, n, blocks, n_act = _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ,
                                             HKV, SLOTS, CAP)
     offs_m = tl.arange(0, HT)

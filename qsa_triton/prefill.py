@@ -91,7 +91,7 @@ MODE_SLOTS = 2  # entries are pool slots resolved by the pre-pass; valid iff slo
 def _prefill_row(
     r, b, h, q_start, q_len,
     q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr, kv_lens_ptr,
-    qk_scale, v_scale, W,
+    qk_scale, v_scale, W, kv_rows,
     stride_qt, stride_qh, stride_kh, stride_kn, stride_vh, stride_vn,
     stride_ot, stride_oh, stride_it, stride_ih,
     G: tl.constexpr, D: tl.constexpr,
@@ -140,7 +140,8 @@ def _prefill_row(
             kv_row = ent
         else:
             valid = in_row & (ent >= 0) & (ent < kv_len)
-            kv_row = kv_base + ent  # < rows of k/v (int32 cu_seqlens): no overflow
+            # lying cu_seqlens can point past k/v: clamped into its rows (qsa_pallas's rule)
+            kv_row = tl.minimum(tl.maximum(kv_base + ent, 0), kv_rows - 1)
         if OFF64:
             # row x stride overflows int32 once k/v hold >= 2^31 elements (pool > ~4.2M
             # slots at Hkv x D = 512); below that every valid offset fits int32 exactly and
@@ -174,7 +175,7 @@ def _prefill_row(
 def _qsa_sparse_prefill_fwd(
     q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr,
     cu_q_ptr, cu_k_ptr, kv_lens_ptr,
-    qk_scale, v_scale, W, row_base,
+    qk_scale, v_scale, W, row_base, n_rows, kv_rows,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_ot, stride_oh, stride_it, stride_ih,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
@@ -185,21 +186,27 @@ def _qsa_sparse_prefill_fwd(
     b = bh // HKV
     h = bh % HKV
     q_start = tl.load(cu_q_ptr + b)
-    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    q_end = tl.load(cu_q_ptr + b + 1)
+    q_len = q_end - q_start
+    # only rows inside [0, n_rows) exist: lying cu_seqlens_q never reads or writes past q / out
+    # (request-relative bounds in int64: a lying q_start may be near the int32 limits)
+    r_lo = tl.maximum(q_start, 0).to(tl.int64) - q_start
+    r_hi = tl.minimum(q_end, n_rows).to(tl.int64) - q_start
     if ROW_LOOP:
         # the tail launch: rows row_base + pid, + grid0, ... < q_len (none when the host's
         # max_seqlen_q = row_base was right); a separate variant: a row loop around the body
         # costs the main launch registers and occupancy (bench/NOTES.md, "tail launch")
-        for r in range(row_base + tl.program_id(0), q_len, tl.num_programs(0)):
-            _prefill_row(r, b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr,
-                         kv_lens_ptr, qk_scale, v_scale, W, stride_qt, stride_qh, stride_kh,
+        for r in range(tl.maximum(r_lo, row_base) + tl.program_id(0), r_hi, tl.num_programs(0)):
+            _prefill_row(tl.cast(r, tl.int32), b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr,
+                         idx_ptr, cu_k_ptr, kv_lens_ptr, qk_scale, v_scale, W, kv_rows,
+                         stride_qt, stride_qh, stride_kh,
                          stride_kn, stride_vh, stride_vn, stride_ot, stride_oh, stride_it,
                          stride_ih, G, D, BLOCK_M, BLOCK_N, MODE, OFF64)
     else:
         r = row_base + tl.program_id(0)
-        if r < q_len:
+        if (r >= r_lo) & (r < r_hi):
             _prefill_row(r, b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr,
-                         kv_lens_ptr, qk_scale, v_scale, W, stride_qt, stride_qh, stride_kh,
+                         kv_lens_ptr, qk_scale, v_scale, W, kv_rows, stride_qt, stride_qh, stride_kh,
                          stride_kn, stride_vh, stride_vn, stride_ot, stride_oh, stride_it,
                          stride_ih, G, D, BLOCK_M, BLOCK_N, MODE, OFF64)
 
@@ -207,7 +214,7 @@ def _qsa_sparse_prefill_fwd(
 @triton.jit
 def _qsa_resolve_pool_slots(
     idx_ptr, slots_ptr, cu_q_ptr, kv_lens_ptr, r2t_ptr, req_idx_ptr, W, max_reqs, max_context,
-    pool_slots, stride_it, stride_ih, stride_st, stride_sh, stride_rt,
+    pool_slots, n_rows, stride_it, stride_ih, stride_st, stride_sh, stride_rt,
     HIDX: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """slots[row, h, c] = req_to_token[req_indices[b], idx] for valid entries, else -1.
@@ -220,15 +227,18 @@ def _qsa_resolve_pool_slots(
     b = bh // HIDX
     h = bh % HIDX
     q_start = tl.load(cu_q_ptr + b)
-    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    q_end = tl.load(cu_q_ptr + b + 1)
+    q_len = q_end - q_start
+    r_lo = tl.maximum(q_start, 0).to(tl.int64) - q_start  # rows outside [0, n_rows): none
+    r_hi = tl.minimum(q_end, n_rows).to(tl.int64) - q_start
     kv_len = tl.load(kv_lens_ptr + b)
     req = tl.load(req_idx_ptr + b)
     req_ok = (req >= 0) & (req < max_reqs)
     table_row = r2t_ptr + tl.where(req_ok, req, 0).to(tl.int64) * stride_rt
     bound = tl.where(req_ok, tl.minimum(kv_len, max_context), 0)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    for r in range(tl.program_id(0), q_len, tl.num_programs(0)):  # grid-stride over rows
-        row = (q_start + r).to(tl.int64)
+    for r in range(r_lo + tl.program_id(0), r_hi, tl.num_programs(0)):  # grid-stride over rows
+        row = q_start + r
         n_cols = tl.minimum(tl.maximum(r + kv_len - q_len + 1, 0), W)
         ent = tl.load(idx_ptr + row * stride_it + h * stride_ih + cols, mask=cols < n_cols, other=-1)
         valid = (cols < n_cols) & (ent >= 0) & (ent < bound)
@@ -338,14 +348,14 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
                   OFF64=needs_off64(k, v))
     # one program per (row < max_q, request x KV head), like upstream
     _qsa_sparse_prefill_fwd[(max_q, requests * hkv)](
-        *args, 0, *strides, **consts, BLOCK_N=geo.block_n, ROW_LOOP=False,
+        *args, 0, t, k.shape[0], *strides, **consts, BLOCK_N=geo.block_n, ROW_LOOP=False,
         num_warps=geo.num_warps, num_stages=geo.num_stages)
     # Tail: rows >= max_q (the host hint is only checked against T; a request's real row count
     # lives on the device). Nothing to do when the hint was right: its programs read cu_q and
     # exit (one extra launch, a few us against milliseconds).
     t_geo = tail_geometry(geo)
     _qsa_sparse_prefill_fwd[(TAIL_PROGRAMS, requests * hkv)](
-        *args, max_q, *strides, **consts, BLOCK_N=t_geo.block_n, ROW_LOOP=True,
+        *args, max_q, t, k.shape[0], *strides, **consts, BLOCK_N=t_geo.block_n, ROW_LOOP=True,
         num_warps=t_geo.num_warps, num_stages=t_geo.num_stages)
     return out
 
@@ -395,7 +405,7 @@ def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens
     _qsa_resolve_pool_slots[grid](
         indices, slots, cu_seqlens_q, kv_lens, req_to_token, req_indices, w,
         req_to_token.shape[0], req_to_token.shape[1], min(int(pool_slots), 2**31 - 1),
-        indices.stride(0), indices.stride(1) if indices.dim() == 3 else 0,
+        indices.shape[0], indices.stride(0), indices.stride(1) if indices.dim() == 3 else 0,
         slots.stride(0), slots.stride(1) if slots.dim() == 3 else 0, req_to_token.stride(0),
         HIDX=hidx, BLOCK=block, num_warps=4,
     )

@@ -850,3 +850,21 @@ def test_gpu_pdl_many_launches_counters_and_results():
         for o in (outs[0], outs[-1], eager[-1]):
             assert torch.equal(o, first), merge
         assert_close_gpu(first, ref, f"pdl {merge} after many launches")
+
+
+def test_lying_cu_seqlens_q_row_is_clamped_like_pallas():
+    """cu_seqlens_q[s] outside [0, B) reads q row clamp(., 0, B - 1), as qsa_pallas does (it used
+    to read outside q); the outputs of both packages are equal."""
+    import jax.numpy as jnp
+
+    import qsa_pallas
+
+    torch.manual_seed(0)
+    q = torch.randn(3, 12, 64, dtype=torch.float16)
+    k, v = torch.randn(57, 1, 64, dtype=torch.float16), torch.randn(57, 1, 64, dtype=torch.float16)
+    cu_k = torch.tensor([0, 50, 50, 57], dtype=torch.int32)
+    for cu in ([0, 1, 2, 100000], [0, 1, -7, 3], [5, -1, 2, 3]):
+        cu_q = torch.tensor(cu, dtype=torch.int32)
+        ot = qsa_triton.sparse_decode(q, k, v, cu_q, cu_k, 64)
+        op = qsa_pallas.sparse_decode(*(jnp.asarray(x.numpy()) for x in (q, k, v, cu_q, cu_k)), 64)
+        assert torch.equal(ot.float(), torch.from_numpy(np.asarray(op.astype("float32")))), cu

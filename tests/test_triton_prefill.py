@@ -367,3 +367,35 @@ def test_gpu_cuda_graph_replay_with_changed_device_metadata(kind):
     graph.replay()
     torch.cuda.synchronize()
     gpu_check(first, t, out)
+
+
+@pytest.mark.parametrize("cu", [[0, 10, 40], [-5, 10, 17], [3, 2_147_483_000, 17]])
+@pytest.mark.parametrize("kind", ["ordinary", "chunk", "paged"])
+def test_lying_cu_seqlens_q_stays_inside_q_and_agrees_with_pallas(kind, cu):
+    """A non-decreasing cu_seqlens_q that points outside [0, T): only rows inside q exist
+    (nothing is read or written past q / out; K/V rows of a lying range are clamped into k),
+    and qsa_triton gives qsa_pallas's output (the interpreter used to abort on these)."""
+    import jax.numpy as jnp
+
+    import qsa_pallas
+
+    rng = np.random.default_rng(0)
+    t, hq, hkv, d, w = 17, 6, 1, 64, 16
+    q, k, v = (rng.standard_normal((t, h, d)).astype(np.float16) for h in (hq, hkv, hkv))
+    idx = rng.integers(-2, 10, (t, w)).astype(np.int32)
+    cu_q, kvl = np.array(cu, np.int32), np.array([10, 7], np.int32)
+    table, req = np.arange(64, dtype=np.int32).reshape(2, 32), np.arange(2, dtype=np.int32)
+    pool = rng.standard_normal((64, hkv, d)).astype(np.float16)
+    outs = []
+    for mod, conv in ((qsa_triton, torch.from_numpy), (qsa_pallas, jnp.asarray)):
+        a = [conv(np.ascontiguousarray(x)) for x in (q, k, v, idx, cu_q, kvl, table, req, pool)]
+        Q, K, V, I, CU, KVL, S, REQ, POOL = a
+        if kind == "ordinary":
+            o = mod.sparse_prefill(Q, K, V, I, CU, 10)
+        elif kind == "chunk":
+            o = mod.sparse_prefill_chunk(Q, K, V, I, CU, CU, KVL, 10)
+        else:
+            o = mod.sparse_prefill_paged(Q, POOL, POOL, S, REQ, I, CU, KVL, 10)
+        outs.append(np.asarray(o.float() if mod is qsa_triton else o.astype("float32")))
+    assert np.isfinite(outs[0]).all()
+    np.testing.assert_allclose(outs[0], outs[1], rtol=2e-3, atol=2e-3)
