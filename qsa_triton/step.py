@@ -1,35 +1,20 @@
 """The end-to-end QSA attention step for PyTorch: indexer -> expansion -> sparse attention from
-the pool.
+the pool (``qsa-contract.md`` §4b, §4, §2b, §3), composed of this package's entry points.
 
-A composition of this package's public entry points (no kernel of its own), the way a serving
-engine runs one QSA attention layer (``qsa-contract.md`` §4b, §4, §2b, §3); same names, argument
-order and meaning as ``qsa_pallas.step``:
+* decode: ``indexer_select_decode`` (score, exact top-k, fused expansion to the 2051-wide token
+  row), then ``sparse_decode_paged`` through ``req_to_token``;
+* prefill: ``prefill_step_rows`` (each row's request, position, bound and compressed-key range,
+  a few torch ops on the device), ``indexer_select_prefill``, then ``sparse_prefill_paged``.
 
-* decode: ``indexer_select_decode`` scores every visible compressed block of the row through the
-  compressed-K page table, keeps the exact top-k (512, ties to the smaller block id) and expands
-  them, fused, to the 2051-wide token row; ``sparse_decode_paged`` attends to those positions in
-  the KV pool through ``req_to_token``;
-* prefill: ``prefill_step_rows`` derives each query row's request, position, bound and
-  compressed-key range from the request tables with a few torch ops on the device;
-  ``indexer_select_prefill`` selects and expands over the packed per-request compressed keys;
-  ``sparse_prefill_paged`` attends from the pool.
+Every argument of both halves is checked before the first launch (``check_decode_step`` /
+``check_prefill_step``), so a bad call leaves nothing half-done. No host read of device data and
+scratch from the caching allocator: CUDA-graph replay with new lengths is correct; under
+``torch.compile(fullgraph=True)`` the halves are ``torch.ops.qsa`` custom ops. Tensor parallel:
+a rank passes its own query heads and their KV heads (``r // (TP / Hkv)`` at TP > Hkv) and every
+indexer input whole (``interop.validate.tp``, ``qsa check --tp 2``).
 
-Every argument of both halves is checked before the first launch
-(``interop.contract.check_decode_step`` / ``check_prefill_step``), so a bad call leaves nothing
-half-done. Graph / compile safety: no host read of device data anywhere (lengths, page ids, row
-ranges stay on the device; the metadata ops are ``searchsorted`` / gathers / ``where``), scratch
-comes from the caching allocator, so a captured CUDA graph replays correctly with new lengths in
-the same buffers; under ``torch.compile(fullgraph=True)`` the halves are ``torch.ops.qsa`` custom
-ops with fake implementations (the checks then run there).
-
-Tensor parallel: a rank calls the step on its own heads, nothing else changes: ``q[:, r*Hq/TP
-..]``, the pool's KV heads of those query heads (``[:, r*Hkv/TP ..]``, or at TP > Hkv the one
-head ``r // (TP / Hkv)``, replicated over ranks), the request tables and every indexer input
-whole (each rank runs the indexer itself). ``interop.validate.tp`` checks that against TP1
-over torch.distributed (``qsa check --tp 2``).
-
-Sources: upstream sglang 0.5.23 ``srt/layers/attention/qsa/`` (``qsa_indexer.py`` decode/prefill
-metadata, ``mqa.py`` scoring, ``kernel.py`` expansion); the algorithms are in the modules named.
+Sources: upstream sglang 0.5.23 ``srt/layers/attention/qsa/`` (``qsa_indexer.py`` metadata,
+``mqa.py`` scoring, ``kernel.py`` expansion).
 """
 
 from __future__ import annotations
