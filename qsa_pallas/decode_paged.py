@@ -2,42 +2,19 @@
 lowering, jit-native (every length, position and slot is device data; only shapes, dtypes and
 scales are static).
 
-Same algorithm, plan and validity rule as ``qsa_triton.decode_paged`` (the shared static plan
-``interop.plan.plan_decode_paged``):
+Same algorithm, plan (``interop.plan.plan_decode_paged``) and validity rule as
+``qsa_triton.decode_paged`` (read its module docstring). Differences:
 
-* one program per (split j, row r, KV head h): the G query heads of h as one [head tile, D]
-  tile (G padded to a power of two >= 16, padded lanes masked), walking the BLOCK_N chunks
-  ``[j*nb // S, (j+1)*nb // S)`` of the row's W index columns;
-* per chunk: positions gathered with a lane-wise index (clamped into the row and masked; a
-  dynamic ``pl.ds`` slice past the end would be clamped by interpret mode, shifting the data);
-  valid iff ``0 <= idx < min(seq_lens[r], max_context)``, the row's request a table row, and its
-  slot ``req_to_token[req, idx]`` (loaded under that mask) inside the pool; K/V rows gathered
-  under the final mask (masked lanes are never dereferenced on the GPU and read 0.0, so NaN/Inf
-  in slots no valid entry names never reach a dot; every gather index is also clamped into
-  range, since interpret mode clamps instead of faulting), converted once to q's dtype (FP8
-  K/V: to float16, with q converted once per program to float16 scaled by a power of two,
-  ``qsa_pallas._fp8``); dots in that dtype with FP32 accumulation, FP32 scores times
-  ``softmax_scale * k_scale * log2(e)``, invalid columns -inf, FP32 online softmax with exp2, P
-  cast to the dot dtype for P·V;
-* a one-split plan writes ``acc * v_scale / l`` into ``[R, Hq, D]`` itself (exact zeros where
-  l = 0); otherwise every split writes its normalised partial and log2 LSE (-inf when its
-  columns hold no valid entry) and plain JAX merges them: M = max_j lse_j, w_j = 2^(lse_j - M)
-  (0 for empty splits, whose partials are selected away, never multiplied), out = sum w_j o_j /
-  sum w_j, zeros where every split is empty. NaN (qsa-contract.md §2b): a split is empty only
-  where l == 0 (an attended NaN makes l and the LSE NaN), and the merge writes NaN wherever a
-  split's LSE or partial is NaN (a select, so finite outputs keep their bits), so an attended
-  NaN reaches the output whatever the number of splits, as in ``interop.reference``. The merge
-  is an unrolled chain over the splits in a fixed order (elementwise, one XLA fusion), so its
-  bits do not depend on R: with
-  ``batch_invariant=True`` (a plan that depends on W, G, D and the dtypes only) a row's output
-  bits do not depend on the batch.
-
-64-bit offsets: the Pallas Triton lowering (jax 0.10.2 / 0.11.2, ``_compute_offsets_from_indices``)
-uses int64 element offsets exactly for refs larger than 2**32 bytes. A bf16/fp16 pool past ~4.2M
-slots at Hkv x D = 512 is such a ref; an FP8 pool of 2**31..2**32 elements would wrap, so the
-entry point rejects it (``ContractError``) instead of reading the wrong rows.
-
-Algorithm sources: FlashAttention-2 online softmax; flash-decoding split-KV with an LSE merge.
+* a 3-D grid (split, row, KV head); lane i of the head tile holds head i - (HT - G), padding
+  lanes first (the direct path's indexed store relies on it, see ``_split_kernel``);
+* positions are gathered lane-wise, clamped into the row and masked (a dynamic ``pl.ds`` past
+  the end would be clamped by interpret mode, shifting the data); every gather index is clamped
+  into range as well as masked, since interpret mode clamps instead of faulting;
+* a multi-split plan's merge is plain JAX (``_merge``): an unrolled chain over the splits in a
+  fixed order (one XLA fusion; bits independent of R), NaN where a split's LSE or partial is NaN;
+* 64-bit offsets: the lowering (``_compute_offsets_from_indices``, jax 0.10.2 / 0.11.2) uses
+  int64 element offsets exactly for refs larger than 2**32 bytes, so an FP8 pool of 2**31..2**32
+  elements would wrap: the entry point rejects it (``ContractError``).
 """
 
 from __future__ import annotations
@@ -53,14 +30,13 @@ from jax import lax
 
 from interop.arch import DeviceFacts
 from interop.contract import ContractError, check_decode_paged, route
-from interop.plan import PAGED_MAX_SPLITS, PagedDecodePlan, plan_decode_paged
+from interop.plan import LOG2E, PAGED_MAX_SPLITS, PagedDecodePlan, plan_decode_paged
 
 from . import _compat as C
 from ._fp8 import fp16_query, is_fp8
 
 __all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "lowering_cases"]
 
-_LOG2E = 1.4426950408889634
 _INT32_MAX = 2**31 - 1
 
 
@@ -220,29 +196,12 @@ def _decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_l
 
 # ---------------------------------------------------------------------------------------------
 # Entry points
-@functools.lru_cache(maxsize=16)
-def _device_sms(dev) -> int:
-    if dev.platform != "gpu":
-        return 132  # the H200's (anchors.md): only shapes the interpreter's grid
-    try:
-        return DeviceFacts.from_jax(dev).sm_count
-    except Exception:  # noqa: BLE001 - unknown part
-        return int(getattr(dev, "core_count", None) or 132)
-
-
 def _target_sms() -> int:
-    """SM count of the GPU the call is built for: the abstract device's kind when lowering ahead
-    of time, else jax's default device (132 on CPU)."""
-    try:
-        abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    except Exception:  # noqa: BLE001 - older jax without abstract meshes
-        abstract = None
-    if abstract is not None and abstract.platform in ("cuda", "gpu"):
-        try:
-            return DeviceFacts.from_device_kind(abstract.device_kind).sm_count
-        except (ValueError, KeyError):
-            return 132
-    return _device_sms(jax.devices()[0])
+    """SM count of the GPU the call is built for (``_compat.target_facts``: the abstract device
+    when lowering ahead of time, else jax's first GPU); the H200's 132 on CPU, where it only
+    shapes the interpreter's grid."""
+    facts = C.target_facts()
+    return facts.sm_count if facts is not None else 132
 
 
 def plan_for(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int, width: int, *,
@@ -289,7 +248,7 @@ def _prepare(args, softmax_scale, k_scale, v_scale, batch_invariant, strict, int
 def _static(prob, plan, interp) -> _Static:
     return _Static(prob.rows, prob.num_q_heads, prob.num_kv_heads, prob.group, prob.head_dim,
                    prob.width, prob.per_head_indices, prob.slots, prob.max_reqs, prob.max_context,
-                   float(prob.softmax_scale * prob.k_scale * _LOG2E), float(prob.v_scale), plan,
+                   float(prob.softmax_scale * prob.k_scale * LOG2E), float(prob.v_scale), plan,
                    bool(interp))
 
 
@@ -327,9 +286,8 @@ def sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
         path) before anything is traced or launched; an FP8 pool of 2**31..2**32 elements
         (module docstring); ``interpret=False`` on a CPU-only JAX.
 
-    Works under ``jax.jit`` (lengths, positions, slots traced; a new value never retraces),
-    ``lax.scan`` and ``shard_map`` (VMA check off: ``_compat.shard_map``). Source of the
-    algorithm: this module's docstring.
+    Works under ``jax.jit`` (a new length never retraces), ``lax.scan`` and ``shard_map`` (VMA
+    check off). Algorithm and sources: ``qsa_triton.decode_paged``'s module docstring.
     """
     args = (q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens)
     prob, interp = _prepare(args, softmax_scale, k_scale, v_scale, batch_invariant, strict,
