@@ -1,24 +1,16 @@
-"""Pallas (Triton lowering) API shims across jax 0.10.2 (CPU CI) and 0.11.2 (the H200 machine).
+"""Pallas (Triton lowering) API shims across jax 0.10.2 (CPU CI) and 0.11.2 (the H200 machine),
+shared by every ``qsa_pallas`` module; add, don't rename. What differs between the versions:
 
-Shared by every ``qsa_pallas`` kernel module (decode, prefill). Keep this API stable; add, don't
-rename. What differs between the versions (checked against both installed sources):
-
-* Triton compiler params: ``jax.experimental.pallas.triton.CompilerParams`` in 0.10 and 0.11;
-  older jax named it ``TritonCompilerParams`` (accepted as a fallback).
-* ``plgpu.load / plgpu.store`` take ``(ref, *, mask, other)`` (the indexer goes in ``ref.at[...]``);
-  ``pl.load(ref, idx, ...)`` is the older spelling (fallback). ``dot`` moved from ``pl`` to ``plgpu``.
+* ``CompilerParams`` (0.10, 0.11) vs ``TritonCompilerParams`` (older);
+* ``plgpu.load / store(ref.at[...], *, mask, other)`` vs the older ``pl.load(ref, idx, ...)``;
 * ``jax.shard_map(..., check_vma=False)`` (0.10+) vs ``jax.experimental.shard_map.shard_map(...,
-  check_rep=False)`` (older). ``pallas_call`` inside ``shard_map`` needs the check off.
-* Lowering without a GPU: 0.10.2's Triton lowering rule falls back to compute capability 9.0 when no
-  GPU is present and ignores the abstract device kind; 0.11.2 reads the kind of the abstract mesh's
-  ``AbstractDevice`` (``gpu_info.get_device_kind``) and maps it to sm_90 / sm_120 / sm_121. In both,
-  the rule turns the kernel jaxpr into a Triton MLIR module (TTIR) in Python and embeds it, as
-  bytecode, in a ``__gpu$xla.gpu.triton`` custom call: no jaxlib CUDA plugin is needed, so
-  ``lower_for_device_kind`` works on a CPU-only machine. (0.10.2 on a *GPU* machine compiles to PTX
-  already at lowering; not our case.) ``triton_modules`` pulls the embedded TTIR back out, and
-  ``compile_ttir`` runs the rest of Triton's pipeline (TTGIR -> PTX -> cubin) with the installed
-  ``triton`` for sm_90 / sm_120 / sm_121, still without a GPU. Checked on CPU with jax 0.10.2 +
-  Triton 3.9.0 (Python 3.11) and jax 0.11.2 + Triton 3.6.0 (Python 3.12, the GPU machine's pair).
+  check_rep=False)``; ``pallas_call`` inside ``shard_map`` needs the check off;
+* lowering without a GPU: 0.10.2 falls back to compute capability 9.0 and ignores the abstract
+  device kind; 0.11.2 maps the ``AbstractDevice`` kind to sm_90 / sm_120 / sm_121. Both embed the
+  kernel's Triton MLIR (TTIR) in a ``__gpu$xla.gpu.triton`` custom call without a CUDA plugin, so
+  ``lower_for_device_kind`` works on a CPU-only machine; ``triton_modules`` pulls the TTIR back
+  out and ``compile_ttir`` runs the rest of Triton's pipeline (TTGIR -> PTX -> cubin) with the
+  installed ``triton`` (checked: jax 0.10.2 + Triton 3.9.0, jax 0.11.2 + Triton 3.6.0).
 
 Nothing here imports torch.
 """
@@ -50,6 +42,7 @@ __all__ = [
     "resolve_interpret",
     "check_inputs",
     "check_backend",
+    "check_offsets",
     "abstract_mesh",
     "lower_for_device_kind",
     "TritonModule",
@@ -205,6 +198,28 @@ def check_backend(fn: str, interpret: bool | None, *arrays) -> None:
     if interpret is False and concrete and jax.default_backend() == "cpu":
         raise ContractError(fn, "interpret", "True or None on a CPU-only JAX (compiled Pallas "
                             "kernels need a CUDA GPU backend)", interpret)
+
+
+def check_offsets(fn: str, **arrays) -> None:
+    """Refuse arrays whose element offsets need 64 bits while the lowering uses int32: it
+    switches to int64 offsets only for refs over 2**32 bytes (``_compute_offsets_from_indices``,
+    jax 0.10.2 and 0.11.2), so a 1-byte array of 2**31..2**32 elements would wrap.
+
+    Raises:
+      ContractError: the first such array.
+    """
+    import math  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+    from interop.contract import ContractError  # noqa: PLC0415
+
+    for name, a in arrays.items():
+        numel = math.prod(a.shape)
+        if numel - 1 > 2**31 - 1 and numel * np.dtype(a.dtype).itemsize <= 2**32:
+            raise ContractError(fn, name, "fewer than 2**31 elements, or more than 2**32 bytes "
+                                "(the Pallas Triton lowering uses int32 offsets below 2**32 "
+                                "bytes; qsa_triton has no such limit)",
+                                f"{numel} elements of {a.dtype}")
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

@@ -50,17 +50,14 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
 
     Args:
       batch: B; num_kv_heads: Hkv; group: G = Hq / Hkv; head_dim: D; max_seqlen_k: host int.
-      device: a jax GPU device; None = the GPU being built for (``_compat.target_facts``: an
-        enclosing abstract mesh's device kind, else jax's first device; CPU: 132 SMs, no
-        shared-memory limit).
+      device: a jax GPU device; None = the GPU being built for (``_compat.target_facts``; CPU:
+        132 SMs, no shared-memory limit).
       batch_invariant: the batch-invariant plan (``sparse_decode(..., batch_invariant=True)``).
 
     Returns:
-      Default: (``interop.plan.plan_decode`` with the static split rule, fitted to the device's
-      shared memory; "direct" for a one-split plan (the split kernel writes the output), else
-      "kernel"). batch_invariant: (``plan_decode(..., batch_invariant=True)``, which fits every
-      supported part as it is, whatever the device; "ordered": split kernel +
-      ``_merge_ordered_kernel``).
+      (``interop.plan.plan_decode`` fitted to the device's shared memory, "direct" for a
+      one-split plan else "kernel"); batch_invariant: (the batch-invariant plan, which fits every
+      supported part, "ordered").
     """
     if batch_invariant:
         return plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k,
@@ -330,42 +327,34 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
                   strict: bool = False, interpret: bool | None = None,
                   batch_invariant: bool = False):
     """Packed varlen sparse decode (``qsa-contract.md`` §2), Pallas on the Triton lowering.
-
-    Same argument order and meaning as ``qsa_triton.sparse_decode``. Forward-only.
+    Forward-only; same argument order and meaning as ``qsa_triton.sparse_decode``.
 
     Args:
-      q: [B, Hq, D] bfloat16|float16 jax array; sequence s's query is row ``cu_seqlens_q[s]``.
-      k, v: [C, Hkv, D], q's dtype: packed selected keys/values; sequence s owns rows
-        ``[cu_seqlens_k[s], cu_seqlens_k[s + 1])``. C (capacity) is any size >= cu_seqlens_k[B].
-        Hq = G * Hkv, G <= 16, D a power of two in 32..256.
-      cu_seqlens_q, cu_seqlens_k: int32 [B + 1] device arrays (may be traced; never read on the
-        host).
-      max_seqlen_k: host int >= 1, static upper bound of a row's key count; it only sizes the
-        split grid (a longer row is still attended completely).
+      q: [B, Hq, D] bfloat16|float16; sequence s's query is row ``cu_seqlens_q[s]``.
+      k, v: [C, Hkv, D], q's dtype, packed: sequence s owns rows
+        ``[cu_seqlens_k[s], cu_seqlens_k[s + 1])``; any C >= cu_seqlens_k[B]. Hq = G * Hkv,
+        G <= 16, D a power of two in 32..256.
+      cu_seqlens_q, cu_seqlens_k: int32 [B + 1] (may be traced; never read on the host).
+      max_seqlen_k: host int >= 1, a static bound that only sizes the split grid (a longer row
+        is still attended completely).
       softmax_scale: host float > 0 (applied to FP32 scores), default D ** -0.5.
-      strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``), as
-        ``qsa_triton.sparse_decode``; always on for a GPU that ``interop.contract.route`` sends to
-        the exact contract (sm_121).
-      interpret: None -> Pallas interpret mode when jax's default backend is the CPU, the compiled
-        Triton kernel on a GPU; True/False forces it.
-      batch_invariant: host bool (static under ``jax.jit``). True: a row's output bits depend
-        only on its own q row, keys, length and scale, not on B, the other rows, its place in the
-        batch, ``max_seqlen_k`` or the GPU (``qsa-contract.md`` §2c; the plan
-        ``plan_decode(..., batch_invariant=True)``, splits merged in order: module docstring).
-        Cost: fewer programs at small B, a merge launch also for one-split plans.
+      strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``); always on
+        for a GPU that ``interop.contract.route`` sends to the exact contract (sm_121).
+      interpret: None -> interpret mode when jax's default backend is the CPU; a bool forces it.
+      batch_invariant: host bool (static). True: a row's output bits depend only on its own
+        inputs, not on B, the other rows, its place, ``max_seqlen_k`` or the GPU (§2c; module
+        docstring). Cost: fewer programs at small B, a merge launch also for one-split plans.
 
     Returns:
-      [B, Hq, D] in q's dtype; ``out[s, h] = softmax(scale * q[cu_q[s], h] . K^T) . V`` over the
-      row's keys of KV head ``h // G``; exact zeros for a row with no keys; an attended NaN
-      gives NaN (as ``interop.reference``). K/V rows outside every row's range are never read.
+      [B, Hq, D] in q's dtype: ``softmax(scale * q[cu_q[s], h] . K^T) . V`` over the row's keys
+      of KV head ``h // G``; exact zeros for a row with no keys; an attended NaN gives NaN.
 
     Raises:
-      ContractError: from ``interop.contract.check_decode`` (same message as the torch path),
-        before anything is traced or launched; torch tensors; ``interpret=False`` on a CPU-only
-        jax; a ``batch_invariant`` that is not a host bool.
+      ContractError: before anything is traced (``interop.contract.check_decode``, the torch
+        path's message; a non-bool ``batch_invariant``); torch tensors; ``interpret=False`` on a
+        CPU-only jax.
 
-    Works under ``jax.jit`` (``max_seqlen_k`` and ``batch_invariant`` static, lengths traced),
-    ``lax.scan`` and ``shard_map`` (VMA check off: ``_compat.shard_map``).
+    Works under ``jax.jit`` (lengths traced), ``lax.scan`` and ``shard_map`` (VMA check off).
     """
     return _sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
                           strict=strict, interpret=interpret, batch_invariant=batch_invariant)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +35,6 @@ from . import _compat as C
 from ._fp8 import fp16_query, is_fp8
 
 __all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "lowering_cases"]
-
-_INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +57,7 @@ class _Static:
 
 def _split_kernel(req_ref, seqlen_ref, table_ref, idx_ref, q_ref, k_ref, v_ref, *out_refs,
                   st: _Static):
-    """Program (split j, row r, KV head h). Refs: req/seqlen int32 [R]; table int32
-    [max_reqs, max_context]; idx int32 [R, W] or [R, Hkv, W]; q [R, Hq, D]; k/v [slots, Hkv, D].
+    """Program (split j, row r, KV head h) over the refs of ``sparse_decode_paged``'s arguments.
     Outputs: direct (one split): out [R, Hq, D] in q's dtype (the whole array, indexed stores);
     else o [HT, D] f32 and lse [HT] f32 blocks of [S, R, Hkv, HT, (D)]."""
     j, r, h = C.pl.program_id(0), C.pl.program_id(1), C.pl.program_id(2)
@@ -235,13 +231,7 @@ def _prepare(args, softmax_scale, k_scale, v_scale, batch_invariant, strict, int
                               batch_invariant=batch_invariant,
                               strict=strict or (not interp and _exact_contract_backend()))
     C.check_backend(_FN, interpret, *args)
-    k = args[1]
-    numel = math.prod(k.shape)
-    if numel - 1 > _INT32_MAX and numel * np.dtype(k.dtype).itemsize <= 2**32:
-        raise ContractError(_FN, "k_cache", "a pool of fewer than 2**31 elements, or of more than "
-                            "2**32 bytes (the Pallas Triton lowering uses int32 offsets below "
-                            "2**32 bytes; qsa_triton has no such limit)",
-                            f"{numel} elements of {k.dtype}")
+    C.check_offsets(_FN, k_cache=args[1])
     return prob, interp
 
 
@@ -257,11 +247,10 @@ def sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
                         batch_invariant: bool = False, strict: bool = False,
                         interpret: bool | None = None):
     """Paged sparse decode (``qsa-contract.md`` §2b): the whole decode step from the KV pool.
-
     Same argument order and meaning as ``qsa_triton.sparse_decode_paged``.
 
     Args:
-      q: [R, Hq, D] bfloat16|float16 jax array, one row per decode query (MTP verify rows too).
+      q: [R, Hq, D] bfloat16|float16, one row per decode query (MTP verify rows too).
       k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or float8_e4m3fn.
       req_to_token: int32 [max_reqs, max_context] (position -> pool slot, SGLang's table).
       req_indices, seq_lens: int32 [R]; indices: int32 [R, W] or [R, Hkv, W] logical positions.
@@ -274,8 +263,7 @@ def sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
         ``interop.plan.plan_decode_paged``).
       strict: also enforce the qualified envelope; always on where ``interop.contract.route``
         sends decode to the exact contract (sm_121).
-      interpret: None -> Pallas interpret mode when jax's default backend is the CPU, the
-        compiled Triton kernel on a GPU; True/False forces it.
+      interpret: None -> interpret mode when jax's default backend is the CPU; a bool forces it.
 
     Returns:
       [R, Hq, D] in q's dtype: ``softmax(scale · k_scale · q[r, h] · Kᵀ) · V · v_scale`` over the

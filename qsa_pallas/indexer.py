@@ -1,30 +1,19 @@
 """The QSA indexer for JAX: block scoring, exact top-k and expansion, Pallas on the Triton lowering.
 
 Semantics: ``qsa-contract.md`` §4b and §4; FP64 references ``interop.reference.indexer_*``. Same
-names, argument order, plan (``interop.indices.plan_indexer``) and algorithm as
-``qsa_triton.indexer`` (read its module docstring for the design and the bytes moved):
-
-* pass 1, one program per (row tile, chunk of C blocks): score the chunk in BLOCK_N tiles (one
-  bf16/fp16 dot with FP32 accumulation, ReLU, head sum), hold the chunk's scores as int32
-  order-preserving keys, find each row's k-th largest key by a radix search (``radix_bits``
-  bits a round, the round's 2^bits - 1 thresholds counted in one compare-and-sum), keep
-  key > tau and the first k - #(key > tau) ties in block order, and write the survivors in
-  ascending block order (one packed prefix sum gives the tie ranks and the slots) with their
-  count: no [rows, blocks] logits array exists at any point;
-* pass 2, one program per row: the same select over the row's candidates, then the ascending
-  block ids or, fused, the expanded token row.
+names, argument order, plan (``interop.indices.plan_indexer``) and two-pass algorithm (chunked
+scoring into int32 keys, radix select of the exact top-k, merge with optional fused expansion)
+as ``qsa_triton.indexer``: read its module docstring for the design, sources and bytes moved.
 
 JAX specifics: lengths and row ranges are traced int32 inputs (no scalar prefetch in the Triton
-lowering), every data-dependent loop has a device-computed trip count (``fori_loop`` /
+lowering) and every data-dependent loop has a device-computed trip count (``fori_loop`` /
 ``while_loop``), so one jitted function serves every length; the entry points are jit-native and
-work under ``lax.scan`` and ``shard_map`` (VMA check off, ``_compat.shard_map``). In interpret
-mode (CPU) a masked scatter writes back the old value at masked lanes
+work under ``lax.scan`` and ``shard_map`` (VMA check off). In interpret mode (CPU) a masked
+scatter writes back the old value at masked lanes
 (``jax._src.pallas.primitives._swap_discharge_rule``), which can clobber a written lane with the
 same index, so every scatter sends its masked lanes to one spare slot past the data; on the GPU
-masked lanes write nothing and the spare slot is never touched.
-
-The standalone ``expand_block_indices`` is plain ``jnp`` (cumsum + scatter), jit-native; the fused
-decode/prefill paths expand inside the merge kernel.
+masked lanes write nothing. The standalone ``expand_block_indices`` is plain ``jnp`` (cumsum +
+scatter); the fused paths expand inside the merge kernel.
 """
 
 from __future__ import annotations

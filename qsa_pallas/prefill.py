@@ -31,11 +31,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from interop import contract
 from interop.arch import DeviceFacts
-from interop.contract import ContractError, PrefillProblem, spec_of
+from interop.contract import PrefillProblem, spec_of
 from interop.geometry import (BLOCK_INDICES_DOC, Geometry, UnionGeometry, geometry_mode,
                               select_prefill, select_prefill_blocks)
 from interop.plan import LOG2E, next_pow2
@@ -267,21 +266,6 @@ def _resolve_interpret(interpret, q) -> bool:
     return spec_of(q).device == "cpu"
 
 
-def _check_offsets(fn: str, **arrays):
-    """Reject arrays whose element offsets need 64 bits while the lowering would use int32.
-
-    The lowering switches to int64 offsets only when a ref exceeds 2**32 bytes (see module doc).
-    """
-    for name, a in arrays.items():
-        numel = math.prod(a.shape)
-        nbytes = numel * np.dtype(a.dtype).itemsize
-        if numel - 1 > _INT32_MAX and nbytes <= 2**32:
-            raise ContractError(
-                fn, name,
-                "fewer than 2**31 elements, or more than 2**32 bytes (the Pallas Triton lowering "
-                "uses int32 offsets below 2**32 bytes)", f"{numel} elements of {a.dtype}")
-
-
 def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry):
     if problem.total_q == 0 or k.shape[0] == 0:  # nothing to gather from / no row: no launch
         return jnp.zeros(q.shape, q.dtype)
@@ -340,7 +324,7 @@ def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, 
     geometry_mode(fn)  # a bad $QSA_PREFILL_GEOMETRY is an error on every backend, CPU included
     q, k, v = list(before.values())[:3]
     _compat.check_backend(fn, interpret, q, k, v)
-    _check_offsets(fn, **arrays)  # only 1- and 2-byte arrays can fail it: q, K/V
+    _compat.check_offsets(fn, **arrays)  # only 1- and 2-byte arrays can fail it: q, K/V
     meta = {"cu_seqlens_q" if n == "cu_seqlens" else n: a for n, a in arrays.items()
             if n not in ("q", "k", "v", "k_cache", "v_cache", name)}
     if name == "block_indices":

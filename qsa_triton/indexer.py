@@ -1,46 +1,35 @@
 """The QSA indexer for PyTorch: block scoring, exact top-k and expansion as Triton kernels.
 
 Semantics: ``qsa-contract.md`` §4b (scoring ``logits[m, n] = sum_h ReLU(q[m, h] . k[n])``, the
-top-k rule, the paged decode and packed prefill inputs) and §4 (expansion). FP64 references:
-``interop.reference.indexer_*``; the launch plan is ``interop.indices.plan_indexer`` (shared with
-``qsa_pallas.indexer``, which implements the same algorithm).
+top-k rule, the paged decode and packed prefill inputs) and §4 (expansion); FP64 references
+``interop.reference.indexer_*``; launch plan ``interop.indices.plan_indexer`` (shared with
+``qsa_pallas.indexer``, the same algorithm). Two passes; no [rows, blocks] logits tensor exists:
 
-Algorithm (two passes, no [rows, blocks] logits tensor is ever written):
-
-* Pass 1, one program per (row tile, chunk of C blocks): score the chunk in tiles of BLOCK_N
-  blocks (the key tile as the M side of a bf16/fp16 ``tl.dot`` with the row's heads, FP32
-  accumulation, ReLU, sum over heads; tiles streamed through ``num_stages`` shared-memory
-  buffers), keep the chunk's FP32 scores in registers as int32 *keys* (the bits of a float
-  >= +0.0 order like the float; -0.0 and NaN become +0.0, invisible blocks -1), then select the
-  chunk's exact top-k per row:
-  - the k-th largest key tau by a radix search from bit 30 down, ``radix_bits`` (b) bits a
-    round: each round counts #(key >= tau + j * 2^lo) for the 2^b - 1 digits j > 0 in one
-    compare-and-sum (two counts packed per int32, so one block-wide reduction a round) and
-    keeps the largest digit whose count is >= k; ceil(31 / b) rounds;
-  - then one prefix sum over (key > tau) + (key == tau) * 2^16 in block order gives, at once,
-    the rank of every tie (the first k - #(key > tau) ties, i.e. the smallest block ids, are
-    kept) and every survivor's slot in ascending block order.
-  The survivors (<= k per row and chunk) are written with their count. Bytes moved per row: one
-  read of its visible compressed keys (D * 2 B per block for bf16, D B for fp8) plus 8 B per
-  candidate (k per C >= 2k blocks: <= 1/64 of the key bytes at D = 128 bf16).
-* Pass 2, one program per row: the same selection over the row's S x k candidates (the slot
-  number orders like the block id, so the tie rule carries over), then the block ids in
-  ascending order, or, fused, the expanded 2051-wide token row (blocks expanded to
-  ``4g .. 4g + 3``, the 0-3 token causal tail appended, -1 after: already valid-first, since
-  everything is ascending).
+* Pass 1, one program per (row tile, chunk of C blocks): score the chunk in BLOCK_N-block tiles
+  (the key tile as the M side of a bf16/fp16 ``tl.dot`` with the row's heads, FP32, ReLU, head
+  sum; tiles streamed through ``num_stages`` buffers), hold the chunk's scores in registers as
+  int32 *keys* (a float >= +0.0's bits order like the float; -0.0 and NaN become +0.0,
+  invisible blocks -1), then select the chunk's exact top-k per row:
+  - the k-th largest key tau by a radix search from bit 30 down, ``radix_bits`` (b) bits a round:
+    a round counts #(key >= tau + j * 2^lo) for the 2^b - 1 digits j in one compare-and-sum (two
+    counts packed per int32: one block-wide reduction a round); ceil(31 / b) rounds;
+  - one prefix sum over (key > tau) + (key == tau) * 2^16 in block order gives every tie's rank
+    (the first k - #(key > tau) ties, the smallest block ids, are kept) and every survivor's slot
+    in ascending block order.
+  The survivors (<= k per row and chunk) are written with their count: per row, one read of its
+  visible compressed keys plus 8 B per candidate (<= 1/64 of the key bytes at D = 128 bf16).
+* Pass 2, one program per row: the same selection over the row's S x k candidates (slot order
+  is block order, so the tie rule carries over), then the ascending block ids or, fused, the
+  2051-wide token row (``4g .. 4g + 3`` per block, the 0-3 token causal tail, -1 after).
 
 The selection is a radix select (Alabi et al., "Fast k-Selection Algorithms for Graphics
 Processing Units", JEA 2012; upstream's ``fast_topk`` and PyTorch's ``topk`` select by radix
-digits too) whose rounds count several digits at once; exact, no sort.
-
-Selection uses the unscaled FP32 sum: dividing by a positive ``score_scale`` preserves the order
-(upstream divides in FP32, which can only merge neighbouring values into ties), so the tie rule
-then acts on exact FP32 sums. Ties go to the smaller block id; the result is deterministic and
-does not depend on the plan (chunking) or the batch.
-
-Graph safety: no host read of device data (lengths, row ranges) anywhere; the plan depends on
-static shapes only; the candidate workspace is allocated per call (from the graph's pool under
-capture); no atomics. Registered as ``torch.ops.qsa.indexer_*`` custom ops with fake impls.
+digits too) whose rounds count several digits at once; exact, no sort. It uses the unscaled FP32
+sum (dividing by a positive ``score_scale`` preserves the order; upstream's FP32 division can
+only merge neighbours into ties): ties go to the smaller block id, deterministic whatever the
+plan or the batch. Graph safety: no host read of device data, a static plan, the candidate
+workspace allocated per call (from the graph's pool under capture), no atomics; registered as
+``torch.ops.qsa.indexer_*`` custom ops with fake impls.
 """
 
 from __future__ import annotations
