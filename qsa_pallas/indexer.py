@@ -421,12 +421,8 @@ def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
                         compress_ratio: int = 4, strict: bool = False,
                         plan: IndexerPlan | None = None, interpret: bool | None = None):
     """Decode indexer: score each row's paged compressed keys and keep the exact top-k blocks.
-
-    Same contract as ``qsa_triton.indexer_topk_decode``: row b sees its first
-    ``floor(seq_lens[b] / compress_ratio)`` blocks (capped at ``max_pages * page_size``), block n
-    at ``k_cache[page_table[b, n // page_size], n % page_size, 0]``; page-table entries past the
-    row's blocks are never read; scores ``sum_h ReLU(q[b, h] . k[n])`` in FP32 (the division by
-    ``score_scale`` does not change the order and is left out).
+    Same contract as ``qsa_triton.indexer_topk_decode`` (the row's visible blocks, the page
+    table's addressing, scores ``sum_h ReLU(q[b, h] . k[n])`` in FP32).
 
     Args:
       q: [B, H, D] bf16|fp16|fp8 e4m3 jax array.
@@ -442,10 +438,8 @@ def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
       of them; ties go to the smaller block id (``interop.reference.indexer_topk``).
 
     Raises:
-      ContractError: before anything is traced or launched
-        (``interop.contract.check_indexer_decode``; the same message as the torch path), or
-        for a plan (given, or the default one: rows of up to 2M blocks at topk 512) that cannot
-        run this call (``IndexerPlan.problem``).
+      ContractError: before anything is traced (``interop.contract.check_indexer_decode``, the
+        torch path's message), or a plan (given or the default) that cannot run this call.
     """
     return _decode_entry("indexer_topk_decode", q, k_cache, page_table, seq_lens, topk,
                          compress_ratio, strict, interpret, False, plan)
@@ -491,8 +485,7 @@ def indexer_topk_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compres
     """Prefill indexer: each row's exact top-k over its packed compressed-key range.
 
     Same contract as ``qsa_triton.indexer_topk_prefill``: row m scores key rows
-    ``[row_starts[m], row_ends[m])`` of ``k`` (intersected with ``[0, N)``), ids relative to
-    ``row_starts[m]``; rows go in static groups that bound the candidate workspace.
+    ``[row_starts[m], row_ends[m])`` of ``k`` (within ``[0, N)``), ids relative to row_starts[m].
 
     Args:
       q: [T, H, D] bf16|fp16|fp8 e4m3; k: [N, 1, D] q's dtype or fp8 e4m3.
@@ -574,11 +567,8 @@ def _expand(block_ids, positions, seq_lens, *, ratio: int):
 
 def expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio: int = 4,
                          strict: bool = False):
-    """Block ids -> token positions (``qsa-contract.md`` §4), vectorised ``jnp`` (jit-native).
-
-    Same rule as ``qsa_triton.expand_block_indices`` and ``interop.indices.expand_block_indices``
-    (tokens ``ratio*g .. ratio*g + ratio - 1`` of every id g >= 0 below ``seq_len``, the causal
-    tail, valid entries stably first).
+    """Block ids -> token positions (``qsa-contract.md`` §4), vectorised ``jnp`` (jit-native):
+    the rule of ``qsa_triton.expand_block_indices`` and ``interop.indices.expand_block_indices``.
 
     Args:
       block_ids: int32 [M, topk]; positions, seq_lens: int32 [M] (traced).

@@ -62,22 +62,10 @@ _INTERPRET_GEOMETRY = (16, 4, 2)
 # --------------------------------------------------------------------------------------------
 # Geometry
 def select_geometry(problem: PrefillProblem, *, interpret: bool, facts=None) -> Geometry:
-    """Launch geometry for a checked prefill problem.
-
-    On a GPU the shared selector ``interop.geometry.select_prefill(..., backend="pallas")``
-    decides (device family and workload, qsa-contract.md §3; Pallas tiles rounded to powers of
-    two >= 16 and fitted to the device's shared memory there). In interpret mode (CPU) a fixed
-    small geometry is used.
-
-    Args:
-      problem: the ``PrefillProblem`` returned by the contract check.
-      interpret: whether the kernel runs in interpret mode.
-      facts: explicit ``interop.arch.DeviceFacts`` (tests); default: the lowering target
-        (``_compat.target_facts``), else sm_90.
-
-    Returns:
-      ``interop.geometry.Geometry``; ``block_m`` is the head tile.
-    """
+    """Launch geometry (``block_m`` = the head tile) for a checked ``PrefillProblem``: the
+    shared selector ``interop.geometry.select_prefill(..., backend="pallas")`` on ``facts``
+    (tests) or the lowering target's (``_compat.target_facts``, else sm_90); in interpret mode
+    (CPU) a small fixed geometry."""
     if interpret and facts is None:
         bn, nw, ns = _INTERPRET_GEOMETRY
         return Geometry(max(16, next_pow2(problem.group)), bn, nw, ns, "interpret-fixed")
@@ -93,14 +81,9 @@ def select_geometry(problem: PrefillProblem, *, interpret: bool, facts=None) -> 
 def select_block_geometry(problem: PrefillProblem, *, interpret: bool, overlap=None,
                           facts=None) -> UnionGeometry:
     """Kernel and geometry for block-level selections (``problem.width`` = NB):
-    ``interop.geometry.select_prefill_blocks(..., backend="pallas")`` on the lowering target's
-    facts (else sm_90). In interpret mode (CPU) the same kernel choice with small fixed tiles
-    (BLOCK_N = max(16, next_pow2(R + 3)); the per-row kernel's ``_INTERPRET_GEOMETRY``).
-
-    Args:
-      problem: the checked problem; interpret: interpret mode; overlap: the engine's hint (None
-        or a float in [0, 1]); facts: explicit ``interop.arch.DeviceFacts`` (tests).
-    """
+    ``interop.geometry.select_prefill_blocks(..., backend="pallas")`` with the engine's
+    ``overlap`` hint (None or in [0, 1]), facts as ``select_geometry``. In interpret mode the
+    same kernel choice with small fixed tiles (union BLOCK_N = max(16, next_pow2(R + 3)))."""
     fixed = interpret and facts is None
     if facts is None:
         facts = _compat.target_facts() or DeviceFacts.for_arch("sm_90")

@@ -106,16 +106,10 @@ def _block_union(block_indices, cu_seqlens_q, kv_lens, *, tile_rows: int, ordina
 
 
 def block_union(block_indices, cu_seqlens_q, kv_lens, tile_rows: int):
-    """The union build alone (part of every tile-union call; tests and benchmarks).
-
-    Args:
-      block_indices: int32 [T, NB] or [T, Hkv, NB]; cu_seqlens_q: int32 [B + 1]; kv_lens: int32
-        [B] (chunk/paged) or None (ordinary). tile_rows: R.
-
-    Returns:
-      (blocks int32 [S, H, R x NB], masks int32 [S, H, R x NB], lengths int32 [S, H]),
-      S = T // R + B, equal to ``interop.indices.tile_union`` (entries past a length are 0).
-    """
+    """The union build alone (tests and benchmarks): int32 ``block_indices`` [T, NB] or
+    [T, Hkv, NB], ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B] or None (ordinary), ``tile_rows`` R
+    -> (blocks, masks int32 [S, H, R x NB], lengths int32 [S, H]), S = T // R + B, equal to
+    ``interop.indices.tile_union`` (entries past a length are 0)."""
     ordinary = kv_lens is None
     return _block_union(block_indices, cu_seqlens_q,
                         cu_seqlens_q[:-1] if ordinary else kv_lens, tile_rows=int(tile_rows),
@@ -389,18 +383,11 @@ def _launch(q, k, v, ublk, umem, ulen, bidx, *meta, st: _UStatic):
 
 def union_run(problem, q, k, v, block_indices, meta: dict, geo: UnionGeometry, *,
               interpret: bool):
-    """The union build and the tile kernel of one checked call.
-
-    Args:
-      problem: ``interop.contract.PrefillProblem`` of the call (width = NB).
-      q, k, v: as the entry point; block_indices: int32 [T, NB] or [T, Hkv, NB].
-      meta: ``cu_seqlens_q`` and, by kind, ``cu_seqlens_k``, ``kv_lens``, ``req_to_token``,
-        ``req_indices`` (jax arrays).
-      geo: a ``"union"`` UnionGeometry (R, Q tile, BLOCK_N, warps, stages).
-
-    Returns:
-      [T, Hq, D] in q's dtype.
-    """
+    """The union build and the tile kernel of one checked call (``problem``: its
+    ``PrefillProblem``, width = NB): q, k, v as the entry point, int32 ``block_indices``
+    [T, NB] or [T, Hkv, NB], ``meta`` the entry point's other arrays by name (``cu_seqlens_q``
+    and, by kind, ``cu_seqlens_k``, ``kv_lens``, ``req_to_token``, ``req_indices``), ``geo`` a
+    ``"union"`` UnionGeometry. Returns [T, Hq, D] in q's dtype."""
     ht = next_pow2(problem.group)
     if geo.kind != "union" or geo.head_tile < geo.tile_rows * ht or geo.block_n < geo.tile_rows + 3:
         raise ValueError(f"union geometry {geo} cannot hold {geo.tile_rows} rows x {ht} heads")

@@ -35,12 +35,8 @@ INTERPRETING_AT_IMPORT = interpreting()
 
 
 def check_torch_tensors(fn: str, **tensors) -> None:
-    """Raise ContractError unless every named argument is a torch.Tensor (the shared contract
-    checker also accepts numpy/JAX arrays, which these PyTorch entry points cannot launch on).
-
-    Raises:
-      ContractError: the first argument that is not a torch.Tensor.
-    """
+    """Raise ContractError for the first named argument that is not a torch.Tensor (the shared
+    contract checker also accepts numpy/JAX arrays, which these entry points cannot launch on)."""
     import torch  # noqa: PLC0415
 
     for name, t in tensors.items():
@@ -50,12 +46,8 @@ def check_torch_tensors(fn: str, **tensors) -> None:
 
 
 def check_device(fn: str, device_type: str) -> None:
-    """Raise ContractError for CPU tensors when the kernels were not defined for the interpreter.
-
-    Raises:
-      ContractError: ``device_type`` is not "cuda" and TRITON_INTERPRET was not set before
-        ``qsa_triton`` was imported.
-    """
+    """Raise ContractError when ``device_type`` is not "cuda" and TRITON_INTERPRET was not set
+    before ``qsa_triton`` was imported (the kernels were not defined for the interpreter)."""
     if device_type == "cuda" or INTERPRETING_AT_IMPORT:
         return
     late = " (it is set now, but only after qsa_triton was imported)" if interpreting() else ""
@@ -65,11 +57,7 @@ def check_device(fn: str, device_type: str) -> None:
 
 
 def check_interpreter_dtype(fn: str, dtype_name: str) -> None:
-    """Raise ContractError for bf16 under an unpatched Triton interpreter.
-
-    Raises:
-      ContractError: ``dtype_name == "bfloat16"`` while interpreting without the bf16 dot fix.
-    """
+    """Raise ContractError for ``dtype_name == "bfloat16"`` under an unpatched interpreter."""
     if dtype_name != "bfloat16" or not interpreting():
         return
     try:

@@ -586,12 +586,11 @@ def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torc
                         strict: bool = False, plan: IndexerPlan | None = None) -> torch.Tensor:
     """Decode indexer: score each row's paged compressed keys and keep the exact top-k blocks.
 
-    Row b sees its first ``floor(seq_lens[b] / compress_ratio)`` compressed blocks (capped at the
-    page table's capacity ``max_pages * page_size``); block n lives at
-    ``k_cache[page_table[b, n // page_size], n % page_size, 0]``. Page-table entries past the
-    row's blocks are never read. Scores: ``sum_h ReLU(q[b, h] . k[n])`` in FP32 from bf16/fp16
-    products (fp8 operands widened to bf16, exactly); the division by ``score_scale`` upstream
-    applies is left out because it does not change the order (module docstring).
+    Row b sees its first ``floor(seq_lens[b] / compress_ratio)`` blocks (at most
+    ``max_pages * page_size``); block n is ``k_cache[page_table[b, n // page_size],
+    n % page_size, 0]``; page-table entries past the row's blocks are never read. Scores:
+    ``sum_h ReLU(q[b, h] . k[n])`` in FP32 (fp8 widened to bf16, exactly; upstream's division
+    by ``score_scale`` does not change the order and is left out). Algorithm: module docstring.
 
     Args:
       q: [B, H, D] bf16|fp16|fp8 e4m3 (one row per decode query; MTP rows are rows too).
@@ -607,11 +606,10 @@ def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torc
       blocks gets all of them; ties go to the smaller block id (``interop.reference.indexer_topk``).
 
     Raises:
-      ContractError: before any launch, for a call outside the contract
+      ContractError: before any launch: a call outside the contract
         (``interop.contract.check_indexer_decode``), a non-torch argument, bf16 under an
-        unpatched Triton interpreter, CPU tensors without the interpreter, a plan (given, or
-        the default one) that cannot run this call (``IndexerPlan.problem``; the default plan
-        covers rows of up to 2M blocks at topk 512: argument ``page_table`` / ``k``).
+        unpatched Triton interpreter, CPU tensors without the interpreter, a plan (given or the
+        default, which covers rows of up to 2M blocks at topk 512) that cannot run this call.
     """
     return _decode_entry("indexer_topk_decode", q, k_cache, page_table, seq_lens, topk,
                          compress_ratio, strict, plan, expand=False)
@@ -620,15 +618,13 @@ def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torc
 def indexer_select_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
                           seq_lens: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
                           strict: bool = False, plan: IndexerPlan | None = None) -> torch.Tensor:
-    """The whole decode indexer: ``indexer_topk_decode`` with the expansion fused into its merge.
-
-    The row's position is ``seq_lens[b] - 1`` and its validity bound ``seq_lens[b]``.
+    """The whole decode indexer: ``indexer_topk_decode`` with the expansion fused into its merge
+    (the row's position is ``seq_lens[b] - 1``, its validity bound ``seq_lens[b]``).
 
     Returns:
       int32 [B, topk * ratio + ratio - 1] (2051): token positions ascending (the selected blocks'
-      tokens, then the causal tail ``[floor(L/4)*4, L-1]``), -1 after; equal to
-      ``interop.indices.expand_block_indices`` of ``indexer_topk_decode``'s output. This is the
-      ``indices`` argument ``sparse_decode_paged`` takes.
+      tokens, then the causal tail), -1 after; ``interop.indices.expand_block_indices`` of
+      ``indexer_topk_decode``'s output: the ``indices`` of ``sparse_decode_paged``.
 
     Raises:
       ContractError: as ``indexer_topk_decode``.
@@ -643,9 +639,8 @@ def indexer_topk_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Ten
     """Prefill indexer: each row's exact top-k over its packed compressed-key range.
 
     Row m scores key rows ``[row_starts[m], row_ends[m])`` of ``k`` (intersected with ``[0, N)``;
-    ``interop.indices.prefill_row_ranges`` builds them: a row at position p of a request sees its
-    first ``floor((p + 1) / ratio)`` blocks). Ids are relative to ``row_starts[m]``. Rows are
-    processed in static groups so the candidate workspace stays bounded (``plan_indexer``).
+    ``interop.indices.prefill_row_ranges`` builds them); ids are relative to ``row_starts[m]``.
+    Rows go in static groups that bound the candidate workspace (``plan_indexer``).
 
     Args:
       q: [T, H, D] bf16|fp16|fp8 e4m3; k: [N, 1, D] q's dtype or fp8 e4m3, contiguous.
@@ -687,12 +682,10 @@ def indexer_select_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.T
 def expand_block_indices(block_ids: torch.Tensor, positions: torch.Tensor,
                          seq_lens: torch.Tensor, *, compress_ratio: int = 4,
                          strict: bool = False) -> torch.Tensor:
-    """Block ids -> token positions (``qsa-contract.md`` §4), one Triton program per row.
-
-    Every block id g >= 0 gives tokens ``ratio*g .. ratio*g + ratio - 1`` (a token >= seq_len is
-    -1, a negative id gives ratio x -1), then the causal tail ``[floor(L/ratio)*ratio, p]`` (L =
-    p + 1, tokens < seq_len) is appended and the valid entries (>= 0) are stably moved to the
-    front. Equal to ``interop.indices.expand_block_indices`` for any input.
+    """Block ids -> token positions (``qsa-contract.md`` §4), one Triton program per row: every
+    id g >= 0 gives tokens ``ratio*g ..`` (< seq_len, else -1), then the causal tail
+    ``[floor((p + 1) / ratio) * ratio, p]`` (< seq_len), valid entries stably first; equal to
+    ``interop.indices.expand_block_indices`` for any input.
 
     Args:
       block_ids: int32 [M, topk] contiguous; positions, seq_lens: int32 [M].

@@ -367,16 +367,15 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
       block_indices: int32 [T, NB] or [T, Hkv, NB] row-relative block ids.
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B] (chunk/paged) or None (ordinary: the
         request length is the validity bound). All on one device.
-      tile_rows: R (a power of two, R x next_pow2(NB) keys are sorted in one program).
-      max_blocks: host bound on block ids (K/V rows or table width // 4 + 1), or None (no
-        bound: 64-bit sort keys). Ids at or past it name no K/V row or table column and are
-        invalid; a bound with (max_blocks + 1) x R < 2**31 lets the build sort 32-bit keys.
+      tile_rows: R (a power of two; R x next_pow2(NB) keys are sorted in one program).
+      max_blocks: host bound on block ids (ids at or past it name no K/V row or table column:
+        invalid), or None; (max_blocks + 1) x R < 2**31 lets the build sort 32-bit keys.
 
     Returns:
-      (blocks int32 [S, H, R x NB], masks int32 [S, H, R x NB], lengths int32 [S, H]) with
-      S = T // R + B: entry u < lengths[s, h] of slot s is block ``blocks[s, h, u]`` for the rows
-      whose bit is set in ``masks[s, h, u]`` (a block listed k times by a row: k entries);
-      entries past the length are unwritten. Equal to ``interop.indices.tile_union``.
+      (blocks, masks int32 [S, H, R x NB], lengths int32 [S, H]), S = T // R + B: entry
+      u < lengths[s, h] is block ``blocks[s, h, u]`` for the rows whose bit is set in
+      ``masks[s, h, u]``; entries past the length unwritten. Equal to
+      ``interop.indices.tile_union``.
     """
     t, nb = block_indices.shape[0], block_indices.shape[-1]
     hidx = block_indices.shape[1] if block_indices.dim() == 3 else 1
@@ -402,17 +401,10 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
 
 def expand_blocks(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   kv_lens: torch.Tensor | None) -> torch.Tensor:
-    """Token indices of a block-level selection, on the device (the per-row kernel's input when
-    the selector picks it for block-level selections).
-
-    Args:
-      block_indices: int32 [T, NB] or [T, Hkv, NB]; cu_seqlens_q: int32 [B + 1]; kv_lens: int32
-        [B] or None (ordinary).
-
-    Returns:
-      int32 [T, 4 NB + 3] (or [T, Hkv, 4 NB + 3]) equal to
-      ``interop.indices.expand_prefill_blocks`` (rows outside every request: all -1).
-    """
+    """Token indices of a block-level selection on the device (the per-row kernel's input):
+    int32 [T, 4 NB + 3] (or [T, Hkv, ..]) from int32 ``block_indices`` [T, NB] (or [T, Hkv,
+    NB]), ``cu_seqlens_q`` [B + 1] and ``kv_lens`` [B] or None (ordinary); equal to
+    ``interop.indices.expand_prefill_blocks`` (rows outside every request: all -1)."""
     t, nb = block_indices.shape[0], block_indices.shape[-1]
     w = RATIO * nb + RATIO - 1
     shape = (t, block_indices.shape[1], w) if block_indices.dim() == 3 else (t, w)
