@@ -72,12 +72,10 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
 # ---------------------------------------------------------------------------------------------
 # The split kernel
 def _active_splits(cuk_ref, s, block_n: int, min_blocks: int, max_splits: int, capacity: int):
-    """Row s's (start, end, length, blocks, n_active) from device data only
-    (``interop/plan.py``): blocks = cdiv(len, BLOCK_N), n_active = clamp(cdiv(blocks,
-    min_blocks), 1, max_splits). A zero-length row has n_active = 1 (its split writes zeros).
-    Metadata that lies never leads outside K/V: both ends are clamped into [0, C], so a row's
-    keys end at min(cu_k[s+1], C) and a decreasing cu_seqlens_k is an empty row
-    (qsa-contract.md §2; the Triton twin clamps the same way)."""
+    """Row s's (start, end, length, blocks, n_active) from device data only: blocks =
+    cdiv(len, BLOCK_N), n_active = clamp(cdiv(blocks, min_blocks), 1, max_splits) (a zero-length
+    row: 1 split, which writes zeros). Both ends are clamped into [0, C], so lying metadata
+    never leads outside K/V (qsa-contract.md §2; the Triton twin clamps the same way)."""
     start = jnp.clip(cuk_ref[s], 0, capacity)
     end = jnp.clip(cuk_ref[s + 1], 0, capacity)
     length = jnp.maximum(end - start, 0)
@@ -90,13 +88,10 @@ def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None, *,
                   head_tile: int, block_n: int, num_q_heads: int, num_kv_heads: int,
                   batch: int, capacity: int, max_splits: int, min_blocks: int, scale: float,
                   direct: bool = False):
-    """One (sequence, KV head, split) program.
-
-    Refs: cuq/cuk int32 [B + 1]; q [B * Hq, D]; k, v [C * Hkv, D] (row r, head h at r * Hkv + h);
-    o_ref [HT, D] f32 block of [B, Hkv, S, HT, D]; lse_ref [HT] f32 block of [B, Hkv, S, HT].
-    direct (plan.max_splits == 1): o_ref is the whole output [B * Hq, D] in q's dtype, written at
-    rows s * Hq + h * G + g (the split is the whole row: no partials, no LSE, no merge launch,
-    as the Triton kernel does for a row with n_active == 1); lse_ref is absent.
+    """One (sequence, KV head, split) program. Refs: cuq/cuk int32 [B + 1]; q [B * Hq, D];
+    k, v [C * Hkv, D] (row r, head h at r * Hkv + h); o_ref [HT, D] f32 block of
+    [B, Hkv, S, HT, D]; lse_ref [HT] f32 block of [B, Hkv, S, HT]. direct (one-split plan):
+    o_ref is the whole output [B * Hq, D] in q's dtype (rows s * Hq + h * G + g), no lse_ref.
     """
     s, h, j = _program_ids()
     start, end, length, blocks, n_active = _active_splits(cuk_ref, s, block_n, min_blocks,
@@ -174,13 +169,10 @@ def _merge_kernel(cuk_ref, o_ref, lse_ref, out_ref, *, group: int, head_tile: in
                   num_kv_heads: int, max_splits: int, splits_p2: int, min_blocks: int,
                   d_chunk: int, capacity: int):
     """One (sequence s, query head h, D chunk c) program: the stable LSE merge of the row's
-    active splits.
-
-    Refs: cuk int32 [B + 1]; o [B * Hkv * S * HT, D] f32 and lse [B * Hkv * S * HT] f32 (the split
-    kernel's outputs, flattened); out_ref: [d_chunk] block of out [B, Hq, D] (q's dtype).
-    M = max_j lse_j over active splits (0 when the row is empty), w_j = exp(lse_j - M) (0 for
-    lse = -inf and for masked splits j >= n_active), out = sum_j w_j o_j / sum_j w_j, with 0 / 1
-    for an empty row: exact zeros, never NaN.
+    active splits. Refs: cuk int32 [B + 1]; o [B * Hkv * S * HT, D] and lse [B * Hkv * S * HT]
+    f32 (the split kernel's outputs, flattened); out_ref a [d_chunk] block of out [B, Hq, D].
+    M = max_j lse_j (0 for an empty row), w_j = exp(lse_j - M) (0 for lse = -inf and splits
+    j >= n_active), out = sum_j w_j o_j / sum_j w_j (0 / 1 for an empty row: exact zeros).
     """
     s, h, c = _program_ids()
     *_, n_active = _active_splits(cuk_ref, s, block_n, min_blocks, max_splits, capacity)
@@ -203,15 +195,11 @@ def _merge_kernel(cuk_ref, o_ref, lse_ref, out_ref, *, group: int, head_tile: in
 def _merge_ordered_kernel(cuk_ref, o_ref, lse_ref, out_ref, *, group: int, head_tile: int,
                           block_n: int, num_kv_heads: int, max_splits: int, min_blocks: int,
                           d_chunk: int, capacity: int):
-    """Batch-invariant merge, one (sequence s, query head h, D chunk c) program: the row's
-    active splits folded one after another in split order.
-
-    Refs as ``_merge_kernel``'s. n_active comes from the row's device length by the split
-    kernel's rule; M = max_j lse_j, w_j = exp(lse_j - M), out = sum_j w_j o_j / sum_j w_j
-    accumulated j = 0, 1, ..., n_active - 1 (a ``fori_loop`` over the row's own splits: the code
-    and its order do not depend on B or on the grid's split count), exact zeros where every split
-    is empty, and a row with n_active = 1 takes o_0 as it is (what the Triton twin's split kernel
-    writes for it). A NaN LSE or partial propagates by arithmetic (0 x NaN is NaN).
+    """Batch-invariant merge, one (sequence s, query head h, D chunk c) program, refs as
+    ``_merge_kernel``'s: the weighted sum accumulated j = 0 .. n_active - 1 in a ``fori_loop``
+    over the row's own splits (neither B nor the grid's split count enters), exact zeros where
+    every split is empty, o_0 as it is for n_active = 1 (as the Triton twin's split kernel
+    writes it). A NaN LSE or partial propagates by arithmetic (0 x NaN is NaN).
     """
     s, h, c = _program_ids()
     *_, n_active = _active_splits(cuk_ref, s, block_n, min_blocks, max_splits, capacity)
@@ -245,14 +233,10 @@ def _program_ids():
 
 def _split_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_scale: float,
                 interpret: bool, direct: bool):
-    """Run the split kernel (no checks). q: [B, Hq, D]; k, v: [C, Hkv, D] (C >= 1); cu_seqlens_q/k:
-    int32 [B + 1].
-
-    Returns:
-      direct (one-split plan): the output [B, Hq, D] in q's dtype (exact zeros for an empty row).
-      Else (o [B, Hkv, S, HT, D] float32, lse [B, Hkv, S, HT] float32), S = plan.max_splits,
-      HT = plan.head_tile: written for head rows < G of splits j < n_active(row), the rest
-      unwritten (garbage); a zero-length row's split 0 has o = 0 and lse = -inf.
+    """Run the split kernel (no checks) on q [B, Hq, D], k, v [C, Hkv, D] (C >= 1) and int32
+    cu_seqlens_q/k [B + 1]. Returns, direct: the output [B, Hq, D] in q's dtype; else (o
+    [B, Hkv, S, HT, D], lse [B, Hkv, S, HT]) float32, written for head rows < G of splits
+    j < n_active (the rest garbage); a zero-length row's split 0 has o = 0, lse = -inf.
     """
     b, hq, d = q.shape
     cap, hkv, _ = k.shape

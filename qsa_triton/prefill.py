@@ -411,13 +411,6 @@ def _op_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torc
     return _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale)
 
 
-@_op_prefill.register_fake
-def _(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale):
-    # the contract check under torch.compile (see _entry); FakeTensors carry shape/dtype/device
-    contract.check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale)
-    return torch.empty_like(q)
-
-
 @torch.library.custom_op("qsa::sparse_prefill_chunk", mutates_args=())
 def _op_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, kv_lens: torch.Tensor,
@@ -425,14 +418,6 @@ def _op_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.
               v_scale: float) -> torch.Tensor:
     return _chunk_impl(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
                        softmax_scale, k_scale, v_scale)
-
-
-@_op_chunk.register_fake
-def _(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q, softmax_scale, k_scale,
-      v_scale):
-    contract.check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
-                                 max_seqlen_q, softmax_scale, k_scale, v_scale)
-    return torch.empty_like(q)
 
 
 @torch.library.custom_op("qsa::sparse_prefill_paged", mutates_args=())
@@ -444,15 +429,6 @@ def _op_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale)
 
 
-@_op_paged.register_fake
-def _(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q, kv_lens,
-      max_seqlen_q, softmax_scale, k_scale, v_scale):
-    contract.check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
-                                 cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale, k_scale,
-                                 v_scale)
-    return torch.empty_like(q)
-
-
 @torch.library.custom_op("qsa::sparse_prefill_blocks", mutates_args=())
 def _op_prefill_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        block_indices: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen_q: int,
@@ -460,13 +436,6 @@ def _op_prefill_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _blocks_impl(MODE_ORDINARY, q, k, v, block_indices, cu_seqlens, cu_seqlens,
                         cu_seqlens, cu_seqlens, cu_seqlens, max_seqlen_q, softmax_scale, 1.0, 1.0,
                         _hint(overlap))
-
-
-@_op_prefill_blocks.register_fake
-def _(q, k, v, block_indices, cu_seqlens, max_seqlen_q, softmax_scale, overlap):
-    contract.check_prefill(q, k, v, block_indices, cu_seqlens, max_seqlen_q, softmax_scale,
-                           indices_name="block_indices")
-    return torch.empty_like(q)
 
 
 @torch.library.custom_op("qsa::sparse_prefill_chunk_blocks", mutates_args=())
@@ -480,15 +449,6 @@ def _op_chunk_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         _hint(overlap))
 
 
-@_op_chunk_blocks.register_fake
-def _(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q, softmax_scale,
-      k_scale, v_scale, overlap):
-    contract.check_prefill_chunk(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
-                                 max_seqlen_q, softmax_scale, k_scale, v_scale,
-                                 indices_name="block_indices")
-    return torch.empty_like(q)
-
-
 @torch.library.custom_op("qsa::sparse_prefill_paged_blocks", mutates_args=())
 def _op_paged_blocks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      req_to_token: torch.Tensor, req_indices: torch.Tensor,
@@ -500,13 +460,27 @@ def _op_paged_blocks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                         softmax_scale, k_scale, v_scale, _hint(overlap))
 
 
-@_op_paged_blocks.register_fake
-def _(q, k_cache, v_cache, req_to_token, req_indices, block_indices, cu_seqlens_q, kv_lens,
-      max_seqlen_q, softmax_scale, k_scale, v_scale, overlap):
-    contract.check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, block_indices,
-                                 cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale, k_scale,
-                                 v_scale, indices_name="block_indices")
-    return torch.empty_like(q)
+def _fake(checker, blocks: bool):
+    """An op's fake impl: the contract check under torch.compile (see ``_entry``; FakeTensors
+    carry shape, dtype and device), then the output metadata. A block op's last argument is the
+    overlap hint, which the checker does not take."""
+    def fake(q, *args):
+        if blocks:
+            checker(q, *args[:-1], indices_name="block_indices")
+        else:
+            checker(q, *args)
+        return torch.empty_like(q)
+    return fake
+
+
+for _op, _checker, _blocks in ((_op_prefill, contract.check_prefill, False),
+                               (_op_chunk, contract.check_prefill_chunk, False),
+                               (_op_paged, contract.check_prefill_paged, False),
+                               (_op_prefill_blocks, contract.check_prefill, True),
+                               (_op_chunk_blocks, contract.check_prefill_chunk, True),
+                               (_op_paged_blocks, contract.check_prefill_paged, True)):
+    _op.register_fake(_fake(_checker, _blocks))
+del _op, _checker, _blocks
 
 
 def _hint(overlap: float) -> float | None:
