@@ -52,15 +52,11 @@ __all__ = [
 ]
 
 def _preload_lazy_modules() -> None:
-    """Import now the jax modules that ``pallas_call`` lowering imports lazily on first use.
-
-    Why: jax 0.11.2's ``jax._src.pallas.fuser.jaxpr_fusion`` (reached lazily from the first
-    ``pallas_call`` lowering, e.g. through the interpret-mode path) registers a config option that
-    is part of every jit *trace context*; registering it in the middle of a session changes the
-    context, so every function jitted before that (ours included) misses its cache and recompiles
-    once on its next call. Importing here, before anything is traced, keeps "new lengths never
-    recompile" true from the first call. Best effort: a module missing in some jax is skipped.
-    """
+    """Import now the jax modules that ``pallas_call`` lowering imports lazily on first use:
+    jax 0.11.2's ``jax._src.pallas.fuser.jaxpr_fusion`` registers a config option that is part of
+    every jit *trace context*, so importing it mid-session makes every function jitted before
+    (ours included) recompile once. Importing before anything is traced keeps "new lengths never
+    recompile" true from the first call. Best effort: a module missing in some jax is skipped."""
     import importlib  # noqa: PLC0415
 
     for name in ("jax._src.pallas.fuser.jaxpr_fusion",
@@ -82,10 +78,8 @@ def triton_call(kernel: Callable, *, out_shape, grid, in_specs=None, out_specs=N
                 num_warps: int | None = None, num_stages: int | None = None,
                 interpret: bool = False, name: str | None = None,
                 input_output_aliases: dict[int, int] | None = None, debug: bool = False):
-    """``pl.pallas_call`` pinned to the Triton lowering (``compiler_params`` set explicitly).
-
-    Returns the callable ``pallas_call`` returns. ``interpret=True`` runs the kernel on CPU.
-    """
+    """``pl.pallas_call`` pinned to the Triton lowering (``compiler_params`` set explicitly);
+    ``interpret=True`` runs the kernel on CPU."""
     kwargs: dict[str, Any] = dict(out_shape=out_shape, grid=grid, interpret=interpret,
                                   compiler_params=CompilerParams(num_warps=num_warps,
                                                                 num_stages=num_stages),
@@ -166,13 +160,8 @@ def target_facts():
 # ---------------------------------------------------------------------------------------------
 # Interpret-mode selection
 def check_inputs(fn: str, interpret: bool | None, **arrays) -> None:
-    """Refuse, with a ContractError before any tracing, torch tensors (the shared contract check
-    reads their shapes fine, JAX cannot take them). ``interpret`` is checked by
-    ``check_backend`` after the contract check.
-
-    Raises:
-      ContractError: a torch tensor among ``arrays``.
-    """
+    """Raise ContractError, before any tracing, for a torch tensor among ``arrays`` (the shared
+    contract check reads their shapes, JAX cannot take them). ``interpret``: ``check_backend``."""
     from interop.contract import ContractError  # noqa: PLC0415
 
     for name, a in arrays.items():
@@ -183,15 +172,9 @@ def check_inputs(fn: str, interpret: bool | None, **arrays) -> None:
 
 
 def check_backend(fn: str, interpret: bool | None, *arrays) -> None:
-    """``interpret=False`` on a CPU-only JAX with concrete inputs is a ContractError (called
-    after the contract check, so a call outside the contract is reported as that first).
-
-    Traced inputs are let through: they may be lowering for an abstract CUDA device on a CPU
-    machine (``lower_for_device_kind``, ``qsa compile``), which is legitimate.
-
-    Raises:
-      ContractError: as above.
-    """
+    """Raise ContractError for ``interpret=False`` on a CPU-only JAX with concrete inputs
+    (after the contract check, so a call outside the contract is reported as that first).
+    Traced inputs pass: they may be lowering for an abstract CUDA device (``qsa compile``)."""
     from interop.contract import ContractError  # noqa: PLC0415
 
     concrete = not any(isinstance(a, jax.core.Tracer) for a in arrays)
@@ -241,22 +224,11 @@ def abstract_mesh(device_kind: str, axis_sizes: Sequence[int] = (1,),
 def lower_for_device_kind(fn: Callable, args: Sequence[Any], device_kind: str, *,
                           platform: str = "cuda", static_argnames: Sequence[str] | None = None,
                           kwargs: dict[str, Any] | None = None):
-    """Trace and lower ``fn(*args, **kwargs)`` for CUDA under an abstract device of ``device_kind``.
-
-    Args:
-      fn: a Python function (jitted here) or an already jitted one.
-      args: ``jax.ShapeDtypeStruct`` or arrays.
-      device_kind: e.g. "NVIDIA H200", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition",
-        "NVIDIA GB10".
-      static_argnames: forwarded to ``jax.jit`` when ``fn`` is not jitted yet.
-      kwargs: keyword arguments (static ones must be named in static_argnames).
-
-    Returns:
-      ``jax.stages.Lowered`` (``.as_text()`` is StableHLO with the Triton custom calls).
-
-    Raises:
-      whatever the Pallas Triton lowering raises (e.g. non-power-of-two tile shapes).
-    """
+    """Trace and lower ``fn(*args, **kwargs)`` for CUDA under an abstract device of
+    ``device_kind`` (e.g. "NVIDIA H200", "NVIDIA GB10"). ``fn``: a Python function (jitted here
+    with ``static_argnames``) or a jitted one; ``args``: ``jax.ShapeDtypeStruct`` or arrays.
+    Returns ``jax.stages.Lowered`` (StableHLO with the Triton custom calls); raises whatever the
+    Pallas Triton lowering raises (e.g. non-power-of-two tile shapes)."""
     kwargs = kwargs or {}
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn, static_argnames=static_argnames)
     mesh = abstract_mesh(device_kind, platform=platform)
@@ -334,20 +306,12 @@ def _ttir_text(raw: bytes) -> str:
 def compile_ttir(module: TritonModule, capability: int, *, num_warps: int | None = None,
                  num_stages: int | None = None) -> dict[str, Any]:
     """Compile one embedded kernel's TTIR to a CUDA binary for ``capability`` (90, 120, 121...)
-    with the *installed* ``triton`` package, on a machine without a GPU; cached (several
-    lowering cases embed the same kernel).
+    with the installed ``triton``, without a GPU; cached. This runs the rest of Triton's pipeline
+    (TTGIR, LLVM, PTX, ptxas), which rejects e.g. a configuration too big for the target; it does
+    not check sm_120/121's 101,376-byte shared-memory limit: compare ``result["shared"]``.
 
-    jax's Pallas lowering stops at TTIR; this runs the rest of Triton's pipeline (TTGIR, LLVM,
-    PTX, ptxas), which is what rejects e.g. a configuration too big for the target. Triton does not
-    check the 101,376-byte shared-memory limit of sm_120/sm_121 at compile time: compare
-    ``result["shared"]`` yourself.
-
-    Returns:
-      dict(name, shared (bytes of shared memory per program), num_warps, num_stages, capability,
-      cubin (bytes)).
-
-    Raises:
-      ImportError: triton not installed; any Triton compile error.
+    Returns dict(name, shared (bytes per program), num_warps, num_stages, capability, cubin).
+    Raises ImportError (no triton) or any Triton compile error.
     """
     import os  # noqa: PLC0415
     import re  # noqa: PLC0415

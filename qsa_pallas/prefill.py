@@ -369,17 +369,12 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
     """Chunk sparse prefill (qsa-contract.md §3): K/V hold each request's full context, packed.
     Forward only; algorithm as ``sparse_prefill``.
 
-    Args:
-      q: [T, Hq, D] bfloat16|float16.
-      k, v: [Ck, Hkv, D] q's dtype or float8_e4m3fn; request b's context is rows
-        cu_seqlens_k[b] .. cu_seqlens_k[b] + kv_lens[b] - 1.
-      indices: int32 [T, W] or [T, Hkv, W]; positions in the request's context, valid iff
-        0 <= idx < kv_lens[b].
-      cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B].
-      max_seqlen_q: host int >= 1.
-      softmax_scale: host float > 0 or None (D ** -0.5); k_scale, v_scale: host floats > 0
-        (FP8 dequantisation: k_scale multiplies the scores, v_scale the P·V output; must be 1.0
-        for non-FP8 K/V).
+    Args (meaning as ``qsa_triton.sparse_prefill_chunk``):
+      q: [T, Hq, D] bfloat16|float16; k, v: [Ck, Hkv, D] q's dtype or float8_e4m3fn (request
+        b's context at rows cu_seqlens_k[b] ..); indices: int32 [T, W] or [T, Hkv, W], valid iff
+        0 <= idx < kv_lens[b]; cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B].
+      max_seqlen_q: host int >= 1; softmax_scale: host float > 0 or None (D ** -0.5); k_scale
+        (on the scores), v_scale (on the output): host floats > 0, 1.0 unless K/V are FP8.
       interpret, geometry: as ``sparse_prefill``.
       BLOCKS_DOC
 
@@ -407,20 +402,15 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
     SGLang's ``req_to_token`` (the addressing of ``sparse_decode_paged``). Forward only;
     algorithm as ``sparse_prefill``.
 
-    Args:
-      q: [T, Hq, D] bfloat16|float16.
-      k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or float8_e4m3fn.
-      req_to_token: int32 [max_reqs, max_context]; row r maps a request's position p to pool
-        slot req_to_token[r, p].
-      req_indices: int32 [B]; request b uses row req_indices[b].
-      indices: int32 [T, W] or [T, Hkv, W]; positions, valid iff 0 <= idx < kv_lens[b]. A
+    Args (meaning as ``qsa_triton.sparse_prefill_paged``):
+      q: [T, Hq, D] bfloat16|float16; k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or
+        float8_e4m3fn; req_to_token: int32 [max_reqs, max_context] (position p of a request in
+        row r is slot req_to_token[r, p]); req_indices: int32 [B], request b's row.
+      indices: int32 [T, W] or [T, Hkv, W] positions, valid iff 0 <= idx < kv_lens[b]; a
         position >= max_context, a row outside [0, max_reqs) or a slot outside the pool is an
-        invalid entry (never dereferenced).
-      cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
+        invalid entry (never dereferenced); cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
       max_seqlen_q, softmax_scale, k_scale, v_scale, interpret, geometry: as the chunk variant.
       BLOCKS_DOC
-        Positions of selected blocks and tails map to slots as token indices do (the same
-        lying-metadata rule).
 
     Returns:
       [T, Hq, D] in q's dtype.

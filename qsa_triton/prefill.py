@@ -504,9 +504,8 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
         selected entries first; an entry is valid iff 0 <= idx < request length. None when
         ``block_indices`` is given.
       cu_seqlens: int32 [B + 1] on q's device.
-      max_seqlen_q: host int >= 1, the longest request's rows: a grid-size hint only (dim 0 of
-        the main launch); a tail launch computes any rows past it, so a too-small value still
-        computes every row exactly once (slower), and a too-large one only launches idle programs.
+      max_seqlen_q: host int >= 1, the longest request's rows: a grid-size hint only (too small:
+        the tail launch still computes every row once, slower; too large: idle programs).
       softmax_scale: host float or None (D ** -0.5).
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
       BLOCKS_DOC
@@ -570,8 +569,7 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
         ``block_indices`` is given.
       cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B] (context length per request,
         >= its query rows); all on q's device.
-      max_seqlen_q: host int >= 1, the longest request's query rows: a grid-size hint, as in
-        ``sparse_prefill`` (too small: still every row, slower).
+      max_seqlen_q: host int >= 1, a grid-size hint, as in ``sparse_prefill``.
       softmax_scale: host float or None (D ** -0.5); k_scale (on scores), v_scale (on the output):
         host floats, 1.0 unless K/V are FP8.
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
@@ -604,9 +602,8 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
         req_to_token[r, p] (read only for valid entries).
       req_indices: int32 [B]; request b uses row req_indices[b].
       indices: int32 [T, W] or [T, Hkv, W]; request-relative positions, valid iff
-        0 <= idx < kv_lens[b]. Metadata that lies never makes the kernel read outside a buffer:
-        a position >= max_context, a row outside [0, max_reqs) or a slot outside [0, slots) is
-        an invalid entry (masked, never dereferenced). None when ``block_indices`` is given.
+        0 <= idx < kv_lens[b]; a position >= max_context, a row outside [0, max_reqs) or a slot
+        outside [0, slots) is an invalid entry (never dereferenced). None with ``block_indices``.
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
       max_seqlen_q, softmax_scale, k_scale, v_scale, strict: as ``sparse_prefill_chunk``
         (max_seqlen_q is a grid-size hint for the slot pre-pass too).
