@@ -250,17 +250,13 @@ def sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
     Same argument order and meaning as ``qsa_triton.sparse_decode_paged``.
 
     Args:
-      q: [R, Hq, D] bfloat16|float16, one row per decode query (MTP verify rows too).
-      k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or float8_e4m3fn.
-      req_to_token: int32 [max_reqs, max_context] (position -> pool slot, SGLang's table).
-      req_indices, seq_lens: int32 [R]; indices: int32 [R, W] or [R, Hkv, W] logical positions.
-        Entry valid iff ``0 <= idx < seq_lens[r]``, ``idx < max_context``, ``req_indices[r]``
-        a table row, and its slot in ``[0, slots)``; invalid entries are never dereferenced;
-        duplicates attend once per occurrence. All of these are device data (may be traced).
-      softmax_scale: host float > 0 (applied to FP32 scores), default D ** -0.5.
-      k_scale, v_scale: host floats > 0 (FP8 pools; 1.0 for a pool in q's dtype).
-      batch_invariant: a row's output bits depend only on its own inputs (§2c; cost in
-        ``interop.plan.plan_decode_paged``).
+      q: [R, Hq, D] bfloat16|float16; k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or
+        float8_e4m3fn; req_to_token: int32 [max_reqs, max_context]; req_indices, seq_lens:
+        int32 [R]; indices: int32 [R, W] or [R, Hkv, W] logical positions (validity as
+        ``qsa_triton``'s: invalid entries are never dereferenced). Device data may be traced.
+      softmax_scale: host float > 0 (on FP32 scores), default D ** -0.5; k_scale, v_scale: host
+        floats > 0 (FP8 pools; 1.0 for a pool in q's dtype).
+      batch_invariant: a row's output bits depend only on its own inputs (§2c).
       strict: also enforce the qualified envelope; always on where ``interop.contract.route``
         sends decode to the exact contract (sm_121).
       interpret: None -> interpret mode when jax's default backend is the CPU; a bool forces it.

@@ -82,15 +82,10 @@ def _decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_
 
 def prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows: int, *,
                       compress_ratio: int = 4):
-    """Each prefill row's indexer metadata from the request tables, in plain ``jnp`` (traced
-    inputs welcome: nothing is read on the host): ``interop.indices.prefill_step_rows``'s rule
-    (its docstring), evaluated by ``interop.indices.prefill_step_rows_xp`` with ``xp = jnp``.
-
-    Args: int32 ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B], ``index_cu_seqlens_k`` [B + 1]; host
-    ints ``total_rows`` (T) and ``compress_ratio`` (tokens per block). Returns ``(row_starts,
-    row_ends, positions, seq_lens)``, int32 [T] each: ``indexer_select_prefill``'s arguments
-    (rows outside every request: empty range, position -1, bound 0).
-    """
+    """``qsa_triton.step.prefill_step_rows``'s rule in plain ``jnp``
+    (``interop.indices.prefill_step_rows_xp``; traced inputs welcome): int32 ``cu_seqlens_q``
+    [B + 1], ``kv_lens`` [B], ``index_cu_seqlens_k`` [B + 1], host ints ``total_rows`` (T) and
+    ``compress_ratio`` -> (row_starts, row_ends, positions, seq_lens), int32 [T] each."""
     return prefill_step_rows_xp(jnp, cu_seqlens_q.astype(jnp.int32), kv_lens.astype(jnp.int32),
                                 index_cu_seqlens_k.astype(jnp.int32),
                                 jnp.arange(int(total_rows), dtype=jnp.int32), int(compress_ratio))

@@ -339,11 +339,10 @@ def sparse_decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Raises:
       ContractError: before any launch, for a call outside the contract
         (``interop.contract.check_decode_paged``: shapes, dtypes, devices, strides, scales, an
-        input with requires_grad); bf16 under an unpatched Triton interpreter. Under
-        torch.compile(fullgraph=True) the check runs in the op's fake implementation.
+        input with requires_grad; under torch.compile in the op's fake impl); bf16 under an
+        unpatched Triton interpreter; CPU tensors without the interpreter.
 
-    CUDA-graph and ``torch.compile(fullgraph=True)`` safe (custom op
-    ``torch.ops.qsa.sparse_decode_paged``). Algorithm and sources: the module docstring.
+    CUDA-graph and ``torch.compile(fullgraph=True)`` safe. Algorithm: the module docstring.
     """
     scale, ksc, vsc = _checked(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
                                softmax_scale, k_scale, v_scale, batch_invariant, strict)
@@ -376,7 +375,7 @@ def decode_paged_with_plan(q, k_cache, v_cache, req_to_token, req_indices, indic
 
 
 # ---------------------------------------------------------------------------------------------
-# Ahead-of-time compile list (``qsa compile``: interop/compile_check.py)
+# Ahead-of-time compile list (``qsa compile``: interop/validate/compile.py)
 _SPLIT_PTRS = {"q_ptr": "*{dt}", "k_ptr": "*{kv}", "v_ptr": "*{kv}", "out_ptr": "*{dt}",
                "lse_ptr": "*fp32", "part_ptr": "*fp32", "table_ptr": "*i32", "req_ptr": "*i32",
                "idx_ptr": "*i32", "seqlen_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32"}

@@ -83,19 +83,15 @@ def prefill_step_rows(cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
                       index_cu_seqlens_k: torch.Tensor, total_rows: int, *,
                       compress_ratio: int = 4):
     """Each prefill row's indexer metadata from the request tables, on their device (no host
-    read: CUDA-graph and torch.compile safe). The rule is ``interop.indices.prefill_step_rows``
-    (its docstring): row t of request b sits at position ``kv_lens[b] - q_len_b + (t -
-    cu_seqlens_q[b])``, scores the first ``floor((p + 1) / ratio)`` of its request's packed
-    compressed keys ``index_cu_seqlens_k[b] ..``, and has validity bound ``kv_lens[b]``; rows
-    outside every request get an empty range, position -1 and bound 0.
+    read: CUDA-graph and torch.compile safe), by ``interop.indices.prefill_step_rows``'s rule:
+    row t of request b sits at position ``p = kv_lens[b] - q_len_b + (t - cu_seqlens_q[b])``,
+    scores the first ``floor((p + 1) / ratio)`` of its request's compressed keys
+    ``index_cu_seqlens_k[b] ..`` and has bound ``kv_lens[b]``; rows outside every request get an
+    empty range, position -1 and bound 0.
 
-    Args:
-      cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; index_cu_seqlens_k: int32 [B + 1];
-      total_rows: host int T; compress_ratio: tokens per block.
-
-    Returns:
-      (row_starts, row_ends, positions, seq_lens), int32 [T] each: the arguments of
-      ``indexer_select_prefill``.
+    Args: int32 ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B], ``index_cu_seqlens_k`` [B + 1]; host
+    ints ``total_rows`` (T) and ``compress_ratio`` (tokens per block). Returns ``(row_starts,
+    row_ends, positions, seq_lens)``, int32 [T] each: ``indexer_select_prefill``'s arguments.
     """
     ratio = int(compress_ratio)
     cu = cu_seqlens_q.long()
