@@ -30,26 +30,10 @@ try:  # the Triton-lowering namespace (deprecated in 0.11, still the only one wi
 except ImportError:  # pragma: no cover - very old jax
     from jax.experimental.pallas import gpu as plgpu  # type: ignore[no-redef]
 
-__all__ = [
-    "pl",
-    "plgpu",
-    "CompilerParams",
-    "triton_call",
-    "load",
-    "store",
-    "dot",
-    "shard_map",
-    "resolve_interpret",
-    "check_inputs",
-    "check_backend",
-    "check_offsets",
-    "abstract_mesh",
-    "lower_for_device_kind",
-    "TritonModule",
-    "triton_modules",
-    "compile_ttir",
-    "target_facts",
-]
+__all__ = ["pl", "plgpu", "CompilerParams", "triton_call", "load", "store", "dot", "shard_map",
+           "resolve_interpret", "check_inputs", "check_backend", "check_offsets", "abstract_mesh",
+           "lower_for_device_kind", "TritonModule", "triton_modules", "compile_ttir",
+           "target_facts"]
 
 def _preload_lazy_modules() -> None:
     """Import now the jax modules that ``pallas_call`` lowering imports lazily on first use:
@@ -84,12 +68,8 @@ def triton_call(kernel: Callable, *, out_shape, grid, in_specs=None, out_specs=N
                                   compiler_params=CompilerParams(num_warps=num_warps,
                                                                 num_stages=num_stages),
                                   debug=debug)
-    if in_specs is not None:
-        kwargs["in_specs"] = in_specs
-    if out_specs is not None:
-        kwargs["out_specs"] = out_specs
-    if name is not None:
-        kwargs["name"] = name
+    given = dict(in_specs=in_specs, out_specs=out_specs, name=name)
+    kwargs.update({k: v for k, v in given.items() if v is not None})
     if input_output_aliases:
         kwargs["input_output_aliases"] = dict(input_output_aliases)
     return pl.pallas_call(kernel, **kwargs)

@@ -2,26 +2,22 @@
 split-KV + merge. Forward-only.
 
 Algorithm: FlashAttention-2's online softmax with flash-decoding split-KV and an LSE merge (Dao
-et al.), as ``qsa_triton.decode``, with the same plan (``interop.plan.plan_decode``, fitted to
-the device's shared memory) and split rule (``interop.plan.split_blocks``). This module:
+et al.), as ``qsa_triton.decode``, with its plan (``interop.plan.plan_decode``, fitted to the
+device's shared memory) and split rule (``interop.plan.split_blocks``). This module:
 
-* one program per (sequence s, KV head h, split j) holds the G query heads of h as a
-  power-of-two head tile (>= 16, masked); its key range comes *in the kernel* from
-  ``cu_seqlens_k`` (an int32 input: no scalar prefetch in the Triton lowering), n_active from the
-  row's device length, so a row longer than ``max_seqlen_k`` is still covered completely. Every
-  K/V row index is clamped into the buffer *and* masked (interpret mode clamps out-of-range
-  gathers instead of faulting). FP32 scores (scale applied there), exp-based online softmax;
-* a one-split plan (B x Hkv >= the SM count) runs the split kernel alone, each program writing
-  its normalised output in q's dtype (one launch, no partials; bench/NOTES.md, "Decode,
-  Pallas"). Otherwise the active splits write normalised partials and LSEs (-inf for a
-  zero-length row's split) and ``_merge_kernel`` (per sequence, query head, D chunk) recomputes
-  n_active and weighs split j by ``exp(lse_j - max lse)``. No XLA glue kernels, no atomics;
-* NaN: an attended NaN reaches the row's output whatever the split count (a split is empty only
-  where l == 0; the merges weigh by multiplication, never by a select on the weight);
-* ``batch_invariant=True`` (§2c): the batch-invariant plan, always partials (never the direct
-  path, whose lanes are laid out differently) and ``_merge_ordered_kernel``, which folds the
-  row's own n_active splits in split order; a one-split row takes its partial as it is, as the
-  Triton twin does. A row's bits then depend on its own data only.
+* one program per (sequence, KV head, split) holds the G query heads as a power-of-two head
+  tile (>= 16, masked); the key range and n_active come *in the kernel* from ``cu_seqlens_k``
+  (an int32 input: no scalar prefetch in the Triton lowering), so a row longer than
+  ``max_seqlen_k`` is still covered completely; every K/V row index is clamped into the buffer
+  *and* masked (interpret mode clamps out-of-range gathers instead of faulting);
+* a one-split plan (B x Hkv >= the SM count) runs the split kernel alone, writing the output in
+  q's dtype (one launch; bench/NOTES.md, "Decode, Pallas"); otherwise the active splits write
+  normalised partials and LSEs and ``_merge_kernel`` weighs split j by ``exp(lse_j - max lse)``.
+  An attended NaN reaches the output whatever the split count (a split is empty only where
+  l == 0; the merges weigh by multiplication, never by a select on the weight);
+* ``batch_invariant=True`` (§2c): the batch-invariant plan, always partials and
+  ``_merge_ordered_kernel``, which folds the row's own splits in order (a one-split row takes
+  its partial as it is, as the Triton twin does): a row's bits depend on its own data only.
 
 64-bit offsets: the lowering switches to i64 pointer offsets itself for operands over 2**32 bytes;
 the row numbers computed here (``row * Hkv + h``) stay far below 2**31.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -313,27 +314,25 @@ def lowering_cases(device_kind: str, *, head_dim: int = 256, width: int = 2051,
     sds = jax.ShapeDtypeStruct
     cases, seen = [], set()
     with jax.sharding.use_abstract_mesh(C.abstract_mesh(device_kind)):
-        for hq, hkv in ((24, 2), (12, 1), (6, 1), (3, 1)):
-            for kvd in (dtype, jnp.float8_e4m3fn):
-                for bi in (False, True):
-                    for r in range(1, 513):
-                        plan = plan_for(r, hq, hkv, head_dim, width, q_dtype=dtype, kv_dtype=kvd,
-                                        batch_invariant=bi)
-                        key = (hq, hkv, np.dtype(kvd).name, plan.head_tile, plan.block_n,
-                               plan.num_warps, plan.num_stages, plan.num_splits == 1)
-                        if key in seen:
-                            continue
-                        seen.add(key)
-                        slots = 4096
-                        args = (sds((r, hq, head_dim), dtype), sds((slots, hkv, head_dim), kvd),
-                                sds((slots, hkv, head_dim), kvd), sds((r + 2, 4096), jnp.int32),
-                                sds((r,), jnp.int32), sds((r, width), jnp.int32),
-                                sds((r,), jnp.int32))
-                        fn = functools.partial(_lowerable, batch_invariant=bi)
-                        cases.append((f"pallas_paged_{hq}_{hkv}_kv{np.dtype(kvd).name}_R{r}"
-                                      f"_ht{plan.head_tile}_bn{plan.block_n}_s{plan.num_splits}"
-                                      f"_w{plan.num_warps}_st{plan.num_stages}"
-                                      f"{'_bi' if bi else ''}", fn, args))
+        for (hq, hkv), kvd, bi, r in itertools.product(((24, 2), (12, 1), (6, 1), (3, 1)),
+                                                       (dtype, jnp.float8_e4m3fn), (False, True),
+                                                       range(1, 513)):
+            plan = plan_for(r, hq, hkv, head_dim, width, q_dtype=dtype, kv_dtype=kvd,
+                            batch_invariant=bi)
+            kv = np.dtype(kvd).name
+            key = (hq, hkv, kv, plan.head_tile, plan.block_n, plan.num_warps, plan.num_stages,
+                   plan.num_splits == 1)
+            if key in seen:
+                continue
+            seen.add(key)
+            i32 = jnp.int32
+            args = (sds((r, hq, head_dim), dtype), sds((4096, hkv, head_dim), kvd),
+                    sds((4096, hkv, head_dim), kvd), sds((r + 2, 4096), i32), sds((r,), i32),
+                    sds((r, width), i32), sds((r,), i32))
+            cases.append((f"pallas_paged_{hq}_{hkv}_kv{kv}_R{r}_ht{plan.head_tile}"
+                          f"_bn{plan.block_n}_s{plan.num_splits}_w{plan.num_warps}"
+                          f"_st{plan.num_stages}{'_bi' if bi else ''}",
+                          functools.partial(_lowerable, batch_invariant=bi), args))
     return cases
 
 

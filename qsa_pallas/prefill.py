@@ -44,14 +44,8 @@ from . import prefill_union as PU
 from ._compat import pl
 from ._fp8 import fp16_query, is_fp8
 
-__all__ = [
-    "sparse_prefill",
-    "sparse_prefill_chunk",
-    "sparse_prefill_paged",
-    "select_geometry",
-    "select_block_geometry",
-    "resolve_pool_slots",
-]
+__all__ = ["sparse_prefill", "sparse_prefill_chunk", "sparse_prefill_paged", "select_geometry",
+           "select_block_geometry", "resolve_pool_slots"]
 
 _INT32_MAX = 2**31 - 1
 # CPU interpret mode: one small fixed (BLOCK_N, num_warps, num_stages): the interpreter's speed,

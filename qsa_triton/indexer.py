@@ -1,34 +1,29 @@
 """The QSA indexer for PyTorch: block scoring, exact top-k and expansion as Triton kernels.
 
-Semantics: ``qsa-contract.md`` §4b (scoring ``logits[m, n] = sum_h ReLU(q[m, h] . k[n])``, the
-top-k rule, the paged decode and packed prefill inputs) and §4 (expansion); FP64 references
-``interop.reference.indexer_*``; launch plan ``interop.indices.plan_indexer`` (shared with
-``qsa_pallas.indexer``, the same algorithm). Two passes; no [rows, blocks] logits tensor exists:
+Semantics: ``qsa-contract.md`` §4b (scoring ``sum_h ReLU(q[m, h] . k[n])``, top-k rule, inputs)
+and §4 (expansion); FP64 references ``interop.reference.indexer_*``; plan
+``interop.indices.plan_indexer`` (shared with ``qsa_pallas.indexer``, the same algorithm). Two
+passes; no [rows, blocks] logits tensor is ever written:
 
 * Pass 1, one program per (row tile, chunk of C blocks): score the chunk in BLOCK_N-block tiles
   (the key tile as the M side of a bf16/fp16 ``tl.dot`` with the row's heads, FP32, ReLU, head
-  sum; tiles streamed through ``num_stages`` buffers), hold the chunk's scores in registers as
-  int32 *keys* (a float >= +0.0's bits order like the float; -0.0 and NaN become +0.0,
-  invisible blocks -1), then select the chunk's exact top-k per row:
-  - the k-th largest key tau by a radix search from bit 30 down, ``radix_bits`` (b) bits a round:
-    a round counts #(key >= tau + j * 2^lo) for the 2^b - 1 digits j in one compare-and-sum (two
-    counts packed per int32: one block-wide reduction a round); ceil(31 / b) rounds;
-  - one prefix sum over (key > tau) + (key == tau) * 2^16 in block order gives every tie's rank
-    (the first k - #(key > tau) ties, the smallest block ids, are kept) and every survivor's slot
-    in ascending block order.
-  The survivors (<= k per row and chunk) are written with their count: per row, one read of its
-  visible compressed keys plus 8 B per candidate (<= 1/64 of the key bytes at D = 128 bf16).
+  sum), hold the scores as int32 *keys* (a float >= +0.0's bits order like the float; -0.0 and
+  NaN become +0.0, invisible blocks -1) and select the chunk's exact top-k per row: the k-th
+  largest key tau by a radix search from bit 30 down, ``radix_bits`` (b) bits a round (the
+  2^b - 1 digit counts of a round in one compare-and-sum, two counts packed per int32), then one
+  prefix sum over (key > tau) + (key == tau) * 2^16 gives every tie's rank (the first
+  k - #(key > tau) ties, the smallest block ids, are kept) and every survivor's slot in block
+  order. Bytes per row: its visible compressed keys once plus 8 B per candidate (<= 1/64 of the
+  key bytes at D = 128 bf16).
 * Pass 2, one program per row: the same selection over the row's S x k candidates (slot order
   is block order, so the tie rule carries over), then the ascending block ids or, fused, the
   2051-wide token row (``4g .. 4g + 3`` per block, the 0-3 token causal tail, -1 after).
 
 The selection is a radix select (Alabi et al., "Fast k-Selection Algorithms for Graphics
 Processing Units", JEA 2012; upstream's ``fast_topk`` and PyTorch's ``topk`` select by radix
-digits too) whose rounds count several digits at once; exact, no sort. It uses the unscaled FP32
-sum (dividing by a positive ``score_scale`` preserves the order; upstream's FP32 division can
-only merge neighbours into ties): ties go to the smaller block id, deterministic whatever the
-plan or the batch. Graph safety: no host read of device data, a static plan, the candidate
-workspace allocated per call (from the graph's pool under capture), no atomics; registered as
+digits too), exact, no sort, on the unscaled FP32 sum (dividing by a positive ``score_scale``
+keeps the order): ties go to the smaller block id whatever the plan or the batch. Graph safety:
+no host read of device data, a static plan, a per-call workspace, no atomics; registered as
 ``torch.ops.qsa.indexer_*`` custom ops with fake impls.
 """
 

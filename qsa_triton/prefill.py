@@ -47,16 +47,8 @@ from . import prefill_union as PU
 from ._fp8 import fp16_query
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
 
-__all__ = [
-    "sparse_prefill",
-    "sparse_prefill_chunk",
-    "sparse_prefill_paged",
-    "prefill_geometry",
-    "prefill_block_geometry",
-    "MODE_ORDINARY",
-    "MODE_CHUNK",
-    "MODE_SLOTS",
-]
+__all__ = ["sparse_prefill", "sparse_prefill_chunk", "sparse_prefill_paged", "prefill_geometry",
+           "prefill_block_geometry", "MODE_ORDINARY", "MODE_CHUNK", "MODE_SLOTS"]
 
 
 #: kernel modes (a constexpr): how an index entry becomes a K/V row and when it is valid
@@ -291,7 +283,7 @@ _KINDS = {MODE_ORDINARY: "ordinary", MODE_CHUNK: "chunk", MODE_SLOTS: "paged"}
 
 
 def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, geometry):
-    """Both launches of one call (main grid, then the tail); ``geometry`` None = the selector."""
+    """Both launches of one call (main grid, then the tail); ``geometry`` None: the selector."""
     out = torch.empty_like(q)
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -313,9 +305,7 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
     _qsa_sparse_prefill_fwd[(max_q, requests * hkv)](
         *args, 0, *strides, **consts, BLOCK_N=geo.block_n, ROW_LOOP=False,
         num_warps=geo.num_warps, num_stages=geo.num_stages)
-    # Tail: rows >= max_q (the host hint is only checked against T; a request's real row count
-    # lives on the device). Nothing to do when the hint was right: its programs read cu_q and
-    # exit (one extra launch, a few us against milliseconds).
+    # Tail: rows >= max_q (module docstring); with a right hint its programs read cu_q and exit
     t_geo = tail_geometry(geo)
     _qsa_sparse_prefill_fwd[(TAIL_PROGRAMS, requests * hkv)](
         *args, max_q, *strides, **consts, BLOCK_N=t_geo.block_n, ROW_LOOP=True,
@@ -324,8 +314,8 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
 
 
 # ---------------------------------------------------------------------------------------------
-# Implementations (called by the custom ops; no contract check here: the public entry points do
-# it first). ``geometry`` = None selects from the shared selector; benchmarks may force one.
+# Implementations (called by the custom ops, after the entry points' checks); benchmarks may
+# force a ``geometry``
 def _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, geometry=None):
     return _launch(MODE_ORDINARY, q, k, v, indices, cu_seqlens, cu_seqlens, cu_seqlens,
                    max_seqlen_q, softmax_scale, 1.0, 1.0, geometry)
