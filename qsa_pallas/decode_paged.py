@@ -204,8 +204,7 @@ def _target_sms() -> int:
 def plan_for(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int, width: int, *,
              q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
              batch_invariant: bool = False) -> PagedDecodePlan:
-    """The plan a call with these static shapes uses on the target GPU
-    (``interop.plan.plan_decode_paged``; fits sm_120 / sm_121's shared memory)."""
+    """The plan (``interop.plan.plan_decode_paged``) a call with these shapes uses."""
     return plan_decode_paged(rows, num_kv_heads, num_q_heads // num_kv_heads, head_dim,
                              max(1, width), _target_sms(), q_bytes=np.dtype(q_dtype).itemsize,
                              kv_bytes=np.dtype(kv_dtype).itemsize,

@@ -39,8 +39,7 @@ _INT32_MAX = 2**31 - 1
 
 def _target() -> tuple[int, int]:
     """(SM count, shared memory per block) of the GPU the kernels are built for
-    (``_compat.target_facts``: the abstract device when lowering ahead of time, else jax's first
-    GPU); an H200's (132, 232,448 B) on a CPU-only jax."""
+    (``_compat.target_facts``); an H200's (132, 232,448 B) on a CPU-only jax."""
     facts = C.target_facts()
     if facts is None:
         return 132, 232_448
@@ -63,12 +62,9 @@ def _rounds(rb: int) -> tuple[int, int]:
 
 
 def _kth_key_row(keys, k: int, rb: int, run):
-    """The k-th largest of ``keys`` [N] int32 (>= 0 visible, -1 not) as an int32 scalar: the
-    largest t >= 0 with #(key >= t) >= k, 0 with fewer than k visible keys. Same radix search as
-    ``qsa_triton.indexer._kth_key_row``: rb bits a round from bit 30 down, the 2^rb - 1
-    thresholds of a round counted at once, two counts packed to an int32 (16-bit halves,
-    N < 2^16). ``run`` (traced bool): False skips the rounds (tau 0: the caller knows there are
-    <= k keys)."""
+    """The k-th largest of ``keys`` [N] int32 (>= 0 visible, -1 not) as an int32 scalar (0 with
+    fewer than k visible keys): ``qsa_triton.indexer._kth_key_row``'s radix search. ``run``
+    (traced bool): False skips the rounds (tau 0: the caller knows there are <= k keys)."""
     n_rounds, w0 = _rounds(rb)
     nj = IndexerPlan.thresholds(rb)
     if nj == 1:
@@ -124,10 +120,8 @@ def _kth_key(keys, k: int, rb: int, run):
 
 def _select(keys, tau, k: int):
     """Exact top-k of ``keys`` [..., N] given their k-th largest ``tau`` [...], ties to the
-    smaller index: key > tau, then the first k - #(key > tau) keys == tau in index order. One
-    packed prefix sum (#above + #tie * 2^16) gives the tie rank and each survivor's slot in
-    ascending index order (the rule of ``qsa_triton.indexer._select``, for one row or a tile of
-    rows). Returns (sel [..., N] bool, slot [..., N] int32, count [...])."""
+    smaller index (``qsa_triton.indexer._select``'s rule, for one row or a tile of rows).
+    Returns (sel [..., N] bool, slot [..., N] int32, count [...])."""
     above = (keys > tau[..., None]).astype(jnp.int32)
     tie = (keys == tau[..., None]).astype(jnp.int32)
     incl = jnp.cumsum(above + jnp.left_shift(tie, 16), axis=-1)
@@ -448,16 +442,10 @@ def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
 def indexer_select_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
                           compress_ratio: int = 4, strict: bool = False,
                           plan: IndexerPlan | None = None, interpret: bool | None = None):
-    """The whole decode indexer: ``indexer_topk_decode`` with the expansion fused into the merge.
-
-    Returns:
-      int32 [B, topk * ratio + ratio - 1] (2051) token positions ascending (position
-      ``seq_lens[b] - 1``, bound ``seq_lens[b]``), equal to ``expand_block_indices`` of
-      ``indexer_topk_decode``'s output: the ``indices`` of ``sparse_decode_paged``.
-
-    Raises:
-      ContractError: as ``indexer_topk_decode``.
-    """
+    """The whole decode indexer: ``indexer_topk_decode`` (same arguments and errors) with the
+    expansion fused into the merge. Returns int32 [B, topk * ratio + ratio - 1] (2051) token
+    positions ascending (position ``seq_lens[b] - 1``, bound ``seq_lens[b]``), -1 after: the
+    ``indices`` of ``sparse_decode_paged``."""
     return _decode_entry("indexer_select_decode", q, k_cache, page_table, seq_lens, topk,
                          compress_ratio, strict, interpret, True, plan)
 
@@ -505,18 +493,10 @@ def indexer_topk_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compres
 def indexer_select_prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int = 512,
                            compress_ratio: int = 4, strict: bool = False,
                            plan: IndexerPlan | None = None, interpret: bool | None = None):
-    """The whole prefill indexer: ``indexer_topk_prefill`` with the expansion fused into the merge.
-
-    Args:
-      positions, seq_lens: int32 [T], each row's position and validity bound (request length).
-
-    Returns:
-      int32 [T, topk * ratio + ratio - 1], equal to ``expand_block_indices`` of
-      ``indexer_topk_prefill``'s output.
-
-    Raises:
-      ContractError: as ``indexer_topk_prefill``.
-    """
+    """The whole prefill indexer: ``indexer_topk_prefill`` (same arguments and errors, plus
+    ``positions``, ``seq_lens``: int32 [T], each row's position and validity bound) with the
+    expansion fused into the merge. Returns int32 [T, topk * ratio + ratio - 1], equal to
+    ``expand_block_indices`` of ``indexer_topk_prefill``'s output."""
     return _prefill_entry("indexer_select_prefill", q, k, row_starts, row_ends, positions,
                           seq_lens, topk, compress_ratio, strict, interpret, True, plan)
 

@@ -2,25 +2,21 @@
 
 Semantics: ``qsa-contract.md`` §3; oracle: ``interop.reference.prefill*_reference``. Same
 algorithm as ``qsa_triton.prefill`` (read its module docstring: the flash-attention forward over
-gathered rows, Dao et al., 2022, as upstream SGLang's sparse prefill; one program per (query
-row, KV head); the shared geometry selector with ``backend="pallas"``; the paged slot pre-pass;
-FP8 K/V dots in float16, ``qsa_pallas._fp8``; block-level selections through
-``qsa_pallas.prefill_union`` or an expansion to token indices, here in plain JAX). Differences:
+gathered rows, Dao et al., 2022, as upstream SGLang's sparse prefill; the shared geometry
+selector, here with ``backend="pallas"``; the paged slot pre-pass; FP8 dots in float16;
+block-level selections through ``qsa_pallas.prefill_union`` or a plain-JAX expansion).
+Differences:
 
-* the grid is (T, Hkv), so every row is computed whatever ``max_seqlen_q`` (no tail launch): a
-  row finds its request in the kernel by counting ``cu_seqlens_q[1:] <= row`` over a
-  power-of-two padded vector (B is static), and rows past ``cu_seqlens[B]`` (a batch padded to
-  a static T under jit) give zeros;
+* the grid is (T, Hkv): every row is computed whatever ``max_seqlen_q`` (no tail launch); a row
+  finds its request in the kernel by counting ``cu_seqlens_q[1:] <= row`` (B is static), and
+  rows past ``cu_seqlens[B]`` (a batch padded to a static T under jit) give zeros;
 * the column loop is a ``lax.fori_loop`` with a traced bound (``min(W, visible)`` rounded up to
-  BLOCK_N), which the lowering turns into an ``scf.for``: new lengths never retrace;
-* gathers are vector-index loads (``_compat.load(ref.at[rows[:, None], h, d[None, :]], ...)``)
-  whose indices are clamped into range *and* masked: interpret mode clamps out-of-range gathers
-  instead of faulting, and an invalid entry is never dereferenced on the GPU;
-* the paged pre-pass (``resolve_pool_slots``) is plain JAX;
+  BLOCK_N), lowered to an ``scf.for``: new lengths never retrace;
+* gathers are vector-index loads whose indices are clamped into range *and* masked (interpret
+  mode clamps out-of-range gathers instead of faulting); the slot pre-pass is plain JAX;
 * 64-bit offsets: the lowering (``_compute_offsets_from_indices``, jax 0.10.2 and 0.11.2) uses
-  int64 element offsets exactly when a ref is larger than 2**32 *bytes*: exact for 2-byte K/V,
-  but 1-byte FP8 pools of 2**31..2**32 elements would wrap, so the entry points reject those
-  (``ContractError``). No jax x64 mode is needed.
+  int64 element offsets only for refs over 2**32 *bytes*, so FP8 pools of 2**31..2**32 elements
+  would wrap: the entry points reject them (``ContractError``). No jax x64 mode is needed.
 """
 
 from __future__ import annotations
@@ -446,20 +442,13 @@ def _resolve(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens, pool_slo
 
 def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
                        pool_slots: int):
-    """Pool slot of every index entry, -1 where the entry is invalid (plain JAX, jit-friendly).
-
-    Args:
-      indices: int32 [T, W] or [T, Hkv, W] request-relative positions.
-      req_to_token: int32 [max_reqs, max_context]; req_indices: int32 [B];
-        cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
-      pool_slots: host int, slots in the pool (slots outside [0, pool_slots) become -1).
-
-    Returns:
-      int32, indices' shape: ``req_to_token[req_indices[b], idx]`` where
-      0 <= idx < min(kv_lens[b], max_context) and 0 <= req_indices[b] < max_reqs for the request
-      b owning the row, else -1 (also for rows past cu_seqlens_q[B]). The kernel additionally
-      masks columns past the row's visible count.
-    """
+    """Pool slot of every index entry (plain JAX, jit-friendly), as
+    ``qsa_triton.prefill.resolve_pool_slots`` without ``max_seqlen_q``: int32 ``indices``
+    [T, W] or [T, Hkv, W], ``req_to_token`` [max_reqs, max_context], ``req_indices`` [B],
+    ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B], host int ``pool_slots`` -> int32, indices'
+    shape: ``req_to_token[req_indices[b], idx]`` for valid entries (0 <= idx <
+    min(kv_lens[b], max_context), a table row, a slot in [0, pool_slots)), else -1 (also rows
+    past cu_seqlens_q[B]); the kernel masks the columns past a row's visible count."""
     if math.prod(req_to_token.shape) == 0:  # an empty table: every entry is invalid
         return jnp.full(indices.shape, -1, jnp.int32)
     return _resolve(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,

@@ -1,13 +1,10 @@
 """The end-to-end QSA attention step for JAX: indexer -> expansion -> sparse attention from the pool.
 
-Same composition, names and checks as ``qsa_triton.step`` (read its module docstring). JAX
-specifics: after the checks (before anything is traced) each step runs as one jitted function
-in which every length, position, page id and slot is a traced device array (only shapes, dtypes
-and the scales are static): new lengths never recompile. It works under ``jax.jit``,
-``lax.scan`` over layers and ``jax.shard_map`` over heads (the indexer inputs replicated, each
-device runs the head-independent indexer itself; VMA check off, ``_compat.shard_map``).
-``shard_step`` wraps a step that way and ``replicate_kv_heads`` gives the pool the layout JAX
-engines use when TP exceeds the KV heads (TP4 of 24/2: 2 KV heads repeated to 4, one per rank).
+Same composition, names and checks as ``qsa_triton.step`` (read its module docstring). After
+the checks each step runs as one jitted function in which every length, position, page id and
+slot is traced (new lengths never recompile); it works under ``jax.jit``, ``lax.scan`` over
+layers and ``jax.shard_map`` over heads (``shard_step``; ``replicate_kv_heads`` gives the pool
+the layout JAX engines use when TP exceeds the KV heads).
 """
 
 from __future__ import annotations

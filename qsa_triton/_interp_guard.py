@@ -1,12 +1,10 @@
-"""Refuse bf16 under Triton's CPU interpreter instead of returning wrong numbers.
+"""The interpreter checks of ``qsa_triton``'s entry points (after the contract check).
 
-In Triton 3.6-3.9 the interpreter (``TRITON_INTERPRET=1``) multiplies **bf16** ``tl.dot`` operands
-as their raw 16-bit integer patterns (architecture.md, "Things that bite"), so a correct bf16
-kernel returns garbage on CPU, silently. The entry points call ``check_interpreter_dtype`` after
-the contract check: under the interpreter, bf16 is refused with a ``ContractError`` unless the
-documented test patch (``tests/triton_interp_patch.py``) has fixed the interpreter's dot and set
-``triton.runtime.interpreter._qsa_bf16_dot_patched``. fp16 is unaffected. Compiled GPU runs never
-reach the check's body.
+In Triton 3.6-3.9 the CPU interpreter (``TRITON_INTERPRET=1``) multiplies **bf16** ``tl.dot``
+operands as their raw 16-bit patterns (architecture.md, "Things that bite"): a correct bf16
+kernel silently returns garbage on CPU. So bf16 is refused there with a ``ContractError`` unless
+the test patch (``tests/triton_interp_patch.py``) has fixed the dot and set
+``triton.runtime.interpreter._qsa_bf16_dot_patched``. fp16 and GPU runs are unaffected.
 """
 
 from __future__ import annotations
@@ -19,9 +17,8 @@ from interop.contract import ContractError
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter: ``TRITON_INTERPRET`` as Triton itself
-    reads it (``triton.knobs.runtime.interpret``: "1", "true", "on", "yes", any case), now. The
-    one interpreter check of ``qsa_triton``."""
+    """True when Triton runs kernels in its CPU interpreter now: ``TRITON_INTERPRET`` as Triton
+    reads it (``triton.knobs.runtime.interpret``). The one interpreter check of ``qsa_triton``."""
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)

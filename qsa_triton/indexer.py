@@ -545,8 +545,8 @@ def _pre(fn: str, prob, q: torch.Tensor, plan: IndexerPlan | None = None) -> Non
 
 def _decode_entry(fn: str, q, k_cache, page_table, seq_lens, topk: int, compress_ratio: int,
                   strict: bool, plan: IndexerPlan | None, *, expand: bool) -> torch.Tensor:
-    """The decode entry points' body: checks (skipped while compiling), then the plan given
-    (bypassing the custom op) or the registered op."""
+    """The decode entry points' body: checks (in the fake impl while compiling), then the plan
+    given (bypassing the custom op) or the registered op."""
     if not torch.compiler.is_compiling():
         check_torch_tensors(fn, q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens)
         _pre(fn, check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,

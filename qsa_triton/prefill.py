@@ -219,14 +219,9 @@ def prefill_geometry(kind: str, q: torch.Tensor, *, requests: int, max_q: int, n
                      width: int, kv_bytes: int = 2) -> Geometry:
     """Geometry the entry points use for this call: ``interop.geometry.select_prefill`` on the
     facts of q's device (CPU tensors: sm_90 facts; the interpreter ignores warps and stages).
-
-    Args:
-      kind: "ordinary" | "chunk" | "paged"; q: [T, Hq, D]; requests: B; max_q: max_seqlen_q;
-        num_kv_heads: Hkv; width: W; kv_bytes: bytes per K/V element (1 for FP8).
-
-    Raises:
-      ContractError: a bad ``QSA_PREFILL_GEOMETRY``.
-    """
+    ``kind``: "ordinary" | "chunk" | "paged"; q: [T, Hq, D]; requests: B; max_q: max_seqlen_q;
+    width: W; kv_bytes: bytes per K/V element (1 for FP8). Raises ContractError for a bad
+    ``QSA_PREFILL_GEOMETRY``."""
     t, hq, d = q.shape
     return select_prefill(_facts(q), kind, total_q=max(t, 1), requests=requests, max_q=max_q,
                           group=hq // num_kv_heads, num_kv_heads=num_kv_heads, head_dim=d,
@@ -237,12 +232,8 @@ def prefill_block_geometry(kind: str, q: torch.Tensor, *, requests: int, max_q: 
                            num_kv_heads: int, block_width: int, kv_bytes: int = 2,
                            overlap: float | None = None) -> UnionGeometry:
     """Kernel and geometry for block-level selections: ``interop.geometry.select_prefill_blocks``
-    on the facts of q's device; arguments as ``prefill_geometry`` with block_width NB for W and
-    overlap, the engine's hint (expected neighbour Jaccard of the block selections) or None.
-
-    Raises:
-      ContractError: a bad ``QSA_PREFILL_GEOMETRY``.
-    """
+    on the facts of q's device; as ``prefill_geometry`` with block_width NB for W and
+    ``overlap``, the engine's hint (expected neighbour Jaccard of the block selections) or None."""
     t, hq, d = q.shape
     return select_prefill_blocks(_facts(q), kind, total_q=max(t, 1), requests=requests, max_q=max_q,
                                  group=hq // num_kv_heads, num_kv_heads=num_kv_heads,
@@ -517,12 +508,10 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
 def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, overlap,
            max_seqlen_q, softmax_scale, strict: bool, scales: tuple | None = None):
     """One public prefill entry point ``fn``: check, then ``torch.ops.qsa.<fn>`` on ``indices``
-    or ``torch.ops.qsa.<fn>_blocks`` on ``block_indices``. The op's tensors are ``before``, the
-    selection, ``after`` (in the entry point's order), then max_seqlen_q, softmax_scale,
-    (k_scale, v_scale) when ``scales`` is given (chunk/paged), and the overlap hint (-1.0 =
-    none) for the block op. Under torch.compile the contract check runs in the op's fake
-    implementation instead (Dynamo cannot raise out of a fullgraph trace; an error in the fake
-    impl reaches the user with the full ContractError text)."""
+    or ``torch.ops.qsa.<fn>_blocks`` on ``block_indices``, with ``before``, the selection,
+    ``after``, max_seqlen_q, softmax_scale, ``scales`` (chunk/paged) and, for the block op, the
+    overlap hint (-1.0 = none). Under torch.compile the contract check runs in the op's fake impl
+    instead (Dynamo cannot raise out of a fullgraph trace; the fake impl's error keeps its text)."""
     name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
     tensors = {**before, name: sel, **after}
     q = before["q"]

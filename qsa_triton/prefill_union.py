@@ -60,10 +60,10 @@ def _max_combine(a, b):
 
 @triton.jit
 def _tile_of(slot, cu_q_ptr, n_req, R: tl.constexpr, BP: tl.constexpr):
-    """(request b, its first row, tile j, rows of request b the tile may use) of a slot: b counts
-    the requests b' >= 1 whose first slot cu[b'] // R + b' is <= slot (strictly increasing in
-    b'); the row count is 0 for an idle slot, so row masks need no scalar condition (Triton's
-    interpreter turns a scalar-bool & vector-bool into int32, which its loads refuse as masks)."""
+    """(request b, its first row, q_len, tile j, rows the tile may use) of a slot: b counts the
+    requests b' >= 1 whose first slot cu[b'] // R + b' is <= slot; the row count is 0 for an
+    idle slot, so row masks need no scalar condition (Triton's interpreter turns a scalar-bool &
+    vector-bool into int32, which its loads refuse as masks)."""
     j = tl.arange(0, BP)
     cu = tl.load(cu_q_ptr + j, mask=j <= n_req, other=0)
     first = cu // R + j
@@ -83,9 +83,8 @@ def _qsa_block_union(
     KEY64: tl.constexpr,
 ):
     """Union of the valid blocks of one tile's rows for one index head (module docstring, 1).
-    ``max_blocks``: block ids at or past it name no K/V row (or no table column) and are
-    invalid; ``KEY64``: sort 64-bit keys (when block * R + row can pass 2**31 for that bound);
-    32-bit keys sort about twice as fast."""
+    Block ids >= ``max_blocks`` are invalid; ``KEY64``: 64-bit sort keys, where block * R + row
+    can pass 2**31 (32-bit keys sort about twice as fast)."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     N: tl.constexpr = R * NBP

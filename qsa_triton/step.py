@@ -6,12 +6,11 @@ the pool (``qsa-contract.md`` §4b, §4, §2b, §3), composed of this package's 
 * prefill: ``prefill_step_rows`` (each row's request, position, bound and compressed-key range,
   a few torch ops on the device), ``indexer_select_prefill``, then ``sparse_prefill_paged``.
 
-Every argument of both halves is checked before the first launch (``check_decode_step`` /
-``check_prefill_step``), so a bad call leaves nothing half-done. No host read of device data and
-scratch from the caching allocator: CUDA-graph replay with new lengths is correct; under
-``torch.compile(fullgraph=True)`` the halves are ``torch.ops.qsa`` custom ops. Tensor parallel:
-a rank passes its own query heads and their KV heads (``r // (TP / Hkv)`` at TP > Hkv) and every
-indexer input whole (``interop.validate.tp``, ``qsa check --tp 2``).
+Both halves are checked before the first launch (``check_decode_step`` / ``check_prefill_step``):
+a bad call leaves nothing half-done. CUDA-graph and ``torch.compile(fullgraph=True)`` safe (no
+host read of device data; the halves are ``torch.ops.qsa`` custom ops). Tensor parallel: a rank
+passes its own query heads, their KV heads (``r // (TP / Hkv)`` at TP > Hkv) and every indexer
+input whole (``interop.validate.tp``, ``qsa check --tp 2``).
 
 Sources: upstream sglang 0.5.23 ``srt/layers/attention/qsa/`` (``qsa_indexer.py`` metadata,
 ``mqa.py`` scoring, ``kernel.py`` expansion).
