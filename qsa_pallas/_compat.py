@@ -1,24 +1,16 @@
-"""Pallas (Triton lowering) API shims across jax 0.10.2 (CPU CI) and 0.11.2 (the H200 machine).
+"""Pallas (Triton lowering) API shims across jax 0.10.2 (CPU CI) and 0.11.2 (the H200 machine),
+shared by every ``qsa_pallas`` module; add, don't rename. What differs between the versions:
 
-Shared by every ``qsa_pallas`` kernel module (decode, prefill). Keep this API stable; add, don't
-rename. What differs between the versions (checked against both installed sources):
-
-* Triton compiler params: ``jax.experimental.pallas.triton.CompilerParams`` in 0.10 and 0.11;
-  older jax named it ``TritonCompilerParams`` (accepted as a fallback).
-* ``plgpu.load / plgpu.store`` take ``(ref, *, mask, other)`` (the indexer goes in ``ref.at[...]``);
-  ``pl.load(ref, idx, ...)`` is the older spelling (fallback). ``dot`` moved from ``pl`` to ``plgpu``.
+* ``CompilerParams`` (0.10, 0.11) vs ``TritonCompilerParams`` (older);
+* ``plgpu.load / store(ref.at[...], *, mask, other)`` vs the older ``pl.load(ref, idx, ...)``;
 * ``jax.shard_map(..., check_vma=False)`` (0.10+) vs ``jax.experimental.shard_map.shard_map(...,
-  check_rep=False)`` (older). ``pallas_call`` inside ``shard_map`` needs the check off.
-* Lowering without a GPU: 0.10.2's Triton lowering rule falls back to compute capability 9.0 when no
-  GPU is present and ignores the abstract device kind; 0.11.2 reads the kind of the abstract mesh's
-  ``AbstractDevice`` (``gpu_info.get_device_kind``) and maps it to sm_90 / sm_120 / sm_121. In both,
-  the rule turns the kernel jaxpr into a Triton MLIR module (TTIR) in Python and embeds it, as
-  bytecode, in a ``__gpu$xla.gpu.triton`` custom call: no jaxlib CUDA plugin is needed, so
-  ``lower_for_device_kind`` works on a CPU-only machine. (0.10.2 on a *GPU* machine compiles to PTX
-  already at lowering; not our case.) ``triton_modules`` pulls the embedded TTIR back out, and
-  ``compile_ttir`` runs the rest of Triton's pipeline (TTGIR -> PTX -> cubin) with the installed
-  ``triton`` for sm_90 / sm_120 / sm_121, still without a GPU. Checked on CPU with jax 0.10.2 +
-  Triton 3.9.0 (Python 3.11) and jax 0.11.2 + Triton 3.6.0 (Python 3.12, the GPU machine's pair).
+  check_rep=False)``; ``pallas_call`` inside ``shard_map`` needs the check off;
+* lowering without a GPU: 0.10.2 falls back to compute capability 9.0 and ignores the abstract
+  device kind; 0.11.2 maps the ``AbstractDevice`` kind to sm_90 / sm_120 / sm_121. Both embed the
+  kernel's Triton MLIR (TTIR) in a ``__gpu$xla.gpu.triton`` custom call without a CUDA plugin, so
+  ``lower_for_device_kind`` works on a CPU-only machine; ``triton_modules`` pulls the TTIR back
+  out and ``compile_ttir`` runs the rest of Triton's pipeline (TTGIR -> PTX -> cubin) with the
+  installed ``triton`` (checked: jax 0.10.2 + Triton 3.9.0, jax 0.11.2 + Triton 3.6.0).
 
 Nothing here imports torch.
 """
@@ -38,36 +30,17 @@ try:  # the Triton-lowering namespace (deprecated in 0.11, still the only one wi
 except ImportError:  # pragma: no cover - very old jax
     from jax.experimental.pallas import gpu as plgpu  # type: ignore[no-redef]
 
-__all__ = [
-    "pl",
-    "plgpu",
-    "CompilerParams",
-    "triton_call",
-    "load",
-    "store",
-    "dot",
-    "shard_map",
-    "resolve_interpret",
-    "check_inputs",
-    "check_backend",
-    "abstract_mesh",
-    "lower_for_device_kind",
-    "TritonModule",
-    "triton_modules",
-    "compile_ttir",
-    "target_facts",
-]
+__all__ = ["pl", "plgpu", "CompilerParams", "triton_call", "load", "store", "dot", "shard_map",
+           "resolve_interpret", "check_inputs", "check_backend", "check_offsets", "abstract_mesh",
+           "lower_for_device_kind", "TritonModule", "triton_modules", "compile_ttir",
+           "target_facts"]
 
 def _preload_lazy_modules() -> None:
-    """Import now the jax modules that ``pallas_call`` lowering imports lazily on first use.
-
-    Why: jax 0.11.2's ``jax._src.pallas.fuser.jaxpr_fusion`` (reached lazily from the first
-    ``pallas_call`` lowering, e.g. through the interpret-mode path) registers a config option that
-    is part of every jit *trace context*; registering it in the middle of a session changes the
-    context, so every function jitted before that (ours included) misses its cache and recompiles
-    once on its next call. Importing here, before anything is traced, keeps "new lengths never
-    recompile" true from the first call. Best effort: a module missing in some jax is skipped.
-    """
+    """Import now the jax modules that ``pallas_call`` lowering imports lazily on first use:
+    jax 0.11.2's ``jax._src.pallas.fuser.jaxpr_fusion`` registers a config option that is part of
+    every jit *trace context*, so importing it mid-session makes every function jitted before
+    (ours included) recompile once. Importing before anything is traced keeps "new lengths never
+    recompile" true from the first call. Best effort: a module missing in some jax is skipped."""
     import importlib  # noqa: PLC0415
 
     for name in ("jax._src.pallas.fuser.jaxpr_fusion",
@@ -89,20 +62,14 @@ def triton_call(kernel: Callable, *, out_shape, grid, in_specs=None, out_specs=N
                 num_warps: int | None = None, num_stages: int | None = None,
                 interpret: bool = False, name: str | None = None,
                 input_output_aliases: dict[int, int] | None = None, debug: bool = False):
-    """``pl.pallas_call`` pinned to the Triton lowering (``compiler_params`` set explicitly).
-
-    Returns the callable ``pallas_call`` returns. ``interpret=True`` runs the kernel on CPU.
-    """
+    """``pl.pallas_call`` pinned to the Triton lowering (``compiler_params`` set explicitly);
+    ``interpret=True`` runs the kernel on CPU."""
     kwargs: dict[str, Any] = dict(out_shape=out_shape, grid=grid, interpret=interpret,
                                   compiler_params=CompilerParams(num_warps=num_warps,
                                                                 num_stages=num_stages),
                                   debug=debug)
-    if in_specs is not None:
-        kwargs["in_specs"] = in_specs
-    if out_specs is not None:
-        kwargs["out_specs"] = out_specs
-    if name is not None:
-        kwargs["name"] = name
+    given = dict(in_specs=in_specs, out_specs=out_specs, name=name)
+    kwargs.update({k: v for k, v in given.items() if v is not None})
     if input_output_aliases:
         kwargs["input_output_aliases"] = dict(input_output_aliases)
     return pl.pallas_call(kernel, **kwargs)
@@ -196,21 +163,37 @@ def check_inputs(fn: str, interpret: bool | None, **arrays) -> None:
 
 
 def check_backend(fn: str, interpret: bool | None, *arrays) -> None:
-    """``interpret=False`` on a CPU-only JAX with concrete inputs is a ContractError (called
-    after the contract check, so a call outside the contract is reported as that first).
-
-    Traced inputs are let through: they may be lowering for an abstract CUDA device on a CPU
-    machine (``lower_for_device_kind``, ``qsa compile``), which is legitimate.
-
-    Raises:
-      ContractError: as above.
-    """
+    """Raise ContractError for ``interpret=False`` on a CPU-only JAX with concrete inputs
+    (after the contract check, so a call outside the contract is reported as that first).
+    Traced inputs pass: they may be lowering for an abstract CUDA device (``qsa compile``)."""
     from interop.contract import ContractError  # noqa: PLC0415
 
     concrete = not any(isinstance(a, jax.core.Tracer) for a in arrays)
     if interpret is False and concrete and jax.default_backend() == "cpu":
         raise ContractError(fn, "interpret", "True or None on a CPU-only JAX (compiled Pallas "
                             "kernels need a CUDA GPU backend)", interpret)
+
+
+def check_offsets(fn: str, **arrays) -> None:
+    """Refuse arrays whose element offsets need 64 bits while the lowering uses int32: it
+    switches to int64 offsets only for refs over 2**32 bytes (``_compute_offsets_from_indices``,
+    jax 0.10.2 and 0.11.2), so a 1-byte array of 2**31..2**32 elements would wrap.
+
+    Raises:
+      ContractError: the first such array.
+    """
+    import math  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+    from interop.contract import ContractError  # noqa: PLC0415
+
+    for name, a in arrays.items():
+        numel = math.prod(a.shape)
+        if numel - 1 > 2**31 - 1 and numel * np.dtype(a.dtype).itemsize <= 2**32:
+            raise ContractError(fn, name, "fewer than 2**31 elements, or more than 2**32 bytes "
+                                "(the Pallas Triton lowering uses int32 offsets below 2**32 "
+                                "bytes; qsa_triton has no such limit)",
+                                f"{numel} elements of {a.dtype}")
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
@@ -232,22 +215,11 @@ def abstract_mesh(device_kind: str, axis_sizes: Sequence[int] = (1,),
 def lower_for_device_kind(fn: Callable, args: Sequence[Any], device_kind: str, *,
                           platform: str = "cuda", static_argnames: Sequence[str] | None = None,
                           kwargs: dict[str, Any] | None = None):
-    """Trace and lower ``fn(*args, **kwargs)`` for CUDA under an abstract device of ``device_kind``.
-
-    Args:
-      fn: a Python function (jitted here) or an already jitted one.
-      args: ``jax.ShapeDtypeStruct`` or arrays.
-      device_kind: e.g. "NVIDIA H200", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition",
-        "NVIDIA GB10".
-      static_argnames: forwarded to ``jax.jit`` when ``fn`` is not jitted yet.
-      kwargs: keyword arguments (static ones must be named in static_argnames).
-
-    Returns:
-      ``jax.stages.Lowered`` (``.as_text()`` is StableHLO with the Triton custom calls).
-
-    Raises:
-      whatever the Pallas Triton lowering raises (e.g. non-power-of-two tile shapes).
-    """
+    """Trace and lower ``fn(*args, **kwargs)`` for CUDA under an abstract device of
+    ``device_kind`` (e.g. "NVIDIA H200", "NVIDIA GB10"). ``fn``: a Python function (jitted here
+    with ``static_argnames``) or a jitted one; ``args``: ``jax.ShapeDtypeStruct`` or arrays.
+    Returns ``jax.stages.Lowered`` (StableHLO with the Triton custom calls); raises whatever the
+    Pallas Triton lowering raises (e.g. non-power-of-two tile shapes)."""
     kwargs = kwargs or {}
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn, static_argnames=static_argnames)
     mesh = abstract_mesh(device_kind, platform=platform)
@@ -325,20 +297,12 @@ def _ttir_text(raw: bytes) -> str:
 def compile_ttir(module: TritonModule, capability: int, *, num_warps: int | None = None,
                  num_stages: int | None = None) -> dict[str, Any]:
     """Compile one embedded kernel's TTIR to a CUDA binary for ``capability`` (90, 120, 121...)
-    with the *installed* ``triton`` package, on a machine without a GPU; cached (several
-    lowering cases embed the same kernel).
+    with the installed ``triton``, without a GPU; cached. This runs the rest of Triton's pipeline
+    (TTGIR, LLVM, PTX, ptxas), which rejects e.g. a configuration too big for the target; it does
+    not check sm_120/121's 101,376-byte shared-memory limit: compare ``result["shared"]``.
 
-    jax's Pallas lowering stops at TTIR; this runs the rest of Triton's pipeline (TTGIR, LLVM,
-    PTX, ptxas), which is what rejects e.g. a configuration too big for the target. Triton does not
-    check the 101,376-byte shared-memory limit of sm_120/sm_121 at compile time: compare
-    ``result["shared"]`` yourself.
-
-    Returns:
-      dict(name, shared (bytes of shared memory per program), num_warps, num_stages, capability,
-      cubin (bytes)).
-
-    Raises:
-      ImportError: triton not installed; any Triton compile error.
+    Returns dict(name, shared (bytes per program), num_warps, num_stages, capability, cubin).
+    Raises ImportError (no triton) or any Triton compile error.
     """
     import os  # noqa: PLC0415
     import re  # noqa: PLC0415

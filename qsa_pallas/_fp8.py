@@ -1,13 +1,6 @@
-"""The dot operand type of FP8 (e4m3) K/V, shared by the Pallas kernels that read FP8 K/V.
-
-The JAX twin of ``qsa_triton._fp8``: e4m3 converts to float16 exactly and in one instruction per
-two elements on sm_89+, while e4m3 -> bfloat16 goes through fp16 and fp32, so with FP8 K/V the
-dots run in float16: the gathered K/V tiles are converted to float16 (not to q's dtype), q is
-converted once per program, scaled by a power of two 2**-e so that |q| <= 2**15 (e = 0 for any q
-within fp16's range; the scaling is exact, only q entries below 2**-14 times 2**e lose bits as
-fp16 subnormals) with 2**e folded into the score scale, and P (in [0, 1]) is fed as float16,
-which carries more mantissa than bfloat16. Accumulation stays FP32.
-"""
+"""The dot operand type of FP8 (e4m3) K/V, shared by the Pallas kernels that read FP8 K/V: the
+JAX twin of ``qsa_triton._fp8`` (read its docstring for why float16). Gathered K/V tiles are
+converted to float16 (not to q's dtype), q once per program by ``fp16_query``."""
 
 from __future__ import annotations
 

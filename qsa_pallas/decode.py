@@ -1,48 +1,26 @@
-"""Packed varlen sparse decode for JAX: a Pallas kernel on the Triton lowering, split-KV + merge.
+"""Packed varlen sparse decode (``qsa-contract.md`` §2) for JAX: Pallas on the Triton lowering,
+split-KV + merge. Forward-only.
 
-Forward-only. Semantics: ``qsa-contract.md`` §2 (flash-attn varlen convention, one query row per
-sequence). Design (mirrors ``qsa_triton.decode`` through the shared plan ``interop.plan``):
+Algorithm: FlashAttention-2's online softmax with flash-decoding split-KV and an LSE merge (Dao
+et al.), as ``qsa_triton.decode``, with its plan (``interop.plan.plan_decode``, fitted to the
+device's shared memory) and split rule (``interop.plan.split_blocks``). This module:
 
-* one program per (sequence s, KV head h, split j) covering the G query heads of h, padded to a
-  power-of-two head tile (>= 16 so the dots map to tensor-core MMAs) and masked;
-* the split's key range is derived *in the kernel* from ``cu_seqlens_k`` (an int32 input: the
-  Triton lowering has no scalar prefetch), with the number of active splits decided on the device
-  from the row length and the block range from the shared split rule
-  (``interop.plan.split_blocks``); a row longer than ``max_seqlen_k`` is still covered completely
-  (the split size grows with the device length);
-* bf16/fp16 dots with FP32 scores (the scale is applied to the FP32 scores), FP32 online softmax;
-  every K/V row index is clamped into the buffer *and* masked, so nothing outside
-  ``[cu_k[s], cu_k[s+1])`` is read (interpret mode clamps out-of-range gathers instead of faulting,
-  so only explicit masks make the CPU tests meaningful);
-* a one-split plan (``max_splits == 1``: B x Hkv >= the SM count) launches the split kernel alone,
-  each program writing its row's normalised output in q's dtype straight into ``[B, Hq, D]`` (one
-  launch, no FP32 partials; 5-9% faster than split + merge on the H200, bench/NOTES.md, "Decode,
-  Pallas"); otherwise each active split writes its normalised partial output and its LSE (FP32,
-  ``-inf`` for the one split of a zero-length row), and a second Pallas kernel (one program per
-  sequence, query head and D chunk) recomputes the row's n_active from the same device length,
-  weighs split j by ``exp(lse_j - max lse)`` (inactive / empty splits by exactly 0) and writes
-  ``[B, Hq, D]`` in q's dtype. Exact zeros for a row with no keys, never NaN; no XLA glue kernels,
-  no atomics.
-* NaN: a NaN in a key or value a row attends reaches that row's output for the KV head's query
-  heads whatever the split count, as in ``interop.reference``: a split is empty only where its
-  denominator l == 0 (a NaN l, from a NaN score, gives a NaN LSE), and the merges weigh partials
-  by multiplication (0 x NaN is NaN), never by a select on the weight. K/V rows outside every
-  row's range are never read.
-* ``batch_invariant=True`` (qsa-contract.md §2c): the plan ``interop.plan.plan_decode(...,
-  batch_invariant=True)`` (n_active = cdiv(len, 256 keys), BLOCK_N / warps / stages from G and D
-  only) and always the split kernel with partials (never the one-launch direct path, whose
-  lanes are laid out differently), then ``_merge_ordered_kernel``: one program per (sequence,
-  query head, D chunk) folds the row's active splits one after another in split order (a loop
-  over the row's own n_active, so neither B nor the grid's split count enters); a row with one
-  active split takes that split's output as it is, as the Triton twin's split kernel writes
-  it. A row's output bits then depend on its own data only.
+* one program per (sequence, KV head, split) holds the G query heads as a power-of-two head
+  tile (>= 16, masked); the key range and n_active come *in the kernel* from ``cu_seqlens_k``
+  (an int32 input: no scalar prefetch in the Triton lowering), so a row longer than
+  ``max_seqlen_k`` is still covered completely; every K/V row index is clamped into the buffer
+  *and* masked (interpret mode clamps out-of-range gathers instead of faulting);
+* a one-split plan (B x Hkv >= the SM count) runs the split kernel alone, writing the output in
+  q's dtype (one launch; bench/NOTES.md, "Decode, Pallas"); otherwise the active splits write
+  normalised partials and LSEs and ``_merge_kernel`` weighs split j by ``exp(lse_j - max lse)``.
+  An attended NaN reaches the output whatever the split count (a split is empty only where
+  l == 0; the merges weigh by multiplication, never by a select on the weight);
+* ``batch_invariant=True`` (§2c): the batch-invariant plan, always partials and
+  ``_merge_ordered_kernel``, which folds the row's own splits in order (a one-split row takes
+  its partial as it is, as the Triton twin does): a row's bits depend on its own data only.
 
-64-bit offsets: the Pallas Triton lowering switches its pointer offsets to i64 by itself when an
-operand exceeds 2**32 bytes (``_compute_offsets_from_indices``); the row numbers the kernel computes
-(``row * Hkv + h`` < C * Hkv rows) stay far below 2**31.
-
-Algorithm sources: FlashAttention-2 online softmax / flash-decoding split-KV with an LSE merge (Dao
-et al.); the split sizing rule is ``interop/plan.py``'s.
+64-bit offsets: the lowering switches to i64 pointer offsets itself for operands over 2**32 bytes;
+the row numbers computed here (``row * Hkv + h``) stay far below 2**31.
 """
 
 from __future__ import annotations
@@ -68,17 +46,14 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
 
     Args:
       batch: B; num_kv_heads: Hkv; group: G = Hq / Hkv; head_dim: D; max_seqlen_k: host int.
-      device: a jax GPU device; None = the GPU being built for (``_compat.target_facts``: an
-        enclosing abstract mesh's device kind, else jax's first device; CPU: 132 SMs, no
-        shared-memory limit).
+      device: a jax GPU device; None = the GPU being built for (``_compat.target_facts``; CPU:
+        132 SMs, no shared-memory limit).
       batch_invariant: the batch-invariant plan (``sparse_decode(..., batch_invariant=True)``).
 
     Returns:
-      Default: (``interop.plan.plan_decode`` with the static split rule, fitted to the device's
-      shared memory; "direct" for a one-split plan (the split kernel writes the output), else
-      "kernel"). batch_invariant: (``plan_decode(..., batch_invariant=True)``, which fits every
-      supported part as it is, whatever the device; "ordered": split kernel +
-      ``_merge_ordered_kernel``).
+      (``interop.plan.plan_decode`` fitted to the device's shared memory, "direct" for a
+      one-split plan else "kernel"); batch_invariant: (the batch-invariant plan, which fits every
+      supported part, "ordered").
     """
     if batch_invariant:
         return plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k,
@@ -93,12 +68,10 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
 # ---------------------------------------------------------------------------------------------
 # The split kernel
 def _active_splits(cuk_ref, s, block_n: int, min_blocks: int, max_splits: int, capacity: int):
-    """Row s's (start, end, length, blocks, n_active) from device data only
-    (``interop/plan.py``): blocks = cdiv(len, BLOCK_N), n_active = clamp(cdiv(blocks,
-    min_blocks), 1, max_splits). A zero-length row has n_active = 1 (its split writes zeros).
-    Metadata that lies never leads outside K/V: both ends are clamped into [0, C], so a row's
-    keys end at min(cu_k[s+1], C) and a decreasing cu_seqlens_k is an empty row
-    (qsa-contract.md §2; the Triton twin clamps the same way)."""
+    """Row s's (start, end, length, blocks, n_active) from device data only: blocks =
+    cdiv(len, BLOCK_N), n_active = clamp(cdiv(blocks, min_blocks), 1, max_splits) (a zero-length
+    row: 1 split, which writes zeros). Both ends are clamped into [0, C], so lying metadata
+    never leads outside K/V (qsa-contract.md §2; the Triton twin clamps the same way)."""
     start = jnp.clip(cuk_ref[s], 0, capacity)
     end = jnp.clip(cuk_ref[s + 1], 0, capacity)
     length = jnp.maximum(end - start, 0)
@@ -111,13 +84,10 @@ def _split_kernel(cuq_ref, cuk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None, *,
                   head_tile: int, block_n: int, num_q_heads: int, num_kv_heads: int,
                   batch: int, capacity: int, max_splits: int, min_blocks: int, scale: float,
                   direct: bool = False):
-    """One (sequence, KV head, split) program.
-
-    Refs: cuq/cuk int32 [B + 1]; q [B * Hq, D]; k, v [C * Hkv, D] (row r, head h at r * Hkv + h);
-    o_ref [HT, D] f32 block of [B, Hkv, S, HT, D]; lse_ref [HT] f32 block of [B, Hkv, S, HT].
-    direct (plan.max_splits == 1): o_ref is the whole output [B * Hq, D] in q's dtype, written at
-    rows s * Hq + h * G + g (the split is the whole row: no partials, no LSE, no merge launch,
-    as the Triton kernel does for a row with n_active == 1); lse_ref is absent.
+    """One (sequence, KV head, split) program. Refs: cuq/cuk int32 [B + 1]; q [B * Hq, D];
+    k, v [C * Hkv, D] (row r, head h at r * Hkv + h); o_ref [HT, D] f32 block of
+    [B, Hkv, S, HT, D]; lse_ref [HT] f32 block of [B, Hkv, S, HT]. direct (one-split plan):
+    o_ref is the whole output [B * Hq, D] in q's dtype (rows s * Hq + h * G + g), no lse_ref.
     """
     s, h, j = _program_ids()
     start, end, length, blocks, n_active = _active_splits(cuk_ref, s, block_n, min_blocks,
@@ -195,13 +165,10 @@ def _merge_kernel(cuk_ref, o_ref, lse_ref, out_ref, *, group: int, head_tile: in
                   num_kv_heads: int, max_splits: int, splits_p2: int, min_blocks: int,
                   d_chunk: int, capacity: int):
     """One (sequence s, query head h, D chunk c) program: the stable LSE merge of the row's
-    active splits.
-
-    Refs: cuk int32 [B + 1]; o [B * Hkv * S * HT, D] f32 and lse [B * Hkv * S * HT] f32 (the split
-    kernel's outputs, flattened); out_ref: [d_chunk] block of out [B, Hq, D] (q's dtype).
-    M = max_j lse_j over active splits (0 when the row is empty), w_j = exp(lse_j - M) (0 for
-    lse = -inf and for masked splits j >= n_active), out = sum_j w_j o_j / sum_j w_j, with 0 / 1
-    for an empty row: exact zeros, never NaN.
+    active splits. Refs: cuk int32 [B + 1]; o [B * Hkv * S * HT, D] and lse [B * Hkv * S * HT]
+    f32 (the split kernel's outputs, flattened); out_ref a [d_chunk] block of out [B, Hq, D].
+    M = max_j lse_j (0 for an empty row), w_j = exp(lse_j - M) (0 for lse = -inf and splits
+    j >= n_active), out = sum_j w_j o_j / sum_j w_j (0 / 1 for an empty row: exact zeros).
     """
     s, h, c = _program_ids()
     *_, n_active = _active_splits(cuk_ref, s, block_n, min_blocks, max_splits, capacity)
@@ -224,15 +191,11 @@ def _merge_kernel(cuk_ref, o_ref, lse_ref, out_ref, *, group: int, head_tile: in
 def _merge_ordered_kernel(cuk_ref, o_ref, lse_ref, out_ref, *, group: int, head_tile: int,
                           block_n: int, num_kv_heads: int, max_splits: int, min_blocks: int,
                           d_chunk: int, capacity: int):
-    """Batch-invariant merge, one (sequence s, query head h, D chunk c) program: the row's
-    active splits folded one after another in split order.
-
-    Refs as ``_merge_kernel``'s. n_active comes from the row's device length by the split
-    kernel's rule; M = max_j lse_j, w_j = exp(lse_j - M), out = sum_j w_j o_j / sum_j w_j
-    accumulated j = 0, 1, ..., n_active - 1 (a ``fori_loop`` over the row's own splits: the code
-    and its order do not depend on B or on the grid's split count), exact zeros where every split
-    is empty, and a row with n_active = 1 takes o_0 as it is (what the Triton twin's split kernel
-    writes for it). A NaN LSE or partial propagates by arithmetic (0 x NaN is NaN).
+    """Batch-invariant merge, one (sequence s, query head h, D chunk c) program, refs as
+    ``_merge_kernel``'s: the weighted sum accumulated j = 0 .. n_active - 1 in a ``fori_loop``
+    over the row's own splits (neither B nor the grid's split count enters), exact zeros where
+    every split is empty, o_0 as it is for n_active = 1 (as the Triton twin's split kernel
+    writes it). A NaN LSE or partial propagates by arithmetic (0 x NaN is NaN).
     """
     s, h, c = _program_ids()
     *_, n_active = _active_splits(cuk_ref, s, block_n, min_blocks, max_splits, capacity)
@@ -260,39 +223,16 @@ def _merge_ordered_kernel(cuk_ref, o_ref, lse_ref, out_ref, *, group: int, head_
     out_ref[...] = out.astype(out_ref.dtype)
 
 
-def _merge_ordered(o, lse, cu_seqlens_k, *, num_q_heads: int, plan: DecodePlan, out_dtype,
-                   capacity: int, interpret: bool):
-    """The batch-invariant merge kernel (``_merge_ordered_kernel``): (o [B, Hkv, S, HT, D] f32,
-    lse [B, Hkv, S, HT] f32) -> [B, Hq, D]; D chunks of min(D, 256) columns (D only)."""
-    b, hkv, s_max, ht, d = o.shape
-    d_chunk = min(d, 256)
-    kernel = functools.partial(
-        _merge_ordered_kernel, group=num_q_heads // hkv, head_tile=ht, block_n=plan.block_n,
-        num_kv_heads=hkv, max_splits=s_max, min_blocks=plan.min_blocks_per_split,
-        d_chunk=d_chunk, capacity=capacity)
-    whole = C.pl.no_block_spec
-    call = C.triton_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((b, num_q_heads, d), out_dtype),
-        grid=(b, num_q_heads, d // d_chunk), in_specs=[whole] * 3,
-        out_specs=C.pl.BlockSpec((None, None, d_chunk), lambda i, h, c: (i, h, c)),
-        num_warps=4, num_stages=1, interpret=interpret, name="qsa_decode_merge_ordered")
-    return call(cu_seqlens_k, o.reshape(b * hkv * s_max * ht, d), lse.reshape(-1))
-
-
 def _program_ids():
     return C.pl.program_id(0), C.pl.program_id(1), C.pl.program_id(2)
 
 
 def _split_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_scale: float,
                 interpret: bool, direct: bool):
-    """Run the split kernel (no checks). q: [B, Hq, D]; k, v: [C, Hkv, D] (C >= 1); cu_seqlens_q/k:
-    int32 [B + 1].
-
-    Returns:
-      direct (one-split plan): the output [B, Hq, D] in q's dtype (exact zeros for an empty row).
-      Else (o [B, Hkv, S, HT, D] float32, lse [B, Hkv, S, HT] float32), S = plan.max_splits,
-      HT = plan.head_tile: written for head rows < G of splits j < n_active(row), the rest
-      unwritten (garbage); a zero-length row's split 0 has o = 0 and lse = -inf.
+    """Run the split kernel (no checks) on q [B, Hq, D], k, v [C, Hkv, D] (C >= 1) and int32
+    cu_seqlens_q/k [B + 1]. Returns, direct: the output [B, Hq, D] in q's dtype; else (o
+    [B, Hkv, S, HT, D], lse [B, Hkv, S, HT]) float32, written for head rows < G of splits
+    j < n_active (the rest garbage); a zero-length row's split 0 has o = 0, lse = -inf.
     """
     b, hq, d = q.shape
     cap, hkv, _ = k.shape
@@ -320,29 +260,29 @@ def _split_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softma
     return res.reshape(b, hq, d) if direct else res
 
 
-def _merge_partials(o, lse, cu_seqlens_k, *, num_q_heads: int, plan: DecodePlan, out_dtype,
-                   capacity: int, interpret: bool):
-    """The merge kernel: (o [B, Hkv, S, HT, D] f32, lse [B, Hkv, S, HT] f32) -> [B, Hq, D].
-
-    One program per (sequence, query head, D chunk); the D chunk keeps the [S_p2, D_chunk] FP32
-    tile at <= 4096 elements (32 per thread with 4 warps). Reads only the row's active splits.
-    """
+def _merge_call(o, lse, cu_seqlens_k, *, num_q_heads: int, plan: DecodePlan, out_dtype,
+                capacity: int, interpret: bool, ordered: bool):
+    """The merge kernel, ``_merge_kernel`` or (``ordered``, batch-invariant)
+    ``_merge_ordered_kernel``: (o [B, Hkv, S, HT, D] f32, lse [B, Hkv, S, HT] f32) ->
+    [B, Hq, D], one program per (sequence, query head, D chunk). The unordered merge's D chunk
+    keeps its [S_p2, D_chunk] FP32 tile at <= 4096 elements (32 per thread with 4 warps); the
+    ordered one takes min(D, 256) columns (D only)."""
     b, hkv, s_max, ht, d = o.shape
-    group = num_q_heads // hkv
-    splits_p2 = max(2, next_pow2(s_max))
-    d_chunk = max(16, min(d, 4096 // splits_p2))
-    kernel = functools.partial(
-        _merge_kernel, group=group, head_tile=ht, block_n=plan.block_n, num_kv_heads=hkv,
-        max_splits=s_max, splits_p2=splits_p2, min_blocks=plan.min_blocks_per_split,
-        d_chunk=d_chunk, capacity=capacity)
-    whole = C.pl.no_block_spec
+    common = dict(group=num_q_heads // hkv, head_tile=ht, block_n=plan.block_n, num_kv_heads=hkv,
+                  max_splits=s_max, min_blocks=plan.min_blocks_per_split, capacity=capacity)
+    if ordered:
+        d_chunk = min(d, 256)
+        kernel = functools.partial(_merge_ordered_kernel, d_chunk=d_chunk, **common)
+    else:
+        splits_p2 = max(2, next_pow2(s_max))
+        d_chunk = max(16, min(d, 4096 // splits_p2))
+        kernel = functools.partial(_merge_kernel, splits_p2=splits_p2, d_chunk=d_chunk, **common)
     call = C.triton_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((b, num_q_heads, d), out_dtype),
-        grid=(b, num_q_heads, d // d_chunk),
-        in_specs=[whole] * 3,
+        kernel, out_shape=jax.ShapeDtypeStruct((b, num_q_heads, d), out_dtype),
+        grid=(b, num_q_heads, d // d_chunk), in_specs=[C.pl.no_block_spec] * 3,
         out_specs=C.pl.BlockSpec((None, None, d_chunk), lambda i, h, c: (i, h, c)),
-        num_warps=4, num_stages=1, interpret=interpret, name="qsa_decode_merge")
+        num_warps=4, num_stages=1, interpret=interpret,
+        name="qsa_decode_merge_ordered" if ordered else "qsa_decode_merge")
     return call(cu_seqlens_k, o.reshape(b * hkv * s_max * ht, d), lse.reshape(-1))
 
 
@@ -350,68 +290,51 @@ def _merge_partials(o, lse, cu_seqlens_k, *, num_q_heads: int, plan: DecodePlan,
                                              "batch_invariant"))
 def _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_scale: float,
             interpret: bool, batch_invariant: bool = False):
-    b, hq, d = q.shape
     if k.shape[0] == 0:  # no keys anywhere: every row is empty (contract: exact zeros)
         return jnp.zeros_like(q)
-    if batch_invariant:  # always partials + the ordered merge (module docstring)
-        o, lse = _split_call(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
-                             softmax_scale=softmax_scale, interpret=interpret, direct=False)
-        return _merge_ordered(o, lse, cu_seqlens_k, num_q_heads=hq, plan=plan, out_dtype=q.dtype,
-                              capacity=k.shape[0], interpret=interpret)
-    if plan.max_splits == 1:  # one program per (sequence, KV head): one launch, no merge
-        return _split_call(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
-                           softmax_scale=softmax_scale, interpret=interpret, direct=True)
-    o, lse = _split_call(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
-                         softmax_scale=softmax_scale, interpret=interpret, direct=False)
-    return _merge_partials(o, lse, cu_seqlens_k, num_q_heads=hq, plan=plan, out_dtype=q.dtype,
-                           capacity=k.shape[0], interpret=interpret)
+    # a one-split plan: one program per (sequence, KV head), one launch, no merge; batch-invariant
+    # calls always take partials + the ordered merge (module docstring)
+    direct = plan.max_splits == 1 and not batch_invariant
+    res = _split_call(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
+                      softmax_scale=softmax_scale, interpret=interpret, direct=direct)
+    if direct:
+        return res
+    return _merge_call(*res, cu_seqlens_k, num_q_heads=q.shape[1], plan=plan, out_dtype=q.dtype,
+                       capacity=k.shape[0], interpret=interpret, ordered=batch_invariant)
 
 
 def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
                   strict: bool = False, interpret: bool | None = None,
                   batch_invariant: bool = False):
     """Packed varlen sparse decode (``qsa-contract.md`` §2), Pallas on the Triton lowering.
-
-    Same argument order and meaning as ``qsa_triton.sparse_decode``. Forward-only.
+    Forward-only; same argument order and meaning as ``qsa_triton.sparse_decode``.
 
     Args:
-      q: [B, Hq, D] bfloat16|float16 jax array; sequence s's query is row ``cu_seqlens_q[s]``.
-      k, v: [C, Hkv, D], q's dtype: packed selected keys/values; sequence s owns rows
-        ``[cu_seqlens_k[s], cu_seqlens_k[s + 1])``. C (capacity) is any size >= cu_seqlens_k[B].
-        Hq = G * Hkv, G <= 16, D a power of two in 32..256.
-      cu_seqlens_q, cu_seqlens_k: int32 [B + 1] device arrays (may be traced; never read on the
-        host).
-      max_seqlen_k: host int >= 1, static upper bound of a row's key count; it only sizes the
-        split grid (a longer row is still attended completely).
+      q: [B, Hq, D] bfloat16|float16; sequence s's query is row ``cu_seqlens_q[s]``.
+      k, v: [C, Hkv, D], q's dtype, packed: sequence s owns rows
+        ``[cu_seqlens_k[s], cu_seqlens_k[s + 1])``; any C >= cu_seqlens_k[B]. Hq = G * Hkv,
+        G <= 16, D a power of two in 32..256.
+      cu_seqlens_q, cu_seqlens_k: int32 [B + 1] (may be traced; never read on the host).
+      max_seqlen_k: host int >= 1, a static bound that only sizes the split grid (a longer row
+        is still attended completely).
       softmax_scale: host float > 0 (applied to FP32 scores), default D ** -0.5.
-      strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``), as
-        ``qsa_triton.sparse_decode``; always on for a GPU that ``interop.contract.route`` sends to
-        the exact contract (sm_121).
-      interpret: None -> Pallas interpret mode when jax's default backend is the CPU, the compiled
-        Triton kernel on a GPU; True/False forces it.
-      batch_invariant: host bool (static under ``jax.jit``). True: a row's output bits depend
-        only on its own q row, keys, length and scale, not on B, the other rows, its place in the
-        batch, ``max_seqlen_k`` (any valid bound) or the GPU (``qsa-contract.md`` §2c). Rule, as
-        ``qsa_triton.sparse_decode``'s: n_active = cdiv(len,
-        ``interop.plan.BATCH_INVARIANT_SPLIT_KEYS``) splits from the shared split rule, BLOCK_N /
-        warps / stages from G and D only (``plan_decode(..., batch_invariant=True)``), the
-        active splits merged in split order (module docstring). Cost against the default: fewer
-        programs at small B, partials and a merge launch also for one-split plans
-        (``bench.decode`` provider ``pallas[bi]``).
+      strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``); always on
+        for a GPU that ``interop.contract.route`` sends to the exact contract (sm_121).
+      interpret: None -> interpret mode when jax's default backend is the CPU; a bool forces it.
+      batch_invariant: host bool (static). True: a row's output bits depend only on its own
+        inputs, not on B, the other rows, its place, ``max_seqlen_k`` or the GPU (§2c; module
+        docstring). Cost: fewer programs at small B, a merge launch also for one-split plans.
 
     Returns:
-      [B, Hq, D] in q's dtype; ``out[s, h] = softmax(scale * q[cu_q[s], h] . K^T) . V`` over the
-      row's keys of KV head ``h // G``; exact zeros for a row with no keys. A NaN in a key or
-      value the row attends gives NaN for the KV head's query heads (as ``interop.reference``),
-      whatever the split count; K/V rows outside every row's range are never read.
+      [B, Hq, D] in q's dtype: ``softmax(scale * q[cu_q[s], h] . K^T) . V`` over the row's keys
+      of KV head ``h // G``; exact zeros for a row with no keys; an attended NaN gives NaN.
 
     Raises:
-      ContractError: from ``interop.contract.check_decode`` (same message as the torch path),
-        before anything is traced or launched; torch tensors; ``interpret=False`` on a CPU-only
-        jax; a ``batch_invariant`` that is not a host bool.
+      ContractError: before anything is traced (``interop.contract.check_decode``, the torch
+        path's message; a non-bool ``batch_invariant``); torch tensors; ``interpret=False`` on a
+        CPU-only jax.
 
-    Works under ``jax.jit`` (``max_seqlen_k`` and ``batch_invariant`` static, lengths traced),
-    ``lax.scan`` and ``shard_map`` (see ``_compat.shard_map``: the VMA check must be off).
+    Works under ``jax.jit`` (lengths traced), ``lax.scan`` and ``shard_map`` (VMA check off).
     """
     return _sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
                           strict=strict, interpret=interpret, batch_invariant=batch_invariant)

@@ -2,49 +2,26 @@
 lowering, jit-native (every length, position and slot is device data; only shapes, dtypes and
 scales are static).
 
-Same algorithm, plan and validity rule as ``qsa_triton.decode_paged`` (the shared static plan
-``interop.plan.plan_decode_paged``):
+Same algorithm, plan (``interop.plan.plan_decode_paged``) and validity rule as
+``qsa_triton.decode_paged`` (read its module docstring). Differences:
 
-* one program per (split j, row r, KV head h): the G query heads of h as one [head tile, D]
-  tile (G padded to a power of two >= 16, padded lanes masked), walking the BLOCK_N chunks
-  ``[j*nb // S, (j+1)*nb // S)`` of the row's W index columns;
-* per chunk: positions gathered with a lane-wise index (clamped into the row and masked; a
-  dynamic ``pl.ds`` slice past the end would be clamped by interpret mode, shifting the data);
-  valid iff ``0 <= idx < min(seq_lens[r], max_context)``, the row's request a table row, and its
-  slot ``req_to_token[req, idx]`` (loaded under that mask) inside the pool; K/V rows gathered
-  under the final mask (masked lanes are never dereferenced on the GPU and read 0.0, so NaN/Inf
-  in slots no valid entry names never reach a dot; every gather index is also clamped into
-  range, since interpret mode clamps instead of faulting), converted once to q's dtype (FP8
-  K/V: to float16, with q converted once per program to float16 scaled by a power of two,
-  ``qsa_pallas._fp8``); dots in that dtype with FP32 accumulation, FP32 scores times
-  ``softmax_scale * k_scale * log2(e)``, invalid columns -inf, FP32 online softmax with exp2, P
-  cast to the dot dtype for P·V;
-* a one-split plan writes ``acc * v_scale / l`` into ``[R, Hq, D]`` itself (exact zeros where
-  l = 0); otherwise every split writes its normalised partial and log2 LSE (-inf when its
-  columns hold no valid entry) and plain JAX merges them: M = max_j lse_j, w_j = 2^(lse_j - M)
-  (0 for empty splits, whose partials are selected away, never multiplied), out = sum w_j o_j /
-  sum w_j, zeros where every split is empty. NaN (qsa-contract.md §2b): a split is empty only
-  where l == 0 (an attended NaN makes l and the LSE NaN), and the merge writes NaN wherever a
-  split's LSE or partial is NaN (a select, so finite outputs keep their bits), so an attended
-  NaN reaches the output whatever the number of splits, as in ``interop.reference``. The merge
-  is an unrolled chain over the splits in a fixed order (elementwise, one XLA fusion), so its
-  bits do not depend on R: with
-  ``batch_invariant=True`` (a plan that depends on W, G, D and the dtypes only) a row's output
-  bits do not depend on the batch.
-
-64-bit offsets: the Pallas Triton lowering (jax 0.10.2 / 0.11.2, ``_compute_offsets_from_indices``)
-uses int64 element offsets exactly for refs larger than 2**32 bytes. A bf16/fp16 pool past ~4.2M
-slots at Hkv x D = 512 is such a ref; an FP8 pool of 2**31..2**32 elements would wrap, so the
-entry point rejects it (``ContractError``) instead of reading the wrong rows.
-
-Algorithm sources: FlashAttention-2 online softmax; flash-decoding split-KV with an LSE merge.
+* a 3-D grid (split, row, KV head); lane i of the head tile holds head i - (HT - G), padding
+  lanes first (the direct path's indexed store relies on it, see ``_split_kernel``);
+* positions are gathered lane-wise, clamped into the row and masked (a dynamic ``pl.ds`` past
+  the end would be clamped by interpret mode, shifting the data); every gather index is clamped
+  into range as well as masked, since interpret mode clamps instead of faulting;
+* a multi-split plan's merge is plain JAX (``_merge``): an unrolled chain over the splits in a
+  fixed order (one XLA fusion; bits independent of R), NaN where a split's LSE or partial is NaN;
+* 64-bit offsets: the lowering (``_compute_offsets_from_indices``, jax 0.10.2 / 0.11.2) uses
+  int64 element offsets exactly for refs larger than 2**32 bytes, so an FP8 pool of 2**31..2**32
+  elements would wrap: the entry point rejects it (``ContractError``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -53,15 +30,12 @@ from jax import lax
 
 from interop.arch import DeviceFacts
 from interop.contract import ContractError, check_decode_paged, route
-from interop.plan import PAGED_MAX_SPLITS, PagedDecodePlan, plan_decode_paged
+from interop.plan import LOG2E, PAGED_MAX_SPLITS, PagedDecodePlan, plan_decode_paged
 
 from . import _compat as C
 from ._fp8 import fp16_query, is_fp8
 
 __all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "lowering_cases"]
-
-_LOG2E = 1.4426950408889634
-_INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +58,7 @@ class _Static:
 
 def _split_kernel(req_ref, seqlen_ref, table_ref, idx_ref, q_ref, k_ref, v_ref, *out_refs,
                   st: _Static):
-    """Program (split j, row r, KV head h). Refs: req/seqlen int32 [R]; table int32
-    [max_reqs, max_context]; idx int32 [R, W] or [R, Hkv, W]; q [R, Hq, D]; k/v [slots, Hkv, D].
+    """Program (split j, row r, KV head h) over the refs of ``sparse_decode_paged``'s arguments.
     Outputs: direct (one split): out [R, Hq, D] in q's dtype (the whole array, indexed stores);
     else o [HT, D] f32 and lse [HT] f32 blocks of [S, R, Hkv, HT, (D)]."""
     j, r, h = C.pl.program_id(0), C.pl.program_id(1), C.pl.program_id(2)
@@ -220,36 +193,18 @@ def _decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_l
 
 # ---------------------------------------------------------------------------------------------
 # Entry points
-@functools.lru_cache(maxsize=16)
-def _device_sms(dev) -> int:
-    if dev.platform != "gpu":
-        return 132  # the H200's (anchors.md): only shapes the interpreter's grid
-    try:
-        return DeviceFacts.from_jax(dev).sm_count
-    except Exception:  # noqa: BLE001 - unknown part
-        return int(getattr(dev, "core_count", None) or 132)
-
-
 def _target_sms() -> int:
-    """SM count of the GPU the call is built for: the abstract device's kind when lowering ahead
-    of time, else jax's default device (132 on CPU)."""
-    try:
-        abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    except Exception:  # noqa: BLE001 - older jax without abstract meshes
-        abstract = None
-    if abstract is not None and abstract.platform in ("cuda", "gpu"):
-        try:
-            return DeviceFacts.from_device_kind(abstract.device_kind).sm_count
-        except (ValueError, KeyError):
-            return 132
-    return _device_sms(jax.devices()[0])
+    """SM count of the GPU the call is built for (``_compat.target_facts``: the abstract device
+    when lowering ahead of time, else jax's first GPU); the H200's 132 on CPU, where it only
+    shapes the interpreter's grid."""
+    facts = C.target_facts()
+    return facts.sm_count if facts is not None else 132
 
 
 def plan_for(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int, width: int, *,
              q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
              batch_invariant: bool = False) -> PagedDecodePlan:
-    """The plan a call with these static shapes uses on the target GPU
-    (``interop.plan.plan_decode_paged``; fits sm_120 / sm_121's shared memory)."""
+    """The plan (``interop.plan.plan_decode_paged``) a call with these shapes uses."""
     return plan_decode_paged(rows, num_kv_heads, num_q_heads // num_kv_heads, head_dim,
                              max(1, width), _target_sms(), q_bytes=np.dtype(q_dtype).itemsize,
                              kv_bytes=np.dtype(kv_dtype).itemsize,
@@ -277,20 +232,14 @@ def _prepare(args, softmax_scale, k_scale, v_scale, batch_invariant, strict, int
                               # strict last: the checker refuses a traced / non-bool strict
                               strict=(not interp and _exact_contract_backend()) or strict)
     C.check_backend(_FN, interpret, *args)
-    k = args[1]
-    numel = math.prod(k.shape)
-    if numel - 1 > _INT32_MAX and numel * np.dtype(k.dtype).itemsize <= 2**32:
-        raise ContractError(_FN, "k_cache", "a pool of fewer than 2**31 elements, or of more than "
-                            "2**32 bytes (the Pallas Triton lowering uses int32 offsets below "
-                            "2**32 bytes; qsa_triton has no such limit)",
-                            f"{numel} elements of {k.dtype}")
+    C.check_offsets(_FN, k_cache=args[1])
     return prob, interp
 
 
 def _static(prob, plan, interp) -> _Static:
     return _Static(prob.rows, prob.num_q_heads, prob.num_kv_heads, prob.group, prob.head_dim,
                    prob.width, prob.per_head_indices, prob.slots, prob.max_reqs, prob.max_context,
-                   float(prob.softmax_scale * prob.k_scale * _LOG2E), float(prob.v_scale), plan,
+                   float(prob.softmax_scale * prob.k_scale * LOG2E), float(prob.v_scale), plan,
                    bool(interp))
 
 
@@ -299,25 +248,19 @@ def sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
                         batch_invariant: bool = False, strict: bool = False,
                         interpret: bool | None = None):
     """Paged sparse decode (``qsa-contract.md`` §2b): the whole decode step from the KV pool.
-
     Same argument order and meaning as ``qsa_triton.sparse_decode_paged``.
 
     Args:
-      q: [R, Hq, D] bfloat16|float16 jax array, one row per decode query (MTP verify rows too).
-      k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or float8_e4m3fn.
-      req_to_token: int32 [max_reqs, max_context] (position -> pool slot, SGLang's table).
-      req_indices, seq_lens: int32 [R]; indices: int32 [R, W] or [R, Hkv, W] logical positions.
-        Entry valid iff ``0 <= idx < seq_lens[r]``, ``idx < max_context``, ``req_indices[r]``
-        a table row, and its slot in ``[0, slots)``; invalid entries are never dereferenced;
-        duplicates attend once per occurrence. All of these are device data (may be traced).
-      softmax_scale: host float > 0 (applied to FP32 scores), default D ** -0.5.
-      k_scale, v_scale: host floats > 0 (FP8 pools; 1.0 for a pool in q's dtype).
-      batch_invariant: a row's output bits depend only on its own inputs (§2c; cost in
-        ``interop.plan.plan_decode_paged``).
+      q: [R, Hq, D] bfloat16|float16; k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or
+        float8_e4m3fn; req_to_token: int32 [max_reqs, max_context]; req_indices, seq_lens:
+        int32 [R]; indices: int32 [R, W] or [R, Hkv, W] logical positions (validity as
+        ``qsa_triton``'s: invalid entries are never dereferenced). Device data may be traced.
+      softmax_scale: host float > 0 (on FP32 scores), default D ** -0.5; k_scale, v_scale: host
+        floats > 0 (FP8 pools; 1.0 for a pool in q's dtype).
+      batch_invariant: a row's output bits depend only on its own inputs (§2c).
       strict: also enforce the qualified envelope; always on where ``interop.contract.route``
         sends decode to the exact contract (sm_121).
-      interpret: None -> Pallas interpret mode when jax's default backend is the CPU, the
-        compiled Triton kernel on a GPU; True/False forces it.
+      interpret: None -> interpret mode when jax's default backend is the CPU; a bool forces it.
 
     Returns:
       [R, Hq, D] in q's dtype: ``softmax(scale · k_scale · q[r, h] · Kᵀ) · V · v_scale`` over the
@@ -328,9 +271,8 @@ def sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
         path) before anything is traced or launched; an FP8 pool of 2**31..2**32 elements
         (module docstring); ``interpret=False`` on a CPU-only JAX.
 
-    Works under ``jax.jit`` (lengths, positions, slots traced; a new value never retraces),
-    ``lax.scan`` and ``shard_map`` (VMA check off: ``_compat.shard_map``). Source of the
-    algorithm: this module's docstring.
+    Works under ``jax.jit`` (a new length never retraces), ``lax.scan`` and ``shard_map`` (VMA
+    check off). Algorithm and sources: ``qsa_triton.decode_paged``'s module docstring.
     """
     args = (q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens)
     prob, interp = _prepare(args, softmax_scale, k_scale, v_scale, batch_invariant, strict,
@@ -372,27 +314,25 @@ def lowering_cases(device_kind: str, *, head_dim: int = 256, width: int = 2051,
     sds = jax.ShapeDtypeStruct
     cases, seen = [], set()
     with jax.sharding.use_abstract_mesh(C.abstract_mesh(device_kind)):
-        for hq, hkv in ((24, 2), (12, 1), (6, 1), (3, 1)):
-            for kvd in (dtype, jnp.float8_e4m3fn):
-                for bi in (False, True):
-                    for r in range(1, 513):
-                        plan = plan_for(r, hq, hkv, head_dim, width, q_dtype=dtype, kv_dtype=kvd,
-                                        batch_invariant=bi)
-                        key = (hq, hkv, np.dtype(kvd).name, plan.head_tile, plan.block_n,
-                               plan.num_warps, plan.num_stages, plan.num_splits == 1)
-                        if key in seen:
-                            continue
-                        seen.add(key)
-                        slots = 4096
-                        args = (sds((r, hq, head_dim), dtype), sds((slots, hkv, head_dim), kvd),
-                                sds((slots, hkv, head_dim), kvd), sds((r + 2, 4096), jnp.int32),
-                                sds((r,), jnp.int32), sds((r, width), jnp.int32),
-                                sds((r,), jnp.int32))
-                        fn = functools.partial(_lowerable, batch_invariant=bi)
-                        cases.append((f"pallas_paged_{hq}_{hkv}_kv{np.dtype(kvd).name}_R{r}"
-                                      f"_ht{plan.head_tile}_bn{plan.block_n}_s{plan.num_splits}"
-                                      f"_w{plan.num_warps}_st{plan.num_stages}"
-                                      f"{'_bi' if bi else ''}", fn, args))
+        for (hq, hkv), kvd, bi, r in itertools.product(((24, 2), (12, 1), (6, 1), (3, 1)),
+                                                       (dtype, jnp.float8_e4m3fn), (False, True),
+                                                       range(1, 513)):
+            plan = plan_for(r, hq, hkv, head_dim, width, q_dtype=dtype, kv_dtype=kvd,
+                            batch_invariant=bi)
+            kv = np.dtype(kvd).name
+            key = (hq, hkv, kv, plan.head_tile, plan.block_n, plan.num_warps, plan.num_stages,
+                   plan.num_splits == 1)
+            if key in seen:
+                continue
+            seen.add(key)
+            i32 = jnp.int32
+            args = (sds((r, hq, head_dim), dtype), sds((4096, hkv, head_dim), kvd),
+                    sds((4096, hkv, head_dim), kvd), sds((r + 2, 4096), i32), sds((r,), i32),
+                    sds((r, width), i32), sds((r,), i32))
+            cases.append((f"pallas_paged_{hq}_{hkv}_kv{kv}_R{r}_ht{plan.head_tile}"
+                          f"_bn{plan.block_n}_s{plan.num_splits}_w{plan.num_warps}"
+                          f"_st{plan.num_stages}{'_bi' if bi else ''}",
+                          functools.partial(_lowerable, batch_invariant=bi), args))
     return cases
 
 

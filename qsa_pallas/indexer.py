@@ -1,30 +1,19 @@
 """The QSA indexer for JAX: block scoring, exact top-k and expansion, Pallas on the Triton lowering.
 
 Semantics: ``qsa-contract.md`` §4b and §4; FP64 references ``interop.reference.indexer_*``. Same
-names, argument order, plan (``interop.indices.plan_indexer``) and algorithm as
-``qsa_triton.indexer`` (read its module docstring for the design and the bytes moved):
-
-* pass 1, one program per (row tile, chunk of C blocks): score the chunk in BLOCK_N tiles (one
-  bf16/fp16 dot with FP32 accumulation, ReLU, head sum), hold the chunk's scores as int32
-  order-preserving keys, find each row's k-th largest key by a radix search (``radix_bits``
-  bits a round, the round's 2^bits - 1 thresholds counted in one compare-and-sum), keep
-  key > tau and the first k - #(key > tau) ties in block order, and write the survivors in
-  ascending block order (one packed prefix sum gives the tie ranks and the slots) with their
-  count: no [rows, blocks] logits array exists at any point;
-* pass 2, one program per row: the same select over the row's candidates, then the ascending
-  block ids or, fused, the expanded token row.
+names, argument order, plan (``interop.indices.plan_indexer``) and two-pass algorithm (chunked
+scoring into int32 keys, radix select of the exact top-k, merge with optional fused expansion)
+as ``qsa_triton.indexer``: read its module docstring for the design, sources and bytes moved.
 
 JAX specifics: lengths and row ranges are traced int32 inputs (no scalar prefetch in the Triton
-lowering), every data-dependent loop has a device-computed trip count (``fori_loop`` /
+lowering) and every data-dependent loop has a device-computed trip count (``fori_loop`` /
 ``while_loop``), so one jitted function serves every length; the entry points are jit-native and
-work under ``lax.scan`` and ``shard_map`` (VMA check off, ``_compat.shard_map``). In interpret
-mode (CPU) a masked scatter writes back the old value at masked lanes
+work under ``lax.scan`` and ``shard_map`` (VMA check off). In interpret mode (CPU) a masked
+scatter writes back the old value at masked lanes
 (``jax._src.pallas.primitives._swap_discharge_rule``), which can clobber a written lane with the
 same index, so every scatter sends its masked lanes to one spare slot past the data; on the GPU
-masked lanes write nothing and the spare slot is never touched.
-
-The standalone ``expand_block_indices`` is plain ``jnp`` (cumsum + scatter), jit-native; the fused
-decode/prefill paths expand inside the merge kernel.
+masked lanes write nothing. The standalone ``expand_block_indices`` is plain ``jnp`` (cumsum +
+scatter); the fused paths expand inside the merge kernel.
 """
 
 from __future__ import annotations
@@ -50,8 +39,7 @@ _INT32_MAX = 2**31 - 1
 
 def _target() -> tuple[int, int]:
     """(SM count, shared memory per block) of the GPU the kernels are built for
-    (``_compat.target_facts``: the abstract device when lowering ahead of time, else jax's first
-    GPU); an H200's (132, 232,448 B) on a CPU-only jax."""
+    (``_compat.target_facts``); an H200's (132, 232,448 B) on a CPU-only jax."""
     facts = C.target_facts()
     if facts is None:
         return 132, 232_448
@@ -74,12 +62,9 @@ def _rounds(rb: int) -> tuple[int, int]:
 
 
 def _kth_key_row(keys, k: int, rb: int, run):
-    """The k-th largest of ``keys`` [N] int32 (>= 0 visible, -1 not) as an int32 scalar: the
-    largest t >= 0 with #(key >= t) >= k, 0 with fewer than k visible keys. Same radix search as
-    ``qsa_triton.indexer._kth_key_row``: rb bits a round from bit 30 down, the 2^rb - 1
-    thresholds of a round counted at once, two counts packed to an int32 (16-bit halves,
-    N < 2^16). ``run`` (traced bool): False skips the rounds (tau 0: the caller knows there are
-    <= k keys)."""
+    """The k-th largest of ``keys`` [N] int32 (>= 0 visible, -1 not) as an int32 scalar (0 with
+    fewer than k visible keys): ``qsa_triton.indexer._kth_key_row``'s radix search. ``run``
+    (traced bool): False skips the rounds (tau 0: the caller knows there are <= k keys)."""
     n_rounds, w0 = _rounds(rb)
     nj = IndexerPlan.thresholds(rb)
     if nj == 1:
@@ -135,10 +120,8 @@ def _kth_key(keys, k: int, rb: int, run):
 
 def _select(keys, tau, k: int):
     """Exact top-k of ``keys`` [..., N] given their k-th largest ``tau`` [...], ties to the
-    smaller index: key > tau, then the first k - #(key > tau) keys == tau in index order. One
-    packed prefix sum (#above + #tie * 2^16) gives the tie rank and each survivor's slot in
-    ascending index order (the rule of ``qsa_triton.indexer._select``, for one row or a tile of
-    rows). Returns (sel [..., N] bool, slot [..., N] int32, count [...])."""
+    smaller index (``qsa_triton.indexer._select``'s rule, for one row or a tile of rows).
+    Returns (sel [..., N] bool, slot [..., N] int32, count [...])."""
     above = (keys > tau[..., None]).astype(jnp.int32)
     tie = (keys == tau[..., None]).astype(jnp.int32)
     incl = jnp.cumsum(above + jnp.left_shift(tie, 16), axis=-1)
@@ -432,12 +415,8 @@ def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
                         compress_ratio: int = 4, strict: bool = False,
                         plan: IndexerPlan | None = None, interpret: bool | None = None):
     """Decode indexer: score each row's paged compressed keys and keep the exact top-k blocks.
-
-    Same contract as ``qsa_triton.indexer_topk_decode``: row b sees its first
-    ``floor(seq_lens[b] / compress_ratio)`` blocks (capped at ``max_pages * page_size``), block n
-    at ``k_cache[page_table[b, n // page_size], n % page_size, 0]``; page-table entries past the
-    row's blocks are never read; scores ``sum_h ReLU(q[b, h] . k[n])`` in FP32 (the division by
-    ``score_scale`` does not change the order and is left out).
+    Same contract as ``qsa_triton.indexer_topk_decode`` (the row's visible blocks, the page
+    table's addressing, scores ``sum_h ReLU(q[b, h] . k[n])`` in FP32).
 
     Args:
       q: [B, H, D] bf16|fp16|fp8 e4m3 jax array.
@@ -453,10 +432,8 @@ def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
       of them; ties go to the smaller block id (``interop.reference.indexer_topk``).
 
     Raises:
-      ContractError: before anything is traced or launched
-        (``interop.contract.check_indexer_decode``; the same message as the torch path), or
-        for a plan (given, or the default one: rows of up to 2M blocks at topk 512) that cannot
-        run this call (``IndexerPlan.problem``).
+      ContractError: before anything is traced (``interop.contract.check_indexer_decode``, the
+        torch path's message), or a plan (given or the default) that cannot run this call.
     """
     return _decode_entry("indexer_topk_decode", q, k_cache, page_table, seq_lens, topk,
                          compress_ratio, strict, interpret, False, plan)
@@ -465,16 +442,10 @@ def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
 def indexer_select_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
                           compress_ratio: int = 4, strict: bool = False,
                           plan: IndexerPlan | None = None, interpret: bool | None = None):
-    """The whole decode indexer: ``indexer_topk_decode`` with the expansion fused into the merge.
-
-    Returns:
-      int32 [B, topk * ratio + ratio - 1] (2051) token positions ascending (position
-      ``seq_lens[b] - 1``, bound ``seq_lens[b]``), equal to ``expand_block_indices`` of
-      ``indexer_topk_decode``'s output: the ``indices`` of ``sparse_decode_paged``.
-
-    Raises:
-      ContractError: as ``indexer_topk_decode``.
-    """
+    """The whole decode indexer: ``indexer_topk_decode`` (same arguments and errors) with the
+    expansion fused into the merge. Returns int32 [B, topk * ratio + ratio - 1] (2051) token
+    positions ascending (position ``seq_lens[b] - 1``, bound ``seq_lens[b]``), -1 after: the
+    ``indices`` of ``sparse_decode_paged``."""
     return _decode_entry("indexer_select_decode", q, k_cache, page_table, seq_lens, topk,
                          compress_ratio, strict, interpret, True, plan)
 
@@ -502,8 +473,7 @@ def indexer_topk_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compres
     """Prefill indexer: each row's exact top-k over its packed compressed-key range.
 
     Same contract as ``qsa_triton.indexer_topk_prefill``: row m scores key rows
-    ``[row_starts[m], row_ends[m])`` of ``k`` (intersected with ``[0, N)``), ids relative to
-    ``row_starts[m]``; rows go in static groups that bound the candidate workspace.
+    ``[row_starts[m], row_ends[m])`` of ``k`` (within ``[0, N)``), ids relative to row_starts[m].
 
     Args:
       q: [T, H, D] bf16|fp16|fp8 e4m3; k: [N, 1, D] q's dtype or fp8 e4m3.
@@ -523,18 +493,10 @@ def indexer_topk_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compres
 def indexer_select_prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int = 512,
                            compress_ratio: int = 4, strict: bool = False,
                            plan: IndexerPlan | None = None, interpret: bool | None = None):
-    """The whole prefill indexer: ``indexer_topk_prefill`` with the expansion fused into the merge.
-
-    Args:
-      positions, seq_lens: int32 [T], each row's position and validity bound (request length).
-
-    Returns:
-      int32 [T, topk * ratio + ratio - 1], equal to ``expand_block_indices`` of
-      ``indexer_topk_prefill``'s output.
-
-    Raises:
-      ContractError: as ``indexer_topk_prefill``.
-    """
+    """The whole prefill indexer: ``indexer_topk_prefill`` (same arguments and errors, plus
+    ``positions``, ``seq_lens``: int32 [T], each row's position and validity bound) with the
+    expansion fused into the merge. Returns int32 [T, topk * ratio + ratio - 1], equal to
+    ``expand_block_indices`` of ``indexer_topk_prefill``'s output."""
     return _prefill_entry("indexer_select_prefill", q, k, row_starts, row_ends, positions,
                           seq_lens, topk, compress_ratio, strict, interpret, True, plan)
 
@@ -585,11 +547,8 @@ def _expand(block_ids, positions, seq_lens, *, ratio: int):
 
 def expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio: int = 4,
                          strict: bool = False):
-    """Block ids -> token positions (``qsa-contract.md`` §4), vectorised ``jnp`` (jit-native).
-
-    Same rule as ``qsa_triton.expand_block_indices`` and ``interop.indices.expand_block_indices``
-    (tokens ``ratio*g .. ratio*g + ratio - 1`` of every id g >= 0 below ``seq_len``, the causal
-    tail, valid entries stably first).
+    """Block ids -> token positions (``qsa-contract.md`` §4), vectorised ``jnp`` (jit-native):
+    the rule of ``qsa_triton.expand_block_indices`` and ``interop.indices.expand_block_indices``.
 
     Args:
       block_ids: int32 [M, topk]; positions, seq_lens: int32 [M] (traced).

@@ -1,53 +1,22 @@
 """QSA sparse prefill as Pallas (Triton lowering) kernels: ordinary, chunk and paged.
 
-Semantics: ``qsa-contract.md`` §3; oracle: ``interop.reference.prefill*_reference``.
-Algorithm: the flash-attention forward (Dao et al., 2022: online softmax in FP32, base-2
-exponentials with log2(e) folded into the score scale) over gathered rows, the decomposition
-upstream SGLang's sparse prefill uses and ``qsa_triton.prefill`` mirrors.
+Semantics: ``qsa-contract.md`` §3; oracle: ``interop.reference.prefill*_reference``. Same
+algorithm as ``qsa_triton.prefill`` (read its module docstring: the flash-attention forward over
+gathered rows, Dao et al., 2022, as upstream SGLang's sparse prefill; the shared geometry
+selector, here with ``backend="pallas"``; the paged slot pre-pass; FP8 dots in float16;
+block-level selections through ``qsa_pallas.prefill_union`` or a plain-JAX expansion).
+Differences:
 
-Decomposition (the contract's): one program per (query row, KV head). The program covers the G
-query heads of its KV head as a head tile padded to a power of two (>= 16, masked), keeps an FP32
-accumulator [head tile, D] and an FP32 online-softmax state, and walks the row's index columns in
-BLOCK_N chunks. Each chunk gathers the named key/value rows with a vector-index load
-(``_compat.load(ref.at[rows[:, None], h, d[None, :]], mask=..., other=0.0)``), so an invalid
-entry is never dereferenced: its gather index is clamped into range *and* masked (interpret mode
-clamps out-of-range gathers instead of faulting; a GPU would fault), and its score is -inf.
-
-The loop stops after ``min(W, visible)`` columns rounded up to BLOCK_N, ``visible`` being computed
-in the kernel from ``cu_seqlens``/``kv_lens`` (device data), so a jitted caller can change lengths
-and indices without a retrace. The bound is a traced ``lax.fori_loop`` upper bound, which the
-Pallas Triton lowering pattern-matches into an ``scf.for`` with a dynamic bound.
-
-The request of a row is found in the kernel by counting ``cu_seqlens_q[1:] <= row`` over a
-power-of-two padded vector (B is static): no row-to-request table is built in XLA.
-
-Paged: the pool is read in place, addressed as SGLang's ``req_to_token`` (the paged decode's
-convention). A plain-JAX pre-pass (``resolve_pool_slots``) maps every index entry to its pool slot
-``req_to_token[req_indices[b], idx]``, -1 when invalid (a position past the table, a row outside
-it or a slot outside the pool included: lying metadata is never dereferenced), and the kernel
-gathers by slot, as ``qsa_triton`` does: one dependent load before each K/V gather, not two.
-
-Rows past ``cu_seqlens[B]`` (a batch padded to a static T under jit) belong to no request and
-give zeros.
-
-Block-level selections (``block_indices=`` instead of token ``indices``, every entry point): the
-indexer's row-relative block ids plus each row's causal tail (``interop.indices.
-expand_prefill_blocks``), equal to the token path on that expansion up to summation order. The
-shared selector (``interop.geometry.select_prefill_blocks``, ``backend="pallas"``) runs them
-through the tile-union kernel (``qsa_pallas.prefill_union``) or through this module's per-row
-kernel after an expansion to token indices in plain JAX.
-
-FP8 e4m3 K/V (chunk and paged): gathered rows are converted to float16 in registers and the dots
-run in float16 (q converted once per program to float16 scaled by a power of two,
-``qsa_pallas._fp8``: e4m3 -> fp16 is exact and one instruction per two elements, e4m3 -> bf16
-is not); ``k_scale`` is folded into the FP32 score scale and ``v_scale`` multiplies the
-normalised output.
-
-64-bit offsets: the Pallas Triton lowering (jax 0.10.2 and 0.11.2, ``_compute_offsets_from_indices``)
-computes a ref's element offsets in int64 exactly when the ref is larger than 2**32 *bytes*, and in
-int32 otherwise. For 2-byte K/V that is exactly when an element offset can pass 2**31 - 1; for
-1-byte FP8 pools between 2**31 and 2**32 elements the offsets would wrap, so the entry points
-reject those (``ContractError``) instead of overflowing silently. No jax x64 mode is needed.
+* the grid is (T, Hkv): every row is computed whatever ``max_seqlen_q`` (no tail launch); a row
+  finds its request in the kernel by counting ``cu_seqlens_q[1:] <= row`` (B is static), and
+  rows past ``cu_seqlens[B]`` (a batch padded to a static T under jit) give zeros;
+* the column loop is a ``lax.fori_loop`` with a traced bound (``min(W, visible)`` rounded up to
+  BLOCK_N), lowered to an ``scf.for``: new lengths never retrace;
+* gathers are vector-index loads whose indices are clamped into range *and* masked (interpret
+  mode clamps out-of-range gathers instead of faulting); the slot pre-pass is plain JAX;
+* 64-bit offsets: the lowering (``_compute_offsets_from_indices``, jax 0.10.2 and 0.11.2) uses
+  int64 element offsets only for refs over 2**32 *bytes*, so FP8 pools of 2**31..2**32 elements
+  would wrap: the entry points reject them (``ContractError``). No jax x64 mode is needed.
 """
 
 from __future__ import annotations
@@ -58,11 +27,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from interop import contract
 from interop.arch import DeviceFacts
-from interop.contract import ContractError, PrefillProblem, spec_of
+from interop.contract import PrefillProblem, spec_of
 from interop.geometry import (BLOCK_INDICES_DOC, Geometry, UnionGeometry, geometry_mode,
                               select_prefill, select_prefill_blocks)
 from interop.plan import LOG2E, next_pow2
@@ -72,14 +40,8 @@ from . import prefill_union as PU
 from ._compat import pl
 from ._fp8 import fp16_query, is_fp8
 
-__all__ = [
-    "sparse_prefill",
-    "sparse_prefill_chunk",
-    "sparse_prefill_paged",
-    "select_geometry",
-    "select_block_geometry",
-    "resolve_pool_slots",
-]
+__all__ = ["sparse_prefill", "sparse_prefill_chunk", "sparse_prefill_paged", "select_geometry",
+           "select_block_geometry", "resolve_pool_slots"]
 
 _INT32_MAX = 2**31 - 1
 # CPU interpret mode: one small fixed (BLOCK_N, num_warps, num_stages): the interpreter's speed,
@@ -90,22 +52,10 @@ _INTERPRET_GEOMETRY = (16, 4, 2)
 # --------------------------------------------------------------------------------------------
 # Geometry
 def select_geometry(problem: PrefillProblem, *, interpret: bool, facts=None) -> Geometry:
-    """Launch geometry for a checked prefill problem.
-
-    On a GPU the shared selector ``interop.geometry.select_prefill(..., backend="pallas")``
-    decides (device family and workload, qsa-contract.md §3; Pallas tiles rounded to powers of
-    two >= 16 and fitted to the device's shared memory there). In interpret mode (CPU) a fixed
-    small geometry is used.
-
-    Args:
-      problem: the ``PrefillProblem`` returned by the contract check.
-      interpret: whether the kernel runs in interpret mode.
-      facts: explicit ``interop.arch.DeviceFacts`` (tests); default: the lowering target
-        (``_compat.target_facts``), else sm_90.
-
-    Returns:
-      ``interop.geometry.Geometry``; ``block_m`` is the head tile.
-    """
+    """Launch geometry (``block_m`` = the head tile) for a checked ``PrefillProblem``: the
+    shared selector ``interop.geometry.select_prefill(..., backend="pallas")`` on ``facts``
+    (tests) or the lowering target's (``_compat.target_facts``, else sm_90); in interpret mode
+    (CPU) a small fixed geometry."""
     if interpret and facts is None:
         bn, nw, ns = _INTERPRET_GEOMETRY
         return Geometry(max(16, next_pow2(problem.group)), bn, nw, ns, "interpret-fixed")
@@ -121,14 +71,9 @@ def select_geometry(problem: PrefillProblem, *, interpret: bool, facts=None) -> 
 def select_block_geometry(problem: PrefillProblem, *, interpret: bool, overlap=None,
                           facts=None) -> UnionGeometry:
     """Kernel and geometry for block-level selections (``problem.width`` = NB):
-    ``interop.geometry.select_prefill_blocks(..., backend="pallas")`` on the lowering target's
-    facts (else sm_90). In interpret mode (CPU) the same kernel choice with small fixed tiles
-    (BLOCK_N = max(16, next_pow2(R + 3)); the per-row kernel's ``_INTERPRET_GEOMETRY``).
-
-    Args:
-      problem: the checked problem; interpret: interpret mode; overlap: the engine's hint (None
-        or a float in [0, 1]); facts: explicit ``interop.arch.DeviceFacts`` (tests).
-    """
+    ``interop.geometry.select_prefill_blocks(..., backend="pallas")`` with the engine's
+    ``overlap`` hint (None or in [0, 1]), facts as ``select_geometry``. In interpret mode the
+    same kernel choice with small fixed tiles (union BLOCK_N = max(16, next_pow2(R + 3)))."""
     fixed = interpret and facts is None
     if facts is None:
         facts = _compat.target_facts() or DeviceFacts.for_arch("sm_90")
@@ -241,7 +186,7 @@ def _prefill_kernel(*refs, st: _Static):
         # cannot reach a dot. `other` must be a float literal: the lowering cannot cast an int
         # fill value to FP8. Feeding the load straight into the dot (no select in between)
         # keeps the gathered tile in the dot-operand path: with a select after the load the
-        # compiled kernel staged the tile twice (1.7x the shared memory, more barriers).
+        # compiled kernel staged the tile twice (more shared memory, more barriers).
         k = _compat.load(k_ref.at[kv_rows[:, None], h, d_row], mask=gmask,
                          other=0.0).astype(compute_dtype)
         v = _compat.load(v_ref.at[kv_rows[:, None], h, d_row], mask=gmask,
@@ -294,21 +239,6 @@ def _resolve_interpret(interpret, q) -> bool:
     return spec_of(q).device == "cpu"
 
 
-def _check_offsets(fn: str, **arrays):
-    """Reject arrays whose element offsets need 64 bits while the lowering would use int32.
-
-    The lowering switches to int64 offsets only when a ref exceeds 2**32 bytes (see module doc).
-    """
-    for name, a in arrays.items():
-        numel = math.prod(a.shape)
-        nbytes = numel * np.dtype(a.dtype).itemsize
-        if numel - 1 > _INT32_MAX and nbytes <= 2**32:
-            raise ContractError(
-                fn, name,
-                "fewer than 2**31 elements, or more than 2**32 bytes (the Pallas Triton lowering "
-                "uses int32 offsets below 2**32 bytes)", f"{numel} elements of {a.dtype}")
-
-
 def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry):
     if problem.total_q == 0 or k.shape[0] == 0:  # nothing to gather from / no row: no launch
         return jnp.zeros(q.shape, q.dtype)
@@ -336,18 +266,44 @@ def _run_blocks(problem: PrefillProblem, q, k, v, block_indices, meta: dict, *, 
         return PU.union_run(problem, q, k, v, block_indices, meta, geo, interpret=interp)
     if isinstance(geo, UnionGeometry):
         geo = Geometry(geo.head_tile, geo.block_n, geo.num_warps, geo.num_stages, geo.source)
-    cu = meta["cu_seqlens_q"]
-    kv_lens = meta.get("kv_lens")
-    idx = PU.expand_blocks(block_indices, cu, kv_lens)
-    rows = dataclasses.replace(problem, width=int(idx.shape[-1]))
+    idx = PU.expand_blocks(block_indices, meta["cu_seqlens_q"], meta.get("kv_lens"))
+    return _run_tokens(dataclasses.replace(problem, width=int(idx.shape[-1])), q, k, v, idx, meta,
+                       interpret=interpret, geometry=geo)
+
+
+def _run_tokens(problem: PrefillProblem, q, k, v, indices, meta: dict, *, interpret, geometry):
+    """Token indices: the per-row kernel (paged: on the pool slots of ``resolve_pool_slots``)."""
+    cu, kv_lens = meta["cu_seqlens_q"], meta.get("kv_lens")
     if problem.kind == "ordinary":
-        rest = (idx, cu)
+        rest = (indices, cu)
     elif problem.kind == "chunk":
-        rest = (idx, cu, meta["cu_seqlens_k"], kv_lens)
+        rest = (indices, cu, meta["cu_seqlens_k"], kv_lens)
     else:
-        rest = (resolve_pool_slots(idx, meta["req_to_token"], meta["req_indices"], cu, kv_lens,
+        rest = (resolve_pool_slots(indices, meta["req_to_token"], meta["req_indices"], cu, kv_lens,
                                    int(k.shape[0])), cu, kv_lens)
-    return _run(rows, q, k, v, rest, interpret=interpret, geometry=geo)
+    return _run(problem, q, k, v, rest, interpret=interpret, geometry=geometry)
+
+
+def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, overlap,
+           max_seqlen_q, softmax_scale, scales: tuple = (), *, strict, interpret, geometry):
+    """One public prefill entry point ``fn``: every check before anything is traced, then the
+    token or block path. The checker's arrays are ``before``, the selection, ``after`` (in the
+    entry point's order); the first three of ``before`` are q, k, v."""
+    name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
+    arrays = {**before, name: sel, **after}
+    _compat.check_inputs(fn, interpret, **arrays)
+    p = checker(*arrays.values(), max_seqlen_q, softmax_scale, *scales, fn=fn, strict=strict,
+                indices_name=name)
+    geometry_mode(fn)  # a bad $QSA_PREFILL_GEOMETRY is an error on every backend, CPU included
+    q, k, v = list(before.values())[:3]
+    _compat.check_backend(fn, interpret, q, k, v)
+    _compat.check_offsets(fn, **arrays)  # only 1- and 2-byte arrays can fail it: q, K/V
+    meta = {"cu_seqlens_q" if n == "cu_seqlens" else n: a for n, a in arrays.items()
+            if n not in ("q", "k", "v", "k_cache", "v_cache", name)}
+    if name == "block_indices":
+        return _run_blocks(p, q, k, v, sel, meta, interpret=interpret, geometry=geometry,
+                           overlap=hint)
+    return _run_tokens(p, q, k, v, sel, meta, interpret=interpret, geometry=geometry)
 
 
 # the shared text, plus what only the Pallas entry points take
@@ -363,8 +319,9 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
                    overlap=None):
     """Ordinary sparse prefill (qsa-contract.md §3): K/V are this forward's rows, packed like q.
 
-    Forward only (inference: no autograd). Algorithm: the module docstring (the
-    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
+    Forward only. Algorithm: the module docstring (the flash-attention forward over gathered
+    rows, as upstream SGLang's sparse prefill). Same arguments as ``qsa_triton``'s, plus
+    ``interpret`` and ``geometry``.
 
     Args:
       q: [T, Hq, D] bfloat16|float16 query rows of B requests packed back to back.
@@ -390,18 +347,9 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
         whose offsets would overflow the lowering's int32 offsets, or
         ``interop.contract.prefill_selection`` (both or neither selection, a bad ``overlap``).
     """
-    fn = "sparse_prefill"
-    name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
-    _compat.check_inputs(fn, interpret, q=q, k=k, v=v, **{name: sel}, cu_seqlens=cu_seqlens)
-    p = contract.check_prefill(q, k, v, sel, cu_seqlens, max_seqlen_q, softmax_scale, fn=fn,
-                               strict=strict, indices_name=name)
-    geometry_mode(fn)  # a bad $QSA_PREFILL_GEOMETRY is an error on every backend, CPU included
-    _compat.check_backend(fn, interpret, q, k, v)
-    _check_offsets(fn, q=q, k=k, v=v, **{name: sel})
-    if name == "block_indices":
-        return _run_blocks(p, q, k, v, sel, {"cu_seqlens_q": cu_seqlens}, interpret=interpret,
-                           geometry=geometry, overlap=hint)
-    return _run(p, q, k, v, (sel, cu_seqlens), interpret=interpret, geometry=geometry)
+    return _entry("sparse_prefill", contract.check_prefill, {"q": q, "k": k, "v": v},
+                  {"cu_seqlens": cu_seqlens}, indices, block_indices, overlap, max_seqlen_q,
+                  softmax_scale, strict=strict, interpret=interpret, geometry=geometry)
 
 
 def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
@@ -409,21 +357,14 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
                          interpret=None, geometry: Geometry | UnionGeometry | None = None,
                          block_indices=None, overlap=None):
     """Chunk sparse prefill (qsa-contract.md §3): K/V hold each request's full context, packed.
+    Forward only; algorithm as ``sparse_prefill``.
 
-    Forward only (inference: no autograd). Algorithm: the module docstring (the
-    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
-
-    Args:
-      q: [T, Hq, D] bfloat16|float16.
-      k, v: [Ck, Hkv, D] q's dtype or float8_e4m3fn; request b's context is rows
-        cu_seqlens_k[b] .. cu_seqlens_k[b] + kv_lens[b] - 1.
-      indices: int32 [T, W] or [T, Hkv, W]; positions in the request's context, valid iff
-        0 <= idx < kv_lens[b].
-      cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B].
-      max_seqlen_q: host int >= 1.
-      softmax_scale: host float > 0 or None (D ** -0.5); k_scale, v_scale: host floats > 0
-        (FP8 dequantisation: k_scale multiplies the scores, v_scale the P·V output; must be 1.0
-        for non-FP8 K/V).
+    Args (meaning as ``qsa_triton.sparse_prefill_chunk``):
+      q: [T, Hq, D] bfloat16|float16; k, v: [Ck, Hkv, D] q's dtype or float8_e4m3fn (request
+        b's context at rows cu_seqlens_k[b] ..); indices: int32 [T, W] or [T, Hkv, W], valid iff
+        0 <= idx < kv_lens[b]; cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B].
+      max_seqlen_q: host int >= 1; softmax_scale: host float > 0 or None (D ** -0.5); k_scale
+        (on the scores), v_scale (on the output): host floats > 0, 1.0 unless K/V are FP8.
       interpret, geometry: as ``sparse_prefill``.
       BLOCKS_DOC
 
@@ -435,22 +376,11 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
       ContractError: from ``interop.contract.check_prefill_chunk``, the offset check or
         ``interop.contract.prefill_selection``.
     """
-    fn = "sparse_prefill_chunk"
-    name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
-    _compat.check_inputs(fn, interpret, q=q, k=k, v=v, **{name: sel}, cu_seqlens_q=cu_seqlens_q,
-                         cu_seqlens_k=cu_seqlens_k, kv_lens=kv_lens)
-    p = contract.check_prefill_chunk(q, k, v, sel, cu_seqlens_q, cu_seqlens_k, kv_lens,
-                                     max_seqlen_q, softmax_scale, k_scale, v_scale, fn=fn,
-                                     strict=strict, indices_name=name)
-    geometry_mode(fn)
-    _compat.check_backend(fn, interpret, q, k, v)
-    _check_offsets(fn, q=q, k=k, v=v, **{name: sel})
-    if name == "block_indices":
-        return _run_blocks(p, q, k, v, sel, {"cu_seqlens_q": cu_seqlens_q,
-                                             "cu_seqlens_k": cu_seqlens_k, "kv_lens": kv_lens},
-                           interpret=interpret, geometry=geometry, overlap=hint)
-    return _run(p, q, k, v, (sel, cu_seqlens_q, cu_seqlens_k, kv_lens), interpret=interpret,
-                geometry=geometry)
+    return _entry("sparse_prefill_chunk", contract.check_prefill_chunk, {"q": q, "k": k, "v": v},
+                  {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+                   "kv_lens": kv_lens}, indices, block_indices, overlap, max_seqlen_q,
+                  softmax_scale, (k_scale, v_scale), strict=strict, interpret=interpret,
+                  geometry=geometry)
 
 
 def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
@@ -459,25 +389,18 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
                          geometry: Geometry | UnionGeometry | None = None, block_indices=None,
                          overlap=None):
     """Paged sparse prefill (qsa-contract.md §3): K/V read in place from the pool through
-    SGLang's ``req_to_token`` (the addressing of ``sparse_decode_paged``).
+    SGLang's ``req_to_token`` (the addressing of ``sparse_decode_paged``). Forward only;
+    algorithm as ``sparse_prefill``.
 
-    Forward only (inference: no autograd). Algorithm: the module docstring (the
-    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill).
-
-    Args:
-      q: [T, Hq, D] bfloat16|float16.
-      k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or float8_e4m3fn.
-      req_to_token: int32 [max_reqs, max_context]; row r maps a request's position p to pool
-        slot req_to_token[r, p].
-      req_indices: int32 [B]; request b uses row req_indices[b].
-      indices: int32 [T, W] or [T, Hkv, W]; positions, valid iff 0 <= idx < kv_lens[b]. A
+    Args (meaning as ``qsa_triton.sparse_prefill_paged``):
+      q: [T, Hq, D] bfloat16|float16; k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or
+        float8_e4m3fn; req_to_token: int32 [max_reqs, max_context] (position p of a request in
+        row r is slot req_to_token[r, p]); req_indices: int32 [B], request b's row.
+      indices: int32 [T, W] or [T, Hkv, W] positions, valid iff 0 <= idx < kv_lens[b]; a
         position >= max_context, a row outside [0, max_reqs) or a slot outside the pool is an
-        invalid entry (never dereferenced).
-      cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
+        invalid entry (never dereferenced); cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
       max_seqlen_q, softmax_scale, k_scale, v_scale, interpret, geometry: as the chunk variant.
       BLOCKS_DOC
-        Positions of selected blocks and tails map to slots as token indices do (the same
-        lying-metadata rule).
 
     Returns:
       [T, Hq, D] in q's dtype.
@@ -486,28 +409,11 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
       ContractError: from ``interop.contract.check_prefill_paged``, the offset check (FP8
         pools of 2**31..2**32 elements) or ``interop.contract.prefill_selection``.
     """
-    fn = "sparse_prefill_paged"
-    name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
-    _compat.check_inputs(fn, interpret, q=q, k_cache=k_cache, v_cache=v_cache,
-                         req_to_token=req_to_token, req_indices=req_indices, **{name: sel},
-                         cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens)
-    p = contract.check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, sel,
-                                     cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale, k_scale,
-                                     v_scale, fn=fn, strict=strict, indices_name=name)
-    geometry_mode(fn)
-    _compat.check_backend(fn, interpret, q, k_cache, v_cache)
-    _check_offsets(fn, q=q, k_cache=k_cache, v_cache=v_cache, **{name: sel},
-                   req_to_token=req_to_token)
-    if name == "block_indices":
-        return _run_blocks(p, q, k_cache, v_cache, sel,
-                           {"cu_seqlens_q": cu_seqlens_q, "kv_lens": kv_lens,
-                            "req_to_token": req_to_token, "req_indices": req_indices},
-                           interpret=interpret, geometry=geometry, overlap=hint)
-    indices = sel
-    slots = resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
-                               int(k_cache.shape[0]))
-    return _run(p, q, k_cache, v_cache, (slots, cu_seqlens_q, kv_lens), interpret=interpret,
-                geometry=geometry)
+    return _entry("sparse_prefill_paged", contract.check_prefill_paged,
+                  {"q": q, "k_cache": k_cache, "v_cache": v_cache, "req_to_token": req_to_token,
+                   "req_indices": req_indices}, {"cu_seqlens_q": cu_seqlens_q, "kv_lens": kv_lens},
+                  indices, block_indices, overlap, max_seqlen_q, softmax_scale,
+                  (k_scale, v_scale), strict=strict, interpret=interpret, geometry=geometry)
 
 
 for _f in (sparse_prefill, sparse_prefill_chunk, sparse_prefill_paged):
@@ -536,20 +442,13 @@ def _resolve(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens, pool_slo
 
 def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
                        pool_slots: int):
-    """Pool slot of every index entry, -1 where the entry is invalid (plain JAX, jit-friendly).
-
-    Args:
-      indices: int32 [T, W] or [T, Hkv, W] request-relative positions.
-      req_to_token: int32 [max_reqs, max_context]; req_indices: int32 [B];
-        cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
-      pool_slots: host int, slots in the pool (slots outside [0, pool_slots) become -1).
-
-    Returns:
-      int32, indices' shape: ``req_to_token[req_indices[b], idx]`` where
-      0 <= idx < min(kv_lens[b], max_context) and 0 <= req_indices[b] < max_reqs for the request
-      b owning the row, else -1 (also for rows past cu_seqlens_q[B]). The kernel additionally
-      masks columns past the row's visible count.
-    """
+    """Pool slot of every index entry (plain JAX, jit-friendly), as
+    ``qsa_triton.prefill.resolve_pool_slots`` without ``max_seqlen_q``: int32 ``indices``
+    [T, W] or [T, Hkv, W], ``req_to_token`` [max_reqs, max_context], ``req_indices`` [B],
+    ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B], host int ``pool_slots`` -> int32, indices'
+    shape: ``req_to_token[req_indices[b], idx]`` for valid entries (0 <= idx <
+    min(kv_lens[b], max_context), a table row, a slot in [0, pool_slots)), else -1 (also rows
+    past cu_seqlens_q[B]); the kernel masks the columns past a row's visible count."""
     if math.prod(req_to_token.shape) == 0:  # an empty table: every entry is invalid
         return jnp.full(indices.shape, -1, jnp.int32)
     return _resolve(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,

@@ -1,39 +1,17 @@
 """Tile-union sparse prefill (Pallas, Triton lowering): block-level selections, R rows per program.
 
-The JAX twin of ``qsa_triton.prefill_union`` (same selection rule, tile numbering, union layout,
-geometry selector, results up to summation order); semantics in ``qsa_pallas.prefill``'s
-``block_indices=`` and ``interop.indices.expand_prefill_blocks``.
+The JAX twin of ``qsa_triton.prefill_union`` (read its module docstring): same selection rule,
+tile numbering, union layout, per-tile switch to the rows path and geometry selector; results
+equal up to summation order. Differences:
 
-Algorithm (vLLM PR #55430 / RFC #55394): R consecutive rows of one request form a tile; the union
-of their valid blocks is built once per call, then one program per (tile, KV head) walks the
-union BLOCK_N / 4 blocks at a time, gathers each block's K/V rows once for the R rows (FP8
-converted once), masks the scores by per-row membership and runs the FP32 online softmax per
-(row, head); a last BLOCK_N step covers the rows' causal tails.
-
-Per-tile switch (as ``qsa_triton.prefill_union``): a tile whose union has more than
-``interop.geometry.max_union_entries(geo, NB, max(16, next_pow2(G)))`` entries (a host bound,
-compared on the device with the union's length, ``lax.cond``) runs its R rows one at a time
-instead, each with a [max(16, next_pow2(G)), D] Q tile over its own block ids read straight from
-``block_indices`` (block g valid iff 0 <= g < visible // 4), then its causal tail: low-overlap
-tiles cost about the per-row kernel's work, overlapping ones take the union.
-
-FP8 K/V: the dots run in float16 (K/V tiles converted to float16, q once per program to float16
-scaled by a power of two, P fed as float16: ``qsa_pallas._fp8``).
-
-Union build (``block_union``): plain JAX (XLA), vectorised over tiles: the R x NB (block, row)
-pairs of a tile are sorted (``lax.sort`` on two keys), each pair's occurrence rank computed (a row
-listing a block k times gives ranks 0..k-1), sorted again on (rank, block, row), the first pair of
-each (rank, block) marked and compacted by a prefix sum (XLA scatter), membership = segmented
-sum of ``1 << row``. Both sorts always run (XLA has no cheap per-tile skip; the Triton build sorts
-a second time only in tiles with duplicates). Costs are counted in every call.
-
-Tile numbering and the grid: slot ``cu_seqlens_q[b] // R + b + j`` (``interop.indices.tile_slots``),
-``T // R + B`` programs per KV head, each finding its request in the kernel; nothing is read on the
-host, so a jitted caller never retraces for new lengths. The output is a zeros buffer aliased into
-the kernel (rows past ``cu_seqlens_q[B]`` belong to no tile and stay zero, as in the per-row kernel).
-
-Pallas interpret mode clamps out-of-range gathers: every gather index is clamped into range *and*
-masked, so the CPU interpreter and the GPU agree.
+* the union build (``block_union``) is plain JAX, vectorised over tiles: (block, row) pairs
+  sorted with ``lax.sort``, occurrence ranks, a second sort on (rank, block, row), compaction
+  by an XLA scatter. Both sorts always run (XLA has no cheap per-tile skip);
+* the per-tile switch is a ``lax.cond`` on the union's device length against the host bound
+  ``interop.geometry.max_union_entries(geo, NB, max(16, next_pow2(G)))``;
+* the output is a zeros buffer aliased into the kernel (rows past ``cu_seqlens_q[B]`` stay
+  zero); interpret mode clamps out-of-range gathers, so every gather index is clamped *and*
+  masked, and masked lanes store to spare rows past the output (see ``_union_kernel``).
 """
 
 from __future__ import annotations
@@ -128,16 +106,10 @@ def _block_union(block_indices, cu_seqlens_q, kv_lens, *, tile_rows: int, ordina
 
 
 def block_union(block_indices, cu_seqlens_q, kv_lens, tile_rows: int):
-    """The union build alone (part of every tile-union call; tests and benchmarks).
-
-    Args:
-      block_indices: int32 [T, NB] or [T, Hkv, NB]; cu_seqlens_q: int32 [B + 1]; kv_lens: int32
-        [B] (chunk/paged) or None (ordinary). tile_rows: R.
-
-    Returns:
-      (blocks int32 [S, H, R x NB], masks int32 [S, H, R x NB], lengths int32 [S, H]),
-      S = T // R + B, equal to ``interop.indices.tile_union`` (entries past a length are 0).
-    """
+    """The union build alone (tests and benchmarks): int32 ``block_indices`` [T, NB] or
+    [T, Hkv, NB], ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B] or None (ordinary), ``tile_rows`` R
+    -> (blocks, masks int32 [S, H, R x NB], lengths int32 [S, H]), S = T // R + B, equal to
+    ``interop.indices.tile_union`` (entries past a length are 0)."""
     ordinary = kv_lens is None
     return _block_union(block_indices, cu_seqlens_q,
                         cu_seqlens_q[:-1] if ordinary else kv_lens, tile_rows=int(tile_rows),
@@ -411,18 +383,11 @@ def _launch(q, k, v, ublk, umem, ulen, bidx, *meta, st: _UStatic):
 
 def union_run(problem, q, k, v, block_indices, meta: dict, geo: UnionGeometry, *,
               interpret: bool):
-    """The union build and the tile kernel of one checked call.
-
-    Args:
-      problem: ``interop.contract.PrefillProblem`` of the call (width = NB).
-      q, k, v: as the entry point; block_indices: int32 [T, NB] or [T, Hkv, NB].
-      meta: ``cu_seqlens_q`` and, by kind, ``cu_seqlens_k``, ``kv_lens``, ``req_to_token``,
-        ``req_indices`` (jax arrays).
-      geo: a ``"union"`` UnionGeometry (R, Q tile, BLOCK_N, warps, stages).
-
-    Returns:
-      [T, Hq, D] in q's dtype.
-    """
+    """The union build and the tile kernel of one checked call (``problem``: its
+    ``PrefillProblem``, width = NB): q, k, v as the entry point, int32 ``block_indices``
+    [T, NB] or [T, Hkv, NB], ``meta`` the entry point's other arrays by name (``cu_seqlens_q``
+    and, by kind, ``cu_seqlens_k``, ``kv_lens``, ``req_to_token``, ``req_indices``), ``geo`` a
+    ``"union"`` UnionGeometry. Returns [T, Hq, D] in q's dtype."""
     ht = next_pow2(problem.group)
     if geo.kind != "union" or geo.head_tile < geo.tile_rows * ht or geo.block_n < geo.tile_rows + 3:
         raise ValueError(f"union geometry {geo} cannot hold {geo.tile_rows} rows x {ht} heads")

@@ -1,33 +1,10 @@
 """The end-to-end QSA attention step for JAX: indexer -> expansion -> sparse attention from the pool.
 
-A composition of this package's public entry points (no kernel of its own), the way a JAX model
-runs one QSA attention layer (``qsa-contract.md`` §4b, §4, §2b, §3):
-
-* decode: ``indexer_select_decode`` scores every visible compressed block of the row through the
-  compressed-K page table (``sum_h ReLU(index_q[r, h] . k[n])``), keeps the exact top-k (512,
-  ties to the smaller block id) and expands them, fused, to the 2051-wide token row (4 tokens per
-  block plus the 0-3 token causal tail, valid first); ``sparse_decode_paged`` attends to those
-  positions in the KV pool through ``req_to_token``;
-* prefill: ``prefill_step_rows`` derives each query row's request, position, bound and
-  compressed-key range from the request tables (device arrays, plain ``jnp``);
-  ``indexer_select_prefill`` selects and expands over the packed per-request compressed keys;
-  ``sparse_prefill_paged`` attends from the pool.
-
-Both steps check every argument of both halves before anything is traced
-(``interop.contract.check_decode_step`` / ``check_prefill_step``: the same ``ContractError`` as
-``qsa_triton.step``), then run as one jitted function: every length, position, page id and slot
-is a traced device array, only shapes, dtypes and the scales are static, so a new batch of
-lengths never recompiles and nothing is read back to the host. The step works under
-``jax.jit``, inside ``lax.scan`` over layers (per-layer pools and caches as the scan's ``xs``)
-and under ``jax.shard_map`` with the query and KV heads split across devices: the indexer
-inputs are then replicated and every device runs the (cheap, head-independent) indexer itself,
-as upstream's tensor-parallel layers do; shard_map needs its VMA check off around
-``pallas_call`` (``_compat.shard_map``). ``shard_step`` wraps either step that way (``TP`` ranks
-over one mesh axis) and ``replicate_kv_heads`` gives the pool the layout JAX engines use when
-TP exceeds the KV heads (TP4 of 24/2: the 2 KV heads repeated to 4, one per rank).
-
-Sources: upstream sglang 0.5.23 ``srt/layers/attention/qsa/`` (``qsa_indexer.py`` decode/prefill
-metadata, ``mqa.py`` scoring, ``kernel.py`` expansion); the algorithms are in the modules named.
+Same composition, names and checks as ``qsa_triton.step`` (read its module docstring). After
+the checks each step runs as one jitted function in which every length, position, page id and
+slot is traced (new lengths never recompile); it works under ``jax.jit``, ``lax.scan`` over
+layers and ``jax.shard_map`` over heads (``shard_step``; ``replicate_kv_heads`` gives the pool
+the layout JAX engines use when TP exceeds the KV heads).
 """
 
 from __future__ import annotations
@@ -103,15 +80,10 @@ def _decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_
 
 def prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows: int, *,
                       compress_ratio: int = 4):
-    """Each prefill row's indexer metadata from the request tables, in plain ``jnp`` (traced
-    inputs welcome: nothing is read on the host): ``interop.indices.prefill_step_rows``'s rule
-    (its docstring), evaluated by ``interop.indices.prefill_step_rows_xp`` with ``xp = jnp``.
-
-    Args: int32 ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B], ``index_cu_seqlens_k`` [B + 1]; host
-    ints ``total_rows`` (T) and ``compress_ratio`` (tokens per block). Returns ``(row_starts,
-    row_ends, positions, seq_lens)``, int32 [T] each: ``indexer_select_prefill``'s arguments
-    (rows outside every request: empty range, position -1, bound 0).
-    """
+    """``qsa_triton.step.prefill_step_rows``'s rule in plain ``jnp``
+    (``interop.indices.prefill_step_rows_xp``; traced inputs welcome): int32 ``cu_seqlens_q``
+    [B + 1], ``kv_lens`` [B], ``index_cu_seqlens_k`` [B + 1], host ints ``total_rows`` (T) and
+    ``compress_ratio`` -> (row_starts, row_ends, positions, seq_lens), int32 [T] each."""
     return prefill_step_rows_xp(jnp, cu_seqlens_q.astype(jnp.int32), kv_lens.astype(jnp.int32),
                                 index_cu_seqlens_k.astype(jnp.int32),
                                 jnp.arange(int(total_rows), dtype=jnp.int32), int(compress_ratio))
@@ -161,12 +133,10 @@ def _prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index
 # Tensor parallel: the step split over the heads of one mesh axis
 def replicate_kv_heads(x, tp: int, *, axis: int = 1):
     """The tensor-parallel layout of a KV-head axis: ``x`` unchanged when ``tp`` <= Hkv, else
-    each KV head repeated ``tp / Hkv`` times in place, so that an even ``tp``-way split of the
-    axis gives rank r KV head ``r // (tp / Hkv)``, the head its query heads use. This is how JAX
-    engines hold the pool when TP exceeds the KV heads (``max(Hkv, TP)`` heads globally, one per
-    rank: vLLM-TPU / sglang-jax ``get_num_kv_heads_by_tp``); upstream's torch ranks each allocate
-    that one head themselves. An engine allocates its pool in this layout; this helper converts
-    a TP1 pool (a checkpoint, a test).
+    each KV head repeated ``tp / Hkv`` times in place, so that an even ``tp``-way split gives
+    rank r KV head ``r // (tp / Hkv)``, the head its query heads use: how JAX engines hold the
+    pool when TP exceeds the KV heads (vLLM-TPU / sglang-jax ``get_num_kv_heads_by_tp``). An
+    engine allocates its pool in this layout; this helper converts a TP1 pool (tests).
 
     Args:
       x: jax array with the KV heads on ``axis`` (the pool ``k_cache`` / ``v_cache`` [slots,
@@ -188,14 +158,10 @@ def replicate_kv_heads(x, tp: int, *, axis: int = 1):
 def shard_step(step, mesh, axis: str = "tp"):
     """``qsa_decode_step`` / ``qsa_prefill_step`` as one tensor-parallel call over the mesh axis
     ``axis`` (TP ranks): each rank runs the unchanged step on its heads under ``jax.shard_map``
-    (VMA check off, ``_compat.shard_map``), no collective inside.
-
-    Layout (upstream's TP attention layers): ``q`` [rows, Hq, D] and the output split over the
-    heads (rank r: query heads ``r*Hq/TP ..``); ``k_cache`` / ``v_cache`` [slots, Hkv_tp, D] split
-    over the heads, Hkv_tp = ``max(Hkv, TP)`` (``replicate_kv_heads`` when TP > Hkv); every
-    other array (request tables, lengths, the indexer's query, compressed keys and page table)
-    replicated: every rank runs the indexer itself (its weights are replicated upstream and its
-    output is head-independent), so no rank waits for another.
+    (VMA check off), no collective inside. Layout (upstream's TP attention layers): ``q``
+    [rows, Hq, D], the output and ``k_cache`` / ``v_cache`` [slots, max(Hkv, TP), D]
+    (``replicate_kv_heads``) split over the heads; every other array replicated (each rank runs
+    the head-independent indexer itself, so no rank waits for another).
 
     Args:
       step: ``qsa_decode_step`` or ``qsa_prefill_step`` (or a function of that signature);

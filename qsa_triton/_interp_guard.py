@@ -1,12 +1,10 @@
-"""Refuse bf16 under Triton's CPU interpreter instead of returning wrong numbers.
+"""The interpreter checks of ``qsa_triton``'s entry points (after the contract check).
 
-In Triton 3.6-3.9 the interpreter (``TRITON_INTERPRET=1``) multiplies **bf16** ``tl.dot`` operands
-as their raw 16-bit integer patterns (architecture.md, "Things that bite"), so a correct bf16
-kernel returns garbage on CPU, silently. The entry points call ``check_interpreter_dtype`` after
-the contract check: under the interpreter, bf16 is refused with a ``ContractError`` unless the
-documented test patch (``tests/triton_interp_patch.py``) has fixed the interpreter's dot and set
-``triton.runtime.interpreter._qsa_bf16_dot_patched``. fp16 is unaffected. Compiled GPU runs never
-reach the check's body.
+In Triton 3.6-3.9 the CPU interpreter (``TRITON_INTERPRET=1``) multiplies **bf16** ``tl.dot``
+operands as their raw 16-bit patterns (architecture.md, "Things that bite"): a correct bf16
+kernel silently returns garbage on CPU. So bf16 is refused there with a ``ContractError`` unless
+the test patch (``tests/triton_interp_patch.py``) has fixed the dot and set
+``triton.runtime.interpreter._qsa_bf16_dot_patched``. fp16 and GPU runs are unaffected.
 """
 
 from __future__ import annotations
@@ -19,9 +17,8 @@ from interop.contract import ContractError
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter: ``TRITON_INTERPRET`` as Triton itself
-    reads it (``triton.knobs.runtime.interpret``: "1", "true", "on", "yes", any case), now. The
-    one interpreter check of ``qsa_triton``."""
+    """True when Triton runs kernels in its CPU interpreter now: ``TRITON_INTERPRET`` as Triton
+    reads it (``triton.knobs.runtime.interpret``). The one interpreter check of ``qsa_triton``."""
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
@@ -35,12 +32,8 @@ INTERPRETING_AT_IMPORT = interpreting()
 
 
 def check_torch_tensors(fn: str, **tensors) -> None:
-    """Raise ContractError unless every named argument is a torch.Tensor (the shared contract
-    checker also accepts numpy/JAX arrays, which these PyTorch entry points cannot launch on).
-
-    Raises:
-      ContractError: the first argument that is not a torch.Tensor.
-    """
+    """Raise ContractError for the first named argument that is not a torch.Tensor (the shared
+    contract checker also accepts numpy/JAX arrays, which these entry points cannot launch on)."""
     import torch  # noqa: PLC0415
 
     for name, t in tensors.items():
@@ -50,12 +43,8 @@ def check_torch_tensors(fn: str, **tensors) -> None:
 
 
 def check_device(fn: str, device_type: str) -> None:
-    """Raise ContractError for CPU tensors when the kernels were not defined for the interpreter.
-
-    Raises:
-      ContractError: ``device_type`` is not "cuda" and TRITON_INTERPRET was not set before
-        ``qsa_triton`` was imported.
-    """
+    """Raise ContractError when ``device_type`` is not "cuda" and TRITON_INTERPRET was not set
+    before ``qsa_triton`` was imported (the kernels were not defined for the interpreter)."""
     if device_type == "cuda" or INTERPRETING_AT_IMPORT:
         return
     late = " (it is set now, but only after qsa_triton was imported)" if interpreting() else ""
@@ -65,11 +54,7 @@ def check_device(fn: str, device_type: str) -> None:
 
 
 def check_interpreter_dtype(fn: str, dtype_name: str) -> None:
-    """Raise ContractError for bf16 under an unpatched Triton interpreter.
-
-    Raises:
-      ContractError: ``dtype_name == "bfloat16"`` while interpreting without the bf16 dot fix.
-    """
+    """Raise ContractError for ``dtype_name == "bfloat16"`` under an unpatched interpreter."""
     if dtype_name != "bfloat16" or not interpreting():
         return
     try:

@@ -1,54 +1,34 @@
-"""Paged sparse decode (``qsa-contract.md`` §2b, §2c) as Triton kernels for PyTorch.
+"""Paged sparse decode (``qsa-contract.md`` §2b, §2c) as Triton kernels for PyTorch: the whole
+decode step reads the KV pool in place (no valid counts, prefix sum or packed copy).
 
-Public:
-  sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
-                      softmax_scale=None, k_scale=1.0, v_scale=1.0, *, batch_invariant=False,
-                      strict=False) -> out
-  decode_paged_with_plan(..., plan=)   the same with an explicit PagedDecodePlan (tests)
-  torch.ops.qsa.sparse_decode_paged    the registered custom op (fake impl for torch.compile)
-  compile_configs(arch)                every shipped kernel configuration, for ``qsa compile``
+Algorithm: flash-decoding split-KV over the index columns with the standard LSE merge, the online
+softmax of FlashAttention-2.
 
-The whole QSA decode step reads the KV pool in place: no valid counts, no prefix sum, no packed
-copy. Algorithm (flash-decoding split-KV over the index columns; the LSE merge is the standard
-flash-decoding one, the online softmax FlashAttention-2's):
-  * Split kernel (``_paged_split_kernel``), one program per (split j, row r, KV head h) of the
-    static plan ``interop.plan.plan_decode_paged``: it loads the G query heads of h from
-    q row r as one [head tile, D] tile (G padded to a power of two >= 16, padded rows masked),
-    then walks the BLOCK_N chunks ``[j*nb // S, (j+1)*nb // S)`` of the row's W index columns.
-    Per chunk: load the positions; an entry is valid iff ``0 <= idx < min(seq_lens[r],
-    max_context)``, the row's request ``req_indices[r]`` names a table row, and its slot
-    ``req_to_token[req, idx]`` (loaded under that mask) lies in ``[0, slots)``; K and V rows are
-    gathered from the pool under the final mask with 64-bit offsets (``OFF64``, where the pool
-    can hold an offset >= 2**31); an FP8 pool's tiles are converted once to fp16 and q to fp16
-    scaled by a power of two (``qsa_triton._fp8``), tensor-core Q·Kᵀ, FP32 scores times
-    ``softmax_scale * k_scale * log2(e)``, invalid columns -inf, FP32 online softmax with exp2,
-    P cast to the dot dtype for the tensor-core P·V, FP32 accumulator. Invalid entries are never
-    dereferenced (neither in ``req_to_token`` nor in the pool), and their V rows are zero-filled
-    by the masked load, so NaN/Inf in slots no valid entry names never reach a dot.
-  * A one-split plan (``S == 1``) writes ``acc * v_scale / l`` straight into the output (exact
-    zeros where l = 0). Otherwise each split writes its normalised partial (FP32 [G, D]) and its
-    log2-domain LSE (-inf for a split without a valid entry) to per-call scratch, and the merge
-    kernel (``_paged_merge_kernel``, one program per (row, query head, D chunk)) loads every
-    split's LSE and partial in one round trip: M = max lse_j, w_j = 2^(lse_j - M) (empty splits
-    weigh 0, their partials are masked with a select, never multiplied), out = sum w_j o_j /
-    sum w_j, zeros where every split is empty.
-  * NaN (qsa-contract.md §2b): a NaN in a pool slot that a valid entry names reaches the row's
-    output for that KV head's query heads, as in ``interop.reference``, whatever the number of
-    splits: a split is empty only where l == 0 (a NaN score makes l, and so the LSE, NaN, never
-    the -inf of an empty split), and the merge writes NaN where any split's LSE or partial is
-    NaN (a select: finite outputs keep their bits; also a split whose weight underflowed to 0).
-    Slots no valid entry names are never read.
-  * Graph / compile safety: the plan uses static shapes only; every length, position and slot
-    is read on the device; scratch comes from PyTorch's caching allocator inside the op (a CUDA
-    graph records it in its private pool), no atomics, no host sync.
-  * ``batch_invariant=True``: the plan (splits, column ranges, BLOCK_N, warps, stages, merge
-    tile) depends on W, G, D and the dtypes only, and a program's arithmetic depends only on its
-    own row, so a row's output bits do not depend on R, on the other rows or on the row's
-    position (cost: ``plan_decode_paged``'s docstring).
+* Split kernel (``_paged_split_kernel``), one program per (split j, row r, KV head h) of the
+  static plan ``interop.plan.plan_decode_paged``: the G query heads of h as one [head tile, D]
+  tile (padded to a power of two >= 16, masked) walk the BLOCK_N chunks
+  ``[j*nb // S, (j+1)*nb // S)`` of the row's W index columns. An entry is valid iff
+  ``0 <= idx < min(seq_lens[r], max_context)``, ``req_indices[r]`` names a table row and the
+  slot ``req_to_token[req, idx]`` (loaded under that mask) lies in ``[0, slots)``; K/V rows are
+  gathered under the final mask (invalid entries are never dereferenced and read 0, so NaN/Inf in
+  slots no valid entry names never reach a dot), 64-bit offsets where the pool needs them
+  (``OFF64``). FP8 pools: tiles and q in fp16 (``qsa_triton._fp8``). FP32 scores times
+  ``softmax_scale * k_scale * log2(e)``, online softmax with exp2, FP32 accumulator.
+* A one-split plan writes ``acc * v_scale / l`` straight into the output (zeros where l = 0).
+  Otherwise each split writes its normalised FP32 partial and log2 LSE (-inf when empty) to
+  per-call scratch and ``_paged_merge_kernel`` (one program per (row, query head, D chunk))
+  merges them: w_j = 2^(lse_j - max lse), empty splits weigh 0 (a select, never a product).
+* NaN: an attended NaN reaches the row's output whatever the split count, as in
+  ``interop.reference``: a split is empty only where l == 0, and the merge writes NaN where any
+  split's LSE or partial is NaN (finite outputs keep their bits).
+* Graph / compile safety: static plan; lengths, positions and slots read on the device; scratch
+  from the caching allocator; no atomics, no host sync. ``batch_invariant=True``: the plan
+  depends on W, G, D and the dtypes only, so a row's bits do not depend on the batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -57,7 +37,7 @@ import triton.language as tl
 
 from interop.arch import DeviceFacts
 from interop.contract import ContractError, check_decode_paged, route
-from interop.plan import PAGED_MAX_SPLITS, PagedDecodePlan, next_pow2, plan_decode_paged
+from interop.plan import LOG2E, PAGED_MAX_SPLITS, PagedDecodePlan, next_pow2, plan_decode_paged
 
 from ._fp8 import fp16_query
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
@@ -65,7 +45,6 @@ from ._interp_guard import check_device, check_interpreter_dtype, check_torch_te
 __all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "compile_configs",
            "MERGE_TILE"]
 
-_LOG2E = 1.4426950408889634
 #: floats per merge-kernel tile ([splits padded to a power of two, D chunk]): 16 per thread at 4
 #: warps, the packed decode's merge tile (``qsa_triton.decode.MERGE_TILE``)
 MERGE_TILE = 2048
@@ -75,11 +54,10 @@ _OFF32_MAX = 2**31 - 1
 # Kernels
 @triton.jit
 def _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i, acc, qk_scale, stride_kc, stride_vc):
-    """One BLOCK_N chunk of the online softmax: gather the K/V rows of the valid entries (masked:
-    invalid entries read 0, never the pool), convert them once to q's dtype (fp16 for an FP8 pool,
-    where q was converted to fp16 too), update the FP32
-    state. l_i is kept per column ([HT, BLOCK_N]) and reduced once after the loop (no cross-warp
-    row sum per chunk: the packed decode's ``DEFER_ROWSUM``, decode v5 in bench/NOTES.md)."""
+    """One BLOCK_N chunk of the online softmax: gather the valid entries' K/V rows (masked:
+    invalid entries read 0, never the pool), convert them once to q's dtype (fp16 for an FP8
+    pool), update the FP32 state. l_i is kept per column ([HT, BLOCK_N]) and reduced once after
+    the loop (no cross-warp row sum per chunk, as the packed decode)."""
     kt = tl.load(k_head + slot[:, None] * stride_kc + offs_d[None, :],
                  mask=valid[:, None], other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(kt)) * qk_scale  # FP32 [HT, BLOCK_N], log2 domain
@@ -246,11 +224,11 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
         part = torch.empty(r * hq * splits * d, dtype=torch.float32, device=q.device)
     off64 = max(_max_offset(k_cache), _max_offset(v_cache)) > _OFF32_MAX
     stride_ih = indices.stride(1) if indices.dim() == 3 else 0
-    ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else _null()
+    ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
     with ctx:
         _paged_split_kernel[(splits * r * hkv,)](
             q, k_cache, v_cache, out, lse, part, req_to_token, req_indices, indices, seq_lens,
-            float(softmax_scale) * float(k_scale) * _LOG2E, float(v_scale),
+            float(softmax_scale) * float(k_scale) * LOG2E, float(v_scale),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
             v_cache.stride(1), out.stride(0), out.stride(1), indices.stride(0), stride_ih,
             req_to_token.stride(0),
@@ -265,14 +243,6 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
                 out, lse, part, out.stride(0), out.stride(1), hq, splits,
                 D=d, SPLIT_P2=sp2, D_CHUNK=dch, num_warps=4, num_stages=1)
     return out
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 @functools.lru_cache(maxsize=16)
@@ -318,9 +288,7 @@ _FN = "sparse_decode_paged"
 def _checked(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, softmax_scale,
              k_scale, v_scale, batch_invariant, strict):
     """Contract checks of the public entry; returns (softmax_scale, k_scale, v_scale) as floats.
-    Under torch.compile the check runs in the op's fake impl instead (Dynamo cannot raise our
-    error out of a fullgraph trace; an error from the fake impl reaches the caller with its
-    text inside Dynamo's TorchRuntimeError)."""
+    Under torch.compile the check runs in the op's fake impl instead (as ``prefill._entry``)."""
     if torch.compiler.is_compiling():
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         return float(scale), float(k_scale), float(v_scale)
@@ -371,13 +339,10 @@ def sparse_decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Raises:
       ContractError: before any launch, for a call outside the contract
         (``interop.contract.check_decode_paged``: shapes, dtypes, devices, strides, scales, an
-        input with requires_grad); bf16 under an unpatched Triton interpreter. Under
-        torch.compile(fullgraph=True) the check runs in the op's fake implementation.
+        input with requires_grad; under torch.compile in the op's fake impl); bf16 under an
+        unpatched Triton interpreter; CPU tensors without the interpreter.
 
-    Graph / compile safety: no host read of device data; safe inside CUDA-graph capture (scratch
-    from the caching allocator) and ``torch.compile(fullgraph=True)`` (custom op
-    ``torch.ops.qsa.sparse_decode_paged`` with a fake impl). Source of the algorithm: this
-    module's docstring.
+    CUDA-graph and ``torch.compile(fullgraph=True)`` safe. Algorithm: the module docstring.
     """
     scale, ksc, vsc = _checked(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
                                softmax_scale, k_scale, v_scale, batch_invariant, strict)
@@ -410,7 +375,7 @@ def decode_paged_with_plan(q, k_cache, v_cache, req_to_token, req_indices, indic
 
 
 # ---------------------------------------------------------------------------------------------
-# Ahead-of-time compile list (``qsa compile``: interop/compile_check.py)
+# Ahead-of-time compile list (``qsa compile``: interop/validate/compile.py)
 _SPLIT_PTRS = {"q_ptr": "*{dt}", "k_ptr": "*{kv}", "v_ptr": "*{kv}", "out_ptr": "*{dt}",
                "lse_ptr": "*fp32", "part_ptr": "*fp32", "table_ptr": "*i32", "req_ptr": "*i32",
                "idx_ptr": "*i32", "seqlen_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32"}

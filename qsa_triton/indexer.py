@@ -1,46 +1,30 @@
 """The QSA indexer for PyTorch: block scoring, exact top-k and expansion as Triton kernels.
 
-Semantics: ``qsa-contract.md`` §4b (scoring ``logits[m, n] = sum_h ReLU(q[m, h] . k[n])``, the
-top-k rule, the paged decode and packed prefill inputs) and §4 (expansion). FP64 references:
-``interop.reference.indexer_*``; the launch plan is ``interop.indices.plan_indexer`` (shared with
-``qsa_pallas.indexer``, which implements the same algorithm).
+Semantics: ``qsa-contract.md`` §4b (scoring ``sum_h ReLU(q[m, h] . k[n])``, top-k rule, inputs)
+and §4 (expansion); FP64 references ``interop.reference.indexer_*``; plan
+``interop.indices.plan_indexer`` (shared with ``qsa_pallas.indexer``, the same algorithm). Two
+passes; no [rows, blocks] logits tensor is ever written:
 
-Algorithm (two passes, no [rows, blocks] logits tensor is ever written):
-
-* Pass 1, one program per (row tile, chunk of C blocks): score the chunk in tiles of BLOCK_N
-  blocks (the key tile as the M side of a bf16/fp16 ``tl.dot`` with the row's heads, FP32
-  accumulation, ReLU, sum over heads; tiles streamed through ``num_stages`` shared-memory
-  buffers), keep the chunk's FP32 scores in registers as int32 *keys* (the bits of a float
-  >= +0.0 order like the float; -0.0 and NaN become +0.0, invisible blocks -1), then select the
-  chunk's exact top-k per row:
-  - the k-th largest key tau by a radix search from bit 30 down, ``radix_bits`` (b) bits a
-    round: each round counts #(key >= tau + j * 2^lo) for the 2^b - 1 digits j > 0 in one
-    compare-and-sum (two counts packed per int32, so one block-wide reduction a round) and
-    keeps the largest digit whose count is >= k; ceil(31 / b) rounds;
-  - then one prefix sum over (key > tau) + (key == tau) * 2^16 in block order gives, at once,
-    the rank of every tie (the first k - #(key > tau) ties, i.e. the smallest block ids, are
-    kept) and every survivor's slot in ascending block order.
-  The survivors (<= k per row and chunk) are written with their count. Bytes moved per row: one
-  read of its visible compressed keys (D * 2 B per block for bf16, D B for fp8) plus 8 B per
-  candidate (k per C >= 2k blocks: <= 1/64 of the key bytes at D = 128 bf16).
-* Pass 2, one program per row: the same selection over the row's S x k candidates (the slot
-  number orders like the block id, so the tie rule carries over), then the block ids in
-  ascending order, or, fused, the expanded 2051-wide token row (blocks expanded to
-  ``4g .. 4g + 3``, the 0-3 token causal tail appended, -1 after: already valid-first, since
-  everything is ascending).
+* Pass 1, one program per (row tile, chunk of C blocks): score the chunk in BLOCK_N-block tiles
+  (the key tile as the M side of a bf16/fp16 ``tl.dot`` with the row's heads, FP32, ReLU, head
+  sum), hold the scores as int32 *keys* (a float >= +0.0's bits order like the float; -0.0 and
+  NaN become +0.0, invisible blocks -1) and select the chunk's exact top-k per row: the k-th
+  largest key tau by a radix search from bit 30 down, ``radix_bits`` (b) bits a round (the
+  2^b - 1 digit counts of a round in one compare-and-sum, two counts packed per int32), then one
+  prefix sum over (key > tau) + (key == tau) * 2^16 gives every tie's rank (the first
+  k - #(key > tau) ties, the smallest block ids, are kept) and every survivor's slot in block
+  order. Bytes per row: its visible compressed keys once plus 8 B per candidate (<= 1/64 of the
+  key bytes at D = 128 bf16).
+* Pass 2, one program per row: the same selection over the row's S x k candidates (slot order
+  is block order, so the tie rule carries over), then the ascending block ids or, fused, the
+  2051-wide token row (``4g .. 4g + 3`` per block, the 0-3 token causal tail, -1 after).
 
 The selection is a radix select (Alabi et al., "Fast k-Selection Algorithms for Graphics
 Processing Units", JEA 2012; upstream's ``fast_topk`` and PyTorch's ``topk`` select by radix
-digits too) whose rounds count several digits at once; exact, no sort.
-
-Selection uses the unscaled FP32 sum: dividing by a positive ``score_scale`` preserves the order
-(upstream divides in FP32, which can only merge neighbouring values into ties), so the tie rule
-then acts on exact FP32 sums. Ties go to the smaller block id; the result is deterministic and
-does not depend on the plan (chunking) or the batch.
-
-Graph safety: no host read of device data (lengths, row ranges) anywhere; the plan depends on
-static shapes only; the candidate workspace is allocated per call (from the graph's pool under
-capture); no atomics. Registered as ``torch.ops.qsa.indexer_*`` custom ops with fake impls.
+digits too), exact, no sort, on the unscaled FP32 sum (dividing by a positive ``score_scale``
+keeps the order): ties go to the smaller block id whatever the plan or the batch. Graph safety:
+no host read of device data, a static plan, a per-call workspace, no atomics; registered as
+``torch.ops.qsa.indexer_*`` custom ops with fake impls.
 """
 
 from __future__ import annotations
@@ -561,8 +545,8 @@ def _pre(fn: str, prob, q: torch.Tensor, plan: IndexerPlan | None = None) -> Non
 
 def _decode_entry(fn: str, q, k_cache, page_table, seq_lens, topk: int, compress_ratio: int,
                   strict: bool, plan: IndexerPlan | None, *, expand: bool) -> torch.Tensor:
-    """The decode entry points' body: checks (skipped while compiling), then the plan given
-    (bypassing the custom op) or the registered op."""
+    """The decode entry points' body: checks (in the fake impl while compiling), then the plan
+    given (bypassing the custom op) or the registered op."""
     if not torch.compiler.is_compiling():
         check_torch_tensors(fn, q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens)
         _pre(fn, check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
@@ -597,12 +581,11 @@ def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torc
                         strict: bool = False, plan: IndexerPlan | None = None) -> torch.Tensor:
     """Decode indexer: score each row's paged compressed keys and keep the exact top-k blocks.
 
-    Row b sees its first ``floor(seq_lens[b] / compress_ratio)`` compressed blocks (capped at the
-    page table's capacity ``max_pages * page_size``); block n lives at
-    ``k_cache[page_table[b, n // page_size], n % page_size, 0]``. Page-table entries past the
-    row's blocks are never read. Scores: ``sum_h ReLU(q[b, h] . k[n])`` in FP32 from bf16/fp16
-    products (fp8 operands widened to bf16, exactly); the division by ``score_scale`` upstream
-    applies is left out because it does not change the order (module docstring).
+    Row b sees its first ``floor(seq_lens[b] / compress_ratio)`` blocks (at most
+    ``max_pages * page_size``); block n is ``k_cache[page_table[b, n // page_size],
+    n % page_size, 0]``; page-table entries past the row's blocks are never read. Scores:
+    ``sum_h ReLU(q[b, h] . k[n])`` in FP32 (fp8 widened to bf16, exactly; upstream's division
+    by ``score_scale`` does not change the order and is left out). Algorithm: module docstring.
 
     Args:
       q: [B, H, D] bf16|fp16|fp8 e4m3 (one row per decode query; MTP rows are rows too).
@@ -618,11 +601,10 @@ def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torc
       blocks gets all of them; ties go to the smaller block id (``interop.reference.indexer_topk``).
 
     Raises:
-      ContractError: before any launch, for a call outside the contract
+      ContractError: before any launch: a call outside the contract
         (``interop.contract.check_indexer_decode``), a non-torch argument, bf16 under an
-        unpatched Triton interpreter, CPU tensors without the interpreter, a plan (given, or
-        the default one) that cannot run this call (``IndexerPlan.problem``; the default plan
-        covers rows of up to 2M blocks at topk 512: argument ``page_table`` / ``k``).
+        unpatched Triton interpreter, CPU tensors without the interpreter, a plan (given or the
+        default, which covers rows of up to 2M blocks at topk 512) that cannot run this call.
     """
     return _decode_entry("indexer_topk_decode", q, k_cache, page_table, seq_lens, topk,
                          compress_ratio, strict, plan, expand=False)
@@ -631,15 +613,13 @@ def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torc
 def indexer_select_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
                           seq_lens: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
                           strict: bool = False, plan: IndexerPlan | None = None) -> torch.Tensor:
-    """The whole decode indexer: ``indexer_topk_decode`` with the expansion fused into its merge.
-
-    The row's position is ``seq_lens[b] - 1`` and its validity bound ``seq_lens[b]``.
+    """The whole decode indexer: ``indexer_topk_decode`` with the expansion fused into its merge
+    (the row's position is ``seq_lens[b] - 1``, its validity bound ``seq_lens[b]``).
 
     Returns:
       int32 [B, topk * ratio + ratio - 1] (2051): token positions ascending (the selected blocks'
-      tokens, then the causal tail ``[floor(L/4)*4, L-1]``), -1 after; equal to
-      ``interop.indices.expand_block_indices`` of ``indexer_topk_decode``'s output. This is the
-      ``indices`` argument ``sparse_decode_paged`` takes.
+      tokens, then the causal tail), -1 after; ``interop.indices.expand_block_indices`` of
+      ``indexer_topk_decode``'s output: the ``indices`` of ``sparse_decode_paged``.
 
     Raises:
       ContractError: as ``indexer_topk_decode``.
@@ -654,9 +634,8 @@ def indexer_topk_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Ten
     """Prefill indexer: each row's exact top-k over its packed compressed-key range.
 
     Row m scores key rows ``[row_starts[m], row_ends[m])`` of ``k`` (intersected with ``[0, N)``;
-    ``interop.indices.prefill_row_ranges`` builds them: a row at position p of a request sees its
-    first ``floor((p + 1) / ratio)`` blocks). Ids are relative to ``row_starts[m]``. Rows are
-    processed in static groups so the candidate workspace stays bounded (``plan_indexer``).
+    ``interop.indices.prefill_row_ranges`` builds them); ids are relative to ``row_starts[m]``.
+    Rows go in static groups that bound the candidate workspace (``plan_indexer``).
 
     Args:
       q: [T, H, D] bf16|fp16|fp8 e4m3; k: [N, 1, D] q's dtype or fp8 e4m3, contiguous.
@@ -698,12 +677,10 @@ def indexer_select_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.T
 def expand_block_indices(block_ids: torch.Tensor, positions: torch.Tensor,
                          seq_lens: torch.Tensor, *, compress_ratio: int = 4,
                          strict: bool = False) -> torch.Tensor:
-    """Block ids -> token positions (``qsa-contract.md`` §4), one Triton program per row.
-
-    Every block id g >= 0 gives tokens ``ratio*g .. ratio*g + ratio - 1`` (a token >= seq_len is
-    -1, a negative id gives ratio x -1), then the causal tail ``[floor(L/ratio)*ratio, p]`` (L =
-    p + 1, tokens < seq_len) is appended and the valid entries (>= 0) are stably moved to the
-    front. Equal to ``interop.indices.expand_block_indices`` for any input.
+    """Block ids -> token positions (``qsa-contract.md`` §4), one Triton program per row: every
+    id g >= 0 gives tokens ``ratio*g ..`` (< seq_len, else -1), then the causal tail
+    ``[floor((p + 1) / ratio) * ratio, p]`` (< seq_len), valid entries stably first; equal to
+    ``interop.indices.expand_block_indices`` for any input.
 
     Args:
       block_ids: int32 [M, topk] contiguous; positions, seq_lens: int32 [M].

@@ -1,56 +1,34 @@
 """Sparse prefill (``qsa-contract.md`` §3) as Triton kernels behind PyTorch custom ops.
 
-Three entry points, one kernel body:
-  * ``sparse_prefill``        ordinary: K/V are this forward's rows, packed like q;
-  * ``sparse_prefill_chunk``  chunk: K/V hold each request's full context at rows cu_seqlens_k[b]..;
-  * ``sparse_prefill_paged``  paged: K/V are the pool, position p of request b is slot
-    ``req_to_token[req_indices[b], p]`` (resolved by a small pre-pass into a slot matrix).
+Three entry points, one kernel body (``MODE``): ordinary (K/V are this forward's rows, packed
+like q), chunk (each request's full context at rows ``cu_seqlens_k[b]..``) and paged (the pool,
+position p of request b at slot ``req_to_token[req_indices[b], p]``).
 
-Algorithm (per program = one query row x one KV head, covering that KV head's G query heads as a
-head tile of BLOCK_M rows, FP32 accumulator [BLOCK_M, D]): walk the row's index columns in BLOCK_N
-steps up to ``min(W, visible)``; gather the named K rows, S = Q·Kᵀ in FP32, scale S by
-``softmax_scale * k_scale * log2(e)`` (scale applied to FP32 scores, not to a BF16 q), online
-softmax in base 2, gather the V rows, acc += P·V with P cast to q's dtype; finally
-``out = acc * v_scale / l``. This is the flash-attention forward (Dao et al., 2022) over gathered
-rows, the same decomposition upstream SGLang's sparse prefill uses (``qsa-contract.md`` §3).
+Algorithm: the flash-attention forward (Dao et al., 2022) over gathered rows, as upstream
+SGLang's sparse prefill: one program per (query row, KV head) holds the G query heads as a
+BLOCK_M head tile with an FP32 accumulator [BLOCK_M, D], walks the row's index columns in
+BLOCK_N steps up to ``min(W, visible)``, gathers the named K/V rows, scales the FP32 scores by
+``softmax_scale * k_scale * log2(e)`` and runs the online softmax in base 2 (P cast to q's
+dtype for P·V); ``out = acc * v_scale / l``. Invalid entries (contract: valid iff
+``0 <= idx < len``) and columns past ``min(W, visible)`` are masked in the loads and the scores,
+so the result does not depend on BLOCK_N; an all-masked step leaves the state untouched and a
+row with no valid entry stores exact zeros. The denominator is a [BLOCK_M, BLOCK_N] running sum
+reduced once per row (no cross-warp reduction per tile); K/V offsets are 32-bit while K/V hold
+< 2**31 elements, 64-bit above (``needs_off64``): bench/NOTES.md, "Sparse prefill, Triton".
 
-Masking (the contract): an entry is valid iff ``0 <= idx < len``. Invalid entries are masked in the
-K/V loads (never dereferenced) and in the scores (never contribute); a step with no valid entry
-leaves the state untouched (the running max stays -inf and is replaced by 0 before it is
-subtracted, so no ``-inf - -inf``); a row with no valid entry stores exact zeros (l == 0 guarded).
-Columns at or past ``min(W, visible)`` are masked too, so the result does not depend on BLOCK_N.
-The softmax denominator is kept as a [BLOCK_M, BLOCK_N] running sum and reduced once per row
-(no cross-warp reduction and its barriers per tile; bench/NOTES.md, "softmax denominator once
-per row"). K/V offsets are 32-bit while K/V hold < 2**31 elements (every valid offset fits, and
-it saves registers; bench/NOTES.md, "32-bit offsets"), 64-bit above (``needs_off64``).
+Grid (max_seqlen_q, B * Hkv), as upstream's. max_seqlen_q is only a hint (a request's row count
+lives on the device), so a tail launch (``ROW_LOOP``, TAIL_PROGRAMS programs per request and KV
+head) loops over the rows past it: a too-small hint still computes every row once. The row loop
+is a separate variant because inside the main kernel it costs registers and occupancy.
 
-Grid: (max_seqlen_q, B * Hkv), like upstream's: program (r, b·Hkv + h) computes row r of request
-b. The host's max_seqlen_q is only a hint (a request's real row count lives on the device and is
-not read back), so a second, tail launch (``ROW_LOOP``, grid (TAIL_PROGRAMS, B * Hkv)) loops over
-rows max_seqlen_q, max_seqlen_q + TAIL_PROGRAMS, ... < q_len: a too-small hint still computes
-every row exactly once; with a right hint the tail programs exit at once. The row loop lives in
-that separate variant because inside the main kernel it costs registers and occupancy
-(bench/NOTES.md, "tail launch"). The slot pre-pass grid-strides over rows itself.
+Paged: a pre-pass (``resolve_pool_slots``) maps every entry to its pool slot once, so the
+attention loop has one dependent load before each gather, not two. FP8 K/V (chunk, paged): the
+dots run in float16 (``qsa_triton._fp8``); ``k_scale`` on the scores, ``v_scale`` on the output.
 
-Paged: a pre-pass (``resolve_pool_slots``) maps every index entry to its pool slot once, so the
-attention loop has one dependent load (the slot) before each K/V gather instead of two (position,
-then table); it measured faster than the lookup inside the loop (bench/NOTES.md, "Sparse
-prefill, Triton").
-
-FP8 (chunk, paged): K/V in float8_e4m3fn are converted to float16 for the dots, q once per
-program to float16 scaled by a power of two, P fed as float16 (``qsa_triton._fp8``); ``k_scale``
-multiplies the scores, ``v_scale`` the output.
-
-Block-level selections (``block_indices=`` instead of token ``indices``, every entry point): the
-indexer's row-relative block ids (4 tokens each) plus each row's implied causal tail, the form
-``interop.indices.expand_prefill_blocks`` expands; equal to the token path on that expansion up to
-summation order. The shared selector (``interop.geometry.select_prefill_blocks``) runs them
-through the tile-union kernel (``qsa_triton.prefill_union``: R rows of one request per program,
-each selected block gathered once for all R rows) or, for short requests and low overlap, through
-this module's per-row kernel after an on-device expansion to token indices.
-
-Environment (read on every call): ``QSA_PREFILL_GEOMETRY`` = auto | table | tuned (the shared
-selector, ``interop/geometry.py``).
+Block-level selections (``block_indices=``): the shared selector
+(``interop.geometry.select_prefill_blocks``) runs them through the tile-union kernel
+(``qsa_triton.prefill_union``) or through this module's kernel after an on-device expansion.
+``QSA_PREFILL_GEOMETRY`` = auto | table | tuned is read on every call (``interop/geometry.py``).
 """
 
 from __future__ import annotations
@@ -69,16 +47,8 @@ from . import prefill_union as PU
 from ._fp8 import fp16_query
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
 
-__all__ = [
-    "sparse_prefill",
-    "sparse_prefill_chunk",
-    "sparse_prefill_paged",
-    "prefill_geometry",
-    "prefill_block_geometry",
-    "MODE_ORDINARY",
-    "MODE_CHUNK",
-    "MODE_SLOTS",
-]
+__all__ = ["sparse_prefill", "sparse_prefill_chunk", "sparse_prefill_paged", "prefill_geometry",
+           "prefill_block_geometry", "MODE_ORDINARY", "MODE_CHUNK", "MODE_SLOTS"]
 
 
 #: kernel modes (a constexpr): how an index entry becomes a K/V row and when it is valid
@@ -169,8 +139,6 @@ def _prefill_row(
              out.to(o_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
-
-
 @triton.jit
 def _qsa_sparse_prefill_fwd(
     q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr,
@@ -194,8 +162,7 @@ def _qsa_sparse_prefill_fwd(
     r_hi = tl.minimum(q_end, n_rows).to(tl.int64) - q_start
     if ROW_LOOP:
         # the tail launch: rows row_base + pid, + grid0, ... < q_len (none when the host's
-        # max_seqlen_q = row_base was right); a separate variant: a row loop around the body
-        # costs the main launch registers and occupancy (bench/NOTES.md, "tail launch")
+        # max_seqlen_q = row_base was right); a separate variant (module docstring)
         for r in range(tl.maximum(r_lo, row_base) + tl.program_id(0), r_hi, tl.num_programs(0)):
             _prefill_row(tl.cast(r, tl.int32), b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr,
                          idx_ptr, cu_k_ptr, kv_lens_ptr, qk_scale, v_scale, W, kv_rows,
@@ -254,21 +221,19 @@ _INTERPRETER_FACTS = DeviceFacts.for_arch("sm_90", name="Triton interpreter (CPU
                                           triton_version=triton.__version__)
 
 
+def _facts(q: torch.Tensor) -> DeviceFacts:
+    return DeviceFacts.from_torch(q.device) if q.is_cuda else _INTERPRETER_FACTS
+
+
 def prefill_geometry(kind: str, q: torch.Tensor, *, requests: int, max_q: int, num_kv_heads: int,
                      width: int, kv_bytes: int = 2) -> Geometry:
     """Geometry the entry points use for this call: ``interop.geometry.select_prefill`` on the
     facts of q's device (CPU tensors: sm_90 facts; the interpreter ignores warps and stages).
-
-    Args:
-      kind: "ordinary" | "chunk" | "paged"; q: [T, Hq, D]; requests: B; max_q: max_seqlen_q;
-        num_kv_heads: Hkv; width: W; kv_bytes: bytes per K/V element (1 for FP8).
-
-    Raises:
-      ContractError: a bad ``QSA_PREFILL_GEOMETRY``.
-    """
+    ``kind``: "ordinary" | "chunk" | "paged"; q: [T, Hq, D]; requests: B; max_q: max_seqlen_q;
+    width: W; kv_bytes: bytes per K/V element (1 for FP8). Raises ContractError for a bad
+    ``QSA_PREFILL_GEOMETRY``."""
     t, hq, d = q.shape
-    facts = DeviceFacts.from_torch(q.device) if q.is_cuda else _INTERPRETER_FACTS
-    return select_prefill(facts, kind, total_q=max(t, 1), requests=requests, max_q=max_q,
+    return select_prefill(_facts(q), kind, total_q=max(t, 1), requests=requests, max_q=max_q,
                           group=hq // num_kv_heads, num_kv_heads=num_kv_heads, head_dim=d,
                           width=width, kv_bytes=kv_bytes)
 
@@ -277,19 +242,10 @@ def prefill_block_geometry(kind: str, q: torch.Tensor, *, requests: int, max_q: 
                            num_kv_heads: int, block_width: int, kv_bytes: int = 2,
                            overlap: float | None = None) -> UnionGeometry:
     """Kernel and geometry for block-level selections: ``interop.geometry.select_prefill_blocks``
-    on the facts of q's device (CPU tensors: sm_90 facts).
-
-    Args:
-      kind: "ordinary" | "chunk" | "paged"; q: [T, Hq, D]; requests: B; max_q: max_seqlen_q;
-        num_kv_heads: Hkv; block_width: NB; kv_bytes: 1 for FP8 K/V; overlap: the engine's hint
-        (expected neighbour Jaccard of the block selections) or None.
-
-    Raises:
-      ContractError: a bad ``QSA_PREFILL_GEOMETRY``.
-    """
+    on the facts of q's device; as ``prefill_geometry`` with block_width NB for W and
+    ``overlap``, the engine's hint (expected neighbour Jaccard of the block selections) or None."""
     t, hq, d = q.shape
-    facts = DeviceFacts.from_torch(q.device) if q.is_cuda else _INTERPRETER_FACTS
-    return select_prefill_blocks(facts, kind, total_q=max(t, 1), requests=requests, max_q=max_q,
+    return select_prefill_blocks(_facts(q), kind, total_q=max(t, 1), requests=requests, max_q=max_q,
                                  group=hq // num_kv_heads, num_kv_heads=num_kv_heads,
                                  head_dim=d, block_width=block_width, kv_bytes=kv_bytes,
                                  overlap=overlap)
@@ -328,7 +284,7 @@ _KINDS = {MODE_ORDINARY: "ordinary", MODE_CHUNK: "chunk", MODE_SLOTS: "paged"}
 
 
 def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, geometry):
-    """Both launches of one call (main grid, then the tail); ``geometry`` None = the selector."""
+    """Both launches of one call (main grid, then the tail); ``geometry`` None: the selector."""
     # zeros, not empty: rows outside every request (a batch padded to a static T) get no
     # program, and must read as zeros like a row without a valid entry (as in qsa_pallas)
     out = torch.zeros_like(q)
@@ -350,9 +306,7 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
     _qsa_sparse_prefill_fwd[(max_q, requests * hkv)](
         *args, 0, t, k.shape[0], *strides, **consts, BLOCK_N=geo.block_n, ROW_LOOP=False,
         num_warps=geo.num_warps, num_stages=geo.num_stages)
-    # Tail: rows >= max_q (the host hint is only checked against T; a request's real row count
-    # lives on the device). Nothing to do when the hint was right: its programs read cu_q and
-    # exit (one extra launch, a few us against milliseconds).
+    # Tail: rows >= max_q (module docstring); with a right hint its programs read cu_q and exit
     t_geo = tail_geometry(geo)
     _qsa_sparse_prefill_fwd[(TAIL_PROGRAMS, requests * hkv)](
         *args, max_q, t, k.shape[0], *strides, **consts, BLOCK_N=t_geo.block_n, ROW_LOOP=True,
@@ -361,8 +315,8 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
 
 
 # ---------------------------------------------------------------------------------------------
-# Implementations (called by the custom ops; no contract check here: the public entry points do
-# it first). ``geometry`` = None selects from the shared selector; benchmarks may force one.
+# Implementations (called by the custom ops, after the entry points' checks); benchmarks may
+# force a ``geometry``
 def _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, geometry=None):
     return _launch(MODE_ORDINARY, q, k, v, indices, cu_seqlens, cu_seqlens, cu_seqlens,
                    max_seqlen_q, softmax_scale, 1.0, 1.0, geometry)
@@ -388,9 +342,6 @@ def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens
       int32, indices' shape: ``req_to_token[req_indices[b], idx]`` where the entry is valid
       (column < visible, 0 <= idx < kv_lens[b], and in bounds of the table and the pool), -1
       elsewhere (also columns past visible). Rows past cu_seqlens_q[B] are left unwritten.
-      Costs one read of the indices and one write of the same size (67 MB at T = 8192, W = 2051);
-      a lookup inside the attention loop instead puts a second dependent load before every K/V
-      gather, and measured slower (bench/NOTES.md, "Sparse prefill, Triton").
     """
     t, w = indices.shape[0], indices.shape[-1]
     if req_to_token.numel() == 0:  # an empty table: every entry is invalid
@@ -451,13 +402,6 @@ def _op_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torc
     return _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale)
 
 
-@_op_prefill.register_fake
-def _(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale):
-    # the contract check under torch.compile (see _entry); FakeTensors carry shape/dtype/device
-    contract.check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale)
-    return torch.empty_like(q)
-
-
 @torch.library.custom_op("qsa::sparse_prefill_chunk", mutates_args=())
 def _op_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, kv_lens: torch.Tensor,
@@ -465,14 +409,6 @@ def _op_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.
               v_scale: float) -> torch.Tensor:
     return _chunk_impl(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
                        softmax_scale, k_scale, v_scale)
-
-
-@_op_chunk.register_fake
-def _(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q, softmax_scale, k_scale,
-      v_scale):
-    contract.check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
-                                 max_seqlen_q, softmax_scale, k_scale, v_scale)
-    return torch.empty_like(q)
 
 
 @torch.library.custom_op("qsa::sparse_prefill_paged", mutates_args=())
@@ -484,15 +420,6 @@ def _op_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale)
 
 
-@_op_paged.register_fake
-def _(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q, kv_lens,
-      max_seqlen_q, softmax_scale, k_scale, v_scale):
-    contract.check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
-                                 cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale, k_scale,
-                                 v_scale)
-    return torch.empty_like(q)
-
-
 @torch.library.custom_op("qsa::sparse_prefill_blocks", mutates_args=())
 def _op_prefill_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        block_indices: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen_q: int,
@@ -500,13 +427,6 @@ def _op_prefill_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _blocks_impl(MODE_ORDINARY, q, k, v, block_indices, cu_seqlens, cu_seqlens,
                         cu_seqlens, cu_seqlens, cu_seqlens, max_seqlen_q, softmax_scale, 1.0, 1.0,
                         _hint(overlap))
-
-
-@_op_prefill_blocks.register_fake
-def _(q, k, v, block_indices, cu_seqlens, max_seqlen_q, softmax_scale, overlap):
-    contract.check_prefill(q, k, v, block_indices, cu_seqlens, max_seqlen_q, softmax_scale,
-                           indices_name="block_indices")
-    return torch.empty_like(q)
 
 
 @torch.library.custom_op("qsa::sparse_prefill_chunk_blocks", mutates_args=())
@@ -520,15 +440,6 @@ def _op_chunk_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         _hint(overlap))
 
 
-@_op_chunk_blocks.register_fake
-def _(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q, softmax_scale,
-      k_scale, v_scale, overlap):
-    contract.check_prefill_chunk(q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
-                                 max_seqlen_q, softmax_scale, k_scale, v_scale,
-                                 indices_name="block_indices")
-    return torch.empty_like(q)
-
-
 @torch.library.custom_op("qsa::sparse_prefill_paged_blocks", mutates_args=())
 def _op_paged_blocks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      req_to_token: torch.Tensor, req_indices: torch.Tensor,
@@ -540,13 +451,27 @@ def _op_paged_blocks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                         softmax_scale, k_scale, v_scale, _hint(overlap))
 
 
-@_op_paged_blocks.register_fake
-def _(q, k_cache, v_cache, req_to_token, req_indices, block_indices, cu_seqlens_q, kv_lens,
-      max_seqlen_q, softmax_scale, k_scale, v_scale, overlap):
-    contract.check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, block_indices,
-                                 cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale, k_scale,
-                                 v_scale, indices_name="block_indices")
-    return torch.empty_like(q)
+def _fake(checker, blocks: bool):
+    """An op's fake impl: the contract check under torch.compile (see ``_entry``; FakeTensors
+    carry shape, dtype and device), then the output metadata. A block op's last argument is the
+    overlap hint, which the checker does not take."""
+    def fake(q, *args):
+        if blocks:
+            checker(q, *args[:-1], indices_name="block_indices")
+        else:
+            checker(q, *args)
+        return torch.empty_like(q)
+    return fake
+
+
+for _op, _checker, _blocks in ((_op_prefill, contract.check_prefill, False),
+                               (_op_chunk, contract.check_prefill_chunk, False),
+                               (_op_paged, contract.check_prefill_paged, False),
+                               (_op_prefill_blocks, contract.check_prefill, True),
+                               (_op_chunk_blocks, contract.check_prefill_chunk, True),
+                               (_op_paged_blocks, contract.check_prefill_paged, True)):
+    _op.register_fake(_fake(_checker, _blocks))
+del _op, _checker, _blocks
 
 
 def _hint(overlap: float) -> float | None:
@@ -560,9 +485,8 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
                    strict: bool = False, block_indices=None, overlap=None):
     """Ordinary sparse prefill: each query row attends to the selected rows of this forward's K/V.
 
-    Forward only (inference: no autograd). Algorithm: the module docstring (the
-    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill; block-level
-    selections: the tile-union kernel, ``qsa_triton.prefill_union``).
+    Forward only. Algorithm: the module docstring (the flash-attention forward over gathered
+    rows, as upstream SGLang's sparse prefill; block-level selections: ``prefill_union``).
 
     Args:
       q: [T, Hq, D] bf16|fp16, rows of all requests packed.
@@ -571,9 +495,8 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
         selected entries first; an entry is valid iff 0 <= idx < request length. None when
         ``block_indices`` is given.
       cu_seqlens: int32 [B + 1] on q's device.
-      max_seqlen_q: host int >= 1, the longest request's rows: a grid-size hint only (dim 0 of
-        the main launch); a tail launch computes any rows past it, so a too-small value still
-        computes every row exactly once (slower), and a too-large one only launches idle programs.
+      max_seqlen_q: host int >= 1, the longest request's rows: a grid-size hint only (too small:
+        the tail launch still computes every row once, slower; too large: idle programs).
       softmax_scale: host float or None (D ** -0.5).
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
       BLOCKS_DOC
@@ -596,13 +519,10 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
 def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, overlap,
            max_seqlen_q, softmax_scale, strict: bool, scales: tuple | None = None):
     """One public prefill entry point ``fn``: check, then ``torch.ops.qsa.<fn>`` on ``indices``
-    or ``torch.ops.qsa.<fn>_blocks`` on ``block_indices``. The op's tensors are ``before``, the
-    selection, ``after`` (in the entry point's order), then max_seqlen_q, softmax_scale,
-    (k_scale, v_scale) when ``scales`` is given (chunk/paged), and the overlap hint (-1.0 =
-    none) for the block op. Under torch.compile the contract check runs in the op's fake
-    implementation instead (Dynamo cannot raise out of a fullgraph trace and would drop the
-    message; an error in the fake impl reaches the user inside Dynamo's TorchRuntimeError with
-    the full ContractError text)."""
+    or ``torch.ops.qsa.<fn>_blocks`` on ``block_indices``, with ``before``, the selection,
+    ``after``, max_seqlen_q, softmax_scale, ``scales`` (chunk/paged) and, for the block op, the
+    overlap hint (-1.0 = none). Under torch.compile the contract check runs in the op's fake impl
+    instead (Dynamo cannot raise out of a fullgraph trace; the fake impl's error keeps its text)."""
     name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
     tensors = {**before, name: sel, **after}
     q = before["q"]
@@ -629,11 +549,8 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
                          softmax_scale=None, k_scale=1.0, v_scale=1.0, *, strict: bool = False,
                          block_indices=None, overlap=None):
     """Chunk sparse prefill: new query rows attend to selected rows of each request's full
-    context (prefix + this chunk), packed at rows ``cu_seqlens_k[b]`` of k/v.
-
-    Forward only (inference: no autograd). Algorithm: the module docstring (the
-    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill; block-level
-    selections: the tile-union kernel, ``qsa_triton.prefill_union``).
+    context (prefix + this chunk), packed at rows ``cu_seqlens_k[b]`` of k/v. Forward only;
+    algorithm as ``sparse_prefill``.
 
     Args:
       q: [T, Hq, D] bf16|fp16.
@@ -642,8 +559,7 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
         ``block_indices`` is given.
       cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B] (context length per request,
         >= its query rows); all on q's device.
-      max_seqlen_q: host int >= 1, the longest request's query rows: a grid-size hint, as in
-        ``sparse_prefill`` (too small: still every row, slower).
+      max_seqlen_q: host int >= 1, a grid-size hint, as in ``sparse_prefill``.
       softmax_scale: host float or None (D ** -0.5); k_scale (on scores), v_scale (on the output):
         host floats, 1.0 unless K/V are FP8.
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
@@ -667,14 +583,8 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
 def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
                          kv_lens, max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                          strict: bool = False, block_indices=None, overlap=None):
-    """Paged sparse prefill: K/V read in place from the KV pool through SGLang's ``req_to_token``.
-
-    Forward only (inference: no autograd). Algorithm: the module docstring (the
-    flash-attention forward over gathered rows, as upstream SGLang's sparse prefill; block-level
-    selections: the tile-union kernel, ``qsa_triton.prefill_union``).
-
-    The pool-addressing convention of ``sparse_decode_paged``, so one engine passes one set of
-    tensors to both.
+    """Paged sparse prefill: K/V read in place from the KV pool through SGLang's ``req_to_token``
+    (the addressing of ``sparse_decode_paged``). Forward only; algorithm as ``sparse_prefill``.
 
     Args:
       q: [T, Hq, D] bf16|fp16.
@@ -683,9 +593,8 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
         req_to_token[r, p] (read only for valid entries).
       req_indices: int32 [B]; request b uses row req_indices[b].
       indices: int32 [T, W] or [T, Hkv, W]; request-relative positions, valid iff
-        0 <= idx < kv_lens[b]. Metadata that lies never makes the kernel read outside a buffer:
-        a position >= max_context, a row outside [0, max_reqs) or a slot outside [0, slots) is
-        an invalid entry (masked, never dereferenced). None when ``block_indices`` is given.
+        0 <= idx < kv_lens[b]; a position >= max_context, a row outside [0, max_reqs) or a slot
+        outside [0, slots) is an invalid entry (never dereferenced). None with ``block_indices``.
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
       max_seqlen_q, softmax_scale, k_scale, v_scale, strict: as ``sparse_prefill_chunk``
         (max_seqlen_q is a grid-size hint for the slot pre-pass too).

@@ -1,54 +1,37 @@
 """Tile-union sparse prefill (Triton): block-level selections, R query rows per program.
 
-The block-level form of the three prefill entry points (``block_indices=``, ``qsa-contract.md``
-§3-4): row r of request b passes the indexer's row-relative block ids (4 tokens each, any order,
-invalid ids anywhere); block g is valid iff ``0 <= g < visible // 4`` (a complete visible block)
-and every row also attends its causal tail ``[4 * (visible // 4), visible)``. The result equals
-the token path on ``interop.indices.expand_prefill_blocks`` up to summation order.
+The ``block_indices=`` form of the three prefill entry points (``qsa-contract.md`` §3-4): row r
+passes the indexer's row-relative block ids (4 tokens each, any order, invalid ids anywhere);
+block g is valid iff ``0 <= g < visible // 4`` and every row also attends its causal tail
+``[4 * (visible // 4), visible)``: the token path on ``interop.indices.expand_prefill_blocks``
+up to summation order.
 
 Algorithm (vLLM PR #55430 / RFC #55394; FSA, arXiv 2508.18224, for the K/V-outer view): adjacent
-query rows of one request select mostly the same blocks, so one program takes a tile of R
-consecutive rows of one request (tiles never straddle requests; tile rows past the request's
-end are masked) and one KV head:
+rows of one request select mostly the same blocks, so one program takes a tile of R consecutive
+rows of one request (tiles never straddle requests) and one KV head:
 
-1. Union build (``_qsa_block_union``, one program per tile and index head, part of every call):
-   the R x NB keys ``block * R + row`` of the tile's valid entries are sorted in registers
-   (``tl.sort``), the first key of each block is marked and compacted with a prefix sum, and the
-   membership of each union entry is the segmented sum of ``1 << row`` (an OR, since a (block,
-   row) pair occurs once). A block that a row lists k times (duplicates: attended per occurrence,
-   the contract's gather semantics) becomes k entries: when the tile has duplicates the keys are
-   sorted again by (occurrence rank, block, row), so copy c of a block names the rows that list
-   it more than c times; tiles without duplicates skip that second sort. Output per tile: the
-   union's block ids (ascending; then the copies), one membership word per entry, the length.
-2. Attention (``_qsa_prefill_union_fwd``, one program per tile and KV head): a Q tile of the R
-   rows' G heads, each row's heads padded to next_pow2(G), [max(16, R x next_pow2(G)), D]
-   (G = 12, R = 4: 64 rows, one tensor-core M tile); the union is walked BLOCK_N / 4 blocks at a
-   time: the BLOCK_N K/V rows are gathered once (FP8 converted once) and shared by the R rows;
-   S = Q·Kᵀ in FP32, masked by membership(row, block); online softmax per (row, head) in base 2;
-   acc += P·V. A last step covers the rows' causal tails (one BLOCK_N chunk of contiguous
-   positions, at most R + 3 tokens, per-row bounds). A row with no valid entry stores exact zeros.
-   Work per tile is |union| x R rows, against sum over rows of its own blocks for the per-row
-   kernel: it pays where rows overlap, which is why the shared selector
-   (``interop.geometry.select_prefill_blocks``) sends low-overlap and short-request workloads
-   to the per-row kernel instead (``_qsa_expand_blocks`` expands the blocks to token indices on
-   the device, then ``qsa_triton.prefill``'s kernel runs).
-3. Per-tile switch (vLLM #55372's bound: never more work than the per-row kernel): selections
-   the engine did not announce as barely overlapping can still make a tile's union large. A
-   tile whose union has more than ``interop.geometry.max_union_entries`` entries (read on the
-   device from the build's length) runs its R rows one at a time instead (``_rows_of_tile``):
-   each row's own block ids straight from ``block_indices``, a [max(16, next_pow2(G)), D] Q
-   tile, then its causal tail; the same arithmetic per row as the union path's, other sums.
+1. Union build (``_qsa_block_union``, per tile and index head): the R x NB keys
+   ``block * R + row`` of the valid entries are sorted in registers, the first key of each block
+   is compacted with a prefix sum, and each union entry's membership is the segmented sum of
+   ``1 << row``. A block a row lists k times becomes k entries (the contract's gather
+   semantics): tiles with duplicates sort again by (occurrence rank, block, row).
+2. Attention (``_qsa_prefill_union_fwd``, per tile and KV head): a [max(16, R x next_pow2(G)), D]
+   Q tile (G = 12, R = 4: one 64-row tensor-core tile) walks the union BLOCK_N / 4 blocks at a
+   time; each gathered K/V row (FP8 converted once) serves the R rows, the scores are masked by
+   membership, online softmax per (row, head) in base 2; a last step covers the rows' causal
+   tails (at most R + 3 contiguous tokens). Work is |union| x R rows, so the shared selector
+   (``interop.geometry.select_prefill_blocks``) sends low-overlap and short-request workloads to
+   the per-row kernel (``_qsa_expand_blocks``, then ``qsa_triton.prefill``'s kernel).
+3. Per-tile switch (vLLM #55372's bound: never more work than the per-row kernel): a tile whose
+   union has more than ``interop.geometry.max_union_entries`` entries (read on the device) runs
+   its R rows one at a time over their own block ids (``_rows_of_tile``).
 
-Tile numbering: tile j of request b has slot ``cu_seqlens_q[b] // R + b + j``
-(``interop.indices.tile_slots``); a grid of ``T // R + B`` programs covers every tile of any batch,
-and each program finds its request by counting ``cu_seqlens_q[b] // R + b <= slot`` over the
-B + 1 device values: no host read of device metadata, so CUDA-graph replay with new lengths stays
-correct, and ``max_seqlen_q`` is not needed for the grid.
-
-Paged: positions map to pool slots through ``req_to_token[req_indices[b], pos]`` inside the loop
-(once per gathered token, shared by the tile's rows); a position >= max_context or past
-kv_lens[b], a table row outside [0, max_reqs) or a slot outside the pool is an invalid token,
-never dereferenced. K/V offsets are 32-bit unless K/V hold >= 2**31 elements.
+Tiles: tile j of request b has slot ``cu_seqlens_q[b] // R + b + j``
+(``interop.indices.tile_slots``); ``T // R + B`` programs cover any batch and each finds its
+request from the B + 1 device values: no host read, CUDA-graph safe, no ``max_seqlen_q``.
+Paged: positions map to slots through ``req_to_token`` inside the loop (once per gathered token);
+lying metadata is an invalid token, never dereferenced. K/V offsets are 32-bit below 2**31
+elements.
 """
 
 from __future__ import annotations
@@ -77,10 +60,10 @@ def _max_combine(a, b):
 
 @triton.jit
 def _tile_of(slot, cu_q_ptr, n_req, R: tl.constexpr, BP: tl.constexpr):
-    """(request b, its first row, tile j, rows of request b the tile may use) of a slot: b counts
-    the requests b' >= 1 whose first slot cu[b'] // R + b' is <= slot (strictly increasing in
-    b'); the row count is 0 for an idle slot, so row masks need no scalar condition (Triton's
-    interpreter turns a scalar-bool & vector-bool into int32, which its loads refuse as masks)."""
+    """(request b, its first row, q_len, tile j, rows the tile may use) of a slot: b counts the
+    requests b' >= 1 whose first slot cu[b'] // R + b' is <= slot; the row count is 0 for an
+    idle slot, so row masks need no scalar condition (Triton's interpreter turns a scalar-bool &
+    vector-bool into int32, which its loads refuse as masks)."""
     j = tl.arange(0, BP)
     cu = tl.load(cu_q_ptr + j, mask=j <= n_req, other=0)
     first = cu // R + j
@@ -100,9 +83,8 @@ def _qsa_block_union(
     KEY64: tl.constexpr,
 ):
     """Union of the valid blocks of one tile's rows for one index head (module docstring, 1).
-    ``max_blocks``: block ids at or past it name no K/V row (or no table column) and are
-    invalid; ``KEY64``: sort 64-bit keys (when block * R + row can pass 2**31 for that bound);
-    32-bit keys sort about twice as fast."""
+    Block ids >= ``max_blocks`` are invalid; ``KEY64``: 64-bit sort keys, where block * R + row
+    can pass 2**31 (32-bit keys sort about twice as fast)."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     N: tl.constexpr = R * NBP
@@ -384,16 +366,15 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
       block_indices: int32 [T, NB] or [T, Hkv, NB] row-relative block ids.
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B] (chunk/paged) or None (ordinary: the
         request length is the validity bound). All on one device.
-      tile_rows: R (a power of two, R x next_pow2(NB) keys are sorted in one program).
-      max_blocks: host bound on block ids (K/V rows or table width // 4 + 1), or None (no
-        bound: 64-bit sort keys). Ids at or past it name no K/V row or table column and are
-        invalid; a bound with (max_blocks + 1) x R < 2**31 lets the build sort 32-bit keys.
+      tile_rows: R (a power of two; R x next_pow2(NB) keys are sorted in one program).
+      max_blocks: host bound on block ids (ids at or past it name no K/V row or table column:
+        invalid), or None; (max_blocks + 1) x R < 2**31 lets the build sort 32-bit keys.
 
     Returns:
-      (blocks int32 [S, H, R x NB], masks int32 [S, H, R x NB], lengths int32 [S, H]) with
-      S = T // R + B: entry u < lengths[s, h] of slot s is block ``blocks[s, h, u]`` for the rows
-      whose bit is set in ``masks[s, h, u]`` (a block listed k times by a row: k entries);
-      entries past the length are unwritten. Equal to ``interop.indices.tile_union``.
+      (blocks, masks int32 [S, H, R x NB], lengths int32 [S, H]), S = T // R + B: entry
+      u < lengths[s, h] is block ``blocks[s, h, u]`` for the rows whose bit is set in
+      ``masks[s, h, u]``; entries past the length unwritten. Equal to
+      ``interop.indices.tile_union``.
     """
     t, nb = block_indices.shape[0], block_indices.shape[-1]
     hidx = block_indices.shape[1] if block_indices.dim() == 3 else 1
@@ -419,17 +400,10 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
 
 def expand_blocks(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   kv_lens: torch.Tensor | None) -> torch.Tensor:
-    """Token indices of a block-level selection, on the device (the per-row kernel's input when
-    the selector picks it for block-level selections).
-
-    Args:
-      block_indices: int32 [T, NB] or [T, Hkv, NB]; cu_seqlens_q: int32 [B + 1]; kv_lens: int32
-        [B] or None (ordinary).
-
-    Returns:
-      int32 [T, 4 NB + 3] (or [T, Hkv, 4 NB + 3]) equal to
-      ``interop.indices.expand_prefill_blocks`` (rows outside every request: all -1).
-    """
+    """Token indices of a block-level selection on the device (the per-row kernel's input):
+    int32 [T, 4 NB + 3] (or [T, Hkv, ..]) from int32 ``block_indices`` [T, NB] (or [T, Hkv,
+    NB]), ``cu_seqlens_q`` [B + 1] and ``kv_lens`` [B] or None (ordinary); equal to
+    ``interop.indices.expand_prefill_blocks`` (rows outside every request: all -1)."""
     t, nb = block_indices.shape[0], block_indices.shape[-1]
     w = RATIO * nb + RATIO - 1
     shape = (t, block_indices.shape[1], w) if block_indices.dim() == 3 else (t, w)

@@ -1,35 +1,19 @@
 """The end-to-end QSA attention step for PyTorch: indexer -> expansion -> sparse attention from
-the pool.
+the pool (``qsa-contract.md`` §4b, §4, §2b, §3), composed of this package's entry points.
 
-A composition of this package's public entry points (no kernel of its own), the way a serving
-engine runs one QSA attention layer (``qsa-contract.md`` §4b, §4, §2b, §3); same names, argument
-order and meaning as ``qsa_pallas.step``:
+* decode: ``indexer_select_decode`` (score, exact top-k, fused expansion to the 2051-wide token
+  row), then ``sparse_decode_paged`` through ``req_to_token``;
+* prefill: ``prefill_step_rows`` (each row's request, position, bound and compressed-key range,
+  a few torch ops on the device), ``indexer_select_prefill``, then ``sparse_prefill_paged``.
 
-* decode: ``indexer_select_decode`` scores every visible compressed block of the row through the
-  compressed-K page table, keeps the exact top-k (512, ties to the smaller block id) and expands
-  them, fused, to the 2051-wide token row; ``sparse_decode_paged`` attends to those positions in
-  the KV pool through ``req_to_token``;
-* prefill: ``prefill_step_rows`` derives each query row's request, position, bound and
-  compressed-key range from the request tables with a few torch ops on the device;
-  ``indexer_select_prefill`` selects and expands over the packed per-request compressed keys;
-  ``sparse_prefill_paged`` attends from the pool.
+Both halves are checked before the first launch (``check_decode_step`` / ``check_prefill_step``):
+a bad call leaves nothing half-done. CUDA-graph and ``torch.compile(fullgraph=True)`` safe (no
+host read of device data; the halves are ``torch.ops.qsa`` custom ops). Tensor parallel: a rank
+passes its own query heads, their KV heads (``r // (TP / Hkv)`` at TP > Hkv) and every indexer
+input whole (``interop.validate.tp``, ``qsa check --tp 2``).
 
-Every argument of both halves is checked before the first launch
-(``interop.contract.check_decode_step`` / ``check_prefill_step``), so a bad call leaves nothing
-half-done. Graph / compile safety: no host read of device data anywhere (lengths, page ids, row
-ranges stay on the device; the metadata ops are ``searchsorted`` / gathers / ``where``), scratch
-comes from the caching allocator, so a captured CUDA graph replays correctly with new lengths in
-the same buffers; under ``torch.compile(fullgraph=True)`` the halves are ``torch.ops.qsa`` custom
-ops with fake implementations (the checks then run there).
-
-Tensor parallel: a rank calls the step on its own heads, nothing else changes: ``q[:, r*Hq/TP
-..]``, the pool's KV heads of those query heads (``[:, r*Hkv/TP ..]``, or at TP > Hkv the one
-head ``r // (TP / Hkv)``, replicated over ranks), the request tables and every indexer input
-whole (each rank runs the indexer itself). ``interop.validate.tp`` checks that against TP1
-over torch.distributed (``qsa check --tp 2``).
-
-Sources: upstream sglang 0.5.23 ``srt/layers/attention/qsa/`` (``qsa_indexer.py`` decode/prefill
-metadata, ``mqa.py`` scoring, ``kernel.py`` expansion); the algorithms are in the modules named.
+Sources: upstream sglang 0.5.23 ``srt/layers/attention/qsa/`` (``qsa_indexer.py`` metadata,
+``mqa.py`` scoring, ``kernel.py`` expansion).
 """
 
 from __future__ import annotations
@@ -98,19 +82,15 @@ def prefill_step_rows(cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
                       index_cu_seqlens_k: torch.Tensor, total_rows: int, *,
                       compress_ratio: int = 4):
     """Each prefill row's indexer metadata from the request tables, on their device (no host
-    read: CUDA-graph and torch.compile safe). The rule is ``interop.indices.prefill_step_rows``
-    (its docstring): row t of request b sits at position ``kv_lens[b] - q_len_b + (t -
-    cu_seqlens_q[b])``, scores the first ``floor((p + 1) / ratio)`` of its request's packed
-    compressed keys ``index_cu_seqlens_k[b] ..``, and has validity bound ``kv_lens[b]``; rows
-    outside every request get an empty range, position -1 and bound 0.
+    read: CUDA-graph and torch.compile safe), by ``interop.indices.prefill_step_rows``'s rule:
+    row t of request b sits at position ``p = kv_lens[b] - q_len_b + (t - cu_seqlens_q[b])``,
+    scores the first ``floor((p + 1) / ratio)`` of its request's compressed keys
+    ``index_cu_seqlens_k[b] ..`` and has bound ``kv_lens[b]``; rows outside every request get an
+    empty range, position -1 and bound 0.
 
-    Args:
-      cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; index_cu_seqlens_k: int32 [B + 1];
-      total_rows: host int T; compress_ratio: tokens per block.
-
-    Returns:
-      (row_starts, row_ends, positions, seq_lens), int32 [T] each: the arguments of
-      ``indexer_select_prefill``.
+    Args: int32 ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B], ``index_cu_seqlens_k`` [B + 1]; host
+    ints ``total_rows`` (T) and ``compress_ratio`` (tokens per block). Returns ``(row_starts,
+    row_ends, positions, seq_lens)``, int32 [T] each: ``indexer_select_prefill``'s arguments.
     """
     ratio = int(compress_ratio)
     cu = cu_seqlens_q.long()
