@@ -173,8 +173,8 @@ def _qsa_sparse_prefill_fwd(
         r = row_base + tl.program_id(0)
         if (r >= r_lo) & (r < r_hi):
             _prefill_row(r, b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr,
-                         kv_lens_ptr, qk_scale, v_scale, W, kv_rows, stride_qt, stride_qh, stride_kh,
-                         stride_kn, stride_vh, stride_vn, stride_ot, stride_oh, stride_it,
+                         kv_lens_ptr, qk_scale, v_scale, W, kv_rows, stride_qt, stride_qh,
+                         stride_kh, stride_kn, stride_vh, stride_vn, stride_ot, stride_oh, stride_it,
                          stride_ih, G, D, BLOCK_M, BLOCK_N, MODE, OFF64)
 
 
