@@ -140,6 +140,18 @@ def _prefill_row(
 
 
 @triton.jit
+def _request_rows(cu_q_ptr, b, n_rows):
+    """Request b's q_start, q_len and the request-relative rows [r_lo, r_hi) that lie inside
+    [0, n_rows): a lying cu_seqlens_q never makes a kernel read or write past q / out (int64
+    bounds: a lying q_start may sit near the int32 limits)."""
+    q_start = tl.load(cu_q_ptr + b)
+    q_end = tl.load(cu_q_ptr + b + 1)
+    r_lo = tl.maximum(q_start, 0).to(tl.int64) - q_start
+    r_hi = tl.minimum(q_end, n_rows).to(tl.int64) - q_start
+    return q_start, q_end - q_start, r_lo, r_hi
+
+
+@triton.jit
 def _qsa_sparse_prefill_fwd(
     q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr,
     cu_q_ptr, cu_k_ptr, kv_lens_ptr,
@@ -153,13 +165,7 @@ def _qsa_sparse_prefill_fwd(
     bh = tl.program_id(1)
     b = bh // HKV
     h = bh % HKV
-    q_start = tl.load(cu_q_ptr + b)
-    q_end = tl.load(cu_q_ptr + b + 1)
-    q_len = q_end - q_start
-    # only rows inside [0, n_rows) exist: lying cu_seqlens_q never reads or writes past q / out
-    # (request-relative bounds in int64: a lying q_start may be near the int32 limits)
-    r_lo = tl.maximum(q_start, 0).to(tl.int64) - q_start
-    r_hi = tl.minimum(q_end, n_rows).to(tl.int64) - q_start
+    q_start, q_len, r_lo, r_hi = _request_rows(cu_q_ptr, b, n_rows)
     if ROW_LOOP:
         # the tail launch: rows row_base + pid, + grid0, ... < q_len (none when the host's
         # max_seqlen_q = row_base was right); a separate variant (module docstring)
@@ -193,11 +199,7 @@ def _qsa_resolve_pool_slots(
     bh = tl.program_id(1)
     b = bh // HIDX
     h = bh % HIDX
-    q_start = tl.load(cu_q_ptr + b)
-    q_end = tl.load(cu_q_ptr + b + 1)
-    q_len = q_end - q_start
-    r_lo = tl.maximum(q_start, 0).to(tl.int64) - q_start  # rows outside [0, n_rows): none
-    r_hi = tl.minimum(q_end, n_rows).to(tl.int64) - q_start
+    q_start, q_len, r_lo, r_hi = _request_rows(cu_q_ptr, b, n_rows)
     kv_len = tl.load(kv_lens_ptr + b)
     req = tl.load(req_idx_ptr + b)
     req_ok = (req >= 0) & (req < max_reqs)
