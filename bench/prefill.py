@@ -345,6 +345,10 @@ def union_prepare(case: tuple, device):
     sinks = 4 if nb >= 32 else 1
     overlap, _ = I.calibrate_overlap(jaccard, vis, req, block_topk=nb, sinks=sinks, seed=1)
     blocks = I.prefill_block_indices(ql, ctx, block_width=nb, overlap=overlap, sinks=sinks, seed=1)
+    # in the indexer's order: each row's block ids ascending, -1 after (qsa-contract.md §4b)
+    top = np.iinfo(blocks.dtype).max
+    blocks = np.sort(np.where(blocks < 0, top, blocks), axis=-1)
+    blocks = np.where(blocks == top, -1, blocks)
     c = make_case(spec, device)
     c.indices = torch.as_tensor(I.expand_prefill_blocks(blocks, ql, ctx).astype(np.int32),
                                 device=device)
