@@ -145,7 +145,9 @@ def _union_step(q, acc, m_i, l_i, tok, tok_ok, member, kv_base, table_row, bound
         ok = ok & (slot >= 0) & (slot < pool_slots)
         kv_row = slot
     else:
-        kv_row = kv_base + tok
+        # lying cu_seqlens can point past k/v: clamped into its rows (pool_slots = rows of k),
+        # the per-row kernel's and qsa_pallas's rule
+        kv_row = tl.minimum(tl.maximum(kv_base + tok, 0), pool_slots - 1)
     if OFF64:
         kv_row = kv_row.to(tl.int64)
     k = tl.load(k_head + kv_row[:, None] * stride_kn + offs_d[None, :], mask=ok[:, None],
