@@ -363,7 +363,7 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
                       sm_count: int = 132, *, q_bytes: int = 2, kv_bytes: int = 2,
                       batch_invariant: bool = False,
                       smem_limit: int = SM12X_SMEM_BYTES,
-                      backend: str = "triton") -> PagedDecodePlan:
+                      backend: str = "triton", device_smem: int | None = None) -> PagedDecodePlan:
     """Plan a paged decode launch from static shapes only.
 
     Args:
@@ -377,6 +377,9 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
         sm_121's 101,376 B, so one plan is valid on every supported part.
       backend: "triton" or "pallas": whose shared-memory model the fit uses (the two kernels
         buffer their pipelined gathers differently; the schedule rules are the same).
+      device_smem: opt-in shared memory per block of the GPU the launch runs on
+        (``DeviceFacts.smem_per_block``), or None (taken as ``smem_limit``): whether an SM holds
+        two programs of the fitted plan at once.
 
     Returns:
       PagedDecodePlan. Rules (why):
@@ -384,10 +387,13 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
           packed decode (``plan_decode``); head tile max(16, next_pow2(G)); 4 warps; 7 stages
           where a program streams >= 2 chunks (two K/V buffers behind the 3-deep load chain),
           else 3; lowered until ``paged_smem_bytes`` fits ``smem_limit``.
-        * default: about one program per SM (the packed decode's H200 finding, decode v2 in
-          bench/NOTES.md): num_splits = clamp(sm_count // (R x Hkv), 1, nb), nb = cdiv(W,
-          BLOCK_N); so 1 split (no merge) once R x Hkv >= SMs, and at TP1 B = 1, W = 2051 one
-          chunk per split (65 splits: no split streams two, decode v5).
+        * default: as many programs as the SMs hold at once, at most two per SM: num_splits =
+          clamp(resident x sm_count // (R x Hkv), 1, nb), nb = cdiv(W, BLOCK_N), resident = 2
+          where two fitted plans fit ``device_smem`` (sm_90), else 1 (sm_120 / sm_121). Why two:
+          a program's gathers wait on a dependent chain (index -> slot -> K/V), and one 4-warp
+          program per SM leaves that latency exposed; a second program per SM hides it at the
+          cost of FP32 partials and a merge launch (bench/NOTES.md, "Paged decode"). So 1 split
+          (no merge) once R x Hkv >= resident x SMs, and at small R one chunk per split.
         * batch_invariant: num_splits = cdiv(W, BATCH_INVARIANT_SPLIT_COLS) (9 at W = 2051),
           capped at nb. Cost against the default (measured: bench/NOTES.md, "Paged decode"):
           fewer programs at small R (TP1 B = 1: 2 x 9 = 18 programs instead of 130, so the
@@ -401,26 +407,31 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
         raise ValueError(f"plan_decode_paged: sizes must be >= 1, got R={rows}, Hkv={num_kv_heads}, "
                          f"G={group}, D={head_dim}, W={width}, SMs={sm_count}")
     head_tile = max(16, next_pow2(group))
+
+    def fitted(splits: int, block_n: int) -> PagedDecodePlan:
+        splits = max(1, min(splits, -(-width // block_n), PAGED_MAX_SPLITS))
+        # Deep pipelines pay where a program streams several chunks: 7 stages give the K/V
+        # gathers two buffers behind the 3-deep load chain; one-chunk splits keep 3
+        # (bench/NOTES.md, "Paged decode, Triton").
+        stages = PAGED_DEEP_STAGES if -(-width // block_n) >= 2 * splits else 3
+        plan = PagedDecodePlan(head_tile, block_n, splits, 4, stages)
+        while paged_smem_bytes(plan, head_dim, q_bytes, kv_bytes, backend) > smem_limit:
+            if plan.num_stages > 2:
+                plan = dataclasses.replace(plan, num_stages=plan.num_stages - 1)
+            elif plan.block_n > 16 and not batch_invariant:
+                # (batch-invariant plans keep BLOCK_N: the split's column range must not move)
+                plan = dataclasses.replace(plan, block_n=plan.block_n // 2, num_splits=min(
+                    plan.num_splits, -(-width // (plan.block_n // 2))))
+            else:
+                raise ValueError(f"plan_decode_paged: no plan fits {smem_limit} B of shared "
+                                 f"memory (D={head_dim}, G={group}, kv_bytes={kv_bytes})")
+        return plan
+
     block_n = 64 if head_dim <= 128 else 32
-    nb = -(-width // block_n)
     if batch_invariant:
-        splits = -(-width // BATCH_INVARIANT_SPLIT_COLS)
-    else:
-        splits = max(1, (PROGRAMS_PER_SM * sm_count) // (rows * num_kv_heads))
-    splits = max(1, min(splits, nb, PAGED_MAX_SPLITS))
-    # Deep pipelines pay where a program streams several chunks: 7 stages give the K/V gathers
-    # two buffers behind the 3-deep load chain; one-chunk splits (small R) keep 3 (bench/NOTES.md,
-    # "Paged decode, Triton").
-    stages = PAGED_DEEP_STAGES if nb >= 2 * splits else 3
-    plan = PagedDecodePlan(head_tile, block_n, splits, 4, stages)
-    while paged_smem_bytes(plan, head_dim, q_bytes, kv_bytes, backend) > smem_limit:
-        if plan.num_stages > 2:
-            plan = dataclasses.replace(plan, num_stages=plan.num_stages - 1)
-        elif plan.block_n > 16 and not batch_invariant:
-            # (batch-invariant plans keep BLOCK_N: the split's column range must not move)
-            plan = dataclasses.replace(plan, block_n=plan.block_n // 2,
-                                       num_splits=min(plan.num_splits, -(-width // (plan.block_n // 2))))
-        else:
-            raise ValueError(f"plan_decode_paged: no plan fits {smem_limit} B of shared memory "
-                             f"(D={head_dim}, G={group}, kv_bytes={kv_bytes})")
+        return fitted(-(-width // BATCH_INVARIANT_SPLIT_COLS), block_n)
+    plan = fitted(sm_count // (rows * num_kv_heads), block_n)
+    if 2 * paged_smem_bytes(plan, head_dim, q_bytes, kv_bytes, backend) <= (device_smem or
+                                                                             smem_limit):
+        plan = fitted((2 * sm_count) // (rows * num_kv_heads), plan.block_n)
     return plan

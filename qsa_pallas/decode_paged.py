@@ -193,22 +193,24 @@ def _decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_l
 
 # ---------------------------------------------------------------------------------------------
 # Entry points
-def _target_sms() -> int:
-    """SM count of the GPU the call is built for (``_compat.target_facts``: the abstract device
-    when lowering ahead of time, else jax's first GPU); the H200's 132 on CPU, where it only
-    shapes the interpreter's grid."""
+def _target() -> tuple[int, int | None]:
+    """(SM count, opt-in shared memory per block) of the GPU the call is built for
+    (``_compat.target_facts``: the abstract device when lowering ahead of time, else jax's first
+    GPU); the H200's 132 SMs on CPU, where they only shape the interpreter's grid."""
     facts = C.target_facts()
-    return facts.sm_count if facts is not None else 132
+    return (facts.sm_count, facts.smem_per_block) if facts is not None else (132, None)
 
 
 def plan_for(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int, width: int, *,
              q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
              batch_invariant: bool = False) -> PagedDecodePlan:
     """The plan (``interop.plan.plan_decode_paged``) a call with these shapes uses."""
+    sms, smem = _target()
     return plan_decode_paged(rows, num_kv_heads, num_q_heads // num_kv_heads, head_dim,
-                             max(1, width), _target_sms(), q_bytes=np.dtype(q_dtype).itemsize,
+                             max(1, width), sms, q_bytes=np.dtype(q_dtype).itemsize,
                              kv_bytes=np.dtype(kv_dtype).itemsize,
-                             batch_invariant=bool(batch_invariant), backend="pallas")
+                             batch_invariant=bool(batch_invariant), backend="pallas",
+                             device_smem=smem)
 
 
 @functools.cache

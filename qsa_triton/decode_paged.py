@@ -175,27 +175,32 @@ def _paged_merge_kernel(out_ptr, lse_ptr, part_ptr, stride_or, stride_oh, HQ, SP
 # ---------------------------------------------------------------------------------------------
 # Plan and launch
 @functools.lru_cache(maxsize=16)
-def _sm_count(dev_type: str, index: int | None) -> int:
+def _device(dev_type: str, index: int | None) -> tuple[int, int | None]:
+    """(SM count, opt-in shared memory per block) of the launch's GPU; the H200's 132 SMs on CPU,
+    where they only shape the interpreter's grid."""
     if dev_type == "cuda":
-        idx = index if index is not None else torch.cuda.current_device()
-        return torch.cuda.get_device_properties(idx).multi_processor_count
-    return 132  # the H200's (anchors.md): only shapes the interpreter's grid
+        props = torch.cuda.get_device_properties(
+            index if index is not None else torch.cuda.current_device())
+        return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", None)
+    return 132, None
 
 
 def plan_for(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
              batch_invariant: bool) -> PagedDecodePlan:
     """The plan a call with these tensors uses (``interop.plan.plan_decode_paged`` with the
-    device's SM count; fitted to sm_120 / sm_121's shared memory on every device)."""
+    device's SM count and shared memory; fitted to sm_120 / sm_121's shared memory on every
+    device)."""
     r, hq, d = q.shape
     hkv = k_cache.shape[1]
     return _plan(r, hkv, hq // hkv, d, max(1, indices.shape[-1]),
-                 _sm_count(q.device.type, q.device.index),
+                 *_device(q.device.type, q.device.index),
                  q.element_size(), k_cache.element_size(), bool(batch_invariant))
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(r, hkv, g, d, w, sms, qb, kb, bi) -> PagedDecodePlan:
-    return plan_decode_paged(r, hkv, g, d, w, sms, q_bytes=qb, kv_bytes=kb, batch_invariant=bi)
+def _plan(r, hkv, g, d, w, sms, smem, qb, kb, bi) -> PagedDecodePlan:
+    return plan_decode_paged(r, hkv, g, d, w, sms, q_bytes=qb, kv_bytes=kb, batch_invariant=bi,
+                             device_smem=smem)
 
 
 def _max_offset(t: torch.Tensor) -> int:
