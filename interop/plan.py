@@ -306,6 +306,10 @@ PAGED_DEEP_STAGES = 7
 BATCH_INVARIANT_SPLIT_COLS = 256
 #: the most splits of one (row, KV head) (the Triton merge reads every split in one tile)
 PAGED_MAX_SPLITS = 128
+#: the Pallas twin's default plans: at most this many splits. Its merge is an XLA fusion that
+#: walks the splits as one chain per output element, so its latency grows with the split count
+#: where the Triton merge kernel reads all splits at once (bench/NOTES.md, "Paged decode").
+PALLAS_PAGED_SPLITS = 16
 #: shared memory per block on sm_120 / sm_121 (qsa-contract.md §5): every shipped paged plan
 #: fits it whatever the device it was planned for, so a plan never depends on the part
 SM12X_SMEM_BYTES = 101_376
@@ -393,7 +397,8 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
           a program's gathers wait on a dependent chain (index -> slot -> K/V), and one 4-warp
           program per SM leaves that latency exposed; a second program per SM hides it at the
           cost of FP32 partials and a merge launch (bench/NOTES.md, "Paged decode"). So 1 split
-          (no merge) once R x Hkv >= resident x SMs, and at small R one chunk per split.
+          (no merge) once R x Hkv >= resident x SMs, and at small R one chunk per split; the
+          Pallas twin at most ``PALLAS_PAGED_SPLITS``.
         * batch_invariant: num_splits = cdiv(W, BATCH_INVARIANT_SPLIT_COLS) (9 at W = 2051),
           capped at nb. Cost against the default (measured: bench/NOTES.md, "Paged decode"):
           fewer programs at small R (TP1 B = 1: 2 x 9 = 18 programs instead of 130, so the
@@ -409,7 +414,9 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
     head_tile = max(16, next_pow2(group))
 
     def fitted(splits: int, block_n: int) -> PagedDecodePlan:
-        splits = max(1, min(splits, -(-width // block_n), PAGED_MAX_SPLITS))
+        cap = (PALLAS_PAGED_SPLITS if backend == "pallas" and not batch_invariant
+               else PAGED_MAX_SPLITS)
+        splits = max(1, min(splits, -(-width // block_n), cap))
         # Deep pipelines pay where a program streams several chunks: 7 stages give the K/V
         # gathers two buffers behind the 3-deep load chain; one-chunk splits keep 3
         # (bench/NOTES.md, "Paged decode, Triton").
