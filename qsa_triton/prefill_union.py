@@ -182,9 +182,17 @@ def _emit_union(ks, prev, ublk_row, umem_row, ulen_at, R: tl.constexpr, N: tl.co
     first = live & ((e == 0) | (ident != prev // R))
     identn = tl.gather(ident, tl.minimum(e + 1, N - 1), 0)
     last = live & ((e == N - 1) | (ident != identn))
-    pos = tl.cumsum(first.to(tl.int32), 0) - 1
     bits = tl.where(live, tl.full([N], 1, tl.int32) << (ks % R).to(tl.int32), 0)
-    incl = tl.cumsum(bits, 0)
+    # both prefix sums in one int32 scan when they fit: the bits' sum stays below
+    # SPLIT = (N / R) << R (each row's bit at most N / R times), the first keys' count <= N
+    SPLIT: tl.constexpr = (N // R) << R
+    if SPLIT * (N + 1) < 2**31:
+        both = tl.cumsum(tl.where(first, SPLIT, 0) + bits, 0)
+        pos = both // SPLIT - 1
+        incl = both % SPLIT
+    else:
+        pos = tl.cumsum(first.to(tl.int32), 0) - 1
+        incl = tl.cumsum(bits, 0)
     # segmented sum of the bits = incl at the segment's last key - excl at its first key
     start = tl.associative_scan(tl.where(first, incl - bits, 0), 0, _max_combine)
     tl.store(ublk_row + pos, (ident % _BLOCK_SPAN).to(tl.int32), mask=last)

@@ -407,7 +407,7 @@ def test_triton_union_build_merge_path_matches_reference():
     kinds in one call (requests straddled by every R, duplicates in sorted and unsorted rows,
     junk of every kind, an all-junk row, an empty request), R = 2 / 4 / 8 / 16, 32- and 64-bit
     keys, the union equals ``interop.indices.tile_union`` with the check on and with every
-    tile forced through the row sort."""
+    tile forced through the row sort; then R = 16 x 64 ids (the membership pass unpacked)."""
     import torch
 
     from qsa_triton import prefill_union as PU
@@ -437,6 +437,20 @@ def test_triton_union_build_merge_path_matches_reference():
                 np.testing.assert_array_equal(umem[s, h, :n], m, err_msg=f"{r} {detect} {s}")
             got[detect] = ulen
         np.testing.assert_array_equal(got[True], got[False])
+    # R = 16 x 64 ids per row: the membership pass's two prefix sums no longer share one int32
+    ql, kl = [16, 3], [600, 40]
+    raw = I.prefill_block_indices(ql, kl, block_width=64, junk="mixed", junk_anywhere=True,
+                                  duplicates=3, seed=3)
+    blocks = indexer_order(raw, ql, kl)
+    blocks[16:] = raw[16:]
+    assert _tile_kinds(blocks, ql, kl, 16) == {(0, 0): (True, True), (2, 0): (False, False)}
+    ublk, umem, ulen = (x.numpy() for x in PU.build_block_union(
+        torch.from_numpy(blocks), torch.from_numpy(I.cu_seqlens_from_counts(ql)),
+        torch.tensor(kl, dtype=torch.int32), 16))
+    for (s, h), (b, m) in I.tile_union(blocks, ql, kl, tile_rows=16).items():
+        assert int(ulen[s, h]) == len(b), s
+        np.testing.assert_array_equal(ublk[s, h, :len(b)], b)
+        np.testing.assert_array_equal(umem[s, h, :len(b)], m)
 
 
 # --------------------------------------------------------------------------------------------
