@@ -654,10 +654,10 @@ def test_gpu_pallas_union_8192_rows(kind, kv_len, hq, hkv, kv_dtype):
 @gpu
 @pytest.mark.parametrize("r", [4, 8])
 def test_gpu_triton_union_build_merge_path_8192_rows(r):
-    """The production build (8192 rows, 512 block ids per row, Jaccard ~0.9 selections, 4 sink
-    blocks, 32k context): rows in the indexer's order give ``interop.indices.tile_union``
-    through the merge path, as the row-sort path does, and at least 1.25x faster (the merge
-    is the only thing that makes it faster: the cost model predicts ~2x); times printed."""
+    """The production build (8192 rows, 512 block ids per row, overlap 0.9, 4 sink blocks, 32k
+    context): rows in the indexer's order give ``interop.indices.tile_union`` through the merge
+    path, as through the row-sort path, and at least 1.25x faster (only the merge makes it
+    faster; the instruction count predicts ~2x); times printed (-s)."""
     import torch
 
     from qsa_triton import prefill_union as PU
