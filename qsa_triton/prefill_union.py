@@ -11,8 +11,10 @@ rows of one request select mostly the same blocks, so one program takes a tile o
 rows of one request (tiles never straddle requests) and one KV head:
 
 1. Union build (``_qsa_block_union``, per tile and index head): the R x NB keys
-   ``block * R + row`` of the valid entries are sorted in registers, the first key of each block
-   is compacted with a prefix sum, and each union entry's membership is the segmented sum of
+   ``block * R + row`` of the valid entries are ordered in registers (rows in the indexer's
+   order, valid ids ascending then invalid ones, checked per tile, are merged by
+   ``_merge_rows``; other tiles sort their rows first), the first key of each block is
+   compacted with a prefix sum, and each union entry's membership is the segmented sum of
    ``1 << row``. A block a row lists k times becomes k entries (the contract's gather
    semantics): tiles with duplicates sort again by (occurrence rank, block, row).
 2. Attention (``_qsa_prefill_union_fwd``, per tile and KV head): a [max(16, R x next_pow2(G)), D]
@@ -51,6 +53,7 @@ __all__ = ["build_block_union", "expand_blocks", "union_launch", "union_slots"]
 _BIG = tl.constexpr(1 << 62)  # sort key of an invalid entry: after every valid key
 _BLOCK_SPAN = tl.constexpr(1 << 30)  # > any block id (visible < 2**31 tokens -> block < 2**29)
 _INT32_MAX = tl.constexpr(2**31 - 1)
+_MAX_LEVELS = tl.constexpr(8)  # merge levels: R <= 256 rows per tile
 
 
 @triton.jit
@@ -76,15 +79,44 @@ def _tile_of(slot, cu_q_ptr, n_req, R: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
+def _merge_rows(z, R: tl.constexpr, NBP: tl.constexpr):
+    """Sort the R x NBP keys of one tile given each row sorted (``z`` [R * NBP]: row i's keys at
+    i * NBP.., ascending, odd rows negated, i.e. descending keys): log2(R) levels of bitonic
+    merges, level l merging run pairs of NBP * 2**l keys (log2(NBP) + l + 1 compare-exchange
+    stages: 21 at R = 4, NBP = 512, against a full sort's 66). ``tl.bitonic_merge`` sorts a
+    bitonic run ascending; a run that must come out descending (for the next level's pair) is
+    negated around it, so each level costs one sign flip besides its stages."""
+    N: tl.constexpr = R * NBP
+    e = tl.arange(0, N)
+    neg = ((e // NBP) % 2) == 1  # the sign z carries now
+    y = z
+    for lvl in tl.static_range(_MAX_LEVELS):
+        if ((2 * NBP) << lvl) <= N:
+            y, neg = _merge_level(y, neg, e, (2 * NBP) << lvl, N)
+    return y
+
+
+@triton.jit
+def _merge_level(y, neg, e, B: tl.constexpr, N: tl.constexpr):
+    """One level of ``_merge_rows``: each run of B keys (two sorted halves, ascending then
+    descending) sorted, descending for the odd runs unless B = N (the last level)."""
+    want = (((e // B) % 2) == 1) & (B < N)
+    y = tl.where(want != neg, -y, y)
+    y = tl.reshape(tl.bitonic_merge(tl.reshape(y, [N // B, B])), [N])
+    return y, want
+
+
+@triton.jit
 def _qsa_block_union(
     bidx_ptr, ublk_ptr, umem_ptr, ulen_ptr, cu_q_ptr, kv_lens_ptr,
-    T, NB, n_req, max_blocks, stride_bt, stride_bh, stride_us, stride_uh, stride_ls,
+    T, NB, n_req, max_blocks, stride_bt, stride_bh, stride_us, stride_uh, stride_ls, detect,
     R: tl.constexpr, NBP: tl.constexpr, BP: tl.constexpr, ORDINARY: tl.constexpr,
     KEY64: tl.constexpr,
 ):
     """Union of the valid blocks of one tile's rows for one index head (module docstring, 1).
     Block ids >= ``max_blocks`` are invalid; ``KEY64``: 64-bit sort keys, where block * R + row
-    can pass 2**31 (32-bit keys sort about twice as fast)."""
+    can pass 2**31 (32-bit keys sort about twice as fast). ``detect`` (0 / 1): merge rows that
+    are in the indexer's order without sorting them; 0 sorts every tile's rows first."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     N: tl.constexpr = R * NBP
@@ -96,41 +128,76 @@ def _qsa_block_union(
     e = tl.arange(0, N)
     i = e // NBP
     c = e % NBP
+    odd = (i % 2) == 1
+    col = tl.where(odd, NBP - 1 - c, c)  # odd rows back to front: descending if sorted
     row_rel = jt * R + i
     row = q_start + row_rel
     row_ok = (row_rel >= 0) & (row_rel < q_used) & (row >= 0) & (row < T)
     n_vis = tl.maximum(row_rel + kv_len - q_len + 1, 0) // 4  # complete visible blocks
-    g = tl.load(bidx_ptr + row.to(tl.int64) * stride_bt + h * stride_bh + c,
-                mask=row_ok & (c < NB), other=-1)
-    valid = row_ok & (c < NB) & (g >= 0) & (g < tl.minimum(n_vis, max_blocks))
+    n_ok = tl.minimum(n_vis, max_blocks)
+    rowp = bidx_ptr + row.to(tl.int64) * stride_bt + h * stride_bh
+    g = tl.load(rowp + col, mask=row_ok & (col < NB), other=-1)
+    valid = row_ok & (col < NB) & (g >= 0) & (g < n_ok)
     if KEY64:
-        ks = tl.sort(tl.where(valid, g.to(tl.int64) * R + i, _BIG))
+        key = tl.where(valid, g.to(tl.int64) * R + i, _BIG)
     else:
-        ks = tl.sort(tl.where(valid, g * R + i, _INT32_MAX)).to(tl.int64)
-        ks = tl.where(ks < _INT32_MAX, ks, _BIG)
+        key = tl.where(valid, g * R + i, _INT32_MAX)
+    z = tl.where(odd, -key, key)  # every row ascending if the tile's rows are sorted
+    zn = tl.gather(z, tl.minimum(e + 1, N - 1), 0)
+    unsorted = tl.sum(((zn < z) & (c < NBP - 1)).to(tl.int32), 0)
+    if (unsorted > 0) | (detect == 0):
+        z = tl.reshape(tl.sort(tl.reshape(z, [R, NBP])), [N])
+    ks = _merge_rows(z, R, NBP)
     prev = tl.gather(ks, tl.maximum(e - 1, 0), 0)
-    live = ks < _BIG
-    dup = live & (e > 0) & (ks == prev)
-    if tl.sum(dup.to(tl.int32), 0) > 0:
+    base = slot.to(tl.int64) * stride_us + h * stride_uh
+    dead = _BIG if KEY64 else _INT32_MAX  # the key of an invalid entry
+    if tl.sum(((e > 0) & (ks == prev) & (ks < dead)).to(tl.int32), 0) > 0:
         # a row lists a block twice: copy c of a block = the rows' (c+1)-th occurrences; sort by
-        # (occurrence rank, block, row) so each copy's rows are adjacent
+        # (occurrence rank, block, row) so each copy's rows are adjacent (64-bit keys)
+        if KEY64:
+            k64 = ks
+        else:
+            k64 = tl.where(ks < _INT32_MAX, ks.to(tl.int64), _BIG)
+        live = k64 < _BIG
         run = tl.associative_scan(tl.where((e == 0) | (ks != prev), e, 0), 0, _max_combine)
         rank = (e - run).to(tl.int64)
-        ks = tl.sort(tl.where(live, (rank * _BLOCK_SPAN + ks // R) * R + ks % R, _BIG))
-    ident = ks // R  # rank * _BLOCK_SPAN + block
-    identp = tl.gather(ident, tl.maximum(e - 1, 0), 0)
+        k64 = tl.sort(tl.where(live, (rank * _BLOCK_SPAN + k64 // R) * R + k64 % R, _BIG))
+        _emit_union(k64, tl.gather(k64, tl.maximum(e - 1, 0), 0), ublk_ptr + base,
+                    umem_ptr + base, ulen_ptr + slot * stride_ls + h, R, N, _BIG)
+    else:
+        _emit_union(ks, prev, ublk_ptr + base, umem_ptr + base, ulen_ptr + slot * stride_ls + h,
+                    R, N, dead)
+
+
+@triton.jit
+def _emit_union(ks, prev, ublk_row, umem_row, ulen_at, R: tl.constexpr, N: tl.constexpr,
+                DEAD: tl.constexpr):
+    """Store one tile's union from its sorted keys ``ks`` (``prev``: ks shifted right by one;
+    keys >= DEAD are invalid, sorted last): entry u is the u-th distinct ident ``ks // R``
+    (rank * _BLOCK_SPAN + block), compacted by a prefix sum of the first key of each ident; its
+    membership is the segmented sum of ``1 << (ks % R)`` (an OR: a key occurs once per ident)."""
+    e = tl.arange(0, N)
+    live = ks < DEAD
+    ident = ks // R
+    first = live & ((e == 0) | (ident != prev // R))
     identn = tl.gather(ident, tl.minimum(e + 1, N - 1), 0)
-    first = live & ((e == 0) | (ident != identp))
     last = live & ((e == N - 1) | (ident != identn))
-    pos = tl.cumsum(first.to(tl.int32), 0) - 1
     bits = tl.where(live, tl.full([N], 1, tl.int32) << (ks % R).to(tl.int32), 0)
-    incl = tl.cumsum(bits, 0)
+    # both prefix sums in one int32 scan when they fit: the bits' sum stays below
+    # SPLIT = (N / R) << R (each row's bit at most N / R times), the first keys' count <= N
+    SPLIT: tl.constexpr = (N // R) << R
+    if SPLIT * (N + 1) < 2**31:
+        both = tl.cumsum(tl.where(first, SPLIT, 0) + bits, 0)
+        pos = both // SPLIT - 1
+        incl = both % SPLIT
+    else:
+        pos = tl.cumsum(first.to(tl.int32), 0) - 1
+        incl = tl.cumsum(bits, 0)
     # segmented sum of the bits = incl at the segment's last key - excl at its first key
     start = tl.associative_scan(tl.where(first, incl - bits, 0), 0, _max_combine)
-    base = slot.to(tl.int64) * stride_us + h * stride_uh
-    tl.store(ublk_ptr + base + pos, (ident % _BLOCK_SPAN).to(tl.int32), mask=last)
-    tl.store(umem_ptr + base + pos, incl - start, mask=last)
-    tl.store(ulen_ptr + slot * stride_ls + h, tl.sum(first.to(tl.int32), 0))
+    tl.store(ublk_row + pos, (ident % _BLOCK_SPAN).to(tl.int32), mask=last)
+    tl.store(umem_row + pos, incl - start, mask=last)
+    tl.store(ulen_at, tl.sum(first.to(tl.int32), 0))
 
 
 @triton.jit
@@ -361,16 +428,20 @@ def union_slots(total_q: int, requests: int, tile_rows: int) -> int:
 
 
 def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                      kv_lens: torch.Tensor | None, tile_rows: int, max_blocks: int | None = None):
+                      kv_lens: torch.Tensor | None, tile_rows: int, max_blocks: int | None = None,
+                      *, detect_sorted: bool = True):
     """The union build alone (part of every tile-union call; exposed for tests and benchmarks).
 
     Args:
       block_indices: int32 [T, NB] or [T, Hkv, NB] row-relative block ids.
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B] (chunk/paged) or None (ordinary: the
         request length is the validity bound). All on one device.
-      tile_rows: R (a power of two; R x next_pow2(NB) keys are sorted in one program).
+      tile_rows: R (a power of two; R x next_pow2(NB) keys are ordered in one program).
       max_blocks: host bound on block ids (ids at or past it name no K/V row or table column:
         invalid), or None; (max_blocks + 1) x R < 2**31 lets the build sort 32-bit keys.
+      detect_sorted: merge a tile's rows without sorting them when every row lists its valid
+        ids ascending, invalid ids after them (checked per tile on the device); False sorts
+        every tile's rows (tests: the same result).
 
     Returns:
       (blocks, masks int32 [S, H, R x NB], lengths int32 [S, H]), S = T // R + B: entry
@@ -393,7 +464,7 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
         kv_lens if kv_lens is not None else cu_seqlens_q, t, nb, n_req,
         2**31 - 1 if max_blocks is None else min(int(max_blocks), 2**31 - 1),
         block_indices.stride(0), block_indices.stride(1) if block_indices.dim() == 3 else 0,
-        ublk.stride(0), ublk.stride(1), ulen.stride(0),
+        ublk.stride(0), ublk.stride(1), ulen.stride(0), int(bool(detect_sorted)),
         R=r, NBP=next_pow2(nb), BP=next_pow2(n_req + 1), ORDINARY=kv_lens is None,
         KEY64=max_blocks is None or (int(max_blocks) + 1) * r >= 2**31 - 1,
         num_warps=8 if keys > 2048 else 4)
