@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +34,7 @@ from interop.plan import LOG2E, PAGED_MAX_SPLITS, PagedDecodePlan, plan_decode_p
 from . import _compat as C
 from ._fp8 import fp16_query, is_fp8
 
-__all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "lowering_cases"]
+__all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,37 +305,3 @@ def decode_paged_with_plan(q, k_cache, v_cache, req_to_token, req_indices, indic
     plan = dataclasses.replace(plan, num_splits=min(plan.num_splits, nb))
     return _decode_paged(*args, st=_static(prob, plan, interp))
 
-
-def lowering_cases(device_kind: str, *, head_dim: int = 256, width: int = 2051,
-                   dtype=jnp.bfloat16) -> list[tuple[str, object, tuple]]:
-    """Every distinct paged-decode launch configuration the shared plan picks on ``device_kind``
-    for the qualified head pairs plus (3,1), bf16 and FP8 pools, both modes, R in 1..512, as
-    ``(name, fn, args)`` to lower with ``_compat.lower_for_device_kind`` (``qsa compile``).
-    ``args`` are ``jax.ShapeDtypeStruct``; nothing is allocated."""
-    sds = jax.ShapeDtypeStruct
-    cases, seen = [], set()
-    with jax.sharding.use_abstract_mesh(C.abstract_mesh(device_kind)):
-        for (hq, hkv), kvd, bi, r in itertools.product(((24, 2), (12, 1), (6, 1), (3, 1)),
-                                                       (dtype, jnp.float8_e4m3fn), (False, True),
-                                                       range(1, 513)):
-            plan = plan_for(r, hq, hkv, head_dim, width, q_dtype=dtype, kv_dtype=kvd,
-                            batch_invariant=bi)
-            kv = np.dtype(kvd).name
-            key = (hq, hkv, kv, plan.head_tile, plan.block_n, plan.num_warps, plan.num_stages,
-                   plan.num_splits == 1)
-            if key in seen:
-                continue
-            seen.add(key)
-            i32 = jnp.int32
-            args = (sds((r, hq, head_dim), dtype), sds((4096, hkv, head_dim), kvd),
-                    sds((4096, hkv, head_dim), kvd), sds((r + 2, 4096), i32), sds((r,), i32),
-                    sds((r, width), i32), sds((r,), i32))
-            cases.append((f"pallas_paged_{hq}_{hkv}_kv{kv}_R{r}_ht{plan.head_tile}"
-                          f"_bn{plan.block_n}_s{plan.num_splits}_w{plan.num_warps}"
-                          f"_st{plan.num_stages}{'_bi' if bi else ''}",
-                          functools.partial(_lowerable, batch_invariant=bi), args))
-    return cases
-
-
-def _lowerable(*args, batch_invariant):
-    return sparse_decode_paged(*args, batch_invariant=batch_invariant, interpret=False)

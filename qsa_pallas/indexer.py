@@ -32,7 +32,7 @@ from interop.plan import next_pow2 as _next_pow2
 
 from . import _compat as C
 
-__all__ = [*INDEXER_API, "lowering_cases"]
+__all__ = list(INDEXER_API)
 
 _INT32_MAX = 2**31 - 1
 
@@ -565,27 +565,3 @@ def expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio: int 
                                strict=strict, fn=fn)
     return _expand(block_ids, positions, seq_lens, ratio=int(compress_ratio))
 
-
-def lowering_cases(device_kind: str | None = None, *, dtype=jnp.bfloat16,
-                   k_dtype=None) -> list[tuple[str, object, tuple]]:
-    """Representative production launches as ``(name, fn, args)`` for
-    ``_compat.lower_for_device_kind`` (``jax.ShapeDtypeStruct`` args, nothing allocated):
-    decode B = 16 at 32k and B = 128 at 256k context, prefill 8192 rows at 32k, each with the
-    fused expansion. ``device_kind`` (the ``interop.validate.compile`` protocol) is not needed:
-    the plan follows the abstract device the cases are lowered under."""
-    sds = jax.ShapeDtypeStruct
-    kd = dtype if k_dtype is None else k_dtype
-    i32 = jnp.int32
-    cases = []
-    for b, ctx in ((16, 32768), (128, 262144)):
-        pages = b * ctx // 64
-        args = (sds((b, 4, 128), dtype), sds((pages, 16, 1, 128), kd),
-                sds((b, ctx // 64), i32), sds((b,), i32))
-        cases.append((f"decode/B{b}/{ctx}",
-                      functools.partial(indexer_select_decode, interpret=False), args))
-    t, n = 8192, 32768 // 4
-    args = (sds((t, 4, 128), dtype), sds((n, 1, 128), kd), sds((t,), i32), sds((t,), i32),
-            sds((t,), i32), sds((t,), i32))
-    cases.append(("prefill/T8192/32768",
-                  functools.partial(indexer_select_prefill, interpret=False), args))
-    return cases

@@ -42,8 +42,7 @@ from interop.plan import LOG2E, PAGED_MAX_SPLITS, PagedDecodePlan, next_pow2, pl
 from ._fp8 import fp16_query
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
 
-__all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "compile_configs",
-           "MERGE_TILE"]
+__all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "MERGE_TILE"]
 
 #: floats per merge-kernel tile ([splits padded to a power of two, D chunk]): 16 per thread at 4
 #: warps, the packed decode's merge tile (``qsa_triton.decode.MERGE_TILE``)
@@ -222,7 +221,7 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
         return out.zero_()  # no entry can be valid: every row is empty (exact zeros)
     splits = max(1, min(int(plan.num_splits), -(-w // plan.block_n)))
     direct = splits == 1
-    if direct:  # unused by the kernel (DIRECT writes the output); fp32, as compile_configs types them
+    if direct:  # unused by the kernel (DIRECT writes the output); fp32, as qsa compile types them
         lse = part = torch.empty(1, dtype=torch.float32, device=q.device)
     else:
         lse = torch.empty(r * hq * splits, dtype=torch.float32, device=q.device)
@@ -378,65 +377,3 @@ def decode_paged_with_plan(q, k_cache, v_cache, req_to_token, req_indices, indic
     return _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, scale, ksc,
                    vsc, plan)
 
-
-# ---------------------------------------------------------------------------------------------
-# Ahead-of-time compile list (``qsa compile``: interop/validate/compile.py)
-_SPLIT_PTRS = {"q_ptr": "*{dt}", "k_ptr": "*{kv}", "v_ptr": "*{kv}", "out_ptr": "*{dt}",
-               "lse_ptr": "*fp32", "part_ptr": "*fp32", "table_ptr": "*i32", "req_ptr": "*i32",
-               "idx_ptr": "*i32", "seqlen_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32"}
-_MERGE_PTRS = {"out_ptr": "*{dt}", "lse_ptr": "*fp32", "part_ptr": "*fp32"}
-
-
-def _aot(fn, ptrs: dict, consts: dict, dt: str, kv: str) -> tuple[dict, dict]:
-    sig = {n: (ptrs[n].format(dt=dt, kv=kv) if n in ptrs else "constexpr" if n in consts
-               else "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n.endswith("_ptr") or (n.startswith("stride") and n != "stride_ih")}
-    return sig, attrs
-
-
-def compile_configs(arch: str, *, head_dim: int = 256, dtype: str = "bf16") -> list[dict]:
-    """Every paged-decode kernel configuration the plan can launch on ``arch`` for the qualified
-    shapes plus (3,1): per head pair, pool dtype (q's, fp8e4nv), mode (default for every known SM
-    count, batch-invariant) and R in 1..512, the split kernel per distinct (G, head tile,
-    BLOCK_N, warps, stages, DIRECT) with OFF64 both ways; the merge kernel per split tile.
-    Entries as ``interop.validate.compile`` takes them."""
-    from interop.arch import KNOWN_PARTS  # noqa: PLC0415
-    from interop.contract import QUALIFIED  # noqa: PLC0415
-
-    del arch  # plans fit sm_120 / sm_121's shared memory on every arch (plan_decode_paged)
-    out, seen, splits_seen = [], set(), set()
-    pairs = tuple(QUALIFIED["head_pairs"]) + ((3, 1),)
-    lo, hi = QUALIFIED["paged_rows"]
-    sms_all = sorted({sms for _, sms in KNOWN_PARTS.values()})
-    for hq, hkv in pairs:
-        g = hq // hkv
-        for kv in (dtype, "fp8e4nv"):
-            kb = 1 if kv == "fp8e4nv" else 2
-            plans = {plan_decode_paged(r, hkv, g, head_dim, QUALIFIED["index_width"], sms,
-                                       kv_bytes=kb, batch_invariant=bi)
-                     for r in range(lo, hi + 1) for sms in sms_all for bi in (False, True)}
-            for p in plans:
-                splits_seen.add(p.num_splits)
-                for off64 in (False, True):
-                    consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
-                              "DIRECT": p.num_splits == 1, "OFF64": off64}
-                    key = (kv, tuple(consts.items()), p.num_warps, p.num_stages)
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    sig, attrs = _aot(_paged_split_kernel, _SPLIT_PTRS, consts, dtype, kv)
-                    out.append({"kernel": _paged_split_kernel, "signature": sig,
-                                "constexprs": consts, "attrs": attrs, "num_warps": p.num_warps,
-                                "num_stages": p.num_stages, "options": {},
-                                "name": f"paged_split_G{g}_ht{p.head_tile}_bn{p.block_n}"
-                                        f"_w{p.num_warps}_s{p.num_stages}_{dtype}_kv{kv}"
-                                        f"{'_direct' if p.num_splits == 1 else ''}"
-                                        f"{'_off64' if off64 else ''}"})
-    for sp2 in sorted({max(2, next_pow2(s)) for s in splits_seen if s > 1}):
-        consts = {"D": head_dim, "SPLIT_P2": sp2, "D_CHUNK": _merge_d_chunk(sp2, head_dim)}
-        sig, attrs = _aot(_paged_merge_kernel, _MERGE_PTRS, consts, dtype, dtype)
-        out.append({"kernel": _paged_merge_kernel, "signature": sig, "constexprs": consts,
-                    "attrs": attrs, "num_warps": 4, "num_stages": 1, "options": {},
-                    "name": f"paged_merge_p{sp2}_{dtype}"})
-    return out

@@ -473,10 +473,11 @@ def test_pallas_kernels_lower_for_cuda_and_fit_sm120():
     """Every kernel lowers for CUDA (decode with FP8 keys, prefill); the decode pass-1 kernel
     (the one with pipelined key tiles) compiles for sm_120 within 101,376 B."""
     from interop.arch import KNOWN_ARCHS
+    from interop.validate.compile import pallas_indexer_cases
     from qsa_pallas import _compat as C
 
     kind = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
-    cases = PI.lowering_cases(k_dtype=jnp.float8_e4m3fn)
+    cases = pallas_indexer_cases(kind, k_dtype="float8_e4m3fn")
     for name, fn, args in (cases[0], cases[2]):
         mods = C.triton_modules(C.lower_for_device_kind(fn, args, kind))
         assert len(mods) == 2 and "qsa_indexer_merge" in {m.name for m in mods}, name

@@ -71,6 +71,31 @@ def test_decode_list_covers_every_shipped_launch(arch):
     assert len({c["name"] for c in cfgs}) == len(cfgs)
 
 
+def test_paged_decode_list_covers_every_part():
+    """``triton_decode_paged_configs`` holds the split kernel of every plan the launcher builds
+    (``qsa_triton.decode_paged._plan``) on every known part with its SM count and shared memory
+    (sm_90: two programs per SM), and the merge kernel of every multi-split plan."""
+    from qsa_triton import decode_paged as P
+
+    cfgs = CC.triton_decode_paged_configs("sm_90")
+    listed = {(c["signature"].get("k_ptr"), tuple(sorted(c["constexprs"].items())), c["num_warps"],
+               c["num_stages"]) for c in cfgs}
+    missing = []
+    for arch, sms in KNOWN_PARTS.values():
+        for (hq, hkv), kv, bi, r in CC._paged_shapes("bfloat16"):
+            p = P._plan(r, hkv, hq // hkv, 256, 2051, sms, KNOWN_ARCHS[arch].smem_per_block, 2,
+                        1 if kv == "float8_e4m3fn" else 2, bi)
+            consts = {"G": hq // hkv, "D": 256, "HT": p.head_tile, "BLOCK_N": p.block_n,
+                      "DIRECT": p.num_splits == 1, "OFF64": False}
+            merge = {"D": 256, "SPLIT_P2": max(2, P.next_pow2(p.num_splits))}
+            merge["D_CHUNK"] = P._merge_d_chunk(merge["SPLIT_P2"], 256)
+            if (("*fp8e4nv" if kv != "bfloat16" else "*bf16", tuple(sorted(consts.items())),
+                 p.num_warps, p.num_stages) not in listed or p.num_splits > 1
+                    and (None, tuple(sorted(merge.items())), 4, 1) not in listed):
+                missing.append((arch, sms, hq, kv, bi, r, p))
+    assert not missing, missing[:5]
+
+
 @pytest.mark.parametrize("arch", ["sm_120", "sm_121"])
 def test_prefill_list_covers_every_selectable_geometry(arch):
     """``triton_prefill_configs`` compiles every geometry the selector can return on the arch, in

@@ -2,10 +2,10 @@
 sm_121 on a machine without a GPU, and check each against the arch's limits.
 
 The lists live here, one function per kernel family and backend (``_FAMILY_LISTS``), built from
-the backends' own kernel objects and constexpr builders (imported lazily), so a list cannot drift
-from what a launch passes. The paged decode's lists and the Pallas indexer's live beside their
-kernels (``compile_configs(arch)`` / ``lowering_cases(device_kind)``), the protocol out-of-tree
-modules also use (``qsa compile --triton-modules/--pallas-modules``).
+the backends' own kernel objects, plans and constexpr builders (imported lazily), so a list cannot
+drift from what a launch passes. Out-of-tree kernels (and tests) bring their own lists instead:
+a module with ``compile_configs(arch)`` / ``lowering_cases(device_kind)``, named with ``qsa
+compile --triton-modules/--pallas-modules``.
 
 Triton configurations are compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda",
 cc, 32))``; Pallas cases ``(name, fn, args)`` are lowered under an abstract device of the arch's
@@ -36,8 +36,9 @@ from interop.arch import (CI_ARCHS, KNOWN_ARCHS, KNOWN_PARTS, arch_name, capabil
 __all__ = ["ConfigReport", "DEFAULT_ARCHS", "DEVICE_KIND",
            "FAMILIES", "resource_usage", "check", "compile_pallas_cases", "run", "parse_archs",
            "triton_decode_configs", "triton_prefill_configs", "triton_prefill_union_configs",
-           "triton_indexer_configs", "pallas_decode_cases", "pallas_prefill_cases",
-           "pallas_prefill_union_cases", "compile_triton_configs", "summary_rows"]
+           "triton_decode_paged_configs", "triton_indexer_configs", "pallas_decode_cases",
+           "pallas_prefill_cases", "pallas_prefill_union_cases", "pallas_decode_paged_cases",
+           "pallas_indexer_cases", "compile_triton_configs", "summary_rows"]
 
 DEFAULT_ARCHS = CI_ARCHS
 #: The abstract device each arch is lowered for (jax device kinds).
@@ -396,8 +397,59 @@ def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
     return _unique(out)
 
 
+def _paged_shapes(dtype: str):
+    """(Hq, Hkv, pool dtype, batch_invariant, R) of the paged decode lists: the qualified head
+    pairs plus (3,1), pools in ``dtype`` and FP8, both modes, R over ``QUALIFIED["paged_rows"]``."""
+    import itertools  # noqa: PLC0415
+
+    from interop.contract import QUALIFIED  # noqa: PLC0415
+
+    lo, hi = QUALIFIED["paged_rows"]
+    return itertools.product((*QUALIFIED["head_pairs"], (3, 1)), (dtype, "float8_e4m3fn"),
+                             (False, True), range(lo, hi + 1))
+
+
+def triton_decode_paged_configs(arch: str, *, head_dim: int = 256,
+                                dtype: str = "bfloat16") -> list[dict]:
+    """Every paged-decode kernel configuration ``qsa_triton.decode_paged`` launches for
+    ``_paged_shapes`` at W = 2051 on every part of ``interop.arch.KNOWN_PARTS`` (its SM count and
+    shared memory per block, so sm_90's plans of two programs per SM are in): the split kernel
+    per distinct (G, head tile, BLOCK_N, warps, stages, DIRECT) with OFF64 both ways, the merge
+    kernel per split tile. The plans fit sm_120 / sm_121's shared memory on every part
+    (``interop.plan.plan_decode_paged``): one list for every ``arch``. Same dict layout as
+    ``triton_decode_configs``."""
+    from interop.contract import QUALIFIED  # noqa: PLC0415
+    from interop.plan import next_pow2, plan_decode_paged  # noqa: PLC0415
+    from qsa_triton import decode_paged as P  # noqa: PLC0415
+
+    del arch
+    dt, out, splits = _TT[dtype], [], set()
+    parts = {(sms, KNOWN_ARCHS[a].smem_per_block) for a, sms in KNOWN_PARTS.values()}
+    partial = {"out_ptr": f"*{dt}", "lse_ptr": "*fp32", "part_ptr": "*fp32"}
+    aligned = _aligned(P._paged_split_kernel.arg_names, "qkvot")  # index row stride: W = 2051
+    plans = {(hq // hkv, _TT[kv], plan_decode_paged(
+        r, hkv, hq // hkv, head_dim, QUALIFIED["index_width"], sms, batch_invariant=bi,
+        kv_bytes=1 if kv == "float8_e4m3fn" else 2, device_smem=smem))
+        for (hq, hkv), kv, bi, r in _paged_shapes(dtype) for sms, smem in parts}
+    for g, kt, p in sorted(plans, key=lambda x: (x[0], x[1], dataclasses.astuple(x[2]))):
+        splits.add(p.num_splits)
+        for off64 in (False, True):
+            consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
+                      "DIRECT": p.num_splits == 1, "OFF64": off64}
+            out.append(_entry(P._paged_split_kernel, f"paged_split_G{g}_ht{p.head_tile}"
+                              f"_bn{p.block_n}_w{p.num_warps}_s{p.num_stages}_{dt}_kv{kt}"
+                              f"{'_direct' if p.num_splits == 1 else ''}"
+                              f"{'_off64' if off64 else ''}", {**_attention_types(dt, kt),
+                              **partial}, consts, p.num_warps, p.num_stages, aligned=aligned))
+    for sp2 in sorted({max(2, next_pow2(s)) for s in splits if s > 1}):
+        out.append(_entry(P._paged_merge_kernel, f"paged_merge_p{sp2}_{dt}", partial,
+                          {"D": head_dim, "SPLIT_P2": sp2,
+                           "D_CHUNK": P._merge_d_chunk(sp2, head_dim)}, 4, 1))
+    return _unique(out)
+
+
 def compile_triton_configs(arch: str, configs: Iterable[dict]) -> list[ConfigReport]:
-    """Compile ``compile_configs``-style entries for ``arch`` (no GPU) and judge each against the
+    """Compile ``triton_*_configs``-style entries for ``arch`` (no GPU) and judge each against the
     arch's limits (shared memory, registers); one ConfigReport per entry, a config that fails to
     compile reported as not fitting.
 
@@ -567,6 +619,61 @@ def _prefill_kind_cases(prefix: str, tag: str, kv_bytes: int, geo, q, ids, *,
                      (q, pool, pool, r2t, ri, ids, cu, kl))]
 
 
+def pallas_decode_paged_cases(kind: str, *, head_dim: int = 256, width: int = 2051,
+                              dtype: str = "bfloat16") -> list[tuple[str, Callable, tuple]]:
+    """Every distinct paged-decode launch ``qsa_pallas.decode_paged`` plans on device kind
+    ``kind`` for ``_paged_shapes`` (one per head pair, pool dtype, head tile, BLOCK_N, warps,
+    stages and one split or several), as ``(name, fn, args)`` (see ``pallas_decode_cases``)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from qsa_pallas import _compat as C  # noqa: PLC0415
+    from qsa_pallas import decode_paged as P  # noqa: PLC0415
+
+    sds, dt, i32 = jax.ShapeDtypeStruct, getattr(jnp, dtype), jnp.int32
+    cases, seen = [], set()
+    with jax.sharding.use_abstract_mesh(C.abstract_mesh(kind)):
+        for (hq, hkv), kv, bi, r in _paged_shapes(dtype):
+            plan = P.plan_for(r, hq, hkv, head_dim, width, q_dtype=dt,
+                              kv_dtype=getattr(jnp, kv), batch_invariant=bi)
+            key = (hq, hkv, kv, dataclasses.replace(plan, num_splits=min(plan.num_splits, 2)))
+            if key in seen:
+                continue
+            seen.add(key)
+            pool = sds((4096, hkv, head_dim), getattr(jnp, kv))
+            cases.append((f"pallas_paged_{hq}_{hkv}_kv{kv}_R{r}_ht{plan.head_tile}"
+                          f"_bn{plan.block_n}_s{plan.num_splits}_w{plan.num_warps}"
+                          f"_st{plan.num_stages}{'_bi' if bi else ''}",
+                          functools.partial(P.sparse_decode_paged, batch_invariant=bi,
+                                            interpret=False),
+                          (sds((r, hq, head_dim), dt), pool, pool, sds((r + 2, 4096), i32),
+                           sds((r,), i32), sds((r, width), i32), sds((r,), i32))))
+    return cases
+
+
+def pallas_indexer_cases(kind: str | None = None, *, dtype: str = "bfloat16",
+                         k_dtype: str | None = None) -> list[tuple[str, Callable, tuple]]:
+    """Representative indexer launches of ``qsa_pallas.indexer`` (its plan follows the abstract
+    device they are lowered under; ``kind`` is not needed): decode B = 16 at 32k and B = 128 at
+    256k context, prefill 8192 rows at 32k, each with the fused expansion, keys in ``k_dtype``
+    (default ``dtype``), as ``(name, fn, args)`` (see ``pallas_decode_cases``)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from qsa_pallas import indexer as ix  # noqa: PLC0415
+
+    sds, dt, i32 = jax.ShapeDtypeStruct, getattr(jnp, dtype), jnp.int32
+    kd = getattr(jnp, k_dtype or dtype)
+    cases = [(f"decode/B{b}/{ctx}", functools.partial(ix.indexer_select_decode, interpret=False),
+              (sds((b, 4, 128), dt), sds((b * ctx // 64, 16, 1, 128), kd),
+               sds((b, ctx // 64), i32), sds((b,), i32)))
+             for b, ctx in ((16, 32768), (128, 262144))]
+    t, n = 8192, 32768 // 4
+    return cases + [("prefill/T8192/32768",
+                     functools.partial(ix.indexer_select_prefill, interpret=False),
+                     (sds((t, 4, 128), dt), sds((n, 1, 128), kd), *[sds((t,), i32)] * 4))]
+
+
 def compile_pallas_cases(arch: str, cases: Iterable[tuple[str, Callable, tuple]]
                          ) -> list[ConfigReport]:
     """Lower ``(name, fn, args)`` cases for ``arch``'s abstract device and compile each Triton
@@ -603,7 +710,7 @@ def compile_pallas_cases(arch: str, cases: Iterable[tuple[str, Callable, tuple]]
 
 # --------------------------------------------------------------------------------------------
 # Checking: the built-in lists per kernel family, or modules' own lists.
-#: the function an out-of-tree (or kernel-side) module exposes, per backend
+#: the function an out-of-tree module exposes, per backend
 _PROTOCOL = {"triton": "compile_configs", "pallas": "lowering_cases"}
 
 
@@ -625,12 +732,10 @@ def _module_list(module: str, backend: str) -> Callable:
 _FAMILY_LISTS = {
     "triton": {"decode": triton_decode_configs, "prefill": triton_prefill_configs,
                "prefill_union": triton_prefill_union_configs,
-               "decode_paged": _module_list("qsa_triton.decode_paged", "triton"),
-               "indexer": triton_indexer_configs},
+               "decode_paged": triton_decode_paged_configs, "indexer": triton_indexer_configs},
     "pallas": {"decode": pallas_decode_cases, "prefill": pallas_prefill_cases,
                "prefill_union": pallas_prefill_union_cases,
-               "decode_paged": _module_list("qsa_pallas.decode_paged", "pallas"),
-               "indexer": _module_list("qsa_pallas.indexer", "pallas")},
+               "decode_paged": pallas_decode_paged_cases, "indexer": pallas_indexer_cases},
 }
 
 
