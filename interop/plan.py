@@ -393,7 +393,8 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
           else 3; lowered until ``paged_smem_bytes`` fits ``smem_limit``.
         * default: as many programs as the SMs hold at once, at most two per SM: num_splits =
           clamp(resident x sm_count // (R x Hkv), 1, nb), nb = cdiv(W, BLOCK_N), resident = 2
-          where two fitted plans fit ``device_smem`` (sm_90), else 1 (sm_120 / sm_121). Why two:
+          where two fitted plans fit ``device_smem`` (every plan on sm_90, only the shallow
+          ones in sm_120 / sm_121's 99 KB), else 1. Why two:
           a program's gathers wait on a dependent chain (index -> slot -> K/V), and one 4-warp
           program per SM leaves that latency exposed; a second program per SM hides it at the
           cost of FP32 partials and a merge launch (bench/NOTES.md, "Paged decode"). So 1 split
