@@ -26,7 +26,8 @@ __all__ = [
     "ContractError", "TensorSpec", "spec_of", "DecodeProblem", "PrefillProblem", "check_decode",
     "check_prefill", "check_prefill_chunk", "check_prefill_paged", "PagedDecodeProblem",
     "check_decode_paged", "Route", "route", "exact_contract", "envelope_text",
-    "validate_decode_metadata", "validate_prefill_metadata", "prefill_selection", "QUALIFIED",
+    "validate_decode_metadata", "validate_decode_paged_metadata", "validate_prefill_metadata",
+    "prefill_selection", "QUALIFIED",
     "QUALIFIED_INDEXER", "IndexerProblem", "check_indexer_decode", "check_indexer_prefill",
     "check_expand_block_indices", "validate_indexer_decode_metadata",
     "validate_indexer_prefill_metadata", "check_decode_step", "check_prefill_step",
@@ -652,6 +653,65 @@ def validate_decode_metadata(cu_seqlens_q, cu_seqlens_k, capacity: int, max_seql
         c.fail("cu_seqlens_k", f"cu_seqlens_k[B] <= capacity {capacity} of k/v", int(ck[-1]))
     if batch is not None and cq.size and (cq[:-1] >= batch).any():
         c.fail("cu_seqlens_q", f"query rows < {batch}", cq.tolist())
+
+
+def validate_decode_paged_metadata(req_to_token, req_indices, indices, seq_lens,
+                                   pool_slots: int, *, fn: str = "sparse_decode_paged") -> dict:
+    """Check paged-decode metadata contents (host sync; debug only), the twin of
+    ``validate_prefill_metadata``'s paged checks for ``sparse_decode_paged`` / ``qsa_decode_step``.
+
+    The kernels never read these values on the host; they treat what breaks the addressing as
+    invalid entries (``qsa-contract.md`` §7: an index at or past the table's width, a table row
+    outside ``req_to_token``, a slot outside the pool) and skip them, so a caller bug there shows
+    up only as fewer keys attended. This validator makes it loud.
+
+    Args:
+      req_to_token: int [max_reqs, max_context] pool slot per position; req_indices, seq_lens:
+        int [R]; indices: int [R, W] or [R, Hkv, W] logical positions (any of torch / jax /
+        numpy); pool_slots: the pool's slot count (``k_cache.shape[0]``); fn: the name reported.
+
+    Returns:
+      {"rows": R, "valid": number of entries with ``0 <= idx < seq_lens[r]``}.
+
+    Raises:
+      ContractError: a row's ``req_indices[r]`` outside ``[0, max_reqs)`` (rows with
+        ``seq_lens[r] <= 0`` excepted: empty rows read nothing); ``seq_lens[r] > max_context``
+        (positions the table cannot map); a valid entry whose slot lies outside
+        ``[0, pool_slots)`` (negative or past the pool), naming the first offending row.
+    """
+    c = _Checker(fn, False)
+    rt = _np(req_to_token).astype(np.int64)
+    ri = _np(req_indices).astype(np.int64).reshape(-1)
+    sl = _np(seq_lens).astype(np.int64).reshape(-1)
+    idx = _np(indices).astype(np.int64)
+    if rt.ndim != 2 or idx.ndim not in (2, 3) or not ri.size == sl.size == idx.shape[0]:
+        c.fail("indices", "req_to_token [max_reqs, max_context], indices [R, W] or [R, Hkv, W], "
+               "req_indices and seq_lens [R]",
+               f"shapes {list(rt.shape)}, {list(idx.shape)}, {list(ri.shape)}, {list(sl.shape)}")
+    max_reqs, max_ctx = rt.shape
+    live = sl > 0
+    bad = live & ((ri < 0) | (ri >= max_reqs))
+    if bad.any():
+        r = int(np.argmax(bad))
+        c.fail("req_indices", f"rows in [0, {max_reqs}) of req_to_token", f"row {r}: {int(ri[r])}")
+    over = sl > max_ctx
+    if over.any():
+        r = int(np.argmax(over))
+        c.fail("seq_lens", f"seq_lens[r] <= max_context = {max_ctx} (req_to_token's width)",
+               f"row {r}: {int(sl[r])}")
+    flat = idx.reshape(idx.shape[0], -1)
+    n_valid = 0
+    for r in np.nonzero(live)[0]:
+        sel = flat[r][(flat[r] >= 0) & (flat[r] < sl[r])]
+        n_valid += int(sel.size)
+        slots = rt[ri[r], sel]
+        out = (slots < 0) | (slots >= int(pool_slots))
+        if out.any():
+            j = int(np.argmax(out))
+            c.fail("req_to_token", f"slots in [0, {int(pool_slots)}) for every valid position",
+                   f"row {int(r)} (table row {int(ri[r])}), position {int(sel[j])}: slot "
+                   f"{int(slots[j])}")
+    return {"rows": int(sl.size), "valid": n_valid}
 
 
 def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, req_to_token=None,

@@ -16,4 +16,6 @@ from .step import (prefill_step_rows, qsa_decode_step, qsa_prefill_step,  # noqa
 
 __all__ = ["ContractError", "sparse_decode", "sparse_prefill", "sparse_prefill_chunk",
            "sparse_prefill_paged", "sparse_decode_paged", "qsa_decode_step", "qsa_prefill_step",
+           "prefill_step_rows", "indexer_topk_decode", "indexer_topk_prefill",
+           "indexer_select_decode", "indexer_select_prefill", "expand_block_indices",
            "replicate_kv_heads", "shard_step"]
