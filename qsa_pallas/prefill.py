@@ -231,9 +231,7 @@ def _launch(q, k, v, *meta, st: _Static):
 # --------------------------------------------------------------------------------------------
 # Entry points
 def _resolve_interpret(interpret, q) -> bool:
-    if interpret is not None:
-        return bool(interpret)
-    return spec_of(q).device == "cpu"
+    return bool(interpret) if interpret is not None else spec_of(q).device == "cpu"
 
 
 def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry):
