@@ -1,16 +1,14 @@
 """Pallas (Triton lowering) API shims across jax 0.10.2 (CPU CI) and 0.11.2 (the H200 machine),
 shared by every ``qsa_pallas`` module; add, don't rename. What differs between the versions:
 
-* ``CompilerParams`` (0.10, 0.11) vs ``TritonCompilerParams`` (older);
-* ``plgpu.load / store(ref.at[...], *, mask, other)`` vs the older ``pl.load(ref, idx, ...)``;
-* ``jax.shard_map(..., check_vma=False)`` (0.10+) vs ``jax.experimental.shard_map.shard_map(...,
-  check_rep=False)``; ``pallas_call`` inside ``shard_map`` needs the check off;
-* lowering without a GPU: 0.10.2 falls back to compute capability 9.0 and ignores the abstract
-  device kind; 0.11.2 maps the ``AbstractDevice`` kind to sm_90 / sm_120 / sm_121. Both embed the
-  kernel's Triton MLIR (TTIR) in a ``__gpu$xla.gpu.triton`` custom call without a CUDA plugin, so
-  ``lower_for_device_kind`` works on a CPU-only machine; ``triton_modules`` pulls the TTIR back
-  out and ``compile_ttir`` runs the rest of Triton's pipeline (TTGIR -> PTX -> cubin) with the
-  installed ``triton`` (checked: jax 0.10.2 + Triton 3.9.0, jax 0.11.2 + Triton 3.6.0).
+* ``CompilerParams`` vs the older ``TritonCompilerParams``; ``plgpu.load / store(ref.at[...])``
+  vs the older ``pl.load(ref, idx)``; ``jax.shard_map(check_vma=)`` vs the older
+  ``jax.experimental.shard_map.shard_map(check_rep=)`` (``pallas_call`` needs the check off);
+* lowering without a GPU: 0.10.2 falls back to compute capability 9.0, 0.11.2 maps the
+  ``AbstractDevice`` kind to sm_90 / sm_120 / sm_121. Both embed the kernel's Triton MLIR (TTIR)
+  in a ``__gpu$xla.gpu.triton`` custom call, so ``lower_for_device_kind`` works on a CPU-only
+  machine; ``triton_modules`` pulls the TTIR back out and ``compile_ttir`` runs the rest of
+  Triton's pipeline (checked: jax 0.10.2 + Triton 3.9.0, jax 0.11.2 + Triton 3.6.0).
 
 Nothing here imports torch.
 """
@@ -20,10 +18,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
+import math
+import os
+import re
+import tempfile
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 from jax.experimental import pallas as pl
+
+from interop.arch import DeviceFacts, triton_version
+from interop.contract import ContractError
 
 try:  # the Triton-lowering namespace (deprecated in 0.11, still the only one with gathers)
     from jax.experimental.pallas import triton as plgpu
@@ -35,26 +42,17 @@ __all__ = ["pl", "plgpu", "CompilerParams", "triton_call", "load", "store", "dot
            "lower_for_device_kind", "TritonModule", "triton_modules", "compile_ttir",
            "target_facts"]
 
-def _preload_lazy_modules() -> None:
-    """Import now the jax modules that ``pallas_call`` lowering imports lazily on first use:
-    jax 0.11.2's ``jax._src.pallas.fuser.jaxpr_fusion`` registers a config option that is part of
-    every jit *trace context*, so importing it mid-session makes every function jitted before
-    (ours included) recompile once. Importing before anything is traced keeps "new lengths never
-    recompile" true from the first call. Best effort: a module missing in some jax is skipped."""
-    import importlib  # noqa: PLC0415
+# Import the modules that ``pallas_call`` lowering imports lazily: jax 0.11.2's ``jaxpr_fusion``
+# registers a config option that is part of every jit trace context, so importing it mid-session
+# makes every function jitted before recompile once. Best effort (absent in some jax versions).
+for _name in ("jax._src.pallas.fuser.jaxpr_fusion",
+              "jax._src.pallas.triton.pallas_call_registration"):
+    try:
+        importlib.import_module(_name)
+    except Exception:  # noqa: BLE001 - absent / optional deps in other jax versions
+        pass
+del _name
 
-    for name in ("jax._src.pallas.fuser.jaxpr_fusion",
-                 "jax._src.pallas.triton.pallas_call_registration"):
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - absent / optional deps in other jax versions
-            pass
-
-
-_preload_lazy_modules()
-
-# ---------------------------------------------------------------------------------------------
-# Compiler params / pallas_call
 CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
 
 
@@ -62,21 +60,15 @@ def triton_call(kernel: Callable, *, out_shape, grid, in_specs=None, out_specs=N
                 num_warps: int | None = None, num_stages: int | None = None,
                 interpret: bool = False, name: str | None = None,
                 input_output_aliases: dict[int, int] | None = None, debug: bool = False):
-    """``pl.pallas_call`` pinned to the Triton lowering (``compiler_params`` set explicitly);
-    ``interpret=True`` runs the kernel on CPU."""
-    kwargs: dict[str, Any] = dict(out_shape=out_shape, grid=grid, interpret=interpret,
-                                  compiler_params=CompilerParams(num_warps=num_warps,
-                                                                num_stages=num_stages),
-                                  debug=debug)
-    given = dict(in_specs=in_specs, out_specs=out_specs, name=name)
-    kwargs.update({k: v for k, v in given.items() if v is not None})
-    if input_output_aliases:
-        kwargs["input_output_aliases"] = dict(input_output_aliases)
-    return pl.pallas_call(kernel, **kwargs)
+    """``pl.pallas_call`` pinned to the Triton lowering; ``interpret=True`` runs it on CPU."""
+    given = dict(in_specs=in_specs, out_specs=out_specs, name=name,
+                 input_output_aliases=dict(input_output_aliases or {}) or None)
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=interpret,
+                          compiler_params=CompilerParams(num_warps=num_warps,
+                                                         num_stages=num_stages),
+                          debug=debug, **{k: v for k, v in given.items() if v is not None})
 
 
-# ---------------------------------------------------------------------------------------------
-# In-kernel primitives
 def load(ref, *, mask=None, other=None, eviction_policy: str | None = None):
     """Masked load of ``ref`` (index with ``ref.at[...]`` first). Masked-off lanes read ``other``
     and are never dereferenced on the GPU."""
@@ -102,11 +94,9 @@ def dot(a, b, *, trans_b: bool = False):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-# ---------------------------------------------------------------------------------------------
-# shard_map
 def shard_map(f: Callable, *, mesh, in_specs, out_specs, check: bool = False) -> Callable:
-    """``jax.shard_map`` with the replication/VMA check switched (off by default: a ``pallas_call``
-    inside ``shard_map`` fails the VMA check in jax 0.10+)."""
+    """``jax.shard_map`` with the replication/VMA check switched (off by default: a
+    ``pallas_call`` inside ``shard_map`` fails the VMA check in jax 0.10+)."""
     if hasattr(jax, "shard_map"):
         return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
     from jax.experimental.shard_map import shard_map as _sm  # noqa: PLC0415  # pragma: no cover
@@ -114,15 +104,10 @@ def shard_map(f: Callable, *, mesh, in_specs, out_specs, check: bool = False) ->
     return _sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
 
 
-# ---------------------------------------------------------------------------------------------
-# The GPU a kernel is built for
 def target_facts():
-    """``interop.arch.DeviceFacts`` of the GPU the kernels are being built for: the abstract
-    device of an enclosing ``jax.sharding.use_abstract_mesh`` (ahead-of-time lowering without a
-    GPU), else jax's first device if it is a GPU; None on a CPU-only jax (interpret mode: no
-    shared-memory limit) or for a GPU whose compute capability cannot be inferred."""
-    from interop.arch import DeviceFacts, triton_version  # noqa: PLC0415
-
+    """``interop.arch.DeviceFacts`` of the GPU the kernels are built for: the abstract device of
+    an enclosing ``jax.sharding.use_abstract_mesh`` (lowering without a GPU), else jax's first
+    device if it is a GPU; None on a CPU-only jax or for an unknown compute capability."""
     try:
         abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     except Exception:  # noqa: BLE001 - older jax without abstract meshes
@@ -138,20 +123,10 @@ def target_facts():
 
 
 # ---------------------------------------------------------------------------------------------
-# Interpret-mode selection
+# Argument checks (ContractError before anything is traced)
 def check_inputs(fn: str, interpret: bool | None, **arrays) -> None:
-    """Refuse, with a ContractError before any tracing, an ``interpret`` that is neither None nor
-    a host bool (a traced value, a truthy string) and torch tensors (the shared contract check
-    reads their shapes fine, JAX cannot take them). ``interpret=False`` on a CPU-only JAX is
-    refused by ``check_backend`` after the contract check.
-
-    Raises:
-      ContractError: as above.
-    """
-    import numpy as np  # noqa: PLC0415
-
-    from interop.contract import ContractError  # noqa: PLC0415
-
+    """Refuse an ``interpret`` that is neither None nor a host bool, and torch tensors (the
+    contract check reads their shapes, JAX cannot take them)."""
     if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
         raise ContractError(fn, "interpret", "None (interpret mode on a CPU backend, compiled "
                             "kernels on a GPU) or a host bool", type(interpret).__name__)
@@ -163,11 +138,8 @@ def check_inputs(fn: str, interpret: bool | None, **arrays) -> None:
 
 
 def check_backend(fn: str, interpret: bool | None, *arrays) -> None:
-    """Raise ContractError for ``interpret=False`` on a CPU-only JAX with concrete inputs
-    (after the contract check, so a call outside the contract is reported as that first).
-    Traced inputs pass: they may be lowering for an abstract CUDA device (``qsa compile``)."""
-    from interop.contract import ContractError  # noqa: PLC0415
-
+    """Refuse ``interpret=False`` on a CPU-only JAX with concrete inputs (run after the contract
+    check; traced inputs pass: they may be lowering for an abstract CUDA device)."""
     concrete = not any(isinstance(a, jax.core.Tracer) for a in arrays)
     if interpret is False and concrete and jax.default_backend() == "cpu":
         raise ContractError(fn, "interpret", "True or None on a CPU-only JAX (compiled Pallas "
@@ -177,16 +149,7 @@ def check_backend(fn: str, interpret: bool | None, *arrays) -> None:
 def check_offsets(fn: str, **arrays) -> None:
     """Refuse arrays whose element offsets need 64 bits while the lowering uses int32: it
     switches to int64 offsets only for refs over 2**32 bytes (``_compute_offsets_from_indices``,
-    jax 0.10.2 and 0.11.2), so a 1-byte array of 2**31..2**32 elements would wrap.
-
-    Raises:
-      ContractError: the first such array.
-    """
-    import math  # noqa: PLC0415
-
-    import numpy as np  # noqa: PLC0415
-    from interop.contract import ContractError  # noqa: PLC0415
-
+    jax 0.10.2 and 0.11.2), so a 1-byte array of 2**31..2**32 elements would wrap."""
     for name, a in arrays.items():
         numel = math.prod(a.shape)
         if numel - 1 > 2**31 - 1 and numel * np.dtype(a.dtype).itemsize <= 2**32:
@@ -215,26 +178,20 @@ def abstract_mesh(device_kind: str, axis_sizes: Sequence[int] = (1,),
 def lower_for_device_kind(fn: Callable, args: Sequence[Any], device_kind: str, *,
                           platform: str = "cuda", static_argnames: Sequence[str] | None = None,
                           kwargs: dict[str, Any] | None = None):
-    """Trace and lower ``fn(*args, **kwargs)`` for CUDA under an abstract device of
-    ``device_kind`` (e.g. "NVIDIA H200", "NVIDIA GB10"). ``fn``: a Python function (jitted here
-    with ``static_argnames``) or a jitted one; ``args``: ``jax.ShapeDtypeStruct`` or arrays.
-    Returns ``jax.stages.Lowered`` (StableHLO with the Triton custom calls); raises whatever the
-    Pallas Triton lowering raises (e.g. non-power-of-two tile shapes)."""
-    kwargs = kwargs or {}
+    """Trace and lower ``fn(*args, **kwargs)`` (a function, jitted here with
+    ``static_argnames``, or a jitted one; args ``jax.ShapeDtypeStruct`` or arrays) for CUDA
+    under an abstract device of ``device_kind`` (e.g. "NVIDIA H200"). Returns
+    ``jax.stages.Lowered``; raises what the Pallas Triton lowering raises."""
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn, static_argnames=static_argnames)
-    mesh = abstract_mesh(device_kind, platform=platform)
-    with jax.sharding.use_abstract_mesh(mesh):
-        traced = jitted.trace(*args, **kwargs)
+    with jax.sharding.use_abstract_mesh(abstract_mesh(device_kind, platform=platform)):
+        traced = jitted.trace(*args, **(kwargs or {}))
         return traced.lower(lowering_platforms=(platform,))
 
 
 @dataclasses.dataclass(frozen=True)
 class TritonModule:
-    """One Pallas kernel as embedded in a lowered module.
-
-    Attributes:
-      name: kernel name; ttir: Triton MLIR bytecode; num_warps, num_stages; grid: (x, y, z).
-    """
+    """One Pallas kernel as embedded in a lowered module: its name, Triton MLIR bytecode,
+    num_warps, num_stages and grid (x, y, z)."""
 
     name: str
     ttir: bytes
@@ -249,7 +206,6 @@ class TritonModule:
 
 def triton_modules(lowered) -> list[TritonModule]:
     """The Triton kernels embedded in a lowered jax computation (``__gpu$xla.gpu.triton`` calls)."""
-    module = lowered.compiler_ir("stablehlo")
     found: list[TritonModule] = []
 
     def visit(op):
@@ -258,19 +214,19 @@ def triton_modules(lowered) -> list[TritonModule]:
             target = str(o.attributes["call_target_name"]).strip('"')
             if "triton" in target and "mhlo.backend_config" in o.attributes:
                 cfg = o.attributes["mhlo.backend_config"]
-                get = lambda k: cfg[k]  # noqa: E731
-                ir_attr = get("ir")
-                raw = ir_attr.value_bytes if hasattr(ir_attr, "value_bytes") else bytes(str(ir_attr), "latin1")
+                ir_attr = cfg["ir"]
+                raw = (ir_attr.value_bytes if hasattr(ir_attr, "value_bytes")
+                       else bytes(str(ir_attr), "latin1"))
                 found.append(TritonModule(
-                    str(get("name")).strip('"'), raw, _int_attr(get("num_warps")),
-                    _int_attr(get("num_stages")),
-                    (_int_attr(get("grid_x")), _int_attr(get("grid_y")), _int_attr(get("grid_z")))))
+                    str(cfg["name"]).strip('"'), raw, _int_attr(cfg["num_warps"]),
+                    _int_attr(cfg["num_stages"]),
+                    (_int_attr(cfg["grid_x"]), _int_attr(cfg["grid_y"]), _int_attr(cfg["grid_z"]))))
         for region in o.regions:
             for block in region.blocks:
                 for inner in block.operations:
                     visit(inner)
 
-    visit(module.operation)
+    visit(lowered.compiler_ir("stablehlo").operation)
     return found
 
 
@@ -297,17 +253,13 @@ def _ttir_text(raw: bytes) -> str:
 def compile_ttir(module: TritonModule, capability: int, *, num_warps: int | None = None,
                  num_stages: int | None = None) -> dict[str, Any]:
     """Compile one embedded kernel's TTIR to a CUDA binary for ``capability`` (90, 120, 121...)
-    with the installed ``triton``, without a GPU; cached. This runs the rest of Triton's pipeline
-    (TTGIR, LLVM, PTX, ptxas), which rejects e.g. a configuration too big for the target; it does
-    not check sm_120/121's 101,376-byte shared-memory limit: compare ``result["shared"]``.
+    with the installed ``triton``, without a GPU; cached. Triton's pipeline rejects e.g. a
+    configuration too big for the target, but not sm_120/121's 101,376-byte shared-memory limit:
+    compare ``result["shared"]``.
 
     Returns dict(name, shared (bytes per program), num_warps, num_stages, capability, cubin).
     Raises ImportError (no triton) or any Triton compile error.
     """
-    import os  # noqa: PLC0415
-    import re  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's notice
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415

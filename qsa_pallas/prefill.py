@@ -1,22 +1,20 @@
 """QSA sparse prefill as Pallas (Triton lowering) kernels: ordinary, chunk and paged.
 
-Semantics: ``qsa-contract.md`` §3; oracle: ``interop.reference.prefill*_reference``. Same
-algorithm as ``qsa_triton.prefill`` (read its module docstring: the flash-attention forward over
+Semantics: ``qsa-contract.md`` §3; oracle: ``interop.reference.prefill*_reference``. The
+algorithm of ``qsa_triton.prefill`` (read its module docstring: the flash-attention forward over
 gathered rows, Dao et al., 2022, as upstream SGLang's sparse prefill; the shared geometry
 selector, here with ``backend="pallas"``; the paged slot pre-pass; FP8 dots in float16;
-block-level selections through ``qsa_pallas.prefill_union`` or a plain-JAX expansion).
-Differences:
+block-level selections through ``qsa_pallas.prefill_union`` or a plain-JAX expansion), except:
 
 * the grid is (T, Hkv): every row is computed whatever ``max_seqlen_q`` (no tail launch); a row
-  finds its request in the kernel by counting ``cu_seqlens_q[1:] <= row`` (B is static), and
-  rows past ``cu_seqlens[B]`` (a batch padded to a static T under jit) give zeros;
-* the column loop is a ``lax.fori_loop`` with a traced bound (``min(W, visible)`` rounded up to
-  BLOCK_N), lowered to an ``scf.for``: new lengths never retrace;
-* gathers are vector-index loads whose indices are clamped into range *and* masked (interpret
-  mode clamps out-of-range gathers instead of faulting); the slot pre-pass is plain JAX;
-* 64-bit offsets: the lowering (``_compute_offsets_from_indices``, jax 0.10.2 and 0.11.2) uses
-  int64 element offsets only for refs over 2**32 *bytes*, so FP8 pools of 2**31..2**32 elements
-  would wrap: the entry points reject them (``ContractError``). No jax x64 mode is needed.
+  finds its request by counting ``cu_seqlens_q[1:] <= row`` (B is static); rows past
+  ``cu_seqlens[B]`` (T padded under jit) give zeros;
+* the column loop is a ``lax.fori_loop`` with a traced bound: new lengths never retrace;
+* gathers clamp their indices into range *and* mask them (interpret mode clamps out-of-range
+  gathers instead of faulting); the slot pre-pass is plain JAX;
+* the lowering (``_compute_offsets_from_indices``, jax 0.10.2 and 0.11.2) uses int64 offsets
+  only for refs over 2**32 bytes, so arrays of 2**31..2**32 elements (FP8 pools) are refused
+  (``ContractError``). No jax x64 mode is needed.
 """
 
 from __future__ import annotations
@@ -51,21 +49,26 @@ _INTERPRET_GEOMETRY = (16, 4, 2)
 
 # --------------------------------------------------------------------------------------------
 # Geometry
+def _selector_args(problem: PrefillProblem, facts) -> dict:
+    """The shared selectors' arguments for ``problem`` on ``facts`` (None: the lowering
+    target's, ``_compat.target_facts``, else sm_90)."""
+    if facts is None:
+        facts = _compat.target_facts() or DeviceFacts.for_arch("sm_90")
+    return dict(facts=facts, kind=problem.kind, requests=problem.requests,
+                max_q=problem.max_seqlen_q, group=problem.group, num_kv_heads=problem.num_kv_heads,
+                head_dim=problem.head_dim, backend="pallas",
+                kv_bytes=1 if problem.kv_dtype == "float8_e4m3fn" else 2)
+
+
 def select_geometry(problem: PrefillProblem, *, interpret: bool, facts=None) -> Geometry:
-    """Launch geometry (``block_m`` = the head tile) for a checked ``PrefillProblem``: the
-    shared selector ``interop.geometry.select_prefill(..., backend="pallas")`` on ``facts``
-    (tests) or the lowering target's (``_compat.target_facts``, else sm_90); in interpret mode
-    (CPU) a small fixed geometry."""
+    """Launch geometry (``block_m`` = the head tile) for a checked ``PrefillProblem``:
+    ``interop.geometry.select_prefill(..., backend="pallas")`` on ``facts`` (tests) or the
+    lowering target's; in interpret mode (CPU, facts None) a small fixed geometry."""
     if interpret and facts is None:
         bn, nw, ns = _INTERPRET_GEOMETRY
         return Geometry(max(16, next_pow2(problem.group)), bn, nw, ns, "interpret-fixed")
-    if facts is None:
-        facts = _compat.target_facts() or DeviceFacts.for_arch("sm_90")
-    return select_prefill(
-        facts, problem.kind, total_q=problem.total_q, requests=problem.requests,
-        max_q=problem.max_seqlen_q, group=problem.group, num_kv_heads=problem.num_kv_heads,
-        head_dim=problem.head_dim, width=problem.width, backend="pallas",
-        kv_bytes=1 if problem.kv_dtype == "float8_e4m3fn" else 2)
+    return select_prefill(total_q=problem.total_q, width=problem.width,
+                          **_selector_args(problem, facts))
 
 
 def select_block_geometry(problem: PrefillProblem, *, interpret: bool, overlap=None,
@@ -74,15 +77,9 @@ def select_block_geometry(problem: PrefillProblem, *, interpret: bool, overlap=N
     ``interop.geometry.select_prefill_blocks(..., backend="pallas")`` with the engine's
     ``overlap`` hint (None or in [0, 1]), facts as ``select_geometry``. In interpret mode the
     same kernel choice with small fixed tiles (union BLOCK_N = max(16, next_pow2(R + 3)))."""
-    fixed = interpret and facts is None
-    if facts is None:
-        facts = _compat.target_facts() or DeviceFacts.for_arch("sm_90")
-    geo = select_prefill_blocks(
-        facts, problem.kind, total_q=max(problem.total_q, 1), requests=problem.requests,
-        max_q=problem.max_seqlen_q, group=problem.group, num_kv_heads=problem.num_kv_heads,
-        head_dim=problem.head_dim, block_width=problem.width, backend="pallas",
-        kv_bytes=1 if problem.kv_dtype == "float8_e4m3fn" else 2, overlap=overlap)
-    if not fixed:
+    geo = select_prefill_blocks(total_q=max(problem.total_q, 1), block_width=problem.width,
+                                overlap=overlap, **_selector_args(problem, facts))
+    if not interpret or facts is not None:
         return geo
     if geo.kind == "union":
         return dataclasses.replace(geo, block_n=max(16, next_pow2(geo.tile_rows + 3)),
@@ -234,9 +231,7 @@ def _launch(q, k, v, *meta, st: _Static):
 # --------------------------------------------------------------------------------------------
 # Entry points
 def _resolve_interpret(interpret, q) -> bool:
-    if interpret is not None:
-        return bool(interpret)
-    return spec_of(q).device == "cpu"
+    return bool(interpret) if interpret is not None else spec_of(q).device == "cpu"
 
 
 def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry):
@@ -306,21 +301,13 @@ def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, 
     return _run_tokens(p, q, k, v, sel, meta, interpret=interpret, geometry=geometry)
 
 
-# the shared text, plus what only the Pallas entry points take
-_BLOCKS_DOC = BLOCK_INDICES_DOC.replace(
-    "(``interop.geometry.select_prefill_blocks``).",
-    "(``interop.geometry.select_prefill_blocks``; ``geometry`` may then be a\n        ``UnionGeometry``).")
-
-
-
 def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
                    strict: bool = False, interpret=None,
                    geometry: Geometry | UnionGeometry | None = None, block_indices=None,
                    overlap=None):
     """Ordinary sparse prefill (qsa-contract.md §3): K/V are this forward's rows, packed like q.
 
-    Forward only. Algorithm: the module docstring (the flash-attention forward over gathered
-    rows, as upstream SGLang's sparse prefill). Same arguments as ``qsa_triton``'s, plus
+    Forward only. Algorithm: the module docstring. Same arguments as ``qsa_triton``'s, plus
     ``interpret`` and ``geometry``.
 
     Args:
@@ -329,13 +316,13 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
       indices: int32 [T, W] (shared by the KV heads) or [T, Hkv, W]; request-relative token
         positions, valid iff 0 <= idx < request length; selected entries first, then padding.
       cu_seqlens: int32 [B + 1], request b owns rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1.
-      max_seqlen_q: host int >= 1 (static; part of the contract; this grid covers every row
-        whatever its value).
+      max_seqlen_q: host int >= 1 (static; checked, but this grid covers every row anyway).
       softmax_scale: host float > 0, or None for D ** -0.5.
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
       interpret: None -> interpret mode when q lives on the CPU; True/False to force.
-      geometry: an explicit ``interop.geometry.Geometry`` (benchmarks; block_m = head tile, both
-        powers of two >= 16); None -> ``select_geometry``.
+      geometry: None -> the selector (``select_geometry`` / ``select_block_geometry``); or an
+        ``interop.geometry.Geometry`` (benchmarks; block_m = head tile, both powers of two
+        >= 16), or with ``block_indices`` a ``UnionGeometry``.
       BLOCKS_DOC
 
     Returns:
@@ -357,7 +344,8 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
                          interpret=None, geometry: Geometry | UnionGeometry | None = None,
                          block_indices=None, overlap=None):
     """Chunk sparse prefill (qsa-contract.md §3): K/V hold each request's full context, packed.
-    Forward only; algorithm as ``sparse_prefill``.
+    Forward only; algorithm, ``strict``, ``interpret``, ``geometry``, ``block_indices`` and
+    ``overlap`` as ``sparse_prefill``.
 
     Args (meaning as ``qsa_triton.sparse_prefill_chunk``):
       q: [T, Hq, D] bfloat16|float16; k, v: [Ck, Hkv, D] q's dtype or float8_e4m3fn (request
@@ -365,16 +353,14 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
         0 <= idx < kv_lens[b]; cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B].
       max_seqlen_q: host int >= 1; softmax_scale: host float > 0 or None (D ** -0.5); k_scale
         (on the scores), v_scale (on the output): host floats > 0, 1.0 unless K/V are FP8.
-      interpret, geometry: as ``sparse_prefill``.
-      BLOCKS_DOC
 
     Returns:
       [T, Hq, D] in q's dtype; the visible count of row r of request b is
       r + kv_lens[b] - q_len_b + 1 (bottom-right causal); zeros for rows with no valid entry.
 
     Raises:
-      ContractError: from ``interop.contract.check_prefill_chunk``, the offset check or
-        ``interop.contract.prefill_selection``.
+      ContractError: from ``interop.contract.check_prefill_chunk``, or the other checks of
+        ``sparse_prefill``.
     """
     return _entry("sparse_prefill_chunk", contract.check_prefill_chunk, {"q": q, "k": k, "v": v},
                   {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
@@ -390,7 +376,7 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
                          overlap=None):
     """Paged sparse prefill (qsa-contract.md §3): K/V read in place from the pool through
     SGLang's ``req_to_token`` (the addressing of ``sparse_decode_paged``). Forward only;
-    algorithm as ``sparse_prefill``.
+    algorithm and keyword arguments as ``sparse_prefill``.
 
     Args (meaning as ``qsa_triton.sparse_prefill_paged``):
       q: [T, Hq, D] bfloat16|float16; k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or
@@ -399,15 +385,14 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
       indices: int32 [T, W] or [T, Hkv, W] positions, valid iff 0 <= idx < kv_lens[b]; a
         position >= max_context, a row outside [0, max_reqs) or a slot outside the pool is an
         invalid entry (never dereferenced); cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B].
-      max_seqlen_q, softmax_scale, k_scale, v_scale, interpret, geometry: as the chunk variant.
-      BLOCKS_DOC
+      max_seqlen_q, softmax_scale, k_scale, v_scale: as ``sparse_prefill_chunk``.
 
     Returns:
-      [T, Hq, D] in q's dtype.
+      [T, Hq, D] in q's dtype, as ``sparse_prefill_chunk``.
 
     Raises:
-      ContractError: from ``interop.contract.check_prefill_paged``, the offset check (FP8
-        pools of 2**31..2**32 elements) or ``interop.contract.prefill_selection``.
+      ContractError: from ``interop.contract.check_prefill_paged``, or the other checks of
+        ``sparse_prefill`` (the offset check: FP8 pools of 2**31..2**32 elements).
     """
     return _entry("sparse_prefill_paged", contract.check_prefill_paged,
                   {"q": q, "k_cache": k_cache, "v_cache": v_cache, "req_to_token": req_to_token,
@@ -416,9 +401,7 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
                   (k_scale, v_scale), strict=strict, interpret=interpret, geometry=geometry)
 
 
-for _f in (sparse_prefill, sparse_prefill_chunk, sparse_prefill_paged):
-    _f.__doc__ = _f.__doc__.replace("BLOCKS_DOC", _BLOCKS_DOC)
-del _f
+sparse_prefill.__doc__ = sparse_prefill.__doc__.replace("BLOCKS_DOC", BLOCK_INDICES_DOC)
 
 
 @jax.jit
@@ -442,13 +425,9 @@ def _resolve(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens, pool_slo
 
 def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
                        pool_slots: int):
-    """Pool slot of every index entry (plain JAX, jit-friendly), as
-    ``qsa_triton.prefill.resolve_pool_slots`` without ``max_seqlen_q``: int32 ``indices``
-    [T, W] or [T, Hkv, W], ``req_to_token`` [max_reqs, max_context], ``req_indices`` [B],
-    ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B], host int ``pool_slots`` -> int32, indices'
-    shape: ``req_to_token[req_indices[b], idx]`` for valid entries (0 <= idx <
-    min(kv_lens[b], max_context), a table row, a slot in [0, pool_slots)), else -1 (also rows
-    past cu_seqlens_q[B]); the kernel masks the columns past a row's visible count."""
+    """Pool slot of every index entry (plain JAX, jit-friendly): as
+    ``qsa_triton.prefill.resolve_pool_slots`` without ``max_seqlen_q`` and without the
+    visible-count mask (the kernel masks those columns); rows past cu_seqlens_q[B] are -1."""
     if math.prod(req_to_token.shape) == 0:  # an empty table: every entry is invalid
         return jnp.full(indices.shape, -1, jnp.int32)
     return _resolve(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,

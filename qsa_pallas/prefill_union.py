@@ -1,4 +1,4 @@
-"""Tile-union sparse prefill (Pallas, Triton lowering): block-level selections, R rows per program.
+"""Tile-union sparse prefill (Pallas, Triton lowering): block-level selections, R rows a program.
 
 The JAX twin of ``qsa_triton.prefill_union`` (read its module docstring): same selection rule,
 tile numbering, union layout, per-tile switch to the rows path and geometry selector; results
@@ -6,12 +6,11 @@ equal up to summation order. Differences:
 
 * the union build (``block_union``) is plain JAX, vectorised over tiles: (block, row) pairs
   sorted with ``lax.sort``, occurrence ranks, a second sort on (rank, block, row), compaction
-  by an XLA scatter. Both sorts always run (XLA has no cheap per-tile skip);
-* the per-tile switch is a ``lax.cond`` on the union's device length against the host bound
-  ``interop.geometry.max_union_entries(geo, NB, max(16, next_pow2(G)))``;
+  by an XLA scatter (both sorts always run: XLA has no cheap per-tile skip);
+* the per-tile switch is a ``lax.cond`` on the union's device length;
 * the output is a zeros buffer aliased into the kernel (rows past ``cu_seqlens_q[B]`` stay
-  zero); interpret mode clamps out-of-range gathers, so every gather index is clamped *and*
-  masked, and masked lanes store to spare rows past the output (see ``_union_kernel``).
+  zero); every gather index is clamped *and* masked, and in interpret mode masked lanes store
+  to spare rows past the output (``_union_kernel``).
 """
 
 from __future__ import annotations
@@ -106,10 +105,9 @@ def _block_union(block_indices, cu_seqlens_q, kv_lens, *, tile_rows: int, ordina
 
 
 def block_union(block_indices, cu_seqlens_q, kv_lens, tile_rows: int):
-    """The union build alone (tests and benchmarks): int32 ``block_indices`` [T, NB] or
-    [T, Hkv, NB], ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B] or None (ordinary), ``tile_rows`` R
-    -> (blocks, masks int32 [S, H, R x NB], lengths int32 [S, H]), S = T // R + B, equal to
-    ``interop.indices.tile_union`` (entries past a length are 0)."""
+    """The union build alone (tests, benchmarks): as ``qsa_triton.prefill_union.
+    build_block_union`` (int32 [S, H, R x NB] blocks and masks, [S, H] lengths), entries past a
+    length 0."""
     ordinary = kv_lens is None
     return _block_union(block_indices, cu_seqlens_q,
                         cu_seqlens_q[:-1] if ordinary else kv_lens, tile_rows=int(tile_rows),
@@ -148,9 +146,9 @@ def _expand(block_indices, cu_seqlens_q, kv_lens, *, ordinary: bool):
 
 
 def expand_blocks(block_indices, cu_seqlens_q, kv_lens):
-    """Token indices of a block-level selection (plain JAX; the per-row kernel's input when the
-    selector picks it): equal to ``interop.indices.expand_prefill_blocks``, int32
-    [T, 4 NB + 3] (or [T, Hkv, ...]); rows outside every request are all -1."""
+    """Token indices of a block-level selection in plain JAX: as ``qsa_triton.prefill_union.
+    expand_blocks`` (int32 [T, 4 NB + 3] or [T, Hkv, ...], ``interop.indices.
+    expand_prefill_blocks``)."""
     ordinary = kv_lens is None
     return _expand(block_indices, cu_seqlens_q, cu_seqlens_q[:-1] if ordinary else kv_lens,
                    ordinary=ordinary)
@@ -160,9 +158,7 @@ def expand_blocks(block_indices, cu_seqlens_q, kv_lens):
 # The tile kernel
 @dataclasses.dataclass(frozen=True)
 class _UStatic:
-    """What the kernel specialises on (the jit cache key): ``p`` the checked problem with
-    max_seqlen_q normalised to 1 (as ``qsa_pallas.prefill``'s ``_Static``: the grid does not
-    depend on it), ``geo`` the union geometry without its label."""
+    """What the kernel specialises on (the jit cache key), as ``qsa_pallas.prefill._Static``."""
 
     p: PrefillProblem
     geo: UnionGeometry
@@ -383,11 +379,9 @@ def _launch(q, k, v, ublk, umem, ulen, bidx, *meta, st: _UStatic):
 
 def union_run(problem, q, k, v, block_indices, meta: dict, geo: UnionGeometry, *,
               interpret: bool):
-    """The union build and the tile kernel of one checked call (``problem``: its
-    ``PrefillProblem``, width = NB): q, k, v as the entry point, int32 ``block_indices``
-    [T, NB] or [T, Hkv, NB], ``meta`` the entry point's other arrays by name (``cu_seqlens_q``
-    and, by kind, ``cu_seqlens_k``, ``kv_lens``, ``req_to_token``, ``req_indices``), ``geo`` a
-    ``"union"`` UnionGeometry. Returns [T, Hq, D] in q's dtype."""
+    """The union build and the tile kernel of one checked call (``problem`` with width NB;
+    ``meta``: the entry point's other arrays by name, ``cu_seqlens_q`` first). Returns
+    [T, Hq, D] in q's dtype."""
     ht = next_pow2(problem.group)
     if geo.kind != "union" or geo.head_tile < geo.tile_rows * ht or geo.block_n < geo.tile_rows + 3:
         raise ValueError(f"union geometry {geo} cannot hold {geo.tile_rows} rows x {ht} heads")

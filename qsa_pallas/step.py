@@ -1,10 +1,9 @@
-"""The end-to-end QSA attention step for JAX: indexer -> expansion -> sparse attention from the pool.
+"""The end-to-end QSA attention step for JAX: indexer -> expansion -> sparse attention.
 
 Same composition, names and checks as ``qsa_triton.step`` (read its module docstring). After
 the checks each step runs as one jitted function in which every length, position, page id and
 slot is traced (new lengths never recompile); it works under ``jax.jit``, ``lax.scan`` over
-layers and ``jax.shard_map`` over heads (``shard_step``; ``replicate_kv_heads`` gives the pool
-the layout JAX engines use when TP exceeds the KV heads).
+layers and ``jax.shard_map`` over heads (``shard_step``, ``replicate_kv_heads``).
 """
 
 from __future__ import annotations
@@ -132,21 +131,15 @@ def _prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index
 # ---------------------------------------------------------------------------------------------
 # Tensor parallel: the step split over the heads of one mesh axis
 def replicate_kv_heads(x, tp: int, *, axis: int = 1):
-    """The tensor-parallel layout of a KV-head axis: ``x`` unchanged when ``tp`` <= Hkv, else
-    each KV head repeated ``tp / Hkv`` times in place, so that an even ``tp``-way split gives
-    rank r KV head ``r // (tp / Hkv)``, the head its query heads use: how JAX engines hold the
-    pool when TP exceeds the KV heads (vLLM-TPU / sglang-jax ``get_num_kv_heads_by_tp``). An
-    engine allocates its pool in this layout; this helper converts a TP1 pool (tests).
+    """The tensor-parallel layout of a KV-head axis, as JAX engines hold the pool when TP exceeds
+    the KV heads (vLLM-TPU / sglang-jax ``get_num_kv_heads_by_tp``): ``x`` unchanged when
+    ``tp`` <= Hkv, else each KV head repeated ``tp / Hkv`` times in place, so that rank r of an
+    even ``tp``-way split holds KV head ``r // (tp / Hkv)``. Engines allocate the pool so; this
+    converts a TP1 pool (tests).
 
-    Args:
-      x: jax array with the KV heads on ``axis`` (the pool ``k_cache`` / ``v_cache`` [slots,
-        Hkv, D]); tp: the ranks (>= 1); axis: the KV-head axis.
-
-    Returns:
-      ``x`` with ``max(Hkv, tp)`` heads on ``axis``, same dtype (a copy when repeated).
-
-    Raises:
-      ContractError: ``tp`` < 1, or neither of ``tp`` and Hkv divides the other.
+    ``x``: a jax array with Hkv heads on ``axis`` (the pool [slots, Hkv, D]); ``tp`` >= 1.
+    Returns ``x`` with ``max(Hkv, tp)`` heads on ``axis`` (a copy when repeated). Raises
+    ContractError when ``tp`` < 1 or neither of ``tp`` and Hkv divides the other.
     """
     hkv, tp = x.shape[axis], int(tp)
     if tp < 1 or (tp % hkv and hkv % tp):
@@ -158,28 +151,26 @@ def replicate_kv_heads(x, tp: int, *, axis: int = 1):
 def shard_step(step, mesh, axis: str = "tp"):
     """``qsa_decode_step`` / ``qsa_prefill_step`` as one tensor-parallel call over the mesh axis
     ``axis`` (TP ranks): each rank runs the unchanged step on its heads under ``jax.shard_map``
-    (VMA check off), no collective inside. Layout (upstream's TP attention layers): ``q``
-    [rows, Hq, D], the output and ``k_cache`` / ``v_cache`` [slots, max(Hkv, TP), D]
-    (``replicate_kv_heads``) split over the heads; every other array replicated (each rank runs
-    the head-independent indexer itself, so no rank waits for another).
+    (VMA check off), no collective inside. ``q``, the output and ``k_cache`` / ``v_cache``
+    [slots, max(Hkv, TP), D] (``replicate_kv_heads``) are split over the heads (upstream's TP
+    attention layout); every other array is replicated (each rank runs the head-independent
+    indexer itself).
 
     Args:
       step: ``qsa_decode_step`` or ``qsa_prefill_step`` (or a function of that signature);
       mesh: a ``jax.sharding.Mesh`` with the axis ``axis`` (TP = its size).
 
     Returns:
-      ``f(*args, **kwargs)`` with the step's signature on global arrays (any placement: the
-      jitted call reshards), returning the global output [rows, Hq, D] sharded over the heads.
-      Host values (``softmax_scale``, the scales, ``max_seqlen_q``, ``topk``, ...) are static:
-      one compile per shapes and host values. Usable inside an outer ``jax.jit``.
+      ``f(*args, **kwargs)`` with the step's signature on global arrays (any placement),
+      returning the output [rows, Hq, D] sharded over the heads. Host values (scales,
+      ``max_seqlen_q``, ``topk``, ...) are static: one compile per shapes and host values.
+      Usable inside an outer ``jax.jit``.
 
-    Raises (from ``f``):
-      ContractError: before anything is traced: a mesh without the axis ``axis``; arguments
-        that do not fit the step's signature; an array where the step takes a host value, or
-        a host value that is not hashable (a list: pass an array); Hq or the pool's heads not
-        a multiple of TP (a TP1 pool at TP > Hkv: pass it through ``replicate_kv_heads``);
-        then each rank's step checks its own shapes (``check_decode_step`` /
-        ``check_prefill_step``).
+    Raises (from ``f``, before anything is traced):
+      ContractError: a mesh without ``axis``; arguments that do not fit the step's signature;
+        an array for a host value, or an unhashable host value (a list: pass an array); Hq or
+        the pool's heads not a multiple of TP (at TP > Hkv: ``replicate_kv_heads``); then each
+        rank's step checks its own shapes.
     """
     fn = getattr(step, "__name__", "shard_step")
     try:

@@ -1,30 +1,26 @@
 """The QSA indexer for PyTorch: block scoring, exact top-k and expansion as Triton kernels.
 
-Semantics: ``qsa-contract.md`` §4b (scoring ``sum_h ReLU(q[m, h] . k[n])``, top-k rule, inputs)
-and §4 (expansion); FP64 references ``interop.reference.indexer_*``; plan
-``interop.indices.plan_indexer`` (shared with ``qsa_pallas.indexer``, the same algorithm). Two
-passes; no [rows, blocks] logits tensor is ever written:
+Semantics: ``qsa-contract.md`` §4b (scoring ``sum_h ReLU(q[m, h] . k[n])``, top-k rule) and §4
+(expansion); FP64 references ``interop.reference.indexer_*``; plan ``interop.indices.
+plan_indexer`` (shared with ``qsa_pallas.indexer``, the same algorithm). Two passes; no
+[rows, blocks] logits tensor is ever written:
 
 * Pass 1, one program per (row tile, chunk of C blocks): score the chunk in BLOCK_N-block tiles
-  (the key tile as the M side of a bf16/fp16 ``tl.dot`` with the row's heads, FP32, ReLU, head
-  sum), hold the scores as int32 *keys* (a float >= +0.0's bits order like the float; -0.0 and
-  NaN become +0.0, invisible blocks -1) and select the chunk's exact top-k per row: the k-th
-  largest key tau by a radix search from bit 30 down, ``radix_bits`` (b) bits a round (the
-  2^b - 1 digit counts of a round in one compare-and-sum, two counts packed per int32), then one
-  prefix sum over (key > tau) + (key == tau) * 2^16 gives every tie's rank (the first
-  k - #(key > tau) ties, the smallest block ids, are kept) and every survivor's slot in block
-  order. Bytes per row: its visible compressed keys once plus 8 B per candidate (<= 1/64 of the
-  key bytes at D = 128 bf16).
+  (the key tile as the M side of a ``tl.dot`` with the row's heads, FP32, ReLU, head sum), hold
+  the scores as int32 *keys* (a float >= +0.0's bits order like the float; -0.0 and NaN become
+  +0.0, invisible blocks -1) and select the chunk's exact top-k per row: the k-th largest key
+  tau by a radix search from bit 30 down, ``radix_bits`` bits a round (all digit counts of a
+  round in one compare-and-sum), then one prefix sum over (key > tau) + (key == tau) * 2^16
+  gives every tie's rank (the smallest block ids win) and every survivor's slot in block order.
 * Pass 2, one program per row: the same selection over the row's S x k candidates (slot order
   is block order, so the tie rule carries over), then the ascending block ids or, fused, the
   2051-wide token row (``4g .. 4g + 3`` per block, the 0-3 token causal tail, -1 after).
 
 The selection is a radix select (Alabi et al., "Fast k-Selection Algorithms for Graphics
-Processing Units", JEA 2012; upstream's ``fast_topk`` and PyTorch's ``topk`` select by radix
-digits too), exact, no sort, on the unscaled FP32 sum (dividing by a positive ``score_scale``
-keeps the order): ties go to the smaller block id whatever the plan or the batch. Graph safety:
-no host read of device data, a static plan, a per-call workspace, no atomics; registered as
-``torch.ops.qsa.indexer_*`` custom ops with fake impls.
+Processing Units", JEA 2012; upstream's ``fast_topk`` selects by radix digits too), exact, no
+sort, on the unscaled FP32 sum: ties go to the smaller block id whatever the plan or the batch.
+Graph safe: no host read of device data, a static plan, a per-call workspace, no atomics;
+registered as ``torch.ops.qsa.indexer_*`` custom ops with fake impls.
 """
 
 from __future__ import annotations
@@ -383,6 +379,11 @@ def _compute_dtype(q: torch.Tensor):
     return tl.bfloat16 if q.dtype == torch.float8_e4m3fn else _TL_DTYPES[q.dtype]
 
 
+def _width(topk: int, ratio: int, expand: bool) -> int:
+    """Output columns: topk block ids, or the expansion's topk * ratio + ratio - 1 tokens."""
+    return topk * ratio + ratio - 1 if expand else topk
+
+
 def _decode_constexprs(plan: IndexerPlan, h: int, d: int, psz: int, ratio: int, compute):
     """The pass-1 decode kernel's constexprs for ``plan`` (one source for the launch and
     ``interop.validate.compile.triton_indexer_configs``)."""
@@ -406,12 +407,11 @@ def _merge_constexprs(plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: 
 
 def _merge(ws, out, m0, m1, pos, bound, cap, plan: IndexerPlan, *, prefill, expand, ratio,
            pdl=False):
-    wsk, wsi = ws
     rows = out.shape[0]
     if rows == 0:
         return out
     _merge_kernel[(rows,)](
-        wsk, wsi, out, m0, m1 if m1 is not None else m0,
+        *ws, out, m0, m1 if m1 is not None else m0,
         pos if pos is not None else m0, bound if bound is not None else m0,
         cap, out.stride(0), plan.chunk, plan.splits,
         **_merge_constexprs(plan, prefill=prefill, expand=expand, ratio=ratio), USE_PDL=pdl,
@@ -420,9 +420,9 @@ def _merge(ws, out, m0, m1, pos, bound, cap, plan: IndexerPlan, *, prefill, expa
 
 
 def _workspace(rows: int, plan: IndexerPlan, device):
-    n = rows * plan.splits
-    return (torch.empty((n * plan.topk,), dtype=torch.int32, device=device),
-            torch.empty((n * plan.topk,), dtype=torch.int32, device=device))
+    """Pass 1's candidates (keys, block ids): int32 [rows * splits * topk] each."""
+    n = rows * plan.splits * plan.topk
+    return tuple(torch.empty((n,), dtype=torch.int32, device=device) for _ in range(2))
 
 
 def _run_decode(q, k_cache, page_table, seq_lens, topk: int, ratio: int, expand: bool,
@@ -431,8 +431,7 @@ def _run_decode(q, k_cache, page_table, seq_lens, topk: int, ratio: int, expand:
     pages, psz = k_cache.shape[0], k_cache.shape[1]
     cap = page_table.shape[1] * psz
     plan = plan or indexer_plan_for("decode", b, cap, topk, q.device)
-    width = topk * ratio + ratio - 1 if expand else topk
-    out = torch.empty((b, width), dtype=torch.int32, device=q.device)
+    out = torch.empty((b, _width(topk, ratio, expand)), dtype=torch.int32, device=q.device)
     if b == 0:
         return out
     ws = _workspace(b, plan, q.device)
@@ -453,24 +452,21 @@ def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, rat
     t, h, d = q.shape
     n_keys = k.shape[0]
     plan = plan or indexer_plan_for("prefill", t, n_keys, topk, q.device)
-    width = topk * ratio + ratio - 1 if expand else topk
-    out = torch.empty((t, width), dtype=torch.int32, device=q.device)
+    out = torch.empty((t, _width(topk, ratio, expand)), dtype=torch.int32, device=q.device)
     if t == 0:
         return out
     g = plan.row_group
     ws = _workspace(min(g, t), plan, q.device)
     bm = plan.rows_per_program
     consts = _prefill_constexprs(plan, h, d, _compute_dtype(q))
-    # Row groups bound the candidate workspace (static: from shapes only).
-    for r0 in range(0, t, g):
+    for r0 in range(0, t, g):  # row groups bound the candidate workspace (static: from shapes)
         r1 = min(t, r0 + g)
         qs = q[r0:r1]
         rs, re = row_starts[r0:r1], row_ends[r0:r1]
         if n_keys:  # no keys: every row is empty, the merge alone writes the (tail-only) rows
             _prefill_chunk_kernel[(triton.cdiv(r1 - r0, bm), plan.splits)](
                 qs, k, rs, re, *ws, r1 - r0, n_keys, qs.stride(0), qs.stride(1), plan.splits,
-                **consts,
-                num_warps=plan.num_warps, num_stages=plan.num_stages)
+                **consts, num_warps=plan.num_warps, num_stages=plan.num_stages)
         _merge(ws, out[r0:r1], rs, re, positions[r0:r1] if expand else None,
                seq_lens[r0:r1] if expand else None, n_keys, plan, prefill=True, expand=expand,
                ratio=ratio)
@@ -478,12 +474,12 @@ def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, rat
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library registration
+# torch.library registration (the ops run after the entry points' checks; the fake impls check
+# under torch.compile)
 @torch.library.custom_op("qsa::indexer_decode", mutates_args=())
 def _indexer_decode_op(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
                        seq_lens: torch.Tensor, topk: int, compress_ratio: int,
                        expand: bool) -> torch.Tensor:
-    """Registered op: contract already checked by the public entry point."""
     return _run_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio, expand)
 
 
@@ -491,8 +487,7 @@ def _indexer_decode_op(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch
 def _indexer_decode_fake(q, k_cache, page_table, seq_lens, topk, compress_ratio, expand):
     check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
                          compress_ratio=compress_ratio)
-    w = topk * compress_ratio + compress_ratio - 1 if expand else topk
-    return q.new_empty((q.shape[0], w), dtype=torch.int32)
+    return q.new_empty((q.shape[0], _width(topk, compress_ratio, expand)), dtype=torch.int32)
 
 
 @torch.library.custom_op("qsa::indexer_prefill", mutates_args=())
@@ -500,7 +495,6 @@ def _indexer_prefill_op(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Tens
                         row_ends: torch.Tensor, positions: torch.Tensor | None,
                         seq_lens: torch.Tensor | None, topk: int, compress_ratio: int,
                         expand: bool) -> torch.Tensor:
-    """Registered op: contract already checked by the public entry point."""
     return _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk, compress_ratio,
                         expand)
 
@@ -510,16 +504,14 @@ def _indexer_prefill_fake(q, k, row_starts, row_ends, positions, seq_lens, topk,
                           expand):
     check_indexer_prefill(q, k, row_starts, row_ends, topk=topk, compress_ratio=compress_ratio,
                           positions=positions, seq_lens=seq_lens)
-    w = topk * compress_ratio + compress_ratio - 1 if expand else topk
-    return q.new_empty((q.shape[0], w), dtype=torch.int32)
+    return q.new_empty((q.shape[0], _width(topk, compress_ratio, expand)), dtype=torch.int32)
 
 
 @torch.library.custom_op("qsa::expand_block_indices", mutates_args=())
 def _expand_op(block_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
                compress_ratio: int) -> torch.Tensor:
-    """Registered op: contract already checked by the public entry point."""
     m, k = block_ids.shape
-    w = k * compress_ratio + compress_ratio - 1
+    w = _width(k, compress_ratio, True)
     out = torch.empty((m, w), dtype=torch.int32, device=block_ids.device)
     if m:
         _expand_kernel[(m,)](block_ids, positions, seq_lens, out, K=k, RATIO=compress_ratio,
@@ -535,45 +527,41 @@ def _expand_fake(block_ids, positions, seq_lens, compress_ratio):
 
 # ---------------------------------------------------------------------------------------------
 # Public entry points
-def _pre(fn: str, prob, q: torch.Tensor, plan: IndexerPlan | None = None) -> None:
-    check_interpreter_dtype(fn, prob.compute_dtype)
-    check_device(fn, q.device.type)
-    check_indexer_plan(fn, prob, plan, lambda: indexer_plan_for(prob.kind, prob.rows,
-                                                                prob.max_blocks, prob.topk,
-                                                                q.device))
+def _entry(fn: str, checker, tensors: dict, extra: dict, args: tuple, strict: bool,
+           plan: IndexerPlan | None, run, op):
+    """An entry point's body: checks (in the fake impl while compiling), then ``run`` with the
+    given plan (bypassing the custom op) or, for None, the registered ``op``. ``args``: the
+    op's arguments (..., topk, compress_ratio, expand); ``extra``: keyword tensors checked."""
+    q, topk, ratio = tensors["q"], args[-3], args[-2]
+    if not torch.compiler.is_compiling():
+        check_torch_tensors(fn, **tensors, **extra)
+        prob = checker(*tensors.values(), topk=topk, compress_ratio=ratio, strict=strict, fn=fn,
+                       **extra)
+        check_interpreter_dtype(fn, prob.compute_dtype)
+        check_device(fn, q.device.type)
+        check_indexer_plan(fn, prob, plan, lambda: indexer_plan_for(
+            prob.kind, prob.rows, prob.max_blocks, prob.topk, q.device))
+    return op(*args) if plan is None else run(*args, plan)
 
 
 def _decode_entry(fn: str, q, k_cache, page_table, seq_lens, topk: int, compress_ratio: int,
                   strict: bool, plan: IndexerPlan | None, *, expand: bool) -> torch.Tensor:
-    """The decode entry points' body: checks (in the fake impl while compiling), then the plan
-    given (bypassing the custom op) or the registered op."""
-    if not torch.compiler.is_compiling():
-        check_torch_tensors(fn, q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens)
-        _pre(fn, check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
-                                      compress_ratio=compress_ratio, strict=strict, fn=fn), q,
-             plan)
-    if plan is not None:
-        return _run_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio, expand, plan)
-    return torch.ops.qsa.indexer_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio,
-                                        expand)
+    return _entry(fn, check_indexer_decode,
+                  dict(q=q, k_cache=k_cache, page_table=page_table, seq_lens=seq_lens), {},
+                  (q, k_cache, page_table, seq_lens, topk, compress_ratio, expand), strict, plan,
+                  _run_decode, torch.ops.qsa.indexer_decode)
 
 
 def _prefill_entry(fn: str, q, k, row_starts, row_ends, positions, seq_lens, topk: int,
                    compress_ratio: int, strict: bool, plan: IndexerPlan | None, *,
                    expand: bool) -> torch.Tensor:
-    """The prefill entry points' body (``expand``: the fused expansion, which takes and checks
-    ``positions``/``seq_lens``; otherwise both are None)."""
-    if not torch.compiler.is_compiling():
-        extra = dict(positions=positions, seq_lens=seq_lens) if expand else {}
-        check_torch_tensors(fn, q=q, k=k, row_starts=row_starts, row_ends=row_ends, **extra)
-        _pre(fn, check_indexer_prefill(q, k, row_starts, row_ends, topk=topk,
-                                       compress_ratio=compress_ratio, strict=strict, fn=fn,
-                                       **extra), q, plan)
-    if plan is not None:
-        return _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk,
-                            compress_ratio, expand, plan)
-    return torch.ops.qsa.indexer_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk,
-                                         compress_ratio, expand)
+    """``expand``: the fused expansion, which takes and checks ``positions`` / ``seq_lens``
+    (otherwise both None)."""
+    return _entry(fn, check_indexer_prefill,
+                  dict(q=q, k=k, row_starts=row_starts, row_ends=row_ends),
+                  dict(positions=positions, seq_lens=seq_lens) if expand else {},
+                  (q, k, row_starts, row_ends, positions, seq_lens, topk, compress_ratio, expand),
+                  strict, plan, _run_prefill, torch.ops.qsa.indexer_prefill)
 
 
 def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
@@ -585,7 +573,7 @@ def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torc
     ``max_pages * page_size``); block n is ``k_cache[page_table[b, n // page_size],
     n % page_size, 0]``; page-table entries past the row's blocks are never read. Scores:
     ``sum_h ReLU(q[b, h] . k[n])`` in FP32 (fp8 widened to bf16, exactly; upstream's division
-    by ``score_scale`` does not change the order and is left out). Algorithm: module docstring.
+    by ``score_scale`` keeps the order and is left out). Algorithm: module docstring.
 
     Args:
       q: [B, H, D] bf16|fp16|fp8 e4m3 (one row per decode query; MTP rows are rows too).
@@ -593,18 +581,18 @@ def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torc
       page_table: int32 [B, max_pages]; seq_lens: int32 [B] token counts (device data).
       topk: blocks kept (512); compress_ratio: tokens per block (4).
       strict: enforce the qualified envelope (``interop.contract.QUALIFIED_INDEXER``).
-      plan: an ``interop.indices.IndexerPlan`` replacing the shared one (benchmarks and sweeps;
-        the call then bypasses the torch.library op).
+      plan: an ``interop.indices.IndexerPlan`` replacing the shared one (benchmarks; the call
+        then bypasses the torch.library op).
 
     Returns:
-      int32 [B, topk]: the selected block ids in ascending order, -1 after; a row with <= topk
-      blocks gets all of them; ties go to the smaller block id (``interop.reference.indexer_topk``).
+      int32 [B, topk]: the selected block ids ascending, -1 after; a row with <= topk blocks
+      gets all of them; ties go to the smaller block id (``interop.reference.indexer_topk``).
 
     Raises:
-      ContractError: before any launch: a call outside the contract
-        (``interop.contract.check_indexer_decode``), a non-torch argument, bf16 under an
-        unpatched Triton interpreter, CPU tensors without the interpreter, a plan (given or the
-        default, which covers rows of up to 2M blocks at topk 512) that cannot run this call.
+      ContractError: before any launch: a call outside ``interop.contract.check_indexer_decode``,
+        a non-torch argument, bf16 under an unpatched Triton interpreter, CPU tensors without
+        the interpreter, a plan (given or the default, rows of up to 2M blocks at topk 512)
+        that cannot run this call.
     """
     return _decode_entry("indexer_topk_decode", q, k_cache, page_table, seq_lens, topk,
                          compress_ratio, strict, plan, expand=False)
@@ -613,17 +601,10 @@ def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torc
 def indexer_select_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
                           seq_lens: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
                           strict: bool = False, plan: IndexerPlan | None = None) -> torch.Tensor:
-    """The whole decode indexer: ``indexer_topk_decode`` with the expansion fused into its merge
-    (the row's position is ``seq_lens[b] - 1``, its validity bound ``seq_lens[b]``).
-
-    Returns:
-      int32 [B, topk * ratio + ratio - 1] (2051): token positions ascending (the selected blocks'
-      tokens, then the causal tail), -1 after; ``interop.indices.expand_block_indices`` of
-      ``indexer_topk_decode``'s output: the ``indices`` of ``sparse_decode_paged``.
-
-    Raises:
-      ContractError: as ``indexer_topk_decode``.
-    """
+    """The whole decode indexer: ``indexer_topk_decode`` (same arguments and errors) with the
+    expansion fused into its merge (row position ``seq_lens[b] - 1``, bound ``seq_lens[b]``).
+    Returns int32 [B, topk * ratio + ratio - 1] (2051): ``interop.indices.expand_block_indices``
+    of ``indexer_topk_decode``'s output, the ``indices`` of ``sparse_decode_paged``."""
     return _decode_entry("indexer_select_decode", q, k_cache, page_table, seq_lens, topk,
                          compress_ratio, strict, plan, expand=True)
 
@@ -657,19 +638,11 @@ def indexer_select_prefill(q: torch.Tensor, k: torch.Tensor, row_starts: torch.T
                            seq_lens: torch.Tensor, *, topk: int = 512, compress_ratio: int = 4,
                            strict: bool = False, plan: IndexerPlan | None = None
                            ) -> torch.Tensor:
-    """The whole prefill indexer: ``indexer_topk_prefill`` with the expansion fused into its merge.
-
-    Args:
-      positions, seq_lens: int32 [T], each row's position p and validity bound (its request's
-        length); the rest as ``indexer_topk_prefill``.
-
-    Returns:
-      int32 [T, topk * ratio + ratio - 1] (2051), equal to ``expand_block_indices`` of
-      ``indexer_topk_prefill``'s output: the ``indices`` the sparse prefill kernels take.
-
-    Raises:
-      ContractError: as ``indexer_topk_prefill``.
-    """
+    """The whole prefill indexer: ``indexer_topk_prefill`` (same arguments and errors) with the
+    expansion fused into its merge. ``positions``, ``seq_lens``: int32 [T], each row's position
+    p and validity bound (its request's length). Returns int32 [T, topk * ratio + ratio - 1]
+    (2051), ``expand_block_indices`` of ``indexer_topk_prefill``'s output: the ``indices`` the
+    sparse prefill kernels take."""
     return _prefill_entry("indexer_select_prefill", q, k, row_starts, row_ends, positions,
                           seq_lens, topk, compress_ratio, strict, plan, expand=True)
 
@@ -682,15 +655,9 @@ def expand_block_indices(block_ids: torch.Tensor, positions: torch.Tensor,
     ``[floor((p + 1) / ratio) * ratio, p]`` (< seq_len), valid entries stably first; equal to
     ``interop.indices.expand_block_indices`` for any input.
 
-    Args:
-      block_ids: int32 [M, topk] contiguous; positions, seq_lens: int32 [M].
-      compress_ratio: tokens per block.
-
-    Returns:
-      int32 [M, topk * ratio + ratio - 1].
-
-    Raises:
-      ContractError: before any launch (``interop.contract.check_expand_block_indices``).
+    Args: int32 ``block_ids`` [M, topk] contiguous, ``positions`` and ``seq_lens`` [M];
+    ``compress_ratio``: tokens per block. Returns int32 [M, topk * ratio + ratio - 1]. Raises
+    ContractError before any launch (``interop.contract.check_expand_block_indices``).
     """
     fn = "expand_block_indices"
     if not torch.compiler.is_compiling():

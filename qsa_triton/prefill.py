@@ -7,28 +7,22 @@ position p of request b at slot ``req_to_token[req_indices[b], p]``).
 Algorithm: the flash-attention forward (Dao et al., 2022) over gathered rows, as upstream
 SGLang's sparse prefill: one program per (query row, KV head) holds the G query heads as a
 BLOCK_M head tile with an FP32 accumulator [BLOCK_M, D], walks the row's index columns in
-BLOCK_N steps up to ``min(W, visible)``, gathers the named K/V rows, scales the FP32 scores by
-``softmax_scale * k_scale * log2(e)`` and runs the online softmax in base 2 (P cast to q's
-dtype for P·V); ``out = acc * v_scale / l``. Invalid entries (contract: valid iff
-``0 <= idx < len``) and columns past ``min(W, visible)`` are masked in the loads and the scores,
-so the result does not depend on BLOCK_N; an all-masked step leaves the state untouched and a
-row with no valid entry stores exact zeros. The denominator is a [BLOCK_M, BLOCK_N] running sum
-reduced once per row (no cross-warp reduction per tile); K/V offsets are 32-bit while K/V hold
-< 2**31 elements, 64-bit above (``needs_off64``): bench/NOTES.md, "Sparse prefill, Triton".
+BLOCK_N steps up to ``min(W, visible)``, gathers the named K/V rows and runs the online softmax
+in base 2 on FP32 scores scaled by ``softmax_scale * k_scale * log2(e)`` (P cast to q's dtype
+for P·V); ``out = acc * v_scale / l``. Invalid entries (valid iff ``0 <= idx < len``) and
+columns past ``min(W, visible)`` are masked, so the result does not depend on BLOCK_N; a row
+with no valid entry stores exact zeros. The denominator is a [BLOCK_M, BLOCK_N] running sum
+reduced once per row; K/V offsets are 32-bit below 2**31 elements (``needs_off64``).
 
-Grid (max_seqlen_q, B * Hkv), as upstream's. max_seqlen_q is only a hint (a request's row count
-lives on the device), so a tail launch (``ROW_LOOP``, TAIL_PROGRAMS programs per request and KV
-head) loops over the rows past it: a too-small hint still computes every row once. The row loop
-is a separate variant because inside the main kernel it costs registers and occupancy.
+Grid (max_seqlen_q, B * Hkv), as upstream's. max_seqlen_q is only a hint (row counts live on the
+device): a tail launch (``ROW_LOOP``, TAIL_PROGRAMS programs per request and KV head) loops over
+the rows past it, a separate variant because the row loop costs registers in the main kernel.
 
-Paged: a pre-pass (``resolve_pool_slots``) maps every entry to its pool slot once, so the
-attention loop has one dependent load before each gather, not two. FP8 K/V (chunk, paged): the
-dots run in float16 (``qsa_triton._fp8``); ``k_scale`` on the scores, ``v_scale`` on the output.
-
-Block-level selections (``block_indices=``): the shared selector
-(``interop.geometry.select_prefill_blocks``) runs them through the tile-union kernel
-(``qsa_triton.prefill_union``) or through this module's kernel after an on-device expansion.
-``QSA_PREFILL_GEOMETRY`` = auto | table | tuned is read on every call (``interop/geometry.py``).
+Paged: a pre-pass (``resolve_pool_slots``) maps every entry to its pool slot once. FP8 K/V
+(chunk, paged): the dots run in float16 (``qsa_triton._fp8``). Block-level selections
+(``block_indices=``): the tile-union kernel (``qsa_triton.prefill_union``) or this kernel after
+an on-device expansion, as ``interop.geometry.select_prefill_blocks`` says
+(``QSA_PREFILL_GEOMETRY``, read on every call).
 """
 
 from __future__ import annotations
@@ -223,34 +217,33 @@ _INTERPRETER_FACTS = DeviceFacts.for_arch("sm_90", name="Triton interpreter (CPU
                                           triton_version=triton.__version__)
 
 
-def _facts(q: torch.Tensor) -> DeviceFacts:
-    return DeviceFacts.from_torch(q.device) if q.is_cuda else _INTERPRETER_FACTS
+def _shape_args(q: torch.Tensor, num_kv_heads: int) -> dict:
+    """The selectors' arguments that come from q and its device (CPU tensors: sm_90 facts)."""
+    t, hq, d = q.shape
+    facts = DeviceFacts.from_torch(q.device) if q.is_cuda else _INTERPRETER_FACTS
+    return dict(facts=facts, total_q=max(t, 1), group=hq // num_kv_heads,
+                num_kv_heads=num_kv_heads, head_dim=d)
 
 
 def prefill_geometry(kind: str, q: torch.Tensor, *, requests: int, max_q: int, num_kv_heads: int,
                      width: int, kv_bytes: int = 2) -> Geometry:
     """Geometry the entry points use for this call: ``interop.geometry.select_prefill`` on the
-    facts of q's device (CPU tensors: sm_90 facts; the interpreter ignores warps and stages).
-    ``kind``: "ordinary" | "chunk" | "paged"; q: [T, Hq, D]; requests: B; max_q: max_seqlen_q;
-    width: W; kv_bytes: bytes per K/V element (1 for FP8). Raises ContractError for a bad
-    ``QSA_PREFILL_GEOMETRY``."""
-    t, hq, d = q.shape
-    return select_prefill(_facts(q), kind, total_q=max(t, 1), requests=requests, max_q=max_q,
-                          group=hq // num_kv_heads, num_kv_heads=num_kv_heads, head_dim=d,
-                          width=width, kv_bytes=kv_bytes)
+    facts of q's device. ``kind``: "ordinary" | "chunk" | "paged"; q: [T, Hq, D]; requests: B;
+    max_q: max_seqlen_q; width: W; kv_bytes: bytes per K/V element (1 for FP8). Raises
+    ContractError for a bad ``QSA_PREFILL_GEOMETRY``."""
+    return select_prefill(kind=kind, requests=requests, max_q=max_q, width=width,
+                          kv_bytes=kv_bytes, **_shape_args(q, num_kv_heads))
 
 
 def prefill_block_geometry(kind: str, q: torch.Tensor, *, requests: int, max_q: int,
                            num_kv_heads: int, block_width: int, kv_bytes: int = 2,
                            overlap: float | None = None) -> UnionGeometry:
-    """Kernel and geometry for block-level selections: ``interop.geometry.select_prefill_blocks``
-    on the facts of q's device; as ``prefill_geometry`` with block_width NB for W and
-    ``overlap``, the engine's hint (expected neighbour Jaccard of the block selections) or None."""
-    t, hq, d = q.shape
-    return select_prefill_blocks(_facts(q), kind, total_q=max(t, 1), requests=requests, max_q=max_q,
-                                 group=hq // num_kv_heads, num_kv_heads=num_kv_heads,
-                                 head_dim=d, block_width=block_width, kv_bytes=kv_bytes,
-                                 overlap=overlap)
+    """Kernel and geometry for block-level selections (``interop.geometry.
+    select_prefill_blocks``): as ``prefill_geometry`` with NB for W and ``overlap``, the engine's
+    hint (expected neighbour Jaccard of the block selections) or None."""
+    return select_prefill_blocks(kind=kind, requests=requests, max_q=max_q,
+                                 block_width=block_width, kv_bytes=kv_bytes, overlap=overlap,
+                                 **_shape_args(q, num_kv_heads))
 
 
 def _geometry_from(forced, kind, q, k, **kw) -> Geometry:
@@ -267,8 +260,7 @@ def _geometry_from(forced, kind, q, k, **kw) -> Geometry:
 
 
 def needs_off64(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """64-bit K/V row offsets when k or v holds >= 2^31 elements (then row x stride can overflow
-    int32); below that every valid offset fits int32 exactly."""
+    """64-bit K/V row offsets: k or v holds >= 2^31 elements (row x stride can overflow int32)."""
     return max(k.numel(), v.numel()) >= 2**31
 
 
@@ -277,8 +269,8 @@ TAIL_PROGRAMS = 8
 
 
 def tail_geometry(geo: Geometry) -> Geometry:
-    """The tail launch's geometry: the main launch's head tile, (BLOCK_N 32, 4 warps, 2 stages),
-    ~42 KB of shared memory at D = 256 (fits every arch); speed is irrelevant there."""
+    """The tail launch's geometry: the main head tile, BLOCK_N 32, 4 warps, 2 stages (~42 KB of
+    shared memory at D = 256: fits every arch; speed is irrelevant there)."""
     return Geometry(geo.block_m, 32, 4, 2, "tail")
 
 
@@ -287,8 +279,7 @@ _KINDS = {MODE_ORDINARY: "ordinary", MODE_CHUNK: "chunk", MODE_SLOTS: "paged"}
 
 def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, geometry):
     """Both launches of one call (main grid, then the tail); ``geometry`` None: the selector."""
-    # zeros, not empty: rows outside every request (a batch padded to a static T) get no
-    # program, and must read as zeros like a row without a valid entry (as in qsa_pallas)
+    # zeros: rows outside every request (T padded past cu_q[B]) get no program (as in qsa_pallas)
     out = torch.zeros_like(q)
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -297,28 +288,23 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
     requests = cu_q.shape[0] - 1
     geo = _geometry_from(geometry, _KINDS[mode], q, k, requests=requests, max_q=max_q,
                          width=idx.shape[-1])
-    stride_ih = idx.stride(1) if idx.dim() == 3 else 0
     args = (q, k, v, out, idx, cu_q, cu_k, kv_lens,
             float(scale) * float(k_scale) * LOG2E, float(v_scale), idx.shape[-1])
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               out.stride(0), out.stride(1), idx.stride(0), stride_ih)
+               out.stride(0), out.stride(1), idx.stride(0), idx.stride(1) if idx.dim() == 3 else 0)
     consts = dict(HKV=hkv, G=hq // hkv, D=d, BLOCK_M=geo.block_m, MODE=mode,
                   OFF64=needs_off64(k, v))
-    # one program per (row < max_q, request x KV head), like upstream
-    _qsa_sparse_prefill_fwd[(max_q, requests * hkv)](
-        *args, 0, t, k.shape[0], *strides, **consts, BLOCK_N=geo.block_n, ROW_LOOP=False,
-        num_warps=geo.num_warps, num_stages=geo.num_stages)
-    # Tail: rows >= max_q (module docstring); with a right hint its programs read cu_q and exit
-    t_geo = tail_geometry(geo)
-    _qsa_sparse_prefill_fwd[(TAIL_PROGRAMS, requests * hkv)](
-        *args, max_q, t, k.shape[0], *strides, **consts, BLOCK_N=t_geo.block_n, ROW_LOOP=True,
-        num_warps=t_geo.num_warps, num_stages=t_geo.num_stages)
+    for row_loop, g, grid0, row_base in ((False, geo, max_q, 0),
+                                         (True, tail_geometry(geo), TAIL_PROGRAMS, max_q)):
+        _qsa_sparse_prefill_fwd[(grid0, requests * hkv)](
+            *args, row_base, t, k.shape[0], *strides, **consts, BLOCK_N=g.block_n,
+            ROW_LOOP=row_loop, num_warps=g.num_warps, num_stages=g.num_stages)
     return out
 
 
 # ---------------------------------------------------------------------------------------------
-# Implementations (called by the custom ops, after the entry points' checks); benchmarks may
-# force a ``geometry``
+# Implementations (the custom ops' bodies, after the entry points' checks; benchmarks and tests
+# may force a ``geometry``)
 def _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale, geometry=None):
     return _launch(MODE_ORDINARY, q, k, v, indices, cu_seqlens, cu_seqlens, cu_seqlens,
                    max_seqlen_q, softmax_scale, 1.0, 1.0, geometry)
@@ -334,16 +320,12 @@ def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens
                        pool_slots: int) -> torch.Tensor:
     """Pre-pass of the paged variant: the pool slot of every index entry.
 
-    Args:
-      indices: int32 [T, W] or [T, Hkv, W]; req_to_token: int32 [max_reqs, max_context];
-        req_indices: int32 [B]; cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; all on one
-        device. max_seqlen_q: host int >= 1 (grid-size hint). pool_slots: host int, the pool's
-        slots.
-
-    Returns:
-      int32, indices' shape: ``req_to_token[req_indices[b], idx]`` where the entry is valid
-      (column < visible, 0 <= idx < kv_lens[b], and in bounds of the table and the pool), -1
-      elsewhere (also columns past visible). Rows past cu_seqlens_q[B] are left unwritten.
+    int32 ``indices`` [T, W] or [T, Hkv, W], ``req_to_token`` [max_reqs, max_context],
+    ``req_indices`` [B], ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B] on one device; host ints
+    ``max_seqlen_q`` (grid-size hint) and ``pool_slots``. Returns int32 of indices' shape:
+    ``req_to_token[req_indices[b], idx]`` where the entry is valid (column < visible,
+    0 <= idx < kv_lens[b], in bounds of the table and the pool), else -1; rows past
+    cu_seqlens_q[B] unwritten.
     """
     t, w = indices.shape[0], indices.shape[-1]
     if req_to_token.numel() == 0:  # an empty table: every entry is invalid
@@ -352,9 +334,8 @@ def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens
     if t == 0:
         return slots
     hidx = indices.shape[1] if indices.dim() == 3 else 1
-    requests = cu_seqlens_q.shape[0] - 1
     block = min(1024, triton.next_power_of_2(w))
-    grid = (max_seqlen_q, requests * hidx, triton.cdiv(w, block))
+    grid = (max_seqlen_q, (cu_seqlens_q.shape[0] - 1) * hidx, triton.cdiv(w, block))
     _qsa_resolve_pool_slots[grid](
         indices, slots, cu_seqlens_q, kv_lens, req_to_token, req_indices, w,
         req_to_token.shape[0], req_to_token.shape[1], min(int(pool_slots), 2**31 - 1),
@@ -365,20 +346,11 @@ def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens
     return slots
 
 
-def _paged_impl(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q, kv_lens,
-                max_seqlen_q, softmax_scale, k_scale, v_scale, geometry=None):
-    slots = resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
-                               max_seqlen_q, k_cache.shape[0])
-    return _launch(MODE_SLOTS, q, k_cache, v_cache, slots, cu_seqlens_q, cu_seqlens_q, kv_lens,
-                   max_seqlen_q, softmax_scale, k_scale, v_scale, geometry)
-
-
 def _blocks_impl(mode, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token, req_indices,
                  max_q, scale, k_scale, v_scale, overlap=None, geometry=None):
-    """Block-level selections, any mode (0 ordinary, 1 chunk, 2 paged through req_to_token):
-    the tile-union kernel, or the per-row kernel on the on-device expansion, as the selector (or
-    a forced ``UnionGeometry``, benchmarks) says. Unused metadata arguments may be any int32
-    tensor."""
+    """Block-level selections, any mode: the tile-union kernel, or the per-row kernel on the
+    on-device expansion, as the selector (or a forced ``UnionGeometry``) says. Metadata the mode
+    does not read may be any int32 tensor."""
     geo = geometry
     if geo is None:
         geo = prefill_block_geometry(_KINDS[mode], q, requests=cu_q.shape[0] - 1, max_q=max_q,
@@ -394,6 +366,11 @@ def _blocks_impl(mode, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token
         idx = resolve_pool_slots(idx, req_to_token, req_indices, cu_q, kv_lens, max_q,
                                  k.shape[0])
     return _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, rows)
+
+
+def _hint(overlap: float) -> float | None:
+    """The ops carry ``overlap`` as a float (-1.0 = no hint); the selector takes None."""
+    return None if overlap < 0 else overlap
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,8 +395,10 @@ def _op_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               req_to_token: torch.Tensor, req_indices: torch.Tensor, indices: torch.Tensor,
               cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, max_seqlen_q: int,
               softmax_scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
-    return _paged_impl(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
-                       kv_lens, max_seqlen_q, softmax_scale, k_scale, v_scale)
+    slots = resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
+                               max_seqlen_q, k_cache.shape[0])
+    return _launch(MODE_SLOTS, q, k_cache, v_cache, slots, cu_seqlens_q, cu_seqlens_q, kv_lens,
+                   max_seqlen_q, softmax_scale, k_scale, v_scale, None)
 
 
 @torch.library.custom_op("qsa::sparse_prefill_blocks", mutates_args=())
@@ -476,55 +455,15 @@ for _op, _checker, _blocks in ((_op_prefill, contract.check_prefill, False),
 del _op, _checker, _blocks
 
 
-def _hint(overlap: float) -> float | None:
-    """The ops carry ``overlap`` as a float (-1.0 = no hint); the selector takes None."""
-    return None if overlap < 0 else overlap
-
-
 # ---------------------------------------------------------------------------------------------
 # Public entry points
-def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
-                   strict: bool = False, block_indices=None, overlap=None):
-    """Ordinary sparse prefill: each query row attends to the selected rows of this forward's K/V.
-
-    Forward only. Algorithm: the module docstring (the flash-attention forward over gathered
-    rows, as upstream SGLang's sparse prefill; block-level selections: ``prefill_union``).
-
-    Args:
-      q: [T, Hq, D] bf16|fp16, rows of all requests packed.
-      k, v: [T, Hkv, D], q's dtype, packed like q (request b's rows start at cu_seqlens[b]).
-      indices: int32 [T, W] (shared by the KV heads) or [T, Hkv, W]; request-relative positions,
-        selected entries first; an entry is valid iff 0 <= idx < request length. None when
-        ``block_indices`` is given.
-      cu_seqlens: int32 [B + 1] on q's device.
-      max_seqlen_q: host int >= 1, the longest request's rows: a grid-size hint only (too small:
-        the tail launch still computes every row once, slower; too large: idle programs).
-      softmax_scale: host float or None (D ** -0.5).
-      strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
-      BLOCKS_DOC
-
-    Returns:
-      [T, Hq, D] in q's dtype; row r of request b attends (causally, bottom-right) over at most
-      min(W, r + 1) columns; a row with no valid entry, and a row outside every request (T
-      padded past cu_seqlens[B]), is zero.
-
-    Raises:
-      ContractError: from ``interop.contract.check_prefill`` (before any allocation), both or
-        neither of ``indices`` / ``block_indices``, a bad ``overlap``, or a bad
-        ``QSA_PREFILL_GEOMETRY``.
-    """
-    return _entry("sparse_prefill", contract.check_prefill, {"q": q, "k": k, "v": v},
-                  {"cu_seqlens": cu_seqlens}, indices, block_indices, overlap, max_seqlen_q,
-                  softmax_scale, strict)
-
-
 def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, overlap,
            max_seqlen_q, softmax_scale, strict: bool, scales: tuple | None = None):
     """One public prefill entry point ``fn``: check, then ``torch.ops.qsa.<fn>`` on ``indices``
-    or ``torch.ops.qsa.<fn>_blocks`` on ``block_indices``, with ``before``, the selection,
-    ``after``, max_seqlen_q, softmax_scale, ``scales`` (chunk/paged) and, for the block op, the
-    overlap hint (-1.0 = none). Under torch.compile the contract check runs in the op's fake impl
-    instead (Dynamo cannot raise out of a fullgraph trace; the fake impl's error keeps its text)."""
+    or ``torch.ops.qsa.<fn>_blocks`` on ``block_indices`` (plus the overlap hint, -1.0 = none).
+    The checker's arrays are ``before``, the selection, ``after``; ``scales``: chunk/paged. Under
+    torch.compile the check runs in the op's fake impl (Dynamo cannot raise out of a fullgraph
+    trace; the fake impl's error keeps its text)."""
     name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
     tensors = {**before, name: sel, **after}
     q = before["q"]
@@ -537,9 +476,7 @@ def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, 
                     strict=strict, indices_name=name)
         check_interpreter_dtype(fn, p.dtype)
         check_device(fn, q.device.type)
-        # the environment switches, read again at launch: a bad value fails here, named for this
-        # entry point, before anything is allocated
-        geometry_mode(fn)
+        geometry_mode(fn)  # a bad QSA_PREFILL_GEOMETRY fails here, before any allocation
         mq, sc, ks, vs = p.max_seqlen_q, p.softmax_scale, p.k_scale, p.v_scale
     args = (*tensors.values(), mq, sc, *((ks, vs) if scales is not None else ()))
     if name == "indices":
@@ -547,34 +484,62 @@ def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, 
     return getattr(torch.ops.qsa, fn + "_blocks")(*args, -1.0 if hint is None else hint)
 
 
+def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
+                   strict: bool = False, block_indices=None, overlap=None):
+    """Ordinary sparse prefill: each query row attends to the selected rows of this forward's K/V.
+
+    Forward only. Algorithm: the module docstring (the flash-attention forward over gathered
+    rows, as upstream SGLang's sparse prefill; block-level selections: ``prefill_union``).
+
+    Args:
+      q: [T, Hq, D] bf16|fp16, rows of all requests packed.
+      k, v: [T, Hkv, D], q's dtype, packed like q (request b's rows start at cu_seqlens[b]).
+      indices: int32 [T, W] (shared by the KV heads) or [T, Hkv, W]; request-relative positions,
+        selected entries first; valid iff 0 <= idx < request length. None with ``block_indices``.
+      cu_seqlens: int32 [B + 1] on q's device.
+      max_seqlen_q: host int >= 1, the longest request's rows: a grid-size hint only (too small:
+        the tail launch still computes every row once, slower; too large: idle programs).
+      softmax_scale: host float or None (D ** -0.5).
+      strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
+      BLOCKS_DOC
+
+    Returns:
+      [T, Hq, D] in q's dtype; row r of request b attends (causally, bottom-right) over at most
+      min(W, r + 1) columns; a row with no valid entry, or outside every request (T padded past
+      cu_seqlens[B]), is zero.
+
+    Raises:
+      ContractError: from ``interop.contract.check_prefill`` (before any allocation), both or
+        neither of ``indices`` / ``block_indices``, a bad ``overlap`` or
+        ``QSA_PREFILL_GEOMETRY``.
+    """
+    return _entry("sparse_prefill", contract.check_prefill, {"q": q, "k": k, "v": v},
+                  {"cu_seqlens": cu_seqlens}, indices, block_indices, overlap, max_seqlen_q,
+                  softmax_scale, strict)
+
+
 def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
                          softmax_scale=None, k_scale=1.0, v_scale=1.0, *, strict: bool = False,
                          block_indices=None, overlap=None):
     """Chunk sparse prefill: new query rows attend to selected rows of each request's full
     context (prefix + this chunk), packed at rows ``cu_seqlens_k[b]`` of k/v. Forward only;
-    algorithm as ``sparse_prefill``.
+    algorithm, ``strict``, ``block_indices`` and ``overlap`` as ``sparse_prefill``.
 
     Args:
-      q: [T, Hq, D] bf16|fp16.
-      k, v: [Ck, Hkv, D], q's dtype or float8_e4m3fn.
-      indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b]. None when
-        ``block_indices`` is given.
+      q: [T, Hq, D] bf16|fp16; k, v: [Ck, Hkv, D], q's dtype or float8_e4m3fn.
+      indices: int32 [T, W] or [T, Hkv, W]; valid iff 0 <= idx < kv_lens[b].
       cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B] (context length per request,
         >= its query rows); all on q's device.
-      max_seqlen_q: host int >= 1, a grid-size hint, as in ``sparse_prefill``.
-      softmax_scale: host float or None (D ** -0.5); k_scale (on scores), v_scale (on the output):
-        host floats, 1.0 unless K/V are FP8.
-      strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
-      BLOCKS_DOC
+      max_seqlen_q: host int >= 1, a grid-size hint; softmax_scale: host float or None
+        (D ** -0.5); k_scale (on scores), v_scale (on the output): host floats, 1.0 unless FP8.
 
     Returns:
       [T, Hq, D] in q's dtype; row r of request b reads at most
-      min(W, r + kv_lens[b] - q_len_b + 1) columns; zeros for a row with no valid entry or
-      outside every request (T padded past cu_seqlens_q[B]).
+      min(W, r + kv_lens[b] - q_len_b + 1) columns; zero rows as ``sparse_prefill``.
 
     Raises:
       ContractError: from ``interop.contract.check_prefill_chunk`` (before any allocation), or
-        the selection / ``overlap`` checks of ``sparse_prefill``.
+        the other checks of ``sparse_prefill``.
     """
     return _entry("sparse_prefill_chunk", contract.check_prefill_chunk, {"q": q, "k": k, "v": v},
                   {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
@@ -586,31 +551,27 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
                          kv_lens, max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                          strict: bool = False, block_indices=None, overlap=None):
     """Paged sparse prefill: K/V read in place from the KV pool through SGLang's ``req_to_token``
-    (the addressing of ``sparse_decode_paged``). Forward only; algorithm as ``sparse_prefill``.
+    (the addressing of ``sparse_decode_paged``). Forward only; algorithm, ``strict``,
+    ``block_indices`` (positions map to slots as token indices do) and ``overlap`` as
+    ``sparse_prefill``.
 
     Args:
-      q: [T, Hq, D] bf16|fp16.
-      k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or float8_e4m3fn.
-      req_to_token: int32 [max_reqs, max_context]; row r maps a request's position p to pool slot
-        req_to_token[r, p] (read only for valid entries).
-      req_indices: int32 [B]; request b uses row req_indices[b].
-      indices: int32 [T, W] or [T, Hkv, W]; request-relative positions, valid iff
-        0 <= idx < kv_lens[b]; a position >= max_context, a row outside [0, max_reqs) or a slot
-        outside [0, slots) is an invalid entry (never dereferenced). None with ``block_indices``.
+      q: [T, Hq, D] bf16|fp16; k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or
+        float8_e4m3fn (64-bit offsets where slots x Hkv x D passes 2**31).
+      req_to_token: int32 [max_reqs, max_context], position p of the request in row r at slot
+        req_to_token[r, p]; req_indices: int32 [B], request b's row.
+      indices: int32 [T, W] or [T, Hkv, W] positions, valid iff 0 <= idx < kv_lens[b]; a
+        position >= max_context, a row outside [0, max_reqs) or a slot outside the pool is an
+        invalid entry (never dereferenced).
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
-      max_seqlen_q, softmax_scale, k_scale, v_scale, strict: as ``sparse_prefill_chunk``
-        (max_seqlen_q is a grid-size hint for the slot pre-pass too).
-      BLOCKS_DOC
-        Positions of selected blocks and tails map to slots as token indices do (the same
-        lying-metadata rule).
+      max_seqlen_q, softmax_scale, k_scale, v_scale: as ``sparse_prefill_chunk``.
 
     Returns:
-      [T, Hq, D] in q's dtype; visible count and zero rows as ``sparse_prefill_chunk``. Pool
-      offsets are 64-bit where slots x Hkv x D passes 2**31.
+      [T, Hq, D] in q's dtype, as ``sparse_prefill_chunk``.
 
     Raises:
       ContractError: from ``interop.contract.check_prefill_paged`` (before any allocation), or
-        the selection / ``overlap`` checks of ``sparse_prefill``.
+        the other checks of ``sparse_prefill``.
     """
     return _entry("sparse_prefill_paged", contract.check_prefill_paged,
                   {"q": q, "k_cache": k_cache, "v_cache": v_cache, "req_to_token": req_to_token,
@@ -619,7 +580,4 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
                   (k_scale, v_scale))
 
 
-for _f in (sparse_prefill, sparse_prefill_chunk, sparse_prefill_paged):
-    _f.__doc__ = _f.__doc__.replace("BLOCKS_DOC", BLOCK_INDICES_DOC)
-del _f
-
+sparse_prefill.__doc__ = sparse_prefill.__doc__.replace("BLOCKS_DOC", BLOCK_INDICES_DOC)

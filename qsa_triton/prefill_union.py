@@ -8,32 +8,28 @@ up to summation order.
 
 Algorithm (vLLM PR #55430 / RFC #55394; FSA, arXiv 2508.18224, for the K/V-outer view): adjacent
 rows of one request select mostly the same blocks, so one program takes a tile of R consecutive
-rows of one request (tiles never straddle requests) and one KV head:
+rows of one request and one KV head:
 
 1. Union build (``_qsa_block_union``, per tile and index head): the R x NB keys
-   ``block * R + row`` of the valid entries are ordered in registers (rows in the indexer's
-   order, valid ids ascending then invalid ones, checked per tile, are merged by
-   ``_merge_rows``; other tiles sort their rows first), the first key of each block is
-   compacted with a prefix sum, and each union entry's membership is the segmented sum of
+   ``block * R + row`` of the valid entries are ordered in registers (rows already in the
+   indexer's order are merged by ``_merge_rows``, others sorted first), the first key of each
+   block is compacted by a prefix sum, and each entry's membership is the segmented sum of
    ``1 << row``. A block a row lists k times becomes k entries (the contract's gather
-   semantics): tiles with duplicates sort again by (occurrence rank, block, row).
+   semantics): such tiles sort again by (occurrence rank, block, row).
 2. Attention (``_qsa_prefill_union_fwd``, per tile and KV head): a [max(16, R x next_pow2(G)), D]
-   Q tile (G = 12, R = 4: one 64-row tensor-core tile) walks the union BLOCK_N / 4 blocks at a
-   time; each gathered K/V row (FP8 converted once) serves the R rows, the scores are masked by
-   membership, online softmax per (row, head) in base 2; a last step covers the rows' causal
-   tails (at most R + 3 contiguous tokens). Work is |union| x R rows, so the shared selector
+   Q tile walks the union BLOCK_N / 4 blocks at a time; each gathered K/V row serves the R rows,
+   scores masked by membership, online softmax per (row, head) in base 2; a last step covers the
+   rows' causal tails (at most R + 3 tokens). Work is |union| x R rows, so the shared selector
    (``interop.geometry.select_prefill_blocks``) sends low-overlap and short-request workloads to
    the per-row kernel (``_qsa_expand_blocks``, then ``qsa_triton.prefill``'s kernel).
 3. Per-tile switch (vLLM #55372's bound: never more work than the per-row kernel): a tile whose
-   union has more than ``interop.geometry.max_union_entries`` entries (read on the device) runs
-   its R rows one at a time over their own block ids (``_rows_of_tile``).
+   union has more than ``interop.geometry.max_union_entries`` entries runs its R rows one at a
+   time over their own block ids (``_rows_of_tile``).
 
-Tiles: tile j of request b has slot ``cu_seqlens_q[b] // R + b + j``
-(``interop.indices.tile_slots``); ``T // R + B`` programs cover any batch and each finds its
-request from the B + 1 device values: no host read, CUDA-graph safe, no ``max_seqlen_q``.
-Paged: positions map to slots through ``req_to_token`` inside the loop (once per gathered token);
-lying metadata is an invalid token, never dereferenced. K/V offsets are 32-bit below 2**31
-elements.
+Tiles: tile j of request b has slot ``cu_seqlens_q[b] // R + b + j`` (``interop.indices.
+tile_slots``); ``T // R + B`` programs cover any batch and each finds its request from the
+B + 1 device values: no host read, CUDA-graph safe. Paged: positions map to slots through
+``req_to_token`` inside the loop; lying metadata is an invalid token, never dereferenced.
 """
 
 from __future__ import annotations
@@ -423,73 +419,72 @@ def _qsa_expand_blocks(
 # ---------------------------------------------------------------------------------------------
 # Launchers
 def union_slots(total_q: int, requests: int, tile_rows: int) -> int:
-    """Programs of the union grid: T // R + B slots cover every tile (``interop.indices.tile_slots``)."""
+    """Programs of the union grid: T // R + B slots (``interop.indices.tile_slots``)."""
     return total_q // tile_rows + requests
+
+
+def _heads(x: torch.Tensor):
+    """(index heads, head stride) of a selection [T, W] (shared: 1, 0) or [T, H, W]."""
+    return (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
 
 
 def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       kv_lens: torch.Tensor | None, tile_rows: int, max_blocks: int | None = None,
                       *, detect_sorted: bool = True):
-    """The union build alone (part of every tile-union call; exposed for tests and benchmarks).
+    """The union build alone (module docstring, 1; exposed for tests and benchmarks).
 
     Args:
       block_indices: int32 [T, NB] or [T, Hkv, NB] row-relative block ids.
       cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B] (chunk/paged) or None (ordinary: the
-        request length is the validity bound). All on one device.
-      tile_rows: R (a power of two; R x next_pow2(NB) keys are ordered in one program).
-      max_blocks: host bound on block ids (ids at or past it name no K/V row or table column:
-        invalid), or None; (max_blocks + 1) x R < 2**31 lets the build sort 32-bit keys.
-      detect_sorted: merge a tile's rows without sorting them when every row lists its valid
-        ids ascending, invalid ids after them (checked per tile on the device); False sorts
-        every tile's rows (tests: the same result).
+        request length bounds). All on one device.
+      tile_rows: R, a power of two.
+      max_blocks: host bound on block ids (ids at or past it are invalid) or None;
+        (max_blocks + 1) x R < 2**31 lets the build sort 32-bit keys.
+      detect_sorted: merge rows already in the indexer's order without sorting them (checked
+        per tile); False sorts every tile's rows (same result).
 
     Returns:
-      (blocks, masks int32 [S, H, R x NB], lengths int32 [S, H]), S = T // R + B: entry
-      u < lengths[s, h] is block ``blocks[s, h, u]`` for the rows whose bit is set in
-      ``masks[s, h, u]``; entries past the length unwritten. Equal to
-      ``interop.indices.tile_union``.
+      (blocks, masks int32 [S, H, R x NB], lengths int32 [S, H]), S = T // R + B, equal to
+      ``interop.indices.tile_union``: entry u < lengths[s, h] is block ``blocks[s, h, u]`` for
+      the rows whose bit is set in ``masks[s, h, u]``; entries past the length unwritten.
     """
     t, nb = block_indices.shape[0], block_indices.shape[-1]
-    hidx = block_indices.shape[1] if block_indices.dim() == 3 else 1
+    hidx, stride_bh = _heads(block_indices)
     n_req = cu_seqlens_q.shape[0] - 1
     r = int(tile_rows)
     s = union_slots(t, n_req, r)
-    dev = block_indices.device
-    ublk = torch.empty((s, hidx, r * nb), dtype=torch.int32, device=dev)
-    umem = torch.empty((s, hidx, r * nb), dtype=torch.int32, device=dev)
-    ulen = torch.empty((s, hidx), dtype=torch.int32, device=dev)
-    keys = r * next_pow2(nb)
+    ublk, umem = (torch.empty((s, hidx, r * nb), dtype=torch.int32, device=block_indices.device)
+                  for _ in range(2))
+    ulen = torch.empty((s, hidx), dtype=torch.int32, device=block_indices.device)
     _qsa_block_union[(s, hidx)](
         block_indices, ublk, umem, ulen, cu_seqlens_q,
         kv_lens if kv_lens is not None else cu_seqlens_q, t, nb, n_req,
         2**31 - 1 if max_blocks is None else min(int(max_blocks), 2**31 - 1),
-        block_indices.stride(0), block_indices.stride(1) if block_indices.dim() == 3 else 0,
-        ublk.stride(0), ublk.stride(1), ulen.stride(0), int(bool(detect_sorted)),
-        R=r, NBP=next_pow2(nb), BP=next_pow2(n_req + 1), ORDINARY=kv_lens is None,
+        block_indices.stride(0), stride_bh, ublk.stride(0), ublk.stride(1), ulen.stride(0),
+        int(bool(detect_sorted)), R=r, NBP=next_pow2(nb), BP=next_pow2(n_req + 1),
+        ORDINARY=kv_lens is None,
         KEY64=max_blocks is None or (int(max_blocks) + 1) * r >= 2**31 - 1,
-        num_warps=8 if keys > 2048 else 4)
+        num_warps=8 if r * next_pow2(nb) > 2048 else 4)
     return ublk, umem, ulen
 
 
 def expand_blocks(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   kv_lens: torch.Tensor | None) -> torch.Tensor:
     """Token indices of a block-level selection on the device (the per-row kernel's input):
-    int32 [T, 4 NB + 3] (or [T, Hkv, ..]) from int32 ``block_indices`` [T, NB] (or [T, Hkv,
-    NB]), ``cu_seqlens_q`` [B + 1] and ``kv_lens`` [B] or None (ordinary); equal to
+    int32 [T, 4 NB + 3] (or [T, Hkv, ..]) from int32 ``block_indices`` [T, NB] (or
+    [T, Hkv, NB]), ``cu_seqlens_q`` [B + 1] and ``kv_lens`` [B] or None (ordinary); equal to
     ``interop.indices.expand_prefill_blocks`` (rows outside every request: all -1)."""
     t, nb = block_indices.shape[0], block_indices.shape[-1]
     w = RATIO * nb + RATIO - 1
-    shape = (t, block_indices.shape[1], w) if block_indices.dim() == 3 else (t, w)
+    hidx, stride_bh = _heads(block_indices)
+    shape = (t, hidx, w) if block_indices.dim() == 3 else (t, w)
     out = torch.empty(shape, dtype=torch.int32, device=block_indices.device)
     if t == 0:
         return out
-    hidx = block_indices.shape[1] if block_indices.dim() == 3 else 1
     n_req = cu_seqlens_q.shape[0] - 1
     _qsa_expand_blocks[(t, hidx)](
         block_indices, out, cu_seqlens_q, kv_lens if kv_lens is not None else cu_seqlens_q,
-        nb, w, n_req, block_indices.stride(0),
-        block_indices.stride(1) if block_indices.dim() == 3 else 0, out.stride(0),
-        out.stride(1) if out.dim() == 3 else 0,
+        nb, w, n_req, block_indices.stride(0), stride_bh, out.stride(0), _heads(out)[1],
         NBP=next_pow2(nb), BP=next_pow2(n_req + 1), BLOCK_W=min(1024, next_pow2(w)),
         ORDINARY=kv_lens is None, num_warps=4)
     return out
@@ -498,9 +493,8 @@ def expand_blocks(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
 def union_launch(mode: int, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token,
                  req_indices, scale: float, k_scale: float, v_scale: float,
                  geo: UnionGeometry, off64: bool) -> torch.Tensor:
-    """The union build and the tile-union kernel of one call (``mode``: 0 ordinary, 1 chunk,
-    2 paged; ``cu_k`` / ``kv_lens`` / ``req_to_token`` / ``req_indices`` may be any int32
-    tensor where the mode does not read them). No contract check here (the entry points)."""
+    """The union build and the tile-union kernel of one checked call (``mode``: 0 ordinary,
+    1 chunk, 2 paged; metadata the mode does not read may be any int32 tensor)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     out = torch.zeros_like(q)  # rows outside every request belong to no tile: zeros
@@ -512,26 +506,23 @@ def union_launch(mode: int, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_
     if geo.head_tile < r * ht or geo.block_n < r + 3 or geo.block_n % 4:
         raise ValueError(f"union geometry {geo} cannot hold {r} rows x {ht} heads")
     n_req = cu_q.shape[0] - 1
-    # a host bound on valid block ids (a valid token is a K/V row of its request, or a table
-    # column) lets the build sort 32-bit keys
-    bound_tokens = req_to_token.shape[1] if mode == 2 else k.shape[0]
+    paged = mode == 2
+    # a host bound on valid block ids (K/V rows, or table columns) lets the build sort 32-bit keys
+    bound_tokens = req_to_token.shape[1] if paged else k.shape[0]
     ublk, umem, ulen = build_block_union(block_indices, cu_q, None if mode == 0 else kv_lens, r,
                                          bound_tokens // RATIO + 1)
-    paged = mode == 2
     r2t = req_to_token if paged else cu_q
     max_reqs, max_context = (req_to_token.shape if paged else (1, 1))
-    s = ulen.shape[0]
     nb = block_indices.shape[-1]
     hr = max(16, ht)
-    _qsa_prefill_union_fwd[(s, hkv)](
+    _qsa_prefill_union_fwd[(ulen.shape[0], hkv)](
         q, k, v, out, ublk, umem, ulen, block_indices, cu_q, cu_k, kv_lens, r2t,
         req_indices if paged else cu_q,
         float(scale) * float(k_scale) * LOG2E, float(v_scale), t, n_req, max_reqs, max_context,
         min(int(k.shape[0]), 2**31 - 1), nb, min(max_union_entries(geo, nb, hr), 2**31 - 1),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), ublk.stride(0), ublk.stride(1), ulen.stride(0),
-        r2t.stride(0) if paged else 0, block_indices.stride(0),
-        block_indices.stride(1) if block_indices.dim() == 3 else 0,
+        r2t.stride(0) if paged else 0, block_indices.stride(0), _heads(block_indices)[1],
         PER_HEAD=block_indices.dim() == 3, G=group, HT=ht, R=r, M=geo.head_tile, D=d,
         BLOCK_N=geo.block_n, MODE=mode, OFF64=off64, BP=next_pow2(n_req + 1), HR=hr,
         num_warps=geo.num_warps, num_stages=geo.num_stages)

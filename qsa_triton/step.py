@@ -3,15 +3,13 @@ the pool (``qsa-contract.md`` §4b, §4, §2b, §3), composed of this package's 
 
 * decode: ``indexer_select_decode`` (score, exact top-k, fused expansion to the 2051-wide token
   row), then ``sparse_decode_paged`` through ``req_to_token``;
-* prefill: ``prefill_step_rows`` (each row's request, position, bound and compressed-key range,
-  a few torch ops on the device), ``indexer_select_prefill``, then ``sparse_prefill_paged``.
+* prefill: ``prefill_step_rows`` (each row's indexer metadata, on the device),
+  ``indexer_select_prefill``, then ``sparse_prefill_paged``.
 
-Both halves are checked before the first launch (``check_decode_step`` / ``check_prefill_step``):
-a bad call leaves nothing half-done. CUDA-graph and ``torch.compile(fullgraph=True)`` safe (no
-host read of device data; the halves are ``torch.ops.qsa`` custom ops). Tensor parallel: a rank
-passes its own query heads, their KV heads (``r // (TP / Hkv)`` at TP > Hkv) and every indexer
-input whole (``interop.validate.tp``, ``qsa check --tp 2``).
-
+Both halves are checked before the first launch (``check_decode_step`` / ``check_prefill_step``).
+CUDA-graph and ``torch.compile(fullgraph=True)`` safe (no host read of device data; the halves
+are ``torch.ops.qsa`` custom ops). Tensor parallel: a rank passes its own query heads, their KV
+heads (``r // (TP / Hkv)`` at TP > Hkv) and every indexer input whole (``interop.validate.tp``).
 Sources: upstream sglang 0.5.23 ``srt/layers/attention/qsa/`` (``qsa_indexer.py`` metadata,
 ``mqa.py`` scoring, ``kernel.py`` expansion).
 """
@@ -82,15 +80,14 @@ def prefill_step_rows(cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
                       index_cu_seqlens_k: torch.Tensor, total_rows: int, *,
                       compress_ratio: int = 4):
     """Each prefill row's indexer metadata from the request tables, on their device (no host
-    read: CUDA-graph and torch.compile safe), by ``interop.indices.prefill_step_rows``'s rule:
-    row t of request b sits at position ``p = kv_lens[b] - q_len_b + (t - cu_seqlens_q[b])``,
-    scores the first ``floor((p + 1) / ratio)`` of its request's compressed keys
-    ``index_cu_seqlens_k[b] ..`` and has bound ``kv_lens[b]``; rows outside every request get an
-    empty range, position -1 and bound 0.
+    read), by ``interop.indices.prefill_step_rows``'s rule: row t of request b sits at position
+    ``p = kv_lens[b] - q_len_b + (t - cu_seqlens_q[b])``, scores the first
+    ``floor((p + 1) / ratio)`` of the request's compressed keys ``index_cu_seqlens_k[b] ..``
+    and has bound ``kv_lens[b]``; rows outside every request: empty range, position -1, bound 0.
 
-    Args: int32 ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B], ``index_cu_seqlens_k`` [B + 1]; host
-    ints ``total_rows`` (T) and ``compress_ratio`` (tokens per block). Returns ``(row_starts,
-    row_ends, positions, seq_lens)``, int32 [T] each: ``indexer_select_prefill``'s arguments.
+    int32 ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B], ``index_cu_seqlens_k`` [B + 1]; host ints
+    ``total_rows`` (T), ``compress_ratio``. Returns ``(row_starts, row_ends, positions,
+    seq_lens)``, int32 [T] each: ``indexer_select_prefill``'s arguments.
     """
     ratio = int(compress_ratio)
     cu = cu_seqlens_q.long()
