@@ -603,14 +603,11 @@ def empty_outputs(entry: str, named: dict[str, Any], hq: int, hkv: int,
         none = (pos < 0) | (bound <= 0)
     elif entry == "sparse_decode":
         none = np.diff(np.asarray(named["cu_seqlens_k"], np.int64)) <= 0
-    else:
-        if entry == "sparse_prefill":
-            cu = np.asarray(named["cu_seqlens"], np.int64)
-            _, valid, _ = _read_window(named["indices"], cu, np.diff(cu), True)
-        else:
-            _, valid, _ = _read_window(named["indices"], named["cu_seqlens_q"], named["kv_lens"],
-                                       False)
-        none = ~valid.any(-1)  # [T, 1 or Hkv]
+    else:  # prefill: [T, 1 or Hkv]
+        ordinary = entry == "sparse_prefill"
+        cu = np.asarray(named["cu_seqlens" if ordinary else "cu_seqlens_q"], np.int64)
+        lens = np.diff(cu) if ordinary else named["kv_lens"]
+        none = ~_read_window(named["indices"], cu, lens, ordinary)[1].any(-1)
     none = none[:, None] if none.ndim == 1 else none
     return np.repeat(np.broadcast_to(none, (none.shape[0], hkv)), hq // hkv, axis=1)
 
@@ -695,12 +692,10 @@ def case_data(spec: Spec) -> CaseData:
         else:
             base = lay.cu_seqlens_q if kind == "ordinary" else lay.cu_seqlens_k
             kv_row = np.asarray(base, np.int64)[req][:, None, None] + safe
-        head = np.broadcast_to(np.arange(spec.hkv)[None, :, None] if idx3.shape[1] > 1 else
-                               np.zeros((1, 1, 1), np.int64), kv_row.shape)
         named_kv = np.zeros((rows, spec.hkv), bool)
         for h in range(spec.hkv):  # shared indices name the row for every KV head
-            sel = valid & ((head == h) | (idx3.shape[1] == 1))
-            named_kv[kv_row[sel], h] = True
+            i = h if idx3.shape[1] > 1 else 0
+            named_kv[kv_row[:, i][valid[:, i]], h] = True
         poison = ~named_kv
     scalars: dict[str, Any] = {"max_seqlen_q": spec.max_q_hint or lay.max_seqlen_q,
                                "softmax_scale": None}
@@ -761,10 +756,7 @@ def _indexer_data(spec: IndexerSpec) -> CaseData:
 
 def _step_layout(context_lens, *, pool_pages: int | None = None, page_size: int = 64,
                 index_page_size: int = 16, spare_requests: int = 2, seed: int = 0) -> dict:
-    """A ``StepSpec``'s pool: req_to_token, req_indices, owned, pool_pages and the decode
-    index_page_table (a row's compressed-K pages are its KV pages, junk after). Pages come from
-    1.. (with replacement when the pool is too small). Raises ValueError unless page_size =
-    4 x index_page_size."""
+    """A ``StepSpec``'s pool tables (a row's compressed-K pages are its KV pages, junk after)."""
     if page_size != I.RATIO * index_page_size:
         raise ValueError(f"page_size {page_size} must be {I.RATIO} x index_page_size "
                          f"{index_page_size} (one compressed page per KV page)")

@@ -229,8 +229,7 @@ def select_blocks(visible, req, *, block_topk: int = BLOCK_TOPK, ratio: int = RA
 
 def _selections(n_heads: int | None, rng, visible, req, token_topk: int | None = None,
                 **select) -> np.ndarray:
-    """int64 [T, n_heads or 1, NB]: ``select_blocks(visible, req, **select)`` per head, one seed
-    each from ``rng``; expanded to [T, H, token_topk + ratio - 1] when ``token_topk`` is given."""
+    """int64 [T, n_heads or 1, NB or W]: ``select_blocks`` per head, expanded given token_topk."""
     heads = []
     for _ in range(n_heads or 1):
         g = select_blocks(visible, req, seed=int(rng.integers(2**31)), **select)
@@ -603,9 +602,7 @@ def resolve_paged_slots(req_to_token, req_indices, indices, seq_lens, pool_slots
 
 def _pool_slots(context_lens, *, pool_slots: int, page_size: int = 64, seed: int = 0
                 ) -> np.ndarray:
-    """int32 [B, max(context_lens)] scattered pool slots, as a serving engine lays them: pages of
-    ``page_size`` consecutive slots in random order, slot 0 (SGLang's padding slot, also past each
-    request's length) never handed out. Raises ValueError when the pool is too small."""
+    """int32 [B, max(context_lens)] slots in random pages 1.. (slot 0: SGLang's padding slot)."""
     lens = np.asarray(context_lens, np.int64).reshape(-1)
     rng = np.random.default_rng(seed)
     pages = -(-lens // page_size)
@@ -647,8 +644,7 @@ class PagedDecodeCase:
 
 def _paged_row(valid: np.ndarray, width: int, bound: int, junk: Sequence[str], at: Sequence[str],
                n_junk: int, rng) -> np.ndarray:
-    """One row: the valid positions with ``n_junk`` junk entries at each of ``at``, -1 padding
-    after; valid entries that no longer fit are dropped."""
+    """int64 [width]: ``valid`` with ``n_junk`` junk entries at each of ``at``, -1 after."""
     vals = {"-1": -1, "-7": -7, "len": bound, "len+19": bound + 19}
     junk_vals = [vals[j] for j in junk] or [-1]
     pieces = {a: [junk_vals[int(rng.integers(len(junk_vals)))] for _ in range(n_junk)] for a in at}

@@ -27,10 +27,8 @@ __all__ = [
 
 def rel_l2(out, ref) -> float:
     """||out - ref|| / ||ref|| in float64 (0 when both are zero)."""
-    out = np.asarray(out, np.float64)
     ref = np.asarray(ref, np.float64)
-    num = np.linalg.norm(out - ref)
-    den = np.linalg.norm(ref)
+    num, den = np.linalg.norm(np.asarray(out, np.float64) - ref), np.linalg.norm(ref)
     return float(num / den) if den > 0 else float(num)
 
 
@@ -318,8 +316,7 @@ def topk_set_report(selected, logits, topk: int, *, tol: float = 0.0) -> dict:
         ids = row[:want]
         ok = (ids.size == want and (row[want:] == -1).all() and (ids >= 0).all()
               and (ids < x.shape[1]).all() and (np.diff(ids) > 0).all())
-        if ok:
-            ok = bool(vis[ids].all())
+        ok = ok and bool(vis[ids].all())
         if ok and want < nvis:
             mask = vis.copy()
             mask[ids] = False
