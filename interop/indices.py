@@ -290,12 +290,10 @@ def prefill_indices(q_lens, kv_lens=None, *, width: int = WIDTH, ratio: int = RA
 # --------------------------------------------------------------------------------------------
 # Block-level prefill selections (the indexer's output before expansion) and their tile unions.
 def neighbour_jaccard(block_ids, req, visible=None, *, ratio: int = RATIO) -> float:
-    """Mean Jaccard similarity |A ∩ B| / |A ∪ B| of the valid block sets of adjacent rows of one
-    request (the statistic vLLM RFC #55394 measured on real top-k dumps: 0.87-0.94 at 8k).
-
-    ``block_ids``: int [T, NB] (any order, duplicates count once); ``req``: int [T] (pairs across
-    requests are skipped); ``visible``: int [T] or None (then a block is valid iff
-    0 <= g < visible // ratio, else iff g >= 0). Returns a float in [0, 1], nan without pairs."""
+    """Mean Jaccard |A ∩ B| / |A ∪ B| of the valid block sets of adjacent rows of one request
+    (vLLM RFC #55394 measured 0.87-0.94 at 8k on real top-k dumps). block_ids int [T, NB] (any
+    order, duplicates once), req int [T], visible int [T] (valid iff 0 <= g < visible // ratio)
+    or None (g >= 0). Returns a float in [0, 1], nan without pairs."""
     g = np.asarray(block_ids, np.int64)
     req = np.asarray(req, np.int64)
     bound = (np.full(g.shape[0], np.iinfo(np.int64).max) if visible is None
@@ -320,12 +318,9 @@ def neighbour_jaccard(block_ids, req, visible=None, *, ratio: int = RATIO) -> fl
 def calibrate_overlap(jaccard: float, visible, req, *, block_topk: int = BLOCK_TOPK,
                       ratio: int = RATIO, sinks: int = 0, pairs: int = 512,
                       seed: int = 0) -> tuple[float, float]:
-    """The ``select_blocks`` ``overlap`` whose adjacent rows reach a target neighbour Jaccard.
-
-    Bisection (14 steps) on overlap in [0, 1], measuring ``neighbour_jaccard`` on ``pairs``
-    adjacent row pairs drawn evenly from ``visible``, ``req`` (int [T]). Short rows select every
-    block, so the Jaccard has a floor: returns (overlap, Jaccard measured at it), the closest
-    reachable value."""
+    """The ``select_blocks`` overlap reaching a target ``neighbour_jaccard`` on ``pairs`` adjacent
+    row pairs of ``visible``, ``req`` (int [T]), by 14 bisection steps. Returns (overlap, Jaccard
+    at it): the closest reachable (short rows select every block, so the Jaccard has a floor)."""
     vis = np.asarray(visible, np.int64)
     req = np.asarray(req, np.int64)
     cand = np.nonzero(req[:-1] == req[1:])[0]
@@ -417,11 +412,9 @@ def prefill_block_indices(q_lens, kv_lens=None, *, block_width: int = BLOCK_TOPK
 
 
 def tile_slots(q_lens, tile_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """The tile numbering of the tile-union kernels: tile j of request b (its rows j*R ..
-    j*R + R - 1; tiles never straddle requests) has slot ``cu_q[b] // R + b + j``, all below
-    ``T // R + B``, so a grid of that many programs covers any batch without a host prefix sum.
-
-    Returns (request of each tile, its first row in the request, number of slots), by slot."""
+    """The tile-union kernels' numbering: tile j of request b (rows j*R .. j*R + R - 1) has slot
+    ``cu_q[b] // R + b + j`` < ``T // R + B`` (a grid needing no host prefix sum). Returns
+    (request of each tile, its first row in the request, number of slots), by slot."""
     ql = np.asarray(q_lens, np.int64).reshape(-1)
     cu = cu_seqlens_from_counts(ql).astype(np.int64)
     r = int(tile_rows)
@@ -436,12 +429,10 @@ def tile_slots(q_lens, tile_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
 
 def tile_union(block_indices, q_lens, kv_lens=None, *, tile_rows: int,
                ratio: int = RATIO) -> dict:
-    """Reference of the tile-union build (numpy; tests): per tile and index head, the union of
-    its rows' valid blocks with each row's membership mask (bit i = row i of the tile).
-
-    A block a row lists k times gives k entries (copy c names the rows listing it more than c
-    times), ordered by (copy, block id), as the kernels order them. Returns
-    ``{(slot, head): (blocks int64 [n], masks int64 [n])}`` for every tile of ``tile_slots``."""
+    """Reference of the tile-union build: ``{(slot, head): (blocks int64 [n], masks int64 [n])}``
+    for every tile of ``tile_slots``, the union of its rows' valid blocks with each row's
+    membership bits; a block a row lists k times gives k entries (copy c: the rows listing it more
+    than c times), ordered by (copy, block id) as the kernels order them."""
     g = np.asarray(block_indices, np.int64)
     g3 = g if g.ndim == 3 else g[:, None, :]
     nb_vis = np.maximum(row_layout(q_lens, kv_lens, check=False)[2], 0) // ratio
@@ -523,12 +514,10 @@ def prefill_layout(kind: Literal["ordinary", "chunk", "paged"], q_lens, kv_lens=
 # Decode cases.
 def decode_lengths(batch: int, pattern: str, *, max_len: int = WIDTH, seed: int = 0,
                    zero_rows: int = 0) -> np.ndarray:
-    """Per-sequence key counts int32 [B] of a decode batch (B >= 1, max_len >= 1).
-
-    Patterns: "short" uniform in [1, max(1, max_len // 32)], "medium" in [max_len // 8,
-    max_len // 2], "saturated" all max_len, "mixed" in [min(17, max_len), max_len] (anchors.md);
-    ``zero_rows`` seeded sequences get 0 keys. Raises ValueError: unknown pattern, B or max_len < 1.
-    """
+    """Key counts int32 [B] of a decode batch, uniform in (bounds at least 1) "short" [1,
+    max_len // 32], "medium" [max_len // 8, max_len // 2], "saturated" [max_len, max_len], "mixed"
+    [min(17, max_len), max_len] (anchors.md); ``zero_rows`` seeded rows get 0. Raises ValueError:
+    unknown pattern, B or max_len < 1."""
     if pattern not in DECODE_PATTERNS:
         raise ValueError(f"decode pattern must be one of {DECODE_PATTERNS}, got {pattern!r}")
     if batch < 1 or max_len < 1:
@@ -577,13 +566,9 @@ PAGED_JUNK_AT = ("front", "middle", "end")
 
 
 def resolve_paged_slots(req_to_token, req_indices, indices, seq_lens, pool_slots: int) -> np.ndarray:
-    """Pool slot of every paged-decode index entry, -1 where it is invalid (§2b).
-
-    ``indices[r, (h,) c]`` is valid iff ``0 <= idx < min(seq_lens[r], max_context)``,
-    ``0 <= req_indices[r] < max_reqs`` and its slot ``req_to_token[req, idx]`` is in
-    ``[0, pool_slots)`` (the lying-metadata rule). Inputs: req_to_token int [max_reqs,
-    max_context]; req_indices, seq_lens int [R]; indices int [R, W] or [R, Hkv, W]. Returns int64
-    shaped like ``indices``."""
+    """int64 pool slot of every paged-decode index entry of int [R, (Hkv,) W], -1 where invalid
+    (§2b, §7): valid iff ``0 <= idx < min(seq_lens[r], max_context)``, req_indices[r] a row of
+    req_to_token int [max_reqs, max_context] and the slot in ``[0, pool_slots)``."""
     table = np.asarray(req_to_token, np.int64)
     idx = np.asarray(indices, np.int64)
     req = np.asarray(req_indices, np.int64).reshape(-1)
@@ -719,8 +704,7 @@ def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int
 
 
 # --------------------------------------------------------------------------------------------
-# The indexer (qsa-contract.md §4b): the public names and launch plan both implementations share,
-# and metadata.
+# The indexer (qsa-contract.md §4b): shared public names, launch plan and metadata.
 #: What ``qsa_triton.indexer`` and ``qsa_pallas.indexer`` both export, with the same arguments.
 INDEXER_API = ("indexer_topk_decode", "indexer_topk_prefill", "indexer_select_decode",
                "indexer_select_prefill", "expand_block_indices", "indexer_plan_for")
@@ -774,9 +758,8 @@ class IndexerPlan:
         return int(rows) * self.splits * self.topk * 8
 
     def problem(self, kind: str, max_blocks: int, topk: int) -> str | None:
-        """Why this plan cannot run a ``kind`` call with these sizes, or None: the kernels need
-        power-of-two chunk and tile, chunk >= 2 * topk, splits x chunk >= max_blocks, the row counts
-        below, < 2^16 keys per selection (the packed prefix sum), radix bits 1..8."""
+        """Why this plan cannot run a ``kind`` call with these sizes (the kernels' limits), or
+        None."""
         pow2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
         if self.kind != kind or self.topk != topk:
             return f"a {kind} plan for topk={topk}, got kind={self.kind} topk={self.topk}"
