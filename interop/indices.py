@@ -598,16 +598,10 @@ def _pool_slots(context_lens, *, pool_slots: int, page_size: int = 64, seed: int
                          f"{need} (+ the padding page) needed")
     # distinct pages 1.. (page 0 holds the padding slot), in random order
     chosen = rng.choice(np.arange(1, n_pool_pages, dtype=np.int64), size=need, replace=False)
-    width = max(1, int(lens.max()) if lens.size else 1)
-    table = np.zeros((lens.shape[0], width), np.int64)
-    start = 0
-    pos = np.arange(width, dtype=np.int64)
-    for b in range(lens.shape[0]):
-        own = chosen[start:start + pages[b]]
-        start += pages[b]
-        if lens[b]:
-            slots = own[pos[: lens[b]] // page_size] * page_size + pos[: lens[b]] % page_size
-            table[b, : lens[b]] = slots
+    table = np.zeros((lens.shape[0], max(1, int(lens.max()) if lens.size else 1)), np.int64)
+    for b, first in enumerate(np.cumsum(pages) - pages):  # request b owns chosen[first:]
+        pos = np.arange(lens[b])
+        table[b, :lens[b]] = chosen[first + pos // page_size] * page_size + pos % page_size
     return table.astype(np.int32)
 
 
@@ -693,10 +687,7 @@ def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int
                 valid[at] = valid[rng.integers(0, valid.size, size=at.size)]
             if row in empty:
                 valid = valid[:0]
-            if junk_at or row in empty:
-                idx[row, h] = _paged_row(valid, width, int(seq[row]), junk, junk_at, n_junk, rng)
-            else:
-                idx[row, h] = np.concatenate([valid, np.full(width - valid.size, -1)])
+            idx[row, h] = _paged_row(valid, width, int(seq[row]), junk, junk_at, n_junk, rng)
     idx = idx.astype(np.int32)
     return PagedDecodeCase(table, req_of[req_rows].astype(np.int32), seq.astype(np.int32),
                            idx if num_kv_heads is not None else idx[:, 0], int(pool_slots),
