@@ -125,14 +125,9 @@ def pool_slots_of(req_to_token, req_indices, b: int, positions, pool_slots: int)
     """int64 pool slot ``req_to_token[req_indices[b], p]`` of each position p of request b, -1
     where the row is outside the table, p outside its width or the slot outside
     ``[0, pool_slots)`` (the paged addressing rule, §2b/§7; the caller checks p < kv_lens[b])."""
-    rt = np.asarray(req_to_token, np.int64)
     pos = np.asarray(positions, np.int64)
-    row = int(np.asarray(req_indices)[b])
-    if not 0 <= row < rt.shape[0]:
-        return np.full(pos.shape, -1, np.int64)
-    ok = (pos >= 0) & (pos < rt.shape[1])
-    slots = np.where(ok, rt[row, np.where(ok, pos, 0)] if rt.shape[1] else -1, -1)
-    return np.where((slots >= 0) & (slots < pool_slots), slots, -1)
+    return resolve_paged_slots(req_to_token, np.asarray(req_indices)[[b]], pos.reshape(1, -1),
+                               [np.iinfo(np.int64).max], pool_slots).reshape(pos.shape)
 
 
 def prefill_paged_reference(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
