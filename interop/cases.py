@@ -27,7 +27,8 @@ __all__ = [
     "RTOL", "ATOL", "REL_L2", "OPS", "TP_SHAPES", "DECODE_BATCHES", "PREFILL_KINDS", "DecodeSpec",
     "PrefillSpec", "Spec", "full_matrix", "quick_matrix", "edge_cases", "conformance_matrix",
     "gpu_conformance_matrix", "by_name", "ENTRY", "PARAMS", "CaseData", "case_data",
-    "empty_outputs", "slot_table_of", "reference", "compare", "BENCH_DECODE_BATCHES", "BENCH_DECODE_ROWS",
+    "empty_outputs", "slot_table_of", "reference", "compare", "BENCH_DECODE_BATCHES",
+    "BENCH_DECODE_ROWS",
     "BENCH_PREFILL_ROWS", "BENCH_PREFILL_KV", "PagedSpec", "IndexerSpec", "StepSpec",
     "INDEX_ENTRIES", "KW_DEFAULTS", "ENTRY_OP",
 ]
@@ -223,7 +224,8 @@ def _constructors(dtype: str, **kwargs):
     """The five spec classes with ``dtype`` (and ``kwargs``, where a class has the field) bound."""
     def bind(cls):
         fields = {f.name for f in dataclasses.fields(cls)}
-        return functools.partial(cls, dtype=dtype, **{k: v for k, v in kwargs.items() if k in fields})
+        return functools.partial(cls, dtype=dtype,
+                                 **{k: v for k, v in kwargs.items() if k in fields})
     return tuple(bind(c) for c in (DecodeSpec, PrefillSpec, PagedSpec, IndexerSpec, StepSpec))
 
 
@@ -307,7 +309,8 @@ def full_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Sp
         cases += [
             step("step/decode/TP4/fp8/B32/mixed", "decode", 6, 1, 256,
                  tuple(int(c) for c in rng.integers(0, 40000, size=32)), kv_dtype="float8_e4m3fn",
-                 k_scale=0.75, v_scale=1.5, index_k_dtype="float8_e4m3fn", pool_pages=2048, seed=21),
+                 k_scale=0.75, v_scale=1.5, index_k_dtype="float8_e4m3fn", pool_pages=2048,
+                 seed=21),
             step("step/prefill/TP2/T512/kv32k", "prefill", 12, 1, 256, (32768,), q_lens=(512,),
                  pool_pages=2048, seed=22),
             step("step/prefill/TP1/ragged", "prefill", 24, 2, 256, (2060, 3, 9000, 300),
@@ -323,10 +326,12 @@ def quick_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Sp
     cases: list[Spec] = []
     if "decode" in ops:
         for tp, (hq, hkv) in TP_SHAPES.items():
-            cases += [dec(f"decode/{tp}/B{b}/{pattern}", hq, hkv, 64, b, pattern, max_len=67, seed=b)
+            cases += [dec(f"decode/{tp}/B{b}/{pattern}", hq, hkv, 64, b, pattern, max_len=67,
+                          seed=b)
                       for b in (1, 4, 17) for pattern in ("short", "medium", "saturated")]
         cases += [
-            dec("decode/TP1/B5/mixed+empty", 24, 2, 64, 5, "mixed", max_len=67, zero_rows=2, seed=3),
+            dec("decode/TP1/B5/mixed+empty", 24, 2, 64, 5, "mixed", max_len=67, zero_rows=2,
+                seed=3),
             dec("decode/TP2/B4/saturated+poison", 12, 1, 64, 4, "saturated", max_len=45, slack=13,
                 poison=True, seed=4),
             dec("decode/TP4/B2/saturated/D256", 6, 1, 256, 2, "saturated", max_len=40, seed=5),
@@ -833,7 +838,8 @@ def slot_table_of(named: dict[str, Any]):
     """``req_to_token[req_indices]``: per-request pool slots [B, max_context] of a paged call by
     parameter name (numpy or framework arrays)."""
     rows = named["req_indices"]
-    return named["req_to_token"][rows.long() if hasattr(rows, "long") else np.asarray(rows, np.int64)]
+    rows = rows.long() if hasattr(rows, "long") else np.asarray(rows, np.int64)
+    return named["req_to_token"][rows]
 
 
 def reference(entry: str, named: dict[str, Any]) -> np.ndarray:

@@ -167,7 +167,8 @@ def row_layout(q_lens, kv_lens=None, *, check: bool = True):
     if kl.shape != ql.shape:
         raise ValueError(f"kv_lens has {kl.shape[0]} entries, q_lens {ql.shape[0]}")
     if check and (kl < ql).any():
-        raise ValueError(f"kv_lens must be >= q_lens per request, got {kl.tolist()} < {ql.tolist()}")
+        raise ValueError(f"kv_lens must be >= q_lens per request, got {kl.tolist()} < "
+                         f"{ql.tolist()}")
     req = np.repeat(np.arange(ql.shape[0]), ql)
     starts = np.concatenate([[0], np.cumsum(ql)[:-1]]) if ql.size else ql
     r = np.arange(req.shape[0]) - starts[req] if req.size else req
@@ -205,7 +206,6 @@ def select_blocks(visible, req, *, block_topk: int = BLOCK_TOPK, ratio: int = RA
     older = nb - n_recent - sinks
     grid = (older // quant) * quant
     grid = np.where(grid >= n_strata, grid, older)[:, None]  # >= n_strata whenever nb > block_topk
-    s = np.arange(n_strata, dtype=np.int64)
     shared_u = rng.random((n_req, n_strata))
     row_u = rng.random((t, n_strata))
     # both rows of an adjacent pair keep the shared pick with probability sqrt(o)^2 = o
@@ -270,11 +270,13 @@ def prefill_indices(q_lens, kv_lens=None, *, width: int = WIDTH, ratio: int = RA
     rng = np.random.default_rng(seed)
     idx = _selections(num_kv_heads, rng, visible, req, token_topk, block_topk=block_topk,
                       ratio=ratio, overlap=overlap)  # [T, H, W]
-    if isinstance(empty_rows, (int, float, np.integer, np.floating)) and not isinstance(empty_rows, bool):
+    if isinstance(empty_rows, (int, float, np.integer, np.floating)) and not isinstance(
+            empty_rows, bool):
         empty_rows = float(empty_rows)
         if not 0.0 <= empty_rows <= 1.0:
             raise ValueError(f"empty_rows fraction must be in [0, 1], got {empty_rows}")
-        empty = np.nonzero(rng.random(t) < empty_rows)[0] if empty_rows > 0 else np.zeros(0, np.int64)
+        empty = (np.nonzero(rng.random(t) < empty_rows)[0] if empty_rows > 0
+                 else np.zeros(0, np.int64))
     else:
         empty = np.asarray(list(empty_rows), np.int64)
     if empty.size:
@@ -565,7 +567,8 @@ PAGED_JUNK = ("-1", "-7", "len", "len+19")
 PAGED_JUNK_AT = ("front", "middle", "end")
 
 
-def resolve_paged_slots(req_to_token, req_indices, indices, seq_lens, pool_slots: int) -> np.ndarray:
+def resolve_paged_slots(req_to_token, req_indices, indices, seq_lens,
+                        pool_slots: int) -> np.ndarray:
     """int64 pool slot of every paged-decode index entry of int [R, (Hkv,) W], -1 where invalid
     (§2b, §7): valid iff ``0 <= idx < min(seq_lens[r], max_context)``, req_indices[r] a row of
     req_to_token int [max_reqs, max_context] and the slot in ``[0, pool_slots)``."""
