@@ -1,17 +1,14 @@
 """The one table of named shapes (tokamax's ``arg_specs`` idea), used by the tests, ``qsa check``
 and ``bench/``; numpy only.
 
-* One spec class per op (``OPS``): ``DecodeSpec``, ``PrefillSpec``, ``PagedSpec``
-  (``sparse_decode_paged``), ``IndexerSpec`` (scoring + exact top-k + expansion, integer-valued
-  inputs so the selection must equal the FP64 reference's, ties included) and ``StepSpec`` (the
-  end-to-end QSA step).
-* ``full_matrix()`` (GPU): production shapes (D = 256, bf16, W = max_seqlen_k = 2051, the TP rank
-  shapes, B up to 128, prefill to 128k context); ``quick_matrix()`` (CPU interpret mode): the
-  same kinds of cases at tiny sizes (fp16: the Triton interpreter's bf16 dot is wrong);
-  ``conformance_matrix()`` / ``gpu_conformance_matrix()``: what ``tests/conformance.py`` runs.
-* ``PARAMS`` / ``case_data()`` / ``reference()``: each entry point's parameter names (the one
-  place that knows their order), a case's arguments by name but the random values, the FP64
-  reference of a call by name; ``compare()``: the pass criteria (``qsa-contract.md`` §6).
+* One spec class per op (``OPS``): ``DecodeSpec``, ``PrefillSpec``, ``PagedSpec``,
+  ``IndexerSpec`` and ``StepSpec``.
+* ``full_matrix()`` (GPU, production shapes), ``quick_matrix()`` (CPU interpret mode, tiny sizes,
+  fp16: the Triton interpreter's bf16 dot is wrong), ``conformance_matrix()`` /
+  ``gpu_conformance_matrix()`` (what ``tests/conformance.py`` runs).
+* ``PARAMS`` (each entry point's parameter names: the one place that knows their order),
+  ``case_data()`` (a case's arguments by name but the random values), ``reference()`` (the FP64
+  reference of a call by name), ``compare()`` (the pass criteria, ``qsa-contract.md`` §6).
 * ``BENCH_*``: the shapes ``bench/`` times on the GPU."""
 
 from __future__ import annotations
@@ -30,7 +27,8 @@ __all__ = [
     "RTOL", "ATOL", "REL_L2", "OPS", "TP_SHAPES", "DECODE_BATCHES", "PREFILL_KINDS", "DecodeSpec",
     "PrefillSpec", "Spec", "full_matrix", "quick_matrix", "edge_cases", "conformance_matrix",
     "gpu_conformance_matrix", "by_name", "ENTRY", "PARAMS", "CaseData", "case_data",
-    "empty_outputs", "slot_table_of", "reference", "compare", "BENCH_DECODE_BATCHES", "BENCH_DECODE_ROWS",
+    "empty_outputs", "slot_table_of", "reference", "compare", "BENCH_DECODE_BATCHES",
+    "BENCH_DECODE_ROWS",
     "BENCH_PREFILL_ROWS", "BENCH_PREFILL_KV", "PagedSpec", "IndexerSpec", "StepSpec",
     "INDEX_ENTRIES", "KW_DEFAULTS", "ENTRY_OP",
 ]
@@ -47,16 +45,10 @@ PREFILL_KINDS = ("ordinary", "chunk", "paged")
 # The matrix as data.
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
-    """One decode case (packed varlen, ``qsa-contract.md`` §2).
-
-    Attributes:
-      name: unique ("decode/TP1/B17/saturated"). hq, hkv, d, batch: shapes. pattern: one of
-        ``interop.indices.DECODE_PATTERNS``. max_len: longest row and the ``max_seqlen_k`` passed.
-      zero_rows: sequences with no key. slack: extra K/V rows after the last sequence, NaN with
-        ``poison`` (a kernel reading outside its rows then fails).
-      pad_capacity: K/V capacity batch x max_len + slack whatever the lengths (as a serving
-        buffer), so the patterns of one (rank shape, B) share shapes and jitted kernels.
-    """
+    """One packed varlen decode case (``qsa-contract.md`` §2), laid out by
+    ``interop.indices.decode_case``. slack: extra K/V rows after the last sequence, NaN with
+    ``poison``. pad_capacity: K/V capacity batch x max_len + slack whatever the lengths, so the
+    patterns of one (rank shape, B) share shapes and jitted kernels."""
 
     name: str
     hq: int
@@ -75,27 +67,20 @@ class DecodeSpec:
 
     @property
     def size(self) -> int:
-        """Rough work estimate (keys x heads x D), for progress weighting."""
+        """Rough work estimate (keys x heads x D), for progress weighting (every spec has one)."""
         return self.batch * self.max_len * self.hq * self.d
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefillSpec:
-    """One sparse prefill case (``qsa-contract.md`` §3).
-
-    Attributes:
-      name: unique ("prefill/chunk/G12xHkv1/kv32k"). kind: "ordinary" | "chunk" | "paged".
-      q_lens: rows per request; kv_lens: context per request (None for ordinary). width: W.
-      kv_dtype: K/V dtype (None = q's, or "float8_e4m3fn" with k_scale / v_scale).
-      junk (``interop.indices.JUNK_MODES``), empty_rows, overlap, per_head: as ``prefill_indices``.
-      junk_inside: columns 0, cap // 2 and cap - 1 of every row's read window (cap = min(W,
-        visible)) hold invalid values cycling through -1, -7, len, len + 19.
-      duplicates: columns 2 and cap - 2 of the read window repeat column 1 (applied after
-        ``junk_inside``, whose columns it spares when cap >= 6).
-      poison: NaN in every K/V row (pool slot) no valid entry selects, per KV head, and (paged)
-        slot-table entries past each kv_len naming slots past the pool.
-      max_q_hint: the max_seqlen_q passed (None: the longest request; smaller tests the hint).
-    """
+    """One sparse prefill case (``qsa-contract.md`` §3), laid out by
+    ``interop.indices.prefill_layout`` and ``prefill_indices`` (junk, empty_rows, overlap,
+    per_head: theirs). kind: "ordinary" | "chunk" | "paged"; kv_lens None for ordinary.
+    kv_dtype: None (q's) or "float8_e4m3fn" with k_scale / v_scale. junk_inside: columns 0,
+    cap // 2 and cap - 1 of every row's read window (cap = min(W, visible)) cycle through -1, -7,
+    len, len + 19. duplicates: columns 2 and cap - 2 repeat column 1 (after junk_inside). poison:
+    NaN in every K/V row no valid entry selects, and (paged) slot-table entries past each kv_len
+    naming slots past the pool. max_q_hint: the max_seqlen_q passed (None: the longest)."""
 
     name: str
     kind: str
@@ -128,11 +113,9 @@ class PrefillSpec:
 
 @dataclasses.dataclass(frozen=True)
 class PagedSpec:
-    """One paged decode case (``sparse_decode_paged``, ``qsa-contract.md`` §2b), laid out by
-    ``interop.indices.paged_decode_case`` (its arguments: context_lens, width, rows_per_request,
-    page_size, junk, junk_at, n_junk, duplicates, empty_rows, per_head -> num_kv_heads,
-    pool_slots); every pool slot no request owns is NaN. dtype / kv_dtype / k_scale / v_scale: as
-    ``PrefillSpec``; batch_invariant: the entry point's argument."""
+    """One paged decode case (``qsa-contract.md`` §2b), laid out by
+    ``interop.indices.paged_decode_case`` (per_head -> num_kv_heads); every pool slot no request
+    owns is NaN. kv_dtype / scales: as ``PrefillSpec``; batch_invariant: the entry point's."""
 
     name: str
     hq: int
@@ -164,16 +147,11 @@ class PagedSpec:
 
 @dataclasses.dataclass(frozen=True)
 class IndexerSpec:
-    """One indexer case (``indexer_select_decode`` / ``_prefill``, §4b + §4), judged by exact
-    equality with the FP64 reference; inputs are integers in [-2, 2] (exact FP32 logits, many ties).
-
-    Attributes:
-      kind: "decode" (``interop.indices.indexer_decode_case``: scattered pages, ``junk`` past
-        them) | "prefill" (packed keys, ``interop.indices.prefill_row_ranges``).
-      seq_lens: decode rows' tokens. q_lens, kv_lens: prefill requests. heads, d: 4 x 128.
-      k_dtype: the keys' (None = q's, or FP8). zero_q_rows: rows whose query is 0 (every logit 0:
-        the smallest block ids win).
-    """
+    """One indexer case (``indexer_select_decode`` / ``_prefill``, ``qsa-contract.md`` §4b),
+    judged by exact equality: inputs are integers in [-2, 2] (exact FP32 logits, many ties).
+    kind: "decode" (seq_lens; ``interop.indices.indexer_decode_case``) | "prefill" (q_lens,
+    kv_lens; ``prefill_row_ranges``). k_dtype: None (q's) or FP8. zero_q_rows: rows whose query
+    is 0 (every logit 0: the smallest block ids win)."""
 
     name: str
     kind: str
@@ -200,17 +178,10 @@ class IndexerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
-    """One end-to-end QSA step case (``qsa_decode_step`` / ``qsa_prefill_step``) against
-    ``interop.reference``'s composition, laid out by ``_step_layout``. Indexer inputs are
-    integers in [-2, 2] (exact selection), attention inputs N(0, 1).
-
-    Attributes:
-      kind: "decode" (one row per request, seq_lens = context_lens) | "prefill" (``q_lens`` new
-        rows, the last of each request's context). hq, hkv, d: attention heads. topk,
-        index_heads, index_dim: the indexer (4 x 128). kv_dtype / k_scale / v_scale: FP8 pool;
-        index_k_dtype: compressed keys' dtype. pool_pages: KV pool pages (None: every request its
-        own pages, plus two; fewer make requests share pages).
-    """
+    """One end-to-end QSA step case (``qsa_decode_step`` / ``qsa_prefill_step``), laid out by
+    ``_step_layout``; indexer inputs are integers in [-2, 2], attention inputs N(0, 1). kind:
+    "decode" (one row per request) | "prefill" (``q_lens`` rows, the last of each context).
+    pool_pages: None (every request its own pages, plus two) or fewer (requests share pages)."""
 
     name: str
     kind: str
@@ -245,7 +216,7 @@ def _k(n: int) -> str:
 
 
 def _kv(kind: str, kv_lens):
-    """A prefill case's kv_lens: None for ordinary prefill (its context is its own rows)."""
+    """A prefill case's kv_lens: None for ordinary prefill."""
     return None if kind == "ordinary" else kv_lens
 
 
@@ -253,16 +224,16 @@ def _constructors(dtype: str, **kwargs):
     """The five spec classes with ``dtype`` (and ``kwargs``, where a class has the field) bound."""
     def bind(cls):
         fields = {f.name for f in dataclasses.fields(cls)}
-        return functools.partial(cls, dtype=dtype, **{k: v for k, v in kwargs.items() if k in fields})
+        return functools.partial(cls, dtype=dtype,
+                                 **{k: v for k, v in kwargs.items() if k in fields})
     return tuple(bind(c) for c in (DecodeSpec, PrefillSpec, PagedSpec, IndexerSpec, StepSpec))
 
 
 def full_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Spec]:
-    """The GPU matrix: decode TP1/TP2/TP4 x every B in ``DECODE_BATCHES`` x short/medium/saturated
-    rows; prefill ordinary/chunk/paged x G 3, 6, 12 x Hkv 1, 2 x KV 8k/32k/128k x 8192 rows, ragged
-    batches, junk, empty rows, per-head indices, FP8 K/V; paged decode, the indexer (topk 512,
-    contexts to 32k) and the step at production shapes, a few batch sizes each (the FP64 reference
-    dominates the run time)."""
+    """The GPU matrix at production shapes (D = 256, W = max_seqlen_k = 2051): decode TP1/2/4 x
+    ``DECODE_BATCHES`` x short/medium/saturated; prefill ordinary/chunk/paged x G 3, 6, 12 x Hkv
+    1, 2 x KV 8k/32k/128k x 8192 rows, ragged, junk, empty rows, per-head, FP8; paged decode,
+    the indexer and the step at a few batch sizes (the FP64 reference dominates the run time)."""
     dec, pre, paged, ixr, step = _constructors(dtype)
     cases: list[Spec] = []
     if "decode" in ops:
@@ -338,7 +309,8 @@ def full_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Sp
         cases += [
             step("step/decode/TP4/fp8/B32/mixed", "decode", 6, 1, 256,
                  tuple(int(c) for c in rng.integers(0, 40000, size=32)), kv_dtype="float8_e4m3fn",
-                 k_scale=0.75, v_scale=1.5, index_k_dtype="float8_e4m3fn", pool_pages=2048, seed=21),
+                 k_scale=0.75, v_scale=1.5, index_k_dtype="float8_e4m3fn", pool_pages=2048,
+                 seed=21),
             step("step/prefill/TP2/T512/kv32k", "prefill", 12, 1, 256, (32768,), q_lens=(512,),
                  pool_pages=2048, seed=22),
             step("step/prefill/TP1/ragged", "prefill", 24, 2, 256, (2060, 3, 9000, 300),
@@ -348,17 +320,18 @@ def full_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Sp
 
 
 def quick_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Spec]:
-    """The CPU matrix (interpret mode, a few minutes): the kinds of ``full_matrix`` at tiny sizes
-    (D = 64 mostly, two D = 256 cases, W = 35 unless named, the indexer and the step at topk 16 so
-    rows really drop blocks), plus ``edge_cases``."""
+    """The CPU matrix: the kinds of ``full_matrix`` at tiny sizes (D = 64 mostly, W = 35 unless
+    named, topk 16 so rows really drop blocks), plus ``edge_cases``."""
     dec, pre, paged, ixr, step = _constructors(dtype, width=35, topk=16)
     cases: list[Spec] = []
     if "decode" in ops:
         for tp, (hq, hkv) in TP_SHAPES.items():
-            cases += [dec(f"decode/{tp}/B{b}/{pattern}", hq, hkv, 64, b, pattern, max_len=67, seed=b)
+            cases += [dec(f"decode/{tp}/B{b}/{pattern}", hq, hkv, 64, b, pattern, max_len=67,
+                          seed=b)
                       for b in (1, 4, 17) for pattern in ("short", "medium", "saturated")]
         cases += [
-            dec("decode/TP1/B5/mixed+empty", 24, 2, 64, 5, "mixed", max_len=67, zero_rows=2, seed=3),
+            dec("decode/TP1/B5/mixed+empty", 24, 2, 64, 5, "mixed", max_len=67, zero_rows=2,
+                seed=3),
             dec("decode/TP2/B4/saturated+poison", 12, 1, 64, 4, "saturated", max_len=45, slack=13,
                 poison=True, seed=4),
             dec("decode/TP4/B2/saturated/D256", 6, 1, 256, 2, "saturated", max_len=40, seed=5),
@@ -422,9 +395,8 @@ def quick_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Sp
 
 
 def edge_cases(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Spec]:
-    """The contract's edge cases by name at CPU sizes (W = 35): a batch of empty sequences, junk at
-    the front/middle/end of a read window, duplicated positions, per-KV-head indices, poisoned K/V
-    rows and pool slots (also FP8), max_seqlen_q hints below the longest request."""
+    """The contract's edge cases at CPU sizes (W = 35): empty sequences, junk inside a read
+    window, duplicates, per-KV-head indices, poisoned K/V, max_seqlen_q hints below the longest."""
     dec, pre, *_ = _constructors(dtype, width=35)
     cases: list[Spec] = []
     if "decode" in ops:
@@ -461,9 +433,7 @@ def by_name(specs: Sequence[Spec]) -> dict[str, Spec]:
 
 
 # The quick-matrix cases every implementation's conformance test runs (with all edge cases): each
-# head pair and row pattern, one batch per tile regime, both D, every prefill variant with G 3,
-# 6, 12 and Hkv 1, 2, ragged batches, junk, empty rows, per-head indices, FP8, W = 67. The rest
-# of the quick matrix repeats these paths at other sizes (``qsa check --quick`` runs it all).
+# path once; the rest of the quick matrix repeats them at other sizes (``qsa check --quick``).
 _CONFORMANCE = (
     "decode/TP1/B4/short", "decode/TP1/B4/medium", "decode/TP1/B4/saturated",
     "decode/TP2/B1/saturated", "decode/TP4/B17/medium", "decode/TP1/B5/mixed+empty",
@@ -484,8 +454,7 @@ def conformance_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> l
 
 
 def gpu_conformance_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Spec]:
-    """``tests/conformance.py``'s GPU cases: production shapes (bf16, D = 256, W = 2051) small
-    enough for the FP64 reference."""
+    """``tests/conformance.py``'s GPU cases: production shapes small enough for the reference."""
     cases: list[Spec] = []
     if "decode" in ops:
         full = by_name(full_matrix(("decode",), dtype=dtype))
@@ -517,10 +486,8 @@ ENTRY = {"decode": "sparse_decode", "ordinary": "sparse_prefill", "chunk": "spar
          "paged": "sparse_prefill_paged", "decode_paged": "sparse_decode_paged",
          "indexer_decode": "indexer_select_decode", "indexer_prefill": "indexer_select_prefill",
          "step_decode": "qsa_decode_step", "step_prefill": "qsa_prefill_step"}
-#: each entry point: its ``qsa check`` operation (``OPS``), its FP64 reference
-#: (``interop.reference``, taking the same parameter names less the host hints and the switches
-#: that leave the result unchanged), its positional parameters (qsa-contract.md), then its
-#: keyword ones (the indexer's and the step's topk is keyword-only: passed by name)
+#: each entry point: its ``OPS`` operation, its FP64 reference (same parameter names less the
+#: host hints and result-neutral switches), its positional then its keyword parameters
 _ENTRIES = {
     "sparse_decode": ("decode", R.decode_reference,
                       "q k v cu_seqlens_q cu_seqlens_k max_seqlen_k", "softmax_scale"),
@@ -560,16 +527,10 @@ INDEX_ENTRIES = ("indexer_select_decode", "indexer_select_prefill")
 
 @dataclasses.dataclass(frozen=True)
 class CaseData:
-    """One case's call by parameter name, except the random values (framework-free).
-
-    Attributes:
-      spec, entry: the case and its entry point. floats: name -> (shape, dtype name) of q and the
-        K/V buffers. ints: name -> int32 numpy metadata. scalars: name -> host value.
-      poison: bool [K/V rows, Hkv] entries set to NaN (never read by a correct kernel), or None.
-      empty: bool [output rows, Hq] outputs that must be exactly 0 (``empty_outputs``).
-      integer_valued: names of ``floats`` drawn as integers in [-2, 2] instead of N(0, 1).
-      zero_rows: name -> bool mask over the leading axis of rows set to 0.
-    """
+    """One case's call by parameter name, except the random values: floats name -> (shape,
+    dtype name); ints name -> int32 numpy; scalars name -> host value; poison bool [K/V rows,
+    Hkv] set to NaN, or None; empty bool [output rows, Hq] that must be 0 (``empty_outputs``);
+    integer_valued: floats drawn in [-2, 2]; zero_rows: name -> bool mask of rows set to 0."""
 
     spec: Spec
     entry: str
@@ -608,8 +569,7 @@ class CaseData:
 
 
 def _read_window(indices: np.ndarray, cu_seqlens_q, lens, ordinary: bool):
-    """(idx3 [T, H, W] int64, valid [T, H, W], req [T]): entries a row reads and counts (valid
-    and inside its first min(W, visible) columns, ``qsa-contract.md`` §3)."""
+    """(idx3 int64 [T, H, W], valid [T, H, W], req [T]): the entries a row counts (§3)."""
     idx3 = np.asarray(indices, np.int64)
     idx3 = idx3 if idx3.ndim == 3 else idx3[:, None, :]
     cu = np.asarray(cu_seqlens_q, np.int64)
@@ -627,10 +587,9 @@ def _read_window(indices: np.ndarray, cu_seqlens_q, lens, ordinary: bool):
 
 def empty_outputs(entry: str, named: dict[str, Any], hq: int, hkv: int,
                   pool_slots: int | None = None, rows: int | None = None) -> np.ndarray:
-    """bool [output rows, Hq]: outputs that must be exactly 0 (a row or KV head with no valid key in
-    its read window, a step row outside every request or without context), from host metadata by
-    parameter name; bool [rows, 1], all False, for the indexer. ``pool_slots``: the pool's slots
-    (paged decode; None: every slot exists); ``rows``: q's rows (prefill step)."""
+    """bool [output rows, Hq] outputs that must be exactly 0 (no valid key, a step row outside
+    every request), from host metadata by name; [rows, 1] all False for the indexer.
+    ``pool_slots``: paged decode's (None: any); ``rows``: q's rows (prefill step)."""
     if entry in INDEX_ENTRIES:
         key = "seq_lens" if entry == "indexer_select_decode" else "row_starts"
         return np.zeros((np.asarray(named[key]).shape[0], 1), bool)
@@ -649,14 +608,11 @@ def empty_outputs(entry: str, named: dict[str, Any], hq: int, hkv: int,
         none = (pos < 0) | (bound <= 0)
     elif entry == "sparse_decode":
         none = np.diff(np.asarray(named["cu_seqlens_k"], np.int64)) <= 0
-    else:
-        if entry == "sparse_prefill":
-            cu = np.asarray(named["cu_seqlens"], np.int64)
-            _, valid, _ = _read_window(named["indices"], cu, np.diff(cu), True)
-        else:
-            _, valid, _ = _read_window(named["indices"], named["cu_seqlens_q"], named["kv_lens"],
-                                       False)
-        none = ~valid.any(-1)  # [T, 1 or Hkv]
+    else:  # prefill: [T, 1 or Hkv]
+        ordinary = entry == "sparse_prefill"
+        cu = np.asarray(named["cu_seqlens" if ordinary else "cu_seqlens_q"], np.int64)
+        lens = np.diff(cu) if ordinary else named["kv_lens"]
+        none = ~_read_window(named["indices"], cu, lens, ordinary)[1].any(-1)
     none = none[:, None] if none.ndim == 1 else none
     return np.repeat(np.broadcast_to(none, (none.shape[0], hkv)), hq // hkv, axis=1)
 
@@ -677,9 +633,8 @@ def _edit_windows(idx: np.ndarray, visible: np.ndarray, bound: np.ndarray, spec:
 
 
 def case_data(spec: Spec) -> CaseData:
-    """Everything about a case but the random values: metadata and indices from
-    ``interop.indices``, shapes, host scalars, poisoned K/V entries, outputs that must be zero.
-    Raises ValueError for a spec the generators refuse (e.g. kv_lens < q_lens)."""
+    """A spec's ``CaseData`` (metadata and indices from ``interop.indices``). Raises ValueError
+    for a spec the generators refuse (e.g. kv_lens < q_lens)."""
     if isinstance(spec, PagedSpec):
         return _paged_data(spec)
     if isinstance(spec, IndexerSpec):
@@ -742,12 +697,10 @@ def case_data(spec: Spec) -> CaseData:
         else:
             base = lay.cu_seqlens_q if kind == "ordinary" else lay.cu_seqlens_k
             kv_row = np.asarray(base, np.int64)[req][:, None, None] + safe
-        head = np.broadcast_to(np.arange(spec.hkv)[None, :, None] if idx3.shape[1] > 1 else
-                               np.zeros((1, 1, 1), np.int64), kv_row.shape)
         named_kv = np.zeros((rows, spec.hkv), bool)
         for h in range(spec.hkv):  # shared indices name the row for every KV head
-            sel = valid & ((head == h) | (idx3.shape[1] == 1))
-            named_kv[kv_row[sel], h] = True
+            i = h if idx3.shape[1] > 1 else 0
+            named_kv[kv_row[:, i][valid[:, i]], h] = True
         poison = ~named_kv
     scalars: dict[str, Any] = {"max_seqlen_q": spec.max_q_hint or lay.max_seqlen_q,
                                "softmax_scale": None}
@@ -808,12 +761,7 @@ def _indexer_data(spec: IndexerSpec) -> CaseData:
 
 def _step_layout(context_lens, *, pool_pages: int | None = None, page_size: int = 64,
                 index_page_size: int = 16, spare_requests: int = 2, seed: int = 0) -> dict:
-    """The pool side of a ``StepSpec``: ``req_to_token`` [B + spare, max(ctx)] (pages of
-    ``page_size`` slots drawn per request from pages 1.., with replacement when the pool is
-    smaller than the requests need; page 0 nobody's; shuffled table rows), ``req_indices`` [B],
-    ``owned`` bool [slots], ``pool_pages``, and the decode ``index_page_table`` [B, pages]: a
-    row's compressed-K pages are its KV pages (``req_to_token[req, page_size * i] // page_size``),
-    junk after. Raises ValueError unless page_size = 4 x index_page_size."""
+    """A ``StepSpec``'s pool tables (a row's compressed-K pages are its KV pages, junk after)."""
     if page_size != I.RATIO * index_page_size:
         raise ValueError(f"page_size {page_size} must be {I.RATIO} x index_page_size "
                          f"{index_page_size} (one compressed page per KV page)")
@@ -887,19 +835,17 @@ def _step_data(spec: StepSpec) -> CaseData:
 
 
 def slot_table_of(named: dict[str, Any]):
-    """Per-request pool slots [B, max_context] of a ``sparse_prefill_paged`` call by parameter
-    name (numpy or framework arrays): position p of request b lives in slot ``table[b, p]``."""
+    """``req_to_token[req_indices]``: per-request pool slots [B, max_context] of a paged call by
+    parameter name (numpy or framework arrays)."""
     rows = named["req_indices"]
-    return named["req_to_token"][rows.long() if hasattr(rows, "long") else np.asarray(rows, np.int64)]
+    rows = rows.long() if hasattr(rows, "long") else np.asarray(rows, np.int64)
+    return named["req_to_token"][rows]
 
 
 def reference(entry: str, named: dict[str, Any]) -> np.ndarray:
-    """The FP64 reference (``interop.reference``) of a call given by parameter name.
-
-    ``named``: every parameter of ``PARAMS[entry]`` as numpy arrays (values as the kernel sees them,
-    FP8 already cast) or host scalars; missing keywords take their defaults. Returns float64
-    [rows, Hq, D]; for ``INDEX_ENTRIES`` int32 [rows, W] token positions. Raises ValueError for an
-    unknown entry point."""
+    """The FP64 reference (``interop.reference``) of a call by parameter name (numpy arrays as
+    the kernel sees them, host scalars; missing keywords default): float64 [rows, Hq, D], or
+    int32 [rows, W] for ``INDEX_ENTRIES``. Raises ValueError for an unknown entry point."""
     if entry not in _ENTRIES:
         raise ValueError(f"unknown entry point {entry!r}; known: {', '.join(PARAMS)}")
     fn = _ENTRIES[entry][1]
@@ -909,13 +855,11 @@ def reference(entry: str, named: dict[str, Any]) -> np.ndarray:
 
 def compare(out: np.ndarray, ref: np.ndarray, empty: np.ndarray | None = None,
             rel_l2_limit: float = REL_L2) -> dict:
-    """The pass criteria (``qsa-contract.md`` §6) of one output against the FP64 reference.
-
-    ``empty``: bool mask over the leading axes of outputs that must be exactly 0, or None. Returns
-    {"rel_l2", "max_abs", "allclose", "finite", "zeros_ok", "passed"}: finite, ``|out - ref| <=
-    ATOL + RTOL |ref|``, relative L2 <= ``rel_l2_limit``, exact zeros. An integer ``ref`` (token
-    positions) passes only when equal everywhere (``rel_l2``: the fraction of rows that differ,
-    ``mismatched_rows`` their count)."""
+    """The pass criteria (``qsa-contract.md`` §6) against the FP64 reference: finite, ``|out -
+    ref| <= ATOL + RTOL |ref|``, relative L2 <= ``rel_l2_limit``, exact zeros where ``empty``
+    (bool over the leading axes, or None). Returns {"rel_l2", "max_abs", "allclose", "finite",
+    "zeros_ok", "passed"}; an integer ``ref`` passes only when equal (``rel_l2``: the fraction of
+    rows that differ, plus "mismatched_rows")."""
     if np.issubdtype(np.asarray(ref).dtype, np.integer):
         o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
         bad = (o != r).reshape(o.shape[0], -1).any(1) if o.size else np.zeros(0, bool)

@@ -1,14 +1,11 @@
-"""Index helpers (``qsa-contract.md`` §4): block expansion, valid counts / ``cu_seqlens_k``,
-compaction, and seeded realistic index generators for tests and benchmarks (numpy only,
-vectorised over rows: 8192 prefill rows x 2051 columns take a fraction of a second).
+"""Index helpers (``qsa-contract.md`` §3-4b, the source of every rule here): block expansion,
+valid counts / ``cu_seqlens_k``, compaction, the indexer's launch plan and metadata, and seeded
+realistic index generators for tests and benchmarks (numpy only, vectorised over rows).
 
 Terms: ``ratio`` (4) tokens per indexer block, ``block_topk`` (512) blocks per row,
 ``token_topk`` (2048) columns kept after expansion, width = token_topk + ratio - 1 = 2051. Row r
-of a request sees visible = r + kv_len - q_len + 1 tokens (bottom-right causal; ordinary
-prefill: kv_len = q_len). An entry is valid iff 0 <= idx < len (the request length, or
-kv_lens[b] for chunk/paged); padding must be invalid. Source: the contract's §4 (the indexer
-selects up to 512 blocks of 4 tokens per row; the expansion appends the 0-3 token causal tail
-and moves valid entries first, which the kernels' early stop relies on)."""
+of a request sees visible = r + kv_len - q_len + 1 tokens (ordinary prefill: kv_len = q_len); an
+entry is valid iff 0 <= idx < len (the request length, or kv_lens[b] for chunk/paged)."""
 
 from __future__ import annotations
 
@@ -58,11 +55,8 @@ def expected_valid_count(visible, *, width: int = WIDTH, ratio: int = RATIO) -> 
 
 
 def valid_first(indices: np.ndarray, lens) -> np.ndarray:
-    """Stably move the valid entries (0 <= idx < len) of every row to the front.
-
-    ``indices``: int [..., W]; ``lens``: bound broadcastable to ``indices.shape[:-1]``. Returns an
-    array like ``indices`` (same dtype): valid entries in their order, then the invalid ones in
-    theirs. O(rows x W), no sort."""
+    """Stably move the valid entries (0 <= idx < len) of every row of int [..., W] to the front
+    (``lens`` broadcastable to ``indices.shape[:-1]``); same shape and dtype, no sort."""
     idx = np.asarray(indices)
     valid = valid_mask(idx, lens)
     # destination column: valid -> (#valid before it); invalid -> n_valid + (#invalid before it)
@@ -77,23 +71,12 @@ def valid_first(indices: np.ndarray, lens) -> np.ndarray:
 
 def expand_block_indices(block_ids, positions, seq_lens, *, ratio: int = RATIO,
                          token_topk: int = TOKEN_TOPK) -> np.ndarray:
-    """Expand the indexer's block ids to token indices (``qsa-contract.md`` §4).
-
-    Per row at position p (L = p + 1 visible tokens): block g >= 0 expands to tokens
-    ``ratio*g .. ratio*g + ratio - 1`` (tokens >= seq_len and blocks < 0 give -1), truncated to
-    ``token_topk`` columns; the causal tail ``[floor(L/ratio)*ratio, p]`` (each < seq_len) follows
-    in ``ratio - 1`` columns; valid entries are then stably moved first.
-
-    Args:
-      block_ids: int [M, block_topk] row-relative block ids. positions, seq_lens: int [M], the
-        row's position p and validity bound. ratio: 4; token_topk: 2048.
-
-    Returns:
-      int32 [M, token_topk + ratio - 1] (2051), valid entries first, -1 after.
-
-    Raises:
-      ValueError: shapes disagree.
-    """
+    """Expand the indexer's block ids to token indices (§4): block g >= 0 of a row at position p
+    becomes tokens ``ratio*g .. ratio*g + ratio - 1`` (>= seq_len: -1), truncated to
+    ``token_topk`` columns, then the causal tail ``[floor((p + 1)/ratio)*ratio, p]`` in
+    ``ratio - 1`` columns, valid entries stably first. block_ids int [M, block_topk]
+    (row-relative); positions, seq_lens int [M]. Returns int32 [M, token_topk + ratio - 1], -1
+    after the valid entries. Raises ValueError when the shapes disagree."""
     blocks = np.asarray(block_ids, np.int64)
     if blocks.ndim != 2:
         raise ValueError(f"block_ids must be [M, block_topk], got shape {blocks.shape}")
@@ -147,23 +130,11 @@ def cu_seqlens_from_counts(counts) -> np.ndarray:
 
 def compact_kv(k_pool, v_pool, indices, seq_lens, slot_table=None, *, out_dtype=None,
                capacity: int | None = None):
-    """Gather the K/V rows of every valid entry into packed buffers (decode compaction, §4).
-
-    Row b's valid entries (0 <= idx < seq_lens[b], in column order) map to pool slots through
-    ``slot_table[b, idx]`` (the index itself when slot_table is None) and land in rows
-    ``cu_k[b] : cu_k[b + 1]``, cast to ``out_dtype`` (default the pool's; FP8 via ml_dtypes).
-
-    Args:
-      k_pool, v_pool: [slots, Hkv, D]. indices: int [B, W]; seq_lens: int [B].
-      slot_table: int [B, max_context] or None. capacity: packed rows (default cu_k[B]; extra
-        rows are zero).
-
-    Returns:
-      (k_packed [C, Hkv, D], v_packed [C, Hkv, D], cu_seqlens_k int32 [B + 1]).
-
-    Raises:
-      ValueError: capacity smaller than the number of valid entries.
-    """
+    """Decode compaction (§4): row b's valid entries of ``indices`` int [B, W] (< seq_lens[b],
+    column order) map to pool slots ``slot_table[b, idx]`` (int [B, max_context]; None: idx) and
+    their ``k_pool`` / ``v_pool`` [slots, Hkv, D] rows land at ``cu_k[b] : cu_k[b + 1]``, cast to
+    ``out_dtype`` (default the pool's). Returns (k_packed, v_packed [capacity (default cu_k[B],
+    extra rows 0), Hkv, D], cu_seqlens_k int32 [B + 1]). Raises ValueError: capacity too small."""
     idx = np.asarray(indices, np.int64)
     mask = valid_mask(idx, seq_lens)
     cu = cu_seqlens_from_counts(mask.sum(-1))
@@ -196,7 +167,8 @@ def row_layout(q_lens, kv_lens=None, *, check: bool = True):
     if kl.shape != ql.shape:
         raise ValueError(f"kv_lens has {kl.shape[0]} entries, q_lens {ql.shape[0]}")
     if check and (kl < ql).any():
-        raise ValueError(f"kv_lens must be >= q_lens per request, got {kl.tolist()} < {ql.tolist()}")
+        raise ValueError(f"kv_lens must be >= q_lens per request, got {kl.tolist()} < "
+                         f"{ql.tolist()}")
     req = np.repeat(np.arange(ql.shape[0]), ql)
     starts = np.concatenate([[0], np.cumsum(ql)[:-1]]) if ql.size else ql
     r = np.arange(req.shape[0]) - starts[req] if req.size else req
@@ -206,27 +178,17 @@ def row_layout(q_lens, kv_lens=None, *, check: bool = True):
 
 def select_blocks(visible, req, *, block_topk: int = BLOCK_TOPK, ratio: int = RATIO,
                   overlap: float = 0.9, sinks: int = 0, seed: int = 0) -> np.ndarray:
-    """Indexer-like block selection: per row up to ``block_topk`` distinct complete blocks.
+    """Indexer-like block selection: int64 [T, block_topk] distinct complete block ids per row
+    (visible, req: int [T] visible tokens and request id), -1 padding.
 
     A row with ``nb = floor(visible / ratio)`` <= block_topk blocks selects them all. Otherwise it
-    keeps the ``n_recent = block_topk // 32`` most recent blocks, the first ``sinks`` blocks
-    (attention sinks), and one block from each of the remaining equal strata of ``[sinks, G)``,
-    G = ``nb - n_recent`` rounded down to a multiple of ``block_topk // 8`` (so strata stay put as
-    a request's rows advance; not rounded when that leaves too few blocks). The offset inside a
-    stratum is drawn per (request, stratum) with probability ``sqrt(overlap)``, else per row, so
+    keeps the ``block_topk // 32`` most recent blocks, the first ``sinks`` blocks, and one block
+    from each remaining equal stratum of ``[sinks, G)``, G = ``nb - n_recent`` rounded down to a
+    multiple of ``block_topk // 8`` (strata stay put as a request's rows advance). A stratum's
+    offset is drawn per (request, stratum) with probability ``sqrt(overlap)``, else per row, so
     adjacent rows share about ``overlap`` of their older blocks, like the real indexer's
-    (anchors.md). Ids come in one random "score" order per request, valid first, -1 after.
-
-    Args:
-      visible, req: int [T] visible tokens and request id per row. overlap: in [0, 1].
-      sinks: >= 0 (0 keeps the historical selection bit for bit). seed: RNG seed.
-
-    Returns:
-      int64 [T, block_topk] block ids (-1 padding).
-
-    Raises:
-      ValueError: overlap outside [0, 1], sinks out of range.
-    """
+    (anchors.md). Ids come in one random order per request, valid first. Raises ValueError:
+    overlap outside [0, 1], sinks outside [0, block_topk - n_recent - 1]."""
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be in [0, 1], got {overlap}")
     rng = np.random.default_rng(seed)
@@ -244,7 +206,6 @@ def select_blocks(visible, req, *, block_topk: int = BLOCK_TOPK, ratio: int = RA
     older = nb - n_recent - sinks
     grid = (older // quant) * quant
     grid = np.where(grid >= n_strata, grid, older)[:, None]  # >= n_strata whenever nb > block_topk
-    s = np.arange(n_strata, dtype=np.int64)
     shared_u = rng.random((n_req, n_strata))
     row_u = rng.random((t, n_strata))
     # both rows of an adjacent pair keep the shared pick with probability sqrt(o)^2 = o
@@ -268,8 +229,7 @@ def select_blocks(visible, req, *, block_topk: int = BLOCK_TOPK, ratio: int = RA
 
 def _selections(n_heads: int | None, rng, visible, req, token_topk: int | None = None,
                 **select) -> np.ndarray:
-    """int64 [T, n_heads or 1, NB]: ``select_blocks(visible, req, **select)`` per head, one seed
-    each from ``rng``; expanded to [T, H, token_topk + ratio - 1] when ``token_topk`` is given."""
+    """int64 [T, n_heads or 1, NB or W]: ``select_blocks`` per head, expanded given token_topk."""
     heads = []
     for _ in range(n_heads or 1):
         g = select_blocks(visible, req, seed=int(rng.integers(2**31)), **select)
@@ -295,26 +255,13 @@ def _junk(shape, bound, mode: str, rng) -> np.ndarray:
 def prefill_indices(q_lens, kv_lens=None, *, width: int = WIDTH, ratio: int = RATIO,
                     overlap: float = 0.9, junk: str = "-1", empty_rows: float | Sequence[int] = 0.0,
                     num_kv_heads: int | None = None, seed: int = 0) -> np.ndarray:
-    """Seeded realistic prefill indices (block-structured like the QSA indexer's output).
-
-    Rows follow ``row_layout``; each selects blocks with ``select_blocks`` and expands them with
-    ``expand_block_indices`` (seq_len = visible: every token causal); padding becomes ``junk``.
-
-    Args:
-      q_lens: int [B]; kv_lens: int [B] context (chunk/paged: the validity bound), or None.
-      width: W >= ratio (2051 in production). overlap: [0, 1], as ``select_blocks``.
-      junk: padding, one of ``JUNK_MODES``: -1, -7, the row's bound, bound + 19, or "mixed" (all of
-        those plus int32 extremes, per entry).
-      empty_rows: fraction of rows (float) or row numbers made entirely of junk (output 0).
-      num_kv_heads: None -> [T, W] shared by the KV heads; an int -> [T, Hkv, W], one selection
-        per head.
-
-    Returns:
-      int32 [T, W] or [T, Hkv, W], valid entries first.
-
-    Raises:
-      ValueError: unknown junk mode, bad overlap or empty_rows, kv_lens < q_lens, width < ratio.
-    """
+    """Seeded realistic prefill indices: rows of ``row_layout(q_lens, kv_lens)`` (int [B] each;
+    kv_lens None: ordinary) select blocks (``select_blocks``, ``overlap``) expanded by
+    ``expand_block_indices``; padding becomes ``junk`` (``JUNK_MODES``: -1, -7, the row's bound,
+    bound + 19, or "mixed": those and int32 extremes per entry). ``empty_rows``: a fraction of
+    rows (float) or row numbers made all junk. Returns int32 [T, W] (``num_kv_heads`` None) or
+    [T, Hkv, W] (one selection per head), valid first. Raises ValueError: unknown junk, bad
+    overlap or empty_rows, kv_lens < q_lens, width < ratio."""
     if junk not in JUNK_MODES:
         raise ValueError(f"junk mode must be one of {JUNK_MODES}, got {junk!r}")
     token_topk, block_topk = _geometry(width, ratio)
@@ -323,11 +270,13 @@ def prefill_indices(q_lens, kv_lens=None, *, width: int = WIDTH, ratio: int = RA
     rng = np.random.default_rng(seed)
     idx = _selections(num_kv_heads, rng, visible, req, token_topk, block_topk=block_topk,
                       ratio=ratio, overlap=overlap)  # [T, H, W]
-    if isinstance(empty_rows, (int, float, np.integer, np.floating)) and not isinstance(empty_rows, bool):
+    if isinstance(empty_rows, (int, float, np.integer, np.floating)) and not isinstance(
+            empty_rows, bool):
         empty_rows = float(empty_rows)
         if not 0.0 <= empty_rows <= 1.0:
             raise ValueError(f"empty_rows fraction must be in [0, 1], got {empty_rows}")
-        empty = np.nonzero(rng.random(t) < empty_rows)[0] if empty_rows > 0 else np.zeros(0, np.int64)
+        empty = (np.nonzero(rng.random(t) < empty_rows)[0] if empty_rows > 0
+                 else np.zeros(0, np.int64))
     else:
         empty = np.asarray(list(empty_rows), np.int64)
     if empty.size:
@@ -343,12 +292,10 @@ def prefill_indices(q_lens, kv_lens=None, *, width: int = WIDTH, ratio: int = RA
 # --------------------------------------------------------------------------------------------
 # Block-level prefill selections (the indexer's output before expansion) and their tile unions.
 def neighbour_jaccard(block_ids, req, visible=None, *, ratio: int = RATIO) -> float:
-    """Mean Jaccard similarity |A ∩ B| / |A ∪ B| of the valid block sets of adjacent rows of one
-    request (the statistic vLLM RFC #55394 measured on real top-k dumps: 0.87-0.94 at 8k).
-
-    ``block_ids``: int [T, NB] (any order, duplicates count once); ``req``: int [T] (pairs across
-    requests are skipped); ``visible``: int [T] or None (then a block is valid iff
-    0 <= g < visible // ratio, else iff g >= 0). Returns a float in [0, 1], nan without pairs."""
+    """Mean Jaccard |A ∩ B| / |A ∪ B| of the valid block sets of adjacent rows of one request
+    (vLLM RFC #55394 measured 0.87-0.94 at 8k on real top-k dumps). block_ids int [T, NB] (any
+    order, duplicates once), req int [T], visible int [T] (valid iff 0 <= g < visible // ratio)
+    or None (g >= 0). Returns a float in [0, 1], nan without pairs."""
     g = np.asarray(block_ids, np.int64)
     req = np.asarray(req, np.int64)
     bound = (np.full(g.shape[0], np.iinfo(np.int64).max) if visible is None
@@ -373,12 +320,9 @@ def neighbour_jaccard(block_ids, req, visible=None, *, ratio: int = RATIO) -> fl
 def calibrate_overlap(jaccard: float, visible, req, *, block_topk: int = BLOCK_TOPK,
                       ratio: int = RATIO, sinks: int = 0, pairs: int = 512,
                       seed: int = 0) -> tuple[float, float]:
-    """The ``select_blocks`` ``overlap`` whose adjacent rows reach a target neighbour Jaccard.
-
-    Bisection (14 steps) on overlap in [0, 1], measuring ``neighbour_jaccard`` on ``pairs``
-    adjacent row pairs drawn evenly from ``visible``, ``req`` (int [T]). Short rows select every
-    block, so the Jaccard has a floor: returns (overlap, Jaccard measured at it), the closest
-    reachable value."""
+    """The ``select_blocks`` overlap reaching a target ``neighbour_jaccard`` on ``pairs`` adjacent
+    row pairs of ``visible``, ``req`` (int [T]), by 14 bisection steps. Returns (overlap, Jaccard
+    at it): the closest reachable (short rows select every block, so the Jaccard has a floor)."""
     vis = np.asarray(visible, np.int64)
     req = np.asarray(req, np.int64)
     cand = np.nonzero(req[:-1] == req[1:])[0]
@@ -411,21 +355,11 @@ def calibrate_overlap(jaccard: float, visible, req, *, block_topk: int = BLOCK_T
 
 def expand_prefill_blocks(block_indices, q_lens, kv_lens=None, *, ratio: int = RATIO) -> np.ndarray:
     """Token indices equal to a block-level prefill selection (the ``block_indices=`` form of the
-    prefill entry points): the bridge to the token contract and to ``interop.reference``.
-
-    A block id g is valid iff ``0 <= g < visible // ratio`` (a complete visible block); valid
-    blocks expand to ``ratio*g .. ratio*g + ratio - 1``, every row gets its causal tail
-    ``[ratio * (visible // ratio), visible)``, invalid ids anywhere are dropped
-    (``expand_block_indices`` with token_topk = ratio x NB: nothing is truncated).
-
-    Args:
-      block_indices: int [T, NB] or [T, Hkv, NB] row-relative block ids, any order, junk anywhere.
-      q_lens: int [B]; kv_lens: int [B] (chunk/paged) or None (ordinary).
-
-    Returns:
-      int32 [T, ratio*NB + ratio - 1] (or [T, Hkv, ...]), valid first, -1 after. Distinct blocks
-      give <= visible valid entries; a block listed twice is attended twice on both paths.
-    """
+    prefill entry points; the bridge to ``interop.reference``): a block id valid iff
+    ``0 <= g < visible // ratio`` expands to its ``ratio`` tokens, every row gets its causal
+    tail, invalid ids are dropped (``expand_block_indices``, nothing truncated; duplicates kept).
+    block_indices int [T, NB] or [T, Hkv, NB], any order; q_lens, kv_lens as ``row_layout``.
+    Returns int32 [T, (Hkv,) ratio*NB + ratio - 1], valid first, -1 after."""
     g = np.asarray(block_indices, np.int64)
     per_head = g.ndim == 3
     g3 = g if per_head else g[:, None, :]
@@ -445,23 +379,12 @@ def prefill_block_indices(q_lens, kv_lens=None, *, block_width: int = BLOCK_TOPK
                           junk: str = "-1", junk_anywhere: bool = False, duplicates: int = 0,
                           empty_rows: Sequence[int] = (), num_kv_heads: int | None = None,
                           seed: int = 0) -> np.ndarray:
-    """Seeded indexer-like block selections (``select_blocks``) for the ``block_indices=`` path.
-
-    Args:
-      q_lens, kv_lens: as ``prefill_indices``. block_width: NB entries per row (512).
-      overlap, sinks: ``select_blocks``'s (``calibrate_overlap`` turns a Jaccard into an overlap).
-      junk: invalid filler in block terms (``JUNK_MODES``; "len" is the row's first invalid block,
-        visible // ratio). junk_anywhere: shuffle rows so valid and junk entries interleave.
-      duplicates: that many rows (seeded) get one valid entry replaced by a copy of another.
-      empty_rows: rows of junk only (they still attend their causal tail).
-      num_kv_heads: None -> [T, NB]; an int -> [T, Hkv, NB], one selection per head.
-
-    Returns:
-      int32 [T, NB] or [T, Hkv, NB].
-
-    Raises:
-      ValueError: as ``prefill_indices``.
-    """
+    """Seeded ``select_blocks`` selections for the ``block_indices=`` path: int32 [T, NB]
+    (``num_kv_heads`` None) or [T, Hkv, NB], NB = ``block_width``. q_lens, kv_lens, overlap,
+    junk (in block terms: "len" = visible // ratio), empty_rows (they still attend their causal
+    tail): as ``prefill_indices``. junk_anywhere: shuffle rows so valid and junk interleave.
+    duplicates: that many seeded rows get one valid entry replaced by a copy of another. Raises
+    ValueError as ``prefill_indices``."""
     if junk not in JUNK_MODES:
         raise ValueError(f"junk mode must be one of {JUNK_MODES}, got {junk!r}")
     req, _r, visible, _bound = row_layout(q_lens, kv_lens)
@@ -491,11 +414,9 @@ def prefill_block_indices(q_lens, kv_lens=None, *, block_width: int = BLOCK_TOPK
 
 
 def tile_slots(q_lens, tile_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """The tile numbering of the tile-union kernels: tile j of request b (its rows j*R ..
-    j*R + R - 1; tiles never straddle requests) has slot ``cu_q[b] // R + b + j``, all below
-    ``T // R + B``, so a grid of that many programs covers any batch without a host prefix sum.
-
-    Returns (request of each tile, its first row in the request, number of slots), by slot."""
+    """The tile-union kernels' numbering: tile j of request b (rows j*R .. j*R + R - 1) has slot
+    ``cu_q[b] // R + b + j`` < ``T // R + B`` (a grid needing no host prefix sum). Returns
+    (request of each tile, its first row in the request, number of slots), by slot."""
     ql = np.asarray(q_lens, np.int64).reshape(-1)
     cu = cu_seqlens_from_counts(ql).astype(np.int64)
     r = int(tile_rows)
@@ -510,12 +431,10 @@ def tile_slots(q_lens, tile_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
 
 def tile_union(block_indices, q_lens, kv_lens=None, *, tile_rows: int,
                ratio: int = RATIO) -> dict:
-    """Reference of the tile-union build (numpy; tests): per tile and index head, the union of
-    its rows' valid blocks with each row's membership mask (bit i = row i of the tile).
-
-    A block a row lists k times gives k entries (copy c names the rows listing it more than c
-    times), ordered by (copy, block id), as the kernels order them. Returns
-    ``{(slot, head): (blocks int64 [n], masks int64 [n])}`` for every tile of ``tile_slots``."""
+    """Reference of the tile-union build: ``{(slot, head): (blocks int64 [n], masks int64 [n])}``
+    for every tile of ``tile_slots``, the union of its rows' valid blocks with each row's
+    membership bits; a block a row lists k times gives k entries (copy c: the rows listing it more
+    than c times), ordered by (copy, block id) as the kernels order them."""
     g = np.asarray(block_indices, np.int64)
     g3 = g if g.ndim == 3 else g[:, None, :]
     nb_vis = np.maximum(row_layout(q_lens, kv_lens, check=False)[2], 0) // ratio
@@ -544,15 +463,10 @@ def tile_union(block_indices, q_lens, kv_lens=None, *, tile_rows: int,
 
 @dataclasses.dataclass(frozen=True)
 class PrefillLayout:
-    """Host metadata of one prefill batch (int32 numpy, ready to upload).
-
-    Attributes:
-      kind: "ordinary" | "chunk" | "paged". q_lens, kv_lens: [B] (ordinary: kv_lens = q_lens).
-      cu_seqlens_q, cu_seqlens_k: [B + 1] (chunk: packed context rows). max_seqlen_q: host int.
-      req_to_token: [max_reqs, max_context] (paged: a seeded permutation of the pool's slots,
-        unused entries 0) or None. req_indices: [B] (paged: seeded distinct rows) or None.
-      pool_slots: slots in the pool (paged) or packed context rows.
-    """
+    """Host metadata of one prefill batch (int32 numpy): q_lens, kv_lens [B] (ordinary: equal),
+    cu_seqlens_q, cu_seqlens_k [B + 1], max_seqlen_q (host int), and for paged req_to_token
+    [max_reqs, max_context] (a seeded permutation of the pool's slots, unused entries 0) and
+    req_indices [B] (else None); pool_slots: the pool's slots (paged) or packed context rows."""
 
     kind: str
     q_lens: np.ndarray
@@ -602,12 +516,10 @@ def prefill_layout(kind: Literal["ordinary", "chunk", "paged"], q_lens, kv_lens=
 # Decode cases.
 def decode_lengths(batch: int, pattern: str, *, max_len: int = WIDTH, seed: int = 0,
                    zero_rows: int = 0) -> np.ndarray:
-    """Per-sequence key counts int32 [B] of a decode batch (B >= 1, max_len >= 1).
-
-    Patterns: "short" uniform in [1, max(1, max_len // 32)], "medium" in [max_len // 8,
-    max_len // 2], "saturated" all max_len, "mixed" in [min(17, max_len), max_len] (anchors.md);
-    ``zero_rows`` seeded sequences get 0 keys. Raises ValueError: unknown pattern, B or max_len < 1.
-    """
+    """Key counts int32 [B] of a decode batch, uniform in (bounds at least 1) "short" [1,
+    max_len // 32], "medium" [max_len // 8, max_len // 2], "saturated" [max_len, max_len], "mixed"
+    [min(17, max_len), max_len] (anchors.md); ``zero_rows`` seeded rows get 0. Raises ValueError:
+    unknown pattern, B or max_len < 1."""
     if pattern not in DECODE_PATTERNS:
         raise ValueError(f"decode pattern must be one of {DECODE_PATTERNS}, got {pattern!r}")
     if batch < 1 or max_len < 1:
@@ -655,14 +567,11 @@ PAGED_JUNK = ("-1", "-7", "len", "len+19")
 PAGED_JUNK_AT = ("front", "middle", "end")
 
 
-def resolve_paged_slots(req_to_token, req_indices, indices, seq_lens, pool_slots: int) -> np.ndarray:
-    """Pool slot of every paged-decode index entry, -1 where it is invalid (§2b).
-
-    ``indices[r, (h,) c]`` is valid iff ``0 <= idx < min(seq_lens[r], max_context)``,
-    ``0 <= req_indices[r] < max_reqs`` and its slot ``req_to_token[req, idx]`` is in
-    ``[0, pool_slots)`` (the lying-metadata rule). Inputs: req_to_token int [max_reqs,
-    max_context]; req_indices, seq_lens int [R]; indices int [R, W] or [R, Hkv, W]. Returns int64
-    shaped like ``indices``."""
+def resolve_paged_slots(req_to_token, req_indices, indices, seq_lens,
+                        pool_slots: int) -> np.ndarray:
+    """int64 pool slot of every paged-decode index entry of int [R, (Hkv,) W], -1 where invalid
+    (§2b, §7): valid iff ``0 <= idx < min(seq_lens[r], max_context)``, req_indices[r] a row of
+    req_to_token int [max_reqs, max_context] and the slot in ``[0, pool_slots)``."""
     table = np.asarray(req_to_token, np.int64)
     idx = np.asarray(indices, np.int64)
     req = np.asarray(req_indices, np.int64).reshape(-1)
@@ -681,9 +590,7 @@ def resolve_paged_slots(req_to_token, req_indices, indices, seq_lens, pool_slots
 
 def _pool_slots(context_lens, *, pool_slots: int, page_size: int = 64, seed: int = 0
                 ) -> np.ndarray:
-    """int32 [B, max(context_lens)] scattered pool slots, as a serving engine lays them: pages of
-    ``page_size`` consecutive slots in random order, slot 0 (SGLang's padding slot, also past each
-    request's length) never handed out. Raises ValueError when the pool is too small."""
+    """int32 [B, max(context_lens)] slots in random pages 1.. (slot 0: SGLang's padding slot)."""
     lens = np.asarray(context_lens, np.int64).reshape(-1)
     rng = np.random.default_rng(seed)
     pages = -(-lens // page_size)
@@ -694,30 +601,19 @@ def _pool_slots(context_lens, *, pool_slots: int, page_size: int = 64, seed: int
                          f"{need} (+ the padding page) needed")
     # distinct pages 1.. (page 0 holds the padding slot), in random order
     chosen = rng.choice(np.arange(1, n_pool_pages, dtype=np.int64), size=need, replace=False)
-    width = max(1, int(lens.max()) if lens.size else 1)
-    table = np.zeros((lens.shape[0], width), np.int64)
-    start = 0
-    pos = np.arange(width, dtype=np.int64)
-    for b in range(lens.shape[0]):
-        own = chosen[start:start + pages[b]]
-        start += pages[b]
-        if lens[b]:
-            slots = own[pos[: lens[b]] // page_size] * page_size + pos[: lens[b]] % page_size
-            table[b, : lens[b]] = slots
+    table = np.zeros((lens.shape[0], max(1, int(lens.max()) if lens.size else 1)), np.int64)
+    for b, first in enumerate(np.cumsum(pages) - pages):  # request b owns chosen[first:]
+        pos = np.arange(lens[b])
+        table[b, :lens[b]] = chosen[first + pos // page_size] * page_size + pos % page_size
     return table.astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedDecodeCase:
-    """Device metadata of one paged decode call (int32 numpy, ready to upload).
-
-    Attributes:
-      req_to_token: [max_reqs, max_context] (unused rows hold slot 0). req_indices, seq_lens: [R]
-        the request and validity bound of each row (MTP verify rows share a request).
-      indices: [R, W] or [R, Hkv, W] logical positions (junk where invalid).
-      pool_slots; page_size (64, or 1: single scattered slots); owned: bool [pool_slots] slots
-        some request owns (the others may hold NaN).
-    """
+    """One paged decode call's metadata (int32 numpy): req_to_token [max_reqs, max_context]
+    (unused rows slot 0), req_indices, seq_lens [R] (MTP verify rows share a request), indices
+    [R, (Hkv,) W] logical positions, pool_slots, page_size, owned: bool [pool_slots] slots some
+    request owns (the others may hold NaN)."""
 
     req_to_token: np.ndarray
     req_indices: np.ndarray
@@ -730,8 +626,7 @@ class PagedDecodeCase:
 
 def _paged_row(valid: np.ndarray, width: int, bound: int, junk: Sequence[str], at: Sequence[str],
                n_junk: int, rng) -> np.ndarray:
-    """One row: the valid positions with ``n_junk`` junk entries at each of ``at``, -1 padding
-    after; valid entries that no longer fit are dropped."""
+    """int64 [width]: ``valid`` with ``n_junk`` junk entries at each of ``at``, -1 after."""
     vals = {"-1": -1, "-7": -7, "len": bound, "len+19": bound + 19}
     junk_vals = [vals[j] for j in junk] or [-1]
     pieces = {a: [junk_vals[int(rng.integers(len(junk_vals)))] for _ in range(n_junk)] for a in at}
@@ -748,24 +643,15 @@ def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int
                       junk_at=(), n_junk: int = 2, duplicates: int = 0,
                       empty_rows: Sequence[int] = (), num_kv_heads: int | None = None,
                       spare_requests: int = 2, seed: int = 0) -> PagedDecodeCase:
-    """A seeded paged decode batch laid out like a serving engine's (``qsa-contract.md`` §2b).
-
-    Requests get scattered pool slots and a ``req_to_token`` row each at a shuffled row (plus
-    ``spare_requests`` unused rows); each has ``rows_per_request`` query rows (MTP verify: row i
-    sees ``context_lens[b] - rows + 1 + i`` tokens). A row's indices are an indexer-like selection
-    of its visible tokens (``select_blocks`` + ``expand_block_indices``).
-
-    Args:
-      context_lens: int [B] (>= rows_per_request - 1). width: W. pool_slots: default twice the
-        slots needed. page_size: 64, or 1 (single scattered slots).
-      junk, junk_at, n_junk: ``n_junk`` values from ``junk`` (``PAGED_JUNK``) at each position of
-        ``junk_at`` (``PAGED_JUNK_AT``); with ``junk_at = ()`` rows are valid-first, -1 after.
-      duplicates: per row, entries replaced by copies of other valid entries. empty_rows: rows of
-        junk only. num_kv_heads: None -> [R, W]; an int -> [R, Hkv, W].
-
-    Raises:
-      ValueError: unknown junk value / position, a context shorter than the verify rows.
-    """
+    """A seeded paged decode batch (§2b) laid out like a serving engine's: scattered pool slots
+    (pages of ``page_size``; ``pool_slots`` default twice those needed), one ``req_to_token`` row
+    per request at a shuffled row (plus ``spare_requests``), ``rows_per_request`` query rows each
+    (MTP verify: row i sees ``context_lens[b] - rows + 1 + i`` tokens), indices from
+    ``select_blocks`` + ``expand_block_indices`` ([R, W], or [R, Hkv, W] with num_kv_heads).
+    ``n_junk`` values from ``junk`` (``PAGED_JUNK``) go at each of ``junk_at``
+    (``PAGED_JUNK_AT``; () keeps rows valid-first, -1 after); ``duplicates`` entries per row copy
+    other valid ones; ``empty_rows`` hold junk only. Raises ValueError: unknown junk value or
+    position, a context shorter than rows_per_request - 1."""
     if any(j not in PAGED_JUNK for j in junk) or any(a not in PAGED_JUNK_AT for a in junk_at):
         raise ValueError(f"junk must be from {PAGED_JUNK}, junk_at from {PAGED_JUNK_AT}; got "
                          f"{junk!r}, {junk_at!r}")
@@ -804,10 +690,7 @@ def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int
                 valid[at] = valid[rng.integers(0, valid.size, size=at.size)]
             if row in empty:
                 valid = valid[:0]
-            if junk_at or row in empty:
-                idx[row, h] = _paged_row(valid, width, int(seq[row]), junk, junk_at, n_junk, rng)
-            else:
-                idx[row, h] = np.concatenate([valid, np.full(width - valid.size, -1)])
+            idx[row, h] = _paged_row(valid, width, int(seq[row]), junk, junk_at, n_junk, rng)
     idx = idx.astype(np.int32)
     return PagedDecodeCase(table, req_of[req_rows].astype(np.int32), seq.astype(np.int32),
                            idx if num_kv_heads is not None else idx[:, 0], int(pool_slots),
@@ -815,8 +698,7 @@ def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int
 
 
 # --------------------------------------------------------------------------------------------
-# The indexer (qsa-contract.md §4b): the public names and launch plan both implementations share,
-# and metadata.
+# The indexer (qsa-contract.md §4b): shared public names, launch plan and metadata.
 #: What ``qsa_triton.indexer`` and ``qsa_pallas.indexer`` both export, with the same arguments.
 INDEXER_API = ("indexer_topk_decode", "indexer_topk_prefill", "indexer_select_decode",
                "indexer_select_prefill", "expand_block_indices", "indexer_plan_for")
@@ -831,22 +713,15 @@ def _pow2_at_least(x: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class IndexerPlan:
-    """Static launch plan of the two-pass exact top-k indexer (shared by ``qsa_triton.indexer``
-    and ``qsa_pallas.indexer``).
+    """Static launch plan of the two-pass exact top-k indexer (both backends).
 
-    Pass 1: one program per (row tile, chunk) scores ``chunk`` visible blocks of
-    ``rows_per_program`` rows in tiles of ``tile`` blocks and writes each row's exact top-k of the
-    chunk as <= ``topk`` (key, block id) candidates in ascending block order. Pass 2 (merge): one
-    program per row selects the exact top-k of its ``splits x topk`` candidates. Both select by a
+    Pass 1: one program per (row tile, chunk) scores ``chunk`` blocks of ``rows_per_program``
+    rows (1 decode, 4..16 prefill) in tiles of ``tile`` (BLOCK_N) blocks and writes each row's
+    exact top-k of the chunk as <= ``topk`` (key, block id) candidates, ascending. Pass 2: one
+    program per row selects the exact top-k of its ``splits x topk`` candidates. Both select by
     radix search over the 31 key bits, ``radix_bits`` / ``merge_radix_bits`` per round.
-
-    Attributes:
-      kind: "decode" | "prefill". topk: blocks kept (512). chunk: power of two >= 2 * topk.
-      splits: ceil(max_blocks / chunk). tile: BLOCK_N. rows_per_program: 1 (decode) or 4..16.
-      num_warps, num_stages: pass 1; merge_warps: pass 2. row_group: rows per launch pair.
-      pdl: launch the merge with Programmatic Dependent Launch (Triton on sm_90+; Pallas ignores
-        it), set where pass 1 is one wave of resident programs.
-    """
+    num_warps, num_stages: pass 1; merge_warps: pass 2; row_group: rows per launch pair; pdl:
+    launch the merge with Programmatic Dependent Launch (Triton, sm_90+; Pallas ignores it)."""
 
     kind: str
     topk: int
@@ -877,9 +752,8 @@ class IndexerPlan:
         return int(rows) * self.splits * self.topk * 8
 
     def problem(self, kind: str, max_blocks: int, topk: int) -> str | None:
-        """Why this plan cannot run a ``kind`` call with these sizes, or None: the kernels need
-        power-of-two chunk and tile, chunk >= 2 * topk, splits x chunk >= max_blocks, the row counts
-        below, < 2^16 keys per selection (the packed prefix sum), radix bits 1..8."""
+        """Why this plan cannot run a ``kind`` call with these sizes (the kernels' limits), or
+        None."""
         pow2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
         if self.kind != kind or self.topk != topk:
             return f"a {kind} plan for topk={topk}, got kind={self.kind} topk={self.topk}"
@@ -904,23 +778,17 @@ class IndexerPlan:
 
 def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, *,
                  sm_count: int = 132, smem_per_block: int = 232_448) -> IndexerPlan:
-    """The indexer's static plan from static shapes only (graph/JIT safe).
+    """The indexer's plan from static shapes only (graph/JIT safe): rows (B or T), max_blocks
+    (static bound of a row's blocks: decode page-table capacity, prefill packed key rows), topk (a
+    power of two), the GPU's ``sm_count`` and opt-in ``smem_per_block`` (bytes).
 
-    Decode (one row per program): the smallest power-of-two chunk >= 2 * topk giving about
-    2 x ``sm_count`` pass-1 programs (two resident per SM), at most 8192 blocks, grown until a row's
-    candidates fit one merge program's 8192; 128-block tiles with 5 stages where 110 KB of shared
-    memory fit, else 64; 2-bit rounds in pass 1, 1-bit in the merge (bench/NOTES.md, "Indexer").
-    Prefill: chunk 2 * topk grown until a row's candidates fit 16384, 8 rows per program (4 where
-    the chunk grows), 1-bit rounds, rows grouped so one launch's candidates stay under 256 MiB.
-
-    Args:
-      kind: "decode" | "prefill". rows: B or T. max_blocks: static bound of a row's visible
-        blocks (decode: page-table capacity; prefill: packed key rows). topk: a power of two.
-      sm_count: the GPU's SMs; smem_per_block: its opt-in shared memory per block, bytes.
-
-    Raises:
-      ValueError: unknown kind, topk not a power of two, negative sizes.
-    """
+    Decode: the smallest power-of-two chunk >= 2 * topk giving about 2 x ``sm_count`` pass-1
+    programs, at most 8192 blocks, grown until a row's candidates fit one merge program's 8192;
+    128-block tiles with 5 stages where 110 KB of shared memory fit, else 64; 2-bit rounds in
+    pass 1, 1-bit in the merge (bench/NOTES.md, "Indexer"). Prefill: chunk 2 * topk grown until
+    a row's candidates fit 16384, 8 rows per program (4 where the chunk grows), 1-bit rounds,
+    rows grouped so one launch's candidates stay under 256 MiB. Raises ValueError: unknown kind,
+    topk not a power of two, negative sizes."""
     if kind not in ("decode", "prefill"):
         raise ValueError(f"kind must be decode|prefill, got {kind!r}")
     if topk < 1 or topk & (topk - 1):
@@ -957,13 +825,11 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
 
 
 def prefill_row_ranges(q_lens, kv_lens, *, ratio: int = RATIO):
-    """Prefill indexer metadata from per-request lengths (upstream ``build_qsa_row_ranges``).
-
-    Request b's compressed keys are packed at rows ``cu_blocks[b] ..`` (``floor(kv_lens[b] /
-    ratio)`` blocks); its row r sits at ``p = kv_lens[b] - q_lens[b] + r`` and sees
-    ``floor((p + 1) / ratio)`` blocks. Returns int32 (row_starts [T], row_ends [T] (half-open
-    absolute key rows), cu_blocks [B + 1], positions [T], seq_lens [T] = the request's kv_len).
-    Raises ValueError: kv_lens[b] < q_lens[b]."""
+    """Prefill indexer metadata (upstream ``build_qsa_row_ranges``): request b's
+    ``floor(kv_lens[b] / ratio)`` compressed keys packed at rows ``cu_blocks[b] ..``; its row r at
+    ``p = kv_lens[b] - q_lens[b] + r`` sees ``floor((p + 1) / ratio)`` of them. Returns int32
+    (row_starts, row_ends [T] half-open absolute, cu_blocks [B + 1], positions [T], seq_lens [T]
+    = kv_lens[b]). Raises ValueError: kv_lens[b] < q_lens[b]."""
     req, r, visible, bound = row_layout(q_lens, kv_lens)
     kl = np.asarray(kv_lens, np.int64).reshape(-1)
     cu = cu_seqlens_from_counts(kl // ratio)
@@ -975,14 +841,12 @@ def prefill_row_ranges(q_lens, kv_lens, *, ratio: int = RATIO):
 
 def prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows: int, *,
                       ratio: int = RATIO):
-    """Per-row indexer metadata of a prefill step, from its request tables: the rule
-    ``qsa_triton`` / ``qsa_pallas.prefill_step_rows`` evaluate on the device.
-
-    Row t of request b (right-sided search of ``cu_seqlens_q[1:]``) sits at ``p = kv_lens[b] -
+    """Per-row indexer metadata of a prefill step (the rule both backends'
+    ``prefill_step_rows`` evaluate on the device): row t of request b sits at ``p = kv_lens[b] -
     q_len_b + (t - cu_seqlens_q[b])`` and sees the first ``floor(max(p + 1, 0) / ratio)`` of the
-    packed rows ``index_cu_seqlens_k[b] .. [b + 1]``. A row outside every request gets an empty
-    range, position -1 and bound 0. Inputs int [B + 1], [B], [B + 1] and T = ``total_rows``;
-    returns int32 [T] (row_starts, row_ends, positions, seq_lens = kv_lens[b])."""
+    packed rows ``index_cu_seqlens_k[b] .. [b + 1]``; a row outside every request gets an empty
+    range, position -1, bound 0. Inputs int [B + 1], [B], [B + 1]; returns int32 [total_rows]
+    (row_starts, row_ends, positions, seq_lens = kv_lens[b])."""
     cu = np.asarray(cu_seqlens_q, np.int64).reshape(-1)
     kl = np.asarray(kv_lens, np.int64).reshape(-1)
     ck = np.asarray(index_cu_seqlens_k, np.int64).reshape(-1)
