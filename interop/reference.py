@@ -62,10 +62,15 @@ def decode_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None) ->
     g = hq // hkv
     scale = _scale(softmax_scale, d)
     out = np.zeros((b, hq, d), np.float64)
+    c = k.shape[0]
     for s in range(b):
-        lo, hi = ck[s], ck[s + 1]
+        # metadata that lies (§7): q row clamped into [0, B), both key ends into [0, C], a
+        # decreasing range is empty -- the kernels' rule
+        row = min(max(int(cq[s]), 0), b - 1)
+        lo, hi = (min(max(int(x), 0), c) for x in (ck[s], ck[s + 1]))
+        hi = max(lo, hi)
         for h in range(hkv):
-            out[s, h * g:(h + 1) * g] = attend(q[cq[s], h * g:(h + 1) * g], k[lo:hi, h],
+            out[s, h * g:(h + 1) * g] = attend(q[row, h * g:(h + 1) * g], k[lo:hi, h],
                                                v[lo:hi, h], scale)
     return out
 
