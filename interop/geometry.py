@@ -1,38 +1,19 @@
-"""Launch-geometry selector for the sparse prefill kernels, shared by both implementations.
+"""Launch geometry of the sparse prefill kernels, shared by both implementations.
 
-One function, :func:`select_prefill`, maps (device facts, kernel kind, workload) to a
-:class:`Geometry` ``(block_m, block_n, num_warps, num_stages, source)``. The Triton entry points
-(``qsa_triton.prefill``) and the Pallas ones call it with the same arguments, so a given device and
-workload launches the same tile shapes in both.
+:func:`select_prefill` maps (device facts, kernel kind, workload) to a :class:`Geometry`; the
+Triton and the Pallas entry points call it with the same arguments, so a device and workload
+launch the same tiles in both. Everything that decides a geometry is data here: ``TABLES`` (per
+device family, ``(max_total_q, (BLOCK_N, num_warps, num_stages))`` rows, the first whose bound is
+>= total_q wins, None = unbounded; H20/L20 from upstream SGLang 0.5.23, the SM90 table from our
+H200 sweeps), ``TUNED_SM120`` (upstream's tuned family and its gates, ``qsa-contract.md`` §3) and
+the head tile ``max(16, next_pow2(G))``. :func:`interop.contract.route` picks the table.
 
-Everything that decides a geometry is *data* in this module:
-  * ``TABLES``: per device family, a list of ``(max_total_q, (BLOCK_N, num_warps, num_stages))``
-    rows, first row whose bound is >= total_q wins (``None`` = no bound). The H20 and L20 tables
-    are upstream SGLang 0.5.23's (``sglang/srt/layers/attention/qsa/sparse_attn.py``, restated in
-    ``qsa-contract.md`` §3); the SM90 table comes from our H200 sweeps (``SM90_TABLE_STATUS``).
-  * ``TUNED_SM120``: upstream's SM120 tuned family and its gates (``qsa-contract.md`` §3): used only
-    on the 188-SM sm_120 part, Triton >= 3.7, D = 256, W = 2051, G in {6, 12}; ordinary prefill at
-    >= 8192 rows, chunk/paged prefill at >= 512 rows per request (mean) with
-    ``max_q * requests <= 2 * total_q`` (not too ragged).
-  * ``BLOCK_M`` of the tables is the head tile ``max(16, next_pow2(G))`` (upstream's rule: the
-    smallest tensor-core M tile); the tuned family carries its own BLOCK_M.
-
-Which table applies comes from :func:`interop.contract.route` (the one routing decision).
-The environment variable ``QSA_PREFILL_GEOMETRY`` (read on every call, so tests and benchmarks can
-flip it without re-importing) chooses:
-  * ``auto`` (default, also when unset or empty): the tuned family where the route and all its
-    gates allow it, else the route's table;
-  * ``table``: the route's table, always;
-  * ``tuned``: the tuned family whenever it has an entry for the group G (6 or 12), skipping the
-    device, Triton-version and workload gates (an experiment switch: geometry never changes the
-    result, only the speed); other groups fall back to the table.
-Anything else raises ``ContractError`` naming the allowed values.
-
-Every geometry is then made launchable by :func:`fit_prefill`: Pallas tiles rounded to powers of
-two >= 16, then ``interop.plan.fit_shared_memory`` (the one shared-memory model of all kernels)
-to the device's shared memory per block, so a row tuned for sm_90 still launches on sm_12x.
-
-This module imports numpy-free stdlib only (plus ``interop.arch`` / ``contract`` / ``plan``).
+``QSA_PREFILL_GEOMETRY`` (read on every call): ``auto`` (default, also unset/empty) = the tuned
+family where the route and all its gates allow it, else the table; ``table`` = always the table;
+``tuned`` = the tuned family whenever it has an entry for G, skipping the device, Triton and
+workload gates (geometry changes the speed, never the result). Anything else raises
+``ContractError``. :func:`fit_prefill` then makes a geometry launchable (Pallas tiles powers of
+two >= 16, then ``interop.plan.fit_shared_memory`` to the device's shared memory per block).
 """
 
 from __future__ import annotations
@@ -46,26 +27,10 @@ from .contract import ContractError, route
 from .plan import fit_shared_memory, next_pow2, prev_pow2
 
 __all__ = [
-    "BLOCK_INDICES_DOC",
-    "Geometry",
-    "ENV_VAR",
-    "ALLOWED_MODES",
-    "TABLES",
-    "TUNED_SM120",
-    "SM90_TABLE_STATUS",
-    "KINDS",
-    "select_prefill",
-    "fit_prefill",
-    "table_for",
-    "head_tile",
-    "all_configs",
-    "geometry_mode",
-    "UnionGeometry",
-    "UNION_RULES",
-    "select_prefill_blocks",
-    "fit_union",
-    "max_union_entries",
-    "all_union_configs",
+    "BLOCK_INDICES_DOC", "Geometry", "ENV_VAR", "ALLOWED_MODES", "TABLES", "TUNED_SM120",
+    "SM90_TABLE_STATUS", "KINDS", "select_prefill", "fit_prefill", "table_for", "head_tile",
+    "all_configs", "geometry_mode", "UnionGeometry", "UNION_RULES", "select_prefill_blocks",
+    "fit_union", "max_union_entries", "all_union_configs",
 ]
 
 ENV_VAR = "QSA_PREFILL_GEOMETRY"
@@ -76,15 +41,9 @@ BACKENDS = ("triton", "pallas")
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """One launch configuration of a sparse prefill kernel.
-
-    Attributes:
-      block_m: head tile (rows of the Q tile: the G query heads of one KV head, padded).
-      block_n: index columns (gathered K/V rows) per inner-loop step (BLOCK_N).
-      num_warps: warps per program.
-      num_stages: software-pipelining depth of the inner loop.
-      source: where it came from, e.g. ``"l20-table[total_q<=512]"`` or ``"sm120-tuned[G=12]"``.
-    """
+    """One launch configuration of a sparse prefill kernel: ``block_m`` the head tile (the G query
+    heads of one KV head, padded), ``block_n`` index columns per inner step (BLOCK_N), warps,
+    pipeline stages, and ``source``, e.g. ``"l20-table[total_q<=512]"``."""
 
     block_m: int
     block_n: int
@@ -103,22 +62,18 @@ class Geometry:
         return self.block_m
 
 
-# (max_total_q inclusive or None = unbounded, (BLOCK_N, num_warps, num_stages)).
-# Source: upstream SGLang 0.5.23 sparse_attn.py, restated in qsa-contract.md §3.
+# Upstream SGLang 0.5.23 sparse_attn.py, restated in qsa-contract.md §3.
 _H20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (1024, (32, 4, 2)), (None, (16, 1, 2)))
 _L20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (128, (64, 4, 2)), (512, (32, 4, 2)), (None, (16, 1, 2)))
 
-#: Where the SM90 table comes from (recorded in benchmark JSON). The H200 sweeps of the Triton
-#: kernel (bench/NOTES.md, "SM90 table"): 8-warp, 3-stage tiles win while few programs exist;
-#: (32,4,2) at 257-1024 rows, where (64,4,2)'s 3 programs per SM leave a partial second wave;
-#: (64,4,2) above, where the grid is many waves deep.
+#: Where the SM90 table comes from (recorded in benchmark JSON; bench/NOTES.md, "SM90 table"):
+#: (32,4,2) at 257-1024 rows, where (64,4,2)'s 3 programs per SM leave a partial second wave.
 SM90_TABLE_STATUS = ("H200 sweeps (Triton 3.6, chunk prefill, G 6 and 12, 32k context): "
                      "(64,8,3) <= 128 rows, (64,4,2) <= 256, (32,4,2) <= 1024, (64,4,2) above; "
                      "bench/NOTES.md, 'SM90 table'")
 _SM90 = ((128, (64, 8, 3)), (256, (64, 4, 2)), (1024, (32, 4, 2)), (None, (64, 4, 2)))
-#: The Pallas kernel keeps (32,4,2) above 256 rows, where it was measured on the H200
-#: (bench/NOTES.md, "Sparse prefill, Pallas"); (64,4,2) is unmeasured for Pallas, so the Triton
-#: measurement does not switch it on.
+#: Pallas keeps (32,4,2) above 256 rows, where it was measured (bench/NOTES.md, "Sparse
+#: prefill, Pallas"); (64,4,2) is unmeasured for it.
 _SM90_PALLAS = ((128, (64, 8, 3)), (256, (64, 4, 2)), (None, (32, 4, 2)))
 
 TABLES: dict[str, tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
@@ -127,11 +82,9 @@ TABLES: dict[str, tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
     "sm90-table": _SM90,
     "sm90-table-pallas": _SM90_PALLAS,
 }
-# Per-backend table overrides, used where one backend measured best with other tuples.
 _BACKEND_TABLE = {("pallas", "sm90-table"): "sm90-table-pallas"}
 
-# Upstream's SM120 tuned family (qsa-contract.md §3). Geometry per group: (BLOCK_M, BLOCK_N,
-# num_warps, num_stages).
+# Upstream's SM120 tuned family (qsa-contract.md §3); by_group: (BLOCK_M, BLOCK_N, warps, stages).
 TUNED_SM120 = {
     "cc": (12, 0),
     "sm_count": 188,
@@ -159,14 +112,8 @@ def head_tile(group: int) -> int:
 
 
 def geometry_mode(fn: str = "select_prefill") -> str:
-    """The ``QSA_PREFILL_GEOMETRY`` value now (``auto`` when unset/empty).
-
-    Args:
-      fn: the entry point named in the error message.
-
-    Raises:
-      ContractError: a value outside ``ALLOWED_MODES``.
-    """
+    """The ``QSA_PREFILL_GEOMETRY`` value now (``auto`` when unset/empty); raises ContractError
+    (naming ``fn``) for a value outside ``ALLOWED_MODES``."""
     raw = os.environ.get(ENV_VAR, "")
     mode = raw.strip().lower() or "auto"
     if mode not in ALLOWED_MODES:
@@ -224,32 +171,19 @@ def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int
     """Launch geometry of one sparse prefill call.
 
     Args:
-      facts: the device that will run the kernel (``DeviceFacts.from_torch()`` / ``from_jax()``,
-        or hand-built for tests / ahead-of-time compiles).
-      kind: ``"ordinary"``, ``"chunk"`` or ``"paged"`` (paged is gated like chunk: it runs the
-        same loop over pool slots).
-      total_q: query rows T of the call (all requests).
-      requests: number of requests B.
-      max_q: the longest request's query rows (``max_seqlen_q``).
-      group: GQA group G = Hq / Hkv.
-      num_kv_heads: Hkv (recorded for future tables; no table is keyed on it yet).
-      head_dim: D.
-      width: index columns W per row.
-      backend: ``"triton"`` or ``"pallas"`` (recorded in ``source``); the same geometry except
-        where ``_BACKEND_TABLE`` names a table measured for that backend (Pallas on sm_90), and
-        Pallas tiles rounded up to powers of two >= 16 (``fit_prefill``).
+      facts: the device that will run the kernel (real or hand-built DeviceFacts).
+      kind: ``"ordinary"``, ``"chunk"`` or ``"paged"`` (paged is gated like chunk).
+      total_q, requests, max_q: query rows T, requests B, the longest request's rows.
+      group, num_kv_heads, head_dim, width: G = Hq / Hkv, Hkv (no table keys on it yet), D, W.
+      backend: ``"triton"`` or ``"pallas"``: the same geometry except where ``_BACKEND_TABLE``
+        names a table measured for that backend, and Pallas tiles rounded to powers of two >= 16.
       kv_bytes: bytes per K/V element (2, or 1 for FP8), for the shared-memory fit.
 
-    Returns:
-      Geometry with a ``source`` naming the table row or tuned entry and the env mode, fitted to
-      ``facts.smem_per_block`` (``fit_prefill``).
-
-    Raises:
-      ContractError: ``QSA_PREFILL_GEOMETRY`` holds a value other than auto/table/tuned.
-      ValueError: unknown ``kind`` or ``backend``, or non-positive sizes.
-
-    Source of the data: upstream SGLang 0.5.23 (H20/L20 tables, SM120 tuned family, restated in
-    ``qsa-contract.md`` §3); the SM90 table: our H200 sweep (``SM90_TABLE_STATUS``).
+    Returns a Geometry fitted to ``facts.smem_per_block`` (``fit_prefill``), its ``source``
+    naming the table row or tuned entry and the mode. Raises ContractError for a bad
+    ``QSA_PREFILL_GEOMETRY``, ValueError for an unknown kind or backend or a size < 1. Data:
+    upstream SGLang 0.5.23 (H20/L20 tables, SM120 tuned family; ``qsa-contract.md`` §3), the
+    SM90 table our H200 sweep (``SM90_TABLE_STATUS``).
     """
     if kind not in KINDS:
         raise ValueError(f"select_prefill: kind must be one of {KINDS}, got {kind!r}")
@@ -283,14 +217,10 @@ def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int
 
 def fit_prefill(geo: Geometry, *, backend: str, head_dim: int, kv_bytes: int,
                 limit: int | None) -> Geometry:
-    """The launchable form of a selected geometry on a device with ``limit`` bytes of shared
-    memory per block (None: no limit, e.g. an interpreter).
-
-    Pallas (Triton lowering) needs power-of-two tiles and dot operands of >= 16 rows, so its
-    head tile and BLOCK_N are rounded up to powers of two >= 16 first. Then
-    ``interop.plan.fit_shared_memory`` (fewer stages, then a smaller BLOCK_N) until
-    ``interop.plan.smem_bytes`` fits; a changed geometry says ``fit<=limit`` in its source.
-    """
+    """The launchable form of ``geo`` with ``limit`` bytes of shared memory per block (None: no
+    limit). Pallas needs power-of-two tiles and dots of >= 16 rows, so its head tile and BLOCK_N
+    are rounded up first; then ``interop.plan.fit_shared_memory``. A changed geometry says
+    ``fit<=limit`` in its source."""
     if backend == "pallas":
         geo = dataclasses.replace(geo, block_m=max(16, next_pow2(geo.block_m)),
                                   block_n=max(16, next_pow2(geo.block_n)))
@@ -315,14 +245,9 @@ def _facts_for(arch: str) -> Iterable[DeviceFacts]:
 
 
 def all_configs(arch: str) -> list[Geometry]:
-    """Every geometry the selector can return on ``arch`` (any workload, any env mode, any group
-    G in 1..16), deduplicated by (block_m, block_n, num_warps, num_stages), for compile checks.
-
-    Includes the tuned family on every arch, because ``QSA_PREFILL_GEOMETRY=tuned`` forces it.
-
-    Raises:
-      ValueError: ``arch`` is not in ``interop.arch.KNOWN_ARCHS``.
-    """
+    """Every geometry the selector can return on ``arch`` (any workload, env mode and G in 1..16;
+    the tuned family everywhere, as ``tuned`` mode forces it), deduplicated by ``key``, for
+    compile checks. Raises ValueError for an arch not in ``interop.arch.KNOWN_ARCHS``."""
     if arch not in KNOWN_ARCHS:
         raise ValueError(f"all_configs: unknown arch {arch!r}; known: {sorted(KNOWN_ARCHS)}")
     seen: dict[tuple[int, int, int, int], Geometry] = {}
@@ -350,14 +275,11 @@ class UnionGeometry:
     """Launch plan of a prefill call given block-level selections (``block_indices=``).
 
     Attributes:
-      kind: ``"union"`` (the tile-union kernel: R consecutive rows of one request per program,
-        the union of their blocks gathered once) or ``"rows"`` (the per-row kernel on the
-        selection expanded to tokens on the device; its launch geometry is ``select_prefill``'s).
-      tile_rows: R, query rows per tile (1 for ``"rows"``).
-      head_tile: rows of the Q tile, ``max(16, R x next_pow2(G))`` (the R rows' G heads each
-        padded to a power of two); the name ``interop.plan.fit_shared_memory`` reads.
-      block_n: K/V rows per inner step (BLOCK_N = 4 x union blocks per step).
-      num_warps, num_stages: Triton launch parameters.
+      kind: ``"union"`` (tile-union kernel: R consecutive rows of one request per program, the
+        union of their blocks gathered once) or ``"rows"`` (the per-row kernel on the selection
+        expanded to tokens on the device, with ``select_prefill``'s geometry).
+      tile_rows: R (1 for ``"rows"``). head_tile: Q tile rows, ``max(16, R x next_pow2(G))``.
+      block_n: K/V rows per inner step (4 x union blocks). num_warps, num_stages: as Geometry.
       source: the rule that decided, for benchmark JSON.
     """
 
@@ -376,21 +298,6 @@ class UnionGeometry:
                 self.num_stages)
 
 
-#: The selector's data (``select_prefill_blocks``; measurements in bench/NOTES.md, "Tile-union"):
-#:   * ``q_rows``: the Q tile the union kernel aims for, R x next_pow2(G) = 64 rows (one wgmma M
-#:     tile on sm_90; 4 mma.sync M tiles on sm_12x): G = 12 -> R = 4, G = 6 -> R = 8; a
-#:     128-row tile (R doubled) measured slower (the union grows with R, the dots do not speed up);
-#:   * ``max_tile_rows``: R <= 8 keeps the causal-tail step in one BLOCK_N >= 16 chunk
-#:     (R + 3 tokens) and the union's sort at R x 512 keys;
-#:   * ``min_rows_per_request``: below 2 rows per request (decode-like batches) a tile has one
-#:     row and the per-row kernel is the same work without the union build;
-#:   * ``min_overlap``: an engine that knows its selections barely overlap (neighbour Jaccard
-#:     below this) passes ``overlap=`` and gets the per-row kernel without the union build;
-#:   * ``max_sort_keys``: R x next_pow2(NB) keys sorted in one program's registers;
-#:   * ``max_union_work``: the per-tile switch to row-by-row work (``max_union_entries``);
-#:   * ``tile``: (BLOCK_N, num_warps, num_stages) by arch: BLOCK_N 32 (4 union blocks), 4 warps
-#:     (one warpgroup owns the 64-row tile; 8 warps split it and measured slower), 2 stages fit
-#:     sm_12x's 101,376 B (``interop.plan.smem_bytes``).
 #: The ``block_indices`` / ``overlap`` arguments as every prefill entry point of both backends
 #: documents them (substituted for ``BLOCKS_DOC`` in their docstrings).
 BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (pass ``indices=None``): int32
@@ -409,6 +316,13 @@ BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (p
         adjacent rows' block sets in [0, 1] (below ``UNION_RULES['min_overlap']`` the per-row
         kernel runs)."""
 
+#: The selector's data (``select_prefill_blocks``; measured in bench/NOTES.md, "Tile-union"):
+#: ``q_rows``: the Q tile R x next_pow2(G) aimed for (one wgmma M tile; 128 rows measured
+#: slower); ``max_tile_rows``: keeps the causal-tail step (R + 3 tokens) in one BLOCK_N >= 16
+#: chunk; ``min_rows_per_request``: below it a tile has one row; ``min_overlap``: an engine's
+#: neighbour-Jaccard hint below it gets the per-row kernel; ``max_sort_keys``: R x next_pow2(NB)
+#: keys sorted in registers; ``max_union_work``: see ``max_union_entries``; ``tile``: (BLOCK_N,
+#: warps, stages) by arch (4 warps: one warpgroup owns the 64-row tile; 2 stages fit sm_12x).
 UNION_RULES = {
     "q_rows": 64,
     "max_tile_rows": 8,
@@ -422,21 +336,11 @@ UNION_RULES = {
 
 def max_union_entries(geo: UnionGeometry, block_width: int, row_tile: int) -> int:
     """Largest union (entries) for which a tile runs the union path; past it the tile's rows run
-    one at a time over their own blocks (vLLM #55372's bound: never much more dot work than the
-    per-row kernel). Rule: the union path's padded dot work |union| x head_tile must stay within
-    ``UNION_RULES['max_union_work']`` times the rows' own, R x NB x ``row_tile``. Both kernels
-    compare it with the union's length on the device, per tile: barely overlapping selections
-    then cost the row-by-row work plus the build instead of R-times larger dots (measured in
-    bench/NOTES.md, "Tile-union"), overlapping ones take the union.
-
-    Args:
-      geo: a ``"union"`` UnionGeometry (tile_rows R, head_tile).
-      block_width: NB, block ids per row (int).
-      row_tile: the row path's Q tile, max(16, next_pow2(G)) rows (int).
-
-    Returns:
-      int >= 0, a count of union entries (may exceed int32: launchers cap it).
-    """
+    one at a time over their own blocks (vLLM #55372's bound). Rule: the padded dot work
+    |union| x head_tile stays within ``UNION_RULES['max_union_work']`` times the rows' own,
+    R x NB x ``row_tile`` (the row path's Q tile). Both kernels compare it with the union's
+    length on the device, per tile. ``geo``: a ``"union"`` UnionGeometry; ``block_width``: NB.
+    Returns an int >= 0 (may exceed int32: launchers cap it)."""
     return int(UNION_RULES["max_union_work"] * geo.tile_rows * int(block_width) * row_tile
                // geo.head_tile)
 
@@ -445,32 +349,19 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
                           max_q: int, group: int, num_kv_heads: int, head_dim: int,
                           block_width: int, backend: str = "triton", kv_bytes: int = 2,
                           overlap: float | None = None) -> UnionGeometry:
-    """Kernel and geometry of a prefill call with block-level selections.
+    """Kernel and geometry (UnionGeometry) of a prefill call with block-level selections.
 
-    Rule (``UNION_RULES``; host facts only, no device value is read, so a captured graph or a
-    jitted function keeps its choice when lengths change):
-      1. ``overlap`` (the engine's hint: expected Jaccard similarity of adjacent rows' block
-         sets; None = the indexer's typical 0.87-0.94) below ``min_overlap`` -> ``"rows"``;
-      2. mean rows per request ``total_q // requests`` below ``min_rows_per_request`` ->
-         ``"rows"``;
-      3. R = q_rows // next_pow2(G), clamped to [1, max_tile_rows], to the largest power of two
-         <= the mean rows per request, and halved while R x next_pow2(NB) > max_sort_keys;
-         R = 1 -> ``"rows"`` (a one-row tile is the per-row kernel plus a build);
+    Rule (``UNION_RULES``; host facts only, so a captured graph keeps its choice):
+      1. ``overlap`` (expected Jaccard similarity of adjacent rows' block sets, a float in
+         [0, 1]; None = the indexer's typical 0.87-0.94) below ``min_overlap`` -> ``"rows"``;
+      2. mean rows per request below ``min_rows_per_request`` -> ``"rows"``;
+      3. R = q_rows // next_pow2(G), clamped to [1, max_tile_rows] and to the largest power of
+         two <= the mean rows per request, halved while R x next_pow2(NB) > max_sort_keys;
+         R = 1 -> ``"rows"``;
       4. else ``"union"`` with the arch's (BLOCK_N, warps, stages), fitted by ``fit_union``.
-    ``"rows"`` carries the per-row kernel's ``select_prefill`` geometry (head_tile = its BLOCK_M).
-
-    Args:
-      facts, kind, total_q, requests, max_q, group, num_kv_heads, head_dim, backend, kv_bytes:
-        as ``select_prefill``.
-      block_width: NB, block ids per row.
-      overlap: None or a float in [0, 1] (see rule 1).
-
-    Returns:
-      UnionGeometry.
-
-    Raises:
-      ValueError: bad kind/backend, non-positive sizes, overlap outside [0, 1].
-      ContractError: a bad ``QSA_PREFILL_GEOMETRY`` (the per-row selector's switch).
+    ``"rows"`` carries ``select_prefill``'s geometry. Other arguments as ``select_prefill``;
+    ``block_width``: NB block ids per row. Raises ValueError (bad kind/backend, a size < 1,
+    overlap outside [0, 1]) or ContractError (a bad ``QSA_PREFILL_GEOMETRY``).
     """
     if overlap is not None and not 0.0 <= float(overlap) <= 1.0:
         raise ValueError(f"select_prefill_blocks: overlap must be None or in [0, 1], got {overlap}")
@@ -506,11 +397,9 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
 
 def fit_union(geo: UnionGeometry, *, backend: str, head_dim: int, kv_bytes: int,
               limit: int | None) -> UnionGeometry:
-    """The launchable form of a union geometry: BLOCK_N a power of two >= max(16, R + 3) (dot
-    operands of >= 16 rows; the causal-tail step fits one chunk), then
-    ``interop.plan.fit_shared_memory`` on ``interop.plan.smem_bytes`` with the Q tile as head
-    tile (fewer stages, then a smaller BLOCK_N, never below that floor). ``"rows"`` geometries
-    are returned as they are (``select_prefill`` fitted them)."""
+    """The launchable form of a union geometry: BLOCK_N a power of two >= max(16, R + 3) (dots
+    of >= 16 rows; the causal tail in one chunk), then ``interop.plan.fit_shared_memory``, never
+    below that floor. ``"rows"`` geometries are returned as they are."""
     if geo.kind != "union":
         return geo
     floor = max(16, next_pow2(geo.tile_rows + 3))
@@ -524,15 +413,9 @@ def fit_union(geo: UnionGeometry, *, backend: str, head_dim: int, kv_bytes: int,
 
 
 def all_union_configs(arch: str, *, head_dim: int = 256) -> list[tuple[int, UnionGeometry]]:
-    """Every union geometry ``select_prefill_blocks`` can return on ``arch`` (any G in 1..16,
-    any rows per request, K/V of 2 or 1 bytes), deduplicated, for compile checks.
-
-    Returns:
-      list of (kv_bytes, UnionGeometry).
-
-    Raises:
-      ValueError: unknown arch.
-    """
+    """Every union geometry ``select_prefill_blocks`` can return on ``arch`` (any G in 1..16, any
+    rows per request, 2- or 1-byte K/V), deduplicated, as (kv_bytes, UnionGeometry) for compile
+    checks. Raises ValueError for an unknown arch."""
     if arch not in KNOWN_ARCHS:
         raise ValueError(f"all_union_configs: unknown arch {arch!r}; known: {sorted(KNOWN_ARCHS)}")
     facts = DeviceFacts.for_arch(arch, triton_version="3.9.0")
