@@ -1,10 +1,8 @@
-"""Device facts and the one table of GPUs QSA knows about.
+"""Device facts and the one table of GPUs QSA knows about (stdlib only at import time).
 
-Framework-free (stdlib only at import time). ``DeviceFacts`` is read from a torch device or a jax
-device (both imported lazily, only when those constructors are called; cached per device), from a
-jax device-kind string (ahead-of-time lowering under an abstract device), or built by hand for
-tests and compile targets. Kernel modules ask this module, never the framework, for SM counts and
-shared-memory limits.
+``DeviceFacts`` comes from a torch or jax device (imported lazily; cached per device), a jax
+device-kind string (ahead-of-time lowering) or is built by hand; kernel modules ask it, never
+the framework, for SM counts and shared-memory limits.
 
 Sources: shared-memory limits from the CUDA C Programming Guide, "Technical Specifications per
 Compute Capability" (sm_90/sm_100: 227 KB = 232,448 B opt-in per block; sm_120/sm_121:
@@ -24,14 +22,9 @@ __all__ = ["ArchInfo", "KNOWN_ARCHS", "KNOWN_PARTS", "CI_ARCHS", "DeviceFacts", 
 
 @dataclasses.dataclass(frozen=True)
 class ArchInfo:
-    """Static facts of one compute capability.
-
-    Attributes:
-      name: ``"sm_90"`` style name.
-      cc: (major, minor) compute capability.
-      tensor_cores: what Triton can use there (``"wgmma+mma.sync"``, ``"tcgen05"``, ``"mma.sync"``).
-      smem_per_block: opt-in maximum dynamic shared memory per block, bytes.
-    """
+    """Static facts of one compute capability: ``name`` (``"sm_90"``), ``cc`` (major, minor),
+    ``tensor_cores`` Triton can use (``"wgmma+mma.sync"``, ``"tcgen05"``, ``"mma.sync"``) and
+    ``smem_per_block``, the opt-in maximum dynamic shared memory per block in bytes."""
 
     name: str
     cc: tuple[int, int]
@@ -76,11 +69,7 @@ def arch_name(cc: tuple[int, int]) -> str:
 
 
 def parse_arch(name: str) -> tuple[int, int]:
-    """``"sm_121"`` / ``"121"`` / ``"12.1"`` -> ``(12, 1)``.
-
-    Raises:
-      ValueError: the text is not an arch name.
-    """
+    """``"sm_121"`` / ``"121"`` / ``"12.1"`` -> ``(12, 1)``; ValueError for anything else."""
     text = name.strip().lower()
     m = re.fullmatch(r"(?:sm_?)?(\d+)(?:\.(\d))?", text)
     if not m:
@@ -92,12 +81,8 @@ def parse_arch(name: str) -> tuple[int, int]:
 
 
 def device_kind(arch: str) -> str:
-    """The representative part (jax device kind) of a known arch: ``"sm_120"`` -> ``"NVIDIA RTX
-    PRO 6000 Blackwell Workstation Edition"``.
-
-    Raises:
-      ValueError: an arch not in ``KNOWN_ARCHS``.
-    """
+    """The representative part (jax device kind) of a known arch (``"sm_120"`` -> ``"NVIDIA RTX
+    PRO 6000 Blackwell Workstation Edition"``); ValueError for an arch not in ``KNOWN_ARCHS``."""
     info = KNOWN_ARCHS.get(arch_name(parse_arch(arch)))
     if info is None:
         raise ValueError(f"unknown arch {arch!r}; known: {sorted(KNOWN_ARCHS)}")
@@ -112,15 +97,9 @@ def capability(arch: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceFacts:
-    """What the plans, the router and the geometry selector need to know about one GPU.
-
-    Attributes:
-      name: device name as the driver reports it (``"NVIDIA H200"``).
-      cc: compute capability (major, minor).
-      sm_count: number of streaming multiprocessors.
-      smem_per_block: opt-in maximum shared memory per block, bytes.
-      triton_version: version string of the Triton that will compile kernels, or None.
-    """
+    """What the plans, the router and the geometry selector need to know about one GPU: ``name``
+    as the driver reports it (``"NVIDIA H200"``), ``cc`` (major, minor), ``sm_count``,
+    ``smem_per_block`` (opt-in maximum, bytes), ``triton_version`` (the compiler's, or None)."""
 
     name: str
     cc: tuple[int, int]
@@ -147,12 +126,8 @@ class DeviceFacts:
     @classmethod
     def for_arch(cls, arch: str, *, name: str | None = None, sm_count: int | None = None,
                  triton_version: str | None = None) -> "DeviceFacts":
-        """Hand-built facts for a known arch (tests, AOT compile targets): its representative part
-        unless ``name`` is given; the SM count of that part from ``KNOWN_PARTS`` unless given.
-
-        Raises:
-          ValueError: ``arch`` is not in ``KNOWN_ARCHS``.
-        """
+        """Hand-built facts for a known arch (tests, AOT targets): its representative part and
+        that part's SM count unless given; ValueError for an arch not in ``KNOWN_ARCHS``."""
         cc = parse_arch(arch)
         info = KNOWN_ARCHS.get(arch_name(cc))
         if info is None:
@@ -164,11 +139,8 @@ class DeviceFacts:
 
     @classmethod
     def from_device_kind(cls, kind: str, triton_version: str | None = None) -> "DeviceFacts":
-        """Facts from a device-kind string alone (jax ``AbstractDevice`` lowering).
-
-        Raises:
-          ValueError: the compute capability of ``kind`` cannot be inferred.
-        """
+        """Facts from a device-kind string alone (jax ``AbstractDevice`` lowering); ValueError
+        when the compute capability of ``kind`` cannot be inferred."""
         cc = _cc_from_name(kind)
         info = KNOWN_ARCHS[arch_name(cc)]
         sms = KNOWN_PARTS.get(kind, ("", _DEFAULT_SM_COUNT))[1]
@@ -176,14 +148,9 @@ class DeviceFacts:
 
     @classmethod
     def from_torch(cls, device=None) -> "DeviceFacts":
-        """Facts of a CUDA device through torch (imported here, lazily); cached per device.
-
-        Args:
-          device: a torch device / string / ordinal; None = the current CUDA device.
-
-        Raises:
-          RuntimeError: torch sees no CUDA device, or ``device`` is not a CUDA device.
-        """
+        """Facts of a CUDA device (a torch device / string / ordinal; None = the current one)
+        through torch, imported lazily; cached per device. RuntimeError when torch sees no CUDA
+        device or ``device`` is not one."""
         import torch  # noqa: PLC0415 - lazy by design: core modules import no framework
 
         dev = torch.device("cuda") if device is None else torch.device(device)
@@ -193,14 +160,8 @@ class DeviceFacts:
 
     @classmethod
     def from_jax(cls, device=None) -> "DeviceFacts":
-        """Facts of a jax GPU device (jax imported here, lazily); cached per device.
-
-        Args:
-          device: a jax device; None = ``jax.devices()[0]``.
-
-        Raises:
-          RuntimeError: the device is not a CUDA GPU.
-        """
+        """Facts of a jax GPU device (None = ``jax.devices()[0]``; jax imported lazily), cached
+        per device; RuntimeError when it is not a CUDA GPU."""
         import jax  # noqa: PLC0415
 
         return _jax_facts(device if device is not None else jax.devices()[0])

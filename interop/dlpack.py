@@ -1,8 +1,7 @@
 """Zero-copy torch <-> jax through DLPack, stream-correct on GPU.
 
-``to_jax(tensor)`` and ``to_torch(array)`` share the producer's memory (no copy) whenever DLPack
-allows it, and refuse, with a clear error, what it does not allow unless the caller asks for a
-copy. torch and jax are imported lazily, inside the functions.
+``to_jax(tensor)`` and ``to_torch(array)`` share the producer's memory whenever DLPack allows it
+and otherwise refuse with a clear error unless asked to copy; torch and jax are imported lazily.
 
 Stream correctness (DLPack Python spec, ``__dlpack__(stream=...)``): the consumer passes *its*
 stream to the producer's ``__dlpack__`` and the producer makes that stream wait for the work
@@ -32,11 +31,8 @@ _FP8 = ("float8_e4m3fn", "float8_e5m2")
 
 
 class DLPackLayoutError(ValueError):
-    """A tensor DLPack cannot share without a copy (non-compact strides, int64 without x64...).
-
-    The message names the function, the argument, what was expected and what was given, like
-    ``interop.contract.ContractError``.
-    """
+    """A tensor DLPack cannot share without a copy (non-compact strides, int64 without x64...);
+    the message names function, argument, expected and got, like ``ContractError``."""
 
     def __init__(self, fn: str, arg: str, expected: str, got: Any, hint: str = ""):
         self.fn, self.arg, self.expected, self.got = fn, arg, expected, got
@@ -45,12 +41,9 @@ class DLPackLayoutError(ValueError):
 
 
 def is_compact(shape, strides) -> bool:
-    """True when ``strides`` (elements) describe a dense buffer in some dimension order
-    (row-major, transposed, any permutation): what XLA's DLPack import accepts.
-
-    Size-0 tensors are compact; size-1 dimensions may have any stride; stride 0 on a dimension of
-    size > 1 (broadcast) and gaps are not compact.
-    """
+    """True when ``strides`` (elements) describe a dense buffer in some dimension order, what
+    XLA's DLPack import accepts. Size-0 tensors are compact; size-1 dimensions may have any
+    stride; broadcasting (stride 0) and gaps are not compact."""
     shape, strides = tuple(int(s) for s in shape), tuple(int(s) for s in strides)
     if any(s == 0 for s in shape):
         return True
