@@ -1,16 +1,11 @@
-"""The one contract both implementations honour (``qsa-contract.md`` §2-5).
+"""The one contract both implementations honour (``qsa-contract.md`` §2-5); numpy only.
 
 Every public entry point of ``qsa_triton`` and ``qsa_pallas`` calls a ``check_*`` function here
-*before* any launch. The checks see only ``TensorSpec`` values (shape, dtype name, device,
-strides) and host scalars, so the same bad call gives the same ``ContractError`` (argument,
-expected, got, the qualified envelope) from torch tensors and from jax arrays; numpy only.
-
-Default mode: what the kernels need to be correct (ranks, dtypes, integral GQA group,
-power-of-two head dim, int32 metadata of the right length on q's device, matching K/V shapes).
-``strict=True`` adds the qualified envelope (``QUALIFIED``: head pairs, D = 256, 1 <= B <= 128,
-max_seqlen_k <= 2055, ...) that upstream validated and we promise. Both refuse tensors that
-require grad (every kernel is forward-only). Device-resident values (cu_seqlens, indices) are
-never read here; the ``validate_*`` debug validators read them on the host, off the hot path."""
+before any launch. The checks see only ``TensorSpec`` values and host scalars, so a bad call gives
+the same ``ContractError`` (argument, expected, got, the qualified envelope) from torch and jax.
+Default mode: what the kernels need to be correct; ``strict=True`` adds the qualified envelope
+(``QUALIFIED``) that upstream validated. Both refuse tensors that require grad (forward-only).
+Device-resident values are never read here; the ``validate_*`` debug validators read them."""
 
 from __future__ import annotations
 
@@ -57,9 +52,8 @@ _HEAD_DIMS = (32, 64, 128, 256)
 
 
 class ContractError(ValueError):
-    """A call outside what the kernels can compute correctly (or, in strict mode, outside the
-    qualified envelope). The message names the entry point, the argument, what was expected,
-    what was given and the qualified envelope."""
+    """A call outside what the kernels compute correctly (strict mode: outside the qualified
+    envelope); the message names entry point, argument, expected, got and the envelope."""
 
     def __init__(self, fn: str, arg: str, expected: str, got: Any, *, strict: bool = False):
         self.fn, self.arg, self.expected, self.got = fn, arg, expected, got
@@ -97,14 +91,9 @@ def envelope_text(fn: str = "sparse_decode") -> str:
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """Framework-free description of one tensor.
-
-    Attributes:
-      shape: sizes. dtype: canonical name ("bfloat16", "int32", "float8_e4m3fn", ...), the same
-        for torch and jax. device: "cpu" or "cuda" (jax's "gpu" maps to "cuda"); index: its
-        ordinal or None (jax tracers). strides: element strides, or None (jax: row-major).
-      requires_grad: a torch tensor recording autograd history (refused); False for jax, numpy.
-    """
+    """Framework-free description of one tensor: ``shape``, canonical ``dtype`` name (the same
+    for torch and jax), ``device`` "cpu" or "cuda" (jax's "gpu" too) and its ``index`` (None for
+    tracers), element ``strides`` (None: row-major), ``requires_grad`` (torch only; refused)."""
 
     shape: tuple[int, ...]
     dtype: str
@@ -118,8 +107,7 @@ class TensorSpec:
     where = property(lambda s: s.device if s.index is None else f"{s.device}:{s.index}")
 
     def is_contiguous(self) -> bool:
-        # A zero-size tensor holds nothing to address: any strides pass (issue 16 item 4; a
-        # T = 0 tensor built from numpy can report strides [0, 0, 0]).
+        # a zero-size tensor holds nothing to address: any strides pass
         if self.strides is None or self.numel == 0:
             return True
         expected = np.cumprod((1,) + tuple(max(n, 1) for n in self.shape[:0:-1]))[::-1]
@@ -173,8 +161,8 @@ def _jax_default_platform() -> str:
 
 
 def spec_of(x: Any) -> TensorSpec:
-    """TensorSpec of a torch tensor, a jax array / tracer, a numpy array or a TensorSpec; raises
-    TypeError for anything else."""
+    """TensorSpec of a torch tensor, jax array / tracer, numpy array or TensorSpec; TypeError
+    for anything else."""
     if isinstance(x, TensorSpec):
         return x
     mod = type(x).__module__
@@ -226,8 +214,7 @@ class PrefillProblem:
 
 
 class _Checker:
-    """The checks every entry point shares, one method per kind of check; carries the context
-    (entry point name, mode) of the error messages."""
+    """The checks every entry point shares, carrying the messages' context (entry point, mode)."""
 
     def __init__(self, fn: str, strict: bool):
         self.fn, self.strict = fn, False
@@ -265,7 +252,8 @@ class _Checker:
             self.fail(name, f"{n} rows ({why})", f"{s.shape[0]} rows")
 
     def same_device(self, name: str, s: TensorSpec, ref: TensorSpec, ref_name: str = "q"):
-        if s.device != ref.device or (s.index is not None and ref.index is not None and s.index != ref.index):
+        if s.device != ref.device or (s.index is not None and ref.index is not None
+                                      and s.index != ref.index):
             self.fail(name, f"a tensor on {ref_name}'s device ({ref.where})", s.where)
 
     def last_dim_contiguous(self, name: str, s: TensorSpec):
@@ -277,8 +265,8 @@ class _Checker:
         if not s.is_contiguous():
             self.fail(name, "a contiguous tensor", f"strides {list(s.strides)}")
 
-    def metadata(self, name: str, x: Any, length: int | None, ref: TensorSpec, ref_name: str = "q"
-                 ) -> TensorSpec:
+    def metadata(self, name: str, x: Any, length: int | None, ref: TensorSpec,
+                 ref_name: str = "q") -> TensorSpec:
         """int32 [length] (any length when None), contiguous, on ref's device."""
         s = self.spec(name, x)
         self.rank(name, s, 1, "of int32 metadata")
@@ -336,7 +324,8 @@ class _Checker:
             self.fail(name, rng, value)
         return value
 
-    def scalar(self, name: str, value: Any, default: float | None = None, positive: bool = True) -> float:
+    def scalar(self, name: str, value: Any, default: float | None = None,
+               positive: bool = True) -> float:
         if value is None and default is not None:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
@@ -371,11 +360,10 @@ class _Checker:
 
     def q_kv(self, qs, ks, vs, k: str, v: str, q_shape: str, kv_shape: str, kv_dtypes,
              pairs: str = "head_pairs", rows: tuple[str, str, str] | None = None):
-        """q [rows, Hq, D] against its K and V [*, Hkv, D], in this order: ranks, dtypes (K in
-        ``kv_dtypes``, V as K), equal K/V shapes, head dim, GQA group (strict: (Hq, Hkv) in
-        ``QUALIFIED[pairs]``), the row count (``rows`` = (QUALIFIED key, what the rows are, their
-        symbol): >= 1, strict: in that range), last dims contiguous, K and V on q's device.
-        Returns (rows, Hq, D, group)."""
+        """q [rows, Hq, D] against K and V [*, Hkv, D], in this order: ranks, dtypes, equal K/V
+        shapes, head dim, GQA group (strict: in ``QUALIFIED[pairs]``), the row count (``rows`` =
+        (QUALIFIED key, what, symbol): >= 1, strict: in range), unit last strides, K/V on q's
+        device. Returns (rows, Hq, D, group)."""
         self.rank("q", qs, 3, q_shape)
         self.dtype("q", qs, _FLOAT_DTYPES)
         self.rank(k, ks, 3, kv_shape)
@@ -414,14 +402,11 @@ def check_decode(
 ) -> DecodeProblem:
     """Check a packed varlen decode call (``qsa-contract.md`` §2) before any launch.
 
-    Args:
-      q: [B, Hq, D] bf16|fp16. k, v: [C, Hkv, D] q's dtype, on q's device, any capacity C.
-      cu_seqlens_q, cu_seqlens_k: int32 [B + 1], contiguous, on q's device (contents not read).
-      max_seqlen_k: host int >= 1, static bound of a row's keys. softmax_scale: host float > 0, or
-        None for D ** -0.5. max_seqlen_q: host int, must be 1. batch_invariant: host bool (§2c).
-      strict: also the qualified envelope. fn: the entry point named in messages.
-
-    Returns DecodeProblem; raises ContractError (argument, expected, got, envelope).
+    q: [B, Hq, D] bf16|fp16; k, v: [C, Hkv, D] q's dtype on q's device; cu_seqlens_q/k: int32
+    [B + 1] contiguous on q's device (not read); max_seqlen_k: host int >= 1; softmax_scale: host
+    float > 0 or None (D ** -0.5); max_seqlen_q: 1; batch_invariant: host bool (§2c); strict:
+    also the qualified envelope; fn: the entry point named in messages. Returns DecodeProblem;
+    raises ContractError (argument, expected, got, envelope).
     """
     c = _Checker(fn, strict)
     c.host_bool("batch_invariant", batch_invariant)
@@ -439,9 +424,8 @@ def check_decode(
 
 def _check_prefill(kind: str, fn: str, strict, q, k, v, indices, indices_name: str, kv_names,
                    meta, max_seqlen_q, softmax_scale, k_scale, v_scale) -> PrefillProblem:
-    """The three prefill checks: q/K/V and the indices (``indices_name``: "indices", or
-    "block_indices" for the indexer's block ids), then ``meta(checker, q's spec, K's spec)``
-    (the variant's metadata; returns B), then the host scalars."""
+    """The prefill checks: q/K/V, the indices, ``meta(checker, q's spec, K's spec)`` (the
+    variant's metadata; returns B), then the host scalars."""
     c = _Checker(fn, strict)
     (kn, vn), ordinary = kv_names, kind == "ordinary"
     qs, ks, vs, ids = c.specs(**{"q": q, kn: k, vn: v, indices_name: indices})
@@ -465,14 +449,11 @@ def check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None
                   indices_name: str = "indices") -> PrefillProblem:
     """Check an ordinary sparse prefill call (``qsa-contract.md`` §3) before any launch.
 
-    Args:
-      q: [T, Hq, D] bf16|fp16; k, v: [T, Hkv, D] this forward's K/V, packed like q, q's dtype.
-      indices: int32 [T, W] or [T, Hkv, W] request-relative positions, valid iff 0 <= idx < len.
-      cu_seqlens: int32 [B + 1] on q's device. max_seqlen_q: host int >= 1 (grid bound).
-      softmax_scale: host float > 0 or None (D ** -0.5). indices_name: "indices", or
-        "block_indices" when ``indices`` holds the indexer's block ids (same layout, W = NB).
-
-    Returns PrefillProblem; raises ContractError (argument, expected, got, envelope).
+    q: [T, Hq, D] bf16|fp16; k, v: [T, Hkv, D] packed like q, q's dtype; indices: int32 [T, W]
+    or [T, Hkv, W] request-relative positions; cu_seqlens: int32 [B + 1] on q's device;
+    max_seqlen_q: host int >= 1; softmax_scale: host float > 0 or None (D ** -0.5);
+    indices_name: "block_indices" when ``indices`` holds the indexer's block ids. Returns
+    PrefillProblem; raises ContractError (argument, expected, got, envelope).
     """
     def meta(c, qs, ks):
         c.rows("k", ks, qs.shape[0], "packed like q")
@@ -488,15 +469,10 @@ def check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, m
                         indices_name: str = "indices") -> PrefillProblem:
     """Check a chunk sparse prefill call (``qsa-contract.md`` §3) before any launch.
 
-    Args:
-      q: [T, Hq, D] bf16|fp16. k, v: [Ck, Hkv, D] each request's context packed (rows
-        cu_seqlens_k[b]..), q's dtype or float8_e4m3fn (``k_scale`` scales the scores, ``v_scale``
-        the P·V output; both host floats > 0, 1.0 unless FP8).
-      indices: int32 [T, W] or [T, Hkv, W], valid iff 0 <= idx < kv_lens[b].
-      cu_seqlens_q, cu_seqlens_k: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
-      max_seqlen_q, softmax_scale, indices_name: as ``check_prefill``.
-
-    Returns PrefillProblem; raises ContractError (argument, expected, got, envelope).
+    k, v: [Ck, Hkv, D] each request's context packed, q's dtype or float8_e4m3fn; k_scale,
+    v_scale: host floats > 0, 1.0 unless FP8; cu_seqlens_q, cu_seqlens_k: int32 [B + 1];
+    kv_lens: int32 [B]; the rest as ``check_prefill``. Returns PrefillProblem; raises
+    ContractError (argument, expected, got, envelope).
     """
     def meta(c, qs, _):
         c.specs(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, kv_lens=kv_lens)
@@ -515,16 +491,10 @@ def check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
                         indices_name: str = "indices") -> PrefillProblem:
     """Check a paged sparse prefill call (``qsa-contract.md`` §3) before any launch.
 
-    Args:
-      q: [T, Hq, D] bf16|fp16. k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or FP8.
-      req_to_token: int32 [max_reqs, max_context], position p of table row r -> pool slot (SGLang's
-        table). req_indices: int32 [B], the table row of request b.
-      indices: int32 [T, W] or [T, Hkv, W], valid iff 0 <= idx < kv_lens[b] (and idx <
-        max_context, req_indices[b] < max_reqs, slot in the pool: the kernels clamp lying metadata).
-      cu_seqlens_q: int32 [B + 1]; kv_lens: int32 [B]; on q's device.
-      max_seqlen_q, softmax_scale, k_scale, v_scale, indices_name: as ``check_prefill_chunk``.
-
-    Returns PrefillProblem; raises ContractError (argument, expected, got, envelope).
+    k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or FP8; req_to_token: int32
+    [max_reqs, max_context] position -> slot; req_indices: int32 [B]; the rest as
+    ``check_prefill_chunk``. Returns PrefillProblem; raises ContractError (argument, expected,
+    got, envelope).
     """
     def meta(c, qs, _):
         c.specs(cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens)
@@ -541,11 +511,10 @@ def check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
 
 
 def prefill_selection(fn: str, indices, block_indices, overlap) -> tuple[str, Any, float | None]:
-    """Which selection a prefill call passes: token ``indices``, or ``indices=None`` with the
-    indexer's ``block_indices=`` (``interop.indices.expand_prefill_blocks``); ``overlap`` (the
-    engine's neighbour-Jaccard hint for the kernel selector, None or a host float in [0, 1]) only
-    with ``block_indices``. Returns ("indices" | "block_indices", the selection, overlap or None);
-    raises ContractError for both or neither selection, or a bad ``overlap``."""
+    """Which selection a prefill call passes: token ``indices``, or ``indices=None`` with
+    ``block_indices=``; ``overlap`` (None or a host float in [0, 1]) only with the latter.
+    Returns ("indices" | "block_indices", the selection, overlap or None); raises ContractError
+    for both or neither selection, or a bad ``overlap``."""
     if (indices is None) == (block_indices is None):
         raise ContractError(fn, "indices", "token indices, or indices=None and block_indices= "
                             "(exactly one selection)",
@@ -566,11 +535,9 @@ def prefill_selection(fn: str, indices, block_indices, overlap) -> tuple[str, An
 # Arch routing (qsa-contract.md §5).
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """Which kernel family and geometry source one (device, op) pair gets: ``op`` ("decode",
-    "prefill", "prefill_chunk", "prefill_paged"), ``kernel`` ("qsa.decode.splitkv", "qsa.prefill"),
-    ``geometry`` ("sm90-table", "l20-table", "h20-table", "sm120-tuned-or-table",
-    "decode-heuristic"), ``exact_contract`` (only the strict envelope may run: sm_121 decode) and a
-    human-readable ``reason``."""
+    """Kernel family and geometry source of one (device, op): ``op``, ``kernel``, ``geometry``
+    (a table name or "decode-heuristic"), ``exact_contract`` (only the strict envelope may run)
+    and a human-readable ``reason``."""
 
     op: str
     kernel: str
@@ -580,12 +547,10 @@ class Route:
 
 
 def route(facts: DeviceFacts, op: str) -> Route:
-    """Routing per arch (``qsa-contract.md`` §5).
-
-    sm_121 decode: the exact (strict) contract only, as upstream gates its packed kernel on exact
-    (12, 1) (a family "SM12x" gate corrupted results upstream). sm_120 prefill: upstream's tuned
-    family only on the 188-SM part, else the L20 table; H20: its table; sm_90: our measured table;
-    anything else: the L20 table (upstream's default). Raises ValueError for an unknown op."""
+    """Routing per arch (``qsa-contract.md`` §5): sm_121 decode the exact (strict) contract only
+    (upstream gates its kernel on exact (12, 1)); sm_120 prefill upstream's tuned family on the
+    188-SM part only, else the L20 table; H20 its table; sm_90 our measured table; anything else
+    the L20 table. Raises ValueError for an unknown op."""
     ops = ("decode", "prefill", "prefill_chunk", "prefill_paged")
     if op not in ops:
         raise ValueError(f"route: op must be one of {ops}, got {op!r}")
@@ -604,21 +569,21 @@ def route(facts: DeviceFacts, op: str) -> Route:
     if cc == (12, 0):
         if facts.sm_count == 188:
             return Route(op, kernel, "sm120-tuned-or-table", False,
-                         "sm_120 188-SM part: upstream tuned family within its gates, else L20 table")
+                         "sm_120 188-SM part: upstream tuned family within its gates, "
+                         "else L20 table")
         return Route(op, kernel, "l20-table", False,
                      f"sm_120 with {facts.sm_count} SMs: tuned family is qualified on 188 SMs only")
     return Route(op, kernel, "l20-table", False, f"{facts.arch}: upstream's default (L20) table")
 
 
 def exact_contract(facts: DeviceFacts | None, op: str = "decode") -> bool:
-    """The one exact-contract check: True where ``route`` sends ``op`` on this device to the exact
-    qualified contract only (sm_121 decode), so the entry point must check with ``strict=True``.
-    ``facts`` None (a CPU interpreter, no GPU) is never exact."""
+    """True where ``route`` sends ``op`` on this device to the exact contract only (sm_121
+    decode): the entry point must check with ``strict=True``. ``facts`` None is never exact."""
     return facts is not None and route(facts, op).exact_contract
 
 
 # --------------------------------------------------------------------------------------------
-# Debug validator: host-side, reads device metadata (a sync), off the hot path.
+# Debug validators: read device metadata on the host (a sync), off the hot path.
 def _np(x) -> np.ndarray:
     if isinstance(x, np.ndarray):
         return x
@@ -629,11 +594,9 @@ def _np(x) -> np.ndarray:
 
 def validate_decode_metadata(cu_seqlens_q, cu_seqlens_k, capacity: int, max_seqlen_k: int,
                              batch: int | None = None, fn: str = "sparse_decode") -> None:
-    """Check decode metadata contents (host sync; debug only).
-
-    Raises ContractError: cu_seqlens not starting at 0 or decreasing, a row longer than
-    max_seqlen_k (the kernels still compute it, the bound only sizes the split grid, but the data
-    breaks the declared bound), rows past the K/V capacity, query rows out of range."""
+    """Check decode metadata contents (host sync; debug only). Raises ContractError: cu_seqlens
+    not starting at 0 or decreasing, a row longer than max_seqlen_k, rows past the K/V capacity,
+    query rows out of range."""
     c = _Checker(fn, False)
     cq, ck = _np(cu_seqlens_q).astype(np.int64), _np(cu_seqlens_k).astype(np.int64)
     for name, cu in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
@@ -657,27 +620,15 @@ def validate_decode_metadata(cu_seqlens_q, cu_seqlens_k, capacity: int, max_seql
 
 def validate_decode_paged_metadata(req_to_token, req_indices, indices, seq_lens,
                                    pool_slots: int, *, fn: str = "sparse_decode_paged") -> dict:
-    """Check paged-decode metadata contents (host sync; debug only), the twin of
-    ``validate_prefill_metadata``'s paged checks for ``sparse_decode_paged`` / ``qsa_decode_step``.
+    """Check paged-decode metadata contents (host sync; debug only). The kernels skip entries
+    that break the addressing (``qsa-contract.md`` §7), so such a caller bug shows only as fewer
+    keys attended; this makes it loud.
 
-    The kernels never read these values on the host; they treat what breaks the addressing as
-    invalid entries (``qsa-contract.md`` §7: an index at or past the table's width, a table row
-    outside ``req_to_token``, a slot outside the pool) and skip them, so a caller bug there shows
-    up only as fewer keys attended. This validator makes it loud.
-
-    Args:
-      req_to_token: int [max_reqs, max_context] pool slot per position; req_indices, seq_lens:
-        int [R]; indices: int [R, W] or [R, Hkv, W] logical positions (any of torch / jax /
-        numpy); pool_slots: the pool's slot count (``k_cache.shape[0]``); fn: the name reported.
-
-    Returns:
-      {"rows": R, "valid": number of entries with ``0 <= idx < seq_lens[r]``}.
-
-    Raises:
-      ContractError: a row's ``req_indices[r]`` outside ``[0, max_reqs)`` (rows with
-        ``seq_lens[r] <= 0`` excepted: empty rows read nothing); ``seq_lens[r] > max_context``
-        (positions the table cannot map); a valid entry whose slot lies outside
-        ``[0, pool_slots)`` (negative or past the pool), naming the first offending row.
+    req_to_token: int [max_reqs, max_context]; req_indices, seq_lens: int [R]; indices: int
+    [R, W] or [R, Hkv, W] (torch / jax / numpy); pool_slots: ``k_cache.shape[0]``. Returns
+    {"rows": R, "valid": entries with ``0 <= idx < seq_lens[r]``}. Raises ContractError naming
+    the first row with ``req_indices[r]`` outside ``[0, max_reqs)`` (empty rows excepted),
+    ``seq_lens[r] > max_context``, or a valid entry's slot outside ``[0, pool_slots)``.
     """
     c = _Checker(fn, False)
     rt = _np(req_to_token).astype(np.int64)
@@ -717,12 +668,10 @@ def validate_decode_paged_metadata(req_to_token, req_indices, indices, seq_lens,
 def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, req_to_token=None,
                               req_indices=None, pool_slots: int | None = None,
                               flag_duplicates: bool = False, fn: str = "sparse_prefill") -> dict:
-    """Check prefill metadata contents (host sync; debug only).
-
-    ``lens``: the validity bound per request (ordinary: None, the request length; chunk/paged:
-    kv_lens). Checks non-decreasing cu_seqlens_q, valid entries first, no more valid entries than
-    the row's visible tokens (the early-stop rule); paged (``req_to_token`` given): table rows,
-    columns and pool slots in range. Returns {"rows", "valid", "duplicates"} counts; raises
+    """Check prefill metadata contents (host sync; debug only). ``lens``: the validity bound per
+    request (None: the request length; chunk/paged: kv_lens). Checks cu_seqlens_q, valid entries
+    first, at most the row's visible tokens valid, and (``req_to_token`` given) table rows,
+    columns and slots in range. Returns {"rows", "valid", "duplicates"} counts; raises
     ContractError naming the first violation's row and column."""
     c = _Checker(fn, False)
     cq = _np(cu_seqlens_q).astype(np.int64)
@@ -732,7 +681,8 @@ def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, req_to_
     lens = qlen if lens is None else _np(lens).astype(np.int64)
     if kind != "ordinary" and (lens < qlen).any():
         b = int(np.argmax(lens < qlen))
-        c.fail("kv_lens", "kv_lens[b] >= the request's query rows", f"request {b}: {lens[b]} < {qlen[b]}")
+        c.fail("kv_lens", "kv_lens[b] >= the request's query rows",
+               f"request {b}: {lens[b]} < {qlen[b]}")
     idx = _np(indices).astype(np.int64)
     if idx.ndim == 2:
         idx = idx[:, None, :]
