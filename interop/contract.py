@@ -34,16 +34,10 @@ __all__ = [
 QUALIFIED = {
     "head_pairs": ((24, 2), (12, 1), (6, 1)),
     "prefill_head_pairs": ((24, 2), (12, 1), (6, 1), (3, 1), (12, 2)),
-    "head_dim": 256,
-    "batch": (1, 128),
-    "max_seqlen_k": 2055,
-    "max_seqlen_q": 1,
-    "dtypes": ("bfloat16", "float16"),
-    "kv_fp8": "float8_e4m3fn",
-    "index_width": 2051,
-    # paged decode (§2b): R query rows = up to 128 requests x 4 MTP verify rows; W index columns
-    "paged_rows": (1, 512),
-    "paged_width": (1, 2055),
+    "head_dim": 256, "batch": (1, 128), "max_seqlen_k": 2055, "max_seqlen_q": 1,
+    "dtypes": ("bfloat16", "float16"), "kv_fp8": "float8_e4m3fn", "index_width": 2051,
+    # paged decode (§2b): R rows = up to 128 requests x 4 MTP verify rows; W index columns
+    "paged_rows": (1, 512), "paged_width": (1, 2055),
 }
 _FLOAT_DTYPES = ("bfloat16", "float16")
 _FP8_DTYPES = ("float8_e4m3fn",)
@@ -760,16 +754,12 @@ def check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, 
                        fn: str = "sparse_decode_paged") -> PagedDecodeProblem:
     """Check a paged decode call (``qsa-contract.md`` §2b) before any launch.
 
-    Args:
-      q: [R, Hq, D] bf16|fp16. k_cache, v_cache: [slots, Hkv, D] the pool (slots may be 0), q's
-        dtype or float8_e4m3fn, on q's device. req_to_token: int32 [max_reqs, max_context].
-      req_indices, seq_lens: int32 [R], contiguous. indices: int32 [R, W] or [R, Hkv, W] logical
-        positions (W may be 0). Last dims contiguous; contents are never read here.
-      softmax_scale: host float > 0 or None (D ** -0.5); k_scale, v_scale: host floats > 0, 1.0
-        unless the pool is FP8. batch_invariant, strict: host bools (strict: ``envelope_text``,
-        D = 256, the head pairs, 1 <= R <= 512, 1 <= W <= 2055).
-
-    Returns PagedDecodeProblem; raises ContractError (argument, expected, got, envelope).
+    q: [R, Hq, D] bf16|fp16; k_cache, v_cache: [slots, Hkv, D] (slots may be 0), q's dtype or
+    float8_e4m3fn; req_to_token: int32 [max_reqs, max_context]; req_indices, seq_lens: int32 [R];
+    indices: int32 [R, W] or [R, Hkv, W] (W may be 0); all on q's device, unit last stride, not
+    read. softmax_scale, k_scale, v_scale: as ``check_prefill_chunk``; batch_invariant, strict:
+    host bools (strict: ``envelope_text``). Returns PagedDecodeProblem; raises ContractError
+    (argument, expected, got, envelope).
     """
     c = _Checker(fn, strict)
     qs, ks, vs, rt, ri, ids, sl = c.specs(
@@ -795,14 +785,8 @@ def check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, 
 # --------------------------------------------------------------------------------------------
 # The indexer (qsa-contract.md §4b): scoring + exact top-k, and the block expansion (§4).
 QUALIFIED_INDEXER = {
-    "heads": 4,
-    "head_dim": 128,
-    "topk": 512,
-    "compress_ratio": 4,
-    "page_size": 16,
-    "dtypes": ("bfloat16", "float16"),
-    "k_fp8": "float8_e4m3fn",
-    "batch": (1, 128),
+    "heads": 4, "head_dim": 128, "topk": 512, "compress_ratio": 4, "page_size": 16,
+    "dtypes": ("bfloat16", "float16"), "k_fp8": "float8_e4m3fn", "batch": (1, 128),
 }
 _INDEXER_Q_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
 _INDEXER_MAX_HEADS = 16
@@ -820,15 +804,9 @@ def _indexer_envelope_text() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class IndexerProblem:
-    """What an indexer call resolved to (host ints).
-
-    Attributes:
-      kind: "decode" | "prefill". rows: B or T. heads, head_dim: the indexer q's. max_blocks:
-        static bound of a row's visible blocks (decode: max_pages * page_size; prefill: N).
-      pages, page_size: decode cache geometry (0 for prefill). topk, compress_ratio: as given.
-      dtype, k_dtype: q's and the keys'. compute_dtype: the dot operands' (bf16 for FP8 q: e4m3
-        values are exact in bf16).
-    """
+    """What an indexer call resolved to: ``max_blocks`` bounds a row's visible blocks (decode:
+    max_pages * page_size; prefill: N); ``pages``, ``page_size`` are 0 for prefill;
+    ``compute_dtype`` is the dots' (bf16 for FP8 q: e4m3 values are exact in bf16)."""
 
     kind: str
     rows: int
@@ -890,15 +868,11 @@ def check_indexer_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
                          fn: str = "indexer_topk_decode") -> IndexerProblem:
     """Check a decode indexer call (``qsa-contract.md`` §4b) before any launch.
 
-    Args:
-      q: [B, H, D] bf16|fp16|fp8 e4m3, last dim contiguous (H <= 16; D a power of two 32..256).
-      k_cache: [pages, page_size, 1, D] contiguous, q's dtype or FP8 (FP8 q needs FP8 keys).
-      page_table: int32 [B, max_pages >= 1], last dim contiguous; seq_lens: int32 [B] (contents
-        not read: a row sees floor(len / ratio) blocks); both on q's device.
-      topk: host int, a power of two 16..2048. compress_ratio: host int 2..16. strict: H = 4,
-        D = 128, topk 512, ratio 4, page size 16, 1 <= B <= 128.
-
-    Returns IndexerProblem; raises ContractError (argument, expected, got, envelope).
+    q: [B, H, D] bf16|fp16|fp8 e4m3 (H <= 16, D a power of two 32..256); k_cache: [pages,
+    page_size, 1, D] contiguous, q's dtype or FP8 (FP8 q needs FP8 keys); page_table: int32
+    [B, max_pages >= 1]; seq_lens: int32 [B] (not read); topk: a power of two 16..2048;
+    compress_ratio: 2..16; strict: ``QUALIFIED_INDEXER``. Returns IndexerProblem; raises
+    ContractError (argument, expected, got, envelope).
     """
     c = _Checker(fn, strict)
     qs, ks, b, heads, d, k, r, compute = _indexer_common(
@@ -924,10 +898,9 @@ def check_indexer_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
     return IndexerProblem("decode", b, heads, d, pt.shape[1] * psz, pages, psz, k, r, qs.dtype,
                           ks.dtype, compute)
 def check_indexer_plan(fn: str, prob: IndexerProblem, plan, default_plan) -> None:
-    """Raise ContractError unless the indexer plan can run the call ``prob`` (the
-    ``check_indexer_*`` result) describes (``IndexerPlan.problem``): argument ``plan`` for a
-    caller's plan that cannot, else ``page_table`` / ``k`` for a context past what the
-    backend's ``default_plan()`` (called only when ``plan`` is None) covers."""
+    """Raise ContractError unless the indexer plan can run ``prob`` (``IndexerPlan.problem``):
+    argument ``plan`` for a caller's plan, else ``page_table`` / ``k`` for a context past what
+    ``default_plan()`` (called only when ``plan`` is None) covers."""
     arg, own = ("plan", plan) if plan is not None else (
         "page_table" if prob.kind == "decode" else "k", default_plan())
     why = own.problem(prob.kind, prob.max_blocks, prob.topk)
@@ -941,13 +914,9 @@ def check_indexer_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compre
                           fn: str = "indexer_topk_prefill") -> IndexerProblem:
     """Check a prefill indexer call (``qsa-contract.md`` §4b) before any launch.
 
-    Args:
-      q: [T, H, D] as ``check_indexer_decode`` (T >= 0). k: [N, 1, D] contiguous packed
-        compressed keys (N >= 0), q's dtype or FP8.
-      row_starts, row_ends: int32 [T] on q's device: row m scores key rows [start, end) (clipped
-        to [0, N); contents not read). positions, seq_lens: int32 [T] or None (the fused
-        expansion's per-row position and bound). topk, compress_ratio, strict: as decode.
-
+    q: [T, H, D] as ``check_indexer_decode`` (T >= 0); k: [N, 1, D] contiguous packed keys, q's
+    dtype or FP8; row_starts, row_ends: int32 [T] (row m scores keys [start, end)); positions,
+    seq_lens: int32 [T] or None (the fused expansion's); metadata on q's device, not read.
     Returns IndexerProblem; raises ContractError (argument, expected, got, envelope).
     """
     c = _Checker(fn, strict)
@@ -963,12 +932,10 @@ def check_indexer_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compre
 
 def check_expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio: int = 4,
                                strict: bool = False, fn: str = "expand_block_indices") -> int:
-    """Check a block-expansion call (``qsa-contract.md`` §4) before any launch.
-
-    ``block_ids``: int32 [M, topk] contiguous row-relative block ids (negative = none);
-    ``positions``, ``seq_lens``: int32 [M] on its device; ``compress_ratio``: host int 2..16
-    (strict: 4, and topk 512). Returns the output width ``topk * ratio + ratio - 1``; raises
-    ContractError (argument, expected, got, envelope)."""
+    """Check a block-expansion call (``qsa-contract.md`` §4) before any launch: ``block_ids``
+    int32 [M, topk] contiguous; ``positions``, ``seq_lens`` int32 [M] on its device;
+    ``compress_ratio`` 2..16 (strict: 4, topk 512). Returns the width ``topk * ratio + ratio -
+    1``; raises ContractError (argument, expected, got, envelope)."""
     c = _Checker(fn, strict)
     bs = c.spec("block_ids", block_ids)
     c.rank("block_ids", bs, 2, "[M, topk] of int32 block ids")
@@ -987,9 +954,8 @@ def check_expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio
 
 
 # --------------------------------------------------------------------------------------------
-# The end-to-end QSA step (indexer -> expansion -> paged attention; ``qsa_*.step``): the
-# arguments and result as both packages document them (substituted for ``STEP_DOC`` in their
-# docstrings, each adding the errors of its framework).
+# The end-to-end step (indexer -> expansion -> paged attention) as both packages document it
+# (substituted for ``STEP_DOC`` in their docstrings).
 DECODE_STEP_DOC = """``sparse_decode_paged``'s arguments with its ``indices`` replaced by the
     indexer's inputs (``index_q``, ``index_k_cache``, ``index_page_table``), same order and
     meaning in ``qsa_triton`` and ``qsa_pallas``. Row r is one decode query (MTP verify rows are rows too) of
@@ -1056,17 +1022,15 @@ PREFILL_STEP_DOC = """``sparse_prefill_paged``'s arguments with its ``indices`` 
       rows outside every request. Equal to ``interop.reference.prefill_step_reference`` within
       the attention tolerance."""
 
-# Every argument of both halves is checked before anything runs, under the step's names.
 _STEP_INDEXER_NAMES = {"q": "index_q", "k_cache": "index_k_cache", "page_table": "index_page_table",
                        "k": "index_k"}
 
 
 def _check_step(fn: str, strict: bool, q, index_q, indexer, attention):
-    """The order both step checks share: one row of ``index_q`` per row of ``q``, on q's device;
-    the indexer half (``indexer(meta)``, ``meta`` an int32 [rows] spec on q's device standing for
-    the per-row metadata the step derives), its errors renamed to the step's arguments
-    (``index_q``, ...); then the attention half (``attention(ids)``, ``ids`` the indexer's output
-    spec, int32 [rows, width]). Returns (checker, q's spec, IndexerProblem, attention problem)."""
+    """Both step checks: one ``index_q`` row per ``q`` row on q's device; ``indexer(meta)``
+    (``meta``: an int32 [rows] spec for the metadata the step derives), its errors renamed to the
+    step's arguments; then ``attention(ids)`` (``ids``: the indexer's int32 [rows, width]
+    output). Returns (checker, q's spec, IndexerProblem, attention problem)."""
     c = _Checker(fn, strict)
     qs, iq = c.specs(q=q, index_q=index_q)
     c.rank("q", qs, 3, "[rows, Hq, D]")
@@ -1089,12 +1053,11 @@ def check_decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, i
                       topk: int = 512, compress_ratio: int = 4, batch_invariant: bool = False,
                       strict: bool = False, attention_strict: bool = False,
                       fn: str = "qsa_decode_step") -> tuple[PagedDecodeProblem, IndexerProblem]:
-    """Check a decode step call (``qsa_*.qsa_decode_step``) before anything runs: the
-    indexer's inputs as ``check_indexer_decode``, the attention's as ``check_decode_paged`` with the
-    indexer's output (int32 [R, topk * ratio + ratio - 1]) as its ``indices``, one ``index_q`` row
-    per ``q`` row on q's device. ``attention_strict``: the attention's envelope alone (where
-    ``route`` sends decode to the exact contract). Returns (PagedDecodeProblem, IndexerProblem);
-    raises ContractError naming the step's argument, expected, got, and both envelopes."""
+    """Check a decode step call (``DECODE_STEP_DOC``) before anything runs: the indexer's inputs
+    as ``check_indexer_decode``, the attention's as ``check_decode_paged`` with the indexer's
+    output as ``indices``. ``attention_strict``: the attention's envelope alone (the exact
+    contract). Returns (PagedDecodeProblem, IndexerProblem); raises ContractError naming the
+    step's argument, expected, got and both envelopes."""
     _, _, ip, ap = _check_step(
         fn, strict, q, index_q,
         lambda meta: check_indexer_decode(index_q, index_k_cache, index_page_table, seq_lens,
@@ -1112,11 +1075,10 @@ def check_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, 
                        k_scale=1.0, v_scale=1.0, *, topk: int = 512, compress_ratio: int = 4,
                        strict: bool = False, fn: str = "qsa_prefill_step"
                        ) -> tuple[PrefillProblem, IndexerProblem]:
-    """Check a prefill step call (``qsa_*.qsa_prefill_step``) before anything runs:
-    ``index_q``, ``index_k`` as ``check_indexer_prefill`` (the per-row metadata the step derives is
-    int32 [T] on q's device), the attention's inputs as ``check_prefill_paged`` with the indexer's
-    output as ``indices``, ``index_cu_seqlens_k`` int32 [B + 1] on q's device, one ``index_q`` row
-    per ``q`` row. Returns (PrefillProblem, IndexerProblem); raises as ``check_decode_step``."""
+    """Check a prefill step call (``PREFILL_STEP_DOC``) before anything runs: ``index_q``,
+    ``index_k`` as ``check_indexer_prefill``, the attention's inputs as ``check_prefill_paged``
+    with the indexer's output as ``indices``, ``index_cu_seqlens_k`` int32 [B + 1] on q's device.
+    Returns (PrefillProblem, IndexerProblem); raises as ``check_decode_step``."""
     c, qs, ip, ap = _check_step(
         fn, strict, q, index_q,
         lambda meta: check_indexer_prefill(index_q, index_k, meta, meta, topk=topk,
@@ -1132,10 +1094,9 @@ def check_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, 
 def validate_indexer_decode_metadata(page_table, seq_lens, pages: int, page_size: int, *,
                                      compress_ratio: int = 4, fn: str = "indexer_topk_decode"
                                      ) -> None:
-    """Check decode indexer metadata contents (host sync; debug only). The kernels never read
-    outside their buffers (a row's blocks stop at the table's capacity, a page id outside
-    [0, pages) scores 0), but both are caller bugs: raises ContractError for a row with more blocks
-    than ``max_pages * page_size`` or a visible block's page id outside ``[0, pages)``."""
+    """Check decode indexer metadata contents (host sync; debug only): raises ContractError for a
+    row with more blocks than ``max_pages * page_size`` or a visible block's page id outside
+    ``[0, pages)`` (the kernels stay in bounds, but both are caller bugs)."""
     c = _Checker(fn, False)
     pt = _np(page_table).astype(np.int64)
     nb = np.maximum(_np(seq_lens).astype(np.int64), 0) // compress_ratio
@@ -1154,7 +1115,7 @@ def validate_indexer_decode_metadata(page_table, seq_lens, pages: int, page_size
 def validate_indexer_prefill_metadata(row_starts, row_ends, num_keys: int, *,
                                       fn: str = "indexer_topk_prefill") -> None:
     """Check prefill indexer row ranges ``0 <= start <= end <= N`` (host sync; debug only);
-    raises ContractError for the first row outside (the kernels clip it to [0, N))."""
+    raises ContractError for the first row outside."""
     c = _Checker(fn, False)
     rs, re = _np(row_starts).astype(np.int64), _np(row_ends).astype(np.int64)
     bad = (rs < 0) | (re < rs) | (re > num_keys)

@@ -77,31 +77,21 @@ _SM90 = ((128, (64, 8, 3)), (256, (64, 4, 2)), (1024, (32, 4, 2)), (None, (64, 4
 _SM90_PALLAS = ((128, (64, 8, 3)), (256, (64, 4, 2)), (None, (32, 4, 2)))
 
 TABLES: dict[str, tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
-    "h20-table": _H20,
-    "l20-table": _L20,
-    "sm90-table": _SM90,
-    "sm90-table-pallas": _SM90_PALLAS,
+    "h20-table": _H20, "l20-table": _L20, "sm90-table": _SM90, "sm90-table-pallas": _SM90_PALLAS,
 }
 _BACKEND_TABLE = {("pallas", "sm90-table"): "sm90-table-pallas"}
 
 # Upstream's SM120 tuned family (qsa-contract.md §3); by_group: (BLOCK_M, BLOCK_N, warps, stages).
 TUNED_SM120 = {
-    "cc": (12, 0),
-    "sm_count": 188,
-    "min_triton": (3, 7),
-    "head_dim": 256,
-    "width": 2051,
+    "cc": (12, 0), "sm_count": 188, "min_triton": (3, 7), "head_dim": 256, "width": 2051,
     "by_group": {6: (8, 16, 4, 3), 12: (16, 16, 2, 3)},
-    "ordinary_min_total_q": 8192,
-    "chunk_min_rows_per_request": 512,
+    "ordinary_min_total_q": 8192, "chunk_min_rows_per_request": 512,
     "chunk_max_ragged_factor": 2,  # max_q * requests <= factor * total_q
 }
 
 # Route geometry source -> table name (the SM120 188-SM route falls back to L20).
 _ROUTE_TABLE = {
-    "sm90-table": "sm90-table",
-    "l20-table": "l20-table",
-    "h20-table": "h20-table",
+    "sm90-table": "sm90-table", "l20-table": "l20-table", "h20-table": "h20-table",
     "sm120-tuned-or-table": "l20-table",
 }
 
@@ -324,13 +314,8 @@ BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (p
 #: keys sorted in registers; ``max_union_work``: see ``max_union_entries``; ``tile``: (BLOCK_N,
 #: warps, stages) by arch (4 warps: one warpgroup owns the 64-row tile; 2 stages fit sm_12x).
 UNION_RULES = {
-    "q_rows": 64,
-    "max_tile_rows": 8,
-    "min_rows_per_request": 2,
-    "min_overlap": 0.3,
-    "max_sort_keys": 8192,
-    "max_union_work": 1.5,
-    "tile": {"default": (32, 4, 2)},
+    "q_rows": 64, "max_tile_rows": 8, "min_rows_per_request": 2, "min_overlap": 0.3,
+    "max_sort_keys": 8192, "max_union_work": 1.5, "tile": {"default": (32, 4, 2)},
 }
 
 
