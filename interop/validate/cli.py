@@ -92,9 +92,8 @@ def _finite_json(obj):
 
 
 def _write_json(path: str, doc: dict, *, say: bool = True) -> Path:
-    """Write ``doc`` (plus the package versions) as strict JSON, parent folders created, and
-    (``say``) print ``wrote PATH``. The file is replaced whole, so a run cut short leaves the
-    last complete document."""
+    """Write ``doc`` and the versions as strict JSON, replacing the file whole (a run cut short
+    leaves the last complete document); ``say``: print ``wrote PATH``."""
     from .crosscheck import versions  # noqa: PLC0415
 
     path = Path(path)
@@ -116,9 +115,8 @@ def load_check_implementations(interpret: bool):
 
 
 def _implementations(args) -> tuple[bool, str, list]:
-    """(interpret, device, implementations) of check / replay / capture: the backends set up
-    (``crosscheck.prepare_backends``), ``--impls`` applied, the ``--peer`` appended (skipped with
-    a note when its files are absent)."""
+    """(interpret, device, implementations) of check / replay: ``--impls`` applied, the
+    ``--peer`` appended (skipped with a note when its files are absent)."""
     from . import crosscheck as X  # noqa: PLC0415
 
     interpret = X.prepare_backends(True if args.interpret else None)
@@ -204,22 +202,21 @@ def _cmd_contract(args) -> int:
 
 
 def _contract_self_test() -> int:
-    """--strict: run the strict checks on the envelope's corners (all must pass) and just
-    outside them (all must be refused); print the outcome; 1 on any surprise."""
+    """--strict: the envelope's corners must pass the strict checks and the cases just outside
+    be refused; prints the outcome, returns 1 on any surprise."""
     from interop.contract import QUALIFIED, ContractError, TensorSpec, check_decode  # noqa: PLC0415
     from interop.contract import check_prefill_chunk  # noqa: PLC0415
 
     def dec(b=1, hq=24, hkv=2, msk=2051, d=256, msq=1):
-        q, kv, cu = TensorSpec((b, hq, d), "bfloat16"), TensorSpec((4096, hkv, d), "bfloat16"), \
-            TensorSpec((b + 1,), "int32")
-        return check_decode(q, kv, kv, cu, cu, msk, max_seqlen_q=msq, strict=True)
+        kv, cu = TensorSpec((4096, hkv, d), "bfloat16"), TensorSpec((b + 1,), "int32")
+        return check_decode(TensorSpec((b, hq, d), "bfloat16"), kv, kv, cu, cu, msk,
+                            max_seqlen_q=msq, strict=True)
 
     def pre(hq, hkv, kv="bfloat16", t=64, d=256):
-        q, k, one = TensorSpec((t, hq, d), "bfloat16"), TensorSpec((512, hkv, d), kv), \
-            TensorSpec((1,), "int32")
-        return check_prefill_chunk(q, k, k, TensorSpec((t, 2051), "int32"),
-                                   TensorSpec((2,), "int32"), TensorSpec((2,), "int32"), one, t,
-                                   strict=True)
+        k, two = TensorSpec((512, hkv, d), kv), TensorSpec((2,), "int32")
+        return check_prefill_chunk(TensorSpec((t, hq, d), "bfloat16"), k, k,
+                                   TensorSpec((t, 2051), "int32"), two, two,
+                                   TensorSpec((1,), "int32"), t, strict=True)
 
     (lo, hi), msk = QUALIFIED["batch"], QUALIFIED["max_seqlen_k"]
     cases = [(f"decode ({hq},{hkv}) B={b}" + (f" max_seqlen_k={m}" if b == lo else ""), dec,
@@ -297,7 +294,7 @@ def _run_with_progress(X, specs, impls, device, reference, after) -> list:
 
 
 def _cmd_check_tp(args) -> int:
-    """``qsa check --tp N``: ``interop.validate.tp.check``; exit 2 where the devices are missing."""
+    """``qsa check --tp N`` (``interop.validate.tp.check``); 2 where the devices are missing."""
     from . import crosscheck as X  # noqa: PLC0415
     from . import tp as TP  # noqa: PLC0415
 
@@ -401,8 +398,7 @@ def _cmd_compile(args) -> int:
     bad = [f for f in families if f not in allowed]
     if bad:
         raise UsageError(f"--family: unknown {bad}; allowed: {', '.join(allowed)}")
-    # the CPUs this process may run on (a cgroup-limited CI container reports the host's count
-    # through os.cpu_count())
+    # the CPUs this process may run on (os.cpu_count() reports a CI container's host's count)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     jobs = args.jobs if args.jobs is not None else min(cpus or 1, 4)
     if jobs < 1:
@@ -457,13 +453,12 @@ BENCHES = {
     "indexer": "the QSA indexer (scoring + exact top-512 + expansion), decode and prefill: "
                "qsa_triton and qsa_pallas vs upstream's torch path and XLA (bench/indexer.py)",
 }
-BENCH_USAGE = f"usage: qsa bench {{{','.join(BENCHES)}}} [OPTIONS...]"
 
 
 def _bench_usage(file) -> None:
     import textwrap  # noqa: PLC0415
 
-    print(BENCH_USAGE, file=file)
+    print(f"usage: qsa bench {{{','.join(BENCHES)}}} [OPTIONS...]", file=file)
     print("\nBenchmarks on a CUDA GPU; they live in the repository's bench/ folder (run from a "
           "checkout).\n", file=file)
     for name, text in BENCHES.items():
