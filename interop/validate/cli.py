@@ -615,9 +615,8 @@ def _command(sub, name: str, func: Callable, help: str, *shared: str, **kwargs):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with every subcommand."""
-    parser = argparse.ArgumentParser(
-        prog="qsa", description="QSA sparse attention: contract, cross-check, compile, bench, "
-        "capture/replay")
+    parser = argparse.ArgumentParser(prog="qsa", description="QSA sparse attention: contract, "
+                                     "cross-check, compile, bench, capture/replay")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = _command(sub, "contract", _cmd_contract, "print every entry point's qualified envelope "
@@ -630,10 +629,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "envelope's corners and just outside (exit 1 if any is accepted/refused wrongly)")
 
     p = _command(sub, "check", _cmd_check, "cross-check Pallas vs Triton vs the FP64 reference",
-                 "--json", "--peer", "--interpret", "--reference",
-                 description="Feed identical inputs to qsa_pallas and qsa_triton (zero-copy "
-                 "through DLPack), compare each with the FP64 reference and with each other "
-                 "(and with upstream SGLang with --peer). Exit status 1 if any case fails.")
+                 "--json", "--peer", "--interpret", "--reference", description="Feed identical "
+                 "inputs to qsa_pallas and qsa_triton (zero-copy through DLPack), compare each "
+                 "with the FP64 reference and with each other (and with upstream SGLang with "
+                 "--peer). Exit status 1 if any case fails.")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
                       help="the reduced matrix (default on a CPU machine: interpret mode)")
@@ -671,8 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pallas-modules", metavar="M,..", help="modules whose "
                    "lowering_cases(device_kind) replace the built-in Pallas lists")
 
-    # listed for `qsa --help`; main() hands `qsa bench ...` to bench_main before argparse, so
-    # that every option after WHICH reaches the benchmark's own parser untouched
+    # listed for `qsa --help`; main() hands `qsa bench ...` to bench_main before argparse
     sub.add_parser("bench", help="benchmarks on a GPU: decode | prefill | indexer "
                    "(bench/decode.py, bench/prefill.py, bench/indexer.py)", add_help=False)
 
@@ -684,9 +682,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", metavar="FILE", help="qsa-capture/1 safetensors files")
     p.add_argument("--rel-l2", type=float, help="relative L2 limit vs the reference (default "
                    "5e-3; upstream uses 2e-3 on real captured tensors)")
-    p.add_argument("--fail-on-stored", action="store_true",
-                   help="exit 1 also when a file's stored output is outside tolerance of the FP64 "
-                   "reference (default: a WARNING; the implementations are what is judged)")
+    p.add_argument("--fail-on-stored", action="store_true", help="exit 1 also when a file's "
+                   "stored output is outside tolerance of the FP64 reference (default: a "
+                   "WARNING; the implementations are what is judged)")
 
     p = _command(sub, "capture", _cmd_capture, "save one `qsa check` case (decode, prefill or "
                  "paged decode) and an implementation's output as a capture file (for qsa replay)",
