@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+import platform
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -89,8 +90,6 @@ def _rank_shape(q, k) -> str:
 
 def _device_meta(t) -> tuple[str, str]:
     if t.device.type != "cuda":
-        import platform  # noqa: PLC0415
-
         return "cpu", f"CPU ({platform.machine()})"
     import torch  # noqa: PLC0415
 

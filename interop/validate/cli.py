@@ -12,9 +12,16 @@ imported by the commands that need them, so ``qsa contract`` works on a numpy-on
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import math
+import os
+import platform
+import shutil
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -44,8 +51,6 @@ def _console():
         from rich.console import Console  # noqa: PLC0415
     except ImportError:
         return None
-    import shutil  # noqa: PLC0415
-
     return Console(highlight=False, soft_wrap=False,
                    width=max(100, shutil.get_terminal_size((120, 24)).columns))
 
@@ -247,8 +252,6 @@ def _contract_self_test() -> int:
 # qsa check
 def _device_name(device: str) -> str:
     if device == "cpu":
-        import platform  # noqa: PLC0415
-
         return f"CPU ({platform.machine()}), interpreters"
     try:
         import torch  # noqa: PLC0415
@@ -261,8 +264,6 @@ def _device_name(device: str) -> str:
 def _run_with_progress(X, specs, impls, device, reference, after) -> list:
     """Run the matrix: a rich progress bar on a terminal, else one line per case (every failure;
     every case of a matrix up to 300, else every tenth); ``after(results so far)`` after each."""
-    import contextlib  # noqa: PLC0415
-
     prog = None
     if sys.stderr.isatty():
         try:
@@ -387,9 +388,6 @@ _COMPILE_COLUMNS = ("family", "arch", "config", "warps/stages", "shared B / limi
 
 
 def _cmd_compile(args) -> int:
-    import os  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-
     from . import compile as CC  # noqa: PLC0415
 
     archs = _parsed(CC.parse_archs, args.arch)
@@ -456,8 +454,6 @@ BENCHES = {
 
 
 def _bench_usage(file) -> None:
-    import textwrap  # noqa: PLC0415
-
     print(f"usage: qsa bench {{{','.join(BENCHES)}}} [OPTIONS...]", file=file)
     print("\nBenchmarks on a CUDA GPU; they live in the repository's bench/ folder (run from a "
           "checkout).\n", file=file)
@@ -472,8 +468,6 @@ def bench_main(argv: Sequence[str]) -> int:
     """``qsa bench WHICH [OPTIONS...]``: hand the options to ``bench/<WHICH>.py``'s ``main``
     (its own argparse, so ``--help`` shows its real options). Exit status 2 with a usage when
     WHICH is missing or unknown."""
-    import importlib  # noqa: PLC0415
-
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         _bench_usage(sys.stdout if argv else sys.stderr)
@@ -545,8 +539,6 @@ def _cmd_replay(args) -> int:
 
 
 def _cmd_capture(args) -> int:
-    import textwrap  # noqa: PLC0415
-
     from . import capture as CAP  # noqa: PLC0415
     from . import crosscheck as X  # noqa: PLC0415
 

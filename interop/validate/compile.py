@@ -17,9 +17,12 @@ Needs ``TRITON_INTERPRET`` off: ``qsa compile`` re-runs itself without it.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import functools
 import importlib
+import itertools
+import multiprocessing as mp
 import os
 import re
 import shutil
@@ -377,8 +380,6 @@ def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
 
 def _paged_shapes(dtype: str):
     """((Hq, Hkv), pool dtype, batch_invariant, R) of the paged decode lists."""
-    import itertools  # noqa: PLC0415
-
     from interop.contract import QUALIFIED  # noqa: PLC0415
 
     lo, hi = QUALIFIED["paged_rows"]
@@ -738,9 +739,6 @@ def run(archs: Sequence[str] = DEFAULT_ARCHS, families: Sequence[str] = ("triton
             progress(f"compiling {fam} kernels for {arch} ({DEVICE_KIND[arch]}) ...")
             out += _check_group(fam, arch, modules)
         return out
-    import concurrent.futures as cf  # noqa: PLC0415
-    import multiprocessing as mp  # noqa: PLC0415
-
     # spawn: a forked child would inherit JAX's / torch's threads mid-state
     with cf.ProcessPoolExecutor(max_workers=min(jobs, len(groups)),
                                 mp_context=mp.get_context("spawn")) as pool:

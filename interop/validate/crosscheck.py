@@ -13,10 +13,13 @@ cases ``torch_reference`` (float64 torch, batched). torch and jax are imported l
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
+import sys
 import time
 import traceback
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -40,9 +43,6 @@ PREFILL_KIND = {ENTRY[k]: k for k in PREFILL_KINDS}
 
 def versions() -> dict:
     """Python's and the packages' versions (None: not installed), for reports and captures."""
-    import sys  # noqa: PLC0415
-    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
-
     def get(pkg):
         try:
             return version(pkg)
@@ -107,8 +107,6 @@ class Implementation:
 
 def _entry_points(package: str) -> dict[str, Callable]:
     """The ``interop.cases.ENTRY`` entry points of a package (none when it cannot be imported)."""
-    import importlib  # noqa: PLC0415
-
     try:
         mod = importlib.import_module(package)
     except ImportError:
@@ -126,8 +124,6 @@ def load_implementations(interpret: bool) -> list[Implementation]:
 
 def _interpreter_bf16_guard(spec) -> str | None:
     """Skip bf16 cases in Triton's interpreter (unless the test-only patch is active)."""
-    import sys  # noqa: PLC0415
-
     patch = sys.modules.get("tests.triton_interp_patch")
     if getattr(spec, "dtype", None) != "bfloat16" or getattr(patch, "applied", False):
         return None

@@ -22,6 +22,7 @@ interleaved over ``ROUNDS``, medians; PASS within ``TIME_LIMIT`` of the single-G
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import statistics
@@ -291,8 +292,6 @@ def _rank_main(rank: int, tp: int, device: str, cases: list[TPCase], tmp: str,
                time: bool) -> None:
     """One rank: its heads of rank 0's inputs through ``qsa_triton``, outputs gathered as bytes
     and judged on rank 0 (which writes ``tmp/ranks.json``); the last rank's DLPack hand-off."""
-    import datetime  # noqa: PLC0415
-
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
