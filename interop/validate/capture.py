@@ -22,10 +22,9 @@ batch_invariant); ``fp8_tensors`` (JSON list); ``arch`` ("sm_90", or "cpu"); ``d
 ``rank_shape`` ("TP1 Hq=24 Hkv=2 D=256"); ``model_revision`` (free text); ``producer`` (who
 produced ``expected_out``); ``created`` (UTC ISO time); ``versions`` (JSON); ``note``.
 
-``capture_call(fn, *args, path=..., **kwargs)`` calls any implementation with the contract's
-signature and stores its inputs and output; ``replay(paths, impls)`` runs every implementation
-on each file against the FP64 reference and the stored output. Imports torch and safetensors
-lazily.
+``capture_call(fn, *args, path=..., **kwargs)`` calls an entry point and stores its inputs and
+output; ``replay(paths, impls)`` runs every implementation on each file against the FP64
+reference and the stored output.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+import platform
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -42,16 +42,15 @@ __all__ = ["FORMAT", "ENTRIES", "Capture", "save_capture", "capture_call", "load
            "replay", "spec_for"]
 
 FORMAT = "qsa-capture/1"
-#: the entry points a capture file can hold: the attention ones (packed and paged decode, the
-#: prefill variants)
+#: the entry points a capture file can hold: the attention ones
 ENTRIES = tuple(e for e, op in ENTRY_OP.items() if op in ("decode", "prefill", "paged"))
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 
 
 @dataclasses.dataclass
 class Capture:
-    """A loaded capture: ``entry`` point name, ``tensors`` parameter name -> torch tensor (CPU,
-    original dtype), host ``scalars``, ``expected`` stored output or None, raw ``metadata``."""
+    """A loaded capture: ``tensors`` parameter name -> torch tensor (CPU, original dtype), host
+    ``scalars``, ``expected`` stored output or None, raw ``metadata``."""
 
     entry: str
     tensors: dict
@@ -91,8 +90,6 @@ def _rank_shape(q, k) -> str:
 
 def _device_meta(t) -> tuple[str, str]:
     if t.device.type != "cuda":
-        import platform  # noqa: PLC0415
-
         return "cpu", f"CPU ({platform.machine()})"
     import torch  # noqa: PLC0415
 
@@ -158,16 +155,9 @@ def save_capture(path, entry: str, values: dict, *, expected=None, model_revisio
 
 def capture_call(fn, *args, path, entry: str | None = None, model_revision: str = "",
                  producer: str | None = None, note: str = "", **kwargs):
-    """Call ``fn(*args, **kwargs)`` and save the call (inputs + output) to ``path``.
-
-    Args:
-      fn: an entry point with the contract's signature (e.g. ``qsa_triton.sparse_decode``).
-      entry: entry point name (default ``fn.__name__``).
-      producer: recorded as who produced the output (default ``module.name`` of fn).
-
-    Returns:
-      fn's output (unchanged).
-    """
+    """Call ``fn(*args, **kwargs)`` (an entry point, named ``entry``, default ``fn.__name__``),
+    save its inputs and output to ``path`` (``producer`` default ``module.entry``) and return the
+    output. Raises ValueError: ``entry`` not one of ``ENTRIES``."""
     entry = entry or getattr(fn, "__name__", "")
     if entry not in ENTRIES:
         raise ValueError(f"cannot tell the entry point of {fn!r}; pass entry= one of {list(ENTRIES)}")
@@ -208,8 +198,7 @@ def load_capture(path) -> Capture:
 
 
 def spec_for(cap: Capture, name: str):
-    """A ``crosscheck`` spec describing a capture's shapes (for ``Implementation.supports`` and
-    the reference's size)."""
+    """A ``crosscheck`` spec of a capture's shapes (for ``Implementation.supports``)."""
     from interop.cases import DecodeSpec, PagedSpec, PrefillSpec  # noqa: PLC0415
 
     from .crosscheck import PREFILL_KIND  # noqa: PLC0415
@@ -240,15 +229,10 @@ def spec_for(cap: Capture, name: str):
 
 def replay(paths: Sequence, impls, *, device: str = "cpu", reference: str = "auto",
            rel_l2_limit: float | None = None) -> list[tuple[Capture, Any, dict]]:
-    """Run every implementation on each capture.
-
-    Returns:
-      per file: (capture, ``crosscheck.CaseResult``, stored) where stored is
-      ``{"rel_l2_vs_reference": ..., "within_tolerance": bool}`` for the stored output (None
-      when the file has none). Implementations are judged against the FP64 reference (rtol =
-      atol = 2e-2, rel L2 <= ``rel_l2_limit``, default 5e-3); their rel L2 against the stored
-      output is reported as ``rel_l2_vs_expected``.
-    """
+    """Run every implementation on each capture, judged against the FP64 reference (rel L2 <=
+    ``rel_l2_limit``, default ``REL_L2``). Returns per file (capture, ``crosscheck.CaseResult``,
+    stored): stored ``{"rel_l2_vs_reference", "within_tolerance"}`` of the stored output, None
+    when the file has none."""
     from interop.cases import compare  # noqa: PLC0415
 
     from . import crosscheck as X  # noqa: PLC0415

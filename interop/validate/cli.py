@@ -12,9 +12,16 @@ imported by the commands that need them, so ``qsa contract`` works on a numpy-on
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import math
+import os
+import platform
+import shutil
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -44,8 +51,6 @@ def _console():
         from rich.console import Console  # noqa: PLC0415
     except ImportError:
         return None
-    import shutil  # noqa: PLC0415
-
     return Console(highlight=False, soft_wrap=False,
                    width=max(100, shutil.get_terminal_size((120, 24)).columns))
 
@@ -92,9 +97,8 @@ def _finite_json(obj):
 
 
 def _write_json(path: str, doc: dict, *, say: bool = True) -> Path:
-    """Write ``doc`` (plus the package versions) as strict JSON, parent folders created, and
-    (``say``) print ``wrote PATH``. The file is replaced whole, so a run cut short leaves the
-    last complete document."""
+    """Write ``doc`` and the versions as strict JSON, replacing the file whole (a run cut short
+    leaves the last complete document); ``say``: print ``wrote PATH``."""
     from .crosscheck import versions  # noqa: PLC0415
 
     path = Path(path)
@@ -116,9 +120,8 @@ def load_check_implementations(interpret: bool):
 
 
 def _implementations(args) -> tuple[bool, str, list]:
-    """(interpret, device, implementations) of check / replay / capture: the backends set up
-    (``crosscheck.prepare_backends``), ``--impls`` applied, the ``--peer`` appended (skipped with
-    a note when its files are absent)."""
+    """(interpret, device, implementations) of check / replay: ``--impls`` applied, the
+    ``--peer`` appended (skipped with a note when its files are absent)."""
     from . import crosscheck as X  # noqa: PLC0415
 
     interpret = X.prepare_backends(True if args.interpret else None)
@@ -204,22 +207,21 @@ def _cmd_contract(args) -> int:
 
 
 def _contract_self_test() -> int:
-    """--strict: run the strict checks on the envelope's corners (all must pass) and just
-    outside them (all must be refused); print the outcome; 1 on any surprise."""
+    """--strict: the envelope's corners must pass the strict checks and the cases just outside
+    be refused; prints the outcome, returns 1 on any surprise."""
     from interop.contract import QUALIFIED, ContractError, TensorSpec, check_decode  # noqa: PLC0415
     from interop.contract import check_prefill_chunk  # noqa: PLC0415
 
     def dec(b=1, hq=24, hkv=2, msk=2051, d=256, msq=1):
-        q, kv, cu = TensorSpec((b, hq, d), "bfloat16"), TensorSpec((4096, hkv, d), "bfloat16"), \
-            TensorSpec((b + 1,), "int32")
-        return check_decode(q, kv, kv, cu, cu, msk, max_seqlen_q=msq, strict=True)
+        kv, cu = TensorSpec((4096, hkv, d), "bfloat16"), TensorSpec((b + 1,), "int32")
+        return check_decode(TensorSpec((b, hq, d), "bfloat16"), kv, kv, cu, cu, msk,
+                            max_seqlen_q=msq, strict=True)
 
     def pre(hq, hkv, kv="bfloat16", t=64, d=256):
-        q, k, one = TensorSpec((t, hq, d), "bfloat16"), TensorSpec((512, hkv, d), kv), \
-            TensorSpec((1,), "int32")
-        return check_prefill_chunk(q, k, k, TensorSpec((t, 2051), "int32"),
-                                   TensorSpec((2,), "int32"), TensorSpec((2,), "int32"), one, t,
-                                   strict=True)
+        k, two = TensorSpec((512, hkv, d), kv), TensorSpec((2,), "int32")
+        return check_prefill_chunk(TensorSpec((t, hq, d), "bfloat16"), k, k,
+                                   TensorSpec((t, 2051), "int32"), two, two,
+                                   TensorSpec((1,), "int32"), t, strict=True)
 
     (lo, hi), msk = QUALIFIED["batch"], QUALIFIED["max_seqlen_k"]
     cases = [(f"decode ({hq},{hkv}) B={b}" + (f" max_seqlen_k={m}" if b == lo else ""), dec,
@@ -250,8 +252,6 @@ def _contract_self_test() -> int:
 # qsa check
 def _device_name(device: str) -> str:
     if device == "cpu":
-        import platform  # noqa: PLC0415
-
         return f"CPU ({platform.machine()}), interpreters"
     try:
         import torch  # noqa: PLC0415
@@ -264,8 +264,6 @@ def _device_name(device: str) -> str:
 def _run_with_progress(X, specs, impls, device, reference, after) -> list:
     """Run the matrix: a rich progress bar on a terminal, else one line per case (every failure;
     every case of a matrix up to 300, else every tenth); ``after(results so far)`` after each."""
-    import contextlib  # noqa: PLC0415
-
     prog = None
     if sys.stderr.isatty():
         try:
@@ -297,7 +295,7 @@ def _run_with_progress(X, specs, impls, device, reference, after) -> list:
 
 
 def _cmd_check_tp(args) -> int:
-    """``qsa check --tp N``: ``interop.validate.tp.check``; exit 2 where the devices are missing."""
+    """``qsa check --tp N`` (``interop.validate.tp.check``); 2 where the devices are missing."""
     from . import crosscheck as X  # noqa: PLC0415
     from . import tp as TP  # noqa: PLC0415
 
@@ -390,9 +388,6 @@ _COMPILE_COLUMNS = ("family", "arch", "config", "warps/stages", "shared B / limi
 
 
 def _cmd_compile(args) -> int:
-    import os  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-
     from . import compile as CC  # noqa: PLC0415
 
     archs = _parsed(CC.parse_archs, args.arch)
@@ -401,8 +396,7 @@ def _cmd_compile(args) -> int:
     bad = [f for f in families if f not in allowed]
     if bad:
         raise UsageError(f"--family: unknown {bad}; allowed: {', '.join(allowed)}")
-    # the CPUs this process may run on (a cgroup-limited CI container reports the host's count
-    # through os.cpu_count())
+    # the CPUs this process may run on (os.cpu_count() reports a CI container's host's count)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     jobs = args.jobs if args.jobs is not None else min(cpus or 1, 4)
     if jobs < 1:
@@ -457,13 +451,10 @@ BENCHES = {
     "indexer": "the QSA indexer (scoring + exact top-512 + expansion), decode and prefill: "
                "qsa_triton and qsa_pallas vs upstream's torch path and XLA (bench/indexer.py)",
 }
-BENCH_USAGE = f"usage: qsa bench {{{','.join(BENCHES)}}} [OPTIONS...]"
 
 
 def _bench_usage(file) -> None:
-    import textwrap  # noqa: PLC0415
-
-    print(BENCH_USAGE, file=file)
+    print(f"usage: qsa bench {{{','.join(BENCHES)}}} [OPTIONS...]", file=file)
     print("\nBenchmarks on a CUDA GPU; they live in the repository's bench/ folder (run from a "
           "checkout).\n", file=file)
     for name, text in BENCHES.items():
@@ -477,8 +468,6 @@ def bench_main(argv: Sequence[str]) -> int:
     """``qsa bench WHICH [OPTIONS...]``: hand the options to ``bench/<WHICH>.py``'s ``main``
     (its own argparse, so ``--help`` shows its real options). Exit status 2 with a usage when
     WHICH is missing or unknown."""
-    import importlib  # noqa: PLC0415
-
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         _bench_usage(sys.stdout if argv else sys.stderr)
@@ -550,8 +539,6 @@ def _cmd_replay(args) -> int:
 
 
 def _cmd_capture(args) -> int:
-    import textwrap  # noqa: PLC0415
-
     from . import capture as CAP  # noqa: PLC0415
     from . import crosscheck as X  # noqa: PLC0415
 
@@ -620,9 +607,8 @@ def _command(sub, name: str, func: Callable, help: str, *shared: str, **kwargs):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with every subcommand."""
-    parser = argparse.ArgumentParser(
-        prog="qsa", description="QSA sparse attention: contract, cross-check, compile, bench, "
-        "capture/replay")
+    parser = argparse.ArgumentParser(prog="qsa", description="QSA sparse attention: contract, "
+                                     "cross-check, compile, bench, capture/replay")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = _command(sub, "contract", _cmd_contract, "print every entry point's qualified envelope "
@@ -635,10 +621,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "envelope's corners and just outside (exit 1 if any is accepted/refused wrongly)")
 
     p = _command(sub, "check", _cmd_check, "cross-check Pallas vs Triton vs the FP64 reference",
-                 "--json", "--peer", "--interpret", "--reference",
-                 description="Feed identical inputs to qsa_pallas and qsa_triton (zero-copy "
-                 "through DLPack), compare each with the FP64 reference and with each other "
-                 "(and with upstream SGLang with --peer). Exit status 1 if any case fails.")
+                 "--json", "--peer", "--interpret", "--reference", description="Feed identical "
+                 "inputs to qsa_pallas and qsa_triton (zero-copy through DLPack), compare each "
+                 "with the FP64 reference and with each other (and with upstream SGLang with "
+                 "--peer). Exit status 1 if any case fails.")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
                       help="the reduced matrix (default on a CPU machine: interpret mode)")
@@ -676,8 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pallas-modules", metavar="M,..", help="modules whose "
                    "lowering_cases(device_kind) replace the built-in Pallas lists")
 
-    # listed for `qsa --help`; main() hands `qsa bench ...` to bench_main before argparse, so
-    # that every option after WHICH reaches the benchmark's own parser untouched
+    # listed for `qsa --help`; main() hands `qsa bench ...` to bench_main before argparse
     sub.add_parser("bench", help="benchmarks on a GPU: decode | prefill | indexer "
                    "(bench/decode.py, bench/prefill.py, bench/indexer.py)", add_help=False)
 
@@ -689,9 +674,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", metavar="FILE", help="qsa-capture/1 safetensors files")
     p.add_argument("--rel-l2", type=float, help="relative L2 limit vs the reference (default "
                    "5e-3; upstream uses 2e-3 on real captured tensors)")
-    p.add_argument("--fail-on-stored", action="store_true",
-                   help="exit 1 also when a file's stored output is outside tolerance of the FP64 "
-                   "reference (default: a WARNING; the implementations are what is judged)")
+    p.add_argument("--fail-on-stored", action="store_true", help="exit 1 also when a file's "
+                   "stored output is outside tolerance of the FP64 reference (default: a "
+                   "WARNING; the implementations are what is judged)")
 
     p = _command(sub, "capture", _cmd_capture, "save one `qsa check` case (decode, prefill or "
                  "paged decode) and an implementation's output as a capture file (for qsa replay)",

@@ -1,27 +1,28 @@
 """``qsa compile``: ahead-of-time compile every shipped kernel configuration for sm_90 / sm_120 /
-sm_121 on a machine without a GPU, and check each against the arch's limits.
+sm_121 without a GPU, and check each against the arch's limits.
 
-The lists live here, one function per kernel family and backend (``_FAMILY_LISTS``), built from
-the backends' own kernel objects, plans and constexpr builders (imported lazily), so a list cannot
-drift from what a launch passes. Out-of-tree kernels (and tests) bring their own lists instead:
-a module with ``compile_configs(arch)`` / ``lowering_cases(device_kind)``, named with ``qsa
-compile --triton-modules/--pallas-modules``.
+One list function per kernel family and backend (``_FAMILY_LISTS``), built from the backends' own
+kernels, plans and constexpr builders (imported lazily), so a list cannot drift from a launch.
+Out-of-tree kernels bring their own: a module with ``compile_configs(arch)`` /
+``lowering_cases(device_kind)`` (``qsa compile --triton-modules/--pallas-modules``).
 
-Triton configurations are compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda",
-cc, 32))``; Pallas cases ``(name, fn, args)`` are lowered under an abstract device of the arch's
-representative part (``qsa_pallas._compat.lower_for_device_kind``) and their Triton IR compiled
-for the arch. A configuration *fits* when its shared memory (``metadata.shared``; Triton does not
-check the 101,376 bytes of sm_120/sm_121 itself) <= the arch's opt-in limit per block, registers
-(``cuobjdump --dump-resource-usage``, when the tool is found) <= 255 per thread and registers x
-threads <= 65,536 per block. Spills are reported, not failed. Needs ``TRITON_INTERPRET`` off (the
-interpreter replaces the JIT functions): ``qsa compile`` re-runs itself without it.
+Triton: ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``; Pallas cases
+``(name, fn, args)`` are lowered for the arch's abstract device
+(``qsa_pallas._compat.lower_for_device_kind``) and their Triton IR compiled. A configuration
+*fits* when its shared memory (``metadata.shared``; Triton does not check sm_12x's 101,376 bytes)
+<= the arch's opt-in limit per block, registers (``cuobjdump --dump-resource-usage``, when found)
+<= 255 per thread and registers x threads <= 65,536 per block; spills are reported, not failed.
+Needs ``TRITON_INTERPRET`` off: ``qsa compile`` re-runs itself without it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import functools
 import importlib
+import itertools
+import multiprocessing as mp
 import os
 import re
 import shutil
@@ -53,12 +54,10 @@ MAX_REGS_PER_BLOCK = 65_536
 
 @dataclasses.dataclass
 class ConfigReport:
-    """One compiled configuration: ``family`` "triton" | "pallas", ``arch`` "sm_120", ``name``;
-    ``num_warps`` / ``num_stages``; ``shared`` bytes of shared memory per program against
-    ``smem_limit`` (the arch's opt-in limit per block); ``regs`` and ``spill_bytes`` (local +
-    stack) per thread (None without cuobjdump); ``fits`` within every limit, else ``problems``
-    say why; ``error`` a compile/lowering failure (fits False); ``note`` e.g. a module with no
-    list (not a failure); ``seconds``."""
+    """One compiled configuration (``family`` "triton" | "pallas"): ``shared`` bytes per program
+    against ``smem_limit``; ``regs`` / ``spill_bytes`` (local + stack) per thread, None without
+    cuobjdump; ``fits`` within every limit, else ``problems`` say why; ``error`` a compile or
+    lowering failure; ``note`` e.g. a module with no list (not a failure)."""
 
     family: str
     arch: str
@@ -108,7 +107,7 @@ def parse_archs(text: str | None) -> list[str]:
 
 # --------------------------------------------------------------------------------------------
 def _tool(name: str) -> str | None:
-    """Path of a CUDA binary tool: ``$TRITON_<NAME>_PATH``, Triton's bundled copy, then $PATH."""
+    """``$TRITON_<NAME>_PATH``, Triton's bundled copy, then $PATH."""
     paths = [os.environ.get(f"TRITON_{name.upper()}_PATH")]
     try:
         import triton  # noqa: PLC0415
@@ -121,8 +120,8 @@ def _tool(name: str) -> str | None:
 
 
 def resource_usage(cubin: bytes) -> dict[str, int] | None:
-    """Registers and stack/local bytes per thread of the (single) kernel in a cubin, from
-    ``cuobjdump --dump-resource-usage``; None when the tool is absent or fails."""
+    """Registers, stack / local / static shared bytes of the kernel in a cubin (``cuobjdump
+    --dump-resource-usage``); None when the tool is absent or fails."""
     tool = _tool("cuobjdump")
     if tool is None or not cubin:
         return None
@@ -164,20 +163,16 @@ _TT = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8e4nv"}
 
 
 def _aligned(names: Sequence[str], strides: str = "") -> list[str]:
-    """Pointers and the strides (``strides``: only those of these tensors, e.g. "qkvo": the
-    multiples of D; the index, union and table strides depend on W / NB / max_context)."""
+    """Pointers and strides (``strides`` e.g. "qkvo": only those tensors', multiples of D)."""
     return [n for n in names if n.endswith("_ptr") or n.startswith("stride_")
             and (not strides or n[7] in strides)]
 
 
 def _entry(kernel, name: str, types: dict, consts: dict, num_warps: int, num_stages: int,
            pdl: bool = False, *, aligned: Iterable[str] | None = None, **extra) -> dict:
-    """One ``compile_triton_configs`` entry (``ASTSource(kernel, signature, constexprs, attrs)``):
-    the arguments named in ``types`` typed so, other ``*_ptr`` arguments ``*i32``, every other
-    non-constexpr argument i32 (names the kernel does not have are ignored); the ``aligned``
-    arguments (default: pointers and ``stride*``) 16-divisible, as the JIT specialises them at
-    launch (without that the K/V loads are neither vectorised nor pipelined, and shared memory
-    is under-counted). ``extra`` items (e.g. ``geometry``) are added to the entry."""
+    """One ``compile_triton_configs`` entry: ``types`` as given, other pointers ``*i32``, other
+    arguments i32; ``aligned`` (default pointers and strides) 16-divisible as the JIT specialises
+    them (else loads are neither vectorised nor pipelined and shared memory is under-counted)."""
     names = kernel.arg_names
     consts = {k: v for k, v in consts.items() if k in names}
     aligned = _aligned(names) if aligned is None else aligned
@@ -191,8 +186,7 @@ def _entry(kernel, name: str, types: dict, consts: dict, num_warps: int, num_sta
 
 
 def _unique(entries: Iterable[dict]) -> list[dict]:
-    """``entries`` without repeats, one per compiled kernel (kernel, signature, constexprs,
-    warps, stages, options); the first of equal entries (and its name) stays."""
+    """``entries`` without repeats of one compiled kernel; the first (and its name) stays."""
     out, seen = [], set()
     for e in entries:
         key = (e["kernel"].__name__, tuple(sorted(e["signature"].items())),
@@ -206,18 +200,12 @@ def _unique(entries: Iterable[dict]) -> list[dict]:
 
 def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloat16") -> list[dict]:
     """Every decode kernel configuration ``qsa_triton.decode`` can launch on ``arch`` for the
-    qualified shapes: the split kernel per distinct geometry of the shipped plan
-    (``interop.plan.plan_decode`` with balance and one-block splits, fitted to the arch's shared
-    memory) over the qualified head pairs, B = 1..128 and every SM count of
+    qualified shapes: the split kernel per distinct geometry of ``interop.plan.plan_decode``
+    (fitted to the arch) over the qualified head pairs, B = 1..128 and every SM count of
     ``interop.arch.KNOWN_PARTS``, in every launchable combination (merge inline / kernel,
-    LSE_ALL, PDL with the entry or the late trigger; constexprs from
-    ``qsa_triton.decode._split_constexprs``), and the merge kernel per split chunk, with and
-    without PDL. Shape ints (B, splits) are runtime values: they add no variant.
-
-    Returns:
-      dicts with ``kernel``, ``name``, ``signature``, ``constexprs``, ``attrs``, ``num_warps``,
-      ``num_stages``, ``options`` (``launch_pdl`` for the PDL variants).
-    """
+    LSE_ALL, PDL entry / late trigger), and the merge kernel per split chunk, with and without
+    PDL. Returns dicts with ``kernel``, ``name``, ``signature``, ``constexprs``, ``attrs``,
+    ``num_warps``, ``num_stages``, ``options`` (``launch_pdl`` for the PDL variants)."""
     from interop.contract import QUALIFIED  # noqa: PLC0415
     from interop.plan import fit_shared_memory, plan_decode  # noqa: PLC0415
     from qsa_triton import decode as dec  # noqa: PLC0415
@@ -265,13 +253,12 @@ def triton_decode_configs(arch: str, *, head_dim: int = 256, dtype: str = "bfloa
 
 
 def _attention_types(q: str, kv: str) -> dict:
-    """Argument types of the prefill kernels: q / output in ``q``, K/V in ``kv``, fp32 scales."""
+    """Argument types of the attention kernels: q / output in ``q``, K/V in ``kv``."""
     return {"q_ptr": f"*{q}", "o_ptr": f"*{q}", "k_ptr": f"*{kv}", "v_ptr": f"*{kv}",
             "qk_scale": "fp32", "v_scale": "fp32"}
 
 
-#: (mode name, q dtype, K/V dtype or None = q's): every prefill kernel variant the entry points
-#: launch: ordinary bf16, chunk bf16 and FP8, paged through pre-resolved pool slots bf16 and FP8.
+#: (mode, q dtype, K/V dtype or None = q's): every prefill kernel variant the entry points launch
 PREFILL_VARIANTS = (("MODE_ORDINARY", "bfloat16", None), ("MODE_CHUNK", "bfloat16", None),
                     ("MODE_CHUNK", "bfloat16", "float8_e4m3fn"), ("MODE_SLOTS", "bfloat16", None),
                     ("MODE_SLOTS", "bfloat16", "float8_e4m3fn"))
@@ -279,11 +266,9 @@ PREFILL_VARIANTS = (("MODE_ORDINARY", "bfloat16", None), ("MODE_CHUNK", "bfloat1
 
 def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
                            variants=PREFILL_VARIANTS) -> list[dict]:
-    """Every (kernel, constexprs, warps, stages) ``qsa_triton.prefill`` can launch on ``arch``:
-    each geometry of ``interop.geometry.all_configs(arch)`` and its tail launch
-    (``tail_geometry``) x ``variants``. ``head_dim`` 256 is the largest (shared-memory worst
-    case); the head tile G only changes masks, so one G per BLOCK_M (the tuned entries keep
-    their own G). Same dict layout as ``triton_decode_configs``."""
+    """Every configuration ``qsa_triton.prefill`` can launch on ``arch``: each geometry of
+    ``interop.geometry.all_configs(arch)`` and its tail launch x ``variants``; one G per BLOCK_M
+    (G only changes masks; tuned entries keep theirs). Dicts as ``triton_decode_configs``."""
     from interop.geometry import all_configs  # noqa: PLC0415
     from interop.plan import next_pow2  # noqa: PLC0415
     from qsa_triton import prefill as P  # noqa: PLC0415
@@ -313,11 +298,10 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
 
 
 def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict]:
-    """Every tile-union kernel configuration ``qsa_triton.prefill_union`` can launch on ``arch``:
-    the union build kernel (``_qsa_block_union``) per tile height R with 512 block ids per row,
-    and the union attention kernel (``_qsa_prefill_union_fwd``) per
-    ``interop.geometry.all_union_configs(arch)`` geometry x ordinary / chunk / paged with bf16
-    K/V, and chunk / paged with FP8 K/V. Same dict layout as ``triton_decode_configs``."""
+    """Every configuration ``qsa_triton.prefill_union`` can launch on ``arch``: the union build
+    kernel per tile height R (512 block ids per row), the attention kernel per
+    ``interop.geometry.all_union_configs(arch)`` geometry x ordinary / chunk / paged with bf16 K/V
+    and chunk / paged with FP8 K/V. Dicts as ``triton_decode_configs``."""
     from interop.geometry import all_union_configs  # noqa: PLC0415
     from interop.plan import next_pow2  # noqa: PLC0415
     from qsa_triton import prefill_union as U  # noqa: PLC0415
@@ -348,14 +332,11 @@ def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict
 def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
                            contexts=(8192, 32768, 131072, 262144, 1 << 20),
                            prefill_contexts=(32768, 131072, 262144)) -> list[dict]:
-    """The indexer kernel configurations ``interop.indices.plan_indexer`` launches on ``arch``
-    for the qualified shapes (4 heads x 128, topk 512, ratio 4, page size 16): the pass-1 decode
-    kernel for every distinct plan over ``batches`` x ``contexts`` (tokens) with bf16 and fp8
-    keys, the merge kernel of each (token rows and block ids), both also in their Programmatic
-    Dependent Launch form where the plan launches them so (names end in ``_pdl``); the pass-1
-    prefill kernel for 8192 rows at ``prefill_contexts`` and its merge. Constexprs from
-    ``qsa_triton.indexer``'s own builders (``_decode_constexprs`` ...). Same dict layout as
-    ``triton_decode_configs``."""
+    """The indexer configurations ``interop.indices.plan_indexer`` launches on ``arch`` (4 heads
+    x 128, topk 512, ratio 4, page size 16): the pass-1 decode kernel per distinct plan over
+    ``batches`` x ``contexts`` with bf16 and fp8 keys and its merge (token rows and block ids),
+    with PDL (``_pdl``) where planned; the prefill kernel for 8192 rows at ``prefill_contexts``
+    and its merge. Dicts as ``triton_decode_configs``."""
     import triton.language as tl  # noqa: PLC0415
 
     from interop.indices import plan_indexer  # noqa: PLC0415
@@ -398,10 +379,7 @@ def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
 
 
 def _paged_shapes(dtype: str):
-    """(Hq, Hkv, pool dtype, batch_invariant, R) of the paged decode lists: the qualified head
-    pairs plus (3,1), pools in ``dtype`` and FP8, both modes, R over ``QUALIFIED["paged_rows"]``."""
-    import itertools  # noqa: PLC0415
-
+    """((Hq, Hkv), pool dtype, batch_invariant, R) of the paged decode lists."""
     from interop.contract import QUALIFIED  # noqa: PLC0415
 
     lo, hi = QUALIFIED["paged_rows"]
@@ -411,13 +389,10 @@ def _paged_shapes(dtype: str):
 
 def triton_decode_paged_configs(arch: str, *, head_dim: int = 256,
                                 dtype: str = "bfloat16") -> list[dict]:
-    """Every paged-decode kernel configuration ``qsa_triton.decode_paged`` launches for
-    ``_paged_shapes`` at W = 2051 on every part of ``interop.arch.KNOWN_PARTS`` (its SM count and
-    shared memory per block, so sm_90's plans of two programs per SM are in): the split kernel
-    per distinct (G, head tile, BLOCK_N, warps, stages, DIRECT) with OFF64 both ways, the merge
-    kernel per split tile. The plans fit sm_120 / sm_121's shared memory on every part
-    (``interop.plan.plan_decode_paged``): one list for every ``arch``. Same dict layout as
-    ``triton_decode_configs``."""
+    """Every configuration ``qsa_triton.decode_paged`` launches for ``_paged_shapes`` at W = 2051
+    on every part of ``interop.arch.KNOWN_PARTS``: the split kernel per distinct plan with OFF64
+    both ways, the merge kernel per split tile. The plans fit every arch's shared memory: one list
+    for every ``arch``. Dicts as ``triton_decode_configs``."""
     from interop.contract import QUALIFIED  # noqa: PLC0415
     from interop.plan import next_pow2, plan_decode_paged  # noqa: PLC0415
     from qsa_triton import decode_paged as P  # noqa: PLC0415
@@ -449,17 +424,9 @@ def triton_decode_paged_configs(arch: str, *, head_dim: int = 256,
 
 
 def compile_triton_configs(arch: str, configs: Iterable[dict]) -> list[ConfigReport]:
-    """Compile ``triton_*_configs``-style entries for ``arch`` (no GPU) and judge each against the
-    arch's limits (shared memory, registers); one ConfigReport per entry, a config that fails to
-    compile reported as not fitting.
-
-    Args:
-      arch: "sm_90" style name in ``KNOWN_ARCHS``.
-      configs: dicts with kernel, name, signature, constexprs, attrs (optional: 16-byte
-        divisibility as a launch specialises it; without it Triton neither vectorises nor
-        pipelines, and the shared memory and registers reported would be wrong), num_warps,
-        num_stages, options (optional).
-    """
+    """Compile ``triton_*_configs`` entries (dicts with kernel, name, signature, optional
+    constexprs / attrs / num_warps / num_stages / options) for ``arch`` ("sm_90") without a GPU;
+    one ConfigReport per entry, judged against the arch's limits (a compile error: not fitting)."""
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
@@ -478,9 +445,7 @@ def compile_triton_configs(arch: str, configs: Iterable[dict]) -> list[ConfigRep
             opts.update(cfg.get("options", {}))
             try:
                 compiled = triton.compile(src, target=target, options=opts)
-            except FileNotFoundError:
-                # another process pruned/rewrote the same Triton cache entry mid-compile
-                # (seen with concurrent runs sharing ~/.triton/cache): compile once more
+            except FileNotFoundError:  # a concurrent run rewrote the cache entry: once more
                 compiled = triton.compile(src, target=target, options=opts)
             _judge(rep, compiled.metadata.shared, compiled.asm.get("cubin"), limit)
         except Exception as e:  # noqa: BLE001 - a config that does not compile does not fit
@@ -495,10 +460,9 @@ def compile_triton_configs(arch: str, configs: Iterable[dict]) -> list[ConfigRep
 def pallas_decode_cases(kind: str, *, head_dim: int = 256, max_seqlen_k: int = 2051,
                         dtype: str = "bfloat16") -> list[tuple[str, Callable, tuple]]:
     """Every distinct decode launch ``qsa_pallas.decode`` plans on device kind ``kind`` for the
-    qualified head pairs (TP1 24/2, TP2 12/1, TP4 6/1) and B = 1..128, as ``(name, fn, args)``
-    to lower with ``qsa_pallas._compat.lower_for_device_kind``; ``args`` are
-    ``jax.ShapeDtypeStruct`` (nothing is allocated). Names contain ``_s{max_splits}_`` (``_s1_``:
-    the one-launch direct path)."""
+    qualified head pairs and B = 1..128, as ``(name, fn, args)`` for
+    ``qsa_pallas._compat.lower_for_device_kind`` (``args``: ``jax.ShapeDtypeStruct``). Names
+    contain ``_s{max_splits}_`` (``_s1_``: the one-launch direct path)."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
@@ -528,9 +492,8 @@ def pallas_decode_cases(kind: str, *, head_dim: int = 256, max_seqlen_k: int = 2
 def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, group: int = 12,
                          rows: int = 64) -> list[tuple[str, Callable, tuple]]:
     """Every distinct prefill launch ``qsa_pallas.prefill`` can pick on device kind ``kind``:
-    each geometry the shared selector can return there (``interop.geometry.all_configs`` of the
-    arch, fitted with ``interop.geometry.fit_prefill`` as the selector does) x ordinary bf16,
-    chunk bf16 / FP8, paged bf16 / FP8, as ``(name, fn, args)`` (see ``pallas_decode_cases``).
+    each ``interop.geometry.all_configs`` geometry of the arch fitted by ``fit_prefill`` x
+    ordinary bf16, chunk / paged bf16 and FP8, as ``(name, fn, args)`` (``pallas_decode_cases``).
 
     Raises:
       ValueError: a device kind whose arch ``interop.arch`` does not know.
@@ -559,11 +522,9 @@ def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, g
 
 def pallas_prefill_union_cases(kind: str, *, head_dim: int = 256, rows: int = 64,
                                blocks: int = 512) -> list[tuple[str, Callable, tuple]]:
-    """Every tile-union prefill launch ``qsa_pallas.prefill`` can pick on device kind ``kind``
-    for block-level selections (``block_indices=``): each
-    ``interop.geometry.all_union_configs`` geometry of the arch x ordinary bf16, chunk bf16 /
-    FP8, paged bf16 / FP8, as ``(name, fn, args)`` (see ``pallas_decode_cases``); the group per
-    geometry is the one whose padded head tile is exactly the Q tile.
+    """Every tile-union prefill launch (``block_indices=``) ``qsa_pallas.prefill`` can pick on
+    device kind ``kind``: each ``interop.geometry.all_union_configs`` geometry x ordinary bf16,
+    chunk / paged bf16 and FP8, as ``(name, fn, args)``; G fills the Q tile exactly.
 
     Raises:
       ValueError: a device kind whose arch ``interop.arch`` does not know.
@@ -587,9 +548,8 @@ def pallas_prefill_union_cases(kind: str, *, head_dim: int = 256, rows: int = 64
 
 def _prefill_kind_cases(prefix: str, tag: str, kv_bytes: int, geo, q, ids, *,
                         blocks: bool) -> list[tuple[str, Callable, tuple]]:
-    """The ordinary (bf16 only), chunk and paged Pallas prefill cases of one geometry (one KV
-    head, q [T, G, D]), the selection ``ids`` passed as token ``indices`` or as
-    ``block_indices`` (``blocks``)."""
+    """Ordinary (bf16), chunk and paged cases of one geometry; ``ids`` as ``block_indices``
+    when ``blocks``, else as token ``indices``."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
@@ -622,8 +582,7 @@ def _prefill_kind_cases(prefix: str, tag: str, kv_bytes: int, geo, q, ids, *,
 def pallas_decode_paged_cases(kind: str, *, head_dim: int = 256, width: int = 2051,
                               dtype: str = "bfloat16") -> list[tuple[str, Callable, tuple]]:
     """Every distinct paged-decode launch ``qsa_pallas.decode_paged`` plans on device kind
-    ``kind`` for ``_paged_shapes`` (one per head pair, pool dtype, head tile, BLOCK_N, warps,
-    stages and one split or several), as ``(name, fn, args)`` (see ``pallas_decode_cases``)."""
+    ``kind`` for ``_paged_shapes`` (one or several splits), as ``(name, fn, args)``."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
@@ -653,10 +612,9 @@ def pallas_decode_paged_cases(kind: str, *, head_dim: int = 256, width: int = 20
 
 def pallas_indexer_cases(kind: str | None = None, *, dtype: str = "bfloat16",
                          k_dtype: str | None = None) -> list[tuple[str, Callable, tuple]]:
-    """Representative indexer launches of ``qsa_pallas.indexer`` (its plan follows the abstract
-    device they are lowered under; ``kind`` is not needed): decode B = 16 at 32k and B = 128 at
-    256k context, prefill 8192 rows at 32k, each with the fused expansion, keys in ``k_dtype``
-    (default ``dtype``), as ``(name, fn, args)`` (see ``pallas_decode_cases``)."""
+    """Representative ``qsa_pallas.indexer`` launches (the plan follows the abstract device;
+    ``kind`` is unused): decode B = 16 at 32k and B = 128 at 256k, prefill 8192 rows at 32k,
+    keys in ``k_dtype`` (default ``dtype``), as ``(name, fn, args)``."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
@@ -677,9 +635,8 @@ def pallas_indexer_cases(kind: str | None = None, *, dtype: str = "bfloat16",
 def compile_pallas_cases(arch: str, cases: Iterable[tuple[str, Callable, tuple]]
                          ) -> list[ConfigReport]:
     """Lower ``(name, fn, args)`` cases for ``arch``'s abstract device and compile each Triton
-    kernel in them for the arch; one ConfigReport per kernel (``name:kernel`` when a case holds
-    several), judged like ``compile_triton_configs``. A case that does not lower is reported as
-    not fitting."""
+    kernel in them; one ConfigReport per kernel (``name:kernel`` when a case holds several),
+    judged like ``compile_triton_configs`` (a case that does not lower does not fit)."""
     from qsa_pallas import _compat as C  # noqa: PLC0415
 
     kind, limit, cap = DEVICE_KIND[arch], KNOWN_ARCHS[arch].smem_per_block, capability(arch)
@@ -709,8 +666,7 @@ def compile_pallas_cases(arch: str, cases: Iterable[tuple[str, Callable, tuple]]
 
 
 # --------------------------------------------------------------------------------------------
-# Checking: the built-in lists per kernel family, or modules' own lists.
-#: the function an out-of-tree module exposes, per backend
+#: the list function an out-of-tree module exposes, per backend
 _PROTOCOL = {"triton": "compile_configs", "pallas": "lowering_cases"}
 
 
@@ -719,8 +675,7 @@ class _NoList(Exception):
 
 
 def _module_list(module: str, backend: str) -> Callable:
-    """``module``'s own list: ``compile_configs(arch)`` (Triton) or ``lowering_cases(device_kind)``
-    (Pallas)."""
+    """``module``'s own list function (``_PROTOCOL``)."""
     def cases(target):
         fn = getattr(importlib.import_module(module), _PROTOCOL[backend], None)
         if fn is None:
@@ -729,22 +684,15 @@ def _module_list(module: str, backend: str) -> Callable:
     return cases
 
 
-_FAMILY_LISTS = {
-    "triton": {"decode": triton_decode_configs, "prefill": triton_prefill_configs,
-               "prefill_union": triton_prefill_union_configs,
-               "decode_paged": triton_decode_paged_configs, "indexer": triton_indexer_configs},
-    "pallas": {"decode": pallas_decode_cases, "prefill": pallas_prefill_cases,
-               "prefill_union": pallas_prefill_union_cases,
-               "decode_paged": pallas_decode_paged_cases, "indexer": pallas_indexer_cases},
-}
+_FAMILY_LISTS = {b: {k: globals()[f"{b}_{k}_{kind}"] for k in _KERNEL_FAMILIES}
+                 for b, kind in (("triton", "configs"), ("pallas", "cases"))}
 
 
 def check(backend: str, arch: str, modules: Sequence[str] = (),
           kernels: Sequence[str] | None = None) -> list[ConfigReport]:
     """Compile (Triton) or lower and compile (Pallas) every shipped configuration of the kernel
-    families ``kernels`` (default: all of ``FAMILIES[backend]``) for ``arch``; or, where
-    ``modules`` are named, every entry of their own lists (``_PROTOCOL``). A list that cannot be
-    built (module not importable, no list function) is a note, not a failure.
+    families ``kernels`` (default: ``FAMILIES[backend]``) for ``arch``, or the ``modules``' own
+    lists (``_PROTOCOL``); a list that cannot be built is a note, not a failure.
 
     Raises:
       RuntimeError: Triton with ``TRITON_INTERPRET`` set (the interpreter replaces the JIT
@@ -770,8 +718,7 @@ def check(backend: str, arch: str, modules: Sequence[str] = (),
 
 
 def _check_group(fam: str, arch: str, modules: dict[str, Sequence[str]]) -> list[ConfigReport]:
-    """``fam``: "triton" / "pallas" (every kernel family) or e.g. "triton:decode"; ``modules``:
-    backend -> modules replacing its built-in lists (empty: the built-in lists)."""
+    """``check`` of ``fam`` ("triton", or one family "triton:decode"); ``modules`` per backend."""
     backend, _, kernel = fam.partition(":")
     return check(backend, arch, tuple(modules.get(backend, ())), (kernel,) if kernel else None)
 
@@ -780,11 +727,9 @@ def run(archs: Sequence[str] = DEFAULT_ARCHS, families: Sequence[str] = ("triton
         progress: Callable[[str], None] | None = None, jobs: int = 1, *,
         triton_modules: Sequence[str] = (), pallas_modules: Sequence[str] = ()
         ) -> list[ConfigReport]:
-    """Every family x arch; ``progress(message)`` before each group. ``jobs`` > 1 compiles the
-    (family, arch) groups in that many worker processes (compilation is single-threaded per
-    config: CI's 2 cores halve the wall time); the reports keep the serial order.
-    ``triton_modules`` / ``pallas_modules``: modules whose ``compile_configs(arch)`` /
-    ``lowering_cases(device_kind)`` replace the built-in lists (out-of-tree kernels, tests)."""
+    """``check`` of every family x arch, ``progress(message)`` before each group; ``jobs`` > 1
+    spreads the (family, arch) groups over that many worker processes (reports in serial order);
+    ``triton_modules`` / ``pallas_modules`` replace the built-in lists (``_PROTOCOL``)."""
     modules = {"triton": tuple(triton_modules), "pallas": tuple(pallas_modules)}
     groups = [(fam, arch) for arch in archs for fam in families]
     progress = progress or (lambda message: None)
@@ -794,9 +739,6 @@ def run(archs: Sequence[str] = DEFAULT_ARCHS, families: Sequence[str] = ("triton
             progress(f"compiling {fam} kernels for {arch} ({DEVICE_KIND[arch]}) ...")
             out += _check_group(fam, arch, modules)
         return out
-    import concurrent.futures as cf  # noqa: PLC0415
-    import multiprocessing as mp  # noqa: PLC0415
-
     # spawn: a forked child would inherit JAX's / torch's threads mid-state
     with cf.ProcessPoolExecutor(max_workers=min(jobs, len(groups)),
                                 mp_context=mp.get_context("spawn")) as pool:

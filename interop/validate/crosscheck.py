@@ -1,25 +1,25 @@
 """The differential runner behind ``qsa check``: identical inputs to the Pallas and the Triton
 kernels (zero-copy through ``interop.dlpack``), each compared with the FP64 reference and with
-each other, optionally with upstream SGLang's kernels (``interop.validate.peer``) as an
-independent oracle.
+each other, optionally with upstream SGLang's kernels (``interop.validate.peer``) as an oracle.
 
-The cases are ``interop.cases`` (``full_matrix()`` on a GPU, ``quick_matrix()`` in interpret
-mode on a CPU; arguments from ``case_data``, values drawn by torch on the run's device). Pass
-criteria per implementation and case: ``interop.cases.compare`` (``qsa-contract.md`` §6), and
-Pallas vs Triton elementwise within the same tolerance (the indexer's token positions exactly
-equal). The reference is ``interop.reference`` (float64 numpy), or for large prefill cases
-``torch_reference`` (the same semantics in float64 torch, batched over rows, on the GPU).
-torch and jax are imported lazily; call ``prepare_backends()`` before the kernel packages are
-imported so that a CPU machine runs Triton's interpreter.
+Cases: ``interop.cases`` (``full_matrix()`` on a GPU, ``quick_matrix()`` in interpret mode),
+values drawn by torch on the run's device. Pass criteria: ``interop.cases.compare``
+(``qsa-contract.md`` §6), and Pallas vs Triton within the same tolerance (the indexer's token
+positions exactly equal). Reference: ``interop.reference`` (float64 numpy), or for large prefill
+cases ``torch_reference`` (float64 torch, batched). torch and jax are imported lazily; call
+``prepare_backends()`` before the kernel packages are imported.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
+import sys
 import time
 import traceback
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -42,11 +42,7 @@ PREFILL_KIND = {ENTRY[k]: k for k in PREFILL_KINDS}
 
 
 def versions() -> dict:
-    """Python's and the installed packages' versions (None: not installed), for JSON reports
-    and capture metadata."""
-    import sys  # noqa: PLC0415
-    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
-
+    """Python's and the packages' versions (None: not installed), for reports and captures."""
     def get(pkg):
         try:
             return version(pkg)
@@ -83,8 +79,7 @@ def has_cuda() -> bool:
 
 def prepare_backends(interpret: bool | None = None) -> bool:
     """Set up the environment before any kernel package is imported; returns interpret mode
-    (default: no CUDA device). Interpret mode: ``TRITON_INTERPRET=1`` (on before ``@triton.jit``
-    kernels are defined) and ``JAX_PLATFORMS=cpu``."""
+    (default: no CUDA device), which sets ``TRITON_INTERPRET=1`` and ``JAX_PLATFORMS=cpu``."""
     if interpret is None:
         interpret = not has_cuda()
     if interpret:
@@ -98,11 +93,10 @@ def prepare_backends(interpret: bool | None = None) -> bool:
 
 @dataclasses.dataclass
 class Implementation:
-    """One family of entry points: ``name`` ("triton", "pallas", "peer:sglang", fakes in tests);
-    ``framework`` "torch" (called with torch tensors) or "jax" (with jax arrays shared zero-copy
-    through ``interop.dlpack.to_jax``); ``fns`` entry point name (``interop.cases.ENTRY``'s
-    values) -> callable with the contract's signature; ``kwargs`` added to every call (Pallas:
-    ``interpret``); ``supports`` (spec -> reason or None) skips the cases it cannot run."""
+    """One family of entry points: ``name`` ("triton", "pallas", "peer:sglang"); ``framework``
+    "torch" or "jax" (arrays shared zero-copy through ``interop.dlpack``); ``fns`` entry point
+    name -> callable with the contract's signature; ``kwargs`` added to every call;
+    ``supports`` (spec -> reason or None) skips the cases it cannot run."""
 
     name: str
     framework: str
@@ -112,10 +106,7 @@ class Implementation:
 
 
 def _entry_points(package: str) -> dict[str, Callable]:
-    """The ``interop.cases.ENTRY`` entry points of a kernel package (none when it cannot be
-    imported, e.g. jax absent: every case then reports it as missing)."""
-    import importlib  # noqa: PLC0415
-
+    """The ``interop.cases.ENTRY`` entry points of a package (none when it cannot be imported)."""
     try:
         mod = importlib.import_module(package)
     except ImportError:
@@ -132,10 +123,7 @@ def load_implementations(interpret: bool) -> list[Implementation]:
 
 
 def _interpreter_bf16_guard(spec) -> str | None:
-    """Triton's interpreter (3.6-3.9) multiplies bf16 dot operands as raw 16-bit integers
-    (architecture.md): skip bf16 cases there unless the test-only interpreter patch is active."""
-    import sys  # noqa: PLC0415
-
+    """Skip bf16 cases in Triton's interpreter (unless the test-only patch is active)."""
     patch = sys.modules.get("tests.triton_interp_patch")
     if getattr(spec, "dtype", None) != "bfloat16" or getattr(patch, "applied", False):
         return None
@@ -144,10 +132,9 @@ def _interpreter_bf16_guard(spec) -> str | None:
 
 
 def peer_indices(indices, cu_q, lens):
-    """Index entries outside [0, len) replaced by upstream's padding value -1 (torch, any
-    device). Upstream masks only ``idx >= 0`` and reads any other entry (paged: through the slot
-    table, past the pool); under our contract invalid entries never contribute either, so the
-    peer stays an independent oracle on junk cases."""
+    """Index entries outside [0, len) replaced by upstream's padding value -1 (torch). Upstream
+    masks only ``idx >= 0`` and reads any other entry; under our contract such entries never
+    contribute, so the peer stays an oracle on junk cases."""
     import torch  # noqa: PLC0415
 
     cu_q = cu_q.long()
@@ -159,10 +146,7 @@ def peer_indices(indices, cu_q, lens):
 
 
 def peer_prefill_skip(spec: PrefillSpec) -> str | None:
-    """Why upstream's prefill kernels cannot be an oracle for ``spec`` (None: they can): rows
-    with no valid entry (it divides by the softmax normaliser unguarded: 0/0 = NaN, where ours
-    gives exact zeros) and per-KV-head indices for paged prefill (it asserts ``indices.ndim ==
-    2``). Junk index values are not a reason: ``peer_indices`` maps them to upstream's -1."""
+    """Why upstream's prefill kernels cannot be an oracle for ``spec`` (None: they can)."""
     if spec.empty_rows:
         return "upstream gives NaN (0/0) for rows with no valid entry; the contract wants exact zeros"
     if spec.kind == "paged" and spec.per_head:
@@ -171,13 +155,11 @@ def peer_prefill_skip(spec: PrefillSpec) -> str | None:
 
 
 def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
-    """Upstream SGLang 0.5.23's kernels as a peer implementation (``interop.validate.peer``).
-
-    Decode uses the SM121 packed kernel (exact contract only: other shapes are skipped); prefill
-    uses upstream's public interfaces, index entries outside [0, len) passed as -1
-    (``peer_indices``). FP8 K/V are dequantised to q's dtype first (as upstream packs FP8 pools),
-    k_scale folded into the softmax scale, v_scale applied to the output. ``device``: where the
-    cases' tensors live; upstream runs on "cuda" only (on a CPU every case is skipped).
+    """Upstream SGLang 0.5.23's kernels as a peer implementation (``interop.validate.peer``):
+    decode through the SM121 packed kernel (exact contract only), prefill through upstream's
+    public interfaces (``peer_indices``); FP8 K/V dequantised to q's dtype, k_scale folded into
+    the softmax scale, v_scale applied to the output. On a ``device`` other than "cuda" every
+    case is skipped.
 
     Raises:
       ValueError: unknown peer name. interop.validate.peer.PeerUnavailable: files absent.
@@ -254,9 +236,8 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
 # Inputs.
 @dataclasses.dataclass
 class Inputs:
-    """Torch tensors of one case (on the run's device) plus host metadata: ``args`` / ``kwargs``
-    the entry point's positional / keyword arguments, ``empty`` bool [rows, Hq] numpy (output
-    rows that must be exactly 0), ``host`` {"case": CaseData} or {"capture": metadata}."""
+    """One call's torch tensors: ``args`` / ``kwargs`` of the entry point, ``empty`` bool
+    [rows, Hq] (outputs that must be exactly 0), ``host`` {"case": CaseData} or {"capture": meta}."""
 
     entry: str
     args: list
@@ -270,11 +251,9 @@ class Inputs:
 
 
 def build_inputs(spec: Spec, device: str = "cpu") -> Inputs:
-    """Seeded inputs of one case as torch tensors on ``device``: the call's structure
-    (metadata, indices, poisoned K/V entries, outputs that must be zero) is
-    ``interop.cases.case_data``; the values are N(0, 1) drawn by torch on ``device`` in the
-    case's dtype (FP8 K/V: N(0, 1) cast to float8_e4m3fn), integers in [-2, 2] for its
-    ``integer_valued`` tensors (the indexer's), zeros in its ``zero_rows``."""
+    """Seeded inputs of one case on ``device``: the structure from ``interop.cases.case_data``,
+    values N(0, 1) in the case's dtype (integers in [-2, 2] for ``integer_valued`` tensors,
+    zeros in ``zero_rows``, NaN at the poisoned K/V rows)."""
     import torch  # noqa: PLC0415
 
     data = C.case_data(spec)
@@ -304,8 +283,7 @@ def _np64(t) -> np.ndarray:
 
 
 def numpy_reference(spec: Spec | None, inp: Inputs) -> np.ndarray:
-    """``interop.cases.reference`` (float64 numpy) on the inputs (floats as the kernel sees
-    them); ``spec`` is unused, kept for symmetry with ``torch_reference``."""
+    """``interop.cases.reference`` (float64 numpy) on the inputs; ``spec`` is unused."""
     named = inp.named()
     if inp.entry == "sparse_decode":  # rows past cu_seqlens_k[B] are never read: not converted
         used = max(int(named["cu_seqlens_k"].max()), 0)
@@ -315,13 +293,10 @@ def numpy_reference(spec: Spec | None, inp: Inputs) -> np.ndarray:
 
 
 def torch_reference(spec: Spec | None, inp: Inputs, *, budget_bytes: int = 1 << 30):
-    """The same semantics as ``interop.reference`` in float64 torch, batched over rows (for the
-    full matrix on the GPU, where the per-row numpy loop is too slow); the prefill entry points
-    (``sparse_decode`` goes through ``numpy_reference``); ``spec`` is unused.
-
-    Per row: an entry counts iff 0 <= idx < bound (request length or kv_lens[b]) and it stands in
-    the row's first min(W, visible) columns; other entries are gathered from a safe position and
-    zeroed (poisoned rows stay out) and masked to -inf; a row with no valid entry is 0.
+    """``interop.reference``'s semantics in float64 torch, batched over rows (the full matrix
+    on a GPU), for the prefill entry points (``sparse_decode``: ``numpy_reference``); ``spec`` is
+    unused. An entry counts iff 0 <= idx < bound and it stands in the row's first min(W, visible)
+    columns; others are gathered from a safe position, zeroed and masked to -inf.
 
     Returns:
       float64 torch tensor [rows, Hq, D] on the inputs' device.
@@ -403,10 +378,9 @@ def _reference(inp: Inputs, method: str, size: int) -> tuple[np.ndarray, str]:
 # Running.
 @dataclasses.dataclass
 class CaseResult:
-    """Outcome of one case: ``passed`` (every implementation within tolerance and Pallas ~
-    Triton); ``impl`` per implementation {rel_l2, max_abs, allclose, finite, zeros_ok, passed,
-    seconds, error, skipped}; ``pair_max_abs`` max |Pallas - Triton| and ``pair_ok`` (None when
-    either is missing); ``failures`` human-readable reasons; ``reference`` the method used."""
+    """Outcome of one case: ``impl`` per implementation {rel_l2, max_abs, allclose, finite,
+    zeros_ok, passed, seconds, error, skipped}; ``pair_max_abs`` / ``pair_ok`` Pallas vs Triton
+    (None when either is missing); ``failures`` reasons; ``reference`` the method used."""
 
     name: str
     op: str
@@ -423,8 +397,7 @@ class CaseResult:
 
 
 def _call(impl: Implementation, inp: Inputs):
-    """Run one implementation on the inputs; returns its output as a torch tensor (a jax
-    output is handed over zero-copy through ``interop.dlpack``)."""
+    """One implementation's output on the inputs, as a torch tensor."""
     fn = impl.fns.get(inp.entry)
     if fn is None:
         raise NotImplementedError(f"{impl.name} has no {inp.entry}")
@@ -437,8 +410,8 @@ def _call(impl: Implementation, inp: Inputs):
 
 
 def empty_mask(inp: Inputs) -> np.ndarray:
-    """bool [rows, Hq]: output rows that must be exactly 0 (``interop.cases.empty_outputs``),
-    recomputed from the inputs' device metadata on the host (captures carry no spec)."""
+    """bool [rows, Hq]: outputs that must be exactly 0 (``interop.cases.empty_outputs``),
+    from the inputs' metadata (captures carry no spec)."""
     n = inp.named()
     host = {k: x.cpu().numpy() for k, x in n.items()
             if hasattr(x, "cpu") and not x.is_floating_point()}
@@ -464,9 +437,8 @@ def evaluate(name: str, op: str, inp: Inputs, impls: Sequence[Implementation], r
              *, spec: Spec | None = None, reference: str = "numpy",
              expected: np.ndarray | None = None, rel_l2_limit: float = REL_L2,
              t0: float | None = None) -> CaseResult:
-    """Run every implementation on ``inp`` and judge it against ``ref`` (and Pallas vs Triton).
-    ``expected`` (replay: the stored output) adds ``rel_l2_vs_expected`` per implementation
-    (reported, not judged); ``spec`` is passed to ``Implementation.supports``."""
+    """Run every implementation on ``inp``, judged against ``ref`` and Pallas vs Triton;
+    ``expected`` (a stored output) adds ``rel_l2_vs_expected`` (reported, not judged)."""
     t0 = time.perf_counter() if t0 is None else t0
     empty = empty_mask(inp)
     results: dict[str, dict] = {}
@@ -516,9 +488,8 @@ def evaluate(name: str, op: str, inp: Inputs, impls: Sequence[Implementation], r
 
 def run_case(spec: Spec, impls: Sequence[Implementation], *, device: str = "cpu",
              reference: str = "auto") -> CaseResult:
-    """Build the inputs, run every implementation, compare with the reference ("numpy",
-    "torch" or "auto", as ``_reference``) and each other. A failure to build the inputs or the
-    reference (e.g. out of memory) fails the case."""
+    """``evaluate`` one case against the ``reference`` ("numpy", "torch", "auto"); a failure to
+    build the inputs or the reference (e.g. out of memory) fails the case."""
     t0 = time.perf_counter()
     try:
         inp = build_inputs(spec, device)
@@ -531,9 +502,8 @@ def run_case(spec: Spec, impls: Sequence[Implementation], *, device: str = "cpu"
 
 
 def summarize(results: Sequence[CaseResult], impl_names: Sequence[str]) -> dict[str, dict]:
-    """Per op: cases, passed, failed, max rel L2 per implementation (a crash counts as inf),
-    skips and a few of their reasons, max |Pallas - Triton|, the worst case (a failed case
-    first, then the largest rel L2 over implementations)."""
+    """Per op: cases, passed, failed, max rel L2 per implementation (a crash: inf), skips and
+    three of their reasons, max |Pallas - Triton|, the worst case (failed first, then rel L2)."""
     def rel(v: dict):
         return v.get("rel_l2", math.inf if "error" in v else None)
 
@@ -554,7 +524,6 @@ def summarize(results: Sequence[CaseResult], impl_names: Sequence[str]) -> dict[
             skipped = [r for r in rs if r.impl.get(name, {}).get("skipped")]
             s[f"max_rel_l2[{name}]"] = max((v for v in map(rel, ran) if v is not None), default=None)
             s[f"skipped[{name}]"] = len(skipped)
-            # a few, so a user sees why
             s[f"skip_reasons[{name}]"] = sorted({f"{r.name}: {r.impl[name]['skipped']}"
                                                  for r in skipped})[:3]
     return summary

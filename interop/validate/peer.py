@@ -13,6 +13,7 @@ loaded, so only the loaders touch them.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -35,9 +36,10 @@ def sglang_root() -> Path | None:
     """Folder of the ``sglang`` package files, or None when absent."""
     env = os.environ.get("QSA_SGLANG_PATH")
     candidates = [Path(env)] if env else []
-    try:
-        spec = importlib.util.find_spec("sglang") if _dist_present() else None
-    except ValueError:  # our own stub package (registered by load_sparse_attn) has no spec
+    try:  # an installed distribution only: our stub package (load_sparse_attn) has no spec
+        importlib.metadata.distribution("sglang")
+        spec = importlib.util.find_spec("sglang")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
         spec = None
     if spec is not None and spec.submodule_search_locations:
         candidates.append(Path(next(iter(spec.submodule_search_locations))))
@@ -46,15 +48,6 @@ def sglang_root() -> Path | None:
         if (c / "srt" / "layers" / "attention" / "qsa" / "sparse_attn.py").is_file():
             return c
     return None
-
-
-def _dist_present() -> bool:
-    from importlib.metadata import distribution  # noqa: PLC0415
-
-    try:
-        return distribution("sglang") is not None
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def _load(name: str, path: Path) -> types.ModuleType:

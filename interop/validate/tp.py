@@ -1,32 +1,28 @@
 """Tensor parallel: the end-to-end QSA step split over TP ranks, every rank's output checked
 against the single-device TP1 call on the same inputs (``qsa check --tp N``).
 
-A rank holds (as upstream's TP attention layers; ``qsa_pallas.shard_step``) query heads
-``r*Hq/TP ..`` and their KV heads of the pool (``rank_heads``: at TP > Hkv a KV head is
-replicated, TP4 of 24/2 gives ranks 0, 1 KV head 0 and ranks 2, 3 KV head 1); request tables,
-lengths and the indexer inputs are replicated (each rank runs the head-independent indexer, as
-upstream does). Nothing is exchanged inside the step; what is checked is the glue around it:
+A rank holds query heads ``r*Hq/TP ..`` and their KV heads of the pool (``rank_heads``; at
+TP > Hkv a KV head is replicated), as upstream's TP attention layers; request tables, lengths and
+the indexer inputs are replicated. Nothing is exchanged inside the step; checked is the glue:
 
 * JAX (``run_jax``): ``qsa_pallas.shard_step`` over a TP-device mesh (CPU host devices or GPUs),
   the pool replicated by ``qsa_pallas.replicate_kv_heads``; each device's shard against TP1.
-* PyTorch (``run_torch``): TP spawned processes, gloo on CPU (Triton's interpreter) or NCCL on
-  GPUs (NVLink multicast off: ``NO_MULTICAST``); each rank calls ``qsa_triton`` on its heads,
-  rank 0 compares the gathered outputs with its TP1 call. The last rank hands its tensors to
-  jax (``interop.dlpack``, zero-copy on its device), runs ``qsa_pallas`` and hands the output
-  back: it must sit on the rank's device and agree with the Triton rank output.
+* PyTorch (``run_torch``): TP spawned processes, gloo on CPU or NCCL on GPUs (``NO_MULTICAST``);
+  each rank calls ``qsa_triton`` on its heads, rank 0 compares the gathered outputs with TP1.
+  The last rank hands its tensors to jax (``interop.dlpack``), runs ``qsa_pallas`` and hands the
+  output back: it must sit on the rank's device and agree with the Triton rank output.
 
 Verdicts (``judge``): batch-invariant decode bitwise equal to TP1 (``qsa-contract.md`` §2c: the
-split schedule depends on W, G and D only, and the head tile max(16, next_pow2(G)) is 16 for
-G = 12 and 6 alike); other decode and prefill within ``interop.cases.compare``'s tolerance.
-Timing (GPU, ``time=True``): each rank's step (a CUDA graph, or for JAX an unrolled chain in one
-``jax.jit``, of ``CALLS`` calls) alone vs with every rank running at once, interleaved over
-``ROUNDS``, medians; PASS within ``TIME_LIMIT`` of the single-GPU time. torch and jax are
-imported inside the functions (tooling layer).
+split schedule depends on W, G and D only, and the head tile is 16 for G = 12 and 6 alike);
+others within ``interop.cases.compare``'s tolerance. Timing (GPU, ``time=True``): each rank's
+step (``CALLS`` calls in a CUDA graph, or one ``jax.jit`` chain) alone vs every rank at once,
+interleaved over ``ROUNDS``, medians; PASS within ``TIME_LIMIT`` of the single-GPU time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import statistics
@@ -77,10 +73,9 @@ class TPCase(NamedTuple):
 
 
 def tp_cases(device: str) -> list[TPCase]:
-    """The cases of ``qsa check --tp``: CPU (interpreters): D = 64, fp16, topk 16, decode rows
-    with 0..250 visible blocks (batch-invariant) and a prefill with a cached prefix; GPU:
-    production shapes (D = 256, bf16, topk 512, ~32k contexts, a 2048-page pool), decode at
-    B 16 / 64 in both modes and an FP8 pool and keys at B 32, prefill 1024 + 77 rows."""
+    """The cases of ``qsa check --tp``: CPU: D = 64, fp16, topk 16, a batch-invariant decode and
+    a prefill with a cached prefix; GPU: production shapes (D = 256, bf16, topk 512, ~32k
+    contexts), decode at B 16 / 64 in both modes and FP8 at B 32, prefill 1024 + 77 rows."""
     if device == "cpu":
         dec = C.StepSpec("tp/decode", "decode", 24, 2, 64, (0, 5, 70, 301, 1000), topk=16,
                          dtype="float16", seed=41)
@@ -102,8 +97,7 @@ def tp_cases(device: str) -> list[TPCase]:
 
 def rank_heads(hq: int, hkv: int, tp: int, rank: int) -> tuple[slice, slice]:
     """(query heads, KV heads) of ``rank`` as slices of the TP1 head axes: query heads
-    ``rank*hq/tp ..``; KV heads ``rank*hkv/tp ..`` when tp <= hkv, else the one KV head
-    ``rank // (tp / hkv)`` (replicated over tp / hkv ranks), the head its query heads use.
+    ``rank*hq/tp ..``; KV heads ``rank*hkv/tp ..``, or at tp > hkv the one its query heads use.
     Raises ValueError when tp does not divide hq, or neither of tp and hkv divides the other."""
     if tp < 1 or hq % tp or (tp % hkv and hkv % tp) or not 0 <= rank < tp:
         raise ValueError(f"rank_heads: no even TP{tp} split of {hq}/{hkv} heads (rank {rank})")
@@ -155,8 +149,8 @@ class RankResult:
 def judge(framework: str, case: TPCase, tp: int, rank: int, out, tp1_heads, empty: np.ndarray,
           why: str = "") -> RankResult:
     """``out`` (rank ``rank``'s output) against ``tp1_heads`` (the TP1 output's heads of that
-    rank): bitwise in batch-invariant decode, else ``interop.cases.compare`` (finite, rtol =
-    atol = 2e-2, relative L2 <= 5e-3, exact zeros where ``empty``); ``why`` forces a FAIL."""
+    rank): bitwise in batch-invariant decode, else ``interop.cases.compare`` (exact zeros where
+    ``empty``); ``why`` forces a FAIL."""
     qs, kvs = rank_heads(case.spec.hq, case.spec.hkv, tp, rank)
     (ob, of), (rb, rf) = _host(out), _host(tp1_heads)
     same = ob.shape == rb.shape
@@ -172,8 +166,7 @@ def judge(framework: str, case: TPCase, tp: int, rank: int, out, tp1_heads, empt
 # ---------------------------------------------------------------------------------------------
 # JAX: shard_map over a TP-device mesh
 def _jax_inputs(case: TPCase, device: str):
-    """(case data, positional jax arrays and host values, keyword arguments) of one case:
-    ``crosscheck.build_inputs`` (torch) shared zero-copy with jax."""
+    """(case data, args, kwargs) of one case as jax arrays (``crosscheck.build_inputs``)."""
     import torch  # noqa: PLC0415
 
     from interop.dlpack import to_jax  # noqa: PLC0415
@@ -191,10 +184,9 @@ def _jax_inputs(case: TPCase, device: str):
 
 def run_jax(tps: Sequence[int], cases: Sequence[TPCase], *, device: str = "cpu",
             time: bool = False) -> tuple[list[RankResult], list[dict]]:
-    """Each case at TP1 (one device) and at every TP in ``tps`` (``qsa_pallas.shard_step`` over
-    the first TP jax devices, pool through ``replicate_kv_heads``): every device's shard of the
-    output judged against TP1's heads of that rank. ``time`` (GPU, default-mode decode): the
-    sharded call against rank 0's shard on one device (``_time_jax``).
+    """Each case at TP1 and at every TP in ``tps`` (``qsa_pallas.shard_step`` over the first TP
+    jax devices): every device's shard judged against TP1's heads of that rank. ``time`` (GPU,
+    default-mode decode): the sharded call against rank 0's shard alone (``_time_jax``).
 
     Returns (rank results, timings). Raises Unavailable: fewer jax devices than max(tps)."""
     import jax  # noqa: PLC0415
@@ -232,9 +224,8 @@ def run_jax(tps: Sequence[int], cases: Sequence[TPCase], *, device: str = "cpu",
 
 def _time_jax(case: TPCase, step: Callable, args: list, kw: dict, mesh, tp: int, *,
               calls: int = CALLS, rounds: int = ROUNDS) -> dict:
-    """Per-call µs of ``calls`` chained calls in one ``jax.jit`` (each q the previous output):
-    the sharded step (every rank at once, inputs placed on the mesh) against rank 0's shard
-    alone on its device; interleaved over ``rounds``, medians of the host wall clock."""
+    """Per-call µs of ``calls`` chained calls in one ``jax.jit``: the sharded step against rank
+    0's shard alone on its device, interleaved over ``rounds``, medians of the wall clock."""
     import jax  # noqa: PLC0415
     from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
 
@@ -277,8 +268,8 @@ def _time_jax(case: TPCase, step: Callable, args: list, kw: dict, mesh, tp: int,
 # PyTorch: torch.distributed, one process per rank
 def run_torch(tp: int, cases: Sequence[TPCase], *, device: str = "cpu",
               time: bool = False) -> tuple[list[RankResult], dict | None, list[dict]]:
-    """The cases over ``tp`` spawned ranks (``_rank_main``): gloo on CPU, NCCL on CUDA (one rank
-    per GPU). Returns (rank results judged on rank 0, the DLPack hand-off's record, timings).
+    """The cases over ``tp`` spawned ranks (``_rank_main``), gloo on CPU, NCCL on CUDA. Returns
+    (rank results judged on rank 0, the DLPack hand-off's record, timings).
 
     Raises:
       Unavailable: fewer CUDA GPUs than ``tp`` (device "cuda").
@@ -299,12 +290,8 @@ def run_torch(tp: int, cases: Sequence[TPCase], *, device: str = "cpu",
 
 def _rank_main(rank: int, tp: int, device: str, cases: list[TPCase], tmp: str,
                time: bool) -> None:
-    """One rank: rank 0's TP1 inputs (``broadcast``), its heads of every case through
-    ``qsa_triton``, ``all_gather`` of the outputs (as bytes: gloo and NCCL both carry uint8),
-    rank 0 judges every part against its TP1 call; the last rank runs the DLPack hand-off;
-    rank 0 writes ``ranks.json`` into ``tmp``."""
-    import datetime  # noqa: PLC0415
-
+    """One rank: its heads of rank 0's inputs through ``qsa_triton``, outputs gathered as bytes
+    and judged on rank 0 (which writes ``tmp/ranks.json``); the last rank's DLPack hand-off."""
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
@@ -361,10 +348,8 @@ def _rank_main(rank: int, tp: int, device: str, cases: list[TPCase], tmp: str,
 
 def _dlpack_handoff(case: TPCase, entry: str, args: list, kw: dict, out, empty: np.ndarray,
                     rank: int) -> dict:
-    """This rank's tensors to jax (``interop.dlpack.to_jax``): every array must land on the jax
-    device of the tensor's device, sharing its memory; ``qsa_pallas`` runs the rank's step on
-    them; its output back to torch (``to_torch``) must be on the rank's device and agree with
-    the Triton rank output (``interop.cases.compare``)."""
+    """This rank's tensors to jax (on the tensor's device, sharing memory), ``qsa_pallas`` on
+    them, the output back to torch: on the rank's device and close to the Triton output."""
     import jax  # noqa: PLC0415
     import torch  # noqa: PLC0415
 
@@ -390,9 +375,8 @@ def _dlpack_handoff(case: TPCase, entry: str, args: list, kw: dict, out, empty: 
 
 
 def _time_torch(case: TPCase, call: Callable, rank: int, tp: int) -> dict:
-    """µs per call of this rank's step (a CUDA graph of ``CALLS`` calls): alone, the other
-    ranks waiting at a barrier (the single-GPU TP-shaped call), and with every rank replaying
-    at once; interleaved over ``ROUNDS`` rounds, medians."""
+    """µs per call of this rank's step (a CUDA graph of ``CALLS`` calls) alone (the others at a
+    barrier) and with every rank replaying at once; interleaved over ``ROUNDS``, medians."""
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
@@ -427,7 +411,7 @@ def _time_torch(case: TPCase, call: Callable, rank: int, tp: int) -> dict:
 
 
 def _timing(framework: str, case: TPCase, tp: int, rank, single: float, mine: float) -> dict:
-    """A timing record: µs per call alone (``single_us``) and with every rank (``rank_us``)."""
+    """A timing record: µs per call alone and with every rank running."""
     return {"framework": framework, "case": case.name, "tp": tp, "rank": rank,
             "single_us": single, "rank_us": mine, "ratio": mine / single,
             "passed": mine / single <= TIME_LIMIT}
@@ -437,9 +421,8 @@ def _timing(framework: str, case: TPCase, tp: int, rank, single: float, mine: fl
 def check(tp: int, *, interpret: bool, frameworks: Sequence[str] = ("pallas", "triton"),
           time: bool = False, log: Callable[[str], Any] = print) -> dict:
     """``qsa check --tp``: ``tp_cases`` through ``run_jax`` ("pallas") and ``run_torch``
-    ("triton"), one line per rank (and the DLPack hand-off, and with ``time`` the timings)
-    through ``log``. Returns a JSON-able report with ``passed``; an exception of one framework
-    is reported as a failure and the other still runs.
+    ("triton"), one line per rank, hand-off and timing through ``log``. Returns a JSON-able
+    report with ``passed``; one framework's exception is a failure, the other still runs.
 
     Raises:
       Unavailable: on GPUs fewer than ``tp`` CUDA devices; ``time`` without GPUs.
