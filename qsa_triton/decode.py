@@ -1,87 +1,44 @@
-"""Packed varlen sparse decode (``qsa-contract.md`` §2) as Triton kernels for PyTorch.
+"""Packed varlen sparse decode (``qsa-contract.md`` §2, §2c) as Triton kernels for PyTorch.
 
-Forward-only (no backward; inputs that require grad are refused with a ``ContractError``).
+Public: ``sparse_decode``, ``flash_attn_varlen_func`` (flash-attn 2.8's signature, decode only),
+``prepare`` (scratch before CUDA-graph capture), ``plan_for``, ``pdl_enabled``, and the custom
+op ``torch.ops.qsa.sparse_decode`` (fake impl for torch.compile). Forward-only.
 
-Public:
-  sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
-                strict=False, batch_invariant=False) -> out
-  flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
-    flash-attn 2.8's signature and defaults, decode only (max_seqlen_q = 1)
-  prepare(device)               persistent split-KV scratch, before CUDA-graph capture
-  plan_for(...)                 the launch plan and merge mode a call with these shapes uses
-  pdl_enabled(device, kv_rows)  whether such a call uses Programmatic Dependent Launch
-  torch.ops.qsa.sparse_decode   the registered custom op (fake impl for torch.compile)
-
-Algorithm (our own; the split-KV / LSE-merge scheme is the standard flash-decoding one):
-  * Kernel 1 (``_decode_split_kernel``): one program per (sequence s, KV head h, split j). It loads
-    the G query heads of KV head h from row ``cu_seqlens_q[s]`` as one [head tile, D] tile (head
-    tile = G padded to a power of two >= 16, padded rows masked to 0), then streams its share of
-    the row's keys ``[cu_seqlens_k[s], cu_seqlens_k[s+1])`` in BLOCK_N chunks: tensor-core Q·Kᵀ in
-    the input dtype, FP32 scores scaled by ``softmax_scale·log2(e)`` (the scale is applied to FP32
-    scores, never to q in bf16), FP32 online softmax with exp2, P cast to the value dtype for the
-    tensor-core P·V, FP32 accumulator. The softmax denominator is kept per column
-    ([head tile, BLOCK_N]) and reduced once after the loop: no cross-warp row sum per block.
-  * Split-KV decided on the device (``interop/plan.py``): the grid is static (max_splits x B x
-    Hkv, split-major, so every row's split 0 gets the lowest program ids); each program computes
-    from the row's device length ``n_active = clamp(cdiv(cdiv(len, BLOCK_N), min_blocks), 1,
-    max_splits)``, capped by the device-side balance ``max(1, len * slots // (total keys * Hkv))``
-    (the row's share of ``plan.balance_slots`` programs), and its block range from the shared
-    split rule ``interop.plan.split_blocks``; programs with j >= n_active exit at once (after
-    marking their LSE slots empty for the merge kernel). No host read of any length: CUDA-graph
-    replay with new lengths stays correct, and a row longer than ``max_seqlen_k`` is still
-    covered entirely (its splits just get longer).
-  * A row whose n_active is 1 (short rows, large batches, empty rows) is finished by its one
-    program (acc / l, exact zeros for an empty row). Otherwise every active split writes its
-    normalised partial output (FP32 [D]) and its log2-domain LSE per query head to scratch, and
-    * merge "kernel": kernel 2 (``_decode_merge_kernel``), one program per (sequence, query head,
-      slice of D). The split kernel also writes LSE = -inf for every inactive split slot (and for
-      split 0 of a row it finished itself), so the merge needs no row metadata and issues all its
-      loads in one round trip: M = max_j lse_j (all -inf: row already done), weights
-      2^(lse_j - M) (empty splits weigh 0, their stale partials are masked out with a select),
-      output sum_j w_j o_j / sum_j w_j; NaN if a live split (LSE != -inf) has a NaN LSE or
-      partial (below);
-    * merge "inline": the last split to arrive (an int32 acq_rel counter per (s, h)) merges in the
-      same launch, ``inline_tile`` splits' LSEs and partials per memory round trip (online rescale
-      across chunks), and resets its counter to 0 before exiting.
-    ``plan_for`` picks inline where 2 x B x Hkv >= SMs (rows get few splits, most none: no second
-    launch), the merge kernel below that (bench/NOTES.md, "Merge: second kernel vs in-launch").
-  * NaN: a NaN in a key or value a row attends (or in its query) reaches that row's output for
-    the KV head's query heads (the query's head) whatever the split count, as in
-    ``interop.reference`` (a NaN score makes the split's denominator l NaN, a NaN value its
-    partial): a split is empty only where l == 0 (a NaN l gives a NaN LSE, never the -inf of an
-    empty split), and the merges propagate a NaN LSE or partial of a live split (the in-launch
-    merge by arithmetic, the merge kernel by a select that leaves finite results' bits alone,
-    also where a split's weight underflowed to 0). K/V rows no row names are never read.
-  * ``batch_invariant=True`` (qsa-contract.md §2c): the plan ``interop.plan.plan_decode(...,
-    batch_invariant=True)`` (n_active = cdiv(len, 256 keys), BLOCK_N, warps and stages from G and
-    D only, no balance), always the merge kernel with a split tile fixed by D
-    (``_BI_MERGE_SPLIT_CHUNK`` splits; splits past it are folded in order, in further chunks): a
-    row's output bits depend only on its own q row, keys and length, not on B, the other rows,
-    the row's place in the batch, ``max_seqlen_k`` (any valid bound) or the SM count. PDL stays
-    the shape's choice (bitwise neutral, above). Cost: fewer programs than the default plan at
-    small B (TP1 B = 1: 18 instead of 66) and a merge launch where the default merges in-launch
-    or not at all (``python3 -m bench.decode --providers ours,ours[bi]`` measures it).
+Algorithm (our own; split-KV with an LSE merge is the standard flash-decoding scheme, the online
+softmax FlashAttention-2's):
+  * ``_decode_split_kernel``, one program per (split j, sequence s, KV head h), split-major so
+    every row's split 0 gets the lowest ids: the G query heads of h as one [head tile, D] tile
+    (G padded to a power of two >= 16, masked) stream BLOCK_N chunks of the row's keys
+    ``[cu_seqlens_k[s], cu_seqlens_k[s+1])``: Q·Kᵀ on tensor cores, FP32 scores times
+    ``softmax_scale·log2(e)``, online softmax with exp2, P·V in the value dtype, FP32
+    accumulator; the denominator is kept per column and reduced once after the loop.
+  * Split-KV decided on the device (``interop/plan.py``): a static grid of max_splits x B x Hkv;
+    each program computes n_active = clamp(cdiv(blocks, min_blocks), 1, max_splits), capped by
+    the row's share of ``plan.balance_slots`` programs, and its block range from the shared rule
+    ``interop.plan.split_blocks``. No host read of a length: CUDA-graph replay stays correct and
+    a row longer than ``max_seqlen_k`` is still covered (its splits get longer).
+  * n_active == 1: the program writes the output (exact zeros for an empty row). Otherwise each
+    split writes its normalised FP32 partial and log2 LSE to scratch, merged either by
+    ``_decode_merge_kernel`` (one program per (sequence, query head, D slice); inactive slots
+    hold LSE -inf, so it needs no row metadata) or "inline" by the last split to arrive (an
+    acq_rel counter per (s, h), reset after). ``plan_for`` picks inline where
+    2 x B x Hkv >= SMs (bench/NOTES.md, "Merge: second kernel vs in-launch").
+  * NaN: an attended NaN in q, a key or a value reaches the output of the KV head's query heads
+    whatever the split count, as ``interop.reference`` (a split is empty only where l == 0; the
+    merges propagate a live split's NaN LSE or partial). K/V rows no row names are never read.
+  * ``batch_invariant=True``: ``plan_decode(..., batch_invariant=True)`` and always the merge
+    kernel with a split tile fixed by D (``_BI_MERGE_SPLIT_CHUNK``), so a row's bits depend on
+    its own q row, keys and length only.
   * Programmatic Dependent Launch (sm_90+; CUDA C++ Programming Guide, "Programmatic Dependent
-    Launch and Synchronization"; PTX ``griddepcontrol``): where ``pdl_enabled`` (B x Hkv <= 2,
-    trigger at entry; B x Hkv >= 64, trigger after the K/V loop) both kernels are launched with
-    ``launch_pdl``, so each may be scheduled before its predecessor on the stream has finished.
-    Every program of either kernel executes ``gdc_wait`` (returns once the predecessor grid has
-    completed and its memory is visible) before any load or store, so results are bitwise the
-    same as without PDL; the merge launch latency hides behind the split kernel. Between those
-    batch sizes early-scheduled grids cost more than they hide (bench/NOTES.md, "Programmatic
-    Dependent Launch between split and merge").
-  * Small batches: where one split per BLOCK_N block fits one program per SM, the grid has exactly
-    that many splits (not a power of two), so no split streams two blocks (``interop.plan``).
+    Launch and Synchronization"; PTX ``griddepcontrol``) where ``pdl_enabled``: every program
+    runs ``gdc_wait`` before any load or store, so results are bitwise the same as without it
+    (bench/NOTES.md, "Programmatic Dependent Launch between split and merge").
   * Offsets into K/V, q, out and the scratch are 64-bit.
 
-Scratch: one set per device (LSE, partial outputs, counters), sized at first use for the largest
-qualified shape (B = 128, every qualified head pair, D = 256, max_seqlen_k = 2055) or for the
-call if that is larger; ``prepare(device)`` creates it explicitly (call it before CUDA-graph
-capture if no eager call happened first). A call that needs more than exists is never silently
-wrong: outside capture the scratch is enlarged (old buffers are kept alive, since captured graphs
-may still point at them); during capture a ``ContractError`` is raised before any launch. Calls on
-one device share the scratch, so they must be stream-ordered (serving runs decode on one stream,
-as upstream's kernel assumes too).
+Scratch (LSE, partials, counters): one set per device, sized at first use for the largest
+qualified shape or the call; outside capture it grows (old buffers stay alive for captured
+graphs), during capture a shortfall raises ``ContractError`` before any launch. Calls on one
+device share it, so they must be stream-ordered.
 """
 
 from __future__ import annotations
@@ -105,10 +62,9 @@ from ._interp_guard import check_device, check_interpreter_dtype, check_torch_te
 
 __all__ = ["sparse_decode", "flash_attn_varlen_func", "prepare", "plan_for", "pdl_enabled"]
 
-#: PDL where B x Hkv <= this (trigger at entry: a B = 1 call is one latency chain) ...
+#: PDL where B x Hkv <= this (trigger at entry: a B = 1 call is one latency chain) or >= the
+#: next (trigger after the K/V loop: the dependent grid is scheduled during this grid's tail)
 _PDL_ENTRY_MAX_KV_ROWS = 2
-#: ... and where B x Hkv >= this, the split kernel triggering its dependents after its K/V loop
-#: (so the dependent grid is scheduled only during this grid's tail).
 _PDL_LATE_MIN_KV_ROWS = 64
 #: floats per merge-kernel tile ([SPLIT_CHUNK, D_CHUNK]), 16 per thread at 4 warps
 _MERGE_TILE = 2048
@@ -167,7 +123,7 @@ _split_blocks = triton.jit(types.FunctionType(split_blocks.__code__, globals(), 
 
 
 # Shape ints stay runtime values and are not specialised (Triton would otherwise compile a
-# variant for every value == 1 / multiple of 16): one compiled kernel serves every B and split count.
+# variant for every value == 1 / multiple of 16): one kernel serves every B and split count.
 @triton.jit(do_not_specialize=["HQ", "HKV", "MAX_SPLITS", "MIN_BLOCKS", "NSEQ", "SLOTS", "CAP"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, cnt_ptr, cu_q_ptr, cu_k_ptr,
@@ -368,14 +324,8 @@ def _decode_merge_kernel(
 # ---------------------------------------------------------------------------------------------
 # Plan (static geometry), device facts and the PDL policy
 def _facts(device: torch.device) -> DeviceFacts | None:
-    """The device's facts (``interop.arch``, cached there); None on CPU (Triton's interpreter:
-    plans are sized for the H200's 132 SMs, no shared-memory limit)."""
+    """The device's facts (``interop.arch``); None on CPU (plans sized for the H200's 132 SMs)."""
     return DeviceFacts.from_torch(device) if device.type == "cuda" else None
-
-
-def _sm_count(device: torch.device) -> int:
-    facts = _facts(device)
-    return 132 if facts is None else facts.sm_count
 
 
 _PLANS: dict[tuple, tuple[DecodePlan, str]] = {}  # host-side cache: plan_for runs on every call
@@ -384,20 +334,13 @@ _PLANS: dict[tuple, tuple[DecodePlan, str]] = {}  # host-side cache: plan_for ru
 def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
              device: torch.device | str = "cuda", *,
              batch_invariant: bool = False) -> tuple[DecodePlan, str]:
-    """The launch plan and merge mode a ``sparse_decode`` call with these static shapes uses.
+    """The (``interop.plan.DecodePlan``, merge mode) a ``sparse_decode`` call with these static
+    shapes (B, Hkv, G, D, host max_seqlen_k) uses on ``device``, cached per shape and device.
 
-    Args:
-      batch: B; num_kv_heads: Hkv; group: G = Hq / Hkv; head_dim: D; max_seqlen_k: host int.
-      device: the torch device the call runs on (its SM count and shared memory decide).
-      batch_invariant: the batch-invariant plan (``sparse_decode(..., batch_invariant=True)``).
-
-    Returns:
-      Default: (``interop.plan.DecodePlan`` from ``plan_decode`` with the device-side balance and
-      one-block splits, fitted to the device's shared memory; merge "inline" where
-      2 x B x Hkv >= SMs, else "kernel"). batch_invariant: (``plan_decode(...,
-      batch_invariant=True)``, which fits every supported part as it is; merge "kernel-fixed":
-      the merge kernel with a ``_BI_MERGE_SPLIT_CHUNK`` split tile), the same for every B and
-      device. Cached per shape and device.
+    Default: ``plan_decode`` with the device-side balance and one-block splits for the device's
+    SM count, fitted to its shared memory; merge "inline" where 2 x B x Hkv >= SMs, else
+    "kernel". batch_invariant: ``plan_decode(..., batch_invariant=True)`` and "kernel-fixed"
+    (the merge kernel with a ``_BI_MERGE_SPLIT_CHUNK`` split tile), the same on every device.
     """
     device = torch.device(device)
     key = (batch, num_kv_heads, group, head_dim, max_seqlen_k, device.type, device.index,
@@ -408,15 +351,13 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
     if batch_invariant:
         hit = (plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k,
                            batch_invariant=True), "kernel-fixed")
-        if len(_PLANS) < 4096:
-            _PLANS[key] = hit
-        return hit
-    facts = _facts(device)
-    sms = _sm_count(device)
-    plan = plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k, sms, balance=True,
-                       one_block_splits=True)
-    plan = fit_shared_memory(plan, head_dim=head_dim, limit=facts and facts.smem_per_block)
-    hit = (plan, "inline" if 2 * batch * num_kv_heads >= sms else "kernel")
+    else:
+        facts = _facts(device)
+        sms = 132 if facts is None else facts.sm_count
+        plan = plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k, sms, balance=True,
+                           one_block_splits=True)
+        plan = fit_shared_memory(plan, head_dim=head_dim, limit=facts and facts.smem_per_block)
+        hit = (plan, "inline" if 2 * batch * num_kv_heads >= sms else "kernel")
     if len(_PLANS) < 4096:
         _PLANS[key] = hit
     return hit
@@ -437,50 +378,42 @@ _TRITON_PDL = _triton_has_pdl()
 
 
 def _pdl_supported(device: torch.device) -> bool:
-    """A CUDA device of compute capability >= 9.0, a Triton with gdc ops and ``launch_pdl``, and
-    not Triton's interpreter (which has no gdc ops)."""
+    """CUDA cc >= 9.0, a Triton with gdc ops and ``launch_pdl``, not the interpreter."""
     if device.type != "cuda" or interpreting() or not _TRITON_PDL:
         return False
     return DeviceFacts.from_torch(device).cc >= (9, 0)
 
 
 def _pdl_late_trigger(kv_rows: int) -> bool:
-    """A PDL launch of the split kernel triggers its dependents after the K/V loop (True) or at
-    entry (False)."""
+    """The split kernel triggers its dependents after the K/V loop (True) or at entry."""
     return kv_rows >= _PDL_LATE_MIN_KV_ROWS
 
 
 def pdl_enabled(device: torch.device | str, kv_rows: int) -> bool:
     """Whether a decode call on ``device`` with ``kv_rows`` = B x Hkv uses Programmatic Dependent
-    Launch: where supported (sm_90+, Triton >= 3.4, not the interpreter) and B x Hkv <= 2 (split
-    kernel triggers at entry) or B x Hkv >= 64 (it triggers after its K/V loop). Results are
-    bitwise the same either way; only the launch overlap changes (module docstring)."""
+    Launch: where supported (sm_90+, Triton >= 3.4, not the interpreter) and B x Hkv <= 2 or
+    >= 64. Results are bitwise the same either way (module docstring)."""
     return ((kv_rows <= _PDL_ENTRY_MAX_KV_ROWS or _pdl_late_trigger(kv_rows))
             and _pdl_supported(torch.device(device)))
 
 
 def _inline_tile(head_tile: int, head_dim: int) -> int:
-    """INLINE_TILE of the in-launch merge: the splits whose LSEs and partials the last-arriving
-    split loads per memory round trip (a row with fewer active splits masks the rest off:
-    predicated loads, no traffic): the largest power of two <= _INLINE_TILE_ELEMS / (head_tile
-    x D), at least 1 (4 at [16, 256])."""
+    """Splits the in-launch merge loads per round trip: the largest power of two
+    <= _INLINE_TILE_ELEMS / (head_tile x D), at least 1."""
     return max(1, prev_pow2(max(1, _INLINE_TILE_ELEMS // (head_tile * head_dim))))
 
 
 def _split_constexprs(plan: DecodePlan, group: int, head_dim: int, *, inline: bool,
                       lse_all: bool, use_pdl: bool, pdl_late: bool) -> dict:
-    """The constexpr arguments of ``_decode_split_kernel`` for one launch: what ``_launch`` passes
-    and what the ahead-of-time compile list (``interop.validate.compile``) compiles."""
+    """``_decode_split_kernel``'s constexprs for one launch (also the AOT compile list's)."""
     return {"G": group, "D": head_dim, "HT": plan.head_tile, "BLOCK_N": plan.block_n,
             "MERGE_INLINE": inline, "LSE_ALL": lse_all, "USE_PDL": use_pdl, "PDL_LATE": pdl_late,
             "INLINE_TILE": _inline_tile(plan.head_tile, head_dim) if inline else 1}
 
 
 def _merge_chunks(splits: int, head_dim: int, fixed: bool = False) -> tuple[int, int]:
-    """(SPLIT_CHUNK, D_CHUNK) of the merge kernel: every split in one round trip (<= 128), and
-    _MERGE_TILE floats per tile with >= 16 columns. ``fixed`` (batch-invariant mode):
-    ``_BI_MERGE_SPLIT_CHUNK`` splits whatever ``splits`` is, so the tile (and the order of its
-    sums) depends on D only."""
+    """(SPLIT_CHUNK, D_CHUNK) of the merge kernel: every split (<= 128) in one round trip, or
+    (``fixed``, batch-invariant) ``_BI_MERGE_SPLIT_CHUNK``; _MERGE_TILE floats, >= 16 columns."""
     chunk = _BI_MERGE_SPLIT_CHUNK if fixed else min(max(2, next_pow2(splits)), 128)
     return chunk, max(16, min(head_dim, _MERGE_TILE // chunk))
 
@@ -497,6 +430,9 @@ class _Scratch:
         return (rows <= self.lse.numel() and elems <= self.part.numel()
                 and slots <= self.counters.numel())
 
+    def sizes(self) -> str:
+        return f"rows={self.lse.numel()}, elems={self.part.numel()}, slots={self.counters.numel()}"
+
 
 _scratch: dict[tuple[str, int | None], _Scratch] = {}
 _retired: list[_Scratch] = []  # enlarged-away buffers stay alive: captured graphs may use them
@@ -510,8 +446,7 @@ def _dev_key(device: torch.device) -> tuple[str, int | None]:
 
 
 def _qualified_need() -> tuple[int, int, int]:
-    """(rows, elems, slots) of the largest qualified decode shape under the shipped plans (the
-    default one and the batch-invariant one)."""
+    """(rows, elems, slots) of the largest qualified shape under both shipped plans."""
     rows = elems = slots = 1
     d = QUALIFIED["head_dim"]
     lo, hi = QUALIFIED["batch"]
@@ -527,18 +462,13 @@ def _qualified_need() -> tuple[int, int, int]:
 
 def prepare(device: torch.device | str | None = None, *, rows: int = 0, elems: int = 0,
             slots: int = 0) -> None:
-    """Create (or enlarge) the persistent split-KV scratch of ``device`` now.
-
-    Sized for the largest qualified decode shape (B = 128, (24,2)/(12,1)/(6,1), D = 256,
-    max_seqlen_k = 2055 under the shipped plans, batch-invariant too: a few MB) or for the given
-    minimums (``rows`` LSE entries, ``elems`` partial-output floats, ``slots`` counters),
-    whichever is larger. Call it before capturing a CUDA graph that contains ``sparse_decode`` if
-    no eager call ran first on that device. Idempotent.
+    """Create (or enlarge) ``device``'s split-KV scratch now; call it before capturing a CUDA
+    graph that contains ``sparse_decode`` if no eager call ran first on that device. Idempotent.
 
     Args:
       device: torch device (default: the current CUDA device, or cpu without CUDA).
-      rows, elems, slots: minimum LSE entries (B x Hq x max_splits), FP32 partial-output
-        elements (rows x D) and int32 counters (B x Hkv), for shapes beyond the qualified ones.
+      rows, elems, slots: minimum LSE entries (B x Hq x max_splits), FP32 partial elements
+        (rows x D) and int32 counters (B x Hkv); the largest qualified shape (a few MB) at least.
 
     Raises:
       ContractError: while a CUDA graph is being captured and the scratch must grow.
@@ -546,8 +476,7 @@ def prepare(device: torch.device | str | None = None, *, rows: int = 0, elems: i
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
-    device = torch.device(device)
-    _get_scratch(device, rows, elems, slots)
+    _get_scratch(torch.device(device), rows, elems, slots)
 
 
 def _get_scratch(device: torch.device, rows: int, elems: int, slots: int) -> _Scratch:
@@ -566,11 +495,11 @@ def _get_scratch(device: torch.device, rows: int, elems: int, slots: int) -> _Sc
                 "(call qsa_triton.decode.prepare(device, rows=..., elems=..., slots=...) or run "
                 "the shape eagerly once before capturing)",
                 f"needs rows={rows}, elems={elems}, slots={slots}; have "
-                + ("none" if cur is None else
-                   f"rows={cur.lse.numel()}, elems={cur.part.numel()}, slots={cur.counters.numel()}"))
+                + ("none" if cur is None else cur.sizes()))
         qr, qe, qs = _qualified_need()
         if cur is not None:
-            qr, qe, qs = max(qr, cur.lse.numel()), max(qe, cur.part.numel()), max(qs, cur.counters.numel())
+            qr, qe = max(qr, cur.lse.numel()), max(qe, cur.part.numel())
+            qs = max(qs, cur.counters.numel())
             _retired.append(cur)
         dev = torch.device(*key) if key[1] is not None else torch.device(key[0])
         new = _Scratch(
@@ -636,15 +565,12 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
 def _decode_with_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
                       plan: DecodePlan, merge: str | None = None,
                       pdl: bool | None = None) -> torch.Tensor:
-    """``sparse_decode`` with an explicit plan, merge ("kernel" | "inline" | "kernel-fixed", the
-    batch-invariant merge tile; None: the shipped default choice for the shape) and PDL on/off
-    (None: ``pdl_enabled``), for tests that must force the split-KV paths. Checks the contract
-    first.
+    """``sparse_decode`` (contract checked) with a forced plan, merge ("kernel" | "inline" |
+    "kernel-fixed"; None: ``plan_for``'s) and PDL (None: ``pdl_enabled``), for tests.
 
     Raises:
-      ContractError: as ``sparse_decode``; a head tile that cannot hold the group; PDL forced on
-        where it is not supported.
-      ValueError: an unknown merge mode.
+      ContractError: as ``sparse_decode``; a head tile that cannot hold G; PDL forced on where
+        unsupported. ValueError: an unknown merge mode.
     """
     prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale)
     check_device("sparse_decode", q.device.type)
@@ -673,9 +599,8 @@ def _sparse_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       batch_invariant: bool = False) -> torch.Tensor:
     """Registered op: contract already checked by the caller (``sparse_decode``)."""
     if exact_contract(_facts(q.device)):
-        # SM121 routes decode to the exact qualified contract only (qsa-contract.md §5: a family
-        # gate wider than exact (12, 1) caused silent corruption upstream). Checked here, in the
-        # op body, so it also holds under torch.compile; a cached lookup on other devices.
+        # sm_121 gets the exact qualified contract only (qsa-contract.md §5); checked in the op
+        # body so that it also holds under torch.compile
         check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
                      batch_invariant=batch_invariant, strict=True)
     b, hq, d = q.shape
@@ -699,7 +624,6 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
                   cu_seqlens_k: torch.Tensor, max_seqlen_k: int, softmax_scale: float | None = None,
                   *, strict: bool = False, batch_invariant: bool = False) -> torch.Tensor:
     """Packed varlen sparse decode (``qsa-contract.md`` §2): one query row per sequence.
-    Forward-only: no backward is defined, and inputs that require grad are refused.
 
     Args:
       q: [B, Hq, D] bf16|fp16, last dim contiguous. Sequence s reads query row ``cu_seqlens_q[s]``.
@@ -708,36 +632,29 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
         D a power of two in 32..256.
       cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on q's device (never read by the host).
       max_seqlen_k: host int >= 1, static bound of a row's key count: sizes the split-KV grid
-        only; a longer row is still computed completely (its splits get longer).
+        only; a longer row is still computed completely.
       softmax_scale: host float, default D ** -0.5 (applied to FP32 scores).
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``); always on
         for a GPU that ``interop.contract.route`` sends to the exact contract (sm_121).
       batch_invariant: host bool. True: a row's output bits depend only on its own q row, keys,
-        length and scale, not on B, the other rows, its place in the batch, ``max_seqlen_k``
-        (any valid bound) or the GPU's SM count (``qsa-contract.md`` §2c). Rule: n_active =
-        cdiv(len, ``interop.plan.BATCH_INVARIANT_SPLIT_KEYS``) splits from the shared split rule,
-        BLOCK_N / warps / stages from G and D only (``plan_decode(..., batch_invariant=True)``),
-        a merge whose tile and order depend on D only. Cost against the default: fewer programs
-        at small B, a merge launch at large B (``bench.decode`` provider ``ours[bi]``).
+        length and scale, not on B, the other rows, its place in the batch, ``max_seqlen_k`` or
+        the SM count (§2c; module docstring). Costs fewer programs at small B and a merge
+        launch at large B (``bench.decode`` provider ``ours[bi]``).
 
     Returns:
       [B, Hq, D] in q's dtype: out[s, h] = softmax(scale · q[cu_q[s], h] · Kᵀ) · V over the row's
-      keys with KV head h // G; exact zeros for a row with no keys. A NaN in a key or value the
-      row attends gives NaN for the KV head's query heads (as ``interop.reference``), whatever the
-      split count; K/V rows outside every row's range are never read.
+      keys with KV head h // G; exact zeros for a row with no keys; an attended NaN gives NaN
+      for the KV head's query heads (as ``interop.reference``).
 
     Raises:
-      ContractError: before any launch, for a call outside the contract (see ``check_decode``;
-        also a tensor with ``requires_grad``, a CPU tensor without Triton's interpreter, bf16
-        under the unpatched interpreter); during CUDA-graph capture, for a shape whose scratch
-        was not created before capture.
-        Under torch.compile(fullgraph=True) the check runs in the op's fake implementation and
-        its text reaches the caller inside Dynamo's TorchRuntimeError (``_checked``). A
-        ``batch_invariant`` that is not a host bool.
+      ContractError: before any launch, for a call outside the contract (``check_decode``; a
+        tensor with ``requires_grad``, a non-bool ``batch_invariant``, a CPU tensor without
+        Triton's interpreter, bf16 under the unpatched interpreter); during CUDA-graph capture,
+        for a shape whose scratch was not created before. Under torch.compile(fullgraph=True)
+        the check runs in the op's fake impl (text inside Dynamo's TorchRuntimeError).
 
-    Graph/compile safety: no host sync; use inside ``torch.compile(fullgraph=True)`` (custom op
-    ``torch.ops.qsa.sparse_decode`` with a fake impl) and CUDA-graph capture (scratch exists after
-    one eager call or ``prepare``), in both modes.
+    No host sync: safe inside ``torch.compile(fullgraph=True)`` and CUDA-graph capture (scratch
+    exists after one eager call or ``prepare``).
     """
     msk, scale = _checked("sparse_decode", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
                           softmax_scale, strict=strict, batch_invariant=batch_invariant)
@@ -747,19 +664,16 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
 
 def _checked(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, *,
              strict=False, max_seqlen_q=None, batch_invariant=False) -> tuple[int, float]:
-    """The public entry points' checks; returns (max_seqlen_k, softmax_scale) for the op.
-
-    Under torch.compile the contract check moves into the op's fake implementation: Dynamo
-    cannot raise an exception out of a fullgraph trace (it reports "Unsupported: observed
-    exception" and drops the message), while an error raised while running the fake impl reaches
-    the user inside Dynamo's TorchRuntimeError with the full ContractError text."""
+    """The public entry points' checks; returns (max_seqlen_k, softmax_scale) for the op. Under
+    torch.compile they move into the op's fake impl: Dynamo drops an exception's message out of a
+    fullgraph trace, while one raised in the fake impl reaches the user in full."""
     if torch.compiler.is_compiling():
         return max_seqlen_k, softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     check_torch_tensors(fn, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
                         strict=strict, batch_invariant=batch_invariant,
                         **({} if max_seqlen_q is None else
-                                          {"max_seqlen_q": max_seqlen_q, "fn": fn}))
+                           {"max_seqlen_q": max_seqlen_q, "fn": fn}))
     check_interpreter_dtype(fn, prob.dtype)
     check_device(fn, q.device.type)
     return prob.max_seqlen_k, prob.softmax_scale
@@ -772,25 +686,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None):
-    """Drop-in for flash-attn's ``flash_attn_varlen_func`` in a QSA decode backend; forward-only.
-
-    flash-attn 2.8's positional order and defaults (``flash_attn/flash_attn_interface.py``):
-    q [total_q, Hq, D], k / v [total_k, Hkv, D] (bf16|fp16), int32 ``cu_seqlens_q/k`` [B + 1],
-    host ``max_seqlen_q`` / ``max_seqlen_k``, then ``dropout_p, softmax_scale, causal,
-    window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table``. Decode
-    only: ``max_seqlen_q`` must be 1, so total_q = B and output row s is sequence s. With one
-    query row, bottom-right causal masking (flash-attn >= 2.1) keeps every key, so ``causal``
-    True or False give the same result; ``deterministic`` is accepted (the kernels are
-    deterministic). Computes ``sparse_decode`` (see there for the algorithm).
-
-    Returns:
-      [B, Hq, D] in q's dtype (see ``sparse_decode``).
+    """Drop-in for flash-attn 2.8's ``flash_attn_varlen_func`` (its positional order and
+    defaults, ``flash_attn/flash_attn_interface.py``) in a QSA decode backend: computes
+    ``sparse_decode`` (shapes, dtypes, result there). Decode only: ``max_seqlen_q`` must be 1,
+    so total_q = B. With one query row bottom-right causal masking keeps every key, so
+    ``causal`` does not change the result; ``deterministic`` is accepted (the kernels are).
 
     Raises:
       ContractError: ``dropout_p`` != 0, a sliding window, softcap, ALiBi, returning attention
-        probabilities, a paged ``block_table``, a non-bool ``causal``; and anything
-        ``sparse_decode`` rejects, including ``max_seqlen_q != 1`` and inputs that require grad.
-        Under torch.compile the contract check runs in the op's fake impl (see ``_checked``).
+        probabilities, a paged ``block_table``, a non-bool ``causal``, ``max_seqlen_q != 1``,
+        and anything ``sparse_decode`` rejects.
     """
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         raise ContractError(_FA_FN, "dropout_p", "0.0 (no dropout: forward inference only)",
