@@ -4,26 +4,24 @@ decode step reads the KV pool in place (no valid counts, prefix sum or packed co
 Algorithm: flash-decoding split-KV over the index columns with the standard LSE merge, the online
 softmax of FlashAttention-2.
 
-* Split kernel (``_paged_split_kernel``), one program per (split j, row r, KV head h) of the
-  static plan ``interop.plan.plan_decode_paged``: the G query heads of h as one [head tile, D]
-  tile (padded to a power of two >= 16, masked) walk the BLOCK_N chunks
-  ``[j*nb // S, (j+1)*nb // S)`` of the row's W index columns. An entry is valid iff
-  ``0 <= idx < min(seq_lens[r], max_context)``, ``req_indices[r]`` names a table row and the
-  slot ``req_to_token[req, idx]`` (loaded under that mask) lies in ``[0, slots)``; K/V rows are
-  gathered under the final mask (invalid entries are never dereferenced and read 0, so NaN/Inf in
-  slots no valid entry names never reach a dot), 64-bit offsets where the pool needs them
-  (``OFF64``). FP8 pools: tiles and q in fp16 (``qsa_triton._fp8``). FP32 scores times
-  ``softmax_scale * k_scale * log2(e)``, online softmax with exp2, FP32 accumulator.
-* A one-split plan writes ``acc * v_scale / l`` straight into the output (zeros where l = 0).
-  Otherwise each split writes its normalised FP32 partial and log2 LSE (-inf when empty) to
-  per-call scratch and ``_paged_merge_kernel`` (one program per (row, query head, D chunk))
-  merges them: w_j = 2^(lse_j - max lse), empty splits weigh 0 (a select, never a product).
+* ``_paged_split_kernel``, one program per (split j, row r, KV head h) of the static plan
+  ``interop.plan.plan_decode_paged``: the G query heads of h as one [head tile, D] tile (a power
+  of two >= 16, masked) walk BLOCK_N chunks ``[j*nb // S, (j+1)*nb // S)`` of the row's W index
+  columns. An entry is valid iff ``0 <= idx < min(seq_lens[r], max_context)``,
+  ``req_indices[r]`` names a table row and the slot ``req_to_token[req, idx]`` lies in
+  ``[0, slots)``; K/V rows are gathered under that mask (invalid entries read 0, never the
+  pool), with 64-bit offsets where the pool needs them (``OFF64``). FP8 pools: tiles and q in
+  fp16 (``qsa_triton._fp8``). FP32 scores times ``softmax_scale * k_scale * log2(e)``, online
+  softmax with exp2, FP32 accumulator.
+* One split: ``acc * v_scale / l`` goes straight to the output (zeros where l = 0). Otherwise
+  each split writes its FP32 partial and log2 LSE (-inf when empty) to per-call scratch and
+  ``_paged_merge_kernel`` (per (row, query head, D chunk)) weighs them by 2^(lse_j - max lse).
 * NaN: an attended NaN reaches the row's output whatever the split count, as in
-  ``interop.reference``: a split is empty only where l == 0, and the merge writes NaN where any
-  split's LSE or partial is NaN (finite outputs keep their bits).
-* Graph / compile safety: static plan; lengths, positions and slots read on the device; scratch
-  from the caching allocator; no atomics, no host sync. ``batch_invariant=True``: the plan
-  depends on W, G, D and the dtypes only, so a row's bits do not depend on the batch.
+  ``interop.reference`` (a split is empty only where l == 0; the merge writes NaN where any
+  split's LSE or partial is NaN, finite outputs keep their bits).
+* Static plan, lengths/positions/slots read on the device, no atomics, no host sync: CUDA-graph
+  and torch.compile safe. ``batch_invariant=True``: the plan depends on W, G, D and the dtypes
+  only, so a row's bits do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ from ._interp_guard import check_device, check_interpreter_dtype, check_torch_te
 __all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "MERGE_TILE"]
 
 #: floats per merge-kernel tile ([splits padded to a power of two, D chunk]): 16 per thread at 4
-#: warps, the packed decode's merge tile (``qsa_triton.decode.MERGE_TILE``)
+#: warps, as the packed decode's merge
 MERGE_TILE = 2048
 _OFF32_MAX = 2**31 - 1
 
@@ -186,9 +184,7 @@ def _device(dev_type: str, index: int | None) -> tuple[int, int | None]:
 
 def plan_for(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
              batch_invariant: bool) -> PagedDecodePlan:
-    """The plan a call with these tensors uses (``interop.plan.plan_decode_paged`` with the
-    device's SM count and shared memory; fitted to sm_120 / sm_121's shared memory on every
-    device)."""
+    """The plan (``interop.plan.plan_decode_paged``, for the device) these tensors get."""
     r, hq, d = q.shape
     hkv = k_cache.shape[1]
     return _plan(r, hkv, hq // hkv, d, max(1, indices.shape[-1]),
@@ -265,9 +261,7 @@ def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               req_to_token: torch.Tensor, req_indices: torch.Tensor, indices: torch.Tensor,
               seq_lens: torch.Tensor, softmax_scale: float, k_scale: float, v_scale: float,
               batch_invariant: bool) -> torch.Tensor:
-    """Registered op: the contract was checked by the caller (or by the fake impl under
-    torch.compile). On sm_121 the exact qualified contract is enforced here too (qsa-contract.md
-    §5), so it also holds under torch.compile."""
+    """Registered op (contract checked by the caller); sm_121's exact contract (§5) here too."""
     if _exact_contract_device(q.device.type, q.device.index):
         check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
                            softmax_scale, k_scale, v_scale, batch_invariant=batch_invariant,
@@ -291,8 +285,7 @@ _FN = "sparse_decode_paged"
 
 def _checked(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, softmax_scale,
              k_scale, v_scale, batch_invariant, strict):
-    """Contract checks of the public entry; returns (softmax_scale, k_scale, v_scale) as floats.
-    Under torch.compile the check runs in the op's fake impl instead (as ``prefill._entry``)."""
+    """The entry checks (in the fake impl under torch.compile); returns the scales as floats."""
     if torch.compiler.is_compiling():
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         return float(scale), float(k_scale), float(v_scale)
@@ -341,10 +334,9 @@ def sparse_decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
       v_scale`` over the row's valid entries (KV head h // G); exact zeros for a row with none.
 
     Raises:
-      ContractError: before any launch, for a call outside the contract
-        (``interop.contract.check_decode_paged``: shapes, dtypes, devices, strides, scales, an
-        input with requires_grad; under torch.compile in the op's fake impl); bf16 under an
-        unpatched Triton interpreter; CPU tensors without the interpreter.
+      ContractError: before any launch: ``interop.contract.check_decode_paged`` (under
+        torch.compile in the op's fake impl); bf16 under an unpatched Triton interpreter; CPU
+        tensors without the interpreter.
 
     CUDA-graph and ``torch.compile(fullgraph=True)`` safe. Algorithm: the module docstring.
     """
@@ -358,8 +350,7 @@ def sparse_decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def decode_paged_with_plan(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
                            softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                            plan: PagedDecodePlan) -> torch.Tensor:
-    """``sparse_decode_paged`` with an explicit plan (tests force several splits on tiny shapes;
-    sweeps). Checks the contract first.
+    """``sparse_decode_paged`` (contract checked) with an explicit plan (tests, sweeps).
 
     Raises:
       ContractError: as ``sparse_decode_paged``; a plan whose head tile cannot hold G, whose
