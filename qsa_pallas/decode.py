@@ -1,26 +1,19 @@
-"""Packed varlen sparse decode (``qsa-contract.md`` §2) for JAX: Pallas on the Triton lowering,
-split-KV + merge. Forward-only.
+"""Packed varlen sparse decode (``qsa-contract.md`` §2) for JAX: Pallas on the Triton lowering.
 
-Algorithm: FlashAttention-2's online softmax with flash-decoding split-KV and an LSE merge (Dao
-et al.), as ``qsa_triton.decode``, with its plan (``interop.plan.plan_decode``, fitted to the
-device's shared memory) and split rule (``interop.plan.split_blocks``). This module:
+Algorithm, plan (``interop.plan.plan_decode``, fitted to shared memory) and split rule
+(``interop.plan.split_blocks``) as ``qsa_triton.decode`` (FlashAttention-2's online softmax,
+flash-decoding split-KV, LSE merge). Differences:
 
-* one program per (sequence, KV head, split) holds the G query heads as a power-of-two head
-  tile (>= 16, masked); the key range and n_active come *in the kernel* from ``cu_seqlens_k``
-  (an int32 input: no scalar prefetch in the Triton lowering), so a row longer than
-  ``max_seqlen_k`` is still covered completely; every K/V row index is clamped into the buffer
-  *and* masked (interpret mode clamps out-of-range gathers instead of faulting);
-* a one-split plan (B x Hkv >= the SM count) runs the split kernel alone, writing the output in
-  q's dtype (one launch; bench/NOTES.md, "Decode, Pallas"); otherwise the active splits write
-  normalised partials and LSEs and ``_merge_kernel`` weighs split j by ``exp(lse_j - max lse)``.
-  An attended NaN reaches the output whatever the split count (a split is empty only where
-  l == 0; the merges weigh by multiplication, never by a select on the weight);
-* ``batch_invariant=True`` (§2c): the batch-invariant plan, always partials and
-  ``_merge_ordered_kernel``, which folds the row's own splits in order (a one-split row takes
-  its partial as it is, as the Triton twin does): a row's bits depend on its own data only.
-
-64-bit offsets: the lowering switches to i64 pointer offsets itself for operands over 2**32 bytes;
-the row numbers computed here (``row * Hkv + h``) stay far below 2**31.
+* a 3-D grid (sequence, KV head, split); the key range and n_active come in the kernel from
+  ``cu_seqlens_k`` (no scalar prefetch in the Triton lowering); every K/V row index is clamped
+  into the buffer *and* masked (interpret mode clamps out-of-range gathers instead of faulting);
+* a one-split plan runs the split kernel alone, writing q's dtype (bench/NOTES.md, "Decode,
+  Pallas"); otherwise ``_merge_kernel`` weighs split j by ``exp(lse_j - max lse)``, by
+  multiplication, so an attended NaN reaches the output whatever the split count;
+* ``batch_invariant=True``: partials and ``_merge_ordered_kernel``, folding the row's own splits
+  in order (a one-split row takes its partial as it is, as the Triton twin does);
+* 64-bit offsets: the lowering switches to i64 itself for operands over 2**32 bytes; the row
+  numbers computed here (``row * Hkv + h``) stay far below 2**31.
 """
 
 from __future__ import annotations
@@ -42,19 +35,10 @@ __all__ = ["sparse_decode", "plan_for"]
 
 def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
              device=None, *, batch_invariant: bool = False) -> tuple[DecodePlan, str]:
-    """The launch plan and merge a ``sparse_decode`` call with these static shapes uses.
-
-    Args:
-      batch: B; num_kv_heads: Hkv; group: G = Hq / Hkv; head_dim: D; max_seqlen_k: host int.
-      device: a jax GPU device; None = the GPU being built for (``_compat.target_facts``; CPU:
-        132 SMs, no shared-memory limit).
-      batch_invariant: the batch-invariant plan (``sparse_decode(..., batch_invariant=True)``).
-
-    Returns:
-      (``interop.plan.plan_decode`` fitted to the device's shared memory, "direct" for a
-      one-split plan else "kernel"); batch_invariant: (the batch-invariant plan, which fits every
-      supported part, "ordered").
-    """
+    """As ``qsa_triton.decode.plan_for``; differences: ``device`` a jax GPU device (None: the
+    GPU being built for, ``_compat.target_facts``; CPU: 132 SMs, no shared-memory limit), no
+    device-side balance, and merge "direct" (one-split plan) | "kernel" | "ordered"
+    (batch_invariant)."""
     if batch_invariant:
         return plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k,
                            batch_invariant=True), "ordered"
@@ -229,11 +213,8 @@ def _program_ids():
 
 def _split_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_scale: float,
                 interpret: bool, direct: bool):
-    """Run the split kernel (no checks) on q [B, Hq, D], k, v [C, Hkv, D] (C >= 1) and int32
-    cu_seqlens_q/k [B + 1]. Returns, direct: the output [B, Hq, D] in q's dtype; else (o
-    [B, Hkv, S, HT, D], lse [B, Hkv, S, HT]) float32, written for head rows < G of splits
-    j < n_active (the rest garbage); a zero-length row's split 0 has o = 0, lse = -inf.
-    """
+    """The split kernel, unchecked (C >= 1): direct -> out [B, Hq, D] in q's dtype; else f32
+    (o [B, Hkv, S, HT, D], lse [B, Hkv, S, HT]), valid for heads < G of splits < n_active."""
     b, hq, d = q.shape
     cap, hkv, _ = k.shape
     ht, s_max = plan.head_tile, plan.max_splits
@@ -262,11 +243,8 @@ def _split_call(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softma
 
 def _merge_call(o, lse, cu_seqlens_k, *, num_q_heads: int, plan: DecodePlan, out_dtype,
                 capacity: int, interpret: bool, ordered: bool):
-    """The merge kernel, ``_merge_kernel`` or (``ordered``, batch-invariant)
-    ``_merge_ordered_kernel``: (o [B, Hkv, S, HT, D] f32, lse [B, Hkv, S, HT] f32) ->
-    [B, Hq, D], one program per (sequence, query head, D chunk). The unordered merge's D chunk
-    keeps its [S_p2, D_chunk] FP32 tile at <= 4096 elements (32 per thread with 4 warps); the
-    ordered one takes min(D, 256) columns (D only)."""
+    """``_merge_kernel`` (a [S_p2, D chunk] FP32 tile of <= 4096 elements) or, ``ordered``,
+    ``_merge_ordered_kernel`` (min(D, 256) columns): the split outputs -> [B, Hq, D]."""
     b, hkv, s_max, ht, d = o.shape
     common = dict(group=num_q_heads // hkv, head_tile=ht, block_n=plan.block_n, num_kv_heads=hkv,
                   max_splits=s_max, min_blocks=plan.min_blocks_per_split, capacity=capacity)
@@ -292,8 +270,6 @@ def _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_sc
             interpret: bool, batch_invariant: bool = False):
     if k.shape[0] == 0:  # no keys anywhere: every row is empty (contract: exact zeros)
         return jnp.zeros_like(q)
-    # a one-split plan: one program per (sequence, KV head), one launch, no merge; batch-invariant
-    # calls always take partials + the ordered merge (module docstring)
     direct = plan.max_splits == 1 and not batch_invariant
     res = _split_call(q, k, v, cu_seqlens_q, cu_seqlens_k, plan=plan,
                       softmax_scale=softmax_scale, interpret=interpret, direct=direct)
@@ -306,24 +282,16 @@ def _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_sc
 def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
                   strict: bool = False, interpret: bool | None = None,
                   batch_invariant: bool = False):
-    """Packed varlen sparse decode (``qsa-contract.md`` §2), Pallas on the Triton lowering.
-    Forward-only; same argument order and meaning as ``qsa_triton.sparse_decode``.
+    """Packed varlen sparse decode (``qsa-contract.md`` §2), forward-only: as
+    ``qsa_triton.sparse_decode`` (same argument order and meaning).
 
     Args:
-      q: [B, Hq, D] bfloat16|float16; sequence s's query is row ``cu_seqlens_q[s]``.
-      k, v: [C, Hkv, D], q's dtype, packed: sequence s owns rows
-        ``[cu_seqlens_k[s], cu_seqlens_k[s + 1])``; any C >= cu_seqlens_k[B]. Hq = G * Hkv,
-        G <= 16, D a power of two in 32..256.
+      q: [B, Hq, D] bfloat16|float16; k, v: [C, Hkv, D] in q's dtype, C >= cu_seqlens_k[B];
+        Hq = G * Hkv, G <= 16, D a power of two in 32..256.
       cu_seqlens_q, cu_seqlens_k: int32 [B + 1] (may be traced; never read on the host).
-      max_seqlen_k: host int >= 1, a static bound that only sizes the split grid (a longer row
-        is still attended completely).
-      softmax_scale: host float > 0 (applied to FP32 scores), default D ** -0.5.
-      strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``); always on
-        for a GPU that ``interop.contract.route`` sends to the exact contract (sm_121).
+      max_seqlen_k: host int >= 1 (sizes the split grid only); softmax_scale: host float > 0,
+        default D ** -0.5; strict, batch_invariant: host bools, as the Triton twin's.
       interpret: None -> interpret mode when jax's default backend is the CPU; a bool forces it.
-      batch_invariant: host bool (static). True: a row's output bits depend only on its own
-        inputs, not on B, the other rows, its place, ``max_seqlen_k`` or the GPU (§2c; module
-        docstring). Cost: fewer programs at small B, a merge launch also for one-split plans.
 
     Returns:
       [B, Hq, D] in q's dtype: ``softmax(scale * q[cu_q[s], h] . K^T) . V`` over the row's keys
@@ -331,8 +299,7 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
 
     Raises:
       ContractError: before anything is traced (``interop.contract.check_decode``, the torch
-        path's message; a non-bool ``batch_invariant``); torch tensors; ``interpret=False`` on a
-        CPU-only jax.
+        path's message); torch tensors; ``interpret=False`` on a CPU-only jax.
 
     Works under ``jax.jit`` (lengths traced), ``lax.scan`` and ``shard_map`` (VMA check off).
     """
@@ -343,9 +310,7 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
 def _sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
                    strict: bool = False, interpret: bool | None = None,
                    plan: DecodePlan | None = None, batch_invariant: bool = False):
-    """``sparse_decode`` with an optional explicit plan (tests, ahead-of-time lowering cases).
-    With ``batch_invariant`` the plan (default: the batch-invariant one) runs through the
-    partials and ``_merge_ordered``."""
+    """``sparse_decode`` with an optional explicit plan (tests, ahead-of-time lowering)."""
     C.check_inputs("sparse_decode", interpret, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k)
     interp = C.resolve_interpret(interpret)
