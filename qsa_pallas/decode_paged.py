@@ -11,7 +11,8 @@ Same algorithm, plan (``interop.plan.plan_decode_paged``) and validity rule as
   the end would be clamped by interpret mode, shifting the data); every gather index is clamped
   into range as well as masked, since interpret mode clamps instead of faulting;
 * a multi-split plan's merge is plain JAX (``_merge``): an unrolled chain over the splits in a
-  fixed order (one XLA fusion; bits independent of R), NaN where a split's LSE or partial is NaN;
+  fixed order (one XLA fusion; bits independent of R), NaN where a split's LSE or partial is NaN
+  (every split was written by the kernel);
 * 64-bit offsets: the lowering (``_compute_offsets_from_indices``, jax 0.10.2 / 0.11.2) uses
   int64 element offsets exactly for refs larger than 2**32 bytes, so an FP8 pool of 2**31..2**32
   elements would wrap: the entry point rejects it (``ContractError``).
@@ -136,10 +137,7 @@ def _split_kernel(req_ref, seqlen_ref, table_ref, idx_ref, q_ref, k_ref, v_ref, 
 
 
 def _merge(o, lse, st: _Static, out_dtype):
-    """Stable LSE merge in plain JAX: o [S, R, Hkv, HT, D], lse [S, R, Hkv, HT] (lane i = head
-    i - (HT - G)) -> [R, Hq, D]. An unrolled chain over the splits in a fixed order (one XLA
-    elementwise fusion; bits independent of R). NaN wherever a split's LSE or partial is NaN
-    (every split was written by the kernel): an attended NaN reaches the output."""
+    """The LSE merge (module docstring): o [S, R, Hkv, HT, D], lse [S, R, Hkv, HT] -> [R, Hq, D]."""
     pad = st.plan.head_tile - st.group
     lse = lse[..., pad:]
     o = o[..., pad:, :]
@@ -193,9 +191,8 @@ def _decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_l
 # ---------------------------------------------------------------------------------------------
 # Entry points
 def _target() -> tuple[int, int | None]:
-    """(SM count, opt-in shared memory per block) of the GPU the call is built for
-    (``_compat.target_facts``: the abstract device when lowering ahead of time, else jax's first
-    GPU); the H200's 132 SMs on CPU, where they only shape the interpreter's grid."""
+    """(SM count, opt-in shared memory per block) of the target GPU (``_compat.target_facts``);
+    the H200's 132 SMs on CPU, where they only shape the interpreter's grid."""
     facts = C.target_facts()
     return (facts.sm_count, facts.smem_per_block) if facts is not None else (132, None)
 
@@ -248,19 +245,16 @@ def sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
                         softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                         batch_invariant: bool = False, strict: bool = False,
                         interpret: bool | None = None):
-    """Paged sparse decode (``qsa-contract.md`` §2b): the whole decode step from the KV pool.
-    Same argument order and meaning as ``qsa_triton.sparse_decode_paged``.
+    """Paged sparse decode (``qsa-contract.md`` §2b): the whole decode step from the KV pool,
+    as ``qsa_triton.sparse_decode_paged`` (same arguments, validity rule and result; algorithm
+    and sources in ``qsa_triton.decode_paged``'s module docstring).
 
     Args:
-      q: [R, Hq, D] bfloat16|float16; k_cache, v_cache: [slots, Hkv, D] the pool, q's dtype or
-        float8_e4m3fn; req_to_token: int32 [max_reqs, max_context]; req_indices, seq_lens:
-        int32 [R]; indices: int32 [R, W] or [R, Hkv, W] logical positions (validity as
-        ``qsa_triton``'s: invalid entries are never dereferenced). Device data may be traced.
-      softmax_scale: host float > 0 (on FP32 scores), default D ** -0.5; k_scale, v_scale: host
-        floats > 0 (FP8 pools; 1.0 for a pool in q's dtype).
-      batch_invariant: a row's output bits depend only on its own inputs (§2c).
-      strict: also enforce the qualified envelope; always on where ``interop.contract.route``
-        sends decode to the exact contract (sm_121).
+      q: [R, Hq, D] bfloat16|float16; k_cache, v_cache: [slots, Hkv, D] in q's dtype or
+        float8_e4m3fn; req_to_token: int32 [max_reqs, max_context]; req_indices, seq_lens: int32
+        [R]; indices: int32 [R, W] or [R, Hkv, W] logical positions (may be traced).
+      softmax_scale, k_scale, v_scale: host floats > 0 (default D ** -0.5, 1.0, 1.0);
+        batch_invariant, strict: host bools, as the Triton twin's.
       interpret: None -> interpret mode when jax's default backend is the CPU; a bool forces it.
 
     Returns:
@@ -268,12 +262,11 @@ def sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
       row's valid entries (KV head h // G); exact zeros for a row with none.
 
     Raises:
-      ContractError: from ``interop.contract.check_decode_paged`` (same message as the torch
-        path) before anything is traced or launched; an FP8 pool of 2**31..2**32 elements
-        (module docstring); ``interpret=False`` on a CPU-only JAX.
+      ContractError: before anything is traced, ``interop.contract.check_decode_paged`` (the
+        torch path's message); an FP8 pool of 2**31..2**32 elements (module docstring);
+        ``interpret=False`` on a CPU-only JAX.
 
-    Works under ``jax.jit`` (a new length never retraces), ``lax.scan`` and ``shard_map`` (VMA
-    check off). Algorithm and sources: ``qsa_triton.decode_paged``'s module docstring.
+    Works under ``jax.jit`` (a new length never retraces), ``lax.scan`` and ``shard_map``.
     """
     args = (q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens)
     prob, interp = _prepare(args, softmax_scale, k_scale, v_scale, batch_invariant, strict,
@@ -286,8 +279,7 @@ def sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
 def decode_paged_with_plan(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
                            softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                            plan: PagedDecodePlan, interpret: bool | None = None):
-    """``sparse_decode_paged`` with an explicit plan (tests force several splits on tiny shapes;
-    sweeps). Checks the contract first.
+    """``sparse_decode_paged`` (contract checked) with an explicit plan (tests, sweeps).
 
     Raises:
       ContractError: as ``sparse_decode_paged``; a plan whose head tile cannot hold G, whose
