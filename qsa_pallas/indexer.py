@@ -38,8 +38,7 @@ _INT32_MAX = 2**31 - 1
 
 
 def _target() -> tuple[int, int]:
-    """(SM count, shared memory per block) of the GPU the kernels are built for
-    (``_compat.target_facts``); an H200's (132, 232,448 B) on a CPU-only jax."""
+    """(SM count, shared memory per block) of the target GPU; an H200's on a CPU-only jax."""
     facts = C.target_facts()
     if facts is None:
         return 132, 232_448
@@ -47,8 +46,7 @@ def _target() -> tuple[int, int]:
 
 
 def indexer_plan_for(kind: str, rows: int, max_blocks: int, topk: int) -> IndexerPlan:
-    """The shared static plan (``interop.indices.plan_indexer``) for the target GPU's SM count
-    and shared memory."""
+    """The shared static plan (``interop.indices.plan_indexer``) for the target GPU."""
     sms, smem = _target()
     return plan_indexer(kind, rows, max_blocks, topk, sm_count=sms, smem_per_block=smem)
 
@@ -323,11 +321,12 @@ def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int
 
 # ---------------------------------------------------------------------------------------------
 # Launchers (jitted; every shape-derived choice is static)
-def _workspace_shapes(rows: int, plan: IndexerPlan, interpret: bool):
-    n = rows * plan.splits
-    spare = 1 if interpret else 0  # the masked-scatter spare slot (module docstring)
-    sds = jax.ShapeDtypeStruct
-    return (sds((n * plan.topk + spare,), jnp.int32), sds((n * plan.topk + spare,), jnp.int32))
+def _workspace(rows: int, plan: IndexerPlan, interpret: bool):
+    """(key and id workspace shapes, trash slot): interpret mode adds the masked-scatter spare
+    slot (module docstring); on the GPU masked lanes write nothing."""
+    n = rows * plan.splits * plan.topk
+    sds = jax.ShapeDtypeStruct((n + 1 if interpret else n,), jnp.int32)
+    return (sds, sds), n
 
 
 def _merge(ws, metas, rows: int, plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: int,
@@ -357,8 +356,7 @@ def _decode(q, k_cache, page_table, seq_lens, *, topk: int, ratio: int, expand: 
                                 smem_per_block=target[1])
     compute = jnp.bfloat16 if q.dtype == jnp.float8_e4m3fn else q.dtype
     k2 = k_cache.reshape(pages * psz, d) if pages * psz else jnp.zeros((1, d), k_cache.dtype)
-    shapes = _workspace_shapes(b, plan, interpret)
-    trash = shapes[0].shape[0] - 1 if interpret else shapes[0].shape[0]
+    shapes, trash = _workspace(b, plan, interpret)
     kern = functools.partial(
         _decode_chunk_kernel, h=h, hp=max(16, _next_pow2(h)), d=d, psz=psz, ratio=ratio, k=topk,
         c=plan.chunk, t=plan.tile, s_n=plan.splits, pages=pages, cap=cap,
@@ -389,8 +387,7 @@ def _prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int, rati
         r1 = min(t_rows, r0 + g)
         n = r1 - r0
         rs, re = row_starts[r0:r1], row_ends[r0:r1]
-        shapes = _workspace_shapes(n, plan, interpret)
-        trash = shapes[0].shape[0] - 1 if interpret else shapes[0].shape[0]
+        shapes, trash = _workspace(n, plan, interpret)
         kern = functools.partial(
             _prefill_chunk_kernel, h=h, hp=_next_pow2(h), d=d, k=topk, c=plan.chunk,
             t=plan.tile, s_n=plan.splits, bm=bm, n_rows=n, n_keys=n_keys,
@@ -405,18 +402,13 @@ def _prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int, rati
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
 
 
-def _empty(rows: int, width: int):
-    return jnp.zeros((rows, width), jnp.int32)
-
-
 # ---------------------------------------------------------------------------------------------
 # Public entry points (same names and argument order as qsa_triton.indexer)
 def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
                         compress_ratio: int = 4, strict: bool = False,
                         plan: IndexerPlan | None = None, interpret: bool | None = None):
-    """Decode indexer: score each row's paged compressed keys and keep the exact top-k blocks.
-    Same contract as ``qsa_triton.indexer_topk_decode`` (the row's visible blocks, the page
-    table's addressing, scores ``sum_h ReLU(q[b, h] . k[n])`` in FP32).
+    """Decode indexer: the exact top-k of each row's paged compressed key blocks by FP32 score
+    ``sum_h ReLU(q[b, h] . k[n])``, as ``qsa_triton.indexer_topk_decode``.
 
     Args:
       q: [B, H, D] bf16|fp16|fp8 e4m3 jax array.
@@ -470,9 +462,7 @@ def _decode_entry(fn, q, k_cache, page_table, seq_lens, topk, ratio, strict, int
 def indexer_topk_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compress_ratio: int = 4,
                          strict: bool = False, plan: IndexerPlan | None = None,
                          interpret: bool | None = None):
-    """Prefill indexer: each row's exact top-k over its packed compressed-key range.
-
-    Same contract as ``qsa_triton.indexer_topk_prefill``: row m scores key rows
+    """Prefill indexer, as ``qsa_triton.indexer_topk_prefill``: row m's exact top-k over key rows
     ``[row_starts[m], row_ends[m])`` of ``k`` (within ``[0, N)``), ids relative to row_starts[m].
 
     Args:
@@ -512,7 +502,7 @@ def _prefill_entry(fn, q, k, row_starts, row_ends, positions, seq_lens, topk, ra
     C.check_backend(fn, interpret, *arrays.values())
     _check_plan(fn, plan, prob)
     if q.shape[0] == 0:
-        return _empty(0, topk * ratio + ratio - 1 if expand else topk)
+        return jnp.zeros((0, topk * ratio + ratio - 1 if expand else topk), jnp.int32)
     return _prefill(q, k, row_starts, row_ends, positions, seq_lens, topk=int(topk),
                     ratio=int(ratio), expand=expand, interpret=C.resolve_interpret(interpret),
                     target=_target(), plan=plan)
@@ -528,7 +518,8 @@ def _expand(block_ids, positions, seq_lens, *, ratio: int):
     bound = seq_lens.astype(jnp.int32)[:, None]
     # a junk id * ratio must not wrap around int32: compare g against ceil(bound / ratio) first
     tok = g[:, :, None] * ratio + offs
-    ok = (g[:, :, None] >= 0) & (g[:, :, None] <= (_INT32_MAX - ratio) // ratio) & (tok < bound[:, :, None])
+    ok = ((g[:, :, None] >= 0) & (g[:, :, None] <= (_INT32_MAX - ratio) // ratio)
+          & (tok < bound[:, :, None]))
     tok = jnp.where(ok, tok, -1).reshape(m, tok_n)
     vis = positions.astype(jnp.int32)[:, None] + 1
     start = (vis // ratio) * ratio  # floor division, as the reference
