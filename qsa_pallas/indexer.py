@@ -415,17 +415,16 @@ def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
       k_cache: [pages, page_size, 1, D] q's dtype or fp8 e4m3.
       page_table: int32 [B, max_pages]; seq_lens: int32 [B] (traced; never read on the host).
       topk: blocks kept (512); compress_ratio: tokens per block (4).
-      strict: enforce the qualified envelope (``interop.contract.QUALIFIED_INDEXER``).
-      plan: an ``interop.indices.IndexerPlan`` replacing the shared one (benchmarks, sweeps).
-      interpret: None -> interpret mode on a CPU backend, the compiled kernels on a GPU.
+      strict: enforce ``interop.contract.QUALIFIED_INDEXER``; plan: an ``IndexerPlan`` replacing
+        the shared one (sweeps); interpret: None -> interpret mode on a CPU backend.
 
     Returns:
       int32 [B, topk]: selected block ids ascending, -1 after; a row with <= topk blocks gets all
       of them; ties go to the smaller block id (``interop.reference.indexer_topk``).
 
     Raises:
-      ContractError: before anything is traced (``interop.contract.check_indexer_decode``, the
-        torch path's message), or a plan (given or the default) that cannot run this call.
+      ContractError: before anything is traced, ``interop.contract.check_indexer_decode``, or a
+        plan (given or the default) that cannot run this call.
     """
     return _decode_entry("indexer_topk_decode", q, k_cache, page_table, seq_lens, topk,
                          compress_ratio, strict, interpret, False, plan)

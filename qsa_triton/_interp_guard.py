@@ -1,11 +1,4 @@
-"""The interpreter checks of ``qsa_triton``'s entry points (after the contract check).
-
-In Triton 3.6-3.9 the CPU interpreter (``TRITON_INTERPRET=1``) multiplies **bf16** ``tl.dot``
-operands as their raw 16-bit patterns (architecture.md, "Things that bite"): a correct bf16
-kernel silently returns garbage on CPU. So bf16 is refused there with a ``ContractError`` unless
-the test patch (``tests/triton_interp_patch.py``) has fixed the dot and set
-``triton.runtime.interpreter._qsa_bf16_dot_patched``. fp16 and GPU runs are unaffected.
-"""
+"""The interpreter checks of ``qsa_triton``'s entry points (after the contract check)."""
 
 from __future__ import annotations
 
@@ -25,9 +18,8 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-# Triton reads TRITON_INTERPRET when a @triton.jit function is *defined* (our kernels: when
-# qsa_triton is imported); setting it later leaves compiled-GPU kernels that crash on CPU tensors
-# deep inside Triton ("0 active drivers"). Remember the value the kernels were defined under.
+# Triton reads TRITON_INTERPRET when a kernel is *defined* (at import); CPU tensors on kernels
+# defined for the GPU crash deep inside Triton, so remember the value at import.
 INTERPRETING_AT_IMPORT = interpreting()
 
 
@@ -54,7 +46,9 @@ def check_device(fn: str, device_type: str) -> None:
 
 
 def check_interpreter_dtype(fn: str, dtype_name: str) -> None:
-    """Raise ContractError for ``dtype_name == "bfloat16"`` under an unpatched interpreter."""
+    """Raise ContractError for bf16 under the CPU interpreter: in Triton 3.6-3.9 it multiplies
+    bf16 ``tl.dot`` operands as raw bit patterns (architecture.md, "Things that bite"), unless
+    ``tests/triton_interp_patch.py`` fixed the dot and set ``_qsa_bf16_dot_patched``."""
     if dtype_name != "bfloat16" or not interpreting():
         return
     try:

@@ -19,25 +19,21 @@ softmax FlashAttention-2's):
     a row longer than ``max_seqlen_k`` is still covered (its splits get longer).
   * n_active == 1: the program writes the output (exact zeros for an empty row). Otherwise each
     split writes its normalised FP32 partial and log2 LSE to scratch, merged either by
-    ``_decode_merge_kernel`` (one program per (sequence, query head, D slice); inactive slots
-    hold LSE -inf, so it needs no row metadata) or "inline" by the last split to arrive (an
-    acq_rel counter per (s, h), reset after). ``plan_for`` picks inline where
-    2 x B x Hkv >= SMs (bench/NOTES.md, "Merge: second kernel vs in-launch").
-  * NaN: an attended NaN in q, a key or a value reaches the output of the KV head's query heads
-    whatever the split count, as ``interop.reference`` (a split is empty only where l == 0; the
-    merges propagate a live split's NaN LSE or partial). K/V rows no row names are never read.
+    ``_decode_merge_kernel`` (inactive slots hold LSE -inf: no row metadata needed) or "inline"
+    by the last split to arrive (an acq_rel counter per (s, h)); ``plan_for`` picks inline where
+    2 x B x Hkv >= SMs (bench/NOTES.md, "Merge: second kernel vs in-launch"). A split is empty
+    only where l == 0 and the merges propagate a live split's NaN, so an attended NaN reaches
+    the output whatever the split count.
   * ``batch_invariant=True``: ``plan_decode(..., batch_invariant=True)`` and always the merge
-    kernel with a split tile fixed by D (``_BI_MERGE_SPLIT_CHUNK``), so a row's bits depend on
-    its own q row, keys and length only.
+    kernel with a split tile fixed by D (``_BI_MERGE_SPLIT_CHUNK``).
   * Programmatic Dependent Launch (sm_90+; CUDA C++ Programming Guide, "Programmatic Dependent
     Launch and Synchronization"; PTX ``griddepcontrol``) where ``pdl_enabled``: every program
     runs ``gdc_wait`` before any load or store, so results are bitwise the same as without it
     (bench/NOTES.md, "Programmatic Dependent Launch between split and merge").
   * Offsets into K/V, q, out and the scratch are 64-bit.
 
-Scratch (LSE, partials, counters): one set per device, sized at first use for the largest
-qualified shape or the call; outside capture it grows (old buffers stay alive for captured
-graphs), during capture a shortfall raises ``ContractError`` before any launch. Calls on one
+Scratch (LSE, partials, counters): one set per device, sized for the largest qualified shape or
+the call; it grows outside capture (old buffers stay alive for captured graphs). Calls on one
 device share it, so they must be stream-ordered.
 """
 
@@ -637,9 +633,8 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``); always on
         for a GPU that ``interop.contract.route`` sends to the exact contract (sm_121).
       batch_invariant: host bool. True: a row's output bits depend only on its own q row, keys,
-        length and scale, not on B, the other rows, its place in the batch, ``max_seqlen_k`` or
-        the SM count (§2c; module docstring). Costs fewer programs at small B and a merge
-        launch at large B (``bench.decode`` provider ``ours[bi]``).
+        length and scale, not on B, the other rows, its place, ``max_seqlen_k`` or the SM count
+        (§2c); costs fewer programs at small B, a merge launch at large B.
 
     Returns:
       [B, Hq, D] in q's dtype: out[s, h] = softmax(scale · q[cu_q[s], h] · Kᵀ) · V over the row's
@@ -647,14 +642,12 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
       for the KV head's query heads (as ``interop.reference``).
 
     Raises:
-      ContractError: before any launch, for a call outside the contract (``check_decode``; a
-        tensor with ``requires_grad``, a non-bool ``batch_invariant``, a CPU tensor without
-        Triton's interpreter, bf16 under the unpatched interpreter); during CUDA-graph capture,
-        for a shape whose scratch was not created before. Under torch.compile(fullgraph=True)
-        the check runs in the op's fake impl (text inside Dynamo's TorchRuntimeError).
+      ContractError: before any launch: ``check_decode`` (also ``requires_grad``), a CPU
+        tensor without Triton's interpreter, bf16 under the unpatched interpreter (under
+        torch.compile from the op's fake impl); in CUDA-graph capture, a scratch shortfall.
 
-    No host sync: safe inside ``torch.compile(fullgraph=True)`` and CUDA-graph capture (scratch
-    exists after one eager call or ``prepare``).
+    No host sync: safe in ``torch.compile(fullgraph=True)`` and CUDA-graph capture (after one
+    eager call or ``prepare``).
     """
     msk, scale = _checked("sparse_decode", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
                           softmax_scale, strict=strict, batch_invariant=batch_invariant)

@@ -171,15 +171,13 @@ def _paged_merge_kernel(out_ptr, lse_ptr, part_ptr, stride_or, stride_oh, HQ, SP
 
 # ---------------------------------------------------------------------------------------------
 # Plan and launch
-@functools.lru_cache(maxsize=16)
 def _device(dev_type: str, index: int | None) -> tuple[int, int | None]:
-    """(SM count, opt-in shared memory per block) of the launch's GPU; the H200's 132 SMs on CPU,
-    where they only shape the interpreter's grid."""
-    if dev_type == "cuda":
-        props = torch.cuda.get_device_properties(
-            index if index is not None else torch.cuda.current_device())
-        return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", None)
-    return 132, None
+    """(SM count, opt-in shared memory per block) of the launch's GPU (``interop.arch``, cached
+    there); the H200's 132 SMs on CPU, where they only shape the interpreter's grid."""
+    if dev_type != "cuda":
+        return 132, None
+    facts = DeviceFacts.from_torch(torch.device(dev_type, index))
+    return facts.sm_count, facts.smem_per_block
 
 
 def plan_for(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
@@ -324,8 +322,7 @@ def sparse_decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
       softmax_scale: host float > 0, default D ** -0.5 (applied to FP32 scores).
       k_scale, v_scale: host floats > 0 (FP8 pools: k_scale multiplies the scores, v_scale the
         P·V result; must be 1.0 for a pool in q's dtype).
-      batch_invariant: a row's output bits depend only on its own inputs (§2c; the split plan
-        then depends on W, G, D and the dtypes only; cost in ``plan_decode_paged``).
+      batch_invariant: a row's output bits depend only on its own inputs (§2c).
       strict: also enforce the qualified envelope; always on for a GPU that
         ``interop.contract.route`` sends to the exact contract (sm_121).
 
