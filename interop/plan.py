@@ -342,8 +342,10 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
     block_n = 64 if head_dim <= 128 else 32
     if batch_invariant:
         return fitted(-(-width // BATCH_INVARIANT_SPLIT_COLS), block_n)
+    limit = device_smem or smem_limit
     plan = fitted(sm_count // (rows * num_kv_heads), block_n)
-    if 2 * paged_smem_bytes(plan, head_dim, q_bytes, kv_bytes, backend) <= (device_smem or
-                                                                             smem_limit):
-        plan = fitted((2 * sm_count) // (rows * num_kv_heads), plan.block_n)
+    if 2 * paged_smem_bytes(plan, head_dim, q_bytes, kv_bytes, backend) <= limit:
+        two = fitted((2 * sm_count) // (rows * num_kv_heads), plan.block_n)
+        if 2 * paged_smem_bytes(two, head_dim, q_bytes, kv_bytes, backend) <= limit:
+            return two  # an SM holds two programs of the plan that launches
     return plan

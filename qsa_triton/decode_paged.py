@@ -171,6 +171,7 @@ def _paged_merge_kernel(out_ptr, lse_ptr, part_ptr, stride_or, stride_oh, HQ, SP
 
 # ---------------------------------------------------------------------------------------------
 # Plan and launch
+@functools.lru_cache(maxsize=64)
 def _device(dev_type: str, index: int | None) -> tuple[int, int | None]:
     """(SM count, opt-in shared memory per block) of the launch's GPU (``interop.arch``, cached
     there); the H200's 132 SMs on CPU, where they only shape the interpreter's grid."""
