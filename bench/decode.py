@@ -390,6 +390,21 @@ def _paged(inp: PoolInputs, batch_invariant: bool = False):
                                                   batch_invariant=batch_invariant)
 
 
+def _paged_splits(inp: PoolInputs, splits: int):
+    """Sweep: ``qsa_triton`` paged decode on the shipped plan with ``splits`` splits (at most one
+    per chunk; 7 stages where a split streams >= 2 chunks, as the plan's rule), through its
+    public ``decode_paged_with_plan``: fewer, longer splits at small B cut the partials the merge
+    reads, at the cost of programs."""
+    from qsa_triton import decode_paged  # noqa: PLC0415
+
+    q, k, idx = inp.args[0], inp.args[1], inp.args[5]
+    plan = decode_paged.plan_for(q, k, idx, False)
+    nb = -(-idx.shape[-1] // plan.block_n)
+    s = max(1, min(splits, nb))
+    plan = dataclasses.replace(plan, num_splits=s, num_stages=7 if nb >= 2 * s else 3)
+    return lambda: decode_paged.decode_paged_with_plan(*inp.args, inp.scale, plan=plan)
+
+
 def _pallas_paged(inp: PoolInputs, batch_invariant: bool = False):
     import qsa_pallas  # noqa: PLC0415
 
@@ -430,6 +445,9 @@ POOL_PROVIDERS = {p.name: p for p in (
                     "qsa_pallas.sparse_decode_paged with batch_invariant=True", default=False),
     common.Provider("pallas-paged[s7]", functools.partial(_pallas_stages, num_stages=7),
                     "sweep: qsa_pallas paged decode with num_stages = 7", default=False),
+    *(common.Provider(f"paged[s{n}]", functools.partial(_paged_splits, splits=n),
+                      f"sweep: qsa_triton paged decode with {n} splits", default=False)
+      for n in (6, 11, 17)),
 )}
 
 

@@ -11,7 +11,8 @@
 #   pool          bench.decode --mode pool, TP1 saturated rows: issue 16's must-show grid with its
 #                 PASS/FAIL lines (decode_pool.{json,png,log})
 #   pool_sweep    paged and pallas-paged against their batch-invariant modes, pallas-paged at 7
-#                 stages and upstream-step; then jax-step (pool_sweep.*, pool_jax.*)
+#                 stages and upstream-step; then jax-step; then paged at 6 / 11 / 17 splits at
+#                 B = 1, 4 (pool_sweep.*, pool_jax.*, pool_splits.*)
 #   prefill       python3 -m bench.prefill, default providers (prefill.{json,png,log})
 #   pallas        both benchmarks with --providers ours,pallas (*_pallas.*)
 #   compare=OLD   bench.decode and bench.prefill --compare OLD: the kernels of the checkout at OLD
@@ -97,7 +98,10 @@ for s in "$@"; do
         --json "$OUT/pool_sweep.json"
       step pool_jax 100 python3 -m bench.decode --mode pool --tp TP1 --rows saturated \
         --layouts slots --kv bf16 --batches 1,16,128 --providers \
-        "upstream-step,jax-step,pallas-paged" --json "$OUT/pool_jax.json" ;;
+        "upstream-step,jax-step,pallas-paged" --json "$OUT/pool_jax.json"
+      step pool_splits 150 python3 -m bench.decode --mode pool --tp TP1,TP2 --rows saturated \
+        --layouts slots --kv bf16 --batches 1,4 --providers \
+        "upstream-step,paged,paged[s6],paged[s11],paged[s17]" --json "$OUT/pool_splits.json" ;;
     pallas)
       wait
       for b in decode prefill; do
