@@ -405,6 +405,15 @@ def _paged_splits(inp: PoolInputs, splits: int):
     return lambda: decode_paged.decode_paged_with_plan(*inp.args, inp.scale, plan=plan)
 
 
+def _paged_no_pdl(inp: PoolInputs):
+    """Sweep: ``qsa_triton`` paged decode on the shipped plan without Programmatic Dependent
+    Launch (what PDL buys between the calls of a graph)."""
+    from qsa_triton import decode_paged  # noqa: PLC0415
+
+    plan = decode_paged.plan_for(inp.args[0], inp.args[1], inp.args[5], False)
+    return lambda: decode_paged.decode_paged_with_plan(*inp.args, inp.scale, plan=plan, pdl=False)
+
+
 def _pallas_paged(inp: PoolInputs, batch_invariant: bool = False):
     import qsa_pallas  # noqa: PLC0415
 
@@ -445,6 +454,8 @@ POOL_PROVIDERS = {p.name: p for p in (
                     "qsa_pallas.sparse_decode_paged with batch_invariant=True", default=False),
     common.Provider("pallas-paged[s7]", functools.partial(_pallas_stages, num_stages=7),
                     "sweep: qsa_pallas paged decode with num_stages = 7", default=False),
+    common.Provider("paged[nopdl]", _paged_no_pdl, "sweep: qsa_triton paged decode without PDL",
+                    default=False),
     *(common.Provider(f"paged[s{n}]", functools.partial(_paged_splits, splits=n),
                       f"sweep: qsa_triton paged decode with {n} splits", default=False)
       for n in (6, 11, 17)),

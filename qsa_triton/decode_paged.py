@@ -19,6 +19,9 @@ softmax of FlashAttention-2.
 * NaN: an attended NaN reaches the row's output whatever the split count, as in
   ``interop.reference`` (a split is empty only where l == 0; the merge writes NaN where any
   split's LSE or partial is NaN, finite outputs keep their bits).
+* Programmatic Dependent Launch where ``qsa_triton.decode.pdl_enabled`` (B x Hkv <= 2: the
+  call is one latency chain; >= 64: trigger after the K/V loop), as the packed decode: every
+  program waits (``gdc_wait``) before its first load or store, so results are bitwise the same.
 * Static plan, lengths/positions/slots read on the device, no atomics, no host sync: CUDA-graph
   and torch.compile safe. ``batch_invariant=True``: the plan depends on W, G, D and the dtypes
   only, so a row's bits do not depend on the batch.
@@ -38,6 +41,7 @@ from interop.contract import ContractError, check_decode_paged, route
 from interop.plan import LOG2E, PAGED_MAX_SPLITS, PagedDecodePlan, next_pow2, plan_decode_paged
 
 from ._fp8 import fp16_query
+from .decode import _TRITON_PDL, _pdl_late_trigger, _pdl_supported, pdl_enabled
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
 
 __all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "MERGE_TILE"]
@@ -79,8 +83,16 @@ def _paged_split_kernel(
     stride_ir, stride_ih, stride_tr,
     R, HQ, HKV, W, MAX_REQS, MAX_CTX, SLOTS, SPLITS,
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, OFF64: tl.constexpr,
+    DIRECT: tl.constexpr, OFF64: tl.constexpr, USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr,
 ):
+    if USE_PDL:
+        # launched before the previous kernel on the stream has finished: wait for it (its
+        # writes visible; a previous merge may still read scratch this call reuses) before any
+        # load or store. Entry trigger: the merge grid may be scheduled now and waits in its own
+        # gdc_wait until this grid completes (qsa_triton.decode, the same protocol).
+        if not PDL_LATE:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # 1-D grid, split-major: pid = (j * R + r) * HKV + h (grid axes y/z would cap R at 65,535)
     pid = tl.program_id(0)
     h = pid % HKV
@@ -122,6 +134,8 @@ def _paged_split_kernel(
             slot = slot.to(tl.int64)
         m_i, l_i, acc = _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i, acc, qk_scale,
                                stride_kc, stride_vc)
+    if USE_PDL and PDL_LATE:
+        tl.extra.cuda.gdc_launch_dependents()  # (programs that exit early count as triggered)
     l_row = tl.sum(l_i, 1)
     # empty (no valid entry): l == 0, exact zeros and LSE -inf. An attended NaN makes l NaN: the
     # output / partial and the LSE are NaN then, never the -inf the merge would weigh 0.
@@ -140,9 +154,15 @@ def _paged_split_kernel(
 
 @triton.jit(do_not_specialize=["HQ", "SPLITS"])
 def _paged_merge_kernel(out_ptr, lse_ptr, part_ptr, stride_or, stride_oh, HQ, SPLITS,
-                        D: tl.constexpr, SPLIT_P2: tl.constexpr, D_CHUNK: tl.constexpr):
+                        D: tl.constexpr, SPLIT_P2: tl.constexpr, D_CHUNK: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     # one program per (row r, query head, D chunk): every split's LSE and partial in one round
     # trip; a fixed reduction order over the splits (batch-invariant)
+    if USE_PDL:
+        # the split grid's partials are visible only after this wait; then the next kernel may
+        # be scheduled (it waits for this grid in turn before reusing the scratch)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     n_dc: tl.constexpr = D // D_CHUNK
     row = pid // n_dc  # r * HQ + query head
@@ -207,7 +227,7 @@ def _merge_d_chunk(split_p2: int, head_dim: int) -> int:
 
 
 def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, softmax_scale,
-            k_scale, v_scale, plan: PagedDecodePlan) -> torch.Tensor:
+            k_scale, v_scale, plan: PagedDecodePlan, pdl: bool | None = None) -> torch.Tensor:
     r, hq, d = q.shape
     hkv = k_cache.shape[1]
     w = indices.shape[-1]
@@ -223,6 +243,9 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
         part = torch.empty(r * hq * splits * d, dtype=torch.float32, device=q.device)
     off64 = max(_max_offset(k_cache), _max_offset(v_cache)) > _OFF32_MAX
     stride_ih = indices.stride(1) if indices.dim() == 3 else 0
+    use_pdl = pdl_enabled(q.device, r * hkv) if pdl is None else bool(pdl)
+    # launch_pdl=True is passed only when on: the interpreter / older Triton never see it
+    pdl_kw = {"launch_pdl": True} if use_pdl else {}
     ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
     with ctx:
         _paged_split_kernel[(splits * r * hkv,)](
@@ -233,14 +256,16 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
             req_to_token.stride(0),
             r, hq, hkv, w, req_to_token.shape[0], req_to_token.shape[1], k_cache.shape[0], splits,
             G=hq // hkv, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n, DIRECT=direct, OFF64=off64,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
+            USE_PDL=use_pdl, PDL_LATE=use_pdl and _pdl_late_trigger(r * hkv),
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
         if not direct:
             sp2 = max(2, next_pow2(splits))
             dch = _merge_d_chunk(sp2, d)
             _paged_merge_kernel[(r * hq * (d // dch),)](
                 out, lse, part, out.stride(0), out.stride(1), hq, splits,
-                D=d, SPLIT_P2=sp2, D_CHUNK=dch, num_warps=4, num_stages=1)
+                D=d, SPLIT_P2=sp2, D_CHUNK=dch, USE_PDL=use_pdl, num_warps=4, num_stages=1,
+                **pdl_kw)
     return out
 
 
@@ -347,12 +372,14 @@ def sparse_decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def decode_paged_with_plan(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
                            softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
-                           plan: PagedDecodePlan) -> torch.Tensor:
-    """``sparse_decode_paged`` (contract checked) with an explicit plan (tests, sweeps).
+                           plan: PagedDecodePlan, pdl: bool | None = None) -> torch.Tensor:
+    """``sparse_decode_paged`` (contract checked) with an explicit plan and PDL (None:
+    ``qsa_triton.decode.pdl_enabled``'s choice) for tests and sweeps.
 
     Raises:
       ContractError: as ``sparse_decode_paged``; a plan whose head tile cannot hold G, whose
-        BLOCK_N is not a power of two >= 16, or with more than PAGED_MAX_SPLITS splits.
+        BLOCK_N is not a power of two >= 16, or with more than PAGED_MAX_SPLITS splits; ``pdl``
+        True where PDL is not supported (``qsa_triton.decode``).
     """
     scale, ksc, vsc = _checked(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
                                softmax_scale, k_scale, v_scale, False, False)
@@ -363,6 +390,10 @@ def decode_paged_with_plan(q, k_cache, v_cache, req_to_token, req_indices, indic
         raise ContractError("decode_paged_with_plan", "plan", "head_tile a power of two >= "
                             f"max(16, G={g}), block_n a power of two >= 16, 1 <= num_splits <= "
                             f"{PAGED_MAX_SPLITS}", plan)
+    if pdl and not _pdl_supported(q.device):
+        raise ContractError("decode_paged_with_plan", "pdl", "PDL only on a CUDA device of compute "
+                            "capability >= 9.0 with a Triton that has launch_pdl, never under "
+                            "the interpreter", pdl)
     return _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, scale, ksc,
-                   vsc, plan)
+                   vsc, plan, pdl)
 

@@ -764,6 +764,41 @@ def test_gpu_graphs_every_r_1_to_128():
 
 
 @gpu
+@pytest.mark.parametrize("tp, rows", [("TP1", 1), ("TP2", 2), ("TP1", 16), ("TP1", 64)])
+def test_gpu_pdl_on_off_bitwise_and_chained_graph(tp, rows):
+    """Programmatic Dependent Launch (entry trigger at R x Hkv <= 2, late at >= 64, none at
+    TP1 R = 16): with and without it the bits are the same; then a CUDA graph of 20 chained calls
+    (each call's q is the previous output, so every split grid depends on the previous merge
+    grid) replays to the eager chain's bits, with the metadata changed before the replay."""
+    from qsa_triton import decode_paged as P  # noqa: PLC0415
+
+    args, _ = gpu_case(tp, rows, seed=12)
+    plan = P.plan_for(args[0], args[1], args[5], False)
+    if not P._pdl_supported(args[0].device):
+        pytest.skip("no PDL on this device / Triton")
+    on = P.decode_paged_with_plan(*args, plan=plan, pdl=True)
+    off = P.decode_paged_with_plan(*args, plan=plan, pdl=False)
+    torch.testing.assert_close(on, off, rtol=0, atol=0, equal_nan=True)
+    q0 = args[0].clone()
+
+    def chain():
+        x = q0
+        for _ in range(20):
+            x = qsa_triton.sparse_decode_paged(x, *args[1:])
+        return x
+
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    args[5].copy_(torch.flip(args[5], dims=[1]))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, chain(), rtol=0, atol=0, equal_nan=True)
+
+
+@gpu
 def test_gpu_torch_compile_fullgraph():
     args, _ = gpu_case("TP4", 8, seed=10)
 
