@@ -35,7 +35,11 @@ LOGITS_BUDGET = 128 << 20  # upstream _QSA_PREFILL_LOGITS_BUDGET_BYTES
 VARIANTS = {"triton_rb1": lambda p: dataclasses.replace(p, radix_bits=1),
             "triton_c2x": lambda p: dataclasses.replace(
                 p, chunk=2 * p.chunk, splits=-(-p.splits // 2),
-                merge_warps=max(4, p.merge_warps // 2))}
+                merge_warps=max(4, p.merge_warps // 2)),
+            "triton_bm4": lambda p: dataclasses.replace(p, rows_per_program=4),
+            "triton_w4": lambda p: dataclasses.replace(p, num_warps=4),
+            "triton_rb2": lambda p: dataclasses.replace(p, radix_bits=2),
+            "triton_t32": lambda p: dataclasses.replace(p, tile=32)}
 
 
 @dataclasses.dataclass
@@ -198,6 +202,11 @@ PROVIDERS = {p.name: p for p in (
                     "override: 1-bit radix rounds in pass 1 too"),
     common.Provider("triton_c2x", lambda inp: _triton(inp, "triton_c2x"), "Triton, private plan "
                     "override: twice the pass-1 chunk"),
+    *(common.Provider(n, lambda inp, n=n: _triton(inp, n), f"Triton, private plan override: {w}",
+                      default=False)
+      for n, w in (("triton_bm4", "4 rows per pass-1 program"), ("triton_w4", "4 warps in pass 1"),
+                   ("triton_rb2", "2-bit radix rounds in pass 1"),
+                   ("triton_t32", "32-block key tiles"))),
 )}
 
 

@@ -19,9 +19,10 @@ softmax of FlashAttention-2.
 * NaN: an attended NaN reaches the row's output whatever the split count, as in
   ``interop.reference`` (a split is empty only where l == 0; the merge writes NaN where any
   split's LSE or partial is NaN, finite outputs keep their bits).
-* Programmatic Dependent Launch where ``qsa_triton.decode.pdl_enabled`` (B x Hkv <= 2: the
-  call is one latency chain; >= 64: trigger after the K/V loop), as the packed decode: every
-  program waits (``gdc_wait``) before its first load or store, so results are bitwise the same.
+* Programmatic Dependent Launch (sm_90+, as the packed decode ``qsa_triton.decode``) where the
+  split grid has at most one program per SM, so the merge grid (and the next call) can be
+  resident while it runs (bench/NOTES.md, "Paged decode"): every program waits (``gdc_wait``)
+  before its first load or store, so results are bitwise the same.
 * Static plan, lengths/positions/slots read on the device, no atomics, no host sync: CUDA-graph
   and torch.compile safe. ``batch_invariant=True``: the plan depends on W, G, D and the dtypes
   only, so a row's bits do not depend on the batch.
@@ -41,10 +42,11 @@ from interop.contract import ContractError, check_decode_paged, route
 from interop.plan import LOG2E, PAGED_MAX_SPLITS, PagedDecodePlan, next_pow2, plan_decode_paged
 
 from ._fp8 import fp16_query
-from .decode import _TRITON_PDL, _pdl_late_trigger, _pdl_supported, pdl_enabled
+from .decode import _TRITON_PDL, _pdl_supported
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
 
-__all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "MERGE_TILE"]
+__all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "paged_splits", "pdl_default",
+           "MERGE_TILE"]
 
 #: floats per merge-kernel tile ([splits padded to a power of two, D chunk]): 16 per thread at 4
 #: warps, as the packed decode's merge
@@ -83,15 +85,14 @@ def _paged_split_kernel(
     stride_ir, stride_ih, stride_tr,
     R, HQ, HKV, W, MAX_REQS, MAX_CTX, SLOTS, SPLITS,
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, OFF64: tl.constexpr, USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr,
+    DIRECT: tl.constexpr, OFF64: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         # launched before the previous kernel on the stream has finished: wait for it (its
         # writes visible; a previous merge may still read scratch this call reuses) before any
-        # load or store. Entry trigger: the merge grid may be scheduled now and waits in its own
-        # gdc_wait until this grid completes (qsa_triton.decode, the same protocol).
-        if not PDL_LATE:
-            tl.extra.cuda.gdc_launch_dependents()
+        # load or store. Trigger at entry: the merge grid may be scheduled now and waits in its
+        # own gdc_wait until this grid completes (qsa_triton.decode, the same protocol).
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     # 1-D grid, split-major: pid = (j * R + r) * HKV + h (grid axes y/z would cap R at 65,535)
     pid = tl.program_id(0)
@@ -134,8 +135,6 @@ def _paged_split_kernel(
             slot = slot.to(tl.int64)
         m_i, l_i, acc = _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i, acc, qk_scale,
                                stride_kc, stride_vc)
-    if USE_PDL and PDL_LATE:
-        tl.extra.cuda.gdc_launch_dependents()  # (programs that exit early count as triggered)
     l_row = tl.sum(l_i, 1)
     # empty (no valid entry): l == 0, exact zeros and LSE -inf. An attended NaN makes l NaN: the
     # output / partial and the LSE are NaN then, never the -inf the merge would weigh 0.
@@ -217,6 +216,18 @@ def _plan(r, hkv, g, d, w, sms, smem, qb, kb, bi) -> PagedDecodePlan:
                              device_smem=smem)
 
 
+def paged_splits(plan: PagedDecodePlan, width: int) -> int:
+    """Splits launched for W = ``width`` index columns: the plan's, at most one per chunk."""
+    return max(1, min(int(plan.num_splits), -(-int(width) // plan.block_n)))
+
+
+def pdl_default(device: torch.device, programs: int, sm_count: int) -> bool:
+    """Whether a call whose split grid has ``programs`` programs on a GPU of ``sm_count`` SMs
+    uses PDL: where supported and ``programs <= sm_count`` (with more, the waiting merge
+    programs competed with split programs for SM slots and PDL measured slower)."""
+    return programs <= sm_count and _pdl_supported(torch.device(device))
+
+
 def _max_offset(t: torch.Tensor) -> int:
     """Largest element offset inside ``t`` (its strides as given)."""
     return sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
@@ -234,7 +245,7 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
     out = torch.empty((r, hq, d), dtype=q.dtype, device=q.device)
     if k_cache.shape[0] == 0 or w == 0 or req_to_token.numel() == 0:
         return out.zero_()  # no entry can be valid: every row is empty (exact zeros)
-    splits = max(1, min(int(plan.num_splits), -(-w // plan.block_n)))
+    splits = paged_splits(plan, w)
     direct = splits == 1
     if direct:  # unused by the kernel (DIRECT writes the output); fp32, as qsa compile types them
         lse = part = torch.empty(1, dtype=torch.float32, device=q.device)
@@ -243,7 +254,8 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
         part = torch.empty(r * hq * splits * d, dtype=torch.float32, device=q.device)
     off64 = max(_max_offset(k_cache), _max_offset(v_cache)) > _OFF32_MAX
     stride_ih = indices.stride(1) if indices.dim() == 3 else 0
-    use_pdl = pdl_enabled(q.device, r * hkv) if pdl is None else bool(pdl)
+    sms = _device(q.device.type, q.device.index)[0]
+    use_pdl = pdl_default(q.device, splits * r * hkv, sms) if pdl is None else bool(pdl)
     # launch_pdl=True is passed only when on: the interpreter / older Triton never see it
     pdl_kw = {"launch_pdl": True} if use_pdl else {}
     ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
@@ -256,7 +268,7 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
             req_to_token.stride(0),
             r, hq, hkv, w, req_to_token.shape[0], req_to_token.shape[1], k_cache.shape[0], splits,
             G=hq // hkv, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n, DIRECT=direct, OFF64=off64,
-            USE_PDL=use_pdl, PDL_LATE=use_pdl and _pdl_late_trigger(r * hkv),
+            USE_PDL=use_pdl,
             num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
         if not direct:
@@ -374,7 +386,7 @@ def decode_paged_with_plan(q, k_cache, v_cache, req_to_token, req_indices, indic
                            softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                            plan: PagedDecodePlan, pdl: bool | None = None) -> torch.Tensor:
     """``sparse_decode_paged`` (contract checked) with an explicit plan and PDL (None:
-    ``qsa_triton.decode.pdl_enabled``'s choice) for tests and sweeps.
+    ``pdl_default``) for tests and sweeps.
 
     Raises:
       ContractError: as ``sparse_decode_paged``; a plan whose head tile cannot hold G, whose

@@ -85,10 +85,10 @@ def test_paged_decode_list_covers_every_part():
         for (hq, hkv), kv, bi, r in CC._paged_shapes("bfloat16"):
             p = P._plan(r, hkv, hq // hkv, 256, 2051, sms, KNOWN_ARCHS[arch].smem_per_block, 2,
                         1 if kv == "float8_e4m3fn" else 2, bi)
-            pdl = P._TRITON_PDL and not 2 < r * hkv < 64  # pdl_enabled on an sm_90+ part
+            # pdl_default on an sm_90+ part
+            pdl = P._TRITON_PDL and P.paged_splits(p, 2051) * r * hkv <= sms
             consts = {"G": hq // hkv, "D": 256, "HT": p.head_tile, "BLOCK_N": p.block_n,
-                      "DIRECT": p.num_splits == 1, "OFF64": False, "USE_PDL": pdl,
-                      "PDL_LATE": pdl and P._pdl_late_trigger(r * hkv)}
+                      "DIRECT": p.num_splits == 1, "OFF64": False, "USE_PDL": pdl}
             merge = {"D": 256, "SPLIT_P2": max(2, P.next_pow2(p.num_splits)), "USE_PDL": pdl}
             merge["D_CHUNK"] = P._merge_d_chunk(merge["SPLIT_P2"], 256)
             if (("*fp8e4nv" if kv != "bfloat16" else "*bf16", tuple(sorted(consts.items())),

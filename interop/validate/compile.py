@@ -402,28 +402,28 @@ def triton_decode_paged_configs(arch: str, *, head_dim: int = 256,
     parts = {(sms, KNOWN_ARCHS[a].smem_per_block) for a, sms in KNOWN_PARTS.values()}
     partial = {"out_ptr": f"*{dt}", "lse_ptr": "*fp32", "part_ptr": "*fp32"}
     aligned = _aligned(P._paged_split_kernel.arg_names, "qkvot")  # index row stride: W = 2051
-    # PDL as qsa_triton.decode.pdl_enabled on every known part (all sm_90+): entry trigger at
-    # R x Hkv <= 2, late trigger at >= 64, none between
-    plans = {(hq // hkv, _TT[kv], plan_decode_paged(
-        r, hkv, hq // hkv, head_dim, QUALIFIED["index_width"], sms, batch_invariant=bi,
-        kv_bytes=1 if kv == "float8_e4m3fn" else 2, device_smem=smem),
-        P._TRITON_PDL and not 2 < r * hkv < 64, r * hkv >= 64)
-        for (hq, hkv), kv, bi, r in _paged_shapes(dtype) for sms, smem in parts}
+    # PDL as qsa_triton.decode_paged.pdl_default on every known part (all sm_90+)
+    plans = set()
+    for (hq, hkv), kv, bi, r in _paged_shapes(dtype):
+        for sms, smem in parts:
+            p = plan_decode_paged(r, hkv, hq // hkv, head_dim, QUALIFIED["index_width"], sms,
+                                  batch_invariant=bi, kv_bytes=1 if kv == "float8_e4m3fn" else 2,
+                                  device_smem=smem)
+            pdl = P._TRITON_PDL and P.paged_splits(p, QUALIFIED["index_width"]) * r * hkv <= sms
+            plans.add((hq // hkv, _TT[kv], p, pdl))
     merges = set()
-    for g, kt, p, pdl, late in sorted(plans, key=lambda x: (x[0], x[1],
-                                                           dataclasses.astuple(x[2]), x[3:])):
-        late = pdl and late
+    for g, kt, p, pdl in sorted(plans, key=lambda x: (x[0], x[1], dataclasses.astuple(x[2]),
+                                                      x[3])):
         if p.num_splits > 1:
             merges.add((max(2, next_pow2(p.num_splits)), pdl))
         for off64 in (False, True):
             consts = {"G": g, "D": head_dim, "HT": p.head_tile, "BLOCK_N": p.block_n,
-                      "DIRECT": p.num_splits == 1, "OFF64": off64, "USE_PDL": pdl,
-                      "PDL_LATE": late}
+                      "DIRECT": p.num_splits == 1, "OFF64": off64, "USE_PDL": pdl}
             out.append(_entry(P._paged_split_kernel, f"paged_split_G{g}_ht{p.head_tile}"
                               f"_bn{p.block_n}_w{p.num_warps}_s{p.num_stages}_{dt}_kv{kt}"
                               f"{'_direct' if p.num_splits == 1 else ''}"
-                              f"{'_off64' if off64 else ''}{'_pdl' if pdl else ''}"
-                              f"{'late' if late else ''}", {**_attention_types(dt, kt),
+                              f"{'_off64' if off64 else ''}{'_pdl' if pdl else ''}",
+                              {**_attention_types(dt, kt),
                               **partial}, consts, p.num_warps, p.num_stages, pdl,
                               aligned=aligned))
     for sp2, pdl in sorted(merges):
