@@ -37,7 +37,7 @@ VARIANTS = {"triton_rb1": lambda p: dataclasses.replace(p, radix_bits=1),
                 p, chunk=2 * p.chunk, splits=-(-p.splits // 2),
                 merge_warps=max(4, p.merge_warps // 2)),
             "triton_bm4": lambda p: dataclasses.replace(p, rows_per_program=4),
-            "triton_w4": lambda p: dataclasses.replace(p, num_warps=4),
+            "triton_w8": lambda p: dataclasses.replace(p, num_warps=8),
             "triton_rb2": lambda p: dataclasses.replace(p, radix_bits=2),
             "triton_t32": lambda p: dataclasses.replace(p, tile=32)}
 
@@ -174,10 +174,20 @@ def _triton(inp: Inputs, variant=None):
     return lambda: fn(*inp.args, **kw)
 
 
-def _pallas(inp: Inputs):
+def _pallas(inp: Inputs, num_warps: int | None = None):
+    import functools
+
     import qsa_pallas
 
-    return _jax_chain(getattr(qsa_pallas, f"indexer_select_{inp.kind}"), inp)
+    fn = getattr(qsa_pallas, f"indexer_select_{inp.kind}")
+    if num_warps is not None:  # sweep: pass 1 with another warp count
+        from qsa_pallas import indexer
+
+        q, keys = inp.args[0], inp.args[1]
+        blocks = (inp.args[2].shape[1] * keys.shape[1] if inp.kind == "decode" else keys.shape[0])
+        plan = indexer.indexer_plan_for(inp.kind, q.shape[0], blocks, TOPK)
+        fn = functools.partial(fn, plan=dataclasses.replace(plan, num_warps=num_warps))
+    return _jax_chain(fn, inp)
 
 
 def _torch(inp: Inputs):
@@ -204,9 +214,11 @@ PROVIDERS = {p.name: p for p in (
                     "override: twice the pass-1 chunk"),
     *(common.Provider(n, lambda inp, n=n: _triton(inp, n), f"Triton, private plan override: {w}",
                       default=False)
-      for n, w in (("triton_bm4", "4 rows per pass-1 program"), ("triton_w4", "4 warps in pass 1"),
+      for n, w in (("triton_bm4", "4 rows per pass-1 program"), ("triton_w8", "8 warps in pass 1"),
                    ("triton_rb2", "2-bit radix rounds in pass 1"),
                    ("triton_t32", "32-block key tiles"))),
+    common.Provider("pallas_w8", lambda inp: _pallas(inp, 8), "Pallas, private plan override: 8 "
+                    "warps in pass 1", default=False),
 )}
 
 

@@ -314,7 +314,7 @@ BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (p
 #: keys sorted in registers; ``max_union_work``: see ``max_union_entries``; ``tile``: (BLOCK_N,
 #: warps, stages) by arch (4 warps: one warpgroup owns the 64-row tile; 2 stages fit sm_12x).
 UNION_RULES = {
-    "q_rows": 64, "max_tile_rows": 8, "min_rows_per_request": 2, "min_overlap": 0.3,
+    "q_rows": 64, "max_tile_rows": 8, "min_rows_per_request": 2, "min_overlap": 0.8,
     "max_sort_keys": 8192, "max_union_work": 1.5, "tile": {"default": (32, 4, 2)},
 }
 

@@ -20,9 +20,9 @@ softmax of FlashAttention-2.
   ``interop.reference`` (a split is empty only where l == 0; the merge writes NaN where any
   split's LSE or partial is NaN, finite outputs keep their bits).
 * Programmatic Dependent Launch (sm_90+, as the packed decode ``qsa_triton.decode``) where the
-  split grid has at most one program per SM, so the merge grid (and the next call) can be
-  resident while it runs (bench/NOTES.md, "Paged decode"): every program waits (``gdc_wait``)
-  before its first load or store, so results are bitwise the same.
+  call has one (row, KV head) pair, one latency chain (``pdl_default``; bench/NOTES.md, "Paged
+  decode"): every program waits (``gdc_wait``) before its first load or store, so results are
+  bitwise the same.
 * Static plan, lengths/positions/slots read on the device, no atomics, no host sync: CUDA-graph
   and torch.compile safe. ``batch_invariant=True``: the plan depends on W, G, D and the dtypes
   only, so a row's bits do not depend on the batch.
@@ -221,11 +221,11 @@ def paged_splits(plan: PagedDecodePlan, width: int) -> int:
     return max(1, min(int(plan.num_splits), -(-int(width) // plan.block_n)))
 
 
-def pdl_default(device: torch.device, programs: int, sm_count: int) -> bool:
-    """Whether a call whose split grid has ``programs`` programs on a GPU of ``sm_count`` SMs
-    uses PDL: where supported and ``programs <= sm_count`` (with more, the waiting merge
-    programs competed with split programs for SM slots and PDL measured slower)."""
-    return programs <= sm_count and _pdl_supported(torch.device(device))
+def pdl_default(device: torch.device, kv_rows: int) -> bool:
+    """Whether a call with ``kv_rows`` = R x Hkv (row, KV head) pairs uses PDL: where supported
+    and R x Hkv == 1 (measured faster there; slower at R x Hkv = 2 and with a trigger after the
+    K/V loop at R x Hkv >= 64, neutral at 4-8)."""
+    return kv_rows == 1 and _pdl_supported(torch.device(device))
 
 
 def _max_offset(t: torch.Tensor) -> int:
@@ -254,8 +254,7 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
         part = torch.empty(r * hq * splits * d, dtype=torch.float32, device=q.device)
     off64 = max(_max_offset(k_cache), _max_offset(v_cache)) > _OFF32_MAX
     stride_ih = indices.stride(1) if indices.dim() == 3 else 0
-    sms = _device(q.device.type, q.device.index)[0]
-    use_pdl = pdl_default(q.device, splits * r * hkv, sms) if pdl is None else bool(pdl)
+    use_pdl = pdl_default(q.device, r * hkv) if pdl is None else bool(pdl)
     # launch_pdl=True is passed only when on: the interpreter / older Triton never see it
     pdl_kw = {"launch_pdl": True} if use_pdl else {}
     ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()

@@ -86,7 +86,7 @@ def test_paged_decode_list_covers_every_part():
             p = P._plan(r, hkv, hq // hkv, 256, 2051, sms, KNOWN_ARCHS[arch].smem_per_block, 2,
                         1 if kv == "float8_e4m3fn" else 2, bi)
             # pdl_default on an sm_90+ part
-            pdl = P._TRITON_PDL and P.paged_splits(p, 2051) * r * hkv <= sms
+            pdl = P._TRITON_PDL and r * hkv == 1
             consts = {"G": hq // hkv, "D": 256, "HT": p.head_tile, "BLOCK_N": p.block_n,
                       "DIRECT": p.num_splits == 1, "OFF64": False, "USE_PDL": pdl}
             merge = {"D": 256, "SPLIT_P2": max(2, P.next_pow2(p.num_splits)), "USE_PDL": pdl}

@@ -409,7 +409,7 @@ def triton_decode_paged_configs(arch: str, *, head_dim: int = 256,
             p = plan_decode_paged(r, hkv, hq // hkv, head_dim, QUALIFIED["index_width"], sms,
                                   batch_invariant=bi, kv_bytes=1 if kv == "float8_e4m3fn" else 2,
                                   device_smem=smem)
-            pdl = P._TRITON_PDL and P.paged_splits(p, QUALIFIED["index_width"]) * r * hkv <= sms
+            pdl = P._TRITON_PDL and r * hkv == 1
             plans.add((hq // hkv, _TT[kv], p, pdl))
     merges = set()
     for g, kt, p, pdl in sorted(plans, key=lambda x: (x[0], x[1], dataclasses.astuple(x[2]),
