@@ -61,7 +61,11 @@ for s in "$@"; do
   case "$s" in
     tests|tests=*)
       files="tests"; [ "$s" = tests ] || files="${s#tests=}"
-      step tests "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+      # 8 pytest-xdist workers where installed, one BLAS thread each (the FP64 references of
+      # several workers otherwise oversubscribe the CPUs): ~3 min for the whole GPU suite
+      xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n 8"
+      OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 step tests \
+        "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider $xd \
         ${files//,/ } & ;;
     check)
       for f in decode/TP1 decode/TP2 decode/TP4 prefill/ordinary prefill/chunk prefill/paged; do
