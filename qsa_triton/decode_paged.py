@@ -20,7 +20,7 @@ softmax of FlashAttention-2.
   ``interop.reference`` (a split is empty only where l == 0; the merge writes NaN where any
   split's LSE or partial is NaN, finite outputs keep their bits).
 * Programmatic Dependent Launch (sm_90+, as the packed decode ``qsa_triton.decode``) where the
-  call has one (row, KV head) pair, one latency chain (``pdl_default``; bench/NOTES.md, "Paged
+  call has one (row, KV head) pair, one latency chain (``pdl_enabled``; bench/NOTES.md, "Paged
   decode"): every program waits (``gdc_wait``) before its first load or store, so results are
   bitwise the same.
 * Static plan, lengths/positions/slots read on the device, no atomics, no host sync: CUDA-graph
@@ -42,10 +42,10 @@ from interop.contract import ContractError, check_decode_paged, route
 from interop.plan import LOG2E, PAGED_MAX_SPLITS, PagedDecodePlan, next_pow2, plan_decode_paged
 
 from ._fp8 import fp16_query
-from .decode import _TRITON_PDL, _pdl_supported
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
+from .decode import _pdl_supported
 
-__all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "paged_splits", "pdl_default",
+__all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "pdl_enabled",
            "MERGE_TILE"]
 
 #: floats per merge-kernel tile ([splits padded to a power of two, D chunk]): 16 per thread at 4
@@ -216,12 +216,7 @@ def _plan(r, hkv, g, d, w, sms, smem, qb, kb, bi) -> PagedDecodePlan:
                              device_smem=smem)
 
 
-def paged_splits(plan: PagedDecodePlan, width: int) -> int:
-    """Splits launched for W = ``width`` index columns: the plan's, at most one per chunk."""
-    return max(1, min(int(plan.num_splits), -(-int(width) // plan.block_n)))
-
-
-def pdl_default(device: torch.device, kv_rows: int) -> bool:
+def pdl_enabled(device: torch.device, kv_rows: int) -> bool:
     """Whether a call with ``kv_rows`` = R x Hkv (row, KV head) pairs uses PDL: where supported
     and R x Hkv == 1 (measured faster there; slower at R x Hkv = 2 and with a trigger after the
     K/V loop at R x Hkv >= 64, neutral at 4-8)."""
@@ -245,7 +240,7 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
     out = torch.empty((r, hq, d), dtype=q.dtype, device=q.device)
     if k_cache.shape[0] == 0 or w == 0 or req_to_token.numel() == 0:
         return out.zero_()  # no entry can be valid: every row is empty (exact zeros)
-    splits = paged_splits(plan, w)
+    splits = max(1, min(int(plan.num_splits), -(-w // plan.block_n)))
     direct = splits == 1
     if direct:  # unused by the kernel (DIRECT writes the output); fp32, as qsa compile types them
         lse = part = torch.empty(1, dtype=torch.float32, device=q.device)
@@ -254,7 +249,7 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
         part = torch.empty(r * hq * splits * d, dtype=torch.float32, device=q.device)
     off64 = max(_max_offset(k_cache), _max_offset(v_cache)) > _OFF32_MAX
     stride_ih = indices.stride(1) if indices.dim() == 3 else 0
-    use_pdl = pdl_default(q.device, r * hkv) if pdl is None else bool(pdl)
+    use_pdl = pdl_enabled(q.device, r * hkv) if pdl is None else bool(pdl)
     # launch_pdl=True is passed only when on: the interpreter / older Triton never see it
     pdl_kw = {"launch_pdl": True} if use_pdl else {}
     ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
@@ -385,7 +380,7 @@ def decode_paged_with_plan(q, k_cache, v_cache, req_to_token, req_indices, indic
                            softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                            plan: PagedDecodePlan, pdl: bool | None = None) -> torch.Tensor:
     """``sparse_decode_paged`` (contract checked) with an explicit plan and PDL (None:
-    ``pdl_default``) for tests and sweeps.
+    ``pdl_enabled``) for tests and sweeps.
 
     Raises:
       ContractError: as ``sparse_decode_paged``; a plan whose head tile cannot hold G, whose

@@ -75,6 +75,7 @@ def test_paged_decode_list_covers_every_part():
     """``triton_decode_paged_configs`` holds the split kernel of every plan the launcher builds
     (``qsa_triton.decode_paged._plan``) on every known part with its SM count and shared memory
     (sm_90: two programs per SM), and the merge kernel of every multi-split plan."""
+    from qsa_triton import decode as dec
     from qsa_triton import decode_paged as P
 
     cfgs = CC.triton_decode_paged_configs("sm_90")
@@ -85,8 +86,7 @@ def test_paged_decode_list_covers_every_part():
         for (hq, hkv), kv, bi, r in CC._paged_shapes("bfloat16"):
             p = P._plan(r, hkv, hq // hkv, 256, 2051, sms, KNOWN_ARCHS[arch].smem_per_block, 2,
                         1 if kv == "float8_e4m3fn" else 2, bi)
-            # pdl_default on an sm_90+ part
-            pdl = P._TRITON_PDL and r * hkv == 1
+            pdl = dec._TRITON_PDL and r * hkv == 1  # pdl_enabled on an sm_90+ part
             consts = {"G": hq // hkv, "D": 256, "HT": p.head_tile, "BLOCK_N": p.block_n,
                       "DIRECT": p.num_splits == 1, "OFF64": False, "USE_PDL": pdl}
             merge = {"D": 256, "SPLIT_P2": max(2, P.next_pow2(p.num_splits)), "USE_PDL": pdl}

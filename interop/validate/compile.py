@@ -396,20 +396,21 @@ def triton_decode_paged_configs(arch: str, *, head_dim: int = 256,
     from interop.contract import QUALIFIED  # noqa: PLC0415
     from interop.plan import next_pow2, plan_decode_paged  # noqa: PLC0415
     from qsa_triton import decode_paged as P  # noqa: PLC0415
+    from qsa_triton.decode import _TRITON_PDL  # noqa: PLC0415
 
     del arch
     dt, out, splits = _TT[dtype], [], set()
     parts = {(sms, KNOWN_ARCHS[a].smem_per_block) for a, sms in KNOWN_PARTS.values()}
     partial = {"out_ptr": f"*{dt}", "lse_ptr": "*fp32", "part_ptr": "*fp32"}
     aligned = _aligned(P._paged_split_kernel.arg_names, "qkvot")  # index row stride: W = 2051
-    # PDL as qsa_triton.decode_paged.pdl_default on every known part (all sm_90+)
+    # PDL as qsa_triton.decode_paged.pdl_enabled on every known part (all sm_90+)
     plans = set()
     for (hq, hkv), kv, bi, r in _paged_shapes(dtype):
         for sms, smem in parts:
             p = plan_decode_paged(r, hkv, hq // hkv, head_dim, QUALIFIED["index_width"], sms,
                                   batch_invariant=bi, kv_bytes=1 if kv == "float8_e4m3fn" else 2,
                                   device_smem=smem)
-            pdl = P._TRITON_PDL and r * hkv == 1
+            pdl = _TRITON_PDL and r * hkv == 1
             plans.add((hq // hkv, _TT[kv], p, pdl))
     merges = set()
     for g, kt, p, pdl in sorted(plans, key=lambda x: (x[0], x[1], dataclasses.astuple(x[2]),
@@ -423,9 +424,8 @@ def triton_decode_paged_configs(arch: str, *, head_dim: int = 256,
                               f"_bn{p.block_n}_w{p.num_warps}_s{p.num_stages}_{dt}_kv{kt}"
                               f"{'_direct' if p.num_splits == 1 else ''}"
                               f"{'_off64' if off64 else ''}{'_pdl' if pdl else ''}",
-                              {**_attention_types(dt, kt),
-                              **partial}, consts, p.num_warps, p.num_stages, pdl,
-                              aligned=aligned))
+                              {**_attention_types(dt, kt), **partial}, consts, p.num_warps,
+                              p.num_stages, pdl, aligned=aligned))
     for sp2, pdl in sorted(merges):
         out.append(_entry(P._paged_merge_kernel, f"paged_merge_p{sp2}_{dt}{'_pdl' if pdl else ''}",
                           partial, {"D": head_dim, "SPLIT_P2": sp2, "USE_PDL": pdl,
