@@ -764,7 +764,7 @@ def test_gpu_graphs_every_r_1_to_128():
 
 
 @gpu
-@pytest.mark.parametrize("tp, rows", [("TP1", 1), ("TP2", 2), ("TP1", 16), ("TP1", 64)])
+@pytest.mark.parametrize("tp, rows", [("TP1", 1), ("TP2", 1), ("TP2", 2), ("TP1", 16), ("TP1", 64)])
 def test_gpu_pdl_on_off_bitwise_and_chained_graph(tp, rows):
     """Programmatic Dependent Launch (by default at R x Hkv == 1: TP2 R = 1): with and without
     it the bits are the same; then a CUDA graph of 20 chained calls (each call's q is the
