@@ -216,7 +216,7 @@ def _plan(r, hkv, g, d, w, sms, smem, qb, kb, bi) -> PagedDecodePlan:
                              device_smem=smem)
 
 
-def pdl_enabled(device: torch.device, kv_rows: int) -> bool:
+def pdl_enabled(device: torch.device | str, kv_rows: int) -> bool:
     """Whether a call with ``kv_rows`` = R x Hkv (row, KV head) pairs uses PDL: where supported
     and R x Hkv == 1 (measured faster there; slower at R x Hkv = 2 and with a trigger after the
     K/V loop at R x Hkv >= 64, neutral at 4-8)."""
