@@ -161,16 +161,21 @@ def _jax_chain(fn, inp: Inputs):
     return common.jax_chain(fn, inp.args, {}, CHAIN, link)
 
 
+def _max_blocks(inp: Inputs) -> int:
+    """The plan's static block bound: page-table capacity (decode) or packed key rows."""
+    keys = inp.args[1]
+    return inp.args[2].shape[1] * keys.shape[1] if inp.kind == "decode" else keys.shape[0]
+
+
 def _triton(inp: Inputs, variant=None):
     from qsa_triton import indexer
 
     fn = getattr(indexer, f"indexer_select_{inp.kind}")
     kw = {}
     if variant is not None:
-        q, keys = inp.args[0], inp.args[1]
-        blocks = (inp.args[2].shape[1] * keys.shape[1] if inp.kind == "decode" else keys.shape[0])
-        kw["plan"] = VARIANTS[variant](indexer.indexer_plan_for(inp.kind, q.shape[0], blocks,
-                                                                TOPK, q.device))
+        q = inp.args[0]
+        kw["plan"] = VARIANTS[variant](indexer.indexer_plan_for(inp.kind, q.shape[0],
+                                                                _max_blocks(inp), TOPK, q.device))
     return lambda: fn(*inp.args, **kw)
 
 
@@ -183,9 +188,7 @@ def _pallas(inp: Inputs, num_warps: int | None = None):
     if num_warps is not None:  # sweep: pass 1 with another warp count
         from qsa_pallas import indexer
 
-        q, keys = inp.args[0], inp.args[1]
-        blocks = (inp.args[2].shape[1] * keys.shape[1] if inp.kind == "decode" else keys.shape[0])
-        plan = indexer.indexer_plan_for(inp.kind, q.shape[0], blocks, TOPK)
+        plan = indexer.indexer_plan_for(inp.kind, inp.args[0].shape[0], _max_blocks(inp), TOPK)
         fn = functools.partial(fn, plan=dataclasses.replace(plan, num_warps=num_warps))
     return _jax_chain(fn, inp)
 
