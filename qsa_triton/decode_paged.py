@@ -217,9 +217,15 @@ def _plan(r, hkv, g, d, w, sms, smem, qb, kb, bi) -> PagedDecodePlan:
 
 
 def pdl_enabled(device: torch.device | str, kv_rows: int) -> bool:
-    """Whether a call with ``kv_rows`` = R x Hkv (row, KV head) pairs uses PDL: where supported
-    and R x Hkv == 1 (measured faster there; slower at R x Hkv = 2 and with a trigger after the
-    K/V loop at R x Hkv >= 64, neutral at 4-8)."""
+    """Whether a ``sparse_decode_paged`` call uses Programmatic Dependent Launch (CUDA C++
+    Programming Guide, "Programmatic Dependent Launch and Synchronization"; PTX
+    ``griddepcontrol``).
+
+    Args: ``device`` a torch device or its name; ``kv_rows`` the call's R x Hkv (row, KV head)
+    pairs, an int. Returns True where PDL is supported (CUDA compute capability >= 9.0, a Triton
+    with ``launch_pdl``, not the interpreter) and R x Hkv == 1 (bench/NOTES.md, "Paged decode":
+    faster there, slower at R x Hkv = 2 and with a trigger after the K/V loop at >= 64). Raises
+    nothing; the output bits are the same either way."""
     return kv_rows == 1 and _pdl_supported(torch.device(device))
 
 
