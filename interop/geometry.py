@@ -273,7 +273,7 @@ class UnionGeometry:
       source: the rule that decided, for benchmark JSON.
       row_block_n: ``"union"``: K/V rows per inner step of a tile that runs its rows one by one
         (the per-row kernel's BLOCK_N for the workload where larger than ``block_n``, fitted;
-        0 = ``block_n``; Triton only).
+        0 = ``block_n``; the Triton kernel reads it, the Pallas row path keeps ``block_n``).
     """
 
     kind: str
@@ -380,7 +380,7 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
     bn, nw, ns = u["tile"].get(facts.arch, u["tile"]["default"])
     geo = UnionGeometry("union", r, max(16, r * ht), bn, nw, ns,
                         f"union[R={r},G={group}] {facts.arch} backend={backend}",
-                        max(bn, rows_geo.block_n) if backend == "triton" else 0)
+                        max(bn, rows_geo.block_n))
     return fit_union(geo, backend=backend, head_dim=head_dim, kv_bytes=kv_bytes,
                      limit=facts.smem_per_block)
 
