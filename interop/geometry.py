@@ -271,6 +271,9 @@ class UnionGeometry:
       tile_rows: R (1 for ``"rows"``). head_tile: Q tile rows, ``max(16, R x next_pow2(G))``.
       block_n: K/V rows per inner step (4 x union blocks). num_warps, num_stages: as Geometry.
       source: the rule that decided, for benchmark JSON.
+      row_block_n: ``"union"``: K/V rows per inner step of a tile that runs its rows one by one
+        (the per-row kernel's BLOCK_N for the workload where larger than ``block_n``, fitted;
+        0 = ``block_n``; the Triton kernel reads it, the Pallas row path keeps ``block_n``).
     """
 
     kind: str
@@ -280,12 +283,13 @@ class UnionGeometry:
     num_warps: int
     num_stages: int
     source: str = ""
+    row_block_n: int = 0
 
     @property
     def key(self) -> tuple:
-        """(kind, tile_rows, head_tile, block_n, num_warps, num_stages)."""
+        """(kind, tile_rows, head_tile, block_n, num_warps, num_stages, row_block_n)."""
         return (self.kind, self.tile_rows, self.head_tile, self.block_n, self.num_warps,
-                self.num_stages)
+                self.num_stages, self.row_block_n)
 
 
 #: The ``block_indices`` / ``overlap`` arguments as every prefill entry point of both backends
@@ -375,7 +379,8 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
         return rows("R=1")
     bn, nw, ns = u["tile"].get(facts.arch, u["tile"]["default"])
     geo = UnionGeometry("union", r, max(16, r * ht), bn, nw, ns,
-                        f"union[R={r},G={group}] {facts.arch} backend={backend}")
+                        f"union[R={r},G={group}] {facts.arch} backend={backend}",
+                        max(bn, rows_geo.block_n))
     return fit_union(geo, backend=backend, head_dim=head_dim, kv_bytes=kv_bytes,
                      limit=facts.smem_per_block)
 
@@ -392,6 +397,11 @@ def fit_union(geo: UnionGeometry, *, backend: str, head_dim: int, kv_bytes: int,
     fitted = fit_shared_memory(geo, head_dim=head_dim, limit=limit, kv_bytes=kv_bytes)
     if fitted.block_n < floor:
         fitted = dataclasses.replace(fitted, block_n=floor)
+    if geo.row_block_n:  # the row path's [16-row Q tile, row_block_n] steps must fit as well
+        rows = fit_shared_memory(dataclasses.replace(fitted, head_tile=16,
+                                                     block_n=next_pow2(geo.row_block_n)),
+                                 head_dim=head_dim, limit=limit, kv_bytes=kv_bytes)
+        fitted = dataclasses.replace(fitted, row_block_n=max(16, rows.block_n))
     if fitted != geo:
         fitted = dataclasses.replace(fitted, source=f"{geo.source} fit<={limit}B")
     return fitted

@@ -236,7 +236,8 @@ def _rows_of_tile(q_ptr, o_ptr, bidx_ptr, k_head, v_head, table_row, kv_base, bo
                   D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
                   OFF64: tl.constexpr):
     """The tile's rows one at a time, each over its own block ids (the per-row kernel's work,
-    read from ``block_indices`` directly: module docstring, 3), then its causal tail."""
+    read from ``block_indices`` directly: module docstring, 3), then its causal tail. BLOCK_N:
+    the row path's (``UnionGeometry.row_block_n``, the per-row kernel's)."""
     BLOCK_U: tl.constexpr = BLOCK_N // 4
     offs_r = tl.arange(0, HR)
     offs_n = tl.arange(0, BLOCK_N)
@@ -288,7 +289,7 @@ def _qsa_prefill_union_fwd(
     stride_us, stride_uh, stride_ls, stride_rt, stride_bt, stride_bh,
     PER_HEAD: tl.constexpr, G: tl.constexpr, HT: tl.constexpr, R: tl.constexpr,
     M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-    OFF64: tl.constexpr, BP: tl.constexpr, HR: tl.constexpr,
+    OFF64: tl.constexpr, BP: tl.constexpr, HR: tl.constexpr, ROW_BLOCK_N: tl.constexpr,
 ):
     """Attention of one tile (R rows x G heads) and one KV head over its union (docstring, 2),
     or row by row over each row's own blocks when the union has more than ``max_union`` entries
@@ -336,7 +337,7 @@ def _qsa_prefill_union_fwd(
         _rows_of_tile(q_ptr, o_ptr, bidx_ptr, k_head, v_head, table_row, kv_base, bound,
                       pool_slots, qk_scale, v_scale, NB, jt, q_start, q_len, q_used, kv_len, T,
                       h, uh, stride_qt, stride_qh, stride_kn, stride_vn, stride_ot, stride_oh,
-                      stride_bt, stride_bh, G, R, HR, D, BLOCK_N, MODE, OFF64)
+                      stride_bt, stride_bh, G, R, HR, D, ROW_BLOCK_N, MODE, OFF64)
         return
     q = tl.load(q_ptr + row64[:, None] * stride_qt + heads[:, None] * stride_qh
                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -525,5 +526,6 @@ def union_launch(mode: int, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_
         r2t.stride(0) if paged else 0, block_indices.stride(0), _heads(block_indices)[1],
         PER_HEAD=block_indices.dim() == 3, G=group, HT=ht, R=r, M=geo.head_tile, D=d,
         BLOCK_N=geo.block_n, MODE=mode, OFF64=off64, BP=next_pow2(n_req + 1), HR=hr,
-        num_warps=geo.num_warps, num_stages=geo.num_stages)
+        ROW_BLOCK_N=geo.row_block_n or geo.block_n, num_warps=geo.num_warps,
+        num_stages=geo.num_stages)
     return out
