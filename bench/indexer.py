@@ -150,13 +150,18 @@ def xla_fns(topk):
 
 # ------------------------------------------------------------------------------ providers
 def _jax_chain(fn, inp: Inputs):
-    """A provider call: CHAIN calls of ``fn`` unrolled in one ``jax.jit`` (``common.jax_chain``);
-    call i+1's seq_lens (the last argument) depend on call i's output (values unchanged:
-    out[:, 0] >= -1), so XLA can neither merge nor hoist them."""
+    """A provider call: CHAIN calls of ``fn`` unrolled in one ``jax.jit`` (``common.jax_chain``).
+    Call i+1 takes an argument that both passes read (decode: seq_lens; prefill: row_ends), made
+    to depend on call i's output with its values unchanged (out[:, 0] >= -1), so XLA can neither
+    merge the calls nor hoist a pass out of the chain. (Linking prefill through seq_lens, which
+    only the expansion reads, let XLA compute pass 1 once per chain.)"""
     import jax.numpy as jnp
 
+    at = 3 if inp.kind == "prefill" else len(inp.args) - 1
+
     def link(xs, out):
-        return (*xs[:-1], jnp.minimum(xs[-1], xs[-1] + jnp.minimum(out[:, 0], 0) + 1))
+        x = xs[at]
+        return (*xs[:at], jnp.minimum(x, x + jnp.minimum(out[:, 0], 0) + 1), *xs[at + 1:])
 
     return common.jax_chain(fn, inp.args, {}, CHAIN, link)
 

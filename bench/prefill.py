@@ -203,6 +203,8 @@ def _upstream_supports(desc: dict, kinds) -> str | None:
         return f"upstream has no {desc['kind']} kernel of this form"
     if desc["junk"] != "-1" or desc["per_head"] or desc["empty_rows"]:
         return "upstream takes only -1 padding, [T, W] indices and rows with a valid entry"
+    if desc["kv_dtype"] == "float8_e4m3fn":
+        return "upstream's chunk kernel reads K/V in q's dtype"
     return None
 
 
@@ -303,19 +305,28 @@ PREFILL = common.Mode("prefill", "QSA sparse prefill", PROVIDERS, cases, prepare
 JACCARDS = (0.9, 0.5, 0.0)
 
 
+UNION_SECTIONS = ("matrix", "sweep", "fp8", "mtp")
+MTP = (32, 4)  # verify shape: requests x rows (draft tokens + 1) each, at KV_SWEEP
+
+
 def _union(kind, hq, hkv, d, q_lens, kv_lens, nb: int, jaccard: float, **kw):
     """One union case: (its PrefillSpec, block ids per row, target neighbour Jaccard)."""
     kv, fp8 = kv_lens[0] if kv_lens else sum(q_lens), kw.get("kv_dtype") is not None
-    name = (f"union/{kind}/{hq}x{hkv}/kv{kv // 1024}k/T{sum(q_lens)}/J{jaccard}"
+    reqs = f"/B{len(q_lens)}" if len(q_lens) > 1 else ""
+    name = (f"union/{kind}/{hq}x{hkv}/kv{kv // 1024}k{reqs}/T{sum(q_lens)}/J{jaccard}"
             + ("/fp8" if fp8 else ""))
     return (C.PrefillSpec(name, kind, hq, hkv, d, q_lens, kv_lens, k_scale=0.5 if fp8 else 1.0,
                           v_scale=1.5 if fp8 else 1.0, seed=1, **kw), nb, jaccard)
 
 
 def union_cases(args, kind: str) -> list[tuple]:
-    """``bench``: 8192 rows x ``--heads`` x ``BENCH_PREFILL_KV`` x ``--jaccards``; ``smoke``: one
-    tiny fp16 chunk case and one paged FP8 case (64 blocks per row) for the CPU interpreters."""
+    """``bench``: ``--sections`` x ``--jaccards``: matrix (8192 rows x ``--heads`` x
+    ``BENCH_PREFILL_KV``), sweep (``BENCH_PREFILL_ROWS`` at KV_SWEEP, the Hkv = 1 pairs), fp8
+    (12/1, 8192 rows at KV_SWEEP: chunk and paged, BF16 and FP8 K/V), mtp (``MTP`` requests x
+    rows at KV_SWEEP); ``smoke``: one tiny fp16 chunk case and one paged FP8 case (64 blocks per
+    row) for the CPU interpreters."""
     heads = [HEADS[h] for h in common.choose(getattr(args, "heads", None), HEADS, "--heads")]
+    secs = common.choose(getattr(args, "sections", None), UNION_SECTIONS, "--sections")
     try:
         jac = [float(x) for x in (getattr(args, "jaccards", None) or "").split(",") if x.strip()]
     except ValueError as e:
@@ -326,9 +337,27 @@ def union_cases(args, kind: str) -> list[tuple]:
         return [_union("chunk", 12, 1, 64, (9, 6), (40, 30), 8, 0.9, dtype="float16"),
                 _union("paged", 6, 1, 64, (7,), (50,), 8, 0.0, dtype="float16",
                        kv_dtype="float8_e4m3fn")]
-    return [_union("ordinary" if kv == T else "chunk", hq, hkv, D, (T,),
-                   None if kv == T else (kv,), 512, j)
-            for hq, hkv in heads for kv in C.BENCH_PREFILL_KV for j in jac or JACCARDS]
+    jac = jac or JACCARDS
+    out = []
+    if "matrix" in secs:
+        out += [_union("ordinary" if kv == T else "chunk", hq, hkv, D, (T,),
+                       None if kv == T else (kv,), 512, j)
+                for hq, hkv in heads for kv in C.BENCH_PREFILL_KV for j in jac]
+    if "sweep" in secs:
+        out += [_union("chunk", hq, hkv, D, (t,), (KV_SWEEP,), 512, j)
+                for hq, hkv in heads if hkv == 1 for t in C.BENCH_PREFILL_ROWS
+                if t != T or "matrix" not in secs for j in jac]
+    if "fp8" in secs:  # the BF16 chunk case is the matrix's when that runs 12/1
+        in_matrix = "matrix" in secs and (12, 1) in heads
+        out += [_union(kd, 12, 1, D, (T,), (KV_SWEEP,), 512, j, kv_dtype=dt,
+                       **({"pool_slack": 4096} if kd == "paged" else {}))
+                for kd in ("chunk", "paged") for j in jac for dt in (None, "float8_e4m3fn")
+                if not (kd == "chunk" and dt is None and in_matrix)]
+    if "mtp" in secs:
+        b, r = MTP
+        out += [_union("chunk", hq, hkv, D, (r,) * b, (KV_SWEEP,) * b, 512, j)
+                for hq, hkv in heads for j in jac]
+    return out
 
 
 def union_prepare(case: tuple, device):
@@ -382,8 +411,10 @@ MODES = {"default": PREFILL, "union": UNION}
 
 
 def add_arguments(ap) -> None:
-    ap.add_argument("--sections", metavar="S,..", help="matrix (8192 rows x heads x KV), sweep "
-                    "(query rows at 32k), paged (BF16 and FP8 pools) (default all)")
+    ap.add_argument("--sections", metavar="S,..", help="default mode: matrix (8192 rows x heads "
+                    "x KV), sweep (query rows at 32k), paged (BF16 and FP8 pools); union mode: "
+                    "matrix, sweep, fp8 (chunk and paged, BF16 and FP8 K/V), mtp (32 requests x "
+                    "4 rows at 32k) (default all)")
     ap.add_argument("--heads", metavar="H,..", help="head pairs Hq/Hkv: " + ",".join(HEADS)
                     + " (default all; the sweep takes the Hkv = 1 pairs, paged 12/1)")
     ap.add_argument("--jaccards", metavar="J,..", help="union: target neighbour Jaccards of the "

@@ -315,11 +315,14 @@ BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (p
 #: slower); ``max_tile_rows``: keeps the causal-tail step (R + 3 tokens) in one BLOCK_N >= 16
 #: chunk; ``min_rows_per_request``: below it a tile has one row; ``min_overlap``: an engine's
 #: neighbour-Jaccard hint below it gets the per-row kernel; ``max_sort_keys``: R x next_pow2(NB)
-#: keys sorted in registers; ``max_union_work``: see ``max_union_entries``; ``tile``: (BLOCK_N,
-#: warps, stages) by arch (4 warps: one warpgroup owns the 64-row tile; 2 stages fit sm_12x).
+#: keys sorted in registers; ``max_union_work``: see ``max_union_entries``; ``min_tiles_per_sm``:
+#: below that many tiles (ceil(T / R) x Hkv) per SM the per-row kernel's T x Hkv programs fill
+#: the GPU better (MTP verify batches measured slower as tiles); ``tile``: (BLOCK_N, warps,
+#: stages) by arch (4 warps: one warpgroup owns the 64-row tile; 2 stages fit sm_12x).
 UNION_RULES = {
     "q_rows": 64, "max_tile_rows": 8, "min_rows_per_request": 2, "min_overlap": 0.8,
-    "max_sort_keys": 8192, "max_union_work": 1.5, "tile": {"default": (32, 4, 2)},
+    "max_sort_keys": 8192, "max_union_work": 1.5, "min_tiles_per_sm": 4,
+    "tile": {"default": (32, 4, 2)},
 }
 
 
@@ -347,7 +350,8 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
       3. R = q_rows // next_pow2(G), clamped to [1, max_tile_rows] and to the largest power of
          two <= the mean rows per request, halved while R x next_pow2(NB) > max_sort_keys;
          R = 1 -> ``"rows"``;
-      4. else ``"union"`` with the arch's (BLOCK_N, warps, stages), fitted by ``fit_union``.
+      4. fewer than ``min_tiles_per_sm`` x SMs tiles (ceil(T / R) x Hkv) -> ``"rows"``;
+      5. else ``"union"`` with the arch's (BLOCK_N, warps, stages), fitted by ``fit_union``.
     ``"rows"`` carries ``select_prefill``'s geometry. Other arguments as ``select_prefill``;
     ``block_width``: NB block ids per row. Raises ValueError (bad kind/backend, a size < 1,
     overlap outside [0, 1]) or ContractError (a bad ``QSA_PREFILL_GEOMETRY``).
@@ -377,6 +381,9 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
         r //= 2
     if r == 1:
         return rows("R=1")
+    tiles = -(-total_q // r) * num_kv_heads
+    if tiles < u["min_tiles_per_sm"] * facts.sm_count:
+        return rows(f"tiles={tiles}<{u['min_tiles_per_sm']}x{facts.sm_count}SMs")
     bn, nw, ns = u["tile"].get(facts.arch, u["tile"]["default"])
     geo = UnionGeometry("union", r, max(16, r * ht), bn, nw, ns,
                         f"union[R={r},G={group}] {facts.arch} backend={backend}",
@@ -420,7 +427,8 @@ def all_union_configs(arch: str, *, head_dim: int = 256) -> list[tuple[int, Unio
             for per_request in (2, 4, 8, 8192):
                 for backend in BACKENDS:
                     geo = select_prefill_blocks(
-                        facts, "chunk", total_q=per_request, requests=1, max_q=per_request,
+                        facts, "chunk", total_q=8192, requests=8192 // per_request,
+                        max_q=per_request,
                         group=group, num_kv_heads=1, head_dim=head_dim, block_width=512,
                         backend=backend, kv_bytes=kv_bytes)
                     if geo.kind == "union":

@@ -787,7 +787,7 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     128-block tiles with 5 stages where 110 KB of shared memory fit, else 64; 2-bit rounds in
     pass 1, 1-bit in the merge (bench/NOTES.md, "Indexer"). Prefill: chunk 2 * topk grown until
     a row's candidates fit 16384, 8 rows per program (4 where the chunk grows), 4 warps (faster
-    than 8 in the Triton build), 1-bit rounds,
+    than 8 in the Triton build), 1-bit rounds, a merge of 32 candidates per thread,
     rows grouped so one launch's candidates stay under 256 MiB. Raises ValueError: unknown kind,
     topk not a power of two, negative sizes."""
     if kind not in ("decode", "prefill"):
@@ -818,7 +818,11 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     c = max(2 * topk, 64, _pow2_at_least(-(-mb * topk // (2 * _MERGE_MAX_CANDIDATES))))
     bm = max(4, min(8, 8 * 2 * topk // c))
     tile = min(64, c)
-    plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 4, 2, merge_warps(c), 1,
+    # the prefill merge at 32 candidates a thread (4 warps for 4096: 1.75x faster than 8, whose
+    # programs wait on one another's round barriers; bench/NOTES.md, "Indexer")
+    candidates = -(-mb // c) * topk
+    plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 4, 2,
+                       min(16, max(4, _pow2_at_least(-(-candidates // 1024)))), 1,
                        radix_bits=1, merge_radix_bits=1)
     per_row = plan.splits * plan.topk * 8  # candidate keys + ids
     group = max(bm, (_PREFILL_WORKSPACE_BYTES // per_row) // bm * bm)

@@ -313,11 +313,21 @@ def test_selector_boundaries():
     assert _sel(overlap=u["min_overlap"]).kind == "union"
     assert _sel(overlap=np.nextafter(u["min_overlap"], 0)).kind == "rows"
     assert _sel(overlap=0.0).kind == "rows" and _sel(overlap=1.0).kind == "union"
-    # rows per request: 1 -> rows, 2 -> union with R = 2, 3 -> R = 2, 4 -> R = 4 (MTP verify)
-    assert _sel(total_q=32, requests=32).kind == "rows"
-    assert _sel(total_q=64, requests=32).tile_rows == 2
-    assert _sel(total_q=96, requests=32).tile_rows == 2
-    assert _sel(total_q=128, requests=32).tile_rows == 4
+    # rows per request (batches of 4096 requests): 1 -> rows, 2 -> union with R = 2, 3 -> R = 2,
+    # 4 -> R = 4
+    assert _sel(total_q=4096, requests=4096).kind == "rows"
+    assert _sel(total_q=8192, requests=4096).tile_rows == 2
+    assert _sel(total_q=12288, requests=4096).tile_rows == 2
+    assert _sel(total_q=16384, requests=4096).tile_rows == 4
+    # tiles: ceil(T / R) x Hkv >= min_tiles_per_sm x SMs (132 on sm_90), else rows (2048 rows at
+    # R = 4: rows); the MTP verify shape (32 requests x 4 rows: 32 tiles) -> rows
+    need = u["min_tiles_per_sm"] * DeviceFacts.for_arch("sm_90").sm_count
+    assert _sel(total_q=4 * need).key[:2] == ("union", 4)
+    assert _sel(total_q=4 * need - 4).kind == "rows"
+    assert _sel(total_q=4 * need - 3).kind == "union"  # ceil: a partial tile counts
+    assert _sel(total_q=2048).kind == "rows" and _sel(total_q=8192).kind == "union"
+    mtp = _sel(total_q=128, requests=32)
+    assert mtp.kind == "rows" and mtp.source.startswith("rows[tiles=32<"), mtp
     # R x next_pow2(G) = q_rows, capped at max_tile_rows
     for group, r in ((16, 4), (12, 4), (9, 4), (8, 8), (6, 8), (5, 8), (3, 8), (1, 8)):
         geo = _sel(group=group)
@@ -498,10 +508,14 @@ def test_pallas_per_tile_switch_paths_match_reference(name, work, monkeypatch):
     assert_matches(out, case.reference(), f"pallas {name} max_union_work={work}")
 
 
-def test_selected_paths_match_reference(backend):
+def test_selected_paths_match_reference(backend, monkeypatch):
     """The public entry point without a forced geometry, paged: the selector's union kernel (8
-    rows per request at G = 6 -> R = 8) and, with the overlap hint below the rule, the per-row
-    kernel on the on-device expansion (then the slot pre-pass)."""
+    rows per request at G = 6 -> R = 8, the tile-count rule off for this small batch) and, with
+    the overlap hint below the rule, the per-row kernel on the on-device expansion (then the slot
+    pre-pass)."""
+    from interop import geometry
+
+    monkeypatch.setitem(geometry.UNION_RULES, "min_tiles_per_sm", 0)
     case = block_case("paged", 6, 1, [8, 9], [3, 20], junk="len", table_junk=True, seed=5)
     geo = _sel(total_q=17, requests=2, group=6, nb=NB)
     assert geo.key[:2] == ("union", 8)
