@@ -203,7 +203,7 @@ def _upstream_supports(desc: dict, kinds) -> str | None:
         return f"upstream has no {desc['kind']} kernel of this form"
     if desc["junk"] != "-1" or desc["per_head"] or desc["empty_rows"]:
         return "upstream takes only -1 padding, [T, W] indices and rows with a valid entry"
-    if desc["kv_dtype"] == "float8_e4m3fn":
+    if desc.get("kv_dtype") == "float8_e4m3fn":
         return "upstream's chunk kernel reads K/V in q's dtype"
     return None
 

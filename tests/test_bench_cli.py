@@ -192,9 +192,11 @@ def test_upstream_providers_skip_what_upstream_cannot_take():
     sm = decode.PROVIDERS["upstream-sm121"].supports
     assert sm({"Hq": 6, "Hkv": 1, "B": 4}) and sm({"Hq": 24, "Hkv": 2, "B": 4}) is None
     up = prefill.PROVIDERS["upstream-chunk"].supports
-    base = {"kind": "chunk", "junk": "-1", "per_head": False, "empty_rows": False}
+    base = {"kind": "chunk", "junk": "-1", "per_head": False, "empty_rows": False,
+            "kv_dtype": "bfloat16"}
     assert up(base) is None
-    for bad in ({"kind": "paged"}, {"junk": "mixed"}, {"per_head": True}, {"empty_rows": True}):
+    for bad in ({"kind": "paged"}, {"junk": "mixed"}, {"per_head": True}, {"empty_rows": True},
+                {"kv_dtype": "float8_e4m3fn"}):
         assert up({**base, **bad})
     assert prefill.PROVIDERS["upstream-ordinary"].supports(base)
 
