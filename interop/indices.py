@@ -818,8 +818,8 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     c = max(2 * topk, 64, _pow2_at_least(-(-mb * topk // (2 * _MERGE_MAX_CANDIDATES))))
     bm = max(4, min(8, 8 * 2 * topk // c))
     tile = min(64, c)
-    # the prefill merge at 32 candidates a thread (4 warps for 4096: 1.75x faster than 8, whose
-    # programs wait on one another's round barriers; bench/NOTES.md, "Indexer")
+    # the prefill merge at 32 candidates a thread (4 warps for 4096 measured faster than 8: a
+    # round's barrier waits on fewer warps; bench/NOTES.md, "Indexer")
     candidates = -(-mb // c) * topk
     plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 4, 2,
                        min(16, max(4, _pow2_at_least(-(-candidates // 1024)))), 1,
