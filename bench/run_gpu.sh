@@ -14,6 +14,8 @@
 #                 stages and upstream-step; then jax-step; then paged at 6 / 11 / 17 splits at
 #                 B = 1, 4 (pool_sweep.*, pool_jax.*, pool_splits.*)
 #   prefill       python3 -m bench.prefill, default providers (prefill.{json,png,log})
+#   union         bench.prefill --mode union: issue 17's cases (8192-row matrix, FP8 K/V, MTP
+#                 verify) at Jaccard 0.9 and 0.0, every union provider (union.{json,png,log})
 #   pallas        both benchmarks with --providers ours,pallas (*_pallas.*)
 #   compare=OLD   bench.decode and bench.prefill --compare OLD: the kernels of the checkout at OLD
 #                 against this checkout's, per-case and geomean speedups (*_compare.*)
@@ -34,7 +36,7 @@ export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
 [ $# -gt 0 ] || set -- tests check memcheck decode prefill
 for s in "$@"; do
   case "$s" in
-    tests|tests=?*|check|memcheck|decode|prefill|pallas|pool|pool_sweep|indexer|tp|tp=[24]) ;;
+    tests|tests=?*|check|memcheck|decode|prefill|union|pallas|pool|pool_sweep|indexer|tp|tp=[24]) ;;
     compare=?*|indexer=?*)
       [ -d "${s#*=}/qsa_triton" ] || { echo "run_gpu.sh: ${s#*=}/qsa_triton not found" >&2; exit 2; } ;;
     *) echo "run_gpu.sh: unknown step '$s' (see the steps at the top of $0)" >&2; exit 2 ;;
@@ -50,7 +52,8 @@ triton.__version__, jax.__version__, torch.cuda.get_device_name())"
 # step NAME LIMIT_S CMD...: CMD under a timeout, output in $OUT/NAME.log, status in steps.txt
 step() {
   local name="$1" lim="$2" t=$SECONDS rc; shift 2
-  timeout "$lim" "$@" > "$OUT/$name.log" 2>&1; rc=$?
+  # SIGKILL 10 s after the TERM: a Triton compile that hangs must not hold the GPU call
+  timeout -k 10 "$lim" "$@" > "$OUT/$name.log" 2>&1; rc=$?
   echo "$name rc=$rc $((SECONDS - t))s" >> "$OUT/steps.txt"
   tail -n 4 "$OUT/$name.log" | sed "s/^/[$name] /"
 }
@@ -90,6 +93,10 @@ for s in "$@"; do
     decode|prefill)
       wait
       step "$s" 420 python3 -m "bench.$s" --json "$OUT/$s.json" --plot "$OUT/$s.png" ;;
+    union)
+      wait
+      step union 540 python3 -m bench.prefill --mode union --sections matrix,fp8,mtp \
+        --jaccards 0.9,0.0 --rounds 5 --json "$OUT/union.json" --plot "$OUT/union.png" ;;
     pool)
       wait
       step decode_pool 420 python3 -m bench.decode --mode pool --tp TP1 --rows saturated \
