@@ -414,7 +414,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--sections", metavar="S,..", help="default mode: matrix (8192 rows x heads "
                     "x KV), sweep (query rows at 32k), paged (BF16 and FP8 pools); union mode: "
                     "matrix, sweep, fp8 (chunk and paged, BF16 and FP8 K/V), mtp (32 requests x "
-                    "4 rows at 32k) (default all)")
+                    "4 rows at 32k) (default all; --smoke-cpu and --memcheck run their own "
+                    "fixed cases)")
     ap.add_argument("--heads", metavar="H,..", help="head pairs Hq/Hkv: " + ",".join(HEADS)
                     + " (default all; the sweep takes the Hkv = 1 pairs, paged 12/1)")
     ap.add_argument("--jaccards", metavar="J,..", help="union: target neighbour Jaccards of the "

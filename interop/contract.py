@@ -521,7 +521,8 @@ def prefill_selection(fn: str, indices, block_indices, overlap) -> tuple[str, An
         return "block_indices", block_indices, None
     if (isinstance(overlap, bool) or not isinstance(overlap, (int, float, np.floating, np.integer))
             or not 0.0 <= float(overlap) <= 1.0):
-        raise ContractError(fn, "overlap", "None or a host float in [0, 1]", overlap)
+        raise ContractError(fn, "overlap", "None or a host float in [0, 1]",
+                            f"{overlap!r} ({type(overlap).__name__})")
     return "block_indices", block_indices, float(overlap)
 
 

@@ -68,7 +68,8 @@ def _kth_key_row(keys, k: int, rb: int, run):
     if nj == 1:
         def body(r, tau):
             lo = n_rounds - 1 - r
-            cnt = jnp.sum((keys >= tau + jnp.left_shift(jnp.int32(1), lo)).astype(jnp.int32))
+            cnt = jnp.sum((keys >= tau + jnp.left_shift(jnp.int32(1), lo)).astype(jnp.int32),
+                          dtype=jnp.int32)
             return tau + jnp.left_shift((cnt >= k).astype(jnp.int32), lo)
     else:
         ja = _iota((nj // 2, 1), 0) + 1  # digits 1 .. nj/2 in the low halves
@@ -82,9 +83,9 @@ def _kth_key_row(keys, k: int, rb: int, run):
             tb = jnp.where(jb < lim, tau + jnp.left_shift(jb, lo), _INT32_MAX)
             ge = ((keys[None, :] >= ta).astype(jnp.int32)
                   + jnp.left_shift((keys[None, :] >= tb).astype(jnp.int32), 16))
-            cnt = jnp.sum(ge, axis=1)  # [nj / 2], two counts each
+            cnt = jnp.sum(ge, axis=1, dtype=jnp.int32)  # [nj / 2], two counts each
             ok = ((cnt & 0xFFFF) >= k).astype(jnp.int32) + ((cnt >> 16) >= k).astype(jnp.int32)
-            return tau + jnp.left_shift(jnp.sum(ok), lo)
+            return tau + jnp.left_shift(jnp.sum(ok, dtype=jnp.int32), lo)
 
     # explicit int32 bounds: a weakly typed where() lowers to an i1 bound (scf.for verify error)
     trips = run.astype(jnp.int32) * n_rounds
@@ -100,7 +101,7 @@ def _kth_key(keys, k: int, rb: int, run):
         def body(r, tau):
             lo = n_rounds - 1 - r
             thr = tau + jnp.left_shift(jnp.int32(1), lo)
-            cnt = jnp.sum((keys >= thr[:, None]).astype(jnp.int32), axis=1)
+            cnt = jnp.sum((keys >= thr[:, None]).astype(jnp.int32), axis=1, dtype=jnp.int32)
             return tau + jnp.left_shift((cnt >= k).astype(jnp.int32), lo)
     else:
         jj = _iota((1, nj), 1) + 1
@@ -109,8 +110,10 @@ def _kth_key(keys, k: int, rb: int, run):
             lo = rb * (n_rounds - 1 - r)
             lim = jnp.where(r == 0, jnp.int32(1 << w0), jnp.int32(1 << rb))
             thr = jnp.where(jj < lim, tau[:, None] + jnp.left_shift(jj, lo), _INT32_MAX)
-            cnt = jnp.sum((keys[:, None, :] >= thr[:, :, None]).astype(jnp.int32), axis=2)
-            return tau + jnp.left_shift(jnp.sum((cnt >= k).astype(jnp.int32), axis=1), lo)
+            cnt = jnp.sum((keys[:, None, :] >= thr[:, :, None]).astype(jnp.int32), axis=2,
+                          dtype=jnp.int32)
+            return tau + jnp.left_shift(jnp.sum((cnt >= k).astype(jnp.int32), axis=1,
+                                                  dtype=jnp.int32), lo)
 
     trips = run.astype(jnp.int32) * n_rounds
     return lax.fori_loop(jnp.int32(0), trips, body, jnp.zeros((keys.shape[0],), jnp.int32))
@@ -122,7 +125,7 @@ def _select(keys, tau, k: int):
     Returns (sel [..., N] bool, slot [..., N] int32, count [...])."""
     above = (keys > tau[..., None]).astype(jnp.int32)
     tie = (keys == tau[..., None]).astype(jnp.int32)
-    incl = jnp.cumsum(above + jnp.left_shift(tie, 16), axis=-1)
+    incl = jnp.cumsum(above + jnp.left_shift(tie, 16), axis=-1, dtype=jnp.int32)
     tot = jnp.max(incl, axis=-1)  # the last prefix: both totals
     want = k - (tot & 0xFFFF)  # ties kept
     t_ex = (incl >> 16) - tie
@@ -286,7 +289,7 @@ def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int
     src = jnp.where(has, r * s_n * k + slot, 0)
     keys = C.load(wsk_ref.at[src], mask=has, other=-1)
     blk = C.load(wsi_ref.at[src], mask=has, other=0)
-    tau = _kth_key_row(keys, k, rb, jnp.sum((keys >= 0).astype(jnp.int32)) > k)
+    tau = _kth_key_row(keys, k, rb, jnp.sum((keys >= 0).astype(jnp.int32), dtype=jnp.int32) > k)
     sel, pos, n_sel = _select(keys, tau, k)
     if expand:
         if prefill:
@@ -301,7 +304,7 @@ def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int
         tok = blk[:, None] * ratio + e
         ok = sel[:, None] & (e < ratio) & (tok < bound)
         C.store(o_ref.at[r, jnp.where(ok, pos[:, None] * ratio + e, trash)], tok, mask=ok)
-        m = jnp.sum(jnp.where(sel, jnp.clip(bound - blk * ratio, 0, ratio), 0))
+        m = jnp.sum(jnp.where(sel, jnp.clip(bound - blk * ratio, 0, ratio), 0), dtype=jnp.int32)
         vis = jnp.maximum(p + 1, 0)
         start = vis - vis % ratio
         n_tail = jnp.int32(0)
@@ -527,7 +530,7 @@ def _expand(block_ids, positions, seq_lens, *, ratio: int):
     tail = jnp.where((e < vis - start) & (tail < bound), tail, -1)
     val = jnp.concatenate([tok, tail], axis=1)  # [m, w]
     valid = val >= 0
-    cv = jnp.cumsum(valid.astype(jnp.int32), axis=1)
+    cv = jnp.cumsum(valid.astype(jnp.int32), axis=1, dtype=jnp.int32)
     n_valid = cv[:, -1:]
     col = jnp.arange(w, dtype=jnp.int32)[None, :]
     dest = jnp.where(valid, cv - 1, n_valid + col - cv)  # stable partition: valid first

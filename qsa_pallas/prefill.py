@@ -111,7 +111,7 @@ def _find_request(cu_ref, row, requests: int):
     # vector gather with clamped indices (a static pl.ds would be rejected as out of bounds)
     ends = _compat.load(cu_ref.at[jnp.minimum(j + 1, requests)], mask=live, other=_INT32_MAX)
     ends = jnp.where(live, ends, _INT32_MAX)
-    return jnp.sum((ends <= row).astype(jnp.int32))
+    return jnp.sum((ends <= row).astype(jnp.int32), dtype=jnp.int32)
 
 
 def _prefill_kernel(*refs, st: _Static):
@@ -210,7 +210,8 @@ def _prefill_kernel(*refs, st: _Static):
     # Rows with no valid entry: l = 0 -> exact zeros.
     inv = jnp.where(l_i > 0, pr.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
     out = (acc * inv[:, None]).astype(o_ref.dtype)
-    _compat.store(o_ref.at[row, pl.ds(h * g, ht), :], out,
+    # every start int32 (a bare ``:`` starts at a Python 0, int64 under jax_enable_x64)
+    _compat.store(o_ref.at[row, pl.ds(h * g, ht), pl.ds(jnp.int32(0), d)], out,
                   mask=jnp.broadcast_to(head_ok, (ht, d)))
 
 
@@ -410,7 +411,8 @@ def _resolve(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens, pool_slo
     n_req = kv_lens.shape[0]
     max_reqs, max_context = req_to_token.shape
     rows = jnp.arange(t, dtype=jnp.int32)
-    req = jnp.sum((cu_seqlens_q[None, 1:] <= rows[:, None]).astype(jnp.int32), axis=1)
+    req = jnp.sum((cu_seqlens_q[None, 1:] <= rows[:, None]).astype(jnp.int32), axis=1,
+                  dtype=jnp.int32)
     in_request = (req < n_req) & (rows >= cu_seqlens_q[0])
     req = jnp.minimum(req, n_req - 1)
     table_row = req_indices[req]

@@ -44,7 +44,8 @@ def union_slots(total_q: int, requests: int, tile_rows: int) -> int:
 def _tiles(cu, n_req: int, tile_rows: int, slots):
     """Per slot: (request b, first row q_start, q_len, tile j, rows the tile may use: q_len or 0)."""
     first = cu[:n_req] // tile_rows + jnp.arange(n_req, dtype=jnp.int32)
-    b = jnp.sum((first[None, 1:] <= slots[:, None]).astype(jnp.int32), axis=1)
+    b = jnp.sum((first[None, 1:] <= slots[:, None]).astype(jnp.int32), axis=1,
+                dtype=jnp.int32)
     q_start = cu[b]
     q_len = cu[b + 1] - q_start
     jt = slots - (q_start // tile_rows + b)
@@ -92,15 +93,15 @@ def _block_union(block_indices, cu_seqlens_q, kv_lens, *, tile_rows: int, ordina
 
     first = live & ((e == 0) | (blk != shifted(blk, -1)) | (rank != shifted(rank, -1)))
     last = live & ((e == n - 1) | (blk != nxt(blk, -1)) | (rank != nxt(rank, -1)))
-    pos = jnp.cumsum(first.astype(jnp.int32), axis=1) - 1
+    pos = jnp.cumsum(first.astype(jnp.int32), axis=1, dtype=jnp.int32) - 1
     bits = jnp.where(live, jnp.left_shift(jnp.int32(1), rows), 0)
-    incl = jnp.cumsum(bits, axis=1)
+    incl = jnp.cumsum(bits, axis=1, dtype=jnp.int32)
     start = lax.cummax(jnp.where(first, incl - bits, 0), axis=1)
     dest = jnp.where(last, pos, n)  # n: out of range, dropped
     lines = jnp.arange(s * hidx, dtype=jnp.int32)[:, None]
     ublk = jnp.zeros((s * hidx, n), jnp.int32).at[lines, dest].set(blk, mode="drop")
     umem = jnp.zeros((s * hidx, n), jnp.int32).at[lines, dest].set(incl - start, mode="drop")
-    ulen = jnp.sum(first.astype(jnp.int32), axis=1)
+    ulen = jnp.sum(first.astype(jnp.int32), axis=1, dtype=jnp.int32)
     return (ublk.reshape(s, hidx, n), umem.reshape(s, hidx, n), ulen.reshape(s, hidx))
 
 
@@ -119,7 +120,8 @@ def _expand(block_indices, cu_seqlens_q, kv_lens, *, ordinary: bool):
     t, nb = block_indices.shape[0], block_indices.shape[-1]
     n_req = cu_seqlens_q.shape[0] - 1
     rows = jnp.arange(t, dtype=jnp.int32)
-    b = jnp.sum((cu_seqlens_q[None, 1:n_req] <= rows[:, None]).astype(jnp.int32), axis=1)
+    b = jnp.sum((cu_seqlens_q[None, 1:n_req] <= rows[:, None]).astype(jnp.int32), axis=1,
+                dtype=jnp.int32)
     q_start = cu_seqlens_q[b]
     q_len = cu_seqlens_q[b + 1] - q_start
     r = rows - q_start
@@ -132,7 +134,7 @@ def _expand(block_indices, cu_seqlens_q, kv_lens, *, ordinary: bool):
     valid = (g >= 0) & (g < n_vis[lead])
     order = jnp.argsort(~valid, axis=-1, stable=True)  # valid blocks first, in the row's order
     g = jnp.take_along_axis(g, order, axis=-1)
-    count = jnp.sum(valid.astype(jnp.int32), axis=-1)
+    count = jnp.sum(valid.astype(jnp.int32), axis=-1, dtype=jnp.int32)
     toks = (g[..., None] * RATIO + jnp.arange(RATIO, dtype=jnp.int32)).reshape(g.shape[:-1]
                                                                                 + (RATIO * nb,))
     w = RATIO * nb + RATIO - 1
@@ -202,7 +204,7 @@ def _union_kernel(*refs, st: _UStatic):
     j = lax.broadcasted_iota(jnp.int32, (bp,), 0)
     cu = _compat.load(cu_ref.at[jnp.minimum(j, n_req)], mask=j <= n_req, other=0)
     first = cu // r + j
-    b = jnp.sum(((j >= 1) & (j < n_req) & (first <= slot)).astype(jnp.int32))
+    b = jnp.sum(((j >= 1) & (j < n_req) & (first <= slot)).astype(jnp.int32), dtype=jnp.int32)
     q_start = cu_ref[b]
     q_len = cu_ref[b + 1] - q_start
     jt = slot - (q_start // r + b)
