@@ -226,7 +226,13 @@ def pdl_enabled(device: torch.device | str, kv_rows: int) -> bool:
     with ``launch_pdl``, not the interpreter) and R x Hkv == 1 (bench/NOTES.md, "Paged decode":
     faster there, slower at R x Hkv = 2 and with a trigger after the K/V loop at >= 64). Raises
     nothing; the output bits are the same either way."""
-    return kv_rows == 1 and _pdl_supported(torch.device(device))
+    return _pdl_rule(kv_rows) and _pdl_supported(torch.device(device))
+
+
+def _pdl_rule(kv_rows: int) -> bool:
+    """``pdl_enabled``'s shape rule alone (R x Hkv == 1), for AOT configuration lists that know
+    the part supports PDL. ``kv_rows``: int. Returns a bool; raises nothing."""
+    return kv_rows == 1
 
 
 def _max_offset(t: torch.Tensor) -> int:

@@ -401,7 +401,7 @@ def triton_decode_paged_configs(arch: str, *, head_dim: int = 256,
     from qsa_triton.decode import _TRITON_PDL  # noqa: PLC0415
 
     del arch
-    dt, out, splits = _TT[dtype], [], set()
+    dt, out = _TT[dtype], []
     parts = {(sms, KNOWN_ARCHS[a].smem_per_block) for a, sms in KNOWN_PARTS.values()}
     partial = {"out_ptr": f"*{dt}", "lse_ptr": "*fp32", "part_ptr": "*fp32"}
     aligned = _aligned(P._paged_split_kernel.arg_names, "qkvot")  # index row stride: W = 2051
@@ -412,7 +412,7 @@ def triton_decode_paged_configs(arch: str, *, head_dim: int = 256,
             p = plan_decode_paged(r, hkv, hq // hkv, head_dim, QUALIFIED["index_width"], sms,
                                   batch_invariant=bi, kv_bytes=1 if kv == "float8_e4m3fn" else 2,
                                   device_smem=smem)
-            pdl = _TRITON_PDL and r * hkv == 1
+            pdl = _TRITON_PDL and P._pdl_rule(r * hkv)
             plans.add((hq // hkv, _TT[kv], p, pdl))
     merges = set()
     for g, kt, p, pdl in sorted(plans, key=lambda x: (x[0], x[1], dataclasses.astuple(x[2]),
