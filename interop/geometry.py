@@ -272,8 +272,8 @@ class UnionGeometry:
       block_n: K/V rows per inner step (4 x union blocks). num_warps, num_stages: as Geometry.
       source: the rule that decided, for benchmark JSON.
       row_block_n: ``"union"``: K/V rows per inner step of a tile that runs its rows one by one
-        (the per-row kernel's BLOCK_N for the workload where larger than ``block_n``, fitted;
-        0 = ``block_n``; the Triton kernel reads it, the Pallas row path keeps ``block_n``).
+        (Triton: the per-row kernel's BLOCK_N for the workload where larger than ``block_n``;
+        Pallas: 64; fitted; 0 = ``block_n``).
     """
 
     kind: str
@@ -387,7 +387,8 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
     bn, nw, ns = u["tile"].get(facts.arch, u["tile"]["default"])
     geo = UnionGeometry("union", r, max(16, r * ht), bn, nw, ns,
                         f"union[R={r},G={group}] {facts.arch} backend={backend}",
-                        max(bn, rows_geo.block_n))
+                        # the row path at the per-row kernel's BLOCK_N (Triton), 64 (Pallas)
+                        max(bn, rows_geo.block_n if backend == "triton" else 64))
     return fit_union(geo, backend=backend, head_dim=head_dim, kv_bytes=kv_bytes,
                      limit=facts.smem_per_block)
 

@@ -261,7 +261,7 @@ def _union_kernel(*refs, st: _UStatic):
             kv = jnp.where(ok, sl, 0)
         else:
             kv = jnp.clip(jnp.where(ok, base + tok, 0), 0, st.kv_rows - 1)
-        gmask = jnp.broadcast_to(ok[:, None], (bn, d))
+        gmask = jnp.broadcast_to(ok[:, None], (tok.shape[0], d))
         k = _compat.load(k_ref.at[kv[:, None], h, d_row], mask=gmask, other=0.0).astype(dt)
         v = _compat.load(v_ref.at[kv[:, None], h, d_row], mask=gmask, other=0.0).astype(dt)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
@@ -318,9 +318,13 @@ def _union_kernel(*refs, st: _UStatic):
 
     def rows_path():
         # the per-row kernel's work: each row over its own block ids read from block_indices
-        # (validity 0 <= g < visible // 4), then its causal tail as the last step
+        # (validity 0 <= g < visible // 4), then its causal tail as the last step, in steps of
+        # the per-row kernel's BLOCK_N (``UnionGeometry.row_block_n``)
+        rbn = geo.row_block_n or bn
+        rcols = lax.broadcasted_iota(jnp.int32, (rbn,), 0)
+        rsub, rent, rbu = rcols % RATIO, rcols // RATIO, rbn // RATIO
         nb = st.block_width
-        nb_steps = -(-nb // bu)
+        nb_steps = -(-nb // rbu)
         lanes = lax.broadcasted_iota(jnp.int32, (hr,), 0)
 
         def one_row(ii, carry):
@@ -335,12 +339,12 @@ def _union_kernel(*refs, st: _UStatic):
             q, qk = load_q(flat, h_ok, hr)
 
             def body(c, carry):
-                e = c * bu + ent
+                e = c * rbu + rent
                 e_ok = e < nb
                 gb = _compat.load(bi_ref.at[row_c, uh, jnp.clip(e, 0, nb - 1)], mask=e_ok,
                                   other=-1)
                 tail = c >= nb_steps
-                tok = jnp.where(tail, n_vis * RATIO + cols, gb * RATIO + sub)
+                tok = jnp.where(tail, n_vis * RATIO + rcols, gb * RATIO + rsub)
                 tok_ok = jnp.where(tail, tok < vis, e_ok & (gb >= 0) & (gb < n_vis))
                 return step(carry, q, qk, tok, tok_ok, h_ok[:, None] & tok_ok[None, :])
 
