@@ -90,6 +90,19 @@ def _ours(inp: DecodeInputs, batch_invariant: bool = False):
     return lambda: qsa_triton.sparse_decode(*inp.args)
 
 
+def _ours_inline(inp: DecodeInputs, max_splits: int | None = None):
+    """Sweep: ``qsa_triton`` packed decode on the shipped plan with the last-arriving split
+    merging its row in the launch (no merge kernel), splits capped at ``max_splits``."""
+    from qsa_triton import decode  # noqa: PLC0415
+
+    b, hq, d = inp.q.shape
+    hkv = inp.k.shape[1]
+    plan, _ = decode.plan_for(b, hkv, hq // hkv, d, inp.args[5], inp.q.device)
+    if max_splits is not None:
+        plan = dataclasses.replace(plan, max_splits=min(plan.max_splits, max_splits))
+    return lambda: decode._decode_with_plan(*inp.args, plan=plan, merge="inline")
+
+
 def _sm121(inp: DecodeInputs):
     sm121 = common.peer().load_sm121_decode()
     return lambda: sm121.qwen38_qsa_sm121(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k, inp.scale)
@@ -130,6 +143,9 @@ PROVIDERS = {p.name: p for p in (
                     "(its chunk-prefill kernel with one query row per sequence)"),
     common.Provider("pallas", _pallas, "qsa_pallas.sparse_decode (JAX; chain of 20 in one jit)",
                     default=False),
+    *(common.Provider(f"ours[inline{n or ''}]", functools.partial(_ours_inline, max_splits=n),
+                      f"sweep: qsa_triton packed decode, in-launch merge, <= {n or 'plan'} splits",
+                      default=False) for n in (None, 16, 8)),
     common.Provider("ours[bi]", lambda inp: _ours(inp, True), "qsa_triton.sparse_decode with "
                     "batch_invariant=True (its cost: time / the time of ours)", default=False),
     common.Provider("pallas[bi]", lambda inp: _pallas(inp, True), "qsa_pallas.sparse_decode with "

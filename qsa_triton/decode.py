@@ -62,6 +62,10 @@ __all__ = ["sparse_decode", "flash_attn_varlen_func", "prepare", "plan_for", "pd
 #: next (trigger after the K/V loop: the dependent grid is scheduled during this grid's tail)
 _PDL_ENTRY_MAX_KV_ROWS = 2
 _PDL_LATE_MIN_KV_ROWS = 64
+#: the last-arriving split merges its row in the launch (no merge kernel) where the balance gives
+#: a row at most this many splits: the serial merge tail stays shorter than a second kernel
+#: (bench/NOTES.md, "Merge")
+_INLINE_MAX_SPLITS = 8
 #: floats per merge-kernel tile ([SPLIT_CHUNK, D_CHUNK]), 16 per thread at 4 warps
 _MERGE_TILE = 2048
 #: the in-launch merge loads at most this many FP32 partial elements per chunk of splits (4 splits
@@ -334,8 +338,9 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
     shapes (B, Hkv, G, D, host max_seqlen_k) uses on ``device``, cached per shape and device.
 
     Default: ``plan_decode`` with the device-side balance and one-block splits for the device's
-    SM count, fitted to its shared memory; merge "inline" where 2 x B x Hkv >= SMs, else
-    "kernel". batch_invariant: ``plan_decode(..., batch_invariant=True)`` and "kernel-fixed"
+    SM count, fitted to its shared memory; merge "inline" where the balance gives a row at most
+    ``_INLINE_MAX_SPLITS`` splits (balance slots // (B x Hkv) <= 8: B x Hkv >= 32 on 132 SMs),
+    else "kernel". batch_invariant: ``plan_decode(..., batch_invariant=True)`` and "kernel-fixed"
     (the merge kernel with a ``_BI_MERGE_SPLIT_CHUNK`` split tile), the same on every device.
     """
     device = torch.device(device)
@@ -353,7 +358,8 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
         plan = plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k, sms, balance=True,
                            one_block_splits=True)
         plan = fit_shared_memory(plan, head_dim=head_dim, limit=facts and facts.smem_per_block)
-        hit = (plan, "inline" if 2 * batch * num_kv_heads >= sms else "kernel")
+        share = plan.balance_slots // (batch * num_kv_heads)
+        hit = (plan, "inline" if share <= _INLINE_MAX_SPLITS else "kernel")
     if len(_PLANS) < 4096:
         _PLANS[key] = hit
     return hit

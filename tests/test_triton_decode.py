@@ -102,13 +102,17 @@ def counters_zero(device) -> bool:
 # CPU: the shipped plan
 def test_shipped_plan_balance_one_block_splits_and_merge():
     """plan_for: the device-side balance (large batches keep >= BALANCE_GRID_SPLITS splits so
-    long rows of a mixed batch can split; inline merge where 2 x B x Hkv >= SMs), one split per
+    long rows of a mixed batch can split; inline merge where a row gets <= 8 of the 2 x SMs
+    balance slots: B x Hkv >= 32 on 132 SMs), one split per
     block at small batch (64-key blocks with 8 warps where Hkv >= 2 and they fill half the SMs),
     the power-of-two rule otherwise; 132 SMs under the interpreter."""
     from interop import plan as P
 
     big, merge_big = dec.plan_for(128, 1, 12, 256, 2051, CPU)
     assert (big.max_splits, big.balance_slots, merge_big) == (P.BALANCE_GRID_SPLITS, 2 * 132, "inline")
+    merges = {(b, hkv): dec.plan_for(b, hkv, 12, 256, 2051, CPU)[1]
+              for b, hkv in ((8, 2), (16, 2), (16, 1), (32, 1))}
+    assert merges == {(8, 2): "kernel", (16, 2): "inline", (16, 1): "kernel", (32, 1): "inline"}
     small, merge_small = dec.plan_for(1, 2, 12, 256, 2051, CPU)
     assert (small.block_n, small.max_splits, small.num_warps, merge_small) == (P.WIDE_BLOCK_N, 33, 8, "kernel")
     tp2 = dec.plan_for(1, 1, 12, 256, 2051, CPU)[0]  # 33 wide splits would leave 99 SMs idle
