@@ -103,17 +103,6 @@ def _ours_inline(inp: DecodeInputs, max_splits: int | None = None):
     return lambda: decode._decode_with_plan(*inp.args, plan=plan, merge="inline")
 
 
-def _ours_pdl(inp: DecodeInputs, pdl: bool):
-    """Sweep: ``qsa_triton`` packed decode on the shipped plan and merge with PDL forced on
-    (entry trigger below B x Hkv = 64) or off."""
-    from qsa_triton import decode  # noqa: PLC0415
-
-    b, hq, d = inp.q.shape
-    hkv = inp.k.shape[1]
-    plan, merge = decode.plan_for(b, hkv, hq // hkv, d, inp.args[5], inp.q.device)
-    return lambda: decode._decode_with_plan(*inp.args, plan=plan, merge=merge, pdl=pdl)
-
-
 def _sm121(inp: DecodeInputs):
     sm121 = common.peer().load_sm121_decode()
     return lambda: sm121.qwen38_qsa_sm121(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k, inp.scale)
@@ -157,10 +146,6 @@ PROVIDERS = {p.name: p for p in (
     *(common.Provider(f"ours[inline{n or ''}]", functools.partial(_ours_inline, max_splits=n),
                       f"sweep: qsa_triton packed decode, in-launch merge, <= {n or 'plan'} splits",
                       default=False) for n in (None, 16, 8)),
-    common.Provider("ours[pdl]", functools.partial(_ours_pdl, pdl=True), "sweep: qsa_triton "
-                    "packed decode with PDL forced on", default=False),
-    common.Provider("ours[nopdl]", functools.partial(_ours_pdl, pdl=False), "sweep: qsa_triton "
-                    "packed decode with PDL forced off", default=False),
     common.Provider("ours[bi]", lambda inp: _ours(inp, True), "qsa_triton.sparse_decode with "
                     "batch_invariant=True (its cost: time / the time of ours)", default=False),
     common.Provider("pallas[bi]", lambda inp: _pallas(inp, True), "qsa_pallas.sparse_decode with "
