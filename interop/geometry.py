@@ -66,11 +66,11 @@ class Geometry:
 _H20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (1024, (32, 4, 2)), (None, (16, 1, 2)))
 _L20 = ((32, (32, 8, 2)), (64, (64, 8, 2)), (128, (64, 4, 2)), (512, (32, 4, 2)), (None, (16, 1, 2)))
 
-#: Where the SM90 table comes from (recorded in benchmark JSON; bench/NOTES.md, "SM90 table"):
+#: Where the SM90 table comes from (in benchmark JSON; bench/NOTES.md, "Geometry tables"):
 #: (32,4,2) at 257-1024 rows, where (64,4,2)'s 3 programs per SM leave a partial second wave.
 SM90_TABLE_STATUS = ("H200 sweeps (Triton 3.6, chunk prefill, G 6 and 12, 32k context): "
                      "(64,8,3) <= 128 rows, (64,4,2) <= 256, (32,4,2) <= 1024, (64,4,2) above; "
-                     "bench/NOTES.md, 'SM90 table'")
+                     "bench/NOTES.md, 'Geometry tables'")
 _SM90 = ((128, (64, 8, 3)), (256, (64, 4, 2)), (1024, (32, 4, 2)), (None, (64, 4, 2)))
 #: Pallas keeps (32,4,2) above 256 rows, where it was measured (bench/NOTES.md, "Sparse
 #: prefill, Pallas"); (64,4,2) is unmeasured for it.

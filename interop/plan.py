@@ -15,7 +15,7 @@ A row longer than ``max_seqlen_k`` is still covered (splits grow with the device
 bound only sizes the grid. Splits past ``n_active`` write nothing the merge uses; a zero-length
 row has n_active = 1 and its split writes exact zeros.
 
-Sizing (bench/NOTES.md, "Plan from a sweep: at most one program per SM"): the H200 sweep found
+Sizing (bench/NOTES.md, "Decode, Triton", "Structure"): the H200 sweep found
 the best split count at about one program per SM, rounded down to a power of two
 (B x Hkv x max_splits <= SMs); a partial second wave cost more, and at B x Hkv >= SMs no split.
 

@@ -21,7 +21,7 @@ softmax FlashAttention-2's):
     split writes its normalised FP32 partial and log2 LSE to scratch, merged either by
     ``_decode_merge_kernel`` (inactive slots hold LSE -inf: no row metadata needed) or "inline"
     by the last split to arrive (an acq_rel counter per (s, h)); ``plan_for`` picks inline where
-    2 x B x Hkv >= SMs (bench/NOTES.md, "Merge: second kernel vs in-launch"). A split is empty
+    the balance gives a row at most ``_INLINE_MAX_SPLITS`` splits (bench/NOTES.md, "Merge"). A split is empty
     only where l == 0 and the merges propagate a live split's NaN, so an attended NaN reaches
     the output whatever the split count.
   * ``batch_invariant=True``: ``plan_decode(..., batch_invariant=True)`` and always the merge
@@ -29,7 +29,7 @@ softmax FlashAttention-2's):
   * Programmatic Dependent Launch (sm_90+; CUDA C++ Programming Guide, "Programmatic Dependent
     Launch and Synchronization"; PTX ``griddepcontrol``) where ``pdl_enabled``: every program
     runs ``gdc_wait`` before any load or store, so results are bitwise the same as without it
-    (bench/NOTES.md, "Programmatic Dependent Launch between split and merge").
+    (bench/NOTES.md, "Programmatic Dependent Launch").
   * Offsets into K/V, q, out and the scratch are 64-bit.
 
 Scratch (LSE, partials, counters): one set per device, sized for the largest qualified shape or
@@ -149,8 +149,7 @@ def _decode_split_kernel(
     pid = tl.program_id(0)
     # split-major order: every row's split 0 (active whenever the row is non-empty) gets the
     # lowest program ids, the splits that exit at once the highest (the block scheduler then
-    # spreads the working programs over the SMs; bench/NOTES.md, "Device-side balance,
-    # split-major ids")
+    # spreads the working programs over the SMs; bench/NOTES.md, "Decode, Triton", "Structure")
     n_sh = NSEQ * HKV
     j = pid // n_sh
     sh = pid % n_sh
