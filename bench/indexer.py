@@ -2,7 +2,7 @@
 
 Cases: decode B in {1, 16, 64, 128} x context {8k, 32k, 128k, 256k} tokens (every row a little
 shorter than the context, 16-block pages scattered over the cache, -1 past each row); prefill
-8192 query rows of one request at the end of a 32k (or 128k) context. q and compressed keys
+8192 query rows of one request at the end of a 32k and of a 128k context. q and compressed keys
 N(0, 1) bf16, 4 heads x 128. Every provider returns the 2051-wide token rows.
 
 Providers (``--help``): Pallas and XLA as a chain of calls in one ``jax.jit``, each call's
@@ -29,7 +29,7 @@ from typing import Any
 from bench import common
 
 H, D, TOPK, RATIO, PAGE, CHAIN = 4, 128, 512, 4, 16, 10
-BATCHES, CONTEXTS, PREFILL_CONTEXTS = (1, 16, 64, 128), (8192, 32768, 131072, 262144), (32768,)
+BATCHES, CONTEXTS, PREFILL_CONTEXTS = (1, 16, 64, 128), (8192, 32768, 131072, 262144), (32768, 131072)
 LOGITS_BUDGET = 128 << 20  # upstream _QSA_PREFILL_LOGITS_BUDGET_BYTES
 # The private plan overrides timed next to the default (interop.indices.IndexerPlan fields).
 VARIANTS = {"triton_rb1": lambda p: dataclasses.replace(p, radix_bits=1),
