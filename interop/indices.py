@@ -777,7 +777,8 @@ class IndexerPlan:
 
 
 def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, *,
-                 sm_count: int = 132, smem_per_block: int = 232_448) -> IndexerPlan:
+                 sm_count: int = 132, smem_per_block: int = 232_448,
+                 backend: str = "triton") -> IndexerPlan:
     """The indexer's plan from static shapes only (graph/JIT safe): rows (B or T), max_blocks
     (static bound of a row's blocks: decode page-table capacity, prefill packed key rows), topk (a
     power of two), the GPU's ``sm_count`` and opt-in ``smem_per_block`` (bytes).
@@ -787,11 +788,15 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     128-block tiles with 5 stages where 110 KB of shared memory fit, else 64; 2-bit rounds in
     pass 1, 1-bit in the merge (bench/NOTES.md, "Indexer"). Prefill: chunk 2 * topk grown until
     a row's candidates fit 16384, 8 rows per program (4 where the chunk grows), 4 warps (faster
-    than 8 in the Triton build), 1-bit rounds, a merge of 32 candidates per thread,
-    rows grouped so one launch's candidates stay under 256 MiB. Raises ValueError: unknown kind,
-    topk not a power of two, negative sizes."""
+    than 8 in the Triton build), 1-bit rounds, a merge of at least 4 warps with 32 candidates per
+    thread (``backend`` "pallas") or up to 64 ("triton": 8 warps for 16384 candidates measured
+    1.55x faster than 16 there, the Pallas build 0.74x), rows grouped so one launch's candidates
+    stay under 256 MiB. Raises ValueError: unknown kind or backend, topk not a power of two,
+    negative sizes."""
     if kind not in ("decode", "prefill"):
         raise ValueError(f"kind must be decode|prefill, got {kind!r}")
+    if backend not in ("triton", "pallas"):
+        raise ValueError(f"backend must be triton|pallas, got {backend!r}")
     if topk < 1 or topk & (topk - 1):
         raise ValueError(f"topk must be a power of two, got {topk}")
     if rows < 0 or max_blocks < 0:
@@ -818,11 +823,12 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     c = max(2 * topk, 64, _pow2_at_least(-(-mb * topk // (2 * _MERGE_MAX_CANDIDATES))))
     bm = max(4, min(8, 8 * 2 * topk // c))
     tile = min(64, c)
-    # the prefill merge at 32 candidates a thread (4 warps for 4096 measured faster than 8: a
-    # round's barrier waits on fewer warps; bench/NOTES.md, "Indexer")
+    # the prefill merge: fewer warps wait at each round's barrier, each thread loops over more
+    # candidates; the balance differs between the builds (bench/NOTES.md, "Indexer")
     candidates = -(-mb // c) * topk
+    per_warp = 32 * (64 if backend == "triton" else 32)
     plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 4, 2,
-                       min(16, max(4, _pow2_at_least(-(-candidates // 1024)))), 1,
+                       min(16, max(4, _pow2_at_least(-(-candidates // per_warp)))), 1,
                        radix_bits=1, merge_radix_bits=1)
     per_row = plan.splits * plan.topk * 8  # candidate keys + ids
     group = max(bm, (_PREFILL_WORKSPACE_BYTES // per_row) // bm * bm)

@@ -46,9 +46,11 @@ def _target() -> tuple[int, int]:
 
 
 def indexer_plan_for(kind: str, rows: int, max_blocks: int, topk: int) -> IndexerPlan:
-    """The shared static plan (``interop.indices.plan_indexer``) for the target GPU."""
+    """The shared static plan (``interop.indices.plan_indexer``, the Pallas build's prefill merge
+    width) for the target GPU."""
     sms, smem = _target()
-    return plan_indexer(kind, rows, max_blocks, topk, sm_count=sms, smem_per_block=smem)
+    return plan_indexer(kind, rows, max_blocks, topk, sm_count=sms, smem_per_block=smem,
+                        backend="pallas")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,7 +358,7 @@ def _decode(q, k_cache, page_table, seq_lens, *, topk: int, ratio: int, expand: 
     pages, psz = k_cache.shape[0], k_cache.shape[1]
     cap = page_table.shape[1] * psz
     plan = plan or plan_indexer("decode", b, cap, topk, sm_count=target[0],
-                                smem_per_block=target[1])
+                                smem_per_block=target[1], backend="pallas")
     compute = jnp.bfloat16 if q.dtype == jnp.float8_e4m3fn else q.dtype
     k2 = k_cache.reshape(pages * psz, d) if pages * psz else jnp.zeros((1, d), k_cache.dtype)
     shapes, trash = _workspace(b, plan, interpret)
@@ -379,7 +381,7 @@ def _prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int, rati
     t_rows, h, d = q.shape
     n_keys = k.shape[0]
     plan = plan or plan_indexer("prefill", t_rows, n_keys, topk, sm_count=target[0],
-                                smem_per_block=target[1])
+                                smem_per_block=target[1], backend="pallas")
     compute = jnp.bfloat16 if q.dtype == jnp.float8_e4m3fn else q.dtype
     k2 = k.reshape(n_keys, d) if n_keys else jnp.zeros((1, d), k.dtype)
     g = plan.row_group

@@ -389,6 +389,13 @@ def test_plan_is_static_and_bounded():
         assert p.row_group % p.rows_per_program == 0
         assert p.row_group * p.splits * 512 * 8 <= 256 << 20
     assert I.plan_indexer("prefill", 8192, 8192, 512).row_group == 8192
+    # the prefill merge: 4 warps for 4096 candidates in both builds; 16384: Triton 8, Pallas 16
+    widths = {(ctx, be): I.plan_indexer("prefill", 8192, ctx // 4, 512, backend=be).merge_warps
+              for ctx in (32768, 131072) for be in ("triton", "pallas")}
+    assert widths == {(32768, "triton"): 4, (32768, "pallas"): 4, (131072, "triton"): 8,
+                      (131072, "pallas"): 16}
+    with pytest.raises(ValueError, match="backend"):
+        I.plan_indexer("prefill", 8192, 8192, 512, backend="cuda")
 
 
 def test_plan_override_same_result_and_bad_plan_refused(dec16):
