@@ -29,7 +29,8 @@ from typing import Any
 from bench import common
 
 H, D, TOPK, RATIO, PAGE, CHAIN = 4, 128, 512, 4, 16, 10
-BATCHES, CONTEXTS, PREFILL_CONTEXTS = (1, 16, 64, 128), (8192, 32768, 131072, 262144), (32768, 131072)
+BATCHES, CONTEXTS = (1, 16, 64, 128), (8192, 32768, 131072, 262144)
+PREFILL_CONTEXTS = (32768, 131072)
 LOGITS_BUDGET = 128 << 20  # upstream _QSA_PREFILL_LOGITS_BUDGET_BYTES
 # The private plan overrides timed next to the default (interop.indices.IndexerPlan fields).
 VARIANTS = {"triton_rb1": lambda p: dataclasses.replace(p, radix_bits=1),

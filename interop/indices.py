@@ -789,9 +789,9 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     pass 1, 1-bit in the merge (bench/NOTES.md, "Indexer"). Prefill: chunk 2 * topk grown until
     a row's candidates fit 16384, 8 rows per program (4 where the chunk grows), 4 warps (faster
     than 8 in the Triton build), 1-bit rounds, a merge of at least 4 warps with 32 candidates per
-    thread (``backend`` "pallas") or up to 64 ("triton": 8 warps for 16384 candidates measured
-    1.55x faster than 16 there, the Pallas build 0.74x), rows grouped so one launch's candidates
-    stay under 256 MiB. Raises ValueError: unknown kind or backend, topk not a power of two,
+    thread (``backend`` "pallas") or up to 64 ("triton": at 16384 candidates its 8-warp merge
+    beat 16 warps, the Pallas build's lost), rows grouped so one launch's candidates stay under
+    256 MiB. Raises ValueError: unknown kind or backend, topk not a power of two,
     negative sizes."""
     if kind not in ("decode", "prefill"):
         raise ValueError(f"kind must be decode|prefill, got {kind!r}")

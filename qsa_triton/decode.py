@@ -21,9 +21,9 @@ softmax FlashAttention-2's):
     split writes its normalised FP32 partial and log2 LSE to scratch, merged either by
     ``_decode_merge_kernel`` (inactive slots hold LSE -inf: no row metadata needed) or "inline"
     by the last split to arrive (an acq_rel counter per (s, h)); ``plan_for`` picks inline where
-    the balance gives a row at most ``_INLINE_MAX_SPLITS`` splits (bench/NOTES.md, "Merge"). A split is empty
-    only where l == 0 and the merges propagate a live split's NaN, so an attended NaN reaches
-    the output whatever the split count.
+    the balance gives a row at most ``_INLINE_MAX_SPLITS`` splits (bench/NOTES.md, "Merge"). A
+    split is empty only where l == 0 and the merges propagate a live split's NaN, so an attended
+    NaN reaches the output whatever the split count.
   * ``batch_invariant=True``: ``plan_decode(..., batch_invariant=True)`` and always the merge
     kernel with a split tile fixed by D (``_BI_MERGE_SPLIT_CHUNK``).
   * Programmatic Dependent Launch (sm_90+; CUDA C++ Programming Guide, "Programmatic Dependent
@@ -357,7 +357,7 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
         plan = plan_decode(batch, num_kv_heads, group, head_dim, max_seqlen_k, sms, balance=True,
                            one_block_splits=True)
         plan = fit_shared_memory(plan, head_dim=head_dim, limit=facts and facts.smem_per_block)
-        share = plan.balance_slots // (batch * num_kv_heads)
+        share = plan.balance_slots // max(1, batch * num_kv_heads)
         hit = (plan, "inline" if share <= _INLINE_MAX_SPLITS else "kernel")
     if len(_PLANS) < 4096:
         _PLANS[key] = hit
