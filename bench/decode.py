@@ -474,7 +474,7 @@ POOL_PROVIDERS = {p.name: p for p in (
                     default=False),
     *(common.Provider(f"paged[s{n}]", functools.partial(_paged_splits, splits=n),
                       f"sweep: qsa_triton paged decode with {n} splits", default=False)
-      for n in (6, 11, 17)),
+      for n in (3, 4, 6, 11, 17)),
 )}
 
 
