@@ -253,4 +253,8 @@ def test_capture_lists_the_case_names(capsys, tmp_path):
         cli.main(["capture", "--help"])
     assert "triton (default) or pallas" in " ".join(capsys.readouterr().out.split())
     assert cli.main(["capture", "--case", "decode/TP2/B1/short"]) == 2  # no --out
-    assert "--out FILE are required" in capsys.readouterr().err
+    assert "--out FILE is required" in capsys.readouterr().err
+    assert cli.main(["capture", "--case", "nope"]) == 2  # an unknown case first, even without --out
+    assert "unknown case 'nope'" in capsys.readouterr().err
+    assert cli.main(["capture"]) == 2
+    assert "--case NAME is required" in capsys.readouterr().err

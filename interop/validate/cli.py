@@ -551,8 +551,8 @@ def _cmd_capture(args) -> int:
     if args.list:
         print("\n".join(specs))
         return 0
-    if not args.case or not args.out:
-        raise UsageError("--case NAME and --out FILE are required (--list prints the case names)")
+    if not args.case:
+        raise UsageError("--case NAME is required (--list prints the case names)")
     if interpret:  # the quick cases win on a CPU (their dtype runs in the interpreter)
         specs.update({s.name: s for s in quick})
     spec = specs.get(args.case)
@@ -564,10 +564,13 @@ def _cmd_capture(args) -> int:
         close = [n for n in specs if args.case in n][:8]
         raise UsageError(
             f"unknown case {args.case!r}" + (f"; did you mean: {', '.join(close)}" if close else "")
-            + f"\nquick-matrix cases ({len(quick)}; the full matrix adds {len(specs) - len(quick)}, "
+            + f"\ncapturable quick-matrix cases ({len(quick)}: qsa check's indexer and step cases "
+            f"are not capturable; the full matrix adds {len(specs) - len(quick)}, "
             "`qsa capture --list` prints every name):\n"
             + textwrap.fill(", ".join(s.name for s in quick), width=100, initial_indent="  ",
                             subsequent_indent="  ", break_on_hyphens=False))
+    if not args.out:
+        raise UsageError("--out FILE is required (the capture file to write)")
     impls = {i.name: i for i in load_check_implementations(interpret)}
     impl = impls.get(args.impl)
     if impl is None:
@@ -705,6 +708,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"qsa {args.command}: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`qsa capture --list | head`): exit quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
