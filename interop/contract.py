@@ -406,6 +406,9 @@ def check_decode(
     c.host_bool("batch_invariant", batch_invariant)
     qs, ks, vs, cq, ck = c.specs(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
                                  cu_seqlens_k=cu_seqlens_k)
+    if ks.dtype == "float8_e4m3fn":  # a likely mix-up: say where FP8 K/V is taken
+        c.fail("k", f"q's dtype ({qs.dtype}); FP8 e4m3 K/V is taken by sparse_decode_paged "
+               "(the pool) and the chunk / paged prefill", ks.dtype)
     b, hq, d, group = c.q_kv(qs, ks, vs, "k", "v", "[B, Hq, D]", "[C, Hkv, D]", (qs.dtype,),
                              rows=("batch", "batch B", "B"))
     c.metadata("cu_seqlens_q", cq, b + 1, qs)

@@ -134,6 +134,8 @@ REJECT = [
     ("decode", {"k": T((32, HKV, 128)), "v": T((32, HKV, 128))}, False, "k", {}),
     ("decode", {"k": T((32, HKV, D), "float16")}, False, "k", {}),
     ("decode", {"v": T((32, HKV, D), "float16")}, False, "v", {}),
+    ("decode", {"k": T((32, HKV, D), "float8_e4m3fn"), "v": T((32, HKV, D), "float8_e4m3fn")},
+     False, "k", {}),
     ("decode", {"q": T((2, HQ, D), "float32")}, False, "q", {}),
     ("decode", {"q": T((2, HQ))}, False, "q", {}),
     ("decode", {"q": T((2, HQ, 48)), "k": T((32, HKV, 48)), "v": T((32, HKV, 48))}, False, "q", {}),
