@@ -830,8 +830,7 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 4, 2,
                        min(16, max(4, _pow2_at_least(-(-candidates // per_warp)))), 1,
                        radix_bits=1, merge_radix_bits=1)
-    per_row = plan.splits * plan.topk * 8  # candidate keys + ids
-    group = max(bm, (_PREFILL_WORKSPACE_BYTES // per_row) // bm * bm)
+    group = max(bm, (_PREFILL_WORKSPACE_BYTES // plan.workspace_bytes(1)) // bm * bm)
     return dataclasses.replace(plan, row_group=min(group, -(-max(rows, 1) // bm) * bm))
 
 
