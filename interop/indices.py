@@ -804,8 +804,8 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     mb = max(int(max_blocks), 1)
     merge_chunk = _pow2_at_least(-(-mb * topk // _MERGE_MAX_CANDIDATES))
 
-    def merge_warps(c):  # <= 16 candidates per thread
-        return min(16, max(4, _pow2_at_least(-(-mb // c)) * topk // 512))
+    def merge_warps(c, per_thread=16):  # 4..16 warps, <= per_thread candidates a thread
+        return min(16, max(4, _pow2_at_least(-(-mb // c)) * topk // (32 * per_thread)))
 
     if merge_chunk > _CHUNK_MAX:  # past ~512k-token rows: up to 32768 merge candidates
         merge_chunk = max(_CHUNK_MAX, _pow2_at_least(-(-mb * topk // (4 * _MERGE_MAX_CANDIDATES))))
@@ -825,10 +825,8 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     tile = min(64, c)
     # the prefill merge: fewer warps wait at each round's barrier, each thread loops over more
     # candidates; the balance differs between the builds (bench/NOTES.md, "Indexer")
-    candidates = -(-mb // c) * topk
-    per_warp = 32 * (64 if backend == "triton" else 32)
     plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 4, 2,
-                       min(16, max(4, _pow2_at_least(-(-candidates // per_warp)))), 1,
+                       merge_warps(c, 64 if backend == "triton" else 32), 1,
                        radix_bits=1, merge_radix_bits=1)
     group = max(bm, (_PREFILL_WORKSPACE_BYTES // plan.workspace_bytes(1)) // bm * bm)
     return dataclasses.replace(plan, row_group=min(group, -(-max(rows, 1) // bm) * bm))
