@@ -40,7 +40,8 @@ VARIANTS = {"triton_rb1": lambda p: dataclasses.replace(p, radix_bits=1),
             "triton_bm4": lambda p: dataclasses.replace(p, rows_per_program=4),
             "triton_w8": lambda p: dataclasses.replace(p, num_warps=8),
             "triton_rb2": lambda p: dataclasses.replace(p, radix_bits=2),
-            "triton_t32": lambda p: dataclasses.replace(p, tile=32)}
+            "triton_t32": lambda p: dataclasses.replace(p, tile=32),
+            "triton_nobound": lambda p: dataclasses.replace(p, bound_chunk=0)}
 
 
 @dataclasses.dataclass
@@ -225,7 +226,8 @@ PROVIDERS = {p.name: p for p in (
                       default=False)
       for n, w in (("triton_bm4", "4 rows per pass-1 program"), ("triton_w8", "8 warps in pass 1"),
                    ("triton_rb2", "2-bit radix rounds in pass 1"),
-                   ("triton_t32", "32-block key tiles"))),
+                   ("triton_t32", "32-block key tiles"),
+                   ("triton_nobound", "prefill without the bound pass"))),
     common.Provider("pallas_w8", lambda inp: _pallas(inp, 8), "Pallas, private plan override: 8 "
                     "warps in pass 1", default=False),
 )}

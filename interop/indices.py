@@ -721,7 +721,11 @@ class IndexerPlan:
     program per row selects the exact top-k of its ``splits x topk`` candidates. Both select by
     radix search over the 31 key bits, ``radix_bits`` / ``merge_radix_bits`` per round.
     num_warps, num_stages: pass 1; merge_warps: pass 2; row_group: rows per launch pair; pdl:
-    launch the merge with Programmatic Dependent Launch (Triton, sm_90+; Pallas ignores it)."""
+    launch the merge with Programmatic Dependent Launch (Triton, sm_90+; Pallas ignores it).
+    bound_chunk (prefill, Triton; 0 = off): a pass before pass 1 takes each row's first
+    ``bound_chunk`` visible blocks and finds their top-k's k-th key, a lower bound of the row's
+    k-th key over all blocks; pass 1 then keeps a chunk's keys >= that bound without radix rounds
+    wherever at most ``topk`` of them are (any block of the row's top-k is one of them)."""
 
     kind: str
     topk: int
@@ -736,6 +740,7 @@ class IndexerPlan:
     radix_bits: int = 2
     merge_radix_bits: int = 2
     pdl: bool = False
+    bound_chunk: int = 0
 
     @property
     def splits_pad(self) -> int:
@@ -773,6 +778,9 @@ class IndexerPlan:
                     f"{self.chunk}, {self.splits_pad} x {topk}")
         if not (1 <= self.radix_bits <= 8 and 1 <= self.merge_radix_bits <= 8):
             return f"radix bits 1..8, got {self.radix_bits}, {self.merge_radix_bits}"
+        bc = self.bound_chunk
+        if bc and (kind != "prefill" or not pow2(bc) or bc <= topk or bc >= 1 << 16):
+            return (f"bound_chunk 0, or (prefill) a power of two in ({topk}, 65536), got {bc}")
         return None
 
 
@@ -825,9 +833,12 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     tile = min(64, c)
     # the prefill merge: fewer warps wait at each round's barrier, each thread loops over more
     # candidates; the balance differs between the builds (bench/NOTES.md, "Indexer")
+    # the bound pass (Triton) where pass 1 has >= 4 chunks a row: a sample of two chunks, half
+    # the rows a program (as many keys as a pass-1 program; not where pass 1 already has 4 rows)
+    bound = 2 * c if backend == "triton" and -(-mb // c) >= 4 and bm >= 8 else 0
     plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 4, 2,
                        merge_warps(c, 64 if backend == "triton" else 32), 1,
-                       radix_bits=1, merge_radix_bits=1)
+                       radix_bits=1, merge_radix_bits=1, bound_chunk=bound)
     group = max(bm, (_PREFILL_WORKSPACE_BYTES // plan.workspace_bytes(1)) // bm * bm)
     return dataclasses.replace(plan, row_group=min(group, -(-max(rows, 1) // bm) * bm))
 

@@ -208,11 +208,14 @@ def _decode_chunk_kernel(q_ptr, k_ptr, pt_ptr, seq_ptr, wsk_ptr, wsi_ptr,
 # ---------------------------------------------------------------------------------------------
 # Pass 1: prefill (BM rows per program share every key tile)
 @triton.jit
-def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr,
+def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, lb_ptr,
                           n_rows, n_keys, stride_qt, stride_qh, S,
                           H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
                           C: tl.constexpr, T: tl.constexpr, BM: tl.constexpr,
-                          RB: tl.constexpr, NJ: tl.constexpr, COMPUTE: tl.constexpr):
+                          RB: tl.constexpr, NJ: tl.constexpr, COMPUTE: tl.constexpr,
+                          BOUND: tl.constexpr = 0):
+    # BOUND: 0 plain pass 1; 1 pass 1 with each row's lower bound of its k-th key (lb_ptr);
+    # 2 the bound pass: chunk 0 only, writes the chunk's k-th key per row to lb_ptr
     pid_m = tl.program_id(0)
     s = tl.program_id(1)
     rloc = pid_m * BM + tl.arange(0, BM)
@@ -263,15 +266,28 @@ def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr,
         keys = tl.where((n_vis > K)[:, None], keys, tl.where(ids < n_here[:, None], 0, -1))
         tau = tl.zeros([BM], dtype=tl.int32)
         if tl.max(n_here, axis=0) > K:
-            tau = _kth_key(keys, K, RB, NJ)
-        sel, pos, n_sel = _select(keys, tau, K)
-        slot = (rloc * S + s) * K  # < 2^31: the row group bounds the workspace
-        rel = (lo - rs + c0)[:, None] + ids  # row-relative block id = key row - row_start
-        tl.store(wsk_ptr + slot[:, None] + pos, keys, mask=sel)
-        tl.store(wsi_ptr + slot[:, None] + pos, rel, mask=sel)
-        j = tl.arange(0, K)[None, :]  # unused slots of the rows' chunks: -1 (no candidate)
-        tl.store(wsk_ptr + slot[:, None] + j, tl.full([BM, K], -1, tl.int32),
-                 mask=(j >= n_sel[:, None]) & (n_here > 0)[:, None])
+            if BOUND == 1:
+                # every block of a row's top-k has a key >= the row's bound: where at most K keys
+                # of each row pass it, the bound is the threshold (no radix rounds)
+                lb = tl.load(lb_ptr + rloc, mask=rok, other=0)
+                fits = tl.sum((keys >= lb[:, None]).to(tl.int32), axis=1) <= K
+                if tl.min(fits.to(tl.int32), axis=0) > 0:
+                    tau = lb
+                else:
+                    tau = _kth_key(keys, K, RB, NJ)
+            else:
+                tau = _kth_key(keys, K, RB, NJ)
+        if BOUND == 2:  # the sample's k-th key: #(keys of the row >= it) >= K (0: <= K visible)
+            tl.store(lb_ptr + rloc, tau, mask=rok)
+        else:
+            sel, pos, n_sel = _select(keys, tau, K)
+            slot = (rloc * S + s) * K  # < 2^31: the row group bounds the workspace
+            rel = (lo - rs + c0)[:, None] + ids  # row-relative block id = key row - row_start
+            tl.store(wsk_ptr + slot[:, None] + pos, keys, mask=sel)
+            tl.store(wsi_ptr + slot[:, None] + pos, rel, mask=sel)
+            j = tl.arange(0, K)[None, :]  # unused slots of the rows' chunks: -1 (no candidate)
+            tl.store(wsk_ptr + slot[:, None] + j, tl.full([BM, K], -1, tl.int32),
+                     mask=(j >= n_sel[:, None]) & (n_here > 0)[:, None])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,10 +408,16 @@ def _decode_constexprs(plan: IndexerPlan, h: int, d: int, psz: int, ratio: int, 
                 NJ=IndexerPlan.thresholds(plan.radix_bits), COMPUTE=compute)
 
 
-def _prefill_constexprs(plan: IndexerPlan, h: int, d: int, compute):
-    return dict(H=h, HP=_next_pow2(h), D=d, K=plan.topk, C=plan.chunk, T=plan.tile,
-                BM=plan.rows_per_program, RB=plan.radix_bits,
-                NJ=IndexerPlan.thresholds(plan.radix_bits), COMPUTE=compute)
+def _prefill_constexprs(plan: IndexerPlan, h: int, d: int, compute, bound_pass: bool = False):
+    """Pass 1's constexprs, or (``bound_pass``) the bound pass's: ``bound_chunk`` blocks, rows a
+    program scaled so a program holds as many keys as a pass-1 program."""
+    c, bm = plan.chunk, plan.rows_per_program
+    if bound_pass:
+        bm = max(4, bm * c // plan.bound_chunk)
+        c = plan.bound_chunk
+    return dict(H=h, HP=_next_pow2(h), D=d, K=plan.topk, C=c, T=plan.tile, BM=bm,
+                RB=plan.radix_bits, NJ=IndexerPlan.thresholds(plan.radix_bits), COMPUTE=compute,
+                BOUND=2 if bound_pass else 1 if plan.bound_chunk else 0)
 
 
 def _merge_constexprs(plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: int):
@@ -459,13 +481,23 @@ def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, rat
     ws = _workspace(min(g, t), plan, q.device)
     bm = plan.rows_per_program
     consts = _prefill_constexprs(plan, h, d, _compute_dtype(q))
+    if plan.bound_chunk:
+        bconsts = _prefill_constexprs(plan, h, d, _compute_dtype(q), bound_pass=True)
+        lb = torch.empty((min(g, t),), dtype=torch.int32, device=q.device)
+    else:
+        lb = ws[0]  # unused (BOUND = 0)
     for r0 in range(0, t, g):  # row groups bound the candidate workspace (static: from shapes)
         r1 = min(t, r0 + g)
         qs = q[r0:r1]
         rs, re = row_starts[r0:r1], row_ends[r0:r1]
         if n_keys:  # no keys: every row is empty, the merge alone writes the (tail-only) rows
+            if plan.bound_chunk:  # rows with nothing visible keep the bound 0 (no bound)
+                lb.zero_()
+                _prefill_chunk_kernel[(triton.cdiv(r1 - r0, bconsts["BM"]), 1)](
+                    qs, k, rs, re, *ws, lb, r1 - r0, n_keys, qs.stride(0), qs.stride(1), 1,
+                    **bconsts, num_warps=plan.num_warps, num_stages=plan.num_stages)
             _prefill_chunk_kernel[(triton.cdiv(r1 - r0, bm), plan.splits)](
-                qs, k, rs, re, *ws, r1 - r0, n_keys, qs.stride(0), qs.stride(1), plan.splits,
+                qs, k, rs, re, *ws, lb, r1 - r0, n_keys, qs.stride(0), qs.stride(1), plan.splits,
                 **consts, num_warps=plan.num_warps, num_stages=plan.num_stages)
         _merge(ws, out[r0:r1], rs, re, positions[r0:r1] if expand else None,
                seq_lens[r0:r1] if expand else None, n_keys, plan, prefill=True, expand=expand,

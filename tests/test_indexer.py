@@ -219,6 +219,37 @@ def test_triton_prefill_exact(pre):
         assert np.array_equal(got, sel)
 
 
+@pytest.mark.parametrize("scores", ["ties", "zero", "rising"])
+def test_triton_prefill_bound_pass_exact(scores):
+    """The bound pass (``IndexerPlan.bound_chunk``, forced on a small case: 32-block chunks, a
+    64-block sample, 8 rows a program, row groups of 16 so the bound buffer is reused): exact
+    top-16 with many ties (integer q, k), with every logit 0 (ReLU of negative dots: the bound is
+    0, every chunk takes the radix rounds) and with scores rising with the block id (the sample
+    holds the lowest scores: a loose bound), rows clipped past the keys included."""
+    import dataclasses
+
+    topk = 16
+    q, k, rs, re, pos, sl = prefill_case(*PREFILL_CASES[topk], seed=5)
+    rs, re = clip_rows(rs, re)
+    if scores == "zero":
+        q, k = -np.abs(q), np.abs(k)
+    elif scores == "rising":
+        n = np.arange(k.shape[0], dtype=np.float32)
+        k = np.zeros_like(k)
+        k[:, 0, 0] = n % 97 + 1
+        q = np.zeros_like(q)
+        q[:, :, 0] = 1.0
+    ref = R.indexer_topk_prefill_reference(q, k, rs, re, topk=topk)
+    base = I.plan_indexer("prefill", q.shape[0], k.shape[0], topk)
+    plan = dataclasses.replace(base, chunk=32, tile=32, splits=-(-k.shape[0] // 32),
+                               rows_per_program=8, row_group=16, bound_chunk=64)
+    assert plan.problem("prefill", k.shape[0], topk) is None and plan.splits >= 4
+    t = lambda a, dt=None: torch.tensor(a, dtype=dt)  # noqa: E731
+    got = TI.indexer_topk_prefill(t(q, torch.float16), t(k, torch.float16), t(rs), t(re),
+                                  topk=topk, plan=plan).numpy()
+    assert np.array_equal(got, ref)
+
+
 def test_pallas_prefill_exact(pre):
     topk, (q, k, rs, re, pos, sl), ref, sel = pre
     a = jnp.asarray
@@ -457,19 +488,20 @@ print(json.dumps(out))
 
 def test_triton_kernels_fit_sm90_and_sm120():
     """The largest pass-1 decode program (8192 keys: the most registers; three 32 KB key buffers
-    on sm_90, 16 KB on sm_120) compiles for sm_90 and sm_120, and the prefill pass 1 (16 x 1024
-    keys) for sm_120, within shared memory and registers, the decode without spills (every
+    on sm_90, 16 KB on sm_120) compiles for sm_90 and sm_120, and the prefill pass 1 (8 x 1024
+    keys) and its bound pass (4 x 2048) for sm_120, within shared memory and registers, the decode without spills (every
     configuration of both archs: ``qsa compile``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     picks = {"sm_90": r"indexer_decode_C8192_T128_rb2_bf16",
-             "sm_120": r"indexer_decode_C8192_T64_rb2_bf16|indexer_prefill_C1024_T64_bm8"}
+             "sm_120": r"indexer_decode_C8192_T64_rb2_bf16|indexer_prefill_C1024_T64_bm8_bound1"
+                       r"|indexer_prefill_C2048_T64_bm4_bound2"}
     proc = subprocess.run([sys.executable, "-c", _TRITON_AOT, json.dumps(picks)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
     assert lines, proc.stderr[-3000:]
     rows = json.loads(lines[-1])
-    assert len(rows) == 3, rows
+    assert len(rows) == 4, rows
     assert all(r["fits"] and r["shared"] <= r["limit"] for r in rows), rows
     assert all(r["shared"] <= 101_376 for r in rows if r["arch"] == "sm_120"), rows
     # pass-1 decode: no spills (the key stream must not wait on local memory)

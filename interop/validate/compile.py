@@ -369,11 +369,12 @@ def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
     for ctx in prefill_contexts:
         p = plan_indexer("prefill", 8192, ctx // 4, 512, sm_count=sms,
                          smem_per_block=info.smem_per_block)
-        out.append(_entry(ix._prefill_chunk_kernel,
-                          f"indexer_prefill_C{p.chunk}_T{p.tile}_bm{p.rows_per_program}",
-                          {"q_ptr": "*bf16", "k_ptr": "*bf16"},
-                          ix._prefill_constexprs(p, 4, 128, tl.bfloat16), p.num_warps,
-                          p.num_stages))
+        for bound_pass in (False, True) if p.bound_chunk else (False,):
+            consts = ix._prefill_constexprs(p, 4, 128, tl.bfloat16, bound_pass=bound_pass)
+            out.append(_entry(ix._prefill_chunk_kernel,
+                              f"indexer_prefill_C{consts['C']}_T{p.tile}_bm{consts['BM']}"
+                              f"_bound{consts['BOUND']}", {"q_ptr": "*bf16", "k_ptr": "*bf16"},
+                              consts, p.num_warps, p.num_stages))
         out.append(_entry(ix._merge_kernel, f"indexer_merge_prefill_SP{p.splits_pad}_tokens",
                           {}, ix._merge_constexprs(p, prefill=True, expand=True, ratio=4),
                           p.merge_warps, 1))
