@@ -186,17 +186,19 @@ def _triton(inp: Inputs, variant=None):
     return lambda: fn(*inp.args, **kw)
 
 
-def _pallas(inp: Inputs, num_warps: int | None = None):
+def _pallas(inp: Inputs, num_warps: int | None = None, bound: bool = True):
     import functools
 
     import qsa_pallas
 
     fn = getattr(qsa_pallas, f"indexer_select_{inp.kind}")
-    if num_warps is not None:  # sweep: pass 1 with another warp count
+    if num_warps is not None or not bound:  # sweep: another pass-1 warp count / no bound pass
         from qsa_pallas import indexer
 
         plan = indexer.indexer_plan_for(inp.kind, inp.args[0].shape[0], _max_blocks(inp), TOPK)
-        fn = functools.partial(fn, plan=dataclasses.replace(plan, num_warps=num_warps))
+        plan = dataclasses.replace(plan, num_warps=num_warps or plan.num_warps,
+                                   bound_chunk=plan.bound_chunk if bound else 0)
+        fn = functools.partial(fn, plan=plan)
     return _jax_chain(fn, inp)
 
 
@@ -230,6 +232,8 @@ PROVIDERS = {p.name: p for p in (
                    ("triton_nobound", "prefill without the bound pass"))),
     common.Provider("pallas_w8", lambda inp: _pallas(inp, 8), "Pallas, private plan override: 8 "
                     "warps in pass 1", default=False),
+    common.Provider("pallas_nobound", lambda inp: _pallas(inp, bound=False), "Pallas, private "
+                    "plan override: prefill without the bound pass", default=False),
 )}
 
 

@@ -722,7 +722,7 @@ class IndexerPlan:
     radix search over the 31 key bits, ``radix_bits`` / ``merge_radix_bits`` per round.
     num_warps, num_stages: pass 1; merge_warps: pass 2; row_group: rows per launch pair; pdl:
     launch the merge with Programmatic Dependent Launch (Triton, sm_90+; Pallas ignores it).
-    bound_chunk (prefill, Triton; 0 = off): a pass before pass 1 takes each row's first
+    bound_chunk (prefill; 0 = off): a pass before pass 1 takes each row's first
     ``bound_chunk`` visible blocks and finds their top-k's k-th key, a lower bound of the row's
     k-th key over all blocks; pass 1 then keeps a chunk's keys >= that bound without radix rounds
     wherever at most ``topk`` of them are (any block of the row's top-k is one of them)."""
@@ -833,9 +833,9 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     tile = min(64, c)
     # the prefill merge: fewer warps wait at each round's barrier, each thread loops over more
     # candidates; the balance differs between the builds (bench/NOTES.md, "Indexer")
-    # the bound pass (Triton) where pass 1 has >= 4 chunks a row: a sample of two chunks, half
-    # the rows a program (as many keys as a pass-1 program; not where pass 1 already has 4 rows)
-    bound = 2 * c if backend == "triton" and -(-mb // c) >= 4 and bm >= 8 else 0
+    # the bound pass where pass 1 has >= 4 chunks a row: a sample of two chunks, half the rows a
+    # program (as many keys as a pass-1 program; not where pass 1 already has 4 rows)
+    bound = 2 * c if -(-mb // c) >= 4 and bm >= 8 else 0
     plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 4, 2,
                        merge_warps(c, 64 if backend == "triton" else 32), 1,
                        radix_bits=1, merge_radix_bits=1, bound_chunk=bound)

@@ -194,9 +194,17 @@ def _decode_chunk_kernel(q_ref, k_ref, pt_ref, seq_ref, wsk_ref, wsi_ref, *, h: 
 
 # ---------------------------------------------------------------------------------------------
 # Pass 1: prefill (bm rows per program share every key tile)
-def _prefill_chunk_kernel(q_ref, k_ref, rs_ref, re_ref, wsk_ref, wsi_ref, *, h: int,
-                          hp: int, d: int, k: int, c: int, t: int, s_n: int, bm: int,
-                          n_rows: int, n_keys: int, rb: int, compute, trash: int):
+def _prefill_chunk_kernel(*refs, h: int, hp: int, d: int, k: int, c: int, t: int, s_n: int,
+                          bm: int, n_rows: int, n_keys: int, rb: int, compute, trash: int,
+                          bound: int = 0):
+    # bound: 0 plain pass 1; 1 pass 1 with each row's lower bound of its k-th key (an input);
+    # 2 the bound pass: chunk 0 only, its k-th key per row as the output (qsa_triton's twin)
+    if bound == 2:
+        q_ref, k_ref, rs_ref, re_ref, lb_out = refs
+    elif bound == 1:
+        q_ref, k_ref, rs_ref, re_ref, lb_ref, wsk_ref, wsi_ref = refs
+    else:
+        q_ref, k_ref, rs_ref, re_ref, wsk_ref, wsi_ref = refs
     pid_m = pl.program_id(0)
     s = pl.program_id(1)
     rloc = pid_m * bm + _iota((bm,), 0)
@@ -255,7 +263,19 @@ def _prefill_chunk_kernel(q_ref, k_ref, rs_ref, re_ref, wsk_ref, wsi_ref, *, h: 
     ids = (_iota((nt_n, t), 0) * t + _iota((nt_n, t), 1)).reshape(1, c)
     keys = keys.reshape(bm, c)
     keys = jnp.where((n_vis > k)[:, None], keys, jnp.where(ids < n_here[:, None], 0, -1))
-    tau = _kth_key(keys, k, rb, jnp.max(n_here) > k)
+    run = jnp.max(n_here) > k
+    if bound == 1:
+        # every block of a row's top-k has a key >= the row's bound: where at most k keys of
+        # each row pass it, the bound is the threshold (the radix rounds do not run)
+        lb = C.load(lb_ref.at[safe_r], mask=rok, other=0)
+        fits = jnp.sum((keys >= lb[:, None]).astype(jnp.int32), axis=1, dtype=jnp.int32) <= k
+        all_fit = jnp.min(fits.astype(jnp.int32)) > 0
+        tau = jnp.where(all_fit, lb, _kth_key(keys, k, rb, run & ~all_fit))
+    else:
+        tau = _kth_key(keys, k, rb, run)
+    if bound == 2:  # the sample's k-th key (0: <= k visible); row n_rows is the spare slot
+        C.store(lb_out.at[jnp.where(rok, rloc, n_rows)], tau)
+        return
     sel, pos, n_sel = _select(keys, tau, k)
     dest = jnp.where(sel, ((rloc * s_n + s) * k)[:, None] + pos, trash)
     rel = (lo - rs + c0)[:, None] + ids  # row-relative block id
@@ -397,10 +417,19 @@ def _prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int, rati
             _prefill_chunk_kernel, h=h, hp=_next_pow2(h), d=d, k=topk, c=plan.chunk,
             t=plan.tile, s_n=plan.splits, bm=bm, n_rows=n, n_keys=n_keys,
             rb=plan.radix_bits, compute=compute, trash=trash)
+        extra = ()
+        if plan.bound_chunk:  # the bound pass: two chunks' worth of keys, half the rows a program
+            bm0 = max(4, bm * plan.chunk // plan.bound_chunk)
+            lb = C.triton_call(
+                functools.partial(kern, c=plan.bound_chunk, bm=bm0, s_n=1, bound=2),
+                out_shape=jax.ShapeDtypeStruct((n + 1,), jnp.int32), grid=(-(-n // bm0), 1),
+                num_warps=plan.num_warps, num_stages=plan.num_stages, interpret=interpret,
+                name="qsa_indexer_prefill_bound")(q[r0:r1], k2, rs, re)
+            kern, extra = functools.partial(kern, bound=1), (lb,)
         ws = C.triton_call(kern, out_shape=shapes, grid=(-(-n // bm), plan.splits),
                            num_warps=plan.num_warps, num_stages=plan.num_stages,
                            interpret=interpret, name="qsa_indexer_prefill_chunk")(
-                               q[r0:r1], k2, rs, re)
+                               q[r0:r1], k2, rs, re, *extra)
         metas = (rs, re) + ((positions[r0:r1], seq_lens[r0:r1]) if expand else ())
         outs.append(_merge(ws, metas, n, plan, prefill=True, expand=expand, ratio=ratio,
                            cap=n_keys, interpret=interpret))

@@ -220,8 +220,8 @@ def test_triton_prefill_exact(pre):
 
 
 @pytest.mark.parametrize("scores", ["ties", "zero", "rising"])
-def test_triton_prefill_bound_pass_exact(scores):
-    """The bound pass (``IndexerPlan.bound_chunk``, forced on a small case: 32-block chunks, a
+def test_prefill_bound_pass_exact(scores):
+    """Both packages' bound pass (``IndexerPlan.bound_chunk``, forced on a small case: 32-block chunks, a
     64-block sample, 8 rows a program, row groups of 16 so the bound buffer is reused): exact
     top-16 with many ties (integer q, k), with every logit 0 (ReLU of negative dots: the bound is
     0, every chunk takes the radix rounds) and with scores rising with the block id (the sample
@@ -248,6 +248,10 @@ def test_triton_prefill_bound_pass_exact(scores):
     got = TI.indexer_topk_prefill(t(q, torch.float16), t(k, torch.float16), t(rs), t(re),
                                   topk=topk, plan=plan).numpy()
     assert np.array_equal(got, ref)
+    a = jnp.asarray
+    got = PI.indexer_topk_prefill(a(q, jnp.bfloat16), a(k, jnp.bfloat16), a(rs), a(re),
+                                  topk=topk, plan=plan)
+    assert np.array_equal(np.asarray(got), ref)
 
 
 def test_pallas_prefill_exact(pre):
@@ -517,9 +521,9 @@ def test_pallas_kernels_lower_for_cuda_and_fit_sm120():
 
     kind = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
     cases = pallas_indexer_cases(kind, k_dtype="float8_e4m3fn")
-    for name, fn, args in (cases[0], cases[2]):
-        mods = C.triton_modules(C.lower_for_device_kind(fn, args, kind))
-        assert len(mods) == 2 and "qsa_indexer_merge" in {m.name for m in mods}, name
+    for name, fn, args in (cases[0], cases[2]):  # prefill at 32k: the bound pass too
+        mods = {m.name for m in C.triton_modules(C.lower_for_device_kind(fn, args, kind))}
+        assert len(mods) == (3 if "prefill" in name else 2) and "qsa_indexer_merge" in mods, name
     chunk = next(m for m in C.triton_modules(C.lower_for_device_kind(*cases[0][1:], kind))
                  if m.name == "qsa_indexer_decode_chunk")
     assert C.compile_ttir(chunk, 120)["shared"] <= KNOWN_ARCHS["sm_120"].smem_per_block
