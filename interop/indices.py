@@ -703,6 +703,9 @@ def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int
 INDEXER_API = ("indexer_topk_decode", "indexer_topk_prefill", "indexer_select_decode",
                "indexer_select_prefill", "expand_block_indices", "indexer_plan_for")
 _MERGE_MAX_CANDIDATES = 8192  # candidates one merge program selects from (splits x topk)
+#: the bound pass lowers its k-th key by this many units in the last place (2^-10 of the score):
+#: its scores come from programs of other shapes than pass 1's, whose FP32 sums may round apart
+BOUND_MARGIN_ULPS = 1 << 13
 _CHUNK_MAX = 8192  # blocks one pass-1 program holds (8 warps: 32 keys per thread)
 _PREFILL_WORKSPACE_BYTES = 256 << 20  # cap of the prefill candidates (keys + ids) per launch
 
@@ -723,8 +726,8 @@ class IndexerPlan:
     num_warps, num_stages: pass 1; merge_warps: pass 2; row_group: rows per launch pair; pdl:
     launch the merge with Programmatic Dependent Launch (Triton, sm_90+; Pallas ignores it).
     bound_chunk (prefill; 0 = off): a pass before pass 1 takes each row's first
-    ``bound_chunk`` visible blocks and finds their top-k's k-th key, a lower bound of the row's
-    k-th key over all blocks; pass 1 then keeps a chunk's keys >= that bound without radix rounds
+    ``bound_chunk`` visible blocks and finds their top-k's k-th key less ``BOUND_MARGIN_ULPS``, a
+    lower bound of the row's k-th key over all blocks; pass 1 then keeps a chunk's keys >= that bound without radix rounds
     wherever at most ``topk`` of them are (any block of the row's top-k is one of them)."""
 
     kind: str

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 
 from interop.contract import (check_expand_block_indices, check_indexer_decode, check_indexer_plan,
                               check_indexer_prefill)
-from interop.indices import INDEXER_API, IndexerPlan, plan_indexer
+from interop.indices import BOUND_MARGIN_ULPS, INDEXER_API, IndexerPlan, plan_indexer
 from interop.plan import next_pow2 as _next_pow2
 
 from . import _compat as C
@@ -274,7 +274,7 @@ def _prefill_chunk_kernel(*refs, h: int, hp: int, d: int, k: int, c: int, t: int
     else:
         tau = _kth_key(keys, k, rb, run)
     if bound == 2:  # the sample's k-th key (0: <= k visible); row n_rows is the spare slot
-        C.store(lb_out.at[jnp.where(rok, rloc, n_rows)], tau)
+        C.store(lb_out.at[jnp.where(rok, rloc, n_rows)], jnp.maximum(tau - BOUND_MARGIN_ULPS, 0))
         return
     sel, pos, n_sel = _select(keys, tau, k)
     dest = jnp.where(sel, ((rloc * s_n + s) * k)[:, None] + pos, trash)

@@ -32,7 +32,7 @@ import triton.language as tl
 from interop.arch import DeviceFacts
 from interop.contract import (check_expand_block_indices, check_indexer_decode, check_indexer_plan,
                               check_indexer_prefill)
-from interop.indices import INDEXER_API, IndexerPlan, plan_indexer
+from interop.indices import BOUND_MARGIN_ULPS, INDEXER_API, IndexerPlan, plan_indexer
 from interop.plan import next_pow2 as _next_pow2
 
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors
@@ -41,6 +41,7 @@ from .decode import _pdl_supported
 __all__ = list(INDEXER_API)
 
 _INT32_MAX = tl.constexpr(2**31 - 1)  # a constexpr global: usable inside @triton.jit
+_BOUND_MARGIN = tl.constexpr(BOUND_MARGIN_ULPS)  # interop.indices.BOUND_MARGIN_ULPS
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -278,7 +279,7 @@ def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, lb_ptr
             else:
                 tau = _kth_key(keys, K, RB, NJ)
         if BOUND == 2:  # the sample's k-th key: #(keys of the row >= it) >= K (0: <= K visible)
-            tl.store(lb_ptr + rloc, tau, mask=rok)
+            tl.store(lb_ptr + rloc, tl.maximum(tau - _BOUND_MARGIN, 0), mask=rok)
         else:
             sel, pos, n_sel = _select(keys, tau, K)
             slot = (rloc * S + s) * K  # < 2^31: the row group bounds the workspace
