@@ -318,11 +318,12 @@ BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (p
 #: keys sorted in registers; ``max_union_work``: see ``max_union_entries``; ``min_tiles_per_sm``:
 #: below that many tiles (ceil(T / R) x Hkv) per SM the per-row kernel's T x Hkv programs fill
 #: the GPU better (MTP verify batches measured slower as tiles); ``tile``: (BLOCK_N, warps,
-#: stages) by arch (4 warps: one warpgroup owns the 64-row tile; 2 stages fit sm_12x).
+#: stages) by backend (4 warps: one warpgroup owns the 64-row tile; a third stage measured
+#: faster for Pallas only; ``fit_union`` drops stages to what sm_12x's shared memory holds).
 UNION_RULES = {
     "q_rows": 64, "max_tile_rows": 8, "min_rows_per_request": 2, "min_overlap": 0.8,
     "max_sort_keys": 8192, "max_union_work": 1.5, "min_tiles_per_sm": 4,
-    "tile": {"default": (32, 4, 2)},
+    "tile": {"triton": (32, 4, 2), "pallas": (32, 4, 3)},
 }
 
 
@@ -351,7 +352,7 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
          two <= the mean rows per request, halved while R x next_pow2(NB) > max_sort_keys;
          R = 1 -> ``"rows"``;
       4. fewer than ``min_tiles_per_sm`` x SMs tiles (ceil(T / R) x Hkv) -> ``"rows"``;
-      5. else ``"union"`` with the arch's (BLOCK_N, warps, stages), fitted by ``fit_union``.
+      5. else ``"union"`` with the backend's (BLOCK_N, warps, stages), fitted by ``fit_union``.
     ``"rows"`` carries ``select_prefill``'s geometry. Other arguments as ``select_prefill``;
     ``block_width``: NB block ids per row. Raises ValueError (bad kind/backend, a size < 1,
     overlap outside [0, 1]) or ContractError (a bad ``QSA_PREFILL_GEOMETRY``).
@@ -384,7 +385,7 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
     tiles = -(-total_q // r) * num_kv_heads
     if tiles < u["min_tiles_per_sm"] * facts.sm_count:
         return rows(f"tiles={tiles}<{u['min_tiles_per_sm']}x{facts.sm_count}SMs")
-    bn, nw, ns = u["tile"].get(facts.arch, u["tile"]["default"])
+    bn, nw, ns = u["tile"][backend]
     geo = UnionGeometry("union", r, max(16, r * ht), bn, nw, ns,
                         f"union[R={r},G={group}] {facts.arch} backend={backend}",
                         # the row path at the per-row kernel's BLOCK_N (Triton), 64 (Pallas)
