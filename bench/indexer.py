@@ -41,7 +41,8 @@ VARIANTS = {"triton_rb1": lambda p: dataclasses.replace(p, radix_bits=1),
             "triton_w8": lambda p: dataclasses.replace(p, num_warps=8),
             "triton_rb2": lambda p: dataclasses.replace(p, radix_bits=2),
             "triton_t32": lambda p: dataclasses.replace(p, tile=32),
-            "triton_nobound": lambda p: dataclasses.replace(p, bound_chunk=0)}
+            "triton_nobound": lambda p: dataclasses.replace(p, bound_chunk=0),
+            "triton_noskip": lambda p: dataclasses.replace(p, merge_from_bound=False)}
 
 
 @dataclasses.dataclass
@@ -186,18 +187,19 @@ def _triton(inp: Inputs, variant=None):
     return lambda: fn(*inp.args, **kw)
 
 
-def _pallas(inp: Inputs, num_warps: int | None = None, bound: bool = True):
+def _pallas(inp: Inputs, num_warps: int | None = None, bound: bool = True, skip: bool = True):
     import functools
 
     import qsa_pallas
 
     fn = getattr(qsa_pallas, f"indexer_select_{inp.kind}")
-    if num_warps is not None or not bound:  # sweep: another pass-1 warp count / no bound pass
+    if num_warps is not None or not (bound and skip):  # sweep: private plan overrides
         from qsa_pallas import indexer
 
         plan = indexer.indexer_plan_for(inp.kind, inp.args[0].shape[0], _max_blocks(inp), TOPK)
         plan = dataclasses.replace(plan, num_warps=num_warps or plan.num_warps,
-                                   bound_chunk=plan.bound_chunk if bound else 0)
+                                   bound_chunk=plan.bound_chunk if bound else 0,
+                                   merge_from_bound=skip)
         fn = functools.partial(fn, plan=plan)
     return _jax_chain(fn, inp)
 
@@ -229,11 +231,14 @@ PROVIDERS = {p.name: p for p in (
       for n, w in (("triton_bm4", "4 rows per pass-1 program"), ("triton_w8", "8 warps in pass 1"),
                    ("triton_rb2", "2-bit radix rounds in pass 1"),
                    ("triton_t32", "32-block key tiles"),
-                   ("triton_nobound", "prefill without the bound pass"))),
+                   ("triton_nobound", "prefill without the bound pass"),
+                   ("triton_noskip", "prefill merge without the bound's shared bits"))),
     common.Provider("pallas_w8", lambda inp: _pallas(inp, 8), "Pallas, private plan override: 8 "
                     "warps in pass 1", default=False),
     common.Provider("pallas_nobound", lambda inp: _pallas(inp, bound=False), "Pallas, private "
                     "plan override: prefill without the bound pass", default=False),
+    common.Provider("pallas_noskip", lambda inp: _pallas(inp, skip=False), "Pallas, private "
+                    "plan override: prefill merge without the bound's shared bits", default=False),
 )}
 
 

@@ -727,8 +727,11 @@ class IndexerPlan:
     launch the merge with Programmatic Dependent Launch (Triton, sm_90+; Pallas ignores it).
     bound_chunk (prefill; 0 = off): a pass before pass 1 takes each row's first
     ``bound_chunk`` visible blocks and finds their top-k's k-th key less ``BOUND_MARGIN_ULPS``, a
-    lower bound of the row's k-th key over all blocks; pass 1 then keeps a chunk's keys >= that bound without radix rounds
-    wherever at most ``topk`` of them are (any block of the row's top-k is one of them)."""
+    lower bound of the row's k-th key over all blocks; pass 1 then keeps a chunk's keys >= that
+    bound without radix rounds wherever at most ``topk`` of them are (any block of the row's
+    top-k is one of them). merge_from_bound (with bound_chunk): the row's k-th key lies between
+    its bound and its largest candidate, so the merge takes the key bits those two share from
+    the bound and runs only the radix rounds below them."""
 
     kind: str
     topk: int
@@ -744,6 +747,7 @@ class IndexerPlan:
     merge_radix_bits: int = 2
     pdl: bool = False
     bound_chunk: int = 0
+    merge_from_bound: bool = True
 
     @property
     def splits_pad(self) -> int:

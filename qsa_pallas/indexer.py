@@ -61,10 +61,24 @@ def _rounds(rb: int) -> tuple[int, int]:
     return n, 31 - rb * (n - 1)
 
 
-def _kth_key_row(keys, k: int, rb: int, run):
+def _radix_start(lb, top, rb: int):
+    """(first round, tau so far) for a row whose k-th key lies in [``lb``, ``top``] (int32
+    scalars >= 0): ``qsa_triton.indexer._radix_start`` (the rounds whose digits lie in the bits
+    ``lb`` and ``top`` share are taken from ``lb``)."""
+    n_rounds, _ = _rounds(rb)
+    diff = lb ^ top
+    r0 = jnp.int32(0)
+    for r in range(n_rounds):
+        r0 = r0 + ((diff >> (rb * (n_rounds - 1 - r))) == 0).astype(jnp.int32)
+    lo = jnp.minimum(rb * (n_rounds - r0), 31)  # the lowest bit the skipped rounds set
+    return r0, jnp.where(r0 > 0, jnp.left_shift(jnp.right_shift(lb, lo), lo), 0)
+
+
+def _kth_key_row(keys, k: int, rb: int, run, start=None):
     """The k-th largest of ``keys`` [N] int32 (>= 0 visible, -1 not) as an int32 scalar (0 with
     fewer than k visible keys): ``qsa_triton.indexer._kth_key_row``'s radix search. ``run``
-    (traced bool): False skips the rounds (tau 0: the caller knows there are <= k keys)."""
+    (traced bool): False skips the rounds (tau 0: the caller knows there are <= k keys).
+    ``start``: None, or (first round, tau so far) from ``_radix_start``."""
     n_rounds, w0 = _rounds(rb)
     nj = IndexerPlan.thresholds(rb)
     if nj == 1:
@@ -91,7 +105,9 @@ def _kth_key_row(keys, k: int, rb: int, run):
 
     # explicit int32 bounds: a weakly typed where() lowers to an i1 bound (scf.for verify error)
     trips = run.astype(jnp.int32) * n_rounds
-    return lax.fori_loop(jnp.int32(0), trips, body, jnp.int32(0))
+    r0, tau0 = (jnp.int32(0), jnp.int32(0)) if start is None else start
+    r0 = jnp.where(run, r0, 0).astype(jnp.int32)
+    return lax.fori_loop(r0, trips, body, jnp.where(run, tau0, 0).astype(jnp.int32))
 
 
 def _kth_key(keys, k: int, rb: int, run):
@@ -290,7 +306,11 @@ def _prefill_chunk_kernel(*refs, h: int, hp: int, d: int, k: int, c: int, t: int
 # ---------------------------------------------------------------------------------------------
 # Pass 2: merge (+ optional fused expansion)
 def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int, s_n: int,
-                  sp: int, w: int, wp: int, cap: int, rb: int, trash: int):
+                  sp: int, w: int, wp: int, cap: int, rb: int, trash: int,
+                  from_bound: bool = False):
+    # from_bound: the last input is each row's bound of its k-th key (the bound pass's output)
+    lb_ref = refs[-2] if from_bound else None
+    refs = refs[:-2] + refs[-1:] if from_bound else refs
     if prefill and expand:
         wsk_ref, wsi_ref, m0_ref, m1_ref, pos_ref, bound_ref, o_ref = refs
     elif prefill:
@@ -311,7 +331,10 @@ def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int
     src = jnp.where(has, r * s_n * k + slot, 0)
     keys = C.load(wsk_ref.at[src], mask=has, other=-1)
     blk = C.load(wsi_ref.at[src], mask=has, other=0)
-    tau = _kth_key_row(keys, k, rb, jnp.sum((keys >= 0).astype(jnp.int32), dtype=jnp.int32) > k)
+    # from_bound: the row's k-th key is in [its bound, its largest candidate]
+    start = _radix_start(lb_ref[r], jnp.max(keys), rb) if from_bound else None
+    tau = _kth_key_row(keys, k, rb, jnp.sum((keys >= 0).astype(jnp.int32), dtype=jnp.int32) > k,
+                       start)
     sel, pos, n_sel = _select(keys, tau, k)
     if expand:
         if prefill:
@@ -355,7 +378,7 @@ def _workspace(rows: int, plan: IndexerPlan, interpret: bool):
 
 
 def _merge(ws, metas, rows: int, plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: int,
-           cap: int, interpret: bool):
+           cap: int, interpret: bool, lb=None):
     k = plan.topk
     w = k * ratio + ratio - 1 if expand else k
     spare = 1 if interpret else 0
@@ -363,7 +386,8 @@ def _merge(ws, metas, rows: int, plan: IndexerPlan, *, prefill: bool, expand: bo
     kern = functools.partial(
         _merge_kernel, prefill=prefill, expand=expand, ratio=ratio, k=k, c=plan.chunk,
         s_n=plan.splits, sp=plan.splits_pad, w=w, wp=_next_pow2(w), cap=cap,
-        rb=plan.merge_radix_bits, trash=out_w - 1 if interpret else w)
+        rb=plan.merge_radix_bits, trash=out_w - 1 if interpret else w, from_bound=lb is not None)
+    metas = metas + ((lb,) if lb is not None else ())
     out = C.triton_call(kern, out_shape=jax.ShapeDtypeStruct((rows, out_w), jnp.int32),
                         grid=(rows,), num_warps=plan.merge_warps, num_stages=1,
                         interpret=interpret, name="qsa_indexer_merge")(*ws, *metas)
@@ -417,7 +441,7 @@ def _prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int, rati
             _prefill_chunk_kernel, h=h, hp=_next_pow2(h), d=d, k=topk, c=plan.chunk,
             t=plan.tile, s_n=plan.splits, bm=bm, n_rows=n, n_keys=n_keys,
             rb=plan.radix_bits, compute=compute, trash=trash)
-        extra = ()
+        extra, lb = (), None
         if plan.bound_chunk:  # the bound pass: two chunks' worth of keys, half the rows a program
             bm0 = max(4, bm * plan.chunk // plan.bound_chunk)
             lb = C.triton_call(
@@ -432,7 +456,8 @@ def _prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int, rati
                                q[r0:r1], k2, rs, re, *extra)
         metas = (rs, re) + ((positions[r0:r1], seq_lens[r0:r1]) if expand else ())
         outs.append(_merge(ws, metas, n, plan, prefill=True, expand=expand, ratio=ratio,
-                           cap=n_keys, interpret=interpret))
+                           cap=n_keys, interpret=interpret,
+                           lb=lb if plan.merge_from_bound else None))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
 
 

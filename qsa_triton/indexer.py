@@ -93,14 +93,31 @@ def _select(keys, tau, K: tl.constexpr):
 
 
 @triton.jit
-def _kth_key_row(keys, K: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr):
-    """``_kth_key`` for one row: ``keys`` [N] -> scalar tau. A round's NJ counts are packed two
-    to an int32 (16-bit halves: N < 2^16), so its cross-warp reduction moves NJ / 2 values."""
+def _radix_start(lb, top, RB: tl.constexpr):
+    """(first round, tau so far) of ``_kth_key_row`` for a row whose k-th key is known to lie in
+    [``lb``, ``top``] (scalars >= 0): every key in that range has the bits above bit ``lo`` that
+    ``lb`` and ``top`` share, so each round whose digit lies in that prefix is taken from ``lb``
+    instead of counted."""
+    ROUNDS: tl.constexpr = (31 + RB - 1) // RB
+    diff = lb ^ top
+    r0 = 0
+    for r in tl.static_range(ROUNDS):
+        r0 += ((diff >> (RB * (ROUNDS - 1 - r))) == 0).to(tl.int32)
+    lo = tl.minimum(RB * (ROUNDS - r0), 31)  # the lowest bit the skipped rounds set
+    return r0, tl.where(r0 > 0, (lb >> lo) << lo, 0)
+
+
+@triton.jit
+def _kth_key_row(keys, K: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr, r0, tau):
+    """``_kth_key`` for one row: ``keys`` [N] -> scalar tau, from round ``r0`` with the bits
+    above it in ``tau`` (0, 0: the whole search; ``_radix_start``). A round's NJ counts are
+    packed two to an int32 (16-bit halves: N < 2^16), so its cross-warp reduction moves NJ / 2
+    values."""
     ROUNDS: tl.constexpr = (31 + RB - 1) // RB
     W0: tl.constexpr = 31 - RB * (ROUNDS - 1)
-    tau = 0
+    tau = tl.full([], 0, tl.int32) + tau  # a literal 0 start becomes a loop-carried int32
     if NJ == 1:
-        for r in range(ROUNDS):
+        for r in range(r0, ROUNDS):
             lo = ROUNDS - 1 - r
             cnt = tl.sum((keys >= tau + (1 << lo)).to(tl.int32), axis=0)
             tau += (cnt >= K).to(tl.int32) << lo
@@ -108,7 +125,7 @@ def _kth_key_row(keys, K: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr):
         HJ: tl.constexpr = NJ // 2
         ja = tl.arange(0, HJ) + 1  # digits 1 .. NJ/2 in the low halves
         jb = ja + HJ  # NJ/2 + 1 .. NJ in the high halves
-        for r in range(ROUNDS):
+        for r in range(r0, ROUNDS):
             lo = RB * (ROUNDS - 1 - r)
             lim = tl.where(r == 0, 1 << W0, 1 << RB)
             # thresholds whose digit does not exist this round (or would overflow) count nothing
@@ -195,7 +212,7 @@ def _decode_chunk_kernel(q_ptr, k_ptr, pt_ptr, seq_ptr, wsk_ptr, wsi_ptr,
         ids = tl.reshape(ids, [C])
         tau = 0
         if n_here > K:
-            tau = _kth_key_row(keys, K, RB, NJ)
+            tau = _kth_key_row(keys, K, RB, NJ, 0, 0)
         sel, pos, n_sel = _select_row(keys, tau, K)
         base = (b.to(tl.int64) * S + s) * K
         tl.store(wsk_ptr + base + pos, keys, mask=sel)
@@ -294,12 +311,13 @@ def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, lb_ptr
 # ---------------------------------------------------------------------------------------------
 # Pass 2: merge (+ optional fused expansion)
 @triton.jit
-def _merge_kernel(wsk_ptr, wsi_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, bound_ptr,
+def _merge_kernel(wsk_ptr, wsi_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, bound_ptr, lb_ptr,
                   cap, stride_out, C, S,
                   PREFILL: tl.constexpr, EXPAND: tl.constexpr, RATIO: tl.constexpr,
                   K: tl.constexpr, SP: tl.constexpr,
                   W: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr, RB: tl.constexpr,
-                  NJ: tl.constexpr, USE_PDL: tl.constexpr = False):
+                  NJ: tl.constexpr, FROM_BOUND: tl.constexpr = False,
+                  USE_PDL: tl.constexpr = False):
     r = tl.program_id(0)
     # the row's metadata are inputs, not pass 1's output: read before waiting for pass 1
     if PREFILL:
@@ -324,7 +342,11 @@ def _merge_kernel(wsk_ptr, wsi_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, bound_ptr,
     blk = tl.load(wsi_ptr + base + slot, mask=has, other=0)
     tau = 0
     if tl.sum((keys >= 0).to(tl.int32), axis=0) > K:
-        tau = _kth_key_row(keys, K, RB, NJ)
+        if FROM_BOUND:  # the row's k-th key is in [its bound, its largest candidate]
+            r0, tau0 = _radix_start(tl.load(lb_ptr + r), tl.max(keys, axis=0), RB)
+            tau = _kth_key_row(keys, K, RB, NJ, r0, tau0)
+        else:
+            tau = _kth_key_row(keys, K, RB, NJ, 0, 0)
     sel, pos, n_sel = _select_row(keys, tau, K)
     orow = out_ptr + r.to(tl.int64) * stride_out
     if EXPAND:
@@ -425,18 +447,19 @@ def _merge_constexprs(plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: 
     w = plan.topk * ratio + ratio - 1
     return dict(PREFILL=prefill, EXPAND=expand, RATIO=ratio, K=plan.topk,
                 SP=plan.splits_pad, W=w, WP=_next_pow2(w), RP=_next_pow2(ratio),
-                RB=plan.merge_radix_bits, NJ=IndexerPlan.thresholds(plan.merge_radix_bits))
+                RB=plan.merge_radix_bits, NJ=IndexerPlan.thresholds(plan.merge_radix_bits),
+                FROM_BOUND=prefill and bool(plan.bound_chunk) and plan.merge_from_bound)
 
 
 def _merge(ws, out, m0, m1, pos, bound, cap, plan: IndexerPlan, *, prefill, expand, ratio,
-           pdl=False):
+           lb=None, pdl=False):
     rows = out.shape[0]
     if rows == 0:
         return out
     _merge_kernel[(rows,)](
         *ws, out, m0, m1 if m1 is not None else m0,
         pos if pos is not None else m0, bound if bound is not None else m0,
-        cap, out.stride(0), plan.chunk, plan.splits,
+        lb if lb is not None else m0, cap, out.stride(0), plan.chunk, plan.splits,
         **_merge_constexprs(plan, prefill=prefill, expand=expand, ratio=ratio), USE_PDL=pdl,
         num_warps=plan.merge_warps, **({"launch_pdl": True} if pdl else {}))
     return out
@@ -502,7 +525,7 @@ def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, rat
                 **consts, num_warps=plan.num_warps, num_stages=plan.num_stages)
         _merge(ws, out[r0:r1], rs, re, positions[r0:r1] if expand else None,
                seq_lens[r0:r1] if expand else None, n_keys, plan, prefill=True, expand=expand,
-               ratio=ratio)
+               ratio=ratio, lb=lb if plan.bound_chunk else None)
     return out
 
 

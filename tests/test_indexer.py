@@ -219,13 +219,17 @@ def test_triton_prefill_exact(pre):
         assert np.array_equal(got, sel)
 
 
-@pytest.mark.parametrize("scores", ["ties", "zero", "rising"])
-def test_prefill_bound_pass_exact(scores):
-    """Both packages' bound pass (``IndexerPlan.bound_chunk``, forced on a small case: 32-block chunks, a
-    64-block sample, 8 rows a program, row groups of 16 so the bound buffer is reused): exact
-    top-16 with many ties (integer q, k), with every logit 0 (ReLU of negative dots: the bound is
-    0, every chunk takes the radix rounds) and with scores rising with the block id (the sample
-    holds the lowest scores: a loose bound), rows clipped past the keys included."""
+@pytest.mark.parametrize("skip", [True, False], ids=["merge_from_bound", "full_merge"])
+@pytest.mark.parametrize("scores", ["ties", "zero", "rising", "narrow"])
+def test_prefill_bound_pass_exact(scores, skip):
+    """Both packages' bound pass (``IndexerPlan.bound_chunk``, forced on a small case: 32-block
+    chunks, a 64-block sample, 8 rows a program, row groups of 16 so the bound buffer is reused),
+    with and without the merge starting from the bits the bound and the largest candidate share
+    (``merge_from_bound``): exact top-16 with many ties (integer q, k), with every logit 0 (ReLU
+    of negative dots: the bound is 0, every chunk takes the radix rounds), with scores rising
+    with the block id (the sample holds the lowest scores: a loose bound) and with scores in a
+    narrow band (bound and top share most bits: the merge skips most rounds), rows clipped past
+    the keys included."""
     import dataclasses
 
     topk = 16
@@ -239,10 +243,17 @@ def test_prefill_bound_pass_exact(scores):
         k[:, 0, 0] = n % 97 + 1
         q = np.zeros_like(q)
         q[:, :, 0] = 1.0
+    elif scores == "narrow":  # 1 + j / 128 (exact in bf16): one exponent, ties repeat
+        n = np.arange(k.shape[0], dtype=np.float32)
+        k = np.zeros_like(k)
+        k[:, 0, 0] = 1 + (n * 37 % 101) / 128
+        q = np.zeros_like(q)
+        q[:, 0, 0] = 1.0
     ref = R.indexer_topk_prefill_reference(q, k, rs, re, topk=topk)
     base = I.plan_indexer("prefill", q.shape[0], k.shape[0], topk)
     plan = dataclasses.replace(base, chunk=32, tile=32, splits=-(-k.shape[0] // 32),
-                               rows_per_program=8, row_group=16, bound_chunk=64)
+                               rows_per_program=8, row_group=16, bound_chunk=64,
+                               merge_from_bound=skip)
     assert plan.problem("prefill", k.shape[0], topk) is None and plan.splits >= 4
     t = lambda a, dt=None: torch.tensor(a, dtype=dt)  # noqa: E731
     got = TI.indexer_topk_prefill(t(q, torch.float16), t(k, torch.float16), t(rs), t(re),
