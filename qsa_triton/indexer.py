@@ -15,6 +15,12 @@ plan_indexer`` (shared with ``qsa_pallas.indexer``, the same algorithm). Two pas
 * Pass 2, one program per row: the same selection over the row's S x k candidates (slot order
   is block order, so the tie rule carries over), then the ascending block ids or, fused, the
   2051-wide token row (``4g .. 4g + 3`` per block, the 0-3 token causal tail, -1 after).
+* Prefill with ``IndexerPlan.bound_chunk``: a bound pass first takes the k-th key of each row's
+  first ``bound_chunk`` blocks (less ``BOUND_MARGIN_ULPS``: the passes sum in other orders). The
+  k-th key over a subset never exceeds the k-th over all blocks, so every top-k block has a key
+  >= that bound: pass 1 keeps a chunk's keys >= it without radix rounds wherever at most k pass,
+  and the merge (``merge_from_bound``) takes the key bits the bound and the row's largest
+  candidate share as known and searches only the bits below them.
 
 The selection is a radix select (Alabi et al., "Fast k-Selection Algorithms for Graphics
 Processing Units", JEA 2012; upstream's ``fast_topk`` selects by radix digits too), exact, no
