@@ -504,8 +504,8 @@ print(json.dumps(out))
 def test_triton_kernels_fit_sm90_and_sm120():
     """The largest pass-1 decode program (8192 keys: the most registers; three 32 KB key buffers
     on sm_90, 16 KB on sm_120) compiles for sm_90 and sm_120, and the prefill pass 1 (8 x 1024
-    keys) and its bound pass (4 x 2048) for sm_120, within shared memory and registers, the decode without spills (every
-    configuration of both archs: ``qsa compile``)."""
+    keys) and its bound pass (4 x 2048) for sm_120, within shared memory and registers, the
+    decode without spills (every configuration of both archs: ``qsa compile``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     picks = {"sm_90": r"indexer_decode_C8192_T128_rb2_bf16",
