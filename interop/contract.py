@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .arch import DeviceFacts
+from .indices import IndexerPlan
 
 __all__ = [
     "ContractError", "TensorSpec", "spec_of", "DecodeProblem", "PrefillProblem", "check_decode",
@@ -36,6 +37,7 @@ QUALIFIED = {
     "prefill_head_pairs": ((24, 2), (12, 1), (6, 1), (3, 1), (12, 2)),
     "head_dim": 256, "batch": (1, 128), "max_seqlen_k": 2055, "max_seqlen_q": 1,
     "dtypes": ("bfloat16", "float16"), "kv_fp8": "float8_e4m3fn", "index_width": 2051,
+    "block_width": 512,  # the indexer's top-k: block_indices= columns (index_width = 4 NB + 3)
     # paged decode (§2b): R rows = up to 128 requests x 4 MTP verify rows; W index columns
     "paged_rows": (1, 512), "paged_width": (1, 2055),
 }
@@ -79,7 +81,8 @@ def envelope_text(fn: str = "sparse_decode") -> str:
     pairs = ", ".join(f"({a},{b})" for a, b in q["prefill_head_pairs"])
     return (f"dtype bf16|fp16 (K/V also fp8 e4m3 in chunk/paged), D={q['head_dim']}, "
             f"(Hq,Hkv) in {{{pairs}}}, indices int32 [T,W] or [T,Hkv,W] with W>=1 "
-            f"(W={q['index_width']} in production)")
+            f"(W={q['index_width']} in production), or block_indices with NB={q['block_width']} "
+            f"(default mode: 1<=NB<={_INDEXER_TOPK[1]})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,6 +437,12 @@ def _check_prefill(kind: str, fn: str, strict, q, k, v, indices, indices_name: s
             "the row's visible blocks")
     w = c.indices(indices_name, ids, t, ks.shape[1], qs, "T", "[T, W] or [T, Hkv, W]", what,
                   (1, None))
+    if indices_name == "block_indices":  # the indexer's top-k block ids, not a token row
+        nb = QUALIFIED["block_width"]
+        if (w != nb) if c.strict else w > _INDEXER_TOPK[1]:
+            c.fail("block_indices", f"NB = {nb} block ids a row (the indexer's top-{nb})"
+                   if c.strict else f"NB <= {_INDEXER_TOPK[1]} block ids a row (the indexer's "
+                   "top-k; token indices go in indices=)", f"NB = {w}")
     b = meta(c, qs, ks)
     msq = c.host_int("max_seqlen_q", max_seqlen_q, 1, None)
     scale, ksc, vsc = c.scales(qs, ks, softmax_scale, k_scale, v_scale, pool=False)
@@ -665,12 +674,16 @@ def validate_decode_paged_metadata(req_to_token, req_indices, indices, seq_lens,
 
 def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, req_to_token=None,
                               req_indices=None, pool_slots: int | None = None,
-                              flag_duplicates: bool = False, fn: str = "sparse_prefill") -> dict:
+                              flag_duplicates: bool = False, fn: str | None = None) -> dict:
     """Check prefill metadata contents (host sync; debug only). ``lens``: the validity bound per
-    request (None: the request length; chunk/paged: kv_lens). Checks cu_seqlens_q, valid entries
+    request (None: the request length; chunk/paged: kv_lens); ``fn``: the entry point errors
+    name (None: ``sparse_prefill`` / ``sparse_prefill_chunk`` / ``sparse_prefill_paged`` by
+    ``kind``). Checks cu_seqlens_q, valid entries
     first, at most the row's visible tokens valid, and (``req_to_token`` given) table rows,
     columns and slots in range. Returns {"rows", "valid", "duplicates"} counts; raises
     ContractError naming the first violation's row and column."""
+    if fn is None:
+        fn = "sparse_prefill" if kind == "ordinary" else f"sparse_prefill_{kind}"
     c = _Checker(fn, False)
     cq = _np(cu_seqlens_q).astype(np.int64)
     if cq[0] != 0 or (np.diff(cq) < 0).any():
@@ -905,6 +918,9 @@ def check_indexer_plan(fn: str, prob: IndexerProblem, plan, default_plan) -> Non
     """Raise ContractError unless the indexer plan can run ``prob`` (``IndexerPlan.problem``):
     argument ``plan`` for a caller's plan, else ``page_table`` / ``k`` for a context past what
     ``default_plan()`` (called only when ``plan`` is None) covers."""
+    if plan is not None and not isinstance(plan, IndexerPlan):
+        raise ContractError(fn, "plan", "None or an interop.indices.IndexerPlan (plan_indexer / "
+                            "indexer_plan_for)", type(plan).__name__)
     arg, own = ("plan", plan) if plan is not None else (
         "page_table" if prob.kind == "decode" else "k", default_plan())
     why = own.problem(prob.kind, prob.max_blocks, prob.topk)
@@ -1046,7 +1062,10 @@ def _check_step(fn: str, strict: bool, q, index_q, indexer, attention):
     except ContractError as e:
         if e.arg not in _STEP_INDEXER_NAMES:
             raise
-        raise ContractError(fn, _STEP_INDEXER_NAMES[e.arg], e.expected, e.got,
+        expected = e.expected
+        for old, new in _STEP_INDEXER_NAMES.items():  # "(q's)" in a message is index_q's here
+            expected = expected.replace(f"({old}'s)", f"({new}'s)")
+        raise ContractError(fn, _STEP_INDEXER_NAMES[e.arg], expected, e.got,
                             strict=strict) from None
     ids = TensorSpec((qs.shape[0], ip.width), "int32", qs.device, qs.index, None)
     return c, qs, ip, attention(ids)

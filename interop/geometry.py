@@ -294,11 +294,11 @@ class UnionGeometry:
 
 #: The ``block_indices`` / ``overlap`` arguments as every prefill entry point of both backends
 #: documents them (substituted for ``BLOCKS_DOC`` in their docstrings).
-BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (pass ``indices=None``): int32
-        [T, NB] or [T, Hkv, NB], the indexer's row-relative block ids (block g = tokens
-        4g .. 4g+3), in any order, invalid ids anywhere; g is valid iff
-        0 <= g < visible // 4. Every row also attends its causal tail
-        [4 * (visible // 4), visible). Result: the token path on
+BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (pass
+        ``indices=None``): int32 [T, NB] or [T, Hkv, NB] with 1 <= NB <= 2048 (strict: 512),
+        the indexer's row-relative block ids (block g = tokens 4g .. 4g+3), in any order,
+        invalid ids anywhere; g is valid iff 0 <= g < visible // 4. Every row also attends its
+        causal tail [4 * (visible // 4), visible). Result: the token path on
         ``interop.indices.expand_prefill_blocks`` up to summation order; a block listed twice is
         attended twice. One exception, only with repeated ids (the indexer's top-k never
         repeats one): where a row's repeats make its expansion longer than ``visible`` tokens,

@@ -777,9 +777,16 @@ class IndexerPlan:
             return f"splits x chunk >= {max_blocks} blocks, got {self.splits} x {self.chunk}"
         rpp = self.rows_per_program
         if kind == "decode" and rpp != 1 or kind == "prefill" and (
-                rpp not in (4, 8, 16) or self.row_group % rpp):
-            return ("rows_per_program 1 (decode) or 4, 8, 16 (prefill: row_group a multiple of "
-                    "it)")
+                rpp not in (4, 8, 16) or self.row_group < 1 or self.row_group % rpp):
+            return ("rows_per_program 1 (decode) or 4, 8, 16 (prefill: row_group a positive "
+                    f"multiple of it), got {rpp}, row_group {self.row_group}")
+        if self.kind == "decode" and self.row_group < 1:
+            return f"row_group >= 1, got {self.row_group}"
+        warps = (self.num_warps, self.merge_warps)
+        if not all(isinstance(w, int) and pow2(w) and w <= 32 for w in warps):
+            return f"num_warps and merge_warps powers of two <= 32, got {warps}"
+        if not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8):
+            return f"num_stages 1..8, got {self.num_stages}"
         if max(self.chunk, self.splits_pad * topk) >= 1 << 16:
             return (f"chunk and splits_pad x topk < 65536 keys per selection, got "
                     f"{self.chunk}, {self.splits_pad} x {topk}")

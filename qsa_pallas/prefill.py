@@ -19,6 +19,8 @@ block-level selections through ``qsa_pallas.prefill_union`` or a plain-JAX expan
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -87,6 +89,27 @@ def select_block_geometry(problem: PrefillProblem, *, interpret: bool, overlap=N
     bn, nw, ns = _INTERPRET_GEOMETRY
     return dataclasses.replace(geo, block_n=bn, num_warps=nw, num_stages=ns,
                                source=geo.source + " interpret")
+
+
+#: a geometry forced on every prefill entry point called under ``_forced_geometry`` (compile
+#: checks and tests; not public: the selector is the only geometry a caller gets)
+_FORCED_GEOMETRY: contextvars.ContextVar = contextvars.ContextVar("qsa_pallas_prefill_geometry",
+                                                                  default=None)
+
+
+@contextlib.contextmanager
+def _forced_geometry(geometry: Geometry | UnionGeometry):
+    """Inside the block, the prefill entry points launch ``geometry`` instead of the selector's:
+    a ``Geometry`` (token path, or the per-row kernel on block selections) or, with
+    ``block_indices``, a ``UnionGeometry``. Read while an entry point traces (compile checks
+    lower inside it). Raises TypeError for anything else."""
+    if not isinstance(geometry, (Geometry, UnionGeometry)):
+        raise TypeError(f"_forced_geometry: a Geometry or UnionGeometry, got {geometry!r}")
+    token = _FORCED_GEOMETRY.set(geometry)
+    try:
+        yield geometry
+    finally:
+        _FORCED_GEOMETRY.reset(token)
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,7 +304,7 @@ def _run_tokens(problem: PrefillProblem, q, k, v, indices, meta: dict, *, interp
 
 
 def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, overlap,
-           max_seqlen_q, softmax_scale, scales: tuple = (), *, strict, interpret, geometry):
+           max_seqlen_q, softmax_scale, scales: tuple = (), *, strict, interpret):
     """One public prefill entry point ``fn``: every check before anything is traced, then the
     token or block path. The checker's arrays are ``before``, the selection, ``after`` (in the
     entry point's order); the first three of ``before`` are q, k, v."""
@@ -296,6 +319,9 @@ def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, 
     _compat.check_offsets(fn, **arrays)  # only 1- and 2-byte arrays can fail it: q, K/V
     meta = {"cu_seqlens_q" if n == "cu_seqlens" else n: a for n, a in arrays.items()
             if n not in ("q", "k", "v", "k_cache", "v_cache", name)}
+    geometry = _FORCED_GEOMETRY.get()
+    if isinstance(geometry, UnionGeometry) and name != "block_indices":
+        raise TypeError(f"{fn}: a forced UnionGeometry needs block_indices")
     if name == "block_indices":
         return _run_blocks(p, q, k, v, sel, meta, interpret=interpret, geometry=geometry,
                            overlap=hint)
@@ -303,13 +329,11 @@ def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, 
 
 
 def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
-                   strict: bool = False, interpret=None,
-                   geometry: Geometry | UnionGeometry | None = None, block_indices=None,
-                   overlap=None):
+                   strict: bool = False, interpret=None, block_indices=None, overlap=None):
     """Ordinary sparse prefill (qsa-contract.md §3): K/V are this forward's rows, packed like q.
 
     Forward only. Algorithm: the module docstring. Same arguments as ``qsa_triton``'s, plus
-    ``interpret`` and ``geometry``.
+    ``interpret``.
 
     Args:
       q: [T, Hq, D] bfloat16|float16 query rows of B requests packed back to back.
@@ -320,10 +344,9 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
       max_seqlen_q: host int >= 1 (static; checked, but this grid covers every row anyway).
       softmax_scale: host float > 0, or None for D ** -0.5.
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
-      interpret: None -> interpret mode when q lives on the CPU; True/False to force.
-      geometry: None -> the selector (``select_geometry`` / ``select_block_geometry``); or an
-        ``interop.geometry.Geometry`` (benchmarks; block_m = head tile, both powers of two
-        >= 16), or with ``block_indices`` a ``UnionGeometry``.
+      interpret: None -> interpret mode when q lives on the CPU; True/False to force. The
+        launch geometry is the shared selector's (``select_geometry`` /
+        ``select_block_geometry``).
       BLOCKS_DOC
 
     Returns:
@@ -337,16 +360,15 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
     """
     return _entry("sparse_prefill", contract.check_prefill, {"q": q, "k": k, "v": v},
                   {"cu_seqlens": cu_seqlens}, indices, block_indices, overlap, max_seqlen_q,
-                  softmax_scale, strict=strict, interpret=interpret, geometry=geometry)
+                  softmax_scale, strict=strict, interpret=interpret)
 
 
 def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
                          softmax_scale=None, k_scale=1.0, v_scale=1.0, *, strict: bool = False,
-                         interpret=None, geometry: Geometry | UnionGeometry | None = None,
-                         block_indices=None, overlap=None):
+                         interpret=None, block_indices=None, overlap=None):
     """Chunk sparse prefill (qsa-contract.md §3): K/V hold each request's full context, packed.
-    Forward only; algorithm, ``strict``, ``interpret``, ``geometry``, ``block_indices`` and
-    ``overlap`` as ``sparse_prefill``.
+    Forward only; algorithm, ``strict``, ``interpret``, ``block_indices`` and ``overlap`` as
+    ``sparse_prefill``.
 
     Args (meaning as ``qsa_triton.sparse_prefill_chunk``):
       q: [T, Hq, D] bfloat16|float16; k, v: [Ck, Hkv, D] q's dtype or float8_e4m3fn (request
@@ -366,14 +388,12 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
     return _entry("sparse_prefill_chunk", contract.check_prefill_chunk, {"q": q, "k": k, "v": v},
                   {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                    "kv_lens": kv_lens}, indices, block_indices, overlap, max_seqlen_q,
-                  softmax_scale, (k_scale, v_scale), strict=strict, interpret=interpret,
-                  geometry=geometry)
+                  softmax_scale, (k_scale, v_scale), strict=strict, interpret=interpret)
 
 
 def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
                          kv_lens, max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
-                         strict: bool = False, interpret=None,
-                         geometry: Geometry | UnionGeometry | None = None, block_indices=None,
+                         strict: bool = False, interpret=None, block_indices=None,
                          overlap=None):
     """Paged sparse prefill (qsa-contract.md §3): K/V read in place from the pool through
     SGLang's ``req_to_token`` (the addressing of ``sparse_decode_paged``). Forward only;
@@ -399,7 +419,7 @@ def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices
                   {"q": q, "k_cache": k_cache, "v_cache": v_cache, "req_to_token": req_to_token,
                    "req_indices": req_indices}, {"cu_seqlens_q": cu_seqlens_q, "kv_lens": kv_lens},
                   indices, block_indices, overlap, max_seqlen_q, softmax_scale,
-                  (k_scale, v_scale), strict=strict, interpret=interpret, geometry=geometry)
+                  (k_scale, v_scale), strict=strict, interpret=interpret)
 
 
 sparse_prefill.__doc__ = sparse_prefill.__doc__.replace("BLOCKS_DOC", BLOCK_INDICES_DOC)

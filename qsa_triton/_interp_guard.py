@@ -45,10 +45,11 @@ def check_device(fn: str, device_type: str) -> None:
         "imported (Triton reads it when the kernels are defined)", f"a {device_type} tensor{late}")
 
 
-def check_interpreter_dtype(fn: str, dtype_name: str) -> None:
+def check_interpreter_dtype(fn: str, dtype_name: str, got: str | None = None) -> None:
     """Raise ContractError for bf16 under the CPU interpreter: in Triton 3.6-3.9 it multiplies
     bf16 ``tl.dot`` operands as raw bit patterns (architecture.md, "Things that bite"), unless
-    ``tests/triton_interp_patch.py`` fixed the dot and set ``_qsa_bf16_dot_patched``."""
+    ``tests/triton_interp_patch.py`` fixed the dot and set ``_qsa_bf16_dot_patched``. ``got``:
+    what the caller passed, where the dots' dtype differs from it (FP8 q is computed in bf16)."""
     if dtype_name != "bfloat16" or not interpreting():
         return
     try:
@@ -60,4 +61,4 @@ def check_interpreter_dtype(fn: str, dtype_name: str) -> None:
     raise ContractError(
         fn, "q", "float16 under the Triton CPU interpreter (TRITON_INTERPRET=1): its bf16 tl.dot "
         "multiplies raw bit patterns in Triton 3.6-3.9; use fp16 on CPU or a GPU for bf16",
-        "bfloat16")
+        got or "bfloat16")

@@ -599,7 +599,9 @@ def _entry(fn: str, checker, tensors: dict, extra: dict, args: tuple, strict: bo
         check_torch_tensors(fn, **tensors, **extra)
         prob = checker(*tensors.values(), topk=topk, compress_ratio=ratio, strict=strict, fn=fn,
                        **extra)
-        check_interpreter_dtype(fn, prob.compute_dtype)
+        check_interpreter_dtype(fn, prob.compute_dtype,
+                                f"{q.dtype} (its dots run in {prob.compute_dtype})".replace(
+                                    "torch.", ""))
         check_device(fn, q.device.type)
         check_indexer_plan(fn, prob, plan, lambda: indexer_plan_for(
             prob.kind, prob.rows, prob.max_blocks, prob.topk, q.device))

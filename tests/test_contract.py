@@ -336,7 +336,7 @@ def test_validate_prefill_metadata():
                                   "ordinary")
     with pytest.raises(ContractError) as info:
         validate_prefill_metadata(idx, cu, np.array([2, 10]), "chunk")
-    assert info.value.arg == "kv_lens"
+    assert info.value.arg == "kv_lens" and info.value.fn == "sparse_prefill_chunk"
     with pytest.raises(ContractError) as info:
         validate_prefill_metadata(idx, np.array([0, 3, 2]), None, "ordinary")
     assert info.value.arg == "cu_seqlens_q"

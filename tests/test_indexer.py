@@ -448,7 +448,8 @@ def test_plan_override_same_result_and_bad_plan_refused(dec16):
     """The selection depends neither on the chunking (the tie rule is global) nor on the radix
     width: sweep plans with 4x larger chunks and 1-, 3-, 4- and 8-bit rounds (the scalar round,
     packed pairs, a 255-threshold round) give the reference's ids; a plan that cannot cover the
-    rows is refused before launch."""
+    rows, a plan with an impossible launch field, or something that is not a plan, is refused
+    before launch."""
     import dataclasses
 
     case, (qi, ki), _ = dec16
@@ -462,11 +463,16 @@ def test_plan_override_same_result_and_bad_plan_refused(dec16):
     b = _jax_decode(PI.indexer_topk_decode, qi, ki, case, dtype=jnp.float16, topk=16,
                     plan=dataclasses.replace(big, radix_bits=3, merge_radix_bits=8))
     assert np.array_equal(b, ref)
-    bad = dataclasses.replace(plan, splits=1)
-    with pytest.raises(ContractError, match="'plan'"):
-        _torch_decode(TI.indexer_topk_decode, qi, ki, case, topk=16, plan=bad)
-    with pytest.raises(ContractError, match="'plan'"):
-        _jax_decode(PI.indexer_topk_decode, qi, ki, case, topk=16, plan=bad)
+    for bad, why in ((dataclasses.replace(plan, splits=1), "splits x chunk"),
+                     (dataclasses.replace(plan, row_group=0), "row_group >= 1"),
+                     (dataclasses.replace(plan, num_warps=3), "powers of two"),
+                     (dataclasses.replace(plan, merge_warps=0), "powers of two"),
+                     (dataclasses.replace(plan, num_stages=0), "num_stages 1..8"),
+                     (dataclasses.asdict(plan), "IndexerPlan.*got dict")):
+        with pytest.raises(ContractError, match=f"'plan'.*{why}"):
+            _torch_decode(TI.indexer_topk_decode, qi, ki, case, topk=16, plan=bad)
+        with pytest.raises(ContractError, match=f"'plan'.*{why}"):
+            _jax_decode(PI.indexer_topk_decode, qi, ki, case, topk=16, plan=bad)
 
 
 def test_jit_new_lengths_do_not_recompile(dec16):

@@ -45,12 +45,20 @@ def _args(kind, *, t=256, hq=12, hkv=1, d=256, w=2051, b=2, rows=4096, kv_dtype=
 
 
 def _fn(kind, max_q=256, geometry=None, scales=(1.0, 1.0)):
-    kw = dict(interpret=False, geometry=geometry)
+    kw = dict(interpret=False)
     if kind == "ordinary":
-        return lambda *a: P.sparse_prefill(*a, max_q, **kw)
-    if kind == "chunk":
-        return lambda *a: P.sparse_prefill_chunk(*a, max_q, None, *scales, **kw)
-    return lambda *a: P.sparse_prefill_paged(*a, max_q, None, *scales, **kw)
+        fn = lambda *a: P.sparse_prefill(*a, max_q, **kw)  # noqa: E731
+    elif kind == "chunk":
+        fn = lambda *a: P.sparse_prefill_chunk(*a, max_q, None, *scales, **kw)  # noqa: E731
+    else:
+        fn = lambda *a: P.sparse_prefill_paged(*a, max_q, None, *scales, **kw)  # noqa: E731
+    if geometry is None:
+        return fn
+
+    def forced(*a):  # traced (lowered) inside the override
+        with P._forced_geometry(geometry):
+            return fn(*a)
+    return forced
 
 
 CASES = [  # (kind, kv dtype, per-head indices, (Hq, Hkv))

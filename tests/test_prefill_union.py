@@ -208,8 +208,14 @@ class PallasBackend:
               "paged": self.qp.sparse_prefill_paged}[case.kind]
         args = [case.max_seqlen_q if n == "max_seqlen_q" else
                 (None if n == "indices" else a[n]) for n in PARAMS[case.kind]]
-        out = fn(*args, *case.scales(), block_indices=a["block_indices"], overlap=overlap,
-                 geometry=geometry)
+        if geometry is None:
+            out = fn(*args, *case.scales(), block_indices=a["block_indices"], overlap=overlap)
+        else:
+            from qsa_pallas import prefill as P
+
+            with P._forced_geometry(geometry):
+                out = fn(*args, *case.scales(), block_indices=a["block_indices"],
+                         overlap=overlap)
         return np.asarray(out.astype(self.jnp.float32))
 
     def build(self, blocks, q_lens, kv_lens, tile_rows):
@@ -569,6 +575,12 @@ def test_contract_checks_name_the_block_selection(backend):
         fn(*args, None, cu, 3, block_indices=t["block_indices"], overlap=1.5)
     with pytest.raises(ContractError, match="overlap"):
         fn(*args, idx, cu, 3, overlap=0.5)
+    # a 2051-wide token row passed as block ids: more columns than any indexer top-k
+    rows = idx.shape[0]
+    tokens = (torch.zeros((rows, 2051), dtype=torch.int32) if backend.name == "triton"
+              else backend.jnp.zeros((rows, 2051), backend.jnp.int32))
+    with pytest.raises(ContractError, match="block_indices.*NB <= 2048.*indices="):
+        fn(*args, None, cu, 3, block_indices=tokens)
 
 
 def test_block_ops_registered_with_fake_impls():

@@ -68,6 +68,13 @@ def test_bf16_refused_under_unpatched_interpreter(monkeypatch):
     with pytest.raises(ContractError, match="interpreter"):
         qsa_triton.sparse_prefill(q.bfloat16(), k[:2].bfloat16(), v[:2].bfloat16(), idx,
                                   torch.tensor([0, 2], dtype=torch.int32), 2)
+    # an FP8 indexer query is computed in bf16: the message names what was passed and why
+    f8 = torch.float8_e4m3fn
+    rows = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ContractError, match=r"interpreter.*got float8_e4m3fn \(its dots run in "
+                                            r"bfloat16\)"):
+        qsa_triton.indexer_topk_prefill(torch.zeros(2, 4, 64).to(f8), torch.zeros(8, 1, 64).to(f8),
+                                        rows, rows + 8, topk=16)
     qsa_triton.sparse_decode(q, k, v, cu_q, cu_k, 8)  # fp16 stays fine
 
 

@@ -355,6 +355,8 @@ def test_bad_calls_same_contract_error_before_anything_runs(monkeypatch):
         with pytest.raises(ContractError) as e_c:
             check_decode_step(*a, **k)
         assert e_t.value.arg == arg, (arg, str(e_t.value))
+        if arg == "index_k_cache":  # the head dim it must match is index_q's, not q's
+            assert "(index_q's)" in str(e_t.value), str(e_t.value)
         assert str(e_t.value) == str(e_j.value) == str(e_c.value)
         assert str(e_t.value).startswith("qsa_decode_step: argument")
         assert "attention:" in str(e_t.value) and "indexer:" in str(e_t.value)

@@ -184,6 +184,8 @@ def _cmd_contract(args) -> int:
         ("metadata", "int32, 1-D, length B+1 (kv_lens B), on q's device, contiguous", "same"),
         ("indices", "int32 [T, W] or [T, Hkv, W], W >= 1",
          f"W = {QUALIFIED['index_width']} in production; paged decode {wlo} <= W <= {whi}"),
+        ("block_indices (prefill)", "int32 [T, NB] or [T, Hkv, NB], 1 <= NB <= 2048",
+         f"NB = {QUALIFIED['block_width']}"),
     ]
     print_table("Checks: default mode vs --strict (interop.contract.check_*)",
                 ("item", "default mode (correctness)", "strict mode (qualified)"), mode_rows)

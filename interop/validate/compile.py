@@ -573,7 +573,8 @@ def _prefill_kind_cases(prefix: str, tag: str, kv_bytes: int, geo, q, ids, *,
             args, kw = list(args), {}
             if blocks:
                 args[at], kw["block_indices"] = None, args[at]
-            return fn(*args, args[0].shape[0], interpret=False, geometry=geometry, **kw)
+            with P._forced_geometry(geometry):  # read while the entry point traces
+                return fn(*args, args[0].shape[0], interpret=False, **kw)
         return functools.partial(run, geometry=geo)
 
     sds, (t, _, d) = jax.ShapeDtypeStruct, q.shape
