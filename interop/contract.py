@@ -632,8 +632,10 @@ def validate_decode_paged_metadata(req_to_token, req_indices, indices, seq_lens,
     keys attended; this makes it loud.
 
     req_to_token: int [max_reqs, max_context]; req_indices, seq_lens: int [R]; indices: int
-    [R, W] or [R, Hkv, W] (torch / jax / numpy); pool_slots: ``k_cache.shape[0]``. Returns
-    {"rows": R, "valid": entries with ``0 <= idx < seq_lens[r]``}. Raises ContractError naming
+    [R, W] or [R, Hkv, W] (torch / jax / numpy), or None for ``qsa_decode_step`` (whose indexer
+    may select any position: every position < seq_lens[r] is checked); pool_slots:
+    ``k_cache.shape[0]``. Returns {"rows": R, "valid": entries with ``0 <= idx <
+    seq_lens[r]``}. Raises ContractError naming
     the first row with ``req_indices[r]`` outside ``[0, max_reqs)`` (empty rows excepted),
     ``seq_lens[r] > max_context``, or a valid entry's slot outside ``[0, pool_slots)``.
     """
@@ -641,7 +643,8 @@ def validate_decode_paged_metadata(req_to_token, req_indices, indices, seq_lens,
     rt = _np(req_to_token).astype(np.int64)
     ri = _np(req_indices).astype(np.int64).reshape(-1)
     sl = _np(seq_lens).astype(np.int64).reshape(-1)
-    idx = _np(indices).astype(np.int64)
+    idx = (np.arange(max(int(sl.max(initial=0)), 0))[None, :].repeat(sl.size, 0)
+           if indices is None else _np(indices).astype(np.int64))
     if rt.ndim != 2 or idx.ndim not in (2, 3) or not ri.size == sl.size == idx.shape[0]:
         c.fail("indices", "req_to_token [max_reqs, max_context], indices [R, W] or [R, Hkv, W], "
                "req_indices and seq_lens [R]",

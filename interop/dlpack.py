@@ -66,7 +66,9 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None, str
     Args:
       tensor: torch.Tensor on CPU or CUDA; bf16/fp16/fp32/int32/uint8/float8_e4m3fn/... any
         shape including size 0; contiguous or any compact permutation (e.g. ``t.T``).
-      copy: True -> copy (always allowed, any strides); False -> zero-copy or an error.
+      copy: True -> copy (always allowed, any strides); False -> zero-copy or an error. A
+        zero-copy result aliases ``tensor``: writing into the tensor afterwards (in place)
+        changes the "immutable" jax array too; pass ``copy=True`` where the tensor is reused.
       fp8_via_uint8: None (auto: try the DLPack fp8 code, fall back to a uint8 view), True
         (always carry fp8 as uint8 and bit-cast in jax: jax's bitcast makes a new buffer).
       stream: the ``torch.cuda.Stream`` that produced ``tensor`` (default: torch's current
@@ -134,7 +136,9 @@ def to_torch(array, *, copy: bool = False, fp8_via_uint8: bool | None = None):
 
     Args:
       array: jax.Array on one device (CPU or CUDA), any shape including size 0.
-      copy: True -> the tensor is a copy (``.clone()``) instead of a view of jax's buffer.
+      copy: True -> the tensor is a copy (``.clone()``) instead of a view of jax's buffer. A
+        view aliases the jax array: writing into it changes that array (and every jax value
+        sharing its buffer); pass ``copy=True`` before writing.
       fp8_via_uint8: None (auto: try the DLPack fp8 code, fall back to a uint8 bit-cast in jax and
         a ``.view(float8)`` in torch), True (always the uint8 route).
 

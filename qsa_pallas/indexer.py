@@ -597,7 +597,8 @@ def _expand(block_ids, positions, seq_lens, *, ratio: int):
 def expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio: int = 4,
                          strict: bool = False):
     """Block ids -> token positions (``qsa-contract.md`` §4), vectorised ``jnp`` (jit-native):
-    the rule of ``qsa_triton.expand_block_indices`` and ``interop.indices.expand_block_indices``.
+    the rule of ``qsa_triton.expand_block_indices`` and ``interop.indices.expand_block_indices``
+    (the latter with ``ratio=compress_ratio, token_topk=topk * compress_ratio``).
 
     Args:
       block_ids: int32 [M, topk]; positions, seq_lens: int32 [M] (traced).

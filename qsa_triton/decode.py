@@ -597,8 +597,9 @@ def _decode_with_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax
 def _sparse_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       max_seqlen_k: int, softmax_scale: float,
-                      batch_invariant: bool = False) -> torch.Tensor:
-    """Registered op: contract already checked by the caller (``sparse_decode``)."""
+                      batch_invariant: bool = False, strict: bool = False) -> torch.Tensor:
+    """Registered op: contract already checked by the caller (``sparse_decode``); ``strict``
+    reaches the fake impl, where the check runs under torch.compile."""
     if exact_contract(_facts(q.device)):
         # sm_121 gets the exact qualified contract only (qsa-contract.md §5); checked in the op
         # body so that it also holds under torch.compile
@@ -612,10 +613,11 @@ def _sparse_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @_sparse_decode_op.register_fake
 def _sparse_decode_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
-                        batch_invariant=False):
+                        batch_invariant=False, strict=False):
     # shapes/dtypes are checked again at trace time (FakeTensors carry shape/dtype/device/stride)
-    check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
-                 batch_invariant=batch_invariant)
+    prob = check_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
+                        batch_invariant=batch_invariant, strict=strict)
+    check_interpreter_dtype("sparse_decode", prob.dtype)
     return q.new_empty(q.shape)
 
 
@@ -657,7 +659,7 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     msk, scale = _checked("sparse_decode", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
                           softmax_scale, strict=strict, batch_invariant=batch_invariant)
     return torch.ops.qsa.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, msk, scale,
-                                       bool(batch_invariant))
+                                       bool(batch_invariant), bool(strict))
 
 
 def _checked(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, *,

@@ -302,8 +302,9 @@ def _exact_contract_device(dev_type: str, index: int | None) -> bool:
 def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               req_to_token: torch.Tensor, req_indices: torch.Tensor, indices: torch.Tensor,
               seq_lens: torch.Tensor, softmax_scale: float, k_scale: float, v_scale: float,
-              batch_invariant: bool) -> torch.Tensor:
-    """Registered op (contract checked by the caller); sm_121's exact contract (§5) here too."""
+              batch_invariant: bool, strict: bool = False) -> torch.Tensor:
+    """Registered op (contract checked by the caller; ``strict`` for the fake impl's check
+    under torch.compile); sm_121's exact contract (§5) here too."""
     if _exact_contract_device(q.device.type, q.device.index):
         check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
                            softmax_scale, k_scale, v_scale, batch_invariant=batch_invariant,
@@ -314,9 +315,11 @@ def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 @_paged_op.register_fake
 def _paged_fake(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, softmax_scale,
-                k_scale, v_scale, batch_invariant):
-    check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
-                       softmax_scale, k_scale, v_scale, batch_invariant=batch_invariant)
+                k_scale, v_scale, batch_invariant, strict=False):
+    prob = check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
+                              softmax_scale, k_scale, v_scale, batch_invariant=batch_invariant,
+                              strict=strict)
+    check_interpreter_dtype(_FN, prob.dtype)
     return q.new_empty(q.shape)
 
 
@@ -385,7 +388,7 @@ def sparse_decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                softmax_scale, k_scale, v_scale, batch_invariant, strict)
     return torch.ops.qsa.sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices,
                                              indices, seq_lens, scale, ksc, vsc,
-                                             bool(batch_invariant))
+                                             bool(batch_invariant), bool(strict))
 
 
 def decode_paged_with_plan(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,

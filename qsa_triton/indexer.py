@@ -541,14 +541,16 @@ def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, rat
 @torch.library.custom_op("qsa::indexer_decode", mutates_args=())
 def _indexer_decode_op(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
                        seq_lens: torch.Tensor, topk: int, compress_ratio: int,
-                       expand: bool) -> torch.Tensor:
+                       expand: bool, strict: bool = False) -> torch.Tensor:
     return _run_decode(q, k_cache, page_table, seq_lens, topk, compress_ratio, expand)
 
 
 @_indexer_decode_op.register_fake
-def _indexer_decode_fake(q, k_cache, page_table, seq_lens, topk, compress_ratio, expand):
-    check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
-                         compress_ratio=compress_ratio)
+def _indexer_decode_fake(q, k_cache, page_table, seq_lens, topk, compress_ratio, expand,
+                         strict=False):
+    prob = check_indexer_decode(q, k_cache, page_table, seq_lens, topk=topk,
+                                compress_ratio=compress_ratio, strict=strict)
+    check_interpreter_dtype("indexer_topk_decode", prob.compute_dtype, _passed(q, prob))
     return q.new_empty((q.shape[0], _width(topk, compress_ratio, expand)), dtype=torch.int32)
 
 
@@ -556,22 +558,24 @@ def _indexer_decode_fake(q, k_cache, page_table, seq_lens, topk, compress_ratio,
 def _indexer_prefill_op(q: torch.Tensor, k: torch.Tensor, row_starts: torch.Tensor,
                         row_ends: torch.Tensor, positions: torch.Tensor | None,
                         seq_lens: torch.Tensor | None, topk: int, compress_ratio: int,
-                        expand: bool) -> torch.Tensor:
+                        expand: bool, strict: bool = False) -> torch.Tensor:
     return _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk, compress_ratio,
                         expand)
 
 
 @_indexer_prefill_op.register_fake
 def _indexer_prefill_fake(q, k, row_starts, row_ends, positions, seq_lens, topk, compress_ratio,
-                          expand):
-    check_indexer_prefill(q, k, row_starts, row_ends, topk=topk, compress_ratio=compress_ratio,
-                          positions=positions, seq_lens=seq_lens)
+                          expand, strict=False):
+    prob = check_indexer_prefill(q, k, row_starts, row_ends, topk=topk,
+                                 compress_ratio=compress_ratio, positions=positions,
+                                 seq_lens=seq_lens, strict=strict)
+    check_interpreter_dtype("indexer_topk_prefill", prob.compute_dtype, _passed(q, prob))
     return q.new_empty((q.shape[0], _width(topk, compress_ratio, expand)), dtype=torch.int32)
 
 
 @torch.library.custom_op("qsa::expand_block_indices", mutates_args=())
 def _expand_op(block_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
-               compress_ratio: int) -> torch.Tensor:
+               compress_ratio: int, strict: bool = False) -> torch.Tensor:
     m, k = block_ids.shape
     w = _width(k, compress_ratio, True)
     out = torch.empty((m, w), dtype=torch.int32, device=block_ids.device)
@@ -582,8 +586,9 @@ def _expand_op(block_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch
 
 
 @_expand_op.register_fake
-def _expand_fake(block_ids, positions, seq_lens, compress_ratio):
-    w = check_expand_block_indices(block_ids, positions, seq_lens, compress_ratio=compress_ratio)
+def _expand_fake(block_ids, positions, seq_lens, compress_ratio, strict=False):
+    w = check_expand_block_indices(block_ids, positions, seq_lens, compress_ratio=compress_ratio,
+                                   strict=strict)
     return block_ids.new_empty((block_ids.shape[0], w))
 
 
@@ -599,13 +604,17 @@ def _entry(fn: str, checker, tensors: dict, extra: dict, args: tuple, strict: bo
         check_torch_tensors(fn, **tensors, **extra)
         prob = checker(*tensors.values(), topk=topk, compress_ratio=ratio, strict=strict, fn=fn,
                        **extra)
-        check_interpreter_dtype(fn, prob.compute_dtype,
-                                f"{q.dtype} (its dots run in {prob.compute_dtype})".replace(
-                                    "torch.", ""))
+        check_interpreter_dtype(fn, prob.compute_dtype, _passed(q, prob))
         check_device(fn, q.device.type)
         check_indexer_plan(fn, prob, plan, lambda: indexer_plan_for(
             prob.kind, prob.rows, prob.max_blocks, prob.topk, q.device))
-    return op(*args) if plan is None else run(*args, plan)
+    return op(*args, bool(strict)) if plan is None else run(*args, plan)
+
+
+def _passed(q: torch.Tensor, prob) -> str:
+    """What the interpreter check reports as passed: q's dtype (and the dots', where other)."""
+    got = str(q.dtype).replace("torch.", "")
+    return got if got == prob.compute_dtype else f"{got} (its dots run in {prob.compute_dtype})"
 
 
 def _decode_entry(fn: str, q, k_cache, page_table, seq_lens, topk: int, compress_ratio: int,
@@ -717,7 +726,9 @@ def expand_block_indices(block_ids: torch.Tensor, positions: torch.Tensor,
     """Block ids -> token positions (``qsa-contract.md`` §4), one Triton program per row: every
     id g >= 0 gives tokens ``ratio*g ..`` (< seq_len, else -1), then the causal tail
     ``[floor((p + 1) / ratio) * ratio, p]`` (< seq_len), valid entries stably first; equal to
-    ``interop.indices.expand_block_indices`` for any input.
+    ``interop.indices.expand_block_indices(block_ids, positions, seq_lens, ratio=compress_ratio,
+    token_topk=topk * compress_ratio)`` for any input (that reference's defaults are top-512,
+    ratio 4).
 
     Args: int32 ``block_ids`` [M, topk] contiguous, ``positions`` and ``seq_lens`` [M];
     ``compress_ratio``: tokens per block. Returns int32 [M, topk * ratio + ratio - 1]. Raises
@@ -729,4 +740,5 @@ def expand_block_indices(block_ids: torch.Tensor, positions: torch.Tensor,
         check_expand_block_indices(block_ids, positions, seq_lens, compress_ratio=compress_ratio,
                                    strict=strict, fn=fn)
         check_device(fn, block_ids.device.type)
-    return torch.ops.qsa.expand_block_indices(block_ids, positions, seq_lens, compress_ratio)
+    return torch.ops.qsa.expand_block_indices(block_ids, positions, seq_lens, compress_ratio,
+                                              bool(strict))

@@ -377,7 +377,8 @@ def _hint(overlap: float) -> float | None:
 # torch.library custom ops (opaque to torch.compile; fake impls give the output metadata)
 @torch.library.custom_op("qsa::sparse_prefill", mutates_args=())
 def _op_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                cu_seqlens: torch.Tensor, max_seqlen_q: int, softmax_scale: float) -> torch.Tensor:
+                cu_seqlens: torch.Tensor, max_seqlen_q: int, softmax_scale: float,
+                strict: bool = False) -> torch.Tensor:
     return _prefill_impl(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale)
 
 
@@ -385,7 +386,7 @@ def _op_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torc
 def _op_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, kv_lens: torch.Tensor,
               max_seqlen_q: int, softmax_scale: float, k_scale: float,
-              v_scale: float) -> torch.Tensor:
+              v_scale: float, strict: bool = False) -> torch.Tensor:
     return _chunk_impl(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
                        softmax_scale, k_scale, v_scale)
 
@@ -394,7 +395,8 @@ def _op_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.
 def _op_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               req_to_token: torch.Tensor, req_indices: torch.Tensor, indices: torch.Tensor,
               cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, max_seqlen_q: int,
-              softmax_scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
+              softmax_scale: float, k_scale: float, v_scale: float,
+              strict: bool = False) -> torch.Tensor:
     slots = resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
                                max_seqlen_q, k_cache.shape[0])
     return _launch(MODE_SLOTS, q, k_cache, v_cache, slots, cu_seqlens_q, cu_seqlens_q, kv_lens,
@@ -404,7 +406,8 @@ def _op_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 @torch.library.custom_op("qsa::sparse_prefill_blocks", mutates_args=())
 def _op_prefill_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        block_indices: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen_q: int,
-                       softmax_scale: float, overlap: float) -> torch.Tensor:
+                       softmax_scale: float, overlap: float,
+                       strict: bool = False) -> torch.Tensor:
     return _blocks_impl(MODE_ORDINARY, q, k, v, block_indices, cu_seqlens, cu_seqlens,
                         cu_seqlens, cu_seqlens, cu_seqlens, max_seqlen_q, softmax_scale, 1.0, 1.0,
                         _hint(overlap))
@@ -415,7 +418,7 @@ def _op_chunk_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, kv_lens: torch.Tensor, max_seqlen_q: int,
                      softmax_scale: float, k_scale: float, v_scale: float,
-                     overlap: float) -> torch.Tensor:
+                     overlap: float, strict: bool = False) -> torch.Tensor:
     return _blocks_impl(MODE_CHUNK, q, k, v, block_indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
                         cu_seqlens_q, cu_seqlens_q, max_seqlen_q, softmax_scale, k_scale, v_scale,
                         _hint(overlap))
@@ -426,33 +429,36 @@ def _op_paged_blocks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      req_to_token: torch.Tensor, req_indices: torch.Tensor,
                      block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      kv_lens: torch.Tensor, max_seqlen_q: int, softmax_scale: float,
-                     k_scale: float, v_scale: float, overlap: float) -> torch.Tensor:
+                     k_scale: float, v_scale: float, overlap: float,
+                     strict: bool = False) -> torch.Tensor:
     return _blocks_impl(MODE_SLOTS, q, k_cache, v_cache, block_indices, cu_seqlens_q,
                         cu_seqlens_q, kv_lens, req_to_token, req_indices, max_seqlen_q,
                         softmax_scale, k_scale, v_scale, _hint(overlap))
 
 
-def _fake(checker, blocks: bool):
+def _fake(fn: str, checker, n_args: int, blocks: bool):
     """An op's fake impl: the contract check under torch.compile (see ``_entry``; FakeTensors
-    carry shape, dtype and device), then the output metadata. A block op's last argument is the
-    overlap hint, which the checker does not take."""
+    carry shape, dtype and device), then the output metadata. After q come the checker's
+    ``n_args`` arguments, a block op's overlap hint (the checker does not take it) and, when the
+    call passes it, ``strict`` (a fake impl sees only the arguments given, not the defaults)."""
     def fake(q, *args):
-        if blocks:
-            checker(q, *args[:-1], indices_name="block_indices")
-        else:
-            checker(q, *args)
+        rest = args[n_args + blocks:]
+        p = checker(q, *args[:n_args], strict=bool(rest[0]) if rest else False,
+                    **({"indices_name": "block_indices"} if blocks else {}))
+        check_interpreter_dtype(fn, p.dtype)
         return torch.empty_like(q)
     return fake
 
 
-for _op, _checker, _blocks in ((_op_prefill, contract.check_prefill, False),
-                               (_op_chunk, contract.check_prefill_chunk, False),
-                               (_op_paged, contract.check_prefill_paged, False),
-                               (_op_prefill_blocks, contract.check_prefill, True),
-                               (_op_chunk_blocks, contract.check_prefill_chunk, True),
-                               (_op_paged_blocks, contract.check_prefill_paged, True)):
-    _op.register_fake(_fake(_checker, _blocks))
-del _op, _checker, _blocks
+for _op, _fn, _checker, _n, _blocks in (
+        (_op_prefill, "sparse_prefill", contract.check_prefill, 6, False),
+        (_op_chunk, "sparse_prefill_chunk", contract.check_prefill_chunk, 10, False),
+        (_op_paged, "sparse_prefill_paged", contract.check_prefill_paged, 11, False),
+        (_op_prefill_blocks, "sparse_prefill", contract.check_prefill, 6, True),
+        (_op_chunk_blocks, "sparse_prefill_chunk", contract.check_prefill_chunk, 10, True),
+        (_op_paged_blocks, "sparse_prefill_paged", contract.check_prefill_paged, 11, True)):
+    _op.register_fake(_fake(_fn, _checker, _n, _blocks))
+del _op, _fn, _checker, _n, _blocks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,8 +486,9 @@ def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, 
         mq, sc, ks, vs = p.max_seqlen_q, p.softmax_scale, p.k_scale, p.v_scale
     args = (*tensors.values(), mq, sc, *((ks, vs) if scales is not None else ()))
     if name == "indices":
-        return getattr(torch.ops.qsa, fn)(*args)
-    return getattr(torch.ops.qsa, fn + "_blocks")(*args, -1.0 if hint is None else hint)
+        return getattr(torch.ops.qsa, fn)(*args, bool(strict))
+    return getattr(torch.ops.qsa, fn + "_blocks")(*args, -1.0 if hint is None else hint,
+                                                  bool(strict))
 
 
 def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,

@@ -133,3 +133,50 @@ def test_interpreter_set_after_import_is_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert "CONTRACT" in out.stdout and "before qsa_triton is imported" in out.stdout, out.stderr[-2000:]
+
+
+def test_compiled_calls_keep_strict_and_the_interpreter_check(monkeypatch):
+    """Under torch.compile the checks run in the ops' fake impls: ``strict=True`` still enforces
+    the qualified envelope and bf16 under the unpatched interpreter is still refused (the error
+    reaches the caller wrapped by Dynamo, its text intact), for decode, paged decode, block
+    prefill and the indexer."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from triton.runtime import interpreter
+
+    import qsa_triton as T
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(0)
+    h16 = dict(dtype=torch.float16)
+    i32 = dict(dtype=torch.int32)
+    q, kc = torch.randn(2, 4, 32, generator=g, **h16), torch.randn(40, 2, 32, generator=g, **h16)
+    rtt, ri = torch.arange(40, **i32).reshape(2, 20), torch.arange(2, **i32)
+    idx, sl = torch.randint(0, 10, (2, 8), generator=g, **i32), torch.full((2,), 10, **i32)
+    qp, kp = torch.randn(4, 4, 32, generator=g, **h16), torch.randn(12, 2, 32, generator=g, **h16)
+    blocks = torch.randint(0, 2, (4, 3), generator=g, **i32)
+    cq, ck, kl = (torch.tensor(x, **i32) for x in ([0, 4], [0, 12], [12]))
+    iq, ik = torch.randn(2, 4, 64, generator=g, **h16), torch.randn(8, 16, 1, 64, generator=g, **h16)
+    pt, isl = torch.arange(8, **i32).reshape(2, 4), torch.tensor([200, 150], **i32)
+    calls = {
+        "paged": (lambda *a, **k: T.sparse_decode_paged(*a, **k), (q, kc, kc, rtt, ri, idx, sl)),
+        "decode": (lambda *a, **k: T.sparse_decode(*a, 10, **k),
+                   (q, kc[:20], kc[:20], torch.arange(3, **i32), torch.tensor([0, 10, 20], **i32))),
+        "blocks": (lambda q, k, v, b, *m, **kw: T.sparse_prefill_chunk(
+            q, k, v, None, *m, 4, block_indices=b, **kw), (qp, kp, kp, blocks, cq, ck, kl)),
+        "indexer": (lambda *a, **k: T.indexer_topk_decode(*a, topk=16, **k), (iq, ik, pt, isl)),
+    }
+    for name, (fn, args) in calls.items():
+        torch._dynamo.reset()
+        out = torch.compile(fn, fullgraph=True)(*args)  # in the default envelope: runs
+        assert out.shape[0] == args[0].shape[0], name
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="strict mode"):
+            torch.compile(lambda *a: fn(*a, strict=True), fullgraph=True)(*args)
+    monkeypatch.setattr(interpreter, "_qsa_bf16_dot_patched", False, raising=False)
+    for name, (fn, args) in calls.items():
+        torch._dynamo.reset()
+        bf = tuple(a.bfloat16() if a.dtype == torch.float16 else a for a in args)
+        with pytest.raises(Exception, match="interpreter"):
+            torch.compile(fn, fullgraph=True)(*bf)
+    torch._dynamo.reset()

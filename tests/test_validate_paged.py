@@ -74,3 +74,16 @@ def test_torch_tensors_accepted():
     assert validate_decode_paged_metadata(rtt, ri, idx, sl, SLOTS, fn="qsa_decode_step")["rows"] == 5
     with pytest.raises(ContractError, match="qsa_decode_step.*'seq_lens'"):
         validate_decode_paged_metadata(rtt, ri, idx, sl + 1000, SLOTS, fn="qsa_decode_step")
+
+
+def test_step_metadata_without_indices_checks_every_visible_position():
+    """``indices=None`` (``qsa_decode_step``: the indexer may select any position): every
+    position < seq_lens[r] of every live row is resolved and counted; a bad slot at a position
+    no index names is still caught."""
+    rtt, ri, _, sl = _batch(3)
+    got = validate_decode_paged_metadata(rtt, ri, None, sl, SLOTS, fn="qsa_decode_step")
+    assert got == {"rows": 5, "valid": int(sl.sum())}
+    rtt = rtt.copy()
+    rtt[0, 119] = SLOTS  # row 2 (request 0, seq_len 120) at its last position
+    with pytest.raises(ContractError, match=f"qsa_decode_step.*slot {SLOTS}"):
+        validate_decode_paged_metadata(rtt, ri, None, sl, SLOTS, fn="qsa_decode_step")
