@@ -621,6 +621,20 @@ def _sparse_decode_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softm
     return q.new_empty(q.shape)
 
 
+@torch.library.custom_op("qsa::contract_error", mutates_args=())
+def _contract_error_op(x: torch.Tensor, fn: str, arg: str, expected: str,
+                       got: str) -> torch.Tensor:
+    """Raises ``ContractError(fn, arg, expected, got)``: how a wrapper refuses an argument while
+    Dynamo traces it (a raise in traced Python cannot leave a fullgraph trace; one in a fake impl
+    reaches the caller with its text)."""
+    raise ContractError(fn, arg, expected, got)
+
+
+@_contract_error_op.register_fake
+def _contract_error_fake(x, fn, arg, expected, got):
+    raise ContractError(fn, arg, expected, got)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public entry points
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -697,26 +711,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         probabilities, a paged ``block_table``, a non-bool ``causal``, ``max_seqlen_q != 1``,
         and anything ``sparse_decode`` rejects.
     """
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
-        raise ContractError(_FA_FN, "dropout_p", "0.0 (no dropout: forward inference only)",
-                            dropout_p)
     ws = tuple(window_size) if window_size is not None else (-1, -1)
-    if ws != (-1, -1):
-        raise ContractError(_FA_FN, "window_size", "(-1, -1) (no sliding window)", window_size)
-    if softcap != 0.0:
-        raise ContractError(_FA_FN, "softcap", "0.0 (no logit softcap)", softcap)
-    if alibi_slopes is not None:
-        raise ContractError(_FA_FN, "alibi_slopes", "None (no ALiBi)", type(alibi_slopes).__name__)
-    if return_attn_probs:
-        raise ContractError(_FA_FN, "return_attn_probs", "False", return_attn_probs)
-    if block_table is not None:
-        raise ContractError(_FA_FN, "block_table", "None (packed K/V, not a paged cache)",
-                            type(block_table).__name__)
-    if not isinstance(causal, bool):
-        raise ContractError(_FA_FN, "causal", "a bool", type(causal).__name__)
-    if torch.compiler.is_compiling() and max_seqlen_q != 1:
-        raise ContractError(_FA_FN, "max_seqlen_q", "1 (decode: one query row per sequence)",
-                            max_seqlen_q)
+    refusals = (  # (refused?, argument, expected, got), in flash-attn's argument order
+        (isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0,
+         "dropout_p", "0.0 (no dropout: forward inference only)", dropout_p),
+        (ws != (-1, -1), "window_size", "(-1, -1) (no sliding window)", window_size),
+        (softcap != 0.0, "softcap", "0.0 (no logit softcap)", softcap),
+        (alibi_slopes is not None, "alibi_slopes", "None (no ALiBi)",
+         type(alibi_slopes).__name__),
+        (bool(return_attn_probs), "return_attn_probs", "False", return_attn_probs),
+        (block_table is not None, "block_table", "None (packed K/V, not a paged cache)",
+         type(block_table).__name__),
+        (not isinstance(causal, bool), "causal", "a bool", type(causal).__name__),
+        (torch.compiler.is_compiling() and max_seqlen_q != 1, "max_seqlen_q",
+         "1 (decode: one query row per sequence)", max_seqlen_q))
+    for refused, arg, expected, got in refusals:
+        if not refused:
+            continue
+        if torch.compiler.is_compiling():  # Dynamo cannot raise it here: the op's fake impl does
+            return torch.ops.qsa.contract_error(q, _FA_FN, arg, expected, str(got))
+        raise ContractError(_FA_FN, arg, expected, got)
     msk, scale = _checked(_FA_FN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
                           softmax_scale, max_seqlen_q=max_seqlen_q)
     return torch.ops.qsa.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, msk, scale)

@@ -139,7 +139,7 @@ def test_compiled_calls_keep_strict_and_the_interpreter_check(monkeypatch):
     """Under torch.compile the checks run in the ops' fake impls: ``strict=True`` still enforces
     the qualified envelope and bf16 under the unpatched interpreter is still refused (the error
     reaches the caller wrapped by Dynamo, its text intact), for decode, paged decode, block
-    prefill and the indexer."""
+    prefill and the indexer; ``flash_attn_varlen_func``'s refusals arrive the same way."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
     from triton.runtime import interpreter
@@ -173,6 +173,11 @@ def test_compiled_calls_keep_strict_and_the_interpreter_check(monkeypatch):
         torch._dynamo.reset()
         with pytest.raises(Exception, match="strict mode"):
             torch.compile(lambda *a: fn(*a, strict=True), fullgraph=True)(*args)
+    # flash-attn-only options are refused from an op's fake impl too (not a Dynamo error)
+    fa = lambda *a: T.flash_attn_varlen_func(*a, 1, 10, 0.1)  # noqa: E731 - dropout_p 0.1
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"'dropout_p': expected 0\.0"):
+        torch.compile(fa, fullgraph=True)(*calls["decode"][1])
     monkeypatch.setattr(interpreter, "_qsa_bf16_dot_patched", False, raising=False)
     for name, (fn, args) in calls.items():
         torch._dynamo.reset()
