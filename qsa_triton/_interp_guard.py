@@ -1,9 +1,11 @@
-"""The interpreter checks of ``qsa_triton``'s entry points (after the contract check)."""
+"""The shared guards of ``qsa_triton``'s entry points: the interpreter checks (after the
+contract check) and the refusal of arguments while Dynamo traces."""
 
 from __future__ import annotations
 
 import os
 
+import torch
 import triton
 
 from interop.contract import ContractError
@@ -26,8 +28,6 @@ INTERPRETING_AT_IMPORT = interpreting()
 def check_torch_tensors(fn: str, **tensors) -> None:
     """Raise ContractError for the first named argument that is not a torch.Tensor (the shared
     contract checker also accepts numpy/JAX arrays, which these entry points cannot launch on)."""
-    import torch  # noqa: PLC0415
-
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise ContractError(fn, name, "a torch.Tensor (use qsa_pallas for JAX arrays)",
@@ -62,3 +62,29 @@ def check_interpreter_dtype(fn: str, dtype_name: str, got: str | None = None) ->
         fn, "q", "float16 under the Triton CPU interpreter (TRITON_INTERPRET=1): its bf16 tl.dot "
         "multiplies raw bit patterns in Triton 3.6-3.9; use fp16 on CPU or a GPU for bf16",
         got or "bfloat16")
+
+
+@torch.library.custom_op("qsa::contract_error", mutates_args=())
+def _contract_error_op(x: torch.Tensor, fn: str, arg: str, expected: str,
+                       got: str) -> torch.Tensor:
+    """Raises ``ContractError(fn, arg, expected, got)``: how a wrapper refuses an argument while
+    Dynamo traces it (a raise in traced Python cannot leave a fullgraph trace; one in a fake impl
+    reaches the caller with its text)."""
+    raise ContractError(fn, arg, expected, got)
+
+
+@_contract_error_op.register_fake
+def _contract_error_fake(x, fn, arg, expected, got):
+    raise ContractError(fn, arg, expected, got)
+
+
+def traced_refusal(q: torch.Tensor, fn: str, **host_scalars):
+    """Under torch.compile, before a wrapper turns its host scalars into op arguments: the first
+    one given as a tensor is refused through ``qsa::contract_error`` (eager calls get the same
+    refusal from the contract checks); returns that op's result, or None when all are host
+    values. A 0-d tensor scale would otherwise fail deep in Dynamo without the message."""
+    for name, x in host_scalars.items():
+        if isinstance(x, torch.Tensor):
+            return torch.ops.qsa.contract_error(q, fn, name, "a host number (a Python float or "
+                                                "int, not a tensor)", f"Tensor {list(x.shape)}")
+    return None

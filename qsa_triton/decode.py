@@ -54,7 +54,8 @@ from interop.contract import QUALIFIED, ContractError, check_decode, exact_contr
 from interop.plan import (LOG2E, DecodePlan, fit_shared_memory, next_pow2, plan_decode, prev_pow2,
                           split_blocks)
 
-from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
+from ._interp_guard import (check_device, check_interpreter_dtype, check_torch_tensors,
+                            interpreting, traced_refusal)
 
 __all__ = ["sparse_decode", "flash_attn_varlen_func", "prepare", "plan_for", "pdl_enabled"]
 
@@ -621,20 +622,6 @@ def _sparse_decode_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softm
     return q.new_empty(q.shape)
 
 
-@torch.library.custom_op("qsa::contract_error", mutates_args=())
-def _contract_error_op(x: torch.Tensor, fn: str, arg: str, expected: str,
-                       got: str) -> torch.Tensor:
-    """Raises ``ContractError(fn, arg, expected, got)``: how a wrapper refuses an argument while
-    Dynamo traces it (a raise in traced Python cannot leave a fullgraph trace; one in a fake impl
-    reaches the caller with its text)."""
-    raise ContractError(fn, arg, expected, got)
-
-
-@_contract_error_op.register_fake
-def _contract_error_fake(x, fn, arg, expected, got):
-    raise ContractError(fn, arg, expected, got)
-
-
 # ---------------------------------------------------------------------------------------------
 # Public entry points
 def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -670,6 +657,11 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     No host sync: safe in ``torch.compile(fullgraph=True)`` and CUDA-graph capture (after one
     eager call or ``prepare``).
     """
+    if torch.compiler.is_compiling():
+        refused = traced_refusal(q, "sparse_decode", max_seqlen_k=max_seqlen_k,
+                                 softmax_scale=softmax_scale)
+        if refused is not None:
+            return refused
     msk, scale = _checked("sparse_decode", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
                           softmax_scale, strict=strict, batch_invariant=batch_invariant)
     return torch.ops.qsa.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, msk, scale,
@@ -723,14 +715,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         (block_table is not None, "block_table", "None (packed K/V, not a paged cache)",
          type(block_table).__name__),
         (not isinstance(causal, bool), "causal", "a bool", type(causal).__name__),
-        (torch.compiler.is_compiling() and max_seqlen_q != 1, "max_seqlen_q",
-         "1 (decode: one query row per sequence)", max_seqlen_q))
+        (torch.compiler.is_compiling() and not isinstance(max_seqlen_q, torch.Tensor)
+         and max_seqlen_q != 1, "max_seqlen_q", "1 (decode: one query row per sequence)",
+         max_seqlen_q))
     for refused, arg, expected, got in refusals:
         if not refused:
             continue
         if torch.compiler.is_compiling():  # Dynamo cannot raise it here: the op's fake impl does
             return torch.ops.qsa.contract_error(q, _FA_FN, arg, expected, str(got))
         raise ContractError(_FA_FN, arg, expected, got)
+    if torch.compiler.is_compiling():
+        refused = traced_refusal(q, _FA_FN, max_seqlen_q=max_seqlen_q,
+                                 max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale)
+        if refused is not None:
+            return refused
     msk, scale = _checked(_FA_FN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
                           softmax_scale, max_seqlen_q=max_seqlen_q)
     return torch.ops.qsa.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, msk, scale)

@@ -42,7 +42,8 @@ from interop.contract import ContractError, check_decode_paged, route
 from interop.plan import LOG2E, PAGED_MAX_SPLITS, PagedDecodePlan, next_pow2, plan_decode_paged
 
 from ._fp8 import fp16_query
-from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
+from ._interp_guard import (check_device, check_interpreter_dtype, check_torch_tensors,
+                            interpreting, traced_refusal)
 from .decode import _pdl_supported
 
 __all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "pdl_enabled",
@@ -384,6 +385,11 @@ def sparse_decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     CUDA-graph and ``torch.compile(fullgraph=True)`` safe. Algorithm: the module docstring.
     """
+    if torch.compiler.is_compiling():
+        refused = traced_refusal(q, _FN, softmax_scale=softmax_scale, k_scale=k_scale,
+                                 v_scale=v_scale)
+        if refused is not None:
+            return refused
     scale, ksc, vsc = _checked(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
                                softmax_scale, k_scale, v_scale, batch_invariant, strict)
     return torch.ops.qsa.sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices,

@@ -173,7 +173,17 @@ def test_compiled_calls_keep_strict_and_the_interpreter_check(monkeypatch):
         torch._dynamo.reset()
         with pytest.raises(Exception, match="strict mode"):
             torch.compile(lambda *a: fn(*a, strict=True), fullgraph=True)(*args)
-    # flash-attn-only options are refused from an op's fake impl too (not a Dynamo error)
+    # arguments refused before any op runs go through qsa::contract_error's fake impl, as do
+    # flash-attn-only options (in traced Python the raise would be a Dynamo error)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"'k_scale': expected a host number"):
+        torch.compile(lambda *a: T.sparse_decode_paged(*a, None, torch.tensor(1.0)),
+                      fullgraph=True)(*calls["paged"][1])
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="exactly one selection"):
+        torch.compile(lambda q, k, v, b, *m: T.sparse_prefill_chunk(q, k, v, b, *m, 4,
+                                                                    block_indices=b),
+                      fullgraph=True)(*calls["blocks"][1])
     fa = lambda *a: T.flash_attn_varlen_func(*a, 1, 10, 0.1)  # noqa: E731 - dropout_p 0.1
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"'dropout_p': expected 0\.0"):
