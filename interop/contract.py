@@ -23,7 +23,7 @@ __all__ = [
     "check_prefill", "check_prefill_chunk", "check_prefill_paged", "PagedDecodeProblem",
     "check_decode_paged", "Route", "route", "exact_contract", "envelope_text",
     "validate_decode_metadata", "validate_decode_paged_metadata", "validate_prefill_metadata",
-    "prefill_selection", "QUALIFIED",
+    "prefill_selection", "prefill_selection_problem", "QUALIFIED",
     "QUALIFIED_INDEXER", "IndexerProblem", "check_indexer_decode", "check_indexer_prefill",
     "check_expand_block_indices", "validate_indexer_decode_metadata",
     "validate_indexer_prefill_metadata", "check_decode_step", "check_prefill_step",
@@ -516,26 +516,34 @@ def check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
                           v_scale)
 
 
+def prefill_selection_problem(indices, block_indices, overlap) -> tuple[str, str, Any] | None:
+    """``prefill_selection``'s refusal as (argument, expected, got), or None, without raising
+    (a wrapper traced by torch.compile cannot raise; it hands the refusal to an op)."""
+    if (indices is None) == (block_indices is None):
+        return ("indices", "token indices, or indices=None and block_indices= (exactly one "
+                "selection)", "both" if indices is not None else "neither")
+    if overlap is None:
+        return None
+    if block_indices is None:
+        return "overlap", "None unless block_indices= is given", overlap
+    if (isinstance(overlap, bool) or not isinstance(overlap, (int, float, np.floating, np.integer))
+            or not 0.0 <= float(overlap) <= 1.0):
+        return ("overlap", "None or a host float in [0, 1]",
+                f"{overlap!r} ({type(overlap).__name__})")
+    return None
+
+
 def prefill_selection(fn: str, indices, block_indices, overlap) -> tuple[str, Any, float | None]:
     """Which selection a prefill call passes: token ``indices``, or ``indices=None`` with
     ``block_indices=``; ``overlap`` (None or a host float in [0, 1]) only with the latter.
     Returns ("indices" | "block_indices", the selection, overlap or None); raises ContractError
-    for both or neither selection, or a bad ``overlap``."""
-    if (indices is None) == (block_indices is None):
-        raise ContractError(fn, "indices", "token indices, or indices=None and block_indices= "
-                            "(exactly one selection)",
-                            "both" if indices is not None else "neither")
+    for both or neither selection, or a bad ``overlap`` (``prefill_selection_problem``)."""
+    problem = prefill_selection_problem(indices, block_indices, overlap)
+    if problem is not None:
+        raise ContractError(fn, *problem)
     if block_indices is None:
-        if overlap is not None:
-            raise ContractError(fn, "overlap", "None unless block_indices= is given", overlap)
         return "indices", indices, None
-    if overlap is None:
-        return "block_indices", block_indices, None
-    if (isinstance(overlap, bool) or not isinstance(overlap, (int, float, np.floating, np.integer))
-            or not 0.0 <= float(overlap) <= 1.0):
-        raise ContractError(fn, "overlap", "None or a host float in [0, 1]",
-                            f"{overlap!r} ({type(overlap).__name__})")
-    return "block_indices", block_indices, float(overlap)
+    return "block_indices", block_indices, None if overlap is None else float(overlap)
 
 
 # --------------------------------------------------------------------------------------------

@@ -776,12 +776,12 @@ class IndexerPlan:
         if self.splits * self.chunk < max(int(max_blocks), 1):
             return f"splits x chunk >= {max_blocks} blocks, got {self.splits} x {self.chunk}"
         rpp = self.rows_per_program
-        if kind == "decode" and rpp != 1 or kind == "prefill" and (
-                rpp not in (4, 8, 16) or self.row_group < 1 or self.row_group % rpp):
-            return ("rows_per_program 1 (decode) or 4, 8, 16 (prefill: row_group a positive "
-                    f"multiple of it), got {rpp}, row_group {self.row_group}")
-        if self.kind == "decode" and self.row_group < 1:
+        if self.row_group < 1:
             return f"row_group >= 1, got {self.row_group}"
+        if kind == "decode" and rpp != 1 or kind == "prefill" and (
+                rpp not in (4, 8, 16) or self.row_group % rpp):
+            return ("rows_per_program 1 (decode) or 4, 8, 16 (prefill: row_group a multiple of "
+                    f"it), got {rpp}, row_group {self.row_group}")
         warps = (self.num_warps, self.merge_warps)
         if not all(isinstance(w, int) and pow2(w) and w <= 32 for w in warps):
             return f"num_warps and merge_warps powers of two <= 32, got {warps}"

@@ -78,6 +78,12 @@ def _contract_error_fake(x, fn, arg, expected, got):
     raise ContractError(fn, arg, expected, got)
 
 
+def refuse_traced(q: torch.Tensor, fn: str, arg: str, expected: str, got) -> torch.Tensor:
+    """A refusal while Dynamo traces a wrapper: ``qsa::contract_error``, whose fake impl raises
+    ``ContractError(fn, arg, expected, str(got))``."""
+    return torch.ops.qsa.contract_error(q, fn, arg, expected, str(got))
+
+
 def traced_refusal(q: torch.Tensor, fn: str, **host_scalars):
     """Under torch.compile, before a wrapper turns its host scalars into op arguments: the first
     one given as a tensor is refused through ``qsa::contract_error`` (eager calls get the same
@@ -85,6 +91,6 @@ def traced_refusal(q: torch.Tensor, fn: str, **host_scalars):
     values. A 0-d tensor scale would otherwise fail deep in Dynamo without the message."""
     for name, x in host_scalars.items():
         if isinstance(x, torch.Tensor):
-            return torch.ops.qsa.contract_error(q, fn, name, "a host number (a Python float or "
-                                                "int, not a tensor)", f"Tensor {list(x.shape)}")
+            return refuse_traced(q, fn, name, "a host number (a Python float or int, not a "
+                                 "tensor)", f"Tensor {list(x.shape)}")
     return None

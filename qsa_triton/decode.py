@@ -55,7 +55,7 @@ from interop.plan import (LOG2E, DecodePlan, fit_shared_memory, next_pow2, plan_
                           split_blocks)
 
 from ._interp_guard import (check_device, check_interpreter_dtype, check_torch_tensors,
-                            interpreting, traced_refusal)
+                            interpreting, refuse_traced, traced_refusal)
 
 __all__ = ["sparse_decode", "flash_attn_varlen_func", "prepare", "plan_for", "pdl_enabled"]
 
@@ -703,6 +703,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         probabilities, a paged ``block_table``, a non-bool ``causal``, ``max_seqlen_q != 1``,
         and anything ``sparse_decode`` rejects.
     """
+    if torch.compiler.is_compiling():
+        refused = traced_refusal(q, _FA_FN, max_seqlen_q=max_seqlen_q,
+                                 max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale)
+        if refused is not None:
+            return refused
     ws = tuple(window_size) if window_size is not None else (-1, -1)
     refusals = (  # (refused?, argument, expected, got), in flash-attn's argument order
         (isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0,
@@ -715,20 +720,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         (block_table is not None, "block_table", "None (packed K/V, not a paged cache)",
          type(block_table).__name__),
         (not isinstance(causal, bool), "causal", "a bool", type(causal).__name__),
-        (torch.compiler.is_compiling() and not isinstance(max_seqlen_q, torch.Tensor)
-         and max_seqlen_q != 1, "max_seqlen_q", "1 (decode: one query row per sequence)",
-         max_seqlen_q))
+        (torch.compiler.is_compiling() and max_seqlen_q != 1, "max_seqlen_q",
+         "1 (decode: one query row per sequence)", max_seqlen_q))
     for refused, arg, expected, got in refusals:
         if not refused:
             continue
         if torch.compiler.is_compiling():  # Dynamo cannot raise it here: the op's fake impl does
-            return torch.ops.qsa.contract_error(q, _FA_FN, arg, expected, str(got))
+            return refuse_traced(q, _FA_FN, arg, expected, got)
         raise ContractError(_FA_FN, arg, expected, got)
-    if torch.compiler.is_compiling():
-        refused = traced_refusal(q, _FA_FN, max_seqlen_q=max_seqlen_q,
-                                 max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale)
-        if refused is not None:
-            return refused
     msk, scale = _checked(_FA_FN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
                           softmax_scale, max_seqlen_q=max_seqlen_q)
     return torch.ops.qsa.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, msk, scale)

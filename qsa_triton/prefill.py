@@ -40,7 +40,7 @@ from interop.plan import LOG2E, next_pow2
 from . import prefill_union as PU
 from ._fp8 import fp16_query
 from ._interp_guard import (check_device, check_interpreter_dtype, check_torch_tensors,
-                            traced_refusal)
+                            refuse_traced, traced_refusal)
 
 __all__ = ["sparse_prefill", "sparse_prefill_chunk", "sparse_prefill_paged", "prefill_geometry",
            "prefill_block_geometry", "MODE_ORDINARY", "MODE_CHUNK", "MODE_SLOTS"]
@@ -464,22 +464,6 @@ del _op, _fn, _checker, _n, _blocks
 
 # ---------------------------------------------------------------------------------------------
 # Public entry points
-def _traced_selection_refusal(q, fn: str, indices, block_indices, overlap):
-    """``interop.contract.prefill_selection``'s refusals without raising (under torch.compile):
-    through ``qsa::contract_error``, or None."""
-    if (indices is None) == (block_indices is None):
-        return torch.ops.qsa.contract_error(
-            q, fn, "indices", "token indices, or indices=None and block_indices= (exactly one "
-            "selection)", "both" if indices is not None else "neither")
-    if overlap is not None and (block_indices is None or isinstance(overlap, bool)
-                                or not isinstance(overlap, (int, float))
-                                or not 0.0 <= float(overlap) <= 1.0):
-        return torch.ops.qsa.contract_error(
-            q, fn, "overlap", "None unless block_indices= is given" if block_indices is None
-            else "None or a host float in [0, 1]", repr(overlap))
-    return None
-
-
 def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, overlap,
            max_seqlen_q, softmax_scale, strict: bool, scales: tuple | None = None):
     """One public prefill entry point ``fn``: check, then ``torch.ops.qsa.<fn>`` on ``indices``
@@ -488,11 +472,12 @@ def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, 
     torch.compile the check runs in the op's fake impl (Dynamo cannot raise out of a fullgraph
     trace; the fake impl's error keeps its text)."""
     q = before["q"]
-    if torch.compiler.is_compiling():  # refusals that would raise in traced Python (see _entry)
-        refused = _traced_selection_refusal(q, fn, indices, block_indices, overlap)
-        if refused is None:
-            refused = traced_refusal(q, fn, max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
-                                     **dict(zip(("k_scale", "v_scale"), scales or ())))
+    if torch.compiler.is_compiling():  # refusals that would raise in traced Python
+        problem = contract.prefill_selection_problem(indices, block_indices, overlap)
+        if problem is not None:
+            return refuse_traced(q, fn, *problem)
+        refused = traced_refusal(q, fn, max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
+                                 **dict(zip(("k_scale", "v_scale"), scales or ())))
         if refused is not None:
             return refused
     name, sel, hint = contract.prefill_selection(fn, indices, block_indices, overlap)
