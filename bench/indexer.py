@@ -41,8 +41,18 @@ VARIANTS = {"triton_rb1": lambda p: dataclasses.replace(p, radix_bits=1),
             "triton_w8": lambda p: dataclasses.replace(p, num_warps=8),
             "triton_rb2": lambda p: dataclasses.replace(p, radix_bits=2),
             "triton_t32": lambda p: dataclasses.replace(p, tile=32),
-            "triton_nobound": lambda p: dataclasses.replace(p, bound_chunk=0),
-            "triton_noskip": lambda p: dataclasses.replace(p, merge_from_bound=False)}
+            "triton_nobound": lambda p: dataclasses.replace(p, bound_chunk=0, merge_capacity=0),
+            "triton_noskip": lambda p: dataclasses.replace(p, merge_from_bound=False),
+            "triton_nostream": lambda p: _nostream(p, 64)}
+
+
+def _nostream(plan, per_thread: int):
+    """The prefill plan before the streamed pass 1 and the compacting merge: a 2-chunk bound
+    sample, every splits x topk slot merged (``per_thread`` candidates a merge thread)."""
+    if not plan.merge_capacity:
+        return plan
+    return dataclasses.replace(plan, merge_capacity=0, bound_chunk=2 * plan.chunk, merge_warps=max(
+        4, min(16, plan.splits_pad * plan.topk // (32 * per_thread))))
 
 
 @dataclasses.dataclass
@@ -187,18 +197,21 @@ def _triton(inp: Inputs, variant=None):
     return lambda: fn(*inp.args, **kw)
 
 
-def _pallas(inp: Inputs, num_warps: int | None = None, bound: bool = True, skip: bool = True):
+def _pallas(inp: Inputs, num_warps: int | None = None, bound: bool = True, skip: bool = True,
+            stream: bool = True):
     import functools
 
     import qsa_pallas
 
     fn = getattr(qsa_pallas, f"indexer_select_{inp.kind}")
-    if num_warps is not None or not (bound and skip):  # sweep: private plan overrides
+    if num_warps is not None or not (bound and skip and stream):  # private plan overrides
         from qsa_pallas import indexer
 
         plan = indexer.indexer_plan_for(inp.kind, inp.args[0].shape[0], _max_blocks(inp), TOPK)
+        plan = plan if stream else _nostream(plan, 32)
         plan = dataclasses.replace(plan, num_warps=num_warps or plan.num_warps,
                                    bound_chunk=plan.bound_chunk if bound else 0,
+                                   merge_capacity=plan.merge_capacity if bound else 0,
                                    merge_from_bound=skip)
         fn = functools.partial(fn, plan=plan)
     return _jax_chain(fn, inp)
@@ -232,13 +245,17 @@ PROVIDERS = {p.name: p for p in (
                    ("triton_rb2", "2-bit radix rounds in pass 1"),
                    ("triton_t32", "32-block key tiles"),
                    ("triton_nobound", "prefill without the bound pass"),
-                   ("triton_noskip", "prefill merge without the bound's shared bits"))),
+                   ("triton_noskip", "prefill merge without the bound's shared bits"),
+                   ("triton_nostream", "prefill pass 1 keeping a key tile, merge of every slot"))),
     common.Provider("pallas_w8", lambda inp: _pallas(inp, 8), "Pallas, private plan override: 8 "
                     "warps in pass 1", default=False),
     common.Provider("pallas_nobound", lambda inp: _pallas(inp, bound=False), "Pallas, private "
                     "plan override: prefill without the bound pass", default=False),
     common.Provider("pallas_noskip", lambda inp: _pallas(inp, skip=False), "Pallas, private "
                     "plan override: prefill merge without the bound's shared bits", default=False),
+    common.Provider("pallas_nostream", lambda inp: _pallas(inp, stream=False), "Pallas, private "
+                    "plan override: prefill pass 1 keeping a key tile, merge of every slot",
+                    default=False),
 )}
 
 

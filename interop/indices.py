@@ -731,7 +731,12 @@ class IndexerPlan:
     bound without radix rounds wherever at most ``topk`` of them are (any block of the row's
     top-k is one of them). merge_from_bound (with bound_chunk): the row's k-th key lies between
     its bound and its largest candidate, so the merge takes the key bits those two share from
-    the bound and runs only the radix rounds below them."""
+    the bound and runs only the radix rounds below them. merge_capacity (prefill with
+    bound_chunk; 0 = off): pass 1 writes each (row, chunk)'s candidate count instead of padding
+    its unused slots, and the merge first moves a row's candidates to the front of its
+    workspace (stable, in place) and selects from a tile of ``merge_capacity`` of them, not
+    ``splits_pad x topk`` (a row with more first narrows them to its exact top-k by radix
+    rounds over the chunks)."""
 
     kind: str
     topk: int
@@ -748,6 +753,7 @@ class IndexerPlan:
     pdl: bool = False
     bound_chunk: int = 0
     merge_from_bound: bool = True
+    merge_capacity: int = 0
 
     @property
     def splits_pad(self) -> int:
@@ -795,7 +801,16 @@ class IndexerPlan:
         bc = self.bound_chunk
         if bc and (kind != "prefill" or not pow2(bc) or bc <= topk or bc >= 1 << 16):
             return (f"bound_chunk 0, or (prefill) a power of two in ({topk}, 65536), got {bc}")
+        cap = self.merge_capacity
+        if cap and (not bc or not pow2(cap) or cap < topk or cap > self.splits_pad * topk):
+            return (f"merge_capacity 0, or (with bound_chunk) a power of two in [{topk}, "
+                    f"splits_pad x topk = {self.splits_pad * topk}], got {cap}")
         return None
+
+    @property
+    def compact_chunks(self) -> int:
+        """Chunks the merge's compaction moves a step (a [chunks x topk] tile of <= 1024)."""
+        return max(1, 1024 // self.topk)
 
 
 def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, *,
@@ -849,10 +864,25 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     # candidates; the balance differs between the builds (bench/NOTES.md, "Indexer")
     # the bound pass where pass 1 has >= 4 chunks a row: a sample of two chunks, half the rows a
     # program (as many keys as a pass-1 program; not where pass 1 already has 4 rows)
-    bound = 2 * c if -(-mb // c) >= 4 and bm >= 8 else 0
-    plan = IndexerPlan(kind, topk, c, -(-mb // c), tile, bm, 4, 2,
-                       merge_warps(c, 64 if backend == "triton" else 32), 1,
-                       radix_bits=1, merge_radix_bits=1, bound_chunk=bound)
+    splits = -(-mb // c)
+    bound = 2 * c if splits >= 4 and bm >= 8 else 0
+    # with the bound: pass 1 streams the keys >= it and the merge compacts them into a tile of
+    # half the slots (at most 8192), where the expected candidates of a row (iid scores:
+    # blocks x topk / sample) fit that tile, or half of it where the sample is 4 chunks (a
+    # row's candidates past the tile take the merge's slow path) (bench/NOTES.md, "Indexer")
+    cap = 0
+    if bound:
+        sample = 4 * c if splits >= 16 else 2 * c
+        cap = min(_MERGE_MAX_CANDIDATES, _pow2_at_least(splits) * topk // 2)
+        if mb * topk // sample <= (cap // 2 if sample > bound else cap):
+            bound = sample
+        else:
+            cap = 0
+    warps = (merge_warps(c, 64 if backend == "triton" else 32) if not cap else
+             max(4, cap // (32 * (64 if backend == "triton" else 32))))
+    plan = IndexerPlan(kind, topk, c, splits, tile, bm, 4, 2, warps, 1,
+                       radix_bits=1, merge_radix_bits=1, bound_chunk=bound,
+                       merge_capacity=cap)
     group = max(bm, (_PREFILL_WORKSPACE_BYTES // plan.workspace_bytes(1)) // bm * bm)
     return dataclasses.replace(plan, row_group=min(group, -(-max(rows, 1) // bm) * bm))
 

@@ -37,10 +37,10 @@ try:  # the Triton-lowering namespace (deprecated in 0.11, still the only one wi
 except ImportError:  # pragma: no cover - very old jax
     from jax.experimental.pallas import gpu as plgpu  # type: ignore[no-redef]
 
-__all__ = ["pl", "plgpu", "CompilerParams", "triton_call", "load", "store", "dot", "shard_map",
-           "resolve_interpret", "check_inputs", "check_backend", "check_offsets", "abstract_mesh",
-           "lower_for_device_kind", "TritonModule", "triton_modules", "compile_ttir",
-           "target_facts"]
+__all__ = ["pl", "plgpu", "CompilerParams", "triton_call", "load", "store", "barrier", "dot",
+           "shard_map", "resolve_interpret", "check_inputs", "check_backend", "check_offsets",
+           "abstract_mesh", "lower_for_device_kind", "TritonModule", "triton_modules",
+           "compile_ttir", "target_facts"]
 
 # Import the modules that ``pallas_call`` lowering imports lazily: jax 0.11.2's ``jaxpr_fusion``
 # registers a config option that is part of every jit trace context, so importing it mid-session
@@ -83,6 +83,14 @@ def store(ref, val, *, mask=None):
     if hasattr(plgpu, "store"):
         return plgpu.store(ref, val, mask=mask)
     return pl.store(ref, (), val, mask=mask)  # pragma: no cover - old jax
+
+
+def barrier(interpret: bool) -> None:
+    """A CTA barrier (``__syncthreads``: every thread's global writes before it are visible to
+    the CTA's threads after it). Interpret mode runs a program as whole-array ops in order and
+    has no lowering for it: nothing."""
+    if not interpret:
+        plgpu.debug_barrier()
 
 
 def dot(a, b, *, trans_b: bool = False):

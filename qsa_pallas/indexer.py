@@ -212,11 +212,16 @@ def _decode_chunk_kernel(q_ref, k_ref, pt_ref, seq_ref, wsk_ref, wsi_ref, *, h: 
 # Pass 1: prefill (bm rows per program share every key tile)
 def _prefill_chunk_kernel(*refs, h: int, hp: int, d: int, k: int, c: int, t: int, s_n: int,
                           bm: int, n_rows: int, n_keys: int, rb: int, compute, trash: int,
-                          bound: int = 0):
+                          bound: int = 0, counts: int = 0, cnt_trash: int = 0):
     # bound: 0 plain pass 1; 1 pass 1 with each row's lower bound of its k-th key (an input);
-    # 2 the bound pass: chunk 0 only, its k-th key per row as the output (qsa_triton's twin)
+    # 2 the bound pass: chunk 0 only, its k-th key per row as the output. counts (bound 1): 1
+    # streams the keys >= the bound and counts them, 2 the fixup (in place: the workspace and
+    # counts are aliased inputs) redoes the tiles with a chunk counted past k (qsa_triton's twin)
+    cnt_ref = None
     if bound == 2:
         q_ref, k_ref, rs_ref, re_ref, lb_out = refs
+    elif counts:
+        q_ref, k_ref, rs_ref, re_ref, lb_ref, *_, wsk_ref, wsi_ref, cnt_ref = refs
     elif bound == 1:
         q_ref, k_ref, rs_ref, re_ref, lb_ref, wsk_ref, wsi_ref = refs
     else:
@@ -232,6 +237,14 @@ def _prefill_chunk_kernel(*refs, h: int, hp: int, d: int, k: int, c: int, t: int
     n_vis = jnp.where(rok, jnp.maximum(jnp.minimum(re, n_keys) - lo, 0), 0)
     c0 = s * c
     n_here = jnp.clip(n_vis - c0, 0, c)
+    cslot = jnp.where(rok & (n_here > 0), rloc * s_n + s, cnt_trash)  # the rows' count slots
+    todo0 = n_here > 0
+    if counts == 2:  # the fixup: nothing to do unless a row of the tile streamed more than k
+        streamed = C.load(cnt_ref.at[cslot], mask=todo0, other=0)
+        todo0 = todo0 & (jnp.max(streamed) > k)
+    lb = C.load(lb_ref.at[safe_r], mask=rok, other=0) if bound == 1 else None
+    slot0 = (rloc * s_n + s) * k
+    rel0 = lo - rs + c0  # the row-relative id of the chunk's first block
     nt_n = c // t
     hb = hp * bm
     # All heads of the tile's rows stacked as one MMA operand, head-major: i = head * bm + m.
@@ -251,14 +264,14 @@ def _prefill_chunk_kernel(*refs, h: int, hp: int, d: int, k: int, c: int, t: int
         return jnp.max(todo.astype(jnp.int32)) > 0
 
     def seg_body(carry):
-        todo, keys = carry
+        todo, acc = carry
         base = jnp.min(jnp.where(todo, lo, _INT32_MAX))
         seg = todo & (lo == base)
         seg_n = jnp.max(jnp.where(seg, n_here, 0))
         # rows with <= k visible blocks keep them all: a segment of only such rows is skipped
         seg_score = jnp.max(jnp.where(seg, n_vis, 0)) > k
 
-        def tile(ti, keys):
+        def tile(ti, acc):
             j = ti * t + tt
             jok = j < seg_n
             kr = jnp.where(jok, base + c0 + j, 0)
@@ -267,23 +280,41 @@ def _prefill_chunk_kernel(*refs, h: int, hp: int, d: int, k: int, c: int, t: int
             tot = jnp.sum(jnp.maximum(sc, 0.0).reshape(hp, bm, t), axis=0)  # [bm, t]
             valid = seg[:, None] & (j[None, :] < n_here[:, None])
             key = jnp.where(valid, _score_keys(tot), -1)
-            put = (nt3 == ti) & seg[:, None, None]
-            return jnp.where(put, key[:, None, :], keys)
+            if counts == 1:  # acc: keys >= the bound so far per row; the first k go to slots
+                take = (valid & (n_vis > k)[:, None] & (key >= lb[:, None])).astype(jnp.int32)
+                at = acc[:, None] + jnp.cumsum(take, axis=1, dtype=jnp.int32) - take
+                put = (take > 0) & (at < k)
+                dest = jnp.where(put, slot0[:, None] + at, trash)
+                C.store(wsk_ref.at[dest], key, mask=put)
+                C.store(wsi_ref.at[dest], rel0[:, None] + j[None, :], mask=put)
+                return acc + jnp.sum(take, axis=1, dtype=jnp.int32)
+            put = (nt3 == ti) & seg[:, None, None]  # acc: the chunk's keys
+            return jnp.where(put, key[:, None, :], acc)
 
         n_tiles = jnp.where(seg_score, (seg_n + (t - 1)) // t, 0).astype(jnp.int32)
-        keys = lax.fori_loop(jnp.int32(0), n_tiles, tile, keys)
-        return todo & ~seg, keys
+        acc = lax.fori_loop(jnp.int32(0), n_tiles, tile, acc)
+        return todo & ~seg, acc
 
-    _, keys = lax.while_loop(seg_cond, seg_body,
-                             (n_here > 0, jnp.full((bm, nt_n, t), -1, jnp.int32)))
+    acc0 = (jnp.zeros((bm,), jnp.int32) if counts == 1
+            else jnp.full((bm, nt_n, t), -1, jnp.int32))
+    _, acc = lax.while_loop(seg_cond, seg_body, (todo0, acc0))
+    if counts == 1:
+        # rows with <= k visible blocks: all of them, key 0 (as pass 1 takes them)
+        j = _iota((1, k), 1)
+        few = (n_vis <= k)[:, None] & (j < n_here[:, None])
+        dest = jnp.where(few, slot0[:, None] + j, trash)
+        C.store(wsk_ref.at[dest], jnp.zeros((bm, k), jnp.int32), mask=few)
+        C.store(wsi_ref.at[dest], rel0[:, None] + j, mask=few)
+        C.store(cnt_ref.at[cslot], jnp.where(n_vis > k, acc, n_here), mask=n_here > 0)
+        return
+    keys = acc
     ids = (_iota((nt_n, t), 0) * t + _iota((nt_n, t), 1)).reshape(1, c)
     keys = keys.reshape(bm, c)
     keys = jnp.where((n_vis > k)[:, None], keys, jnp.where(ids < n_here[:, None], 0, -1))
-    run = jnp.max(n_here) > k
+    run = jnp.max(jnp.where(todo0, n_here, 0)) > k
     if bound == 1:
         # every block of a row's top-k has a key >= the row's bound: where at most k keys of
         # each row pass it, the bound is the threshold (the radix rounds do not run)
-        lb = C.load(lb_ref.at[safe_r], mask=rok, other=0)
         fits = jnp.sum((keys >= lb[:, None]).astype(jnp.int32), axis=1, dtype=jnp.int32) <= k
         all_fit = jnp.min(fits.astype(jnp.int32)) > 0
         tau = jnp.where(all_fit, lb, _kth_key(keys, k, rb, run & ~all_fit))
@@ -293,30 +324,97 @@ def _prefill_chunk_kernel(*refs, h: int, hp: int, d: int, k: int, c: int, t: int
         C.store(lb_out.at[jnp.where(rok, rloc, n_rows)], jnp.maximum(tau - BOUND_MARGIN_ULPS, 0))
         return
     sel, pos, n_sel = _select(keys, tau, k)
-    dest = jnp.where(sel, ((rloc * s_n + s) * k)[:, None] + pos, trash)
-    rel = (lo - rs + c0)[:, None] + ids  # row-relative block id
+    sel = sel & todo0[:, None]  # (the fixup rewrites only the tiles it redoes)
+    dest = jnp.where(sel, slot0[:, None] + pos, trash)
     C.store(wsk_ref.at[dest], keys, mask=sel)
-    C.store(wsi_ref.at[dest], rel, mask=sel)
-    j = _iota((1, k), 1)  # unused slots of the rows' chunks: -1 (no candidate)
-    pad = (j >= n_sel[:, None]) & (n_here > 0)[:, None]
-    C.store(wsk_ref.at[jnp.where(pad, ((rloc * s_n + s) * k)[:, None] + j, trash)],
-            jnp.full((bm, k), -1, jnp.int32), mask=pad)
+    C.store(wsi_ref.at[dest], rel0[:, None] + ids, mask=sel)  # row-relative block ids
+    if counts:
+        C.store(cnt_ref.at[cslot], n_sel, mask=todo0)
+    else:
+        j = _iota((1, k), 1)  # unused slots of the rows' chunks: -1 (no candidate)
+        pad = (j >= n_sel[:, None]) & (n_here > 0)[:, None]
+        C.store(wsk_ref.at[jnp.where(pad, slot0[:, None] + j, trash)],
+                jnp.full((bm, k), -1, jnp.int32), mask=pad)
 
 
 # ---------------------------------------------------------------------------------------------
 # Pass 2: merge (+ optional fused expansion)
+def _chunk_group(wsk_ref, cnt_ref, base, crow, nch, g, k: int, cg: int):
+    """``qsa_triton.indexer._chunk_group``: (keys [cg, k], slots, counted mask)."""
+    ch = g * cg + _iota((cg, 1), 0)
+    j = _iota((1, k), 1)
+    m = j < C.load(cnt_ref.at[jnp.where(ch < nch, crow + ch, 0)], mask=ch < nch, other=0)
+    src = base + ch * k + j
+    return C.load(wsk_ref.at[jnp.where(m, src, 0)], mask=m, other=-1), src, m
+
+
+def _kth_key_chunks(wsk_ref, cnt_ref, base, crow, nch, lb, k: int, cg: int, run):
+    """``qsa_triton.indexer._kth_key_chunks`` (``run`` False: no loop runs): (tau, ties kept)."""
+    n_groups = jnp.where(run, (nch + cg - 1) // cg, 0).astype(jnp.int32)
+
+    def over_groups(fn):
+        return lax.fori_loop(jnp.int32(0), n_groups, lambda g, acc: acc + fn(
+            _chunk_group(wsk_ref, cnt_ref, base, crow, nch, g, k, cg)[0]), jnp.int32(0))
+
+    top = lax.fori_loop(jnp.int32(0), n_groups, lambda g, acc: jnp.maximum(acc, jnp.max(
+        _chunk_group(wsk_ref, cnt_ref, base, crow, nch, g, k, cg)[0])), jnp.int32(0))
+    r0, tau0 = _radix_start(lb, top, 1)
+
+    def body(rr, tau):
+        thr = tau + jnp.left_shift(jnp.int32(1), 30 - rr)
+        n_ge = over_groups(lambda kk: jnp.sum((kk >= thr).astype(jnp.int32), dtype=jnp.int32))
+        return tau + jnp.left_shift((n_ge >= k).astype(jnp.int32), 30 - rr)
+
+    tau = lax.fori_loop(jnp.where(run, r0, 0).astype(jnp.int32),
+                        jnp.where(run, 31, 0).astype(jnp.int32), body, tau0.astype(jnp.int32))
+    n_above = over_groups(lambda kk: jnp.sum((kk > tau).astype(jnp.int32), dtype=jnp.int32))
+    return tau, k - n_above
+
+
+def _compact(wsk_ref, wsi_ref, cnt_ref, base, crow, nch, tau, want, k: int, cg: int,
+             trash: int, interpret: bool):
+    """``qsa_triton.indexer._compact``: the row's counted candidates with key > ``tau`` and its
+    first ``want`` with key == ``tau`` to the front of its workspace, in slot order, in place;
+    returns how many."""
+    def body(g, carry):
+        n_above, n_tie = carry
+        kk, src, m = _chunk_group(wsk_ref, cnt_ref, base, crow, nch, g, k, cg)
+        ii = C.load(wsi_ref.at[jnp.where(m, src, 0)], mask=m, other=0)
+        above = ((kk > tau) & m).astype(jnp.int32)
+        tie = ((kk == tau) & m).astype(jnp.int32)
+        incl = jnp.cumsum((above + jnp.left_shift(tie, 16)).reshape(cg * k),
+                          dtype=jnp.int32).reshape(cg, k)
+        a_ex = n_above + (incl & 0xFFFF) - above
+        t_ex = n_tie + (incl >> 16) - tie
+        keep = (above > 0) | ((tie > 0) & (t_ex < want))
+        dest = jnp.where(keep, base + a_ex + jnp.minimum(t_ex, want), trash)
+        C.barrier(interpret)  # every thread has read the group before any slot is overwritten
+        C.store(wsk_ref.at[dest], kk, mask=keep)
+        C.store(wsi_ref.at[dest], ii, mask=keep)
+        last = jnp.max(incl)
+        return n_above + (last & 0xFFFF), n_tie + (last >> 16)
+
+    n_groups = ((nch + cg - 1) // cg).astype(jnp.int32)
+    n_above, n_tie = lax.fori_loop(jnp.int32(0), n_groups, body, (jnp.int32(0), jnp.int32(0)))
+    C.barrier(interpret)  # the compacted candidates are visible to every thread
+    return n_above + jnp.minimum(n_tie, want)
+
+
 def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int, s_n: int,
                   sp: int, w: int, wp: int, cap: int, rb: int, trash: int,
-                  from_bound: bool = False):
-    # from_bound: the last input is each row's bound of its k-th key (the bound pass's output)
-    lb_ref = refs[-2] if from_bound else None
-    refs = refs[:-2] + refs[-1:] if from_bound else refs
-    if prefill and expand:
-        wsk_ref, wsi_ref, m0_ref, m1_ref, pos_ref, bound_ref, o_ref = refs
-    elif prefill:
-        wsk_ref, wsi_ref, m0_ref, m1_ref, o_ref = refs
-    else:
-        wsk_ref, wsi_ref, m0_ref, o_ref = refs
+                  from_bound: bool = False, ncap: int = 0, cg: int = 1, ws_trash: int = 0,
+                  interpret: bool = False):
+    # inputs: the workspace, the row metadata, [each row's bound of its k-th key (the bound
+    # pass's output)], [ncap: the candidate counts]; outputs: the rows [, ncap: the workspace,
+    # aliased to the inputs (compacted in place)]
+    n_meta = 4 if prefill and expand else 2 if prefill else 1
+    n_in = 2 + n_meta + int(from_bound) + int(bool(ncap))
+    ins, outs = refs[:n_in], refs[n_in:]
+    wsk_ref, wsi_ref = outs[1:] if ncap else ins[:2]
+    m0_ref, m1_ref, pos_ref, bound_ref = (ins[2:2 + n_meta] + (None,) * 3)[:4]
+    lb_ref = ins[2 + n_meta] if from_bound else None
+    cnt_ref = ins[-1] if ncap else None
+    o_ref = outs[0]
     r = pl.program_id(0)
     if prefill:
         rs = m0_ref[r]
@@ -325,10 +423,27 @@ def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int
         seq = jnp.maximum(m0_ref[r], 0)
         n = jnp.minimum(seq // ratio, cap)
     # candidate slot = chunk * k + rank in the chunk: orders like the block id; a chunk's unused
-    # slots hold -1
-    slot = _iota((sp * k,), 0)
-    has = slot // k < (n + (c - 1)) // c
-    src = jnp.where(has, r * s_n * k + slot, 0)
+    # slots hold -1 (or are not counted)
+    base = r * s_n * k
+    if ncap:
+        crow = r * s_n
+        nch = (n + (c - 1)) // c
+        cc = _iota((sp,), 0)
+        total = jnp.sum(C.load(cnt_ref.at[jnp.where(cc < nch, crow + cc, 0)], mask=cc < nch,
+                               other=0), dtype=jnp.int32)
+        # past the tile, only the row's exact top-k is kept; else every candidate (tau -1)
+        over = total > ncap
+        lbr = lb_ref[r] if from_bound else jnp.int32(0)
+        tau_f, want_f = _kth_key_chunks(wsk_ref, cnt_ref, base, crow, nch, lbr, k, cg, over)
+        n_c = _compact(wsk_ref, wsi_ref, cnt_ref, base, crow, nch,
+                       jnp.where(over, tau_f, -1), jnp.where(over, want_f, 0), k, cg, ws_trash,
+                       interpret)
+        slot = _iota((ncap,), 0)
+        has = slot < n_c
+    else:
+        slot = _iota((sp * k,), 0)
+        has = slot // k < (n + (c - 1)) // c
+    src = jnp.where(has, base + slot, 0)
     keys = C.load(wsk_ref.at[src], mask=has, other=-1)
     blk = C.load(wsi_ref.at[src], mask=has, other=0)
     # from_bound: the row's k-th key is in [its bound, its largest candidate]
@@ -378,19 +493,27 @@ def _workspace(rows: int, plan: IndexerPlan, interpret: bool):
 
 
 def _merge(ws, metas, rows: int, plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: int,
-           cap: int, interpret: bool, lb=None):
+           cap: int, interpret: bool, lb=None, cnt=None):
+    """The merge launch; ``cnt`` (the candidate counts, ``plan.merge_capacity``): it compacts
+    the workspace ``ws`` in place (aliased)."""
     k = plan.topk
     w = k * ratio + ratio - 1 if expand else k
     spare = 1 if interpret else 0
     out_w = w + spare
+    ncap = plan.merge_capacity if cnt is not None else 0
     kern = functools.partial(
         _merge_kernel, prefill=prefill, expand=expand, ratio=ratio, k=k, c=plan.chunk,
         s_n=plan.splits, sp=plan.splits_pad, w=w, wp=_next_pow2(w), cap=cap,
-        rb=plan.merge_radix_bits, trash=out_w - 1 if interpret else w, from_bound=lb is not None)
-    metas = metas + ((lb,) if lb is not None else ())
-    out = C.triton_call(kern, out_shape=jax.ShapeDtypeStruct((rows, out_w), jnp.int32),
-                        grid=(rows,), num_warps=plan.merge_warps, num_stages=1,
-                        interpret=interpret, name="qsa_indexer_merge")(*ws, *metas)
+        rb=plan.merge_radix_bits, trash=out_w - 1 if interpret else w, from_bound=lb is not None,
+        ncap=ncap, cg=plan.compact_chunks, ws_trash=ws[0].shape[0] - 1, interpret=interpret)
+    ins = (*ws, *metas) + ((lb,) if lb is not None else ()) + ((cnt,) if ncap else ())
+    out_shape = jax.ShapeDtypeStruct((rows, out_w), jnp.int32)
+    if ncap:
+        out_shape = (out_shape, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ws))
+    out = C.triton_call(kern, out_shape=out_shape, grid=(rows,), num_warps=plan.merge_warps,
+                        num_stages=1, interpret=interpret, name="qsa_indexer_merge",
+                        input_output_aliases={0: 1, 1: 2} if ncap else None)(*ins)
+    out = out[0] if ncap else out
     return out[:, :w] if spare else out
 
 
@@ -450,14 +573,27 @@ def _prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int, rati
                 num_warps=plan.num_warps, num_stages=plan.num_stages, interpret=interpret,
                 name="qsa_indexer_prefill_bound")(q[r0:r1], k2, rs, re)
             kern, extra = functools.partial(kern, bound=1), (lb,)
-        ws = C.triton_call(kern, out_shape=shapes, grid=(-(-n // bm), plan.splits),
-                           num_warps=plan.num_warps, num_stages=plan.num_stages,
-                           interpret=interpret, name="qsa_indexer_prefill_chunk")(
-                               q[r0:r1], k2, rs, re, *extra)
+        launch = functools.partial(
+            C.triton_call, grid=(-(-n // bm), plan.splits), num_warps=plan.num_warps,
+            num_stages=plan.num_stages, interpret=interpret, name="qsa_indexer_prefill_chunk")
+        cnt = None
+        if plan.merge_capacity:  # streamed, then the fixup in place; the counts' spare slot last
+            n_cnt = n * plan.splits
+            shapes = (*shapes, jax.ShapeDtypeStruct((n_cnt + 1 if interpret else n_cnt,),
+                                                    jnp.int32))
+            kern = functools.partial(kern, cnt_trash=n_cnt if interpret else 0)
+            *ws, cnt = launch(functools.partial(kern, counts=1), out_shape=shapes)(
+                q[r0:r1], k2, rs, re, *extra)
+            *ws, cnt = launch(functools.partial(kern, counts=2), out_shape=shapes,
+                              input_output_aliases={5: 0, 6: 1, 7: 2},
+                              name="qsa_indexer_prefill_fixup")(
+                                  q[r0:r1], k2, rs, re, *extra, *ws, cnt)
+        else:
+            ws = launch(kern, out_shape=shapes)(q[r0:r1], k2, rs, re, *extra)
         metas = (rs, re) + ((positions[r0:r1], seq_lens[r0:r1]) if expand else ())
-        outs.append(_merge(ws, metas, n, plan, prefill=True, expand=expand, ratio=ratio,
+        outs.append(_merge(tuple(ws), metas, n, plan, prefill=True, expand=expand, ratio=ratio,
                            cap=n_keys, interpret=interpret,
-                           lb=lb if plan.merge_from_bound else None))
+                           lb=lb if plan.merge_from_bound else None, cnt=cnt))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
 
 

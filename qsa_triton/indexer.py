@@ -232,14 +232,18 @@ def _decode_chunk_kernel(q_ptr, k_ptr, pt_ptr, seq_ptr, wsk_ptr, wsi_ptr,
 # ---------------------------------------------------------------------------------------------
 # Pass 1: prefill (BM rows per program share every key tile)
 @triton.jit
-def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, lb_ptr,
+def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, lb_ptr, cnt_ptr,
                           n_rows, n_keys, stride_qt, stride_qh, S,
                           H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
                           C: tl.constexpr, T: tl.constexpr, BM: tl.constexpr,
                           RB: tl.constexpr, NJ: tl.constexpr, COMPUTE: tl.constexpr,
-                          BOUND: tl.constexpr = 0):
+                          BOUND: tl.constexpr = 0, COUNTS: tl.constexpr = 0):
     # BOUND: 0 plain pass 1; 1 pass 1 with each row's lower bound of its k-th key (lb_ptr);
-    # 2 the bound pass: chunk 0 only, writes the chunk's k-th key per row to lb_ptr
+    # 2 the bound pass: chunk 0 only, writes the chunk's k-th key per row to lb_ptr.
+    # COUNTS (with BOUND 1; the compacting merge reads only counted slots), cnt_ptr [rows, S]:
+    # 1 streams: each tile's keys >= the bound go straight to the row's next slots (the first K
+    # of them), the count of all of them to cnt_ptr (no key tile, no radix rounds); 2 the fixup:
+    # only tiles with a (row, chunk) counted past K run, and write its exact top-K as pass 1
     pid_m = tl.program_id(0)
     s = tl.program_id(1)
     rloc = pid_m * BM + tl.arange(0, BM)
@@ -251,6 +255,11 @@ def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, lb_ptr
     c0 = s * C
     n_here = tl.minimum(tl.maximum(n_vis - c0, 0), C)  # [BM]
     todo = n_here > 0
+    if COUNTS == 2:  # the fixup: nothing to do unless a row of the tile streamed more than K
+        streamed = tl.load(cnt_ptr + rloc * S + s, mask=todo, other=0)
+        todo = todo & (tl.max(streamed, axis=0) > K)
+    if BOUND == 1:
+        lb = tl.load(lb_ptr + rloc, mask=rok, other=0)
     if tl.max(todo.to(tl.int32), axis=0) > 0:
         NT: tl.constexpr = C // T
         HB: tl.constexpr = HP * BM
@@ -263,7 +272,12 @@ def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, lb_ptr
         qmask = ((i // BM) < H) & ((pid_m * BM + i % BM) < n_rows)
         q = tl.load(q_ptr + qrow[:, None] * stride_qt + (i // BM)[:, None] * stride_qh + d[None, :],
                     mask=qmask[:, None], other=0.0).to(COMPUTE)
-        keys = tl.full([BM, NT, T], -1, tl.int32)
+        if COUNTS == 1:
+            n_ge = tl.zeros([BM], dtype=tl.int32)  # keys >= the bound so far, per row
+            slot0 = (rloc * S + s) * K
+            scored = n_vis > K  # the rest keep their <= K visible blocks (below)
+        else:
+            keys = tl.full([BM, NT, T], -1, tl.int32)
         # Rows of one request share their key rows; a tile straddling requests takes one
         # segment (rows with the same first key row) at a time.
         while tl.max(todo.to(tl.int32), axis=0) > 0:
@@ -282,48 +296,132 @@ def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, lb_ptr
                 tot = tl.sum(tl.reshape(tl.maximum(sc, 0.0), [HP, BM, T]), axis=0)  # [BM, T]
                 valid = seg[:, None] & (j[None, :] < n_here[:, None])
                 key = tl.where(valid, _score_keys(tot), -1)
-                put = (nt == t)[None, :, None] & seg[:, None, None]
-                keys = tl.where(put, key[:, None, :], keys)
+                if COUNTS == 1:
+                    take = (valid & scored[:, None] & (key >= lb[:, None])).to(tl.int32)
+                    at = n_ge[:, None] + tl.cumsum(take, axis=1) - take
+                    put = (take > 0) & (at < K)
+                    tl.store(wsk_ptr + slot0[:, None] + at, key, mask=put)
+                    tl.store(wsi_ptr + slot0[:, None] + at, (lo - rs + c0)[:, None] + j[None, :],
+                             mask=put)
+                    n_ge += tl.sum(take, axis=1)
+                else:
+                    put = (nt == t)[None, :, None] & seg[:, None, None]
+                    keys = tl.where(put, key[:, None, :], keys)
             todo = todo & (~seg)
-        ids = tl.reshape(nt[:, None] * T + tt[None, :], [1, C])
-        keys = tl.reshape(keys, [BM, C])
-        keys = tl.where((n_vis > K)[:, None], keys, tl.where(ids < n_here[:, None], 0, -1))
-        tau = tl.zeros([BM], dtype=tl.int32)
-        if tl.max(n_here, axis=0) > K:
-            if BOUND == 1:
-                # every block of a row's top-k has a key >= the row's bound: where at most K keys
-                # of each row pass it, the bound is the threshold (no radix rounds)
-                lb = tl.load(lb_ptr + rloc, mask=rok, other=0)
-                fits = tl.sum((keys >= lb[:, None]).to(tl.int32), axis=1) <= K
-                if tl.min(fits.to(tl.int32), axis=0) > 0:
-                    tau = lb
+        if COUNTS == 1:
+            # rows with <= K visible blocks: all of them, key 0 (as pass 1 takes them)
+            j = tl.arange(0, K)[None, :]
+            few = (~scored)[:, None] & (j < n_here[:, None])
+            tl.store(wsk_ptr + slot0[:, None] + j, tl.zeros([BM, K], tl.int32), mask=few)
+            tl.store(wsi_ptr + slot0[:, None] + j, (lo - rs + c0)[:, None] + j, mask=few)
+            tl.store(cnt_ptr + rloc * S + s, tl.where(scored, n_ge, n_here), mask=n_here > 0)
+        else:
+            ids = tl.reshape(nt[:, None] * T + tt[None, :], [1, C])
+            keys = tl.reshape(keys, [BM, C])
+            keys = tl.where((n_vis > K)[:, None], keys, tl.where(ids < n_here[:, None], 0, -1))
+            tau = tl.zeros([BM], dtype=tl.int32)
+            if tl.max(n_here, axis=0) > K:
+                if BOUND == 1:
+                    # every block of a row's top-k has a key >= the row's bound: where at most K
+                    # keys of each row pass it, the bound is the threshold (no radix rounds)
+                    fits = tl.sum((keys >= lb[:, None]).to(tl.int32), axis=1) <= K
+                    if tl.min(fits.to(tl.int32), axis=0) > 0:
+                        tau = lb
+                    else:
+                        tau = _kth_key(keys, K, RB, NJ)
                 else:
                     tau = _kth_key(keys, K, RB, NJ)
+            if BOUND == 2:  # the sample's k-th key: #(keys >= it) >= K (0: <= K visible)
+                tl.store(lb_ptr + rloc, tl.maximum(tau - _BOUND_MARGIN, 0), mask=rok)
             else:
-                tau = _kth_key(keys, K, RB, NJ)
-        if BOUND == 2:  # the sample's k-th key: #(keys of the row >= it) >= K (0: <= K visible)
-            tl.store(lb_ptr + rloc, tl.maximum(tau - _BOUND_MARGIN, 0), mask=rok)
-        else:
-            sel, pos, n_sel = _select(keys, tau, K)
-            slot = (rloc * S + s) * K  # < 2^31: the row group bounds the workspace
-            rel = (lo - rs + c0)[:, None] + ids  # row-relative block id = key row - row_start
-            tl.store(wsk_ptr + slot[:, None] + pos, keys, mask=sel)
-            tl.store(wsi_ptr + slot[:, None] + pos, rel, mask=sel)
-            j = tl.arange(0, K)[None, :]  # unused slots of the rows' chunks: -1 (no candidate)
-            tl.store(wsk_ptr + slot[:, None] + j, tl.full([BM, K], -1, tl.int32),
-                     mask=(j >= n_sel[:, None]) & (n_here > 0)[:, None])
+                sel, pos, n_sel = _select(keys, tau, K)
+                slot = (rloc * S + s) * K  # < 2^31: the row group bounds the workspace
+                rel = (lo - rs + c0)[:, None] + ids  # row-relative block id = key row - row_start
+                tl.store(wsk_ptr + slot[:, None] + pos, keys, mask=sel)
+                tl.store(wsi_ptr + slot[:, None] + pos, rel, mask=sel)
+                if COUNTS:
+                    tl.store(cnt_ptr + rloc * S + s, n_sel, mask=n_here > 0)
+                else:
+                    j = tl.arange(0, K)[None, :]  # unused slots of the rows' chunks: -1 (none)
+                    tl.store(wsk_ptr + slot[:, None] + j, tl.full([BM, K], -1, tl.int32),
+                             mask=(j >= n_sel[:, None]) & (n_here > 0)[:, None])
 
 
 # ---------------------------------------------------------------------------------------------
 # Pass 2: merge (+ optional fused expansion)
 @triton.jit
-def _merge_kernel(wsk_ptr, wsi_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, bound_ptr, lb_ptr,
+def _chunk_group(wsk_ptr, cnt_ptr, base, crow, nch, g, K: tl.constexpr, CG: tl.constexpr):
+    """Chunks g * CG .. of a row's counted candidates: (keys [CG, K] (-1 past a chunk's count),
+    their slots, counted mask)."""
+    c = g * CG + tl.arange(0, CG)[:, None]
+    j = tl.arange(0, K)[None, :]
+    m = j < tl.load(cnt_ptr + crow + c, mask=c < nch, other=0)
+    src = base + c * K + j
+    return tl.load(wsk_ptr + src, mask=m, other=-1), src, m
+
+
+@triton.jit
+def _kth_key_chunks(wsk_ptr, cnt_ptr, base, crow, nch, lb, K: tl.constexpr, CG: tl.constexpr):
+    """(tau, ties kept) for a row with more counted candidates than the merge's tile: its k-th
+    key by 1-bit radix rounds over the chunks (``_kth_key_row``'s search, starting from the
+    bits ``lb`` and the largest candidate share) and K - #(key > tau)."""
+    top = tl.full([], 0, tl.int32)
+    for g in range(0, tl.cdiv(nch, CG)):
+        kk, _, _ = _chunk_group(wsk_ptr, cnt_ptr, base, crow, nch, g, K, CG)
+        top = tl.maximum(top, tl.max(tl.max(kk, axis=1), axis=0))
+    r0, tau = _radix_start(lb, top, 1)
+    tau = tl.full([], 0, tl.int32) + tau
+    for rr in range(r0, 31):
+        thr = tau + (1 << (30 - rr))
+        n_ge = tl.full([], 0, tl.int32)
+        for g in range(0, tl.cdiv(nch, CG)):
+            kk, _, _ = _chunk_group(wsk_ptr, cnt_ptr, base, crow, nch, g, K, CG)
+            n_ge += tl.sum(tl.sum((kk >= thr).to(tl.int32), axis=1), axis=0)
+        tau += (n_ge >= K).to(tl.int32) << (30 - rr)
+    n_above = tl.full([], 0, tl.int32)
+    for g in range(0, tl.cdiv(nch, CG)):
+        kk, _, _ = _chunk_group(wsk_ptr, cnt_ptr, base, crow, nch, g, K, CG)
+        n_above += tl.sum(tl.sum((kk > tau).to(tl.int32), axis=1), axis=0)
+    return tau, K - n_above
+
+
+@triton.jit
+def _compact(wsk_ptr, wsi_ptr, cnt_ptr, base, crow, nch, tau, want, K: tl.constexpr,
+             CG: tl.constexpr):
+    """Moves a row's counted candidates with key > ``tau``, and its first ``want`` with key ==
+    ``tau``, to the front of its workspace in slot order (in place: a group's destinations lie
+    below its end, later groups above it) and returns how many. tau = -1: every candidate."""
+    n_above = tl.full([], 0, tl.int32)
+    n_tie = tl.full([], 0, tl.int32)
+    for g in range(0, tl.cdiv(nch, CG)):
+        kk, src, m = _chunk_group(wsk_ptr, cnt_ptr, base, crow, nch, g, K, CG)
+        ii = tl.load(wsi_ptr + src, mask=m, other=0)
+        above = ((kk > tau) & m).to(tl.int32)
+        tie = ((kk == tau) & m).to(tl.int32)
+        incl = tl.reshape(tl.cumsum(tl.reshape(above + (tie << 16), [CG * K]), axis=0), [CG, K])
+        a_ex = n_above + (incl & 0xFFFF) - above
+        t_ex = n_tie + (incl >> 16) - tie
+        keep = (above > 0) | ((tie > 0) & (t_ex < want))
+        dest = base + a_ex + tl.minimum(t_ex, want)
+        tl.debug_barrier()  # every thread has read the group before any slot is overwritten
+        tl.store(wsk_ptr + dest, kk, mask=keep)
+        tl.store(wsi_ptr + dest, ii, mask=keep)
+        last = tl.max(tl.max(incl, axis=1), axis=0)
+        n_above += last & 0xFFFF
+        n_tie += last >> 16
+    tl.debug_barrier()  # the compacted candidates are visible to every thread
+    return n_above + tl.minimum(n_tie, want)
+
+
+@triton.jit
+def _merge_kernel(wsk_ptr, wsi_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, bound_ptr, lb_ptr, cnt_ptr,
                   cap, stride_out, C, S,
                   PREFILL: tl.constexpr, EXPAND: tl.constexpr, RATIO: tl.constexpr,
                   K: tl.constexpr, SP: tl.constexpr,
                   W: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr, RB: tl.constexpr,
-                  NJ: tl.constexpr, FROM_BOUND: tl.constexpr = False,
-                  USE_PDL: tl.constexpr = False):
+                  NJ: tl.constexpr, FROM_BOUND: tl.constexpr = False, NCAP: tl.constexpr = 0,
+                  CG: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
+    # NCAP > 0: the candidates are counted (pass 1's COUNTS) and compacted to a tile of NCAP
     r = tl.program_id(0)
     # the row's metadata are inputs, not pass 1's output: read before waiting for pass 1
     if PREFILL:
@@ -340,10 +438,24 @@ def _merge_kernel(wsk_ptr, wsi_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, bound_ptr,
     if USE_PDL:  # launched with PDL: wait until pass 1 has completed and its writes are visible
         tl.extra.cuda.gdc_wait()
     # candidate slot = chunk * K + rank in the chunk: orders like the block id, so the tie rule
-    # (smaller id first) is the slot order; a chunk's unused slots hold -1
-    slot = tl.arange(0, SP * K)
-    has = slot // K < tl.cdiv(n, C)
+    # (smaller id first) is the slot order; a chunk's unused slots hold -1 (or are not counted)
     base = r.to(tl.int64) * S * K
+    if NCAP > 0:
+        crow = r.to(tl.int64) * S
+        nch = tl.cdiv(n, C)
+        cc = tl.arange(0, SP)
+        total = tl.sum(tl.load(cnt_ptr + crow + cc, mask=cc < nch, other=0), axis=0)
+        lbr = tl.load(lb_ptr + r) if FROM_BOUND else 0
+        tau_f = tl.full([], -1, tl.int32)  # keep every candidate ...
+        want_f = tl.full([], 0, tl.int32)
+        if total > NCAP:  # ... or, past the tile, only the row's exact top-k
+            tau_f, want_f = _kth_key_chunks(wsk_ptr, cnt_ptr, base, crow, nch, lbr, K, CG)
+        n_c = _compact(wsk_ptr, wsi_ptr, cnt_ptr, base, crow, nch, tau_f, want_f, K, CG)
+        slot = tl.arange(0, NCAP)
+        has = slot < n_c
+    else:
+        slot = tl.arange(0, SP * K)
+        has = slot // K < tl.cdiv(n, C)
     keys = tl.load(wsk_ptr + base + slot, mask=has, other=-1)
     blk = tl.load(wsi_ptr + base + slot, mask=has, other=0)
     tau = 0
@@ -446,7 +558,8 @@ def _prefill_constexprs(plan: IndexerPlan, h: int, d: int, compute, bound_pass: 
         c = plan.bound_chunk
     return dict(H=h, HP=_next_pow2(h), D=d, K=plan.topk, C=c, T=plan.tile, BM=bm,
                 RB=plan.radix_bits, NJ=IndexerPlan.thresholds(plan.radix_bits), COMPUTE=compute,
-                BOUND=2 if bound_pass else 1 if plan.bound_chunk else 0)
+                BOUND=2 if bound_pass else 1 if plan.bound_chunk else 0,
+                COUNTS=1 if plan.merge_capacity and not bound_pass else 0)
 
 
 def _merge_constexprs(plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: int):
@@ -454,18 +567,20 @@ def _merge_constexprs(plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: 
     return dict(PREFILL=prefill, EXPAND=expand, RATIO=ratio, K=plan.topk,
                 SP=plan.splits_pad, W=w, WP=_next_pow2(w), RP=_next_pow2(ratio),
                 RB=plan.merge_radix_bits, NJ=IndexerPlan.thresholds(plan.merge_radix_bits),
-                FROM_BOUND=prefill and bool(plan.bound_chunk) and plan.merge_from_bound)
+                FROM_BOUND=prefill and bool(plan.bound_chunk) and plan.merge_from_bound,
+                NCAP=plan.merge_capacity if prefill else 0, CG=plan.compact_chunks)
 
 
 def _merge(ws, out, m0, m1, pos, bound, cap, plan: IndexerPlan, *, prefill, expand, ratio,
-           lb=None, pdl=False):
+           lb=None, cnt=None, pdl=False):
     rows = out.shape[0]
     if rows == 0:
         return out
     _merge_kernel[(rows,)](
         *ws, out, m0, m1 if m1 is not None else m0,
         pos if pos is not None else m0, bound if bound is not None else m0,
-        lb if lb is not None else m0, cap, out.stride(0), plan.chunk, plan.splits,
+        lb if lb is not None else m0, cnt if cnt is not None else m0,
+        cap, out.stride(0), plan.chunk, plan.splits,
         **_merge_constexprs(plan, prefill=prefill, expand=expand, ratio=ratio), USE_PDL=pdl,
         num_warps=plan.merge_warps, **({"launch_pdl": True} if pdl else {}))
     return out
@@ -516,6 +631,9 @@ def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, rat
         lb = torch.empty((min(g, t),), dtype=torch.int32, device=q.device)
     else:
         lb = ws[0]  # unused (BOUND = 0)
+    # the candidate counts of the compacting merge (every (row, chunk) it reads is written)
+    cnt = (torch.empty((min(g, t) * plan.splits,), dtype=torch.int32, device=q.device)
+           if plan.merge_capacity else None)
     for r0 in range(0, t, g):  # row groups bound the candidate workspace (static: from shapes)
         r1 = min(t, r0 + g)
         qs = q[r0:r1]
@@ -524,14 +642,17 @@ def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, rat
             if plan.bound_chunk:  # rows with nothing visible keep the bound 0 (no bound)
                 lb.zero_()
                 _prefill_chunk_kernel[(triton.cdiv(r1 - r0, bconsts["BM"]), 1)](
-                    qs, k, rs, re, *ws, lb, r1 - r0, n_keys, qs.stride(0), qs.stride(1), 1,
+                    qs, k, rs, re, *ws, lb, lb, r1 - r0, n_keys, qs.stride(0), qs.stride(1), 1,
                     **bconsts, num_warps=plan.num_warps, num_stages=plan.num_stages)
-            _prefill_chunk_kernel[(triton.cdiv(r1 - r0, bm), plan.splits)](
-                qs, k, rs, re, *ws, lb, r1 - r0, n_keys, qs.stride(0), qs.stride(1), plan.splits,
-                **consts, num_warps=plan.num_warps, num_stages=plan.num_stages)
+            for counts in (1, 2) if cnt is not None else (0,):  # streamed, then the fixup
+                _prefill_chunk_kernel[(triton.cdiv(r1 - r0, bm), plan.splits)](
+                    qs, k, rs, re, *ws, lb, cnt if cnt is not None else lb, r1 - r0, n_keys,
+                    qs.stride(0), qs.stride(1), plan.splits,
+                    **{**consts, "COUNTS": counts}, num_warps=plan.num_warps,
+                    num_stages=plan.num_stages)
         _merge(ws, out[r0:r1], rs, re, positions[r0:r1] if expand else None,
                seq_lens[r0:r1] if expand else None, n_keys, plan, prefill=True, expand=expand,
-               ratio=ratio, lb=lb if plan.bound_chunk else None)
+               ratio=ratio, lb=lb if plan.bound_chunk else None, cnt=cnt)
     return out
 
 

@@ -219,9 +219,10 @@ def test_triton_prefill_exact(pre):
         assert np.array_equal(got, sel)
 
 
-@pytest.mark.parametrize("skip", [True, False], ids=["merge_from_bound", "full_merge"])
+@pytest.mark.parametrize("skip", [True, False, 16],
+                         ids=["merge_from_bound", "full_merge", "compact"])
 @pytest.mark.parametrize("scores", ["ties", "zero", "rising", "narrow"])
-def test_prefill_bound_pass_exact(scores, skip):
+def test_prefill_bound_pass_exact(scores, skip, monkeypatch):
     """Both packages' bound pass (``IndexerPlan.bound_chunk``, forced on a small case: 32-block
     chunks, a 64-block sample, 8 rows a program, row groups of 16 so the bound buffer is reused),
     with and without the merge starting from the bits the bound and the largest candidate share
@@ -229,11 +230,16 @@ def test_prefill_bound_pass_exact(scores, skip):
     of negative dots: the bound is 0, every chunk takes the radix rounds), with scores rising
     with the block id (the sample holds the lowest scores: a loose bound) and with scores in a
     narrow band (bound and top share most bits: the merge skips most rounds), rows clipped past
-    the keys included."""
+    the keys included. "compact": pass 1 streams each chunk's keys >= the bound (the fixup
+    redoes the chunks with more than topk) and the merge compacts the counted candidates to a
+    16-slot tile two chunks a step (``merge_capacity``): rows under it and rows past it (those
+    narrow to their exact top-k by rounds over the chunks first) in one call."""
     import dataclasses
 
     topk = 16
-    q, k, rs, re, pos, sl = prefill_case(*PREFILL_CASES[topk], seed=5)
+    # request 3 reaches 150 blocks (5 chunks): chunks past the 2-chunk sample with more than
+    # topk keys >= the bound (the streamed pass 1's fixup: "rising" puts the top in chunk 2)
+    q, k, rs, re, pos, sl = prefill_case([5, 20, 1, 30, 2], [5, 300, 77, 600, 2], seed=5)
     rs, re = clip_rows(rs, re)
     if scores == "zero":
         q, k = -np.abs(q), np.abs(k)
@@ -253,7 +259,9 @@ def test_prefill_bound_pass_exact(scores, skip):
     base = I.plan_indexer("prefill", q.shape[0], k.shape[0], topk)
     plan = dataclasses.replace(base, chunk=32, tile=32, splits=-(-k.shape[0] // 32),
                                rows_per_program=8, row_group=16, bound_chunk=64,
-                               merge_from_bound=skip)
+                               merge_from_bound=skip is not False,
+                               merge_capacity=0 if isinstance(skip, bool) else skip)
+    monkeypatch.setattr(I.IndexerPlan, "compact_chunks", property(lambda self: 2))
     assert plan.problem("prefill", k.shape[0], topk) is None and plan.splits >= 4
     t = lambda a, dt=None: torch.tensor(a, dtype=dt)  # noqa: E731
     got = TI.indexer_topk_prefill(t(q, torch.float16), t(k, torch.float16), t(rs), t(re),
@@ -435,11 +443,16 @@ def test_plan_is_static_and_bounded():
         assert p.row_group % p.rows_per_program == 0
         assert p.row_group * p.splits * 512 * 8 <= 256 << 20
     assert I.plan_indexer("prefill", 8192, 8192, 512).row_group == 8192
-    # the prefill merge: 4 warps for 4096 candidates in both builds; 16384: Triton 8, Pallas 16
-    widths = {(ctx, be): I.plan_indexer("prefill", 8192, ctx // 4, 512, backend=be).merge_warps
+    # the prefill merge (compacting: a 2048-candidate tile at 32k, 8192 at 128k): 4 warps,
+    # but 8 for the Pallas build's 8192 (32 candidates a thread)
+    widths = {(ctx, be): I.plan_indexer("prefill", 8192, ctx // 4, 512, backend=be)
               for ctx in (32768, 131072) for be in ("triton", "pallas")}
-    assert widths == {(32768, "triton"): 4, (32768, "pallas"): 4, (131072, "triton"): 8,
-                      (131072, "pallas"): 16}
+    assert {key: (p.merge_capacity, p.bound_chunk, p.merge_warps)
+            for key, p in widths.items()} == {
+        (32768, "triton"): (2048, 2048, 4), (32768, "pallas"): (2048, 2048, 4),
+        (131072, "triton"): (8192, 4096, 4), (131072, "pallas"): (8192, 4096, 8)}
+    # past 64k blocks (256k tokens) the chunk doubles, 4 rows a program: no bound, no compaction
+    assert I.plan_indexer("prefill", 8192, 65536, 512).merge_capacity == 0
     with pytest.raises(ValueError, match="backend"):
         I.plan_indexer("prefill", 8192, 8192, 512, backend="cuda")
 
@@ -509,24 +522,28 @@ print(json.dumps(out))
 
 def test_triton_kernels_fit_sm90_and_sm120():
     """The largest pass-1 decode program (8192 keys: the most registers; three 32 KB key buffers
-    on sm_90, 16 KB on sm_120) compiles for sm_90 and sm_120, and the prefill pass 1 (8 x 1024
-    keys) and its bound pass (4 x 2048) for sm_120, within shared memory and registers, the
-    decode without spills (every configuration of both archs: ``qsa compile``)."""
+    on sm_90, 16 KB on sm_120) compiles for sm_90 and sm_120, and the prefill pass 1 (streamed
+    8 x 1024 keys, and its fixup) and its bound passes (4 x 2048 at 32k, 4 x 4096 at 128k) for
+    sm_120, within shared memory and registers, the decode and the streamed pass 1 without
+    spills (every configuration of both archs: ``qsa compile``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     picks = {"sm_90": r"indexer_decode_C8192_T128_rb2_bf16",
-             "sm_120": r"indexer_decode_C8192_T64_rb2_bf16|indexer_prefill_C1024_T64_bm8_bound1"
-                       r"|indexer_prefill_C2048_T64_bm4_bound2"}
+             "sm_120": r"indexer_decode_C8192_T64_rb2_bf16"
+                       r"|indexer_prefill_C1024_T64_bm8_bound1_counts[12]"
+                       r"|indexer_prefill_C(2048|4096)_T64_bm4_bound2_counts0"}
     proc = subprocess.run([sys.executable, "-c", _TRITON_AOT, json.dumps(picks)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
     assert lines, proc.stderr[-3000:]
     rows = json.loads(lines[-1])
-    assert len(rows) == 4, rows
+    assert len(rows) == 6, rows
     assert all(r["fits"] and r["shared"] <= r["limit"] for r in rows), rows
     assert all(r["shared"] <= 101_376 for r in rows if r["arch"] == "sm_120"), rows
-    # pass-1 decode: no spills (the key stream must not wait on local memory)
-    assert all(r["spill"] in (0, None) for r in rows if "_decode_" in r["name"]), rows
+    # pass-1 decode and the streamed prefill: no spills (the key stream must not wait on local
+    # memory)
+    assert all(r["spill"] in (0, None) for r in rows
+               if "_decode_" in r["name"] or r["name"].endswith("_counts1")), rows
 
 
 def test_pallas_kernels_lower_for_cuda_and_fit_sm120():
@@ -538,9 +555,9 @@ def test_pallas_kernels_lower_for_cuda_and_fit_sm120():
 
     kind = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
     cases = pallas_indexer_cases(kind, k_dtype="float8_e4m3fn")
-    for name, fn, args in (cases[0], cases[2]):  # prefill at 32k: the bound pass too
+    for name, fn, args in (cases[0], cases[2]):  # prefill at 32k: the bound pass, the fixup
         mods = {m.name for m in C.triton_modules(C.lower_for_device_kind(fn, args, kind))}
-        assert len(mods) == (3 if "prefill" in name else 2) and "qsa_indexer_merge" in mods, name
+        assert len(mods) == (4 if "prefill" in name else 2) and "qsa_indexer_merge" in mods, name
     chunk = next(m for m in C.triton_modules(C.lower_for_device_kind(*cases[0][1:], kind))
                  if m.name == "qsa_indexer_decode_chunk")
     assert C.compile_ttir(chunk, 120)["shared"] <= KNOWN_ARCHS["sm_120"].smem_per_block

@@ -369,14 +369,20 @@ def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
     for ctx in prefill_contexts:
         p = plan_indexer("prefill", 8192, ctx // 4, 512, sm_count=sms,
                          smem_per_block=info.smem_per_block)
-        for bound_pass in (False, True) if p.bound_chunk else (False,):
-            consts = ix._prefill_constexprs(p, 4, 128, tl.bfloat16, bound_pass=bound_pass)
+        # the bound pass, then pass 1 (streamed and its fixup where the merge compacts)
+        passes = [(True, 0)] if p.bound_chunk else []
+        passes += [(False, 1), (False, 2)] if p.merge_capacity else [(False, 0)]
+        for bound_pass, counts in passes:
+            consts = {**ix._prefill_constexprs(p, 4, 128, tl.bfloat16, bound_pass=bound_pass),
+                      "COUNTS": counts}
             out.append(_entry(ix._prefill_chunk_kernel,
                               f"indexer_prefill_C{consts['C']}_T{p.tile}_bm{consts['BM']}"
-                              f"_bound{consts['BOUND']}", {"q_ptr": "*bf16", "k_ptr": "*bf16"},
-                              consts, p.num_warps, p.num_stages))
-        out.append(_entry(ix._merge_kernel, f"indexer_merge_prefill_SP{p.splits_pad}_tokens",
-                          {}, ix._merge_constexprs(p, prefill=True, expand=True, ratio=4),
+                              f"_bound{consts['BOUND']}_counts{counts}",
+                              {"q_ptr": "*bf16", "k_ptr": "*bf16"}, consts, p.num_warps,
+                              p.num_stages))
+        out.append(_entry(ix._merge_kernel, f"indexer_merge_prefill_SP{p.splits_pad}_cap"
+                          f"{p.merge_capacity}_tokens", {},
+                          ix._merge_constexprs(p, prefill=True, expand=True, ratio=4),
                           p.merge_warps, 1))
     return _unique(out)
 
@@ -627,8 +633,8 @@ def pallas_decode_paged_cases(kind: str, *, head_dim: int = 256, width: int = 20
 def pallas_indexer_cases(kind: str | None = None, *, dtype: str = "bfloat16",
                          k_dtype: str | None = None) -> list[tuple[str, Callable, tuple]]:
     """Representative ``qsa_pallas.indexer`` launches (the plan follows the abstract device;
-    ``kind`` is unused): decode B = 16 at 32k and B = 128 at 256k, prefill 8192 rows at 32k,
-    keys in ``k_dtype`` (default ``dtype``), as ``(name, fn, args)``."""
+    ``kind`` is unused): decode B = 16 at 32k and B = 128 at 256k, prefill 8192 rows at 32k
+    and 128k, keys in ``k_dtype`` (default ``dtype``), as ``(name, fn, args)``."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
@@ -640,10 +646,11 @@ def pallas_indexer_cases(kind: str | None = None, *, dtype: str = "bfloat16",
               (sds((b, 4, 128), dt), sds((b * ctx // 64, 16, 1, 128), kd),
                sds((b, ctx // 64), i32), sds((b,), i32)))
              for b, ctx in ((16, 32768), (128, 262144))]
-    t, n = 8192, 32768 // 4
-    return cases + [("prefill/T8192/32768",
+    t = 8192
+    return cases + [(f"prefill/T{t}/{ctx}",
                      functools.partial(ix.indexer_select_prefill, interpret=False),
-                     (sds((t, 4, 128), dt), sds((n, 1, 128), kd), *[sds((t,), i32)] * 4))]
+                     (sds((t, 4, 128), dt), sds((ctx // 4, 1, 128), kd), *[sds((t,), i32)] * 4))
+                    for ctx in (32768, 131072)]
 
 
 def compile_pallas_cases(arch: str, cases: Iterable[tuple[str, Callable, tuple]]
