@@ -350,7 +350,8 @@ def _chunk_group(wsk_ref, cnt_ref, base, crow, nch, g, k: int, cg: int):
 
 def _kth_key_chunks(wsk_ref, cnt_ref, base, crow, nch, lb, k: int, cg: int, run):
     """``qsa_triton.indexer._kth_key_chunks`` (``run`` False: no loop runs): (tau, ties kept)."""
-    n_groups = jnp.where(run, (nch + cg - 1) // cg, 0).astype(jnp.int32)
+    on = run.astype(jnp.int32)  # int32 loop bounds (a weakly typed where() lowers to i1)
+    n_groups = on * ((nch + cg - 1) // cg).astype(jnp.int32)
 
     def over_groups(fn):
         return lax.fori_loop(jnp.int32(0), n_groups, lambda g, acc: acc + fn(
@@ -365,8 +366,7 @@ def _kth_key_chunks(wsk_ref, cnt_ref, base, crow, nch, lb, k: int, cg: int, run)
         n_ge = over_groups(lambda kk: jnp.sum((kk >= thr).astype(jnp.int32), dtype=jnp.int32))
         return tau + jnp.left_shift((n_ge >= k).astype(jnp.int32), 30 - rr)
 
-    tau = lax.fori_loop(jnp.where(run, r0, 0).astype(jnp.int32),
-                        jnp.where(run, 31, 0).astype(jnp.int32), body, tau0.astype(jnp.int32))
+    tau = lax.fori_loop(on * r0.astype(jnp.int32), on * 31, body, tau0.astype(jnp.int32))
     n_above = over_groups(lambda kk: jnp.sum((kk > tau).astype(jnp.int32), dtype=jnp.int32))
     return tau, k - n_above
 
