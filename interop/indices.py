@@ -732,11 +732,12 @@ class IndexerPlan:
     top-k is one of them). merge_from_bound (with bound_chunk): the row's k-th key lies between
     its bound and its largest candidate, so the merge takes the key bits those two share from
     the bound and runs only the radix rounds below them. merge_capacity (prefill with
-    bound_chunk; 0 = off): pass 1 writes each (row, chunk)'s candidate count instead of padding
-    its unused slots, and the merge first moves a row's candidates to the front of its
-    workspace (stable, in place) and selects from a tile of ``merge_capacity`` of them, not
-    ``splits_pad x topk`` (a row with more first narrows them to its exact top-k by radix
-    rounds over the chunks)."""
+    bound_chunk; 0 = off): pass 1 streams each tile's keys >= the bound into the chunk's slots
+    (the first topk) and writes each (row, chunk)'s count of them, a fixup pass redoes exactly
+    the chunks counted past topk, and the merge first moves a row's counted candidates to the
+    front of its workspace (stable, in place) and selects from a tile of ``merge_capacity`` of
+    them, not ``splits_pad x topk`` (a row with more first narrows them to its exact top-k by
+    radix rounds over the chunks)."""
 
     kind: str
     topk: int
@@ -828,7 +829,10 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     than 8 in the Triton build), 1-bit rounds, a merge of at least 4 warps with 32 candidates per
     thread (``backend`` "pallas") or up to 64 ("triton": at 16384 candidates its 8-warp merge
     beat 16 warps, the Pallas build's lost), rows grouped so one launch's candidates stay under
-    256 MiB. Raises ValueError: unknown kind or backend, topk not a power of two,
+    256 MiB; with >= 4 chunks a bound sample of 2 chunks, and the streamed pass 1 with a
+    compacting merge (``merge_capacity`` half the slots, <= 8192; a 4-chunk sample from 16
+    chunks; the Pallas build from 16 chunks only) where a row's expected candidates fit.
+    Raises ValueError: unknown kind or backend, topk not a power of two,
     negative sizes."""
     if kind not in ("decode", "prefill"):
         raise ValueError(f"kind must be decode|prefill, got {kind!r}")
@@ -867,11 +871,12 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     splits = -(-mb // c)
     bound = 2 * c if splits >= 4 and bm >= 8 else 0
     # with the bound: pass 1 streams the keys >= it and the merge compacts them into a tile of
-    # half the slots (at most 8192), where the expected candidates of a row (iid scores:
-    # blocks x topk / sample) fit that tile, or half of it where the sample is 4 chunks (a
-    # row's candidates past the tile take the merge's slow path) (bench/NOTES.md, "Indexer")
+    # half the slots (at most 8192) where a row's expected candidates (iid scores: blocks x
+    # topk / sample) fit the tile, or half of it with a 4-chunk sample (>= 16 chunks; a row
+    # past the tile takes the merge's slow path); the Pallas build only with the 4-chunk
+    # sample (at 8 chunks its streamed pass measured slower) (bench/NOTES.md, "Indexer")
     cap = 0
-    if bound:
+    if bound and (splits >= 16 or backend == "triton"):
         sample = 4 * c if splits >= 16 else 2 * c
         cap = min(_MERGE_MAX_CANDIDATES, _pow2_at_least(splits) * topk // 2)
         if mb * topk // sample <= (cap // 2 if sample > bound else cap):

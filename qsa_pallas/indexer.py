@@ -12,8 +12,11 @@ work under ``lax.scan`` and ``shard_map`` (VMA check off). In interpret mode (CP
 scatter writes back the old value at masked lanes
 (``jax._src.pallas.primitives._swap_discharge_rule``), which can clobber a written lane with the
 same index, so every scatter sends its masked lanes to one spare slot past the data; on the GPU
-masked lanes write nothing. The standalone ``expand_block_indices`` is plain ``jnp`` (cumsum +
-scatter); the fused paths expand inside the merge kernel.
+masked lanes write nothing. The streamed pass 1's fixup and the compacting merge write the
+workspace in place: those calls alias it from inputs to outputs (``input_output_aliases``), and
+the merge's CTA barrier is ``debug_barrier`` (nothing in interpret mode, which runs a program's
+ops in order). The standalone ``expand_block_indices`` is plain ``jnp`` (cumsum + scatter); the
+fused paths expand inside the merge kernel.
 """
 
 from __future__ import annotations

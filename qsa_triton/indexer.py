@@ -21,6 +21,15 @@ plan_indexer`` (shared with ``qsa_pallas.indexer``, the same algorithm). Two pas
   >= that bound: pass 1 keeps a chunk's keys >= it without radix rounds wherever at most k pass,
   and the merge (``merge_from_bound``) takes the key bits the bound and the row's largest
   candidate share as known and searches only the bits below them.
+* Prefill with ``IndexerPlan.merge_capacity`` (and the bound): pass 1 holds no key tile. Each
+  scored tile's keys >= the bound go straight to the row's next slots of the chunk (a prefix
+  sum per tile; the first k of them) and the chunk's count of them to a counts array; a fixup
+  pass then redoes, as above, only the row tiles with a chunk counted past k (returning at once
+  elsewhere). The merge moves a row's counted candidates to the front of its workspace (stable,
+  in place, a CTA barrier between a group's loads and its stores) and selects from a tile of
+  ``merge_capacity``; a row with more first finds its exact k-th key by radix rounds over the
+  chunks in global memory and keeps only its top-k. With a bound that passes about 1 key in 8,
+  most of the chunks' and the merge's work is gone.
 
 The selection is a radix select (Alabi et al., "Fast k-Selection Algorithms for Graphics
 Processing Units", JEA 2012; upstream's ``fast_topk`` selects by radix digits too), exact, no

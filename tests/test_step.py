@@ -294,9 +294,8 @@ def test_jax_steps_lower_for_cuda_at_production_shapes(kind):
              "qsa_sparse_prefill_paged")):
         names = [m.name for m in _compat.triton_modules(
             _compat.lower_for_device_kind(fn, args, kind))]
-        # prefill at 32k: the bound pass before pass 1, the fixup of the streamed pass 1 after
-        bound = (["qsa_indexer_prefill_bound", "qsa_indexer_prefill_fixup"]
-                 if attn == "qsa_sparse_prefill_paged" else [])
+        # prefill at 32k: the bound pass before pass 1
+        bound = ["qsa_indexer_prefill_bound"] if attn == "qsa_sparse_prefill_paged" else []
         chunk = [n for n in names if n.startswith("qsa_indexer_") and n.endswith("_chunk")]
         assert len(chunk) == 1, names
         assert sorted(names) == sorted(chunk + bound + ["qsa_indexer_merge", attn]), names
