@@ -28,8 +28,8 @@ plan_indexer`` (shared with ``qsa_pallas.indexer``, the same algorithm). Two pas
   elsewhere). The merge moves a row's counted candidates to the front of its workspace (stable,
   in place, a CTA barrier between a group's loads and its stores) and selects from a tile of
   ``merge_capacity``; a row with more first finds its exact k-th key by radix rounds over the
-  chunks in global memory and keeps only its top-k. With a bound that passes about 1 key in 8,
-  most of the chunks' and the merge's work is gone.
+  chunks in global memory and keeps only its top-k. Where the bound passes few keys (iid scores:
+  about topk / ``bound_chunk`` of them), most of pass 1's and the merge's work is gone.
 
 The selection is a radix select (Alabi et al., "Fast k-Selection Algorithms for Graphics
 Processing Units", JEA 2012; upstream's ``fast_topk`` selects by radix digits too), exact, no

@@ -222,7 +222,7 @@ def test_triton_prefill_exact(pre):
 @pytest.mark.parametrize("skip", [True, False, 16],
                          ids=["merge_from_bound", "full_merge", "compact"])
 @pytest.mark.parametrize("scores", ["ties", "zero", "rising", "narrow"])
-def test_prefill_bound_pass_exact(scores, skip, monkeypatch):
+def test_prefill_bound_pass_exact(scores, skip, monkeypatch, device="cpu"):
     """Both packages' bound pass (``IndexerPlan.bound_chunk``, forced on a small case: 32-block
     chunks, a 64-block sample, 8 rows a program, row groups of 16 so the bound buffer is reused),
     with and without the merge starting from the bits the bound and the largest candidate share
@@ -263,14 +263,23 @@ def test_prefill_bound_pass_exact(scores, skip, monkeypatch):
                                merge_capacity=0 if isinstance(skip, bool) else skip)
     monkeypatch.setattr(I.IndexerPlan, "compact_chunks", property(lambda self: 2))
     assert plan.problem("prefill", k.shape[0], topk) is None and plan.splits >= 4
-    t = lambda a, dt=None: torch.tensor(a, dtype=dt)  # noqa: E731
+    t = lambda a, dt=None: torch.tensor(a, dtype=dt, device=device)  # noqa: E731
     got = TI.indexer_topk_prefill(t(q, torch.float16), t(k, torch.float16), t(rs), t(re),
-                                  topk=topk, plan=plan).numpy()
+                                  topk=topk, plan=plan).cpu().numpy()
     assert np.array_equal(got, ref)
     a = jnp.asarray
     got = PI.indexer_topk_prefill(a(q, jnp.bfloat16), a(k, jnp.bfloat16), a(rs), a(re),
                                   topk=topk, plan=plan)
     assert np.array_equal(np.asarray(got), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scores", ["ties", "zero", "rising", "narrow"])
+def test_gpu_prefill_streamed_and_compacted_exact(scores, monkeypatch):
+    """``test_prefill_bound_pass_exact``'s streamed pass 1, fixup and compacting merge (rows
+    under and past the merge tile) compiled: every thread of a CTA, the in-place compaction's
+    barriers real."""
+    test_prefill_bound_pass_exact(scores, 16, monkeypatch, device="cuda")
 
 
 def test_pallas_prefill_exact(pre):
