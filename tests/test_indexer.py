@@ -670,7 +670,7 @@ def test_gpu_cuda_graph_replay_with_changed_lengths():
     TI.indexer_select_decode(q, kc, pt, sl)  # compile before capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
         out = TI.indexer_select_decode(q, kc, pt, sl)
     rng = np.random.default_rng(5)
     for shrink in ([0] * b, rng.integers(0, ctx, size=b), rng.integers(0, 9, size=b)):

@@ -712,7 +712,7 @@ def test_gpu_cuda_graph_replay_new_metadata():
         qsa_triton.sparse_decode_paged(*static, batch_invariant=bi)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = qsa_triton.sparse_decode_paged(*static, batch_invariant=bi)
         old = {i: static[i].clone() for i in new_meta}
         for meta in (new_meta, old):
@@ -747,7 +747,7 @@ def test_gpu_graphs_every_r_1_to_128():
         a = (q[:r], k, v, table, req[:r], idx[:r], seq[:r])
         qsa_triton.sparse_decode_paged(*a)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
             out = qsa_triton.sparse_decode_paged(*a)
         graphs.append((g, out, a))
     shorter = torch.clamp(seq - torch.arange(128, device=CUDA, dtype=torch.int32) * 7, min=0)
@@ -790,7 +790,7 @@ def test_gpu_pdl_on_off_bitwise_and_chained_graph(tp, rows):
     chain()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = chain()
     args[5].copy_(torch.flip(args[5], dims=[1]))
     graph.replay()
@@ -951,7 +951,7 @@ def test_gpu_packed_batch_invariant_graph_and_compile():
     qsa_triton.sparse_decode(*t, 2051, batch_invariant=True)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = qsa_triton.sparse_decode(*t, 2051, batch_invariant=True)
     new_lens = np.roll(np.asarray(lens), 5)  # other lengths per row, no more keys in all
     new_lens[3] = 0

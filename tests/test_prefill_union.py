@@ -750,7 +750,7 @@ def test_gpu_triton_union_cuda_graph_replay_with_new_metadata():
     be.run(first, t=t)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = be.P.sparse_prefill_chunk(t["q"], t["k"], t["v"], None, t["cu_seqlens_q"],
                                         t["cu_seqlens_k"], t["kv_lens"], 256,
                                         block_indices=t["block_indices"])

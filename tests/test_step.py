@@ -471,7 +471,7 @@ def test_gpu_cuda_graph_replay_with_changed_seq_lens():
     qsa_triton.qsa_decode_step(*args, **kw)  # compile before capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
         out = qsa_triton.qsa_decode_step(*args, **kw)
     rng = np.random.default_rng(1)
     base = data.ints["seq_lens"].copy()

@@ -657,7 +657,9 @@ def test_gpu_row_longer_than_max_seqlen_k_and_garbage():
 
 
 def _capture(fn):
-    """(graph, result of ``fn()`` captured into it), after one warm-up call off-graph."""
+    """(graph, result of ``fn()`` captured into it), after one warm-up call off-graph. The tests
+    capture thread-locally (as ``interop.validate.tp``): an xdist worker also runs JAX, whose
+    own threads' unsafe CUDA calls (cudaMalloc ...) invalidate a global-mode capture."""
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -666,7 +668,7 @@ def _capture(fn):
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = fn()
     return graph, out
 
@@ -717,7 +719,7 @@ def test_gpu_capture_refuses_missing_scratch():
     plan = forced_plan(case, 300, max_splits=4096, block_n=16, min_blocks_per_split=1)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(ContractError):
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             dec._decode_with_plan(*case, 300, plan=plan)
 
 
@@ -730,7 +732,7 @@ def test_gpu_inline_counters_zero_after_10000_launches():
     out = dec._decode_with_plan(*case, SATURATED, plan=plan, merge="inline")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for _ in range(100):
             out = dec._decode_with_plan(*case, SATURATED, plan=plan, merge="inline")
     for _ in range(100):
@@ -844,7 +846,7 @@ def test_gpu_pdl_many_launches_counters_and_results():
         first = forced(case, SATURATED, merge=merge, pdl=True, **ov)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             outs = [forced(case, SATURATED, merge=merge, pdl=True, **ov) for _ in range(100)]
         for _ in range(50):
             graph.replay()

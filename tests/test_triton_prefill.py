@@ -352,7 +352,7 @@ def test_gpu_cuda_graph_replay_with_changed_device_metadata(kind):
     run(first, t=t)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = run(first, t=t)
     graph.replay()
     torch.cuda.synchronize()
