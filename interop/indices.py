@@ -774,6 +774,12 @@ class IndexerPlan:
         """Why this plan cannot run a ``kind`` call with these sizes (the kernels' limits), or
         None."""
         pow2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
+        # a kernel constexpr or a grid size needs a Python int (a numpy int fails in a kernel)
+        wrong = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                 if f.type in ("int", "bool") and type(getattr(self, f.name)).__name__ != f.type]
+        if wrong:
+            return (f"every size a Python int, pdl and merge_from_bound a bool, got "
+                    f"{', '.join(wrong)}")
         if self.kind != kind or self.topk != topk:
             return f"a {kind} plan for topk={topk}, got kind={self.kind} topk={self.topk}"
         if not (pow2(self.chunk) and pow2(self.tile) and self.chunk >= max(2 * topk, self.tile)
@@ -800,8 +806,10 @@ class IndexerPlan:
         if not (1 <= self.radix_bits <= 8 and 1 <= self.merge_radix_bits <= 8):
             return f"radix bits 1..8, got {self.radix_bits}, {self.merge_radix_bits}"
         bc = self.bound_chunk
-        if bc and (kind != "prefill" or not pow2(bc) or bc <= topk or bc >= 1 << 16):
-            return (f"bound_chunk 0, or (prefill) a power of two in ({topk}, 65536), got {bc}")
+        if bc and (kind != "prefill" or not pow2(bc) or bc <= topk or bc < self.tile
+                   or bc >= 1 << 16):
+            return (f"bound_chunk 0, or (prefill) a power of two in ({topk}, 65536) and >= tile "
+                    f"{self.tile}, got {bc}")
         cap = self.merge_capacity
         if cap and (not bc or not pow2(cap) or cap < topk or cap > self.splits_pad * topk):
             return (f"merge_capacity 0, or (with bound_chunk) a power of two in [{topk}, "
@@ -829,9 +837,10 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     than 8 in the Triton build), 1-bit rounds, a merge of at least 4 warps with 32 candidates per
     thread (``backend`` "pallas") or up to 64 ("triton": at 16384 candidates its 8-warp merge
     beat 16 warps, the Pallas build's lost), rows grouped so one launch's candidates stay under
-    256 MiB; with >= 4 chunks a bound sample of 2 chunks, and the streamed pass 1 with a
-    compacting merge (``merge_capacity`` half the slots, <= 8192; a 4-chunk sample from 16
-    chunks; the Pallas build from 16 chunks only) where a row's expected candidates fit.
+    256 MiB; with >= 4 chunks and 8 rows a program (up to 32768 blocks at topk 512) a bound
+    sample of 2 chunks, and the streamed pass 1 with a compacting merge (``merge_capacity``
+    half the slots, <= 8192; a 4-chunk sample from 16 chunks; the Pallas build from 16 chunks
+    only) where a row's expected candidates fit.
     Raises ValueError: unknown kind or backend, topk not a power of two,
     negative sizes."""
     if kind not in ("decode", "prefill"):

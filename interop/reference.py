@@ -190,7 +190,8 @@ def indexer_logits(q, k, row_starts, row_ends, score_scale=None) -> np.ndarray:
     column to ``-start``). q [M, H, D]; k [N, 1, D] or [N, D]; row_starts, row_ends int [M]
     (absolute, half-open); score_scale float > 0 or None (sqrt(D))."""
     q = np.asarray(q, np.float64)
-    k = np.asarray(k, np.float64).reshape(np.shape(k)[0], -1)
+    k = np.asarray(k, np.float64)
+    k = k.reshape(k.shape[0], int(np.prod(k.shape[1:])))  # (-1 is ambiguous with no keys)
     n = k.shape[0]
     rs = np.asarray(row_starts, np.int64).reshape(-1)
     re = np.asarray(row_ends, np.int64).reshape(-1)
@@ -235,10 +236,10 @@ def indexer_logits_decode(q, k_cache, page_table, seq_lens, *, compress_ratio: i
 
 
 def indexer_topk(logits, topk: int = 512) -> np.ndarray:
-    """Exact top-k over row-relative logits float [M, W] (-inf: not visible): int32 [M, topk],
-    ids ascending then -1 (§7). A row with <= topk visible columns takes them all, else the topk
-    largest under (logit descending, column ascending): ties go to the smaller block id. Raises
-    ValueError: NaN in logits, topk < 1."""
+    """Exact top-k over row-relative logits float [M, W] (-inf: not visible; +inf is a score, the
+    largest): int32 [M, topk], ids ascending then -1 (§7). A row with <= topk visible columns
+    takes them all, else the topk largest under (logit descending, column ascending): ties go to
+    the smaller block id. Raises ValueError: NaN in logits, topk < 1."""
     x = np.asarray(logits, np.float64)
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
@@ -246,7 +247,7 @@ def indexer_topk(logits, topk: int = 512) -> np.ndarray:
         raise ValueError("logits contain NaN")
     out = np.full((x.shape[0], topk), -1, np.int32)
     for m in range(x.shape[0]):
-        vis = np.nonzero(np.isfinite(x[m]))[0]
+        vis = np.nonzero(x[m] > -np.inf)[0]
         if vis.size > topk:
             # lexsort: last key is primary -> value descending, then id ascending
             order = np.lexsort((vis, -x[m, vis]))
@@ -310,7 +311,7 @@ def topk_set_report(selected, logits, topk: int, *, tol: float = 0.0) -> dict:
             exact += 1
             adm += 1
             continue
-        vis = np.isfinite(x[m])
+        vis = x[m] > -np.inf
         nvis = int(vis.sum())
         want = min(topk, nvis)
         ids = row[:want]

@@ -100,6 +100,16 @@ def test_reference_adversarial_rows_are_what_they_claim(dec512):
     assert np.array_equal((sel >= 0).sum(1), n)
 
 
+def test_reference_inf_scores_and_no_keys():
+    """+inf is the largest score, not an invisible block (the kernels' keys order it first);
+    a prefill with no compressed keys gives -1 rows."""
+    x = np.array([[1.0, np.inf, -np.inf, 3.0, 2.0]])
+    assert np.array_equal(R.indexer_topk(x, 2), [[1, 3]])
+    q = np.ones((2, 4, 8))
+    got = R.indexer_topk_prefill_reference(q, np.zeros((0, 1, 8)), [0, 0], [0, 0], topk=16)
+    assert got.shape == (2, 16) and (got == -1).all()
+
+
 def test_triton_decode_adversarial_exact(dec512):
     q, kc, case, ref, sel = dec512
     assert np.array_equal(_torch_decode(TI.indexer_topk_decode, q, kc, case), ref)
@@ -442,6 +452,8 @@ def test_debug_validator_flags_decode_metadata():
 
 
 def test_plan_is_static_and_bounded():
+    import dataclasses
+
     for b in (1, 16, 64, 128):
         for ctx in (8192, 32768, 131072, 262144, 1 << 20):
             p = I.plan_indexer("decode", b, ctx // 4, 512)
@@ -462,6 +474,10 @@ def test_plan_is_static_and_bounded():
         (131072, "triton"): (8192, 4096, 4), (131072, "pallas"): (8192, 4096, 8)}
     # past 64k blocks (256k tokens) the chunk doubles, 4 rows a program: no bound, no compaction
     assert I.plan_indexer("prefill", 8192, 65536, 512).merge_capacity == 0
+    # the bound pass runs bound_chunk // tile tiles: a sample smaller than a tile is refused
+    p = dataclasses.replace(I.plan_indexer("prefill", 4, 60, 16), chunk=64, tile=64, splits=1,
+                            rows_per_program=4, row_group=4, bound_chunk=32)
+    assert ">= tile 64, got 32" in p.problem("prefill", 60, 16)
     with pytest.raises(ValueError, match="backend"):
         I.plan_indexer("prefill", 8192, 8192, 512, backend="cuda")
 
@@ -490,6 +506,9 @@ def test_plan_override_same_result_and_bad_plan_refused(dec16):
                      (dataclasses.replace(plan, num_warps=3), "powers of two"),
                      (dataclasses.replace(plan, merge_warps=0), "powers of two"),
                      (dataclasses.replace(plan, num_stages=0), "num_stages 1..8"),
+                     (dataclasses.replace(plan, chunk=float(plan.chunk)), "Python int.*chunk="),
+                     (dataclasses.replace(plan, splits=np.int64(plan.splits)), "splits=np.int64"),
+                     (dataclasses.replace(plan, pdl="no"), "a bool, got pdl='no'"),
                      (dataclasses.asdict(plan), "IndexerPlan.*got dict")):
         with pytest.raises(ContractError, match=f"'plan'.*{why}"):
             _torch_decode(TI.indexer_topk_decode, qi, ki, case, topk=16, plan=bad)
