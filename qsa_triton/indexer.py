@@ -567,8 +567,7 @@ def _prefill_constexprs(plan: IndexerPlan, h: int, d: int, compute, bound_pass: 
         c = plan.bound_chunk
     return dict(H=h, HP=_next_pow2(h), D=d, K=plan.topk, C=c, T=plan.tile, BM=bm,
                 RB=plan.radix_bits, NJ=IndexerPlan.thresholds(plan.radix_bits), COMPUTE=compute,
-                BOUND=2 if bound_pass else 1 if plan.bound_chunk else 0,
-                COUNTS=1 if plan.merge_capacity and not bound_pass else 0)
+                BOUND=2 if bound_pass else 1 if plan.bound_chunk else 0)
 
 
 def _merge_constexprs(plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: int):
@@ -657,7 +656,7 @@ def _run_prefill(q, k, row_starts, row_ends, positions, seq_lens, topk: int, rat
                 _prefill_chunk_kernel[(triton.cdiv(r1 - r0, bm), plan.splits)](
                     qs, k, rs, re, *ws, lb, cnt if cnt is not None else lb, r1 - r0, n_keys,
                     qs.stride(0), qs.stride(1), plan.splits,
-                    **{**consts, "COUNTS": counts}, num_warps=plan.num_warps,
+                    **consts, COUNTS=counts, num_warps=plan.num_warps,
                     num_stages=plan.num_stages)
         _merge(ws, out[r0:r1], rs, re, positions[r0:r1] if expand else None,
                seq_lens[r0:r1] if expand else None, n_keys, plan, prefill=True, expand=expand,
