@@ -729,9 +729,11 @@ class IndexerPlan:
     ``bound_chunk`` visible blocks and finds their top-k's k-th key less ``BOUND_MARGIN_ULPS``, a
     lower bound of the row's k-th key over all blocks; pass 1 then keeps a chunk's keys >= that
     bound without radix rounds wherever at most ``topk`` of them are (any block of the row's
-    top-k is one of them). merge_from_bound (with bound_chunk): the row's k-th key lies between
-    its bound and its largest candidate, so the merge takes the key bits those two share from
-    the bound and runs only the radix rounds below them. merge_capacity (prefill with
+    top-k is one of them). merge_from_bound (prefill with bound_chunk; decode): the row's k-th
+    key lies between a lower bound (prefill: its bound; decode: the largest k-th key of one of
+    its chunks, the smallest candidate of a chunk holding topk) and its largest candidate, so
+    the merge takes the key bits those two share from the bound and runs only the radix rounds
+    below them. merge_capacity (prefill with
     bound_chunk; 0 = off): pass 1 streams each tile's keys >= the bound into the chunk's slots
     (the first topk) and writes each (row, chunk)'s count of them, a fixup pass redoes exactly
     the chunks counted past topk, and the merge first moves a row's counted candidates to the
@@ -831,9 +833,11 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
 
     Decode: the smallest power-of-two chunk >= 2 * topk giving about 2 x ``sm_count`` pass-1
     programs, at most 8192 blocks, grown until a row's candidates fit one merge program's 8192;
-    128-block tiles with 5 stages where 110 KB of shared memory fit, else 64; 2-bit rounds in
-    pass 1, 1-bit in the merge (bench/NOTES.md, "Indexer"). Prefill: chunk 2 * topk grown until
-    a row's candidates fit 16384, 8 rows per program (4 where the chunk grows), 4 warps (faster
+    128-block tiles with 5 stages where 110 KB of shared memory fit, else 64; 4 warps (8 past
+    4096-block chunks of 64-block tiles or 8192-block ones: 4 spill there); 2-bit rounds in
+    pass 1, 1-bit in the merge, which starts below the bits its largest candidate and its
+    largest chunk k-th key share (bench/NOTES.md, "Indexer"). Prefill: chunk 2 * topk grown
+    until a row's candidates fit 16384, 8 rows per program (4 where the chunk grows), 4 warps (faster
     than 8 in the Triton build), 1-bit rounds, a merge of at least 4 warps with 32 candidates per
     thread (``backend`` "pallas") or up to 64 ("triton": at 16384 candidates its 8-warp merge
     beat 16 warps, the Pallas build's lost), rows grouped so one launch's candidates stay under
@@ -865,7 +869,10 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
         c = max(c, 2 * topk, 64, merge_chunk)
         tile = min(128 if smem_per_block >= 110_000 else 64, c)
         splits = -(-mb // c)
-        return IndexerPlan(kind, topk, c, splits, tile, 1, 8, 5, merge_warps(c), max(rows, 1),
+        # 4 warps (two programs an SM where 8 warps' registers allow one), but 8 where a thread
+        # would hold 64 keys of 64-block tiles (they spill there)
+        warps = 4 if c <= 4096 or (tile == 128 and c <= 8192) else 8
+        return IndexerPlan(kind, topk, c, splits, tile, 1, warps, 5, merge_warps(c), max(rows, 1),
                            radix_bits=2, merge_radix_bits=1,
                            pdl=max(rows, 1) * splits <= 2 * sm_count)
     # prefill rows merge up to 16384 candidates, and a pass-1 program holds 8 x 1024 keys (16 x

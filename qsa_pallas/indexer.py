@@ -405,8 +405,8 @@ def _compact(wsk_ref, wsi_ref, cnt_ref, base, crow, nch, tau, want, k: int, cg: 
 
 def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int, s_n: int,
                   sp: int, w: int, wp: int, cap: int, rb: int, trash: int,
-                  from_bound: bool = False, ncap: int = 0, cg: int = 1, ws_trash: int = 0,
-                  interpret: bool = False):
+                  from_bound: bool = False, chunk_lb: bool = False, ncap: int = 0, cg: int = 1,
+                  ws_trash: int = 0, interpret: bool = False):
     # inputs: the workspace, the row metadata, [each row's bound of its k-th key (the bound
     # pass's output)], [ncap: the candidate counts]; outputs: the rows [, ncap: the workspace,
     # aliased to the inputs (compacted in place)]
@@ -449,8 +449,12 @@ def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int
     src = jnp.where(has, base + slot, 0)
     keys = C.load(wsk_ref.at[src], mask=has, other=-1)
     blk = C.load(wsi_ref.at[src], mask=has, other=0)
-    # from_bound: the row's k-th key is in [its bound, its largest candidate]
-    start = _radix_start(lb_ref[r], jnp.max(keys), rb) if from_bound else None
+    # the row's k-th key is in [a lower bound, its largest candidate]: from_bound, the bound
+    # pass's; chunk_lb (decode), the largest chunk k-th key: a chunk holding k candidates holds
+    # its own k-th key as its smallest (one with fewer holds -1)
+    lbr = (lb_ref[r] if from_bound else
+           jnp.max(jnp.min(keys.reshape(sp, k), axis=1)) if chunk_lb else None)
+    start = _radix_start(lbr, jnp.max(keys), rb) if lbr is not None else None
     tau = _kth_key_row(keys, k, rb, jnp.sum((keys >= 0).astype(jnp.int32), dtype=jnp.int32) > k,
                        start)
     sel, pos, n_sel = _select(keys, tau, k)
@@ -508,7 +512,8 @@ def _merge(ws, metas, rows: int, plan: IndexerPlan, *, prefill: bool, expand: bo
         _merge_kernel, prefill=prefill, expand=expand, ratio=ratio, k=k, c=plan.chunk,
         s_n=plan.splits, sp=plan.splits_pad, w=w, wp=_next_pow2(w), cap=cap,
         rb=plan.merge_radix_bits, trash=out_w - 1 if interpret else w, from_bound=lb is not None,
-        ncap=ncap, cg=plan.compact_chunks, ws_trash=ws[0].shape[0] - 1, interpret=interpret)
+        chunk_lb=not prefill and plan.merge_from_bound, ncap=ncap, cg=plan.compact_chunks,
+        ws_trash=ws[0].shape[0] - 1, interpret=interpret)
     ins = (*ws, *metas) + ((lb,) if lb is not None else ()) + ((cnt,) if ncap else ())
     out_shape = jax.ShapeDtypeStruct((rows, out_w), jnp.int32)
     if ncap:

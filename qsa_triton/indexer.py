@@ -13,7 +13,9 @@ plan_indexer`` (shared with ``qsa_pallas.indexer``, the same algorithm). Two pas
   round in one compare-and-sum), then one prefix sum over (key > tau) + (key == tau) * 2^16
   gives every tie's rank (the smallest block ids win) and every survivor's slot in block order.
 * Pass 2, one program per row: the same selection over the row's S x k candidates (slot order
-  is block order, so the tie rule carries over), then the ascending block ids or, fused, the
+  is block order, so the tie rule carries over; decode: the radix rounds start below the bits
+  shared by the row's largest candidate and the largest k-th key of one of its chunks, a
+  lower bound of its k-th key: a chunk holding k candidates holds its own as its smallest), then the ascending block ids or, fused, the
   2051-wide token row (``4g .. 4g + 3`` per block, the 0-3 token causal tail, -1 after).
 * Prefill with ``IndexerPlan.bound_chunk``: a bound pass first takes the k-th key of each row's
   first ``bound_chunk`` blocks (less ``BOUND_MARGIN_ULPS``: the passes sum in other orders). The
@@ -470,7 +472,13 @@ def _merge_kernel(wsk_ptr, wsi_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, bound_ptr,
     tau = 0
     if tl.sum((keys >= 0).to(tl.int32), axis=0) > K:
         if FROM_BOUND:  # the row's k-th key is in [its bound, its largest candidate]
-            r0, tau0 = _radix_start(tl.load(lb_ptr + r), tl.max(keys, axis=0), RB)
+            if PREFILL:
+                lbr = tl.load(lb_ptr + r)
+            else:
+                # a chunk holding K candidates holds its own k-th key as its smallest, and the
+                # row's k-th key is never below any chunk's (a chunk with fewer holds -1)
+                lbr = tl.max(tl.min(tl.reshape(keys, [SP, K]), axis=1), axis=0)
+            r0, tau0 = _radix_start(lbr, tl.max(keys, axis=0), RB)
             tau = _kth_key_row(keys, K, RB, NJ, r0, tau0)
         else:
             tau = _kth_key_row(keys, K, RB, NJ, 0, 0)
@@ -575,7 +583,7 @@ def _merge_constexprs(plan: IndexerPlan, *, prefill: bool, expand: bool, ratio: 
     return dict(PREFILL=prefill, EXPAND=expand, RATIO=ratio, K=plan.topk,
                 SP=plan.splits_pad, W=w, WP=_next_pow2(w), RP=_next_pow2(ratio),
                 RB=plan.merge_radix_bits, NJ=IndexerPlan.thresholds(plan.merge_radix_bits),
-                FROM_BOUND=prefill and bool(plan.bound_chunk) and plan.merge_from_bound,
+                FROM_BOUND=plan.merge_from_bound and (bool(plan.bound_chunk) or not prefill),
                 NCAP=plan.merge_capacity if prefill else 0, CG=plan.compact_chunks)
 
 
