@@ -936,8 +936,9 @@ def check_indexer_plan(fn: str, prob: IndexerProblem, plan, default_plan) -> Non
         "page_table" if prob.kind == "decode" else "k", default_plan())
     why = own.problem(prob.kind, prob.max_blocks, prob.topk)
     if why:  # a custom plan that cannot run this call, or a context past what any plan covers
-        raise ContractError(fn, arg, why, plan if plan is not None else
-                            f"{prob.max_blocks} blocks a row")
+        expected, _, have = why.partition(", got ")  # problem(): "<expected>, got <value>"
+        where = repr(plan) if plan is not None else f"{prob.max_blocks} blocks a row"
+        raise ContractError(fn, arg, expected, f"{have} in {where}" if have else where)
 
 
 def check_indexer_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compress_ratio: int = 4,

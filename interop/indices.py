@@ -74,7 +74,7 @@ def expand_block_indices(block_ids, positions, seq_lens, *, ratio: int = RATIO,
     """Expand the indexer's block ids to token indices (§4): block g >= 0 of a row at position p
     becomes tokens ``ratio*g .. ratio*g + ratio - 1`` (>= seq_len: -1), truncated to
     ``token_topk`` columns, then the causal tail ``[floor((p + 1)/ratio)*ratio, p]`` in
-    ``ratio - 1`` columns, valid entries stably first. block_ids int [M, block_topk]
+    ``ratio - 1`` columns (tokens < 0 or >= seq_len: -1), valid entries stably first. block_ids int [M, block_topk]
     (row-relative); positions, seq_lens int [M]. Returns int32 [M, token_topk + ratio - 1], -1
     after the valid entries. Raises ValueError when the shapes disagree."""
     blocks = np.asarray(block_ids, np.int64)
@@ -97,7 +97,9 @@ def expand_block_indices(block_ids, positions, seq_lens, *, ratio: int = RATIO,
     start = (visible // ratio) * ratio
     toffs = np.arange(ratio - 1, dtype=np.int64)
     tail = start[:, None] + toffs
-    tail = np.where((toffs < (visible - start)[:, None]) & (tail < sl[:, None]), tail, -1)
+    # a token is a position >= 0 (a negative position has no tail)
+    tail = np.where((toffs < (visible - start)[:, None]) & (tail >= 0) & (tail < sl[:, None]),
+                    tail, -1)
     out = np.concatenate([tok, tail], axis=1)
     # every invalid entry is -1 here, so "valid" is simply >= 0
     return valid_first(out, np.iinfo(np.int64).max).astype(np.int32)
@@ -706,7 +708,7 @@ _MERGE_MAX_CANDIDATES = 8192  # candidates one merge program selects from (split
 #: the bound pass lowers its k-th key by this many units in the last place (2^-10 of the score):
 #: its scores come from programs of other shapes than pass 1's, whose FP32 sums may round apart
 BOUND_MARGIN_ULPS = 1 << 13
-_CHUNK_MAX = 8192  # blocks one pass-1 program holds (8 warps: 32 keys per thread)
+_CHUNK_MAX = 8192  # blocks one pass-1 program holds (64 keys a thread at 4 warps, 32 at 8)
 _PREFILL_WORKSPACE_BYTES = 256 << 20  # cap of the prefill candidates (keys + ids) per launch
 
 

@@ -466,17 +466,20 @@ def _merge_kernel(*refs, prefill: bool, expand: bool, ratio: int, k: int, c: int
             p = seq - 1
             bound = seq
         # Everything is ascending: the valid tokens (< bound) of the selected blocks are a prefix;
-        # the causal tail [floor(L/R)*R, p] follows (tokens < bound only), then -1.
+        # the causal tail [floor(L/R)*R, p] follows, then -1.
         e = _iota((1, _next_pow2(ratio)), 1)
         tok = blk[:, None] * ratio + e
         ok = sel[:, None] & (e < ratio) & (tok < bound)
         C.store(o_ref.at[r, jnp.where(ok, pos[:, None] * ratio + e, trash)], tok, mask=ok)
         m = jnp.sum(jnp.where(sel, jnp.clip(bound - blk * ratio, 0, ratio), 0), dtype=jnp.int32)
-        vis = jnp.maximum(p + 1, 0)
-        start = vis - vis % ratio
+        # tail [start, p], start the largest multiple of ratio <= p + 1, written without p + 1
+        # (a position of 2^31 - 1 must not wrap): none for p < 0, tokens < bound only
+        r1 = p % ratio  # floor modulo
+        start = p - r1
         n_tail = jnp.int32(0)
         for e in range(ratio - 1):
-            n_tail = n_tail + ((e < vis - start) & (start + e < bound)).astype(jnp.int32)
+            n_tail = n_tail + ((p >= 0) & (e <= r1) & (r1 < ratio - 1)
+                               & (start + e < bound)).astype(jnp.int32)
         col = _iota((wp,), 0)
         off = col - m
         val = jnp.where(off < n_tail, start + off, -1)
@@ -723,11 +726,13 @@ def _expand(block_ids, positions, seq_lens, *, ratio: int):
     ok = ((g[:, :, None] >= 0) & (g[:, :, None] <= (_INT32_MAX - ratio) // ratio)
           & (tok < bound[:, :, None]))
     tok = jnp.where(ok, tok, -1).reshape(m, tok_n)
-    vis = positions.astype(jnp.int32)[:, None] + 1
-    start = (vis // ratio) * ratio  # floor division, as the reference
+    # tail [start, p], start the largest multiple of ratio <= p + 1, written without p + 1 (a
+    # position of 2^31 - 1 must not wrap): none for p < 0, tokens < bound only
+    p = positions.astype(jnp.int32)[:, None]
+    r1 = p % ratio  # floor modulo, as the reference
     e = jnp.arange(ratio - 1, dtype=jnp.int32)[None, :]
-    tail = start + e
-    tail = jnp.where((e < vis - start) & (tail < bound), tail, -1)
+    tail = p - r1 + e
+    tail = jnp.where((p >= 0) & (e <= r1) & (r1 < ratio - 1) & (tail < bound), tail, -1)
     val = jnp.concatenate([tok, tail], axis=1)  # [m, w]
     valid = val >= 0
     cv = jnp.cumsum(valid.astype(jnp.int32), axis=1, dtype=jnp.int32)

@@ -486,18 +486,21 @@ def _merge_kernel(wsk_ptr, wsi_ptr, out_ptr, m0_ptr, m1_ptr, pos_ptr, bound_ptr,
     orow = out_ptr + r.to(tl.int64) * stride_out
     if EXPAND:
         # Everything is ascending, so the valid tokens of the selected blocks (< bound) are a
-        # prefix; the causal tail [floor(L/R)*R, p] follows them (tokens < bound only).
+        # prefix; the causal tail [floor(L/R)*R, p] follows them.
         e = tl.arange(0, RP)[None, :]
         tok = blk[:, None] * RATIO + e
         tl.store(orow + pos[:, None] * RATIO + e, tok,
                  mask=sel[:, None] & (e < RATIO) & (tok < bound))
         m = tl.sum(tl.where(sel, tl.minimum(tl.maximum(bound - blk * RATIO, 0), RATIO), 0),
                    axis=0)
-        vis = tl.maximum(p + 1, 0)
-        start = vis - vis % RATIO
+        # tail [start, p], start the largest multiple of RATIO <= p + 1, written without p + 1
+        # (a position of 2^31 - 1 must not wrap); none for p < 0, tokens < bound only
+        r1 = (p % RATIO + RATIO) % RATIO
+        start = p - r1
         n_tail = 0
         for e in tl.static_range(RATIO - 1):
-            n_tail += ((e < vis - start) & (start + e < bound)).to(tl.int32)
+            n_tail += ((p >= 0) & (e <= r1) & (r1 < RATIO - 1)
+                       & (start + e < bound)).to(tl.int32)
         col = tl.arange(0, WP)
         off = col - m
         val = tl.where(off < n_tail, start + off, -1)
@@ -526,7 +529,7 @@ def _expand_kernel(blk_ptr, pos_ptr, sl_ptr, out_ptr, K: tl.constexpr, RATIO: tl
     start = vis - ((vis % RATIO) + RATIO) % RATIO
     e = (col - TOK).to(tl.int64)
     tail = start + e
-    tval = tl.where((e < vis - start) & (tail < bound), tail, -1)
+    tval = tl.where((e < vis - start) & (tail >= 0) & (tail < bound), tail, -1)
     val = tl.where(col < TOK, val, tval)
     inside = col < W
     valid = (val >= 0) & inside

@@ -366,6 +366,44 @@ def test_triton_expansion_lengths(exp_rows):
     assert np.array_equal(got.numpy(), ref[rows])
 
 
+@pytest.mark.parametrize("ratio", [3, 4])
+def test_expansion_extreme_positions_agree(ratio):
+    """Positions at the int32 ends and below 0: the tail is computed without p + 1 (no wrap)
+    and holds tokens >= 0 only, the same in the reference and both packages."""
+    big = 2**31 - 1
+    p = np.array([big, big - 1, big, -1, -6, -(2**31), 0, 5], np.int32)
+    s = np.array([big, big, 7, 3, -5, -(2**31), 1, 6], np.int32)
+    b = np.full((8, 4), -1, np.int32)
+    b[6:, 0] = 0
+    ref = I.expand_block_indices(b, p, s, ratio=ratio, token_topk=4 * ratio)
+    assert ref.min() >= -1
+    first = {3: [big - 1, big - 1], 4: [-1, big - 3]}[ratio]  # rows 0, 1: the tail's start
+    assert ref[:2, 0].tolist() == first and (ref[2:6] == -1).all()
+    got_p = PI.expand_block_indices(jnp.asarray(b), jnp.asarray(p), jnp.asarray(s),
+                                    compress_ratio=ratio)
+    got_t = TI.expand_block_indices(torch.tensor(b), torch.tensor(p), torch.tensor(s),
+                                    compress_ratio=ratio)
+    assert np.array_equal(np.asarray(got_p), ref)
+    assert np.array_equal(got_t.numpy(), ref)
+
+
+def test_fused_select_is_topk_then_expansion_for_junk_lengths():
+    """Negative and zero seq_lens: the fused decode selection equals the standalone expansion of
+    its block ids (no tail at all), in both packages."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((3, 4, 32)).astype(np.float16)
+    kc = rng.standard_normal((4, 4, 1, 32)).astype(np.float16)
+    pt = np.tile(np.arange(4, dtype=np.int32), (3, 1))
+    sl = np.array([-5, 0, 7], np.int32)
+    for mod, cv in ((TI, torch.tensor), (PI, jnp.asarray)):
+        args = [cv(x) for x in (q, kc, pt, sl)]
+        fused = np.asarray(mod.indexer_select_decode(*args, topk=16))
+        blocks = mod.indexer_topk_decode(*args, topk=16)
+        two = np.asarray(mod.expand_block_indices(blocks, cv(sl - 1), cv(sl)))
+        assert np.array_equal(fused, two), mod.__name__
+        assert (fused[:2] == -1).all() and fused.min() >= -1
+
+
 # ---------------------------------------------------------------------------------------------
 # Contract
 BAD = [
