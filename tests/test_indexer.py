@@ -546,7 +546,7 @@ def test_plan_override_same_result_and_bad_plan_refused(dec16):
                      (dataclasses.replace(plan, num_stages=0), "num_stages 1..8"),
                      (dataclasses.replace(plan, chunk=float(plan.chunk)), "Python int.*chunk="),
                      (dataclasses.replace(plan, splits=np.int64(plan.splits)), "splits=np.int64"),
-                     (dataclasses.replace(plan, pdl="no"), "a bool, got pdl='no'"),
+                     (dataclasses.replace(plan, pdl="no"), "a bool; got pdl='no' in IndexerPlan"),
                      (dataclasses.asdict(plan), "IndexerPlan.*got dict")):
         with pytest.raises(ContractError, match=f"'plan'.*{why}"):
             _torch_decode(TI.indexer_topk_decode, qi, ki, case, topk=16, plan=bad)
