@@ -43,18 +43,7 @@ VARIANTS = {"triton_rb1": lambda p: dataclasses.replace(p, radix_bits=1),
             "triton_t32": lambda p: dataclasses.replace(p, tile=32),
             "triton_nobound": lambda p: dataclasses.replace(p, bound_chunk=0, merge_capacity=0),
             "triton_noskip": lambda p: dataclasses.replace(p, merge_from_bound=False),
-            "triton_nostream": lambda p: _nostream(p, 64),
-            "triton_cap2": lambda p: _smaller_tile(p, 2, 64),
-            "triton_cap4": lambda p: _smaller_tile(p, 4, 64)}
-
-
-def _smaller_tile(plan, div: int, per_thread: int):
-    """The prefill plan with a compacting-merge tile ``div`` times smaller (rows with more
-    candidates take the merge's exact narrowing path), ``per_thread`` candidates a merge thread."""
-    if not plan.merge_capacity:
-        return plan
-    cap = max(plan.topk, plan.merge_capacity // div)
-    return dataclasses.replace(plan, merge_capacity=cap, merge_warps=max(4, cap // (32 * per_thread)))
+            "triton_nostream": lambda p: _nostream(p, 64)}
 
 
 def _nostream(plan, per_thread: int):
@@ -209,18 +198,17 @@ def _triton(inp: Inputs, variant=None):
 
 
 def _pallas(inp: Inputs, num_warps: int | None = None, bound: bool = True, skip: bool = True,
-            stream: bool = True, cap_div: int = 1):
+            stream: bool = True):
     import functools
 
     import qsa_pallas
 
     fn = getattr(qsa_pallas, f"indexer_select_{inp.kind}")
-    if num_warps is not None or not (bound and skip and stream) or cap_div > 1:  # private plans
+    if num_warps is not None or not (bound and skip and stream):  # private plan overrides
         from qsa_pallas import indexer
 
         plan = indexer.indexer_plan_for(inp.kind, inp.args[0].shape[0], _max_blocks(inp), TOPK)
         plan = plan if stream else _nostream(plan, 32)
-        plan = _smaller_tile(plan, cap_div, 32) if cap_div > 1 else plan
         plan = dataclasses.replace(plan, num_warps=num_warps or plan.num_warps,
                                    bound_chunk=plan.bound_chunk if bound else 0,
                                    merge_capacity=plan.merge_capacity if bound else 0,
@@ -259,9 +247,7 @@ PROVIDERS = {p.name: p for p in (
                    ("triton_t32", "32-block key tiles"),
                    ("triton_nobound", "prefill without the bound pass"),
                    ("triton_noskip", "prefill merge without the bound's shared bits"),
-                   ("triton_nostream", "prefill pass 1 keeping a key tile, merge of every slot"),
-                   ("triton_cap2", "prefill compacting merge tile / 2"),
-                   ("triton_cap4", "prefill compacting merge tile / 4"))),
+                   ("triton_nostream", "prefill pass 1 keeping a key tile, merge of every slot"))),
     common.Provider("pallas_w8", lambda inp: _pallas(inp, 8), "Pallas, private plan override: 8 "
                     "warps in pass 1", default=False),
     common.Provider("pallas_nobound", lambda inp: _pallas(inp, bound=False), "Pallas, private "
@@ -271,9 +257,6 @@ PROVIDERS = {p.name: p for p in (
     common.Provider("pallas_nostream", lambda inp: _pallas(inp, stream=False), "Pallas, private "
                     "plan override: prefill pass 1 keeping a key tile, merge of every slot",
                     default=False),
-    *(common.Provider(f"pallas_cap{d}", lambda inp, d=d: _pallas(inp, cap_div=d), "Pallas, "
-                      f"private plan override: prefill compacting merge tile / {d}", default=False)
-      for d in (2, 4)),
 )}
 
 
