@@ -1058,14 +1058,17 @@ _STEP_INDEXER_NAMES = {"q": "index_q", "k_cache": "index_k_cache", "page_table":
                        "k": "index_k"}
 
 
-def _check_step(fn: str, strict: bool, q, index_q, indexer, attention):
+def _check_step(fn: str, strict: bool, q, index_q, indexer, attention, min_rows: int = 0):
     """Both step checks: one ``index_q`` row per ``q`` row on q's device; ``indexer(meta)``
     (``meta``: an int32 [rows] spec for the metadata the step derives), its errors renamed to the
     step's arguments; then ``attention(ids)`` (``ids``: the indexer's int32 [rows, width]
-    output). Returns (checker, q's spec, IndexerProblem, attention problem)."""
+    output); at least ``min_rows`` rows of q. Returns (checker, q's spec, IndexerProblem,
+    attention problem)."""
     c = _Checker(fn, strict)
     qs, iq = c.specs(q=q, index_q=index_q)
     c.rank("q", qs, 3, "[rows, Hq, D]")
+    if qs.shape[0] < min_rows:  # decode: the indexer needs a row (its check names index_q)
+        c.fail("q", f"rows >= {min_rows}", f"{qs.shape[0]} rows")
     c.rank("index_q", iq, 3, "[rows, index_heads, index_head_dim] (the indexer query)")
     c.rows("index_q", iq, qs.shape[0], "one per row of q")
     c.same_device("index_q", iq, qs)
@@ -1101,7 +1104,8 @@ def check_decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, i
         lambda ids: check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, ids,
                                        seq_lens, softmax_scale, k_scale, v_scale,
                                        batch_invariant=batch_invariant,
-                                       strict=bool(strict) or bool(attention_strict), fn=fn))
+                                       strict=bool(strict) or bool(attention_strict), fn=fn),
+        min_rows=1)
     return ap, ip
 
 

@@ -330,6 +330,7 @@ def _bad_decode_calls(named, f32):
         ("index_k_cache", with_(index_k_cache=n["index_k_cache"][..., :64])),
         ("index_page_table", with_(index_page_table=n["index_page_table"][:2])),
         ("q", with_(q=f32(n["q"]))),
+        ("q", with_(q=n["q"][:0], index_q=n["index_q"][:0])),                # no rows
         ("seq_lens", with_(seq_lens=n["seq_lens"][:3])),
         ("k_cache", with_(k_cache=n["k_cache"][..., :32], v_cache=n["v_cache"][..., :32])),
     ]
