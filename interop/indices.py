@@ -74,9 +74,10 @@ def expand_block_indices(block_ids, positions, seq_lens, *, ratio: int = RATIO,
     """Expand the indexer's block ids to token indices (§4): block g >= 0 of a row at position p
     becomes tokens ``ratio*g .. ratio*g + ratio - 1`` (>= seq_len: -1), truncated to
     ``token_topk`` columns, then the causal tail ``[floor((p + 1)/ratio)*ratio, p]`` in
-    ``ratio - 1`` columns (tokens < 0 or >= seq_len: -1), valid entries stably first. block_ids int [M, block_topk]
-    (row-relative); positions, seq_lens int [M]. Returns int32 [M, token_topk + ratio - 1], -1
-    after the valid entries. Raises ValueError when the shapes disagree."""
+    ``ratio - 1`` columns (tokens < 0 or >= seq_len: -1), valid entries stably first.
+    block_ids int [M, block_topk] (row-relative); positions, seq_lens int [M]. Returns int32
+    [M, token_topk + ratio - 1], -1 after the valid entries. Raises ValueError when the shapes
+    disagree."""
     blocks = np.asarray(block_ids, np.int64)
     if blocks.ndim != 2:
         raise ValueError(f"block_ids must be [M, block_topk], got shape {blocks.shape}")
@@ -843,10 +844,11 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     chunk is past 2 x topk, as at topk < 32), 4 warps (faster than 8 in the Triton build),
     1-bit rounds, a merge of at least 4 warps with 32 candidates per thread (``backend``
     "pallas") or up to 64 ("triton": at 16384 candidates its 8-warp merge beat 16 warps, the
-    Pallas build's lost), rows grouped so one launch's candidates stay under 256 MiB; with >= 4 chunks and 8 rows a program (up to 32768 blocks at topk 512) a bound
-    sample of 2 chunks, and the streamed pass 1 with a compacting merge (``merge_capacity``
-    half the slots, <= 8192; a 4-chunk sample from 16 chunks; the Pallas build from 16 chunks
-    only) where a row's expected candidates fit.
+    Pallas build's lost), rows grouped so one launch's candidates stay under 256 MiB; with >= 4
+    chunks and 8 rows a program (up to 32768 blocks at topk 512) a bound sample of 2 chunks, and
+    the streamed pass 1 with a compacting merge (``merge_capacity`` half the slots, <= 8192; a
+    4-chunk sample from 16 chunks; the Pallas build from 16 chunks only) where a row's expected
+    candidates fit.
     Raises ValueError: unknown kind or backend, topk not a power of two,
     negative sizes."""
     if kind not in ("decode", "prefill"):

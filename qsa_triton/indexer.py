@@ -14,9 +14,10 @@ plan_indexer`` (shared with ``qsa_pallas.indexer``, the same algorithm). Two pas
   gives every tie's rank (the smallest block ids win) and every survivor's slot in block order.
 * Pass 2, one program per row: the same selection over the row's S x k candidates (slot order
   is block order, so the tie rule carries over; decode: the radix rounds start below the bits
-  shared by the row's largest candidate and the largest k-th key of one of its chunks, a
-  lower bound of its k-th key: a chunk holding k candidates holds its own as its smallest), then the ascending block ids or, fused, the
-  2051-wide token row (``4g .. 4g + 3`` per block, the 0-3 token causal tail, -1 after).
+  shared by the row's largest candidate and the largest k-th key of one of its chunks, a lower
+  bound of its k-th key: a chunk holding k candidates holds its own as its smallest), then the
+  ascending block ids or, fused, the 2051-wide token row (``4g .. 4g + 3`` per block, the 0-3
+  token causal tail, -1 after).
 * Prefill with ``IndexerPlan.bound_chunk``: a bound pass first takes the k-th key of each row's
   first ``bound_chunk`` blocks (less ``BOUND_MARGIN_ULPS``: the passes sum in other orders). The
   k-th key over a subset never exceeds the k-th over all blocks, so every top-k block has a key
