@@ -721,10 +721,12 @@ def _expand(block_ids, positions, seq_lens, *, ratio: int):
     g = block_ids.astype(jnp.int32)
     offs = jnp.arange(ratio, dtype=jnp.int32)
     bound = seq_lens.astype(jnp.int32)[:, None]
-    # a junk id * ratio must not wrap around int32: compare g against ceil(bound / ratio) first
+    # token g * ratio + e < bound, decided without forming it (a large id * ratio wraps around
+    # int32): g <= (bound - 1 - e) // ratio, where bound > e
     tok = g[:, :, None] * ratio + offs
-    ok = ((g[:, :, None] >= 0) & (g[:, :, None] <= (_INT32_MAX - ratio) // ratio)
-          & (tok < bound[:, :, None]))
+    b3 = bound[:, :, None]
+    lim = jnp.where(b3 > offs, (jnp.maximum(b3, 1) - 1 - offs) // ratio, -1)
+    ok = (g[:, :, None] >= 0) & (g[:, :, None] <= lim)
     tok = jnp.where(ok, tok, -1).reshape(m, tok_n)
     # tail [start, p], start the largest multiple of ratio <= p + 1, written without p + 1 (a
     # position of 2^31 - 1 must not wrap): none for p < 0, tokens < bound only

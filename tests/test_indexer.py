@@ -375,9 +375,10 @@ def test_expansion_extreme_positions_agree(ratio):
     s = np.array([big, big, 7, 3, -5, -(2**31), 1, 6], np.int32)
     b = np.full((8, 4), -1, np.int32)
     b[6:, 0] = 0
+    b[1, 0] = big // ratio  # its last token is past 2^31 - 1, its first ones are not
     ref = I.expand_block_indices(b, p, s, ratio=ratio, token_topk=4 * ratio)
     assert ref.min() >= -1
-    first = {3: [big - 1, big - 1], 4: [-1, big - 3]}[ratio]  # rows 0, 1: the tail's start
+    first = {3: [big - 1, big - 1], 4: [-1, big - 3]}[ratio]  # rows 0, 1: the tail's / block's
     assert ref[:2, 0].tolist() == first and (ref[2:6] == -1).all()
     got_p = PI.expand_block_indices(jnp.asarray(b), jnp.asarray(p), jnp.asarray(s),
                                     compress_ratio=ratio)
