@@ -503,6 +503,15 @@ def test_plan_is_static_and_bounded():
         assert p.row_group % p.rows_per_program == 0
         assert p.row_group * p.splits * 512 * 8 <= 256 << 20
     assert I.plan_indexer("prefill", 8192, 8192, 512).row_group == 8192
+    # decode pass 1: 4 warps, 8 only for 8192-block chunks of 64-block tiles (sm_12x shared
+    # memory), where 4 spill
+    sm12x = dict(smem_per_block=101_376, sm_count=188)
+    warps = {(b, ctx, sm): (p.chunk, p.tile, p.num_warps)
+             for b, ctx, sm in ((16, 32768, 0), (128, 131072, 0), (128, 131072, 1),
+                                (128, 32768, 1))
+             for p in [I.plan_indexer("decode", b, ctx // 4, 512, **(sm12x if sm else {}))]}
+    assert warps == {(16, 32768, 0): (1024, 128, 4), (128, 131072, 0): (8192, 128, 4),
+                     (128, 131072, 1): (8192, 64, 8), (128, 32768, 1): (4096, 64, 4)}
     # the prefill merge (compacting: a 2048-candidate tile at 32k, Triton only, 8192 at 128k):
     # 4 warps, but 8 for the Pallas build's 8192 (32 candidates a thread)
     widths = {(ctx, be): I.plan_indexer("prefill", 8192, ctx // 4, 512, backend=be)
