@@ -69,9 +69,6 @@ _PDL_LATE_MIN_KV_ROWS = 64
 _INLINE_MAX_SPLITS = 8
 #: floats per merge-kernel tile ([SPLIT_CHUNK, D_CHUNK]), 16 per thread at 4 warps
 _MERGE_TILE = 2048
-_NAP = 1  # experiment switch
-#: floats per fused merge program's tile ([splits, head tile x columns])
-_FUSED_TILE = 8192
 #: the in-launch merge loads at most this many FP32 partial elements per chunk of splits (4 splits
 #: of [16, 256] = 128 registers per thread at 4 warps; no spills on sm_90)
 _INLINE_TILE_ELEMS = 16384
@@ -121,74 +118,6 @@ def _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ, HKV, SLOT
     return k_lo, n, blocks, n_act
 
 
-#: fused merge: the counter increment of a merge program that has finished (above any split
-#: count), so the last one can tell it is last and reset the counter for the next call
-_FUSED_DONE = tl.constexpr(1 << 16)
-
-
-@triton.jit
-def _fused_merge(mp, out_ptr, lse_ptr, part_ptr, cnt_ptr, cu_k_ptr, stride_ob, stride_oh,
-                 HQ, HKV, MAX_SPLITS, MIN_BLOCKS, NSEQ, SLOTS, CAP,
-                 G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SP2: tl.constexpr, DC: tl.constexpr, NAP: tl.constexpr):
-    """Merge program ``mp`` of the split grid's tail: (sequence, KV head) ``mp // (D // DC)``,
-    columns ``[(mp % (D // DC)) * DC, +DC)`` of its G heads. It waits until the row's n_active
-    splits have released their partials (the arrival counter), merges them by LSE and, when it is
-    the row's last merge program to finish, resets the counter. Merge programs have the grid's
-    highest ids, so they are dispatched after every split program (CUTLASS's serial split-K
-    relies on the same order): a waiting merge program never keeps a split from running."""
-    NM: tl.constexpr = D // DC
-    sh = mp // NM
-    dc0 = (mp % NM) * DC
-    s = sh // HKV
-    h = sh % HKV
-    _, _, _, n_act = _active_splits(cu_k_ptr, s, BLOCK_N, MAX_SPLITS, MIN_BLOCKS, NSEQ, HKV,
-                                    SLOTS, CAP)
-    if n_act <= 1 or NAP == 2:
-        return  # the row's single split wrote the output
-    if NAP == 3:
-        return
-    # spin on plain (volatile) loads: read-modify-writes of one address would serialise in L2
-    # with the splits' own arrivals; one acquire RMW after it orders the partial loads
-    c = tl.load(cnt_ptr + sh, volatile=True)
-    while c < n_act:
-        if NAP == 1 or NAP == 4:  # back off: the polls of every waiting program hit one L2 line
-            c = tl.inline_asm_elementwise("nanosleep.u32 200;\n mov.b32 $0, $1;", "=r,r", [c],
-                                          dtype=tl.int32, is_pure=False, pack=1)
-        c = tl.load(cnt_ptr + sh, volatile=True)
-    tl.atomic_add(cnt_ptr + sh, 0, sem="acquire", scope="gpu")
-    if NAP == 4:
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + sh, _FUSED_DONE, sem="acq_rel", scope="gpu")
-        if done == n_act + (NM - 1) * _FUSED_DONE:
-            tl.atomic_xchg(cnt_ptr + sh, 0, sem="release", scope="gpu")
-        return
-    # [splits, heads, columns] tiles: one LSE per (split, head), DC-float runs of partials;
-    # 32-bit offsets inside the (sequence, KV head) block, its base in 64 bits
-    offs_j = tl.arange(0, SP2)[:, None, None]
-    offs_m = tl.arange(0, HT)[None, :, None]
-    offs_c = tl.arange(0, DC)[None, None, :]
-    ok = (offs_j < n_act) & (offs_m < G)  # [SP2, HT, 1]
-    base = (s.to(tl.int64) * HQ + h * G) * MAX_SPLITS
-    inner = offs_m * MAX_SPLITS + offs_j
-    lse = tl.load(lse_ptr + base + inner, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    part = tl.load(part_ptr + base * D + inner * D + dc0 + offs_c, mask=ok, other=0.0,
-                   cache_modifier=".cg")
-    mx = tl.max(lse, 0)  # [HT, 1]
-    w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx)[None, :, :])  # masked / empty: 0
-    wsum = tl.sum(w, 0)
-    # plain products: an attended NaN (LSE or partial) reaches the output, as in the reference
-    o = tl.sum(w * part, 0) / tl.where(wsum == 0.0, 1.0, wsum)  # [HT, DC]
-    m2 = tl.arange(0, HT)[:, None]
-    c2 = tl.arange(0, DC)[None, :]
-    tl.store(out_ptr + s.to(tl.int64) * stride_ob + (h * G + m2).to(tl.int64) * stride_oh
-             + dc0 + c2, o.to(out_ptr.dtype.element_ty), mask=m2 < G)
-    tl.debug_barrier()  # every thread's loads done before the counter may be reset
-    done = tl.atomic_add(cnt_ptr + sh, _FUSED_DONE, sem="acq_rel", scope="gpu")
-    if done == n_act + (NM - 1) * _FUSED_DONE:
-        tl.atomic_xchg(cnt_ptr + sh, 0, sem="release", scope="gpu")
-
-
 # The split rule both decode twins use (interop.plan.split_blocks), jitted with this module's
 # globals: Triton needs triton.language visible from a jit function, the core cannot import it.
 _split_blocks = triton.jit(types.FunctionType(split_blocks.__code__, globals(), "split_blocks"))
@@ -205,7 +134,6 @@ def _decode_split_kernel(
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
     MERGE_INLINE: tl.constexpr, LSE_ALL: tl.constexpr, USE_PDL: tl.constexpr,
     PDL_LATE: tl.constexpr, INLINE_TILE: tl.constexpr,
-    FUSED_SP2: tl.constexpr, FUSED_DC: tl.constexpr, FUSED_NAP: tl.constexpr,
 ):
     if USE_PDL:
         # This grid may start before the previous kernel on the stream has finished, so wait for
@@ -220,12 +148,6 @@ def _decode_split_kernel(
             tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
-    if FUSED_SP2 > 0:
-        if pid >= MAX_SPLITS * NSEQ * HKV:
-            _fused_merge(pid - MAX_SPLITS * NSEQ * HKV, out_ptr, lse_ptr, part_ptr, cnt_ptr,
-                         cu_k_ptr, stride_ob, stride_oh, HQ, HKV, MAX_SPLITS, MIN_BLOCKS, NSEQ,
-                         SLOTS, CAP, G, D, HT, BLOCK_N, FUSED_SP2, FUSED_DC, FUSED_NAP)
-            return
     # split-major order: every row's split 0 (active whenever the row is non-empty) gets the
     # lowest program ids, the splits that exit at once the highest (the block scheduler then
     # spreads the working programs over the SMs; bench/NOTES.md, "Decode, Triton", "Structure")
@@ -297,9 +219,6 @@ def _decode_split_kernel(
         tl.store(lse_ptr + part_row, m_i + tl.log2(l_safe), mask=m_ok)
         tl.store(part_ptr + part_row[:, None] * D + offs_d[None, :], acc / l_safe[:, None],
                  mask=m_ok[:, None])
-        if FUSED_SP2 > 0 and FUSED_NAP != 2:
-            tl.debug_barrier()  # every thread's partial stores precede the release below
-            tl.atomic_add(cnt_ptr + sh, 1, sem="release", scope="gpu")
         if MERGE_INLINE:
             tl.debug_barrier()  # every thread's partial stores precede the release below
             arrived = tl.atomic_add(cnt_ptr + sh, 1, sem="acq_rel", scope="gpu")
@@ -487,20 +406,11 @@ def _inline_tile(head_tile: int, head_dim: int) -> int:
 
 
 def _split_constexprs(plan: DecodePlan, group: int, head_dim: int, *, inline: bool,
-                      lse_all: bool, use_pdl: bool, pdl_late: bool, fused: bool = False) -> dict:
+                      lse_all: bool, use_pdl: bool, pdl_late: bool) -> dict:
     """``_decode_split_kernel``'s constexprs for one launch (also the AOT compile list's)."""
-    sp2, dc = _fused_tile(plan, head_dim) if fused else (0, 1)
     return {"G": group, "D": head_dim, "HT": plan.head_tile, "BLOCK_N": plan.block_n,
             "MERGE_INLINE": inline, "LSE_ALL": lse_all, "USE_PDL": use_pdl, "PDL_LATE": pdl_late,
-            "INLINE_TILE": _inline_tile(plan.head_tile, head_dim) if inline else 1,
-            "FUSED_SP2": sp2, "FUSED_DC": dc, "FUSED_NAP": 0 if interpreting() else _NAP}
-
-
-def _fused_tile(plan: DecodePlan, head_dim: int) -> tuple[int, int]:
-    """(split tile, columns) of a fused merge program: every split slot in one round trip, a
-    [splits, head tile x columns] tile of at most _FUSED_TILE floats (at least one column)."""
-    sp2 = max(2, next_pow2(plan.max_splits))
-    return sp2, max(1, min(head_dim, _FUSED_TILE // (sp2 * plan.head_tile)))
+            "INLINE_TILE": _inline_tile(plan.head_tile, head_dim) if inline else 1}
 
 
 def _merge_chunks(splits: int, head_dim: int, fixed: bool = False) -> tuple[int, int]:
@@ -630,11 +540,9 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
     rows = b * hq * splits if splits > 1 else 1
     sc = _get_scratch(q.device, rows, rows * d, b * hkv)  # may raise: before any allocation
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
-    fused = merge == "fused" and splits > 1
-    merge_progs = b * hkv * (d // _fused_tile(plan, d)[1]) if fused else 0
     ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
     with ctx:
-        _decode_split_kernel[(b * hkv * splits + merge_progs,)](
+        _decode_split_kernel[(b * hkv * splits,)](
             q, k, v, out, sc.lse, sc.part, sc.counters, cu_seqlens_q, cu_seqlens_k,
             float(softmax_scale) * LOG2E,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -642,12 +550,11 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scal
             hq, hkv, splits, plan.min_blocks_per_split, b, plan.balance_slots or _NO_BALANCE,
             k.shape[0],
             **_split_constexprs(plan, g, d, inline=merge == "inline",
-                                lse_all=splits > 1 and merge.startswith("kernel"),
-                                use_pdl=use_pdl, pdl_late=use_pdl and _pdl_late_trigger(b * hkv),
-                                fused=fused),
+                                lse_all=splits > 1 and merge != "inline", use_pdl=use_pdl,
+                                pdl_late=use_pdl and _pdl_late_trigger(b * hkv)),
             num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
-        if splits > 1 and merge.startswith("kernel"):
+        if splits > 1 and merge != "inline":
             chunk, d_chunk = _merge_chunks(splits, d, fixed=merge == "kernel-fixed")
             _decode_merge_kernel[(b * hq * (d // d_chunk),)](
                 out, sc.lse, sc.part, out.stride(0), out.stride(1), hq, splits,
@@ -679,9 +586,8 @@ def _decode_with_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax
     if merge is None:
         merge = plan_for(prob.batch, prob.num_kv_heads, prob.group, prob.head_dim,
                          prob.max_seqlen_k, q.device)[1]
-    if merge not in ("kernel", "inline", "kernel-fixed", "fused"):
-        raise ValueError(f"merge must be 'kernel', 'inline', 'fused' or 'kernel-fixed', "
-                         f"got {merge!r}")
+    if merge not in ("kernel", "inline", "kernel-fixed"):
+        raise ValueError(f"merge must be 'kernel', 'inline' or 'kernel-fixed', got {merge!r}")
     return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, prob.max_seqlen_k, prob.softmax_scale,
                    plan, merge, pdl)
 

@@ -149,7 +149,7 @@ def test_split_rule_is_the_shared_one():
     assert [split_blocks(5, j, 4) for j in range(4)] == [(0, 2), (2, 3), (3, 4), (4, 5)]
     lens = [16 * 5, 16 * 7 + 3, 16 * 3]  # 5 and 8 blocks over 4 splits, 3 blocks over 3
     case = make_case(lens, 12, 1, 64, seed=31)
-    for merge in ("kernel", "inline", "fused"):
+    for merge in ("kernel", "inline"):
         out = forced(case, max(lens), merge=merge, block_n=16, max_splits=4,
                      min_blocks_per_split=1, balance_slots=0)
         assert_close(out, reference(*case))
@@ -161,7 +161,7 @@ PAIRS = [(24, 2), (12, 1), (6, 1), (3, 1)]
 
 
 @pytest.mark.parametrize("hq,hkv", PAIRS)
-@pytest.mark.parametrize("merge", ["kernel", "inline", "fused"])
+@pytest.mark.parametrize("merge", ["kernel", "inline"])
 def test_edge_lengths_forced_splits(hq, hkv, merge):
     bn = 16
     lens = [0, 1, bn - 1, bn, bn + 1, 70]
@@ -174,7 +174,7 @@ def test_edge_lengths_forced_splits(hq, hkv, merge):
     assert torch.count_nonzero(out[0]) == 0
 
 
-@pytest.mark.parametrize("merge", ["kernel", "inline", "fused"])
+@pytest.mark.parametrize("merge", ["kernel", "inline"])
 @pytest.mark.parametrize("slots", [1, 9, 40])
 def test_device_side_balance_mixed_rows(slots, merge):
     """A row's split count is its share of ``balance_slots`` programs by length (floor, >= 1,
