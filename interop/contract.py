@@ -345,6 +345,8 @@ class _Checker:
         return scale, ksc, vsc
 
     def heads(self, hq: int, hkv: int, q_name: str, kv_name: str, pairs):
+        if hq < 1:
+            self.fail(q_name, "at least one query head (Hq >= 1)", f"{hq} query heads")
         if hkv < 1 or hq % hkv != 0:
             self.fail(kv_name, f"a KV head count dividing the {hq} query heads of '{q_name}'",
                       f"{hkv} KV heads")
@@ -609,11 +611,19 @@ def _np(x) -> np.ndarray:
 
 def validate_decode_metadata(cu_seqlens_q, cu_seqlens_k, capacity: int, max_seqlen_k: int,
                              batch: int | None = None, fn: str = "sparse_decode") -> None:
-    """Check decode metadata contents (host sync; debug only). Raises ContractError: cu_seqlens
-    not starting at 0 or decreasing, a row longer than max_seqlen_k, rows past the K/V capacity,
-    query rows out of range."""
+    """Check decode metadata contents (host sync; debug only). ``batch``: q's rows B (None: the
+    sequences cu_seqlens_k describes). Raises ContractError: cu_seqlens of different lengths or
+    not B + 1 long, not starting at 0 or decreasing, a row longer than max_seqlen_k, rows past
+    the K/V capacity, query rows out of range."""
     c = _Checker(fn, False)
     cq, ck = _np(cu_seqlens_q).astype(np.int64), _np(cu_seqlens_k).astype(np.int64)
+    if cq.shape != ck.shape or cq.ndim != 1:
+        c.fail("cu_seqlens_q", f"a 1-D array as long as cu_seqlens_k ({ck.size})",
+               f"shape {list(cq.shape)}")
+    if batch is None:
+        batch = ck.size - 1
+    elif ck.size != batch + 1:
+        c.fail("cu_seqlens_k", f"B + 1 = {batch + 1} entries", ck.size)
     for name, cu in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
         if cu.size and cu[0] != 0:
             c.fail(name, "cu[0] == 0", int(cu[0]))
@@ -629,7 +639,7 @@ def validate_decode_metadata(cu_seqlens_q, cu_seqlens_k, capacity: int, max_seql
                f"row {s} has {int(lens[s])} keys")
     if ck.size and ck[-1] > capacity:
         c.fail("cu_seqlens_k", f"cu_seqlens_k[B] <= capacity {capacity} of k/v", int(ck[-1]))
-    if batch is not None and cq.size and (cq[:-1] >= batch).any():
+    if cq.size and (cq[:-1] >= batch).any():
         c.fail("cu_seqlens_q", f"query rows < {batch}", cq.tolist())
 
 
@@ -683,29 +693,46 @@ def validate_decode_paged_metadata(req_to_token, req_indices, indices, seq_lens,
     return {"rows": int(sl.size), "valid": n_valid}
 
 
-def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, req_to_token=None,
-                              req_indices=None, pool_slots: int | None = None,
+def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, cu_seqlens_k=None,
+                              req_to_token=None, req_indices=None, pool_slots: int | None = None,
                               flag_duplicates: bool = False, fn: str | None = None) -> dict:
     """Check prefill metadata contents (host sync; debug only). ``lens``: the validity bound per
-    request (None: the request length; chunk/paged: kv_lens); ``fn``: the entry point errors
-    name (None: ``sparse_prefill`` / ``sparse_prefill_chunk`` / ``sparse_prefill_paged`` by
-    ``kind``). Checks cu_seqlens_q, valid entries
-    first, at most the row's visible tokens valid, and (``req_to_token`` given) table rows,
-    columns and slots in range. Returns {"rows", "valid", "duplicates"} counts; raises
-    ContractError naming the first violation's row and column."""
+    request (None: the request length; chunk/paged: kv_lens); ``cu_seqlens_k`` (chunk): the
+    requests' K/V row ranges; ``fn``: the entry point errors name (None: ``sparse_prefill`` /
+    ``sparse_prefill_chunk`` / ``sparse_prefill_paged`` by ``kind``). Checks cu_seqlens_q
+    (starts at 0, non-decreasing, ends at or before the T rows of ``indices``), one length per
+    request, ``kv_lens[b]`` within the request's ``cu_seqlens_k`` range, valid entries first, at
+    most the row's visible tokens valid, and (``req_to_token`` given) table rows, columns and
+    slots in range. Returns {"rows", "valid", "duplicates"} counts; raises ContractError naming
+    the first violation's row and column."""
     if fn is None:
         fn = "sparse_prefill" if kind == "ordinary" else f"sparse_prefill_{kind}"
     c = _Checker(fn, False)
     cq = _np(cu_seqlens_q).astype(np.int64)
-    if cq[0] != 0 or (np.diff(cq) < 0).any():
+    idx = _np(indices).astype(np.int64)
+    if cq.ndim != 1 or cq.size < 1 or cq[0] != 0 or (np.diff(cq) < 0).any():
         c.fail("cu_seqlens_q", "cu[0] == 0 and non-decreasing values", cq.tolist())
+    if cq[-1] > idx.shape[0]:
+        c.fail("cu_seqlens_q", f"cu_seqlens_q[B] <= T = {idx.shape[0]} (the rows of indices)",
+               int(cq[-1]))
     qlen = np.diff(cq)
     lens = qlen if lens is None else _np(lens).astype(np.int64)
+    if lens.shape != qlen.shape:
+        c.fail("kv_lens", f"one length per request ({qlen.size})", f"shape {list(lens.shape)}")
     if kind != "ordinary" and (lens < qlen).any():
         b = int(np.argmax(lens < qlen))
         c.fail("kv_lens", "kv_lens[b] >= the request's query rows",
                f"request {b}: {lens[b]} < {qlen[b]}")
-    idx = _np(indices).astype(np.int64)
+    if cu_seqlens_k is not None:
+        ck = _np(cu_seqlens_k).astype(np.int64)
+        if ck.shape != cq.shape or ck[0] != 0 or (np.diff(ck) < 0).any():
+            c.fail("cu_seqlens_k", f"B + 1 = {cq.size} non-decreasing values from 0",
+                   ck.tolist())
+        over = lens > np.diff(ck)
+        if over.any():
+            b = int(np.argmax(over))
+            c.fail("kv_lens", "kv_lens[b] <= cu_seqlens_k[b + 1] - cu_seqlens_k[b] (the "
+                   "request's K/V rows)", f"request {b}: {lens[b]} > {int(ck[b + 1] - ck[b])}")
     if idx.ndim == 2:
         idx = idx[:, None, :]
     dups = 0

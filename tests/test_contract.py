@@ -119,6 +119,7 @@ REJECT = [
     ("decode", {"q": T((2, 16, D)), "k": T((32, 2, D)), "v": T((32, 2, D))}, True, "q", {}),
     ("decode", {"q": T((2, 12, D)), "k": T((32, 5, D)), "v": T((32, 5, D))}, False, "k", {}),
     ("decode", {"q": T((2, 34, D)), "k": T((32, 2, D)), "v": T((32, 2, D))}, False, "q", {}),
+    ("decode", {"q": T((2, 0, D))}, False, "q", {}),  # Hq = 0 divides by any Hkv
     ("decode", {"max_seqlen_k": 0}, False, "max_seqlen_k", {}),
     ("decode", {"max_seqlen_k": 2056}, True, "max_seqlen_k", {}),
     ("decode", {"max_seqlen_k": 5.0}, False, "max_seqlen_k", {}),
@@ -146,6 +147,7 @@ REJECT = [
     ("decode", {"q": [1, 2]}, False, "q", {}),
     # ---- ordinary prefill
     ("prefill", {"k": T((7, HKV, D)), "v": T((7, HKV, D))}, False, "k", {}),
+    ("prefill", {"q": T((8, 0, D))}, False, "q", {}),
     ("prefill", {"indices": T((8, 16), "float32")}, False, "indices", {}),
     ("prefill", {"indices": T((8, 16), "int64")}, False, "indices", {}),
     ("prefill", {"indices": T((8,), "int32")}, False, "indices", {}),
@@ -176,6 +178,7 @@ REJECT = [
     ("chunk", {"v": T((41, HKV, D))}, False, "v", {}),
     ("chunk", {"indices": T((8, 16), "int16")}, False, "indices", {}),
     ("chunk", {"max_seqlen_q": -3}, False, "max_seqlen_q", {}),
+    ("chunk", {"q": T((8, 0, D))}, False, "q", {}),
     # ---- paged prefill
     ("paged", {"req_to_token": T((2,), "int32")}, False, "req_to_token", {}),
     ("paged", {"req_to_token": T((5, 30), "int64")}, False, "req_to_token", {}),
@@ -188,6 +191,7 @@ REJECT = [
      False, "k_cache", {}),
     ("paged", {"indices": T((8, 2, 16), "int32")}, False, "indices", {}),
     ("paged", {"cu_seqlens_q": T((1,), "int32")}, False, "cu_seqlens_q", {}),
+    ("paged", {"q": T((8, 0, D))}, False, "q", {}),
 ]
 
 
@@ -319,6 +323,15 @@ def test_validate_decode_metadata():
     assert info.value.arg == "cu_seqlens_q"
     # torch inputs are read too
     validate_decode_metadata(torch.arange(4, dtype=torch.int32), torch.tensor([0, 1, 2, 3]), 3, 1)
+    # lengths: cu_seqlens_q as long as cu_seqlens_k, both B + 1 long
+    for kw, arg in ((dict(cu_seqlens_q=np.arange(3), batch=None), "cu_seqlens_q"),
+                    (dict(cu_seqlens_q=np.arange(4), batch=4), "cu_seqlens_k")):
+        with pytest.raises(ContractError) as info:
+            validate_decode_metadata(cu_seqlens_k=np.array([0, 3, 3, 9]), capacity=9,
+                                     max_seqlen_k=9, **kw)
+        assert info.value.arg == arg
+    with pytest.raises(ContractError, match="query rows < 3"):  # B inferred from cu_seqlens_k
+        validate_decode_metadata(np.array([0, 1, 3, 3]), np.array([0, 3, 3, 9]), 9, 9)
 
 
 def test_validate_prefill_metadata():
@@ -340,6 +353,21 @@ def test_validate_prefill_metadata():
     with pytest.raises(ContractError) as info:
         validate_prefill_metadata(idx, np.array([0, 3, 2]), None, "ordinary")
     assert info.value.arg == "cu_seqlens_q"
+    # cu_seqlens_q past the T rows of indices; one length per request; kv_lens within the
+    # request's cu_seqlens_k rows (chunk)
+    with pytest.raises(ContractError, match="T = 5") as info:
+        validate_prefill_metadata(idx, np.array([0, 3, 7]), None, "ordinary")
+    assert info.value.arg == "cu_seqlens_q"
+    with pytest.raises(ContractError) as info:
+        validate_prefill_metadata(idx, cu, np.array([10]), "chunk")
+    assert info.value.arg == "kv_lens"
+    validate_prefill_metadata(idx, cu, np.array([3, 10]), "chunk", cu_seqlens_k=np.array([0, 3, 13]))
+    for ck, arg in ((np.array([0, 3, 12]), "kv_lens"), (np.array([0, 3]), "cu_seqlens_k"),
+                    (np.array([0, 13, 3]), "cu_seqlens_k")):
+        with pytest.raises(ContractError) as info:
+            validate_prefill_metadata(idx, cu, np.array([3, 10]), "chunk", cu_seqlens_k=ck)
+        assert info.value.arg == arg
+    validate_prefill_metadata(np.vstack([idx, [[-1, -1, -1]]]), cu, None, "ordinary")  # T padded
     dup = validate_prefill_metadata(np.array([[0, 0, -1]]), np.array([0, 1]), np.array([2]),
                                     "chunk", flag_duplicates=True)
     assert dup["duplicates"] == 1

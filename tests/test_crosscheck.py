@@ -4,6 +4,7 @@ status / JSON / error messages, and a few real quick cases through both kernel f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -491,6 +492,28 @@ def test_cli_check_fails_and_names_the_case(monkeypatch, capsys, tmp_path):
     assert rc == 1
     assert f"FAIL {name}" in text and "FAILED" in text and name in text.splitlines()[-1]
     assert not doc["passed"] and doc["summary"]["decode"]["failed"] == [name]
+
+
+def test_cli_check_with_every_implementation_skipped_fails(monkeypatch, capsys, tmp_path):
+    """A run whose implementations all skipped every case checked nothing: exit 1, not a pass
+    (e.g. ``--impls triton`` where the interpreter skips bf16 cases: a CI gate must not pass on
+    it); a run where some cases were checked passes and names the others."""
+    skip = "TP2/B1/short"
+    monkeypatch.setattr(cli, "load_check_implementations", lambda interpret: [
+        dataclasses.replace(i, supports=lambda spec: "not here" if skip in spec.name else None)
+        for i in fakes()])
+    for flt, rc_want, unchecked in ((skip, 1, [f"decode/{skip}"]),
+                                    (f"{skip},TP2/B1/medium", 0, [f"decode/{skip}"])):
+        path = tmp_path / "skip.json"
+        rc = cli.main(["check", "--quick", "--ops", "decode", "--filter", flt, "--interpret",
+                       "--json", str(path)])
+        text = capsys.readouterr().out
+        doc = json.loads(path.read_text())
+        assert rc == rc_want, text
+        assert f"skip decode/{skip}" in text and doc["unchecked"] == unchecked
+        assert doc["passed"] == (rc == 0)
+        assert ("nothing was checked" in text) == (rc == 1)
+        assert rc == 1 or "1 of 2 not checked" in text
 
 
 def test_cli_check_bad_ops_and_filter(capsys):

@@ -291,9 +291,14 @@ def _run_with_progress(X, specs, impls, device, reference, after) -> list:
                     prog.console.print(f"FAIL {r.name}{why}", markup=False)
                 prog.advance(task)
             elif not r.passed or n <= 300 or i % 10 == 0 or i == n:
-                print(f"[{i}/{n}] {'ok  ' if r.passed else 'FAIL'} {r.name} ({r.seconds:.1f}s){why}",
-                      flush=True)
+                verdict = "FAIL" if not r.passed else "skip" if _unchecked(r) else "ok  "
+                print(f"[{i}/{n}] {verdict} {r.name} ({r.seconds:.1f}s){why}", flush=True)
     return results
+
+
+def _unchecked(result) -> bool:
+    """No implementation ran on the case (every one skipped it): nothing was compared."""
+    return all(v.get("skipped") for v in result.impl.values())
 
 
 def _cmd_check_tp(args) -> int:
@@ -354,7 +359,9 @@ def _cmd_check(args) -> int:
             "implementations": names, "complete": complete, "cases_planned": len(specs),
             # the case that was about to run (a crash, e.g. a CUDA fault, ends the run there)
             "next_case": None if complete or len(results) >= len(specs) else specs[len(results)].name,
-            "summary": X.summarize(results, names), "passed": complete and not failed,
+            "summary": X.summarize(results, names),
+            "passed": complete and not failed and not all(map(_unchecked, results)),
+            "unchecked": [r.name for r in results if _unchecked(r)],
             "cases": [r.as_dict() for r in results]})
 
     write_json([], False)
@@ -376,11 +383,20 @@ def _cmd_check(args) -> int:
     if failed:
         print_table(f"FAILED: {len(failed)} case(s)", ("case", "why"),
                     [(r.name, " | ".join(r.failures)) for r in failed])
+    unchecked = [r for r in results if r.passed and _unchecked(r)]
     write_json(results, True)
-    print("qsa check: " + ("all cases passed" if not failed else f"{len(failed)} case(s) FAILED: "
-                           + ", ".join(r.name for r in failed[:10])
-                           + (" ..." if len(failed) > 10 else "")))
-    return 1 if failed else 0
+    if failed:
+        print(f"qsa check: {len(failed)} case(s) FAILED: " + ", ".join(r.name for r in failed[:10])
+              + (" ..." if len(failed) > 10 else ""))
+        return 1
+    if len(unchecked) == len(results):
+        print(f"qsa check: nothing was checked: every implementation skipped all {len(results)} "
+              "case(s) (see 'skipped' above)")
+        return 1
+    print("qsa check: all cases passed" + (
+        f" ({len(unchecked)} of {len(results)} not checked: every implementation skipped them)"
+        if unchecked else ""))
+    return 0
 
 
 # --------------------------------------------------------------------------------------------
