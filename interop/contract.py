@@ -72,7 +72,7 @@ def envelope_text(fn: str = "sparse_decode") -> str:
     if "decode_paged" in fn:
         (rlo, rhi), (wlo, whi) = q["paged_rows"], q["paged_width"]
         return (f"q bf16|fp16, pool q's dtype or fp8 e4m3, D={q['head_dim']}, (Hq,Hkv) in "
-                f"{{{pairs}}} ((3,1) too in default mode), {rlo}<=R<={rhi} rows (128 requests x "
+                f"{{{pairs}}}, {rlo}<=R<={rhi} rows (128 requests x "
                 f"4 MTP verify rows), indices int32 [R,W] or [R,Hkv,W] with {wlo}<=W<={whi}")
     if "decode" in fn or "flash_attn" in fn:
         return (f"dtype bf16|fp16, D={q['head_dim']}, (Hq,Hkv) in {{{pairs}}}, "
@@ -289,19 +289,20 @@ class _Checker:
         self.last_dim_contiguous(name, s)
 
     def indices(self, name: str, s: TensorSpec, rows: int, hkv: int, ref: TensorSpec, sym: str,
-                what: str, meaning: str, width: tuple[int, int | None] | None) -> int:
-        """int32 [rows, W] or [rows, Hkv, W] (``sym`` names the rows), W in ``width`` (lo, hi or
-        None) when given, on ref's device, unit last stride; returns W."""
+                what: str, meaning: str, width: tuple[int, int | None] | None,
+                col: str = "W") -> int:
+        """int32 [rows, W] or [rows, Hkv, W] (``sym`` names the rows, ``col`` the columns), W in
+        ``width`` (lo, hi or None) when given, on ref's device, unit last stride; returns W."""
         self.rank(name, s, (2, 3), what)
         if s.dtype != "int32":
             self.fail(name, f"dtype int32 ({meaning})", s.dtype)
         self.rows(name, s, rows, f"q's {sym}")
         if s.ndim == 3 and s.shape[1] != hkv:
-            self.fail(name, f"[{sym}, Hkv={hkv}, W]", f"shape {list(s.shape)}")
+            self.fail(name, f"[{sym}, Hkv={hkv}, {col}]", f"shape {list(s.shape)}")
         w = s.shape[-1]
         if width is not None and not (width[0] <= w and (width[1] is None or w <= width[1])):
-            self.fail(name, f"W >= {width[0]} index columns" if width[1] is None else
-                      f"W in [{width[0]}, {width[1]}] index columns", f"W = {w}")
+            self.fail(name, f"{col} >= {width[0]} index columns" if width[1] is None else
+                      f"{col} in [{width[0]}, {width[1]}] index columns", f"{col} = {w}")
         self.same_device(name, s, ref)
         self.last_dim_contiguous(name, s)
         return w
@@ -437,8 +438,9 @@ def _check_prefill(kind: str, fn: str, strict, q, k, v, indices, indices_name: s
     what = ("request-relative token positions, invalid entries negative or >= len"
             if indices_name == "indices" else "row-relative block ids, invalid ids negative or >= "
             "the row's visible blocks")
-    w = c.indices(indices_name, ids, t, ks.shape[1], qs, "T", "[T, W] or [T, Hkv, W]", what,
-                  (1, None))
+    col = "W" if indices_name == "indices" else "NB"
+    w = c.indices(indices_name, ids, t, ks.shape[1], qs, "T", f"[T, {col}] or [T, Hkv, {col}]",
+                  what, (1, None), col)
     if indices_name == "block_indices":  # the indexer's top-k block ids, not a token row
         nb = QUALIFIED["block_width"]
         if (w != nb) if c.strict else w > _INDEXER_TOPK[1]:

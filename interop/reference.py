@@ -76,8 +76,10 @@ def decode_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None) ->
 
 
 def _prefill_core(q, indices, cu_seqlens_q, lens, k, v, rows_of, softmax_scale, k_scale, v_scale,
-                  ordinary=False):
-    """The prefill loop; ``rows_of(b, positions)`` -> K/V row per position (-1: invalid)."""
+                  ordinary=False, clamp_rows=False):
+    """The prefill loop; ``rows_of(b, positions)`` -> K/V row per position (-1: invalid).
+    Metadata that lies (§7), the kernels' rule: only a request's rows inside ``[0, T)`` are
+    computed (the others stay 0); ``clamp_rows`` (ordinary, chunk) clamps K/V rows into k."""
     q = np.asarray(q, np.float64)
     k, v = np.asarray(k, np.float64), np.asarray(v, np.float64)
     t, hq, d = q.shape
@@ -92,7 +94,7 @@ def _prefill_core(q, indices, cu_seqlens_q, lens, k, v, rows_of, softmax_scale, 
     w = idx.shape[-1]
     for b in range(len(cq) - 1):
         q_len = cq[b + 1] - cq[b]
-        for row in range(cq[b], cq[b + 1]):
+        for row in range(max(int(cq[b]), 0), min(int(cq[b + 1]), t)):
             r = row - cq[b]
             visible = r + 1 if ordinary else r + lens[b] - q_len + 1
             cap = int(min(w, max(visible, 0)))  # the row's first min(W, visible) columns only
@@ -100,6 +102,8 @@ def _prefill_core(q, indices, cu_seqlens_q, lens, k, v, rows_of, softmax_scale, 
                 sel = idx[row, h if idx.shape[1] > 1 else 0, :cap]
                 sel = sel[(sel >= 0) & (sel < lens[b])]
                 kv_rows = rows_of(b, sel)
+                if clamp_rows:
+                    kv_rows = np.clip(kv_rows, 0, k.shape[0] - 1)
                 kv_rows = kv_rows[kv_rows >= 0]
                 out[row, h * g:(h + 1) * g] = attend(
                     q[row, h * g:(h + 1) * g], k[kv_rows, h], v[kv_rows, h], scale, k_scale,
@@ -113,17 +117,19 @@ def prefill_reference(q, k, v, indices, cu_seqlens, softmax_scale=None) -> np.nd
     [B + 1]. Returns float64 [T, Hq, D]."""
     cu = np.asarray(cu_seqlens, np.int64)
     return _prefill_core(q, indices, cu, np.diff(cu), k, v, lambda b, sel: cu[b] + sel,
-                         softmax_scale, 1.0, 1.0, ordinary=True)
+                         softmax_scale, 1.0, 1.0, ordinary=True, clamp_rows=True)
 
 
 def prefill_chunk_reference(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens,
                             softmax_scale=None, k_scale=1.0, v_scale=1.0) -> np.ndarray:
     """Chunk sparse prefill (§3), request b's context at k/v rows cu_seqlens_k[b]..: q [T, Hq, D],
     k, v [Ck, Hkv, D], indices int [T, W] or [T, Hkv, W] (valid iff < kv_lens[b]), cu_seqlens_q,
-    cu_seqlens_k int [B + 1], kv_lens int [B]. Returns float64 [T, Hq, D]."""
+    cu_seqlens_k int [B + 1], kv_lens int [B]. Returns float64 [T, Hq, D]; lying metadata as the
+    kernels (§7: rows inside [0, T) only, K/V rows clamped into k)."""
     ck = np.asarray(cu_seqlens_k, np.int64)
     return _prefill_core(q, indices, cu_seqlens_q, np.asarray(kv_lens, np.int64), k, v,
-                         lambda b, sel: ck[b] + sel, softmax_scale, k_scale, v_scale)
+                         lambda b, sel: ck[b] + sel, softmax_scale, k_scale, v_scale,
+                         clamp_rows=True)
 
 
 def pool_slots_of(req_to_token, req_indices, b: int, positions, pool_slots: int) -> np.ndarray:

@@ -34,14 +34,15 @@ def check_torch_tensors(fn: str, **tensors) -> None:
                                 type(t).__module__ + "." + type(t).__qualname__)
 
 
-def check_device(fn: str, device_type: str) -> None:
-    """Raise ContractError when ``device_type`` is not "cuda" and TRITON_INTERPRET was not set
-    before ``qsa_triton`` was imported (the kernels were not defined for the interpreter)."""
+def check_device(fn: str, device_type: str, arg: str = "q") -> None:
+    """Raise ContractError (naming ``arg``, the tensor whose device decides) when
+    ``device_type`` is not "cuda" and TRITON_INTERPRET was not set before ``qsa_triton`` was
+    imported (the kernels were not defined for the interpreter)."""
     if device_type == "cuda" or INTERPRETING_AT_IMPORT:
         return
     late = " (it is set now, but only after qsa_triton was imported)" if interpreting() else ""
     raise ContractError(
-        fn, "q", "a CUDA tensor, or CPU tensors with TRITON_INTERPRET=1 set before qsa_triton is "
+        fn, arg, "a CUDA tensor, or CPU tensors with TRITON_INTERPRET=1 set before qsa_triton is "
         "imported (Triton reads it when the kernels are defined)", f"a {device_type} tensor{late}")
 
 

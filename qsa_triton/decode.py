@@ -332,10 +332,11 @@ _PLANS: dict[tuple, tuple[DecodePlan, str]] = {}  # host-side cache: plan_for ru
 
 
 def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
-             device: torch.device | str = "cuda", *,
+             device: torch.device | str | None = None, *,
              batch_invariant: bool = False) -> tuple[DecodePlan, str]:
     """The (``interop.plan.DecodePlan``, merge mode) a ``sparse_decode`` call with these static
-    shapes (B, Hkv, G, D, host max_seqlen_k) uses on ``device``, cached per shape and device.
+    shapes (B, Hkv, G, D, host max_seqlen_k) uses on ``device`` (None: the current CUDA device,
+    or the CPU, whose plans are sized for the H200's 132 SMs), cached per shape and device.
 
     Default: ``plan_decode`` with the device-side balance and one-block splits for the device's
     SM count, fitted to its shared memory; merge "inline" where the balance gives a row at most
@@ -343,6 +344,8 @@ def plan_for(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqle
     else "kernel". batch_invariant: ``plan_decode(..., batch_invariant=True)`` and "kernel-fixed"
     (the merge kernel with a ``_BI_MERGE_SPLIT_CHUNK`` split tile), the same on every device.
     """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     key = (batch, num_kv_heads, group, head_dim, max_seqlen_k, device.type, device.index,
            bool(batch_invariant))
@@ -641,8 +644,9 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``); always on
         for a GPU that ``interop.contract.route`` sends to the exact contract (sm_121).
       batch_invariant: host bool. True: a row's output bits depend only on its own q row, keys,
-        length and scale, not on B, the other rows, its place, ``max_seqlen_k`` or the SM count
-        (§2c); costs fewer programs at small B, a merge launch at large B.
+        length and scale, not on B, the other rows, its place, ``max_seqlen_k`` (any valid
+        bound: >= the row's length) or the SM count (§2c); costs fewer programs at small B, a
+        merge launch at large B.
 
     Returns:
       [B, Hq, D] in q's dtype: out[s, h] = softmax(scale · q[cu_q[s], h] · Kᵀ) · V over the row's
@@ -696,7 +700,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     defaults, ``flash_attn/flash_attn_interface.py``) in a QSA decode backend: computes
     ``sparse_decode`` (shapes, dtypes, result there). Decode only: ``max_seqlen_q`` must be 1,
     so total_q = B. With one query row bottom-right causal masking keeps every key, so
-    ``causal`` does not change the result; ``deterministic`` is accepted (the kernels are).
+    ``causal`` does not change the result; ``deterministic`` is accepted (the forward kernels
+    are run-to-run deterministic); it does not switch on batch invariance, which is
+    ``sparse_decode(..., batch_invariant=True)``.
 
     Raises:
       ContractError: ``dropout_p`` != 0, a sliding window, softcap, ALiBi, returning attention

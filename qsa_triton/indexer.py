@@ -880,6 +880,6 @@ def expand_block_indices(block_ids: torch.Tensor, positions: torch.Tensor,
         check_torch_tensors(fn, block_ids=block_ids, positions=positions, seq_lens=seq_lens)
         check_expand_block_indices(block_ids, positions, seq_lens, compress_ratio=compress_ratio,
                                    strict=strict, fn=fn)
-        check_device(fn, block_ids.device.type)
+        check_device(fn, block_ids.device.type, "block_ids")
     return torch.ops.qsa.expand_block_indices(block_ids, positions, seq_lens, compress_ratio,
                                               bool(strict))

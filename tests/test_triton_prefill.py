@@ -408,6 +408,14 @@ def test_lying_cu_seqlens_q_stays_inside_q_and_agrees_with_pallas(kind, cu):
             outs.append(np.asarray(o.float() if mod is qsa_triton else o.astype("float32")))
     for o in outs:
         assert np.isfinite(o).all()
+    # the FP64 reference applies the same rule (qsa-contract.md section 7) to the token form
+    from interop import reference as R
+
+    ref = (R.prefill_reference(q, k, v, idx, cu_q) if kind == "ordinary" else
+           R.prefill_chunk_reference(q, k, v, idx, cu_q, cu_q, kvl) if kind == "chunk" else
+           R.prefill_paged_reference(q, pool, pool, table, req, idx, cu_q, kvl))
+    for o in outs[:2]:
+        np.testing.assert_allclose(o, ref, rtol=2e-2, atol=2e-2)
     # the block form with cu_seqlens_q[0] < 0 stays in bounds (finite) but its tile mapping is
     # not qsa_pallas's: only the token form is compared there
     pairs = list(zip(outs[::2], outs[1::2]))
