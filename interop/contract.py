@@ -25,7 +25,7 @@ __all__ = [
     "validate_decode_metadata", "validate_decode_paged_metadata", "validate_prefill_metadata",
     "prefill_selection", "prefill_selection_problem", "QUALIFIED",
     "QUALIFIED_INDEXER", "IndexerProblem", "check_indexer_decode", "check_indexer_prefill",
-    "check_expand_block_indices", "validate_indexer_decode_metadata",
+    "check_expand_block_indices", "check_indexer_plan", "validate_indexer_decode_metadata",
     "validate_indexer_prefill_metadata", "check_decode_step", "check_prefill_step",
     "DECODE_STEP_DOC", "PREFILL_STEP_DOC",
 ]
@@ -695,11 +695,11 @@ def validate_decode_paged_metadata(req_to_token, req_indices, indices, seq_lens,
     return {"rows": int(sl.size), "valid": n_valid}
 
 
-def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, cu_seqlens_k=None,
+def validate_prefill_metadata(indices, cu_seqlens_q, kv_lens, kind: str, *, cu_seqlens_k=None,
                               req_to_token=None, req_indices=None, pool_slots: int | None = None,
                               flag_duplicates: bool = False, fn: str | None = None) -> dict:
-    """Check prefill metadata contents (host sync; debug only). ``lens``: the validity bound per
-    request (None: the request length; chunk/paged: kv_lens); ``cu_seqlens_k`` (chunk): the
+    """Check prefill metadata contents (host sync; debug only). ``kv_lens``: the validity bound
+    per request (None: the request length, as ordinary prefill's); ``cu_seqlens_k`` (chunk): the
     requests' K/V row ranges; ``fn``: the entry point errors name (None: ``sparse_prefill`` /
     ``sparse_prefill_chunk`` / ``sparse_prefill_paged`` by ``kind``). Checks cu_seqlens_q
     (starts at 0, non-decreasing, ends at or before the T rows of ``indices``), one length per
@@ -718,7 +718,7 @@ def validate_prefill_metadata(indices, cu_seqlens_q, lens, kind: str, *, cu_seql
         c.fail("cu_seqlens_q", f"cu_seqlens_q[B] <= T = {idx.shape[0]} (the rows of indices)",
                int(cq[-1]))
     qlen = np.diff(cq)
-    lens = qlen if lens is None else _np(lens).astype(np.int64)
+    lens = qlen if kv_lens is None else _np(kv_lens).astype(np.int64)
     if lens.shape != qlen.shape:
         c.fail("kv_lens", f"one length per request ({qlen.size})", f"shape {list(lens.shape)}")
     if kind != "ordinary" and (lens < qlen).any():
@@ -1053,7 +1053,11 @@ DECODE_STEP_DOC = """``sparse_decode_paged``'s arguments with its ``indices`` re
       [R, Hq, D] in q's dtype: ``softmax(scale · k_scale · q[r, h] · Kᵀ) · V · v_scale`` over
       the tokens the indexer selected for row r (KV head h // G); exact zeros for a row with no
       context (``seq_lens[r] <= 0``). Equal to ``interop.reference.decode_step_reference``
-      within the attention tolerance."""
+      within the attention tolerance.
+
+    Source: upstream's QSA decode path (``sglang/srt/layers/attention/qsa/``: ``mqa.py``
+    scoring, ``kernel.py`` top-k and expansion, the compaction + decode it feeds), computed
+    here as the indexer kernels then the paged decode reading the pool in place."""
 
 PREFILL_STEP_DOC = """``sparse_prefill_paged``'s arguments with its ``indices`` replaced by the
     indexer's inputs (``index_q``, ``index_k``, ``index_cu_seqlens_k``), same order and meaning
@@ -1081,7 +1085,11 @@ PREFILL_STEP_DOC = """``sparse_prefill_paged``'s arguments with its ``indices`` 
       [T, Hq, D] in q's dtype: each row attends to the tokens its indexer row selected (at most
       ``topk`` of its ``floor((p + 1) / ratio)`` visible blocks plus the causal tail); zeros for
       rows outside every request. Equal to ``interop.reference.prefill_step_reference`` within
-      the attention tolerance."""
+      the attention tolerance.
+
+    Source: upstream's QSA prefill path (``sglang/srt/layers/attention/qsa/``: ``mqa.py``,
+    ``kernel.py``, ``qsa_indexer.py``'s row ranges), computed here as the indexer kernels then
+    the paged prefill."""
 
 _STEP_INDEXER_NAMES = {"q": "index_q", "k_cache": "index_k_cache", "page_table": "index_page_table",
                        "k": "index_k"}

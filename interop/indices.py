@@ -23,7 +23,7 @@ __all__ = [
     "decode_lengths", "DecodeCase", "decode_case", "PAGED_JUNK", "PAGED_JUNK_AT",
     "resolve_paged_slots", "PagedDecodeCase", "paged_decode_case", "INDEXER_API",
     "IndexerPlan", "plan_indexer", "prefill_row_ranges", "prefill_step_rows",
-    "IndexerDecodeCase", "indexer_decode_case",
+    "IndexerDecodeCase", "indexer_decode_case", "BOUND_MARGIN_ULPS", "prefill_step_rows_xp",
 ]
 
 RATIO = 4

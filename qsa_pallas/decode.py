@@ -302,6 +302,8 @@ def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sca
         path's message); torch tensors; ``interpret=False`` on a CPU-only jax.
 
     Works under ``jax.jit`` (lengths traced), ``lax.scan`` and ``shard_map`` (VMA check off).
+    Source: flash-decoding split-KV with an LSE merge, FlashAttention-2's online softmax; the
+    plan and split rule of ``interop.plan`` (this module's docstring).
     """
     return _sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
                           strict=strict, interpret=interpret, batch_invariant=batch_invariant)

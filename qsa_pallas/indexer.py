@@ -752,13 +752,18 @@ def expand_block_indices(block_ids, positions, seq_lens, *, compress_ratio: int 
     (the latter with ``ratio=compress_ratio, token_topk=topk * compress_ratio``).
 
     Args:
-      block_ids: int32 [M, topk]; positions, seq_lens: int32 [M] (traced).
+      block_ids: int32 [M, topk] (topk = ``block_ids.shape[1]``); positions, seq_lens: int32
+        [M] (traced).
+      compress_ratio: host int, tokens per block (2..16). strict: host bool, also enforce the
+        qualified envelope (topk 512, ratio 4).
 
     Returns:
-      int32 [M, topk * ratio + ratio - 1].
+      int32 [M, topk * compress_ratio + compress_ratio - 1].
 
     Raises:
-      ContractError: ``interop.contract.check_expand_block_indices``.
+      ContractError: ``interop.contract.check_expand_block_indices``; torch tensors.
+
+    Source: upstream ``sglang/srt/layers/attention/qsa/kernel.py``'s expansion, re-derived.
     """
     fn = "expand_block_indices"
     C.check_inputs(fn, None, block_ids=block_ids, positions=positions, seq_lens=seq_lens)

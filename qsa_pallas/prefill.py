@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from interop import contract
 from interop.arch import DeviceFacts
-from interop.contract import PrefillProblem, spec_of
+from interop.contract import PrefillProblem
 from interop.geometry import (BLOCK_INDICES_DOC, Geometry, UnionGeometry, geometry_mode,
                               select_prefill, select_prefill_blocks)
 from interop.plan import LOG2E, next_pow2
@@ -254,14 +254,10 @@ def _launch(q, k, v, *meta, st: _Static):
 
 # --------------------------------------------------------------------------------------------
 # Entry points
-def _resolve_interpret(interpret, q) -> bool:
-    return bool(interpret) if interpret is not None else spec_of(q).device == "cpu"
-
-
 def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry):
     if problem.total_q == 0 or k.shape[0] == 0:  # nothing to gather from / no row: no launch
         return jnp.zeros(q.shape, q.dtype)
-    interp = _resolve_interpret(interpret, q)
+    interp = _compat.resolve_interpret(interpret)
     geo = geometry if geometry is not None else select_geometry(problem, interpret=interp)
     st = _Static(dataclasses.replace(problem, max_seqlen_q=1),
                  dataclasses.replace(geo, source=""), int(k.shape[0]), interp)
@@ -277,7 +273,7 @@ def _run_blocks(problem: PrefillProblem, q, k, v, block_indices, meta: dict, *, 
         return jnp.zeros(q.shape, q.dtype)
     if problem.kind == "paged" and math.prod(meta["req_to_token"].shape) == 0:
         return jnp.zeros(q.shape, q.dtype)  # an empty table: every position is invalid
-    interp = _resolve_interpret(interpret, q)
+    interp = _compat.resolve_interpret(interpret)
     geo = geometry
     if geo is None:
         geo = select_block_geometry(problem, interpret=interp, overlap=overlap)
@@ -344,14 +340,17 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
       max_seqlen_q: host int >= 1 (static; checked, but this grid covers every row anyway).
       softmax_scale: host float > 0, or None for D ** -0.5.
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
-      interpret: None -> interpret mode when q lives on the CPU; True/False to force. The
+      interpret: None -> interpret mode when jax's default backend is the CPU (as every
+        qsa_pallas entry point, ``_compat.resolve_interpret``); True/False to force. The
         launch geometry is the shared selector's (``select_geometry`` /
         ``select_block_geometry``).
       BLOCKS_DOC
 
     Returns:
       [T, Hq, D] in q's dtype: out[t, h] = softmax(scale · q[t,h] · Kᵀ) · V over the valid
-      entries of row t (KV head h // G); exact zeros for a row with no valid entry.
+      entries of row t (KV head h // G); row r of request b reads at most min(W, r + 1)
+      columns (bottom-right causal); a row with no valid entry, or outside every request (T
+      padded past cu_seqlens[B]), is exact zeros.
 
     Raises:
       ContractError: from ``interop.contract.check_prefill`` (before any launch), an array
@@ -378,8 +377,9 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
         (on the scores), v_scale (on the output): host floats > 0, 1.0 unless K/V are FP8.
 
     Returns:
-      [T, Hq, D] in q's dtype; the visible count of row r of request b is
-      r + kv_lens[b] - q_len_b + 1 (bottom-right causal); zeros for rows with no valid entry.
+      [T, Hq, D] in q's dtype; row r of request b reads at most
+      min(W, r + kv_lens[b] - q_len_b + 1) columns (bottom-right causal); zero rows as
+      ``sparse_prefill``.
 
     Raises:
       ContractError: from ``interop.contract.check_prefill_chunk``, or the other checks of

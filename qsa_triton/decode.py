@@ -659,7 +659,9 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
         torch.compile from the op's fake impl); in CUDA-graph capture, a scratch shortfall.
 
     No host sync: safe in ``torch.compile(fullgraph=True)`` and CUDA-graph capture (after one
-    eager call or ``prepare``).
+    eager call or ``prepare``). Source: flash-decoding split-KV with an LSE merge,
+    FlashAttention-2's online softmax; plan and split rule in ``interop.plan`` (this module's
+    docstring).
     """
     if torch.compiler.is_compiling():
         refused = traced_refusal(q, "sparse_decode", max_seqlen_k=max_seqlen_k,

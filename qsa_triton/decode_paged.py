@@ -224,8 +224,8 @@ def pdl_enabled(device: torch.device | str, kv_rows: int) -> bool:
 
     Args: ``device`` a torch device or its name; ``kv_rows`` the call's R x Hkv (row, KV head)
     pairs, an int. Returns True where PDL is supported (CUDA compute capability >= 9.0, a Triton
-    with ``launch_pdl``, not the interpreter) and R x Hkv == 1 (bench/NOTES.md, "Paged decode":
-    faster there, slower at R x Hkv = 2 and with a trigger after the K/V loop at >= 64). Raises
+    with ``launch_pdl``, not the interpreter) and R x Hkv == 1, where one (row, KV head) pair
+    makes the call one latency chain (the measurements: bench/NOTES.md, "Paged decode"). Raises
     nothing; the output bits are the same either way."""
     return _pdl_rule(kv_rows) and _pdl_supported(torch.device(device))
 

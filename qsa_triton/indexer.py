@@ -871,9 +871,12 @@ def expand_block_indices(block_ids: torch.Tensor, positions: torch.Tensor,
     token_topk=topk * compress_ratio)`` for any input (that reference's defaults are top-512,
     ratio 4).
 
-    Args: int32 ``block_ids`` [M, topk] contiguous, ``positions`` and ``seq_lens`` [M];
-    ``compress_ratio``: tokens per block. Returns int32 [M, topk * ratio + ratio - 1]. Raises
-    ContractError before any launch (``interop.contract.check_expand_block_indices``).
+    Args: int32 ``block_ids`` [M, topk] contiguous (topk = ``block_ids.shape[1]``), int32
+    ``positions`` and ``seq_lens`` [M]; ``compress_ratio``: tokens per block (2..16); ``strict``:
+    also enforce the qualified envelope (topk 512, ratio 4). Returns int32 [M, topk *
+    compress_ratio + compress_ratio - 1]. Raises ContractError before any launch
+    (``interop.contract.check_expand_block_indices``; a CPU tensor without the interpreter).
+    Source: upstream ``sglang/srt/layers/attention/qsa/kernel.py``'s expansion, re-derived.
     """
     fn = "expand_block_indices"
     if not torch.compiler.is_compiling():
