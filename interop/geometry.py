@@ -97,13 +97,15 @@ _ROUTE_TABLE = {
 
 
 def head_tile(group: int) -> int:
-    """Table head tile BLOCK_M = max(16, next_pow2(G)) (upstream's rule; 16 = smallest mma M)."""
+    """Table head tile BLOCK_M = max(16, next_pow2(G)) (upstream's rule; 16 = smallest mma M).
+    Raises nothing; source: upstream ``sglang/srt/layers/attention/qsa/sparse_attn.py``."""
     return max(16, next_pow2(group))
 
 
 def geometry_mode(fn: str = "select_prefill") -> str:
     """The ``QSA_PREFILL_GEOMETRY`` value now (``auto`` when unset/empty); raises ContractError
-    (naming ``fn``) for a value outside ``ALLOWED_MODES``."""
+    (naming ``fn``) for a value outside ``ALLOWED_MODES``. Source: qsa-contract.md §3 (the env
+    override)."""
     raw = os.environ.get(ENV_VAR, "")
     mode = raw.strip().lower() or "auto"
     if mode not in ALLOWED_MODES:
@@ -113,7 +115,9 @@ def geometry_mode(fn: str = "select_prefill") -> str:
 
 
 def table_for(name: str, total_q: int) -> tuple[tuple[int, int, int], str]:
-    """Row of table ``name`` for ``total_q`` rows: ((BLOCK_N, warps, stages), label)."""
+    """Row of table ``name`` for ``total_q`` rows: ((BLOCK_N, warps, stages), label). Raises
+    KeyError for a name not in ``TABLES``; source: ``TABLES`` (upstream SGLang 0.5.23,
+    qsa-contract.md §3; SM90: bench/NOTES.md, "Geometry tables")."""
     for bound, cfg in TABLES[name]:
         if bound is None or total_q <= bound:
             label = f"{name}[total_q{'<=' + str(bound) if bound is not None else '>' + str(_last_bound(name))}]"
@@ -210,7 +214,8 @@ def fit_prefill(geo: Geometry, *, backend: str, head_dim: int, kv_bytes: int,
     """The launchable form of ``geo`` with ``limit`` bytes of shared memory per block (None: no
     limit). Pallas needs power-of-two tiles and dots of >= 16 rows, so its head tile and BLOCK_N
     are rounded up first; then ``interop.plan.fit_shared_memory``. A changed geometry says
-    ``fit<=limit`` in its source."""
+    ``fit<=limit`` in its source. Raises nothing of its own; source: our own (Pallas tiles),
+    qsa-contract.md §5 (shared memory per block)."""
     if backend == "pallas":
         geo = dataclasses.replace(geo, block_m=max(16, next_pow2(geo.block_m)),
                                   block_n=max(16, next_pow2(geo.block_n)))
@@ -237,7 +242,8 @@ def _facts_for(arch: str) -> Iterable[DeviceFacts]:
 def all_configs(arch: str) -> list[Geometry]:
     """Every geometry the selector can return on ``arch`` (any workload, env mode and G in 1..16;
     the tuned family everywhere, as ``tuned`` mode forces it), deduplicated by ``key``, for
-    compile checks. Raises ValueError for an arch not in ``interop.arch.KNOWN_ARCHS``."""
+    compile checks. Raises ValueError for an arch not in ``interop.arch.KNOWN_ARCHS``.
+    Source: our own (enumerates ``select_prefill``'s tables and tuned family)."""
     if arch not in KNOWN_ARCHS:
         raise ValueError(f"all_configs: unknown arch {arch!r}; known: {sorted(KNOWN_ARCHS)}")
     seen: dict[tuple[int, int, int, int], Geometry] = {}
@@ -333,7 +339,8 @@ def max_union_entries(geo: UnionGeometry, block_width: int, row_tile: int) -> in
     |union| x head_tile stays within ``UNION_RULES['max_union_work']`` times the rows' own,
     R x NB x ``row_tile`` (the row path's Q tile). Both kernels compare it with the union's
     length on the device, per tile. ``geo``: a ``"union"`` UnionGeometry; ``block_width``: NB.
-    Returns an int >= 0 (may exceed int32: launchers cap it)."""
+    Returns an int >= 0 (may exceed int32: launchers cap it). Raises nothing of its own; source:
+    vLLM #55372's bound; bench/NOTES.md, "Tile-union sparse prefill"."""
     return int(UNION_RULES["max_union_work"] * geo.tile_rows * int(block_width) * row_tile
                // geo.head_tile)
 
@@ -356,6 +363,7 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
     ``"rows"`` carries ``select_prefill``'s geometry. Other arguments as ``select_prefill``;
     ``block_width``: NB block ids per row. Raises ValueError (bad kind/backend, a size < 1,
     overlap outside [0, 1]) or ContractError (a bad ``QSA_PREFILL_GEOMETRY``).
+    Source: our own; bench/NOTES.md, "Tile-union sparse prefill".
     """
     if overlap is not None and not 0.0 <= float(overlap) <= 1.0:
         raise ValueError(f"select_prefill_blocks: overlap must be None or in [0, 1], got {overlap}")
@@ -398,7 +406,8 @@ def fit_union(geo: UnionGeometry, *, backend: str, head_dim: int, kv_bytes: int,
               limit: int | None) -> UnionGeometry:
     """The launchable form of a union geometry: BLOCK_N a power of two >= max(16, R + 3) (dots
     of >= 16 rows; the causal tail in one chunk), then ``interop.plan.fit_shared_memory``, never
-    below that floor. ``"rows"`` geometries are returned as they are."""
+    below that floor. ``"rows"`` geometries are returned as they are. Raises nothing of its own;
+    source: our own; bench/NOTES.md, "Tile-union sparse prefill"."""
     if geo.kind != "union":
         return geo
     floor = max(16, next_pow2(geo.tile_rows + 3))
@@ -419,7 +428,8 @@ def fit_union(geo: UnionGeometry, *, backend: str, head_dim: int, kv_bytes: int,
 def all_union_configs(arch: str, *, head_dim: int = 256) -> list[tuple[int, UnionGeometry]]:
     """Every union geometry ``select_prefill_blocks`` can return on ``arch`` (any G in 1..16, any
     rows per request, 2- or 1-byte K/V), deduplicated, as (kv_bytes, UnionGeometry) for compile
-    checks. Raises ValueError for an unknown arch."""
+    checks. Raises ValueError for an unknown arch, ContractError for a bad
+    ``QSA_PREFILL_GEOMETRY``. Source: our own (enumerates ``select_prefill_blocks``)."""
     if arch not in KNOWN_ARCHS:
         raise ValueError(f"all_union_configs: unknown arch {arch!r}; known: {sorted(KNOWN_ARCHS)}")
     facts = DeviceFacts.for_arch(arch, triton_version="3.9.0")

@@ -48,7 +48,7 @@ def expected_valid_count(visible, *, width: int = WIDTH, ratio: int = RATIO) -> 
     """Valid entries of an expanded row whose indexer picked every complete block it may:
     ``ratio * min(floor(L / ratio), block_topk)`` (at most token_topk) ``+ L mod ratio`` for
     L = ``visible`` tokens (int array-like, >= 0). Returns int64 of its shape; raises ValueError
-    when width < ratio."""
+    when width < ratio or ratio < 1. Source: qsa-contract.md §4 (valid count)."""
     token_topk, block_topk = _geometry(width, ratio)
     L = np.asarray(visible, np.int64)
     return np.minimum(ratio * np.minimum(L // ratio, block_topk), token_topk) + L % ratio
@@ -56,7 +56,8 @@ def expected_valid_count(visible, *, width: int = WIDTH, ratio: int = RATIO) -> 
 
 def valid_first(indices: np.ndarray, lens) -> np.ndarray:
     """Stably move the valid entries (0 <= idx < len) of every row of int [..., W] to the front
-    (``lens`` broadcastable to ``indices.shape[:-1]``); same shape and dtype, no sort."""
+    (``lens`` broadcastable to ``indices.shape[:-1]``); same shape and dtype, no sort. Raises
+    nothing of its own; source: qsa-contract.md §4 (valid entries stably first)."""
     idx = np.asarray(indices)
     valid = valid_mask(idx, lens)
     # destination column: valid -> (#valid before it); invalid -> n_valid + (#invalid before it)
@@ -77,7 +78,7 @@ def expand_block_indices(block_ids, positions, seq_lens, *, ratio: int = RATIO,
     ``ratio - 1`` columns (tokens < 0 or >= seq_len: -1), valid entries stably first.
     block_ids int [M, block_topk] (row-relative); positions, seq_lens int [M]. Returns int32
     [M, token_topk + ratio - 1], -1 after the valid entries. Raises ValueError when the shapes
-    disagree."""
+    disagree. Source: qsa-contract.md §4, upstream ``sglang/srt/layers/attention/qsa/kernel.py``."""
     blocks = np.asarray(block_ids, np.int64)
     if blocks.ndim != 2:
         raise ValueError(f"block_ids must be [M, block_topk], got shape {blocks.shape}")
@@ -107,20 +108,22 @@ def expand_block_indices(block_ids, positions, seq_lens, *, ratio: int = RATIO,
 
 
 def valid_mask(indices, lens) -> np.ndarray:
-    """Boolean mask ``0 <= idx < len`` (lens broadcast over the last axis)."""
+    """Boolean mask ``0 <= idx < len`` (lens broadcast over the last axis). Raises nothing of its
+    own; source: qsa-contract.md §3, §4 (the validity rule)."""
     idx = np.asarray(indices)
     return (idx >= 0) & (idx < np.asarray(lens, np.int64)[..., None])
 
 
 def valid_counts(indices, seq_lens) -> np.ndarray:
     """Valid entries per row, ``#{j : 0 <= indices[r, j] < seq_lens[r]}`` (§4), wherever they
-    stand: int32 of shape ``indices.shape[:-1]`` for int ``indices`` [..., W]."""
+    stand: int32 of shape ``indices.shape[:-1]`` for int ``indices`` [..., W]. Raises nothing of
+    its own; source: qsa-contract.md §4."""
     return valid_mask(indices, seq_lens).sum(-1).astype(np.int32)
 
 
 def cu_seqlens_from_counts(counts) -> np.ndarray:
     """Exclusive prefix sum: int32 [B + 1], cu[0] = 0 (the decode ``cu_seqlens_k``). Raises
-    ValueError for a negative count or a total past int32."""
+    ValueError for a negative count or a total past int32. Source: qsa-contract.md §4."""
     c = np.asarray(counts, np.int64).reshape(-1)
     if (c < 0).any():
         raise ValueError("counts must be >= 0")
@@ -137,7 +140,9 @@ def compact_kv(k_pool, v_pool, indices, seq_lens, slot_table=None, *, out_dtype=
     column order) map to pool slots ``slot_table[b, idx]`` (int [B, max_context]; None: idx) and
     their ``k_pool`` / ``v_pool`` [slots, Hkv, D] rows land at ``cu_k[b] : cu_k[b + 1]``, cast to
     ``out_dtype`` (default the pool's). Returns (k_packed, v_packed [capacity (default cu_k[B],
-    extra rows 0), Hkv, D], cu_seqlens_k int32 [B + 1]). Raises ValueError: capacity too small."""
+    extra rows 0), Hkv, D], cu_seqlens_k int32 [B + 1]). Raises ValueError: capacity too small.
+    Source: qsa-contract.md §4 (compaction), upstream ``_compact_kv`` in
+    ``sglang/srt/layers/attention/qsa/sparse_attn.py``."""
     idx = np.asarray(indices, np.int64)
     mask = valid_mask(idx, seq_lens)
     cu = cu_seqlens_from_counts(mask.sum(-1))
@@ -164,7 +169,8 @@ def row_layout(q_lens, kv_lens=None, *, check: bool = True):
     """Per row: (request id, row within the request, visible tokens, validity bound), int64 [T]
     each, for ``q_lens`` int [B] rows per request and ``kv_lens`` int [B] contexts (None: ordinary,
     kv_lens = q_lens). ``check=False`` accepts kv_lens < q_lens (lying metadata: those rows see
-    <= 0 tokens). Raises ValueError for lengths of different sizes, or (check) kv_lens < q_lens."""
+    <= 0 tokens). Raises ValueError for lengths of different sizes, or (check) kv_lens < q_lens.
+    Source: qsa-contract.md §3 (visible, validity bound)."""
     ql = np.asarray(q_lens, np.int64).reshape(-1)
     kl = ql if kv_lens is None else np.asarray(kv_lens, np.int64).reshape(-1)
     if kl.shape != ql.shape:
@@ -191,7 +197,8 @@ def select_blocks(visible, req, *, block_topk: int = BLOCK_TOPK, ratio: int = RA
     offset is drawn per (request, stratum) with probability ``sqrt(overlap)``, else per row, so
     adjacent rows share about ``overlap`` of their older blocks, like the real indexer's
     (anchors.md). Ids come in one random order per request, valid first. Raises ValueError:
-    overlap outside [0, 1], sinks outside [0, block_topk - n_recent - 1]."""
+    overlap outside [0, 1], sinks outside [0, block_topk - n_recent - 1]. Source: our own
+    (overlap target: vLLM RFC #55394, as ``neighbour_jaccard`` measures it)."""
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be in [0, 1], got {overlap}")
     rng = np.random.default_rng(seed)
@@ -264,7 +271,8 @@ def prefill_indices(q_lens, kv_lens=None, *, width: int = WIDTH, ratio: int = RA
     bound + 19, or "mixed": those and int32 extremes per entry). ``empty_rows``: a fraction of
     rows (float) or row numbers made all junk. Returns int32 [T, W] (``num_kv_heads`` None) or
     [T, Hkv, W] (one selection per head), valid first. Raises ValueError: unknown junk, bad
-    overlap or empty_rows, kv_lens < q_lens, width < ratio."""
+    overlap or empty_rows, kv_lens < q_lens, width < ratio. Source: our own (``select_blocks``,
+    expanded as qsa-contract.md §4)."""
     if junk not in JUNK_MODES:
         raise ValueError(f"junk mode must be one of {JUNK_MODES}, got {junk!r}")
     token_topk, block_topk = _geometry(width, ratio)
@@ -298,7 +306,8 @@ def neighbour_jaccard(block_ids, req, visible=None, *, ratio: int = RATIO) -> fl
     """Mean Jaccard |A ∩ B| / |A ∪ B| of the valid block sets of adjacent rows of one request
     (vLLM RFC #55394 measured 0.87-0.94 at 8k on real top-k dumps). block_ids int [T, NB] (any
     order, duplicates once), req int [T], visible int [T] (valid iff 0 <= g < visible // ratio)
-    or None (g >= 0). Returns a float in [0, 1], nan without pairs."""
+    or None (g >= 0). Returns a float in [0, 1], nan without pairs. Raises nothing of its own;
+    source: our own (the metric vLLM RFC #55394 reports)."""
     g = np.asarray(block_ids, np.int64)
     req = np.asarray(req, np.int64)
     bound = (np.full(g.shape[0], np.iinfo(np.int64).max) if visible is None
@@ -325,7 +334,8 @@ def calibrate_overlap(jaccard: float, visible, req, *, block_topk: int = BLOCK_T
                       seed: int = 0) -> tuple[float, float]:
     """The ``select_blocks`` overlap reaching a target ``neighbour_jaccard`` on ``pairs`` adjacent
     row pairs of ``visible``, ``req`` (int [T]), by 14 bisection steps. Returns (overlap, Jaccard
-    at it): the closest reachable (short rows select every block, so the Jaccard has a floor)."""
+    at it): the closest reachable (short rows select every block, so the Jaccard has a floor).
+    Raises ValueError as ``select_blocks`` (bad sinks); source: our own (bisection)."""
     vis = np.asarray(visible, np.int64)
     req = np.asarray(req, np.int64)
     cand = np.nonzero(req[:-1] == req[1:])[0]
@@ -362,7 +372,9 @@ def expand_prefill_blocks(block_indices, q_lens, kv_lens=None, *, ratio: int = R
     ``0 <= g < visible // ratio`` expands to its ``ratio`` tokens, every row gets its causal
     tail, invalid ids are dropped (``expand_block_indices``, nothing truncated; duplicates kept).
     block_indices int [T, NB] or [T, Hkv, NB], any order; q_lens, kv_lens as ``row_layout``.
-    Returns int32 [T, (Hkv,) ratio*NB + ratio - 1], valid first, -1 after."""
+    Returns int32 [T, (Hkv,) ratio*NB + ratio - 1], valid first, -1 after. Raises ValueError when
+    q_lens and kv_lens differ in size (``row_layout``); source: our own (``block_indices=``,
+    ``interop.geometry.BLOCK_INDICES_DOC``), expanded as qsa-contract.md §4."""
     g = np.asarray(block_indices, np.int64)
     per_head = g.ndim == 3
     g3 = g if per_head else g[:, None, :]
@@ -387,7 +399,7 @@ def prefill_block_indices(q_lens, kv_lens=None, *, block_width: int = BLOCK_TOPK
     junk (in block terms: "len" = visible // ratio), empty_rows (they still attend their causal
     tail): as ``prefill_indices``. junk_anywhere: shuffle rows so valid and junk interleave.
     duplicates: that many seeded rows get one valid entry replaced by a copy of another. Raises
-    ValueError as ``prefill_indices``."""
+    ValueError as ``prefill_indices``, or for bad sinks. Source: our own (``select_blocks``)."""
     if junk not in JUNK_MODES:
         raise ValueError(f"junk mode must be one of {JUNK_MODES}, got {junk!r}")
     req, _r, visible, _bound = row_layout(q_lens, kv_lens)
@@ -419,7 +431,9 @@ def prefill_block_indices(q_lens, kv_lens=None, *, block_width: int = BLOCK_TOPK
 def tile_slots(q_lens, tile_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
     """The tile-union kernels' numbering: tile j of request b (rows j*R .. j*R + R - 1) has slot
     ``cu_q[b] // R + b + j`` < ``T // R + B`` (a grid needing no host prefix sum). Returns
-    (request of each tile, its first row in the request, number of slots), by slot."""
+    (request of each tile, its first row in the request, number of slots), by slot. Raises
+    ValueError for a negative q_len (``cu_seqlens_from_counts``); source: our own; bench/NOTES.md,
+    "Tile-union sparse prefill"."""
     ql = np.asarray(q_lens, np.int64).reshape(-1)
     cu = cu_seqlens_from_counts(ql).astype(np.int64)
     r = int(tile_rows)
@@ -437,7 +451,9 @@ def tile_union(block_indices, q_lens, kv_lens=None, *, tile_rows: int,
     """Reference of the tile-union build: ``{(slot, head): (blocks int64 [n], masks int64 [n])}``
     for every tile of ``tile_slots``, the union of its rows' valid blocks with each row's
     membership bits; a block a row lists k times gives k entries (copy c: the rows listing it more
-    than c times), ordered by (copy, block id) as the kernels order them."""
+    than c times), ordered by (copy, block id) as the kernels order them. Raises ValueError:
+    q_lens and kv_lens of different sizes, a negative q_len. Source: our own; bench/NOTES.md,
+    "Tile-union sparse prefill"."""
     g = np.asarray(block_indices, np.int64)
     g3 = g if g.ndim == 3 else g[:, None, :]
     nb_vis = np.maximum(row_layout(q_lens, kv_lens, check=False)[2], 0) // ratio
@@ -491,7 +507,8 @@ def prefill_layout(kind: Literal["ordinary", "chunk", "paged"], q_lens, kv_lens=
                    pool_slack: int = 0, spare_requests: int = 2, seed: int = 0) -> PrefillLayout:
     """Metadata for a prefill batch of ``kind`` (ordinary|chunk|paged); ``kv_lens`` is ignored for
     ordinary. Paged pools get a scattered ``req_to_token`` with ``pool_slack`` unused slots and
-    ``spare_requests`` unused rows (seeded). Raises ValueError: unknown kind, kv_lens < q_lens."""
+    ``spare_requests`` unused rows (seeded). Raises ValueError: unknown kind, kv_lens < q_lens.
+    Source: qsa-contract.md §3 (metadata per variant); the scattered pool is ours."""
     if kind not in ("ordinary", "chunk", "paged"):
         raise ValueError(f"kind must be ordinary|chunk|paged, got {kind!r}")
     ql = np.asarray(q_lens, np.int64).reshape(-1)
@@ -522,7 +539,7 @@ def decode_lengths(batch: int, pattern: str, *, max_len: int = WIDTH, seed: int 
     """Key counts int32 [B] of a decode batch, uniform in (bounds at least 1) "short" [1,
     max_len // 32], "medium" [max_len // 8, max_len // 2], "saturated" [max_len, max_len], "mixed"
     [min(17, max_len), max_len] (anchors.md); ``zero_rows`` seeded rows get 0. Raises ValueError:
-    unknown pattern, B or max_len < 1."""
+    unknown pattern, B or max_len < 1. Source: qsa-contract.md §6 (decode shape suites)."""
     if pattern not in DECODE_PATTERNS:
         raise ValueError(f"decode pattern must be one of {DECODE_PATTERNS}, got {pattern!r}")
     if batch < 1 or max_len < 1:
@@ -556,7 +573,8 @@ class DecodeCase:
 def decode_case(batch: int, pattern: str, *, max_len: int = WIDTH, seed: int = 0,
                 zero_rows: int = 0, capacity_slack: int = 0) -> DecodeCase:
     """A decode batch from ``decode_lengths``; ``max_seqlen_k`` is ``max_len`` (the static bound
-    serving passes), the capacity ``cu_seqlens_k[B] + capacity_slack``."""
+    serving passes), the capacity ``cu_seqlens_k[B] + capacity_slack``. Raises ValueError as
+    ``decode_lengths``; source: qsa-contract.md §2 (packed varlen layout)."""
     lens = decode_lengths(batch, pattern, max_len=max_len, seed=seed, zero_rows=zero_rows)
     cu_k = cu_seqlens_from_counts(lens)
     return DecodeCase(lens, np.arange(batch + 1, dtype=np.int32), cu_k, int(max_len),
@@ -574,7 +592,8 @@ def resolve_paged_slots(req_to_token, req_indices, indices, seq_lens,
                         pool_slots: int) -> np.ndarray:
     """int64 pool slot of every paged-decode index entry of int [R, (Hkv,) W], -1 where invalid
     (§2b, §7): valid iff ``0 <= idx < min(seq_lens[r], max_context)``, req_indices[r] a row of
-    req_to_token int [max_reqs, max_context] and the slot in ``[0, pool_slots)``."""
+    req_to_token int [max_reqs, max_context] and the slot in ``[0, pool_slots)``. Raises nothing
+    of its own; source: qsa-contract.md §2b, §7."""
     table = np.asarray(req_to_token, np.int64)
     idx = np.asarray(indices, np.int64)
     req = np.asarray(req_indices, np.int64).reshape(-1)
@@ -654,7 +673,8 @@ def paged_decode_case(context_lens, *, width: int = WIDTH, rows_per_request: int
     ``n_junk`` values from ``junk`` (``PAGED_JUNK``) go at each of ``junk_at``
     (``PAGED_JUNK_AT``; () keeps rows valid-first, -1 after); ``duplicates`` entries per row copy
     other valid ones; ``empty_rows`` hold junk only. Raises ValueError: unknown junk value or
-    position, a context shorter than rows_per_request - 1."""
+    position, a context shorter than rows_per_request - 1, rows_per_request < 1, too few
+    pool_slots. Source: our own, laid out as qsa-contract.md §2b."""
     if any(j not in PAGED_JUNK for j in junk) or any(a not in PAGED_JUNK_AT for a in junk_at):
         raise ValueError(f"junk must be from {PAGED_JUNK}, junk_at from {PAGED_JUNK_AT}; got "
                          f"{junk!r}, {junk_at!r}")
@@ -850,7 +870,7 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     4-chunk sample from 16 chunks; the Pallas build from 16 chunks only) where a row's expected
     candidates fit.
     Raises ValueError: unknown kind or backend, topk not a power of two,
-    negative sizes."""
+    negative sizes. Source: our own; bench/NOTES.md, "Indexer"."""
     if kind not in ("decode", "prefill"):
         raise ValueError(f"kind must be decode|prefill, got {kind!r}")
     if backend not in ("triton", "pallas"):
@@ -917,7 +937,9 @@ def prefill_row_ranges(q_lens, kv_lens, *, ratio: int = RATIO):
     ``floor(kv_lens[b] / ratio)`` compressed keys packed at rows ``cu_blocks[b] ..``; its row r at
     ``p = kv_lens[b] - q_lens[b] + r`` sees ``floor((p + 1) / ratio)`` of them. Returns int32
     (row_starts, row_ends [T] half-open absolute, cu_blocks [B + 1], positions [T], seq_lens [T]
-    = kv_lens[b]). Raises ValueError: kv_lens[b] < q_lens[b]."""
+    = kv_lens[b]). Raises ValueError: kv_lens[b] < q_lens[b]. Source: upstream
+    ``build_qsa_row_ranges`` (``sglang/srt/layers/attention/qsa/metadata.py``), qsa-contract.md
+    §7."""
     req, r, visible, bound = row_layout(q_lens, kv_lens)
     kl = np.asarray(kv_lens, np.int64).reshape(-1)
     cu = cu_seqlens_from_counts(kl // ratio)
@@ -934,7 +956,8 @@ def prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows: int
     q_len_b + (t - cu_seqlens_q[b])`` and sees the first ``floor(max(p + 1, 0) / ratio)`` of the
     packed rows ``index_cu_seqlens_k[b] .. [b + 1]``; a row outside every request gets an empty
     range, position -1, bound 0. Inputs int [B + 1], [B], [B + 1]; returns int32 [total_rows]
-    (row_starts, row_ends, positions, seq_lens = kv_lens[b])."""
+    (row_starts, row_ends, positions, seq_lens = kv_lens[b]). Raises nothing of its own; source:
+    qsa-contract.md §4b, §7 (``prefill_row_ranges``'s rule per row)."""
     cu = np.asarray(cu_seqlens_q, np.int64).reshape(-1)
     kl = np.asarray(kv_lens, np.int64).reshape(-1)
     ck = np.asarray(index_cu_seqlens_k, np.int64).reshape(-1)
@@ -943,7 +966,8 @@ def prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows: int
 
 def prefill_step_rows_xp(xp, cu, kl, ck, rows, ratio: int):
     """``prefill_step_rows``'s rule over an array module ``xp`` with numpy's API (``jax.numpy`` in
-    ``qsa_pallas``; the core imports no backend); ``rows`` int [T] = 0..T-1."""
+    ``qsa_pallas``; the core imports no backend); ``rows`` int [T] = 0..T-1. Raises nothing of its
+    own; source: as ``prefill_step_rows``."""
     b = kl.shape[0]
     req = xp.searchsorted(cu[1:], rows, side="right")
     inside = (req < b) & (rows >= cu[0])
@@ -975,7 +999,8 @@ def indexer_decode_case(seq_lens, *, page_size: int = 16, max_pages: int | None 
     """Page table for a decode batch, every row's pages scattered over one shared cache with
     ``extra_pages`` unused pages. ``seq_lens``: int [B] >= 0; ``max_pages``: table width (default
     the longest row's); ``junk`` past each row's pages: "zero", "-1" or "mixed" (-1, past the
-    cache, int32 extremes, 0). Raises ValueError: max_pages too small, unknown junk."""
+    cache, int32 extremes, 0). Raises ValueError: max_pages too small, unknown junk. Source: our
+    own, the cache layout of qsa-contract.md §4b."""
     sl = np.maximum(np.asarray(seq_lens, np.int64).reshape(-1), 0)
     need = -(-(sl // RATIO) // page_size)
     width = int(max(need.max() if need.size else 0, 1) if max_pages is None else max_pages)

@@ -67,12 +67,12 @@ BATCH_INVARIANT_SPLIT_KEYS = 256
 
 
 def prev_pow2(x: int) -> int:
-    """Largest power of two <= x (x >= 1; 1 for x < 1)."""
+    """Largest power of two <= x (x >= 1; 1 for x < 1). Raises nothing; source: our own."""
     return 1 << (max(1, int(x)).bit_length() - 1)
 
 
 def next_pow2(x: int) -> int:
-    """Smallest power of two >= x (1 for x <= 1)."""
+    """Smallest power of two >= x (1 for x <= 1). Raises nothing; source: our own."""
     return 1 << max(0, math.ceil(math.log2(max(1, x))))
 
 
@@ -85,6 +85,8 @@ def split_blocks(blocks, j, n_active):
     never the one that finishes last; ``j >= n_active`` starts at or past ``blocks``. Plain
     ``+ * //`` only, so it runs on host ints, inside a ``triton.jit`` kernel (pass int64
     ``blocks`` where ``blocks * n_active`` may pass 2**31) and on traced jax integers.
+    Raises nothing of its own (n_active >= 1 is the caller's). Source: the module docstring;
+    bench/NOTES.md, "Decode, Triton".
     """
     return (blocks * j + n_active - 1) // n_active, (blocks * (j + 1) + n_active - 1) // n_active
 
@@ -96,7 +98,8 @@ def smem_bytes(*, head_tile: int, block_n: int, head_dim: int, num_stages: int,
     1)`` K+V tile copies (``2 x block_n x head_dim x kv_bytes``) plus 1/8 for the pipeliner's
     layout conversions, the Q and P tiles in ``q_bytes`` and 2 KiB of scratch. The compile tests
     assert ``compiled.metadata.shared <= smem_bytes`` for every shipped configuration on sm_90
-    and sm_120; it over-counts single-stage kernels."""
+    and sm_120; it over-counts single-stage kernels. Raises nothing; source: our own model,
+    checked against the limits of qsa-contract.md §5."""
     kv = 2 * block_n * head_dim * kv_bytes
     return (max(num_stages - 1, 1) * kv * 9 // 8 + head_tile * head_dim * q_bytes
             + head_tile * block_n * q_bytes + 2048)
@@ -111,7 +114,8 @@ def fit_shared_memory(cfg: _Cfg, *, head_dim: int, limit: int | None, kv_bytes: 
     ``smem_bytes`` fits ``limit`` bytes per block: fewer stages first (down to 1), then halved
     ``block_n`` (down to 16), other fields kept; the 1-stage, 16-column form if nothing fits.
     ``limit`` None (interpreters) returns ``cfg``. Why: a plan tuned on sm_90 (232,448 B) must
-    still launch on sm_120 / sm_121 (101,376 B, ``qsa-contract.md`` §5)."""
+    still launch on sm_120 / sm_121 (101,376 B, ``qsa-contract.md`` §5). Raises nothing of its
+    own; source: our own (``smem_bytes``'s model)."""
     if limit is None:
         return cfg
 
@@ -270,7 +274,8 @@ def paged_smem_bytes(plan: PagedDecodePlan, head_dim: int, q_bytes: int = 2,
                      kv_bytes: int = 2, backend: str = "triton") -> int:
     """Estimated shared memory (bytes) of the paged split kernel: the pipelined K+V gather tiles
     in the pool's dtype, the Q and P tiles in q's dtype, and for an FP8 pool one converted
-    [BLOCK_N, D] operand per tensor (``smem_bytes``'s model plus the conversion tiles)."""
+    [BLOCK_N, D] operand per tensor (``smem_bytes``'s model plus the conversion tiles). Raises
+    nothing; source: our own; bench/NOTES.md, "Paged decode, Triton" (pipelining)."""
     kv = 2 * plan.block_n * head_dim * kv_bytes
     conv = 2 * plan.block_n * head_dim * q_bytes if kv_bytes != q_bytes else 0
     if backend == "triton":
@@ -313,7 +318,8 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
       * batch_invariant: num_splits = cdiv(W, BATCH_INVARIANT_SPLIT_COLS), capped at nb; it
         costs latency at small R and partials plus a merge from R x Hkv >= SMs.
 
-    Raises ValueError for a size < 1 or when no plan fits ``smem_limit``.
+    Raises ValueError for a size < 1 or when no plan fits ``smem_limit``. Source: our own;
+    bench/NOTES.md, "Paged decode, Triton"; qsa-contract.md §2b, §2c.
     """
     if min(rows, num_kv_heads, group, head_dim, width, sm_count) < 1:
         raise ValueError(f"plan_decode_paged: sizes must be >= 1, got R={rows}, Hkv={num_kv_heads}, "

@@ -26,7 +26,8 @@ __all__ = [
 
 
 def rel_l2(out, ref) -> float:
-    """||out - ref|| / ||ref|| in float64 (0 when both are zero)."""
+    """||out - ref|| / ||ref|| in float64 (0 when both are zero). Raises nothing of its own;
+    source: qsa-contract.md §6 (upstream's relative-L2 acceptance metric)."""
     ref = np.asarray(ref, np.float64)
     num, den = np.linalg.norm(np.asarray(out, np.float64) - ref), np.linalg.norm(ref)
     return float(num / den) if den > 0 else float(num)
@@ -35,7 +36,8 @@ def rel_l2(out, ref) -> float:
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, k_scale: float = 1.0,
            v_scale: float = 1.0) -> np.ndarray:
     """softmax(scale·k_scale·q·kᵀ)·v·v_scale for one KV head: q [G, D] (the query heads sharing
-    it), k, v [N, D] (N may be 0) -> float64 [G, D], zeros when N == 0."""
+    it), k, v [N, D] (N may be 0) -> float64 [G, D], zeros when N == 0. Raises nothing of its
+    own; source: qsa-contract.md §2 (softmax attention), §2b (k_scale, v_scale)."""
     q = np.asarray(q, np.float64)
     if k.shape[0] == 0:
         return np.zeros_like(q)
@@ -54,7 +56,8 @@ def _scale(softmax_scale, d):
 def decode_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None) -> np.ndarray:
     """Packed varlen decode (§2): q [B, Hq, D], k, v [C, Hkv, D], cu_seqlens_q / _k int [B + 1],
     softmax_scale float or None (D ** -0.5). Returns float64 [B, Hq, D]: out[s, h] attends
-    q[cu_seqlens_q[s], h] over k/v rows [cu_seqlens_k[s], cu_seqlens_k[s + 1]) of KV head h // G."""
+    q[cu_seqlens_q[s], h] over k/v rows [cu_seqlens_k[s], cu_seqlens_k[s + 1]) of KV head h // G.
+    Raises nothing of its own; source: qsa-contract.md §2, §7 (lying metadata)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     cq, ck = np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64)
     b, hq, d = q.shape
@@ -114,7 +117,8 @@ def _prefill_core(q, indices, cu_seqlens_q, lens, k, v, rows_of, softmax_scale, 
 def prefill_reference(q, k, v, indices, cu_seqlens, softmax_scale=None) -> np.ndarray:
     """Ordinary sparse prefill (§3), K/V packed like q: q [T, Hq, D], k, v [T, Hkv, D], indices
     int [T, W] or [T, Hkv, W] request-relative (valid iff < the request length), cu_seqlens int
-    [B + 1]. Returns float64 [T, Hq, D]."""
+    [B + 1]. Returns float64 [T, Hq, D]. Raises nothing of its own;
+    source: qsa-contract.md §3, §7."""
     cu = np.asarray(cu_seqlens, np.int64)
     return _prefill_core(q, indices, cu, np.diff(cu), k, v, lambda b, sel: cu[b] + sel,
                          softmax_scale, 1.0, 1.0, ordinary=True, clamp_rows=True)
@@ -125,7 +129,8 @@ def prefill_chunk_reference(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_len
     """Chunk sparse prefill (§3), request b's context at k/v rows cu_seqlens_k[b]..: q [T, Hq, D],
     k, v [Ck, Hkv, D], indices int [T, W] or [T, Hkv, W] (valid iff < kv_lens[b]), cu_seqlens_q,
     cu_seqlens_k int [B + 1], kv_lens int [B]. Returns float64 [T, Hq, D]; lying metadata as the
-    kernels (§7: rows inside [0, T) only, K/V rows clamped into k)."""
+    kernels (§7: rows inside [0, T) only, K/V rows clamped into k). Raises nothing of its own;
+    source: qsa-contract.md §3, §7."""
     ck = np.asarray(cu_seqlens_k, np.int64)
     return _prefill_core(q, indices, cu_seqlens_q, np.asarray(kv_lens, np.int64), k, v,
                          lambda b, sel: ck[b] + sel, softmax_scale, k_scale, v_scale,
@@ -135,7 +140,8 @@ def prefill_chunk_reference(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_len
 def pool_slots_of(req_to_token, req_indices, b: int, positions, pool_slots: int) -> np.ndarray:
     """int64 pool slot ``req_to_token[req_indices[b], p]`` of each position p of request b, -1
     where the row is outside the table, p outside its width or the slot outside
-    ``[0, pool_slots)`` (the paged addressing rule, §2b/§7; the caller checks p < kv_lens[b])."""
+    ``[0, pool_slots)`` (the paged addressing rule, §2b/§7; the caller checks p < kv_lens[b]).
+    Raises nothing of its own; source: qsa-contract.md §2b, §7."""
     pos = np.asarray(positions, np.int64)
     return resolve_paged_slots(req_to_token, np.asarray(req_indices)[[b]], pos.reshape(1, -1),
                                [np.iinfo(np.int64).max], pool_slots).reshape(pos.shape)
@@ -146,7 +152,8 @@ def prefill_paged_reference(q, k_cache, v_cache, req_to_token, req_indices, indi
     """Paged sparse prefill (§3, §7), K/V read from the pool: q [T, Hq, D], k_cache, v_cache
     [slots, Hkv, D], req_to_token int [max_reqs, max_context], req_indices int [B], indices int
     [T, W] or [T, Hkv, W] (valid iff < kv_lens[b] and ``pool_slots_of`` maps it into the pool),
-    cu_seqlens_q int [B + 1], kv_lens int [B]. Returns float64 [T, Hq, D]."""
+    cu_seqlens_q int [B + 1], kv_lens int [B]. Returns float64 [T, Hq, D]. Raises nothing of its
+    own; source: qsa-contract.md §3 (paged), §7."""
     pool = np.shape(k_cache)[0]
     return _prefill_core(q, indices, cu_seqlens_q, np.asarray(kv_lens, np.int64), k_cache, v_cache,
                          lambda b, sel: pool_slots_of(req_to_token, req_indices, b, sel, pool),
@@ -159,7 +166,9 @@ def decode_paged_reference(q, k_cache, v_cache, req_to_token, req_indices, indic
     prefix sum -> ``_compact_kv``) would have packed per KV head, valid entries in column order,
     duplicates included; validity is ``interop.indices.resolve_paged_slots``'s. q [R, Hq, D],
     k_cache, v_cache [slots, Hkv, D], req_to_token int [max_reqs, max_context], req_indices,
-    seq_lens int [R], indices int [R, W] or [R, Hkv, W]. Returns float64 [R, Hq, D]."""
+    seq_lens int [R], indices int [R, W] or [R, Hkv, W]. Returns float64 [R, Hq, D]. Raises
+    nothing of its own; source: qsa-contract.md §2b, §7; upstream ``_compact_kv`` in
+    ``sglang/srt/layers/attention/qsa/sparse_attn.py``."""
     q = np.asarray(q, np.float64)
     r, hq, d = q.shape
     k_cache, v_cache = np.asarray(k_cache), np.asarray(v_cache)
@@ -194,7 +203,8 @@ def indexer_logits(q, k, row_starts, row_ends, score_scale=None) -> np.ndarray:
     ``out[m, j] = sum_h ReLU(q[m, h] . k[row_starts[m] + j]) / score_scale`` on the key rows
     ``[row_starts[m], row_ends[m]) ∩ [0, N)``, -inf elsewhere (a negative start shifts the first
     column to ``-start``). q [M, H, D]; k [N, 1, D] or [N, D]; row_starts, row_ends int [M]
-    (absolute, half-open); score_scale float > 0 or None (sqrt(D))."""
+    (absolute, half-open); score_scale float > 0 or None (sqrt(D)). Raises nothing of its own;
+    source: qsa-contract.md §4b, upstream ``sglang/srt/layers/attention/qsa/mqa.py``."""
     q = np.asarray(q, np.float64)
     k = np.asarray(k, np.float64)
     k = k.reshape(k.shape[0], int(np.prod(k.shape[1:])))  # (-1 is ambiguous with no keys)
@@ -219,7 +229,8 @@ def indexer_logits_decode(q, k_cache, page_table, seq_lens, *, compress_ratio: i
     ``k_cache[page_table[b, n // P], n % P, 0]`` (entries past the row's blocks never read).
     q [B, H, D]; k_cache [pages, P, 1, D]; page_table int [B, max_pages]; seq_lens int [B]
     (negative = 0). Returns float64 [B, max_pages * P], -inf past each row's blocks. Raises
-    ValueError: more blocks than the page table holds, a visible block's page outside the cache."""
+    ValueError: more blocks than the page table holds, a visible block's page outside the cache.
+    Source: qsa-contract.md §4b, upstream ``sglang/srt/layers/attention/qsa/mqa.py``."""
     q = np.asarray(q, np.float64)
     kc = np.asarray(k_cache, np.float64)
     pages, psz = kc.shape[0], kc.shape[1]
@@ -245,7 +256,8 @@ def indexer_topk(logits, topk: int = 512) -> np.ndarray:
     """Exact top-k over row-relative logits float [M, W] (-inf: not visible; +inf is a score, the
     largest): int32 [M, topk], ids ascending then -1 (§7). A row with <= topk visible columns
     takes them all, else the topk largest under (logit descending, column ascending): ties go to
-    the smaller block id. Raises ValueError: NaN in logits, topk < 1."""
+    the smaller block id. Raises ValueError: NaN in logits, topk < 1. Source: qsa-contract.md
+    §4b (tie rule), §7 (ascending ids)."""
     x = np.asarray(logits, np.float64)
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
@@ -264,20 +276,24 @@ def indexer_topk(logits, topk: int = 512) -> np.ndarray:
 
 def indexer_topk_decode_reference(q, k_cache, page_table, seq_lens, *, topk: int = 512,
                                   compress_ratio: int = 4) -> np.ndarray:
-    """``indexer_topk(indexer_logits_decode(...))``: int32 [B, topk] block ids, ascending."""
+    """``indexer_topk(indexer_logits_decode(...))``: int32 [B, topk] block ids, ascending.
+    Raises ValueError as those two do; source: qsa-contract.md §4b."""
     return indexer_topk(indexer_logits_decode(q, k_cache, page_table, seq_lens,
                                               compress_ratio=compress_ratio), topk)
 
 
 def indexer_topk_prefill_reference(q, k, row_starts, row_ends, *, topk: int = 512) -> np.ndarray:
-    """``indexer_topk(indexer_logits(...))``: int32 [M, topk] row-relative block ids, ascending."""
+    """``indexer_topk(indexer_logits(...))``: int32 [M, topk] row-relative block ids, ascending.
+    Raises ValueError as ``indexer_topk`` (NaN, topk < 1); source: qsa-contract.md §4b."""
     return indexer_topk(indexer_logits(q, k, row_starts, row_ends), topk)
 
 
 def indexer_select_decode_reference(q, k_cache, page_table, seq_lens, *, topk: int = 512,
                                     compress_ratio: int = 4) -> np.ndarray:
     """Decode indexer + ``expand_block_indices`` at position seq_lens[b] - 1, bound seq_lens[b]:
-    int32 [B, topk * ratio + ratio - 1] token positions."""
+    int32 [B, topk * ratio + ratio - 1] token positions. Raises ValueError as
+    ``indexer_topk_decode_reference`` and ``expand_block_indices``;
+    source: qsa-contract.md §4, §4b."""
     blocks = indexer_topk_decode_reference(q, k_cache, page_table, seq_lens, topk=topk,
                                            compress_ratio=compress_ratio)
     sl = np.asarray(seq_lens, np.int64).reshape(-1)
@@ -289,7 +305,8 @@ def indexer_select_prefill_reference(q, k, row_starts, row_ends, positions, seq_
                                      topk: int = 512, compress_ratio: int = 4) -> np.ndarray:
     """Prefill indexer + ``expand_block_indices``: int32 [M, topk * ratio + ratio - 1] token
     positions; positions, seq_lens int [M]: each row's p and bound; the rest as
-    ``indexer_logits``."""
+    ``indexer_logits``. Raises ValueError as ``indexer_topk`` and ``expand_block_indices``
+    (positions, seq_lens not one per row); source: qsa-contract.md §4, §4b."""
     blocks = indexer_topk_prefill_reference(q, k, row_starts, row_ends, topk=topk)
     return expand_block_indices(blocks, positions, seq_lens, ratio=compress_ratio,
                                 token_topk=topk * compress_ratio)
@@ -304,7 +321,7 @@ def topk_set_report(selected, logits, topk: int, *, tol: float = 0.0) -> dict:
     to ``tol`` (logit units): min(topk, visible) distinct visible ids, ascending, -1 after, and
     min(selected) >= max(unselected visible) - tol. Returns {rows, exact, admissible (counts),
     bad_rows (<= 20 non-admissible rows), max_violation (max(unselected) - min(selected), -inf
-    when none)}."""
+    when none)}. Raises ValueError as ``indexer_topk`` (NaN, topk < 1); source: our own."""
     sel = np.asarray(selected, np.int64)
     x = np.asarray(logits, np.float64)
     ref = indexer_topk(x, topk)
@@ -345,7 +362,8 @@ def decode_step_reference(q, k_cache, v_cache, req_to_token, req_indices, index_
                           v_scale=1.0, *, topk: int = 512, compress_ratio: int = 4) -> np.ndarray:
     """One decode step: ``indexer_select_decode_reference`` (index_q [R, H, Di], index_k_cache
     [pages, P, 1, Di], index_page_table int [R, max_pages]) then ``decode_paged_reference`` on
-    the rest (as there). Returns float64 [R, Hq, D]."""
+    the rest (as there). Returns float64 [R, Hq, D]. Raises ValueError as
+    ``indexer_select_decode_reference``; source: qsa-contract.md §4b, §2b."""
     idx = indexer_select_decode_reference(index_q, index_k_cache, index_page_table, seq_lens,
                                           topk=topk, compress_ratio=compress_ratio)
     return decode_paged_reference(q, k_cache, v_cache, req_to_token, req_indices, idx, seq_lens,
@@ -359,7 +377,8 @@ def prefill_step_reference(q, k_cache, v_cache, req_to_token, req_indices, index
     """One prefill step: row ranges from ``interop.indices.prefill_step_rows``,
     ``indexer_select_prefill_reference`` over index_q [T, H, Di] and index_k [N, 1, Di] (request
     b's at rows index_cu_seqlens_k[b]..), then ``prefill_paged_reference`` on the rest (as
-    there). Returns float64 [T, Hq, D]."""
+    there). Returns float64 [T, Hq, D]. Raises ValueError as ``indexer_select_prefill_reference``;
+    source: qsa-contract.md §3, §4b, §7."""
     rs, re, pos, sl = prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k,
                                         np.shape(q)[0], ratio=compress_ratio)
     idx = indexer_select_prefill_reference(index_q, index_k, rs, re, pos, sl, topk=topk,
