@@ -414,7 +414,7 @@ def _paged_splits(inp: PoolInputs, splits: int):
     from qsa_triton import decode_paged  # noqa: PLC0415
 
     q, k, idx = inp.args[0], inp.args[1], inp.args[5]
-    plan = decode_paged.plan_for(q, k, idx, False)
+    plan = decode_paged._plan_of(q, k, idx, False)
     nb = -(-idx.shape[-1] // plan.block_n)
     s = max(1, min(splits, nb))
     plan = dataclasses.replace(plan, num_splits=s, num_stages=7 if nb >= 2 * s else 3)
@@ -426,7 +426,7 @@ def _paged_no_pdl(inp: PoolInputs):
     Launch (what PDL buys between the calls of a graph)."""
     from qsa_triton import decode_paged  # noqa: PLC0415
 
-    plan = decode_paged.plan_for(inp.args[0], inp.args[1], inp.args[5], False)
+    plan = decode_paged._plan_of(inp.args[0], inp.args[1], inp.args[5], False)
     return lambda: decode_paged.decode_paged_with_plan(*inp.args, inp.scale, plan=plan, pdl=False)
 
 
@@ -445,7 +445,8 @@ def _pallas_stages(inp: PoolInputs, num_stages: int):
     from qsa_pallas import decode_paged  # noqa: PLC0415
 
     q, k, idx = inp.args[0], inp.args[1], inp.args[5]
-    plan = decode_paged.plan_for(q.shape[0], q.shape[1], k.shape[1], q.shape[2], idx.shape[-1],
+    plan = decode_paged.plan_for(q.shape[0], k.shape[1], q.shape[1] // k.shape[1], q.shape[2],
+                                 idx.shape[-1],
                                  q_dtype=getattr(jnp, str(q.dtype).split(".")[-1]),
                                  kv_dtype=getattr(jnp, str(k.dtype).split(".")[-1]))
     return common.jax_chain(decode_paged.decode_paged_with_plan, [*inp.args, inp.scale],

@@ -190,19 +190,17 @@ def _decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_l
 
 # ---------------------------------------------------------------------------------------------
 # Entry points
-def _target() -> tuple[int, int | None]:
-    """(SM count, opt-in shared memory per block) of the target GPU (``_compat.target_facts``);
-    the H200's 132 SMs on CPU, where they only shape the interpreter's grid."""
-    facts = C.target_facts()
-    return (facts.sm_count, facts.smem_per_block) if facts is not None else (132, None)
-
-
-def plan_for(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int, width: int, *,
-             q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+def plan_for(rows: int, num_kv_heads: int, group: int, head_dim: int, width: int, device=None,
+             *, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
              batch_invariant: bool = False) -> PagedDecodePlan:
-    """The plan (``interop.plan.plan_decode_paged``) a call with these shapes uses."""
-    sms, smem = _target()
-    return plan_decode_paged(rows, num_kv_heads, num_q_heads // num_kv_heads, head_dim,
+    """The plan (``interop.plan.plan_decode_paged``) a ``sparse_decode_paged`` call with R =
+    ``rows``, Hkv, G = Hq / Hkv, D, W = ``width`` and these q / pool dtypes uses, as
+    ``qsa_triton.decode_paged.plan_for``; ``device`` a jax GPU device (None: the GPU being
+    built for, ``_compat.target_facts``; CPU: the H200's 132 SMs, which only shape the
+    interpreter's grid). Raises ValueError as ``plan_decode_paged``. Source: ``interop.plan``."""
+    facts = C.target_facts() if device is None else DeviceFacts.from_jax(device)
+    sms, smem = (facts.sm_count, facts.smem_per_block) if facts is not None else (132, None)
+    return plan_decode_paged(rows, num_kv_heads, group, head_dim,
                              max(1, width), sms, q_bytes=np.dtype(q_dtype).itemsize,
                              kv_bytes=np.dtype(kv_dtype).itemsize,
                              batch_invariant=bool(batch_invariant), backend="pallas",
@@ -271,7 +269,7 @@ def sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
     args = (q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens)
     prob, interp = _prepare(args, softmax_scale, k_scale, v_scale, batch_invariant, strict,
                             interpret)
-    plan = plan_for(prob.rows, prob.num_q_heads, prob.num_kv_heads, prob.head_dim, prob.width,
+    plan = plan_for(prob.rows, prob.num_kv_heads, prob.group, prob.head_dim, prob.width,
                     q_dtype=q.dtype, kv_dtype=k_cache.dtype, batch_invariant=batch_invariant)
     return _decode_paged(*args, st=_static(prob, plan, interp))
 

@@ -201,14 +201,32 @@ def _device(dev_type: str, index: int | None) -> tuple[int, int | None]:
     return facts.sm_count, facts.smem_per_block
 
 
-def plan_for(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
+def plan_for(rows: int, num_kv_heads: int, group: int, head_dim: int, width: int,
+             device: torch.device | str | None = None, *, q_dtype: torch.dtype = torch.bfloat16,
+             kv_dtype: torch.dtype = torch.bfloat16,
+             batch_invariant: bool = False) -> PagedDecodePlan:
+    """The plan (``interop.plan.plan_decode_paged``) a ``sparse_decode_paged`` call with R =
+    ``rows`` query rows, Hkv, G = Hq / Hkv, D, W = ``width`` index columns, q / pool dtypes
+    (torch dtypes; FP8 pools: ``torch.float8_e4m3fn``) uses on ``device`` (None: the current
+    CUDA device, or the CPU, whose plans are sized for the H200's 132 SMs); cached. The same
+    signature as ``qsa_pallas.decode_paged.plan_for`` and the packed decodes' ``plan_for``.
+    Raises ValueError as ``plan_decode_paged`` (a size < 1, no plan fits). Source:
+    ``interop.plan`` (the rules and their measurements)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    return _plan(rows, num_kv_heads, group, head_dim, max(1, width),
+                 *_device(device.type, device.index), torch.empty((), dtype=q_dtype).element_size(),
+                 torch.empty((), dtype=kv_dtype).element_size(), bool(batch_invariant))
+
+
+def _plan_of(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
              batch_invariant: bool) -> PagedDecodePlan:
-    """The plan (``interop.plan.plan_decode_paged``, for the device) these tensors get."""
+    """``plan_for`` of a call's tensors."""
     r, hq, d = q.shape
     hkv = k_cache.shape[1]
-    return _plan(r, hkv, hq // hkv, d, max(1, indices.shape[-1]),
-                 *_device(q.device.type, q.device.index),
-                 q.element_size(), k_cache.element_size(), bool(batch_invariant))
+    return plan_for(r, hkv, hq // hkv, d, indices.shape[-1], q.device, q_dtype=q.dtype,
+                    kv_dtype=k_cache.dtype, batch_invariant=batch_invariant)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -311,7 +329,7 @@ def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            softmax_scale, k_scale, v_scale, batch_invariant=batch_invariant,
                            strict=True)
     return _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
-                   softmax_scale, k_scale, v_scale, plan_for(q, k_cache, indices, batch_invariant))
+                   softmax_scale, k_scale, v_scale, _plan_of(q, k_cache, indices, batch_invariant))
 
 
 @_paged_op.register_fake

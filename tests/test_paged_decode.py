@@ -169,6 +169,30 @@ def bits(a) -> np.ndarray:
     return np.asarray(a).view(np.uint16)
 
 
+def test_plan_for_twins_share_one_signature():
+    """Both packages' paged ``plan_for`` take the packed decodes' shape-based form (R, Hkv, G,
+    D, W, device; dtypes and batch_invariant by keyword) and return the shared planner's plan
+    for their backend (on a CPU: the H200's 132 SMs)."""
+    import inspect
+
+    from qsa_pallas import decode as pd
+    from qsa_triton import decode as td
+
+    names = lambda f: list(inspect.signature(f).parameters)  # noqa: E731
+    assert names(tdp.plan_for) == names(pdp.plan_for) == [
+        "rows", "num_kv_heads", "group", "head_dim", "width", "device", "q_dtype", "kv_dtype",
+        "batch_invariant"]
+    assert names(td.plan_for) == names(pd.plan_for)
+    assert tdp.plan_for(4, 2, 12, 256, 2051, "cpu") == plan_decode_paged(4, 2, 12, 256, 2051, 132)
+    assert pdp.plan_for(4, 2, 12, 256, 2051) == plan_decode_paged(4, 2, 12, 256, 2051, 132,
+                                                                 backend="pallas")
+    fp8 = dict(q_bytes=2, kv_bytes=1, batch_invariant=True)
+    assert (tdp.plan_for(3, 1, 12, 256, 2051, q_dtype=torch.float16,
+                         kv_dtype=torch.float8_e4m3fn, batch_invariant=True)
+            == plan_decode_paged(3, 1, 12, 256, 2051, 132, **fp8))
+
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU: values
 @pytest.mark.parametrize("pair", [(24, 2), (12, 1), (6, 1), (3, 1)])
@@ -773,7 +797,7 @@ def test_gpu_pdl_on_off_bitwise_and_chained_graph(tp, rows):
     from qsa_triton import decode_paged as P  # noqa: PLC0415
 
     args, _ = gpu_case(tp, rows, seed=12)
-    plan = P.plan_for(args[0], args[1], args[5], False)
+    plan = P._plan_of(args[0], args[1], args[5], False)
     if not P._pdl_supported(args[0].device):
         pytest.skip("no PDL on this device / Triton")
     on = P.decode_paged_with_plan(*args, plan=plan, pdl=True)

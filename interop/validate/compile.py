@@ -613,7 +613,7 @@ def pallas_decode_paged_cases(kind: str, *, head_dim: int = 256, width: int = 20
     cases, seen = [], set()
     with jax.sharding.use_abstract_mesh(C.abstract_mesh(kind)):
         for (hq, hkv), kv, bi, r in _paged_shapes(dtype):
-            plan = P.plan_for(r, hq, hkv, head_dim, width, q_dtype=dt,
+            plan = P.plan_for(r, hkv, hq // hkv, head_dim, width, q_dtype=dt,
                               kv_dtype=getattr(jnp, kv), batch_invariant=bi)
             key = (hq, hkv, kv, dataclasses.replace(plan, num_splits=min(plan.num_splits, 2)))
             if key in seen:
