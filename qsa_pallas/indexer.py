@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from interop.arch import DeviceFacts
 from interop.contract import (check_expand_block_indices, check_indexer_decode, check_indexer_plan,
                               check_indexer_prefill)
 from interop.indices import BOUND_MARGIN_ULPS, INDEXER_API, IndexerPlan, plan_indexer
@@ -48,10 +49,19 @@ def _target() -> tuple[int, int]:
     return facts.sm_count, facts.smem_per_block
 
 
-def indexer_plan_for(kind: str, rows: int, max_blocks: int, topk: int) -> IndexerPlan:
+def indexer_plan_for(kind: str, rows: int, max_blocks: int, topk: int,
+                     device=None) -> IndexerPlan:
     """The shared static plan (``interop.indices.plan_indexer``, the Pallas build's prefill merge
-    width) for the target GPU."""
-    sms, smem = _target()
+    width) for ``kind`` ("decode" | "prefill"), ``rows`` query rows, ``max_blocks`` compressed
+    blocks a row may score and ``topk``, on ``device`` (a jax GPU device; None: the GPU being
+    built for, ``_compat.target_facts``; an H200's SMs and shared memory on a CPU-only jax), as
+    ``qsa_triton.indexer_plan_for``. Raises ValueError as ``plan_indexer``. Source:
+    ``interop.indices.plan_indexer`` (its rules and measurements)."""
+    if device is None:
+        sms, smem = _target()
+    else:
+        facts = DeviceFacts.from_jax(device)
+        sms, smem = facts.sm_count, facts.smem_per_block
     return plan_indexer(kind, rows, max_blocks, topk, sm_count=sms, smem_per_block=smem,
                         backend="pallas")
 

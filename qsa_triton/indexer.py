@@ -544,8 +544,11 @@ def _expand_kernel(blk_ptr, pos_ptr, sl_ptr, out_ptr, K: tl.constexpr, RATIO: tl
 # Launchers
 def indexer_plan_for(kind: str, rows: int, max_blocks: int, topk: int,
                      device: torch.device | None = None) -> IndexerPlan:
-    """The shared static plan (``interop.indices.plan_indexer``) for this device's SM count and
-    shared memory (an H200's without a CUDA device)."""
+    """The shared static plan (``interop.indices.plan_indexer``) for ``kind`` ("decode" |
+    "prefill"), ``rows`` query rows, ``max_blocks`` compressed blocks a row may score and
+    ``topk``, on ``device``'s SM count and shared memory (an H200's without a CUDA device), as
+    ``qsa_pallas.indexer_plan_for``. Raises ValueError as ``plan_indexer``. Source:
+    ``interop.indices.plan_indexer`` (its rules and measurements)."""
     sms, smem = 132, 232_448
     if device is not None and device.type == "cuda":
         facts = DeviceFacts.from_torch(device)

@@ -467,15 +467,14 @@ def test_other_contract_errors():
 
 def test_both_packages_export_the_shared_names_with_the_same_parameters():
     """``interop.indices.INDEXER_API``: in both packages' ``__all__``, with the same parameter
-    names, order, kinds and defaults but for each package's own placement argument (Pallas's
-    ``interpret``, Triton's ``indexer_plan_for(device=)``)."""
+    names, order, kinds and defaults but for Pallas's own ``interpret``."""
     import inspect
 
     assert set(I.INDEXER_API) <= set(TI.__all__) and set(I.INDEXER_API) <= set(PI.__all__)
     for name in I.INDEXER_API:
         pt = inspect.signature(getattr(TI, name)).parameters.values()
         pj = inspect.signature(getattr(PI, name)).parameters.values()
-        assert ([(p.name, p.kind, p.default) for p in pt if p.name != "device"]
+        assert ([(p.name, p.kind, p.default) for p in pt]
                 == [(p.name, p.kind, p.default) for p in pj if p.name != "interpret"]), name
 
 
