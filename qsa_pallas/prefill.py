@@ -355,7 +355,9 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
     Raises:
       ContractError: from ``interop.contract.check_prefill`` (before any launch), an array
         whose offsets would overflow the lowering's int32 offsets, or
-        ``interop.contract.prefill_selection`` (both or neither selection, a bad ``overlap``).
+        ``interop.contract.prefill_selection`` (both or neither selection, a bad ``overlap``);
+        torch tensors; an ``interpret`` that is not None or a bool; ``interpret=False`` on a
+        CPU-only jax.
     """
     return _entry("sparse_prefill", contract.check_prefill, {"q": q, "k": k, "v": v},
                   {"cu_seqlens": cu_seqlens}, indices, block_indices, overlap, max_seqlen_q,

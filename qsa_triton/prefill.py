@@ -527,7 +527,9 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
     Raises:
       ContractError: from ``interop.contract.check_prefill`` (before any allocation), both or
         neither of ``indices`` / ``block_indices``, a bad ``overlap`` or
-        ``QSA_PREFILL_GEOMETRY``.
+        ``QSA_PREFILL_GEOMETRY``; a non-torch argument, a CPU tensor without Triton's
+        interpreter, bf16 under the unpatched interpreter (under torch.compile from the op's
+        fake impl).
     """
     return _entry("sparse_prefill", contract.check_prefill, {"q": q, "k": k, "v": v},
                   {"cu_seqlens": cu_seqlens}, indices, block_indices, overlap, max_seqlen_q,
