@@ -640,7 +640,8 @@ def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
 
     Raises:
       ContractError: before anything is traced, ``interop.contract.check_indexer_decode``, or a
-        plan (given or the default) that cannot run this call.
+        plan (given or the default) that cannot run this call; torch tensors; an
+        ``interpret`` that is not None or a bool; ``interpret=False`` on a CPU-only jax.
     """
     return _decode_entry("indexer_topk_decode", q, k_cache, page_table, seq_lens, topk,
                          compress_ratio, strict, interpret, False, plan)
@@ -689,7 +690,8 @@ def indexer_topk_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compres
       int32 [T, topk], ascending row-relative block ids, -1 after.
 
     Raises:
-      ContractError: before anything is traced (``interop.contract.check_indexer_prefill``).
+      ContractError: before anything is traced (``interop.contract.check_indexer_prefill``),
+        and as ``indexer_topk_decode`` (plan, torch tensors, ``interpret``).
     """
     return _prefill_entry("indexer_topk_prefill", q, k, row_starts, row_ends, None, None, topk,
                           compress_ratio, strict, interpret, False, plan)
