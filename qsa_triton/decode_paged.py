@@ -216,8 +216,8 @@ def plan_for(rows: int, num_kv_heads: int, group: int, head_dim: int, width: int
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     return _plan(rows, num_kv_heads, group, head_dim, max(1, width),
-                 *_device(device.type, device.index), torch.empty((), dtype=q_dtype).element_size(),
-                 torch.empty((), dtype=kv_dtype).element_size(), bool(batch_invariant))
+                 *_device(device.type, device.index), q_dtype.itemsize, kv_dtype.itemsize,
+                 bool(batch_invariant))
 
 
 def _plan_of(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
