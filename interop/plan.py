@@ -31,7 +31,9 @@ length, so the long rows of a mixed batch split too:
     n_active = clamp(floor(len * balance_slots / (total * Hkv)), 1, max_splits),
                and at most cdiv(blocks, min_blocks_per_split)
 
-(summed over rows and heads <= balance_slots + rows); the grid keeps >= ``BALANCE_GRID_SPLITS``.
+(summed over rows and heads <= balance_slots + rows); the grid keeps >= ``BALANCE_GRID_SPLITS``
+splits, half that where B x Hkv > SMs (there a row's share of the slots is rarely above 2, and the
+empty programs of the larger grid cost short rows dispatch waves).
 
 Batch-invariant plan (``batch_invariant=True``, qsa-contract.md §2c): a row's split schedule
 depends on its own length and (G, D) only, never on B, ``max_seqlen_k`` or the SM count: BLOCK_N
@@ -60,6 +62,7 @@ MAX_SPLITS_CAP = 64  # most splits per (sequence, KV head) under the power-of-tw
 MIN_BLOCKS_CAP = 2  # a split streams up to this many BLOCK_N blocks before another is activated
 BALANCE_SLOTS_PER_SM = 2  # device-side balance: programs the rows share, per SM
 BALANCE_GRID_SPLITS = 4  # ... and the smallest grid split count, so long mixed rows can split
+#                          (halved where B x Hkv > SMs)
 WIDE_BLOCK_N = 64  # BLOCK_N of one-block splits where they still fill half the SMs
 #: batch-invariant decode: keys per split (a multiple of every BLOCK_N; 9 splits for 2051 keys),
 #: the size of the paged decode's BATCH_INVARIANT_SPLIT_COLS, for the same reasons.
@@ -164,7 +167,8 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
       max_seqlen_k: static upper bound of a row's key count (host int).
       sm_count: SMs of the target GPU (132 on the H200). max_splits, block_n: overrides (tests).
       balance: device-side balance (module docstring): >= BALANCE_GRID_SPLITS splits in the
-        grid, ``balance_slots = BALANCE_SLOTS_PER_SM * sm_count``.
+        grid (half that at B x Hkv > sm_count), ``balance_slots = BALANCE_SLOTS_PER_SM *
+        sm_count``.
       one_block_splits: one split per block where that fits one program per SM (module
         docstring; the balance's grid floor still applies); Triton only (its merge reads up to
         128 splits at once).
@@ -202,7 +206,8 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
         if one_block_splits and blocks <= min(want, 2 * MAX_SPLITS_CAP):
             max_splits = blocks
         if balance:
-            max_splits = max(max_splits, min(BALANCE_GRID_SPLITS, next_pow2(blocks)))
+            floor = BALANCE_GRID_SPLITS // (2 if programs > sm_count else 1)
+            max_splits = max(max_splits, min(floor, next_pow2(blocks)))
     max_splits = max(1, int(max_splits))
     # A max_seqlen_k row uses every split, but a split streams a few blocks when there are
     # enough (amortises the Q load and the merge).

@@ -102,7 +102,7 @@ def counters_zero(device) -> bool:
 # CPU: the shipped plan
 def test_shipped_plan_balance_one_block_splits_and_merge():
     """plan_for: the device-side balance (large batches keep >= BALANCE_GRID_SPLITS splits so
-    long rows of a mixed batch can split; inline merge where a row gets <= 8 of the 2 x SMs
+    long rows of a mixed batch can split, half that past one program per SM; inline merge where a row gets <= 8 of the 2 x SMs
     balance slots: B x Hkv >= 32 on 132 SMs), one split per
     block at small batch (64-key blocks with 8 warps where Hkv >= 2 and they fill half the SMs),
     the power-of-two rule otherwise; 132 SMs under the interpreter."""
@@ -110,6 +110,7 @@ def test_shipped_plan_balance_one_block_splits_and_merge():
 
     big, merge_big = dec.plan_for(128, 1, 12, 256, 2051, CPU)
     assert (big.max_splits, big.balance_slots, merge_big) == (P.BALANCE_GRID_SPLITS, 2 * 132, "inline")
+    assert dec.plan_for(128, 2, 12, 256, 2051, CPU)[0].max_splits == P.BALANCE_GRID_SPLITS // 2
     merges = {(b, hkv): dec.plan_for(b, hkv, 12, 256, 2051, CPU)[1]
               for b, hkv in ((8, 2), (16, 2), (16, 1), (32, 1))}
     assert merges == {(8, 2): "kernel", (16, 2): "inline", (16, 1): "kernel", (32, 1): "inline"}
