@@ -425,24 +425,28 @@ def fit_union(geo: UnionGeometry, *, backend: str, head_dim: int, kv_bytes: int,
     return fitted
 
 
-def all_union_configs(arch: str, *, head_dim: int = 256) -> list[tuple[int, UnionGeometry]]:
-    """Every union geometry ``select_prefill_blocks`` can return on ``arch`` (any G in 1..16, any
-    rows per request, 2- or 1-byte K/V), deduplicated, as (kv_bytes, UnionGeometry) for compile
-    checks. Raises ValueError for an unknown arch, ContractError for a bad
-    ``QSA_PREFILL_GEOMETRY``. Source: our own (enumerates ``select_prefill_blocks``)."""
+def all_union_configs(arch: str, *, head_dim: int = 256,
+                      backend: str | None = None) -> list[tuple[int, UnionGeometry]]:
+    """Every union geometry ``select_prefill_blocks`` can return on ``arch`` for ``backend``
+    (None: either) (any G in 1..16, any rows per request, 2- or 1-byte K/V), deduplicated, as
+    (kv_bytes, UnionGeometry) for compile checks. Raises ValueError for an unknown arch or
+    backend, ContractError for a bad ``QSA_PREFILL_GEOMETRY``. Source: our own (enumerates
+    ``select_prefill_blocks``)."""
     if arch not in KNOWN_ARCHS:
         raise ValueError(f"all_union_configs: unknown arch {arch!r}; known: {sorted(KNOWN_ARCHS)}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"all_union_configs: unknown backend {backend!r}; known: {BACKENDS}")
     facts = DeviceFacts.for_arch(arch, triton_version="3.9.0")
     seen: dict[tuple, tuple[int, UnionGeometry]] = {}
     for kv_bytes in (2, 1):
         for group in range(1, 17):
             for per_request in (2, 4, 8, 8192):
-                for backend in BACKENDS:
+                for be in BACKENDS if backend is None else (backend,):
                     geo = select_prefill_blocks(
                         facts, "chunk", total_q=8192, requests=8192 // per_request,
                         max_q=per_request,
                         group=group, num_kv_heads=1, head_dim=head_dim, block_width=512,
-                        backend=backend, kv_bytes=kv_bytes)
+                        backend=be, kv_bytes=kv_bytes)
                     if geo.kind == "union":
                         seen.setdefault((kv_bytes, geo.key), (kv_bytes, geo))
     return list(seen.values())

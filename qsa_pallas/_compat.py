@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import importlib
 import math
 import os
@@ -265,7 +266,8 @@ def compile_ttir(module: TritonModule, capability: int, *, num_warps: int | None
     configuration too big for the target, but not sm_120/121's 101,376-byte shared-memory limit:
     compare ``result["shared"]``.
 
-    Returns dict(name, shared (bytes per program), num_warps, num_stages, capability, cubin).
+    Returns dict(name, shared (bytes per program), num_warps, num_stages, capability, cubin,
+    ptx).
     Raises ImportError (no triton) or any Triton compile error.
     """
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's notice
@@ -274,11 +276,22 @@ def compile_ttir(module: TritonModule, capability: int, *, num_warps: int | None
 
     nw = module.num_warps if num_warps is None else num_warps
     ns = module.num_stages if num_stages is None else num_stages
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, re.sub(r"[^A-Za-z0-9_]", "_", module.name) + ".ttir")
-        with open(path, "w") as fh:
-            fh.write(module.text())
+    # a path named by the TTIR, so the line info (and the PTX) of one kernel is the same text
+    # in every compile, whatever the process
+    folder = os.path.join(tempfile.gettempdir(),
+                          "qsa-ttir-" + hashlib.sha1(module.ttir).hexdigest())
+    path = os.path.join(folder, re.sub(r"[^A-Za-z0-9_]", "_", module.name) + ".ttir")
+    os.makedirs(folder, exist_ok=True)
+    with open(f"{path}.{os.getpid()}", "w") as fh:
+        fh.write(module.text())
+    os.replace(f"{path}.{os.getpid()}", path)
+    try:
         compiled = triton.compile(path, target=GPUTarget("cuda", int(capability), 32),
                                   options=dict(num_warps=nw, num_stages=ns))
+    finally:
+        with contextlib.suppress(OSError):  # another process may be compiling the same kernel
+            os.remove(path)
+            os.rmdir(folder)
     return dict(name=compiled.metadata.name, shared=int(compiled.metadata.shared), num_warps=nw,
-                num_stages=ns, capability=int(capability), cubin=compiled.asm.get("cubin"))
+                num_stages=ns, capability=int(capability), cubin=compiled.asm.get("cubin"),
+                ptx=compiled.asm.get("ptx"))

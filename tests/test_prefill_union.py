@@ -366,6 +366,11 @@ def test_every_union_geometry_fits_sm12x_shared_memory_and_holds_its_tail():
         limit = DeviceFacts.for_arch(arch).smem_per_block
         geos = all_union_configs(arch)
         assert geos and {g.tile_rows for _, g in geos} == {2, 4, 8}
+        # each backend compiles only its own tiles (qsa compile); together they are every tile
+        per = [{(k, g.key) for k, g in all_union_configs(arch, backend=b)}
+               for b in ("triton", "pallas")]
+        assert per[0] | per[1] == {(k, g.key) for k, g in geos}
+        assert all(len(p) < len(geos) for p in per)
         for kv_bytes, g in geos:
             assert smem_bytes(head_tile=g.head_tile, block_n=g.block_n, head_dim=256,
                               num_stages=g.num_stages, kv_bytes=kv_bytes) <= limit, (arch, g)

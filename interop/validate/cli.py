@@ -416,7 +416,7 @@ def _cmd_compile(args) -> int:
         raise UsageError(f"--family: unknown {bad}; allowed: {', '.join(allowed)}")
     # the CPUs this process may run on (os.cpu_count() reports a CI container's host's count)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    jobs = args.jobs if args.jobs is not None else min(cpus or 1, 4)
+    jobs = args.jobs if args.jobs is not None else cpus or 1
     if jobs < 1:
         raise UsageError(f"--jobs must be >= 1, got {jobs}")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -673,8 +673,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "against the arch's limits. Exit status 1 if any configuration does not fit.")
     p.add_argument("--arch", help="comma-separated: sm_90, sm_100, sm_120, sm_121 (default: "
                    "sm_90,sm_120,sm_121)")
-    p.add_argument("--jobs", type=int, help="worker processes, one (family, arch) group each "
-                   "(default: CPU count, at most 4; 1 = in this process)")
+    p.add_argument("--jobs", type=int, help="worker processes, one kernel family (with every "
+                   "arch) each, the longest first (default: CPU count; 1 = in this process)")
     p.add_argument("--family", help="comma-separated: triton, pallas (default: both) or one "
                    "kernel family such as triton:decode, pallas:decode_paged")
     p.add_argument("-v", "--verbose", action="store_true", help="print every configuration")

@@ -13,6 +13,12 @@ Triton: ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``; Pa
 <= the arch's opt-in limit per block, registers (``cuobjdump --dump-resource-usage``, when found)
 <= 255 per thread and registers x threads <= 65,536 per block; spills are reported, not failed.
 Needs ``TRITON_INTERPRET`` off: ``qsa compile`` re-runs itself without it.
+
+Sibling arches (same major version and shared memory: sm_120 / sm_121) lower to the same PTX but
+for its ``.target`` line, so the later one is assembled from the earlier one's PTX by ptxas alone,
+skipping Triton's front end (most of a compile); a full compile checks that on the first
+configuration of each kernel and every ``_SiblingPTX.CHECK_EVERY``-th, and a kernel whose PTX
+differs is compiled in full from then on (``ConfigReport.assembled_from``).
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class ConfigReport:
     error: str | None = None
     note: str | None = None
     seconds: float = 0.0
+    assembled_from: str | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -158,6 +165,74 @@ def _judge(rep: ConfigReport, shared: int, cubin: bytes | None, limit: int) -> C
 
 
 # --------------------------------------------------------------------------------------------
+def _lowers_alike(base: str, arch: str) -> bool:
+    """``arch`` is assembled from ``base``'s PTX: same major version and shared memory, later
+    minor (sm_121 from sm_120)."""
+    a, b = KNOWN_ARCHS[base], KNOWN_ARCHS[arch]
+    return a.cc[0] == b.cc[0] and a.cc < b.cc and a.smem_per_block == b.smem_per_block
+
+
+def _retarget(ptx: str, arch: str) -> str:
+    """``ptx`` with its ``.target`` set to ``arch`` (Triton writes ``.target sm_{cc}`` and its
+    arch suffix the same way)."""
+    return re.sub(r"^\.target sm_\d+", f".target sm_{capability(arch)}", ptx, count=1,
+                  flags=re.M)
+
+
+def _same_ptx(ptx: str, base_ptx: str, arch: str) -> bool:
+    """``ptx`` (compiled for ``arch``) is ``base_ptx`` retargeted, up to the source file names
+    of the line info (a Pallas kernel's TTIR is compiled from a temporary file)."""
+    def body(text):
+        return re.sub(r"^\s*\.file\s.*$", "", text, flags=re.M)
+    return body(ptx) == body(_retarget(base_ptx, arch))
+
+
+def _assemble(ptx: str, arch: str, options: dict) -> bytes:
+    """ptxas alone (Triton's invocation and flags): ``ptx`` retargeted to ``arch``, as a cubin."""
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler.compiler import make_backend  # noqa: PLC0415
+
+    cap = capability(arch)
+    backend = make_backend(GPUTarget("cuda", cap, 32))
+    return backend.make_cubin(_retarget(ptx, arch), {}, backend.parse_options(dict(options)), cap)
+
+
+class _SiblingPTX:
+    """Compiles of one kernel-family list across arches, sharing PTX between sibling arches
+    (module docstring). ``build`` is called per (arch, configuration), base arches first."""
+
+    CHECK_EVERY = 8
+
+    def __init__(self, archs: Sequence[str]):
+        self.base = {b: a for b in archs for a in archs if _lowers_alike(a, b)}
+        self.order = sorted(archs, key=lambda a: a in self.base)  # bases first
+        self.ptx: dict[tuple, tuple[int, str]] = {}  # (arch, config key) -> (shared, ptx)
+        self.same: dict[tuple, bool] = {}  # (arch, kernel) -> the last check's verdict
+        self.assembled = 0
+
+    def build(self, arch: str, key: tuple, kernel: str, full: Callable[[], tuple],
+              options: dict) -> tuple[int, bytes | None, str | None]:
+        """(shared, cubin, assembled_from) of one configuration; ``full()`` compiles it with
+        Triton for ``arch`` -> (shared, cubin, ptx)."""
+        base = self.base.get(arch)
+        hit = self.ptx.get((base, key)) if base else None
+        state = self.same.get((arch, kernel)) if hit else False  # None: not checked yet
+        if hit and state:
+            self.assembled += 1
+            if self.assembled % self.CHECK_EVERY:
+                try:
+                    return hit[0], _assemble(hit[1], arch, options), base
+                except Exception:  # noqa: BLE001 - another Triton's backend API: compile in full
+                    self.same[(arch, kernel)] = state = False
+        shared, cubin, ptx = full()
+        if hit and state is not False:  # the kernel's first configuration, or a periodic check
+            self.same[(arch, kernel)] = _same_ptx(ptx, hit[1], arch) and int(shared) == hit[0]
+        if arch in self.base.values():
+            self.ptx[(arch, key)] = (int(shared), ptx)
+        return shared, cubin, None
+
+
+# --------------------------------------------------------------------------------------------
 # The shipped configurations: Triton.
 _TT = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8e4nv"}
 
@@ -185,13 +260,18 @@ def _entry(kernel, name: str, types: dict, consts: dict, num_warps: int, num_sta
             "options": {"launch_pdl": True} if pdl else {}, **extra}
 
 
+def _config_key(e: dict) -> tuple:
+    """What makes a ``compile_triton_configs`` entry one compiled kernel."""
+    return (e["kernel"].__name__, tuple(sorted(e["signature"].items())),
+            tuple(sorted((k, str(v)) for k, v in e.get("constexprs", {}).items())),
+            e.get("num_warps"), e.get("num_stages"), tuple(sorted(e.get("options", {}).items())))
+
+
 def _unique(entries: Iterable[dict]) -> list[dict]:
     """``entries`` without repeats of one compiled kernel; the first (and its name) stays."""
     out, seen = [], set()
     for e in entries:
-        key = (e["kernel"].__name__, tuple(sorted(e["signature"].items())),
-               tuple(sorted((k, str(v)) for k, v in e["constexprs"].items())), e["num_warps"],
-               e["num_stages"], tuple(sorted(e["options"].items())))
+        key = _config_key(e)
         if key not in seen:
             seen.add(key)
             out.append(e)
@@ -299,14 +379,14 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
 
 def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict]:
     """Every configuration ``qsa_triton.prefill_union`` can launch on ``arch``: the union build
-    kernel per tile height R (512 block ids per row), the attention kernel per
-    ``interop.geometry.all_union_configs(arch)`` geometry x ordinary / chunk / paged with bf16 K/V
-    and chunk / paged with FP8 K/V. Dicts as ``triton_decode_configs``."""
+    kernel per tile height R (512 block ids per row), the attention kernel per Triton geometry
+    of ``interop.geometry.all_union_configs`` x ordinary / chunk / paged with bf16 K/V and chunk
+    / paged with FP8 K/V. Dicts as ``triton_decode_configs``."""
     from interop.geometry import all_union_configs  # noqa: PLC0415
     from interop.plan import next_pow2  # noqa: PLC0415
     from qsa_triton import prefill_union as U  # noqa: PLC0415
 
-    geos = all_union_configs(arch, head_dim=head_dim)
+    geos = all_union_configs(arch, head_dim=head_dim, backend="triton")
     out = []
     build, kernel = U._qsa_block_union, U._qsa_prefill_union_fwd
     for r in sorted({geo.tile_rows for _, geo in geos}):
@@ -442,10 +522,12 @@ def triton_decode_paged_configs(arch: str, *, head_dim: int = 256,
     return _unique(out)
 
 
-def compile_triton_configs(arch: str, configs: Iterable[dict]) -> list[ConfigReport]:
+def compile_triton_configs(arch: str, configs: Iterable[dict], *,
+                           siblings: _SiblingPTX | None = None) -> list[ConfigReport]:
     """Compile ``triton_*_configs`` entries (dicts with kernel, name, signature, optional
     constexprs / attrs / num_warps / num_stages / options) for ``arch`` ("sm_90") without a GPU;
-    one ConfigReport per entry, judged against the arch's limits (a compile error: not fitting)."""
+    one ConfigReport per entry, judged against the arch's limits (a compile error: not fitting).
+    ``siblings``: shares PTX with a sibling arch compiled before (module docstring)."""
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
@@ -453,20 +535,28 @@ def compile_triton_configs(arch: str, configs: Iterable[dict]) -> list[ConfigRep
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's notice
     limit = KNOWN_ARCHS[arch].smem_per_block
     target = GPUTarget("cuda", capability(arch), 32)
+    siblings = siblings or _SiblingPTX([arch])
     out: list[ConfigReport] = []
     for cfg in configs:
         rep = ConfigReport("triton", arch, cfg["name"], cfg.get("num_warps"), cfg.get("num_stages"))
         t0 = time.perf_counter()
-        try:
-            src = ASTSource(fn=cfg["kernel"], signature=cfg["signature"],
-                            constexprs=cfg.get("constexprs", {}), attrs=cfg.get("attrs"))
-            opts = {k: cfg[k] for k in ("num_warps", "num_stages") if cfg.get(k) is not None}
-            opts.update(cfg.get("options", {}))
+        src = ASTSource(fn=cfg["kernel"], signature=cfg["signature"],
+                        constexprs=cfg.get("constexprs", {}), attrs=cfg.get("attrs"))
+        opts = {k: cfg[k] for k in ("num_warps", "num_stages") if cfg.get(k) is not None}
+        opts.update(cfg.get("options", {}))
+
+        def full(src=src, opts=opts):
             try:
                 compiled = triton.compile(src, target=target, options=opts)
             except FileNotFoundError:  # a concurrent run rewrote the cache entry: once more
                 compiled = triton.compile(src, target=target, options=opts)
-            _judge(rep, compiled.metadata.shared, compiled.asm.get("cubin"), limit)
+            return compiled.metadata.shared, compiled.asm.get("cubin"), compiled.asm.get("ptx")
+
+        try:
+            shared, cubin, rep.assembled_from = siblings.build(
+                arch, _config_key(cfg), f"{cfg['kernel'].__name__}{sorted(cfg.get('options', {}))}",
+                full, opts)
+            _judge(rep, shared, cubin, limit)
         except Exception as e:  # noqa: BLE001 - a config that does not compile does not fit
             rep.failed(e)
         rep.seconds = time.perf_counter() - t0
@@ -557,7 +647,7 @@ def pallas_prefill_union_cases(kind: str, *, head_dim: int = 256, rows: int = 64
     sds = jax.ShapeDtypeStruct
     bidx = sds((rows, blocks), jnp.int32)
     return [case for kv_bytes, geo in all_union_configs(DeviceFacts.from_device_kind(kind).arch,
-                                                        head_dim=head_dim)
+                                                        head_dim=head_dim, backend="pallas")
             for case in _prefill_kind_cases(
                 "pallas_prefill_union", f"R{geo.tile_rows}_m{geo.head_tile}_bn{geo.block_n}"
                 f"_w{geo.num_warps}_s{geo.num_stages}", kv_bytes, geo,
@@ -653,14 +743,16 @@ def pallas_indexer_cases(kind: str | None = None, *, dtype: str = "bfloat16",
                     for ctx in (32768, 131072)]
 
 
-def compile_pallas_cases(arch: str, cases: Iterable[tuple[str, Callable, tuple]]
-                         ) -> list[ConfigReport]:
+def compile_pallas_cases(arch: str, cases: Iterable[tuple[str, Callable, tuple]], *,
+                         siblings: _SiblingPTX | None = None) -> list[ConfigReport]:
     """Lower ``(name, fn, args)`` cases for ``arch``'s abstract device and compile each Triton
     kernel in them; one ConfigReport per kernel (``name:kernel`` when a case holds several),
-    judged like ``compile_triton_configs`` (a case that does not lower does not fit)."""
+    judged like ``compile_triton_configs`` (a case that does not lower does not fit);
+    ``siblings`` as there."""
     from qsa_pallas import _compat as C  # noqa: PLC0415
 
     kind, limit, cap = DEVICE_KIND[arch], KNOWN_ARCHS[arch].smem_per_block, capability(arch)
+    siblings = siblings or _SiblingPTX([arch])
     out: list[ConfigReport] = []
     for name, fn, args in cases:
         t0 = time.perf_counter()
@@ -676,9 +768,15 @@ def compile_pallas_cases(arch: str, cases: Iterable[tuple[str, Callable, tuple]]
         for m in mods:
             rep = ConfigReport("pallas", arch, f"{name}:{m.name}" if len(mods) > 1 else name,
                                m.num_warps, m.num_stages)
-            try:
+            def full(m=m):
                 res = C.compile_ttir(m, cap)
-                _judge(rep, res["shared"], res["cubin"], limit)
+                return res["shared"], res["cubin"], res["ptx"]
+
+            try:
+                shared, cubin, rep.assembled_from = siblings.build(
+                    arch, (m.ttir, m.num_warps, m.num_stages), m.name, full,
+                    {"num_warps": m.num_warps, "num_stages": m.num_stages})
+                _judge(rep, shared, cubin, limit)
             except Exception as e:  # noqa: BLE001
                 rep.failed(e, "compile: ")
             rep.seconds = time.perf_counter() - t0
@@ -709,11 +807,14 @@ _FAMILY_LISTS = {b: {k: globals()[f"{b}_{k}_{kind}"] for k in _KERNEL_FAMILIES}
                  for b, kind in (("triton", "configs"), ("pallas", "cases"))}
 
 
-def check(backend: str, arch: str, modules: Sequence[str] = (),
-          kernels: Sequence[str] | None = None) -> list[ConfigReport]:
+def check(backend: str, archs: str | Sequence[str], modules: Sequence[str] = (),
+          kernels: Sequence[str] | None = None, *, match: str | None = None
+          ) -> list[ConfigReport]:
     """Compile (Triton) or lower and compile (Pallas) every shipped configuration of the kernel
-    families ``kernels`` (default: ``FAMILIES[backend]``) for ``arch``, or the ``modules``' own
-    lists (``_PROTOCOL``); a list that cannot be built is a note, not a failure.
+    families ``kernels`` (default: ``FAMILIES[backend]``) for each of ``archs`` (sibling arches
+    share PTX: module docstring), or the ``modules``' own lists (``_PROTOCOL``); a list that
+    cannot be built is a note, not a failure. ``match``: only the configurations (Pallas:
+    cases) whose names the regular expression finds.
 
     Raises:
       RuntimeError: Triton with ``TRITON_INTERPRET`` set (the interpreter replaces the JIT
@@ -722,53 +823,64 @@ def check(backend: str, arch: str, modules: Sequence[str] = (),
     if backend == "triton" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("check: TRITON_INTERPRET is set; the interpreter replaces the JIT "
                            "functions (run `qsa compile`, which re-runs itself without it)")
-    target = arch if backend == "triton" else DEVICE_KIND[arch]
+    siblings = _SiblingPTX([archs] if isinstance(archs, str) else archs)
     lists = ([(k, _FAMILY_LISTS[backend][k]) for k in kernels or FAMILIES[backend]] if not modules
              else [(m, _module_list(m, backend)) for m in modules])
     compile_all = compile_triton_configs if backend == "triton" else compile_pallas_cases
     out: list[ConfigReport] = []
-    for group, entries in lists:
-        try:
-            items = entries(target)
-        except (ImportError, _NoList) as e:
-            note = f"not importable: {e}" if isinstance(e, ImportError) else str(e)
-            out.append(ConfigReport(backend, arch, group, note=note))
-            continue
-        out += compile_all(arch, items)
+    for arch in siblings.order:
+        target = arch if backend == "triton" else DEVICE_KIND[arch]
+        for group, entries in lists:
+            try:
+                items = entries(target)
+            except (ImportError, _NoList) as e:
+                note = f"not importable: {e}" if isinstance(e, ImportError) else str(e)
+                out.append(ConfigReport(backend, arch, group, note=note))
+                continue
+            if match:
+                items = [i for i in items
+                         if re.search(match, i["name"] if backend == "triton" else i[0])]
+            out += compile_all(arch, items, siblings=siblings)
     return out
 
 
-def _check_group(fam: str, arch: str, modules: dict[str, Sequence[str]]) -> list[ConfigReport]:
+def _check_group(fam: str, archs: Sequence[str], modules: dict[str, Sequence[str]]
+                 ) -> list[ConfigReport]:
     """``check`` of ``fam`` ("triton", or one family "triton:decode"); ``modules`` per backend."""
     backend, _, kernel = fam.partition(":")
-    return check(backend, arch, tuple(modules.get(backend, ())), (kernel,) if kernel else None)
+    return check(backend, archs, tuple(modules.get(backend, ())), (kernel,) if kernel else None)
 
 
 def run(archs: Sequence[str] = DEFAULT_ARCHS, families: Sequence[str] = ("triton", "pallas"),
         progress: Callable[[str], None] | None = None, jobs: int = 1, *,
         triton_modules: Sequence[str] = (), pallas_modules: Sequence[str] = ()
         ) -> list[ConfigReport]:
-    """``check`` of every family x arch, ``progress(message)`` before each group; ``jobs`` > 1
-    spreads the (family, arch) groups over that many worker processes (reports in serial order);
+    """``check`` of every family for ``archs``, ``progress(message)`` before each group; ``jobs``
+    > 1 spreads the kernel families (each with every arch, so sibling arches share PTX) over
+    that many worker processes, the union prefill first (the longest; reports in that order);
     ``triton_modules`` / ``pallas_modules`` replace the built-in lists (``_PROTOCOL``)."""
     modules = {"triton": tuple(triton_modules), "pallas": tuple(pallas_modules)}
-    groups = [(fam, arch) for arch in archs for fam in families]
+    groups = [g for fam in families for g in (
+        [fam] if ":" in fam or modules[fam] else [f"{fam}:{k}" for k in FAMILIES[fam]])]
+    groups.sort(key=lambda g: not g.endswith("prefill_union"))  # stable: the longest first
+    archs = tuple(archs)
     progress = progress or (lambda message: None)
+    where = f"for {', '.join(f'{a} ({DEVICE_KIND[a]})' for a in archs)}"
     out: list[ConfigReport] = []
     if jobs <= 1 or len(groups) <= 1:
-        for fam, arch in groups:
-            progress(f"compiling {fam} kernels for {arch} ({DEVICE_KIND[arch]}) ...")
-            out += _check_group(fam, arch, modules)
+        for fam in groups:
+            progress(f"compiling {fam} kernels {where} ...")
+            out += _check_group(fam, archs, modules)
         return out
     # spawn: a forked child would inherit JAX's / torch's threads mid-state
     with cf.ProcessPoolExecutor(max_workers=min(jobs, len(groups)),
                                 mp_context=mp.get_context("spawn")) as pool:
-        futs = [pool.submit(_check_group, fam, arch, modules) for fam, arch in groups]
-        progress(f"compiling {len(groups)} (family, arch) groups in {min(jobs, len(groups))} "
-                 "worker processes: " + ", ".join(f"{fam} {arch}" for fam, arch in groups) + " ...")
-        for (fam, arch), f in zip(groups, futs):
+        futs = [pool.submit(_check_group, fam, archs, modules) for fam in groups]
+        progress(f"compiling {len(groups)} kernel families {where} in "
+                 f"{min(jobs, len(groups))} worker processes ...")
+        for fam, f in zip(groups, futs):
             out += f.result()
-            progress(f"  {fam} kernels for {arch} ({DEVICE_KIND[arch]}): done")
+            progress(f"  {fam}: done")
     return out
 
 
