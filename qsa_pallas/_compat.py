@@ -177,11 +177,15 @@ def resolve_interpret(interpret: bool | None) -> bool:
 # Abstract-device lowering (CPU CI lowers every kernel for CUDA without a GPU)
 def abstract_mesh(device_kind: str, axis_sizes: Sequence[int] = (1,),
                   axis_names: Sequence[str] = ("x",), platform: str = "cuda"):
-    """A ``jax.sharding.AbstractMesh`` whose ``AbstractDevice`` has the given device kind."""
-    from jax.sharding import AbstractDevice, AbstractMesh  # noqa: PLC0415
+    """A ``jax.sharding.AbstractMesh`` whose ``AbstractDevice`` has the given device kind, its
+    axes ``Auto``: under jax 0.11's default ``Explicit`` axes every aval carries a sharding, and
+    the Pallas Triton lowering of a reduction inside nested loops then fails (the indexer's
+    128k prefill plan), which a user's ``jax.jit`` / ``shard_map`` never sees."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType  # noqa: PLC0415
 
     dev = AbstractDevice(device_kind=device_kind, num_cores=None, platform=platform)
-    return AbstractMesh(tuple(axis_sizes), tuple(axis_names), abstract_device=dev)
+    return AbstractMesh(tuple(axis_sizes), tuple(axis_names), abstract_device=dev,
+                        axis_types=(AxisType.Auto,) * len(axis_sizes))
 
 
 def lower_for_device_kind(fn: Callable, args: Sequence[Any], device_kind: str, *,
