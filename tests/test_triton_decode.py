@@ -102,8 +102,8 @@ def counters_zero(device) -> bool:
 # CPU: the shipped plan
 def test_shipped_plan_balance_one_block_splits_and_merge():
     """plan_for: the device-side balance (large batches keep >= BALANCE_GRID_SPLITS splits so
-    long rows of a mixed batch can split, half that past one program per SM; inline merge where a row gets <= 8 of the 2 x SMs
-    balance slots: B x Hkv >= 32 on 132 SMs), one split per
+    long rows of a mixed batch can split, half that past one program per SM; inline merge
+    where a row gets <= 8 of the 2 x SMs balance slots: B x Hkv >= 32 on 132 SMs), one split per
     block at small batch (64-key blocks with 8 warps where Hkv >= 2 and they fill half the SMs),
     the power-of-two rule otherwise; 132 SMs under the interpreter."""
     from interop import plan as P
