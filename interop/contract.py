@@ -263,13 +263,14 @@ class _Checker:
             self.fail(name, "a contiguous tensor", f"strides {list(s.strides)}")
 
     def metadata(self, name: str, x: Any, length: int | None, ref: TensorSpec,
-                 ref_name: str = "q") -> TensorSpec:
-        """int32 [length] (any length when None), contiguous, on ref's device."""
+                 ref_name: str = "q", note: str = "") -> TensorSpec:
+        """int32 [length] (any length when None), contiguous, on ref's device; ``note`` says
+        where the length comes from."""
         s = self.spec(name, x)
         self.rank(name, s, 1, "of int32 metadata")
         self.dtype(name, s, ("int32",))
         if length is not None and s.shape[0] != length:
-            self.fail(name, f"length {length}", f"length {s.shape[0]}")
+            self.fail(name, f"length {length}{note}", f"length {s.shape[0]}")
         self.same_device(name, s, ref, ref_name)
         self.contiguous(name, s)
         return s
@@ -417,9 +418,10 @@ def check_decode(
                "(the pool) and the chunk / paged prefill", ks.dtype)
     b, hq, d, group = c.q_kv(qs, ks, vs, "k", "v", "[B, Hq, D]", "[C, Hkv, D]", (qs.dtype,),
                              rows=("batch", "batch B", "B"))
-    c.metadata("cu_seqlens_q", cq, b + 1, qs)
-    c.metadata("cu_seqlens_k", ck, b + 1, qs)
     c.host_int("max_seqlen_q", max_seqlen_q, 1, 1, " (decode: one query row per sequence)")
+    c.metadata("cu_seqlens_q", cq, b + 1, qs, note=" = B + 1 (decode: one query row per "
+               f"sequence, B = q's {b} rows)")
+    c.metadata("cu_seqlens_k", ck, b + 1, qs, note=" = B + 1")
     msk = c.host_int("max_seqlen_k", max_seqlen_k, 1, QUALIFIED["max_seqlen_k"] if strict else None)
     scale = c.scalar("softmax_scale", softmax_scale, default=d ** -0.5)
     return DecodeProblem(b, hq, ks.shape[1], group, d, ks.shape[0], msk, scale, qs.dtype)
@@ -680,7 +682,7 @@ def validate_decode_paged_metadata(req_to_token, req_indices, indices, seq_lens,
         r = int(np.argmax(over))
         c.fail("seq_lens", f"seq_lens[r] <= max_context = {max_ctx} (req_to_token's width)",
                f"row {r}: {int(sl[r])}")
-    flat = idx.reshape(idx.shape[0], -1)
+    flat = idx.reshape(idx.shape[0], int(np.prod(idx.shape[1:])))
     n_valid = 0
     for r in np.nonzero(live)[0]:
         sel = flat[r][(flat[r] >= 0) & (flat[r] < sl[r])]
@@ -832,7 +834,7 @@ def check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, 
     w = c.indices("indices", ids, r, ks.shape[1], qs, "R",
                   "[R, W] or [R, Hkv, W] of int32 logical positions",
                   "logical positions; invalid entries negative or >= seq_lens[r]",
-                  QUALIFIED["paged_width"] if strict else None)
+                  QUALIFIED["paged_width"] if strict else (1, None))
     scale, ksc, vsc = c.scales(qs, ks, softmax_scale, k_scale, v_scale, pool=True)
     return PagedDecodeProblem(r, hq, ks.shape[1], group, d, ks.shape[0], rt.shape[0], rt.shape[1],
                               w, ids.ndim == 3, scale, ksc, vsc, qs.dtype, ks.dtype,

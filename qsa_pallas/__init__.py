@@ -1,6 +1,7 @@
 """QSA sparse attention as Pallas (Triton lowering) kernels for JAX callers.
 
-Forward-only (no custom VJP). Never imports torch. Every entry point runs ``interop.contract``
+Forward-only: ``jax.grad`` / ``jax.jvp`` through an entry point raise ``ContractError``
+(``_compat.forward_only``). Never imports torch. Every entry point runs ``interop.contract``
 checks before any launch.
 """
 

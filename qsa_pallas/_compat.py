@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import inspect
 import math
 import os
 import re
@@ -41,7 +42,7 @@ except ImportError:  # pragma: no cover - very old jax
 __all__ = ["pl", "plgpu", "CompilerParams", "triton_call", "load", "store", "barrier", "dot",
            "shard_map", "resolve_interpret", "check_inputs", "check_backend", "check_offsets",
            "abstract_mesh", "lower_for_device_kind", "TritonModule", "triton_modules",
-           "compile_ttir", "target_facts"]
+           "compile_ttir", "target_facts", "forward_only"]
 
 # Import the modules that ``pallas_call`` lowering imports lazily: jax 0.11.2's ``jaxpr_fusion``
 # registers a config option that is part of every jit trace context, so importing it mid-session
@@ -55,6 +56,68 @@ for _name in ("jax._src.pallas.fuser.jaxpr_fusion",
 del _name
 
 CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+
+
+def forward_only(fn: Callable) -> Callable:
+    """Make a public entry point refuse differentiation with a ``ContractError``.
+
+    The kernels have no derivative rules: without this, ``jax.grad`` / ``jax.jvp`` through a call
+    would fail inside Pallas' jvp rule with a bare ``AssertionError``. The traced array
+    arguments go through a ``jax.custom_jvp`` whose rule raises at trace time, naming the
+    argument that carries a tangent (symbolic zeros tell which); inputs all under
+    ``jax.lax.stop_gradient`` give a constant. Calls without tracers run ``fn`` directly; under
+    ``jax.jit`` the custom_jvp lowers to ``fn``'s own program.
+    """
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        traced = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
+        if not traced:
+            return fn(*args, **kwargs)
+        names = _leaf_names(sig, args, kwargs, leaves)
+
+        def run(*arrays):
+            new = list(leaves)
+            for i, a in zip(traced, arrays):
+                new[i] = a
+            a2, k2 = jax.tree_util.tree_unflatten(tree, new)
+            return fn(*a2, **k2)
+
+        call = jax.custom_jvp(run)
+
+        def refuse(primals, tangents):
+            moving = [names[i] for i, t in zip(traced, tangents)
+                      if not isinstance(t, jax.custom_derivatives.SymbolicZero)]
+            if not moving:  # every input under stop_gradient: a constant, as for any function
+                out = run(*primals)
+                return out, jax.tree_util.tree_map(_zero_tangent, out)
+            raise ContractError(fn.__name__, moving[0],
+                                "no tangent: the kernels are forward-only (no JVP/VJP rule; "
+                                "pass jax.lax.stop_gradient(x) to use the call in a "
+                                "differentiated function)", "jax.jvp / jax.grad through it")
+
+        call.defjvp(refuse, symbolic_zeros=True)
+        return call(*(leaves[i] for i in traced))
+
+    return wrapper
+
+
+def _zero_tangent(x):
+    if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
+        return jax.numpy.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _leaf_names(sig: inspect.Signature, args, kwargs, leaves) -> list[str]:
+    """The parameter name of each of ``leaves``, the pytree leaves of ``(args, kwargs)``."""
+    bound = sig.bind_partial(*args, **kwargs)
+    by_id: dict[int, str] = {}
+    for name, value in bound.arguments.items():
+        for leaf in jax.tree_util.tree_leaves(value):
+            by_id.setdefault(id(leaf), name)
+    return [by_id.get(id(x), "an array argument") for x in leaves]
 
 
 def triton_call(kernel: Callable, *, out_shape, grid, in_specs=None, out_specs=None,

@@ -279,6 +279,7 @@ def _decode(q, k, v, cu_seqlens_q, cu_seqlens_k, *, plan: DecodePlan, softmax_sc
                        capacity=k.shape[0], interpret=interpret, ordered=batch_invariant)
 
 
+@C.forward_only
 def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale=None, *,
                   strict: bool = False, interpret: bool | None = None,
                   batch_invariant: bool = False):

@@ -239,6 +239,7 @@ def _static(prob, plan, interp) -> _Static:
                    bool(interp))
 
 
+@C.forward_only
 def sparse_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,
                         softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                         batch_invariant: bool = False, strict: bool = False,

@@ -620,6 +620,7 @@ def _prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int, rati
 
 # ---------------------------------------------------------------------------------------------
 # Public entry points (same names and argument order as qsa_triton.indexer)
+@C.forward_only
 def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
                         compress_ratio: int = 4, strict: bool = False,
                         plan: IndexerPlan | None = None, interpret: bool | None = None):
@@ -647,6 +648,7 @@ def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
                          compress_ratio, strict, interpret, False, plan)
 
 
+@C.forward_only
 def indexer_select_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
                           compress_ratio: int = 4, strict: bool = False,
                           plan: IndexerPlan | None = None, interpret: bool | None = None):
@@ -675,6 +677,7 @@ def _decode_entry(fn, q, k_cache, page_table, seq_lens, topk, ratio, strict, int
                    target=_target(), plan=plan)
 
 
+@C.forward_only
 def indexer_topk_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compress_ratio: int = 4,
                          strict: bool = False, plan: IndexerPlan | None = None,
                          interpret: bool | None = None):
@@ -697,6 +700,7 @@ def indexer_topk_prefill(q, k, row_starts, row_ends, *, topk: int = 512, compres
                           compress_ratio, strict, interpret, False, plan)
 
 
+@C.forward_only
 def indexer_select_prefill(q, k, row_starts, row_ends, positions, seq_lens, *, topk: int = 512,
                            compress_ratio: int = 4, strict: bool = False,
                            plan: IndexerPlan | None = None, interpret: bool | None = None):

@@ -37,7 +37,7 @@ from interop.plan import LOG2E, next_pow2
 
 from . import _compat
 from . import prefill_union as PU
-from ._compat import pl
+from ._compat import forward_only, pl
 from ._fp8 import fp16_query, is_fp8
 
 __all__ = ["sparse_prefill", "sparse_prefill_chunk", "sparse_prefill_paged", "select_geometry",
@@ -324,6 +324,7 @@ def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, 
     return _run_tokens(p, q, k, v, sel, meta, interpret=interpret, geometry=geometry)
 
 
+@forward_only
 def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None, *,
                    strict: bool = False, interpret=None, block_indices=None, overlap=None):
     """Ordinary sparse prefill (qsa-contract.md §3): K/V are this forward's rows, packed like q.
@@ -364,6 +365,7 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
                   softmax_scale, strict=strict, interpret=interpret)
 
 
+@forward_only
 def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqlen_q,
                          softmax_scale=None, k_scale=1.0, v_scale=1.0, *, strict: bool = False,
                          interpret=None, block_indices=None, overlap=None):
@@ -393,6 +395,7 @@ def sparse_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, 
                   softmax_scale, (k_scale, v_scale), strict=strict, interpret=interpret)
 
 
+@forward_only
 def sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, cu_seqlens_q,
                          kv_lens, max_seqlen_q, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                          strict: bool = False, interpret=None, block_indices=None,

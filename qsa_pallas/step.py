@@ -29,6 +29,7 @@ __all__ = ["qsa_decode_step", "qsa_prefill_step", "prefill_step_rows", "replicat
            "shard_step"]
 
 
+@C.forward_only
 def qsa_decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_k_cache,
                     index_page_table, seq_lens, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                     topk: int = 512, compress_ratio: int = 4, batch_invariant: bool = False,
@@ -88,6 +89,7 @@ def prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows: int
                                 jnp.arange(int(total_rows), dtype=jnp.int32), int(compress_ratio))
 
 
+@C.forward_only
 def qsa_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_k,
                      index_cu_seqlens_k, cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale=None,
                      k_scale=1.0, v_scale=1.0, *, topk: int = 512, compress_ratio: int = 4,

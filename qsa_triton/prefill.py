@@ -14,8 +14,8 @@ columns past ``min(W, visible)`` are masked, so the result does not depend on BL
 with no valid entry stores exact zeros. The denominator is a [BLOCK_M, BLOCK_N] running sum
 reduced once per row; K/V offsets are 32-bit below 2**31 elements (``needs_off64``).
 
-Grid (max_seqlen_q, B * Hkv), as upstream's. max_seqlen_q is only a hint (row counts live on the
-device): a tail launch (``ROW_LOOP``, TAIL_PROGRAMS programs per request and KV head) loops over
+Grid (min(max_seqlen_q, T), B * Hkv), as upstream's. max_seqlen_q is only a hint (row counts live
+on the device): a tail launch (``ROW_LOOP``, TAIL_PROGRAMS programs per request and KV head) loops over
 the rows past it, a separate variant because the row loop costs registers in the main kernel.
 
 Paged: a pre-pass (``resolve_pool_slots``) maps every entry to its pool slot once. FP8 K/V
@@ -286,6 +286,7 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
     hkv = k.shape[1]
     if t == 0 or k.shape[0] == 0:  # nothing to compute / gather from: every entry is invalid
         return out
+    max_q = min(max_q, t)  # no request has more rows than q: a larger hint only adds idle programs
     requests = cu_q.shape[0] - 1
     geo = _geometry_from(geometry, _KINDS[mode], q, k, requests=requests, max_q=max_q,
                          width=idx.shape[-1])
@@ -336,7 +337,7 @@ def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens
         return slots
     hidx = indices.shape[1] if indices.dim() == 3 else 1
     block = min(1024, triton.next_power_of_2(w))
-    grid = (max_seqlen_q, (cu_seqlens_q.shape[0] - 1) * hidx, triton.cdiv(w, block))
+    grid = (min(max_seqlen_q, t), (cu_seqlens_q.shape[0] - 1) * hidx, triton.cdiv(w, block))
     _qsa_resolve_pool_slots[grid](
         indices, slots, cu_seqlens_q, kv_lens, req_to_token, req_indices, w,
         req_to_token.shape[0], req_to_token.shape[1], min(int(pool_slots), 2**31 - 1),
@@ -352,7 +353,7 @@ def _blocks_impl(mode, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token
     """Block-level selections, any mode: the tile-union kernel, or the per-row kernel on the
     on-device expansion, as the selector (or a forced ``UnionGeometry``) says. Metadata the mode
     does not read may be any int32 tensor."""
-    geo = geometry
+    geo, max_q = geometry, max(1, min(max_q, q.shape[0]))
     if geo is None:
         geo = prefill_block_geometry(_KINDS[mode], q, requests=cu_q.shape[0] - 1, max_q=max_q,
                                      num_kv_heads=k.shape[1],
@@ -514,7 +515,7 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
         selected entries first; valid iff 0 <= idx < request length. None with ``block_indices``.
       cu_seqlens: int32 [B + 1] on q's device.
       max_seqlen_q: host int >= 1, the longest request's rows: a grid-size hint only (too small:
-        the tail launch still computes every row once, slower; too large: idle programs).
+        the tail launch still computes every row once, slower; above T it acts as T).
       softmax_scale: host float or None (D ** -0.5).
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
       BLOCKS_DOC

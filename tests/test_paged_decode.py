@@ -530,15 +530,18 @@ def test_contract_scales_grad_strict():
 
 
 def test_zero_size_inputs():
-    """W = 0 or an empty pool: every row is empty (zeros, no launch); zero-size tensors pass the
-    stride checks whatever their strides (issue 16 item 4), in the packed decode too."""
+    """An empty pool: every row is empty (zeros, no launch); zero-size tensors pass the stride
+    checks whatever their strides (issue 16 item 4), in the packed decode too. W = 0 index
+    columns are refused as in the prefill (the contract's W >= 1)."""
     x = _small()
     a = t_args(x)
     w0 = torch.empty((a[0].shape[0], 0), dtype=torch.int32)
-    assert (qsa_triton.sparse_decode_paged(*a[:5], w0, a[6]) == 0).all()
+    with pytest.raises(qsa_triton.ContractError, match="W >= 1") as info:
+        qsa_triton.sparse_decode_paged(*a[:5], w0, a[6])
+    assert info.value.arg == "indices"
     ja = j_args(x)
-    assert (np.asarray(qsa_pallas.sparse_decode_paged(*ja[:5], jnp.asarray(w0.numpy()), ja[6]))
-            == 0).all()
+    with pytest.raises(qsa_pallas.ContractError, match="W >= 1"):
+        qsa_pallas.sparse_decode_paged(*ja[:5], jnp.asarray(w0.numpy()), ja[6])
     k0 = torch.empty_strided((0, 1, 32), (0, 0, 0), dtype=torch.float16)
     assert (qsa_triton.sparse_decode_paged(a[0], k0, k0, *a[3:]) == 0).all()
     k0j = jnp.zeros((0, 1, 32), jnp.float16)
@@ -549,6 +552,23 @@ def test_zero_size_inputs():
     cu = np.zeros(3, np.int32)
     check_decode(q, knp, knp, np.arange(3, dtype=np.int32), cu, 1)
     check_decode_paged(q, knp, knp, *x.args()[3:])
+
+
+def test_pallas_stop_gradient_inputs_make_a_constant():
+    """Inside a differentiated function, inputs under ``jax.lax.stop_gradient`` make the call a
+    constant (zero tangent) with the forward result; a live tangent is refused
+    (tests/test_package_api.py)."""
+    ja = j_args(_small())
+    out = qsa_pallas.sparse_decode_paged(*ja)
+
+    def f(q):
+        y = qsa_pallas.sparse_decode_paged(jax.lax.stop_gradient(q), *ja[1:])
+        return y.astype(jnp.float32).sum() * 0 + (q.astype(jnp.float32) ** 2).sum(), y
+
+    (val, y), grad = jax.value_and_grad(f, has_aux=True)(ja[0])
+    assert np.array_equal(np.asarray(y), np.asarray(out))
+    np.testing.assert_allclose(np.asarray(grad, np.float32),
+                               2 * np.asarray(ja[0], np.float32), rtol=1e-2)
 
 
 def test_pallas_fp8_pool_int32_offset_limit():

@@ -429,6 +429,20 @@ def test_flash_attn_varlen_func_rejections(kw, arg):
         qsa_triton.flash_attn_varlen_func(q, k, v, cq, ck, 1, 8, not_an_arg=1)
 
 
+def test_flash_attn_prefill_style_call_names_the_decode_rule():
+    """A prefill-style call (4 query rows in 2 sequences, max_seqlen_q = 2) is told the decode
+    rule (one query row per sequence), not a bare cu_seqlens_q length; with max_seqlen_q = 1 the
+    length message says where B + 1 comes from."""
+    q, k, v, _, ck = make_case([5, 3, 2, 4], 12, 1, 64)
+    cq2 = torch.tensor([0, 2, 4], dtype=torch.int32)
+    with pytest.raises(ContractError, match="one query row per sequence") as e:
+        qsa_triton.flash_attn_varlen_func(q, k, v, cq2, ck[:3], 2, 8)
+    assert e.value.arg == "max_seqlen_q"
+    with pytest.raises(ContractError, match=r"length 5 = B \+ 1 \(decode: one query row") as e:
+        qsa_triton.flash_attn_varlen_func(q, k, v, cq2, ck[:3], 1, 8)
+    assert e.value.arg == "cu_seqlens_q"
+
+
 def test_requires_grad_is_refused_before_any_launch():
     """Forward-only: a tensor that requires grad is a ContractError naming it (not a generic
     torch error at backward()), for both entry points; under no_grad the same call runs."""

@@ -118,12 +118,13 @@ def test_64bit_offset_path(monkeypatch):
 @pytest.mark.parametrize("kind", ["ordinary", "chunk", "paged"])
 def test_small_max_seqlen_q_covers_every_row(kind):
     """max_seqlen_q is a grid-size hint: 1 and 2 (below the longest request, 7 rows) give the
-    bitwise result of the right value (the tail launch computes the rest)."""
+    bitwise result of the right value (the tail launch computes the rest); a hint far above T
+    acts as T (its grid used to be max_seqlen_q programs long)."""
     case = make_case(kind, 6, 1, [5, 1, 7], None if kind == "ordinary" else [4, 3, 5],
                      width=9, table_junk=True, empty_rows=[2], seed=70)
     assert case.max_seqlen_q == 7
     good = check(case)
-    for hint in (1, 2):
+    for hint in (1, 2, 10**9):
         case.max_seqlen_q = hint
         assert torch.equal(run(case), good), f"max_seqlen_q={hint}"
 

@@ -87,3 +87,13 @@ def test_step_metadata_without_indices_checks_every_visible_position():
     rtt[0, 119] = SLOTS  # row 2 (request 0, seq_len 120) at its last position
     with pytest.raises(ContractError, match=f"qsa_decode_step.*slot {SLOTS}"):
         validate_decode_paged_metadata(rtt, ri, None, sl, SLOTS, fn="qsa_decode_step")
+
+
+@pytest.mark.parametrize("indices", [np.zeros((0, 7), np.int32), np.zeros((0, 2, 7), np.int32),
+                                     None])
+def test_zero_rows_pass(indices):
+    """R = 0 (an idle batch) is a valid call: nothing to check (a reshape used to fail)."""
+    rtt = np.zeros((2, 16), np.int32)
+    got = validate_decode_paged_metadata(rtt, np.zeros(0, np.int32), indices,
+                                         np.zeros(0, np.int32), SLOTS)
+    assert got == {"rows": 0, "valid": 0}

@@ -401,7 +401,7 @@ def _cmd_check(args) -> int:
 
 # --------------------------------------------------------------------------------------------
 # qsa compile
-_COMPILE_COLUMNS = ("family", "arch", "config", "warps/stages", "shared B / limit", "regs",
+_COMPILE_COLUMNS = ("backend", "arch", "config", "warps/stages", "shared B / limit", "regs",
                     "spill B", "verdict")
 
 
@@ -444,8 +444,8 @@ def _cmd_compile(args) -> int:
                          f"{CC.KNOWN_ARCHS[arch].smem_per_block:,}", max(regs) if regs else "-",
                          sum(1 for r in real if r.spill_bytes),
                          "; ".join(f"{r.name}: {r.note}" for r in rs if r.note)])
-    print_table("qsa compile: configurations per family and arch",
-                ("family", "arch", "configs", "fit", "max shared B", "limit B", "max regs",
+    print_table("qsa compile: configurations per backend and arch",
+                ("backend", "arch", "configs", "fit", "max shared B", "limit B", "max regs",
                  "with spills", "notes"), sum_rows)
     failed = [r for r in reports if not r.fits]
     if failed:
