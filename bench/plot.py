@@ -76,9 +76,10 @@ def plot(report: dict, path) -> Path:
         pos = {x: (x if numeric else i) for i, x in enumerate(xs)}
         for n in names:
             for ax, key in ((at, "median_us"), (ap, "pct_copy_bw")):
-                got = sorted((pos[x], _num(c["providers"].get(n, {}).get(key)),
-                              c["providers"].get(n, {}).get("ok")) for x, c in pts)
-                got = [g for g in got if g[1] is not None]
+                got = [(pos[x], _num(c["providers"].get(n, {}).get(key)),
+                        c["providers"].get(n, {}).get("ok")) for x, c in pts]
+                # untimed points out first: a None beside a number at one x cannot be sorted
+                got = sorted((g for g in got if g[1] is not None), key=lambda g: g[:2])
                 if got:
                     ax.plot([g[0] for g in got], [g[1] for g in got], marker="o", ms=4,
                             color=color[n], label=label[n])

@@ -360,6 +360,12 @@ def test_plot_and_table(tmp_path):
     assert "upstream-sm121 0.625" in md and "noise (ours@self / ours) 1.020..1.020" in md
     empty = {**rep, "cases": []}
     assert plot.plot(empty, tmp_path / "e.png").stat().st_size > 1000
+    # two cases at one x of a panel, one of them untimed for a provider (the union report's
+    # FP8 rows): sorting used to compare None with a float
+    twin = dict(rep["cases"][0], name="decode/TP1/B1/saturated-twin")
+    twin["providers"] = {n: {**e, "median_us": None, "pct_copy_bw": None}
+                         for n, e in twin["providers"].items()}
+    assert plot.plot({**rep, "cases": [*rep["cases"], twin]}, tmp_path / "t.png").is_file()
     cmp_rep = {"kind": "compare", "mode": "decode", "providers": ["ours"], "cases": [
         {"name": "decode/TP1/B1/short", "providers": {"ours": {
             "old": {"median_us": 6.0}, "new": {"median_us": 5.0}, "speedup": 1.2}}}],
