@@ -16,8 +16,8 @@ Layouts: DLPack carries strides, and XLA accepts any *compact* layout (a permuta
 row-major buffer: contiguous or transposed) but not gaps or broadcasting (stride 0). Those are
 refused here with ``DLPackLayoutError`` naming the argument (or copied with ``copy=True``).
 
-dtypes: bf16, fp16, fp32, int32 (int32 stays int32; int64 is refused when jax's x64 mode is off,
-since jax would narrow it silently), float8_e4m3fn (sent directly when both sides support the
+dtypes: bf16, fp16, fp32, int32 (int32 stays int32; 64-bit dtypes are refused when jax's x64 mode
+is off, since jax would narrow them silently), float8_e4m3fn (sent directly when both sides support the
 DLPack fp8 code, else carried as a uint8 view and bit-cast back: bit-exact either way).
 """
 
@@ -28,6 +28,14 @@ from typing import Any
 __all__ = ["DLPackLayoutError", "to_jax", "to_torch", "is_compact"]
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
+#: what jax narrows each 64-bit dtype to while x64 mode is off
+_WIDE = {"int64": "int32", "uint64": "uint32", "float64": "float32", "complex128": "complex64"}
+
+
+def _torch():
+    import torch  # noqa: PLC0415 - lazy: torch is imported only when a tensor is converted
+
+    return torch
 
 
 class DLPackLayoutError(ValueError):
@@ -79,8 +87,9 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None, str
       fp8 was carried as uint8).
 
     Raises:
-      DLPackLayoutError: a tensor that requires grad or int64 while jax x64 is off (always),
-        non-compact strides (a slice with gaps, an expanded/broadcast view) when ``copy`` is False.
+      DLPackLayoutError: a tensor that requires grad, a 64-bit dtype while jax x64 is off, a
+        sparse or meta tensor (always); non-compact strides (a slice with gaps, an
+        expanded/broadcast view) or a lazy negative / conjugate bit when ``copy`` is False.
       TypeError: not a torch tensor.
     """
     import jax  # noqa: PLC0415 - lazy: only the bridge touches both frameworks
@@ -92,6 +101,17 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None, str
         raise DLPackLayoutError("to_jax", "tensor", "a tensor that does not require grad (DLPack "
                                 "shares no autograd history)", "requires_grad=True",
                                 "Pass tensor.detach() (the kernels are forward-only).")
+    if (tensor.is_neg() or tensor.is_conj()) and copy:
+        tensor = tensor.resolve_neg().resolve_conj()
+    if tensor.is_neg() or tensor.is_conj():  # lazy sign / conjugate bits: DLPack drops them
+        bit = "negative" if tensor.is_neg() else "conjugate"
+        raise DLPackLayoutError("to_jax", "tensor", "a tensor without a lazy sign or conjugate "
+                                "bit (DLPack carries the buffer, not the bit)", f"the {bit} bit "
+                                "set", "Pass copy=True or tensor.resolve_neg().resolve_conj().")
+    if tensor.layout != _torch().strided or tensor.device.type == "meta":
+        raise DLPackLayoutError("to_jax", "tensor", "a dense (strided) tensor with memory",
+                                f"layout {tensor.layout} on {tensor.device.type}",
+                                "Pass tensor.to_dense() / a materialised tensor.")
     if stream is not None and tensor.device.type == "cuda":
         import torch  # noqa: PLC0415
 
@@ -109,10 +129,11 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None, str
         import torch  # noqa: PLC0415
 
         tensor = tensor.clone(memory_format=torch.contiguous_format)
-    if name == "int64" and not jax.config.jax_enable_x64:
-        raise DLPackLayoutError("to_jax", "tensor", "int32 metadata (jax x64 mode is off, "
-                                "int64 would be narrowed silently)", "int64",
-                                "Convert with .to(torch.int32) first.")
+    if name in _WIDE and not jax.config.jax_enable_x64:
+        raise DLPackLayoutError("to_jax", "tensor", f"a 32-bit or narrower dtype (jax x64 mode "
+                                f"is off: {name} would be narrowed to {_WIDE[name]} silently)",
+                                name, f"Convert with .to(torch.{_WIDE[name]}) first, or enable "
+                                "jax_enable_x64.")
     if name in _FP8:
         if fp8_via_uint8 is not True:
             try:
@@ -146,13 +167,20 @@ def to_torch(array, *, copy: bool = False, fp8_via_uint8: bool | None = None):
       torch.Tensor with the same dtype and values, on the matching device.
 
     Raises:
-      DLPackLayoutError: the array is sharded over several devices.
+      DLPackLayoutError: the array is sharded over several devices, or a tracer (inside
+        ``jax.jit``: no buffer to share).
       TypeError: not a jax array.
     """
     import torch  # noqa: PLC0415
 
     if not type(array).__module__.startswith(("jax", "jaxlib")):
         raise TypeError(f"to_torch: expected a jax.Array, got {type(array).__name__}")
+    import jax  # noqa: PLC0415
+
+    if isinstance(array, jax.core.Tracer):
+        raise DLPackLayoutError("to_torch", "array", "a concrete jax.Array (DLPack shares a "
+                                "buffer; a traced value inside jax.jit has none)",
+                                type(array).__name__, "Convert outside the jitted function.")
     devices = array.devices() if callable(getattr(array, "devices", None)) else set()
     if len(devices) > 1:
         raise DLPackLayoutError("to_torch", "array", "an array on a single device",

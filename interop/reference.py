@@ -228,9 +228,11 @@ def indexer_logits_decode(q, k_cache, page_table, seq_lens, *, compress_ratio: i
     """Paged decode scoring of row b's ``floor(seq_lens[b] / ratio)`` blocks, block n at
     ``k_cache[page_table[b, n // P], n % P, 0]`` (entries past the row's blocks never read).
     q [B, H, D]; k_cache [pages, P, 1, D]; page_table int [B, max_pages]; seq_lens int [B]
-    (negative = 0). Returns float64 [B, max_pages * P], -inf past each row's blocks. Raises
-    ValueError: more blocks than the page table holds, a visible block's page outside the cache.
-    Source: qsa-contract.md §4b, upstream ``sglang/srt/layers/attention/qsa/mqa.py``."""
+    (negative = 0). Returns float64 [B, max_pages * P], -inf past each row's blocks. Lying
+    metadata follows the contract's rule (§4b), as the kernels do: a row's blocks end at the page
+    table's capacity, and a visible block whose page id lies outside the cache reads nothing
+    (score 0). Source: qsa-contract.md §4b, upstream
+    ``sglang/srt/layers/attention/qsa/mqa.py``."""
     q = np.asarray(q, np.float64)
     kc = np.asarray(k_cache, np.float64)
     pages, psz = kc.shape[0], kc.shape[1]
@@ -240,15 +242,13 @@ def indexer_logits_decode(q, k_cache, page_table, seq_lens, *, compress_ratio: i
     cap = pt.shape[1] * psz
     out = np.full((q.shape[0], max(cap, 1)), -np.inf)
     scale = _score_scale(score_scale, q.shape[-1])
+    nb = np.minimum(nb, cap)
     for b in range(q.shape[0]):
-        if nb[b] > cap:
-            raise ValueError(f"row {b}: {nb[b]} blocks > page table capacity {cap}")
         blk = np.arange(nb[b])
         pid = pt[b, blk // psz]
-        if pid.size and (pid.min() < 0 or pid.max() >= pages):
-            raise ValueError(f"row {b}: page id outside [0, {pages}) for a visible block")
-        rows = pid * psz + blk % psz
-        out[b, :nb[b]] = np.maximum(q[b] @ kc[rows].T, 0.0).sum(0) / scale
+        ok = (pid >= 0) & (pid < pages)
+        keys = np.where(ok[:, None], kc[np.where(ok, pid * psz + blk % psz, 0)], 0.0)
+        out[b, :nb[b]] = np.maximum(q[b] @ keys.T, 0.0).sum(0) / scale
     return out
 
 

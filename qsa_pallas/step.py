@@ -139,14 +139,27 @@ def replicate_kv_heads(x, tp: int, *, axis: int = 1):
     even ``tp``-way split holds KV head ``r // (tp / Hkv)``. Engines allocate the pool so; this
     converts a TP1 pool (tests).
 
-    ``x``: a jax array with Hkv heads on ``axis`` (the pool [slots, Hkv, D]); ``tp`` >= 1.
-    Returns ``x`` with ``max(Hkv, tp)`` heads on ``axis`` (a copy when repeated). Raises
-    ContractError when ``tp`` < 1 or neither of ``tp`` and Hkv divides the other.
+    ``x``: a jax (or numpy) array with Hkv >= 1 heads on ``axis`` (the pool [slots, Hkv, D]);
+    ``tp``: host int >= 1. Returns ``x`` with ``max(Hkv, tp)`` heads on ``axis`` (a copy when
+    repeated). Raises ContractError for another type of ``x``, ``tp`` or ``axis``, an axis out
+    of range, no head, ``tp`` < 1 or neither of ``tp`` and Hkv dividing the other.
     """
+    fn = "replicate_kv_heads"
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        raise ContractError(fn, "x", "a jax.Array or numpy array (torch: interop.dlpack.to_jax)",
+                            type(x).__name__)
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) \
+            or not -x.ndim <= axis < x.ndim:
+        raise ContractError(fn, "axis", f"a host int axis of x's {x.ndim} dimensions (the KV "
+                            "heads: 1 for a pool [slots, Hkv, D])", axis)
+    if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)):
+        raise ContractError(fn, "tp", "a host int >= 1 (the TP rank count)", type(tp).__name__)
     hkv, tp = x.shape[axis], int(tp)
+    if hkv == 0:
+        raise ContractError(fn, "x", f"at least one KV head on axis {axis}", f"shape {x.shape}")
     if tp < 1 or (tp % hkv and hkv % tp):
-        raise ContractError("replicate_kv_heads", "tp", f"a rank count >= 1 that divides Hkv = "
-                            f"{hkv} or is a multiple of it", tp)
+        raise ContractError(fn, "tp", f"a rank count >= 1 that divides Hkv = {hkv} or is a "
+                            "multiple of it", tp)
     return x if tp <= hkv else jnp.repeat(x, tp // hkv, axis=axis)
 
 
@@ -170,7 +183,8 @@ def shard_step(step, mesh, axis: str = "tp"):
 
     Raises (from ``f``, before anything is traced):
       ContractError: a mesh without ``axis``; arguments that do not fit the step's signature;
-        an array for a host value, or an unhashable host value (a list: pass an array); Hq or
+        an array for a host value (a defaulted parameter or a 0-d array), a non-jax tensor, or
+        an unhashable host value (a list: pass an array); Hq or
         the pool's heads not a multiple of TP (at TP > Hkv: ``replicate_kv_heads``); then each
         rank's step checks its own shapes.
     """
@@ -199,8 +213,18 @@ def shard_step(step, mesh, axis: str = "tp"):
                                         "static)", type(a).__name__)
         names = (list(sig.parameters) if sig is not None
                  else [f"args[{i}]" for i in range(len(args))])
+        optional = set() if sig is None else {
+            n for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
         for name, a in [*zip(names, args), *kwargs.items()]:
-            if not isinstance(a, (jax.Array, np.ndarray)):
+            is_array = isinstance(a, (jax.Array, np.ndarray))
+            if is_array and (a.ndim == 0 or name in optional):
+                # a scalar array or an array for a defaulted (host) parameter would be traced
+                raise ContractError(fn, name, "a host value (float(x) / int(x)): host values "
+                                    "are static under shard_step", f"a {a.ndim}-d array")
+            if not is_array and hasattr(a, "shape"):  # a torch tensor is hashable: not static
+                raise ContractError(fn, name, "a jax.Array or numpy array (torch tensors: "
+                                    "interop.dlpack.to_jax)", type(a).__name__)
+            if not is_array:
                 try:
                     hash(a)
                 except TypeError:

@@ -75,9 +75,31 @@ def test_strided_view_refused_unless_copy(make):
     np.testing.assert_array_equal(np.asarray(a), view.numpy())
 
 
-def test_int64_refused_without_x64():
-    with pytest.raises(DLPackLayoutError, match="int32"):
-        to_jax(torch.arange(4))
+@pytest.mark.parametrize("dtype,narrow", [(torch.int64, "int32"), (torch.uint64, "uint32"),
+                                          (torch.float64, "float32")], ids=str)
+def test_64_bit_refused_without_x64(dtype, narrow):
+    """jax would narrow them silently (1e300 became inf, 2**40 became 0), and copy."""
+    with pytest.raises(DLPackLayoutError, match=f"narrowed to {narrow}"):
+        to_jax(torch.ones(4, dtype=dtype))
+
+
+@pytest.mark.parametrize("make", [lambda: torch._neg_view(torch.ones(3)),
+                                  lambda: torch.ones(3, dtype=torch.complex64).conj()],
+                         ids=["neg", "conj"])
+def test_lazy_sign_or_conjugate_bit_refused_unless_copy(make):
+    """DLPack carries the buffer, not torch's lazy bit: -1 used to arrive as +1."""
+    with pytest.raises(DLPackLayoutError, match="lazy sign or conjugate bit"):
+        to_jax(make())
+    np.testing.assert_array_equal(np.asarray(to_jax(make(), copy=True)),
+                                  make().resolve_neg().resolve_conj().numpy())
+
+
+def test_sparse_meta_and_traced_refused():
+    for t in (torch.ones(3).to_sparse(), torch.empty(3, device="meta")):
+        with pytest.raises(DLPackLayoutError, match="dense"):
+            to_jax(t)
+    with pytest.raises(DLPackLayoutError, match="concrete jax.Array"):
+        jax.jit(to_torch)(jnp.ones(3))
 
 
 @pytest.mark.parametrize("copy", [False, True])

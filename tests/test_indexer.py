@@ -16,6 +16,7 @@ with changed context lengths, jit with changed lengths, FP8 keys.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -159,6 +160,25 @@ def test_decode_many_chunks_exact_and_random_admissible(dec16, impl):
     assert rep["admissible"] == rep["rows"], rep
 
 
+@pytest.mark.parametrize("impl", ["triton", "pallas"])
+def test_decode_lying_page_table_follows_the_rule(dec16, impl):
+    """Page ids outside the cache for visible blocks (negative, = pages, huge) score 0, and a
+    seq_len past the page table's capacity ends at it: both implementations equal the
+    reference, which follows the same rule (qsa-contract.md §4b)."""
+    case, (qi, ki), _ = dec16
+    case = dataclasses.replace(case, page_table=case.page_table.copy(),
+                               seq_lens=case.seq_lens.copy())
+    case.page_table[0, [1, 5]] = [-3, case.pages]      # row 0: 2560 tokens = 40 pages
+    case.page_table[5, 2] = 2**31 - 1
+    case.seq_lens[3] = 10**6                           # past the table's capacity
+    ref = R.indexer_topk_decode_reference(qi, ki, case.page_table, case.seq_lens, topk=16)
+    logits = R.indexer_logits_decode(qi, ki, case.page_table, case.seq_lens)
+    assert (logits[0, 16:32] == 0).all() and np.isfinite(logits[3]).all()
+    got = (_torch_decode(TI.indexer_topk_decode, qi, ki, case, topk=16) if impl == "triton"
+           else _jax_decode(PI.indexer_topk_decode, qi, ki, case, dtype=jnp.float16, topk=16))
+    assert np.array_equal(got, ref)
+
+
 # ---------------------------------------------------------------------------------------------
 # Prefill: ragged requests, a tile straddling requests, rows with 510..514 visible blocks,
 # tail-only rows.
@@ -218,7 +238,6 @@ def test_triton_prefill_exact(pre):
     t = lambda a, dt=None: torch.tensor(a, dtype=dt)  # noqa: E731
     qt, kt = t(q, torch.float16), t(k, torch.float16)
     if topk == 16:  # 2-bit rounds over 16 rows at once (the default prefill plan: 1-bit)
-        import dataclasses
 
         plan = dataclasses.replace(I.plan_indexer("prefill", q.shape[0], k.shape[0], topk),
                                    radix_bits=2)
@@ -244,7 +263,6 @@ def test_prefill_bound_pass_exact(scores, skip, monkeypatch, device="cpu"):
     redoes the chunks with more than topk) and the merge compacts the counted candidates to a
     16-slot tile two chunks a step (``merge_capacity``): rows under it and rows past it (those
     narrow to their exact top-k by rounds over the chunks first) in one call."""
-    import dataclasses
 
     topk = 16
     # request 3 reaches 150 blocks (5 chunks): chunks past the 2-chunk sample with more than
@@ -490,7 +508,6 @@ def test_debug_validator_flags_decode_metadata():
 
 
 def test_plan_is_static_and_bounded():
-    import dataclasses
 
     for b in (1, 16, 64, 128):
         for ctx in (8192, 32768, 131072, 262144, 1 << 20):
@@ -535,7 +552,6 @@ def test_plan_override_same_result_and_bad_plan_refused(dec16):
     packed pairs, a 255-threshold round) give the reference's ids; a plan that cannot cover the
     rows, a plan with an impossible launch field, or something that is not a plan, is refused
     before launch."""
-    import dataclasses
 
     case, (qi, ki), _ = dec16
     cap = case.page_table.shape[1] * 16
@@ -701,7 +717,6 @@ def test_gpu_plan_variants_and_pdl_same_selection(b, ctx):
     """The default plan (merge launched with PDL where pass 1 is one wave), the same without
     PDL, and the bench's variants (1-bit rounds in pass 1; twice the chunk) select the same token
     rows, equal to the FP64 reference on a sampled row."""
-    import dataclasses
 
     case, q, kc = _gpu_decode_inputs(b, ctx, seed=3 * b + ctx, dtype=torch.bfloat16)
     pt = torch.tensor(case.page_table, device="cuda")

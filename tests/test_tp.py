@@ -80,6 +80,30 @@ def test_layout_refusals_before_anything_is_traced(monkeypatch):
         TP.run_jax((8,), CPU)
 
 
+class torch_like:  # noqa: N801 - stands for a torch tensor: hashable, has a shape, not an array
+    def __init__(self, a):
+        self.shape = a.shape
+
+
+@pytest.mark.parametrize("call,arg", [
+    (lambda r: r(jnp.zeros((4, 2, 8)), 2.5), "tp"),
+    (lambda r: r(jnp.zeros((4, 2, 8)), "2"), "tp"),
+    (lambda r: r(jnp.zeros((4, 2, 8)), True), "tp"),
+    (lambda r: r(jnp.zeros((4, 2, 8)), 0), "tp"),
+    (lambda r: r(jnp.zeros((4, 2, 8)), 2, axis=5), "axis"),
+    (lambda r: r(jnp.zeros(8), 2), "axis"),
+    (lambda r: r(jnp.zeros((4, 0, 8)), 2), "x"),
+    (lambda r: r(torch_like(jnp.zeros((4, 2, 8))), 2), "x"),
+])
+def test_replicate_kv_heads_refusals(call, arg):
+    """A float / str / bool rank count used to be truncated by int() (2.5 -> 2, True -> 1); a
+    bad axis, no head or a non-jax tensor failed with IndexError / ZeroDivisionError /
+    TypeError."""
+    with pytest.raises(ContractError) as e:
+        call(qsa_pallas.replicate_kv_heads)
+    assert e.value.arg == arg, str(e.value)
+
+
 def test_shard_step_keeps_the_step_signature_and_refuses_before_tracing(monkeypatch):
     """Arrays passed by keyword give the positional call's sharded function and inputs; a list
     for an array, an array for a host value, an unknown argument, a mesh without the axis: a
@@ -102,13 +126,18 @@ def test_shard_step_keeps_the_step_signature_and_refuses_before_tracing(monkeypa
     for x, y in zip(by_position, by_name):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     bad = [({"seq_lens": [1, 2, 3]}, "seq_lens"), ({"topk": jnp.int32(16)}, "topk"),
-           ({"top_k": 16}, "arguments")]
+           ({"top_k": 16}, "arguments"), ({"softmax_scale": jnp.float32(0.1)}, "softmax_scale"),
+           ({"seq_lens": torch_like(named["seq_lens"])}, "seq_lens")]
     for change, arg in bad:
         call = dict(zip(names, a), **kw)
         call.update(change)
         with pytest.raises(ContractError) as e:
             step(**call)
         assert e.value.arg == arg, str(e.value)
+    with pytest.raises(ContractError, match="host value") as e:  # positional host scalar
+        step(*a, 0.1, jnp.float32(1.0), **{n: v for n, v in kw.items() if not n.endswith(
+            "scale")})
+    assert e.value.arg == "k_scale"
     with pytest.raises(ContractError) as e:
         qsa_pallas.shard_step(qsa_pallas.qsa_decode_step, Mesh(np.array(jax.devices()[:2]),
                                                                ("x",)))(*a, **kw)
