@@ -89,7 +89,7 @@ def forward_only(fn: Callable) -> Callable:
 
         def refuse(primals, tangents):
             moving = [names[i] for i, t in zip(traced, tangents)
-                      if not isinstance(t, jax.custom_derivatives.SymbolicZero)]
+                      if not isinstance(t, _SYMBOLIC_ZERO)]
             if not moving:  # every input under stop_gradient: a constant, as for any function
                 out = run(*primals)
                 return out, jax.tree_util.tree_map(_zero_tangent, out)
@@ -102,6 +102,10 @@ def forward_only(fn: Callable) -> Callable:
         return call(*(leaves[i] for i in traced))
 
     return wrapper
+
+
+# a jax without the public symbolic-zero type refuses every traced call under jvp (never wrong)
+_SYMBOLIC_ZERO = getattr(jax.custom_derivatives, "SymbolicZero", ())
 
 
 def _zero_tangent(x):
@@ -197,8 +201,9 @@ def target_facts():
 # ---------------------------------------------------------------------------------------------
 # Argument checks (ContractError before anything is traced)
 def check_inputs(fn: str, interpret: bool | None, **arrays) -> None:
-    """Refuse an ``interpret`` that is neither None nor a host bool, and torch tensors (the
-    contract check reads their shapes, JAX cannot take them)."""
+    """Refuse an ``interpret`` that is neither None nor a host bool, torch tensors and
+    ``jax.ShapeDtypeStruct``s (the contract check reads their shapes; JAX cannot compute on
+    them)."""
     if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
         raise ContractError(fn, "interpret", "None (interpret mode on a CPU backend, compiled "
                             "kernels on a GPU) or a host bool", type(interpret).__name__)
@@ -207,6 +212,10 @@ def check_inputs(fn: str, interpret: bool | None, **arrays) -> None:
             raise ContractError(fn, name, "a jax.Array or numpy array (torch tensors: use "
                                 "qsa_triton, or interop.dlpack to hand them to JAX zero-copy)",
                                 type(a).__module__ + "." + type(a).__qualname__)
+        if isinstance(a, jax.ShapeDtypeStruct):
+            raise ContractError(fn, name, "a jax.Array or numpy array (a ShapeDtypeStruct has no "
+                                "data: trace with jax.jit(f).lower(...) or jax.eval_shape)",
+                                "jax.ShapeDtypeStruct")
 
 
 def check_backend(fn: str, interpret: bool | None, *arrays) -> None:

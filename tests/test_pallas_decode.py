@@ -614,6 +614,9 @@ def test_torch_tensors_and_compiled_mode_on_cpu_are_contract_errors():
     ck = np.array([0, 2, 5], np.int32)
     with pytest.raises(ContractError, match="'k'.*jax.Array or numpy"):
         qsa_pallas.sparse_decode(q, torch.zeros(5, 1, 64, dtype=torch.float16), k, cu, ck, 4)
+    # a shape without data used to pass the checks and fail in the launcher with a TypeError
+    with pytest.raises(ContractError, match="'q'.*ShapeDtypeStruct has no data"):
+        qsa_pallas.sparse_decode(jax.ShapeDtypeStruct(q.shape, q.dtype), k, k, cu, ck, 4)
     if jax.default_backend() == "cpu":
         with pytest.raises(ContractError, match="'interpret'"):
             qsa_pallas.sparse_decode(q, k, k, cu, ck, 4, interpret=False)
