@@ -815,7 +815,7 @@ def check_decode_paged(q, k_cache, v_cache, req_to_token, req_indices, indices, 
 
     q: [R, Hq, D] bf16|fp16; k_cache, v_cache: [slots, Hkv, D] (slots may be 0), q's dtype or
     float8_e4m3fn; req_to_token: int32 [max_reqs, max_context]; req_indices, seq_lens: int32 [R];
-    indices: int32 [R, W] or [R, Hkv, W] (W may be 0); all on q's device, unit last stride, not
+    indices: int32 [R, W] or [R, Hkv, W] (W >= 1); all on q's device, unit last stride, not
     read. softmax_scale, k_scale, v_scale: as ``check_prefill_chunk``; batch_invariant, strict:
     host bools (strict: ``envelope_text``). Returns PagedDecodeProblem; raises ContractError
     (argument, expected, got, envelope).

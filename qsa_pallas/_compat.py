@@ -230,11 +230,12 @@ def check_backend(fn: str, interpret: bool | None, *arrays) -> None:
 def check_offsets(fn: str, **arrays) -> None:
     """Refuse arrays whose element offsets need 64 bits while the lowering uses int32: it
     switches to int64 offsets only for refs over 2**32 bytes (``_compute_offsets_from_indices``,
-    jax 0.10.2 and 0.11.2), so a 1-byte array of 2**31..2**32 elements would wrap."""
+    jax 0.10.2 and 0.11.2), so a 1-byte array of more than 2**31 elements (up to 2**32 bytes)
+    would wrap; 2**31 elements exactly still fit (largest offset 2**31 - 1)."""
     for name, a in arrays.items():
         numel = math.prod(a.shape)
         if numel - 1 > 2**31 - 1 and numel * np.dtype(a.dtype).itemsize <= 2**32:
-            raise ContractError(fn, name, "fewer than 2**31 elements, or more than 2**32 bytes "
+            raise ContractError(fn, name, "at most 2**31 elements, or more than 2**32 bytes "
                                 "(the Pallas Triton lowering uses int32 offsets below 2**32 "
                                 "bytes; qsa_triton has no such limit)",
                                 f"{numel} elements of {a.dtype}")

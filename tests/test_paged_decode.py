@@ -572,15 +572,19 @@ def test_pallas_stop_gradient_inputs_make_a_constant():
 
 
 def test_pallas_fp8_pool_int32_offset_limit():
-    """An FP8 pool of 2**31..2**32 elements would wrap the lowering's int32 offsets: refused
-    (shape-only: nothing is allocated)."""
+    """An FP8 pool of more than 2**31 elements (up to 2**32 bytes) would wrap the lowering's
+    int32 offsets: refused; exactly 2**31 elements still fit (shape-only, under jax.eval_shape:
+    nothing is allocated)."""
     sds = jax.ShapeDtypeStruct
+    meta = (sds((1, 64), jnp.int32), sds((1,), jnp.int32), sds((1, 64), jnp.int32),
+            sds((1,), jnp.int32))
+    q = sds((1, 24, 256), jnp.bfloat16)
     big = sds((4_200_000, 2, 256), jnp.float8_e4m3fn)  # 2.15e9 elements, 2.15 GB
-    args = (sds((1, 24, 256), jnp.bfloat16), big, big, sds((1, 64), jnp.int32),
-            sds((1,), jnp.int32), sds((1, 64), jnp.int32), sds((1,), jnp.int32))
-    with pytest.raises(ContractError, match="2\\*\\*31") as e:
-        qsa_pallas.sparse_decode_paged(*args)
+    with pytest.raises(ContractError, match="at most 2\\*\\*31") as e:
+        jax.eval_shape(qsa_pallas.sparse_decode_paged, q, big, big, *meta)
     assert e.value.arg == "k_cache"
+    edge = sds((2**31 // 512, 2, 256), jnp.float8_e4m3fn)  # 2**31 elements exactly
+    assert jax.eval_shape(qsa_pallas.sparse_decode_paged, q, edge, edge, *meta).shape == q.shape
 
 
 def test_plan_rules():
