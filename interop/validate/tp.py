@@ -342,6 +342,9 @@ def _rank_main(rank: int, tp: int, device: str, cases: list[TPCase], tmp: str,
                                                     None),
                    "timing": [t for e in every for t in e["timing"]]}
             (Path(tmp) / "ranks.json").write_text(json.dumps(doc))
+        # every rank reaches teardown together: a rank that exits while rank 0 still writes can
+        # abort rank 0's gloo threads (std::terminate, seen once in CI)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
