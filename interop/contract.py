@@ -202,7 +202,7 @@ class PrefillProblem:
     head_dim: int
     width: int  # W, index columns per row
     per_head_indices: bool  # indices [T, Hkv, W]
-    max_seqlen_q: int
+    max_seqlen_q: int  # the hint, at most T (a request never has more rows than q)
     softmax_scale: float
     k_scale: float
     v_scale: float
@@ -450,7 +450,8 @@ def _check_prefill(kind: str, fn: str, strict, q, k, v, indices, indices_name: s
                    if c.strict else f"NB <= {_INDEXER_TOPK[1]} block ids a row (the indexer's "
                    "top-k; token indices go in indices=)", f"NB = {w}")
     b = meta(c, qs, ks)
-    msq = c.host_int("max_seqlen_q", max_seqlen_q, 1, None)
+    # a grid-size hint: no request has more rows than q, so both backends plan with min(hint, T)
+    msq = max(1, min(c.host_int("max_seqlen_q", max_seqlen_q, 1, None), t))
     scale, ksc, vsc = c.scales(qs, ks, softmax_scale, k_scale, v_scale, pool=False)
     return PrefillProblem(kind, t, b, qs.shape[1], ks.shape[1], group, qs.shape[2], w,
                           ids.ndim == 3, msq, scale, ksc, vsc, qs.dtype, ks.dtype)

@@ -16,9 +16,10 @@ Layouts: DLPack carries strides, and XLA accepts any *compact* layout (a permuta
 row-major buffer: contiguous or transposed) but not gaps or broadcasting (stride 0). Those are
 refused here with ``DLPackLayoutError`` naming the argument (or copied with ``copy=True``).
 
-dtypes: bf16, fp16, fp32, int32 (int32 stays int32; 64-bit dtypes are refused when jax's x64 mode
-is off, since jax would narrow them silently), float8_e4m3fn (sent directly when both sides support the
-DLPack fp8 code, else carried as a uint8 view and bit-cast back: bit-exact either way).
+dtypes: bf16, fp16, fp32, int32 (int32 stays int32; 64-bit dtypes are refused when jax's x64
+mode is off, since jax would narrow them silently), float8_e4m3fn (sent directly when both sides
+support the DLPack fp8 code, else carried as a uint8 view and bit-cast back: bit-exact either
+way).
 """
 
 from __future__ import annotations
@@ -32,10 +33,6 @@ _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _WIDE = {"int64": "int32", "uint64": "uint32", "float64": "float32", "complex128": "complex64"}
 
 
-def _torch():
-    import torch  # noqa: PLC0415 - lazy: torch is imported only when a tensor is converted
-
-    return torch
 
 
 class DLPackLayoutError(ValueError):
@@ -94,6 +91,7 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None, str
     """
     import jax  # noqa: PLC0415 - lazy: only the bridge touches both frameworks
     import jax.numpy as jnp  # noqa: PLC0415
+    import torch  # noqa: PLC0415
 
     if not type(tensor).__module__.startswith("torch"):
         raise TypeError(f"to_jax: expected a torch.Tensor, got {type(tensor).__name__}")
@@ -108,13 +106,11 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None, str
         raise DLPackLayoutError("to_jax", "tensor", "a tensor without a lazy sign or conjugate "
                                 "bit (DLPack carries the buffer, not the bit)", f"the {bit} bit "
                                 "set", "Pass copy=True or tensor.resolve_neg().resolve_conj().")
-    if tensor.layout != _torch().strided or tensor.device.type == "meta":
+    if tensor.layout != torch.strided or tensor.device.type == "meta":
         raise DLPackLayoutError("to_jax", "tensor", "a dense (strided) tensor with memory",
                                 f"layout {tensor.layout} on {tensor.device.type}",
                                 "Pass tensor.to_dense() / a materialised tensor.")
     if stream is not None and tensor.device.type == "cuda":
-        import torch  # noqa: PLC0415
-
         with torch.cuda.stream(stream):  # export while the producing stream is current
             return to_jax(tensor, copy=copy, fp8_via_uint8=fp8_via_uint8)
     name = _torch_dtype_name(tensor)
@@ -126,8 +122,6 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None, str
     if copy:
         # copy on the torch side (on the current stream), then share the private copy: jax 0.10's
         # from_dlpack(copy=True) still aliases CPU buffers
-        import torch  # noqa: PLC0415
-
         tensor = tensor.clone(memory_format=torch.contiguous_format)
     if name in _WIDE and not jax.config.jax_enable_x64:
         raise DLPackLayoutError("to_jax", "tensor", f"a 32-bit or narrower dtype (jax x64 mode "
@@ -142,8 +136,6 @@ def to_jax(tensor, *, copy: bool = False, fp8_via_uint8: bool | None = None, str
                     return arr
             except (TypeError, ValueError, BufferError, RuntimeError):  # no fp8 DLPack code here
                 pass
-        import torch  # noqa: PLC0415
-
         raw = tensor.view(torch.uint8)
         arr = jax.dlpack.from_dlpack(raw)
         return jax.lax.bitcast_convert_type(arr, getattr(jnp, name))

@@ -66,7 +66,9 @@ def forward_only(fn: Callable) -> Callable:
     arguments go through a ``jax.custom_jvp`` whose rule raises at trace time, naming the
     argument that carries a tangent (symbolic zeros tell which); inputs all under
     ``jax.lax.stop_gradient`` give a constant. Calls without tracers run ``fn`` directly; under
-    ``jax.jit`` the custom_jvp lowers to ``fn``'s own program.
+    ``jax.jit`` the custom_jvp lowers to ``fn``'s own program. Raises (from the returned
+    function, at trace time) ContractError: a tangent reaches an array argument. Source: our
+    own, on ``jax.custom_jvp`` (``defjvp(..., symbolic_zeros=True)``).
     """
     sig = inspect.signature(fn)
 

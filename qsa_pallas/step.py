@@ -193,6 +193,9 @@ def shard_step(step, mesh, axis: str = "tp"):
         sig = inspect.signature(step)
     except (TypeError, ValueError):  # a callable without a signature: arguments taken as given
         sig = None
+    # defaulted parameters are host values (the steps' scales)
+    optional = set() if sig is None else {
+        n for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
 
     def call(*args, **kwargs):
         if axis not in mesh.shape:
@@ -213,8 +216,6 @@ def shard_step(step, mesh, axis: str = "tp"):
                                         "static)", type(a).__name__)
         names = (list(sig.parameters) if sig is not None
                  else [f"args[{i}]" for i in range(len(args))])
-        optional = set() if sig is None else {
-            n for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
         for name, a in [*zip(names, args), *kwargs.items()]:
             is_array = isinstance(a, (jax.Array, np.ndarray))
             if is_array and (a.ndim == 0 or name in optional):

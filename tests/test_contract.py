@@ -382,3 +382,11 @@ def test_validate_prefill_metadata():
         with pytest.raises(ContractError) as info:
             paged(**kw)
         assert info.value.arg == arg
+
+
+@pytest.mark.parametrize("op", ["prefill", "chunk", "paged"])
+def test_prefill_max_seqlen_q_hint_is_capped_at_t(op):
+    """max_seqlen_q is a grid-size hint: the checked problem carries min(hint, T), so both
+    backends plan (and Triton launches) with the same value whatever a huge hint says."""
+    assert run(op, {"max_seqlen_q": 10**9}, "jax").max_seqlen_q == 8  # base(): T = 8
+    assert run(op, {"max_seqlen_q": 3}, "torch").max_seqlen_q == 3
