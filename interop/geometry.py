@@ -265,21 +265,21 @@ def all_configs(arch: str) -> list[Geometry]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Block-level selections: tile-union kernel or the rows kernel
+# Block-level selections: tile-union kernel or the per-row kernel
 @dataclasses.dataclass(frozen=True)
 class UnionGeometry:
     """Launch plan of a prefill call given block-level selections (``block_indices=``).
 
     Attributes:
       kind: ``"union"`` (tile-union kernel: R consecutive rows of one request per program, the
-        union of their blocks gathered once) or ``"rows"`` (the rows kernel alone: one program
-        per query row over its own block ids, with ``select_prefill``'s geometry).
+        union of their blocks gathered once) or ``"rows"`` (the per-row kernel on the selection
+        expanded to tokens on the device, with ``select_prefill``'s geometry).
       tile_rows: R (1 for ``"rows"``). head_tile: Q tile rows, ``max(16, R x next_pow2(G))``.
       block_n: K/V rows per inner step (4 x union blocks). num_warps, num_stages: as Geometry.
       source: the rule that decided, for benchmark JSON.
-      row_block_n: ``"union"``: K/V rows per inner step of the rows kernel, which runs the rows
-        of the tiles past ``max_union_entries`` (Triton: the per-row kernel's BLOCK_N for the
-        workload where larger than ``block_n``; Pallas: 64; fitted; 0 = ``block_n``).
+      row_block_n: ``"union"``: K/V rows per inner step of a tile that runs its rows one by one
+        (Triton: the per-row kernel's BLOCK_N for the workload where larger than ``block_n``;
+        Pallas: 64; fitted; 0 = ``block_n``).
     """
 
     kind: str
@@ -308,21 +308,21 @@ BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (p
         ``interop.indices.expand_prefill_blocks`` up to summation order; a block listed twice is
         attended twice. One exception, only with repeated ids (the indexer's top-k never
         repeats one): where a row's repeats make its expansion longer than ``visible`` tokens,
-        the token path keeps the first ``visible`` columns, the block kernels attend every
-        occurrence and the tail. Runs the tile-union kernel on the tiles whose measured union
-        is within ``max_union_entries`` and the rows kernel on the other rows, or the rows
-        kernel alone (``interop.geometry.select_prefill_blocks``).
+        the token path keeps the first ``visible`` columns but the tile-union kernel attends
+        every occurrence and the tail, so the result then depends on the kernel the selector
+        picks. Runs the tile-union kernel or the per-row kernel
+        (``interop.geometry.select_prefill_blocks``).
       overlap: with ``block_indices`` only: None, or the engine's expected Jaccard similarity of
-        adjacent rows' block sets in [0, 1] (below ``UNION_RULES['min_overlap']`` the rows
-        kernel alone runs: no union build)."""
+        adjacent rows' block sets in [0, 1] (below ``UNION_RULES['min_overlap']`` the per-row
+        kernel runs)."""
 
 #: The selector's data (``select_prefill_blocks``; measured in bench/NOTES.md, "Tile-union"):
 #: ``q_rows``: the Q tile R x next_pow2(G) aimed for (one wgmma M tile; 128 rows measured
 #: slower); ``max_tile_rows``: keeps the causal-tail step (R + 3 tokens) in one BLOCK_N >= 16
 #: chunk; ``min_rows_per_request``: below it a tile has one row; ``min_overlap``: an engine's
-#: neighbour-Jaccard hint below it gets the rows kernel alone; ``max_sort_keys``: R x next_pow2(NB)
+#: neighbour-Jaccard hint below it gets the per-row kernel; ``max_sort_keys``: R x next_pow2(NB)
 #: keys sorted in registers; ``max_union_work``: see ``max_union_entries``; ``min_tiles_per_sm``:
-#: below that many tiles (ceil(T / R) x Hkv) per SM the rows kernel's T x Hkv programs fill
+#: below that many tiles (ceil(T / R) x Hkv) per SM the per-row kernel's T x Hkv programs fill
 #: the GPU better (MTP verify batches measured slower as tiles); ``tile``: (BLOCK_N, warps,
 #: stages) by backend (4 warps: one warpgroup owns the 64-row tile; a third stage measured
 #: faster for Pallas only; ``fit_union`` drops stages to what sm_12x's shared memory holds).
@@ -334,11 +334,11 @@ UNION_RULES = {
 
 
 def max_union_entries(geo: UnionGeometry, block_width: int, row_tile: int) -> int:
-    """Largest union (entries) for which a tile runs the union kernel; past it the rows kernel
-    runs the tile's rows over their own blocks (vLLM #55372's bound). Rule: the padded dot work
+    """Largest union (entries) for which a tile runs the union path; past it the tile's rows run
+    one at a time over their own blocks (vLLM #55372's bound). Rule: the padded dot work
     |union| x head_tile stays within ``UNION_RULES['max_union_work']`` times the rows' own,
-    R x NB x ``row_tile`` (the rows kernel's Q tile). Both backends compare it with the union's
-    length on the device, per tile (Triton's build may stop at an estimate past it). ``geo``: a ``"union"`` UnionGeometry; ``block_width``: NB.
+    R x NB x ``row_tile`` (the row path's Q tile). Both kernels compare it with the union's
+    length on the device, per tile. ``geo``: a ``"union"`` UnionGeometry; ``block_width``: NB.
     Returns an int >= 0 (may exceed int32: launchers cap it). Raises nothing of its own; source:
     vLLM #55372's bound; bench/NOTES.md, "Tile-union sparse prefill"."""
     return int(UNION_RULES["max_union_work"] * geo.tile_rows * int(block_width) * row_tile
@@ -396,7 +396,7 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
     bn, nw, ns = u["tile"][backend]
     geo = UnionGeometry("union", r, max(16, r * ht), bn, nw, ns,
                         f"union[R={r},G={group}] {facts.arch} backend={backend}",
-                        # the rows kernel at the per-row kernel's BLOCK_N (Triton), 64 (Pallas)
+                        # the row path at the per-row kernel's BLOCK_N (Triton), 64 (Pallas)
                         max(bn, rows_geo.block_n if backend == "triton" else 64))
     return fit_union(geo, backend=backend, head_dim=head_dim, kv_bytes=kv_bytes,
                      limit=facts.smem_per_block)
@@ -415,7 +415,7 @@ def fit_union(geo: UnionGeometry, *, backend: str, head_dim: int, kv_bytes: int,
     fitted = fit_shared_memory(geo, head_dim=head_dim, limit=limit, kv_bytes=kv_bytes)
     if fitted.block_n < floor:
         fitted = dataclasses.replace(fitted, block_n=floor)
-    if geo.row_block_n:  # the rows kernel's [16-row Q tile, row_block_n] steps must fit as well
+    if geo.row_block_n:  # the row path's [16-row Q tile, row_block_n] steps must fit as well
         rows = fit_shared_memory(dataclasses.replace(fitted, head_tile=16,
                                                      block_n=next_pow2(geo.row_block_n)),
                                  head_dim=head_dim, limit=limit, kv_bytes=kv_bytes)

@@ -4,7 +4,7 @@ Semantics: ``qsa-contract.md`` §3; oracle: ``interop.reference.prefill*_referen
 algorithm of ``qsa_triton.prefill`` (read its module docstring: the flash-attention forward over
 gathered rows, Dao et al., 2022, as upstream SGLang's sparse prefill; the shared geometry
 selector, here with ``backend="pallas"``; the paged slot pre-pass; FP8 dots in float16;
-block-level selections through ``qsa_pallas.prefill_union``), except:
+block-level selections through ``qsa_pallas.prefill_union`` or a plain-JAX expansion), except:
 
 * the grid is (T, Hkv): every row is computed whatever ``max_seqlen_q`` (no tail launch); a row
   finds its request by counting ``cu_seqlens_q[1:] <= row`` (B is static); rows past
@@ -100,7 +100,7 @@ _FORCED_GEOMETRY: contextvars.ContextVar = contextvars.ContextVar("qsa_pallas_pr
 @contextlib.contextmanager
 def _forced_geometry(geometry: Geometry | UnionGeometry):
     """Inside the block, the prefill entry points launch ``geometry`` instead of the selector's:
-    a ``Geometry`` (token path, or the rows kernel on block selections) or, with
+    a ``Geometry`` (token path, or the per-row kernel on block selections) or, with
     ``block_indices``, a ``UnionGeometry``. Read while an entry point traces (compile checks
     lower inside it). Raises TypeError for anything else."""
     if not isinstance(geometry, (Geometry, UnionGeometry)):
@@ -266,10 +266,9 @@ def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry):
 
 def _run_blocks(problem: PrefillProblem, q, k, v, block_indices, meta: dict, *, interpret,
                 geometry, overlap):
-    """Block-level selections: the tile-union and rows kernels, or the rows kernel alone
-    (``qsa_pallas.prefill_union``; ``geometry``: None = the selector; a ``UnionGeometry``
-    forces the kernels and their tiles; a ``Geometry`` forces the rows kernel with that
-    geometry)."""
+    """Block-level selections: the tile-union kernel, or the per-row kernel on the expansion
+    (``geometry``: None = the selector; a ``UnionGeometry`` forces the kernel and its tiles; a
+    ``Geometry`` forces the per-row kernel with that geometry)."""
     if problem.total_q == 0 or k.shape[0] == 0:
         return jnp.zeros(q.shape, q.dtype)
     if problem.kind == "paged" and math.prod(meta["req_to_token"].shape) == 0:
@@ -278,10 +277,13 @@ def _run_blocks(problem: PrefillProblem, q, k, v, block_indices, meta: dict, *, 
     geo = geometry
     if geo is None:
         geo = select_block_geometry(problem, interpret=interp, overlap=overlap)
-    if not isinstance(geo, UnionGeometry):  # a forced per-row Geometry: the rows kernel's
-        geo = UnionGeometry("rows", 1, geo.block_m, geo.block_n, geo.num_warps, geo.num_stages,
-                            geo.source)
-    return PU.blocks_run(problem, q, k, v, block_indices, meta, geo, interpret=interp)
+    if isinstance(geo, UnionGeometry) and geo.kind == "union":
+        return PU.union_run(problem, q, k, v, block_indices, meta, geo, interpret=interp)
+    if isinstance(geo, UnionGeometry):
+        geo = Geometry(geo.head_tile, geo.block_n, geo.num_warps, geo.num_stages, geo.source)
+    idx = PU.expand_blocks(block_indices, meta["cu_seqlens_q"], meta.get("kv_lens"))
+    return _run_tokens(dataclasses.replace(problem, width=int(idx.shape[-1])), q, k, v, idx, meta,
+                       interpret=interpret, geometry=geo)
 
 
 def _run_tokens(problem: PrefillProblem, q, k, v, indices, meta: dict, *, interpret, geometry):

@@ -1,16 +1,16 @@
 """Tile-union sparse prefill (Pallas, Triton lowering): block-level selections, R rows a program.
 
 The JAX twin of ``qsa_triton.prefill_union`` (read its module docstring): same selection rule,
-tile numbering, union layout, rows kernel, per-tile switch and geometry selector; results equal
-up to summation order. Differences:
+tile numbering, union layout, per-tile switch to the rows path and geometry selector; results
+equal up to summation order. Differences:
 
 * the union build (``block_union``) is plain JAX, vectorised over tiles: (block, row) pairs
   sorted with ``lax.sort``, occurrence ranks, a second sort on (rank, block, row), compaction
-  by an XLA scatter (both sorts always run: XLA has no cheap per-tile skip, so every length is
-  exact and no estimate is made);
-* the output is a zeros buffer aliased through both kernels (rows past ``cu_seqlens_q[B]`` stay
+  by an XLA scatter (both sorts always run: XLA has no cheap per-tile skip);
+* the per-tile switch is a ``lax.cond`` on the union's device length;
+* the output is a zeros buffer aliased into the kernel (rows past ``cu_seqlens_q[B]`` stay
   zero); every gather index is clamped *and* masked, and in interpret mode masked lanes store
-  to spare rows past the output (``_Gather.store_out``).
+  to spare rows past the output (``_union_kernel``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from . import _compat
 from ._compat import pl
 from ._fp8 import fp16_query, is_fp8
 
-__all__ = ["block_union", "blocks_run", "union_slots"]
+__all__ = ["block_union", "expand_blocks", "union_run", "union_slots"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -115,12 +115,52 @@ def block_union(block_indices, cu_seqlens_q, kv_lens, tile_rows: int):
                         ordinary=ordinary)
 
 
+@functools.partial(jax.jit, static_argnames=("ordinary",))
+def _expand(block_indices, cu_seqlens_q, kv_lens, *, ordinary: bool):
+    t, nb = block_indices.shape[0], block_indices.shape[-1]
+    n_req = cu_seqlens_q.shape[0] - 1
+    rows = jnp.arange(t, dtype=jnp.int32)
+    b = jnp.sum((cu_seqlens_q[None, 1:n_req] <= rows[:, None]).astype(jnp.int32), axis=1,
+                dtype=jnp.int32)
+    q_start = cu_seqlens_q[b]
+    q_len = cu_seqlens_q[b + 1] - q_start
+    r = rows - q_start
+    in_req = (r >= 0) & (r < q_len)
+    kv_len = q_len if ordinary else kv_lens[b]
+    vis = jnp.where(in_req, jnp.maximum(r + kv_len - q_len + 1, 0), 0)
+    n_vis = vis // RATIO
+    lead = (slice(None),) + (None,) * (block_indices.ndim - 1)
+    g = block_indices
+    valid = (g >= 0) & (g < n_vis[lead])
+    order = jnp.argsort(~valid, axis=-1, stable=True)  # valid blocks first, in the row's order
+    g = jnp.take_along_axis(g, order, axis=-1)
+    count = jnp.sum(valid.astype(jnp.int32), axis=-1, dtype=jnp.int32)
+    toks = (g[..., None] * RATIO + jnp.arange(RATIO, dtype=jnp.int32)).reshape(g.shape[:-1]
+                                                                                + (RATIO * nb,))
+    w = RATIO * nb + RATIO - 1
+    col = jnp.arange(w, dtype=jnp.int32)
+    toks = jnp.concatenate([toks, jnp.full(toks.shape[:-1] + (RATIO - 1,), -1, jnp.int32)], -1)
+    in_sel = col < (RATIO * count)[..., None]
+    tail = col - (RATIO * count)[..., None]
+    n_tail = (vis - RATIO * n_vis)[lead]
+    return jnp.where(in_sel, toks, jnp.where((tail >= 0) & (tail < n_tail),
+                                             (RATIO * n_vis)[lead] + tail, -1)).astype(jnp.int32)
+
+
+def expand_blocks(block_indices, cu_seqlens_q, kv_lens):
+    """Token indices of a block-level selection in plain JAX: as ``qsa_triton.prefill_union.
+    expand_blocks`` (int32 [T, 4 NB + 3] or [T, Hkv, ...], ``interop.indices.
+    expand_prefill_blocks``)."""
+    ordinary = kv_lens is None
+    return _expand(block_indices, cu_seqlens_q, cu_seqlens_q[:-1] if ordinary else kv_lens,
+                   ordinary=ordinary)
+
+
 # --------------------------------------------------------------------------------------------
 # The tile kernel
 @dataclasses.dataclass(frozen=True)
 class _UStatic:
-    """What the kernels specialise on (the jit cache key), as ``qsa_pallas.prefill._Static``;
-    ``geo.kind == "rows"``: the rows kernel alone (no union)."""
+    """What the kernel specialises on (the jit cache key), as ``qsa_pallas.prefill._Static``."""
 
     p: PrefillProblem
     geo: UnionGeometry
@@ -132,90 +172,98 @@ class _UStatic:
     max_context: int
     interpret: bool
 
-    @property
-    def row_tile(self) -> int:
-        """Q tile rows of the rows kernel: next_pow2(G) padded to 16 (a tensor-core M tile)."""
-        return max(16, next_pow2(self.p.group))
 
-    @property
-    def row_block_n(self) -> int:
-        """K/V rows per step of the rows kernel."""
-        return self.geo.row_block_n or self.geo.block_n
+def _row_tile(group: int) -> int:
+    """Q tile rows of the rows path: next_pow2(G) padded to 16 (a tensor-core M tile)."""
+    return max(16, next_pow2(group))
 
 
-class _Gather:
-    """What both kernels share for one program: the request's K/V bounds, the Q tile load, the
-    online-softmax step over token positions and the output store. ``meta``: the kind's refs
-    after ``cu_seqlens_q`` (chunk: cu_seqlens_k, kv_lens; paged: kv_lens, req_to_token,
-    req_indices)."""
+def _union_kernel(*refs, st: _UStatic):
+    """One (tile, KV head): the union path (module docstring), or, when the tile's union has
+    more than ``st.max_union`` entries, its rows one at a time over their own block ids."""
+    pr, geo = st.p, st.geo
+    if pr.kind == "ordinary":
+        q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, bi_ref, cu_ref, _o_in, o_ref = refs
+    elif pr.kind == "chunk":
+        (q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, bi_ref, cu_ref, cuk_ref, kvl_ref, _o_in,
+         o_ref) = refs
+    else:
+        (q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, bi_ref, cu_ref, kvl_ref, r2t_ref, ri_ref,
+         _o_in, o_ref) = refs
+    slot = pl.program_id(0)
+    h = pl.program_id(1)
+    g_heads = pr.num_q_heads // pr.num_kv_heads
+    r, ht, m, d, bn = geo.tile_rows, next_pow2(g_heads), geo.head_tile, pr.head_dim, geo.block_n
+    hr = _row_tile(g_heads)
+    n_req = pr.requests
+    qk_scale = pr.softmax_scale * pr.k_scale * LOG2E  # exp2 is the cheaper PTX path
+    fp8 = is_fp8(k_ref.dtype)
 
-    def __init__(self, st: _UStatic, q_ref, k_ref, v_ref, o_ref, meta, b, q_start, q_len, h):
-        pr = st.p
-        self.st, self.q_ref, self.k_ref, self.v_ref, self.o_ref, self.h = (
-            st, q_ref, k_ref, v_ref, o_ref, h)
-        self.r2t_ref, self.req_row = None, 0
-        if pr.kind == "ordinary":
-            self.kv_len, self.base = q_len, q_start
-        elif pr.kind == "chunk":
-            cuk_ref, kvl_ref = meta
-            self.kv_len, self.base = kvl_ref[b], cuk_ref[b]
-        else:
-            kvl_ref, self.r2t_ref, ri_ref = meta
-            self.kv_len, self.base = kvl_ref[b], 0
-        self.bound = self.kv_len
-        if pr.kind == "paged":
-            req = ri_ref[b]
-            req_ok = (req >= 0) & (req < st.max_reqs)
-            self.req_row = jnp.where(req_ok, req, 0)
-            self.bound = jnp.where(req_ok, jnp.minimum(self.kv_len, st.max_context), 0)
-        self.n_out = pr.total_q * pr.num_q_heads
-        self.d_row = lax.broadcasted_iota(jnp.int32, (1, pr.head_dim), 1)
-        self.qk_scale = pr.softmax_scale * pr.k_scale * LOG2E  # exp2 is the cheaper PTX path
+    # the request of this slot (``_tiles`` with vector loads: B is static)
+    bp = next_pow2(n_req + 1)
+    j = lax.broadcasted_iota(jnp.int32, (bp,), 0)
+    cu = _compat.load(cu_ref.at[jnp.minimum(j, n_req)], mask=j <= n_req, other=0)
+    first = cu // r + j
+    b = jnp.sum(((j >= 1) & (j < n_req) & (first <= slot)).astype(jnp.int32), dtype=jnp.int32)
+    q_start = cu_ref[b]
+    q_len = cu_ref[b + 1] - q_start
+    jt = slot - (q_start // r + b)
+    q_used = jnp.where((jt >= 0) & (jt * r < q_len), q_len, 0)
+    if pr.kind == "ordinary":
+        kv_len, base = q_len, q_start
+    else:
+        kv_len = kvl_ref[b]
+        base = cuk_ref[b] if pr.kind == "chunk" else 0
+    bound = kv_len
+    req_row = 0
+    if pr.kind == "paged":
+        req = ri_ref[b]
+        req_ok = (req >= 0) & (req < st.max_reqs)
+        req_row = jnp.where(req_ok, req, 0)
+        bound = jnp.where(req_ok, jnp.minimum(kv_len, st.max_context), 0)
 
-    def load_q(self, flat, ok, rows):
+    n_out = pr.total_q * pr.num_q_heads
+    d_row = lax.broadcasted_iota(jnp.int32, (1, d), 1)
+    uh = h if pr.per_head_indices else 0
+    n_u = jnp.where(q_used > 0, ul_ref[slot, uh], 0)
+    cols = lax.broadcasted_iota(jnp.int32, (bn,), 0)
+    sub = cols % RATIO
+    ent = cols // RATIO
+    bu = bn // RATIO
+
+    def load_q(flat, ok, rows):
         """The [rows, D] Q tile at flat rows ``flat`` (masked by ``ok``) and its score scale
         (FP8 K/V: float16 scaled by a power of two, ``qsa_pallas._fp8``)."""
-        d = self.st.p.head_dim
-        q = _compat.load(self.q_ref.at[jnp.clip(flat, 0, self.n_out - 1)[:, None], self.d_row],
+        q = _compat.load(q_ref.at[jnp.clip(flat, 0, n_out - 1)[:, None], d_row],
                          mask=jnp.broadcast_to(ok[:, None], (rows, d)), other=0.0)
-        return fp16_query(q, self.qk_scale) if is_fp8(self.k_ref.dtype) else (q, self.qk_scale)
+        return fp16_query(q, qk_scale) if fp8 else (q, qk_scale)
 
-    def store_out(self, flat, ok, lanes, acc, l_i):
-        st = self.st
-        flat_out = jnp.clip(flat, 0, self.n_out - 1)
+    def store_out(flat, ok, lanes, acc, l_i):
+        flat_out = jnp.clip(flat, 0, n_out - 1)
         if st.interpret:
             # masked-off lanes store to spare rows past the output (one per lane): interpret
             # mode writes a masked lane's old value back, which must not land on a row another
             # lane writes (on the GPU a masked lane writes nothing)
-            flat_out = jnp.where(ok, flat_out, self.n_out + lanes)
-        inv = jnp.where(l_i > 0, st.p.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
-        _compat.store(self.o_ref.at[flat_out[:, None], self.d_row],
-                      (acc * inv[:, None]).astype(self.o_ref.dtype),
-                      mask=jnp.broadcast_to(ok[:, None], (acc.shape[0], st.p.head_dim)))
+            flat_out = jnp.where(ok, flat_out, n_out + lanes)
+        inv = jnp.where(l_i > 0, pr.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+        _compat.store(o_ref.at[flat_out[:, None], d_row],
+                      (acc * inv[:, None]).astype(o_ref.dtype),
+                      mask=jnp.broadcast_to(ok[:, None], (acc.shape[0], d)))
 
-    def init(self, rows):
-        d = self.st.p.head_dim
-        return (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
-                jnp.zeros((rows,), jnp.float32))
-
-    def step(self, carry, q, qk, tok, tok_ok, member):
-        """One online-softmax step of the Q tile over the K/V rows of positions ``tok``."""
-        st, h, d = self.st, self.h, self.st.p.head_dim
+    def step(carry, q, qk, tok, tok_ok, member):
         acc, m_i, l_i = carry
         dt = q.dtype  # q's dtype, or float16 with FP8 K/V
-        ok = tok_ok & (tok >= 0) & (tok < self.bound)
-        if st.p.kind == "paged":
+        ok = tok_ok & (tok >= 0) & (tok < bound)
+        if pr.kind == "paged":
             pos = jnp.clip(tok, 0, st.max_context - 1)
-            sl = _compat.load(self.r2t_ref.at[self.req_row, pos], mask=ok, other=-1)
+            sl = _compat.load(r2t_ref.at[req_row, pos], mask=ok, other=-1)
             ok = ok & (sl >= 0) & (sl < st.kv_rows)
             kv = jnp.where(ok, sl, 0)
         else:
-            kv = jnp.clip(jnp.where(ok, self.base + tok, 0), 0, st.kv_rows - 1)
+            kv = jnp.clip(jnp.where(ok, base + tok, 0), 0, st.kv_rows - 1)
         gmask = jnp.broadcast_to(ok[:, None], (tok.shape[0], d))
-        k = _compat.load(self.k_ref.at[kv[:, None], h, self.d_row], mask=gmask,
-                         other=0.0).astype(dt)
-        v = _compat.load(self.v_ref.at[kv[:, None], h, self.d_row], mask=gmask,
-                         other=0.0).astype(dt)
+        k = _compat.load(k_ref.at[kv[:, None], h, d_row], mask=gmask, other=0.0).astype(dt)
+        v = _compat.load(v_ref.at[kv[:, None], h, d_row], mask=gmask, other=0.0).astype(dt)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * qk
         s = jnp.where(member & ok[None, :], s, -jnp.inf)
@@ -227,42 +275,11 @@ class _Gather:
         acc = acc * alpha[:, None] + jnp.dot(p.astype(dt), v, preferred_element_type=jnp.float32)
         return acc, m_new, l_new
 
+    def init(rows):
+        return (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+                jnp.zeros((rows,), jnp.float32))
 
-def _request_of(cu_ref, n_req: int, key, first_of):
-    """b = the count of requests b' in 1..B-1 whose first ``first_of(cu[b'], b')`` is <= key
-    (vector loads: B is static), with q_start and q_len."""
-    bp = next_pow2(n_req + 1)
-    j = lax.broadcasted_iota(jnp.int32, (bp,), 0)
-    cu = _compat.load(cu_ref.at[jnp.minimum(j, n_req)], mask=j <= n_req, other=0)
-    b = jnp.sum(((j >= 1) & (j < n_req) & (first_of(cu, j) <= key)).astype(jnp.int32),
-                dtype=jnp.int32)
-    q_start = cu_ref[b]
-    return b, q_start, cu_ref[b + 1] - q_start
-
-
-def _union_kernel(*refs, st: _UStatic):
-    """One (tile, KV head) over its union (module docstring); nothing where the tile's union
-    has more than ``st.max_union`` entries (``_rows_kernel`` runs those rows)."""
-    pr, geo = st.p, st.geo
-    q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, *meta, _o_in, o_ref = refs
-    slot = pl.program_id(0)
-    h = pl.program_id(1)
-    g_heads = pr.group
-    r, ht, m, bn = geo.tile_rows, next_pow2(g_heads), geo.head_tile, geo.block_n
-    b, q_start, q_len = _request_of(cu_ref, pr.requests, slot, lambda cu, j: cu // r + j)
-    jt = slot - (q_start // r + b)
-    q_used = jnp.where((jt >= 0) & (jt * r < q_len), q_len, 0)
-    ga = _Gather(st, q_ref, k_ref, v_ref, o_ref, meta, b, q_start, q_len, h)
-    kv_len = ga.kv_len
-    uh = h if pr.per_head_indices else 0
-    n_u = jnp.where(q_used > 0, ul_ref[slot, uh], 0)
-    cols = lax.broadcasted_iota(jnp.int32, (bn,), 0)
-    sub = cols % RATIO
-    ent = cols // RATIO
-    bu = bn // RATIO
-
-    @pl.when(n_u <= st.max_union)
-    def _():
+    def union_path():
         mi = lax.broadcasted_iota(jnp.int32, (m,), 0)
         i = mi // ht
         gh = mi % ht
@@ -272,7 +289,7 @@ def _union_kernel(*refs, st: _UStatic):
                   & (row < pr.total_q))
         vis = jnp.maximum(rel + kv_len - q_len + 1, 0)
         flat = row * pr.num_q_heads + h * g_heads + gh
-        q, qk = ga.load_q(flat, row_ok, m)
+        q, qk = load_q(flat, row_ok, m)
         # causal tails: row i attends [4 * (vis_i // 4), vis_i); for R consecutive rows these
         # lie in one BLOCK_N chunk, walked as the loop's last step (as in qsa_triton.
         # prefill_union: a step after the loop doubles the registers of the compiled kernel)
@@ -294,115 +311,99 @@ def _union_kernel(*refs, st: _UStatic):
             tok = jnp.where(tail, tail_tok, blk * RATIO + sub)
             tok_ok = jnp.where(tail, tail_ok, e_ok)
             member = jnp.where(tail, tail_member, ((mem[None, :] >> i[:, None]) & 1) != 0)
-            return ga.step(carry, q, qk, tok, tok_ok, member & row_ok[:, None])
+            return step(carry, q, qk, tok, tok_ok, member & row_ok[:, None])
 
-        acc, _, l_i = lax.fori_loop(0, n_steps + 1, body, ga.init(m))
-        ga.store_out(flat, row_ok, mi, acc, l_i)
+        acc, _, l_i = lax.fori_loop(0, n_steps + 1, body, init(m))
+        store_out(flat, row_ok, mi, acc, l_i)
 
-
-def _rows_kernel(*refs, st: _UStatic):
-    """One (query row, KV head) over the row's own block ids read from ``block_indices``
-    (validity 0 <= g < visible // 4), then its causal tail as the last step, in steps of
-    ``st.row_block_n`` (the per-row kernel's work without an expansion). With a union
-    (``st.geo.kind == "union"``) only the rows of tiles whose union passes ``st.max_union``."""
-    pr = st.p
-    q_ref, k_ref, v_ref, bi_ref, ul_ref, cu_ref, *meta, _o_in, o_ref = refs
-    row = pl.program_id(0)
-    h = pl.program_id(1)
-    g_heads, hr, nb = pr.group, st.row_tile, st.block_width
-    b, q_start, q_len = _request_of(cu_ref, pr.requests, row, lambda cu, j: cu)
-    rel = row - q_start
-    live = (rel >= 0) & (rel < q_len)
-    uh = h if pr.per_head_indices else 0
-    if st.geo.kind == "union":
-        r = st.geo.tile_rows
-        slot = jnp.clip(q_start // r + b + rel // r, 0, ul_ref.shape[0] - 1)
-        live = live & (ul_ref[slot, uh] > st.max_union)
-
-    @pl.when(live)
-    def _():
-        ga = _Gather(st, q_ref, k_ref, v_ref, o_ref, meta, b, q_start, q_len, h)
-        rbn = st.row_block_n
+    def rows_path():
+        # the per-row kernel's work: each row over its own block ids read from block_indices
+        # (validity 0 <= g < visible // 4), then its causal tail as the last step, in steps of
+        # the per-row kernel's BLOCK_N (``UnionGeometry.row_block_n``)
+        rbn = geo.row_block_n or bn
         rcols = lax.broadcasted_iota(jnp.int32, (rbn,), 0)
         rsub, rent, rbu = rcols % RATIO, rcols // RATIO, rbn // RATIO
+        nb = st.block_width
         nb_steps = -(-nb // rbu)
         lanes = lax.broadcasted_iota(jnp.int32, (hr,), 0)
-        vis = jnp.maximum(rel + ga.kv_len - q_len + 1, 0)
-        n_vis = vis // RATIO
-        h_ok = lanes < g_heads
-        flat = row * pr.num_q_heads + h * g_heads + lanes
-        q, qk = ga.load_q(flat, h_ok, hr)
 
-        def body(c, carry):
-            e = c * rbu + rent
-            e_ok = e < nb
-            gb = _compat.load(bi_ref.at[row, uh, jnp.clip(e, 0, nb - 1)], mask=e_ok, other=-1)
-            tail = c >= nb_steps
-            tok = jnp.where(tail, n_vis * RATIO + rcols, gb * RATIO + rsub)
-            tok_ok = jnp.where(tail, tok < vis, e_ok & (gb >= 0) & (gb < n_vis))
-            return ga.step(carry, q, qk, tok, tok_ok, h_ok[:, None] & tok_ok[None, :])
+        def one_row(ii, carry):
+            rel = jt * r + ii
+            row = q_start + rel
+            live = (rel >= 0) & (rel < q_used) & (row >= 0) & (row < pr.total_q)
+            row_c = jnp.where(live, row, 0)  # a dead row reads row 0 and stores nothing
+            vis = jnp.where(live, jnp.maximum(rel + kv_len - q_len + 1, 0), 0)
+            n_vis = vis // RATIO
+            h_ok = (lanes < g_heads) & live
+            flat = row_c * pr.num_q_heads + h * g_heads + lanes
+            q, qk = load_q(flat, h_ok, hr)
 
-        acc, _, l_i = lax.fori_loop(0, nb_steps + 1, body, ga.init(hr))
-        ga.store_out(flat, h_ok, lanes, acc, l_i)
+            def body(c, carry):
+                e = c * rbu + rent
+                e_ok = e < nb
+                gb = _compat.load(bi_ref.at[row_c, uh, jnp.clip(e, 0, nb - 1)], mask=e_ok,
+                                  other=-1)
+                tail = c >= nb_steps
+                tok = jnp.where(tail, n_vis * RATIO + rcols, gb * RATIO + rsub)
+                tok_ok = jnp.where(tail, tok < vis, e_ok & (gb >= 0) & (gb < n_vis))
+                return step(carry, q, qk, tok, tok_ok, h_ok[:, None] & tok_ok[None, :])
+
+            acc, _, l_i = lax.fori_loop(0, nb_steps + 1, body, init(hr))
+            store_out(flat, h_ok, lanes, acc, l_i)
+            return carry
+
+        lax.fori_loop(0, r, one_row, jnp.int32(0))
+
+    lax.cond(n_u > st.max_union, rows_path, union_path)
 
 
 def _spare_rows(st: _UStatic) -> int:
     """Rows past the output that take the masked lanes' stores in interpret mode (one per lane
     of the larger Q tile; none on the GPU)."""
-    return max(st.geo.head_tile, st.row_tile) if st.interpret else 0
+    return max(st.geo.head_tile, _row_tile(st.p.group)) if st.interpret else 0
 
 
 @functools.partial(jax.jit, static_argnames=("st",))
 def _launch(q, k, v, ublk, umem, ulen, bidx, *meta, st: _UStatic):
-    pr, geo = st.p, st.geo
+    pr = st.p
     t, hq, d = q.shape
     q2 = q.reshape(t * hq, d)
-    # rows of no request stay zero (an aliased zeros output, through both kernels); in
-    # interpret mode spare rows at the end take the masked lanes' stores (``_Gather.store_out``)
-    out = jnp.zeros((t * hq + _spare_rows(st), d), q.dtype)
-    launches = [(_rows_kernel, (bidx, ulen), t, "rows")]
-    if geo.kind == "union":
-        launches.append((_union_kernel, (ublk, umem, ulen), ulen.shape[0], "union"))
-    for kernel, own, programs, name in launches:
-        args = (q2, k, v, *own, *meta, out)
-        out = _compat.triton_call(
-            functools.partial(kernel, st=st),
-            out_shape=jax.ShapeDtypeStruct(out.shape, q.dtype),
-            grid=(programs, pr.num_kv_heads),
-            num_warps=geo.num_warps, num_stages=geo.num_stages,
-            interpret=st.interpret, input_output_aliases={len(args) - 1: 0},
-            name=f"qsa_sparse_prefill_{name}_{pr.kind}",
-        )(*args)
+    # rows of no tile stay zero (an aliased zeros output); in interpret mode spare rows at the
+    # end take the masked lanes' stores (see the kernel)
+    zeros = jnp.zeros((t * hq + _spare_rows(st), d), q.dtype)
+    args = (q2, k, v, ublk, umem, ulen, bidx, *meta, zeros)
+    out = _compat.triton_call(
+        functools.partial(_union_kernel, st=st),
+        out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
+        grid=(ulen.shape[0], pr.num_kv_heads),
+        num_warps=st.geo.num_warps, num_stages=st.geo.num_stages,
+        interpret=st.interpret, input_output_aliases={len(args) - 1: 0},
+        name=f"qsa_sparse_prefill_union_{pr.kind}",
+    )(*args)
     return out[: t * hq].reshape(t, hq, d)
 
 
-def blocks_run(problem, q, k, v, block_indices, meta: dict, geo: UnionGeometry, *,
-               interpret: bool):
-    """Block-level selections of one checked call (``problem`` with width NB; ``meta``: the
-    entry point's other arrays by name, ``cu_seqlens_q`` first): ``geo.kind == "union"``: the
-    union build, the rows kernel on the tiles past the work bound, the tile kernel on the
-    others; ``"rows"``: the rows kernel on every row. Returns [T, Hq, D] in q's dtype."""
+def union_run(problem, q, k, v, block_indices, meta: dict, geo: UnionGeometry, *,
+              interpret: bool):
+    """The union build and the tile kernel of one checked call (``problem`` with width NB;
+    ``meta``: the entry point's other arrays by name, ``cu_seqlens_q`` first). Returns
+    [T, Hq, D] in q's dtype."""
     ht = next_pow2(problem.group)
-    union = geo.kind == "union"
-    if union and (geo.head_tile < geo.tile_rows * ht or geo.block_n < geo.tile_rows + 3):
+    if geo.kind != "union" or geo.head_tile < geo.tile_rows * ht or geo.block_n < geo.tile_rows + 3:
         raise ValueError(f"union geometry {geo} cannot hold {geo.tile_rows} rows x {ht} heads")
     cu = meta["cu_seqlens_q"]
     kv_lens = meta.get("kv_lens")
-    if union:
-        ublk, umem, ulen = block_union(block_indices, cu, kv_lens, geo.tile_rows)
-    else:
-        ublk = umem = ulen = jnp.zeros((1, 1), jnp.int32)
+    ublk, umem, ulen = block_union(block_indices, cu, kv_lens, geo.tile_rows)
     r2t = meta.get("req_to_token")
     nb = int(block_indices.shape[-1])
     st = _UStatic(dataclasses.replace(problem, max_seqlen_q=1),
-                  dataclasses.replace(geo, source=""), int(ublk.shape[-1]), nb, 0,
+                  dataclasses.replace(geo, source=""), int(ublk.shape[-1]), nb,
+                  # a union has at most R x NB entries: a larger bound means "never"
+                  min(max_union_entries(geo, nb, _row_tile(problem.group)), _INT32_MAX),
                   int(k.shape[0]),
                   int(r2t.shape[0]) if r2t is not None else 0,
                   int(r2t.shape[1]) if r2t is not None else 0, bool(interpret))
-    if union:  # a union has at most R x NB entries: a larger bound means "never"
-        st = dataclasses.replace(st, max_union=min(max_union_entries(geo, nb, st.row_tile),
-                                                   _INT32_MAX))
-    # [T, H, NB] (H = 1 for shared selections): the rows kernel reads a row's ids directly
+    # [T, H, NB] (H = 1 for shared selections): the rows path reads a row's ids directly
     bidx = block_indices if block_indices.ndim == 3 else block_indices[:, None, :]
     if problem.kind == "ordinary":
         rest = (cu,)

@@ -20,8 +20,9 @@ the rows past it, a separate variant because the row loop costs registers in the
 
 Paged: a pre-pass (``resolve_pool_slots``) maps every entry to its pool slot once. FP8 K/V
 (chunk, paged): the dots run in float16 (``qsa_triton._fp8``). Block-level selections
-(``block_indices=``): the tile-union and rows kernels of ``qsa_triton.prefill_union``, as
-``interop.geometry.select_prefill_blocks`` says (``QSA_PREFILL_GEOMETRY``, read on every call).
+(``block_indices=``): the tile-union kernel (``qsa_triton.prefill_union``) or this kernel after
+an on-device expansion, as ``interop.geometry.select_prefill_blocks`` says
+(``QSA_PREFILL_GEOMETRY``, read on every call).
 """
 
 from __future__ import annotations
@@ -349,17 +350,24 @@ def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens
 
 def _blocks_impl(mode, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token, req_indices,
                  max_q, scale, k_scale, v_scale, overlap=None, geometry=None):
-    """Block-level selections, any mode: the tile-union kernel and the rows kernel, or the rows
-    kernel alone, as the selector (or a forced ``UnionGeometry``) says
-    (``qsa_triton.prefill_union``). Metadata the mode does not read may be any int32 tensor."""
+    """Block-level selections, any mode: the tile-union kernel, or the per-row kernel on the
+    on-device expansion, as the selector (or a forced ``UnionGeometry``) says. Metadata the mode
+    does not read may be any int32 tensor."""
     geo, max_q = geometry, max(1, min(max_q, q.shape[0]))
     if geo is None:
         geo = prefill_block_geometry(_KINDS[mode], q, requests=cu_q.shape[0] - 1, max_q=max_q,
                                      num_kv_heads=k.shape[1],
                                      block_width=block_indices.shape[-1],
                                      kv_bytes=k.element_size(), overlap=overlap)
-    return PU.blocks_launch(mode, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token,
-                            req_indices, scale, k_scale, v_scale, geo, needs_off64(k, v))
+    if geo.kind == "union":
+        return PU.union_launch(mode, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token,
+                               req_indices, scale, k_scale, v_scale, geo, needs_off64(k, v))
+    idx = PU.expand_blocks(block_indices, cu_q, None if mode == MODE_ORDINARY else kv_lens)
+    rows = Geometry(geo.head_tile, geo.block_n, geo.num_warps, geo.num_stages, geo.source)
+    if mode == MODE_SLOTS:
+        idx = resolve_pool_slots(idx, req_to_token, req_indices, cu_q, kv_lens, max_q,
+                                 k.shape[0])
+    return _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, rows)
 
 
 def _hint(overlap: float) -> float | None:

@@ -10,26 +10,21 @@ Algorithm (vLLM PR #55430 / RFC #55394; FSA, arXiv 2508.18224, for the K/V-outer
 rows of one request select mostly the same blocks, so one program takes a tile of R consecutive
 rows of one request and one KV head:
 
-1. Union build (``_qsa_block_union``, per tile and index head): a linear-counting estimate of
-   the union's size first (a histogram of hashed ids); a tile estimated past the work bound
-   (3) stops there. Otherwise the R x NB keys ``block * R + row`` of the valid entries are
-   ordered in registers (rows already in the indexer's order are merged by ``_merge_rows``,
-   others sorted first), the first key of each block is compacted by a prefix sum, and each
-   entry's membership is the segmented sum of ``1 << row``. A block a row lists k times
-   becomes k entries (the contract's gather semantics): such tiles sort again by (occurrence
-   rank, block, row).
+1. Union build (``_qsa_block_union``, per tile and index head): the R x NB keys
+   ``block * R + row`` of the valid entries are ordered in registers (rows already in the
+   indexer's order are merged by ``_merge_rows``, others sorted first), the first key of each
+   block is compacted by a prefix sum, and each entry's membership is the segmented sum of
+   ``1 << row``. A block a row lists k times becomes k entries (the contract's gather
+   semantics): such tiles sort again by (occurrence rank, block, row).
 2. Attention (``_qsa_prefill_union_fwd``, per tile and KV head): a [max(16, R x next_pow2(G)), D]
    Q tile walks the union BLOCK_N / 4 blocks at a time; each gathered K/V row serves the R rows,
    scores masked by membership, online softmax per (row, head) in base 2; a last step covers the
    rows' causal tails (at most R + 3 tokens). Work is |union| x R rows, so the shared selector
    (``interop.geometry.select_prefill_blocks``) sends low-overlap and short-request workloads to
-   the rows kernel alone.
-3. Rows kernel (``_qsa_prefill_block_rows``, per query row and KV head: the per-row kernel's
-   work on the row's own block ids, no expansion). vLLM #55372's bound, never more work than
-   the per-row kernel: a tile whose union has more than ``interop.geometry.max_union_entries``
-   entries (measured, or estimated in 1) is left by the union kernel to this kernel, launched
-   first over every row and skipping the rows of the other tiles. The selector cannot see the
-   selections (host facts only); this per-tile switch is how the measured overlap decides.
+   the per-row kernel (``_qsa_expand_blocks``, then ``qsa_triton.prefill``'s kernel).
+3. Per-tile switch (vLLM #55372's bound: never more work than the per-row kernel): a tile whose
+   union has more than ``interop.geometry.max_union_entries`` entries runs its R rows one at a
+   time over their own block ids (``_rows_of_tile``).
 
 Tiles: tile j of request b has slot ``cu_seqlens_q[b] // R + b + j`` (``interop.indices.
 tile_slots``); ``T // R + B`` programs cover any batch and each finds its request from the
@@ -38,8 +33,6 @@ B + 1 device values: no host read, CUDA-graph safe. Paged: positions map to slot
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -51,7 +44,7 @@ from interop.plan import LOG2E, next_pow2
 
 from ._fp8 import fp16_query
 
-__all__ = ["blocks_launch", "build_block_union", "estimate_bound", "union_slots"]
+__all__ = ["build_block_union", "expand_blocks", "union_launch", "union_slots"]
 
 _BIG = tl.constexpr(1 << 62)  # sort key of an invalid entry: after every valid key
 _BLOCK_SPAN = tl.constexpr(1 << 30)  # > any block id (visible < 2**31 tokens -> block < 2**29)
@@ -113,16 +106,13 @@ def _merge_level(y, neg, e, B: tl.constexpr, N: tl.constexpr):
 def _qsa_block_union(
     bidx_ptr, ublk_ptr, umem_ptr, ulen_ptr, cu_q_ptr, kv_lens_ptr,
     T, NB, n_req, max_blocks, stride_bt, stride_bh, stride_us, stride_uh, stride_ls, detect,
-    max_filled, R: tl.constexpr, NBP: tl.constexpr, BP: tl.constexpr, ORDINARY: tl.constexpr,
-    KEY64: tl.constexpr, LOGN: tl.constexpr,
+    R: tl.constexpr, NBP: tl.constexpr, BP: tl.constexpr, ORDINARY: tl.constexpr,
+    KEY64: tl.constexpr,
 ):
     """Union of the valid blocks of one tile's rows for one index head (module docstring, 1).
     Block ids >= ``max_blocks`` are invalid; ``KEY64``: 64-bit sort keys, where block * R + row
     can pass 2**31 (32-bit keys sort about twice as fast). ``detect`` (0 / 1): merge rows that
-    are in the indexer's order without sorting them; 0 sorts every tile's rows first. ``LOGN``
-    > 0 (= log2(R x NBP)): first estimate the union's size by linear counting and, where more
-    than ``max_filled`` of the 2**LOGN hash bins fill, store the length 2**31 - 1 (the rows
-    path) without sorting."""
+    are in the indexer's order without sorting them; 0 sorts every tile's rows first."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     N: tl.constexpr = R * NBP
@@ -148,14 +138,6 @@ def _qsa_block_union(
         key = tl.where(valid, g.to(tl.int64) * R + i, _BIG)
     else:
         key = tl.where(valid, g * R + i, _INT32_MAX)
-    if LOGN > 0:
-        # linear counting (Whang et al., 1990) over a multiplicative hash of the valid ids: a
-        # tile whose estimated union is past the work bound skips the sort (docstring, 3)
-        hsh = ((g.to(tl.uint32) * 2654435761) >> (32 - LOGN)).to(tl.int32)
-        filled = tl.sum((tl.histogram(hsh, N, mask=valid) > 0).to(tl.int32), 0)
-        if filled > max_filled:
-            tl.store(ulen_ptr + slot * stride_ls + h, _INT32_MAX)
-            return
     z = tl.where(odd, -key, key)  # every row ascending if the tile's rows are sorted
     zn = tl.gather(z, tl.minimum(e + 1, N - 1), 0)
     unsorted = tl.sum(((zn < z) & (c < NBP - 1)).to(tl.int32), 0)
@@ -247,70 +229,40 @@ def _union_step(q, acc, m_i, l_i, tok, tok_ok, member, kv_base, table_row, bound
 
 
 @triton.jit
-def _qsa_prefill_block_rows(
-    q_ptr, k_ptr, v_ptr, o_ptr, bidx_ptr, ulen_ptr, cu_q_ptr, cu_k_ptr, kv_lens_ptr, r2t_ptr,
-    req_idx_ptr, qk_scale, v_scale, T, n_req, max_reqs, max_context, pool_slots, NB, max_union,
-    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
-    stride_rt, stride_bt, stride_bh, stride_ls,
-    PER_HEAD: tl.constexpr, G: tl.constexpr, HR: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr, BP: tl.constexpr,
-    R: tl.constexpr,
-):
-    """The per-row path on block ids (module docstring, 3): one query row and KV head over the
-    row's own block ids read from ``block_indices`` (validity 0 <= g < visible // 4), then its
-    causal tail as the last step. ``R`` > 0: only rows whose tile's union is longer than
-    ``max_union`` (``ulen``; the union kernel takes the others); 0: every row."""
-    row = tl.program_id(0)
-    h = tl.program_id(1)
-    j = tl.arange(0, BP)
-    cu = tl.load(cu_q_ptr + j, mask=j <= n_req, other=_INT32_MAX)
-    b = tl.sum(((j >= 1) & (j < n_req) & (cu <= row)).to(tl.int32), 0)
-    q_start = tl.load(cu_q_ptr + b)
-    q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    rr = row - q_start
-    live = (rr >= 0) & (rr < q_len)
-    uh = h if PER_HEAD else 0
-    if R > 0:  # the slot of the row's tile: cu_seqlens_q[b] // R + b + rr // R (``_tile_of``)
-        n_u = tl.load(ulen_ptr + (q_start // R + b + rr // R) * stride_ls + uh, mask=live,
-                      other=0)
-        live = live & (n_u > max_union)
-    if live:
-        if MODE == 0:
-            kv_len = q_len
-            kv_base = q_start
-        else:
-            kv_len = tl.load(kv_lens_ptr + b)
-            if MODE == 1:
-                kv_base = tl.load(cu_k_ptr + b)
-            else:
-                kv_base = 0
-        table_row = r2t_ptr
-        bound = kv_len
-        if MODE == 2:
-            req = tl.load(req_idx_ptr + b)
-            req_ok = (req >= 0) & (req < max_reqs)
-            table_row = r2t_ptr + tl.where(req_ok, req, 0).to(tl.int64) * stride_rt
-            bound = tl.where(req_ok, tl.minimum(kv_len, max_context), 0)
-        BLOCK_U: tl.constexpr = BLOCK_N // 4
-        offs_r = tl.arange(0, HR)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, D)
-        sub = offs_n % 4
-        ent = offs_n // 4
-        heads = (h * G + offs_r).to(tl.int64)
-        h_ok = offs_r < G
-        row64 = row.to(tl.int64)
-        vis = tl.maximum(rr + kv_len - q_len + 1, 0)
+def _rows_of_tile(q_ptr, o_ptr, bidx_ptr, k_head, v_head, table_row, kv_base, bound, pool_slots,
+                  qk_scale, v_scale, NB, jt, q_start, q_len, q_used, kv_len, T, h, uh,
+                  stride_qt, stride_qh, stride_kn, stride_vn, stride_ot, stride_oh, stride_bt,
+                  stride_bh, G: tl.constexpr, R: tl.constexpr, HR: tl.constexpr,
+                  D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+                  OFF64: tl.constexpr):
+    """The tile's rows one at a time, each over its own block ids (the per-row kernel's work,
+    read from ``block_indices`` directly: module docstring, 3), then its causal tail. BLOCK_N:
+    the row path's (``UnionGeometry.row_block_n``, the per-row kernel's)."""
+    BLOCK_U: tl.constexpr = BLOCK_N // 4
+    offs_r = tl.arange(0, HR)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    sub = offs_n % 4
+    ent = offs_n // 4
+    heads = (h * G + offs_r).to(tl.int64)
+    nb_pad = tl.cdiv(NB, BLOCK_U) * BLOCK_U
+    for i in range(0, R):
+        rr = jt * R + i
+        row = q_start + rr
+        live = (rr >= 0) & (rr < q_used) & (row >= 0) & (row < T)
+        row64 = tl.where(live, row, 0).to(tl.int64)  # dead rows read row 0, store nothing
+        vis = tl.where(live, tl.maximum(rr + kv_len - q_len + 1, 0), 0)
         n_vis = vis // 4
+        h_ok = offs_r < tl.where(live, G, 0)
         q = tl.load(q_ptr + row64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=h_ok[:, None], other=0.0)
-        if k_ptr.dtype.element_ty == tl.float8e4nv:
-            q, qk_scale = fp16_query(q, qk_scale)  # FP8 K/V: the dots in fp16 (qsa_triton._fp8)
+        qk = qk_scale
+        if k_head.dtype.element_ty == tl.float8e4nv:
+            q, qk = fp16_query(q, qk_scale)
         brow = bidx_ptr + row64 * stride_bt + uh * stride_bh
         m_i = tl.full([HR], float("-inf"), tl.float32)
         l_i = tl.zeros([HR, BLOCK_N], tl.float32)
         acc = tl.zeros([HR, D], tl.float32)
-        nb_pad = tl.cdiv(NB, BLOCK_U) * BLOCK_U
         for c in range(0, nb_pad + BLOCK_U, BLOCK_U):  # the last step: the causal tail
             e = c + ent
             g = tl.load(brow + e, mask=e < NB, other=-1)
@@ -319,9 +271,8 @@ def _qsa_prefill_block_rows(
             tok_ok = tl.where(tail, tok < vis, (e < NB) & (g >= 0) & (g < n_vis))
             acc, m_i, l_i = _union_step(q, acc, m_i, l_i, tok, tok_ok,
                                         h_ok[:, None] & tok_ok[None, :], kv_base, table_row,
-                                        bound, pool_slots, k_ptr + h * stride_kh,
-                                        v_ptr + h * stride_vh, stride_kn, stride_vn, qk_scale,
-                                        D, MODE, OFF64)
+                                        bound, pool_slots, k_head, v_head, stride_kn, stride_vn,
+                                        qk, D, MODE, OFF64)
         l_sum = tl.sum(l_i, 1)
         has = l_sum > 0.0
         out = acc * tl.where(has, v_scale / tl.where(has, l_sum, 1.0), 0.0)[:, None]
@@ -331,18 +282,18 @@ def _qsa_prefill_block_rows(
 
 @triton.jit
 def _qsa_prefill_union_fwd(
-    q_ptr, k_ptr, v_ptr, o_ptr, ublk_ptr, umem_ptr, ulen_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, ublk_ptr, umem_ptr, ulen_ptr, bidx_ptr,
     cu_q_ptr, cu_k_ptr, kv_lens_ptr, r2t_ptr, req_idx_ptr,
-    qk_scale, v_scale, T, n_req, max_reqs, max_context, pool_slots, max_union,
+    qk_scale, v_scale, T, n_req, max_reqs, max_context, pool_slots, NB, max_union,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
-    stride_us, stride_uh, stride_ls, stride_rt,
+    stride_us, stride_uh, stride_ls, stride_rt, stride_bt, stride_bh,
     PER_HEAD: tl.constexpr, G: tl.constexpr, HT: tl.constexpr, R: tl.constexpr,
     M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-    OFF64: tl.constexpr, BP: tl.constexpr,
+    OFF64: tl.constexpr, BP: tl.constexpr, HR: tl.constexpr, ROW_BLOCK_N: tl.constexpr,
 ):
-    """Attention of one tile (R rows x G heads) and one KV head over its union (docstring, 2);
-    nothing where the union has more than ``max_union`` entries (``_qsa_prefill_block_rows``
-    runs those rows: docstring, 3)."""
+    """Attention of one tile (R rows x G heads) and one KV head over its union (docstring, 2),
+    or row by row over each row's own blocks when the union has more than ``max_union`` entries
+    (docstring, 3)."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     BLOCK_U: tl.constexpr = BLOCK_N // 4
@@ -383,6 +334,10 @@ def _qsa_prefill_union_fwd(
     sub = offs_n % 4
     ent = offs_n // 4
     if n_u > max_union:
+        _rows_of_tile(q_ptr, o_ptr, bidx_ptr, k_head, v_head, table_row, kv_base, bound,
+                      pool_slots, qk_scale, v_scale, NB, jt, q_start, q_len, q_used, kv_len, T,
+                      h, uh, stride_qt, stride_qh, stride_kn, stride_vn, stride_ot, stride_oh,
+                      stride_bt, stride_bh, G, R, HR, D, ROW_BLOCK_N, MODE, OFF64)
         return
     q = tl.load(q_ptr + row64[:, None] * stride_qt + heads[:, None] * stride_qh
                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -422,6 +377,46 @@ def _qsa_prefill_union_fwd(
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+@triton.jit
+def _qsa_expand_blocks(
+    bidx_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, NB, W, n_req, stride_bt, stride_bh, stride_ot,
+    stride_oh, NBP: tl.constexpr, BP: tl.constexpr, BLOCK_W: tl.constexpr,
+    ORDINARY: tl.constexpr,
+):
+    """Token indices of one row's block selection (``interop.indices.expand_prefill_blocks``):
+    valid blocks' 4 tokens each, in the row's order, then the causal tail, then -1."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    j = tl.arange(0, BP)
+    cu = tl.load(cu_q_ptr + j, mask=j <= n_req, other=_INT32_MAX)
+    b = tl.sum(((j >= 1) & (j < n_req) & (cu <= row)).to(tl.int32), 0)
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    r = row - q_start
+    in_req = (r >= 0) & (r < q_len)
+    if ORDINARY:
+        kv_len = q_len
+    else:
+        kv_len = tl.load(kv_lens_ptr + b)
+    vis = tl.where(in_req, tl.maximum(r + kv_len - q_len + 1, 0), 0)
+    n_vis = vis // 4
+    c = tl.arange(0, NBP)
+    g = tl.load(bidx_ptr + row.to(tl.int64) * stride_bt + h * stride_bh + c, mask=c < NB,
+                other=-1)
+    valid = (c < NB) & (g >= 0) & (g < n_vis)
+    pos = tl.cumsum(valid.to(tl.int32), 0) - 1
+    count = tl.sum(valid.to(tl.int32), 0)
+    orow = out_ptr + row.to(tl.int64) * stride_ot + h * stride_oh
+    for w0 in range(0, W, BLOCK_W):
+        cols = w0 + tl.arange(0, BLOCK_W)
+        tl.store(orow + cols, tl.full([BLOCK_W], -1, tl.int32), mask=cols < W)
+    tl.debug_barrier()  # the padding above is written before the entries below overwrite it
+    for o in tl.static_range(4):
+        tl.store(orow + 4 * pos + o, 4 * g + o, mask=valid)
+    t4 = tl.arange(0, 4)
+    tl.store(orow + 4 * count + t4, 4 * n_vis + t4, mask=t4 < vis - 4 * n_vis)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launchers
 def union_slots(total_q: int, requests: int, tile_rows: int) -> int:
@@ -436,7 +431,7 @@ def _heads(x: torch.Tensor):
 
 def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       kv_lens: torch.Tensor | None, tile_rows: int, max_blocks: int | None = None,
-                      *, detect_sorted: bool = True, max_union: int | None = None):
+                      *, detect_sorted: bool = True):
     """The union build alone (module docstring, 1; exposed for tests and benchmarks).
 
     Args:
@@ -448,15 +443,11 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
         (max_blocks + 1) x R < 2**31 lets the build sort 32-bit keys.
       detect_sorted: merge rows already in the indexer's order without sorting them (checked
         per tile); False sorts every tile's rows (same result).
-      max_union: None, or the union kernel's bound (``interop.geometry.max_union_entries``):
-        a tile whose union the linear-counting estimate puts past it is not built, its length
-        stored as 2**31 - 1 (the rows path).
 
     Returns:
       (blocks, masks int32 [S, H, R x NB], lengths int32 [S, H]), S = T // R + B, equal to
-      ``interop.indices.tile_union`` (tiles estimated past ``max_union`` aside): entry u <
-      lengths[s, h] is block ``blocks[s, h, u]`` for the rows whose bit is set in
-      ``masks[s, h, u]``; entries past the length unwritten.
+      ``interop.indices.tile_union``: entry u < lengths[s, h] is block ``blocks[s, h, u]`` for
+      the rows whose bit is set in ``masks[s, h, u]``; entries past the length unwritten.
     """
     t, nb = block_indices.shape[0], block_indices.shape[-1]
     hidx, stride_bh = _heads(block_indices)
@@ -466,82 +457,75 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
     ublk, umem = (torch.empty((s, hidx, r * nb), dtype=torch.int32, device=block_indices.device)
                   for _ in range(2))
     ulen = torch.empty((s, hidx), dtype=torch.int32, device=block_indices.device)
-    n_keys = r * next_pow2(nb)
     _qsa_block_union[(s, hidx)](
         block_indices, ublk, umem, ulen, cu_seqlens_q,
         kv_lens if kv_lens is not None else cu_seqlens_q, t, nb, n_req,
         2**31 - 1 if max_blocks is None else min(int(max_blocks), 2**31 - 1),
         block_indices.stride(0), stride_bh, ublk.stride(0), ublk.stride(1), ulen.stride(0),
-        int(bool(detect_sorted)), estimate_bound(max_union, n_keys),
-        R=r, NBP=next_pow2(nb), BP=next_pow2(n_req + 1), ORDINARY=kv_lens is None,
+        int(bool(detect_sorted)), R=r, NBP=next_pow2(nb), BP=next_pow2(n_req + 1),
+        ORDINARY=kv_lens is None,
         KEY64=max_blocks is None or (int(max_blocks) + 1) * r >= 2**31 - 1,
-        LOGN=n_keys.bit_length() - 1 if max_union is not None and max_union < n_keys else 0,
-        num_warps=8 if n_keys > 2048 else 4)
+        num_warps=8 if r * next_pow2(nb) > 2048 else 4)
     return ublk, umem, ulen
 
 
-def estimate_bound(max_union: int | None, n_bins: int) -> int:
-    """The filled-bin count past which the build's linear-counting estimate of a union exceeds
-    ``max_union``: n_bins x (1 - exp(-max_union / n_bins)) (Whang et al., 1990), -1 for no
-    bound. Raises nothing."""
-    if max_union is None or max_union >= n_bins:
-        return -1
-    return int(n_bins * -math.expm1(-max(0, int(max_union)) / n_bins))
+def expand_blocks(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  kv_lens: torch.Tensor | None) -> torch.Tensor:
+    """Token indices of a block-level selection on the device (the per-row kernel's input):
+    int32 [T, 4 NB + 3] (or [T, Hkv, ..]) from int32 ``block_indices`` [T, NB] (or
+    [T, Hkv, NB]), ``cu_seqlens_q`` [B + 1] and ``kv_lens`` [B] or None (ordinary); equal to
+    ``interop.indices.expand_prefill_blocks`` (rows outside every request: all -1)."""
+    t, nb = block_indices.shape[0], block_indices.shape[-1]
+    w = RATIO * nb + RATIO - 1
+    hidx, stride_bh = _heads(block_indices)
+    shape = (t, hidx, w) if block_indices.dim() == 3 else (t, w)
+    out = torch.empty(shape, dtype=torch.int32, device=block_indices.device)
+    if t == 0:
+        return out
+    n_req = cu_seqlens_q.shape[0] - 1
+    _qsa_expand_blocks[(t, hidx)](
+        block_indices, out, cu_seqlens_q, kv_lens if kv_lens is not None else cu_seqlens_q,
+        nb, w, n_req, block_indices.stride(0), stride_bh, out.stride(0), _heads(out)[1],
+        NBP=next_pow2(nb), BP=next_pow2(n_req + 1), BLOCK_W=min(1024, next_pow2(w)),
+        ORDINARY=kv_lens is None, num_warps=4)
+    return out
 
 
-def blocks_launch(mode: int, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token,
-                  req_indices, scale: float, k_scale: float, v_scale: float,
-                  geo: UnionGeometry, off64: bool) -> torch.Tensor:
-    """Block-level selections of one checked call (``mode``: 0 ordinary, 1 chunk, 2 paged;
-    metadata the mode does not read may be any int32 tensor): ``geo.kind == "union"``: the
-    union build, the rows kernel on the tiles past the work bound, the tile-union kernel on the
-    others; ``"rows"``: the rows kernel on every row (module docstring)."""
+def union_launch(mode: int, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token,
+                 req_indices, scale: float, k_scale: float, v_scale: float,
+                 geo: UnionGeometry, off64: bool) -> torch.Tensor:
+    """The union build and the tile-union kernel of one checked call (``mode``: 0 ordinary,
+    1 chunk, 2 paged; metadata the mode does not read may be any int32 tensor)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
-    out = torch.zeros_like(q)  # rows outside every request belong to no tile / row: zeros
+    out = torch.zeros_like(q)  # rows outside every request belong to no tile: zeros
     if t == 0 or k.shape[0] == 0:
         return out
     group = hq // hkv
+    r = geo.tile_rows
     ht = next_pow2(group)
+    if geo.head_tile < r * ht or geo.block_n < r + 3 or geo.block_n % 4:
+        raise ValueError(f"union geometry {geo} cannot hold {r} rows x {ht} heads")
     n_req = cu_q.shape[0] - 1
     paged = mode == 2
+    # a host bound on valid block ids (K/V rows, or table columns) lets the build sort 32-bit keys
+    bound_tokens = req_to_token.shape[1] if paged else k.shape[0]
+    ublk, umem, ulen = build_block_union(block_indices, cu_q, None if mode == 0 else kv_lens, r,
+                                         bound_tokens // RATIO + 1)
     r2t = req_to_token if paged else cu_q
     max_reqs, max_context = (req_to_token.shape if paged else (1, 1))
     nb = block_indices.shape[-1]
-    scales = (float(scale) * float(k_scale) * LOG2E, float(v_scale))
-    bounds = (t, n_req, max_reqs, max_context, min(int(k.shape[0]), 2**31 - 1))
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               out.stride(0), out.stride(1))
-    union = geo.kind == "union"
-    if union:
-        r = geo.tile_rows
-        if geo.head_tile < r * ht or geo.block_n < r + 3 or geo.block_n % 4:
-            raise ValueError(f"union geometry {geo} cannot hold {r} rows x {ht} heads")
-        hr = max(16, ht)
-        max_union = min(max_union_entries(geo, nb, hr), 2**31 - 1)
-        # a host bound on valid block ids (K/V rows, or table columns): 32-bit sort keys
-        bound_tokens = req_to_token.shape[1] if paged else k.shape[0]
-        ublk, umem, ulen = build_block_union(block_indices, cu_q, None if mode == 0 else kv_lens,
-                                             r, bound_tokens // RATIO + 1, max_union=max_union)
-        rows_n, rows_warps, rows_stages = geo.row_block_n or geo.block_n, geo.num_warps, \
-            geo.num_stages
-    else:
-        r, hr, max_union, ulen = 0, geo.head_tile, 0, cu_q
-        rows_n, rows_warps, rows_stages = geo.block_n, geo.num_warps, geo.num_stages
-    _qsa_prefill_block_rows[(t, hkv)](
-        q, k, v, out, block_indices, ulen, cu_q, cu_k, kv_lens, r2t,
-        req_indices if paged else cu_q, *scales, *bounds, nb, max_union, *strides,
-        r2t.stride(0) if paged else 0, block_indices.stride(0), _heads(block_indices)[1],
-        ulen.stride(0) if union else 0,
-        PER_HEAD=block_indices.dim() == 3, G=group, HR=hr, D=d, BLOCK_N=rows_n, MODE=mode,
-        OFF64=off64, BP=next_pow2(n_req + 1), R=r, num_warps=rows_warps, num_stages=rows_stages)
-    if not union:
-        return out
+    hr = max(16, ht)
     _qsa_prefill_union_fwd[(ulen.shape[0], hkv)](
-        q, k, v, out, ublk, umem, ulen, cu_q, cu_k, kv_lens, r2t,
-        req_indices if paged else cu_q, *scales, *bounds, max_union, *strides,
-        ublk.stride(0), ublk.stride(1), ulen.stride(0), r2t.stride(0) if paged else 0,
+        q, k, v, out, ublk, umem, ulen, block_indices, cu_q, cu_k, kv_lens, r2t,
+        req_indices if paged else cu_q,
+        float(scale) * float(k_scale) * LOG2E, float(v_scale), t, n_req, max_reqs, max_context,
+        min(int(k.shape[0]), 2**31 - 1), nb, min(max_union_entries(geo, nb, hr), 2**31 - 1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), ublk.stride(0), ublk.stride(1), ulen.stride(0),
+        r2t.stride(0) if paged else 0, block_indices.stride(0), _heads(block_indices)[1],
         PER_HEAD=block_indices.dim() == 3, G=group, HT=ht, R=r, M=geo.head_tile, D=d,
-        BLOCK_N=geo.block_n, MODE=mode, OFF64=off64, BP=next_pow2(n_req + 1),
-        num_warps=geo.num_warps, num_stages=geo.num_stages)
+        BLOCK_N=geo.block_n, MODE=mode, OFF64=off64, BP=next_pow2(n_req + 1), HR=hr,
+        ROW_BLOCK_N=geo.row_block_n or geo.block_n, num_warps=geo.num_warps,
+        num_stages=geo.num_stages)
     return out

@@ -176,6 +176,14 @@ class TritonBackend:
         return [x.numpy() for x in PU.build_block_union(torch.from_numpy(blocks), cu, kl,
                                                         tile_rows, bound)]
 
+    def expand(self, blocks, q_lens, kv_lens):
+        torch = self.torch
+        from qsa_triton import prefill_union as PU
+
+        cu = torch.from_numpy(I.cu_seqlens_from_counts(q_lens))
+        kl = None if kv_lens is None else torch.tensor(np.asarray(kv_lens, np.int32))
+        return PU.expand_blocks(torch.from_numpy(blocks), cu, kl).numpy()
+
 
 class PallasBackend:
     name = "pallas"
@@ -217,6 +225,14 @@ class PallasBackend:
         cu = jnp.asarray(I.cu_seqlens_from_counts(q_lens))
         kl = None if kv_lens is None else jnp.asarray(np.asarray(kv_lens, np.int32))
         return [np.asarray(x) for x in PU.block_union(jnp.asarray(blocks), cu, kl, tile_rows)]
+
+    def expand(self, blocks, q_lens, kv_lens):
+        jnp = self.jnp
+        from qsa_pallas import prefill_union as PU
+
+        cu = jnp.asarray(I.cu_seqlens_from_counts(q_lens))
+        kl = None if kv_lens is None else jnp.asarray(np.asarray(kv_lens, np.int32))
+        return np.asarray(PU.expand_blocks(jnp.asarray(blocks), cu, kl))
 
 
 _BACKENDS: dict = {}
@@ -367,8 +383,8 @@ def test_every_union_geometry_fits_sm12x_shared_memory_and_holds_its_tail():
 
 
 # --------------------------------------------------------------------------------------------
-# Union build on the device, both backends
-def test_union_build_matches_the_reference(backend):
+# Union build and expansion on the device, both backends
+def test_union_build_and_expansion_match_the_reference(backend):
     ql, kl = [5, 1, 7, 0, 4], [9, 30, 7, 2, 40]
     blocks = I.prefill_block_indices(ql, kl, block_width=6, junk="mixed", junk_anywhere=True,
                                      duplicates=4, empty_rows=[6], num_kv_heads=2, seed=8)
@@ -384,39 +400,10 @@ def test_union_build_matches_the_reference(backend):
             np.testing.assert_array_equal(ublk[s, h, :n], b)
             np.testing.assert_array_equal(umem[s, h, :n], m)
         assert (ulen[[s for s in range(ulen.shape[0]) if s not in seen]] == 0).all()
-
-
-def test_triton_union_build_estimate_stops_only_tiles_past_the_bound():
-    """With ``max_union`` the Triton build estimates each tile's union by linear counting and
-    stops a tile estimated past it (length 2**31 - 1, the rows kernel's); every other tile is
-    built exactly. Overlapping (J ~ 0.9) and random (J ~ 0) requests in one call, R = 4, 64 ids
-    a row: the random tiles stop, the overlapping ones are built and equal the reference, and
-    no stopped tile's exact union is far under the bound (the estimate's error)."""
-    import torch
-
-    from qsa_triton import prefill_union as PU
-
-    ql, kl = [16, 16], [4000, 4000]
-    dense = I.prefill_block_indices(ql[:1], kl[:1], block_width=64, overlap=0.95, seed=4)
-    sparse = I.prefill_block_indices(ql[1:], kl[1:], block_width=64, overlap=0.0, seed=5)
-    blocks = indexer_order(np.concatenate([dense, sparse]), ql, kl)
-    ref = I.tile_union(blocks, ql, kl, tile_rows=4)
-    sizes = {s: len(b) for (s, _), (b, _) in ref.items()}
-    bound = 160
-    assert max(sizes[s] for s in range(4)) < bound < min(sizes[s] for s in range(5, 9))
-    ublk, umem, ulen = (x.numpy() for x in PU.build_block_union(
-        torch.from_numpy(blocks), torch.from_numpy(I.cu_seqlens_from_counts(ql)),
-        torch.tensor(kl, dtype=torch.int32), 4, max(kl) // 4 + 1, max_union=bound))
-    stopped = {s for s in sizes if ulen[s, 0] == 2**31 - 1}
-    assert stopped == set(range(5, 9)), (stopped, sizes)
-    assert all(sizes[s] > 0.8 * bound for s in stopped)
-    for (s, h), (b, m) in ref.items():
-        if s not in stopped:
-            assert int(ulen[s, h]) == len(b), s
-            np.testing.assert_array_equal(ublk[s, h, :len(b)], b)
-            np.testing.assert_array_equal(umem[s, h, :len(b)], m)
-    assert PU.estimate_bound(None, 256) == PU.estimate_bound(256, 256) == -1
-    assert PU.estimate_bound(0, 256) == 0 and 0 < PU.estimate_bound(160, 256) < 160
+    np.testing.assert_array_equal(backend.expand(blocks, ql, kl),
+                                  I.expand_prefill_blocks(blocks, ql, kl))
+    np.testing.assert_array_equal(backend.expand(blocks[:, 0], ql, None),
+                                  I.expand_prefill_blocks(blocks[:, 0], ql, None))
 
 
 def _tile_kinds(blocks, q_lens, kv_lens, r):

@@ -123,15 +123,14 @@ SAMPLES = [
      r"paged_split_G12_ht16_bn32_w4_s7_bf16_kv(bf16_direct_off64|fp8e4nv_off64_pdl)$"
      r"|paged_merge_p128_bf16_pdl$", 3),
     ("triton", "prefill_union", ("sm_120",),
-     r"prefill_union_build_R2_|prefill_union_mode2_bf16_(bf16|fp8e4nv)_R8_m64_"
-     r"|prefill_block_rows_mode2_bf16_fp8e4nv_R8_G8_", 4),
+     r"prefill_union_build_R2_|prefill_union_mode2_bf16_(bf16|fp8e4nv)_R8_m64_", 3),
     ("pallas", "decode", ("sm_120",), r"pallas_decode_TP1_B1_|pallas_decode_TP2_B95_", 3),
     ("pallas", "prefill", ("sm_120",), r"pallas_prefill_(chunk_bf16|paged_fp8)_ht16_bn64_w4_s2$",
      2),
     ("pallas", "decode_paged", ("sm_120",),
      r"pallas_paged_12_1_(kvbfloat16_R1|kvfloat8_e4m3fn_R95)_", 2),
     ("pallas", "prefill_union", ("sm_120",),
-     r"pallas_prefill_union_(paged_bf16_R8_m32|chunk_fp8_R8_m64)_bn32_w4_s3$", 4),
+     r"pallas_prefill_union_(paged_bf16_R8_m32|chunk_fp8_R8_m64)_bn32_w4_s3$", 2),
 ]
 
 _SAMPLE_SCRIPT = ("import json, sys\n"
@@ -146,7 +145,7 @@ def _estimate(cfg: dict) -> int | None:
     from interop.plan import smem_bytes
 
     k = cfg["constexprs"]
-    if "HT" in k and "BLOCK_N" in k and "R" not in k:  # decode split kernel
+    if "HT" in k and "BLOCK_N" in k and "HR" not in k:  # decode split kernel
         return smem_bytes(head_tile=k["HT"], block_n=k["BLOCK_N"], head_dim=k["D"],
                           num_stages=cfg["num_stages"])
     if "BLOCK_M" in k:  # per-row prefill kernel

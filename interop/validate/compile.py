@@ -379,53 +379,36 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
 
 def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict]:
     """Every configuration ``qsa_triton.prefill_union`` can launch on ``arch``: the union build
-    kernel per tile height R (512 block ids per row, with the estimate), the attention and rows
-    kernels per Triton geometry of ``interop.geometry.all_union_configs`` x ordinary / chunk /
-    paged with bf16 K/V and chunk / paged with FP8 K/V, and the rows kernel alone per per-row
-    geometry of ``interop.geometry.all_configs`` (the ``"rows"`` selections). Dicts as
-    ``triton_decode_configs``."""
-    from interop.geometry import all_configs, all_union_configs  # noqa: PLC0415
+    kernel per tile height R (512 block ids per row), the attention kernel per Triton geometry
+    of ``interop.geometry.all_union_configs`` x ordinary / chunk / paged with bf16 K/V and chunk
+    / paged with FP8 K/V. Dicts as ``triton_decode_configs``."""
+    from interop.geometry import all_union_configs  # noqa: PLC0415
     from interop.plan import next_pow2  # noqa: PLC0415
     from qsa_triton import prefill_union as U  # noqa: PLC0415
 
     geos = all_union_configs(arch, head_dim=head_dim, backend="triton")
     out = []
-    build, kernel, rows = U._qsa_block_union, U._qsa_prefill_union_fwd, U._qsa_prefill_block_rows
+    build, kernel = U._qsa_block_union, U._qsa_prefill_union_fwd
     for r in sorted({geo.tile_rows for _, geo in geos}):
-        consts = {"R": r, "NBP": 512, "BP": 2, "ORDINARY": False, "KEY64": False,
-                  "LOGN": (r * 512).bit_length() - 1}
+        consts = {"R": r, "NBP": 512, "BP": 2, "ORDINARY": False, "KEY64": False}
         out.append(_entry(build, f"prefill_union_build_R{r}_nb512", {}, consts,
                           8 if r * 512 > 2048 else 4, 1, aligned=_aligned(build.arg_names, "qkvo"),
                           geometry=None))
-
-    def rows_entry(kt, mode, group, r, hr, block_n, warps, stages, geometry):
-        consts = {"PER_HEAD": False, "G": group, "HR": hr, "D": head_dim, "BLOCK_N": block_n,
-                  "MODE": mode, "OFF64": mode == 2, "BP": 2, "R": r}
-        return _entry(rows, f"prefill_block_rows_mode{mode}_bf16_{kt}_R{r}_G{group}_hr{hr}"
-                      f"_bn{block_n}_w{warps}_s{stages}", _attention_types("bf16", kt), consts, warps, stages,
-                      aligned=_aligned(rows.arg_names, "qkvo"), geometry=geometry)
-
     for kv_bytes, geo in geos:
         group = geo.head_tile // geo.tile_rows  # the padded head tile per row (masks only)
         kt = "fp8e4nv" if kv_bytes == 1 else "bf16"
         for mode in (0, 1, 2) if kv_bytes == 2 else (1, 2):  # ordinary prefill has no FP8 K/V
             consts = {"PER_HEAD": False, "G": group, "HT": next_pow2(group), "R": geo.tile_rows,
                       "M": geo.head_tile, "D": head_dim, "BLOCK_N": geo.block_n, "MODE": mode,
-                      "OFF64": mode == 2, "BP": 2}
+                      "OFF64": mode == 2, "BP": 2, "HR": max(16, next_pow2(group)),
+                      "ROW_BLOCK_N": geo.row_block_n or geo.block_n}
             out.append(_entry(kernel, f"prefill_union_mode{mode}_bf16_{kt}_R{geo.tile_rows}"
-                              f"_m{geo.head_tile}_bn{geo.block_n}_w{geo.num_warps}"
+                              f"_m{geo.head_tile}_bn{geo.block_n}_rbn{consts['ROW_BLOCK_N']}"
+                              f"_w{geo.num_warps}"
                               f"_s{geo.num_stages}", _attention_types("bf16", kt), consts,
                               geo.num_warps, geo.num_stages,
                               aligned=_aligned(kernel.arg_names, "qkvo"), geometry=geo))
-            out.append(rows_entry(kt, mode, group, geo.tile_rows, max(16, next_pow2(group)),
-                                  geo.row_block_n or geo.block_n, geo.num_warps, geo.num_stages,
-                                  geo))
-    for geo in all_configs(arch):  # "rows" selections: the per-row geometries
-        for kt in ("bf16", "fp8e4nv"):
-            for mode in (0, 1, 2) if kt == "bf16" else (1, 2):
-                out.append(rows_entry(kt, mode, geo.block_m, 0, geo.block_m, geo.block_n,
-                                      geo.num_warps, geo.num_stages, geo))
-    return _unique(out)
+    return out
 
 
 def triton_indexer_configs(arch: str, *, batches=(1, 16, 64, 128),
@@ -619,9 +602,7 @@ def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, g
                          rows: int = 64) -> list[tuple[str, Callable, tuple]]:
     """Every distinct prefill launch ``qsa_pallas.prefill`` can pick on device kind ``kind``:
     each ``interop.geometry.all_configs`` geometry of the arch fitted by ``fit_prefill`` x
-    ordinary bf16, chunk / paged bf16 and FP8, on token indices (the per-row kernel) and on 512
-    block ids (the rows kernel of a ``"rows"`` selection), as ``(name, fn, args)``
-    (``pallas_decode_cases``).
+    ordinary bf16, chunk / paged bf16 and FP8, as ``(name, fn, args)`` (``pallas_decode_cases``).
 
     Raises:
       ValueError: a device kind whose arch ``interop.arch`` does not know.
@@ -643,12 +624,9 @@ def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, g
             geos.setdefault((kv_bytes, *geo.key), geo)
     q = jax.ShapeDtypeStruct((rows, group, head_dim), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((rows, width), jnp.int32)
-    bidx = jax.ShapeDtypeStruct((rows, (width - 3) // 4), jnp.int32)
-    return [case for (kv_bytes, *_), geo in geos.items() for blocks in (False, True)
-            for case in _prefill_kind_cases(
-                "pallas_prefill_blocks" if blocks else "pallas_prefill",
-                f"ht{geo.block_m}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}",
-                kv_bytes, geo, q, bidx if blocks else idx, blocks=blocks)]
+    return [case for (kv_bytes, *_), geo in geos.items() for case in _prefill_kind_cases(
+        "pallas_prefill", f"ht{geo.block_m}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}",
+        kv_bytes, geo, q, idx, blocks=False)]
 
 
 def pallas_prefill_union_cases(kind: str, *, head_dim: int = 256, rows: int = 64,
