@@ -38,6 +38,7 @@ from interop.geometry import (BLOCK_INDICES_DOC, Geometry, UnionGeometry, geomet
 from interop.plan import LOG2E, next_pow2
 
 from . import prefill_union as PU
+from .prefill_union import row_runs
 from ._fp8 import fp16_query
 from ._interp_guard import (check_device, check_interpreter_dtype, check_torch_tensors,
                             refuse_traced, traced_refusal)
@@ -149,10 +150,10 @@ def _request_rows(cu_q_ptr, b, n_rows):
 @triton.jit
 def _qsa_sparse_prefill_fwd(
     q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr,
-    cu_q_ptr, cu_k_ptr, kv_lens_ptr,
-    qk_scale, v_scale, W, row_base, n_rows, kv_rows,
+    cu_q_ptr, cu_k_ptr, kv_lens_ptr, ulen_ptr,
+    qk_scale, v_scale, W, row_base, n_rows, kv_rows, n_slots, max_union, union_rows,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_ot, stride_oh, stride_it, stride_ih,
+    stride_ot, stride_oh, stride_it, stride_ih, stride_ls, stride_lh,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
     ROW_LOOP: tl.constexpr,
@@ -165,18 +166,22 @@ def _qsa_sparse_prefill_fwd(
         # the tail launch: rows row_base + pid, + grid0, ... < q_len (none when the host's
         # max_seqlen_q = row_base was right); a separate variant (module docstring)
         for r in range(tl.maximum(r_lo, row_base) + tl.program_id(0), r_hi, tl.num_programs(0)):
-            _prefill_row(tl.cast(r, tl.int32), b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr,
-                         idx_ptr, cu_k_ptr, kv_lens_ptr, qk_scale, v_scale, W, kv_rows,
-                         stride_qt, stride_qh, stride_kh,
-                         stride_kn, stride_vh, stride_vn, stride_ot, stride_oh, stride_it,
-                         stride_ih, G, D, BLOCK_M, BLOCK_N, MODE, OFF64)
+            if row_runs(ulen_ptr, stride_ls, stride_lh, n_slots, max_union, q_start, b,
+                         tl.cast(r, tl.int32), h, union_rows):
+                _prefill_row(tl.cast(r, tl.int32), b, h, q_start, q_len, q_ptr, k_ptr, v_ptr,
+                             o_ptr, idx_ptr, cu_k_ptr, kv_lens_ptr, qk_scale, v_scale, W, kv_rows,
+                             stride_qt, stride_qh, stride_kh, stride_kn, stride_vh, stride_vn,
+                             stride_ot, stride_oh, stride_it, stride_ih, G, D, BLOCK_M, BLOCK_N,
+                             MODE, OFF64)
     else:
         r = row_base + tl.program_id(0)
         if (r >= r_lo) & (r < r_hi):
-            _prefill_row(r, b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, cu_k_ptr,
-                         kv_lens_ptr, qk_scale, v_scale, W, kv_rows, stride_qt, stride_qh,
-                         stride_kh, stride_kn, stride_vh, stride_vn, stride_ot, stride_oh, stride_it,
-                         stride_ih, G, D, BLOCK_M, BLOCK_N, MODE, OFF64)
+            if row_runs(ulen_ptr, stride_ls, stride_lh, n_slots, max_union, q_start, b, r, h,
+                         union_rows):
+                _prefill_row(r, b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr,
+                             cu_k_ptr, kv_lens_ptr, qk_scale, v_scale, W, kv_rows, stride_qt,
+                             stride_qh, stride_kh, stride_kn, stride_vh, stride_vn, stride_ot,
+                             stride_oh, stride_it, stride_ih, G, D, BLOCK_M, BLOCK_N, MODE, OFF64)
 
 
 @triton.jit
@@ -278,8 +283,12 @@ def tail_geometry(geo: Geometry) -> Geometry:
 _KINDS = {MODE_ORDINARY: "ordinary", MODE_CHUNK: "chunk", MODE_SLOTS: "paged"}
 
 
-def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, geometry):
-    """Both launches of one call (main grid, then the tail); ``geometry`` None: the selector."""
+def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, geometry,
+            skip=None):
+    """Both launches of one call (main grid, then the tail); ``geometry`` None: the selector;
+    ``skip``: None, or (union lengths int32 [S, H], tile rows R, max_union) of a block-level
+    call whose tiles within ``max_union`` the tile-union kernel computes (their rows are left
+    zero here)."""
     # zeros: rows outside every request (T padded past cu_q[B]) get no program (as in qsa_pallas)
     out = torch.zeros_like(q)
     t, hq, d = q.shape
@@ -290,17 +299,20 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
     requests = cu_q.shape[0] - 1
     geo = _geometry_from(geometry, _KINDS[mode], q, k, requests=requests, max_q=max_q,
                          width=idx.shape[-1])
-    args = (q, k, v, out, idx, cu_q, cu_k, kv_lens,
+    ulen, ur, max_union = skip if skip is not None else (cu_q, 0, 0)
+    args = (q, k, v, out, idx, cu_q, cu_k, kv_lens, ulen,
             float(scale) * float(k_scale) * LOG2E, float(v_scale), idx.shape[-1])
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               out.stride(0), out.stride(1), idx.stride(0), idx.stride(1) if idx.dim() == 3 else 0)
+               out.stride(0), out.stride(1), idx.stride(0), idx.stride(1) if idx.dim() == 3 else 0,
+               ulen.stride(0) if ur else 0, ulen.stride(1) if ur and ulen.shape[1] > 1 else 0)
     consts = dict(HKV=hkv, G=hq // hkv, D=d, BLOCK_M=geo.block_m, MODE=mode,
                   OFF64=needs_off64(k, v))
     for row_loop, g, grid0, row_base in ((False, geo, max_q, 0),
                                          (True, tail_geometry(geo), TAIL_PROGRAMS, max_q)):
         _qsa_sparse_prefill_fwd[(grid0, requests * hkv)](
-            *args, row_base, t, k.shape[0], *strides, **consts, BLOCK_N=g.block_n,
-            ROW_LOOP=row_loop, num_warps=g.num_warps, num_stages=g.num_stages)
+            *args, row_base, t, k.shape[0], ulen.shape[0], max_union, ur, *strides, **consts,
+            BLOCK_N=g.block_n, ROW_LOOP=row_loop, num_warps=g.num_warps,
+            num_stages=g.num_stages)
     return out
 
 
@@ -350,24 +362,34 @@ def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens
 
 def _blocks_impl(mode, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token, req_indices,
                  max_q, scale, k_scale, v_scale, overlap=None, geometry=None):
-    """Block-level selections, any mode: the tile-union kernel, or the per-row kernel on the
-    on-device expansion, as the selector (or a forced ``UnionGeometry``) says. Metadata the mode
-    does not read may be any int32 tensor."""
+    """Block-level selections, any mode, as the selector (or a forced ``UnionGeometry``) says
+    (``qsa_triton.prefill_union``, module docstring): ``"union"``: the union build, this
+    kernel on the expansion of the rows of tiles past the work bound, the tile-union kernel on
+    the other tiles; ``"rows"``: this kernel on the expansion. Paged: the expansion writes pool
+    slots. Metadata the mode does not read may be any int32 tensor."""
     geo, max_q = geometry, max(1, min(max_q, q.shape[0]))
     if geo is None:
         geo = prefill_block_geometry(_KINDS[mode], q, requests=cu_q.shape[0] - 1, max_q=max_q,
                                      num_kv_heads=k.shape[1],
                                      block_width=block_indices.shape[-1],
                                      kv_bytes=k.element_size(), overlap=overlap)
-    if geo.kind == "union":
-        return PU.union_launch(mode, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token,
-                               req_indices, scale, k_scale, v_scale, geo, needs_off64(k, v))
-    idx = PU.expand_blocks(block_indices, cu_q, None if mode == MODE_ORDINARY else kv_lens)
-    rows = Geometry(geo.head_tile, geo.block_n, geo.num_warps, geo.num_stages, geo.source)
-    if mode == MODE_SLOTS:
-        idx = resolve_pool_slots(idx, req_to_token, req_indices, cu_q, kv_lens, max_q,
-                                 k.shape[0])
-    return _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, rows)
+    kv = None if mode == MODE_ORDINARY else kv_lens
+    pool = (req_to_token, req_indices, k.shape[0]) if mode == MODE_SLOTS else None
+    if geo.kind != "union":
+        idx = PU.expand_blocks(block_indices, cu_q, kv, pool=pool)
+        rows = Geometry(geo.head_tile, geo.block_n, geo.num_warps, geo.num_stages, geo.source)
+        return _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale,
+                       rows)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return torch.zeros_like(q)
+    union = PU.union_build(mode, q, k, block_indices, cu_q, kv_lens, req_to_token, geo)
+    skip = (union[2], geo.tile_rows, union[3])
+    idx = PU.expand_blocks(block_indices, cu_q, kv, pool=pool, skip=skip)
+    out = _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, None,
+                  skip)
+    PU.union_launch(mode, q, k, v, out, union, cu_q, cu_k, kv_lens, req_to_token, req_indices,
+                    scale, k_scale, v_scale, geo, needs_off64(k, v))
+    return out
 
 
 def _hint(overlap: float) -> float | None:

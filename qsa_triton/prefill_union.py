@@ -21,10 +21,13 @@ rows of one request and one KV head:
    scores masked by membership, online softmax per (row, head) in base 2; a last step covers the
    rows' causal tails (at most R + 3 tokens). Work is |union| x R rows, so the shared selector
    (``interop.geometry.select_prefill_blocks``) sends low-overlap and short-request workloads to
-   the per-row kernel (``_qsa_expand_blocks``, then ``qsa_triton.prefill``'s kernel).
+   the per-row kernel (``_qsa_expand_blocks``, then ``qsa_triton.prefill``'s kernel) alone.
 3. Per-tile switch (vLLM #55372's bound: never more work than the per-row kernel): a tile whose
-   union has more than ``interop.geometry.max_union_entries`` entries runs its R rows one at a
-   time over their own block ids (``_rows_of_tile``).
+   union has more than ``interop.geometry.max_union_entries`` entries is skipped by the union
+   kernel; its rows are expanded to tokens (``_qsa_expand_blocks``, rows of the other tiles
+   left out) and computed by the per-row kernel (``qsa_triton.prefill``, its rows of the other
+   tiles skipped too), launched before the union kernel. The selector sees host facts only;
+   this switch is where the measured overlap decides.
 
 Tiles: tile j of request b has slot ``cu_seqlens_q[b] // R + b + j`` (``interop.indices.
 tile_slots``); ``T // R + B`` programs cover any batch and each finds its request from the
@@ -44,7 +47,8 @@ from interop.plan import LOG2E, next_pow2
 
 from ._fp8 import fp16_query
 
-__all__ = ["build_block_union", "expand_blocks", "union_launch", "union_slots"]
+__all__ = ["build_block_union", "expand_blocks", "row_runs", "union_build", "union_launch",
+           "union_slots"]
 
 _BIG = tl.constexpr(1 << 62)  # sort key of an invalid entry: after every valid key
 _BLOCK_SPAN = tl.constexpr(1 << 30)  # > any block id (visible < 2**31 tokens -> block < 2**29)
@@ -229,71 +233,18 @@ def _union_step(q, acc, m_i, l_i, tok, tok_ok, member, kv_base, table_row, bound
 
 
 @triton.jit
-def _rows_of_tile(q_ptr, o_ptr, bidx_ptr, k_head, v_head, table_row, kv_base, bound, pool_slots,
-                  qk_scale, v_scale, NB, jt, q_start, q_len, q_used, kv_len, T, h, uh,
-                  stride_qt, stride_qh, stride_kn, stride_vn, stride_ot, stride_oh, stride_bt,
-                  stride_bh, G: tl.constexpr, R: tl.constexpr, HR: tl.constexpr,
-                  D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-                  OFF64: tl.constexpr):
-    """The tile's rows one at a time, each over its own block ids (the per-row kernel's work,
-    read from ``block_indices`` directly: module docstring, 3), then its causal tail. BLOCK_N:
-    the row path's (``UnionGeometry.row_block_n``, the per-row kernel's)."""
-    BLOCK_U: tl.constexpr = BLOCK_N // 4
-    offs_r = tl.arange(0, HR)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    sub = offs_n % 4
-    ent = offs_n // 4
-    heads = (h * G + offs_r).to(tl.int64)
-    nb_pad = tl.cdiv(NB, BLOCK_U) * BLOCK_U
-    for i in range(0, R):
-        rr = jt * R + i
-        row = q_start + rr
-        live = (rr >= 0) & (rr < q_used) & (row >= 0) & (row < T)
-        row64 = tl.where(live, row, 0).to(tl.int64)  # dead rows read row 0, store nothing
-        vis = tl.where(live, tl.maximum(rr + kv_len - q_len + 1, 0), 0)
-        n_vis = vis // 4
-        h_ok = offs_r < tl.where(live, G, 0)
-        q = tl.load(q_ptr + row64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=h_ok[:, None], other=0.0)
-        qk = qk_scale
-        if k_head.dtype.element_ty == tl.float8e4nv:
-            q, qk = fp16_query(q, qk_scale)
-        brow = bidx_ptr + row64 * stride_bt + uh * stride_bh
-        m_i = tl.full([HR], float("-inf"), tl.float32)
-        l_i = tl.zeros([HR, BLOCK_N], tl.float32)
-        acc = tl.zeros([HR, D], tl.float32)
-        for c in range(0, nb_pad + BLOCK_U, BLOCK_U):  # the last step: the causal tail
-            e = c + ent
-            g = tl.load(brow + e, mask=e < NB, other=-1)
-            tail = c >= nb_pad
-            tok = tl.where(tail, 4 * n_vis + offs_n, g * 4 + sub)
-            tok_ok = tl.where(tail, tok < vis, (e < NB) & (g >= 0) & (g < n_vis))
-            acc, m_i, l_i = _union_step(q, acc, m_i, l_i, tok, tok_ok,
-                                        h_ok[:, None] & tok_ok[None, :], kv_base, table_row,
-                                        bound, pool_slots, k_head, v_head, stride_kn, stride_vn,
-                                        qk, D, MODE, OFF64)
-        l_sum = tl.sum(l_i, 1)
-        has = l_sum > 0.0
-        out = acc * tl.where(has, v_scale / tl.where(has, l_sum, 1.0), 0.0)[:, None]
-        tl.store(o_ptr + row64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=h_ok[:, None])
-
-
-@triton.jit
 def _qsa_prefill_union_fwd(
-    q_ptr, k_ptr, v_ptr, o_ptr, ublk_ptr, umem_ptr, ulen_ptr, bidx_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, ublk_ptr, umem_ptr, ulen_ptr,
     cu_q_ptr, cu_k_ptr, kv_lens_ptr, r2t_ptr, req_idx_ptr,
-    qk_scale, v_scale, T, n_req, max_reqs, max_context, pool_slots, NB, max_union,
+    qk_scale, v_scale, T, n_req, max_reqs, max_context, pool_slots, max_union,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
-    stride_us, stride_uh, stride_ls, stride_rt, stride_bt, stride_bh,
+    stride_us, stride_uh, stride_ls, stride_rt,
     PER_HEAD: tl.constexpr, G: tl.constexpr, HT: tl.constexpr, R: tl.constexpr,
     M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-    OFF64: tl.constexpr, BP: tl.constexpr, HR: tl.constexpr, ROW_BLOCK_N: tl.constexpr,
+    OFF64: tl.constexpr, BP: tl.constexpr,
 ):
-    """Attention of one tile (R rows x G heads) and one KV head over its union (docstring, 2),
-    or row by row over each row's own blocks when the union has more than ``max_union`` entries
-    (docstring, 3)."""
+    """Attention of one tile (R rows x G heads) and one KV head over its union (docstring, 2);
+    nothing for a tile whose union has more than ``max_union`` entries (docstring, 3)."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     BLOCK_U: tl.constexpr = BLOCK_N // 4
@@ -333,11 +284,7 @@ def _qsa_prefill_union_fwd(
     n_u = tl.where(q_used > 0, tl.load(ulen_ptr + slot * stride_ls + uh), 0)
     sub = offs_n % 4
     ent = offs_n // 4
-    if n_u > max_union:
-        _rows_of_tile(q_ptr, o_ptr, bidx_ptr, k_head, v_head, table_row, kv_base, bound,
-                      pool_slots, qk_scale, v_scale, NB, jt, q_start, q_len, q_used, kv_len, T,
-                      h, uh, stride_qt, stride_qh, stride_kn, stride_vn, stride_ot, stride_oh,
-                      stride_bt, stride_bh, G, R, HR, D, ROW_BLOCK_N, MODE, OFF64)
+    if n_u > max_union:  # the per-row kernel computed this tile's rows
         return
     q = tl.load(q_ptr + row64[:, None] * stride_qt + heads[:, None] * stride_qh
                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -378,13 +325,39 @@ def _qsa_prefill_union_fwd(
 
 
 @triton.jit
+def row_runs(ulen_ptr, stride_ls, stride_lh, n_slots, max_union, q_start, b, r, h, ur):
+    """Whether this kernel computes row r of request b (KV head h): always without a union
+    (``ur`` = 0); else only where the row's tile of ``ur`` rows (slot q_start // ur + b +
+    r // ur, ``tile_slots``) has a union longer than ``max_union`` (the
+    tile-union kernel takes the other tiles). A runtime value, not a constexpr: no kernel
+    variant of its own."""
+    urs = tl.maximum(ur, 1)
+    slot = tl.minimum(tl.maximum(q_start // urs + b + r // urs, 0), n_slots - 1)
+    n_u = tl.load(ulen_ptr + slot.to(tl.int64) * stride_ls + h * stride_lh, mask=ur > 0,
+                  other=0)
+    return (ur == 0) | (n_u > max_union)
+
+
+@triton.jit
+def _pool_slot(tok, ok, table_row, bound, pool_slots):
+    """The pool slot of positions ``tok`` (-1 where not ``ok``, past ``bound`` or outside the
+    pool): ``qsa_triton.prefill``'s slot pre-pass rule."""
+    ok = ok & (tok >= 0) & (tok < bound)
+    slot = tl.load(table_row + tok, mask=ok, other=-1)
+    return tl.where(ok & (slot >= 0) & (slot < pool_slots), slot, -1)
+
+
+@triton.jit
 def _qsa_expand_blocks(
-    bidx_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, NB, W, n_req, stride_bt, stride_bh, stride_ot,
-    stride_oh, NBP: tl.constexpr, BP: tl.constexpr, BLOCK_W: tl.constexpr,
-    ORDINARY: tl.constexpr,
+    bidx_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, ulen_ptr, r2t_ptr, req_idx_ptr, NB, W, n_req,
+    n_slots, max_union, union_rows, max_reqs, max_context, pool_slots, stride_bt, stride_bh,
+    stride_ot, stride_oh, stride_ls, stride_lh, stride_rt, NBP: tl.constexpr, BP: tl.constexpr,
+    BLOCK_W: tl.constexpr, ORDINARY: tl.constexpr, PAGED: tl.constexpr,
 ):
     """Token indices of one row's block selection (``interop.indices.expand_prefill_blocks``):
-    valid blocks' 4 tokens each, in the row's order, then the causal tail, then -1."""
+    valid blocks' 4 tokens each, in the row's order, then the causal tail, then -1. ``PAGED``:
+    their pool slots instead (``_pool_slot``). ``union_rows`` > 0: rows of tiles the tile-union
+    kernel takes (``row_runs``) are not written."""
     row = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.arange(0, BP)
@@ -394,27 +367,43 @@ def _qsa_expand_blocks(
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     r = row - q_start
     in_req = (r >= 0) & (r < q_len)
-    if ORDINARY:
-        kv_len = q_len
-    else:
-        kv_len = tl.load(kv_lens_ptr + b)
-    vis = tl.where(in_req, tl.maximum(r + kv_len - q_len + 1, 0), 0)
-    n_vis = vis // 4
-    c = tl.arange(0, NBP)
-    g = tl.load(bidx_ptr + row.to(tl.int64) * stride_bt + h * stride_bh + c, mask=c < NB,
-                other=-1)
-    valid = (c < NB) & (g >= 0) & (g < n_vis)
-    pos = tl.cumsum(valid.to(tl.int32), 0) - 1
-    count = tl.sum(valid.to(tl.int32), 0)
-    orow = out_ptr + row.to(tl.int64) * stride_ot + h * stride_oh
-    for w0 in range(0, W, BLOCK_W):
-        cols = w0 + tl.arange(0, BLOCK_W)
-        tl.store(orow + cols, tl.full([BLOCK_W], -1, tl.int32), mask=cols < W)
-    tl.debug_barrier()  # the padding above is written before the entries below overwrite it
-    for o in tl.static_range(4):
-        tl.store(orow + 4 * pos + o, 4 * g + o, mask=valid)
-    t4 = tl.arange(0, 4)
-    tl.store(orow + 4 * count + t4, 4 * n_vis + t4, mask=t4 < vis - 4 * n_vis)
+    if row_runs(ulen_ptr, stride_ls, stride_lh, n_slots, max_union, q_start, b, r, h,
+                 union_rows):
+        if ORDINARY:
+            kv_len = q_len
+        else:
+            kv_len = tl.load(kv_lens_ptr + b)
+        table_row = r2t_ptr
+        bound = kv_len
+        if PAGED:
+            req = tl.load(req_idx_ptr + b)
+            req_ok = (req >= 0) & (req < max_reqs)
+            table_row = r2t_ptr + tl.where(req_ok, req, 0).to(tl.int64) * stride_rt
+            bound = tl.where(req_ok, tl.minimum(kv_len, max_context), 0)
+        vis = tl.where(in_req, tl.maximum(r + kv_len - q_len + 1, 0), 0)
+        n_vis = vis // 4
+        c = tl.arange(0, NBP)
+        g = tl.load(bidx_ptr + row.to(tl.int64) * stride_bt + h * stride_bh + c, mask=c < NB,
+                    other=-1)
+        valid = (c < NB) & (g >= 0) & (g < n_vis)
+        pos = tl.cumsum(valid.to(tl.int32), 0) - 1
+        count = tl.sum(valid.to(tl.int32), 0)
+        orow = out_ptr + row.to(tl.int64) * stride_ot + h * stride_oh
+        for w0 in range(0, W, BLOCK_W):
+            cols = w0 + tl.arange(0, BLOCK_W)
+            tl.store(orow + cols, tl.full([BLOCK_W], -1, tl.int32), mask=cols < W)
+        tl.debug_barrier()  # the padding above is written before the entries below overwrite it
+        for o in tl.static_range(4):
+            tok = 4 * g + o
+            if PAGED:
+                tok = _pool_slot(tok, valid, table_row, bound, pool_slots)
+            tl.store(orow + 4 * pos + o, tok, mask=valid)
+        t4 = tl.arange(0, 4)
+        tail_ok = t4 < vis - 4 * n_vis
+        tok = 4 * n_vis + t4
+        if PAGED:
+            tok = _pool_slot(tok, tail_ok, table_row, bound, pool_slots)
+        tl.store(orow + 4 * count + t4, tok, mask=tail_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,11 +459,15 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
 
 
 def expand_blocks(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                  kv_lens: torch.Tensor | None) -> torch.Tensor:
+                  kv_lens: torch.Tensor | None, *, pool=None, skip=None) -> torch.Tensor:
     """Token indices of a block-level selection on the device (the per-row kernel's input):
     int32 [T, 4 NB + 3] (or [T, Hkv, ..]) from int32 ``block_indices`` [T, NB] (or
     [T, Hkv, NB]), ``cu_seqlens_q`` [B + 1] and ``kv_lens`` [B] or None (ordinary); equal to
-    ``interop.indices.expand_prefill_blocks`` (rows outside every request: all -1)."""
+    ``interop.indices.expand_prefill_blocks`` (rows outside every request: all -1).
+    ``pool``: None, or (req_to_token [max_reqs, max_context], req_indices [B], pool slots): the
+    entries' pool slots instead (``qsa_triton.prefill.resolve_pool_slots`` of the expansion).
+    ``skip``: None, or (union lengths [S, H], R, max_union): rows of tiles within max_union are
+    left unwritten (the tile-union kernel computes them)."""
     t, nb = block_indices.shape[0], block_indices.shape[-1]
     w = RATIO * nb + RATIO - 1
     hidx, stride_bh = _heads(block_indices)
@@ -483,49 +476,60 @@ def expand_blocks(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
     if t == 0:
         return out
     n_req = cu_seqlens_q.shape[0] - 1
+    ulen, ur, max_union = skip if skip is not None else (cu_seqlens_q, 0, 0)
+    r2t, req_idx, pool_slots = pool if pool is not None else (cu_seqlens_q, cu_seqlens_q, 0)
+    max_reqs, max_context = r2t.shape if pool is not None else (1, 1)
     _qsa_expand_blocks[(t, hidx)](
         block_indices, out, cu_seqlens_q, kv_lens if kv_lens is not None else cu_seqlens_q,
-        nb, w, n_req, block_indices.stride(0), stride_bh, out.stride(0), _heads(out)[1],
+        ulen, r2t, req_idx, nb, w, n_req, ulen.shape[0], max_union, ur, max_reqs, max_context,
+        min(int(pool_slots), 2**31 - 1), block_indices.stride(0), stride_bh, out.stride(0),
+        _heads(out)[1], ulen.stride(0) if ur else 0,
+        ulen.stride(1) if ur and ulen.shape[1] > 1 else 0, r2t.stride(0) if pool else 0,
         NBP=next_pow2(nb), BP=next_pow2(n_req + 1), BLOCK_W=min(1024, next_pow2(w)),
-        ORDINARY=kv_lens is None, num_warps=4)
+        ORDINARY=kv_lens is None, PAGED=pool is not None, num_warps=4)
     return out
 
 
-def union_launch(mode: int, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token,
-                 req_indices, scale: float, k_scale: float, v_scale: float,
-                 geo: UnionGeometry, off64: bool) -> torch.Tensor:
-    """The union build and the tile-union kernel of one checked call (``mode``: 0 ordinary,
-    1 chunk, 2 paged; metadata the mode does not read may be any int32 tensor)."""
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    out = torch.zeros_like(q)  # rows outside every request belong to no tile: zeros
-    if t == 0 or k.shape[0] == 0:
-        return out
-    group = hq // hkv
-    r = geo.tile_rows
-    ht = next_pow2(group)
+def union_build(mode: int, q, k, block_indices, cu_q, kv_lens, req_to_token,
+                geo: UnionGeometry):
+    """The union build of one checked call (``mode``: 0 ordinary, 1 chunk, 2 paged) under
+    ``geo`` ("union"): (blocks, masks, lengths as ``build_block_union``, max_union: the tile
+    kernel's bound, ``interop.geometry.max_union_entries``)."""
+    group = q.shape[1] // k.shape[1]
+    r, ht = geo.tile_rows, next_pow2(group)
     if geo.head_tile < r * ht or geo.block_n < r + 3 or geo.block_n % 4:
         raise ValueError(f"union geometry {geo} cannot hold {r} rows x {ht} heads")
-    n_req = cu_q.shape[0] - 1
-    paged = mode == 2
     # a host bound on valid block ids (K/V rows, or table columns) lets the build sort 32-bit keys
-    bound_tokens = req_to_token.shape[1] if paged else k.shape[0]
+    bound_tokens = req_to_token.shape[1] if mode == 2 else k.shape[0]
     ublk, umem, ulen = build_block_union(block_indices, cu_q, None if mode == 0 else kv_lens, r,
                                          bound_tokens // RATIO + 1)
+    max_union = min(max_union_entries(geo, block_indices.shape[-1], max(16, ht)), 2**31 - 1)
+    return ublk, umem, ulen, max_union
+
+
+def union_launch(mode: int, q, k, v, out, union, cu_q, cu_k, kv_lens, req_to_token,
+                 req_indices, scale: float, k_scale: float, v_scale: float,
+                 geo: UnionGeometry, off64: bool) -> None:
+    """The tile-union kernel of one checked call into ``out`` (q's shape and dtype; rows of
+    tiles past the bound are left as they are), ``union`` from ``union_build`` (metadata the
+    mode does not read may be any int32 tensor)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    ublk, umem, ulen, max_union = union
+    n_req = cu_q.shape[0] - 1
+    paged = mode == 2
     r2t = req_to_token if paged else cu_q
     max_reqs, max_context = (req_to_token.shape if paged else (1, 1))
-    nb = block_indices.shape[-1]
-    hr = max(16, ht)
     _qsa_prefill_union_fwd[(ulen.shape[0], hkv)](
-        q, k, v, out, ublk, umem, ulen, block_indices, cu_q, cu_k, kv_lens, r2t,
+        q, k, v, out, ublk, umem, ulen, cu_q, cu_k, kv_lens, r2t,
         req_indices if paged else cu_q,
         float(scale) * float(k_scale) * LOG2E, float(v_scale), t, n_req, max_reqs, max_context,
-        min(int(k.shape[0]), 2**31 - 1), nb, min(max_union_entries(geo, nb, hr), 2**31 - 1),
+        min(int(k.shape[0]), 2**31 - 1), max_union,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), ublk.stride(0), ublk.stride(1), ulen.stride(0),
-        r2t.stride(0) if paged else 0, block_indices.stride(0), _heads(block_indices)[1],
-        PER_HEAD=block_indices.dim() == 3, G=group, HT=ht, R=r, M=geo.head_tile, D=d,
-        BLOCK_N=geo.block_n, MODE=mode, OFF64=off64, BP=next_pow2(n_req + 1), HR=hr,
-        ROW_BLOCK_N=geo.row_block_n or geo.block_n, num_warps=geo.num_warps,
-        num_stages=geo.num_stages)
-    return out
+        r2t.stride(0) if paged else 0,
+        PER_HEAD=ulen.shape[1] > 1, G=group, HT=next_pow2(group), R=geo.tile_rows,
+        M=geo.head_tile, D=d, BLOCK_N=geo.block_n, MODE=mode, OFF64=off64,
+        BP=next_pow2(n_req + 1), num_warps=geo.num_warps, num_stages=geo.num_stages)
+

@@ -105,10 +105,9 @@ CASES = {
 }
 
 
-def union_geometry(case, tile_rows, block_n=16, row_block_n=0) -> UnionGeometry:
+def union_geometry(case, tile_rows, block_n=16) -> UnionGeometry:
     ht = 1 << max(0, (case.arrays["q"].shape[1] // _kv(case).shape[1] - 1).bit_length())
-    return UnionGeometry("union", tile_rows, max(16, tile_rows * ht), block_n, 4, 1, "test",
-                         row_block_n)
+    return UnionGeometry("union", tile_rows, max(16, tile_rows * ht), block_n, 4, 1, "test")
 
 
 def _kv(case):
@@ -376,7 +375,7 @@ def test_every_union_geometry_fits_sm12x_shared_memory_and_holds_its_tail():
                               num_stages=g.num_stages, kv_bytes=kv_bytes) <= limit, (arch, g)
             assert g.block_n >= g.tile_rows + 3 and g.block_n % 4 == 0
             assert 16 <= g.block_n <= 32  # register pressure: BLOCK_N 16-32
-    # one union tile for both packages (the row path's BLOCK_N follows each per-row table);
+    # one union tile for both packages;
     # Pallas pipelines one stage deeper where shared memory holds it (UNION_RULES["tile"])
     pallas, triton = _sel(backend="pallas").key, _sel().key
     assert pallas[:5] == triton[:5] and (pallas[5], triton[5]) == (3, 2)
@@ -479,7 +478,7 @@ def test_triton_union_build_merge_path_matches_reference():
 
 
 # --------------------------------------------------------------------------------------------
-# Attention, both backends: tile-union kernel and the per-row path
+# Attention, both backends: tile-union kernel and the per-row kernel on the other tiles
 @pytest.mark.parametrize("name", list(CASES))
 def test_union_kernel_matches_reference(backend, name):
     case = CASES[name]()
@@ -493,27 +492,45 @@ def test_union_kernel_matches_reference(backend, name):
         np.testing.assert_array_equal(backend.run(case, union_geometry(case, r)), out)
 
 
-@pytest.mark.parametrize("work", [0.0, 1e9], ids=["rows-path", "union-path"])
+SWITCH_WORK = pytest.mark.parametrize("work", [0.0, 0.1, 1e9],
+                                      ids=["rows-path", "mixed", "union-path"])
+
+
+def _switch_mix(case):
+    """(tiles the union kernel takes, tiles the per-row kernel takes) of ``case`` at R = 4 under
+    the current ``max_union_work`` (``interop.geometry.max_union_entries`` on the reference
+    union lengths, which the device builds equal)."""
+    from interop.geometry import max_union_entries
+
+    a = case.arrays
+    ql = np.diff(a["cu_seqlens"] if case.kind == "ordinary" else a["cu_seqlens_q"])
+    kl = None if case.kind == "ordinary" else a["kv_lens"]
+    bound = max_union_entries(union_geometry(case, 4), NB, 16)
+    sizes = [len(b) for b, _ in I.tile_union(case.blocks, ql, kl, tile_rows=4).values()]
+    return sum(n <= bound for n in sizes), sum(n > bound for n in sizes)
+
+
+@SWITCH_WORK
 @pytest.mark.parametrize("name", ["ordinary-ragged", "chunk-fp8-perhead", "paged-lying-poisoned"])
 def test_triton_per_tile_switch_paths_match_reference(name, work, monkeypatch):
-    """The Triton union kernel's per-tile switch (``interop.geometry.max_union_entries``): every
-    tile on the row-by-row path (bound 0) and every tile on the union path (no bound) give the
-    reference, junk, duplicates, lying metadata and empty rows included."""
+    """The per-tile switch (``interop.geometry.max_union_entries``): every tile to the per-row
+    kernel (bound 0), tiles of both kinds in one call (work 0.1), every tile on the union kernel
+    (no bound) give the reference, junk, duplicates, lying metadata and empty rows included."""
     from interop import geometry
 
     monkeypatch.setitem(geometry.UNION_RULES, "max_union_work", work)
     case = CASES[name]()
-    out = TritonBackend().run(case, union_geometry(case, 4))
+    be = _BACKENDS.setdefault("triton", TritonBackend())
+    if work == 0.1:
+        assert all(_switch_mix(case)), name
+    out = be.run(case, union_geometry(case, 4))
     assert_matches(out, case.reference(), f"triton {name} max_union_work={work}")
 
 
-@pytest.mark.parametrize("work", [0.0, 1e9], ids=["rows-path", "union-path"])
+@SWITCH_WORK
 @pytest.mark.parametrize("name", ["ordinary-ragged", "chunk-fp8-perhead", "paged-lying-poisoned"])
 def test_pallas_per_tile_switch_paths_match_reference(name, work, monkeypatch):
-    """The Pallas union kernel's per-tile switch (``interop.geometry.max_union_entries``, a
-    ``lax.cond`` per program): every tile on the row-by-row path (bound 0) and every tile on
-    the union path (no bound) give the reference, junk, duplicates, lying metadata and empty
-    rows included."""
+    """The Pallas twin of ``test_triton_per_tile_switch_paths_match_reference``."""
     from interop import geometry
 
     monkeypatch.setitem(geometry.UNION_RULES, "max_union_work", work)
@@ -521,9 +538,6 @@ def test_pallas_per_tile_switch_paths_match_reference(name, work, monkeypatch):
     be = _BACKENDS.setdefault("pallas", PallasBackend())
     out = be.run(case, union_geometry(case, 4))
     assert_matches(out, case.reference(), f"pallas {name} max_union_work={work}")
-    if work == 0.0:  # the row path in steps wider than the union's (row_block_n)
-        out = be.run(case, union_geometry(case, 4, row_block_n=32))
-        assert_matches(out, case.reference(), f"pallas {name} rows at row_block_n 32")
 
 
 def test_selected_paths_match_reference(backend, monkeypatch):

@@ -130,7 +130,7 @@ SAMPLES = [
     ("pallas", "decode_paged", ("sm_120",),
      r"pallas_paged_12_1_(kvbfloat16_R1|kvfloat8_e4m3fn_R95)_", 2),
     ("pallas", "prefill_union", ("sm_120",),
-     r"pallas_prefill_union_(paged_bf16_R8_m32|chunk_fp8_R8_m64)_bn32_w4_s3$", 2),
+     r"pallas_prefill_union_(paged_bf16_R8_m32|chunk_fp8_R8_m64)_bn32_w4_s3$", 4),
 ]
 
 _SAMPLE_SCRIPT = ("import json, sys\n"
@@ -145,7 +145,7 @@ def _estimate(cfg: dict) -> int | None:
     from interop.plan import smem_bytes
 
     k = cfg["constexprs"]
-    if "HT" in k and "BLOCK_N" in k and "HR" not in k:  # decode split kernel
+    if "HT" in k and "BLOCK_N" in k and "R" not in k:  # decode split kernel
         return smem_bytes(head_tile=k["HT"], block_n=k["BLOCK_N"], head_dim=k["D"],
                           num_stages=cfg["num_stages"])
     if "BLOCK_M" in k:  # per-row prefill kernel

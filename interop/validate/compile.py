@@ -400,10 +400,9 @@ def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict
         for mode in (0, 1, 2) if kv_bytes == 2 else (1, 2):  # ordinary prefill has no FP8 K/V
             consts = {"PER_HEAD": False, "G": group, "HT": next_pow2(group), "R": geo.tile_rows,
                       "M": geo.head_tile, "D": head_dim, "BLOCK_N": geo.block_n, "MODE": mode,
-                      "OFF64": mode == 2, "BP": 2, "HR": max(16, next_pow2(group)),
-                      "ROW_BLOCK_N": geo.row_block_n or geo.block_n}
+                      "OFF64": mode == 2, "BP": 2}
             out.append(_entry(kernel, f"prefill_union_mode{mode}_bf16_{kt}_R{geo.tile_rows}"
-                              f"_m{geo.head_tile}_bn{geo.block_n}_rbn{consts['ROW_BLOCK_N']}"
+                              f"_m{geo.head_tile}_bn{geo.block_n}"
                               f"_w{geo.num_warps}"
                               f"_s{geo.num_stages}", _attention_types("bf16", kt), consts,
                               geo.num_warps, geo.num_stages,
