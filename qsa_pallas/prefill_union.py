@@ -1,17 +1,20 @@
 """Tile-union sparse prefill (Pallas, Triton lowering): block-level selections, R rows a program.
 
 The JAX twin of ``qsa_triton.prefill_union`` (read its module docstring): same selection rule,
-tile numbering, union layout, per-tile switch to the per-row kernel and geometry selector;
-results equal up to summation order. Differences:
+tile numbering, union layout, per-tile bound and geometry selector; results equal up to
+summation order. Differences:
 
-* the union build (``block_union``) and the expansion (``expand_blocks``) are plain JAX,
-  vectorised: (block, row) pairs sorted with ``lax.sort``, occurrence ranks, a second sort on
-  (rank, block, row), compaction by an XLA scatter (both sorts always run: XLA has no cheap
-  per-tile skip); the expansion covers every row (the per-row kernel skips the rows of the
-  union's tiles);
-* the tile kernel takes the per-row kernel's output as an aliased input and writes only the
-  rows of tiles within the bound; every gather index is clamped *and* masked, and in interpret
-  mode masked lanes store to spare rows past the output (``_union_kernel``).
+* the union build (``block_union``) is plain JAX, vectorised over tiles: (block, row) pairs
+  sorted with ``lax.sort``, occurrence ranks, a second sort on (rank, block, row), compaction
+  by an XLA scatter (both sorts always run: XLA has no cheap per-tile skip);
+* a tile whose union is past the bound runs its rows one at a time over their own block ids
+  inside this kernel (a ``lax.cond`` on the union's device length; ``UnionGeometry.
+  row_block_n`` steps), where Triton sends them to its per-row kernel. The Triton route here
+  (XLA expansion of every row, the per-row kernel skipping the union's tiles) measured 3-7%
+  slower at neighbour Jaccard 0.9 and 7-9% faster at 0 (bench/NOTES.md): not taken;
+* the output is a zeros buffer aliased into the kernel (rows past ``cu_seqlens_q[B]`` stay
+  zero); every gather index is clamped *and* masked, and in interpret mode masked lanes store
+  to spare rows past the output (``_union_kernel``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from . import _compat
 from ._compat import pl
 from ._fp8 import fp16_query, is_fp8
 
-__all__ = ["block_union", "expand_blocks", "union_build", "union_run", "union_slots"]
+__all__ = ["block_union", "expand_blocks", "union_run", "union_slots"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -166,29 +169,36 @@ class _UStatic:
     p: PrefillProblem
     geo: UnionGeometry
     union_width: int  # R x NB
-    max_union: int  # interop.geometry.max_union_entries: longer unions are the per-row kernel's
+    block_width: int  # NB
+    max_union: int  # interop.geometry.max_union_entries: longer unions run row by row
     kv_rows: int
     max_reqs: int
     max_context: int
     interpret: bool
 
 
+def _row_tile(group: int) -> int:
+    """Q tile rows of the rows path: next_pow2(G) padded to 16 (a tensor-core M tile)."""
+    return max(16, next_pow2(group))
+
+
 def _union_kernel(*refs, st: _UStatic):
-    """One (tile, KV head) over its union (module docstring); nothing when the tile's union has
-    more than ``st.max_union`` entries (the per-row kernel computed its rows)."""
+    """One (tile, KV head): the union path (module docstring), or, when the tile's union has
+    more than ``st.max_union`` entries, its rows one at a time over their own block ids."""
     pr, geo = st.p, st.geo
     if pr.kind == "ordinary":
-        q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, _o_in, o_ref = refs
+        q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, bi_ref, cu_ref, _o_in, o_ref = refs
     elif pr.kind == "chunk":
-        (q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, cuk_ref, kvl_ref, _o_in,
+        (q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, bi_ref, cu_ref, cuk_ref, kvl_ref, _o_in,
          o_ref) = refs
     else:
-        (q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, kvl_ref, r2t_ref, ri_ref,
+        (q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, bi_ref, cu_ref, kvl_ref, r2t_ref, ri_ref,
          _o_in, o_ref) = refs
     slot = pl.program_id(0)
     h = pl.program_id(1)
     g_heads = pr.num_q_heads // pr.num_kv_heads
     r, ht, m, d, bn = geo.tile_rows, next_pow2(g_heads), geo.head_tile, pr.head_dim, geo.block_n
+    hr = _row_tile(g_heads)
     n_req = pr.requests
     qk_scale = pr.softmax_scale * pr.k_scale * LOG2E  # exp2 is the cheaper PTX path
     fp8 = is_fp8(k_ref.dtype)
@@ -310,29 +320,65 @@ def _union_kernel(*refs, st: _UStatic):
         acc, _, l_i = lax.fori_loop(0, n_steps + 1, body, init(m))
         store_out(flat, row_ok, mi, acc, l_i)
 
-    pl.when(n_u <= st.max_union)(union_path)
+    def rows_path():
+        # the per-row kernel's work: each row over its own block ids read from block_indices
+        # (validity 0 <= g < visible // 4), then its causal tail as the last step, in steps of
+        # the per-row kernel's BLOCK_N (``UnionGeometry.row_block_n``)
+        rbn = geo.row_block_n or bn
+        rcols = lax.broadcasted_iota(jnp.int32, (rbn,), 0)
+        rsub, rent, rbu = rcols % RATIO, rcols // RATIO, rbn // RATIO
+        nb = st.block_width
+        nb_steps = -(-nb // rbu)
+        lanes = lax.broadcasted_iota(jnp.int32, (hr,), 0)
+
+        def one_row(ii, carry):
+            rel = jt * r + ii
+            row = q_start + rel
+            live = (rel >= 0) & (rel < q_used) & (row >= 0) & (row < pr.total_q)
+            row_c = jnp.where(live, row, 0)  # a dead row reads row 0 and stores nothing
+            vis = jnp.where(live, jnp.maximum(rel + kv_len - q_len + 1, 0), 0)
+            n_vis = vis // RATIO
+            h_ok = (lanes < g_heads) & live
+            flat = row_c * pr.num_q_heads + h * g_heads + lanes
+            q, qk = load_q(flat, h_ok, hr)
+
+            def body(c, carry):
+                e = c * rbu + rent
+                e_ok = e < nb
+                gb = _compat.load(bi_ref.at[row_c, uh, jnp.clip(e, 0, nb - 1)], mask=e_ok,
+                                  other=-1)
+                tail = c >= nb_steps
+                tok = jnp.where(tail, n_vis * RATIO + rcols, gb * RATIO + rsub)
+                tok_ok = jnp.where(tail, tok < vis, e_ok & (gb >= 0) & (gb < n_vis))
+                return step(carry, q, qk, tok, tok_ok, h_ok[:, None] & tok_ok[None, :])
+
+            acc, _, l_i = lax.fori_loop(0, nb_steps + 1, body, init(hr))
+            store_out(flat, h_ok, lanes, acc, l_i)
+            return carry
+
+        lax.fori_loop(0, r, one_row, jnp.int32(0))
+
+    lax.cond(n_u > st.max_union, rows_path, union_path)
 
 
 def _spare_rows(st: _UStatic) -> int:
     """Rows past the output that take the masked lanes' stores in interpret mode (one per lane
-    of the Q tile; none on the GPU)."""
-    return st.geo.head_tile if st.interpret else 0
+    of the larger Q tile; none on the GPU)."""
+    return max(st.geo.head_tile, _row_tile(st.p.group)) if st.interpret else 0
 
 
 @functools.partial(jax.jit, static_argnames=("st",))
-def _launch(q, k, v, base, ublk, umem, ulen, *meta, st: _UStatic):
+def _launch(q, k, v, ublk, umem, ulen, bidx, *meta, st: _UStatic):
     pr = st.p
     t, hq, d = q.shape
     q2 = q.reshape(t * hq, d)
-    # the per-row kernel's output aliased into this kernel (tiles past the bound and rows of no
-    # tile keep it); in interpret mode spare rows at the end take the masked lanes' stores
-    out0 = base.reshape(t * hq, d)
-    if _spare_rows(st):
-        out0 = jnp.concatenate([out0, jnp.zeros((_spare_rows(st), d), q.dtype)])
-    args = (q2, k, v, ublk, umem, ulen, *meta, out0)
+    # rows of no tile stay zero (an aliased zeros output); in interpret mode spare rows at the
+    # end take the masked lanes' stores (see the kernel)
+    zeros = jnp.zeros((t * hq + _spare_rows(st), d), q.dtype)
+    args = (q2, k, v, ublk, umem, ulen, bidx, *meta, zeros)
     out = _compat.triton_call(
         functools.partial(_union_kernel, st=st),
-        out_shape=jax.ShapeDtypeStruct(out0.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
         grid=(ulen.shape[0], pr.num_kv_heads),
         num_warps=st.geo.num_warps, num_stages=st.geo.num_stages,
         interpret=st.interpret, input_output_aliases={len(args) - 1: 0},
@@ -341,39 +387,32 @@ def _launch(q, k, v, base, ublk, umem, ulen, *meta, st: _UStatic):
     return out[: t * hq].reshape(t, hq, d)
 
 
-def union_build(problem, block_indices, meta: dict, geo: UnionGeometry):
-    """The union build of one checked call (``problem`` with width NB; ``meta``: the entry
-    point's other arrays by name, ``cu_seqlens_q`` first) under ``geo`` ("union"): (blocks,
-    masks, lengths as ``block_union``, max_union: ``interop.geometry.max_union_entries``)."""
+def union_run(problem, q, k, v, block_indices, meta: dict, geo: UnionGeometry, *,
+              interpret: bool):
+    """The union build and the tile kernel of one checked call (``problem`` with width NB;
+    ``meta``: the entry point's other arrays by name, ``cu_seqlens_q`` first). Returns
+    [T, Hq, D] in q's dtype."""
     ht = next_pow2(problem.group)
     if geo.kind != "union" or geo.head_tile < geo.tile_rows * ht or geo.block_n < geo.tile_rows + 3:
         raise ValueError(f"union geometry {geo} cannot hold {geo.tile_rows} rows x {ht} heads")
-    ublk, umem, ulen = block_union(block_indices, meta["cu_seqlens_q"], meta.get("kv_lens"),
-                                   geo.tile_rows)
-    # a union has at most R x NB entries: a larger bound means "never"
-    max_union = min(max_union_entries(geo, int(block_indices.shape[-1]), max(16, ht)),
-                    _INT32_MAX)
-    return ublk, umem, ulen, max_union
-
-
-def union_run(problem, q, k, v, out, union, meta: dict, geo: UnionGeometry, *,
-              interpret: bool):
-    """The tile-union kernel of one checked call over ``out`` (the per-row kernel's output, [T,
-    Hq, D] in q's dtype; rows of tiles past the bound keep it), ``union`` from ``union_build``.
-    Returns [T, Hq, D] in q's dtype."""
-    ublk, umem, ulen, max_union = union
     cu = meta["cu_seqlens_q"]
     kv_lens = meta.get("kv_lens")
+    ublk, umem, ulen = block_union(block_indices, cu, kv_lens, geo.tile_rows)
     r2t = meta.get("req_to_token")
+    nb = int(block_indices.shape[-1])
     st = _UStatic(dataclasses.replace(problem, max_seqlen_q=1),
-                  dataclasses.replace(geo, source=""), int(ublk.shape[-1]), max_union,
+                  dataclasses.replace(geo, source=""), int(ublk.shape[-1]), nb,
+                  # a union has at most R x NB entries: a larger bound means "never"
+                  min(max_union_entries(geo, nb, _row_tile(problem.group)), _INT32_MAX),
                   int(k.shape[0]),
                   int(r2t.shape[0]) if r2t is not None else 0,
                   int(r2t.shape[1]) if r2t is not None else 0, bool(interpret))
+    # [T, H, NB] (H = 1 for shared selections): the rows path reads a row's ids directly
+    bidx = block_indices if block_indices.ndim == 3 else block_indices[:, None, :]
     if problem.kind == "ordinary":
         rest = (cu,)
     elif problem.kind == "chunk":
         rest = (cu, meta["cu_seqlens_k"], kv_lens)
     else:
         rest = (cu, kv_lens, r2t, meta["req_indices"])
-    return _launch(q, k, v, out, ublk, umem, ulen, *rest, st=st)
+    return _launch(q, k, v, ublk, umem, ulen, bidx, *rest, st=st)
