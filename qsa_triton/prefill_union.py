@@ -326,11 +326,11 @@ def _qsa_prefill_union_fwd(
 
 @triton.jit
 def row_runs(ulen_ptr, stride_ls, stride_lh, n_slots, max_union, q_start, b, r, h, ur):
-    """Whether this kernel computes row r of request b (KV head h): always without a union
-    (``ur`` = 0); else only where the row's tile of ``ur`` rows (slot q_start // ur + b +
-    r // ur, ``tile_slots``) has a union longer than ``max_union`` (the
-    tile-union kernel takes the other tiles). A runtime value, not a constexpr: no kernel
-    variant of its own."""
+    """Whether the per-row path (expansion, per-row kernel) takes row r of request b (index or
+    KV head h): always without a union (``ur`` = 0); else only where the row's tile of ``ur``
+    rows (slot q_start // ur + b + r // ur, as ``_tile_of``) has a union longer than
+    ``max_union`` (the tile-union kernel takes the other tiles). ``ur`` is a runtime value, not
+    a constexpr: no kernel variant of its own."""
     urs = tl.maximum(ur, 1)
     slot = tl.minimum(tl.maximum(q_start // urs + b + r // urs, 0), n_slots - 1)
     n_u = tl.load(ulen_ptr + slot.to(tl.int64) * stride_ls + h * stride_lh, mask=ur > 0,
