@@ -298,11 +298,12 @@ def _union_kernel(*refs, st: _UStatic):
         # lie in one BLOCK_N chunk, walked as the loop's last step (as in qsa_triton.
         # prefill_union: a step after the loop doubles the registers of the compiled kernel)
         vis0 = jnp.maximum(jt * r + kv_len - q_len + 1, 0)
-        vis_last = jnp.maximum(jnp.minimum(jt * r + r, q_len) - 1 + kv_len - q_len + 1, 0)
         tail_tok = (vis0 // RATIO) * RATIO + cols
-        tail_ok = tail_tok < jnp.where(q_used > 0, vis_last, 0)
         tail_member = ((tail_tok[None, :] >= ((vis // RATIO) * RATIO)[:, None])
-                       & (tail_tok[None, :] < vis[:, None]))
+                       & (tail_tok[None, :] < vis[:, None]) & row_ok[:, None])
+        # only positions in some row's tail are gathered (4k + 3 is in none): a non-finite K/V
+        # row no row names must not reach the dots (0 x NaN)
+        tail_ok = jnp.max(tail_member.astype(jnp.int32), axis=0) > 0
         n_steps = (n_u + bu - 1) // bu
 
         def body(c, carry):

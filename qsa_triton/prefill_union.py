@@ -299,11 +299,12 @@ def _qsa_prefill_union_fwd(
     # loop's last (a separate step after the loop doubled the registers and stopped the
     # software pipelining of the loop in the compiled kernel)
     vis0 = tl.maximum(jt * R + kv_len - q_len + 1, 0)
-    vis_last = tl.maximum(tl.minimum(jt * R + R, q_len) - 1 + kv_len - q_len + 1, 0)
     tail_tok = (vis0 // 4) * 4 + offs_n
-    tail_ok = tail_tok < tl.where(q_used > 0, vis_last, 0)
     tail_member = ((tail_tok[None, :] >= ((vis // 4) * 4)[:, None])
-                   & (tail_tok[None, :] < vis[:, None]))
+                   & (tail_tok[None, :] < vis[:, None]) & row_ok[:, None])
+    # only positions in some row's tail are gathered (4k + 3 is in none): a non-finite K/V row
+    # no row names must not reach the dots (0 x NaN)
+    tail_ok = tl.max(tail_member.to(tl.int32), 0) > 0
     for c in range(0, n_u + BLOCK_U, BLOCK_U):
         e = c + ent
         e_ok = e < n_u
@@ -429,7 +430,7 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
         request length bounds). All on one device.
       tile_rows: R, a power of two.
       max_blocks: host bound on block ids (ids at or past it are invalid) or None;
-        (max_blocks + 1) x R < 2**31 lets the build sort 32-bit keys.
+        max_blocks x R < 2**31 lets the build sort 32-bit keys.
       detect_sorted: merge rows already in the indexer's order without sorting them (checked
         per tile); False sorts every tile's rows (same result).
 
@@ -453,7 +454,8 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
         block_indices.stride(0), stride_bh, ublk.stride(0), ublk.stride(1), ulen.stride(0),
         int(bool(detect_sorted)), R=r, NBP=next_pow2(nb), BP=next_pow2(n_req + 1),
         ORDINARY=kv_lens is None,
-        KEY64=max_blocks is None or (int(max_blocks) + 1) * r >= 2**31 - 1,
+        # the largest key, (max_blocks - 1) * R + R - 1, stays below the int32 sentinel
+        KEY64=max_blocks is None or int(max_blocks) * r > 2**31 - 1,
         num_warps=8 if r * next_pow2(nb) > 2048 else 4)
     return ublk, umem, ulen
 
@@ -499,10 +501,13 @@ def union_build(mode: int, q, k, block_indices, cu_q, kv_lens, req_to_token,
     r, ht = geo.tile_rows, next_pow2(group)
     if geo.head_tile < r * ht or geo.block_n < r + 3 or geo.block_n % 4:
         raise ValueError(f"union geometry {geo} cannot hold {r} rows x {ht} heads")
-    # a host bound on valid block ids (K/V rows, or table columns) lets the build sort 32-bit keys
-    bound_tokens = req_to_token.shape[1] if mode == 2 else k.shape[0]
+    # 32-bit sort keys under a host bound on valid block ids: paged, the table's columns; else
+    # the int32 key limit (exact for R <= 4: ids stay below 2**29; R = 8 drops ids of 2**28 and
+    # more, a context of 2**30 tokens: qsa-contract.md §7). Not k's rows: a lying kv_lens /
+    # cu_seqlens range is clamped into k, its positions past k stay valid.
+    bound = req_to_token.shape[1] // RATIO + 1 if mode == 2 else (2**31 - 1) // r
     ublk, umem, ulen = build_block_union(block_indices, cu_q, None if mode == 0 else kv_lens, r,
-                                         bound_tokens // RATIO + 1)
+                                         bound)
     max_union = min(max_union_entries(geo, block_indices.shape[-1], max(16, ht)), 2**31 - 1)
     return ublk, umem, ulen, max_union
 

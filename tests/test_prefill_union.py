@@ -547,6 +547,34 @@ def test_pallas_per_tile_switch_paths_match_reference(name, work, monkeypatch):
         assert_matches(out, case.reference(), f"pallas {name} rows at row_block_n 32")
 
 
+@pytest.mark.parametrize("r", [2, 4, 8])
+def test_union_tail_step_gathers_no_unselected_row(backend, r):
+    """NaN / Inf in every K/V row no row selects never reach a union tile's output: with every
+    row's blocks invalid only the causal tails are attended, and position 4k + 3 lies in no
+    row's tail although the tile's tail step spans it; rows with nothing visible stay 0."""
+    case = block_case("ordinary", 6, 1, [8, 7], empty_rows=list(range(15)), poison=True,
+                      seed=11)
+    ref = case.reference()
+    assert np.isfinite(ref).all()
+    assert_matches(backend.run(case, union_geometry(case, r)), ref, f"{backend.name} R={r}")
+
+
+@pytest.mark.parametrize("r", [2, 4])
+def test_union_clamps_a_lying_kv_range_into_k(backend, r):
+    """Chunk metadata that lies (kv_lens 40 over 24 rows of k): positions past k's rows are
+    valid and read k's last row (qsa-contract.md §7), on the union path as on the per-row
+    path; the build must not drop their blocks."""
+    case = block_case("chunk", 6, 1, [4], [36], junk="-1", duplicates=0, seed=12)
+    a = case.arrays
+    for n in ("k", "v"):
+        a[n] = np.ascontiguousarray(a[n][:24])
+    case.blocks[:] = -1
+    case.blocks[:, :2] = [0, 8]  # block 8: positions 32..35, past k's 24 rows
+    a["indices"] = I.expand_prefill_blocks(case.blocks, [4], a["kv_lens"])
+    ref = case.reference()
+    assert_matches(backend.run(case, union_geometry(case, r)), ref, f"{backend.name} R={r}")
+
+
 def test_selected_paths_match_reference(backend, monkeypatch):
     """The public entry point without a forced geometry, paged: the selector's union kernel (8
     rows per request at G = 6 -> R = 8, the tile-count rule off for this small batch) and, with
