@@ -99,8 +99,10 @@ def test_paged_decode_list_covers_every_part():
 @pytest.mark.parametrize("arch", ["sm_120", "sm_121"])
 def test_prefill_list_covers_every_selectable_geometry(arch):
     """``triton_prefill_configs`` compiles every geometry the selector can return on the arch, in
-    every variant, plus the tail launch's geometry."""
-    cfgs = CC.triton_prefill_configs(arch)
+    every variant, plus the tail launch's geometry, and the paged slot pre-pass."""
+    every = CC.triton_prefill_configs(arch)
+    assert any(c["name"].startswith("prefill_resolve_pool_slots") for c in every)
+    cfgs = [c for c in every if "ROW_LOOP" in c["constexprs"]]
     compiled = {(c["constexprs"]["BLOCK_M"], c["constexprs"]["BLOCK_N"], c["num_warps"],
                  c["num_stages"]) for c in cfgs if not c["constexprs"]["ROW_LOOP"]}
     geos = {g.key for g in all_configs(arch)}

@@ -348,7 +348,8 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
                            variants=PREFILL_VARIANTS) -> list[dict]:
     """Every configuration ``qsa_triton.prefill`` can launch on ``arch``: each geometry of
     ``interop.geometry.all_configs(arch)`` and its tail launch x ``variants``; one G per BLOCK_M
-    (G only changes masks; tuned entries keep theirs). Dicts as ``triton_decode_configs``."""
+    (G only changes masks; tuned entries keep theirs); the paged slot pre-pass. Dicts as
+    ``triton_decode_configs``."""
     from interop.geometry import all_configs  # noqa: PLC0415
     from interop.plan import next_pow2  # noqa: PLC0415
     from qsa_triton import prefill as P  # noqa: PLC0415
@@ -374,14 +375,20 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
                                           f"{'_tail' if row_loop else ''}",
                                   _attention_types(qt, kt), consts, g.num_warps, g.num_stages,
                                   aligned=aligned, geometry=g))
+    resolve = P._qsa_resolve_pool_slots  # the paged slot pre-pass, shared / per-head indices
+    for hidx in (1, 2):
+        out.append(_entry(resolve, f"prefill_resolve_pool_slots_hidx{hidx}_w2051", {},
+                          {"HIDX": hidx, "BLOCK": 1024}, 4, 1,
+                          aligned=_aligned(resolve.arg_names, "qkvo"), geometry=None))
     return _unique(out)
 
 
 def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict]:
-    """Every configuration ``qsa_triton.prefill_union`` can launch on ``arch``: the union build
-    kernel per tile height R (512 block ids per row), the attention kernel per Triton geometry
-    of ``interop.geometry.all_union_configs`` x ordinary / chunk / paged with bf16 K/V and chunk
-    / paged with FP8 K/V. Dicts as ``triton_decode_configs``."""
+    """Every configuration ``qsa_triton.prefill_union`` can launch on ``arch``: the block
+    expansion per mode and the union build kernel per tile height R (512 block ids per row),
+    the attention kernel per Triton geometry of ``interop.geometry.all_union_configs`` x
+    ordinary / chunk / paged with bf16 K/V and chunk / paged with FP8 K/V. Dicts as
+    ``triton_decode_configs``."""
     from interop.geometry import all_union_configs  # noqa: PLC0415
     from interop.plan import next_pow2  # noqa: PLC0415
     from qsa_triton import prefill_union as U  # noqa: PLC0415
@@ -389,6 +396,12 @@ def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict
     geos = all_union_configs(arch, head_dim=head_dim, backend="triton")
     out = []
     build, kernel = U._qsa_block_union, U._qsa_prefill_union_fwd
+    expand = U._qsa_expand_blocks  # the per-row kernel's input, every mode
+    for mode, ordinary, paged in (("ordinary", True, False), ("chunk", False, False),
+                                  ("paged", False, True)):
+        consts = {"NBP": 512, "BP": 2, "BLOCK_W": 1024, "ORDINARY": ordinary, "PAGED": paged}
+        out.append(_entry(expand, f"prefill_expand_blocks_nb512_{mode}", {}, consts, 4, 1,
+                          aligned=_aligned(expand.arg_names, "qkvo"), geometry=None))
     for r in sorted({geo.tile_rows for _, geo in geos}):
         consts = {"R": r, "NBP": 512, "BP": 2, "ORDINARY": False, "KEY64": False}
         out.append(_entry(build, f"prefill_union_build_R{r}_nb512", {}, consts,
