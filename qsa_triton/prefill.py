@@ -38,7 +38,7 @@ from interop.geometry import (BLOCK_INDICES_DOC, Geometry, UnionGeometry, geomet
 from interop.plan import LOG2E, next_pow2
 
 from . import prefill_union as PU
-from .prefill_union import row_runs
+from .prefill_union import pool_slot, request_table, row_runs
 from ._fp8 import fp16_query
 from ._interp_guard import (check_device, check_interpreter_dtype, check_torch_tensors,
                             refuse_traced, traced_refusal)
@@ -201,20 +201,15 @@ def _qsa_resolve_pool_slots(
     h = bh % HIDX
     q_start, q_len, r_lo, r_hi = _request_rows(cu_q_ptr, b, n_rows)
     kv_len = tl.load(kv_lens_ptr + b)
-    req = tl.load(req_idx_ptr + b)
-    req_ok = (req >= 0) & (req < max_reqs)
-    table_row = r2t_ptr + tl.where(req_ok, req, 0).to(tl.int64) * stride_rt
-    bound = tl.where(req_ok, tl.minimum(kv_len, max_context), 0)
+    table_row, bound = request_table(r2t_ptr, req_idx_ptr, b, kv_len, max_reqs, max_context,
+                                     stride_rt)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     for r in range(r_lo + tl.program_id(0), r_hi, tl.num_programs(0)):  # grid-stride over rows
         row = q_start + r
         n_cols = tl.minimum(tl.maximum(r + kv_len - q_len + 1, 0), W)
         ent = tl.load(idx_ptr + row * stride_it + h * stride_ih + cols, mask=cols < n_cols, other=-1)
-        valid = (cols < n_cols) & (ent >= 0) & (ent < bound)
-        slot = tl.load(table_row + ent, mask=valid, other=-1)
-        valid = valid & (slot >= 0) & (slot < pool_slots)
-        tl.store(slots_ptr + row * stride_st + h * stride_sh + cols, tl.where(valid, slot, -1),
-                 mask=cols < W)
+        tl.store(slots_ptr + row * stride_st + h * stride_sh + cols,
+                 pool_slot(ent, cols < n_cols, table_row, bound, pool_slots), mask=cols < W)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,8 +47,8 @@ from interop.plan import LOG2E, next_pow2
 
 from ._fp8 import fp16_query
 
-__all__ = ["build_block_union", "expand_blocks", "row_runs", "union_build", "union_launch",
-           "union_slots"]
+__all__ = ["build_block_union", "expand_blocks", "pool_slot", "request_table", "row_runs",
+           "union_build", "union_launch", "union_slots"]
 
 _BIG = tl.constexpr(1 << 62)  # sort key of an invalid entry: after every valid key
 _BLOCK_SPAN = tl.constexpr(1 << 30)  # > any block id (visible < 2**31 tokens -> block < 2**29)
@@ -261,10 +261,8 @@ def _qsa_prefill_union_fwd(
     table_row = r2t_ptr
     bound = kv_len
     if MODE == 2:
-        req = tl.load(req_idx_ptr + b)
-        req_ok = (req >= 0) & (req < max_reqs)
-        table_row = r2t_ptr + tl.where(req_ok, req, 0).to(tl.int64) * stride_rt
-        bound = tl.where(req_ok, tl.minimum(kv_len, max_context), 0)
+        table_row, bound = request_table(r2t_ptr, req_idx_ptr, b, kv_len, max_reqs, max_context,
+                                         stride_rt)
 
     offs_m = tl.arange(0, M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -340,9 +338,20 @@ def row_runs(ulen_ptr, stride_ls, stride_lh, n_slots, max_union, q_start, b, r, 
 
 
 @triton.jit
-def _pool_slot(tok, ok, table_row, bound, pool_slots):
-    """The pool slot of positions ``tok`` (-1 where not ``ok``, past ``bound`` or outside the
-    pool): ``qsa_triton.prefill``'s slot pre-pass rule."""
+def request_table(r2t_ptr, req_idx_ptr, b, kv_len, max_reqs, max_context, stride_rt):
+    """(req_to_token row pointer, position bound) of request b of a paged call: a request index
+    outside [0, max_reqs) has no valid position, and positions stop at the table's width
+    (qsa-contract.md §7: lying metadata is an invalid entry, never dereferenced)."""
+    req = tl.load(req_idx_ptr + b)
+    req_ok = (req >= 0) & (req < max_reqs)
+    table_row = r2t_ptr + tl.where(req_ok, req, 0).to(tl.int64) * stride_rt
+    return table_row, tl.where(req_ok, tl.minimum(kv_len, max_context), 0)
+
+
+@triton.jit
+def pool_slot(tok, ok, table_row, bound, pool_slots):
+    """The pool slot of positions ``tok`` (-1 where not ``ok``, outside [0, ``bound``) or
+    mapped outside [0, ``pool_slots``)): the paged slot rule of every prefill kernel."""
     ok = ok & (tok >= 0) & (tok < bound)
     slot = tl.load(table_row + tok, mask=ok, other=-1)
     return tl.where(ok & (slot >= 0) & (slot < pool_slots), slot, -1)
@@ -357,7 +366,7 @@ def _qsa_expand_blocks(
 ):
     """Token indices of one row's block selection (``interop.indices.expand_prefill_blocks``):
     valid blocks' 4 tokens each, in the row's order, then the causal tail, then -1. ``PAGED``:
-    their pool slots instead (``_pool_slot``). ``union_rows`` > 0: rows of tiles the tile-union
+    their pool slots instead (``pool_slot``). ``union_rows`` > 0: rows of tiles the tile-union
     kernel takes (``row_runs``) are not written."""
     row = tl.program_id(0)
     h = tl.program_id(1)
@@ -377,10 +386,8 @@ def _qsa_expand_blocks(
         table_row = r2t_ptr
         bound = kv_len
         if PAGED:
-            req = tl.load(req_idx_ptr + b)
-            req_ok = (req >= 0) & (req < max_reqs)
-            table_row = r2t_ptr + tl.where(req_ok, req, 0).to(tl.int64) * stride_rt
-            bound = tl.where(req_ok, tl.minimum(kv_len, max_context), 0)
+            table_row, bound = request_table(r2t_ptr, req_idx_ptr, b, kv_len, max_reqs,
+                                             max_context, stride_rt)
         vis = tl.where(in_req, tl.maximum(r + kv_len - q_len + 1, 0), 0)
         n_vis = vis // 4
         c = tl.arange(0, NBP)
@@ -397,13 +404,13 @@ def _qsa_expand_blocks(
         for o in tl.static_range(4):
             tok = 4 * g + o
             if PAGED:
-                tok = _pool_slot(tok, valid, table_row, bound, pool_slots)
+                tok = pool_slot(tok, valid, table_row, bound, pool_slots)
             tl.store(orow + 4 * pos + o, tok, mask=valid)
         t4 = tl.arange(0, 4)
         tail_ok = t4 < vis - 4 * n_vis
         tok = 4 * n_vis + t4
         if PAGED:
-            tok = _pool_slot(tok, tail_ok, table_row, bound, pool_slots)
+            tok = pool_slot(tok, tail_ok, table_row, bound, pool_slots)
         tl.store(orow + 4 * count + t4, tok, mask=tail_ok)
 
 
@@ -495,8 +502,11 @@ def expand_blocks(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
 def union_build(mode: int, q, k, block_indices, cu_q, kv_lens, req_to_token,
                 geo: UnionGeometry):
     """The union build of one checked call (``mode``: 0 ordinary, 1 chunk, 2 paged) under
-    ``geo`` ("union"): (blocks, masks, lengths as ``build_block_union``, max_union: the tile
-    kernel's bound, ``interop.geometry.max_union_entries``)."""
+    ``geo`` ("union"): (blocks, masks int32 [S, H, R x NB], lengths int32 [S, H] as
+    ``build_block_union``, max_union: the tile kernel's bound, a host int from
+    ``interop.geometry.max_union_entries``). Raises ValueError for a geometry whose Q tile or
+    BLOCK_N cannot hold R rows x next_pow2(G) heads and their causal tails. Source: module
+    docstring, 1 and 3."""
     group = q.shape[1] // k.shape[1]
     r, ht = geo.tile_rows, next_pow2(group)
     if geo.head_tile < r * ht or geo.block_n < r + 3 or geo.block_n % 4:
