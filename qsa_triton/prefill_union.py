@@ -27,7 +27,10 @@ rows of one request and one KV head:
    kernel; its rows are expanded to tokens (``_qsa_expand_blocks``, rows of the other tiles
    left out) and computed by the per-row kernel (``qsa_triton.prefill``, its rows of the other
    tiles skipped too), launched before the union kernel. The selector sees host facts only;
-   this switch is where the measured overlap decides.
+   this switch is where the measured overlap decides. The build estimates each tile's union
+   first (``_union_estimate``: the multiplicities of 32 sampled entries) and does not sort a
+   tile estimated past 5/4 of the bound: low-overlap selections cost little more than the
+   per-row kernel.
 
 Tiles: tile j of request b has slot ``cu_seqlens_q[b] // R + b + j`` (``interop.indices.
 tile_slots``); ``T // R + B`` programs cover any batch and each finds its request from the
@@ -110,13 +113,15 @@ def _merge_level(y, neg, e, B: tl.constexpr, N: tl.constexpr):
 def _qsa_block_union(
     bidx_ptr, ublk_ptr, umem_ptr, ulen_ptr, cu_q_ptr, kv_lens_ptr,
     T, NB, n_req, max_blocks, stride_bt, stride_bh, stride_us, stride_uh, stride_ls, detect,
-    R: tl.constexpr, NBP: tl.constexpr, BP: tl.constexpr, ORDINARY: tl.constexpr,
+    skip_past, R: tl.constexpr, NBP: tl.constexpr, BP: tl.constexpr, ORDINARY: tl.constexpr,
     KEY64: tl.constexpr,
 ):
     """Union of the valid blocks of one tile's rows for one index head (module docstring, 1).
     Block ids >= ``max_blocks`` are invalid; ``KEY64``: 64-bit sort keys, where block * R + row
     can pass 2**31 (32-bit keys sort about twice as fast). ``detect`` (0 / 1): merge rows that
-    are in the indexer's order without sorting them; 0 sorts every tile's rows first."""
+    are in the indexer's order without sorting them; 0 sorts every tile's rows first.
+    ``skip_past`` >= 0: a tile whose estimated union (``_union_estimate``) passes 5/4 of it gets
+    length ``skip_past + 1`` and no entries (module docstring, 3); < 0: every tile is built."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     N: tl.constexpr = R * NBP
@@ -138,6 +143,13 @@ def _qsa_block_union(
     rowp = bidx_ptr + row.to(tl.int64) * stride_bt + h * stride_bh
     g = tl.load(rowp + col, mask=row_ok & (col < NB), other=-1)
     valid = row_ok & (col < NB) & (g >= 0) & (g < n_ok)
+    if skip_past >= 0:
+        est = _union_estimate(bidx_ptr + h * stride_bh, stride_bt, tl.sum(valid.to(tl.int32), 0),
+                              q_start + jt * R, jt * R, q_used, T, kv_len - q_len, NB, max_blocks,
+                              R, NBP)
+        if est * 4.0 > skip_past * 5.0:  # a margin: tiles near the bound are built and decided
+            tl.store(ulen_ptr + slot * stride_ls + h, skip_past + 1)
+            return
     if KEY64:
         key = tl.where(valid, g.to(tl.int64) * R + i, _BIG)
     else:
@@ -167,6 +179,41 @@ def _qsa_block_union(
     else:
         _emit_union(ks, prev, ublk_ptr + base, umem_ptr + base, ulen_ptr + slot * stride_ls + h,
                     R, N, dead)
+
+
+@triton.jit
+def _union_estimate(head_ptr, stride_bt, n_valid, row0, rel0, q_used, T, kv_off, NB, max_blocks,
+                    R: tl.constexpr, NBP: tl.constexpr):
+    """Estimated union size of one tile before any sort (module docstring, 3): 32 valid entries
+    sampled evenly over the R rows, each entry's multiplicity m = the number of rows that list
+    it, and |union| ~ (valid entries) x mean(1 / m) (each distinct block is counted once over
+    its m copies). 0.0 where no sample is valid. Rows are re-read from L1/L2: 32 x NBP
+    compares a row, cheap beside the sort it may save."""
+    S: tl.constexpr = 32
+    k = tl.arange(0, S)
+    ri = k % R
+    col = ((k // R) * (NBP * R)) // S
+    rel = rel0 + ri
+    row = row0 + ri
+    ok = (rel >= 0) & (rel < q_used) & (row >= 0) & (row < T) & (col < NB)
+    n_ok = tl.minimum(tl.maximum(rel + kv_off + 1, 0) // 4, max_blocks)
+    gs = tl.load(head_ptr + row.to(tl.int64) * stride_bt + col, mask=ok, other=-1)
+    ok = ok & (gs >= 0) & (gs < n_ok)
+    m = tl.zeros([S], tl.int32)
+    c = tl.arange(0, NBP)
+    for i in tl.static_range(R):
+        rel_i = rel0 + i
+        row_i = row0 + i
+        lim = tl.minimum(tl.maximum(rel_i + kv_off + 1, 0) // 4, max_blocks)
+        use = (rel_i >= 0) & (rel_i < q_used) & (row_i >= 0) & (row_i < T)
+        lim = tl.where(c < NB, tl.where(use, lim, 0), 0)  # a vector (interpreter-safe masks)
+        gi = tl.load(head_ptr + row_i.to(tl.int64) * stride_bt + c, mask=lim > 0, other=-1)
+        gi = tl.where((gi >= 0) & (gi < lim), gi, -1)  # an invalid entry matches no sample
+        hit = tl.sum((gs[:, None] == gi[None, :]).to(tl.int32), 1) > 0
+        m += hit.to(tl.int32)
+    inv = tl.where(ok, 1.0 / tl.maximum(m, 1).to(tl.float32), 0.0)
+    n_s = tl.sum(ok.to(tl.float32), 0)
+    return tl.where(n_s > 0, n_valid.to(tl.float32) * tl.sum(inv, 0) / tl.maximum(n_s, 1.0), 0.0)
 
 
 @triton.jit
@@ -397,21 +444,24 @@ def _qsa_expand_blocks(
         pos = tl.cumsum(valid.to(tl.int32), 0) - 1
         count = tl.sum(valid.to(tl.int32), 0)
         orow = out_ptr + row.to(tl.int64) * stride_ot + h * stride_oh
-        for w0 in range(0, W, BLOCK_W):
-            cols = w0 + tl.arange(0, BLOCK_W)
-            tl.store(orow + cols, tl.full([BLOCK_W], -1, tl.int32), mask=cols < W)
-        tl.debug_barrier()  # the padding above is written before the entries below overwrite it
-        for o in tl.static_range(4):
-            tok = 4 * g + o
-            if PAGED:
-                tok = pool_slot(tok, valid, table_row, bound, pool_slots)
-            tl.store(orow + 4 * pos + o, tok, mask=valid)
+        # each column written once: the entries as one [NBP, 4] store (a warp's lanes on
+        # consecutive columns), the tail, then -1 from the end of the tail on
         t4 = tl.arange(0, 4)
-        tail_ok = t4 < vis - 4 * n_vis
+        ok4 = valid[:, None] & (t4[None, :] < 4)
+        tok = 4 * g[:, None] + t4[None, :]
+        if PAGED:
+            tok = pool_slot(tok, ok4, table_row, bound, pool_slots)
+        tl.store(orow + 4 * pos[:, None] + t4[None, :], tok, mask=ok4)
+        n_tail = vis - 4 * n_vis
+        tail_ok = t4 < n_tail
         tok = 4 * n_vis + t4
         if PAGED:
             tok = pool_slot(tok, tail_ok, table_row, bound, pool_slots)
         tl.store(orow + 4 * count + t4, tok, mask=tail_ok)
+        end = 4 * count + n_tail
+        for w0 in range((end // BLOCK_W) * BLOCK_W, W, BLOCK_W):
+            cols = w0 + tl.arange(0, BLOCK_W)
+            tl.store(orow + cols, tl.full([BLOCK_W], -1, tl.int32), mask=(cols >= end) & (cols < W))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,7 +478,7 @@ def _heads(x: torch.Tensor):
 
 def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       kv_lens: torch.Tensor | None, tile_rows: int, max_blocks: int | None = None,
-                      *, detect_sorted: bool = True):
+                      *, detect_sorted: bool = True, skip_past: int | None = None):
     """The union build alone (module docstring, 1; exposed for tests and benchmarks).
 
     Args:
@@ -440,12 +490,20 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
         max_blocks x R < 2**31 lets the build sort 32-bit keys.
       detect_sorted: merge rows already in the indexer's order without sorting them (checked
         per tile); False sorts every tile's rows (same result).
+      skip_past: None (every tile built), or the union bound (``max_union_entries``): a tile
+        whose estimated union passes 5/4 of it is not built, its length is ``skip_past + 1``
+        (module docstring, 3).
 
     Returns:
       (blocks, masks int32 [S, H, R x NB], lengths int32 [S, H]), S = T // R + B, equal to
       ``interop.indices.tile_union``: entry u < lengths[s, h] is block ``blocks[s, h, u]`` for
-      the rows whose bit is set in ``masks[s, h, u]``; entries past the length unwritten.
+      the rows whose bit is set in ``masks[s, h, u]``; entries past the length unwritten
+      (tiles skipped under ``skip_past``: length skip_past + 1, no entry written).
+    Raises ValueError for ``skip_past`` outside [0, 2**31 - 2].
     """
+    if skip_past is not None and not 0 <= int(skip_past) < 2**31 - 1:
+        raise ValueError(f"build_block_union: skip_past must be in [0, 2**31 - 2], "
+                         f"got {skip_past}")
     t, nb = block_indices.shape[0], block_indices.shape[-1]
     hidx, stride_bh = _heads(block_indices)
     n_req = cu_seqlens_q.shape[0] - 1
@@ -459,7 +517,8 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
         kv_lens if kv_lens is not None else cu_seqlens_q, t, nb, n_req,
         2**31 - 1 if max_blocks is None else min(int(max_blocks), 2**31 - 1),
         block_indices.stride(0), stride_bh, ublk.stride(0), ublk.stride(1), ulen.stride(0),
-        int(bool(detect_sorted)), R=r, NBP=next_pow2(nb), BP=next_pow2(n_req + 1),
+        int(bool(detect_sorted)), -1 if skip_past is None else int(skip_past), R=r,
+        NBP=next_pow2(nb), BP=next_pow2(n_req + 1),
         ORDINARY=kv_lens is None,
         # the largest key, (max_blocks - 1) * R + R - 1, stays below the int32 sentinel
         KEY64=max_blocks is None or int(max_blocks) * r > 2**31 - 1,
@@ -516,9 +575,9 @@ def union_build(mode: int, q, k, block_indices, cu_q, kv_lens, req_to_token,
     # more, a context of 2**30 tokens: qsa-contract.md §7). Not k's rows: a lying kv_lens /
     # cu_seqlens range is clamped into k, its positions past k stay valid.
     bound = req_to_token.shape[1] // RATIO + 1 if mode == 2 else (2**31 - 1) // r
+    max_union = min(max_union_entries(geo, block_indices.shape[-1], max(16, ht)), 2**31 - 2)
     ublk, umem, ulen = build_block_union(block_indices, cu_q, None if mode == 0 else kv_lens, r,
-                                         bound)
-    max_union = min(max_union_entries(geo, block_indices.shape[-1], max(16, ht)), 2**31 - 1)
+                                         bound, skip_past=max_union)
     return ublk, umem, ulen, max_union
 
 

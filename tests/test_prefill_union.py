@@ -478,6 +478,49 @@ def test_triton_union_build_merge_path_matches_reference():
         np.testing.assert_array_equal(umem[s, h, :len(b)], m)
 
 
+def test_triton_union_build_skips_tiles_estimated_past_the_bound():
+    """The build's density test (``skip_past``): tiles of random selections (neighbour Jaccard
+    ~0, union ~R x NB) are not built and get length skip_past + 1; tiles of overlapping
+    selections (Jaccard 0.9) are built exactly as ``interop.indices.tile_union``; a skipped
+    tile's exact union is past the bound; and a call on random selections through the tile-union
+    geometry equals the reference (the skipped tiles' rows on the per-row kernel)."""
+    torch = pytest.importorskip("torch")
+    from interop.geometry import max_union_entries
+    from qsa_triton import prefill_union as PU
+
+    ql, kl, nb, r = [13, 8], [4096, 2000], 64, 4
+    cu = torch.from_numpy(I.cu_seqlens_from_counts(ql))
+    klt = torch.tensor(kl, dtype=torch.int32)
+    bound = max_union_entries(UnionGeometry("union", r, 64, 16, 4, 1, "test"), nb, 16)
+    for overlap in (0.0, 0.9):
+        blocks = I.prefill_block_indices(ql, kl, block_width=nb, overlap=overlap, seed=5)
+        ref = I.tile_union(blocks, ql, kl, tile_rows=r)
+        ublk, umem, ulen = (x.numpy() for x in PU.build_block_union(
+            torch.from_numpy(blocks), cu, klt, r, None, skip_past=bound))
+        skipped = 0
+        for (s, h), (b, m) in ref.items():
+            n = int(ulen[s, h])
+            if n == bound + 1 and len(b) != n:
+                skipped += 1
+                assert len(b) > bound, (overlap, s, len(b))
+                continue
+            assert n == len(b), (overlap, s)
+            np.testing.assert_array_equal(ublk[s, h, :n], b)
+            np.testing.assert_array_equal(umem[s, h, :n], m)
+        full = sum(1 for (s, _), (b, _) in ref.items() if len(b) >= r * nb // 2)
+        assert skipped == (full if overlap == 0.0 else 0), (overlap, skipped, full)
+    with pytest.raises(ValueError, match="skip_past"):
+        PU.build_block_union(torch.from_numpy(blocks), cu, klt, r, None, skip_past=-1)
+    case = block_case("chunk", 12, 1, [9, 4], [300, 60], nb=16, overlap=0.0, seed=9)
+    a, bound = case.arrays, max_union_entries(union_geometry(case, 4), 16, 16)
+    ulen = PU.build_block_union(torch.from_numpy(case.blocks),
+                                torch.from_numpy(a["cu_seqlens_q"]),
+                                torch.from_numpy(a["kv_lens"]), 4, None, skip_past=bound)[2]
+    assert 0 < int((ulen == bound + 1).sum()) < ulen.numel()  # both routes in the call
+    be = _BACKENDS.setdefault("triton", TritonBackend())
+    assert_matches(be.run(case, union_geometry(case, 4)), case.reference(), "triton random")
+
+
 # --------------------------------------------------------------------------------------------
 # Attention, both backends: tile-union kernel and the per-row kernel on the other tiles
 @pytest.mark.parametrize("name", list(CASES))
