@@ -4,9 +4,10 @@ The JAX twin of ``qsa_triton.prefill_union`` (read its module docstring): same s
 tile numbering, union layout, per-tile bound and geometry selector; results equal up to
 summation order. Differences:
 
-* the union build (``block_union``) is plain JAX, vectorised over tiles: (block, row) pairs
-  sorted with ``lax.sort``, occurrence ranks, a second sort on (rank, block, row), compaction
-  by an XLA scatter (both sorts always run: XLA has no cheap per-tile skip);
+* the union build (``block_union``) is plain JAX, vectorised over tiles: int32 keys
+  ``block * R + row`` sorted, occurrence ranks, a second one-key sort into (rank, block, row)
+  order, compaction by an XLA scatter (both sorts always run: XLA has no cheap per-tile skip,
+  so there is no density test either);
 * a tile whose union is past the bound runs its rows one at a time over their own block ids
   inside this kernel (a ``lax.cond`` on the union's device length; ``UnionGeometry.
   row_block_n`` steps), where Triton sends them to its per-row kernel. The Triton route here
@@ -74,23 +75,32 @@ def _block_union(block_indices, cu_seqlens_q, kv_lens, *, tile_rows: int, ordina
     n_vis = jnp.maximum(rel + (kv_len - q_len)[:, None] + 1, 0) // RATIO
     g = g3[jnp.clip(row, 0, t - 1)]  # [S, R, H, NB]
     g = jnp.transpose(g, (0, 2, 1, 3))  # [S, H, R, NB]
-    valid = row_ok[:, None, :, None] & (g >= 0) & (g < n_vis[:, None, :, None])
+    # 32-bit sort keys block * R + row: ids at or past (2**31 - 1) // R are invalid, as in the
+    # Triton build (qsa-contract.md §7)
+    valid = (row_ok[:, None, :, None] & (g >= 0) & (g < n_vis[:, None, :, None])
+             & (g < _INT32_MAX // r))
     n = r * nb
-    blk = jnp.where(valid, g, _INT32_MAX).reshape(s * hidx, n)
-    rows = jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32)[None, :, None], (s * hidx, r, nb))
-    rows = rows.reshape(s * hidx, n)
-    blk, rows = lax.sort((blk, rows), dimension=1, num_keys=2)
+    if n * n > _INT32_MAX:
+        raise ValueError(f"union build: R x NB = {n} entries a tile, at most 46340 (the second "
+                         "sort's int32 keys)")
+    rows = jnp.arange(r, dtype=jnp.int32)[None, None, :, None]
+    key = jnp.sort(jnp.where(valid, g * r + rows, _INT32_MAX).reshape(s * hidx, n), axis=1)
     e = jnp.arange(n, dtype=jnp.int32)[None, :]
 
     def shifted(x, fill):  # x[:, i - 1], fill at i = 0
         return jnp.concatenate([jnp.full((x.shape[0], 1), fill, x.dtype), x[:, :-1]], axis=1)
 
-    live = blk < _INT32_MAX
-    new_pair = (e == 0) | (blk != shifted(blk, -1)) | (rows != shifted(rows, -1))
-    rank = e - lax.cummax(jnp.where(new_pair, e, 0), axis=1)
-    rank = jnp.where(live, rank, _INT32_MAX)  # invalid pairs last
-    rank, blk, rows = lax.sort((rank, blk, rows), dimension=1, num_keys=3)
-    live = blk < _INT32_MAX
+    # occurrence rank of each (block, row) pair, then the order (rank, block, row) by a second
+    # one-operand sort of rank * n + (position in the first order): one-key int32 sorts, not
+    # comparator sorts of tuples
+    live = key < _INT32_MAX
+    rank = e - lax.cummax(jnp.where((e == 0) | (key != shifted(key, -1)), e, 0), axis=1)
+    order = jnp.sort(jnp.where(live, rank * n + e, _INT32_MAX), axis=1)
+    live = order < _INT32_MAX
+    key = jnp.where(live, jnp.take_along_axis(key, jnp.where(live, order % n, 0), axis=1),
+                    _INT32_MAX)
+    rank = jnp.where(live, order // n, _INT32_MAX)
+    blk, rows = key // r, key % r
 
     def nxt(x, fill):  # x[:, i + 1], fill at the end
         return jnp.concatenate([x[:, 1:], jnp.full((x.shape[0], 1), fill, x.dtype)], axis=1)
