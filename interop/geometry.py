@@ -273,14 +273,11 @@ class UnionGeometry:
     Attributes:
       kind: ``"union"`` (tile-union kernel: R consecutive rows of one request per program, the
         union of their blocks gathered once; tiles past ``max_union_entries`` go to the per-row
-        kernel with ``select_prefill``'s geometry (Triton) or to the union kernel's own rows
-        path (Pallas)) or ``"rows"`` (the per-row kernel alone on the selection expanded to
-        tokens on the device, with ``select_prefill``'s geometry).
+        kernel with ``select_prefill``'s geometry) or ``"rows"`` (the per-row kernel alone on the
+        selection expanded to tokens on the device, with ``select_prefill``'s geometry).
       tile_rows: R (1 for ``"rows"``). head_tile: Q tile rows, ``max(16, R x next_pow2(G))``.
       block_n: K/V rows per inner step (4 x union blocks). num_warps, num_stages: as Geometry.
       source: the rule that decided, for benchmark JSON.
-      row_block_n: Pallas ``"union"``: K/V rows per inner step of the union kernel's rows path
-        (64, fitted); 0 (Triton, ``"rows"``): none.
     """
 
     kind: str
@@ -290,13 +287,12 @@ class UnionGeometry:
     num_warps: int
     num_stages: int
     source: str = ""
-    row_block_n: int = 0
 
     @property
     def key(self) -> tuple:
-        """(kind, tile_rows, head_tile, block_n, num_warps, num_stages, row_block_n)."""
+        """(kind, tile_rows, head_tile, block_n, num_warps, num_stages)."""
         return (self.kind, self.tile_rows, self.head_tile, self.block_n, self.num_warps,
-                self.num_stages, self.row_block_n)
+                self.num_stages)
 
 
 #: The ``block_indices`` / ``overlap`` arguments as every prefill entry point of both backends
@@ -311,9 +307,8 @@ BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (p
         repeats one): where a row's repeats make its expansion longer than ``visible`` tokens,
         the token path keeps the first ``visible`` columns but the tile-union kernel attends
         every occurrence and the tail, so the result then depends on the kernel that computes
-        the row. Runs the tile-union kernel (tiles whose union is past ``max_union_entries``:
-        Triton's per-row kernel, Pallas' rows path) or the per-row kernel
-        (``interop.geometry.select_prefill_blocks``).
+        the row. Runs the tile-union kernel (the per-row kernel on tiles whose union is past
+        ``max_union_entries``) or the per-row kernel (``interop.geometry.select_prefill_blocks``).
       overlap: with ``block_indices`` only: None, or the engine's expected Jaccard similarity of
         adjacent rows' block sets in [0, 1] (below ``UNION_RULES['min_overlap']`` the per-row
         kernel runs)."""
@@ -336,11 +331,12 @@ UNION_RULES = {
 
 
 def max_union_entries(geo: UnionGeometry, block_width: int, row_tile: int) -> int:
-    """Largest union (entries) for which a tile runs the union path; past it the tile's rows run
-    one at a time over their own selections (vLLM #55372's bound): Triton's per-row kernel,
-    Pallas' rows path in the union kernel. Rule: the padded dot work |union| x head_tile stays
-    within ``UNION_RULES['max_union_work']`` times the rows' own, R x NB x ``row_tile`` (the
-    rows' Q tile). Both backends compare it with the union's length on the device, per tile. ``geo``: a ``"union"`` UnionGeometry; ``block_width``: NB.
+    """Largest union (entries) for which a tile runs the tile-union kernel; past it the per-row
+    kernel computes the tile's rows (vLLM #55372's bound). Rule: the padded dot work
+    |union| x head_tile stays within ``UNION_RULES['max_union_work']`` times the rows' own,
+    R x NB x ``row_tile`` (the per-row kernel's Q tile). Both backends compare it with the
+    union's length on the device, per tile. ``geo``: a ``"union"`` UnionGeometry;
+    ``block_width``: NB.
     Returns an int >= 0 (may exceed int32: launchers cap it). Raises nothing of its own; source:
     vLLM #55372's bound; bench/NOTES.md, "Tile-union sparse prefill"."""
     return int(UNION_RULES["max_union_work"] * geo.tile_rows * int(block_width) * row_tile
@@ -397,8 +393,7 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
         return rows(f"tiles={tiles}<{u['min_tiles_per_sm']}x{facts.sm_count}SMs")
     bn, nw, ns = u["tile"][backend]
     geo = UnionGeometry("union", r, max(16, r * ht), bn, nw, ns,
-                        f"union[R={r},G={group}] {facts.arch} backend={backend}",
-                        64 if backend == "pallas" else 0)  # Pallas' rows path: 64-row steps
+                        f"union[R={r},G={group}] {facts.arch} backend={backend}")
     return fit_union(geo, backend=backend, head_dim=head_dim, kv_bytes=kv_bytes,
                      limit=facts.smem_per_block)
 
@@ -416,11 +411,6 @@ def fit_union(geo: UnionGeometry, *, backend: str, head_dim: int, kv_bytes: int,
     fitted = fit_shared_memory(geo, head_dim=head_dim, limit=limit, kv_bytes=kv_bytes)
     if fitted.block_n < floor:
         fitted = dataclasses.replace(fitted, block_n=floor)
-    if geo.row_block_n:  # the rows path's [16-row Q tile, row_block_n] steps must fit as well
-        rows = fit_shared_memory(dataclasses.replace(fitted, head_tile=16,
-                                                     block_n=next_pow2(geo.row_block_n)),
-                                 head_dim=head_dim, limit=limit, kv_bytes=kv_bytes)
-        fitted = dataclasses.replace(fitted, row_block_n=max(16, rows.block_n))
     if fitted != geo:
         fitted = dataclasses.replace(fitted, source=f"{geo.source} fit<={limit}B")
     return fitted

@@ -124,6 +124,10 @@ class _Static:
     geo: Geometry
     kv_rows: int  # rows of k/v (slots of the pool)
     interpret: bool
+    # block-level calls with a union (``qsa_pallas.prefill_union``): its tile rows R (0: none)
+    # and bound; rows of tiles within the bound are the tile kernel's (left zero here)
+    union_rows: int = 0
+    max_union: int = 0
 
 
 def _find_request(cu_ref, row, requests: int):
@@ -140,12 +144,15 @@ def _find_request(cu_ref, row, requests: int):
 def _prefill_kernel(*refs, st: _Static):
     pr, geo = st.p, st.geo
     score_scale = pr.softmax_scale * pr.k_scale * LOG2E  # exp2 is the cheaper PTX path
+    *ins, o_ref = refs
+    if st.union_rows:
+        *ins, ul_ref = ins
     if pr.kind == "ordinary":
-        q_ref, k_ref, v_ref, idx_ref, cu_ref, o_ref = refs
+        q_ref, k_ref, v_ref, idx_ref, cu_ref = ins
     elif pr.kind == "chunk":
-        q_ref, k_ref, v_ref, idx_ref, cu_ref, cuk_ref, kvl_ref, o_ref = refs
+        q_ref, k_ref, v_ref, idx_ref, cu_ref, cuk_ref, kvl_ref = ins
     else:  # paged: idx_ref holds pool slots (-1 = invalid) instead of positions
-        q_ref, k_ref, v_ref, idx_ref, cu_ref, kvl_ref, o_ref = refs
+        q_ref, k_ref, v_ref, idx_ref, cu_ref, kvl_ref = ins
 
     row = pl.program_id(0)
     h = pl.program_id(1)
@@ -167,6 +174,11 @@ def _prefill_kernel(*refs, st: _Static):
         visible = r + length - q_len + 1  # bottom-right causal alignment
         base = cuk_ref[b] if pr.kind == "chunk" else 0
     n_cols = jnp.where(in_request, jnp.clip(jnp.minimum(visible, w), 0, w), 0)
+    if st.union_rows:  # rows of tiles the tile-union kernel takes: no column (it overwrites)
+        ur = st.union_rows
+        slot = jnp.clip(q_start // ur + b + r // ur, 0, ul_ref.shape[0] - 1)
+        n_u = ul_ref[slot, h if pr.per_head_indices else 0]
+        n_cols = jnp.where(n_u > st.max_union, n_cols, 0)
     n_blocks = (n_cols + (bn - 1)) // bn
 
     # Query head tile [ht, d]: heads h*G .. h*G+G-1, padded heads masked to 0.
@@ -254,21 +266,28 @@ def _launch(q, k, v, *meta, st: _Static):
 
 # --------------------------------------------------------------------------------------------
 # Entry points
-def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry):
+def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry, skip=None):
+    """The per-row kernel; ``skip``: None, or (union lengths [S, H], R, max_union) of a
+    block-level call (``_Static.union_rows``)."""
     if problem.total_q == 0 or k.shape[0] == 0:  # nothing to gather from / no row: no launch
         return jnp.zeros(q.shape, q.dtype)
     interp = _compat.resolve_interpret(interpret)
     geo = geometry if geometry is not None else select_geometry(problem, interpret=interp)
     st = _Static(dataclasses.replace(problem, max_seqlen_q=1),
                  dataclasses.replace(geo, source=""), int(k.shape[0]), interp)
+    if skip is not None:
+        meta = (*meta, skip[0])
+        st = dataclasses.replace(st, union_rows=skip[1], max_union=skip[2])
     return _launch(q, k, v, *meta, st=st)
 
 
 def _run_blocks(problem: PrefillProblem, q, k, v, block_indices, meta: dict, *, interpret,
                 geometry, overlap):
-    """Block-level selections: the tile-union kernel, or the per-row kernel on the expansion
-    (``geometry``: None = the selector; a ``UnionGeometry`` forces the kernel and its tiles; a
-    ``Geometry`` forces the per-row kernel with that geometry)."""
+    """Block-level selections (``qsa_pallas.prefill_union``): the union build, the per-row
+    kernel on the expansion of the rows of tiles past the work bound, the tile-union kernel on
+    the other tiles; or the per-row kernel on the expansion (``geometry``: None = the selector;
+    a ``UnionGeometry`` forces the kernels and the tiles; a ``Geometry`` forces the per-row
+    kernel with that geometry)."""
     if problem.total_q == 0 or k.shape[0] == 0:
         return jnp.zeros(q.shape, q.dtype)
     if problem.kind == "paged" and math.prod(meta["req_to_token"].shape) == 0:
@@ -277,26 +296,39 @@ def _run_blocks(problem: PrefillProblem, q, k, v, block_indices, meta: dict, *, 
     geo = geometry
     if geo is None:
         geo = select_block_geometry(problem, interpret=interp, overlap=overlap)
+    union = skip = None
     if isinstance(geo, UnionGeometry) and geo.kind == "union":
-        return PU.union_run(problem, q, k, v, block_indices, meta, geo, interpret=interp)
-    if isinstance(geo, UnionGeometry):
+        union = PU.union_build(problem, block_indices, meta, geo)
+        skip = (union[2], geo.tile_rows, union[3])
+    elif isinstance(geo, UnionGeometry):
         geo = Geometry(geo.head_tile, geo.block_n, geo.num_warps, geo.num_stages, geo.source)
-    idx = PU.expand_blocks(block_indices, meta["cu_seqlens_q"], meta.get("kv_lens"))
-    return _run_tokens(dataclasses.replace(problem, width=int(idx.shape[-1])), q, k, v, idx, meta,
-                       interpret=interpret, geometry=geo)
+    paged = problem.kind == "paged"
+    pool = (meta["req_to_token"], meta["req_indices"], int(k.shape[0])) if paged else None
+    idx = PU.expand_blocks(block_indices, meta["cu_seqlens_q"], meta.get("kv_lens"), pool=pool,
+                           skip=skip, interpret=interp)
+    tokens = dataclasses.replace(problem, width=int(idx.shape[-1]))
+    out = _run_tokens(tokens, q, k, v, idx, meta, interpret=interpret,
+                      geometry=None if union else geo, skip=skip, slots=paged)
+    if union is None:
+        return out
+    return PU.union_run(problem, q, k, v, out, union, meta, geo, interpret=interp)
 
 
-def _run_tokens(problem: PrefillProblem, q, k, v, indices, meta: dict, *, interpret, geometry):
-    """Token indices: the per-row kernel (paged: on the pool slots of ``resolve_pool_slots``)."""
+def _run_tokens(problem: PrefillProblem, q, k, v, indices, meta: dict, *, interpret, geometry,
+                skip=None, slots: bool = False):
+    """Token indices: the per-row kernel (paged: on the pool slots of ``resolve_pool_slots``,
+    or on ``indices`` themselves where ``slots``: already pool slots; ``skip`` as ``_run``)."""
     cu, kv_lens = meta["cu_seqlens_q"], meta.get("kv_lens")
     if problem.kind == "ordinary":
         rest = (indices, cu)
     elif problem.kind == "chunk":
         rest = (indices, cu, meta["cu_seqlens_k"], kv_lens)
     else:
-        rest = (resolve_pool_slots(indices, meta["req_to_token"], meta["req_indices"], cu, kv_lens,
-                                   int(k.shape[0])), cu, kv_lens)
-    return _run(problem, q, k, v, rest, interpret=interpret, geometry=geometry)
+        if not slots:
+            indices = resolve_pool_slots(indices, meta["req_to_token"], meta["req_indices"], cu,
+                                         kv_lens, int(k.shape[0]))
+        rest = (indices, cu, kv_lens)
+    return _run(problem, q, k, v, rest, interpret=interpret, geometry=geometry, skip=skip)
 
 
 def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, overlap,

@@ -1,21 +1,18 @@
 """Tile-union sparse prefill (Pallas, Triton lowering): block-level selections, R rows a program.
 
 The JAX twin of ``qsa_triton.prefill_union`` (read its module docstring): same selection rule,
-tile numbering, union layout, per-tile bound and geometry selector; results equal up to
-summation order. Differences:
+tile numbering, union layout, per-tile switch to the per-row kernel and geometry selector;
+results equal up to summation order. Differences:
 
 * the union build (``block_union``) is plain JAX, vectorised over tiles: int32 keys
   ``block * R + row`` sorted, occurrence ranks, a second one-key sort into (rank, block, row)
   order, compaction by an XLA scatter (both sorts always run: XLA has no cheap per-tile skip,
   so there is no density test either);
-* a tile whose union is past the bound runs its rows one at a time over their own block ids
-  inside this kernel (a ``lax.cond`` on the union's device length; ``UnionGeometry.
-  row_block_n`` steps), where Triton sends them to its per-row kernel. The Triton route here
-  (XLA expansion of every row, the per-row kernel skipping the union's tiles) measured 3-7%
-  slower at neighbour Jaccard 0.9 and 7-9% faster at 0 (bench/NOTES.md): not taken;
-* the output is a zeros buffer aliased into the kernel (rows past ``cu_seqlens_q[B]`` stay
-  zero); every gather index is clamped *and* masked, and in interpret mode masked lanes store
-  to spare rows past the output (``_union_kernel``).
+* the expansion (``_expand_kernel``) is a Pallas kernel, one program a row, that writes only
+  the rows of tiles past the bound (pool slots for paged calls);
+* the tile kernel takes the per-row kernel's output as an aliased input and writes only the
+  rows of tiles within the bound; every gather index is clamped *and* masked, and in interpret
+  mode masked lanes store to spare rows past the output (``_union_kernel``).
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ from . import _compat
 from ._compat import pl
 from ._fp8 import fp16_query, is_fp8
 
-__all__ = ["block_union", "expand_blocks", "union_run", "union_slots"]
+__all__ = ["block_union", "expand_blocks", "union_build", "union_run", "union_slots"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -129,45 +126,154 @@ def block_union(block_indices, cu_seqlens_q, kv_lens, tile_rows: int):
                         ordinary=ordinary)
 
 
-@functools.partial(jax.jit, static_argnames=("ordinary",))
-def _expand(block_indices, cu_seqlens_q, kv_lens, *, ordinary: bool):
-    t, nb = block_indices.shape[0], block_indices.shape[-1]
-    n_req = cu_seqlens_q.shape[0] - 1
-    rows = jnp.arange(t, dtype=jnp.int32)
-    b = jnp.sum((cu_seqlens_q[None, 1:n_req] <= rows[:, None]).astype(jnp.int32), axis=1,
-                dtype=jnp.int32)
-    q_start = cu_seqlens_q[b]
-    q_len = cu_seqlens_q[b + 1] - q_start
-    r = rows - q_start
-    in_req = (r >= 0) & (r < q_len)
-    kv_len = q_len if ordinary else kv_lens[b]
-    vis = jnp.where(in_req, jnp.maximum(r + kv_len - q_len + 1, 0), 0)
-    n_vis = vis // RATIO
-    lead = (slice(None),) + (None,) * (block_indices.ndim - 1)
-    g = block_indices
-    valid = (g >= 0) & (g < n_vis[lead])
-    order = jnp.argsort(~valid, axis=-1, stable=True)  # valid blocks first, in the row's order
-    g = jnp.take_along_axis(g, order, axis=-1)
-    count = jnp.sum(valid.astype(jnp.int32), axis=-1, dtype=jnp.int32)
-    toks = (g[..., None] * RATIO + jnp.arange(RATIO, dtype=jnp.int32)).reshape(g.shape[:-1]
-                                                                                + (RATIO * nb,))
+@dataclasses.dataclass(frozen=True)
+class _XStatic:
+    """What the expansion kernel specialises on: kind ("ordinary" | "chunk" | "paged"), the
+    selection's (T, H, NB), requests B, the union's tile rows R (0: every row) and bound, the
+    paged table's shape and pool size, interpret mode."""
+
+    kind: str
+    rows: int
+    heads: int
+    block_width: int
+    requests: int
+    union_rows: int
+    max_union: int
+    max_reqs: int
+    max_context: int
+    pool_slots: int
+    interpret: bool
+
+
+_EXPAND_TILE = 1024  # columns of -1 a fill step writes
+
+
+def _expand_kernel(*refs, st: _XStatic):
+    """One (row, index head): the row's valid blocks' 4 tokens each in its order, its causal
+    tail, -1 after (``interop.indices.expand_prefill_blocks``); paged: their pool slots (-1
+    where the table or the pool has none). With a union (``st.union_rows``) only rows of tiles
+    past the bound are written (``qsa_triton.prefill_union.row_runs``'s rule); the per-row
+    kernel skips the others. Every column written once; masked lanes point at the spare
+    column W (interpret mode) or 0 (GPU, where they do not store)."""
+    bi_ref, cu_ref, kvl_ref, *rest, o_ref = refs
+    ul_ref = rest.pop(0) if st.union_rows else None
+    r2t_ref, ri_ref = rest if st.kind == "paged" else (None, None)
+    row = pl.program_id(0)
+    h = pl.program_id(1)
+    n_req, nb = st.requests, st.block_width
     w = RATIO * nb + RATIO - 1
-    col = jnp.arange(w, dtype=jnp.int32)
-    toks = jnp.concatenate([toks, jnp.full(toks.shape[:-1] + (RATIO - 1,), -1, jnp.int32)], -1)
-    in_sel = col < (RATIO * count)[..., None]
-    tail = col - (RATIO * count)[..., None]
-    n_tail = (vis - RATIO * n_vis)[lead]
-    return jnp.where(in_sel, toks, jnp.where((tail >= 0) & (tail < n_tail),
-                                             (RATIO * n_vis)[lead] + tail, -1)).astype(jnp.int32)
+    spare = w if st.interpret else 0
+    bp = next_pow2(max(n_req, 1))
+    j = lax.broadcasted_iota(jnp.int32, (bp,), 0)
+    live = (j >= 1) & (j < n_req)
+    cu = _compat.load(cu_ref.at[jnp.clip(j, 0, n_req)], mask=live, other=_INT32_MAX)
+    b = jnp.sum((live & (cu <= row)).astype(jnp.int32), dtype=jnp.int32)
+    q_start = cu_ref[b]
+    q_len = cu_ref[b + 1] - q_start
+    r = row - q_start
+    in_req = (r >= 0) & (r < q_len)
+    run = True
+    if st.union_rows:
+        ur = st.union_rows
+        slot = jnp.clip(q_start // ur + b + r // ur, 0, ul_ref.shape[0] - 1)
+        run = ul_ref[slot, h if ul_ref.shape[1] > 1 else 0] > st.max_union
+
+    def body():
+        kv_len = q_len if st.kind == "ordinary" else kvl_ref[b]
+        vis = jnp.where(in_req, jnp.maximum(r + kv_len - q_len + 1, 0), 0)
+        n_vis = vis // RATIO
+        nbp = next_pow2(nb)
+        c = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
+        g = _compat.load(bi_ref.at[row, h, jnp.clip(c, 0, nb - 1)], mask=c < nb, other=-1)
+        valid = (c < nb) & (g >= 0) & (g < n_vis)
+        pos = jnp.cumsum(valid.astype(jnp.int32), axis=0) - 1
+        count = jnp.sum(valid.astype(jnp.int32), dtype=jnp.int32)
+        t4 = lax.broadcasted_iota(jnp.int32, (1, RATIO), 1)
+
+        def slots(tok, ok):  # pool slots of positions (the paged slot rule of every kernel)
+            if st.kind != "paged":
+                return tok
+            req = ri_ref[b]
+            req_ok = (req >= 0) & (req < st.max_reqs)
+            bound = jnp.where(req_ok, jnp.minimum(kv_len, st.max_context), 0)
+            ok = ok & (tok >= 0) & (tok < bound)
+            sl = _compat.load(r2t_ref.at[jnp.where(req_ok, req, 0),
+                                         jnp.clip(tok, 0, st.max_context - 1)],
+                              mask=ok, other=-1)
+            return jnp.where(ok & (sl >= 0) & (sl < st.pool_slots), sl, -1)
+
+        ok4 = jnp.broadcast_to(valid[:, None], (nbp, RATIO))
+        tok = slots(RATIO * g[:, None] + t4, ok4)
+        col = jnp.where(ok4, RATIO * pos[:, None] + t4, spare)
+        _compat.store(o_ref.at[row, h, col], tok, mask=ok4)
+        t1 = t4[0]
+        n_tail = vis - RATIO * n_vis
+        tail_ok = t1 < n_tail
+        tok = slots(RATIO * n_vis + t1, tail_ok)
+        _compat.store(o_ref.at[row, h, jnp.where(tail_ok, RATIO * count + t1, spare)], tok,
+                      mask=tail_ok)
+        end = RATIO * count + n_tail
+        tile = min(_EXPAND_TILE, next_pow2(w))
+        for k0 in range(0, w, tile):  # static: W is a shape
+            cols = k0 + lax.broadcasted_iota(jnp.int32, (tile,), 0)
+            m = (cols >= end) & (cols < w)
+            _compat.store(o_ref.at[row, h, jnp.where(m, cols, spare)],
+                          jnp.full((tile,), -1, jnp.int32), mask=m)
+
+    if st.union_rows:
+        pl.when(run)(body)
+    else:
+        body()
 
 
-def expand_blocks(block_indices, cu_seqlens_q, kv_lens):
-    """Token indices of a block-level selection in plain JAX: as ``qsa_triton.prefill_union.
-    expand_blocks`` (int32 [T, 4 NB + 3] or [T, Hkv, ...], ``interop.indices.
-    expand_prefill_blocks``)."""
-    ordinary = kv_lens is None
-    return _expand(block_indices, cu_seqlens_q, cu_seqlens_q[:-1] if ordinary else kv_lens,
-                   ordinary=ordinary)
+@functools.partial(jax.jit, static_argnames=("st",))
+def _expand_launch(g3, cu, kv_lens, *rest, st: _XStatic):
+    w = RATIO * st.block_width + RATIO - 1
+    out = _compat.triton_call(
+        functools.partial(_expand_kernel, st=st),
+        out_shape=jax.ShapeDtypeStruct((st.rows, st.heads, w + (1 if st.interpret else 0)),
+                                       jnp.int32),
+        grid=(st.rows, st.heads), num_warps=4, num_stages=1, interpret=st.interpret,
+        name=f"qsa_expand_blocks_{st.kind}",
+    )(g3, cu, kv_lens, *rest)
+    return out[..., :w]
+
+
+def expand_blocks(block_indices, cu_seqlens_q, kv_lens, *, pool=None, skip=None,
+                  interpret: bool | None = None):
+    """Token indices of a block-level selection (the per-row kernel's input), a Pallas kernel
+    (``_expand_kernel``): int32 [T, 4 NB + 3] (or [T, Hkv, ...]) from int32 ``block_indices``
+    [T, NB] (or [T, Hkv, NB]), ``cu_seqlens_q`` [B + 1] and ``kv_lens`` [B] or None
+    (ordinary); equal to ``interop.indices.expand_prefill_blocks`` (rows outside every request:
+    all -1), as ``qsa_triton.prefill_union.expand_blocks``. ``pool``: None, or
+    (req_to_token [max_reqs, max_context], req_indices [B], pool slots): the entries' pool
+    slots instead. ``skip``: None, or (union lengths [S, H], R, max_union): rows of tiles within
+    max_union are left unwritten (any value; the tile-union kernel computes them). Raises
+    nothing of its own (callers check the contract first)."""
+    t, nb = block_indices.shape[0], block_indices.shape[-1]
+    g3 = block_indices if block_indices.ndim == 3 else block_indices[:, None, :]
+    w = RATIO * nb + RATIO - 1
+    shape = (t, g3.shape[1], w) if block_indices.ndim == 3 else (t, w)
+    if t == 0:
+        return jnp.zeros(shape, jnp.int32)
+    n_req = cu_seqlens_q.shape[0] - 1
+    rest = []
+    ur, max_union = 0, 0
+    if skip is not None:
+        rest.append(skip[0])
+        ur, max_union = int(skip[1]), int(skip[2])
+    max_reqs = max_context = slots = 0
+    kind = "ordinary" if kv_lens is None else "chunk"
+    if pool is not None:
+        r2t, req_idx, slots = pool
+        rest += [r2t, req_idx]
+        max_reqs, max_context = (int(x) for x in r2t.shape)
+        kind = "paged"
+    st = _XStatic(kind, t, int(g3.shape[1]), int(nb), n_req, ur, max_union, max_reqs,
+                  max_context, min(int(slots), _INT32_MAX), _compat.resolve_interpret(interpret))
+    out = _expand_launch(g3, cu_seqlens_q, cu_seqlens_q if kv_lens is None else kv_lens, *rest,
+                         st=st)
+    return out.reshape(shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,36 +285,29 @@ class _UStatic:
     p: PrefillProblem
     geo: UnionGeometry
     union_width: int  # R x NB
-    block_width: int  # NB
-    max_union: int  # interop.geometry.max_union_entries: longer unions run row by row
+    max_union: int  # interop.geometry.max_union_entries: longer unions are the per-row kernel's
     kv_rows: int
     max_reqs: int
     max_context: int
     interpret: bool
 
 
-def _row_tile(group: int) -> int:
-    """Q tile rows of the rows path: next_pow2(G) padded to 16 (a tensor-core M tile)."""
-    return max(16, next_pow2(group))
-
-
 def _union_kernel(*refs, st: _UStatic):
-    """One (tile, KV head): the union path (module docstring), or, when the tile's union has
-    more than ``st.max_union`` entries, its rows one at a time over their own block ids."""
+    """One (tile, KV head) over its union (module docstring); nothing when the tile's union has
+    more than ``st.max_union`` entries (the per-row kernel computed its rows)."""
     pr, geo = st.p, st.geo
     if pr.kind == "ordinary":
-        q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, bi_ref, cu_ref, _o_in, o_ref = refs
+        q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, _o_in, o_ref = refs
     elif pr.kind == "chunk":
-        (q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, bi_ref, cu_ref, cuk_ref, kvl_ref, _o_in,
+        (q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, cuk_ref, kvl_ref, _o_in,
          o_ref) = refs
     else:
-        (q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, bi_ref, cu_ref, kvl_ref, r2t_ref, ri_ref,
+        (q_ref, k_ref, v_ref, ub_ref, um_ref, ul_ref, cu_ref, kvl_ref, r2t_ref, ri_ref,
          _o_in, o_ref) = refs
     slot = pl.program_id(0)
     h = pl.program_id(1)
     g_heads = pr.num_q_heads // pr.num_kv_heads
     r, ht, m, d, bn = geo.tile_rows, next_pow2(g_heads), geo.head_tile, pr.head_dim, geo.block_n
-    hr = _row_tile(g_heads)
     n_req = pr.requests
     qk_scale = pr.softmax_scale * pr.k_scale * LOG2E  # exp2 is the cheaper PTX path
     fp8 = is_fp8(k_ref.dtype)
@@ -331,65 +430,29 @@ def _union_kernel(*refs, st: _UStatic):
         acc, _, l_i = lax.fori_loop(0, n_steps + 1, body, init(m))
         store_out(flat, row_ok, mi, acc, l_i)
 
-    def rows_path():
-        # the per-row kernel's work: each row over its own block ids read from block_indices
-        # (validity 0 <= g < visible // 4), then its causal tail as the last step, in steps of
-        # the per-row kernel's BLOCK_N (``UnionGeometry.row_block_n``)
-        rbn = geo.row_block_n or bn
-        rcols = lax.broadcasted_iota(jnp.int32, (rbn,), 0)
-        rsub, rent, rbu = rcols % RATIO, rcols // RATIO, rbn // RATIO
-        nb = st.block_width
-        nb_steps = -(-nb // rbu)
-        lanes = lax.broadcasted_iota(jnp.int32, (hr,), 0)
-
-        def one_row(ii, carry):
-            rel = jt * r + ii
-            row = q_start + rel
-            live = (rel >= 0) & (rel < q_used) & (row >= 0) & (row < pr.total_q)
-            row_c = jnp.where(live, row, 0)  # a dead row reads row 0 and stores nothing
-            vis = jnp.where(live, jnp.maximum(rel + kv_len - q_len + 1, 0), 0)
-            n_vis = vis // RATIO
-            h_ok = (lanes < g_heads) & live
-            flat = row_c * pr.num_q_heads + h * g_heads + lanes
-            q, qk = load_q(flat, h_ok, hr)
-
-            def body(c, carry):
-                e = c * rbu + rent
-                e_ok = e < nb
-                gb = _compat.load(bi_ref.at[row_c, uh, jnp.clip(e, 0, nb - 1)], mask=e_ok,
-                                  other=-1)
-                tail = c >= nb_steps
-                tok = jnp.where(tail, n_vis * RATIO + rcols, gb * RATIO + rsub)
-                tok_ok = jnp.where(tail, tok < vis, e_ok & (gb >= 0) & (gb < n_vis))
-                return step(carry, q, qk, tok, tok_ok, h_ok[:, None] & tok_ok[None, :])
-
-            acc, _, l_i = lax.fori_loop(0, nb_steps + 1, body, init(hr))
-            store_out(flat, h_ok, lanes, acc, l_i)
-            return carry
-
-        lax.fori_loop(0, r, one_row, jnp.int32(0))
-
-    lax.cond(n_u > st.max_union, rows_path, union_path)
+    pl.when(n_u <= st.max_union)(union_path)
 
 
 def _spare_rows(st: _UStatic) -> int:
     """Rows past the output that take the masked lanes' stores in interpret mode (one per lane
-    of the larger Q tile; none on the GPU)."""
-    return max(st.geo.head_tile, _row_tile(st.p.group)) if st.interpret else 0
+    of the Q tile; none on the GPU)."""
+    return st.geo.head_tile if st.interpret else 0
 
 
 @functools.partial(jax.jit, static_argnames=("st",))
-def _launch(q, k, v, ublk, umem, ulen, bidx, *meta, st: _UStatic):
+def _launch(q, k, v, base, ublk, umem, ulen, *meta, st: _UStatic):
     pr = st.p
     t, hq, d = q.shape
     q2 = q.reshape(t * hq, d)
-    # rows of no tile stay zero (an aliased zeros output); in interpret mode spare rows at the
-    # end take the masked lanes' stores (see the kernel)
-    zeros = jnp.zeros((t * hq + _spare_rows(st), d), q.dtype)
-    args = (q2, k, v, ublk, umem, ulen, bidx, *meta, zeros)
+    # the per-row kernel's output aliased into this kernel (tiles past the bound and rows of no
+    # tile keep it); in interpret mode spare rows at the end take the masked lanes' stores
+    out0 = base.reshape(t * hq, d)
+    if _spare_rows(st):
+        out0 = jnp.concatenate([out0, jnp.zeros((_spare_rows(st), d), q.dtype)])
+    args = (q2, k, v, ublk, umem, ulen, *meta, out0)
     out = _compat.triton_call(
         functools.partial(_union_kernel, st=st),
-        out_shape=jax.ShapeDtypeStruct(zeros.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(out0.shape, q.dtype),
         grid=(ulen.shape[0], pr.num_kv_heads),
         num_warps=st.geo.num_warps, num_stages=st.geo.num_stages,
         interpret=st.interpret, input_output_aliases={len(args) - 1: 0},
@@ -398,32 +461,39 @@ def _launch(q, k, v, ublk, umem, ulen, bidx, *meta, st: _UStatic):
     return out[: t * hq].reshape(t, hq, d)
 
 
-def union_run(problem, q, k, v, block_indices, meta: dict, geo: UnionGeometry, *,
-              interpret: bool):
-    """The union build and the tile kernel of one checked call (``problem`` with width NB;
-    ``meta``: the entry point's other arrays by name, ``cu_seqlens_q`` first). Returns
-    [T, Hq, D] in q's dtype."""
+def union_build(problem, block_indices, meta: dict, geo: UnionGeometry):
+    """The union build of one checked call (``problem`` with width NB; ``meta``: the entry
+    point's other arrays by name, ``cu_seqlens_q`` first) under ``geo`` ("union"): (blocks,
+    masks, lengths as ``block_union``, max_union: ``interop.geometry.max_union_entries``)."""
     ht = next_pow2(problem.group)
     if geo.kind != "union" or geo.head_tile < geo.tile_rows * ht or geo.block_n < geo.tile_rows + 3:
         raise ValueError(f"union geometry {geo} cannot hold {geo.tile_rows} rows x {ht} heads")
+    ublk, umem, ulen = block_union(block_indices, meta["cu_seqlens_q"], meta.get("kv_lens"),
+                                   geo.tile_rows)
+    # a union has at most R x NB entries: a larger bound means "never"
+    max_union = min(max_union_entries(geo, int(block_indices.shape[-1]), max(16, ht)),
+                    _INT32_MAX)
+    return ublk, umem, ulen, max_union
+
+
+def union_run(problem, q, k, v, out, union, meta: dict, geo: UnionGeometry, *,
+              interpret: bool):
+    """The tile-union kernel of one checked call over ``out`` (the per-row kernel's output, [T,
+    Hq, D] in q's dtype; rows of tiles past the bound keep it), ``union`` from ``union_build``.
+    Returns [T, Hq, D] in q's dtype."""
+    ublk, umem, ulen, max_union = union
     cu = meta["cu_seqlens_q"]
     kv_lens = meta.get("kv_lens")
-    ublk, umem, ulen = block_union(block_indices, cu, kv_lens, geo.tile_rows)
     r2t = meta.get("req_to_token")
-    nb = int(block_indices.shape[-1])
     st = _UStatic(dataclasses.replace(problem, max_seqlen_q=1),
-                  dataclasses.replace(geo, source=""), int(ublk.shape[-1]), nb,
-                  # a union has at most R x NB entries: a larger bound means "never"
-                  min(max_union_entries(geo, nb, _row_tile(problem.group)), _INT32_MAX),
+                  dataclasses.replace(geo, source=""), int(ublk.shape[-1]), max_union,
                   int(k.shape[0]),
                   int(r2t.shape[0]) if r2t is not None else 0,
                   int(r2t.shape[1]) if r2t is not None else 0, bool(interpret))
-    # [T, H, NB] (H = 1 for shared selections): the rows path reads a row's ids directly
-    bidx = block_indices if block_indices.ndim == 3 else block_indices[:, None, :]
     if problem.kind == "ordinary":
         rest = (cu,)
     elif problem.kind == "chunk":
         rest = (cu, meta["cu_seqlens_k"], kv_lens)
     else:
         rest = (cu, kv_lens, r2t, meta["req_indices"])
-    return _launch(q, k, v, ublk, umem, ulen, bidx, *rest, st=st)
+    return _launch(q, k, v, out, ublk, umem, ulen, *rest, st=st)

@@ -105,10 +105,9 @@ CASES = {
 }
 
 
-def union_geometry(case, tile_rows, block_n=16, row_block_n=0) -> UnionGeometry:
+def union_geometry(case, tile_rows, block_n=16) -> UnionGeometry:
     ht = 1 << max(0, (case.arrays["q"].shape[1] // _kv(case).shape[1] - 1).bit_length())
-    return UnionGeometry("union", tile_rows, max(16, tile_rows * ht), block_n, 4, 1, "test",
-                         row_block_n)
+    return UnionGeometry("union", tile_rows, max(16, tile_rows * ht), block_n, 4, 1, "test")
 
 
 def _kv(case):
@@ -574,10 +573,7 @@ def test_triton_per_tile_switch_paths_match_reference(name, work, monkeypatch):
 @SWITCH_WORK
 @pytest.mark.parametrize("name", ["ordinary-ragged", "chunk-fp8-perhead", "paged-lying-poisoned"])
 def test_pallas_per_tile_switch_paths_match_reference(name, work, monkeypatch):
-    """The Pallas union kernel's per-tile switch (a ``lax.cond`` per program between the union
-    path and its rows path): every tile on the rows path (bound 0), tiles of both kinds in one
-    call (work 0.1), every tile on the union path (no bound) give the reference, junk,
-    duplicates, lying metadata and empty rows included."""
+    """The Pallas twin of ``test_triton_per_tile_switch_paths_match_reference``."""
     from interop import geometry
 
     monkeypatch.setitem(geometry.UNION_RULES, "max_union_work", work)
@@ -585,9 +581,6 @@ def test_pallas_per_tile_switch_paths_match_reference(name, work, monkeypatch):
     be = _BACKENDS.setdefault("pallas", PallasBackend())
     out = be.run(case, union_geometry(case, 4))
     assert_matches(out, case.reference(), f"pallas {name} max_union_work={work}")
-    if work == 0.0:  # the rows path in steps wider than the union's (row_block_n)
-        out = be.run(case, union_geometry(case, 4, row_block_n=32))
-        assert_matches(out, case.reference(), f"pallas {name} rows at row_block_n 32")
 
 
 @pytest.mark.parametrize("r", [2, 4, 8])

@@ -132,7 +132,7 @@ SAMPLES = [
     ("pallas", "decode_paged", ("sm_120",),
      r"pallas_paged_12_1_(kvbfloat16_R1|kvfloat8_e4m3fn_R95)_", 2),
     ("pallas", "prefill_union", ("sm_120",),
-     r"pallas_prefill_union_(paged_bf16_R8_m32|chunk_fp8_R8_m64)_bn32_w4_s3$", 2),
+     r"pallas_prefill_union_(paged_bf16_R8_m32|chunk_fp8_R8_m64)_bn32_w4_s3$", 6),
 ]
 
 _SAMPLE_SCRIPT = ("import json, sys\n"
