@@ -272,7 +272,7 @@ def _union_step(q, acc, m_i, l_i, tok, tok_ok, member, kv_base, table_row, bound
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
     alpha = tl.math.exp2(m_i - m_ref)
     p = tl.math.exp2(s - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha[:, None] + p
     v = tl.load(v_head + kv_row[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None],
                 other=0.0).to(q.dtype)
     acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
@@ -337,9 +337,7 @@ def _qsa_prefill_union_fwd(
         q, qk_scale = fp16_query(q, qk_scale)  # FP8 K/V: the dots in fp16 (qsa_triton._fp8)
 
     m_i = tl.full([M], float("-inf"), tl.float32)
-    # the row sums each step: a deferred [M, BLOCK_N] sum (the per-row kernel's) made the M = 64
-    # tiles spill registers on sm_90
-    l_i = tl.zeros([M], tl.float32)
+    l_i = tl.zeros([M, BLOCK_N], tl.float32)  # row sums reduced once at the end (prefill.py)
     acc = tl.zeros([M, D], tl.float32)
     # causal tails: row i attends [4 * (vis_i // 4), vis_i); for R consecutive rows these lie in
     # [4 * (vis_0 // 4), vis_last), at most R + 3 <= BLOCK_N positions: one extra step, the
@@ -364,8 +362,9 @@ def _qsa_prefill_union_fwd(
         acc, m_i, l_i = _union_step(q, acc, m_i, l_i, tok, tok_ok, member & row_ok[:, None],
                                     kv_base, table_row, bound, pool_slots, k_head, v_head,
                                     stride_kn, stride_vn, qk_scale, D, MODE, OFF64)
-    has = l_i > 0.0
-    inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
+    l_sum = tl.sum(l_i, 1)
+    has = l_sum > 0.0
+    inv = tl.where(has, v_scale / tl.where(has, l_sum, 1.0), 0.0)
     out = acc * inv[:, None]
     tl.store(o_ptr + row64[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
