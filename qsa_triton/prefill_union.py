@@ -182,15 +182,41 @@ def _qsa_block_union(
 
 
 @triton.jit
+def _row_hits(head_ptr, stride_bt, gs, rel_i, row_i, q_used, T, kv_off, NB, max_blocks,
+              NBP: tl.constexpr):
+    """Whether each of ``gs`` (block ids, -1 = none) is a valid entry of tile row ``rel_i``
+    (``row_i`` in the selection): one [len(gs), NBP] compare, the row re-read from L1/L2."""
+    c = tl.arange(0, NBP)
+    lim = tl.minimum(tl.maximum(rel_i + kv_off + 1, 0) // 4, max_blocks)
+    use = (rel_i >= 0) & (rel_i < q_used) & (row_i >= 0) & (row_i < T)
+    lim = tl.where(c < NB, tl.where(use, lim, 0), 0)  # a vector (interpreter-safe masks)
+    gi = tl.load(head_ptr + row_i.to(tl.int64) * stride_bt + c, mask=lim > 0, other=-1)
+    gi = tl.where((gi >= 0) & (gi < lim), gi, -1)  # an invalid entry matches no sample
+    return tl.sum((gs[:, None] == gi[None, :]).to(tl.int32), 1) > 0
+
+
+@triton.jit
 def _union_estimate(head_ptr, stride_bt, n_valid, row0, rel0, q_used, T, kv_off, NB, max_blocks,
                     R: tl.constexpr, NBP: tl.constexpr):
     """Estimated union size of one tile before any sort (module docstring, 3): 32 valid entries
     sampled evenly over the R rows, each entry's multiplicity m = the number of rows that list
     it, and |union| ~ (valid entries) x mean(1 / m) (each distinct block is counted once over
-    its m copies). 0.0 where no sample is valid. Rows are re-read from L1/L2: 32 x NBP
-    compares a row, cheap beside the sort it may save."""
+    its m copies). 0.0 where no sample is valid, and without the R-row count where half of 32
+    entries of the tile's first row are in its last (overlapping rows: the build decides).
+    Rows are re-read from L1/L2: 32 x NBP compares a row, cheap beside the sort it may save."""
     S: tl.constexpr = 32
     k = tl.arange(0, S)
+    # the first row against the last: most tiles of an indexer's selections stop here
+    col = (k * NBP) // S
+    ok0 = (rel0 >= 0) & (rel0 < q_used) & (row0 >= 0) & (row0 < T)
+    n_ok0 = tl.where(ok0, tl.minimum(tl.maximum(rel0 + kv_off + 1, 0) // 4, max_blocks), 0)
+    n_ok0 = tl.where(col < NB, n_ok0, 0)  # a vector (interpreter-safe masks)
+    gs = tl.load(head_ptr + row0.to(tl.int64) * stride_bt + col, mask=n_ok0 > 0, other=-1)
+    gs = tl.where((gs >= 0) & (gs < n_ok0), gs, -1)
+    far = _row_hits(head_ptr, stride_bt, gs, rel0 + R - 1, row0 + R - 1, q_used, T, kv_off,
+                    NB, max_blocks, NBP) & (gs >= 0)
+    if 2 * tl.sum(far.to(tl.int32), 0) >= tl.sum((gs >= 0).to(tl.int32), 0):
+        return 0.0
     ri = k % R
     col = ((k // R) * (NBP * R)) // S
     rel = rel0 + ri
@@ -199,18 +225,11 @@ def _union_estimate(head_ptr, stride_bt, n_valid, row0, rel0, q_used, T, kv_off,
     n_ok = tl.minimum(tl.maximum(rel + kv_off + 1, 0) // 4, max_blocks)
     gs = tl.load(head_ptr + row.to(tl.int64) * stride_bt + col, mask=ok, other=-1)
     ok = ok & (gs >= 0) & (gs < n_ok)
+    gs = tl.where(ok, gs, -1)
     m = tl.zeros([S], tl.int32)
-    c = tl.arange(0, NBP)
     for i in tl.static_range(R):
-        rel_i = rel0 + i
-        row_i = row0 + i
-        lim = tl.minimum(tl.maximum(rel_i + kv_off + 1, 0) // 4, max_blocks)
-        use = (rel_i >= 0) & (rel_i < q_used) & (row_i >= 0) & (row_i < T)
-        lim = tl.where(c < NB, tl.where(use, lim, 0), 0)  # a vector (interpreter-safe masks)
-        gi = tl.load(head_ptr + row_i.to(tl.int64) * stride_bt + c, mask=lim > 0, other=-1)
-        gi = tl.where((gi >= 0) & (gi < lim), gi, -1)  # an invalid entry matches no sample
-        hit = tl.sum((gs[:, None] == gi[None, :]).to(tl.int32), 1) > 0
-        m += hit.to(tl.int32)
+        m += _row_hits(head_ptr, stride_bt, gs, rel0 + i, row0 + i, q_used, T, kv_off, NB,
+                       max_blocks, NBP).to(tl.int32)
     inv = tl.where(ok, 1.0 / tl.maximum(m, 1).to(tl.float32), 0.0)
     n_s = tl.sum(ok.to(tl.float32), 0)
     return tl.where(n_s > 0, n_valid.to(tl.float32) * tl.sum(inv, 0) / tl.maximum(n_s, 1.0), 0.0)
