@@ -173,6 +173,7 @@ def _prefill_kernel(*refs, st: _Static):
         length = kvl_ref[b]
         visible = r + length - q_len + 1  # bottom-right causal alignment
         base = cuk_ref[b] if pr.kind == "chunk" else 0
+    last_pos = PU.last_position(base, st.kv_rows)
     n_cols = jnp.where(in_request, jnp.clip(jnp.minimum(visible, w), 0, w), 0)
     if st.union_rows:  # rows of tiles the tile-union kernel takes: no column (it overwrites)
         ur = st.union_rows
@@ -211,7 +212,8 @@ def _prefill_kernel(*refs, st: _Static):
         else:
             valid = col_ok & (ids >= 0) & (ids < length)
             # in range even when cu_seqlens_k / kv_lens disagree with k's rows (bad metadata)
-            kv_rows = jnp.clip(jnp.where(valid, base + ids, 0), 0, st.kv_rows - 1)
+            kv_rows = jnp.where(valid & (ids > last_pos), st.kv_rows - 1,
+                                jnp.clip(jnp.where(valid, base + ids, 0), 0, st.kv_rows - 1))
         gmask = jnp.broadcast_to(valid[:, None], (bn, d))
         # Masked lanes are never dereferenced on the GPU and read `other` = 0 (interpret mode
         # gathers the clamped row, then substitutes `other`), so a non-finite never-selected row

@@ -38,6 +38,13 @@ __all__ = ["block_union", "expand_blocks", "union_build", "union_run", "union_sl
 _INT32_MAX = 2**31 - 1
 
 
+def last_position(base, kv_rows: int):
+    """The largest position p with base + p inside k's ``kv_rows`` rows (a lying range is
+    clamped into k: larger positions read row kv_rows - 1; both prefill kernels), without the
+    int32 overflow of base + p (int32 arithmetic wraps; the branch that would is not taken)."""
+    return jnp.where(base < kv_rows - 1 - _INT32_MAX, _INT32_MAX, kv_rows - 1 - base)
+
+
 def union_slots(total_q: int, requests: int, tile_rows: int) -> int:
     """Programs per KV head of the union grid: T // R + B (``interop.indices.tile_slots``)."""
     return total_q // tile_rows + requests
@@ -247,9 +254,11 @@ def expand_blocks(block_indices, cu_seqlens_q, kv_lens, *, pool=None, skip=None,
     (ordinary); equal to ``interop.indices.expand_prefill_blocks`` (rows outside every request:
     all -1), as ``qsa_triton.prefill_union.expand_blocks``. ``pool``: None, or
     (req_to_token [max_reqs, max_context], req_indices [B], pool slots): the entries' pool
-    slots instead. ``skip``: None, or (union lengths [S, H], R, max_union): rows of tiles within
-    max_union are left unwritten (any value; the tile-union kernel computes them). Raises
-    nothing of its own (callers check the contract first)."""
+    slots instead. ``skip``: None, or (union lengths [S, H], R, max_union): a row is written
+    only where its tile (``qsa_triton.prefill_union.row_runs``'s slot rule, rows outside every
+    request included) is past max_union; the other rows may hold anything (the tile-union
+    kernel computes them, no kernel reads rows outside every request). Raises nothing of its
+    own (callers check the contract first)."""
     t, nb = block_indices.shape[0], block_indices.shape[-1]
     g3 = block_indices if block_indices.ndim == 3 else block_indices[:, None, :]
     w = RATIO * nb + RATIO - 1
@@ -327,6 +336,7 @@ def _union_kernel(*refs, st: _UStatic):
     else:
         kv_len = kvl_ref[b]
         base = cuk_ref[b] if pr.kind == "chunk" else 0
+    last_pos = last_position(base, st.kv_rows)
     bound = kv_len
     req_row = 0
     if pr.kind == "paged":
@@ -373,7 +383,8 @@ def _union_kernel(*refs, st: _UStatic):
             ok = ok & (sl >= 0) & (sl < st.kv_rows)
             kv = jnp.where(ok, sl, 0)
         else:
-            kv = jnp.clip(jnp.where(ok, base + tok, 0), 0, st.kv_rows - 1)
+            kv = jnp.where(ok & (tok > last_pos), st.kv_rows - 1,
+                           jnp.clip(jnp.where(ok, base + tok, 0), 0, st.kv_rows - 1))
         gmask = jnp.broadcast_to(ok[:, None], (tok.shape[0], d))
         k = _compat.load(k_ref.at[kv[:, None], h, d_row], mask=gmask, other=0.0).astype(dt)
         v = _compat.load(v_ref.at[kv[:, None], h, d_row], mask=gmask, other=0.0).astype(dt)

@@ -53,6 +53,9 @@ MODE_CHUNK = 1  # row = cu_seqlens_k[b] + idx, valid iff 0 <= idx < kv_lens[b]
 MODE_SLOTS = 2  # entries are pool slots resolved by the pre-pass; valid iff slot >= 0
 
 
+_INT32_MAX = tl.constexpr(2**31 - 1)
+
+
 @triton.jit
 def _prefill_row(
     r, b, h, q_start, q_len,
@@ -77,6 +80,9 @@ def _prefill_row(
         kv_base = tl.load(cu_k_ptr + b)
     else:
         kv_base = 0
+    # the largest position kv_base + pos keeps inside k (a lying range is clamped into k), found
+    # without the int32 overflow of kv_base + pos
+    last_pos = tl.where(kv_base < kv_rows - 1 - _INT32_MAX, _INT32_MAX, kv_rows - 1 - kv_base)
     n_cols = tl.minimum(tl.maximum(visible, 0), W)
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -107,7 +113,7 @@ def _prefill_row(
         else:
             valid = in_row & (ent >= 0) & (ent < kv_len)
             # lying cu_seqlens can point past k/v: clamped into its rows (qsa_pallas's rule)
-            kv_row = tl.minimum(tl.maximum(kv_base + ent, 0), kv_rows - 1)
+            kv_row = tl.where(ent > last_pos, kv_rows - 1, tl.maximum(kv_base + ent, 0))
         if OFF64:
             # row x stride overflows int32 once k/v hold >= 2^31 elements (pool > ~4.2M
             # slots at Hkv x D = 512); below that every valid offset fits int32 exactly and

@@ -267,8 +267,8 @@ def _emit_union(ks, prev, ublk_row, umem_row, ulen_at, R: tl.constexpr, N: tl.co
 
 
 @triton.jit
-def _union_step(q, acc, m_i, l_i, tok, tok_ok, member, kv_base, table_row, bound, pool_slots,
-                k_head, v_head, stride_kn, stride_vn, qk_scale,
+def _union_step(q, acc, m_i, l_i, tok, tok_ok, member, kv_base, last_pos, table_row, bound,
+                pool_slots, k_head, v_head, stride_kn, stride_vn, qk_scale,
                 D: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr):
     """One BLOCK_N step of the online softmax over positions ``tok`` for the whole Q tile."""
     offs_d = tl.arange(0, D)
@@ -280,7 +280,7 @@ def _union_step(q, acc, m_i, l_i, tok, tok_ok, member, kv_base, table_row, bound
     else:
         # lying cu_seqlens can point past k/v: clamped into its rows (pool_slots = rows of k),
         # the per-row kernel's and qsa_pallas's rule
-        kv_row = tl.minimum(tl.maximum(kv_base + tok, 0), pool_slots - 1)
+        kv_row = tl.where(tok > last_pos, pool_slots - 1, tl.maximum(kv_base + tok, 0))
     if OFF64:
         kv_row = kv_row.to(tl.int64)
     k = tl.load(k_head + kv_row[:, None] * stride_kn + offs_d[None, :], mask=ok[:, None],
@@ -324,6 +324,10 @@ def _qsa_prefill_union_fwd(
             kv_base = tl.load(cu_k_ptr + b)
         else:
             kv_base = 0
+    # the largest position kv_base + pos keeps inside k (a lying range is clamped into k),
+    # without the int32 overflow of kv_base + pos (qsa_triton.prefill's rule)
+    last_pos = tl.where(kv_base < pool_slots - 1 - _INT32_MAX, _INT32_MAX,
+                        pool_slots - 1 - kv_base)
     table_row = r2t_ptr
     bound = kv_len
     if MODE == 2:
@@ -383,8 +387,8 @@ def _qsa_prefill_union_fwd(
         tok_ok = tl.where(tail, tail_ok, e_ok)
         member = tl.where(tail, tail_member, ((mem[None, :] >> i[:, None]) & 1) != 0)
         acc, m_i, l_i = _union_step(q, acc, m_i, l_i, tok, tok_ok, member & row_ok[:, None],
-                                    kv_base, table_row, bound, pool_slots, k_head, v_head,
-                                    stride_kn, stride_vn, qk_scale, D, MODE, OFF64)
+                                    kv_base, last_pos, table_row, bound, pool_slots, k_head,
+                                    v_head, stride_kn, stride_vn, qk_scale, D, MODE, OFF64)
     l_sum = tl.sum(l_i, 1)
     has = l_sum > 0.0
     inv = tl.where(has, v_scale / tl.where(has, l_sum, 1.0), 0.0)
@@ -557,8 +561,10 @@ def expand_blocks(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
     ``interop.indices.expand_prefill_blocks`` (rows outside every request: all -1).
     ``pool``: None, or (req_to_token [max_reqs, max_context], req_indices [B], pool slots): the
     entries' pool slots instead (``qsa_triton.prefill.resolve_pool_slots`` of the expansion).
-    ``skip``: None, or (union lengths [S, H], R, max_union): rows of tiles within max_union are
-    left unwritten (the tile-union kernel computes them)."""
+    ``skip``: None, or (union lengths [S, H], R, max_union): a row is written only where its
+    tile (``row_runs``'s slot rule, rows outside every request included) is past max_union;
+    the other rows may hold anything (the tile-union kernel computes them, no kernel reads
+    rows outside every request)."""
     t, nb = block_indices.shape[0], block_indices.shape[-1]
     w = RATIO * nb + RATIO - 1
     hidx, stride_bh = _heads(block_indices)

@@ -611,6 +611,55 @@ def test_union_clamps_a_lying_kv_range_into_k(backend, r):
     assert_matches(backend.run(case, union_geometry(case, r)), ref, f"{backend.name} R={r}")
 
 
+def test_lying_kv_range_near_int32_max_clamps_into_k():
+    """A lying chunk range whose positions reach 2**31 past a nonzero cu_seqlens_k[b]: every
+    position still clamps into k's last row (qsa-contract.md §7), on the block path (union and
+    per-row kernels) and the token path of both packages; cu_seqlens_k[b] + position must not
+    wrap in int32 (it read row 0). Found by a break trial."""
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    import qsa_pallas
+    import qsa_triton
+    from interop import reference as Rf
+
+    rng = np.random.default_rng(0)
+    ql, cu_q = [1, 1], np.array([0, 1, 2], np.int32)
+    cu_k, kv_lens = np.array([0, 10, 20], np.int32), np.array([10, 2**31 - 1], np.int32)
+    q = rng.standard_normal((2, 6, 32)).astype(np.float16)
+    k, v = (rng.standard_normal((20, 1, 32)).astype(np.float16) for _ in range(2))
+    blocks = np.full((2, 5), -1, np.int32)
+    blocks[0, 0] = 1
+    blocks[1, :2] = [2**29 - 2, 3]  # positions 2**31 - 8 .. 2**31 - 5, past k's 20 rows
+    idx = I.expand_prefill_blocks(blocks, ql, kv_lens)
+    ref = Rf.prefill_chunk_reference(*(x.astype(np.float32) for x in (q, k, v)), idx, cu_q, cu_k,
+                                     kv_lens)
+    t, j = torch.from_numpy, jnp.asarray
+    for sel in ("blocks", "tokens"):
+        kw = {"block_indices": blocks} if sel == "blocks" else {}
+        out = qsa_triton.sparse_prefill_chunk(
+            t(q), t(k), t(v), None if kw else t(idx), t(cu_q), t(cu_k), t(kv_lens), 1,
+            **{n: t(x) for n, x in kw.items()})
+        assert_matches(out.float().numpy(), ref, f"triton {sel}")
+        out = qsa_pallas.sparse_prefill_chunk(
+            j(q), j(k), j(v), None if kw else j(idx), j(cu_q), j(cu_k), j(kv_lens), 1,
+            **{n: j(x) for n, x in kw.items()})
+        assert_matches(np.asarray(out).astype(np.float32), ref, f"pallas {sel}")
+    # the tile-union kernels themselves (a forced union geometry, R = 2)
+    case = block_case("chunk", 6, 1, [2, 2], [10, 10], junk="-1", duplicates=0, seed=13)
+    a = case.arrays
+    a["cu_seqlens_k"] = np.array([0, 10, 20], np.int32)
+    a["kv_lens"] = np.array([10, 2**31 - 1], np.int32)
+    for n in ("k", "v"):
+        a[n] = np.ascontiguousarray(a[n][:20])
+    case.blocks[:] = -1
+    case.blocks[:, 0] = 1
+    case.blocks[2:, 1:3] = [2**29 - 2, 3]
+    a["indices"] = I.expand_prefill_blocks(case.blocks, [2, 2], a["kv_lens"])
+    for name, be in (("triton", TritonBackend), ("pallas", PallasBackend)):
+        got = _BACKENDS.setdefault(name, be()).run(case, union_geometry(case, 2))
+        assert_matches(got, case.reference(), f"{name} union kernel")
+
+
 def test_selected_paths_match_reference(backend, monkeypatch):
     """The public entry point without a forced geometry, paged: the selector's union kernel (8
     rows per request at G = 6 -> R = 8, the tile-count rule off for this small batch) and, with
