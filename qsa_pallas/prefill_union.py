@@ -51,7 +51,8 @@ def union_slots(total_q: int, requests: int, tile_rows: int) -> int:
 
 
 def _tiles(cu, n_req: int, tile_rows: int, slots):
-    """Per slot: (request b, first row q_start, q_len, tile j, rows the tile may use: q_len or 0)."""
+    """Per slot: (request b, first row q_start, q_len, tile j, rows the tile may use: q_len or
+    0)."""
     first = cu[:n_req] // tile_rows + jnp.arange(n_req, dtype=jnp.int32)
     b = jnp.sum((first[None, 1:] <= slots[:, None]).astype(jnp.int32), axis=1,
                 dtype=jnp.int32)
