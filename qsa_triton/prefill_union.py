@@ -369,14 +369,10 @@ def _qsa_prefill_union_fwd(
     vis0 = tl.maximum(jt * R + kv_len - q_len + 1, 0)
     tail_tok = (vis0 // 4) * 4 + offs_n
     tail_member = ((tail_tok[None, :] >= ((vis // 4) * 4)[:, None])
-                   & (tail_tok[None, :] < vis[:, None]))
-    # only positions in some row's tail are gathered: a non-finite K/V row no row names must not
-    # reach the dots (0 x NaN). The used rows [jt R, rel_end) see consecutive counts, whose
-    # tails cover every position below the last count except 4k + 3 (in no tail). A [BLOCK_N]
-    # vector: a reduction over the [M, BLOCK_N] mask cost the loop registers.
-    rel_end = tl.minimum(tl.minimum(jt * R + R, q_used), T - q_start)
-    vis_l = tl.where(rel_end > jt * R, tl.maximum(rel_end + kv_len - q_len, 0), 0)
-    tail_ok = (tail_tok < vis_l) & ((tail_tok % 4) != 3)
+                   & (tail_tok[None, :] < vis[:, None]) & row_ok[:, None])
+    # only positions in some row's tail are gathered (4k + 3 is in none): a non-finite K/V row
+    # no row names must not reach the dots (0 x NaN)
+    tail_ok = tl.max(tail_member.to(tl.int32), 0) > 0
     for c in range(0, n_u + BLOCK_U, BLOCK_U):
         e = c + ent
         e_ok = e < n_u
