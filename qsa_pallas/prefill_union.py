@@ -33,7 +33,8 @@ from . import _compat
 from ._compat import pl
 from ._fp8 import fp16_query, is_fp8
 
-__all__ = ["block_union", "expand_blocks", "union_build", "union_run", "union_slots"]
+__all__ = ["block_union", "expand_blocks", "last_position", "pool_slot", "request_table",
+           "union_build", "union_run", "union_slots"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -43,6 +44,24 @@ def last_position(base, kv_rows: int):
     clamped into k: larger positions read row kv_rows - 1; both prefill kernels), without the
     int32 overflow of base + p (int32 arithmetic wraps; the branch that would is not taken)."""
     return jnp.where(base < kv_rows - 1 - _INT32_MAX, _INT32_MAX, kv_rows - 1 - base)
+
+
+def request_table(ri_ref, b, kv_len, max_reqs: int, max_context: int):
+    """(req_to_token row, position bound) of request b of a paged call: a request index outside
+    [0, max_reqs) has no valid position, positions stop at the table's width (qsa-contract.md
+    §7); as ``qsa_triton.prefill_union.request_table``."""
+    req = ri_ref[b]
+    req_ok = (req >= 0) & (req < max_reqs)
+    return jnp.where(req_ok, req, 0), jnp.where(req_ok, jnp.minimum(kv_len, max_context), 0)
+
+
+def pool_slot(r2t_ref, req_row, tok, ok, bound, max_context: int, pool_slots: int):
+    """The pool slot of positions ``tok`` (-1 where not ``ok``, outside [0, ``bound``) or mapped
+    outside [0, ``pool_slots``)): the paged slot rule of every prefill kernel, as
+    ``qsa_triton.prefill_union.pool_slot``."""
+    ok = ok & (tok >= 0) & (tok < bound)
+    sl = _compat.load(r2t_ref.at[req_row, jnp.clip(tok, 0, max_context - 1)], mask=ok, other=-1)
+    return jnp.where(ok & (sl >= 0) & (sl < pool_slots), sl, -1)
 
 
 def union_slots(total_q: int, requests: int, tile_rows: int) -> int:
@@ -198,17 +217,13 @@ def _expand_kernel(*refs, st: _XStatic):
         count = jnp.sum(valid.astype(jnp.int32), dtype=jnp.int32)
         t4 = lax.broadcasted_iota(jnp.int32, (1, RATIO), 1)
 
-        def slots(tok, ok):  # pool slots of positions (the paged slot rule of every kernel)
+        if st.kind == "paged":
+            req_row, bound = request_table(ri_ref, b, kv_len, st.max_reqs, st.max_context)
+
+        def slots(tok, ok):  # positions, or their pool slots in a paged call
             if st.kind != "paged":
                 return tok
-            req = ri_ref[b]
-            req_ok = (req >= 0) & (req < st.max_reqs)
-            bound = jnp.where(req_ok, jnp.minimum(kv_len, st.max_context), 0)
-            ok = ok & (tok >= 0) & (tok < bound)
-            sl = _compat.load(r2t_ref.at[jnp.where(req_ok, req, 0),
-                                         jnp.clip(tok, 0, st.max_context - 1)],
-                              mask=ok, other=-1)
-            return jnp.where(ok & (sl >= 0) & (sl < st.pool_slots), sl, -1)
+            return pool_slot(r2t_ref, req_row, tok, ok, bound, st.max_context, st.pool_slots)
 
         ok4 = jnp.broadcast_to(valid[:, None], (nbp, RATIO))
         tok = slots(RATIO * g[:, None] + t4, ok4)
@@ -341,10 +356,7 @@ def _union_kernel(*refs, st: _UStatic):
     bound = kv_len
     req_row = 0
     if pr.kind == "paged":
-        req = ri_ref[b]
-        req_ok = (req >= 0) & (req < st.max_reqs)
-        req_row = jnp.where(req_ok, req, 0)
-        bound = jnp.where(req_ok, jnp.minimum(kv_len, st.max_context), 0)
+        req_row, bound = request_table(ri_ref, b, kv_len, st.max_reqs, st.max_context)
 
     n_out = pr.total_q * pr.num_q_heads
     d_row = lax.broadcasted_iota(jnp.int32, (1, d), 1)
@@ -379,9 +391,8 @@ def _union_kernel(*refs, st: _UStatic):
         dt = q.dtype  # q's dtype, or float16 with FP8 K/V
         ok = tok_ok & (tok >= 0) & (tok < bound)
         if pr.kind == "paged":
-            pos = jnp.clip(tok, 0, st.max_context - 1)
-            sl = _compat.load(r2t_ref.at[req_row, pos], mask=ok, other=-1)
-            ok = ok & (sl >= 0) & (sl < st.kv_rows)
+            sl = pool_slot(r2t_ref, req_row, tok, ok, bound, st.max_context, st.kv_rows)
+            ok = sl >= 0
             kv = jnp.where(ok, sl, 0)
         else:
             kv = jnp.where(ok & (tok > last_pos), st.kv_rows - 1,

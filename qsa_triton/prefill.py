@@ -38,7 +38,7 @@ from interop.geometry import (BLOCK_INDICES_DOC, Geometry, UnionGeometry, geomet
 from interop.plan import LOG2E, next_pow2
 
 from . import prefill_union as PU
-from .prefill_union import pool_slot, request_table, row_runs
+from .prefill_union import last_position, pool_slot, request_table, row_runs
 from ._fp8 import fp16_query
 from ._interp_guard import (check_device, check_interpreter_dtype, check_torch_tensors,
                             refuse_traced, traced_refusal)
@@ -51,9 +51,6 @@ __all__ = ["sparse_prefill", "sparse_prefill_chunk", "sparse_prefill_paged", "pr
 MODE_ORDINARY = 0  # row = cu_seqlens[b] + idx, valid iff 0 <= idx < q_len_b
 MODE_CHUNK = 1  # row = cu_seqlens_k[b] + idx, valid iff 0 <= idx < kv_lens[b]
 MODE_SLOTS = 2  # entries are pool slots resolved by the pre-pass; valid iff slot >= 0
-
-
-_INT32_MAX = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
@@ -80,9 +77,7 @@ def _prefill_row(
         kv_base = tl.load(cu_k_ptr + b)
     else:
         kv_base = 0
-    # the largest position kv_base + pos keeps inside k (a lying range is clamped into k), found
-    # without the int32 overflow of kv_base + pos
-    last_pos = tl.where(kv_base < kv_rows - 1 - _INT32_MAX, _INT32_MAX, kv_rows - 1 - kv_base)
+    last_pos = last_position(kv_base, kv_rows)  # lying ranges clamp into k, no overflow
     n_cols = tl.minimum(tl.maximum(visible, 0), W)
 
     offs_m = tl.arange(0, BLOCK_M)

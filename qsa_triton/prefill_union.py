@@ -50,7 +50,8 @@ from interop.plan import LOG2E, next_pow2
 
 from ._fp8 import fp16_query
 
-__all__ = ["build_block_union", "expand_blocks", "pool_slot", "request_table", "row_runs",
+__all__ = ["build_block_union", "expand_blocks", "last_position", "pool_slot", "request_table",
+           "row_runs",
            "union_build", "union_launch", "union_slots"]
 
 _BIG = tl.constexpr(1 << 62)  # sort key of an invalid entry: after every valid key
@@ -324,10 +325,7 @@ def _qsa_prefill_union_fwd(
             kv_base = tl.load(cu_k_ptr + b)
         else:
             kv_base = 0
-    # the largest position kv_base + pos keeps inside k (a lying range is clamped into k),
-    # without the int32 overflow of kv_base + pos (qsa_triton.prefill's rule)
-    last_pos = tl.where(kv_base < pool_slots - 1 - _INT32_MAX, _INT32_MAX,
-                        pool_slots - 1 - kv_base)
+    last_pos = last_position(kv_base, pool_slots)
     table_row = r2t_ptr
     bound = kv_len
     if MODE == 2:
@@ -405,6 +403,14 @@ def row_runs(ulen_ptr, stride_ls, stride_lh, n_slots, max_union, q_start, b, r, 
     n_u = tl.load(ulen_ptr + slot.to(tl.int64) * stride_ls + h * stride_lh, mask=ur > 0,
                   other=0)
     return (ur == 0) | (n_u > max_union)
+
+
+@triton.jit
+def last_position(kv_base, kv_rows):
+    """The largest position p with kv_base + p inside k's ``kv_rows`` rows (a lying range is
+    clamped into k: larger positions read row kv_rows - 1; every prefill kernel), without the
+    int32 overflow of kv_base + p; as ``qsa_pallas.prefill_union.last_position``."""
+    return tl.where(kv_base < kv_rows - 1 - _INT32_MAX, _INT32_MAX, kv_rows - 1 - kv_base)
 
 
 @triton.jit
