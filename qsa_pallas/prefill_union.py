@@ -42,7 +42,9 @@ _INT32_MAX = 2**31 - 1
 def last_position(base, kv_rows: int):
     """The largest position p with base + p inside k's ``kv_rows`` rows (a lying range is
     clamped into k: larger positions read row kv_rows - 1; both prefill kernels), without the
-    int32 overflow of base + p (int32 arithmetic wraps; the branch that would is not taken)."""
+    int32 overflow of base + p (int32 arithmetic wraps; the branch that would is not taken).
+    ``base``: an int32 scalar (K/V row of position 0); returns an int32 scalar. Raises nothing;
+    source: qsa-contract.md §7 (lying ranges)."""
     return jnp.where(base < kv_rows - 1 - _INT32_MAX, _INT32_MAX, kv_rows - 1 - base)
 
 

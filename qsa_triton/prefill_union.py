@@ -409,7 +409,8 @@ def row_runs(ulen_ptr, stride_ls, stride_lh, n_slots, max_union, q_start, b, r, 
 def last_position(kv_base, kv_rows):
     """The largest position p with kv_base + p inside k's ``kv_rows`` rows (a lying range is
     clamped into k: larger positions read row kv_rows - 1; every prefill kernel), without the
-    int32 overflow of kv_base + p; as ``qsa_pallas.prefill_union.last_position``."""
+    int32 overflow of kv_base + p; as ``qsa_pallas.prefill_union.last_position``. int32
+    scalars in and out; raises nothing; source: qsa-contract.md §7 (lying ranges)."""
     return tl.where(kv_base < kv_rows - 1 - _INT32_MAX, _INT32_MAX, kv_rows - 1 - kv_base)
 
 
