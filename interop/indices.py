@@ -89,7 +89,7 @@ def expand_block_indices(block_ids, positions, seq_lens, *, ratio: int = RATIO,
         raise ValueError(f"positions ({pos.shape[0]}) and seq_lens ({sl.shape[0]}) must have "
                          f"one entry per row ({m})")
     offs = np.arange(ratio, dtype=np.int64)
-    tok = (blocks[:, :, None] * ratio + offs).reshape(m, -1)
+    tok = (blocks[:, :, None] * ratio + offs).reshape(m, blocks.shape[1] * ratio)
     tok = np.where(np.repeat(blocks >= 0, ratio, axis=1), tok, -1)
     tok = tok[:, :token_topk]
     if tok.shape[1] < token_topk:  # fewer blocks than token_topk / ratio: pad

@@ -272,6 +272,8 @@ def test_expansion_is_the_indexer_expansion_and_drops_junk():
     dup[13, 1] = dup[13, 0]  # row 13 sees 5 tokens: block 0 (listed twice) + its tail token 4
     got = I.expand_prefill_blocks(dup, ql, kl)[13]
     assert sorted(got[got >= 0].tolist()) == [0, 0, 1, 1, 2, 2, 3, 3, 4]
+    # an empty batch expands to an empty [0, W] (it raised a numpy reshape error)
+    assert I.expand_prefill_blocks(np.zeros((0, NB), np.int32), [0], [5]).shape == (0, 4 * NB + 3)
 
 
 def test_tile_slots_cover_every_tile_once_and_fit_the_grid():
