@@ -303,19 +303,17 @@ BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (p
         invalid ids anywhere; g is valid iff 0 <= g < visible // 4. Every row also attends its
         causal tail [4 * (visible // 4), visible). Result: the token path on
         ``interop.indices.expand_prefill_blocks`` up to summation order; a block listed twice is
-        attended twice. One exception, only with repeated ids (the indexer's top-k never
-        repeats one): where a row's repeats make its expansion longer than ``visible`` tokens,
-        the token path keeps the first ``visible`` columns but the tile-union kernel attends
-        every occurrence and the tail, so the result then depends on the kernel that computes
-        the row. Runs the tile-union kernel (the per-row kernel on tiles whose union is past
+        attended twice (such a tile's rows always go to the per-row kernel). Runs the
+        tile-union kernel (the per-row kernel on tiles whose union is past
         ``max_union_entries``) or the per-row kernel (``interop.geometry.select_prefill_blocks``).
       overlap: with ``block_indices`` only: None, or the engine's expected Jaccard similarity of
         adjacent rows' block sets in [0, 1] (below ``UNION_RULES['min_overlap']`` the per-row
         kernel runs)."""
 
 #: The selector's data (``select_prefill_blocks``; measured in bench/NOTES.md, "Tile-union"):
-#: ``q_rows``: the Q tile R x next_pow2(G) aimed for (one wgmma M tile; 128 rows measured
-#: slower); ``max_tile_rows``: keeps the causal-tail step (R + 3 tokens) in one BLOCK_N >= 16
+#: ``q_rows``: the Q tile aimed for, R x next_pow2(G) lanes (Triton) or R x G (Pallas, dense
+#: rows: 1.09x at G = 12, R = 5; R = 10 at G = 6 measured slower than 8) (one wgmma M tile; 128
+#: rows measured slower); ``max_tile_rows``: keeps the causal-tail step (R + 3 tokens) in one BLOCK_N >= 16
 #: chunk; ``min_rows_per_request``: below it a tile has one row; ``min_overlap``: an engine's
 #: neighbour-Jaccard hint below it gets the per-row kernel; ``max_sort_keys``: R x next_pow2(NB)
 #: keys sorted in registers; ``max_union_work``: see ``max_union_entries``; ``min_tiles_per_sm``:
@@ -353,9 +351,12 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
       1. ``overlap`` (expected Jaccard similarity of adjacent rows' block sets, a float in
          [0, 1]; None = the indexer's typical 0.87-0.94) below ``min_overlap`` -> ``"rows"``;
       2. mean rows per request below ``min_rows_per_request`` -> ``"rows"``;
-      3. R = q_rows // next_pow2(G), clamped to [1, max_tile_rows] and to the largest power of
-         two <= the mean rows per request, halved while R x next_pow2(NB) > max_sort_keys;
-         R = 1 -> ``"rows"``;
+      3. Triton: R = q_rows // next_pow2(G), clamped to [1, max_tile_rows] and to the largest
+         power of two <= the mean rows per request, halved while R x next_pow2(NB) >
+         max_sort_keys; Pallas (dense rows, any R): R = q_rows // G clamped to [1,
+         max_tile_rows] and to the mean rows per request, lowered while R x next_pow2(NB) >
+         max_sort_keys; R = 1 -> ``"rows"``; the Q tile: next_pow2 of the R rows' lanes
+         (R x next_pow2(G), or R x G for Pallas), at least 16;
       4. fewer than ``min_tiles_per_sm`` x SMs tiles (ceil(T / R) x Hkv) -> ``"rows"``;
       5. else ``"union"`` with the backend's (BLOCK_N, warps, stages), fitted by ``fit_union``.
     ``"rows"`` carries ``select_prefill``'s geometry. Other arguments as ``select_prefill``;
@@ -382,17 +383,23 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
     per_request = total_q // requests
     if per_request < u["min_rows_per_request"]:
         return rows(f"rows/request={per_request}<{u['min_rows_per_request']}")
-    ht = next_pow2(group)
-    r = max(1, min(u["max_tile_rows"], u["q_rows"] // ht, prev_pow2(per_request)))
-    while r > 1 and r * next_pow2(block_width) > u["max_sort_keys"]:
-        r //= 2
+    if backend == "pallas":  # dense rows: R x G lanes of the Q tile, any R
+        r = max(1, min(u["max_tile_rows"], u["q_rows"] // group, per_request))
+        while r > 1 and r * next_pow2(block_width) > u["max_sort_keys"]:
+            r -= 1
+    else:  # R x next_pow2(G) lanes, R a power of two (the build's in-register sort)
+        r = max(1, min(u["max_tile_rows"], u["q_rows"] // next_pow2(group),
+                       prev_pow2(per_request)))
+        while r > 1 and r * next_pow2(block_width) > u["max_sort_keys"]:
+            r //= 2
     if r == 1:
         return rows("R=1")
     tiles = -(-total_q // r) * num_kv_heads
     if tiles < u["min_tiles_per_sm"] * facts.sm_count:
         return rows(f"tiles={tiles}<{u['min_tiles_per_sm']}x{facts.sm_count}SMs")
     bn, nw, ns = u["tile"][backend]
-    geo = UnionGeometry("union", r, max(16, r * ht), bn, nw, ns,
+    lanes = r * (group if backend == "pallas" else next_pow2(group))
+    geo = UnionGeometry("union", r, max(16, next_pow2(lanes)), bn, nw, ns,
                         f"union[R={r},G={group}] {facts.arch} backend={backend}")
     return fit_union(geo, backend=backend, head_dim=head_dim, kv_bytes=kv_bytes,
                      limit=facts.smem_per_block)

@@ -19,7 +19,7 @@ __all__ = [
     "expected_valid_count", "expand_block_indices", "valid_first", "valid_mask",
     "valid_counts", "cu_seqlens_from_counts", "compact_kv", "row_layout", "select_blocks",
     "neighbour_jaccard", "calibrate_overlap", "expand_prefill_blocks", "prefill_block_indices",
-    "tile_slots", "tile_union", "prefill_indices", "PrefillLayout", "prefill_layout",
+    "tile_slots", "tile_union", "REPEATED_TILE", "prefill_indices", "PrefillLayout", "prefill_layout",
     "decode_lengths", "DecodeCase", "decode_case", "PAGED_JUNK", "PAGED_JUNK_AT",
     "resolve_paged_slots", "PagedDecodeCase", "paged_decode_case", "INDEXER_API",
     "IndexerPlan", "plan_indexer", "prefill_row_ranges", "prefill_step_rows",
@@ -446,14 +446,19 @@ def tile_slots(q_lens, tile_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
             int(cu[-1]) // r + ql.shape[0])
 
 
+#: Union length both builds give a tile where a row lists a valid block twice (the indexer's
+#: top-k never does): past every work bound, so the per-row kernel computes the tile's rows and
+#: attends each occurrence (qsa-contract.md §3: gather semantics)
+REPEATED_TILE = 2**31 - 1
+
+
 def tile_union(block_indices, q_lens, kv_lens=None, *, tile_rows: int,
                ratio: int = RATIO) -> dict:
     """Reference of the tile-union build: ``{(slot, head): (blocks int64 [n], masks int64 [n])}``
-    for every tile of ``tile_slots``, the union of its rows' valid blocks with each row's
-    membership bits; a block a row lists k times gives k entries (copy c: the rows listing it more
-    than c times), ordered by (copy, block id) as the kernels order them. Raises ValueError:
-    q_lens and kv_lens of different sizes, a negative q_len. Source: our own; bench/NOTES.md,
-    "Tile-union sparse prefill"."""
+    for every tile of ``tile_slots``, the union of its rows' valid blocks (ascending) with each
+    row's membership bits, or None for a tile where a row lists a valid block twice (the builds
+    give it length ``REPEATED_TILE``). Raises ValueError: q_lens and kv_lens of different sizes,
+    a negative q_len. Source: our own; bench/NOTES.md, "Tile-union sparse prefill"."""
     g = np.asarray(block_indices, np.int64)
     g3 = g if g.ndim == 3 else g[:, None, :]
     nb_vis = np.maximum(row_layout(q_lens, kv_lens, check=False)[2], 0) // ratio
@@ -464,19 +469,20 @@ def tile_union(block_indices, q_lens, kv_lens=None, *, tile_rows: int,
     for b, j0 in zip(reqs, firsts):
         slot = int(cu[b]) // tile_rows + int(b) + int(j0) // tile_rows
         for h in range(g3.shape[1]):
-            count = {}
+            member, repeated = {}, False
             for i in range(tile_rows):
                 if j0 + i >= ql[b]:
                     break
                 row = int(cu[b] + j0 + i)
                 ids, n = np.unique(g3[row, h][(g3[row, h] >= 0) & (g3[row, h] < nb_vis[row])],
                                    return_counts=True)
-                for blk, c in zip(ids.tolist(), n.tolist()):
-                    for copy in range(c):
-                        count[(blk, copy)] = count.get((blk, copy), 0) | (1 << i)
-            keys = sorted(count, key=lambda key: (key[1], key[0]))
-            out[(slot, h)] = (np.asarray([k[0] for k in keys], np.int64),
-                              np.asarray([count[k] for k in keys], np.int64))
+                repeated |= bool((n > 1).any())
+                for blk in ids.tolist():
+                    member[blk] = member.get(blk, 0) | (1 << i)
+            keys = sorted(member)
+            out[(slot, h)] = None if repeated else (np.asarray(keys, np.int64),
+                                                    np.asarray([member[k] for k in keys],
+                                                               np.int64))
     return out
 
 

@@ -4,10 +4,13 @@ The JAX twin of ``qsa_triton.prefill_union`` (read its module docstring): same s
 tile numbering, union layout, per-tile switch to the per-row kernel and geometry selector;
 results equal up to summation order. Differences:
 
-* the union build (``block_union``) is plain JAX, vectorised over tiles: int32 keys
-  ``block * R + row`` sorted, occurrence ranks, a second one-key sort into (rank, block, row)
-  order, compaction by an XLA scatter (both sorts always run: XLA has no cheap per-tile skip,
-  so there is no density test either);
+* the union build (``block_union``) is plain JAX, vectorised over tiles: one sort of int32 keys
+  ``block * R + row``, compaction by an XLA scatter (every tile is sorted: XLA has no cheap
+  per-tile skip, so there is no density test either); a tile where a row repeats a block gets
+  ``interop.indices.REPEATED_TILE`` as in Triton;
+* rows are packed densely: the Q tile holds R x G rows for any R (``interop.geometry.
+  select_prefill_blocks`` gives this backend R = 5 at G = 12, 60 of 64 rows; Triton's in-register
+  sort keeps R a power of two);
 * the expansion (``_expand_kernel``) is a Pallas kernel, one program a row, that writes only
   the rows of tiles past the bound (pool slots for paged calls);
 * the tile kernel takes the per-row kernel's output as an aliased input and writes only the
@@ -26,7 +29,7 @@ from jax import lax
 
 from interop.contract import PrefillProblem
 from interop.geometry import UnionGeometry, max_union_entries
-from interop.indices import RATIO
+from interop.indices import RATIO, REPEATED_TILE
 from interop.plan import LOG2E, next_pow2
 
 from . import _compat
@@ -106,9 +109,6 @@ def _block_union(block_indices, cu_seqlens_q, kv_lens, *, tile_rows: int, ordina
     valid = (row_ok[:, None, :, None] & (g >= 0) & (g < n_vis[:, None, :, None])
              & (g < _INT32_MAX // r))
     n = r * nb
-    if n * n > _INT32_MAX:
-        raise ValueError(f"union build: R x NB = {n} entries a tile, at most 46340 (the second "
-                         "sort's int32 keys)")
     rows = jnp.arange(r, dtype=jnp.int32)[None, None, :, None]
     key = jnp.sort(jnp.where(valid, g * r + rows, _INT32_MAX).reshape(s * hidx, n), axis=1)
     e = jnp.arange(n, dtype=jnp.int32)[None, :]
@@ -116,23 +116,16 @@ def _block_union(block_indices, cu_seqlens_q, kv_lens, *, tile_rows: int, ordina
     def shifted(x, fill):  # x[:, i - 1], fill at i = 0
         return jnp.concatenate([jnp.full((x.shape[0], 1), fill, x.dtype), x[:, :-1]], axis=1)
 
-    # occurrence rank of each (block, row) pair, then the order (rank, block, row) by a second
-    # one-operand sort of rank * n + (position in the first order): one-key int32 sorts, not
-    # comparator sorts of tuples
     live = key < _INT32_MAX
-    rank = e - lax.cummax(jnp.where((e == 0) | (key != shifted(key, -1)), e, 0), axis=1)
-    order = jnp.sort(jnp.where(live, rank * n + e, _INT32_MAX), axis=1)
-    live = order < _INT32_MAX
-    key = jnp.where(live, jnp.take_along_axis(key, jnp.where(live, order % n, 0), axis=1),
-                    _INT32_MAX)
-    rank = jnp.where(live, order // n, _INT32_MAX)
+    # a row listing a block twice: the per-row kernel's tile (module docstring)
+    repeated = jnp.any(live & (key == shifted(key, -1)) & (e > 0), axis=1)
     blk, rows = key // r, key % r
 
     def nxt(x, fill):  # x[:, i + 1], fill at the end
         return jnp.concatenate([x[:, 1:], jnp.full((x.shape[0], 1), fill, x.dtype)], axis=1)
 
-    first = live & ((e == 0) | (blk != shifted(blk, -1)) | (rank != shifted(rank, -1)))
-    last = live & ((e == n - 1) | (blk != nxt(blk, -1)) | (rank != nxt(rank, -1)))
+    first = live & ((e == 0) | (blk != shifted(blk, -1)))
+    last = live & ((e == n - 1) | (blk != nxt(blk, -1)))
     pos = jnp.cumsum(first.astype(jnp.int32), axis=1, dtype=jnp.int32) - 1
     bits = jnp.where(live, jnp.left_shift(jnp.int32(1), rows), 0)
     incl = jnp.cumsum(bits, axis=1, dtype=jnp.int32)
@@ -141,14 +134,15 @@ def _block_union(block_indices, cu_seqlens_q, kv_lens, *, tile_rows: int, ordina
     lines = jnp.arange(s * hidx, dtype=jnp.int32)[:, None]
     ublk = jnp.zeros((s * hidx, n), jnp.int32).at[lines, dest].set(blk, mode="drop")
     umem = jnp.zeros((s * hidx, n), jnp.int32).at[lines, dest].set(incl - start, mode="drop")
-    ulen = jnp.sum(first.astype(jnp.int32), axis=1, dtype=jnp.int32)
+    ulen = jnp.where(repeated, REPEATED_TILE,
+                     jnp.sum(first.astype(jnp.int32), axis=1, dtype=jnp.int32))
     return (ublk.reshape(s, hidx, n), umem.reshape(s, hidx, n), ulen.reshape(s, hidx))
 
 
 def block_union(block_indices, cu_seqlens_q, kv_lens, tile_rows: int):
     """The union build alone (tests, benchmarks): as ``qsa_triton.prefill_union.
-    build_block_union`` (int32 [S, H, R x NB] blocks and masks, [S, H] lengths), entries past a
-    length 0."""
+    build_block_union`` (int32 [S, H, R x NB] blocks and masks, [S, H] lengths; a tile where a
+    row repeats a block: ``REPEATED_TILE``), entries past a length 0. Any R >= 1."""
     ordinary = kv_lens is None
     return _block_union(block_indices, cu_seqlens_q,
                         cu_seqlens_q[:-1] if ordinary else kv_lens, tile_rows=int(tile_rows),
@@ -334,7 +328,7 @@ def _union_kernel(*refs, st: _UStatic):
     slot = pl.program_id(0)
     h = pl.program_id(1)
     g_heads = pr.num_q_heads // pr.num_kv_heads
-    r, ht, m, d, bn = geo.tile_rows, next_pow2(g_heads), geo.head_tile, pr.head_dim, geo.block_n
+    r, m, d, bn = geo.tile_rows, geo.head_tile, pr.head_dim, geo.block_n
     n_req = pr.requests
     qk_scale = pr.softmax_scale * pr.k_scale * LOG2E  # exp2 is the cheaper PTX path
     fp8 = is_fp8(k_ref.dtype)
@@ -419,8 +413,8 @@ def _union_kernel(*refs, st: _UStatic):
 
     def union_path():
         mi = lax.broadcasted_iota(jnp.int32, (m,), 0)
-        i = mi // ht
-        gh = mi % ht
+        i = mi // g_heads  # dense rows: R x G of the M lanes
+        gh = mi % g_heads
         rel = jt * r + i
         row = q_start + rel
         row_ok = ((i < r) & (gh < g_heads) & (rel >= 0) & (rel < q_used) & (row >= 0)
@@ -490,14 +484,14 @@ def union_build(problem, block_indices, meta: dict, geo: UnionGeometry):
     """The union build of one checked call (``problem`` with width NB; ``meta``: the entry
     point's other arrays by name, ``cu_seqlens_q`` first) under ``geo`` ("union"): (blocks,
     masks, lengths as ``block_union``, max_union: ``interop.geometry.max_union_entries``)."""
-    ht = next_pow2(problem.group)
-    if geo.kind != "union" or geo.head_tile < geo.tile_rows * ht or geo.block_n < geo.tile_rows + 3:
-        raise ValueError(f"union geometry {geo} cannot hold {geo.tile_rows} rows x {ht} heads")
+    g = problem.group
+    if geo.kind != "union" or geo.head_tile < geo.tile_rows * g or geo.block_n < geo.tile_rows + 3:
+        raise ValueError(f"union geometry {geo} cannot hold {geo.tile_rows} rows x {g} heads")
     ublk, umem, ulen = block_union(block_indices, meta["cu_seqlens_q"], meta.get("kv_lens"),
                                    geo.tile_rows)
     # a union has at most R x NB entries: a larger bound means "never"
-    max_union = min(max_union_entries(geo, int(block_indices.shape[-1]), max(16, ht)),
-                    _INT32_MAX)
+    max_union = min(max_union_entries(geo, int(block_indices.shape[-1]), max(16, next_pow2(g))),
+                    REPEATED_TILE - 1)
     return ublk, umem, ulen, max_union
 
 

@@ -14,8 +14,9 @@ rows of one request and one KV head:
    ``block * R + row`` of the valid entries are ordered in registers (rows already in the
    indexer's order are merged by ``_merge_rows``, others sorted first), the first key of each
    block is compacted by a prefix sum, and each entry's membership is the segmented sum of
-   ``1 << row``. A block a row lists k times becomes k entries (the contract's gather
-   semantics): such tiles sort again by (occurrence rank, block, row).
+   ``1 << row``. A tile where a row lists a valid block twice (the indexer's top-k never does)
+   gets length ``interop.indices.REPEATED_TILE``: the per-row kernel computes its rows and
+   attends every occurrence (the contract's gather semantics, the token path's result).
 2. Attention (``_qsa_prefill_union_fwd``, per tile and KV head): a [max(16, R x next_pow2(G)), D]
    Q tile walks the union BLOCK_N / 4 blocks at a time; each gathered K/V row serves the R rows,
    scores masked by membership, online softmax per (row, head) in base 2; a last step covers the
@@ -45,7 +46,7 @@ import triton
 import triton.language as tl
 
 from interop.geometry import UnionGeometry, max_union_entries
-from interop.indices import RATIO
+from interop.indices import RATIO, REPEATED_TILE
 from interop.plan import LOG2E, next_pow2
 
 from ._fp8 import fp16_query
@@ -55,7 +56,7 @@ __all__ = ["build_block_union", "expand_blocks", "last_position", "pool_slot", "
            "union_build", "union_launch", "union_slots"]
 
 _BIG = tl.constexpr(1 << 62)  # sort key of an invalid entry: after every valid key
-_BLOCK_SPAN = tl.constexpr(1 << 30)  # > any block id (visible < 2**31 tokens -> block < 2**29)
+_REPEATED = tl.constexpr(REPEATED_TILE)
 _INT32_MAX = tl.constexpr(2**31 - 1)
 _MAX_LEVELS = tl.constexpr(8)  # merge levels: R <= 256 rows per tile
 
@@ -165,18 +166,8 @@ def _qsa_block_union(
     base = slot.to(tl.int64) * stride_us + h * stride_uh
     dead = _BIG if KEY64 else _INT32_MAX  # the key of an invalid entry
     if tl.sum(((e > 0) & (ks == prev) & (ks < dead)).to(tl.int32), 0) > 0:
-        # a row lists a block twice: copy c of a block = the rows' (c+1)-th occurrences; sort by
-        # (occurrence rank, block, row) so each copy's rows are adjacent (64-bit keys)
-        if KEY64:
-            k64 = ks
-        else:
-            k64 = tl.where(ks < _INT32_MAX, ks.to(tl.int64), _BIG)
-        live = k64 < _BIG
-        run = tl.associative_scan(tl.where((e == 0) | (ks != prev), e, 0), 0, _max_combine)
-        rank = (e - run).to(tl.int64)
-        k64 = tl.sort(tl.where(live, (rank * _BLOCK_SPAN + k64 // R) * R + k64 % R, _BIG))
-        _emit_union(k64, tl.gather(k64, tl.maximum(e - 1, 0), 0), ublk_ptr + base,
-                    umem_ptr + base, ulen_ptr + slot * stride_ls + h, R, N, _BIG)
+        # a row lists a block twice: the per-row kernel's (module docstring, 1)
+        tl.store(ulen_ptr + slot * stride_ls + h, _REPEATED)
     else:
         _emit_union(ks, prev, ublk_ptr + base, umem_ptr + base, ulen_ptr + slot * stride_ls + h,
                     R, N, dead)
@@ -240,9 +231,9 @@ def _union_estimate(head_ptr, stride_bt, n_valid, row0, rel0, q_used, T, kv_off,
 def _emit_union(ks, prev, ublk_row, umem_row, ulen_at, R: tl.constexpr, N: tl.constexpr,
                 DEAD: tl.constexpr):
     """Store one tile's union from its sorted keys ``ks`` (``prev``: ks shifted right by one;
-    keys >= DEAD are invalid, sorted last): entry u is the u-th distinct ident ``ks // R``
-    (rank * _BLOCK_SPAN + block), compacted by a prefix sum of the first key of each ident; its
-    membership is the segmented sum of ``1 << (ks % R)`` (an OR: a key occurs once per ident)."""
+    keys >= DEAD are invalid, sorted last; no key twice): entry u is the u-th distinct block
+    ``ks // R``, compacted by a prefix sum of the first key of each block; its membership is the
+    segmented sum of ``1 << (ks % R)`` (an OR: a key occurs once per block)."""
     e = tl.arange(0, N)
     live = ks < DEAD
     ident = ks // R
@@ -262,7 +253,7 @@ def _emit_union(ks, prev, ublk_row, umem_row, ulen_at, R: tl.constexpr, N: tl.co
         incl = tl.cumsum(bits, 0)
     # segmented sum of the bits = incl at the segment's last key - excl at its first key
     start = tl.associative_scan(tl.where(first, incl - bits, 0), 0, _max_combine)
-    tl.store(ublk_row + pos, (ident % _BLOCK_SPAN).to(tl.int32), mask=last)
+    tl.store(ublk_row + pos, ident.to(tl.int32), mask=last)
     tl.store(umem_row + pos, incl - start, mask=last)
     tl.store(ulen_at, tl.sum(first.to(tl.int32), 0))
 
@@ -528,7 +519,9 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
       (blocks, masks int32 [S, H, R x NB], lengths int32 [S, H]), S = T // R + B, equal to
       ``interop.indices.tile_union``: entry u < lengths[s, h] is block ``blocks[s, h, u]`` for
       the rows whose bit is set in ``masks[s, h, u]``; entries past the length unwritten
-      (tiles skipped under ``skip_past``: length skip_past + 1, no entry written).
+      (a tile where a row lists a valid block twice: length ``interop.indices.REPEATED_TILE``,
+      its ``tile_union`` value None; tiles skipped under ``skip_past``: length skip_past + 1;
+      neither writes an entry).
     Raises ValueError for ``skip_past`` outside [0, 2**31 - 2].
     """
     if skip_past is not None and not 0 <= int(skip_past) < 2**31 - 1:

@@ -336,10 +336,15 @@ def test_selector_boundaries():
     assert _sel(total_q=2048).kind == "rows" and _sel(total_q=8192).kind == "union"
     mtp = _sel(total_q=128, requests=32)
     assert mtp.kind == "rows" and mtp.source.startswith("rows[tiles=32<"), mtp
-    # R x next_pow2(G) = q_rows, capped at max_tile_rows
-    for group, r in ((16, 4), (12, 4), (9, 4), (8, 8), (6, 8), (5, 8), (3, 8), (1, 8)):
-        geo = _sel(group=group)
+    # Triton: R x next_pow2(G) = q_rows, capped at max_tile_rows; Pallas (dense rows): R x G <=
+    # q_rows, the Q tile the next power of two
+    for group, r, rp in ((16, 4, 4), (12, 4, 5), (10, 4, 6), (9, 4, 7), (8, 8, 8), (6, 8, 8),
+                         (5, 8, 8), (3, 8, 8), (1, 8, 8)):
+        geo, pal = _sel(group=group), _sel(group=group, backend="pallas")
         assert (geo.tile_rows, geo.head_tile) == (r, max(16, r * I_next_pow2(group))), group
+        assert (pal.tile_rows, pal.head_tile) == (rp, max(16, I_next_pow2(rp * group))), group
+    # Pallas R: the mean rows per request, not its power of two
+    assert _sel(total_q=12288, requests=4096, backend="pallas").tile_rows == 3
     # the sort cap: R x next_pow2(NB) <= max_sort_keys
     assert _sel(nb=2048).tile_rows == 4 and _sel(nb=2049).tile_rows == 2
     assert _sel(nb=u["max_sort_keys"] // 2).tile_rows == 2
@@ -362,11 +367,26 @@ def I_next_pow2(x):
     return 1 << max(0, (x - 1).bit_length())
 
 
+def assert_union(ublk, umem, ulen, ref, what=""):
+    """A device build equals ``interop.indices.tile_union``: each tile's blocks and membership
+    bits up to its length, ``REPEATED_TILE`` where a row lists a valid block twice (None)."""
+    for (s, h), v in ref.items():
+        n = int(ulen[s, h])
+        if v is None:
+            assert n == I.REPEATED_TILE, (what, s, h, n)
+            continue
+        assert n == len(v[0]), (what, s, h)
+        np.testing.assert_array_equal(ublk[s, h, :n], v[0], err_msg=f"{what} {s} {h}")
+        np.testing.assert_array_equal(umem[s, h, :n], v[1], err_msg=f"{what} {s} {h}")
+
+
 def test_every_union_geometry_fits_sm12x_shared_memory_and_holds_its_tail():
     for arch in ("sm_120", "sm_121", "sm_90"):
         limit = DeviceFacts.for_arch(arch).smem_per_block
         geos = all_union_configs(arch)
-        assert geos and {g.tile_rows for _, g in geos} == {2, 4, 8}
+        assert {g.tile_rows for _, g in all_union_configs(arch, backend="triton")} == {2, 4, 8}
+        assert ({g.tile_rows for _, g in all_union_configs(arch, backend="pallas")}
+                == {2, 4, 5, 6, 7, 8})
         # each backend compiles only its own tiles (qsa compile); together they are every tile
         per = [{(k, g.key) for k, g in all_union_configs(arch, backend=b)}
                for b in ("triton", "pallas")]
@@ -377,10 +397,11 @@ def test_every_union_geometry_fits_sm12x_shared_memory_and_holds_its_tail():
                               num_stages=g.num_stages, kv_bytes=kv_bytes) <= limit, (arch, g)
             assert g.block_n >= g.tile_rows + 3 and g.block_n % 4 == 0
             assert 16 <= g.block_n <= 32  # register pressure: BLOCK_N 16-32
-    # one union tile for both packages;
+    # one union tile for both packages at G = 12 but R (Pallas packs 5 rows of 12 heads);
     # Pallas pipelines one stage deeper where shared memory holds it (UNION_RULES["tile"])
     pallas, triton = _sel(backend="pallas").key, _sel().key
-    assert pallas[:5] == triton[:5] and (pallas[5], triton[5]) == (3, 2)
+    assert (pallas[1], triton[1]) == (5, 4) and pallas[2:5] == triton[2:5]
+    assert (pallas[5], triton[5]) == (3, 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,17 +410,14 @@ def test_union_build_and_expansion_match_the_reference(backend):
     ql, kl = [5, 1, 7, 0, 4], [9, 30, 7, 2, 40]
     blocks = I.prefill_block_indices(ql, kl, block_width=6, junk="mixed", junk_anywhere=True,
                                      duplicates=4, empty_rows=[6], num_kv_heads=2, seed=8)
-    for r in (2, 4):
+    for r in (2, 3, 4) if backend.name == "pallas" else (2, 4):  # Pallas: any R
         ublk, umem, ulen = backend.build(blocks, ql, kl, r)
         ref = I.tile_union(blocks, ql, kl, tile_rows=r)
         assert ulen.shape == (sum(ql) // r + len(ql), 2)
-        assert any(len(b) > len(np.unique(b)) for b, _ in ref.values())  # copies of duplicates
+        # tiles whose rows repeat a block (the per-row kernel's) and tiles built
+        assert any(v is None for v in ref.values()) and any(v for v in ref.values()), r
         seen = {s for s, _ in ref}
-        for (s, h), (b, m) in ref.items():
-            n = int(ulen[s, h])
-            assert n == len(b), (r, s, h)
-            np.testing.assert_array_equal(ublk[s, h, :n], b)
-            np.testing.assert_array_equal(umem[s, h, :n], m)
+        assert_union(ublk, umem, ulen, ref, f"R={r}")
         assert (ulen[[s for s in range(ulen.shape[0]) if s not in seen]] == 0).all()
     np.testing.assert_array_equal(backend.expand(blocks, ql, kl),
                                   I.expand_prefill_blocks(blocks, ql, kl))
@@ -456,11 +474,7 @@ def test_triton_union_build_merge_path_matches_reference():
         for detect in (True, False):
             ublk, umem, ulen = (x.numpy() for x in PU.build_block_union(
                 torch.from_numpy(blocks), torch_cu, klt, r, bound, detect_sorted=detect))
-            for (s, h), (b, m) in ref.items():
-                n = int(ulen[s, h])
-                assert n == len(b), (r, detect, s, h)
-                np.testing.assert_array_equal(ublk[s, h, :n], b, err_msg=f"{r} {detect} {s}")
-                np.testing.assert_array_equal(umem[s, h, :n], m, err_msg=f"{r} {detect} {s}")
+            assert_union(ublk, umem, ulen, ref, f"R={r} detect={detect}")
             got[detect] = ulen
         np.testing.assert_array_equal(got[True], got[False])
     # R = 16 x 64 ids per row: the membership pass's two prefix sums no longer share one int32
@@ -473,10 +487,9 @@ def test_triton_union_build_merge_path_matches_reference():
     ublk, umem, ulen = (x.numpy() for x in PU.build_block_union(
         torch.from_numpy(blocks), torch.from_numpy(I.cu_seqlens_from_counts(ql)),
         torch.tensor(kl, dtype=torch.int32), 16))
-    for (s, h), (b, m) in I.tile_union(blocks, ql, kl, tile_rows=16).items():
-        assert int(ulen[s, h]) == len(b), s
-        np.testing.assert_array_equal(ublk[s, h, :len(b)], b)
-        np.testing.assert_array_equal(umem[s, h, :len(b)], m)
+    ref = I.tile_union(blocks, ql, kl, tile_rows=16)
+    assert ref[(0, 0)] is None and ref[(2, 0)]  # a repeat in the merged tile, none in the other
+    assert_union(ublk, umem, ulen, ref, "R=16")
 
 
 def test_triton_union_build_skips_tiles_estimated_past_the_bound():
@@ -499,7 +512,7 @@ def test_triton_union_build_skips_tiles_estimated_past_the_bound():
         ublk, umem, ulen = (x.numpy() for x in PU.build_block_union(
             torch.from_numpy(blocks), cu, klt, r, None, skip_past=bound))
         skipped = 0
-        for (s, h), (b, m) in ref.items():
+        for (s, h), (b, m) in ref.items():  # no repeated block here: every value a union
             n = int(ulen[s, h])
             if n == bound + 1 and len(b) != n:
                 skipped += 1
@@ -551,7 +564,8 @@ def _switch_mix(case):
     ql = np.diff(a["cu_seqlens"] if case.kind == "ordinary" else a["cu_seqlens_q"])
     kl = None if case.kind == "ordinary" else a["kv_lens"]
     bound = max_union_entries(union_geometry(case, 4), NB, 16)
-    sizes = [len(b) for b, _ in I.tile_union(case.blocks, ql, kl, tile_rows=4).values()]
+    sizes = [I.REPEATED_TILE if v is None else len(v[0])
+             for v in I.tile_union(case.blocks, ql, kl, tile_rows=4).values()]
     return sum(n <= bound for n in sizes), sum(n > bound for n in sizes)
 
 
@@ -848,11 +862,7 @@ def test_gpu_triton_union_build_merge_path_8192_rows(r):
     for detect in (True, False):
         ublk, umem, ulen = (x.cpu().numpy() for x in PU.build_block_union(
             b, cu, klt, r, bound, detect_sorted=detect))
-        for (s, h), (blk, mem) in ref.items():
-            n = int(ulen[s, h])
-            assert n == len(blk), (detect, s)
-            np.testing.assert_array_equal(ublk[s, h, :n], blk)
-            np.testing.assert_array_equal(umem[s, h, :n], mem)
+        assert_union(ublk, umem, ulen, ref, f"detect={detect}")
 
 
 @gpu
