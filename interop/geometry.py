@@ -311,10 +311,10 @@ BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (p
         kernel runs)."""
 
 #: The selector's data (``select_prefill_blocks``; measured in bench/NOTES.md, "Tile-union"):
-#: ``q_rows``: the Q tile aimed for, R x next_pow2(G) lanes (Triton) or R x G (Pallas, dense
-#: rows: 1.09x at G = 12, R = 5; R = 10 at G = 6 measured slower than 8) (one wgmma M tile; 128
-#: rows measured slower); ``max_tile_rows``: keeps the causal-tail step (R + 3 tokens) in one BLOCK_N >= 16
-#: chunk; ``min_rows_per_request``: below it a tile has one row; ``min_overlap``: an engine's
+#: ``q_rows``: the Q tile aimed for (one wgmma M tile; 128 rows measured slower), R x
+#: next_pow2(G) lanes (Triton) or R x G (Pallas: dense rows, faster at G = 12, R = 5; R = 10 at
+#: G = 6 measured slower than 8); ``max_tile_rows``: keeps the causal-tail step (R + 3 tokens) in
+#: one BLOCK_N >= 16 chunk; ``min_rows_per_request``: below it a tile has one row; ``min_overlap``: an engine's
 #: neighbour-Jaccard hint below it gets the per-row kernel; ``max_sort_keys``: R x next_pow2(NB)
 #: keys sorted in registers; ``max_union_work``: see ``max_union_entries``; ``min_tiles_per_sm``:
 #: below that many tiles (ceil(T / R) x Hkv) per SM the per-row kernel's T x Hkv programs fill
