@@ -41,7 +41,8 @@ from interop.cases import ATOL, REL_L2, RTOL
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # jax shares the GPU with torch
 
 __all__ = ["Provider", "Mode", "ProviderError", "choose", "positive_ints", "errors",
-           "within_tolerance", "reference_f32", "unrolled", "jax_chain", "time_interleaved",
+           "within_tolerance", "reference_f32", "chain_link", "unrolled", "jax_chain",
+           "time_interleaved",
            "copy_bandwidth_bytes_per_s", "add_arguments", "run", "compare", "main", "write_json",
            "default_json_path", "geomean", "SELF_SUFFIX"]
 
@@ -183,11 +184,36 @@ def reference_f32(q, k, v, gather, scale: float, v_scale: float = 1.0, chunk: in
 
 
 # --------------------------------------------------------------------------------------- JAX
+#: integer arguments of at most this many elements (cu_seqlens, lengths, request ids) are tied to
+#: the previous call's output in a chain (``chain_link``)
+TIE_MAX_ELEMENTS = 1 << 16
+
+
+def chain_link(xs: tuple, out) -> tuple:
+    """The default link of ``unrolled``: ``(out, *xs[1:])``, the previous output as the first
+    argument, and every integer argument of at most ``TIE_MAX_ELEMENTS`` elements plus a 0 that
+    XLA cannot fold (``out``'s first element compared with its dtype's minimum). Without the
+    tie, XLA merges the calls' identical work on the other arguments (a union build, a split
+    schedule, a slot pre-pass, a compaction) into one per chain: that work was timed once per
+    chain, not per call."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    first = jnp.ravel(out)[0]
+    info = jnp.finfo if jnp.issubdtype(first.dtype, jnp.floating) else jnp.iinfo
+    zero = (first == info(first.dtype).min).astype(jnp.int32)
+
+    def tie(x):
+        small = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer)
+        return x + zero.astype(x.dtype) if small and x.size <= TIE_MAX_ELEMENTS else x
+
+    return (out, *(tie(x) for x in xs[1:]))
+
+
 def unrolled(step: Callable, n: int, link: Callable | None = None) -> Callable:
     """``(*xs) -> out``: n calls of ``step`` unrolled (to be jitted; with ``step`` itself jitted
     the chain traces it once and calls it n times), call i + 1 on ``link(xs, out_i)`` (default:
-    ``(out_i, *xs[1:])``, the previous output as the first argument)."""
-    link = link or (lambda xs, out: (out, *xs[1:]))
+    ``chain_link``, the previous output as the first argument, the metadata tied to it)."""
+    link = link or chain_link
 
     def run(*xs):
         out = step(*xs)
@@ -203,8 +229,8 @@ def jax_chain(fn: Callable, args: list, kwargs: dict, chain: int,
               link: Callable | None = None) -> Callable[[], Any]:
     """A provider call: ``fn(*args, **kwargs)`` on torch buffers shared zero-copy with jax,
     ``chain`` calls unrolled in one ``jax.jit``, each depending on the previous output
-    (``unrolled``'s ``link``): XLA can neither merge nor hoist them (its GPU ``while`` loop would
-    round-trip to the host each trip). Host ints are static. ``call`` has ``chain``,
+    (``unrolled``'s ``link``, by default ``chain_link``): XLA can neither merge nor hoist them
+    (its GPU ``while`` loop would round-trip to the host each trip). Host ints are static. ``call`` has ``chain``,
     ``capturable = False`` and ``once`` (one call's output, a torch tensor)."""
     import jax  # noqa: PLC0415
 

@@ -188,6 +188,30 @@ def test_jax_step_compacts_on_every_call_of_a_chain(monkeypatch):
     assert gathers[0] >= 2 and gathers[1] == 3 * gathers[0], gathers
 
 
+def test_chain_link_keeps_every_call_of_work_on_the_metadata():
+    """The default chain link ties small integer arguments (cu_seqlens, lengths) to the previous
+    output: work that reads only them and the other inputs (a union build's sort, a split
+    schedule) stays once per call after XLA's optimisations, not once per chain; a large
+    integer argument is passed as it is; the values are unchanged."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+
+    def step(q, lens, big):  # q + (first of the sorted lengths) + (sum of big)
+        return q + (jnp.sort(lens)[0] + big.sum()).astype(q.dtype)
+
+    big = jnp.ones((common.TIE_MAX_ELEMENTS + 1,), jnp.int32)
+    args = (jnp.zeros((4, 8), jnp.float32), jnp.asarray([5, 3, 9], jnp.int32), big)
+    sorts = [jax.jit(common.unrolled(jax.jit(step), n)).lower(*args).compile().as_text()
+             .count(" sort(") for n in (1, 3)]
+    assert sorts == [1, 3], sorts
+    untied = jax.jit(common.unrolled(jax.jit(step), 3, lambda xs, out: (out, *xs[1:])))
+    assert untied.lower(*args).compile().as_text().count(" sort(") == 1  # what the tie prevents
+    tied = common.chain_link(args, args[0] + 1)
+    assert tied[2] is big and (tied[1] == args[1]).all()
+    out = jax.jit(common.unrolled(jax.jit(step), 3))(*args)
+    assert float(out[0, 0]) == 3 * (3 + big.size)
+
+
 def test_upstream_providers_skip_what_upstream_cannot_take():
     sm = decode.PROVIDERS["upstream-sm121"].supports
     assert sm({"Hq": 6, "Hkv": 1, "B": 4}) and sm({"Hq": 24, "Hkv": 2, "B": 4}) is None
