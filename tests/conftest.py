@@ -7,6 +7,9 @@ switched on before any ``@triton.jit`` function is defined, i.e. before ``qsa_tr
 import os
 
 HAS_CUDA_DEVICE = os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+# jax allocates on demand beside torch (DLPack hand-offs) and beside the other pytest-xdist
+# workers: preallocating 75% of the GPU in each worker runs the GPU suite out of memory
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 if not HAS_CUDA_DEVICE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

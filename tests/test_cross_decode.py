@@ -5,16 +5,11 @@ chain compute what ``interop.reference`` computes, and the chain lowers to N dep
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-# torch shares the GPU in the same process: jax must not preallocate 75% of it (read when jax's
-# GPU backend initialises, i.e. on first use, after this line)
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-jax = pytest.importorskip("jax")
+jax = pytest.importorskip("jax")  # on demand beside torch (tests/conftest.py)
 from interop.dlpack import to_jax  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402

@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402

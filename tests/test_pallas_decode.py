@@ -22,10 +22,7 @@ import os
 import numpy as np
 import pytest
 
-# torch shares the GPU in the same process: jax must not preallocate 75% of it (read when jax's
-# GPU backend initialises, i.e. on first use, after this line)
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-jax = pytest.importorskip("jax")
+jax = pytest.importorskip("jax")  # on demand beside torch (tests/conftest.py)
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 

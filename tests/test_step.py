@@ -25,12 +25,10 @@ step inside a jitted layer scan.
 from __future__ import annotations
 
 import inspect
-import os
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402

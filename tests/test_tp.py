@@ -16,12 +16,10 @@ production shapes, NCCL ranks one per GPU, the DLPack hand-off on the second GPU
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # jax beside torch on the GPUs
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
