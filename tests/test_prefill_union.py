@@ -627,6 +627,33 @@ def test_union_clamps_a_lying_kv_range_into_k(backend, r):
     assert_matches(backend.run(case, union_geometry(case, r)), ref, f"{backend.name} R={r}")
 
 
+@pytest.mark.parametrize("r", [5, 8])
+def test_union_builds_drop_block_ids_past_the_int32_key_limit(backend, r):
+    """qsa-contract.md §7: the builds sort 32-bit keys block x R + row, so ids of
+    floor((2**31 - 1) / R) and more are invalid in the union (2**28 - 1 at R = 8; Pallas's dense
+    R = 5 lower), the id below is kept. Reachable only through a row seeing more than ~1.7e9
+    tokens (here a lying kv_lens). Found by a break trial."""
+    if backend.name == "triton" and r & (r - 1):
+        pytest.skip("Triton's tiles have a power-of-two R")
+    limit = (2**31 - 1) // r
+    ql, kl = [r], [2**31 - 1]
+    blocks = np.full((r, 3), -1, np.int32)
+    blocks[:, 0] = 1
+    blocks[0, 1], blocks[1, 1] = limit - 1, limit
+    if backend.name == "triton":
+        import torch
+
+        from qsa_triton import prefill_union as PU
+
+        ulen = PU.build_block_union(torch.from_numpy(blocks),
+                                    torch.from_numpy(I.cu_seqlens_from_counts(ql)),
+                                    torch.tensor(kl, dtype=torch.int32), r, limit)
+        ublk, ulen = ulen[0].numpy(), ulen[2].numpy()
+    else:
+        ublk, _, ulen = backend.build(blocks, ql, kl, r)
+    assert int(ulen[0, 0]) == 2 and list(ublk[0, 0, :2]) == [1, limit - 1], (ulen, ublk[0, 0])
+
+
 def test_lying_kv_range_near_int32_max_clamps_into_k():
     """A lying chunk range whose positions reach 2**31 past a nonzero cu_seqlens_k[b]: every
     position still clamps into k's last row (qsa-contract.md §7), on the block path (union and
