@@ -230,8 +230,9 @@ def jax_chain(fn: Callable, args: list, kwargs: dict, chain: int,
     """A provider call: ``fn(*args, **kwargs)`` on torch buffers shared zero-copy with jax,
     ``chain`` calls unrolled in one ``jax.jit``, each depending on the previous output
     (``unrolled``'s ``link``, by default ``chain_link``): XLA can neither merge nor hoist them
-    (its GPU ``while`` loop would round-trip to the host each trip). Host ints are static. ``call`` has ``chain``,
-    ``capturable = False`` and ``once`` (one call's output, a torch tensor)."""
+    (its GPU ``while`` loop would round-trip to the host each trip). Host ints are static.
+    ``call`` has ``chain``, ``capturable = False`` and ``once`` (one call's output, a torch
+    tensor)."""
     import jax  # noqa: PLC0415
 
     from interop.dlpack import to_jax, to_torch  # noqa: PLC0415

@@ -597,8 +597,8 @@ def union_build(mode: int, q, k, block_indices, cu_q, kv_lens, req_to_token,
         raise ValueError(f"union geometry {geo} cannot hold {r} rows x {ht} heads")
     # 32-bit sort keys under a host bound on valid block ids: paged, the table's columns; else
     # the int32 key limit (exact for R <= 4: ids stay below 2**29; R = 8 drops ids of 2**28 - 1
-    # and more, a context of about 2**30 tokens: qsa-contract.md §7). Not k's rows: a lying kv_lens /
-    # cu_seqlens range is clamped into k, its positions past k stay valid.
+    # and more, a context of about 2**30 tokens: qsa-contract.md §7). Not k's rows: a lying
+    # kv_lens / cu_seqlens range is clamped into k, its positions past k stay valid.
     bound = req_to_token.shape[1] // RATIO + 1 if mode == 2 else (2**31 - 1) // r
     max_union = min(max_union_entries(geo, block_indices.shape[-1], max(16, ht)), 2**31 - 2)
     ublk, umem, ulen = build_block_union(block_indices, cu_q, None if mode == 0 else kv_lens, r,
