@@ -317,10 +317,11 @@ BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (p
 #: one BLOCK_N >= 16 chunk; ``min_rows_per_request``: below it a tile has one row;
 #: ``min_overlap``: an engine's neighbour-Jaccard hint below it gets the per-row kernel;
 #: ``max_sort_keys``: R x next_pow2(NB) keys sorted in registers; ``max_union_work``: see
-#: ``max_union_entries``; ``min_tiles_per_sm``: below that many tiles (ceil(T / R) x Hkv) per SM the per-row kernel's T x Hkv programs fill
-#: the GPU better (MTP verify batches measured slower as tiles); ``tile``: (BLOCK_N, warps,
-#: stages) by backend (4 warps: one warpgroup owns the 64-row tile; a third stage measured
-#: faster for Pallas only; ``fit_union`` drops stages to what sm_12x's shared memory holds).
+#: ``max_union_entries``; ``min_tiles_per_sm``: below that many tiles (ceil(T / R) x Hkv) per
+#: SM the per-row kernel's T x Hkv programs fill the GPU better (MTP verify batches measured
+#: slower as tiles); ``tile``: (BLOCK_N, warps, stages) by backend (4 warps: one warpgroup owns
+#: the 64-row tile; a third stage measured faster for Pallas only; ``fit_union`` drops stages to
+#: what sm_12x's shared memory holds).
 UNION_RULES = {
     "q_rows": 64, "max_tile_rows": 8, "min_rows_per_request": 2, "min_overlap": 0.8,
     "max_sort_keys": 8192, "max_union_work": 1.5, "min_tiles_per_sm": 4,
