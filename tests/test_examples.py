@@ -20,7 +20,8 @@ NEEDS = {"jax": ("jax",), "torch": ("torch", "triton")}
 
 def test_examples_exist():
     names = {p.name for p in EXAMPLES}
-    assert {"jax_decode.py", "jax_step.py", "torch_decode.py", "torch_prefill.py"} <= names
+    assert {"jax_decode.py", "jax_step.py", "torch_decode.py", "torch_prefill.py",
+            "jax_prefill_blocks.py"} <= names
 
 
 RUNS = [(p, False) for p in EXAMPLES] + [(p, True) for p in EXAMPLES if p.name.startswith("jax")]
