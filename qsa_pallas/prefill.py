@@ -176,10 +176,8 @@ def _prefill_kernel(*refs, st: _Static):
     last_pos = PU.last_position(base, st.kv_rows)
     n_cols = jnp.where(in_request, jnp.clip(jnp.minimum(visible, w), 0, w), 0)
     if st.union_rows:  # rows of tiles the tile-union kernel takes: no column (it overwrites)
-        ur = st.union_rows
-        slot = jnp.clip(q_start // ur + b + r // ur, 0, ul_ref.shape[0] - 1)
-        n_u = ul_ref[slot, h if pr.per_head_indices else 0]
-        n_cols = jnp.where(n_u > st.max_union, n_cols, 0)
+        n_cols = jnp.where(PU.row_runs(ul_ref, q_start, b, r, h, st.union_rows, st.max_union),
+                           n_cols, 0)
     n_blocks = (n_cols + (bn - 1)) // bn
 
     # Query head tile [ht, d]: heads h*G .. h*G+G-1, padded heads masked to 0.

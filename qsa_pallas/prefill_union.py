@@ -37,7 +37,7 @@ from ._compat import pl
 from ._fp8 import fp16_query, is_fp8
 
 __all__ = ["block_union", "expand_blocks", "last_position", "pool_slot", "request_table",
-           "union_build", "union_run", "union_slots"]
+           "row_runs", "union_build", "union_run", "union_slots"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -67,6 +67,15 @@ def pool_slot(r2t_ref, req_row, tok, ok, bound, max_context: int, pool_slots: in
     ok = ok & (tok >= 0) & (tok < bound)
     sl = _compat.load(r2t_ref.at[req_row, jnp.clip(tok, 0, max_context - 1)], mask=ok, other=-1)
     return jnp.where(ok & (sl >= 0) & (sl < pool_slots), sl, -1)
+
+
+def row_runs(ul_ref, q_start, b, r, h, tile_rows: int, max_union: int):
+    """Whether the per-row path (expansion, per-row kernel) takes row r of request b (index or
+    KV head h) of a call with a union: its tile of ``tile_rows`` rows (slot q_start // R + b +
+    r // R, as ``_tiles``) has a union longer than ``max_union``; lengths ``ul_ref`` [S, H]
+    (H = 1: shared selections). As ``qsa_triton.prefill_union.row_runs``."""
+    slot = jnp.clip(q_start // tile_rows + b + r // tile_rows, 0, ul_ref.shape[0] - 1)
+    return ul_ref[slot, h if ul_ref.shape[1] > 1 else 0] > max_union
 
 
 def union_slots(total_q: int, requests: int, tile_rows: int) -> int:
@@ -197,9 +206,7 @@ def _expand_kernel(*refs, st: _XStatic):
     in_req = (r >= 0) & (r < q_len)
     run = True
     if st.union_rows:
-        ur = st.union_rows
-        slot = jnp.clip(q_start // ur + b + r // ur, 0, ul_ref.shape[0] - 1)
-        run = ul_ref[slot, h if ul_ref.shape[1] > 1 else 0] > st.max_union
+        run = row_runs(ul_ref, q_start, b, r, h, st.union_rows, st.max_union)
 
     def body():
         kv_len = q_len if st.kind == "ordinary" else kvl_ref[b]
@@ -417,8 +424,7 @@ def _union_kernel(*refs, st: _UStatic):
         gh = mi % g_heads
         rel = jt * r + i
         row = q_start + rel
-        row_ok = ((i < r) & (gh < g_heads) & (rel >= 0) & (rel < q_used) & (row >= 0)
-                  & (row < pr.total_q))
+        row_ok = (i < r) & (rel >= 0) & (rel < q_used) & (row >= 0) & (row < pr.total_q)
         vis = jnp.maximum(rel + kv_len - q_len + 1, 0)
         flat = row * pr.num_q_heads + h * g_heads + gh
         q, qk = load_q(flat, row_ok, m)

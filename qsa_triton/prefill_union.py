@@ -52,8 +52,7 @@ from interop.plan import LOG2E, next_pow2
 from ._fp8 import fp16_query
 
 __all__ = ["build_block_union", "expand_blocks", "last_position", "pool_slot", "request_table",
-           "row_runs",
-           "union_build", "union_launch", "union_slots"]
+           "row_runs", "union_build", "union_launch", "union_slots"]
 
 _BIG = tl.constexpr(1 << 62)  # sort key of an invalid entry: after every valid key
 _REPEATED = tl.constexpr(REPEATED_TILE)
@@ -600,7 +599,8 @@ def union_build(mode: int, q, k, block_indices, cu_q, kv_lens, req_to_token,
     # and more, a context of about 2**30 tokens: qsa-contract.md §7). Not k's rows: a lying
     # kv_lens / cu_seqlens range is clamped into k, its positions past k stay valid.
     bound = req_to_token.shape[1] // RATIO + 1 if mode == 2 else (2**31 - 1) // r
-    max_union = min(max_union_entries(geo, block_indices.shape[-1], max(16, ht)), 2**31 - 2)
+    max_union = min(max_union_entries(geo, block_indices.shape[-1], max(16, ht)),
+                    REPEATED_TILE - 1)
     ublk, umem, ulen = build_block_union(block_indices, cu_q, None if mode == 0 else kv_lens, r,
                                          bound, skip_past=max_union)
     return ublk, umem, ulen, max_union
