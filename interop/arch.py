@@ -156,6 +156,8 @@ class DeviceFacts:
         dev = torch.device("cuda") if device is None else torch.device(device)
         if dev.type != "cuda":
             raise RuntimeError(f"DeviceFacts.from_torch: {dev} is not a CUDA device")
+        if not torch.cuda.is_available():  # before current_device(), which asserts
+            raise RuntimeError("DeviceFacts.from_torch: torch sees no CUDA device")
         return _torch_facts(dev.index if dev.index is not None else torch.cuda.current_device())
 
     @classmethod

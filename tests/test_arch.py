@@ -67,6 +67,9 @@ def test_from_torch_refuses_a_cpu_device():
     torch = pytest.importorskip("torch")
     with pytest.raises(RuntimeError, match="not a CUDA device"):
         DeviceFacts.from_torch(torch.device("cpu"))
+    if not torch.cuda.is_available():  # the default device: RuntimeError, not torch's assert
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            DeviceFacts.from_torch()
 
 
 def test_route_sm121_decode_exact_only():
