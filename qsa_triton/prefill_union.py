@@ -28,10 +28,10 @@ rows of one request and one KV head:
    kernel; its rows are expanded to tokens (``_qsa_expand_blocks``, rows of the other tiles
    left out) and computed by the per-row kernel (``qsa_triton.prefill``, its rows of the other
    tiles skipped too), launched before the union kernel. The selector sees host facts only;
-   this switch is where the measured overlap decides. The build estimates each tile's union
-   first (``_union_estimate``: the multiplicities of 32 sampled entries) and does not sort a
-   tile estimated past 5/4 of the bound: low-overlap selections cost little more than the
-   per-row kernel.
+   this switch is where the measured overlap decides. A light kernel first estimates each
+   tile's union (``_qsa_union_skip``: the multiplicities of 32 sampled entries) and the build
+   does not sort a tile estimated past 5/4 of the bound: low-overlap selections cost little
+   more than the per-row kernel.
 
 Tiles: tile j of request b has slot ``cu_seqlens_q[b] // R + b + j`` (``interop.indices.
 tile_slots``); ``T // R + B`` programs cover any batch and each finds its request from the
@@ -121,8 +121,8 @@ def _qsa_block_union(
     Block ids >= ``max_blocks`` are invalid; ``KEY64``: 64-bit sort keys, where block * R + row
     can pass 2**31 (32-bit keys sort about twice as fast). ``detect`` (0 / 1): merge rows that
     are in the indexer's order without sorting them; 0 sorts every tile's rows first.
-    ``skip_past`` >= 0: a tile whose estimated union (``_union_estimate``) passes 5/4 of it gets
-    length ``skip_past + 1`` and no entries (module docstring, 3); < 0: every tile is built."""
+    ``skip_past`` >= 0: a tile whose length ``_qsa_union_skip`` set past it keeps that length
+    and gets no entries (module docstring, 3); < 0: every tile is built."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     N: tl.constexpr = R * NBP
@@ -141,16 +141,12 @@ def _qsa_block_union(
     row_ok = (row_rel >= 0) & (row_rel < q_used) & (row >= 0) & (row < T)
     n_vis = tl.maximum(row_rel + kv_len - q_len + 1, 0) // 4  # complete visible blocks
     n_ok = tl.minimum(n_vis, max_blocks)
+    if skip_past >= 0:  # decided by _qsa_union_skip, launched just before
+        if tl.load(ulen_ptr + slot * stride_ls + h) > skip_past:
+            return
     rowp = bidx_ptr + row.to(tl.int64) * stride_bt + h * stride_bh
     g = tl.load(rowp + col, mask=row_ok & (col < NB), other=-1)
     valid = row_ok & (col < NB) & (g >= 0) & (g < n_ok)
-    if skip_past >= 0:
-        est = _union_estimate(bidx_ptr + h * stride_bh, stride_bt, tl.sum(valid.to(tl.int32), 0),
-                              q_start + jt * R, jt * R, q_used, T, kv_len - q_len, NB, max_blocks,
-                              R, NBP)
-        if est * 4.0 > skip_past * 5.0:  # a margin: tiles near the bound are built and decided
-            tl.store(ulen_ptr + slot * stride_ls + h, skip_past + 1)
-            return
     if KEY64:
         key = tl.where(valid, g.to(tl.int64) * R + i, _BIG)
     else:
@@ -170,6 +166,39 @@ def _qsa_block_union(
     else:
         _emit_union(ks, prev, ublk_ptr + base, umem_ptr + base, ulen_ptr + slot * stride_ls + h,
                     R, N, dead)
+
+
+@triton.jit
+def _qsa_union_skip(
+    bidx_ptr, ulen_ptr, cu_q_ptr, kv_lens_ptr, T, NB, n_req, max_blocks, stride_bt, stride_bh,
+    stride_ls, skip_past, R: tl.constexpr, NBP: tl.constexpr, BP: tl.constexpr,
+    ORDINARY: tl.constexpr,
+):
+    """Which tiles the build skips (module docstring, 3), per tile and index head: length
+    ``skip_past + 1`` where the estimated union (``_union_estimate``) passes 5/4 of
+    ``skip_past``, else 0 (built). Its own kernel: without the build's sort registers many
+    tiles run per SM, and the estimate's dependent row reads overlap across them."""
+    slot = tl.program_id(0)
+    h = tl.program_id(1)
+    N: tl.constexpr = R * NBP
+    b, q_start, q_len, jt, q_used = _tile_of(slot, cu_q_ptr, n_req, R, BP)
+    if ORDINARY:
+        kv_len = q_len
+    else:
+        kv_len = tl.load(kv_lens_ptr + b)
+    e = tl.arange(0, N)
+    row_rel = jt * R + e // NBP
+    row = q_start + row_rel
+    row_ok = (row_rel >= 0) & (row_rel < q_used) & (row >= 0) & (row < T) & (e % NBP < NB)
+    n_ok = tl.minimum(tl.maximum(row_rel + kv_len - q_len + 1, 0) // 4, max_blocks)
+    g = tl.load(bidx_ptr + row.to(tl.int64) * stride_bt + h * stride_bh + e % NBP,
+                mask=row_ok, other=-1)
+    n_valid = tl.sum((row_ok & (g >= 0) & (g < n_ok)).to(tl.int32), 0)
+    est = _union_estimate(bidx_ptr + h * stride_bh, stride_bt, n_valid, q_start + jt * R,
+                          jt * R, q_used, T, kv_len - q_len, NB, max_blocks, R, NBP)
+    # a margin: tiles near the bound are built and decided by their exact length
+    tl.store(ulen_ptr + slot * stride_ls + h, tl.where(est * 4.0 > skip_past * 5.0,
+                                                       skip_past + 1, 0))
 
 
 @triton.jit
@@ -534,16 +563,22 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
     ublk, umem = (torch.empty((s, hidx, r * nb), dtype=torch.int32, device=block_indices.device)
                   for _ in range(2))
     ulen = torch.empty((s, hidx), dtype=torch.int32, device=block_indices.device)
+    # the largest key, (max_blocks - 1) * R + R - 1, stays below the int32 sentinel
+    key64 = max_blocks is None or int(max_blocks) * r > 2**31 - 1
+    max_blocks = 2**31 - 1 if max_blocks is None else min(int(max_blocks), 2**31 - 1)
+    kv = kv_lens if kv_lens is not None else cu_seqlens_q
+    if skip_past is not None:
+        _qsa_union_skip[(s, hidx)](
+            block_indices, ulen, cu_seqlens_q, kv, t, nb, n_req, max_blocks,
+            block_indices.stride(0), stride_bh, ulen.stride(0), int(skip_past), R=r,
+            NBP=next_pow2(nb), BP=next_pow2(n_req + 1), ORDINARY=kv_lens is None, num_warps=4)
     _qsa_block_union[(s, hidx)](
-        block_indices, ublk, umem, ulen, cu_seqlens_q,
-        kv_lens if kv_lens is not None else cu_seqlens_q, t, nb, n_req,
-        2**31 - 1 if max_blocks is None else min(int(max_blocks), 2**31 - 1),
+        block_indices, ublk, umem, ulen, cu_seqlens_q, kv, t, nb, n_req, max_blocks,
         block_indices.stride(0), stride_bh, ublk.stride(0), ublk.stride(1), ulen.stride(0),
         int(bool(detect_sorted)), -1 if skip_past is None else int(skip_past), R=r,
         NBP=next_pow2(nb), BP=next_pow2(n_req + 1),
         ORDINARY=kv_lens is None,
-        # the largest key, (max_blocks - 1) * R + R - 1, stays below the int32 sentinel
-        KEY64=max_blocks is None or int(max_blocks) * r > 2**31 - 1,
+        KEY64=key64,
         num_warps=8 if r * next_pow2(nb) > 2048 else 4)
     return ublk, umem, ulen
 
