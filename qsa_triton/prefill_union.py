@@ -83,6 +83,25 @@ def _tile_of(slot, cu_q_ptr, n_req, R: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(slot, i, cu_q_ptr, kv_lens_ptr, n_req, T, max_blocks, R: tl.constexpr,
+               BP: tl.constexpr, ORDINARY: tl.constexpr):
+    """Rows ``i`` (tile-row numbers, a vector) of tile ``slot``: (their rows in q, whether each
+    is a row of the tile's request, its valid block-id bound: complete visible blocks capped at
+    ``max_blocks``, the tile's first row in q and in its request, the request's rows the tile
+    may use, kv_len - q_len)."""
+    b, q_start, q_len, jt, q_used = _tile_of(slot, cu_q_ptr, n_req, R, BP)
+    if ORDINARY:
+        kv_len = q_len
+    else:
+        kv_len = tl.load(kv_lens_ptr + b)
+    row_rel = jt * R + i
+    row = q_start + row_rel
+    row_ok = (row_rel >= 0) & (row_rel < q_used) & (row >= 0) & (row < T)
+    n_ok = tl.minimum(tl.maximum(row_rel + kv_len - q_len + 1, 0) // 4, max_blocks)
+    return row, row_ok, n_ok, q_start + jt * R, jt * R, q_used, kv_len - q_len
+
+
+@triton.jit
 def _merge_rows(z, R: tl.constexpr, NBP: tl.constexpr):
     """Sort the R x NBP keys of one tile given each row sorted (``z`` [R * NBP]: row i's keys at
     i * NBP.., ascending, odd rows negated, i.e. descending keys): log2(R) levels of bitonic
@@ -125,25 +144,17 @@ def _qsa_block_union(
     and gets no entries (module docstring, 3); < 0: every tile is built."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
+    if skip_past >= 0:  # decided by _qsa_union_skip, launched just before
+        if tl.load(ulen_ptr + slot * stride_ls + h) > skip_past:
+            return
     N: tl.constexpr = R * NBP
-    b, q_start, q_len, jt, q_used = _tile_of(slot, cu_q_ptr, n_req, R, BP)
-    if ORDINARY:
-        kv_len = q_len
-    else:
-        kv_len = tl.load(kv_lens_ptr + b)
     e = tl.arange(0, N)
     i = e // NBP
     c = e % NBP
     odd = (i % 2) == 1
     col = tl.where(odd, NBP - 1 - c, c)  # odd rows back to front: descending if sorted
-    row_rel = jt * R + i
-    row = q_start + row_rel
-    row_ok = (row_rel >= 0) & (row_rel < q_used) & (row >= 0) & (row < T)
-    n_vis = tl.maximum(row_rel + kv_len - q_len + 1, 0) // 4  # complete visible blocks
-    n_ok = tl.minimum(n_vis, max_blocks)
-    if skip_past >= 0:  # decided by _qsa_union_skip, launched just before
-        if tl.load(ulen_ptr + slot * stride_ls + h) > skip_past:
-            return
+    row, row_ok, n_ok, _, _, _, _ = _tile_rows(slot, i, cu_q_ptr, kv_lens_ptr, n_req, T,
+                                               max_blocks, R, BP, ORDINARY)
     rowp = bidx_ptr + row.to(tl.int64) * stride_bt + h * stride_bh
     g = tl.load(rowp + col, mask=row_ok & (col < NB), other=-1)
     valid = row_ok & (col < NB) & (g >= 0) & (g < n_ok)
@@ -180,22 +191,15 @@ def _qsa_union_skip(
     tiles run per SM, and the estimate's dependent row reads overlap across them."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
-    N: tl.constexpr = R * NBP
-    b, q_start, q_len, jt, q_used = _tile_of(slot, cu_q_ptr, n_req, R, BP)
-    if ORDINARY:
-        kv_len = q_len
-    else:
-        kv_len = tl.load(kv_lens_ptr + b)
-    e = tl.arange(0, N)
-    row_rel = jt * R + e // NBP
-    row = q_start + row_rel
-    row_ok = (row_rel >= 0) & (row_rel < q_used) & (row >= 0) & (row < T) & (e % NBP < NB)
-    n_ok = tl.minimum(tl.maximum(row_rel + kv_len - q_len + 1, 0) // 4, max_blocks)
+    e = tl.arange(0, R * NBP)
+    row, row_ok, n_ok, row0, rel0, q_used, kv_off = _tile_rows(
+        slot, e // NBP, cu_q_ptr, kv_lens_ptr, n_req, T, max_blocks, R, BP, ORDINARY)
+    row_ok = row_ok & (e % NBP < NB)
     g = tl.load(bidx_ptr + row.to(tl.int64) * stride_bt + h * stride_bh + e % NBP,
                 mask=row_ok, other=-1)
     n_valid = tl.sum((row_ok & (g >= 0) & (g < n_ok)).to(tl.int32), 0)
-    est = _union_estimate(bidx_ptr + h * stride_bh, stride_bt, n_valid, q_start + jt * R,
-                          jt * R, q_used, T, kv_len - q_len, NB, max_blocks, R, NBP)
+    est = _union_estimate(bidx_ptr + h * stride_bh, stride_bt, n_valid, row0, rel0, q_used,
+                          T, kv_off, NB, max_blocks, R, NBP)
     # a margin: tiles near the bound are built and decided by their exact length
     tl.store(ulen_ptr + slot * stride_ls + h, tl.where(est * 4.0 > skip_past * 5.0,
                                                        skip_past + 1, 0))

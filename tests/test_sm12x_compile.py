@@ -125,7 +125,8 @@ SAMPLES = [
      r"paged_split_G12_ht16_bn32_w4_s7_bf16_kv(bf16_direct_off64|fp8e4nv_off64_pdl)$"
      r"|paged_merge_p128_bf16_pdl$", 3),
     ("triton", "prefill_union", ("sm_120",),
-     r"prefill_union_build_R2_|prefill_union_mode2_bf16_(bf16|fp8e4nv)_R8_m64_", 3),
+     r"prefill_union_build_R2_|prefill_union_skip_R8_"
+     r"|prefill_union_mode2_bf16_(bf16|fp8e4nv)_R8_m64_", 4),
     ("pallas", "decode", ("sm_120",), r"pallas_decode_TP1_B1_|pallas_decode_TP2_B95_", 3),
     ("pallas", "prefill", ("sm_120",), r"pallas_prefill_(chunk_bf16|paged_fp8)_ht16_bn64_w4_s2$",
      2),

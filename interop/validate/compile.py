@@ -385,7 +385,8 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
 
 def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict]:
     """Every configuration ``qsa_triton.prefill_union`` can launch on ``arch``: the block
-    expansion per mode and the union build kernel per tile height R (512 block ids per row),
+    expansion per mode, the union build and its skip estimate per tile height R (512 block ids
+    per row),
     the attention kernel per Triton geometry of ``interop.geometry.all_union_configs`` x
     ordinary / chunk / paged with bf16 K/V and chunk / paged with FP8 K/V. Dicts as
     ``triton_decode_configs``."""
@@ -397,6 +398,7 @@ def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict
     out = []
     build, kernel = U._qsa_block_union, U._qsa_prefill_union_fwd
     expand = U._qsa_expand_blocks  # the per-row kernel's input, every mode
+    skip = U._qsa_union_skip  # the build's per-tile estimate
     for mode, ordinary, paged in (("ordinary", True, False), ("chunk", False, False),
                                   ("paged", False, True)):
         consts = {"NBP": 512, "BP": 2, "BLOCK_W": 1024, "ORDINARY": ordinary, "PAGED": paged}
@@ -407,6 +409,9 @@ def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict
         out.append(_entry(build, f"prefill_union_build_R{r}_nb512", {}, consts,
                           8 if r * 512 > 2048 else 4, 1, aligned=_aligned(build.arg_names, "qkvo"),
                           geometry=None))
+        out.append(_entry(skip, f"prefill_union_skip_R{r}_nb512", {},
+                          {"R": r, "NBP": 512, "BP": 2, "ORDINARY": False}, 4, 1,
+                          aligned=_aligned(skip.arg_names, "qkvo"), geometry=None))
     for kv_bytes, geo in geos:
         group = geo.head_tile // geo.tile_rows  # the padded head tile per row (masks only)
         kt = "fp8e4nv" if kv_bytes == 1 else "bf16"
