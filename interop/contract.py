@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any, Sequence
 
 import numpy as np
@@ -90,7 +91,8 @@ def envelope_text(fn: str = "sparse_decode") -> str:
 class TensorSpec:
     """Framework-free description of one tensor: ``shape``, canonical ``dtype`` name (the same
     for torch and jax), ``device`` "cpu" or "cuda" (jax's "gpu" too) and its ``index`` (None for
-    tracers), element ``strides`` (None: row-major), ``requires_grad`` (torch only; refused)."""
+    tracers), element ``strides`` (None: row-major), ``requires_grad`` (torch only, and only
+    while grad mode is on; refused)."""
 
     shape: tuple[int, ...]
     dtype: str
@@ -117,9 +119,12 @@ class TensorSpec:
     def from_torch(cls, t) -> "TensorSpec":
         """Spec of a torch tensor (no torch import: duck-typed)."""
         dev = t.device
+        grad = bool(t.requires_grad)
+        if grad:  # under torch.no_grad() / inference_mode() nothing is recorded: nothing to refuse
+            torch = sys.modules.get(type(t).__module__.split(".")[0])
+            grad = torch is None or bool(torch.is_grad_enabled())
         return cls(tuple(int(s) for s in t.shape), str(t.dtype).removeprefix("torch."),
-                   str(dev.type), dev.index, tuple(int(s) for s in t.stride()),
-                   bool(t.requires_grad))
+                   str(dev.type), dev.index, tuple(int(s) for s in t.stride()), grad)
 
     @classmethod
     def from_jax(cls, a) -> "TensorSpec":
@@ -227,8 +232,9 @@ class _Checker:
         except TypeError:
             self.fail(name, "a tensor (torch.Tensor, jax.Array or numpy array)", type(x).__name__)
         if s.requires_grad:  # forward-only kernels: a backward() would fail far from the cause
-            self.fail(name, "a tensor that does not require grad (the kernels are forward-only; "
-                      "call them under torch.no_grad() or pass .detach())", "requires_grad=True")
+            self.fail(name, "a tensor that does not require grad while grad mode is on (the "
+                      "kernels are forward-only; call them under torch.no_grad() / "
+                      "torch.inference_mode() or pass .detach())", "requires_grad=True")
         return s
 
     def specs(self, **named: Any) -> list[TensorSpec]:

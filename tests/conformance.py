@@ -314,6 +314,21 @@ class Conformance:
             pytest.skip(f"{self.name}: arrays carry no requires_grad mark")
         self.refused(self.entry("sparse_decode"), qg, *rest, arg="q")
 
+    def test_requires_grad_input_runs_without_grad_mode(self):
+        """Under torch.no_grad() / inference_mode() nothing records a graph: an input marked
+        requires_grad runs and gives the result of its detached copy, bit for bit."""
+        q, *rest = self.decode_args()
+        qg = self.requiring_grad(q)
+        if qg is None:
+            pytest.skip(f"{self.name}: arrays carry no requires_grad mark")
+        import torch  # noqa: PLC0415  (only frameworks with the mark get here)
+
+        fn = self.entry("sparse_decode")
+        want = self.to_numpy(fn(q, *rest))
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode():
+                np.testing.assert_array_equal(self.to_numpy(fn(qg, *rest)), want)
+
     def test_prefill_refusals(self):
         """Per-head indices with the wrong head count, FP8 K/V where the variant takes q's
         dtype, K/V scales without FP8, indices that are not int32."""
