@@ -303,7 +303,9 @@ BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (p
         invalid ids anywhere; g is valid iff 0 <= g < visible // 4. Every row also attends its
         causal tail [4 * (visible // 4), visible). Result: the token path on
         ``interop.indices.expand_prefill_blocks`` up to summation order; a block listed twice is
-        attended twice (such a tile's rows always go to the per-row kernel). Runs the
+        attended twice (such a tile's rows always go to the per-row kernel) and, as on token
+        rows, only the expansion's first min(4 NB + 3, visible) entries count: repeated ids
+        that expand past a row's visible tokens push its last entries, tail included, out. Runs the
         tile-union kernel (the per-row kernel on tiles whose union is past
         ``max_union_entries``) or the per-row kernel (``interop.geometry.select_prefill_blocks``).
       overlap: with ``block_indices`` only: None, or the engine's expected Jaccard similarity of

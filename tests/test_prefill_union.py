@@ -719,6 +719,28 @@ def test_selected_paths_match_reference(backend, monkeypatch):
     assert_matches(backend.run(case, overlap=0.0), ref, f"{backend.name} selected rows")
 
 
+def test_repeated_ids_past_the_visible_tokens_push_the_tail_out(backend):
+    """Repeated ids count per occurrence, and a row reads only the first min(W, visible)
+    entries of its expansion (the token path's early stop, qsa-contract.md §3): row 4 of an
+    ordinary prefill listing [1, 0, 1, 0] (block 1 not yet visible, block 0 twice) attends
+    tokens 0, 1, 2, 3, 0 and not its own token 4; with [1, 0, -1, -1] it attends token 4."""
+    case = block_case("ordinary", 2, 1, [8], nb=4, seed=3)
+    rows = np.array([[1, 0, 1, 0], [1, 0, -1, -1]], np.int32)
+    for blocks, sees_own in ((rows[0], False), (rows[1], True)):
+        case.blocks = np.tile(blocks, (8, 1))
+        case.arrays["indices"] = I.expand_prefill_blocks(case.blocks, [8], None)
+        base = backend.run(case)
+        assert_matches(base, case.reference(), f"{backend.name} {blocks.tolist()}")
+        v = case.arrays["v"]
+        old = v[4].copy()
+        v[4] += 8.0  # token 4: row 4's causal tail (visible = 5)
+        try:
+            moved = np.abs(backend.run(case)[4] - base[4]).max()
+        finally:
+            v[4] = old
+        assert (moved > 0.1) == sees_own, (blocks.tolist(), moved)
+
+
 def test_empty_table_and_empty_pool_give_zeros(backend):
     case = block_case("paged", 6, 1, [3], [5], seed=9)
     case.arrays["req_to_token"] = np.ascontiguousarray(case.arrays["req_to_token"][:, :0])
