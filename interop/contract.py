@@ -366,22 +366,26 @@ class _Checker:
         return group
 
     def q_kv(self, qs, ks, vs, k: str, v: str, q_shape: str, kv_shape: str, kv_dtypes,
-             pairs: str = "head_pairs", rows: tuple[str, str, str] | None = None):
-        """q [rows, Hq, D] against K and V [*, Hkv, D], in this order: ranks, dtypes, equal K/V
-        shapes, head dim, GQA group (strict: in ``QUALIFIED[pairs]``), the row count (``rows`` =
-        (QUALIFIED key, what, symbol): >= 1, strict: in range), unit last strides, K/V on q's
-        device. Returns (rows, Hq, D, group)."""
+             pairs: str = "head_pairs", rows: tuple[str, str, str] | None = None,
+             kv_rows: tuple[int, str] | None = None):
+        """q [rows, Hq, D] against K and V [*, Hkv, D], in this order: ranks, dtypes, K's head
+        dim and (``kv_rows`` = (count, why)) row count against q, equal K/V shapes (so a wrong K
+        is named as K), head dim, GQA group (strict: in ``QUALIFIED[pairs]``), the row count
+        (``rows`` = (QUALIFIED key, what, symbol): >= 1, strict: in range), unit last strides,
+        K/V on q's device. Returns (rows, Hq, D, group)."""
         self.rank("q", qs, 3, q_shape)
         self.dtype("q", qs, _FLOAT_DTYPES)
         self.rank(k, ks, 3, kv_shape)
         self.rank(v, vs, 3, kv_shape)
         self.dtype(k, ks, kv_dtypes)
         self.dtype(v, vs, (ks.dtype,))
-        if vs.shape != ks.shape:
-            self.fail(v, f"{k}'s shape {list(ks.shape)}", f"shape {list(vs.shape)}")
         n, hq, d = qs.shape
         if ks.shape[2] != d:
             self.fail(k, f"head dim {d} (q's)", ks.shape[2])
+        if kv_rows is not None:
+            self.rows(k, ks, *kv_rows)
+        if vs.shape != ks.shape:
+            self.fail(v, f"{k}'s shape {list(ks.shape)}", f"shape {list(vs.shape)}")
         self.head_dim("q", d)
         group = self.heads(hq, ks.shape[1], "q", k, QUALIFIED[pairs])
         if rows is not None:
@@ -433,6 +437,11 @@ def check_decode(
     return DecodeProblem(b, hq, ks.shape[1], group, d, ks.shape[0], msk, scale, qs.dtype)
 
 
+def _b_from_cu_q(b: int, plus: str = "") -> str:
+    """The ``note`` of a length that follows from cu_seqlens_q's: says which argument set B."""
+    return f" = B{plus} (B = {b} requests: the length of cu_seqlens_q - 1)"
+
+
 def _check_prefill(kind: str, fn: str, strict, q, k, v, indices, indices_name: str, kv_names,
                    meta, max_seqlen_q, softmax_scale, k_scale, v_scale) -> PrefillProblem:
     """The prefill checks: q/K/V, the indices, ``meta(checker, q's spec, K's spec)`` (the
@@ -442,7 +451,8 @@ def _check_prefill(kind: str, fn: str, strict, q, k, v, indices, indices_name: s
     qs, ks, vs, ids = c.specs(**{"q": q, kn: k, vn: v, indices_name: indices})
     t, _, _, group = c.q_kv(qs, ks, vs, kn, vn, "[T, Hq, D]", "[rows, Hkv, D]",
                             (qs.dtype,) + (() if ordinary else _FP8_DTYPES),
-                            pairs="prefill_head_pairs")
+                            pairs="prefill_head_pairs",
+                            kv_rows=(qs.shape[0], "packed like q") if ordinary else None)
     what = ("request-relative token positions, invalid entries negative or >= len"
             if indices_name == "indices" else "row-relative block ids, invalid ids negative or >= "
             "the row's visible blocks")
@@ -474,8 +484,7 @@ def check_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=None
     indices_name: "block_indices" when ``indices`` holds the indexer's block ids. Returns
     PrefillProblem; raises ContractError (argument, expected, got, envelope).
     """
-    def meta(c, qs, ks):
-        c.rows("k", ks, qs.shape[0], "packed like q")
+    def meta(c, qs, _):  # k's rows: checked with q (q_kv's kv_rows)
         return c.cu_seqlens("cu_seqlens", cu_seqlens, qs)
 
     return _check_prefill("ordinary", fn, strict, q, k, v, indices, indices_name, ("k", "v"), meta,
@@ -496,8 +505,8 @@ def check_prefill_chunk(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, m
     def meta(c, qs, _):
         c.specs(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, kv_lens=kv_lens)
         b = c.cu_seqlens("cu_seqlens_q", cu_seqlens_q, qs)
-        c.metadata("cu_seqlens_k", cu_seqlens_k, b + 1, qs)
-        c.metadata("kv_lens", kv_lens, b, qs)
+        c.metadata("cu_seqlens_k", cu_seqlens_k, b + 1, qs, note=_b_from_cu_q(b, " + 1"))
+        c.metadata("kv_lens", kv_lens, b, qs, note=_b_from_cu_q(b))
         return b
 
     return _check_prefill("chunk", fn, strict, q, k, v, indices, indices_name, ("k", "v"), meta,
@@ -518,8 +527,8 @@ def check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
     def meta(c, qs, _):
         c.specs(cu_seqlens_q=cu_seqlens_q, kv_lens=kv_lens)
         b = c.cu_seqlens("cu_seqlens_q", cu_seqlens_q, qs)
-        c.metadata("kv_lens", kv_lens, b, qs)
-        c.metadata("req_indices", req_indices, b, qs)
+        c.metadata("kv_lens", kv_lens, b, qs, note=_b_from_cu_q(b))
+        c.metadata("req_indices", req_indices, b, qs, note=_b_from_cu_q(b))
         c.table("req_to_token", c.spec("req_to_token", req_to_token),
                 "[max_reqs, max_context] of int32 pool slots", qs)
         return b
@@ -1172,7 +1181,8 @@ def check_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, 
         lambda ids: check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, ids,
                                         cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale,
                                         k_scale, v_scale, strict=strict, fn=fn))
-    c.metadata("index_cu_seqlens_k", index_cu_seqlens_k, ap.requests + 1, qs)
+    c.metadata("index_cu_seqlens_k", index_cu_seqlens_k, ap.requests + 1, qs,
+               note=_b_from_cu_q(ap.requests, " + 1"))
     return ap, ip
 
 

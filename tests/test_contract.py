@@ -147,6 +147,7 @@ REJECT = [
     ("decode", {"q": [1, 2]}, False, "q", {}),
     # ---- ordinary prefill
     ("prefill", {"k": T((7, HKV, D)), "v": T((7, HKV, D))}, False, "k", {}),
+    ("prefill", {"k": T((10, HKV, D))}, False, "k", {}),  # a wrong K is named, not its twin V
     ("prefill", {"q": T((8, 0, D))}, False, "q", {}),
     ("prefill", {"indices": T((8, 16), "float32")}, False, "indices", {}),
     ("prefill", {"indices": T((8, 16), "int64")}, False, "indices", {}),
@@ -176,6 +177,7 @@ REJECT = [
                "v_scale": float("inf")}, False, "v_scale", {}),
     ("chunk", {"k": T((40, HKV, D), "float8_e4m3fn")}, False, "v", {}),
     ("chunk", {"v": T((41, HKV, D))}, False, "v", {}),
+    ("chunk", {"k": T((40, HKV, 128))}, False, "k", {}),
     ("chunk", {"indices": T((8, 16), "int16")}, False, "indices", {}),
     ("chunk", {"max_seqlen_q": -3}, False, "max_seqlen_q", {}),
     ("chunk", {"q": T((8, 0, D))}, False, "q", {}),
@@ -262,6 +264,9 @@ def test_requires_grad_refused_by_every_check(op):
     with pytest.raises(ContractError, match="forward-only") as info:
         run(op, {"q": t}, "torch")
     assert info.value.arg == "q"
+    for mode in (torch.no_grad, torch.inference_mode):  # nothing records a graph there
+        with mode():
+            run(op, {"q": t}, "torch")
 
 
 @pytest.mark.parametrize("op", list(CHECKS))
@@ -282,6 +287,10 @@ def test_messages_read_as_written():
     assert "<=" not in str(info.value).split("[")[0]
     with pytest.raises(ContractError, match=r"\(torch.Tensor, jax.Array or numpy array\); got list"):
         run("decode", {"cu_seqlens_k": [0, 1, 2]}, "jax")
+    # a length that follows from cu_seqlens_q's says so (a wrong cu_seqlens_q is named there)
+    with pytest.raises(ContractError, match=r"B = 3 requests: the length of cu_seqlens_q") as info:
+        run("chunk", {"cu_seqlens_q": T((4,), "int32")}, "torch")
+    assert info.value.arg == "cu_seqlens_k"
 
 
 def test_exact_contract_only_for_sm121_decode():
