@@ -757,8 +757,9 @@ def add_arguments(ap: argparse.ArgumentParser, modes: dict[str, Mode]) -> None:
     ap.add_argument("--providers", metavar="A,B,...",
                     help="providers to run, in this order; 'x first' ratios are against the first "
                          "(default: the mode's default set, listed below)")
-    ap.add_argument("--json", metavar="FILE", help=f"report path (default $OUT/{first.name}.json "
-                    f"when $OUT is set, else ./bench-out/{first.name}.json)")
+    ap.add_argument("--json", metavar="FILE", help="report path (default: in $OUT when set, else "
+                    f"./bench-out: {first.name}.json timed, {first.name}_smoke.json with "
+                    "--smoke-cpu, _memcheck / _compare likewise; other modes by their names)")
     ap.add_argument("--plot", metavar="PNG", help="also draw the report (bench/plot.py)")
     ap.add_argument("--rounds", type=int, default=15, help="timed replays per provider "
                     "(default 15)")
