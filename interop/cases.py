@@ -27,7 +27,7 @@ __all__ = [
     "RTOL", "ATOL", "REL_L2", "OPS", "TP_SHAPES", "DECODE_BATCHES", "PREFILL_KINDS", "DecodeSpec",
     "PrefillSpec", "Spec", "full_matrix", "quick_matrix", "edge_cases", "conformance_matrix",
     "gpu_conformance_matrix", "by_name", "ENTRY", "PARAMS", "CaseData", "case_data",
-    "empty_outputs", "slot_table_of", "reference", "compare", "BENCH_DECODE_BATCHES",
+    "empty_outputs", "token_indices", "slot_table_of", "reference", "compare", "BENCH_DECODE_BATCHES",
     "BENCH_DECODE_ROWS",
     "BENCH_PREFILL_ROWS", "BENCH_PREFILL_KV", "PagedSpec", "IndexerSpec", "StepSpec",
     "INDEX_ENTRIES", "KW_DEFAULTS", "ENTRY_OP",
@@ -80,7 +80,11 @@ class PrefillSpec:
     cap // 2 and cap - 1 of every row's read window (cap = min(W, visible)) cycle through -1, -7,
     len, len + 19. duplicates: columns 2 and cap - 2 repeat column 1 (after junk_inside). poison:
     NaN in every K/V row no valid entry selects, and (paged) slot-table entries past each kv_len
-    naming slots past the pool. max_q_hint: the max_seqlen_q passed (None: the longest)."""
+    naming slots past the pool. max_q_hint: the max_seqlen_q passed (None: the longest).
+    blocks: the ``block_indices=`` form: ``width`` = NB row-relative block ids a row
+    (``interop.indices.prefill_block_indices``: junk anywhere, two rows with a repeated id
+    where ``duplicates``), ``indices`` None; the reference reads their expansion
+    (``token_indices``); junk_inside does not apply."""
 
     name: str
     kind: str
@@ -104,11 +108,13 @@ class PrefillSpec:
     poison: bool = False
     max_q_hint: int | None = None
     seed: int = 0
+    blocks: bool = False
     op: str = "prefill"
 
     @property
     def size(self) -> int:
-        return sum(self.q_lens) * self.width * self.hq * self.d
+        w = I.RATIO * self.width + I.RATIO - 1 if self.blocks else self.width
+        return sum(self.q_lens) * w * self.hq * self.d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +238,8 @@ def _constructors(dtype: str, **kwargs):
 def full_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Spec]:
     """The GPU matrix at production shapes (D = 256, W = max_seqlen_k = 2051): decode TP1/2/4 x
     ``DECODE_BATCHES`` x short/medium/saturated; prefill ordinary/chunk/paged x G 3, 6, 12 x Hkv
-    1, 2 x KV 8k/32k/128k x 8192 rows, ragged, junk, empty rows, per-head, FP8; paged decode,
+    1, 2 x KV 8k/32k/128k x 8192 rows, ragged, junk, empty rows, per-head, FP8, block
+    selections (``block_indices=``, tile-union sized); paged decode,
     the indexer and the step at a few batch sizes (the FP64 reference dominates the run time)."""
     dec, pre, paged, ixr, step = _constructors(dtype)
     cases: list[Spec] = []
@@ -263,6 +270,18 @@ def full_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Sp
                       (32768,), kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5, junk="len",
                       seed=6)
                   for kind in ("chunk", "paged") for g, hkv in ((6, 1), (12, 1), (12, 2))]
+        # block_indices= (the indexer's 512 block ids a row): enough tiles for the tile-union
+        # kernel (interop.geometry.select_prefill_blocks), tiles past its bound per-row
+        for kind in PREFILL_KINDS:
+            cases += [pre(f"prefill/{kind}/blocks+junk+dup/G6xHkv1/T8k", kind, 6, 1, 256, (8192,),
+                          _kv(kind, (32768,)), width=512, blocks=True, junk="mixed",
+                          duplicates=True, seed=41),
+                      pre(f"prefill/{kind}/blocks/per-head/G12xHkv2/ragged", kind, 24, 2, 256,
+                          (3000, 17, 2100), _kv(kind, (3000, 40000, 9000)), width=512,
+                          blocks=True, per_head=True, junk="len+19", seed=42)]
+        cases += [pre(f"prefill/{kind}/blocks/fp8/G12xHkv1/kv32k", kind, 12, 1, 256, (4096,),
+                      (32768,), width=512, blocks=True, kv_dtype="float8_e4m3fn", k_scale=0.75,
+                      v_scale=1.5, junk="len", seed=43) for kind in ("chunk", "paged")]
     # one generator per op: a case's shape does not depend on which ops were selected
     rng = np.random.default_rng(2026)
     if "paged" in ops:
@@ -359,6 +378,15 @@ def quick_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Sp
                 seed=7),
             pre("prefill/chunk/D256/G12xHkv1", "chunk", 12, 1, 256, (4,), (64,), seed=8),
             pre("prefill/ordinary/W67/G6xHkv1", "ordinary", 6, 1, 64, (40,), width=67, seed=9),
+            # block_indices= (NB block ids a row): the per-row kernel on the on-device expansion
+            # at these sizes (the tile-union kernel: full_matrix, tests/test_prefill_union.py)
+            pre("prefill/ordinary/blocks/G6xHkv1", "ordinary", 6, 1, 64, (9, 1, 6), width=8,
+                blocks=True, junk="mixed", seed=31),
+            pre("prefill/chunk/blocks+dup/per-head/G12xHkv2", "chunk", 24, 2, 64, (7, 5), (60, 30),
+                width=8, blocks=True, per_head=True, duplicates=True, junk="len+19", seed=32),
+            pre("prefill/paged/blocks+fp8+empty/G6xHkv1", "paged", 6, 1, 64, (10, 3), (120, 20),
+                width=6, blocks=True, kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=1.5,
+                empty_rows=(2,), junk="-7", seed=33),
         ]
     if "paged" in ops:
         cases += [
@@ -445,6 +473,7 @@ _CONFORMANCE = (
     "prefill/chunk/fp8/G12xHkv1", "prefill/chunk/per-head/G3xHkv2",
     "prefill/paged/ragged+junk-7/G12xHkv1", "prefill/paged/fp8+empty/G6xHkv2",
     "prefill/chunk/D256/G12xHkv1", "prefill/ordinary/W67/G6xHkv1",
+    "prefill/chunk/blocks+dup/per-head/G12xHkv2",
 )
 
 
@@ -566,6 +595,9 @@ class CaseData:
         ``floats`` and ``ints``) merged with ``scalars``."""
         allv = {**self.scalars, **named}
         pos, kws = PARAMS[self.entry]
+        if "block_indices" in allv:  # the block form: indices=None, block_indices= by keyword
+            kws = kws + ("block_indices",)
+            allv["indices"] = None
         return [allv[n] for n in pos], {n: allv[n] for n in kws if n in allv}
 
 
@@ -584,6 +616,18 @@ def _read_window(indices: np.ndarray, cu_seqlens_q, lens, ordinary: bool):
     valid = ((idx3 >= 0) & (idx3 < lens[req][:, None, None])
              & (np.arange(w) < cap[:, None, None]))
     return idx3, valid, req
+
+
+def token_indices(entry: str, named: dict[str, Any]) -> np.ndarray:
+    """A prefill call's token indices by parameter name: ``indices``, or where it is None the
+    expansion of ``block_indices`` (``interop.indices.expand_prefill_blocks``, the token rows
+    the block form equals). Host int32 numpy [T, W] or [T, Hkv, W]."""
+    if named.get("indices") is not None or named.get("block_indices") is None:
+        return np.asarray(named["indices"])
+    cu = np.asarray(named["cu_seqlens" if entry == "sparse_prefill" else "cu_seqlens_q"],
+                    np.int64)
+    kv = None if entry == "sparse_prefill" else np.asarray(named["kv_lens"], np.int64)
+    return I.expand_prefill_blocks(np.asarray(named["block_indices"]), np.diff(cu), kv)
 
 
 def empty_outputs(entry: str, named: dict[str, Any], hq: int, hkv: int,
@@ -613,7 +657,7 @@ def empty_outputs(entry: str, named: dict[str, Any], hq: int, hkv: int,
         ordinary = entry == "sparse_prefill"
         cu = np.asarray(named["cu_seqlens" if ordinary else "cu_seqlens_q"], np.int64)
         lens = np.diff(cu) if ordinary else named["kv_lens"]
-        none = ~_read_window(named["indices"], cu, lens, ordinary)[1].any(-1)
+        none = ~_read_window(token_indices(entry, named), cu, lens, ordinary)[1].any(-1)
     none = none[:, None] if none.ndim == 1 else none
     return np.repeat(np.broadcast_to(none, (none.shape[0], hkv)), hq // hkv, axis=1)
 
@@ -661,15 +705,30 @@ def case_data(spec: Spec) -> CaseData:
     lay = I.prefill_layout(kind, spec.q_lens, spec.kv_lens, pool_slack=spec.pool_slack,
                            seed=spec.seed)
     kv_lens = None if kind == "ordinary" else lay.kv_lens
-    idx = I.prefill_indices(lay.q_lens, kv_lens, width=spec.width, junk=spec.junk,
-                            empty_rows=spec.empty_rows, overlap=spec.overlap,
-                            num_kv_heads=spec.hkv if spec.per_head else None, seed=spec.seed)
-    if spec.junk_inside or spec.duplicates:
+    heads = spec.hkv if spec.per_head else None
+    if spec.blocks:
+        if spec.junk_inside:
+            raise ValueError(f"{spec.name}: junk_inside edits token rows, not block selections")
+        empty = spec.empty_rows
+        if isinstance(empty, float):  # a fraction of the rows, as prefill_indices takes it
+            t_all = int(sum(lay.q_lens))
+            empty = np.random.default_rng(spec.seed).choice(
+                t_all, size=int(round(empty * t_all)), replace=False)
+        idx = I.prefill_block_indices(lay.q_lens, kv_lens, block_width=spec.width,
+                                      overlap=spec.overlap, junk=spec.junk, junk_anywhere=True,
+                                      duplicates=2 if spec.duplicates else 0,
+                                      empty_rows=tuple(int(r) for r in empty),
+                                      num_kv_heads=heads, seed=spec.seed)
+    else:
+        idx = I.prefill_indices(lay.q_lens, kv_lens, width=spec.width, junk=spec.junk,
+                                empty_rows=spec.empty_rows, overlap=spec.overlap,
+                                num_kv_heads=heads, seed=spec.seed)
+    if not spec.blocks and (spec.junk_inside or spec.duplicates):
         _, _, visible, bound = I.row_layout(lay.q_lens, kv_lens)
         idx3 = (idx if idx.ndim == 3 else idx[:, None, :]).astype(np.int64)
         _edit_windows(idx3, visible, bound, spec)
         idx = (idx3 if spec.per_head else idx3[:, 0]).astype(np.int32)
-    ints: dict[str, np.ndarray] = {"indices": idx}
+    ints: dict[str, np.ndarray] = {"block_indices" if spec.blocks else "indices": idx}
     if kind == "ordinary":
         ints["cu_seqlens"] = lay.cu_seqlens_q
     else:
@@ -691,7 +750,8 @@ def case_data(spec: Spec) -> CaseData:
     poison = None
     if spec.poison:
         lens = np.diff(lay.cu_seqlens_q) if kind == "ordinary" else lay.kv_lens
-        idx3, valid, req = _read_window(idx, lay.cu_seqlens_q, lens, kind == "ordinary")
+        idx3, valid, req = _read_window(token_indices(entry, ints), lay.cu_seqlens_q, lens,
+                                        kind == "ordinary")
         safe = np.where(valid, idx3, 0)
         if kind == "paged":
             kv_row = np.asarray(slot_table_of(ints), np.int64)[req[:, None, None], safe]
@@ -851,6 +911,8 @@ def reference(entry: str, named: dict[str, Any]) -> np.ndarray:
         raise ValueError(f"unknown entry point {entry!r}; known: {', '.join(PARAMS)}")
     fn = _ENTRIES[entry][1]
     params = inspect.signature(fn).parameters
+    if named.get("block_indices") is not None and named.get("indices") is None:
+        named = {**named, "indices": token_indices(entry, named)}
     return fn(**{k: v for k, v in named.items() if k in params})
 
 

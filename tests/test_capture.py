@@ -297,3 +297,24 @@ def test_replay_of_a_capture_made_on_the_h200(capsys):
     assert cli.main(["replay", "--interpret", str(path)]) == 0
     out = capsys.readouterr().out
     assert "qsa replay: all files passed" in out and "H200" in out
+
+
+def test_block_form_capture_round_trip(tmp_path):
+    """A prefill call in the block form (``indices=None, block_indices=``) is captured as
+    ``block_indices`` (no ``indices`` tensor) and replays in that form: both implementations
+    against the FP64 reference of its expansion, the capturing one reproducing its output."""
+    impls = X.load_implementations(interpret=True)
+    spec = _case("prefill/chunk/blocks+dup/per-head/G12xHkv2")
+    inp = X.build_inputs(spec)
+    triton = next(i for i in impls if i.name == "triton")
+    fn = triton.fns[inp.entry]
+    path = tmp_path / "blocks.safetensors"
+    out = CAP.capture_call(fn, *inp.args, path=path, entry=inp.entry, **inp.kwargs)
+    cap = CAP.load_capture(path)
+    assert "indices" not in cap.tensors and cap.scalars["indices"] is None
+    assert torch.equal(cap.tensors["block_indices"], inp.kwargs["block_indices"])
+    assert CAP.spec_for(cap, "f").blocks and CAP.spec_for(cap, "f").width == spec.width
+    (_, res, stored), = CAP.replay([path], impls)
+    assert res.passed, res.failures
+    assert stored["within_tolerance"] and torch.equal(cap.expected, out)
+    assert res.impl["triton"]["rel_l2_vs_expected"] == 0.0

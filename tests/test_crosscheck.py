@@ -50,6 +50,19 @@ def test_full_matrix_covers_the_issue():
         assert any(s.kind == kind and len(s.q_lens) > 2 for s in pre)  # ragged
         assert any(s.kind == kind and s.junk == "mixed" and s.empty_rows for s in pre)
     assert {s.kind for s in pre if s.kv_dtype == "float8_e4m3fn"} == {"chunk", "paged"}
+    # block selections at the indexer's width, sized for the tile-union kernel on an H200
+    from interop.arch import DeviceFacts
+    from interop.geometry import select_prefill_blocks
+
+    facts = DeviceFacts.for_arch("sm_90")
+    blocks = [s for s in pre if s.blocks]
+    assert {s.kind for s in blocks} == {"ordinary", "chunk", "paged"}
+    assert {s.kind for s in blocks if s.kv_dtype} == {"chunk", "paged"}
+    for s in blocks:
+        geo = select_prefill_blocks(facts, s.kind, total_q=sum(s.q_lens), requests=len(s.q_lens),
+                                    max_q=max(s.q_lens), group=s.hq // s.hkv, num_kv_heads=s.hkv,
+                                    head_dim=s.d, block_width=s.width)
+        assert s.width == 512 and geo.kind == "union", (s.name, geo)
     assert all(s.dtype == "bfloat16" for s in full)
     assert X.full_matrix(["decode"]) == dec
 
@@ -532,8 +545,8 @@ def test_cli_check_bad_ops_and_filter(capsys):
 # the runner's real path (torch inputs, zero-copy into jax); the kernels' correctness over the
 # cases is tests/conformance.py
 REAL = ["decode/TP2/B4/saturated+poison", "prefill/paged/fp8+empty/G6xHkv2",
-        "paged/TP2/mtp2+junk+dup/W35", "indexer/decode/fp8-keys/topk16",
-        "step/decode/TP2/topk16"]
+        "prefill/paged/blocks+fp8+empty/G6xHkv1", "paged/TP2/mtp2+junk+dup/W35",
+        "indexer/decode/fp8-keys/topk16", "step/decode/TP2/topk16"]
 
 
 @pytest.mark.parametrize("name", REAL)
@@ -562,7 +575,8 @@ def test_gpu_full_matrix_new_ops_sample(tmp_path):
 def test_gpu_full_matrix_sample(tmp_path):
     """On the GPU: a slice of the full matrix on compiled kernels (the lead runs the whole
     matrix with ``qsa check --full --peer sglang --json $OUT/check_full.json``)."""
-    rc = cli.main(["check", "--full", "--filter", "TP1/B1/,TP2/B128/saturated,kv32k/T8k",
+    rc = cli.main(["check", "--full", "--filter",
+                   "TP1/B1/,TP2/B128/saturated,kv32k/T8k,chunk/blocks+junk",
                    "--json", str(tmp_path / "c.json")])
     assert rc == 0
 
@@ -619,7 +633,8 @@ def test_peer_prefill_skip_reasons():
     assert skipped == {"prefill/ordinary/junk-mixed+empty/G6xHkv1",
                        "prefill/chunk/junk-mixed+empty/G6xHkv1",
                        "prefill/paged/junk-mixed+empty/G6xHkv1",
-                       "prefill/paged/junk-len+19/per-head/G12xHkv2"}
+                       "prefill/paged/junk-len+19/per-head/G12xHkv2",
+                       "prefill/paged/blocks/per-head/G12xHkv2/ragged"}
     assert "NaN" in reasons["prefill/chunk/junk-mixed+empty/G6xHkv1"]
     assert "ndim == 2" in reasons["prefill/paged/junk-len+19/per-head/G12xHkv2"]
     assert reasons["prefill/chunk/junk-len+19/per-head/G12xHkv2"] is None
@@ -634,3 +649,27 @@ def test_missing_peer_names_where_its_files_go(monkeypatch):
     with pytest.raises(peer.PeerUnavailable) as info:
         peer.load_sparse_attn.__wrapped__()
     assert str(peer._PEER_DIR) in str(info.value) and peer._PEER_DIR.is_absolute()
+
+
+def test_peer_takes_a_block_selection_as_its_expansion(monkeypatch):
+    """The upstream oracle has token interfaces only: a block-form call reaches it as the
+    expansion (``interop.cases.token_indices``), the rest of the call unchanged. Upstream is
+    faked by the FP64 reference on the token indices it receives."""
+    from interop.validate import peer
+
+    class FakeUpstream:
+        def sparse_gqa_fwd_interface_triton_ck(self, q, k, v, indices, cu_q, cu_k, kv_lens,
+                                               scale, max_q):
+            named = {"q": q, "k": k, "v": v, "indices": indices, "cu_seqlens_q": cu_q,
+                     "cu_seqlens_k": cu_k, "kv_lens": kv_lens, "softmax_scale": scale}
+            return torch.as_tensor(C.reference("sparse_prefill_chunk", {
+                n: x.double().numpy() if x.is_floating_point() else x.numpy()
+                for n, x in named.items() if hasattr(x, "numpy")} | {"softmax_scale": scale}))
+
+    monkeypatch.setattr(peer, "load_sm121_decode", lambda: None)
+    monkeypatch.setattr(peer, "load_sparse_attn", FakeUpstream)
+    spec = C.by_name(X.quick_matrix())["prefill/chunk/blocks+dup/per-head/G12xHkv2"]
+    inp = X.build_inputs(spec)
+    assert inp.named()["indices"] is None and "block_indices" in inp.kwargs
+    got = X.load_peer("sglang", device="cpu").fns[inp.entry](*inp.args, **inp.kwargs)
+    np.testing.assert_allclose(got.numpy(), X.numpy_reference(spec, inp), rtol=1e-12, atol=1e-12)

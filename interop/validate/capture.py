@@ -14,6 +14,8 @@ file; ``expected_out`` (optional): the output the capturing implementation retur
     req_to_token = slot_table, req_indices = 0..B-1)
   * ``sparse_decode_paged``: q, k_cache, v_cache (the whole pool), req_to_token, req_indices,
     indices, seq_lens
+  * a prefill call in the block form (``indices=None``): ``block_indices`` instead of
+    ``indices`` (the scalars record indices as null)
 
 Metadata (safetensors ``__metadata__``, all strings): ``format`` "qsa-capture/1"; ``entry``;
 ``op`` "decode" | "prefill" | "paged" (``interop.cases.ENTRY_OP``); ``scalars`` (JSON of the
@@ -75,6 +77,8 @@ class Capture:
                                 req_indices=torch.arange(st.shape[0], dtype=torch.int32))
         args = [self.tensors[n].to(device) if n in self.tensors else self.scalars[n] for n in pos]
         kwargs = {k: self.scalars.get(k, KW_DEFAULTS[k]) for k in kws}
+        if "block_indices" in self.tensors:
+            kwargs["block_indices"] = self.tensors["block_indices"].to(device)
         return Inputs(self.entry, args, kwargs, None, {"capture": self.metadata})
 
 
@@ -108,7 +112,8 @@ def save_capture(path, entry: str, values: dict, *, expected=None, model_revisio
       entry: one of ``ENTRIES`` ("sparse_decode", "sparse_decode_paged", the prefill variants).
       values: parameter name -> torch tensor (any device) or host scalar; missing keyword
         parameters take their defaults (``interop.cases.KW_DEFAULTS``: softmax_scale None,
-        k_scale = v_scale = 1.0, batch_invariant False).
+        k_scale = v_scale = 1.0, batch_invariant False); a prefill call's block form:
+        ``indices`` None and ``block_indices`` a tensor.
       expected: the output tensor, or None.
 
     Raises:
@@ -126,7 +131,8 @@ def save_capture(path, entry: str, values: dict, *, expected=None, model_revisio
     if missing:
         raise ValueError(f"{entry}: missing parameter(s) {missing}")
     tensors, scalars, fp8 = {}, {}, []
-    for name in pos + kws:
+    blocks = values.get("block_indices") if ENTRY_OP[entry] == "prefill" else None
+    for name in pos + kws + (("block_indices",) if blocks is not None else ()):
         v = values.get(name, KW_DEFAULTS.get(name))
         if isinstance(v, torch.Tensor):
             t = v.detach().to("cpu").contiguous()
@@ -163,7 +169,7 @@ def capture_call(fn, *args, path, entry: str | None = None, model_revision: str 
         raise ValueError(f"cannot tell the entry point of {fn!r}; pass entry= one of {list(ENTRIES)}")
     pos, kws = PARAMS[entry]
     values = dict(zip(pos + kws, args))
-    values.update({k: v for k, v in kwargs.items() if k in pos + kws})
+    values.update({k: v for k, v in kwargs.items() if k in pos + kws + ("block_indices",)})
     out = fn(*args, **kwargs)
     save_capture(path, entry, values, expected=out, model_revision=model_revision,
                  producer=producer or f"{getattr(fn, '__module__', '?')}.{entry}", note=note)
@@ -220,11 +226,12 @@ def spec_for(cap: Capture, name: str):
                          batch_invariant=bool(cap.scalars.get("batch_invariant", False)))
     cu = t.get("cu_seqlens", t.get("cu_seqlens_q"))
     kv = t.get("kv_lens")
+    ids = t["indices"] if "indices" in t else t["block_indices"]
     return PrefillSpec(name, PREFILL_KIND[cap.entry], hq, hkv, d,
                        tuple(int(x) for x in (cu[1:] - cu[:-1]).tolist()),
                        None if kv is None else tuple(int(x) for x in kv.tolist()),
-                       width=int(t["indices"].shape[-1]), dtype=_tdtype(q), kv_dtype=kv_dtype,
-                       per_head=t["indices"].ndim == 3)
+                       width=int(ids.shape[-1]), dtype=_tdtype(q), kv_dtype=kv_dtype,
+                       per_head=ids.ndim == 3, blocks="indices" not in t)
 
 
 def replay(paths: Sequence, impls, *, device: str = "cpu", reference: str = "auto",

@@ -157,7 +157,7 @@ def peer_prefill_skip(spec: PrefillSpec) -> str | None:
 def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
     """Upstream SGLang 0.5.23's kernels as a peer implementation (``interop.validate.peer``):
     decode through the SM121 packed kernel (exact contract only), prefill through upstream's
-    public interfaces (``peer_indices``); FP8 K/V dequantised to q's dtype, k_scale folded into
+    public interfaces (``peer_indices``; a block selection as its expansion); FP8 K/V dequantised to q's dtype, k_scale folded into
     the softmax scale, v_scale applied to the output. On a ``device`` other than "cuda" every
     case is skipped.
 
@@ -227,9 +227,26 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
             return f"upstream decode runs the exact contract only ({e.arg})"
         return None
 
+    def tokens(entry, fn):  # the block form: upstream on its expansion (upstream takes tokens)
+        pos = PARAMS[entry][0]
+
+        def call(*args, block_indices=None, **kw):
+            if block_indices is not None:
+                named = {n: a.cpu().numpy() for n, a in zip(pos, args)
+                         if hasattr(a, "cpu") and not a.is_floating_point()}
+                ids = C.token_indices(entry, {**named, "block_indices":
+                                              block_indices.cpu().numpy()})
+                args = list(args)
+                args[pos.index("indices")] = torch.as_tensor(ids, device=args[0].device)
+            return fn(*args, **kw)
+        return call
+
+    import torch  # noqa: PLC0415
+
     return Implementation(f"peer:{name}", "torch", {
-        "sparse_decode": decode, "sparse_prefill": prefill, "sparse_prefill_chunk": chunk,
-        "sparse_prefill_paged": paged}, supports=supports)
+        "sparse_decode": decode, "sparse_prefill": tokens("sparse_prefill", prefill),
+        "sparse_prefill_chunk": tokens("sparse_prefill_chunk", chunk),
+        "sparse_prefill_paged": tokens("sparse_prefill_paged", paged)}, supports=supports)
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,6 +326,10 @@ def torch_reference(spec: Spec | None, inp: Inputs, *, budget_bytes: int = 1 << 
     kind = PREFILL_KIND[inp.entry]
     dev, (t, hq, d) = q.device, q.shape
     k, v, idx = n[PARAMS[inp.entry][0][1]], n[PARAMS[inp.entry][0][2]], n["indices"]
+    if idx is None:  # the block form: the expansion it equals
+        idx = torch.as_tensor(C.token_indices(inp.entry, {  # the integer metadata only
+            name: x.cpu().numpy() for name, x in n.items()
+            if hasattr(x, "cpu") and not x.is_floating_point()}), device=q.device)
     hkv = k.shape[1]
     g = hq // hkv
     scale = (d ** -0.5 if kw.get("softmax_scale") is None else kw["softmax_scale"])
@@ -405,8 +426,11 @@ def _call(impl: Implementation, inp: Inputs):
         return fn(*inp.args, **inp.kwargs, **impl.kwargs)
     from interop.dlpack import to_jax, to_torch  # noqa: PLC0415
 
-    args = [to_jax(x) if type(x).__module__.startswith("torch") else x for x in inp.args]
-    return to_torch(fn(*args, **inp.kwargs, **impl.kwargs))
+    def jx(x):
+        return to_jax(x) if type(x).__module__.startswith("torch") else x
+
+    kwargs = {k: jx(x) for k, x in inp.kwargs.items()}  # block_indices= is a tensor
+    return to_torch(fn(*[jx(x) for x in inp.args], **kwargs, **impl.kwargs))
 
 
 def empty_mask(inp: Inputs) -> np.ndarray:
