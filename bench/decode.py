@@ -128,9 +128,9 @@ def _pallas(inp: DecodeInputs, batch_invariant: bool = False):
 
 
 def _sm121_supports(desc: dict, rows: str) -> str | None:
-    """Upstream's SM121 kernel: (24,2) and (12,1) heads, at most 128 rows (``desc[rows]``)."""
-    if (desc["Hq"], desc["Hkv"]) not in ((24, 2), (12, 1)) or desc[rows] > 128:
-        return f"upstream's SM121 kernel takes (24,2) and (12,1) heads, {rows} <= 128"
+    """Upstream's SM121 kernel: D = 256, (24,2) / (12,1) heads, <= 128 rows (``desc[rows]``)."""
+    if (desc["Hq"], desc["Hkv"]) not in ((24, 2), (12, 1)) or desc[rows] > 128 or desc["D"] != 256:
+        return f"upstream's SM121 kernel takes D = 256, (24,2) and (12,1) heads, {rows} <= 128"
     return None
 
 
