@@ -28,7 +28,7 @@ __all__ = [
     "QUALIFIED_INDEXER", "IndexerProblem", "check_indexer_decode", "check_indexer_prefill",
     "check_expand_block_indices", "check_indexer_plan", "validate_indexer_decode_metadata",
     "validate_indexer_prefill_metadata", "check_decode_step", "check_prefill_step",
-    "DECODE_STEP_DOC", "PREFILL_STEP_DOC",
+    "check_prefill_step_rows", "DECODE_STEP_DOC", "PREFILL_STEP_DOC",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -681,8 +681,9 @@ def validate_decode_paged_metadata(req_to_token, req_indices, indices, seq_lens,
     rt = _np(req_to_token).astype(np.int64)
     ri = _np(req_indices).astype(np.int64).reshape(-1)
     sl = _np(seq_lens).astype(np.int64).reshape(-1)
-    idx = (np.arange(max(int(sl.max(initial=0)), 0))[None, :].repeat(sl.size, 0)
-           if indices is None else _np(indices).astype(np.int64))
+    # indices None: each row's positions 0 .. seq_lens[r] - 1, made per row once seq_lens is
+    # known to fit the table (a garbage length must not allocate its range)
+    idx = np.zeros((sl.size, 1), np.int64) if indices is None else _np(indices).astype(np.int64)
     if rt.ndim != 2 or idx.ndim not in (2, 3) or not ri.size == sl.size == idx.shape[0]:
         c.fail("indices", "req_to_token [max_reqs, max_context], indices [R, W] or [R, Hkv, W], "
                "req_indices and seq_lens [R]",
@@ -701,7 +702,8 @@ def validate_decode_paged_metadata(req_to_token, req_indices, indices, seq_lens,
     flat = idx.reshape(idx.shape[0], int(np.prod(idx.shape[1:])))
     n_valid = 0
     for r in np.nonzero(live)[0]:
-        sel = flat[r][(flat[r] >= 0) & (flat[r] < sl[r])]
+        sel = (np.arange(sl[r]) if indices is None
+               else flat[r][(flat[r] >= 0) & (flat[r] < sl[r])])
         n_valid += int(sel.size)
         slots = rt[ri[r], sel]
         out = (slots < 0) | (slots >= int(pool_slots))
@@ -1184,6 +1186,23 @@ def check_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, 
     c.metadata("index_cu_seqlens_k", index_cu_seqlens_k, ap.requests + 1, qs,
                note=_b_from_cu_q(ap.requests, " + 1"))
     return ap, ip
+
+
+def check_prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows,
+                            compress_ratio: int = 4, *, fn: str = "prefill_step_rows") -> int:
+    """Check a ``prefill_step_rows`` call (both backends) before anything runs: int32
+    ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B], ``index_cu_seqlens_k`` [B + 1] on one device
+    (not read), host ints ``total_rows`` >= 0 and ``compress_ratio`` in 2..16. Returns B;
+    raises ContractError (argument, expected, got)."""
+    c = _Checker(fn, False)
+    cu = c.spec("cu_seqlens_q", cu_seqlens_q)
+    b = c.cu_seqlens("cu_seqlens_q", cu_seqlens_q, cu)
+    c.metadata("kv_lens", kv_lens, b, cu, "cu_seqlens_q", note=_b_from_cu_q(b))
+    c.metadata("index_cu_seqlens_k", index_cu_seqlens_k, b + 1, cu, "cu_seqlens_q",
+               note=_b_from_cu_q(b, " + 1"))
+    c.host_int("total_rows", total_rows, 0, None)
+    c.host_int("compress_ratio", compress_ratio, 2, 16)
+    return b
 
 
 def validate_indexer_decode_metadata(page_table, seq_lens, pages: int, page_size: int, *,

@@ -17,7 +17,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from interop.contract import (DECODE_STEP_DOC, PREFILL_STEP_DOC, ContractError,
-                              check_decode_step, check_prefill_step)
+                              check_decode_step, check_prefill_step,
+                              check_prefill_step_rows)
 from interop.indices import prefill_step_rows_xp
 
 from . import _compat as C
@@ -83,7 +84,10 @@ def prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows: int
     """``qsa_triton.step.prefill_step_rows``'s rule in plain ``jnp``
     (``interop.indices.prefill_step_rows_xp``; traced inputs welcome): int32 ``cu_seqlens_q``
     [B + 1], ``kv_lens`` [B], ``index_cu_seqlens_k`` [B + 1], host ints ``total_rows`` (T) and
-    ``compress_ratio`` -> (row_starts, row_ends, positions, seq_lens), int32 [T] each."""
+    ``compress_ratio`` -> (row_starts, row_ends, positions, seq_lens), int32 [T] each.
+    Raises ContractError (``interop.contract.check_prefill_step_rows``) before anything runs."""
+    check_prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows,
+                            compress_ratio)
     return prefill_step_rows_xp(jnp, cu_seqlens_q.astype(jnp.int32), kv_lens.astype(jnp.int32),
                                 index_cu_seqlens_k.astype(jnp.int32),
                                 jnp.arange(int(total_rows), dtype=jnp.int32), int(compress_ratio))
@@ -206,8 +210,9 @@ def shard_step(step, mesh, axis: str = "tp"):
             try:
                 bound = sig.bind(*args, **kwargs)
             except TypeError as e:
+                # Python's text reads "got an unexpected ...": the message adds its own "got"
                 raise ContractError(fn, "arguments", f"the arguments of {fn}{sig}",
-                                    str(e)) from None
+                                    str(e).removeprefix("got ")) from None
             bound.apply_defaults()
             args, kwargs = bound.args, bound.kwargs
             for name, a in kwargs.items():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from interop.contract import (DECODE_STEP_DOC, PREFILL_STEP_DOC, ContractError, check_decode_step,
-                              check_prefill_step)
+                              check_prefill_step, check_prefill_step_rows)
 
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
 from .decode_paged import _exact_contract_device, sparse_decode_paged
@@ -87,8 +87,11 @@ def prefill_step_rows(cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
 
     int32 ``cu_seqlens_q`` [B + 1], ``kv_lens`` [B], ``index_cu_seqlens_k`` [B + 1]; host ints
     ``total_rows`` (T), ``compress_ratio``. Returns ``(row_starts, row_ends, positions,
-    seq_lens)``, int32 [T] each: ``indexer_select_prefill``'s arguments.
+    seq_lens)``, int32 [T] each: ``indexer_select_prefill``'s arguments. Raises ContractError
+    (``interop.contract.check_prefill_step_rows``) before anything runs.
     """
+    check_prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows,
+                            compress_ratio)
     ratio = int(compress_ratio)
     cu = cu_seqlens_q.long()
     kl = kv_lens.long()

@@ -195,6 +195,20 @@ def test_prefill_step_rows_same_rule_in_three_frameworks():
         np.testing.assert_array_equal(np.asarray(j), w)
     rs, re, pos, sl = want
     assert (pos[:2] == -1).all() and (pos[9:] == -1).all() and (sl[9:] == 0).all()
+    # bad metadata is refused before anything runs, never truncated into other rows
+    for fw, arr in (("triton", torch.tensor), ("pallas", jnp.asarray)):
+        f = qsa_triton.prefill_step_rows if fw == "triton" else qsa_pallas.prefill_step_rows
+        good = [arr(a) for a in (cu, kv, ck)]
+        for bad, total, arg in (((good[0], arr(kv[:2]), good[2]), 12, "kv_lens"),
+                                ((arr(cu.astype(np.float32)), *good[1:]), 12, "cu_seqlens_q"),
+                                ((good[0], good[1], arr(ck[:3])), 12, "index_cu_seqlens_k"),
+                                (good, 12.5, "total_rows"), (good, -1, "total_rows")):
+            with pytest.raises(ContractError) as info:
+                f(*bad, total)
+            assert info.value.arg == arg, (fw, arg, str(info.value))
+    with pytest.raises(ContractError, match="a host int") as info:  # a traced row count
+        jax.jit(qsa_pallas.prefill_step_rows)(*(jnp.asarray(a) for a in (cu, kv, ck)), 12)
+    assert info.value.arg == "total_rows"
     np.testing.assert_array_equal(pos[2:5], [7, 8, 9])
     np.testing.assert_array_equal(re[2:5] - rs[2:5], [2, 2, 2])  # floor((p+1)/4) capped at 2
 

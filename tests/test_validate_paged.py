@@ -87,6 +87,11 @@ def test_step_metadata_without_indices_checks_every_visible_position():
     rtt[0, 119] = SLOTS  # row 2 (request 0, seq_len 120) at its last position
     with pytest.raises(ContractError, match=f"qsa_decode_step.*slot {SLOTS}"):
         validate_decode_paged_metadata(rtt, ri, None, sl, SLOTS, fn="qsa_decode_step")
+    # a garbage length is named, not expanded into a 2**31-position range first
+    sl = sl.copy()
+    sl[1] = 2**31 - 1
+    with pytest.raises(ContractError, match=r"'seq_lens'.*row 1: 2147483647"):
+        validate_decode_paged_metadata(rtt, ri, None, sl, SLOTS, fn="qsa_decode_step")
 
 
 @pytest.mark.parametrize("indices", [np.zeros((0, 7), np.int32), np.zeros((0, 2, 7), np.int32),
