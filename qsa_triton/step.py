@@ -90,8 +90,9 @@ def prefill_step_rows(cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
     seq_lens)``, int32 [T] each: ``indexer_select_prefill``'s arguments. Raises ContractError
     (``interop.contract.check_prefill_step_rows``) before anything runs.
     """
-    check_prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows,
-                            compress_ratio)
+    if not torch.compiler.is_compiling():  # as the entry points: checked where eager
+        check_prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows,
+                                compress_ratio)
     ratio = int(compress_ratio)
     cu = cu_seqlens_q.long()
     kl = kv_lens.long()

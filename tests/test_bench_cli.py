@@ -214,7 +214,9 @@ def test_chain_link_keeps_every_call_of_work_on_the_metadata():
 
 def test_upstream_providers_skip_what_upstream_cannot_take():
     sm = decode.PROVIDERS["upstream-sm121"].supports
-    assert sm({"Hq": 6, "Hkv": 1, "B": 4}) and sm({"Hq": 24, "Hkv": 2, "B": 4}) is None
+    tp1 = {"Hq": 24, "Hkv": 2, "B": 4, "D": 256}
+    assert sm({**tp1, "Hq": 6, "Hkv": 1}) and sm(tp1) is None
+    assert "D = 256" in sm({**tp1, "D": 64})  # the smoke cases' D
     up = prefill.PROVIDERS["upstream-chunk"].supports
     base = {"kind": "chunk", "junk": "-1", "per_head": False, "empty_rows": False,
             "kv_dtype": "bfloat16"}
