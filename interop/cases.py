@@ -27,10 +27,9 @@ __all__ = [
     "RTOL", "ATOL", "REL_L2", "OPS", "TP_SHAPES", "DECODE_BATCHES", "PREFILL_KINDS", "DecodeSpec",
     "PrefillSpec", "Spec", "full_matrix", "quick_matrix", "edge_cases", "conformance_matrix",
     "gpu_conformance_matrix", "by_name", "ENTRY", "PARAMS", "CaseData", "case_data",
-    "empty_outputs", "token_indices", "slot_table_of", "reference", "compare", "BENCH_DECODE_BATCHES",
-    "BENCH_DECODE_ROWS",
-    "BENCH_PREFILL_ROWS", "BENCH_PREFILL_KV", "PagedSpec", "IndexerSpec", "StepSpec",
-    "INDEX_ENTRIES", "KW_DEFAULTS", "ENTRY_OP",
+    "empty_outputs", "token_indices", "slot_table_of", "reference", "compare",
+    "BENCH_DECODE_BATCHES", "BENCH_DECODE_ROWS", "BENCH_PREFILL_ROWS", "BENCH_PREFILL_KV",
+    "PagedSpec", "IndexerSpec", "StepSpec", "INDEX_ENTRIES", "KW_DEFAULTS", "ENTRY_OP",
 ]
 
 RTOL = ATOL = 2e-2

@@ -157,9 +157,9 @@ def peer_prefill_skip(spec: PrefillSpec) -> str | None:
 def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
     """Upstream SGLang 0.5.23's kernels as a peer implementation (``interop.validate.peer``):
     decode through the SM121 packed kernel (exact contract only), prefill through upstream's
-    public interfaces (``peer_indices``; a block selection as its expansion); FP8 K/V dequantised to q's dtype, k_scale folded into
-    the softmax scale, v_scale applied to the output. On a ``device`` other than "cuda" every
-    case is skipped.
+    public interfaces (``peer_indices``; a block selection as its expansion); FP8 K/V
+    dequantised to q's dtype, k_scale folded into the softmax scale, v_scale applied to the
+    output. On a ``device`` other than "cuda" every case is skipped.
 
     Raises:
       ValueError: unknown peer name. interop.validate.peer.PeerUnavailable: files absent.
@@ -227,6 +227,8 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
             return f"upstream decode runs the exact contract only ({e.arg})"
         return None
 
+    import torch  # noqa: PLC0415
+
     def tokens(entry, fn):  # the block form: upstream on its expansion (upstream takes tokens)
         pos = PARAMS[entry][0]
 
@@ -240,8 +242,6 @@ def load_peer(name: str = "sglang", device: str = "cuda") -> Implementation:
                 args[pos.index("indices")] = torch.as_tensor(ids, device=args[0].device)
             return fn(*args, **kw)
         return call
-
-    import torch  # noqa: PLC0415
 
     return Implementation(f"peer:{name}", "torch", {
         "sparse_decode": decode, "sparse_prefill": tokens("sparse_prefill", prefill),
