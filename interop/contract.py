@@ -319,10 +319,13 @@ class _Checker:
             self.fail(name, "a host bool", type(value).__name__)
 
     def host_int(self, name: str, value: Any, lo: int, hi: int | None, hi_note: str = ""):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        # torch.compile hands a host int that changed between calls to the fake impls as a
+        # SymInt (a host value still): range-checked symbolically, never specialised by int()
+        symbolic = type(value).__name__ == "SymInt"
+        if not symbolic and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
             self.fail(name, "a host int (a static upper bound, not a device value)",
                       type(value).__name__)
-        value = int(value)
+        value = value if symbolic else int(value)
         if value < lo or (hi is not None and value > hi):
             rng = (f"{name} >= {lo}" if hi is None else f"{name} = {lo}{hi_note}" if lo == hi
                    else f"{lo} <= {name} <= {hi}{hi_note}")

@@ -46,11 +46,13 @@ def check_device(fn: str, device_type: str, arg: str = "q") -> None:
         "imported (Triton reads it when the kernels are defined)", f"a {device_type} tensor{late}")
 
 
-def check_interpreter_dtype(fn: str, dtype_name: str, got: str | None = None) -> None:
+def check_interpreter_dtype(fn: str, dtype_name: str, got: str | None = None,
+                            arg: str = "q") -> None:
     """Raise ContractError for bf16 under the CPU interpreter: in Triton 3.6-3.9 it multiplies
     bf16 ``tl.dot`` operands as raw bit patterns (architecture.md, "Things that bite"), unless
     ``tests/triton_interp_patch.py`` fixed the dot and set ``_qsa_bf16_dot_patched``. ``got``:
-    what the caller passed, where the dots' dtype differs from it (FP8 q is computed in bf16)."""
+    what the caller passed, where the dots' dtype differs from it (FP8 q is computed in bf16);
+    ``arg``: the argument named."""
     if dtype_name != "bfloat16" or not interpreting():
         return
     try:
@@ -60,7 +62,7 @@ def check_interpreter_dtype(fn: str, dtype_name: str, got: str | None = None) ->
     if getattr(interpreter, "_qsa_bf16_dot_patched", False):
         return
     raise ContractError(
-        fn, "q", "float16 under the Triton CPU interpreter (TRITON_INTERPRET=1): its bf16 tl.dot "
+        fn, arg, "float16 under the Triton CPU interpreter (TRITON_INTERPRET=1): its bf16 tl.dot "
         "multiplies raw bit patterns in Triton 3.6-3.9; use fp16 on CPU or a GPU for bf16",
         got or "bfloat16")
 
@@ -85,13 +87,22 @@ def refuse_traced(q: torch.Tensor, fn: str, arg: str, expected: str, got) -> tor
     return torch.ops.qsa.contract_error(q, fn, arg, expected, str(got))
 
 
-def traced_refusal(q: torch.Tensor, fn: str, **host_scalars):
+def traced_refusal(q: torch.Tensor, fn: str, tensors: dict | None = None, **host_scalars):
     """Under torch.compile, before a wrapper turns its host scalars into op arguments: the first
     one given as a tensor is refused through ``qsa::contract_error`` (eager calls get the same
-    refusal from the contract checks); returns that op's result, or None when all are host
-    values. A 0-d tensor scale would otherwise fail deep in Dynamo without the message."""
+    refusal from the contract checks), then, while grad mode is on, the first of ``tensors``
+    (name -> tensor) that requires grad (the ops have no autograd formula: AOT autograd would
+    fail on it without our message, the eager backend only in backward()); returns that op's
+    result, or None. A 0-d tensor scale would otherwise fail deep in Dynamo without the message."""
     for name, x in host_scalars.items():
         if isinstance(x, torch.Tensor):
             return refuse_traced(q, fn, name, "a host number (a Python float or int, not a "
                                  "tensor)", f"Tensor {list(x.shape)}")
+    if torch.is_grad_enabled():
+        for name, x in (tensors or {}).items():
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                return refuse_traced(q.detach(), fn, name, "a tensor that does not require "
+                                     "grad while grad mode is on (the kernels are forward-only; "
+                                     "call them under torch.no_grad() / torch.inference_mode() "
+                                     "or pass .detach())", "requires_grad=True")
     return None

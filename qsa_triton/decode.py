@@ -664,8 +664,8 @@ def sparse_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     docstring).
     """
     if torch.compiler.is_compiling():
-        refused = traced_refusal(q, "sparse_decode", max_seqlen_k=max_seqlen_k,
-                                 softmax_scale=softmax_scale)
+        refused = traced_refusal(q, "sparse_decode", dict(q=q, k=k, v=v),
+                                 max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale)
         if refused is not None:
             return refused
     msk, scale = _checked("sparse_decode", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
@@ -712,7 +712,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         and anything ``sparse_decode`` rejects.
     """
     if torch.compiler.is_compiling():
-        refused = traced_refusal(q, _FA_FN, max_seqlen_q=max_seqlen_q,
+        refused = traced_refusal(q, _FA_FN, dict(q=q, k=k, v=v), max_seqlen_q=max_seqlen_q,
                                  max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale)
         if refused is not None:
             return refused
@@ -720,7 +720,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     refusals = (  # (refused?, argument, expected, got), in flash-attn's argument order
         (isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0,
          "dropout_p", "0.0 (no dropout: forward inference only)", dropout_p),
-        (ws != (-1, -1), "window_size", "(-1, -1) (no sliding window)", window_size),
+        # (-1, 0) is flash-attn's causal window: a decode row has no later key to leave out
+        (ws not in ((-1, -1), (-1, 0)), "window_size",
+         "(-1, -1) or (-1, 0) (no sliding window)", window_size),
         (softcap != 0.0, "softcap", "0.0 (no logit softcap)", softcap),
         (alibi_slopes is not None, "alibi_slopes", "None (no ALiBi)",
          type(alibi_slopes).__name__),

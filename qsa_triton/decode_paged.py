@@ -404,8 +404,8 @@ def sparse_decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     CUDA-graph and ``torch.compile(fullgraph=True)`` safe. Algorithm: the module docstring.
     """
     if torch.compiler.is_compiling():
-        refused = traced_refusal(q, _FN, softmax_scale=softmax_scale, k_scale=k_scale,
-                                 v_scale=v_scale)
+        refused = traced_refusal(q, _FN, dict(q=q, k_cache=k_cache, v_cache=v_cache),
+                                 softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
         if refused is not None:
             return refused
     scale, ksc, vsc = _checked(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens,

@@ -495,7 +495,8 @@ def _entry(fn: str, checker, before: dict, after: dict, indices, block_indices, 
         problem = contract.prefill_selection_problem(indices, block_indices, overlap)
         if problem is not None:
             return refuse_traced(q, fn, *problem)
-        refused = traced_refusal(q, fn, max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
+        refused = traced_refusal(q, fn, before, max_seqlen_q=max_seqlen_q,
+                                 softmax_scale=softmax_scale,
                                  **dict(zip(("k_scale", "v_scale"), scales or ())))
         if refused is not None:
             return refused

@@ -36,7 +36,7 @@ _PREFILL_NAMES = ("q", "k_cache", "v_cache", "req_to_token", "req_indices", "ind
 
 def _backend_checks(fn: str, q: torch.Tensor, attention, indexer) -> None:
     check_interpreter_dtype(fn, attention.dtype)
-    check_interpreter_dtype(fn, indexer.compute_dtype)
+    check_interpreter_dtype(fn, indexer.compute_dtype, indexer.dtype, arg="index_q")
     check_device(fn, q.device.type)
     if q.device.type != "cuda" and not interpreting():
         raise ContractError(fn, "q", "a CUDA tensor (CPU tensors run only under Triton's "

@@ -494,6 +494,36 @@ def test_torch_compile_fullgraph_bad_input_names_the_argument():
         assert "cu_seqlens_k" in msg and "expected" in msg and "int64" in msg, msg[:400]
 
 
+def test_torch_compile_host_ints_that_change_and_inputs_requiring_grad():
+    """A host int that changes between compiled calls (max_seqlen_k here, max_seqlen_q in the
+    prefill tests: SGLang's per-batch bounds) reaches the fake impl as a SymInt: accepted, and
+    every call equals eager. An input that requires grad is refused with the ContractError text
+    under torch.compile too (AOT autograd used to fail on the missing autograd formula, the
+    eager backend only in backward()); under torch.no_grad() it runs."""
+    q, k, v, cq, ck = make_case([9, 20], 12, 1, 32, seed=16)
+
+    def f(q, k, v, cq, ck, msk):
+        return qsa_triton.sparse_decode(q, k, v, cq, ck, msk)
+
+    def fa(q, k, v, cq, ck, msk):
+        return qsa_triton.flash_attn_varlen_func(q, k, v, cq, ck, 1, msk, window_size=(-1, 0))
+
+    want = f(q, k, v, cq, ck, 20)
+    for fn in (f, fa):
+        torch._dynamo.reset()
+        cf = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        for msk in (20, 21, 25):
+            assert torch.equal(cf(q, k, v, cq, ck, msk), want), (fn.__name__, msk)
+    for backend in ("aot_eager", "eager"):
+        torch._dynamo.reset()
+        cf = torch.compile(f, fullgraph=True, backend=backend)
+        qg = q.clone().requires_grad_(True)
+        with pytest.raises(Exception, match="'q'.*forward-only"):
+            cf(qg, k, v, cq, ck, 20)
+        with torch.no_grad():
+            assert torch.equal(cf(qg, k, v, cq, ck, 20), want)
+
+
 def test_non_torch_inputs_are_a_contract_error():
     q, k, v, cq, ck = make_case([9, 20], 12, 1, 32, seed=15)
     with pytest.raises(ContractError, match="cu_seqlens_k.*torch.Tensor"):

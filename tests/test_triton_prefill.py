@@ -275,6 +275,26 @@ def test_torch_compile_fullgraph_matches_eager_and_names_bad_arguments():
         assert "indices" in msg and "expected" in msg and "int64" in msg, (kind, msg[:300])
 
 
+def test_torch_compile_max_seqlen_q_that_changes():
+    """max_seqlen_q changing between compiled calls (SGLang's per-batch bound) reaches the fake
+    impls as a SymInt: accepted by the contract check, every call equal to eager."""
+    for kind in ("ordinary", "paged"):
+        case = make_case(kind, 6, 1, [3, 2], None if kind == "ordinary" else [4, 1], width=6,
+                         seed=22)
+        t = tensors(case)
+        names = list(PARAMS[kind])
+
+        def fn(q, msq, t=t, kind=kind, names=names):
+            args = [msq if n == "max_seqlen_q" else (q if n == "q" else t[n]) for n in names]
+            return FN[kind](*args, *case.scales())
+
+        want = fn(t["q"], 3)
+        torch._dynamo.reset()
+        cf = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        for msq in (3, 4, 7):
+            assert torch.equal(cf(t["q"], msq), want), (kind, msq)
+
+
 def test_torch_reference_matches_oracle():
     """The float32 torch reference the GPU tests use equals ``interop.reference``."""
     for case in (make_case("chunk", 12, 2, [4, 3], [5, 2], per_head=True, seed=19),
