@@ -409,8 +409,12 @@ def test_triton_step_traces_under_torch_compile():
         return qsa_triton.qsa_prefill_step(*a, **kwargs)
 
     torch._dynamo.reset()
-    np.testing.assert_array_equal(f64(torch.compile(f, fullgraph=True, backend="aot_eager")(*args)),
-                                  eager)
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    np.testing.assert_array_equal(f64(cf(*args)), eager)
+    # a max_seqlen_q hint that changes between calls (symbolic from the second value on)
+    i = C.PARAMS["qsa_prefill_step"][0].index("max_seqlen_q")
+    for hint in (args[i] + 1, args[i] + 2):
+        np.testing.assert_array_equal(f64(cf(*args[:i], hint, *args[i + 1:])), eager)
 
 
 # ---------------------------------------------------------------------------------------------
