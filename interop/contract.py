@@ -28,7 +28,7 @@ __all__ = [
     "QUALIFIED_INDEXER", "IndexerProblem", "check_indexer_decode", "check_indexer_prefill",
     "check_expand_block_indices", "check_indexer_plan", "validate_indexer_decode_metadata",
     "validate_indexer_prefill_metadata", "check_decode_step", "check_prefill_step",
-    "check_prefill_step_rows", "DECODE_STEP_DOC", "PREFILL_STEP_DOC",
+    "check_prefill_step_rows", "FORWARD_ONLY", "DECODE_STEP_DOC", "PREFILL_STEP_DOC",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -84,6 +84,13 @@ def envelope_text(fn: str = "sparse_decode") -> str:
             f"(Hq,Hkv) in {{{pairs}}}, indices int32 [T,W] or [T,Hkv,W] with W>=1 "
             f"(W={q['index_width']} in production), or block_indices with NB={q['block_width']} "
             f"(default mode: 1<=NB<={_INDEXER_TOPK[1]})")
+
+
+#: What a PyTorch input that requires grad is refused with (both the checkers and the Triton
+#: wrappers' refusal while Dynamo traces): the library is forward-only
+FORWARD_ONLY = ("a tensor that does not require grad while grad mode is on (the kernels are "
+                "forward-only; call them under torch.no_grad() / torch.inference_mode() or pass "
+                ".detach())")
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,9 +239,7 @@ class _Checker:
         except TypeError:
             self.fail(name, "a tensor (torch.Tensor, jax.Array or numpy array)", type(x).__name__)
         if s.requires_grad:  # forward-only kernels: a backward() would fail far from the cause
-            self.fail(name, "a tensor that does not require grad while grad mode is on (the "
-                      "kernels are forward-only; call them under torch.no_grad() / "
-                      "torch.inference_mode() or pass .detach())", "requires_grad=True")
+            self.fail(name, FORWARD_ONLY, "requires_grad=True")
         return s
 
     def specs(self, **named: Any) -> list[TensorSpec]:

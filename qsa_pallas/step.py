@@ -88,6 +88,11 @@ def prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows: int
     Raises ContractError (``interop.contract.check_prefill_step_rows``) before anything runs."""
     check_prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows,
                             compress_ratio)
+    return _step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows, compress_ratio)
+
+
+def _step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows, compress_ratio):
+    """``prefill_step_rows`` on checked arguments (``qsa_prefill_step`` checked them already)."""
     return prefill_step_rows_xp(jnp, cu_seqlens_q.astype(jnp.int32), kv_lens.astype(jnp.int32),
                                 index_cu_seqlens_k.astype(jnp.int32),
                                 jnp.arange(int(total_rows), dtype=jnp.int32), int(compress_ratio))
@@ -125,8 +130,8 @@ def qsa_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, in
 def _prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_k,
                   index_cu_seqlens_k, cu_seqlens_q, kv_lens, *, max_seqlen_q, softmax_scale,
                   k_scale, v_scale, topk, ratio, strict, interpret):
-    rs, re, pos, bound = prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, q.shape[0],
-                                           compress_ratio=ratio)
+    rs, re, pos, bound = _step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, q.shape[0],
+                                    ratio)
     indices = indexer_select_prefill(index_q, index_k, rs, re, pos, bound, topk=topk,
                                      compress_ratio=ratio, strict=strict, interpret=interpret)
     return sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,

@@ -8,7 +8,7 @@ import os
 import torch
 import triton
 
-from interop.contract import ContractError
+from interop.contract import FORWARD_ONLY, ContractError
 
 
 def interpreting() -> bool:
@@ -101,8 +101,6 @@ def traced_refusal(q: torch.Tensor, fn: str, tensors: dict | None = None, **host
     if torch.is_grad_enabled():
         for name, x in (tensors or {}).items():
             if isinstance(x, torch.Tensor) and x.requires_grad:
-                return refuse_traced(q.detach(), fn, name, "a tensor that does not require "
-                                     "grad while grad mode is on (the kernels are forward-only; "
-                                     "call them under torch.no_grad() / torch.inference_mode() "
-                                     "or pass .detach())", "requires_grad=True")
+                # q detached: the refusal op itself must not need an autograd formula
+                return refuse_traced(q.detach(), fn, name, FORWARD_ONLY, "requires_grad=True")
     return None

@@ -93,6 +93,11 @@ def prefill_step_rows(cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
     if not torch.compiler.is_compiling():  # as the entry points: checked where eager
         check_prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows,
                                 compress_ratio)
+    return _step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows, compress_ratio)
+
+
+def _step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_rows, compress_ratio):
+    """``prefill_step_rows`` on checked arguments (``qsa_prefill_step`` checked them already)."""
     ratio = int(compress_ratio)
     cu = cu_seqlens_q.long()
     kl = kv_lens.long()
@@ -136,8 +141,8 @@ def qsa_prefill_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ap, ip = check_prefill_step(*args, max_seqlen_q, softmax_scale, k_scale, v_scale,
                                     topk=topk, compress_ratio=compress_ratio, strict=strict, fn=fn)
         _backend_checks(fn, q, ap, ip)
-    rs, re, pos, bound = prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, q.shape[0],
-                                           compress_ratio=compress_ratio)
+    rs, re, pos, bound = _step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, q.shape[0],
+                                    compress_ratio)
     indices = indexer_select_prefill(index_q, index_k, rs, re, pos, bound, topk=topk,
                                      compress_ratio=compress_ratio, strict=strict)
     return sparse_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, indices,
