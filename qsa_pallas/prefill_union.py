@@ -4,10 +4,10 @@ The JAX twin of ``qsa_triton.prefill_union`` (read its module docstring): same s
 tile numbering, union layout, per-tile switch to the per-row kernel and geometry selector;
 results equal up to summation order. Differences:
 
-* the union build (``block_union``) is plain JAX, vectorised over tiles: one sort of int32 keys
-  ``block * R + row``, compaction by an XLA scatter (every tile is sorted: XLA has no cheap
-  per-tile skip, so there is no density test either); a tile where a row repeats a block gets
-  ``interop.indices.REPEATED_TILE`` as in Triton;
+* the union build (``block_union``) is plain JAX, vectorised over tiles: one sort of 30-bit keys
+  ``block * R + row`` (four tiles a sort row: ``_sort_tiles``), compaction by an XLA scatter
+  (every tile is sorted: XLA has no cheap per-tile skip, so there is no density test either); a
+  tile where a row repeats a block gets ``interop.indices.REPEATED_TILE`` as in Triton;
 * rows are packed densely: the Q tile holds R x G rows for any R (``interop.geometry.
   select_prefill_blocks`` gives this backend R = 5 at G = 12, 60 of 64 rows; Triton's in-register
   sort keeps R a power of two);
@@ -96,6 +96,30 @@ def _tiles(cu, n_req: int, tile_rows: int, slots):
     return b, q_start, q_len, jt, q_used
 
 
+_KEY_LIMIT = 2**30 - 1  # the sort key of an invalid entry: after every valid key
+_SORT_GROUP = 4  # tiles a sort row holds, their number in the key's top two bits
+
+
+def _sort_tiles(key):
+    """Each line of int32 ``key`` [L, n] (values in [0, _KEY_LIMIT]) sorted ascending, invalid
+    entries (_KEY_LIMIT) mapped to int32 max. Where lines of _SORT_GROUP tiles make rows of more
+    than 8192 keys and more than 52 of them (every union call on a GPU: at least 4 tiles an SM),
+    a sort row holds _SORT_GROUP tiles, each tagged in the top bits: that shape goes to CUB's
+    segmented radix sort (XLA's sort rewriter, sm_90), faster than XLA's own sort of [L, n]
+    (bench/NOTES.md, "Tile-union"); else one line a row."""
+    lines, n = key.shape
+    rows = -(-lines // _SORT_GROUP)
+    if _SORT_GROUP * n <= 8192 or rows <= 52:
+        out = jnp.sort(key, axis=1)
+    else:
+        pad = jnp.pad(key, ((0, rows * _SORT_GROUP - lines), (0, 0)),
+                      constant_values=_KEY_LIMIT).astype(jnp.uint32)
+        tag = (jnp.arange(rows * _SORT_GROUP, dtype=jnp.uint32) % _SORT_GROUP) << 30
+        out = jnp.sort((pad | tag[:, None]).reshape(rows, _SORT_GROUP * n), axis=1)
+        out = (out.reshape(rows * _SORT_GROUP, n)[:lines] & _KEY_LIMIT).astype(jnp.int32)
+    return jnp.where(out == _KEY_LIMIT, _INT32_MAX, out)
+
+
 @functools.partial(jax.jit, static_argnames=("tile_rows", "ordinary"))
 def _block_union(block_indices, cu_seqlens_q, kv_lens, *, tile_rows: int, ordinary: bool):
     t, nb = block_indices.shape[0], block_indices.shape[-1]
@@ -113,13 +137,13 @@ def _block_union(block_indices, cu_seqlens_q, kv_lens, *, tile_rows: int, ordina
     n_vis = jnp.maximum(rel + (kv_len - q_len)[:, None] + 1, 0) // RATIO
     g = g3[jnp.clip(row, 0, t - 1)]  # [S, R, H, NB]
     g = jnp.transpose(g, (0, 2, 1, 3))  # [S, H, R, NB]
-    # 32-bit sort keys block * R + row: ids at or past (2**31 - 1) // R are invalid, as in the
-    # Triton build (qsa-contract.md §7)
+    # 30-bit sort keys block * R + row: ids at or past (2**30 - 1) // R are invalid
+    # (qsa-contract.md §7); the top two bits name a tile among the _SORT_GROUP sorted together
     valid = (row_ok[:, None, :, None] & (g >= 0) & (g < n_vis[:, None, :, None])
-             & (g < _INT32_MAX // r))
+             & (g < _KEY_LIMIT // r))
     n = r * nb
     rows = jnp.arange(r, dtype=jnp.int32)[None, None, :, None]
-    key = jnp.sort(jnp.where(valid, g * r + rows, _INT32_MAX).reshape(s * hidx, n), axis=1)
+    key = _sort_tiles(jnp.where(valid, g * r + rows, _KEY_LIMIT).reshape(s * hidx, n))
     e = jnp.arange(n, dtype=jnp.int32)[None, :]
 
     def shifted(x, fill):  # x[:, i - 1], fill at i = 0

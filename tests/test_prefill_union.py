@@ -425,6 +425,26 @@ def test_union_build_and_expansion_match_the_reference(backend):
                                   I.expand_prefill_blocks(blocks[:, 0], ql, None))
 
 
+def test_pallas_union_build_sorts_four_tiles_a_row():
+    """Pallas's build sorts four tiles in one sort row where rows of more than 8192 keys and
+    more than 52 of them result (``_sort_tiles``; every union call on a GPU): the union still
+    equals ``interop.indices.tile_union`` for each tile, junk and repeated ids included, the
+    last sort row padded (lines not a multiple of four), per-KV-head selections too."""
+    pytest.importorskip("jax")
+    from qsa_pallas import prefill_union as PU
+
+    ql, kl = [530, 539], [4000, 3000]  # R = 8: 135 slots x 2 heads, 68 sort rows
+    blocks = I.prefill_block_indices(ql, kl, block_width=300, junk="mixed", junk_anywhere=True,
+                                     duplicates=2, num_kv_heads=2, seed=3)
+    assert -(-(2 * PU.union_slots(sum(ql), 2, 8)) // PU._SORT_GROUP) > 52
+    assert PU._SORT_GROUP * 8 * 300 > 8192 and (2 * PU.union_slots(sum(ql), 2, 8)) % 4
+    ublk, umem, ulen = (np.asarray(x) for x in PU.block_union(
+        blocks, I.cu_seqlens_from_counts(ql), np.asarray(kl, np.int32), 8))
+    ref = I.tile_union(blocks, ql, kl, tile_rows=8)
+    assert any(v is None for v in ref.values()) and any(v for v in ref.values())
+    assert_union(ublk, umem, ulen, ref, "four tiles a sort row")
+
+
 def _tile_kinds(blocks, q_lens, kv_lens, r):
     """Per (slot, head) of ``I.tile_union``: (every row in indexer order, some row lists a
     valid id twice)."""
@@ -628,14 +648,15 @@ def test_union_clamps_a_lying_kv_range_into_k(backend, r):
 
 
 @pytest.mark.parametrize("r", [5, 8])
-def test_union_builds_drop_block_ids_past_the_int32_key_limit(backend, r):
-    """qsa-contract.md §7: the builds sort 32-bit keys block x R + row, so ids of
-    floor((2**31 - 1) / R) and more are invalid in the union (2**28 - 1 at R = 8; Pallas's dense
-    R = 5 lower), the id below is kept. Reachable only through a row seeing more than ~1.7e9
-    tokens (here a lying kv_lens). Found by a break trial."""
+def test_union_builds_drop_block_ids_past_the_sort_key_limit(backend, r):
+    """qsa-contract.md §7: the builds sort keys block x R + row, 31 bits in Triton, 30 in Pallas
+    (two bits name a tile among four sorted together), so ids of floor((2**31 - 1) / R) (Triton)
+    or floor((2**30 - 1) / R) (Pallas) and more are invalid in the union, the id below is kept.
+    Reachable only through a row seeing more than ~8.6e8 tokens (here a lying kv_lens). Found
+    by a break trial."""
     if backend.name == "triton" and r & (r - 1):
         pytest.skip("Triton's tiles have a power-of-two R")
-    limit = (2**31 - 1) // r
+    limit = (2**31 - 1 if backend.name == "triton" else 2**30 - 1) // r
     ql, kl = [r], [2**31 - 1]
     blocks = np.full((r, 3), -1, np.int32)
     blocks[:, 0] = 1
