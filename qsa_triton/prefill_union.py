@@ -225,9 +225,10 @@ def _union_estimate(head_ptr, stride_bt, n_valid, row0, rel0, q_used, T, kv_off,
     """Estimated union size of one tile before any sort (module docstring, 3): 32 valid entries
     sampled evenly over the R rows, each entry's multiplicity m = the number of rows that list
     it, and |union| ~ (valid entries) x mean(1 / m) (each distinct block is counted once over
-    its m copies). 0.0 where no sample is valid, and without the R-row count where half of 32
-    entries of the tile's first row are in its last (overlapping rows: the build decides).
-    Rows are re-read from L1/L2: 32 x NBP compares a row, cheap beside the sort it may save."""
+    its m copies). 0.0 where no sample is valid. Without the R-row count: 0.0 where half of 32
+    entries of the tile's first row are in its last (overlapping rows: the build decides), 3/4
+    of the valid entries where under a quarter are in its second. Rows are re-read from L1/L2:
+    32 x NBP compares a row, cheap beside the sort it may save."""
     S: tl.constexpr = 32
     k = tl.arange(0, S)
     # the first row against the last: most tiles of an indexer's selections stop here
@@ -239,8 +240,15 @@ def _union_estimate(head_ptr, stride_bt, n_valid, row0, rel0, q_used, T, kv_off,
     gs = tl.where((gs >= 0) & (gs < n_ok0), gs, -1)
     far = _row_hits(head_ptr, stride_bt, gs, rel0 + R - 1, row0 + R - 1, q_used, T, kv_off,
                     NB, max_blocks, NBP) & (gs >= 0)
-    if 2 * tl.sum(far.to(tl.int32), 0) >= tl.sum((gs >= 0).to(tl.int32), 0):
+    n_gs = tl.sum((gs >= 0).to(tl.int32), 0)
+    if 2 * tl.sum(far.to(tl.int32), 0) >= n_gs:
         return 0.0
+    # the first row against the second: neighbours sharing under a quarter (the low-overlap
+    # selections the switch is for) give each row about 3/4 new blocks; no R-row count
+    near = _row_hits(head_ptr, stride_bt, gs, rel0 + 1, row0 + 1, q_used, T, kv_off, NB,
+                     max_blocks, NBP) & (gs >= 0)
+    if 4 * tl.sum(near.to(tl.int32), 0) < n_gs:
+        return n_valid.to(tl.float32) * 0.75
     ri = k % R
     col = ((k // R) * (NBP * R)) // S
     rel = rel0 + ri
