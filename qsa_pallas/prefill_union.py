@@ -102,11 +102,12 @@ _SORT_GROUP = 4  # tiles a sort row holds, their number in the key's top two bit
 
 def _sort_tiles(key):
     """Each line of int32 ``key`` [L, n] (values in [0, _KEY_LIMIT]) sorted ascending, invalid
-    entries (_KEY_LIMIT) mapped to int32 max. Where lines of _SORT_GROUP tiles make rows of more
-    than 8192 keys and more than 52 of them (every union call on a GPU: at least 4 tiles an SM),
-    a sort row holds _SORT_GROUP tiles, each tagged in the top bits: that shape goes to CUB's
-    segmented radix sort (XLA's sort rewriter, sm_90), faster than XLA's own sort of [L, n]
-    (bench/NOTES.md, "Tile-union"); else one line a row."""
+    entries (_KEY_LIMIT) mapped to int32 max. Where _SORT_GROUP lines make a sort row of more
+    than 8192 keys and there are more than 52 such rows, a sort row holds _SORT_GROUP lines,
+    each tagged in the top bits: XLA's sort rewriter gives that shape to CUB's segmented radix
+    sort on Hopper (its rule for 32-bit keys: more than 52 rows of more than 8192 keys), faster
+    there than XLA's own sort of [L, n] (bench/NOTES.md, "Tile-union"; other GPUs follow the
+    rewriter's rules for them). Smaller calls (few tiles or short rows) sort one line a row."""
     lines, n = key.shape
     rows = -(-lines // _SORT_GROUP)
     if _SORT_GROUP * n <= 8192 or rows <= 52:
