@@ -556,10 +556,14 @@ def prefill_selection_problem(indices, block_indices, overlap) -> tuple[str, str
         return None
     if block_indices is None:
         return "overlap", "None unless block_indices= is given", overlap
-    if (isinstance(overlap, bool) or not isinstance(overlap, (int, float, np.floating, np.integer))
-            or not 0.0 <= float(overlap) <= 1.0):
+    if isinstance(overlap, bool) or not isinstance(overlap, (int, float, np.floating, np.integer)):
         return ("overlap", "None or a host float in [0, 1]",
                 f"{overlap!r} ({type(overlap).__name__})")
+    # float(): a plain number under torch.compile too (a symbolic float, once a compiled call has
+    # seen two values, cannot be formatted while tracing; the hint is a host routing choice)
+    value = float(overlap)
+    if not 0.0 <= value <= 1.0:
+        return "overlap", "None or a host float in [0, 1]", f"{value!r} ({type(overlap).__name__})"
     return None
 
 

@@ -772,6 +772,31 @@ def test_empty_table_and_empty_pool_give_zeros(backend):
     assert (backend.run(case) == 0).all()
 
 
+def test_torch_compile_names_a_bad_overlap_once_it_is_symbolic():
+    """Under torch.compile a second ``overlap`` value makes it a symbolic float; a bad one after
+    that still fails with the ContractError text (the check formats a plain float: a symbolic
+    one cannot be formatted while tracing). Found by a fresh-user trial."""
+    torch = pytest.importorskip("torch")
+    import qsa_triton
+
+    case = block_case("chunk", 12, 1, [8], [40], seed=4)
+    t = TritonBackend().tensors(case)
+
+    def fn(overlap):
+        return qsa_triton.sparse_prefill_chunk(
+            t["q"], t["k"], t["v"], None, t["cu_seqlens_q"], t["cu_seqlens_k"], t["kv_lens"], 8,
+            block_indices=t["block_indices"], overlap=overlap)
+
+    torch._dynamo.reset()
+    cf = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for overlap in (0.95, 0.5):
+        assert torch.equal(cf(overlap), fn(overlap)), overlap
+    with pytest.raises(Exception) as info:
+        cf(2.0)
+    msg = str(info.value)
+    assert "overlap" in msg and "[0, 1]" in msg and "2.0" in msg, msg[:400]
+
+
 def test_contract_checks_name_the_block_selection(backend):
     case = block_case("ordinary", 6, 1, [3], seed=6)
     if backend.name == "triton":
