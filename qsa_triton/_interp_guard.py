@@ -84,6 +84,10 @@ def _contract_error_fake(x, fn, arg, expected, got):
 def refuse_traced(q: torch.Tensor, fn: str, arg: str, expected: str, got) -> torch.Tensor:
     """A refusal while Dynamo traces a wrapper: ``qsa::contract_error``, whose fake impl raises
     ``ContractError(fn, arg, expected, str(got))``."""
+    if isinstance(got, (int, float)) and not isinstance(got, bool):
+        # a number Dynamo made symbolic (a compiled call saw a second value) cannot be
+        # formatted while tracing; its plain value can (a guard on it, on this failing path)
+        got = f"{float(got)!r}" if isinstance(got, float) else f"{int(got)!r}"
     return torch.ops.qsa.contract_error(q, fn, arg, expected, str(got))
 
 

@@ -524,6 +524,26 @@ def test_torch_compile_host_ints_that_change_and_inputs_requiring_grad():
             assert torch.equal(cf(qg, k, v, cq, ck, 20), want)
 
 
+def test_torch_compile_names_a_refused_number_dynamo_made_symbolic():
+    """A host number that changes between compiled calls becomes symbolic; a refused value of it
+    (flash-attn's ``dropout_p`` here) still fails with the ContractError text and its value
+    (``refuse_traced`` formats the plain number: Dynamo cannot format a symbolic one). Found
+    with a fresh-user trial's ``overlap=`` case."""
+    q, k, v, cq, ck = make_case([9, 20], 12, 1, 32, seed=17)
+
+    def fa(q, k, v, cq, ck, p):
+        return qsa_triton.flash_attn_varlen_func(q, k, v, cq, ck, 1, 20, p)
+
+    torch._dynamo.reset()
+    cf = torch.compile(fa, fullgraph=True, backend="aot_eager")
+    assert torch.equal(cf(q, k, v, cq, ck, 0.0), qsa_triton.sparse_decode(q, k, v, cq, ck, 20))
+    for p in (0.1, 0.2):
+        with pytest.raises(Exception) as ei:
+            cf(q, k, v, cq, ck, p)
+        msg = str(ei.value)
+        assert "dropout_p" in msg and f"got {p}" in msg, msg[:400]
+
+
 def test_non_torch_inputs_are_a_contract_error():
     q, k, v, cq, ck = make_case([9, 20], 12, 1, 32, seed=15)
     with pytest.raises(ContractError, match="cu_seqlens_k.*torch.Tensor"):
