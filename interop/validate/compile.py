@@ -386,9 +386,8 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
 def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict]:
     """Every configuration ``qsa_triton.prefill_union`` can launch on ``arch``: the block
     expansion per mode, the union build and its skip estimate per tile height R (512 block ids
-    per row),
-    the attention kernel per Triton geometry of ``interop.geometry.all_union_configs`` x
-    ordinary / chunk / paged with bf16 K/V and chunk / paged with FP8 K/V. Dicts as
+    per row), the attention kernel per Triton geometry of ``interop.geometry.all_union_configs``
+    x ordinary / chunk / paged with bf16 K/V and chunk / paged with FP8 K/V. Dicts as
     ``triton_decode_configs``."""
     from interop.geometry import all_union_configs  # noqa: PLC0415
     from interop.plan import next_pow2  # noqa: PLC0415
