@@ -140,12 +140,12 @@ def _qsa_block_union(
     Block ids >= ``max_blocks`` are invalid; ``KEY64``: 64-bit sort keys, where block * R + row
     can pass 2**31 (32-bit keys sort about twice as fast). ``detect`` (0 / 1): merge rows that
     are in the indexer's order without sorting them; 0 sorts every tile's rows first.
-    ``skip_past`` >= 0: a tile whose length ``_qsa_union_skip`` set past it keeps that length
-    and gets no entries (module docstring, 3); < 0: every tile is built."""
+    ``skip_past`` >= 0: only the tiles ``_qsa_union_skip`` set to -1 are built, the others
+    keep its length (module docstring, 3); < 0: every tile is built."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
-    if skip_past >= 0:  # decided by _qsa_union_skip, launched just before
-        if tl.load(ulen_ptr + slot * stride_ls + h) > skip_past:
+    if skip_past >= 0:  # decided by _qsa_union_skip, launched just before: -1 = build
+        if tl.load(ulen_ptr + slot * stride_ls + h) >= 0:
             return
     N: tl.constexpr = R * NBP
     e = tl.arange(0, N)
@@ -187,8 +187,10 @@ def _qsa_union_skip(
 ):
     """Which tiles the build skips (module docstring, 3), per tile and index head: length
     ``skip_past + 1`` where the estimated union (``_union_estimate``) passes 5/4 of
-    ``skip_past``, else 0 (built). Its own kernel: without the build's sort registers many
-    tiles run per SM, and the estimate's dependent row reads overlap across them."""
+    ``skip_past``, 0 (final) where no row of the tile has a valid entry (an idle slot
+    included: one such tile built alone would put a whole sort's latency on the call), else
+    -1 (built). Its own kernel: without the build's sort registers many tiles run per SM, and
+    the estimate's dependent row reads overlap across them."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     e = tl.arange(0, R * NBP)
@@ -201,8 +203,8 @@ def _qsa_union_skip(
     est = _union_estimate(bidx_ptr + h * stride_bh, stride_bt, n_valid, row0, rel0, q_used,
                           T, kv_off, NB, max_blocks, R, NBP)
     # a margin: tiles near the bound are built and decided by their exact length
-    tl.store(ulen_ptr + slot * stride_ls + h, tl.where(est * 4.0 > skip_past * 5.0,
-                                                       skip_past + 1, 0))
+    decided = tl.where(est * 4.0 > skip_past * 5.0, skip_past + 1, -1)
+    tl.store(ulen_ptr + slot * stride_ls + h, tl.where(n_valid > 0, decided, 0))
 
 
 @triton.jit

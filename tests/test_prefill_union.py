@@ -541,6 +541,8 @@ def test_triton_union_build_skips_tiles_estimated_past_the_bound():
             assert n == len(b), (overlap, s)
             np.testing.assert_array_equal(ublk[s, h, :n], b)
             np.testing.assert_array_equal(umem[s, h, :n], m)
+        idle = [s for s in range(ulen.shape[0]) if (s, 0) not in ref]
+        assert idle and (ulen[idle] == 0).all(), overlap  # idle slots: length 0
         full = sum(1 for (s, _), (b, _) in ref.items() if len(b) >= r * nb // 2)
         assert skipped == (full if overlap == 0.0 else 0), (overlap, skipped, full)
     with pytest.raises(ValueError, match="skip_past"):
