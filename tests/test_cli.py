@@ -151,6 +151,10 @@ def test_compile_passes_when_everything_fits(tmp_path):
     proc, doc = _compile_cli(tmp_path, "--arch", "sm_90", "--jobs", "2")  # two worker processes
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "worker processes" in proc.stdout
+    # each worker's progress per arch and list (a new user saw minutes of silence)
+    assert "sm_90 triton:qsa_fake_triton_kernels: compiling 1 ..." in proc.stdout
+    assert "sm_90 triton:qsa_fake_triton_kernels: 1 of 1 kernels fit (" in proc.stdout
+    assert "sm_90 pallas:qsa_fake_pallas_cases: compiling 1 ..." in proc.stdout
     assert doc["passed"] and "every configuration fits" in proc.stdout
     fams = {(c["family"], c["name"]) for c in doc["configs"]}
     assert ("triton", "small_fits") in fams and ("pallas", "tiny_decode:qsa_decode_split") in fams

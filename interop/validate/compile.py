@@ -824,13 +824,14 @@ _FAMILY_LISTS = {b: {k: globals()[f"{b}_{k}_{kind}"] for k in _KERNEL_FAMILIES}
 
 
 def check(backend: str, archs: str | Sequence[str], modules: Sequence[str] = (),
-          kernels: Sequence[str] | None = None, *, match: str | None = None
-          ) -> list[ConfigReport]:
+          kernels: Sequence[str] | None = None, *, match: str | None = None,
+          progress: Callable[[str], None] | None = None) -> list[ConfigReport]:
     """Compile (Triton) or lower and compile (Pallas) every shipped configuration of the kernel
     families ``kernels`` (default: ``FAMILIES[backend]``) for each of ``archs`` (sibling arches
     share PTX: module docstring), or the ``modules``' own lists (``_PROTOCOL``); a list that
     cannot be built is a note, not a failure. ``match``: only the configurations (Pallas:
-    cases) whose names the regular expression finds.
+    cases) whose names the regular expression finds. ``progress(message)``: a line before and
+    after each (arch, list) with its count, fits and seconds.
 
     Raises:
       RuntimeError: Triton with ``TRITON_INTERPRET`` set (the interpreter replaces the JIT
@@ -856,22 +857,32 @@ def check(backend: str, archs: str | Sequence[str], modules: Sequence[str] = (),
             if match:
                 items = [i for i in items
                          if re.search(match, i["name"] if backend == "triton" else i[0])]
-            out += compile_all(arch, items, siblings=siblings)
+            if progress:
+                progress(f"  {arch} {backend}:{group}: compiling {len(items)} ...")
+            t0 = time.perf_counter()
+            reps = compile_all(arch, items, siblings=siblings)
+            if progress:
+                progress(f"  {arch} {backend}:{group}: {sum(r.fits for r in reps)} of "
+                         f"{len(reps)} kernels fit ({time.perf_counter() - t0:.0f} s)")
+            out += reps
     return out
 
 
-def _check_group(fam: str, archs: Sequence[str], modules: dict[str, Sequence[str]]
-                 ) -> list[ConfigReport]:
-    """``check`` of ``fam`` ("triton", or one family "triton:decode"); ``modules`` per backend."""
+def _check_group(fam: str, archs: Sequence[str], modules: dict[str, Sequence[str]],
+                 show: bool = False) -> list[ConfigReport]:
+    """``check`` of ``fam`` ("triton", or one family "triton:decode"); ``modules`` per backend;
+    ``show``: its progress lines printed (a worker process shares the caller's stdout)."""
     backend, _, kernel = fam.partition(":")
-    return check(backend, archs, tuple(modules.get(backend, ())), (kernel,) if kernel else None)
+    return check(backend, archs, tuple(modules.get(backend, ())), (kernel,) if kernel else None,
+                 progress=functools.partial(print, flush=True) if show else None)
 
 
 def run(archs: Sequence[str] = DEFAULT_ARCHS, families: Sequence[str] = ("triton", "pallas"),
         progress: Callable[[str], None] | None = None, jobs: int = 1, *,
         triton_modules: Sequence[str] = (), pallas_modules: Sequence[str] = ()
         ) -> list[ConfigReport]:
-    """``check`` of every family for ``archs``, ``progress(message)`` before each group; ``jobs``
+    """``check`` of every family for ``archs``, ``progress(message)`` before each group (and,
+    given, ``check``'s lines per arch and list, printed to stdout); ``jobs``
     > 1 spreads the kernel families (each with every arch, so sibling arches share PTX) over
     that many worker processes, the union prefill first (the longest; reports in that order);
     ``triton_modules`` / ``pallas_modules`` replace the built-in lists (``_PROTOCOL``)."""
@@ -880,18 +891,19 @@ def run(archs: Sequence[str] = DEFAULT_ARCHS, families: Sequence[str] = ("triton
         [fam] if ":" in fam or modules[fam] else [f"{fam}:{k}" for k in FAMILIES[fam]])]
     groups.sort(key=lambda g: not g.endswith("prefill_union"))  # stable: the longest first
     archs = tuple(archs)
+    show = progress is not None  # the per-(arch, list) lines, printed where they run
     progress = progress or (lambda message: None)
     where = f"for {', '.join(f'{a} ({DEVICE_KIND[a]})' for a in archs)}"
     out: list[ConfigReport] = []
     if jobs <= 1 or len(groups) <= 1:
         for fam in groups:
             progress(f"compiling {fam} kernels {where} ...")
-            out += _check_group(fam, archs, modules)
+            out += _check_group(fam, archs, modules, show=show)
         return out
     # spawn: a forked child would inherit JAX's / torch's threads mid-state
     with cf.ProcessPoolExecutor(max_workers=min(jobs, len(groups)),
                                 mp_context=mp.get_context("spawn")) as pool:
-        futs = [pool.submit(_check_group, fam, archs, modules) for fam in groups]
+        futs = [pool.submit(_check_group, fam, archs, modules, show) for fam in groups]
         progress(f"compiling {len(groups)} kernel families {where} in "
                  f"{min(jobs, len(groups))} worker processes ...")
         for fam, f in zip(groups, futs):
