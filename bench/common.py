@@ -450,7 +450,9 @@ def _fmt_row(case: str, name: str, e: dict, timed: bool) -> str:
     if "skipped" in e:
         return f"{case:34s} {name:18s} skipped: {e['skipped']}"
     if "error" in e and "median_us" not in e:
-        return f"{case:34s} {name:18s} error: {e['error'][:90 if timed else None]}"
+        err = e["error"]  # a missing peer: its how-to once, in the "not run" line below
+        return f"{case:34s} {name:18s} error: " + (err.split(" (")[0] if err.startswith(
+            "PeerUnavailable") else err[:90 if timed else None])
     if not timed:
         return f"{case:34s} {name:18s} rel L2 {e['rel_l2']:.1e} {'ok' if e['ok'] else 'FAIL'}"
     us, sp = e.get("median_us"), e.get("speedup_vs_first")
@@ -547,8 +549,9 @@ def run(mode: Mode, args) -> dict:
     ran = [n for n in names if any("ok" in c["providers"].get(n, {}) for c in report["cases"])]
     report["ran"] = ran
     write_json(path, report)
-    print(f"ran: {', '.join(ran) or 'none'}; not run: "
-          + (", ".join(f"{n} ({_why_not(report, n)})" for n in names if n not in ran) or "none"))
+    why = {n: _why_not(report, n, 10**4) for n in names if n not in ran}  # each reason once
+    print(f"ran: {', '.join(ran) or 'none'}; not run: " + ("; ".join(", ".join(n for n in why if
+          why[n] == w) + f" ({w})" for w in dict.fromkeys(why.values())) or "none"))
     if timed:
         for n, s in report["summary"]["providers"].items():
             if s["geomean_speedup_vs_first"] and n != first:

@@ -315,6 +315,10 @@ def test_not_run_reason_is_marked_when_cut():
     assert len(cut) == 100 and cut.endswith("...") and long.startswith(cut[:-3])
     assert common._why_not(rep, "c") == "x" and common._why_not(rep, "d") == "no case"
     assert common._why_not(rep, "b", width=len(long)) == long
+    # a table row names a missing peer without its how-to (the summary gives that once)
+    row = common._fmt_row("case", "b", {"error": long}, timed=False)
+    assert row.endswith("error: PeerUnavailable: sglang==0.5.23 not found"), row
+    assert common._fmt_row("case", "b", {"error": "X (y)"}, timed=False).endswith("X (y)")
 
 
 # ------------------------------------------------------------------------- smoke and compare
