@@ -549,7 +549,7 @@ def run(mode: Mode, args) -> dict:
     ran = [n for n in names if any("ok" in c["providers"].get(n, {}) for c in report["cases"])]
     report["ran"] = ran
     write_json(path, report)
-    why = {n: _why_not(report, n, 10**4) for n in names if n not in ran}  # each reason once
+    why = {n: _why_not(report, n, None) for n in names if n not in ran}  # each reason once
     print(f"ran: {', '.join(ran) or 'none'}; not run: " + ("; ".join(", ".join(n for n in why if
           why[n] == w) + f" ({w})" for w in dict.fromkeys(why.values())) or "none"))
     if timed:
@@ -565,14 +565,14 @@ def run(mode: Mode, args) -> dict:
     return report
 
 
-def _why_not(report: dict, name: str, width: int = 100) -> str:
-    """The first reason ``name`` did not run, at most ``width`` characters (a cut one ends in
-    "...", so a cut-off parenthesis reads as cut, not as the whole message)."""
+def _why_not(report: dict, name: str, width: int | None = 100) -> str:
+    """The first reason ``name`` did not run, at most ``width`` characters (None: whole; a cut
+    one ends in "...", so a cut-off parenthesis reads as cut, not as the whole message)."""
     for c in report["cases"]:
         e = c["providers"].get(name, {})
         if "skipped" in e or "error" in e:
             why = e.get("skipped") or e.get("error")
-            return why if len(why) <= width else why[:width - 3] + "..."
+            return why if width is None or len(why) <= width else why[:width - 3] + "..."
     return "no case"
 
 
