@@ -319,14 +319,15 @@ BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (p
 #: one BLOCK_N >= 16 chunk; ``min_rows_per_request``: below it a tile has one row;
 #: ``min_overlap``: an engine's neighbour-Jaccard hint below it gets the per-row kernel;
 #: ``max_sort_keys``: R x next_pow2(NB) keys sorted in registers; ``max_union_work``: see
-#: ``max_union_entries``; ``min_tiles_per_sm``: below that many tiles (ceil(T / R) x Hkv) per
-#: SM the per-row kernel's T x Hkv programs fill the GPU better (MTP verify batches measured
-#: slower as tiles); ``tile``: (BLOCK_N, warps, stages) by backend (4 warps: one warpgroup owns
+#: ``max_union_entries``; ``min_rows_per_sm``: below that many query rows x KV heads (T x Hkv)
+#: per SM the per-row kernel's T x Hkv light programs beat the fewer, heavier tiles (a tile's
+#: gain grows with R, so rows, not tiles, set the bound: J 0.9 crossovers at 1k-2k rows for
+#: R = 4 and 8; MTP verify batches measured slower as tiles); ``tile``: (BLOCK_N, warps, stages) by backend (4 warps: one warpgroup owns
 #: the 64-row tile; a third stage measured faster for Pallas only; ``fit_union`` drops stages to
 #: what sm_12x's shared memory holds).
 UNION_RULES = {
     "q_rows": 64, "max_tile_rows": 8, "min_rows_per_request": 2, "min_overlap": 0.8,
-    "max_sort_keys": 8192, "max_union_work": 1.5, "min_tiles_per_sm": 4,
+    "max_sort_keys": 8192, "max_union_work": 1.5, "min_rows_per_sm": 15,
     "tile": {"triton": (32, 4, 2), "pallas": (32, 4, 3)},
 }
 
@@ -360,7 +361,7 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
          max_tile_rows] and to the mean rows per request, lowered while R x next_pow2(NB) >
          max_sort_keys; R = 1 -> ``"rows"``; the Q tile: next_pow2 of the R rows' lanes
          (R x next_pow2(G), or R x G for Pallas), at least 16;
-      4. fewer than ``min_tiles_per_sm`` x SMs tiles (ceil(T / R) x Hkv) -> ``"rows"``;
+      4. T x Hkv below ``min_rows_per_sm`` x SMs -> ``"rows"``;
       5. else ``"union"`` with the backend's (BLOCK_N, warps, stages), fitted by ``fit_union``.
     ``"rows"`` carries ``select_prefill``'s geometry. Other arguments as ``select_prefill``;
     ``block_width``: NB block ids per row. Raises ValueError (bad kind/backend, a size < 1,
@@ -397,9 +398,8 @@ def select_prefill_blocks(facts: DeviceFacts, kind: str, *, total_q: int, reques
             r //= 2
     if r == 1:
         return rows("R=1")
-    tiles = -(-total_q // r) * num_kv_heads
-    if tiles < u["min_tiles_per_sm"] * facts.sm_count:
-        return rows(f"tiles={tiles}<{u['min_tiles_per_sm']}x{facts.sm_count}SMs")
+    if total_q * num_kv_heads < u["min_rows_per_sm"] * facts.sm_count:
+        return rows(f"rows={total_q * num_kv_heads}<{u['min_rows_per_sm']}x{facts.sm_count}SMs")
     bn, nw, ns = u["tile"][backend]
     lanes = r * (group if backend == "pallas" else next_pow2(group))
     geo = UnionGeometry("union", r, max(16, next_pow2(lanes)), bn, nw, ns,

@@ -45,7 +45,7 @@ def _prefill_calls():
 
 
 def test_pallas_entry_points_give_the_same_bits_under_x64(monkeypatch):
-    monkeypatch.setitem(geometry.UNION_RULES, "min_tiles_per_sm", 0)  # the union kernel here
+    monkeypatch.setitem(geometry.UNION_RULES, "min_rows_per_sm", 0)  # the union kernel here
     calls = _prefill_calls()
     base = {n: np.asarray(f()) for n, f in calls.items()}
     with jax.enable_x64(True):

@@ -327,15 +327,23 @@ def test_selector_boundaries():
     assert _sel(total_q=8192, requests=4096).tile_rows == 2
     assert _sel(total_q=12288, requests=4096).tile_rows == 2
     assert _sel(total_q=16384, requests=4096).tile_rows == 4
-    # tiles: ceil(T / R) x Hkv >= min_tiles_per_sm x SMs (132 on sm_90), else rows (2048 rows at
-    # R = 4: rows); the MTP verify shape (32 requests x 4 rows: 32 tiles) -> rows
-    need = u["min_tiles_per_sm"] * DeviceFacts.for_arch("sm_90").sm_count
-    assert _sel(total_q=4 * need).key[:2] == ("union", 4)
-    assert _sel(total_q=4 * need - 4).kind == "rows"
-    assert _sel(total_q=4 * need - 3).kind == "union"  # ceil: a partial tile counts
-    assert _sel(total_q=2048).kind == "rows" and _sel(total_q=8192).kind == "union"
+    # T x Hkv >= min_rows_per_sm x SMs (132 on sm_90: 1980 rows), else rows, whatever R (2048
+    # rows: union at G 6 and 12; 1024: rows); the MTP verify shape (32 requests x 4 rows) -> rows
+    need = u["min_rows_per_sm"] * DeviceFacts.for_arch("sm_90").sm_count
+    for group, r in ((12, 4), (6, 8)):
+        assert _sel(total_q=need, group=group).key[:2] == ("union", r)
+        assert _sel(total_q=need - 1, group=group).kind == "rows"
+        assert _sel(total_q=2048, group=group).kind == "union"
+        assert _sel(total_q=1024, group=group).kind == "rows"
+    # KV heads count: half the rows at Hkv = 2 reach the bound
+    two = select_prefill_blocks(DeviceFacts.for_arch("sm_90"), "chunk", total_q=-(-need // 2),
+                                requests=1, max_q=-(-need // 2), group=12, num_kv_heads=2,
+                                head_dim=256, block_width=512)
+    assert two.kind == "union", two
+    assert _sel(total_q=need, backend="pallas").kind == "union"
+    assert _sel(total_q=need - 1, backend="pallas").kind == "rows"
     mtp = _sel(total_q=128, requests=32)
-    assert mtp.kind == "rows" and mtp.source.startswith("rows[tiles=32<"), mtp
+    assert mtp.kind == "rows" and mtp.source.startswith("rows[rows=128<"), mtp
     # Triton: R x next_pow2(G) = q_rows, capped at max_tile_rows; Pallas (dense rows): R x G <=
     # q_rows, the Q tile the next power of two
     for group, r, rp in ((16, 4, 4), (12, 4, 5), (10, 4, 6), (9, 4, 7), (8, 8, 8), (6, 8, 8),
@@ -728,12 +736,12 @@ def test_lying_kv_range_near_int32_max_clamps_into_k():
 
 def test_selected_paths_match_reference(backend, monkeypatch):
     """The public entry point without a forced geometry, paged: the selector's union kernel (8
-    rows per request at G = 6 -> R = 8, the tile-count rule off for this small batch) and, with
+    rows per request at G = 6 -> R = 8, the row-count rule off for this small batch) and, with
     the overlap hint below the rule, the per-row kernel on the on-device expansion (then the slot
     pre-pass)."""
     from interop import geometry
 
-    monkeypatch.setitem(geometry.UNION_RULES, "min_tiles_per_sm", 0)
+    monkeypatch.setitem(geometry.UNION_RULES, "min_rows_per_sm", 0)
     case = block_case("paged", 6, 1, [8, 9], [3, 20], junk="len", table_junk=True, seed=5)
     geo = _sel(total_q=17, requests=2, group=6, nb=NB)
     assert geo.key[:2] == ("union", 8)
