@@ -43,13 +43,17 @@ BACKENDS = ("triton", "pallas")
 class Geometry:
     """One launch configuration of a sparse prefill kernel: ``block_m`` the head tile (the G query
     heads of one KV head, padded), ``block_n`` index columns per inner step (BLOCK_N), warps,
-    pipeline stages, and ``source``, e.g. ``"l20-table[total_q<=512]"``."""
+    pipeline stages, ``source``, e.g. ``"l20-table[total_q<=512]"``, and ``splits``: programs
+    per (row, KV head), each over a contiguous share of the index columns, merged by LSE
+    (split-KV, ``PREFILL_SPLIT_RULES``; 1 = one program a row). ``splits`` is a launch count,
+    not part of ``key`` (the kernel is compiled once for any count > 1)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     source: str = ""
+    splits: int = 1
 
     @property
     def key(self) -> tuple[int, int, int, int]:
@@ -159,6 +163,26 @@ def _tuned_gates(facts: DeviceFacts, kind: str, total_q: int, requests: int, max
     return failed
 
 
+#: Split-KV for short prefills (``prefill_splits``): a call of T x Hkv rows under
+#: ``programs_per_sm`` x SMs programs leaves SMs idle while each program walks all W columns
+#: (MTP verify: 32 x 4 rows; chunks of tens of rows), so each row's columns are split into
+#: shares of at least ``min_split_columns`` (a share's fixed cost: its Q load and partial
+#: store), at most ``max_splits`` (each split writes fp32 partials). Measured: bench/NOTES.md,
+#: "Split-KV prefill".
+PREFILL_SPLIT_RULES = {"programs_per_sm": 4, "min_split_columns": 256, "max_splits": 8}
+
+
+def prefill_splits(facts: DeviceFacts, *, total_q: int, num_kv_heads: int, width: int) -> int:
+    """Programs per (query row, KV head) of a sparse prefill call (``PREFILL_SPLIT_RULES``):
+    ceil(programs_per_sm x SMs / (T x Hkv)), at most ``max_splits`` and W // min_split_columns,
+    at least 1. Host ints only (a captured graph keeps its count). Raises nothing; source: the
+    split-KV of decode (FlashDecoding, Dao et al., 2023) applied to prefill rows."""
+    u = PREFILL_SPLIT_RULES
+    rows = max(1, int(total_q) * int(num_kv_heads))
+    want = -(-u["programs_per_sm"] * facts.sm_count // rows)
+    return max(1, min(u["max_splits"], want, int(width) // u["min_split_columns"]))
+
+
 def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int, max_q: int,
                    group: int, num_kv_heads: int, head_dim: int, width: int,
                    backend: str = "triton", kv_bytes: int = 2) -> Geometry:
@@ -174,10 +198,10 @@ def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int
       kv_bytes: bytes per K/V element (2, or 1 for FP8), for the shared-memory fit.
 
     Returns a Geometry fitted to ``facts.smem_per_block`` (``fit_prefill``), its ``source``
-    naming the table row or tuned entry and the mode. Raises ContractError for a bad
-    ``QSA_PREFILL_GEOMETRY``, ValueError for an unknown kind or backend or a size < 1. Data:
-    upstream SGLang 0.5.23 (H20/L20 tables, SM120 tuned family; ``qsa-contract.md`` §3), the
-    SM90 table our H200 sweep (``SM90_TABLE_STATUS``).
+    naming the table row or tuned entry and the mode, ``splits`` from ``prefill_splits``.
+    Raises ContractError for a bad ``QSA_PREFILL_GEOMETRY``, ValueError for an unknown kind or
+    backend or a size < 1. Data: upstream SGLang 0.5.23 (H20/L20 tables, SM120 tuned family;
+    ``qsa-contract.md`` §3), the SM90 table our H200 sweep (``SM90_TABLE_STATUS``).
     """
     if kind not in KINDS:
         raise ValueError(f"select_prefill: kind must be one of {KINDS}, got {kind!r}")
@@ -205,6 +229,9 @@ def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int
     else:
         (bn, nw, ns), label = table_for(table, total_q)
         geo = Geometry(head_tile(group), bn, nw, ns, f"{label} mode={mode} backend={backend}")
+    splits = prefill_splits(facts, total_q=total_q, num_kv_heads=num_kv_heads, width=width)
+    if splits > 1:
+        geo = dataclasses.replace(geo, splits=splits, source=f"{geo.source} splits={splits}")
     return fit_prefill(geo, backend=backend, head_dim=head_dim, kv_bytes=kv_bytes,
                        limit=facts.smem_per_block)
 

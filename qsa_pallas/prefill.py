@@ -31,8 +31,9 @@ from jax import lax
 from interop import contract
 from interop.arch import DeviceFacts
 from interop.contract import PrefillProblem
-from interop.geometry import (BLOCK_INDICES_DOC, Geometry, UnionGeometry, geometry_mode,
-                              select_prefill, select_prefill_blocks)
+from interop.geometry import (BLOCK_INDICES_DOC, PREFILL_SPLIT_RULES, Geometry, UnionGeometry,
+                              geometry_mode, prefill_splits, select_prefill,
+                              select_prefill_blocks)
 from interop.plan import LOG2E, next_pow2
 
 from . import _compat
@@ -66,9 +67,12 @@ def select_geometry(problem: PrefillProblem, *, interpret: bool, facts=None) -> 
     """Launch geometry (``block_m`` = the head tile) for a checked ``PrefillProblem``:
     ``interop.geometry.select_prefill(..., backend="pallas")`` on ``facts`` (tests) or the
     lowering target's; in interpret mode (CPU, facts None) a small fixed geometry."""
-    if interpret and facts is None:
+    if interpret and facts is None:  # the split count an sm_90 would get, as qsa_triton's
         bn, nw, ns = _INTERPRET_GEOMETRY
-        return Geometry(max(16, next_pow2(problem.group)), bn, nw, ns, "interpret-fixed")
+        splits = prefill_splits(DeviceFacts.for_arch("sm_90"), total_q=problem.total_q,
+                                num_kv_heads=problem.num_kv_heads, width=problem.width)
+        return Geometry(max(16, next_pow2(problem.group)), bn, nw, ns, "interpret-fixed",
+                        splits)
     return select_prefill(total_q=problem.total_q, width=problem.width,
                           **_selector_args(problem, facts))
 
@@ -144,7 +148,11 @@ def _find_request(cu_ref, row, requests: int):
 def _prefill_kernel(*refs, st: _Static):
     pr, geo = st.p, st.geo
     score_scale = pr.softmax_scale * pr.k_scale * LOG2E  # exp2 is the cheaper PTX path
-    *ins, o_ref = refs
+    split = geo.splits > 1
+    if split:  # split-KV: fp32 partials [S, T, Hq, D] and base-2 LSEs [S, T, Hq], merged after
+        *ins, po_ref, lse_ref = refs
+    else:
+        *ins, o_ref = refs
     if st.union_rows:
         *ins, ul_ref = ins
     if pr.kind == "ordinary":
@@ -240,6 +248,19 @@ def _prefill_kernel(*refs, st: _Static):
     acc0 = jnp.zeros((ht, d), jnp.float32)
     m0 = jnp.full((ht,), -jnp.inf, jnp.float32)
     l0 = jnp.zeros((ht,), jnp.float32)
+    if split:  # program_id(2)'s share of whole BLOCK_N steps (the unsplit walk's masks)
+        per = -(-(-(-w // bn)) // geo.splits)
+        j_lo = pl.program_id(2) * per
+        acc, m_i, l_i = lax.fori_loop(j_lo, jnp.minimum(n_blocks, j_lo + per), body,
+                                      (acc0, m0, l0))
+        has = l_i > 0
+        part = acc * jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)[:, None]
+        lse = jnp.where(has, m_i + jnp.log2(jnp.where(has, l_i, 1.0)), -jnp.inf)
+        sp, zero = pl.program_id(2), jnp.int32(0)
+        _compat.store(po_ref.at[sp, row, pl.ds(h * g, ht), pl.ds(zero, d)], part,
+                      mask=jnp.broadcast_to(head_ok, (ht, d)))
+        _compat.store(lse_ref.at[sp, row, pl.ds(h * g, ht)], lse, mask=head_ok[:, 0])
+        return
     acc, _, l_i = lax.fori_loop(0, n_blocks, body, (acc0, m0, l0))
 
     # Rows with no valid entry: l = 0 -> exact zeros.
@@ -253,15 +274,31 @@ def _prefill_kernel(*refs, st: _Static):
 @functools.partial(jax.jit, static_argnames=("st",))
 def _launch(q, k, v, *meta, st: _Static):
     t, hq, d = q.shape
-    kernel = functools.partial(_prefill_kernel, st=st)
-    return _compat.triton_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((t, hq, d), q.dtype),
-        grid=(t, st.p.num_kv_heads),
-        num_warps=st.geo.num_warps, num_stages=st.geo.num_stages,
-        interpret=st.interpret,
-        name=f"qsa_sparse_prefill_{st.p.kind}",
-    )(q, k, v, *meta)
+    s_ = st.geo.splits
+    call = functools.partial(
+        _compat.triton_call, functools.partial(_prefill_kernel, st=st),
+        num_warps=st.geo.num_warps, num_stages=st.geo.num_stages, interpret=st.interpret,
+        name=f"qsa_sparse_prefill_{st.p.kind}")
+    if s_ == 1:
+        return call(out_shape=jax.ShapeDtypeStruct((t, hq, d), q.dtype),
+                    grid=(t, st.p.num_kv_heads))(q, k, v, *meta)
+    # every (row, KV head, split) program writes its lanes (an empty share: LSE -inf, zeros)
+    po, lse = call(out_shape=(jax.ShapeDtypeStruct((s_, t, hq, d), jnp.float32),
+                              jax.ShapeDtypeStruct((s_, t, hq), jnp.float32)),
+                   grid=(t, st.p.num_kv_heads, s_))(q, k, v, *meta)
+    return merge_splits(po, lse, st.p.v_scale).astype(q.dtype)
+
+
+def merge_splits(po, lse, v_scale: float):
+    """Split-KV merge (FlashDecoding's): po fp32 [S, T, Hq, D] normalized partial outputs, lse
+    fp32 [S, T, Hq] their base-2 LSEs (-inf: no valid entry) -> fp32 [T, Hq, D], each split
+    weighted by 2**(lse - max lse), times ``v_scale``; exact zeros where no split saw an entry.
+    Plain XLA: one fused pass over the partials."""
+    mx = jnp.max(lse, axis=0)
+    wt = jnp.exp2(lse - jnp.where(mx == -jnp.inf, 0.0, mx)[None])
+    den = jnp.sum(wt, axis=0)
+    num = jnp.sum(wt[..., None] * po, axis=0)
+    return num * jnp.where(den > 0, v_scale / jnp.where(den > 0, den, 1.0), 0.0)[..., None]
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,6 +310,11 @@ def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry, skip=No
         return jnp.zeros(q.shape, q.dtype)
     interp = _compat.resolve_interpret(interpret)
     geo = geometry if geometry is not None else select_geometry(problem, interpret=interp)
+    if not 1 <= geo.splits <= PREFILL_SPLIT_RULES["max_splits"]:
+        raise ValueError(f"prefill geometry {geo}: splits must be in [1, "
+                         f"{PREFILL_SPLIT_RULES['max_splits']}]")
+    if skip is not None:  # the tile-union kernel overwrites its rows: one program a row here
+        geo = dataclasses.replace(geo, splits=1)
     st = _Static(dataclasses.replace(problem, max_seqlen_q=1),
                  dataclasses.replace(geo, source=""), int(k.shape[0]), interp)
     if skip is not None:
@@ -300,7 +342,9 @@ def _run_blocks(problem: PrefillProblem, q, k, v, block_indices, meta: dict, *, 
     if isinstance(geo, UnionGeometry) and geo.kind == "union":
         union = PU.union_build(problem, block_indices, meta, geo)
         skip = (union[2], geo.tile_rows, union[3])
-    elif isinstance(geo, UnionGeometry):
+    elif geometry is None:  # the token selector on the expansion: same tile, its split count
+        geo = None
+    else:
         geo = Geometry(geo.head_tile, geo.block_n, geo.num_warps, geo.num_stages, geo.source)
     paged = problem.kind == "paged"
     pool = (meta["req_to_token"], meta["req_indices"], int(k.shape[0])) if paged else None

@@ -33,8 +33,8 @@ import triton.language as tl
 
 from interop import contract
 from interop.arch import DeviceFacts
-from interop.geometry import (BLOCK_INDICES_DOC, Geometry, UnionGeometry, geometry_mode,
-                              select_prefill, select_prefill_blocks)
+from interop.geometry import (BLOCK_INDICES_DOC, PREFILL_SPLIT_RULES, Geometry, UnionGeometry,
+                              geometry_mode, select_prefill, select_prefill_blocks)
 from interop.plan import LOG2E, next_pow2
 
 from . import prefill_union as PU
@@ -60,10 +60,15 @@ def _prefill_row(
     qk_scale, v_scale, W, kv_rows,
     stride_qt, stride_qh, stride_kh, stride_kn, stride_vh, stride_vn,
     stride_ot, stride_oh, stride_it, stride_ih,
+    po_ptr, plse_ptr, n_splits, stride_ps, stride_pl, hq,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """Query row r of request b, KV head h: the whole online-softmax walk and the store."""
+    """Query row r of request b, KV head h: the whole online-softmax walk and the store; with
+    ``SPLIT``, program_id(2)'s share of the columns, its normalized partial output and base-2
+    LSE stored to ``po`` [n_splits, T, Hq, D] / ``plse`` [n_splits, T, Hq] (fp32) for
+    ``_qsa_prefill_merge``."""
     row = (q_start + r).to(tl.int64)
     if MODE == 0:
         kv_len = q_len
@@ -98,9 +103,16 @@ def _prefill_row(
     # no cross-warp row sum (shuffles, a shared-memory round trip, two barriers) per tile
     l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(0, n_cols, BLOCK_N):
+    if SPLIT:  # shares of whole BLOCK_N steps: the column masks match the unsplit walk
+        per = tl.cdiv(tl.cdiv(W, BLOCK_N), n_splits) * BLOCK_N
+        c_lo = tl.program_id(2) * per
+        c_hi = tl.minimum(n_cols, c_lo + per)
+    else:
+        c_lo = 0
+        c_hi = n_cols
+    for start in range(c_lo, c_hi, BLOCK_N):
         cols = start + offs_n
-        in_row = cols < n_cols
+        in_row = cols < c_hi
         ent = tl.load(idx_row + cols, mask=in_row, other=-1)
         if MODE == 2:
             valid = in_row & (ent >= 0)
@@ -130,10 +142,19 @@ def _prefill_row(
         m_i = m_new
     l_i = tl.sum(l_i, 1)
     has = l_i > 0.0
-    inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
-    out = acc * inv[:, None]
-    tl.store(o_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=head_ok[:, None])
+    if SPLIT:
+        sp = tl.program_id(2).to(tl.int64)
+        lane = row * hq + heads  # partials are [n_splits, T, Hq(, D)], contiguous
+        part = acc * tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)[:, None]
+        tl.store(po_ptr + sp * stride_ps + lane[:, None] * D + offs_d[None, :], part,
+                 mask=head_ok[:, None])
+        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(plse_ptr + sp * stride_pl + lane, lse, mask=head_ok)
+    else:
+        inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
+        out = acc * inv[:, None]
+        tl.store(o_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
 @triton.jit
@@ -151,13 +172,14 @@ def _request_rows(cu_q_ptr, b, n_rows):
 @triton.jit
 def _qsa_sparse_prefill_fwd(
     q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr,
-    cu_q_ptr, cu_k_ptr, kv_lens_ptr, ulen_ptr,
+    cu_q_ptr, cu_k_ptr, kv_lens_ptr, ulen_ptr, po_ptr, plse_ptr,
     qk_scale, v_scale, W, row_base, n_rows, kv_rows, n_slots, max_union, union_rows,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_ot, stride_oh, stride_it, stride_ih, stride_ls, stride_lh,
+    n_splits, stride_ps, stride_pl, hq,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
-    ROW_LOOP: tl.constexpr,
+    ROW_LOOP: tl.constexpr, SPLIT: tl.constexpr,
 ):
     bh = tl.program_id(1)
     b = bh // HKV
@@ -172,8 +194,9 @@ def _qsa_sparse_prefill_fwd(
                 _prefill_row(tl.cast(r, tl.int32), b, h, q_start, q_len, q_ptr, k_ptr, v_ptr,
                              o_ptr, idx_ptr, cu_k_ptr, kv_lens_ptr, qk_scale, v_scale, W, kv_rows,
                              stride_qt, stride_qh, stride_kh, stride_kn, stride_vh, stride_vn,
-                             stride_ot, stride_oh, stride_it, stride_ih, G, D, BLOCK_M, BLOCK_N,
-                             MODE, OFF64)
+                             stride_ot, stride_oh, stride_it, stride_ih, po_ptr, plse_ptr,
+                             n_splits, stride_ps, stride_pl, hq, G, D, BLOCK_M, BLOCK_N, MODE,
+                             OFF64, False)
     else:
         r = row_base + tl.program_id(0)
         if (r >= r_lo) & (r < r_hi):
@@ -182,7 +205,48 @@ def _qsa_sparse_prefill_fwd(
                 _prefill_row(r, b, h, q_start, q_len, q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr,
                              cu_k_ptr, kv_lens_ptr, qk_scale, v_scale, W, kv_rows, stride_qt,
                              stride_qh, stride_kh, stride_kn, stride_vh, stride_vn, stride_ot,
-                             stride_oh, stride_it, stride_ih, G, D, BLOCK_M, BLOCK_N, MODE, OFF64)
+                             stride_oh, stride_it, stride_ih, po_ptr, plse_ptr, n_splits,
+                             stride_ps, stride_pl, hq, G, D, BLOCK_M, BLOCK_N, MODE, OFF64, SPLIT)
+
+
+@triton.jit
+def _qsa_prefill_merge(
+    o_ptr, po_ptr, plse_ptr, cu_q_ptr, v_scale, n_rows, stride_ot, stride_oh, n_splits,
+    stride_ps, stride_pl, hq,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+    SP: tl.constexpr,
+):
+    """The output of query row program_id(0) of request program_id(1) // HKV, KV head
+    program_id(1) % HKV (the split launch's grid, whose programs wrote every partial read here)
+    from its ``n_splits`` (<= SP) partials: each weighted by 2**(lse - max lse), summed in split
+    order (deterministic); a head no split saw gets exact zeros."""
+    bh = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    q_start, q_len, r_lo, r_hi = _request_rows(cu_q_ptr, b, n_rows)
+    r = tl.program_id(0)
+    if (r >= r_lo) & (r < r_hi):
+        row = (q_start + r).to(tl.int64)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        offs_s = tl.arange(0, SP)
+        head_ok = offs_m < G
+        heads = (h * G + offs_m).to(tl.int64)
+        lane = row * hq + heads
+        lse = tl.load(plse_ptr + offs_s.to(tl.int64)[:, None] * stride_pl + lane[None, :],
+                      mask=(offs_s < n_splits)[:, None] & head_ok[None, :], other=float("-inf"))
+        mx = tl.max(lse, 0)
+        w = tl.math.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx)[None, :])  # [SP, BLOCK_M]
+        den = tl.sum(w, 0)
+        num = tl.zeros([BLOCK_M, D], tl.float32)
+        for s in range(n_splits):
+            ws = tl.sum(tl.where((offs_s == s)[:, None], w, 0.0), 0)
+            part = tl.load(po_ptr + s * stride_ps + lane[:, None] * D + offs_d[None, :],
+                           mask=head_ok[:, None] & (ws > 0.0)[:, None], other=0.0)
+            num += ws[:, None] * part
+        out = num * tl.where(den > 0.0, v_scale / tl.where(den > 0.0, den, 1.0), 0.0)[:, None]
+        tl.store(o_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
 @triton.jit
@@ -268,6 +332,8 @@ def needs_off64(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 #: programs per (request, KV head) of the tail launch (rows past a too-small max_seqlen_q)
 TAIL_PROGRAMS = 8
+#: the merge kernel's [SP, BLOCK_M] LSE tile covers every split count the selector gives
+MAX_SPLITS = PREFILL_SPLIT_RULES["max_splits"]
 
 
 def tail_geometry(geo: Geometry) -> Geometry:
@@ -303,12 +369,27 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
                ulen.stride(0) if ur else 0, ulen.stride(1) if ur and ulen.shape[1] > 1 else 0)
     consts = dict(HKV=hkv, G=hq // hkv, D=d, BLOCK_M=geo.block_m, MODE=mode,
                   OFF64=needs_off64(k, v))
+    # split-KV (geo.splits > 1; not with a union, whose rows the tile kernel writes): the main
+    # launch writes fp32 partials, merged into out below; the tail launch writes out itself
+    splits = int(geo.splits) if skip is None else 1
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"prefill geometry {geo}: splits must be in [1, {MAX_SPLITS}]")
+    po, plse = ((torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device),
+                 torch.empty((splits, t, hq), dtype=torch.float32, device=q.device))
+                if splits > 1 else (out, out))
+    parts = (splits, t * hq * d, t * hq, hq)
     for row_loop, g, grid0, row_base in ((False, geo, max_q, 0),
                                          (True, tail_geometry(geo), TAIL_PROGRAMS, max_q)):
-        _qsa_sparse_prefill_fwd[(grid0, requests * hkv)](
-            *args, row_base, t, k.shape[0], ulen.shape[0], max_union, ur, *strides, **consts,
-            BLOCK_N=g.block_n, ROW_LOOP=row_loop, num_warps=g.num_warps,
-            num_stages=g.num_stages)
+        split = splits > 1 and not row_loop
+        _qsa_sparse_prefill_fwd[(grid0, requests * hkv, splits if split else 1)](
+            *args[:9], po, plse, *args[9:], row_base, t, k.shape[0], ulen.shape[0], max_union,
+            ur, *strides, *parts, **consts, BLOCK_N=g.block_n, ROW_LOOP=row_loop, SPLIT=split,
+            num_warps=g.num_warps, num_stages=g.num_stages)
+    if splits > 1:
+        _qsa_prefill_merge[(max_q, requests * hkv)](
+            out, po, plse, cu_q, float(v_scale), t, out.stride(0), out.stride(1), *parts,
+            HKV=hkv, G=hq // hkv, D=d, BLOCK_M=geo.block_m, SP=next_pow2(MAX_SPLITS),
+            num_warps=4)
     return out
 
 
@@ -373,7 +454,9 @@ def _blocks_impl(mode, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token
     pool = (req_to_token, req_indices, k.shape[0]) if mode == MODE_SLOTS else None
     if geo.kind != "union":
         idx = PU.expand_blocks(block_indices, cu_q, kv, pool=pool)
-        rows = Geometry(geo.head_tile, geo.block_n, geo.num_warps, geo.num_stages, geo.source)
+        # selected: the token selector on the expansion (the same tile, plus its split count)
+        rows = None if geometry is None else Geometry(geo.head_tile, geo.block_n, geo.num_warps,
+                                                      geo.num_stages, geo.source)
         return _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale,
                        rows)
     if q.shape[0] == 0 or k.shape[0] == 0:

@@ -200,6 +200,29 @@ def test_pallas_backend_gets_the_same_geometry():
     assert a.key != b.key and b.key[1:] == (32, 4, 2)
 
 
+def test_split_kv_count_boundaries():
+    """``prefill_splits``: ceil(programs_per_sm x SMs / (T x Hkv)), capped by max_splits and
+    W // min_split_columns; the selector's geometry carries it (label too), both backends."""
+    u = G.PREFILL_SPLIT_RULES
+    want = u["programs_per_sm"] * H200.sm_count  # 528 programs on an H200
+    assert want == 528 and u["max_splits"] == 8 and u["min_split_columns"] == 256
+
+    def n(t, hkv=1, w=2051, facts=H200):
+        return G.prefill_splits(facts, total_q=t, num_kv_heads=hkv, width=w)
+
+    assert n(1) == n(32) == n(66) == 8 and n(67) == 8 and n(75) == 8 and n(76) == 7
+    assert n(264) == 2 and n(265) == 2 and n(527) == 2 and n(528) == 1 and n(8192) == 1
+    assert n(128, hkv=2) == 3 and n(128) == 5  # MTP verify (32 x 4 rows) at 24/2 and 12/1
+    assert n(1, w=2047) == 7 and n(1, w=512) == 2 and n(1, w=511) == 1 and n(1, w=1) == 1
+    assert n(1, facts=GB10) == 8 and n(24, facts=GB10) == 8 and n(48, facts=GB10) == 4
+    for backend in ("triton", "pallas"):
+        g = sel(H200, "chunk", total_q=128, requests=32, max_q=4, num_kv_heads=2,
+                backend=backend)
+        assert g.splits == 3 and "splits=3" in g.source, g
+        assert sel(H200, total_q=528, backend=backend).splits == 1
+    assert "splits" not in sel(H200, total_q=8192).source
+
+
 # ------------------------------------------------------------------ all_configs
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100", "sm_120", "sm_121"])
 def test_all_configs_covers_every_selection(arch, monkeypatch):

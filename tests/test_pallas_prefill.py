@@ -126,6 +126,30 @@ def test_entries_past_the_visible_count_are_ignored_for_any_block_n():
                                rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("kind,per_head,kv_dtype", [
+    ("ordinary", False, None), ("chunk", True, "float8_e4m3fn"), ("paged", False, None)])
+def test_split_kv_matches_reference_and_unsplit(kind, per_head, kv_dtype, monkeypatch):
+    """Split-KV (``Geometry.splits`` > 1, the split count an sm_90 gets, here with a lowered
+    ``min_split_columns``): 3 shares of the 13 BLOCK_N steps and 8 (one empty), merged by LSE
+    in XLA, match the reference and the unsplit kernel to rounding, with rows without a valid
+    entry (exact zeros), junk entries and poisoned unselected K/V; two runs are bitwise equal
+    (qsa_triton's twin: tests/test_triton_prefill.py)."""
+    from interop import geometry
+
+    case = make_case(kind, 6, 2, [5, 1, 7], None if kind == "ordinary" else [4, 3, 60],
+                     width=200, per_head=per_head, kv_dtype=kv_dtype, empty_rows=[2],
+                     table_junk=kind == "paged", poison=True, seed=71)
+    monkeypatch.setitem(geometry.PREFILL_SPLIT_RULES, "min_split_columns", 10**6)
+    whole = check(case)
+    for cols in (64, 16):
+        monkeypatch.setitem(geometry.PREFILL_SPLIT_RULES, "min_split_columns", cols)
+        out = check(case, run(case), f"min_split_columns={cols}")
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(whole, np.float32),
+                                   rtol=2e-3, atol=2e-3)
+        assert np.array_equal(np.asarray(out), np.asarray(run(case)))
+    assert (np.asarray(out, np.float32)[case.empty_rows()] == 0).all()
+
+
 def test_jit_traced_lengths_and_indices_one_trace():
     """Lengths and indices are traced (device data), max_seqlen_q static: two batches with the
     same shapes but different request splits reuse one trace and both match the reference."""
@@ -390,6 +414,33 @@ def test_gpu_8192_rows_finite_deterministic_and_correct(kind, kv_len, hq, hkv, k
     assert bool(jnp.array_equal(out1, out2)), "second run not bitwise equal"
     ref = np.asarray(jax_reference_f32(kind, a, case.k_scale, case.v_scale))
     assert_matches(np.asarray(out1.astype(jnp.float32)), ref, f"{kind} kv={kv_len} {hq}/{hkv}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,q_lens,hq,hkv,kv_dtype", [
+    ("chunk", [4] * 32, 12, 1, None), ("paged", [4] * 32, 24, 2, "float8_e4m3fn"),
+    ("chunk", [32], 6, 1, None)])
+def test_gpu_split_kv_short_prefills(kind, q_lens, hq, hkv, kv_dtype):
+    """The selector's split-KV on short prefills (MTP verify at 32k, a 32-row chunk), as
+    qsa_triton's twin: the reference, exact zeros for empty rows, bitwise equal runs."""
+    _gpu_or_skip()
+    from interop.arch import DeviceFacts
+    from interop.geometry import prefill_splits
+
+    fp8 = kv_dtype is not None
+    case = make_case(kind, hq, hkv, q_lens, [32768 - n for n in q_lens], d=256, width=2051,
+                     dtype="bfloat16", kv_dtype=kv_dtype, junk="mixed", empty_rows=[0, 5],
+                     pool_slack=1000, k_scale=0.5 if fp8 else 1.0, v_scale=1.5 if fp8 else 1.0,
+                     seed=hq + hkv)
+    assert prefill_splits(DeviceFacts.from_jax(), total_q=sum(q_lens), num_kv_heads=hkv,
+                          width=2051) > 1
+    a = arrays(case)
+    out1, out2 = run(case, a).block_until_ready(), run(case, a).block_until_ready()
+    assert bool(jnp.array_equal(out1, out2)), "second run not bitwise equal"
+    ref = np.asarray(jax_reference_f32(kind, a, case.k_scale, case.v_scale))
+    out = np.asarray(out1.astype(jnp.float32))
+    assert_matches(out, ref, f"{kind} {len(q_lens)} x {q_lens[0]} rows {hq}/{hkv}")
+    assert (out[[0, 5]] == 0).all()
 
 
 @pytest.mark.gpu

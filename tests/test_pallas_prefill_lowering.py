@@ -177,9 +177,10 @@ def test_64bit_offsets_exactly_for_pools_past_4gib():
 
 
 def test_lowering_cases_cover_every_variant_and_lower():
-    """``interop.validate.compile.pallas_prefill_cases`` (what ``qsa compile`` lowers): every variant for
-    each fitted selector geometry; a sample of them lowers to exactly one prefill kernel with the
-    case's launch parameters (the full set is compiled by ``qsa compile``)."""
+    """``interop.validate.compile.pallas_prefill_cases`` (what ``qsa compile`` lowers): every
+    variant for each fitted selector geometry, unsplit and split-KV; a sample of them lowers to
+    exactly one prefill kernel with the case's launch parameters (the full set is compiled by
+    ``qsa compile``)."""
     kind = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
     from interop.validate.compile import pallas_prefill_cases  # noqa: PLC0415
 
@@ -188,7 +189,8 @@ def test_lowering_cases_cover_every_variant_and_lower():
     assert len(names) == len(set(names))
     for variant in ("ordinary_bf16", "chunk_bf16", "chunk_fp8", "paged_bf16", "paged_fp8"):
         assert any(f"pallas_prefill_{variant}_" in n for n in names), variant
+    assert {n.endswith("_split") for n in names} == {True, False}  # unsplit and split-KV
     for name, fn, args in cases[:: max(1, len(cases) // 4)]:
         (mod,) = _compat.triton_modules(_compat.lower_for_device_kind(fn, args, kind))
-        warps, stages = (int(x[1:]) for x in name.split("_")[-2:])
+        warps, stages = (int(x[1:]) for x in name.removesuffix("_split").split("_")[-2:])
         assert (mod.num_warps, mod.num_stages) == (warps, stages), name

@@ -99,7 +99,8 @@ def test_paged_decode_list_covers_every_part():
 @pytest.mark.parametrize("arch", ["sm_120", "sm_121"])
 def test_prefill_list_covers_every_selectable_geometry(arch):
     """``triton_prefill_configs`` compiles every geometry the selector can return on the arch, in
-    every variant, plus the tail launch's geometry, and the paged slot pre-pass."""
+    every variant, unsplit and split-KV, plus the tail launch's geometry, the split-KV merge per
+    head tile, and the paged slot pre-pass."""
     every = CC.triton_prefill_configs(arch)
     assert any(c["name"].startswith("prefill_resolve_pool_slots") for c in every)
     cfgs = [c for c in every if "ROW_LOOP" in c["constexprs"]]
@@ -107,6 +108,11 @@ def test_prefill_list_covers_every_selectable_geometry(arch):
                  c["num_stages"]) for c in cfgs if not c["constexprs"]["ROW_LOOP"]}
     geos = {g.key for g in all_configs(arch)}
     assert geos <= compiled, f"not listed: {geos - compiled}"
+    split = {(c["constexprs"]["BLOCK_M"], c["constexprs"]["BLOCK_N"], c["num_warps"],
+              c["num_stages"]) for c in cfgs if c["constexprs"]["SPLIT"]}
+    assert split == compiled, "every main geometry also split-KV"
+    assert {c["constexprs"]["BLOCK_M"] for c in every if c["name"].startswith("prefill_merge")} \
+        == {b for b, *_ in compiled}
     assert {c["constexprs"]["MODE"] for c in cfgs} == {0, 1, 2}
     assert any(c["constexprs"]["ROW_LOOP"] for c in cfgs)
     assert len({c["name"] for c in cfgs}) == len(cfgs)
@@ -119,8 +125,8 @@ SAMPLES = [
     ("triton", "decode", ("sm_120", "sm_121"),
      r"decode_split_G12_ht16_bn64_w8_s2_(inline4_)?bf16_pdllate$|decode_merge_chunk2_bf16_pdl$", 3),
     ("triton", "prefill", ("sm_120",),
-     r"prefill_mode1_bf16_bf16_G6_bm16_bn64_w4_s2$|prefill_mode2_bf16_fp8e4nv_G6_bm16_bn64_w4_s2$",
-     2),
+     r"prefill_mode1_bf16_bf16_G6_bm16_bn64_w4_s2(_split)?$"
+     r"|prefill_mode2_bf16_fp8e4nv_G6_bm16_bn64_w4_s2$|prefill_merge_G6_bm16_bf16$", 4),
     ("triton", "decode_paged", ("sm_120",),
      r"paged_split_G12_ht16_bn32_w4_s7_bf16_kv(bf16_direct_off64|fp8e4nv_off64_pdl)$"
      r"|paged_merge_p128_bf16_pdl$", 3),
@@ -128,8 +134,8 @@ SAMPLES = [
      r"prefill_union_build_R2_|prefill_union_skip_R8_"
      r"|prefill_union_mode2_bf16_(bf16|fp8e4nv)_R8_m64_", 4),
     ("pallas", "decode", ("sm_120",), r"pallas_decode_TP1_B1_|pallas_decode_TP2_B95_", 3),
-    ("pallas", "prefill", ("sm_120",), r"pallas_prefill_(chunk_bf16|paged_fp8)_ht16_bn64_w4_s2$",
-     2),
+    ("pallas", "prefill", ("sm_120",),
+     r"pallas_prefill_(chunk_bf16|paged_fp8)_ht16_bn64_w4_s2(_split)?$", 4),
     ("pallas", "decode_paged", ("sm_120",),
      r"pallas_paged_12_1_(kvbfloat16_R1|kvfloat8_e4m3fn_R95)_", 2),
     ("pallas", "prefill_union", ("sm_120",),
@@ -151,7 +157,7 @@ def _estimate(cfg: dict) -> int | None:
     if "HT" in k and "BLOCK_N" in k and "R" not in k:  # decode split kernel
         return smem_bytes(head_tile=k["HT"], block_n=k["BLOCK_N"], head_dim=k["D"],
                           num_stages=cfg["num_stages"])
-    if "BLOCK_M" in k:  # per-row prefill kernel
+    if "BLOCK_M" in k and "BLOCK_N" in k:  # per-row prefill kernel (not the split merge)
         return smem_bytes(head_tile=k["BLOCK_M"], block_n=k["BLOCK_N"], head_dim=k["D"],
                           num_stages=cfg["num_stages"], kv_bytes=1 if "fp8" in cfg["name"] else 2)
     return None

@@ -178,6 +178,38 @@ def test_forced_geometry_does_not_change_the_result_beyond_rounding():
     torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("kind,per_head,kv_dtype", [
+    ("ordinary", False, None), ("chunk", True, "float8_e4m3fn"), ("paged", False, None),
+    ("paged", True, "float8_e4m3fn")])
+def test_split_kv_matches_reference_and_unsplit(kind, per_head, kv_dtype, monkeypatch):
+    """Split-KV (``Geometry.splits`` > 1, through the entry points: the selector's count with a
+    lowered ``min_split_columns``): 3 shares of the 4 BLOCK_N steps (one short) and 8 (four
+    empty) match the reference and the unsplit kernel to rounding, with rows without a valid
+    entry (exact zeros), junk entries, poisoned unselected K/V, and with a max_seqlen_q hint
+    below the longest request (the tail launch's rows unsplit); two runs are bitwise equal."""
+    from interop import geometry
+
+    case = make_case(kind, 6, 2, [5, 1, 7], None if kind == "ordinary" else [4, 3, 60],
+                     width=200, per_head=per_head, kv_dtype=kv_dtype, empty_rows=[2],
+                     table_junk=kind == "paged", poison=True, seed=71)
+    t = tensors(case)
+    geo = functools.partial(P.prefill_geometry, kind, t["q"], requests=3, max_q=7,
+                            num_kv_heads=2, width=200)
+    monkeypatch.setitem(geometry.PREFILL_SPLIT_RULES, "min_split_columns", 10**6)
+    assert geo().splits == 1
+    whole = check(case)
+    for cols, splits in ((64, 3), (16, 8)):
+        monkeypatch.setitem(geometry.PREFILL_SPLIT_RULES, "min_split_columns", cols)
+        assert geo().splits == splits and geo().block_n == 64, geo()
+        out = check(case)
+        torch.testing.assert_close(out.float(), whole.float(), rtol=2e-3, atol=2e-3)
+        assert torch.equal(out, run(case))
+        case.max_seqlen_q = 2
+        torch.testing.assert_close(check(case).float(), out.float(), rtol=2e-3, atol=2e-3)
+        case.max_seqlen_q = 7
+    assert (out[case.empty_rows()].float() == 0).all()
+
+
 def test_fp8_conversion_path_matches_upcast_kv():
     """FP8 K/V give the same result as the same values upcast to q's dtype (e4m3 values are exact
     in fp16), the scales applied in the kernel."""
@@ -326,6 +358,30 @@ def test_gpu_8192_rows(kind, kv, hq, hkv):
     torch.cuda.synchronize()
     assert torch.equal(out1, out2), "second run not bitwise equal"
     gpu_check(case, t, out1)
+
+
+@gpu
+@pytest.mark.parametrize("kind,q_lens,hq,hkv,kv_dtype", [
+    ("chunk", [4] * 32, 12, 1, None), ("paged", [4] * 32, 24, 2, "float8_e4m3fn"),
+    ("chunk", [32], 6, 1, None), ("ordinary", [300], 12, 1, None)])
+def test_gpu_split_kv_short_prefills(kind, q_lens, hq, hkv, kv_dtype):
+    """The selector's split-KV on short prefills (MTP verify: 32 requests x 4 rows at 32k; a
+    32-row chunk; a 300-row ordinary prefill, most rows' columns in split 0): the reference,
+    exact zeros for empty rows, bitwise equal runs."""
+    prefix = None if kind == "ordinary" else [32768 - n for n in q_lens]
+    fp8 = kv_dtype is not None
+    case = make_case(kind, hq, hkv, q_lens, prefix, d=256, width=2051, dtype="bfloat16",
+                     kv_dtype=kv_dtype, junk="mixed", empty_rows=[0, 5], pool_slack=1000,
+                     k_scale=0.5 if fp8 else 1.0, v_scale=1.5 if fp8 else 1.0, seed=hq + hkv)
+    t = tensors(case, "cuda")
+    geo = P.prefill_geometry(kind, t["q"], requests=len(q_lens), max_q=max(q_lens),
+                             num_kv_heads=hkv, width=2051, kv_bytes=1 if fp8 else 2)
+    assert geo.splits > 1, geo
+    out1, out2 = run(case, t=t), run(case, t=t)
+    torch.cuda.synchronize()
+    assert torch.equal(out1, out2), "second run not bitwise equal"
+    gpu_check(case, t, out1)
+    assert (out1[[0, 5]] == 0).all()
 
 
 @gpu

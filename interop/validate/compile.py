@@ -344,12 +344,16 @@ PREFILL_VARIANTS = (("MODE_ORDINARY", "bfloat16", None), ("MODE_CHUNK", "bfloat1
                     ("MODE_SLOTS", "bfloat16", "float8_e4m3fn"))
 
 
+#: the split-KV partials of the prefill kernels (fp32 outputs and base-2 LSEs)
+_PARTIALS = {"po_ptr": "*fp32", "plse_ptr": "*fp32"}
+
+
 def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
                            variants=PREFILL_VARIANTS) -> list[dict]:
     """Every configuration ``qsa_triton.prefill`` can launch on ``arch``: each geometry of
-    ``interop.geometry.all_configs(arch)`` and its tail launch x ``variants``; one G per BLOCK_M
-    (G only changes masks; tuned entries keep theirs); the paged slot pre-pass. Dicts as
-    ``triton_decode_configs``."""
+    ``interop.geometry.all_configs(arch)``, unsplit and split-KV, and its tail launch x
+    ``variants``; one G per BLOCK_M (G only changes masks; tuned entries keep theirs); the
+    split-KV merge; the paged slot pre-pass. Dicts as ``triton_decode_configs``."""
     from interop.geometry import all_configs  # noqa: PLC0415
     from interop.plan import next_pow2  # noqa: PLC0415
     from qsa_triton import prefill as P  # noqa: PLC0415
@@ -365,16 +369,25 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
         for mode_name, qd, kd in variants:
             mode = getattr(P, mode_name)
             qt, kt = _TT[qd], _TT[kd or qd]
-            # tail geometries repeat across the main ones (_unique keeps one)
-            for row_loop, g in ((False, geo), (True, P.tail_geometry(geo))):
+            # tail geometries repeat across the main ones (_unique keeps one); the main launch
+            # also split-KV (fp32 partials: short prefills, ``prefill_splits``)
+            for row_loop, split, g in ((False, False, geo), (False, True, geo),
+                                       (True, False, P.tail_geometry(geo))):
                 consts = {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": g.block_m,
                           "BLOCK_N": g.block_n, "MODE": mode, "OFF64": mode == P.MODE_SLOTS,
-                          "ROW_LOOP": row_loop}
+                          "ROW_LOOP": row_loop, "SPLIT": split}
                 out.append(_entry(kernel, f"prefill_mode{mode}_{qt}_{kt}_G{grp}_bm{g.block_m}"
                                           f"_bn{g.block_n}_w{g.num_warps}_s{g.num_stages}"
-                                          f"{'_tail' if row_loop else ''}",
-                                  _attention_types(qt, kt), consts, g.num_warps, g.num_stages,
-                                  aligned=aligned, geometry=g))
+                                          f"{'_tail' if row_loop else ''}"
+                                          f"{'_split' if split else ''}",
+                                  {**_attention_types(qt, kt), **_PARTIALS}, consts, g.num_warps,
+                                  g.num_stages, aligned=aligned, geometry=g))
+        merge = P._qsa_prefill_merge  # the split-KV merge, per head tile
+        out.append(_entry(merge, f"prefill_merge_G{grp}_bm{geo.block_m}_bf16",
+                          {"o_ptr": "*bf16", **_PARTIALS},
+                          {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": geo.block_m,
+                           "SP": next_pow2(P.MAX_SPLITS)}, 4, 1,
+                          aligned=_aligned(merge.arg_names, "o"), geometry=None))
     resolve = P._qsa_resolve_pool_slots  # the paged slot pre-pass, shared / per-head indices
     for hidx in (1, 2):
         out.append(_entry(resolve, f"prefill_resolve_pool_slots_hidx{hidx}_w2051", {},
@@ -617,8 +630,9 @@ def pallas_decode_cases(kind: str, *, head_dim: int = 256, max_seqlen_k: int = 2
 def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, group: int = 12,
                          rows: int = 64) -> list[tuple[str, Callable, tuple]]:
     """Every distinct prefill launch ``qsa_pallas.prefill`` can pick on device kind ``kind``:
-    each ``interop.geometry.all_configs`` geometry of the arch fitted by ``fit_prefill`` x
-    ordinary bf16, chunk / paged bf16 and FP8, as ``(name, fn, args)`` (``pallas_decode_cases``).
+    each ``interop.geometry.all_configs`` geometry of the arch fitted by ``fit_prefill``, unsplit
+    and split-KV, x ordinary bf16, chunk / paged bf16 and FP8, as ``(name, fn, args)``
+    (``pallas_decode_cases``).
 
     Raises:
       ValueError: a device kind whose arch ``interop.arch`` does not know.
@@ -640,9 +654,12 @@ def pallas_prefill_cases(kind: str, *, head_dim: int = 256, width: int = 2051, g
             geos.setdefault((kv_bytes, *geo.key), geo)
     q = jax.ShapeDtypeStruct((rows, group, head_dim), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((rows, width), jnp.int32)
-    return [case for (kv_bytes, *_), geo in geos.items() for case in _prefill_kind_cases(
-        "pallas_prefill", f"ht{geo.block_m}_bn{geo.block_n}_w{geo.num_warps}_s{geo.num_stages}",
-        kv_bytes, geo, q, idx, blocks=False)]
+    # each unsplit and split-KV (a third grid axis, fp32 partials: ``prefill_splits``)
+    return [case for (kv_bytes, *_), geo in geos.items() for splits in (1, 2)
+            for case in _prefill_kind_cases(
+                "pallas_prefill", f"ht{geo.block_m}_bn{geo.block_n}_w{geo.num_warps}"
+                f"_s{geo.num_stages}{'_split' if splits > 1 else ''}", kv_bytes,
+                dataclasses.replace(geo, splits=splits), q, idx, blocks=False)]
 
 
 def pallas_prefill_union_cases(kind: str, *, head_dim: int = 256, rows: int = 64,
