@@ -163,24 +163,28 @@ def _tuned_gates(facts: DeviceFacts, kind: str, total_q: int, requests: int, max
     return failed
 
 
-#: Split-KV for short prefills (``prefill_splits``): a call of T x Hkv rows under
-#: ``programs_per_sm`` x SMs programs leaves SMs idle while each program walks all W columns
-#: (MTP verify: 32 x 4 rows; chunks of tens of rows), so each row's columns are split into
-#: shares of at least ``min_split_columns`` (a share's fixed cost: its Q load and partial
-#: store), at most ``max_splits`` (each split writes fp32 partials). Measured: bench/NOTES.md,
-#: "Split-KV prefill".
-PREFILL_SPLIT_RULES = {"programs_per_sm": 4, "min_split_columns": 256, "max_splits": 8}
+#: Split-KV for short prefills (``prefill_splits``): a call of T x Hkv rows too few to fill the
+#: GPU leaves SMs idle while each program walks all W columns (MTP verify: 32 x 4 rows; chunks of
+#: tens of rows), so each row's columns are split into up to floor(``programs_per_sm`` x SMs /
+#: rows) shares (by backend: Triton's short-row tiles run one program an SM, and more shares than
+#: fit at once only add waves), of at least ``min_split_columns`` each (a share's fixed cost: its
+#: Q load and partial store), at most ``max_splits`` (each split writes fp32 partials). Measured:
+#: bench/NOTES.md, "Split-KV prefill".
+PREFILL_SPLIT_RULES = {"programs_per_sm": {"triton": 1, "pallas": 4}, "min_split_columns": 256,
+                       "max_splits": 8}
 
 
-def prefill_splits(facts: DeviceFacts, *, total_q: int, num_kv_heads: int, width: int) -> int:
+def prefill_splits(facts: DeviceFacts, *, total_q: int, num_kv_heads: int, width: int,
+                   backend: str = "triton") -> int:
     """Programs per (query row, KV head) of a sparse prefill call (``PREFILL_SPLIT_RULES``):
-    ceil(programs_per_sm x SMs / (T x Hkv)), at most ``max_splits`` and W // min_split_columns,
-    at least 1. Host ints only (a captured graph keeps its count). Raises nothing; source: the
-    split-KV of decode (FlashDecoding, Dao et al., 2023) applied to prefill rows."""
+    floor(programs_per_sm[backend] x SMs / (T x Hkv)), at most ``max_splits`` and
+    W // min_split_columns, at least 1. Host ints only (a captured graph keeps its count).
+    Raises KeyError for an unknown backend; source: the split-KV of decode (FlashDecoding, Dao
+    et al., 2023) applied to prefill rows."""
     u = PREFILL_SPLIT_RULES
     rows = max(1, int(total_q) * int(num_kv_heads))
-    want = -(-u["programs_per_sm"] * facts.sm_count // rows)
-    return max(1, min(u["max_splits"], want, int(width) // u["min_split_columns"]))
+    fill = u["programs_per_sm"][backend] * facts.sm_count // rows
+    return max(1, min(u["max_splits"], fill, int(width) // u["min_split_columns"]))
 
 
 def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int, max_q: int,
@@ -229,7 +233,8 @@ def select_prefill(facts: DeviceFacts, kind: str, *, total_q: int, requests: int
     else:
         (bn, nw, ns), label = table_for(table, total_q)
         geo = Geometry(head_tile(group), bn, nw, ns, f"{label} mode={mode} backend={backend}")
-    splits = prefill_splits(facts, total_q=total_q, num_kv_heads=num_kv_heads, width=width)
+    splits = prefill_splits(facts, total_q=total_q, num_kv_heads=num_kv_heads, width=width,
+                            backend=backend)
     if splits > 1:
         geo = dataclasses.replace(geo, splits=splits, source=f"{geo.source} splits={splits}")
     return fit_prefill(geo, backend=backend, head_dim=head_dim, kv_bytes=kv_bytes,

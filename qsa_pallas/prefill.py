@@ -70,7 +70,8 @@ def select_geometry(problem: PrefillProblem, *, interpret: bool, facts=None) -> 
     if interpret and facts is None:  # the split count an sm_90 would get, as qsa_triton's
         bn, nw, ns = _INTERPRET_GEOMETRY
         splits = prefill_splits(DeviceFacts.for_arch("sm_90"), total_q=problem.total_q,
-                                num_kv_heads=problem.num_kv_heads, width=problem.width)
+                                num_kv_heads=problem.num_kv_heads, width=problem.width,
+                                backend="pallas")
         return Geometry(max(16, next_pow2(problem.group)), bn, nw, ns, "interpret-fixed",
                         splits)
     return select_prefill(total_q=problem.total_q, width=problem.width,

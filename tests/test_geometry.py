@@ -201,26 +201,31 @@ def test_pallas_backend_gets_the_same_geometry():
 
 
 def test_split_kv_count_boundaries():
-    """``prefill_splits``: ceil(programs_per_sm x SMs / (T x Hkv)), capped by max_splits and
-    W // min_split_columns; the selector's geometry carries it (label too), both backends."""
+    """``prefill_splits``: floor(programs_per_sm[backend] x SMs / (T x Hkv)), capped by
+    max_splits and W // min_split_columns; the selector's geometry carries it (label too)."""
     u = G.PREFILL_SPLIT_RULES
-    want = u["programs_per_sm"] * H200.sm_count  # 528 programs on an H200
-    assert want == 528 and u["max_splits"] == 8 and u["min_split_columns"] == 256
+    assert u["programs_per_sm"] == {"triton": 1, "pallas": 4}
+    assert u["max_splits"] == 8 and u["min_split_columns"] == 256
 
-    def n(t, hkv=1, w=2051, facts=H200):
-        return G.prefill_splits(facts, total_q=t, num_kv_heads=hkv, width=w)
+    def n(t, hkv=1, w=2051, facts=H200, backend="triton"):
+        return G.prefill_splits(facts, total_q=t, num_kv_heads=hkv, width=w, backend=backend)
 
-    assert n(1) == n(32) == n(66) == 8 and n(67) == 8 and n(75) == 8 and n(76) == 7
-    assert n(264) == 2 and n(265) == 2 and n(527) == 2 and n(528) == 1 and n(8192) == 1
-    assert n(128, hkv=2) == 3 and n(128) == 5  # MTP verify (32 x 4 rows) at 24/2 and 12/1
+    # Triton, 132 SMs: one program an SM
+    assert n(1) == n(16) == 8 and n(17) == 7 and n(32) == 4 and n(33) == 4 and n(44) == 3
+    assert n(66) == 2 and n(67) == 1 and n(128) == 1 and n(33, hkv=2) == 2 and n(8192) == 1
     assert n(1, w=2047) == 7 and n(1, w=512) == 2 and n(1, w=511) == 1 and n(1, w=1) == 1
-    assert n(1, facts=GB10) == 8 and n(24, facts=GB10) == 8 and n(48, facts=GB10) == 4
-    for backend in ("triton", "pallas"):
-        g = sel(H200, "chunk", total_q=128, requests=32, max_q=4, num_kv_heads=2,
-                backend=backend)
-        assert g.splits == 3 and "splits=3" in g.source, g
-        assert sel(H200, total_q=528, backend=backend).splits == 1
-    assert "splits" not in sel(H200, total_q=8192).source
+    assert n(1, facts=GB10) == 8 and n(12, facts=GB10) == 4 and n(25, facts=GB10) == 1
+    # Pallas: four programs an SM (528 on an H200); MTP verify 32 x 4 rows at 12/1 and 24/2
+    assert n(66, backend="pallas") == 8 and n(67, backend="pallas") == 7
+    assert n(128, backend="pallas") == 4 and n(128, hkv=2, backend="pallas") == 2
+    assert n(264, backend="pallas") == 2 and n(265, backend="pallas") == 1
+    with pytest.raises(KeyError):
+        n(1, backend="cuda")
+    g = sel(H200, "chunk", total_q=32, num_kv_heads=1)
+    assert g.splits == 4 and "splits=4" in g.source, g
+    g = sel(H200, "chunk", total_q=128, requests=32, max_q=4, num_kv_heads=2, backend="pallas")
+    assert g.splits == 2 and "splits=2" in g.source, g
+    assert sel(H200, total_q=128).splits == 1 and "splits" not in sel(H200).source
 
 
 # ------------------------------------------------------------------ all_configs

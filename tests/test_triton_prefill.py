@@ -183,7 +183,7 @@ def test_forced_geometry_does_not_change_the_result_beyond_rounding():
     ("paged", True, "float8_e4m3fn")])
 def test_split_kv_matches_reference_and_unsplit(kind, per_head, kv_dtype, monkeypatch):
     """Split-KV (``Geometry.splits`` > 1, through the entry points: the selector's count with a
-    lowered ``min_split_columns``): 3 shares of the 4 BLOCK_N steps (one short) and 8 (four
+    lowered ``min_split_columns``): 3 shares of the 4 BLOCK_N steps (one short) and 5 (one
     empty) match the reference and the unsplit kernel to rounding, with rows without a valid
     entry (exact zeros), junk entries, poisoned unselected K/V, and with a max_seqlen_q hint
     below the longest request (the tail launch's rows unsplit); two runs are bitwise equal."""
@@ -198,7 +198,7 @@ def test_split_kv_matches_reference_and_unsplit(kind, per_head, kv_dtype, monkey
     monkeypatch.setitem(geometry.PREFILL_SPLIT_RULES, "min_split_columns", 10**6)
     assert geo().splits == 1
     whole = check(case)
-    for cols, splits in ((64, 3), (16, 8)):
+    for cols, splits in ((64, 3), (16, 5)):
         monkeypatch.setitem(geometry.PREFILL_SPLIT_RULES, "min_split_columns", cols)
         assert geo().splits == splits and geo().block_n == 64, geo()
         out = check(case)
@@ -362,13 +362,14 @@ def test_gpu_8192_rows(kind, kv, hq, hkv):
 
 @gpu
 @pytest.mark.parametrize("kind,q_lens,hq,hkv,kv_dtype", [
-    ("chunk", [4] * 32, 12, 1, None), ("paged", [4] * 32, 24, 2, "float8_e4m3fn"),
-    ("chunk", [32], 6, 1, None), ("ordinary", [300], 12, 1, None)])
+    ("chunk", [4] * 8, 12, 1, None), ("paged", [4] * 8, 24, 2, "float8_e4m3fn"),
+    ("chunk", [32], 6, 1, None), ("ordinary", [40], 12, 1, None)])
 def test_gpu_split_kv_short_prefills(kind, q_lens, hq, hkv, kv_dtype):
-    """The selector's split-KV on short prefills (MTP verify: 32 requests x 4 rows at 32k; a
-    32-row chunk; a 300-row ordinary prefill, most rows' columns in split 0): the reference,
-    exact zeros for empty rows, bitwise equal runs."""
-    prefix = None if kind == "ordinary" else [32768 - n for n in q_lens]
+    """The selector's split-KV on short prefills (MTP verify: 8 requests x 4 rows at 4k; a
+    32-row chunk at 32k; a 40-row ordinary prefill, its columns all in split 0): the
+    reference, exact zeros for empty rows, bitwise equal runs."""
+    ctx = 32768 if len(q_lens) == 1 else 4096
+    prefix = None if kind == "ordinary" else [ctx - n for n in q_lens]
     fp8 = kv_dtype is not None
     case = make_case(kind, hq, hkv, q_lens, prefix, d=256, width=2051, dtype="bfloat16",
                      kv_dtype=kv_dtype, junk="mixed", empty_rows=[0, 5], pool_slack=1000,
