@@ -354,9 +354,9 @@ BLOCK_INDICES_DOC = """block_indices: keyword-only alternative to ``indices`` (p
 #: ``max_union_entries``; ``min_rows_per_sm``: below that many query rows x KV heads (T x Hkv)
 #: per SM the per-row kernel's T x Hkv light programs beat the fewer, heavier tiles (a tile's
 #: gain grows with R, so rows, not tiles, set the bound: J 0.9 crossovers at 1k-2k rows for
-#: R = 4 and 8; MTP verify batches measured slower as tiles); ``tile``: (BLOCK_N, warps, stages) by backend (4 warps: one warpgroup owns
-#: the 64-row tile; a third stage measured faster for Pallas only; ``fit_union`` drops stages to
-#: what sm_12x's shared memory holds).
+#: R = 4 and 8; MTP verify batches measured slower as tiles); ``tile``: (BLOCK_N, warps,
+#: stages) by backend (4 warps: one warpgroup owns the 64-row tile; a third stage measured
+#: faster for Pallas only; ``fit_union`` drops stages to what sm_12x's shared memory holds).
 UNION_RULES = {
     "q_rows": 64, "max_tile_rows": 8, "min_rows_per_request": 2, "min_overlap": 0.8,
     "max_sort_keys": 8192, "max_union_work": 1.5, "min_rows_per_sm": 15,

@@ -8,7 +8,8 @@ block-level selections through ``qsa_pallas.prefill_union`` or a plain-JAX expan
 
 * the grid is (T, Hkv): every row is computed whatever ``max_seqlen_q`` (no tail launch); a row
   finds its request by counting ``cu_seqlens_q[1:] <= row`` (B is static); rows past
-  ``cu_seqlens[B]`` (T padded under jit) give zeros;
+  ``cu_seqlens[B]`` (T padded under jit) give zeros; split-KV adds a third axis, and the LSE
+  merge of its partials is plain XLA (``merge_splits``);
 * the column loop is a ``lax.fori_loop`` with a traced bound: new lengths never retrace;
 * gathers clamp their indices into range *and* mask them (interpret mode clamps out-of-range
   gathers instead of faulting); the slot pre-pass is plain JAX;
@@ -250,7 +251,8 @@ def _prefill_kernel(*refs, st: _Static):
     m0 = jnp.full((ht,), -jnp.inf, jnp.float32)
     l0 = jnp.zeros((ht,), jnp.float32)
     if split:  # program_id(2)'s share of whole BLOCK_N steps (the unsplit walk's masks)
-        per = -(-(-(-w // bn)) // geo.splits)
+        steps = (w + bn - 1) // bn
+        per = (steps + geo.splits - 1) // geo.splits
         j_lo = pl.program_id(2) * per
         acc, m_i, l_i = lax.fori_loop(j_lo, jnp.minimum(n_blocks, j_lo + per), body,
                                       (acc0, m0, l0))

@@ -17,6 +17,10 @@ reduced once per row; K/V offsets are 32-bit below 2**31 elements (``needs_off64
 Grid (min(max_seqlen_q, T), B * Hkv), as upstream's. max_seqlen_q is only a hint (row counts live
 on the device): a tail launch (``ROW_LOOP``, TAIL_PROGRAMS programs per request and KV head) loops over
 the rows past it, a separate variant because the row loop costs registers in the main kernel.
+Short prefills (``Geometry.splits`` > 1, ``interop.geometry.prefill_splits``): split-KV as in
+decode (FlashDecoding, Dao et al., 2023): the main grid gets a third axis, each program a
+contiguous share of whole BLOCK_N steps, storing its normalized FP32 output and base-2 LSE;
+``_qsa_prefill_merge`` combines them per (row, KV head) in split order (deterministic).
 
 Paged: a pre-pass (``resolve_pool_slots``) maps every entry to its pool slot once. FP8 K/V
 (chunk, paged): the dots run in float16 (``qsa_triton._fp8``). Block-level selections
