@@ -55,6 +55,12 @@ class Geometry:
     source: str = ""
     splits: int = 1
 
+    def __post_init__(self):
+        # the merge kernels' split tile covers max_splits: a larger count must never launch
+        if not 1 <= self.splits <= PREFILL_SPLIT_RULES["max_splits"]:
+            raise ValueError(f"Geometry: splits must be in [1, "
+                             f"{PREFILL_SPLIT_RULES['max_splits']}], got {self.splits}")
+
     @property
     def key(self) -> tuple[int, int, int, int]:
         """(block_m, block_n, num_warps, num_stages), without the source label."""

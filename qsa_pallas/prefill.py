@@ -32,9 +32,8 @@ from jax import lax
 from interop import contract
 from interop.arch import DeviceFacts
 from interop.contract import PrefillProblem
-from interop.geometry import (BLOCK_INDICES_DOC, PREFILL_SPLIT_RULES, Geometry, UnionGeometry,
-                              geometry_mode, prefill_splits, select_prefill,
-                              select_prefill_blocks)
+from interop.geometry import (BLOCK_INDICES_DOC, Geometry, UnionGeometry, geometry_mode,
+                              prefill_splits, select_prefill, select_prefill_blocks)
 from interop.plan import LOG2E, next_pow2
 
 from . import _compat
@@ -313,9 +312,6 @@ def _run(problem: PrefillProblem, q, k, v, meta, *, interpret, geometry, skip=No
         return jnp.zeros(q.shape, q.dtype)
     interp = _compat.resolve_interpret(interpret)
     geo = geometry if geometry is not None else select_geometry(problem, interpret=interp)
-    if not 1 <= geo.splits <= PREFILL_SPLIT_RULES["max_splits"]:
-        raise ValueError(f"prefill geometry {geo}: splits must be in [1, "
-                         f"{PREFILL_SPLIT_RULES['max_splits']}]")
     if skip is not None:  # the tile-union kernel overwrites its rows: one program a row here
         geo = dataclasses.replace(geo, splits=1)
     st = _Static(dataclasses.replace(problem, max_seqlen_q=1),

@@ -375,9 +375,7 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
                   OFF64=needs_off64(k, v))
     # split-KV (geo.splits > 1; not with a union, whose rows the tile kernel writes): the main
     # launch writes fp32 partials, merged into out below; the tail launch writes out itself
-    splits = int(geo.splits) if skip is None else 1
-    if not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"prefill geometry {geo}: splits must be in [1, {MAX_SPLITS}]")
+    splits = int(geo.splits) if skip is None else 1  # Geometry checks its range
     po, plse = ((torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device),
                  torch.empty((splits, t, hq), dtype=torch.float32, device=q.device))
                 if splits > 1 else (out, out))

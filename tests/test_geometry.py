@@ -221,6 +221,9 @@ def test_split_kv_count_boundaries():
     assert n(264, backend="pallas") == 2 and n(265, backend="pallas") == 1
     with pytest.raises(KeyError):
         n(1, backend="cuda")
+    for bad in (0, 9):  # past the merge kernels' split tile: refused where a Geometry is built
+        with pytest.raises(ValueError, match="splits"):
+            G.Geometry(16, 32, 4, 2, splits=bad)
     g = sel(H200, "chunk", total_q=32, num_kv_heads=1)
     assert g.splits == 4 and "splits=4" in g.source, g
     g = sel(H200, "chunk", total_q=128, requests=32, max_q=4, num_kv_heads=2, backend="pallas")
