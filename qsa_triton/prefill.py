@@ -336,8 +336,10 @@ def needs_off64(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 #: programs per (request, KV head) of the tail launch (rows past a too-small max_seqlen_q)
 TAIL_PROGRAMS = 8
-#: the merge kernel's [SP, BLOCK_M] LSE tile covers every split count the selector gives
-MAX_SPLITS = PREFILL_SPLIT_RULES["max_splits"]
+def merge_split_tile() -> int:
+    """The merge kernel's SP: its [SP, BLOCK_M] LSE tile covers every split count ``Geometry``
+    admits (``PREFILL_SPLIT_RULES["max_splits"]``, read per call as ``Geometry`` reads it)."""
+    return next_pow2(PREFILL_SPLIT_RULES["max_splits"])
 
 
 def tail_geometry(geo: Geometry) -> Geometry:
@@ -390,7 +392,7 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
     if splits > 1:
         _qsa_prefill_merge[(max_q, requests * hkv)](
             out, po, plse, cu_q, float(v_scale), t, out.stride(0), out.stride(1), *parts,
-            HKV=hkv, G=hq // hkv, D=d, BLOCK_M=geo.block_m, SP=next_pow2(MAX_SPLITS),
+            HKV=hkv, G=hq // hkv, D=d, BLOCK_M=geo.block_m, SP=merge_split_tile(),
             num_warps=4)
     return out
 

@@ -386,7 +386,7 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
         out.append(_entry(merge, f"prefill_merge_G{grp}_bm{geo.block_m}_bf16",
                           {"o_ptr": "*bf16", **_PARTIALS},
                           {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": geo.block_m,
-                           "SP": next_pow2(P.MAX_SPLITS)}, 4, 1,
+                           "SP": P.merge_split_tile()}, 4, 1,
                           aligned=_aligned(merge.arg_names, "o"), geometry=None))
     resolve = P._qsa_resolve_pool_slots  # the paged slot pre-pass, shared / per-head indices
     for hidx in (1, 2):
