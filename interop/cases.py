@@ -237,8 +237,9 @@ def _constructors(dtype: str, **kwargs):
 def full_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Spec]:
     """The GPU matrix at production shapes (D = 256, W = max_seqlen_k = 2051): decode TP1/2/4 x
     ``DECODE_BATCHES`` x short/medium/saturated; prefill ordinary/chunk/paged x G 3, 6, 12 x Hkv
-    1, 2 x KV 8k/32k/128k x 8192 rows, ragged, junk, empty rows, per-head, FP8, block
-    selections (``block_indices=``, tile-union sized); paged decode,
+    1, 2 x KV 8k/32k/128k x 8192 rows, ragged, junk, empty rows, per-head, FP8, short calls
+    (split-KV) and MTP verify, block selections (``block_indices=``, tile-union sized); paged
+    decode,
     the indexer and the step at a few batch sizes (the FP64 reference dominates the run time)."""
     dec, pre, paged, ixr, step = _constructors(dtype)
     cases: list[Spec] = []
@@ -269,6 +270,12 @@ def full_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Sp
                       (32768,), kv_dtype="float8_e4m3fn", k_scale=0.75, v_scale=1.5, junk="len",
                       seed=6)
                   for kind in ("chunk", "paged") for g, hkv in ((6, 1), (12, 1), (12, 2))]
+        # short calls: split-KV (interop.geometry.prefill_splits); MTP verify, 32 requests x 4
+        cases += [pre(f"prefill/{kind}/split-KV/T32/G12xHkv1/kv32k", kind, 12, 1, 256, (32,),
+                      _kv(kind, (32768,)), junk="mixed", seed=11) for kind in PREFILL_KINDS]
+        cases += [pre(f"prefill/chunk/mtp-verify/G{g}xHkv{hkv}/32x4", "chunk", g * hkv, hkv, 256,
+                      (4,) * 32, (32768,) * 32, junk="mixed", seed=12)
+                  for g, hkv in ((12, 1), (12, 2))]
         # block_indices= (the indexer's 512 block ids a row): enough tiles for the tile-union
         # kernel (interop.geometry.select_prefill_blocks), tiles past its bound per-row
         for kind in PREFILL_KINDS:
@@ -377,6 +384,9 @@ def quick_matrix(ops: Sequence[str] = OPS, *, dtype: str = "float16") -> list[Sp
                 seed=7),
             pre("prefill/chunk/D256/G12xHkv1", "chunk", 12, 1, 256, (4,), (64,), seed=8),
             pre("prefill/ordinary/W67/G6xHkv1", "ordinary", 6, 1, 64, (40,), width=67, seed=9),
+            # a short call: 2 split-KV shares of W = 520 (interop.geometry.prefill_splits)
+            pre("prefill/chunk/split-KV/G6xHkv1/W520", "chunk", 6, 1, 64, (3,), (600,),
+                width=520, junk="mixed", seed=10),
             # block_indices= (NB block ids a row): the per-row kernel on the on-device expansion
             # at these sizes (the tile-union kernel: full_matrix, tests/test_prefill_union.py)
             pre("prefill/ordinary/blocks/G6xHkv1", "ordinary", 6, 1, 64, (9, 1, 6), width=8,

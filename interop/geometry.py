@@ -14,6 +14,7 @@ family where the route and all its gates allow it, else the table; ``table`` = a
 workload gates (geometry changes the speed, never the result). Anything else raises
 ``ContractError``. :func:`fit_prefill` then makes a geometry launchable (Pallas tiles powers of
 two >= 16, then ``interop.plan.fit_shared_memory`` to the device's shared memory per block).
+:func:`prefill_splits` (``PREFILL_SPLIT_RULES``) adds the split-KV share count of short calls.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ __all__ = [
     "BLOCK_INDICES_DOC", "Geometry", "ENV_VAR", "ALLOWED_MODES", "TABLES", "TUNED_SM120",
     "SM90_TABLE_STATUS", "KINDS", "select_prefill", "fit_prefill", "table_for", "head_tile",
     "all_configs", "geometry_mode", "UnionGeometry", "UNION_RULES", "select_prefill_blocks",
-    "fit_union", "max_union_entries", "all_union_configs",
+    "fit_union", "max_union_entries", "all_union_configs", "PREFILL_SPLIT_RULES",
+    "prefill_splits",
 ]
 
 ENV_VAR = "QSA_PREFILL_GEOMETRY"
@@ -45,8 +47,10 @@ class Geometry:
     heads of one KV head, padded), ``block_n`` index columns per inner step (BLOCK_N), warps,
     pipeline stages, ``source``, e.g. ``"l20-table[total_q<=512]"``, and ``splits``: programs
     per (row, KV head), each over a contiguous share of the index columns, merged by LSE
-    (split-KV, ``PREFILL_SPLIT_RULES``; 1 = one program a row). ``splits`` is a launch count,
-    not part of ``key`` (the kernel is compiled once for any count > 1)."""
+    (split-KV, ``PREFILL_SPLIT_RULES``; 1 = one program a row). ``splits`` is not part of
+    ``key``: Triton compiles its kernel once for any count > 1 (a launch count); the Pallas
+    kernel traces per count (its share width is static). Raises ValueError for ``splits``
+    outside [1, ``PREFILL_SPLIT_RULES["max_splits"]``]."""
 
     block_m: int
     block_n: int

@@ -405,7 +405,9 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
     """Ordinary sparse prefill (qsa-contract.md §3): K/V are this forward's rows, packed like q.
 
     Forward only. Algorithm: the module docstring. Same arguments as ``qsa_triton``'s, plus
-    ``interpret``.
+    ``interpret``. Short calls run split-KV (``interop.geometry.prefill_splits``: FP32 partials
+    [shares, T, Hq, D] merged by LSE in XLA; the share count follows T x Hkv and W, and so does a
+    row's rounding; each count traces once).
 
     Args:
       q: [T, Hq, D] bfloat16|float16 query rows of B requests packed back to back.

@@ -612,7 +612,9 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
     """Ordinary sparse prefill: each query row attends to the selected rows of this forward's K/V.
 
     Forward only. Algorithm: the module docstring (the flash-attention forward over gathered
-    rows, as upstream SGLang's sparse prefill; block-level selections: ``prefill_union``).
+    rows, as upstream SGLang's sparse prefill; block-level selections: ``prefill_union``). Short
+    calls run split-KV (``interop.geometry.prefill_splits``: FP32 scratch [shares, T, Hq, D] and
+    an LSE merge; the share count follows T x Hkv and W, and so does a row's rounding).
 
     Args:
       q: [T, Hq, D] bf16|fp16, rows of all requests packed.

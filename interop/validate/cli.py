@@ -201,6 +201,10 @@ def _cmd_contract(args) -> int:
                                prefill["prefill"].reason))
     print_table("Routing per arch (interop.contract.route)",
                 ("arch", "part", "decode [checks]", "prefill geometry", "why (prefill)"), route_rows)
+    from interop.geometry import PREFILL_SPLIT_RULES as u  # noqa: PLC0415
+    print(f"Split-KV prefill (interop.geometry.prefill_splits): floor(k x SMs / (T x Hkv)) "
+          f"shares a row, k = {u['programs_per_sm']}, at most {u['max_splits']} and "
+          f"W // {u['min_split_columns']}")
     print_table("Arch facts (interop.arch.KNOWN_ARCHS)",
                 ("arch", "cc", "tensor cores", "max smem / block"),
                 [(n, f"{i.cc[0]}.{i.cc[1]}", i.tensor_cores, f"{i.smem_per_block:,} B")
