@@ -231,6 +231,24 @@ def test_split_kv_count_boundaries():
     assert sel(H200, total_q=128).splits == 1 and "splits" not in sel(H200).source
 
 
+def test_check_matrices_exercise_split_kv():
+    """``qsa check`` reaches split-KV in both packages: the quick (CPU) matrix has a case that
+    splits on the interpreters' sm_90 facts, the full matrix short calls that split on an H200
+    in each backend (Triton's T32, Pallas's MTP verify too)."""
+    from interop import cases as C
+
+    def splits(spec, backend):
+        return G.prefill_splits(H200, total_q=sum(spec.q_lens), num_kv_heads=spec.hkv,
+                                width=spec.width, backend=backend)
+
+    for matrix, want in ((C.quick_matrix(("prefill",)), 1), (C.full_matrix(("prefill",)), 3)):
+        for backend in ("triton", "pallas"):
+            split = [s.name for s in matrix if not s.blocks and splits(s, backend) > 1]
+            assert len(split) >= want, (backend, split)
+    mtp = [s for s in C.full_matrix(("prefill",)) if "mtp-verify" in s.name]
+    assert mtp and all(splits(s, "pallas") > 1 for s in mtp)
+
+
 # ------------------------------------------------------------------ all_configs
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100", "sm_120", "sm_121"])
 def test_all_configs_covers_every_selection(arch, monkeypatch):
