@@ -1055,7 +1055,7 @@ DECODE_STEP_DOC = """``sparse_decode_paged``'s arguments with its ``indices`` re
     request ``req_indices[r]`` with ``seq_lens[r]`` tokens of context, its own token included.
 
     Args:
-      q: [R, Hq, D] bfloat16|float16, the attention query rows.
+      q: [R, Hq, D] bfloat16|float16, the attention query rows (R >= 1).
       k_cache, v_cache: [slots, Hkv, D] the KV pool, q's dtype or float8_e4m3fn (then
         ``k_scale`` multiplies the FP32 scores and ``v_scale`` the P·V result).
       req_to_token: int32 [max_reqs, max_context], token position -> pool slot (SGLang's table).
@@ -1072,8 +1072,9 @@ DECODE_STEP_DOC = """``sparse_decode_paged``'s arguments with its ``indices`` re
         row's own position is ``seq_lens[r] - 1``).
       softmax_scale: host float > 0 (applied to FP32 scores), default D ** -0.5.
       k_scale, v_scale: host floats > 0, 1.0 unless the pool is FP8.
-      topk: blocks kept per row (512); compress_ratio: tokens per block (4). The attention then
-        reads ``topk * ratio + ratio - 1`` (2051) index columns per row.
+      topk: blocks kept per row, a host int, a power of two in [16, 2048] (512);
+        compress_ratio: tokens per block, a host int in [2, 16] (4). The attention then reads
+        ``topk * ratio + ratio - 1`` (2051) index columns per row.
       batch_invariant: a row's output bits depend only on its own inputs (``qsa-contract.md``
         §2c; the indexer is row-local anyway).
       strict: the qualified envelopes of both halves; the attention's is always on for a GPU
