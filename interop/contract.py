@@ -110,7 +110,10 @@ class TensorSpec:
 
     ndim = property(lambda self: len(self.shape))
     numel = property(lambda self: math.prod(self.shape))
-    where = property(lambda s: s.device if s.index is None else f"{s.device}:{s.index}")
+    # messages name CPU ordinals only where they differ (``same_device``): a torch CPU tensor has
+    # none, and the same bad call must read the same in both frameworks
+    where = property(lambda s: s.device if s.index is None or s.device == "cpu"
+                     else f"{s.device}:{s.index}")
 
     def is_contiguous(self) -> bool:
         # a zero-size tensor holds nothing to address: any strides pass
@@ -145,8 +148,9 @@ class TensorSpec:
         if devices:
             d = next(iter(devices))
             device = "cuda" if d.platform in ("gpu", "cuda", "rocm") else d.platform
-            # cpu ordinals are meaningless across frameworks (torch reports none): drop them
-            index = int(d.id) if len(devices) == 1 and device != "cpu" else None
+            # a CPU ordinal too (host devices of one jax process); a torch CPU tensor reports
+            # none, and ``same_device`` compares ordinals only where both sides have one
+            index = int(d.id) if len(devices) == 1 else None
         else:
             kinds = getattr(getattr(a, "sharding", None), "_device_assignment", None)
             if kinds:
@@ -260,9 +264,11 @@ class _Checker:
             self.fail(name, f"{n} rows ({why})", f"{s.shape[0]} rows")
 
     def same_device(self, name: str, s: TensorSpec, ref: TensorSpec, ref_name: str = "q"):
-        if s.device != ref.device or (s.index is not None and ref.index is not None
-                                      and s.index != ref.index):
+        if s.device != ref.device:
             self.fail(name, f"a tensor on {ref_name}'s device ({ref.where})", s.where)
+        if s.index is not None and ref.index is not None and s.index != ref.index:
+            self.fail(name, f"a tensor on {ref_name}'s device ({ref.device}:{ref.index})",
+                      f"{s.device}:{s.index}")
 
     def last_dim_contiguous(self, name: str, s: TensorSpec):
         # zero-size tensors pass whatever their strides (nothing is ever addressed in them)

@@ -311,6 +311,24 @@ def test_per_head_indices_and_spec_of():
         spec_of([1, 2])
 
 
+def test_jax_arrays_on_two_host_devices_refused_before_launch():
+    """One call's JAX arrays on two host devices (conftest forces 4): a ContractError naming the
+    argument and both devices, as on GPUs (jax's own error came first before)."""
+    import qsa_pallas
+
+    devs = jax.devices()
+    if len(devs) < 2:
+        pytest.skip(f"needs 2 host devices, have {len(devs)}")
+    q = jax.device_put(jnp.zeros((2, 6, 32), jnp.float16), devs[0])
+    k = jax.device_put(jnp.zeros((9, 1, 32), jnp.float16), devs[1])
+    cu_q = jax.device_put(jnp.array([0, 1, 2], jnp.int32), devs[0])
+    cu_k = jax.device_put(jnp.array([0, 4, 9], jnp.int32), devs[0])
+    assert spec_of(k).index == devs[1].id and spec_of(k).where == "cpu"
+    with pytest.raises(ContractError, match=r"'k'.*q's device \(cpu:0\).*cpu:1"):
+        qsa_pallas.sparse_decode(q, k, k, cu_q, cu_k, 9)
+    assert spec_of(jnp.zeros(3)).device == "cpu" and spec_of(torch.zeros(3)).index is None
+
+
 # --------------------------------------------------------------------------------------------
 # Debug validators.
 def test_validate_decode_metadata():
