@@ -1225,11 +1225,13 @@ def check_prefill_step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, total_row
 
 
 def validate_indexer_decode_metadata(page_table, seq_lens, pages: int, page_size: int, *,
-                                     compress_ratio: int = 4, fn: str = "indexer_topk_decode"
-                                     ) -> None:
+                                     compress_ratio: int = 4, fn: str = "indexer_topk_decode",
+                                     page_table_arg: str = "page_table") -> None:
     """Check decode indexer metadata contents (host sync; debug only): raises ContractError for a
     row with more blocks than ``max_pages * page_size`` or a visible block's page id outside
-    ``[0, pages)`` (the kernels stay in bounds, but both are caller bugs)."""
+    ``[0, pages)`` (the kernels stay in bounds, but both are caller bugs). ``fn`` and
+    ``page_table_arg`` name the call in the error (the decode step: ``fn="qsa_decode_step",
+    page_table_arg="index_page_table"``)."""
     c = _Checker(fn, False)
     pt = _np(page_table).astype(np.int64)
     nb = np.maximum(_np(seq_lens).astype(np.int64), 0) // compress_ratio
@@ -1241,7 +1243,7 @@ def validate_indexer_decode_metadata(page_table, seq_lens, pages: int, page_size
     for b in range(pt.shape[0]):
         used = pt[b, : -(-int(nb[b]) // page_size)]
         if used.size and (used.min() < 0 or used.max() >= pages):
-            c.fail("page_table", f"page ids in [0, {pages}) for every visible block",
+            c.fail(page_table_arg, f"page ids in [0, {pages}) for every visible block",
                    f"row {b}: {used[(used < 0) | (used >= pages)][:4].tolist()}")
 
 

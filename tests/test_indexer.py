@@ -501,8 +501,11 @@ def test_debug_validator_flags_decode_metadata():
     validate_indexer_decode_metadata(case.page_table, case.seq_lens, case.pages, 16)
     bad = case.page_table.copy()
     bad[0, 0] = case.pages
-    with pytest.raises(ContractError, match="page_table"):
+    with pytest.raises(ContractError, match="indexer_topk_decode: argument 'page_table'"):
         validate_indexer_decode_metadata(bad, case.seq_lens, case.pages, 16)
+    with pytest.raises(ContractError, match="qsa_decode_step: argument 'index_page_table'"):
+        validate_indexer_decode_metadata(bad, case.seq_lens, case.pages, 16,
+                                         fn="qsa_decode_step", page_table_arg="index_page_table")
     with pytest.raises(ContractError, match="seq_lens"):
         validate_indexer_decode_metadata(case.page_table, case.seq_lens * 4, case.pages, 16)
 
