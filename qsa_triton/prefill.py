@@ -623,7 +623,8 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
         selected entries first; valid iff 0 <= idx < request length. None with ``block_indices``.
       cu_seqlens: int32 [B + 1] on q's device.
       max_seqlen_q: host int >= 1, the longest request's rows: a grid-size hint only (too small:
-        the tail launch still computes every row once, slower; above T it acts as T).
+        the tail launch still computes every row once, slower and with its own BLOCK_N, so
+        those rows round differently; above T it acts as T).
       softmax_scale: host float or None (D ** -0.5).
       strict: also enforce the qualified envelope (``interop.contract.QUALIFIED``).
       BLOCKS_DOC
