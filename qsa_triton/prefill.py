@@ -336,6 +336,8 @@ def needs_off64(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 #: programs per (request, KV head) of the tail launch (rows past a too-small max_seqlen_q)
 TAIL_PROGRAMS = 8
+
+
 def merge_split_tile() -> int:
     """The merge kernel's SP: its [SP, BLOCK_M] LSE tile covers every split count ``Geometry``
     admits (``PREFILL_SPLIT_RULES["max_splits"]``, read per call as ``Geometry`` reads it)."""
