@@ -271,8 +271,10 @@ def full_matrix(ops: Sequence[str] = OPS, *, dtype: str = "bfloat16") -> list[Sp
                       seed=6)
                   for kind in ("chunk", "paged") for g, hkv in ((6, 1), (12, 1), (12, 2))]
         # short calls: split-KV (interop.geometry.prefill_splits); MTP verify, 32 requests x 4
-        cases += [pre(f"prefill/{kind}/split-KV/T32/G12xHkv1/kv32k", kind, 12, 1, 256, (32,),
-                      _kv(kind, (32768,)), junk="mixed", seed=11) for kind in PREFILL_KINDS]
+        cases += [pre(f"prefill/{kind}/split-KV/T32/G12xHkv1" + ("" if kind == "ordinary"
+                                                                  else "/kv32k"),
+                      kind, 12, 1, 256, (32,), _kv(kind, (32768,)), junk="mixed", seed=11)
+                  for kind in PREFILL_KINDS]
         cases += [pre(f"prefill/chunk/mtp-verify/G{g}xHkv{hkv}/32x4", "chunk", g * hkv, hkv, 256,
                       (4,) * 32, (32768,) * 32, junk="mixed", seed=12)
                   for g, hkv in ((12, 1), (12, 2))]

@@ -148,9 +148,11 @@ class TensorSpec:
         if devices:
             d = next(iter(devices))
             device = "cuda" if d.platform in ("gpu", "cuda", "rocm") else d.platform
-            # a CPU ordinal too (host devices of one jax process); a torch CPU tensor reports
+            # the ordinal of a committed array, CPU too (host devices of one jax process); an
+            # uncommitted one follows the others (jax moves it), a torch CPU tensor reports
             # none, and ``same_device`` compares ordinals only where both sides have one
-            index = int(d.id) if len(devices) == 1 else None
+            committed = bool(getattr(a, "committed", True))
+            index = int(d.id) if len(devices) == 1 and committed else None
         else:
             kinds = getattr(getattr(a, "sharding", None), "_device_assignment", None)
             if kinds:

@@ -406,8 +406,8 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
 
     Forward only. Algorithm: the module docstring. Same arguments as ``qsa_triton``'s, plus
     ``interpret``. Short calls run split-KV (``interop.geometry.prefill_splits``: FP32 partials
-    [shares, T, Hq, D] merged by LSE in XLA; the share count follows T x Hkv and W, and so does a
-    row's rounding; each count traces once).
+    [shares, T, Hq, D] merged by LSE in XLA; the share count follows T x Hkv, W and the GPU, and
+    so does a row's rounding; each count traces once).
 
     Args:
       q: [T, Hq, D] bfloat16|float16 query rows of B requests packed back to back.

@@ -338,10 +338,11 @@ def needs_off64(k: torch.Tensor, v: torch.Tensor) -> bool:
 TAIL_PROGRAMS = 8
 
 
-def merge_split_tile() -> int:
-    """The merge kernel's SP: its [SP, BLOCK_M] LSE tile covers every split count ``Geometry``
-    admits (``PREFILL_SPLIT_RULES["max_splits"]``, read per call as ``Geometry`` reads it)."""
-    return next_pow2(PREFILL_SPLIT_RULES["max_splits"])
+def merge_split_tile(splits: int = 1) -> int:
+    """The merge kernel's SP: its [SP, BLOCK_M] LSE tile covers ``splits`` and every count
+    ``Geometry`` admits now (``PREFILL_SPLIT_RULES["max_splits"]``, read per call), so neither a
+    raised rule nor a geometry built under another rule loses a share."""
+    return next_pow2(max(int(splits), PREFILL_SPLIT_RULES["max_splits"]))
 
 
 def tail_geometry(geo: Geometry) -> Geometry:
@@ -394,7 +395,7 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
     if splits > 1:
         _qsa_prefill_merge[(max_q, requests * hkv)](
             out, po, plse, cu_q, float(v_scale), t, out.stride(0), out.stride(1), *parts,
-            HKV=hkv, G=hq // hkv, D=d, BLOCK_M=geo.block_m, SP=merge_split_tile(),
+            HKV=hkv, G=hq // hkv, D=d, BLOCK_M=geo.block_m, SP=merge_split_tile(splits),
             num_warps=4)
     return out
 
@@ -616,7 +617,7 @@ def sparse_prefill(q, k, v, indices, cu_seqlens, max_seqlen_q, softmax_scale=Non
     Forward only. Algorithm: the module docstring (the flash-attention forward over gathered
     rows, as upstream SGLang's sparse prefill; block-level selections: ``prefill_union``). Short
     calls run split-KV (``interop.geometry.prefill_splits``: FP32 scratch [shares, T, Hq, D] and
-    an LSE merge; the share count follows T x Hkv and W, and so does a row's rounding).
+    an LSE merge; the share count follows T x Hkv, W and the GPU, and so does a row's rounding).
 
     Args:
       q: [T, Hq, D] bf16|fp16, rows of all requests packed.

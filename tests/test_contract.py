@@ -326,7 +326,12 @@ def test_jax_arrays_on_two_host_devices_refused_before_launch():
     assert spec_of(k).index == devs[1].id and spec_of(k).where == "cpu"
     with pytest.raises(ContractError, match=r"'k'.*q's device \(cpu:0\).*cpu:1"):
         qsa_pallas.sparse_decode(q, k, k, cu_q, cu_k, 9)
-    assert spec_of(jnp.zeros(3)).device == "cpu" and spec_of(torch.zeros(3)).index is None
+    # uncommitted arrays follow the committed ones (jax moves them): no ordinal, no error
+    free = [jnp.zeros((2, 6, 32), jnp.float16), jnp.array([0, 1, 2], jnp.int32),
+            jnp.array([0, 4, 9], jnp.int32)]
+    assert spec_of(free[0]).index is None and spec_of(torch.zeros(3)).index is None
+    out = qsa_pallas.sparse_decode(free[0], k, k, free[1], free[2], 9)
+    assert out.devices() == {devs[1]} and not np.asarray(out).any()
 
 
 # --------------------------------------------------------------------------------------------

@@ -212,15 +212,16 @@ def test_split_kv_matches_reference_and_unsplit(kind, per_head, kv_dtype, monkey
 
 def test_split_kv_count_past_the_default_max(monkeypatch):
     """A raised ``max_splits`` rule reaches the merge kernel's tile too (it is read per call, as
-    ``Geometry`` reads it): 16 shares of a 2-row call match the reference."""
+    ``Geometry`` reads it): 16 non-empty shares (one BLOCK_N step each) of a 2-row call match
+    the reference."""
     from interop import geometry
 
     monkeypatch.setitem(geometry.PREFILL_SPLIT_RULES, "max_splits", 16)
     monkeypatch.setitem(geometry.PREFILL_SPLIT_RULES, "min_split_columns", 64)
-    case = make_case("chunk", 6, 1, [2], [1100], width=1100, junk="mixed", seed=23)
+    case = make_case("chunk", 6, 1, [2], [1100], width=1024, junk="mixed", seed=23)
     geo = P.prefill_geometry("chunk", tensors(case)["q"], requests=1, max_q=2, num_kv_heads=1,
-                             width=1100)
-    assert geo.splits == 16, geo
+                             width=1024)
+    assert geo.splits == 16 and geo.block_n == 64, geo
     check(case)
 
 

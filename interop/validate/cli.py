@@ -204,7 +204,8 @@ def _cmd_contract(args) -> int:
     from interop.geometry import PREFILL_SPLIT_RULES as u  # noqa: PLC0415
     k = ", ".join(f"{n} for {b}" for b, n in u["programs_per_sm"].items())
     print(f"Split-KV prefill (interop.geometry.prefill_splits): floor(k x SMs / (T x Hkv)) "
-          f"shares a row (k = {k}), at most {u['max_splits']} and W // {u['min_split_columns']}")
+          f"shares a row (k = {k}), at most {u['max_splits']} and W // {u['min_split_columns']}, "
+          f"at least 1")
     print_table("Arch facts (interop.arch.KNOWN_ARCHS)",
                 ("arch", "cc", "tensor cores", "max smem / block"),
                 [(n, f"{i.cc[0]}.{i.cc[1]}", i.tensor_cores, f"{i.smem_per_block:,} B")
