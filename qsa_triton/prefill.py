@@ -339,9 +339,10 @@ TAIL_PROGRAMS = 8
 
 
 def merge_split_tile(splits: int = 1) -> int:
-    """The merge kernel's SP: its [SP, BLOCK_M] LSE tile covers ``splits`` and every count
-    ``Geometry`` admits now (``PREFILL_SPLIT_RULES["max_splits"]``, read per call), so neither a
-    raised rule nor a geometry built under another rule loses a share."""
+    """The merge kernel's SP: its [SP, BLOCK_M] LSE tile must cover ``splits`` (else shares are
+    dropped); it is sized to the rule's ``max_splits`` (read per call, as ``Geometry`` reads it)
+    so that one compiled merge serves every count the selector gives, and past it only when a
+    geometry built under a raised rule brings more."""
     return next_pow2(max(int(splits), PREFILL_SPLIT_RULES["max_splits"]))
 
 
