@@ -814,9 +814,9 @@ class IndexerPlan:
                     f"{', '.join(wrong)}")
         if self.kind != kind or self.topk != topk:
             return f"a {kind} plan for topk={topk}, got kind={self.kind} topk={self.topk}"
-        if not (pow2(self.chunk) and pow2(self.tile) and self.chunk >= max(2 * topk, self.tile)
+        if not (pow2(self.chunk) and pow2(self.tile) and self.chunk >= max(topk, self.tile)
                 and self.tile >= 16):
-            return (f"power-of-two chunk >= max(2*topk, tile) and tile >= 16, got chunk "
+            return (f"power-of-two chunk >= max(topk, tile) and tile >= 16, got chunk "
                     f"{self.chunk}, tile {self.tile}")
         if self.splits * self.chunk < max(int(max_blocks), 1):
             return f"splits x chunk >= {max_blocks} blocks, got {self.splits} x {self.chunk}"
@@ -861,12 +861,13 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     (static bound of a row's blocks: decode page-table capacity, prefill packed key rows), topk (a
     power of two), the GPU's ``sm_count`` and opt-in ``smem_per_block`` (bytes).
 
-    Decode: the smallest power-of-two chunk >= 2 * topk giving about 2 x ``sm_count`` pass-1
-    programs, at most 8192 blocks, grown until a row's candidates fit one merge program's 8192;
-    128-block tiles with 5 stages where 110 KB of shared memory fit, else 64; 4 warps (8 past
-    4096-block chunks of 64-block tiles or 8192-block ones: 4 spill there); 2-bit rounds in
-    pass 1, 1-bit in the merge, which starts below the bits its largest candidate and its
-    largest chunk k-th key share (bench/NOTES.md, "Indexer"). Prefill: chunk 2 * topk grown
+    Decode: the smallest power-of-two chunk >= 2 * topk (>= topk where a row has <= 8 * topk
+    blocks) giving about 2 x ``sm_count`` pass-1 programs, at most 8192 blocks, grown until a
+    row's candidates fit one merge program's 8192; 128-block tiles with 5 stages where 110 KB of
+    shared memory fit, else 64; 4 warps (8 past 4096-block chunks of 64-block tiles or
+    8192-block ones: 4 spill there); 2-bit rounds in pass 1, 1-bit in the merge, which starts
+    below the bits its largest candidate and its largest chunk k-th key share (bench/NOTES.md,
+    "Indexer"). Prefill: chunk 2 * topk grown
     until a row's candidates fit 16384 (at least 64 blocks), 8 rows per program (4 where the
     chunk is past 2 x topk, as at topk < 32), 4 warps (faster than 8 in the Triton build),
     1-bit rounds, a merge of at least 4 warps with 32 candidates per thread (``backend``
@@ -897,7 +898,10 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     if kind == "decode":
         target = -(-2 * sm_count // max(rows, 1))  # chunks per row for ~2 programs per SM
         c = min(_pow2_at_least(-(-mb // target)), _CHUNK_MAX)
-        c = max(c, 2 * topk, 64, merge_chunk)
+        # a short row (at most 8 x topk blocks) in chunks of topk: pass 1 keeps every block (no
+        # radix rounds) and the merge selects from all of them; longer rows keep 2 x topk (a
+        # merge over every block cost more than pass 1's rounds) (bench/NOTES.md, "Indexer")
+        c = max(c, topk if mb <= 8 * topk else 2 * topk, 64, merge_chunk)
         tile = min(128 if smem_per_block >= 110_000 else 64, c)
         splits = -(-mb // c)
         # 4 warps (two programs an SM where 8 warps' registers allow one), but 8 where a thread
