@@ -95,16 +95,16 @@ def _kth_key_row(keys, k: int, rb: int, run, start=None):
     n_rounds, w0 = _rounds(rb)
     nj = IndexerPlan.thresholds(rb)
     if nj == 1:
-        def body(r, tau):
+        def round_(r, tau):
             lo = n_rounds - 1 - r
             cnt = jnp.sum((keys >= tau + jnp.left_shift(jnp.int32(1), lo)).astype(jnp.int32),
                           dtype=jnp.int32)
-            return tau + jnp.left_shift((cnt >= k).astype(jnp.int32), lo)
+            return tau + jnp.left_shift((cnt >= k).astype(jnp.int32), lo), cnt == k
     else:
         ja = _iota((nj // 2, 1), 0) + 1  # digits 1 .. nj/2 in the low halves
         jb = ja + nj // 2  # nj/2 + 1 .. nj in the high halves
 
-        def body(r, tau):
+        def round_(r, tau):
             lo = rb * (n_rounds - 1 - r)
             lim = jnp.where(r == 0, jnp.int32(1 << w0), jnp.int32(1 << rb))
             # thresholds whose digit does not exist this round (or would overflow) count nothing
@@ -114,13 +114,21 @@ def _kth_key_row(keys, k: int, rb: int, run, start=None):
                   + jnp.left_shift((keys[None, :] >= tb).astype(jnp.int32), 16))
             cnt = jnp.sum(ge, axis=1, dtype=jnp.int32)  # [nj / 2], two counts each
             ok = ((cnt & 0xFFFF) >= k).astype(jnp.int32) + ((cnt >> 16) >= k).astype(jnp.int32)
-            return tau + jnp.left_shift(jnp.sum(ok, dtype=jnp.int32), lo)
+            hit = ((cnt & 0xFFFF) == k).astype(jnp.int32) + ((cnt >> 16) == k).astype(jnp.int32)
+            return (tau + jnp.left_shift(jnp.sum(ok, dtype=jnp.int32), lo),
+                    jnp.sum(hit, dtype=jnp.int32) > 0)
 
-    # explicit int32 bounds: a weakly typed where() lowers to an i1 bound (scf.for verify error)
-    trips = run.astype(jnp.int32) * n_rounds
+    def body(carry):  # the early exit of qsa_triton.indexer._kth_key_row
+        r, tau, _ = carry
+        tau, hit = round_(r, tau)
+        return r + 1, tau, (r + 1 < n_rounds) & ~hit
+
     r0, tau0 = (jnp.int32(0), jnp.int32(0)) if start is None else start
-    r0 = jnp.where(run, r0, 0).astype(jnp.int32)
-    return lax.fori_loop(r0, trips, body, jnp.where(run, tau0, 0).astype(jnp.int32))
+    r0 = jnp.asarray(r0, jnp.int32)
+    _, tau, _ = lax.while_loop(lambda c: c[2], body,
+                               (r0, jnp.where(run, tau0, 0).astype(jnp.int32),
+                                run & (r0 < n_rounds)))
+    return tau
 
 
 def _kth_key(keys, k: int, rb: int, run):
@@ -374,12 +382,16 @@ def _kth_key_chunks(wsk_ref, cnt_ref, base, crow, nch, lb, k: int, cg: int, run)
         _chunk_group(wsk_ref, cnt_ref, base, crow, nch, g, k, cg)[0])), jnp.int32(0))
     r0, tau0 = _radix_start(lb, top, 1)
 
-    def body(rr, tau):
+    def body(carry):  # with _kth_key_row's early exit
+        rr, tau, _ = carry
         thr = tau + jnp.left_shift(jnp.int32(1), 30 - rr)
         n_ge = over_groups(lambda kk: jnp.sum((kk >= thr).astype(jnp.int32), dtype=jnp.int32))
-        return tau + jnp.left_shift((n_ge >= k).astype(jnp.int32), 30 - rr)
+        return (rr + 1, tau + jnp.left_shift((n_ge >= k).astype(jnp.int32), 30 - rr),
+                (rr + 1 < 31) & (n_ge != k))
 
-    tau = lax.fori_loop(on * r0.astype(jnp.int32), on * 31, body, tau0.astype(jnp.int32))
+    r0 = r0.astype(jnp.int32)
+    _, tau, _ = lax.while_loop(lambda c: c[2], body,
+                               (r0, tau0.astype(jnp.int32), run & (r0 < 31)))
     n_above = over_groups(lambda kk: jnp.sum((kk > tau).astype(jnp.int32), dtype=jnp.int32))
     return tau, k - n_above
 

@@ -134,16 +134,24 @@ def _kth_key_row(keys, K: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr, r0, 
     ROUNDS: tl.constexpr = (31 + RB - 1) // RB
     W0: tl.constexpr = 31 - RB * (ROUNDS - 1)
     tau = tl.full([], 0, tl.int32) + tau  # a literal 0 start becomes a loop-carried int32
+    r = tl.full([], 0, tl.int32) + r0
+    # Early exit: once a threshold counts exactly K keys, the keys >= it are the row's top K, so
+    # tau = that threshold selects them (no key equals tau unless it is the K-th) and the
+    # remaining rounds could only raise tau up to the K-th key: they change no selection. The
+    # count is a uniform scalar, so the test costs no extra reduction.
+    go = r < ROUNDS
     if NJ == 1:
-        for r in range(r0, ROUNDS):
+        while go:
             lo = ROUNDS - 1 - r
             cnt = tl.sum((keys >= tau + (1 << lo)).to(tl.int32), axis=0)
             tau += (cnt >= K).to(tl.int32) << lo
+            r += 1
+            go = (r < ROUNDS) & (cnt != K)
     else:
         HJ: tl.constexpr = NJ // 2
         ja = tl.arange(0, HJ) + 1  # digits 1 .. NJ/2 in the low halves
         jb = ja + HJ  # NJ/2 + 1 .. NJ in the high halves
-        for r in range(r0, ROUNDS):
+        while go:
             lo = RB * (ROUNDS - 1 - r)
             lim = tl.where(r == 0, 1 << W0, 1 << RB)
             # thresholds whose digit does not exist this round (or would overflow) count nothing
@@ -155,7 +163,10 @@ def _kth_key_row(keys, K: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr, r0, 
             # stays inside each thread (no second cross-warp exchange)
             cnt = tl.sum(ge, axis=1, keep_dims=True)
             ok = ((cnt & 0xFFFF) >= K).to(tl.int32) + ((cnt >> 16) >= K).to(tl.int32)
+            hit = ((cnt & 0xFFFF) == K).to(tl.int32) + ((cnt >> 16) == K).to(tl.int32)
             tau += tl.sum(tl.sum(ok, axis=1), axis=0) << lo
+            r += 1
+            go = (r < ROUNDS) & (tl.sum(tl.sum(hit, axis=1), axis=0) == 0)
     return tau
 
 
@@ -383,13 +394,17 @@ def _kth_key_chunks(wsk_ptr, cnt_ptr, base, crow, nch, lb, K: tl.constexpr, CG: 
         top = tl.maximum(top, tl.max(tl.max(kk, axis=1), axis=0))
     r0, tau = _radix_start(lb, top, 1)
     tau = tl.full([], 0, tl.int32) + tau
-    for rr in range(r0, 31):
+    rr = tl.full([], 0, tl.int32) + r0
+    go = rr < 31
+    while go:  # with _kth_key_row's early exit
         thr = tau + (1 << (30 - rr))
         n_ge = tl.full([], 0, tl.int32)
         for g in range(0, tl.cdiv(nch, CG)):
             kk, _, _ = _chunk_group(wsk_ptr, cnt_ptr, base, crow, nch, g, K, CG)
             n_ge += tl.sum(tl.sum((kk >= thr).to(tl.int32), axis=1), axis=0)
         tau += (n_ge >= K).to(tl.int32) << (30 - rr)
+        rr += 1
+        go = (rr < 31) & (n_ge != K)
     n_above = tl.full([], 0, tl.int32)
     for g in range(0, tl.cdiv(nch, CG)):
         kk, _, _ = _chunk_group(wsk_ptr, cnt_ptr, base, crow, nch, g, K, CG)
