@@ -137,25 +137,34 @@ def _kth_key(keys, k: int, rb: int, run):
     n_rounds, w0 = _rounds(rb)
     nj = IndexerPlan.thresholds(rb)
     if nj == 1:
-        def body(r, tau):
+        def round_(r, tau):
             lo = n_rounds - 1 - r
             thr = tau + jnp.left_shift(jnp.int32(1), lo)
             cnt = jnp.sum((keys >= thr[:, None]).astype(jnp.int32), axis=1, dtype=jnp.int32)
-            return tau + jnp.left_shift((cnt >= k).astype(jnp.int32), lo)
+            return tau + jnp.left_shift((cnt >= k).astype(jnp.int32), lo), cnt == k
     else:
         jj = _iota((1, nj), 1) + 1
 
-        def body(r, tau):
+        def round_(r, tau):
             lo = rb * (n_rounds - 1 - r)
             lim = jnp.where(r == 0, jnp.int32(1 << w0), jnp.int32(1 << rb))
             thr = jnp.where(jj < lim, tau[:, None] + jnp.left_shift(jj, lo), _INT32_MAX)
             cnt = jnp.sum((keys[:, None, :] >= thr[:, :, None]).astype(jnp.int32), axis=2,
                           dtype=jnp.int32)
-            return tau + jnp.left_shift(jnp.sum((cnt >= k).astype(jnp.int32), axis=1,
-                                                  dtype=jnp.int32), lo)
+            return (tau + jnp.left_shift(jnp.sum((cnt >= k).astype(jnp.int32), axis=1,
+                                                   dtype=jnp.int32), lo),
+                    jnp.max((cnt == k).astype(jnp.int32), axis=1) > 0)
 
-    trips = run.astype(jnp.int32) * n_rounds
-    return lax.fori_loop(jnp.int32(0), trips, body, jnp.zeros((keys.shape[0],), jnp.int32))
+    def body(carry):  # qsa_triton.indexer._kth_key's early exit once every row is settled
+        r, tau, settled, _ = carry
+        tau, hit = round_(r, tau)
+        settled = settled | hit
+        return r + 1, tau, settled, (r + 1 < n_rounds) & (jnp.min(settled.astype(jnp.int32)) == 0)
+
+    settled = jnp.sum((keys >= 0).astype(jnp.int32), axis=1, dtype=jnp.int32) <= k
+    carry = (jnp.int32(0), jnp.zeros((keys.shape[0],), jnp.int32), settled,
+             run & (jnp.min(settled.astype(jnp.int32)) == 0))  # (no reduce_and in the lowering)
+    return lax.while_loop(lambda c: c[3], body, carry)[1]
 
 
 def _select(keys, tau, k: int):

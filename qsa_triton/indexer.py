@@ -78,17 +78,27 @@ def _kth_key(keys, K: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr):
     ROUNDS: tl.constexpr = (31 + RB - 1) // RB
     W0: tl.constexpr = 31 - RB * (ROUNDS - 1)
     tau = tl.zeros([keys.shape[0]], dtype=tl.int32)
-    for r in range(ROUNDS):
+    # _kth_key_row's early exit once every row is settled: a threshold counted exactly K of its
+    # keys, or it has <= K visible keys (tau stays 0); a settled row's later rounds change no
+    # selection
+    settled = tl.sum((keys >= 0).to(tl.int32), axis=1) <= K
+    r = tl.full([], 0, tl.int32)
+    go = tl.min(settled.to(tl.int32), axis=0) == 0
+    while go:
         lo = RB * (ROUNDS - 1 - r)
         if NJ == 1:
             cnt = tl.sum((keys >= (tau + (1 << lo))[:, None]).to(tl.int32), axis=1)
             tau += (cnt >= K).to(tl.int32) << lo
+            settled = settled | (cnt == K)
         else:
             jj = tl.arange(0, NJ) + 1
             lim = tl.where(r == 0, 1 << W0, 1 << RB)
             thr = tl.where(jj[None, :] < lim, tau[:, None] + (jj[None, :] << lo), _INT32_MAX)
             cnt = tl.sum((keys[:, None, :] >= thr[:, :, None]).to(tl.int32), axis=2)  # [R, NJ]
             tau += tl.sum((cnt >= K).to(tl.int32), axis=1) << lo
+            settled = settled | (tl.max((cnt == K).to(tl.int32), axis=1) > 0)
+        r += 1
+        go = (r < ROUNDS) & (tl.min(settled.to(tl.int32), axis=0) == 0)
     return tau
 
 
