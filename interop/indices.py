@@ -752,7 +752,8 @@ class IndexerPlan:
     rows (1 decode, 4..16 prefill) in tiles of ``tile`` (BLOCK_N) blocks and writes each row's
     exact top-k of the chunk as <= ``topk`` (key, block id) candidates, ascending. Pass 2: one
     program per row selects the exact top-k of its ``splits x topk`` candidates. Both select by
-    radix search over the 31 key bits, ``radix_bits`` / ``merge_radix_bits`` per round.
+    radix search over the 31 key bits, ``radix_bits`` / ``merge_radix_bits`` per round, stopping
+    once a round's threshold counts exactly topk keys.
     num_warps, num_stages: pass 1; merge_warps: pass 2; row_group: rows per launch pair; pdl:
     launch the merge with Programmatic Dependent Launch (Triton, sm_90+; Pallas ignores it).
     bound_chunk (prefill; 0 = off): a pass before pass 1 takes each row's first

@@ -88,8 +88,9 @@ def _radix_start(lb, top, rb: int):
 
 
 def _kth_key_row(keys, k: int, rb: int, run, start=None):
-    """The k-th largest of ``keys`` [N] int32 (>= 0 visible, -1 not) as an int32 scalar (0 with
-    fewer than k visible keys): ``qsa_triton.indexer._kth_key_row``'s radix search. ``run``
+    """The k-th largest of ``keys`` [N] int32 (>= 0 visible, -1 not) as an int32 scalar, or the
+    threshold counting exactly k keys where the search stops early (0 with fewer than k visible
+    keys): ``qsa_triton.indexer._kth_key_row``'s radix search. ``run``
     (traced bool): False skips the rounds (tau 0: the caller knows there are <= k keys).
     ``start``: None, or (first round, tau so far) from ``_radix_start``."""
     n_rounds, w0 = _rounds(rb)
@@ -168,7 +169,7 @@ def _kth_key(keys, k: int, rb: int, run):
 
 
 def _select(keys, tau, k: int):
-    """Exact top-k of ``keys`` [..., N] given their k-th largest ``tau`` [...], ties to the
+    """Exact top-k of ``keys`` [..., N] given ``_kth_key``'s ``tau`` [...], ties to the
     smaller index (``qsa_triton.indexer._select``'s rule, for one row or a tile of rows).
     Returns (sel [..., N] bool, slot [..., N] int32, count [...])."""
     above = (keys > tau[..., None]).astype(jnp.int32)

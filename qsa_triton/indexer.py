@@ -8,10 +8,12 @@ plan_indexer`` (shared with ``qsa_pallas.indexer``, the same algorithm). Two pas
 * Pass 1, one program per (row tile, chunk of C blocks): score the chunk in BLOCK_N-block tiles
   (the key tile as the M side of a ``tl.dot`` with the row's heads, FP32, ReLU, head sum), hold
   the scores as int32 *keys* (a float >= +0.0's bits order like the float; -0.0 and NaN become
-  +0.0, invisible blocks -1) and select the chunk's exact top-k per row: the k-th largest key
-  tau by a radix search from bit 30 down, ``radix_bits`` bits a round (all digit counts of a
-  round in one compare-and-sum), then one prefix sum over (key > tau) + (key == tau) * 2^16
-  gives every tie's rank (the smallest block ids win) and every survivor's slot in block order.
+  +0.0, invisible blocks -1) and select the chunk's exact top-k per row: a threshold tau by a
+  radix search from bit 30 down, ``radix_bits`` bits a round (all digit counts of a round in one
+  compare-and-sum), stopping early where a round's threshold counts exactly k keys (the keys >=
+  it are the top k; else tau ends at the k-th largest key), then one prefix sum over (key > tau)
+  + (key == tau) * 2^16 gives every tie's rank (the smallest block ids win) and every
+  survivor's slot in block order.
 * Pass 2, one program per row: the same selection over the row's S x k candidates (slot order
   is block order, so the tie rule carries over; decode: the radix rounds start below the bits
   shared by the row's largest candidate and the largest k-th key of one of its chunks, a lower
@@ -67,8 +69,9 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # Shared device functions: the exact top-K of int32 keys (>= 0 visible, -1 not)
 @triton.jit
 def _kth_key(keys, K: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr):
-    """tau [R] for ``keys`` [R, N]: the largest t >= 0 with #(key >= t) >= K (0 for a row with
-    fewer than K visible keys): the K-th largest key of each row.
+    """tau [R] for ``keys`` [R, N] with #(key > tau) < K <= #(key >= tau), or #(key >= tau)
+    == K: the K-th largest key of each row, or the threshold at which its search stopped early
+    (module docstring); 0 for a row with fewer than K visible keys.
 
     Radix search from bit 30 down, RB bits a round (the first round takes the 31 mod RB leftover
     bits): a round counts #(key >= tau + j * 2^lo) for every digit j = 1 .. 2^RB - 1 at once (NJ
@@ -104,7 +107,7 @@ def _kth_key(keys, K: tl.constexpr, RB: tl.constexpr, NJ: tl.constexpr):
 
 @triton.jit
 def _select(keys, tau, K: tl.constexpr):
-    """Exact top-K of ``keys`` [R, N] given their K-th largest ``tau`` [R], ties to the smaller
+    """Exact top-K of ``keys`` [R, N] given ``_kth_key``'s ``tau`` [R], ties to the smaller
     index: key > tau, then the first K - #(key > tau) keys == tau in index order. One packed
     prefix sum (#above + #tie * 2^16, N < 2^16) gives both the tie rank and each survivor's slot
     in ascending index order. Returns (sel [R, N] bool, slot [R, N] int32, count [R])."""
@@ -364,7 +367,7 @@ def _prefill_chunk_kernel(q_ptr, k_ptr, rs_ptr, re_ptr, wsk_ptr, wsi_ptr, lb_ptr
                         tau = _kth_key(keys, K, RB, NJ)
                 else:
                     tau = _kth_key(keys, K, RB, NJ)
-            if BOUND == 2:  # the sample's k-th key: #(keys >= it) >= K (0: <= K visible)
+            if BOUND == 2:  # <= the sample's k-th key, #(keys >= it) >= K (0: <= K visible)
                 tl.store(lb_ptr + rloc, tl.maximum(tau - _BOUND_MARGIN, 0), mask=rok)
             else:
                 sel, pos, n_sel = _select(keys, tau, K)
