@@ -455,7 +455,8 @@ def check_decode(
 
 def _b_from_cu_q(b: int, plus: str = "") -> str:
     """The ``note`` of a length that follows from cu_seqlens_q's: says which argument set B."""
-    return f" = B{plus} (B = {b} requests: the length of cu_seqlens_q - 1)"
+    return (f" = B{plus} (B = {b} requests: the length of cu_seqlens_q - 1; the two lengths "
+            "disagree, one of them is wrong)")
 
 
 def _check_prefill(kind: str, fn: str, strict, q, k, v, indices, indices_name: str, kv_names,

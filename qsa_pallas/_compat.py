@@ -205,7 +205,7 @@ def target_facts():
 def check_inputs(fn: str, interpret: bool | None, **arrays) -> None:
     """Refuse an ``interpret`` that is neither None nor a host bool, torch tensors and
     ``jax.ShapeDtypeStruct``s (the contract check reads their shapes; JAX cannot compute on
-    them)."""
+    them), and anything else that is not a jax.Array, a numpy array or None (lists, scalars)."""
     if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
         raise ContractError(fn, "interpret", "None (interpret mode on a CPU backend, compiled "
                             "kernels on a GPU) or a host bool", type(interpret).__name__)
@@ -218,6 +218,10 @@ def check_inputs(fn: str, interpret: bool | None, **arrays) -> None:
             raise ContractError(fn, name, "a jax.Array or numpy array (a ShapeDtypeStruct has no "
                                 "data: trace with jax.jit(f).lower(...) or jax.eval_shape)",
                                 "jax.ShapeDtypeStruct")
+        # (None: an optional array; the contract checker says when it is required)
+        if a is not None and not isinstance(a, (jax.Array, np.ndarray)):
+            raise ContractError(fn, name, "a jax.Array or numpy array",
+                                type(a).__module__ + "." + type(a).__qualname__)
 
 
 def check_backend(fn: str, interpret: bool | None, *arrays) -> None:

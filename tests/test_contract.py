@@ -288,7 +288,8 @@ def test_messages_read_as_written():
     with pytest.raises(ContractError, match=r"\(torch.Tensor, jax.Array or numpy array\); got list"):
         run("decode", {"cu_seqlens_k": [0, 1, 2]}, "jax")
     # a length that follows from cu_seqlens_q's says so (a wrong cu_seqlens_q is named there)
-    with pytest.raises(ContractError, match=r"B = 3 requests: the length of cu_seqlens_q") as info:
+    with pytest.raises(ContractError, match=r"B = 3 requests: the length of cu_seqlens_q - 1; "
+                       r"the two lengths disagree") as info:
         run("chunk", {"cu_seqlens_q": T((4,), "int32")}, "torch")
     assert info.value.arg == "cu_seqlens_k"
 

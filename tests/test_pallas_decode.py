@@ -614,6 +614,10 @@ def test_torch_tensors_and_compiled_mode_on_cpu_are_contract_errors():
     # a shape without data used to pass the checks and fail in the launcher with a TypeError
     with pytest.raises(ContractError, match="'q'.*ShapeDtypeStruct has no data"):
         qsa_pallas.sparse_decode(jax.ShapeDtypeStruct(q.shape, q.dtype), k, k, cu, ck, 4)
+    # a list names only what this package takes (the shared checker lists torch tensors too)
+    with pytest.raises(ContractError, match=r"'cu_seqlens_q'.*expected a jax.Array or numpy "
+                                            r"array; got builtins.list"):
+        qsa_pallas.sparse_decode(q, k, k, [0, 1, 2], ck, 4)
     if jax.default_backend() == "cpu":
         with pytest.raises(ContractError, match="'interpret'"):
             qsa_pallas.sparse_decode(q, k, k, cu, ck, 4, interpret=False)
