@@ -868,18 +868,17 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     shared memory fit, else 64; 4 warps (8 past 4096-block chunks of 64-block tiles or
     8192-block ones: 4 spill there); 2-bit rounds in pass 1, 1-bit in the merge, which starts
     below the bits its largest candidate and its largest chunk k-th key share (bench/NOTES.md,
-    "Indexer"). Prefill: chunk 2 * topk grown
-    until a row's candidates fit 16384 (at least 64 blocks), 8 rows per program (4 where the
-    chunk is past 2 x topk, as at topk < 32), 4 warps (faster than 8 in the Triton build),
-    1-bit rounds, a merge of at least 4 warps with 32 candidates per thread (``backend``
-    "pallas") or up to 64 ("triton": at 16384 candidates its 8-warp merge beat 16 warps, the
-    Pallas build's lost), rows grouped so one launch's candidates stay under 256 MiB; with >= 4
-    chunks and 8 rows a program (up to 32768 blocks at topk 512) a bound sample of 2 chunks, and
-    the streamed pass 1 with a compacting merge (``merge_capacity`` half the slots, <= 8192; a
-    4-chunk sample from 16 chunks; the Pallas build from 16 chunks only) where a row's expected
-    candidates fit.
-    Raises ValueError: unknown kind or backend, topk not a power of two,
-    negative sizes. Source: our own; bench/NOTES.md, "Indexer"."""
+    "Indexer"). Prefill: chunk 2 * topk grown until a row's candidates fit 16384 (at least 64
+    blocks), 8 rows per program (4 where the chunk is past 2 x topk, as at topk < 32), 4 warps
+    (faster than 8 in the Triton build), 1-bit rounds, a merge of at least 4 warps with 32
+    candidates per thread (``backend`` "pallas") or up to 64 ("triton": at 16384 candidates its
+    8-warp merge beat 16 warps, the Pallas build's lost), rows grouped so one launch's
+    candidates stay under 256 MiB; with >= 4 chunks and 8 rows a program (up to 32768 blocks at
+    topk 512) a bound sample of 2 chunks, and the streamed pass 1 with a compacting merge
+    (``merge_capacity`` half the slots, <= 8192; a 4-chunk sample from 16 chunks; the Pallas
+    build from 16 chunks only) where a row's expected candidates fit.
+    Raises ValueError: unknown kind or backend, topk not a power of two, negative sizes.
+    Source: our own; bench/NOTES.md, "Indexer"."""
     if kind not in ("decode", "prefill"):
         raise ValueError(f"kind must be decode|prefill, got {kind!r}")
     if backend not in ("triton", "pallas"):

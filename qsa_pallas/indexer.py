@@ -90,9 +90,9 @@ def _radix_start(lb, top, rb: int):
 def _kth_key_row(keys, k: int, rb: int, run, start=None):
     """The k-th largest of ``keys`` [N] int32 (>= 0 visible, -1 not) as an int32 scalar, or the
     threshold counting exactly k keys where the search stops early (0 with fewer than k visible
-    keys): ``qsa_triton.indexer._kth_key_row``'s radix search. ``run``
-    (traced bool): False skips the rounds (tau 0: the caller knows there are <= k keys).
-    ``start``: None, or (first round, tau so far) from ``_radix_start``."""
+    keys): ``qsa_triton.indexer._kth_key_row``'s radix search. ``run`` (traced bool): False
+    skips the rounds (tau 0: the caller knows there are <= k keys). ``start``: None, or (first
+    round, tau so far) from ``_radix_start``."""
     n_rounds, w0 = _rounds(rb)
     nj = IndexerPlan.thresholds(rb)
     if nj == 1:
