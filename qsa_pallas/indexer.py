@@ -274,98 +274,106 @@ def _prefill_chunk_kernel(*refs, h: int, hp: int, d: int, k: int, c: int, t: int
         streamed = C.load(cnt_ref.at[cslot], mask=todo0, other=0)
         todo0 = todo0 & (jnp.max(streamed) > k)
     lb = C.load(lb_ref.at[safe_r], mask=rok, other=0) if bound == 1 else None
-    slot0 = (rloc * s_n + s) * k
-    rel0 = lo - rs + c0  # the row-relative id of the chunk's first block
-    nt_n = c // t
-    hb = hp * bm
-    # All heads of the tile's rows stacked as one MMA operand, head-major: i = head * bm + m.
-    i = _iota((hb, 1), 0)
-    qrow = pid_m * bm + i % bm
-    qmask = ((i // bm) < h) & (qrow < n_rows)
-    dcol = _iota((1, d), 1)
-    q = C.load(q_ref.at[jnp.where(qmask, qrow, 0), jnp.where(qmask, i // bm, 0), dcol],
-               mask=jnp.broadcast_to(qmask, (hb, d)), other=0.0).astype(compute)
-    tt = _iota((t,), 0)
-    nt3 = _iota((1, nt_n, t), 1)
 
-    # Rows of one request share their key rows; a tile straddling requests takes one segment
-    # (rows with the same first key row) at a time.
-    def seg_cond(carry):
-        todo, _ = carry
-        return jnp.max(todo.astype(jnp.int32)) > 0
+    def body():
+        slot0 = (rloc * s_n + s) * k
+        rel0 = lo - rs + c0  # the row-relative id of the chunk's first block
+        nt_n = c // t
+        hb = hp * bm
+        # All heads of the tile's rows stacked as one MMA operand, head-major: i = head * bm + m.
+        i = _iota((hb, 1), 0)
+        qrow = pid_m * bm + i % bm
+        qmask = ((i // bm) < h) & (qrow < n_rows)
+        dcol = _iota((1, d), 1)
+        q = C.load(q_ref.at[jnp.where(qmask, qrow, 0), jnp.where(qmask, i // bm, 0), dcol],
+                   mask=jnp.broadcast_to(qmask, (hb, d)), other=0.0).astype(compute)
+        tt = _iota((t,), 0)
+        nt3 = _iota((1, nt_n, t), 1)
 
-    def seg_body(carry):
-        todo, acc = carry
-        base = jnp.min(jnp.where(todo, lo, _INT32_MAX))
-        seg = todo & (lo == base)
-        seg_n = jnp.max(jnp.where(seg, n_here, 0))
-        # rows with <= k visible blocks keep them all: a segment of only such rows is skipped
-        seg_score = jnp.max(jnp.where(seg, n_vis, 0)) > k
+        # Rows of one request share their key rows; a tile straddling requests takes one segment
+        # (rows with the same first key row) at a time.
+        def seg_cond(carry):
+            todo, _ = carry
+            return jnp.max(todo.astype(jnp.int32)) > 0
 
-        def tile(ti, acc):
-            j = ti * t + tt
-            jok = j < seg_n
-            kr = jnp.where(jok, base + c0 + j, 0)
-            kt = C.load(k_ref.at[kr[:, None], dcol], mask=jok[:, None], other=0.0)
-            sc = C.dot(q, kt.astype(compute), trans_b=True)  # [hb, t]
-            tot = jnp.sum(jnp.maximum(sc, 0.0).reshape(hp, bm, t), axis=0)  # [bm, t]
-            valid = seg[:, None] & (j[None, :] < n_here[:, None])
-            key = jnp.where(valid, _score_keys(tot), -1)
-            if counts == 1:  # acc: keys >= the bound so far per row; the first k go to slots
-                take = (valid & (n_vis > k)[:, None] & (key >= lb[:, None])).astype(jnp.int32)
-                at = acc[:, None] + jnp.cumsum(take, axis=1, dtype=jnp.int32) - take
-                put = (take > 0) & (at < k)
-                dest = jnp.where(put, slot0[:, None] + at, trash)
-                C.store(wsk_ref.at[dest], key, mask=put)
-                C.store(wsi_ref.at[dest], rel0[:, None] + j[None, :], mask=put)
-                return acc + jnp.sum(take, axis=1, dtype=jnp.int32)
-            put = (nt3 == ti) & seg[:, None, None]  # acc: the chunk's keys
-            return jnp.where(put, key[:, None, :], acc)
+        def seg_body(carry):
+            todo, acc = carry
+            base = jnp.min(jnp.where(todo, lo, _INT32_MAX))
+            seg = todo & (lo == base)
+            seg_n = jnp.max(jnp.where(seg, n_here, 0))
+            # rows with <= k visible blocks keep them all: a segment of only such rows is skipped
+            seg_score = jnp.max(jnp.where(seg, n_vis, 0)) > k
 
-        n_tiles = jnp.where(seg_score, (seg_n + (t - 1)) // t, 0).astype(jnp.int32)
-        acc = lax.fori_loop(jnp.int32(0), n_tiles, tile, acc)
-        return todo & ~seg, acc
+            def tile(ti, acc):
+                j = ti * t + tt
+                jok = j < seg_n
+                kr = jnp.where(jok, base + c0 + j, 0)
+                kt = C.load(k_ref.at[kr[:, None], dcol], mask=jok[:, None], other=0.0)
+                sc = C.dot(q, kt.astype(compute), trans_b=True)  # [hb, t]
+                tot = jnp.sum(jnp.maximum(sc, 0.0).reshape(hp, bm, t), axis=0)  # [bm, t]
+                valid = seg[:, None] & (j[None, :] < n_here[:, None])
+                key = jnp.where(valid, _score_keys(tot), -1)
+                if counts == 1:  # acc: keys >= the bound so far per row; the first k go to slots
+                    take = (valid & (n_vis > k)[:, None] & (key >= lb[:, None])).astype(jnp.int32)
+                    at = acc[:, None] + jnp.cumsum(take, axis=1, dtype=jnp.int32) - take
+                    put = (take > 0) & (at < k)
+                    dest = jnp.where(put, slot0[:, None] + at, trash)
+                    C.store(wsk_ref.at[dest], key, mask=put)
+                    C.store(wsi_ref.at[dest], rel0[:, None] + j[None, :], mask=put)
+                    return acc + jnp.sum(take, axis=1, dtype=jnp.int32)
+                put = (nt3 == ti) & seg[:, None, None]  # acc: the chunk's keys
+                return jnp.where(put, key[:, None, :], acc)
 
-    acc0 = (jnp.zeros((bm,), jnp.int32) if counts == 1
-            else jnp.full((bm, nt_n, t), -1, jnp.int32))
-    _, acc = lax.while_loop(seg_cond, seg_body, (todo0, acc0))
-    if counts == 1:
-        # rows with <= k visible blocks: all of them, key 0 (as pass 1 takes them)
-        j = _iota((1, k), 1)
-        few = (n_vis <= k)[:, None] & (j < n_here[:, None])
-        dest = jnp.where(few, slot0[:, None] + j, trash)
-        C.store(wsk_ref.at[dest], jnp.zeros((bm, k), jnp.int32), mask=few)
-        C.store(wsi_ref.at[dest], rel0[:, None] + j, mask=few)
-        C.store(cnt_ref.at[cslot], jnp.where(n_vis > k, acc, n_here), mask=n_here > 0)
-        return
-    keys = acc
-    ids = (_iota((nt_n, t), 0) * t + _iota((nt_n, t), 1)).reshape(1, c)
-    keys = keys.reshape(bm, c)
-    keys = jnp.where((n_vis > k)[:, None], keys, jnp.where(ids < n_here[:, None], 0, -1))
-    run = jnp.max(jnp.where(todo0, n_here, 0)) > k
-    if bound == 1:
-        # every block of a row's top-k has a key >= the row's bound: where at most k keys of
-        # each row pass it, the bound is the threshold (the radix rounds do not run)
-        fits = jnp.sum((keys >= lb[:, None]).astype(jnp.int32), axis=1, dtype=jnp.int32) <= k
-        all_fit = jnp.min(fits.astype(jnp.int32)) > 0
-        tau = jnp.where(all_fit, lb, _kth_key(keys, k, rb, run & ~all_fit))
-    else:
-        tau = _kth_key(keys, k, rb, run)
-    if bound == 2:  # the sample's k-th key (0: <= k visible); row n_rows is the spare slot
-        C.store(lb_out.at[jnp.where(rok, rloc, n_rows)], jnp.maximum(tau - BOUND_MARGIN_ULPS, 0))
-        return
-    sel, pos, n_sel = _select(keys, tau, k)
-    sel = sel & todo0[:, None]  # (the fixup rewrites only the tiles it redoes)
-    dest = jnp.where(sel, slot0[:, None] + pos, trash)
-    C.store(wsk_ref.at[dest], keys, mask=sel)
-    C.store(wsi_ref.at[dest], rel0[:, None] + ids, mask=sel)  # row-relative block ids
-    if counts:
-        C.store(cnt_ref.at[cslot], n_sel, mask=todo0)
-    else:
-        j = _iota((1, k), 1)  # unused slots of the rows' chunks: -1 (no candidate)
-        pad = (j >= n_sel[:, None]) & (n_here > 0)[:, None]
-        C.store(wsk_ref.at[jnp.where(pad, slot0[:, None] + j, trash)],
-                jnp.full((bm, k), -1, jnp.int32), mask=pad)
+            n_tiles = jnp.where(seg_score, (seg_n + (t - 1)) // t, 0).astype(jnp.int32)
+            acc = lax.fori_loop(jnp.int32(0), n_tiles, tile, acc)
+            return todo & ~seg, acc
+
+        acc0 = (jnp.zeros((bm,), jnp.int32) if counts == 1
+                else jnp.full((bm, nt_n, t), -1, jnp.int32))
+        _, acc = lax.while_loop(seg_cond, seg_body, (todo0, acc0))
+        if counts == 1:
+            # rows with <= k visible blocks: all of them, key 0 (as pass 1 takes them)
+            j = _iota((1, k), 1)
+            few = (n_vis <= k)[:, None] & (j < n_here[:, None])
+            dest = jnp.where(few, slot0[:, None] + j, trash)
+            C.store(wsk_ref.at[dest], jnp.zeros((bm, k), jnp.int32), mask=few)
+            C.store(wsi_ref.at[dest], rel0[:, None] + j, mask=few)
+            C.store(cnt_ref.at[cslot], jnp.where(n_vis > k, acc, n_here), mask=n_here > 0)
+            return
+        keys = acc
+        ids = (_iota((nt_n, t), 0) * t + _iota((nt_n, t), 1)).reshape(1, c)
+        keys = keys.reshape(bm, c)
+        keys = jnp.where((n_vis > k)[:, None], keys, jnp.where(ids < n_here[:, None], 0, -1))
+        run = jnp.max(jnp.where(todo0, n_here, 0)) > k
+        if bound == 1:
+            # every block of a row's top-k has a key >= the row's bound: where at most k keys of
+            # each row pass it, the bound is the threshold (the radix rounds do not run)
+            fits = jnp.sum((keys >= lb[:, None]).astype(jnp.int32), axis=1, dtype=jnp.int32) <= k
+            all_fit = jnp.min(fits.astype(jnp.int32)) > 0
+            tau = jnp.where(all_fit, lb, _kth_key(keys, k, rb, run & ~all_fit))
+        else:
+            tau = _kth_key(keys, k, rb, run)
+        if bound == 2:  # the sample's k-th key (0: <= k visible); row n_rows is the spare slot
+            C.store(lb_out.at[jnp.where(rok, rloc, n_rows)],
+                    jnp.maximum(tau - BOUND_MARGIN_ULPS, 0))
+            return
+        sel, pos, n_sel = _select(keys, tau, k)
+        sel = sel & todo0[:, None]  # (the fixup rewrites only the tiles it redoes)
+        dest = jnp.where(sel, slot0[:, None] + pos, trash)
+        C.store(wsk_ref.at[dest], keys, mask=sel)
+        C.store(wsi_ref.at[dest], rel0[:, None] + ids, mask=sel)  # row-relative block ids
+        if counts:
+            C.store(cnt_ref.at[cslot], n_sel, mask=todo0)
+        else:
+            j = _iota((1, k), 1)  # unused slots of the rows' chunks: -1 (no candidate)
+            pad = (j >= n_sel[:, None]) & (n_here > 0)[:, None]
+            C.store(wsk_ref.at[jnp.where(pad, slot0[:, None] + j, trash)],
+                    jnp.full((bm, k), -1, jnp.int32), mask=pad)
+
+    if bound == 2:  # every row's bound is written (0 where nothing is visible)
+        body()
+    else:  # qsa_triton's twin: a program with no row to do (the fixup's usual case) exits
+        pl.when(jnp.max(todo0.astype(jnp.int32)) > 0)(body)
 
 
 # ---------------------------------------------------------------------------------------------
