@@ -875,8 +875,8 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     8-warp merge beat 16 warps, the Pallas build's lost), rows grouped so one launch's
     candidates stay under 256 MiB; with >= 4 chunks and 8 rows a program (up to 32768 blocks at
     topk 512) a bound sample of 2 chunks, and the streamed pass 1 with a compacting merge
-    (``merge_capacity`` half the slots, <= 8192; a 4-chunk sample from 16 chunks; the Pallas
-    build from 16 chunks only) where a row's expected candidates fit.
+    (``merge_capacity`` half the slots, <= 8192; a 4-chunk sample from 16 chunks) where a
+    row's expected candidates fit.
     Raises ValueError: unknown kind or backend, topk not a power of two, negative sizes.
     Source: our own; bench/NOTES.md, "Indexer"."""
     if kind not in ("decode", "prefill"):
@@ -924,10 +924,9 @@ def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, 
     # with the bound: pass 1 streams the keys >= it and the merge compacts them into a tile of
     # half the slots (at most 8192) where a row's expected candidates (iid scores: blocks x
     # topk / sample) fit the tile, or half of it with a 4-chunk sample (>= 16 chunks; a row
-    # past the tile takes the merge's slow path); the Pallas build only with the 4-chunk
-    # sample (at 8 chunks its streamed pass measured slower) (bench/NOTES.md, "Indexer")
+    # past the tile takes the merge's slow path) (bench/NOTES.md, "Indexer")
     cap = 0
-    if bound and (splits >= 16 or backend == "triton"):
+    if bound:
         sample = 4 * c if splits >= 16 else 2 * c
         cap = min(_MERGE_MAX_CANDIDATES, _pow2_at_least(splits) * topk // 2)
         if mb * topk // sample <= (cap // 2 if sample > bound else cap):

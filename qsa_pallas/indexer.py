@@ -223,20 +223,23 @@ def _decode_chunk_kernel(q_ref, k_ref, pt_ref, seq_ref, wsk_ref, wsi_ref, *, h: 
         key = jnp.where(ok, _score_keys(jnp.sum(jnp.maximum(sc, 0.0), axis=1)), -1)
         return jnp.where(nt2 == i, key[None, :], keys)
 
-    # A row with <= k blocks keeps all of them: nothing is loaded or scored.
-    n_tiles = jnp.where(nb > k, (n_here + (t - 1)) // t, 0).astype(jnp.int32)
-    keys = lax.fori_loop(jnp.int32(0), n_tiles, tile, jnp.where(ids < n_here, 0, -1))
-    keys = keys.reshape(c)
-    tau = _kth_key_row(keys, k, rb, n_here > k)
-    sel, pos, n_sel = _select(keys, tau, k)
-    dest = jnp.where(sel, (b * s_n + s) * k + pos, trash)
-    C.store(wsk_ref.at[dest], keys, mask=sel)
-    C.store(wsi_ref.at[dest], lo + ids.reshape(c), mask=sel)
-    # the chunk's unused slots read as "no candidate" (-1): the merge needs no counts
-    j = _iota((k,), 0)
-    pad = (j >= n_sel) & (n_here > 0)
-    C.store(wsk_ref.at[jnp.where(pad, (b * s_n + s) * k + j, trash)],
-            jnp.full((k,), -1, jnp.int32), mask=pad)
+    def body():  # a chunk past the row's blocks does nothing (as qsa_triton's twin)
+        # A row with <= k blocks keeps all of them: nothing is loaded or scored.
+        n_tiles = jnp.where(nb > k, (n_here + (t - 1)) // t, 0).astype(jnp.int32)
+        keys = lax.fori_loop(jnp.int32(0), n_tiles, tile, jnp.where(ids < n_here, 0, -1))
+        keys = keys.reshape(c)
+        tau = _kth_key_row(keys, k, rb, n_here > k)
+        sel, pos, n_sel = _select(keys, tau, k)
+        dest = jnp.where(sel, (b * s_n + s) * k + pos, trash)
+        C.store(wsk_ref.at[dest], keys, mask=sel)
+        C.store(wsi_ref.at[dest], lo + ids.reshape(c), mask=sel)
+        # the chunk's unused slots read as "no candidate" (-1): the merge needs no counts
+        j = _iota((k,), 0)
+        pad = (j >= n_sel) & (n_here > 0)
+        C.store(wsk_ref.at[jnp.where(pad, (b * s_n + s) * k + j, trash)],
+                jnp.full((k,), -1, jnp.int32), mask=pad)
+
+    pl.when(n_here > 0)(body)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -532,13 +532,13 @@ def test_plan_is_static_and_bounded():
              for p in [I.plan_indexer("decode", b, ctx // 4, 512, **(sm12x if sm else {}))]}
     assert warps == {(16, 32768, 0): (1024, 128, 4), (128, 131072, 0): (8192, 128, 4),
                      (128, 131072, 1): (8192, 64, 8), (128, 32768, 1): (4096, 64, 4)}
-    # the prefill merge (compacting: a 2048-candidate tile at 32k, Triton only, 8192 at 128k):
-    # 4 warps, but 8 for the Pallas build's 8192 (32 candidates a thread)
+    # the prefill merge (compacting: a 2048-candidate tile at 32k, 8192 at 128k): 4 warps, but
+    # 8 for the Pallas build's 8192 (32 candidates a thread)
     widths = {(ctx, be): I.plan_indexer("prefill", 8192, ctx // 4, 512, backend=be)
               for ctx in (32768, 131072) for be in ("triton", "pallas")}
     assert {key: (p.merge_capacity, p.bound_chunk, p.merge_warps)
             for key, p in widths.items()} == {
-        (32768, "triton"): (2048, 2048, 4), (32768, "pallas"): (0, 2048, 4),
+        (32768, "triton"): (2048, 2048, 4), (32768, "pallas"): (2048, 2048, 4),
         (131072, "triton"): (8192, 4096, 4), (131072, "pallas"): (8192, 4096, 8)}
     # past 64k blocks (256k tokens) the chunk doubles, 4 rows a program: no bound, no compaction
     assert I.plan_indexer("prefill", 8192, 65536, 512).merge_capacity == 0
@@ -652,9 +652,9 @@ def test_pallas_kernels_lower_for_cuda_and_fit_sm120():
 
     kind = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
     cases = pallas_indexer_cases(kind, k_dtype="float8_e4m3fn")
-    for name, fn, args in cases:  # prefill: the bound pass; at 128k the streamed pass's fixup
+    for name, fn, args in cases:  # prefill: the bound pass and the streamed pass's fixup
         mods = {m.name for m in C.triton_modules(C.lower_for_device_kind(fn, args, kind))}
-        n = 2 if "decode" in name else 3 if name.endswith("/32768") else 4
+        n = 2 if "decode" in name else 4
         assert len(mods) == n and "qsa_indexer_merge" in mods, (name, mods)
     chunk = next(m for m in C.triton_modules(C.lower_for_device_kind(*cases[0][1:], kind))
                  if m.name == "qsa_indexer_decode_chunk")

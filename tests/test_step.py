@@ -287,7 +287,8 @@ def test_jax_step_under_shard_map_kv_heads_split():
 def test_jax_steps_lower_for_cuda_at_production_shapes(kind):
     """Without a GPU: both steps trace and lower for CUDA (an abstract device of that kind) at
     production shapes (TP2, D = 256, bf16, topk 512, 32k context; prefill 1024 rows), and the
-    lowered module holds exactly the indexer's two kernels and the attention kernel."""
+    lowered module holds exactly the indexer's kernels (decode two, prefill four) and the
+    attention kernel."""
     import functools
 
     sds, i32, bf = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
@@ -306,8 +307,9 @@ def test_jax_steps_lower_for_cuda_at_production_shapes(kind):
              "qsa_sparse_prefill_paged")):
         names = [m.name for m in _compat.triton_modules(
             _compat.lower_for_device_kind(fn, args, kind))]
-        # prefill at 32k: the bound pass before pass 1
-        bound = ["qsa_indexer_prefill_bound"] if attn == "qsa_sparse_prefill_paged" else []
+        # prefill at 32k: the bound pass before the streamed pass 1, then its fixup
+        bound = (["qsa_indexer_prefill_bound", "qsa_indexer_prefill_fixup"]
+                 if attn == "qsa_sparse_prefill_paged" else [])
         chunk = [n for n in names if n.startswith("qsa_indexer_") and n.endswith("_chunk")]
         assert len(chunk) == 1, names
         assert sorted(names) == sorted(chunk + bound + ["qsa_indexer_merge", attn]), names
