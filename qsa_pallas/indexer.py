@@ -203,27 +203,29 @@ def _decode_chunk_kernel(q_ref, k_ref, pt_ref, seq_ref, wsk_ref, wsi_ref, *, h: 
     lo = s * c
     n_here = jnp.clip(nb - lo, 0, c)
     nt_n = c // t
-    hid = _iota((hp, d), 0)
-    # Padded heads load as 0: their dot is 0, ReLU(0) = 0, so they add nothing.
-    q = C.load(q_ref.at[b, pl.ds(0, hp), :], mask=hid < h, other=0.0).astype(compute)
     dcol = _iota((1, d), 1)
     tt = _iota((t,), 0)
     nt2 = _iota((nt_n, 1), 0)
     ids = _iota((nt_n, t), 0) * t + _iota((nt_n, t), 1)
 
-    def tile(i, keys):
-        blk = lo + i * t + tt
-        ok = blk < nb
-        pid = C.load(pt_ref.at[b, jnp.where(ok, blk // psz, 0)], mask=ok, other=0)
-        # A page id outside the cache is a caller bug: its blocks read nothing (score 0).
-        pok = ok & (pid >= 0) & (pid < pages)
-        row = jnp.where(pok, pid * psz + blk % psz, 0)
-        kt = C.load(k_ref.at[row[:, None], dcol], mask=pok[:, None], other=0.0).astype(compute)
-        sc = C.dot(kt, q, trans_b=True)  # [t, hp] fp32: the key tile is the MMA's M side
-        key = jnp.where(ok, _score_keys(jnp.sum(jnp.maximum(sc, 0.0), axis=1)), -1)
-        return jnp.where(nt2 == i, key[None, :], keys)
-
     def body():  # a chunk past the row's blocks does nothing (as qsa_triton's twin)
+        hid = _iota((hp, d), 0)
+        # Padded heads load as 0: their dot is 0, ReLU(0) = 0, so they add nothing.
+        q = C.load(q_ref.at[b, pl.ds(0, hp), :], mask=hid < h, other=0.0).astype(compute)
+
+        def tile(i, keys):
+            blk = lo + i * t + tt
+            ok = blk < nb
+            pid = C.load(pt_ref.at[b, jnp.where(ok, blk // psz, 0)], mask=ok, other=0)
+            # A page id outside the cache is a caller bug: its blocks read nothing (score 0).
+            pok = ok & (pid >= 0) & (pid < pages)
+            row = jnp.where(pok, pid * psz + blk % psz, 0)
+            kt = C.load(k_ref.at[row[:, None], dcol], mask=pok[:, None],
+                        other=0.0).astype(compute)
+            sc = C.dot(kt, q, trans_b=True)  # [t, hp] fp32: the key tile is the MMA's M side
+            key = jnp.where(ok, _score_keys(jnp.sum(jnp.maximum(sc, 0.0), axis=1)), -1)
+            return jnp.where(nt2 == i, key[None, :], keys)
+
         # A row with <= k blocks keeps all of them: nothing is loaded or scored.
         n_tiles = jnp.where(nb > k, (n_here + (t - 1)) // t, 0).astype(jnp.int32)
         keys = lax.fori_loop(jnp.int32(0), n_tiles, tile, jnp.where(ids < n_here, 0, -1))
