@@ -86,8 +86,8 @@ SM90_TABLE_STATUS = ("H200 sweeps (Triton 3.6, chunk prefill, G 6 and 12, 32k co
                      "(64,8,3) <= 128 rows, (64,4,2) <= 256, (32,4,2) <= 1024, (64,4,2) above; "
                      "bench/NOTES.md, 'Geometry tables'")
 _SM90 = ((128, (64, 8, 3)), (256, (64, 4, 2)), (1024, (32, 4, 2)), (None, (64, 4, 2)))
-#: Pallas keeps (32,4,2) above 256 rows, where it was measured (bench/NOTES.md, "Sparse
-#: prefill, Pallas"); (64,4,2) is unmeasured for it.
+#: Pallas keeps (32,4,2) above 256 rows: (64,4,2) above 1024 rows measured no faster for it
+#: (bench/NOTES.md, "Sparse prefill, Triton").
 _SM90_PALLAS = ((128, (64, 8, 3)), (256, (64, 4, 2)), (None, (32, 4, 2)))
 
 TABLES: dict[str, tuple[tuple[int | None, tuple[int, int, int]], ...]] = {
