@@ -421,36 +421,11 @@ def _paged_splits(inp: PoolInputs, splits: int):
     return lambda: decode_paged.decode_paged_with_plan(*inp.args, inp.scale, plan=plan)
 
 
-def _paged_no_pdl(inp: PoolInputs):
-    """Sweep: ``qsa_triton`` paged decode on the shipped plan without Programmatic Dependent
-    Launch (what PDL buys between the calls of a graph)."""
-    from qsa_triton import decode_paged  # noqa: PLC0415
-
-    plan = decode_paged._plan_of(inp.args[0], inp.args[1], inp.args[5], False)
-    return lambda: decode_paged.decode_paged_with_plan(*inp.args, inp.scale, plan=plan, pdl=False)
-
-
 def _pallas_paged(inp: PoolInputs, batch_invariant: bool = False):
     import qsa_pallas  # noqa: PLC0415
 
     return common.jax_chain(qsa_pallas.sparse_decode_paged, [*inp.args, inp.scale],
                             {"batch_invariant": batch_invariant}, CHAIN)
-
-
-def _pallas_stages(inp: PoolInputs, num_stages: int):
-    """``qsa_pallas`` on the shared plan with ``num_stages`` (the sweep: does XLA's Triton
-    pipeline the gather chain as Triton does?), through its public ``decode_paged_with_plan``."""
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    from qsa_pallas import decode_paged  # noqa: PLC0415
-
-    q, k, idx = inp.args[0], inp.args[1], inp.args[5]
-    plan = decode_paged.plan_for(q.shape[0], k.shape[1], q.shape[1] // k.shape[1], q.shape[2],
-                                 idx.shape[-1],
-                                 q_dtype=getattr(jnp, str(q.dtype).split(".")[-1]),
-                                 kv_dtype=getattr(jnp, str(k.dtype).split(".")[-1]))
-    return common.jax_chain(decode_paged.decode_paged_with_plan, [*inp.args, inp.scale],
-                            {"plan": dataclasses.replace(plan, num_stages=num_stages)}, CHAIN)
 
 
 POOL_PROVIDERS = {p.name: p for p in (
@@ -469,10 +444,6 @@ POOL_PROVIDERS = {p.name: p for p in (
                     default=False),
     common.Provider("pallas-paged[bi]", functools.partial(_pallas_paged, batch_invariant=True),
                     "qsa_pallas.sparse_decode_paged with batch_invariant=True", default=False),
-    common.Provider("pallas-paged[s7]", functools.partial(_pallas_stages, num_stages=7),
-                    "sweep: qsa_pallas paged decode with num_stages = 7", default=False),
-    common.Provider("paged[nopdl]", _paged_no_pdl, "sweep: qsa_triton paged decode without PDL",
-                    default=False),
     *(common.Provider(f"paged[s{n}]", functools.partial(_paged_splits, splits=n),
                       f"sweep: qsa_triton paged decode with {n} splits", default=False)
       for n in (3, 4, 6, 11, 17)),

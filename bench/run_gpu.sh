@@ -10,8 +10,8 @@
 #   decode        python3 -m bench.decode, default providers (decode.{json,png,log})
 #   pool          bench.decode --mode pool, TP1 saturated rows: issue 16's must-show grid with its
 #                 PASS/FAIL lines (decode_pool.{json,png,log})
-#   pool_sweep    paged and pallas-paged against their batch-invariant modes, pallas-paged at 7
-#                 stages and upstream-step; then jax-step; then paged at 6 / 11 / 17 splits at
+#   pool_sweep    paged and pallas-paged against their batch-invariant modes and upstream-step;
+#                 then jax-step; then paged at 6 / 11 / 17 splits at
 #                 B = 1, 4 (pool_sweep.*, pool_jax.*, pool_splits.*)
 #   prefill       python3 -m bench.prefill, default providers (prefill.{json,png,log})
 #   union         bench.prefill --mode union: issue 17's cases (8192-row matrix, FP8 K/V, MTP
@@ -105,7 +105,7 @@ for s in "$@"; do
       wait
       step pool_sweep 300 python3 -m bench.decode --mode pool --tp TP1 --rows saturated \
         --batches 1,16,128 --providers \
-        "upstream-step,paged,paged[bi],pallas-paged,pallas-paged[bi],pallas-paged[s7]" \
+        "upstream-step,paged,paged[bi],pallas-paged,pallas-paged[bi]" \
         --json "$OUT/pool_sweep.json"
       step pool_jax 100 python3 -m bench.decode --mode pool --tp TP1 --rows saturated \
         --layouts slots --kv bf16 --batches 1,16,128 --providers \

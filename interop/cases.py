@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import indices as I
+from .contract import PREFILL_KINDS
 from . import reference as R
 
 __all__ = [
@@ -37,7 +38,6 @@ REL_L2 = 5e-3
 OPS = ("decode", "prefill", "paged", "indexer", "step")
 TP_SHAPES = {"TP1": (24, 2), "TP2": (12, 1), "TP4": (6, 1)}
 DECODE_BATCHES = tuple(range(1, 17)) + (17, 24, 32, 48, 64, 96, 128)
-PREFILL_KINDS = ("ordinary", "chunk", "paged")
 
 
 # --------------------------------------------------------------------------------------------

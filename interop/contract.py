@@ -29,6 +29,7 @@ __all__ = [
     "check_expand_block_indices", "check_indexer_plan", "validate_indexer_decode_metadata",
     "validate_indexer_prefill_metadata", "check_decode_step", "check_prefill_step",
     "check_prefill_step_rows", "FORWARD_ONLY", "DECODE_STEP_DOC", "PREFILL_STEP_DOC",
+    "PREFILL_KINDS",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -42,6 +43,8 @@ QUALIFIED = {
     # paged decode (§2b): R rows = up to 128 requests x 4 MTP verify rows; W index columns
     "paged_rows": (1, 512), "paged_width": (1, 2055),
 }
+#: the three prefill variants (qsa-contract.md §3): ``sparse_prefill``, ``_chunk``, ``_paged``
+PREFILL_KINDS = ("ordinary", "chunk", "paged")
 _FLOAT_DTYPES = ("bfloat16", "float16")
 _FP8_DTYPES = ("float8_e4m3fn",)
 _MAX_GROUP = 16
@@ -55,14 +58,14 @@ class ContractError(ValueError):
     def __init__(self, fn: str, arg: str, expected: str, got: Any, *, strict: bool = False):
         self.fn, self.arg, self.expected, self.got = fn, arg, expected, got
         mode = "strict" if strict else "default"
-        super().__init__(
-            f"{fn}: argument '{arg}': expected {expected}; got {got}. "
-            f"[{mode} mode] Qualified envelope: {envelope_text(fn)}"
-        )
+        env = envelope_text(fn)
+        super().__init__(f"{fn}: argument '{arg}': expected {expected}; got {got}."
+                         + (f" [{mode} mode] Qualified envelope: {env}" if env else ""))
 
 
 def envelope_text(fn: str = "sparse_decode") -> str:
-    """One-line text of the qualified envelope for an entry point."""
+    """One-line text of the qualified envelope for an entry point ("" for a helper that is no
+    attention or indexer entry point, e.g. ``replicate_kv_heads``)."""
     if fn.startswith("qsa_") and fn.endswith("_step"):  # the end-to-end step: both halves
         attention = "sparse_decode_paged" if "decode" in fn else "sparse_prefill_paged"
         return f"attention: {envelope_text(attention)}; indexer: {_indexer_envelope_text()}"
@@ -79,6 +82,8 @@ def envelope_text(fn: str = "sparse_decode") -> str:
         return (f"dtype bf16|fp16, D={q['head_dim']}, (Hq,Hkv) in {{{pairs}}}, "
                 f"{q['batch'][0]}<=B<={q['batch'][1]}, 1<=max_seqlen_k<={q['max_seqlen_k']}, "
                 f"max_seqlen_q=1")
+    if "prefill" not in fn:
+        return ""
     pairs = ", ".join(f"({a},{b})" for a, b in q["prefill_head_pairs"])
     return (f"dtype bf16|fp16 (K/V also fp8 e4m3 in chunk/paged), D={q['head_dim']}, "
             f"(Hq,Hkv) in {{{pairs}}}, indices int32 [T,W] or [T,Hkv,W] with W>=1 "
@@ -393,8 +398,12 @@ class _Checker:
         self.dtype("q", qs, _FLOAT_DTYPES)
         self.rank(k, ks, 3, kv_shape)
         self.rank(v, vs, 3, kv_shape)
-        self.dtype(k, ks, kv_dtypes)
-        self.dtype(v, vs, (ks.dtype,))
+        if ks.dtype not in kv_dtypes:
+            fp8 = [t for t in kv_dtypes if t != qs.dtype]
+            self.fail(k, f"q's dtype ({qs.dtype})" + (f" or {' / '.join(fp8)}" if fp8 else ""),
+                      ks.dtype)
+        if vs.dtype != ks.dtype:
+            self.fail(v, f"{k}'s dtype ({ks.dtype})", vs.dtype)
         n, hq, d = qs.shape
         if ks.shape[2] != d:
             self.fail(k, f"head dim {d} (q's)", ks.shape[2])
@@ -650,14 +659,28 @@ def _np(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def validate_decode_metadata(cu_seqlens_q, cu_seqlens_k, capacity: int, max_seqlen_k: int,
+def _ints(c: "_Checker", name: str, x) -> np.ndarray:
+    """``x`` as int64 numpy, refusing a non-integer array (a float or bool tensor passed by
+    mistake would otherwise be truncated silently)."""
+    a = _np(x)
+    if a.dtype.kind not in "iu":
+        c.fail(name, "an integer array (the entry points take int32)", f"dtype {a.dtype}")
+    return a.astype(np.int64)
+
+
+def validate_decode_metadata(cu_seqlens_q, cu_seqlens_k, capacity: int, max_seqlen_k: int, *,
                              batch: int | None = None, fn: str = "sparse_decode") -> None:
-    """Check decode metadata contents (host sync; debug only). ``batch``: q's rows B (None: the
-    sequences cu_seqlens_k describes). Raises ContractError: cu_seqlens of different lengths or
-    not B + 1 long, not starting at 0 or decreasing, a row longer than max_seqlen_k, rows past
-    the K/V capacity, query rows out of range."""
+    """Check decode metadata contents (host sync; debug only): ``cu_seqlens_q/k`` integer arrays
+    (torch / jax / numpy), ``capacity`` = k's rows and ``max_seqlen_k`` host ints, ``batch``: q's
+    rows B (None: the sequences cu_seqlens_k describes). Raises ContractError: a non-integer
+    array or a non-int bound, cu_seqlens of different lengths or not B + 1 long, not starting at
+    0 or decreasing, a row longer than max_seqlen_k, rows past the K/V capacity, query rows out
+    of range."""
     c = _Checker(fn, False)
-    cq, ck = _np(cu_seqlens_q).astype(np.int64), _np(cu_seqlens_k).astype(np.int64)
+    capacity = c.host_int("capacity", capacity, 0, None)
+    max_seqlen_k = c.host_int("max_seqlen_k", max_seqlen_k, 0, None)
+    cq, ck = (_ints(c, n, x) for n, x in (("cu_seqlens_q", cu_seqlens_q),
+                                          ("cu_seqlens_k", cu_seqlens_k)))
     if cq.shape != ck.shape or cq.ndim != 1:
         c.fail("cu_seqlens_q", f"a 1-D array as long as cu_seqlens_k ({ck.size})",
                f"shape {list(cq.shape)}")
@@ -699,12 +722,13 @@ def validate_decode_paged_metadata(req_to_token, req_indices, indices, seq_lens,
     ``seq_lens[r] > max_context``, or a valid entry's slot outside ``[0, pool_slots)``.
     """
     c = _Checker(fn, False)
-    rt = _np(req_to_token).astype(np.int64)
-    ri = _np(req_indices).astype(np.int64).reshape(-1)
-    sl = _np(seq_lens).astype(np.int64).reshape(-1)
+    pool_slots = c.host_int("pool_slots", pool_slots, 0, None)
+    rt = _ints(c, "req_to_token", req_to_token)
+    ri = _ints(c, "req_indices", req_indices).reshape(-1)
+    sl = _ints(c, "seq_lens", seq_lens).reshape(-1)
     # indices None: each row's positions 0 .. seq_lens[r] - 1, made per row once seq_lens is
     # known to fit the table (a garbage length must not allocate its range)
-    idx = np.zeros((sl.size, 1), np.int64) if indices is None else _np(indices).astype(np.int64)
+    idx = np.zeros((sl.size, 1), np.int64) if indices is None else _ints(c, "indices", indices)
     if rt.ndim != 2 or idx.ndim not in (2, 3) or not ri.size == sl.size == idx.shape[0]:
         c.fail("indices", "req_to_token [max_reqs, max_context], indices [R, W] or [R, Hkv, W], "
                "req_indices and seq_lens [R]",
@@ -748,18 +772,23 @@ def validate_prefill_metadata(indices, cu_seqlens_q, kv_lens, kind: str, *, cu_s
     most the row's visible tokens valid, and (``req_to_token`` given) table rows, columns and
     slots in range. Returns {"rows", "valid", "duplicates"} counts; raises ContractError naming
     the first violation's row and column."""
+    if kind not in PREFILL_KINDS:
+        raise ContractError(fn or "validate_prefill_metadata", "kind",
+                            f"one of {', '.join(map(repr, PREFILL_KINDS))}", kind)
     if fn is None:
         fn = "sparse_prefill" if kind == "ordinary" else f"sparse_prefill_{kind}"
     c = _Checker(fn, False)
-    cq = _np(cu_seqlens_q).astype(np.int64)
-    idx = _np(indices).astype(np.int64)
+    if pool_slots is not None:
+        pool_slots = c.host_int("pool_slots", pool_slots, 0, None)
+    cq = _ints(c, "cu_seqlens_q", cu_seqlens_q)
+    idx = _ints(c, "indices", indices)
     if cq.ndim != 1 or cq.size < 1 or cq[0] != 0 or (np.diff(cq) < 0).any():
         c.fail("cu_seqlens_q", "cu[0] == 0 and non-decreasing values", cq.tolist())
     if cq[-1] > idx.shape[0]:
         c.fail("cu_seqlens_q", f"cu_seqlens_q[B] <= T = {idx.shape[0]} (the rows of indices)",
                int(cq[-1]))
     qlen = np.diff(cq)
-    lens = qlen if kv_lens is None else _np(kv_lens).astype(np.int64)
+    lens = qlen if kv_lens is None else _ints(c, "kv_lens", kv_lens)
     if lens.shape != qlen.shape:
         c.fail("kv_lens", f"one length per request ({qlen.size})", f"shape {list(lens.shape)}")
     if kind != "ordinary" and (lens < qlen).any():
@@ -767,7 +796,7 @@ def validate_prefill_metadata(indices, cu_seqlens_q, kv_lens, kind: str, *, cu_s
         c.fail("kv_lens", "kv_lens[b] >= the request's query rows",
                f"request {b}: {lens[b]} < {qlen[b]}")
     if cu_seqlens_k is not None:
-        ck = _np(cu_seqlens_k).astype(np.int64)
+        ck = _ints(c, "cu_seqlens_k", cu_seqlens_k)
         if ck.shape != cq.shape or ck[0] != 0 or (np.diff(ck) < 0).any():
             c.fail("cu_seqlens_k", f"B + 1 = {cq.size} non-decreasing values from 0",
                    ck.tolist())
@@ -781,7 +810,7 @@ def validate_prefill_metadata(indices, cu_seqlens_q, kv_lens, kind: str, *, cu_s
     dups = 0
     st = None
     if req_to_token is not None:
-        rt, ri = _np(req_to_token).astype(np.int64), _np(req_indices).astype(np.int64)
+        rt, ri = _ints(c, "req_to_token", req_to_token), _ints(c, "req_indices", req_indices)
         bad = (ri < 0) | (ri >= rt.shape[0])
         if bad.any():
             c.fail("req_indices", f"rows in [0, {rt.shape[0]}) of req_to_token", ri.tolist())

@@ -24,7 +24,7 @@ import os
 from typing import Iterable
 
 from .arch import DeviceFacts, KNOWN_ARCHS
-from .contract import ContractError, route
+from .contract import PREFILL_KINDS, ContractError, route
 from .plan import fit_shared_memory, next_pow2, prev_pow2
 
 __all__ = [
@@ -37,7 +37,7 @@ __all__ = [
 
 ENV_VAR = "QSA_PREFILL_GEOMETRY"
 ALLOWED_MODES = ("auto", "table", "tuned")
-KINDS = ("ordinary", "chunk", "paged")
+KINDS = PREFILL_KINDS
 BACKENDS = ("triton", "pallas")
 
 

@@ -133,8 +133,8 @@ def test_pool_case_lists_and_sweep_names():
     assert [s.name for s in decode.pool_cases(a, "bench")] == ["pool/TP1/slots/fp8/B64/saturated"]
     assert all(s.junk for s in decode.pool_cases(A(), "memcheck") + decode.pool_cases(A(), "smoke"))
     sweep = [n for n, p in decode.POOL_PROVIDERS.items() if not p.default]
-    assert {"paged[bi]", "pallas-paged[bi]", "pallas-paged[s7]", "paged[s3]", "paged[s4]",
-            "paged[s6]", "paged[s11]", "paged[s17]", "paged[nopdl]"} == set(sweep)
+    assert {"paged[bi]", "pallas-paged[bi]", "paged[s3]", "paged[s4]",
+            "paged[s6]", "paged[s11]", "paged[s17]"} == set(sweep)
     assert list(decode.POOL_PROVIDERS)[0] == "upstream-step"  # 'x first' = vs upstream's step
 
 

@@ -367,6 +367,46 @@ def test_validate_decode_metadata():
         validate_decode_metadata(np.array([0, 1, 3, 3]), np.array([0, 3, 3, 9]), 9, 9)
 
 
+def test_validators_refuse_misuse_of_their_own_arguments():
+    """The entry points' argument order (q, k, v, ...) passed to a validator, a float array, a
+    tensor where a host int belongs and an unknown prefill kind are refused by name, never
+    truncated or reported under an invented entry point."""
+    cq, ck = np.arange(4), np.array([0, 3, 3, 9])
+    with pytest.raises(TypeError):  # batch and fn are keyword-only
+        validate_decode_metadata(cq, ck, 9, 9, 3)
+    for kw, arg in ((dict(cu_seqlens_k=ck.astype(np.float32)), "cu_seqlens_k"),
+                    (dict(capacity=torch.tensor(9)), "capacity"),
+                    (dict(max_seqlen_k=9.0), "max_seqlen_k")):
+        args = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, capacity=9, max_seqlen_k=9) | kw
+        with pytest.raises(ContractError) as info:
+            validate_decode_metadata(**args)
+        assert info.value.arg == arg and info.value.fn == "sparse_decode", str(info.value)
+    idx = np.array([[0, -1], [1, 0]])
+    with pytest.raises(ContractError) as info:
+        validate_prefill_metadata(idx, np.array([0, 2]), None, "bogus")
+    assert info.value.arg == "kind" and "'ordinary', 'chunk', 'paged'" in str(info.value)
+    with pytest.raises(ContractError) as info:
+        validate_prefill_metadata(idx.astype(np.float64), np.array([0, 2]), None, "ordinary")
+    assert info.value.arg == "indices" and info.value.fn == "sparse_prefill"
+
+
+def test_dtype_mismatch_names_the_tensor_it_must_match():
+    """k in another dtype than q is named against q's dtype (the FP8 alternative listed where
+    the variant takes it), v against k's."""
+    q = torch.zeros(2, 12, 256, dtype=torch.float16)
+    k = torch.zeros(9, 1, 256)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ContractError, match=r"argument 'k': expected q's dtype \(float16\); "
+                       r"got float32"):
+        check_decode(q, k, k, cu, cu, 9)
+    kv = torch.zeros(9, 1, 256, dtype=torch.float16)
+    with pytest.raises(ContractError, match=r"argument 'v': expected k's dtype \(float16\)"):
+        check_decode(q, kv, k, cu, cu, 9)
+    with pytest.raises(ContractError, match=r"q's dtype \(float16\) or float8_e4m3fn"):
+        check_prefill_chunk(torch.zeros(2, 12, 256, dtype=torch.float16), k, k,
+                            torch.zeros(2, 8, dtype=torch.int32), cu, cu, cu[1:], 1)
+
+
 def test_validate_prefill_metadata():
     cu = np.array([0, 3, 5])
     idx = np.array([[0, -1, -1], [1, 0, -1], [2, 1, 0], [0, 9, -1], [1, 0, 44]])

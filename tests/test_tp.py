@@ -100,6 +100,7 @@ def test_replicate_kv_heads_refusals(call, arg):
     with pytest.raises(ContractError) as e:
         call(qsa_pallas.replicate_kv_heads)
     assert e.value.arg == arg, str(e.value)
+    assert "envelope" not in str(e.value)  # no attention envelope on a layout helper
 
 
 def test_shard_step_keeps_the_step_signature_and_refuses_before_tracing(monkeypatch):
