@@ -123,8 +123,9 @@ def _prefill_row(
             kv_row = ent
         else:
             valid = in_row & (ent >= 0) & (ent < kv_len)
-            # lying cu_seqlens can point past k/v: clamped into its rows (qsa_pallas's rule)
-            kv_row = tl.where(ent > last_pos, kv_rows - 1, tl.maximum(kv_base + ent, 0))
+            # lying cu_seqlens can point past k/v: clamped into its rows (qsa_pallas's rule);
+            # min before the add: kv_base + ent never passes kv_rows - 1 (no int32 overflow)
+            kv_row = tl.maximum(kv_base + tl.minimum(ent, last_pos), 0)
         if OFF64:
             # row x stride overflows int32 once k/v hold >= 2^31 elements (pool > ~4.2M
             # slots at Hkv x D = 512); below that every valid offset fits int32 exactly and
