@@ -21,8 +21,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import indices as I
-from .contract import PREFILL_KINDS
 from . import reference as R
+from .contract import PREFILL_KINDS
 
 __all__ = [
     "RTOL", "ATOL", "REL_L2", "OPS", "TP_SHAPES", "DECODE_BATCHES", "PREFILL_KINDS", "DecodeSpec",

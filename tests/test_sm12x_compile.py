@@ -239,3 +239,19 @@ def test_sibling_arch_reuses_ptx_only_after_a_matching_check(monkeypatch):
            for i in range(3)]
     assert got == [None] * 3 and len(fulls) == 3
     assert sib.build("sm_121", ("new", 0), "same", full(121, "new"), {})[2] is None
+
+
+def test_sibling_ptx_match_ignores_paths_in_line_and_debug_info():
+    """PTX of one kernel compiled from two checkouts (a Triton cache shared by both returns the
+    other checkout's) differs only in ``.file`` lines and the DWARF sections after the code: the
+    same PTX for the sibling check; a difference in the code is not."""
+    code = ".version 8.7\n.target sm_120a\n.visible .entry k()\n{\n\tret;\n}\n"
+
+    def ptx(path: str, body: str = code) -> str:
+        return (body + f"\t.file\t1 \"{path}/qsa_triton/decode.py\"\n"
+                + "\t.section\t.debug_info\n\t{\n" + "".join(f"\t.b8 {ord(c)}\n" for c in path)
+                + "\t}\n")
+
+    sm121 = ptx("/tmp/a").replace("sm_120a", "sm_121a")
+    assert CC._same_ptx(sm121, ptx("/tmp/other-clone"), "sm_121")
+    assert not CC._same_ptx(sm121, ptx("/tmp/a", code.replace("ret;", "trap;")), "sm_121")

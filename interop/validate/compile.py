@@ -181,8 +181,11 @@ def _retarget(ptx: str, arch: str) -> str:
 
 def _same_ptx(ptx: str, base_ptx: str, arch: str) -> bool:
     """``ptx`` (compiled for ``arch``) is ``base_ptx`` retargeted, up to the source file names
-    of the line info (a Pallas kernel's TTIR is compiled from a temporary file)."""
+    of the line info and the DWARF sections after the code (they hold paths: a Pallas kernel's
+    TTIR is compiled from a temporary file, and a Triton cache shared by two checkouts returns
+    the other checkout's path)."""
     def body(text):
+        text = re.split(r"^\s*\.section\s+\.debug", text, maxsplit=1, flags=re.M)[0]
         return re.sub(r"^\s*\.file\s.*$", "", text, flags=re.M)
     return body(ptx) == body(_retarget(base_ptx, arch))
 
