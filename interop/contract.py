@@ -1260,13 +1260,17 @@ def validate_indexer_decode_metadata(page_table, seq_lens, pages: int, page_size
                                      compress_ratio: int = 4, fn: str = "indexer_topk_decode",
                                      page_table_arg: str = "page_table") -> None:
     """Check decode indexer metadata contents (host sync; debug only): raises ContractError for a
-    row with more blocks than ``max_pages * page_size`` or a visible block's page id outside
-    ``[0, pages)`` (the kernels stay in bounds, but both are caller bugs). ``fn`` and
+    non-integer array or a non-int size, a row with more blocks than ``max_pages * page_size``
+    or a visible block's page id outside ``[0, pages)`` (the kernels stay in bounds, but both
+    are caller bugs). ``fn`` and
     ``page_table_arg`` name the call in the error (the decode step: ``fn="qsa_decode_step",
     page_table_arg="index_page_table"``)."""
     c = _Checker(fn, False)
-    pt = _np(page_table).astype(np.int64)
-    nb = np.maximum(_np(seq_lens).astype(np.int64), 0) // compress_ratio
+    pages = c.host_int("pages", pages, 0, None)
+    page_size = c.host_int("page_size", page_size, 1, None)
+    compress_ratio = c.host_int("compress_ratio", compress_ratio, 1, None)
+    pt = _ints(c, page_table_arg, page_table)
+    nb = np.maximum(_ints(c, "seq_lens", seq_lens), 0) // compress_ratio
     cap = pt.shape[1] * page_size
     if nb.size and nb.max() > cap:
         b = int(np.argmax(nb))
@@ -1282,9 +1286,11 @@ def validate_indexer_decode_metadata(page_table, seq_lens, pages: int, page_size
 def validate_indexer_prefill_metadata(row_starts, row_ends, num_keys: int, *,
                                       fn: str = "indexer_topk_prefill") -> None:
     """Check prefill indexer row ranges ``0 <= start <= end <= N`` (host sync; debug only);
-    raises ContractError for the first row outside."""
+    raises ContractError for a non-integer array, a non-int ``num_keys`` or the first row
+    outside."""
     c = _Checker(fn, False)
-    rs, re = _np(row_starts).astype(np.int64), _np(row_ends).astype(np.int64)
+    num_keys = c.host_int("num_keys", num_keys, 0, None)
+    rs, re = _ints(c, "row_starts", row_starts), _ints(c, "row_ends", row_ends)
     bad = (rs < 0) | (re < rs) | (re > num_keys)
     if bad.any():
         m = int(np.argmax(bad))

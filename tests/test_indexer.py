@@ -508,6 +508,17 @@ def test_debug_validator_flags_decode_metadata():
                                          fn="qsa_decode_step", page_table_arg="index_page_table")
     with pytest.raises(ContractError, match="seq_lens"):
         validate_indexer_decode_metadata(case.page_table, case.seq_lens * 4, case.pages, 16)
+    # misuse of the validator's own arguments is named, never truncated
+    for args, arg in (((case.page_table.astype(np.float32), case.seq_lens, case.pages, 16),
+                       "page_table"),
+                      ((case.page_table, case.seq_lens, np.array([case.pages]), 16), "pages"),
+                      ((case.page_table, case.seq_lens, case.pages, 16.0), "page_size")):
+        with pytest.raises(ContractError) as info:
+            validate_indexer_decode_metadata(*args)
+        assert info.value.arg == arg, str(info.value)
+    with pytest.raises(ContractError) as info:
+        validate_indexer_prefill_metadata(np.zeros(2), np.ones(2, np.int32), 4)
+    assert info.value.arg == "row_starts"
 
 
 def test_plan_is_static_and_bounded():
