@@ -56,6 +56,7 @@ class ContractError(ValueError):
     envelope); the message names entry point, argument, expected, got and the envelope."""
 
     def __init__(self, fn: str, arg: str, expected: str, got: Any, *, strict: bool = False):
+        fn = str(fn)  # (a validator called with fn=None still gets its error)
         self.fn, self.arg, self.expected, self.got = fn, arg, expected, got
         mode = "strict" if strict else "default"
         env = envelope_text(fn)
@@ -659,12 +660,23 @@ def _np(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def _ints(c: "_Checker", name: str, x) -> np.ndarray:
-    """``x`` as int64 numpy, refusing a non-integer array (a float or bool tensor passed by
-    mistake would otherwise be truncated silently)."""
+def _ints(c: "_Checker", name: str, x, ndim: int | tuple[int, ...] | None = None) -> np.ndarray:
+    """``x`` (torch / jax / numpy) as int64 numpy, refusing a non-integer array (a float or bool
+    tensor passed by mistake would otherwise be truncated silently), another rank than ``ndim``
+    and values outside int32 (the entry points' dtype)."""
+    dt = getattr(x, "dtype", None)
+    if type(x).__module__.startswith("torch") and (
+            dt.is_floating_point or dt.is_complex or str(dt) == "torch.bool"):
+        c.fail(name, "an integer array (the entry points take int32)", f"dtype {dt}")
     a = _np(x)
     if a.dtype.kind not in "iu":
         c.fail(name, "an integer array (the entry points take int32)", f"dtype {a.dtype}")
+    ranks = (ndim,) if isinstance(ndim, int) else ndim
+    if ranks is not None and a.ndim not in ranks:
+        c.fail(name, f"a {' or '.join(map(str, ranks))}-D array", f"shape {list(a.shape)}")
+    if a.size and (int(a.min()) < -2**31 or int(a.max()) > 2**31 - 1):
+        c.fail(name, "int32 values (the entry points' dtype)",
+               f"values in [{int(a.min())}, {int(a.max())}]")
     return a.astype(np.int64)
 
 
@@ -678,16 +690,20 @@ def validate_decode_metadata(cu_seqlens_q, cu_seqlens_k, capacity: int, max_seql
     of range."""
     c = _Checker(fn, False)
     capacity = c.host_int("capacity", capacity, 0, None)
-    max_seqlen_k = c.host_int("max_seqlen_k", max_seqlen_k, 0, None)
-    cq, ck = (_ints(c, n, x) for n, x in (("cu_seqlens_q", cu_seqlens_q),
-                                          ("cu_seqlens_k", cu_seqlens_k)))
-    if cq.shape != ck.shape or cq.ndim != 1:
-        c.fail("cu_seqlens_q", f"a 1-D array as long as cu_seqlens_k ({ck.size})",
-               f"shape {list(cq.shape)}")
+    max_seqlen_k = c.host_int("max_seqlen_k", max_seqlen_k, 1, None)
+    cq, ck = (_ints(c, n, x, 1) for n, x in (("cu_seqlens_q", cu_seqlens_q),
+                                             ("cu_seqlens_k", cu_seqlens_k)))
     if batch is None:
+        if ck.size < 2:
+            c.fail("cu_seqlens_k", "B + 1 >= 2 entries (B >= 1 sequences)", ck.size)
         batch = ck.size - 1
-    elif ck.size != batch + 1:
-        c.fail("cu_seqlens_k", f"B + 1 = {batch + 1} entries", ck.size)
+    else:
+        batch = c.host_int("batch", batch, 1, None)
+        if ck.size != batch + 1:
+            c.fail("cu_seqlens_k", f"B + 1 = {batch + 1} entries", ck.size)
+    if cq.size != batch + 1:
+        c.fail("cu_seqlens_q", f"B + 1 = {batch + 1} entries (as long as cu_seqlens_k)",
+               f"shape {list(cq.shape)}")
     for name, cu in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
         if cu.size and cu[0] != 0:
             c.fail(name, "cu[0] == 0", int(cu[0]))
@@ -723,16 +739,17 @@ def validate_decode_paged_metadata(req_to_token, req_indices, indices, seq_lens,
     """
     c = _Checker(fn, False)
     pool_slots = c.host_int("pool_slots", pool_slots, 0, None)
-    rt = _ints(c, "req_to_token", req_to_token)
-    ri = _ints(c, "req_indices", req_indices).reshape(-1)
-    sl = _ints(c, "seq_lens", seq_lens).reshape(-1)
+    rt = _ints(c, "req_to_token", req_to_token, 2)
+    sl = _ints(c, "seq_lens", seq_lens, 1)
     # indices None: each row's positions 0 .. seq_lens[r] - 1, made per row once seq_lens is
     # known to fit the table (a garbage length must not allocate its range)
-    idx = np.zeros((sl.size, 1), np.int64) if indices is None else _ints(c, "indices", indices)
-    if rt.ndim != 2 or idx.ndim not in (2, 3) or not ri.size == sl.size == idx.shape[0]:
-        c.fail("indices", "req_to_token [max_reqs, max_context], indices [R, W] or [R, Hkv, W], "
-               "req_indices and seq_lens [R]",
-               f"shapes {list(rt.shape)}, {list(idx.shape)}, {list(ri.shape)}, {list(sl.shape)}")
+    idx = (np.zeros((sl.size, 1), np.int64) if indices is None
+           else _ints(c, "indices", indices, (2, 3)))
+    rows = idx.shape[0]  # R = 0 (an idle batch) has nothing to check
+    ri = _ints(c, "req_indices", req_indices, 1)
+    for name, a in (("req_indices", ri), ("seq_lens", sl)):
+        if a.size != rows:
+            c.fail(name, f"[R] with R = {rows} (the rows of indices)", f"shape {list(a.shape)}")
     max_reqs, max_ctx = rt.shape
     live = sl > 0
     bad = live & ((ri < 0) | (ri >= max_reqs))
@@ -780,15 +797,21 @@ def validate_prefill_metadata(indices, cu_seqlens_q, kv_lens, kind: str, *, cu_s
     c = _Checker(fn, False)
     if pool_slots is not None:
         pool_slots = c.host_int("pool_slots", pool_slots, 0, None)
-    cq = _ints(c, "cu_seqlens_q", cu_seqlens_q)
-    idx = _ints(c, "indices", indices)
+    if req_to_token is None and (req_indices is not None or pool_slots is not None):
+        c.fail("req_to_token", "the table whenever req_indices or pool_slots is given",
+               "None")
+    if (kv_lens is None) != (kind == "ordinary"):
+        c.fail("kv_lens", "None for kind='ordinary' (a request sees its own rows), else one "
+               "length per request", "None" if kv_lens is None else "an array")
+    cq = _ints(c, "cu_seqlens_q", cu_seqlens_q, 1)
+    idx = _ints(c, "indices", indices, (2, 3))
     if cq.ndim != 1 or cq.size < 1 or cq[0] != 0 or (np.diff(cq) < 0).any():
         c.fail("cu_seqlens_q", "cu[0] == 0 and non-decreasing values", cq.tolist())
     if cq[-1] > idx.shape[0]:
         c.fail("cu_seqlens_q", f"cu_seqlens_q[B] <= T = {idx.shape[0]} (the rows of indices)",
                int(cq[-1]))
     qlen = np.diff(cq)
-    lens = qlen if kv_lens is None else _ints(c, "kv_lens", kv_lens)
+    lens = qlen if kv_lens is None else _ints(c, "kv_lens", kv_lens, 1)
     if lens.shape != qlen.shape:
         c.fail("kv_lens", f"one length per request ({qlen.size})", f"shape {list(lens.shape)}")
     if kind != "ordinary" and (lens < qlen).any():
@@ -796,7 +819,7 @@ def validate_prefill_metadata(indices, cu_seqlens_q, kv_lens, kind: str, *, cu_s
         c.fail("kv_lens", "kv_lens[b] >= the request's query rows",
                f"request {b}: {lens[b]} < {qlen[b]}")
     if cu_seqlens_k is not None:
-        ck = _ints(c, "cu_seqlens_k", cu_seqlens_k)
+        ck = _ints(c, "cu_seqlens_k", cu_seqlens_k, 1)
         if ck.shape != cq.shape or ck[0] != 0 or (np.diff(ck) < 0).any():
             c.fail("cu_seqlens_k", f"B + 1 = {cq.size} non-decreasing values from 0",
                    ck.tolist())
@@ -810,7 +833,11 @@ def validate_prefill_metadata(indices, cu_seqlens_q, kv_lens, kind: str, *, cu_s
     dups = 0
     st = None
     if req_to_token is not None:
-        rt, ri = _ints(c, "req_to_token", req_to_token), _ints(c, "req_indices", req_indices)
+        rt = _ints(c, "req_to_token", req_to_token, 2)
+        ri = _ints(c, "req_indices", req_indices, 1)
+        if ri.size != qlen.size:
+            c.fail("req_indices", f"one table row per request ({qlen.size})",
+                   f"shape {list(ri.shape)}")
         bad = (ri < 0) | (ri >= rt.shape[0])
         if bad.any():
             c.fail("req_indices", f"rows in [0, {rt.shape[0]}) of req_to_token", ri.tolist())
@@ -1268,9 +1295,12 @@ def validate_indexer_decode_metadata(page_table, seq_lens, pages: int, page_size
     c = _Checker(fn, False)
     pages = c.host_int("pages", pages, 0, None)
     page_size = c.host_int("page_size", page_size, 1, None)
-    compress_ratio = c.host_int("compress_ratio", compress_ratio, 1, None)
-    pt = _ints(c, page_table_arg, page_table)
-    nb = np.maximum(_ints(c, "seq_lens", seq_lens), 0) // compress_ratio
+    compress_ratio = c.host_int("compress_ratio", compress_ratio, 2, 16)
+    pt = _ints(c, page_table_arg, page_table, 2)
+    nb = np.maximum(_ints(c, "seq_lens", seq_lens, 1), 0) // compress_ratio
+    if nb.size != pt.shape[0]:
+        c.fail("seq_lens", f"one length per {page_table_arg} row ({pt.shape[0]})",
+               f"shape {list(nb.shape)}")
     cap = pt.shape[1] * page_size
     if nb.size and nb.max() > cap:
         b = int(np.argmax(nb))
@@ -1290,9 +1320,12 @@ def validate_indexer_prefill_metadata(row_starts, row_ends, num_keys: int, *,
     outside."""
     c = _Checker(fn, False)
     num_keys = c.host_int("num_keys", num_keys, 0, None)
-    rs, re = _ints(c, "row_starts", row_starts), _ints(c, "row_ends", row_ends)
+    rs, re = _ints(c, "row_starts", row_starts, 1), _ints(c, "row_ends", row_ends, 1)
+    if re.size != rs.size:
+        c.fail("row_ends", f"as long as row_starts ({rs.size})", f"shape {list(re.shape)}")
     bad = (rs < 0) | (re < rs) | (re > num_keys)
     if bad.any():
         m = int(np.argmax(bad))
-        c.fail("row_starts", f"0 <= row_starts <= row_ends <= {num_keys} (packed key rows)",
+        c.fail("row_starts" if rs[m] < 0 else "row_ends",
+               f"0 <= row_starts <= row_ends <= {num_keys} (packed key rows)",
                f"row {m}: [{int(rs[m])}, {int(re[m])})")

@@ -390,6 +390,58 @@ def test_validators_refuse_misuse_of_their_own_arguments():
     assert info.value.arg == "indices" and info.value.fn == "sparse_prefill"
 
 
+def test_validators_refuse_wrong_ranks_lengths_and_dtypes_by_name():
+    """A break trial's list: a torch bf16 array, wrong ranks, lengths that disagree, values past
+    int32, an empty batch, arguments that would be ignored; each is a ContractError naming the
+    argument, never an IndexError / TypeError from numpy or a silent pass."""
+    from interop.contract import (validate_decode_paged_metadata,
+                                  validate_indexer_decode_metadata,
+                                  validate_indexer_prefill_metadata)
+
+    i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
+    idx = np.array([[0, -1], [1, 0], [0, -1]], np.int32)
+    rt = np.arange(16, dtype=np.int32).reshape(2, 8)
+    calls = [
+        (lambda: validate_decode_metadata(i32(0, 1, 2), torch.tensor([0, 3, 5]).bfloat16(), 5, 3),
+         "cu_seqlens_k"),
+        (lambda: validate_decode_metadata(i32(0, 1, 2), i32(0, 3), 5, 3, batch=2), "cu_seqlens_k"),
+        (lambda: validate_decode_metadata(i32(), i32(), 5, 3), "cu_seqlens_k"),
+        (lambda: validate_decode_metadata(i32(0, 1), i32(0, 1), 5, 3, batch=True), "batch"),
+        (lambda: validate_decode_metadata(i32(0, 1), i32(0, 1), 5, 0), "max_seqlen_k"),
+        (lambda: validate_decode_metadata(i32(0, 1), np.array([0, 2**31]), 5, 3),
+         "cu_seqlens_k"),
+        (lambda: validate_prefill_metadata(np.int32(0), i32(0, 2, 3), None, "ordinary"),
+         "indices"),
+        (lambda: validate_prefill_metadata(idx.reshape(-1), i32(0, 2, 3), None, "ordinary"),
+         "indices"),
+        (lambda: validate_prefill_metadata(idx, i32(0, 2, 3), i32(1, 1), "ordinary"), "kv_lens"),
+        (lambda: validate_prefill_metadata(idx, i32(0, 2, 3), None, "chunk"), "kv_lens"),
+        (lambda: validate_prefill_metadata(idx, i32(0, 2, 3), i32(4, 3), "paged",
+                                           req_to_token=rt, req_indices=i32(1)), "req_indices"),
+        (lambda: validate_prefill_metadata(idx, i32(0, 2, 3), i32(4, 3), "paged",
+                                           req_to_token=rt[:, :, None], req_indices=i32(1, 0)),
+         "req_to_token"),
+        (lambda: validate_prefill_metadata(idx, i32(0, 2, 3), i32(4, 3), "paged",
+                                           req_indices=i32(1, 0)), "req_to_token"),
+        (lambda: validate_decode_paged_metadata(rt, i32(0), idx, i32(1, 1, 1), 64),
+         "req_indices"),
+        (lambda: validate_decode_paged_metadata(rt[0], i32(0, 0, 0), idx, i32(1, 1, 1), 64),
+         "req_to_token"),
+        (lambda: validate_indexer_decode_metadata(rt[0], i32(16, 8), 4, 2), "page_table"),
+        (lambda: validate_indexer_decode_metadata(rt, i32(16, 8, 16), 16, 2), "seq_lens"),
+        (lambda: validate_indexer_decode_metadata(rt, i32(16, 8), 16, 2, compress_ratio=1),
+         "compress_ratio"),
+        (lambda: validate_indexer_prefill_metadata(i32(0), i32(1, 3, 5), 5), "row_ends"),
+        (lambda: validate_indexer_prefill_metadata(i32(0), i32(9), 5), "row_ends"),
+    ]
+    for i, (call, arg) in enumerate(calls):
+        with pytest.raises(ContractError) as info:
+            call()
+        assert info.value.arg == arg, (i, str(info.value))
+    with pytest.raises(ContractError, match="^None: argument"):  # fn=None still an error
+        validate_decode_metadata(i32(0, 1), i32(0, 9), 5, 3, fn=None)
+
+
 def test_dtype_mismatch_names_the_tensor_it_must_match():
     """k in another dtype than q is named against q's dtype (the FP8 alternative listed where
     the variant takes it), v against k's."""
