@@ -1193,12 +1193,14 @@ _STEP_INDEXER_NAMES = {"q": "index_q", "k_cache": "index_k_cache", "page_table":
                        "k": "index_k"}
 
 
-def _check_step(fn: str, strict: bool, q, index_q, indexer, attention, min_rows: int = 0):
+def _check_step(fn: str, strict: bool, q, index_q, indexer, attention, min_rows: int = 0,
+                indexer_plan=None):
     """Both step checks: one ``index_q`` row per ``q`` row on q's device; ``indexer(meta)``
-    (``meta``: an int32 [rows] spec for the metadata the step derives), its errors renamed to the
-    step's arguments; then ``attention(ids)`` (``ids``: the indexer's int32 [rows, width]
-    output); at least ``min_rows`` rows of q. Returns (checker, q's spec, IndexerProblem,
-    attention problem)."""
+    (``meta``: an int32 [rows] spec for the metadata the step derives) and, with
+    ``indexer_plan`` (the backend's ``IndexerProblem -> IndexerPlan``), the default plan's reach
+    (``check_indexer_plan``), their errors renamed to the step's arguments; then
+    ``attention(ids)`` (``ids``: the indexer's int32 [rows, width] output); at least ``min_rows``
+    rows of q. Returns (checker, q's spec, IndexerProblem, attention problem)."""
     c = _Checker(fn, strict)
     qs, iq = c.specs(q=q, index_q=index_q)
     c.rank("q", qs, 3, "[rows, Hq, D]")
@@ -1209,6 +1211,8 @@ def _check_step(fn: str, strict: bool, q, index_q, indexer, attention, min_rows:
     c.same_device("index_q", iq, qs)
     try:
         ip = indexer(TensorSpec((qs.shape[0],), "int32", qs.device, qs.index, (1,)))
+        if indexer_plan is not None:
+            check_indexer_plan(fn, ip, None, lambda: indexer_plan(ip))
     except ContractError as e:
         if e.arg not in _STEP_INDEXER_NAMES:
             raise
@@ -1225,12 +1229,15 @@ def check_decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, i
                       index_page_table, seq_lens, softmax_scale=None, k_scale=1.0, v_scale=1.0, *,
                       topk: int = 512, compress_ratio: int = 4, batch_invariant: bool = False,
                       strict: bool = False, attention_strict: bool = False,
-                      fn: str = "qsa_decode_step") -> tuple[PagedDecodeProblem, IndexerProblem]:
+                      fn: str = "qsa_decode_step", indexer_plan=None
+                      ) -> tuple[PagedDecodeProblem, IndexerProblem]:
     """Check a decode step call (``DECODE_STEP_DOC``) before anything runs: the indexer's inputs
-    as ``check_indexer_decode``, the attention's as ``check_decode_paged`` with the indexer's
-    output as ``indices``. ``attention_strict``: the attention's envelope alone (the exact
-    contract). Returns (PagedDecodeProblem, IndexerProblem); raises ContractError naming the
-    step's argument, expected, got and both envelopes."""
+    as ``check_indexer_decode`` (and, with ``indexer_plan``, the backend's ``IndexerProblem ->
+    IndexerPlan``, that its default plan covers the call, as ``check_indexer_plan``), the
+    attention's as ``check_decode_paged`` with the indexer's output as ``indices``.
+    ``attention_strict``: the attention's envelope alone (the exact contract). Returns
+    (PagedDecodeProblem, IndexerProblem); raises ContractError naming the step's argument,
+    expected, got and both envelopes."""
     _, _, ip, ap = _check_step(
         fn, strict, q, index_q,
         lambda meta: check_indexer_decode(index_q, index_k_cache, index_page_table, seq_lens,
@@ -1240,19 +1247,20 @@ def check_decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, i
                                        seq_lens, softmax_scale, k_scale, v_scale,
                                        batch_invariant=batch_invariant,
                                        strict=bool(strict) or bool(attention_strict), fn=fn),
-        min_rows=1)
+        min_rows=1, indexer_plan=indexer_plan)
     return ap, ip
 
 
 def check_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, index_k,
                        index_cu_seqlens_k, cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale=None,
                        k_scale=1.0, v_scale=1.0, *, topk: int = 512, compress_ratio: int = 4,
-                       strict: bool = False, fn: str = "qsa_prefill_step"
+                       strict: bool = False, fn: str = "qsa_prefill_step", indexer_plan=None
                        ) -> tuple[PrefillProblem, IndexerProblem]:
     """Check a prefill step call (``PREFILL_STEP_DOC``) before anything runs: ``index_q``,
     ``index_k`` as ``check_indexer_prefill``, the attention's inputs as ``check_prefill_paged``
-    with the indexer's output as ``indices``, ``index_cu_seqlens_k`` int32 [B + 1] on q's device.
-    Returns (PrefillProblem, IndexerProblem); raises as ``check_decode_step``."""
+    with the indexer's output as ``indices``, ``index_cu_seqlens_k`` int32 [B + 1] on q's device;
+    ``indexer_plan`` as ``check_decode_step``'s. Returns (PrefillProblem, IndexerProblem); raises
+    as ``check_decode_step``."""
     c, qs, ip, ap = _check_step(
         fn, strict, q, index_q,
         lambda meta: check_indexer_prefill(index_q, index_k, meta, meta, topk=topk,
@@ -1260,7 +1268,8 @@ def check_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, 
                                            seq_lens=meta, strict=strict, fn=fn),
         lambda ids: check_prefill_paged(q, k_cache, v_cache, req_to_token, req_indices, ids,
                                         cu_seqlens_q, kv_lens, max_seqlen_q, softmax_scale,
-                                        k_scale, v_scale, strict=strict, fn=fn))
+                                        k_scale, v_scale, strict=strict, fn=fn),
+        indexer_plan=indexer_plan)
     c.metadata("index_cu_seqlens_k", index_cu_seqlens_k, ap.requests + 1, qs,
                note=_b_from_cu_q(ap.requests, " + 1"))
     return ap, ip

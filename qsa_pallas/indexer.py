@@ -676,7 +676,8 @@ def indexer_topk_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
 
     Raises:
       ContractError: before anything is traced, ``interop.contract.check_indexer_decode``, or a
-        plan (given or the default) that cannot run this call; torch tensors; an
+        plan (given or the default: decode rows of up to 2^21 blocks, prefill calls of up to
+        2^20 packed keys, at topk 512) that cannot run this call; torch tensors; an
         ``interpret`` that is not None or a bool; ``interpret=False`` on a CPU-only jax.
     """
     return _decode_entry("indexer_topk_decode", q, k_cache, page_table, seq_lens, topk,

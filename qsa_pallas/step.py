@@ -23,11 +23,17 @@ from interop.indices import prefill_step_rows_xp
 
 from . import _compat as C
 from .decode_paged import _exact_contract_backend, sparse_decode_paged
-from .indexer import indexer_select_decode, indexer_select_prefill
+from .indexer import indexer_plan_for, indexer_select_decode, indexer_select_prefill
 from .prefill import sparse_prefill_paged
 
 __all__ = ["qsa_decode_step", "qsa_prefill_step", "prefill_step_rows", "replicate_kv_heads",
            "shard_step"]
+
+
+def _default_plan(prob):
+    """The indexer's default plan for a step's ``IndexerProblem`` (its reach is checked with
+    the step's argument names, before tracing)."""
+    return indexer_plan_for(prob.kind, prob.rows, prob.max_blocks, prob.topk)
 
 
 @C.forward_only
@@ -51,7 +57,8 @@ def qsa_decode_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, ind
     ap, _ = check_decode_step(*args, softmax_scale, k_scale, v_scale, topk=topk,
                               compress_ratio=compress_ratio, batch_invariant=batch_invariant,
                               strict=strict,
-                              attention_strict=not interp and _exact_contract_backend(), fn=fn)
+                              attention_strict=not interp and _exact_contract_backend(), fn=fn,
+                              indexer_plan=_default_plan)
     C.check_backend(fn, interpret, *args)
     return _decode_step(*args, softmax_scale=ap.softmax_scale, k_scale=ap.k_scale,
                         v_scale=ap.v_scale, topk=int(topk), ratio=int(compress_ratio),
@@ -118,7 +125,8 @@ def qsa_prefill_step(q, k_cache, v_cache, req_to_token, req_indices, index_q, in
     C.check_inputs(fn, interpret, **dict(zip(_PREFILL_NAMES, args)))
     interp = C.resolve_interpret(interpret)
     ap, _ = check_prefill_step(*args, max_seqlen_q, softmax_scale, k_scale, v_scale, topk=topk,
-                               compress_ratio=compress_ratio, strict=strict, fn=fn)
+                               compress_ratio=compress_ratio, strict=strict, fn=fn,
+                               indexer_plan=_default_plan)
     C.check_backend(fn, interpret, *args)
     return _prefill_step(*args, max_seqlen_q=ap.max_seqlen_q, softmax_scale=ap.softmax_scale,
                          k_scale=ap.k_scale, v_scale=ap.v_scale, topk=int(topk),

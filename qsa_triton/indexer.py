@@ -836,8 +836,8 @@ def indexer_topk_decode(q: torch.Tensor, k_cache: torch.Tensor, page_table: torc
     Raises:
       ContractError: before any launch: a call outside ``interop.contract.check_indexer_decode``,
         a non-torch argument, bf16 under an unpatched Triton interpreter, CPU tensors without
-        the interpreter, a plan (given or the default, rows of up to 2M blocks at topk 512)
-        that cannot run this call.
+        the interpreter, a plan (given or the default: decode rows of up to 2^21 blocks,
+        prefill calls of up to 2^20 packed keys, at topk 512) that cannot run this call.
     """
     return _decode_entry("indexer_topk_decode", q, k_cache, page_table, seq_lens, topk,
                          compress_ratio, strict, plan, expand=False)

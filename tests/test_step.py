@@ -24,6 +24,8 @@ step inside a jitted layer scan.
 
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 
 import numpy as np
@@ -399,6 +401,31 @@ def test_prefill_bad_calls():
     a, k = data.arguments(tn)
     with pytest.raises(ContractError, match="max_seqlen_q"):
         check_prefill_step(*a[:-1], 0, **k)
+
+
+def test_context_past_the_default_indexer_plan_is_refused_with_the_steps_names(monkeypatch):
+    """A context past what the indexer's default plan covers (2^21 blocks a decode row, 2^20
+    packed prefill keys at topk 512) is refused by the step's check, naming the step's
+    argument, before the indexer entry point runs (tripwire) or anything is traced."""
+    from qsa_pallas import step as PS
+    from qsa_triton import step as TS
+
+    boom = lambda *a, **k: pytest.fail("reached the indexer entry point")  # noqa: E731
+    for mod in (TS, PS):
+        for name in ("indexer_select_decode", "indexer_select_prefill"):
+            monkeypatch.setattr(mod, name, boom)
+    cases = [(dataclasses.replace(DECODE, topk=512), "index_page_table",
+              lambda v: np.zeros((v.shape[0], 2**21 // 16 + 1), np.int32)),
+             (dataclasses.replace(PREFILL, topk=512), "index_k",
+              lambda v: np.zeros((2**20 + 1,) + v.shape[1:], np.float16))]
+    for spec, arg, big in cases:
+        data = C.case_data(spec)
+        x = big({**data.values(), **data.ints}[arg])
+        for lib, named in ((qsa_triton, {**torch_args(data), arg: torch.from_numpy(x)}),
+                           (qsa_pallas, {**jax_args(data), arg: jnp.asarray(x)})):
+            with pytest.raises(ContractError) as e:
+                call(lib, data, named)
+            assert e.value.arg == arg and e.value.fn == f"qsa_{spec.kind}_step", str(e.value)
 
 
 def test_triton_step_traces_under_torch_compile():
