@@ -1001,9 +1001,10 @@ def _indexer_common(c: _Checker, q, k, k_name: str, k_rank: int, k_what: str, to
     c.contiguous(k_name, ks)
     c.same_device(k_name, ks, qs)
     lo, hi = _INDEXER_TOPK
-    if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or not lo <= int(topk) <= hi \
-            or int(topk) & (int(topk) - 1):
-        c.fail("topk", f"a host int, a power of two in [{lo}, {hi}]", topk)
+    host = not isinstance(topk, bool) and isinstance(topk, (int, np.integer))
+    if not host or not lo <= int(topk) <= hi or int(topk) & (int(topk) - 1):
+        c.fail("topk", f"a host int, a power of two in [{lo}, {hi}]",
+               topk if host else f"{type(topk).__name__} {topk!r}")
     r = c.host_int("compress_ratio", ratio, 2, 16)
     q8 = QUALIFIED_INDEXER
     if c.strict:

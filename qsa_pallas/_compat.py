@@ -182,17 +182,23 @@ def shard_map(f: Callable, *, mesh, in_specs, out_specs, check: bool = False) ->
     return _sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
 
 
+def _abstract_gpu():
+    """The abstract CUDA device of an enclosing ``jax.sharding.use_abstract_mesh`` (lowering
+    for a GPU without one), else None."""
+    try:
+        abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    except Exception:  # noqa: BLE001 - older jax without abstract meshes
+        return None
+    return abstract if abstract is not None and abstract.platform in ("cuda", "gpu") else None
+
+
 def target_facts():
     """``interop.arch.DeviceFacts`` of the GPU the kernels are built for: the abstract device of
     an enclosing ``jax.sharding.use_abstract_mesh`` (lowering without a GPU), else jax's first
     device if it is a GPU; None on a CPU-only jax or for an unknown compute capability."""
+    abstract = _abstract_gpu()
     try:
-        abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    except Exception:  # noqa: BLE001 - older jax without abstract meshes
-        abstract = None
-    try:
-        if (abstract is not None and abstract.platform in ("cuda", "gpu")
-                and getattr(abstract, "device_kind", None)):
+        if abstract is not None and getattr(abstract, "device_kind", None):
             return DeviceFacts.from_device_kind(abstract.device_kind, triton_version())
         dev = jax.devices()[0]
         return DeviceFacts.from_jax(dev) if dev.platform == "gpu" else None
@@ -225,10 +231,10 @@ def check_inputs(fn: str, interpret: bool | None, **arrays) -> None:
 
 
 def check_backend(fn: str, interpret: bool | None, *arrays) -> None:
-    """Refuse ``interpret=False`` on a CPU-only JAX with concrete inputs (run after the contract
-    check; traced inputs pass: they may be lowering for an abstract CUDA device)."""
-    concrete = not any(isinstance(a, jax.core.Tracer) for a in arrays)
-    if interpret is False and concrete and jax.default_backend() == "cpu":
+    """Refuse ``interpret=False`` on a CPU-only JAX (run after the contract check), eager or
+    under ``jax.jit`` / ``shard_map``, unless lowering for an abstract CUDA device
+    (``lower_for_device_kind``: compiled kernels built without a GPU)."""
+    if interpret is False and jax.default_backend() == "cpu" and _abstract_gpu() is None:
         raise ContractError(fn, "interpret", "True or None on a CPU-only JAX (compiled Pallas "
                             "kernels need a CUDA GPU backend)", interpret)
 

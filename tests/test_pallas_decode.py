@@ -621,3 +621,6 @@ def test_torch_tensors_and_compiled_mode_on_cpu_are_contract_errors():
     if jax.default_backend() == "cpu":
         with pytest.raises(ContractError, match="'interpret'"):
             qsa_pallas.sparse_decode(q, k, k, cu, ck, 4, interpret=False)
+        # under jax.jit too (only a lowering for an abstract CUDA device may ask for kernels)
+        with pytest.raises(ContractError, match="'interpret'"):
+            jax.jit(lambda *a: qsa_pallas.sparse_decode(*a, 4, interpret=False))(q, k, k, cu, ck)
