@@ -781,9 +781,10 @@ def validate_prefill_metadata(indices, cu_seqlens_q, kv_lens, kind: str, *, cu_s
                               req_to_token=None, req_indices=None, pool_slots: int | None = None,
                               flag_duplicates: bool = False, fn: str | None = None) -> dict:
     """Check prefill metadata contents (host sync; debug only). ``kv_lens``: the validity bound
-    per request (None: the request length, as ordinary prefill's); ``cu_seqlens_k`` (chunk): the
-    requests' K/V row ranges; ``fn``: the entry point errors name (None: ``sparse_prefill`` /
-    ``sparse_prefill_chunk`` / ``sparse_prefill_paged`` by ``kind``). Checks cu_seqlens_q
+    per request (None for ``kind="ordinary"``: the request length; required for chunk / paged);
+    ``cu_seqlens_k`` (chunk): the requests' K/V row ranges; ``fn``: the entry point errors name
+    (None: ``sparse_prefill`` / ``sparse_prefill_chunk`` / ``sparse_prefill_paged`` by
+    ``kind``). Checks the ranks and int32 values of every array, cu_seqlens_q
     (starts at 0, non-decreasing, ends at or before the T rows of ``indices``), one length per
     request, ``kv_lens[b]`` within the request's ``cu_seqlens_k`` range, valid entries first, at
     most the row's visible tokens valid, and (``req_to_token`` given) table rows, columns and

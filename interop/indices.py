@@ -10,6 +10,7 @@ entry is valid iff 0 <= idx < len (the request length, or kv_lens[b] for chunk/p
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal, Sequence
 
 import numpy as np
@@ -855,6 +856,7 @@ class IndexerPlan:
         return max(1, 1024 // self.topk)
 
 
+@functools.lru_cache(maxsize=256)  # pure, and every entry-point check asks for it
 def plan_indexer(kind: str, rows: int, max_blocks: int, topk: int = BLOCK_TOPK, *,
                  sm_count: int = 132, smem_per_block: int = 232_448,
                  backend: str = "triton") -> IndexerPlan:

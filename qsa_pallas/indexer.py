@@ -696,9 +696,13 @@ def indexer_select_decode(q, k_cache, page_table, seq_lens, *, topk: int = 512,
                          compress_ratio, strict, interpret, True, plan)
 
 
+def _default_plan(prob):
+    """``indexer_plan_for`` of an ``IndexerProblem`` (the entry points' and the steps' check)."""
+    return indexer_plan_for(prob.kind, prob.rows, prob.max_blocks, prob.topk)
+
+
 def _check_plan(fn, plan, prob):
-    check_indexer_plan(fn, prob, plan, lambda: indexer_plan_for(prob.kind, prob.rows,
-                                                                prob.max_blocks, prob.topk))
+    check_indexer_plan(fn, prob, plan, lambda: _default_plan(prob))
 
 
 def _decode_entry(fn, q, k_cache, page_table, seq_lens, topk, ratio, strict, interpret, expand,

@@ -23,17 +23,11 @@ from interop.indices import prefill_step_rows_xp
 
 from . import _compat as C
 from .decode_paged import _exact_contract_backend, sparse_decode_paged
-from .indexer import indexer_plan_for, indexer_select_decode, indexer_select_prefill
+from .indexer import _default_plan, indexer_select_decode, indexer_select_prefill
 from .prefill import sparse_prefill_paged
 
 __all__ = ["qsa_decode_step", "qsa_prefill_step", "prefill_step_rows", "replicate_kv_heads",
            "shard_step"]
-
-
-def _default_plan(prob):
-    """The indexer's default plan for a step's ``IndexerProblem`` (its reach is checked with
-    the step's argument names, before tracing)."""
-    return indexer_plan_for(prob.kind, prob.rows, prob.max_blocks, prob.topk)
 
 
 @C.forward_only

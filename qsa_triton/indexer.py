@@ -778,9 +778,14 @@ def _entry(fn: str, checker, tensors: dict, extra: dict, args: tuple, strict: bo
                        **extra)
         check_interpreter_dtype(fn, prob.compute_dtype, _passed(q, prob))
         check_device(fn, q.device.type)
-        check_indexer_plan(fn, prob, plan, lambda: indexer_plan_for(
-            prob.kind, prob.rows, prob.max_blocks, prob.topk, q.device))
+        check_indexer_plan(fn, prob, plan, lambda: _default_plan(prob, q.device))
     return op(*args, bool(strict)) if plan is None else run(*args, plan)
+
+
+def _default_plan(prob, device: torch.device) -> IndexerPlan:
+    """``indexer_plan_for`` of an ``IndexerProblem`` on ``device`` (the entry points' and the
+    steps' check)."""
+    return indexer_plan_for(prob.kind, prob.rows, prob.max_blocks, prob.topk, device)
 
 
 def _passed(q: torch.Tensor, prob) -> str:

@@ -23,7 +23,7 @@ from interop.contract import (DECODE_STEP_DOC, PREFILL_STEP_DOC, ContractError, 
 
 from ._interp_guard import check_device, check_interpreter_dtype, check_torch_tensors, interpreting
 from .decode_paged import _exact_contract_device, sparse_decode_paged
-from .indexer import indexer_plan_for, indexer_select_decode, indexer_select_prefill
+from .indexer import _default_plan, indexer_select_decode, indexer_select_prefill
 from .prefill import sparse_prefill_paged
 
 __all__ = ["qsa_decode_step", "qsa_prefill_step", "prefill_step_rows"]
@@ -32,12 +32,6 @@ _DECODE_NAMES = ("q", "k_cache", "v_cache", "req_to_token", "req_indices", "inde
                  "index_k_cache", "index_page_table", "seq_lens")
 _PREFILL_NAMES = ("q", "k_cache", "v_cache", "req_to_token", "req_indices", "index_q", "index_k",
                   "index_cu_seqlens_k", "cu_seqlens_q", "kv_lens")
-
-
-def _default_plan(device: torch.device):
-    """The indexer's default plan for a step's ``IndexerProblem`` (its reach is checked with
-    the step's argument names)."""
-    return lambda p: indexer_plan_for(p.kind, p.rows, p.max_blocks, p.topk, device)
 
 
 def _backend_checks(fn: str, q: torch.Tensor, attention, indexer) -> None:
@@ -74,7 +68,7 @@ def qsa_decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             *args, softmax_scale, k_scale, v_scale, topk=topk, compress_ratio=compress_ratio,
             batch_invariant=batch_invariant, strict=strict,
             attention_strict=_exact_contract_device(q.device.type, q.device.index), fn=fn,
-            indexer_plan=_default_plan(q.device))
+            indexer_plan=lambda p: _default_plan(p, q.device))
         _backend_checks(fn, q, ap, ip)
     indices = indexer_select_decode(index_q, index_k_cache, index_page_table, seq_lens, topk=topk,
                                     compress_ratio=compress_ratio, strict=strict)
@@ -147,7 +141,7 @@ def qsa_prefill_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         check_torch_tensors(fn, **dict(zip(_PREFILL_NAMES, args)))
         ap, ip = check_prefill_step(*args, max_seqlen_q, softmax_scale, k_scale, v_scale,
                                     topk=topk, compress_ratio=compress_ratio, strict=strict, fn=fn,
-                                    indexer_plan=_default_plan(q.device))
+                                    indexer_plan=lambda p: _default_plan(p, q.device))
         _backend_checks(fn, q, ap, ip)
     rs, re, pos, bound = _step_rows(cu_seqlens_q, kv_lens, index_cu_seqlens_k, q.shape[0],
                                     compress_ratio)
