@@ -321,15 +321,22 @@ def _union_step(q, acc, m_i, l_i, tok, tok_ok, member, kv_base, last_pos, table_
                 other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k)) * qk_scale
     s = tl.where(member & ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
-    alpha = tl.math.exp2(m_i - m_ref)
-    p = tl.math.exp2(s - m_ref[:, None])
-    l_i = l_i * alpha[:, None] + p
+    m_blk = tl.max(s, 1)
+    # conditional rescaling (FlashAttention-4): the [M, D] accumulator is rescaled only when a
+    # row's max grew by more than 2^8 since the reference point in use; below that the scores
+    # stay <= 2^8 above it, exact after the final division by the same reference's sum
+    if tl.max((m_blk > m_i + 8.0).to(tl.int32), 0) > 0:
+        m_new = tl.maximum(m_i, m_blk)
+        alpha = tl.math.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha[:, None]
+        m_i = m_new
+    p = tl.math.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])  # no -inf - -inf
+    l_i = l_i + p
     v = tl.load(v_head + kv_row[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None],
                 other=0.0).to(q.dtype)
-    acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
-    return acc, m_new, l_i
+    acc = tl.dot(p.to(q.dtype), v, acc)
+    return acc, m_i, l_i
 
 
 @triton.jit
