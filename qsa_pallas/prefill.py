@@ -219,8 +219,7 @@ def _prefill_kernel(*refs, st: _Static):
         else:
             valid = col_ok & (ids >= 0) & (ids < length)
             # in range even when cu_seqlens_k / kv_lens disagree with k's rows (bad metadata)
-            kv_rows = jnp.where(valid & (ids > last_pos), st.kv_rows - 1,
-                                jnp.clip(jnp.where(valid, base + ids, 0), 0, st.kv_rows - 1))
+            kv_rows = jnp.where(valid, jnp.maximum(base + jnp.minimum(ids, last_pos), 0), 0)
         gmask = jnp.broadcast_to(valid[:, None], (bn, d))
         # Masked lanes are never dereferenced on the GPU and read `other` = 0 (interpret mode
         # gathers the clamped row, then substitutes `other`), so a non-finite never-selected row
