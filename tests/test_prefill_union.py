@@ -657,6 +657,37 @@ def test_union_clamps_a_lying_kv_range_into_k(backend, r):
     assert_matches(backend.run(case, union_geometry(case, r)), ref, f"{backend.name} R={r}")
 
 
+@pytest.mark.parametrize("route", ["union", "per-row"])
+@pytest.mark.parametrize("span", [24.0, 96.0])
+def test_rising_scores_take_both_rescale_paths(backend, route, span):
+    """Conditional rescaling (both prefill kernels keep a stale row max until a new score passes
+    it by more than 2^8): keys whose scores rise with their position (request by request, up
+    to ``span`` in log2 units over a request's keys) make the walk both skip and take the
+    rescale many times; union tiles visit blocks in ascending order (steady growth), the
+    per-row kernel in the rows' index order. The union kernel at R = 4, or the per-row kernel
+    alone, unsplit, 16 columns a step (7 steps a row)."""
+    from tests.prefill_case import rounded
+
+    case = block_case("chunk", 6, 1, [9, 7], [70, 40], nb=24, duplicates=0, seed=21)
+    a = case.arrays
+    rng = np.random.default_rng(5)
+    d = a["q"].shape[-1]
+    a["q"] = rounded(1.0 + 0.05 * rng.standard_normal(a["q"].shape), case.dtype)
+    pos = np.zeros(a["k"].shape[0])
+    cu = a["cu_seqlens_k"]
+    for b in range(len(cu) - 1):
+        n = int(cu[b + 1] - cu[b])
+        pos[cu[b]:cu[b + 1]] = np.arange(n) / max(n - 1, 1)
+    # score ~ q . k / sqrt(d) in nats = pos x span x ln 2 (log2 units: pos x span)
+    ramp = pos * span * np.log(2.0) / np.sqrt(d)
+    a["k"] = rounded(ramp[:, None, None] + 0.05 * rng.standard_normal(a["k"].shape),
+                     case.kv_dtype)
+    ref = case.reference()
+    geo = (union_geometry(case, 4) if route == "union"
+           else UnionGeometry("rows", 1, 16, 16, 4, 1, "test"))
+    assert_matches(backend.run(case, geo), ref, f"{backend.name} {route} span={span}")
+
+
 @pytest.mark.parametrize("r", [5, 8])
 def test_union_builds_drop_block_ids_past_the_sort_key_limit(backend, r):
     """qsa-contract.md §7: the builds sort keys block x R + row, 31 bits in Triton, 30 in Pallas
