@@ -135,16 +135,21 @@ def _prefill_row(
                     mask=valid[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # all-masked so far: keep the reference point finite (no -inf - -inf = NaN)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_ref)
-        p = tl.math.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha[:, None] + p
+        m_blk = tl.max(s, 1)
+        # conditional rescaling (FlashAttention-4, as the tile-union kernel): acc and l_i move
+        # to a new reference point only when a head's max grew by more than 2^8
+        if tl.max((m_blk > m_i + 8.0).to(tl.int32), 0) > 0:
+            m_new = tl.maximum(m_i, m_blk)
+            # all-masked so far: keep the reference point finite (no -inf - -inf = NaN)
+            alpha = tl.math.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha[:, None]
+            m_i = m_new
+        p = tl.math.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+        l_i = l_i + p
         v = tl.load(v_head + kv_row[:, None] * stride_vn + offs_d[None, :],
                     mask=valid[:, None], other=0.0).to(q.dtype)
-        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        acc = tl.dot(p.to(q.dtype), v, acc)
     l_i = tl.sum(l_i, 1)
     has = l_i > 0.0
     if SPLIT:
