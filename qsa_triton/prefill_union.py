@@ -51,8 +51,8 @@ from interop.plan import LOG2E, next_pow2
 
 from ._fp8 import fp16_query
 
-__all__ = ["build_block_union", "expand_blocks", "last_position", "pool_slot", "request_table",
-           "row_runs", "union_build", "union_launch", "union_slots"]
+__all__ = ["build_block_union", "build_num_warps", "expand_blocks", "last_position", "pool_slot",
+           "request_table", "row_runs", "union_build", "union_launch", "union_slots"]
 
 _BIG = tl.constexpr(1 << 62)  # sort key of an invalid entry: after every valid key
 _REPEATED = tl.constexpr(REPEATED_TILE)
@@ -600,8 +600,15 @@ def build_block_union(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
         NBP=next_pow2(nb), BP=next_pow2(n_req + 1),
         ORDINARY=kv_lens is None,
         KEY64=key64,
-        num_warps=8 if r * next_pow2(nb) > 2048 else 4)
+        num_warps=build_num_warps(r, next_pow2(nb)))
     return ublk, umem, ulen
+
+
+def build_num_warps(tile_rows: int, nbp: int) -> int:
+    """Warps of the union build for its R x NBP sort keys: 2 from 2048 keys (more of the merge's
+    compare-exchange stages stay inside a thread, more programs share an SM), else 4. Source:
+    bench/NOTES.md, "Tile-union sparse prefill" (build warps)."""
+    return 2 if tile_rows * nbp >= 2048 else 4
 
 
 def expand_blocks(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,

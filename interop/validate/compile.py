@@ -422,7 +422,7 @@ def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict
     for r in sorted({geo.tile_rows for _, geo in geos}):
         consts = {"R": r, "NBP": 512, "BP": 2, "ORDINARY": False, "KEY64": False}
         out.append(_entry(build, f"prefill_union_build_R{r}_nb512", {}, consts,
-                          8 if r * 512 > 2048 else 4, 1, aligned=_aligned(build.arg_names, "qkvo"),
+                          U.build_num_warps(r, 512), 1, aligned=_aligned(build.arg_names, "qkvo"),
                           geometry=None))
         out.append(_entry(skip, f"prefill_union_skip_R{r}_nb512", {},
                           {"R": r, "NBP": 512, "BP": 2, "ORDINARY": False}, 4, 1,
