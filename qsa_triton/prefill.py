@@ -12,7 +12,9 @@ in base 2 on FP32 scores scaled by ``softmax_scale * k_scale * log2(e)`` (P cast
 for P·V); ``out = acc * v_scale / l``. Invalid entries (valid iff ``0 <= idx < len``) and
 columns past ``min(W, visible)`` are masked, so the result does not depend on BLOCK_N; a row
 with no valid entry stores exact zeros. The denominator is a [BLOCK_M, BLOCK_N] running sum
-reduced once per row; K/V offsets are 32-bit below 2**31 elements (``needs_off64``).
+reduced once per row; the accumulator and that sum move to a new reference max only when a
+head's max grows by more than 2^8 (conditional rescaling, FlashAttention-4, Dao et al. 2025);
+K/V offsets are 32-bit below 2**31 elements (``needs_off64``).
 
 Grid (min(max_seqlen_q, T), B * Hkv), as upstream's. max_seqlen_q is only a hint (row counts live
 on the device): a tail launch (``ROW_LOOP``, TAIL_PROGRAMS programs per request and KV head) loops over
