@@ -46,6 +46,7 @@ from interop.plan import LOG2E, next_pow2
 from . import prefill_union as PU
 from .prefill_union import last_position, pool_slot, request_table, row_runs
 from ._fp8 import fp16_query
+from .decode import _pdl_supported
 from ._interp_guard import (check_device, check_interpreter_dtype, check_torch_tensors,
                             refuse_traced, traced_refusal)
 
@@ -191,7 +192,7 @@ def _qsa_sparse_prefill_fwd(
     n_splits, stride_ps, stride_pl, hq,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
-    ROW_LOOP: tl.constexpr, SPLIT: tl.constexpr,
+    ROW_LOOP: tl.constexpr, SPLIT: tl.constexpr, UNION_PDL: tl.constexpr,
 ):
     bh = tl.program_id(1)
     b = bh // HKV
@@ -219,6 +220,18 @@ def _qsa_sparse_prefill_fwd(
                              stride_qh, stride_kh, stride_kn, stride_vh, stride_vn, stride_ot,
                              stride_oh, stride_it, stride_ih, po_ptr, plse_ptr, n_splits,
                              stride_ps, stride_pl, hq, G, D, BLOCK_M, BLOCK_N, MODE, OFF64, SPLIT)
+        if UNION_PDL:
+            # launched as the tile-union kernel's PDL dependent (qsa_triton.prefill_union,
+            # module docstring, 3): it writes other rows and reads nothing this grid writes. A
+            # program that computed a row, and program 0, waits for it before exiting, so this
+            # grid (and the call) completes after it; the others exit at once, freeing their
+            # slot for the programs with a row
+            did = (r >= r_lo) & (r < r_hi)
+            if did:
+                did = row_runs(ulen_ptr, stride_ls, stride_lh, n_slots, max_union, q_start, b,
+                               r, h, union_rows)
+            if did | ((tl.program_id(0) == 0) & (bh == 0)):
+                tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -364,13 +377,15 @@ _KINDS = {MODE_ORDINARY: "ordinary", MODE_CHUNK: "chunk", MODE_SLOTS: "paged"}
 
 
 def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, geometry,
-            skip=None):
+            skip=None, out=None, union_pdl=False):
     """Both launches of one call (main grid, then the tail); ``geometry`` None: the selector;
     ``skip``: None, or (union lengths int32 [S, H], tile rows R, max_union) of a block-level
     call whose tiles within ``max_union`` the tile-union kernel computes (their rows are left
-    zero here)."""
+    as they are here). ``out``: the zero-filled output to write (None: a new one);
+    ``union_pdl``: the main launch is the PDL dependent of the tile-union kernel just launched
+    (``qsa_triton.prefill_union``, module docstring, 3)."""
     # zeros: rows outside every request (T padded past cu_q[B]) get no program (as in qsa_pallas)
-    out = torch.zeros_like(q)
+    out = torch.zeros_like(q) if out is None else out
     t, hq, d = q.shape
     hkv = k.shape[1]
     if t == 0 or k.shape[0] == 0:  # nothing to compute / gather from: every entry is invalid
@@ -397,10 +412,12 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
     for row_loop, g, grid0, row_base in ((False, geo, max_q, 0),
                                          (True, tail_geometry(geo), TAIL_PROGRAMS, max_q)):
         split = splits > 1 and not row_loop
+        pdl = union_pdl and not row_loop  # launch_pdl only when on (interpreter: never)
         _qsa_sparse_prefill_fwd[(grid0, requests * hkv, splits if split else 1)](
             *args[:9], po, plse, *args[9:], row_base, t, k.shape[0], ulen.shape[0], max_union,
             ur, *strides, *parts, **consts, BLOCK_N=g.block_n, ROW_LOOP=row_loop, SPLIT=split,
-            num_warps=g.num_warps, num_stages=g.num_stages)
+            UNION_PDL=pdl, num_warps=g.num_warps, num_stages=g.num_stages,
+            **({"launch_pdl": True} if pdl else {}))
     if splits > 1:
         _qsa_prefill_merge[(max_q, requests * hkv)](
             out, po, plse, cu_q, float(v_scale), t, out.stride(0), out.stride(1), *parts,
@@ -480,11 +497,14 @@ def _blocks_impl(mode, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token
     union = PU.union_build(mode, q, k, block_indices, cu_q, kv_lens, req_to_token, geo)
     skip = (union[2], geo.tile_rows, union[3])
     idx = PU.expand_blocks(block_indices, cu_q, kv, pool=pool, skip=skip)
-    out = _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, None,
-                  skip)
+    out = torch.zeros_like(q)
+    # the union kernel first, the per-row kernel on the other tiles' rows as its PDL dependent
+    # (qsa_triton.prefill_union, module docstring, 3)
+    pdl = _pdl_supported(q.device)
     PU.union_launch(mode, q, k, v, out, union, cu_q, cu_k, kv_lens, req_to_token, req_indices,
-                    scale, k_scale, v_scale, geo, needs_off64(k, v))
-    return out
+                    scale, k_scale, v_scale, geo, needs_off64(k, v), trigger=pdl)
+    return _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, None,
+                   skip, out=out, union_pdl=pdl)
 
 
 def _hint(overlap: float) -> float | None:

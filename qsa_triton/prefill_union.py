@@ -28,7 +28,11 @@ rows of one request and one KV head:
    union has more than ``interop.geometry.max_union_entries`` entries is skipped by the union
    kernel; its rows are expanded to tokens (``_qsa_expand_blocks``, rows of the other tiles
    left out) and computed by the per-row kernel (``qsa_triton.prefill``, its rows of the other
-   tiles skipped too), launched before the union kernel. The selector sees host facts only;
+   tiles skipped too), launched after the union kernel as its Programmatic Dependent Launch
+   dependent where the device has PDL (sm_90+; programs that computed a row, and program 0,
+   wait for the union grid at their end, so the call completes after both): the few long row
+   walks of an overlapping selection run in the union kernel's last wave, not after it (a row
+   walk is long: a few rows alone cost one walk's latency). The selector sees host facts only;
    this switch is where the measured overlap decides. A light kernel first estimates each
    tile's union (``_qsa_union_skip``: the multiplicities of 32 sampled entries) and the build
    does not sort a tile estimated past 5/4 of the bound: low-overlap selections cost little
@@ -349,10 +353,14 @@ def _qsa_prefill_union_fwd(
     stride_us, stride_uh, stride_ls, stride_rt,
     PER_HEAD: tl.constexpr, G: tl.constexpr, HT: tl.constexpr, R: tl.constexpr,
     M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-    OFF64: tl.constexpr, BP: tl.constexpr,
+    OFF64: tl.constexpr, BP: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     """Attention of one tile (R rows x G heads) and one KV head over its union (docstring, 2);
-    nothing for a tile whose union has more than ``max_union`` entries (docstring, 3)."""
+    nothing for a tile whose union has more than ``max_union`` entries (docstring, 3).
+    ``TRIGGER``: the per-row kernel of the other tiles' rows is this grid's PDL dependent
+    (docstring, 3): it may be scheduled as soon as every program has started."""
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     slot = tl.program_id(0)
     h = tl.program_id(1)
     BLOCK_U: tl.constexpr = BLOCK_N // 4
@@ -672,10 +680,11 @@ def union_build(mode: int, q, k, block_indices, cu_q, kv_lens, req_to_token,
 
 def union_launch(mode: int, q, k, v, out, union, cu_q, cu_k, kv_lens, req_to_token,
                  req_indices, scale: float, k_scale: float, v_scale: float,
-                 geo: UnionGeometry, off64: bool) -> None:
+                 geo: UnionGeometry, off64: bool, trigger: bool = False) -> None:
     """The tile-union kernel of one checked call into ``out`` (q's shape and dtype; rows of
     tiles past the bound are left as they are), ``union`` from ``union_build`` (metadata the
-    mode does not read may be any int32 tensor)."""
+    mode does not read may be any int32 tensor); ``trigger``: the next launch is its PDL
+    dependent (module docstring, 3)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -694,5 +703,6 @@ def union_launch(mode: int, q, k, v, out, union, cu_q, cu_k, kv_lens, req_to_tok
         r2t.stride(0) if paged else 0,
         PER_HEAD=ulen.shape[1] > 1, G=group, HT=next_pow2(group), R=geo.tile_rows,
         M=geo.head_tile, D=d, BLOCK_N=geo.block_n, MODE=mode, OFF64=off64,
-        BP=next_pow2(n_req + 1), num_warps=geo.num_warps, num_stages=geo.num_stages)
+        BP=next_pow2(n_req + 1), TRIGGER=bool(trigger), num_warps=geo.num_warps,
+        num_stages=geo.num_stages)
 

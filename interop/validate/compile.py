@@ -359,6 +359,7 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
     split-KV merge; the paged slot pre-pass. Dicts as ``triton_decode_configs``."""
     from interop.geometry import all_configs  # noqa: PLC0415
     from interop.plan import next_pow2  # noqa: PLC0415
+    from qsa_triton import decode as dec  # noqa: PLC0415
     from qsa_triton import prefill as P  # noqa: PLC0415
 
     kernel = P._qsa_sparse_prefill_fwd
@@ -373,16 +374,20 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
             mode = getattr(P, mode_name)
             qt, kt = _TT[qd], _TT[kd or qd]
             # tail geometries repeat across the main ones (_unique keeps one); the main launch
-            # also split-KV (fp32 partials: short prefills, ``prefill_splits``)
-            for row_loop, split, g in ((False, False, geo), (False, True, geo),
-                                       (True, False, P.tail_geometry(geo))):
+            # also split-KV (fp32 partials: short prefills, ``prefill_splits``) and as the
+            # tile-union kernel's PDL dependent (the rows of tiles past the union bound)
+            for row_loop, split, g, pdl in (
+                    (False, False, geo, False), (False, True, geo, False),
+                    (True, False, P.tail_geometry(geo), False),
+                    *(((False, False, geo, True),) if dec._TRITON_PDL else ())):
                 consts = {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": g.block_m,
                           "BLOCK_N": g.block_n, "MODE": mode, "OFF64": mode == P.MODE_SLOTS,
-                          "ROW_LOOP": row_loop, "SPLIT": split}
+                          "ROW_LOOP": row_loop, "SPLIT": split, "UNION_PDL": pdl}
                 out.append(_entry(kernel, f"prefill_mode{mode}_{qt}_{kt}_G{grp}_bm{g.block_m}"
                                           f"_bn{g.block_n}_w{g.num_warps}_s{g.num_stages}"
                                           f"{'_tail' if row_loop else ''}"
-                                          f"{'_split' if split else ''}",
+                                          f"{'_split' if split else ''}"
+                                          f"{'_unionpdl' if pdl else ''}",
                                   {**_attention_types(qt, kt), **_PARTIALS}, consts, g.num_warps,
                                   g.num_stages, aligned=aligned, geometry=g))
         merge = P._qsa_prefill_merge  # the split-KV merge, per head tile
@@ -407,6 +412,7 @@ def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict
     ``triton_decode_configs``."""
     from interop.geometry import all_union_configs  # noqa: PLC0415
     from interop.plan import next_pow2  # noqa: PLC0415
+    from qsa_triton import decode as dec  # noqa: PLC0415
     from qsa_triton import prefill_union as U  # noqa: PLC0415
 
     geos = all_union_configs(arch, head_dim=head_dim, backend="triton")
@@ -433,7 +439,7 @@ def triton_prefill_union_configs(arch: str, *, head_dim: int = 256) -> list[dict
         for mode in (0, 1, 2) if kv_bytes == 2 else (1, 2):  # ordinary prefill has no FP8 K/V
             consts = {"PER_HEAD": False, "G": group, "HT": next_pow2(group), "R": geo.tile_rows,
                       "M": geo.head_tile, "D": head_dim, "BLOCK_N": geo.block_n, "MODE": mode,
-                      "OFF64": mode == 2, "BP": 2}
+                      "OFF64": mode == 2, "BP": 2, "TRIGGER": dec._TRITON_PDL}
             out.append(_entry(kernel, f"prefill_union_mode{mode}_bf16_{kt}_R{geo.tile_rows}"
                               f"_m{geo.head_tile}_bn{geo.block_n}"
                               f"_w{geo.num_warps}"
