@@ -44,7 +44,7 @@ from interop.geometry import (BLOCK_INDICES_DOC, PREFILL_SPLIT_RULES, Geometry, 
 from interop.plan import LOG2E, next_pow2
 
 from . import prefill_union as PU
-from .prefill_union import last_position, pool_slot, request_table, row_runs
+from .prefill_union import last_position, pool_slot, request_table, row_runs, softmax_weights
 from ._fp8 import fp16_query
 from .decode import _pdl_supported
 from ._interp_guard import (check_device, check_interpreter_dtype, check_torch_tensors,
@@ -138,18 +138,7 @@ def _prefill_row(
                     mask=valid[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_blk = tl.max(s, 1)
-        # conditional rescaling (FlashAttention-4, as the tile-union kernel): acc and l_i move
-        # to a new reference point only when a head's max grew by more than 2^8
-        if tl.max((m_blk > m_i + 8.0).to(tl.int32), 0) > 0:
-            m_new = tl.maximum(m_i, m_blk)
-            # all-masked so far: keep the reference point finite (no -inf - -inf = NaN)
-            alpha = tl.math.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha[:, None]
-            m_i = m_new
-        p = tl.math.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-        l_i = l_i + p
+        p, acc, m_i, l_i = softmax_weights(s, acc, m_i, l_i)  # conditional rescaling
         v = tl.load(v_head + kv_row[:, None] * stride_vn + offs_d[None, :],
                     mask=valid[:, None], other=0.0).to(q.dtype)
         acc = tl.dot(p.to(q.dtype), v, acc)

@@ -57,7 +57,8 @@ from interop.plan import LOG2E, next_pow2
 from ._fp8 import fp16_query
 
 __all__ = ["build_block_union", "build_num_warps", "expand_blocks", "last_position", "pool_slot",
-           "request_table", "row_runs", "union_build", "union_launch", "union_slots"]
+           "request_table", "row_runs", "softmax_weights", "union_build", "union_launch",
+           "union_slots"]
 
 _BIG = tl.constexpr(1 << 62)  # sort key of an invalid entry: after every valid key
 _REPEATED = tl.constexpr(REPEATED_TILE)
@@ -306,6 +307,26 @@ def _emit_union(ks, prev, ublk_row, umem_row, ulen_at, R: tl.constexpr, N: tl.co
 
 
 @triton.jit
+def softmax_weights(s, acc, m_i, l_i):
+    """One base-2 online-softmax step of both prefill kernels: scores ``s`` fp32 [M, N] (-inf =
+    masked), accumulator ``acc`` fp32 [M, D], row max ``m_i`` fp32 [M], deferred row sum ``l_i``
+    fp32 [M, N]; returns (p = exp2(s - m_i) [M, N], acc, m_i, l_i + p). Conditional rescaling
+    (FlashAttention-4, Dao et al. 2025): acc and l_i move to a new reference max only when some
+    row's max grew by more than 2^8 since the one in use; below that every p <= 2^8 and the
+    final division by the sum of the same reference is exact. Raises nothing."""
+    m_blk = tl.max(s, 1)
+    if tl.max((m_blk > m_i + 8.0).to(tl.int32), 0) > 0:
+        m_new = tl.maximum(m_i, m_blk)
+        # all-masked so far: keep the reference point finite (no -inf - -inf = NaN)
+        alpha = tl.math.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha[:, None]
+        m_i = m_new
+    p = tl.math.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+    return p, acc, m_i, l_i + p
+
+
+@triton.jit
 def _union_step(q, acc, m_i, l_i, tok, tok_ok, member, kv_base, last_pos, table_row, bound,
                 pool_slots, k_head, v_head, stride_kn, stride_vn, qk_scale,
                 D: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr):
@@ -326,18 +347,7 @@ def _union_step(q, acc, m_i, l_i, tok, tok_ok, member, kv_base, last_pos, table_
                 other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k)) * qk_scale
     s = tl.where(member & ok[None, :], s, float("-inf"))
-    m_blk = tl.max(s, 1)
-    # conditional rescaling (FlashAttention-4): the [M, D] accumulator is rescaled only when a
-    # row's max grew by more than 2^8 since the reference point in use; below that the scores
-    # stay <= 2^8 above it, exact after the final division by the same reference's sum
-    if tl.max((m_blk > m_i + 8.0).to(tl.int32), 0) > 0:
-        m_new = tl.maximum(m_i, m_blk)
-        alpha = tl.math.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha[:, None]
-        m_i = m_new
-    p = tl.math.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])  # no -inf - -inf
-    l_i = l_i + p
+    p, acc, m_i, l_i = softmax_weights(s, acc, m_i, l_i)
     v = tl.load(v_head + kv_row[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None],
                 other=0.0).to(q.dtype)
     acc = tl.dot(p.to(q.dtype), v, acc)
