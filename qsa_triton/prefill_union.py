@@ -20,7 +20,7 @@ rows of one request and one KV head:
 2. Attention (``_qsa_prefill_union_fwd``, per tile and KV head): a [max(16, R x next_pow2(G)), D]
    Q tile walks the union BLOCK_N / 4 blocks at a time; each gathered K/V row serves the R rows,
    scores masked by membership, online softmax per (row, head) in base 2 with conditional
-   rescaling (``qsa_triton.prefill``'s module docstring); a last step covers the
+   rescaling (``softmax_weights``, shared with the per-row kernel); a last step covers the
    rows' causal tails (at most R + 3 tokens). Work is |union| x R rows, so the shared selector
    (``interop.geometry.select_prefill_blocks``) sends low-overlap and short-request workloads to
    the per-row kernel (``_qsa_expand_blocks``, then ``qsa_triton.prefill``'s kernel) alone.
