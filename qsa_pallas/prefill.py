@@ -235,7 +235,15 @@ def _prefill_kernel(*refs, st: _Static):
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * score_scale  # [ht, bn]
         s = jnp.where(valid[None, :], s, -jnp.inf)
-        return PU.online_softmax_step(acc, m_i, l_i, s, v, compute_dtype)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        # Fully masked so far: keep the shift finite so exp2 gives 0, never NaN.
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        pv = jnp.dot(p.astype(compute_dtype), v, preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + pv
+        return acc, m_new, l_new
 
     acc0 = jnp.zeros((ht, d), jnp.float32)
     m0 = jnp.full((ht,), -jnp.inf, jnp.float32)

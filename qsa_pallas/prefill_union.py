@@ -36,8 +36,8 @@ from . import _compat
 from ._compat import pl
 from ._fp8 import fp16_query, is_fp8
 
-__all__ = ["block_union", "expand_blocks", "last_position", "online_softmax_step", "pool_slot",
-           "request_table", "row_runs", "union_build", "union_run", "union_slots"]
+__all__ = ["block_union", "expand_blocks", "last_position", "pool_slot", "request_table",
+           "row_runs", "union_build", "union_run", "union_slots"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -49,28 +49,6 @@ def last_position(base, kv_rows: int):
     ``base``: an int32 scalar (K/V row of position 0); returns an int32 scalar. Raises nothing;
     source: qsa-contract.md §7 (lying ranges)."""
     return jnp.where(base < kv_rows - 1 - _INT32_MAX, _INT32_MAX, kv_rows - 1 - base)
-
-
-def online_softmax_step(acc, m_i, l_i, s, v, dt):
-    """One base-2 online-softmax step of both prefill kernels: scores ``s`` fp32 [M, N] (-inf =
-    masked), values ``v`` [N, D] (cast to ``dt`` for the dot); the running ``acc`` fp32 [M, D],
-    row max ``m_i`` and row sum ``l_i`` fp32 [M] come back updated. Conditional rescaling
-    (FlashAttention-4, Dao et al. 2025): acc and l move to a new reference point only when some
-    row's max passed the one in use by more than 2^8; below that every p <= 2^8 and the final
-    division by l (same reference point) is exact. Raises nothing; source: as above."""
-    m_blk = jnp.max(s, axis=1)
-
-    def rescale(c):
-        acc, m_i, l_i = c
-        m_new = jnp.maximum(m_i, m_blk)
-        alpha = jnp.exp2(m_i - jnp.where(m_new == -jnp.inf, 0.0, m_new))  # no -inf - -inf
-        return acc * alpha[:, None], m_new, l_i * alpha
-
-    grew = jnp.max((m_blk > m_i + 8.0).astype(jnp.int32)) > 0
-    acc, m_i, l_i = lax.cond(grew, rescale, lambda c: c, (acc, m_i, l_i))
-    p = jnp.exp2(s - jnp.where(m_i == -jnp.inf, 0.0, m_i)[:, None])
-    acc = acc + jnp.dot(p.astype(dt), v, preferred_element_type=jnp.float32)
-    return acc, m_i, l_i + jnp.sum(p, axis=1)
 
 
 def request_table(ri_ref, b, kv_len, max_reqs: int, max_context: int):
@@ -453,7 +431,13 @@ def _union_kernel(*refs, st: _UStatic):
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * qk
         s = jnp.where(member & ok[None, :], s, -jnp.inf)
-        return online_softmax_step(acc, m_i, l_i, s, v, dt)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no -inf - -inf
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(dt), v, preferred_element_type=jnp.float32)
+        return acc, m_new, l_new
 
     def init(rows):
         return (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
