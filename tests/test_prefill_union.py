@@ -1023,6 +1023,54 @@ def test_gpu_triton_union_paged_lying_metadata_junk_fp8():
 
 
 @gpu
+def test_gpu_triton_union_and_rows_beside_it_in_a_graph():
+    """8192 rows of mixed selections (generator overlap 0.75: about 18% of the tiles past the
+    union bound): the union kernel and, on sm_90+, the per-row kernel on the other tiles' rows
+    as its PDL dependent (``qsa_triton.prefill_union``, module docstring, 3). Eager, then
+    captured in a CUDA graph and replayed after new block ids are copied in: every row matches
+    the reference, replays are bitwise the eager call's (each row is written by one kernel)."""
+    import torch
+
+    from interop.geometry import max_union_entries
+    from tests.prefill_case import torch_reference
+
+    cases = [_gpu_case("chunk", 32768, 12, 1, seed=s, overlap=0.75) for s in (51, 52)]
+    be = TritonBackend()
+    kl = cases[0].arrays["kv_lens"]
+    geo = be.P.prefill_block_geometry("chunk", torch.empty((GPU_T, 12, 256)), requests=1,
+                                      max_q=GPU_T, num_kv_heads=1, block_width=512)
+    assert geo.kind == "union", geo
+    bound = max_union_entries(geo, 512, 16)
+    for c in cases:  # both routes in every call
+        sizes = [I.REPEATED_TILE if u is None else len(u[0])
+                 for u in I.tile_union(c.blocks, [GPU_T], kl, tile_rows=geo.tile_rows).values()]
+        assert 0 < sum(n > bound for n in sizes) < len(sizes) // 2, (bound, max(sizes))
+    t = {n: x.cuda() for n, x in be.tensors(cases[0]).items()}
+
+    def call():
+        return be.P.sparse_prefill_chunk(t["q"], t["k"], t["v"], None, t["cu_seqlens_q"],
+                                         t["cu_seqlens_k"], t["kv_lens"], GPU_T,
+                                         block_indices=t["block_indices"])
+
+    eager = [call().float().cpu().numpy()]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = call()
+    t["block_indices"].copy_(torch.from_numpy(cases[1].blocks).cuda())
+    eager.append(call().float().cpu().numpy())
+    for i, c in ((1, cases[1]), (0, cases[0]), (1, cases[1])):
+        t["block_indices"].copy_(torch.from_numpy(c.blocks).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out.float().cpu().numpy()
+        assert np.array_equal(got, eager[i]), f"replay of selection {i} differs from eager"
+    for i, c in enumerate(cases):
+        t["indices"] = torch.from_numpy(c.arrays["indices"]).cuda()
+        ref = torch_reference("chunk", t, None)
+        assert_matches(eager[i], ref.cpu().double().numpy(), f"mixed selection {i}")
+
+
+@gpu
 def test_gpu_triton_union_cuda_graph_replay_with_new_metadata():
     import torch
 
