@@ -211,7 +211,8 @@ def _qsa_sparse_prefill_fwd(
                              stride_ps, stride_pl, hq, G, D, BLOCK_M, BLOCK_N, MODE, OFF64, SPLIT)
         if UNION_PDL:
             # launched as the tile-union kernel's PDL dependent (qsa_triton.prefill_union,
-            # module docstring, 3): it writes other rows and reads nothing this grid writes. A
+            # module docstring, 3): it writes other rows (row_runs maps rows to tiles as its
+            # _tile_of does, so each row has one writer) and reads nothing this grid writes. A
             # program that computed a row, and program 0, waits for it before exiting, so this
             # grid (and the call) completes after it; the others exit at once, freeing their
             # slot for the programs with a row

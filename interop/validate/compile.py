@@ -389,7 +389,7 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
                                           f"{'_split' if split else ''}"
                                           f"{'_unionpdl' if pdl else ''}",
                                   {**_attention_types(qt, kt), **_PARTIALS}, consts, g.num_warps,
-                                  g.num_stages, aligned=aligned, geometry=g))
+                                  g.num_stages, pdl, aligned=aligned, geometry=g))
         merge = P._qsa_prefill_merge  # the split-KV merge, per head tile
         out.append(_entry(merge, f"prefill_merge_G{grp}_bm{geo.block_m}_bf16",
                           {"o_ptr": "*bf16", **_PARTIALS},
