@@ -212,15 +212,10 @@ def _qsa_sparse_prefill_fwd(
         if UNION_PDL:
             # launched as the tile-union kernel's PDL dependent (qsa_triton.prefill_union,
             # module docstring, 3): it writes other rows (row_runs maps rows to tiles as its
-            # _tile_of does, so each row has one writer) and reads nothing this grid writes. A
-            # program that computed a row, and program 0, waits for it before exiting, so this
-            # grid (and the call) completes after it; the others exit at once, freeing their
-            # slot for the programs with a row
-            did = (r >= r_lo) & (r < r_hi)
-            if did:
-                did = row_runs(ulen_ptr, stride_ls, stride_lh, n_slots, max_union, q_start, b,
-                               r, h, union_rows)
-            if did | ((tl.program_id(0) == 0) & (bh == 0)):
+            # _tile_of does, so each row has one writer) and reads nothing this grid writes.
+            # Program 0 waits for it before exiting, so this grid (and the call) completes
+            # after it; the others exit when done, freeing their slot for the union kernel
+            if (tl.program_id(0) == 0) & (bh == 0):
                 tl.extra.cuda.gdc_wait()
 
 
