@@ -240,20 +240,23 @@ def _prefill_kernel(*refs, st: _Static):
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m_i - m_use)
         p = jnp.exp2(s - m_use[:, None])
-        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        # the denominator as a [ht, bn] running sum, reduced once after the loop (as
+        # qsa_triton.prefill: no cross-warp row sum per step)
+        l_new = l_i * alpha[:, None] + p
         pv = jnp.dot(p.astype(compute_dtype), v, preferred_element_type=jnp.float32)
         acc = acc * alpha[:, None] + pv
         return acc, m_new, l_new
 
     acc0 = jnp.zeros((ht, d), jnp.float32)
     m0 = jnp.full((ht,), -jnp.inf, jnp.float32)
-    l0 = jnp.zeros((ht,), jnp.float32)
+    l0 = jnp.zeros((ht, bn), jnp.float32)
     if split:  # program_id(2)'s share of whole BLOCK_N steps (the unsplit walk's masks)
         steps = (w + bn - 1) // bn
         per = (steps + geo.splits - 1) // geo.splits
         j_lo = pl.program_id(2) * per
         acc, m_i, l_i = lax.fori_loop(j_lo, jnp.minimum(n_blocks, j_lo + per), body,
                                       (acc0, m0, l0))
+        l_i = jnp.sum(l_i, axis=1)
         has = l_i > 0
         part = acc * jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)[:, None]
         lse = jnp.where(has, m_i + jnp.log2(jnp.where(has, l_i, 1.0)), -jnp.inf)
@@ -263,6 +266,7 @@ def _prefill_kernel(*refs, st: _Static):
         _compat.store(lse_ref.at[sp, row, pl.ds(h * g, ht)], lse, mask=head_ok[:, 0])
         return
     acc, _, l_i = lax.fori_loop(0, n_blocks, body, (acc0, m0, l0))
+    l_i = jnp.sum(l_i, axis=1)
 
     # Rows with no valid entry: l = 0 -> exact zeros.
     inv = jnp.where(l_i > 0, pr.v_scale / jnp.where(l_i > 0, l_i, 1.0), 0.0)
