@@ -435,13 +435,13 @@ def _union_kernel(*refs, st: _UStatic):
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no -inf - -inf
         alpha = jnp.exp2(m_i - m_use)
         p = jnp.exp2(s - m_use[:, None])
-        l_new = l_i * alpha[:, None] + p  # [M, BLOCK_N], reduced after the loop
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + jnp.dot(p.astype(dt), v, preferred_element_type=jnp.float32)
         return acc, m_new, l_new
 
     def init(rows):
         return (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
-                jnp.zeros((rows, bn), jnp.float32))
+                jnp.zeros((rows,), jnp.float32))
 
     def union_path():
         mi = lax.broadcasted_iota(jnp.int32, (m,), 0)
@@ -478,7 +478,7 @@ def _union_kernel(*refs, st: _UStatic):
             return step(carry, q, qk, tok, tok_ok, member & row_ok[:, None])
 
         acc, _, l_i = lax.fori_loop(0, n_steps + 1, body, init(m))
-        store_out(flat, row_ok, mi, acc, jnp.sum(l_i, axis=1))
+        store_out(flat, row_ok, mi, acc, l_i)
 
     pl.when(n_u <= st.max_union)(union_path)
 
