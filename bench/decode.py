@@ -1,6 +1,7 @@
 """Decode benchmarks on the H200, ours against upstream SGLang 0.5.23's kernels and our Pallas
-twins: ``--mode packed`` (default), the decode of packed K/V (``qsa-contract.md`` §2); ``--mode
-pool``, the whole decode step from the KV pool (§2b).
+twins: ``--mode packed`` (default), the decode of packed K/V (``qsa-contract.md`` §2; the Pallas
+twin only with ``--providers ours,pallas``); ``--mode pool``, the whole decode step from the KV
+pool (§2b; ``pallas-paged`` is in its default set).
 
 Packed cases (``interop.cases``, inputs as ``qsa check`` builds them): TP1 (24/2), TP2 (12/1),
 TP4 (6/1) x B in ``BENCH_DECODE_BATCHES`` x rows (saturated: 2051 keys per row; mixed: 17..2051;

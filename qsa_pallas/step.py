@@ -249,8 +249,8 @@ def shard_step(step, mesh, axis: str = "tp"):
             shape = getattr(args[i], "shape", ()) if len(args) > i else ()
             h = shape[1] if len(shape) > 1 else None
             if h is None or h % tp:
-                raise ContractError(fn, name, f"heads (axis 1) a multiple of TP = {tp} ("
-                                    "replicate_kv_heads(pool, TP) when TP > Hkv)",
+                hint = "" if name == "q" else " (replicate_kv_heads(pool, TP) when TP > Hkv)"
+                raise ContractError(fn, name, f"heads (axis 1) a multiple of TP = {tp}{hint}",
                                     None if h is None else f"{h} heads")
         arrays = tuple(i for i, a in enumerate(args) if isinstance(a, (jax.Array, np.ndarray)))
         static = tuple((i, a) for i, a in enumerate(args) if i not in arrays)

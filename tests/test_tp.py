@@ -141,6 +141,15 @@ def test_shard_step_keeps_the_step_signature_and_refuses_before_tracing(monkeypa
         qsa_pallas.shard_step(qsa_pallas.qsa_decode_step, Mesh(np.array(jax.devices()[:2]),
                                                                ("x",)))(*a, **kw)
     assert e.value.arg == "mesh" and "'tp'" in str(e.value)
+    # heads that TP does not divide: the pool's error names the remedy, q's does not (a
+    # replicated pool cannot fix q's head count)
+    for i, name in ((0, "q"), (1, "k_cache")):
+        odd = list(a)
+        odd[i] = odd[i][:, :1]
+        with pytest.raises(ContractError) as e:
+            step(*odd, **kw)
+        assert e.value.arg == name and "1 heads" in str(e.value), str(e.value)
+        assert ("replicate_kv_heads" in str(e.value)) == (name != "q"), str(e.value)
     assert len(seen) == 2
 
 
