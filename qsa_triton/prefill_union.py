@@ -32,11 +32,10 @@ rows of one request and one KV head:
    dependent where the device has PDL (sm_90+; its program 0 waits for the union grid at its
    end, so the call completes after both): the few long row walks of an overlapping selection
    run in the union kernel's last wave, not after it (a row walk is long: a few rows alone cost
-   one walk's latency). The selector sees host facts only;
-   this switch is where the measured overlap decides. A light kernel first estimates each
-   tile's union (``_qsa_union_skip``: the multiplicities of 32 sampled entries) and the build
-   does not sort a tile estimated past 5/4 of the bound: low-overlap selections cost little
-   more than the per-row kernel.
+   one walk's latency). The selector sees host facts only; this switch is where the measured
+   overlap decides. A light kernel first estimates each tile's union (``_qsa_union_skip``: the
+   multiplicities of 32 sampled entries) and the build does not sort a tile estimated past 5/4
+   of the bound: low-overlap selections cost little more than the per-row kernel.
 
 Tiles: tile j of request b has slot ``cu_seqlens_q[b] // R + b + j`` (``interop.indices.
 tile_slots``); ``T // R + B`` programs cover any batch and each finds its request from the
