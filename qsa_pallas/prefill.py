@@ -11,6 +11,9 @@ block-level selections through ``qsa_pallas.prefill_union`` or a plain-JAX expan
   ``cu_seqlens[B]`` (T padded under jit) give zeros; split-KV adds a third axis, and the LSE
   merge of its partials is plain XLA (``merge_splits``);
 * the column loop is a ``lax.fori_loop`` with a traced bound: new lengths never retrace;
+* the online softmax rescales the accumulator every step (the Triton kernels' conditional
+  rescaling through ``lax.cond`` was slower here: bench/NOTES.md); the same result up to
+  rounding;
 * gathers clamp their indices into range *and* mask them (interpret mode clamps out-of-range
   gathers instead of faulting); the slot pre-pass is plain JAX;
 * the lowering (``_compute_offsets_from_indices``, jax 0.10.2 and 0.11.2) uses int64 offsets

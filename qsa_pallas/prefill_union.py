@@ -11,6 +11,8 @@ results equal up to summation order. Differences:
 * rows are packed densely: the Q tile holds R x G rows for any R (``interop.geometry.
   select_prefill_blocks`` gives this backend R = 5 at G = 12, 60 of 64 rows; Triton's in-register
   sort keeps R a power of two);
+* the online softmax rescales every step and sums each row per step (no conditional
+  rescaling, no deferred [M, BLOCK_N] sum: both measured slower here, bench/NOTES.md);
 * the expansion (``_expand_kernel``) is a Pallas kernel, one program a row, that writes only
   the rows of tiles past the bound (pool slots for paged calls);
 * the tile kernel takes the per-row kernel's output as an aliased input and writes only the
