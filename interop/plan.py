@@ -95,27 +95,30 @@ def split_blocks(blocks, j, n_active):
 
 
 def smem_bytes(*, head_tile: int, block_n: int, head_dim: int, num_stages: int,
-               kv_bytes: int = 2, q_bytes: int = 2) -> int:
+               kv_bytes: int = 2, q_bytes: int = 2, v_convert: bool = False) -> int:
     """Upper estimate of the shared memory (bytes) of one program of a Q-tile x K/V-stream
     attention kernel (decode split and prefill kernels of both backends): ``max(num_stages - 1,
     1)`` K+V tile copies (``2 x block_n x head_dim x kv_bytes``) plus 1/8 for the pipeliner's
-    layout conversions, the Q and P tiles in ``q_bytes`` and 2 KiB of scratch. The compile tests
-    assert ``compiled.metadata.shared <= smem_bytes`` for every shipped configuration on sm_90
-    and sm_120; it over-counts single-stage kernels. Raises nothing; source: our own model,
-    checked against the limits of qsa-contract.md §5."""
+    layout conversions, the Q and P tiles in ``q_bytes`` and 2 KiB of scratch; with
+    ``v_convert`` and ``kv_bytes != q_bytes`` one [block_n, head_dim] V tile in ``q_bytes`` (the
+    Triton per-row prefill converts FP8 V in its load layout and stores it for the P.V operand).
+    The compile tests assert ``compiled.metadata.shared <= smem_bytes`` for every shipped
+    configuration on sm_90 and sm_120; it over-counts single-stage kernels. Raises nothing;
+    source: our own model, checked against the limits of qsa-contract.md §5."""
     kv = 2 * block_n * head_dim * kv_bytes
+    conv = block_n * head_dim * q_bytes if v_convert and kv_bytes != q_bytes else 0
     return (max(num_stages - 1, 1) * kv * 9 // 8 + head_tile * head_dim * q_bytes
-            + head_tile * block_n * q_bytes + 2048)
+            + head_tile * block_n * q_bytes + conv + 2048)
 
 
 _Cfg = TypeVar("_Cfg")
 
 
 def fit_shared_memory(cfg: _Cfg, *, head_dim: int, limit: int | None, kv_bytes: int = 2,
-                      q_bytes: int = 2) -> _Cfg:
+                      q_bytes: int = 2, v_convert: bool = False) -> _Cfg:
     """Shrink ``cfg`` (a frozen dataclass with ``head_tile``, ``block_n``, ``num_stages``) until
-    ``smem_bytes`` fits ``limit`` bytes per block: fewer stages first (down to 1), then halved
-    ``block_n`` (down to 16), other fields kept; the 1-stage, 16-column form if nothing fits.
+    ``smem_bytes`` (``v_convert`` passed on) fits ``limit`` bytes per block: fewer stages first
+    (down to 1), then halved ``block_n`` (down to 16), other fields kept; the 1-stage, 16-column form if nothing fits.
     ``limit`` None (interpreters) returns ``cfg``. Why: a plan tuned on sm_90 (232,448 B) must
     still launch on sm_120 / sm_121 (101,376 B, ``qsa-contract.md`` §5). Raises nothing of its
     own; source: our own (``smem_bytes``'s model)."""
@@ -124,7 +127,8 @@ def fit_shared_memory(cfg: _Cfg, *, head_dim: int, limit: int | None, kv_bytes: 
 
     def need(c) -> int:
         return smem_bytes(head_tile=c.head_tile, block_n=c.block_n, head_dim=head_dim,
-                          num_stages=c.num_stages, kv_bytes=kv_bytes, q_bytes=q_bytes)
+                          num_stages=c.num_stages, kv_bytes=kv_bytes, q_bytes=q_bytes,
+                          v_convert=v_convert)
 
     while need(cfg) > limit and cfg.num_stages > 1:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)

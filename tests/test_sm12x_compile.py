@@ -159,7 +159,8 @@ def _estimate(cfg: dict) -> int | None:
                           num_stages=cfg["num_stages"])
     if "BLOCK_M" in k and "BLOCK_N" in k:  # per-row prefill kernel (not the split merge)
         return smem_bytes(head_tile=k["BLOCK_M"], block_n=k["BLOCK_N"], head_dim=k["D"],
-                          num_stages=cfg["num_stages"], kv_bytes=1 if "fp8" in cfg["name"] else 2)
+                          num_stages=cfg["num_stages"], kv_bytes=1 if "fp8" in cfg["name"] else 2,
+                          v_convert=True)
     return None
 
 
