@@ -255,15 +255,15 @@ def fit_prefill(geo: Geometry, *, backend: str, head_dim: int, kv_bytes: int,
                 limit: int | None) -> Geometry:
     """The launchable form of ``geo`` with ``limit`` bytes of shared memory per block (None: no
     limit). Pallas needs power-of-two tiles and dots of >= 16 rows, so its head tile and BLOCK_N
-    are rounded up first; then ``interop.plan.fit_shared_memory`` (Triton: with the tile its FP8
-    path converts V into, ``v_convert``). A changed geometry says
+    are rounded up first; then ``interop.plan.fit_shared_memory`` (with the tile both kernels'
+    FP8 path converts V into, ``v_convert``). A changed geometry says
     ``fit<=limit`` in its source. Raises nothing of its own; source: our own (Pallas tiles),
     qsa-contract.md §5 (shared memory per block)."""
     if backend == "pallas":
         geo = dataclasses.replace(geo, block_m=max(16, next_pow2(geo.block_m)),
                                   block_n=max(16, next_pow2(geo.block_n)))
     fitted = fit_shared_memory(geo, head_dim=head_dim, limit=limit, kv_bytes=kv_bytes,
-                               v_convert=backend == "triton")
+                               v_convert=True)
     if fitted != geo:
         fitted = dataclasses.replace(fitted, source=f"{geo.source} fit<={limit}B")
     return fitted

@@ -100,8 +100,8 @@ def smem_bytes(*, head_tile: int, block_n: int, head_dim: int, num_stages: int,
     attention kernel (decode split and prefill kernels of both backends): ``max(num_stages - 1,
     1)`` K+V tile copies (``2 x block_n x head_dim x kv_bytes``) plus 1/8 for the pipeliner's
     layout conversions, the Q and P tiles in ``q_bytes`` and 2 KiB of scratch; with
-    ``v_convert`` and ``kv_bytes != q_bytes`` one [block_n, head_dim] V tile in ``q_bytes`` (the
-    Triton per-row prefill converts FP8 V in its load layout and stores it for the P.V operand).
+    ``v_convert`` and ``kv_bytes != q_bytes`` one [block_n, head_dim] V tile in ``q_bytes`` (both
+    per-row prefill kernels convert FP8 V in its load layout and store it for the P.V operand).
     The compile tests assert ``compiled.metadata.shared <= smem_bytes`` for every shipped
     configuration on sm_90 and sm_120; it over-counts single-stage kernels. Raises nothing;
     source: our own model, checked against the limits of qsa-contract.md §5."""

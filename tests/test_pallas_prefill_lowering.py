@@ -103,7 +103,7 @@ def test_lowers_and_compiles_for_cuda(device_kind, kind, kv_dtype, per_head, hea
 def _smem(geo, kv_bytes):
     """``interop.plan.smem_bytes``: the one shared-memory model the fit uses."""
     return smem_bytes(head_tile=geo.block_m, block_n=geo.block_n, head_dim=256,
-                      num_stages=geo.num_stages, kv_bytes=kv_bytes)
+                      num_stages=geo.num_stages, kv_bytes=kv_bytes, v_convert=True)
 
 
 def _compile(mod, capability):
