@@ -206,8 +206,8 @@ def _prefill_kernel(*refs, st: _Static):
         acc, m_i, l_i = carry
         # Columns at or past min(W, visible) are masked too (not only past W), so the result
         # never depends on BLOCK_N (same rule as qsa_triton's kernel). Compared as cols0 <
-        # n_cols - j * bn, not j * bn + cols0 < n_cols: LLVM widens an induction variable that
-        # feeds a compare to 64 bits (a pair of ISETPs and two registers per lane)
+        # clip(n_cols - j * bn, 0, bn), not j * bn + cols0 < n_cols: LLVM widened the loop
+        # index of that form to 64 bits (a pair of ISETPs and two registers per lane)
         col_ok = cols0 < jnp.clip(n_cols - j * bn, 0, bn)
         if pr.per_head_indices:
             ids = _compat.load(idx_ref.at[row, h, pl.ds(j * bn, bn)], mask=col_ok, other=-1)
