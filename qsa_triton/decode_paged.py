@@ -73,11 +73,7 @@ def _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i, acc, qk_scale, stri
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha[:, None] + p
     vt = tl.load(v_head + slot[:, None] * stride_vc + offs_d[None, :],
-                 mask=valid[:, None], other=0.0)
-    if vt.dtype == tl.float8e4nv:  # experiment: V converted in its load layout
-        vt = tl.where(valid[:, None], vt.to(tl.float16), 0.0)
-    else:
-        vt = vt.to(q.dtype)
+                 mask=valid[:, None], other=0.0).to(q.dtype)
     acc = tl.dot(p.to(q.dtype), vt, acc * alpha[:, None])
     return m_new, l_i, acc
 
