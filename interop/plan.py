@@ -118,10 +118,10 @@ def fit_shared_memory(cfg: _Cfg, *, head_dim: int, limit: int | None, kv_bytes: 
                       q_bytes: int = 2, v_convert: bool = False) -> _Cfg:
     """Shrink ``cfg`` (a frozen dataclass with ``head_tile``, ``block_n``, ``num_stages``) until
     ``smem_bytes`` (``v_convert`` passed on) fits ``limit`` bytes per block: fewer stages first
-    (down to 1), then halved ``block_n`` (down to 16), other fields kept; the 1-stage, 16-column form if nothing fits.
-    ``limit`` None (interpreters) returns ``cfg``. Why: a plan tuned on sm_90 (232,448 B) must
-    still launch on sm_120 / sm_121 (101,376 B, ``qsa-contract.md`` §5). Raises nothing of its
-    own; source: our own (``smem_bytes``'s model)."""
+    (down to 1), then halved ``block_n`` (down to 16), other fields kept; the 1-stage, 16-column
+    form if nothing fits. ``limit`` None (interpreters) returns ``cfg``. Why: a plan tuned on
+    sm_90 (232,448 B) must still launch on sm_120 / sm_121 (101,376 B, ``qsa-contract.md`` §5).
+    Raises nothing of its own; source: our own (``smem_bytes``'s model)."""
     if limit is None:
         return cfg
 

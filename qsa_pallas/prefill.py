@@ -233,9 +233,7 @@ def _prefill_kernel(*refs, st: _Static):
         k = _compat.load(k_ref.at[kv_rows[:, None], h, d_row], mask=gmask,
                          other=0.0).astype(compute_dtype)
         v = _compat.load(v_ref.at[kv_rows[:, None], h, d_row], mask=gmask, other=0.0)
-        if v.dtype == compute_dtype:
-            v = v.astype(compute_dtype)
-        else:
+        if v.dtype != compute_dtype:
             # FP8 V: that second staging is wanted. Converted in its load layout behind the
             # select, V reaches the P.V operand as fp16 through shared memory; a cast alone is
             # moved past the load into the operand layout, four rows' bytes per register

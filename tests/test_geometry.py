@@ -311,7 +311,7 @@ def test_fit_prefill_rounds_pallas_tiles_and_fits_shared_memory():
     need = lambda g, kvb: smem_bytes(head_tile=g.block_m, block_n=g.block_n,  # noqa: E731
                                      head_dim=256, num_stages=g.num_stages, kv_bytes=kvb,
                                      v_convert=True)
-    # FP8: 3 stages would fit without the converted V tile (64 x 256 fp16) the Triton kernel adds
+    # FP8: 3 stages would fit without the converted V tile (64 x 256 fp16) the kernels add
     for limit, kvb, key in ((101_376, 2, (16, 64, 8, 2)), (60_000, 2, (16, 32, 8, 1)),
                             (101_376, 1, (16, 64, 8, 2)), (None, 2, (16, 64, 8, 3))):
         fit = G.fit_prefill(big, backend="triton", head_dim=256, kv_bytes=kvb, limit=limit)
@@ -324,7 +324,7 @@ def test_selector_output_is_fitted_to_the_device():
     small = DeviceFacts("NVIDIA L20", (8, 9), 92, 60_000, "3.6.0")  # a hypothetical 60 KB part
     g = sel(small, total_q=64)  # L20 table: (64, 8, 2)
     assert g.key == (16, 32, 8, 1) and "fit<=60000B" in g.source
-    # FP8: half the K/V bytes, but the Triton kernel's converted V tile (64 x 256 fp16) on top
+    # FP8: half the K/V bytes, but the kernels' converted V tile (64 x 256 fp16) on top
     assert sel(small, total_q=64, kv_bytes=1).key == (16, 32, 8, 1)
 
 
