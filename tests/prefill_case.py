@@ -167,6 +167,29 @@ def poison_unselected(case: PrefillCase) -> None:
     case.arrays[names[0]], case.arrays[names[1]] = k, v
 
 
+def poison_selected(case: PrefillCase) -> None:
+    """Write NaN into one element of a selected K row and of a selected V row (of KV head 0;
+    other rows and heads stay finite, in place): an attended NaN, which must reach the output
+    where the reference (``interop.reference``) has NaN and nowhere else."""
+    used = np.nonzero(selected_rows(case)[:, 0])[0]
+    names = ("k", "v") if "k" in case.arrays else ("k_cache", "v_cache")
+    k, v = (case.arrays[n].copy() for n in names)
+    k[used[0], 0, 1] = np.nan
+    v[used[-1], 0, 3] = np.nan
+    case.arrays[names[0]], case.arrays[names[1]] = k, v
+
+
+def assert_nan_matches(out, ref, what: str = "") -> None:
+    """NaN exactly where the reference has NaN (some, not all), ``assert_matches`` on the
+    (query row, head) pairs without one."""
+    out = np.asarray(out, np.float32)
+    nan = np.isnan(ref)
+    assert nan.any() and not nan.all(), f"{what}: the case attends no NaN"
+    np.testing.assert_array_equal(np.isnan(out), nan, err_msg=what)
+    fine = ~nan.any(axis=-1)
+    assert_matches(out[fine], ref[fine], what)
+
+
 def lying_paged_case(seed=0, **kw) -> PrefillCase:
     """Paged metadata that lies, each lie an invalid entry for the kernels (never dereferenced):
     request 0's kv_len passes req_to_token's width, request 1 maps positions to a slot past the

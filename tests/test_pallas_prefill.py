@@ -469,3 +469,15 @@ def test_gpu_jit_new_lengths_no_retrace():
         assert_matches(np.asarray(out.astype(jnp.float32)),
                        np.asarray(jax_reference_f32("chunk", a)), f"jit {q_lens} {kv_lens}")
     assert len(traces) == 1
+
+
+@pytest.mark.parametrize("kind,kv_dtype", [("chunk", None), ("chunk", "float8_e4m3fn"),
+                                           ("paged", "float8_e4m3fn")])
+def test_attended_nan_reaches_the_output(kind, kv_dtype):
+    """A NaN in a selected K element and in a selected V element (FP8: converted to fp16 in the
+    V tile's load layout, qsa_pallas.prefill) reaches exactly the reference's NaN positions."""
+    from tests.prefill_case import assert_nan_matches, poison_selected
+
+    case = make_case(kind, 6, 1, [5, 4], [3, 9], d=32, width=10, kv_dtype=kv_dtype, seed=31)
+    poison_selected(case)
+    assert_nan_matches(run(case), case.reference(), f"{kind} {kv_dtype}")

@@ -514,3 +514,18 @@ def test_lying_cu_seqlens_q_stays_inside_q_and_agrees_with_pallas(kind, cu):
     pairs = list(zip(outs[::2], outs[1::2]))
     for a, b in pairs[:1] if cu[0] < 0 else pairs:
         np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("kind,kv_dtype", [
+    ("chunk", None),
+    # Triton's CPU interpreter decodes the e4m3 NaN byte as 480: FP8 on the GPU only
+    pytest.param("chunk", "float8_e4m3fn", marks=pytest.mark.gpu),
+    pytest.param("paged", "float8_e4m3fn", marks=pytest.mark.gpu)])
+def test_attended_nan_reaches_the_output(kind, kv_dtype):
+    """A NaN in a selected K element and in a selected V element (FP8: converted to fp16 in the
+    V tile's load layout, qsa_triton.prefill) reaches exactly the reference's NaN positions."""
+    from tests.prefill_case import assert_nan_matches, poison_selected
+
+    case = make_case(kind, 6, 1, [5, 4], [3, 9], d=32, width=10, kv_dtype=kv_dtype, seed=31)
+    poison_selected(case)
+    assert_nan_matches(run(case).float().cpu().numpy(), case.reference(), f"{kind} {kv_dtype}")
