@@ -18,7 +18,11 @@ K/V offsets are 32-bit below 2**31 elements (``needs_off64``).
 
 Grid (min(max_seqlen_q, T), B * Hkv), as upstream's. max_seqlen_q is only a hint (row counts live
 on the device): a tail launch (``ROW_LOOP``, TAIL_PROGRAMS programs per request and KV head) loops over
-the rows past it, a separate variant because the row loop costs registers in the main kernel.
+the rows past it, a separate variant because the row loop costs registers in the main kernel; it
+also writes the zeros of the rows outside every request, so the output is never pre-filled (no
+memset pass over it). Where the device has Programmatic Dependent Launch (sm_90+), the tail is
+the main grid's PDL dependent (triggered at entry; its program 0 waits for the main grid before
+exiting): its launch overlaps the main grid's last wave instead of following it.
 Short prefills (``Geometry.splits`` > 1, ``interop.geometry.prefill_splits``): split-KV as in
 decode (FlashDecoding, Dao et al., 2023): the main grid gets a third axis, each program a
 contiguous share of whole BLOCK_N steps, storing its normalized FP32 output and base-2 LSE;
@@ -188,11 +192,16 @@ def _qsa_sparse_prefill_fwd(
     n_splits, stride_ps, stride_pl, hq,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
-    ROW_LOOP: tl.constexpr, SPLIT: tl.constexpr, UNION_PDL: tl.constexpr,
+    ROW_LOOP: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     bh = tl.program_id(1)
     b = bh // HKV
     h = bh % HKV
+    if not ROW_LOOP and PDL:
+        # the tail launch (rows past max_seqlen_q, rows outside every request) is this grid's
+        # PDL dependent: it writes other rows and reads nothing this grid writes, so it may run
+        # beside this grid's last wave instead of after it (module docstring)
+        tl.extra.cuda.gdc_launch_dependents()
     q_start, q_len, r_lo, r_hi = _request_rows(cu_q_ptr, b, n_rows)
     if ROW_LOOP:
         # the tail launch: rows row_base + pid, + grid0, ... < q_len (none when the host's
@@ -206,6 +215,13 @@ def _qsa_sparse_prefill_fwd(
                              stride_ot, stride_oh, stride_it, stride_ih, po_ptr, plse_ptr,
                              n_splits, stride_ps, stride_pl, hq, G, D, BLOCK_M, BLOCK_N, MODE,
                              OFF64, False)
+        _zero_outside_rows(o_ptr, cu_q_ptr, n_rows, b, h, stride_ot, stride_oh, HKV, G, D,
+                           BLOCK_M)
+        if PDL:
+            # launched as the main grid's PDL dependent: program 0 waits for it before exiting,
+            # so this grid (and the call) completes after it
+            if (tl.program_id(0) == 0) & (bh == 0):
+                tl.extra.cuda.gdc_wait()
     else:
         r = row_base + tl.program_id(0)
         if (r >= r_lo) & (r < r_hi):
@@ -216,14 +232,36 @@ def _qsa_sparse_prefill_fwd(
                              stride_qh, stride_kh, stride_kn, stride_vh, stride_vn, stride_ot,
                              stride_oh, stride_it, stride_ih, po_ptr, plse_ptr, n_splits,
                              stride_ps, stride_pl, hq, G, D, BLOCK_M, BLOCK_N, MODE, OFF64, SPLIT)
-        if UNION_PDL:
-            # launched as the tile-union kernel's PDL dependent (qsa_triton.prefill_union,
+        if PDL:
+            # where launched as the tile-union kernel's PDL dependent (qsa_triton.prefill_union,
             # module docstring, 3): it writes other rows (row_runs maps rows to tiles as its
             # _tile_of does, so each row has one writer) and reads nothing this grid writes.
             # Program 0 waits for it before exiting, so this grid (and the call) completes
-            # after it; the others exit when done, freeing their slot for the union kernel
+            # after it; the others exit when done, freeing their slot for the union kernel.
+            # (A launch without a PDL primary returns from the wait at once.)
             if (tl.program_id(0) == 0) & (bh == 0):
                 tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _zero_outside_rows(o_ptr, cu_q_ptr, n_rows, b, h, stride_ot, stride_oh, HKV: tl.constexpr,
+                       G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Exact zeros in the rows of out outside every request, [0, cu_q[0]) and [cu_q[B], T)
+    clipped to [0, T) (qsa-contract.md §7), for KV head h's query heads: the output is not
+    pre-filled. Tail program (p, b) takes the outside rows p + grid0 * b, step grid0 * B (none
+    when cu_q spans [0, T), the usual call)."""
+    n_req = tl.num_programs(1) // HKV
+    lo = tl.minimum(tl.maximum(tl.load(cu_q_ptr), 0), n_rows)
+    hi = tl.minimum(tl.maximum(tl.load(cu_q_ptr + n_req), lo), n_rows)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    heads = (h * G + offs_m).to(tl.int64)
+    zero = tl.zeros([BLOCK_M, D], o_ptr.dtype.element_ty)
+    step = tl.num_programs(0) * n_req
+    for x in range(tl.program_id(0) + tl.num_programs(0) * b, lo + (n_rows - hi), step):
+        row = tl.where(x < lo, x, hi + (x - lo)).to(tl.int64)
+        tl.store(o_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], zero,
+                 mask=(offs_m < G)[:, None])
 
 
 @triton.jit
@@ -373,15 +411,15 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
     """Both launches of one call (main grid, then the tail); ``geometry`` None: the selector;
     ``skip``: None, or (union lengths int32 [S, H], tile rows R, max_union) of a block-level
     call whose tiles within ``max_union`` the tile-union kernel computes (their rows are left
-    as they are here). ``out``: the zero-filled output to write (None: a new one);
-    ``union_pdl``: the main launch is the PDL dependent of the tile-union kernel just launched
+    as they are here). ``out``: the output to write (None: a new one; not pre-filled: every
+    row is written, the tail launch zeroes the rows outside every request); ``union_pdl``:
+    the main launch is the PDL dependent of the tile-union kernel just launched
     (``qsa_triton.prefill_union``, module docstring, 3)."""
-    # zeros: rows outside every request (T padded past cu_q[B]) get no program (as in qsa_pallas)
-    out = torch.zeros_like(q) if out is None else out
+    out = torch.empty_like(q) if out is None else out
     t, hq, d = q.shape
     hkv = k.shape[1]
     if t == 0 or k.shape[0] == 0:  # nothing to compute / gather from: every entry is invalid
-        return out
+        return out.zero_()
     max_q = min(max_q, t)  # no request has more rows than q: a larger hint only adds idle programs
     requests = cu_q.shape[0] - 1
     geo = _geometry_from(geometry, _KINDS[mode], q, k, requests=requests, max_q=max_q,
@@ -401,15 +439,18 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
                  torch.empty((splits, t, hq), dtype=torch.float32, device=q.device))
                 if splits > 1 else (out, out))
     parts = (splits, t * hq * d, t * hq, hq)
+    pdl = _pdl_supported(q.device)
     for row_loop, g, grid0, row_base in ((False, geo, max_q, 0),
                                          (True, tail_geometry(geo), TAIL_PROGRAMS, max_q)):
         split = splits > 1 and not row_loop
-        pdl = union_pdl and not row_loop  # launch_pdl only when on (interpreter: never)
+        # the main launch: the union kernel's dependent where union_pdl; the tail: the main
+        # launch's (module docstring). launch_pdl only when on (interpreter: never)
+        launch_pdl = union_pdl if not row_loop else pdl
         _qsa_sparse_prefill_fwd[(grid0, requests * hkv, splits if split else 1)](
             *args[:9], po, plse, *args[9:], row_base, t, k.shape[0], ulen.shape[0], max_union,
             ur, *strides, *parts, **consts, BLOCK_N=g.block_n, ROW_LOOP=row_loop, SPLIT=split,
-            UNION_PDL=pdl, num_warps=g.num_warps, num_stages=g.num_stages,
-            **({"launch_pdl": True} if pdl else {}))
+            PDL=pdl, num_warps=g.num_warps, num_stages=g.num_stages,
+            **({"launch_pdl": True} if launch_pdl else {}))
     if splits > 1:
         _qsa_prefill_merge[(max_q, requests * hkv)](
             out, po, plse, cu_q, float(v_scale), t, out.stride(0), out.stride(1), *parts,
@@ -489,7 +530,7 @@ def _blocks_impl(mode, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token
     union = PU.union_build(mode, q, k, block_indices, cu_q, kv_lens, req_to_token, geo)
     skip = (union[2], geo.tile_rows, union[3])
     idx = PU.expand_blocks(block_indices, cu_q, kv, pool=pool, skip=skip)
-    out = torch.zeros_like(q)
+    out = torch.empty_like(q)  # every row is written (union tiles, per-row rows, the tail)
     # the union kernel first, the per-row kernel on the other tiles' rows as its PDL dependent
     # (qsa_triton.prefill_union, module docstring, 3)
     pdl = _pdl_supported(q.device)

@@ -125,8 +125,8 @@ SAMPLES = [
     ("triton", "decode", ("sm_120", "sm_121"),
      r"decode_split_G12_ht16_bn64_w8_s2_(inline4_)?bf16_pdllate$|decode_merge_chunk2_bf16_pdl$", 3),
     ("triton", "prefill", ("sm_120",),
-     r"prefill_mode1_bf16_bf16_G6_bm16_bn64_w4_s2(_split)?$"
-     r"|prefill_mode2_bf16_fp8e4nv_G6_bm16_bn64_w4_s2$|prefill_merge_G6_bm16_bf16$", 4),
+     r"prefill_mode1_bf16_bf16_G6_bm16_bn64_w4_s2(_split)?(_pdl)?$"
+     r"|prefill_mode2_bf16_fp8e4nv_G6_bm16_bn64_w4_s2(_pdl)?$|prefill_merge_G6_bm16_bf16$", 4),
     ("triton", "decode_paged", ("sm_120",),
      r"paged_split_G12_ht16_bn32_w4_s7_bf16_kv(bf16_direct_off64|fp8e4nv_off64_pdl)$"
      r"|paged_merge_p128_bf16_pdl$", 3),

@@ -374,20 +374,20 @@ def triton_prefill_configs(arch: str, *, head_dim: int = 256, groups=(6, 12),
             mode = getattr(P, mode_name)
             qt, kt = _TT[qd], _TT[kd or qd]
             # tail geometries repeat across the main ones (_unique keeps one); the main launch
-            # also split-KV (fp32 partials: short prefills, ``prefill_splits``) and as the
-            # tile-union kernel's PDL dependent (the rows of tiles past the union bound)
-            for row_loop, split, g, pdl in (
-                    (False, False, geo, False), (False, True, geo, False),
-                    (True, False, P.tail_geometry(geo), False),
-                    *(((False, False, geo, True),) if dec._TRITON_PDL else ())):
+            # also split-KV (fp32 partials: short prefills, ``prefill_splits``); every launch
+            # with PDL where Triton has it (the tail is the main grid's dependent, the main
+            # grid the tile-union kernel's on the rows of tiles past the union bound)
+            pdl = dec._TRITON_PDL
+            for row_loop, split, g in ((False, False, geo), (False, True, geo),
+                                       (True, False, P.tail_geometry(geo))):
                 consts = {"HKV": 1, "G": grp, "D": head_dim, "BLOCK_M": g.block_m,
                           "BLOCK_N": g.block_n, "MODE": mode, "OFF64": mode == P.MODE_SLOTS,
-                          "ROW_LOOP": row_loop, "SPLIT": split, "UNION_PDL": pdl}
+                          "ROW_LOOP": row_loop, "SPLIT": split, "PDL": pdl}
                 out.append(_entry(kernel, f"prefill_mode{mode}_{qt}_{kt}_G{grp}_bm{g.block_m}"
                                           f"_bn{g.block_n}_w{g.num_warps}_s{g.num_stages}"
                                           f"{'_tail' if row_loop else ''}"
                                           f"{'_split' if split else ''}"
-                                          f"{'_unionpdl' if pdl else ''}",
+                                          f"{'_pdl' if pdl else ''}",
                                   {**_attention_types(qt, kt), **_PARTIALS}, consts, g.num_warps,
                                   g.num_stages, pdl, aligned=aligned, geometry=g))
         merge = P._qsa_prefill_merge  # the split-KV merge, per head tile
