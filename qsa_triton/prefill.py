@@ -22,9 +22,7 @@ the rows past it, a separate variant because the row loop costs registers in the
 also writes the zeros of the rows outside every request, so the output is never pre-filled (no
 memset pass over it). Where the device has Programmatic Dependent Launch (sm_90+), the tail is
 the main grid's PDL dependent (triggered at entry; its program 0 waits for the main grid before
-exiting): its launch overlaps the main grid's last wave instead of following it; and the main
-grid is the PDL dependent of the kernel that writes its indices when there is one (the paged
-slot pre-pass, the block expansion): it waits for it at entry, so only its launch overlaps.
+exiting): its launch overlaps the main grid's last wave instead of following it.
 Short prefills (``Geometry.splits`` > 1, ``interop.geometry.prefill_splits``): split-KV as in
 decode (FlashDecoding, Dao et al., 2023): the main grid gets a third axis, each program a
 contiguous share of whole BLOCK_N steps, storing its normalized FP32 output and base-2 LSE;
@@ -184,14 +182,14 @@ def _request_rows(cu_q_ptr, b, n_rows):
     return q_start, q_end - q_start, r_lo, r_hi
 
 
-@triton.jit(do_not_specialize=["wait_entry"])
+@triton.jit
 def _qsa_sparse_prefill_fwd(
     q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr,
     cu_q_ptr, cu_k_ptr, kv_lens_ptr, ulen_ptr, po_ptr, plse_ptr,
     qk_scale, v_scale, W, row_base, n_rows, kv_rows, n_slots, max_union, union_rows,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_ot, stride_oh, stride_it, stride_ih, stride_ls, stride_lh,
-    n_splits, stride_ps, stride_pl, hq, wait_entry,
+    n_splits, stride_ps, stride_pl, hq,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, OFF64: tl.constexpr,
     ROW_LOOP: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
@@ -200,15 +198,9 @@ def _qsa_sparse_prefill_fwd(
     b = bh // HKV
     h = bh % HKV
     if not ROW_LOOP and PDL:
-        if wait_entry:
-            # launched as the PDL dependent of the kernel that writes the indices (the block
-            # expansion, the paged slot pre-pass): the launch overlapped its run; its writes are
-            # visible after this wait (module docstring)
-            tl.extra.cuda.gdc_wait()
         # the tail launch (rows past max_seqlen_q, rows outside every request) is this grid's
-        # PDL dependent: it writes other rows and reads nothing this grid writes (the indices
-        # are complete: after the wait above), so it may run beside this grid's last wave
-        # instead of after it (module docstring)
+        # PDL dependent: it writes other rows and reads nothing this grid writes, so it may run
+        # beside this grid's last wave instead of after it (module docstring)
         tl.extra.cuda.gdc_launch_dependents()
     q_start, q_len, r_lo, r_hi = _request_rows(cu_q_ptr, b, n_rows)
     if ROW_LOOP:
@@ -312,10 +304,10 @@ def _qsa_prefill_merge(
                  out.to(o_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["trigger"])
+@triton.jit
 def _qsa_resolve_pool_slots(
     idx_ptr, slots_ptr, cu_q_ptr, kv_lens_ptr, r2t_ptr, req_idx_ptr, W, max_reqs, max_context,
-    pool_slots, n_rows, stride_it, stride_ih, stride_st, stride_sh, stride_rt, trigger,
+    pool_slots, n_rows, stride_it, stride_ih, stride_st, stride_sh, stride_rt,
     HIDX: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """slots[row, h, c] = req_to_token[req_indices[b], idx] for valid entries, else -1.
@@ -323,10 +315,7 @@ def _qsa_resolve_pool_slots(
     Valid: c < visible, 0 <= idx < min(kv_lens[b], max_context), 0 <= req_indices[b] < max_reqs
     and the slot inside [0, pool_slots): lying metadata becomes an invalid entry, and neither the
     table nor the pool is read outside its bounds. Grid: (max_q, B * HIDX, cdiv(W, BLOCK)); rows
-    past max_q are reached by a grid-stride loop, so a too-small max_q still resolves every row.
-    ``trigger``: the attention kernel launched next is this grid's PDL dependent."""
-    if trigger:
-        tl.extra.cuda.gdc_launch_dependents()  # it waits for this grid before reading slots
+    past max_q are reached by a grid-stride loop, so a too-small max_q still resolves every row."""
     bh = tl.program_id(1)
     b = bh // HIDX
     h = bh % HIDX
@@ -418,15 +407,14 @@ _KINDS = {MODE_ORDINARY: "ordinary", MODE_CHUNK: "chunk", MODE_SLOTS: "paged"}
 
 
 def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, geometry,
-            skip=None, out=None, union_pdl=False, inputs_pdl=False):
+            skip=None, out=None, union_pdl=False):
     """Both launches of one call (main grid, then the tail); ``geometry`` None: the selector;
     ``skip``: None, or (union lengths int32 [S, H], tile rows R, max_union) of a block-level
     call whose tiles within ``max_union`` the tile-union kernel computes (their rows are left
     as they are here). ``out``: the output to write (None: a new one; not pre-filled: every
     row is written, the tail launch zeroes the rows outside every request); ``union_pdl``:
     the main launch is the PDL dependent of the tile-union kernel just launched
-    (``qsa_triton.prefill_union``, module docstring, 3); ``inputs_pdl``: of the kernel just
-    launched that writes ``idx`` (it waits for it before reading anything)."""
+    (``qsa_triton.prefill_union``, module docstring, 3)."""
     out = torch.empty_like(q) if out is None else out
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -457,11 +445,10 @@ def _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_sc
         split = splits > 1 and not row_loop
         # the main launch: the union kernel's dependent where union_pdl; the tail: the main
         # launch's (module docstring). launch_pdl only when on (interpreter: never)
-        launch_pdl = (union_pdl or inputs_pdl) if not row_loop else pdl
+        launch_pdl = union_pdl if not row_loop else pdl
         _qsa_sparse_prefill_fwd[(grid0, requests * hkv, splits if split else 1)](
             *args[:9], po, plse, *args[9:], row_base, t, k.shape[0], ulen.shape[0], max_union,
-            ur, *strides, *parts, int(inputs_pdl and pdl), **consts, BLOCK_N=g.block_n,
-            ROW_LOOP=row_loop, SPLIT=split,
+            ur, *strides, *parts, **consts, BLOCK_N=g.block_n, ROW_LOOP=row_loop, SPLIT=split,
             PDL=pdl, num_warps=g.num_warps, num_stages=g.num_stages,
             **({"launch_pdl": True} if launch_pdl else {}))
     if splits > 1:
@@ -487,7 +474,7 @@ def _chunk_impl(q, k, v, indices, cu_seqlens_q, cu_seqlens_k, kv_lens, max_seqle
 
 
 def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens, max_seqlen_q,
-                       pool_slots: int, *, trigger: bool = False) -> torch.Tensor:
+                       pool_slots: int) -> torch.Tensor:
     """Pre-pass of the paged variant: the pool slot of every index entry.
 
     int32 ``indices`` [T, W] or [T, Hkv, W], ``req_to_token`` [max_reqs, max_context],
@@ -495,8 +482,7 @@ def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens
     ``max_seqlen_q`` (grid-size hint) and ``pool_slots``. Returns int32 of indices' shape:
     ``req_to_token[req_indices[b], idx]`` where the entry is valid (column < visible,
     0 <= idx < kv_lens[b], in bounds of the table and the pool), else -1; rows past
-    cu_seqlens_q[B] unwritten. ``trigger``: the next launch on the stream is a Programmatic
-    Dependent Launch that waits for this one (sm_90+ only). Raises nothing of its own.
+    cu_seqlens_q[B] unwritten.
     """
     t, w = indices.shape[0], indices.shape[-1]
     if req_to_token.numel() == 0:  # an empty table: every entry is invalid
@@ -512,7 +498,7 @@ def resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens
         req_to_token.shape[0], req_to_token.shape[1], min(int(pool_slots), 2**31 - 1),
         indices.shape[0], indices.stride(0), indices.stride(1) if indices.dim() == 3 else 0,
         slots.stride(0), slots.stride(1) if slots.dim() == 3 else 0, req_to_token.stride(0),
-        int(trigger), HIDX=hidx, BLOCK=block, num_warps=4,
+        HIDX=hidx, BLOCK=block, num_warps=4,
     )
     return slots
 
@@ -532,15 +518,13 @@ def _blocks_impl(mode, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token
                                      kv_bytes=k.element_size(), overlap=overlap)
     kv = None if mode == MODE_ORDINARY else kv_lens
     pool = (req_to_token, req_indices, k.shape[0]) if mode == MODE_SLOTS else None
-    pdl = _pdl_supported(q.device)
     if geo.kind != "union":
-        # the attention launch as the expansion's PDL dependent (module docstring)
-        idx = PU.expand_blocks(block_indices, cu_q, kv, pool=pool, trigger=pdl)
+        idx = PU.expand_blocks(block_indices, cu_q, kv, pool=pool)
         # selected: the token selector on the expansion (the same tile, plus its split count)
         rows = None if geometry is None else Geometry(geo.head_tile, geo.block_n, geo.num_warps,
                                                       geo.num_stages, geo.source)
         return _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale,
-                       rows, inputs_pdl=pdl)
+                       rows)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q)
     union = PU.union_build(mode, q, k, block_indices, cu_q, kv_lens, req_to_token, geo)
@@ -549,6 +533,7 @@ def _blocks_impl(mode, q, k, v, block_indices, cu_q, cu_k, kv_lens, req_to_token
     out = torch.empty_like(q)  # every row is written (union tiles, per-row rows, the tail)
     # the union kernel first, the per-row kernel on the other tiles' rows as its PDL dependent
     # (qsa_triton.prefill_union, module docstring, 3)
+    pdl = _pdl_supported(q.device)
     PU.union_launch(mode, q, k, v, out, union, cu_q, cu_k, kv_lens, req_to_token, req_indices,
                     scale, k_scale, v_scale, geo, needs_off64(k, v), trigger=pdl)
     return _launch(mode, q, k, v, idx, cu_q, cu_k, kv_lens, max_q, scale, k_scale, v_scale, None,
@@ -584,12 +569,10 @@ def _op_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, max_seqlen_q: int,
               softmax_scale: float, k_scale: float, v_scale: float,
               strict: bool = False) -> torch.Tensor:
-    # the attention launch as the pre-pass's PDL dependent (module docstring)
-    pdl = _pdl_supported(q.device)
     slots = resolve_pool_slots(indices, req_to_token, req_indices, cu_seqlens_q, kv_lens,
-                               max_seqlen_q, k_cache.shape[0], trigger=pdl)
+                               max_seqlen_q, k_cache.shape[0])
     return _launch(MODE_SLOTS, q, k_cache, v_cache, slots, cu_seqlens_q, cu_seqlens_q, kv_lens,
-                   max_seqlen_q, softmax_scale, k_scale, v_scale, None, inputs_pdl=pdl)
+                   max_seqlen_q, softmax_scale, k_scale, v_scale, None)
 
 
 @torch.library.custom_op("qsa::sparse_prefill_blocks", mutates_args=())

@@ -492,20 +492,17 @@ def pool_slot(tok, ok, table_row, bound, pool_slots):
     return tl.where(ok & (slot >= 0) & (slot < pool_slots), slot, -1)
 
 
-@triton.jit(do_not_specialize=["trigger"])
+@triton.jit
 def _qsa_expand_blocks(
     bidx_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, ulen_ptr, r2t_ptr, req_idx_ptr, NB, W, n_req,
     n_slots, max_union, union_rows, max_reqs, max_context, pool_slots, stride_bt, stride_bh,
-    stride_ot, stride_oh, stride_ls, stride_lh, stride_rt, trigger, NBP: tl.constexpr,
-    BP: tl.constexpr, BLOCK_W: tl.constexpr, ORDINARY: tl.constexpr, PAGED: tl.constexpr,
+    stride_ot, stride_oh, stride_ls, stride_lh, stride_rt, NBP: tl.constexpr, BP: tl.constexpr,
+    BLOCK_W: tl.constexpr, ORDINARY: tl.constexpr, PAGED: tl.constexpr,
 ):
     """Token indices of one row's block selection (``interop.indices.expand_prefill_blocks``):
     valid blocks' 4 tokens each, in the row's order, then the causal tail, then -1. ``PAGED``:
     their pool slots instead (``pool_slot``). ``union_rows`` > 0: rows of tiles the tile-union
-    kernel takes (``row_runs``) are not written. ``trigger``: the attention kernel launched
-    next is this grid's PDL dependent (it waits for this grid before reading the indices)."""
-    if trigger:
-        tl.extra.cuda.gdc_launch_dependents()
+    kernel takes (``row_runs``) are not written."""
     row = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.arange(0, BP)
@@ -633,8 +630,7 @@ def build_num_warps(tile_rows: int, nbp: int) -> int:
 
 
 def expand_blocks(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                  kv_lens: torch.Tensor | None, *, pool=None, skip=None,
-                  trigger: bool = False) -> torch.Tensor:
+                  kv_lens: torch.Tensor | None, *, pool=None, skip=None) -> torch.Tensor:
     """Token indices of a block-level selection on the device (the per-row kernel's input):
     int32 [T, 4 NB + 3] (or [T, Hkv, ..]) from int32 ``block_indices`` [T, NB] (or
     [T, Hkv, NB]), ``cu_seqlens_q`` [B + 1] and ``kv_lens`` [B] or None (ordinary); equal to
@@ -644,8 +640,7 @@ def expand_blocks(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
     ``skip``: None, or (union lengths [S, H], R, max_union): a row is written only where its
     tile (``row_runs``'s slot rule, rows outside every request included) is past max_union;
     the other rows may hold anything (the tile-union kernel computes them, no kernel reads
-    rows outside every request). ``trigger``: the next launch on the stream is a Programmatic
-    Dependent Launch that waits for this one (sm_90+ only). Raises nothing of its own."""
+    rows outside every request)."""
     t, nb = block_indices.shape[0], block_indices.shape[-1]
     w = RATIO * nb + RATIO - 1
     hidx, stride_bh = _heads(block_indices)
@@ -663,7 +658,7 @@ def expand_blocks(block_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
         min(int(pool_slots), 2**31 - 1), block_indices.stride(0), stride_bh, out.stride(0),
         _heads(out)[1], ulen.stride(0) if ur else 0,
         ulen.stride(1) if ur and ulen.shape[1] > 1 else 0, r2t.stride(0) if pool else 0,
-        int(trigger), NBP=next_pow2(nb), BP=next_pow2(n_req + 1), BLOCK_W=min(1024, next_pow2(w)),
+        NBP=next_pow2(nb), BP=next_pow2(n_req + 1), BLOCK_W=min(1024, next_pow2(w)),
         ORDINARY=kv_lens is None, PAGED=pool is not None, num_warps=4)
     return out
 
