@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# session 28 call 2: prefill output not pre-filled (no memset; the tail zeroes rows outside every request) and the tail launch as the main grid's PDL dependent (working tree) vs HEAD (.cand/old): MTP compare; GPU prefill tests
+export PYTHONPATH=$PWD QSA_SGLANG_PATH=$PWD/.peer/sglang PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TRITON_DEFAULT_FP_FUSION=1
+mkdir -p $OUT/g21
+t=$SECONDS
+OMP_NUM_THREADS=1 timeout -k 5 200 python3 -m pytest -m gpu -q -p no:cacheprovider -n 6 tests/test_triton_prefill.py tests/test_prefill_union.py tests/test_conformance_triton.py tests/test_step.py > $OUT/g21/tests.log 2>&1; echo "tests rc=$? $((SECONDS-t))s"; tail -n 3 $OUT/g21/tests.log
+t=$SECONDS
+timeout -k 5 200 python3 -m bench.prefill --mode union --providers ours-union,ours-rows --sections mtp --jaccards 0.9,0.0 --rounds 10 --compare .cand/old --json $OUT/g21/mtp_compare.json > $OUT/g21/mtp_compare.log 2>&1; echo "mtp compare rc=$? $((SECONDS-t))s"
+grep -v -i warn $OUT/g21/mtp_compare.log | tail -n 16
+cd $OUT && tar czf g21.tgz g21 && rm -rf g21
