@@ -204,6 +204,8 @@ def _qsa_sparse_prefill_fwd(
         tl.extra.cuda.gdc_launch_dependents()
     q_start, q_len, r_lo, r_hi = _request_rows(cu_q_ptr, b, n_rows)
     if ROW_LOOP:
+        _zero_outside_rows(o_ptr, cu_q_ptr, n_rows, b, h, stride_ot, stride_oh, HKV, G, D,
+                           BLOCK_M)
         # the tail launch: rows row_base + pid, + grid0, ... < q_len (none when the host's
         # max_seqlen_q = row_base was right); a separate variant (module docstring)
         for r in range(tl.maximum(r_lo, row_base) + tl.program_id(0), r_hi, tl.num_programs(0)):
@@ -215,8 +217,6 @@ def _qsa_sparse_prefill_fwd(
                              stride_ot, stride_oh, stride_it, stride_ih, po_ptr, plse_ptr,
                              n_splits, stride_ps, stride_pl, hq, G, D, BLOCK_M, BLOCK_N, MODE,
                              OFF64, False)
-        _zero_outside_rows(o_ptr, cu_q_ptr, n_rows, b, h, stride_ot, stride_oh, HKV, G, D,
-                           BLOCK_M)
         if PDL:
             # launched as the main grid's PDL dependent: program 0 waits for it before exiting,
             # so this grid (and the call) completes after it
@@ -232,13 +232,14 @@ def _qsa_sparse_prefill_fwd(
                              stride_qh, stride_kh, stride_kn, stride_vh, stride_vn, stride_ot,
                              stride_oh, stride_it, stride_ih, po_ptr, plse_ptr, n_splits,
                              stride_ps, stride_pl, hq, G, D, BLOCK_M, BLOCK_N, MODE, OFF64, SPLIT)
-        if PDL:
+        if PDL and not SPLIT:
             # where launched as the tile-union kernel's PDL dependent (qsa_triton.prefill_union,
             # module docstring, 3): it writes other rows (row_runs maps rows to tiles as its
             # _tile_of does, so each row has one writer) and reads nothing this grid writes.
             # Program 0 waits for it before exiting, so this grid (and the call) completes
             # after it; the others exit when done, freeing their slot for the union kernel.
-            # (A launch without a PDL primary returns from the wait at once.)
+            # (A launch without a PDL primary returns from the wait at once; a union call is
+            # never split.)
             if (tl.program_id(0) == 0) & (bh == 0):
                 tl.extra.cuda.gdc_wait()
 
