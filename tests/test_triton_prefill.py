@@ -129,12 +129,27 @@ def test_small_max_seqlen_q_covers_every_row(kind):
         assert torch.equal(run(case), good), f"max_seqlen_q={hint}"
 
 
-@pytest.mark.parametrize("kind,blocks", [("ordinary", False), ("chunk", False), ("paged", False),
-                                         ("paged", True)])
-def test_rows_outside_every_request_give_zeros(kind, blocks):
+@pytest.mark.parametrize("kind,blocks,split", [
+    ("ordinary", False, False), ("chunk", False, False), ("paged", False, False),
+    ("paged", True, False), ("chunk", False, True), ("paged", True, True)])
+def test_rows_outside_every_request_give_zeros(kind, blocks, split, monkeypatch):
     """A batch padded to a static T (rows before cu_seqlens_q[0] and past cu_seqlens_q[B], as a
     CUDA graph of a fixed size or ``qsa_prefill_step``'s padding rows): those rows are exact
-    zeros, as in qsa_pallas (test_pallas_prefill.py), not whatever the allocator held."""
+    zeros, as in qsa_pallas (test_pallas_prefill.py), not whatever the allocator held. The
+    output is not pre-filled (the tail launch writes those zeros): new float tensors come back
+    NaN-filled here, so a row no kernel writes fails; ``split``: split-KV (the merge kernel
+    writes the rows inside the requests), by a lowered ``min_split_columns``."""
+    from interop import geometry
+
+    if split:
+        monkeypatch.setitem(geometry.PREFILL_SPLIT_RULES, "min_split_columns", 4)
+    empty_like = torch.empty_like
+
+    def poisoned(x, *args, **kwargs):
+        y = empty_like(x, *args, **kwargs)
+        return y.fill_(float("nan")) if y.is_floating_point() else y
+
+    monkeypatch.setattr(torch, "empty_like", poisoned)
     case = make_case(kind, 6, 1, [4, 3], None if kind == "ordinary" else [2, 5], seed=67)
     t = tensors(case)
     pre, post = 2, 3
