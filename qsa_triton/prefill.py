@@ -370,15 +370,20 @@ def prefill_block_geometry(kind: str, q: torch.Tensor, *, requests: int, max_q: 
 
 def _geometry_from(forced, kind, q, k, **kw) -> Geometry:
     """The selector's geometry, or a forced one (benchmarks): a ``Geometry`` or a tuple
-    ([BLOCK_M,] BLOCK_N, num_warps, num_stages)."""
+    ([BLOCK_M,] BLOCK_N, num_warps, num_stages). Raises ValueError for a forced head tile
+    smaller than G (heads past it would never be written: the output is not pre-filled)."""
     hkv = k.shape[1]
     if forced is None:
         return prefill_geometry(kind, q, num_kv_heads=hkv, kv_bytes=k.element_size(), **kw)
     if isinstance(forced, Geometry):
-        return forced
-    bn, nw, ns = forced[-3:]
-    bm = forced[0] if len(forced) == 4 else max(16, next_pow2(q.shape[1] // hkv))
-    return Geometry(int(bm), int(bn), int(nw), int(ns), "forced")
+        geo = forced
+    else:
+        bn, nw, ns = forced[-3:]
+        bm = forced[0] if len(forced) == 4 else max(16, next_pow2(q.shape[1] // hkv))
+        geo = Geometry(int(bm), int(bn), int(nw), int(ns), "forced")
+    if geo.block_m < q.shape[1] // hkv:
+        raise ValueError(f"forced geometry {geo}: BLOCK_M < G = {q.shape[1] // hkv}")
+    return geo
 
 
 def needs_off64(k: torch.Tensor, v: torch.Tensor) -> bool:

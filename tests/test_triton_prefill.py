@@ -191,6 +191,10 @@ def test_forced_geometry_does_not_change_the_result_beyond_rounding():
     for o in outs:
         check(case, o)
     torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=2e-3, atol=2e-3)
+    # a head tile below G would leave heads unwritten (the output is not pre-filled): refused
+    with pytest.raises(ValueError, match="BLOCK_M < G"):
+        P._prefill_impl(t["q"], t["k"], t["v"], t["indices"], t["cu_seqlens"], 9, 32 ** -0.5,
+                        geometry=(4, 16, 4, 3))
 
 
 @pytest.mark.parametrize("kind,per_head,kv_dtype", [
