@@ -179,7 +179,8 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
       batch_invariant: the batch-invariant plan (module docstring); batch and sm_count unused;
         it already fits sm_12x's shared memory, callers do not refit it.
 
-    Returns a DecodePlan (num_stages 3; callers fit the default plan to their device with
+    Returns a DecodePlan (num_stages 1 where one_block_splits gives every split one block, else
+    3; callers fit the default plan to their device with
     ``fit_shared_memory``). Raises ValueError for batch_invariant with max_splits, block_n,
     balance or one_block_splits (that schedule has no knobs). Source: the module docstring;
     measurements in bench/NOTES.md.
@@ -217,7 +218,10 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
     # enough (amortises the Q load and the merge).
     min_blocks = max(1, min(MIN_BLOCKS_CAP, blocks // max_splits))
     slots = BALANCE_SLOTS_PER_SM * sm_count if balance else 0
-    return DecodePlan(head_tile, block_n, max_splits, min_blocks, num_warps, 3, slots)
+    # one block a split: no next block to prefetch, and a pipelined loop's prologue only
+    # lengthens the program's one latency chain (bench/NOTES.md, "Stages")
+    stages = 1 if one_block_splits and max_splits >= blocks else 3
+    return DecodePlan(head_tile, block_n, max_splits, min_blocks, num_warps, stages, slots)
 
 
 def _plan_decode_invariant(group: int, head_dim: int, max_seqlen_k: int) -> DecodePlan:
@@ -318,8 +322,8 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
 
     Returns a PagedDecodePlan. Rules (bench/NOTES.md, "Paged decode"):
       * BLOCK_N 32 for D > 128, else 64 (as ``plan_decode``); head tile max(16, next_pow2(G));
-        4 warps; 7 stages where a program streams >= 2 chunks, else 3; lowered until
-        ``paged_smem_bytes`` fits ``smem_limit``.
+        4 warps; 7 stages where every program streams >= 2 chunks, else (one or two chunks) 1
+        for Triton, 3 for Pallas; lowered until ``paged_smem_bytes`` fits ``smem_limit``.
       * default: num_splits = clamp(resident x sm_count // (R x Hkv), 1, nb), nb = cdiv(W,
         BLOCK_N), resident = 2 where two fitted plans fit ``device_smem``, else 1: a second
         program per SM hides the dependent-load latency (index -> slot -> K/V) at the cost of
@@ -339,8 +343,12 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
         cap = (PALLAS_PAGED_SPLITS if backend == "pallas" and not batch_invariant
                else PAGED_MAX_SPLITS)
         splits = max(1, min(splits, -(-width // block_n), cap))
-        # deep pipelines pay only where a program streams several chunks
-        stages = PAGED_DEEP_STAGES if -(-width // block_n) >= 2 * splits else 3
+        # deep pipelines pay only where a program streams several chunks; one or two chunks
+        # (Triton): no pipeline, whose prologue lengthens the one latency chain (NOTES, "Stages")
+        if -(-width // block_n) >= 2 * splits:
+            stages = PAGED_DEEP_STAGES
+        else:
+            stages = 1 if backend == "triton" else 3
         plan = PagedDecodePlan(head_tile, block_n, splits, 4, stages)
         while paged_smem_bytes(plan, head_dim, q_bytes, kv_bytes, backend) > smem_limit:
             if plan.num_stages > 2:

@@ -123,7 +123,7 @@ def test_prefill_list_covers_every_selectable_geometry(arch):
 #: and its helper kernels; the indexer's sample lives in test_indexer.py
 SAMPLES = [
     ("triton", "decode", ("sm_120", "sm_121"),
-     r"decode_split_G12_ht16_bn64_w8_s2_(inline4_)?bf16_pdllate$|decode_merge_chunk2_bf16_pdl$", 3),
+     r"decode_split_G12_ht16_bn64_w8_s1_(inline4_)?bf16_pdllate$|decode_merge_chunk2_bf16_pdl$", 3),
     ("triton", "prefill", ("sm_120",),
      r"prefill_mode1_bf16_bf16_G6_bm16_bn64_w4_s2(_split)?(_pdl)?$"
      r"|prefill_mode2_bf16_fp8e4nv_G6_bm16_bn64_w4_s2(_pdl)?$|prefill_merge_G6_bm16_bf16$", 4),

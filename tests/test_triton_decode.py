@@ -123,23 +123,36 @@ def test_shipped_plan_balance_one_block_splits_and_merge():
     assert dec.plan_for(2, 2, 12, 256, 2051, CPU)[0].max_splits == 32  # 4 x 65 > 132: pow2 rule
     assert dec.plan_for(1, 2, 12, 256, 1000, CPU)[0].max_splits == 32  # 32 blocks
     assert dec.plan_for(1, 2, 12, 256, 5000, CPU)[0].max_splits == 64  # 157 blocks: pow2 rule
-    assert all(p.num_stages == 3 for p in (big, small, tp2))  # no shared-memory limit on CPU
+    # one block a split: no pipeline (its prologue only lengthens the one latency chain);
+    # otherwise 3 stages (no shared-memory limit on CPU)
+    assert (small.num_stages, tp2.num_stages) == (1, 1)
+    assert big.num_stages == dec.plan_for(2, 2, 12, 256, 2051, CPU)[0].num_stages == 3
+    assert dec.plan_for(2, 1, 12, 256, 2051, CPU)[0].num_stages == 1  # 65 blocks, 65 splits
+    assert dec.plan_for(4, 1, 12, 256, 2051, CPU)[0].num_stages == 3  # 32 splits: 2-3 blocks
     # saturated rows at B = 128: 2 x 132 slots over 128 rows, two splits each (Hkv = 1)
     assert set(n_active([2051] * 128, big, 1)) == {2}
     assert set(n_active([2051] * 128, big, 2)) == {1}
 
 
 def test_plan_fits_the_devices_shared_memory(monkeypatch):
-    """plan_for fits the plan to the device's opt-in shared memory (``interop.plan``): an sm_120
-    part (101,376 B) gets fewer stages where the H200 (232,448 B) keeps 3."""
+    """plan_for fits the plan to the device's opt-in shared memory (``interop.plan``): the
+    pipelined B = 2 plan keeps its 3 stages on the H200 (232,448 B) and on sm_120 (101,376 B),
+    a part with 64 KB per block gets 2; the one-block plan (no pipeline) keeps its 64-key blocks
+    on both, 32 on that part."""
+    import dataclasses
+
     from interop.arch import DeviceFacts
 
     dev = torch.device("cuda", 7)  # never touched: the facts are patched
-    for arch, stages in (("sm_90", 3), ("sm_120", 2)):
-        monkeypatch.setattr(dec, "_facts", lambda d, a=arch: DeviceFacts.for_arch(a, sm_count=132))
+    small = dataclasses.replace(DeviceFacts.for_arch("sm_120", sm_count=132), smem_per_block=65_536)
+    for facts, stages in ((DeviceFacts.for_arch("sm_90", sm_count=132), 3),
+                          (DeviceFacts.for_arch("sm_120", sm_count=132), 3), (small, 2)):
+        monkeypatch.setattr(dec, "_facts", lambda d, f=facts: f)
         dec._PLANS.clear()
-        plan, _ = dec.plan_for(1, 2, 12, 256, 2051, dev)  # the 64-key blocks
-        assert plan.block_n == 64 and plan.num_stages == stages, arch
+        plan, _ = dec.plan_for(2, 2, 12, 256, 2051, dev)  # 32-key blocks, 2 per split
+        assert (plan.block_n, plan.num_stages) == (32, stages), facts
+        wide, _ = dec.plan_for(1, 2, 12, 256, 2051, dev)  # the 64-key blocks, one per split
+        assert (wide.block_n, wide.num_stages) == ((32 if facts is small else 64), 1), facts
     dec._PLANS.clear()
 
 
