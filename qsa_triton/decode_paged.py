@@ -53,23 +53,17 @@ __all__ = ["sparse_decode_paged", "decode_paged_with_plan", "plan_for", "pdl_ena
 #: warps, as the packed decode's merge
 MERGE_TILE = 2048
 _OFF32_MAX = 2**31 - 1
-_MAXNREG = 0  # EXPERIMENT: ptxas register cap (0: none)
-_V_EARLY = False  # EXPERIMENT: gather V right after K
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
 @triton.jit
-def _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i, acc, qk_scale, stride_kc, stride_vc,
-           V_EARLY: tl.constexpr = False):
+def _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i, acc, qk_scale, stride_kc, stride_vc):
     """One BLOCK_N chunk of the online softmax: gather the valid entries' K/V rows (masked:
     invalid entries read 0, never the pool), convert them once to q's dtype (fp16 for an FP8
     pool), update the FP32 state. l_i is kept per column ([HT, BLOCK_N]) and reduced once after
     the loop (no cross-warp row sum per chunk, as the packed decode)."""
     kt = tl.load(k_head + slot[:, None] * stride_kc + offs_d[None, :],
                  mask=valid[:, None], other=0.0).to(q.dtype)
-    if V_EARLY:
-        vt = tl.load(v_head + slot[:, None] * stride_vc + offs_d[None, :],
-                     mask=valid[:, None], other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(kt)) * qk_scale  # FP32 [HT, BLOCK_N], log2 domain
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -78,9 +72,8 @@ def _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i, acc, qk_scale, stri
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha[:, None] + p
-    if not V_EARLY:
-        vt = tl.load(v_head + slot[:, None] * stride_vc + offs_d[None, :],
-                     mask=valid[:, None], other=0.0).to(q.dtype)
+    vt = tl.load(v_head + slot[:, None] * stride_vc + offs_d[None, :],
+                 mask=valid[:, None], other=0.0).to(q.dtype)
     acc = tl.dot(p.to(q.dtype), vt, acc * alpha[:, None])
     return m_new, l_i, acc
 
@@ -93,7 +86,7 @@ def _paged_split_kernel(
     stride_ir, stride_ih, stride_tr,
     R, HQ, HKV, W, MAX_REQS, MAX_CTX, SLOTS, SPLITS,
     G: tl.constexpr, D: tl.constexpr, HT: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, OFF64: tl.constexpr, USE_PDL: tl.constexpr, V_EARLY: tl.constexpr = False,
+    DIRECT: tl.constexpr, OFF64: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         # launched before the previous kernel on the stream has finished: wait for it (its
@@ -142,7 +135,7 @@ def _paged_split_kernel(
         if OFF64:  # slot * stride passes int32 once the pool holds >= 2**31 elements
             slot = slot.to(tl.int64)
         m_i, l_i, acc = _chunk(q, k_head, v_head, slot, valid, offs_d, m_i, l_i, acc, qk_scale,
-                               stride_kc, stride_vc, V_EARLY)
+                               stride_kc, stride_vc)
     l_row = tl.sum(l_i, 1)
     # empty (no valid entry): l == 0, exact zeros and LSE -inf. An attended NaN makes l NaN: the
     # output / partial and the LSE are NaN then, never the -inf the merge would weigh 0.
@@ -290,8 +283,6 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
     use_pdl = pdl_enabled(q.device, r * hkv) if pdl is None else bool(pdl)
     # launch_pdl=True is passed only when on: the interpreter / older Triton never see it
     pdl_kw = {"launch_pdl": True} if use_pdl else {}
-    if _MAXNREG:
-        pdl_kw["maxnreg"] = _MAXNREG
     ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
     with ctx:
         _paged_split_kernel[(splits * r * hkv,)](
@@ -302,7 +293,7 @@ def _launch(q, k_cache, v_cache, req_to_token, req_indices, indices, seq_lens, s
             req_to_token.stride(0),
             r, hq, hkv, w, req_to_token.shape[0], req_to_token.shape[1], k_cache.shape[0], splits,
             G=hq // hkv, D=d, HT=plan.head_tile, BLOCK_N=plan.block_n, DIRECT=direct, OFF64=off64,
-            USE_PDL=use_pdl, V_EARLY=_V_EARLY,
+            USE_PDL=use_pdl,
             num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kw,
         )
         if not direct:
