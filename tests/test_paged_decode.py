@@ -184,6 +184,19 @@ def test_plan_for_twins_share_one_signature():
     assert tdp.plan_for(4, 2, 12, 256, 2051, "cpu") == plan_decode_paged(4, 2, 12, 256, 2051, 132)
     assert pdp.plan_for(4, 2, 12, 256, 2051) == plan_decode_paged(4, 2, 12, 256, 2051, 132,
                                                                  backend="pallas")
+    # stages (H200: two programs an SM): 7 where every program streams >= 2 chunks; programs of
+    # one or two chunks (B = 1, 65 splits of 65 chunks; R x Hkv = 8, 33 splits) none in Triton,
+    # 3 in Pallas (its splits are capped at 16: a deep pipeline there, fitted to sm_12x)
+    h200 = dict(device_smem=232_448)
+    stages = lambda *a, **k: (lambda p: (p.num_splits, p.num_stages))(  # noqa: E731
+        plan_decode_paged(*a, 132, **h200, **k))
+    assert stages(1, 2, 12, 256, 2051) == (65, 1)
+    assert stages(4, 2, 12, 256, 2051) == (33, 1)
+    assert stages(8, 2, 12, 256, 2051) == (16, 7)
+    splits, deep = stages(1, 2, 12, 256, 2051, backend="pallas")
+    assert splits == 16 and deep > 3
+    assert stages(1, 2, 12, 64, 70, backend="pallas") == (2, 3)  # 2 chunks, 2 splits
+    assert stages(1, 2, 12, 64, 70) == (2, 1)
     fp8 = dict(q_bytes=2, kv_bytes=1, batch_invariant=True)
     assert (tdp.plan_for(3, 1, 12, 256, 2051, q_dtype=torch.float16,
                          kv_dtype=torch.float8_e4m3fn, batch_invariant=True)
