@@ -23,6 +23,7 @@ One-block splits (``one_block_splits``, the Triton default): where one split per
 fits that wave (B x Hkv x blocks <= SMs, blocks <= 2 x MAX_SPLITS_CAP) the grid has exactly
 ``blocks`` splits, so no split streams two blocks and ends after the others; where splits of
 WIDE_BLOCK_N keys still give >= SMs / 2 programs and Hkv >= 2, BLOCK_N is WIDE_BLOCK_N, 8 warps.
+Such a plan has one stage (nothing to prefetch); every other plan 3.
 
 Device-side balance (``balance=True``, the Triton default): every program also reads the batch's
 total keys (one load) and a row gets a share of ``balance_slots`` programs proportional to its
@@ -219,7 +220,7 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, head_dim: int, max_se
     min_blocks = max(1, min(MIN_BLOCKS_CAP, blocks // max_splits))
     slots = BALANCE_SLOTS_PER_SM * sm_count if balance else 0
     # one block a split: no next block to prefetch, and a pipelined loop's prologue only
-    # lengthens the program's one latency chain (bench/NOTES.md, "Stages")
+    # lengthens the program's one latency chain (bench/NOTES.md, "Decode, Triton")
     stages = 1 if one_block_splits and max_splits >= blocks else 3
     return DecodePlan(head_tile, block_n, max_splits, min_blocks, num_warps, stages, slots)
 
@@ -344,7 +345,8 @@ def plan_decode_paged(rows: int, num_kv_heads: int, group: int, head_dim: int, w
                else PAGED_MAX_SPLITS)
         splits = max(1, min(splits, -(-width // block_n), cap))
         # deep pipelines pay only where a program streams several chunks; one or two chunks
-        # (Triton): no pipeline, whose prologue lengthens the one latency chain (NOTES, "Stages")
+        # (Triton): no pipeline, whose prologue lengthens the one latency chain (bench/NOTES.md,
+        # "Paged decode, Triton")
         if -(-width // block_n) >= 2 * splits:
             stages = PAGED_DEEP_STAGES
         else:
