@@ -172,6 +172,22 @@ def dot(a, b, *, trans_b: bool = False):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
+def value_operand(v, mask, dtype):
+    """A loaded V tile ``v`` ([BLOCK_N, D]; ``mask`` its row mask, broadcastable) as the P.V
+    operand in ``dtype``. An FP8 tile is converted in its load layout behind a select (a no-op
+    on masked rows, which read 0): a cast alone is moved past the load into the operand layout,
+    four rows' bytes per register (byte-wide shared loads); behind the select V is staged as
+    ``dtype`` and read by ``ldmatrix`` (the Triton twins do the same; bench/NOTES.md, "FP8 V in
+    its load layout"). Other dtypes: a plain cast."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    if v.dtype == dtype:
+        return v
+    if jnp.dtype(v.dtype).itemsize == 1:
+        return jnp.where(mask, v.astype(dtype), 0.0)
+    return v.astype(dtype)
+
+
 def shard_map(f: Callable, *, mesh, in_specs, out_specs, check: bool = False) -> Callable:
     """``jax.shard_map`` with the replication/VMA check switched (off by default: a
     ``pallas_call`` inside ``shard_map`` fails the VMA check in jax 0.10+)."""

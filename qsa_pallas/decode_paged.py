@@ -114,12 +114,8 @@ def _split_kernel(req_ref, seqlen_ref, table_ref, idx_ref, q_ref, k_ref, v_ref, 
         alpha = jnp.exp2(m_i - m_ref)
         pr = jnp.exp2(s - m_ref[:, None])
         l_new = l_i * alpha + pr.sum(axis=1)
-        vt = C.load(v_ref.at[rows[:, None], h, dcol], mask=gmask, other=0.0)
-        if vt.dtype != dt:
-            # FP8 V: converted in its load layout behind the select (staged twice on purpose):
-            # a cast alone is moved past the load into the P.V operand layout, four rows' bytes
-            # per register (byte-wide shared loads; qsa_pallas/prefill.py, bench/NOTES.md)
-            vt = jnp.where(gmask, vt.astype(dt), 0.0)
+        vt = C.value_operand(C.load(v_ref.at[rows[:, None], h, dcol], mask=gmask, other=0.0),
+                             gmask, dt)
         acc = acc * alpha[:, None] + C.dot(pr.astype(dt), vt)
         return acc, m_new, l_new
 

@@ -232,13 +232,10 @@ def _prefill_kernel(*refs, st: _Static):
         # compiled kernel staged the tile twice (more shared memory, more barriers).
         k = _compat.load(k_ref.at[kv_rows[:, None], h, d_row], mask=gmask,
                          other=0.0).astype(compute_dtype)
-        v = _compat.load(v_ref.at[kv_rows[:, None], h, d_row], mask=gmask, other=0.0)
-        if v.dtype != compute_dtype:
-            # FP8 V: that second staging is wanted. Converted in its load layout behind the
-            # select, V reaches the P.V operand as fp16 through shared memory; a cast alone is
-            # moved past the load into the operand layout, four rows' bytes per register
-            # (byte-wide shared loads; qsa_triton.prefill, bench/NOTES.md)
-            v = jnp.where(gmask, v.astype(compute_dtype), 0.0)
+        # FP8 V: that second staging is wanted (``_compat.value_operand``)
+        v = _compat.value_operand(
+            _compat.load(v_ref.at[kv_rows[:, None], h, d_row], mask=gmask, other=0.0), gmask,
+            compute_dtype)
 
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * score_scale  # [ht, bn]
